@@ -1,0 +1,85 @@
+"""``python -m mok bench``: MoK's kernels against PyTorch on the current GPU, side by side.
+
+For now: the combine kernel (memory-bound) against the same math in eager PyTorch and
+against a device-to-device copy of the same number of bytes (the bandwidth ceiling).
+The layer benchmarks live in perf/.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def time_ms(fn, batch: int = 20, repeats: int = 10, warmup: int = 3) -> float:
+    """Median over ``repeats`` of the mean milliseconds of ``batch`` back-to-back ``fn()`` calls.
+
+    Timed with CUDA events around a batch, so the host's launch work overlaps the device's
+    (as in a training step) instead of being counted once per call.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(batch):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / batch)
+    return statistics.median(times)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call (argument checks, packing, launch), device left running."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def bench_combine(tokens: int, hidden: int, topk: int) -> list[tuple[str, float, float, float]]:
+    """(name, device ms, GB/s, host µs per call) for MoK's combine, eager PyTorch, and a copy of the same bytes."""
+    from .ops import combine
+
+    dev = torch.device("cuda")
+    y = torch.randn(tokens, topk, hidden, device=dev).bfloat16()
+    w = torch.rand(tokens, topk, device=dev)
+    shared = torch.randn(tokens, hidden, device=dev).bfloat16()
+    out = torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16)
+    moved = y.numel() * 2 + w.numel() * 4 + shared.numel() * 2 + out.numel() * 2
+
+    def eager():
+        return (shared.float() + (w[..., None] * y.float()).sum(1)).bfloat16()
+
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    rows = []
+    for name, fn, nbytes in (
+        ("mok combine", lambda: combine(y, w, shared, out=out), moved),
+        ("torch eager", eager, moved),
+        ("copy (ceiling)", lambda: dst.copy_(src), 2 * src.numel()),
+    ):
+        ms = time_ms(fn)
+        rows.append((name, ms, nbytes / ms / 1e6, host_us(fn)))
+    return rows
+
+
+def run_benchmarks(tokens: int, hidden: int, topk: int) -> int:
+    from .runtime.cache import default_cache
+
+    print(f"# {torch.cuda.get_device_name()}, combine T={tokens} H={hidden} k={topk} (bf16 y and shared, fp32 weights)")
+    rows = bench_combine(tokens, hidden, topk)
+    base = rows[1][1]
+    print(f"{'kernel':<16}{'ms':>10}{'GB/s':>10}{'vs eager':>10}{'host us':>10}")
+    for name, ms, gbs, us in rows:
+        print(f"{name:<16}{ms:>10.4f}{gbs:>10.0f}{base / ms:>9.2f}x{us:>10.1f}")
+    stats = default_cache().stats
+    print(f"kernel cache: {stats.compiles} compiled, {stats.disk_loads} loaded from disk, {stats.memory_hits} memory hits")
+    return 0

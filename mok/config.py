@@ -1,0 +1,76 @@
+"""Static configuration of one MoE layer.
+
+Everything a kernel's shape, tiling or specialisation depends on lives here, and only
+here: token counts never enter (DESIGN.md, batch invariance). The config is frozen and
+hashable so that it can key compiled kernels and workspaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .validation import check_positive_int
+
+PRECISIONS = ("bf16",)
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Shapes of one MoE layer and of its expert-parallel split.
+
+    hidden: model width H. intermediate: routed-expert width I. num_experts: E, over all
+    ranks. topk: experts per token. shared_intermediate: width of the optional shared
+    expert (None for none). ep_size: ranks in the expert-parallel group (E must divide
+    evenly). block_m: row tile of the grouped GEMMs; each expert's rows are padded to a
+    multiple of it.
+    """
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    topk: int
+    shared_intermediate: int | None = None
+    ep_size: int = 1
+    block_m: int = 128
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        check_positive_int("hidden", self.hidden)
+        check_positive_int("intermediate", self.intermediate)
+        check_positive_int("num_experts", self.num_experts)
+        check_positive_int("topk", self.topk)
+        check_positive_int("ep_size", self.ep_size)
+        check_positive_int("block_m", self.block_m)
+        if self.shared_intermediate is not None:
+            check_positive_int("shared_intermediate", self.shared_intermediate)
+        if self.hidden % 8:
+            raise ValueError(f"hidden: expected a multiple of 8 (16-byte bf16 vectors), got {self.hidden}")
+        if self.intermediate % 8:
+            raise ValueError(f"intermediate: expected a multiple of 8 (16-byte bf16 vectors), got {self.intermediate}")
+        if self.topk > self.num_experts:
+            raise ValueError(f"topk: expected at most num_experts={self.num_experts}, got {self.topk}")
+        if self.num_experts % self.ep_size:
+            raise ValueError(
+                f"num_experts: expected a multiple of ep_size={self.ep_size}, got {self.num_experts}"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
+
+    @property
+    def experts_per_rank(self) -> int:
+        """Local experts on each rank."""
+        return self.num_experts // self.ep_size
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_intermediate is not None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# The configuration `python -m mok precompile` builds when given no shape options:
+# one rank of DeepSeek-V3 over EP8 (H 7168, I 2048, 256 experts, top-8, one shared expert).
+DEFAULT_CONFIG = MoKConfig(
+    hidden=7168, intermediate=2048, num_experts=256, topk=8, shared_intermediate=2048, ep_size=8
+)

@@ -1,0 +1,1 @@
+"""Arch-neutral device code: schedule, flags and barriers, SwiGLU, combine."""

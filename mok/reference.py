@@ -1,0 +1,269 @@
+"""Plain-PyTorch semantics of the MoE layer: the oracle every kernel is tested against.
+
+Per token t and slot j (DESIGN.md):
+
+    h_g = x[t]·w_gate[e]ᵀ,  h_u = x[t]·w_up[e]ᵀ,  a = silu(h_g)·h_u,  y[t, j] = a·w_down[e]ᵀ
+    out[t] = shared(x[t]) + Σ_{j=0..k-1} topk_w[t, j]·y[t, j]      (j in increasing order)
+
+with e = topk_idx[t, j]. Everything is computed in ``dtype`` (float32 by default, float64
+for finite-difference checks) from upcast inputs, and is differentiable by autograd, which
+gives dx, d_topk_w and every weight gradient.
+
+Each expert processes its rows in canonical order (token, then slot), as one matrix
+product, so the expert-parallel version below feeds every expert exactly the same matrix
+as the single-process version does and returns a bitwise-equal output.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+
+
+class SharedExpert(NamedTuple):
+    """Weights of the shared expert (unit routing weight, sees every token)."""
+
+    gate: torch.Tensor  # [I_s, H]
+    up: torch.Tensor  # [I_s, H]
+    down: torch.Tensor  # [H, I_s]
+
+
+class RoutedExperts(NamedTuple):
+    """Weights of the routed experts held by one rank."""
+
+    gate: torch.Tensor  # [E_local, I, H]
+    up: torch.Tensor  # [E_local, I, H]
+    down: torch.Tensor  # [E_local, H, I]
+
+
+def swiglu_mlp(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP of a block of rows: (silu(rows·w_gateᵀ) ⊙ rows·w_upᵀ)·w_downᵀ."""
+    return (F.silu(rows @ w_gate.T) * (rows @ w_up.T)) @ w_down.T
+
+
+def check_routing(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int
+) -> tuple[int, int, int]:
+    """Validate x [T, H], topk_idx [T, k] (int) and topk_w [T, k] (fp32/fp64); returns (T, H, k)."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
+    num_tokens, hidden = x.shape
+    check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, ndim=2, device=x.device)
+    if topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx: expected {num_tokens} rows (as x), got {topk_idx.shape[0]}")
+    topk = topk_idx.shape[1]
+    if topk < 1:
+        raise ValueError(f"topk_idx: expected at least one column (k >= 1), got shape {list(topk_idx.shape)}")
+    if topk > num_experts:
+        raise ValueError(f"topk_idx: expected k <= num_experts={num_experts}, got k={topk}")
+    check_tensor("topk_w", topk_w, dtypes=(torch.float32, torch.float64), shape=(num_tokens, topk), device=x.device)
+    check_index_range("topk_idx", topk_idx, num_experts)
+    return num_tokens, hidden, topk
+
+
+def check_experts(experts: RoutedExperts, hidden: int, device: torch.device) -> tuple[int, int]:
+    """Validate routed-expert weights against H; returns (E_local, I)."""
+    gate, up, down = experts
+    check_tensor("w_gate", gate, dtypes=FLOAT_DTYPES, ndim=3, device=device)
+    num_local, inter, _ = gate.shape
+    check_tensor("w_gate", gate, shape=(num_local, inter, hidden))
+    check_tensor("w_up", up, dtypes=FLOAT_DTYPES, shape=(num_local, inter, hidden), device=device)
+    check_tensor("w_down", down, dtypes=FLOAT_DTYPES, shape=(num_local, hidden, inter), device=device)
+    return num_local, inter
+
+
+def check_shared(shared: SharedExpert | None, hidden: int, device: torch.device) -> None:
+    """Validate the optional shared expert's weights against H."""
+    if shared is None:
+        return
+    if not isinstance(shared, tuple) or len(shared) != 3:
+        raise TypeError(f"shared: expected None or (gate, up, down) weights, got {type(shared).__name__}")
+    gate, up, down = shared
+    check_tensor("shared.gate", gate, dtypes=FLOAT_DTYPES, ndim=2, device=device)
+    inter = gate.shape[0]
+    check_tensor("shared.gate", gate, shape=(inter, hidden))
+    check_tensor("shared.up", up, dtypes=FLOAT_DTYPES, shape=(inter, hidden), device=device)
+    check_tensor("shared.down", down, dtypes=FLOAT_DTYPES, shape=(hidden, inter), device=device)
+
+
+def expert_rows(topk_idx: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, slot) pairs routed to ``expert``, in canonical order (token, then slot)."""
+    tok, slot = (topk_idx == expert).nonzero(as_tuple=True)
+    return tok, slot
+
+
+def expert_outputs(
+    x: torch.Tensor, topk_idx: torch.Tensor, experts: RoutedExperts, expert_offset: int = 0
+) -> torch.Tensor:
+    """y[t, j] for every (t, j) routed to the given experts (ids from ``expert_offset``), else 0."""
+    num_tokens, topk = topk_idx.shape
+    y = x.new_zeros(num_tokens, topk, x.shape[1])
+    for local in range(experts.gate.shape[0]):
+        tok, slot = expert_rows(topk_idx, expert_offset + local)
+        if tok.numel():
+            y = y.index_put((tok, slot), swiglu_mlp(x[tok], experts.gate[local], experts.up[local], experts.down[local]))
+    return y
+
+
+def weighted_sum(y: torch.Tensor, topk_w: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """base + Σ_j topk_w[:, j]·y[:, j], accumulated in increasing j (each step: multiply, then add)."""
+    acc = torch.zeros_like(y[:, 0]) if base is None else base
+    for j in range(y.shape[1]):
+        acc = acc + topk_w[:, j, None] * y[:, j]
+    return acc
+
+
+def _upcast(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(dtype) for t in tensors]
+
+
+def moe_reference(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: SharedExpert | tuple | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """MoE layer output [T, H] in ``dtype``, all E experts on this process (EP = 1)."""
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    experts = RoutedExperts(w_gate, w_up, w_down)
+    hidden = check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2).shape[1]
+    num_experts, _ = check_experts(experts, hidden, x.device)
+    check_routing(x, topk_idx, topk_w, num_experts)
+    check_shared(shared, hidden, x.device)
+    xc, wc = _upcast(dtype, x, topk_w)
+    experts = RoutedExperts(*_upcast(dtype, *experts))
+    y = expert_outputs(xc, topk_idx, experts)
+    base = None if shared is None else swiglu_mlp(xc, *_upcast(dtype, *shared))
+    return weighted_sum(y, wc, base)
+
+
+def moe_reference_ep(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: SharedExpert | tuple | None = None,
+    *,
+    group: "torch.distributed.ProcessGroup | None" = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Expert-parallel MoE layer over ``torch.distributed`` (gloo or NCCL).
+
+    Each rank passes its own tokens (x, topk_idx with global expert ids, topk_w) and its
+    E_local = E / world_size experts (rank r holds experts r·E_local ...). Rows travel by
+    all_to_all to the rank of their expert and back; the result is this rank's slice of
+    what :func:`moe_reference` returns for the concatenated global batch, bitwise, and
+    autograd flows through the exchange. Ranks may hold different token counts.
+    """
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    world = dist.get_world_size(group)
+    experts = RoutedExperts(w_gate, w_up, w_down)
+    hidden = check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2).shape[1]
+    num_local, _ = check_experts(experts, hidden, x.device)
+    check_routing(x, topk_idx, topk_w, num_local * world)
+    check_shared(shared, hidden, x.device)
+    rank = dist.get_rank(group)
+    group = group if group is not None else dist.group.WORLD
+
+    xc, wc = _upcast(dtype, x, topk_w)
+    experts = RoutedExperts(*_upcast(dtype, *experts))
+
+    # Send side: every (t, j) pair goes to the rank that owns its expert, grouped by
+    # destination and in canonical (t, j) order inside each group.
+    flat_expert = topk_idx.reshape(-1).long()
+    dest = flat_expert // num_local
+    order = torch.sort(dest, stable=True).indices
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    num_recv = sum(recv_splits)
+
+    topk = topk_idx.shape[1]
+    send_tok = order // topk
+    recv_expert = flat_expert.new_empty(num_recv)
+    dist.all_to_all_single(recv_expert, flat_expert[order].contiguous(), recv_splits, send_splits, group=group)
+    recv_x = all_to_all_single_autograd(xc[send_tok].contiguous(), recv_splits, send_splits, group)
+
+    # Expert side: rows arrive in source-rank order, each source in (t, j) order, which is
+    # the canonical global order (g = token offset of the source + t, then j).
+    # Every received row is overwritten below; deriving the buffer from recv_x keeps both
+    # exchanges in every rank's backward graph, so ranks with no rows still take part.
+    recv_y = recv_x * 0
+    for local in range(num_local):
+        (rows,) = (recv_expert == rank * num_local + local).nonzero(as_tuple=True)
+        if rows.numel():
+            out_rows = swiglu_mlp(recv_x[rows], experts.gate[local], experts.up[local], experts.down[local])
+            recv_y = recv_y.index_put((rows,), out_rows)
+
+    back_y = all_to_all_single_autograd(recv_y, send_splits, recv_splits, group)
+    y = xc.new_zeros(x.shape[0] * topk, hidden).index_put((order,), back_y).view(x.shape[0], topk, hidden)
+    base = None if shared is None else _shared_on_global_batch(xc, _upcast(dtype, *shared), group)
+    return weighted_sum(y, wc, base)
+
+
+def _shared_on_global_batch(x: torch.Tensor, shared: list[torch.Tensor], group) -> torch.Tensor:
+    """This rank's rows of the shared expert applied to the whole global batch.
+
+    A matrix product's rows can change in the last bit with the number of rows (the BLAS
+    picks its blocking by shape), so the shared expert runs on the same [N, H] matrix as in
+    the single-process reference: the other ranks' tokens are gathered (without gradient)
+    around this rank's own, differentiable, rows.
+    """
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    count = torch.tensor([x.shape[0]], device=x.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c) for c in counts]
+    padded = x.detach().new_zeros(max(counts), x.shape[1])
+    padded[: x.shape[0]] = x.detach()
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    rows = [x if r == rank else part[: counts[r]] for r, part in enumerate(parts)]
+    start = sum(counts[:rank])
+    return swiglu_mlp(torch.cat(rows), *shared)[start : start + x.shape[0]]
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add, round(a·b + c) once, emulated in float64.
+
+    The product of two fp32 values is exact in float64; the sum is rounded to float64
+    and then to fp32, which differs from a single rounding only when the float64 sum
+    lands exactly on an fp32 rounding midpoint (about one case in 2^29).
+    """
+    return (a.double() * b.double() + c.double()).float()
+
+
+def combine_reference(y: torch.Tensor, topk_w: torch.Tensor, shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """What the combine kernel computes, in its exact operation order.
+
+    With ``shared_out``: acc = fma(w[t, 0], y[t, 0], shared_out[t]); without: acc = w[t, 0]·y[t, 0]
+    (an fp32 multiply). Then acc = fma(w[t, j], y[t, j], acc) for j = 1..k-1, all in fp32 with
+    bf16 inputs widened exactly; out = bf16(acc), rounded to nearest even.
+    """
+    w = topk_w.float()
+    first = y[:, 0].float()
+    if shared_out is None:
+        acc = w[:, 0, None] * first
+    else:
+        acc = fma_f32(w[:, 0, None], first, shared_out.float())
+    for j in range(1, y.shape[1]):
+        acc = fma_f32(w[:, j, None], y[:, j].float(), acc)
+    return acc.to(torch.bfloat16)

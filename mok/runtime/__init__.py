@@ -1,0 +1,1 @@
+"""Runtime around the kernels: target arch, compiled-kernel cache, offline precompilation."""

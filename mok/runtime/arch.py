@@ -1,0 +1,92 @@
+"""Which GPU architecture to build kernels for.
+
+The target comes, in this order, from an explicit argument, the ``CUTE_DSL_ARCH``
+environment variable, or the current CUDA device. There is no silent default: with none
+of the three, or with a target MoK has no kernels for, a clear error says what to pass.
+(CuTe DSL itself falls back to sm_100a when it sees no GPU, which would quietly build
+the wrong code on a CPU machine.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+ARCH_ENV = "CUTE_DSL_ARCH"
+
+
+def normalize_arch(arch: str) -> str:
+    """Check and return a target name; ``sm_90`` without the ``a`` is refused with a hint."""
+    if not isinstance(arch, str):
+        raise TypeError(f"arch: expected a string such as 'sm_90a', got {type(arch).__name__}")
+    name = arch.strip().lower()
+    if name in SUPPORTED_ARCHS:
+        return name
+    if name + "a" in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"arch: expected one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}; MoK needs the "
+            f"arch-specific target {name}a (WGMMA, TMA multicast and tcgen05 exist only there)"
+        )
+    raise ValueError(f"arch: expected one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
+
+
+def device_arch(device: "int | None" = None) -> str | None:
+    """Target of a visible CUDA device (what kernels launched on it must be built for).
+
+    None when no device is visible; a clear error for GPUs MoK has no kernels for.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device() if device is None else device
+    capability = torch.cuda.get_device_capability(index)
+    if capability not in _BY_CAPABILITY:
+        name = torch.cuda.get_device_name(index)
+        raise RuntimeError(
+            f"MoK has no kernels for {name} (compute capability {capability[0]}.{capability[1]}); "
+            f"supported targets: {', '.join(SUPPORTED_ARCHS)} (H100/H200, B200/GB200, B300/GB300)"
+        )
+    return _BY_CAPABILITY[capability]
+
+
+def resolve_arch(arch: str | None = None, device: "int | None" = None) -> str:
+    """The target to build for: ``arch`` if given, else ``$CUTE_DSL_ARCH``, else the device's."""
+    if arch is not None:
+        return normalize_arch(arch)
+    from_env = os.environ.get(ARCH_ENV)
+    if from_env:
+        try:
+            return normalize_arch(from_env)
+        except ValueError as err:
+            raise ValueError(f"{ARCH_ENV}: {err}") from None
+    found = device_arch(device)
+    if found is None:
+        raise RuntimeError(
+            "MoK cannot tell which GPU to build for: no CUDA device is visible and neither an "
+            f"arch argument nor {ARCH_ENV} is set. Pass arch='sm_90a' (Hopper) or 'sm_100a' "
+            "(Blackwell), e.g. `python -m mok precompile --arch sm_90a`."
+        )
+    return found
+
+
+@contextlib.contextmanager
+def dsl_target(arch: str) -> Iterator[None]:
+    """Make CuTe DSL compile for ``arch`` whatever GPU this machine has (or lacks).
+
+    The DSL takes its notion of "this machine" from ``CUTE_DSL_ARCH`` or a GPU probe, and
+    refuses to export code for another target (and, with no GPU, fails to export at all).
+    Inside this block it is told the target itself; afterwards it goes back to what the
+    environment says. The ``--gpu-arch`` option of every compile names the target too.
+    """
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    envar.arch = normalize_arch(arch)
+    try:
+        yield
+    finally:
+        del envar.arch  # back to $CUTE_DSL_ARCH, or to probing the GPU on first use

@@ -1,0 +1,215 @@
+"""JIT on first use, with an in-memory and an on-disk cache of compiled kernels.
+
+A kernel is compiled once per (name, static config, target arch, CuTe DSL version,
+fingerprint of MoK's kernel sources). The compiled host+device code is exported as an
+object file (CuTe DSL's ``export_to_c``) under ``$MOK_CACHE_DIR`` (default
+``~/.cache/mok``) and loaded back with ``cute.runtime.load_module`` by later processes,
+which then compile nothing. Entries carry a JSON record with the object's SHA-256: a
+corrupt, truncated or unreadable entry is rebuilt, never trusted. A file lock per entry
+makes concurrent processes compile each kernel once and never read a half-written file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mok")
+
+CACHE_DIR_ENV = "MOK_CACHE_DIR"
+CACHE_FORMAT = 1  # bump when the layout of entries changes
+_KERNEL_SOURCES = Path(__file__).resolve().parent.parent / "kernels"
+
+
+def default_cache_dir() -> Path:
+    """``$MOK_CACHE_DIR`` if set, else ``~/.cache/mok``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "mok"
+
+
+@functools.lru_cache(maxsize=None)
+def dsl_version() -> str:
+    return metadata.version("nvidia-cutlass-dsl")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source_fingerprint() -> str:
+    """SHA-256 over every kernel source file: any edit to a kernel invalidates its entries."""
+    digest = hashlib.sha256()
+    for path in sorted(_KERNEL_SOURCES.rglob("*.py")):
+        digest.update(str(path.relative_to(_KERNEL_SOURCES)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class CacheStats:
+    """What the cache did in this process: compiled, loaded from disk, or served from memory."""
+
+    compiles: int = 0
+    disk_loads: int = 0
+    memory_hits: int = 0
+
+
+class KernelCache:
+    """Compiled kernels by key, in memory and on disk (thread- and process-safe)."""
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.stats = CacheStats()
+        self._memory: dict[str, Any] = {}
+        self._modules: dict[str, Any] = {}  # keeps loaded object files alive
+        self._lock = threading.Lock()
+
+    # ---- keys and paths -------------------------------------------------------------
+    @staticmethod
+    def key_record(name: str, config: Mapping[str, Any], arch: str) -> dict:
+        """Everything a compiled kernel depends on."""
+        return {
+            "format": CACHE_FORMAT,
+            "name": name,
+            "config": dict(sorted(config.items())),
+            "arch": arch,
+            "dsl_version": dsl_version(),
+            "source": kernel_source_fingerprint(),
+        }
+
+    @staticmethod
+    def digest(record: Mapping[str, Any]) -> str:
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+    def _paths(self, name: str, digest: str) -> tuple[Path, Path, Path]:
+        folder = self.directory / name
+        return folder / f"{digest}.o", folder / f"{digest}.json", folder / f"{digest}.lock"
+
+    # ---- the one entry point ----------------------------------------------------------
+    def get(self, name: str, config: Mapping[str, Any], arch: str, build: Callable[[], Any]) -> Any:
+        """The compiled kernel for this key: from memory, else from disk, else ``build()``.
+
+        ``build`` must return a CuTe DSL compiled function (``cute.compile``) for ``arch``.
+        """
+        if not name.replace("_", "").isalnum():
+            raise ValueError(f"name: expected letters, digits and '_', got {name!r}")
+        record = self.key_record(name, config, arch)
+        digest = self.digest(record)
+        with self._lock:
+            fn = self._memory.get(digest)
+            if fn is not None:
+                self.stats.memory_hits += 1
+                return fn
+            obj_path, meta_path, lock_path = self._paths(name, digest)
+            obj_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(lock_path, "a") as lock_file:
+                fcntl.flock(lock_file, fcntl.LOCK_EX)
+                try:
+                    fn = self._load(record, digest, obj_path, meta_path)
+                    if fn is None:
+                        fn = self._compile_and_store(record, digest, obj_path, meta_path, build)
+                finally:
+                    fcntl.flock(lock_file, fcntl.LOCK_UN)
+            self._memory[digest] = fn
+            return fn
+
+    @staticmethod
+    def _prefix(name: str, digest: str) -> str:
+        return f"mok_{name}_{digest[:16]}"
+
+    def _load(self, record: dict, digest: str, obj_path: Path, meta_path: Path) -> Any | None:
+        if not meta_path.exists() and not obj_path.exists():
+            return None
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("key") != record:
+                raise ValueError("its record does not match the requested key")
+            if _file_sha256(obj_path) != meta.get("object_sha256"):
+                raise ValueError("its object file does not match the recorded checksum")
+            from cutlass.cute.runtime import load_module
+
+            module = load_module(str(obj_path))
+            fn = module[self._prefix(record["name"], digest)]
+        except Exception as err:  # any unreadable entry is rebuilt, never trusted
+            log.warning("MoK cache: rebuilding %s (%s): %s", obj_path.name, record["name"], err)
+            for path in (obj_path, meta_path):
+                path.unlink(missing_ok=True)
+            return None
+        self._modules[digest] = module
+        self.stats.disk_loads += 1
+        return fn
+
+    def _compile_and_store(self, record: dict, digest: str, obj_path: Path, meta_path: Path, build: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        fn = build()
+        seconds = time.perf_counter() - start
+        self.stats.compiles += 1
+        prefix = self._prefix(record["name"], digest)
+        with tempfile.TemporaryDirectory(dir=obj_path.parent) as tmp:
+            fn.export_to_c(tmp, "kernel", prefix)
+            os.replace(Path(tmp) / "kernel.o", obj_path)
+        meta = {
+            "key": record,
+            "object_sha256": _file_sha256(obj_path),
+            "compile_seconds": round(seconds, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        tmp_meta = meta_path.with_suffix(".json.tmp")
+        tmp_meta.write_text(json.dumps(meta, indent=1, sort_keys=True))
+        os.replace(tmp_meta, meta_path)
+        log.info("MoK cache: compiled %s for %s in %.2fs", record["name"], record["arch"], seconds)
+        return fn
+
+    # ---- inspection -------------------------------------------------------------------
+    def entries(self) -> list[dict]:
+        """Records of the entries on disk, with their object size in bytes."""
+        found = []
+        for meta_path in sorted(self.directory.glob("*/*.json")):
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError):
+                continue
+            obj = meta_path.with_suffix(".o")
+            meta["bytes"] = obj.stat().st_size if obj.exists() else 0
+            meta["path"] = str(obj)
+            found.append(meta)
+        return found
+
+    def clear(self, name: str | None = None) -> int:
+        """Delete entries on disk (all, or those of one kernel); returns how many."""
+        folders = [self.directory / name] if name else [p for p in self.directory.glob("*") if p.is_dir()]
+        removed = 0
+        for folder in folders:
+            if folder.is_dir():
+                removed += len(list(folder.glob("*.json")))
+                shutil.rmtree(folder)
+        with self._lock:
+            self._memory.clear()
+        return removed
+
+
+_default: KernelCache | None = None
+_default_lock = threading.Lock()
+
+
+def default_cache() -> KernelCache:
+    """The process-wide cache in ``default_cache_dir()`` (re-created if MOK_CACHE_DIR changes)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.directory != default_cache_dir():
+            _default = KernelCache()
+        return _default

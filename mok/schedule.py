@@ -1,0 +1,145 @@
+"""Routing -> row slots: the deterministic schedule of DESIGN.md, in plain PyTorch.
+
+Every (global token g, slot j) routed to one of this rank's experts gets one row of the
+rank's expert-grouped buffer. Experts are laid out one after another in increasing id;
+each expert's region is padded to a multiple of ``block_m`` (so a GEMM row tile never
+holds two experts); inside a region rows follow the canonical order g, then j.
+
+Placement is a pure function of the routing (prefix sums over counts, no atomics), so
+the device kernel that computes it later must reproduce this module bit for bit. It runs
+on CPU and GPU and never reads a count back to the host: capacity overflow is reported
+through the ``overflow`` tensor, and rows that do not fit get no slot (-1), never a
+silently shared one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .validation import INDEX_DTYPES, check_positive_int, check_tensor
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Row placement for one rank's experts.
+
+    expert_counts [E_local]: rows routed to each local expert (unpadded).
+    expert_offsets [E_local + 1]: padded start row of each expert; the last entry is the
+        number of rows the routing needs, which may exceed ``capacity`` (see overflow).
+    row_token [capacity]: global token id g of each row, -1 for padding and unused rows.
+    row_slot [capacity]: slot j of each row, -1 likewise.
+    slot_row [N, k]: row of (g, j) in this rank's buffer; -1 when its expert is not local
+        or it did not fit.
+    tile_expert [capacity // block_m]: local expert of each row tile, -1 for unused tiles.
+    overflow []: True when the routing needs more than ``capacity`` rows.
+    """
+
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    row_token: torch.Tensor
+    row_slot: torch.Tensor
+    slot_row: torch.Tensor
+    tile_expert: torch.Tensor
+    overflow: torch.Tensor
+    block_m: int
+    capacity: int
+
+    def check_overflow(self) -> None:
+        """Raise if the routing did not fit (reads one flag back: call it off the hot path)."""
+        if bool(self.overflow):
+            needed = int(self.expert_offsets[-1])
+            raise RuntimeError(
+                f"MoK schedule overflow: the routing needs {needed} expert rows on this rank, "
+                f"capacity is {self.capacity}; raise the capacity (the worst case is "
+                f"worst_case_capacity(...))"
+            )
+
+
+def worst_case_capacity(num_tokens: int, topk: int, num_local_experts: int, block_m: int) -> int:
+    """Rows that any routing of ``num_tokens`` global tokens can need on one rank.
+
+    All N·k (token, slot) pairs may land on this rank's experts; each expert that holds
+    any row adds fewer than ``block_m`` rows of padding. Rounded up to whole tiles.
+    """
+    pairs = num_tokens * topk
+    padded = pairs + min(num_local_experts, pairs) * (block_m - 1)
+    return -(-padded // block_m) * block_m
+
+
+def build_schedule(
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    *,
+    block_m: int = 128,
+    capacity: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Schedule:
+    """Schedule of rank ``rank``'s experts for the global routing ``topk_idx`` [N, k].
+
+    ``topk_idx`` holds all ranks' routing concatenated in rank order (row g is global
+    token g) with global expert ids; rank r owns experts [r·E/W, (r+1)·E/W). ``capacity``
+    (a multiple of ``block_m``) defaults to :func:`worst_case_capacity`.
+    """
+    check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, ndim=2)
+    check_positive_int("num_experts", num_experts)
+    check_positive_int("block_m", block_m)
+    check_positive_int("world_size", world_size)
+    if num_experts % world_size:
+        raise ValueError(f"num_experts: expected a multiple of world_size={world_size}, got {num_experts}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+    num_tokens, topk = topk_idx.shape
+    num_local = num_experts // world_size
+    if capacity is None:
+        capacity = worst_case_capacity(num_tokens, topk, num_local, block_m)
+    check_positive_int("capacity", capacity, minimum=0)
+    if capacity % block_m:
+        raise ValueError(f"capacity: expected a multiple of block_m={block_m}, got {capacity}")
+
+    device = topk_idx.device
+    i64 = dict(dtype=torch.int64, device=device)
+    pairs = num_tokens * topk
+    local = topk_idx.reshape(-1).to(torch.int64) - rank * num_local
+    is_local = (local >= 0) & (local < num_local)
+    bucket = torch.where(is_local, local, num_local)  # pairs of other ranks' experts go to bucket E_local
+
+    bucket_counts = torch.zeros(num_local + 1, **i64).scatter_add_(0, bucket, torch.ones(pairs, **i64))
+    counts = bucket_counts[:num_local]
+    padded = (counts + block_m - 1) // block_m * block_m
+    offsets = torch.zeros(num_local + 1, **i64)
+    offsets[1:] = torch.cumsum(padded, 0)
+
+    # Rank of each pair inside its bucket: a stable sort keeps canonical (g, j) order.
+    bucket_start = torch.zeros(num_local + 1, **i64)
+    bucket_start[1:] = torch.cumsum(bucket_counts, 0)[:-1]
+    sorted_bucket, perm = torch.sort(bucket, stable=True)
+    rank_in_bucket = torch.arange(pairs, **i64) - bucket_start[sorted_bucket]
+    row_sorted = torch.cat([offsets[:-1], offsets.new_zeros(1)])[sorted_bucket] + rank_in_bucket
+    row = torch.empty(pairs, **i64).scatter_(0, perm, row_sorted)
+
+    placed = is_local & (row < capacity)
+    slot_row = torch.where(placed, row, -1)
+    target = torch.where(placed, row, capacity)  # unplaced pairs land in a dropped sink entry
+    pair_id = torch.arange(pairs, **i64)
+    row_token = torch.full((capacity + 1,), -1, **i64).scatter_(0, target, pair_id // topk)[:capacity]
+    row_slot = torch.full((capacity + 1,), -1, **i64).scatter_(0, target, pair_id % topk)[:capacity]
+
+    tile_start = torch.arange(capacity // block_m, **i64) * block_m
+    tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)
+    tile_expert = torch.where(tile_start < offsets[-1], tile_expert, -1)
+
+    i32 = torch.int32
+    return Schedule(
+        expert_counts=counts.to(i32),
+        expert_offsets=offsets.to(i32),
+        row_token=row_token.to(i32),
+        row_slot=row_slot.to(i32),
+        slot_row=slot_row.to(i32).view(num_tokens, topk),
+        tile_expert=tile_expert.to(i32),
+        overflow=offsets[-1] > capacity,
+        block_m=block_m,
+        capacity=capacity,
+    )

@@ -1,0 +1,28 @@
+"""Skip GPU-marked tests where no suitable GPU is visible."""
+
+import pytest
+import torch
+
+
+def _supported_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() in {(9, 0), (10, 0), (10, 3)}
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_ok = _supported_gpu()
+    gpus = torch.cuda.device_count() if gpu_ok else 0
+    skip_gpu = pytest.mark.skip(reason="needs an SM90/SM100 CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords and not gpu_ok:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private MOK_CACHE_DIR for one test."""
+    path = tmp_path / "mok-cache"
+    monkeypatch.setenv("MOK_CACHE_DIR", str(path))
+    return path

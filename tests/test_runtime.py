@@ -1,0 +1,169 @@
+"""Runtime: target resolution, the compiled-kernel cache, precompilation, the CLI (no GPU needed)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mok.kernels import combine_variant, get_kernel
+from mok.runtime import arch as arch_mod
+from mok.runtime.cache import KernelCache
+
+SMALL = combine_variant(64, 2, True)  # a real kernel that compiles in well under a second
+
+
+# ---- arch ---------------------------------------------------------------------------------
+
+def test_explicit_arch_wins_and_is_normalised(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    assert arch_mod.resolve_arch("SM_90a") == "sm_90a"
+    assert arch_mod.resolve_arch() == "sm_100a"
+
+
+@pytest.mark.parametrize("bad,words", [("sm_90", "needs the arch-specific target sm_90a"), ("sm_80", "expected one of sm_90a"), ("hopper", "expected one of")])
+def test_unsupported_arch_is_refused(bad, words):
+    with pytest.raises(ValueError, match=words):
+        arch_mod.resolve_arch(bad)
+
+
+def test_bad_env_arch_names_the_variable(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_86")
+    with pytest.raises(ValueError, match="CUTE_DSL_ARCH: arch: expected one of"):
+        arch_mod.resolve_arch()
+
+
+def test_no_silent_default_without_gpu(monkeypatch):
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="cannot tell which GPU to build for"):
+        arch_mod.resolve_arch()
+
+
+def test_unsupported_gpu_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA A100")
+    with pytest.raises(RuntimeError, match=r"no kernels for NVIDIA A100 \(compute capability 8.0\)"):
+        arch_mod.device_arch()
+
+
+# ---- cache --------------------------------------------------------------------------------
+
+def test_first_get_compiles_then_memory_then_disk(tmp_path):
+    cache = KernelCache(tmp_path)
+    fn = get_kernel(SMALL, "sm_90a", cache)
+    assert (cache.stats.compiles, cache.stats.disk_loads) == (1, 0)
+    assert get_kernel(SMALL, "sm_90a", cache) is fn
+    assert cache.stats.memory_hits == 1
+    fresh = KernelCache(tmp_path)  # as a new process would see it
+    get_kernel(SMALL, "sm_90a", fresh)
+    assert (fresh.stats.compiles, fresh.stats.disk_loads) == (0, 1)
+
+
+def test_key_separates_config_and_arch(tmp_path):
+    cache = KernelCache(tmp_path)
+    get_kernel(SMALL, "sm_90a", cache)
+    get_kernel(SMALL, "sm_100a", cache)
+    get_kernel(combine_variant(64, 2, False), "sm_90a", cache)
+    assert cache.stats.compiles == 3
+    assert sorted((e["key"]["arch"], e["key"]["config"]["has_shared"]) for e in cache.entries()) == [
+        ("sm_100a", True), ("sm_90a", False), ("sm_90a", True)
+    ]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "missing_object"])
+def test_corrupt_entry_is_rebuilt(tmp_path, damage):
+    get_kernel(SMALL, "sm_90a", KernelCache(tmp_path))
+    (entry,) = KernelCache(tmp_path).entries()
+    obj = entry["path"]
+    meta = obj[:-2] + ".json"
+    if damage == "truncate":
+        with open(obj, "r+b") as f:
+            f.truncate(100)
+    elif damage == "flip":
+        data = bytearray(open(obj, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(obj, "wb").write(bytes(data))
+    elif damage == "meta":
+        open(meta, "w").write("{not json")
+    else:
+        os.remove(obj)
+    cache = KernelCache(tmp_path)
+    get_kernel(SMALL, "sm_90a", cache)
+    assert (cache.stats.compiles, cache.stats.disk_loads) == (1, 0)
+    again = KernelCache(tmp_path)
+    get_kernel(SMALL, "sm_90a", again)
+    assert (again.stats.compiles, again.stats.disk_loads) == (0, 1)
+
+
+def test_stale_record_is_rebuilt(tmp_path):
+    get_kernel(SMALL, "sm_90a", KernelCache(tmp_path))
+    (entry,) = KernelCache(tmp_path).entries()
+    meta_path = entry["path"][:-2] + ".json"
+    meta = json.loads(open(meta_path).read())
+    meta["key"]["dsl_version"] = "0.0.0"  # an entry written by another DSL under this name
+    open(meta_path, "w").write(json.dumps(meta))
+    cache = KernelCache(tmp_path)
+    get_kernel(SMALL, "sm_90a", cache)
+    assert cache.stats.compiles == 1
+
+
+_RACE = """
+import sys
+from mok.kernels import combine_variant, get_kernel
+from mok.runtime.cache import KernelCache
+cache = KernelCache(sys.argv[1])
+get_kernel(combine_variant(64, 2, True), "sm_90a", cache)
+print(cache.stats.compiles, cache.stats.disk_loads)
+"""
+
+
+def test_concurrent_processes_compile_once(tmp_path):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    results = [tuple(map(int, p.communicate(timeout=300)[0].split())) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(c for c, _ in results) == 1 and sum(d for _, d in results) == 2
+
+
+# ---- precompile and the CLI ---------------------------------------------------------------
+
+def _mok(*args, cache_dir, machine_arch=None):
+    env = dict(os.environ, MOK_CACHE_DIR=str(cache_dir))
+    env.pop("CUTE_DSL_ARCH", None)
+    if machine_arch:  # what the DSL believes this machine is, as on a GPU machine of that arch
+        env["CUTE_DSL_ARCH"] = machine_arch
+    return subprocess.run([sys.executable, "-m", "mok", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("arch,machine_arch", [("sm_90a", None), ("sm_100a", None), ("sm_100a", "sm_90a")])
+def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arch):
+    shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4"]
+    first = _mok("precompile", "--arch", arch, *shape, cache_dir=tmp_path, machine_arch=machine_arch)
+    assert first.returncode == 0, first.stderr
+    assert f"{arch}: 1 compiled, 0 already in the cache" in first.stdout
+    second = _mok("precompile", "--arch", arch, *shape, cache_dir=tmp_path, machine_arch=machine_arch)
+    assert f"{arch}: 0 compiled, 1 already in the cache" in second.stdout
+    listing = _mok("cache", "list", cache_dir=tmp_path)
+    assert "combine(has_shared=True, hidden=256, topk=4)" in listing.stdout and arch in listing.stdout
+    cleared = _mok("cache", "clear", cache_dir=tmp_path)
+    assert "removed 1 entries" in cleared.stdout
+    assert "0 entries" in _mok("cache", "list", cache_dir=tmp_path).stdout
+
+
+def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
+    bad = _mok("precompile", "--arch", "sm_90", cache_dir=tmp_path)
+    assert bad.returncode == 1 and "sm_90a" in bad.stderr
+    bad = _mok("precompile", "--arch", "sm_90a", "--hidden", "100", cache_dir=tmp_path)
+    assert bad.returncode == 1 and "hidden: expected a multiple of 8 (16-byte bf16 vectors), got 100" in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_bench_without_gpu_says_so(tmp_path):
+    res = _mok("bench", cache_dir=tmp_path)
+    assert res.returncode == 2
+    assert "No CUDA GPU is visible" in res.stderr and "python -m mok precompile --arch sm_90a" in res.stderr
