@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import combine_variant, get_kernel
+from .kernels import combine_variant, gather_variant, get_kernel, grouped_gemm_variant
 from .runtime.arch import device_arch
 from .validation import check_tensor
 
-_ALIGN = 16  # bytes: the kernels use 16-byte vector loads and stores
+_ALIGN = 16  # bytes: the kernels use 16-byte vector loads and stores (and TMA)
+BF16 = (torch.bfloat16,)
 
 
 def _check_cuda_aligned(name: str, t: torch.Tensor) -> None:
@@ -24,61 +25,150 @@ def _check_cuda_aligned(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a {_ALIGN}-byte aligned data pointer, got address {t.data_ptr():#x}")
 
 
+def _check_32bit(name: str, t: torch.Tensor) -> None:
+    if t.numel() >= 2**31:
+        raise ValueError(f"{name}: expected fewer than 2**31 elements (32-bit indexing), got {t.numel()}")
+
+
+def _ptr(dtype_name: str, t: torch.Tensor | None, align: int = _ALIGN):
+    import cutlass
+    from cutlass.cute.runtime import make_ptr
+
+    dtype = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32}[dtype_name]
+    return make_ptr(dtype, 0 if t is None else t.data_ptr(), cutlass.cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _i32(value: int):
+    import cutlass
+
+    return cutlass.Int32(value)
+
+
+def _stream(device: torch.device):
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _kernel(variant, device: torch.device):
+    return get_kernel(variant, device_arch(device.index))
+
+
 def combine(
     y: torch.Tensor,
     topk_w: torch.Tensor,
     shared_out: torch.Tensor | None = None,
     *,
+    slot_row: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = shared_out[t] + Σ_j topk_w[t, j]·y[t, j] in fp32, fixed j order, bf16 result.
 
-    y: [T, k, H] bf16, the expert outputs in their (token, slot) combine slots.
-    topk_w: [T, k] fp32 router weights. shared_out: optional [T, H] bf16 shared-expert output.
-    out: optional [T, H] bf16 destination. All contiguous, on one CUDA device, H % 8 == 0.
-    The operation order (FMA per slot) is given in ``mok.kernels.common.combine``;
-    ``mok.reference.combine_reference`` reproduces it exactly.
+    y: [T, k, H] bf16, the expert outputs in their (token, slot) combine slots; or, with
+    ``slot_row`` [T, k] int32, the expert-grouped rows [R, H] with y[t, j] = y[slot_row[t, j]]
+    (a negative slot_row adds nothing). topk_w: [T, k] fp32 router weights. shared_out:
+    optional [T, H] bf16 shared-expert output. out: optional [T, H] bf16 destination.
+    All contiguous, on one CUDA device, H % 8 == 0. The operation order (one FMA per slot)
+    is given in ``mok.kernels.common.combine``; ``mok.reference.combine_reference``
+    reproduces it exactly.
     """
-    check_tensor("y", y, dtypes=(torch.bfloat16,), ndim=3, contiguous=True)
-    num_tokens, topk, hidden = y.shape
+    gathered = slot_row is not None
+    if gathered:
+        check_tensor("slot_row", slot_row, dtypes=(torch.int32,), ndim=2, contiguous=True)
+        num_tokens, topk = slot_row.shape
+        check_tensor("y", y, dtypes=BF16, ndim=2, device=slot_row.device, contiguous=True)
+        num_rows, hidden = y.shape
+    else:
+        check_tensor("y", y, dtypes=BF16, ndim=3, contiguous=True)
+        num_tokens, topk, hidden = y.shape
+        num_rows = num_tokens * topk
     _check_cuda_aligned("y", y)
     if topk < 1:
-        raise ValueError(f"y: expected k >= 1 slots per token, got shape {list(y.shape)}")
+        raise ValueError(f"topk_w: expected k >= 1 slots per token, got k={topk}")
     if hidden % 8:
         raise ValueError(f"y: expected hidden size H % 8 == 0, got H={hidden}")
-    if y.numel() >= 2**31:
-        raise ValueError(f"y: expected fewer than 2**31 elements (32-bit indexing), got {y.numel()}")
+    _check_32bit("y", y)
     check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=y.device, contiguous=True)
     if shared_out is not None:
-        check_tensor("shared_out", shared_out, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=y.device, contiguous=True)
+        check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=y.device, contiguous=True)
         _check_cuda_aligned("shared_out", shared_out)
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y.device)
     else:
-        check_tensor("out", out, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=y.device, contiguous=True)
+        check_tensor("out", out, dtypes=BF16, shape=(num_tokens, hidden), device=y.device, contiguous=True)
         _check_cuda_aligned("out", out)
     if num_tokens == 0:
         return out
-
-    kernel = get_kernel(combine_variant(hidden, topk, shared_out is not None), device_arch(y.device.index))
-    _launch(kernel, y, topk_w, shared_out, out, num_tokens)
+    kernel = _kernel(combine_variant(hidden, topk, shared_out is not None, gathered), y.device)
+    kernel(
+        _ptr("bf16", y), _ptr("i32", slot_row, 4), _ptr("f32", topk_w, 4), _ptr("bf16", shared_out), _ptr("bf16", out),
+        _i32(num_tokens), _i32(num_rows), _stream(y.device),
+    )
     return out
 
 
-def _launch(kernel, y, topk_w, shared_out, out, num_tokens: int) -> None:
-    import cuda.bindings.driver as cuda
-    import cutlass
-    from cutlass.cute.runtime import make_ptr
+def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[r] = src[index[r]] (bf16 rows), zeros where index[r] < 0. Indices must be < len(src)."""
+    check_tensor("src", src, dtypes=BF16, ndim=2, contiguous=True)
+    _check_cuda_aligned("src", src)
+    _check_32bit("src", src)
+    check_tensor("index", index, dtypes=(torch.int32,), ndim=1, device=src.device, contiguous=True)
+    num_out, width = index.shape[0], src.shape[1]
+    if width % 8:
+        raise ValueError(f"src: expected a row width % 8 == 0, got {width}")
+    if out is None:
+        out = torch.empty(num_out, width, dtype=src.dtype, device=src.device)
+    else:
+        check_tensor("out", out, dtypes=BF16, shape=(num_out, width), device=src.device, contiguous=True)
+        _check_cuda_aligned("out", out)
+    _check_32bit("out", out)
+    if num_out == 0:
+        return out
+    kernel = _kernel(gather_variant(width), src.device)
+    kernel(_ptr("bf16", src), _ptr("i32", index, 4), _ptr("bf16", out), _i32(src.shape[0]), _i32(num_out), _stream(src.device))
+    return out
 
-    gmem = cutlass.cute.AddressSpace.gmem
-    bf16 = cutlass.BFloat16
-    shared_addr = shared_out.data_ptr() if shared_out is not None else 0  # unread without a shared expert
-    stream = cuda.CUstream(torch.cuda.current_stream(y.device).cuda_stream)
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tile_expert: torch.Tensor,
+    *,
+    b2: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · b[tile_expert[m]]ᵀ (bf16, fp32 accumulation).
+
+    a: [R, K] bf16, rows grouped by expert in 128-row tiles. b: [E, N, K] bf16, one K-major
+    matrix per expert. tile_expert: [ceil(R / 128)] int32, the expert of each row tile, -1 to
+    skip the tile (its output rows are left unwritten). With ``b2`` (the up projection,
+    shaped like b) the epilogue writes silu(a·bᵀ) ⊙ (a·b2ᵀ) instead. out: [R, N] bf16.
+    Needs N % 128 == 0 and K % 64 == 0; Hopper (sm_90a) only so far.
+    """
+    check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
+    num_rows, k = a.shape
+    check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+    num_experts, n, _ = b.shape
+    check_tensor("b", b, shape=(num_experts, n, k))
+    if b2 is not None:
+        check_tensor("b2", b2, dtypes=BF16, shape=(num_experts, n, k), device=a.device, contiguous=True)
+    tiles = -(-num_rows // 128)
+    check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(tiles,), device=a.device, contiguous=True)
+    if n % 128 or k % 64:
+        raise ValueError(f"b: expected N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
+    if out is None:
+        out = torch.empty(num_rows, n, dtype=torch.bfloat16, device=a.device)
+    else:
+        check_tensor("out", out, dtypes=BF16, shape=(num_rows, n), device=a.device, contiguous=True)
+    for name, t in (("a", a), ("b", b), ("b2", b2), ("out", out)):
+        if t is not None:
+            _check_cuda_aligned(name, t)
+            _check_32bit(name, t)
+    if num_rows == 0:
+        return out
+    kernel = _kernel(grouped_gemm_variant(n, k, b2 is not None), a.device)
     kernel(
-        make_ptr(bf16, y.data_ptr(), gmem, assumed_align=_ALIGN),
-        make_ptr(cutlass.Float32, topk_w.data_ptr(), gmem, assumed_align=4),
-        make_ptr(bf16, shared_addr, gmem, assumed_align=_ALIGN),
-        make_ptr(bf16, out.data_ptr(), gmem, assumed_align=_ALIGN),
-        cutlass.Int32(num_tokens),
-        stream,
+        _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b if b2 is None else b2), _ptr("bf16", out),
+        _ptr("i32", tile_expert, 4), _i32(num_rows), _i32(num_experts), _stream(a.device),
     )
+    return out

@@ -254,16 +254,13 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def combine_reference(y: torch.Tensor, topk_w: torch.Tensor, shared_out: torch.Tensor | None = None) -> torch.Tensor:
     """What the combine kernel computes, in its exact operation order.
 
-    With ``shared_out``: acc = fma(w[t, 0], y[t, 0], shared_out[t]); without: acc = w[t, 0]·y[t, 0]
-    (an fp32 multiply). Then acc = fma(w[t, j], y[t, j], acc) for j = 1..k-1, all in fp32 with
-    bf16 inputs widened exactly; out = bf16(acc), rounded to nearest even.
+    acc = shared_out[t] (or +0), then acc = fma(topk_w[t, j], y[t, j], acc) for j = 0..k-1,
+    in fp32 with bf16 inputs widened exactly; out = bf16(acc), rounded to nearest even.
     """
     w = topk_w.float()
-    first = y[:, 0].float()
-    if shared_out is None:
-        acc = w[:, 0, None] * first
-    else:
-        acc = fma_f32(w[:, 0, None], first, shared_out.float())
-    for j in range(1, y.shape[1]):
+    acc = torch.zeros(y.shape[0], y.shape[2], dtype=torch.float32, device=y.device)
+    if shared_out is not None:
+        acc = shared_out.float()
+    for j in range(y.shape[1]):
         acc = fma_f32(w[:, j, None], y[:, j].float(), acc)
     return acc.to(torch.bfloat16)

@@ -135,3 +135,15 @@ def test_gpu_bad_input(change, error, words):
     with pytest.raises(error) as info:
         combine(**args)
     assert words in str(info.value)
+
+
+def test_gathered_combine_reads_rows_by_slot():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    rows = torch.randn(700, 1024, device="cuda", generator=g).bfloat16()
+    slot_row = torch.randint(-1, 700, (200, 6), device="cuda", dtype=torch.int32, generator=g)
+    w = torch.rand(200, 6, device="cuda", generator=g)
+    s = torch.randn(200, 1024, device="cuda", generator=g).bfloat16()
+    for shared in (s, None):
+        out = combine(rows, w, shared, slot_row=slot_row, out=poisoned(200, 1024))
+        dense = torch.where((slot_row >= 0)[..., None], rows[slot_row.clamp(min=0).long()], torch.zeros((), dtype=rows.dtype, device="cuda"))
+        assert torch.equal(out, combine_reference(dense, w, shared))  # a -1 slot adds nothing

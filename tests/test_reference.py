@@ -114,9 +114,9 @@ def test_combine_reference_operation_order():
                for p, q, r in zip(prod, y32[:, j].flatten(), acc)]
     want = torch.tensor(acc).view(6, 16).bfloat16()
     assert torch.equal(combine_reference(y, w, s), want)
-    # without a shared expert the first step is a plain fp32 product
-    no_shared = (w32[:, 0, None] * y32[:, 0])
-    for j in range(1, 3):
+    # without a shared expert the chain starts from +0
+    no_shared = torch.zeros(6, 16)
+    for j in range(3):
         no_shared = fma_f32(w32[:, j, None], y32[:, j], no_shared)
     assert torch.equal(combine_reference(y, w), no_shared.bfloat16())
 

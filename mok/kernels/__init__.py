@@ -30,20 +30,55 @@ class KernelVariant:
         return f"{self.name}({params})"
 
 
-def combine_variant(hidden: int, topk: int, has_shared: bool) -> KernelVariant:
+def combine_variant(hidden: int, topk: int, has_shared: bool, gathered: bool = False) -> KernelVariant:
     """The final weighted combine of k expert rows (plus the shared expert's row) per token."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.combine import compile_combine
 
-        return compile_combine(hidden, topk, has_shared, arch, options)
+        return compile_combine(hidden, topk, has_shared, gathered, arch, options)
 
-    return KernelVariant("combine", {"hidden": hidden, "topk": topk, "has_shared": has_shared}, build)
+    config = {"hidden": hidden, "topk": topk, "has_shared": has_shared, "gathered": gathered}
+    return KernelVariant("combine", config, build)
 
 
-def variants_for(config: MoKConfig) -> list[KernelVariant]:
-    """Every kernel variant a layer with this configuration uses (the same for every arch so far)."""
-    return [combine_variant(config.hidden, config.topk, config.has_shared_expert)]
+def gather_variant(width: int) -> KernelVariant:
+    """Row gather into the expert-grouped buffer (zeros for padding rows)."""
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.gather import compile_gather
+
+        return compile_gather(width, arch, options)
+
+    return KernelVariant("gather", {"width": width}, build)
+
+
+def grouped_gemm_variant(n: int, k: int, swiglu: bool) -> KernelVariant:
+    """Expert-grouped GEMM (sm_90a: WGMMA + TMA), with a SwiGLU epilogue for gate/up."""
+
+    def build(arch: str, options: str = "") -> Any:
+        if arch != "sm_90a":
+            raise NotImplementedError(f"grouped GEMM: only sm_90a has an implementation so far, not {arch}")
+        from .sm90.grouped_gemm import compile_grouped_gemm
+
+        return compile_grouped_gemm(n, k, swiglu, arch, options)
+
+    return KernelVariant("grouped_gemm", {"n": n, "k": k, "swiglu": swiglu}, build)
+
+
+def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:
+    """Every kernel variant a layer with this configuration uses on ``arch``."""
+    h, i = config.hidden, config.intermediate
+    variants = [
+        gather_variant(h),
+        combine_variant(h, config.topk, config.has_shared_expert, gathered=True),
+    ]
+    if arch == "sm_90a":
+        variants += [grouped_gemm_variant(i, h, swiglu=True), grouped_gemm_variant(h, i, swiglu=False)]
+        if config.has_shared_expert and config.shared_intermediate != i:
+            s = config.shared_intermediate
+            variants += [grouped_gemm_variant(s, h, swiglu=True), grouped_gemm_variant(h, s, swiglu=False)]
+    return variants
 
 
 def get_kernel(variant: KernelVariant, arch: str, cache: "Any | None" = None) -> Any:

@@ -1,7 +1,7 @@
 """Offline compilation: fill the kernel cache for a configuration, no GPU needed.
 
 ``python -m mok precompile --arch sm_90a [shape options]`` compiles every kernel variant
-that ``mok.kernels.variants_for(config)`` lists into ``$MOK_CACHE_DIR``; a later process
+that ``mok.kernels.variants_for(config, arch)`` lists into ``$MOK_CACHE_DIR``; a later process
 on a GPU of that arch loads them from disk and compiles nothing.
 """
 
@@ -25,7 +25,7 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 def precompile(config: MoKConfig, arch: str, cache: KernelCache, out: TextIO = sys.stderr) -> CacheStats:
     """Compile (or find on disk) every kernel ``config`` needs for ``arch``; returns what was done."""
     arch = normalize_arch(arch)
-    variants = variants_for(config)
+    variants = variants_for(config, arch)
     before = CacheStats(**vars(cache.stats))
     for i, variant in enumerate(variants):
         out.write(f"\r{_bar(i, len(variants))} {variant.describe()} for {arch} ...")

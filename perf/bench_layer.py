@@ -1,0 +1,111 @@
+"""MoE layer forward on one GPU: MoK's fused path against the plain PyTorch path, side by side.
+
+    python perf/bench_layer.py [--configs dsv3,qwen3,dsv3-zipf]
+
+For each config, on the same inputs in one process: MoK's forward, the PyTorch path users
+write (router-grouped torch._grouped_mm for gate/up and down, SwiGLU, weighting and
+index_add combine), and a dense bf16 GEMM of the same FLOPs as the ceiling. Prints ms,
+TFLOP/s (6·T·k·H·I per forward, plus 6·T·H·I_s for a shared expert), the ratios, and the
+number of kernel launches per forward (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from mok.bench import time_ms
+from mok.forward import moe_forward
+
+CONFIGS = {
+    # name: (T, H, I, E, k, shared I_s, routing)
+    "dsv3": (4096, 7168, 2048, 32, 8, None, "uniform"),
+    "qwen3": (8192, 2048, 768, 64, 8, None, "uniform"),
+    "dsv3-zipf": (4096, 7168, 2048, 32, 8, None, "zipf"),
+}
+
+
+def make_inputs(T, H, I, E, k, shared_inter, routing, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    if routing == "uniform":
+        idx = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices.int()
+    else:
+        p = 1.0 / torch.arange(1, E + 1, device="cuda", dtype=torch.float32)
+        idx = torch.multinomial(p.expand(T, -1), k, replacement=False, generator=g).int()
+    w = torch.softmax(torch.randn(T, k, device="cuda", generator=g), dim=1)
+    wg = (torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5).bfloat16()
+    wu = (torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5).bfloat16()
+    wd = (torch.randn(E, H, I, device="cuda", generator=g) * I**-0.5).bfloat16()
+    shared = None
+    if shared_inter:
+        shared = tuple(
+            (torch.randn(*shape, device="cuda", generator=g) * shape[1] ** -0.5).bfloat16()
+            for shape in ((shared_inter, H), (shared_inter, H), (H, shared_inter))
+        )
+    return x, idx, w, (wg, wu, wd), shared
+
+
+def torch_forward(x, idx, w, experts, shared):
+    """The plain PyTorch path: sort by expert, grouped GEMMs, SwiGLU, weight, index_add."""
+    wg, wu, wd = experts
+    T, k = idx.shape
+    flat = idx.flatten().long()
+    order = flat.argsort(stable=True)
+    offs = torch.bincount(flat, minlength=wg.shape[0]).cumsum(0).int()
+    tok = order // k
+    xs = x[tok]
+    a = F.silu(torch._grouped_mm(xs, wg.transpose(1, 2), offs=offs)) * torch._grouped_mm(xs, wu.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(a, wd.transpose(1, 2), offs=offs)
+    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    if shared is not None:
+        out += (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
+    out.index_add_(0, tok, y.float() * w.flatten()[order, None])
+    return out.bfloat16()
+
+
+def count_launches(fn) -> int:
+    """CUDA kernels launched by one call of fn (after warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name and "Memset" not in e.name)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    args = parser.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    header = f"{'config':<11}{'path':<12}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
+    print(header)
+    for name in args.configs.split(","):
+        T, H, I, E, k, s_inter, routing = CONFIGS[name]
+        inputs = make_inputs(T, H, I, E, k, s_inter, routing)
+        flops = 6 * T * k * H * I + (6 * T * H * s_inter if s_inter else 0)
+        dense_a = torch.randn(T * k, H, device="cuda").bfloat16()
+        dense_b = torch.randn(H, 3 * I + (3 * s_inter // k if s_inter else 0), device="cuda").bfloat16()
+        paths = {
+            "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
+            "torch": lambda: torch_forward(*inputs),
+            "dense gemm": lambda: dense_a @ dense_b,
+        }
+        ms = {p: time_ms(fn, batch=5, repeats=10) for p, fn in paths.items()}
+        launches = {p: count_launches(fn) for p, fn in paths.items()}
+        mok_out, torch_out = paths["mok"](), paths["torch"]()
+        agree = float((mok_out.float() - torch_out.float()).norm() / torch_out.float().norm())
+        for p in paths:
+            tflops = flops / ms[p] / 1e9
+            print(f"{name:<11}{p:<12}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}")
+        print(f"{name:<11}mok vs torch output: relative difference {agree:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The single-GPU fused forward and its kernels on the H200, against the fp32 reference."""
+
+import glob
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from mok import ops
+from mok.forward import moe_forward
+from mok.kernels import compiled_ptx, grouped_gemm_variant
+from mok.reference import moe_reference, swiglu_mlp
+
+pytestmark = pytest.mark.gpu
+
+
+def rel_err(got, want):
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def layer(num_tokens, hidden, inter, num_experts, topk, shared_inter=None, seed=0, routing="uniform"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    x = torch.randn(num_tokens, hidden, device=dev, generator=g).bfloat16()
+    if routing == "uniform":
+        idx = torch.rand(num_tokens, num_experts, device=dev, generator=g).topk(topk, dim=1).indices.int()
+    elif routing == "one_expert":  # every token's slot 0 on expert 0, the rest distinct
+        idx = torch.arange(topk, device=dev, dtype=torch.int32).repeat(num_tokens, 1)
+    else:  # zipf-skewed over experts
+        p = 1.0 / torch.arange(1, num_experts + 1, device=dev, dtype=torch.float32)
+        idx = torch.multinomial(p.expand(num_tokens, -1), topk, replacement=False, generator=g).int()
+    w = torch.rand(num_tokens, topk, device=dev, generator=g) + 0.05
+    s = hidden ** -0.5
+    wg = (torch.randn(num_experts, inter, hidden, device=dev, generator=g) * s).bfloat16()
+    wu = (torch.randn(num_experts, inter, hidden, device=dev, generator=g) * s).bfloat16()
+    wd = (torch.randn(num_experts, hidden, inter, device=dev, generator=g) * inter ** -0.5).bfloat16()
+    shared = None
+    if shared_inter:
+        shared = tuple(t.bfloat16().contiguous() for t in (
+            torch.randn(shared_inter, hidden, device=dev, generator=g) * s,
+            torch.randn(shared_inter, hidden, device=dev, generator=g) * s,
+            torch.randn(hidden, shared_inter, device=dev, generator=g) * shared_inter ** -0.5,
+        ))
+    return x, idx, w, (wg, wu, wd), shared
+
+
+def poisoned(*shape):
+    return torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+
+
+# ---- kernels one by one ---------------------------------------------------------------------
+
+def test_gather_rows():
+    src = torch.randn(300, 512, device="cuda").bfloat16()
+    index = torch.randint(-1, 300, (1000,), device="cuda", dtype=torch.int32)
+    out = ops.gather_rows(src, index, out=poisoned(1000, 512))
+    want = torch.where((index >= 0)[:, None], src[index.clamp(min=0).long()], torch.zeros((), dtype=src.dtype, device="cuda"))
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("rows,n,k,experts", [(1000, 256, 192, 5), (384, 2048, 7168, 2), (37, 768, 2048, 1)])
+def test_grouped_gemm(rows, n, k, experts, swiglu):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    a = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    b = (torch.randn(experts, n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    b2 = (torch.randn(experts, n, k, device="cuda", generator=g) * k ** -0.5).bfloat16() if swiglu else None
+    tiles = -(-rows // 128)
+    tile_expert = torch.randint(0, experts, (tiles,), device="cuda", dtype=torch.int32, generator=g)
+    if tiles > 1:
+        tile_expert[1] = -1  # a skipped tile keeps its (poisoned) output rows
+    out = ops.grouped_gemm(a, b, tile_expert, b2=b2, out=poisoned(rows, n))
+    for t in range(tiles):
+        rs = slice(128 * t, min(128 * (t + 1), rows))
+        e = int(tile_expert[t])
+        if e < 0:
+            assert out[rs].isnan().all()
+            continue
+        af = a[rs].float()
+        want = af @ b[e].float().T
+        if swiglu:
+            want = torch.nn.functional.silu(want) * (af @ b2[e].float().T)
+        assert not out[rs].isnan().any()
+        assert rel_err(out[rs], want) < 1e-2
+
+
+def test_grouped_gemm_sass_has_hgmma():
+    """The compiled GEMM runs on the tensor cores' Hopper path (SASS HGMMA), not HMMA/FFMA."""
+    from mok.runtime.arch import dsl_target
+
+    for n, k, swiglu in [(2048, 7168, True), (7168, 2048, False)]:
+        with tempfile.TemporaryDirectory() as d, dsl_target("sm_90a"):
+            grouped_gemm_variant(n, k, swiglu).compile("sm_90a", f"--keep-cubin --dump-dir {d}")
+            (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
+            sass = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        assert "HGMMA.64x128x16.F32.BF16" in sass
+        assert " HMMA" not in sass
+
+
+# ---- the layer ------------------------------------------------------------------------------
+
+CASES = [
+    # T, H, I, E, k, shared, routing
+    (4096, 7168, 2048, 32, 8, None, "uniform"),  # dsv3-like rank
+    (8192, 2048, 768, 64, 8, None, "uniform"),  # qwen3-like
+    (4096, 7168, 2048, 32, 8, 2048, "zipf"),
+    (1000, 512, 256, 8, 2, 384, "uniform"),  # T not a multiple of any tile, I_s != I
+    (333, 256, 128, 1, 1, None, "uniform"),
+    (513, 256, 128, 64, 6, 128, "uniform"),
+    (200, 256, 128, 256, 8, None, "uniform"),  # most experts empty
+    (300, 256, 128, 8, 4, None, "one_expert"),
+    (1, 512, 256, 8, 2, 256, "uniform"),
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", CASES)
+def test_forward_matches_reference(T, H, I, E, k, shared_inter, routing):
+    x, idx, w, experts, shared = layer(T, H, I, E, k, shared_inter, seed=T + E, routing=routing)
+    res = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H))
+    assert not res.out.isnan().any(), "unwritten output elements"
+    want = moe_reference(x, idx, w, *experts, shared)
+    assert rel_err(res.out, want) <= 1e-2
+
+
+def test_forward_deterministic_over_20_runs():
+    x, idx, w, experts, shared = layer(2048, 2048, 768, 64, 8, 768, seed=1)
+    first = moe_forward(x, idx, w, *experts, shared).out
+    for _ in range(19):
+        assert torch.equal(moe_forward(x, idx, w, *experts, shared).out, first)
+
+
+def test_forward_batch_invariance():
+    x, idx, w, experts, shared = layer(4096, 2048, 768, 64, 8, 768, seed=2)
+    full = moe_forward(x, idx, w, *experts, shared).out
+    for size in (1, 17):
+        rows = torch.randperm(4096, device="cuda")[:size]
+        part = moe_forward(x[rows].contiguous(), idx[rows].contiguous(), w[rows].contiguous(), *experts, shared).out
+        assert torch.equal(part, full[rows])
+
+
+def test_forward_graph_capture_without_host_sync():
+    x, idx, w, experts, shared = layer(512, 512, 256, 16, 4, 256, seed=3)
+    want = moe_forward(x, idx, w, *experts, shared).out  # compiles outside the capture
+    out = poisoned(512, 512)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            moe_forward(x, idx, w, *experts, shared, check_routing=False, out=out)
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+def test_forward_rejects_bad_input():
+    x, idx, w, experts, shared = layer(16, 256, 128, 8, 2, 128, seed=4)
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16, got float16"):
+        moe_forward(x.half(), idx, w, *experts)
+    with pytest.raises(ValueError, match=r"topk_idx: expected every entry in \[0, 8\), got 8"):
+        moe_forward(x, idx + 8 - idx.max(), w, *experts)
+    with pytest.raises(ValueError, match=r"w_down: expected shape \[8, 256, 128\]"):
+        moe_forward(x, idx, w, experts[0], experts[1], experts[2].transpose(1, 2).contiguous())
+    with pytest.raises(ValueError, match=r"topk_w: expected shape \[16, 2\]"):
+        moe_forward(x, idx, w[:, :1].contiguous(), *experts)
