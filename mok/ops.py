@@ -136,6 +136,7 @@ def grouped_gemm(
     *,
     b2: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    tile_n: int | None = None,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · b[tile_expert[m]]ᵀ (bf16, fp32 accumulation).
 
@@ -143,7 +144,8 @@ def grouped_gemm(
     matrix per expert. tile_expert: [ceil(R / 128)] int32, the expert of each row tile, -1 to
     skip the tile (its output rows are left unwritten). With ``b2`` (the up projection,
     shaped like b) the epilogue writes silu(a·bᵀ) ⊙ (a·b2ᵀ) instead. out: [R, N] bf16.
-    Needs N % 128 == 0 and K % 64 == 0; Hopper (sm_90a) only so far.
+    Needs N % 128 == 0 and K % 64 == 0; Hopper (sm_90a) only so far. ``tile_n`` overrides
+    the column tile (64, 128 or 256 dividing N; default from the static shape).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
@@ -166,7 +168,7 @@ def grouped_gemm(
             _check_32bit(name, t)
     if num_rows == 0:
         return out
-    kernel = _kernel(grouped_gemm_variant(n, k, b2 is not None), a.device)
+    kernel = _kernel(grouped_gemm_variant(n, k, b2 is not None, tile_n), a.device)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b if b2 is None else b2), _ptr("bf16", out),
         _ptr("i32", tile_expert, 4), _i32(num_rows), _i32(num_experts), _stream(a.device),

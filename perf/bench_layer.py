@@ -78,6 +78,19 @@ def count_launches(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name and "Memset" not in e.name)
 
 
+def kernel_times(fn, top: int = 6) -> list[tuple[str, float]]:
+    """The most expensive kernels of one call (device ms each), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -104,6 +117,8 @@ def main() -> int:
             tflops = flops / ms[p] / 1e9
             print(f"{name:<11}{p:<12}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}")
         print(f"{name:<11}mok vs torch output: relative difference {agree:.2e}")
+        for kernel, ms_k in kernel_times(paths["mok"]):
+            print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:90]}")
     return 0
 
 

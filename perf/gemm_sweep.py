@@ -1,0 +1,48 @@
+"""Grouped GEMM alone at the layer's shapes: MoK's kernel per column tile vs torch._grouped_mm vs dense.
+
+    python perf/gemm_sweep.py
+
+Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok import ops
+from mok.bench import time_ms
+
+SHAPES = {  # name: (E, rows per expert, N, K, swiglu)
+    "dsv3 fc1": (32, 1024, 2048, 7168, True),
+    "dsv3 fc2": (32, 1024, 7168, 2048, False),
+    "qwen3 fc1": (64, 1024, 768, 2048, True),
+    "qwen3 fc2": (64, 1024, 2048, 768, False),
+}
+
+
+def main() -> None:
+    print(f"# {torch.cuda.get_device_name()}")
+    print(f"{'shape':<11}{'kernel':<22}{'ms':>8}{'TFLOP/s':>9}")
+    for name, (E, per, N, K, swiglu) in SHAPES.items():
+        R = E * per
+        a = torch.randn(R, K, device="cuda").bfloat16()
+        b = (torch.randn(E, N, K, device="cuda") * K**-0.5).bfloat16()
+        b2 = (torch.randn(E, N, K, device="cuda") * K**-0.5).bfloat16() if swiglu else None
+        tiles = torch.arange(R // 128, device="cuda", dtype=torch.int32) // (per // 128)
+        flops = 2 * R * N * K * (2 if swiglu else 1)
+        runs = {}
+        for tile_n in ((64, 128) if swiglu else (128, 256)):
+            if N % tile_n == 0:
+                runs[f"mok tile_n={tile_n}"] = lambda t=tile_n: ops.grouped_gemm(a, b, tiles, b2=b2, tile_n=t)
+        offs = torch.full((E,), per, device="cuda", dtype=torch.int32).cumsum(0).int()
+        bt = b.transpose(1, 2)
+        runs["torch._grouped_mm"] = lambda: [torch._grouped_mm(a, bt, offs=offs) for _ in range(2 if swiglu else 1)]
+        dense_b = torch.randn(K, N * (2 if swiglu else 1), device="cuda").bfloat16()
+        runs["dense mm"] = lambda: a @ dense_b
+        for kname, fn in runs.items():
+            ms = time_ms(fn, batch=10, repeats=5)
+            print(f"{name:<11}{kname:<22}{ms:>8.3f}{flops / ms / 1e9:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
