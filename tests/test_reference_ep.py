@@ -44,6 +44,7 @@ def _worker(rank, world, num_experts, topk, skew, init_file, out_dir):
         out.backward(dout)
         grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]  # unused experts: zero
         torch.save({"out": out.detach(), "dout": dout, "grads": grads}, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while a peer still has an exchange in flight
     finally:
         dist.destroy_process_group()
 

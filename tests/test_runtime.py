@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from mok.kernels import combine_variant, get_kernel
+from mok.config import MoKConfig
+from mok.kernels import combine_variant, get_kernel, variants_for
 from mok.runtime import arch as arch_mod
 from mok.runtime.cache import KernelCache
 
@@ -114,7 +115,8 @@ def test_stale_record_is_rebuilt(tmp_path):
 
 _RACE = """
 import sys
-from mok.kernels import combine_variant, get_kernel
+from mok.config import MoKConfig
+from mok.kernels import combine_variant, get_kernel, variants_for
 from mok.runtime.cache import KernelCache
 cache = KernelCache(sys.argv[1])
 get_kernel(combine_variant(64, 2, True), "sm_90a", cache)
@@ -142,16 +144,20 @@ def _mok(*args, cache_dir, machine_arch=None):
 
 @pytest.mark.parametrize("arch,machine_arch", [("sm_90a", None), ("sm_100a", None), ("sm_100a", "sm_90a")])
 def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arch):
-    shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4"]
+    shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4", "--shared-intermediate", "256"]
+    config = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4, shared_intermediate=256, ep_size=8)
+    expected = len(variants_for(config, arch))
+    assert expected >= 2
     first = _mok("precompile", "--arch", arch, *shape, cache_dir=tmp_path, machine_arch=machine_arch)
     assert first.returncode == 0, first.stderr
-    assert f"{arch}: 1 compiled, 0 already in the cache" in first.stdout
+    assert f"{arch}: {expected} compiled, 0 already in the cache" in first.stdout
     second = _mok("precompile", "--arch", arch, *shape, cache_dir=tmp_path, machine_arch=machine_arch)
-    assert f"{arch}: 0 compiled, 1 already in the cache" in second.stdout
+    assert f"{arch}: 0 compiled, {expected} already in the cache" in second.stdout
     listing = _mok("cache", "list", cache_dir=tmp_path)
-    assert "combine(has_shared=True, hidden=256, topk=4)" in listing.stdout and arch in listing.stdout
+    assert "combine(gathered=True, has_shared=True, hidden=256, topk=4)" in listing.stdout and arch in listing.stdout
+    assert f"{expected} entries" in listing.stdout
     cleared = _mok("cache", "clear", cache_dir=tmp_path)
-    assert "removed 1 entries" in cleared.stdout
+    assert f"removed {expected} entries" in cleared.stdout
     assert "0 entries" in _mok("cache", "list", cache_dir=tmp_path).stdout
 
 

@@ -92,9 +92,11 @@ def get_kernel(variant: KernelVariant, arch: str, cache: "Any | None" = None) ->
     from ..runtime.arch import dsl_target, normalize_arch
     from ..runtime.cache import default_cache
 
-    arch = normalize_arch(arch)
     cache = cache if cache is not None else default_cache()
-
+    fn = cache.loaded(variant.name, variant.config, arch)  # the per-call path: one dict lookup
+    if fn is not None:
+        return fn
+    arch = normalize_arch(arch)
     with dsl_target(arch):  # compile and export for arch, whatever GPU this machine has
         return cache.get(variant.name, variant.config, arch, lambda: variant.compile(arch, ""))
 

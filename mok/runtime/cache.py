@@ -75,6 +75,7 @@ class KernelCache:
         self.directory = Path(directory) if directory is not None else default_cache_dir()
         self.stats = CacheStats()
         self._memory: dict[str, Any] = {}
+        self._by_key: dict[tuple, Any] = {}  # (name, config items, arch) -> kernel: the per-call fast path
         self._modules: dict[str, Any] = {}  # keeps loaded object files alive
         self._lock = threading.Lock()
 
@@ -99,12 +100,22 @@ class KernelCache:
         folder = self.directory / name
         return folder / f"{digest}.o", folder / f"{digest}.json", folder / f"{digest}.lock"
 
-    # ---- the one entry point ----------------------------------------------------------
+    # ---- the entry points -------------------------------------------------------------
+    def loaded(self, name: str, config: Mapping[str, Any], arch: str) -> Any | None:
+        """The kernel if this process already has it, else None: one dict lookup, no hashing of sources."""
+        fn = self._by_key.get((name, tuple(sorted(config.items())), arch))
+        if fn is not None:
+            self.stats.memory_hits += 1
+        return fn
+
     def get(self, name: str, config: Mapping[str, Any], arch: str, build: Callable[[], Any]) -> Any:
         """The compiled kernel for this key: from memory, else from disk, else ``build()``.
 
         ``build`` must return a CuTe DSL compiled function (``cute.compile``) for ``arch``.
         """
+        fn = self.loaded(name, config, arch)
+        if fn is not None:
+            return fn
         if not name.replace("_", "").isalnum():
             raise ValueError(f"name: expected letters, digits and '_', got {name!r}")
         record = self.key_record(name, config, arch)
@@ -125,6 +136,7 @@ class KernelCache:
                 finally:
                     fcntl.flock(lock_file, fcntl.LOCK_UN)
             self._memory[digest] = fn
+            self._by_key[(name, tuple(sorted(config.items())), arch)] = fn
             return fn
 
     @staticmethod
@@ -199,17 +211,22 @@ class KernelCache:
                 shutil.rmtree(folder)
         with self._lock:
             self._memory.clear()
+            self._by_key.clear()
         return removed
 
 
 _default: KernelCache | None = None
+_default_env: str | None = None
 _default_lock = threading.Lock()
 
 
 def default_cache() -> KernelCache:
     """The process-wide cache in ``default_cache_dir()`` (re-created if MOK_CACHE_DIR changes)."""
-    global _default
+    global _default, _default_env
+    env = os.environ.get(CACHE_DIR_ENV)
+    if _default is not None and env == _default_env:
+        return _default
     with _default_lock:
-        if _default is None or _default.directory != default_cache_dir():
-            _default = KernelCache()
+        if _default is None or env != _default_env:
+            _default, _default_env = KernelCache(), env
         return _default
