@@ -53,14 +53,19 @@ def gather_variant(width: int) -> KernelVariant:
     return KernelVariant("gather", {"width": width}, build)
 
 
-def default_tile_n(n: int, swiglu: bool) -> int:
-    """Column tile of the grouped GEMM, from static shapes only (batch invariance)."""
-    return 256 if not swiglu and n % 256 == 0 else 128
+def default_tile_n(n: int, k: int, swiglu: bool) -> int:
+    """Column tile of the grouped GEMM, from static shapes only (batch invariance).
+
+    SwiGLU holds two accumulators, so 128 wide. A plain GEMM with a short K (the down
+    projection of a narrow expert) takes 256 to amortise its epilogue; with a long K, 128
+    (measured on H200, perf/NOTES.md 2026-12-01).
+    """
+    return 256 if not swiglu and n % 256 == 0 and k <= 1024 else 128
 
 
 def grouped_gemm_variant(n: int, k: int, swiglu: bool, tile_n: int | None = None) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA), with a SwiGLU epilogue for gate/up."""
-    tile_n = default_tile_n(n, swiglu) if tile_n is None else tile_n
+    tile_n = default_tile_n(n, k, swiglu) if tile_n is None else tile_n
 
     def build(arch: str, options: str = "") -> Any:
         if arch != "sm_90a":

@@ -14,7 +14,7 @@ Determinism and batch invariance: each output tile is owned by one CTA, K is red
 one fixed order by the WGMMA sequence, and the tile shape comes from (N, K) only, so a
 row's result depends on nothing but that row and its expert's weights.
 
-One CTA per (row tile, column tile); two consumer warpgroups of 64 rows each; warp 0 also
+One CTA per (row tile, column tile), launched in L2-friendly groups; two consumer warpgroups of 64 rows each; warp 0 also
 issues the TMA loads (the structure of CUTLASS's Hopper dense GEMM example). Persistence,
 warp specialisation and fusion with the gather and the down projection come next.
 """
@@ -31,6 +31,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 TILE_K = 64  # bf16: four 16-deep WGMMA k-blocks per shared-memory stage
+ROW_GROUP = 8  # row tiles per CTA group in the launch order (see tile_of)
 SMEM_BYTES = 227 * 1024
 
 
@@ -111,8 +112,8 @@ class GroupedGemmSm90:
             s_b2: cute.struct.Align[cute.struct.MemRange[ab_dtype, b2_elems], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, t_a, tma_b, t_b, tma_b2, t_b2, tma_c, t_c, m_tiles, self.tiled_mma, a_smem, b_smem, epi_smem).launch(
-            grid=[num_tiles, n // tile_n, 1],
+        self.kernel(tma_a, t_a, tma_b, t_b, tma_b2, t_b2, tma_c, t_c, m_tiles, num_tiles, self.tiled_mma, a_smem, b_smem, epi_smem).launch(
+            grid=[num_tiles * (n // tile_n), 1, 1],
             block=[self.threads, 1, 1],
             stream=stream,
         )
@@ -129,6 +130,7 @@ class GroupedGemmSm90:
         tma_c: cute.CopyAtom,
         m_c: cute.Tensor,
         m_tiles: cute.Tensor,
+        num_row_tiles: cutlass.Int32,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -136,7 +138,8 @@ class GroupedGemmSm90:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        tile_row, tile_col, _ = cute.arch.block_idx()
+        linear, _, _ = cute.arch.block_idx()
+        tile_row, tile_col = self.tile_of(linear, num_row_tiles)
         expert = m_tiles[tile_row]
         if expert >= 0:
             if warp_idx == 0:
@@ -229,6 +232,23 @@ class GroupedGemmSm90:
             cute.arch.sync_threads()  # the epilogue reuses A's shared memory
 
             self.epilogue(tidx, warp_idx, tiled_mma, acc, acc2, s_c, g_c, tma_c)
+
+    @cute.jit
+    def tile_of(self, linear: cutlass.Int32, num_row_tiles: cutlass.Int32):
+        """CTA -> (row tile, column tile), grouped for L2 reuse.
+
+        CTAs run in groups of ROW_GROUP row tiles; inside a group the row tile varies fastest,
+        then the column tile. The CTAs in flight then share a few A row tiles (read from HBM
+        once, then from L2 for every column tile) and the B tiles of one or two experts
+        (each read by the group's row tiles at about the same time), instead of sweeping all
+        of A once per column tile.
+        """
+        col_tiles = self.n // self.tile_shape_mnk[1]
+        group = linear // (ROW_GROUP * col_tiles)
+        first_row = group * ROW_GROUP
+        rows_here = cutlass.min(ROW_GROUP, num_row_tiles - first_row)  # the last group may be short
+        within = linear - group * ROW_GROUP * col_tiles
+        return first_row + within % rows_here, within // rows_here
 
     @cute.jit
     def load_stage(self, ab_pipe, prod, tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s):
