@@ -1,6 +1,6 @@
 """The MoE layer forward on one GPU (EP = 1) from MoK's kernels.
 
-    schedule (GPU, torch ops)  -> row slots, tile -> expert map; no host sync
+    device schedule (1 CTA)    -> row slots, tile -> expert map; no host sync
     gather                     -> x_rows [R, H], rows grouped by expert (canonical order)
     grouped GEMM + SwiGLU      -> a [R, I] = silu(x_rows·w_gateᵀ) ⊙ x_rows·w_upᵀ
     grouped GEMM               -> y_rows [R, H] = a·w_downᵀ
@@ -21,7 +21,7 @@ import torch
 
 from . import ops
 from .reference import SharedExpert
-from .schedule import Schedule, build_schedule
+from .schedule import Schedule
 from .validation import check_index_range, check_tensor
 
 TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to it
@@ -94,7 +94,7 @@ def moe_forward(
     num_tokens, hidden, inter, num_experts = _check_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     if check_routing:
         check_index_range("topk_idx", topk_idx, num_experts)
-    sched = build_schedule(topk_idx, num_experts, block_m=TILE_M)
+    sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M)
     x_rows = ops.gather_rows(x, sched.row_token)
     a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up)
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)

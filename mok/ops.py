@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import combine_variant, gather_variant, get_kernel, grouped_gemm_variant
+from .kernels import combine_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_variant
+from .schedule import Schedule, worst_case_capacity
 from .runtime.arch import device_arch
 from .validation import check_tensor
 
@@ -174,3 +175,51 @@ def grouped_gemm(
         _ptr("i32", tile_expert, 4), _i32(num_rows), _i32(num_experts), _stream(a.device),
     )
     return out
+
+
+def device_schedule(
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    *,
+    block_m: int = 128,
+    capacity: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Schedule:
+    """:func:`mok.schedule.build_schedule` computed by one kernel launch, bit for bit.
+
+    topk_idx: [N, k] int32 on the GPU (global expert ids, canonical token order). The
+    overflow field is an int32 flag (non-zero: the routing needed more than ``capacity`` rows).
+    """
+    check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    if topk_idx.device.type != "cuda":
+        raise ValueError(f"topk_idx: expected a CUDA tensor, got one on {topk_idx.device}")
+    if num_experts % world_size:
+        raise ValueError(f"num_experts: expected a multiple of world_size={world_size}, got {num_experts}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank}")
+    num_tokens, topk = topk_idx.shape
+    num_local = num_experts // world_size
+    if capacity is None:
+        capacity = worst_case_capacity(num_tokens, topk, num_local, block_m)
+    if capacity % block_m:
+        raise ValueError(f"capacity: expected a multiple of block_m={block_m}, got {capacity}")
+    _check_32bit("topk_idx", topk_idx)
+    dev = topk_idx.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    counts = torch.empty(num_local, **i32)
+    offsets = torch.empty(num_local + 1, **i32)
+    row_token = torch.empty(capacity, **i32)
+    row_slot = torch.empty(capacity, **i32)
+    slot_row = torch.empty(num_tokens, topk, **i32)
+    tile_expert = torch.empty(capacity // block_m, **i32)
+    overflow = torch.empty((), **i32)
+    if num_tokens:
+        kernel = _kernel(schedule_variant(num_local, topk, block_m), dev)
+        kernel(
+            *(_ptr("i32", t, 4) for t in (topk_idx, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow)),
+            _i32(num_tokens), _i32(rank * num_local), _i32(capacity), _stream(dev),
+        )
+    else:  # nothing routed: no launch
+        counts.zero_(), offsets.zero_(), row_token.fill_(-1), row_slot.fill_(-1), tile_expert.fill_(-1), overflow.zero_()
+    return Schedule(counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, block_m, capacity)

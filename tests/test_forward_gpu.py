@@ -167,3 +167,26 @@ def test_forward_rejects_bad_input():
         moe_forward(x, idx, w, experts[0], experts[1], experts[2].transpose(1, 2).contiguous())
     with pytest.raises(ValueError, match=r"topk_w: expected shape \[16, 2\]"):
         moe_forward(x, idx, w[:, :1].contiguous(), *experts)
+
+
+@pytest.mark.parametrize(
+    "N,E,k,world,rank,capacity,routing",
+    [
+        (4096, 32, 8, 1, 0, None, "uniform"),
+        (1000, 256, 8, 1, 0, None, "uniform"),
+        (777, 64, 6, 4, 3, None, "zipf"),
+        (300, 8, 4, 1, 0, None, "one_expert"),
+        (1, 8, 2, 2, 1, None, "uniform"),
+        (500, 16, 4, 1, 0, 1024, "uniform"),  # overflow: rows past capacity get no slot
+    ],
+)
+def test_device_schedule_equals_python_schedule(N, E, k, world, rank, capacity, routing):
+    from mok.schedule import build_schedule
+
+    _, idx, _, _, _ = layer(N, 8, 8, E, k, seed=N + E, routing=routing)
+    dev = ops.device_schedule(idx, E, block_m=128, capacity=capacity, rank=rank, world_size=world)
+    ref = build_schedule(idx, E, block_m=128, capacity=capacity, rank=rank, world_size=world)
+    for field in ("expert_counts", "expert_offsets", "row_token", "row_slot", "slot_row", "tile_expert"):
+        assert torch.equal(getattr(dev, field), getattr(ref, field)), field
+    assert bool(dev.overflow) == bool(ref.overflow)
+    assert bool(ref.overflow) == (capacity is not None)

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from mok.config import DEFAULT_CONFIG, MoKConfig
-from mok.kernels import combine_variant, compiled_ptx, grouped_gemm_variant, variants_for
+from mok.kernels import combine_variant, compiled_ptx, grouped_gemm_variant, schedule_variant, variants_for
 
 
 def count(pattern, text):
@@ -49,3 +49,12 @@ def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu):
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx) >= 1  # TMA store epilogue
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert (count(r"ex2\.approx", ptx) > 0) == swiglu
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_schedule_ptx_places_rows_without_atomics(arch):
+    ptx = compiled_ptx(schedule_variant(256, 8, 128), arch)
+    assert f".target {arch}" in ptx
+    assert count(r"match\.any\.sync", ptx) == 1  # lanes of one expert find each other
+    assert count(r"\batom\.|\bred\.", ptx) == 0  # placement decided by scans, not atomics
+    assert count(r"\.local", ptx) == 0

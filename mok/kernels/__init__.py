@@ -53,6 +53,17 @@ def gather_variant(width: int) -> KernelVariant:
     return KernelVariant("gather", {"width": width}, build)
 
 
+def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelVariant:
+    """Routing -> row slots on the GPU (one CTA), the device twin of mok/schedule.py."""
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.schedule import compile_schedule
+
+        return compile_schedule(num_local_experts, topk, block_m, arch, options)
+
+    return KernelVariant("schedule", {"experts": num_local_experts, "topk": topk, "block_m": block_m}, build)
+
+
 def default_tile_n(n: int, k: int, swiglu: bool) -> int:
     """Column tile of the grouped GEMM, from static shapes only (batch invariance).
 
@@ -81,6 +92,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     """Every kernel variant a layer with this configuration uses on ``arch``."""
     h, i = config.hidden, config.intermediate
     variants = [
+        schedule_variant(config.experts_per_rank, config.topk, config.block_m),
         gather_variant(h),
         combine_variant(h, config.topk, config.has_shared_expert, gathered=True),
     ]
