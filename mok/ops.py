@@ -138,6 +138,7 @@ def grouped_gemm(
     b2: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     tile_n: int | None = None,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · b[tile_expert[m]]ᵀ (bf16, fp32 accumulation).
 
@@ -146,7 +147,8 @@ def grouped_gemm(
     skip the tile (its output rows are left unwritten). With ``b2`` (the up projection,
     shaped like b) the epilogue writes silu(a·bᵀ) ⊙ (a·b2ᵀ) instead. out: [R, N] bf16.
     Needs N % 128 == 0 and K % 64 == 0; Hopper (sm_90a) only so far. ``tile_n`` overrides
-    the column tile (64, 128 or 256 dividing N; default from the static shape).
+    the column tile (64, 128 or 256 dividing N; default from the static shape), ``stages``
+    the shared-memory pipeline depth (default: as deep as fits).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
@@ -169,7 +171,7 @@ def grouped_gemm(
             _check_32bit(name, t)
     if num_rows == 0:
         return out
-    kernel = _kernel(grouped_gemm_variant(n, k, b2 is not None, tile_n), a.device)
+    kernel = _kernel(grouped_gemm_variant(n, k, b2 is not None, tile_n, stages), a.device)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b if b2 is None else b2), _ptr("bf16", out),
         _ptr("i32", tile_expert, 4), _i32(num_rows), _i32(num_experts), _stream(a.device),

@@ -67,15 +67,18 @@ def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelV
 def default_tile_n(n: int, k: int, swiglu: bool) -> int:
     """Column tile of the grouped GEMM, from static shapes only (batch invariance).
 
-    SwiGLU holds two accumulators, so 128 wide. A plain GEMM with a short K (the down
-    projection of a narrow expert) takes 256 to amortise its epilogue; with a long K, 128
-    (measured on H200, perf/NOTES.md 2026-12-01).
+    SwiGLU holds two accumulators, so 128 wide; a plain GEMM takes 256 where N allows.
+    Measured on H200 (perf/NOTES.md, 2026-12-01): two machines disagreed for the dsv3 down
+    projection (128 ahead by 5% on one, 256 ahead by 12% on the other); 256 won at qwen3's.
     """
-    return 256 if not swiglu and n % 256 == 0 and k <= 1024 else 128
+    return 256 if not swiglu and n % 256 == 0 else 128
 
 
-def grouped_gemm_variant(n: int, k: int, swiglu: bool, tile_n: int | None = None) -> KernelVariant:
-    """Expert-grouped GEMM (sm_90a: WGMMA + TMA), with a SwiGLU epilogue for gate/up."""
+def grouped_gemm_variant(n: int, k: int, swiglu: bool, tile_n: int | None = None, stages: int | None = None) -> KernelVariant:
+    """Expert-grouped GEMM (sm_90a: WGMMA + TMA), with a SwiGLU epilogue for gate/up.
+
+    ``stages``: shared-memory pipeline depth; None fills shared memory (one CTA per SM).
+    """
     tile_n = default_tile_n(n, k, swiglu) if tile_n is None else tile_n
 
     def build(arch: str, options: str = "") -> Any:
@@ -83,9 +86,10 @@ def grouped_gemm_variant(n: int, k: int, swiglu: bool, tile_n: int | None = None
             raise NotImplementedError(f"grouped GEMM: only sm_90a has an implementation so far, not {arch}")
         from .sm90.grouped_gemm import compile_grouped_gemm
 
-        return compile_grouped_gemm(n, k, swiglu, arch, options, tile_n=tile_n)
+        return compile_grouped_gemm(n, k, swiglu, arch, options, tile_n=tile_n, stages=stages)
 
-    return KernelVariant("grouped_gemm", {"n": n, "k": k, "swiglu": swiglu, "tile_n": tile_n}, build)
+    config = {"n": n, "k": k, "swiglu": swiglu, "tile_n": tile_n, "stages": stages or 0}  # 0: as deep as fits
+    return KernelVariant("grouped_gemm", config, build)
 
 
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:

@@ -38,7 +38,7 @@ SMEM_BYTES = 227 * 1024
 class GroupedGemmSm90:
     """Static config: N, K, epilogue kind, tile (M, N). Runtime: pointers, row count R, E."""
 
-    def __init__(self, n: int, k: int, swiglu: bool, tile_m: int = 128, tile_n: int = 128) -> None:
+    def __init__(self, n: int, k: int, swiglu: bool, tile_m: int = 128, tile_n: int = 128, stages: int | None = None) -> None:
         if n % tile_n:
             raise ValueError(f"n: expected a multiple of the column tile {tile_n}, got {n}")
         if k % TILE_K:
@@ -51,7 +51,10 @@ class GroupedGemmSm90:
         self.threads = 256
         self.num_b = 2 if swiglu else 1
         stage_bytes = (tile_m * TILE_K + self.num_b * tile_n * TILE_K) * 2
-        self.ab_stage = min((SMEM_BYTES - 1024) // stage_bytes, 8)
+        most = min((SMEM_BYTES - 1024) // stage_bytes, 8)
+        if stages is not None and not 2 <= stages <= most:
+            raise ValueError(f"stages: expected 2..{most} for this tile, got {stages}")
+        self.ab_stage = most if stages is None else stages  # fewer stages: two CTAs per SM
         self.epi_stage = 4
         self.buffer_align_bytes = 1024
 
@@ -308,7 +311,7 @@ class GroupedGemmSm90:
             store_pipe.producer_tail()
 
 
-def compile_grouped_gemm(n: int, k: int, swiglu: bool, arch: str, options: str = "", tile_n: int = 128):
+def compile_grouped_gemm(n: int, k: int, swiglu: bool, arch: str, options: str = "", tile_n: int = 128, stages: int | None = None):
     """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
@@ -324,4 +327,4 @@ def compile_grouped_gemm(n: int, k: int, swiglu: bool, arch: str, options: str =
         cutlass.Int32(1),
         make_fake_stream(),
     )
-    return cute.compile(GroupedGemmSm90(n, k, swiglu, tile_n=tile_n), *args, options=f"--gpu-arch {arch} {options}".strip())
+    return cute.compile(GroupedGemmSm90(n, k, swiglu, tile_n=tile_n, stages=stages), *args, options=f"--gpu-arch {arch} {options}".strip())
