@@ -1,0 +1,111 @@
+"""The MoE layer's backward written out as the fused kernels will compute it, in plain PyTorch.
+
+Autograd of :func:`mok.reference.moe_reference` is the oracle; this module spells out the
+same gradients in the order and with the intermediates of the planned kernels, so that each
+kernel has a reference for exactly what it produces, and so that the formulation itself is
+checked against autograd (tests/test_reference_backward.py). Per row (token t, slot j) of
+expert e, with s = topk_w[t, j] and g = dout[t]:
+
+    h_g = x·W_gᵀ, h_u = x·W_uᵀ, a = silu(h_g)·h_u           (recomputed from x, not saved)
+    dA_unscaled = g·W_d                                      (down-projection backward)
+    d_topk_w[t, j] = rowsum(dA_unscaled ⊙ a)                 (= <g, y>; y is never formed)
+    dA = s·dA_unscaled
+    d_h_u = dA ⊙ silu(h_g),  d_h_g = dA ⊙ h_u ⊙ silu'(h_g)   (SwiGLU backward)
+    dx_slot = d_h_g·W_g + d_h_u·W_u
+    dW_d[e] += (s·g)ᵀ·a,  dW_g[e] += d_h_gᵀ·x,  dW_u[e] += d_h_uᵀ·x   (rows in canonical order)
+    dx[t] = dx_shared[t] + Σ_j dx_slot[t, j]                  (j in increasing order)
+
+The shared expert is the same with s = 1 and every token as a row.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .reference import RoutedExperts, check_experts, check_routing, check_shared, expert_rows
+from .validation import FLOAT_DTYPES, check_tensor
+
+
+class Gradients(NamedTuple):
+    """Gradients of the layer's inputs and weights (shared ones None without a shared expert)."""
+
+    dx: torch.Tensor
+    d_topk_w: torch.Tensor
+    d_w_gate: torch.Tensor
+    d_w_up: torch.Tensor
+    d_w_down: torch.Tensor
+    d_shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+def silu_grad(z: torch.Tensor) -> torch.Tensor:
+    """d silu(z) / dz = σ(z)·(1 + z·(1 - σ(z)))."""
+    sig = torch.sigmoid(z)
+    return sig * (1 + z * (1 - sig))
+
+
+def expert_backward(rows_x, g, scale, w_gate, w_up, w_down):
+    """Backward of one expert's SwiGLU MLP over a block of rows.
+
+    rows_x [M, H], g [M, H] (dout of each row's token), scale [M] (its router weight; ones for
+    the shared expert). Returns (dx_rows [M, H], d_scale [M], dW_gate, dW_up, dW_down).
+    """
+    h_g = rows_x @ w_gate.T
+    h_u = rows_x @ w_up.T
+    act = torch.nn.functional.silu(h_g)
+    a = act * h_u
+    da_unscaled = g @ w_down
+    d_scale = (da_unscaled * a).sum(1)
+    da = scale[:, None] * da_unscaled
+    d_h_u = da * act
+    d_h_g = da * h_u * silu_grad(h_g)
+    dx_rows = d_h_g @ w_gate + d_h_u @ w_up
+    d_w_down = (scale[:, None] * g).T @ a
+    return dx_rows, d_scale, d_h_g.T @ rows_x, d_h_u.T @ rows_x, d_w_down
+
+
+def moe_backward_reference(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: tuple | None,
+    dout: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> Gradients:
+    """All gradients of :func:`mok.reference.moe_reference` for the output gradient ``dout`` [T, H]."""
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    experts = RoutedExperts(w_gate, w_up, w_down)
+    hidden = check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2).shape[1]
+    num_experts, _ = check_experts(experts, hidden, x.device)
+    num_tokens, _, topk = check_routing(x, topk_idx, topk_w, num_experts)
+    check_shared(shared, hidden, x.device)
+    check_tensor("dout", dout, dtypes=FLOAT_DTYPES, shape=(num_tokens, hidden), device=x.device)
+
+    xc, wc, g = (t.to(dtype) for t in (x, topk_w, dout))
+    wg, wu, wd = (t.to(dtype) for t in experts)
+    dx_slot = xc.new_zeros(num_tokens, topk, hidden)
+    d_topk_w = wc.new_zeros(num_tokens, topk)
+    d_wg, d_wu, d_wd = torch.zeros_like(wg), torch.zeros_like(wu), torch.zeros_like(wd)
+    for e in range(num_experts):
+        tok, slot = expert_rows(topk_idx, e)
+        if tok.numel() == 0:
+            continue
+        dx_rows, d_s, d_wg[e], d_wu[e], d_wd[e] = expert_backward(xc[tok], g[tok], wc[tok, slot], wg[e], wu[e], wd[e])
+        dx_slot[tok, slot] = dx_rows
+        d_topk_w[tok, slot] = d_s
+
+    dx = xc.new_zeros(num_tokens, hidden)
+    d_shared = None
+    if shared is not None:
+        sg, su, sd = (t.to(dtype) for t in shared)
+        dx, _, d_sg, d_su, d_sd = expert_backward(xc, g, xc.new_ones(num_tokens), sg, su, sd)
+        d_shared = (d_sg, d_su, d_sd)
+    for j in range(topk):
+        dx = dx + dx_slot[:, j]
+    return Gradients(dx, d_topk_w, d_wg, d_wu, d_wd, d_shared)
