@@ -22,7 +22,7 @@ import torch
 from . import ops
 from .reference import SharedExpert
 from .schedule import Schedule
-from .validation import check_index_range, check_tensor
+from .validation import check_moe_inputs
 
 TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to it
 
@@ -33,36 +33,6 @@ class ForwardResult:
 
     out: torch.Tensor
     schedule: Schedule
-
-
-def _check_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared) -> tuple[int, int, int, int]:
-    bf16 = (torch.bfloat16,)
-    check_tensor("x", x, dtypes=bf16, ndim=2, contiguous=True)
-    if x.device.type != "cuda":
-        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
-    dev = x.device
-    num_tokens, hidden = x.shape
-    check_tensor("w_gate", w_gate, dtypes=bf16, ndim=3, device=dev, contiguous=True)
-    num_experts, inter, _ = w_gate.shape
-    check_tensor("w_gate", w_gate, shape=(num_experts, inter, hidden))
-    check_tensor("w_up", w_up, dtypes=bf16, shape=(num_experts, inter, hidden), device=dev, contiguous=True)
-    check_tensor("w_down", w_down, dtypes=bf16, shape=(num_experts, hidden, inter), device=dev, contiguous=True)
-    check_tensor("topk_idx", topk_idx, dtypes=(torch.int32, torch.int64), ndim=2, device=dev)
-    if topk_idx.shape[0] != num_tokens:
-        raise ValueError(f"topk_idx: expected {num_tokens} rows (as x), got {topk_idx.shape[0]}")
-    topk = topk_idx.shape[1]
-    if not 1 <= topk <= num_experts:
-        raise ValueError(f"topk_idx: expected 1 <= k <= num_experts={num_experts}, got k={topk}")
-    check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=dev, contiguous=True)
-    if shared is not None:
-        if not isinstance(shared, tuple) or len(shared) != 3:
-            raise TypeError(f"shared: expected None or (gate, up, down) weights, got {type(shared).__name__}")
-        check_tensor("shared.gate", shared[0], dtypes=bf16, ndim=2, device=dev, contiguous=True)
-        s_inter = shared[0].shape[0]
-        check_tensor("shared.gate", shared[0], shape=(s_inter, hidden))
-        check_tensor("shared.up", shared[1], dtypes=bf16, shape=(s_inter, hidden), device=dev, contiguous=True)
-        check_tensor("shared.down", shared[2], dtypes=bf16, shape=(hidden, s_inter), device=dev, contiguous=True)
-    return num_tokens, hidden, inter, num_experts
 
 
 def _shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
@@ -91,9 +61,12 @@ def moe_forward(
     back from the GPU; pass False inside CUDA-graph capture (the forward itself never
     synchronises with the host). ``out`` optionally receives the result ([T, H] bf16).
     """
-    num_tokens, hidden, inter, num_experts = _check_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
-    if check_routing:
-        check_index_range("topk_idx", topk_idx, num_experts)
+    if isinstance(x, torch.Tensor) and x.device.type != "cuda":
+        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
+    _, _, _, num_experts, _ = check_moe_inputs(
+        x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
+        dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,
+    )
     sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M)
     x_rows = ops.gather_rows(x, sched.row_token)
     a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import combine_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_variant
-from .schedule import Schedule, worst_case_capacity
+from .schedule import Schedule, check_schedule_args
 from .runtime.arch import device_arch
 from .validation import check_tensor
 
@@ -193,19 +193,10 @@ def device_schedule(
     topk_idx: [N, k] int32 on the GPU (global expert ids, canonical token order). The
     overflow field is an int32 flag (non-zero: the routing needed more than ``capacity`` rows).
     """
-    check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    num_tokens, topk, num_local, capacity = check_schedule_args(topk_idx, num_experts, block_m, capacity, rank, world_size)
+    check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), contiguous=True)
     if topk_idx.device.type != "cuda":
         raise ValueError(f"topk_idx: expected a CUDA tensor, got one on {topk_idx.device}")
-    if num_experts % world_size:
-        raise ValueError(f"num_experts: expected a multiple of world_size={world_size}, got {num_experts}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank}")
-    num_tokens, topk = topk_idx.shape
-    num_local = num_experts // world_size
-    if capacity is None:
-        capacity = worst_case_capacity(num_tokens, topk, num_local, block_m)
-    if capacity % block_m:
-        raise ValueError(f"capacity: expected a multiple of block_m={block_m}, got {capacity}")
     _check_32bit("topk_idx", topk_idx)
     dev = topk_idx.device
     i32 = dict(dtype=torch.int32, device=dev)

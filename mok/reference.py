@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from .validation import check_moe_inputs
 
 
 class SharedExpert(NamedTuple):
@@ -43,50 +43,6 @@ class RoutedExperts(NamedTuple):
 def swiglu_mlp(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP of a block of rows: (silu(rows·w_gateᵀ) ⊙ rows·w_upᵀ)·w_downᵀ."""
     return (F.silu(rows @ w_gate.T) * (rows @ w_up.T)) @ w_down.T
-
-
-def check_routing(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int
-) -> tuple[int, int, int]:
-    """Validate x [T, H], topk_idx [T, k] (int) and topk_w [T, k] (fp32/fp64); returns (T, H, k)."""
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
-    num_tokens, hidden = x.shape
-    check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, ndim=2, device=x.device)
-    if topk_idx.shape[0] != num_tokens:
-        raise ValueError(f"topk_idx: expected {num_tokens} rows (as x), got {topk_idx.shape[0]}")
-    topk = topk_idx.shape[1]
-    if topk < 1:
-        raise ValueError(f"topk_idx: expected at least one column (k >= 1), got shape {list(topk_idx.shape)}")
-    if topk > num_experts:
-        raise ValueError(f"topk_idx: expected k <= num_experts={num_experts}, got k={topk}")
-    check_tensor("topk_w", topk_w, dtypes=(torch.float32, torch.float64), shape=(num_tokens, topk), device=x.device)
-    check_index_range("topk_idx", topk_idx, num_experts)
-    return num_tokens, hidden, topk
-
-
-def check_experts(experts: RoutedExperts, hidden: int, device: torch.device) -> tuple[int, int]:
-    """Validate routed-expert weights against H; returns (E_local, I)."""
-    gate, up, down = experts
-    check_tensor("w_gate", gate, dtypes=FLOAT_DTYPES, ndim=3, device=device)
-    num_local, inter, _ = gate.shape
-    check_tensor("w_gate", gate, shape=(num_local, inter, hidden))
-    check_tensor("w_up", up, dtypes=FLOAT_DTYPES, shape=(num_local, inter, hidden), device=device)
-    check_tensor("w_down", down, dtypes=FLOAT_DTYPES, shape=(num_local, hidden, inter), device=device)
-    return num_local, inter
-
-
-def check_shared(shared: SharedExpert | None, hidden: int, device: torch.device) -> None:
-    """Validate the optional shared expert's weights against H."""
-    if shared is None:
-        return
-    if not isinstance(shared, tuple) or len(shared) != 3:
-        raise TypeError(f"shared: expected None or (gate, up, down) weights, got {type(shared).__name__}")
-    gate, up, down = shared
-    check_tensor("shared.gate", gate, dtypes=FLOAT_DTYPES, ndim=2, device=device)
-    inter = gate.shape[0]
-    check_tensor("shared.gate", gate, shape=(inter, hidden))
-    check_tensor("shared.up", up, dtypes=FLOAT_DTYPES, shape=(inter, hidden), device=device)
-    check_tensor("shared.down", down, dtypes=FLOAT_DTYPES, shape=(hidden, inter), device=device)
 
 
 def expert_rows(topk_idx: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,11 +90,8 @@ def moe_reference(
     """MoE layer output [T, H] in ``dtype``, all E experts on this process (EP = 1)."""
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     experts = RoutedExperts(w_gate, w_up, w_down)
-    hidden = check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2).shape[1]
-    num_experts, _ = check_experts(experts, hidden, x.device)
-    check_routing(x, topk_idx, topk_w, num_experts)
-    check_shared(shared, hidden, x.device)
     xc, wc = _upcast(dtype, x, topk_w)
     experts = RoutedExperts(*_upcast(dtype, *experts))
     y = expert_outputs(xc, topk_idx, experts)
@@ -172,11 +125,9 @@ def moe_reference_ep(
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
     world = dist.get_world_size(group)
+    num_local = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 3 else 0
+    _, hidden, _, _, _ = check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, experts_total=num_local * world)
     experts = RoutedExperts(w_gate, w_up, w_down)
-    hidden = check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2).shape[1]
-    num_local, _ = check_experts(experts, hidden, x.device)
-    check_routing(x, topk_idx, topk_w, num_local * world)
-    check_shared(shared, hidden, x.device)
     rank = dist.get_rank(group)
     group = group if group is not None else dist.group.WORLD
 

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from .reference import RoutedExperts, check_experts, check_routing, check_shared, expert_rows
-from .validation import FLOAT_DTYPES, check_tensor
+from .reference import RoutedExperts, expert_rows
+from .validation import FLOAT_DTYPES, check_moe_inputs, check_tensor
 
 
 class Gradients(NamedTuple):
@@ -80,11 +80,8 @@ def moe_backward_reference(
     """All gradients of :func:`mok.reference.moe_reference` for the output gradient ``dout`` [T, H]."""
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    num_tokens, hidden, _, num_experts, topk = check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     experts = RoutedExperts(w_gate, w_up, w_down)
-    hidden = check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2).shape[1]
-    num_experts, _ = check_experts(experts, hidden, x.device)
-    num_tokens, _, topk = check_routing(x, topk_idx, topk_w, num_experts)
-    check_shared(shared, hidden, x.device)
     check_tensor("dout", dout, dtypes=FLOAT_DTYPES, shape=(num_tokens, hidden), device=x.device)
 
     xc, wc, g = (t.to(dtype) for t in (x, topk_w, dout))

@@ -68,21 +68,10 @@ def worst_case_capacity(num_tokens: int, topk: int, num_local_experts: int, bloc
     return -(-padded // block_m) * block_m
 
 
-def build_schedule(
-    topk_idx: torch.Tensor,
-    num_experts: int,
-    *,
-    block_m: int = 128,
-    capacity: int | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-) -> Schedule:
-    """Schedule of rank ``rank``'s experts for the global routing ``topk_idx`` [N, k].
-
-    ``topk_idx`` holds all ranks' routing concatenated in rank order (row g is global
-    token g) with global expert ids; rank r owns experts [r·E/W, (r+1)·E/W). ``capacity``
-    (a multiple of ``block_m``) defaults to :func:`worst_case_capacity`.
-    """
+def check_schedule_args(
+    topk_idx: torch.Tensor, num_experts: int, block_m: int, capacity: int | None, rank: int, world_size: int
+) -> tuple[int, int, int, int]:
+    """Validate a schedule request; returns (N, k, local experts, capacity with its default)."""
     check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, ndim=2)
     check_positive_int("num_experts", num_experts)
     check_positive_int("block_m", block_m)
@@ -98,6 +87,25 @@ def build_schedule(
     check_positive_int("capacity", capacity, minimum=0)
     if capacity % block_m:
         raise ValueError(f"capacity: expected a multiple of block_m={block_m}, got {capacity}")
+    return num_tokens, topk, num_local, capacity
+
+
+def build_schedule(
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    *,
+    block_m: int = 128,
+    capacity: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Schedule:
+    """Schedule of rank ``rank``'s experts for the global routing ``topk_idx`` [N, k].
+
+    ``topk_idx`` holds all ranks' routing concatenated in rank order (row g is global
+    token g) with global expert ids; rank r owns experts [r·E/W, (r+1)·E/W). ``capacity``
+    (a multiple of ``block_m``) defaults to :func:`worst_case_capacity`.
+    """
+    num_tokens, topk, num_local, capacity = check_schedule_args(topk_idx, num_experts, block_m, capacity, rank, world_size)
 
     device = topk_idx.device
     i64 = dict(dtype=torch.int64, device=device)

@@ -70,3 +70,56 @@ def check_index_range(name: str, index: torch.Tensor, upper: int) -> None:
     if lo < 0 or hi >= upper:
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name}: expected every entry in [0, {upper}), got {bad}")
+
+
+def check_moe_inputs(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: tuple | None,
+    *,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    router_dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
+    contiguous: bool = False,
+    experts_total: int | None = None,
+    check_range: bool = True,
+) -> tuple[int, int, int, int, int]:
+    """Validate one MoE layer call; returns (T, H, I, E_local, k).
+
+    x [T, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]; topk_idx [T, k] with ids in
+    [0, experts_total) (default E_local); topk_w [T, k]; shared None or (gate [I_s, H],
+    up [I_s, H], down [H, I_s]). ``check_range`` reads two scalars back from the device.
+    """
+    check_tensor("x", x, dtypes=dtypes, ndim=2, contiguous=contiguous)
+    num_tokens, hidden = x.shape
+    dev = x.device
+    check_tensor("w_gate", w_gate, dtypes=dtypes, ndim=3, device=dev, contiguous=contiguous)
+    num_local, inter, _ = w_gate.shape
+    check_tensor("w_gate", w_gate, shape=(num_local, inter, hidden))
+    check_tensor("w_up", w_up, dtypes=dtypes, shape=(num_local, inter, hidden), device=dev, contiguous=contiguous)
+    check_tensor("w_down", w_down, dtypes=dtypes, shape=(num_local, hidden, inter), device=dev, contiguous=contiguous)
+    experts_total = num_local if experts_total is None else experts_total
+    check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, ndim=2, device=dev)
+    if topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx: expected {num_tokens} rows (as x), got {topk_idx.shape[0]}")
+    topk = topk_idx.shape[1]
+    if topk < 1:
+        raise ValueError(f"topk_idx: expected at least one column (k >= 1), got shape {list(topk_idx.shape)}")
+    if topk > experts_total:
+        raise ValueError(f"topk_idx: expected k <= num_experts={experts_total}, got k={topk}")
+    check_tensor("topk_w", topk_w, dtypes=router_dtypes, shape=(num_tokens, topk), device=dev, contiguous=contiguous)
+    if shared is not None:
+        if not isinstance(shared, tuple) or len(shared) != 3:
+            raise TypeError(f"shared: expected None or (gate, up, down) weights, got {type(shared).__name__}")
+        gate, up, down = shared
+        check_tensor("shared.gate", gate, dtypes=dtypes, ndim=2, device=dev, contiguous=contiguous)
+        s_inter = gate.shape[0]
+        check_tensor("shared.gate", gate, shape=(s_inter, hidden))
+        check_tensor("shared.up", up, dtypes=dtypes, shape=(s_inter, hidden), device=dev, contiguous=contiguous)
+        check_tensor("shared.down", down, dtypes=dtypes, shape=(hidden, s_inter), device=dev, contiguous=contiguous)
+    if check_range:
+        check_index_range("topk_idx", topk_idx, experts_total)
+    return num_tokens, hidden, inter, num_local, topk

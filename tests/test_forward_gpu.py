@@ -10,8 +10,8 @@ import torch
 
 from mok import ops
 from mok.forward import moe_forward
-from mok.kernels import compiled_ptx, grouped_gemm_variant
-from mok.reference import moe_reference, swiglu_mlp
+from mok.kernels import grouped_gemm_variant
+from mok.reference import moe_reference
 
 pytestmark = pytest.mark.gpu
 
