@@ -1,0 +1,54 @@
+"""Workspace rules that need no GPU: the multicast guard and the cross-rank shape check."""
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mok.runtime.workspace import SymmetricWorkspace, agree_on_spec, check_multicast_allowed
+
+
+@pytest.mark.parametrize("name,value", [("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")])
+def test_multicast_refused_by_each_switch(name, value):
+    with pytest.raises(RuntimeError, match=f"NVLink multicast refused: {name}={value}"):
+        check_multicast_allowed(True, env={name: value})
+
+
+def test_multicast_not_requested_is_fine_and_allowed_request_is_not_served():
+    check_multicast_allowed(False, env={"NCCL_NVLS_ENABLE": "0"})
+    with pytest.raises(NotImplementedError, match="no multicast path"):
+        check_multicast_allowed(True, env={})
+
+
+def test_workspace_refuses_multicast_before_touching_anything(monkeypatch):
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")
+    with pytest.raises(RuntimeError, match="NVSHMEM_DISABLE_NVLS=1"):
+        SymmetricWorkspace(1 << 20, group=object(), multicast=True)
+
+
+def test_workspace_rejects_bad_size():
+    with pytest.raises(ValueError, match="nbytes: expected a positive int, got 0"):
+        SymmetricWorkspace(0)
+
+
+def _spec_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        agree_on_spec({"hidden": 7168, "topk": 8}, None)  # agreement passes
+        try:
+            agree_on_spec({"hidden": 7168 if rank == 0 else 4096, "topk": 8}, None)
+            msg = "no error"
+        except ValueError as err:
+            msg = str(err)
+        with open(f"{out_dir}/{rank}.txt", "w") as f:
+            f.write(msg)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_disagreeing_on_shapes_raise_on_every_rank(tmp_path):
+    mp.spawn(_spec_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        msg = (tmp_path / f"{rank}.txt").read_text()
+        assert "ranks disagree on hidden" in msg, msg
+        assert "7168" in msg and "4096" in msg

@@ -1,0 +1,71 @@
+"""Symmetric workspace on two GPUs: peer mappings carry data both ways, SM loads read a peer's memory."""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+ROWS, WIDTH = 64, 1024  # bf16
+
+
+def _worker(rank, init_file, out_dir):
+    import cutlass
+    from cuda.bindings import driver
+    from cutlass.cute.runtime import make_ptr
+
+    from mok.kernels import gather_variant, get_kernel
+    from mok.ops import _i32, _ptr, _stream
+    from mok.runtime.arch import device_arch
+    from mok.runtime.workspace import SymmetricWorkspace, get_workspace
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    result = []
+    try:
+        nbytes = ROWS * WIDTH * 2
+        ws = get_workspace(nbytes, spec={"rows": ROWS, "width": WIDTH})
+        assert get_workspace(nbytes, spec={"rows": ROWS, "width": WIDTH}) is ws  # reused
+        mine = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(100 + rank)).bfloat16()
+        host = mine.view(torch.int16).numpy().tobytes()
+        assert driver.cuMemcpyHtoD(ws.local_ptr, host, len(host))[0] == driver.CUresult.CUDA_SUCCESS
+        torch.cuda.synchronize()
+        dist.barrier()
+        peer = 1 - rank
+        want = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(100 + peer)).bfloat16()
+        # copy engine read of the peer's buffer
+        buf = np.empty(ROWS * WIDTH, dtype=np.int16)
+        assert driver.cuMemcpyDtoH(buf, ws.peer_ptr(peer), len(host))[0] == driver.CUresult.CUDA_SUCCESS
+        result.append(torch.equal(torch.from_numpy(buf).view(torch.bfloat16).view(ROWS, WIDTH), want))
+        # SM loads straight from the peer's memory: the gather kernel with the peer address as source
+        index = torch.arange(ROWS - 1, -1, -1, device="cuda", dtype=torch.int32)
+        out = torch.full((ROWS, WIDTH), float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernel = get_kernel(gather_variant(WIDTH), device_arch())
+        src = make_ptr(cutlass.BFloat16, ws.peer_ptr(peer), cutlass.cute.AddressSpace.gmem, assumed_align=16)
+        kernel(src, _ptr("i32", index, 4), _ptr("bf16", out), _i32(ROWS), _i32(ROWS), _stream(out.device))
+        torch.cuda.synchronize()
+        result.append(torch.equal(out.cpu(), want.flip(0)))
+        dist.barrier()
+        # teardown leaves device memory where it was
+        ws.close()
+        assert ws.closed
+        free_before = driver.cuMemGetInfo()[1]
+        for _ in range(5):
+            with SymmetricWorkspace(64 << 20, spec={"round": 1}) as w:
+                assert w.peer_table.tolist() == [w.peer_ptr(0), w.peer_ptr(1)]
+            dist.barrier()
+        result.append(abs(driver.cuMemGetInfo()[1] - free_before) < (8 << 20))
+        dist.barrier()
+    finally:
+        torch.save(result, f"{out_dir}/{rank}.pt")
+        dist.destroy_process_group()
+
+
+def test_workspace_on_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"{rank}.pt") == [True, True, True], rank
