@@ -31,6 +31,15 @@ def _check_32bit(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected fewer than 2**31 elements (32-bit indexing), got {t.numel()}")
 
 
+def _bf16_out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """The caller's ``out`` after checking it (bf16, shape, device, contiguous, aligned), or a new one."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    check_tensor("out", out, dtypes=BF16, shape=shape, device=device, contiguous=True)
+    _check_cuda_aligned("out", out)
+    return out
+
+
 def _ptr(dtype_name: str, t: torch.Tensor | None, align: int = _ALIGN):
     import cutlass
     from cutlass.cute.runtime import make_ptr
@@ -93,11 +102,7 @@ def combine(
     if shared_out is not None:
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=y.device, contiguous=True)
         _check_cuda_aligned("shared_out", shared_out)
-    if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y.device)
-    else:
-        check_tensor("out", out, dtypes=BF16, shape=(num_tokens, hidden), device=y.device, contiguous=True)
-        _check_cuda_aligned("out", out)
+    out = _bf16_out(out, (num_tokens, hidden), y.device)
     if num_tokens == 0:
         return out
     kernel = _kernel(combine_variant(hidden, topk, shared_out is not None, gathered), y.device)
@@ -117,11 +122,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | N
     num_out, width = index.shape[0], src.shape[1]
     if width % 8:
         raise ValueError(f"src: expected a row width % 8 == 0, got {width}")
-    if out is None:
-        out = torch.empty(num_out, width, dtype=src.dtype, device=src.device)
-    else:
-        check_tensor("out", out, dtypes=BF16, shape=(num_out, width), device=src.device, contiguous=True)
-        _check_cuda_aligned("out", out)
+    out = _bf16_out(out, (num_out, width), src.device)
     _check_32bit("out", out)
     if num_out == 0:
         return out
@@ -161,10 +162,7 @@ def grouped_gemm(
     check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(tiles,), device=a.device, contiguous=True)
     if n % 128 or k % 64:
         raise ValueError(f"b: expected N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
-    if out is None:
-        out = torch.empty(num_rows, n, dtype=torch.bfloat16, device=a.device)
-    else:
-        check_tensor("out", out, dtypes=BF16, shape=(num_rows, n), device=a.device, contiguous=True)
+    out = _bf16_out(out, (num_rows, n), a.device)
     for name, t in (("a", a), ("b", b), ("b2", b2), ("out", out)):
         if t is not None:
             _check_cuda_aligned(name, t)
