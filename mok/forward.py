@@ -8,9 +8,11 @@
     gathered combine           -> out[t] = shared[t] + Σ_j w[t, j]·y_rows[slot_row[t, j]]
 
 Every kernel's configuration depends only on (H, I, E, k), so a token's output does not
-depend on the other tokens in the batch. Saved for backward (next): x_rows is not kept;
-the backward re-gathers x and recomputes h = x_rows·w_gateᵀ, x_rows·w_upᵀ from the
-schedule, which it keeps (routing only, 4 bytes per (token, slot)).
+depend on the other tokens in the batch. With ``save_for_backward`` the gate/up GEMM also
+writes h = [x_rows·w_gateᵀ | x_rows·w_upᵀ] (bf16, [R, 2I], and [T, 2I_s] for the shared
+expert); the backward (mok/backward.py) needs h, the schedule and x, never a or y.
+Saved bytes per token: 2·k·2I (h, plus the padding rows of each expert's last tile) +
+2·2I_s (shared h) + the schedule's int32 row maps.
 """
 
 from __future__ import annotations
@@ -29,16 +31,23 @@ TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to 
 
 @dataclass
 class ForwardResult:
-    """The layer output and what the backward will need."""
+    """The layer output and what the backward needs (h and shared_h only when saved)."""
 
     out: torch.Tensor
     schedule: Schedule
+    h: torch.Tensor | None = None
+    shared_h: torch.Tensor | None = None
 
 
-def _shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
+def single_expert_tiles(num_rows: int, device: torch.device) -> torch.Tensor:
+    """tile_expert for a GEMM over all rows with one expert (the shared expert)."""
+    return torch.zeros(-(-num_rows // TILE_M), dtype=torch.int32, device=device)
+
+
+def _shared_expert(x: torch.Tensor, shared: SharedExpert, h_out: torch.Tensor | None) -> torch.Tensor:
     """The shared expert as a grouped GEMM with one expert over all of x."""
-    tiles = torch.zeros(-(-x.shape[0] // TILE_M), dtype=torch.int32, device=x.device)
-    a = ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None])
+    tiles = single_expert_tiles(x.shape[0], x.device)
+    a = ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=h_out)
     return ops.grouped_gemm(a, shared[2][None], tiles)
 
 
@@ -53,6 +62,7 @@ def moe_forward(
     *,
     check_routing: bool = True,
     out: torch.Tensor | None = None,
+    save_for_backward: bool = False,
 ) -> ForwardResult:
     """MoE layer output [T, H] bf16 for bf16 x [T, H] and bf16 weights, all experts on this GPU.
 
@@ -60,6 +70,7 @@ def moe_forward(
     ``check_routing`` (the default) expert ids are range-checked, which reads two scalars
     back from the GPU; pass False inside CUDA-graph capture (the forward itself never
     synchronises with the host). ``out`` optionally receives the result ([T, H] bf16).
+    ``save_for_backward`` keeps h (see the module docstring) in the result.
     """
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
@@ -69,8 +80,13 @@ def moe_forward(
     )
     sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M)
     x_rows = ops.gather_rows(x, sched.row_token)
-    a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up)
+    h = shared_h = None
+    if save_for_backward:
+        h = torch.empty(x_rows.shape[0], 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
+        if shared is not None:
+            shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
+    a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
-    shared_out = None if shared is None else _shared_expert(x, shared)
+    shared_out = None if shared is None else _shared_expert(x, shared, shared_h)
     out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
-    return ForwardResult(out=out, schedule=sched)
+    return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)

@@ -138,43 +138,74 @@ def grouped_gemm(
     *,
     b2: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    b_major: str = "k",
+    k_split: bool = False,
     tile_n: int | None = None,
     stages: int | None = None,
 ) -> torch.Tensor:
-    """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · b[tile_expert[m]]ᵀ (bf16, fp32 accumulation).
+    """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (bf16, fp32 accumulation).
 
-    a: [R, K] bf16, rows grouped by expert in 128-row tiles. b: [E, N, K] bf16, one K-major
-    matrix per expert. tile_expert: [ceil(R / 128)] int32, the expert of each row tile, -1 to
-    skip the tile (its output rows are left unwritten). With ``b2`` (the up projection,
-    shaped like b) the epilogue writes silu(a·bᵀ) ⊙ (a·b2ᵀ) instead. out: [R, N] bf16.
-    Needs N % 128 == 0 and K % 64 == 0; Hopper (sm_90a) only so far. ``tile_n`` overrides
-    the column tile (64, 128 or 256 dividing N; default from the static shape), ``stages``
-    the shared-memory pipeline depth (default: as deep as fits).
+    a: [R, K] bf16, rows grouped by expert in 128-row tiles. tile_expert: [ceil(R / 128)]
+    int32, the expert of each row tile, -1 to skip the tile (its output rows are left
+    unwritten). b: [E, N, K] (``b_major="k"``: B = bᵀ, the forward's weights) or [E, K, N]
+    (``b_major="n"``: B = b, the same weights in the backward). With ``b2`` shaped like b:
+    SwiGLU, out = silu(a·B)⊙(a·B2), and ``h_out`` [R, 2N] (optional) receives the pre-activations
+    [a·B | a·B2] for the backward; or, with ``k_split``, b and b2 hold the two halves of K
+    (b, b2 [E, K/2, N]: out = a[:, :K/2]·b + a[:, K/2:]·b2). out: [R, N] bf16.
+    Needs N % 128 == 0 and K % 64 == 0 (K % 128 with ``k_split``); Hopper (sm_90a) only so
+    far. ``tile_n`` overrides the column tile (64, 128 or 256 dividing N; default from the
+    static shape), ``stages`` the shared-memory pipeline depth (default: as deep as fits).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
+    if b_major not in ("k", "n"):
+        raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
+    if k_split and b2 is None:
+        raise ValueError("k_split: needs b2, the weights of K's second half")
     check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
-    num_experts, n, _ = b.shape
-    check_tensor("b", b, shape=(num_experts, n, k))
+    num_experts = b.shape[0]
+    n = b.shape[1] if b_major == "k" else b.shape[2]
+    b_k = k // 2 if k_split else k
+    b_shape = (num_experts, n, b_k) if b_major == "k" else (num_experts, b_k, n)
+    check_tensor("b", b, shape=b_shape)
     if b2 is not None:
-        check_tensor("b2", b2, dtypes=BF16, shape=(num_experts, n, k), device=a.device, contiguous=True)
+        check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device, contiguous=True)
+    if h_out is not None:
+        if b2 is None or k_split:
+            raise ValueError("h_out: only with the SwiGLU epilogue (b2 given, no k_split)")
+        check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * n), device=a.device, contiguous=True)
     tiles = -(-num_rows // 128)
     check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(tiles,), device=a.device, contiguous=True)
-    if n % 128 or k % 64:
-        raise ValueError(f"b: expected N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
+    if n % 128 or k % (128 if k_split else 64):
+        raise ValueError(f"b: expected N % 128 == 0 and K % {128 if k_split else 64} == 0, got N={n}, K={k}")
     out = _bf16_out(out, (num_rows, n), a.device)
-    for name, t in (("a", a), ("b", b), ("b2", b2), ("out", out)):
+    for name, t in (("a", a), ("b", b), ("b2", b2), ("out", out), ("h_out", h_out)):
         if t is not None:
             _check_cuda_aligned(name, t)
             _check_32bit(name, t)
     if num_rows == 0:
         return out
-    kernel = _kernel(grouped_gemm_variant(n, k, b2 is not None, tile_n, stages), a.device)
-    kernel(
-        _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b if b2 is None else b2), _ptr("bf16", out),
-        _ptr("i32", tile_expert, 4), _i32(num_rows), _i32(num_experts), _stream(a.device),
+    epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
+    variant = grouped_gemm_variant(n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split)
+    launch_grouped_gemm(
+        variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, num_rows=num_rows, num_experts=num_experts
     )
     return out
+
+
+def launch_grouped_gemm(
+    variant, a, b, b2, out, tile_expert, *, h=None, a_scaled=None, partial=None, row_token=None, row_slot=None,
+    topk_w=None, num_rows: int, num_experts: int, num_tokens: int = 1,
+) -> None:
+    """Launch a checked grouped-GEMM variant (arguments it does not use may be None)."""
+    kernel = _kernel(variant, a.device)
+    kernel(
+        _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b2), _ptr("bf16", out), _ptr("i32", tile_expert, 4),
+        _ptr("bf16", h), _ptr("bf16", a_scaled), _ptr("f32", partial, 4), _ptr("i32", row_token, 4),
+        _ptr("i32", row_slot, 4), _ptr("f32", topk_w, 4),
+        _i32(num_rows), _i32(num_experts), _i32(num_tokens), _stream(a.device),
+    )
 
 
 def device_schedule(

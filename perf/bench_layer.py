@@ -1,12 +1,15 @@
-"""MoE layer forward on one GPU: MoK's fused path against the plain PyTorch path, side by side.
+"""MoE layer on one GPU: MoK's fused path against the plain PyTorch path, side by side.
 
-    python perf/bench_layer.py [--configs dsv3,qwen3,dsv3-zipf]
+    python perf/bench_layer.py [--configs dsv3,qwen3,dsv3-zipf] [--backward]
 
 For each config, on the same inputs in one process: MoK's forward, the PyTorch path users
 write (router-grouped torch._grouped_mm for gate/up and down, SwiGLU, weighting and
 index_add combine), and a dense bf16 GEMM of the same FLOPs as the ceiling. Prints ms,
 TFLOP/s (6·T·k·H·I per forward, plus 6·T·H·I_s for a shared expert), the ratios, and the
-number of kernel launches per forward (torch.profiler).
+number of kernel launches per forward (torch.profiler). With ``--backward`` each path runs
+forward + backward (MoK: moe_forward(save_for_backward=True) + moe_backward; PyTorch:
+autograd through the same path, gradients of x, router weights and all weights), counted
+as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from mok.backward import moe_backward
 from mok.bench import time_ms
 from mok.forward import moe_forward
 
@@ -66,6 +70,22 @@ def torch_forward(x, idx, w, experts, shared):
     return out.bfloat16()
 
 
+def mok_train_step(inputs, dout):
+    """MoK forward (keeping h) and backward: all gradients."""
+    x, idx, w, experts, shared = inputs
+    saved = moe_forward(x, idx, w, *experts, shared, check_routing=False, save_for_backward=True)
+    return moe_backward(dout, x, idx, w, *experts, shared, saved)
+
+
+def torch_train_step(inputs, dout):
+    """The PyTorch path's forward and autograd backward: gradients of x, router weights and weights."""
+    x, idx, w, experts, shared = inputs
+    leaves = [t.detach().requires_grad_() for t in (x, w, *experts, *(shared or ()))]
+    xl, wl, wg, wu, wd, *sh = leaves
+    out = torch_forward(xl, idx, wl, (wg, wu, wd), tuple(sh) if sh else None)
+    return torch.autograd.grad(out, leaves, dout)
+
+
 def graph_of(fn):
     """fn captured once in a CUDA graph; the returned callable replays it (no host launch work)."""
     fn()  # compile and load outside the capture
@@ -104,6 +124,7 @@ def kernel_times(fn, top: int = 6) -> list[tuple[str, float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = f"{'config':<11}{'path':<13}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
@@ -114,21 +135,33 @@ def main() -> int:
         flops = 6 * T * k * H * I + (6 * T * H * s_inter if s_inter else 0)
         dense_a = torch.randn(T * k, H, device="cuda").bfloat16()
         dense_b = torch.randn(H, 3 * I + (3 * s_inter // k if s_inter else 0), device="cuda").bfloat16()
-        paths = {
-            "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
-            "mok (graph)": graph_of(lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out),
-            "torch": lambda: torch_forward(*inputs),
-            "dense gemm": lambda: dense_a @ dense_b,
-        }
+        if args.backward:
+            flops *= 3  # backward: dx and dW, twice the forward's products
+            dout = torch.randn(T, H, device="cuda").bfloat16()
+            paths = {
+                "mok": lambda: mok_train_step(inputs, dout),
+                "mok (graph)": graph_of(lambda: mok_train_step(inputs, dout)),
+                "torch": lambda: torch_train_step(inputs, dout),
+                "dense gemm": lambda: [dense_a @ dense_b for _ in range(3)],
+            }
+        else:
+            paths = {
+                "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
+                "mok (graph)": graph_of(lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out),
+                "torch": lambda: torch_forward(*inputs),
+                "dense gemm": lambda: dense_a @ dense_b,
+            }
         ms = {p: time_ms(fn, batch=5, repeats=10) for p, fn in paths.items()}
         launches = {p: count_launches(fn) for p, fn in paths.items()}
         mok_out, torch_out = paths["mok"](), paths["torch"]()  # (the graph replays the same kernels)
+        if args.backward:  # compare dx
+            mok_out, torch_out = mok_out.dx, torch_out[0]
         agree = float((mok_out.float() - torch_out.float()).norm() / torch_out.float().norm())
         for p in paths:
             tflops = flops / ms[p] / 1e9
             print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}")
-        print(f"{name:<11}mok vs torch output: relative difference {agree:.2e}")
-        for kernel, ms_k in kernel_times(paths["mok"]):
+        print(f"{name:<11}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
+        for kernel, ms_k in kernel_times(paths["mok"], top=12 if args.backward else 6):
             print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:90]}")
     return 0
 

@@ -29,3 +29,40 @@ def random_layer(num_tokens, hidden, inter, num_experts, topk, shared_inter=None
             (torch.randn(hidden, shared_inter, generator=g) * shared_inter ** -0.5).to(dtype),
         )
     return x, topk_idx, topk_w, (w_gate, w_up, w_down), shared
+
+
+def rel_err(got, want):
+    """||got - want|| / ||want|| in fp32."""
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def gpu_layer(num_tokens, hidden, inter, num_experts, topk, shared_inter=None, seed=0, routing="uniform"):
+    """A bf16 layer on the GPU: x, topk_idx (int32), topk_w, (w_gate, w_up, w_down), shared or None."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    x = torch.randn(num_tokens, hidden, device=dev, generator=g).bfloat16()
+    if routing == "uniform":
+        idx = torch.rand(num_tokens, num_experts, device=dev, generator=g).topk(topk, dim=1).indices.int()
+    elif routing == "one_expert":  # every token's slot 0 on expert 0, the rest distinct
+        idx = torch.arange(topk, device=dev, dtype=torch.int32).repeat(num_tokens, 1)
+    else:  # zipf-skewed over experts
+        p = 1.0 / torch.arange(1, num_experts + 1, device=dev, dtype=torch.float32)
+        idx = torch.multinomial(p.expand(num_tokens, -1), topk, replacement=False, generator=g).int()
+    w = torch.rand(num_tokens, topk, device=dev, generator=g) + 0.05
+    s = hidden ** -0.5
+    wg = (torch.randn(num_experts, inter, hidden, device=dev, generator=g) * s).bfloat16()
+    wu = (torch.randn(num_experts, inter, hidden, device=dev, generator=g) * s).bfloat16()
+    wd = (torch.randn(num_experts, hidden, inter, device=dev, generator=g) * inter ** -0.5).bfloat16()
+    shared = None
+    if shared_inter:
+        shared = tuple(t.bfloat16().contiguous() for t in (
+            torch.randn(shared_inter, hidden, device=dev, generator=g) * s,
+            torch.randn(shared_inter, hidden, device=dev, generator=g) * s,
+            torch.randn(hidden, shared_inter, device=dev, generator=g) * shared_inter ** -0.5,
+        ))
+    return x, idx, w, (wg, wu, wd), shared
+
+
+def poisoned(*shape):
+    """A bf16 CUDA tensor of NaN: an element the kernel does not write stays NaN."""
+    return torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)

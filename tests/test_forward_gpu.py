@@ -13,41 +13,9 @@ from mok.forward import moe_forward
 from mok.kernels import grouped_gemm_variant
 from mok.reference import moe_reference
 
+from helpers import gpu_layer as layer, poisoned, rel_err
+
 pytestmark = pytest.mark.gpu
-
-
-def rel_err(got, want):
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
-def layer(num_tokens, hidden, inter, num_experts, topk, shared_inter=None, seed=0, routing="uniform"):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
-    x = torch.randn(num_tokens, hidden, device=dev, generator=g).bfloat16()
-    if routing == "uniform":
-        idx = torch.rand(num_tokens, num_experts, device=dev, generator=g).topk(topk, dim=1).indices.int()
-    elif routing == "one_expert":  # every token's slot 0 on expert 0, the rest distinct
-        idx = torch.arange(topk, device=dev, dtype=torch.int32).repeat(num_tokens, 1)
-    else:  # zipf-skewed over experts
-        p = 1.0 / torch.arange(1, num_experts + 1, device=dev, dtype=torch.float32)
-        idx = torch.multinomial(p.expand(num_tokens, -1), topk, replacement=False, generator=g).int()
-    w = torch.rand(num_tokens, topk, device=dev, generator=g) + 0.05
-    s = hidden ** -0.5
-    wg = (torch.randn(num_experts, inter, hidden, device=dev, generator=g) * s).bfloat16()
-    wu = (torch.randn(num_experts, inter, hidden, device=dev, generator=g) * s).bfloat16()
-    wd = (torch.randn(num_experts, hidden, inter, device=dev, generator=g) * inter ** -0.5).bfloat16()
-    shared = None
-    if shared_inter:
-        shared = tuple(t.bfloat16().contiguous() for t in (
-            torch.randn(shared_inter, hidden, device=dev, generator=g) * s,
-            torch.randn(shared_inter, hidden, device=dev, generator=g) * s,
-            torch.randn(hidden, shared_inter, device=dev, generator=g) * shared_inter ** -0.5,
-        ))
-    return x, idx, w, (wg, wu, wd), shared
-
-
-def poisoned(*shape):
-    return torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
 
 
 # ---- kernels one by one ---------------------------------------------------------------------

@@ -58,3 +58,37 @@ def test_schedule_ptx_places_rows_without_atomics(arch):
     assert count(r"match\.any\.sync", ptx) == 1  # lanes of one expert find each other
     assert count(r"\batom\.|\bred\.", ptx) == 0  # placement decided by scans, not atomics
     assert count(r"\.local", ptx) == 0
+
+
+@pytest.mark.parametrize(
+    "variant,trans_b,stores",
+    [
+        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_save"), 0, 3),  # a, h_gate, h_up
+        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8), 1, 3),  # dh_gate, dh_up, s·a
+        (grouped_gemm_variant(7168, 4096, b_major="n", k_split=True), 1, 1),
+    ],
+    ids=["swiglu_save", "swiglu_bwd", "dx_k_split"],
+)
+def test_backward_gemm_variants_use_wgmma_with_the_right_b_major(variant, trans_b, stores):
+    ptx = compiled_ptx(variant, "sm_90a")
+    tile_n = variant.config["tile_n"]
+    wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k16\.f32\.bf16\.bf16[^;]*;", ptx, re.S)
+    assert len(wgmma) == 4 * (2 if variant.config["epilogue"] == "swiglu_save" else 1)
+    # the last immediate of wgmma is trans-b: 1 reads B N-major (the weights transposed)
+    assert all(w.replace(" ", "").rstrip(";").endswith(f",{trans_b}") for w in wgmma)
+    subtiles = tile_n // 32  # the epilogue stores 128x32 subtiles, unrolled
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx) == stores * subtiles  # a TMA store per output
+    assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+
+
+@pytest.mark.parametrize("out_dtype,accumulate", [("bf16", False), ("f32", False), ("f32", True)])
+def test_weight_grad_ptx_reads_both_operands_mn_major(out_dtype, accumulate):
+    from mok.kernels import weight_grad_variant
+
+    ptx = compiled_ptx(weight_grad_variant(7168, 2048, out_dtype, accumulate), "sm_90a")
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16[^;]*;", ptx, re.S)
+    assert len(wgmma) == 4
+    assert all(w.replace(" ", "").rstrip(";").endswith(",1,1") for w in wgmma)  # trans-a, trans-b
+    assert count(r"cp\.reduce\.async\.bulk\.tensor", ptx) == (4 if accumulate else 0)  # main_grad: TMA reduce-add, 4 subtiles
+    assert count(r"\batom\.|\bred\.global", ptx) == 0  # no atomics: one CTA owns each output tile
+    assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0

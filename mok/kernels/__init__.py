@@ -74,26 +74,89 @@ def default_tile_n(n: int, k: int, swiglu: bool) -> int:
     return 256 if not swiglu and n % 256 == 0 else 128
 
 
-def grouped_gemm_variant(n: int, k: int, swiglu: bool, tile_n: int | None = None, stages: int | None = None) -> KernelVariant:
-    """Expert-grouped GEMM (sm_90a: WGMMA + TMA), with a SwiGLU epilogue for gate/up.
+def grouped_gemm_variant(
+    n: int,
+    k: int,
+    swiglu: bool = False,
+    tile_n: int | None = None,
+    stages: int | None = None,
+    *,
+    epilogue: str | None = None,
+    b_major: str = "k",
+    k_split: bool = False,
+    topk: int = 1,
+    unit_scale: bool = False,
+) -> KernelVariant:
+    """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
 
+    ``epilogue``: plain, swiglu, swiglu_save (also writes h) or swiglu_bwd (SwiGLU backward
+    with the router-weight gradient's partial sums; needs ``topk``, or ``unit_scale`` for the
+    shared expert). ``swiglu=True`` is shorthand for the swiglu epilogue. ``b_major`` "n"
+    reads B as [E, K, N]; ``k_split`` takes the two K halves from B and B2.
     ``stages``: shared-memory pipeline depth; None fills shared memory (one CTA per SM).
     """
-    tile_n = default_tile_n(n, k, swiglu) if tile_n is None else tile_n
+    epilogue = epilogue or ("swiglu" if swiglu else "plain")
+    tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
+    topk = topk if epilogue == "swiglu_bwd" and not unit_scale else 1
+    options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale)
 
-    def build(arch: str, options: str = "") -> Any:
+    def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
             raise NotImplementedError(f"grouped GEMM: only sm_90a has an implementation so far, not {arch}")
         from .sm90.grouped_gemm import compile_grouped_gemm
 
-        return compile_grouped_gemm(n, k, swiglu, arch, options, tile_n=tile_n, stages=stages)
+        return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options)
 
-    config = {"n": n, "k": k, "swiglu": swiglu, "tile_n": tile_n, "stages": stages or 0}  # 0: as deep as fits
+    config = {"n": n, "k": k, "tile_n": tile_n, "stages": stages or 0, **options}  # stages 0: as deep as fits
     return KernelVariant("grouped_gemm", config, build)
 
 
+def weight_grad_variant(
+    m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128
+) -> KernelVariant:
+    """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA)."""
+    a_stride = m if a_stride is None else a_stride
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        if arch != "sm_90a":
+            raise NotImplementedError(f"weight-gradient GEMM: only sm_90a has an implementation so far, not {arch}")
+        from .sm90.weight_grad_gemm import compile_weight_grad
+
+        return compile_weight_grad(m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n)
+
+    config = {"m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n}
+    return KernelVariant("weight_grad", config, build)
+
+
+def router_grad_variant(topk: int, parts: int) -> KernelVariant:
+    """d_topk_w[t, j] = Σ_c partial[slot_row[t, j], c] in column order (the SwiGLU backward's pieces)."""
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        from .common.router_grad import compile_router_grad
+
+        return compile_router_grad(topk, parts, arch, compile_options)
+
+    return KernelVariant("router_grad", {"topk": topk, "parts": parts}, build)
+
+
+def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False) -> list[KernelVariant]:
+    """The GEMM variants of one SwiGLU expert MLP (routed, or the shared expert), forward and backward, on sm_90a."""
+    variants = [
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu"),
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu_save"),
+        grouped_gemm_variant(hidden, inter),
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared),
+        grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
+        weight_grad_variant(hidden, inter),
+        weight_grad_variant(2 * inter, hidden),
+    ]
+    if not shared:
+        variants.append(router_grad_variant(topk, inter // default_tile_n(inter, hidden, True)))
+    return variants
+
+
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:
-    """Every kernel variant a layer with this configuration uses on ``arch``."""
+    """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward)."""
     h, i = config.hidden, config.intermediate
     variants = [
         schedule_variant(config.experts_per_rank, config.topk, config.block_m),
@@ -101,11 +164,11 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         combine_variant(h, config.topk, config.has_shared_expert, gathered=True),
     ]
     if arch == "sm_90a":
-        variants += [grouped_gemm_variant(i, h, swiglu=True), grouped_gemm_variant(h, i, swiglu=False)]
-        if config.has_shared_expert and config.shared_intermediate != i:
-            s = config.shared_intermediate
-            variants += [grouped_gemm_variant(s, h, swiglu=True), grouped_gemm_variant(h, s, swiglu=False)]
-    return variants
+        variants += expert_mlp_variants(h, i, config.topk)
+        if config.has_shared_expert:
+            variants += expert_mlp_variants(h, config.shared_intermediate, config.topk, shared=True)
+    unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
+    return list(unique.values())
 
 
 def get_kernel(variant: KernelVariant, arch: str, cache: "Any | None" = None) -> Any:

@@ -1,62 +1,89 @@
 """Expert-grouped GEMM for Hopper: WGMMA with a TMA-fed multistage shared-memory pipeline.
 
-    C[rows of tile m, :] = epilogue(A[rows of tile m, :] · B[e(m)]ᵀ)
+    C[rows of tile m, :] = epilogue(A[rows of tile m, :] · B[e(m)])
 
 A [R, K] holds rows grouped by expert (the schedule pads each expert's rows to a whole
 ``tile_m`` tile, so a tile never mixes experts); ``tile_expert[m]`` names the expert of row
-tile m, or -1 for an unused tile, which the CTA skips. B [E, N, K] holds one K-major weight
-matrix per expert; the CTA's TMA loads read the slice of its tile's expert. C [R, N] bf16.
+tile m, or -1 for an unused tile, which the CTA skips. B holds one weight matrix per expert,
+either K-major [E, N, K] (C = A·Bᵀ, the forward's weights) or N-major [E, K, N] (C = A·B, the
+same weights read transposed in the backward). With ``k_split`` the K range is two halves,
+the first read from B and the second from B2 (dx = dh_gate·W_gate + dh_up·W_up in one pass).
 
-Epilogues (static): ``swiglu`` computes two products with the same A tile, gate (B) and up
-(B2), and writes a = silu(gate)·up; otherwise C = A·Bᵀ. Both round once from fp32 to bf16.
+Epilogues (static), all rounding once from fp32 to bf16:
+- ``plain``: C = A·B.
+- ``swiglu``: two products of the same A tile, gate (B) and up (B2); C = a = silu(gate)·up.
+- ``swiglu_save``: the same, and h = [gate | up] [R, 2N] is written too (saved for backward).
+- ``swiglu_bwd``: the accumulator is dA_u = dout_row·W_down for the row's token; with the
+  saved h, the row's router weight s and a = silu(h_g)·h_u it writes
+  C = dh [R, 2N] = [s·dA_u·h_u·silu'(h_g) | s·dA_u·silu(h_g)], a_scaled [R, N] = s·a (the
+  operand of dW_down), and partial[R, N / tile_n] = Σ over the tile's columns of dA_u·a,
+  the router-weight gradient's per-tile pieces (reduced in column order by another kernel).
 
 Determinism and batch invariance: each output tile is owned by one CTA, K is reduced in
-one fixed order by the WGMMA sequence, and the tile shape comes from (N, K) only, so a
-row's result depends on nothing but that row and its expert's weights.
-
-One CTA per (row tile, column tile), launched in L2-friendly groups; two consumer warpgroups of 64 rows each; warp 0 also
-issues the TMA loads (the structure of CUTLASS's Hopper dense GEMM example). Persistence,
-warp specialisation and fusion with the gather and the down projection come next.
+one fixed order by the WGMMA sequence, the row sums in a fixed order, and the tile shape
+comes from static shapes only, so a row's result depends on nothing but that row, its
+expert's weights (and, for swiglu_bwd, its saved h and router weight).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-TILE_K = 64  # bf16: four 16-deep WGMMA k-blocks per shared-memory stage
-ROW_GROUP = 8  # row tiles per CTA group in the launch order (see tile_of)
-SMEM_BYTES = 227 * 1024
+from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
+
+EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 
 
-class GroupedGemmSm90:
-    """Static config: N, K, epilogue kind, tile (M, N). Runtime: pointers, row count R, E."""
+class GroupedGemmSm90(WgmmaTileKernel):
+    """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages."""
 
-    def __init__(self, n: int, k: int, swiglu: bool, tile_m: int = 128, tile_n: int = 128, stages: int | None = None) -> None:
+    def __init__(
+        self,
+        n: int,
+        k: int,
+        epilogue: str = "plain",
+        *,
+        b_major: str = "k",
+        k_split: bool = False,
+        topk: int = 1,
+        unit_scale: bool = False,
+        tile_n: int = 128,
+        stages: int | None = None,
+    ) -> None:
+        tile_m = 128
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
+        if b_major not in ("k", "n"):
+            raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
+        if tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
         if n % tile_n:
             raise ValueError(f"n: expected a multiple of the column tile {tile_n}, got {n}")
-        if k % TILE_K:
-            raise ValueError(f"k: expected a multiple of {TILE_K}, got {k}")
-        if tile_m != 128 or tile_n not in (64, 128, 256):
-            raise ValueError(f"tile: expected (128, 64|128|256), got ({tile_m}, {tile_n})")
-        self.n, self.k, self.swiglu = n, k, swiglu
+        if k % (2 * TILE_K if k_split else TILE_K):
+            raise ValueError(f"k: expected a multiple of {2 * TILE_K if k_split else TILE_K}, got {k}")
+        if k_split and epilogue != "plain":
+            raise ValueError("k_split: only with the plain epilogue")
+        self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
+        self.topk, self.unit_scale = topk, unit_scale
+        self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
+        self.num_b = 2 if self.two_accumulators else 1
+        self.b_k = k // 2 if k_split else k  # K extent of each B tensor
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
-        self.atom_layout_mnk = (2, 1, 1)  # two consumer warpgroups, 64 rows each
-        self.threads = 256
-        self.num_b = 2 if swiglu else 1
         stage_bytes = (tile_m * TILE_K + self.num_b * tile_n * TILE_K) * 2
-        most = min((SMEM_BYTES - 1024) // stage_bytes, 8)
-        if stages is not None and not 2 <= stages <= most:
-            raise ValueError(f"stages: expected 2..{most} for this tile, got {stages}")
-        self.ab_stage = most if stages is None else stages  # fewer stages: two CTAs per SM
-        self.epi_stage = 4
-        self.buffer_align_bytes = 1024
+        self.ab_stage = pick_stages(stage_bytes, self.epi_stage * tile_m * 32 * 2, stages)
+
+    def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
+        """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
+        n, bk = self.n, self.b_k
+        stride = (bk, 1, n * bk) if self.b_major == "k" else (1, n, n * bk)
+        return cute.make_tensor(ptr, cute.make_layout((n, bk, num_experts), stride=stride))
 
     @cute.jit
     def __call__(
@@ -66,60 +93,55 @@ class GroupedGemmSm90:
         b2_ptr: cute.Pointer,
         c_ptr: cute.Pointer,
         tile_expert_ptr: cute.Pointer,
+        h_ptr: cute.Pointer,
+        a_scaled_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        row_token_ptr: cute.Pointer,
+        row_slot_ptr: cute.Pointer,
+        topk_w_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
+        num_tokens: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         n, k = self.n, self.k
         tile_m, tile_n, _ = self.tile_shape_mnk
+        c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
         m_a = cute.make_tensor(a_ptr, cute.make_layout((num_rows, k, 1), stride=(k, 1, num_rows * k)))
-        m_b = cute.make_tensor(b_ptr, cute.make_layout((n, k, num_experts), stride=(k, 1, n * k)))
-        m_b2 = cute.make_tensor(b2_ptr, cute.make_layout((n, k, num_experts), stride=(k, 1, n * k)))
-        m_c = cute.make_tensor(c_ptr, cute.make_layout((num_rows, n, 1), stride=(n, 1, num_rows * n)))
+        m_b = self.b_tensor(b_ptr, num_experts)
+        m_b2 = self.b_tensor(b2_ptr, num_experts)
+        m_c = cute.make_tensor(c_ptr, cute.make_layout((num_rows, c_cols), stride=(c_cols, 1)))
+        m_h = cute.make_tensor(h_ptr, cute.make_layout((num_rows, 2 * n), stride=(2 * n, 1)))
+        m_as = cute.make_tensor(a_scaled_ptr, cute.make_layout((num_rows, n), stride=(n, 1)))
+        m_part = cute.make_tensor(partial_ptr, cute.make_layout((num_rows, n // tile_n), stride=(n // tile_n, 1)))
+        m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
+        m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
+        m_topk_w = cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * self.topk,)))
         num_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills and clips
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_tiles,)))
 
-        ab_dtype = m_a.element_type
-        self.ab_dtype = ab_dtype
-        self.c_dtype = m_c.element_type
-        self.c_layout = LayoutEnum.from_tensor(m_c)
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            ab_dtype,
-            ab_dtype,
-            LayoutEnum.from_tensor(m_a).sm90_mma_major_mode(),
-            LayoutEnum.from_tensor(m_b).sm90_mma_major_mode(),
-            cutlass.Float32,
-            self.atom_layout_mnk,
-            tiler_mn=(64, tile_n),
-        )
-        self.epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_shape_mnk, self.c_dtype, is_cooperative=True)
-        a_smem = sm90_utils.make_smem_layout_a(LayoutEnum.from_tensor(m_a), self.tile_shape_mnk, ab_dtype, self.ab_stage)
-        b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.from_tensor(m_b), self.tile_shape_mnk, ab_dtype, self.ab_stage)
-        epi_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
+        a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
+        tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, TILE_K))
+        tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, TILE_K))
+        tma_b2, t_b2 = self.load_atom(m_b2, b_smem, (tile_n, TILE_K))
+        tma_c, t_c = self.store_atom(m_c, epi_smem)
+        tma_h, t_h = self.store_atom(m_h, epi_smem)  # used by swiglu_save only
+        tma_as, t_as = self.store_atom(m_as, epi_smem)  # used by swiglu_bwd only
 
-        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, t_a = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_a, cute.slice_(a_smem, (None, None, 0)), (tile_m, TILE_K))
-        tma_b, t_b = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_b, cute.slice_(b_smem, (None, None, 0)), (tile_n, TILE_K))
-        tma_b2, t_b2 = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_b2, cute.slice_(b_smem, (None, None, 0)), (tile_n, TILE_K))
-        tma_c, t_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), m_c, cute.slice_(epi_smem, (None, None, 0)), self.epi_tile
-        )
-
-        b2_elems = cute.cosize(b_smem) if self.swiglu else 8  # no second B without SwiGLU
+        b2_elems = cute.cosize(b_smem) if self.num_b == 2 else 8  # no second B buffer otherwise
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            s_a: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
-            s_b: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
-            s_b2: cute.struct.Align[cute.struct.MemRange[ab_dtype, b2_elems], self.buffer_align_bytes]
+            s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
+            s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
+            s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, t_a, tma_b, t_b, tma_b2, t_b2, tma_c, t_c, m_tiles, num_tiles, self.tiled_mma, a_smem, b_smem, epi_smem).launch(
-            grid=[num_tiles * (n // tile_n), 1, 1],
-            block=[self.threads, 1, 1],
-            stream=stream,
-        )
+        self.kernel(
+            tma_a, t_a, tma_b, t_b, tma_b2, t_b2, tma_c, t_c, tma_h, t_h, tma_as, t_as, m_h, m_part,
+            m_row_token, m_row_slot, m_topk_w, m_tiles, num_tiles, num_rows, self.tiled_mma, a_smem, b_smem, epi_smem,
+        ).launch(grid=[num_tiles * (n // tile_n), 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -132,8 +154,18 @@ class GroupedGemmSm90:
         m_b2: cute.Tensor,
         tma_c: cute.CopyAtom,
         m_c: cute.Tensor,
+        tma_h: cute.CopyAtom,
+        m_h_store: cute.Tensor,
+        tma_as: cute.CopyAtom,
+        m_as: cute.Tensor,
+        m_h: cute.Tensor,
+        m_part: cute.Tensor,
+        m_row_token: cute.Tensor,
+        m_row_slot: cute.Tensor,
+        m_topk_w: cute.Tensor,
         m_tiles: cute.Tensor,
         num_row_tiles: cutlass.Int32,
+        num_rows: cutlass.Int32,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -142,43 +174,30 @@ class GroupedGemmSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
-        tile_row, tile_col = self.tile_of(linear, num_row_tiles)
+        tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, self.n // self.tile_shape_mnk[1])
         expert = m_tiles[tile_row]
         if expert >= 0:
             if warp_idx == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-                if cutlass.const_expr(self.swiglu):
+                if cutlass.const_expr(self.num_b == 2 or self.k_split):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_b2)
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            a_stage = cute.slice_(a_smem, (None, None, 0))
-            b_stage = cute.slice_(b_smem, (None, None, 0))
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage) + self.num_b * cute.size_in_bytes(self.ab_dtype, b_stage)
-            ab_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(),
-                num_stages=self.ab_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-                tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                defer_sync=True,
-            )
+            ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem)
             pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
             s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-            s_b2 = s_b  # stands in where there is no second B
-            if cutlass.const_expr(self.swiglu):
+            s_b2 = s_b  # the second product's buffer (SwiGLU), or B2's halves landing in s_b (k_split)
+            if cutlass.const_expr(self.num_b == 2):
                 s_b2 = storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
             s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
 
-            coord = (tile_row, tile_col, None, 0)
-            g_a = cute.local_tile(m_a, self.tile_shape_mnk, coord, proj=(1, None, 1))  # (bM, bK, k tiles)
+            g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
             g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
             g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
-            g_c = cute.local_tile(m_c, self.tile_shape_mnk, coord, proj=(1, 1, None))  # (bM, bN)
 
             one = cute.make_layout(1)
             t_as, t_ag = cute.nvgpu.cpasync.tma_partition(tma_a, 0, one, cute.group_modes(s_a, 0, 2), cute.group_modes(g_a, 0, 2))
@@ -187,144 +206,208 @@ class GroupedGemmSm90:
 
             warp_group = cute.arch.make_warp_uniform(tidx // 128)
             thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warp_group))
-            t_cg = thr_mma.partition_C(g_c)
+            tile_mn = (self.tile_shape_mnk[0], self.tile_shape_mnk[1])
+            acc_shape = thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape
             r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
             r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
             r_b2 = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b2))
-            acc = cute.make_rmem_tensor(t_cg.shape, cutlass.Float32)
-            acc2 = cute.make_rmem_tensor(t_cg.shape, cutlass.Float32)
+            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            acc2 = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
             acc.fill(0.0)
-            if cutlass.const_expr(self.swiglu):
+            if cutlass.const_expr(self.two_accumulators):
                 acc2.fill(0.0)
 
             pipeline_init_wait(cluster_shape_mn=(1, 1))
-
             k_tiles = cute.size(g_a, mode=[2])
-            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-
-            # Fill the pipeline.
-            if warp_idx == 0:
-                for _ in cutlass.range(cutlass.min(self.ab_stage, k_tiles), unroll=1):
-                    self.load_stage(ab_pipe, prod, tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
-                    prod.advance()
-
-            k_blocks = cute.size(r_a, mode=[2])
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto the zeroed accumulators
-            for k_tile in cutlass.range(k_tiles, unroll=1):
-                ab_pipe.consumer_wait(cons)
-                cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range(k_blocks, unroll_full=True):
-                    blk = (None, None, kb, cons.index)
-                    cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
-                    if cutlass.const_expr(self.swiglu):
-                        cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
-                cute.nvgpu.warpgroup.commit_group()
-                cons.advance()
-                # Keep this stage's WGMMAs in flight; once the previous stage's are done,
-                # free its buffers and refill them with the next k tile.
-                if k_tile > 0:
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ab_pipe.consumer_release(release)
-                    release.advance()
-                    if warp_idx == 0 and prod.count < k_tiles:
-                        self.load_stage(ab_pipe, prod, tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
-                        prod.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
+            loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
+            self.mainloop(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, warp_idx, loads)
             cute.arch.sync_threads()  # the epilogue reuses A's shared memory
 
-            self.epilogue(tidx, warp_idx, tiled_mma, acc, acc2, s_c, g_c, tma_c)
+            self.epilogue(
+                tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
+                tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows,
+            )
 
     @cute.jit
-    def tile_of(self, linear: cutlass.Int32, num_row_tiles: cutlass.Int32):
-        """CTA -> (row tile, column tile), grouped for L2 reuse.
-
-        CTAs run in groups of ROW_GROUP row tiles; inside a group the row tile varies fastest,
-        then the column tile. The CTAs in flight then share a few A row tiles (read from HBM
-        once, then from L2 for every column tile) and the B tiles of one or two experts
-        (each read by the group's row tiles at about the same time), instead of sweeping all
-        of A once per column tile.
-        """
-        col_tiles = self.n // self.tile_shape_mnk[1]
-        group = linear // (ROW_GROUP * col_tiles)
-        first_row = group * ROW_GROUP
-        rows_here = cutlass.min(ROW_GROUP, num_row_tiles - first_row)  # the last group may be short
-        within = linear - group * ROW_GROUP * col_tiles
-        return first_row + within % rows_here, within // rows_here
-
-    @cute.jit
-    def load_stage(self, ab_pipe, prod, tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s):
+    def load_stage(self, ab_pipe, prod, loads):
         """Warp 0: wait for a free stage, then TMA-load the next A tile and B tile(s) into it."""
+        tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s = loads
         ab_pipe.producer_acquire(prod)
         bar = ab_pipe.producer_get_barrier(prod)
-        cute.copy(tma_a, t_ag[(None, prod.count)], t_as[(None, prod.index)], tma_bar_ptr=bar)
-        cute.copy(tma_b, t_bg[(None, prod.count)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.swiglu):
-            cute.copy(tma_b2, t_b2g[(None, prod.count)], t_b2s[(None, prod.index)], tma_bar_ptr=bar)
+        k_tile = prod.count
+        cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.k_split):
+            half = self.b_k // self.tile_shape_mnk[2]
+            if k_tile < half:
+                cute.copy(tma_b, t_bg[(None, k_tile)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
+            else:
+                cute.copy(tma_b2, t_b2g[(None, k_tile - half)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
+        else:
+            cute.copy(tma_b, t_bg[(None, k_tile)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.num_b == 2):
+                cute.copy(tma_b2, t_b2g[(None, k_tile)], t_b2s[(None, prod.index)], tma_bar_ptr=bar)
         ab_pipe.producer_commit(prod)
 
     @cute.jit
-    def epilogue(self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, g_c, tma_c):
-        """Registers -> (SwiGLU) -> bf16 -> shared memory (stmatrix) -> global memory (TMA store)."""
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
-        tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-        thr_r2s = tiled_r2s.get_slice(tidx)
+    def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
+        """Router weight of a buffer row (1 for the shared expert; 0 for padding and rows past the end)."""
+        s = cutlass.Float32(0.0)
+        if row < num_rows:
+            if cutlass.const_expr(self.unit_scale):
+                s = cutlass.Float32(1.0)
+            else:
+                token = m_row_token[row]
+                if token >= 0:
+                    s = m_topk_w[token * self.topk + m_row_slot[row]]
+        return s
+
+    @cute.jit
+    def epilogue(
+        self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
+        tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows,
+    ):
+        """Registers -> epilogue math -> bf16 -> shared memory (stmatrix) -> global memory (TMA store)."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        col_tiles = self.n // tile_n
+        tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
         t_sd = thr_r2s.partition_D(s_c)
         t_acc = tiled_r2s.retile(acc)
         t_acc2 = tiled_r2s.retile(acc2)
-        rd_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(s_c))[:3])
+        rd_layout = self.epi_layout(thr_r2s, s_c)
+        per_epi = cute.size(rd_layout)
         r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         r_u = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
-        per_epi = cute.size(r_d)
+        r_x = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
 
-        g_c_epi = cute.zipped_divide(g_c, self.epi_tile)
-        b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), g_c_epi)
-        epi_count = cute.size(g_c_epi, mode=[1])
-        epi_shape = g_c_epi.shape[1]
-        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads)
-        )
+        g_c = cute.local_tile(m_c, (tile_m, tile_n), (tile_row, tile_col))
+        g_c2 = g_c  # swiglu_bwd: dh_up goes to the right half of dh
+        g_h_gate = g_c
+        g_h_up = g_c
+        g_as = g_c
+        if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+            g_c2 = cute.local_tile(m_c, (tile_m, tile_n), (tile_row, tile_col + col_tiles))
+            g_as = cute.local_tile(m_as, (tile_m, tile_n), (tile_row, tile_col))
+        if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):
+            g_h_gate = cute.local_tile(m_h_store, (tile_m, tile_n), (tile_row, tile_col))
+            g_h_up = cute.local_tile(m_h_store, (tile_m, tile_n), (tile_row, tile_col + col_tiles))
+
+        # swiglu_bwd: the (row, column) in the tile of each accumulator value, kept in
+        # registers laid out like the accumulator so that the epilogue's retiling reorders
+        # them alike. The slice is per thread (the MMA's own slice is per warpgroup). The
+        # WGMMA accumulator gives each thread rows r and r + 8 of its warp's 16.
+        crd = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        r_row = cute.make_rmem_tensor_like(acc, cutlass.Int32)
+        r_col = cute.make_rmem_tensor_like(acc, cutlass.Int32)
+        if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r_row[i] = crd[i][0]
+                r_col[i] = crd[i][1]
+        t_row = tiled_r2s.retile(r_row)
+        t_col = tiled_r2s.retile(r_col)
+        row_lo = crd[0][0]
+        first_row = tile_row * tile_m
+        s_lo = cutlass.Float32(0.0)
+        s_hi = cutlass.Float32(0.0)
+        if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+            s_lo = self.row_scale(first_row + row_lo, num_rows, m_row_token, m_row_slot, m_topk_w)
+            s_hi = self.row_scale(first_row + row_lo + 8, num_rows, m_row_token, m_row_slot, m_topk_w)
+        sum_lo = cutlass.Float32(0.0)
+        sum_hi = cutlass.Float32(0.0)
+
+        _, epi_count, _ = self.epi_order(g_c)
+        store_pipe = self.store_pipeline()
+        stores = 0
         for epi in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(per_epi):
                 r_d[v] = t_acc[epi * per_epi + v]
-                if cutlass.const_expr(self.swiglu):
+                if cutlass.const_expr(self.two_accumulators):
                     r_u[v] = t_acc2[epi * per_epi + v]
-            values = r_d.load()
-            if cutlass.const_expr(self.swiglu):
-                gate = values
-                values = gate / (1.0 + cute.math.exp(-gate, fastmath=True)) * r_u.load()
-            r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
-            r_out.store(values.to(self.c_dtype))
-            buf = epi % self.epi_stage
-            cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, buf)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            pipeline.sync(barrier_id=1)
-            if warp_idx == 0:
-                cute.copy(tma_c, b_sd[(None, buf)], b_gd[(None, epi_order.get_hier_coord(epi))])
-                store_pipe.producer_commit()
-                store_pipe.producer_acquire()
-            pipeline.sync(barrier_id=1)
+            if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+                for v in cutlass.range_constexpr(per_epi):
+                    row_in_tile = t_row[epi * per_epi + v]
+                    row = first_row + row_in_tile
+                    col = tile_col * tile_n + t_col[epi * per_epi + v]
+                    h_g = cutlass.Float32(0.0)
+                    h_u = cutlass.Float32(0.0)
+                    if row < num_rows:
+                        h_g = m_h[row, col].to(cutlass.Float32)
+                        h_u = m_h[row, col + self.n].to(cutlass.Float32)
+                    sig = 1.0 / (1.0 + cute.math.exp(-h_g, fastmath=True))
+                    act = h_g * sig
+                    a_val = act * h_u
+                    d_a = r_d[v]  # dA_u: dout·W_down for this row's token, not yet scaled
+                    s = s_hi
+                    if row_in_tile == row_lo:
+                        s = s_lo
+                        sum_lo = cute.math.fma(d_a, a_val, sum_lo)
+                    else:
+                        sum_hi = cute.math.fma(d_a, a_val, sum_hi)
+                    d_a = d_a * s
+                    r_d[v] = d_a * h_u * (sig * (1.0 + h_g * (1.0 - sig)))  # d h_gate
+                    r_u[v] = d_a * act  # d h_up
+                    r_x[v] = s * a_val  # a_scaled
+                self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
+                self.store_fragment(r_u.load(), tiled_r2s, t_sd, s_c, tma_c, g_c2, epi, (stores + 1) % self.epi_stage, warp_idx, store_pipe, rd_layout)
+                self.store_fragment(r_x.load(), tiled_r2s, t_sd, s_c, tma_as, g_as, epi, (stores + 2) % self.epi_stage, warp_idx, store_pipe, rd_layout)
+                stores += 3
+            elif cutlass.const_expr(self.two_accumulators):
+                gate = r_d.load()
+                up = r_u.load()
+                act = gate / (1.0 + cute.math.exp(-gate, fastmath=True)) * up
+                self.store_fragment(act, tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
+                stores += 1
+                if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):
+                    self.store_fragment(gate, tiled_r2s, t_sd, s_c, tma_h, g_h_gate, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
+                    self.store_fragment(up, tiled_r2s, t_sd, s_c, tma_h, g_h_up, epi, (stores + 1) % self.epi_stage, warp_idx, store_pipe, rd_layout)
+                    stores += 2
+            else:
+                self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
+                stores += 1
         if warp_idx == 0:
             store_pipe.producer_tail()
 
+        if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
+            # The four threads of a quad hold the same two rows: add their sums in a fixed
+            # butterfly order (every lane ends with the same value), lane 0 of the quad writes.
+            for offset in cutlass.range_constexpr(2):
+                sum_lo = sum_lo + cute.arch.shuffle_sync_bfly(sum_lo, offset=1 << offset)
+                sum_hi = sum_hi + cute.arch.shuffle_sync_bfly(sum_hi, offset=1 << offset)
+            if tidx % 4 == 0:
+                if first_row + row_lo < num_rows:
+                    m_part[first_row + row_lo, tile_col] = sum_lo
+                if first_row + row_lo + 8 < num_rows:
+                    m_part[first_row + row_lo + 8, tile_col] = sum_hi
 
-def compile_grouped_gemm(n: int, k: int, swiglu: bool, arch: str, options: str = "", tile_n: int = 128, stages: int | None = None):
-    """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
+
+def compile_grouped_gemm(
+    n: int,
+    k: int,
+    arch: str,
+    options: str = "",
+    *,
+    epilogue: str = "plain",
+    b_major: str = "k",
+    k_split: bool = False,
+    topk: int = 1,
+    unit_scale: bool = False,
+    tile_n: int = 128,
+    stages: int | None = None,
+):
+    """Compile for ``arch`` without tensors: pointers, the row count R, E and T are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
-    bf16 = cutlass.BFloat16
+    bf16_ptr = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
+    i32_ptr = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
     args = (
-        make_ptr(bf16, 0, gmem, assumed_align=16),
-        make_ptr(bf16, 0, gmem, assumed_align=16),
-        make_ptr(bf16, 0, gmem, assumed_align=16),
-        make_ptr(bf16, 0, gmem, assumed_align=16),
-        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
-        cutlass.Int32(128),
-        cutlass.Int32(1),
-        make_fake_stream(),
+        bf16_ptr(), bf16_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), bf16_ptr(),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), i32_ptr(),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
+        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
     )
-    return cute.compile(GroupedGemmSm90(n, k, swiglu, tile_n=tile_n, stages=stages), *args, options=f"--gpu-arch {arch} {options}".strip())
+    kernel = GroupedGemmSm90(
+        n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages
+    )
+    with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
+        warnings.filterwarnings("ignore", message="This static loop has")
+        return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

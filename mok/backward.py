@@ -1,0 +1,116 @@
+"""The MoE layer backward on one GPU (EP = 1) from MoK's kernels.
+
+Inputs: dout [T, H], the forward's inputs, and what ``moe_forward(save_for_backward=True)``
+kept (the schedule and h). The kernels, in order (mok/reference_backward.py spells out the
+same math in PyTorch):
+
+    gather                  dout_rows [R, H] = dout[row_token]                (zeros on padding rows)
+    grouped GEMM, N-major B dA_u = dout_rows·W_down, with the SwiGLU backward in the epilogue:
+                            dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, I/tile]
+    grouped GEMM, K split   dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up
+    router_grad             d_topk_w[t, j] = Σ pieces of row slot_row[t, j], in column order
+    gather                  x_rows [R, H] = x[row_token] (not saved by the forward)
+    weight_grad (K-grouped) dW_down[e] = dout_rowsᵀ·a_scaled, [dW_gate; dW_up][e] = dhᵀ·x_rows
+    shared expert           the same three GEMMs over all tokens with s = 1
+    combine                 dx[t] = dx_shared[t] + Σ_j dx_rows[slot_row[t, j]]  (fp32, j in order)
+
+Nothing here uses atomics or reads device data back: every output element is written by one
+thread or one CTA in a fixed order, so gradients are bitwise reproducible and a token's dx
+and router gradient do not depend on the rest of the batch. The weight gradients sum each
+expert's rows in canonical order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grad_ops, ops
+from .forward import ForwardResult, single_expert_tiles
+from .reference import SharedExpert
+from .reference_backward import Gradients
+from .validation import check_moe_inputs, check_tensor
+
+
+def _shared_backward(x, dout, shared, shared_h, dtype, main_grads):
+    """dx, dW_gate, dW_up, dW_down of the shared expert (one expert over every token, s = 1)."""
+    num_tokens = x.shape[0]
+    tiles = single_expert_tiles(num_tokens, x.device)
+    w_gate, w_up, w_down = shared
+    dh, a, _ = grad_ops.swiglu_backward_gemm(dout, w_down[None], tiles, shared_h)
+    dx = ops.grouped_gemm(dh, w_gate[None], tiles, b2=w_up[None], b_major="n", k_split=True)
+    offsets = torch.arange(2, dtype=torch.int32, device=x.device) * num_tokens  # [0, T]: all rows
+    d_down = _weight_grad(dout, a, offsets, dtype, None if main_grads is None else main_grads[2][None])
+    d_gate, d_up = _gate_up_grad(dh, x, offsets, dtype, None if main_grads is None else (main_grads[0][None], main_grads[1][None]))
+    return dx, (d_gate[0], d_up[0], d_down[0])
+
+
+def _weight_grad(a, b, offsets, dtype, main_grad):
+    if main_grad is not None:
+        return grad_ops.weight_grad(a, b, offsets, out=main_grad, accumulate=True)
+    return grad_ops.weight_grad(a, b, offsets, out_dtype=dtype)
+
+
+def _gate_up_grad(dh, x_rows, offsets, dtype, main_grads):
+    """dW_gate, dW_up: one launch over [dh_gate | dh_up] into [E, 2I, H] (views), or two into main_grad buffers."""
+    inter = dh.shape[1] // 2
+    if main_grads is not None:
+        return tuple(
+            grad_ops.weight_grad(dh[:, half * inter:(half + 1) * inter], x_rows, offsets, out=buf, accumulate=True)
+            for half, buf in enumerate(main_grads)
+        )
+    both = grad_ops.weight_grad(dh, x_rows, offsets, out_dtype=dtype)
+    return both[:, :inter], both[:, inter:]
+
+
+def moe_backward(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: SharedExpert | tuple | None,
+    saved: ForwardResult,
+    *,
+    grad_dtype: torch.dtype = torch.bfloat16,
+    main_grads: tuple | None = None,
+) -> Gradients:
+    """All gradients of the layer for ``dout`` [T, H] bf16, after ``moe_forward(..., save_for_backward=True)``.
+
+    Returns :class:`mok.reference_backward.Gradients`: dx [T, H] bf16, d_topk_w [T, k] fp32,
+    weight gradients in ``grad_dtype`` (bf16 or fp32). ``main_grads``, if given, is
+    (d_w_gate, d_w_up, d_w_down[, shared_gate, shared_up, shared_down]) fp32 buffers shaped
+    like the weights; the weight gradients are added into them (Megatron's main_grad) and
+    returned.
+    """
+    num_tokens, hidden, _, num_experts, _ = check_moe_inputs(
+        x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
+        dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=False,
+    )
+    check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
+    if saved.h is None or (shared is not None and saved.shared_h is None):
+        raise ValueError("saved: the forward did not keep h; call moe_forward(..., save_for_backward=True)")
+    if grad_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
+    if main_grads is not None and len(main_grads) != (3 if shared is None else 6):
+        raise ValueError(f"main_grads: expected {3 if shared is None else 6} fp32 buffers, got {len(main_grads)}")
+    sched = saved.schedule
+
+    dout_rows = ops.gather_rows(dout, sched.row_token)
+    dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
+        dout_rows, w_down, sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w
+    )
+    dx_rows = ops.grouped_gemm(dh, w_gate, sched.tile_expert, b2=w_up, b_major="n", k_split=True)
+    d_topk_w = grad_ops.router_grad(partial, sched.slot_row)
+    x_rows = ops.gather_rows(x, sched.row_token)
+    offsets = sched.expert_offsets
+    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2])
+    d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2])
+
+    dx_shared = d_shared = None
+    if shared is not None:
+        dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])
+    ones = torch.ones_like(topk_w)  # dx sums the slots unweighted: s is already inside dh
+    dx = ops.combine(dx_rows, ones, dx_shared, slot_row=sched.slot_row)
+    return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)

@@ -1,0 +1,146 @@
+"""Entry points of the backward's kernels on PyTorch tensors (see mok/ops.py for the forward's).
+
+Like the forward ops, each checks its arguments and raises before any launch, fetches its
+kernel through the registry and cache, launches on the current stream and never reads
+device data back (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import default_tile_n, grouped_gemm_variant, router_grad_variant, weight_grad_variant
+from .ops import BF16, _check_32bit, _check_cuda_aligned, _i32, _kernel, _ptr, _stream, launch_grouped_gemm
+from .validation import check_tensor
+
+I32 = (torch.int32,)
+
+
+def swiglu_backward_gemm(
+    dout_rows: torch.Tensor,
+    w_down: torch.Tensor,
+    tile_expert: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    row_token: torch.Tensor | None = None,
+    row_slot: torch.Tensor | None = None,
+    topk_w: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
+
+    Per buffer row r (expert e of its tile, token t, slot j, router weight s = topk_w[t, j]):
+    dA_u = dout_rows[r]·w_down[e] (w_down [E, H, I], read N-major); with the saved
+    h[r] = [h_gate | h_up] ([R, 2I] bf16) and a = silu(h_gate)·h_up it returns
+    dh [R, 2I] = [s·dA_u·h_up·silu'(h_gate) | s·dA_u·silu(h_gate)] (bf16), a_scaled [R, I] = s·a
+    (bf16, for dW_down) and partial [R, I/tile_n] fp32, Σ over each column tile of dA_u·a
+    (:func:`router_grad` adds them up). row_token/row_slot [R] int32 and topk_w [T, k] fp32
+    give s (0 for padding rows); all None for the shared expert (s = 1, partial is None).
+    Rows of tiles with tile_expert -1 are left unwritten.
+    """
+    check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
+    num_rows, hidden = dout_rows.shape
+    dev = dout_rows.device
+    check_tensor("w_down", w_down, dtypes=BF16, ndim=3, device=dev, contiguous=True)
+    num_experts, _, inter = w_down.shape
+    check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
+    check_tensor("h", h, dtypes=BF16, shape=(num_rows, 2 * inter), device=dev, contiguous=True)
+    check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
+    unit_scale = topk_w is None
+    if unit_scale != (row_token is None) or unit_scale != (row_slot is None):
+        raise ValueError("row_token, row_slot, topk_w: give all three (routed experts) or none (shared expert)")
+    num_tokens, topk = 1, 1
+    if not unit_scale:
+        check_tensor("topk_w", topk_w, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
+        num_tokens, topk = topk_w.shape
+        check_tensor("row_token", row_token, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
+        check_tensor("row_slot", row_slot, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
+    if inter % 128 or hidden % 64:
+        raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
+    tile_n = default_tile_n(inter, hidden, True)
+    dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
+    a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
+    partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)
+    for name, t in (("dout_rows", dout_rows), ("w_down", w_down), ("h", h), ("dh", dh)):
+        _check_cuda_aligned(name, t)
+        _check_32bit(name, t)
+    if num_rows == 0:
+        return dh, a_scaled, partial
+    variant = grouped_gemm_variant(
+        inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=unit_scale
+    )
+    launch_grouped_gemm(
+        variant, dout_rows, w_down, w_down, dh, tile_expert, h=h, a_scaled=a_scaled, partial=partial,
+        row_token=row_token, row_slot=row_slot, topk_w=topk_w,
+        num_rows=num_rows, num_experts=num_experts, num_tokens=num_tokens,
+    )
+    return dh, a_scaled, partial
+
+
+def weight_grad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
+
+    a: [R, M] bf16 (rows may be strided: a column slice of a wider buffer), b: [R, N] bf16
+    contiguous; expert e owns rows offsets[e] .. offsets[e+1] (offsets [E+1] int32 on the GPU,
+    multiples of 128 except the last, which may be R; rows at or past R are not read). out:
+    [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
+    (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0.
+    """
+    check_tensor("a", a, dtypes=BF16, ndim=2)
+    num_rows, m = a.shape
+    dev = a.device
+    if a.stride(1) != 1 or a.stride(0) < m or a.stride(0) % 8:
+        raise ValueError(f"a: expected unit column stride and a row stride >= {m} that is a multiple of 8, got strides {a.stride()}")
+    check_tensor("b", b, dtypes=BF16, ndim=2, device=dev, contiguous=True)
+    if b.shape[0] != num_rows:
+        raise ValueError(f"b: expected {num_rows} rows like a, got {b.shape[0]}")
+    n = b.shape[1]
+    check_tensor("offsets", offsets, dtypes=I32, ndim=1, device=dev, contiguous=True)
+    num_experts = offsets.shape[0] - 1
+    if num_experts < 1:
+        raise ValueError(f"offsets: expected E + 1 >= 2 entries, got {offsets.shape[0]}")
+    if m % 128 or n % 128:
+        raise ValueError(f"(M, N): expected multiples of 128, got ({m}, {n})")
+    if accumulate and out is None:
+        raise ValueError("accumulate: needs out, the fp32 gradient to add into")
+    if out is None:
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+        out = torch.empty(num_experts, m, n, dtype=out_dtype, device=dev)
+    dtypes = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
+    check_tensor("out", out, dtypes=dtypes, shape=(num_experts, m, n), device=dev, contiguous=True)
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        _check_cuda_aligned(name, t)
+        _check_32bit(name, t)
+    dtype_name = "f32" if out.dtype == torch.float32 else "bf16"
+    variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=128)
+    kernel = _kernel(variant, dev)
+    kernel(
+        _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, out), _ptr("i32", offsets, 4),
+        _i32(num_rows), _i32(num_experts), _stream(dev),
+    )
+    return out
+
+
+def router_grad(partial: torch.Tensor, slot_row: torch.Tensor) -> torch.Tensor:
+    """d_topk_w [T, k] fp32: Σ_c partial[slot_row[t, j], c] in column order; 0 where slot_row < 0."""
+    check_tensor("partial", partial, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    check_tensor("slot_row", slot_row, dtypes=I32, ndim=2, device=partial.device, contiguous=True)
+    num_tokens, topk = slot_row.shape
+    out = torch.empty(num_tokens, topk, dtype=torch.float32, device=partial.device)
+    if num_tokens == 0:
+        return out
+    _check_32bit("partial", partial)
+    kernel = _kernel(router_grad_variant(topk, partial.shape[1]), partial.device)
+    kernel(
+        _ptr("f32", partial, 4), _ptr("i32", slot_row, 4), _ptr("f32", out, 4),
+        _i32(num_tokens), _i32(partial.shape[0]), _stream(partial.device),
+    )
+    return out

@@ -1,0 +1,209 @@
+"""Per-expert weight gradients for Hopper: a K-grouped GEMM over the expert-grouped rows.
+
+    out[e] (+)= A[rows of e]ᵀ · B[rows of e]        out [E, M, N], A [R, M] (row stride >= M), B [R, N]
+
+The rows of expert e are ``offsets[e] .. offsets[e + 1]`` of the buffers the forward and the
+SwiGLU backward filled (padding rows are zero in both operands, so they add nothing). Both
+operands are read MN-major (the rows are the reduction dimension); the three weight
+gradients of the layer are all this product:
+
+    dW_down[e]        = (dout rows)ᵀ · (s·a rows)          M = H, N = I
+    [dW_gate; dW_up]  = (dh rows)ᵀ · (x rows)              M = 2I, N = H
+
+One CTA owns one output tile of one expert and reduces that expert's rows in increasing
+order: no split-K, no atomics, so the result is the same on every run and, because the
+rows are in canonical order, the same for any batch that holds the same rows. An expert
+with no rows gets zeros (or, accumulating, is left as it was). ``accumulate`` adds the
+result into an existing fp32 tensor with a TMA reduce-add (one add per element, by the
+tile's only owner), as Megatron's ``main_grad`` wants.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
+
+OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
+
+
+class WeightGradGemmSm90(WgmmaTileKernel):
+    """Static config: M, N, A's row stride, output dtype, accumulate, tile N. Runtime: pointers, R, E."""
+
+    two_accumulators = False
+
+    def __init__(
+        self,
+        m: int,
+        n: int,
+        out_dtype: str = "bf16",
+        accumulate: bool = False,
+        *,
+        a_stride: int | None = None,
+        tile_n: int = 128,
+        stages: int | None = None,
+    ):
+        tile_m = 128
+        if out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype: expected one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
+        if accumulate and out_dtype != "f32":
+            raise ValueError("accumulate: only into fp32 gradients")
+        if tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
+        if m % tile_m or n % tile_n:
+            raise ValueError(f"(m, n): expected multiples of the tile ({tile_m}, {tile_n}), got ({m}, {n})")
+        a_stride = m if a_stride is None else a_stride
+        if a_stride < m or a_stride % 8:
+            raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
+        self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
+        self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
+        out_bytes = 4 if out_dtype == "f32" else 2
+        self.ab_stage = pick_stages((tile_m + tile_n) * TILE_K * 2, self.epi_stage * tile_m * 32 * out_bytes, stages)
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer,
+        num_rows: cutlass.Int32,
+        num_experts: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        m, n = self.m, self.n
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows), stride=(1, self.a_stride)))
+        m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows), stride=(1, n)))
+        m_c = cute.make_tensor(out_ptr, cute.make_layout((m, n, num_experts), stride=(n, 1, m * n)))
+        m_off = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
+
+        a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
+        tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, TILE_K))
+        tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, TILE_K))
+        tma_c, t_c = self.store_atom(m_c, epi_smem, reduce_add=self.accumulate)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
+            s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        tiles_per_expert = (m // tile_m) * (n // tile_n)
+        self.kernel(tma_a, t_a, tma_b, t_b, tma_c, t_c, m_off, num_rows, self.tiled_mma, a_smem, b_smem, epi_smem).launch(
+            grid=[num_experts * tiles_per_expert, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        m_a: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        m_b: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        m_c: cute.Tensor,
+        m_off: cute.Tensor,
+        num_rows: cutlass.Int32,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        linear, _, _ = cute.arch.block_idx()
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        tiles_per_expert = (self.m // tile_m) * (self.n // tile_n)
+        expert = linear // tiles_per_expert
+        tile_row, tile_col = self.grouped_tile(linear - expert * tiles_per_expert, self.m // tile_m, self.n // tile_n)
+        row_start = m_off[expert]
+        row_end = cutlass.min(m_off[expert + 1], num_rows)
+        k_tiles = cutlass.Int32(0)
+        if row_end > row_start:
+            k_tiles = (row_end - row_start + TILE_K - 1) // TILE_K
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem)
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
+
+        g_a = cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None))  # (bM, bK, all k tiles)
+        g_b = cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None))
+        g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+
+        one = cute.make_layout(1)
+        t_as, t_ag = cute.nvgpu.cpasync.tma_partition(tma_a, 0, one, cute.group_modes(s_a, 0, 2), cute.group_modes(g_a, 0, 2))
+        t_bs, t_bg = cute.nvgpu.cpasync.tma_partition(tma_b, 0, one, cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
+
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warp_group))
+        r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(g_c).shape, cutlass.Float32)
+        acc.fill(0.0)
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)  # offsets: multiples of 128 (or 0)
+        self.mainloop(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, warp_idx, loads)
+        cute.arch.sync_threads()  # the epilogue reuses A's shared memory
+
+        tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
+        t_sd = thr_r2s.partition_D(s_c)
+        t_acc = tiled_r2s.retile(acc)
+        rd_layout = self.epi_layout(thr_r2s, s_c)
+        per_epi = cute.size(rd_layout)
+        r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
+        _, epi_count, _ = self.epi_order(g_c)
+        store_pipe = self.store_pipeline()
+        for epi in cutlass.range_constexpr(epi_count):
+            for v in cutlass.range_constexpr(per_epi):
+                r_d[v] = t_acc[epi * per_epi + v]
+            self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, epi % self.epi_stage, warp_idx, store_pipe, rd_layout)
+        if warp_idx == 0:
+            store_pipe.producer_tail()
+
+    @cute.jit
+    def load_stage(self, ab_pipe, prod, loads):
+        """Warp 0: wait for a free stage, then TMA-load the expert's next 64 rows of A and B."""
+        tma_a, t_ag, t_as, tma_b, t_bg, t_bs, k_first = loads
+        ab_pipe.producer_acquire(prod)
+        bar = ab_pipe.producer_get_barrier(prod)
+        k_tile = k_first + prod.count
+        cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_b, t_bg[(None, k_tile)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
+        ab_pipe.producer_commit(prod)
+
+
+def compile_weight_grad(
+    m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None,
+    tile_n: int = 128, stages: int | None = None,
+):
+    """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    gmem = cute.AddressSpace.gmem
+    args = (
+        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
+        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
+        make_ptr(OUT_DTYPES[out_dtype], 0, gmem, assumed_align=16),
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
+        cutlass.Int32(128),
+        cutlass.Int32(1),
+        make_fake_stream(),
+    )
+    kernel = WeightGradGemmSm90(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages)
+    return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

@@ -1,0 +1,183 @@
+"""What MoK's Hopper GEMM kernels share: one CTA computes one output tile with WGMMA from a
+TMA-fed multistage shared-memory pipeline, then stores it through shared memory with TMA.
+
+A subclass decides which tile a CTA owns, where its K tiles come from (``load_stage``) and
+what the epilogue computes; this base holds the pieces that do not change:
+
+- ``make_mma``: the tiled WGMMA (two consumer warpgroups of 64 rows) and the shared-memory
+  layouts for the operands' major modes (K-major or MN-major, read from the tensors' strides);
+- ``mainloop``: warp 0 issues the TMA loads, both warpgroups issue WGMMAs, each stage's
+  buffers are released once its WGMMAs retired; K is reduced in one fixed order, so a tile's
+  result depends only on its inputs (determinism, batch invariance);
+- ``store_fragment``: registers -> dtype -> shared memory -> global memory (TMA store, or
+  TMA reduce-add into an existing fp32 tensor).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.tensor_utils import LayoutEnum
+
+TILE_K = 64  # bf16: four 16-deep WGMMA k-blocks per shared-memory stage
+ROW_GROUP = 8  # row tiles per CTA group in the launch order (see grouped_tile)
+SMEM_BYTES = 227 * 1024
+THREADS = 256  # two consumer warpgroups; warp 0 also produces
+EPI_STAGES = 4
+
+
+def pick_stages(stage_bytes: int, epi_bytes: int, stages: int | None) -> int:
+    """Pipeline depth: as deep as shared memory allows (at most 8), or ``stages`` if it fits."""
+    most = min((SMEM_BYTES - 1024) // stage_bytes, 8)
+    if stages is not None and not 2 <= stages <= most:
+        raise ValueError(f"stages: expected 2..{most} for this tile, got {stages}")
+    chosen = most if stages is None else stages
+    if chosen * stage_bytes < epi_bytes:  # the epilogue reuses A's buffers
+        raise ValueError(f"stages: {chosen} stages are too few to hold the epilogue's {epi_bytes} bytes")
+    return chosen
+
+
+class WgmmaTileKernel:
+    """Base of the SM90 GEMM kernels; subclasses set ``tile_shape_mnk`` and ``ab_stage``."""
+
+    threads = THREADS
+    atom_layout_mnk = (2, 1, 1)
+    epi_stage = EPI_STAGES
+    buffer_align_bytes = 1024
+
+    def make_mma(self, m_a: cute.Tensor, m_b: cute.Tensor, c_dtype, c_layout: LayoutEnum):
+        """Tiled WGMMA, staged smem layouts of A and B, and the epilogue's smem layout (host side)."""
+        ab_dtype = m_a.element_type
+        self.ab_dtype = ab_dtype
+        self.c_dtype = c_dtype
+        self.c_layout = c_layout
+        tile_n = self.tile_shape_mnk[1]
+        a_layout, b_layout = LayoutEnum.from_tensor(m_a), LayoutEnum.from_tensor(m_b)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            ab_dtype, ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            cutlass.Float32, self.atom_layout_mnk, tiler_mn=(64, tile_n),
+        )
+        self.epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_shape_mnk, c_dtype, is_cooperative=True)
+        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, ab_dtype, self.ab_stage)
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, ab_dtype, self.ab_stage)
+        epi_smem = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stage)
+        return a_smem, b_smem, epi_smem
+
+    def load_atom(self, m_x: cute.Tensor, smem, box):
+        """TMA load atom for one operand (``box`` = its (rows, K) tile)."""
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_x, cute.slice_(smem, (None, None, 0)), box)
+
+    def store_atom(self, m_x: cute.Tensor, epi_smem, reduce_add: bool = False):
+        """TMA store atom (or reduce-add into the existing values) for one output tensor."""
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        if reduce_add:
+            op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_x, cute.slice_(epi_smem, (None, None, 0)), self.epi_tile)
+
+    def make_pipeline(self, storage, num_b: int, a_smem, b_smem):
+        """The producer (one thread) / consumer (all warps) TMA pipeline over ``ab_stage`` stages."""
+        a_stage = cute.slice_(a_smem, (None, None, 0))
+        b_stage = cute.slice_(b_smem, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage) + num_b * cute.size_in_bytes(self.ab_dtype, b_stage)
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+
+    @cute.jit
+    def grouped_tile(self, linear: cutlass.Int32, num_row_tiles: cutlass.Int32, col_tiles: cutlass.Constexpr):
+        """CTA -> (row tile, column tile), grouped for L2 reuse.
+
+        CTAs run in groups of ROW_GROUP row tiles; inside a group the row tile varies fastest,
+        then the column tile. The CTAs in flight then share a few A row tiles (read from HBM
+        once, then from L2 for every column tile) and the B tiles of one or two experts,
+        instead of sweeping all of A once per column tile.
+        """
+        group = linear // (ROW_GROUP * col_tiles)
+        first_row = group * ROW_GROUP
+        rows_here = cutlass.min(ROW_GROUP, num_row_tiles - first_row)  # the last group may be short
+        within = linear - group * ROW_GROUP * col_tiles
+        return first_row + within % rows_here, within // rows_here
+
+    @cute.jit
+    def mainloop(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, warp_idx, loads):
+        """acc (+)= A·Bᵀ over ``k_tiles`` K tiles (acc2 with B2 when two accumulators are used).
+
+        ``loads`` is handed to the subclass's ``load_stage``, which warp 0 calls once per K tile.
+        """
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        if warp_idx == 0:  # fill the pipeline
+            for _ in cutlass.range(cutlass.min(self.ab_stage, k_tiles), unroll=1):
+                self.load_stage(ab_pipe, prod, loads)
+                prod.advance()
+
+        k_blocks = cute.size(r_a, mode=[2])
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto the zeroed accumulators
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.consumer_wait(cons)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range(k_blocks, unroll_full=True):
+                blk = (None, None, kb, cons.index)
+                cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
+                if cutlass.const_expr(self.two_accumulators):
+                    cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
+            cute.nvgpu.warpgroup.commit_group()
+            cons.advance()
+            # Keep this stage's WGMMAs in flight; once the previous stage's are done,
+            # free its buffers and refill them with the next k tile.
+            if k_tile > 0:
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipe.consumer_release(release)
+                release.advance()
+                if warp_idx == 0 and prod.count < k_tiles:
+                    self.load_stage(ab_pipe, prod, loads)
+                    prod.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+
+    def r2s_copy(self, tiled_mma, tidx):
+        """Registers -> epilogue smem copy (stmatrix layout for 16-bit outputs) and its thread slice."""
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        return tiled_r2s, tiled_r2s.get_slice(tidx)
+
+    def epi_layout(self, thr_r2s, s_c):
+        """Register layout of one epilogue subtile's values held by a thread."""
+        return cute.make_layout(cute.shape(thr_r2s.partition_S(s_c))[:3])
+
+    def epi_order(self, g_tile):
+        """Epilogue subtiles of a CTA tile and the row-major order in which they are stored."""
+        g_epi = cute.zipped_divide(g_tile, self.epi_tile)
+        shape = g_epi.shape[1]
+        return g_epi, cute.size(g_epi, mode=[1]), cute.make_layout(shape, stride=(shape[1], 1))
+
+    @cute.jit
+    def store_fragment(self, values, tiled_r2s, t_sd, s_c, tma, g_tile, epi, buf, warp_idx, store_pipe, rd_layout):
+        """Store one epilogue subtile ``epi`` of ``values`` (fp32 SSA) into ``g_tile`` via smem buffer ``buf``."""
+        r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
+        r_out.store(values.to(self.c_dtype))
+        cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.sync(barrier_id=1)
+        if warp_idx == 0:
+            g_epi, _, order = self.epi_order(g_tile)
+            b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), g_epi)
+            cute.copy(tma, b_sd[(None, buf)], b_gd[(None, order.get_hier_coord(epi))])
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        pipeline.sync(barrier_id=1)
+
+    def store_pipeline(self):
+        return pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads)
+        )

@@ -1,0 +1,174 @@
+"""The single-GPU fused backward and its kernels on the H200, against fp32 autograd of the reference."""
+
+import pytest
+import torch
+
+from mok import grad_ops, ops
+from mok.backward import moe_backward
+from mok.forward import moe_forward
+from mok.reference import moe_reference
+
+from helpers import gpu_layer, poisoned, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+def cosine(got, want):
+    return float(torch.nn.functional.cosine_similarity(got.float().flatten(), want.float().flatten(), dim=0))
+
+
+def autograd_reference(x, idx, w, experts, shared, dout):
+    """Gradients of moe_reference in fp32: (dx, d_topk_w, dW_gate, dW_up, dW_down, shared grads or None)."""
+    leaves = [t.float().requires_grad_() for t in (x, w, *experts, *(shared or ()))]
+    xf, wf, wg, wu, wd, *sh = leaves
+    moe_reference(xf, idx, wf, wg, wu, wd, tuple(sh) if sh else None).backward(dout.float())
+    grads = [t.grad for t in leaves]
+    return (*grads[:5], tuple(grads[5:]) if shared else None)
+
+
+def fused(x, idx, w, experts, shared, dout, **kw):
+    saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+    return saved.out, moe_backward(dout, x, idx, w, *experts, shared, saved, **kw)
+
+
+def flat(grads):
+    """The gradients as a list of tensors (shared ones appended)."""
+    return [*grads[:5], *(grads[5] or ())]
+
+
+NAMES = ["dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down", "d_shared_gate", "d_shared_up", "d_shared_down"]
+
+CASES = [
+    # T, H, I, E, k, shared, routing
+    (4096, 7168, 2048, 32, 8, None, "uniform"),  # dsv3-like rank
+    (2048, 2048, 768, 64, 8, 768, "zipf"),  # qwen3-like widths, skewed routing
+    (1000, 512, 256, 8, 2, 384, "uniform"),  # T not a multiple of any tile, I_s != I
+    (513, 256, 128, 64, 6, 128, "uniform"),
+    (200, 256, 128, 256, 8, None, "uniform"),  # most experts empty
+    (300, 256, 128, 8, 1, None, "one_expert"),  # k = 1, every token on expert 0
+    (1, 512, 256, 8, 2, 256, "uniform"),
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", CASES)
+def test_backward_matches_autograd(T, H, I, E, k, shared_inter, routing):
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + E + 7, routing=routing)
+    dout = torch.randn(T, H, device="cuda").bfloat16()
+    _, grads = fused(x, idx, w, experts, shared, dout)
+    want = autograd_reference(x, idx, w, experts, shared, dout)
+    for name, got, ref in zip(NAMES, flat(grads), flat(want)):
+        assert got.shape == ref.shape, name
+        assert not got.isnan().any(), f"{name}: unwritten or NaN elements"
+        assert rel_err(got, ref) <= 1e-2, f"{name}: rel err {rel_err(got, ref):.2e}"
+        assert cosine(got, ref) >= 0.9999, f"{name}: cosine {cosine(got, ref):.6f}"
+
+
+def test_router_gradient_with_weights_zero_and_tiny():
+    """d_topk_w = <dout, y> does not depend on the weight itself: 0 and 1e-30 get their full gradient."""
+    x, idx, w, experts, shared = gpu_layer(700, 512, 256, 16, 4, None, seed=11)
+    w[::3, 0] = 0.0
+    w[1::3, 1] = 1e-30
+    dout = torch.randn(700, 512, device="cuda").bfloat16()
+    _, grads = fused(x, idx, w, experts, shared, dout)
+    want = autograd_reference(x, idx, w, experts, shared, dout)[1]
+    for rows, slot in ((slice(0, None, 3), 0), (slice(1, None, 3), 1)):
+        got, ref = grads.d_topk_w[rows, slot], want[rows, slot]
+        assert ref.abs().min() > 0  # these pairs do have a gradient
+        assert rel_err(got, ref) <= 1e-2
+    assert rel_err(grads.d_topk_w, want) <= 1e-2
+
+
+def test_backward_deterministic_over_20_runs():
+    x, idx, w, experts, shared = gpu_layer(2048, 2048, 768, 64, 8, 768, seed=12)
+    dout = torch.randn(2048, 2048, device="cuda").bfloat16()
+    first = flat(fused(x, idx, w, experts, shared, dout)[1])
+    for _ in range(19):
+        again = flat(fused(x, idx, w, experts, shared, dout)[1])
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+
+
+def test_backward_batch_invariance():
+    """A token's dx and router gradient are bitwise the same in a batch of 1, of 17 and of 4096."""
+    x, idx, w, experts, shared = gpu_layer(4096, 2048, 768, 64, 8, 768, seed=13)
+    dout = torch.randn(4096, 2048, device="cuda").bfloat16()
+    full = fused(x, idx, w, experts, shared, dout)[1]
+    for size in (1, 17):
+        rows = torch.randperm(4096, device="cuda")[:size]
+        part = fused(*(t[rows].contiguous() for t in (x, idx, w)), experts, shared, dout[rows].contiguous())[1]
+        assert torch.equal(part.dx, full.dx[rows])
+        assert torch.equal(part.d_topk_w, full.d_topk_w[rows])
+
+
+def test_main_grad_accumulation_adds_once_into_fp32():
+    x, idx, w, experts, shared = gpu_layer(600, 512, 256, 8, 2, 256, seed=14)
+    dout = torch.randn(600, 512, device="cuda").bfloat16()
+    fresh = flat(fused(x, idx, w, experts, shared, dout, grad_dtype=torch.float32)[1])[2:]
+    buffers = [torch.randn(t.shape, device="cuda") for t in (*experts, *shared)]
+    before = [b.clone() for b in buffers]
+    grads = flat(fused(x, idx, w, experts, shared, dout, main_grads=tuple(buffers))[1])[2:]
+    for got, buf, old, new in zip(grads, buffers, before, fresh):
+        assert got.data_ptr() == buf.data_ptr()
+        assert torch.equal(buf, old + new)  # one fp32 add per element (TMA reduce-add), nothing else
+
+
+def test_forward_backward_graph_capture_without_host_sync():
+    x, idx, w, experts, shared = gpu_layer(512, 512, 256, 16, 4, 256, seed=15)
+    dout = torch.randn(512, 512, device="cuda").bfloat16()
+    want = flat(fused(x, idx, w, experts, shared, dout)[1])  # compiles outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            saved = moe_forward(x, idx, w, *experts, shared, check_routing=False, save_for_backward=True)
+            got = flat(moe_backward(dout, x, idx, w, *experts, shared, saved))
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---- kernels one by one ---------------------------------------------------------------------
+
+def test_weight_grad_per_expert_with_empty_experts_and_strided_a():
+    g = torch.Generator(device="cuda").manual_seed(16)
+    rows, m, n = 1024, 256, 384
+    wide = torch.randn(rows, 2 * m, device="cuda", generator=g).bfloat16()
+    a = wide[:, m:]  # a column slice: row stride 2m
+    b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    offsets = torch.tensor([0, 128, 128, 512, 1024, 1024], dtype=torch.int32, device="cuda")  # experts 1 and 4 empty
+    out = grad_ops.weight_grad(a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"))
+    for e in range(5):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        want = a[lo:hi].float().T @ b[lo:hi].float()
+        if hi == lo:
+            assert torch.equal(out[e], torch.zeros_like(out[e]))
+        else:
+            assert rel_err(out[e], want) <= 1e-5  # fp32 out: only the summation order differs
+
+
+def test_grouped_gemm_n_major_and_k_split():
+    g = torch.Generator(device="cuda").manual_seed(17)
+    rows, n, half, experts = 640, 512, 256, 3
+    a = torch.randn(rows, 2 * half, device="cuda", generator=g).bfloat16()
+    b = (torch.randn(experts, half, n, device="cuda", generator=g) * half ** -0.5).bfloat16()
+    b2 = (torch.randn(experts, half, n, device="cuda", generator=g) * half ** -0.5).bfloat16()
+    tile_expert = torch.tensor([2, -1, 0, 1, 1], dtype=torch.int32, device="cuda")
+    split = ops.grouped_gemm(a, b, tile_expert, b2=b2, b_major="n", k_split=True, out=poisoned(rows, n))
+    whole = ops.grouped_gemm(a[:, :half].contiguous(), b, tile_expert, b_major="n", out=poisoned(rows, n))
+    for t, e in enumerate(tile_expert.tolist()):
+        rs = slice(128 * t, 128 * (t + 1))
+        if e < 0:
+            assert split[rs].isnan().all() and whole[rs].isnan().all()
+            continue
+        assert rel_err(whole[rs], a[rs, :half].float() @ b[e].float()) < 1e-2
+        want = a[rs, :half].float() @ b[e].float() + a[rs, half:].float() @ b2[e].float()
+        assert rel_err(split[rs], want) < 1e-2
+
+
+def test_backward_rejects_missing_saved_activations():
+    x, idx, w, experts, shared = gpu_layer(16, 256, 128, 8, 2, None, seed=18)
+    saved = moe_forward(x, idx, w, *experts, shared)
+    with pytest.raises(ValueError, match="save_for_backward=True"):
+        moe_backward(torch.randn_like(x), x, idx, w, *experts, shared, saved)
