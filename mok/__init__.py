@@ -1,8 +1,10 @@
 """MoK: a fused, deterministic Mixture-of-Experts training kernel in CuTe DSL.
 
-Public API so far: the static :class:`MoKConfig`, the reference semantics
-(:func:`moe_reference`, :func:`moe_reference_ep`), the routing schedule
-(:func:`build_schedule`) and the combine op (:func:`combine`).
+Public API: the module :class:`MoELayer` (router + experts, autograd, torch.compile);
+the functional API (:func:`forward`, :func:`backward`, :func:`get_workspace` with a static
+:class:`MoKConfig`); the reference semantics (:func:`moe_reference`, :func:`moe_reference_ep`),
+the routing schedule (:func:`build_schedule`) and the combine op (:func:`combine`).
+Kernels (CuTe DSL) load only when a GPU op first runs.
 """
 
 from .config import DEFAULT_CONFIG, MoKConfig
@@ -10,6 +12,19 @@ from .reference import SharedExpert, combine_reference, moe_reference, moe_refer
 from .schedule import Schedule, build_schedule, worst_case_capacity
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """MoELayer, forward, backward, get_workspace, LayerContext: imported on first use (they pull in torch.library ops)."""
+    if name == "MoELayer":
+        from .layer import MoELayer
+
+        return MoELayer
+    if name in ("forward", "backward", "get_workspace", "LayerContext"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mok' has no attribute {name!r}")
 
 
 def combine(*args, **kwargs):
@@ -21,6 +36,11 @@ def combine(*args, **kwargs):
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "LayerContext",
+    "MoELayer",
+    "backward",
+    "forward",
+    "get_workspace",
     "MoKConfig",
     "Schedule",
     "SharedExpert",

@@ -96,7 +96,7 @@ def weight_grad(
     check_tensor("a", a, dtypes=BF16, ndim=2)
     num_rows, m = a.shape
     dev = a.device
-    if a.stride(1) != 1 or a.stride(0) < m or a.stride(0) % 8:
+    if num_rows and (a.stride(1) != 1 or a.stride(0) < m or a.stride(0) % 8):  # (empty views have any strides)
         raise ValueError(f"a: expected unit column stride and a row stride >= {m} that is a multiple of 8, got strides {a.stride()}")
     check_tensor("b", b, dtypes=BF16, ndim=2, device=dev, contiguous=True)
     if b.shape[0] != num_rows:
@@ -119,6 +119,8 @@ def weight_grad(
     for name, t in (("a", a), ("b", b), ("out", out)):
         _check_cuda_aligned(name, t)
         _check_32bit(name, t)
+    if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
+        return out if accumulate else out.zero_()
     dtype_name = "f32" if out.dtype == torch.float32 else "bf16"
     variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=128)
     kernel = _kernel(variant, dev)

@@ -19,9 +19,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from mok.backward import moe_backward
+from mok.fused_backward import moe_backward
 from mok.bench import time_ms
-from mok.forward import moe_forward
+from mok.fused_forward import moe_forward
 
 CONFIGS = {
     # name: (T, H, I, E, k, shared I_s, routing)

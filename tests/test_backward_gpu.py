@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mok import grad_ops, ops
-from mok.backward import moe_backward
-from mok.forward import moe_forward
+from mok.fused_backward import moe_backward
+from mok.fused_forward import moe_forward
 from mok.reference import moe_reference
 
 from helpers import gpu_layer, poisoned, rel_err

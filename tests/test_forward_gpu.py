@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mok import ops
-from mok.forward import moe_forward
+from mok.fused_forward import moe_forward
 from mok.kernels import grouped_gemm_variant
 from mok.reference import moe_reference
 

@@ -148,7 +148,7 @@ def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False
         grouped_gemm_variant(inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared),
         grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
         weight_grad_variant(hidden, inter),
-        weight_grad_variant(2 * inter, hidden),
+        weight_grad_variant(inter, hidden, a_stride=2 * inter),  # dW_gate, dW_up: the halves of dh
     ]
     if not shared:
         variants.append(router_grad_variant(topk, inter // default_tile_n(inter, hidden, True)))

@@ -53,6 +53,20 @@ def device_arch(device: "int | None" = None) -> str | None:
     return _BY_CAPABILITY[capability]
 
 
+FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) has kernels today
+
+
+def check_fused_layer_device(device: "int | None" = None) -> str:
+    """The device's target if MoK's fused layer runs there; a clear error naming the supported ones if not."""
+    arch = device_arch(device)
+    if arch not in FUSED_LAYER_ARCHS:
+        raise RuntimeError(
+            f"MoK's fused MoE layer runs on {', '.join(FUSED_LAYER_ARCHS)} (Hopper: H100/H200) so far; "
+            f"this GPU is {arch or 'not visible'} (its grouped GEMMs are not written yet for it)"
+        )
+    return arch
+
+
 def resolve_arch(arch: str | None = None, device: "int | None" = None) -> str:
     """The target to build for: ``arch`` if given, else ``$CUTE_DSL_ARCH``, else the device's."""
     if arch is not None:

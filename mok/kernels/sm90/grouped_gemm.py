@@ -198,14 +198,11 @@ class GroupedGemmSm90(WgmmaTileKernel):
             g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
             g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
             g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
+            t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
+            t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
+            t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
 
-            one = cute.make_layout(1)
-            t_as, t_ag = cute.nvgpu.cpasync.tma_partition(tma_a, 0, one, cute.group_modes(s_a, 0, 2), cute.group_modes(g_a, 0, 2))
-            t_bs, t_bg = cute.nvgpu.cpasync.tma_partition(tma_b, 0, one, cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
-            t_b2s, t_b2g = cute.nvgpu.cpasync.tma_partition(tma_b2, 0, one, cute.group_modes(s_b2, 0, 2), cute.group_modes(g_b2, 0, 2))
-
-            warp_group = cute.arch.make_warp_uniform(tidx // 128)
-            thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warp_group))
+            thr_mma = self.warpgroup_slice(tiled_mma, tidx)
             tile_mn = (self.tile_shape_mnk[0], self.tile_shape_mnk[1])
             acc_shape = thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape
             r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))

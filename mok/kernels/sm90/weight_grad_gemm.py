@@ -144,13 +144,10 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         g_a = cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None))  # (bM, bK, all k tiles)
         g_b = cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None))
         g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+        t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
+        t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
 
-        one = cute.make_layout(1)
-        t_as, t_ag = cute.nvgpu.cpasync.tma_partition(tma_a, 0, one, cute.group_modes(s_a, 0, 2), cute.group_modes(g_a, 0, 2))
-        t_bs, t_bg = cute.nvgpu.cpasync.tma_partition(tma_b, 0, one, cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
-
-        warp_group = cute.arch.make_warp_uniform(tidx // 128)
-        thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(warp_group))
+        thr_mma = self.warpgroup_slice(tiled_mma, tidx)
         r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(g_c).shape, cutlass.Float32)

@@ -77,6 +77,15 @@ class WgmmaTileKernel:
             op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_x, cute.slice_(epi_smem, (None, None, 0)), self.epi_tile)
 
+    def tma_split(self, tma, s_x, g_x):
+        """One operand's TMA partition for this CTA (no multicast): (smem side, gmem side per k tile)."""
+        return cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2))
+
+    def warpgroup_slice(self, tiled_mma, tidx):
+        """The WGMMA slice of this thread's warpgroup (WGMMA partitions per warpgroup, not per thread)."""
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+        return tiled_mma.get_slice(cute.make_layout(2, stride=128)(warp_group))
+
     def make_pipeline(self, storage, num_b: int, a_smem, b_smem):
         """The producer (one thread) / consumer (all warps) TMA pipeline over ``ab_stage`` stages."""
         a_stage = cute.slice_(a_smem, (None, None, 0))

@@ -10,7 +10,7 @@
 Every kernel's configuration depends only on (H, I, E, k), so a token's output does not
 depend on the other tokens in the batch. With ``save_for_backward`` the gate/up GEMM also
 writes h = [x_rows·w_gateᵀ | x_rows·w_upᵀ] (bf16, [R, 2I], and [T, 2I_s] for the shared
-expert); the backward (mok/backward.py) needs h, the schedule and x, never a or y.
+expert); the backward (mok/fused_backward.py) needs h, the schedule and x, never a or y.
 Saved bytes per token: 2·k·2I (h, plus the padding rows of each expert's last tile) +
 2·2I_s (shared h) + the schedule's int32 row maps.
 """
@@ -23,6 +23,7 @@ import torch
 
 from . import ops
 from .reference import SharedExpert
+from .runtime.arch import check_fused_layer_device
 from .schedule import Schedule
 from .validation import check_moe_inputs
 
@@ -74,6 +75,7 @@ def moe_forward(
     """
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
+    check_fused_layer_device(x.device.index)
     _, _, _, num_experts, _ = check_moe_inputs(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,

@@ -10,7 +10,7 @@ same math in PyTorch):
     grouped GEMM, K split   dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up
     router_grad             d_topk_w[t, j] = Σ pieces of row slot_row[t, j], in column order
     gather                  x_rows [R, H] = x[row_token] (not saved by the forward)
-    weight_grad (K-grouped) dW_down[e] = dout_rowsᵀ·a_scaled, [dW_gate; dW_up][e] = dhᵀ·x_rows
+    weight_grad (K-grouped) dW_down[e] = dout_rowsᵀ·a_scaled, dW_gate[e] = dh_gateᵀ·x_rows, dW_up likewise
     shared expert           the same three GEMMs over all tokens with s = 1
     combine                 dx[t] = dx_shared[t] + Σ_j dx_rows[slot_row[t, j]]  (fp32, j in order)
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import grad_ops, ops
-from .forward import ForwardResult, single_expert_tiles
+from .fused_forward import ForwardResult, single_expert_tiles
 from .reference import SharedExpert
 from .reference_backward import Gradients
 from .validation import check_moe_inputs, check_tensor
@@ -51,15 +51,12 @@ def _weight_grad(a, b, offsets, dtype, main_grad):
 
 
 def _gate_up_grad(dh, x_rows, offsets, dtype, main_grads):
-    """dW_gate, dW_up: one launch over [dh_gate | dh_up] into [E, 2I, H] (views), or two into main_grad buffers."""
+    """dW_gate, dW_up from the two column halves of dh (read in place, row stride 2I), each into its own tensor."""
     inter = dh.shape[1] // 2
+    halves = (dh[:, :inter], dh[:, inter:])
     if main_grads is not None:
-        return tuple(
-            grad_ops.weight_grad(dh[:, half * inter:(half + 1) * inter], x_rows, offsets, out=buf, accumulate=True)
-            for half, buf in enumerate(main_grads)
-        )
-    both = grad_ops.weight_grad(dh, x_rows, offsets, out_dtype=dtype)
-    return both[:, :inter], both[:, inter:]
+        return tuple(_weight_grad(half, x_rows, offsets, dtype, buf) for half, buf in zip(halves, main_grads))
+    return tuple(_weight_grad(half, x_rows, offsets, dtype, None) for half in halves)
 
 
 def moe_backward(

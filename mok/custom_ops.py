@@ -1,0 +1,204 @@
+"""The layer as PyTorch custom ops: ``mok::moe_forward`` and ``mok::moe_backward``.
+
+Registered with torch.library so that autograd, ``torch.compile(fullgraph=True)`` and CUDA
+graphs see two opaque ops with known output shapes (``register_fake``) instead of the
+Python that launches the kernels. Neither op mutates its inputs; every output is new.
+
+- CUDA: MoK's fused kernels (mok/fused_forward.py, mok/fused_backward.py), bf16, Hopper (sm_90a).
+- CPU: the reference (mok/reference.py, fp32 math, any float dtype), with a one-time
+  warning, so that the same model code runs in CPU tests. It returns the same outputs
+  (schedule from mok/schedule.py, h computed in fp32), so shapes match the fake kernels.
+
+Output shapes depend only on (T, H, I, I_s, E, k), never on the routing: the schedule's
+buffers have the worst-case capacity (``worst_case_capacity``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .schedule import build_schedule, worst_case_capacity
+
+BLOCK_M = 128
+_CPU_WARNED = False
+
+
+def _warn_cpu_once() -> None:
+    global _CPU_WARNED
+    if not _CPU_WARNED:
+        _CPU_WARNED = True
+        warnings.warn(
+            "MoK: running the MoE layer on the CPU through the reference path (fp32 math, no fused "
+            "kernels); put the layer and its inputs on a Hopper GPU for the fused kernels",
+            stacklevel=3,
+        )
+
+
+def _shared(sg, su, sd):
+    return None if sg is None else (sg, su, sd)
+
+
+def _forward_shapes(x, topk_idx, w_gate, shared_gate, save):
+    """(capacity, h rows, shared h rows, I, I_s) for the outputs of moe_forward."""
+    num_tokens, topk = topk_idx.shape
+    num_experts, inter = w_gate.shape[0], w_gate.shape[1]
+    capacity = worst_case_capacity(num_tokens, topk, num_experts, BLOCK_M)
+    shared_inter = 0 if shared_gate is None else shared_gate.shape[0]
+    return capacity, (capacity if save else 0), (num_tokens if save and shared_gate is not None else 0), inter, shared_inter
+
+
+@torch.library.custom_op("mok::moe_forward", mutates_args=(), device_types="cuda")
+def moe_forward_op(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    shared_gate: Optional[Tensor],
+    shared_up: Optional[Tensor],
+    shared_down: Optional[Tensor],
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, h, shared_h, row_token, row_slot, slot_row, tile_expert, expert_offsets).
+
+    h and shared_h are empty unless ``save``; the schedule tensors are what the backward
+    needs to find each row again.
+    """
+    from .fused_forward import moe_forward
+
+    res = moe_forward(
+        x, topk_idx, topk_w, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down),
+        check_routing=False, save_for_backward=save,
+    )
+    s = res.schedule
+    _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
+    h = res.h if res.h is not None else x.new_empty(h_rows, 2 * inter)
+    shared_h = res.shared_h if res.shared_h is not None else x.new_empty(sh_rows, 2 * shared_inter)
+    return res.out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets
+
+
+@moe_forward_op.register_fake
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save):
+    capacity, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
+    num_tokens, topk = topk_idx.shape
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (
+        x.new_empty(num_tokens, x.shape[1]),
+        x.new_empty(h_rows, 2 * inter),
+        x.new_empty(sh_rows, 2 * shared_inter),
+        torch.empty(capacity, **i32),
+        torch.empty(capacity, **i32),
+        torch.empty(num_tokens, topk, **i32),
+        torch.empty(capacity // BLOCK_M, **i32),
+        torch.empty(w_gate.shape[0] + 1, **i32),
+    )
+
+
+@moe_forward_op.register_kernel("cpu")
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save):
+    from .reference import moe_reference
+
+    _warn_cpu_once()
+    shared = _shared(shared_gate, shared_up, shared_down)
+    out = moe_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared).to(x.dtype)
+    s = build_schedule(topk_idx, w_gate.shape[0], block_m=BLOCK_M)
+    _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
+    h = x.new_zeros(h_rows, 2 * inter)
+    if save:  # what the fused gate/up GEMM saves: [x_row·w_gateᵀ | x_row·w_upᵀ] per buffer row
+        rows = s.row_token.long()
+        experts = s.tile_expert.long().repeat_interleave(BLOCK_M)
+        for e in range(w_gate.shape[0]):
+            sel = ((experts == e) & (rows >= 0)).nonzero().flatten()
+            xr = x[rows[sel]].float()
+            h[sel] = torch.cat([xr @ w_gate[e].float().T, xr @ w_up[e].float().T], 1).to(x.dtype)
+    shared_h = x.new_empty(sh_rows, 2 * shared_inter)
+    if save and shared is not None:
+        xf = x.float()
+        shared_h = torch.cat([xf @ shared_gate.float().T, xf @ shared_up.float().T], 1).to(x.dtype)
+    return out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets
+
+
+@torch.library.custom_op("mok::moe_backward", mutates_args=(), device_types="cuda")
+def moe_backward_op(
+    dout: Tensor,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    shared_gate: Optional[Tensor],
+    shared_up: Optional[Tensor],
+    shared_down: Optional[Tensor],
+    h: Tensor,
+    shared_h: Tensor,
+    row_token: Tensor,
+    row_slot: Tensor,
+    slot_row: Tensor,
+    tile_expert: Tensor,
+    expert_offsets: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down).
+
+    The shared expert's gradients are empty tensors when there is none.
+    """
+    from .fused_backward import moe_backward
+    from .fused_forward import ForwardResult
+    from .schedule import Schedule
+
+    empty = torch.empty(0, dtype=torch.int32, device=x.device)  # counts and overflow: not used by backward
+    sched = Schedule(empty, expert_offsets, row_token, row_slot, slot_row, tile_expert, empty, BLOCK_M, row_token.shape[0])
+    shared = _shared(shared_gate, shared_up, shared_down)
+    saved = ForwardResult(out=dout, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
+    g = moe_backward(dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype)
+    d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
+    return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)
+
+
+@moe_backward_op.register_fake
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule):
+    shared = [torch.empty_like(t) if t is not None else x.new_empty(0) for t in (shared_gate, shared_up, shared_down)]
+    return (
+        torch.empty_like(x), torch.empty_like(topk_w), torch.empty_like(w_gate), torch.empty_like(w_up),
+        torch.empty_like(w_down), *shared,
+    )
+
+
+@moe_backward_op.register_kernel("cpu")
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule):
+    from .reference_backward import moe_backward_reference
+
+    _warn_cpu_once()
+    shared = _shared(shared_gate, shared_up, shared_down)
+    g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout)
+    d_shared = [t.to(w.dtype) for t, w in zip(g.d_shared, shared)] if shared is not None else [x.new_empty(0) for _ in range(3)]
+    return (
+        g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype), g.d_w_gate.to(w_gate.dtype), g.d_w_up.to(w_up.dtype),
+        g.d_w_down.to(w_down.dtype), *d_shared,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save = inputs
+    _, h, shared_h, *schedule = output
+    ctx.saved_h = save
+    ctx.has_shared = shared_gate is not None
+    ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule)
+
+
+def _backward(ctx, d_out, *_unused):
+    if not ctx.saved_h:
+        raise RuntimeError("mok::moe_forward: called with save=False, so it kept nothing for the backward")
+    grads = moe_backward_op(d_out.contiguous(), *ctx.saved_tensors)
+    dx, d_topk_w, d_gate, d_up, d_down, *d_shared = grads
+    if not ctx.has_shared:
+        d_shared = [None] * 3
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None
+
+
+moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

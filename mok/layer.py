@@ -1,0 +1,153 @@
+"""``mok.MoELayer``: a drop-in MoE MLP block (router + routed SwiGLU experts + optional shared expert).
+
+Parameters are named as Hugging Face MoE models name them, so checkpoints map over by name:
+``gate_proj``/``up_proj`` [E_local, I, H], ``down_proj`` [E_local, H, I], ``shared_gate_proj``/
+``shared_up_proj`` [I_s, H], ``shared_down_proj`` [H, I_s], and the router ``router``
+(``nn.Linear(H, E, bias=False)``: softmax over all E, top-k, weights renormalised over the k).
+
+Where it runs:
+- CUDA on Hopper: the custom op ``mok::moe_forward`` (MoK's fused kernels) and its backward;
+  another GPU arch raises an error naming the supported ones. External expert ids are
+  range-checked (one host read) except under torch.compile or CUDA-graph capture.
+- CPU: the same op's reference implementation (one warning), so model code runs in CPU tests.
+- ``group`` with more than one rank: the reference expert-parallel path over torch.distributed
+  (all_to_all, fp32 math), with a one-time warning, until the fused EP kernels land.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import nn
+
+from . import custom_ops  # noqa: F401  (registers mok::moe_forward / mok::moe_backward)
+from .config import MoKConfig
+from .validation import check_tensor
+
+_EP_WARNED = False
+
+
+def _may_sync(x: torch.Tensor) -> bool:
+    """True unless tracing for torch.compile or capturing a CUDA graph (where reading a value back is not allowed)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts in fp32, top-k, weights renormalised to sum to 1: (topk_idx int32, topk_w fp32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, idx = probs.topk(topk, dim=-1)
+    return idx.to(torch.int32), weights / weights.sum(-1, keepdim=True)
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts SwiGLU MLP on MoK's fused kernels. ``layer(x)`` routes with the built-in
+    router; ``layer(x, topk_idx=..., topk_w=...)`` uses the given routing (topk_w then gets the
+    router gradient). x: [..., H]; returns the same shape and dtype.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        topk: int,
+        shared_intermediate: int | None = None,
+        group: "torch.distributed.ProcessGroup | None" = None,
+        precision: str = "bf16",
+        *,
+        device: "torch.device | str | None" = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        ep_size = 1
+        if group is not None:
+            import torch.distributed as dist
+
+            ep_size = dist.get_world_size(group)
+        self.config = MoKConfig(hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision)
+        self.group = group if ep_size > 1 else None
+        self.ep_rank = 0 if self.group is None else torch.distributed.get_rank(group)
+        local = self.config.experts_per_rank
+        kw = dict(device=device, dtype=dtype or torch.bfloat16)
+        self.gate_proj = nn.Parameter(torch.empty(local, intermediate, hidden, **kw))
+        self.up_proj = nn.Parameter(torch.empty(local, intermediate, hidden, **kw))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden, intermediate, **kw))
+        if shared_intermediate is not None:
+            self.shared_gate_proj = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
+            self.shared_up_proj = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
+            self.shared_down_proj = nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))
+        else:
+            self.register_parameter("shared_gate_proj", None)
+            self.register_parameter("shared_up_proj", None)
+            self.register_parameter("shared_down_proj", None)
+        self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Every projection as nn.Linear initialises its weight: U(-1/√fan_in, 1/√fan_in)."""
+        for weight in (self.gate_proj, self.up_proj, self.down_proj, self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj):
+            if weight is not None:
+                bound = 1.0 / math.sqrt(weight.shape[-1])
+                nn.init.uniform_(weight, -bound, bound)
+        self.router.reset_parameters()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"hidden={c.hidden}, intermediate={c.intermediate}, num_experts={c.num_experts}, topk={c.topk}, "
+            f"shared_intermediate={c.shared_intermediate}, ep_size={c.ep_size}"
+        )
+
+    def shared_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return None if self.shared_gate_proj is None else (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_w: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        check_tensor("x", x, dtypes=(self.gate_proj.dtype,), device=self.gate_proj.device)
+        if x.dim() < 1 or x.shape[-1] != c.hidden:
+            raise ValueError(f"x: expected shape [..., {c.hidden}], got {list(x.shape)}")
+        lead = x.shape[:-1]
+        tokens = x.reshape(-1, c.hidden).contiguous()  # a non-contiguous x is copied, never rejected
+        external = topk_idx is not None
+        if external != (topk_w is not None):
+            raise ValueError("topk_idx, topk_w: give both (external routing) or neither (built-in router)")
+        if external:
+            check_tensor("topk_idx", topk_idx, dtypes=(torch.int32, torch.int64), shape=(*lead, c.topk), device=x.device)
+            check_tensor("topk_w", topk_w, dtypes=(torch.float32, torch.bfloat16, torch.float16), shape=(*lead, c.topk), device=x.device)
+            topk_idx = topk_idx.reshape(-1, c.topk).to(torch.int32).contiguous()
+            topk_w = topk_w.reshape(-1, c.topk).float().contiguous()
+        else:
+            topk_idx, topk_w = route(self.router(tokens), c.topk)
+        if self.group is not None:
+            out = self._reference_ep(tokens, topk_idx, topk_w)
+        else:
+            out = self._fused(tokens, topk_idx, topk_w, check_range=external and _may_sync(tokens))
+        return out.reshape(*lead, c.hidden)
+
+    def _fused(self, x, topk_idx, topk_w, check_range: bool):
+        from .validation import check_moe_inputs
+
+        shared = self.shared_weights()
+        check_moe_inputs(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range)
+        save = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or ()))
+        )
+        sg, su, sd = shared if shared is not None else (None, None, None)
+        return torch.ops.mok.moe_forward(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save)[0]
+
+    def _reference_ep(self, x, topk_idx, topk_w):
+        global _EP_WARNED
+        from .reference import moe_reference_ep
+
+        if not _EP_WARNED:
+            _EP_WARNED = True
+            warnings.warn(
+                "MoK: expert parallelism runs through the reference path (all_to_all + fp32 math) until the fused "
+                "EP kernels land", stacklevel=3,
+            )
+        out = moe_reference_ep(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, self.shared_weights(), group=self.group)
+        return out.to(x.dtype)

@@ -1,0 +1,194 @@
+"""MoELayer, the custom ops and the functional API on the CPU (the reference path behind the same ops)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import mok
+from mok import custom_ops
+from mok.config import MoKConfig
+from mok.layer import MoELayer, route
+from mok.reference import moe_reference
+
+
+def small_layer(shared=48, seed=0, **kw):
+    torch.manual_seed(seed)
+    return MoELayer(64, 32, 8, 2, shared_intermediate=shared, dtype=torch.float32, **kw)
+
+
+def reference_layer(layer, x):
+    """The layer's math written with moe_reference (autograd through everything)."""
+    tokens = x.reshape(-1, layer.config.hidden)
+    idx, w = route(tokens @ layer.router.weight.T, layer.config.topk)
+    out = moe_reference(tokens, idx, w, layer.gate_proj, layer.up_proj, layer.down_proj, layer.shared_weights())
+    return out.reshape(x.shape)
+
+
+def test_parameters_are_named_like_hugging_face_moe_models():
+    layer = MoELayer(64, 32, 8, 2, shared_intermediate=48)
+    shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    assert shapes == {
+        "gate_proj": (8, 32, 64), "up_proj": (8, 32, 64), "down_proj": (8, 64, 32),
+        "shared_gate_proj": (48, 64), "shared_up_proj": (48, 64), "shared_down_proj": (64, 48),
+        "router.weight": (8, 64),
+    }
+    assert all(p.dtype == torch.bfloat16 for p in layer.parameters())  # precision="bf16"
+    assert set(dict(MoELayer(64, 32, 8, 2).named_parameters())) == {"gate_proj", "up_proj", "down_proj", "router.weight"}
+
+
+def test_initialisation_is_uniform_in_one_over_sqrt_fan_in():
+    layer = MoELayer(256, 512, 16, 2, shared_intermediate=128, dtype=torch.float32)
+    for weight in (layer.gate_proj, layer.up_proj, layer.down_proj, layer.shared_gate_proj, layer.shared_down_proj):
+        bound = 1 / math.sqrt(weight.shape[-1])
+        assert weight.abs().max() <= bound
+        assert abs(float(weight.detach().std()) - bound / math.sqrt(3)) < 0.02 * bound  # U(-b, b) has std b/√3
+
+
+def test_forward_and_gradients_match_the_reference_on_cpu():
+    layer = small_layer()
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    out = layer(x)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    got = [x.grad] + [p.grad for p in layer.parameters()]
+
+    layer.zero_grad()
+    x2 = x.detach().clone().requires_grad_()
+    want_out = reference_layer(layer, x2)
+    want_out.backward(dout)
+    want = [x2.grad] + [p.grad for p in layer.parameters()]
+    assert torch.allclose(out, want_out, rtol=0, atol=0)  # the CPU op is the reference
+    assert layer.router.weight.grad.abs().sum() > 0  # the router learns through topk_w
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_cpu_path_warns_once():
+    custom_ops._CPU_WARNED = False
+    layer = small_layer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(4, 64))
+        layer(torch.randn(4, 64))
+    assert sum("reference path" in str(w.message) for w in caught) == 1
+
+
+def test_external_routing_gets_the_router_gradient():
+    layer = small_layer(shared=None)
+    x = torch.randn(6, 64)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, requires_grad=True)
+    layer(x, topk_idx=idx, topk_w=w).sum().backward()
+    w2 = w.detach().clone().requires_grad_()
+    moe_reference(x, idx, w2, layer.gate_proj, layer.up_proj, layer.down_proj).sum().backward()
+    assert torch.allclose(w.grad, w2.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_non_contiguous_input_is_copied_not_rejected():
+    layer = small_layer()
+    x = torch.randn(64, 10).T  # [10, 64], non-contiguous
+    assert torch.equal(layer(x), layer(x.contiguous()))
+
+
+def test_zero_tokens():
+    layer = small_layer()
+    x = torch.randn(0, 64, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (0, 64)
+    out.sum().backward()
+    assert x.grad.shape == (0, 64)
+    assert all(p.grad is None or not p.grad.any() for p in layer.parameters())
+
+
+def test_nan_in_one_token_stays_in_that_token():
+    layer = small_layer()
+    x = torch.randn(9, 64)
+    clean = layer(x)
+    x[4, 7] = float("nan")
+    out = layer(x)
+    assert out[4].isnan().all()
+    keep = torch.arange(9) != 4
+    assert torch.equal(out[keep], clean[keep])
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda l: l(torch.randn(4, 64, dtype=torch.float64)), TypeError, "x: expected dtype float32, got float64"),
+        (lambda l: l(torch.randn(4, 65)), ValueError, r"x: expected shape \[\.\.\., 64\], got \[4, 65\]"),
+        (lambda l: l(torch.randn(4, 64, device="meta")), ValueError, "x: expected a tensor on cpu, got one on meta"),
+        (lambda l: l(torch.randn(4, 64), topk_idx=torch.zeros(4, 2, dtype=torch.int32)), ValueError, "give both"),
+        (
+            lambda l: l(torch.randn(4, 64), topk_idx=torch.full((4, 2), 8), topk_w=torch.rand(4, 2)),
+            ValueError, r"topk_idx: expected every entry in \[0, 8\), got 8",
+        ),
+        (
+            lambda l: l(torch.randn(4, 64), topk_idx=torch.zeros(4, 2), topk_w=torch.rand(4, 2)),
+            TypeError, "topk_idx: expected dtype int32 or int64, got float32",
+        ),
+        (
+            lambda l: l(torch.randn(4, 64), topk_idx=torch.zeros(4, 2, dtype=torch.int64), topk_w=torch.rand(4, 3)),
+            ValueError, r"topk_w: expected shape \[4, 2\], got \[4, 3\]",
+        ),
+    ],
+    ids=["dtype", "shape", "device", "half-routing", "index-range", "index-dtype", "weight-shape"],
+)
+def test_bad_input_raises_a_clear_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call(small_layer())
+
+
+def test_unsupported_gpu_arch_names_the_supported_ones(monkeypatch):
+    from mok.runtime import arch
+
+    monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_100a")
+    with pytest.raises(RuntimeError, match=r"runs on sm_90a \(Hopper: H100/H200\) so far; this GPU is sm_100a"):
+        arch.check_fused_layer_device(0)
+
+
+def test_custom_ops_pass_opcheck():
+    layer = small_layer()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 64, generator=g)
+    idx, w = route(torch.randn(6, 8, generator=g), 2)
+    weights = [t.detach() for t in (layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights())]
+    fwd_args = (x, idx, w, *weights, True)
+    torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
+    _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
+    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph_two_layers_matches_eager():
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(
+        MoELayer(64, 32, 8, 2, dtype=torch.float32), torch.nn.GELU(), MoELayer(64, 32, 8, 2, 48, dtype=torch.float32)
+    )
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(9, 64, requires_grad=True)
+    compiled(x).square().sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    model(x).square().sum().backward()
+    want = [x.grad] + [p.grad for p in model.parameters()]
+    assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want))
+
+
+def test_functional_api_checks_the_config():
+    config = MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=2)
+    assert mok.get_workspace(config) is None
+    layer = small_layer(shared=None)
+    x = torch.randn(4, 64)
+    idx, w = route(torch.randn(4, 8), 2)
+    weights = (layer.gate_proj, layer.up_proj, layer.down_proj)
+    wrong = MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=4)
+    with pytest.raises(ValueError, match="topk: the config says 4, the tensors have 2"):
+        mok.forward(wrong, None, x, idx, w, *weights)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the fused path itself is GPU-only
+        mok.forward(config, None, x, idx, w, *weights)
+    with pytest.raises(ValueError, match=r"group: expected 2 ranks \(config.ep_size\), got 1"):
+        mok.get_workspace(MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=2, ep_size=2))
+

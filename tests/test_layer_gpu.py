@@ -1,0 +1,139 @@
+"""MoELayer on the H200: fused custom ops against the reference, torch.compile, CUDA graphs, memory."""
+
+import copy
+
+import pytest
+import torch
+
+from mok.layer import MoELayer
+
+from helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+def make_layer(seed=0, shared=256):
+    torch.manual_seed(seed)
+    return MoELayer(512, 256, 16, 4, shared_intermediate=shared, device="cuda")
+
+
+def external_routing(T, E=16, k=4, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices.int()
+    w = torch.softmax(torch.randn(T, k, device="cuda", generator=g), 1)
+    return idx, w
+
+
+def grads_of(layer, x, idx, w, dout):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = layer(x, topk_idx=idx, topk_w=w)
+    out.backward(dout)
+    # out detached: a live graph would keep the parameters' AccumulateGrad nodes, and with them
+    # the stream of this eager call, into a later CUDA-graph capture (a cross-stream wait there).
+    return [out.detach(), x.grad, w.grad] + [p.grad for n, p in layer.named_parameters() if not n.startswith("router")]
+
+
+def test_fused_layer_matches_the_reference_path():
+    layer = make_layer()
+    x = torch.randn(700, 512, device="cuda").bfloat16()
+    idx, w = external_routing(700)
+    dout = torch.randn(700, 512, device="cuda").bfloat16()
+    got = grads_of(layer, x, idx, w, dout)
+    cpu = copy.deepcopy(layer).cpu()
+    want = grads_of(cpu, x.cpu(), idx.cpu(), w.cpu(), dout.cpu())
+    for g, r in zip(got, want):
+        assert g.is_cuda and not g.isnan().any()
+        assert rel_err(g.cpu(), r) <= 1e-2
+
+
+def test_built_in_router_learns():
+    layer = make_layer()
+    x = torch.randn(300, 512, device="cuda").bfloat16().requires_grad_()
+    layer(x).float().square().sum().backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    assert torch.isfinite(layer.router.weight.grad).all() and torch.isfinite(x.grad).all()
+
+
+def test_torch_compile_fullgraph_two_layers():
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(
+        MoELayer(512, 256, 16, 4, device="cuda"), torch.nn.GELU(), MoELayer(512, 256, 16, 4, 256, device="cuda")
+    )
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(400, 512, device="cuda").bfloat16().requires_grad_()
+    out_c = compiled(x)
+    out_c.float().square().sum().backward()
+    got = [out_c, x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    out_e = model(x)
+    out_e.float().square().sum().backward()
+    want = [out_e, x.grad] + [p.grad for p in model.parameters()]
+    for g, w in zip(got, want):  # the router's softmax may be fused differently: close, not bitwise
+        assert rel_err(g, w) <= 1e-2
+
+
+def test_forward_backward_cuda_graph_equals_eager():
+    layer = make_layer(seed=3)
+    x = torch.randn(256, 512, device="cuda").bfloat16()
+    idx, w = external_routing(256, seed=4)
+    dout = torch.randn(256, 512, device="cuda").bfloat16()
+    eager = grads_of(layer, x, idx, w, dout)
+    static_x = x.clone().requires_grad_()
+    static_w = w.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (kernels compiled and loaded) outside the capture
+        for _ in range(2):
+            layer(static_x, topk_idx=idx, topk_w=static_w).backward(dout)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for p in layer.parameters():
+        p.grad = None
+    static_x.grad = static_w.grad = None
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x, topk_idx=idx, topk_w=static_w)
+        static_out.backward(dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [static_out, static_x.grad, static_w.grad] + [
+        p.grad for n, p in layer.named_parameters() if not n.startswith("router")
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
+
+
+def test_1000_calls_leave_memory_flat():
+    layer = make_layer(seed=5)
+    x = torch.randn(512, 512, device="cuda").bfloat16().requires_grad_()
+    for step in range(1000):
+        layer(x).sum().backward()
+        if step == 9:
+            torch.cuda.synchronize()
+            settled = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == settled
+
+
+def test_nan_in_one_token_stays_in_that_token():
+    layer = make_layer(seed=6)
+    x = torch.randn(300, 512, device="cuda").bfloat16()
+    idx, w = external_routing(300, seed=7)
+    with torch.no_grad():
+        clean = layer(x, topk_idx=idx, topk_w=w)
+        x[123, 5] = float("nan")
+        out = layer(x, topk_idx=idx, topk_w=w)
+    assert out[123].isnan().all()
+    keep = torch.arange(300, device="cuda") != 123
+    assert torch.equal(out[keep], clean[keep])
+
+
+def test_zero_tokens_on_the_gpu():
+    layer = make_layer(seed=8)
+    x = torch.randn(0, 512, device="cuda").bfloat16().requires_grad_()
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, 512) and x.grad.shape == (0, 512)
+    assert all(p.grad is None or not p.grad.any() for p in layer.parameters())
