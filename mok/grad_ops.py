@@ -25,6 +25,7 @@ def swiglu_backward_gemm(
     row_token: torch.Tensor | None = None,
     row_slot: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None,
+    persistent: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
@@ -35,7 +36,8 @@ def swiglu_backward_gemm(
     (bf16, for dW_down) and partial [R, I/tile_n] fp32, Σ over each column tile of dA_u·a
     (:func:`router_grad` adds them up). row_token/row_slot [R] int32 and topk_w [T, k] fp32
     give s (0 for padding rows); all None for the shared expert (s = 1, partial is None).
-    Rows of tiles with tile_expert -1 are left unwritten.
+    Rows of tiles with tile_expert -1 are left unwritten. ``persistent=False``: the
+    one-tile-per-CTA kernel (the same results, bit for bit).
     """
     check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, hidden = dout_rows.shape
@@ -66,7 +68,8 @@ def swiglu_backward_gemm(
     if num_rows == 0:
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
-        inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=unit_scale
+        inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=unit_scale,
+        persistent=persistent,
     )
     launch_grouped_gemm(
         variant, dout_rows, w_down, w_down, dh, tile_expert, h=h, a_scaled=a_scaled, partial=partial,

@@ -143,6 +143,7 @@ def grouped_gemm(
     k_split: bool = False,
     tile_n: int | None = None,
     stages: int | None = None,
+    persistent: bool = True,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (bf16, fp32 accumulation).
 
@@ -155,7 +156,8 @@ def grouped_gemm(
     (b, b2 [E, K/2, N]: out = a[:, :K/2]·b + a[:, K/2:]·b2). out: [R, N] bf16.
     Needs N % 128 == 0 and K % 64 == 0 (K % 128 with ``k_split``); Hopper (sm_90a) only so
     far. ``tile_n`` overrides the column tile (64, 128 or 256 dividing N; default from the
-    static shape), ``stages`` the shared-memory pipeline depth (default: as deep as fits).
+    static shape), ``stages`` the shared-memory pipeline depth (default: as deep as fits),
+    ``persistent=False`` selects the one-tile-per-CTA kernel (same results, bit for bit).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
@@ -187,7 +189,9 @@ def grouped_gemm(
     if num_rows == 0:
         return out
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
-    variant = grouped_gemm_variant(n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split)
+    variant = grouped_gemm_variant(
+        n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split, persistent=persistent
+    )
     launch_grouped_gemm(
         variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, num_rows=num_rows, num_experts=num_experts
     )
@@ -204,8 +208,13 @@ def launch_grouped_gemm(
         _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b2), _ptr("bf16", out), _ptr("i32", tile_expert, 4),
         _ptr("bf16", h), _ptr("bf16", a_scaled), _ptr("f32", partial, 4), _ptr("i32", row_token, 4),
         _ptr("i32", row_slot, 4), _ptr("f32", topk_w, 4),
-        _i32(num_rows), _i32(num_experts), _i32(num_tokens), _stream(a.device),
+        _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(_sm_count(a.device)), _stream(a.device),
     )
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device: the CTA count of a persistent kernel."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def device_schedule(

@@ -1,4 +1,4 @@
-"""Grouped GEMM alone at the layer's shapes: MoK's kernel per column tile vs torch._grouped_mm vs dense.
+"""Grouped GEMM alone at the layer's shapes: MoK's kernels (column tile, persistent or not) vs torch._grouped_mm vs dense.
 
     python perf/gemm_sweep.py
 
@@ -31,9 +31,12 @@ def main() -> None:
         tiles = torch.arange(R // 128, device="cuda", dtype=torch.int32) // (per // 128)
         flops = 2 * R * N * K * (2 if swiglu else 1)
         runs = {}
-        for tile_n, stages in (((128, None), (128, 2), (128, 3)) if swiglu else ((128, None), (128, 3), (128, 4), (256, None), (256, 2))):
-            if N % tile_n == 0:
-                runs[f"mok n{tile_n} stages={stages or 'max'}"] = lambda t=tile_n, st=stages: ops.grouped_gemm(a, b, tiles, b2=b2, tile_n=t, stages=st)
+        for tile_n in (128,) if swiglu else (128, 256):
+            for persistent in (False, True):
+                if N % tile_n == 0:
+                    runs[f"mok n{tile_n}{' persist' if persistent else ''}"] = (
+                        lambda t=tile_n, p=persistent: ops.grouped_gemm(a, b, tiles, b2=b2, tile_n=t, persistent=p)
+                    )
         offs = torch.full((E,), per, device="cuda", dtype=torch.int32).cumsum(0).int()
         bt = b.transpose(1, 2)
         runs["torch._grouped_mm"] = lambda: [torch._grouped_mm(a, bt, offs=offs) for _ in range(2 if swiglu else 1)]

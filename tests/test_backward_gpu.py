@@ -172,3 +172,28 @@ def test_backward_rejects_missing_saved_activations():
     saved = moe_forward(x, idx, w, *experts, shared)
     with pytest.raises(ValueError, match="save_for_backward=True"):
         moe_backward(torch.randn_like(x), x, idx, w, *experts, shared, saved)
+
+
+def test_persistent_kernels_give_the_same_bits():
+    """The persistent warp-specialised GEMM computes each tile exactly as the one-tile-per-CTA GEMM."""
+    x, idx, w, (wg, wu, wd), _ = gpu_layer(1500, 512, 256, 8, 4, None, seed=19, routing="zipf")
+    s = moe_forward(x, idx, w, wg, wu, wd, None).schedule
+    xr = ops.gather_rows(x, s.row_token)
+    dout = torch.randn(1500, 512, device="cuda").bfloat16()
+    g = ops.gather_rows(dout, s.row_token)
+    used = s.tile_expert.repeat_interleave(128) >= 0
+
+    def all_epilogues(persistent):
+        h = poisoned(xr.shape[0], 512)
+        a = ops.grouped_gemm(xr, wg, s.tile_expert, b2=wu, h_out=h, persistent=persistent)
+        y256 = ops.grouped_gemm(a, wd, s.tile_expert, persistent=persistent)  # H = 512: 256-wide tiles
+        y128 = ops.grouped_gemm(a, wd, s.tile_expert, tile_n=128, persistent=persistent)
+        dh, a_s, part = grad_ops.swiglu_backward_gemm(
+            g, wd, s.tile_expert, h, row_token=s.row_token, row_slot=s.row_slot, topk_w=w, persistent=persistent
+        )
+        dx = ops.grouped_gemm(dh, wg, s.tile_expert, b2=wu, b_major="n", k_split=True, persistent=persistent)
+        return [t[used] for t in (h, a, y256, y128, dh, a_s, part, dx)]
+
+    base, persistent = all_epilogues(False), all_epilogues(True)
+    assert not any(t.isnan().any() for t in persistent)
+    assert all(torch.equal(p, q) for p, q in zip(persistent, base))

@@ -1,4 +1,4 @@
-"""The README's training example runs and learns: one process, and two ranks under torchrun (CPU, gloo)."""
+"""The README's training example runs and learns: one process, and 2 or 4 ranks under torchrun (CPU, gloo)."""
 
 import os
 import re
@@ -29,8 +29,9 @@ def test_toy_training_on_one_process():
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo over localhost")
-def test_toy_training_under_torchrun_with_two_ranks():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_toy_training_under_torchrun(ranks):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(29510 + ranks),
            str(EXAMPLE), "--steps", "6", "--device", "cpu"]
     got = run(cmd)
     assert len(got) == 2 and got[-1] < got[0]

@@ -37,15 +37,18 @@ def test_every_variant_of_the_default_config_compiles_for_both_archs():
                 assert f".target {arch}" in compiled_ptx(variant, arch)
 
 
+@pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("n,k,swiglu", [(2048, 7168, True), (7168, 2048, False), (768, 2048, True)])
-def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu):
-    variant = grouped_gemm_variant(n, k, swiglu)
+def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu, persistent):
+    variant = grouped_gemm_variant(n, k, swiglu, persistent=persistent)
     ptx = compiled_ptx(variant, "sm_90a")
     tile_n = variant.config["tile_n"]
     assert ".target sm_90a" in ptx
     k_blocks = 4  # 64-deep shared-memory stage / 16-deep bf16 WGMMA
     assert count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k16\.f32\.bf16\.bf16", ptx) == k_blocks * (2 if swiglu else 1)
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 2 * (3 if swiglu else 2)  # fill + steady state
+    loads = 3 if swiglu else 2  # A, B (and B2) per stage; the one-tile kernel has a fill loop and a steady-state loop
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads * (1 if persistent else 2)
+    assert count(r"setmaxnreg", ptx) == (2 if persistent else 0)  # producer gives registers to the MMA warpgroups
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx) >= 1  # TMA store epilogue
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert (count(r"ex2\.approx", ptx) > 0) == swiglu

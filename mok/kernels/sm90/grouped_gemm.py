@@ -33,6 +33,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
+import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
@@ -56,6 +57,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         unit_scale: bool = False,
         tile_n: int = 128,
         stages: int | None = None,
+        persistent: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -76,8 +78,15 @@ class GroupedGemmSm90(WgmmaTileKernel):
         self.num_b = 2 if self.two_accumulators else 1
         self.b_k = k // 2 if k_split else k  # K extent of each B tensor
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
+        self.persistent = persistent
+        if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
+            self.threads, self.store_warp = self.consumer_threads + 128, 4
+        stores_per_tile = (tile_n // 32) * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
+        if stores_per_tile % self.epi_stage:  # each tile starts again at buffer 0 (see epilogue)
+            raise ValueError(f"tile_n: {tile_n} gives {stores_per_tile} epilogue stores, not a multiple of {self.epi_stage}")
         stage_bytes = (tile_m * TILE_K + self.num_b * tile_n * TILE_K) * 2
-        self.ab_stage = pick_stages(stage_bytes, self.epi_stage * tile_m * 32 * 2, stages)
+        self.epi_bytes = self.epi_stage * tile_m * 32 * 2
+        self.ab_stage = pick_stages(stage_bytes, self.epi_bytes, stages, dedicated_epi=persistent)
 
     def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
         """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
@@ -102,6 +111,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
+        max_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         n, k = self.n, self.k
@@ -129,6 +139,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         tma_as, t_as = self.store_atom(m_as, epi_smem)  # used by swiglu_bwd only
 
         b2_elems = cute.cosize(b_smem) if self.num_b == 2 else 8  # no second B buffer otherwise
+        c_elems = cute.cosize(epi_smem) if self.persistent else 8  # otherwise the epilogue reuses A's buffers
 
         @cute.struct
         class SharedStorage:
@@ -136,12 +147,19 @@ class GroupedGemmSm90(WgmmaTileKernel):
             s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
             s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
             s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
+            s_c: cute.struct.Align[cute.struct.MemRange[self.c_dtype, c_elems], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        self.kernel(
+        args = (
             tma_a, t_a, tma_b, t_b, tma_b2, t_b2, tma_c, t_c, tma_h, t_h, tma_as, t_as, m_h, m_part,
             m_row_token, m_row_slot, m_topk_w, m_tiles, num_tiles, num_rows, self.tiled_mma, a_smem, b_smem, epi_smem,
-        ).launch(grid=[num_tiles * (n // tile_n), 1, 1], block=[self.threads, 1, 1], stream=stream)
+        )
+        all_tiles = num_tiles * (n // tile_n)
+        if cutlass.const_expr(self.persistent):
+            grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
+            self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        else:
+            self.kernel(*args).launch(grid=[all_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -220,10 +238,143 @@ class GroupedGemmSm90(WgmmaTileKernel):
             self.mainloop(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, warp_idx, loads)
             cute.arch.sync_threads()  # the epilogue reuses A's shared memory
 
+            store_pipe = self.store_pipeline()
             self.epilogue(
                 tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
-                tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows,
+                tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows, store_pipe,
             )
+            if warp_idx == self.store_warp:
+                store_pipe.producer_tail()
+
+    @cute.kernel
+    def kernel_persistent(
+        self,
+        tma_a: cute.CopyAtom,
+        m_a: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        m_b: cute.Tensor,
+        tma_b2: cute.CopyAtom,
+        m_b2: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        m_c: cute.Tensor,
+        tma_h: cute.CopyAtom,
+        m_h_store: cute.Tensor,
+        tma_as: cute.CopyAtom,
+        m_as: cute.Tensor,
+        m_h: cute.Tensor,
+        m_part: cute.Tensor,
+        m_row_token: cute.Tensor,
+        m_row_slot: cute.Tensor,
+        m_topk_w: cute.Tensor,
+        m_tiles: cute.Tensor,
+        num_row_tiles: cutlass.Int32,
+        num_rows: cutlass.Int32,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        """Persistent and warp-specialised: CTA i takes tiles i, i + grid, ... in the L2-friendly order.
+
+        Warpgroup 0 produces (its warp 0 issues every TMA load, running ahead into the next
+        tile while the MMA warpgroups run the epilogue of the last); warpgroups 1 and 2 consume
+        (WGMMA, 64 rows each) and store. A tile's result does not depend on which CTA took it.
+        """
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        col_tiles = self.n // self.tile_shape_mnk[1]
+        all_tiles = num_row_tiles * col_tiles
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(self.num_b == 2 or self.k_split):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_b2)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem)
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_b2 = s_b
+        if cutlass.const_expr(self.num_b == 2):
+            s_b2 = storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_c = storage.s_c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        k_tiles = self.k // self.tile_shape_mnk[2]
+
+        if tidx < 128:  # producer warpgroup
+            cute.arch.setmaxregister_decrease(40)
+            if warp_idx == 0:
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                linear = first
+                while linear < all_tiles:
+                    tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
+                    expert = m_tiles[tile_row]
+                    if expert >= 0:
+                        g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
+                        g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
+                        g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
+                        t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
+                        t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
+                        t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
+                        loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
+                        prod.reset_count()  # load_stage reads the k tile from the count
+                        for _ in cutlass.range(k_tiles, unroll=1):
+                            self.load_stage(ab_pipe, prod, loads)
+                            prod.advance()
+                    linear += step
+                ab_pipe.producer_tail(prod)
+        else:  # the two MMA warpgroups
+            cute.arch.setmaxregister_increase(232)
+            mma_tidx = tidx - 128
+            thr_mma = self.warpgroup_slice(tiled_mma, mma_tidx)
+            tile_mn = (self.tile_shape_mnk[0], self.tile_shape_mnk[1])
+            acc_shape = thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape
+            r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+            r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+            r_b2 = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b2))
+            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            acc2 = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            k_blocks = cute.size(r_a, mode=[2])
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            store_pipe = self.store_pipeline()
+            linear = first
+            while linear < all_tiles:
+                tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
+                expert = m_tiles[tile_row]
+                if expert >= 0:
+                    acc.fill(0.0)
+                    if cutlass.const_expr(self.two_accumulators):
+                        acc2.fill(0.0)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    for k_tile in cutlass.range(k_tiles, unroll=1):
+                        ab_pipe.consumer_wait(cons)
+                        cute.nvgpu.warpgroup.fence()
+                        for kb in cutlass.range(k_blocks, unroll_full=True):
+                            blk = (None, None, kb, cons.index)
+                            cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
+                            if cutlass.const_expr(self.two_accumulators):
+                                cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
+                        cute.nvgpu.warpgroup.commit_group()
+                        cons.advance()
+                        if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            ab_pipe.consumer_release(release)
+                            release.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipe.consumer_release(release)  # the tile's last stage
+                    release.advance()
+                    self.epilogue(
+                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
+                        tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows, store_pipe,
+                    )
+                linear += step
+            if warp_idx == self.store_warp:
+                store_pipe.producer_tail()
 
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):
@@ -261,9 +412,14 @@ class GroupedGemmSm90(WgmmaTileKernel):
     @cute.jit
     def epilogue(
         self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
-        tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows,
+        tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows, store_pipe,
     ):
-        """Registers -> epilogue math -> bf16 -> shared memory (stmatrix) -> global memory (TMA store)."""
+        """Registers -> epilogue math -> bf16 -> shared memory (stmatrix) -> global memory (TMA store).
+
+        ``tidx`` counts the MMA threads from 0. Every tile starts again at buffer 0 of the store
+        pipeline: a tile stores a multiple of ``epi_stage`` subtiles, so that is the buffer the
+        round-robin order reaches next anyway.
+        """
         tile_m, tile_n, _ = self.tile_shape_mnk
         col_tiles = self.n // tile_n
         tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
@@ -312,7 +468,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
         sum_hi = cutlass.Float32(0.0)
 
         _, epi_count, _ = self.epi_order(g_c)
-        store_pipe = self.store_pipeline()
         stores = 0
         for epi in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(per_epi):
@@ -360,8 +515,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
             else:
                 self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 stores += 1
-        if warp_idx == 0:
-            store_pipe.producer_tail()
 
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
             # The four threads of a quad hold the same two rows: add their sums in a fixed
@@ -389,8 +542,9 @@ def compile_grouped_gemm(
     unit_scale: bool = False,
     tile_n: int = 128,
     stages: int | None = None,
+    persistent: bool = False,
 ):
-    """Compile for ``arch`` without tensors: pointers, the row count R, E and T are runtime arguments."""
+    """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
@@ -400,10 +554,11 @@ def compile_grouped_gemm(
         bf16_ptr(), bf16_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), bf16_ptr(),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), i32_ptr(),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
-        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
+        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
     )
     kernel = GroupedGemmSm90(
-        n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages
+        n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
+        persistent=persistent,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")

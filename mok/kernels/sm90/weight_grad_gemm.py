@@ -170,7 +170,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             for v in cutlass.range_constexpr(per_epi):
                 r_d[v] = t_acc[epi * per_epi + v]
             self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, epi % self.epi_stage, warp_idx, store_pipe, rd_layout)
-        if warp_idx == 0:
+        if warp_idx == self.store_warp:
             store_pipe.producer_tail()
 
     @cute.jit

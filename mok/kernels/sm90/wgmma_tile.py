@@ -28,13 +28,18 @@ THREADS = 256  # two consumer warpgroups; warp 0 also produces
 EPI_STAGES = 4
 
 
-def pick_stages(stage_bytes: int, epi_bytes: int, stages: int | None) -> int:
-    """Pipeline depth: as deep as shared memory allows (at most 8), or ``stages`` if it fits."""
-    most = min((SMEM_BYTES - 1024) // stage_bytes, 8)
+def pick_stages(stage_bytes: int, epi_bytes: int, stages: int | None, dedicated_epi: bool = False) -> int:
+    """Pipeline depth: as deep as shared memory allows (at most 8), or ``stages`` if it fits.
+
+    The epilogue's buffers either reuse the pipeline's (a CTA that owns one tile) or come on
+    top of them (``dedicated_epi``: a persistent CTA loads its next tile during the epilogue).
+    """
+    budget = SMEM_BYTES - 1024 - (epi_bytes if dedicated_epi else 0)
+    most = min(budget // stage_bytes, 8)
     if stages is not None and not 2 <= stages <= most:
         raise ValueError(f"stages: expected 2..{most} for this tile, got {stages}")
     chosen = most if stages is None else stages
-    if chosen * stage_bytes < epi_bytes:  # the epilogue reuses A's buffers
+    if not dedicated_epi and chosen * stage_bytes < epi_bytes:  # the epilogue reuses A's buffers
         raise ValueError(f"stages: {chosen} stages are too few to hold the epilogue's {epi_bytes} bytes")
     return chosen
 
@@ -42,7 +47,9 @@ def pick_stages(stage_bytes: int, epi_bytes: int, stages: int | None) -> int:
 class WgmmaTileKernel:
     """Base of the SM90 GEMM kernels; subclasses set ``tile_shape_mnk`` and ``ab_stage``."""
 
-    threads = THREADS
+    threads = THREADS  # launched threads (a persistent kernel adds a producer warpgroup)
+    consumer_threads = THREADS  # the two MMA warpgroups: they run the epilogue
+    store_warp = 0  # the warp that issues the epilogue's TMA stores
     atom_layout_mnk = (2, 1, 1)
     epi_stage = EPI_STAGES
     buffer_align_bytes = 1024
@@ -82,9 +89,16 @@ class WgmmaTileKernel:
         return cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2))
 
     def warpgroup_slice(self, tiled_mma, tidx):
-        """The WGMMA slice of this thread's warpgroup (WGMMA partitions per warpgroup, not per thread)."""
+        """The WGMMA slice of this thread's warpgroup (WGMMA partitions per warpgroup, not per thread).
+
+        ``tidx`` counts from the first MMA thread (a persistent kernel's producer warpgroup comes first).
+        """
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         return tiled_mma.get_slice(cute.make_layout(2, stride=128)(warp_group))
+
+    def epilogue_sync(self):
+        """Barrier 1 over the MMA threads only (the producer warpgroup of a persistent kernel stays out)."""
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.consumer_threads)
 
     def make_pipeline(self, storage, num_b: int, a_smem, b_smem):
         """The producer (one thread) / consumer (all warps) TMA pipeline over ``ab_stage`` stages."""
@@ -95,7 +109,7 @@ class WgmmaTileKernel:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
@@ -177,16 +191,16 @@ class WgmmaTileKernel:
         r_out.store(values.to(self.c_dtype))
         cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, buf)])
         cute.arch.fence_proxy("async.shared", space="cta")
-        pipeline.sync(barrier_id=1)
-        if warp_idx == 0:
+        self.epilogue_sync()
+        if warp_idx == self.store_warp:
             g_epi, _, order = self.epi_order(g_tile)
             b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), g_epi)
             cute.copy(tma, b_sd[(None, buf)], b_gd[(None, order.get_hier_coord(epi))])
             store_pipe.producer_commit()
             store_pipe.producer_acquire()
-        pipeline.sync(barrier_id=1)
+        self.epilogue_sync()
 
     def store_pipeline(self):
         return pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads)
+            num_stages=self.epi_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads)
         )
