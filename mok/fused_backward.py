@@ -108,6 +108,5 @@ def moe_backward(
     dx_shared = d_shared = None
     if shared is not None:
         dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])
-    ones = torch.ones_like(topk_w)  # dx sums the slots unweighted: s is already inside dh
-    dx = ops.combine(dx_rows, ones, dx_shared, slot_row=sched.slot_row)
+    dx = ops.combine(dx_rows, None, dx_shared, slot_row=sched.slot_row)  # unweighted: s is already inside dh
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)

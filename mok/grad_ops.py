@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import default_tile_n, grouped_gemm_variant, router_grad_variant, weight_grad_variant
-from .ops import BF16, _check_32bit, _check_cuda_aligned, _i32, _kernel, _ptr, _stream, launch_grouped_gemm
+from .ops import BF16, _check_32bit, _check_cuda_aligned, _i32, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm
 from .validation import check_tensor
 
 I32 = (torch.int32,)
@@ -87,6 +87,7 @@ def weight_grad(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
+    persistent: bool = True,
 ) -> torch.Tensor:
     """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
 
@@ -94,7 +95,8 @@ def weight_grad(
     contiguous; expert e owns rows offsets[e] .. offsets[e+1] (offsets [E+1] int32 on the GPU,
     multiples of 128 except the last, which may be R; rows at or past R are not read). out:
     [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
-    (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0.
+    (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0. ``persistent=False``
+    selects the one-tile-per-CTA kernel (the same bits).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2)
     num_rows, m = a.shape
@@ -125,11 +127,11 @@ def weight_grad(
     if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
         return out if accumulate else out.zero_()
     dtype_name = "f32" if out.dtype == torch.float32 else "bf16"
-    variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=128)
+    variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=128, persistent=persistent)
     kernel = _kernel(variant, dev)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, out), _ptr("i32", offsets, 4),
-        _i32(num_rows), _i32(num_experts), _stream(dev),
+        _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _stream(dev),
     )
     return out
 

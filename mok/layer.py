@@ -71,6 +71,10 @@ class MoELayer(nn.Module):
         self.config = MoKConfig(hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision)
         self.group = group if ep_size > 1 else None
         self.ep_rank = 0 if self.group is None else torch.distributed.get_rank(group)
+        if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
+            from .runtime.workspace import agree_on_spec
+
+            agree_on_spec({**self.config.as_dict(), "dtype": str(dtype or torch.bfloat16)}, self.group)
         local = self.config.experts_per_rank
         kw = dict(device=device, dtype=dtype or torch.bfloat16)
         self.gate_proj = nn.Parameter(torch.empty(local, intermediate, hidden, **kw))

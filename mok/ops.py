@@ -66,7 +66,7 @@ def _kernel(variant, device: torch.device):
 
 def combine(
     y: torch.Tensor,
-    topk_w: torch.Tensor,
+    topk_w: torch.Tensor | None,
     shared_out: torch.Tensor | None = None,
     *,
     slot_row: torch.Tensor | None = None,
@@ -76,7 +76,8 @@ def combine(
 
     y: [T, k, H] bf16, the expert outputs in their (token, slot) combine slots; or, with
     ``slot_row`` [T, k] int32, the expert-grouped rows [R, H] with y[t, j] = y[slot_row[t, j]]
-    (a negative slot_row adds nothing). topk_w: [T, k] fp32 router weights. shared_out:
+    (a negative slot_row adds nothing). topk_w: [T, k] fp32 router weights, or None for
+    weights of 1 (read from nowhere: the backward's dx = Σ_j dx_slot). shared_out:
     optional [T, H] bf16 shared-expert output. out: optional [T, H] bf16 destination.
     All contiguous, on one CUDA device, H % 8 == 0. The operation order (one FMA per slot)
     is given in ``mok.kernels.common.combine``; ``mok.reference.combine_reference``
@@ -98,14 +99,15 @@ def combine(
     if hidden % 8:
         raise ValueError(f"y: expected hidden size H % 8 == 0, got H={hidden}")
     _check_32bit("y", y)
-    check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=y.device, contiguous=True)
+    if topk_w is not None:
+        check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=y.device, contiguous=True)
     if shared_out is not None:
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=y.device, contiguous=True)
         _check_cuda_aligned("shared_out", shared_out)
     out = _bf16_out(out, (num_tokens, hidden), y.device)
     if num_tokens == 0:
         return out
-    kernel = _kernel(combine_variant(hidden, topk, shared_out is not None, gathered), y.device)
+    kernel = _kernel(combine_variant(hidden, topk, shared_out is not None, gathered, unit_weights=topk_w is None), y.device)
     kernel(
         _ptr("bf16", y), _ptr("i32", slot_row, 4), _ptr("f32", topk_w, 4), _ptr("bf16", shared_out), _ptr("bf16", out),
         _i32(num_tokens), _i32(num_rows), _stream(y.device),

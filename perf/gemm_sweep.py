@@ -47,5 +47,36 @@ def main() -> None:
             print(f"{name:<11}{kname:<22}{ms:>8.3f}{flops / ms / 1e9:>9.0f}")
 
 
+WEIGHT_GRAD_SHAPES = {  # name: (E, rows per expert, M, N): out[e] = A[rows of e]ᵀ·B[rows of e], [M, N]
+    "dsv3 dW_down": (32, 1024, 7168, 2048),
+    "dsv3 dW_gate": (32, 1024, 2048, 7168),
+    "qwen3 dW_down": (64, 1024, 2048, 768),
+    "qwen3 dW_gate": (64, 1024, 768, 2048),
+}
+
+
+def weight_grads() -> None:
+    """The K-grouped weight-gradient GEMM, one tile per CTA against persistent, and a dense GEMM of the same FLOPs."""
+    from mok import grad_ops
+
+    for name, (E, per, M, N) in WEIGHT_GRAD_SHAPES.items():
+        R = E * per
+        a = torch.randn(R, M, device="cuda").bfloat16()
+        b = torch.randn(R, N, device="cuda").bfloat16()
+        offsets = torch.arange(E + 1, device="cuda", dtype=torch.int32) * per
+        out = torch.empty(E, M, N, device="cuda").bfloat16()
+        flops = 2 * R * M * N
+        runs = {
+            "mok weight_grad": lambda: grad_ops.weight_grad(a, b, offsets, out=out, persistent=False),
+            "mok weight_grad persist": lambda: grad_ops.weight_grad(a, b, offsets, out=out),
+            "dense mm": lambda: a[:per * 8].T @ b[:per * 8],  # (8 experts' rows: FLOPs scaled below)
+        }
+        for kname, fn in runs.items():
+            ms = time_ms(fn, batch=10, repeats=5)
+            scale = 8 * per / R if kname == "dense mm" else 1.0
+            print(f"{name:<14}{kname:<25}{ms:>8.3f}{flops * scale / ms / 1e9:>9.0f}")
+
+
 if __name__ == "__main__":
     main()
+    weight_grads()

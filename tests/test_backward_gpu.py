@@ -139,6 +139,13 @@ def test_weight_grad_per_expert_with_empty_experts_and_strided_a():
     b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
     offsets = torch.tensor([0, 128, 128, 512, 1024, 1024], dtype=torch.int32, device="cuda")  # experts 1 and 4 empty
     out = grad_ops.weight_grad(a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"))
+    one_tile_per_cta = grad_ops.weight_grad(a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"), persistent=False)
+    assert torch.equal(out, one_tile_per_cta)  # the persistent kernel reduces each tile in the same order
+    acc = torch.randn(5, m, n, device="cuda")
+    want_acc = acc + out
+    for persistent in (True, False):
+        got = grad_ops.weight_grad(a, b, offsets, out=acc.clone(), accumulate=True, persistent=persistent)
+        assert torch.equal(got, want_acc)
     for e in range(5):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         want = a[lo:hi].float().T @ b[lo:hi].float()

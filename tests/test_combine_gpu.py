@@ -147,3 +147,6 @@ def test_gathered_combine_reads_rows_by_slot():
         out = combine(rows, w, shared, slot_row=slot_row, out=poisoned(200, 1024))
         dense = torch.where((slot_row >= 0)[..., None], rows[slot_row.clamp(min=0).long()], torch.zeros((), dtype=rows.dtype, device="cuda"))
         assert torch.equal(out, combine_reference(dense, w, shared))  # a -1 slot adds nothing
+        # weights of 1, read from nowhere (the backward's dx sum): the same bits as a tensor of ones
+        unit = combine(rows, None, shared, slot_row=slot_row, out=poisoned(200, 1024))
+        assert torch.equal(unit, combine(rows, torch.ones_like(w), shared, slot_row=slot_row))

@@ -95,3 +95,11 @@ def test_weight_grad_ptx_reads_both_operands_mn_major(out_dtype, accumulate):
     assert count(r"cp\.reduce\.async\.bulk\.tensor", ptx) == (4 if accumulate else 0)  # main_grad: TMA reduce-add, 4 subtiles
     assert count(r"\batom\.|\bred\.global", ptx) == 0  # no atomics: one CTA owns each output tile
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+
+
+def test_unit_weight_combine_reads_no_weights():
+    weighted = compiled_ptx(combine_variant(7168, 8, True, gathered=True), "sm_90a")
+    unit = compiled_ptx(combine_variant(7168, 8, True, gathered=True, unit_weights=True), "sm_90a")
+    loads = r"ld\.global(\.nc)?\.(f32|b32)\b"  # scalar 4-byte loads: the weights (and the slot rows)
+    assert count(loads, weighted) - count(loads, unit) == 8
+    assert count(r"\.local", unit) == 0

@@ -192,3 +192,30 @@ def test_functional_api_checks_the_config():
     with pytest.raises(ValueError, match=r"group: expected 2 ranks \(config.ep_size\), got 1"):
         mok.get_workspace(MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=2, ep_size=2))
 
+
+
+def _layer_spec_worker(rank, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        try:
+            MoELayer(64, 32 if rank == 0 else 48, 8, 2, group=dist.group.WORLD, dtype=torch.float32)
+            msg = "no error"
+        except ValueError as err:
+            msg = str(err)
+        with open(f"{out_dir}/{rank}.txt", "w") as f:
+            f.write(msg)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_building_different_layers_raise_at_construction(tmp_path):
+    """A shape mismatch between ranks is an error when the layer is built, not a hang in its first exchange."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_layer_spec_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        msg = (tmp_path / f"{rank}.txt").read_text()
+        assert "ranks disagree on intermediate" in msg and "32" in msg and "48" in msg, msg

@@ -30,15 +30,20 @@ class KernelVariant:
         return f"{self.name}({params})"
 
 
-def combine_variant(hidden: int, topk: int, has_shared: bool, gathered: bool = False) -> KernelVariant:
-    """The final weighted combine of k expert rows (plus the shared expert's row) per token."""
+def combine_variant(hidden: int, topk: int, has_shared: bool, gathered: bool = False, unit_weights: bool = False) -> KernelVariant:
+    """The final weighted combine of k expert rows (plus the shared expert's row) per token.
+
+    ``unit_weights``: every weight 1 (the backward's sum of the slots' dx rows).
+    """
 
     def build(arch: str, options: str = "") -> Any:
         from .common.combine import compile_combine
 
-        return compile_combine(hidden, topk, has_shared, gathered, arch, options)
+        return compile_combine(hidden, topk, has_shared, gathered, arch, options, unit_weights=unit_weights)
 
     config = {"hidden": hidden, "topk": topk, "has_shared": has_shared, "gathered": gathered}
+    if unit_weights:  # (absent otherwise: the forward's cache keys stay as they were)
+        config["unit_weights"] = True
     return KernelVariant("combine", config, build)
 
 
@@ -114,9 +119,13 @@ def grouped_gemm_variant(
 
 
 def weight_grad_variant(
-    m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128
+    m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
+    persistent: bool = True,
 ) -> KernelVariant:
-    """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA)."""
+    """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA).
+
+    ``persistent`` (default): one CTA per SM walks the output tiles, as in the grouped GEMM.
+    """
     a_stride = m if a_stride is None else a_stride
 
     def build(arch: str, compile_options: str = "") -> Any:
@@ -124,9 +133,14 @@ def weight_grad_variant(
             raise NotImplementedError(f"weight-gradient GEMM: only sm_90a has an implementation so far, not {arch}")
         from .sm90.weight_grad_gemm import compile_weight_grad
 
-        return compile_weight_grad(m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n)
+        return compile_weight_grad(
+            m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n, persistent=persistent
+        )
 
-    config = {"m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n}
+    config = {
+        "m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n,
+        "persistent": persistent,
+    }
     return KernelVariant("weight_grad", config, build)
 
 
@@ -164,6 +178,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         schedule_variant(config.experts_per_rank, config.topk, config.block_m),
         gather_variant(h),
         combine_variant(h, config.topk, config.has_shared_expert, gathered=True),
+        combine_variant(h, config.topk, config.has_shared_expert, gathered=True, unit_weights=True),  # backward dx
     ]
     if arch == "sm_90a":
         variants += expert_mlp_variants(h, i, config.topk)

@@ -13,7 +13,9 @@ Operation order, fixed and documented because tests hold the kernel to it bitwis
 acc = float(shared[t, c]), or +0.0 without a shared expert; then for j = 0, 1, ..., k-1:
 acc = fma(topk_w[t, j], float(y[t, j, c]), acc), each an fp32 fused multiply-add with a
 single round-to-nearest-even; out[t, c] = bf16(acc), round to nearest even.
-``mok.reference.combine_reference`` computes exactly this.
+``mok.reference.combine_reference`` computes exactly this. With ``unit_weights`` (the
+backward's dx = Σ_j dx_slot) every weight is 1.0 and none is read; fma(1, y, acc) is the
+single-rounding add, so the result equals the weighted kernel's with a tensor of ones.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ VECTOR = 8  # bf16 elements per 16-byte access
 class CombineKernel:
     """Static config: hidden size, top-k, shared-expert row or not, dense or gathered y."""
 
-    def __init__(self, hidden: int, topk: int, has_shared: bool, gathered: bool = False, threads: int = 128) -> None:
+    def __init__(
+        self, hidden: int, topk: int, has_shared: bool, gathered: bool = False, unit_weights: bool = False, threads: int = 128
+    ) -> None:
         if hidden % VECTOR:
             raise ValueError(f"hidden: expected a multiple of {VECTOR}, got {hidden}")
         self.hidden = hidden
         self.topk = topk
         self.has_shared = has_shared
         self.gathered = gathered
+        self.unit_weights = unit_weights
         self.threads = threads
         self.cols_per_cta = threads * VECTOR
 
@@ -78,7 +83,9 @@ class CombineKernel:
             if cutlass.const_expr(self.has_shared):
                 acc = cute.zipped_divide(m_shared[token, None], (VECTOR,))[None, chunk].load().to(cutlass.Float32)
             for j in cutlass.range_constexpr(self.topk):
-                weight = cute.full(out_vec.shape, m_w[token, j], cutlass.Float32)
+                weight = cute.full(out_vec.shape, 1.0, cutlass.Float32)
+                if cutlass.const_expr(not self.unit_weights):
+                    weight = cute.full(out_vec.shape, m_w[token, j], cutlass.Float32)
                 if cutlass.const_expr(self.gathered):
                     row = m_slot[token, j]
                     if row >= 0:
@@ -90,7 +97,9 @@ class CombineKernel:
             out_vec.store(acc.to(m_out.element_type))
 
 
-def compile_combine(hidden: int, topk: int, has_shared: bool, gathered: bool, arch: str, options: str = ""):
+def compile_combine(
+    hidden: int, topk: int, has_shared: bool, gathered: bool, arch: str, options: str = "", unit_weights: bool = False
+):
     """Compile for ``arch`` without tensors: pointers and the token/row counts are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
@@ -105,5 +114,5 @@ def compile_combine(hidden: int, topk: int, has_shared: bool, gathered: bool, ar
         cutlass.Int32(1),
         make_fake_stream(),
     )
-    kernel = CombineKernel(hidden, topk, has_shared, gathered)
+    kernel = CombineKernel(hidden, topk, has_shared, gathered, unit_weights)
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

@@ -321,10 +321,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                         t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
                         t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
                         loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
-                        prod.reset_count()  # load_stage reads the k tile from the count
-                        for _ in cutlass.range(k_tiles, unroll=1):
-                            self.load_stage(ab_pipe, prod, loads)
-                            prod.advance()
+                        prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
                 ab_pipe.producer_tail(prod)
         else:  # the two MMA warpgroups
@@ -338,10 +335,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
             r_b2 = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b2))
             acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
             acc2 = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            k_blocks = cute.size(r_a, mode=[2])
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             store_pipe = self.store_pipeline()
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
             linear = first
             while linear < all_tiles:
                 tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
@@ -350,24 +347,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    for k_tile in cutlass.range(k_tiles, unroll=1):
-                        ab_pipe.consumer_wait(cons)
-                        cute.nvgpu.warpgroup.fence()
-                        for kb in cutlass.range(k_blocks, unroll_full=True):
-                            blk = (None, None, kb, cons.index)
-                            cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
-                            if cutlass.const_expr(self.two_accumulators):
-                                cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
-                        cute.nvgpu.warpgroup.commit_group()
-                        cons.advance()
-                        if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            ab_pipe.consumer_release(release)
-                            release.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipe.consumer_release(release)  # the tile's last stage
-                    release.advance()
+                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
                     self.epilogue(
                         mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
                         tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows, store_pipe,

@@ -24,6 +24,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
+import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
@@ -47,6 +48,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         a_stride: int | None = None,
         tile_n: int = 128,
         stages: int | None = None,
+        persistent: bool = False,
     ):
         tile_m = 128
         if out_dtype not in OUT_DTYPES:
@@ -63,7 +65,11 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
         out_bytes = 4 if out_dtype == "f32" else 2
-        self.ab_stage = pick_stages((tile_m + tile_n) * TILE_K * 2, self.epi_stage * tile_m * 32 * out_bytes, stages)
+        self.persistent = persistent
+        if persistent:  # a producer warpgroup in front of the two MMA warpgroups (see GroupedGemmSm90)
+            self.threads, self.store_warp = self.consumer_threads + 128, 4
+        epi_bytes = self.epi_stage * tile_m * 32 * out_bytes
+        self.ab_stage = pick_stages((tile_m + tile_n) * TILE_K * 2, epi_bytes, stages, dedicated_epi=persistent)
 
     @cute.jit
     def __call__(
@@ -74,6 +80,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         offsets_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
+        max_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         m, n = self.m, self.n
@@ -88,17 +95,23 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, TILE_K))
         tma_c, t_c = self.store_atom(m_c, epi_smem, reduce_add=self.accumulate)
 
+        c_elems = cute.cosize(epi_smem) if self.persistent else 8  # otherwise the epilogue reuses A's buffers
+
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
             s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
             s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
+            s_c: cute.struct.Align[cute.struct.MemRange[self.c_dtype, c_elems], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        tiles_per_expert = (m // tile_m) * (n // tile_n)
-        self.kernel(tma_a, t_a, tma_b, t_b, tma_c, t_c, m_off, num_rows, self.tiled_mma, a_smem, b_smem, epi_smem).launch(
-            grid=[num_experts * tiles_per_expert, 1, 1], block=[self.threads, 1, 1], stream=stream
-        )
+        all_tiles = num_experts * (m // tile_m) * (n // tile_n)
+        args = (tma_a, t_a, tma_b, t_b, tma_c, t_c, m_off, num_rows, num_experts, self.tiled_mma, a_smem, b_smem, epi_smem)
+        if cutlass.const_expr(self.persistent):
+            grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
+            self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        else:
+            self.kernel(*args).launch(grid=[all_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -111,6 +124,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         m_c: cute.Tensor,
         m_off: cute.Tensor,
         num_rows: cutlass.Int32,
+        num_experts: cutlass.Int32,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -120,14 +134,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
         tile_m, tile_n, _ = self.tile_shape_mnk
-        tiles_per_expert = (self.m // tile_m) * (self.n // tile_n)
-        expert = linear // tiles_per_expert
-        tile_row, tile_col = self.grouped_tile(linear - expert * tiles_per_expert, self.m // tile_m, self.n // tile_n)
-        row_start = m_off[expert]
-        row_end = cutlass.min(m_off[expert + 1], num_rows)
-        k_tiles = cutlass.Int32(0)
-        if row_end > row_start:
-            k_tiles = (row_end - row_start + TILE_K - 1) // TILE_K
+        expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -158,6 +165,104 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         self.mainloop(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, warp_idx, loads)
         cute.arch.sync_threads()  # the epilogue reuses A's shared memory
 
+        store_pipe = self.store_pipeline()
+        self.store_tile(tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
+        if warp_idx == self.store_warp:
+            store_pipe.producer_tail()
+
+    @cute.kernel
+    def kernel_persistent(
+        self,
+        tma_a: cute.CopyAtom,
+        m_a: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        m_b: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        m_c: cute.Tensor,
+        m_off: cute.Tensor,
+        num_rows: cutlass.Int32,
+        num_experts: cutlass.Int32,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        """Persistent and warp-specialised, as GroupedGemmSm90.kernel_persistent: CTA i takes output
+        tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        all_tiles = num_experts * (self.m // tile_m) * (self.n // tile_n)
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem)
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_c = storage.s_c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if tidx < 128:  # producer warpgroup
+            cute.arch.setmaxregister_decrease(40)
+            if warp_idx == 0:
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                linear = first
+                while linear < all_tiles:
+                    expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+                    t_as, t_ag = self.tma_split(tma_a, s_a, cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None)))
+                    t_bs, t_bg = self.tma_split(tma_b, s_b, cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None)))
+                    loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)
+                    prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
+                    linear += step
+                ab_pipe.producer_tail(prod)
+        else:  # the two MMA warpgroups
+            cute.arch.setmaxregister_increase(232)
+            mma_tidx = tidx - 128
+            thr_mma = self.warpgroup_slice(tiled_mma, mma_tidx)
+            r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+            r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+            g_c0 = cute.local_tile(m_c, self.tile_shape_mnk, (0, 0, None, 0), proj=(1, 1, None))
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(g_c0).shape, cutlass.Float32)
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            store_pipe = self.store_pipeline()
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
+            linear = first
+            while linear < all_tiles:
+                expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+                acc.fill(0.0)
+                cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
+                g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+                self.store_tile(mma_tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
+                linear += step
+            if warp_idx == self.store_warp:
+                store_pipe.producer_tail()
+
+    @cute.jit
+    def tile_of(self, linear, m_off, num_rows):
+        """Output tile ``linear`` -> (expert, tile row, tile column, first row, k tiles); experts one after another."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        tiles_per_expert = (self.m // tile_m) * (self.n // tile_n)
+        expert = linear // tiles_per_expert
+        tile_row, tile_col = self.grouped_tile(linear - expert * tiles_per_expert, self.m // tile_m, self.n // tile_n)
+        row_start = m_off[expert]
+        row_end = cutlass.min(m_off[expert + 1], num_rows)
+        k_tiles = cutlass.Int32(0)
+        if row_end > row_start:
+            k_tiles = (row_end - row_start + TILE_K - 1) // TILE_K
+        return expert, tile_row, tile_col, row_start, k_tiles
+
+    @cute.jit
+    def store_tile(self, tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe):
+        """The accumulators -> out dtype -> shared memory -> global memory (TMA store or reduce-add).
+
+        A tile stores epi_stage subtiles, so each tile starts again at buffer 0 of the round robin.
+        """
         tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
         t_sd = thr_r2s.partition_D(s_c)
         t_acc = tiled_r2s.retile(acc)
@@ -165,13 +270,10 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         per_epi = cute.size(rd_layout)
         r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         _, epi_count, _ = self.epi_order(g_c)
-        store_pipe = self.store_pipeline()
         for epi in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(per_epi):
                 r_d[v] = t_acc[epi * per_epi + v]
             self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, epi % self.epi_stage, warp_idx, store_pipe, rd_layout)
-        if warp_idx == self.store_warp:
-            store_pipe.producer_tail()
 
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):
@@ -187,7 +289,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
 def compile_weight_grad(
     m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None,
-    tile_n: int = 128, stages: int | None = None,
+    tile_n: int = 128, stages: int | None = None, persistent: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -200,7 +302,8 @@ def compile_weight_grad(
         make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
         cutlass.Int32(128),
         cutlass.Int32(1),
+        cutlass.Int32(1),
         make_fake_stream(),
     )
-    kernel = WeightGradGemmSm90(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages)
+    kernel = WeightGradGemmSm90(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, persistent=persistent)
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

@@ -167,6 +167,41 @@ class WgmmaTileKernel:
                     prod.advance()
         cute.nvgpu.warpgroup.wait_group(0)
 
+    @cute.jit
+    def produce_tile(self, ab_pipe, prod, loads, k_tiles):
+        """Persistent producer: TMA-load one tile's ``k_tiles`` stages; returns the advanced state."""
+        prod.reset_count()  # load_stage reads the tile's k index from the count
+        for _ in cutlass.range(k_tiles, unroll=1):
+            self.load_stage(ab_pipe, prod, loads)
+            prod.advance()
+        return prod
+
+    @cute.jit
+    def consume_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release):
+        """Persistent consumer: acc (+)= one tile's product over ``k_tiles`` stages, every stage
+        handed back once its WGMMAs retired; returns the advanced (read, release) states.
+        The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop."""
+        k_blocks = cute.size(r_a, mode=[2])
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.consumer_wait(cons)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range(k_blocks, unroll_full=True):
+                blk = (None, None, kb, cons.index)
+                cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
+                if cutlass.const_expr(self.two_accumulators):
+                    cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
+            cute.nvgpu.warpgroup.commit_group()
+            cons.advance()
+            if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipe.consumer_release(release)
+                release.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        if k_tiles > 0:  # the tile's last stage
+            ab_pipe.consumer_release(release)
+            release.advance()
+        return cons, release
+
     def r2s_copy(self, tiled_mma, tidx):
         """Registers -> epilogue smem copy (stmatrix layout for 16-bit outputs) and its thread slice."""
         r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
