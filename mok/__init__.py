@@ -15,12 +15,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """MoELayer, forward, backward, get_workspace, LayerContext: imported on first use (they pull in torch.library ops)."""
+    """MoELayer and the functional API: imported on first use (they pull in the torch.library ops)."""
     if name == "MoELayer":
         from .layer import MoELayer
 
         return MoELayer
-    if name in ("forward", "backward", "get_workspace", "LayerContext"):
+    if name in ("forward", "backward", "get_workspace", "create_workspace", "LayerContext"):
         from . import api
 
         return getattr(api, name)
@@ -39,6 +39,7 @@ __all__ = [
     "LayerContext",
     "MoELayer",
     "backward",
+    "create_workspace",
     "forward",
     "get_workspace",
     "MoKConfig",

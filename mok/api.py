@@ -1,7 +1,7 @@
 """The functional API: a static :class:`MoKConfig`, a workspace, ``forward`` and ``backward``.
 
     config = MoKConfig(hidden=H, intermediate=I, num_experts=E, topk=k)
-    ws = get_workspace(config)                        # None at EP = 1: nothing to share
+    ws = get_workspace(config)                        # None at EP = 1: nothing to share (create_workspace: uncached)
     out, ctx = forward(config, ws, x, topk_idx, topk_w, w_gate, w_up, w_down)
     grads = backward(config, ws, ctx, dout)           # mok.reference_backward.Gradients
 
@@ -35,7 +35,12 @@ class LayerContext:
 
 
 def get_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup | None" = None):
-    """The communication workspace for ``config`` on ``group`` (None at EP = 1, where none is needed)."""
+    """The communication workspace for ``config`` on ``group``, built once and reused (None at EP = 1)."""
+    return create_workspace(config, group)  # (nothing to cache until the expert-parallel path exists)
+
+
+def create_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup | None" = None):
+    """A new communication workspace for ``config`` on ``group`` (None at EP = 1, where none is needed)."""
     ranks = 1 if group is None else torch.distributed.get_world_size(group)
     if ranks != config.ep_size:
         raise ValueError(f"group: expected {config.ep_size} ranks (config.ep_size), got {ranks}")

@@ -67,7 +67,8 @@ def moe_forward_op(
     """(out, h, shared_h, row_token, row_slot, slot_row, tile_expert, expert_offsets).
 
     h and shared_h are empty unless ``save``; the schedule tensors are what the backward
-    needs to find each row again.
+    needs to find each row again. Expert ids are not range-checked here (that reads the
+    device): ``mok.MoELayer`` checks external routing outside graph capture and compilation.
     """
     from .fused_forward import moe_forward
 

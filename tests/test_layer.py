@@ -179,7 +179,7 @@ def test_torch_compile_fullgraph_two_layers_matches_eager():
 
 def test_functional_api_checks_the_config():
     config = MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=2)
-    assert mok.get_workspace(config) is None
+    assert mok.get_workspace(config) is None and mok.create_workspace(config) is None
     layer = small_layer(shared=None)
     x = torch.randn(4, 64)
     idx, w = route(torch.randn(4, 8), 2)

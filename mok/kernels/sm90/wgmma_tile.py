@@ -1,16 +1,18 @@
-"""What MoK's Hopper GEMM kernels share: one CTA computes one output tile with WGMMA from a
-TMA-fed multistage shared-memory pipeline, then stores it through shared memory with TMA.
+"""What MoK's Hopper GEMM kernels share: WGMMA on output tiles fed by a TMA multistage
+shared-memory pipeline, each tile stored through shared memory with TMA.
 
-A subclass decides which tile a CTA owns, where its K tiles come from (``load_stage``) and
-what the epilogue computes; this base holds the pieces that do not change:
+A subclass decides which tiles a CTA owns, where their K tiles come from (``load_stage``)
+and what the epilogue computes; this base holds the pieces that do not change:
 
-- ``make_mma``: the tiled WGMMA (two consumer warpgroups of 64 rows) and the shared-memory
+- ``make_mma``: the tiled WGMMA (two MMA warpgroups of 64 rows) and the shared-memory
   layouts for the operands' major modes (K-major or MN-major, read from the tensors' strides);
-- ``mainloop``: warp 0 issues the TMA loads, both warpgroups issue WGMMAs, each stage's
-  buffers are released once its WGMMAs retired; K is reduced in one fixed order, so a tile's
-  result depends only on its inputs (determinism, batch invariance);
+- ``mainloop`` (one tile per CTA): warp 0 issues the TMA loads between its WGMMAs;
+  ``produce_tile`` / ``consume_tile`` (persistent kernels): a producer warp loads while the
+  MMA warpgroups consume. Either way each stage's buffers are released once its WGMMAs
+  retired and K is reduced in one fixed order, so a tile's result depends only on its inputs
+  (determinism, batch invariance) — and is the same bits in both kinds of kernel;
 - ``store_fragment``: registers -> dtype -> shared memory -> global memory (TMA store, or
-  TMA reduce-add into an existing fp32 tensor).
+  TMA reduce-add into an existing fp32 tensor), synchronised over the MMA threads only.
 """
 
 from __future__ import annotations
