@@ -206,12 +206,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
             ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem)
             pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
-            s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-            s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+            s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=False)
             s_b2 = s_b  # the second product's buffer (SwiGLU), or B2's halves landing in s_b (k_split)
             if cutlass.const_expr(self.num_b == 2):
                 s_b2 = storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-            s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
 
             g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
             g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
@@ -296,12 +294,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         s_b2 = s_b
         if cutlass.const_expr(self.num_b == 2):
             s_b2 = storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        s_c = storage.s_c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         k_tiles = self.k // self.tile_shape_mnk[2]
 

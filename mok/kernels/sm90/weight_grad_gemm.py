@@ -144,9 +144,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
-        s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
+        s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=False)
 
         g_a = cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None))  # (bM, bK, all k tiles)
         g_b = cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None))
@@ -202,9 +200,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        s_c = storage.s_c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if tidx < 128:  # producer warpgroup

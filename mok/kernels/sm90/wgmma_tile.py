@@ -102,6 +102,17 @@ class WgmmaTileKernel:
         """Barrier 1 over the MMA threads only (the producer warpgroup of a persistent kernel stays out)."""
         cute.arch.barrier(barrier_id=1, number_of_threads=self.consumer_threads)
 
+    def shared_buffers(self, storage, a_smem, b_smem, epi_smem, dedicated_epi: bool):
+        """The A, B and epilogue tensors in shared memory; the epilogue's either has its own
+        buffer (persistent kernels) or reuses A's stages (one tile per CTA)."""
+        s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        if dedicated_epi:
+            s_c = storage.s_c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        else:
+            s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
+        return s_a, s_b, s_c
+
     def make_pipeline(self, storage, num_b: int, a_smem, b_smem):
         """The producer (one thread) / consumer (all warps) TMA pipeline over ``ab_stage`` stages."""
         a_stage = cute.slice_(a_smem, (None, None, 0))
@@ -146,17 +157,10 @@ class WgmmaTileKernel:
                 self.load_stage(ab_pipe, prod, loads)
                 prod.advance()
 
-        k_blocks = cute.size(r_a, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto the zeroed accumulators
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.consumer_wait(cons)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range(k_blocks, unroll_full=True):
-                blk = (None, None, kb, cons.index)
-                cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
-                if cutlass.const_expr(self.two_accumulators):
-                    cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
-            cute.nvgpu.warpgroup.commit_group()
+            self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
             cons.advance()
             # Keep this stage's WGMMAs in flight; once the previous stage's are done,
             # free its buffers and refill them with the next k tile.
@@ -168,6 +172,17 @@ class WgmmaTileKernel:
                     self.load_stage(ab_pipe, prod, loads)
                     prod.advance()
         cute.nvgpu.warpgroup.wait_group(0)
+
+    @cute.jit
+    def mma_stage(self, tiled_mma, acc, acc2, r_a, r_b, r_b2, stage):
+        """Issue one shared-memory stage's WGMMAs (four 16-deep k blocks) as one commit group."""
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
+            blk = (None, None, kb, stage)
+            cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
+            if cutlass.const_expr(self.two_accumulators):
+                cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
+        cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
     def produce_tile(self, ab_pipe, prod, loads, k_tiles):
@@ -183,16 +198,9 @@ class WgmmaTileKernel:
         """Persistent consumer: acc (+)= one tile's product over ``k_tiles`` stages, every stage
         handed back once its WGMMAs retired; returns the advanced (read, release) states.
         The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop."""
-        k_blocks = cute.size(r_a, mode=[2])
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.consumer_wait(cons)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range(k_blocks, unroll_full=True):
-                blk = (None, None, kb, cons.index)
-                cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
-                if cutlass.const_expr(self.two_accumulators):
-                    cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
-            cute.nvgpu.warpgroup.commit_group()
+            self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
             cons.advance()
             if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
                 cute.nvgpu.warpgroup.wait_group(1)
