@@ -103,3 +103,18 @@ def test_unit_weight_combine_reads_no_weights():
     loads = r"ld\.global(\.nc)?\.(f32|b32)\b"  # scalar 4-byte loads: the weights (and the slot rows)
     assert count(loads, weighted) - count(loads, unit) == 8
     assert count(r"\.local", unit) == 0
+
+
+def test_ep_flags_use_system_scope_release_acquire_and_bounded_waits():
+    from mok.kernels import ep_variant
+
+    signal = compiled_ptx(ep_variant("signal", 4, phase=0), "sm_90a")
+    wait = compiled_ptx(ep_variant("wait", 4, phase=1), "sm_90a")
+    assert "fence.acq_rel.sys" in signal and count(r"atom\.global\.sys\.release\.exch\.b32", signal) == 1
+    assert count(r"atom\.global\.sys\.acquire\.add\.u32", wait) >= 1
+    assert "%globaltimer" in wait  # every wait is bounded in time
+    for kind, kw in (("dispatch", dict(width=7168)), ("push", dict(width=7168, topk=8)), ("routing", dict(topk=8))):
+        ptx = compiled_ptx(ep_variant(kind, 4, **kw), "sm_90a")
+        assert count(r"\batom\.|\bred\.", ptx) == 0  # data moves with plain loads and stores
+        if kind != "routing":
+            assert count(r"ld\.global(\.nc)?\.v4", ptx) >= 1 and count(r"st\.global\.v4", ptx) >= 1  # 16-byte vectors

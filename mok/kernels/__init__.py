@@ -69,6 +69,17 @@ def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelV
     return KernelVariant("schedule", {"experts": num_local_experts, "topk": topk, "block_m": block_m}, build)
 
 
+def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: int = 1) -> KernelVariant:
+    """One expert-parallel exchange kernel (mok/kernels/common/ep.py): signal, wait, routing, dispatch or push."""
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.ep import compile_ep
+
+        return compile_ep(kind, world, arch, options, phase=phase, width=width, topk=topk)
+
+    return KernelVariant(f"ep_{kind}", {"world": world, "phase": phase, "width": width, "topk": topk}, build)
+
+
 def default_tile_n(n: int, k: int, swiglu: bool) -> int:
     """Column tile of the grouped GEMM, from static shapes only (batch invariance).
 

@@ -1,0 +1,211 @@
+"""Expert-parallel forward over a symmetric workspace: a first, multi-launch version.
+
+Each rank holds E / W experts and its own T_r <= T_max tokens. Per call, on each rank's
+stream and with no host synchronisation:
+
+    publish     x and topk_idx (and T_r) into this rank's workspace; signal every rank
+    wait        until every rank published this epoch (bounded)
+    routing     all ranks' routing -> [W·T_max, k] (token g = p·T_max + t; -1 past T_p)
+    schedule    the device schedule of this rank's experts over that routing (canonical order)
+    dispatch    pull each row's x from its owner's workspace
+    experts     grouped gate/up GEMM + SwiGLU, grouped down GEMM (the single-GPU kernels)
+    push        write each y row into its token's rank, slot [t, j]; signal every rank
+    wait        until every rank pushed (bounded)
+    combine     out[t] = shared(x[t]) + Σ_j w[t, j]·y[t, j] from the pushed slots (fp32, j in order)
+
+Every row is computed exactly as the single-GPU forward computes it (same kernels, same
+row order inside each expert), so the output equals ``moe_forward`` on the concatenated
+batch bit for bit. A wait that times out records (phase, peer, epoch) in the workspace;
+:meth:`EPWorkspace.check` raises with it. After a timeout the workspace is out of step
+with its peers and must be rebuilt.
+
+The workspace is one address range holding every rank's region at ``rank·stride``: the
+symmetric VMM mapping of mok/runtime/workspace.py across GPUs, or, for tests on one GPU,
+one buffer shared by W "ranks" running on W streams (:meth:`EPWorkspace.local_group`).
+Wiring the VMM mapping in, and fusing these launches into the expert kernels, comes next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .kernels import ep_variant, get_kernel
+from .kernels.common.ep import PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, tokens_slot
+from .runtime.arch import device_arch
+from .validation import check_moe_inputs
+
+ALIGN = 256  # bytes: every region starts on it (16-byte vectors, TMA)
+PHASES = {PHASE_PUBLISH: "publish (waiting for the peer's tokens)", PHASE_DONE: "combine (waiting for the peer's expert outputs)"}
+
+
+def _round(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class EPLayout:
+    """Byte layout of one rank's workspace region (the same on every rank)."""
+
+    world: int
+    max_tokens: int
+    hidden: int
+    topk: int
+
+    @property
+    def regions(self) -> dict[str, tuple[int, int, torch.dtype]]:
+        """name -> (byte offset, elements, dtype)."""
+        sizes = {
+            "flags": (flag_words(self.world), torch.int32),
+            "idx": (self.max_tokens * self.topk, torch.int32),
+            "x": (self.max_tokens * self.hidden, torch.bfloat16),
+            "slots": (self.max_tokens * self.topk * self.hidden, torch.bfloat16),
+        }
+        out, offset = {}, 0
+        for name, (count, dtype) in sizes.items():
+            out[name] = (offset, count, dtype)
+            offset += _round(count * dtype.itemsize)
+        return out
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one rank's region to the next."""
+        offset, count, dtype = self.regions["slots"]
+        return _round(offset + count * dtype.itemsize)
+
+
+class EPWorkspace:
+    """One rank's handle on the workspace: the whole range (all ranks' regions) and its rank."""
+
+    def __init__(self, buffer: torch.Tensor, layout: EPLayout, rank: int) -> None:
+        if buffer.dtype != torch.uint8 or buffer.numel() < layout.world * layout.stride:
+            raise ValueError(f"buffer: expected >= {layout.world * layout.stride} uint8 bytes, got {buffer.numel()} {buffer.dtype}")
+        if not 0 <= rank < layout.world:
+            raise ValueError(f"rank: expected 0..{layout.world - 1}, got {rank}")
+        self.buffer, self.layout, self.rank = buffer, layout, rank
+
+    @classmethod
+    def local_group(cls, layout: EPLayout, device: torch.device | str = "cuda") -> list["EPWorkspace"]:
+        """W ranks sharing one zeroed buffer on one GPU (each rank runs on its own stream): for tests."""
+        buffer = torch.zeros(layout.world * layout.stride, dtype=torch.uint8, device=device)
+        return [cls(buffer, layout, r) for r in range(layout.world)]
+
+    def region(self, name: str, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s (default: this rank's) region ``name`` as a flat typed tensor."""
+        offset, count, dtype = self.layout.regions[name]
+        start = (self.rank if rank is None else rank) * self.layout.stride + offset
+        return self.buffer[start:start + count * dtype.itemsize].view(dtype)
+
+    def stride_elems(self, name: str) -> int:
+        return self.layout.stride // self.layout.regions[name][2].itemsize
+
+    def check(self) -> None:
+        """Raise if a wait of this rank timed out (reads the error record back: call it off the hot path)."""
+        code, phase, peer, epoch = self.region("flags")[error_slot(self.layout.world):error_slot(self.layout.world) + 4].tolist()
+        if code:
+            raise RuntimeError(
+                f"MoK expert parallelism: rank {self.rank} timed out in phase {PHASES.get(phase, phase)} waiting for "
+                f"rank {peer} (epoch {epoch}); the peer did not reach the same call. Rebuild the workspace."
+            )
+
+
+def _ptr(kind: str, t: torch.Tensor, align: int = 4):
+    return ops._ptr(kind, t, align)
+
+
+def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
+    """The EP kernels this layout uses (compiled or loaded once, before anything waits on a peer)."""
+    lay, arch = ws.layout, device_arch(device.index)
+    return {
+        "signal_pub": get_kernel(ep_variant("signal", lay.world, phase=PHASE_PUBLISH), arch),
+        "signal_done": get_kernel(ep_variant("signal", lay.world, phase=PHASE_DONE), arch),
+        "wait_pub": get_kernel(ep_variant("wait", lay.world, phase=PHASE_PUBLISH), arch),
+        "wait_done": get_kernel(ep_variant("wait", lay.world, phase=PHASE_DONE), arch),
+        "routing": get_kernel(ep_variant("routing", lay.world, topk=lay.topk), arch),
+        "dispatch": get_kernel(ep_variant("dispatch", lay.world, width=lay.hidden), arch),
+        "push": get_kernel(ep_variant("push", lay.world, width=lay.hidden, topk=lay.topk), arch),
+    }
+
+
+def ep_moe_forward(
+    ws: EPWorkspace,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: tuple | None = None,
+    *,
+    timeout_s: float = 5.0,
+) -> torch.Tensor:
+    """This rank's layer output [T_r, H] bf16; its experts are global ids rank·E_local .. (rank+1)·E_local - 1.
+
+    x [T_r, H] bf16 (T_r <= the layout's max_tokens), topk_idx [T_r, k] int32 global expert
+    ids, topk_w [T_r, k] fp32, this rank's expert weights (and the replicated shared expert).
+    Every rank of the workspace must make the same sequence of calls.
+    """
+    import cutlass
+
+    lay, rank, world = ws.layout, ws.rank, ws.layout.world
+    experts_total = (w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 3 else 0) * world
+    num_tokens, hidden, _, num_local, topk = check_moe_inputs(
+        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,),
+        contiguous=True, experts_total=experts_total, check_range=False,
+    )
+    if (hidden, topk) != (lay.hidden, lay.topk) or num_tokens > lay.max_tokens:
+        raise ValueError(
+            f"x, topk_idx: expected H={lay.hidden}, k={lay.topk}, T <= {lay.max_tokens} (the workspace layout), "
+            f"got H={hidden}, k={topk}, T={num_tokens}"
+        )
+    if topk_idx.dtype != torch.int32:
+        raise TypeError(f"topk_idx: expected dtype int32, got {topk_idx.dtype}")
+    if x.device != ws.buffer.device:
+        raise ValueError(f"x: expected a tensor on the workspace's device {ws.buffer.device}, got one on {x.device}")
+    dev = x.device
+    k = _kernels(ws, dev)
+    stream = ops._stream(dev)
+    flags0 = ws.region("flags", 0)  # kernels reach rank p's copy of a region at p·stride from rank 0's
+    timeout_ns = cutlass.Int64(int(timeout_s * 1e9))
+
+    # publish
+    ws.region("x")[: num_tokens * hidden].copy_(x.reshape(-1))
+    ws.region("idx")[: num_tokens * topk].copy_(topk_idx.reshape(-1))
+    ws.region("flags")[tokens_slot(world)].fill_(num_tokens)
+    k["signal_pub"](_ptr("i32", flags0), ops._i32(rank), ops._i32(ws.stride_elems("flags")), stream)
+    k["wait_pub"](_ptr("i32", flags0), ops._i32(rank), ops._i32(ws.stride_elems("flags")), timeout_ns, stream)
+
+    # routing of every rank -> this rank's schedule -> dispatch
+    routing = torch.empty(world * lay.max_tokens, topk, dtype=torch.int32, device=dev)
+    k["routing"](
+        _ptr("i32", flags0), _ptr("i32", ws.region("idx", 0)), _ptr("i32", routing), ops._i32(lay.max_tokens),
+        ops._i32(ws.stride_elems("flags")), ops._i32(ws.stride_elems("idx")), stream,
+    )
+    sched = ops.device_schedule(routing, num_local * world, rank=rank, world_size=world)
+    x_rows = torch.empty(sched.capacity, hidden, dtype=torch.bfloat16, device=dev)
+    k["dispatch"](
+        _ptr("bf16", ws.region("x", 0), 16), _ptr("i32", sched.row_token), _ptr("bf16", x_rows, 16),
+        ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("x")), ops._i32(sched.capacity), stream,
+    )
+
+    # experts, then every y row to its token's rank
+    a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up)
+    y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
+    k["push"](
+        _ptr("bf16", y_rows, 16), _ptr("i32", sched.row_token), _ptr("i32", sched.row_slot),
+        _ptr("bf16", ws.region("slots", 0), 16), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("slots")),
+        ops._i32(sched.capacity), stream,
+    )
+    k["signal_done"](_ptr("i32", flags0), ops._i32(rank), ops._i32(ws.stride_elems("flags")), stream)
+
+    shared_out = None
+    if shared is not None:
+        from .fused_forward import single_expert_tiles
+
+        tiles = single_expert_tiles(num_tokens, dev)
+        shared_out = ops.grouped_gemm(ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None]), shared[2][None], tiles)
+    k["wait_done"](_ptr("i32", flags0), ops._i32(rank), ops._i32(ws.stride_elems("flags")), timeout_ns, stream)
+    slots = ws.region("slots")[: num_tokens * topk * hidden].view(num_tokens, topk, hidden)
+    return ops.combine(slots, topk_w, shared_out)

@@ -1,0 +1,248 @@
+"""Expert-parallel exchange kernels over a symmetric workspace (arch-neutral; first, multi-launch version).
+
+Every rank's workspace has the same layout and sits at ``base + rank·stride`` in one address
+range (mok/runtime/workspace.py maps the peers' memory there; a single-GPU test puts W
+"ranks" in one buffer), so a kernel reaches rank p's copy of a region as row p of one tensor.
+Per rank, in int32 words of the flag region (see mok/ep.py for the byte layout):
+
+    [0] epoch   [1, 1+W) published-by-rank   [1+W, 1+2W) done-by-rank
+    [1+2W, 1+2W+4) error record (code, phase, peer, epoch)   [5+2W] this rank's token count
+
+Flags carry the epoch they belong to (a counter each rank advances once per forward, on the
+device, so graph replays keep working): a writer stores ``epoch`` into the reader's slot
+with a system-scope release after a system-scope fence; the reader polls its slot with
+system-scope acquire loads until it holds at least its own epoch. Every wait is bounded by
+%globaltimer: on expiry the kernel writes (1, phase, peer, epoch) to its error record and
+returns, and the Python side raises instead of hanging. Flags are integers: no float
+atomics anywhere, and no data ever depends on arrival order.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+VECTOR = 8  # bf16 elements per 16-byte access
+PHASE_PUBLISH, PHASE_DONE = 0, 1
+
+
+def flag_words(world: int) -> int:
+    """int32 words of one rank's flag region (padded to 128 bytes)."""
+    return -(-(6 + 2 * world) // 32) * 32
+
+
+def epoch_slot() -> int:
+    return 0
+
+
+def flag_slot(phase: int, peer: int, world: int) -> int:
+    return 1 + phase * world + peer
+
+
+def error_slot(world: int) -> int:
+    return 1 + 2 * world
+
+
+def tokens_slot(world: int) -> int:
+    return 5 + 2 * world
+
+
+class EpSignalKernel:
+    """Tell every rank (self included) that this rank reached ``phase`` of its current epoch.
+
+    The publish phase first advances the epoch. Launched after the kernels whose writes it
+    announces (stream order), with a system-scope fence before the release stores.
+    """
+
+    def __init__(self, world: int, phase: int) -> None:
+        self.world, self.phase = world, phase
+
+    @cute.jit
+    def __call__(self, flags_ptr: cute.Pointer, rank: cutlass.Int32, stride: cutlass.Int32, stream: cuda.CUstream):
+        m_flags = cute.make_tensor(flags_ptr, cute.make_layout((self.world, flag_words(self.world)), stride=(stride, 1)))
+        self.kernel(m_flags, rank).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, m_flags: cute.Tensor, rank: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            epoch = m_flags[rank, epoch_slot()]
+            if cutlass.const_expr(self.phase == PHASE_PUBLISH):
+                epoch = epoch + 1
+                m_flags[rank, epoch_slot()] = epoch
+            cute.arch.fence_acq_rel_sys()
+            for peer in cutlass.range(self.world, unroll=1):
+                slot = m_flags[peer, None].iterator + (1 + self.phase * self.world + rank)
+                cute.arch.atomic_exch(slot, epoch, sem="release", scope="sys")
+
+
+class EpWaitKernel:
+    """Wait (bounded) until every rank announced ``phase`` of this rank's current epoch."""
+
+    def __init__(self, world: int, phase: int) -> None:
+        if world > 32:
+            raise ValueError(f"world: expected at most 32 ranks (one lane each), got {world}")
+        self.world, self.phase = world, phase
+
+    @cute.jit
+    def __call__(
+        self, flags_ptr: cute.Pointer, rank: cutlass.Int32, stride: cutlass.Int32, timeout_ns: cutlass.Int64,
+        stream: cuda.CUstream,
+    ):
+        m_flags = cute.make_tensor(flags_ptr, cute.make_layout((self.world, flag_words(self.world)), stride=(stride, 1)))
+        self.kernel(m_flags, rank, timeout_ns).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, m_flags: cute.Tensor, rank: cutlass.Int32, timeout_ns: cutlass.Int64):
+        lane, _, _ = cute.arch.thread_idx()
+        if lane < self.world:
+            epoch = m_flags[rank, epoch_slot()]
+            slot = m_flags[rank, None].iterator + (1 + self.phase * self.world + lane)
+            start = cute.arch.globaltimer()
+            seen = cute.arch.atomic_add(slot, cutlass.Int32(0), sem="acquire", scope="sys")
+            waited = cutlass.Int64(0)
+            while seen < epoch and waited < timeout_ns:
+                seen = cute.arch.atomic_add(slot, cutlass.Int32(0), sem="acquire", scope="sys")
+                waited = cute.arch.globaltimer() - start
+            if seen < epoch:  # timed out: record (code 1, phase, peer, epoch) and give up; the first error stays
+                err = error_slot(self.world)
+                if m_flags[rank, err] == 0:
+                    m_flags[rank, err] = 1
+                    m_flags[rank, err + 1] = self.phase
+                    m_flags[rank, err + 2] = lane
+                    m_flags[rank, err + 3] = epoch
+
+
+class EpRoutingGatherKernel:
+    """routing[p·T_max + t, :] = rank p's published topk_idx[t, :] for t < T_p, else -1 (no token)."""
+
+    def __init__(self, world: int, topk: int, threads: int = 256) -> None:
+        self.world, self.topk, self.threads = world, topk, threads
+
+    @cute.jit
+    def __call__(
+        self, flags_ptr: cute.Pointer, idx_ptr: cute.Pointer, routing_ptr: cute.Pointer, t_max: cutlass.Int32,
+        flags_stride: cutlass.Int32, idx_stride: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        w, k = self.world, self.topk
+        m_flags = cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1)))
+        m_idx = cute.make_tensor(idx_ptr, cute.make_layout((w, t_max * k), stride=(idx_stride, 1)))
+        m_routing = cute.make_tensor(routing_ptr, cute.make_layout((w, t_max * k), stride=(t_max * k, 1)))
+        self.kernel(m_flags, m_idx, m_routing, t_max).launch(
+            grid=[(t_max * k + self.threads - 1) // self.threads, w, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, m_flags: cute.Tensor, m_idx: cute.Tensor, m_routing: cute.Tensor, t_max: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, peer, _ = cute.arch.block_idx()
+        i = block * self.threads + tidx
+        if i < t_max * self.topk:
+            value = cutlass.Int32(-1)
+            if i < m_flags[peer, tokens_slot(self.world)] * self.topk:
+                value = m_idx[peer, i]
+            m_routing[peer, i] = value
+
+
+class EpDispatchKernel:
+    """x_rows[r] = x of global token g = row_token[r] from its rank's published x (g = p·T_max + t); zeros for g < 0."""
+
+    def __init__(self, world: int, width: int, threads: int = 128) -> None:
+        if width % VECTOR:
+            raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+        self.world, self.width, self.threads = world, width, threads
+
+    @cute.jit
+    def __call__(
+        self, x_ptr: cute.Pointer, row_token_ptr: cute.Pointer, out_ptr: cute.Pointer, t_max: cutlass.Int32,
+        x_stride: cutlass.Int32, num_rows: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        h = self.width
+        x_stride = cute.assume(x_stride, divby=VECTOR)  # (ep.py keeps every region 128-byte aligned)
+        m_x = cute.make_tensor(x_ptr, cute.make_layout((self.world, t_max, h), stride=(x_stride, h, 1)))
+        m_tok = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
+        m_out = cute.make_tensor(out_ptr, cute.make_layout((num_rows, h), stride=(h, 1)))
+        cols = self.threads * VECTOR
+        self.kernel(m_x, m_tok, m_out, t_max).launch(
+            grid=[num_rows, (h + cols - 1) // cols, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, m_x: cute.Tensor, m_tok: cute.Tensor, m_out: cute.Tensor, t_max: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, col_block, _ = cute.arch.block_idx()
+        chunk = col_block * self.threads + tidx
+        if chunk * VECTOR < self.width:
+            out_vec = cute.zipped_divide(m_out[row, None], (VECTOR,))[None, chunk]
+            g = m_tok[row]
+            if g >= 0:
+                src = m_x[g // t_max, g % t_max, None]
+                out_vec.store(cute.zipped_divide(src, (VECTOR,))[None, chunk].load())
+            else:
+                out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
+
+
+class EpPushKernel:
+    """y_slots of the token's rank [t, j] = y_rows[r] for every row r with a token (g = p·T_max + t, j = row_slot[r])."""
+
+    def __init__(self, world: int, width: int, topk: int, threads: int = 128) -> None:
+        if width % VECTOR:
+            raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+        self.world, self.width, self.topk, self.threads = world, width, topk, threads
+
+    @cute.jit
+    def __call__(
+        self, y_rows_ptr: cute.Pointer, row_token_ptr: cute.Pointer, row_slot_ptr: cute.Pointer, slots_ptr: cute.Pointer,
+        t_max: cutlass.Int32, slots_stride: cutlass.Int32, num_rows: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        h, k = self.width, self.topk
+        slots_stride = cute.assume(slots_stride, divby=VECTOR)
+        m_y = cute.make_tensor(y_rows_ptr, cute.make_layout((num_rows, h), stride=(h, 1)))
+        m_tok = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
+        m_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
+        m_slots = cute.make_tensor(slots_ptr, cute.make_layout((self.world, t_max * k, h), stride=(slots_stride, h, 1)))
+        cols = self.threads * VECTOR
+        self.kernel(m_y, m_tok, m_slot, m_slots, t_max).launch(
+            grid=[num_rows, (h + cols - 1) // cols, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, m_y: cute.Tensor, m_tok: cute.Tensor, m_slot: cute.Tensor, m_slots: cute.Tensor, t_max: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, col_block, _ = cute.arch.block_idx()
+        chunk = col_block * self.threads + tidx
+        if chunk * VECTOR < self.width:
+            g = m_tok[row]
+            if g >= 0:
+                dst = m_slots[g // t_max, (g % t_max) * self.topk + m_slot[row], None]
+                src = cute.zipped_divide(m_y[row, None], (VECTOR,))[None, chunk]
+                cute.zipped_divide(dst, (VECTOR,))[None, chunk].store(src.load())
+
+
+def _ptr(dtype, align):
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1):
+    """Compile one EP kernel (``kind``: signal, wait, routing, dispatch, push) for ``arch`` without tensors."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    i32, bf16, i = cutlass.Int32, cutlass.BFloat16, cutlass.Int32(1)
+    stream = make_fake_stream()
+    if kind == "signal":
+        kernel, args = EpSignalKernel(world, phase), (_ptr(i32, 4), i, i, stream)
+    elif kind == "wait":
+        kernel, args = EpWaitKernel(world, phase), (_ptr(i32, 4), i, i, cutlass.Int64(1), stream)
+    elif kind == "routing":
+        kernel, args = EpRoutingGatherKernel(world, topk), (_ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), i, i, i, stream)
+    elif kind == "dispatch":
+        kernel, args = EpDispatchKernel(world, width), (_ptr(bf16, 16), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, stream)
+    elif kind == "push":
+        kernel = EpPushKernel(world, width, topk)
+        args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, stream)
+    else:
+        raise ValueError(f"kind: expected signal, wait, routing, dispatch or push, got {kind!r}")
+    return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
