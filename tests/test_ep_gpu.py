@@ -15,6 +15,18 @@ from helpers import gpu_layer
 pytestmark = pytest.mark.gpu
 
 
+def warm_up(layout, per_rank_args):
+    """Launch every kernel once, one rank at a time (its waits time out at once), on a throwaway workspace.
+
+    CUDA loads a kernel lazily at its first launch, and loading waits for the device: on ONE
+    GPU that would wait for another "rank's" spinning kernel, which waits for this rank. (On
+    separate GPUs a rank's loading only waits for its own GPU.)
+    """
+    for ws, args in zip(EPWorkspace.local_group(layout), per_rank_args):
+        ep_moe_forward(ws, *args, timeout_s=1e-4)
+        torch.cuda.synchronize()
+
+
 def run_ranks(workspaces, per_rank_args, timeout_s=20.0):
     streams = [torch.cuda.Stream() for _ in workspaces]
     outs = []
@@ -49,8 +61,9 @@ def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter,
     x, idx, w, experts, shared = gpu_layer(total, 512, 256, E, k, shared_inter, seed=world * 7 + total, routing=routing)
     want = moe_forward(x, idx, w, *experts, shared).out  # also compiles the GEMMs before any rank waits
     layout = EPLayout(world=world, max_tokens=max(counts) + 13, hidden=512, topk=k)
-    workspaces = EPWorkspace.local_group(layout)
     args = split(world, counts, x, idx, w, experts, shared)
+    warm_up(layout, args)
+    workspaces = EPWorkspace.local_group(layout)
     for _ in range(3):  # epochs advance; every call gives the same bits
         outs = run_ranks(workspaces, args)
         assert torch.equal(torch.cat(outs), want)
