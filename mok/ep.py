@@ -20,9 +20,10 @@ batch bit for bit. A wait that times out records (phase, peer, epoch) in the wor
 with its peers and must be rebuilt.
 
 The workspace is one address range holding every rank's region at ``rank·stride``: the
-symmetric VMM mapping of mok/runtime/workspace.py across GPUs, or, for tests on one GPU,
-one buffer shared by W "ranks" running on W streams (:meth:`EPWorkspace.local_group`).
-Wiring the VMM mapping in, and fusing these launches into the expert kernels, comes next.
+symmetric VMM mapping of mok/runtime/workspace.py across GPUs
+(:meth:`EPWorkspace.from_symmetric`), or, for tests on one GPU, one buffer shared by W
+"ranks" running on W streams (:meth:`EPWorkspace.local_group`). Fusing these launches into
+the expert kernels comes next.
 """
 
 from __future__ import annotations
@@ -76,15 +77,48 @@ class EPLayout:
         return _round(offset + count * dtype.itemsize)
 
 
-class EPWorkspace:
-    """One rank's handle on the workspace: the whole range (all ranks' regions) and its rank."""
+class _DeviceRange:
+    """A raw device address range as a CUDA array (so torch can view memory it did not allocate)."""
 
-    def __init__(self, buffer: torch.Tensor, layout: EPLayout, rank: int) -> None:
-        if buffer.dtype != torch.uint8 or buffer.numel() < layout.world * layout.stride:
-            raise ValueError(f"buffer: expected >= {layout.world * layout.stride} uint8 bytes, got {buffer.numel()} {buffer.dtype}")
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class EPWorkspace:
+    """One rank's handle on the workspace: the whole range (all ranks' regions, ``rank_stride``
+    bytes apart, default the layout's stride) and its rank."""
+
+    def __init__(self, buffer: torch.Tensor, layout: EPLayout, rank: int, rank_stride: int | None = None) -> None:
+        rank_stride = layout.stride if rank_stride is None else rank_stride
+        if rank_stride < layout.stride or rank_stride % ALIGN:
+            raise ValueError(f"rank_stride: expected a multiple of {ALIGN} that is >= {layout.stride}, got {rank_stride}")
+        if buffer.dtype != torch.uint8 or buffer.numel() < layout.world * rank_stride:
+            raise ValueError(f"buffer: expected >= {layout.world * rank_stride} uint8 bytes, got {buffer.numel()} {buffer.dtype}")
         if not 0 <= rank < layout.world:
             raise ValueError(f"rank: expected 0..{layout.world - 1}, got {rank}")
-        self.buffer, self.layout, self.rank = buffer, layout, rank
+        self.buffer, self.layout, self.rank, self.rank_stride = buffer, layout, rank, rank_stride
+        self.owner = None  # the SymmetricWorkspace behind the buffer, when there is one (kept alive here)
+
+    @classmethod
+    def from_symmetric(cls, symmetric, layout: EPLayout) -> "EPWorkspace":
+        """This rank's handle on a :class:`mok.runtime.workspace.SymmetricWorkspace` (every rank mapped in one range).
+
+        Zeroes this rank's region, then waits for every rank (host barrier, once) so that no
+        peer signals into flags that are still being cleared.
+        """
+        import torch.distributed as dist
+
+        if symmetric.world != layout.world or symmetric.nbytes < layout.stride:
+            raise ValueError(
+                f"symmetric: expected {layout.world} ranks of >= {layout.stride} bytes, got {symmetric.world} of {symmetric.nbytes}"
+            )
+        buffer = torch.as_tensor(_DeviceRange(symmetric.base, symmetric.size * symmetric.world), device=f"cuda:{symmetric.device}")
+        ws = cls(buffer, layout, symmetric.rank, rank_stride=symmetric.size)
+        ws.owner = symmetric
+        ws.buffer[symmetric.rank * symmetric.size:(symmetric.rank + 1) * symmetric.size].zero_()
+        torch.cuda.synchronize(symmetric.device)
+        dist.barrier(group=symmetric.group)
+        return ws
 
     @classmethod
     def local_group(cls, layout: EPLayout, device: torch.device | str = "cuda") -> list["EPWorkspace"]:
@@ -95,11 +129,12 @@ class EPWorkspace:
     def region(self, name: str, rank: int | None = None) -> torch.Tensor:
         """Rank ``rank``'s (default: this rank's) region ``name`` as a flat typed tensor."""
         offset, count, dtype = self.layout.regions[name]
-        start = (self.rank if rank is None else rank) * self.layout.stride + offset
+        start = (self.rank if rank is None else rank) * self.rank_stride + offset
         return self.buffer[start:start + count * dtype.itemsize].view(dtype)
 
     def stride_elems(self, name: str) -> int:
-        return self.layout.stride // self.layout.regions[name][2].itemsize
+        """Elements of region ``name``'s dtype from one rank's copy to the next."""
+        return self.rank_stride // self.layout.regions[name][2].itemsize
 
     def check(self) -> None:
         """Raise if a wait of this rank timed out (reads the error record back: call it off the hot path)."""
