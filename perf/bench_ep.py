@@ -1,0 +1,138 @@
+"""Expert-parallel MoE forward on N GPUs: MoK's EP path against the PyTorch-native EP baseline.
+
+    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3]      (spawns one process per GPU)
+
+Per rank, on the same inputs in one run: ``mok.ep.ep_moe_forward`` over the symmetric VMM
+workspace, and what users write with NCCL: all_to_all_single dispatch with split sizes read
+back to the host, torch._grouped_mm experts, all_to_all_single back, index_add combine.
+Reported: the median over iterations of the slowest rank's time, the speedup, the bytes each
+rank sends to other ranks (dispatch + combine) and the effective NVLink GB/s per GPU.
+
+Written 2026-12-01 without a multi-GPU machine to run it on: the first run on
+nvidia-h200-x2 is its test.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
+    "dsv3": (4096, 7168, 2048, 256, 8),
+    "qwen3": (8192, 2048, 768, 128, 8),
+}
+
+
+def torch_ep_forward(x, idx, w, experts, group):
+    """The PyTorch-native expert-parallel forward (host-read split sizes: one sync per exchange)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    wg, wu, wd = experts
+    e_local = wg.shape[0]
+    T, k = idx.shape
+    flat = idx.flatten().long()
+    dest = flat // e_local
+    order = dest.argsort(stable=True)
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    x_recv = x.new_empty(sum(recv), x.shape[1])
+    dist.all_to_all_single(x_recv, x[order // k], recv, send, group=group)
+    e_recv = flat.new_empty(sum(recv))
+    dist.all_to_all_single(e_recv, flat[order], recv, send, group=group)
+    local = e_recv - rank * e_local
+    by_expert = local.argsort(stable=True)
+    offs = torch.bincount(local, minlength=e_local).cumsum(0).int()
+    xs = x_recv[by_expert]
+    a = F.silu(torch._grouped_mm(xs, wg.transpose(1, 2), offs=offs)) * torch._grouped_mm(xs, wu.transpose(1, 2), offs=offs)
+    y_sorted = torch._grouped_mm(a, wd.transpose(1, 2), offs=offs)
+    y_recv = torch.empty_like(y_sorted)
+    y_recv[by_expert] = y_sorted
+    y_back = x.new_empty(T * k, x.shape[1])
+    dist.all_to_all_single(y_back, y_recv, send, recv, group=group)
+    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    out.index_add_(0, order // k, y_back.float() * w.flatten()[order, None])
+    return out.bfloat16()
+
+
+def _time(fn, group, iters: int = 20, warmup: int = 3) -> float:
+    """Median over iterations of the slowest rank's milliseconds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    per_iter = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        mine = torch.tensor([start.elapsed_time(stop)], device="cuda")
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+        per_iter.append(float(mine))
+    return statistics.median(per_iter)
+
+
+def _worker(rank: int, world: int, configs: list[str], init_file: str) -> None:
+    from mok.ep import EPLayout, EPWorkspace, ep_moe_forward
+    from mok.runtime.workspace import SymmetricWorkspace
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    try:
+        if rank == 0:
+            print(f"# {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}")
+            print(f"{'config':<8}{'path':<8}{'ms':>9}{'vs torch':>9}{'MB sent':>9}{'GB/s':>8}")
+        for name in configs:
+            T, H, I, E, k = CONFIGS[name]
+            g = torch.Generator(device="cuda").manual_seed(1000 + rank)
+            x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+            idx = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices.int()
+            w = torch.softmax(torch.randn(T, k, device="cuda", generator=g), 1)
+            e_local = E // world
+            gw = torch.Generator(device="cuda").manual_seed(7 + rank)  # this rank's experts
+            experts = tuple(
+                (torch.randn(e_local, *shape, device="cuda", generator=gw) * shape[1] ** -0.5).bfloat16()
+                for shape in ((I, H), (I, H), (H, I))
+            )
+            layout = EPLayout(world=world, max_tokens=T, hidden=H, topk=k)
+            sym = SymmetricWorkspace(layout.stride, group, spec={"bench": name})
+            ws = EPWorkspace.from_symmetric(sym, layout)
+            paths = {
+                "mok": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0),
+                "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
+            }
+            ms = {p: _time(fn, group) for p, fn in paths.items()}
+            agree = float((paths["mok"]().float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
+            ws.check()
+            remote = int((idx.long() // e_local != rank).sum())  # (token, slot) pairs whose expert is elsewhere
+            sent = torch.tensor([2 * remote * H * 2], device="cuda", dtype=torch.float64)  # x out + y back, bf16
+            dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group)
+            if rank == 0:
+                for p in paths:
+                    gbs = float(sent) / ms[p] / 1e6
+                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{float(sent) / 1e6:>9.0f}{gbs:>8.0f}")
+                print(f"{name:<8}mok vs torch output (rank 0): relative difference {agree:.2e}")
+            dist.barrier(group=group)
+            sym.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, configs: list[str]) -> int:
+    """Spawn one process per GPU and run the comparison (called by perf/bench_layer.py --ep N)."""
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < world:
+        print(f"--ep {world}: needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+        return 1
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init")), nprocs=world)
+    return 0
