@@ -96,6 +96,8 @@ class EPWorkspace:
             raise ValueError(f"buffer: expected >= {layout.world * rank_stride} uint8 bytes, got {buffer.numel()} {buffer.dtype}")
         if not 0 <= rank < layout.world:
             raise ValueError(f"rank: expected 0..{layout.world - 1}, got {rank}")
+        if layout.world * rank_stride // 2 >= 2**31:  # the kernels index bf16 elements across all ranks in 32 bits
+            raise ValueError(f"layout: {layout.world} ranks of {rank_stride} bytes exceed 32-bit element offsets; lower max_tokens")
         self.buffer, self.layout, self.rank, self.rank_stride = buffer, layout, rank, rank_stride
         self.owner = None  # the SymmetricWorkspace behind the buffer, when there is one (kept alive here)
 
