@@ -191,6 +191,11 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         combine_variant(h, config.topk, config.has_shared_expert, gathered=True),
         combine_variant(h, config.topk, config.has_shared_expert, gathered=True, unit_weights=True),  # backward dx
     ]
+    if config.ep_size > 1:  # mok/ep.py: the exchange kernels and the combine over pushed [T, k] slots
+        w, k = config.ep_size, config.topk
+        variants += [ep_variant(kind, w, phase=phase) for kind in ("signal", "wait") for phase in (0, 1)]
+        variants += [ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h), ep_variant("push", w, width=h, topk=k)]
+        variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
     if arch == "sm_90a":
         variants += expert_mlp_variants(h, i, config.topk)
         if config.has_shared_expert:
