@@ -196,10 +196,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         expert = m_tiles[tile_row]
         if expert >= 0:
             if warp_idx == 0:
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-                if cutlass.const_expr(self.num_b == 2 or self.k_split):
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_b2)
+                self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()))
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
@@ -207,32 +204,15 @@ class GroupedGemmSm90(WgmmaTileKernel):
             pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=False)
-            s_b2 = s_b  # the second product's buffer (SwiGLU), or B2's halves landing in s_b (k_split)
-            if cutlass.const_expr(self.num_b == 2):
-                s_b2 = storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-
-            g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
-            g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
-            g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
-            t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
-            t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
-            t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
-
-            thr_mma = self.warpgroup_slice(tiled_mma, tidx)
-            tile_mn = (self.tile_shape_mnk[0], self.tile_shape_mnk[1])
-            acc_shape = thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape
-            r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-            r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-            r_b2 = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b2))
-            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            acc2 = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            s_b2 = self.second_b(storage, b_smem, s_b)
+            loads = self.tile_loads(tma_a, m_a, tma_b, m_b, tma_b2, m_b2, s_a, s_b, s_b2, tile_row, tile_col, expert)
+            r_a, r_b, r_b2, acc, acc2 = self.mma_fragments(tiled_mma, tidx, s_a, s_b, s_b2)
             acc.fill(0.0)
             if cutlass.const_expr(self.two_accumulators):
                 acc2.fill(0.0)
 
             pipeline_init_wait(cluster_shape_mn=(1, 1))
-            k_tiles = cute.size(g_a, mode=[2])
-            loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
+            k_tiles = self.k // self.tile_shape_mnk[2]
             self.mainloop(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, warp_idx, loads)
             cute.arch.sync_threads()  # the epilogue reuses A's shared memory
 
@@ -285,19 +265,14 @@ class GroupedGemmSm90(WgmmaTileKernel):
         col_tiles = self.n // self.tile_shape_mnk[1]
         all_tiles = num_row_tiles * col_tiles
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-            if cutlass.const_expr(self.num_b == 2 or self.k_split):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_b2)
+            self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()))
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
-        s_b2 = s_b
-        if cutlass.const_expr(self.num_b == 2):
-            s_b2 = storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_b2 = self.second_b(storage, b_smem, s_b)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         k_tiles = self.k // self.tile_shape_mnk[2]
 
@@ -310,27 +285,14 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
                     expert = m_tiles[tile_row]
                     if expert >= 0:
-                        g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
-                        g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
-                        g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
-                        t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
-                        t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
-                        t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
-                        loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
+                        loads = self.tile_loads(tma_a, m_a, tma_b, m_b, tma_b2, m_b2, s_a, s_b, s_b2, tile_row, tile_col, expert)
                         prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
                 ab_pipe.producer_tail(prod)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
-            thr_mma = self.warpgroup_slice(tiled_mma, mma_tidx)
-            tile_mn = (self.tile_shape_mnk[0], self.tile_shape_mnk[1])
-            acc_shape = thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape
-            r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-            r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-            r_b2 = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b2))
-            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            acc2 = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            r_a, r_b, r_b2, acc, acc2 = self.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             store_pipe = self.store_pipeline()
@@ -351,6 +313,28 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
+
+    def second_b(self, storage, b_smem, s_b):
+        """B2's shared-memory tile: its own buffer for SwiGLU's second product, else B's (k_split loads B2 there)."""
+        if cutlass.const_expr(self.num_b == 2):
+            return storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        return s_b
+
+    def tile_loads(self, tma_a, m_a, tma_b, m_b, tma_b2, m_b2, s_a, s_b, s_b2, tile_row, tile_col, expert):
+        """What ``load_stage`` needs for one output tile: the TMA atoms and their smem/gmem partitions."""
+        g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
+        g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
+        g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
+        t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
+        t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
+        t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
+        return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
+
+    def mma_fragments(self, tiled_mma, mma_tidx, s_a, s_b, s_b2):
+        """The warpgroup's WGMMA views of the A, B and B2 stages and two fp32 accumulators (not zeroed)."""
+        thr_mma, r_a, r_b, acc = self.mma_operands(tiled_mma, mma_tidx, s_a, s_b)
+        r_b2 = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b2))
+        return r_a, r_b, r_b2, acc, cute.make_rmem_tensor(acc.shape, cutlass.Float32)
 
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):

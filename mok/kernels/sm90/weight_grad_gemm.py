@@ -137,8 +137,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
 
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            self.prefetch(tma_a, tma_b)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem)
@@ -146,20 +145,12 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=False)
 
-        g_a = cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None))  # (bM, bK, all k tiles)
-        g_b = cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None))
         g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
-        t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
-        t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
-
-        thr_mma = self.warpgroup_slice(tiled_mma, tidx)
-        r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-        r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(g_c).shape, cutlass.Float32)
+        loads = self.tile_loads(tma_a, m_a, tma_b, m_b, s_a, s_b, tile_row, tile_col, row_start)
+        _, r_a, r_b, acc = self.mma_operands(tiled_mma, tidx, s_a, s_b)
         acc.fill(0.0)
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
-        loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)  # offsets: multiples of 128 (or 0)
         self.mainloop(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, warp_idx, loads)
         cute.arch.sync_threads()  # the epilogue reuses A's shared memory
 
@@ -194,8 +185,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tile_m, tile_n, _ = self.tile_shape_mnk
         all_tiles = num_experts * (self.m // tile_m) * (self.n // tile_n)
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            self.prefetch(tma_a, tma_b)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem)
@@ -210,20 +200,14 @@ class WeightGradGemmSm90(WgmmaTileKernel):
                 linear = first
                 while linear < all_tiles:
                     expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
-                    t_as, t_ag = self.tma_split(tma_a, s_a, cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None)))
-                    t_bs, t_bg = self.tma_split(tma_b, s_b, cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None)))
-                    loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)
+                    loads = self.tile_loads(tma_a, m_a, tma_b, m_b, s_a, s_b, tile_row, tile_col, row_start)
                     prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
                 ab_pipe.producer_tail(prod)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
-            thr_mma = self.warpgroup_slice(tiled_mma, mma_tidx)
-            r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-            r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-            g_c0 = cute.local_tile(m_c, self.tile_shape_mnk, (0, 0, None, 0), proj=(1, 1, None))
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(g_c0).shape, cutlass.Float32)
+            _, r_a, r_b, acc = self.mma_operands(tiled_mma, mma_tidx, s_a, s_b)
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             store_pipe = self.store_pipeline()
@@ -238,6 +222,13 @@ class WeightGradGemmSm90(WgmmaTileKernel):
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
+
+    def tile_loads(self, tma_a, m_a, tma_b, m_b, s_a, s_b, tile_row, tile_col, row_start):
+        """What ``load_stage`` needs for one output tile: TMA atoms, smem/gmem partitions, the expert's first k tile."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        t_as, t_ag = self.tma_split(tma_a, s_a, cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None)))
+        t_bs, t_bg = self.tma_split(tma_b, s_b, cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None)))
+        return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)  # offsets: multiples of 128 (or 0)
 
     @cute.jit
     def tile_of(self, linear, m_off, num_rows):

@@ -98,6 +98,20 @@ class WgmmaTileKernel:
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         return tiled_mma.get_slice(cute.make_layout(2, stride=128)(warp_group))
 
+    def prefetch(self, *tma_atoms) -> None:
+        """Bring the kernel's TMA descriptors into the descriptor cache (one warp calls it)."""
+        for atom in tma_atoms:
+            cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+    def mma_operands(self, tiled_mma, mma_tidx, s_a, s_b):
+        """This warpgroup's MMA slice, its WGMMA views of the A and B stages, and an fp32 accumulator (not zeroed)."""
+        thr_mma = self.warpgroup_slice(tiled_mma, mma_tidx)
+        tile_mn = (self.tile_shape_mnk[0], self.tile_shape_mnk[1])
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape, cutlass.Float32)
+        r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        return thr_mma, r_a, r_b, acc
+
     def epilogue_sync(self):
         """Barrier 1 over the MMA threads only (the producer warpgroup of a persistent kernel stays out)."""
         cute.arch.barrier(barrier_id=1, number_of_threads=self.consumer_threads)
