@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+from .fused_forward import shared_expert_forward
 from .kernels import ep_variant, get_kernel
 from .kernels.common.ep import PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, tokens_slot
 from .runtime.arch import device_arch
@@ -148,10 +149,6 @@ class EPWorkspace:
             )
 
 
-def _ptr(kind: str, t: torch.Tensor, align: int = 4):
-    return ops._ptr(kind, t, align)
-
-
 def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
     """The EP kernels this layout uses (compiled or loaded once, before anything waits on a peer)."""
     lay, arch = ws.layout, device_arch(device.index)
@@ -204,26 +201,27 @@ def ep_moe_forward(
     dev = x.device
     k = _kernels(ws, dev)
     stream = ops._stream(dev)
-    flags0 = ws.region("flags", 0)  # kernels reach rank p's copy of a region at p·stride from rank 0's
+    # Kernels reach rank p's copy of a region at p·stride from rank 0's; the flag kernels all take these three.
+    flags = (ops._ptr("i32", ws.region("flags", 0), 4), ops._i32(rank), ops._i32(ws.stride_elems("flags")))
     timeout_ns = cutlass.Int64(int(timeout_s * 1e9))
 
     # publish
     ws.region("x")[: num_tokens * hidden].copy_(x.reshape(-1))
     ws.region("idx")[: num_tokens * topk].copy_(topk_idx.reshape(-1))
     ws.region("flags")[tokens_slot(world)].fill_(num_tokens)
-    k["signal_pub"](_ptr("i32", flags0), ops._i32(rank), ops._i32(ws.stride_elems("flags")), stream)
-    k["wait_pub"](_ptr("i32", flags0), ops._i32(rank), ops._i32(ws.stride_elems("flags")), timeout_ns, stream)
+    k["signal_pub"](*flags, stream)
+    k["wait_pub"](*flags, timeout_ns, stream)
 
     # routing of every rank -> this rank's schedule -> dispatch
     routing = torch.empty(world * lay.max_tokens, topk, dtype=torch.int32, device=dev)
     k["routing"](
-        _ptr("i32", flags0), _ptr("i32", ws.region("idx", 0)), _ptr("i32", routing), ops._i32(lay.max_tokens),
+        flags[0], ops._ptr("i32", ws.region("idx", 0), 4), ops._ptr("i32", routing, 4), ops._i32(lay.max_tokens),
         ops._i32(ws.stride_elems("flags")), ops._i32(ws.stride_elems("idx")), stream,
     )
     sched = ops.device_schedule(routing, num_local * world, rank=rank, world_size=world)
     x_rows = torch.empty(sched.capacity, hidden, dtype=torch.bfloat16, device=dev)
     k["dispatch"](
-        _ptr("bf16", ws.region("x", 0), 16), _ptr("i32", sched.row_token), _ptr("bf16", x_rows, 16),
+        ops._ptr("bf16", ws.region("x", 0)), ops._ptr("i32", sched.row_token, 4), ops._ptr("bf16", x_rows),
         ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("x")), ops._i32(sched.capacity), stream,
     )
 
@@ -231,18 +229,13 @@ def ep_moe_forward(
     a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up)
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
     k["push"](
-        _ptr("bf16", y_rows, 16), _ptr("i32", sched.row_token), _ptr("i32", sched.row_slot),
-        _ptr("bf16", ws.region("slots", 0), 16), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("slots")),
+        ops._ptr("bf16", y_rows), ops._ptr("i32", sched.row_token, 4), ops._ptr("i32", sched.row_slot, 4),
+        ops._ptr("bf16", ws.region("slots", 0)), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("slots")),
         ops._i32(sched.capacity), stream,
     )
-    k["signal_done"](_ptr("i32", flags0), ops._i32(rank), ops._i32(ws.stride_elems("flags")), stream)
+    k["signal_done"](*flags, stream)
 
-    shared_out = None
-    if shared is not None:
-        from .fused_forward import single_expert_tiles
-
-        tiles = single_expert_tiles(num_tokens, dev)
-        shared_out = ops.grouped_gemm(ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None]), shared[2][None], tiles)
-    k["wait_done"](_ptr("i32", flags0), ops._i32(rank), ops._i32(ws.stride_elems("flags")), timeout_ns, stream)
+    shared_out = None if shared is None else shared_expert_forward(x, shared)  # (overlaps the peers' pushes)
+    k["wait_done"](*flags, timeout_ns, stream)
     slots = ws.region("slots")[: num_tokens * topk * hidden].view(num_tokens, topk, hidden)
     return ops.combine(slots, topk_w, shared_out)

@@ -45,8 +45,8 @@ def single_expert_tiles(num_rows: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(-(-num_rows // TILE_M), dtype=torch.int32, device=device)
 
 
-def _shared_expert(x: torch.Tensor, shared: SharedExpert, h_out: torch.Tensor | None) -> torch.Tensor:
-    """The shared expert as a grouped GEMM with one expert over all of x."""
+def shared_expert_forward(x: torch.Tensor, shared: SharedExpert, h_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert as a grouped GEMM with one expert over all of x (``h_out``: keep h for backward)."""
     tiles = single_expert_tiles(x.shape[0], x.device)
     a = ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=h_out)
     return ops.grouped_gemm(a, shared[2][None], tiles)
@@ -89,6 +89,6 @@ def moe_forward(
             shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
     a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
-    shared_out = None if shared is None else _shared_expert(x, shared, shared_h)
+    shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
     out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
     return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)

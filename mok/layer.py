@@ -70,7 +70,6 @@ class MoELayer(nn.Module):
             ep_size = dist.get_world_size(group)
         self.config = MoKConfig(hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision)
         self.group = group if ep_size > 1 else None
-        self.ep_rank = 0 if self.group is None else torch.distributed.get_rank(group)
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
             from .runtime.workspace import agree_on_spec
 
