@@ -155,7 +155,7 @@ def moe_backward_op(
     empty = torch.empty(0, dtype=torch.int32, device=x.device)  # counts and overflow: not used by backward
     sched = Schedule(empty, expert_offsets, row_token, row_slot, slot_row, tile_expert, empty, BLOCK_M, row_token.shape[0])
     shared = _shared(shared_gate, shared_up, shared_down)
-    saved = ForwardResult(out=dout, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
+    saved = ForwardResult(out=None, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
     g = moe_backward(dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype)
     d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
     return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)

@@ -32,9 +32,10 @@ TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to 
 
 @dataclass
 class ForwardResult:
-    """The layer output and what the backward needs (h and shared_h only when saved)."""
+    """The layer output and what the backward needs (h and shared_h only when saved; out is None
+    when the saved state is rebuilt for a backward, as the custom op does)."""
 
-    out: torch.Tensor
+    out: torch.Tensor | None
     schedule: Schedule
     h: torch.Tensor | None = None
     shared_h: torch.Tensor | None = None
