@@ -1,8 +1,9 @@
 """The MoE layer forward on one GPU (EP = 1) from MoK's kernels.
 
     device schedule (1 CTA)    -> row slots, tile -> expert map; no host sync
-    gather                     -> x_rows [R, H], rows grouped by expert (canonical order)
-    grouped GEMM + SwiGLU      -> a [R, I] = silu(x_rows·w_gateᵀ) ⊙ x_rows·w_upᵀ
+    grouped GEMM + SwiGLU      -> a [R, I] = silu(x_rows·w_gateᵀ) ⊙ x_rows·w_upᵀ, where the
+                                  producer warpgroup gathers x_rows = x[row_token] (rows grouped
+                                  by expert, canonical order) straight into shared memory
     grouped GEMM               -> y_rows [R, H] = a·w_downᵀ
     shared expert (optional)   -> the same two GEMMs over x itself, one "expert"
     gathered combine           -> out[t] = shared[t] + Σ_j w[t, j]·y_rows[slot_row[t, j]]
@@ -82,13 +83,12 @@ def moe_forward(
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,
     )
     sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M)
-    x_rows = ops.gather_rows(x, sched.row_token)
     h = shared_h = None
     if save_for_backward:
-        h = torch.empty(x_rows.shape[0], 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
+        h = torch.empty(sched.row_token.shape[0], 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
         if shared is not None:
             shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
-    a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)
+    a = ops.grouped_gemm(x, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token)
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
     shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
     out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)

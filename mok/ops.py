@@ -146,6 +146,7 @@ def grouped_gemm(
     tile_n: int | None = None,
     stages: int | None = None,
     persistent: bool = True,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (bf16, fp32 accumulation).
 
@@ -160,9 +161,17 @@ def grouped_gemm(
     far. ``tile_n`` overrides the column tile (64, 128 or 256 dividing N; default from the
     static shape), ``stages`` the shared-memory pipeline depth (default: as deep as fits),
     ``persistent=False`` selects the one-tile-per-CTA kernel (same results, bit for bit).
+    ``gather`` [R] int32 (the schedule's row_token): A is not materialised; a is the token
+    matrix x [T, K] and row r of A is x[gather[r]], or zeros where gather[r] < 0 (each
+    entry must be < T: the schedule guarantees it; nothing here reads it back).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
+    if gather is not None:
+        check_tensor("gather", gather, dtypes=(torch.int32,), ndim=1, device=a.device, contiguous=True)
+        if not persistent:
+            raise ValueError("gather: only with the persistent kernel")
+        num_rows = gather.shape[0]
     if b_major not in ("k", "n"):
         raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
     if k_split and b2 is None:
@@ -188,14 +197,16 @@ def grouped_gemm(
         if t is not None:
             _check_cuda_aligned(name, t)
             _check_32bit(name, t)
-    if num_rows == 0:
+    if num_rows == 0 or a.shape[0] == 0:  # (gather from no tokens: every row is padding)
         return out
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     variant = grouped_gemm_variant(
-        n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split, persistent=persistent
+        n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split, persistent=persistent,
+        gather_a=gather is not None,
     )
     launch_grouped_gemm(
-        variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, num_rows=num_rows, num_experts=num_experts
+        variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
+        num_experts=num_experts, num_tokens=a.shape[0] if gather is not None else 1,
     )
     return out
 

@@ -77,6 +77,23 @@ def weight_grads() -> None:
             print(f"{name:<14}{kname:<25}{ms:>8.3f}{flops * scale / ms / 1e9:>9.0f}")
 
 
+def gathered_fc1() -> None:
+    """fc1 with its A rows gathered by the GEMM's producer against the gather kernel + fc1, on a real schedule."""
+    for name, (T, H, I, E, k) in {"dsv3 fc1": (4096, 7168, 2048, 32, 8), "qwen3 fc1": (8192, 2048, 768, 64, 8)}.items():
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
+        x_rows = ops.gather_rows(x, sched.row_token)
+        out = torch.empty(x_rows.shape[0], I, device="cuda").bfloat16()
+        runs = {
+            "gather + fc1": lambda: ops.grouped_gemm(ops.gather_rows(x, sched.row_token, out=x_rows), wg, sched.tile_expert, b2=wu, out=out),
+            "fc1 gathering A": lambda: ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, out=out, gather=sched.row_token),
+        }
+        for kname, fn in runs.items():
+            print(f"{name:<11}{kname:<22}{time_ms(fn, batch=10, repeats=5):>8.3f}")
+
+
 if __name__ == "__main__":
     main()
     weight_grads()
+    gathered_fc1()

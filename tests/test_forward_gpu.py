@@ -54,6 +54,30 @@ def test_grouped_gemm(rows, n, k, experts, swiglu):
         assert rel_err(out[rs], want) < 1e-2
 
 
+@pytest.mark.parametrize("save_h", [False, True])
+@pytest.mark.parametrize("tokens,rows,n,k,experts", [(700, 1000, 256, 192, 5), (300, 384, 2048, 7168, 2), (1, 37, 768, 2048, 1)])
+def test_grouped_gemm_gathering_a_equals_a_gathered_first(tokens, rows, n, k, experts, save_h):
+    """gather: the producer's cp.async row gather gives the same bits as the gather kernel + GEMM,
+    and zero rows (hence zero h) where the index is negative."""
+    g = torch.Generator(device="cuda").manual_seed(rows + save_h)
+    x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
+    b = (torch.randn(experts, n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    b2 = (torch.randn(experts, n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    index = torch.randint(0, tokens, (rows,), device="cuda", dtype=torch.int32, generator=g)
+    index[torch.rand(rows, device="cuda", generator=g) < 0.2] = -1  # padding rows, scattered
+    tiles = -(-rows // 128)
+    tile_expert = torch.randint(0, experts, (tiles,), device="cuda", dtype=torch.int32, generator=g)
+    h_fused = poisoned(rows, 2 * n) if save_h else None
+    h_plain = poisoned(rows, 2 * n) if save_h else None
+    fused = ops.grouped_gemm(x, b, tile_expert, b2=b2, h_out=h_fused, gather=index, out=poisoned(rows, n))
+    plain = ops.grouped_gemm(ops.gather_rows(x, index), b, tile_expert, b2=b2, h_out=h_plain, out=poisoned(rows, n))
+    assert not fused.isnan().any()
+    assert torch.equal(fused, plain)
+    if save_h:
+        assert torch.equal(h_fused, h_plain)
+        assert (h_fused[index < 0] == 0).all()
+
+
 def test_grouped_gemm_sass_has_hgmma():
     """The compiled GEMM runs on the tensor cores' Hopper path (SASS HGMMA), not HMMA/FFMA."""
     from mok.runtime.arch import dsl_target

@@ -54,6 +54,20 @@ def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu, persistent):
     assert (count(r"ex2\.approx", ptx) > 0) == swiglu
 
 
+@pytest.mark.parametrize("n,k,epilogue", [(2048, 7168, "swiglu_save"), (768, 2048, "swiglu")])
+def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilogue):
+    """gather_a: per stage 8 16-byte cp.async per producer thread (128 rows x 128 bytes over 128
+    threads), tracked by the stage's mbarrier; B and B2 still by TMA; the MMA warps fence the
+    generic-proxy writes before WGMMA reads them."""
+    ptx = compiled_ptx(grouped_gemm_variant(n, k, epilogue=epilogue, gather_a=True), "sm_90a")
+    assert count(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, %r\d+;", ptx) == 8  # zero-fill size operand
+    assert count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx) == 1
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 2  # B and B2 only
+    assert count(r"fence\.proxy\.async\.shared::cta", ptx) >= 2  # the consumer's, and the epilogue's
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 8
+    assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_schedule_ptx_places_rows_without_atomics(arch):
     ptx = compiled_ptx(schedule_variant(256, 8, 128), arch)

@@ -103,6 +103,7 @@ def grouped_gemm_variant(
     topk: int = 1,
     unit_scale: bool = False,
     persistent: bool = True,
+    gather_a: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
 
@@ -112,11 +113,14 @@ def grouped_gemm_variant(
     reads B as [E, K, N]; ``k_split`` takes the two K halves from B and B2. ``persistent`` (default): one
     CTA per SM walks the tiles, a producer warpgroup loading ahead while the MMA warpgroups
     run the epilogue (perf/NOTES.md: 0-20% faster than one CTA per tile, the same bits). ``stages``: shared-memory pipeline depth; None fills shared memory.
+    ``gather_a`` (persistent only): A is the token matrix, its rows gathered by the schedule's row_token.
     """
     epilogue = epilogue or ("swiglu" if swiglu else "plain")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
     topk = topk if epilogue == "swiglu_bwd" and not unit_scale else 1
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
+    if gather_a:  # (absent otherwise: the other variants' cache keys stay as they were)
+        options["gather_a"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
@@ -169,8 +173,8 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
 def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False) -> list[KernelVariant]:
     """The GEMM variants of one SwiGLU expert MLP (routed, or the shared expert), forward and backward, on sm_90a."""
     variants = [
-        grouped_gemm_variant(inter, hidden, epilogue="swiglu"),
-        grouped_gemm_variant(inter, hidden, epilogue="swiglu_save"),
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu", gather_a=not shared),
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu_save", gather_a=not shared),
         grouped_gemm_variant(hidden, inter),
         grouped_gemm_variant(inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared),
         grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
@@ -198,6 +202,8 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
     if arch == "sm_90a":
         variants += expert_mlp_variants(h, i, config.topk)
+        if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered
+            variants.append(grouped_gemm_variant(i, h, epilogue="swiglu"))
         if config.has_shared_expert:
             variants += expert_mlp_variants(h, config.shared_intermediate, config.topk, shared=True)
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some

@@ -4,7 +4,10 @@
 
 A [R, K] holds rows grouped by expert (the schedule pads each expert's rows to a whole
 ``tile_m`` tile, so a tile never mixes experts); ``tile_expert[m]`` names the expert of row
-tile m, or -1 for an unused tile, which the CTA skips. B holds one weight matrix per expert,
+tile m, or -1 for an unused tile, which the CTA skips. With ``gather_a`` A is not
+materialised: A is the token matrix x [T, K] and buffer row r reads x[row_token[r]] (zeros
+where row_token[r] < 0, the padding rows); the producer warpgroup gathers the rows with
+cp.async straight into the swizzled shared-memory tile (Hopper's TMA cannot gather rows). B holds one weight matrix per expert,
 either K-major [E, N, K] (C = A·Bᵀ, the forward's weights) or N-major [E, K, N] (C = A·B, the
 same weights read transposed in the backward). With ``k_split`` the K range is two halves,
 the first read from B and the second from B2 (dx = dh_gate·W_gate + dh_up·W_up in one pass).
@@ -58,6 +61,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         tile_n: int = 128,
         stages: int | None = None,
         persistent: bool = False,
+        gather_a: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -72,13 +76,15 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError(f"k: expected a multiple of {2 * TILE_K if k_split else TILE_K}, got {k}")
         if k_split and epilogue != "plain":
             raise ValueError("k_split: only with the plain epilogue")
+        if gather_a and not persistent:
+            raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
         self.num_b = 2 if self.two_accumulators else 1
         self.b_k = k // 2 if k_split else k  # K extent of each B tensor
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
-        self.persistent = persistent
+        self.persistent, self.gather_a = persistent, gather_a
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
         stores_per_tile = (tile_n // 32) * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
@@ -117,7 +123,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         n, k = self.n, self.k
         tile_m, tile_n, _ = self.tile_shape_mnk
         c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((num_rows, k, 1), stride=(k, 1, num_rows * k)))
+        a_rows = num_tokens if self.gather_a else num_rows  # gather_a: A is x [T, K]
+        m_a = cute.make_tensor(a_ptr, cute.make_layout((a_rows, k, 1), stride=(k, 1, a_rows * k)))
         m_b = self.b_tensor(b_ptr, num_experts)
         m_b2 = self.b_tensor(b2_ptr, num_experts)
         m_c = cute.make_tensor(c_ptr, cute.make_layout((num_rows, c_cols), stride=(c_cols, 1)))
@@ -152,7 +159,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         self.shared_storage = SharedStorage
         args = (
             tma_a, t_a, tma_b, t_b, tma_b2, t_b2, tma_c, t_c, tma_h, t_h, tma_as, t_as, m_h, m_part,
-            m_row_token, m_row_slot, m_topk_w, m_tiles, num_tiles, num_rows, self.tiled_mma, a_smem, b_smem, epi_smem,
+            m_row_token, m_row_slot, m_topk_w, m_tiles, num_tiles, num_rows, self.tiled_mma, a_smem, b_smem, epi_smem, m_a,
         )
         all_tiles = num_tiles * (n // tile_n)
         if cutlass.const_expr(self.persistent):
@@ -188,6 +195,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
+        m_x: cute.Tensor,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -251,6 +259,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
+        m_x: cute.Tensor,
     ):
         """Persistent and warp-specialised: CTA i takes tiles i, i + grid, ... in the L2-friendly order.
 
@@ -269,7 +278,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem)
+        ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         s_b2 = self.second_b(storage, b_smem, s_b)
@@ -278,7 +287,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
-            if warp_idx == 0:
+            # warp 0 issues the TMA loads; with gather_a all four warps also cp.async A's rows
+            if warp_idx < (4 if self.gather_a else 1):
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 linear = first
                 while linear < all_tiles:
@@ -286,9 +296,16 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     expert = m_tiles[tile_row]
                     if expert >= 0:
                         loads = self.tile_loads(tma_a, m_a, tma_b, m_b, tma_b2, m_b2, s_a, s_b, s_b2, tile_row, tile_col, expert)
-                        prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
+                        if cutlass.const_expr(self.gather_a):
+                            a_base = storage.s_a.data_ptr()
+                            prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
+                        else:
+                            prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
-                ab_pipe.producer_tail(prod)
+                if cutlass.const_expr(self.gather_a):
+                    cute.arch.cp_async_wait_group(0)
+                if warp_idx == 0:
+                    ab_pipe.producer_tail(prod)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -344,6 +361,13 @@ class GroupedGemmSm90(WgmmaTileKernel):
         bar = ab_pipe.producer_get_barrier(prod)
         k_tile = prod.count
         cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+        self.load_b(prod, loads, k_tile, bar)
+        ab_pipe.producer_commit(prod)
+
+    @cute.jit
+    def load_b(self, prod, loads, k_tile, bar):
+        """TMA-load the B tile(s) of K tile ``k_tile`` into stage ``prod.index``."""
+        _, _, _, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s = loads
         if cutlass.const_expr(self.k_split):
             half = self.b_k // self.tile_shape_mnk[2]
             if k_tile < half:
@@ -354,7 +378,46 @@ class GroupedGemmSm90(WgmmaTileKernel):
             cute.copy(tma_b, t_bg[(None, k_tile)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
             if cutlass.const_expr(self.num_b == 2):
                 cute.copy(tma_b2, t_b2g[(None, k_tile)], t_b2s[(None, prod.index)], tma_bar_ptr=bar)
-        ab_pipe.producer_commit(prod)
+
+    @cute.jit
+    def gather_tile(self, ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles):
+        """Producer warpgroup, ``gather_a``: fill one tile's ``k_tiles`` stages, B by TMA (warp 0)
+        and A's 128 rows by cp.async from x, returning the advanced pipeline state.
+
+        Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16·i (i < 8) of every K tile, so a
+        warp reads four whole 128-byte row segments at a time. Padding rows (row_token < 0, or
+        past the buffer) are zero-filled (a copy of 0 source bytes), so the backward never sees
+        garbage there. The destination follows the A stage's 128-byte swizzle: within a K tile
+        of 64 bf16, chunk c of row r sits at byte r·128 + ((c ^ (r % 8))·16).
+        """
+        tile_m, _, tile_k = self.tile_shape_mnk
+        rows_per_pass = 128 // 8
+        chunk = tidx % 8
+        row0 = tidx // 8
+        stage_elems = tile_m * tile_k
+        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)  # the same swizzle for rows row0 + 16·i
+        tokens = cute.make_rmem_tensor(cute.make_layout(tile_m // rows_per_pass), cutlass.Int32)
+        for i in cutlass.range_constexpr(tile_m // rows_per_pass):
+            row = tile_row * tile_m + row0 + rows_per_pass * i
+            token = cutlass.Int32(-1)
+            if row < num_rows:
+                token = m_row_token[row]
+            tokens[i] = token
+        prod.reset_count()
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+            if tidx < 32:  # warp 0 arms the stage's byte count and loads B
+                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
+                self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
+            col = k_tile * tile_k + chunk * 8
+            for i in cutlass.range_constexpr(tile_m // rows_per_pass):
+                token = tokens[i]
+                src = m_x.iterator + (cutlass.Int64(cutlass.max(token, 0)) * self.k + col)
+                dst = a_base + (prod.index * stage_elems + dst0 + i * rows_per_pass * tile_k)
+                copy_async_16b(dst, src, token >= 0)
+            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
+            prod.advance()
+        return prod
 
     @cute.jit
     def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
@@ -489,6 +552,14 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     m_part[first_row + row_lo + 8, tile_col] = sum_hi
 
 
+@cute.jit
+def copy_async_16b(dst: cute.Pointer, src: cute.Pointer, valid) -> None:
+    """cp.async of 16 bytes global -> shared, or 16 zero bytes where not ``valid`` (no source read)."""
+    from cutlass.experimental import primitives
+
+    primitives.cp_async_shared_global(dst, src, 16, "cg", cp_size=cutlass.Int32(valid) * 16)
+
+
 def compile_grouped_gemm(
     n: int,
     k: int,
@@ -503,6 +574,7 @@ def compile_grouped_gemm(
     tile_n: int = 128,
     stages: int | None = None,
     persistent: bool = False,
+    gather_a: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -518,7 +590,7 @@ def compile_grouped_gemm(
     )
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
-        persistent=persistent,
+        persistent=persistent, gather_a=gather_a,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")

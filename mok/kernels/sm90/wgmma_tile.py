@@ -55,6 +55,7 @@ class WgmmaTileKernel:
     atom_layout_mnk = (2, 1, 1)
     epi_stage = EPI_STAGES
     buffer_align_bytes = 1024
+    gather_a = False  # A rows gathered by the producer warpgroup with cp.async (grouped GEMM only)
 
     def make_mma(self, m_a: cute.Tensor, m_b: cute.Tensor, c_dtype, c_layout: LayoutEnum):
         """Tiled WGMMA, staged smem layouts of A and B, and the epilogue's smem layout (host side)."""
@@ -127,15 +128,21 @@ class WgmmaTileKernel:
             s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
         return s_a, s_b, s_c
 
-    def make_pipeline(self, storage, num_b: int, a_smem, b_smem):
-        """The producer (one thread) / consumer (all warps) TMA pipeline over ``ab_stage`` stages."""
+    def make_pipeline(self, storage, num_b: int, a_smem, b_smem, gather_threads: int = 0):
+        """The producer / consumer (all MMA warps) pipeline over ``ab_stage`` stages.
+
+        A stage is full once its TMA bytes landed (one thread arms the count) and, when
+        ``gather_threads`` threads cp.async A's rows instead, once each of them arrived.
+        """
         a_stage = cute.slice_(a_smem, (None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, 0))
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage) + num_b * cute.size_in_bytes(self.ab_dtype, b_stage)
+        tx_bytes = num_b * cute.size_in_bytes(self.ab_dtype, b_stage)
+        if gather_threads == 0:
+            tx_bytes += cute.size_in_bytes(self.ab_dtype, a_stage)
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + gather_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -214,6 +221,8 @@ class WgmmaTileKernel:
         The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop."""
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.consumer_wait(cons)
+            if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
+                cute.arch.fence_proxy("async.shared", space="cta")
             self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
             cons.advance()
             if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
