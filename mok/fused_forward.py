@@ -8,6 +8,10 @@
     shared expert (optional)   -> the same two GEMMs over x itself, one "expert"
     gathered combine           -> out[t] = shared[t] + Σ_j w[t, j]·y_rows[slot_row[t, j]]
 
+or, with ``combine_in_gemm``, the down projection combines as it goes: the CTA that writes a
+token's last slot adds up its columns (integer arrival counters that the schedule launch
+zeroes; the same operations in the same order, so the same bits) — 3 launches, not 4.
+
 Every kernel's configuration depends only on (H, I, E, k), so a token's output does not
 depend on the other tokens in the batch. With ``save_for_backward`` the gate/up GEMM also
 writes h = [x_rows·w_gateᵀ | x_rows·w_upᵀ] (bf16, [R, 2I], and [T, 2I_s] for the shared
@@ -66,6 +70,7 @@ def moe_forward(
     check_routing: bool = True,
     out: torch.Tensor | None = None,
     save_for_backward: bool = False,
+    combine_in_gemm: bool = False,
 ) -> ForwardResult:
     """MoE layer output [T, H] bf16 for bf16 x [T, H] and bf16 weights, all experts on this GPU.
 
@@ -74,6 +79,8 @@ def moe_forward(
     back from the GPU; pass False inside CUDA-graph capture (the forward itself never
     synchronises with the host). ``out`` optionally receives the result ([T, H] bf16).
     ``save_for_backward`` keeps h (see the module docstring) in the result.
+    ``combine_in_gemm``: the down projection also combines (3 launches instead of 4, the same
+    bits); slower at the benchmark shapes so far (perf/NOTES.md), hence off by default.
     """
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
@@ -82,14 +89,18 @@ def moe_forward(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,
     )
-    sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M)
+    arrivals = ops.arrival_counters(x.shape[0], x.shape[1], x.device) if combine_in_gemm else None
+    sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M, clear=arrivals)
     h = shared_h = None
     if save_for_backward:
         h = torch.empty(sched.row_token.shape[0], 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
         if shared is not None:
             shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
     a = ops.grouped_gemm(x, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token)
-    y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
     shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
-    out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
+    if combine_in_gemm:
+        out = ops.grouped_gemm_combine(a, w_down, sched, topk_w, arrivals, shared_out=shared_out, out=out)
+    else:
+        y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
+        out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
     return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)

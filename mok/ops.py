@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import combine_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_variant
+from .kernels import combine_variant, default_tile_n, gather_variant, get_kernel, grouped_gemm_variant, schedule_variant
 from .schedule import Schedule, check_schedule_args
 from .runtime.arch import device_arch
 from .validation import check_tensor
@@ -213,16 +213,79 @@ def grouped_gemm(
 
 def launch_grouped_gemm(
     variant, a, b, b2, out, tile_expert, *, h=None, a_scaled=None, partial=None, row_token=None, row_slot=None,
-    topk_w=None, num_rows: int, num_experts: int, num_tokens: int = 1,
+    topk_w=None, slot_row=None, shared_out=None, combined=None, arrivals=None, num_rows: int, num_experts: int,
+    num_tokens: int = 1,
 ) -> None:
     """Launch a checked grouped-GEMM variant (arguments it does not use may be None)."""
     kernel = _kernel(variant, a.device)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b2), _ptr("bf16", out), _ptr("i32", tile_expert, 4),
         _ptr("bf16", h), _ptr("bf16", a_scaled), _ptr("f32", partial, 4), _ptr("i32", row_token, 4),
-        _ptr("i32", row_slot, 4), _ptr("f32", topk_w, 4),
+        _ptr("i32", row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", slot_row, 4), _ptr("bf16", shared_out),
+        _ptr("bf16", combined), _ptr("i32", arrivals, 4),
         _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(_sm_count(a.device)), _stream(a.device),
     )
+
+
+def arrival_counters(num_tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
+    """The [T, H / tile] int32 counters :func:`grouped_gemm_combine` needs zeroed (pass them to
+    :func:`device_schedule` as ``clear``, which zeroes them in the same launch)."""
+    return torch.empty(num_tokens, _column_tiles(hidden), dtype=torch.int32, device=device)
+
+
+def _column_tiles(hidden: int) -> int:
+    """Column tiles of the down projection (its tile width depends on H only)."""
+    return hidden // default_tile_n(hidden, 0, False)
+
+
+def grouped_gemm_combine(
+    a: torch.Tensor,
+    w_down: torch.Tensor,
+    schedule: Schedule,
+    topk_w: torch.Tensor,
+    arrivals: torch.Tensor,
+    *,
+    shared_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    y_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The down projection and the final combine in one launch: out [T, H] bf16.
+
+    y_rows = a · w_downᵀ per expert (a [R, I] bf16 in the schedule's row order, w_down
+    [E, H, I]), then out[t] = shared_out[t] + Σ_j topk_w[t, j]·y_rows[slot_row[t, j]] with the
+    combine kernel's exact operations (:func:`combine`), done inside the GEMM by the CTA that
+    finishes a token's last slot. ``arrivals``: from :func:`arrival_counters`, zeroed since
+    (``device_schedule(..., clear=arrivals)``). ``y_rows`` [R, H] optionally receives the rows.
+    """
+    check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
+    num_rows, inter = a.shape
+    check_tensor("w_down", w_down, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+    num_experts, hidden = w_down.shape[:2]
+    check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
+    num_tokens, topk = schedule.slot_row.shape
+    check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=a.device, contiguous=True)
+    if schedule.row_token.shape[0] != num_rows:
+        raise ValueError(f"a: expected the schedule's {schedule.row_token.shape[0]} rows, got {num_rows}")
+    check_tensor("arrivals", arrivals, dtypes=(torch.int32,), shape=(num_tokens, _column_tiles(hidden)), device=a.device, contiguous=True)
+    if shared_out is not None:
+        check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=a.device, contiguous=True)
+    out = _bf16_out(out, (num_tokens, hidden), a.device)
+    y_rows = _bf16_out(y_rows, (num_rows, hidden), a.device)
+    if hidden % 128 or inter % 64:
+        raise ValueError(f"w_down: expected H % 128 == 0 and I % 64 == 0, got H={hidden}, I={inter}")
+    for name, t in (("a", a), ("w_down", w_down), ("out", out), ("y_rows", y_rows), ("shared_out", shared_out)):
+        if t is not None:
+            _check_cuda_aligned(name, t)
+            _check_32bit(name, t)
+    if num_rows == 0 or num_tokens == 0:
+        return out
+    variant = grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=shared_out is not None)
+    launch_grouped_gemm(
+        variant, a, w_down, w_down, y_rows, schedule.tile_expert, row_token=schedule.row_token, row_slot=schedule.row_slot,
+        topk_w=topk_w, slot_row=schedule.slot_row, shared_out=shared_out, combined=out, arrivals=arrivals,
+        num_rows=num_rows, num_experts=num_experts, num_tokens=num_tokens,
+    )
+    return out
 
 
 def _sm_count(device: torch.device) -> int:
@@ -238,11 +301,14 @@ def device_schedule(
     capacity: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    clear: torch.Tensor | None = None,
 ) -> Schedule:
     """:func:`mok.schedule.build_schedule` computed by one kernel launch, bit for bit.
 
     topk_idx: [N, k] int32 on the GPU (global expert ids, canonical token order). The
     overflow field is an int32 flag (non-zero: the routing needed more than ``capacity`` rows).
+    ``clear``: an int32 CUDA tensor the same launch fills with zeros (the arrival counters of
+    :func:`grouped_gemm_combine`).
     """
     num_tokens, topk, num_local, capacity = check_schedule_args(topk_idx, num_experts, block_m, capacity, rank, world_size)
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), contiguous=True)
@@ -258,12 +324,18 @@ def device_schedule(
     slot_row = torch.empty(num_tokens, topk, **i32)
     tile_expert = torch.empty(capacity // block_m, **i32)
     overflow = torch.empty((), **i32)
+    if clear is not None:
+        check_tensor("clear", clear, dtypes=(torch.int32,), device=dev, contiguous=True)
+        _check_32bit("clear", clear)
     if num_tokens:
         kernel = _kernel(schedule_variant(num_local, topk, block_m), dev)
+        buffers = (topk_idx, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, clear)
         kernel(
-            *(_ptr("i32", t, 4) for t in (topk_idx, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow)),
-            _i32(num_tokens), _i32(rank * num_local), _i32(capacity), _stream(dev),
+            *(_ptr("i32", t, 4) for t in buffers),
+            _i32(num_tokens), _i32(rank * num_local), _i32(capacity), _i32(0 if clear is None else clear.numel()), _stream(dev),
         )
     else:  # nothing routed: no launch
         counts.zero_(), offsets.zero_(), row_token.fill_(-1), row_slot.fill_(-1), tile_expert.fill_(-1), overflow.zero_()
+        if clear is not None:
+            clear.zero_()
     return Schedule(counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, block_m, capacity)

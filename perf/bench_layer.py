@@ -7,7 +7,8 @@ For each config, on the same inputs in one process: MoK's forward, the PyTorch p
 write (router-grouped torch._grouped_mm for gate/up and down, SwiGLU, weighting and
 index_add combine), and a dense bf16 GEMM of the same FLOPs as the ceiling. Prints ms,
 TFLOP/s (6·T·k·H·I per forward, plus 6·T·H·I_s for a shared expert), the ratios, and the
-number of kernel launches per forward (torch.profiler). With ``--backward`` each path runs
+number of kernel launches per forward (torch.profiler). "mok 3-launch" is the forward whose
+down projection also combines (moe_forward(combine_in_gemm=True)). With ``--backward`` each path runs
 forward + backward (MoK: moe_forward(save_for_backward=True) + moe_backward; PyTorch:
 autograd through the same path, gradients of x, router weights and all weights), counted
 as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs.
@@ -29,6 +30,7 @@ CONFIGS = {
     "dsv3": (4096, 7168, 2048, 32, 8, None, "uniform"),
     "qwen3": (8192, 2048, 768, 64, 8, None, "uniform"),
     "dsv3-zipf": (4096, 7168, 2048, 32, 8, None, "zipf"),
+    "qwen3-small": (256, 2048, 768, 64, 8, None, "uniform"),  # few tokens: launch-bound
 }
 
 
@@ -158,6 +160,7 @@ def main() -> int:
             paths = {
                 "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
                 "mok (graph)": graph_of(lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out),
+                "mok 3-launch": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, combine_in_gemm=True).out,
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }

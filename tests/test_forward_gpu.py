@@ -78,6 +78,30 @@ def test_grouped_gemm_gathering_a_equals_a_gathered_first(tokens, rows, n, k, ex
         assert (h_fused[index < 0] == 0).all()
 
 
+@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize(
+    "T,H,I,E,k,routing",
+    [(4096, 7168, 2048, 32, 8, "uniform"), (1000, 512, 256, 8, 2, "zipf"), (333, 256, 128, 4, 3, "one_expert"), (1, 384, 128, 2, 1, "uniform")],
+)
+def test_down_projection_that_combines_equals_gemm_then_combine(T, H, I, E, k, routing, with_shared):
+    """grouped_gemm_combine = grouped_gemm + combine, bit for bit (y rows and out), every token written,
+    whichever CTA arrives last; and again on a second call (the schedule re-zeroes the counters)."""
+    x, idx, w, (wg, wu, wd), _ = layer(T, H, I, E, k, seed=T + k, routing=routing)
+    shared_out = torch.randn(T, H, device="cuda").bfloat16() if with_shared else None
+    for _ in range(2):
+        arrivals = ops.arrival_counters(T, H, x.device)
+        sched = ops.device_schedule(idx, E, clear=arrivals)
+        a = ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, gather=sched.row_token)
+        y_fused = ops.grouped_gemm(a, wd, sched.tile_expert, out=torch.zeros(a.shape[0], H, dtype=a.dtype, device="cuda"))
+        want = ops.combine(y_fused, w, shared_out, slot_row=sched.slot_row)
+        y_rows = torch.zeros_like(y_fused)
+        out = ops.grouped_gemm_combine(a, wd, sched, w, arrivals, shared_out=shared_out, out=poisoned(T, H), y_rows=y_rows)
+        assert not out.isnan().any()
+        assert torch.equal(out, want)
+        assert torch.equal(y_rows, y_fused)
+        assert (arrivals == (idx >= 0).sum(1, keepdim=True).int()).all()  # every slot of every token counted once
+
+
 def test_grouped_gemm_sass_has_hgmma():
     """The compiled GEMM runs on the tensor cores' Hopper path (SASS HGMMA), not HMMA/FFMA."""
     from mok.runtime.arch import dsl_target
@@ -114,6 +138,8 @@ def test_forward_matches_reference(T, H, I, E, k, shared_inter, routing):
     assert not res.out.isnan().any(), "unwritten output elements"
     want = moe_reference(x, idx, w, *experts, shared)
     assert rel_err(res.out, want) <= 1e-2
+    three = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), combine_in_gemm=True).out
+    assert torch.equal(three, res.out)  # the down projection that combines: the same bits
 
 
 def test_forward_deterministic_over_20_runs():
@@ -132,21 +158,25 @@ def test_forward_batch_invariance():
         assert torch.equal(part, full[rows])
 
 
-def test_forward_graph_capture_without_host_sync():
+@pytest.mark.parametrize("combine_in_gemm", [False, True])
+def test_forward_graph_capture_without_host_sync(combine_in_gemm):
     x, idx, w, experts, shared = layer(512, 512, 256, 16, 4, 256, seed=3)
-    want = moe_forward(x, idx, w, *experts, shared).out  # compiles outside the capture
+    want = moe_forward(x, idx, w, *experts, shared, combine_in_gemm=combine_in_gemm).out  # compiles outside the capture
     out = poisoned(512, 512)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            moe_forward(x, idx, w, *experts, shared, check_routing=False, out=out)
+            moe_forward(x, idx, w, *experts, shared, check_routing=False, out=out, combine_in_gemm=combine_in_gemm)
         graph.replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
+    for _ in range(3):  # more replays: the counters are zeroed again each time
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        out.fill_(float("nan"))
+        graph.replay()
 
 
 def test_forward_rejects_bad_input():
@@ -176,7 +206,9 @@ def test_device_schedule_equals_python_schedule(N, E, k, world, rank, capacity, 
     from mok.schedule import build_schedule
 
     _, idx, _, _, _ = layer(N, 8, 8, E, k, seed=N + E, routing=routing)
-    dev = ops.device_schedule(idx, E, block_m=128, capacity=capacity, rank=rank, world_size=world)
+    clear = torch.randint(1, 100, (N + 5,), dtype=torch.int32, device="cuda")
+    dev = ops.device_schedule(idx, E, block_m=128, capacity=capacity, rank=rank, world_size=world, clear=clear)
+    assert (clear == 0).all()  # the same launch zeroes the caller's counters
     ref = build_schedule(idx, E, block_m=128, capacity=capacity, rank=rank, world_size=world)
     for field in ("expert_counts", "expert_offsets", "row_token", "row_slot", "slot_row", "tile_expert"):
         assert torch.equal(getattr(dev, field), getattr(ref, field)), field

@@ -68,6 +68,19 @@ def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilo
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 
 
+@pytest.mark.parametrize("has_shared", [False, True])
+def test_combining_down_projection_counts_arrivals_with_integer_atomics_only(has_shared):
+    """combine: one acquire-release integer atomic per row (no float atomics), the tile's TMA
+    stores completed and fenced into the generic proxy before it, k FMAs per output column."""
+    ptx = compiled_ptx(grouped_gemm_variant(7168, 2048, combine=True, topk=8, has_shared=has_shared), "sm_90a")
+    atomics = re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)
+    assert atomics == ["atom.global.acq_rel.add.u32"]
+    assert count(r"cp\.async\.bulk\.wait_group\s+0;", ptx) >= 1 and count(r"fence\.proxy\.async\.global", ptx) == 1
+    assert count(r"fma\.rn\.f32", ptx) == 8 * 8  # 8 slots x 8 columns per lane
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx) == 4
+    assert count(r"\.local", ptx) == 0
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_schedule_ptx_places_rows_without_atomics(arch):
     ptx = compiled_ptx(schedule_variant(256, 8, 128), arch)

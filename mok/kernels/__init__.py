@@ -104,6 +104,8 @@ def grouped_gemm_variant(
     unit_scale: bool = False,
     persistent: bool = True,
     gather_a: bool = False,
+    combine: bool = False,
+    has_shared: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
 
@@ -114,13 +116,17 @@ def grouped_gemm_variant(
     CTA per SM walks the tiles, a producer warpgroup loading ahead while the MMA warpgroups
     run the epilogue (perf/NOTES.md: 0-20% faster than one CTA per tile, the same bits). ``stages``: shared-memory pipeline depth; None fills shared memory.
     ``gather_a`` (persistent only): A is the token matrix, its rows gathered by the schedule's row_token.
+    ``combine`` (the down projection): the kernel also writes the layer output, each token's
+    columns combined by the CTA that brings its last slot (``topk`` slots, ``has_shared``).
     """
     epilogue = epilogue or ("swiglu" if swiglu else "plain")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
-    topk = topk if epilogue == "swiglu_bwd" and not unit_scale else 1
+    topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or combine else 1
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
     if gather_a:  # (absent otherwise: the other variants' cache keys stay as they were)
         options["gather_a"] = True
+    if combine:
+        options.update(combine=True, has_shared=has_shared)
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
@@ -170,18 +176,22 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
     return KernelVariant("router_grad", {"topk": topk, "parts": parts}, build)
 
 
-def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False) -> list[KernelVariant]:
-    """The GEMM variants of one SwiGLU expert MLP (routed, or the shared expert), forward and backward, on sm_90a."""
+def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False, has_shared_expert: bool = False) -> list[KernelVariant]:
+    """The GEMM variants of one SwiGLU expert MLP (routed, or the shared expert), forward and backward, on sm_90a.
+
+    ``has_shared_expert``: the routed experts' down projection adds a shared expert's output as it combines.
+    """
     variants = [
         grouped_gemm_variant(inter, hidden, epilogue="swiglu", gather_a=not shared),
         grouped_gemm_variant(inter, hidden, epilogue="swiglu_save", gather_a=not shared),
-        grouped_gemm_variant(hidden, inter),
+        grouped_gemm_variant(hidden, inter),  # the shared expert's down projection, and EP's
         grouped_gemm_variant(inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared),
         grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
         weight_grad_variant(hidden, inter),
         weight_grad_variant(inter, hidden, a_stride=2 * inter),  # dW_gate, dW_up: the halves of dh
     ]
     if not shared:
+        variants.append(grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=has_shared_expert))
         variants.append(router_grad_variant(topk, inter // default_tile_n(inter, hidden, True)))
     return variants
 
@@ -201,7 +211,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         variants += [ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h), ep_variant("push", w, width=h, topk=k)]
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
     if arch == "sm_90a":
-        variants += expert_mlp_variants(h, i, config.topk)
+        variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert)
         if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered
             variants.append(grouped_gemm_variant(i, h, epilogue="swiglu"))
         if config.has_shared_expert:

@@ -3,7 +3,9 @@
 Input: topk_idx flattened to P = N·k pairs in canonical order (token, then slot), with
 global expert ids; this rank owns experts [lo, lo + E). Output: expert counts and padded
 offsets, row_token / row_slot of every buffer row, slot_row of every pair, the expert of
-every row tile, and an overflow flag (rows needed > capacity).
+every row tile, and an overflow flag (rows needed > capacity). It also zeroes a
+caller-given int32 buffer (the arrival counters of the down projection that combines as it
+goes), which then needs no launch of its own.
 
 No atomics decide placement. Each of the 32 warps walks a contiguous chunk of pairs, 32 at
 a time: lanes with the same expert find each other (match.any), a lane's rank among them
@@ -45,9 +47,11 @@ class ScheduleKernel:
         slot_row_ptr: cute.Pointer,
         tile_expert_ptr: cute.Pointer,
         overflow_ptr: cute.Pointer,
+        clear_ptr: cute.Pointer,
         num_tokens: cutlass.Int32,
         expert_lo: cutlass.Int32,
         capacity: cutlass.Int32,
+        num_clear: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         pairs = num_tokens * self.topk
@@ -62,6 +66,7 @@ class ScheduleKernel:
             vec(slot_row_ptr, pairs),
             vec(tile_expert_ptr, capacity // self.block_m),
             vec(overflow_ptr, 1),
+            vec(clear_ptr, num_clear),
             pairs,
             expert_lo,
             capacity,
@@ -78,6 +83,7 @@ class ScheduleKernel:
         m_slot_row: cute.Tensor,
         m_tile_expert: cute.Tensor,
         m_overflow: cute.Tensor,
+        m_clear: cute.Tensor,
         pairs: cutlass.Int32,
         expert_lo: cutlass.Int32,
         capacity: cutlass.Int32,
@@ -98,6 +104,8 @@ class ScheduleKernel:
             m_row_slot[r] = -1
         for t in cutlass.range(tid, capacity // bm, THREADS, unroll=1):
             m_tile_expert[t] = -1
+        for i in cutlass.range(tid, cute.size(m_clear), THREADS, unroll=1):  # a later kernel's counters
+            m_clear[i] = 0
         cute.arch.sync_threads()
 
         # 1. each warp ranks the pairs of its chunk among its earlier pairs of the same expert
@@ -184,6 +192,9 @@ def compile_schedule(num_local_experts: int, topk: int, block_m: int, arch: str,
 
     gmem = cute.AddressSpace.gmem
     i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
-    args = (i32(), i32(), i32(), i32(), i32(), i32(), i32(), i32(), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(128), make_fake_stream())
+    args = (
+        i32(), i32(), i32(), i32(), i32(), i32(), i32(), i32(), i32(),
+        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(128), cutlass.Int32(0), make_fake_stream(),
+    )
     kernel = ScheduleKernel(num_local_experts, topk, block_m)
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

@@ -22,6 +22,14 @@ Epilogues (static), all rounding once from fp32 to bf16:
   operand of dW_down), and partial[R, N / tile_n] = Σ over the tile's columns of dA_u·a,
   the router-weight gradient's per-tile pieces (reduced in column order by another kernel).
 
+With ``combine`` (plain epilogue, the down projection) the kernel also finishes the layer:
+once a tile's y rows are in global memory, each of its rows counts one arrival on
+arrivals[token, column tile] (an integer atomic, gpu scope, acquire-release); the CTA that
+brings a token's last slot for that column tile computes out[token, those columns] =
+shared[token] + Σ_j topk_w[token, j]·y[slot_row[token, j]] in fp32, j in order — the same
+operations as the combine kernel (mok/kernels/common/combine.py), so the same bits, and
+which CTA happens to arrive last changes nothing. The arrivals must be zero at launch.
+
 Determinism and batch invariance: each output tile is owned by one CTA, K is reduced in
 one fixed order by the WGMMA sequence, the row sums in a fixed order, and the tile shape
 comes from static shapes only, so a row's result depends on nothing but that row, its
@@ -40,6 +48,7 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.combine import VECTOR, combine_vector
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
@@ -62,6 +71,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         stages: int | None = None,
         persistent: bool = False,
         gather_a: bool = False,
+        combine: bool = False,
+        has_shared: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -78,6 +89,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("k_split: only with the plain epilogue")
         if gather_a and not persistent:
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
+        if combine and (epilogue != "plain" or k_split or b_major != "k" or not persistent):
+            raise ValueError("combine: only for the persistent plain GEMM with K-major B (the down projection)")
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
@@ -85,6 +98,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         self.b_k = k // 2 if k_split else k  # K extent of each B tensor
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
         self.persistent, self.gather_a = persistent, gather_a
+        self.combine, self.has_shared = combine, has_shared
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
         stores_per_tile = (tile_n // 32) * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
@@ -114,6 +128,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
         row_token_ptr: cute.Pointer,
         row_slot_ptr: cute.Pointer,
         topk_w_ptr: cute.Pointer,
+        slot_row_ptr: cute.Pointer,
+        shared_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        arrivals_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
@@ -134,6 +152,12 @@ class GroupedGemmSm90(WgmmaTileKernel):
         m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
         m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
         m_topk_w = cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * self.topk,)))
+        tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
+        m_token_w = cute.make_tensor(topk_w_ptr, tokens_by_slot)  # combine: topk_w and slot_row [T, k]
+        m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
+        m_shared = cute.make_tensor(shared_ptr, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_out = cute.make_tensor(out_ptr, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_arrivals = cute.make_tensor(arrivals_ptr, cute.make_layout((num_tokens, n // tile_n), stride=(n // tile_n, 1)))
         num_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills and clips
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_tiles,)))
 
@@ -160,6 +184,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         args = (
             tma_a, t_a, tma_b, t_b, tma_b2, t_b2, tma_c, t_c, tma_h, t_h, tma_as, t_as, m_h, m_part,
             m_row_token, m_row_slot, m_topk_w, m_tiles, num_tiles, num_rows, self.tiled_mma, a_smem, b_smem, epi_smem, m_a,
+            (m_c, m_token_w, m_slot_row, m_shared, m_out, m_arrivals),
         )
         all_tiles = num_tiles * (n // tile_n)
         if cutlass.const_expr(self.persistent):
@@ -196,6 +221,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
         m_x: cute.Tensor,
+        combine_args: tuple,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -260,6 +286,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
         m_x: cute.Tensor,
+        combine_args: tuple,
     ):
         """Persistent and warp-specialised: CTA i takes tiles i, i + grid, ... in the L2-friendly order.
 
@@ -319,6 +346,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
                 expert = m_tiles[tile_row]
                 if expert >= 0:
+                    token = cutlass.Int32(-1)
+                    if cutlass.const_expr(self.combine):
+                        token = self.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
@@ -327,6 +357,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
                         mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
                         tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows, store_pipe,
                     )
+                    if cutlass.const_expr(self.combine):
+                        self.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
@@ -418,6 +450,54 @@ class GroupedGemmSm90(WgmmaTileKernel):
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
             prod.advance()
         return prod
+
+    @cute.jit
+    def combine_rows(self, mma_tidx, warp_idx, tile_col, token, combine_args):
+        """``combine``: count this tile's rows as arrived and combine the tokens whose last slot this was.
+
+        Release: the store warp waits until the tile's TMA stores are complete, fences them
+        from the async into the generic proxy, and the MMA threads synchronise; then each row's
+        acquire-release atomic publishes them. MMA warp w owns rows 16w..16w+15 of the tile,
+        lane i < 16 counting row 16w + i; the warp then combines, one row after the other,
+        the rows its lanes found last, lane c taking columns 8c..8c+7 of the column tile.
+        ``token``: this lane's row's token (see ``combine_token``), -1 for none.
+        """
+        m_y, m_token_w, m_slot_row, m_shared, m_out, m_arrivals = combine_args
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        if warp_idx == self.store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+        self.epilogue_sync()
+        rows_per_warp = tile_m // (self.consumer_threads // 32)
+        lane = mma_tidx % 32
+        last = cutlass.Int32(0)
+        if token >= 0:  # every slot of a token has a row (the op checks the schedule's capacity)
+            counter = m_arrivals[token, None].iterator + tile_col
+            if cute.arch.atomic_add(counter, cutlass.Int32(1), sem="acq_rel", scope="gpu") == self.topk - 1:
+                last = 1
+        cute.arch.sync_warp()  # the lanes' acquires order the whole warp's loads below
+        chunks = tile_n // VECTOR
+        for r in cutlass.range(rows_per_warp, unroll=1):
+            if cute.arch.shuffle_sync(last, r) != 0:
+                combined = cute.arch.shuffle_sync(token, r)
+                if lane < chunks:
+                    combine_vector(
+                        m_y, m_slot_row, m_token_w, m_shared, m_out, combined, tile_col * chunks + lane, self.topk, self.has_shared
+                    )
+
+    @cute.jit
+    def combine_token(self, mma_tidx, tile_row, m_row_token, num_rows):
+        """``combine``: the token of the tile row this lane counts (lane i < 16 of MMA warp w: row
+        16w + i), or -1; read before the tile's mainloop so that its latency hides there."""
+        tile_m = self.tile_shape_mnk[0]
+        rows_per_warp = tile_m // (self.consumer_threads // 32)
+        lane = mma_tidx % 32
+        row = tile_row * tile_m + (mma_tidx // 32) * rows_per_warp + lane
+        token = cutlass.Int32(-1)
+        if lane < rows_per_warp:
+            if row < num_rows:
+                token = m_row_token[row]
+        return token
 
     @cute.jit
     def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
@@ -575,6 +655,8 @@ def compile_grouped_gemm(
     stages: int | None = None,
     persistent: bool = False,
     gather_a: bool = False,
+    combine: bool = False,
+    has_shared: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -585,12 +667,12 @@ def compile_grouped_gemm(
     args = (
         bf16_ptr(), bf16_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), bf16_ptr(),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), i32_ptr(),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(),
         cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
     )
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
-        persistent=persistent, gather_a=gather_a,
+        persistent=persistent, gather_a=gather_a, combine=combine, has_shared=has_shared,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
