@@ -112,11 +112,17 @@ class ScheduleKernel:
         chunk = (pairs + WARPS * 32 - 1) // (WARPS * 32) * 32
         begin = warp * chunk
         end = cutlass.min(begin + chunk, pairs)
+        # (each lane loads its next pair's expert one step ahead: the walk is serial, the loads need not be)
+        next_expert = cutlass.Int32(-1)
+        if begin + lane < end:
+            next_expert = m_idx[begin + lane] - expert_lo
         for base in cutlass.range(begin, end, 32, unroll=1):
             p = base + lane
+            expert = next_expert
+            if p + 32 < end:
+                next_expert = m_idx[p + 32] - expert_lo
             key = cutlass.Int32(-1)  # -1: past the chunk, or another rank's expert
             if p < end:
-                expert = m_idx[p] - expert_lo
                 if expert >= 0:
                     if expert < e_local:
                         key = expert
@@ -165,12 +171,20 @@ class ScheduleKernel:
         cute.arch.sync_threads()
 
         # 4. every pair's row; rows past capacity get none (the overflow flag says so)
+        next_rank = cutlass.Int32(-1)
+        next_expert = cutlass.Int32(0)
+        if begin + lane < end:
+            next_rank = m_slot_row[begin + lane]
+            next_expert = m_idx[begin + lane] - expert_lo
         for base in cutlass.range(begin, end, 32, unroll=1):
             p = base + lane
+            rank = next_rank
+            expert = next_expert
+            if p + 32 < end:  # one step ahead, as in step 1 (p + 32 is not written below)
+                next_rank = m_slot_row[p + 32]
+                next_expert = m_idx[p + 32] - expert_lo
             if p < end:
-                rank = m_slot_row[p]
                 if rank >= 0:
-                    expert = m_idx[p] - expert_lo
                     row = offs[expert] + hist[warp * e_local + expert] + rank
                     if row < capacity:
                         m_slot_row[p] = row
