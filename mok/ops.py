@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import combine_variant, default_tile_n, gather_variant, get_kernel, grouped_gemm_variant, schedule_variant
-from .schedule import Schedule, check_schedule_args
+from .schedule import Schedule, check_schedule_args, worst_case_capacity
 from .runtime.arch import device_arch
 from .validation import check_tensor
 
@@ -256,6 +256,8 @@ def grouped_gemm_combine(
     combine kernel's exact operations (:func:`combine`), done inside the GEMM by the CTA that
     finishes a token's last slot. ``arrivals``: from :func:`arrival_counters`, zeroed since
     (``device_schedule(..., clear=arrivals)``). ``y_rows`` [R, H] optionally receives the rows.
+    The schedule must give every slot a row: one GPU's schedule (every expert local) with the
+    default worst-case capacity.
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, inter = a.shape
@@ -266,6 +268,9 @@ def grouped_gemm_combine(
     check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=a.device, contiguous=True)
     if schedule.row_token.shape[0] != num_rows:
         raise ValueError(f"a: expected the schedule's {schedule.row_token.shape[0]} rows, got {num_rows}")
+    worst = worst_case_capacity(num_tokens, topk, schedule.expert_counts.shape[0], schedule.block_m)
+    if schedule.capacity < worst:  # a token's last slot is its k-th arrival: none may be dropped
+        raise ValueError(f"schedule: expected a capacity of at least {worst} rows (no slot dropped), got {schedule.capacity}")
     check_tensor("arrivals", arrivals, dtypes=(torch.int32,), shape=(num_tokens, _column_tiles(hidden)), device=a.device, contiguous=True)
     if shared_out is not None:
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=a.device, contiguous=True)

@@ -46,3 +46,21 @@ def test_combine_rejects_bad_input_before_launch(args, error, words):
     with pytest.raises(error) as info:
         combine(*args)
     assert words in str(info.value)
+
+
+def test_grouped_gemm_combine_rejects_a_schedule_that_can_drop_slots():
+    """A token's output is written by its k-th arrival: a schedule whose capacity could drop a slot is refused."""
+    from mok.ops import arrival_counters, grouped_gemm_combine
+    from mok.schedule import build_schedule
+
+    T, H, I, E, k = 64, 256, 128, 4, 2
+    idx = torch.randint(0, E, (T, k), dtype=torch.int32)
+    full = build_schedule(idx, E, block_m=128)
+    short = build_schedule(idx, E, block_m=128, capacity=128)
+    args = dict(w_down=torch.zeros(E, H, I, dtype=torch.bfloat16), topk_w=torch.rand(T, k), arrivals=arrival_counters(T, H, "cpu"))
+    with pytest.raises(ValueError, match="schedule: expected a capacity of at least 640 rows"):
+        grouped_gemm_combine(torch.zeros(128, I, dtype=torch.bfloat16), schedule=short, **args)
+    with pytest.raises(ValueError, match="a: expected the schedule.s 640 rows, got 100"):
+        grouped_gemm_combine(torch.zeros(100, I, dtype=torch.bfloat16), schedule=full, **args)
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
+        grouped_gemm_combine(torch.zeros(full.capacity, I, dtype=torch.bfloat16), schedule=full, **args)
