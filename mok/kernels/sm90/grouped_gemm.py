@@ -7,10 +7,11 @@ A [R, K] holds rows grouped by expert (the schedule pads each expert's rows to a
 tile m, or -1 for an unused tile, which the CTA skips. With ``gather_a`` A is not
 materialised: A is the token matrix x [T, K] and buffer row r reads x[row_token[r]] (zeros
 where row_token[r] < 0, the padding rows); the producer warpgroup gathers the rows with
-cp.async straight into the swizzled shared-memory tile (Hopper's TMA cannot gather rows). B holds one weight matrix per expert,
-either K-major [E, N, K] (C = A·Bᵀ, the forward's weights) or N-major [E, K, N] (C = A·B, the
-same weights read transposed in the backward). With ``k_split`` the K range is two halves,
-the first read from B and the second from B2 (dx = dh_gate·W_gate + dh_up·W_up in one pass).
+cp.async straight into the swizzled shared-memory tile (Hopper's TMA cannot gather rows).
+B holds one weight matrix per expert, either K-major [E, N, K] (C = A·Bᵀ, the forward's
+weights) or N-major [E, K, N] (C = A·B, the same weights read transposed in the backward).
+With ``k_split`` the K range is two halves, the first read from B and the second from B2
+(dx = dh_gate·W_gate + dh_up·W_up in one pass).
 
 Epilogues (static), all rounding once from fp32 to bf16:
 - ``plain``: C = A·B.
@@ -634,7 +635,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
 @cute.jit
 def copy_async_16b(dst: cute.Pointer, src: cute.Pointer, valid) -> None:
-    """cp.async of 16 bytes global -> shared, or 16 zero bytes where not ``valid`` (no source read)."""
+    """cp.async of 16 bytes global -> shared, or 16 zero bytes where not ``valid`` (no source read).
+
+    (CuTe DSL's experimental NVVM wrapper is the one that exposes cp.async's source size.)
+    """
     from cutlass.experimental import primitives
 
     primitives.cp_async_shared_global(dst, src, 16, "cg", cp_size=cutlass.Int32(valid) * 16)
