@@ -64,6 +64,10 @@ class EPLayout:
             "idx": (self.max_tokens * self.topk, torch.int32),
             "x": (self.max_tokens * self.hidden, torch.bfloat16),
             "slots": (self.max_tokens * self.topk * self.hidden, torch.bfloat16),
+            # backward: this rank's router weights, and the router-weight gradient of every
+            # rank's (token, slot) pairs that this rank's experts computed
+            "w": (self.max_tokens * self.topk, torch.float32),
+            "dw": (self.world * self.max_tokens * self.topk, torch.float32),
         }
         out, offset = {}, 0
         for name, (count, dtype) in sizes.items():
@@ -74,7 +78,7 @@ class EPLayout:
     @property
     def stride(self) -> int:
         """Bytes from one rank's region to the next."""
-        offset, count, dtype = self.regions["slots"]
+        offset, count, dtype = list(self.regions.values())[-1]
         return _round(offset + count * dtype.itemsize)
 
 
@@ -163,6 +167,19 @@ def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
     }
 
 
+@dataclass
+class EPForwardResult:
+    """This rank's output and what its backward needs (``ep_moe_backward``): the schedule of
+    this rank's experts over every rank's tokens, the rows it pulled (x_rows), h of those rows
+    and of the shared expert (h and shared_h only when saved)."""
+
+    out: torch.Tensor
+    schedule: object
+    x_rows: torch.Tensor
+    h: torch.Tensor | None = None
+    shared_h: torch.Tensor | None = None
+
+
 def ep_moe_forward(
     ws: EPWorkspace,
     x: torch.Tensor,
@@ -181,9 +198,12 @@ def ep_moe_forward(
     ids, topk_w [T_r, k] fp32, this rank's expert weights (and the replicated shared expert).
     Every rank of the workspace must make the same sequence of calls.
     """
-    import cutlass
+    return ep_moe_forward_saved(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=False).out
 
-    lay, rank, world = ws.layout, ws.rank, ws.layout.world
+
+def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared) -> tuple[int, int, int, int]:
+    """Validate one rank's inputs against each other and the workspace layout: (T_r, H, E_local, k)."""
+    lay, world = ws.layout, ws.layout.world
     experts_total = (w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 3 else 0) * world
     num_tokens, hidden, _, num_local, topk = check_moe_inputs(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,),
@@ -198,44 +218,99 @@ def ep_moe_forward(
         raise TypeError(f"topk_idx: expected dtype int32, got {topk_idx.dtype}")
     if x.device != ws.buffer.device:
         raise ValueError(f"x: expected a tensor on the workspace's device {ws.buffer.device}, got one on {x.device}")
-    dev = x.device
-    k = _kernels(ws, dev)
-    stream = ops._stream(dev)
-    # Kernels reach rank p's copy of a region at p·stride from rank 0's; the flag kernels all take these three.
-    flags = (ops._ptr("i32", ws.region("flags", 0), 4), ops._i32(rank), ops._i32(ws.stride_elems("flags")))
-    timeout_ns = cutlass.Int64(int(timeout_s * 1e9))
+    return num_tokens, hidden, num_local, topk
 
-    # publish
-    ws.region("x")[: num_tokens * hidden].copy_(x.reshape(-1))
-    ws.region("idx")[: num_tokens * topk].copy_(topk_idx.reshape(-1))
-    ws.region("flags")[tokens_slot(world)].fill_(num_tokens)
-    k["signal_pub"](*flags, stream)
-    k["wait_pub"](*flags, timeout_ns, stream)
 
-    # routing of every rank -> this rank's schedule -> dispatch
-    routing = torch.empty(world * lay.max_tokens, topk, dtype=torch.int32, device=dev)
-    k["routing"](
-        flags[0], ops._ptr("i32", ws.region("idx", 0), 4), ops._ptr("i32", routing, 4), ops._i32(lay.max_tokens),
-        ops._i32(ws.stride_elems("flags")), ops._i32(ws.stride_elems("idx")), stream,
+def flag_args(ws: EPWorkspace) -> tuple:
+    """The arguments every flag kernel takes: rank 0's flags, this rank, the flags' rank stride."""
+    return (ops._ptr("i32", ws.region("flags", 0), 4), ops._i32(ws.rank), ops._i32(ws.stride_elems("flags")))
+
+
+def publish(ws: EPWorkspace, kernels: dict, tensors: dict, num_tokens: int, timeout_s: float, stream) -> None:
+    """Copy ``tensors`` (region name -> tensor) into this rank's regions, announce them, and
+    wait (bounded) until every rank announced the same epoch."""
+    import cutlass
+
+    for name, t in tensors.items():
+        ws.region(name)[: t.numel()].copy_(t.reshape(-1))
+    ws.region("flags")[tokens_slot(ws.layout.world)].fill_(num_tokens)
+    kernels["signal_pub"](*flag_args(ws), stream)
+    kernels["wait_pub"](*flag_args(ws), cutlass.Int64(int(timeout_s * 1e9)), stream)
+
+
+def gather_ranks(ws: EPWorkspace, kernels: dict, name: str, stream) -> torch.Tensor:
+    """Every rank's [T_max, k] 32-bit region ``name`` -> [W·T_max, k] (row p·T_max + t; bits -1 past T_p)."""
+    lay = ws.layout
+    source = ws.region(name, 0).view(torch.int32)
+    out = torch.empty(lay.world * lay.max_tokens, lay.topk, dtype=torch.int32, device=ws.buffer.device)
+    kernels["routing"](
+        ops._ptr("i32", ws.region("flags", 0), 4), ops._ptr("i32", source, 4), ops._ptr("i32", out, 4), ops._i32(lay.max_tokens),
+        ops._i32(ws.stride_elems("flags")), ops._i32(ws.stride_elems(name)), stream,
     )
-    sched = ops.device_schedule(routing, num_local * world, rank=rank, world_size=world)
-    x_rows = torch.empty(sched.capacity, hidden, dtype=torch.bfloat16, device=dev)
-    k["dispatch"](
-        ops._ptr("bf16", ws.region("x", 0)), ops._ptr("i32", sched.row_token, 4), ops._ptr("bf16", x_rows),
-        ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("x")), ops._i32(sched.capacity), stream,
-    )
+    return out
 
-    # experts, then every y row to its token's rank
-    a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up)
-    y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
-    k["push"](
-        ops._ptr("bf16", y_rows), ops._ptr("i32", sched.row_token, 4), ops._ptr("i32", sched.row_slot, 4),
+
+def pull_rows(ws: EPWorkspace, kernels: dict, name: str, row_token: torch.Tensor, stream) -> torch.Tensor:
+    """rows[r] = row g = row_token[r] of the owner's bf16 [T_max, H] region ``name`` (zeros for padding rows)."""
+    lay = ws.layout
+    rows = torch.empty(row_token.shape[0], lay.hidden, dtype=torch.bfloat16, device=ws.buffer.device)
+    kernels["dispatch"](
+        ops._ptr("bf16", ws.region(name, 0)), ops._ptr("i32", row_token, 4), ops._ptr("bf16", rows),
+        ops._i32(lay.max_tokens), ops._i32(ws.stride_elems(name)), ops._i32(row_token.shape[0]), stream,
+    )
+    return rows
+
+
+def push_rows(ws: EPWorkspace, kernels: dict, rows: torch.Tensor, sched, stream) -> None:
+    """Write each row into its token's rank, slot [t, j] of region "slots"; then announce it (phase done)."""
+    lay = ws.layout
+    kernels["push"](
+        ops._ptr("bf16", rows), ops._ptr("i32", sched.row_token, 4), ops._ptr("i32", sched.row_slot, 4),
         ops._ptr("bf16", ws.region("slots", 0)), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("slots")),
         ops._i32(sched.capacity), stream,
     )
-    k["signal_done"](*flags, stream)
+    kernels["signal_done"](*flag_args(ws), stream)
 
-    shared_out = None if shared is None else shared_expert_forward(x, shared)  # (overlaps the peers' pushes)
-    k["wait_done"](*flags, timeout_ns, stream)
+
+def wait_pushed(ws: EPWorkspace, kernels: dict, timeout_s: float, stream) -> None:
+    """Wait (bounded) until every rank pushed this epoch's rows."""
+    import cutlass
+
+    kernels["wait_done"](*flag_args(ws), cutlass.Int64(int(timeout_s * 1e9)), stream)
+
+
+def ep_moe_forward_saved(
+    ws: EPWorkspace,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: tuple | None = None,
+    *,
+    timeout_s: float = 5.0,
+    save_h: bool = True,
+) -> EPForwardResult:
+    """:func:`ep_moe_forward` that also returns what :func:`mok.ep_backward.ep_moe_backward` needs
+    (h of this rank's rows and of the shared expert when ``save_h``; the schedule and x_rows always)."""
+    num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
+    dev, world = x.device, ws.layout.world
+    k = _kernels(ws, dev)
+    stream = ops._stream(dev)
+
+    publish(ws, k, {"x": x, "idx": topk_idx}, num_tokens, timeout_s, stream)
+    routing = gather_ranks(ws, k, "idx", stream)  # every rank's routing -> this rank's schedule -> dispatch
+    sched = ops.device_schedule(routing, num_local * world, rank=ws.rank, world_size=world)
+    x_rows = pull_rows(ws, k, "x", sched.row_token, stream)
+
+    h = torch.empty(sched.capacity, 2 * w_gate.shape[1], dtype=x.dtype, device=dev) if save_h else None
+    shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if save_h and shared is not None else None
+    a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
+    y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
+    push_rows(ws, k, y_rows, sched, stream)
+
+    shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)  # (overlaps the peers' pushes)
+    wait_pushed(ws, k, timeout_s, stream)
     slots = ws.region("slots")[: num_tokens * topk * hidden].view(num_tokens, topk, hidden)
-    return ops.combine(slots, topk_w, shared_out)
+    return EPForwardResult(ops.combine(slots, topk_w, shared_out), sched, x_rows, h, shared_h)

@@ -136,12 +136,17 @@ def weight_grad(
     return out
 
 
-def router_grad(partial: torch.Tensor, slot_row: torch.Tensor) -> torch.Tensor:
-    """d_topk_w [T, k] fp32: Σ_c partial[slot_row[t, j], c] in column order; 0 where slot_row < 0."""
+def router_grad(partial: torch.Tensor, slot_row: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d_topk_w [T, k] fp32: Σ_c partial[slot_row[t, j], c] in column order; 0 where slot_row < 0.
+
+    ``out``: an optional [T, k] fp32 destination (the expert-parallel backward's workspace).
+    """
     check_tensor("partial", partial, dtypes=(torch.float32,), ndim=2, contiguous=True)
     check_tensor("slot_row", slot_row, dtypes=I32, ndim=2, device=partial.device, contiguous=True)
     num_tokens, topk = slot_row.shape
-    out = torch.empty(num_tokens, topk, dtype=torch.float32, device=partial.device)
+    if out is None:
+        out = torch.empty(num_tokens, topk, dtype=torch.float32, device=partial.device)
+    check_tensor("out", out, dtypes=(torch.float32,), shape=(num_tokens, topk), device=partial.device, contiguous=True)
     if num_tokens == 0:
         return out
     _check_32bit("partial", partial)

@@ -213,7 +213,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     if arch == "sm_90a":
         variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert)
         if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered
-            variants.append(grouped_gemm_variant(i, h, epilogue="swiglu"))
+            variants += [grouped_gemm_variant(i, h, epilogue=epilogue) for epilogue in ("swiglu", "swiglu_save")]
         if config.has_shared_expert:
             variants += expert_mlp_variants(h, config.shared_intermediate, config.topk, shared=True)
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
