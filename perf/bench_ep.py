@@ -1,12 +1,15 @@
-"""Expert-parallel MoE forward on N GPUs: MoK's EP path against the PyTorch-native EP baseline.
+"""Expert-parallel MoE forward (or forward + backward) on N GPUs: MoK's EP path against the PyTorch-native EP baseline.
 
-    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3]      (spawns one process per GPU)
+    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3] [--backward]     (spawns one process per GPU)
 
 Per rank, on the same inputs in one run: ``mok.ep.ep_moe_forward`` over the symmetric VMM
 workspace, and what users write with NCCL: all_to_all_single dispatch with split sizes read
 back to the host, torch._grouped_mm experts, all_to_all_single back, index_add combine.
 Reported: the median over iterations of the slowest rank's time, the speedup, the bytes each
-rank sends to other ranks (dispatch + combine) and the effective NVLink GB/s per GPU.
+rank sends to other ranks (dispatch + combine) and the effective NVLink GB/s per GPU. With
+``--backward`` each path runs forward + backward: MoK's ep_moe_forward_saved + ep_moe_backward,
+and autograd through the baseline with torch.distributed.nn's differentiable all_to_all_single
+(gradients of x, router weights and this rank's expert weights); bytes sent double.
 
 Written 2026-12-01 without a multi-GPU machine to run it on: the first run on
 nvidia-h200-x2 is its test.
@@ -28,8 +31,16 @@ CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
 }
 
 
-def torch_ep_forward(x, idx, w, experts, group):
-    """The PyTorch-native expert-parallel forward (host-read split sizes: one sync per exchange)."""
+def _exchange(out, inp, out_splits, in_splits, group):
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    return out
+
+
+def torch_ep_forward(x, idx, w, experts, group, exchange=_exchange):
+    """The PyTorch-native expert-parallel forward (host-read split sizes: one sync per exchange).
+
+    ``exchange(out, inp, out_splits, in_splits, group)`` moves the activations (differentiable
+    for the training step)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     wg, wu, wd = experts
     e_local = wg.shape[0]
@@ -42,7 +53,7 @@ def torch_ep_forward(x, idx, w, experts, group):
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send, recv = send_counts.tolist(), recv_counts.tolist()
     x_recv = x.new_empty(sum(recv), x.shape[1])
-    dist.all_to_all_single(x_recv, x[order // k], recv, send, group=group)
+    x_recv = exchange(x_recv, x[order // k], recv, send, group)
     e_recv = flat.new_empty(sum(recv))
     dist.all_to_all_single(e_recv, flat[order], recv, send, group=group)
     local = e_recv - rank * e_local
@@ -51,13 +62,24 @@ def torch_ep_forward(x, idx, w, experts, group):
     xs = x_recv[by_expert]
     a = F.silu(torch._grouped_mm(xs, wg.transpose(1, 2), offs=offs)) * torch._grouped_mm(xs, wu.transpose(1, 2), offs=offs)
     y_sorted = torch._grouped_mm(a, wd.transpose(1, 2), offs=offs)
-    y_recv = torch.empty_like(y_sorted)
-    y_recv[by_expert] = y_sorted
+    y_recv = torch.empty_like(y_sorted).index_copy(0, by_expert, y_sorted)
     y_back = x.new_empty(T * k, x.shape[1])
-    dist.all_to_all_single(y_back, y_recv, send, recv, group=group)
+    y_back = exchange(y_back, y_recv, send, recv, group)
     out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
     out.index_add_(0, order // k, y_back.float() * w.flatten()[order, None])
     return out.bfloat16()
+
+
+def torch_ep_train_step(x, idx, w, experts, dout, group):
+    """Autograd through the baseline: gradients of x, the router weights and this rank's expert weights."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    def exchange(out, inp, out_splits, in_splits, group):
+        return all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+    leaves = [t.detach().requires_grad_() for t in (x, w, *experts)]
+    out = torch_ep_forward(leaves[0], idx, leaves[1], tuple(leaves[2:]), group, exchange)
+    return torch.autograd.grad(out, leaves, dout)
 
 
 def _time(fn, group, iters: int = 20, warmup: int = 3) -> float:
@@ -79,8 +101,9 @@ def _time(fn, group, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(per_iter)
 
 
-def _worker(rank: int, world: int, configs: list[str], init_file: str) -> None:
-    from mok.ep import EPLayout, EPWorkspace, ep_moe_forward
+def _worker(rank: int, world: int, configs: list[str], init_file: str, backward: bool) -> None:
+    from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
+    from mok.ep_backward import ep_moe_backward
     from mok.runtime.workspace import SymmetricWorkspace
 
     torch.cuda.set_device(rank)
@@ -105,28 +128,37 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str) -> None:
             layout = EPLayout(world=world, max_tokens=T, hidden=H, topk=k)
             sym = SymmetricWorkspace(layout.stride, group, spec={"bench": name})
             ws = EPWorkspace.from_symmetric(sym, layout)
-            paths = {
-                "mok": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0),
-                "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
-            }
+            if backward:
+                dout = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+
+                def mok_step():
+                    saved = ep_moe_forward_saved(ws, x, idx, w, *experts, timeout_s=30.0)
+                    return ep_moe_backward(ws, dout, x, idx, w, *experts, None, saved, timeout_s=30.0).dx
+
+                paths = {"mok": mok_step, "torch": lambda: torch_ep_train_step(x, idx, w, experts, dout, group)[0]}
+            else:
+                paths = {
+                    "mok": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0),
+                    "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
+                }
             ms = {p: _time(fn, group) for p, fn in paths.items()}
             agree = float((paths["mok"]().float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
             ws.check()
             remote = int((idx.long() // e_local != rank).sum())  # (token, slot) pairs whose expert is elsewhere
-            sent = torch.tensor([2 * remote * H * 2], device="cuda", dtype=torch.float64)  # x out + y back, bf16
+            sent = torch.tensor([(4 if backward else 2) * remote * H * 2], device="cuda", dtype=torch.float64)  # x, y (dout, dx) bf16
             dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group)
             if rank == 0:
                 for p in paths:
                     gbs = float(sent) / ms[p] / 1e6
                     print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{float(sent) / 1e6:>9.0f}{gbs:>8.0f}")
-                print(f"{name:<8}mok vs torch output (rank 0): relative difference {agree:.2e}")
+                print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")
             dist.barrier(group=group)
             sym.close()
     finally:
         dist.destroy_process_group()
 
 
-def run(world: int, configs: list[str]) -> int:
+def run(world: int, configs: list[str], backward: bool = False) -> int:
     """Spawn one process per GPU and run the comparison (called by perf/bench_layer.py --ep N)."""
     import torch.multiprocessing as mp
 
@@ -134,5 +166,5 @@ def run(world: int, configs: list[str]) -> int:
         print(f"--ep {world}: needs {world} GPUs, this machine has {torch.cuda.device_count()}")
         return 1
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init")), nprocs=world)
+        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init"), backward), nprocs=world)
     return 0

@@ -1,7 +1,7 @@
 """MoE layer on one GPU: MoK's fused path against the plain PyTorch path, side by side.
 
     python perf/bench_layer.py [--configs dsv3,qwen3,dsv3-zipf] [--backward]
-    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3]     (expert parallel: perf/bench_ep.py)
+    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3] [--backward]     (expert parallel: perf/bench_ep.py)
 
 For each config, on the same inputs in one process: MoK's forward, the PyTorch path users
 write (router-grouped torch._grouped_mm for gate/up and down, SwiGLU, weighting and
@@ -133,11 +133,8 @@ def main() -> int:
     if args.ep > 1:
         from bench_ep import CONFIGS as EP_CONFIGS, run
 
-        if args.backward:
-            print("--ep with --backward: the expert-parallel backward is not built yet")
-            return 1
         names = args.configs.split(",") if args.configs != ",".join(CONFIGS) else list(EP_CONFIGS)
-        return run(args.ep, names)
+        return run(args.ep, names, backward=args.backward)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = f"{'config':<11}{'path':<13}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
     print(header)

@@ -1,7 +1,8 @@
 """Expert parallelism across two GPUs through the symmetric VMM workspace (NVLink).
 
-Written for nvidia-h200-x2; not yet run there (that machine was not lent in the session
-that wrote it, 2026-12-01): see the closing note of that session.
+Written for nvidia-h200-x2; not yet run there (that machine was not lent in the sessions
+that wrote it, 2026-12-01): see their closing notes. The same checks pass with the ranks
+emulated on one GPU (tests/test_ep_gpu.py).
 """
 
 import pytest
@@ -17,7 +18,9 @@ H, I, E, K = 512, 256, 8, 4
 
 def _worker(rank, init_file, out_dir, skip_rank):
     from helpers import gpu_layer
-    from mok.ep import EPLayout, EPWorkspace, ep_moe_forward
+    from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
+    from mok.ep_backward import ep_moe_backward
+    from mok.fused_backward import moe_backward
     from mok.fused_forward import moe_forward
     from mok.runtime.workspace import SymmetricWorkspace
 
@@ -26,7 +29,10 @@ def _worker(rank, init_file, out_dir, skip_rank):
     result = {}
     try:
         x, idx, w, experts, shared = gpu_layer(sum(COUNTS), H, I, E, K, 256, seed=31)  # every rank: the global batch
-        want = moe_forward(x, idx, w, *experts, shared).out
+        saved_all = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+        want = saved_all.out
+        dout = torch.randn(sum(COUNTS), H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+        want_grads = moe_backward(dout, x, idx, w, *experts, shared, saved_all)
         lo = sum(COUNTS[:rank])
         mine = slice(lo, lo + COUNTS[rank])
         e_local = E // 2
@@ -40,6 +46,15 @@ def _worker(rank, init_file, out_dir, skip_rank):
                 torch.cuda.synchronize()
                 ws.check()
                 result["bitwise"] = all(torch.equal(o, want[mine]) for o in outs)
+                saved = ep_moe_forward_saved(ws, *args, timeout_s=60.0)
+                grads = ep_moe_backward(ws, dout[mine].contiguous(), *args, saved, timeout_s=60.0)
+                torch.cuda.synchronize()
+                ws.check()
+                experts_mine = slice(rank * e_local, (rank + 1) * e_local)
+                result["grads_bitwise"] = (
+                    torch.equal(grads.dx, want_grads.dx[mine]) and torch.equal(grads.d_topk_w, want_grads.d_topk_w[mine])
+                    and all(torch.equal(getattr(grads, n), getattr(want_grads, n)[experts_mine]) for n in ("d_w_gate", "d_w_up", "d_w_down"))
+                )
             elif rank != skip_rank:
                 ep_moe_forward(ws, *args, timeout_s=0.5)
                 torch.cuda.synchronize()
@@ -59,8 +74,10 @@ def _spawn(tmp_path, skip_rank=None):
     return [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
 
 
-def test_ep2_over_nvlink_equals_single_gpu_forward_bitwise(tmp_path):
-    assert all(r["bitwise"] for r in _spawn(tmp_path))
+def test_ep2_over_nvlink_equals_single_gpu_forward_and_backward_bitwise(tmp_path):
+    results = _spawn(tmp_path)
+    assert all(r["bitwise"] for r in results)
+    assert all(r["grads_bitwise"] for r in results)
 
 
 def test_rank_that_skips_the_call_makes_the_peer_raise(tmp_path):
