@@ -1,4 +1,5 @@
-"""Symmetric workspace on two GPUs: peer mappings carry data both ways, SM loads read a peer's memory."""
+"""Symmetric workspace across two processes (on two GPUs, or sharing one): peer mappings carry
+data both ways, SM loads read a peer's memory, teardown returns the memory."""
 
 import numpy as np
 import pytest
@@ -6,12 +7,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+pytestmark = pytest.mark.gpu
 
 ROWS, WIDTH = 64, 1024  # bf16
 
 
-def _worker(rank, init_file, out_dir):
+def _worker(rank, init_file, out_dir, shared_gpu):
     import cutlass
     from cuda.bindings import driver
     from cutlass.cute.runtime import make_ptr
@@ -21,7 +22,7 @@ def _worker(rank, init_file, out_dir):
     from mok.runtime.arch import device_arch
     from mok.runtime.workspace import SymmetricWorkspace, get_workspace
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(0 if shared_gpu else rank)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     result = []
     try:
@@ -63,9 +64,8 @@ def _worker(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
-def test_workspace_on_two_gpus(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+@pytest.mark.parametrize("shared_gpu", [pytest.param(False, marks=pytest.mark.multigpu), True])
+def test_workspace_across_two_processes(tmp_path, shared_gpu):
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), shared_gpu), nprocs=2)
     for rank in range(2):
         assert torch.load(tmp_path / f"{rank}.pt") == [True, True, True], rank
