@@ -5,8 +5,13 @@
     out, ctx = forward(config, ws, x, topk_idx, topk_w, w_gate, w_up, w_down)
     grads = backward(config, ws, ctx, dout)           # mok.reference_backward.Gradients
 
-Both check the tensors against the config and raise before any launch. For autograd and
-torch.compile use :class:`mok.MoELayer` or the custom op ``torch.ops.mok.moe_forward``.
+Expert parallel (``config.ep_size`` > 1, one process per rank of ``group``):
+``get_workspace(config, group, max_tokens=T_max)`` builds the symmetric workspace once (a
+collective: every rank must call it), and every rank passes its own tokens (at most T_max)
+and its E / ep_size experts to ``forward`` and ``backward``, in the same sequence of calls.
+
+Both check the tensors against the config and raise before any launch. For autograd use
+:class:`mok.MoELayer` or, at EP = 1, the custom op ``torch.ops.mok.moe_forward``.
 """
 
 from __future__ import annotations
@@ -34,33 +39,54 @@ class LayerContext:
     saved: ForwardResult
 
 
-def get_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup | None" = None):
+_WORKSPACES: dict = {}
+
+
+def get_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup | None" = None, *, max_tokens: int | None = None):
     """The communication workspace for ``config`` on ``group``, built once and reused (None at EP = 1)."""
-    return create_workspace(config, group)  # (nothing to cache until the expert-parallel path exists)
+    key = (id(group), tuple(sorted(config.as_dict().items())), max_tokens)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = create_workspace(config, group, max_tokens=max_tokens)
+    return _WORKSPACES[key]
 
 
-def create_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup | None" = None):
-    """A new communication workspace for ``config`` on ``group`` (None at EP = 1, where none is needed)."""
+def create_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup | None" = None, *, max_tokens: int | None = None):
+    """A new communication workspace for ``config`` on ``group`` (None at EP = 1, where none is needed).
+
+    At EP > 1, a :class:`mok.ep.EPWorkspace` over a :class:`mok.runtime.workspace.SymmetricWorkspace`
+    sized for ``max_tokens`` tokens per rank and call. Collective: every rank of ``group``
+    calls it with the same config (checked: ranks that disagree all raise).
+    """
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     ranks = 1 if group is None else torch.distributed.get_world_size(group)
     if ranks != config.ep_size:
         raise ValueError(f"group: expected {config.ep_size} ranks (config.ep_size), got {ranks}")
-    if config.ep_size > 1:
-        raise NotImplementedError(
-            "the fused expert-parallel forward is not built yet; use mok.MoELayer(group=...), which runs the "
-            "reference expert-parallel path meanwhile"
-        )
-    return None
+    if config.ep_size == 1:
+        return None
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens: expected the most tokens one rank passes per call (a positive int), got {max_tokens!r}")
+    from .ep import EPLayout, EPWorkspace
+    from .runtime.workspace import SymmetricWorkspace
+
+    layout = EPLayout(world=config.ep_size, max_tokens=max_tokens, hidden=config.hidden, topk=config.topk)
+    symmetric = SymmetricWorkspace(layout.stride, group, spec={**config.as_dict(), "max_tokens": max_tokens})
+    return EPWorkspace.from_symmetric(symmetric, layout)
 
 
 def _check_config(config: MoKConfig, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared) -> None:
+    from .ep import EPWorkspace
+
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
-    if config.ep_size > 1 or workspace is not None:
-        raise NotImplementedError("the fused expert-parallel path is not built yet: ep_size must be 1 and workspace None")
+    if config.ep_size == 1 and workspace is not None:
+        raise ValueError(f"workspace: expected None at ep_size 1, got {type(workspace).__name__}")
+    if config.ep_size > 1 and not (isinstance(workspace, EPWorkspace) and workspace.layout.world == config.ep_size):
+        raise ValueError(f"workspace: expected get_workspace(config, group, max_tokens=...) for ep_size {config.ep_size}")
     num_tokens, hidden, inter, num_local, topk = check_moe_inputs(
-        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_range=False
+        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_range=False, experts_total=config.num_experts
     )
-    got = dict(hidden=hidden, intermediate=inter, num_experts=num_local, topk=topk)
+    got = dict(hidden=hidden, intermediate=inter, experts_per_rank=num_local, topk=topk)
     got["shared_intermediate"] = None if shared is None else shared[0].shape[0]
     for field, value in got.items():
         if getattr(config, field) != value:
@@ -83,9 +109,14 @@ def forward(
 ) -> tuple[torch.Tensor, LayerContext]:
     """Layer output [T, H] bf16 and the context ``backward`` takes (see :func:`mok.forward.moe_forward`)."""
     _check_config(config, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
-    res = moe_forward(
-        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_routing=check_routing, save_for_backward=save_for_backward
-    )
+    if config.ep_size > 1:
+        from .ep import ep_moe_forward_saved
+
+        res = ep_moe_forward_saved(workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward)
+    else:
+        res = moe_forward(
+            x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_routing=check_routing, save_for_backward=save_for_backward
+        )
     return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res)
 
 
@@ -98,12 +129,22 @@ def backward(
     grad_dtype: torch.dtype = torch.bfloat16,
     main_grads: tuple | None = None,
 ) -> Gradients:
-    """All gradients for ``dout`` [T, H] (see :func:`mok.backward.moe_backward`; ``main_grads`` accumulates)."""
+    """All gradients for ``dout`` [T, H] (see :func:`mok.backward.moe_backward`; ``main_grads`` accumulates, EP = 1 only).
+
+    At EP > 1: this rank's dx and d_topk_w, its experts' weight gradients, and the shared
+    expert's over this rank's tokens (sum those over ranks, as data-parallel gradients).
+    """
     from .fused_backward import moe_backward
 
     if not isinstance(ctx, LayerContext):
         raise TypeError(f"ctx: expected the LayerContext that forward returned, got {type(ctx).__name__}")
     _check_config(config, workspace, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared)
+    if config.ep_size > 1:
+        from .ep_backward import ep_moe_backward
+
+        if main_grads is not None:
+            raise NotImplementedError("main_grads: not yet with expert parallelism (ep_size > 1)")
+        return ep_moe_backward(workspace, dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype)
     return moe_backward(
         dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype, main_grads=main_grads
     )

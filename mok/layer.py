@@ -10,8 +10,13 @@ Where it runs:
   another GPU arch raises an error naming the supported ones. External expert ids are
   range-checked (one host read) except under torch.compile or CUDA-graph capture.
 - CPU: the same op's reference implementation (one warning), so model code runs in CPU tests.
-- ``group`` with more than one rank: the reference expert-parallel path over torch.distributed
-  (all_to_all, fp32 math), with a one-time warning, until the fused EP kernels land.
+- ``group`` with more than one rank (one process per rank): on CUDA, MoK's expert-parallel
+  path (mok/ep.py, mok/ep_backward.py) over a symmetric workspace shared by every MoELayer of
+  the same shape on the group, sized for ``max_tokens`` tokens per rank and call; the shared
+  expert's and the router's weight gradients then cover this rank's tokens (sum them over
+  ranks as data-parallel gradients are summed). On CPU, the reference expert-parallel path
+  over torch.distributed (all_to_all, fp32 math), with a one-time warning. Eager mode only
+  (the exchange needs every rank to make the same calls; no torch.compile or graph capture yet).
 """
 
 from __future__ import annotations
@@ -43,6 +48,30 @@ def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.to(torch.int32), weights / weights.sum(-1, keepdim=True)
 
 
+class _ExpertParallel(torch.autograd.Function):
+    """Autograd for this rank's part of the expert-parallel layer (every rank runs forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down):
+        from .ep import ep_moe_forward_saved
+
+        shared = None if s_gate is None else (s_gate, s_up, s_down)
+        saved = ep_moe_forward_saved(workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=any(ctx.needs_input_grad))
+        ctx.workspace, ctx.saved = workspace, saved
+        ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, *(shared or ()))
+        return saved.out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from .ep_backward import ep_moe_backward
+
+        x, topk_idx, topk_w, w_gate, w_up, w_down, *shared = ctx.saved_tensors
+        grads = ep_moe_backward(
+            ctx.workspace, dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, tuple(shared) or None, ctx.saved
+        )
+        return (None, grads.dx, None, grads.d_topk_w, grads.d_w_gate, grads.d_w_up, grads.d_w_down, *(grads.d_shared or (None,) * 3))
+
+
 class MoELayer(nn.Module):
     """Mixture-of-Experts SwiGLU MLP on MoK's fused kernels. ``layer(x)`` routes with the built-in
     router; ``layer(x, topk_idx=..., topk_w=...)`` uses the given routing (topk_w then gets the
@@ -61,8 +90,12 @@ class MoELayer(nn.Module):
         *,
         device: "torch.device | str | None" = None,
         dtype: torch.dtype | None = None,
+        max_tokens: int = 4096,
     ) -> None:
         super().__init__()
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens: expected a positive int (tokens per rank and call, EP only), got {max_tokens!r}")
+        self.max_tokens = max_tokens
         ep_size = 1
         if group is not None:
             import torch.distributed as dist
@@ -125,7 +158,9 @@ class MoELayer(nn.Module):
             topk_w = topk_w.reshape(-1, c.topk).float().contiguous()
         else:
             topk_idx, topk_w = route(self.router(tokens), c.topk)
-        if self.group is not None:
+        if self.group is not None and tokens.is_cuda:
+            out = self._fused_ep(tokens, topk_idx, topk_w)
+        elif self.group is not None:
             out = self._reference_ep(tokens, topk_idx, topk_w)
         else:
             out = self._fused(tokens, topk_idx, topk_w, check_range=external and _may_sync(tokens))
@@ -141,6 +176,17 @@ class MoELayer(nn.Module):
         )
         sg, su, sd = shared if shared is not None else (None, None, None)
         return torch.ops.mok.moe_forward(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save)[0]
+
+    def _fused_ep(self, x, topk_idx, topk_w):
+        from .api import get_workspace
+        from .runtime.arch import check_fused_layer_device
+
+        check_fused_layer_device(x.device.index)
+        if x.shape[0] > self.max_tokens:
+            raise ValueError(f"x: expected at most max_tokens={self.max_tokens} tokens per rank and call, got {x.shape[0]}")
+        workspace = get_workspace(self.config, self.group, max_tokens=self.max_tokens)
+        shared = self.shared_weights() or (None, None, None)
+        return _ExpertParallel.apply(workspace, x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, *shared)
 
     def _reference_ep(self, x, topk_idx, topk_w):
         global _EP_WARNED

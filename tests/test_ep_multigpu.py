@@ -70,15 +70,20 @@ def _worker(rank, init_file, out_dir, skip_rank, shared_gpu):
         dist.destroy_process_group()
 
 
-def _spawn(tmp_path, skip_rank=None, shared_gpu=False):
-    if shared_gpu:  # compile once here, so that the two ranks only load from the disk cache
-        from mok.config import MoKConfig
-        from mok.kernels import get_kernel, variants_for
-        from mok.runtime.arch import device_arch
+def _compile_here():
+    """Compile every kernel of the test's layer in this process, so that two ranks sharing the GPU only load them."""
+    from mok.config import MoKConfig
+    from mok.kernels import get_kernel, variants_for
+    from mok.runtime.arch import device_arch
 
-        config = MoKConfig(hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=256, ep_size=2)
-        for variant in variants_for(config):
-            get_kernel(variant, device_arch())
+    config = MoKConfig(hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=256, ep_size=2)
+    for variant in variants_for(config):
+        get_kernel(variant, device_arch())
+
+
+def _spawn(tmp_path, skip_rank=None, shared_gpu=False):
+    if shared_gpu:
+        _compile_here()
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), skip_rank, shared_gpu), nprocs=2)
     return [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
 
@@ -105,3 +110,75 @@ def test_ep2_as_two_processes_sharing_one_gpu_equals_single_gpu_bitwise(tmp_path
 def test_rank_that_skips_the_call_makes_the_peer_raise_two_processes_one_gpu(tmp_path):
     results = _spawn(tmp_path, skip_rank=1, shared_gpu=True)
     assert "rank 0 timed out in phase publish" in results[0]["error"] and "waiting for rank 1" in results[0]["error"]
+
+
+def _layer_worker(rank, init_file, out_dir, shared_gpu):
+    """mok.MoELayer(group=...) on rank ``rank`` against the single-process layer holding every expert."""
+    from mok import MoELayer
+
+    torch.cuda.set_device(0 if shared_gpu else rank)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    result = {}
+    try:
+        torch.manual_seed(3)
+        full = MoELayer(H, I, E, K, shared_intermediate=256, device="cuda")  # the same weights on both ranks
+        ep = MoELayer(H, I, E, K, shared_intermediate=256, group=dist.group.WORLD, device="cuda", max_tokens=max(COUNTS))
+        e_local = E // 2
+        with torch.no_grad():
+            for name, p in ep.named_parameters():
+                src = dict(full.named_parameters())[name]
+                p.copy_(src[rank * e_local:(rank + 1) * e_local] if name in ("gate_proj", "up_proj", "down_proj") else src)
+        g = torch.Generator(device="cuda").manual_seed(11)
+        x = torch.randn(sum(COUNTS), H, device="cuda", generator=g).bfloat16()
+        idx = torch.rand(sum(COUNTS), E, device="cuda", generator=g).topk(K, dim=1).indices.int()
+        w = torch.softmax(torch.randn(sum(COUNTS), K, device="cuda", generator=g), 1)
+        dout = torch.randn(sum(COUNTS), H, device="cuda", generator=g).bfloat16()
+        lo = sum(COUNTS[:rank])
+        mine = slice(lo, lo + COUNTS[rank])
+        # external routing: the MoE path alone, bit for bit
+        xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+        full(xf, topk_idx=idx, topk_w=wf).backward(dout)
+        xe, we = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
+        out = ep(xe, topk_idx=idx[mine], topk_w=we)
+        out.backward(dout[mine])
+        torch.cuda.synchronize()
+        experts_mine = slice(rank * e_local, (rank + 1) * e_local)
+        result["bitwise"] = (
+            torch.equal(out, full(x, topk_idx=idx, topk_w=w).detach()[mine]) and torch.equal(xe.grad, xf.grad[mine])
+            and torch.equal(we.grad, wf.grad[mine])
+            and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
+        )
+        shared_sum = [getattr(ep, n).grad.float().cpu() for n in ("shared_gate_proj", "shared_up_proj", "shared_down_proj")]
+        for t in shared_sum:
+            dist.all_reduce(t)
+        result["shared_rel"] = max(
+            float((s - getattr(full, n).grad.float().cpu()).norm() / getattr(full, n).grad.float().cpu().norm())
+            for s, n in zip(shared_sum, ("shared_gate_proj", "shared_up_proj", "shared_down_proj"))
+        )
+        # the built-in router: runs, and learns through topk_w
+        ep.zero_grad()
+        ep(x[mine]).float().square().mean().backward()
+        torch.cuda.synchronize()
+        result["router_grad"] = bool(ep.router.weight.grad.abs().sum() > 0)
+        torch.save(result, f"{out_dir}/{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_layer(tmp_path, shared_gpu):
+    if shared_gpu:
+        _compile_here()
+    mp.spawn(_layer_worker, args=(str(tmp_path / "init"), str(tmp_path), shared_gpu), nprocs=2)
+    return [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+
+
+@pytest.mark.multigpu
+def test_layer_with_a_group_on_two_gpus_equals_the_single_gpu_layer(tmp_path):
+    results = _spawn_layer(tmp_path, shared_gpu=False)
+    assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] for r in results), results
+
+
+def test_layer_with_a_group_of_two_processes_sharing_one_gpu_equals_the_single_gpu_layer(tmp_path):
+    results = _spawn_layer(tmp_path, shared_gpu=True)
+    assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] for r in results), results

@@ -191,6 +191,11 @@ def test_functional_api_checks_the_config():
         mok.forward(config, None, x, idx, w, *weights)
     with pytest.raises(ValueError, match=r"group: expected 2 ranks \(config.ep_size\), got 1"):
         mok.get_workspace(MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=2, ep_size=2))
+    ep = MoKConfig(hidden=64, intermediate=32, num_experts=16, topk=2, ep_size=2)  # this rank: 8 of the 16 experts
+    with pytest.raises(ValueError, match=r"workspace: expected get_workspace\(config, group, max_tokens=...\) for ep_size 2"):
+        mok.forward(ep, None, x, idx, w, *weights)
+    with pytest.raises(ValueError, match="workspace: expected None at ep_size 1"):
+        mok.forward(config, object(), x, idx, w, *weights)
 
 
 
