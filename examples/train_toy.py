@@ -5,7 +5,9 @@
 
 The model learns to imitate a fixed random "teacher" network; the loss printed every few
 steps goes down. With torchrun each rank holds num_experts / world_size experts and its own
-batch; the router (replicated) averages its gradient over the ranks, the experts do not.
+batch, and the layers run MoK's expert-parallel kernels (on CUDA); the replicated
+parameters (router, norms, shared expert) average their gradients over the ranks, the
+experts do not. More ranks than GPUs share the GPUs (gloo instead of NCCL then).
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ def main() -> int:
     group = None
     rank, world = 0, 1
     if "WORLD_SIZE" in os.environ:  # launched by torchrun
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
+        world = int(os.environ["WORLD_SIZE"])
+        one_gpu_each = args.device == "cuda" and world <= torch.cuda.device_count()
+        dist.init_process_group("nccl" if one_gpu_each else "gloo")
+        rank = dist.get_rank()
         group = dist.group.WORLD
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    device = torch.device(args.device, rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the fused kernels take bf16
