@@ -55,6 +55,7 @@ def split(world, counts, x, idx, w, experts, shared):
     (2, (300, 517), 8, 4, 256, "uniform"),
     (3, (128, 1, 250), 6, 2, None, "uniform"),
     (2, (200, 200), 8, 4, None, "one_expert"),  # every token's slot 0 on expert 0: rank 1 sends rank 0 everything
+    (4, (100, 37, 250, 1), 8, 4, 256, "uniform"),  # EP = 4 (issue 7's size, emulated)
 ])
 def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter, routing):
     total = sum(counts)
@@ -102,6 +103,7 @@ def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0):
     (2, (300, 517), 8, 4, 256, "uniform"),
     (3, (128, 1, 250), 6, 2, None, "zipf"),
     (2, (200, 200), 8, 4, None, "one_expert"),
+    (4, (100, 37, 250, 1), 8, 4, 256, "zipf"),  # EP = 4 (issue 7's size, emulated)
 ])
 def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, shared_inter, routing):
     """EP = 2, 3 (emulated on one GPU) against the fused single-GPU backward on the concatenated
