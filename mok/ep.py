@@ -17,7 +17,8 @@ Every row is computed exactly as the single-GPU forward computes it (same kernel
 row order inside each expert), so the output equals ``moe_forward`` on the concatenated
 batch bit for bit. A wait that times out records (phase, peer, epoch) in the workspace;
 :meth:`EPWorkspace.check` raises with it. After a timeout the workspace is out of step
-with its peers and must be rebuilt.
+with its peers and must be rebuilt. ``ep_moe_forward_saved`` also returns what the
+expert-parallel backward (mok/ep_backward.py) needs: the schedule, the pulled rows, h.
 
 The workspace is one address range holding every rank's region at ``rank·stride``: the
 symmetric VMM mapping of mok/runtime/workspace.py across GPUs
@@ -37,6 +38,7 @@ from .fused_forward import shared_expert_forward
 from .kernels import ep_variant, get_kernel
 from .kernels.common.ep import PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, tokens_slot
 from .runtime.arch import device_arch
+from .schedule import Schedule
 from .validation import check_moe_inputs
 
 ALIGN = 256  # bytes: every region starts on it (16-byte vectors, TMA)
@@ -174,7 +176,7 @@ class EPForwardResult:
     and of the shared expert (h and shared_h only when saved)."""
 
     out: torch.Tensor
-    schedule: object
+    schedule: Schedule
     x_rows: torch.Tensor
     h: torch.Tensor | None = None
     shared_h: torch.Tensor | None = None

@@ -75,7 +75,9 @@ class _ExpertParallel(torch.autograd.Function):
 class MoELayer(nn.Module):
     """Mixture-of-Experts SwiGLU MLP on MoK's fused kernels. ``layer(x)`` routes with the built-in
     router; ``layer(x, topk_idx=..., topk_w=...)`` uses the given routing (topk_w then gets the
-    router gradient). x: [..., H]; returns the same shape and dtype.
+    router gradient). x: [..., H]; returns the same shape and dtype. With a ``group`` of more
+    than one rank, ``max_tokens`` bounds the tokens one rank passes per call (it sizes the
+    expert-parallel workspace; more raises).
     """
 
     def __init__(
@@ -159,7 +161,7 @@ class MoELayer(nn.Module):
         else:
             topk_idx, topk_w = route(self.router(tokens), c.topk)
         if self.group is not None and tokens.is_cuda:
-            out = self._fused_ep(tokens, topk_idx, topk_w)
+            out = self._fused_ep(tokens, topk_idx, topk_w, check_range=external and _may_sync(tokens))
         elif self.group is not None:
             out = self._reference_ep(tokens, topk_idx, topk_w)
         else:
@@ -177,16 +179,23 @@ class MoELayer(nn.Module):
         sg, su, sd = shared if shared is not None else (None, None, None)
         return torch.ops.mok.moe_forward(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save)[0]
 
-    def _fused_ep(self, x, topk_idx, topk_w):
+    def _fused_ep(self, x, topk_idx, topk_w, check_range: bool):
         from .api import get_workspace
         from .runtime.arch import check_fused_layer_device
+        from .validation import check_moe_inputs
 
         check_fused_layer_device(x.device.index)
         if x.shape[0] > self.max_tokens:
             raise ValueError(f"x: expected at most max_tokens={self.max_tokens} tokens per rank and call, got {x.shape[0]}")
+        shared = self.shared_weights()
+        check_moe_inputs(  # an expert id out of range would reach no rank: refused here (one host read) where allowed
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range,
+            experts_total=self.config.num_experts,
+        )
         workspace = get_workspace(self.config, self.group, max_tokens=self.max_tokens)
-        shared = self.shared_weights() or (None, None, None)
-        return _ExpertParallel.apply(workspace, x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, *shared)
+        return _ExpertParallel.apply(
+            workspace, x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or (None, None, None))
+        )
 
     def _reference_ep(self, x, topk_idx, topk_w):
         global _EP_WARNED
