@@ -42,20 +42,36 @@ class LayerContext:
 _WORKSPACES: dict = {}
 
 
-def get_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup | None" = None, *, max_tokens: int | None = None):
+def get_workspace(
+    config: MoKConfig,
+    group: "torch.distributed.ProcessGroup | None" = None,
+    *,
+    max_tokens: int | None = None,
+    capacity_factor: float | None = None,
+):
     """The communication workspace for ``config`` on ``group``, built once and reused (None at EP = 1)."""
-    key = (id(group), tuple(sorted(config.as_dict().items())), max_tokens)
+    key = (id(group), tuple(sorted(config.as_dict().items())), max_tokens, capacity_factor)
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = create_workspace(config, group, max_tokens=max_tokens)
+        _WORKSPACES[key] = create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor)
     return _WORKSPACES[key]
 
 
-def create_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup | None" = None, *, max_tokens: int | None = None):
+def create_workspace(
+    config: MoKConfig,
+    group: "torch.distributed.ProcessGroup | None" = None,
+    *,
+    max_tokens: int | None = None,
+    capacity_factor: float | None = None,
+):
     """A new communication workspace for ``config`` on ``group`` (None at EP = 1, where none is needed).
 
     At EP > 1, a :class:`mok.ep.EPWorkspace` over a :class:`mok.runtime.workspace.SymmetricWorkspace`
-    sized for ``max_tokens`` tokens per rank and call. Collective: every rank of ``group``
-    calls it with the same config (checked: ranks that disagree all raise).
+    sized for ``max_tokens`` tokens per rank and call. ``capacity_factor`` bounds the expert
+    rows each rank holds per call to that many times an even routing's (see
+    :func:`mok.ep.capacity_rows`; None: the worst case, which never overflows); a routing
+    past the bound raises, at the call's end or the next call, never drops tokens silently.
+    Collective: every rank of ``group`` calls it with the same config (checked: ranks that
+    disagree all raise).
     """
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
@@ -66,12 +82,14 @@ def create_workspace(config: MoKConfig, group: "torch.distributed.ProcessGroup |
         return None
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens: expected the most tokens one rank passes per call (a positive int), got {max_tokens!r}")
-    from .ep import EPLayout, EPWorkspace
+    from .ep import EPLayout, EPWorkspace, capacity_rows
     from .runtime.workspace import SymmetricWorkspace
 
     layout = EPLayout(world=config.ep_size, max_tokens=max_tokens, hidden=config.hidden, topk=config.topk)
-    symmetric = SymmetricWorkspace(layout.stride, group, spec={**config.as_dict(), "max_tokens": max_tokens})
-    return EPWorkspace.from_symmetric(symmetric, layout)
+    capacity = capacity_rows(layout, config.experts_per_rank, capacity_factor, config.block_m)
+    spec = {**config.as_dict(), "max_tokens": max_tokens, "capacity_factor": capacity_factor}
+    symmetric = SymmetricWorkspace(layout.stride, group, spec=spec)
+    return EPWorkspace.from_symmetric(symmetric, layout, capacity=capacity)
 
 
 def _check_config(config: MoKConfig, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared) -> None:

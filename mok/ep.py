@@ -29,6 +29,7 @@ the expert kernels comes next.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +37,10 @@ import torch
 from . import ops
 from .fused_forward import shared_expert_forward
 from .kernels import ep_variant, get_kernel
-from .kernels.common.ep import PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, tokens_slot
+from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, tokens_slot
 from .runtime.arch import device_arch
-from .schedule import Schedule
-from .validation import check_moe_inputs
+from .schedule import Schedule, worst_case_capacity
+from .validation import check_capacity_factor, check_moe_inputs
 
 ALIGN = 256  # bytes: every region starts on it (16-byte vectors, TMA)
 PHASES = {PHASE_PUBLISH: "publish (waiting for the peer's tokens)", PHASE_DONE: "combine (waiting for the peer's expert outputs)"}
@@ -91,11 +92,33 @@ class _DeviceRange:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
+def capacity_rows(layout: EPLayout, num_local: int, capacity_factor: float | None, block_m: int = 128) -> int | None:
+    """Expert rows one rank holds per call for ``capacity_factor`` (None: the worst case, nothing can overflow).
+
+    A factor f admits f times the rows of a perfectly even routing (T_max·k per rank), plus
+    each local expert's tile padding; capped at the worst case, where no bound is needed.
+    """
+    if capacity_factor is None:
+        return None
+    check_capacity_factor(capacity_factor)
+    worst = worst_case_capacity(layout.world * layout.max_tokens, layout.topk, num_local, block_m)
+    rows = math.ceil(capacity_factor * layout.max_tokens * layout.topk) + num_local * (block_m - 1)
+    return min(-(-rows // block_m) * block_m, worst)
+
+
 class EPWorkspace:
     """One rank's handle on the workspace: the whole range (all ranks' regions, ``rank_stride``
-    bytes apart, default the layout's stride) and its rank."""
+    bytes apart, default the layout's stride) and its rank.
 
-    def __init__(self, buffer: torch.Tensor, layout: EPLayout, rank: int, rank_stride: int | None = None) -> None:
+    ``capacity``: expert rows this rank holds per call (a multiple of 128; None: the worst
+    case). A routing that needs more gives the pairs that did not fit NaN outputs (and NaN
+    gradients) and records the overflow in every rank's error record, which
+    :meth:`check` raises and every later call of the workspace raises (:meth:`raise_pending`).
+    """
+
+    def __init__(
+        self, buffer: torch.Tensor, layout: EPLayout, rank: int, rank_stride: int | None = None, *, capacity: int | None = None
+    ) -> None:
         rank_stride = layout.stride if rank_stride is None else rank_stride
         if rank_stride < layout.stride or rank_stride % ALIGN:
             raise ValueError(f"rank_stride: expected a multiple of {ALIGN} that is >= {layout.stride}, got {rank_stride}")
@@ -105,11 +128,15 @@ class EPWorkspace:
             raise ValueError(f"rank: expected 0..{layout.world - 1}, got {rank}")
         if layout.world * rank_stride // 2 >= 2**31:  # the kernels index bf16 elements across all ranks in 32 bits
             raise ValueError(f"layout: {layout.world} ranks of {rank_stride} bytes exceed 32-bit element offsets; lower max_tokens")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1 or capacity % 128):
+            raise ValueError(f"capacity: expected a positive multiple of 128 rows (or None: the worst case), got {capacity!r}")
         self.buffer, self.layout, self.rank, self.rank_stride = buffer, layout, rank, rank_stride
+        self.capacity = capacity
         self.owner = None  # the SymmetricWorkspace behind the buffer, when there is one (kept alive here)
+        self._record_copy = self._record_ready = None  # the error record as last copied to the host (raise_pending)
 
     @classmethod
-    def from_symmetric(cls, symmetric, layout: EPLayout) -> "EPWorkspace":
+    def from_symmetric(cls, symmetric, layout: EPLayout, *, capacity: int | None = None) -> "EPWorkspace":
         """This rank's handle on a :class:`mok.runtime.workspace.SymmetricWorkspace` (every rank mapped in one range).
 
         Zeroes this rank's region, then waits for every rank (host barrier, once) so that no
@@ -122,7 +149,7 @@ class EPWorkspace:
                 f"symmetric: expected {layout.world} ranks of >= {layout.stride} bytes, got {symmetric.world} of {symmetric.nbytes}"
             )
         buffer = torch.as_tensor(_DeviceRange(symmetric.base, symmetric.size * symmetric.world), device=f"cuda:{symmetric.device}")
-        ws = cls(buffer, layout, symmetric.rank, rank_stride=symmetric.size)
+        ws = cls(buffer, layout, symmetric.rank, rank_stride=symmetric.size, capacity=capacity)
         ws.owner = symmetric
         ws.buffer[symmetric.rank * symmetric.size:(symmetric.rank + 1) * symmetric.size].zero_()
         torch.cuda.synchronize(symmetric.device)
@@ -130,10 +157,10 @@ class EPWorkspace:
         return ws
 
     @classmethod
-    def local_group(cls, layout: EPLayout, device: torch.device | str = "cuda") -> list["EPWorkspace"]:
+    def local_group(cls, layout: EPLayout, device: torch.device | str = "cuda", *, capacity: int | None = None) -> list["EPWorkspace"]:
         """W ranks sharing one zeroed buffer on one GPU (each rank runs on its own stream): for tests."""
         buffer = torch.zeros(layout.world * layout.stride, dtype=torch.uint8, device=device)
-        return [cls(buffer, layout, r) for r in range(layout.world)]
+        return [cls(buffer, layout, r, capacity=capacity) for r in range(layout.world)]
 
     def region(self, name: str, rank: int | None = None) -> torch.Tensor:
         """Rank ``rank``'s (default: this rank's) region ``name`` as a flat typed tensor."""
@@ -145,14 +172,48 @@ class EPWorkspace:
         """Elements of region ``name``'s dtype from one rank's copy to the next."""
         return self.rank_stride // self.layout.regions[name][2].itemsize
 
+    def _record(self) -> torch.Tensor:
+        err = error_slot(self.layout.world)
+        return self.region("flags")[err:err + 4]
+
     def check(self) -> None:
-        """Raise if a wait of this rank timed out (reads the error record back: call it off the hot path)."""
-        code, phase, peer, epoch = self.region("flags")[error_slot(self.layout.world):error_slot(self.layout.world) + 4].tolist()
+        """Raise if this rank's error record holds an error (reads it back: call it off the hot path)."""
+        self._raise_for(self._record().tolist())
+
+    def _raise_for(self, record: list[int]) -> None:
+        code, a, b, c = record
+        if code == ERROR_CAPACITY:
+            raise RuntimeError(
+                f"MoK expert parallelism: the experts of rank {a} were routed {b} rows (tile padding included), "
+                f"capacity is {c}; the (token, slot) pairs that did not fit have NaN outputs and gradients. "
+                "Raise capacity_factor (None: the worst case, which never overflows) and rebuild the workspace."
+            )
         if code:
             raise RuntimeError(
-                f"MoK expert parallelism: rank {self.rank} timed out in phase {PHASES.get(phase, phase)} waiting for "
-                f"rank {peer} (epoch {epoch}); the peer did not reach the same call. Rebuild the workspace."
+                f"MoK expert parallelism: rank {self.rank} timed out in phase {PHASES.get(a, a)} waiting for "
+                f"rank {b} (epoch {c}); the peer did not reach the same call. Rebuild the workspace."
             )
+
+    def raise_pending(self) -> None:
+        """Raise for an error an earlier call recorded, as far as its copy to the host has landed
+        (never waits; nothing to do while capturing a CUDA graph)."""
+        if not self.buffer.is_cuda:
+            self.check()
+        elif torch.cuda.is_current_stream_capturing():
+            return
+        elif self._record_ready is not None and self._record_ready.query():
+            self._raise_for(self._record_copy.tolist())
+
+    def copy_record(self) -> None:
+        """Queue a copy of the error record to the host after this call's work on the current stream
+        (read by :meth:`raise_pending`; skipped during CUDA-graph capture)."""
+        if not self.buffer.is_cuda or torch.cuda.is_current_stream_capturing():
+            return
+        if self._record_copy is None:
+            self._record_copy = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+            self._record_ready = torch.cuda.Event()
+        self._record_copy.copy_(self._record(), non_blocking=True)
+        self._record_ready.record()
 
 
 def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
@@ -169,6 +230,22 @@ def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
     }
 
 
+def mark_overflow(ws: EPWorkspace, routing: torch.Tensor, sched: Schedule, stream, *, gradient: bool) -> None:
+    """With a capacity bound: NaN into the pushed slots (and, for ``gradient``, the router-gradient
+    pieces) of the pairs that got no row, and the overflow into every rank's error record."""
+    if ws.capacity is None:
+        return
+    lay = ws.layout
+    phase = PHASE_DONE if gradient else PHASE_PUBLISH
+    kernel = get_kernel(ep_variant("overflow", lay.world, phase=phase, width=lay.hidden, topk=lay.topk), device_arch(routing.device.index))
+    kernel(
+        *(ops._ptr("i32", t, 4) for t in (ws.region("flags", 0), routing, sched.slot_row, sched.overflow, sched.expert_offsets)),
+        ops._ptr("bf16", ws.region("slots", 0)), ops._ptr("f32", ws.region("dw"), 4), ops._i32(ws.rank),
+        ops._i32(sched.expert_counts.shape[0]), ops._i32(sched.capacity), ops._i32(lay.max_tokens),
+        ops._i32(ws.stride_elems("flags")), ops._i32(ws.stride_elems("slots")), stream,
+    )
+
+
 @dataclass
 class EPForwardResult:
     """This rank's output and what its backward needs (``ep_moe_backward``): the schedule of
@@ -180,6 +257,7 @@ class EPForwardResult:
     x_rows: torch.Tensor
     h: torch.Tensor | None = None
     shared_h: torch.Tensor | None = None
+    routing: torch.Tensor | None = None  # every rank's routing [W·T_max, k] (marks the pairs a capacity bound dropped)
 
 
 def ep_moe_forward(
@@ -297,13 +375,14 @@ def ep_moe_forward_saved(
     """:func:`ep_moe_forward` that also returns what :func:`mok.ep_backward.ep_moe_backward` needs
     (h of this rank's rows and of the shared expert when ``save_h``; the schedule and x_rows always)."""
     num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
+    ws.raise_pending()
     dev, world = x.device, ws.layout.world
     k = _kernels(ws, dev)
     stream = ops._stream(dev)
 
     publish(ws, k, {"x": x, "idx": topk_idx}, num_tokens, timeout_s, stream)
     routing = gather_ranks(ws, k, "idx", stream)  # every rank's routing -> this rank's schedule -> dispatch
-    sched = ops.device_schedule(routing, num_local * world, rank=ws.rank, world_size=world)
+    sched = ops.device_schedule(routing, num_local * world, rank=ws.rank, world_size=world, capacity=ws.capacity)
     x_rows = pull_rows(ws, k, "x", sched.row_token, stream)
 
     h = torch.empty(sched.capacity, 2 * w_gate.shape[1], dtype=x.dtype, device=dev) if save_h else None
@@ -311,8 +390,11 @@ def ep_moe_forward_saved(
     a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
     push_rows(ws, k, y_rows, sched, stream)
+    mark_overflow(ws, routing, sched, stream, gradient=False)
 
     shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)  # (overlaps the peers' pushes)
     wait_pushed(ws, k, timeout_s, stream)
     slots = ws.region("slots")[: num_tokens * topk * hidden].view(num_tokens, topk, hidden)
-    return EPForwardResult(ops.combine(slots, topk_w, shared_out), sched, x_rows, h, shared_h)
+    out = ops.combine(slots, topk_w, shared_out)
+    ws.copy_record()
+    return EPForwardResult(out, sched, x_rows, h, shared_h, routing)

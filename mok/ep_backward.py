@@ -29,7 +29,9 @@ from __future__ import annotations
 import torch
 
 from . import grad_ops, ops
-from .ep import EPForwardResult, EPWorkspace, _kernels, check_ep_inputs, gather_ranks, publish, pull_rows, push_rows, wait_pushed
+from .ep import (
+    EPForwardResult, EPWorkspace, _kernels, check_ep_inputs, gather_ranks, mark_overflow, publish, pull_rows, push_rows, wait_pushed,
+)
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .reference_backward import Gradients
 from .validation import check_tensor
@@ -61,6 +63,7 @@ def ep_moe_backward(
         raise ValueError("saved: the forward did not keep h; call ep_moe_forward_saved(..., save_h=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
+    ws.raise_pending()
     lay, dev, sched = ws.layout, x.device, saved.schedule
     k = _kernels(ws, dev)
     stream = ops._stream(dev)
@@ -75,6 +78,7 @@ def ep_moe_backward(
     router_pieces = ws.region("dw")[: lay.world * lay.max_tokens * topk].view(lay.world * lay.max_tokens, topk)
     grad_ops.router_grad(partial, sched.slot_row, out=router_pieces)
     push_rows(ws, k, dx_rows, sched, stream)
+    mark_overflow(ws, saved.routing, sched, stream, gradient=True)
 
     offsets = sched.expert_offsets  # (while the peers push)
     d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None)
@@ -87,6 +91,7 @@ def ep_moe_backward(
     d_topk_w = _owned_router_grads(ws, topk_idx, num_local, num_tokens)
     slots = ws.region("slots")[: num_tokens * topk * hidden].view(num_tokens, topk, hidden)
     dx = ops.combine(slots, None, dx_shared)  # unweighted: s is already inside dh
+    ws.copy_record()
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
 
 

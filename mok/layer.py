@@ -29,7 +29,7 @@ from torch import nn
 
 from . import custom_ops  # noqa: F401  (registers mok::moe_forward / mok::moe_backward)
 from .config import MoKConfig
-from .validation import check_tensor
+from .validation import check_capacity_factor, check_tensor
 
 _EP_WARNED = False
 
@@ -77,7 +77,11 @@ class MoELayer(nn.Module):
     router; ``layer(x, topk_idx=..., topk_w=...)`` uses the given routing (topk_w then gets the
     router gradient). x: [..., H]; returns the same shape and dtype. With a ``group`` of more
     than one rank, ``max_tokens`` bounds the tokens one rank passes per call (it sizes the
-    expert-parallel workspace; more raises).
+    expert-parallel workspace; more raises), and ``capacity_factor`` optionally bounds the
+    expert rows a rank holds per call (:func:`mok.ep.capacity_rows`; default None: the worst
+    case). Past that bound the dropped pairs come out NaN and the layer raises at a later call,
+    once the error record's copy reached the host (``layer.workspace().check()`` raises at
+    once): tokens are never dropped silently.
     """
 
     def __init__(
@@ -93,11 +97,13 @@ class MoELayer(nn.Module):
         device: "torch.device | str | None" = None,
         dtype: torch.dtype | None = None,
         max_tokens: int = 4096,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive int (tokens per rank and call, EP only), got {max_tokens!r}")
-        self.max_tokens = max_tokens
+        check_capacity_factor(capacity_factor)
+        self.max_tokens, self.capacity_factor = max_tokens, capacity_factor
         ep_size = 1
         if group is not None:
             import torch.distributed as dist
@@ -140,6 +146,17 @@ class MoELayer(nn.Module):
             f"shared_intermediate={c.shared_intermediate}, ep_size={c.ep_size}"
         )
 
+    def workspace(self):
+        """The expert-parallel workspace this layer's calls use (:class:`mok.ep.EPWorkspace`; None without a group).
+
+        ``layer.workspace().check()`` raises at once for an error an earlier call recorded
+        (a capacity overflow, a peer that did not make the same call)."""
+        if self.group is None:
+            return None
+        from .api import get_workspace
+
+        return get_workspace(self.config, self.group, max_tokens=self.max_tokens, capacity_factor=self.capacity_factor)
+
     def shared_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         return None if self.shared_gate_proj is None else (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
 
@@ -180,7 +197,6 @@ class MoELayer(nn.Module):
         return torch.ops.mok.moe_forward(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save)[0]
 
     def _fused_ep(self, x, topk_idx, topk_w, check_range: bool):
-        from .api import get_workspace
         from .runtime.arch import check_fused_layer_device
         from .validation import check_moe_inputs
 
@@ -192,9 +208,8 @@ class MoELayer(nn.Module):
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range,
             experts_total=self.config.num_experts,
         )
-        workspace = get_workspace(self.config, self.group, max_tokens=self.max_tokens)
         return _ExpertParallel.apply(
-            workspace, x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or (None, None, None))
+            self.workspace(), x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or (None, None, None))
         )
 
     def _reference_ep(self, x, topk_idx, topk_w):

@@ -123,3 +123,9 @@ def check_moe_inputs(
     if check_range:
         check_index_range("topk_idx", topk_idx, experts_total)
     return num_tokens, hidden, inter, num_local, topk
+
+
+def check_capacity_factor(value: "float | None") -> None:
+    """A capacity factor is None (no bound) or a positive number."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"capacity_factor: expected a positive number (or None: no bound), got {value!r}")

@@ -42,3 +42,39 @@ def test_bad_workspace_and_inputs_raise_before_any_launch():
     x, idx, w, experts, _ = random_layer(9, 16, 8, 2, 2, seed=1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"T <= 8 \(the workspace layout\), got H=16, k=2, T=9"):
         ep_moe_forward(ws, x, idx, w, *experts)
+
+
+def test_capacity_rows_scale_an_even_routing_and_never_exceed_the_worst_case():
+    from mok.ep import capacity_rows
+    from mok.schedule import worst_case_capacity
+
+    layout = EPLayout(world=8, max_tokens=4096, hidden=7168, topk=8)
+    assert capacity_rows(layout, 32, None) is None
+    assert capacity_rows(layout, 32, 1.0) == -(-(4096 * 8 + 32 * 127) // 128) * 128
+    assert capacity_rows(layout, 32, 1.25) == -(-(5 * 4096 * 8 // 4 + 32 * 127) // 128) * 128
+    assert capacity_rows(layout, 32, 100.0) == worst_case_capacity(8 * 4096, 8, 32, 128)
+    for bad in (0, -1.0, True, "2"):
+        with pytest.raises(ValueError, match="capacity_factor: expected a positive number"):
+            capacity_rows(layout, 32, bad)
+
+
+def test_capacity_overflow_record_raises_on_check_and_on_the_next_call():
+    layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
+    with pytest.raises(ValueError, match="capacity: expected a positive multiple of 128"):
+        EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0, capacity=100)
+    ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 1, capacity=128)
+    ws.raise_pending()  # a clean record
+    flags = ws.region("flags")
+    flags[error_slot(2):error_slot(2) + 4] = torch.tensor([2, 0, 300, 128], dtype=torch.int32)
+    message = r"experts of rank 0 were routed 300 rows \(tile padding included\), capacity is 128"
+    with pytest.raises(RuntimeError, match=message):
+        ws.check()
+    with pytest.raises(RuntimeError, match=message):
+        ws.raise_pending()
+
+
+def test_layer_refuses_a_bad_capacity_factor():
+    from mok import MoELayer
+
+    with pytest.raises(ValueError, match=r"capacity_factor: expected a positive number \(or None: no bound\), got 0"):
+        MoELayer(16, 8, 4, 2, capacity_factor=0)

@@ -15,14 +15,14 @@ from helpers import gpu_layer
 pytestmark = pytest.mark.gpu
 
 
-def warm_up(layout, per_rank_args):
+def warm_up(layout, per_rank_args, capacity=None):
     """Launch every kernel once, one rank at a time (its waits time out at once), on a throwaway workspace.
 
     CUDA loads a kernel lazily at its first launch, and loading waits for the device: on ONE
     GPU that would wait for another "rank's" spinning kernel, which waits for this rank. (On
     separate GPUs a rank's loading only waits for its own GPU.)
     """
-    for ws, args in zip(EPWorkspace.local_group(layout), per_rank_args):
+    for ws, args in zip(EPWorkspace.local_group(layout, capacity=capacity), per_rank_args):
         ep_moe_forward(ws, *args, timeout_s=1e-4)
         torch.cuda.synchronize()
 
@@ -81,7 +81,21 @@ def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang():
         ws0.check()
 
 
-def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0):
+def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None):
+    """warm_up for forward and backward: each on its own throwaway workspaces (a forward whose
+    waits timed out leaves an error that the next call of its workspace would raise)."""
+    from mok.ep import ep_moe_forward_saved
+    from mok.ep_backward import ep_moe_backward
+
+    forward_ws = EPWorkspace.local_group(layout, capacity=capacity)
+    backward_ws = EPWorkspace.local_group(layout, capacity=capacity)
+    for f, b, a, d in zip(forward_ws, backward_ws, per_rank_args, per_rank_dout):
+        s = ep_moe_forward_saved(f, *a, timeout_s=1e-4)
+        ep_moe_backward(b, d, *a, s, timeout_s=1e-4)
+        torch.cuda.synchronize()
+
+
+def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, check=True):
     """Forward (keeping h) then backward on every rank, each on its own stream."""
     from mok.ep import ep_moe_forward_saved
     from mok.ep_backward import ep_moe_backward
@@ -94,7 +108,7 @@ def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0):
             saved = ep_moe_forward_saved(ws, *args, timeout_s=timeout_s)
             results.append((saved.out, ep_moe_backward(ws, dout, *args, saved, timeout_s=timeout_s)))
     torch.cuda.synchronize()
-    for ws in workspaces:
+    for ws in workspaces if check else ():
         ws.check()
     return results
 
@@ -109,8 +123,6 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
     """EP = 2, 3 (emulated on one GPU) against the fused single-GPU backward on the concatenated
     batch: dx, d_topk_w and every expert's weight gradients are the same bits; the shared
     expert's weight gradients, summed over ranks, agree to rounding."""
-    from mok.ep import ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
     from mok.fused_backward import moe_backward
 
     total = sum(counts)
@@ -122,10 +134,7 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
     args = split(world, counts, x, idx, w, experts, shared)
     bounds = [sum(counts[:p]) for p in range(world + 1)]
     douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
-    for ws, a, d in zip(EPWorkspace.local_group(layout), args, douts):  # load every kernel before any rank waits
-        s = ep_moe_forward_saved(ws, *a, timeout_s=1e-4)
-        ep_moe_backward(ws, d, *a, s, timeout_s=1e-4)
-        torch.cuda.synchronize()
+    warm_up_training(layout, args, douts)
     workspaces = EPWorkspace.local_group(layout)
     for _ in range(2):  # a second training step on the same workspace: the same bits
         results = run_train_ranks(workspaces, args, douts)
@@ -139,3 +148,110 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
             for i in range(3):
                 summed = sum(g.d_shared[i].float() for g in grads)
                 assert float((summed - want.d_shared[i].float()).norm() / want.d_shared[i].float().norm()) < 1e-2
+
+
+def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_with_nan_not_stale_rows():
+    """EP = 2 with a capacity bound: a routing within it gives the unbounded bits; one past it
+    gives NaN exactly for the tokens (and the router-weight gradients) of the pairs that did
+    not fit, every other token's bits unchanged, and an error on both ranks — at check(),
+    and at the workspace's next call without any host wait."""
+    from mok.ep import capacity_rows
+
+    world, counts, E, k = 2, (300, 260), 8, 2
+    total = sum(counts)
+    layout = EPLayout(world=world, max_tokens=320, hidden=512, topk=k)
+    capacity = capacity_rows(layout, E // world, 1.0)  # 640 + 4 experts' padding -> 1152 rows per rank
+    assert capacity == 1152
+    for routing, overflows in (("uniform", False), ("one_expert", True)):
+        x, idx, w, experts, _ = gpu_layer(total, 512, 256, E, k, None, seed=41, routing=routing)
+        if overflows:  # every pair of every token on rank 0's experts: 1120 rows routed there, plus padding
+            idx = torch.randint(0, E // world, idx.shape, device="cuda", dtype=torch.int32)
+            idx[:, 1] = (idx[:, 0] + 1) % (E // world)
+        dout = torch.randn(total, 512, device="cuda").bfloat16()
+        args = split(world, counts, x, idx, w, experts, None)
+        douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
+        warm_up_training(layout, args, douts, capacity=capacity)
+        bounded_ws = EPWorkspace.local_group(layout, capacity=capacity)
+        for ws in bounded_ws:  # let the backward run after an overflowing forward, to look at its gradients
+            ws.raise_pending = lambda: None
+        bounded = run_train_ranks(bounded_ws, args, douts, check=False)
+        free = run_train_ranks(EPWorkspace.local_group(layout), args, douts)
+        out_b, out_f = (torch.cat([o for o, _ in r]) for r in (bounded, free))
+        dx_b, dx_f = (torch.cat([g.dx for _, g in r]) for r in (bounded, free))
+        dw_b, dw_f = (torch.cat([g.d_topk_w for _, g in r]) for r in (bounded, free))
+        if not overflows:
+            assert torch.equal(out_b, out_f) and torch.equal(dx_b, dx_f) and torch.equal(dw_b, dw_f)
+            continue
+        # which pairs fit: rank 0's schedule with the bound, over the global routing (the Python twin)
+        from mok.schedule import build_schedule
+
+        global_idx = torch.full((world * layout.max_tokens, k), -1, dtype=torch.int32, device="cuda")
+        global_idx[:counts[0]], global_idx[layout.max_tokens:layout.max_tokens + counts[1]] = idx[:counts[0]], idx[counts[0]:]
+        sched = build_schedule(global_idx, E, capacity=capacity, world_size=world)
+        assert bool(sched.overflow)
+        slot_row = torch.cat([sched.slot_row[:counts[0]], sched.slot_row[layout.max_tokens:layout.max_tokens + counts[1]]])
+        dropped_pair = slot_row < 0
+        dropped = dropped_pair.any(1)
+        assert 0 < int(dropped.sum()) < total
+        assert out_b[dropped].isnan().all() and dx_b[dropped].isnan().all()
+        assert torch.equal(out_b[~dropped], out_f[~dropped]) and torch.equal(dx_b[~dropped], dx_f[~dropped])
+        assert dw_b[dropped_pair].isnan().all() and torch.equal(dw_b[~dropped_pair], dw_f[~dropped_pair])
+        needed = int(sched.expert_offsets[-1])
+        message = rf"experts of rank 0 were routed {needed} rows .* capacity is {capacity}"
+        workspaces = EPWorkspace.local_group(layout, capacity=capacity)
+        run_train_ranks(workspaces, args, douts, check=False)
+        for ws in workspaces:
+            with pytest.raises(RuntimeError, match=message):
+                ws.check()
+            with pytest.raises(RuntimeError, match=message):  # the next call refuses before launching anything
+                ep_moe_forward(ws, *args[ws.rank])
+
+
+def test_ep_forward_and_backward_replayed_from_cuda_graphs_equal_single_gpu_bitwise():
+    """Each rank captures its forward + backward in a CUDA graph once; replays on new inputs
+    (new routing included) give the single-GPU bits: nothing in the path reads back to the
+    host, and the epochs advance on the device."""
+    from mok.ep import ep_moe_forward_saved
+    from mok.ep_backward import ep_moe_backward
+    from mok.fused_backward import moe_backward
+
+    world, counts, E, k, hidden = 2, (300, 217), 8, 4, 512
+    total = sum(counts)
+    x, idx, w, experts, shared = gpu_layer(total, hidden, 256, E, k, 256, seed=77)
+    dout = torch.randn(total, hidden, device="cuda").bfloat16()
+    layout = EPLayout(world=world, max_tokens=320, hidden=hidden, topk=k)
+    args = split(world, counts, x, idx, w, experts, shared)  # the static inputs of the graphs
+    douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
+    moe_backward(dout, x, idx, w, *experts, shared, moe_forward(x, idx, w, *experts, shared, save_for_backward=True))
+    warm_up_training(layout, args, douts)
+    workspaces = EPWorkspace.local_group(layout)
+    run_train_ranks(workspaces, args, douts)  # one eager step: every rank at the same epoch
+    graphs, captured = [], []
+    for ws, a, d in zip(workspaces, args, douts):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            saved = ep_moe_forward_saved(ws, *a, timeout_s=20.0)
+            captured.append((saved.out, ep_moe_backward(ws, d, *a, saved, timeout_s=20.0)))
+        graphs.append(graph)
+    for step in range(3):
+        x2, idx2, w2, _, _ = gpu_layer(total, hidden, 256, E, k, 256, seed=100 + step, routing=("uniform", "zipf", "one_expert")[step])
+        dout2 = torch.randn(total, hidden, device="cuda").bfloat16()
+        for p, (lo, hi) in enumerate(((0, counts[0]), (counts[0], total))):
+            for static, new in zip(args[p][:3], (x2, idx2, w2)):
+                static.copy_(new[lo:hi])
+            douts[p].copy_(dout2[lo:hi])
+        saved = moe_forward(x2, idx2, w2, *experts, shared, save_for_backward=True)
+        want = moe_backward(dout2, x2, idx2, w2, *experts, shared, saved)
+        streams = [torch.cuda.Stream() for _ in graphs]
+        torch.cuda.synchronize()
+        for graph, stream in zip(graphs, streams):
+            with torch.cuda.stream(stream):
+                graph.replay()
+        torch.cuda.synchronize()
+        for ws in workspaces:
+            ws.check()
+        assert torch.equal(torch.cat([out for out, _ in captured]), saved.out)
+        assert torch.equal(torch.cat([g.dx for _, g in captured]), want.dx)
+        assert torch.equal(torch.cat([g.d_topk_w for _, g in captured]), want.d_topk_w)
+        for name in ("d_w_gate", "d_w_up", "d_w_down"):
+            assert torch.equal(torch.cat([getattr(g, name) for _, g in captured]), getattr(want, name)), name

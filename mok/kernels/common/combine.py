@@ -78,29 +78,20 @@ class CombineKernel:
         token, col_block, _ = cute.arch.block_idx()
         chunk = col_block * self.threads + tidx  # which 8-column vector of the row
         if chunk * VECTOR < self.hidden:
-            if cutlass.const_expr(self.gathered):
-                combine_vector(m_y, m_slot, m_w, m_shared, m_out, token, chunk, self.topk, self.has_shared, self.unit_weights)
-            else:
-                out_vec = cute.zipped_divide(m_out[token, None], (VECTOR,))[None, chunk]
-                acc = cute.full(out_vec.shape, 0.0, cutlass.Float32)
-                if cutlass.const_expr(self.has_shared):
-                    acc = cute.zipped_divide(m_shared[token, None], (VECTOR,))[None, chunk].load().to(cutlass.Float32)
-                for j in cutlass.range_constexpr(self.topk):
-                    weight = cute.full(out_vec.shape, 1.0, cutlass.Float32)
-                    if cutlass.const_expr(not self.unit_weights):
-                        weight = cute.full(out_vec.shape, m_w[token, j], cutlass.Float32)
-                    y_vec = cute.zipped_divide(m_y[token * self.topk + j, None], (VECTOR,))[None, chunk].load().to(cutlass.Float32)
-                    acc = cute.math.fma(weight, y_vec, acc)
-                out_vec.store(acc.to(m_out.element_type))
+            combine_vector(
+                m_y, m_slot, m_w, m_shared, m_out, token, chunk, self.topk, self.has_shared, self.unit_weights, self.gathered
+            )
 
 
 @cute.jit
 def combine_vector(
     m_y: cute.Tensor, m_slot: cute.Tensor, m_w: cute.Tensor, m_shared: cute.Tensor, m_out: cute.Tensor,
     token, chunk, topk: cutlass.Constexpr, has_shared: cutlass.Constexpr, unit_weights: cutlass.Constexpr = False,
+    gathered: cutlass.Constexpr = True,
 ) -> None:
-    """out[token, 8·chunk : 8·chunk + 8] from the gathered rows y[slot_row[token, j]], in the order
-    the module docstring fixes (also run by the grouped GEMM that combines as it goes)."""
+    """out[token, 8·chunk : 8·chunk + 8] from y's rows: slot_row[token, j] (gathered) or token·k + j
+    (dense), in the order the module docstring fixes (also run by the grouped GEMM that combines
+    as it goes)."""
     out_vec = cute.zipped_divide(m_out[token, None], (VECTOR,))[None, chunk]
     # All k rows are loaded before the first FMA (a slot without a row reads row 0 and adds
     # nothing), so the loads overlap instead of waiting on each other.
@@ -108,7 +99,7 @@ def combine_vector(
     weights = []
     y_vecs = []
     for j in cutlass.range_constexpr(topk):
-        rows.append(m_slot[token, j])
+        rows.append(m_slot[token, j] if gathered else token * topk + j)
         weights.append(cutlass.Float32(1.0) if unit_weights else m_w[token, j])
     for j in cutlass.range_constexpr(topk):
         y_vecs.append(cute.zipped_divide(m_y[cutlass.max(rows[j], 0), None], (VECTOR,))[None, chunk].load())
@@ -116,7 +107,10 @@ def combine_vector(
     if cutlass.const_expr(has_shared):
         acc = cute.zipped_divide(m_shared[token, None], (VECTOR,))[None, chunk].load().to(cutlass.Float32)
     for j in cutlass.range_constexpr(topk):
-        if rows[j] >= 0:
+        if cutlass.const_expr(gathered):
+            if rows[j] >= 0:
+                acc = cute.math.fma(cute.full(out_vec.shape, weights[j], cutlass.Float32), y_vecs[j].to(cutlass.Float32), acc)
+        else:
             acc = cute.math.fma(cute.full(out_vec.shape, weights[j], cutlass.Float32), y_vecs[j].to(cutlass.Float32), acc)
     out_vec.store(acc.to(m_out.element_type))
 

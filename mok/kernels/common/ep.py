@@ -6,7 +6,11 @@ range (mok/runtime/workspace.py maps the peers' memory there; a single-GPU test 
 Per rank, in int32 words of the flag region (see mok/ep.py for the byte layout):
 
     [0] epoch   [1, 1+W) published-by-rank   [1+W, 1+2W) done-by-rank
-    [1+2W, 1+2W+4) error record (code, phase, peer, epoch)   [5+2W] this rank's token count
+    [1+2W, 1+2W+4) error record   [5+2W] this rank's token count
+
+The error record is (1, phase, peer, epoch) for a wait that timed out, or (2, rank, rows
+needed, capacity) when rank's experts were given more rows than a bounded capacity holds;
+the first error stays.
 
 Flags carry the epoch they belong to (a counter each rank advances once per forward, on the
 device, so graph replays keep working): a writer stores ``epoch`` into the reader's slot
@@ -25,6 +29,7 @@ import cutlass.cute as cute
 
 VECTOR = 8  # bf16 elements per 16-byte access
 PHASE_PUBLISH, PHASE_DONE = 0, 1
+ERROR_TIMEOUT, ERROR_CAPACITY = 1, 2
 
 
 def flag_words(world: int) -> int:
@@ -105,10 +110,10 @@ class EpWaitKernel:
             while seen < epoch and waited < timeout_ns:
                 seen = cute.arch.atomic_add(slot, cutlass.Int32(0), sem="acquire", scope="sys")
                 waited = cute.arch.globaltimer() - start
-            if seen < epoch:  # timed out: record (code 1, phase, peer, epoch) and give up; the first error stays
+            if seen < epoch:  # timed out: record (1, phase, peer, epoch) and give up; the first error stays
                 err = error_slot(self.world)
-                if m_flags[rank, err] == 0:
-                    m_flags[rank, err] = 1
+                record = m_flags[rank, None].iterator + err
+                if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_TIMEOUT), scope="sys") == 0:
                     m_flags[rank, err + 1] = self.phase
                     m_flags[rank, err + 2] = lane
                     m_flags[rank, err + 3] = epoch
@@ -220,6 +225,74 @@ class EpPushKernel:
                 cute.zipped_divide(dst, (VECTOR,))[None, chunk].store(src.load())
 
 
+class EpOverflowKernel:
+    """Make a capacity overflow loud: every (token, slot) pair routed to this rank's experts that
+    got no row (slot_row < 0: past the capacity) has its pushed slot row set to NaN on the
+    token's rank, and with ``gradient`` its router-gradient piece in this rank's "dw" region
+    too; when the schedule overflowed, thread 0 records (2, rank, rows needed, capacity) in
+    every rank's error record whose record is still clean (compare-and-swap on the code).
+
+    Launched after the push of the same call (stream order), only when a capacity bound is set.
+    """
+
+    def __init__(self, world: int, width: int, topk: int, gradient: bool, threads: int = 256) -> None:
+        if width % VECTOR:
+            raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+        self.world, self.width, self.topk, self.gradient, self.threads = world, width, topk, gradient, threads
+
+    @cute.jit
+    def __call__(
+        self, flags_ptr: cute.Pointer, routing_ptr: cute.Pointer, slot_row_ptr: cute.Pointer, overflow_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer, slots_ptr: cute.Pointer, dw_ptr: cute.Pointer, rank: cutlass.Int32, num_local: cutlass.Int32,
+        capacity: cutlass.Int32, t_max: cutlass.Int32, flags_stride: cutlass.Int32, slots_stride: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        w, h, k = self.world, self.width, self.topk
+        slots_stride = cute.assume(slots_stride, divby=VECTOR)
+        pairs = w * t_max * k
+        m_flags = cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1)))
+        m_routing = cute.make_tensor(routing_ptr, cute.make_layout((pairs,)))
+        m_slot_row = cute.make_tensor(slot_row_ptr, cute.make_layout((pairs,)))
+        m_over = cute.make_tensor(overflow_ptr, cute.make_layout((1,)))
+        m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_local + 1,)))
+        m_slots = cute.make_tensor(slots_ptr, cute.make_layout((w, t_max * k, h), stride=(slots_stride, h, 1)))
+        m_dw = cute.make_tensor(dw_ptr, cute.make_layout((pairs,)))
+        self.kernel(m_flags, m_routing, m_slot_row, m_over, m_offsets, m_slots, m_dw, rank, num_local, capacity, t_max).launch(
+            grid=[(pairs + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self, m_flags: cute.Tensor, m_routing: cute.Tensor, m_slot_row: cute.Tensor, m_over: cute.Tensor, m_offsets: cute.Tensor,
+        m_slots: cute.Tensor, m_dw: cute.Tensor, rank: cutlass.Int32, num_local: cutlass.Int32, capacity: cutlass.Int32,
+        t_max: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        i = block * self.threads + tidx
+        k = self.topk
+        if i == 0:
+            if m_over[0] != 0:
+                err = error_slot(self.world)
+                for peer in cutlass.range(self.world, unroll=1):
+                    record = m_flags[peer, None].iterator + err
+                    if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_CAPACITY), scope="sys") == 0:
+                        m_flags[peer, err + 1] = rank
+                        m_flags[peer, err + 2] = m_offsets[num_local]
+                        m_flags[peer, err + 3] = capacity
+        if i < self.world * t_max * k:
+            expert = m_routing[i] - rank * num_local
+            if expert >= 0:
+                if expert < num_local:
+                    if m_slot_row[i] < 0:
+                        g = i // k
+                        dst = cute.zipped_divide(m_slots[g // t_max, (g % t_max) * k + i % k, None], (VECTOR,))
+                        nan = cute.full((VECTOR,), float("nan"), m_slots.element_type)
+                        for chunk in cutlass.range(self.width // VECTOR, unroll=1):
+                            dst[None, chunk].store(nan)
+                        if cutlass.const_expr(self.gradient):
+                            m_dw[i] = cutlass.Float32(float("nan"))
+
+
 def _ptr(dtype, align):
     from cutlass.cute.runtime import make_ptr
 
@@ -227,7 +300,10 @@ def _ptr(dtype, align):
 
 
 def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1):
-    """Compile one EP kernel (``kind``: signal, wait, routing, dispatch, push) for ``arch`` without tensors."""
+    """Compile one EP kernel (``kind``: signal, wait, routing, dispatch, push, overflow) for ``arch`` without tensors.
+
+    For ``overflow``, ``phase`` PHASE_DONE selects the backward's variant (it poisons the router-gradient pieces too).
+    """
     from cutlass.cute.runtime import make_fake_stream
 
     i32, bf16, i = cutlass.Int32, cutlass.BFloat16, cutlass.Int32(1)
@@ -243,6 +319,9 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
     elif kind == "push":
         kernel = EpPushKernel(world, width, topk)
         args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, stream)
+    elif kind == "overflow":
+        kernel = EpOverflowKernel(world, width, topk, gradient=phase == PHASE_DONE)
+        args = (*(_ptr(i32, 4) for _ in range(5)), _ptr(bf16, 16), _ptr(cutlass.Float32, 4), i, i, i, i, i, i, stream)
     else:
-        raise ValueError(f"kind: expected signal, wait, routing, dispatch or push, got {kind!r}")
+        raise ValueError(f"kind: expected signal, wait, routing, dispatch, push or overflow, got {kind!r}")
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
