@@ -171,6 +171,7 @@ def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_
         args = split(world, counts, x, idx, w, experts, None)
         douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
         warm_up_training(layout, args, douts, capacity=capacity)
+        warm_up(layout, args, capacity=capacity)  # (the forward without h is another GEMM variant)
         bounded_ws = EPWorkspace.local_group(layout, capacity=capacity)
         for ws in bounded_ws:  # let the backward run after an overflowing forward, to look at its gradients
             ws.raise_pending = lambda: None
@@ -198,8 +199,12 @@ def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_
         assert dw_b[dropped_pair].isnan().all() and torch.equal(dw_b[~dropped_pair], dw_f[~dropped_pair])
         needed = int(sched.expert_offsets[-1])
         message = rf"experts of rank 0 were routed {needed} rows .* capacity is {capacity}"
-        workspaces = EPWorkspace.local_group(layout, capacity=capacity)
-        run_train_ranks(workspaces, args, douts, check=False)
+        workspaces = EPWorkspace.local_group(layout, capacity=capacity)  # forward only: a backward launched after
+        streams = [torch.cuda.Stream() for _ in workspaces]  # its forward finished would raise already (below)
+        for ws, a, stream in zip(workspaces, args, streams):
+            with torch.cuda.stream(stream):
+                ep_moe_forward(ws, *a, timeout_s=20.0)
+        torch.cuda.synchronize()
         for ws in workspaces:
             with pytest.raises(RuntimeError, match=message):
                 ws.check()
