@@ -182,11 +182,12 @@ class GroupedGemmSm90(WgmmaTileKernel):
             s_c: cute.struct.Align[cute.struct.MemRange[self.c_dtype, c_elems], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        args = (
-            tma_a, t_a, tma_b, t_b, tma_b2, t_b2, tma_c, t_c, tma_h, t_h, tma_as, t_as, m_h, m_part,
-            m_row_token, m_row_slot, m_topk_w, m_tiles, num_tiles, num_rows, self.tiled_mma, a_smem, b_smem, epi_smem, m_a,
-            (m_c, m_token_w, m_slot_row, m_shared, m_out, m_arrivals),
-        )
+        load_args = (tma_a, t_a, tma_b, t_b, tma_b2, t_b2)
+        store_args = (tma_c, t_c, tma_h, t_h, tma_as, t_as)
+        row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
+        mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
+        combine_args = (m_c, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
+        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_a, combine_args)
         all_tiles = num_tiles * (n // tile_n)
         if cutlass.const_expr(self.persistent):
             grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
@@ -197,33 +198,21 @@ class GroupedGemmSm90(WgmmaTileKernel):
     @cute.kernel
     def kernel(
         self,
-        tma_a: cute.CopyAtom,
-        m_a: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        m_b: cute.Tensor,
-        tma_b2: cute.CopyAtom,
-        m_b2: cute.Tensor,
-        tma_c: cute.CopyAtom,
-        m_c: cute.Tensor,
-        tma_h: cute.CopyAtom,
-        m_h_store: cute.Tensor,
-        tma_as: cute.CopyAtom,
-        m_as: cute.Tensor,
-        m_h: cute.Tensor,
-        m_part: cute.Tensor,
-        m_row_token: cute.Tensor,
-        m_row_slot: cute.Tensor,
-        m_topk_w: cute.Tensor,
+        load_args: tuple,
+        store_args: tuple,
+        row_args: tuple,
         m_tiles: cute.Tensor,
         num_row_tiles: cutlass.Int32,
         num_rows: cutlass.Int32,
-        tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        epi_smem: cute.ComposedLayout,
+        mma_args: tuple,
         m_x: cute.Tensor,
         combine_args: tuple,
     ):
+        """One CTA per output tile. The tuples are the ones ``__call__`` packs: ``load_args`` the
+        TMA atoms and tensors of A, B, B2; ``store_args`` those of C, h and a_scaled; ``row_args``
+        the epilogue's row inputs; ``mma_args`` the tiled MMA and the shared-memory layouts."""
+        tma_a, _, tma_b, _, tma_b2, _ = load_args
+        tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
@@ -240,7 +229,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
             s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=False)
             s_b2 = self.second_b(storage, b_smem, s_b)
-            loads = self.tile_loads(tma_a, m_a, tma_b, m_b, tma_b2, m_b2, s_a, s_b, s_b2, tile_row, tile_col, expert)
+            loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert)
             r_a, r_b, r_b2, acc, acc2 = self.mma_fragments(tiled_mma, tidx, s_a, s_b, s_b2)
             acc.fill(0.0)
             if cutlass.const_expr(self.two_accumulators):
@@ -253,8 +242,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
             store_pipe = self.store_pipeline()
             self.epilogue(
-                tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
-                tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows, store_pipe,
+                tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe
             )
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
@@ -262,30 +250,13 @@ class GroupedGemmSm90(WgmmaTileKernel):
     @cute.kernel
     def kernel_persistent(
         self,
-        tma_a: cute.CopyAtom,
-        m_a: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        m_b: cute.Tensor,
-        tma_b2: cute.CopyAtom,
-        m_b2: cute.Tensor,
-        tma_c: cute.CopyAtom,
-        m_c: cute.Tensor,
-        tma_h: cute.CopyAtom,
-        m_h_store: cute.Tensor,
-        tma_as: cute.CopyAtom,
-        m_as: cute.Tensor,
-        m_h: cute.Tensor,
-        m_part: cute.Tensor,
-        m_row_token: cute.Tensor,
-        m_row_slot: cute.Tensor,
-        m_topk_w: cute.Tensor,
+        load_args: tuple,
+        store_args: tuple,
+        row_args: tuple,
         m_tiles: cute.Tensor,
         num_row_tiles: cutlass.Int32,
         num_rows: cutlass.Int32,
-        tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        epi_smem: cute.ComposedLayout,
+        mma_args: tuple,
         m_x: cute.Tensor,
         combine_args: tuple,
     ):
@@ -294,7 +265,11 @@ class GroupedGemmSm90(WgmmaTileKernel):
         Warpgroup 0 produces (its warp 0 issues every TMA load, running ahead into the next
         tile while the MMA warpgroups run the epilogue of the last); warpgroups 1 and 2 consume
         (WGMMA, 64 rows each) and store. A tile's result does not depend on which CTA took it.
+        Arguments as in ``kernel``; ``m_x`` is x for ``gather_a``.
         """
+        tma_a, _, tma_b, _, tma_b2, _ = load_args
+        _, _, m_row_token, _, _ = row_args
+        tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         first, _, _ = cute.arch.block_idx()
@@ -323,7 +298,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
                     expert = m_tiles[tile_row]
                     if expert >= 0:
-                        loads = self.tile_loads(tma_a, m_a, tma_b, m_b, tma_b2, m_b2, s_a, s_b, s_b2, tile_row, tile_col, expert)
+                        loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert)
                         if cutlass.const_expr(self.gather_a):
                             a_base = storage.s_a.data_ptr()
                             prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
@@ -355,8 +330,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                         acc2.fill(0.0)
                     cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
                     self.epilogue(
-                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
-                        tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows, store_pipe,
+                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe
                     )
                     if cutlass.const_expr(self.combine):
                         self.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
@@ -370,8 +344,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
             return storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         return s_b
 
-    def tile_loads(self, tma_a, m_a, tma_b, m_b, tma_b2, m_b2, s_a, s_b, s_b2, tile_row, tile_col, expert):
+    def tile_loads(self, load_args, s_a, s_b, s_b2, tile_row, tile_col, expert):
         """What ``load_stage`` needs for one output tile: the TMA atoms and their smem/gmem partitions."""
+        tma_a, m_a, tma_b, m_b, tma_b2, m_b2 = load_args
         g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
         g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
         g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
@@ -514,16 +489,15 @@ class GroupedGemmSm90(WgmmaTileKernel):
         return s
 
     @cute.jit
-    def epilogue(
-        self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, tma_c, m_c, tma_h, m_h_store,
-        tma_as, m_as, m_h, m_part, m_row_token, m_row_slot, m_topk_w, num_rows, store_pipe,
-    ):
+    def epilogue(self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe):
         """Registers -> epilogue math -> bf16 -> shared memory (stmatrix) -> global memory (TMA store).
 
         ``tidx`` counts the MMA threads from 0. Every tile starts again at buffer 0 of the store
         pipeline: a tile stores a multiple of ``epi_stage`` subtiles, so that is the buffer the
         round-robin order reaches next anyway.
         """
+        tma_c, m_c, tma_h, m_h_store, tma_as, m_as = store_args
+        m_h, m_part, m_row_token, m_row_slot, m_topk_w = row_args
         tile_m, tile_n, _ = self.tile_shape_mnk
         col_tiles = self.n // tile_n
         tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)

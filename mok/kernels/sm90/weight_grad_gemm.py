@@ -106,7 +106,10 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
         self.shared_storage = SharedStorage
         all_tiles = num_experts * (m // tile_m) * (n // tile_n)
-        args = (tma_a, t_a, tma_b, t_b, tma_c, t_c, m_off, num_rows, num_experts, self.tiled_mma, a_smem, b_smem, epi_smem)
+        load_args = (tma_a, t_a, tma_b, t_b)
+        store_args = (tma_c, t_c)
+        mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
+        args = (load_args, store_args, m_off, num_rows, num_experts, mma_args)
         if cutlass.const_expr(self.persistent):
             grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
             self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
@@ -116,20 +119,18 @@ class WeightGradGemmSm90(WgmmaTileKernel):
     @cute.kernel
     def kernel(
         self,
-        tma_a: cute.CopyAtom,
-        m_a: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        m_b: cute.Tensor,
-        tma_c: cute.CopyAtom,
-        m_c: cute.Tensor,
+        load_args: tuple,
+        store_args: tuple,
         m_off: cute.Tensor,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
-        tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        epi_smem: cute.ComposedLayout,
+        mma_args: tuple,
     ):
+        """One CTA per output tile. ``load_args``: the TMA atoms and tensors of A and B; ``store_args``:
+        those of out; ``mma_args``: the tiled MMA and the shared-memory layouts (as ``__call__`` packs them)."""
+        tma_a, _, tma_b, _ = load_args
+        tma_c, m_c = store_args
+        tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
@@ -146,7 +147,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=False)
 
         g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
-        loads = self.tile_loads(tma_a, m_a, tma_b, m_b, s_a, s_b, tile_row, tile_col, row_start)
+        loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
         _, r_a, r_b, acc = self.mma_operands(tiled_mma, tidx, s_a, s_b)
         acc.fill(0.0)
 
@@ -162,22 +163,19 @@ class WeightGradGemmSm90(WgmmaTileKernel):
     @cute.kernel
     def kernel_persistent(
         self,
-        tma_a: cute.CopyAtom,
-        m_a: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        m_b: cute.Tensor,
-        tma_c: cute.CopyAtom,
-        m_c: cute.Tensor,
+        load_args: tuple,
+        store_args: tuple,
         m_off: cute.Tensor,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
-        tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        epi_smem: cute.ComposedLayout,
+        mma_args: tuple,
     ):
         """Persistent and warp-specialised, as GroupedGemmSm90.kernel_persistent: CTA i takes output
-        tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order."""
+        tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order.
+        Arguments as in ``kernel``."""
+        tma_a, _, tma_b, _ = load_args
+        tma_c, m_c = store_args
+        tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         first, _, _ = cute.arch.block_idx()
@@ -200,7 +198,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
                 linear = first
                 while linear < all_tiles:
                     expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
-                    loads = self.tile_loads(tma_a, m_a, tma_b, m_b, s_a, s_b, tile_row, tile_col, row_start)
+                    loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
                     prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
                 ab_pipe.producer_tail(prod)
@@ -223,8 +221,9 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
 
-    def tile_loads(self, tma_a, m_a, tma_b, m_b, s_a, s_b, tile_row, tile_col, row_start):
+    def tile_loads(self, load_args, s_a, s_b, tile_row, tile_col, row_start):
         """What ``load_stage`` needs for one output tile: TMA atoms, smem/gmem partitions, the expert's first k tile."""
+        tma_a, m_a, tma_b, m_b = load_args
         tile_m, tile_n, _ = self.tile_shape_mnk
         t_as, t_ag = self.tma_split(tma_a, s_a, cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None)))
         t_bs, t_bg = self.tma_split(tma_b, s_b, cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None)))
