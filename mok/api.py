@@ -147,7 +147,7 @@ def backward(
     grad_dtype: torch.dtype = torch.bfloat16,
     main_grads: tuple | None = None,
 ) -> Gradients:
-    """All gradients for ``dout`` [T, H] (see :func:`mok.backward.moe_backward`; ``main_grads`` accumulates, EP = 1 only).
+    """All gradients for ``dout`` [T, H] (see :func:`mok.backward.moe_backward`; ``main_grads`` accumulates).
 
     At EP > 1: this rank's dx and d_topk_w, its experts' weight gradients, and the shared
     expert's over this rank's tokens (sum those over ranks, as data-parallel gradients).
@@ -160,9 +160,10 @@ def backward(
     if config.ep_size > 1:
         from .ep_backward import ep_moe_backward
 
-        if main_grads is not None:
-            raise NotImplementedError("main_grads: not yet with expert parallelism (ep_size > 1)")
-        return ep_moe_backward(workspace, dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype)
+        return ep_moe_backward(
+            workspace, dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype,
+            main_grads=main_grads,
+        )
     return moe_backward(
         dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype, main_grads=main_grads
     )

@@ -34,7 +34,7 @@ from .ep import (
 )
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .reference_backward import Gradients
-from .validation import check_tensor
+from .validation import check_main_grads, check_tensor
 
 
 def ep_moe_backward(
@@ -50,12 +50,15 @@ def ep_moe_backward(
     saved: EPForwardResult,
     *,
     grad_dtype: torch.dtype = torch.bfloat16,
+    main_grads: tuple | None = None,
     timeout_s: float = 5.0,
 ) -> Gradients:
     """This rank's gradients for ``dout`` [T_r, H] bf16: dx [T_r, H], d_topk_w [T_r, k] fp32,
     the weight gradients of this rank's experts (and of the shared expert over this rank's
     tokens) in ``grad_dtype``. ``saved``: this rank's ``ep_moe_forward_saved`` of the same
-    inputs. Every rank of the workspace must make the same sequence of calls.
+    inputs. ``main_grads``: as in :func:`mok.fused_backward.moe_backward` (fp32 buffers shaped
+    like this rank's weights, the gradients added into them). Every rank of the workspace must
+    make the same sequence of calls.
     """
     num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
@@ -63,6 +66,7 @@ def ep_moe_backward(
         raise ValueError("saved: the forward did not keep h; call ep_moe_forward_saved(..., save_h=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
+    check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
     ws.raise_pending()
     lay, dev, sched = ws.layout, x.device, saved.schedule
     k = _kernels(ws, dev)
@@ -81,11 +85,11 @@ def ep_moe_backward(
     mark_overflow(ws, saved.routing, sched, stream, gradient=True)
 
     offsets = sched.expert_offsets  # (while the peers push)
-    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None)
-    d_gate, d_up = _gate_up_grad(dh, saved.x_rows, offsets, grad_dtype, None)
+    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2])
+    d_gate, d_up = _gate_up_grad(dh, saved.x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2])
     dx_shared = d_shared = None
     if shared is not None:
-        dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None)
+        dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])
     wait_pushed(ws, k, timeout_s, stream)
 
     d_topk_w = _owned_router_grads(ws, topk_idx, num_local, num_tokens)

@@ -28,7 +28,7 @@ from . import grad_ops, ops
 from .fused_forward import ForwardResult, single_expert_tiles
 from .reference import SharedExpert
 from .reference_backward import Gradients
-from .validation import check_moe_inputs, check_tensor
+from .validation import check_main_grads, check_moe_inputs, check_tensor
 
 
 def _shared_backward(x, dout, shared, shared_h, dtype, main_grads):
@@ -90,8 +90,7 @@ def moe_backward(
         raise ValueError("saved: the forward did not keep h; call moe_forward(..., save_for_backward=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
-    if main_grads is not None and len(main_grads) != (3 if shared is None else 6):
-        raise ValueError(f"main_grads: expected {3 if shared is None else 6} fp32 buffers, got {len(main_grads)}")
+    check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
     sched = saved.schedule
 
     dout_rows = ops.gather_rows(dout, sched.row_token)

@@ -129,3 +129,17 @@ def check_capacity_factor(value: "float | None") -> None:
     """A capacity factor is None (no bound) or a positive number."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
         raise ValueError(f"capacity_factor: expected a positive number (or None: no bound), got {value!r}")
+
+
+def check_main_grads(main_grads: "tuple | None", weights: tuple, shared: "tuple | None") -> None:
+    """``main_grads``: None, or one fp32 buffer per weight (gate, up, down[, shared gate, up, down]),
+    each contiguous, shaped like its weight and on its device (checked before anything launches)."""
+    if main_grads is None:
+        return
+    owners = (*weights, *(shared or ()))
+    names = ("d_w_gate", "d_w_up", "d_w_down", "d_shared_gate", "d_shared_up", "d_shared_down")
+    if not isinstance(main_grads, (tuple, list)) or len(main_grads) != len(owners):
+        got = len(main_grads) if isinstance(main_grads, (tuple, list)) else type(main_grads).__name__
+        raise ValueError(f"main_grads: expected {len(owners)} fp32 buffers, got {got}")
+    for name, buf, weight in zip(names, main_grads, owners):
+        check_tensor(f"main_grads ({name})", buf, dtypes=(torch.float32,), shape=tuple(weight.shape), device=weight.device, contiguous=True)

@@ -1,6 +1,7 @@
 """Grouped GEMM alone at the layer's shapes: MoK's kernels (column tile, persistent or not) vs torch._grouped_mm vs dense.
 
-    python perf/gemm_sweep.py
+    python perf/gemm_sweep.py                  # every shape, then the gathered fc1
+    python perf/gemm_sweep.py --gathered-fc1   # fc1 gathering its rows against gather + fc1 only
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -87,13 +88,17 @@ def gathered_fc1() -> None:
         out = torch.empty(x_rows.shape[0], I, device="cuda").bfloat16()
         runs = {
             "gather + fc1": lambda: ops.grouped_gemm(ops.gather_rows(x, sched.row_token, out=x_rows), wg, sched.tile_expert, b2=wu, out=out),
+            "fc1 on x_rows": lambda: ops.grouped_gemm(x_rows, wg, sched.tile_expert, b2=wu, out=out),
             "fc1 gathering A": lambda: ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, out=out, gather=sched.row_token),
         }
         for kname, fn in runs.items():
-            print(f"{name:<11}{kname:<22}{time_ms(fn, batch=10, repeats=5):>8.3f}")
+            print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
 
 
 if __name__ == "__main__":
-    main()
-    weight_grads()
+    import sys
+
+    if "--gathered-fc1" not in sys.argv:
+        main()
+        weight_grads()
     gathered_fc1()

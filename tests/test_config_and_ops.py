@@ -64,3 +64,18 @@ def test_grouped_gemm_combine_rejects_a_schedule_that_can_drop_slots():
         grouped_gemm_combine(torch.zeros(100, I, dtype=torch.bfloat16), schedule=full, **args)
     with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
         grouped_gemm_combine(torch.zeros(full.capacity, I, dtype=torch.bfloat16), schedule=full, **args)
+
+
+def test_main_grads_are_checked_before_anything_runs():
+    from mok.validation import check_main_grads
+
+    weights = (torch.zeros(4, 8, 16), torch.zeros(4, 8, 16), torch.zeros(4, 16, 8))
+    good = tuple(torch.zeros(w.shape) for w in weights)
+    check_main_grads(None, weights, None)
+    check_main_grads(good, weights, None)
+    with pytest.raises(ValueError, match="main_grads: expected 3 fp32 buffers, got 2"):
+        check_main_grads(good[:2], weights, None)
+    with pytest.raises(TypeError, match=r"main_grads \(d_w_up\): expected dtype"):
+        check_main_grads((good[0], good[1].bfloat16(), good[2]), weights, None)
+    with pytest.raises(ValueError, match=r"main_grads \(d_w_down\): expected shape"):
+        check_main_grads((good[0], good[1], torch.zeros(4, 8, 16)), weights, None)

@@ -260,3 +260,42 @@ def test_ep_forward_and_backward_replayed_from_cuda_graphs_equal_single_gpu_bitw
         assert torch.equal(torch.cat([g.d_topk_w for _, g in captured]), want.d_topk_w)
         for name in ("d_w_gate", "d_w_up", "d_w_down"):
             assert torch.equal(torch.cat([getattr(g, name) for _, g in captured]), getattr(want, name)), name
+
+
+def test_ep_backward_accumulates_into_main_grads_like_the_single_gpu_backward():
+    """main_grads at EP = 2: each rank adds its experts' weight gradients into its fp32 buffers,
+    bit for bit as the single-GPU backward adds them; the shared expert's, summed over ranks,
+    agree to rounding."""
+    from mok.ep import ep_moe_forward_saved
+    from mok.ep_backward import ep_moe_backward
+    from mok.fused_backward import moe_backward
+
+    world, counts, E, k = 2, (300, 217), 8, 4
+    total = sum(counts)
+    x, idx, w, experts, shared = gpu_layer(total, 512, 256, E, k, 256, seed=91, routing="zipf")
+    dout = torch.randn(total, 512, device="cuda").bfloat16()
+    start = [torch.randn(t.shape, device="cuda") for t in (*experts, *shared)]
+    single = [b.clone() for b in start]
+    moe_backward(dout, x, idx, w, *experts, shared, moe_forward(x, idx, w, *experts, shared, save_for_backward=True), main_grads=single)
+    layout = EPLayout(world=world, max_tokens=320, hidden=512, topk=k)
+    args = split(world, counts, x, idx, w, experts, shared)
+    douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
+    warm_up_training(layout, args, douts)
+    e_local = E // world
+    buffers = [[b[p * e_local:(p + 1) * e_local].clone() for b in start[:3]] + [b.clone() for b in start[3:]] for p in range(world)]
+    workspaces = EPWorkspace.local_group(layout)
+    streams = [torch.cuda.Stream() for _ in workspaces]
+    torch.cuda.synchronize()
+    for ws, a, d, bufs, stream in zip(workspaces, args, douts, buffers, streams):
+        with torch.cuda.stream(stream):
+            saved = ep_moe_forward_saved(ws, *a, timeout_s=20.0)
+            grads = ep_moe_backward(ws, d, *a, saved, main_grads=tuple(bufs), timeout_s=20.0)
+            assert grads.d_w_gate.data_ptr() == bufs[0].data_ptr() and grads.d_shared[2].data_ptr() == bufs[5].data_ptr()
+    torch.cuda.synchronize()
+    for ws in workspaces:
+        ws.check()
+    for i in range(3):
+        assert torch.equal(torch.cat([bufs[i] for bufs in buffers]), single[i]), i
+    for i in range(3, 6):
+        summed = start[i] + sum(bufs[i] - start[i] for bufs in buffers)
+        assert float((summed - single[i]).norm() / (single[i] - start[i]).norm()) < 1e-2
