@@ -29,7 +29,9 @@ the expert kernels comes next.
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +108,18 @@ def capacity_rows(layout: EPLayout, num_local: int, capacity_factor: float | Non
     return min(-(-rows // block_m) * block_m, worst)
 
 
+_BY_HANDLE: "weakref.WeakValueDictionary[int, EPWorkspace]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+
+
+def workspace_by_handle(handle: int) -> "EPWorkspace":
+    """The live workspace with this ``handle`` (how the custom ops of mok/ep_ops.py name theirs)."""
+    ws = _BY_HANDLE.get(handle)
+    if ws is None:
+        raise ValueError(f"workspace: no live MoK expert-parallel workspace has handle {handle}")
+    return ws
+
+
 class EPWorkspace:
     """One rank's handle on the workspace: the whole range (all ranks' regions, ``rank_stride``
     bytes apart, default the layout's stride) and its rank.
@@ -134,6 +148,8 @@ class EPWorkspace:
         self.capacity = capacity
         self.owner = None  # the SymmetricWorkspace behind the buffer, when there is one (kept alive here)
         self._record_copy = self._record_ready = None  # the error record as last copied to the host (raise_pending)
+        self.handle = next(_NEXT_HANDLE)  # names it to the custom ops (mok/ep_ops.py)
+        _BY_HANDLE[self.handle] = self
 
     @classmethod
     def from_symmetric(cls, symmetric, layout: EPLayout, *, capacity: int | None = None) -> "EPWorkspace":

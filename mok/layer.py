@@ -15,8 +15,11 @@ Where it runs:
   the same shape on the group, sized for ``max_tokens`` tokens per rank and call; the shared
   expert's and the router's weight gradients then cover this rank's tokens (sum them over
   ranks as data-parallel gradients are summed). On CPU, the reference expert-parallel path
-  over torch.distributed (all_to_all, fp32 math), with a one-time warning. Eager mode only
-  (the exchange needs every rank to make the same calls; no torch.compile or graph capture yet).
+  over torch.distributed (all_to_all, fp32 math), with a one-time warning. The fused path is
+  the custom op ``mok::ep_moe_forward`` (mok/ep_ops.py): torch.compile and CUDA graphs work as
+  at EP = 1, as long as every rank runs the same model code (the exchange needs every rank to
+  make the same calls). The workspace is built at construction on a CUDA device (a
+  collective), else by the first call.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import custom_ops  # noqa: F401  (registers mok::moe_forward / mok::moe_backward)
+from . import custom_ops, ep_ops  # noqa: F401  (register mok::moe_forward / moe_backward and the ep_ twins)
 from .config import MoKConfig
 from .validation import check_capacity_factor, check_tensor
 
@@ -46,30 +49,6 @@ def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits.float(), dim=-1)
     weights, idx = probs.topk(topk, dim=-1)
     return idx.to(torch.int32), weights / weights.sum(-1, keepdim=True)
-
-
-class _ExpertParallel(torch.autograd.Function):
-    """Autograd for this rank's part of the expert-parallel layer (every rank runs forward and backward)."""
-
-    @staticmethod
-    def forward(ctx, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, s_gate, s_up, s_down):
-        from .ep import ep_moe_forward_saved
-
-        shared = None if s_gate is None else (s_gate, s_up, s_down)
-        saved = ep_moe_forward_saved(workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=any(ctx.needs_input_grad))
-        ctx.workspace, ctx.saved = workspace, saved
-        ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, *(shared or ()))
-        return saved.out
-
-    @staticmethod
-    def backward(ctx, dout):
-        from .ep_backward import ep_moe_backward
-
-        x, topk_idx, topk_w, w_gate, w_up, w_down, *shared = ctx.saved_tensors
-        grads = ep_moe_backward(
-            ctx.workspace, dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, tuple(shared) or None, ctx.saved
-        )
-        return (None, grads.dx, None, grads.d_topk_w, grads.d_w_gate, grads.d_w_up, grads.d_w_down, *(grads.d_shared or (None,) * 3))
 
 
 class MoELayer(nn.Module):
@@ -130,6 +109,9 @@ class MoELayer(nn.Module):
             self.register_parameter("shared_down_proj", None)
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.reset_parameters()
+        self._ep_handle = None  # the expert-parallel workspace's handle, once built (mok/ep_ops.py)
+        if self.group is not None and self.gate_proj.is_cuda:  # build it now: torch.compile can then trace the first call
+            self.workspace()
 
     def reset_parameters(self) -> None:
         """Every projection as nn.Linear initialises its weight: U(-1/√fan_in, 1/√fan_in)."""
@@ -155,7 +137,9 @@ class MoELayer(nn.Module):
             return None
         from .api import get_workspace
 
-        return get_workspace(self.config, self.group, max_tokens=self.max_tokens, capacity_factor=self.capacity_factor)
+        ws = get_workspace(self.config, self.group, max_tokens=self.max_tokens, capacity_factor=self.capacity_factor)
+        self._ep_handle = ws.handle
+        return ws
 
     def shared_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         return None if self.shared_gate_proj is None else (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
@@ -208,9 +192,21 @@ class MoELayer(nn.Module):
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range,
             experts_total=self.config.num_experts,
         )
-        return _ExpertParallel.apply(
-            self.workspace(), x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or (None, None, None))
+        save = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or ()))
         )
+        sg, su, sd = shared if shared is not None else (None, None, None)
+        handle = self._ep_handle
+        if handle is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    "MoELayer: the expert-parallel workspace is built at construction on a CUDA device, or by the first "
+                    "eager call; construct the layer on the GPU (device='cuda') or run one eager call before torch.compile"
+                )
+            handle = self.workspace().handle
+        return torch.ops.mok.ep_moe_forward(
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, handle, save, 5.0,
+        )[0]
 
     def _reference_ep(self, x, topk_idx, topk_w):
         global _EP_WARNED

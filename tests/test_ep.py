@@ -78,3 +78,32 @@ def test_layer_refuses_a_bad_capacity_factor():
 
     with pytest.raises(ValueError, match=r"capacity_factor: expected a positive number \(or None: no bound\), got 0"):
         MoELayer(16, 8, 4, 2, capacity_factor=0)
+
+
+def test_ep_custom_ops_output_shapes_follow_the_layout_not_the_routing():
+    """mok::ep_moe_forward / ep_moe_backward under fake tensors (what torch.compile traces): the
+    saved tensors take the workspace's worst case, or its capacity bound."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import mok.layer  # noqa: F401  (registers the ops)
+    from mok.schedule import worst_case_capacity
+
+    layout = EPLayout(world=2, max_tokens=40, hidden=64, topk=2)
+    for capacity in (None, 256):
+        ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 1, capacity=capacity)
+        rows = capacity or worst_case_capacity(80, 2, 3, 128)
+        with FakeTensorMode():
+            bf16 = dict(dtype=torch.bfloat16, device="meta")
+            x, idx, w = torch.empty(30, 64, **bf16), torch.empty(30, 2, dtype=torch.int32, device="meta"), torch.empty(30, 2, device="meta")
+            experts = (torch.empty(3, 32, 64, **bf16), torch.empty(3, 32, 64, **bf16), torch.empty(3, 64, 32, **bf16))
+            shared = (torch.empty(16, 64, **bf16), torch.empty(16, 64, **bf16), torch.empty(64, 16, **bf16))
+            outs = torch.ops.mok.ep_moe_forward(x, idx, w, *experts, *shared, ws.handle, True, 5.0)
+            grads = torch.ops.mok.ep_moe_backward(x, x, idx, w, *experts, *shared, *outs[1:], ws.handle, 5.0)
+        assert [tuple(o.shape) for o in outs] == [
+            (30, 64), (rows, 64), (rows, 64), (30, 32), (80, 2), (3,), (4,), (rows,), (rows,), (80, 2), (rows // 128,), (),
+        ]
+        assert [tuple(g.shape) for g in grads] == [(30, 64), (30, 2), (3, 32, 64), (3, 32, 64), (3, 64, 32), (16, 64), (16, 64), (64, 16)]
+    with pytest.raises(ValueError, match="no live MoK expert-parallel workspace has handle -1"):
+        from mok.ep import workspace_by_handle
+
+        workspace_by_handle(-1)

@@ -1,0 +1,166 @@
+"""The expert-parallel layer as PyTorch custom ops: ``mok::ep_moe_forward`` and ``mok::ep_moe_backward``.
+
+The same role as mok/custom_ops.py at EP = 1: autograd, ``torch.compile(fullgraph=True)``
+and CUDA graphs see two opaque ops with known output shapes. The workspace cannot be an op
+argument (a tensor argument the op writes would be cloned by functionalisation, and the
+peers' memory is not this process's to clone), so the ops take the workspace's handle, an
+int (:func:`mok.ep.workspace_by_handle`); its memory is the ops' private state. Every rank
+runs the same model code, hence the same sequence of ops, which is all the exchange needs.
+
+Outputs are everything the backward needs and nothing of the workspace: this rank's
+output, the rows it pulled (x_rows), h, every rank's routing and this rank's schedule; their
+shapes follow from the layout (W, T_max, H, k), the local experts and the capacity bound,
+never from the routing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .schedule import worst_case_capacity
+
+BLOCK_M = 128
+
+
+def _workspace(handle: int):
+    from .ep import workspace_by_handle
+
+    return workspace_by_handle(handle)
+
+
+def _shared(sg, su, sd):
+    return None if sg is None else (sg, su, sd)
+
+
+@torch.library.custom_op("mok::ep_moe_forward", mutates_args=(), device_types="cuda")
+def ep_moe_forward_op(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    shared_gate: Optional[Tensor],
+    shared_up: Optional[Tensor],
+    shared_down: Optional[Tensor],
+    workspace: int,
+    save: bool,
+    timeout_s: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, x_rows, h, shared_h, routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow).
+
+    h and shared_h are empty unless ``save``. See :func:`mok.ep.ep_moe_forward_saved`.
+    """
+    from .ep import ep_moe_forward_saved
+
+    ws = _workspace(workspace)
+    res = ep_moe_forward_saved(
+        ws, x, topk_idx, topk_w, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down), timeout_s=timeout_s, save_h=save,
+    )
+    s = res.schedule
+    h = res.h if res.h is not None else x.new_empty(0, 2 * w_gate.shape[1])
+    shared_h = res.shared_h if res.shared_h is not None else x.new_empty(0, 0 if shared_gate is None else 2 * shared_gate.shape[0])
+    return (
+        res.out, res.x_rows, h, shared_h, res.routing,
+        s.expert_counts, s.expert_offsets, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.overflow,
+    )
+
+
+@ep_moe_forward_op.register_fake
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s):
+    lay, capacity_bound = _workspace(workspace).layout, _workspace(workspace).capacity
+    num_local, inter = w_gate.shape[0], w_gate.shape[1]
+    pairs_rows = lay.world * lay.max_tokens
+    capacity = capacity_bound or worst_case_capacity(pairs_rows, lay.topk, num_local, BLOCK_M)
+    i32 = dict(dtype=torch.int32, device=x.device)
+    shared_cols = 0 if shared_gate is None else 2 * shared_gate.shape[0]
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(capacity, x.shape[1]),
+        x.new_empty(capacity if save else 0, 2 * inter),
+        x.new_empty(x.shape[0] if save and shared_gate is not None else 0, shared_cols),
+        torch.empty(pairs_rows, lay.topk, **i32),
+        torch.empty(num_local, **i32),
+        torch.empty(num_local + 1, **i32),
+        torch.empty(capacity, **i32),
+        torch.empty(capacity, **i32),
+        torch.empty(pairs_rows, lay.topk, **i32),
+        torch.empty(capacity // BLOCK_M, **i32),
+        torch.empty((), **i32),
+    )
+
+
+@torch.library.custom_op("mok::ep_moe_backward", mutates_args=(), device_types="cuda")
+def ep_moe_backward_op(
+    dout: Tensor,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    shared_gate: Optional[Tensor],
+    shared_up: Optional[Tensor],
+    shared_down: Optional[Tensor],
+    x_rows: Tensor,
+    h: Tensor,
+    shared_h: Tensor,
+    routing: Tensor,
+    counts: Tensor,
+    offsets: Tensor,
+    row_token: Tensor,
+    row_slot: Tensor,
+    slot_row: Tensor,
+    tile_expert: Tensor,
+    overflow: Tensor,
+    workspace: int,
+    timeout_s: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down); see
+    :func:`mok.ep_backward.ep_moe_backward`. The shared expert's are empty when there is none."""
+    from .ep import EPForwardResult
+    from .ep_backward import ep_moe_backward
+    from .schedule import Schedule
+
+    sched = Schedule(counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, BLOCK_M, row_token.shape[0])
+    shared = _shared(shared_gate, shared_up, shared_down)
+    saved = EPForwardResult(None, sched, x_rows, h, shared_h if shared is not None else None, routing)
+    g = ep_moe_backward(
+        _workspace(workspace), dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved,
+        grad_dtype=w_gate.dtype, timeout_s=timeout_s,
+    )
+    d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
+    return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)
+
+
+@ep_moe_backward_op.register_fake
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved_and_args):
+    shared = [torch.empty_like(t) if t is not None else x.new_empty(0) for t in (shared_gate, shared_up, shared_down)]
+    return (
+        torch.empty_like(x), torch.empty_like(topk_w), torch.empty_like(w_gate), torch.empty_like(w_up),
+        torch.empty_like(w_down), *shared,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s = inputs
+    _, *saved = output
+    ctx.saved_h, ctx.has_shared = save, shared_gate is not None
+    ctx.workspace, ctx.timeout_s = workspace, timeout_s
+    ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved)
+
+
+def _backward(ctx, d_out, *_unused):
+    if not ctx.saved_h:
+        raise RuntimeError("mok::ep_moe_forward: called with save=False, so it kept nothing for the backward")
+    grads = ep_moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s)
+    dx, d_topk_w, d_gate, d_up, d_down, *d_shared = grads
+    if not ctx.has_shared:
+        d_shared = [None] * 3
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None
+
+
+ep_moe_forward_op.register_autograd(_backward, setup_context=_setup_context)
