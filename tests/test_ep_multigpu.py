@@ -149,6 +149,7 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu):
             and torch.equal(we.grad, wf.grad[mine])
             and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
         )
+        del out  # its autograd graph would keep the parameters' AccumulateGrad nodes (default stream) into the capture below
         shared_sum = [getattr(ep, n).grad.float().cpu() for n in ("shared_gate_proj", "shared_up_proj", "shared_down_proj")]
         for t in shared_sum:
             dist.all_reduce(t)
@@ -175,7 +176,7 @@ def _layer_grads(model, x, dout, **routing):
     out = model(x, **routing)
     out.backward(dout)
     torch.cuda.synchronize()
-    return [out.detach(), x.grad] + [p.grad for p in model.parameters() if p.grad is not None]
+    return [out.detach(), x.grad] + [p.grad.clone() for p in model.parameters() if p.grad is not None]  # (later steps add into p.grad)
 
 
 class _TwoLayers(torch.nn.Module):
@@ -222,7 +223,11 @@ def _graph_replay_equals_eager(layer, x, idx, w, dout):
     torch.cuda.synchronize()
     layer.workspace().check()
     got = [out.detach(), static_x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
-    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    if len(got) != len(want):
+        return f"{len(got)} gradients, not {len(want)}"
+    return all(torch.equal(a, b) for a, b in zip(got, want)) or [
+        (torch.equal(a, b), float((a.float() - b.float()).abs().max())) for a, b in zip(got, want)
+    ]
 
 
 def _spawn_layer(tmp_path, shared_gpu):
@@ -235,9 +240,9 @@ def _spawn_layer(tmp_path, shared_gpu):
 @pytest.mark.multigpu
 def test_layer_with_a_group_on_two_gpus_equals_the_single_gpu_layer(tmp_path):
     results = _spawn_layer(tmp_path, shared_gpu=False)
-    assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] for r in results), results
+    assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True for r in results), [(r["compiled"], r["graph"]) for r in results]
 
 
 def test_layer_with_a_group_of_two_processes_sharing_one_gpu_equals_the_single_gpu_layer(tmp_path):
     results = _spawn_layer(tmp_path, shared_gpu=True)
-    assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] for r in results), results
+    assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True for r in results), [(r["compiled"], r["graph"]) for r in results]
