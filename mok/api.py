@@ -124,13 +124,18 @@ def forward(
     *,
     save_for_backward: bool = True,
     check_routing: bool = True,
+    timeout_s: float = 5.0,
 ) -> tuple[torch.Tensor, LayerContext]:
-    """Layer output [T, H] bf16 and the context ``backward`` takes (see :func:`mok.forward.moe_forward`)."""
+    """Layer output [T, H] bf16 and the context ``backward`` takes (see :func:`mok.forward.moe_forward`).
+
+    ``timeout_s`` (EP > 1) bounds every wait on a peer rank."""
     _check_config(config, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     if config.ep_size > 1:
         from .ep import ep_moe_forward_saved
 
-        res = ep_moe_forward_saved(workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward)
+        res = ep_moe_forward_saved(
+            workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward, timeout_s=timeout_s
+        )
     else:
         res = moe_forward(
             x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_routing=check_routing, save_for_backward=save_for_backward
@@ -146,6 +151,7 @@ def backward(
     *,
     grad_dtype: torch.dtype = torch.bfloat16,
     main_grads: tuple | None = None,
+    timeout_s: float = 5.0,
 ) -> Gradients:
     """All gradients for ``dout`` [T, H] (see :func:`mok.backward.moe_backward`; ``main_grads`` accumulates).
 
@@ -162,7 +168,7 @@ def backward(
 
         return ep_moe_backward(
             workspace, dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype,
-            main_grads=main_grads,
+            main_grads=main_grads, timeout_s=timeout_s,
         )
     return moe_backward(
         dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype, main_grads=main_grads

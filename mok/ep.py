@@ -42,7 +42,7 @@ from .kernels import ep_variant, get_kernel
 from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, tokens_slot
 from .runtime.arch import device_arch
 from .schedule import Schedule, worst_case_capacity
-from .validation import check_capacity_factor, check_moe_inputs
+from .validation import check_capacity_factor, check_moe_inputs, check_timeout
 
 ALIGN = 256  # bytes: every region starts on it (16-byte vectors, TMA)
 PHASES = {PHASE_PUBLISH: "publish (waiting for the peer's tokens)", PHASE_DONE: "combine (waiting for the peer's expert outputs)"}
@@ -391,6 +391,7 @@ def ep_moe_forward_saved(
     """:func:`ep_moe_forward` that also returns what :func:`mok.ep_backward.ep_moe_backward` needs
     (h of this rank's rows and of the shared expert when ``save_h``; the schedule and x_rows always)."""
     num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
+    check_timeout(timeout_s)
     ws.raise_pending()
     dev, world = x.device, ws.layout.world
     k = _kernels(ws, dev)

@@ -34,7 +34,7 @@ from .ep import (
 )
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .reference_backward import Gradients
-from .validation import check_main_grads, check_tensor
+from .validation import check_main_grads, check_tensor, check_timeout
 
 
 def ep_moe_backward(
@@ -67,6 +67,7 @@ def ep_moe_backward(
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
+    check_timeout(timeout_s)
     ws.raise_pending()
     lay, dev, sched = ws.layout, x.device, saved.schedule
     k = _kernels(ws, dev)

@@ -32,7 +32,7 @@ from torch import nn
 
 from . import custom_ops, ep_ops  # noqa: F401  (register mok::moe_forward / moe_backward and the ep_ twins)
 from .config import MoKConfig
-from .validation import check_capacity_factor, check_tensor
+from .validation import check_capacity_factor, check_tensor, check_timeout
 
 _EP_WARNED = False
 
@@ -60,7 +60,8 @@ class MoELayer(nn.Module):
     expert rows a rank holds per call (:func:`mok.ep.capacity_rows`; default None: the worst
     case). Past that bound the dropped pairs come out NaN and the layer raises at a later call,
     once the error record's copy reached the host (``layer.workspace().check()`` raises at
-    once): tokens are never dropped silently.
+    once): tokens are never dropped silently. ``timeout_s`` bounds every wait on a peer (a
+    rank that does not make the same call makes the others raise, naming it, instead of hang).
     """
 
     def __init__(
@@ -77,12 +78,14 @@ class MoELayer(nn.Module):
         dtype: torch.dtype | None = None,
         max_tokens: int = 4096,
         capacity_factor: float | None = None,
+        timeout_s: float = 5.0,
     ) -> None:
         super().__init__()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive int (tokens per rank and call, EP only), got {max_tokens!r}")
         check_capacity_factor(capacity_factor)
-        self.max_tokens, self.capacity_factor = max_tokens, capacity_factor
+        check_timeout(timeout_s)
+        self.max_tokens, self.capacity_factor, self.timeout_s = max_tokens, capacity_factor, float(timeout_s)
         ep_size = 1
         if group is not None:
             import torch.distributed as dist
@@ -205,7 +208,7 @@ class MoELayer(nn.Module):
                 )
             handle = self.workspace().handle
         return torch.ops.mok.ep_moe_forward(
-            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, handle, save, 5.0,
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, handle, save, self.timeout_s,
         )[0]
 
     def _reference_ep(self, x, topk_idx, topk_w):

@@ -143,3 +143,9 @@ def check_main_grads(main_grads: "tuple | None", weights: tuple, shared: "tuple 
         raise ValueError(f"main_grads: expected {len(owners)} fp32 buffers, got {got}")
     for name, buf, weight in zip(names, main_grads, owners):
         check_tensor(f"main_grads ({name})", buf, dtypes=(torch.float32,), shape=tuple(weight.shape), device=weight.device, contiguous=True)
+
+
+def check_timeout(value: float) -> None:
+    """A wait bound is a positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {value!r}")

@@ -107,3 +107,10 @@ def test_ep_custom_ops_output_shapes_follow_the_layout_not_the_routing():
         from mok.ep import workspace_by_handle
 
         workspace_by_handle(-1)
+
+
+def test_layer_refuses_a_bad_timeout():
+    from mok import MoELayer
+
+    with pytest.raises(ValueError, match=r"timeout_s: expected a positive number of seconds, got -1"):
+        MoELayer(16, 8, 4, 2, timeout_s=-1)
