@@ -20,19 +20,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .custom_ops import BLOCK_M, _shared
 from .schedule import worst_case_capacity
-
-BLOCK_M = 128
 
 
 def _workspace(handle: int):
     from .ep import workspace_by_handle
 
     return workspace_by_handle(handle)
-
-
-def _shared(sg, su, sd):
-    return None if sg is None else (sg, su, sd)
 
 
 @torch.library.custom_op("mok::ep_moe_forward", mutates_args=(), device_types="cuda")
