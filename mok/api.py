@@ -68,8 +68,9 @@ def create_workspace(
     At EP > 1, a :class:`mok.ep.EPWorkspace` over a :class:`mok.runtime.workspace.SymmetricWorkspace`
     sized for ``max_tokens`` tokens per rank and call. ``capacity_factor`` bounds the expert
     rows each rank holds per call to that many times an even routing's (see
-    :func:`mok.ep.capacity_rows`; None: the worst case, which never overflows); a routing
-    past the bound raises, at the call's end or the next call, never drops tokens silently.
+    :func:`mok.ep.capacity_rows`; None: the worst case, which never overflows); past the bound
+    the pairs that did not fit come out NaN and a later call raises (the workspace's ``check()``
+    at once): tokens are never dropped silently.
     Collective: every rank of ``group`` calls it with the same config (checked: ranks that
     disagree all raise).
     """

@@ -357,14 +357,16 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, row_token: torch.Tensor
     return rows
 
 
-def push_rows(ws: EPWorkspace, kernels: dict, rows: torch.Tensor, sched, stream) -> None:
-    """Write each row into its token's rank, slot [t, j] of region "slots"; then announce it (phase done)."""
+def push_rows(ws: EPWorkspace, kernels: dict, rows: torch.Tensor, sched, routing: torch.Tensor, stream, *, gradient: bool) -> None:
+    """Write each row into its token's rank, slot [t, j] of region "slots" (with a capacity bound,
+    NaN for the pairs that got no row: :func:`mark_overflow`); then announce it all (phase done)."""
     lay = ws.layout
     kernels["push"](
         ops._ptr("bf16", rows), ops._ptr("i32", sched.row_token, 4), ops._ptr("i32", sched.row_slot, 4),
         ops._ptr("bf16", ws.region("slots", 0)), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("slots")),
         ops._i32(sched.capacity), stream,
     )
+    mark_overflow(ws, routing, sched, stream, gradient=gradient)  # before the signal: peers read the slots after it
     kernels["signal_done"](*flag_args(ws), stream)
 
 
@@ -406,8 +408,7 @@ def ep_moe_forward_saved(
     shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if save_h and shared is not None else None
     a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
-    push_rows(ws, k, y_rows, sched, stream)
-    mark_overflow(ws, routing, sched, stream, gradient=False)
+    push_rows(ws, k, y_rows, sched, routing, stream, gradient=False)
 
     shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)  # (overlaps the peers' pushes)
     wait_pushed(ws, k, timeout_s, stream)

@@ -30,7 +30,7 @@ import torch
 
 from . import grad_ops, ops
 from .ep import (
-    EPForwardResult, EPWorkspace, _kernels, check_ep_inputs, gather_ranks, mark_overflow, publish, pull_rows, push_rows, wait_pushed,
+    EPForwardResult, EPWorkspace, _kernels, check_ep_inputs, gather_ranks, publish, pull_rows, push_rows, wait_pushed,
 )
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .reference_backward import Gradients
@@ -82,8 +82,7 @@ def ep_moe_backward(
     dx_rows = ops.grouped_gemm(dh, w_gate, sched.tile_expert, b2=w_up, b_major="n", k_split=True)
     router_pieces = ws.region("dw")[: lay.world * lay.max_tokens * topk].view(lay.world * lay.max_tokens, topk)
     grad_ops.router_grad(partial, sched.slot_row, out=router_pieces)
-    push_rows(ws, k, dx_rows, sched, stream)
-    mark_overflow(ws, saved.routing, sched, stream, gradient=True)
+    push_rows(ws, k, dx_rows, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)
 
     offsets = sched.expert_offsets  # (while the peers push)
     d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2])

@@ -232,7 +232,8 @@ class EpOverflowKernel:
     too; when the schedule overflowed, thread 0 records (2, rank, rows needed, capacity) in
     every rank's error record whose record is still clean (compare-and-swap on the code).
 
-    Launched after the push of the same call (stream order), only when a capacity bound is set.
+    Launched between the push of the same call and its done signal (stream order: peers read
+    the slots and pieces after the signal), only when a capacity bound is set.
     """
 
     def __init__(self, world: int, width: int, topk: int, gradient: bool, threads: int = 256) -> None:
