@@ -145,3 +145,17 @@ def test_ep_flags_use_system_scope_release_acquire_and_bounded_waits():
         assert count(r"\batom\.|\bred\.", ptx) == 0  # data moves with plain loads and stores
         if kind != "routing":
             assert count(r"ld\.global(\.nc)?\.v4", ptx) >= 1 and count(r"st\.global\.v4", ptx) >= 1  # 16-byte vectors
+
+
+def test_ep_overflow_kernel_claims_error_records_by_compare_and_swap_and_poisons_with_vector_stores():
+    from mok.kernels import ep_variant
+
+    forward = compiled_ptx(ep_variant("overflow", 4, phase=0, width=7168, topk=8), "sm_90a")
+    backward = compiled_ptx(ep_variant("overflow", 4, phase=1, width=7168, topk=8), "sm_90a")
+    wait = compiled_ptx(ep_variant("wait", 4, phase=1), "sm_90a")
+    for ptx in (forward, backward, wait):  # a record is claimed whole: one compare-and-swap on its code, system scope
+        assert count(r"atom\.global\.sys\.cas\.b32", ptx) == 1
+    for ptx in (forward, backward):
+        assert count(r"\batom\.|\bred\.", ptx) == 1  # nothing else is atomic
+        assert count(r"st\.global\.v4", ptx) >= 1  # NaN rows in 16-byte stores
+    assert count(r"st\.global\.(f32|b32)\b", backward) > count(r"st\.global\.(f32|b32)\b", forward)  # + the router pieces
