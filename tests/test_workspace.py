@@ -52,3 +52,27 @@ def test_ranks_disagreeing_on_shapes_raise_on_every_rank(tmp_path):
         msg = (tmp_path / f"{rank}.txt").read_text()
         assert "ranks disagree on hidden" in msg, msg
         assert "7168" in msg and "4096" in msg
+
+
+def _vote_worker(rank, init_file, out_dir):
+    from mok.runtime.workspace import _every_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        answers = [_every_rank(True, None), _every_rank(rank == 0, None), _every_rank(False, None)]
+        with open(f"{out_dir}/{rank}.txt", "w") as f:
+            f.write(repr(answers))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_handle_type_is_used_only_when_every_rank_can():
+    """The fabric-or-POSIX decision is one vote: one rank that cannot makes every rank fall back."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_vote_worker, args=(f"{tmp}/init", tmp), nprocs=2)
+        for rank in range(2):
+            with open(f"{tmp}/{rank}.txt") as f:
+                assert f.read() == repr([True, False, False]), rank

@@ -1,11 +1,15 @@
-"""Symmetric device memory across the ranks of one host, through cuda-python's VMM API.
+"""Symmetric device memory across the ranks of a group, through cuda-python's VMM API.
 
-Every rank allocates the same number of bytes with ``cuMemCreate``, exports the allocation
-as a POSIX file descriptor, and sends it to every peer over a UNIX socket (descriptors
-cannot travel through torch.distributed's TCP store). Each rank imports all peers'
-allocations and maps them, its own included, into one reserved virtual range, rank r's
-at ``base + r·size``, with read/write access for its device: kernels reach any rank's
-memory at ``peer_ptr(r)``, over NVLink where there is one.
+Every rank allocates the same number of bytes with ``cuMemCreate`` and exports it. Where
+every rank's device reports fabric handles (NVLink fabrics such as NVL72 racks, through
+IMEX), the 64-byte fabric handles are exchanged with one all_gather; otherwise (or if any
+rank fails to create, export or import one: every rank then falls back together) the
+allocation is exported as a POSIX file descriptor and sent to every peer over a UNIX
+socket (descriptors cannot travel through torch.distributed's TCP store; this path is
+for the ranks of one host). Each rank imports all peers' allocations and maps them, its
+own included, into one reserved virtual range, rank r's at ``base + r·size``, with
+read/write access for its device: kernels reach any rank's memory at ``peer_ptr(r)``,
+over NVLink where there is one. ``handle_type`` says which path was taken.
 
 Creation checks once, with one collective, that every rank asks for the same workspace
 (size and layout spec) and raises on all ranks if not. ``close()`` unmaps and releases
@@ -81,6 +85,27 @@ def agree_on_spec(spec: Mapping[str, Any], group) -> None:
             )
 
 
+def _every_rank(ok: bool, group) -> bool:
+    """True when ``ok`` holds on every rank of ``group`` (one all_gather: every rank gets the same answer)."""
+    import torch.distributed as dist
+
+    votes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(votes, bool(ok), group=group)
+    return all(votes)
+
+
+def _fabric_supported(device: int) -> bool:
+    """Whether the driver reports fabric handles for ``device`` (creating one may still be refused: no IMEX channel)."""
+    from cuda.bindings import driver
+
+    try:
+        dev = _cu(driver.cuDeviceGet(device), "cuDeviceGet")
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED
+        return _cu(driver.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute") == 1
+    except RuntimeError:  # a driver that does not know the attribute: no fabric (never raise before the vote)
+        return False
+
+
 def _exchange_fds(fd: int, group, token: str) -> list[int]:
     """Send this rank's descriptor to every peer over abstract UNIX sockets; returns all ranks' (own first is ours)."""
     import torch.distributed as dist
@@ -133,6 +158,7 @@ class SymmetricWorkspace:
         torch.cuda.init()
         torch.empty(1, device=self.device)  # make the device's primary context current
         fd_type = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self.handle_type = "posix"
         prop = driver.CUmemAllocationProp()
         prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -148,16 +174,18 @@ class SymmetricWorkspace:
         self._fds: list[int] = []
         self.base = 0
         try:
-            own = _cu(driver.cuMemCreate(self.size, prop, 0), "cuMemCreate")
-            self._handles.append(own)
-            fd = _cu(driver.cuMemExportToShareableHandle(own, fd_type, 0), "cuMemExportToShareableHandle")
-            token = [uuid.uuid4().hex if self.rank == 0 else None]
-            dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
-            self._fds = _exchange_fds(int(fd), self.group, token[0])
-            peers = [own if r == self.rank else
-                     _cu(driver.cuMemImportFromShareableHandle(self._fds[r], fd_type), "cuMemImportFromShareableHandle")
-                     for r in range(self.world)]
-            self._handles += [h for r, h in enumerate(peers) if r != self.rank]
+            peers = self._import_by_fabric(prop) if _every_rank(_fabric_supported(self.device), self.group) else None
+            if peers is None:
+                own = _cu(driver.cuMemCreate(self.size, prop, 0), "cuMemCreate")
+                self._handles.append(own)
+                fd = _cu(driver.cuMemExportToShareableHandle(own, fd_type, 0), "cuMemExportToShareableHandle")
+                token = [uuid.uuid4().hex if self.rank == 0 else None]
+                dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+                self._fds = _exchange_fds(int(fd), self.group, token[0])
+                peers = [own if r == self.rank else
+                         _cu(driver.cuMemImportFromShareableHandle(self._fds[r], fd_type), "cuMemImportFromShareableHandle")
+                         for r in range(self.world)]
+                self._handles += [h for r, h in enumerate(peers) if r != self.rank]
             self.base = int(_cu(driver.cuMemAddressReserve(self.size * self.world, gran, 0, 0), "cuMemAddressReserve"))
             for r, handle in enumerate(peers):
                 _cu(driver.cuMemMap(self.base + r * self.size, self.size, 0, handle, 0), "cuMemMap")
@@ -173,6 +201,47 @@ class SymmetricWorkspace:
         self.peer_table = torch.tensor([self.peer_ptr(r) for r in range(self.world)], dtype=torch.int64, device=self.device)
         self._finalizer = weakref.finalize(self, SymmetricWorkspace._release, self._mapped, self._handles, self._fds, self.base, self.size)
         _live.add(self)
+
+    def _import_by_fabric(self, prop) -> list | None:
+        """Every rank's allocation through fabric handles (own first in ``_handles``), or None, on
+        every rank alike, when any rank could not create, export or import one (its pieces released)."""
+        import torch.distributed as dist
+        from cuda.bindings import driver
+
+        fabric = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
+        prop.requestedHandleTypes = fabric
+        held: list[Any] = []
+        blob = None
+        try:
+            held.append(_cu(driver.cuMemCreate(self.size, prop, 0), "cuMemCreate (fabric)"))
+            blob = bytes(_cu(driver.cuMemExportToShareableHandle(held[0], fabric, 0), "cuMemExportToShareableHandle (fabric)").data)
+        except Exception:  # anything: this rank then votes against fabric (raising here would leave the peers waiting)
+            blob = None
+        blobs: list[Any] = [None] * self.world
+        dist.all_gather_object(blobs, blob, group=self.group)
+        peers = None
+        if all(b is not None for b in blobs):
+            try:
+                peers = []
+                for r, data in enumerate(blobs):
+                    if r == self.rank:
+                        peers.append(held[0])
+                        continue
+                    handle = driver.CUmemFabricHandle()
+                    handle.data = data
+                    imported = driver.cuMemImportFromShareableHandle(handle.getPtr(), fabric)
+                    peers.append(_cu(imported, "cuMemImportFromShareableHandle (fabric)"))
+                    held.append(peers[-1])
+            except Exception:  # likewise: vote against, never raise alone
+                peers = None
+        if not _every_rank(peers is not None, self.group):
+            for handle in held:
+                driver.cuMemRelease(handle)
+            prop.requestedHandleTypes = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            return None
+        self._handles += held
+        self.handle_type = "fabric"
+        return peers
 
     def peer_ptr(self, rank: int) -> int:
         """Device address of rank ``rank``'s buffer, as mapped on this rank."""
