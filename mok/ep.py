@@ -270,7 +270,7 @@ class EPForwardResult:
 
     out: torch.Tensor
     schedule: Schedule
-    x_rows: torch.Tensor
+    x_rows: torch.Tensor | None  # None after a fused dispatch (forward only)
     h: torch.Tensor | None = None
     shared_h: torch.Tensor | None = None
     routing: torch.Tensor | None = None  # every rank's routing [W·T_max, k] (marks the pairs a capacity bound dropped)
@@ -287,14 +287,18 @@ def ep_moe_forward(
     shared: tuple | None = None,
     *,
     timeout_s: float = 5.0,
+    fused_dispatch: bool = False,
 ) -> torch.Tensor:
     """This rank's layer output [T_r, H] bf16; its experts are global ids rank·E_local .. (rank+1)·E_local - 1.
 
     x [T_r, H] bf16 (T_r <= the layout's max_tokens), topk_idx [T_r, k] int32 global expert
     ids, topk_w [T_r, k] fp32, this rank's expert weights (and the replicated shared expert).
-    Every rank of the workspace must make the same sequence of calls.
+    Every rank of the workspace must make the same sequence of calls. ``fused_dispatch``: the
+    gate/up GEMM pulls its rows from the peers itself (no dispatch kernel, no x_rows buffer).
     """
-    return ep_moe_forward_saved(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=False).out
+    return ep_moe_forward_saved(
+        ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=False, fused_dispatch=fused_dispatch
+    ).out
 
 
 def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared) -> tuple[int, int, int, int]:
@@ -389,11 +393,16 @@ def ep_moe_forward_saved(
     *,
     timeout_s: float = 5.0,
     save_h: bool = True,
+    fused_dispatch: bool = False,
 ) -> EPForwardResult:
     """:func:`ep_moe_forward` that also returns what :func:`mok.ep_backward.ep_moe_backward` needs
-    (h of this rank's rows and of the shared expert when ``save_h``; the schedule and x_rows always)."""
+    (h of this rank's rows and of the shared expert when ``save_h``; the schedule and x_rows
+    always, except after a ``fused_dispatch``, which is for forwards without ``save_h``: the
+    published x it pulls from is overwritten by the workspace's next call, e.g. another layer's)."""
     num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     check_timeout(timeout_s)
+    if fused_dispatch and save_h:
+        raise ValueError("fused_dispatch: only with save_h=False (a backward needs the pulled rows kept; the unfused dispatch keeps them)")
     ws.raise_pending()
     dev, world = x.device, ws.layout.world
     k = _kernels(ws, dev)
@@ -402,11 +411,18 @@ def ep_moe_forward_saved(
     publish(ws, k, {"x": x, "idx": topk_idx}, num_tokens, timeout_s, stream)
     routing = gather_ranks(ws, k, "idx", stream)  # every rank's routing -> this rank's schedule -> dispatch
     sched = ops.device_schedule(routing, num_local * world, rank=ws.rank, world_size=world, capacity=ws.capacity)
-    x_rows = pull_rows(ws, k, "x", sched.row_token, stream)
 
     h = torch.empty(sched.capacity, 2 * w_gate.shape[1], dtype=x.dtype, device=dev) if save_h else None
     shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if save_h and shared is not None else None
-    a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
+    if fused_dispatch:  # the gate/up GEMM's producer pulls each row from its owner's published x
+        x_rows = None
+        x_all = ws.region("x", 0)[: ws.layout.max_tokens * hidden].view(ws.layout.max_tokens, hidden)
+        a = ops.grouped_gemm(
+            x_all, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token, gather_ranks=(world, ws.stride_elems("x"))
+        )
+    else:
+        x_rows = pull_rows(ws, k, "x", sched.row_token, stream)
+        a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
     push_rows(ws, k, y_rows, sched, routing, stream, gradient=False)
 

@@ -147,6 +147,7 @@ def grouped_gemm(
     stages: int | None = None,
     persistent: bool = True,
     gather: torch.Tensor | None = None,
+    gather_ranks: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (bf16, fp32 accumulation).
 
@@ -164,6 +165,10 @@ def grouped_gemm(
     ``gather`` [R] int32 (the schedule's row_token): A is not materialised; a is the token
     matrix x [T, K] and row r of A is x[gather[r]], or zeros where gather[r] < 0 (each
     entry must be < T: the schedule guarantees it; nothing here reads it back).
+    ``gather_ranks`` (world W, rank stride in elements), with ``gather``: ``a`` is rank 0's
+    token matrix [T_max, K] in an expert-parallel workspace whose W ranks' matrices lie
+    ``rank stride`` elements apart in one mapping; gather[r] = g names row g % T_max of rank
+    g // T_max (the fc1 of mok/ep.py pulling its rows from the peers inside the GEMM).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
@@ -172,6 +177,15 @@ def grouped_gemm(
         if not persistent:
             raise ValueError("gather: only with the persistent kernel")
         num_rows = gather.shape[0]
+    world, rank_stride = gather_ranks if gather_ranks is not None else (1, 0)
+    if gather_ranks is not None:
+        if gather is None:
+            raise ValueError("gather_ranks: only with gather (the rows to pull)")
+        if world < 1 or rank_stride < a.numel() or rank_stride % 8 or (world - 1) * rank_stride + a.numel() >= 2**31:
+            raise ValueError(
+                f"gather_ranks: expected (world >= 1, rank stride >= {a.numel()} elements, a multiple of 8, "
+                f"every rank within 2^31 elements), got {gather_ranks}"
+            )
     if b_major not in ("k", "n"):
         raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
     if k_split and b2 is None:
@@ -197,16 +211,17 @@ def grouped_gemm(
         if t is not None:
             _check_cuda_aligned(name, t)
             _check_32bit(name, t)
-    if num_rows == 0 or a.shape[0] == 0:  # (gather from no tokens: every row is padding)
+    if num_rows == 0 or a.shape[0] * world == 0:  # (gather from no tokens: every row is padding)
         return out
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     variant = grouped_gemm_variant(
         n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split, persistent=persistent,
-        gather_a=gather is not None,
+        gather_a=gather is not None, gather_ranks=gather_ranks is not None,
     )
     launch_grouped_gemm(
         variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
-        num_experts=num_experts, num_tokens=a.shape[0] if gather is not None else 1,
+        num_experts=num_experts, num_tokens=a.shape[0] if gather is not None else 1, rows_per_rank=a.shape[0],
+        rank_stride=rank_stride,
     )
     return out
 
@@ -214,16 +229,18 @@ def grouped_gemm(
 def launch_grouped_gemm(
     variant, a, b, b2, out, tile_expert, *, h=None, a_scaled=None, partial=None, row_token=None, row_slot=None,
     topk_w=None, slot_row=None, shared_out=None, combined=None, arrivals=None, num_rows: int, num_experts: int,
-    num_tokens: int = 1,
+    num_tokens: int = 1, rows_per_rank: int = 1, rank_stride: int = 0,
 ) -> None:
-    """Launch a checked grouped-GEMM variant (arguments it does not use may be None)."""
+    """Launch a checked grouped-GEMM variant (arguments it does not use may be None; ``rows_per_rank``
+    and ``rank_stride`` only with ``gather_ranks``)."""
     kernel = _kernel(variant, a.device)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b2), _ptr("bf16", out), _ptr("i32", tile_expert, 4),
         _ptr("bf16", h), _ptr("bf16", a_scaled), _ptr("f32", partial, 4), _ptr("i32", row_token, 4),
         _ptr("i32", row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", slot_row, 4), _ptr("bf16", shared_out),
         _ptr("bf16", combined), _ptr("i32", arrivals, 4),
-        _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(_sm_count(a.device)), _stream(a.device),
+        _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(_sm_count(a.device)), _i32(rows_per_rank), _i32(rank_stride),
+        _stream(a.device),
     )
 
 

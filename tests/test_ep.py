@@ -114,3 +114,20 @@ def test_layer_refuses_a_bad_timeout():
 
     with pytest.raises(ValueError, match=r"timeout_s: expected a positive number of seconds, got -1"):
         MoELayer(16, 8, 4, 2, timeout_s=-1)
+
+
+def test_fused_dispatch_is_for_forwards_that_keep_nothing_and_its_geometry_is_checked():
+    from mok import ops
+    from mok.ep import ep_moe_forward_saved
+
+    layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
+    ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
+    x, idx, w, experts, _ = random_layer(8, 16, 8, 2, 2, seed=3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fused_dispatch: only with save_h=False"):
+        ep_moe_forward_saved(ws, x, idx.int(), w, *(e[:1].contiguous() for e in experts), fused_dispatch=True)
+    a, b = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(1, 128, 64, dtype=torch.bfloat16)
+    rows, tiles = torch.zeros(128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="gather_ranks: only with gather"):
+        ops.grouped_gemm(a, b, tiles, gather_ranks=(2, 512))
+    with pytest.raises(ValueError, match=r"gather_ranks: expected \(world >= 1, rank stride >= 512 elements"):
+        ops.grouped_gemm(a, b, tiles, gather=rows, gather_ranks=(2, 500))

@@ -15,7 +15,7 @@ from helpers import gpu_layer, rel_err
 pytestmark = pytest.mark.gpu
 
 
-def warm_up(layout, per_rank_args, capacity=None):
+def warm_up(layout, per_rank_args, capacity=None, fused_dispatch=False):
     """Launch every kernel once, one rank at a time (its waits time out at once), on a throwaway workspace.
 
     CUDA loads a kernel lazily at its first launch, and loading waits for the device: on ONE
@@ -23,17 +23,17 @@ def warm_up(layout, per_rank_args, capacity=None):
     separate GPUs a rank's loading only waits for its own GPU.)
     """
     for ws, args in zip(EPWorkspace.local_group(layout, capacity=capacity), per_rank_args):
-        ep_moe_forward(ws, *args, timeout_s=1e-4)
+        ep_moe_forward(ws, *args, timeout_s=1e-4, fused_dispatch=fused_dispatch)
         torch.cuda.synchronize()
 
 
-def run_ranks(workspaces, per_rank_args, timeout_s=20.0):
+def run_ranks(workspaces, per_rank_args, timeout_s=20.0, fused_dispatch=False):
     streams = [torch.cuda.Stream() for _ in workspaces]
     outs = []
     torch.cuda.synchronize()
     for ws, args, stream in zip(workspaces, per_rank_args, streams):
         with torch.cuda.stream(stream):
-            outs.append(ep_moe_forward(ws, *args, timeout_s=timeout_s))
+            outs.append(ep_moe_forward(ws, *args, timeout_s=timeout_s, fused_dispatch=fused_dispatch))
     torch.cuda.synchronize()
     for ws in workspaces:
         ws.check()
@@ -58,9 +58,11 @@ def split(world, counts, x, idx, w, experts, shared):
     (4, (100, 37, 250, 1), 8, 4, 256, "uniform"),  # EP = 4 (issue 7's size, emulated)
     (2, (0, 300), 8, 1, None, "one_expert"),  # rank 0 sends nothing; every token of rank 1 to expert 0, on rank 0
 ])
-def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter, routing):
+@pytest.mark.parametrize("fused_dispatch", [False, True])
+def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter, routing, fused_dispatch):
     """EP = W emulated on one GPU: within 1e-2 of the fp32 reference, bit for bit the single-GPU
-    forward on the concatenated batch, and the same bits over 20 calls."""
+    forward on the concatenated batch, and the same bits over 20 calls; with ``fused_dispatch``
+    the gate/up GEMM pulls its rows from the ranks' published x itself."""
     from mok.reference import moe_reference
 
     total = sum(counts)
@@ -68,13 +70,13 @@ def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter,
     want = moe_forward(x, idx, w, *experts, shared).out  # also compiles the GEMMs before any rank waits
     layout = EPLayout(world=world, max_tokens=max(counts) + 13, hidden=512, topk=k)
     args = split(world, counts, x, idx, w, experts, shared)
-    warm_up(layout, args)
+    warm_up(layout, args, fused_dispatch=fused_dispatch)
     workspaces = EPWorkspace.local_group(layout)
-    first = torch.cat(run_ranks(workspaces, args))
+    first = torch.cat(run_ranks(workspaces, args, fused_dispatch=fused_dispatch))
     assert rel_err(first, moe_reference(x, idx, w, *experts, shared)) <= 1e-2
     assert torch.equal(first, want)
     for _ in range(19):  # epochs advance; every call gives the same bits
-        assert torch.equal(torch.cat(run_ranks(workspaces, args)), first)
+        assert torch.equal(torch.cat(run_ranks(workspaces, args, fused_dispatch=fused_dispatch)), first)
 
 
 def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang():

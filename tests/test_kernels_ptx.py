@@ -159,3 +159,12 @@ def test_ep_overflow_kernel_claims_error_records_by_compare_and_swap_and_poisons
         assert count(r"\batom\.|\bred\.", ptx) == 1  # nothing else is atomic
         assert count(r"st\.global\.v4", ptx) >= 1  # NaN rows in 16-byte stores
     assert count(r"st\.global\.(f32|b32)\b", backward) > count(r"st\.global\.(f32|b32)\b", forward)  # + the router pieces
+
+
+def test_gathering_from_every_ranks_x_adds_only_the_row_address_arithmetic():
+    """gather_ranks: the same cp.async gather and WGMMAs, each row's (rank, row) address computed once per tile."""
+    plain = compiled_ptx(grouped_gemm_variant(256, 512, epilogue="swiglu", gather_a=True), "sm_90a")
+    ranks = compiled_ptx(grouped_gemm_variant(256, 512, epilogue="swiglu", gather_a=True, gather_ranks=True), "sm_90a")
+    for pattern in (r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor"):
+        assert count(pattern, ranks) == count(pattern, plain), pattern
+    assert count(r"\b(div|rem)\.", ranks) > count(r"\b(div|rem)\.", plain)

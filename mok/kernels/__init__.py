@@ -104,6 +104,7 @@ def grouped_gemm_variant(
     unit_scale: bool = False,
     persistent: bool = True,
     gather_a: bool = False,
+    gather_ranks: bool = False,
     combine: bool = False,
     has_shared: bool = False,
 ) -> KernelVariant:
@@ -115,7 +116,8 @@ def grouped_gemm_variant(
     reads B as [E, K, N]; ``k_split`` takes the two K halves from B and B2. ``persistent`` (default): one
     CTA per SM walks the tiles, a producer warpgroup loading ahead while the MMA warpgroups
     run the epilogue (perf/NOTES.md: 0-20% faster than one CTA per tile, the same bits). ``stages``: shared-memory pipeline depth; None fills shared memory.
-    ``gather_a`` (persistent only): A is the token matrix, its rows gathered by the schedule's row_token.
+    ``gather_a`` (persistent only): A is the token matrix, its rows gathered by the schedule's row_token;
+    with ``gather_ranks``, every rank's token matrix in the expert-parallel workspace (pulled in the GEMM).
     ``combine`` (the down projection): the kernel also writes the layer output, each token's
     columns combined by the CTA that brings its last slot (``topk`` slots, ``has_shared``).
     """
@@ -125,6 +127,8 @@ def grouped_gemm_variant(
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
     if gather_a:  # (absent otherwise: the other variants' cache keys stay as they were)
         options["gather_a"] = True
+    if gather_ranks:
+        options["gather_ranks"] = True
     if combine:
         options.update(combine=True, has_shared=has_shared)
 

@@ -72,6 +72,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         stages: int | None = None,
         persistent: bool = False,
         gather_a: bool = False,
+        gather_ranks: bool = False,
         combine: bool = False,
         has_shared: bool = False,
     ) -> None:
@@ -90,6 +91,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("k_split: only with the plain epilogue")
         if gather_a and not persistent:
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
+        if gather_ranks and not gather_a:
+            raise ValueError("gather_ranks: only with gather_a (it says where the gathered rows live)")
         if combine and (epilogue != "plain" or k_split or b_major != "k" or not persistent):
             raise ValueError("combine: only for the persistent plain GEMM with K-major B (the down projection)")
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
@@ -98,7 +101,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         self.num_b = 2 if self.two_accumulators else 1
         self.b_k = k // 2 if k_split else k  # K extent of each B tensor
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
-        self.persistent, self.gather_a = persistent, gather_a
+        self.persistent, self.gather_a, self.gather_ranks = persistent, gather_a, gather_ranks
         self.combine, self.has_shared = combine, has_shared
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
@@ -137,6 +140,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
         max_ctas: cutlass.Int32,
+        rows_per_rank: cutlass.Int32,
+        rank_stride: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         n, k = self.n, self.k
@@ -187,7 +192,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
         combine_args = (m_c, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
-        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_a, combine_args)
+        x_rows = m_a  # gather_a: x [T, K]; gather_ranks: every rank's x, T_max rows each, rank_stride elements apart
+        if cutlass.const_expr(self.gather_ranks):
+            x_rows = (m_a, rows_per_rank, rank_stride)
+        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, x_rows, combine_args)
         all_tiles = num_tiles * (n // tile_n)
         if cutlass.const_expr(self.persistent):
             grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
@@ -205,7 +213,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         num_row_tiles: cutlass.Int32,
         num_rows: cutlass.Int32,
         mma_args: tuple,
-        m_x: cute.Tensor,
+        m_x: cute.Tensor | tuple,
         combine_args: tuple,
     ):
         """One CTA per output tile. The tuples are the ones ``__call__`` packs: ``load_args`` the
@@ -257,7 +265,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         num_row_tiles: cutlass.Int32,
         num_rows: cutlass.Int32,
         mma_args: tuple,
-        m_x: cute.Tensor,
+        m_x: cute.Tensor | tuple,
         combine_args: tuple,
     ):
         """Persistent and warp-specialised: CTA i takes tiles i, i + grid, ... in the L2-friendly order.
@@ -397,6 +405,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         past the buffer) are zero-filled (a copy of 0 source bytes), so the backward never sees
         garbage there. The destination follows the A stage's 128-byte swizzle: within a K tile
         of 64 bf16, chunk c of row r sits at byte r·128 + ((c ^ (r % 8))·16).
+        With ``gather_ranks``, ``m_x`` is (x of rank 0, T_max, rank stride) and token g is row
+        g % T_max of rank g // T_max's x (through the symmetric mapping: a pull from the peer).
         """
         tile_m, _, tile_k = self.tile_shape_mnk
         rows_per_pass = 128 // 8
@@ -410,7 +420,12 @@ class GroupedGemmSm90(WgmmaTileKernel):
             token = cutlass.Int32(-1)
             if row < num_rows:
                 token = m_row_token[row]
+            if cutlass.const_expr(self.gather_ranks):  # the row's element offset from rank 0's x (-1: padding)
+                _, rows_per_rank, rank_stride = m_x
+                if token >= 0:
+                    token = (token // rows_per_rank) * rank_stride + (token % rows_per_rank) * self.k
             tokens[i] = token
+        x_base = m_x[0].iterator if cutlass.const_expr(self.gather_ranks) else m_x.iterator
         prod.reset_count()
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
@@ -420,7 +435,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
             col = k_tile * tile_k + chunk * 8
             for i in cutlass.range_constexpr(tile_m // rows_per_pass):
                 token = tokens[i]
-                src = m_x.iterator + (cutlass.Int64(cutlass.max(token, 0)) * self.k + col)
+                if cutlass.const_expr(self.gather_ranks):
+                    src = x_base + (cutlass.Int64(cutlass.max(token, 0)) + col)
+                else:
+                    src = x_base + (cutlass.Int64(cutlass.max(token, 0)) * self.k + col)
                 dst = a_base + (prod.index * stage_elems + dst0 + i * rows_per_pass * tile_k)
                 copy_async_16b(dst, src, token >= 0)
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
@@ -633,6 +651,7 @@ def compile_grouped_gemm(
     stages: int | None = None,
     persistent: bool = False,
     gather_a: bool = False,
+    gather_ranks: bool = False,
     combine: bool = False,
     has_shared: bool = False,
 ):
@@ -646,11 +665,12 @@ def compile_grouped_gemm(
         bf16_ptr(), bf16_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), bf16_ptr(),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), i32_ptr(),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(),
-        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
+        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
+        make_fake_stream(),
     )
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
-        persistent=persistent, gather_a=gather_a, combine=combine, has_shared=has_shared,
+        persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
