@@ -139,6 +139,7 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
             else:
                 paths = {
                     "mok": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0),
+                    "mok fd": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, fused_dispatch=True),  # fc1 pulls
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
             ms = {p: _time(fn, group) for p, fn in paths.items()}
