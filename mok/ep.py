@@ -233,9 +233,14 @@ class EPWorkspace:
 
 
 def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
-    """The EP kernels this layout uses (compiled or loaded once, before anything waits on a peer)."""
+    """The EP kernels this layout uses (compiled or loaded once, before anything waits on a peer;
+    the overflow markers only with a capacity bound)."""
     lay, arch = ws.layout, device_arch(device.index)
-    return {
+    overflow = {} if ws.capacity is None else {
+        f"overflow_{phase}": get_kernel(ep_variant("overflow", lay.world, phase=phase, width=lay.hidden, topk=lay.topk), arch)
+        for phase in (PHASE_PUBLISH, PHASE_DONE)
+    }
+    return overflow | {
         "signal_pub": get_kernel(ep_variant("signal", lay.world, phase=PHASE_PUBLISH), arch),
         "signal_done": get_kernel(ep_variant("signal", lay.world, phase=PHASE_DONE), arch),
         "wait_pub": get_kernel(ep_variant("wait", lay.world, phase=PHASE_PUBLISH), arch),
@@ -246,15 +251,13 @@ def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
     }
 
 
-def mark_overflow(ws: EPWorkspace, routing: torch.Tensor, sched: Schedule, stream, *, gradient: bool) -> None:
+def mark_overflow(ws: EPWorkspace, kernels: dict, routing: torch.Tensor, sched: Schedule, stream, *, gradient: bool) -> None:
     """With a capacity bound: NaN into the pushed slots (and, for ``gradient``, the router-gradient
     pieces) of the pairs that got no row, and the overflow into every rank's error record."""
     if ws.capacity is None:
         return
     lay = ws.layout
-    phase = PHASE_DONE if gradient else PHASE_PUBLISH
-    kernel = get_kernel(ep_variant("overflow", lay.world, phase=phase, width=lay.hidden, topk=lay.topk), device_arch(routing.device.index))
-    kernel(
+    kernels[f"overflow_{PHASE_DONE if gradient else PHASE_PUBLISH}"](
         *(ops._ptr("i32", t, 4) for t in (ws.region("flags", 0), routing, sched.slot_row, sched.overflow, sched.expert_offsets)),
         ops._ptr("bf16", ws.region("slots", 0)), ops._ptr("f32", ws.region("dw"), 4), ops._i32(ws.rank),
         ops._i32(sched.expert_counts.shape[0]), ops._i32(sched.capacity), ops._i32(lay.max_tokens),
@@ -370,7 +373,7 @@ def push_rows(ws: EPWorkspace, kernels: dict, rows: torch.Tensor, sched, routing
         ops._ptr("bf16", ws.region("slots", 0)), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("slots")),
         ops._i32(sched.capacity), stream,
     )
-    mark_overflow(ws, routing, sched, stream, gradient=gradient)  # before the signal: peers read the slots after it
+    mark_overflow(ws, kernels, routing, sched, stream, gradient=gradient)  # before the signal: peers read the slots after it
     kernels["signal_done"](*flag_args(ws), stream)
 
 

@@ -172,15 +172,18 @@ class MoELayer(nn.Module):
             out = self._fused(tokens, topk_idx, topk_w, check_range=external and _may_sync(tokens))
         return out.reshape(*lead, c.hidden)
 
+    def _needs_saving(self, x, topk_w, shared) -> bool:
+        """Whether the forward must keep what its backward reads (a gradient is wanted of anything it uses)."""
+        return torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or ()))
+        )
+
     def _fused(self, x, topk_idx, topk_w, check_range: bool):
         from .validation import check_moe_inputs
 
         shared = self.shared_weights()
         check_moe_inputs(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range)
-        save = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or ()))
-        )
-        sg, su, sd = shared if shared is not None else (None, None, None)
+        save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
         return torch.ops.mok.moe_forward(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save)[0]
 
     def _fused_ep(self, x, topk_idx, topk_w, check_range: bool):
@@ -195,10 +198,7 @@ class MoELayer(nn.Module):
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range,
             experts_total=self.config.num_experts,
         )
-        save = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or ()))
-        )
-        sg, su, sd = shared if shared is not None else (None, None, None)
+        save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
         handle = self._ep_handle
         if handle is None:
             if torch.compiler.is_compiling():
