@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import combine_variant, default_tile_n, gather_variant, get_kernel, grouped_gemm_variant, schedule_variant
+from .kernels import (
+    combine_variant, default_tile_n, gather_variant, get_kernel, grouped_gemm_variant, schedule_ctas, schedule_variant,
+)
 from .schedule import Schedule, check_schedule_args, worst_case_capacity
 from .runtime.arch import device_arch
 from .validation import check_tensor
@@ -325,7 +327,7 @@ def device_schedule(
     world_size: int = 1,
     clear: torch.Tensor | None = None,
 ) -> Schedule:
-    """:func:`mok.schedule.build_schedule` computed by one kernel launch, bit for bit.
+    """:func:`mok.schedule.build_schedule` computed by one kernel launch (many CTAs), bit for bit.
 
     topk_idx: [N, k] int32 on the GPU (global expert ids, canonical token order). The
     overflow field is an int32 flag (non-zero: the routing needed more than ``capacity`` rows).
@@ -354,7 +356,8 @@ def device_schedule(
         buffers = (topk_idx, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, clear)
         kernel(
             *(_ptr("i32", t, 4) for t in buffers),
-            _i32(num_tokens), _i32(rank * num_local), _i32(capacity), _i32(0 if clear is None else clear.numel()), _stream(dev),
+            _i32(num_tokens), _i32(rank * num_local), _i32(capacity), _i32(0 if clear is None else clear.numel()),
+            _i32(schedule_ctas(num_tokens * topk, _sm_count(dev))), _stream(dev),
         )
     else:  # nothing routed: no launch
         counts.zero_(), offsets.zero_(), row_token.fill_(-1), row_slot.fill_(-1), tile_expert.fill_(-1), overflow.zero_()

@@ -200,6 +200,11 @@ def test_forward_rejects_bad_input():
         (300, 8, 4, 1, 0, None, "one_expert"),
         (1, 8, 2, 2, 1, None, "uniform"),
         (500, 16, 4, 1, 0, 1024, "uniform"),  # overflow: rows past capacity get no slot
+        (8192, 64, 8, 1, 0, None, "uniform"),  # qwen3-like: one CTA per SM, chunks cut tokens
+        (8192, 8, 8, 1, 0, None, "one_expert"),  # every chunk's pairs on the same few experts
+        (16384, 256, 8, 8, 5, None, "zipf"),  # EP = 8 share of a large global batch
+        (2000, 1024, 8, 1, 0, None, "uniform"),  # the most experts the kernel takes
+        (3000, 64, 8, 1, 0, 4096, "zipf"),  # overflow with many CTAs
     ],
 )
 def test_device_schedule_equals_python_schedule(N, E, k, world, rank, capacity, routing):

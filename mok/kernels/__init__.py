@@ -58,8 +58,19 @@ def gather_variant(width: int) -> KernelVariant:
     return KernelVariant("gather", {"width": width}, build)
 
 
+SCHEDULE_THREADS = 512  # threads per CTA of the schedule launch
+
+
+def schedule_ctas(pairs: int, sm_count: int) -> int:
+    """CTAs of a schedule launch: one per SM at most, at least one warp-step of pairs per warp.
+
+    Each CTA reads all P expert ids once (its counts) and walks only its own chunk, so more
+    CTAs shorten the serial walk; the placement does not depend on the count."""
+    return max(1, min(sm_count, -(-pairs // SCHEDULE_THREADS)))
+
+
 def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelVariant:
-    """Routing -> row slots on the GPU (one CTA), the device twin of mok/schedule.py."""
+    """Routing -> row slots on the GPU (one launch), the device twin of mok/schedule.py."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.schedule import compile_schedule

@@ -1,4 +1,4 @@
-"""Device schedule: routing -> row slots in one CTA, bit for bit what ``mok/schedule.py`` computes.
+"""Device schedule: routing -> row slots in one launch of many CTAs, bit for bit what ``mok/schedule.py`` computes.
 
 Input: topk_idx flattened to P = N·k pairs in canonical order (token, then slot), with
 global expert ids; this rank owns experts [lo, lo + E). Output: expert counts and padded
@@ -7,12 +7,15 @@ every row tile, and an overflow flag (rows needed > capacity). It also zeroes a
 caller-given int32 buffer (the arrival counters of the down projection that combines as it
 goes), which then needs no launch of its own.
 
-No atomics decide placement. Each of the 32 warps walks a contiguous chunk of pairs, 32 at
-a time: lanes with the same expert find each other (match.any), a lane's rank among them
-is the number of matching lower lanes, and the lowest lane advances the warp's per-expert
-count in shared memory. A scan over warps then gives each warp's base per expert, a scan
-over experts the padded offsets, and a second walk writes every pair's row. The result is
-a pure function of the routing.
+A pair's row is offsets[e] + (pairs of expert e before it in canonical order). The pairs are
+cut into one contiguous chunk per CTA. Every CTA counts, per expert, the pairs before and
+after its chunk (integer shared-memory adds: a count does not depend on their order) and so
+knows every expert's total and the offsets without waiting for any other CTA; inside its
+chunk each warp ranks 32 pairs at a time (lanes with the same expert find each other with
+match.any) and a scan over warps gives each warp's base. No CTA waits on another, no global
+atomics, and every output element has exactly one writer: the rows of a chunk's pairs by
+that chunk's CTA, padding rows, tail rows, tile experts and the cleared buffer by CTAs in a
+fixed round robin. The result is a pure function of the routing.
 """
 
 from __future__ import annotations
@@ -21,17 +24,19 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-WARPS = 32
-THREADS = WARPS * 32
+from .. import SCHEDULE_THREADS as THREADS
+
+WARPS = THREADS // 32
+MAX_EXPERTS = 1024
 FULL_MASK = 0xFFFFFFFF
 
 
 class ScheduleKernel:
-    """Static config: local experts E (<= THREADS), top-k, row tile ``block_m``."""
+    """Static config: local experts E (<= MAX_EXPERTS), top-k, row tile ``block_m``."""
 
     def __init__(self, num_local_experts: int, topk: int, block_m: int) -> None:
-        if not 1 <= num_local_experts <= THREADS:
-            raise ValueError(f"num_local_experts: expected 1..{THREADS}, got {num_local_experts}")
+        if not 1 <= num_local_experts <= MAX_EXPERTS:
+            raise ValueError(f"num_local_experts: expected 1..{MAX_EXPERTS}, got {num_local_experts}")
         self.num_local = num_local_experts
         self.topk = topk
         self.block_m = block_m
@@ -52,6 +57,7 @@ class ScheduleKernel:
         expert_lo: cutlass.Int32,
         capacity: cutlass.Int32,
         num_clear: cutlass.Int32,
+        num_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         pairs = num_tokens * self.topk
@@ -70,7 +76,7 @@ class ScheduleKernel:
             pairs,
             expert_lo,
             capacity,
-        ).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -90,102 +96,115 @@ class ScheduleKernel:
     ):
         e_local, bm, k = self.num_local, self.block_m, self.topk
         tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
         warp = tid // 32
         lane = tid % 32
         smem = cutlass.memory.SmemAllocator()
-        hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS * e_local), byte_alignment=16)
+        warp_base = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS * e_local), byte_alignment=16)
+        before = smem.allocate_tensor(cutlass.Int32, cute.make_layout(e_local), byte_alignment=16)
+        after = smem.allocate_tensor(cutlass.Int32, cute.make_layout(e_local), byte_alignment=16)
+        counts = smem.allocate_tensor(cutlass.Int32, cute.make_layout(e_local), byte_alignment=16)
         offs = smem.allocate_tensor(cutlass.Int32, cute.make_layout(e_local + 1), byte_alignment=16)
 
-        # 0. clear the per-warp counts and every output row
+        chunk = (pairs + ctas * 32 - 1) // (ctas * 32) * 32
+        begin = cutlass.min(cta * chunk, pairs)
+        end = cutlass.min(begin + chunk, pairs)
+        warp_chunk = (chunk + THREADS - 1) // THREADS * 32
+        w_begin = cutlass.min(begin + warp * warp_chunk, end)
+        w_end = cutlass.min(w_begin + warp_chunk, end)
+
         for i in cutlass.range(tid, WARPS * e_local, THREADS, unroll=1):
-            hist[i] = 0
-        for r in cutlass.range(tid, capacity, THREADS, unroll=1):
-            m_row_token[r] = -1
-            m_row_slot[r] = -1
-        for t in cutlass.range(tid, capacity // bm, THREADS, unroll=1):
-            m_tile_expert[t] = -1
-        for i in cutlass.range(tid, cute.size(m_clear), THREADS, unroll=1):  # a later kernel's counters
-            m_clear[i] = 0
+            warp_base[i] = 0
+        for i in cutlass.range(tid, e_local, THREADS, unroll=1):
+            before[i] = 0
+            after[i] = 0
         cute.arch.sync_threads()
 
-        # 1. each warp ranks the pairs of its chunk among its earlier pairs of the same expert
-        chunk = (pairs + WARPS * 32 - 1) // (WARPS * 32) * 32
-        begin = warp * chunk
-        end = cutlass.min(begin + chunk, pairs)
-        # (each lane loads its next pair's expert one step ahead: the walk is serial, the loads need not be)
-        next_expert = cutlass.Int32(-1)
-        if begin + lane < end:
-            next_expert = m_idx[begin + lane] - expert_lo
-        for base in cutlass.range(begin, end, 32, unroll=1):
+        # 1. every expert's pairs before and after this CTA's chunk (order-free integer counts)
+        for p in cutlass.range(tid, begin, THREADS, unroll=4):
+            expert = m_idx[p] - expert_lo
+            if expert >= 0 and expert < e_local:
+                cute.arch.atomic_add((before.iterator + expert).llvm_ptr, cutlass.Int32(1), scope="cta")
+        for p in cutlass.range(end + tid, pairs, THREADS, unroll=4):
+            expert = m_idx[p] - expert_lo
+            if expert >= 0 and expert < e_local:
+                cute.arch.atomic_add((after.iterator + expert).llvm_ptr, cutlass.Int32(1), scope="cta")
+
+        # 2. each warp ranks its pairs among its earlier pairs of the same expert
+        for base in cutlass.range(w_begin, w_end, 32, unroll=1):
             p = base + lane
-            expert = next_expert
-            if p + 32 < end:
-                next_expert = m_idx[p + 32] - expert_lo
             key = cutlass.Int32(-1)  # -1: past the chunk, or another rank's expert
-            if p < end:
-                if expert >= 0:
-                    if expert < e_local:
-                        key = expert
+            if p < w_end:
+                expert = m_idx[p] - expert_lo
+                if expert >= 0 and expert < e_local:
+                    key = expert
             peers = cute.arch.match_sync(FULL_MASK, key)
             lower = cutlass.Int32(cute.arch.popc(peers & cute.arch.lanemask_lt()))
-            before = cutlass.Int32(0)
+            seen = cutlass.Int32(0)
             if key >= 0:
-                before = hist[warp * e_local + key]
+                seen = warp_base[warp * e_local + key]
             cute.arch.sync_warp()
-            if key >= 0:
-                if lower == 0:  # the lowest lane of each group advances the warp's count
-                    hist[warp * e_local + key] = before + cutlass.Int32(cute.arch.popc(peers))
+            if key >= 0 and lower == 0:  # the lowest lane of each group advances the warp's count
+                warp_base[warp * e_local + key] = seen + cutlass.Int32(cute.arch.popc(peers))
             cute.arch.sync_warp()
-            if p < end:
+            if p < w_end:
                 rank = cutlass.Int32(-1)
                 if key >= 0:
-                    rank = before + lower
-                m_slot_row[p] = rank
+                    rank = seen + lower
+                m_slot_row[p] = rank  # the rank for now; step 5 turns it into the row
         cute.arch.sync_threads()
 
-        # 2. per expert: each warp's base (scan over warps) and the expert's count
-        if tid < e_local:
-            run = cutlass.Int32(0)
+        # 3. per expert: each warp's base (the pairs before the chunk, then a scan over warps) and the total
+        for i in cutlass.range(tid, e_local, THREADS, unroll=1):
+            run = before[i]
             for w in cutlass.range(WARPS, unroll=1):
-                c = hist[w * e_local + tid]
-                hist[w * e_local + tid] = run
+                c = warp_base[w * e_local + i]
+                warp_base[w * e_local + i] = run
                 run = run + c
-            m_counts[tid] = run
-            offs[tid] = (run + bm - 1) // bm * bm
+            counts[i] = run + after[i]
         cute.arch.sync_threads()
 
-        # 3. padded offsets (one thread, E steps) and the overflow flag
-        if tid == 0:
-            acc = cutlass.Int32(0)
-            for i in cutlass.range(e_local, unroll=1):
-                padded = offs[i]
+        # 4. padded offsets: warp 0 scans the experts, each lane a contiguous run of them
+        per_lane = (e_local + 31) // 32
+        if warp == 0:
+            first = lane * per_lane
+            last = cutlass.min(first + per_lane, e_local)
+            mine = cutlass.Int32(0)
+            for i in cutlass.range(first, last, unroll=1):
+                mine = mine + (counts[i] + bm - 1) // bm * bm
+            incl = mine
+            for step in cutlass.range_constexpr(5):
+                got = cute.arch.shuffle_sync_up(incl, 1 << step)
+                if lane >= (1 << step):
+                    incl = incl + got
+            acc = incl - mine
+            for i in cutlass.range(first, last, unroll=1):
                 offs[i] = acc
-                m_offsets[i] = acc
-                acc = acc + padded
-            offs[e_local] = acc
-            m_offsets[e_local] = acc
-            flag = cutlass.Int32(0)
-            if acc > capacity:
-                flag = cutlass.Int32(1)
-            m_overflow[0] = flag
+                acc = acc + (counts[i] + bm - 1) // bm * bm
+            if lane == 31:
+                offs[e_local] = incl
         cute.arch.sync_threads()
+        total_rows = offs[e_local]
+        if cta == 0:
+            for i in cutlass.range(tid, e_local + 1, THREADS, unroll=1):
+                m_offsets[i] = offs[i]
+                if i < e_local:
+                    m_counts[i] = counts[i]
+            if tid == 0:
+                flag = cutlass.Int32(0)
+                if total_rows > capacity:
+                    flag = cutlass.Int32(1)
+                m_overflow[0] = flag
 
-        # 4. every pair's row; rows past capacity get none (the overflow flag says so)
-        next_rank = cutlass.Int32(-1)
-        next_expert = cutlass.Int32(0)
-        if begin + lane < end:
-            next_rank = m_slot_row[begin + lane]
-            next_expert = m_idx[begin + lane] - expert_lo
-        for base in cutlass.range(begin, end, 32, unroll=1):
+        # 5. every pair's row; rows past capacity get none (the overflow flag says so)
+        for base in cutlass.range(w_begin, w_end, 32, unroll=1):
             p = base + lane
-            rank = next_rank
-            expert = next_expert
-            if p + 32 < end:  # one step ahead, as in step 1 (p + 32 is not written below)
-                next_rank = m_slot_row[p + 32]
-                next_expert = m_idx[p + 32] - expert_lo
-            if p < end:
+            if p < w_end:
+                rank = m_slot_row[p]  # written by this lane in step 2
                 if rank >= 0:
-                    row = offs[expert] + hist[warp * e_local + expert] + rank
+                    expert = m_idx[p] - expert_lo
+                    row = offs[expert] + warp_base[warp * e_local + expert] + rank
                     if row < capacity:
                         m_slot_row[p] = row
                         m_row_token[row] = p // k
@@ -193,11 +212,22 @@ class ScheduleKernel:
                     else:
                         m_slot_row[p] = -1
 
-        # 5. the expert of every used row tile
-        if tid < e_local:
-            last = cutlass.min(offs[tid + 1], capacity) // bm
-            for t in cutlass.range(offs[tid] // bm, last, unroll=1):
-                m_tile_expert[t] = tid
+        # 6. rows no pair uses (each expert's padding, then the unused tail) and the tile experts,
+        #    experts round robin over CTAs, the tail grid-strided
+        for i in cutlass.range(cta, e_local, ctas, unroll=1):
+            pad_end = cutlass.min(offs[i + 1], capacity)
+            for r in cutlass.range(offs[i] + counts[i] + tid, pad_end, THREADS, unroll=1):
+                m_row_token[r] = -1
+                m_row_slot[r] = -1
+            for t in cutlass.range(offs[i] // bm + tid, pad_end // bm, THREADS, unroll=1):
+                m_tile_expert[t] = i
+        for r in cutlass.range(total_rows + cta * THREADS + tid, capacity, ctas * THREADS, unroll=1):
+            m_row_token[r] = -1
+            m_row_slot[r] = -1
+        for t in cutlass.range(total_rows // bm + cta * THREADS + tid, capacity // bm, ctas * THREADS, unroll=1):
+            m_tile_expert[t] = -1
+        for i in cutlass.range(cta * THREADS + tid, cute.size(m_clear), ctas * THREADS, unroll=1):  # a later kernel's
+            m_clear[i] = 0
 
 
 def compile_schedule(num_local_experts: int, topk: int, block_m: int, arch: str, options: str = ""):
@@ -208,7 +238,7 @@ def compile_schedule(num_local_experts: int, topk: int, block_m: int, arch: str,
     i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
     args = (
         i32(), i32(), i32(), i32(), i32(), i32(), i32(), i32(), i32(),
-        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(128), cutlass.Int32(0), make_fake_stream(),
+        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(128), cutlass.Int32(0), cutlass.Int32(1), make_fake_stream(),
     )
     kernel = ScheduleKernel(num_local_experts, topk, block_m)
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
