@@ -7,9 +7,11 @@ stream and with no host synchronisation:
     wait        until every rank published this epoch (bounded)
     routing     all ranks' routing -> [W·T_max, k] (token g = p·T_max + t; -1 past T_p)
     schedule    the device schedule of this rank's experts over that routing (canonical order)
-    dispatch    pull each row's x from its owner's workspace
-    experts     grouped gate/up GEMM + SwiGLU, grouped down GEMM (the single-GPU kernels)
-    push        write each y row into its token's rank, slot [t, j]; signal every rank
+    dispatch    pull each row's x from its owner's workspace (or, with fused_dispatch, the
+                gate/up GEMM pulls them itself)
+    experts     grouped gate/up GEMM + SwiGLU, grouped down GEMM (the single-GPU kernels); the
+                down projection writes each y row straight into its token's rank, slot [t, j]
+    signal      every rank (after NaN into the slots a capacity bound dropped, if one is set)
     wait        until every rank pushed (bounded)
     combine     out[t] = shared(x[t]) + Σ_j w[t, j]·y[t, j] from the pushed slots (fp32, j in order)
 
@@ -23,8 +25,9 @@ expert-parallel backward (mok/ep_backward.py) needs: the schedule, the pulled ro
 The workspace is one address range holding every rank's region at ``rank·stride``: the
 symmetric VMM mapping of mok/runtime/workspace.py across GPUs
 (:meth:`EPWorkspace.from_symmetric`), or, for tests on one GPU, one buffer shared by W
-"ranks" running on W streams (:meth:`EPWorkspace.local_group`). Fusing these launches into
-the expert kernels comes next.
+"ranks" running on W streams (:meth:`EPWorkspace.local_group`). The push (and, opt-in, the
+dispatch) run inside the expert kernels; publishing, the waits and the routing gather are
+launches of their own.
 """
 
 from __future__ import annotations
@@ -373,6 +376,12 @@ def push_rows(ws: EPWorkspace, kernels: dict, rows: torch.Tensor, sched, routing
         ops._ptr("bf16", ws.region("slots", 0)), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("slots")),
         ops._i32(sched.capacity), stream,
     )
+    announce_pushed(ws, kernels, sched, routing, stream, gradient=gradient)
+
+
+def announce_pushed(ws: EPWorkspace, kernels: dict, sched, routing: torch.Tensor, stream, *, gradient: bool) -> None:
+    """After this rank's rows are in their owners' slots (stream order): NaN into the slots of the
+    pairs a capacity bound dropped (:func:`mark_overflow`), then signal every rank (phase done)."""
     mark_overflow(ws, kernels, routing, sched, stream, gradient=gradient)  # before the signal: peers read the slots after it
     kernels["signal_done"](*flag_args(ws), stream)
 
@@ -426,8 +435,12 @@ def ep_moe_forward_saved(
     else:
         x_rows = pull_rows(ws, k, "x", sched.row_token, stream)
         a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
-    y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
-    push_rows(ws, k, y_rows, sched, routing, stream, gradient=False)
+    lay = ws.layout  # the down projection writes each y row straight into its token's slot on the token's rank
+    slots_of_rank0 = ws.region("slots", 0)[: lay.max_tokens * topk * hidden].view(lay.max_tokens, topk, hidden)
+    ops.grouped_gemm_scatter(
+        a, w_down, sched.tile_expert, sched.row_token, sched.row_slot, slots_of_rank0, slot_ranks=(world, ws.stride_elems("slots"))
+    )
+    announce_pushed(ws, k, sched, routing, stream, gradient=False)
 
     shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)  # (overlaps the peers' pushes)
     wait_pushed(ws, k, timeout_s, stream)

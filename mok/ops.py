@@ -228,13 +228,66 @@ def grouped_gemm(
     return out
 
 
+def grouped_gemm_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tile_expert: torch.Tensor,
+    row_token: torch.Tensor,
+    row_slot: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    slot_ranks: tuple[int, int] | None = None,
+) -> None:
+    """a · bᵀ per expert, as :func:`grouped_gemm` with K-major b, each row written into the
+    (token, slot) row of ``slots`` instead of an [R, N] output (no y_rows buffer, no copy).
+
+    a [R, K] bf16 in the schedule's row order, b [E, N, K], tile_expert [ceil(R / 128)];
+    row r belongs to token g = row_token[r] (-1: padding, not written) and slot j = row_slot[r]
+    (int32 [R]). ``slots`` [T, k, N] bf16 receives row r at [g, j]; with ``slot_ranks`` =
+    (W, rank stride in elements) it is rank 0's slots in an expert-parallel workspace, the W
+    ranks' slots ``rank stride`` elements apart in one mapping, and g = p·T + t goes to rank
+    p's [t, j] (the down projection of mok/ep.py pushing y to the tokens' owners).
+    Slots no row maps to are left as they were.
+    """
+    check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
+    num_rows, k = a.shape
+    check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+    num_experts, n = b.shape[:2]
+    check_tensor("b", b, shape=(num_experts, n, k))
+    if n % 128 or k % 64:
+        raise ValueError(f"b: expected N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
+    check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(-(-num_rows // 128),), device=a.device, contiguous=True)
+    for name, t in (("row_token", row_token), ("row_slot", row_slot)):
+        check_tensor(name, t, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
+    check_tensor("slots", slots, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+    if slots.shape[2] != n:
+        raise ValueError(f"slots: expected [T, k, {n}] (N of b), got {list(slots.shape)}")
+    world, rank_stride = slot_ranks if slot_ranks is not None else (1, 0)
+    if world < 1 or (world > 1 and rank_stride < slots.numel()) or rank_stride % 8 or (world - 1) * rank_stride + slots.numel() > 2**31 - 8:
+        raise ValueError(
+            f"slot_ranks: expected (world >= 1, rank stride >= {slots.numel()} elements, a multiple of 8, "
+            f"every rank's slots within 2^31 - 8 elements), got {slot_ranks}"
+        )
+    for name, t in (("a", a), ("b", b), ("slots", slots)):
+        _check_cuda_aligned(name, t)
+        _check_32bit(name, t)
+    if num_rows == 0:
+        return
+    num_tokens, topk, _ = slots.shape
+    variant = grouped_gemm_variant(n, k, scatter=True, topk=topk)
+    launch_grouped_gemm(
+        variant, a, b, b, slots, tile_expert, row_token=row_token, row_slot=row_slot, num_rows=num_rows,
+        num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=rank_stride,
+    )
+
+
 def launch_grouped_gemm(
     variant, a, b, b2, out, tile_expert, *, h=None, a_scaled=None, partial=None, row_token=None, row_slot=None,
     topk_w=None, slot_row=None, shared_out=None, combined=None, arrivals=None, num_rows: int, num_experts: int,
     num_tokens: int = 1, rows_per_rank: int = 1, rank_stride: int = 0,
 ) -> None:
     """Launch a checked grouped-GEMM variant (arguments it does not use may be None; ``rows_per_rank``
-    and ``rank_stride`` only with ``gather_ranks``)."""
+    and ``rank_stride`` only with ``gather_ranks`` or ``scatter``)."""
     kernel = _kernel(variant, a.device)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b2), _ptr("bf16", out), _ptr("i32", tile_expert, 4),

@@ -124,6 +124,23 @@ def kernel_times(fn, top: int = 6) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+def device_span(fn, calls: int = 5) -> tuple[float, float]:
+    """(kernel-busy ms, first-start-to-last-end ms) per call over ``calls`` back-to-back calls:
+    their difference is the device time between kernels (launch gaps, tails)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels)
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    return busy / calls / 1e3, span / calls / 1e3
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -171,6 +188,9 @@ def main() -> int:
             tflops = flops / ms[p] / 1e9
             print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}")
         print(f"{name:<11}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
+        for p in ("mok", "mok (graph)"):
+            busy, span = device_span(paths[p])
+            print(f"{name:<11}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
         for kernel, ms_k in kernel_times(paths["mok"], top=12 if args.backward else 6):
             print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:90]}")
     return 0

@@ -2,6 +2,7 @@
 
     python perf/gemm_sweep.py                  # every shape, then the gathered fc1
     python perf/gemm_sweep.py --gathered-fc1   # fc1 gathering its rows against gather + fc1 only
+    python perf/gemm_sweep.py --scattered-fc2  # fc2 writing its rows into the slots against fc2 + push kernel
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -95,10 +96,39 @@ def gathered_fc1() -> None:
             print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
 
 
+def scattered_fc2() -> None:
+    """The down projection writing each row into its (token, slot) slot (the EP push inside the GEMM)
+    against the GEMM into y_rows + the EP push kernel, on a real schedule, one rank (local slots)."""
+    from mok.kernels import ep_variant, get_kernel
+    from mok.runtime.arch import device_arch
+
+    for name, (T, H, I, E, k) in {"dsv3 fc2": (4096, 7168, 2048, 32, 8), "qwen3 fc2": (8192, 2048, 768, 64, 8)}.items():
+        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        a = torch.randn(sched.capacity, I, device="cuda").bfloat16()
+        wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
+        y_rows = torch.empty(sched.capacity, H, device="cuda").bfloat16()
+        slots = torch.empty(T, k, H, device="cuda").bfloat16()
+        push = get_kernel(ep_variant("push", 1, width=H, topk=k), device_arch(0))
+        push_args = (
+            ops._ptr("bf16", y_rows), ops._ptr("i32", sched.row_token, 4), ops._ptr("i32", sched.row_slot, 4),
+            ops._ptr("bf16", slots), ops._i32(T), ops._i32(slots.numel()), ops._i32(sched.capacity), ops._stream(slots.device),
+        )
+        runs = {
+            "fc2 -> y_rows": lambda: ops.grouped_gemm(a, wd, sched.tile_expert, out=y_rows),
+            "fc2 + push kernel": lambda: (ops.grouped_gemm(a, wd, sched.tile_expert, out=y_rows), push(*push_args)),
+            "fc2 scattering": lambda: ops.grouped_gemm_scatter(a, wd, sched.tile_expert, sched.row_token, sched.row_slot, slots),
+        }
+        for kname, fn in runs.items():
+            print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--gathered-fc1" not in sys.argv:
-        main()
-        weight_grads()
-    gathered_fc1()
+    if "--scattered-fc2" in sys.argv:
+        scattered_fc2()
+    else:
+        if "--gathered-fc1" not in sys.argv:
+            main()
+            weight_grads()
+        gathered_fc1()

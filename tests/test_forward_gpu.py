@@ -102,6 +102,36 @@ def test_down_projection_that_combines_equals_gemm_then_combine(T, H, I, E, k, r
         assert (arrivals == (idx >= 0).sum(1, keepdim=True).int()).all()  # every slot of every token counted once
 
 
+@pytest.mark.parametrize(
+    "T,H,I,E,k,routing",
+    [(4096, 7168, 2048, 32, 8, "uniform"), (1000, 512, 256, 8, 2, "zipf"), (333, 384, 128, 4, 3, "one_expert"), (1, 256, 128, 2, 1, "uniform")],
+)
+def test_down_projection_scattering_into_slots_equals_gemm_then_reorder(T, H, I, E, k, routing):
+    """grouped_gemm_scatter writes row r into slots[token, slot] with the bits grouped_gemm gives row r:
+    one GPU, then two "ranks" whose slots lie a stride apart in one buffer (rows of tokens g >= T0
+    go to the second region; the gap between the regions stays untouched)."""
+    x, idx, w, (wg, wu, wd), _ = layer(T, H, I, E, k, seed=T + 3 * k, routing=routing)
+    sched = ops.device_schedule(idx, E)
+    a = ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, gather=sched.row_token)
+    y_rows = ops.grouped_gemm(a, wd, sched.tile_expert)
+    want = y_rows[sched.slot_row.long()]  # [T, k, H]: every pair has a row on one GPU
+
+    slots = poisoned(T, k, H)
+    ops.grouped_gemm_scatter(a, wd, sched.tile_expert, sched.row_token, sched.row_slot, slots)
+    assert torch.equal(slots, want)
+
+    # two ranks of T0 = ceil(T / 2) token rows each: token g -> rank g // T0, row g % T0
+    t0 = -(-T // 2)
+    stride = t0 * k * H + 1024  # (a gap of 1024 elements between the regions)
+    buffer = poisoned(2 * stride)
+    ops.grouped_gemm_scatter(
+        a, wd, sched.tile_expert, sched.row_token, sched.row_slot, buffer[: t0 * k * H].view(t0, k, H), slot_ranks=(2, stride)
+    )
+    got = torch.cat([buffer[: t0 * k * H], buffer[stride: stride + (T - t0) * k * H]]).view(T, k, H)
+    assert torch.equal(got, want)
+    assert buffer[t0 * k * H: stride].isnan().all() and buffer[stride + (T - t0) * k * H:].isnan().all()
+
+
 def test_grouped_gemm_sass_has_hgmma():
     """The compiled GEMM runs on the tensor cores' Hopper path (SASS HGMMA), not HMMA/FFMA."""
     from mok.runtime.arch import dsl_target

@@ -118,6 +118,7 @@ def grouped_gemm_variant(
     gather_ranks: bool = False,
     combine: bool = False,
     has_shared: bool = False,
+    scatter: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
 
@@ -131,10 +132,12 @@ def grouped_gemm_variant(
     with ``gather_ranks``, every rank's token matrix in the expert-parallel workspace (pulled in the GEMM).
     ``combine`` (the down projection): the kernel also writes the layer output, each token's
     columns combined by the CTA that brings its last slot (``topk`` slots, ``has_shared``).
+    ``scatter`` (the down projection): each row goes to its (token, slot) row of the combine
+    slots of the token's rank (``topk`` slots per token) instead of a [R, N] output.
     """
     epilogue = epilogue or ("swiglu" if swiglu else "plain")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
-    topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or combine else 1
+    topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or combine or scatter else 1
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
     if gather_a:  # (absent otherwise: the other variants' cache keys stay as they were)
         options["gather_a"] = True
@@ -142,6 +145,8 @@ def grouped_gemm_variant(
         options["gather_ranks"] = True
     if combine:
         options.update(combine=True, has_shared=has_shared)
+    if scatter:
+        options["scatter"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":

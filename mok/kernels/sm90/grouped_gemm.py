@@ -23,6 +23,14 @@ Epilogues (static), all rounding once from fp32 to bf16:
   operand of dW_down), and partial[R, N / tile_n] = Σ over the tile's columns of dA_u·a,
   the router-weight gradient's per-tile pieces (reduced in column order by another kernel).
 
+With ``scatter`` (plain epilogue, persistent) C is not a [R, N] matrix: buffer row r goes to
+the slot of its (token g, slot j) = (row_token[r], row_slot[r]), row (g % T_max)·topk + j of
+the [T_max·topk, N] slots of rank g // T_max, whose slots lie ``rank stride`` elements apart in
+one mapping (the expert-parallel push: y rows written straight into the owners' combine
+slots over NVLink, no y_rows buffer and no push kernel; at one rank T_max = T). The MMA
+threads copy each epilogue subtile from shared memory with 16-byte stores; padding rows are
+not written.
+
 With ``combine`` (plain epilogue, the down projection) the kernel also finishes the layer:
 once a tile's y rows are in global memory, each of its rows counts one arrival on
 arrivals[token, column tile] (an integer atomic, gpu scope, acquire-release); the CTA that
@@ -53,6 +61,8 @@ from ..common.combine import VECTOR, combine_vector
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
+SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
+SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
 
 
 class GroupedGemmSm90(WgmmaTileKernel):
@@ -75,6 +85,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         gather_ranks: bool = False,
         combine: bool = False,
         has_shared: bool = False,
+        scatter: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -95,6 +106,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("gather_ranks: only with gather_a (it says where the gathered rows live)")
         if combine and (epilogue != "plain" or k_split or b_major != "k" or not persistent):
             raise ValueError("combine: only for the persistent plain GEMM with K-major B (the down projection)")
+        if scatter and (epilogue != "plain" or k_split or combine or gather_a or not persistent):
+            raise ValueError("scatter: only for the persistent plain GEMM without combine or gather (the down projection)")
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
@@ -102,7 +115,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         self.b_k = k // 2 if k_split else k  # K extent of each B tensor
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
         self.persistent, self.gather_a, self.gather_ranks = persistent, gather_a, gather_ranks
-        self.combine, self.has_shared = combine, has_shared
+        self.combine, self.has_shared, self.scatter = combine, has_shared, scatter
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
         stores_per_tile = (tile_n // 32) * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
@@ -195,6 +208,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         x_rows = m_a  # gather_a: x [T, K]; gather_ranks: every rank's x, T_max rows each, rank_stride elements apart
         if cutlass.const_expr(self.gather_ranks):
             x_rows = (m_a, rows_per_rank, rank_stride)
+        if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_rows)
+            x_rows = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
         args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, x_rows, combine_args)
         all_tiles = num_tiles * (n // tile_n)
         if cutlass.const_expr(self.persistent):
@@ -273,10 +288,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
         Warpgroup 0 produces (its warp 0 issues every TMA load, running ahead into the next
         tile while the MMA warpgroups run the epilogue of the last); warpgroups 1 and 2 consume
         (WGMMA, 64 rows each) and store. A tile's result does not depend on which CTA took it.
-        Arguments as in ``kernel``; ``m_x`` is x for ``gather_a``.
+        Arguments as in ``kernel``; ``m_x`` is x for ``gather_a`` and where C's rows go for ``scatter``.
         """
         tma_a, _, tma_b, _, tma_b2, _ = load_args
-        _, _, m_row_token, _, _ = row_args
+        _, _, m_row_token, m_row_slot, _ = row_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -333,12 +348,16 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     token = cutlass.Int32(-1)
                     if cutlass.const_expr(self.combine):
                         token = self.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
+                    scatter_to = None
+                    if cutlass.const_expr(self.scatter):  # (read before the mainloop: its latency hides there)
+                        scatter_to = (m_x[0], self.scatter_rows(mma_tidx, tile_row, m_row_token, m_row_slot, num_rows, m_x))
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
                     cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
                     self.epilogue(
-                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe
+                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe,
+                        scatter_to,
                     )
                     if cutlass.const_expr(self.combine):
                         self.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
@@ -480,6 +499,47 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     )
 
     @cute.jit
+    def scatter_rows(self, mma_tidx, tile_row, m_row_token, m_row_slot, num_rows, m_dst):
+        """``scatter``: where the tile rows this thread stores begin (element offsets from rank 0's
+        slots; -1 for padding rows). Of each 128 x 32 epilogue subtile, thread t stores 16-byte
+        chunk t % 4 of rows t // 4 and t // 4 + 64 (the rows are the same in every subtile)."""
+        _, rows_per_rank, rank_stride = m_dst
+        tile_m = self.tile_shape_mnk[0]
+        per_row = SCATTER_COLS // VECTOR
+        per_thread = tile_m * per_row // self.consumer_threads
+        dests = cute.make_rmem_tensor(cute.make_layout(per_thread), cutlass.Int64)
+        for i in cutlass.range_constexpr(per_thread):
+            row = tile_row * tile_m + (mma_tidx + self.consumer_threads * i) // per_row
+            dest = cutlass.Int64(-1)
+            if row < num_rows:
+                g = m_row_token[row]
+                if g >= 0:
+                    slot = (g % rows_per_rank) * self.topk + m_row_slot[row]
+                    dest = cutlass.Int64(g // rows_per_rank) * cutlass.Int64(rank_stride) + cutlass.Int64(slot) * self.n
+            dests[i] = dest
+        return dests
+
+    @cute.jit
+    def scatter_fragment(self, values, tiled_r2s, t_sd, s_c, epi, buf, rd_layout, tidx, tile_col, scatter_to):
+        """``scatter``: one epilogue subtile ``epi`` of ``values`` through smem buffer ``buf`` into its rows' slots.
+
+        The buffer is written again only ``epi_stage`` subtiles later, after barriers every
+        thread passes once done reading it, so no barrier is needed after the reads."""
+        m_vecs, dests = scatter_to
+        r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
+        r_out.store(values.to(self.c_dtype))
+        cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, buf)])
+        self.epilogue_sync()
+        per_row = SCATTER_COLS // VECTOR
+        for i in cutlass.range_constexpr(cute.size(dests)):
+            v = tidx + self.consumer_threads * i
+            chunk = v % per_row
+            if dests[i] >= 0:
+                src = cute.zipped_divide(s_c[v // per_row, None, buf], (VECTOR,))[None, chunk]
+                col = tile_col * self.tile_shape_mnk[1] + epi * SCATTER_COLS + chunk * VECTOR
+                m_vecs[None, cutlass.Int32((dests[i] + col) // VECTOR)].store(src.load())
+
+    @cute.jit
     def combine_token(self, mma_tidx, tile_row, m_row_token, num_rows):
         """``combine``: the token of the tile row this lane counts (lane i < 16 of MMA warp w: row
         16w + i), or -1; read before the tile's mainloop so that its latency hides there."""
@@ -507,8 +567,13 @@ class GroupedGemmSm90(WgmmaTileKernel):
         return s
 
     @cute.jit
-    def epilogue(self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe):
-        """Registers -> epilogue math -> bf16 -> shared memory (stmatrix) -> global memory (TMA store).
+    def epilogue(
+        self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe,
+        scatter_to=None,
+    ):
+        """Registers -> epilogue math -> bf16 -> shared memory (stmatrix) -> global memory (TMA
+        store; with ``scatter``, 16-byte stores to each row's slot, ``scatter_to`` = (slots as
+        vectors, this thread's row offsets)).
 
         ``tidx`` counts the MMA threads from 0. Every tile starts again at buffer 0 of the store
         pipeline: a tile stores a multiple of ``epi_stage`` subtiles, so that is the buffer the
@@ -608,6 +673,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     self.store_fragment(gate, tiled_r2s, t_sd, s_c, tma_h, g_h_gate, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                     self.store_fragment(up, tiled_r2s, t_sd, s_c, tma_h, g_h_up, epi, (stores + 1) % self.epi_stage, warp_idx, store_pipe, rd_layout)
                     stores += 2
+            elif cutlass.const_expr(self.scatter):
+                self.scatter_fragment(r_d.load(), tiled_r2s, t_sd, s_c, epi, stores % self.epi_stage, rd_layout, tidx, tile_col, scatter_to)
+                stores += 1
             else:
                 self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 stores += 1
@@ -654,6 +722,7 @@ def compile_grouped_gemm(
     gather_ranks: bool = False,
     combine: bool = False,
     has_shared: bool = False,
+    scatter: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -671,6 +740,7 @@ def compile_grouped_gemm(
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
         persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
+        scatter=scatter,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
