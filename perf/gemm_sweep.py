@@ -108,6 +108,8 @@ def scattered_fc2() -> None:
         wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
         y_rows = torch.empty(sched.capacity, H, device="cuda").bfloat16()
         slots = torch.empty(T, k, H, device="cuda").bfloat16()
+        rows = torch.arange(sched.capacity, device="cuda", dtype=torch.int32)  # (row r -> y_rows[r]: the stores alone)
+        zeros = torch.zeros_like(rows)
         push = get_kernel(ep_variant("push", 1, width=H, topk=k), device_arch(0))
         push_args = (
             ops._ptr("bf16", y_rows), ops._ptr("i32", sched.row_token, 4), ops._ptr("i32", sched.row_slot, 4),
@@ -117,6 +119,7 @@ def scattered_fc2() -> None:
             "fc2 -> y_rows": lambda: ops.grouped_gemm(a, wd, sched.tile_expert, out=y_rows),
             "fc2 + push kernel": lambda: (ops.grouped_gemm(a, wd, sched.tile_expert, out=y_rows), push(*push_args)),
             "fc2 scattering": lambda: ops.grouped_gemm_scatter(a, wd, sched.tile_expert, sched.row_token, sched.row_slot, slots),
+            "fc2 scattering in order": lambda: ops.grouped_gemm_scatter(a, wd, sched.tile_expert, rows, zeros, y_rows.view(-1, 1, H)),
         }
         for kname, fn in runs.items():
             print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")

@@ -68,13 +68,14 @@ def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilo
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 
 
-def test_scattering_down_projection_stores_rows_with_vector_stores_not_tma():
-    """scatter: TMA loads A and B, WGMMA, and each 128 x 32 epilogue subtile goes out as two
-    16-byte shared loads and global stores per thread (eight subtiles of a 256-wide tile), no TMA store."""
+def test_scattering_down_projection_stores_rows_from_the_producer_warps():
+    """scatter: TMA loads A and B, WGMMA; no TMA store: three producer warps (barrier 2 over 96
+    threads) copy the handed-over epilogue subtiles out with 16-byte shared loads and global stores."""
     ptx = compiled_ptx(grouped_gemm_variant(7168, 2048, scatter=True, topk=8), "sm_90a")
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 2  # A and B loads
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx) == 0  # no TMA store
-    assert count(r"ld\.shared\.v4\.b32", ptx) == count(r"st\.global\.v4\.b32", ptx) == 16
+    assert count(r"ld\.shared\.v4\.b32", ptx) == count(r"st\.global\.v4\.b32", ptx) == 1  # (one loop)
+    assert count(r"bar\.sync\s+2, 96;", ptx) == 2
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx) == 4
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 

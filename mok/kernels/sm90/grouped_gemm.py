@@ -27,8 +27,10 @@ With ``scatter`` (plain epilogue, persistent) C is not a [R, N] matrix: buffer r
 the slot of its (token g, slot j) = (row_token[r], row_slot[r]), row (g % T_max)·topk + j of
 the [T_max·topk, N] slots of rank g // T_max, whose slots lie ``rank stride`` elements apart in
 one mapping (the expert-parallel push: y rows written straight into the owners' combine
-slots over NVLink, no y_rows buffer and no push kernel; at one rank T_max = T). The MMA
-threads copy each epilogue subtile from shared memory with 16-byte stores; padding rows are
+slots over NVLink, no y_rows buffer and no push kernel; at one rank T_max = T). TMA cannot
+scatter rows, so the MMA warps hand each bf16 epilogue subtile (128 x 32) to the producer
+warpgroup's idle warps 1-3 through an mbarrier pipeline over the epilogue buffers, and those
+copy it out with 16-byte stores while the MMA warps go on to the next tile; padding rows are
 not written.
 
 With ``combine`` (plain epilogue, the down projection) the kernel also finishes the layer:
@@ -62,6 +64,7 @@ from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
+SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
 
 
@@ -194,6 +197,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            # scatter only (one element otherwise); these fit in front of s_a's 1024-byte alignment
+            epi_mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.epi_stage if self.scatter else 1]
+            s_dest: cute.struct.MemRange[cutlass.Int32, tile_m if self.scatter else 1]
             s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
             s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
             s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
@@ -208,7 +214,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         x_rows = m_a  # gather_a: x [T, K]; gather_ranks: every rank's x, T_max rows each, rank_stride elements apart
         if cutlass.const_expr(self.gather_ranks):
             x_rows = (m_a, rows_per_rank, rank_stride)
-        if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_rows)
+        if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             x_rows = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
         args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, x_rows, combine_args)
         all_tiles = num_tiles * (n // tile_n)
@@ -305,6 +311,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0)
+        epi_pipe = None
+        if cutlass.const_expr(self.scatter):
+            epi_pipe = self.scatter_pipeline(storage)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         s_b2 = self.second_b(storage, b_smem, s_b)
@@ -332,6 +341,11 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     cute.arch.cp_async_wait_group(0)
                 if warp_idx == 0:
                     ab_pipe.producer_tail(prod)
+            if cutlass.const_expr(self.scatter):
+                if warp_idx >= 1:  # warps 1-3 copy the MMA warps' epilogue subtiles out to the slots
+                    tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
+                    self.scatter_tiles(epi_pipe, s_c, storage.s_dest.get_tensor(cute.make_layout(self.tile_shape_mnk[0])),
+                                       tiles, m_row_token, m_row_slot, num_rows, m_x, tidx - 32)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -339,6 +353,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             store_pipe = self.store_pipeline()
+            epi_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.epi_stage)  # (scatter only)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
             linear = first
             while linear < all_tiles:
@@ -348,17 +363,16 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     token = cutlass.Int32(-1)
                     if cutlass.const_expr(self.combine):
                         token = self.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
-                    scatter_to = None
-                    if cutlass.const_expr(self.scatter):  # (read before the mainloop: its latency hides there)
-                        scatter_to = (m_x[0], self.scatter_rows(mma_tidx, tile_row, m_row_token, m_row_slot, num_rows, m_x))
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
                     cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
-                    self.epilogue(
-                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe,
-                        scatter_to,
-                    )
+                    if cutlass.const_expr(self.scatter):
+                        epi_prod = self.scatter_epilogue(mma_tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod)
+                    else:
+                        self.epilogue(
+                            mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe
+                        )
                     if cutlass.const_expr(self.combine):
                         self.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
                 linear += step
@@ -498,46 +512,79 @@ class GroupedGemmSm90(WgmmaTileKernel):
                         m_y, m_slot_row, m_token_w, m_shared, m_out, combined, tile_col * chunks + lane, self.topk, self.has_shared
                     )
 
-    @cute.jit
-    def scatter_rows(self, mma_tidx, tile_row, m_row_token, m_row_slot, num_rows, m_dst):
-        """``scatter``: where the tile rows this thread stores begin (element offsets from rank 0's
-        slots; -1 for padding rows). Of each 128 x 32 epilogue subtile, thread t stores 16-byte
-        chunk t % 4 of rows t // 4 and t // 4 + 64 (the rows are the same in every subtile)."""
-        _, rows_per_rank, rank_stride = m_dst
-        tile_m = self.tile_shape_mnk[0]
-        per_row = SCATTER_COLS // VECTOR
-        per_thread = tile_m * per_row // self.consumer_threads
-        dests = cute.make_rmem_tensor(cute.make_layout(per_thread), cutlass.Int64)
-        for i in cutlass.range_constexpr(per_thread):
-            row = tile_row * tile_m + (mma_tidx + self.consumer_threads * i) // per_row
-            dest = cutlass.Int64(-1)
-            if row < num_rows:
-                g = m_row_token[row]
-                if g >= 0:
-                    slot = (g % rows_per_rank) * self.topk + m_row_slot[row]
-                    dest = cutlass.Int64(g // rows_per_rank) * cutlass.Int64(rank_stride) + cutlass.Int64(slot) * self.n
-            dests[i] = dest
-        return dests
+    def scatter_pipeline(self, storage):
+        """``scatter``: epilogue subtiles handed from the MMA warps (they fill the epilogue buffers)
+        to the producer warpgroup's warps 1-3 (they copy them out), ``epi_stage`` buffers deep."""
+        return pipeline.PipelineAsync.create(
+            barrier_storage=storage.epi_mbar.data_ptr(),
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, SCATTER_THREADS),
+            defer_sync=True,
+        )
 
     @cute.jit
-    def scatter_fragment(self, values, tiled_r2s, t_sd, s_c, epi, buf, rd_layout, tidx, tile_col, scatter_to):
-        """``scatter``: one epilogue subtile ``epi`` of ``values`` through smem buffer ``buf`` into its rows' slots.
-
-        The buffer is written again only ``epi_stage`` subtiles later, after barriers every
-        thread passes once done reading it, so no barrier is needed after the reads."""
-        m_vecs, dests = scatter_to
+    def scatter_epilogue(self, tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod):
+        """``scatter``, MMA warps: the tile as bf16 into the next free epilogue buffers, one 128 x 32
+        subtile each (the values and rounding of the plain epilogue); returns the advanced state."""
+        tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
+        t_sd = thr_r2s.partition_D(s_c)
+        t_acc = tiled_r2s.retile(acc)
+        rd_layout = self.epi_layout(thr_r2s, s_c)
+        per_epi = cute.size(rd_layout)
+        r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
-        r_out.store(values.to(self.c_dtype))
-        cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, buf)])
-        self.epilogue_sync()
+        for epi in cutlass.range_constexpr(self.tile_shape_mnk[1] // SCATTER_COLS):
+            for v in cutlass.range_constexpr(per_epi):
+                r_d[v] = t_acc[epi * per_epi + v]
+            r_out.store(r_d.load().to(self.c_dtype))
+            epi_pipe.producer_acquire(epi_prod)
+            cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, epi_prod.index)])
+            epi_pipe.producer_commit(epi_prod)
+            epi_prod.advance()
+        return epi_prod
+
+    @cute.jit
+    def scatter_tiles(self, epi_pipe, s_c, s_dest, tiles, m_row_token, m_row_slot, num_rows, m_dst, tid):
+        """``scatter``, producer warps 1-3 (``tid`` 0..95): walk the CTA's tiles as the MMA warps do;
+        per tile, each row's first element in the slots (rank 0's slots on; -1 for padding rows)
+        into ``s_dest``, then per subtile copy the handed-over buffer out, 16 bytes per store."""
+        first, step, all_tiles, num_row_tiles, col_tiles, m_tiles = tiles
+        m_vecs, rows_per_rank, rank_stride = m_dst
+        tile_m, tile_n, _ = self.tile_shape_mnk
         per_row = SCATTER_COLS // VECTOR
-        for i in cutlass.range_constexpr(cute.size(dests)):
-            v = tidx + self.consumer_threads * i
-            chunk = v % per_row
-            if dests[i] >= 0:
-                src = cute.zipped_divide(s_c[v // per_row, None, buf], (VECTOR,))[None, chunk]
-                col = tile_col * self.tile_shape_mnk[1] + epi * SCATTER_COLS + chunk * VECTOR
-                m_vecs[None, cutlass.Int32((dests[i] + col) // VECTOR)].store(src.load())
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.epi_stage)
+        linear = first
+        while linear < all_tiles:
+            tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
+            if m_tiles[tile_row] >= 0:
+                self.scatter_sync()  # the previous tile's destinations are read no more
+                for r in cutlass.range(tid, tile_m, SCATTER_THREADS, unroll=1):
+                    row = tile_row * tile_m + r
+                    dest = cutlass.Int32(-1)  # (every slot lies within 2^31 elements: the op checks it)
+                    if row < num_rows:
+                        g = m_row_token[row]
+                        if g >= 0:
+                            dest = (g // rows_per_rank) * rank_stride + ((g % rows_per_rank) * self.topk + m_row_slot[row]) * self.n
+                    s_dest[r] = dest
+                self.scatter_sync()
+                for epi in cutlass.range(tile_n // SCATTER_COLS, unroll=1):
+                    epi_pipe.consumer_wait(cons)
+                    col0 = tile_col * tile_n + epi * SCATTER_COLS
+                    for v in cutlass.range(tid, tile_m * per_row, SCATTER_THREADS, unroll=1):
+                        chunk = v % per_row
+                        dest = s_dest[v // per_row]
+                        if dest >= 0:
+                            src = cute.zipped_divide(s_c[v // per_row, None, cons.index], (VECTOR,))[None, chunk]
+                            dst = m_vecs[None, (dest + col0 + chunk * VECTOR) // VECTOR]
+                            cute.arch.store(dst.iterator, src.load(), cop="cs")  # streaming: y is read once, by the combine
+                    epi_pipe.consumer_release(cons)
+                    cons.advance()
+            linear += step
+
+    def scatter_sync(self):
+        """Barrier 2 over the three scattering warps only."""
+        cute.arch.barrier(barrier_id=2, number_of_threads=SCATTER_THREADS)
 
     @cute.jit
     def combine_token(self, mma_tidx, tile_row, m_row_token, num_rows):
@@ -567,13 +614,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         return s
 
     @cute.jit
-    def epilogue(
-        self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe,
-        scatter_to=None,
-    ):
-        """Registers -> epilogue math -> bf16 -> shared memory (stmatrix) -> global memory (TMA
-        store; with ``scatter``, 16-byte stores to each row's slot, ``scatter_to`` = (slots as
-        vectors, this thread's row offsets)).
+    def epilogue(self, tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe):
+        """Registers -> epilogue math -> bf16 -> shared memory (stmatrix) -> global memory (TMA store).
 
         ``tidx`` counts the MMA threads from 0. Every tile starts again at buffer 0 of the store
         pipeline: a tile stores a multiple of ``epi_stage`` subtiles, so that is the buffer the
@@ -673,9 +715,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     self.store_fragment(gate, tiled_r2s, t_sd, s_c, tma_h, g_h_gate, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                     self.store_fragment(up, tiled_r2s, t_sd, s_c, tma_h, g_h_up, epi, (stores + 1) % self.epi_stage, warp_idx, store_pipe, rd_layout)
                     stores += 2
-            elif cutlass.const_expr(self.scatter):
-                self.scatter_fragment(r_d.load(), tiled_r2s, t_sd, s_c, epi, stores % self.epi_stage, rd_layout, tidx, tile_col, scatter_to)
-                stores += 1
             else:
                 self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 stores += 1
