@@ -70,11 +70,11 @@ def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilo
 
 def test_scattering_down_projection_stores_rows_from_the_producer_warps():
     """scatter: TMA loads A and B, WGMMA; no TMA store: three producer warps (barrier 2 over 96
-    threads) copy the handed-over epilogue subtiles out with 16-byte shared loads and global stores."""
+    threads) copy the handed-over epilogue subtiles out with 16-byte shared loads and streaming global stores."""
     ptx = compiled_ptx(grouped_gemm_variant(7168, 2048, scatter=True, topk=8), "sm_90a")
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 2  # A and B loads
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx) == 0  # no TMA store
-    assert count(r"ld\.shared\.v4\.b32", ptx) == count(r"st\.global\.v4\.b32", ptx) == 1  # (one loop)
+    assert count(r"ld\.shared\.v4\.b32", ptx) == count(r"st\.global\.cs\.v4\.b32", ptx) == 1  # (one loop; streaming)
     assert count(r"bar\.sync\s+2, 96;", ptx) == 2
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx) == 4
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
