@@ -66,6 +66,27 @@ def test_grouped_gemm_combine_rejects_a_schedule_that_can_drop_slots():
         grouped_gemm_combine(torch.zeros(full.capacity, I, dtype=torch.bfloat16), schedule=full, **args)
 
 
+def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
+    """The scattering down projection checks where its rows go: the slots' width, the rank layout
+    (every rank's slots addressable with 32-bit offsets), then refuses CPU data."""
+    from mok.ops import grouped_gemm_scatter
+
+    R, H, I, E, T, k = 256, 256, 128, 2, 50, 4
+    a, b = torch.zeros(R, I, dtype=torch.bfloat16), torch.zeros(E, H, I, dtype=torch.bfloat16)
+    tiles, rows = torch.zeros(2, dtype=torch.int32), torch.zeros(R, dtype=torch.int32)
+    slots = torch.zeros(T, k, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"slots: expected \[T, k, 256\] \(N of b\), got \[50, 4, 128\]"):
+        grouped_gemm_scatter(a, b, tiles, rows, rows, torch.zeros(T, k, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="slot_ranks: expected .*rank stride >= 51200 elements"):
+        grouped_gemm_scatter(a, b, tiles, rows, rows, slots, slot_ranks=(2, 1000))
+    with pytest.raises(ValueError, match="slot_ranks: expected .*within 2\\^31 - 8 elements"):
+        grouped_gemm_scatter(a, b, tiles, rows, rows, slots, slot_ranks=(8, 2**29))
+    with pytest.raises(TypeError, match="row_slot: expected dtype int32, got int64"):
+        grouped_gemm_scatter(a, b, tiles, rows, rows.long(), slots)
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; the launch checks refuse CPU data
+        grouped_gemm_scatter(a, b, tiles, rows, rows, slots, slot_ranks=(2, 51200))
+
+
 def test_main_grads_are_checked_before_anything_runs():
     from mok.validation import check_main_grads
 
