@@ -527,10 +527,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
     def scatter_epilogue(self, tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod):
         """``scatter``, MMA warps: the tile as bf16 into the next free epilogue buffers, one 128 x 32
         subtile each (the values and rounding of the plain epilogue); returns the advanced state."""
-        tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
-        t_sd = thr_r2s.partition_D(s_c)
-        t_acc = tiled_r2s.retile(acc)
-        rd_layout = self.epi_layout(thr_r2s, s_c)
+        tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
         per_epi = cute.size(rd_layout)
         r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
@@ -625,11 +622,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         m_h, m_part, m_row_token, m_row_slot, m_topk_w = row_args
         tile_m, tile_n, _ = self.tile_shape_mnk
         col_tiles = self.n // tile_n
-        tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
-        t_sd = thr_r2s.partition_D(s_c)
-        t_acc = tiled_r2s.retile(acc)
+        tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
         t_acc2 = tiled_r2s.retile(acc2)
-        rd_layout = self.epi_layout(thr_r2s, s_c)
         per_epi = cute.size(rd_layout)
         r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         r_u = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)

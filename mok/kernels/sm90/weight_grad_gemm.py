@@ -249,10 +249,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
         A tile stores epi_stage subtiles, so each tile starts again at buffer 0 of the round robin.
         """
-        tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
-        t_sd = thr_r2s.partition_D(s_c)
-        t_acc = tiled_r2s.retile(acc)
-        rd_layout = self.epi_layout(thr_r2s, s_c)
+        tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
         per_epi = cute.size(rd_layout)
         r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         _, epi_count, _ = self.epi_order(g_c)

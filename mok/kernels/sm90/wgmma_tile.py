@@ -242,6 +242,13 @@ class WgmmaTileKernel:
         tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
         return tiled_r2s, tiled_r2s.get_slice(tidx)
 
+    def epilogue_views(self, tiled_mma, tidx, s_c, acc):
+        """What every epilogue starts from: the register -> smem copy, this thread's smem
+        destinations, ``acc`` retiled to that copy, and one subtile's register layout."""
+        tiled_r2s, thr_r2s = self.r2s_copy(tiled_mma, tidx)
+        t_sd = thr_r2s.partition_D(s_c)
+        return tiled_r2s, t_sd, tiled_r2s.retile(acc), self.epi_layout(thr_r2s, s_c)
+
     def epi_layout(self, thr_r2s, s_c):
         """Register layout of one epilogue subtile's values held by a thread."""
         return cute.make_layout(cute.shape(thr_r2s.partition_S(s_c))[:3])
