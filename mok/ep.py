@@ -250,7 +250,6 @@ def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
         "wait_done": get_kernel(ep_variant("wait", lay.world, phase=PHASE_DONE), arch),
         "routing": get_kernel(ep_variant("routing", lay.world, topk=lay.topk), arch),
         "dispatch": get_kernel(ep_variant("dispatch", lay.world, width=lay.hidden), arch),
-        "push": get_kernel(ep_variant("push", lay.world, width=lay.hidden, topk=lay.topk), arch),
     }
 
 
@@ -365,18 +364,6 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, row_token: torch.Tensor
         ops._i32(lay.max_tokens), ops._i32(ws.stride_elems(name)), ops._i32(row_token.shape[0]), stream,
     )
     return rows
-
-
-def push_rows(ws: EPWorkspace, kernels: dict, rows: torch.Tensor, sched, routing: torch.Tensor, stream, *, gradient: bool) -> None:
-    """Write each row into its token's rank, slot [t, j] of region "slots" (with a capacity bound,
-    NaN for the pairs that got no row: :func:`mark_overflow`); then announce it all (phase done)."""
-    lay = ws.layout
-    kernels["push"](
-        ops._ptr("bf16", rows), ops._ptr("i32", sched.row_token, 4), ops._ptr("i32", sched.row_slot, 4),
-        ops._ptr("bf16", ws.region("slots", 0)), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("slots")),
-        ops._i32(sched.capacity), stream,
-    )
-    announce_pushed(ws, kernels, sched, routing, stream, gradient=gradient)
 
 
 def announce_pushed(ws: EPWorkspace, kernels: dict, sched, routing: torch.Tensor, stream, *, gradient: bool) -> None:

@@ -8,10 +8,11 @@ host synchronisation (the same steps as mok/fused_backward.py, plus the exchange
     pull         each local row's dout from its token's rank (reverse combine)
     SwiGLU bwd   dA_u = dout_rows·W_down with the SwiGLU backward and the router-gradient
                  pieces in the epilogue -> dh, s·a, pieces
-    dx GEMM      dx_rows = dh_gate·W_gate + dh_up·W_up
+    dx GEMM      dx rows = dh_gate·W_gate + dh_up·W_up, each written straight into its token's
+                 rank, slot [t, j] (no dx_rows buffer, no push kernel)
     router grad  the pieces of each (token, slot) this rank computed, in column order, into
                  this rank's "dw" region
-    push         each dx row into its token's rank, slot [t, j]; signal every rank
+    signal       every rank (after NaN into what a capacity bound dropped, if one is set)
     weight grads this rank's experts over their rows in canonical order (while peers push)
     shared       the shared expert's gradients over this rank's tokens
     wait         until every rank pushed (bounded)
@@ -30,7 +31,7 @@ import torch
 
 from . import grad_ops, ops
 from .ep import (
-    EPForwardResult, EPWorkspace, _kernels, check_ep_inputs, gather_ranks, publish, pull_rows, push_rows, wait_pushed,
+    EPForwardResult, EPWorkspace, _kernels, announce_pushed, check_ep_inputs, gather_ranks, publish, pull_rows, wait_pushed,
 )
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .reference_backward import Gradients
@@ -79,10 +80,14 @@ def ep_moe_backward(
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
         dout_rows, w_down, sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=weights_all
     )
-    dx_rows = ops.grouped_gemm(dh, w_gate, sched.tile_expert, b2=w_up, b_major="n", k_split=True)
+    slots_of_rank0 = ws.region("slots", 0)[: lay.max_tokens * topk * hidden].view(lay.max_tokens, topk, hidden)
+    ops.grouped_gemm_scatter(  # dx rows straight into their tokens' slots on the tokens' ranks
+        dh, w_gate, sched.tile_expert, sched.row_token, sched.row_slot, slots_of_rank0, slot_ranks=(lay.world, ws.stride_elems("slots")),
+        b2=w_up, b_major="n", k_split=True,
+    )
     router_pieces = ws.region("dw")[: lay.world * lay.max_tokens * topk].view(lay.world * lay.max_tokens, topk)
     grad_ops.router_grad(partial, sched.slot_row, out=router_pieces)
-    push_rows(ws, k, dx_rows, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)
+    announce_pushed(ws, k, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)
 
     offsets = sched.expert_offsets  # (while the peers push)
     d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2])

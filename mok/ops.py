@@ -237,25 +237,40 @@ def grouped_gemm_scatter(
     slots: torch.Tensor,
     *,
     slot_ranks: tuple[int, int] | None = None,
+    b2: torch.Tensor | None = None,
+    b_major: str = "k",
+    k_split: bool = False,
 ) -> None:
-    """a · bᵀ per expert, as :func:`grouped_gemm` with K-major b, each row written into the
-    (token, slot) row of ``slots`` instead of an [R, N] output (no y_rows buffer, no copy).
+    """The plain :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2`` as there), each
+    row written into the (token, slot) row of ``slots`` instead of an [R, N] output (no rows
+    buffer, no copy).
 
-    a [R, K] bf16 in the schedule's row order, b [E, N, K], tile_expert [ceil(R / 128)];
+    a [R, K] bf16 in the schedule's row order, b [E, N, K] (or [E, K, N] for "n"), tile_expert [ceil(R / 128)];
     row r belongs to token g = row_token[r] (-1: padding, not written) and slot j = row_slot[r]
     (int32 [R]). ``slots`` [T, k, N] bf16 receives row r at [g, j]; with ``slot_ranks`` =
     (W, rank stride in elements) it is rank 0's slots in an expert-parallel workspace, the W
     ranks' slots ``rank stride`` elements apart in one mapping, and g = p·T + t goes to rank
-    p's [t, j] (the down projection of mok/ep.py pushing y to the tokens' owners).
-    Slots no row maps to are left as they were.
+    p's [t, j] (mok/ep.py: the down projection pushing y, and the backward's dx GEMM pushing
+    dx, to the tokens' owners). Slots no row maps to are left as they were.
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
+    if b_major not in ("k", "n"):
+        raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
+    if k_split and b2 is None:
+        raise ValueError("k_split: needs b2, the weights of K's second half")
+    if b2 is not None and not k_split:
+        raise ValueError("b2: only with k_split (the scattering GEMM has the plain epilogue)")
     check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
-    num_experts, n = b.shape[:2]
-    check_tensor("b", b, shape=(num_experts, n, k))
-    if n % 128 or k % 64:
-        raise ValueError(f"b: expected N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
+    num_experts = b.shape[0]
+    n = b.shape[1] if b_major == "k" else b.shape[2]
+    b_k = k // 2 if k_split else k
+    b_shape = (num_experts, n, b_k) if b_major == "k" else (num_experts, b_k, n)
+    check_tensor("b", b, shape=b_shape)
+    if b2 is not None:
+        check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device, contiguous=True)
+    if n % 128 or k % (128 if k_split else 64):
+        raise ValueError(f"b: expected N % 128 == 0 and K % {128 if k_split else 64} == 0, got N={n}, K={k}")
     check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(-(-num_rows // 128),), device=a.device, contiguous=True)
     for name, t in (("row_token", row_token), ("row_slot", row_slot)):
         check_tensor(name, t, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
@@ -268,15 +283,16 @@ def grouped_gemm_scatter(
             f"slot_ranks: expected (world >= 1, rank stride >= {slots.numel()} elements, a multiple of 8, "
             f"every rank's slots within 2^31 - 8 elements), got {slot_ranks}"
         )
-    for name, t in (("a", a), ("b", b), ("slots", slots)):
-        _check_cuda_aligned(name, t)
-        _check_32bit(name, t)
+    for name, t in (("a", a), ("b", b), ("b2", b2), ("slots", slots)):
+        if t is not None:
+            _check_cuda_aligned(name, t)
+            _check_32bit(name, t)
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
-    variant = grouped_gemm_variant(n, k, scatter=True, topk=topk)
+    variant = grouped_gemm_variant(n, k, scatter=True, topk=topk, b_major=b_major, k_split=k_split)
     launch_grouped_gemm(
-        variant, a, b, b, slots, tile_expert, row_token=row_token, row_slot=row_slot, num_rows=num_rows,
+        variant, a, b, b if b2 is None else b2, slots, tile_expert, row_token=row_token, row_slot=row_slot, num_rows=num_rows,
         num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=rank_stride,
     )
 

@@ -83,6 +83,10 @@ def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
         grouped_gemm_scatter(a, b, tiles, rows, rows, slots, slot_ranks=(8, 2**29))
     with pytest.raises(TypeError, match="row_slot: expected dtype int32, got int64"):
         grouped_gemm_scatter(a, b, tiles, rows, rows.long(), slots)
+    with pytest.raises(ValueError, match="b2: only with k_split"):
+        grouped_gemm_scatter(a, b, tiles, rows, rows, slots, b2=b)
+    with pytest.raises(ValueError, match=r"b: expected shape \[2, 64, 128\], got \[2, 256, 128\]"):  # k_split, N-major: [E, K/2, N]
+        grouped_gemm_scatter(a, b, tiles, rows, rows, slots, b2=b, b_major="n", k_split=True)
     with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; the launch checks refuse CPU data
         grouped_gemm_scatter(a, b, tiles, rows, rows, slots, slot_ranks=(2, 51200))
 

@@ -68,11 +68,20 @@ def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilo
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 
 
-def test_scattering_down_projection_stores_rows_from_the_producer_warps():
-    """scatter: TMA loads A and B, WGMMA; no TMA store: three producer warps (barrier 2 over 96
-    threads) copy the handed-over epilogue subtiles out with 16-byte shared loads and streaming global stores."""
-    ptx = compiled_ptx(grouped_gemm_variant(7168, 2048, scatter=True, topk=8), "sm_90a")
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 2  # A and B loads
+@pytest.mark.parametrize(
+    "variant,loads",
+    [
+        (grouped_gemm_variant(7168, 2048, scatter=True, topk=8), 2),  # the forward's down projection: A, B
+        # the backward's dx: A, and B or B2 by K half (9 load sites once unrolled, as in the unscattered dx GEMM)
+        (grouped_gemm_variant(7168, 4096, scatter=True, topk=8, b_major="n", k_split=True), 9),
+    ],
+    ids=["down_projection", "dx_k_split"],
+)
+def test_scattering_gemm_stores_rows_from_the_producer_warps(variant, loads):
+    """scatter: TMA loads, WGMMA; no TMA store: three producer warps (barrier 2 over 96 threads)
+    copy the handed-over epilogue subtiles out with 16-byte shared loads and streaming global stores."""
+    ptx = compiled_ptx(variant, "sm_90a")
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx) == 0  # no TMA store
     assert count(r"ld\.shared\.v4\.b32", ptx) == count(r"st\.global\.cs\.v4\.b32", ptx) == 1  # (one loop; streaming)
     assert count(r"bar\.sync\s+2, 96;", ptx) == 2

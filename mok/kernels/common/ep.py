@@ -189,7 +189,10 @@ class EpDispatchKernel:
 
 
 class EpPushKernel:
-    """y_slots of the token's rank [t, j] = y_rows[r] for every row r with a token (g = p·T_max + t, j = row_slot[r])."""
+    """y_slots of the token's rank [t, j] = y_rows[r] for every row r with a token (g = p·T_max + t, j = row_slot[r]).
+
+    The EP layer no longer launches it (its GEMMs write the slots themselves: grouped_gemm_scatter);
+    kept as the baseline perf/gemm_sweep.py --scattered-fc2 measures that against."""
 
     def __init__(self, world: int, width: int, topk: int, threads: int = 128) -> None:
         if width % VECTOR:

@@ -109,8 +109,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("gather_ranks: only with gather_a (it says where the gathered rows live)")
         if combine and (epilogue != "plain" or k_split or b_major != "k" or not persistent):
             raise ValueError("combine: only for the persistent plain GEMM with K-major B (the down projection)")
-        if scatter and (epilogue != "plain" or k_split or combine or gather_a or not persistent):
-            raise ValueError("scatter: only for the persistent plain GEMM without combine or gather (the down projection)")
+        if scatter and (epilogue != "plain" or combine or gather_a or not persistent):
+            raise ValueError("scatter: only for the persistent plain GEMM without combine or gather (the row pushes of EP)")
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
