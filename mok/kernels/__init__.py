@@ -228,13 +228,18 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     if config.ep_size > 1:  # mok/ep.py: the exchange kernels and the combine over pushed [T, k] slots
         w, k = config.ep_size, config.topk
         variants += [ep_variant(kind, w, phase=phase) for kind in ("signal", "wait") for phase in (0, 1)]
-        variants += [ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h), ep_variant("push", w, width=h, topk=k)]
+        variants += [ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h)]
         variants += [ep_variant("overflow", w, phase=phase, width=h, topk=k) for phase in (0, 1)]  # capacity bound only
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
     if arch == "sm_90a":
         variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert)
-        if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered
+        if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered; y and dx go out scattered
+            k = config.topk
             variants += [grouped_gemm_variant(i, h, epilogue=epilogue) for epilogue in ("swiglu", "swiglu_save")]
+            variants += [
+                grouped_gemm_variant(h, i, scatter=True, topk=k),
+                grouped_gemm_variant(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True),
+            ]
         if config.has_shared_expert:
             variants += expert_mlp_variants(h, config.shared_intermediate, config.topk, shared=True)
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
