@@ -135,6 +135,26 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | N
     return out
 
 
+def _check_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_major: str, k_split: bool) -> tuple[int, int]:
+    """Check a grouped GEMM's B (and B2) against A [R, K]; returns (E, N)."""
+    k = a.shape[1]
+    if b_major not in ("k", "n"):
+        raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
+    if k_split and b2 is None:
+        raise ValueError("k_split: needs b2, the weights of K's second half")
+    check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+    num_experts = b.shape[0]
+    n = b.shape[1] if b_major == "k" else b.shape[2]
+    b_k = k // 2 if k_split else k
+    b_shape = (num_experts, n, b_k) if b_major == "k" else (num_experts, b_k, n)
+    check_tensor("b", b, shape=b_shape)
+    if b2 is not None:
+        check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device, contiguous=True)
+    if n % 128 or k % (128 if k_split else 64):
+        raise ValueError(f"b: expected N % 128 == 0 and K % {128 if k_split else 64} == 0, got N={n}, K={k}")
+    return num_experts, n
+
+
 def grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -188,26 +208,13 @@ def grouped_gemm(
                 f"gather_ranks: expected (world >= 1, rank stride >= {a.numel()} elements, a multiple of 8, "
                 f"every rank within 2^31 elements), got {gather_ranks}"
             )
-    if b_major not in ("k", "n"):
-        raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
-    if k_split and b2 is None:
-        raise ValueError("k_split: needs b2, the weights of K's second half")
-    check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
-    num_experts = b.shape[0]
-    n = b.shape[1] if b_major == "k" else b.shape[2]
-    b_k = k // 2 if k_split else k
-    b_shape = (num_experts, n, b_k) if b_major == "k" else (num_experts, b_k, n)
-    check_tensor("b", b, shape=b_shape)
-    if b2 is not None:
-        check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device, contiguous=True)
+    num_experts, n = _check_weights(a, b, b2, b_major, k_split)
     if h_out is not None:
         if b2 is None or k_split:
             raise ValueError("h_out: only with the SwiGLU epilogue (b2 given, no k_split)")
         check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * n), device=a.device, contiguous=True)
     tiles = -(-num_rows // 128)
     check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(tiles,), device=a.device, contiguous=True)
-    if n % 128 or k % (128 if k_split else 64):
-        raise ValueError(f"b: expected N % 128 == 0 and K % {128 if k_split else 64} == 0, got N={n}, K={k}")
     out = _bf16_out(out, (num_rows, n), a.device)
     for name, t in (("a", a), ("b", b), ("b2", b2), ("out", out), ("h_out", h_out)):
         if t is not None:
@@ -255,22 +262,9 @@ def grouped_gemm_scatter(
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
-    if b_major not in ("k", "n"):
-        raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
-    if k_split and b2 is None:
-        raise ValueError("k_split: needs b2, the weights of K's second half")
     if b2 is not None and not k_split:
         raise ValueError("b2: only with k_split (the scattering GEMM has the plain epilogue)")
-    check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
-    num_experts = b.shape[0]
-    n = b.shape[1] if b_major == "k" else b.shape[2]
-    b_k = k // 2 if k_split else k
-    b_shape = (num_experts, n, b_k) if b_major == "k" else (num_experts, b_k, n)
-    check_tensor("b", b, shape=b_shape)
-    if b2 is not None:
-        check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device, contiguous=True)
-    if n % 128 or k % (128 if k_split else 64):
-        raise ValueError(f"b: expected N % 128 == 0 and K % {128 if k_split else 64} == 0, got N={n}, K={k}")
+    num_experts, n = _check_weights(a, b, b2, b_major, k_split)
     check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(-(-num_rows // 128),), device=a.device, contiguous=True)
     for name, t in (("row_token", row_token), ("row_slot", row_slot)):
         check_tensor(name, t, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
