@@ -135,6 +135,17 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | N
     return out
 
 
+def _check_rank_stride(name: str, ranks: tuple[int, int], per_rank: int, limit: int, limit_text: str) -> None:
+    """(world W, rank stride) of W ranks' tensors of ``per_rank`` elements lying a stride apart in one
+    mapping: 16-byte aligned strides, no overlap, every element within ``limit`` of rank 0's start."""
+    world, stride = ranks
+    if world < 1 or stride < per_rank or stride % 8 or (world - 1) * stride + per_rank > limit:
+        raise ValueError(
+            f"{name}: expected (world >= 1, rank stride >= {per_rank} elements, a multiple of 8, "
+            f"every rank within {limit_text}), got {ranks}"
+        )
+
+
 def _check_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_major: str, k_split: bool) -> tuple[int, int]:
     """Check a grouped GEMM's B (and B2) against A [R, K]; returns (E, N)."""
     k = a.shape[1]
@@ -203,11 +214,7 @@ def grouped_gemm(
     if gather_ranks is not None:
         if gather is None:
             raise ValueError("gather_ranks: only with gather (the rows to pull)")
-        if world < 1 or rank_stride < a.numel() or rank_stride % 8 or (world - 1) * rank_stride + a.numel() >= 2**31:
-            raise ValueError(
-                f"gather_ranks: expected (world >= 1, rank stride >= {a.numel()} elements, a multiple of 8, "
-                f"every rank within 2^31 elements), got {gather_ranks}"
-            )
+        _check_rank_stride("gather_ranks", gather_ranks, a.numel(), 2**31 - 1, "2^31 elements")
     num_experts, n = _check_weights(a, b, b2, b_major, k_split)
     if h_out is not None:
         if b2 is None or k_split:
@@ -271,12 +278,9 @@ def grouped_gemm_scatter(
     check_tensor("slots", slots, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
     if slots.shape[2] != n:
         raise ValueError(f"slots: expected [T, k, {n}] (N of b), got {list(slots.shape)}")
-    world, rank_stride = slot_ranks if slot_ranks is not None else (1, 0)
-    if world < 1 or (world > 1 and rank_stride < slots.numel()) or rank_stride % 8 or (world - 1) * rank_stride + slots.numel() > 2**31 - 8:
-        raise ValueError(
-            f"slot_ranks: expected (world >= 1, rank stride >= {slots.numel()} elements, a multiple of 8, "
-            f"every rank's slots within 2^31 - 8 elements), got {slot_ranks}"
-        )
+    slot_ranks = slot_ranks if slot_ranks is not None else (1, slots.numel())
+    _check_rank_stride("slot_ranks", slot_ranks, slots.numel(), 2**31 - 8, "2^31 - 8 elements")  # (the kernel's vector indices)
+    _, rank_stride = slot_ranks
     for name, t in (("a", a), ("b", b), ("b2", b2), ("slots", slots)):
         if t is not None:
             _check_cuda_aligned(name, t)
