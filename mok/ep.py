@@ -32,6 +32,7 @@ launches of their own.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
@@ -64,9 +65,9 @@ class EPLayout:
     hidden: int
     topk: int
 
-    @property
+    @functools.cached_property
     def regions(self) -> dict[str, tuple[int, int, torch.dtype]]:
-        """name -> (byte offset, elements, dtype)."""
+        """name -> (byte offset, elements, dtype) (computed once: every call reads it many times)."""
         sizes = {
             "flags": (flag_words(self.world), torch.int32),
             "idx": (self.max_tokens * self.topk, torch.int32),
@@ -151,6 +152,7 @@ class EPWorkspace:
         self.capacity = capacity
         self.owner = None  # the SymmetricWorkspace behind the buffer, when there is one (kept alive here)
         self._record_copy = self._record_ready = None  # the error record as last copied to the host (raise_pending)
+        self._kernels = None  # the EP kernels of its layout, loaded at its first call (mok.ep._kernels)
         self.handle = next(_NEXT_HANDLE)  # names it to the custom ops (mok/ep_ops.py)
         _BY_HANDLE[self.handle] = self
 
@@ -237,7 +239,13 @@ class EPWorkspace:
 
 def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
     """The EP kernels this layout uses (compiled or loaded once, before anything waits on a peer;
-    the overflow markers only with a capacity bound)."""
+    the overflow markers only with a capacity bound); kept on the workspace after the first call."""
+    if ws._kernels is None:
+        ws._kernels = _load_kernels(ws, device)
+    return ws._kernels
+
+
+def _load_kernels(ws: EPWorkspace, device: torch.device) -> dict:
     lay, arch = ws.layout, device_arch(device.index)
     overflow = {} if ws.capacity is None else {
         f"overflow_{phase}": get_kernel(ep_variant("overflow", lay.world, phase=phase, width=lay.hidden, topk=lay.topk), arch)
@@ -249,7 +257,7 @@ def _kernels(ws: EPWorkspace, device: torch.device) -> dict:
         "wait_pub": get_kernel(ep_variant("wait", lay.world, phase=PHASE_PUBLISH), arch),
         "wait_done": get_kernel(ep_variant("wait", lay.world, phase=PHASE_DONE), arch),
         "routing": get_kernel(ep_variant("routing", lay.world, topk=lay.topk), arch),
-        "dispatch": get_kernel(ep_variant("dispatch", lay.world, width=lay.hidden), arch),
+        "dispatch": get_kernel(ep_variant("dispatch", lay.world, width=lay.hidden, topk=lay.topk), arch),
     }
 
 
@@ -355,13 +363,19 @@ def gather_ranks(ws: EPWorkspace, kernels: dict, name: str, stream) -> torch.Ten
     return out
 
 
-def pull_rows(ws: EPWorkspace, kernels: dict, name: str, row_token: torch.Tensor, stream) -> torch.Tensor:
-    """rows[r] = row g = row_token[r] of the owner's bf16 [T_max, H] region ``name`` (zeros for padding rows)."""
+def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream) -> torch.Tensor:
+    """rows[r] = row g = row_token[r] of the owner's bf16 [T_max, H] region ``name`` (zeros for the
+    padding rows; the unused rows past the schedule's end are left as they are).
+
+    Token-major (sched.slot_row): each token's row is read from its owner once, however many
+    of this rank's experts it goes to."""
     lay = ws.layout
-    rows = torch.empty(row_token.shape[0], lay.hidden, dtype=torch.bfloat16, device=ws.buffer.device)
+    rows = torch.empty(sched.capacity, lay.hidden, dtype=torch.bfloat16, device=ws.buffer.device)
+    used = sched.expert_offsets[-1:]  # rows the routing needs (padded); may exceed the capacity: the kernel clamps
     kernels["dispatch"](
-        ops._ptr("bf16", ws.region(name, 0)), ops._ptr("i32", row_token, 4), ops._ptr("bf16", rows),
-        ops._i32(lay.max_tokens), ops._i32(ws.stride_elems(name)), ops._i32(row_token.shape[0]), stream,
+        ops._ptr("bf16", ws.region(name, 0)), ops._ptr("i32", sched.slot_row, 4), ops._ptr("i32", sched.row_token, 4),
+        ops._ptr("i32", used, 4), ops._ptr("bf16", rows), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems(name)),
+        ops._i32(sched.capacity), stream,
     )
     return rows
 
@@ -420,7 +434,7 @@ def ep_moe_forward_saved(
             x_all, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token, gather_ranks=(world, ws.stride_elems("x"))
         )
     else:
-        x_rows = pull_rows(ws, k, "x", sched.row_token, stream)
+        x_rows = pull_rows(ws, k, "x", sched, stream)
         a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
     lay = ws.layout  # the down projection writes each y row straight into its token's slot on the token's rank
     slots_of_rank0 = ws.region("slots", 0)[: lay.max_tokens * topk * hidden].view(lay.max_tokens, topk, hidden)

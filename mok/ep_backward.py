@@ -76,7 +76,7 @@ def ep_moe_backward(
 
     publish(ws, k, {"x": dout, "w": topk_w}, num_tokens, timeout_s, stream)  # dout replaces x (pulled in the forward)
     weights_all = gather_ranks(ws, k, "w", stream).view(torch.float32)
-    dout_rows = pull_rows(ws, k, "x", sched.row_token, stream)
+    dout_rows = pull_rows(ws, k, "x", sched, stream)
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
         dout_rows, w_down, sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=weights_all
     )

@@ -1,11 +1,13 @@
 """Expert-parallel MoE forward (or forward + backward) on N GPUs: MoK's EP path against the PyTorch-native EP baseline.
 
-    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3] [--backward]     (spawns one process per GPU)
+    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3] [--backward] [--profile N]     (one process per GPU)
 
 Per rank, on the same inputs in one run: ``mok.ep.ep_moe_forward`` over the symmetric VMM
 workspace, and what users write with NCCL: all_to_all_single dispatch with split sizes read
 back to the host, torch._grouped_mm experts, all_to_all_single back, index_add combine.
-Reported: the median over iterations of the slowest rank's time, the speedup, the bytes each
+"mok gr" replays MoK's path from a CUDA graph
+(captured once per rank): the device-bound time, without the host's launch work. Reported:
+the median over iterations of the slowest rank's time, the speedup, the bytes each
 rank sends to other ranks (dispatch + combine) and the effective NVLink GB/s per GPU. With
 ``--backward`` each path runs forward + backward: MoK's ep_moe_forward_saved + ep_moe_backward,
 and autograd through the baseline with torch.distributed.nn's differentiable all_to_all_single
@@ -101,7 +103,60 @@ def _time(fn, group, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(per_iter)
 
 
-def _worker(rank: int, world: int, configs: list[str], init_file: str, backward: bool) -> None:
+def _host_ms(fn, calls: int = 10) -> float:
+    """Host milliseconds to launch one call (no device sync inside): above the device time, the call is host-bound."""
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def _host_profile(fn, calls: int = 5):
+    """cProfile statistics of ``calls`` calls of fn (every rank calls it together)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(prof)
+
+
+def _graph_of(fn):
+    """fn captured once in a CUDA graph (after one eager call, which every rank makes together);
+    the returned callable replays it: no host launch work, the device-bound time."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _kernel_rows(fn, top: int) -> list[tuple[str, float, int]]:
+    """(kernel, device ms, calls) of one call of fn on this rank, most expensive first (torch.profiler;
+    every rank must call it together: the paths synchronise with their peers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def _worker(rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0) -> None:
     from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
     from mok.ep_backward import ep_moe_backward
     from mok.runtime.workspace import SymmetricWorkspace
@@ -135,10 +190,15 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
                     saved = ep_moe_forward_saved(ws, x, idx, w, *experts, timeout_s=30.0)
                     return ep_moe_backward(ws, dout, x, idx, w, *experts, None, saved, timeout_s=30.0).dx
 
-                paths = {"mok": mok_step, "torch": lambda: torch_ep_train_step(x, idx, w, experts, dout, group)[0]}
+                paths = {
+                    "mok": mok_step,
+                    "mok gr": _graph_of(mok_step),
+                    "torch": lambda: torch_ep_train_step(x, idx, w, experts, dout, group)[0],
+                }
             else:
                 paths = {
                     "mok": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0),
+                    "mok gr": _graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0)),
                     "mok fd": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, fused_dispatch=True),  # fc1 pulls
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
@@ -153,13 +213,24 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
                     gbs = float(sent) / ms[p] / 1e6
                     print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{float(sent) / 1e6:>9.0f}{gbs:>8.0f}")
                 print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")
+            if profile_top:
+                host = _host_ms(paths["mok"])
+                stats = _host_profile(paths["mok"])
+                if rank == 0:
+                    print(f"{name:<8}mok on rank 0: {host:.3f} ms of host time to launch one call; where it goes (cProfile, 5 calls):")
+                    stats.sort_stats("tottime").print_stats(profile_top)
+                rows = _kernel_rows(paths["mok"], profile_top)
+                if rank == 0:
+                    print(f"{name:<8}mok on rank 0, device ms per kernel (one call; waits include the peer's lag):")
+                    for kernel, ms_k, calls in rows:
+                        print(f"{'':<10}{ms_k:8.3f} ms {calls:>3}x  {kernel[:90]}")
             dist.barrier(group=group)
             sym.close()
     finally:
         dist.destroy_process_group()
 
 
-def run(world: int, configs: list[str], backward: bool = False) -> int:
+def run(world: int, configs: list[str], backward: bool = False, profile_top: int = 0) -> int:
     """Spawn one process per GPU and run the comparison (called by perf/bench_layer.py --ep N)."""
     import torch.multiprocessing as mp
 
@@ -167,5 +238,5 @@ def run(world: int, configs: list[str], backward: bool = False) -> int:
         print(f"--ep {world}: needs {world} GPUs, this machine has {torch.cuda.device_count()}")
         return 1
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init"), backward), nprocs=world)
+        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init"), backward, profile_top), nprocs=world)
     return 0

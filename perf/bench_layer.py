@@ -30,6 +30,7 @@ CONFIGS = {
     "dsv3": (4096, 7168, 2048, 32, 8, None, "uniform"),
     "qwen3": (8192, 2048, 768, 64, 8, None, "uniform"),
     "dsv3-zipf": (4096, 7168, 2048, 32, 8, None, "zipf"),
+    "dsv3-e128": (4096, 7168, 2048, 128, 8, None, "uniform"),  # one EP=2 rank's expert work (bench_ep's dsv3)
     "qwen3-small": (256, 2048, 768, 64, 8, None, "uniform"),  # few tokens: launch-bound
 }
 
@@ -143,15 +144,16 @@ def device_span(fn, calls: int = 5) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default="dsv3,qwen3,dsv3-zipf,qwen3-small")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (one process per GPU)")
+    parser.add_argument("--profile", type=int, default=0, help="--ep: print rank 0's N most expensive kernels")
     args = parser.parse_args()
     if args.ep > 1:
         from bench_ep import CONFIGS as EP_CONFIGS, run
 
-        names = args.configs.split(",") if args.configs != ",".join(CONFIGS) else list(EP_CONFIGS)
-        return run(args.ep, names, backward=args.backward)
+        names = args.configs.split(",") if args.configs != parser.get_default("configs") else list(EP_CONFIGS)
+        return run(args.ep, names, backward=args.backward, profile_top=args.profile)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = f"{'config':<11}{'path':<13}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
     print(header)

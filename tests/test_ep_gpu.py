@@ -305,3 +305,39 @@ def test_ep_backward_accumulates_into_main_grads_like_the_single_gpu_backward():
     for i in range(3, 6):
         summed = start[i] + sum(bufs[i] - start[i] for bufs in buffers)
         assert float((summed - single[i]).norm() / (single[i] - start[i]).norm()) < 1e-2
+
+
+@pytest.mark.parametrize("world,counts,E,k,capacity", [
+    (2, (300, 517), 8, 4, None),
+    (3, (128, 0, 250), 12, 8, None),  # k = 8 over 4 local experts: tokens with several slots on one rank
+    (2, (320, 320), 8, 4, 640),  # a capacity bound that the routing overflows: pairs past it get no row
+])
+def test_dispatch_puts_each_token_in_every_local_row_and_zeros_the_padding(world, counts, E, k, capacity):
+    """pull_rows (token-major: each token read once) against indexing the ranks' published x:
+    rows[r] = x of row_token[r], zeros for the padding rows below the schedule's end, on every rank."""
+    from mok import ops
+    from mok.ep import _kernels, pull_rows
+
+    hidden, t_max = 1024, 640
+    layout = EPLayout(world=world, max_tokens=t_max, hidden=hidden, topk=k)
+    ws = EPWorkspace.local_group(layout)
+    routing = torch.full((world * t_max, k), -1, dtype=torch.int32, device="cuda")
+    x_all = torch.zeros(world * t_max, hidden, dtype=torch.bfloat16, device="cuda")
+    for p, count in enumerate(counts):
+        x = torch.randn(count, hidden, device="cuda").bfloat16()
+        ws[p].region("x")[: x.numel()].copy_(x.reshape(-1))
+        x_all[p * t_max:p * t_max + count] = x
+        routing[p * t_max:p * t_max + count] = torch.rand(count, E, device="cuda").topk(k, dim=1).indices.int()
+    stream = ops._stream(torch.device("cuda"))
+    for rank in range(world):
+        sched = ops.device_schedule(routing, E, rank=rank, world_size=world, capacity=capacity)
+        torch.full((sched.capacity, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: poisons the next block
+        rows = pull_rows(ws[rank], _kernels(ws[rank], ws[rank].buffer.device), "x", sched, stream)
+        torch.cuda.synchronize()
+        used = min(int(sched.expert_offsets[-1]), sched.capacity)
+        token = sched.row_token[:used].long()
+        want = torch.where((token >= 0)[:, None], x_all[token.clamp(min=0)], torch.zeros((), dtype=torch.bfloat16, device="cuda"))
+        assert used > 0 and int((token >= 0).sum()) > 0
+        assert torch.equal(rows[:used], want), f"rank {rank}"
+        if capacity is not None:
+            assert bool(sched.overflow) and int((sched.slot_row >= 0).sum()) == int((token >= 0).sum())

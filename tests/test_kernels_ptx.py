@@ -163,7 +163,7 @@ def test_ep_flags_use_system_scope_release_acquire_and_bounded_waits():
     assert "fence.acq_rel.sys" in signal and count(r"atom\.global\.sys\.release\.exch\.b32", signal) == 1
     assert count(r"atom\.global\.sys\.acquire\.add\.u32", wait) >= 1
     assert "%globaltimer" in wait  # every wait is bounded in time
-    for kind, kw in (("dispatch", dict(width=7168)), ("push", dict(width=7168, topk=8)), ("routing", dict(topk=8))):
+    for kind, kw in (("dispatch", dict(width=7168, topk=8)), ("push", dict(width=7168, topk=8)), ("routing", dict(topk=8))):
         ptx = compiled_ptx(ep_variant(kind, 4, **kw), "sm_90a")
         assert count(r"\batom\.|\bred\.", ptx) == 0  # data moves with plain loads and stores
         if kind != "routing":

@@ -228,7 +228,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     if config.ep_size > 1:  # mok/ep.py: the exchange kernels and the combine over pushed [T, k] slots
         w, k = config.ep_size, config.topk
         variants += [ep_variant(kind, w, phase=phase) for kind in ("signal", "wait") for phase in (0, 1)]
-        variants += [ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h)]
+        variants += [ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h, topk=k)]
         variants += [ep_variant("overflow", w, phase=phase, width=h, topk=k) for phase in (0, 1)]  # capacity bound only
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
     if arch == "sm_90a":
