@@ -60,13 +60,13 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the fused kernels take bf16
     hidden, inter, experts, topk = 256, 256, 8, 2
 
-    torch.manual_seed(0)  # same router and norms on every rank
+    torch.manual_seed(0)  # the same router, norms and teacher on every rank
     model = ToyMoE(hidden, inter, experts, topk, group, device, dtype)
-    torch.manual_seed(1 + rank)  # each rank its own experts' initial weights
+    teacher = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden)).to(device, dtype)
+    torch.manual_seed(1 + rank)  # each rank its own experts' initial weights and its own batches
     for moe in model.moes:
         for p in (moe.gate_proj, moe.up_proj, moe.down_proj):
             nn.init.uniform_(p, -p.shape[-1] ** -0.5, p.shape[-1] ** -0.5)
-    teacher = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden)).to(device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     replicated = [p for n, p in model.named_parameters() if "router" in n or "norms" in n or "shared" in n]

@@ -1,4 +1,5 @@
-"""The README's training example runs and learns: one process, and 2 or 4 ranks under torchrun (CPU, gloo)."""
+"""The README's training example runs and learns: one process, and 2 or 4 ranks under torchrun (CPU, gloo);
+on one GPU (the fused kernels) and on two GPUs under torchrun (the expert-parallel kernels over NVLink)."""
 
 import os
 import re
@@ -17,7 +18,7 @@ def losses(stdout: str) -> list[float]:
 
 
 def run(cmd):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return losses(done.stdout)
@@ -35,3 +36,19 @@ def test_toy_training_under_torchrun(ranks):
            str(EXAMPLE), "--steps", "6", "--device", "cpu"]
     got = run(cmd)
     assert len(got) == 2 and got[-1] < got[0]
+
+
+@pytest.mark.gpu
+def test_toy_training_on_one_gpu():
+    got = run([sys.executable, str(EXAMPLE), "--steps", "16", "--device", "cuda"])
+    assert len(got) == 4 and got[-1] < 0.9 * got[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_toy_training_on_two_gpus_under_torchrun():
+    """The README's torchrun command: one rank per GPU (NCCL), each with half the experts."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29530",
+           str(EXAMPLE), "--steps", "16", "--device", "cuda"]
+    got = run(cmd)
+    assert len(got) == 4 and got[-1] < 0.9 * got[0]
