@@ -181,6 +181,7 @@ def grouped_gemm(
     persistent: bool = True,
     gather: torch.Tensor | None = None,
     gather_ranks: tuple[int, int] | None = None,
+    skip_padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (bf16, fp32 accumulation).
 
@@ -202,9 +203,18 @@ def grouped_gemm(
     token matrix [T_max, K] in an expert-parallel workspace whose W ranks' matrices lie
     ``rank stride`` elements apart in one mapping; gather[r] = g names row g % T_max of rank
     g // T_max (the fc1 of mok/ep.py pulling its rows from the peers inside the GEMM).
+    ``skip_padding`` [R] int32 (the schedule's row_token; the same tensor as ``gather`` when
+    gathering): a 64-row half of a tile whose rows are all padding (row_token < 0 at its first
+    row: padding follows each expert's rows) is not multiplied; its output rows are what zero
+    A rows give. Persistent kernel only.
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
+    if skip_padding is not None:
+        if not persistent:
+            raise ValueError("skip_padding: only with the persistent kernel")
+        if gather is not None and skip_padding is not gather:
+            raise ValueError("skip_padding: expected the gather tensor itself (the kernel reads one row_token)")
     if gather is not None:
         check_tensor("gather", gather, dtypes=(torch.int32,), ndim=1, device=a.device, contiguous=True)
         if not persistent:
@@ -222,6 +232,8 @@ def grouped_gemm(
         check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * n), device=a.device, contiguous=True)
     tiles = -(-num_rows // 128)
     check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(tiles,), device=a.device, contiguous=True)
+    if skip_padding is not None:
+        check_tensor("skip_padding", skip_padding, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
     out = _bf16_out(out, (num_rows, n), a.device)
     for name, t in (("a", a), ("b", b), ("b2", b2), ("out", out), ("h_out", h_out)):
         if t is not None:
@@ -232,10 +244,11 @@ def grouped_gemm(
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     variant = grouped_gemm_variant(
         n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split, persistent=persistent,
-        gather_a=gather is not None, gather_ranks=gather_ranks is not None,
+        gather_a=gather is not None, gather_ranks=gather_ranks is not None, skip_padding=skip_padding is not None,
     )
+    row_token = gather if gather is not None else skip_padding
     launch_grouped_gemm(
-        variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
+        variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, row_token=row_token, num_rows=num_rows,
         num_experts=num_experts, num_tokens=a.shape[0] if gather is not None else 1, rows_per_rank=a.shape[0],
         rank_stride=rank_stride,
     )
@@ -254,6 +267,7 @@ def grouped_gemm_scatter(
     b2: torch.Tensor | None = None,
     b_major: str = "k",
     k_split: bool = False,
+    skip_padding: bool = False,
 ) -> None:
     """The plain :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2`` as there), each
     row written into the (token, slot) row of ``slots`` instead of an [R, N] output (no rows
@@ -265,7 +279,8 @@ def grouped_gemm_scatter(
     (W, rank stride in elements) it is rank 0's slots in an expert-parallel workspace, the W
     ranks' slots ``rank stride`` elements apart in one mapping, and g = p·T + t goes to rank
     p's [t, j] (mok/ep.py: the down projection pushing y, and the backward's dx GEMM pushing
-    dx, to the tokens' owners). Slots no row maps to are left as they were.
+    dx, to the tokens' owners). Slots no row maps to are left as they were. ``skip_padding``: 64-row
+    halves of a tile that are all padding (by row_token) issue no WGMMA (see :func:`grouped_gemm`).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
@@ -288,7 +303,7 @@ def grouped_gemm_scatter(
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
-    variant = grouped_gemm_variant(n, k, scatter=True, topk=topk, b_major=b_major, k_split=k_split)
+    variant = grouped_gemm_variant(n, k, scatter=True, topk=topk, b_major=b_major, k_split=k_split, skip_padding=skip_padding)
     launch_grouped_gemm(
         variant, a, b, b if b2 is None else b2, slots, tile_expert, row_token=row_token, row_slot=row_slot, num_rows=num_rows,
         num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=rank_stride,

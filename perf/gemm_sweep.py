@@ -3,6 +3,7 @@
     python perf/gemm_sweep.py                  # every shape, then the gathered fc1
     python perf/gemm_sweep.py --gathered-fc1   # fc1 gathering its rows against gather + fc1 only
     python perf/gemm_sweep.py --scattered-fc2  # fc2 writing its rows into the slots against fc2 + push kernel
+    python perf/gemm_sweep.py --skip-padding   # fc1 and fc2 skipping all-padding half tiles, at 128 experts a rank
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -125,10 +126,39 @@ def scattered_fc2() -> None:
             print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
 
 
+def skipping_padding() -> None:
+    """fc1 (on dispatched rows) and the scattering fc2 with and without skip_padding, on real
+    uniform schedules with many experts per rank (one EP = 2 rank of dsv3 and qwen3), plus the
+    share of computed rows that are padding and of half tiles that skip."""
+    for name, (T, H, I, E, k) in {"dsv3 E128": (4096, 7168, 2048, 128, 8), "qwen3 E64": (8192, 2048, 768, 64, 8)}.items():
+        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        token, used = sched.row_token, int(sched.expert_offsets[-1])
+        halves = torch.arange(0, used, 64, device="cuda")
+        skipped = float((token[halves] < 0).float().mean())
+        print(f"{name:<11}padding {1 - T * k / used:.1%} of {used} computed rows; {skipped:.1%} of half tiles skip")
+        x_rows = ops.gather_rows(torch.randn(T, H, device="cuda").bfloat16(), token)
+        wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
+        wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
+        a = ops.grouped_gemm(x_rows, wg, sched.tile_expert, b2=wu)
+        slots = torch.empty(T, k, H, device="cuda").bfloat16()
+        runs = {
+            "fc1": lambda: ops.grouped_gemm(x_rows, wg, sched.tile_expert, b2=wu, out=a),
+            "fc1 skip": lambda: ops.grouped_gemm(x_rows, wg, sched.tile_expert, b2=wu, out=a, skip_padding=token),
+            "fc2 scattering": lambda: ops.grouped_gemm_scatter(a, wd, sched.tile_expert, token, sched.row_slot, slots),
+            "fc2 scattering skip": lambda: ops.grouped_gemm_scatter(
+                a, wd, sched.tile_expert, token, sched.row_slot, slots, skip_padding=True
+            ),
+        }
+        for kname, fn in runs.items():
+            print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--scattered-fc2" in sys.argv:
+    if "--skip-padding" in sys.argv:
+        skipping_padding()
+    elif "--scattered-fc2" in sys.argv:
         scattered_fc2()
     else:
         if "--gathered-fc1" not in sys.argv:

@@ -132,6 +132,45 @@ def test_down_projection_scattering_into_slots_equals_gemm_then_reorder(T, H, I,
     assert buffer[t0 * k * H: stride].isnan().all() and buffer[stride + (T - t0) * k * H:].isnan().all()
 
 
+@pytest.mark.parametrize("T,H,I,E,k", [(1000, 512, 256, 48, 2), (300, 7168, 2048, 16, 8), (7, 256, 128, 4, 1)])
+def test_grouped_gemm_skipping_padding_halves_gives_the_same_bits(T, H, I, E, k):
+    """skip_padding: the 64-row halves of a tile that hold only padding issue no WGMMA. With zero
+    padding rows (what the gather and the dispatch write) every variant gives the bits it gives
+    without skipping; with garbage in the padding rows the skipped halves still come out zero
+    (they were not multiplied) while the experts' rows keep their bits."""
+    x, idx, w, (wg, wu, wd), _ = layer(T, H, I, E, k, seed=T + E)
+    sched = ops.device_schedule(idx, E)
+    rows, token = sched.capacity, sched.row_token
+    first = torch.arange(0, rows, 64, device="cuda")
+    skipped = (token[first] < 0) & (sched.tile_expert.repeat_interleave(2)[: first.numel()] >= 0)
+    assert skipped.any()  # (the shapes are chosen so that some tiles hold fewer than 64 rows)
+    skipped_rows = skipped.repeat_interleave(64)[:rows]
+    valid = token >= 0
+    used = sched.tile_expert.repeat_interleave(128)[:rows] >= 0  # (the unused tiles past the end stay poisoned)
+
+    h_skip, h_plain = poisoned(rows, 2 * I), poisoned(rows, 2 * I)
+    a_skip = ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, gather=token, skip_padding=token, h_out=h_skip, out=poisoned(rows, I))
+    a_plain = ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, gather=token, h_out=h_plain, out=poisoned(rows, I))
+    assert torch.equal(a_skip[used], a_plain[used]) and torch.equal(h_skip[used], h_plain[used])
+    assert not a_skip[used].isnan().any()
+
+    x_rows = ops.gather_rows(x, token)
+    y_skip = ops.grouped_gemm(a_plain, wd, sched.tile_expert, skip_padding=token, out=poisoned(rows, H))
+    y_plain = ops.grouped_gemm(a_plain, wd, sched.tile_expert, out=poisoned(rows, H))
+    assert torch.equal(y_skip[used], y_plain[used])
+
+    garbage = x_rows.clone()
+    garbage[~valid] = torch.randn(int((~valid).sum()), H, device="cuda").bfloat16()
+    a_garbage = ops.grouped_gemm(garbage, wg, sched.tile_expert, b2=wu, skip_padding=token, out=poisoned(rows, I))
+    assert torch.equal(a_garbage[valid], a_plain[valid])
+    assert (a_garbage[skipped_rows] == 0).all()
+
+    slots_skip, slots_plain = poisoned(T, k, H), poisoned(T, k, H)
+    ops.grouped_gemm_scatter(a_plain, wd, sched.tile_expert, token, sched.row_slot, slots_skip, skip_padding=True)
+    ops.grouped_gemm_scatter(a_plain, wd, sched.tile_expert, token, sched.row_slot, slots_plain)
+    assert torch.equal(slots_skip, slots_plain) and not slots_skip.isnan().any()
+
+
 def test_grouped_gemm_sass_has_hgmma():
     """The compiled GEMM runs on the tensor cores' Hopper path (SASS HGMMA), not HMMA/FFMA."""
     from mok.runtime.arch import dsl_target

@@ -89,6 +89,18 @@ def test_scattering_gemm_stores_rows_from_the_producer_warps(variant, loads):
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 
 
+@pytest.mark.parametrize("options", [dict(n=7168, k=2048), dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True),
+                                     dict(n=7168, k=2048, scatter=True, topk=8)], ids=["plain", "gathering_swiglu", "scatter"])
+def test_skipping_padding_halves_reads_one_row_token_per_tile_and_keeps_the_wgmma(options):
+    """skip_padding: the MMA warpgroups read one row_token per tile (one more 32-bit global load
+    than without) and branch around the same WGMMA instructions; no spills."""
+    plain = compiled_ptx(grouped_gemm_variant(**options), "sm_90a")
+    skipping = compiled_ptx(grouped_gemm_variant(**options, skip_padding=True), "sm_90a")
+    assert count(r"ld\.global\.b32", skipping) == count(r"ld\.global\.b32", plain) + 1
+    assert count(r"wgmma\.mma_async", skipping) == count(r"wgmma\.mma_async", plain) > 0
+    assert count(r"\.local", skipping) == 0
+
+
 @pytest.mark.parametrize("has_shared", [False, True])
 def test_combining_down_projection_counts_arrivals_with_integer_atomics_only(has_shared):
     """combine: one acquire-release integer atomic per row (no float atomics), the tile's TMA

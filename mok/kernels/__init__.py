@@ -119,6 +119,7 @@ def grouped_gemm_variant(
     combine: bool = False,
     has_shared: bool = False,
     scatter: bool = False,
+    skip_padding: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
 
@@ -134,6 +135,8 @@ def grouped_gemm_variant(
     columns combined by the CTA that brings its last slot (``topk`` slots, ``has_shared``).
     ``scatter`` (the down projection): each row goes to its (token, slot) row of the combine
     slots of the token's rank (``topk`` slots per token) instead of a [R, N] output.
+    ``skip_padding`` (persistent only): an MMA warpgroup whose 64 rows of a tile are all padding
+    (the row_token argument < 0) issues no WGMMA; its rows come out as zero A rows give them.
     """
     epilogue = epilogue or ("swiglu" if swiglu else "plain")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
@@ -147,6 +150,8 @@ def grouped_gemm_variant(
         options.update(combine=True, has_shared=has_shared)
     if scatter:
         options["scatter"] = True
+    if skip_padding:
+        options["skip_padding"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":

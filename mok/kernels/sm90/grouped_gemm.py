@@ -33,6 +33,12 @@ warpgroup's idle warps 1-3 through an mbarrier pipeline over the epilogue buffer
 copy it out with 16-byte stores while the MMA warps go on to the next tile; padding rows are
 not written.
 
+With ``skip_padding`` (persistent) an MMA warpgroup whose 64 rows of a tile are all padding
+(row_token < 0 at its first row: an expert's padding rows follow its rows) waits for and
+releases the tile's stages without issuing WGMMAs, so a tile holding a few rows of its expert
+costs about half a tile of tensor-core time. Its accumulator stays zero, what zero A rows
+(the padding rows the schedule's dispatch and gather write) would give, bit for bit.
+
 With ``combine`` (plain epilogue, the down projection) the kernel also finishes the layer:
 once a tile's y rows are in global memory, each of its rows counts one arrival on
 arrivals[token, column tile] (an integer atomic, gpu scope, acquire-release); the CTA that
@@ -89,6 +95,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         combine: bool = False,
         has_shared: bool = False,
         scatter: bool = False,
+        skip_padding: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -111,6 +118,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("combine: only for the persistent plain GEMM with K-major B (the down projection)")
         if scatter and (epilogue != "plain" or combine or gather_a or not persistent):
             raise ValueError("scatter: only for the persistent plain GEMM without combine or gather (the row pushes of EP)")
+        if skip_padding and not persistent:
+            raise ValueError("skip_padding: only in the persistent kernel")
+        self.skip_padding = skip_padding
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
@@ -366,7 +376,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
-                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
+                    skip = None
+                    if cutlass.const_expr(self.skip_padding):
+                        skip = self.padding_half(mma_tidx, tile_row, m_row_token, num_rows)
+                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, skip)
                     if cutlass.const_expr(self.scatter):
                         epi_prod = self.scatter_epilogue(mma_tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod)
                     else:
@@ -378,6 +391,18 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
+
+    @cute.jit
+    def padding_half(self, mma_tidx, tile_row, m_row_token, num_rows) -> cutlass.Boolean:
+        """Whether this MMA warpgroup's 64 rows of the tile are all padding: an expert's padding
+        rows follow its rows, so its first row tells (row_token < 0, or past the buffer). Then
+        its WGMMAs would only multiply zero rows: skipping them leaves the same zero accumulator."""
+        half_rows = self.tile_shape_mnk[0] // 2
+        first_row = tile_row * self.tile_shape_mnk[0] + cute.arch.make_warp_uniform(mma_tidx // 128) * half_rows
+        padding = cutlass.Boolean(True)
+        if first_row < num_rows:
+            padding = m_row_token[first_row] < 0
+        return padding
 
     def second_b(self, storage, b_smem, s_b):
         """B2's shared-memory tile: its own buffer for SwiGLU's second product, else B's (k_split loads B2 there)."""
@@ -756,6 +781,7 @@ def compile_grouped_gemm(
     combine: bool = False,
     has_shared: bool = False,
     scatter: bool = False,
+    skip_padding: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -773,7 +799,7 @@ def compile_grouped_gemm(
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
         persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
-        scatter=scatter,
+        scatter=scatter, skip_padding=skip_padding,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")

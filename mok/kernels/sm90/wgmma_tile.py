@@ -215,15 +215,21 @@ class WgmmaTileKernel:
         return prod
 
     @cute.jit
-    def consume_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release):
+    def consume_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, skip=None):
         """Persistent consumer: acc (+)= one tile's product over ``k_tiles`` stages, every stage
         handed back once its WGMMAs retired; returns the advanced (read, release) states.
-        The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop."""
+        The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop.
+        ``skip`` (a warpgroup-uniform flag, or None): this warpgroup waits for and releases every
+        stage but issues no WGMMA, leaving acc as it was (its rows are all padding)."""
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.consumer_wait(cons)
             if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
                 cute.arch.fence_proxy("async.shared", space="cta")
-            self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
+            if cutlass.const_expr(skip is None):
+                self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
+            else:
+                if not skip:
+                    self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
             cons.advance()
             if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
                 cute.nvgpu.warpgroup.wait_group(1)
