@@ -371,11 +371,10 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream
     of this rank's experts it goes to."""
     lay = ws.layout
     rows = torch.empty(sched.capacity, lay.hidden, dtype=torch.bfloat16, device=ws.buffer.device)
-    used = sched.expert_offsets[-1:]  # rows the routing needs (padded); may exceed the capacity: the kernel clamps
     kernels["dispatch"](
-        ops._ptr("bf16", ws.region(name, 0)), ops._ptr("i32", sched.slot_row, 4), ops._ptr("i32", sched.row_token, 4),
-        ops._ptr("i32", used, 4), ops._ptr("bf16", rows), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems(name)),
-        ops._i32(sched.capacity), stream,
+        ops._ptr("bf16", ws.region(name, 0)), ops._ptr("i32", sched.slot_row, 4), ops._ptr("i32", sched.expert_counts, 4),
+        ops._ptr("i32", sched.expert_offsets, 4), ops._ptr("bf16", rows), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems(name)),
+        ops._i32(sched.capacity), ops._i32(sched.expert_counts.shape[0]), stream,
     )
     return rows
 

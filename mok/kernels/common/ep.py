@@ -152,61 +152,72 @@ class EpRoutingGatherKernel:
 
 class EpDispatchKernel:
     """rows[slot_row[g, j]] = x of global token g (g = p·T_max + t, from rank p's published x) for
-    every pair (g, j) placed on this rank; zeros for the padding rows below the used end.
+    every pair (g, j) placed on this rank; zeros for every expert's padding rows.
 
-    Token-major: one CTA row per token reads its x once (over NVLink when the token's rank is a
-    peer) and stores it into each of its rows here, so a token with several local experts
-    crosses the link once, not once per expert (4x fewer remote bytes at k = 8 over two ranks).
-    The blocks past the tokens zero the padding rows (row_token < 0) below
-    min(used_rows[0], rows): the GEMMs read them, nothing reads the unused rows past the end.
+    Token-major: one CTA per token reads its whole x row once (over NVLink when the token's
+    rank is a peer; each thread keeps all its 16-byte vectors in flight at once) and stores it
+    into each of its rows here, so a token with several local experts crosses the link once,
+    not once per expert (4x fewer remote bytes at k = 8 over two ranks). One CTA per local
+    expert e then zeros its padding rows [offsets[e] + counts[e], offsets[e + 1]) (clipped to the
+    buffer): the GEMMs read them; nothing reads the unused rows past the schedule's end.
     """
 
-    def __init__(self, world: int, width: int, topk: int, threads: int = 128) -> None:
+    def __init__(self, world: int, width: int, topk: int, max_threads: int = 128) -> None:
         if width % VECTOR:
             raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
-        self.world, self.width, self.topk, self.threads = world, width, topk, threads
+        vectors = width // VECTOR
+        self.world, self.width, self.topk = world, width, topk
+        self.threads = max(t for t in range(1, max_threads + 1) if vectors % t == 0)  # every thread the same vectors
+        self.per_thread = vectors // self.threads
 
     @cute.jit
     def __call__(
-        self, x_ptr: cute.Pointer, slot_row_ptr: cute.Pointer, row_token_ptr: cute.Pointer, used_rows_ptr: cute.Pointer,
-        out_ptr: cute.Pointer, t_max: cutlass.Int32, x_stride: cutlass.Int32, num_rows: cutlass.Int32, stream: cuda.CUstream,
+        self, x_ptr: cute.Pointer, slot_row_ptr: cute.Pointer, counts_ptr: cute.Pointer, offsets_ptr: cute.Pointer,
+        out_ptr: cute.Pointer, t_max: cutlass.Int32, x_stride: cutlass.Int32, num_rows: cutlass.Int32, num_local: cutlass.Int32,
+        stream: cuda.CUstream,
     ):
         h = self.width
         x_stride = cute.assume(x_stride, divby=VECTOR)  # (ep.py keeps every region 128-byte aligned)
         m_x = cute.make_tensor(x_ptr, cute.make_layout((self.world, t_max, h), stride=(x_stride, h, 1)))
         m_slot_row = cute.make_tensor(slot_row_ptr, cute.make_layout((self.world * t_max, self.topk), stride=(self.topk, 1)))
-        m_tok = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
-        m_used = cute.make_tensor(used_rows_ptr, cute.make_layout((1,)))
+        m_counts = cute.make_tensor(counts_ptr, cute.make_layout((num_local,)))
+        m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_local + 1,)))
         m_out = cute.make_tensor(out_ptr, cute.make_layout((num_rows, h), stride=(h, 1)))
-        cols = self.threads * VECTOR
-        self.kernel(m_x, m_slot_row, m_tok, m_used, m_out, t_max).launch(
-            grid=[self.world * t_max + num_rows, (h + cols - 1) // cols, 1], block=[self.threads, 1, 1], stream=stream
+        self.kernel(m_x, m_slot_row, m_counts, m_offsets, m_out, t_max, num_rows).launch(
+            grid=[self.world * t_max + num_local, 1, 1], block=[self.threads, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, m_x: cute.Tensor, m_slot_row: cute.Tensor, m_tok: cute.Tensor, m_used: cute.Tensor, m_out: cute.Tensor, t_max: cutlass.Int32):
+    def kernel(
+        self, m_x: cute.Tensor, m_slot_row: cute.Tensor, m_counts: cute.Tensor, m_offsets: cute.Tensor, m_out: cute.Tensor,
+        t_max: cutlass.Int32, num_rows: cutlass.Int32,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
-        block, col_block, _ = cute.arch.block_idx()
-        chunk = col_block * self.threads + tidx
+        block, _, _ = cute.arch.block_idx()
         tokens = self.world * t_max
-        if chunk * VECTOR < self.width:
-            if block < tokens:
-                local = cutlass.Int32(0)
-                for j in cutlass.range_constexpr(self.topk):
-                    if m_slot_row[block, j] >= 0:
-                        local = local + 1
-                if local > 0:
-                    vec = cute.zipped_divide(m_x[block // t_max, block % t_max, None], (VECTOR,))[None, chunk].load()
-                    for j in cutlass.range(self.topk, unroll_full=True):
-                        dest = m_slot_row[block, j]
-                        if dest >= 0:
-                            cute.zipped_divide(m_out[dest, None], (VECTOR,))[None, chunk].store(vec)
-            else:
-                pad = block - tokens
-                if pad < m_used[0]:
-                    if m_tok[pad] < 0:
-                        out_vec = cute.zipped_divide(m_out[pad, None], (VECTOR,))[None, chunk]
-                        out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
+        if block < tokens:
+            local = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(self.topk):
+                if m_slot_row[block, j] >= 0:
+                    local = local + 1
+            if local > 0:
+                src = cute.zipped_divide(m_x[block // t_max, block % t_max, None], (VECTOR,))
+                vecs = [src[None, tidx + i * self.threads].load() for i in range(self.per_thread)]  # all loads first
+                for j in cutlass.range(self.topk, unroll_full=True):
+                    dest = m_slot_row[block, j]
+                    if dest >= 0:
+                        dst = cute.zipped_divide(m_out[dest, None], (VECTOR,))
+                        for i in cutlass.range_constexpr(self.per_thread):
+                            dst[None, tidx + i * self.threads].store(vecs[i])
+        else:
+            expert = block - tokens
+            first = m_offsets[expert] + m_counts[expert]
+            end = cutlass.min(m_offsets[expert + 1], num_rows)
+            for row in cutlass.range(first, end, unroll=1):
+                dst = cute.zipped_divide(m_out[row, None], (VECTOR,))
+                for i in cutlass.range_constexpr(self.per_thread):
+                    out_vec = dst[None, tidx + i * self.threads]
+                    out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
 
 
 class EpPushKernel:
@@ -341,7 +352,7 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         kernel, args = EpRoutingGatherKernel(world, topk), (_ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), i, i, i, stream)
     elif kind == "dispatch":
         kernel = EpDispatchKernel(world, width, topk)
-        args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, stream)
+        args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, i, stream)
     elif kind == "push":
         kernel = EpPushKernel(world, width, topk)
         args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, stream)
