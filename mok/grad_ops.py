@@ -26,6 +26,7 @@ def swiglu_backward_gemm(
     row_slot: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None,
     persistent: bool = True,
+    skip_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
@@ -37,7 +38,8 @@ def swiglu_backward_gemm(
     (:func:`router_grad` adds them up). row_token/row_slot [R] int32 and topk_w [T, k] fp32
     give s (0 for padding rows); all None for the shared expert (s = 1, partial is None).
     Rows of tiles with tile_expert -1 are left unwritten. ``persistent=False``: the
-    one-tile-per-CTA kernel (the same results, bit for bit).
+    one-tile-per-CTA kernel (the same results, bit for bit). ``skip_padding`` (with row_token,
+    persistent): 64-row halves of a tile that are all padding issue no WGMMA (see ops.grouped_gemm).
     """
     check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, hidden = dout_rows.shape
@@ -58,6 +60,8 @@ def swiglu_backward_gemm(
         check_tensor("row_slot", row_slot, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
     if inter % 128 or hidden % 64:
         raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
+    if skip_padding and (unit_scale or not persistent):
+        raise ValueError("skip_padding: only with row_token (routed experts) and the persistent kernel")
     tile_n = default_tile_n(inter, hidden, True)
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
@@ -69,7 +73,7 @@ def swiglu_backward_gemm(
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
         inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=unit_scale,
-        persistent=persistent,
+        persistent=persistent, skip_padding=skip_padding,
     )
     launch_grouped_gemm(
         variant, dout_rows, w_down, w_down, dh, tile_expert, h=h, a_scaled=a_scaled, partial=partial,

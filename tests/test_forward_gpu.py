@@ -165,6 +165,16 @@ def test_grouped_gemm_skipping_padding_halves_gives_the_same_bits(T, H, I, E, k)
     assert torch.equal(a_garbage[valid], a_plain[valid])
     assert (a_garbage[skipped_rows] == 0).all()
 
+    from mok import grad_ops
+
+    dout_rows, h = ops.gather_rows(torch.randn(T, H, device="cuda").bfloat16(), token), poisoned(rows, 2 * I)
+    ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, gather=token, h_out=h)
+    bwd_skip = grad_ops.swiglu_backward_gemm(dout_rows, wd, sched.tile_expert, h, row_token=token, row_slot=sched.row_slot,
+                                             topk_w=w, skip_padding=True)
+    bwd_plain = grad_ops.swiglu_backward_gemm(dout_rows, wd, sched.tile_expert, h, row_token=token, row_slot=sched.row_slot, topk_w=w)
+    for got, want in zip(bwd_skip, bwd_plain):  # dh, s·a, the router gradient's pieces
+        assert torch.equal(got[used], want[used])
+
     slots_skip, slots_plain = poisoned(T, k, H), poisoned(T, k, H)
     ops.grouped_gemm_scatter(a_plain, wd, sched.tile_expert, token, sched.row_slot, slots_skip, skip_padding=True)
     ops.grouped_gemm_scatter(a_plain, wd, sched.tile_expert, token, sched.row_slot, slots_plain)
