@@ -204,9 +204,10 @@ def grouped_gemm(
     ``rank stride`` elements apart in one mapping; gather[r] = g names row g % T_max of rank
     g // T_max (the fc1 of mok/ep.py pulling its rows from the peers inside the GEMM).
     ``skip_padding`` [R] int32 (the schedule's row_token; the same tensor as ``gather`` when
-    gathering): a 64-row half of a tile whose rows are all padding (row_token < 0 at its first
-    row: padding follows each expert's rows) is not multiplied; its output rows are what zero
-    A rows give. Persistent kernel only.
+    gathering): a 64-row half of a tile whose first row is padding (row_token < 0) is not
+    multiplied; its output rows are what zero A rows give. It relies on the schedule's row
+    order, where each expert's padding rows follow its rows (so such a half holds only
+    padding); with padding rows scattered anywhere else, use it not. Persistent kernel only.
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
