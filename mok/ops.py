@@ -207,7 +207,7 @@ def grouped_gemm(
     gathering): a 64-row half of a tile whose first row is padding (row_token < 0) is not
     multiplied; its output rows are what zero A rows give. It relies on the schedule's row
     order, where each expert's padding rows follow its rows (so such a half holds only
-    padding); with padding rows scattered anywhere else, use it not. Persistent kernel only.
+    padding); do not use it with padding rows placed otherwise. Persistent kernel only.
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
