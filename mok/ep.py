@@ -379,6 +379,17 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream
     return rows
 
 
+def scatter_into_slots(ws: EPWorkspace, a: torch.Tensor, b: torch.Tensor, sched: Schedule, **gemm_options) -> None:
+    """The grouped GEMM of this rank's rows ``a`` with ``b`` (:func:`mok.ops.grouped_gemm_scatter`
+    and its options), each row written into its token's rank, slot [t, j] of region "slots"."""
+    lay = ws.layout
+    slots_of_rank0 = ws.region("slots", 0)[: lay.max_tokens * lay.topk * lay.hidden].view(lay.max_tokens, lay.topk, lay.hidden)
+    ops.grouped_gemm_scatter(
+        a, b, sched.tile_expert, sched.row_token, sched.row_slot, slots_of_rank0, slot_ranks=(lay.world, ws.stride_elems("slots")),
+        **gemm_options,
+    )
+
+
 def announce_pushed(ws: EPWorkspace, kernels: dict, sched, routing: torch.Tensor, stream, *, gradient: bool) -> None:
     """After this rank's rows are in their owners' slots (stream order): NaN into the slots of the
     pairs a capacity bound dropped (:func:`mark_overflow`), then signal every rank (phase done)."""
@@ -435,11 +446,7 @@ def ep_moe_forward_saved(
     else:
         x_rows = pull_rows(ws, k, "x", sched, stream)
         a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
-    lay = ws.layout  # the down projection writes each y row straight into its token's slot on the token's rank
-    slots_of_rank0 = ws.region("slots", 0)[: lay.max_tokens * topk * hidden].view(lay.max_tokens, topk, hidden)
-    ops.grouped_gemm_scatter(
-        a, w_down, sched.tile_expert, sched.row_token, sched.row_slot, slots_of_rank0, slot_ranks=(world, ws.stride_elems("slots"))
-    )
+    scatter_into_slots(ws, a, w_down, sched)  # each y row straight into its token's slot on the token's rank
     announce_pushed(ws, k, sched, routing, stream, gradient=False)
 
     shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)  # (overlaps the peers' pushes)

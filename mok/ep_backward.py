@@ -31,7 +31,8 @@ import torch
 
 from . import grad_ops, ops
 from .ep import (
-    EPForwardResult, EPWorkspace, _kernels, announce_pushed, check_ep_inputs, gather_ranks, publish, pull_rows, wait_pushed,
+    EPForwardResult, EPWorkspace, _kernels, announce_pushed, check_ep_inputs, gather_ranks, publish, pull_rows, scatter_into_slots,
+    wait_pushed,
 )
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .reference_backward import Gradients
@@ -80,11 +81,7 @@ def ep_moe_backward(
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
         dout_rows, w_down, sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=weights_all
     )
-    slots_of_rank0 = ws.region("slots", 0)[: lay.max_tokens * topk * hidden].view(lay.max_tokens, topk, hidden)
-    ops.grouped_gemm_scatter(  # dx rows straight into their tokens' slots on the tokens' ranks
-        dh, w_gate, sched.tile_expert, sched.row_token, sched.row_slot, slots_of_rank0, slot_ranks=(lay.world, ws.stride_elems("slots")),
-        b2=w_up, b_major="n", k_split=True,
-    )
+    scatter_into_slots(ws, dh, w_gate, sched, b2=w_up, b_major="n", k_split=True)  # dx rows straight into their tokens' slots
     router_pieces = ws.region("dw")[: lay.world * lay.max_tokens * topk].view(lay.world * lay.max_tokens, topk)
     grad_ops.router_grad(partial, sched.slot_row, out=router_pieces)
     announce_pushed(ws, k, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)

@@ -26,6 +26,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_layer import graph_of, kernel_times
 
 CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
@@ -131,31 +132,6 @@ def _host_profile(fn, calls: int = 5):
     return pstats.Stats(prof)
 
 
-def _graph_of(fn):
-    """fn captured once in a CUDA graph (after one eager call, which every rank makes together);
-    the returned callable replays it: no host launch work, the device-bound time."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def _kernel_rows(fn, top: int) -> list[tuple[str, float, int]]:
-    """(kernel, device ms, calls) of one call of fn on this rank, most expensive first (torch.profiler;
-    every rank must call it together: the paths synchronise with their peers)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])[:top]
-
-
 def _worker(rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0) -> None:
     from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
     from mok.ep_backward import ep_moe_backward
@@ -192,13 +168,13 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
 
                 paths = {
                     "mok": mok_step,
-                    "mok gr": _graph_of(mok_step),
+                    "mok gr": graph_of(mok_step),
                     "torch": lambda: torch_ep_train_step(x, idx, w, experts, dout, group)[0],
                 }
             else:
                 paths = {
                     "mok": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0),
-                    "mok gr": _graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0)),
+                    "mok gr": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0)),
                     "mok fd": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, fused_dispatch=True),  # fc1 pulls
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
@@ -219,7 +195,7 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
                 if rank == 0:
                     print(f"{name:<8}mok on rank 0: {host:.3f} ms of host time to launch one call; where it goes (cProfile, 5 calls):")
                     stats.sort_stats("tottime").print_stats(profile_top)
-                rows = _kernel_rows(paths["mok"], profile_top)
+                rows = kernel_times(paths["mok"], profile_top)
                 if rank == 0:
                     print(f"{name:<8}mok on rank 0, device ms per kernel (one call; waits include the peer's lag):")
                     for kernel, ms_k, calls in rows:

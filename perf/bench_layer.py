@@ -91,7 +91,8 @@ def torch_train_step(inputs, dout):
 
 
 def graph_of(fn):
-    """fn captured once in a CUDA graph; the returned callable replays it (no host launch work)."""
+    """fn captured once in a CUDA graph after one eager call (with expert parallelism every rank
+    makes it together); the returned callable replays it (no host launch work)."""
     fn()  # compile and load outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -112,8 +113,9 @@ def count_launches(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name and "Memset" not in e.name)
 
 
-def kernel_times(fn, top: int = 6) -> list[tuple[str, float]]:
-    """The most expensive kernels of one call (device ms each), from torch.profiler."""
+def kernel_times(fn, top: int = 6) -> list[tuple[str, float, int]]:
+    """(kernel, device ms, calls) of one call of fn, the most expensive first (torch.profiler; with
+    expert parallelism every rank must call it together: the paths synchronise with their peers)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -121,7 +123,7 @@ def kernel_times(fn, top: int = 6) -> list[tuple[str, float]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages()]
+    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
@@ -193,7 +195,7 @@ def main() -> int:
         for p in ("mok", "mok (graph)"):
             busy, span = device_span(paths[p])
             print(f"{name:<11}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
-        for kernel, ms_k in kernel_times(paths["mok"], top=12 if args.backward else 6):
+        for kernel, ms_k, _ in kernel_times(paths["mok"], top=12 if args.backward else 6):
             print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:90]}")
     return 0
 
