@@ -11,6 +11,9 @@
 or, with ``combine_in_gemm``, the down projection combines as it goes: the CTA that writes a
 token's last slot adds up its columns (integer arrival counters that the schedule launch
 zeroes; the same operations in the same order, so the same bits) — 3 launches, not 4.
+With ``one_launch_mlp`` both grouped GEMMs run in one persistent launch (fc2's row tiles
+wait on per-row-tile ready counters of fc1, mok/kernels/sm90/expert_mlp.py): 3 launches, and
+2 with ``combine_in_gemm`` as well (schedule, MLP) — again the same bits.
 
 Every kernel's configuration depends only on (H, I, E, k), so a token's output does not
 depend on the other tokens in the batch. With ``save_for_backward`` the gate/up GEMM also
@@ -29,7 +32,7 @@ import torch
 from . import ops
 from .reference import SharedExpert
 from .runtime.arch import check_fused_layer_device
-from .schedule import Schedule
+from .schedule import Schedule, worst_case_capacity
 from .validation import check_moe_inputs
 
 TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to it
@@ -71,6 +74,7 @@ def moe_forward(
     out: torch.Tensor | None = None,
     save_for_backward: bool = False,
     combine_in_gemm: bool = False,
+    one_launch_mlp: bool = False,
 ) -> ForwardResult:
     """MoE layer output [T, H] bf16 for bf16 x [T, H] and bf16 weights, all experts on this GPU.
 
@@ -81,6 +85,7 @@ def moe_forward(
     ``save_for_backward`` keeps h (see the module docstring) in the result.
     ``combine_in_gemm``: the down projection also combines (3 launches instead of 4, the same
     bits); slower at the benchmark shapes so far (perf/NOTES.md), hence off by default.
+    ``one_launch_mlp``: fc1 and fc2 (and with ``combine_in_gemm`` the combine) in one launch, the same bits.
     """
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
@@ -89,17 +94,30 @@ def moe_forward(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,
     )
-    arrivals = ops.arrival_counters(x.shape[0], x.shape[1], x.device) if combine_in_gemm else None
-    sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M, clear=arrivals)
+    num_tokens, hidden = x.shape
+    if one_launch_mlp:  # its ready and arrival counters
+        rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)
+        counters = ops.expert_mlp_counters(num_tokens, hidden, rows, x.device)
+    else:
+        counters = ops.arrival_counters(num_tokens, hidden, x.device) if combine_in_gemm else None
+    sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M, clear=counters)
     h = shared_h = None
     if save_for_backward:
         h = torch.empty(sched.row_token.shape[0], 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
         if shared is not None:
             shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
+    if one_launch_mlp:
+        shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
+        if combine_in_gemm:
+            out = ops.expert_mlp(x, w_gate, w_up, w_down, sched, counters, topk_w=topk_w, h_out=h, shared_out=shared_out, out=out)
+        else:
+            y_rows = ops.expert_mlp(x, w_gate, w_up, w_down, sched, counters, h_out=h)
+            out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
+        return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
     a = ops.grouped_gemm(x, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token)
     shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
     if combine_in_gemm:
-        out = ops.grouped_gemm_combine(a, w_down, sched, topk_w, arrivals, shared_out=shared_out, out=out)
+        out = ops.grouped_gemm_combine(a, w_down, sched, topk_w, counters, shared_out=shared_out, out=out)
     else:
         y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
         out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from .kernels import (
-    combine_variant, default_tile_n, gather_variant, get_kernel, grouped_gemm_variant, schedule_ctas, schedule_variant,
+    combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_ctas,
+    schedule_variant,
 )
 from .schedule import Schedule, check_schedule_args, worst_case_capacity
 from .runtime.arch import device_arch
@@ -54,6 +55,12 @@ def _i32(value: int):
     import cutlass
 
     return cutlass.Int32(value)
+
+
+def _i64(value: int):
+    import cutlass
+
+    return cutlass.Int64(value)
 
 
 def _stream(device: torch.device):
@@ -393,6 +400,99 @@ def grouped_gemm_combine(
         num_rows=num_rows, num_experts=num_experts, num_tokens=num_tokens,
     )
     return out
+
+
+MLP_TILE = 128  # row and column tile of the one-launch expert MLP
+
+
+def expert_mlp_counters(num_tokens: int, hidden: int, num_rows: int, device: torch.device) -> torch.Tensor:
+    """The int32 counters :func:`expert_mlp` needs zeroed: an error word, one ready counter per
+    row tile and one arrival counter per (token, 128-column tile). Pass them to
+    :func:`device_schedule` as ``clear``, which zeroes them in its launch."""
+    return torch.empty(1 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE), dtype=torch.int32, device=device)
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    schedule: Schedule,
+    counters: torch.Tensor,
+    *,
+    topk_w: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    shared_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    y_rows: torch.Tensor | None = None,
+    timeout_s: float = 10.0,
+) -> torch.Tensor:
+    """Every expert's MLP in one launch: fc1 on the gathered rows with SwiGLU, then fc2, and with
+    ``topk_w`` the combine too. Returns out [T, H] (with ``topk_w``) or y_rows [R, H] bf16.
+
+    x [T, H] bf16; w_gate, w_up [E, I, H]; w_down [E, H, I] (H, I multiples of 128); the
+    ``schedule`` of this routing (its row_token gathers x; its capacity must be the worst case
+    when combining: every slot needs a row); ``counters`` from :func:`expert_mlp_counters`,
+    zeroed since (``device_schedule(..., clear=counters)``). The same bits as
+    ``grouped_gemm(x, w_gate, ..., b2=w_up, gather=row_token)``, ``grouped_gemm(a, w_down, ...)``
+    and :func:`combine` in three launches. ``h_out`` [R, 2I]: keep h for the backward;
+    ``shared_out`` [T, H]: a shared expert's output, added by the combine. The fc2 tiles of a
+    row tile wait for that row tile's fc1 tiles at most ``timeout_s`` (they cannot wait at all
+    unless the GPU is shared with work that keeps SMs from this launch); on expiry the kernel
+    sets counters[0] to 1 and finishes with wrong values instead of hanging.
+    """
+    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
+    num_tokens, hidden = x.shape
+    check_tensor("w_gate", w_gate, dtypes=BF16, ndim=3, device=x.device, contiguous=True)
+    num_experts, inter = w_gate.shape[:2]
+    check_tensor("w_gate", w_gate, shape=(num_experts, inter, hidden))
+    check_tensor("w_up", w_up, dtypes=BF16, shape=(num_experts, inter, hidden), device=x.device, contiguous=True)
+    check_tensor("w_down", w_down, dtypes=BF16, shape=(num_experts, hidden, inter), device=x.device, contiguous=True)
+    if hidden % MLP_TILE or inter % MLP_TILE:
+        raise ValueError(f"w_gate: expected H and I multiples of {MLP_TILE}, got H={hidden}, I={inter}")
+    num_rows = schedule.row_token.shape[0]
+    topk = schedule.slot_row.shape[1]
+    if schedule.slot_row.shape[0] != num_tokens:
+        raise ValueError(f"schedule: expected one for x's {num_tokens} tokens, got one for {schedule.slot_row.shape[0]}")
+    check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
+    want = 1 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE)
+    if counters.shape != (want,):
+        raise ValueError(f"counters: expected shape ({want},) (expert_mlp_counters), got {tuple(counters.shape)}")
+    combine = topk_w is not None
+    if combine:
+        check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=x.device, contiguous=True)
+        worst = worst_case_capacity(num_tokens, topk, schedule.expert_counts.shape[0], schedule.block_m)
+        if schedule.capacity < worst:
+            raise ValueError(f"schedule: expected a capacity of at least {worst} rows (no slot dropped), got {schedule.capacity}")
+        out = _bf16_out(out, (num_tokens, hidden), x.device)
+    elif shared_out is not None or out is not None:
+        raise ValueError("shared_out, out: only with topk_w (they belong to the combine)")
+    if schedule.expert_counts.shape[0] != num_experts:
+        raise ValueError(f"schedule: expected one over w_gate's {num_experts} experts, got {schedule.expert_counts.shape[0]}")
+    if shared_out is not None:
+        check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=x.device, contiguous=True)
+    if h_out is not None:
+        check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * inter), device=x.device, contiguous=True)
+    y_rows = _bf16_out(y_rows, (num_rows, hidden), x.device)
+    a = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=x.device)
+    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("y_rows", y_rows), ("h_out", h_out),
+                    ("shared_out", shared_out), ("out", out)):
+        if t is not None:
+            _check_cuda_aligned(name, t)
+            _check_32bit(name, t)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+    if num_rows == 0 or num_tokens == 0:
+        return out if combine else y_rows
+    variant = expert_mlp_variant(hidden, inter, topk, save_h=h_out is not None, combine=combine, has_shared=shared_out is not None)
+    _kernel(variant, x.device)(
+        _ptr("bf16", x), _ptr("bf16", w_gate), _ptr("bf16", w_up), _ptr("bf16", w_down), _ptr("bf16", a), _ptr("bf16", h_out),
+        _ptr("bf16", y_rows), _ptr("i32", schedule.tile_expert, 4), _ptr("i32", schedule.row_token, 4),
+        _ptr("i32", schedule.row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", schedule.slot_row, 4), _ptr("bf16", shared_out),
+        _ptr("bf16", out), _ptr("i32", counters, 4), _i32(num_rows), _i32(num_experts), _i32(num_tokens),
+        _i32(_sm_count(x.device)), _i64(int(timeout_s * 1e9)), _stream(x.device),
+    )
+    return out if combine else y_rows
 
 
 def _sm_count(device: torch.device) -> int:

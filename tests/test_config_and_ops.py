@@ -66,6 +66,35 @@ def test_grouped_gemm_combine_rejects_a_schedule_that_can_drop_slots():
         grouped_gemm_combine(torch.zeros(full.capacity, I, dtype=torch.bfloat16), schedule=full, **args)
 
 
+def test_expert_mlp_rejects_bad_input_before_launch():
+    """The one-launch expert MLP checks its counters, schedule and combine arguments before any launch."""
+    from mok.ops import expert_mlp, expert_mlp_counters
+    from mok.schedule import build_schedule
+
+    T, H, I, E, k = 64, 256, 128, 4, 2
+    idx = torch.randint(0, E, (T, k), dtype=torch.int32)
+    full = build_schedule(idx, E, block_m=128)
+    short = build_schedule(idx, E, block_m=128, capacity=128)
+    bf16 = dict(dtype=torch.bfloat16)
+    x, wg, wu, wd = torch.zeros(T, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, H, I, **bf16)
+    counters = expert_mlp_counters(T, H, full.capacity, "cpu")
+    assert counters.shape == (1 + 5 + T * 2,)  # error word, 640 rows = 5 row tiles, two 128-column tiles per token
+    with pytest.raises(ValueError, match=r"counters: expected shape \(134,\) \(expert_mlp_counters\), got \(133,\)"):
+        expert_mlp(x, wg, wu, wd, full, counters[1:])
+    with pytest.raises(ValueError, match="schedule: expected a capacity of at least 640 rows"):
+        expert_mlp(x, wg, wu, wd, short, expert_mlp_counters(T, H, 128, "cpu"), topk_w=torch.rand(T, k))
+    with pytest.raises(ValueError, match="shared_out, out: only with topk_w"):
+        expert_mlp(x, wg, wu, wd, full, counters, shared_out=torch.zeros(T, H, **bf16))
+    with pytest.raises(ValueError, match="expected H and I multiples of 128, got H=256, I=64"):
+        expert_mlp(x, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), full, counters)
+    with pytest.raises(ValueError, match="schedule: expected one for x's 32 tokens, got one for 64"):
+        expert_mlp(x[:32], wg, wu, wd, full, counters)
+    with pytest.raises(ValueError, match=r"w_down: expected shape \[4, 256, 128\]"):
+        expert_mlp(x, wg, wu, wd.transpose(1, 2).contiguous(), full, counters)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
+        expert_mlp(x, wg, wu, wd, full, counters, topk_w=torch.rand(T, k))
+
+
 def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
     """The scattering down projection checks where its rows go: the slots' width, the rank layout
     (every rank's slots addressable with 32-bit offsets), then refuses CPU data."""

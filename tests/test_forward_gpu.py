@@ -10,7 +10,7 @@ import torch
 
 from mok import ops
 from mok.fused_forward import moe_forward
-from mok.kernels import grouped_gemm_variant
+from mok.kernels import expert_mlp_variant, grouped_gemm_variant
 from mok.reference import moe_reference
 
 from helpers import gpu_layer as layer, poisoned, rel_err
@@ -185,9 +185,10 @@ def test_grouped_gemm_sass_has_hgmma():
     """The compiled GEMM runs on the tensor cores' Hopper path (SASS HGMMA), not HMMA/FFMA."""
     from mok.runtime.arch import dsl_target
 
-    for n, k, swiglu in [(2048, 7168, True), (7168, 2048, False)]:
+    variants = [grouped_gemm_variant(2048, 7168, True), grouped_gemm_variant(7168, 2048, False), expert_mlp_variant(7168, 2048, 8, combine=True)]
+    for variant in variants:
         with tempfile.TemporaryDirectory() as d, dsl_target("sm_90a"):
-            grouped_gemm_variant(n, k, swiglu).compile("sm_90a", f"--keep-cubin --dump-dir {d}")
+            variant.compile("sm_90a", f"--keep-cubin --dump-dir {d}")
             (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
             sass = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
         assert "HGMMA.64x" in sass and ".F32.BF16" in sass
@@ -219,6 +220,38 @@ def test_forward_matches_reference(T, H, I, E, k, shared_inter, routing):
     assert rel_err(res.out, want) <= 1e-2
     three = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), combine_in_gemm=True).out
     assert torch.equal(three, res.out)  # the down projection that combines: the same bits
+    for combine_in_gemm in (False, True):  # fc1 and fc2 in one launch (and the combine too): the same bits
+        one = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), one_launch_mlp=True, combine_in_gemm=combine_in_gemm).out
+        assert torch.equal(one, res.out)
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [CASES[0], CASES[3], CASES[7]])
+def test_one_launch_mlp_saves_the_same_h(T, H, I, E, k, shared_inter, routing):
+    """The backward's saved state from the one-launch expert MLP: h bit for bit as from two GEMM launches."""
+    x, idx, w, experts, shared = layer(T, H, I, E, k, shared_inter, seed=T + 5, routing=routing)
+    two = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+    one = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, one_launch_mlp=True, combine_in_gemm=True)
+    used = int(two.schedule.expert_offsets[-1])  # rows past the last expert's padding are never written
+    assert torch.equal(one.out, two.out)
+    assert torch.equal(one.h[:used], two.h[:used])
+
+
+def test_one_launch_mlp_wait_is_bounded():
+    """Ready counters that never reach their target (not zeroed): the fc2 tiles stop waiting after the
+    timeout, the kernel finishes and counters[0] reports it, instead of a hang."""
+    T, H, I, E, k = 64, 256, 128, 4, 2
+    x, idx, w, (wg, wu, wd), _ = layer(T, H, I, E, k, None, seed=9)
+    sched = ops.device_schedule(idx, E)
+    counters = torch.full_like(ops.expert_mlp_counters(T, H, sched.capacity, x.device), -(10**6))
+    counters[0] = 0
+    ops.expert_mlp(x, wg, wu, wd, sched, counters, timeout_s=0.02)
+    torch.cuda.synchronize()
+    assert int(counters[0]) == 1
+    ok = ops.expert_mlp_counters(T, H, sched.capacity, x.device)
+    sched = ops.device_schedule(idx, E, clear=ok)  # zeroed: no timeout
+    ops.expert_mlp(x, wg, wu, wd, sched, ok, timeout_s=0.02)
+    torch.cuda.synchronize()
+    assert int(ok[0]) == 0
 
 
 def test_forward_deterministic_over_20_runs():
@@ -237,17 +270,18 @@ def test_forward_batch_invariance():
         assert torch.equal(part, full[rows])
 
 
-@pytest.mark.parametrize("combine_in_gemm", [False, True])
-def test_forward_graph_capture_without_host_sync(combine_in_gemm):
+@pytest.mark.parametrize("combine_in_gemm,one_launch_mlp", [(False, False), (True, False), (True, True)])
+def test_forward_graph_capture_without_host_sync(combine_in_gemm, one_launch_mlp):
     x, idx, w, experts, shared = layer(512, 512, 256, 16, 4, 256, seed=3)
-    want = moe_forward(x, idx, w, *experts, shared, combine_in_gemm=combine_in_gemm).out  # compiles outside the capture
+    opts = dict(combine_in_gemm=combine_in_gemm, one_launch_mlp=one_launch_mlp)
+    want = moe_forward(x, idx, w, *experts, shared, **opts).out  # compiles outside the capture
     out = poisoned(512, 512)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            moe_forward(x, idx, w, *experts, shared, check_routing=False, out=out, combine_in_gemm=combine_in_gemm)
+            moe_forward(x, idx, w, *experts, shared, check_routing=False, out=out, **opts)
         graph.replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")

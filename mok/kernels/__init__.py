@@ -164,6 +164,23 @@ def grouped_gemm_variant(
     return KernelVariant("grouped_gemm", config, build)
 
 
+def expert_mlp_variant(hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False) -> KernelVariant:
+    """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
+    persistent launch, fc2 row tiles waiting on fc1's per-row-tile ready counters; ``combine``:
+    fc2 also writes the layer output (with a shared expert's output: ``has_shared``).
+    See mok/kernels/sm90/expert_mlp.py."""
+    options = dict(save_h=save_h, combine=combine, has_shared=has_shared)
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        if arch != "sm_90a":
+            raise NotImplementedError(f"expert MLP: only sm_90a has an implementation so far, not {arch}")
+        from .sm90.expert_mlp import compile_expert_mlp
+
+        return compile_expert_mlp(hidden, inter, topk if combine else 1, arch, compile_options, **options)
+
+    return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)
+
+
 def weight_grad_variant(
     m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
     persistent: bool = True,

@@ -1,0 +1,316 @@
+"""Every expert's whole MLP in one persistent launch on Hopper: fc1 (gathered rows, SwiGLU), then fc2.
+
+    a      [R, I] = silu(x[row_token]·w_gateᵀ) ⊙ x[row_token]·w_upᵀ       (phase 1: fc1 tiles)
+    y_rows [R, H] = a·w_downᵀ                                           (phase 2: fc2 tiles)
+    out    [T, H] = shared[t] + Σ_j topk_w[t, j]·y_rows[slot_row[t, j]]   (``combine``: in phase 2)
+
+The two grouped GEMMs of mok/kernels/sm90/grouped_gemm.py (the gathering SwiGLU one and the
+down projection) share one persistent, warp-specialised CTA per SM: the tiles are numbered
+fc1 first, then fc2, and CTA i walks i, i + grid, ... through both, so the fc2 tiles start on
+the SMs that the fc1 tail leaves idle instead of after a second launch. An fc2 tile of row
+tile m needs all of a's row tile m: ``ready[m]`` counts the fc1 column tiles of m whose
+stores are complete (integer atomic, gpu scope, release; the store warp publishes a tile
+when the next tile's mainloop is done, by which time its TMA stores have drained, and the
+last one right away), and the producer's TMA thread polls it (acquire, then a proxy fence,
+then TMA loads of a) before loading the tile. Waits are bounded by %globaltimer: on expiry
+the kernel sets ``error[0]`` and goes on (the output is then wrong, never a hang).
+
+No deadlock: the grid is at most one CTA per SM (every CTA is resident at once), each CTA
+takes its tiles in increasing order and fc1 tiles wait on nothing, so every fc1 tile is
+reached and published. The shared-memory pipeline is the fc1 one (A, B = w_gate, B2 = w_up
+per stage, 48 KB); an fc2 stage loads A = a and B = w_down by TMA into the same A and B
+buffers, the same 32 KB the fc1 stage's TMA brings (its A comes by cp.async), so one
+pipeline with one byte count serves both. Results are the same bits as the separate
+launches: each output tile is computed by one CTA with the same operations in the same order.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from .grouped_gemm import GroupedGemmSm90
+from .wgmma_tile import TILE_K
+
+TILE = 128  # row and column tile of both GEMMs (the fc1 buffers hold the fc2 stages)
+
+
+class ExpertMlpSm90:
+    """Static config: H, I, top-k, whether h is saved for the backward, whether fc2 combines (with a shared expert's output)."""
+
+    def __init__(self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False):
+        if hidden % TILE or inter % TILE:
+            raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
+        if has_shared and not combine:
+            raise ValueError("has_shared: only with combine (the combine adds the shared expert's output)")
+        self.hidden, self.inter, self.topk = hidden, inter, topk
+        self.combine = combine
+        self.fc1 = GroupedGemmSm90(
+            inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True
+        )
+        self.fc2 = GroupedGemmSm90(
+            hidden, inter, "plain", tile_n=TILE, stages=self.fc1.ab_stage, persistent=True, combine=combine, topk=topk,
+            has_shared=has_shared,
+        )
+        self.threads = self.fc1.threads
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        w_gate_ptr: cute.Pointer,
+        w_up_ptr: cute.Pointer,
+        w_down_ptr: cute.Pointer,
+        a_ptr: cute.Pointer,
+        h_ptr: cute.Pointer,
+        y_ptr: cute.Pointer,
+        tile_expert_ptr: cute.Pointer,
+        row_token_ptr: cute.Pointer,
+        row_slot_ptr: cute.Pointer,
+        topk_w_ptr: cute.Pointer,
+        slot_row_ptr: cute.Pointer,
+        shared_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        counters_ptr: cute.Pointer,
+        num_rows: cutlass.Int32,
+        num_experts: cutlass.Int32,
+        num_tokens: cutlass.Int32,
+        max_ctas: cutlass.Int32,
+        timeout_ns: cutlass.Int64,
+        stream: cuda.CUstream,
+    ):
+        hid, inter = self.hidden, self.inter
+        num_row_tiles = (num_rows + TILE - 1) // TILE
+        row_major = lambda ptr, rows, cols: cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))  # noqa: E731
+        m_x = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, hid, 1), stride=(hid, 1, num_tokens * hid)))
+        m_a3 = cute.make_tensor(a_ptr, cute.make_layout((num_rows, inter, 1), stride=(inter, 1, num_rows * inter)))
+        m_a, m_h, m_y = row_major(a_ptr, num_rows, inter), row_major(h_ptr, num_rows, 2 * inter), row_major(y_ptr, num_rows, hid)
+        m_wg, m_wu = self.fc1.b_tensor(w_gate_ptr, num_experts), self.fc1.b_tensor(w_up_ptr, num_experts)
+        m_wd = self.fc2.b_tensor(w_down_ptr, num_experts)
+        m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
+        m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
+        m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
+        tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
+        m_token_w = cute.make_tensor(topk_w_ptr, tokens_by_slot)
+        m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
+        # counters: [error word | ready per row tile | arrivals per (token, fc2 column tile)], zeroed by the schedule launch
+        m_error = cute.make_tensor(counters_ptr, cute.make_layout((1,)))
+        m_ready = cute.make_tensor(counters_ptr + 1, cute.make_layout((num_row_tiles,)))
+        m_arrivals = row_major(counters_ptr + (1 + num_row_tiles), num_tokens, hid // TILE)
+
+        a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
+        self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))  # the same layouts (same tile, stages)
+        tma_x, t_x = self.fc1.load_atom(m_x, a_smem, (TILE, TILE_K))  # (A of fc1 is gathered; tile_loads still partitions it)
+        tma_wg, t_wg = self.fc1.load_atom(m_wg, b_smem, (TILE, TILE_K))
+        tma_wu, t_wu = self.fc1.load_atom(m_wu, b_smem, (TILE, TILE_K))
+        tma_a, t_a = self.fc2.load_atom(m_a3, a_smem, (TILE, TILE_K))
+        tma_wd, t_wd = self.fc2.load_atom(m_wd, b_smem, (TILE, TILE_K))
+        tma_a_st, t_a_st = self.fc1.store_atom(m_a, epi_smem)
+        tma_h, t_h = self.fc1.store_atom(m_h, epi_smem)  # swiglu_save only
+        tma_y, t_y = self.fc2.store_atom(m_y, epi_smem)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.fc1.ab_stage * 2]
+            s_a: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, cute.cosize(a_smem)], self.fc1.buffer_align_bytes]
+            s_b: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, cute.cosize(b_smem)], self.fc1.buffer_align_bytes]
+            s_b2: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, cute.cosize(b_smem)], self.fc1.buffer_align_bytes]
+            s_c: cute.struct.Align[cute.struct.MemRange[self.fc1.c_dtype, cute.cosize(epi_smem)], self.fc1.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        m_topk_w = cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * self.topk,)))
+        row_args = (m_h, m_h, m_row_token, m_row_slot, m_topk_w)  # (the epilogues' row inputs; fc1's and fc2's use none)
+        fc1_args = ((tma_x, t_x, tma_wg, t_wg, tma_wu, t_wu), (tma_a_st, t_a_st, tma_h, t_h, tma_h, t_h))
+        fc2_args = ((tma_a, t_a, tma_wd, t_wd, tma_wd, t_wd), (tma_y, t_y, tma_y, t_y, tma_y, t_y))
+        m_shared = row_major(shared_ptr, num_tokens, hid)
+        m_out = row_major(out_ptr, num_tokens, hid)
+        combine_args = (m_y, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
+        all_tiles = num_row_tiles * (inter // TILE + hid // TILE)
+        grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
+        self.kernel(
+            fc1_args, fc2_args, row_args, combine_args, (self.fc1.tiled_mma, a_smem, b_smem, epi_smem), m_x, m_tiles, m_ready, m_error,
+            num_row_tiles, num_rows, timeout_ns,
+        ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        fc1_args: tuple,
+        fc2_args: tuple,
+        row_args: tuple,
+        combine_args: tuple,
+        mma_args: tuple,
+        m_x: cute.Tensor,
+        m_tiles: cute.Tensor,
+        m_ready: cute.Tensor,
+        m_error: cute.Tensor,
+        num_row_tiles: cutlass.Int32,
+        num_rows: cutlass.Int32,
+        timeout_ns: cutlass.Int64,
+    ):
+        """Warpgroup 0 loads (all four warps gather fc1's rows; warp 0 issues the TMA loads and,
+        before an fc2 tile, waits for its a rows); warpgroups 1 and 2 multiply and store."""
+        fc1_loads, fc1_stores = fc1_args
+        fc2_loads, fc2_stores = fc2_args
+        _, _, m_row_token, _, _ = row_args
+        tiled_mma, a_smem, b_smem, epi_smem = mma_args
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        fc1_cols, fc2_cols = self.inter // TILE, self.hidden // TILE
+        fc1_tiles = num_row_tiles * fc1_cols
+        all_tiles = fc1_tiles + num_row_tiles * fc2_cols
+        k1_tiles, k2_tiles = self.hidden // TILE_K, self.inter // TILE_K
+        if warp_idx == 0:
+            self.fc1.prefetch(fc1_loads[2], fc1_loads[4], fc2_loads[0], fc2_loads[2])
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipe = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=128)
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        s_a, s_b, s_c = self.fc1.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
+        s_b2 = self.fc1.second_b(storage, b_smem, s_b)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if tidx < 128:  # producer warpgroup
+            cute.arch.setmaxregister_decrease(40)
+            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc1.ab_stage)
+            linear = first
+            while linear < fc1_tiles:
+                tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
+                expert = m_tiles[tile_row]
+                if expert >= 0:
+                    loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, expert)
+                    a_base = storage.s_a.data_ptr()
+                    prod = self.fc1.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k1_tiles)
+                linear += step
+            while linear < all_tiles:
+                tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
+                expert = m_tiles[tile_row]
+                if expert >= 0:
+                    if tidx == 0:
+                        self.wait_ready(m_ready, m_error, tile_row, timeout_ns)
+                    cute.arch.sync_warp()
+                    loads = self.fc2.tile_loads(fc2_loads, s_a, s_b, s_b2, tile_row, tile_col, expert)
+                    prod = self.load_fc2_tile(ab_pipe, prod, loads, tidx, k2_tiles)
+                linear += step
+            cute.arch.cp_async_wait_group(0)
+            if warp_idx == 0:
+                ab_pipe.producer_tail(prod)
+        else:  # the two MMA warpgroups
+            cute.arch.setmaxregister_increase(232)
+            mma_tidx = tidx - 128
+            r_a, r_b, r_b2, acc, acc2 = self.fc1.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
+            store_pipe = self.fc1.store_pipeline()
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
+            pending = cutlass.Int32(-1)  # the row tile of this CTA's last fc1 tile, not yet published
+            linear = first
+            while linear < fc1_tiles:
+                tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
+                expert = m_tiles[tile_row]
+                if expert >= 0:
+                    acc.fill(0.0)
+                    acc2.fill(0.0)
+                    cons, release = self.fc1.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
+                    self.publish(warp_idx, m_ready, pending)  # its stores drained during this mainloop
+                    self.fc1.epilogue(
+                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
+                    )
+                    pending = tile_row
+                linear += step
+            self.publish(warp_idx, m_ready, pending)  # the last one: wait for its stores now
+            while linear < all_tiles:
+                tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
+                expert = m_tiles[tile_row]
+                if expert >= 0:
+                    token = cutlass.Int32(-1)
+                    if cutlass.const_expr(self.combine):
+                        token = self.fc2.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
+                    acc.fill(0.0)
+                    cons, release = self.fc2.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k2_tiles, cons, release)
+                    self.fc2.epilogue(
+                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
+                    )
+                    if cutlass.const_expr(self.combine):
+                        self.fc2.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
+                linear += step
+            if warp_idx == self.fc1.store_warp:
+                store_pipe.producer_tail()
+
+    @cute.jit
+    def publish(self, warp_idx, m_ready, tile_row):
+        """Store warp: once its TMA stores are complete (and visible to the async proxy's readers),
+        count fc1 row tile ``tile_row`` (-1: none) one column tile further (release, gpu scope)."""
+        if warp_idx == self.fc1.store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+            cute.arch.sync_warp()
+            if tile_row >= 0:
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.atomic_add(m_ready.iterator + tile_row, cutlass.Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def wait_ready(self, m_ready, m_error, tile_row, timeout_ns):
+        """TMA thread: wait (acquire, bounded) until every fc1 column tile of ``tile_row`` is published;
+        then order the TMA loads of a after it (proxy fence). On timeout set error[0] and go on."""
+        counter = m_ready.iterator + tile_row
+        target = self.inter // TILE
+        seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
+        if seen < target:
+            start = cute.arch.globaltimer()
+            waited = cutlass.Int64(0)
+            while seen < target and waited < timeout_ns:
+                seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
+                waited = cute.arch.globaltimer() - start
+            if seen < target:
+                m_error[0] = 1
+        cute.arch.fence_proxy("async.global")
+
+    @cute.jit
+    def load_fc2_tile(self, ab_pipe, prod, loads, tidx, k_tiles):
+        """Producer warpgroup, an fc2 tile: warp 0 arms each stage (the same byte count as fc1's
+        B + B2) and TMA-loads A = a and B = w_down into it; every producer thread arrives, as it
+        does after its cp.async rows of an fc1 stage. Returns the advanced state."""
+        tma_a, t_ag, t_as = loads[0], loads[1], loads[2]
+        prod.reset_count()
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+            if tidx < 32:
+                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
+                bar = ab_pipe.producer_get_barrier(prod)
+                cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+                self.fc2.load_b(prod, loads, k_tile, bar)
+            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
+            prod.advance()
+        return prod
+
+
+def compile_expert_mlp(
+    hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
+    has_shared: bool = False,
+):
+    """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap and the timeout are runtime arguments."""
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    gmem = cute.AddressSpace.gmem
+    bf16 = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
+    i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
+    args = (
+        bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), i32(), i32(), i32(),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(),
+        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1), make_fake_stream(),
+    )
+    kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared)
+    with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
+        warnings.filterwarnings("ignore", message="This static loop has")
+        return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
