@@ -17,11 +17,12 @@ the kernel sets ``error[0]`` and goes on (the output is then wrong, never a hang
 
 No deadlock: the grid is at most one CTA per SM (every CTA is resident at once), each CTA
 takes its tiles in increasing order and fc1 tiles wait on nothing, so every fc1 tile is
-reached and published. The shared-memory pipeline is the fc1 one (A, B = w_gate, B2 = w_up
-per stage, 48 KB); an fc2 stage loads A = a and B = w_down by TMA into the same A and B
-buffers, the same 32 KB the fc1 stage's TMA brings (its A comes by cp.async), so one
-pipeline with one byte count serves both. Results are the same bits as the separate
-launches: each output tile is computed by one CTA with the same operations in the same order.
+reached and published. The operand stages of the two phases share one region of shared
+memory: fc1 holds A, B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and
+B = w_down (32 KB, 6 stages, the depth the down projection has on its own), each phase with
+its own mbarrier pipeline; the producer starts the fc2 pipeline once every fc1 stage has been
+consumed. Results are the same bits as the separate launches: each output tile is computed by
+one CTA with the same operations in the same order.
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ class ExpertMlpSm90:
             inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True
         )
         self.fc2 = GroupedGemmSm90(
-            hidden, inter, "plain", tile_n=TILE, stages=self.fc1.ab_stage, persistent=True, combine=combine, topk=topk,
-            has_shared=has_shared,
+            hidden, inter, "plain", tile_n=TILE, persistent=True, combine=combine, topk=topk, has_shared=has_shared
         )
+        stage_elems = TILE * TILE_K
+        self.region_elems = 3 * stage_elems * self.fc1.ab_stage  # fc1: A, B, B2 per stage
+        if 2 * stage_elems * self.fc2.ab_stage > self.region_elems:
+            raise ValueError(f"fc2's {self.fc2.ab_stage} stages do not fit in fc1's {self.fc1.ab_stage}")
         self.threads = self.fc1.threads
 
     @cute.jit
@@ -106,12 +110,12 @@ class ExpertMlpSm90:
         m_arrivals = row_major(counters_ptr + (1 + num_row_tiles), num_tokens, hid // TILE)
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
-        self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))  # the same layouts (same tile, stages)
+        a2_smem, b2_smem, _ = self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))
         tma_x, t_x = self.fc1.load_atom(m_x, a_smem, (TILE, TILE_K))  # (A of fc1 is gathered; tile_loads still partitions it)
         tma_wg, t_wg = self.fc1.load_atom(m_wg, b_smem, (TILE, TILE_K))
         tma_wu, t_wu = self.fc1.load_atom(m_wu, b_smem, (TILE, TILE_K))
-        tma_a, t_a = self.fc2.load_atom(m_a3, a_smem, (TILE, TILE_K))
-        tma_wd, t_wd = self.fc2.load_atom(m_wd, b_smem, (TILE, TILE_K))
+        tma_a, t_a = self.fc2.load_atom(m_a3, a2_smem, (TILE, TILE_K))
+        tma_wd, t_wd = self.fc2.load_atom(m_wd, b2_smem, (TILE, TILE_K))
         tma_a_st, t_a_st = self.fc1.store_atom(m_a, epi_smem)
         tma_h, t_h = self.fc1.store_atom(m_h, epi_smem)  # swiglu_save only
         tma_y, t_y = self.fc2.store_atom(m_y, epi_smem)
@@ -119,9 +123,8 @@ class ExpertMlpSm90:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.fc1.ab_stage * 2]
-            s_a: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, cute.cosize(a_smem)], self.fc1.buffer_align_bytes]
-            s_b: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, cute.cosize(b_smem)], self.fc1.buffer_align_bytes]
-            s_b2: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, cute.cosize(b_smem)], self.fc1.buffer_align_bytes]
+            mbar2: cute.struct.MemRange[cutlass.Int64, self.fc2.ab_stage * 2]
+            s_ab: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, self.region_elems], self.fc1.buffer_align_bytes]
             s_c: cute.struct.Align[cute.struct.MemRange[self.fc1.c_dtype, cute.cosize(epi_smem)], self.fc1.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
@@ -135,7 +138,7 @@ class ExpertMlpSm90:
         all_tiles = num_row_tiles * (inter // TILE + hid // TILE)
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, (self.fc1.tiled_mma, a_smem, b_smem, epi_smem), m_x, m_tiles, m_ready, m_error,
+            fc1_args, fc2_args, row_args, combine_args, (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem), m_x, m_tiles, m_ready, m_error,
             num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -155,12 +158,12 @@ class ExpertMlpSm90:
         num_rows: cutlass.Int32,
         timeout_ns: cutlass.Int64,
     ):
-        """Warpgroup 0 loads (all four warps gather fc1's rows; warp 0 issues the TMA loads and,
+        """Warpgroup 0 loads (all four warps gather fc1's rows, warp 0 issues the TMA loads and,
         before an fc2 tile, waits for its a rows); warpgroups 1 and 2 multiply and store."""
         fc1_loads, fc1_stores = fc1_args
         fc2_loads, fc2_stores = fc2_args
         _, _, m_row_token, _, _ = row_args
-        tiled_mma, a_smem, b_smem, epi_smem = mma_args
+        tiled_mma, mma2, a_smem, b_smem, a2_smem, b2_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         first, _, _ = cute.arch.block_idx()
@@ -174,10 +177,16 @@ class ExpertMlpSm90:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipe = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=128)
+        pipe1 = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=128)
+        pipe2 = self.fc2.make_pipeline(storage, 1, a2_smem, b2_smem, barriers=storage.mbar2.data_ptr())
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        s_a, s_b, s_c = self.fc1.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
-        s_b2 = self.fc1.second_b(storage, b_smem, s_b)
+        region = storage.s_ab.data_ptr()  # fc1: [A | B | B2] stages; fc2: [A | B] stages
+        s_a = self.smem_view(region, a_smem)
+        s_b = self.smem_view(region + cute.cosize(a_smem), b_smem)
+        s_b2 = self.smem_view(region + cute.cosize(a_smem) + cute.cosize(b_smem), b_smem)
+        s_a2 = self.smem_view(region, a2_smem)
+        s_bd = self.smem_view(region + cute.cosize(a2_smem), b2_smem)
+        s_c = storage.s_c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if tidx < 128:  # producer warpgroup
@@ -189,22 +198,23 @@ class ExpertMlpSm90:
                 expert = m_tiles[tile_row]
                 if expert >= 0:
                     loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, expert)
-                    a_base = storage.s_a.data_ptr()
-                    prod = self.fc1.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k1_tiles)
-                linear += step
-            while linear < all_tiles:
-                tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
-                expert = m_tiles[tile_row]
-                if expert >= 0:
-                    if tidx == 0:
-                        self.wait_ready(m_ready, m_error, tile_row, timeout_ns)
-                    cute.arch.sync_warp()
-                    loads = self.fc2.tile_loads(fc2_loads, s_a, s_b, s_b2, tile_row, tile_col, expert)
-                    prod = self.load_fc2_tile(ab_pipe, prod, loads, tidx, k2_tiles)
+                    prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
                 linear += step
             cute.arch.cp_async_wait_group(0)
             if warp_idx == 0:
-                ab_pipe.producer_tail(prod)
+                pipe1.producer_tail(prod)  # every fc1 stage consumed: fc2's stages may take the region
+                prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
+                while linear < all_tiles:
+                    tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
+                    expert = m_tiles[tile_row]
+                    if expert >= 0:
+                        if cute.arch.lane_idx() == 0:
+                            self.wait_ready(m_ready, m_error, tile_row, timeout_ns)
+                        cute.arch.sync_warp()
+                        loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, expert)
+                        prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
+                    linear += step
+                pipe2.producer_tail(prod2)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -221,7 +231,7 @@ class ExpertMlpSm90:
                 if expert >= 0:
                     acc.fill(0.0)
                     acc2.fill(0.0)
-                    cons, release = self.fc1.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
+                    cons, release = self.fc1.consume_tile(pipe1, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
                     self.publish(warp_idx, m_ready, pending)  # its stores drained during this mainloop
                     self.fc1.epilogue(
                         mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
@@ -229,6 +239,11 @@ class ExpertMlpSm90:
                     pending = tile_row
                 linear += step
             self.publish(warp_idx, m_ready, pending)  # the last one: wait for its stores now
+
+            r_a2, r_bd, _, acc_d, _ = self.fc2.mma_fragments(mma2, mma_tidx, s_a2, s_bd, s_bd)
+            cons2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
+            release2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
+            mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             while linear < all_tiles:
                 tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
                 expert = m_tiles[tile_row]
@@ -236,10 +251,10 @@ class ExpertMlpSm90:
                     token = cutlass.Int32(-1)
                     if cutlass.const_expr(self.combine):
                         token = self.fc2.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
-                    acc.fill(0.0)
-                    cons, release = self.fc2.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k2_tiles, cons, release)
+                    acc_d.fill(0.0)
+                    cons2, release2 = self.fc2.consume_tile(pipe2, mma2, acc_d, acc_d, r_a2, r_bd, r_bd, k2_tiles, cons2, release2)
                     self.fc2.epilogue(
-                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
+                        mma_tidx, warp_idx, mma2, acc_d, acc_d, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
                     )
                     if cutlass.const_expr(self.combine):
                         self.fc2.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
@@ -276,23 +291,9 @@ class ExpertMlpSm90:
                 m_error[0] = 1
         cute.arch.fence_proxy("async.global")
 
-    @cute.jit
-    def load_fc2_tile(self, ab_pipe, prod, loads, tidx, k_tiles):
-        """Producer warpgroup, an fc2 tile: warp 0 arms each stage (the same byte count as fc1's
-        B + B2) and TMA-loads A = a and B = w_down into it; every producer thread arrives, as it
-        does after its cp.async rows of an fc1 stage. Returns the advanced state."""
-        tma_a, t_ag, t_as = loads[0], loads[1], loads[2]
-        prod.reset_count()
-        for k_tile in cutlass.range(k_tiles, unroll=1):
-            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
-            if tidx < 32:
-                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
-                bar = ab_pipe.producer_get_barrier(prod)
-                cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
-                self.fc2.load_b(prod, loads, k_tile, bar)
-            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
-            prod.advance()
-        return prod
+    def smem_view(self, ptr, layout):
+        """A staged operand layout (swizzle, outer) placed at ``ptr`` in the shared operand region."""
+        return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=self.fc1.ab_dtype), layout.outer)
 
 
 def compile_expert_mlp(

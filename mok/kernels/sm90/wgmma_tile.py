@@ -128,11 +128,12 @@ class WgmmaTileKernel:
             s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
         return s_a, s_b, s_c
 
-    def make_pipeline(self, storage, num_b: int, a_smem, b_smem, gather_threads: int = 0):
+    def make_pipeline(self, storage, num_b: int, a_smem, b_smem, gather_threads: int = 0, barriers=None):
         """The producer / consumer (all MMA warps) pipeline over ``ab_stage`` stages.
 
         A stage is full once its TMA bytes landed (one thread arms the count) and, when
         ``gather_threads`` threads cp.async A's rows instead, once each of them arrived.
+        ``barriers``: where its mbarriers live (default: ``storage.mbar``).
         """
         a_stage = cute.slice_(a_smem, (None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, 0))
@@ -140,7 +141,7 @@ class WgmmaTileKernel:
         if gather_threads == 0:
             tx_bytes += cute.size_in_bytes(self.ab_dtype, a_stage)
         return pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
+            barrier_storage=storage.mbar.data_ptr() if barriers is None else barriers,
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + gather_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32),
