@@ -406,10 +406,10 @@ MLP_TILE = 128  # row and column tile of the one-launch expert MLP
 
 
 def expert_mlp_counters(num_tokens: int, hidden: int, num_rows: int, device: torch.device) -> torch.Tensor:
-    """The int32 counters :func:`expert_mlp` needs zeroed: an error word, one ready counter per
-    row tile and one arrival counter per (token, 128-column tile). Pass them to
-    :func:`device_schedule` as ``clear``, which zeroes them in its launch."""
-    return torch.empty(1 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE), dtype=torch.int32, device=device)
+    """The int32 counters :func:`expert_mlp` needs zeroed: an error word, a count of fc1 tiles
+    done, one ready counter per row tile and one arrival counter per (token, 128-column tile).
+    Pass them to :func:`device_schedule` as ``clear``, which zeroes them in its launch."""
+    return torch.empty(2 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE), dtype=torch.int32, device=device)
 
 
 def expert_mlp(
@@ -455,7 +455,7 @@ def expert_mlp(
     if schedule.slot_row.shape[0] != num_tokens:
         raise ValueError(f"schedule: expected one for x's {num_tokens} tokens, got one for {schedule.slot_row.shape[0]}")
     check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
-    want = 1 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE)
+    want = 2 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE)
     if counters.shape != (want,):
         raise ValueError(f"counters: expected shape ({want},) (expert_mlp_counters), got {tuple(counters.shape)}")
     combine = topk_w is not None
@@ -489,7 +489,7 @@ def expert_mlp(
         _ptr("bf16", x), _ptr("bf16", w_gate), _ptr("bf16", w_up), _ptr("bf16", w_down), _ptr("bf16", a), _ptr("bf16", h_out),
         _ptr("bf16", y_rows), _ptr("i32", schedule.tile_expert, 4), _ptr("i32", schedule.row_token, 4),
         _ptr("i32", schedule.row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", schedule.slot_row, 4), _ptr("bf16", shared_out),
-        _ptr("bf16", out), _ptr("i32", counters, 4), _i32(num_rows), _i32(num_experts), _i32(num_tokens),
+        _ptr("bf16", out), _ptr("i32", counters, 4), _ptr("i32", schedule.expert_offsets, 4), _i32(num_rows), _i32(num_experts), _i32(num_tokens),
         _i32(_sm_count(x.device)), _i64(int(timeout_s * 1e9)), _stream(x.device),
     )
     return out if combine else y_rows

@@ -9,11 +9,13 @@ down projection) share one persistent, warp-specialised CTA per SM: the tiles ar
 fc1 first, then fc2, and CTA i walks i, i + grid, ... through both, so the fc2 tiles start on
 the SMs that the fc1 tail leaves idle instead of after a second launch. An fc2 tile of row
 tile m needs all of a's row tile m: ``ready[m]`` counts the fc1 column tiles of m whose
-stores are complete (integer atomic, gpu scope, release; the store warp publishes a tile
-when the next tile's mainloop is done, by which time its TMA stores have drained, and the
-last one right away), and the producer's TMA thread polls it (acquire, then a proxy fence,
-then TMA loads of a) before loading the tile. Waits are bounded by %globaltimer: on expiry
-the kernel sets ``error[0]`` and goes on (the output is then wrong, never a hang).
+stores are complete, and ``done`` all fc1 tiles (integer atomics, gpu scope, release; the
+store warp publishes a tile when the next tile's mainloop is done, by which time its TMA
+stores have drained, and the last one right away). Before an fc2 tile the producer's TMA
+thread reads ``done`` (acquire): once every fc1 tile is in, it never asks again; until then
+it polls ``ready[m]`` (acquire); then a proxy fence orders its TMA loads of a after that.
+Waits are bounded by %globaltimer: on expiry the kernel sets ``error`` and goes on (the
+output is then wrong, never a hang).
 
 No deadlock: the grid is at most one CTA per SM (every CTA is resident at once), each CTA
 takes its tiles in increasing order and fc1 tiles wait on nothing, so every fc1 tile is
@@ -83,6 +85,7 @@ class ExpertMlpSm90:
         shared_ptr: cute.Pointer,
         out_ptr: cute.Pointer,
         counters_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
@@ -104,10 +107,11 @@ class ExpertMlpSm90:
         tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
         m_token_w = cute.make_tensor(topk_w_ptr, tokens_by_slot)
         m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
-        # counters: [error word | ready per row tile | arrivals per (token, fc2 column tile)], zeroed by the schedule launch
-        m_error = cute.make_tensor(counters_ptr, cute.make_layout((1,)))
-        m_ready = cute.make_tensor(counters_ptr + 1, cute.make_layout((num_row_tiles,)))
-        m_arrivals = row_major(counters_ptr + (1 + num_row_tiles), num_tokens, hid // TILE)
+        # counters: [error, fc1 tiles done | ready per row tile | arrivals per (token, fc2 column tile)], zeroed by the schedule
+        m_error = cute.make_tensor(counters_ptr, cute.make_layout((2,)))
+        m_ready = cute.make_tensor(counters_ptr + 2, cute.make_layout((num_row_tiles,)))
+        m_arrivals = row_major(counters_ptr + (2 + num_row_tiles), num_tokens, hid // TILE)
+        m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
         a2_smem, b2_smem, _ = self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))
@@ -139,7 +143,7 @@ class ExpertMlpSm90:
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         self.kernel(
             fc1_args, fc2_args, row_args, combine_args, (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem), m_x, m_tiles, m_ready, m_error,
-            num_row_tiles, num_rows, timeout_ns,
+            m_offsets, num_experts, num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -154,6 +158,8 @@ class ExpertMlpSm90:
         m_tiles: cute.Tensor,
         m_ready: cute.Tensor,
         m_error: cute.Tensor,
+        m_offsets: cute.Tensor,
+        num_experts: cutlass.Int32,
         num_row_tiles: cutlass.Int32,
         num_rows: cutlass.Int32,
         timeout_ns: cutlass.Int64,
@@ -204,13 +210,17 @@ class ExpertMlpSm90:
             if warp_idx == 0:
                 pipe1.producer_tail(prod)  # every fc1 stage consumed: fc2's stages may take the region
                 prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
+                # every used row tile (the schedule's padded rows) times fc1's column tiles
+                fc1_used = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles) * fc1_cols
+                all_ready = cutlass.Int32(0)  # set once every fc1 tile is seen published: no more waits
                 while linear < all_tiles:
                     tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
                     expert = m_tiles[tile_row]
                     if expert >= 0:
-                        if cute.arch.lane_idx() == 0:
-                            self.wait_ready(m_ready, m_error, tile_row, timeout_ns)
-                        cute.arch.sync_warp()
+                        if all_ready == 0:
+                            if cute.arch.lane_idx() == 0:
+                                all_ready = self.wait_ready(m_ready, m_error, tile_row, fc1_used, timeout_ns)
+                            all_ready = cute.arch.shuffle_sync(all_ready, 0)
                         loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, expert)
                         prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
                     linear += step
@@ -232,13 +242,13 @@ class ExpertMlpSm90:
                     acc.fill(0.0)
                     acc2.fill(0.0)
                     cons, release = self.fc1.consume_tile(pipe1, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
-                    self.publish(warp_idx, m_ready, pending)  # its stores drained during this mainloop
+                    self.publish(warp_idx, m_ready, m_error, pending)  # its stores drained during this mainloop
                     self.fc1.epilogue(
                         mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
                     )
                     pending = tile_row
                 linear += step
-            self.publish(warp_idx, m_ready, pending)  # the last one: wait for its stores now
+            self.publish(warp_idx, m_ready, m_error, pending)  # the last one: wait for its stores now
 
             r_a2, r_bd, _, acc_d, _ = self.fc2.mma_fragments(mma2, mma_tidx, s_a2, s_bd, s_bd)
             cons2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
@@ -263,9 +273,10 @@ class ExpertMlpSm90:
                 store_pipe.producer_tail()
 
     @cute.jit
-    def publish(self, warp_idx, m_ready, tile_row):
+    def publish(self, warp_idx, m_ready, m_error, tile_row):
         """Store warp: once its TMA stores are complete (and visible to the async proxy's readers),
-        count fc1 row tile ``tile_row`` (-1: none) one column tile further (release, gpu scope)."""
+        count fc1 row tile ``tile_row`` (-1: none) one column tile further, and one more fc1 tile
+        done in all (release, gpu scope)."""
         if warp_idx == self.fc1.store_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
             cute.arch.fence_proxy("async.global")
@@ -273,23 +284,31 @@ class ExpertMlpSm90:
             if tile_row >= 0:
                 if cute.arch.lane_idx() == 0:
                     cute.arch.atomic_add(m_ready.iterator + tile_row, cutlass.Int32(1), sem="release", scope="gpu")
+                    cute.arch.atomic_add(m_error.iterator + 1, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def wait_ready(self, m_ready, m_error, tile_row, timeout_ns):
-        """TMA thread: wait (acquire, bounded) until every fc1 column tile of ``tile_row`` is published;
-        then order the TMA loads of a after it (proxy fence). On timeout set error[0] and go on."""
-        counter = m_ready.iterator + tile_row
-        target = self.inter // TILE
-        seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
-        if seen < target:
-            start = cute.arch.globaltimer()
-            waited = cutlass.Int64(0)
-            while seen < target and waited < timeout_ns:
-                seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
-                waited = cute.arch.globaltimer() - start
+    def wait_ready(self, m_ready, m_error, tile_row, fc1_used, timeout_ns) -> cutlass.Int32:
+        """TMA thread, before an fc2 tile: returns 1 if every fc1 tile is already published (no
+        later tile needs to ask again), else waits (acquire, bounded) until every fc1 column
+        tile of ``tile_row`` is, and returns 0; either way the TMA loads of a that follow are
+        ordered after it (proxy fence). On timeout it sets error[0] and goes on."""
+        all_ready = cutlass.Int32(0)
+        if cute.arch.atomic_add(m_error.iterator + 1, cutlass.Int32(0), sem="acquire", scope="gpu") >= fc1_used:
+            all_ready = cutlass.Int32(1)
+        else:
+            counter = m_ready.iterator + tile_row
+            target = self.inter // TILE
+            seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
             if seen < target:
-                m_error[0] = 1
+                start = cute.arch.globaltimer()
+                waited = cutlass.Int64(0)
+                while seen < target and waited < timeout_ns:
+                    seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
+                    waited = cute.arch.globaltimer() - start
+                if seen < target:
+                    m_error[0] = 1
         cute.arch.fence_proxy("async.global")
+        return all_ready
 
     def smem_view(self, ptr, layout):
         """A staged operand layout (swizzle, outer) placed at ``ptr`` in the shared operand region."""
@@ -308,7 +327,7 @@ def compile_expert_mlp(
     i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
     args = (
         bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), i32(), i32(), i32(),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(),
         cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1), make_fake_stream(),
     )
     kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared)
