@@ -485,6 +485,13 @@ def expert_mlp(
     if num_rows == 0 or num_tokens == 0:
         return out if combine else y_rows
     variant = expert_mlp_variant(hidden, inter, topk, save_h=h_out is not None, combine=combine, has_shared=shared_out is not None)
+    launch_expert_mlp(variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s)
+    return out if combine else y_rows
+
+
+def launch_expert_mlp(variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s) -> None:
+    """Launch a checked expert-MLP variant (see :func:`expert_mlp`; None for what it does not use)."""
+    num_rows, num_experts, num_tokens = schedule.row_token.shape[0], w_gate.shape[0], x.shape[0]
     _kernel(variant, x.device)(
         _ptr("bf16", x), _ptr("bf16", w_gate), _ptr("bf16", w_up), _ptr("bf16", w_down), _ptr("bf16", a), _ptr("bf16", h_out),
         _ptr("bf16", y_rows), _ptr("i32", schedule.tile_expert, 4), _ptr("i32", schedule.row_token, 4),
@@ -492,7 +499,6 @@ def expert_mlp(
         _ptr("bf16", out), _ptr("i32", counters, 4), _ptr("i32", schedule.expert_offsets, 4), _i32(num_rows), _i32(num_experts), _i32(num_tokens),
         _i32(_sm_count(x.device)), _i64(int(timeout_s * 1e9)), _stream(x.device),
     )
-    return out if combine else y_rows
 
 
 def _sm_count(device: torch.device) -> int:

@@ -164,12 +164,16 @@ def grouped_gemm_variant(
     return KernelVariant("grouped_gemm", config, build)
 
 
-def expert_mlp_variant(hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False) -> KernelVariant:
+def expert_mlp_variant(
+    hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False, phases: str = "both"
+) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
     persistent launch, fc2 row tiles waiting on fc1's per-row-tile ready counters; ``combine``:
     fc2 also writes the layer output (with a shared expert's output: ``has_shared``).
-    See mok/kernels/sm90/expert_mlp.py."""
+    See mok/kernels/sm90/expert_mlp.py. ``phases`` "fc1" / "fc2": one phase alone (for timing)."""
     options = dict(save_h=save_h, combine=combine, has_shared=has_shared)
+    if phases != "both":  # (absent otherwise: the cache keys stay as they were)
+        options["phases"] = phases
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":

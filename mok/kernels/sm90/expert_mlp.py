@@ -48,7 +48,15 @@ TILE = 128  # row and column tile of both GEMMs (the fc1 buffers hold the fc2 st
 class ExpertMlpSm90:
     """Static config: H, I, top-k, whether h is saved for the backward, whether fc2 combines (with a shared expert's output)."""
 
-    def __init__(self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False):
+    def __init__(
+        self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
+        phases: str = "both",
+    ):
+        """``phases`` "fc1" or "fc2" runs one phase only (perf/expert_mlp_phases.py times them; "fc2"
+        needs a done count already at its target), "both" is the MLP."""
+        if phases not in ("both", "fc1", "fc2"):
+            raise ValueError(f"phases: expected 'both', 'fc1' or 'fc2', got {phases!r}")
+        self.phases = phases
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
@@ -177,6 +185,11 @@ class ExpertMlpSm90:
         fc1_cols, fc2_cols = self.inter // TILE, self.hidden // TILE
         fc1_tiles = num_row_tiles * fc1_cols
         all_tiles = fc1_tiles + num_row_tiles * fc2_cols
+        start = first  # (one phase only: the other's tiles are skipped)
+        if cutlass.const_expr(self.phases == "fc1"):
+            all_tiles = fc1_tiles
+        if cutlass.const_expr(self.phases == "fc2"):
+            start = first + fc1_tiles
         k1_tiles, k2_tiles = self.hidden // TILE_K, self.inter // TILE_K
         if warp_idx == 0:
             self.fc1.prefetch(fc1_loads[2], fc1_loads[4], fc2_loads[0], fc2_loads[2])
@@ -198,7 +211,7 @@ class ExpertMlpSm90:
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc1.ab_stage)
-            linear = first
+            linear = start
             while linear < fc1_tiles:
                 tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
                 expert = m_tiles[tile_row]
@@ -234,7 +247,7 @@ class ExpertMlpSm90:
             store_pipe = self.fc1.store_pipeline()
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
             pending = cutlass.Int32(-1)  # the row tile of this CTA's last fc1 tile, not yet published
-            linear = first
+            linear = start
             while linear < fc1_tiles:
                 tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
                 expert = m_tiles[tile_row]
@@ -317,7 +330,7 @@ class ExpertMlpSm90:
 
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
-    has_shared: bool = False,
+    has_shared: bool = False, phases: str = "both",
 ):
     """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap and the timeout are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -330,7 +343,7 @@ def compile_expert_mlp(
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(),
         cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1), make_fake_stream(),
     )
-    kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared)
+    kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, phases=phases)
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
         return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
