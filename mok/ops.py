@@ -405,11 +405,11 @@ def grouped_gemm_combine(
 MLP_TILE = 128  # row and column tile of the one-launch expert MLP
 
 
-def expert_mlp_counters(num_tokens: int, hidden: int, num_rows: int, device: torch.device) -> torch.Tensor:
+def expert_mlp_counters(num_tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
     """The int32 counters :func:`expert_mlp` needs zeroed: an error word, a count of fc1 tiles
-    done, one ready counter per row tile and one arrival counter per (token, 128-column tile).
-    Pass them to :func:`device_schedule` as ``clear``, which zeroes them in its launch."""
-    return torch.empty(2 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE), dtype=torch.int32, device=device)
+    done and one arrival counter per (token, 128-column tile). Pass them to
+    :func:`device_schedule` as ``clear``, which zeroes them in its launch."""
+    return torch.empty(2 + num_tokens * (hidden // MLP_TILE), dtype=torch.int32, device=device)
 
 
 def expert_mlp(
@@ -436,10 +436,10 @@ def expert_mlp(
     zeroed since (``device_schedule(..., clear=counters)``). The same bits as
     ``grouped_gemm(x, w_gate, ..., b2=w_up, gather=row_token)``, ``grouped_gemm(a, w_down, ...)``
     and :func:`combine` in three launches. ``h_out`` [R, 2I]: keep h for the backward;
-    ``shared_out`` [T, H]: a shared expert's output, added by the combine. The fc2 tiles of a
-    row tile wait for that row tile's fc1 tiles at most ``timeout_s`` (they cannot wait at all
-    unless the GPU is shared with work that keeps SMs from this launch); on expiry the kernel
-    sets counters[0] to 1 and finishes with wrong values instead of hanging.
+    ``shared_out`` [T, H]: a shared expert's output, added by the combine. The fc2 phase waits
+    for every fc1 tile at most ``timeout_s`` (it can only time out if work sharing the GPU keeps
+    SMs from this launch); on expiry the kernel sets counters[0] to 1 and finishes with wrong
+    values instead of hanging.
     """
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     num_tokens, hidden = x.shape
@@ -455,7 +455,7 @@ def expert_mlp(
     if schedule.slot_row.shape[0] != num_tokens:
         raise ValueError(f"schedule: expected one for x's {num_tokens} tokens, got one for {schedule.slot_row.shape[0]}")
     check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
-    want = 2 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE)
+    want = 2 + num_tokens * (hidden // MLP_TILE)
     if counters.shape != (want,):
         raise ValueError(f"counters: expected shape ({want},) (expert_mlp_counters), got {tuple(counters.shape)}")
     combine = topk_w is not None

@@ -28,7 +28,7 @@ def main() -> None:
         wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
         wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
         sched = ops.device_schedule(idx, E)
-        counters = ops.expert_mlp_counters(T, H, sched.capacity, x.device)
+        counters = ops.expert_mlp_counters(T, H, x.device)
         a = torch.empty(sched.capacity, I, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(sched.capacity, H, device="cuda", dtype=torch.bfloat16)
 

@@ -237,37 +237,21 @@ def test_one_launch_mlp_saves_the_same_h(T, H, I, E, k, shared_inter, routing):
 
 
 def test_one_launch_mlp_wait_is_bounded():
-    """Ready counters that never reach their target (not zeroed): the fc2 tiles stop waiting after the
-    timeout, the kernel finishes and counters[0] reports it, instead of a hang."""
+    """A done count that never reaches its target (not zeroed): the fc2 phase stops waiting after
+    the timeout, the kernel finishes and counters[0] reports it, instead of a hang."""
     T, H, I, E, k = 64, 256, 128, 4, 2
     x, idx, w, (wg, wu, wd), _ = layer(T, H, I, E, k, None, seed=9)
     sched = ops.device_schedule(idx, E)
-    counters = torch.full_like(ops.expert_mlp_counters(T, H, sched.capacity, x.device), -(10**6))
+    counters = torch.full_like(ops.expert_mlp_counters(T, H, x.device), -(10**6))
     counters[0] = 0
     ops.expert_mlp(x, wg, wu, wd, sched, counters, timeout_s=0.02)
     torch.cuda.synchronize()
     assert int(counters[0]) == 1
-    ok = ops.expert_mlp_counters(T, H, sched.capacity, x.device)
+    ok = ops.expert_mlp_counters(T, H, x.device)
     sched = ops.device_schedule(idx, E, clear=ok)  # zeroed: no timeout
     ops.expert_mlp(x, wg, wu, wd, sched, ok, timeout_s=0.02)
     torch.cuda.synchronize()
     assert int(ok[0]) == 0
-
-
-def test_forward_deterministic_over_20_runs():
-    x, idx, w, experts, shared = layer(2048, 2048, 768, 64, 8, 768, seed=1)
-    first = moe_forward(x, idx, w, *experts, shared).out
-    for _ in range(19):
-        assert torch.equal(moe_forward(x, idx, w, *experts, shared).out, first)
-
-
-def test_forward_batch_invariance():
-    x, idx, w, experts, shared = layer(4096, 2048, 768, 64, 8, 768, seed=2)
-    full = moe_forward(x, idx, w, *experts, shared).out
-    for size in (1, 17):
-        rows = torch.randperm(4096, device="cuda")[:size]
-        part = moe_forward(x[rows].contiguous(), idx[rows].contiguous(), w[rows].contiguous(), *experts, shared).out
-        assert torch.equal(part, full[rows])
 
 
 @pytest.mark.parametrize("combine_in_gemm,one_launch_mlp", [(False, False), (True, False), (True, True)])

@@ -6,20 +6,20 @@
 
 The two grouped GEMMs of mok/kernels/sm90/grouped_gemm.py (the gathering SwiGLU one and the
 down projection) share one persistent, warp-specialised CTA per SM: the tiles are numbered
-fc1 first, then fc2, and CTA i walks i, i + grid, ... through both, so the fc2 tiles start on
-the SMs that the fc1 tail leaves idle instead of after a second launch. An fc2 tile of row
-tile m needs all of a's row tile m: ``ready[m]`` counts the fc1 column tiles of m whose
-stores are complete, and ``done`` all fc1 tiles (integer atomics, gpu scope, release; the
-store warp publishes a tile when the next tile's mainloop is done, by which time its TMA
-stores have drained, and the last one right away). Before an fc2 tile the producer's TMA
-thread reads ``done`` (acquire): once every fc1 tile is in, it never asks again; until then
-it polls ``ready[m]`` (acquire); then a proxy fence orders its TMA loads of a after that.
-Waits are bounded by %globaltimer: on expiry the kernel sets ``error`` and goes on (the
+fc1 first, then fc2, and CTA i walks i, i + grid, ... through both. fc2 starts once every
+fc1 tile is done: ``done`` counts the fc1 tiles whose stores are complete (integer atomic,
+gpu scope, release; the store warp publishes a tile when the next tile's mainloop is done,
+by which time its TMA stores have drained, and its last one right away), and the producer's
+TMA thread polls it (acquire) until it reaches the used row tiles times fc1's column tiles,
+then fences (proxy) before its TMA loads of a. Waiting per row tile instead (fc2 tiles
+starting as soon as their own rows are in) was measured slower at dsv3's shapes: CTAs then
+enter fc2 up to one fc1 tile apart, and that skew spreads the in-flight fc2 tiles over
+several experts' w_down (29 MB each), which no longer stay in L2 (perf/NOTES.md).
+The wait is bounded by %globaltimer: on expiry the kernel sets ``error`` and goes on (the
 output is then wrong, never a hang).
 
-No deadlock: the grid is at most one CTA per SM (every CTA is resident at once), each CTA
-takes its tiles in increasing order and fc1 tiles wait on nothing, so every fc1 tile is
-reached and published. The operand stages of the two phases share one region of shared
+No deadlock: the grid is at most one CTA per SM (every CTA is resident at once) and fc1
+tiles wait on nothing, so every fc1 tile is reached and published. The operand stages of the two phases share one region of shared
 memory: fc1 holds A, B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and
 B = w_down (32 KB, 6 stages, the depth the down projection has on its own), each phase with
 its own mbarrier pipeline; the producer starts the fc2 pipeline once every fc1 stage has been
@@ -115,10 +115,9 @@ class ExpertMlpSm90:
         tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
         m_token_w = cute.make_tensor(topk_w_ptr, tokens_by_slot)
         m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
-        # counters: [error, fc1 tiles done | ready per row tile | arrivals per (token, fc2 column tile)], zeroed by the schedule
-        m_error = cute.make_tensor(counters_ptr, cute.make_layout((2,)))
-        m_ready = cute.make_tensor(counters_ptr + 2, cute.make_layout((num_row_tiles,)))
-        m_arrivals = row_major(counters_ptr + (2 + num_row_tiles), num_tokens, hid // TILE)
+        # counters: [error, fc1 tiles done | arrivals per (token, fc2 column tile)], zeroed by the schedule launch
+        m_flags = cute.make_tensor(counters_ptr, cute.make_layout((2,)))
+        m_arrivals = row_major(counters_ptr + 2, num_tokens, hid // TILE)
         m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
@@ -150,7 +149,7 @@ class ExpertMlpSm90:
         all_tiles = num_row_tiles * (inter // TILE + hid // TILE)
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem), m_x, m_tiles, m_ready, m_error,
+            fc1_args, fc2_args, row_args, combine_args, (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem), m_x, m_tiles, m_flags,
             m_offsets, num_experts, num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -164,8 +163,7 @@ class ExpertMlpSm90:
         mma_args: tuple,
         m_x: cute.Tensor,
         m_tiles: cute.Tensor,
-        m_ready: cute.Tensor,
-        m_error: cute.Tensor,
+        m_flags: cute.Tensor,
         m_offsets: cute.Tensor,
         num_experts: cutlass.Int32,
         num_row_tiles: cutlass.Int32,
@@ -225,15 +223,14 @@ class ExpertMlpSm90:
                 prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
                 # every used row tile (the schedule's padded rows) times fc1's column tiles
                 fc1_used = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles) * fc1_cols
-                all_ready = cutlass.Int32(0)  # set once every fc1 tile is seen published: no more waits
+                if cute.arch.lane_idx() == 0:
+                    self.wait_for_fc1(m_flags, fc1_used, timeout_ns)
+                cute.arch.sync_warp()
+                cute.arch.fence_proxy("async.global")  # the TMA loads of a (async proxy) after the acquire
                 while linear < all_tiles:
                     tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
                     expert = m_tiles[tile_row]
                     if expert >= 0:
-                        if all_ready == 0:
-                            if cute.arch.lane_idx() == 0:
-                                all_ready = self.wait_ready(m_ready, m_error, tile_row, fc1_used, timeout_ns)
-                            all_ready = cute.arch.shuffle_sync(all_ready, 0)
                         loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, expert)
                         prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
                     linear += step
@@ -246,7 +243,7 @@ class ExpertMlpSm90:
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
             store_pipe = self.fc1.store_pipeline()
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
-            pending = cutlass.Int32(-1)  # the row tile of this CTA's last fc1 tile, not yet published
+            pending = cutlass.Int32(0)  # 1: this CTA's last fc1 tile is not yet counted done
             linear = start
             while linear < fc1_tiles:
                 tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
@@ -255,13 +252,13 @@ class ExpertMlpSm90:
                     acc.fill(0.0)
                     acc2.fill(0.0)
                     cons, release = self.fc1.consume_tile(pipe1, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
-                    self.publish(warp_idx, m_ready, m_error, pending)  # its stores drained during this mainloop
+                    self.publish(warp_idx, m_flags, pending)  # its stores drained during this mainloop
                     self.fc1.epilogue(
                         mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
                     )
-                    pending = tile_row
+                    pending = cutlass.Int32(1)
                 linear += step
-            self.publish(warp_idx, m_ready, m_error, pending)  # the last one: wait for its stores now
+            self.publish(warp_idx, m_flags, pending)  # the last one: wait for its stores now
 
             r_a2, r_bd, _, acc_d, _ = self.fc2.mma_fragments(mma2, mma_tidx, s_a2, s_bd, s_bd)
             cons2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
@@ -286,42 +283,31 @@ class ExpertMlpSm90:
                 store_pipe.producer_tail()
 
     @cute.jit
-    def publish(self, warp_idx, m_ready, m_error, tile_row):
+    def publish(self, warp_idx, m_flags, pending):
         """Store warp: once its TMA stores are complete (and visible to the async proxy's readers),
-        count fc1 row tile ``tile_row`` (-1: none) one column tile further, and one more fc1 tile
-        done in all (release, gpu scope)."""
+        count the pending fc1 tile (if ``pending``) done (release, gpu scope)."""
         if warp_idx == self.fc1.store_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
             cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()
-            if tile_row >= 0:
+            if pending != 0:
                 if cute.arch.lane_idx() == 0:
-                    cute.arch.atomic_add(m_ready.iterator + tile_row, cutlass.Int32(1), sem="release", scope="gpu")
-                    cute.arch.atomic_add(m_error.iterator + 1, cutlass.Int32(1), sem="release", scope="gpu")
+                    cute.arch.atomic_add(m_flags.iterator + 1, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def wait_ready(self, m_ready, m_error, tile_row, fc1_used, timeout_ns) -> cutlass.Int32:
-        """TMA thread, before an fc2 tile: returns 1 if every fc1 tile is already published (no
-        later tile needs to ask again), else waits (acquire, bounded) until every fc1 column
-        tile of ``tile_row`` is, and returns 0; either way the TMA loads of a that follow are
-        ordered after it (proxy fence). On timeout it sets error[0] and goes on."""
-        all_ready = cutlass.Int32(0)
-        if cute.arch.atomic_add(m_error.iterator + 1, cutlass.Int32(0), sem="acquire", scope="gpu") >= fc1_used:
-            all_ready = cutlass.Int32(1)
-        else:
-            counter = m_ready.iterator + tile_row
-            target = self.inter // TILE
-            seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
-            if seen < target:
-                start = cute.arch.globaltimer()
-                waited = cutlass.Int64(0)
-                while seen < target and waited < timeout_ns:
-                    seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope="gpu")
-                    waited = cute.arch.globaltimer() - start
-                if seen < target:
-                    m_error[0] = 1
-        cute.arch.fence_proxy("async.global")
-        return all_ready
+    def wait_for_fc1(self, m_flags, fc1_used, timeout_ns):
+        """TMA thread, before its first fc2 tile: wait (acquire, bounded) until ``fc1_used`` fc1
+        tiles are done. On timeout set flags[0] and go on."""
+        done = m_flags.iterator + 1
+        seen = cute.arch.atomic_add(done, cutlass.Int32(0), sem="acquire", scope="gpu")
+        if seen < fc1_used:
+            start = cute.arch.globaltimer()
+            waited = cutlass.Int64(0)
+            while seen < fc1_used and waited < timeout_ns:
+                seen = cute.arch.atomic_add(done, cutlass.Int32(0), sem="acquire", scope="gpu")
+                waited = cute.arch.globaltimer() - start
+            if seen < fc1_used:
+                m_flags[0] = 1
 
     def smem_view(self, ptr, layout):
         """A staged operand layout (swizzle, outer) placed at ``ptr`` in the shared operand region."""
