@@ -210,75 +210,78 @@ class ExpertMlpSm90:
             cute.arch.setmaxregister_decrease(40)
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc1.ab_stage)
             linear = start
-            while linear < fc1_tiles:
-                tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
-                expert = m_tiles[tile_row]
-                if expert >= 0:
-                    loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, expert)
-                    prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
-                linear += step
-            cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(self.phases != "fc2"):
+                while linear < fc1_tiles:
+                    tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
+                    expert = m_tiles[tile_row]
+                    if expert >= 0:
+                        loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, expert)
+                        prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
+                    linear += step
+                cute.arch.cp_async_wait_group(0)
             if warp_idx == 0:
                 pipe1.producer_tail(prod)  # every fc1 stage consumed: fc2's stages may take the region
-                prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
-                # every used row tile (the schedule's padded rows) times fc1's column tiles
-                fc1_used = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles) * fc1_cols
-                if cute.arch.lane_idx() == 0:
-                    self.wait_for_fc1(m_flags, fc1_used, timeout_ns)
-                cute.arch.sync_warp()
-                cute.arch.fence_proxy("async.global")  # the TMA loads of a (async proxy) after the acquire
+                if cutlass.const_expr(self.phases != "fc1"):
+                    prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
+                    # every used row tile (the schedule's padded rows) times fc1's column tiles
+                    fc1_used = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles) * fc1_cols
+                    if cute.arch.lane_idx() == 0:
+                        self.wait_for_fc1(m_flags, fc1_used, timeout_ns)
+                    cute.arch.sync_warp()
+                    cute.arch.fence_proxy("async.global")  # the TMA loads of a (async proxy) after the acquire
+                    while linear < all_tiles:
+                        tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
+                        expert = m_tiles[tile_row]
+                        if expert >= 0:
+                            loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, expert)
+                            prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
+                        linear += step
+                    pipe2.producer_tail(prod2)
+        else:  # the two MMA warpgroups
+            cute.arch.setmaxregister_increase(232)
+            mma_tidx = tidx - 128
+            store_pipe = self.fc1.store_pipeline()
+            linear = start
+            if cutlass.const_expr(self.phases != "fc2"):
+                r_a, r_b, r_b2, acc, acc2 = self.fc1.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
+                cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
+                pending = cutlass.Int32(0)  # 1: this CTA's last fc1 tile is not yet counted done
+                while linear < fc1_tiles:
+                    tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
+                    expert = m_tiles[tile_row]
+                    if expert >= 0:
+                        acc.fill(0.0)
+                        acc2.fill(0.0)
+                        cons, release = self.fc1.consume_tile(pipe1, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
+                        self.publish(warp_idx, m_flags, pending)  # its stores drained during this mainloop
+                        self.fc1.epilogue(
+                            mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
+                        )
+                        pending = cutlass.Int32(1)
+                    linear += step
+                self.publish(warp_idx, m_flags, pending)  # the last one: wait for its stores now
+            if cutlass.const_expr(self.phases != "fc1"):
+                r_a2, r_bd, _, acc_d, _ = self.fc2.mma_fragments(mma2, mma_tidx, s_a2, s_bd, s_bd)
+                cons2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
+                release2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
+                mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 while linear < all_tiles:
                     tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
                     expert = m_tiles[tile_row]
                     if expert >= 0:
-                        loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, expert)
-                        prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
+                        token = cutlass.Int32(-1)
+                        if cutlass.const_expr(self.combine):
+                            token = self.fc2.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
+                        acc_d.fill(0.0)
+                        cons2, release2 = self.fc2.consume_tile(pipe2, mma2, acc_d, acc_d, r_a2, r_bd, r_bd, k2_tiles, cons2, release2)
+                        self.fc2.epilogue(
+                            mma_tidx, warp_idx, mma2, acc_d, acc_d, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
+                        )
+                        if cutlass.const_expr(self.combine):
+                            self.fc2.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
                     linear += step
-                pipe2.producer_tail(prod2)
-        else:  # the two MMA warpgroups
-            cute.arch.setmaxregister_increase(232)
-            mma_tidx = tidx - 128
-            r_a, r_b, r_b2, acc, acc2 = self.fc1.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
-            store_pipe = self.fc1.store_pipeline()
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
-            pending = cutlass.Int32(0)  # 1: this CTA's last fc1 tile is not yet counted done
-            linear = start
-            while linear < fc1_tiles:
-                tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
-                expert = m_tiles[tile_row]
-                if expert >= 0:
-                    acc.fill(0.0)
-                    acc2.fill(0.0)
-                    cons, release = self.fc1.consume_tile(pipe1, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
-                    self.publish(warp_idx, m_flags, pending)  # its stores drained during this mainloop
-                    self.fc1.epilogue(
-                        mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
-                    )
-                    pending = cutlass.Int32(1)
-                linear += step
-            self.publish(warp_idx, m_flags, pending)  # the last one: wait for its stores now
-
-            r_a2, r_bd, _, acc_d, _ = self.fc2.mma_fragments(mma2, mma_tidx, s_a2, s_bd, s_bd)
-            cons2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
-            release2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
-            mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            while linear < all_tiles:
-                tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
-                expert = m_tiles[tile_row]
-                if expert >= 0:
-                    token = cutlass.Int32(-1)
-                    if cutlass.const_expr(self.combine):
-                        token = self.fc2.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
-                    acc_d.fill(0.0)
-                    cons2, release2 = self.fc2.consume_tile(pipe2, mma2, acc_d, acc_d, r_a2, r_bd, r_bd, k2_tiles, cons2, release2)
-                    self.fc2.epilogue(
-                        mma_tidx, warp_idx, mma2, acc_d, acc_d, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
-                    )
-                    if cutlass.const_expr(self.combine):
-                        self.fc2.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
-                linear += step
             if warp_idx == self.fc1.store_warp:
                 store_pipe.producer_tail()
 
