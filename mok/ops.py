@@ -8,6 +8,8 @@ so every op is CUDA-graph capturable.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .kernels import (
@@ -43,24 +45,28 @@ def _bf16_out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.de
     return out
 
 
-def _ptr(dtype_name: str, t: torch.Tensor | None, align: int = _ALIGN):
+@functools.cache
+def _dsl():
+    """CuTe DSL's pointer factory and scalar types, imported once (a launch packs ~15 pointers:
+    importing per pointer cost more than building it)."""
     import cutlass
     from cutlass.cute.runtime import make_ptr
 
-    dtype = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32}[dtype_name]
-    return make_ptr(dtype, 0 if t is None else t.data_ptr(), cutlass.cute.AddressSpace.gmem, assumed_align=align)
+    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32}
+    return make_ptr, dtypes, cutlass.cute.AddressSpace.gmem, cutlass.Int32, cutlass.Int64
+
+
+def _ptr(dtype_name: str, t: torch.Tensor | None, align: int = _ALIGN):
+    make_ptr, dtypes, gmem, _, _ = _dsl()
+    return make_ptr(dtypes[dtype_name], 0 if t is None else t.data_ptr(), gmem, assumed_align=align)
 
 
 def _i32(value: int):
-    import cutlass
-
-    return cutlass.Int32(value)
+    return _dsl()[3](value)
 
 
 def _i64(value: int):
-    import cutlass
-
-    return cutlass.Int64(value)
+    return _dsl()[4](value)
 
 
 def _stream(device: torch.device):
@@ -70,7 +76,13 @@ def _stream(device: torch.device):
 
 
 def _kernel(variant, device: torch.device):
-    return get_kernel(variant, device_arch(device.index))
+    return get_kernel(variant, _arch_of(device.index))
+
+
+@functools.cache
+def _arch_of(index: int) -> str | None:
+    """The target of CUDA device ``index`` (it does not change while the process runs)."""
+    return device_arch(index)
 
 
 def combine(
@@ -503,7 +515,12 @@ def launch_expert_mlp(variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedu
 
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the device: the CTA count of a persistent kernel."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count_of(device.index)
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def device_schedule(
