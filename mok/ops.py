@@ -485,15 +485,15 @@ def expert_mlp(
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=x.device, contiguous=True)
     if h_out is not None:
         check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * inter), device=x.device, contiguous=True)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
     y_rows = _bf16_out(y_rows, (num_rows, hidden), x.device)
-    a = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=x.device)
     for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("y_rows", y_rows), ("h_out", h_out),
                     ("shared_out", shared_out), ("out", out)):
         if t is not None:
             _check_cuda_aligned(name, t)
             _check_32bit(name, t)
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+    a = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=x.device)  # fc1's output, fc2's input
     if num_rows == 0 or num_tokens == 0:
         return out if combine else y_rows
     variant = expert_mlp_variant(hidden, inter, topk, save_h=h_out is not None, combine=combine, has_shared=shared_out is not None)
@@ -508,8 +508,8 @@ def launch_expert_mlp(variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedu
         _ptr("bf16", x), _ptr("bf16", w_gate), _ptr("bf16", w_up), _ptr("bf16", w_down), _ptr("bf16", a), _ptr("bf16", h_out),
         _ptr("bf16", y_rows), _ptr("i32", schedule.tile_expert, 4), _ptr("i32", schedule.row_token, 4),
         _ptr("i32", schedule.row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", schedule.slot_row, 4), _ptr("bf16", shared_out),
-        _ptr("bf16", out), _ptr("i32", counters, 4), _ptr("i32", schedule.expert_offsets, 4), _i32(num_rows), _i32(num_experts), _i32(num_tokens),
-        _i32(_sm_count(x.device)), _i64(int(timeout_s * 1e9)), _stream(x.device),
+        _ptr("bf16", out), _ptr("i32", counters, 4), _ptr("i32", schedule.expert_offsets, 4),
+        _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(_sm_count(x.device)), _i64(int(timeout_s * 1e9)), _stream(x.device),
     )
 
 

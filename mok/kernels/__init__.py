@@ -168,7 +168,7 @@ def expert_mlp_variant(
     hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False, phases: str = "both"
 ) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
-    persistent launch, fc2 row tiles waiting on fc1's per-row-tile ready counters; ``combine``:
+    persistent launch, fc2 starting once a grid-wide count has every fc1 tile done; ``combine``:
     fc2 also writes the layer output (with a shared expert's output: ``has_shared``).
     See mok/kernels/sm90/expert_mlp.py. ``phases`` "fc1" / "fc2": one phase alone (for timing)."""
     options = dict(save_h=save_h, combine=combine, has_shared=has_shared)

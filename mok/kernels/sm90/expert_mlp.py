@@ -19,8 +19,9 @@ The wait is bounded by %globaltimer: on expiry the kernel sets ``error`` and goe
 output is then wrong, never a hang).
 
 No deadlock: the grid is at most one CTA per SM (every CTA is resident at once) and fc1
-tiles wait on nothing, so every fc1 tile is reached and published. The operand stages of the two phases share one region of shared
-memory: fc1 holds A, B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and
+tiles wait on nothing, so every fc1 tile is reached and published.
+
+The operand stages of the two phases share one region of shared memory: fc1 holds A, B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and
 B = w_down (32 KB, 6 stages, the depth the down projection has on its own), each phase with
 its own mbarrier pipeline; the producer starts the fc2 pipeline once every fc1 stage has been
 consumed. Results are the same bits as the separate launches: each output tile is computed by
@@ -148,9 +149,10 @@ class ExpertMlpSm90:
         combine_args = (m_y, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
         all_tiles = num_row_tiles * (inter // TILE + hid // TILE)
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
+        mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem), m_x, m_tiles, m_flags,
-            m_offsets, num_experts, num_row_tiles, num_rows, timeout_ns,
+            fc1_args, fc2_args, row_args, combine_args, mma_args, m_x, m_tiles, m_flags, m_offsets, num_experts, num_row_tiles,
+            num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -171,7 +173,8 @@ class ExpertMlpSm90:
         timeout_ns: cutlass.Int64,
     ):
         """Warpgroup 0 loads (all four warps gather fc1's rows, warp 0 issues the TMA loads and,
-        before an fc2 tile, waits for its a rows); warpgroups 1 and 2 multiply and store."""
+        before the fc2 phase, waits until every fc1 tile is done); warpgroups 1 and 2 multiply
+        and store."""
         fc1_loads, fc1_stores = fc1_args
         fc2_loads, fc2_stores = fc2_args
         _, _, m_row_token, _, _ = row_args
