@@ -342,13 +342,11 @@ def flag_args(ws: EPWorkspace) -> tuple:
 def publish(ws: EPWorkspace, kernels: dict, tensors: dict, num_tokens: int, timeout_s: float, stream) -> None:
     """Copy ``tensors`` (region name -> tensor) into this rank's regions, announce them, and
     wait (bounded) until every rank announced the same epoch."""
-    import cutlass
-
     for name, t in tensors.items():
         ws.region(name)[: t.numel()].copy_(t.reshape(-1))
     ws.region("flags")[tokens_slot(ws.layout.world)].fill_(num_tokens)
     kernels["signal_pub"](*flag_args(ws), stream)
-    kernels["wait_pub"](*flag_args(ws), cutlass.Int64(int(timeout_s * 1e9)), stream)
+    kernels["wait_pub"](*flag_args(ws), ops._i64(int(timeout_s * 1e9)), stream)
 
 
 def gather_ranks(ws: EPWorkspace, kernels: dict, name: str, stream) -> torch.Tensor:
@@ -399,9 +397,7 @@ def announce_pushed(ws: EPWorkspace, kernels: dict, sched, routing: torch.Tensor
 
 def wait_pushed(ws: EPWorkspace, kernels: dict, timeout_s: float, stream) -> None:
     """Wait (bounded) until every rank pushed this epoch's rows."""
-    import cutlass
-
-    kernels["wait_done"](*flag_args(ws), cutlass.Int64(int(timeout_s * 1e9)), stream)
+    kernels["wait_done"](*flag_args(ws), ops._i64(int(timeout_s * 1e9)), stream)
 
 
 def ep_moe_forward_saved(

@@ -18,6 +18,7 @@ from .kernels import (
 )
 from .schedule import Schedule, check_schedule_args, worst_case_capacity
 from .runtime.arch import device_arch
+from .runtime.launch import i32 as _i32, i64 as _i64, ptr as _ptr, stream as _stream
 from .validation import check_tensor
 
 _ALIGN = 16  # bytes: the kernels use 16-byte vector loads and stores (and TMA)
@@ -43,36 +44,6 @@ def _bf16_out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.de
     check_tensor("out", out, dtypes=BF16, shape=shape, device=device, contiguous=True)
     _check_cuda_aligned("out", out)
     return out
-
-
-@functools.cache
-def _dsl():
-    """CuTe DSL's pointer factory and scalar types, imported once (a launch packs ~15 pointers:
-    importing per pointer cost more than building it)."""
-    import cutlass
-    from cutlass.cute.runtime import make_ptr
-
-    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32}
-    return make_ptr, dtypes, cutlass.cute.AddressSpace.gmem, cutlass.Int32, cutlass.Int64
-
-
-def _ptr(dtype_name: str, t: torch.Tensor | None, align: int = _ALIGN):
-    make_ptr, dtypes, gmem, _, _ = _dsl()
-    return make_ptr(dtypes[dtype_name], 0 if t is None else t.data_ptr(), gmem, assumed_align=align)
-
-
-def _i32(value: int):
-    return _dsl()[3](value)
-
-
-def _i64(value: int):
-    return _dsl()[4](value)
-
-
-def _stream(device: torch.device):
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
 def _kernel(variant, device: torch.device):

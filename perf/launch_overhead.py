@@ -1,6 +1,7 @@
 """Where the host time of one MoK kernel call goes (Python side), on the GPU machine.
 
-    python perf/launch_overhead.py
+    python perf/launch_overhead.py                  # the calling convention this process picks
+    MOK_TVM_FFI=0 python perf/launch_overhead.py    # CuTe DSL's own (see mok/runtime/launch.py)
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def per_call_us(fn, calls=500):
 
 
 def main() -> None:
+    from mok.runtime.launch import convention
+
+    print(f"calling convention: {convention()}")
     y = torch.randn(8, 2, 256, device="cuda").bfloat16()
     w = torch.rand(8, 2, device="cuda")
     out = torch.empty(8, 256, device="cuda", dtype=torch.bfloat16)

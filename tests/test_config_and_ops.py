@@ -134,20 +134,3 @@ def test_main_grads_are_checked_before_anything_runs():
     with pytest.raises(ValueError, match=r"main_grads \(d_w_down\): expected shape"):
         check_main_grads((good[0], good[1], torch.zeros(4, 8, 16)), weights, None)
 
-
-def test_launch_arguments_are_the_dsl_pointers_and_scalars_the_kernels_were_compiled_for():
-    """ops packs launch arguments through imports cached once: the same pointer objects (address,
-    element type, address space, alignment) and scalar types as CuTe DSL's own factories give."""
-    import cutlass
-    from cutlass.cute.runtime import make_ptr
-
-    from mok.ops import _i32, _i64, _ptr
-
-    t = torch.zeros(8, 8, dtype=torch.bfloat16)
-    for name, dtype, align in (("bf16", cutlass.BFloat16, 16), ("f32", cutlass.Float32, 4), ("i32", cutlass.Int32, 4)):
-        got, want = _ptr(name, t, align), make_ptr(dtype, t.data_ptr(), cutlass.cute.AddressSpace.gmem, assumed_align=align)
-        assert type(got) is type(want) and got._dtype is want._dtype
-        assert (got._pointer, got._addr_space, got._assumed_align) == (want._pointer, want._addr_space, want._assumed_align)
-    assert _ptr("bf16", None)._pointer == 0  # an unused argument: the null pointer
-    assert type(_i32(7)) is cutlass.Int32 and _i32(7).value == 7
-    assert type(_i64(2**40)) is cutlass.Int64 and _i64(2**40).value == 2**40

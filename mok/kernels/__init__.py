@@ -276,6 +276,7 @@ def get_kernel(variant: KernelVariant, arch: str, cache: "Any | None" = None) ->
     """The compiled kernel for ``arch``: JIT-compiled on first use, then cached (memory and disk)."""
     from ..runtime.arch import dsl_target, normalize_arch
     from ..runtime.cache import default_cache
+    from ..runtime.launch import compile_options
 
     cache = cache if cache is not None else default_cache()
     fn = cache.loaded(variant.name, variant.config, arch)  # the per-call path: one dict lookup
@@ -283,7 +284,7 @@ def get_kernel(variant: KernelVariant, arch: str, cache: "Any | None" = None) ->
         return fn
     arch = normalize_arch(arch)
     with dsl_target(arch):  # compile and export for arch, whatever GPU this machine has
-        return cache.get(variant.name, variant.config, arch, lambda: variant.compile(arch, ""))
+        return cache.get(variant.name, variant.config, arch, lambda: variant.compile(arch, compile_options()))
 
 
 def compiled_ptx(variant: KernelVariant, arch: str) -> str:

@@ -1,7 +1,7 @@
 """JIT on first use, with an in-memory and an on-disk cache of compiled kernels.
 
-A kernel is compiled once per (name, static config, target arch, CuTe DSL version,
-fingerprint of MoK's kernel sources). The compiled host+device code is exported as an
+A kernel is compiled once per (name, static config, target arch, calling convention, CuTe DSL
+version, fingerprint of MoK's kernel sources). The compiled host+device code is exported as an
 object file (CuTe DSL's ``export_to_c``) under ``$MOK_CACHE_DIR`` (default
 ``~/.cache/mok``) and loaded back with ``cute.runtime.load_module`` by later processes,
 which then compile nothing. Entries carry a JSON record with the object's SHA-256: a
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from .launch import convention
 
 log = logging.getLogger("mok")
 
@@ -75,19 +77,20 @@ class KernelCache:
         self.directory = Path(directory) if directory is not None else default_cache_dir()
         self.stats = CacheStats()
         self._memory: dict[str, Any] = {}
-        self._by_key: dict[tuple, Any] = {}  # (name, config items, arch) -> kernel: the per-call fast path
+        self._by_key: dict[tuple, Any] = {}  # (name, config items, arch, convention) -> kernel: the per-call fast path
         self._modules: dict[str, Any] = {}  # keeps loaded object files alive
         self._lock = threading.Lock()
 
     # ---- keys and paths -------------------------------------------------------------
     @staticmethod
     def key_record(name: str, config: Mapping[str, Any], arch: str) -> dict:
-        """Everything a compiled kernel depends on."""
+        """Everything a compiled kernel depends on (the calling convention included: mok/runtime/launch.py)."""
         return {
             "format": CACHE_FORMAT,
             "name": name,
             "config": dict(sorted(config.items())),
             "arch": arch,
+            "calling": convention(),
             "dsl_version": dsl_version(),
             "source": kernel_source_fingerprint(),
         }
@@ -103,7 +106,7 @@ class KernelCache:
     # ---- the entry points -------------------------------------------------------------
     def loaded(self, name: str, config: Mapping[str, Any], arch: str) -> Any | None:
         """The kernel if this process already has it, else None: one dict lookup, no hashing of sources."""
-        fn = self._by_key.get((name, tuple(sorted(config.items())), arch))
+        fn = self._by_key.get((name, tuple(sorted(config.items())), arch, convention()))
         if fn is not None:
             self.stats.memory_hits += 1
         return fn
@@ -136,7 +139,7 @@ class KernelCache:
                 finally:
                     fcntl.flock(lock_file, fcntl.LOCK_UN)
             self._memory[digest] = fn
-            self._by_key[(name, tuple(sorted(config.items())), arch)] = fn
+            self._by_key[(name, tuple(sorted(config.items())), arch, convention())] = fn
             return fn
 
     @staticmethod
@@ -154,7 +157,7 @@ class KernelCache:
                 raise ValueError("its object file does not match the recorded checksum")
             from cutlass.cute.runtime import load_module
 
-            module = load_module(str(obj_path))
+            module = load_module(str(obj_path), enable_tvm_ffi=record["calling"] == "tvm_ffi")
             fn = module[self._prefix(record["name"], digest)]
         except Exception as err:  # any unreadable entry is rebuilt, never trusted
             log.warning("MoK cache: rebuilding %s (%s): %s", obj_path.name, record["name"], err)
@@ -172,7 +175,10 @@ class KernelCache:
         self.stats.compiles += 1
         prefix = self._prefix(record["name"], digest)
         with tempfile.TemporaryDirectory(dir=obj_path.parent) as tmp:
-            fn.export_to_c(tmp, "kernel", prefix)
+            if record["calling"] == "tvm_ffi":  # (its export writes the object file itself)
+                fn.export_to_c(str(Path(tmp) / "kernel.o"), function_name=prefix)
+            else:
+                fn.export_to_c(tmp, "kernel", prefix)
             os.replace(Path(tmp) / "kernel.o", obj_path)
         meta = {
             "key": record,
