@@ -1,7 +1,7 @@
 """Where the host time of one MoK kernel call goes (Python side), on the GPU machine.
 
-    python perf/launch_overhead.py                  # the calling convention this process picks
-    MOK_TVM_FFI=0 python perf/launch_overhead.py    # CuTe DSL's own (see mok/runtime/launch.py)
+    python perf/launch_overhead.py                  # CuTe DSL's own calling convention
+    MOK_TVM_FFI=1 python perf/launch_overhead.py    # TVM-FFI (see mok/runtime/launch.py)
 """
 
 from __future__ import annotations
