@@ -21,11 +21,12 @@ output is then wrong, never a hang).
 No deadlock: the grid is at most one CTA per SM (every CTA is resident at once) and fc1
 tiles wait on nothing, so every fc1 tile is reached and published.
 
-The operand stages of the two phases share one region of shared memory: fc1 holds A, B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and
-B = w_down (32 KB, 6 stages, the depth the down projection has on its own), each phase with
-its own mbarrier pipeline; the producer starts the fc2 pipeline once every fc1 stage has been
-consumed. Results are the same bits as the separate launches: each output tile is computed by
-one CTA with the same operations in the same order.
+The operand stages of the two phases share one region of shared memory: fc1 holds A,
+B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and B = w_down (32 KB, 6
+stages, the depth the down projection has on its own), each phase with its own mbarrier
+pipeline; the producer starts the fc2 pipeline once every fc1 stage has been consumed.
+Results are the same bits as the separate launches: each output tile is computed by one CTA
+with the same operations in the same order.
 """
 
 from __future__ import annotations
