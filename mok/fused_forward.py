@@ -85,7 +85,10 @@ def moe_forward(
     ``save_for_backward`` keeps h (see the module docstring) in the result.
     ``combine_in_gemm``: the down projection also combines (3 launches instead of 4, the same
     bits); slower at the benchmark shapes so far (perf/NOTES.md), hence off by default.
-    ``one_launch_mlp``: fc1 and fc2 (and with ``combine_in_gemm`` the combine) in one launch, the same bits.
+    ``one_launch_mlp``: fc1 and fc2 (and with ``combine_in_gemm`` the combine) in one launch, the same bits;
+    5-10% slower so far (perf/NOTES.md). Its fc2 phase waits for every CTA's fc1 tiles, at most
+    10 s: only a GPU shared so that not all of this launch's CTAs can run at once could make it
+    time out, and then the output is wrong (the op's error word, :func:`mok.ops.expert_mlp`).
     """
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
