@@ -254,6 +254,22 @@ def test_one_launch_mlp_wait_is_bounded():
     assert int(ok[0]) == 0
 
 
+def test_forward_deterministic_over_20_runs():
+    x, idx, w, experts, shared = layer(2048, 2048, 768, 64, 8, 768, seed=1)
+    first = moe_forward(x, idx, w, *experts, shared).out
+    for _ in range(19):
+        assert torch.equal(moe_forward(x, idx, w, *experts, shared).out, first)
+
+
+def test_forward_batch_invariance():
+    x, idx, w, experts, shared = layer(4096, 2048, 768, 64, 8, 768, seed=2)
+    full = moe_forward(x, idx, w, *experts, shared).out
+    for size in (1, 17):
+        rows = torch.randperm(4096, device="cuda")[:size]
+        part = moe_forward(x[rows].contiguous(), idx[rows].contiguous(), w[rows].contiguous(), *experts, shared).out
+        assert torch.equal(part, full[rows])
+
+
 @pytest.mark.parametrize("combine_in_gemm,one_launch_mlp", [(False, False), (True, False), (True, True)])
 def test_forward_graph_capture_without_host_sync(combine_in_gemm, one_launch_mlp):
     x, idx, w, experts, shared = layer(512, 512, 256, 16, 4, 256, seed=3)
