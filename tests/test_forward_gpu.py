@@ -254,19 +254,24 @@ def test_one_launch_mlp_wait_is_bounded():
     assert int(ok[0]) == 0
 
 
-def test_forward_deterministic_over_20_runs():
+FORWARDS = [{}, {"one_launch_mlp": True, "combine_in_gemm": True}]  # four launches; two (schedule, MLP)
+
+
+@pytest.mark.parametrize("opts", FORWARDS)
+def test_forward_deterministic_over_20_runs(opts):
     x, idx, w, experts, shared = layer(2048, 2048, 768, 64, 8, 768, seed=1)
-    first = moe_forward(x, idx, w, *experts, shared).out
+    first = moe_forward(x, idx, w, *experts, shared, **opts).out
     for _ in range(19):
-        assert torch.equal(moe_forward(x, idx, w, *experts, shared).out, first)
+        assert torch.equal(moe_forward(x, idx, w, *experts, shared, **opts).out, first)
 
 
-def test_forward_batch_invariance():
+@pytest.mark.parametrize("opts", FORWARDS)
+def test_forward_batch_invariance(opts):
     x, idx, w, experts, shared = layer(4096, 2048, 768, 64, 8, 768, seed=2)
-    full = moe_forward(x, idx, w, *experts, shared).out
+    full = moe_forward(x, idx, w, *experts, shared, **opts).out
     for size in (1, 17):
         rows = torch.randperm(4096, device="cuda")[:size]
-        part = moe_forward(x[rows].contiguous(), idx[rows].contiguous(), w[rows].contiguous(), *experts, shared).out
+        part = moe_forward(x[rows].contiguous(), idx[rows].contiguous(), w[rows].contiguous(), *experts, shared, **opts).out
         assert torch.equal(part, full[rows])
 
 
