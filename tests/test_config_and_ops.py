@@ -133,4 +133,3 @@ def test_main_grads_are_checked_before_anything_runs():
         check_main_grads((good[0], good[1].bfloat16(), good[2]), weights, None)
     with pytest.raises(ValueError, match=r"main_grads \(d_w_down\): expected shape"):
         check_main_grads((good[0], good[1], torch.zeros(4, 8, 16)), weights, None)
-
