@@ -27,6 +27,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from .waits import wait_at_least
+
 VECTOR = 8  # bf16 elements per 16-byte access
 PHASE_PUBLISH, PHASE_DONE = 0, 1
 ERROR_TIMEOUT, ERROR_CAPACITY = 1, 2
@@ -104,12 +106,7 @@ class EpWaitKernel:
         if lane < self.world:
             epoch = m_flags[rank, epoch_slot()]
             slot = m_flags[rank, None].iterator + (1 + self.phase * self.world + lane)
-            start = cute.arch.globaltimer()
-            seen = cute.arch.atomic_add(slot, cutlass.Int32(0), sem="acquire", scope="sys")
-            waited = cutlass.Int64(0)
-            while seen < epoch and waited < timeout_ns:
-                seen = cute.arch.atomic_add(slot, cutlass.Int32(0), sem="acquire", scope="sys")
-                waited = cute.arch.globaltimer() - start
+            seen = wait_at_least(slot, epoch, timeout_ns, "sys")
             if seen < epoch:  # timed out: record (1, phase, peer, epoch) and give up; the first error stays
                 err = error_slot(self.world)
                 record = m_flags[rank, None].iterator + err

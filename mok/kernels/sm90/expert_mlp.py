@@ -41,6 +41,7 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.waits import wait_at_least
 from .grouped_gemm import GroupedGemmSm90
 from .wgmma_tile import TILE_K
 
@@ -305,16 +306,8 @@ class ExpertMlpSm90:
     def wait_for_fc1(self, m_flags, fc1_used, timeout_ns):
         """TMA thread, before its first fc2 tile: wait (acquire, bounded) until ``fc1_used`` fc1
         tiles are done. On timeout set flags[0] and go on."""
-        done = m_flags.iterator + 1
-        seen = cute.arch.atomic_add(done, cutlass.Int32(0), sem="acquire", scope="gpu")
-        if seen < fc1_used:
-            start = cute.arch.globaltimer()
-            waited = cutlass.Int64(0)
-            while seen < fc1_used and waited < timeout_ns:
-                seen = cute.arch.atomic_add(done, cutlass.Int32(0), sem="acquire", scope="gpu")
-                waited = cute.arch.globaltimer() - start
-            if seen < fc1_used:
-                m_flags[0] = 1
+        if wait_at_least(m_flags.iterator + 1, fc1_used, timeout_ns, "gpu") < fc1_used:
+            m_flags[0] = 1
 
     def smem_view(self, ptr, layout):
         """A staged operand layout (swizzle, outer) placed at ``ptr`` in the shared operand region."""
