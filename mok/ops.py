@@ -330,6 +330,15 @@ def _column_tiles(hidden: int) -> int:
     return hidden // default_tile_n(hidden, 0, False)
 
 
+def _check_no_slot_dropped(schedule: Schedule) -> None:
+    """A down projection that combines needs every (token, slot) to have a row: the schedule's
+    capacity must be the worst case for its tokens, top-k and experts."""
+    num_tokens, topk = schedule.slot_row.shape
+    worst = worst_case_capacity(num_tokens, topk, schedule.expert_counts.shape[0], schedule.block_m)
+    if schedule.capacity < worst:
+        raise ValueError(f"schedule: expected a capacity of at least {worst} rows (no slot dropped), got {schedule.capacity}")
+
+
 def grouped_gemm_combine(
     a: torch.Tensor,
     w_down: torch.Tensor,
@@ -360,9 +369,7 @@ def grouped_gemm_combine(
     check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=a.device, contiguous=True)
     if schedule.row_token.shape[0] != num_rows:
         raise ValueError(f"a: expected the schedule's {schedule.row_token.shape[0]} rows, got {num_rows}")
-    worst = worst_case_capacity(num_tokens, topk, schedule.expert_counts.shape[0], schedule.block_m)
-    if schedule.capacity < worst:  # a token's last slot is its k-th arrival: none may be dropped
-        raise ValueError(f"schedule: expected a capacity of at least {worst} rows (no slot dropped), got {schedule.capacity}")
+    _check_no_slot_dropped(schedule)  # a token's last slot is its k-th arrival
     check_tensor("arrivals", arrivals, dtypes=(torch.int32,), shape=(num_tokens, _column_tiles(hidden)), device=a.device, contiguous=True)
     if shared_out is not None:
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=a.device, contiguous=True)
@@ -444,9 +451,7 @@ def expert_mlp(
     combine = topk_w is not None
     if combine:
         check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=x.device, contiguous=True)
-        worst = worst_case_capacity(num_tokens, topk, schedule.expert_counts.shape[0], schedule.block_m)
-        if schedule.capacity < worst:
-            raise ValueError(f"schedule: expected a capacity of at least {worst} rows (no slot dropped), got {schedule.capacity}")
+        _check_no_slot_dropped(schedule)
         out = _bf16_out(out, (num_tokens, hidden), x.device)
     elif shared_out is not None or out is not None:
         raise ValueError("shared_out, out: only with topk_w (they belong to the combine)")
