@@ -11,8 +11,8 @@
 or, with ``combine_in_gemm``, the down projection combines as it goes: the CTA that writes a
 token's last slot adds up its columns (integer arrival counters that the schedule launch
 zeroes; the same operations in the same order, so the same bits) — 3 launches, not 4.
-With ``one_launch_mlp`` both grouped GEMMs run in one persistent launch (fc2 starts once a
-grid-wide count says every fc1 tile is done, mok/kernels/sm90/expert_mlp.py): 3 launches, and
+With ``one_launch_mlp`` both grouped GEMMs run in one persistent launch (tiles in one global
+order, an fc2 row tile waiting for its fc1 row tile, mok/kernels/sm90/expert_mlp.py): 3 launches, and
 2 with ``combine_in_gemm`` as well (schedule, MLP) — again the same bits.
 
 Every kernel's configuration depends only on (H, I, E, k), so a token's output does not
@@ -32,7 +32,7 @@ import torch
 from . import ops
 from .reference import SharedExpert
 from .runtime.arch import check_fused_layer_device
-from .schedule import Schedule
+from .schedule import Schedule, worst_case_capacity
 from .validation import check_moe_inputs
 
 TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to it
@@ -86,7 +86,7 @@ def moe_forward(
     ``combine_in_gemm``: the down projection also combines (3 launches instead of 4, the same
     bits); slower at the benchmark shapes so far (perf/NOTES.md), hence off by default.
     ``one_launch_mlp``: fc1 and fc2 (and with ``combine_in_gemm`` the combine) in one launch, the same bits;
-    5-10% slower so far (perf/NOTES.md). Its fc2 phase waits for every CTA's fc1 tiles, at most
+    5-10% slower so far (perf/NOTES.md). Its fc2 tiles wait for their rows' fc1 tiles, at most
     10 s: only a GPU shared so that not all of this launch's CTAs can run at once could make it
     time out, and then the output is wrong (the op's error word, :func:`mok.ops.expert_mlp`).
     """
@@ -98,8 +98,9 @@ def moe_forward(
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,
     )
     num_tokens, hidden = x.shape
-    if one_launch_mlp:  # its done and arrival counters
-        counters = ops.expert_mlp_counters(num_tokens, hidden, x.device)
+    if one_launch_mlp:  # its tile, ready and arrival counters
+        rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # (the schedule's default capacity)
+        counters = ops.expert_mlp_counters(num_tokens, hidden, rows, x.device)
     else:
         counters = ops.arrival_counters(num_tokens, hidden, x.device) if combine_in_gemm else None
     sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M, clear=counters)

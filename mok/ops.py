@@ -395,11 +395,12 @@ def grouped_gemm_combine(
 MLP_TILE = 128  # row and column tile of the one-launch expert MLP
 
 
-def expert_mlp_counters(num_tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
-    """The int32 counters :func:`expert_mlp` needs zeroed: an error word, a count of fc1 tiles
-    done and one arrival counter per (token, 128-column tile). Pass them to
-    :func:`device_schedule` as ``clear``, which zeroes them in its launch."""
-    return torch.empty(2 + num_tokens * (hidden // MLP_TILE), dtype=torch.int32, device=device)
+def expert_mlp_counters(num_tokens: int, hidden: int, num_rows: int, device: torch.device) -> torch.Tensor:
+    """The int32 counters :func:`expert_mlp` needs zeroed for a schedule of ``num_rows`` rows: an
+    error word, the next tile to take, one ready counter per row tile and one arrival counter
+    per (token, 128-column tile). Pass them to :func:`device_schedule` as ``clear``, which
+    zeroes them in its launch."""
+    return torch.empty(2 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE), dtype=torch.int32, device=device)
 
 
 def expert_mlp(
@@ -426,8 +427,8 @@ def expert_mlp(
     zeroed since (``device_schedule(..., clear=counters)``). The same bits as
     ``grouped_gemm(x, w_gate, ..., b2=w_up, gather=row_token)``, ``grouped_gemm(a, w_down, ...)``
     and :func:`combine` in three launches. ``h_out`` [R, 2I]: keep h for the backward;
-    ``shared_out`` [T, H]: a shared expert's output, added by the combine. The fc2 phase waits
-    for every fc1 tile at most ``timeout_s`` (it can only time out if work sharing the GPU keeps
+    ``shared_out`` [T, H]: a shared expert's output, added by the combine. An fc2 tile waits for
+    its rows' fc1 tiles at most ``timeout_s`` (it can only time out if work sharing the GPU keeps
     SMs from this launch); on expiry the kernel sets counters[0] to 1 and finishes with wrong
     values instead of hanging.
     """
@@ -445,7 +446,7 @@ def expert_mlp(
     if schedule.slot_row.shape[0] != num_tokens:
         raise ValueError(f"schedule: expected one for x's {num_tokens} tokens, got one for {schedule.slot_row.shape[0]}")
     check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
-    want = 2 + num_tokens * (hidden // MLP_TILE)
+    want = 2 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE)
     if counters.shape != (want,):
         raise ValueError(f"counters: expected shape ({want},) (expert_mlp_counters), got {tuple(counters.shape)}")
     combine = topk_w is not None

@@ -77,12 +77,12 @@ def test_expert_mlp_rejects_bad_input_before_launch():
     short = build_schedule(idx, E, block_m=128, capacity=128)
     bf16 = dict(dtype=torch.bfloat16)
     x, wg, wu, wd = torch.zeros(T, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, H, I, **bf16)
-    counters = expert_mlp_counters(T, H, "cpu")
-    assert counters.shape == (2 + T * 2,)  # error word, fc1 tiles done, two 128-column tiles per token
-    with pytest.raises(ValueError, match=r"counters: expected shape \(130,\) \(expert_mlp_counters\), got \(129,\)"):
+    counters = expert_mlp_counters(T, H, full.capacity, "cpu")
+    assert counters.shape == (2 + 5 + T * 2,)  # error word, next tile, 640 rows = 5 row tiles, two 128-column tiles per token
+    with pytest.raises(ValueError, match=r"counters: expected shape \(135,\) \(expert_mlp_counters\), got \(134,\)"):
         expert_mlp(x, wg, wu, wd, full, counters[1:])
     with pytest.raises(ValueError, match="schedule: expected a capacity of at least 640 rows"):
-        expert_mlp(x, wg, wu, wd, short, counters, topk_w=torch.rand(T, k))
+        expert_mlp(x, wg, wu, wd, short, expert_mlp_counters(T, H, 128, "cpu"), topk_w=torch.rand(T, k))
     with pytest.raises(ValueError, match="shared_out, out: only with topk_w"):
         expert_mlp(x, wg, wu, wd, full, counters, shared_out=torch.zeros(T, H, **bf16))
     with pytest.raises(ValueError, match="expected H and I multiples of 128, got H=256, I=64"):

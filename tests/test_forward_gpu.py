@@ -237,17 +237,17 @@ def test_one_launch_mlp_saves_the_same_h(T, H, I, E, k, shared_inter, routing):
 
 
 def test_one_launch_mlp_wait_is_bounded():
-    """A done count that never reaches its target (not zeroed): the fc2 phase stops waiting after
-    the timeout, the kernel finishes and counters[0] reports it, instead of a hang."""
+    """Ready counters that never reach their target (not zeroed): the fc2 tiles stop waiting
+    after the timeout, the kernel finishes and counters[0] reports it, instead of a hang."""
     T, H, I, E, k = 64, 256, 128, 4, 2
     x, idx, w, (wg, wu, wd), _ = layer(T, H, I, E, k, None, seed=9)
     sched = ops.device_schedule(idx, E)
-    counters = torch.full_like(ops.expert_mlp_counters(T, H, x.device), -(10**6))
-    counters[0] = 0
+    counters = torch.full_like(ops.expert_mlp_counters(T, H, sched.capacity, x.device), -(10**6))
+    counters[:2] = 0  # the error word and the tile counter start right; every ready counter does not
     ops.expert_mlp(x, wg, wu, wd, sched, counters, timeout_s=0.02)
     torch.cuda.synchronize()
     assert int(counters[0]) == 1
-    ok = ops.expert_mlp_counters(T, H, x.device)
+    ok = ops.expert_mlp_counters(T, H, sched.capacity, x.device)
     sched = ops.device_schedule(idx, E, clear=ok)  # zeroed: no timeout
     ops.expert_mlp(x, wg, wu, wd, sched, ok, timeout_s=0.02)
     torch.cuda.synchronize()

@@ -208,15 +208,18 @@ def test_gathering_from_every_ranks_x_adds_only_the_row_address_arithmetic():
 @pytest.mark.parametrize("combine", [False, True])
 def test_one_launch_expert_mlp_keeps_both_gemms_on_wgmma_and_syncs_with_integer_release_acquire(combine):
     """The one-launch MLP: fc1's two WGMMA products and fc2's one per k block, fc1's rows by
-    cp.async and every weight tile by TMA, and between the phases only integer release/acquire
-    adds at gpu scope with a bounded (%globaltimer) wait; no float atomics, no spills."""
+    cp.async and every weight tile by TMA, tiles taken from an integer counter, and between the
+    phases only integer release/acquire adds at gpu scope with a bounded (%globaltimer) wait; no
+    float atomics, no spills."""
     from mok.kernels import expert_mlp_variant
 
     ptx = compiled_ptx(expert_mlp_variant(7168, 2048, 8, combine=combine), "sm_90a")
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 2 * 4 + 4
     assert count(r"cp\.async\.cg\.shared\.global", ptx) >= 1
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3  # w_gate, w_up, a and w_down
-    atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx))
-    assert atomics == {"atom.global.release.add.u32", "atom.global.acquire.add.u32"} | ({"atom.global.acq_rel.add.u32"} if combine else set())
+    atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx))  # + the tile counter's relaxed add
+    expected = {"atom.global.release.add.u32", "atom.global.acquire.add.u32", "atom.global.add.u32"}
+    assert atomics == expected | ({"atom.global.acq_rel.add.u32"} if combine else set())
+    assert count(r"bar\.sync\s+3, 128;", ptx) >= 1  # the producer warps share each tile index
     assert "%globaltimer" in ptx and count(r"fence\.proxy\.async\.global", ptx) >= 2
     assert count(r"\.local", ptx) == 0

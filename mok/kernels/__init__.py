@@ -164,23 +164,19 @@ def grouped_gemm_variant(
     return KernelVariant("grouped_gemm", config, build)
 
 
-def expert_mlp_variant(
-    hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False, phases: str = "both"
-) -> KernelVariant:
+def expert_mlp_variant(hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
-    persistent launch, fc2 starting once a grid-wide count has every fc1 tile done; ``combine``:
-    fc2 also writes the layer output (with a shared expert's output: ``has_shared``).
-    See mok/kernels/sm90/expert_mlp.py. ``phases`` "fc1" / "fc2": one phase alone (for timing)."""
-    options = dict(save_h=save_h, combine=combine, has_shared=has_shared)
-    if phases != "both":  # (absent otherwise: the cache keys stay as they were)
-        options["phases"] = phases
+    persistent launch, tiles taken in one global order, each fc2 row tile waiting for its fc1
+    row tile; ``combine``: fc2 also writes the layer output (with a shared expert's output:
+    ``has_shared``). See mok/kernels/sm90/expert_mlp.py."""
+    options = dict(save_h=save_h, combine=combine, has_shared=has_shared, order="dynamic")
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
             raise NotImplementedError(f"expert MLP: only sm_90a has an implementation so far, not {arch}")
         from .sm90.expert_mlp import compile_expert_mlp
 
-        return compile_expert_mlp(hidden, inter, topk if combine else 1, arch, compile_options, **options)
+        return compile_expert_mlp(hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared)
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)
 

@@ -5,21 +5,26 @@
     out    [T, H] = shared[t] + Σ_j topk_w[t, j]·y_rows[slot_row[t, j]]   (``combine``: in phase 2)
 
 The two grouped GEMMs of mok/kernels/sm90/grouped_gemm.py (the gathering SwiGLU one and the
-down projection) share one persistent, warp-specialised CTA per SM: the tiles are numbered
-fc1 first, then fc2, and CTA i walks i, i + grid, ... through both. fc2 starts once every
-fc1 tile is done: ``done`` counts the fc1 tiles whose stores are complete (integer atomic,
-gpu scope, release; the store warp publishes a tile when the next tile's mainloop is done,
-by which time its TMA stores have drained, and its last one right away), and the producer's
-TMA thread polls it (acquire) until it reaches the used row tiles times fc1's column tiles,
-then fences (proxy) before its TMA loads of a. Waiting per row tile instead (fc2 tiles
-starting as soon as their own rows are in) was measured slower at dsv3's shapes: CTAs then
-enter fc2 up to one fc1 tile apart, and that skew spreads the in-flight fc2 tiles over
-several experts' w_down (29 MB each), which no longer stay in L2 (perf/NOTES.md).
-The wait is bounded by %globaltimer: on expiry the kernel sets ``error`` and goes on (the
-output is then wrong, never a hang).
+down projection) share one persistent, warp-specialised CTA per SM. Tiles are handed out in
+one global order, fc1's first, then fc2's (each phase in its L2-friendly grouped order, over
+the row tiles the schedule uses): the producer's TMA thread takes the next index from a
+counter (an integer atomic) and passes it to its warps and, through a small shared-memory
+ring, to the MMA warps. So tiles run in that order whatever each CTA's speed: the fc2 tiles
+start on SMs that fc1's tail leaves idle, yet the tiles in flight stay together (a static
+round robin let CTAs enter fc2 up to a tile apart, and that skew spread the fc2 tiles in
+flight over several experts' w_down, 29 MB each at dsv3, which then no longer stayed in L2;
+perf/NOTES.md). An fc2 tile of row tile m needs a's row tile m: ``ready[m]`` counts the fc1
+column tiles of m whose stores are complete (integer atomic, gpu scope, release; the store
+warp publishes a tile once the next fc1 tile's mainloop is done, by which time its TMA stores
+have drained, and before its first fc2 tile at the latest), and the TMA thread polls it
+(acquire), then fences (proxy) before its TMA loads of a. The wait is bounded by
+%globaltimer: on expiry the kernel sets ``error`` and goes on (the output is then wrong,
+never a hang).
 
-No deadlock: the grid is at most one CTA per SM (every CTA is resident at once) and fc1
-tiles wait on nothing, so every fc1 tile is reached and published.
+No deadlock: the grid is at most one CTA per SM (every CTA is resident at once); fc1 tiles
+wait on nothing; an index is taken only after the previous tile's loads are all issued, so a
+CTA waiting before an fc2 tile still finishes (and publishes) every fc1 tile it took, and
+every fc1 tile is taken before any fc2 tile.
 
 The operand stages of the two phases share one region of shared memory: fc1 holds A,
 B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and B = w_down (32 KB, 6
@@ -46,20 +51,16 @@ from .grouped_gemm import GroupedGemmSm90
 from .wgmma_tile import TILE_K
 
 TILE = 128  # row and column tile of both GEMMs (the fc1 buffers hold the fc2 stages)
+RING = 4  # tile indices the producer may hand the MMA warps ahead
+TILE_BARRIER = 3  # named barrier of the producer warpgroup (1: the MMA warps' epilogue, 2: scatter warps)
 
 
 class ExpertMlpSm90:
     """Static config: H, I, top-k, whether h is saved for the backward, whether fc2 combines (with a shared expert's output)."""
 
     def __init__(
-        self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
-        phases: str = "both",
+        self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False
     ):
-        """``phases`` "fc1" or "fc2" runs one phase only (perf/expert_mlp_phases.py times them; "fc2"
-        needs a done count already at its target), "both" is the MLP."""
-        if phases not in ("both", "fc1", "fc2"):
-            raise ValueError(f"phases: expected 'both', 'fc1' or 'fc2', got {phases!r}")
-        self.phases = phases
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
@@ -118,9 +119,10 @@ class ExpertMlpSm90:
         tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
         m_token_w = cute.make_tensor(topk_w_ptr, tokens_by_slot)
         m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
-        # counters: [error, fc1 tiles done | arrivals per (token, fc2 column tile)], zeroed by the schedule launch
+        # counters: [error, next tile | ready per row tile | arrivals per (token, fc2 column tile)], zeroed by the schedule launch
         m_flags = cute.make_tensor(counters_ptr, cute.make_layout((2,)))
-        m_arrivals = row_major(counters_ptr + 2, num_tokens, hid // TILE)
+        m_ready = cute.make_tensor(counters_ptr + 2, cute.make_layout((num_row_tiles,)))
+        m_arrivals = row_major(counters_ptr + (2 + num_row_tiles), num_tokens, hid // TILE)
         m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
@@ -138,6 +140,8 @@ class ExpertMlpSm90:
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.fc1.ab_stage * 2]
             mbar2: cute.struct.MemRange[cutlass.Int64, self.fc2.ab_stage * 2]
+            tile_mbar: cute.struct.MemRange[cutlass.Int64, RING * 2]
+            s_tiles: cute.struct.MemRange[cutlass.Int32, RING + 1]  # the ring, then the producer warps' broadcast slot
             s_ab: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, self.region_elems], self.fc1.buffer_align_bytes]
             s_c: cute.struct.Align[cute.struct.MemRange[self.fc1.c_dtype, cute.cosize(epi_smem)], self.fc1.buffer_align_bytes]
 
@@ -153,8 +157,8 @@ class ExpertMlpSm90:
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, mma_args, m_x, m_tiles, m_flags, m_offsets, num_experts, num_row_tiles,
-            num_rows, timeout_ns,
+            fc1_args, fc2_args, row_args, combine_args, mma_args, m_x, m_tiles, m_flags, m_ready, m_offsets, num_experts,
+            num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -168,31 +172,26 @@ class ExpertMlpSm90:
         m_x: cute.Tensor,
         m_tiles: cute.Tensor,
         m_flags: cute.Tensor,
+        m_ready: cute.Tensor,
         m_offsets: cute.Tensor,
         num_experts: cutlass.Int32,
         num_row_tiles: cutlass.Int32,
         num_rows: cutlass.Int32,
         timeout_ns: cutlass.Int64,
     ):
-        """Warpgroup 0 loads (all four warps gather fc1's rows, warp 0 issues the TMA loads and,
-        before the fc2 phase, waits until every fc1 tile is done); warpgroups 1 and 2 multiply
-        and store."""
+        """Warpgroup 0 loads (all four warps gather fc1's rows, warp 0 takes the tile indices,
+        issues the TMA loads and, before an fc2 tile, waits for its a rows); warpgroups 1 and 2
+        multiply and store, in the order the ring hands them the tiles."""
         fc1_loads, fc1_stores = fc1_args
         fc2_loads, fc2_stores = fc2_args
         _, _, m_row_token, _, _ = row_args
         tiled_mma, mma2, a_smem, b_smem, a2_smem, b2_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        first, _, _ = cute.arch.block_idx()
-        step, _, _ = cute.arch.grid_dim()
         fc1_cols, fc2_cols = self.inter // TILE, self.hidden // TILE
-        fc1_tiles = num_row_tiles * fc1_cols
-        all_tiles = fc1_tiles + num_row_tiles * fc2_cols
-        start = first  # (one phase only: the other's tiles are skipped)
-        if cutlass.const_expr(self.phases == "fc1"):
-            all_tiles = fc1_tiles
-        if cutlass.const_expr(self.phases == "fc2"):
-            start = first + fc1_tiles
+        used_rows = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles)  # the schedule's (padded) row tiles
+        fc1_tiles = used_rows * fc1_cols
+        all_tiles = fc1_tiles + used_rows * fc2_cols
         k1_tiles, k2_tiles = self.hidden // TILE_K, self.inter // TILE_K
         if warp_idx == 0:
             self.fc1.prefetch(fc1_loads[2], fc1_loads[4], fc2_loads[0], fc2_loads[2])
@@ -201,6 +200,13 @@ class ExpertMlpSm90:
         storage = smem.allocate(self.shared_storage)
         pipe1 = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=128)
         pipe2 = self.fc2.make_pipeline(storage, 1, a2_smem, b2_smem, barriers=storage.mbar2.data_ptr())
+        ring = pipeline.PipelineAsync.create(
+            barrier_storage=storage.tile_mbar.data_ptr(),
+            num_stages=RING,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.fc1.consumer_threads),
+            defer_sync=True,
+        )
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         region = storage.s_ab.data_ptr()  # fc1: [A | B | B2] stages; fc2: [A | B] stages
         s_a = self.smem_view(region, a_smem)
@@ -209,104 +215,126 @@ class ExpertMlpSm90:
         s_a2 = self.smem_view(region, a2_smem)
         s_bd = self.smem_view(region + cute.cosize(a2_smem), b2_smem)
         s_c = storage.s_c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        s_tiles = storage.s_tiles.get_tensor(cute.make_layout(RING + 1))
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc1.ab_stage)
-            linear = start
-            if cutlass.const_expr(self.phases != "fc2"):
-                while linear < fc1_tiles:
-                    tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
-                    expert = m_tiles[tile_row]
-                    if expert >= 0:
-                        loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, expert)
-                        prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
-                    linear += step
-                cute.arch.cp_async_wait_group(0)
-            if warp_idx == 0:
+            handed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RING)
+            tile, handed = self.take_next(m_flags, ring, handed, s_tiles, tidx)
+            while tile < fc1_tiles:
+                tile_row, tile_col = self.fc1.grouped_tile(tile, used_rows, fc1_cols)
+                loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, m_tiles[tile_row])
+                prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
+                tile, handed = self.take_next(m_flags, ring, handed, s_tiles, tidx)
+            cute.arch.cp_async_wait_group(0)
+            if warp_idx == 0:  # warps 1-3 are done: fc2's A comes by TMA
                 pipe1.producer_tail(prod)  # every fc1 stage consumed: fc2's stages may take the region
-                if cutlass.const_expr(self.phases != "fc1"):
-                    prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
-                    # every used row tile (the schedule's padded rows) times fc1's column tiles
-                    fc1_used = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles) * fc1_cols
-                    if cute.arch.lane_idx() == 0:
-                        self.wait_for_fc1(m_flags, fc1_used, timeout_ns)
+                prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
+                while tile < all_tiles:
+                    tile_row, tile_col = self.fc2.grouped_tile(tile - fc1_tiles, used_rows, fc2_cols)
+                    if tidx == 0:
+                        self.wait_ready(m_ready, m_flags, tile_row, timeout_ns)
                     cute.arch.sync_warp()
                     cute.arch.fence_proxy("async.global")  # the TMA loads of a (async proxy) after the acquire
-                    while linear < all_tiles:
-                        tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
-                        expert = m_tiles[tile_row]
-                        if expert >= 0:
-                            loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, expert)
-                            prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
-                        linear += step
-                    pipe2.producer_tail(prod2)
+                    loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, m_tiles[tile_row])
+                    prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
+                    tile, handed = self.take_next(m_flags, ring, handed, s_tiles, tidx, warp_only=True)
+                pipe2.producer_tail(prod2)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
             store_pipe = self.fc1.store_pipeline()
-            linear = start
-            if cutlass.const_expr(self.phases != "fc2"):
-                r_a, r_b, r_b2, acc, acc2 = self.fc1.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
-                cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
-                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
-                pending = cutlass.Int32(0)  # 1: this CTA's last fc1 tile is not yet counted done
-                while linear < fc1_tiles:
-                    tile_row, tile_col = self.fc1.grouped_tile(linear, num_row_tiles, fc1_cols)
-                    expert = m_tiles[tile_row]
-                    if expert >= 0:
-                        acc.fill(0.0)
-                        acc2.fill(0.0)
-                        cons, release = self.fc1.consume_tile(pipe1, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
-                        self.publish(warp_idx, m_flags, pending)  # its stores drained during this mainloop
-                        self.fc1.epilogue(
-                            mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
-                        )
-                        pending = cutlass.Int32(1)
-                    linear += step
-                self.publish(warp_idx, m_flags, pending)  # the last one: wait for its stores now
-            if cutlass.const_expr(self.phases != "fc1"):
-                r_a2, r_bd, _, acc_d, _ = self.fc2.mma_fragments(mma2, mma_tidx, s_a2, s_bd, s_bd)
-                cons2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
-                release2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
-                mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                while linear < all_tiles:
-                    tile_row, tile_col = self.fc2.grouped_tile(linear - fc1_tiles, num_row_tiles, fc2_cols)
-                    expert = m_tiles[tile_row]
-                    if expert >= 0:
-                        token = cutlass.Int32(-1)
-                        if cutlass.const_expr(self.combine):
-                            token = self.fc2.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
-                        acc_d.fill(0.0)
-                        cons2, release2 = self.fc2.consume_tile(pipe2, mma2, acc_d, acc_d, r_a2, r_bd, r_bd, k2_tiles, cons2, release2)
-                        self.fc2.epilogue(
-                            mma_tidx, warp_idx, mma2, acc_d, acc_d, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
-                        )
-                        if cutlass.const_expr(self.combine):
-                            self.fc2.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
-                    linear += step
+            given = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RING)
+            r_a, r_b, r_b2, acc, acc2 = self.fc1.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc1.ab_stage)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
+            pending = cutlass.Int32(-1)  # the row tile of this CTA's last fc1 tile, not yet published
+            tile, given = self.handed_tile(ring, given, s_tiles)
+            while tile < fc1_tiles:
+                tile_row, tile_col = self.fc1.grouped_tile(tile, used_rows, fc1_cols)
+                acc.fill(0.0)
+                acc2.fill(0.0)
+                cons, release = self.fc1.consume_tile(pipe1, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
+                self.publish(warp_idx, m_ready, pending)  # its stores drained during this mainloop
+                self.fc1.epilogue(
+                    mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
+                )
+                pending = tile_row
+                tile, given = self.handed_tile(ring, given, s_tiles)
+            self.publish(warp_idx, m_ready, pending)  # before any fc2 tile: its producer may wait for this one
+
+            r_a2, r_bd, _, acc_d, _ = self.fc2.mma_fragments(mma2, mma_tidx, s_a2, s_bd, s_bd)
+            cons2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
+            release2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
+            mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            while tile < all_tiles:
+                tile_row, tile_col = self.fc2.grouped_tile(tile - fc1_tiles, used_rows, fc2_cols)
+                token = cutlass.Int32(-1)
+                if cutlass.const_expr(self.combine):
+                    token = self.fc2.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
+                acc_d.fill(0.0)
+                cons2, release2 = self.fc2.consume_tile(pipe2, mma2, acc_d, acc_d, r_a2, r_bd, r_bd, k2_tiles, cons2, release2)
+                self.fc2.epilogue(
+                    mma_tidx, warp_idx, mma2, acc_d, acc_d, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
+                )
+                if cutlass.const_expr(self.combine):
+                    self.fc2.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
+                tile, given = self.handed_tile(ring, given, s_tiles)
             if warp_idx == self.fc1.store_warp:
                 store_pipe.producer_tail()
 
     @cute.jit
-    def publish(self, warp_idx, m_flags, pending):
+    def take_next(self, m_flags, ring, handed, s_tiles, tidx, warp_only: cutlass.Constexpr = False):
+        """Producer: thread 0 takes the next tile index from the global counter and hands it to the
+        MMA warps through the ring; every producer thread (only warp 0's with ``warp_only``) gets
+        it too. Returns (index, advanced ring state)."""
+        if tidx == 0:
+            tile = cute.arch.atomic_add(m_flags.iterator + 1, cutlass.Int32(1), scope="gpu")
+            s_tiles[RING] = tile
+            ring.producer_acquire(handed)
+            s_tiles[handed.index] = tile
+            ring.producer_commit(handed)
+        handed.advance()
+        if cutlass.const_expr(warp_only):
+            cute.arch.sync_warp()
+            tile = s_tiles[RING]
+            cute.arch.sync_warp()
+        else:
+            cute.arch.barrier(barrier_id=TILE_BARRIER, number_of_threads=128)
+            tile = s_tiles[RING]
+            cute.arch.barrier(barrier_id=TILE_BARRIER, number_of_threads=128)  # all read before the next index
+        return tile, handed
+
+    @cute.jit
+    def handed_tile(self, ring, given, s_tiles):
+        """MMA warps: the next tile index from the ring (past the last tile: stop). Returns (index, advanced state)."""
+        ring.consumer_wait(given)
+        tile = s_tiles[given.index]
+        ring.consumer_release(given)
+        given.advance()
+        return tile, given
+
+    @cute.jit
+    def publish(self, warp_idx, m_ready, tile_row):
         """Store warp: once its TMA stores are complete (and visible to the async proxy's readers),
-        count the pending fc1 tile (if ``pending``) done (release, gpu scope)."""
+        count fc1 row tile ``tile_row`` (-1: none) one column tile further (release, gpu scope)."""
         if warp_idx == self.fc1.store_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
             cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()
-            if pending != 0:
+            if tile_row >= 0:
                 if cute.arch.lane_idx() == 0:
-                    cute.arch.atomic_add(m_flags.iterator + 1, cutlass.Int32(1), sem="release", scope="gpu")
+                    cute.arch.atomic_add(m_ready.iterator + tile_row, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def wait_for_fc1(self, m_flags, fc1_used, timeout_ns):
-        """TMA thread, before its first fc2 tile: wait (acquire, bounded) until ``fc1_used`` fc1
-        tiles are done. On timeout set flags[0] and go on."""
-        if wait_at_least(m_flags.iterator + 1, fc1_used, timeout_ns, "gpu") < fc1_used:
+    def wait_ready(self, m_ready, m_flags, tile_row, timeout_ns):
+        """TMA thread, before an fc2 tile: wait (acquire, bounded) until every fc1 column tile of
+        ``tile_row`` is published. On timeout set flags[0] and go on."""
+        target = self.inter // TILE
+        if wait_at_least(m_ready.iterator + tile_row, target, timeout_ns, "gpu") < target:
             m_flags[0] = 1
 
     def smem_view(self, ptr, layout):
@@ -316,7 +344,7 @@ class ExpertMlpSm90:
 
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
-    has_shared: bool = False, phases: str = "both",
+    has_shared: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap and the timeout are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -329,7 +357,7 @@ def compile_expert_mlp(
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(),
         cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1), make_fake_stream(),
     )
-    kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, phases=phases)
+    kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared)
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
         return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

@@ -1,12 +1,11 @@
-"""Where the one-launch expert MLP's time goes: its fc1 and fc2 phases alone against the two GEMM launches.
+"""The one-launch expert MLP against the two GEMM launches it replaces, on real uniform schedules.
 
-    python perf/expert_mlp_phases.py
+    python perf/expert_mlp_sweep.py
 
-On real uniform schedules of the single-GPU benchmark configs: fc1 (gathering, SwiGLU) and fc2
-as separate persistent launches (fc2 at column tiles 128 and 256), the one-launch MLP, and the
-same kernel compiled to run only its fc1 phase or only its fc2 phase (the latter with its
-done count preset, so it never waits). The counters are zeroed inside each timed call of the
-kernels that need them (one small fill kernel, in every row that has it).
+Per benchmark config (single GPU): fc1 (gathering, SwiGLU) and fc2 as separate persistent
+launches (fc2 at column tiles 128 and 256), the counter fill the one-launch kernel needs, and
+the one-launch MLP itself (its timed calls include that fill). Two rounds: this machine's
+clocks move 10-20% between rounds, so compare within one.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import torch
 
 from mok import ops
 from mok.bench import time_ms
-from mok.kernels import expert_mlp_variant
 
 CONFIGS = {"dsv3": (4096, 7168, 2048, 32, 8), "qwen3": (8192, 2048, 768, 64, 8)}  # T, H, I, E, k
 
@@ -28,29 +26,15 @@ def main() -> None:
         wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
         wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
         sched = ops.device_schedule(idx, E)
-        counters = ops.expert_mlp_counters(T, H, x.device)
+        counters = ops.expert_mlp_counters(T, H, sched.capacity, x.device)
         a = torch.empty(sched.capacity, I, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(sched.capacity, H, device="cuda", dtype=torch.bfloat16)
-
-        def phase(which: str):
-            variant = expert_mlp_variant(H, I, k, phases=which)
-
-            def run():
-                counters.zero_()
-                if which == "fc2":
-                    counters[1] = 2**30  # every fc1 tile "done": no waits
-                ops.launch_expert_mlp(variant, x, wg, wu, wd, a, None, y, sched, None, None, None, counters, 10.0)
-
-            return run
-
         runs = {
             "fc1 launch": lambda: ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, gather=sched.row_token, out=a),
             "fc2 launch, tile 128": lambda: ops.grouped_gemm(a, wd, sched.tile_expert, tile_n=128, out=y),
             "fc2 launch, tile 256": lambda: ops.grouped_gemm(a, wd, sched.tile_expert, tile_n=256, out=y),
             "zero counters": lambda: counters.zero_(),
             "one-launch MLP": lambda: (counters.zero_(), ops.expert_mlp(x, wg, wu, wd, sched, counters, y_rows=y)),
-            "its fc1 phase alone": phase("fc1"),
-            "its fc2 phase alone": phase("fc2"),
         }
         for _ in range(2):
             for kname, fn in runs.items():
