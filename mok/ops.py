@@ -392,15 +392,15 @@ def grouped_gemm_combine(
     return out
 
 
-MLP_TILE = 128  # row and column tile of the one-launch expert MLP
+MLP_TILE = 128  # the one-launch expert MLP's row tile and fc1's column tile
 
 
 def expert_mlp_counters(num_tokens: int, hidden: int, num_rows: int, device: torch.device) -> torch.Tensor:
     """The int32 counters :func:`expert_mlp` needs zeroed for a schedule of ``num_rows`` rows: an
     error word, the next tile to take, one ready counter per row tile and one arrival counter
-    per (token, 128-column tile). Pass them to :func:`device_schedule` as ``clear``, which
-    zeroes them in its launch."""
-    return torch.empty(2 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE), dtype=torch.int32, device=device)
+    per (token, column tile of the down projection). Pass them to :func:`device_schedule` as
+    ``clear``, which zeroes them in its launch."""
+    return torch.empty(2 + -(-num_rows // MLP_TILE) + num_tokens * _column_tiles(hidden), dtype=torch.int32, device=device)
 
 
 def expert_mlp(
@@ -446,7 +446,7 @@ def expert_mlp(
     if schedule.slot_row.shape[0] != num_tokens:
         raise ValueError(f"schedule: expected one for x's {num_tokens} tokens, got one for {schedule.slot_row.shape[0]}")
     check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
-    want = 2 + -(-num_rows // MLP_TILE) + num_tokens * (hidden // MLP_TILE)
+    want = 2 + -(-num_rows // MLP_TILE) + num_tokens * _column_tiles(hidden)
     if counters.shape != (want,):
         raise ValueError(f"counters: expected shape ({want},) (expert_mlp_counters), got {tuple(counters.shape)}")
     combine = topk_w is not None

@@ -78,8 +78,8 @@ def test_expert_mlp_rejects_bad_input_before_launch():
     bf16 = dict(dtype=torch.bfloat16)
     x, wg, wu, wd = torch.zeros(T, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, H, I, **bf16)
     counters = expert_mlp_counters(T, H, full.capacity, "cpu")
-    assert counters.shape == (2 + 5 + T * 2,)  # error word, next tile, 640 rows = 5 row tiles, two 128-column tiles per token
-    with pytest.raises(ValueError, match=r"counters: expected shape \(135,\) \(expert_mlp_counters\), got \(134,\)"):
+    assert counters.shape == (2 + 5 + T,)  # error word, next tile, 640 rows = 5 row tiles, one 256-column tile of fc2 per token
+    with pytest.raises(ValueError, match=r"counters: expected shape \(71,\) \(expert_mlp_counters\), got \(70,\)"):
         expert_mlp(x, wg, wu, wd, full, counters[1:])
     with pytest.raises(ValueError, match="schedule: expected a capacity of at least 640 rows"):
         expert_mlp(x, wg, wu, wd, short, expert_mlp_counters(T, H, 128, "cpu"), topk_w=torch.rand(T, k))

@@ -214,7 +214,8 @@ def test_one_launch_expert_mlp_keeps_both_gemms_on_wgmma_and_syncs_with_integer_
     from mok.kernels import expert_mlp_variant
 
     ptx = compiled_ptx(expert_mlp_variant(7168, 2048, 8, combine=combine), "sm_90a")
-    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 2 * 4 + 4
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 2 * 4  # fc1: gate and up
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx) == 4  # fc2: 256 columns, as alone
     assert count(r"cp\.async\.cg\.shared\.global", ptx) >= 1
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3  # w_gate, w_up, a and w_down
     atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx))  # + the tile counter's relaxed add

@@ -169,14 +169,19 @@ def expert_mlp_variant(hidden: int, inter: int, topk: int, *, save_h: bool = Fal
     persistent launch, tiles taken in one global order, each fc2 row tile waiting for its fc1
     row tile; ``combine``: fc2 also writes the layer output (with a shared expert's output:
     ``has_shared``). See mok/kernels/sm90/expert_mlp.py."""
-    options = dict(save_h=save_h, combine=combine, has_shared=has_shared, order="dynamic")
+    # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
+    fc2_tile_n = default_tile_n(hidden, inter, False)
+    options = dict(save_h=save_h, combine=combine, has_shared=has_shared, order="dynamic", fc2_tile_n=fc2_tile_n)
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
             raise NotImplementedError(f"expert MLP: only sm_90a has an implementation so far, not {arch}")
         from .sm90.expert_mlp import compile_expert_mlp
 
-        return compile_expert_mlp(hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared)
+        return compile_expert_mlp(
+            hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared,
+            fc2_tile_n=fc2_tile_n,
+        )
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)
 

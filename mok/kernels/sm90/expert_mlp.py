@@ -27,9 +27,10 @@ CTA waiting before an fc2 tile still finishes (and publishes) every fc1 tile it 
 every fc1 tile is taken before any fc2 tile.
 
 The operand stages of the two phases share one region of shared memory: fc1 holds A,
-B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and B = w_down (32 KB, 6
-stages, the depth the down projection has on its own), each phase with its own mbarrier
-pipeline; the producer starts the fc2 pipeline once every fc1 stage has been consumed.
+B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and B = w_down in the tile
+and depth the down projection has on its own (256 columns: 48 KB, 4 stages; 128: 32 KB, 6),
+each phase with its own mbarrier pipeline; the producer starts the fc2 pipeline once every
+fc1 stage has been consumed.
 Results are the same bits as the separate launches: each output tile is computed by one CTA
 with the same operations in the same order.
 """
@@ -59,8 +60,10 @@ class ExpertMlpSm90:
     """Static config: H, I, top-k, whether h is saved for the backward, whether fc2 combines (with a shared expert's output)."""
 
     def __init__(
-        self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False
+        self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
+        fc2_tile_n: int = TILE,
     ):
+        """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows)."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
@@ -71,11 +74,11 @@ class ExpertMlpSm90:
             inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True
         )
         self.fc2 = GroupedGemmSm90(
-            hidden, inter, "plain", tile_n=TILE, persistent=True, combine=combine, topk=topk, has_shared=has_shared
+            hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, combine=combine, topk=topk, has_shared=has_shared
         )
-        stage_elems = TILE * TILE_K
-        self.region_elems = 3 * stage_elems * self.fc1.ab_stage  # fc1: A, B, B2 per stage
-        if 2 * stage_elems * self.fc2.ab_stage > self.region_elems:
+        self.fc2_tile_n = fc2_tile_n
+        self.region_elems = 3 * TILE * TILE_K * self.fc1.ab_stage  # fc1: A, B, B2 per stage
+        if (TILE + fc2_tile_n) * TILE_K * self.fc2.ab_stage > self.region_elems:
             raise ValueError(f"fc2's {self.fc2.ab_stage} stages do not fit in fc1's {self.fc1.ab_stage}")
         self.threads = self.fc1.threads
 
@@ -122,7 +125,7 @@ class ExpertMlpSm90:
         # counters: [error, next tile | ready per row tile | arrivals per (token, fc2 column tile)], zeroed by the schedule launch
         m_flags = cute.make_tensor(counters_ptr, cute.make_layout((2,)))
         m_ready = cute.make_tensor(counters_ptr + 2, cute.make_layout((num_row_tiles,)))
-        m_arrivals = row_major(counters_ptr + (2 + num_row_tiles), num_tokens, hid // TILE)
+        m_arrivals = row_major(counters_ptr + (2 + num_row_tiles), num_tokens, hid // self.fc2_tile_n)
         m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
@@ -131,7 +134,7 @@ class ExpertMlpSm90:
         tma_wg, t_wg = self.fc1.load_atom(m_wg, b_smem, (TILE, TILE_K))
         tma_wu, t_wu = self.fc1.load_atom(m_wu, b_smem, (TILE, TILE_K))
         tma_a, t_a = self.fc2.load_atom(m_a3, a2_smem, (TILE, TILE_K))
-        tma_wd, t_wd = self.fc2.load_atom(m_wd, b2_smem, (TILE, TILE_K))
+        tma_wd, t_wd = self.fc2.load_atom(m_wd, b2_smem, (self.fc2_tile_n, TILE_K))
         tma_a_st, t_a_st = self.fc1.store_atom(m_a, epi_smem)
         tma_h, t_h = self.fc1.store_atom(m_h, epi_smem)  # swiglu_save only
         tma_y, t_y = self.fc2.store_atom(m_y, epi_smem)
@@ -153,7 +156,7 @@ class ExpertMlpSm90:
         m_shared = row_major(shared_ptr, num_tokens, hid)
         m_out = row_major(out_ptr, num_tokens, hid)
         combine_args = (m_y, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
-        all_tiles = num_row_tiles * (inter // TILE + hid // TILE)
+        all_tiles = num_row_tiles * (inter // TILE + hid // self.fc2_tile_n)
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
@@ -188,7 +191,7 @@ class ExpertMlpSm90:
         tiled_mma, mma2, a_smem, b_smem, a2_smem, b2_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        fc1_cols, fc2_cols = self.inter // TILE, self.hidden // TILE
+        fc1_cols, fc2_cols = self.inter // TILE, self.hidden // self.fc2_tile_n
         used_rows = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles)  # the schedule's (padded) row tiles
         fc1_tiles = used_rows * fc1_cols
         all_tiles = fc1_tiles + used_rows * fc2_cols
@@ -344,7 +347,7 @@ class ExpertMlpSm90:
 
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
-    has_shared: bool = False,
+    has_shared: bool = False, fc2_tile_n: int = TILE,
 ):
     """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap and the timeout are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -357,7 +360,7 @@ def compile_expert_mlp(
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(),
         cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1), make_fake_stream(),
     )
-    kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared)
+    kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n)
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
         return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
