@@ -1,7 +1,7 @@
 """Where the host time of one MoK kernel call goes (Python side), on the GPU machine.
 
-    python perf/launch_overhead.py                  # CuTe DSL's own calling convention
-    MOK_TVM_FFI=1 python perf/launch_overhead.py    # TVM-FFI (see mok/runtime/launch.py)
+    python perf/launch_overhead.py                  # TVM-FFI, the default (see mok/runtime/launch.py)
+    MOK_TVM_FFI=0 python perf/launch_overhead.py    # CuTe DSL's own calling convention
 """
 
 from __future__ import annotations

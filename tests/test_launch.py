@@ -26,6 +26,18 @@ def calling(monkeypatch):
     launch.convention.cache_clear()
 
 
+def test_tvm_ffi_is_the_default_where_it_imports_and_env_zero_opts_out(monkeypatch):
+    monkeypatch.delenv(launch.TVM_FFI_ENV, raising=False)
+    launch.convention.cache_clear()
+    try:
+        assert launch.convention() == ("tvm_ffi" if HAS_TVM_FFI else "dsl")
+        monkeypatch.setenv(launch.TVM_FFI_ENV, "0")
+        launch.convention.cache_clear()
+        assert launch.convention() == "dsl"
+    finally:
+        launch.convention.cache_clear()
+
+
 def test_dsl_convention_passes_the_dsls_own_pointer_and_scalar_objects(calling):
     import cutlass
     from cutlass.cute.runtime import make_ptr

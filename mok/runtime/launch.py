@@ -4,12 +4,12 @@ A MoK kernel takes raw pointers, 32/64-bit integers and a CUDA stream. With the 
 convention every argument becomes a Python object (a ``cute.Pointer`` per address, a
 ``cutlass.Int32`` per integer) that the DSL then marshals through ctypes, 1-2 µs per argument
 and ~15 arguments per GEMM launch. Kernels compiled with ``--enable-tvm-ffi`` take plain
-Python ints for all three kinds and convert them in C. MoK uses TVM-FFI when ``MOK_TVM_FFI=1``
-and the ``apache-tvm-ffi`` package can be imported (``pip install 'mok[tvm-ffi]'``), else the
-DSL's own: opt-in until it has run on a GPU (written 2026-12-01 on a machine without one; on
-CPU a TVM-FFI kernel loaded from the cache takes MoK's arguments up to the CUDA launch). The
-choice is made once per process, and the kernel cache keys entries by it (a kernel compiled
-for one convention is never called with the other's arguments).
+Python ints for all three kinds and convert them in C: on an H200 a combine call costs 37 µs of
+host time instead of 72, and an eager forward + backward of 256 tokens 0.87 ms instead of 2.04
+(perf/NOTES.md, 2026-12-01). MoK uses TVM-FFI whenever the ``apache-tvm-ffi`` package (a
+dependency) can be imported, unless ``MOK_TVM_FFI=0``; else the DSL's own. The choice is made
+once per process, and the kernel cache keys entries by it (a kernel compiled for one
+convention is never called with the other's arguments).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TVM_FFI_ENV = "MOK_TVM_FFI"
 @functools.cache
 def convention() -> str:
     """"tvm_ffi" or "dsl" for this process (see the module docstring)."""
-    if os.environ.get(TVM_FFI_ENV, "0") != "1" or importlib.util.find_spec("tvm_ffi") is None:
+    if os.environ.get(TVM_FFI_ENV, "1") == "0" or importlib.util.find_spec("tvm_ffi") is None:
         return "dsl"
     return "tvm_ffi"
 
