@@ -1,6 +1,6 @@
 """The MoE layer forward on one GPU (EP = 1) from MoK's kernels.
 
-    device schedule (1 CTA)    -> row slots, tile -> expert map; no host sync
+    device schedule            -> row slots, tile -> expert map; no host sync
     grouped GEMM + SwiGLU      -> a [R, I] = silu(x_rows·w_gateᵀ) ⊙ x_rows·w_upᵀ, where the
                                   producer warpgroup gathers x_rows = x[row_token] (rows grouped
                                   by expert, canonical order) straight into shared memory
@@ -13,7 +13,9 @@ token's last slot adds up its columns (integer arrival counters that the schedul
 zeroes; the same operations in the same order, so the same bits) — 3 launches, not 4.
 With ``one_launch_mlp`` both grouped GEMMs run in one persistent launch (tiles in one global
 order, an fc2 row tile waiting for its fc1 row tile, mok/kernels/sm90/expert_mlp.py): 3 launches, and
-2 with ``combine_in_gemm`` as well (schedule, MLP) — again the same bits.
+2 with ``combine_in_gemm`` as well (schedule, MLP) — again the same bits. With ``one_launch``
+that launch builds the schedule first (every CTA its part, then a grid barrier): the routed
+experts' whole forward is ONE launch (plus 2 for a shared expert), the same bits again.
 
 Every kernel's configuration depends only on (H, I, E, k), so a token's output does not
 depend on the other tokens in the batch. With ``save_for_backward`` the gate/up GEMM also
@@ -75,6 +77,7 @@ def moe_forward(
     save_for_backward: bool = False,
     combine_in_gemm: bool = False,
     one_launch_mlp: bool = False,
+    one_launch: bool = False,
 ) -> ForwardResult:
     """MoE layer output [T, H] bf16 for bf16 x [T, H] and bf16 weights, all experts on this GPU.
 
@@ -89,6 +92,9 @@ def moe_forward(
     5-10% slower so far (perf/NOTES.md). Its fc2 tiles wait for their rows' fc1 tiles, at most
     10 s: only a GPU shared so that not all of this launch's CTAs can run at once could make it
     time out, and then the output is wrong (the op's error word, :func:`mok.ops.expert_mlp`).
+    ``one_launch``: the schedule, fc1, fc2 and the combine in one launch
+    (:func:`mok.ops.scheduled_expert_mlp`; its grid barrier keeps 16 bytes per device across
+    calls: warm up before CUDA-graph capture, and do not run two at once on two streams).
     """
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
@@ -98,6 +104,8 @@ def moe_forward(
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,
     )
     num_tokens, hidden = x.shape
+    if one_launch:
+        return _one_launch_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, out, save_for_backward)
     if one_launch_mlp:  # its tile, ready and arrival counters
         rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # (the schedule's default capacity)
         counters = ops.expert_mlp_counters(num_tokens, hidden, rows, x.device)
@@ -124,4 +132,19 @@ def moe_forward(
     else:
         y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
         out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
+    return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
+
+
+def _one_launch_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, out, save_for_backward) -> ForwardResult:
+    """moe_forward(one_launch=True) on checked inputs: the shared expert (if any), then one launch."""
+    h = shared_h = None
+    if save_for_backward:
+        rows = worst_case_capacity(x.shape[0], topk_idx.shape[1], w_gate.shape[0], TILE_M)  # the launch's schedule capacity
+        h = torch.empty(rows, 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
+        if shared is not None:
+            shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
+    shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
+    out, sched = ops.scheduled_expert_mlp(
+        x, topk_idx.to(torch.int32).contiguous(), topk_w, w_gate, w_up, w_down, h_out=h, shared_out=shared_out, out=out
+    )
     return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from .kernels import (
-    combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_ctas,
+    GRID_SYNC_WORDS, combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_ctas,
     schedule_variant,
 )
 from .schedule import Schedule, check_schedule_args, worst_case_capacity
@@ -395,12 +395,13 @@ def grouped_gemm_combine(
 MLP_TILE = 128  # the one-launch expert MLP's row tile and fc1's column tile
 
 
-def expert_mlp_counters(num_tokens: int, hidden: int, num_rows: int, device: torch.device) -> torch.Tensor:
+def expert_mlp_counters(num_tokens: int, hidden: int, num_rows: int, device: torch.device, *, shape_only: bool = False):
     """The int32 counters :func:`expert_mlp` needs zeroed for a schedule of ``num_rows`` rows: an
     error word, the next tile to take, one ready counter per row tile and one arrival counter
     per (token, column tile of the down projection). Pass them to :func:`device_schedule` as
-    ``clear``, which zeroes them in its launch."""
-    return torch.empty(2 + -(-num_rows // MLP_TILE) + num_tokens * _column_tiles(hidden), dtype=torch.int32, device=device)
+    ``clear``, which zeroes them in its launch. (``shape_only``: just their shape.)"""
+    shape = (2 + -(-num_rows // MLP_TILE) + num_tokens * _column_tiles(hidden),)
+    return shape if shape_only else torch.empty(shape, dtype=torch.int32, device=device)
 
 
 def expert_mlp(
@@ -432,6 +433,93 @@ def expert_mlp(
     SMs from this launch); on expiry the kernel sets counters[0] to 1 and finishes with wrong
     values instead of hanging.
     """
+    num_rows = schedule.row_token.shape[0]
+    topk = schedule.slot_row.shape[1]
+    combine = topk_w is not None
+    _check_expert_mlp_args(x, w_gate, w_up, w_down, num_rows, topk, topk_w, h_out, shared_out, out, timeout_s)
+    num_tokens, hidden = x.shape
+    if schedule.slot_row.shape[0] != num_tokens:
+        raise ValueError(f"schedule: expected one for x's {num_tokens} tokens, got one for {schedule.slot_row.shape[0]}")
+    if schedule.expert_counts.shape[0] != w_gate.shape[0]:
+        raise ValueError(f"schedule: expected one over w_gate's {w_gate.shape[0]} experts, got {schedule.expert_counts.shape[0]}")
+    check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
+    want = expert_mlp_counters(num_tokens, hidden, num_rows, x.device, shape_only=True)
+    if counters.shape != want:
+        raise ValueError(f"counters: expected shape {want} (expert_mlp_counters), got {tuple(counters.shape)}")
+    if combine:
+        _check_no_slot_dropped(schedule)
+        out = _bf16_out(out, (num_tokens, hidden), x.device)
+    y_rows = _bf16_out(y_rows, (num_rows, hidden), x.device)
+    _check_launchable(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out)
+    a = torch.empty(num_rows, w_gate.shape[1], dtype=torch.bfloat16, device=x.device)  # fc1's output, fc2's input
+    if num_rows == 0 or num_tokens == 0:
+        return out if combine else y_rows
+    variant = expert_mlp_variant(hidden, w_gate.shape[1], topk, save_h=h_out is not None, combine=combine, has_shared=shared_out is not None)
+    launch_expert_mlp(variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s)
+    return out if combine else y_rows
+
+
+def scheduled_expert_mlp(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    grid_sync: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    shared_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    timeout_s: float = 10.0,
+) -> tuple[torch.Tensor, Schedule]:
+    """The routed experts' whole forward in ONE launch: the device schedule of ``topk_idx``, then
+    :func:`expert_mlp` with the combine, all CTAs waiting for all after the schedule (a grid
+    barrier). Returns (out [T, H] bf16, the schedule), the same bits as
+    ``device_schedule`` + ``expert_mlp(..., topk_w=topk_w)``.
+
+    topk_idx [T, k] int32 (ids in [0, E), not checked here: :func:`mok.validation.check_moe_inputs`);
+    the rest as :func:`expert_mlp`. ``grid_sync``: the barrier's :data:`GRID_SYNC_WORDS` int32 words,
+    zero when first used and kept across calls (the barrier leaves them ready for the next);
+    default: one set per device (:func:`grid_sync_words`), so two such launches must not run at
+    once on two streams of one device unless each has its own. A barrier that waits longer than
+    ``timeout_s`` counts it in grid_sync[2] and goes on (wrong output, no hang); an fc2 tile's
+    wait sets the counters' error word as in :func:`expert_mlp`.
+    """
+    check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=2, device=x.device, contiguous=True)
+    num_tokens, topk = topk_idx.shape
+    num_experts, inter = w_gate.shape[:2]
+    capacity = worst_case_capacity(num_tokens, topk, num_experts, MLP_TILE)
+    _check_expert_mlp_args(x, w_gate, w_up, w_down, capacity, topk, topk_w, h_out, shared_out, out, timeout_s)
+    if x.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx: expected one row per token of x ({x.shape[0]}), got {num_tokens}")
+    if grid_sync is not None:
+        check_tensor("grid_sync", grid_sync, dtypes=(torch.int32,), shape=(GRID_SYNC_WORDS,), device=x.device, contiguous=True)
+    hidden = x.shape[1]
+    out = _bf16_out(out, (num_tokens, hidden), x.device)
+    y_rows = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=x.device)
+    _check_launchable(
+        x=x, topk_idx=topk_idx, w_gate=w_gate, w_up=w_up, w_down=w_down, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out
+    )
+    schedule = _empty_schedule(num_tokens, topk, num_experts, capacity, MLP_TILE, x.device)
+    if num_tokens == 0:
+        return out, schedule
+    if grid_sync is None:
+        grid_sync = grid_sync_words(x.device)
+    counters = expert_mlp_counters(num_tokens, hidden, capacity, x.device)  # zeroed by the launch itself
+    a = torch.empty(capacity, inter, dtype=torch.bfloat16, device=x.device)
+    variant = expert_mlp_variant(
+        hidden, inter, topk, save_h=h_out is not None, combine=True, has_shared=shared_out is not None, schedule_experts=num_experts
+    )
+    launch_expert_mlp(
+        variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s,
+        topk_idx=topk_idx, grid_sync=grid_sync,
+    )
+    return out, schedule
+
+
+def _check_expert_mlp_args(x, w_gate, w_up, w_down, num_rows, topk, topk_w, h_out, shared_out, out, timeout_s) -> None:
+    """The checks :func:`expert_mlp` and :func:`scheduled_expert_mlp` share (``topk_w`` None: no combine)."""
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     num_tokens, hidden = x.shape
     check_tensor("w_gate", w_gate, dtypes=BF16, ndim=3, device=x.device, contiguous=True)
@@ -441,51 +529,58 @@ def expert_mlp(
     check_tensor("w_down", w_down, dtypes=BF16, shape=(num_experts, hidden, inter), device=x.device, contiguous=True)
     if hidden % MLP_TILE or inter % MLP_TILE:
         raise ValueError(f"w_gate: expected H and I multiples of {MLP_TILE}, got H={hidden}, I={inter}")
-    num_rows = schedule.row_token.shape[0]
-    topk = schedule.slot_row.shape[1]
-    if schedule.slot_row.shape[0] != num_tokens:
-        raise ValueError(f"schedule: expected one for x's {num_tokens} tokens, got one for {schedule.slot_row.shape[0]}")
-    check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
-    want = 2 + -(-num_rows // MLP_TILE) + num_tokens * _column_tiles(hidden)
-    if counters.shape != (want,):
-        raise ValueError(f"counters: expected shape ({want},) (expert_mlp_counters), got {tuple(counters.shape)}")
-    combine = topk_w is not None
-    if combine:
+    if topk_w is not None:
         check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=x.device, contiguous=True)
-        _check_no_slot_dropped(schedule)
-        out = _bf16_out(out, (num_tokens, hidden), x.device)
     elif shared_out is not None or out is not None:
         raise ValueError("shared_out, out: only with topk_w (they belong to the combine)")
-    if schedule.expert_counts.shape[0] != num_experts:
-        raise ValueError(f"schedule: expected one over w_gate's {num_experts} experts, got {schedule.expert_counts.shape[0]}")
     if shared_out is not None:
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=x.device, contiguous=True)
     if h_out is not None:
         check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * inter), device=x.device, contiguous=True)
     if not timeout_s > 0:
         raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
-    y_rows = _bf16_out(y_rows, (num_rows, hidden), x.device)
-    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("y_rows", y_rows), ("h_out", h_out),
-                    ("shared_out", shared_out), ("out", out)):
+
+
+def _check_launchable(**tensors: torch.Tensor | None) -> None:
+    """Each tensor given (None: skipped) is on a CUDA device, 16-byte aligned and 32-bit indexable."""
+    for name, t in tensors.items():
         if t is not None:
             _check_cuda_aligned(name, t)
             _check_32bit(name, t)
-    a = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=x.device)  # fc1's output, fc2's input
-    if num_rows == 0 or num_tokens == 0:
-        return out if combine else y_rows
-    variant = expert_mlp_variant(hidden, inter, topk, save_h=h_out is not None, combine=combine, has_shared=shared_out is not None)
-    launch_expert_mlp(variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s)
-    return out if combine else y_rows
 
 
-def launch_expert_mlp(variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s) -> None:
-    """Launch a checked expert-MLP variant (see :func:`expert_mlp`; None for what it does not use)."""
+_GRID_SYNC: dict[int, torch.Tensor] = {}
+
+
+def grid_sync_words(device: torch.device) -> torch.Tensor:
+    """The default grid-barrier words of :func:`scheduled_expert_mlp` on ``device``: zeroed once, on
+    first use, which must be outside CUDA-graph capture (a warm-up call, as capture needs anyway)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    words = _GRID_SYNC.get(index)
+    if words is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "grid_sync_words: first used inside CUDA-graph capture; call the one-launch forward once before "
+                "capturing (a warm-up), or pass grid_sync=torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=...)"
+            )
+        words = _GRID_SYNC[index] = torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=torch.device("cuda", index))
+    return words
+
+
+def launch_expert_mlp(
+    variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s, *,
+    topk_idx=None, grid_sync=None,
+) -> None:
+    """Launch a checked expert-MLP variant (see :func:`expert_mlp`; None for what it does not use;
+    ``topk_idx`` and ``grid_sync`` only when it builds the ``schedule`` itself)."""
     num_rows, num_experts, num_tokens = schedule.row_token.shape[0], w_gate.shape[0], x.shape[0]
     _kernel(variant, x.device)(
         _ptr("bf16", x), _ptr("bf16", w_gate), _ptr("bf16", w_up), _ptr("bf16", w_down), _ptr("bf16", a), _ptr("bf16", h_out),
         _ptr("bf16", y_rows), _ptr("i32", schedule.tile_expert, 4), _ptr("i32", schedule.row_token, 4),
         _ptr("i32", schedule.row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", schedule.slot_row, 4), _ptr("bf16", shared_out),
         _ptr("bf16", out), _ptr("i32", counters, 4), _ptr("i32", schedule.expert_offsets, 4),
+        _ptr("i32", topk_idx, 4), _ptr("i32", schedule.expert_counts, 4), _ptr("i32", schedule.overflow, 4), _ptr("i32", grid_sync, 4),
         _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(_sm_count(x.device)), _i64(int(timeout_s * 1e9)), _stream(x.device),
     )
 
@@ -523,14 +618,11 @@ def device_schedule(
         raise ValueError(f"topk_idx: expected a CUDA tensor, got one on {topk_idx.device}")
     _check_32bit("topk_idx", topk_idx)
     dev = topk_idx.device
-    i32 = dict(dtype=torch.int32, device=dev)
-    counts = torch.empty(num_local, **i32)
-    offsets = torch.empty(num_local + 1, **i32)
-    row_token = torch.empty(capacity, **i32)
-    row_slot = torch.empty(capacity, **i32)
-    slot_row = torch.empty(num_tokens, topk, **i32)
-    tile_expert = torch.empty(capacity // block_m, **i32)
-    overflow = torch.empty((), **i32)
+    schedule = _empty_schedule(num_tokens, topk, num_local, capacity, block_m, dev)
+    counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow = (
+        schedule.expert_counts, schedule.expert_offsets, schedule.row_token, schedule.row_slot, schedule.slot_row,
+        schedule.tile_expert, schedule.overflow,
+    )
     if clear is not None:
         check_tensor("clear", clear, dtypes=(torch.int32,), device=dev, contiguous=True)
         _check_32bit("clear", clear)
@@ -546,4 +638,14 @@ def device_schedule(
         counts.zero_(), offsets.zero_(), row_token.fill_(-1), row_slot.fill_(-1), tile_expert.fill_(-1), overflow.zero_()
         if clear is not None:
             clear.zero_()
-    return Schedule(counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, block_m, capacity)
+    return schedule
+
+
+def _empty_schedule(num_tokens: int, topk: int, num_local: int, capacity: int, block_m: int, device: torch.device) -> Schedule:
+    """A schedule's tensors, unwritten (a schedule launch fills them)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return Schedule(
+        torch.empty(num_local, **i32), torch.empty(num_local + 1, **i32), torch.empty(capacity, **i32),
+        torch.empty(capacity, **i32), torch.empty(num_tokens, topk, **i32), torch.empty(capacity // block_m, **i32),
+        torch.empty((), **i32), block_m, capacity,
+    )

@@ -10,7 +10,8 @@ TFLOP/s (6·T·k·H·I per forward, plus 6·T·H·I_s for a shared expert), the 
 number of kernel launches per forward (torch.profiler). "mok 3-launch" is the forward whose
 down projection also combines (moe_forward(combine_in_gemm=True)); "mok 1-MLP" runs both
 grouped GEMMs in one launch (one_launch_mlp=True), "mok 1-MLP+c" the combine in it too (2
-launches with the schedule). With ``--backward`` each path runs
+launches with the schedule), "mok 1-launch" the schedule in it as well (one_launch=True: one
+launch, plus 2 for a shared expert). With ``--backward`` each path runs
 forward + backward (MoK: moe_forward(save_for_backward=True) + moe_backward; PyTorch:
 autograd through the same path, gradients of x, router weights and all weights), counted
 as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs.
@@ -185,6 +186,7 @@ def main() -> int:
                 "mok 1-MLP+c": lambda: moe_forward(
                     *inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch_mlp=True, combine_in_gemm=True
                 ).out,
+                "mok 1-launch": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch=True).out,
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }

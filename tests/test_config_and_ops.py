@@ -95,6 +95,28 @@ def test_expert_mlp_rejects_bad_input_before_launch():
         expert_mlp(x, wg, wu, wd, full, counters, topk_w=torch.rand(T, k))
 
 
+def test_one_launch_forward_op_rejects_bad_input_before_launch():
+    """scheduled_expert_mlp (the forward in one launch) checks routing, weights, combine and barrier arguments first."""
+    from mok.ops import scheduled_expert_mlp
+
+    T, H, I, E, k = 64, 256, 128, 4, 2
+    bf16 = dict(dtype=torch.bfloat16)
+    x, wg, wu, wd = torch.randn(T, H).to(**bf16), torch.randn(E, I, H).to(**bf16), torch.randn(E, I, H).to(**bf16), torch.randn(E, H, I).to(**bf16)
+    idx, w = torch.randint(0, E, (T, k), dtype=torch.int32), torch.rand(T, k)
+    with pytest.raises(TypeError, match=r"topk_idx: expected dtype int32, got int64"):
+        scheduled_expert_mlp(x, idx.long(), w, wg, wu, wd)
+    with pytest.raises(ValueError, match=r"topk_idx: expected one row per token of x \(64\), got 32"):
+        scheduled_expert_mlp(x, idx[:32].contiguous(), w, wg, wu, wd)
+    with pytest.raises(ValueError, match=r"topk_w: expected shape \[64, 2\]"):
+        scheduled_expert_mlp(x, idx, w[:, :1].contiguous(), wg, wu, wd)
+    with pytest.raises(ValueError, match=r"grid_sync: expected shape \[4\]"):
+        scheduled_expert_mlp(x, idx, w, wg, wu, wd, grid_sync=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="timeout_s: expected a positive number"):
+        scheduled_expert_mlp(x, idx, w, wg, wu, wd, timeout_s=0)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
+        scheduled_expert_mlp(x, idx, w, wg, wu, wd)
+
+
 def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
     """The scattering down projection checks where its rows go: the slots' width, the rank layout
     (every rank's slots addressable with 32-bit offsets), then refuses CPU data."""

@@ -223,6 +223,8 @@ def test_forward_matches_reference(T, H, I, E, k, shared_inter, routing):
     for combine_in_gemm in (False, True):  # fc1 and fc2 in one launch (and the combine too): the same bits
         one = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), one_launch_mlp=True, combine_in_gemm=combine_in_gemm).out
         assert torch.equal(one, res.out)
+    whole = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), one_launch=True).out  # schedule in the launch too
+    assert torch.equal(whole, res.out)
 
 
 @pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [CASES[0], CASES[3], CASES[7]])
@@ -234,6 +236,54 @@ def test_one_launch_mlp_saves_the_same_h(T, H, I, E, k, shared_inter, routing):
     used = int(two.schedule.expert_offsets[-1])  # rows past the last expert's padding are never written
     assert torch.equal(one.out, two.out)
     assert torch.equal(one.h[:used], two.h[:used])
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [CASES[0], CASES[5], CASES[6], CASES[7], CASES[8]])
+def test_one_launch_forward_builds_the_same_schedule_and_h(T, H, I, E, k, shared_inter, routing):
+    """The forward in one launch: its schedule (every field) is the schedule launch's, bit for bit,
+    and the h it saves for the backward is the separate launches' h."""
+    x, idx, w, experts, shared = layer(T, H, I, E, k, shared_inter, seed=T + 11, routing=routing)
+    four = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+    one = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, one_launch=True)
+    for field in ("expert_counts", "expert_offsets", "row_token", "row_slot", "slot_row", "tile_expert", "overflow"):
+        assert torch.equal(getattr(one.schedule, field), getattr(four.schedule, field)), field
+    used = int(four.schedule.expert_offsets[-1])
+    assert torch.equal(one.out, four.out)
+    assert torch.equal(one.h[:used], four.h[:used])
+    if shared is not None:
+        assert torch.equal(one.shared_h, four.shared_h)
+
+
+def test_one_launch_forward_is_one_kernel_and_leaves_its_barrier_ready():
+    """Without a shared expert the whole forward is one CUDA kernel (torch.profiler); its grid
+    barrier's words come back to arrived = 0 with the generation one further, so the next call
+    (and a fresh set of words) work without any clearing."""
+    x, idx, w, experts, _ = layer(1000, 512, 256, 8, 2, None, seed=12)
+    want = moe_forward(x, idx, w, *experts, check_routing=False).out
+    sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+    sync[1] = 2**31 - 1  # the generation wraps
+    for call in range(3):
+        out, _ = ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync)
+        assert torch.equal(out, want)
+        assert sync.tolist() == [0, (2**31 - 1 + call + 1 + 2**31) % 2**32 - 2**31, 0, 0]
+    moe_forward(x, idx, w, *experts, check_routing=False, one_launch=True)  # compiled and warm
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        moe_forward(x, idx, w, *experts, check_routing=False, one_launch=True)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [e.name for e in kernels]
+
+
+def test_one_launch_forward_grid_barrier_is_bounded():
+    """Barrier words that can never complete (arrived far below zero): every CTA stops waiting
+    after the timeout and counts it in grid_sync[2]; the launch finishes instead of hanging."""
+    x, idx, w, experts, _ = layer(64, 256, 128, 4, 2, None, seed=13)
+    sync = torch.tensor([-(10**6), 0, 0, 0], dtype=torch.int32, device="cuda")
+    ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, timeout_s=0.02)
+    torch.cuda.synchronize()
+    ctas = int(sync[0]) + 10**6
+    assert ctas >= 1 and int(sync[2]) == ctas and int(sync[1]) == 0
 
 
 def test_one_launch_mlp_wait_is_bounded():
@@ -254,7 +304,7 @@ def test_one_launch_mlp_wait_is_bounded():
     assert int(ok[0]) == 0
 
 
-FORWARDS = [{}, {"one_launch_mlp": True, "combine_in_gemm": True}]  # four launches; two (schedule, MLP)
+FORWARDS = [{}, {"one_launch_mlp": True, "combine_in_gemm": True}, {"one_launch": True}]  # four launches; two; one
 
 
 @pytest.mark.parametrize("opts", FORWARDS)
@@ -275,10 +325,9 @@ def test_forward_batch_invariance(opts):
         assert torch.equal(part, full[rows])
 
 
-@pytest.mark.parametrize("combine_in_gemm,one_launch_mlp", [(False, False), (True, False), (True, True)])
-def test_forward_graph_capture_without_host_sync(combine_in_gemm, one_launch_mlp):
+@pytest.mark.parametrize("opts", [{}, {"combine_in_gemm": True}, {"combine_in_gemm": True, "one_launch_mlp": True}, {"one_launch": True}])
+def test_forward_graph_capture_without_host_sync(opts):
     x, idx, w, experts, shared = layer(512, 512, 256, 16, 4, 256, seed=3)
-    opts = dict(combine_in_gemm=combine_in_gemm, one_launch_mlp=one_launch_mlp)
     want = moe_forward(x, idx, w, *experts, shared, **opts).out  # compiles outside the capture
     out = poisoned(512, 512)
     torch.cuda.synchronize()

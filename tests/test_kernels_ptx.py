@@ -224,3 +224,20 @@ def test_one_launch_expert_mlp_keeps_both_gemms_on_wgmma_and_syncs_with_integer_
     assert count(r"bar\.sync\s+3, 128;", ptx) >= 1  # the producer warps share each tile index
     assert "%globaltimer" in ptx and count(r"fence\.proxy\.async\.global", ptx) >= 2
     assert count(r"\.local", ptx) == 0
+
+
+def test_one_launch_forward_builds_the_schedule_then_meets_at_a_bounded_grid_barrier():
+    """The MLP that builds its own schedule: the same WGMMAs and TMA as without, the schedule's
+    warp ranking (match.any, shared-memory integer adds), a grid barrier of integer acq_rel/acquire
+    atomics at gpu scope bounded by %globaltimer; no float atomics, no spills."""
+    from mok.kernels import expert_mlp_variant
+
+    plain = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True), "sm_90a")
+    whole = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64), "sm_90a")
+    for pattern in (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"cp\.async\.cg\.shared\.global"):
+        assert count(pattern, whole) == count(pattern, plain), pattern
+    assert count(r"match\.any\.sync", whole) >= 1 and count(r"match\.any\.sync", plain) == 0
+    atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", whole))
+    assert atomics == set(re.findall(r"\b(?:atom|red)\.[\w.:]+", plain)) | {"atom.shared.cta.add.u32", "atom.global.exch.b32"}
+    assert count(r"fence\.acq_rel\.gpu", whole) == 2 and count(r"%globaltimer", whole) > count(r"%globaltimer", plain)
+    assert count(r"\.local", whole) == 0

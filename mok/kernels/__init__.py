@@ -59,6 +59,7 @@ def gather_variant(width: int) -> KernelVariant:
 
 
 SCHEDULE_THREADS = 512  # threads per CTA of the schedule launch
+GRID_SYNC_WORDS = 4  # int32 words of a grid barrier's state (common/waits.py: grid_barrier)
 
 
 def schedule_ctas(pairs: int, sm_count: int) -> int:
@@ -164,14 +165,21 @@ def grouped_gemm_variant(
     return KernelVariant("grouped_gemm", config, build)
 
 
-def expert_mlp_variant(hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False) -> KernelVariant:
+def expert_mlp_variant(
+    hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
+    schedule_experts: int | None = None,
+) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
     persistent launch, tiles taken in one global order, each fc2 row tile waiting for its fc1
     row tile; ``combine``: fc2 also writes the layer output (with a shared expert's output:
-    ``has_shared``). See mok/kernels/sm90/expert_mlp.py."""
+    ``has_shared``); ``schedule_experts`` (E, with ``combine``): the schedule of the routing is
+    built in the same launch first, so the launch is the whole forward. See
+    mok/kernels/sm90/expert_mlp.py."""
     # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
     fc2_tile_n = default_tile_n(hidden, inter, False)
     options = dict(save_h=save_h, combine=combine, has_shared=has_shared, order="dynamic", fc2_tile_n=fc2_tile_n)
+    if schedule_experts is not None:
+        options["schedule_experts"] = schedule_experts
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
@@ -180,7 +188,7 @@ def expert_mlp_variant(hidden: int, inter: int, topk: int, *, save_h: bool = Fal
 
         return compile_expert_mlp(
             hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared,
-            fc2_tile_n=fc2_tile_n,
+            fc2_tile_n=fc2_tile_n, schedule_experts=schedule_experts,
         )
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)

@@ -26,7 +26,6 @@ import cutlass.cute as cute
 
 from .. import SCHEDULE_THREADS as THREADS
 
-WARPS = THREADS // 32
 MAX_EXPERTS = 1024
 FULL_MASK = 0xFFFFFFFF
 
@@ -94,39 +93,65 @@ class ScheduleKernel:
         expert_lo: cutlass.Int32,
         capacity: cutlass.Int32,
     ):
+        smem = cutlass.memory.SmemAllocator()
+        scratch = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.scratch_words(THREADS)), byte_alignment=16)
+        outputs = (m_counts, m_offsets, m_row_token, m_row_slot, m_slot_row, m_tile_expert, m_overflow, m_clear)
+        self.build(m_idx, outputs, scratch, THREADS, pairs, expert_lo, capacity)
+
+    def scratch_words(self, threads: int) -> int:
+        """Shared-memory int32 words :meth:`build` needs with ``threads`` threads per CTA."""
+        return (threads // 32 + 3) * self.num_local + self.num_local + 1
+
+    @cute.jit
+    def build(
+        self,
+        m_idx: cute.Tensor,
+        outputs: tuple,
+        scratch: cute.Tensor,
+        threads: cutlass.Constexpr[int],
+        pairs: cutlass.Int32,
+        expert_lo: cutlass.Int32,
+        capacity: cutlass.Int32,
+    ):
+        """This CTA's part of the schedule, with all ``threads`` threads of every CTA of the grid
+        taking part (this launch's, or a larger kernel's prologue: the one-launch forward's);
+        ``scratch``: :meth:`scratch_words` int32 words of shared memory. Ends with the CTA's
+        threads synchronised after their last shared-memory use."""
+        m_counts, m_offsets, m_row_token, m_row_slot, m_slot_row, m_tile_expert, m_overflow, m_clear = outputs
+        warps = threads // 32
         e_local, bm, k = self.num_local, self.block_m, self.topk
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         warp = tid // 32
         lane = tid % 32
-        smem = cutlass.memory.SmemAllocator()
-        warp_base = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS * e_local), byte_alignment=16)
-        before = smem.allocate_tensor(cutlass.Int32, cute.make_layout(e_local), byte_alignment=16)
-        after = smem.allocate_tensor(cutlass.Int32, cute.make_layout(e_local), byte_alignment=16)
-        counts = smem.allocate_tensor(cutlass.Int32, cute.make_layout(e_local), byte_alignment=16)
-        offs = smem.allocate_tensor(cutlass.Int32, cute.make_layout(e_local + 1), byte_alignment=16)
+        words = scratch.iterator
+        warp_base = cute.make_tensor(words, cute.make_layout(warps * e_local))
+        before = cute.make_tensor(words + warps * e_local, cute.make_layout(e_local))
+        after = cute.make_tensor(words + (warps + 1) * e_local, cute.make_layout(e_local))
+        counts = cute.make_tensor(words + (warps + 2) * e_local, cute.make_layout(e_local))
+        offs = cute.make_tensor(words + (warps + 3) * e_local, cute.make_layout(e_local + 1))
 
         chunk = (pairs + ctas * 32 - 1) // (ctas * 32) * 32
         begin = cutlass.min(cta * chunk, pairs)
         end = cutlass.min(begin + chunk, pairs)
-        warp_chunk = (chunk + THREADS - 1) // THREADS * 32
+        warp_chunk = (chunk + threads - 1) // threads * 32
         w_begin = cutlass.min(begin + warp * warp_chunk, end)
         w_end = cutlass.min(w_begin + warp_chunk, end)
 
-        for i in cutlass.range(tid, WARPS * e_local, THREADS, unroll=1):
+        for i in cutlass.range(tid, warps * e_local, threads, unroll=1):
             warp_base[i] = 0
-        for i in cutlass.range(tid, e_local, THREADS, unroll=1):
+        for i in cutlass.range(tid, e_local, threads, unroll=1):
             before[i] = 0
             after[i] = 0
         cute.arch.sync_threads()
 
         # 1. every expert's pairs before and after this CTA's chunk (order-free integer counts)
-        for p in cutlass.range(tid, begin, THREADS, unroll=4):
+        for p in cutlass.range(tid, begin, threads, unroll=4):
             expert = m_idx[p] - expert_lo
             if expert >= 0 and expert < e_local:
                 cute.arch.atomic_add((before.iterator + expert).llvm_ptr, cutlass.Int32(1), scope="cta")
-        for p in cutlass.range(end + tid, pairs, THREADS, unroll=4):
+        for p in cutlass.range(end + tid, pairs, threads, unroll=4):
             expert = m_idx[p] - expert_lo
             if expert >= 0 and expert < e_local:
                 cute.arch.atomic_add((after.iterator + expert).llvm_ptr, cutlass.Int32(1), scope="cta")
@@ -156,9 +181,9 @@ class ScheduleKernel:
         cute.arch.sync_threads()
 
         # 3. per expert: each warp's base (the pairs before the chunk, then a scan over warps) and the total
-        for i in cutlass.range(tid, e_local, THREADS, unroll=1):
+        for i in cutlass.range(tid, e_local, threads, unroll=1):
             run = before[i]
-            for w in cutlass.range(WARPS, unroll=1):
+            for w in cutlass.range(warps, unroll=1):
                 c = warp_base[w * e_local + i]
                 warp_base[w * e_local + i] = run
                 run = run + c
@@ -187,7 +212,7 @@ class ScheduleKernel:
         cute.arch.sync_threads()
         total_rows = offs[e_local]
         if cta == 0:
-            for i in cutlass.range(tid, e_local + 1, THREADS, unroll=1):
+            for i in cutlass.range(tid, e_local + 1, threads, unroll=1):
                 m_offsets[i] = offs[i]
                 if i < e_local:
                     m_counts[i] = counts[i]
@@ -216,18 +241,19 @@ class ScheduleKernel:
         #    experts round robin over CTAs, the tail grid-strided
         for i in cutlass.range(cta, e_local, ctas, unroll=1):
             pad_end = cutlass.min(offs[i + 1], capacity)
-            for r in cutlass.range(offs[i] + counts[i] + tid, pad_end, THREADS, unroll=1):
+            for r in cutlass.range(offs[i] + counts[i] + tid, pad_end, threads, unroll=1):
                 m_row_token[r] = -1
                 m_row_slot[r] = -1
-            for t in cutlass.range(offs[i] // bm + tid, pad_end // bm, THREADS, unroll=1):
+            for t in cutlass.range(offs[i] // bm + tid, pad_end // bm, threads, unroll=1):
                 m_tile_expert[t] = i
-        for r in cutlass.range(total_rows + cta * THREADS + tid, capacity, ctas * THREADS, unroll=1):
+        for r in cutlass.range(total_rows + cta * threads + tid, capacity, ctas * threads, unroll=1):
             m_row_token[r] = -1
             m_row_slot[r] = -1
-        for t in cutlass.range(total_rows // bm + cta * THREADS + tid, capacity // bm, ctas * THREADS, unroll=1):
+        for t in cutlass.range(total_rows // bm + cta * threads + tid, capacity // bm, ctas * threads, unroll=1):
             m_tile_expert[t] = -1
-        for i in cutlass.range(cta * THREADS + tid, cute.size(m_clear), ctas * THREADS, unroll=1):  # a later kernel's
+        for i in cutlass.range(cta * threads + tid, cute.size(m_clear), ctas * threads, unroll=1):  # a later kernel's
             m_clear[i] = 0
+        cute.arch.sync_threads()  # (the caller may reuse the scratch)
 
 
 def compile_schedule(num_local_experts: int, topk: int, block_m: int, arch: str, options: str = ""):

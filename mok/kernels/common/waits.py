@@ -1,9 +1,12 @@
-"""The bounded wait on an int32 counter that MoK's kernels share (expert-parallel flags, the one-launch MLP's progress count)."""
+"""The bounded waits MoK's kernels share: on an int32 counter (expert-parallel flags, the one-launch
+MLP's progress counts) and across the whole grid (the one-launch forward, after its schedule)."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+
+from .. import GRID_SYNC_WORDS  # noqa: F401 (the size of grid_barrier's ``sync``: [arrived, generation, timeouts, unused])
 
 
 @cute.jit
@@ -18,3 +21,36 @@ def wait_at_least(counter: cute.Pointer, target: cutlass.Int32, timeout_ns: cutl
         seen = cute.arch.atomic_add(counter, cutlass.Int32(0), sem="acquire", scope=scope)
         waited = cute.arch.globaltimer() - start
     return seen
+
+
+@cute.jit
+def grid_barrier(sync: cute.Pointer, timeout_ns: cutlass.Int64):
+    """Every CTA of the (1-D, fully resident) grid waits here until all have arrived; called by all
+    threads of every CTA. ``sync``: GRID_SYNC_WORDS int32 in global memory that outlive the launch,
+    zero when first used. Sense reversal: thread 0 reads the generation, arrives (acq_rel, gpu
+    scope, after a fence that makes its CTA's writes visible); the last to arrive resets
+    ``arrived`` to 0 for the next launch and advances the generation (release), the others poll it
+    (acquire) for a change. So the words need no clearing between launches and the generation may
+    wrap. The poll is bounded by %globaltimer: on expiry it counts a timeout in sync[2] (never
+    cleared by a kernel: the host reads and clears it) and goes on instead of hanging."""
+    cute.arch.sync_threads()
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+        ctas, _, _ = cute.arch.grid_dim()
+        generation = cute.arch.atomic_add(sync + 1, cutlass.Int32(0), sem="acquire", scope="gpu")
+        cute.arch.fence_acq_rel_gpu()
+        arrived = cute.arch.atomic_add(sync, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        if arrived == ctas - 1:
+            cute.arch.atomic_exch(sync, cutlass.Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.atomic_add(sync + 1, cutlass.Int32(1), sem="release", scope="gpu")
+        else:
+            start = cute.arch.globaltimer()
+            seen = cute.arch.atomic_add(sync + 1, cutlass.Int32(0), sem="acquire", scope="gpu")
+            waited = cutlass.Int64(0)
+            while seen == generation and waited < timeout_ns:
+                seen = cute.arch.atomic_add(sync + 1, cutlass.Int32(0), sem="acquire", scope="gpu")
+                waited = cute.arch.globaltimer() - start
+            if seen == generation:
+                cute.arch.atomic_add(sync + 2, cutlass.Int32(1), scope="gpu")
+        cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()

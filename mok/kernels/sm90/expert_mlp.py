@@ -21,6 +21,12 @@ have drained, and before its first fc2 tile at the latest), and the TMA thread p
 %globaltimer: on expiry the kernel sets ``error`` and goes on (the output is then wrong,
 never a hang).
 
+With ``schedule_experts`` the launch is the whole routed forward: every CTA first builds its part
+of the routing's schedule (mok/kernels/common/schedule.py, its scratch in the operand region;
+it also zeroes the counters), then all CTAs meet at a grid barrier (common/waits.py: sense
+reversal on words that outlive the launch and are left ready for the next, bounded by
+%globaltimer) before any tile is taken.
+
 No deadlock: the grid is at most one CTA per SM (every CTA is resident at once); fc1 tiles
 wait on nothing; an index is taken only after the previous tile's loads are all issued, so a
 CTA waiting before an fc2 tile still finishes (and publishes) every fc1 tile it took, and
@@ -47,7 +53,8 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.waits import wait_at_least
+from ..common.schedule import ScheduleKernel
+from ..common.waits import grid_barrier, wait_at_least
 from .grouped_gemm import GroupedGemmSm90
 from .wgmma_tile import TILE_K
 
@@ -61,13 +68,18 @@ class ExpertMlpSm90:
 
     def __init__(
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
-        fc2_tile_n: int = TILE,
+        fc2_tile_n: int = TILE, schedule_experts: int | None = None,
     ):
-        """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows)."""
+        """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
+        ``schedule_experts``: E, to build the schedule of the routing in the same launch first (the
+        whole forward in one launch; only with ``combine``)."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
             raise ValueError("has_shared: only with combine (the combine adds the shared expert's output)")
+        if schedule_experts is not None and not combine:
+            raise ValueError("schedule_experts: only with combine (a one-launch forward)")
+        self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.combine = combine
         self.fc1 = GroupedGemmSm90(
@@ -81,6 +93,8 @@ class ExpertMlpSm90:
         if (TILE + fc2_tile_n) * TILE_K * self.fc2.ab_stage > self.region_elems:
             raise ValueError(f"fc2's {self.fc2.ab_stage} stages do not fit in fc1's {self.fc1.ab_stage}")
         self.threads = self.fc1.threads
+        if self.schedule is not None and self.schedule.scratch_words(self.threads) * 4 > self.region_elems * 2:
+            raise ValueError(f"schedule_experts: {schedule_experts} experts' schedule scratch does not fit the operand region")
 
     @cute.jit
     def __call__(
@@ -101,6 +115,10 @@ class ExpertMlpSm90:
         out_ptr: cute.Pointer,
         counters_ptr: cute.Pointer,
         offsets_ptr: cute.Pointer,
+        topk_idx_ptr: cute.Pointer,
+        counts_ptr: cute.Pointer,
+        overflow_ptr: cute.Pointer,
+        sync_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
@@ -127,6 +145,15 @@ class ExpertMlpSm90:
         m_ready = cute.make_tensor(counters_ptr + 2, cute.make_layout((num_row_tiles,)))
         m_arrivals = row_major(counters_ptr + (2 + num_row_tiles), num_tokens, hid // self.fc2_tile_n)
         m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
+        sched_args = None
+        if cutlass.const_expr(self.schedule is not None):  # the schedule's input and outputs (counters: zeroed by it)
+            pairs = num_tokens * self.topk
+            vec = lambda ptr, n: cute.make_tensor(ptr, cute.make_layout((n,)))  # noqa: E731
+            outputs = (
+                vec(counts_ptr, num_experts), m_offsets, m_row_token, m_row_slot, vec(slot_row_ptr, pairs), m_tiles,
+                vec(overflow_ptr, 1), vec(counters_ptr, 2 + num_row_tiles + num_tokens * (hid // self.fc2_tile_n)),
+            )
+            sched_args = (vec(topk_idx_ptr, pairs), outputs, sync_ptr, pairs)
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
         a2_smem, b2_smem, _ = self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))
@@ -160,8 +187,8 @@ class ExpertMlpSm90:
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, mma_args, m_x, m_tiles, m_flags, m_ready, m_offsets, num_experts,
-            num_row_tiles, num_rows, timeout_ns,
+            fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, m_x, m_tiles, m_flags, m_ready, m_offsets,
+            num_experts, num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -172,6 +199,7 @@ class ExpertMlpSm90:
         row_args: tuple,
         combine_args: tuple,
         mma_args: tuple,
+        sched_args: tuple,
         m_x: cute.Tensor,
         m_tiles: cute.Tensor,
         m_flags: cute.Tensor,
@@ -192,15 +220,18 @@ class ExpertMlpSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         fc1_cols, fc2_cols = self.inter // TILE, self.hidden // self.fc2_tile_n
-        used_rows = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles)  # the schedule's (padded) row tiles
-        fc1_tiles = used_rows * fc1_cols
-        all_tiles = fc1_tiles + used_rows * fc2_cols
         k1_tiles, k2_tiles = self.hidden // TILE_K, self.inter // TILE_K
         if warp_idx == 0:
             self.fc1.prefetch(fc1_loads[2], fc1_loads[4], fc2_loads[0], fc2_loads[2])
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        region = storage.s_ab.data_ptr()  # fc1: [A | B | B2] stages; fc2: [A | B] stages (first the schedule's scratch)
+        if cutlass.const_expr(self.schedule is not None):
+            self.build_schedule(sched_args, region, num_rows, timeout_ns)
+        used_rows = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles)  # the schedule's (padded) row tiles
+        fc1_tiles = used_rows * fc1_cols
+        all_tiles = fc1_tiles + used_rows * fc2_cols
         pipe1 = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=128)
         pipe2 = self.fc2.make_pipeline(storage, 1, a2_smem, b2_smem, barriers=storage.mbar2.data_ptr())
         ring = pipeline.PipelineAsync.create(
@@ -211,7 +242,6 @@ class ExpertMlpSm90:
             defer_sync=True,
         )
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        region = storage.s_ab.data_ptr()  # fc1: [A | B | B2] stages; fc2: [A | B] stages
         s_a = self.smem_view(region, a_smem)
         s_b = self.smem_view(region + cute.cosize(a_smem), b_smem)
         s_b2 = self.smem_view(region + cute.cosize(a_smem) + cute.cosize(b_smem), b_smem)
@@ -290,6 +320,19 @@ class ExpertMlpSm90:
                 store_pipe.producer_tail()
 
     @cute.jit
+    def build_schedule(self, sched_args, region, num_rows, timeout_ns):
+        """The one-launch forward's prologue: every CTA builds its part of the schedule (scratch in the
+        operand region, which the pipelines take over afterwards; it also zeroes the counters), then
+        all wait for all (grid barrier), as the next launch would have."""
+        m_idx, outputs, sync_ptr, pairs = sched_args
+        scratch = cute.make_tensor(
+            cute.recast_ptr(region, dtype=cutlass.Int32), cute.make_layout(self.schedule.scratch_words(self.threads))
+        )
+        self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, cutlass.Int32(0), num_rows)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the scratch's generic writes before TMA writes to the region
+        grid_barrier(sync_ptr, timeout_ns)
+
+    @cute.jit
     def take_next(self, m_flags, ring, handed, s_tiles, tidx, warp_only: cutlass.Constexpr = False):
         """Producer: thread 0 takes the next tile index from the global counter and hands it to the
         MMA warps through the ring; every producer thread (only warp 0's with ``warp_only``) gets
@@ -347,9 +390,10 @@ class ExpertMlpSm90:
 
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
-    has_shared: bool = False, fc2_tile_n: int = TILE,
+    has_shared: bool = False, fc2_tile_n: int = TILE, schedule_experts: int | None = None,
 ):
-    """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap and the timeout are runtime arguments."""
+    """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap and the timeout are runtime arguments
+    (with ``schedule_experts``, E must be that)."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
@@ -357,10 +401,13 @@ def compile_expert_mlp(
     i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
     args = (
         bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), i32(), i32(), i32(),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(), i32(), i32(), i32(), i32(),
         cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1), make_fake_stream(),
     )
-    kernel = ExpertMlpSm90(hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n)
+    kernel = ExpertMlpSm90(
+        hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n,
+        schedule_experts=schedule_experts,
+    )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
         return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
