@@ -93,8 +93,8 @@ def moe_forward(
     10 s: only a GPU shared so that not all of this launch's CTAs can run at once could make it
     time out, and then the output is wrong (the op's error word, :func:`mok.ops.expert_mlp`).
     ``one_launch``: the schedule, fc1, fc2 and the combine in one launch
-    (:func:`mok.ops.scheduled_expert_mlp`; its grid barrier keeps 16 bytes per device across
-    calls: warm up before CUDA-graph capture, and do not run two at once on two streams).
+    (:func:`mok.ops.scheduled_expert_mlp`; its grid barrier keeps 16 bytes per stream across
+    calls, allocated on the device's first such call: warm up before CUDA-graph capture).
     """
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")

@@ -479,10 +479,10 @@ def scheduled_expert_mlp(
     ``device_schedule`` + ``expert_mlp(..., topk_w=topk_w)``.
 
     topk_idx [T, k] int32 (ids in [0, E), not checked here: :func:`mok.validation.check_moe_inputs`);
-    the rest as :func:`expert_mlp`. ``grid_sync``: the barrier's :data:`GRID_SYNC_WORDS` int32 words,
-    zero when first used and kept across calls (the barrier leaves them ready for the next);
-    default: one set per device (:func:`grid_sync_words`), so two such launches must not run at
-    once on two streams of one device unless each has its own. A barrier that waits longer than
+    the rest as :func:`expert_mlp`. ``grid_sync``: the barrier's GRID_SYNC_WORDS int32 words,
+    zero when first used and kept across calls (the barrier leaves them ready for the next); two
+    launches that may run at the same time must not share them. Default: the current stream's
+    set (:func:`grid_sync_words`). A barrier that waits longer than
     ``timeout_s`` counts it in grid_sync[2] and goes on (wrong output, no hang); an fc2 tile's
     wait sets the counters' error word as in :func:`expert_mlp`.
     """
@@ -549,23 +549,34 @@ def _check_launchable(**tensors: torch.Tensor | None) -> None:
             _check_32bit(name, t)
 
 
-_GRID_SYNC: dict[int, torch.Tensor] = {}
+GRID_SYNC_STREAMS = 64  # word sets per device: streams that get barrier words of their own
+_GRID_SYNC_POOL: dict[int, torch.Tensor] = {}
+_GRID_SYNC_SLOT: dict[tuple[int, int], int] = {}
 
 
 def grid_sync_words(device: torch.device) -> torch.Tensor:
-    """The default grid-barrier words of :func:`scheduled_expert_mlp` on ``device``: zeroed once, on
-    first use, which must be outside CUDA-graph capture (a warm-up call, as capture needs anyway)."""
+    """The default grid-barrier words of :func:`scheduled_expert_mlp` for the current stream of
+    ``device``: a set of its own for each of the first GRID_SYNC_STREAMS streams that use one (so
+    one-launch forwards on different streams never share a barrier; later streams share sets
+    round robin), from a pool zeroed once on first use, which must be outside CUDA-graph capture
+    (a warm-up call, as capture needs anyway; a capture stream then takes a set with no
+    allocation)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    words = _GRID_SYNC.get(index)
-    if words is None:
+    pool = _GRID_SYNC_POOL.get(index)
+    if pool is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "grid_sync_words: first used inside CUDA-graph capture; call the one-launch forward once before "
                 "capturing (a warm-up), or pass grid_sync=torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=...)"
             )
-        words = _GRID_SYNC[index] = torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=torch.device("cuda", index))
-    return words
+        shape = (GRID_SYNC_STREAMS, GRID_SYNC_WORDS)
+        pool = _GRID_SYNC_POOL[index] = torch.zeros(shape, dtype=torch.int32, device=torch.device("cuda", index))
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    slot = _GRID_SYNC_SLOT.get(key)
+    if slot is None:
+        slot = _GRID_SYNC_SLOT[key] = len(_GRID_SYNC_SLOT) % GRID_SYNC_STREAMS
+    return pool[slot]
 
 
 def launch_expert_mlp(

@@ -185,7 +185,8 @@ def test_grouped_gemm_sass_has_hgmma():
     """The compiled GEMM runs on the tensor cores' Hopper path (SASS HGMMA), not HMMA/FFMA."""
     from mok.runtime.arch import dsl_target
 
-    variants = [grouped_gemm_variant(2048, 7168, True), grouped_gemm_variant(7168, 2048, False), expert_mlp_variant(7168, 2048, 8, combine=True)]
+    variants = [grouped_gemm_variant(2048, 7168, True), grouped_gemm_variant(7168, 2048, False), expert_mlp_variant(7168, 2048, 8, combine=True),
+                expert_mlp_variant(7168, 2048, 8, combine=True, schedule_experts=32)]
     for variant in variants:
         with tempfile.TemporaryDirectory() as d, dsl_target("sm_90a"):
             variant.compile("sm_90a", f"--keep-cubin --dump-dir {d}")
@@ -273,6 +274,27 @@ def test_one_launch_forward_is_one_kernel_and_leaves_its_barrier_ready():
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1, [e.name for e in kernels]
+
+
+def test_one_launch_forward_gives_each_stream_its_own_barrier_words():
+    """Default barrier words: the same set for every call on one stream, another set on another
+    stream (two one-launch forwards in flight on two streams never share a barrier), all zero."""
+    here = ops.grid_sync_words(torch.device("cuda"))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        there = ops.grid_sync_words(torch.device("cuda"))
+    assert ops.grid_sync_words(torch.device("cuda")).data_ptr() == here.data_ptr()
+    assert there.data_ptr() != here.data_ptr()
+    torch.cuda.synchronize()
+    assert here.tolist()[0] == 0 and there.tolist()[0] == 0
+    x, idx, w, experts, _ = layer(300, 256, 128, 8, 4, None, seed=14)
+    want = moe_forward(x, idx, w, *experts).out
+    with torch.cuda.stream(side):  # both streams at once, each with its words
+        side.wait_stream(torch.cuda.current_stream())
+        out_side = moe_forward(x, idx, w, *experts, check_routing=False, one_launch=True).out
+    out_here = moe_forward(x, idx, w, *experts, check_routing=False, one_launch=True).out
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out_here, want) and torch.equal(out_side, want)
 
 
 def test_one_launch_forward_grid_barrier_is_bounded():
