@@ -472,6 +472,7 @@ def scheduled_expert_mlp(
     shared_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     timeout_s: float = 10.0,
+    combine_phase: bool = False,
 ) -> tuple[torch.Tensor, Schedule]:
     """The routed experts' whole forward in ONE launch: the device schedule of ``topk_idx``, then
     :func:`expert_mlp` with the combine, all CTAs waiting for all after the schedule (a grid
@@ -484,7 +485,9 @@ def scheduled_expert_mlp(
     launches that may run at the same time must not share them. Default: the current stream's
     set (:func:`grid_sync_words`). A barrier that waits longer than
     ``timeout_s`` counts it in grid_sync[2] and goes on (wrong output, no hang); an fc2 tile's
-    wait sets the counters' error word as in :func:`expert_mlp`.
+    wait sets the counters' error word as in :func:`expert_mlp`. ``combine_phase``: the combine
+    as the launch's last phase (after a second grid barrier, as the combine launch computes it)
+    instead of in fc2's epilogue; the same bits.
     """
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=2, device=x.device, contiguous=True)
     num_tokens, topk = topk_idx.shape
@@ -509,7 +512,8 @@ def scheduled_expert_mlp(
     counters = expert_mlp_counters(num_tokens, hidden, capacity, x.device)  # zeroed by the launch itself
     a = torch.empty(capacity, inter, dtype=torch.bfloat16, device=x.device)
     variant = expert_mlp_variant(
-        hidden, inter, topk, save_h=h_out is not None, combine=True, has_shared=shared_out is not None, schedule_experts=num_experts
+        hidden, inter, topk, save_h=h_out is not None, combine=True, has_shared=shared_out is not None, schedule_experts=num_experts,
+        combine_phase=combine_phase,
     )
     launch_expert_mlp(
         variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s,

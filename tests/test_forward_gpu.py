@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mok import ops
-from mok.fused_forward import moe_forward
+from mok.fused_forward import moe_forward, shared_expert_forward
 from mok.kernels import expert_mlp_variant, grouped_gemm_variant
 from mok.reference import moe_reference
 
@@ -253,6 +253,14 @@ def test_one_launch_forward_builds_the_same_schedule_and_h(T, H, I, E, k, shared
     assert torch.equal(one.h[:used], four.h[:used])
     if shared is not None:
         assert torch.equal(one.shared_h, four.shared_h)
+    # the combine as the launch's last phase (after a second grid barrier) instead of in fc2's epilogue
+    shared_out = None if shared is None else shared_expert_forward(x, shared)
+    h = torch.empty_like(one.h)
+    phase, sched = ops.scheduled_expert_mlp(
+        x, idx.int(), w, *experts, h_out=h, shared_out=shared_out, out=poisoned(T, H), combine_phase=True
+    )
+    assert torch.equal(phase, four.out) and torch.equal(h[:used], four.h[:used])
+    assert torch.equal(sched.slot_row, four.schedule.slot_row)
 
 
 def test_one_launch_forward_is_one_kernel_and_leaves_its_barrier_ready():
@@ -263,10 +271,12 @@ def test_one_launch_forward_is_one_kernel_and_leaves_its_barrier_ready():
     want = moe_forward(x, idx, w, *experts, check_routing=False).out
     sync = torch.zeros(4, dtype=torch.int32, device="cuda")
     sync[1] = 2**31 - 1  # the generation wraps
-    for call in range(3):
-        out, _ = ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync)
+    generation = 2**31 - 1
+    for combine_phase in (False, False, True, True):  # one barrier per launch, or two
+        out, _ = ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, combine_phase=combine_phase)
         assert torch.equal(out, want)
-        assert sync.tolist() == [0, (2**31 - 1 + call + 1 + 2**31) % 2**32 - 2**31, 0, 0]
+        generation = (generation + 1 + combine_phase + 2**31) % 2**32 - 2**31
+        assert sync.tolist() == [0, generation, 0, 0]
     moe_forward(x, idx, w, *experts, check_routing=False, one_launch=True)  # compiled and warm
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -297,15 +307,17 @@ def test_one_launch_forward_gives_each_stream_its_own_barrier_words():
     assert torch.equal(out_here, want) and torch.equal(out_side, want)
 
 
-def test_one_launch_forward_grid_barrier_is_bounded():
+@pytest.mark.parametrize("combine_phase", [False, True])
+def test_one_launch_forward_grid_barrier_is_bounded(combine_phase):
     """Barrier words that can never complete (arrived far below zero): every CTA stops waiting
-    after the timeout and counts it in grid_sync[2]; the launch finishes instead of hanging."""
+    after the timeout, at each barrier, and counts it in grid_sync[2]; the launch finishes
+    instead of hanging."""
     x, idx, w, experts, _ = layer(64, 256, 128, 4, 2, None, seed=13)
     sync = torch.tensor([-(10**6), 0, 0, 0], dtype=torch.int32, device="cuda")
-    ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, timeout_s=0.02)
+    ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, timeout_s=0.02, combine_phase=combine_phase)
     torch.cuda.synchronize()
-    ctas = int(sync[0]) + 10**6
-    assert ctas >= 1 and int(sync[2]) == ctas and int(sync[1]) == 0
+    arrivals = int(sync[0]) + 10**6  # every CTA, at each of its 1 or 2 barriers
+    assert arrivals >= 1 + combine_phase and int(sync[2]) == arrivals and int(sync[1]) == 0
 
 
 def test_one_launch_mlp_wait_is_bounded():

@@ -1,6 +1,9 @@
 """Compile-only checks of every kernel variant for sm_90a and sm_100a: the PTX uses the intended instructions."""
 
 import re
+import shutil
+import subprocess
+import tempfile
 
 import pytest
 
@@ -10,6 +13,18 @@ from mok.kernels import combine_variant, compiled_ptx, grouped_gemm_variant, sch
 
 def count(pattern, text):
     return len(re.findall(pattern, text))
+
+
+def ptxas_spill_bytes(ptx: str, arch: str = "sm_90a") -> int | None:
+    """Bytes ptxas spills (stores) assembling ``ptx``, or None where no ptxas is installed. (The
+    PTX version is lowered to 9.0, which CUDA 13's ptxas reads; nothing it checks depends on it.)"""
+    if shutil.which("ptxas") is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(re.sub(r"^\.version \S+", ".version 9.0", ptx, count=1, flags=re.M))
+        f.flush()
+        log = subprocess.run(["ptxas", f"-arch={arch}", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log.stdout + log.stderr))
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
@@ -241,3 +256,19 @@ def test_one_launch_forward_builds_the_schedule_then_meets_at_a_bounded_grid_bar
     assert atomics == set(re.findall(r"\b(?:atom|red)\.[\w.:]+", plain)) | {"atom.shared.cta.add.u32", "atom.global.exch.b32"}
     assert count(r"fence\.acq_rel\.gpu", whole) == 2 and count(r"%globaltimer", whole) > count(r"%globaltimer", plain)
     assert count(r"\.local", whole) == 0
+    assert ptxas_spill_bytes(whole) in (0, None)
+
+
+def test_one_launch_forward_combining_last_keeps_its_registers():
+    """The one-launch forward whose combine is its last phase (after a second grid barrier, in the
+    MMA warps): the same WGMMAs, the combine's 16-byte vector loads, and no spills (run after the
+    warp roles join, the producer warps' 40 registers would bound it)."""
+    from mok.kernels import expert_mlp_variant
+
+    ptx = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64, combine_phase=True), "sm_90a")
+    plain = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64), "sm_90a")
+    assert count(r"wgmma\.mma_async", ptx) == count(r"wgmma\.mma_async", plain)
+    assert count(r"fence\.acq_rel\.gpu", ptx) == 2 * count(r"fence\.acq_rel\.gpu", plain)  # two barriers
+    assert count(r"ld\.global(\.nc)?\.v4", ptx) >= 8  # k = 8 rows per vector, loaded before the first FMA
+    assert count(r"\.local", ptx) == 0
+    assert ptxas_spill_bytes(ptx) in (0, None)

@@ -167,19 +167,22 @@ def grouped_gemm_variant(
 
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
-    schedule_experts: int | None = None,
+    schedule_experts: int | None = None, combine_phase: bool = False,
 ) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
     persistent launch, tiles taken in one global order, each fc2 row tile waiting for its fc1
     row tile; ``combine``: fc2 also writes the layer output (with a shared expert's output:
     ``has_shared``); ``schedule_experts`` (E, with ``combine``): the schedule of the routing is
-    built in the same launch first, so the launch is the whole forward. See
+    built in the same launch first, so the launch is the whole forward; ``combine_phase`` (with
+    it): the combine as a last phase after a grid barrier, not in fc2's epilogue. See
     mok/kernels/sm90/expert_mlp.py."""
     # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
     fc2_tile_n = default_tile_n(hidden, inter, False)
     options = dict(save_h=save_h, combine=combine, has_shared=has_shared, order="dynamic", fc2_tile_n=fc2_tile_n)
     if schedule_experts is not None:
         options["schedule_experts"] = schedule_experts
+    if combine_phase:
+        options["combine_phase"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
@@ -188,7 +191,7 @@ def expert_mlp_variant(
 
         return compile_expert_mlp(
             hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared,
-            fc2_tile_n=fc2_tile_n, schedule_experts=schedule_experts,
+            fc2_tile_n=fc2_tile_n, schedule_experts=schedule_experts, combine_phase=combine_phase,
         )
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)

@@ -24,18 +24,19 @@ def wait_at_least(counter: cute.Pointer, target: cutlass.Int32, timeout_ns: cutl
 
 
 @cute.jit
-def grid_barrier(sync: cute.Pointer, timeout_ns: cutlass.Int64):
+def grid_barrier(sync: cute.Pointer, timeout_ns: cutlass.Int64, leader: cutlass.Constexpr[int] = 0):
     """Every CTA of the (1-D, fully resident) grid waits here until all have arrived; called by all
     threads of every CTA. ``sync``: GRID_SYNC_WORDS int32 in global memory that outlive the launch,
-    zero when first used. Sense reversal: thread 0 reads the generation, arrives (acq_rel, gpu
+    zero when first used. Sense reversal: the leader reads the generation, arrives (acq_rel, gpu
     scope, after a fence that makes its CTA's writes visible); the last to arrive resets
     ``arrived`` to 0 for the next launch and advances the generation (release), the others poll it
     (acquire) for a change. So the words need no clearing between launches and the generation may
     wrap. The poll is bounded by %globaltimer: on expiry it counts a timeout in sync[2] (never
-    cleared by a kernel: the host reads and clears it) and goes on instead of hanging."""
+    cleared by a kernel: the host reads and clears it) and goes on instead of hanging. ``leader``:
+    the thread that arrives and polls for its CTA (the others only meet it at bar.sync 0)."""
     cute.arch.sync_threads()
     tid, _, _ = cute.arch.thread_idx()
-    if tid == 0:
+    if tid == leader:
         ctas, _, _ = cute.arch.grid_dim()
         generation = cute.arch.atomic_add(sync + 1, cutlass.Int32(0), sem="acquire", scope="gpu")
         cute.arch.fence_acq_rel_gpu()

@@ -53,6 +53,7 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.combine import VECTOR, combine_vector
 from ..common.schedule import ScheduleKernel
 from ..common.waits import grid_barrier, wait_at_least
 from .grouped_gemm import GroupedGemmSm90
@@ -68,25 +69,31 @@ class ExpertMlpSm90:
 
     def __init__(
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
-        fc2_tile_n: int = TILE, schedule_experts: int | None = None,
+        fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False,
     ):
         """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
         ``schedule_experts``: E, to build the schedule of the routing in the same launch first (the
-        whole forward in one launch; only with ``combine``)."""
+        whole forward in one launch; only with ``combine``). ``combine_phase`` (with
+        ``schedule_experts``): fc2 stores y rows and the combine runs after a second grid barrier,
+        over all CTAs' MMA warps, as the combine launch would, instead of in fc2's epilogue."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
             raise ValueError("has_shared: only with combine (the combine adds the shared expert's output)")
         if schedule_experts is not None and not combine:
             raise ValueError("schedule_experts: only with combine (a one-launch forward)")
+        if combine_phase and schedule_experts is None:
+            raise ValueError("combine_phase: only with schedule_experts (its grid barrier)")
         self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
-        self.combine = combine
+        self.combine = combine and not combine_phase  # in fc2's epilogue
+        self.combine_phase, self.has_shared = combine_phase, has_shared
         self.fc1 = GroupedGemmSm90(
             inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True
         )
         self.fc2 = GroupedGemmSm90(
-            hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, combine=combine, topk=topk, has_shared=has_shared
+            hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, combine=self.combine, topk=topk,
+            has_shared=has_shared and self.combine,
         )
         self.fc2_tile_n = fc2_tile_n
         self.region_elems = 3 * TILE * TILE_K * self.fc1.ab_stage  # fc1: A, B, B2 per stage
@@ -275,6 +282,8 @@ class ExpertMlpSm90:
                     prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
                     tile, handed = self.take_next(m_flags, ring, handed, s_tiles, tidx, warp_only=True)
                 pipe2.producer_tail(prod2)
+            if cutlass.const_expr(self.combine_phase):
+                grid_barrier(sched_args[2], timeout_ns, leader=128)  # (the MMA warps' thread 0 arrives and polls)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -318,6 +327,10 @@ class ExpertMlpSm90:
                 tile, given = self.handed_tile(ring, given, s_tiles)
             if warp_idx == self.fc1.store_warp:
                 store_pipe.producer_tail()
+            if cutlass.const_expr(self.combine_phase):
+                self.publish(warp_idx, m_ready, cutlass.Int32(-1))  # every y row stored and visible before the barrier
+                grid_barrier(sched_args[2], timeout_ns, leader=128)
+                self.combine_all(mma_tidx, combine_args)
 
     @cute.jit
     def build_schedule(self, sched_args, region, num_rows, timeout_ns):
@@ -331,6 +344,24 @@ class ExpertMlpSm90:
         self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, cutlass.Int32(0), num_rows)
         cute.arch.fence_proxy("async.shared", space="cta")  # the scratch's generic writes before TMA writes to the region
         grid_barrier(sync_ptr, timeout_ns)
+
+    @cute.jit
+    def combine_all(self, mma_tidx, combine_args):
+        """MMA warps, after every CTA's last tile (the second grid barrier): the MMA warps of all
+        CTAs combine the tokens, 8 columns per thread per step, grid-strided, with the combine
+        launch's own per-vector code (the same operations in the same order: the same bits). Here,
+        not after the warp roles join: there the producer warps' 40 registers would bound it."""
+        m_y, m_token_w, m_slot_row, m_shared, m_out, _ = combine_args
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        chunks = self.hidden // VECTOR
+        workers = self.fc1.consumer_threads
+        total = cute.size(m_out, mode=[0]) * chunks
+        for v in cutlass.range(cta * workers + mma_tidx, total, ctas * workers, unroll=1):
+            token = v // chunks
+            combine_vector(
+                m_y, m_slot_row, m_token_w, m_shared, m_out, token, v - token * chunks, self.topk, self.has_shared, False, True
+            )
 
     @cute.jit
     def take_next(self, m_flags, ring, handed, s_tiles, tidx, warp_only: cutlass.Constexpr = False):
@@ -390,7 +421,7 @@ class ExpertMlpSm90:
 
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
-    has_shared: bool = False, fc2_tile_n: int = TILE, schedule_experts: int | None = None,
+    has_shared: bool = False, fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap and the timeout are runtime arguments
     (with ``schedule_experts``, E must be that)."""
@@ -406,7 +437,7 @@ def compile_expert_mlp(
     )
     kernel = ExpertMlpSm90(
         hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n,
-        schedule_experts=schedule_experts,
+        schedule_experts=schedule_experts, combine_phase=combine_phase,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
