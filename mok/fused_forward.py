@@ -14,8 +14,9 @@ zeroes; the same operations in the same order, so the same bits) — 3 launches,
 With ``one_launch_mlp`` both grouped GEMMs run in one persistent launch (tiles in one global
 order, an fc2 row tile waiting for its fc1 row tile, mok/kernels/sm90/expert_mlp.py): 3 launches, and
 2 with ``combine_in_gemm`` as well (schedule, MLP) — again the same bits. With ``one_launch``
-that launch builds the schedule first (every CTA its part, then a grid barrier): the routed
-experts' whole forward is ONE launch (plus 2 for a shared expert), the same bits again.
+that launch builds the schedule first (every CTA its part, then a grid barrier) and combines
+last (after a second grid barrier): the routed experts' whole forward is ONE launch (plus 2
+for a shared expert), the same bits again.
 
 Every kernel's configuration depends only on (H, I, E, k), so a token's output does not
 depend on the other tokens in the batch. With ``save_for_backward`` the gate/up GEMM also
@@ -93,8 +94,10 @@ def moe_forward(
     10 s: only a GPU shared so that not all of this launch's CTAs can run at once could make it
     time out, and then the output is wrong (the op's error word, :func:`mok.ops.expert_mlp`).
     ``one_launch``: the schedule, fc1, fc2 and the combine in one launch
-    (:func:`mok.ops.scheduled_expert_mlp`; its grid barrier keeps 16 bytes per stream across
-    calls, allocated on the device's first such call: warm up before CUDA-graph capture).
+    (:func:`mok.ops.scheduled_expert_mlp`), within 0-2% of the four launches so far; its grid
+    barriers keep 16 bytes per stream across calls, allocated on the device's first such call:
+    warm up before CUDA-graph capture. Like ``one_launch_mlp`` it needs all its CTAs resident at
+    once (waits bounded by the same timeout).
     """
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")

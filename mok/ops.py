@@ -472,7 +472,7 @@ def scheduled_expert_mlp(
     shared_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     timeout_s: float = 10.0,
-    combine_phase: bool = False,
+    combine_phase: bool = True,
 ) -> tuple[torch.Tensor, Schedule]:
     """The routed experts' whole forward in ONE launch: the device schedule of ``topk_idx``, then
     :func:`expert_mlp` with the combine, all CTAs waiting for all after the schedule (a grid
@@ -485,9 +485,10 @@ def scheduled_expert_mlp(
     launches that may run at the same time must not share them. Default: the current stream's
     set (:func:`grid_sync_words`). A barrier that waits longer than
     ``timeout_s`` counts it in grid_sync[2] and goes on (wrong output, no hang); an fc2 tile's
-    wait sets the counters' error word as in :func:`expert_mlp`. ``combine_phase``: the combine
-    as the launch's last phase (after a second grid barrier, as the combine launch computes it)
-    instead of in fc2's epilogue; the same bits.
+    wait sets the counters' error word as in :func:`expert_mlp`. ``combine_phase`` (default): the
+    combine as the launch's last phase (after a second grid barrier, as the combine launch
+    computes it); False: in fc2's epilogue, as :func:`expert_mlp` does. The same bits; the phase
+    was 2-6% faster on an H200 (perf/NOTES.md).
     """
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=2, device=x.device, contiguous=True)
     num_tokens, topk = topk_idx.shape

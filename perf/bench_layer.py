@@ -11,8 +11,7 @@ number of kernel launches per forward (torch.profiler). "mok 3-launch" is the fo
 down projection also combines (moe_forward(combine_in_gemm=True)); "mok 1-MLP" runs both
 grouped GEMMs in one launch (one_launch_mlp=True), "mok 1-MLP+c" the combine in it too (2
 launches with the schedule), "mok 1-launch" the schedule in it as well (one_launch=True: one
-launch, plus 2 for a shared expert), "mok 1-launch p" that one with the combine as its last phase
-instead of in fc2's epilogue (no shared expert). With ``--backward`` each path runs
+launch, plus 2 for a shared expert). With ``--backward`` each path runs
 forward + backward (MoK: moe_forward(save_for_backward=True) + moe_backward; PyTorch:
 autograd through the same path, gradients of x, router weights and all weights), counted
 as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs.
@@ -25,7 +24,6 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from mok import ops
 from mok.fused_backward import moe_backward
 from mok.bench import time_ms
 from mok.fused_forward import moe_forward
@@ -192,8 +190,6 @@ def main() -> int:
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }
-            if inputs[4] is None:  # (the op alone: no shared expert)
-                paths["mok 1-launch p"] = lambda: ops.scheduled_expert_mlp(*inputs[:3], *inputs[3], combine_phase=True)[0]
         ms = {p: time_ms(fn, batch=5, repeats=10) for p, fn in paths.items()}
         launches = {p: count_launches(fn) for p, fn in paths.items()}
         mok_out, torch_out = paths["mok"](), paths["torch"]()  # (the graph replays the same kernels)

@@ -253,13 +253,13 @@ def test_one_launch_forward_builds_the_same_schedule_and_h(T, H, I, E, k, shared
     assert torch.equal(one.h[:used], four.h[:used])
     if shared is not None:
         assert torch.equal(one.shared_h, four.shared_h)
-    # the combine as the launch's last phase (after a second grid barrier) instead of in fc2's epilogue
+    # the combine in fc2's epilogue instead of as the launch's last phase (after a second grid barrier)
     shared_out = None if shared is None else shared_expert_forward(x, shared)
     h = torch.empty_like(one.h)
-    phase, sched = ops.scheduled_expert_mlp(
-        x, idx.int(), w, *experts, h_out=h, shared_out=shared_out, out=poisoned(T, H), combine_phase=True
+    epilogue, sched = ops.scheduled_expert_mlp(
+        x, idx.int(), w, *experts, h_out=h, shared_out=shared_out, out=poisoned(T, H), combine_phase=False
     )
-    assert torch.equal(phase, four.out) and torch.equal(h[:used], four.h[:used])
+    assert torch.equal(epilogue, four.out) and torch.equal(h[:used], four.h[:used])
     assert torch.equal(sched.slot_row, four.schedule.slot_row)
 
 
