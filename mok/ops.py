@@ -484,7 +484,8 @@ def scheduled_expert_mlp(
     zero when first used and kept across calls (the barrier leaves them ready for the next); two
     launches that may run at the same time must not share them. Default: the current stream's
     set (:func:`grid_sync_words`). A barrier that waits longer than
-    ``timeout_s`` counts it in grid_sync[2] and goes on (wrong output, no hang); an fc2 tile's
+    ``timeout_s`` counts it in grid_sync[2] and goes on (wrong output, no hang;
+    :func:`raise_grid_timeouts` reports it), leaving the words ready for the next call; an fc2 tile's
     wait sets the counters' error word as in :func:`expert_mlp`. ``combine_phase`` (default): the
     combine as the launch's last phase (after a second grid barrier, as the combine launch
     computes it); False: in fc2's epilogue, as :func:`expert_mlp` does. The same bits; the phase
@@ -582,6 +583,19 @@ def grid_sync_words(device: torch.device) -> torch.Tensor:
     if slot is None:
         slot = _GRID_SYNC_SLOT[key] = len(_GRID_SYNC_SLOT) % GRID_SYNC_STREAMS
     return pool[slot]
+
+
+def raise_grid_timeouts(grid_sync: torch.Tensor) -> None:
+    """Raise if the grid barriers using these words (:func:`grid_sync_words`, or a caller's) have
+    timed out since their timeout count was last cleared: the outputs of those launches are wrong.
+    Reads one int back from the GPU (a host sync): call it off the hot path, e.g. every N steps."""
+    check_tensor("grid_sync", grid_sync, dtypes=(torch.int32,), shape=(GRID_SYNC_WORDS,))
+    timeouts = int(grid_sync[2])
+    if timeouts:
+        raise RuntimeError(
+            f"MoK one-launch forward: {timeouts} grid-barrier timeouts (CTAs of a launch were not all resident "
+            "at once, e.g. other work held SMs); those outputs are wrong. Clear with grid_sync[2] = 0."
+        )
 
 
 def launch_expert_mlp(

@@ -155,3 +155,13 @@ def test_main_grads_are_checked_before_anything_runs():
         check_main_grads((good[0], good[1].bfloat16(), good[2]), weights, None)
     with pytest.raises(ValueError, match=r"main_grads \(d_w_down\): expected shape"):
         check_main_grads((good[0], good[1], torch.zeros(4, 8, 16)), weights, None)
+
+
+def test_raise_grid_timeouts_reports_the_barriers_timeout_count():
+    from mok.ops import raise_grid_timeouts
+
+    raise_grid_timeouts(torch.tensor([0, 7, 0, 0], dtype=torch.int32))  # none counted: no error
+    with pytest.raises(RuntimeError, match="3 grid-barrier timeouts"):
+        raise_grid_timeouts(torch.tensor([0, 7, 3, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"grid_sync: expected shape \[4\]"):
+        raise_grid_timeouts(torch.zeros(3, dtype=torch.int32))

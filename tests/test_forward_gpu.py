@@ -308,16 +308,26 @@ def test_one_launch_forward_gives_each_stream_its_own_barrier_words():
 
 
 @pytest.mark.parametrize("combine_phase", [False, True])
-def test_one_launch_forward_grid_barrier_is_bounded(combine_phase):
+def test_one_launch_forward_grid_barrier_is_bounded_and_leaves_its_words_ready(combine_phase):
     """Barrier words that can never complete (arrived far below zero): every CTA stops waiting
     after the timeout, at each barrier, and counts it in grid_sync[2]; the launch finishes
-    instead of hanging."""
+    instead of hanging, its last CTA out sets the words back to arrived = 0, and the next call
+    with them is right and times out nowhere."""
     x, idx, w, experts, _ = layer(64, 256, 128, 4, 2, None, seed=13)
+    want = moe_forward(x, idx, w, *experts).out
     sync = torch.tensor([-(10**6), 0, 0, 0], dtype=torch.int32, device="cuda")
     ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, timeout_s=0.02, combine_phase=combine_phase)
     torch.cuda.synchronize()
-    arrivals = int(sync[0]) + 10**6  # every CTA, at each of its 1 or 2 barriers
-    assert arrivals >= 1 + combine_phase and int(sync[2]) == arrivals and int(sync[1]) == 0
+    timeouts = int(sync[2])  # every CTA, at each of its 1 or 2 barriers
+    assert timeouts >= 1 + combine_phase and timeouts % (1 + combine_phase) == 0
+    assert sync.tolist() == [0, 0, timeouts, 0]
+    with pytest.raises(RuntimeError, match=f"{timeouts} grid-barrier timeouts"):
+        ops.raise_grid_timeouts(sync)
+    out, _ = ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, combine_phase=combine_phase)
+    assert torch.equal(out, want)
+    assert sync.tolist() == [0, 1 + combine_phase, timeouts, 0]
+    sync[2] = 0
+    ops.raise_grid_timeouts(sync)  # none: no error
 
 
 def test_one_launch_mlp_wait_is_bounded():

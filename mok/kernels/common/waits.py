@@ -6,7 +6,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .. import GRID_SYNC_WORDS  # noqa: F401 (the size of grid_barrier's ``sync``: [arrived, generation, timeouts, unused])
+from .. import GRID_SYNC_WORDS  # noqa: F401 (the size of grid_barrier's ``sync``: [arrived, generation, timeouts, left])
 
 
 @cute.jit
@@ -24,7 +24,9 @@ def wait_at_least(counter: cute.Pointer, target: cutlass.Int32, timeout_ns: cutl
 
 
 @cute.jit
-def grid_barrier(sync: cute.Pointer, timeout_ns: cutlass.Int64, leader: cutlass.Constexpr[int] = 0):
+def grid_barrier(
+    sync: cute.Pointer, timeout_ns: cutlass.Int64, leader: cutlass.Constexpr[int] = 0, last: cutlass.Constexpr[bool] = True
+):
     """Every CTA of the (1-D, fully resident) grid waits here until all have arrived; called by all
     threads of every CTA. ``sync``: GRID_SYNC_WORDS int32 in global memory that outlive the launch,
     zero when first used. Sense reversal: the leader reads the generation, arrives (acq_rel, gpu
@@ -33,7 +35,10 @@ def grid_barrier(sync: cute.Pointer, timeout_ns: cutlass.Int64, leader: cutlass.
     (acquire) for a change. So the words need no clearing between launches and the generation may
     wrap. The poll is bounded by %globaltimer: on expiry it counts a timeout in sync[2] (never
     cleared by a kernel: the host reads and clears it) and goes on instead of hanging. ``leader``:
-    the thread that arrives and polls for its CTA (the others only meet it at bar.sync 0)."""
+    the thread that arrives and polls for its CTA (the others only meet it at bar.sync 0).
+    ``last``: the launch's last barrier. Past it each leader counts its CTA out in sync[3]; the
+    last CTA out sets ``arrived`` and sync[3] back to 0, so the words are ready for the next
+    launch even after a timeout (which leaves ``arrived`` counting CTAs that were late)."""
     cute.arch.sync_threads()
     tid, _, _ = cute.arch.thread_idx()
     if tid == leader:
@@ -54,4 +59,9 @@ def grid_barrier(sync: cute.Pointer, timeout_ns: cutlass.Int64, leader: cutlass.
             if seen == generation:
                 cute.arch.atomic_add(sync + 2, cutlass.Int32(1), scope="gpu")
         cute.arch.fence_acq_rel_gpu()
+        if cutlass.const_expr(last):
+            left = cute.arch.atomic_add(sync + 3, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+            if left == ctas - 1:
+                cute.arch.atomic_exch(sync, cutlass.Int32(0), sem="relaxed", scope="gpu")
+                cute.arch.atomic_exch(sync + 3, cutlass.Int32(0), sem="relaxed", scope="gpu")
     cute.arch.sync_threads()

@@ -343,7 +343,7 @@ class ExpertMlpSm90:
         )
         self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, cutlass.Int32(0), num_rows)
         cute.arch.fence_proxy("async.shared", space="cta")  # the scratch's generic writes before TMA writes to the region
-        grid_barrier(sync_ptr, timeout_ns)
+        grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase)
 
     @cute.jit
     def combine_all(self, mma_tidx, combine_args):
