@@ -491,7 +491,9 @@ def scheduled_expert_mlp(
     computes it); False: in fc2's epilogue, as :func:`expert_mlp` does. The same bits; the phase
     was 2-6% faster on an H200 (perf/NOTES.md).
     """
+    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=2, device=x.device, contiguous=True)
+    check_tensor("w_gate", w_gate, dtypes=BF16, ndim=3, device=x.device, contiguous=True)
     num_tokens, topk = topk_idx.shape
     num_experts, inter = w_gate.shape[:2]
     capacity = worst_case_capacity(num_tokens, topk, num_experts, MLP_TILE)

@@ -103,6 +103,8 @@ def test_one_launch_forward_op_rejects_bad_input_before_launch():
     bf16 = dict(dtype=torch.bfloat16)
     x, wg, wu, wd = torch.randn(T, H).to(**bf16), torch.randn(E, I, H).to(**bf16), torch.randn(E, I, H).to(**bf16), torch.randn(E, H, I).to(**bf16)
     idx, w = torch.randint(0, E, (T, k), dtype=torch.int32), torch.rand(T, k)
+    with pytest.raises(TypeError, match=r"x: expected a torch.Tensor, got list"):
+        scheduled_expert_mlp([[1.0]], idx, w, wg, wu, wd)
     with pytest.raises(TypeError, match=r"topk_idx: expected dtype int32, got int64"):
         scheduled_expert_mlp(x, idx.long(), w, wg, wu, wd)
     with pytest.raises(ValueError, match=r"topk_idx: expected one row per token of x \(64\), got 32"):
