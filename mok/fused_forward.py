@@ -108,19 +108,22 @@ def moe_forward(
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,
     )
     num_tokens, hidden = x.shape
-    if one_launch:
-        return _one_launch_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, out, save_for_backward)
+    rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # the schedule's buffer rows
+    h = shared_h = None
+    if save_for_backward:
+        h = torch.empty(rows, 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
+        if shared is not None:
+            shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
+    topk_idx = topk_idx.to(torch.int32).contiguous()
+    if one_launch:  # the shared expert (if any), then one launch
+        shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
+        out, sched = ops.scheduled_expert_mlp(x, topk_idx, topk_w, w_gate, w_up, w_down, h_out=h, shared_out=shared_out, out=out)
+        return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
     if one_launch_mlp:  # its tile, ready and arrival counters
-        rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # (the schedule's default capacity)
         counters = ops.expert_mlp_counters(num_tokens, hidden, rows, x.device)
     else:
         counters = ops.arrival_counters(num_tokens, hidden, x.device) if combine_in_gemm else None
-    sched = ops.device_schedule(topk_idx.to(torch.int32).contiguous(), num_experts, block_m=TILE_M, clear=counters)
-    h = shared_h = None
-    if save_for_backward:
-        h = torch.empty(sched.row_token.shape[0], 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
-        if shared is not None:
-            shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
+    sched = ops.device_schedule(topk_idx, num_experts, block_m=TILE_M, capacity=rows, clear=counters)
     if one_launch_mlp:
         shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
         if combine_in_gemm:
@@ -138,17 +141,3 @@ def moe_forward(
         out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
     return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
 
-
-def _one_launch_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, out, save_for_backward) -> ForwardResult:
-    """moe_forward(one_launch=True) on checked inputs: the shared expert (if any), then one launch."""
-    h = shared_h = None
-    if save_for_backward:
-        rows = worst_case_capacity(x.shape[0], topk_idx.shape[1], w_gate.shape[0], TILE_M)  # the launch's schedule capacity
-        h = torch.empty(rows, 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
-        if shared is not None:
-            shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
-    shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
-    out, sched = ops.scheduled_expert_mlp(
-        x, topk_idx.to(torch.int32).contiguous(), topk_w, w_gate, w_up, w_down, h_out=h, shared_out=shared_out, out=out
-    )
-    return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import default_tile_n, grouped_gemm_variant, router_grad_variant, weight_grad_variant
-from .ops import BF16, _check_32bit, _check_cuda_aligned, _i32, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm
+from .ops import BF16, _check_32bit, _check_launchable, _i32, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm
 from .validation import check_tensor
 
 I32 = (torch.int32,)
@@ -66,9 +66,7 @@ def swiglu_backward_gemm(
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
     partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)
-    for name, t in (("dout_rows", dout_rows), ("w_down", w_down), ("h", h), ("dh", dh)):
-        _check_cuda_aligned(name, t)
-        _check_32bit(name, t)
+    _check_launchable(dout_rows=dout_rows, w_down=w_down, h=h, dh=dh)
     if num_rows == 0:
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
@@ -125,9 +123,7 @@ def weight_grad(
         out = torch.empty(num_experts, m, n, dtype=out_dtype, device=dev)
     dtypes = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
     check_tensor("out", out, dtypes=dtypes, shape=(num_experts, m, n), device=dev, contiguous=True)
-    for name, t in (("a", a), ("b", b), ("out", out)):
-        _check_cuda_aligned(name, t)
-        _check_32bit(name, t)
+    _check_launchable(a=a, b=b, out=out)
     if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
         return out if accumulate else out.zero_()
     dtype_name = "f32" if out.dtype == torch.float32 else "bf16"

@@ -37,6 +37,14 @@ def _check_32bit(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected fewer than 2**31 elements (32-bit indexing), got {t.numel()}")
 
 
+def _check_launchable(**tensors: torch.Tensor | None) -> None:
+    """Each tensor given (None: skipped) is on a CUDA device, 16-byte aligned and 32-bit indexable."""
+    for name, t in tensors.items():
+        if t is not None:
+            _check_cuda_aligned(name, t)
+            _check_32bit(name, t)
+
+
 def _bf16_out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """The caller's ``out`` after checking it (bf16, shape, device, contiguous, aligned), or a new one."""
     if out is None:
@@ -226,10 +234,7 @@ def grouped_gemm(
     if skip_padding is not None:
         check_tensor("skip_padding", skip_padding, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
     out = _bf16_out(out, (num_rows, n), a.device)
-    for name, t in (("a", a), ("b", b), ("b2", b2), ("out", out), ("h_out", h_out)):
-        if t is not None:
-            _check_cuda_aligned(name, t)
-            _check_32bit(name, t)
+    _check_launchable(a=a, b=b, b2=b2, out=out, h_out=h_out)
     if num_rows == 0 or a.shape[0] * world == 0:  # (gather from no tokens: every row is padding)
         return out
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
@@ -287,10 +292,7 @@ def grouped_gemm_scatter(
     slot_ranks = slot_ranks if slot_ranks is not None else (1, slots.numel())
     _check_rank_stride("slot_ranks", slot_ranks, slots.numel(), 2**31 - 8, "2^31 - 8 elements")  # (the kernel's vector indices)
     _, rank_stride = slot_ranks
-    for name, t in (("a", a), ("b", b), ("b2", b2), ("slots", slots)):
-        if t is not None:
-            _check_cuda_aligned(name, t)
-            _check_32bit(name, t)
+    _check_launchable(a=a, b=b, b2=b2, slots=slots)
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
@@ -377,10 +379,7 @@ def grouped_gemm_combine(
     y_rows = _bf16_out(y_rows, (num_rows, hidden), a.device)
     if hidden % 128 or inter % 64:
         raise ValueError(f"w_down: expected H % 128 == 0 and I % 64 == 0, got H={hidden}, I={inter}")
-    for name, t in (("a", a), ("w_down", w_down), ("out", out), ("y_rows", y_rows), ("shared_out", shared_out)):
-        if t is not None:
-            _check_cuda_aligned(name, t)
-            _check_32bit(name, t)
+    _check_launchable(a=a, w_down=w_down, out=out, y_rows=y_rows, shared_out=shared_out)
     if num_rows == 0 or num_tokens == 0:
         return out
     variant = grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=shared_out is not None)
@@ -549,14 +548,6 @@ def _check_expert_mlp_args(x, w_gate, w_up, w_down, num_rows, topk, topk_w, h_ou
         raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
 
 
-def _check_launchable(**tensors: torch.Tensor | None) -> None:
-    """Each tensor given (None: skipped) is on a CUDA device, 16-byte aligned and 32-bit indexable."""
-    for name, t in tensors.items():
-        if t is not None:
-            _check_cuda_aligned(name, t)
-            _check_32bit(name, t)
-
-
 GRID_SYNC_STREAMS = 64  # word sets per device: streams that get barrier words of their own
 _GRID_SYNC_POOL: dict[int, torch.Tensor] = {}
 _GRID_SYNC_SLOT: dict[tuple[int, int], int] = {}
@@ -650,27 +641,25 @@ def device_schedule(
         raise ValueError(f"topk_idx: expected a CUDA tensor, got one on {topk_idx.device}")
     _check_32bit("topk_idx", topk_idx)
     dev = topk_idx.device
-    schedule = _empty_schedule(num_tokens, topk, num_local, capacity, block_m, dev)
-    counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow = (
-        schedule.expert_counts, schedule.expert_offsets, schedule.row_token, schedule.row_slot, schedule.slot_row,
-        schedule.tile_expert, schedule.overflow,
-    )
+    sched = _empty_schedule(num_tokens, topk, num_local, capacity, block_m, dev)
     if clear is not None:
         check_tensor("clear", clear, dtypes=(torch.int32,), device=dev, contiguous=True)
         _check_32bit("clear", clear)
     if num_tokens:
         kernel = _kernel(schedule_variant(num_local, topk, block_m), dev)
-        buffers = (topk_idx, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, clear)
+        buffers = (topk_idx, sched.expert_counts, sched.expert_offsets, sched.row_token, sched.row_slot, sched.slot_row,
+                   sched.tile_expert, sched.overflow, clear)
         kernel(
             *(_ptr("i32", t, 4) for t in buffers),
             _i32(num_tokens), _i32(rank * num_local), _i32(capacity), _i32(0 if clear is None else clear.numel()),
             _i32(schedule_ctas(num_tokens * topk, _sm_count(dev))), _stream(dev),
         )
     else:  # nothing routed: no launch
-        counts.zero_(), offsets.zero_(), row_token.fill_(-1), row_slot.fill_(-1), tile_expert.fill_(-1), overflow.zero_()
+        sched.expert_counts.zero_(), sched.expert_offsets.zero_(), sched.overflow.zero_()
+        sched.row_token.fill_(-1), sched.row_slot.fill_(-1), sched.tile_expert.fill_(-1)
         if clear is not None:
             clear.zero_()
-    return schedule
+    return sched
 
 
 def _empty_schedule(num_tokens: int, topk: int, num_local: int, capacity: int, block_m: int, device: torch.device) -> Schedule:
