@@ -675,6 +675,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     for i in cutlass.range_constexpr(PULL_DEPTH):
                         if dests[i] >= 0:
                             m_rows[None, dests[i]].store(vals[i])
+                cute.arch.fence_proxy("async.global")  # (conservative: this thread's stores before any TMA read of them)
                 self.scatter_sync()  # the tile's 96 copiers are done
                 if tid == 0:
                     cute.arch.fence_acq_rel_gpu()
