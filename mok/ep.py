@@ -301,6 +301,7 @@ def ep_moe_forward(
     *,
     timeout_s: float = 5.0,
     fused_dispatch: bool = False,
+    overlap_dispatch: bool = False,
 ) -> torch.Tensor:
     """This rank's layer output [T_r, H] bf16; its experts are global ids rank·E_local .. (rank+1)·E_local - 1.
 
@@ -308,9 +309,12 @@ def ep_moe_forward(
     ids, topk_w [T_r, k] fp32, this rank's expert weights (and the replicated shared expert).
     Every rank of the workspace must make the same sequence of calls. ``fused_dispatch``: the
     gate/up GEMM pulls its rows from the peers itself (no dispatch kernel, no x_rows buffer).
+    ``overlap_dispatch``: the gate/up GEMM's idle producer warps copy the rows into x_rows row
+    tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel).
     """
     return ep_moe_forward_saved(
-        ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=False, fused_dispatch=fused_dispatch
+        ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=False, fused_dispatch=fused_dispatch,
+        overlap_dispatch=overlap_dispatch,
     ).out
 
 
@@ -413,6 +417,7 @@ def ep_moe_forward_saved(
     timeout_s: float = 5.0,
     save_h: bool = True,
     fused_dispatch: bool = False,
+    overlap_dispatch: bool = False,
 ) -> EPForwardResult:
     """:func:`ep_moe_forward` that also returns what :func:`mok.ep_backward.ep_moe_backward` needs
     (h of this rank's rows and of the shared expert when ``save_h``; the schedule and x_rows
@@ -422,6 +427,8 @@ def ep_moe_forward_saved(
     check_timeout(timeout_s)
     if fused_dispatch and save_h:
         raise ValueError("fused_dispatch: only with save_h=False (a backward needs the pulled rows kept; the unfused dispatch keeps them)")
+    if fused_dispatch and overlap_dispatch:
+        raise ValueError("fused_dispatch, overlap_dispatch: one or the other (two ways of getting the rows)")
     ws.raise_pending()
     dev, world = x.device, ws.layout.world
     k = _kernels(ws, dev)
@@ -429,7 +436,11 @@ def ep_moe_forward_saved(
 
     publish(ws, k, {"x": x, "idx": topk_idx}, num_tokens, timeout_s, stream)
     routing = gather_ranks(ws, k, "idx", stream)  # every rank's routing -> this rank's schedule -> dispatch
-    sched = ops.device_schedule(routing, num_local * world, rank=ws.rank, world_size=world, capacity=ws.capacity)
+    counters = None  # overlap_dispatch: [error, next, ready per row tile], zeroed by the schedule launch
+    if overlap_dispatch:
+        rows = ws.capacity if ws.capacity is not None else worst_case_capacity(routing.shape[0], topk, num_local, 128)
+        counters = torch.empty(2 + -(-rows // 128), dtype=torch.int32, device=dev)
+    sched = ops.device_schedule(routing, num_local * world, rank=ws.rank, world_size=world, capacity=ws.capacity, clear=counters)
 
     h = torch.empty(sched.capacity, 2 * w_gate.shape[1], dtype=x.dtype, device=dev) if save_h else None
     shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if save_h and shared is not None else None
@@ -439,6 +450,11 @@ def ep_moe_forward_saved(
         a = ops.grouped_gemm(
             x_all, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token, gather_ranks=(world, ws.stride_elems("x"))
         )
+    elif overlap_dispatch:  # the gate/up GEMM's idle warps fill x_rows tile by tile as its tiles run
+        x_rows = torch.empty(sched.capacity, hidden, dtype=x.dtype, device=dev)
+        x_all = ws.region("x", 0)[: ws.layout.max_tokens * hidden].view(ws.layout.max_tokens, hidden)
+        pull = (x_all, (world, ws.stride_elems("x")), sched.row_token, counters)
+        a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h, pull=pull, timeout_s=timeout_s)
     else:
         x_rows = pull_rows(ws, k, "x", sched, stream)
         a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank

@@ -180,6 +180,8 @@ def grouped_gemm(
     gather: torch.Tensor | None = None,
     gather_ranks: tuple[int, int] | None = None,
     skip_padding: torch.Tensor | None = None,
+    pull: tuple | None = None,
+    timeout_s: float = 10.0,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (bf16, fp32 accumulation).
 
@@ -206,9 +208,30 @@ def grouped_gemm(
     multiplied; its output rows are what zero A rows give. It relies on the schedule's row
     order, where each expert's padding rows follow its rows (so such a half holds only
     padding); do not use it with padding rows placed otherwise. Persistent kernel only.
+    ``pull`` (src, (world W, rank stride), row_token, counters): the kernel also FILLS ``a`` —
+    row r becomes row g % T_max of rank g // T_max's token matrix (g = row_token[r] [R] int32;
+    zeros where g < 0), src being rank 0's [T_max, K] matrix in an expert-parallel workspace —
+    copying row tile by row tile with warps the GEMM leaves idle, each tile's loads waiting for
+    its rows (at most ``timeout_s``; on expiry counters[0] is set and the output is wrong).
+    counters: int32 [2 + R/128], zeroed (e.g. by the schedule launch's ``clear``). Only rows of
+    tiles with tile_expert >= 0 are written. The same bits as filling ``a`` first (the dispatch).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
+    pull_src = pull_counters = None
+    if pull is not None:
+        pull_src, pull_ranks, pull_tokens, pull_counters = pull
+        if gather is not None or skip_padding is not None or not persistent:
+            raise ValueError("pull: only with the persistent kernel, without gather or skip_padding")
+        check_tensor("pull src", pull_src, dtypes=BF16, ndim=2, device=a.device, contiguous=True)
+        if pull_src.shape[1] != k:
+            raise ValueError(f"pull src: expected rows of a's {k} columns, got {pull_src.shape[1]}")
+        _check_rank_stride("pull ranks", pull_ranks, pull_src.numel(), 2**31 - 1, "2^31 elements")
+        check_tensor("pull row_token", pull_tokens, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
+        check_tensor("pull counters", pull_counters, dtypes=(torch.int32,), shape=(2 + -(-num_rows // 128),), device=a.device,
+                     contiguous=True)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
     if skip_padding is not None:
         if not persistent:
             raise ValueError("skip_padding: only with the persistent kernel")
@@ -219,7 +242,7 @@ def grouped_gemm(
         if not persistent:
             raise ValueError("gather: only with the persistent kernel")
         num_rows = gather.shape[0]
-    world, rank_stride = gather_ranks if gather_ranks is not None else (1, 0)
+    world, rank_stride = gather_ranks if gather_ranks is not None else (pull[1] if pull is not None else (1, 0))
     if gather_ranks is not None:
         if gather is None:
             raise ValueError("gather_ranks: only with gather (the rows to pull)")
@@ -237,16 +260,20 @@ def grouped_gemm(
     _check_launchable(a=a, b=b, b2=b2, out=out, h_out=h_out)
     if num_rows == 0 or a.shape[0] * world == 0:  # (gather from no tokens: every row is padding)
         return out
+    if pull is not None and pull_src.shape[0] == 0:  # (no tokens anywhere to pull)
+        raise ValueError("pull src: expected a token matrix with rows (T_max >= 1)")
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     variant = grouped_gemm_variant(
         n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split, persistent=persistent,
         gather_a=gather is not None, gather_ranks=gather_ranks is not None, skip_padding=skip_padding is not None,
+        pull_a=pull is not None,
     )
-    row_token = gather if gather is not None else skip_padding
+    row_token = gather if gather is not None else (skip_padding if pull is None else pull[2])
+    rows_per_rank = a.shape[0] if pull is None else pull_src.shape[0]
     launch_grouped_gemm(
         variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, row_token=row_token, num_rows=num_rows,
-        num_experts=num_experts, num_tokens=a.shape[0] if gather is not None else 1, rows_per_rank=a.shape[0],
-        rank_stride=rank_stride,
+        num_experts=num_experts, num_tokens=a.shape[0] if gather is not None else 1, rows_per_rank=rows_per_rank,
+        rank_stride=rank_stride, pull_src=pull_src, pull_counters=pull_counters, timeout_s=timeout_s,
     )
     return out
 
@@ -306,7 +333,7 @@ def grouped_gemm_scatter(
 def launch_grouped_gemm(
     variant, a, b, b2, out, tile_expert, *, h=None, a_scaled=None, partial=None, row_token=None, row_slot=None,
     topk_w=None, slot_row=None, shared_out=None, combined=None, arrivals=None, num_rows: int, num_experts: int,
-    num_tokens: int = 1, rows_per_rank: int = 1, rank_stride: int = 0,
+    num_tokens: int = 1, rows_per_rank: int = 1, rank_stride: int = 0, pull_src=None, pull_counters=None, timeout_s: float = 10.0,
 ) -> None:
     """Launch a checked grouped-GEMM variant (arguments it does not use may be None; ``rows_per_rank``
     and ``rank_stride`` only with ``gather_ranks`` or ``scatter``)."""
@@ -315,9 +342,9 @@ def launch_grouped_gemm(
         _ptr("bf16", a), _ptr("bf16", b), _ptr("bf16", b2), _ptr("bf16", out), _ptr("i32", tile_expert, 4),
         _ptr("bf16", h), _ptr("bf16", a_scaled), _ptr("f32", partial, 4), _ptr("i32", row_token, 4),
         _ptr("i32", row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", slot_row, 4), _ptr("bf16", shared_out),
-        _ptr("bf16", combined), _ptr("i32", arrivals, 4),
+        _ptr("bf16", combined), _ptr("i32", arrivals, 4), _ptr("bf16", pull_src), _ptr("i32", pull_counters, 4),
         _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(_sm_count(a.device)), _i32(rows_per_rank), _i32(rank_stride),
-        _stream(a.device),
+        _i64(int(timeout_s * 1e9)), _stream(a.device),
     )
 
 

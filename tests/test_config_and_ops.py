@@ -167,3 +167,21 @@ def test_raise_grid_timeouts_reports_the_barriers_timeout_count():
         raise_grid_timeouts(torch.tensor([0, 7, 3, 0], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"grid_sync: expected shape \[4\]"):
         raise_grid_timeouts(torch.zeros(3, dtype=torch.int32))
+
+
+def test_grouped_gemm_that_pulls_its_rows_checks_where_they_come_from():
+    from mok.ops import grouped_gemm
+
+    bf16 = dict(dtype=torch.bfloat16)
+    rows, wg, tiles = torch.zeros(256, 512, **bf16), torch.zeros(2, 256, 512, **bf16), torch.zeros(2, dtype=torch.int32)
+    src, token, counters = torch.zeros(100, 512, **bf16), torch.zeros(256, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="pull: only with the persistent kernel, without gather or skip_padding"):
+        grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters), gather=token)
+    with pytest.raises(ValueError, match=r"pull src: expected rows of a's 512 columns, got 256"):
+        grouped_gemm(rows, wg, tiles, pull=(src[:, :256].contiguous(), (1, 25600), token, counters))
+    with pytest.raises(ValueError, match=r"pull ranks: expected \(world >= 1, rank stride >= 51200"):
+        grouped_gemm(rows, wg, tiles, pull=(src, (2, 512), token, counters))
+    with pytest.raises(ValueError, match=r"pull counters: expected shape \[4\]"):
+        grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters[:3]))
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
+        grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters))

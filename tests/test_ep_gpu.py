@@ -15,7 +15,7 @@ from helpers import gpu_layer, rel_err
 pytestmark = pytest.mark.gpu
 
 
-def warm_up(layout, per_rank_args, capacity=None, fused_dispatch=False):
+def warm_up(layout, per_rank_args, capacity=None, **dispatch):
     """Launch every kernel once, one rank at a time (its waits time out at once), on a throwaway workspace.
 
     CUDA loads a kernel lazily at its first launch, and loading waits for the device: on ONE
@@ -23,17 +23,17 @@ def warm_up(layout, per_rank_args, capacity=None, fused_dispatch=False):
     separate GPUs a rank's loading only waits for its own GPU.)
     """
     for ws, args in zip(EPWorkspace.local_group(layout, capacity=capacity), per_rank_args):
-        ep_moe_forward(ws, *args, timeout_s=1e-4, fused_dispatch=fused_dispatch)
+        ep_moe_forward(ws, *args, timeout_s=1e-4, **dispatch)
         torch.cuda.synchronize()
 
 
-def run_ranks(workspaces, per_rank_args, timeout_s=20.0, fused_dispatch=False, check=True):
+def run_ranks(workspaces, per_rank_args, timeout_s=20.0, check=True, **dispatch):
     streams = [torch.cuda.Stream() for _ in workspaces]
     outs = []
     torch.cuda.synchronize()
     for ws, args, stream in zip(workspaces, per_rank_args, streams):
         with torch.cuda.stream(stream):
-            outs.append(ep_moe_forward(ws, *args, timeout_s=timeout_s, fused_dispatch=fused_dispatch))
+            outs.append(ep_moe_forward(ws, *args, timeout_s=timeout_s, **dispatch))
     torch.cuda.synchronize()
     for ws in workspaces if check else ():
         ws.check()
@@ -58,11 +58,12 @@ def split(world, counts, x, idx, w, experts, shared):
     (4, (100, 37, 250, 1), 8, 4, 256, "uniform"),  # EP = 4 (issue 7's size, emulated)
     (2, (0, 300), 8, 1, None, "one_expert"),  # rank 0 sends nothing; every token of rank 1 to expert 0, on rank 0
 ])
-@pytest.mark.parametrize("fused_dispatch", [False, True])
-def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter, routing, fused_dispatch):
+@pytest.mark.parametrize("dispatch", [{}, {"fused_dispatch": True}, {"overlap_dispatch": True}])
+def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter, routing, dispatch):
     """EP = W emulated on one GPU: within 1e-2 of the fp32 reference, bit for bit the single-GPU
     forward on the concatenated batch, and the same bits over 20 calls; with ``fused_dispatch``
-    the gate/up GEMM pulls its rows from the ranks' published x itself."""
+    the gate/up GEMM pulls its rows from the ranks' published x itself, with ``overlap_dispatch``
+    its idle producer warps copy them into x_rows while its tiles run."""
     from mok.reference import moe_reference
 
     total = sum(counts)
@@ -70,13 +71,13 @@ def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter,
     want = moe_forward(x, idx, w, *experts, shared).out  # also compiles the GEMMs before any rank waits
     layout = EPLayout(world=world, max_tokens=max(counts) + 13, hidden=512, topk=k)
     args = split(world, counts, x, idx, w, experts, shared)
-    warm_up(layout, args, fused_dispatch=fused_dispatch)
+    warm_up(layout, args, **dispatch)
     workspaces = EPWorkspace.local_group(layout)
-    first = torch.cat(run_ranks(workspaces, args, fused_dispatch=fused_dispatch))
+    first = torch.cat(run_ranks(workspaces, args, **dispatch))
     assert rel_err(first, moe_reference(x, idx, w, *experts, shared)) <= 1e-2
     assert torch.equal(first, want)
     for _ in range(19):  # epochs advance; every call gives the same bits
-        assert torch.equal(torch.cat(run_ranks(workspaces, args, fused_dispatch=fused_dispatch)), first)
+        assert torch.equal(torch.cat(run_ranks(workspaces, args, **dispatch)), first)
 
 
 def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang():
@@ -341,3 +342,46 @@ def test_dispatch_puts_each_token_in_every_local_row_and_zeros_the_padding(world
         assert torch.equal(rows[:used], want), f"rank {rank}"
         if capacity is not None:
             assert bool(sched.overflow) and int((sched.slot_row >= 0).sum()) == int((token >= 0).sum())
+
+
+@pytest.mark.parametrize("world,counts,E,k,capacity", [
+    (2, (300, 517), 8, 4, None),
+    (3, (128, 0, 250), 12, 8, None),
+    (2, (320, 320), 8, 4, 640),  # an overflowing capacity bound: pairs past it get no row
+])
+def test_gate_up_gemm_that_pulls_its_rows_fills_them_as_the_dispatch_does(world, counts, E, k, capacity):
+    """grouped_gemm(pull=...): its idle warps copy every used row tile of x_rows from the ranks'
+    published x (zeros for padding rows) — what the dispatch kernel writes — and its output is
+    the GEMM of those rows, bit for bit; every used row tile is published once, no wait timed out."""
+    from mok import ops
+    from mok.ep import _kernels, pull_rows
+
+    hidden, inter, t_max = 1024, 256, 640
+    layout = EPLayout(world=world, max_tokens=t_max, hidden=hidden, topk=k)
+    ws = EPWorkspace.local_group(layout)
+    routing = torch.full((world * t_max, k), -1, dtype=torch.int32, device="cuda")
+    for p, count in enumerate(counts):
+        ws[p].region("x")[: count * hidden].copy_(torch.randn(count * hidden, device="cuda").bfloat16())
+        routing[p * t_max:p * t_max + count] = torch.rand(count, E, device="cuda").topk(k, dim=1).indices.int()
+    e_local = E // world
+    wg, wu = ((torch.randn(e_local, inter, hidden, device="cuda") * hidden**-0.5).bfloat16() for _ in range(2))
+    stream = ops._stream(torch.device("cuda"))
+    x_all = ws[0].region("x", 0)[: t_max * hidden].view(t_max, hidden)
+    for rank in range(world):
+        sched = ops.device_schedule(routing, E, rank=rank, world_size=world, capacity=capacity)  # (for its capacity)
+        counters = torch.full((2 + sched.capacity // 128,), 7, dtype=torch.int32, device="cuda")
+        sched = ops.device_schedule(routing, E, rank=rank, world_size=world, capacity=capacity, clear=counters)
+        want_rows = pull_rows(ws[rank], _kernels(ws[rank], ws[rank].buffer.device), "x", sched, stream)
+        want_h = torch.empty(sched.capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
+        want = ops.grouped_gemm(want_rows, wg, sched.tile_expert, b2=wu, h_out=want_h)
+        rows = torch.full((sched.capacity, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        h = torch.full_like(want_h, float("nan"))
+        pull = (x_all, (world, ws[rank].stride_elems("x")), sched.row_token, counters)
+        got = ops.grouped_gemm(rows, wg, sched.tile_expert, b2=wu, h_out=h, pull=pull, timeout_s=5.0)
+        torch.cuda.synchronize()
+        used = min(int(sched.expert_offsets[-1]), sched.capacity)
+        tiles = used // 128
+        assert used > 0 and torch.equal(rows[:used], want_rows[:used]), f"rank {rank}"
+        assert torch.equal(got[:used], want[:used]) and torch.equal(h[:used], want_h[:used])
+        assert int(counters[0]) == 0 and int(counters[1]) >= sched.capacity // 128
+        assert counters[2:2 + tiles].eq(1).all() and counters[2 + tiles:].eq(0).all()

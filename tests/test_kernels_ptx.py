@@ -272,3 +272,20 @@ def test_one_launch_forward_combining_last_keeps_its_registers():
     assert count(r"ld\.global(\.nc)?\.v4", ptx) >= 8  # k = 8 rows per vector, loaded before the first FMA
     assert count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx) in (0, None)
+
+
+def test_gate_up_gemm_that_pulls_its_rows_keeps_its_wgmmas_and_copies_with_idle_warps():
+    """pull_a: the same WGMMAs and TMA loads as the plain gate/up GEMM; the copy warps keep four
+    16-byte loads in flight before their four stores, take row tiles with a relaxed add and
+    publish them with a release add, and warp 0 waits with acquire reads; no spills."""
+    plain = compiled_ptx(grouped_gemm_variant(2048, 7168, epilogue="swiglu_save"), "sm_90a")
+    pull = compiled_ptx(grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", pull_a=True), "sm_90a")
+    for pattern in (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor"):
+        assert count(pattern, pull) == count(pattern, plain), pattern
+    loads = [m.start() for m in re.finditer(r"ld\.global\.v4\.b32", pull)]
+    stores = [m.start() for m in re.finditer(r"st\.global\.v4\.b32", pull)]
+    assert len(loads) == 4 and len(stores) == 4 and max(loads) < min(stores)
+    atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", pull))
+    assert atomics == {"atom.global.add.u32", "atom.global.release.add.u32", "atom.global.acquire.add.u32"}
+    assert count(r"bar\.sync\s+2, 96;", pull) >= 3 and "%globaltimer" in pull
+    assert count(r"\.local", pull) == 0 and ptxas_spill_bytes(pull) in (0, None)

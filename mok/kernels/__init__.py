@@ -121,6 +121,7 @@ def grouped_gemm_variant(
     has_shared: bool = False,
     scatter: bool = False,
     skip_padding: bool = False,
+    pull_a: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
 
@@ -138,6 +139,9 @@ def grouped_gemm_variant(
     slots of the token's rank (``topk`` slots per token) instead of a [R, N] output.
     ``skip_padding`` (persistent only): an MMA warpgroup whose 64 rows of a tile are all padding
     (the row_token argument < 0) issues no WGMMA; its rows come out as zero A rows give them.
+    ``pull_a`` (persistent, A by TMA): the kernel's idle producer warps also copy A's rows from
+    their owners' token matrices, row tile by row tile, and each tile's loads wait for its rows
+    (the expert-parallel dispatch overlapped with the gate/up GEMM).
     """
     epilogue = epilogue or ("swiglu" if swiglu else "plain")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
@@ -153,6 +157,8 @@ def grouped_gemm_variant(
         options["scatter"] = True
     if skip_padding:
         options["skip_padding"] = True
+    if pull_a:
+        options["pull_a"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":

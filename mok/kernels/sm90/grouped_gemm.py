@@ -33,6 +33,21 @@ warpgroup's idle warps 1-3 through an mbarrier pipeline over the epilogue buffer
 copy it out with 16-byte stores while the MMA warps go on to the next tile; padding rows are
 not written.
 
+With ``pull_a`` (persistent, A by TMA: the expert-parallel gate/up GEMM) the kernel also fills
+A itself, overlapping the dispatch with its own tiles: A is this rank's x_rows buffer, and buffer
+row r must hold row g % T_max of rank g // T_max's published x (g = row_token[r]; zeros for
+padding rows). The producer warpgroup's warps 1-3, idle while warp 0 issues the TMA loads, take
+row tiles from a counter (integer atomic) in order, copy each of the tile's rows from its owner
+(16-byte vectors over the symmetric mapping, four in flight per thread) into x_rows, and then
+publish the tile (bar.sync over the three warps, a gpu-scope fence and a release add on its
+ready counter). Before the first TMA load of a tile's A, warp 0 waits for that counter
+(acquire, bounded by %globaltimer: on expiry it sets the error word and goes on, wrong output
+but no hang), then fences the async proxy. Nothing the copy warps do waits, and a row tile is
+only ever taken by a running CTA, so every row tile gets copied even when not all CTAs fit on
+the GPU at once. The counters [error, next, ready per row tile] must be zero at launch (the
+schedule launch clears them). A row's bits are what the dispatch kernel writes, so the GEMM's
+are too.
+
 With ``skip_padding`` (persistent) an MMA warpgroup whose 64 rows of a tile are all padding
 (row_token < 0 at its first row: an expert's padding rows follow its rows) waits for and
 releases the tile's stages without issuing WGMMAs, so a tile holding a few rows of its expert
@@ -66,12 +81,14 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.combine import VECTOR, combine_vector
+from ..common.waits import wait_at_least
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
+PULL_DEPTH = 4  # pull_a: 16-byte loads each copying thread keeps in flight
 
 
 class GroupedGemmSm90(WgmmaTileKernel):
@@ -96,6 +113,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         has_shared: bool = False,
         scatter: bool = False,
         skip_padding: bool = False,
+        pull_a: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -120,7 +138,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("scatter: only for the persistent plain GEMM without combine or gather (the row pushes of EP)")
         if skip_padding and not persistent:
             raise ValueError("skip_padding: only in the persistent kernel")
-        self.skip_padding = skip_padding
+        if pull_a and (gather_a or scatter or combine or not persistent):
+            raise ValueError("pull_a: only in the persistent kernel with A by TMA (no gather, scatter or combine)")
+        self.skip_padding, self.pull_a = skip_padding, pull_a
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
@@ -162,12 +182,15 @@ class GroupedGemmSm90(WgmmaTileKernel):
         shared_ptr: cute.Pointer,
         out_ptr: cute.Pointer,
         arrivals_ptr: cute.Pointer,
+        pull_src_ptr: cute.Pointer,
+        pull_counters_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
         max_ctas: cutlass.Int32,
         rows_per_rank: cutlass.Int32,
         rank_stride: cutlass.Int32,
+        timeout_ns: cutlass.Int64,
         stream: cuda.CUstream,
     ):
         n, k = self.n, self.k
@@ -226,6 +249,12 @@ class GroupedGemmSm90(WgmmaTileKernel):
             x_rows = (m_a, rows_per_rank, rank_stride)
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             x_rows = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
+        if cutlass.const_expr(self.pull_a):  # where A's rows come from, A as 16-byte vectors, the counters (see pull_rows)
+            vectors = lambda ptr, n: cute.zipped_divide(cute.make_tensor(ptr, cute.make_layout((n,))), (VECTOR,))  # noqa: E731
+            x_rows = (
+                vectors(pull_src_ptr, SCATTER_ELEMS), rows_per_rank, rank_stride, vectors(a_ptr, num_rows * k),
+                cute.make_tensor(pull_counters_ptr, cute.make_layout((2 + (num_rows + tile_m - 1) // tile_m,))), timeout_ns,
+            )
         args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, x_rows, combine_args)
         all_tiles = num_tiles * (n // tile_n)
         if cutlass.const_expr(self.persistent):
@@ -345,12 +374,18 @@ class GroupedGemmSm90(WgmmaTileKernel):
                             a_base = storage.s_a.data_ptr()
                             prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
                         else:
+                            if cutlass.const_expr(self.pull_a):
+                                self.wait_pulled(m_x, tile_row)
                             prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
                 if cutlass.const_expr(self.gather_a):
                     cute.arch.cp_async_wait_group(0)
                 if warp_idx == 0:
                     ab_pipe.producer_tail(prod)
+            if cutlass.const_expr(self.pull_a):
+                if warp_idx >= 1:  # warps 1-3 copy A's rows from their owners, row tile by row tile
+                    self.pull_rows(m_x, m_tiles, num_row_tiles, num_rows, m_row_token,
+                                   storage.s_dest.get_tensor(cute.make_layout(1)), tidx - 32)
             if cutlass.const_expr(self.scatter):
                 if warp_idx >= 1:  # warps 1-3 copy the MMA warps' epilogue subtiles out to the slots
                     tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
@@ -604,8 +639,72 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     cons.advance()
             linear += step
 
+    @cute.jit
+    def pull_rows(self, m_pull, m_tiles, num_row_tiles, num_rows, m_row_token, s_task, tid):
+        """``pull_a``, producer warps 1-3 (``tid`` 0..95): take row tiles from the counter, in order,
+        until none is left; copy each used tile's rows into x_rows (four 16-byte loads in flight
+        per thread before their stores), then publish it (see the module docstring)."""
+        m_src, rows_per_rank, rank_stride, m_rows, m_counters, _ = m_pull
+        tile_m = self.tile_shape_mnk[0]
+        per_row = self.k // VECTOR
+        per_tile = tile_m * per_row
+        step = SCATTER_THREADS * PULL_DEPTH
+        task = self.take_pull_task(m_counters, s_task, tid)
+        while task < num_row_tiles:
+            if m_tiles[task] >= 0:
+                first_row = task * tile_m
+                for base in cutlass.range(tid, per_tile, step, unroll=1):
+                    vals = []
+                    dests = []
+                    for i in cutlass.range_constexpr(PULL_DEPTH):
+                        v = base + i * SCATTER_THREADS
+                        row = first_row + v // per_row
+                        chunk = v % per_row
+                        dest = cutlass.Int32(-1)
+                        src = cutlass.Int32(-1)
+                        if v < per_tile and row < num_rows:
+                            dest = row * per_row + chunk
+                            g = m_row_token[row]
+                            if g >= 0:
+                                src = ((g // rows_per_rank) * rank_stride + (g % rows_per_rank) * self.k) // VECTOR + chunk
+                        val = cute.full((VECTOR,), 0.0, cutlass.BFloat16)
+                        if src >= 0:
+                            val = m_src[None, src].load()
+                        vals.append(val)
+                        dests.append(dest)
+                    for i in cutlass.range_constexpr(PULL_DEPTH):
+                        if dests[i] >= 0:
+                            m_rows[None, dests[i]].store(vals[i])
+                cute.arch.fence_proxy("async.global")  # (conservative: this thread's stores before any TMA read of them)
+                self.scatter_sync()  # the tile's 96 copiers are done
+                if tid == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.atomic_add(m_counters.iterator + (2 + task), cutlass.Int32(1), sem="release", scope="gpu")
+            task = self.take_pull_task(m_counters, s_task, tid)
+
+    @cute.jit
+    def take_pull_task(self, m_counters, s_task, tid):
+        """Copy warps: the next row tile to copy, from counters[1] (one atomic, shared through ``s_task``)."""
+        if tid == 0:
+            s_task[0] = cute.arch.atomic_add(m_counters.iterator + 1, cutlass.Int32(1), scope="gpu")
+        self.scatter_sync()
+        task = s_task[0]
+        self.scatter_sync()  # all have read it before the next is written
+        return task
+
+    @cute.jit
+    def wait_pulled(self, m_pull, tile_row):
+        """Warp 0, ``pull_a``, before a tile's first TMA load of A: wait (acquire, bounded) until its
+        row tile is copied (on timeout set the error word and go on), then fence the async proxy."""
+        _, _, _, _, m_counters, timeout_ns = m_pull
+        if cute.arch.lane_idx() == 0:
+            if wait_at_least(m_counters.iterator + (2 + tile_row), cutlass.Int32(1), timeout_ns, "gpu") < 1:
+                m_counters[0] = 1
+        cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")
+
     def scatter_sync(self):
-        """Barrier 2 over the three scattering warps only."""
+        """Barrier 2 over the producer warpgroup's warps 1-3 only (scattering or copying A's rows)."""
         cute.arch.barrier(barrier_id=2, number_of_threads=SCATTER_THREADS)
 
     @cute.jit
@@ -782,6 +881,7 @@ def compile_grouped_gemm(
     has_shared: bool = False,
     scatter: bool = False,
     skip_padding: bool = False,
+    pull_a: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -792,14 +892,14 @@ def compile_grouped_gemm(
     args = (
         bf16_ptr(), bf16_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), bf16_ptr(),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), i32_ptr(),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), i32_ptr(),
         cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
-        make_fake_stream(),
+        cutlass.Int64(1), make_fake_stream(),
     )
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
         persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
-        scatter=scatter, skip_padding=skip_padding,
+        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
