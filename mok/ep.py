@@ -42,8 +42,8 @@ import torch
 
 from . import ops
 from .fused_forward import shared_expert_forward
-from .kernels import ep_variant, get_kernel
-from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, tokens_slot
+from .kernels import GRID_SYNC_WORDS, ep_variant, get_kernel
+from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, grid_sync_slot, tokens_slot
 from .runtime.arch import device_arch
 from .schedule import Schedule, worst_case_capacity
 from .validation import check_capacity_factor, check_moe_inputs, check_timeout
@@ -194,15 +194,17 @@ class EPWorkspace:
         return self.rank_stride // self.layout.regions[name][2].itemsize
 
     def _record(self) -> torch.Tensor:
+        """The error record and, past it, the one-launch forward's grid-barrier words (timeouts: the 3rd)."""
         err = error_slot(self.layout.world)
-        return self.region("flags")[err:err + 4]
+        return self.region("flags")[err:grid_sync_slot(self.layout.world) + GRID_SYNC_WORDS]
 
     def check(self) -> None:
         """Raise if this rank's error record holds an error (reads it back: call it off the hot path)."""
         self._raise_for(self._record().tolist())
 
     def _raise_for(self, record: list[int]) -> None:
-        code, a, b, c = record
+        code, a, b, c = record[:4]
+        grid_timeouts = record[grid_sync_slot(self.layout.world) - error_slot(self.layout.world) + 2]
         if code == ERROR_CAPACITY:
             raise RuntimeError(
                 f"MoK expert parallelism: the experts of rank {a} were routed {b} rows (tile padding included), "
@@ -213,6 +215,12 @@ class EPWorkspace:
             raise RuntimeError(
                 f"MoK expert parallelism: rank {self.rank} timed out in phase {PHASES.get(a, a)} waiting for "
                 f"rank {b} (epoch {c}); the peer did not reach the same call. Rebuild the workspace."
+            )
+        if grid_timeouts:
+            raise RuntimeError(
+                f"MoK expert parallelism: rank {self.rank}'s one-launch forward timed out {grid_timeouts} time(s) at a grid "
+                "barrier (its CTAs were not all resident at once, e.g. other kernels held SMs); its outputs are wrong. "
+                "Rebuild the workspace."
             )
 
     def raise_pending(self) -> None:
@@ -231,7 +239,7 @@ class EPWorkspace:
         if not self.buffer.is_cuda or torch.cuda.is_current_stream_capturing():
             return
         if self._record_copy is None:
-            self._record_copy = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+            self._record_copy = torch.zeros(self._record().numel(), dtype=torch.int32, pin_memory=True)
             self._record_ready = torch.cuda.Event()
         self._record_copy.copy_(self._record(), non_blocking=True)
         self._record_ready.record()
@@ -302,6 +310,7 @@ def ep_moe_forward(
     timeout_s: float = 5.0,
     fused_dispatch: bool = False,
     overlap_dispatch: bool = False,
+    one_launch: bool = False,
 ) -> torch.Tensor:
     """This rank's layer output [T_r, H] bf16; its experts are global ids rank·E_local .. (rank+1)·E_local - 1.
 
@@ -311,10 +320,12 @@ def ep_moe_forward(
     gate/up GEMM pulls its rows from the peers itself (no dispatch kernel, no x_rows buffer).
     ``overlap_dispatch``: the gate/up GEMM's idle producer warps copy the rows into x_rows row
     tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel).
+    ``one_launch``: the whole forward in one persistent kernel (mok/ep_one_launch.py; plus 2
+    launches for a shared expert), the same bits; only with the worst-case capacity so far.
     """
     return ep_moe_forward_saved(
         ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=False, fused_dispatch=fused_dispatch,
-        overlap_dispatch=overlap_dispatch,
+        overlap_dispatch=overlap_dispatch, one_launch=one_launch,
     ).out
 
 
@@ -418,6 +429,7 @@ def ep_moe_forward_saved(
     save_h: bool = True,
     fused_dispatch: bool = False,
     overlap_dispatch: bool = False,
+    one_launch: bool = False,
 ) -> EPForwardResult:
     """:func:`ep_moe_forward` that also returns what :func:`mok.ep_backward.ep_moe_backward` needs
     (h of this rank's rows and of the shared expert when ``save_h``; the schedule and x_rows
@@ -427,9 +439,13 @@ def ep_moe_forward_saved(
     check_timeout(timeout_s)
     if fused_dispatch and save_h:
         raise ValueError("fused_dispatch: only with save_h=False (a backward needs the pulled rows kept; the unfused dispatch keeps them)")
-    if fused_dispatch and overlap_dispatch:
-        raise ValueError("fused_dispatch, overlap_dispatch: one or the other (two ways of getting the rows)")
+    if fused_dispatch + overlap_dispatch + one_launch > 1:
+        raise ValueError("fused_dispatch, overlap_dispatch, one_launch: at most one (different ways of running the forward)")
     ws.raise_pending()
+    if one_launch:
+        from .ep_one_launch import ep_one_launch_forward
+
+        return ep_one_launch_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=save_h)
     dev, world = x.device, ws.layout.world
     k = _kernels(ws, dev)
     stream = ops._stream(dev)

@@ -620,18 +620,30 @@ def raise_grid_timeouts(grid_sync: torch.Tensor) -> None:
 
 def launch_expert_mlp(
     variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s, *,
-    topk_idx=None, grid_sync=None,
+    topk_idx=None, grid_sync=None, ep: tuple | None = None, max_ctas: int | None = None,
 ) -> None:
     """Launch a checked expert-MLP variant (see :func:`expert_mlp`; None for what it does not use;
-    ``topk_idx`` and ``grid_sync`` only when it builds the ``schedule`` itself)."""
+    ``topk_idx`` and ``grid_sync`` only when it builds the ``schedule`` itself). ``ep``: the
+    expert-parallel variant's (flags, x, idx and slots regions of rank 0, this rank's x and
+    topk_idx, rank, T_max, and the four regions' rank strides in elements); ``max_ctas``: a CTA
+    cap below the SM count (ranks emulated on one GPU must all be resident at once)."""
     num_rows, num_experts, num_tokens = schedule.row_token.shape[0], w_gate.shape[0], x.shape[0]
+    flags = x_pub = idx_pub = slots = x_in = idx_in = None
+    rank = t_max = my_tokens = 0
+    strides = (0, 0, 0, 0)
+    if ep is not None:
+        flags, x_pub, idx_pub, slots, x_in, idx_in, rank, t_max, strides = ep
+        my_tokens = x_in.shape[0]
     _kernel(variant, x.device)(
         _ptr("bf16", x), _ptr("bf16", w_gate), _ptr("bf16", w_up), _ptr("bf16", w_down), _ptr("bf16", a), _ptr("bf16", h_out),
         _ptr("bf16", y_rows), _ptr("i32", schedule.tile_expert, 4), _ptr("i32", schedule.row_token, 4),
         _ptr("i32", schedule.row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", schedule.slot_row, 4), _ptr("bf16", shared_out),
         _ptr("bf16", out), _ptr("i32", counters, 4), _ptr("i32", schedule.expert_offsets, 4),
         _ptr("i32", topk_idx, 4), _ptr("i32", schedule.expert_counts, 4), _ptr("i32", schedule.overflow, 4), _ptr("i32", grid_sync, 4),
-        _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(_sm_count(x.device)), _i64(int(timeout_s * 1e9)), _stream(x.device),
+        _ptr("i32", flags, 4), _ptr("bf16", x_pub), _ptr("i32", idx_pub, 4), _ptr("bf16", slots), _ptr("bf16", x_in),
+        _ptr("i32", idx_in, 4),
+        _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(max_ctas or _sm_count(x.device)), _i64(int(timeout_s * 1e9)),
+        _i32(rank), _i32(t_max), _i32(my_tokens), *(_i32(s) for s in strides), _stream(x.device),
     )
 
 

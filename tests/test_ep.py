@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mok.ep import ALIGN, EPLayout, EPWorkspace, ep_moe_forward
-from mok.kernels.common.ep import PHASE_DONE, error_slot, flag_words, tokens_slot
+from mok.kernels import GRID_SYNC_WORDS
+from mok.kernels.common.ep import PHASE_DONE, error_slot, flag_words, grid_sync_slot, tokens_slot
 
 from helpers import random_layer
 
@@ -15,7 +16,8 @@ def test_layout_regions_are_aligned_and_disjoint():
     assert all(off % ALIGN == 0 for off, _ in spans)
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
     assert layout.stride >= spans[-1][1] and layout.stride % ALIGN == 0
-    assert tokens_slot(8) < flag_words(8)
+    for world in (1, 2, 8, 32):  # the error record, the token count, the grid-barrier words: in order, inside the flags
+        assert error_slot(world) + 4 == tokens_slot(world) < grid_sync_slot(world) <= flag_words(world) - GRID_SYNC_WORDS
 
 
 def test_workspace_regions_are_per_rank_views_and_the_error_record_raises():
@@ -30,6 +32,9 @@ def test_workspace_regions_are_per_rank_views_and_the_error_record_raises():
     flags[error_slot(3):error_slot(3) + 4] = torch.tensor([1, PHASE_DONE, 2, 5], dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"rank 1 timed out in phase combine .* waiting for rank 2 \(epoch 5\)"):
         ranks[1].check()
+    ranks[0].region("flags")[grid_sync_slot(3) + 2] = 3  # the one-launch forward's grid barrier counted 3 timeouts
+    with pytest.raises(RuntimeError, match=r"rank 0's one-launch forward timed out 3 time\(s\) at a grid barrier"):
+        ranks[0].check()
 
 
 def test_bad_workspace_and_inputs_raise_before_any_launch():
@@ -131,3 +136,15 @@ def test_fused_dispatch_is_for_forwards_that_keep_nothing_and_its_geometry_is_ch
         ops.grouped_gemm(a, b, tiles, gather_ranks=(2, 512))
     with pytest.raises(ValueError, match=r"gather_ranks: expected \(world >= 1, rank stride >= 512 elements"):
         ops.grouped_gemm(a, b, tiles, gather=rows, gather_ranks=(2, 500))
+
+
+def test_one_launch_forward_refuses_a_capacity_bound_and_other_forward_modes_before_launching():
+    layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
+    x, idx, w, experts, _ = random_layer(8, 16, 8, 4, 2, seed=3, dtype=torch.bfloat16)
+    local = [e[:2].contiguous() for e in experts]
+    bounded = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0, capacity=128)
+    with pytest.raises(ValueError, match=r"one_launch: only with the worst-case capacity .* got capacity=128"):
+        ep_moe_forward(bounded, x, idx.int(), w, *local, one_launch=True)
+    ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
+    with pytest.raises(ValueError, match="fused_dispatch, overlap_dispatch, one_launch: at most one"):
+        ep_moe_forward(ws, x, idx.int(), w, *local, one_launch=True, overlap_dispatch=True)

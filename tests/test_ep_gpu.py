@@ -58,12 +58,13 @@ def split(world, counts, x, idx, w, experts, shared):
     (4, (100, 37, 250, 1), 8, 4, 256, "uniform"),  # EP = 4 (issue 7's size, emulated)
     (2, (0, 300), 8, 1, None, "one_expert"),  # rank 0 sends nothing; every token of rank 1 to expert 0, on rank 0
 ])
-@pytest.mark.parametrize("dispatch", [{}, {"fused_dispatch": True}, {"overlap_dispatch": True}])
+@pytest.mark.parametrize("dispatch", [{}, {"fused_dispatch": True}, {"overlap_dispatch": True}, {"one_launch": True}])
 def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter, routing, dispatch):
     """EP = W emulated on one GPU: within 1e-2 of the fp32 reference, bit for bit the single-GPU
     forward on the concatenated batch, and the same bits over 20 calls; with ``fused_dispatch``
     the gate/up GEMM pulls its rows from the ranks' published x itself, with ``overlap_dispatch``
-    its idle producer warps copy them into x_rows while its tiles run."""
+    its idle producer warps copy them into x_rows while its tiles run, with ``one_launch`` the
+    whole forward of a rank is one kernel (its ranks resident at once on their share of the SMs)."""
     from mok.reference import moe_reference
 
     total = sum(counts)
@@ -80,18 +81,19 @@ def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter,
         assert torch.equal(torch.cat(run_ranks(workspaces, args, **dispatch)), first)
 
 
-def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang():
+@pytest.mark.parametrize("dispatch", [{}, {"one_launch": True}])
+def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang(dispatch):
     x, idx, w, experts, _ = gpu_layer(64, 512, 256, 4, 2, None, seed=5)
     layout = EPLayout(world=2, max_tokens=64, hidden=512, topk=2)
     ws0, _ = EPWorkspace.local_group(layout)
     args = split(2, (32, 32), x, idx, w, experts, None)[0]
-    ep_moe_forward(ws0, *args, timeout_s=0.2)  # rank 1 never calls
+    ep_moe_forward(ws0, *args, timeout_s=0.2, **dispatch)  # rank 1 never calls
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match=r"rank 0 timed out in phase publish .* waiting for rank 1"):
         ws0.check()
 
 
-def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None):
+def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None, **forward):
     """warm_up for forward and backward: each on its own throwaway workspaces (a forward whose
     waits timed out leaves an error that the next call of its workspace would raise)."""
     from mok.ep import ep_moe_forward_saved
@@ -100,12 +102,12 @@ def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None):
     forward_ws = EPWorkspace.local_group(layout, capacity=capacity)
     backward_ws = EPWorkspace.local_group(layout, capacity=capacity)
     for f, b, a, d in zip(forward_ws, backward_ws, per_rank_args, per_rank_dout):
-        s = ep_moe_forward_saved(f, *a, timeout_s=1e-4)
+        s = ep_moe_forward_saved(f, *a, timeout_s=1e-4, **forward)
         ep_moe_backward(b, d, *a, s, timeout_s=1e-4)
         torch.cuda.synchronize()
 
 
-def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, check=True):
+def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, check=True, **forward):
     """Forward (keeping h) then backward on every rank, each on its own stream."""
     from mok.ep import ep_moe_forward_saved
     from mok.ep_backward import ep_moe_backward
@@ -115,7 +117,7 @@ def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, ch
     torch.cuda.synchronize()
     for ws, args, dout, stream in zip(workspaces, per_rank_args, per_rank_dout, streams):
         with torch.cuda.stream(stream):
-            saved = ep_moe_forward_saved(ws, *args, timeout_s=timeout_s)
+            saved = ep_moe_forward_saved(ws, *args, timeout_s=timeout_s, **forward)
             results.append((saved.out, ep_moe_backward(ws, dout, *args, saved, timeout_s=timeout_s)))
     torch.cuda.synchronize()
     for ws in workspaces if check else ():
@@ -130,10 +132,12 @@ def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, ch
     (4, (100, 37, 250, 1), 8, 4, 256, "zipf"),  # EP = 4 (issue 7's size, emulated)
     (2, (0, 300), 8, 1, 256, "one_expert"),  # rank 0 sends nothing; every token to expert 0, on rank 0
 ])
-def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, shared_inter, routing):
+@pytest.mark.parametrize("forward", [{}, {"one_launch": True}])
+def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, shared_inter, routing, forward):
     """EP = 2, 3 (emulated on one GPU) against the fused single-GPU backward on the concatenated
     batch: dx, d_topk_w and every expert's weight gradients are the same bits; the shared
-    expert's weight gradients, summed over ranks, agree to rounding."""
+    expert's weight gradients, summed over ranks, agree to rounding. ``forward``: the forward
+    the backward follows (its one-launch version keeps h and the rows the same)."""
     from mok.fused_backward import moe_backward
 
     total = sum(counts)
@@ -145,10 +149,10 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
     args = split(world, counts, x, idx, w, experts, shared)
     bounds = [sum(counts[:p]) for p in range(world + 1)]
     douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
-    warm_up_training(layout, args, douts)
+    warm_up_training(layout, args, douts, **forward)
     workspaces = EPWorkspace.local_group(layout)
     for _ in range(2):  # a second training step on the same workspace: the same bits
-        results = run_train_ranks(workspaces, args, douts)
+        results = run_train_ranks(workspaces, args, douts, **forward)
         assert torch.equal(torch.cat([out for out, _ in results]), saved.out)
         grads = [g for _, g in results]
         assert torch.equal(torch.cat([g.dx for g in grads]), want.dx)
@@ -385,3 +389,43 @@ def test_gate_up_gemm_that_pulls_its_rows_fills_them_as_the_dispatch_does(world,
         assert torch.equal(got[:used], want[:used]) and torch.equal(h[:used], want_h[:used])
         assert int(counters[0]) == 0 and int(counters[1]) >= sched.capacity // 128
         assert counters[2:2 + tiles].eq(1).all() and counters[2 + tiles:].eq(0).all()
+
+
+def test_one_launch_ep_forward_is_one_kernel_per_rank_and_replays_from_cuda_graphs():
+    """The one-launch EP forward (no shared expert) is ONE CUDA kernel per rank; captured once per
+    rank in a CUDA graph, replays on new inputs (new routing included) give the single-GPU bits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    world, counts, E, k, hidden = 2, (300, 217), 8, 4, 512
+    total = sum(counts)
+    x, idx, w, experts, _ = gpu_layer(total, hidden, 256, E, k, None, seed=78)
+    layout = EPLayout(world=world, max_tokens=320, hidden=hidden, topk=k)
+    args = split(world, counts, x, idx, w, experts, None)
+    moe_forward(x, idx, w, *experts)
+    warm_up(layout, args, one_launch=True)
+    workspaces = EPWorkspace.local_group(layout)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_ranks(workspaces, args, one_launch=True)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()]
+    assert len(kernels) == world, [e.name for e in kernels]
+    graphs, captured = [], []
+    for ws, a in zip(workspaces, args):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured.append(ep_moe_forward(ws, *a, timeout_s=20.0, one_launch=True))
+        graphs.append(graph)
+    for step in range(3):
+        x2, idx2, w2, _, _ = gpu_layer(total, hidden, 256, E, k, None, seed=200 + step, routing=("uniform", "zipf", "one_expert")[step])
+        for p, (lo, hi) in enumerate(((0, counts[0]), (counts[0], total))):
+            for static, new in zip(args[p][:3], (x2, idx2, w2)):
+                static.copy_(new[lo:hi])
+        want = moe_forward(x2, idx2, w2, *experts).out
+        streams = [torch.cuda.Stream() for _ in graphs]
+        torch.cuda.synchronize()
+        for graph, stream in zip(graphs, streams):
+            with torch.cuda.stream(stream):
+                graph.replay()
+        torch.cuda.synchronize()
+        for ws in workspaces:
+            ws.check()
+        assert torch.equal(torch.cat(captured), want)

@@ -274,6 +274,28 @@ def test_one_launch_forward_combining_last_keeps_its_registers():
     assert ptxas_spill_bytes(ptx) in (0, None)
 
 
+def test_one_launch_ep_forward_adds_system_scope_flags_and_pushes_not_float_atomics():
+    """The expert-parallel one-launch forward: the single-GPU one-launch kernel's WGMMAs (fc1 rows by
+    cp.async, weights by TMA) with fc2's tile pushed out by the producer's idle warps (no TMA store
+    of y), the epoch flags as system-scope release exchanges and acquire reads bounded by
+    %globaltimer, the first error kept by a compare-and-swap; integer atomics only, no spills."""
+    from mok.kernels import expert_mlp_variant
+
+    one = expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64, combine_phase=True)
+    ep = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64, combine_phase=True, ep_world=2), "sm_90a")
+    plain = compiled_ptx(one, "sm_90a")
+    for pattern in (r"wgmma\.mma_async", r"cp\.async\.cg\.shared\.global"):
+        assert count(pattern, ep) == count(pattern, plain), pattern
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ep) < count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", plain)
+    atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", ep))
+    assert atomics - set(re.findall(r"\b(?:atom|red)\.[\w.:]+", plain)) == {
+        "atom.global.sys.release.exch.b32", "atom.global.sys.acquire.add.u32", "atom.global.sys.cas.b32",
+    }
+    assert not any(".f32" in a or ".f16" in a or ".bf16" in a for a in atomics)
+    assert count(r"fence\.acq_rel\.sys", ep) >= 2 and count(r"st\.global\.cs\.v4", ep) >= 1
+    assert count(r"\.local", ep) == 0 and ptxas_spill_bytes(ep) in (0, None)
+
+
 def test_gate_up_gemm_that_pulls_its_rows_keeps_its_wgmmas_and_copies_with_idle_warps():
     """pull_a: the same WGMMAs and TMA loads as the plain gate/up GEMM; the copy warps keep four
     16-byte loads in flight before their four stores, take row tiles with a relaxed add and

@@ -173,14 +173,15 @@ def grouped_gemm_variant(
 
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
-    schedule_experts: int | None = None, combine_phase: bool = False,
+    schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None,
 ) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
     persistent launch, tiles taken in one global order, each fc2 row tile waiting for its fc1
     row tile; ``combine``: fc2 also writes the layer output (with a shared expert's output:
     ``has_shared``); ``schedule_experts`` (E, with ``combine``): the schedule of the routing is
     built in the same launch first, so the launch is the whole forward; ``combine_phase`` (with
-    it): the combine as a last phase after a grid barrier, not in fc2's epilogue. See
+    it): the combine as a last phase after a grid barrier, not in fc2's epilogue; ``ep_world`` (W,
+    with both): the whole expert-parallel forward of one rank of W, exchanges included. See
     mok/kernels/sm90/expert_mlp.py."""
     # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
     fc2_tile_n = default_tile_n(hidden, inter, False)
@@ -189,6 +190,8 @@ def expert_mlp_variant(
         options["schedule_experts"] = schedule_experts
     if combine_phase:
         options["combine_phase"] = True
+    if ep_world is not None:
+        options["ep_world"] = ep_world
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
@@ -197,7 +200,7 @@ def expert_mlp_variant(
 
         return compile_expert_mlp(
             hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared,
-            fc2_tile_n=fc2_tile_n, schedule_experts=schedule_experts, combine_phase=combine_phase,
+            fc2_tile_n=fc2_tile_n, schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world,
         )
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)

@@ -7,6 +7,7 @@ Per rank, in int32 words of the flag region (see mok/ep.py for the byte layout):
 
     [0] epoch   [1, 1+W) published-by-rank   [1+W, 1+2W) done-by-rank
     [1+2W, 1+2W+4) error record   [5+2W] this rank's token count
+    [6+2W, 10+2W) the grid-barrier words of this rank's one-launch forward (mok/ep_one_launch.py)
 
 The error record is (1, phase, peer, epoch) for a wait that timed out, or (2, rank, rows
 needed, capacity) when rank's experts were given more rows than a bounded capacity holds;
@@ -27,6 +28,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from .. import GRID_SYNC_WORDS
 from .waits import wait_at_least
 
 VECTOR = 8  # bf16 elements per 16-byte access
@@ -36,7 +38,7 @@ ERROR_TIMEOUT, ERROR_CAPACITY = 1, 2
 
 def flag_words(world: int) -> int:
     """int32 words of one rank's flag region (padded to 128 bytes)."""
-    return -(-(6 + 2 * world) // 32) * 32
+    return -(-(grid_sync_slot(world) + GRID_SYNC_WORDS) // 32) * 32
 
 
 def epoch_slot() -> int:
@@ -53,6 +55,12 @@ def error_slot(world: int) -> int:
 
 def tokens_slot(world: int) -> int:
     return 5 + 2 * world
+
+
+def grid_sync_slot(world: int) -> int:
+    """The first of the one-launch forward's grid-barrier words: per workspace and rank (not per
+    stream: the ranks' CUDA graphs may all be captured on one stream and replayed at once)."""
+    return 6 + 2 * world
 
 
 class EpSignalKernel:
@@ -107,13 +115,20 @@ class EpWaitKernel:
             epoch = m_flags[rank, epoch_slot()]
             slot = m_flags[rank, None].iterator + (1 + self.phase * self.world + lane)
             seen = wait_at_least(slot, epoch, timeout_ns, "sys")
-            if seen < epoch:  # timed out: record (1, phase, peer, epoch) and give up; the first error stays
-                err = error_slot(self.world)
-                record = m_flags[rank, None].iterator + err
-                if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_TIMEOUT), scope="sys") == 0:
-                    m_flags[rank, err + 1] = self.phase
-                    m_flags[rank, err + 2] = lane
-                    m_flags[rank, err + 3] = epoch
+            if seen < epoch:  # timed out: record it and give up
+                record_timeout(m_flags, rank, self.world, self.phase, lane, epoch)
+
+
+@cute.jit
+def record_timeout(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], peer, epoch):
+    """A wait for ``peer``'s ``phase`` of ``epoch`` timed out: (1, phase, peer, epoch) into this
+    rank's error record, unless one is there already (the first error stays)."""
+    err = error_slot(world)
+    record = m_flags[rank, None].iterator + err
+    if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_TIMEOUT), scope="sys") == 0:
+        m_flags[rank, err + 1] = phase
+        m_flags[rank, err + 2] = peer
+        m_flags[rank, err + 3] = epoch
 
 
 class EpRoutingGatherKernel:

@@ -53,10 +53,12 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common import ep_phases
 from ..common.combine import VECTOR, combine_vector
+from ..common.ep import flag_words
 from ..common.schedule import ScheduleKernel
 from ..common.waits import grid_barrier, wait_at_least
-from .grouped_gemm import GroupedGemmSm90
+from .grouped_gemm import SCATTER_ELEMS, SCATTER_THREADS, GroupedGemmSm90
 from .wgmma_tile import TILE_K
 
 TILE = 128  # row and column tile of both GEMMs (the fc1 buffers hold the fc2 stages)
@@ -69,13 +71,15 @@ class ExpertMlpSm90:
 
     def __init__(
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
-        fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False,
+        fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None,
     ):
         """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
         ``schedule_experts``: E, to build the schedule of the routing in the same launch first (the
         whole forward in one launch; only with ``combine``). ``combine_phase`` (with
         ``schedule_experts``): fc2 stores y rows and the combine runs after a second grid barrier,
-        over all CTAs' MMA warps, as the combine launch would, instead of in fc2's epilogue."""
+        over all CTAs' MMA warps, as the combine launch would, instead of in fc2's epilogue.
+        ``ep_world`` (with ``combine_phase``): the expert-parallel forward of one rank of W in this
+        one launch (see "Expert parallelism" in the module docstring)."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
@@ -84,6 +88,9 @@ class ExpertMlpSm90:
             raise ValueError("schedule_experts: only with combine (a one-launch forward)")
         if combine_phase and schedule_experts is None:
             raise ValueError("combine_phase: only with schedule_experts (its grid barrier)")
+        if ep_world is not None and (not combine_phase or not 1 <= ep_world <= 32):
+            raise ValueError(f"ep_world: expected 1..32 ranks, with combine_phase; got {ep_world}, combine_phase={combine_phase}")
+        self.ep_world = ep_world
         self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.combine = combine and not combine_phase  # in fc2's epilogue
@@ -93,7 +100,7 @@ class ExpertMlpSm90:
         )
         self.fc2 = GroupedGemmSm90(
             hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, combine=self.combine, topk=topk,
-            has_shared=has_shared and self.combine,
+            has_shared=has_shared and self.combine, scatter=ep_world is not None,  # EP: y rows into their tokens' ranks
         )
         self.fc2_tile_n = fc2_tile_n
         self.region_elems = 3 * TILE * TILE_K * self.fc1.ab_stage  # fc1: A, B, B2 per stage
@@ -126,13 +133,31 @@ class ExpertMlpSm90:
         counts_ptr: cute.Pointer,
         overflow_ptr: cute.Pointer,
         sync_ptr: cute.Pointer,
+        flags_ptr: cute.Pointer,
+        x_pub_ptr: cute.Pointer,
+        idx_pub_ptr: cute.Pointer,
+        slots_ptr: cute.Pointer,
+        x_in_ptr: cute.Pointer,
+        idx_in_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
         max_ctas: cutlass.Int32,
         timeout_ns: cutlass.Int64,
+        rank: cutlass.Int32,
+        t_max: cutlass.Int32,
+        my_tokens: cutlass.Int32,
+        flags_stride: cutlass.Int32,
+        x_stride: cutlass.Int32,
+        idx_stride: cutlass.Int32,
+        slots_stride: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        """Without ``ep_world`` the EP arguments (flags_ptr ... idx_in_ptr, rank ... slots_stride) are
+        unused. With it: x_ptr is x_all [W·T_max, H] and topk_idx_ptr the routing [W·T_max, k] this
+        launch fills, num_tokens = W·T_max; topk_w, shared and out are this rank's ``my_tokens``
+        rows; flags, x_pub, idx_pub and slots are rank 0's regions of the workspace (each rank's
+        ``*_stride`` elements further), x_in and idx_in this rank's inputs."""
         hid, inter = self.hidden, self.inter
         num_row_tiles = (num_rows + TILE - 1) // TILE
         row_major = lambda ptr, rows, cols: cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))  # noqa: E731
@@ -145,7 +170,8 @@ class ExpertMlpSm90:
         m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
         tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
-        m_token_w = cute.make_tensor(topk_w_ptr, tokens_by_slot)
+        combined = num_tokens if cutlass.const_expr(self.ep_world is None) else my_tokens  # the tokens the combine writes
+        m_token_w = cute.make_tensor(topk_w_ptr, cute.make_layout((combined, self.topk), stride=(self.topk, 1)))
         m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
         # counters: [error, next tile | ready per row tile | arrivals per (token, fc2 column tile)], zeroed by the schedule launch
         m_flags = cute.make_tensor(counters_ptr, cute.make_layout((2,)))
@@ -160,7 +186,26 @@ class ExpertMlpSm90:
                 vec(counts_ptr, num_experts), m_offsets, m_row_token, m_row_slot, vec(slot_row_ptr, pairs), m_tiles,
                 vec(overflow_ptr, 1), vec(counters_ptr, 2 + num_row_tiles + num_tokens * (hid // self.fc2_tile_n)),
             )
-            sched_args = (vec(topk_idx_ptr, pairs), outputs, sync_ptr, pairs)
+            sched_args = (vec(topk_idx_ptr, pairs), outputs, sync_ptr, pairs, rank * num_experts)
+        ep_args = scatter_dst = None
+        m_y_combined = m_y
+        if cutlass.const_expr(self.ep_world is not None):
+            w, k = self.ep_world, self.topk
+            x_stride = cute.assume(x_stride, divby=VECTOR)  # (ep.py keeps every region 128-byte aligned)
+            slots_stride = cute.assume(slots_stride, divby=VECTOR)
+            ep_args = (
+                cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1))),
+                cute.make_tensor(x_pub_ptr, cute.make_layout((w, t_max * hid), stride=(x_stride, 1))),
+                cute.make_tensor(idx_pub_ptr, cute.make_layout((w, t_max * k), stride=(idx_stride, 1))),
+                cute.make_tensor(x_in_ptr, cute.make_layout((my_tokens * hid,))),
+                cute.make_tensor(idx_in_ptr, cute.make_layout((my_tokens * k,))),
+                cute.make_tensor(topk_idx_ptr, cute.make_layout((num_tokens * k,))),
+                row_major(x_ptr, num_tokens, hid),
+                rank, t_max, my_tokens, rank * num_experts,
+            )
+            # fc2's pushes: rank 0's slots on as 16-byte vectors (grouped_gemm.scatter_tile); the combine: this rank's [T_max·k, H]
+            scatter_dst = (cute.zipped_divide(cute.make_tensor(slots_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), t_max, slots_stride)
+            m_y_combined = row_major(slots_ptr + rank * slots_stride, t_max * k, hid)
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
         a2_smem, b2_smem, _ = self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))
@@ -173,12 +218,19 @@ class ExpertMlpSm90:
         tma_h, t_h = self.fc1.store_atom(m_h, epi_smem)  # swiglu_save only
         tma_y, t_y = self.fc2.store_atom(m_y, epi_smem)
 
+        ep = self.ep_world is not None
+
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.fc1.ab_stage * 2]
             mbar2: cute.struct.MemRange[cutlass.Int64, self.fc2.ab_stage * 2]
             tile_mbar: cute.struct.MemRange[cutlass.Int64, RING * 2]
             s_tiles: cute.struct.MemRange[cutlass.Int32, RING + 1]  # the ring, then the producer warps' broadcast slot
+            # ep_world only (one element otherwise): fc2's epilogue subtiles and tile indices to the scattering warps
+            epi_mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.fc2.epi_stage if ep else 1]
+            scatter_mbar: cute.struct.MemRange[cutlass.Int64, 2 * RING if ep else 1]
+            s_scatter: cute.struct.MemRange[cutlass.Int32, RING if ep else 1]
+            s_dest: cute.struct.MemRange[cutlass.Int32, TILE if ep else 1]
             s_ab: cute.struct.Align[cute.struct.MemRange[self.fc1.ab_dtype, self.region_elems], self.fc1.buffer_align_bytes]
             s_c: cute.struct.Align[cute.struct.MemRange[self.fc1.c_dtype, cute.cosize(epi_smem)], self.fc1.buffer_align_bytes]
 
@@ -188,14 +240,15 @@ class ExpertMlpSm90:
         fc1_args = ((tma_x, t_x, tma_wg, t_wg, tma_wu, t_wu), (tma_a_st, t_a_st, tma_h, t_h, tma_h, t_h))
         fc2_args = ((tma_a, t_a, tma_wd, t_wd, tma_wd, t_wd), (tma_y, t_y, tma_y, t_y, tma_y, t_y))
         m_shared = row_major(shared_ptr, num_tokens, hid)
-        m_out = row_major(out_ptr, num_tokens, hid)
-        combine_args = (m_y, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
+        m_shared = row_major(shared_ptr, combined, hid)
+        m_out = row_major(out_ptr, combined, hid)
+        combine_args = (m_y_combined, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
         all_tiles = num_row_tiles * (inter // TILE + hid // self.fc2_tile_n)
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, m_x, m_tiles, m_flags, m_ready, m_offsets,
-            num_experts, num_row_tiles, num_rows, timeout_ns,
+            fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, ep_args, scatter_dst, m_x, m_tiles, m_flags, m_ready,
+            m_offsets, num_experts, num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -207,6 +260,8 @@ class ExpertMlpSm90:
         combine_args: tuple,
         mma_args: tuple,
         sched_args: tuple,
+        ep_args: tuple,
+        scatter_dst: tuple,
         m_x: cute.Tensor,
         m_tiles: cute.Tensor,
         m_flags: cute.Tensor,
@@ -235,7 +290,7 @@ class ExpertMlpSm90:
         storage = smem.allocate(self.shared_storage)
         region = storage.s_ab.data_ptr()  # fc1: [A | B | B2] stages; fc2: [A | B] stages (first the schedule's scratch)
         if cutlass.const_expr(self.schedule is not None):
-            self.build_schedule(sched_args, region, num_rows, timeout_ns)
+            self.build_schedule(sched_args, ep_args, region, num_rows, timeout_ns)
         used_rows = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles)  # the schedule's (padded) row tiles
         fc1_tiles = used_rows * fc1_cols
         all_tiles = fc1_tiles + used_rows * fc2_cols
@@ -248,6 +303,16 @@ class ExpertMlpSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.fc1.consumer_threads),
             defer_sync=True,
         )
+        epi_pipe = scatter_ring = None
+        if cutlass.const_expr(self.ep_world is not None):
+            epi_pipe = self.fc2.scatter_pipeline(storage)
+            scatter_ring = pipeline.PipelineAsync.create(
+                barrier_storage=storage.scatter_mbar.data_ptr(),
+                num_stages=RING,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, SCATTER_THREADS),
+                defer_sync=True,
+            )
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         s_a = self.smem_view(region, a_smem)
         s_b = self.smem_view(region + cute.cosize(a_smem), b_smem)
@@ -256,6 +321,8 @@ class ExpertMlpSm90:
         s_bd = self.smem_view(region + cute.cosize(a2_smem), b2_smem)
         s_c = storage.s_c.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         s_tiles = storage.s_tiles.get_tensor(cute.make_layout(RING + 1))
+        s_scatter = storage.s_scatter.get_tensor(cute.make_layout(RING))
+        s_dest = storage.s_dest.get_tensor(cute.make_layout(TILE))
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if tidx < 128:  # producer warpgroup
@@ -272,6 +339,7 @@ class ExpertMlpSm90:
             if warp_idx == 0:  # warps 1-3 are done: fc2's A comes by TMA
                 pipe1.producer_tail(prod)  # every fc1 stage consumed: fc2's stages may take the region
                 prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
+                scattered = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RING)
                 while tile < all_tiles:
                     tile_row, tile_col = self.fc2.grouped_tile(tile - fc1_tiles, used_rows, fc2_cols)
                     if tidx == 0:
@@ -281,7 +349,14 @@ class ExpertMlpSm90:
                     loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, m_tiles[tile_row])
                     prod2 = self.fc2.produce_tile(pipe2, prod2, loads, k2_tiles)
                     tile, handed = self.take_next(m_flags, ring, handed, s_tiles, tidx, warp_only=True)
+                    if cutlass.const_expr(self.ep_world is not None):
+                        scattered = self.hand_to_scatter(scatter_ring, scattered, s_scatter, tile, tidx)
                 pipe2.producer_tail(prod2)
+            elif cutlass.const_expr(self.ep_world is not None):  # warps 1-3 push fc2's tiles (the first index they have)
+                self.scatter_phase(
+                    tile, fc1_tiles, all_tiles, used_rows, fc2_cols, scatter_ring, s_scatter, epi_pipe, s_c, s_dest,
+                    m_row_token, row_args[3], num_rows, scatter_dst, tidx - 32,
+                )
             if cutlass.const_expr(self.combine_phase):
                 grid_barrier(sched_args[2], timeout_ns, leader=128)  # (the MMA warps' thread 0 arrives and polls)
         else:  # the two MMA warpgroups
@@ -307,6 +382,9 @@ class ExpertMlpSm90:
                 pending = tile_row
                 tile, given = self.handed_tile(ring, given, s_tiles)
             self.publish(warp_idx, m_ready, pending)  # before any fc2 tile: its producer may wait for this one
+            epi_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc1.epi_stage)  # (ep_world only)
+            if cutlass.const_expr(self.ep_world is not None):
+                self.fc1.epilogue_sync()  # the store warp's TMA stores have read the epilogue buffers the scatter refills
 
             r_a2, r_bd, _, acc_d, _ = self.fc2.mma_fragments(mma2, mma_tidx, s_a2, s_bd, s_bd)
             cons2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.ab_stage)
@@ -319,9 +397,12 @@ class ExpertMlpSm90:
                     token = self.fc2.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
                 acc_d.fill(0.0)
                 cons2, release2 = self.fc2.consume_tile(pipe2, mma2, acc_d, acc_d, r_a2, r_bd, r_bd, k2_tiles, cons2, release2)
-                self.fc2.epilogue(
-                    mma_tidx, warp_idx, mma2, acc_d, acc_d, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
-                )
+                if cutlass.const_expr(self.ep_world is not None):
+                    epi_prod = self.fc2.scatter_epilogue(mma_tidx, mma2, acc_d, s_c, epi_pipe, epi_prod)
+                else:
+                    self.fc2.epilogue(
+                        mma_tidx, warp_idx, mma2, acc_d, acc_d, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
+                    )
                 if cutlass.const_expr(self.combine):
                     self.fc2.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
                 tile, given = self.handed_tile(ring, given, s_tiles)
@@ -330,18 +411,25 @@ class ExpertMlpSm90:
             if cutlass.const_expr(self.combine_phase):
                 self.publish(warp_idx, m_ready, cutlass.Int32(-1))  # every y row stored and visible before the barrier
                 grid_barrier(sched_args[2], timeout_ns, leader=128)
+                if cutlass.const_expr(self.ep_world is not None):  # every rank's pushes into this rank's slots
+                    ep_phases.signal_done_and_wait(ep_args, self.ep_world, timeout_ns, mma_tidx, 0)
+                    self.fc1.epilogue_sync()
                 self.combine_all(mma_tidx, combine_args)
 
     @cute.jit
-    def build_schedule(self, sched_args, region, num_rows, timeout_ns):
+    def build_schedule(self, sched_args, ep_args, region, num_rows, timeout_ns):
         """The one-launch forward's prologue: every CTA builds its part of the schedule (scratch in the
         operand region, which the pipelines take over afterwards; it also zeroes the counters), then
         all wait for all (grid barrier), as the next launch would have."""
-        m_idx, outputs, sync_ptr, pairs = sched_args
+        m_idx, outputs, sync_ptr, pairs, expert_lo = sched_args
+        if cutlass.const_expr(self.ep_world is not None):  # the routing (and x rows) of every rank first
+            ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns)
+            ep_phases.gather_routing_and_rows(ep_args, self.ep_world, self.topk, self.hidden, self.schedule.num_local, self.threads)
+            grid_barrier(sync_ptr, timeout_ns, last=False)
         scratch = cute.make_tensor(
             cute.recast_ptr(region, dtype=cutlass.Int32), cute.make_layout(self.schedule.scratch_words(self.threads))
         )
-        self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, cutlass.Int32(0), num_rows)
+        self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows)
         cute.arch.fence_proxy("async.shared", space="cta")  # the scratch's generic writes before TMA writes to the region
         grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase)
 
@@ -359,8 +447,9 @@ class ExpertMlpSm90:
         total = cute.size(m_out, mode=[0]) * chunks
         for v in cutlass.range(cta * workers + mma_tidx, total, ctas * workers, unroll=1):
             token = v // chunks
-            combine_vector(
-                m_y, m_slot_row, m_token_w, m_shared, m_out, token, v - token * chunks, self.topk, self.has_shared, False, True
+            combine_vector(  # EP: the slots [t, j] the ranks pushed, in j order (dense)
+                m_y, m_slot_row, m_token_w, m_shared, m_out, token, v - token * chunks, self.topk, self.has_shared, False,
+                self.ep_world is None,
             )
 
     @cute.jit
@@ -414,6 +503,36 @@ class ExpertMlpSm90:
         if wait_at_least(m_ready.iterator + tile_row, target, timeout_ns, "gpu") < target:
             m_flags[0] = 1
 
+    @cute.jit
+    def hand_to_scatter(self, scatter_ring, state, s_scatter, tile, tidx):
+        """``ep_world``, warp 0 in fc2: thread 0 passes the next tile index on to the scattering warps. Returns the advanced state."""
+        if tidx == 0:
+            scatter_ring.producer_acquire(state)
+            s_scatter[state.index] = tile
+            scatter_ring.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def scatter_phase(
+        self, tile, fc1_tiles, all_tiles, used_rows, fc2_cols, scatter_ring, s_scatter, epi_pipe, s_c, s_dest, m_row_token, m_row_slot,
+        num_rows, scatter_dst, tid,
+    ):
+        """``ep_world``, producer warps 1-3 (``tid`` 0..95) from the first fc2 ``tile`` on: push each fc2
+        tile's rows, as the MMA warps hand them over, into their tokens' slots on their tokens' ranks
+        (grouped_gemm.scatter_tile); the next index from warp 0 (``hand_to_scatter``). Ends with a
+        system-scope fence: the pushes before the grid barrier that precedes the done signal."""
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fc2.epi_stage)
+        got = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RING)
+        while tile < all_tiles:
+            tile_row, tile_col = self.fc2.grouped_tile(tile - fc1_tiles, used_rows, fc2_cols)
+            cons = self.fc2.scatter_tile(epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, scatter_dst, tid)
+            scatter_ring.consumer_wait(got)
+            tile = s_scatter[got.index]
+            scatter_ring.consumer_release(got)
+            got.advance()
+        cute.arch.fence_acq_rel_sys()
+
     def smem_view(self, ptr, layout):
         """A staged operand layout (swizzle, outer) placed at ``ptr`` in the shared operand region."""
         return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=self.fc1.ab_dtype), layout.outer)
@@ -422,22 +541,25 @@ class ExpertMlpSm90:
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
     has_shared: bool = False, fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False,
+    ep_world: int | None = None,
 ):
-    """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap and the timeout are runtime arguments
-    (with ``schedule_experts``, E must be that)."""
+    """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap, the timeout and the EP
+    ints are runtime arguments (with ``schedule_experts``, E must be that)."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
     bf16 = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
     i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
+    one = cutlass.Int32(1)
     args = (
         bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), i32(), i32(), i32(),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(), i32(), i32(), i32(), i32(),
-        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1), make_fake_stream(),
+        i32(), bf16(), i32(), bf16(), bf16(), i32(),  # the EP regions and inputs
+        cutlass.Int32(128), one, one, one, cutlass.Int64(1), one, one, one, one, one, one, one, make_fake_stream(),
     )
     kernel = ExpertMlpSm90(
         hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n,
-        schedule_experts=schedule_experts, combine_phase=combine_phase,
+        schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")

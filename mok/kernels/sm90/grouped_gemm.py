@@ -603,41 +603,48 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
     @cute.jit
     def scatter_tiles(self, epi_pipe, s_c, s_dest, tiles, m_row_token, m_row_slot, num_rows, m_dst, tid):
-        """``scatter``, producer warps 1-3 (``tid`` 0..95): walk the CTA's tiles as the MMA warps do;
-        per tile, each row's first element in the slots (rank 0's slots on; -1 for padding rows)
-        into ``s_dest``, then per subtile copy the handed-over buffer out, 16 bytes per store."""
+        """``scatter``, producer warps 1-3 (``tid`` 0..95): walk the CTA's tiles as the MMA warps do
+        and copy each one out (:meth:`scatter_tile`)."""
         first, step, all_tiles, num_row_tiles, col_tiles, m_tiles = tiles
-        m_vecs, rows_per_rank, rank_stride = m_dst
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        per_row = SCATTER_COLS // VECTOR
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.epi_stage)
         linear = first
         while linear < all_tiles:
             tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
             if m_tiles[tile_row] >= 0:
-                self.scatter_sync()  # the previous tile's destinations are read no more
-                for r in cutlass.range(tid, tile_m, SCATTER_THREADS, unroll=1):
-                    row = tile_row * tile_m + r
-                    dest = cutlass.Int32(-1)  # (every slot lies within 2^31 elements: the op checks it)
-                    if row < num_rows:
-                        g = m_row_token[row]
-                        if g >= 0:
-                            dest = (g // rows_per_rank) * rank_stride + ((g % rows_per_rank) * self.topk + m_row_slot[row]) * self.n
-                    s_dest[r] = dest
-                self.scatter_sync()
-                for epi in cutlass.range(tile_n // SCATTER_COLS, unroll=1):
-                    epi_pipe.consumer_wait(cons)
-                    col0 = tile_col * tile_n + epi * SCATTER_COLS
-                    for v in cutlass.range(tid, tile_m * per_row, SCATTER_THREADS, unroll=1):
-                        chunk = v % per_row
-                        dest = s_dest[v // per_row]
-                        if dest >= 0:
-                            src = cute.zipped_divide(s_c[v // per_row, None, cons.index], (VECTOR,))[None, chunk]
-                            dst = m_vecs[None, (dest + col0 + chunk * VECTOR) // VECTOR]
-                            cute.arch.store(dst.iterator, src.load(), cop="cs")  # streaming: y is read once, by the combine
-                    epi_pipe.consumer_release(cons)
-                    cons.advance()
+                cons = self.scatter_tile(epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, m_dst, tid)
             linear += step
+
+    @cute.jit
+    def scatter_tile(self, epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, m_dst, tid):
+        """``scatter``, producer warps 1-3, one tile: each row's first element in the slots (rank 0's
+        slots on; -1 for padding rows) into ``s_dest``, then per subtile copy the handed-over buffer
+        out, 16 bytes per store. Returns the advanced epilogue-pipeline state."""
+        m_vecs, rows_per_rank, rank_stride = m_dst
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        per_row = SCATTER_COLS // VECTOR
+        self.scatter_sync()  # the previous tile's destinations are read no more
+        for r in cutlass.range(tid, tile_m, SCATTER_THREADS, unroll=1):
+            row = tile_row * tile_m + r
+            dest = cutlass.Int32(-1)  # (every slot lies within 2^31 elements: the op checks it)
+            if row < num_rows:
+                g = m_row_token[row]
+                if g >= 0:
+                    dest = (g // rows_per_rank) * rank_stride + ((g % rows_per_rank) * self.topk + m_row_slot[row]) * self.n
+            s_dest[r] = dest
+        self.scatter_sync()
+        for epi in cutlass.range(tile_n // SCATTER_COLS, unroll=1):
+            epi_pipe.consumer_wait(cons)
+            col0 = tile_col * tile_n + epi * SCATTER_COLS
+            for v in cutlass.range(tid, tile_m * per_row, SCATTER_THREADS, unroll=1):
+                chunk = v % per_row
+                dest = s_dest[v // per_row]
+                if dest >= 0:
+                    src = cute.zipped_divide(s_c[v // per_row, None, cons.index], (VECTOR,))[None, chunk]
+                    dst = m_vecs[None, (dest + col0 + chunk * VECTOR) // VECTOR]
+                    cute.arch.store(dst.iterator, src.load(), cop="cs")  # streaming: y is read once, by the combine
+            epi_pipe.consumer_release(cons)
+            cons.advance()
+        return cons
 
     @cute.jit
     def pull_rows(self, m_pull, m_tiles, num_row_tiles, num_rows, m_row_token, s_task, tid):

@@ -1,0 +1,82 @@
+"""The expert-parallel forward of one rank in ONE kernel launch (plus 2 for a shared expert).
+
+The multi-launch forward of mok/ep.py (publish, signal, wait, routing gather, schedule, dispatch,
+two grouped GEMMs, done signal, wait, combine: ~14 launches) as one persistent kernel
+(mok/kernels/sm90/expert_mlp.py with ``ep_world``): every CTA publishes its share of this rank's x
+and routing, the ranks meet on the workspace's epoch flags, every CTA gathers every rank's
+routing and copies the tokens routed here into x_all, builds its part of the schedule, runs the
+expert MLP's tiles (fc2 pushing each y row into its token's slot on its token's rank), and
+after the done handshake combines this rank's tokens. Every wait is bounded; a timeout lands in
+the workspace's error record (raised by a later call, or :meth:`EPWorkspace.check`).
+
+The same operations in the same order as the multi-launch forward: the same bits, which are
+those of the single-GPU forward of the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .ep import EPForwardResult, EPWorkspace
+from .fused_forward import shared_expert_forward
+from .kernels import GRID_SYNC_WORDS, expert_mlp_variant
+from .kernels.common.ep import grid_sync_slot
+from .schedule import worst_case_capacity
+
+BLOCK_M = 128
+
+
+def ep_one_launch_forward(
+    ws: EPWorkspace,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: tuple | None,
+    *,
+    timeout_s: float,
+    save_h: bool,
+    max_ctas: int | None = None,
+) -> EPForwardResult:
+    """:func:`mok.ep.ep_moe_forward_saved` in one launch (inputs already checked by it). ``max_ctas``:
+    the CTA cap (default: every SM, or an equal share of them when the workspace's ranks are
+    emulated on one GPU, where every rank's launch must be resident at once)."""
+    if ws.capacity is not None:
+        raise ValueError(
+            f"one_launch: only with the worst-case capacity (capacity_factor=None) so far, got capacity={ws.capacity} "
+            "(a bounded capacity needs the overflow marking of the multi-launch forward)"
+        )
+    lay, dev = ws.layout, x.device
+    world, t_max, hidden, topk = lay.world, lay.max_tokens, lay.hidden, lay.topk
+    num_local, inter = w_gate.shape[0], w_gate.shape[1]
+    tokens_all = world * t_max
+    capacity = worst_case_capacity(tokens_all, topk, num_local, BLOCK_M)
+    sched = ops._empty_schedule(tokens_all, topk, num_local, capacity, BLOCK_M, dev)
+    routing = torch.empty(tokens_all, topk, dtype=torch.int32, device=dev)
+    x_all = torch.empty(tokens_all, hidden, dtype=x.dtype, device=dev)  # the tokens routed here, by global id
+    a = torch.empty(capacity, inter, dtype=x.dtype, device=dev)
+    h = torch.empty(capacity, 2 * inter, dtype=x.dtype, device=dev) if save_h else None
+    shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if save_h and shared is not None else None
+    shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
+    out = torch.empty(x.shape[0], hidden, dtype=x.dtype, device=dev)
+    counters = ops.expert_mlp_counters(tokens_all, hidden, capacity, dev)  # zeroed by the launch's schedule
+    variant = expert_mlp_variant(
+        hidden, inter, topk, save_h=save_h, combine=True, has_shared=shared is not None, schedule_experts=num_local,
+        combine_phase=True, ep_world=world,
+    )
+    if max_ctas is None and ws.owner is None:  # ranks emulated on one GPU (EPWorkspace.local_group)
+        max_ctas = max(ops._sm_count(dev) // world, 1)
+    strides = tuple(ws.stride_elems(name) for name in ("flags", "x", "idx", "slots"))
+    ep = (ws.region("flags", 0), ws.region("x", 0), ws.region("idx", 0), ws.region("slots", 0), x, topk_idx, ws.rank, t_max, strides)
+    first = grid_sync_slot(world)
+    grid_sync = ws.region("flags")[first:first + GRID_SYNC_WORDS]  # this rank's, zeroed with the workspace
+    ops.launch_expert_mlp(
+        variant, x_all, w_gate, w_up, w_down, a, h, None, sched, topk_w, shared_out, out, counters, timeout_s,
+        topk_idx=routing, grid_sync=grid_sync, ep=ep, max_ctas=max_ctas,
+    )
+    x_rows = ops.gather_rows(x_all, sched.row_token) if save_h else None  # the backward's rows (training only)
+    ws.copy_record()
+    return EPForwardResult(out, sched, x_rows, h, shared_h, routing)

@@ -1,0 +1,136 @@
+"""The expert-parallel phases of the one-launch EP forward (mok/kernels/sm90/expert_mlp.py, ``ep_world``).
+
+The multi-launch EP forward (mok/ep.py) runs these steps as separate kernels; here every CTA of
+the one persistent launch runs its share of each, with grid barriers (common/waits.py) where a
+step needs the previous one complete on this rank, and the workspace's epoch flags (common/ep.py:
+system-scope release/acquire, bounded by %globaltimer, a timeout recorded as (1, phase, peer,
+epoch) in the error record) where it needs the peers:
+
+    publish    copy this rank's x and routing into its published regions; grid barrier; CTA 0
+               advances the epoch and signals every rank; every CTA waits for every rank
+    routing    every rank's routing -> [W·T_max, k] (-1 past a rank's tokens), and each token
+               routed to one of this rank's experts copied once from its rank into x_all[g]
+               (g = p·T_max + t), one warp per token (the schedule and fc1 then read them here)
+    done       after fc2 has pushed every y row into its token's rank (slot [t, j]): CTA 0 signals
+               every rank, every CTA waits for every rank
+    combine    out[t] = shared[t] + Σ_j topk_w[t, j]·slots[t, j] (fp32, j in order)
+
+The argument ``ep`` is the tuple ExpertMlpSm90 packs: (flags [W, words], published x [W, T_max·H],
+published routing [W, T_max·k], this rank's x [T·H], this rank's routing [T·k], routing out
+[W·T_max·k], x_all [W·T_max, H], rank, T_max, T, first local expert).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from .ep import PHASE_DONE, PHASE_PUBLISH, epoch_slot, flag_slot, record_timeout, tokens_slot
+from .waits import grid_barrier, wait_at_least
+
+VECTOR = 8  # bf16 elements per 16-byte access
+COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's row
+
+
+@cute.jit
+def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                     sync, timeout_ns: cutlass.Int64):
+    """All threads of every CTA: this rank's x and routing into its published regions, then the
+    epoch's publish handshake with every rank (see the module docstring)."""
+    m_flags, m_x_pub, m_idx_pub, m_x_in, m_idx_in, _, _, rank, _, num_tokens, _ = ep
+    tid, _, _ = cute.arch.thread_idx()
+    cta, _, _ = cute.arch.block_idx()
+    ctas, _, _ = cute.arch.grid_dim()
+    epoch = m_flags[rank, epoch_slot()] + 1  # read by all before the barrier; CTA 0 writes it after
+    src = cute.zipped_divide(m_x_in, (VECTOR,))
+    dst = cute.zipped_divide(m_x_pub[rank, None], (VECTOR,))
+    for v in cutlass.range(cta * threads + tid, cute.size(m_x_in) // VECTOR, ctas * threads, unroll=1):
+        dst[None, v].store(src[None, v].load())
+    for i in cutlass.range(cta * threads + tid, num_tokens * topk, ctas * threads, unroll=1):
+        m_idx_pub[rank, i] = m_idx_in[i]
+    if cta == 0:
+        if tid == 0:
+            m_flags[rank, tokens_slot(world)] = num_tokens
+    grid_barrier(sync, timeout_ns, last=False)
+    if cta == 0:
+        if tid == 0:
+            m_flags[rank, epoch_slot()] = epoch
+            signal_all(m_flags, rank, world, PHASE_PUBLISH, epoch)
+    wait_all(m_flags, rank, world, PHASE_PUBLISH, epoch, timeout_ns, tid)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def signal_all(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], epoch):
+    """One thread: after a system-scope fence, ``epoch`` into every rank's slot (phase, this rank), release."""
+    cute.arch.fence_acq_rel_sys()
+    for peer in cutlass.range(world, unroll=1):
+        slot = m_flags[peer, None].iterator + flag_slot(phase, rank, world)
+        cute.arch.atomic_exch(slot, epoch, sem="release", scope="sys")
+
+
+@cute.jit
+def wait_all(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], epoch,
+             timeout_ns: cutlass.Int64, tid):
+    """Threads ``tid`` < W: wait (acquire, system scope, bounded) until rank ``tid`` signalled
+    ``phase`` of ``epoch``; on timeout record it and go on. The caller synchronises its threads after."""
+    if tid < world:
+        seen = wait_at_least(m_flags[rank, None].iterator + flag_slot(phase, tid, world), epoch, timeout_ns, "sys")
+        if seen < epoch:
+            record_timeout(m_flags, rank, world, phase, tid, epoch)
+
+
+@cute.jit
+def gather_routing_and_rows(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
+                            num_local: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """All threads of every CTA, after :func:`publish_and_wait`: one warp per global token g =
+    p·T_max + t (grid-strided): lanes j < k write routing[g, j] (rank p's topk_idx[t, j], -1 past
+    its tokens); if one of them is a local expert, the warp copies x of g from rank p into
+    x_all[g] (once, however many local experts it goes to). The caller meets a grid barrier after."""
+    m_flags, m_x_pub, m_idx_pub, _, _, m_routing, m_x_all, rank, t_max, _, expert_lo = ep
+    tid, _, _ = cute.arch.thread_idx()
+    cta, _, _ = cute.arch.block_idx()
+    ctas, _, _ = cute.arch.grid_dim()
+    lane = tid % 32
+    warps = threads // 32
+    tokens = [m_flags[p, tokens_slot(world)] for p in range(world)]  # every rank's token count (published)
+    vectors = hidden // VECTOR
+    for g in cutlass.range(cta * warps + tid // 32, world * t_max, ctas * warps, unroll=1):
+        p = g // t_max
+        t = g - p * t_max
+        count = tokens[0]
+        for q in cutlass.range_constexpr(1, world):
+            if p == q:
+                count = tokens[q]
+        expert = cutlass.Int32(-1)
+        if lane < topk:
+            if t < count:
+                expert = m_idx_pub[p, t * topk + lane]
+            m_routing[g * topk + lane] = expert
+        local = expert >= expert_lo and expert < expert_lo + num_local
+        if cute.arch.vote_any_sync(local):
+            src = cute.zipped_divide(m_x_pub[p, None], (VECTOR,))
+            dst = cute.zipped_divide(m_x_all[g, None], (VECTOR,))
+            first = t * vectors
+            for base in cutlass.range(lane, vectors, 32 * COPY_DEPTH, unroll=1):
+                vals = []
+                for i in cutlass.range_constexpr(COPY_DEPTH):
+                    v = cutlass.min(base + i * 32, vectors - 1)  # (a clamped lane re-reads the last vector, stores nothing)
+                    vals.append(src[None, first + v].load())
+                for i in cutlass.range_constexpr(COPY_DEPTH):
+                    if base + i * 32 < vectors:
+                        dst[None, base + i * 32].store(vals[i])
+
+
+@cute.jit
+def signal_done_and_wait(ep: tuple, world: cutlass.Constexpr[int], timeout_ns: cutlass.Int64, tid, leader):
+    """After every CTA's pushes are complete (a grid barrier): CTA 0's ``leader`` thread signals
+    the done phase of the epoch to every rank; threads ``tid`` < W of every CTA wait for every
+    rank's. The caller synchronises its threads after."""
+    m_flags, _, _, _, _, _, _, rank, _, _, _ = ep
+    cta, _, _ = cute.arch.block_idx()
+    epoch = m_flags[rank, epoch_slot()]  # this call's (CTA 0 wrote it before its publish signal, which every CTA acquired)
+    if cta == 0:
+        if tid == leader:
+            signal_all(m_flags, rank, world, PHASE_DONE, epoch)
+    wait_all(m_flags, rank, world, PHASE_DONE, epoch, timeout_ns, tid)
