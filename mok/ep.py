@@ -153,6 +153,7 @@ class EPWorkspace:
         self.owner = None  # the SymmetricWorkspace behind the buffer, when there is one (kept alive here)
         self._record_copy = self._record_ready = None  # the error record as last copied to the host (raise_pending)
         self._kernels = None  # the EP kernels of its layout, loaded at its first call (mok.ep._kernels)
+        self._one_launch = {}  # what its one-launch forwards launch with, per weight shapes (mok/ep_one_launch.py)
         self.handle = next(_NEXT_HANDLE)  # names it to the custom ops (mok/ep_ops.py)
         _BY_HANDLE[self.handle] = self
 

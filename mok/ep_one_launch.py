@@ -15,6 +15,8 @@ those of the single-GPU forward of the concatenated batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import ops
@@ -50,33 +52,58 @@ def ep_one_launch_forward(
             "(a bounded capacity needs the overflow marking of the multi-launch forward)"
         )
     lay, dev = ws.layout, x.device
-    world, t_max, hidden, topk = lay.world, lay.max_tokens, lay.hidden, lay.topk
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
-    tokens_all = world * t_max
-    capacity = worst_case_capacity(tokens_all, topk, num_local, BLOCK_M)
-    sched = ops._empty_schedule(tokens_all, topk, num_local, capacity, BLOCK_M, dev)
-    routing = torch.empty(tokens_all, topk, dtype=torch.int32, device=dev)
-    x_all = torch.empty(tokens_all, hidden, dtype=x.dtype, device=dev)  # the tokens routed here, by global id
+    static = _static(ws, dev, num_local, inter, save_h, shared is not None)
+    tokens_all, capacity = lay.world * lay.max_tokens, static.capacity
+    sched = ops._empty_schedule(tokens_all, lay.topk, num_local, capacity, BLOCK_M, dev)
+    routing = torch.empty(tokens_all, lay.topk, dtype=torch.int32, device=dev)
+    x_all = torch.empty(tokens_all, lay.hidden, dtype=x.dtype, device=dev)  # the tokens routed here, by global id
     a = torch.empty(capacity, inter, dtype=x.dtype, device=dev)
     h = torch.empty(capacity, 2 * inter, dtype=x.dtype, device=dev) if save_h else None
     shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if save_h and shared is not None else None
     shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
-    out = torch.empty(x.shape[0], hidden, dtype=x.dtype, device=dev)
-    counters = ops.expert_mlp_counters(tokens_all, hidden, capacity, dev)  # zeroed by the launch's schedule
-    variant = expert_mlp_variant(
-        hidden, inter, topk, save_h=save_h, combine=True, has_shared=shared is not None, schedule_experts=num_local,
-        combine_phase=True, ep_world=world,
-    )
-    if max_ctas is None and ws.owner is None:  # ranks emulated on one GPU (EPWorkspace.local_group)
-        max_ctas = max(ops._sm_count(dev) // world, 1)
-    strides = tuple(ws.stride_elems(name) for name in ("flags", "x", "idx", "slots"))
-    ep = (ws.region("flags", 0), ws.region("x", 0), ws.region("idx", 0), ws.region("slots", 0), x, topk_idx, ws.rank, t_max, strides)
-    first = grid_sync_slot(world)
-    grid_sync = ws.region("flags")[first:first + GRID_SYNC_WORDS]  # this rank's, zeroed with the workspace
+    out = torch.empty(x.shape[0], lay.hidden, dtype=x.dtype, device=dev)
+    counters = torch.empty(static.counters, dtype=torch.int32, device=dev)  # zeroed by the launch's schedule
     ops.launch_expert_mlp(
-        variant, x_all, w_gate, w_up, w_down, a, h, None, sched, topk_w, shared_out, out, counters, timeout_s,
-        topk_idx=routing, grid_sync=grid_sync, ep=ep, max_ctas=max_ctas,
+        static.variant, x_all, w_gate, w_up, w_down, a, h, None, sched, topk_w, shared_out, out, counters, timeout_s,
+        topk_idx=routing, grid_sync=static.grid_sync, ep=(*static.regions, x, topk_idx, ws.rank, lay.max_tokens, static.strides),
+        max_ctas=max_ctas or static.max_ctas,
     )
     x_rows = ops.gather_rows(x_all, sched.row_token) if save_h else None  # the backward's rows (training only)
     ws.copy_record()
     return EPForwardResult(out, sched, x_rows, h, shared_h, routing)
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What every call of one workspace with the same weight shapes launches with (built once)."""
+
+    variant: object
+    capacity: int
+    counters: tuple
+    regions: tuple  # rank 0's flags, x, idx and slots regions
+    strides: tuple  # their rank strides in elements
+    grid_sync: torch.Tensor  # this rank's grid-barrier words, zeroed with the workspace
+    max_ctas: int
+
+
+def _static(ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save_h: bool, has_shared: bool) -> _Static:
+    key = (num_local, inter, save_h, has_shared)
+    found = ws._one_launch.get(key)
+    if found is None:
+        lay = ws.layout
+        capacity = worst_case_capacity(lay.world * lay.max_tokens, lay.topk, num_local, BLOCK_M)
+        variant = expert_mlp_variant(
+            lay.hidden, inter, lay.topk, save_h=save_h, combine=True, has_shared=has_shared, schedule_experts=num_local,
+            combine_phase=True, ep_world=lay.world,
+        )
+        names = ("flags", "x", "idx", "slots")
+        first = grid_sync_slot(lay.world)
+        sms = ops._sm_count(dev)
+        found = ws._one_launch[key] = _Static(
+            variant, capacity, ops.expert_mlp_counters(lay.world * lay.max_tokens, lay.hidden, capacity, dev, shape_only=True),
+            tuple(ws.region(name, 0) for name in names), tuple(ws.stride_elems(name) for name in names),
+            ws.region("flags")[first:first + GRID_SYNC_WORDS],
+            max(sms // lay.world, 1) if ws.owner is None else sms,  # ranks emulated on one GPU (local_group) share its SMs
+        )
+    return found

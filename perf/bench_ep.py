@@ -8,7 +8,8 @@ back to the host, torch._grouped_mm experts, all_to_all_single back, index_add c
 "mok gr" replays MoK's path from a CUDA graph
 (captured once per rank): the device-bound time, without the host's launch work; "mok fd"
 has the gate/up GEMM pull its rows itself, "mok od" its idle warps copy them into x_rows while
-its tiles run (forward only, ``fused_dispatch`` / ``overlap_dispatch``). Reported:
+its tiles run (forward only, ``fused_dispatch`` / ``overlap_dispatch``); "mok 1L" is the whole
+forward in one kernel per rank (``one_launch``), "mok 1Lg" that replayed from a graph. Reported:
 the median over iterations of the slowest rank's time, the speedup, the bytes each
 rank sends to other ranks (dispatch + combine) and the effective NVLink GB/s per GPU. With
 ``--backward`` each path runs forward + backward: MoK's ep_moe_forward_saved + ep_moe_backward,
@@ -180,6 +181,8 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
                     "mok fd": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, fused_dispatch=True),  # fc1 pulls
                     # fc1's idle producer warps fill x_rows while its tiles run
                     "mok od": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, overlap_dispatch=True),
+                    "mok 1L": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True),  # one kernel
+                    "mok 1Lg": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True)),
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
             ms = {p: _time(fn, group) for p, fn in paths.items()}
