@@ -165,13 +165,15 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
             if backward:
                 dout = torch.randn(T, H, device="cuda", generator=g).bfloat16()
 
-                def mok_step():
-                    saved = ep_moe_forward_saved(ws, x, idx, w, *experts, timeout_s=30.0)
+                def mok_step(one_launch=False):
+                    saved = ep_moe_forward_saved(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=one_launch)
                     return ep_moe_backward(ws, dout, x, idx, w, *experts, None, saved, timeout_s=30.0).dx
 
                 paths = {
                     "mok": mok_step,
                     "mok gr": graph_of(mok_step),
+                    "mok 1L": lambda: mok_step(one_launch=True),  # the forward in one kernel
+                    "mok 1Lg": graph_of(lambda: mok_step(one_launch=True)),
                     "torch": lambda: torch_ep_train_step(x, idx, w, experts, dout, group)[0],
                 }
             else:
