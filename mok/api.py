@@ -76,6 +76,8 @@ def create_workspace(
     """
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
+    if config.one_launch and config.ep_size > 1 and capacity_factor is not None:
+        raise ValueError("one_launch: the expert-parallel forward in one launch needs capacity_factor=None (the worst case) so far")
     ranks = 1 if group is None else torch.distributed.get_world_size(group)
     if ranks != config.ep_size:
         raise ValueError(f"group: expected {config.ep_size} ranks (config.ep_size), got {ranks}")
@@ -135,11 +137,13 @@ def forward(
         from .ep import ep_moe_forward_saved
 
         res = ep_moe_forward_saved(
-            workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward, timeout_s=timeout_s
+            workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward, timeout_s=timeout_s,
+            one_launch=config.one_launch,
         )
     else:
         res = moe_forward(
-            x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_routing=check_routing, save_for_backward=save_for_backward
+            x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_routing=check_routing, save_for_backward=save_for_backward,
+            one_launch=config.one_launch,
         )
     return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res)
 

@@ -22,7 +22,9 @@ class MoKConfig:
     ranks. topk: experts per token. shared_intermediate: width of the optional shared
     expert (None for none). ep_size: ranks in the expert-parallel group (E must divide
     evenly). block_m: row tile of the grouped GEMMs; each expert's rows are padded to a
-    multiple of it.
+    multiple of it. one_launch: run the forward as one persistent kernel (plus 2 launches for
+    a shared expert) instead of several: ``moe_forward(one_launch=True)`` at EP = 1, the
+    one-launch expert-parallel forward at EP > 1 (worst-case capacity only); the same bits.
     """
 
     hidden: int
@@ -33,6 +35,7 @@ class MoKConfig:
     ep_size: int = 1
     block_m: int = 128
     precision: str = "bf16"
+    one_launch: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("hidden", self.hidden)
@@ -53,6 +56,8 @@ class MoKConfig:
             raise ValueError(
                 f"num_experts: expected a multiple of ep_size={self.ep_size}, got {self.num_experts}"
             )
+        if not isinstance(self.one_launch, bool):
+            raise TypeError(f"one_launch: expected a bool, got {self.one_launch!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
 

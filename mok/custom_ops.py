@@ -63,6 +63,7 @@ def moe_forward_op(
     shared_up: Optional[Tensor],
     shared_down: Optional[Tensor],
     save: bool,
+    one_launch: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, h, shared_h, row_token, row_slot, slot_row, tile_expert, expert_offsets).
 
@@ -74,7 +75,7 @@ def moe_forward_op(
 
     res = moe_forward(
         x, topk_idx, topk_w, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down),
-        check_routing=False, save_for_backward=save,
+        check_routing=False, save_for_backward=save, one_launch=one_launch,
     )
     s = res.schedule
     _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
@@ -84,7 +85,7 @@ def moe_forward_op(
 
 
 @moe_forward_op.register_fake
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False):
     capacity, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
     num_tokens, topk = topk_idx.shape
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -101,7 +102,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
 
 
 @moe_forward_op.register_kernel("cpu")
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False):
     from .reference import moe_reference
 
     _warn_cpu_once()
@@ -185,7 +186,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save = inputs
+    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, _one_launch = inputs
     _, h, shared_h, *schedule = output
     ctx.saved_h = save
     ctx.has_shared = shared_gate is not None
@@ -199,7 +200,7 @@ def _backward(ctx, d_out, *_unused):
     dx, d_topk_w, d_gate, d_up, d_down, *d_shared = grads
     if not ctx.has_shared:
         d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None
 
 
 moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -135,7 +135,8 @@ class EPWorkspace:
     """
 
     def __init__(
-        self, buffer: torch.Tensor, layout: EPLayout, rank: int, rank_stride: int | None = None, *, capacity: int | None = None
+        self, buffer: torch.Tensor, layout: EPLayout, rank: int, rank_stride: int | None = None, *, capacity: int | None = None,
+        ranks_on_device: int = 1,
     ) -> None:
         rank_stride = layout.stride if rank_stride is None else rank_stride
         if rank_stride < layout.stride or rank_stride % ALIGN:
@@ -150,6 +151,7 @@ class EPWorkspace:
             raise ValueError(f"capacity: expected a positive multiple of 128 rows (or None: the worst case), got {capacity!r}")
         self.buffer, self.layout, self.rank, self.rank_stride = buffer, layout, rank, rank_stride
         self.capacity = capacity
+        self.ranks_on_device = ranks_on_device  # ranks whose kernels share this GPU (a one-launch forward takes its share of SMs)
         self.owner = None  # the SymmetricWorkspace behind the buffer, when there is one (kept alive here)
         self._record_copy = self._record_ready = None  # the error record as last copied to the host (raise_pending)
         self._kernels = None  # the EP kernels of its layout, loaded at its first call (mok.ep._kernels)
@@ -171,7 +173,10 @@ class EPWorkspace:
                 f"symmetric: expected {layout.world} ranks of >= {layout.stride} bytes, got {symmetric.world} of {symmetric.nbytes}"
             )
         buffer = torch.as_tensor(_DeviceRange(symmetric.base, symmetric.size * symmetric.world), device=f"cuda:{symmetric.device}")
-        ws = cls(buffer, layout, symmetric.rank, rank_stride=symmetric.size, capacity=capacity)
+        uuids = [None] * symmetric.world  # which ranks share a GPU (processes sharing one, e.g. under MPS)
+        dist.all_gather_object(uuids, str(torch.cuda.get_device_properties(symmetric.device).uuid), group=symmetric.group)
+        ranks_on_device = uuids.count(uuids[symmetric.rank])
+        ws = cls(buffer, layout, symmetric.rank, rank_stride=symmetric.size, capacity=capacity, ranks_on_device=ranks_on_device)
         ws.owner = symmetric
         ws.buffer[symmetric.rank * symmetric.size:(symmetric.rank + 1) * symmetric.size].zero_()
         torch.cuda.synchronize(symmetric.device)
@@ -182,7 +187,7 @@ class EPWorkspace:
     def local_group(cls, layout: EPLayout, device: torch.device | str = "cuda", *, capacity: int | None = None) -> list["EPWorkspace"]:
         """W ranks sharing one zeroed buffer on one GPU (each rank runs on its own stream): for tests."""
         buffer = torch.zeros(layout.world * layout.stride, dtype=torch.uint8, device=device)
-        return [cls(buffer, layout, r, capacity=capacity) for r in range(layout.world)]
+        return [cls(buffer, layout, r, capacity=capacity, ranks_on_device=layout.world) for r in range(layout.world)]
 
     def region(self, name: str, rank: int | None = None) -> torch.Tensor:
         """Rank ``rank``'s (default: this rank's) region ``name`` as a flat typed tensor."""

@@ -44,8 +44,8 @@ def ep_one_launch_forward(
     max_ctas: int | None = None,
 ) -> EPForwardResult:
     """:func:`mok.ep.ep_moe_forward_saved` in one launch (inputs already checked by it). ``max_ctas``:
-    the CTA cap (default: every SM, or an equal share of them when the workspace's ranks are
-    emulated on one GPU, where every rank's launch must be resident at once)."""
+    the CTA cap (default: every SM, or an equal share of them when several of the workspace's
+    ranks run on this GPU, where every rank's launch must be resident at once)."""
     if ws.capacity is not None:
         raise ValueError(
             f"one_launch: only with the worst-case capacity (capacity_factor=None) so far, got capacity={ws.capacity} "
@@ -104,6 +104,6 @@ def _static(ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save
             variant, capacity, ops.expert_mlp_counters(lay.world * lay.max_tokens, lay.hidden, capacity, dev, shape_only=True),
             tuple(ws.region(name, 0) for name in names), tuple(ws.stride_elems(name) for name in names),
             ws.region("flags")[first:first + GRID_SYNC_WORDS],
-            max(sms // lay.world, 1) if ws.owner is None else sms,  # ranks emulated on one GPU (local_group) share its SMs
+            max(sms // ws.ranks_on_device, 1),  # ranks on one GPU (emulated, or processes sharing it) all resident at once
         )
     return found

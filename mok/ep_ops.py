@@ -44,28 +44,32 @@ def ep_moe_forward_op(
     workspace: int,
     save: bool,
     timeout_s: float,
+    one_launch: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, x_rows, h, shared_h, routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow).
 
-    h and shared_h are empty unless ``save``. See :func:`mok.ep.ep_moe_forward_saved`.
+    x_rows, h and shared_h are empty unless ``save``. ``one_launch``: the forward in one kernel
+    (mok/ep_one_launch.py). See :func:`mok.ep.ep_moe_forward_saved`.
     """
     from .ep import ep_moe_forward_saved
 
     ws = _workspace(workspace)
     res = ep_moe_forward_saved(
         ws, x, topk_idx, topk_w, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down), timeout_s=timeout_s, save_h=save,
+        one_launch=one_launch,
     )
     s = res.schedule
+    x_rows = res.x_rows if save else x.new_empty(0, x.shape[1])  # (the backward's only)
     h = res.h if res.h is not None else x.new_empty(0, 2 * w_gate.shape[1])
     shared_h = res.shared_h if res.shared_h is not None else x.new_empty(0, 0 if shared_gate is None else 2 * shared_gate.shape[0])
     return (
-        res.out, res.x_rows, h, shared_h, res.routing,
+        res.out, x_rows, h, shared_h, res.routing,
         s.expert_counts, s.expert_offsets, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.overflow,
     )
 
 
 @ep_moe_forward_op.register_fake
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, one_launch=False):
     lay, capacity_bound = _workspace(workspace).layout, _workspace(workspace).capacity
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
     pairs_rows = lay.world * lay.max_tokens
@@ -74,7 +78,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     shared_cols = 0 if shared_gate is None else 2 * shared_gate.shape[0]
     return (
         x.new_empty(x.shape),
-        x.new_empty(capacity, x.shape[1]),
+        x.new_empty(capacity if save else 0, x.shape[1]),
         x.new_empty(capacity if save else 0, 2 * inter),
         x.new_empty(x.shape[0] if save and shared_gate is not None else 0, shared_cols),
         torch.empty(pairs_rows, lay.topk, **i32),
@@ -141,7 +145,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s = inputs
+    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, _one_launch = inputs
     _, *saved = output
     ctx.saved_h, ctx.has_shared = save, shared_gate is not None
     ctx.workspace, ctx.timeout_s = workspace, timeout_s
@@ -155,7 +159,7 @@ def _backward(ctx, d_out, *_unused):
     dx, d_topk_w, d_gate, d_up, d_down, *d_shared = grads
     if not ctx.has_shared:
         d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None
 
 
 ep_moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -62,6 +62,7 @@ class MoELayer(nn.Module):
     once the error record's copy reached the host (``layer.workspace().check()`` raises at
     once): tokens are never dropped silently. ``timeout_s`` bounds every wait on a peer (a
     rank that does not make the same call makes the others raise, naming it, instead of hang).
+    ``one_launch``: the forward as one persistent kernel (:class:`mok.config.MoKConfig`), the same bits.
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class MoELayer(nn.Module):
         max_tokens: int = 4096,
         capacity_factor: float | None = None,
         timeout_s: float = 5.0,
+        one_launch: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -91,7 +93,11 @@ class MoELayer(nn.Module):
             import torch.distributed as dist
 
             ep_size = dist.get_world_size(group)
-        self.config = MoKConfig(hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision)
+        self.config = MoKConfig(
+            hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch
+        )
+        if one_launch and ep_size > 1 and capacity_factor is not None:
+            raise ValueError("one_launch: the expert-parallel forward in one launch needs capacity_factor=None (the worst case) so far")
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
             from .runtime.workspace import agree_on_spec
@@ -184,7 +190,9 @@ class MoELayer(nn.Module):
         shared = self.shared_weights()
         check_moe_inputs(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range)
         save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
-        return torch.ops.mok.moe_forward(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save)[0]
+        return torch.ops.mok.moe_forward(
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch
+        )[0]
 
     def _fused_ep(self, x, topk_idx, topk_w, check_range: bool):
         from .runtime.arch import check_fused_layer_device
@@ -209,6 +217,7 @@ class MoELayer(nn.Module):
             handle = self.workspace().handle
         return torch.ops.mok.ep_moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, handle, save, self.timeout_s,
+            self.config.one_launch,
         )[0]
 
     def _reference_ep(self, x, topk_idx, topk_w):

@@ -70,14 +70,14 @@ def _worker(rank, init_file, out_dir, skip_rank, shared_gpu):
         dist.destroy_process_group()
 
 
-def _compile_here():
+def _compile_here(one_launch=False):
     """Compile every kernel of the test's layer in this process, so that two ranks sharing the GPU only load them."""
     from mok.config import MoKConfig
     from mok.kernels import get_kernel, variants_for
     from mok.runtime.arch import device_arch
 
     for shared in (256, None):
-        config = MoKConfig(hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=shared, ep_size=2)
+        config = MoKConfig(hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=shared, ep_size=2, one_launch=one_launch)
         for variant in variants_for(config):
             get_kernel(variant, device_arch())
 
@@ -113,8 +113,9 @@ def test_rank_that_skips_the_call_makes_the_peer_raise_two_processes_one_gpu(tmp
     assert "rank 0 timed out in phase publish" in results[0]["error"] and "waiting for rank 1" in results[0]["error"]
 
 
-def _layer_worker(rank, init_file, out_dir, shared_gpu):
-    """mok.MoELayer(group=...) on rank ``rank`` against the single-process layer holding every expert."""
+def _layer_worker(rank, init_file, out_dir, shared_gpu, one_launch=False):
+    """mok.MoELayer(group=...) on rank ``rank`` against the single-process layer holding every expert
+    (``one_launch``: the expert-parallel layer's forward in one kernel)."""
     from mok import MoELayer
 
     torch.cuda.set_device(0 if shared_gpu else rank)
@@ -123,7 +124,9 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu):
     try:
         torch.manual_seed(3)
         full = MoELayer(H, I, E, K, shared_intermediate=256, device="cuda")  # the same weights on both ranks
-        ep = MoELayer(H, I, E, K, shared_intermediate=256, group=dist.group.WORLD, device="cuda", max_tokens=max(COUNTS))
+        ep = MoELayer(
+            H, I, E, K, shared_intermediate=256, group=dist.group.WORLD, device="cuda", max_tokens=max(COUNTS), one_launch=one_launch
+        )
         e_local = E // 2
         with torch.no_grad():
             for name, p in ep.named_parameters():
@@ -162,7 +165,7 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu):
         ep(x[mine]).float().square().mean().backward()
         torch.cuda.synchronize()
         result["router_grad"] = bool(ep.router.weight.grad.abs().sum() > 0)
-        result["compiled"] = _compiled_equals_eager(x[mine], idx[mine], w[mine], dout[mine])
+        result["compiled"] = _compiled_equals_eager(x[mine], idx[mine], w[mine], dout[mine], one_launch)
         result["graph"] = _graph_replay_equals_eager(ep, x[mine], idx[mine], w[mine], dout[mine])
         torch.save(result, f"{out_dir}/{rank}.pt")
         dist.barrier()
@@ -182,21 +185,21 @@ def _layer_grads(model, x, dout, **routing):
 class _TwoLayers(torch.nn.Module):
     """Two expert-parallel layers in a row on the same routing (one without, one with a shared expert)."""
 
-    def __init__(self):
+    def __init__(self, one_launch=False):
         super().__init__()
         from mok import MoELayer
 
-        kw = dict(group=dist.group.WORLD, device="cuda", max_tokens=max(COUNTS))
+        kw = dict(group=dist.group.WORLD, device="cuda", max_tokens=max(COUNTS), one_launch=one_launch)
         self.first, self.second = MoELayer(H, I, E, K, **kw), MoELayer(H, I, E, K, shared_intermediate=256, **kw)
 
     def forward(self, x, topk_idx, topk_w):
         return self.second(self.first(x, topk_idx=topk_idx, topk_w=topk_w), topk_idx=topk_idx, topk_w=topk_w)
 
 
-def _compiled_equals_eager(x, idx, w, dout):
+def _compiled_equals_eager(x, idx, w, dout, one_launch=False):
     """torch.compile(fullgraph=True) of a model of two expert-parallel layers: eager's bits (the ops are opaque)."""
     torch.manual_seed(5)
-    model = _TwoLayers()
+    model = _TwoLayers(one_launch)
     eager = _layer_grads(model, x, dout, topk_idx=idx, topk_w=w)
     compiled = _layer_grads(torch.compile(model, fullgraph=True), x, dout, topk_idx=idx, topk_w=w)
     params = len([p for n, p in model.named_parameters() if not n.endswith("router.weight")])
@@ -230,19 +233,21 @@ def _graph_replay_equals_eager(layer, x, idx, w, dout):
     ]
 
 
-def _spawn_layer(tmp_path, shared_gpu):
+def _spawn_layer(tmp_path, shared_gpu, one_launch=False):
     if shared_gpu:
-        _compile_here()
-    mp.spawn(_layer_worker, args=(str(tmp_path / "init"), str(tmp_path), shared_gpu), nprocs=2)
+        _compile_here(one_launch)
+    mp.spawn(_layer_worker, args=(str(tmp_path / "init"), str(tmp_path), shared_gpu, one_launch), nprocs=2)
     return [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
 
 
 @pytest.mark.multigpu
-def test_layer_with_a_group_on_two_gpus_equals_the_single_gpu_layer(tmp_path):
-    results = _spawn_layer(tmp_path, shared_gpu=False)
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_layer_with_a_group_on_two_gpus_equals_the_single_gpu_layer(tmp_path, one_launch):
+    results = _spawn_layer(tmp_path, shared_gpu=False, one_launch=one_launch)
     assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True for r in results), [(r["compiled"], r["graph"]) for r in results]
 
 
-def test_layer_with_a_group_of_two_processes_sharing_one_gpu_equals_the_single_gpu_layer(tmp_path):
-    results = _spawn_layer(tmp_path, shared_gpu=True)
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_layer_with_a_group_of_two_processes_sharing_one_gpu_equals_the_single_gpu_layer(tmp_path, one_launch):
+    results = _spawn_layer(tmp_path, shared_gpu=True, one_launch=one_launch)
     assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True for r in results), [(r["compiled"], r["graph"]) for r in results]

@@ -156,6 +156,7 @@ def test_custom_ops_pass_opcheck():
     weights = [t.detach() for t in (layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights())]
     fwd_args = (x, idx, w, *weights, True)
     torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
+    torch.library.opcheck(torch.ops.mok.moe_forward.default, (*fwd_args, True))  # one_launch: the same outputs
     _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
     bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
     torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))

@@ -75,6 +75,26 @@ def test_torch_compile_fullgraph_two_layers():
         assert rel_err(g, w) <= 1e-2
 
 
+def test_one_launch_layer_gives_the_default_layers_bits_eager_and_compiled():
+    """MoELayer(one_launch=True): the forward in one kernel (plus 2 for the shared expert); output
+    and every gradient the same bits as the default layer's, also under torch.compile(fullgraph=True)."""
+    default = make_layer(seed=6)
+    one = MoELayer(512, 256, 16, 4, shared_intermediate=256, device="cuda", one_launch=True)
+    one.load_state_dict(default.state_dict())
+    x = torch.randn(333, 512, device="cuda").bfloat16()
+    idx, w = external_routing(333, seed=7)
+    dout = torch.randn(333, 512, device="cuda").bfloat16()
+    want = grads_of(default, x, idx, w, dout)
+    assert all(torch.equal(a, b) for a, b in zip(grads_of(one, x, idx, w, dout), want))
+    compiled = torch.compile(one, fullgraph=True)
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    one.zero_grad(set_to_none=True)
+    out = compiled(xc, topk_idx=idx, topk_w=wc)
+    out.backward(dout)
+    got = [out.detach(), xc.grad, wc.grad] + [p.grad for n, p in one.named_parameters() if not n.startswith("router")]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_forward_backward_cuda_graph_equals_eager():
     layer = make_layer(seed=3)
     x = torch.randn(256, 512, device="cuda").bfloat16()

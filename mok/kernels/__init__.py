@@ -289,6 +289,15 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
             ]
         if config.has_shared_expert:
             variants += expert_mlp_variants(h, config.shared_intermediate, config.topk, shared=True)
+        if config.one_launch:  # the forward in one launch, with and without h saved
+            ep_world = config.ep_size if config.ep_size > 1 else None
+            variants += [
+                expert_mlp_variant(
+                    h, i, config.topk, save_h=save_h, combine=True, has_shared=config.has_shared_expert,
+                    schedule_experts=config.experts_per_rank, combine_phase=True, ep_world=ep_world,
+                )
+                for save_h in (False, True)
+            ]
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
     return list(unique.values())
 
