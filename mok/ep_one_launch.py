@@ -51,6 +51,7 @@ def ep_one_launch_forward(
             f"one_launch: only with the worst-case capacity (capacity_factor=None) so far, got capacity={ws.capacity} "
             "(a bounded capacity needs the overflow marking of the multi-launch forward)"
         )
+    ops._check_cuda_aligned("x", x)  # (the launch copies it in 16-byte vectors)
     lay, dev = ws.layout, x.device
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
     static = _static(ws, dev, num_local, inter, save_h, shared is not None)

@@ -107,7 +107,10 @@ def gather_routing_and_rows(ep: tuple, world: cutlass.Constexpr[int], topk: cutl
             if t < count:
                 expert = m_idx_pub[p, t * topk + lane]
             m_routing[g * topk + lane] = expert
-        local = expert >= expert_lo and expert < expert_lo + num_local
+        local = cutlass.Boolean(False)
+        if expert >= expert_lo:
+            if expert < expert_lo + num_local:
+                local = cutlass.Boolean(True)
         if cute.arch.vote_any_sync(local):
             src = cute.zipped_divide(m_x_pub[p, None], (VECTOR,))
             dst = cute.zipped_divide(m_x_all[g, None], (VECTOR,))

@@ -88,8 +88,11 @@ class ExpertMlpSm90:
             raise ValueError("schedule_experts: only with combine (a one-launch forward)")
         if combine_phase and schedule_experts is None:
             raise ValueError("combine_phase: only with schedule_experts (its grid barrier)")
-        if ep_world is not None and (not combine_phase or not 1 <= ep_world <= 32):
-            raise ValueError(f"ep_world: expected 1..32 ranks, with combine_phase; got {ep_world}, combine_phase={combine_phase}")
+        if ep_world is not None and (not combine_phase or not 1 <= ep_world <= 32 or topk > 32):
+            raise ValueError(
+                f"ep_world: expected 1..32 ranks, top-k <= 32 (a lane per slot), with combine_phase; got {ep_world}, "
+                f"topk={topk}, combine_phase={combine_phase}"
+            )
         self.ep_world = ep_world
         self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
