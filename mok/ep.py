@@ -1,11 +1,11 @@
-"""Expert-parallel forward over a symmetric workspace: a first, multi-launch version.
+"""Expert-parallel forward over a symmetric workspace: the multi-launch version (one launch: mok/ep_one_launch.py).
 
 Each rank holds E / W experts and its own T_r <= T_max tokens. Per call, on each rank's
 stream and with no host synchronisation:
 
-    publish     x and topk_idx (and T_r) into this rank's workspace; signal every rank
-    wait        until every rank published this epoch (bounded)
-    routing     all ranks' routing -> [W·T_max, k] (token g = p·T_max + t; -1 past T_p)
+    publish     x and topk_idx (and T_r) into this rank's workspace; signal every rank (one launch)
+    routing     once every rank published this epoch (a bounded wait in the same launch): all
+                ranks' routing -> [W·T_max, k] (token g = p·T_max + t; -1 past T_p)
     schedule    the device schedule of this rank's experts over that routing (canonical order)
     dispatch    pull each row's x from its owner's workspace (or, with fused_dispatch, the
                 gate/up GEMM pulls them itself)
@@ -26,8 +26,8 @@ The workspace is one address range holding every rank's region at ``rank·stride
 symmetric VMM mapping of mok/runtime/workspace.py across GPUs
 (:meth:`EPWorkspace.from_symmetric`), or, for tests on one GPU, one buffer shared by W
 "ranks" running on W streams (:meth:`EPWorkspace.local_group`). The push (and, opt-in, the
-dispatch) run inside the expert kernels; publishing, the waits and the routing gather are
-launches of their own.
+dispatch) run inside the expert kernels; publishing, the routing gather (with the publish
+wait) and the done signal and wait are launches of their own.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from . import ops
 from .fused_forward import shared_expert_forward
 from .kernels import GRID_SYNC_WORDS, ep_variant, get_kernel
-from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, grid_sync_slot, tokens_slot
+from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, grid_sync_slot
 from .runtime.arch import device_arch
 from .schedule import Schedule, worst_case_capacity
 from .validation import check_capacity_factor, check_moe_inputs, check_timeout
@@ -266,9 +266,8 @@ def _load_kernels(ws: EPWorkspace, device: torch.device) -> dict:
         for phase in (PHASE_PUBLISH, PHASE_DONE)
     }
     return overflow | {
-        "signal_pub": get_kernel(ep_variant("signal", lay.world, phase=PHASE_PUBLISH), arch),
+        "publish": get_kernel(ep_variant("publish", lay.world, width=lay.hidden, topk=lay.topk), arch),
         "signal_done": get_kernel(ep_variant("signal", lay.world, phase=PHASE_DONE), arch),
-        "wait_pub": get_kernel(ep_variant("wait", lay.world, phase=PHASE_PUBLISH), arch),
         "wait_done": get_kernel(ep_variant("wait", lay.world, phase=PHASE_DONE), arch),
         "routing": get_kernel(ep_variant("routing", lay.world, topk=lay.topk), arch),
         "dispatch": get_kernel(ep_variant("dispatch", lay.world, width=lay.hidden, topk=lay.topk), arch),
@@ -360,24 +359,29 @@ def flag_args(ws: EPWorkspace) -> tuple:
     return (ops._ptr("i32", ws.region("flags", 0), 4), ops._i32(ws.rank), ops._i32(ws.stride_elems("flags")))
 
 
-def publish(ws: EPWorkspace, kernels: dict, tensors: dict, num_tokens: int, timeout_s: float, stream) -> None:
-    """Copy ``tensors`` (region name -> tensor) into this rank's regions, announce them, and
-    wait (bounded) until every rank announced the same epoch."""
-    for name, t in tensors.items():
-        ws.region(name)[: t.numel()].copy_(t.reshape(-1))
-    ws.region("flags")[tokens_slot(ws.layout.world)].fill_(num_tokens)
-    kernels["signal_pub"](*flag_args(ws), stream)
-    kernels["wait_pub"](*flag_args(ws), ops._i64(int(timeout_s * 1e9)), stream)
+def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream) -> None:
+    """One launch: ``rows`` = (region name, [T, H] bf16) and ``values`` = (region name, [T, k]
+    32-bit) into this rank's regions, then the publish signal of a new epoch to every rank (the
+    wait for the peers' is in :func:`gather_ranks`)."""
+    (rows_name, rows_src), (values_name, values_src) = rows, values
+    kernels["publish"](
+        ops._ptr("i32", ws.region("flags", 0), 4), ops._ptr("bf16", ws.region(rows_name, 0)),
+        ops._ptr("i32", ws.region(values_name, 0), 4), ops._ptr("bf16", rows_src), ops._ptr("i32", values_src, 4),
+        ops._i32(ws.rank), ops._i32(rows_src.shape[0]), ops._i32(4 * ops._sm_count(rows_src.device)), ops._i32(ws.stride_elems("flags")),
+        ops._i32(ws.stride_elems(rows_name)), ops._i32(ws.stride_elems(values_name)), stream,
+    )
 
 
-def gather_ranks(ws: EPWorkspace, kernels: dict, name: str, stream) -> torch.Tensor:
-    """Every rank's [T_max, k] 32-bit region ``name`` -> [W·T_max, k] (row p·T_max + t; bits -1 past T_p)."""
+def gather_ranks(ws: EPWorkspace, kernels: dict, name: str, timeout_s: float, stream) -> torch.Tensor:
+    """Once every rank published this epoch (a bounded wait in the same launch): every rank's
+    [T_max, k] 32-bit region ``name`` -> [W·T_max, k] (row p·T_max + t; bits -1 past T_p)."""
     lay = ws.layout
     source = ws.region(name, 0).view(torch.int32)
     out = torch.empty(lay.world * lay.max_tokens, lay.topk, dtype=torch.int32, device=ws.buffer.device)
     kernels["routing"](
-        ops._ptr("i32", ws.region("flags", 0), 4), ops._ptr("i32", source, 4), ops._ptr("i32", out, 4), ops._i32(lay.max_tokens),
-        ops._i32(ws.stride_elems("flags")), ops._i32(ws.stride_elems(name)), stream,
+        ops._ptr("i32", ws.region("flags", 0), 4), ops._ptr("i32", source, 4), ops._ptr("i32", out, 4), ops._i32(ws.rank),
+        ops._i32(lay.max_tokens), ops._i32(ws.stride_elems("flags")), ops._i32(ws.stride_elems(name)),
+        ops._i64(int(timeout_s * 1e9)), stream,
     )
     return out
 
@@ -456,8 +460,8 @@ def ep_moe_forward_saved(
     k = _kernels(ws, dev)
     stream = ops._stream(dev)
 
-    publish(ws, k, {"x": x, "idx": topk_idx}, num_tokens, timeout_s, stream)
-    routing = gather_ranks(ws, k, "idx", stream)  # every rank's routing -> this rank's schedule -> dispatch
+    publish(ws, k, ("x", x), ("idx", topk_idx), stream)
+    routing = gather_ranks(ws, k, "idx", timeout_s, stream)  # every rank's routing -> this rank's schedule -> dispatch
     counters = None  # overlap_dispatch: [error, next, ready per row tile], zeroed by the schedule launch
     if overlap_dispatch:
         rows = ws.capacity if ws.capacity is not None else worst_case_capacity(routing.shape[0], topk, num_local, 128)

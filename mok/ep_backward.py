@@ -3,8 +3,9 @@
 After :func:`mok.ep.ep_moe_forward_saved`, per rank and call, on the rank's stream, with no
 host synchronisation (the same steps as mok/fused_backward.py, plus the exchanges):
 
-    publish      dout and topk_w into this rank's regions; signal every rank; wait (bounded)
-    gather       every rank's router weights -> [W·T_max, k] (the s of each local row)
+    publish      dout and topk_w into this rank's regions; signal every rank (one launch)
+    gather       once every rank published (bounded wait, same launch): every rank's router
+                 weights -> [W·T_max, k] (the s of each local row)
     pull         each local row's dout from its token's rank (reverse combine)
     SwiGLU bwd   dA_u = dout_rows·W_down with the SwiGLU backward and the router-gradient
                  pieces in the epilogue -> dh, s·a, pieces
@@ -75,8 +76,8 @@ def ep_moe_backward(
     k = _kernels(ws, dev)
     stream = ops._stream(dev)
 
-    publish(ws, k, {"x": dout, "w": topk_w}, num_tokens, timeout_s, stream)  # dout replaces x (pulled in the forward)
-    weights_all = gather_ranks(ws, k, "w", stream).view(torch.float32)
+    publish(ws, k, ("x", dout), ("w", topk_w.view(torch.int32)), stream)  # dout replaces x (pulled in the forward)
+    weights_all = gather_ranks(ws, k, "w", timeout_s, stream).view(torch.float32)
     dout_rows = pull_rows(ws, k, "x", sched, stream)
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
         dout_rows, w_down, sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=weights_all

@@ -190,11 +190,21 @@ def test_ep_flags_use_system_scope_release_acquire_and_bounded_waits():
     assert "fence.acq_rel.sys" in signal and count(r"atom\.global\.sys\.release\.exch\.b32", signal) == 1
     assert count(r"atom\.global\.sys\.acquire\.add\.u32", wait) >= 1
     assert "%globaltimer" in wait  # every wait is bounded in time
-    for kind, kw in (("dispatch", dict(width=7168, topk=8)), ("push", dict(width=7168, topk=8)), ("routing", dict(topk=8))):
+    for kind, kw in (("dispatch", dict(width=7168, topk=8)), ("push", dict(width=7168, topk=8))):
         ptx = compiled_ptx(ep_variant(kind, 4, **kw), "sm_90a")
         assert count(r"\batom\.|\bred\.", ptx) == 0  # data moves with plain loads and stores
-        if kind != "routing":
-            assert count(r"ld\.global(\.nc)?\.v4", ptx) >= 1 and count(r"st\.global\.v4", ptx) >= 1  # 16-byte vectors
+        assert count(r"ld\.global(\.nc)?\.v4", ptx) >= 1 and count(r"st\.global\.v4", ptx) >= 1  # 16-byte vectors
+    # the publish launch: copies in 16-byte vectors, CTAs counted done with an integer add, the last one signals
+    publish = compiled_ptx(ep_variant("publish", 4, width=7168, topk=8), "sm_90a")
+    assert count(r"ld\.global(\.nc)?\.v4", publish) >= 1 and count(r"st\.global\.v4", publish) >= 1
+    assert set(re.findall(r"\b(?:atom|red)\.[\w.:]+", publish)) == {
+        "atom.global.acq_rel.add.u32", "atom.global.exch.b32", "atom.global.sys.release.exch.b32",
+    }
+    assert count(r"fence\.acq_rel\.sys", publish) == 2
+    # the routing gather waits for every rank's publish first (bounded; a timeout claims the error record)
+    routing = compiled_ptx(ep_variant("routing", 4, topk=8), "sm_90a")
+    assert set(re.findall(r"\b(?:atom|red)\.[\w.:]+", routing)) == {"atom.global.sys.acquire.add.u32", "atom.global.sys.cas.b32"}
+    assert "%globaltimer" in routing
 
 
 def test_ep_overflow_kernel_claims_error_records_by_compare_and_swap_and_poisons_with_vector_stores():

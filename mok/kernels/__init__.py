@@ -82,7 +82,7 @@ def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelV
 
 
 def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: int = 1) -> KernelVariant:
-    """One expert-parallel exchange kernel (mok/kernels/common/ep.py): signal, wait, routing, dispatch, push or overflow."""
+    """One expert-parallel exchange kernel (mok/kernels/common/ep.py): signal, wait, publish, routing, dispatch, push or overflow."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.ep import compile_ep
@@ -274,8 +274,8 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     ]
     if config.ep_size > 1:  # mok/ep.py: the exchange kernels and the combine over pushed [T, k] slots
         w, k = config.ep_size, config.topk
-        variants += [ep_variant(kind, w, phase=phase) for kind in ("signal", "wait") for phase in (0, 1)]
-        variants += [ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h, topk=k)]
+        variants += [ep_variant(kind, w, phase=1) for kind in ("signal", "wait")]  # (the publish phase: its own two)
+        variants += [ep_variant("publish", w, width=h, topk=k), ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h, topk=k)]
         variants += [ep_variant("overflow", w, phase=phase, width=h, topk=k) for phase in (0, 1)]  # capacity bound only
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
     if arch == "sm_90a":

@@ -8,6 +8,7 @@ Per rank, in int32 words of the flag region (see mok/ep.py for the byte layout):
     [0] epoch   [1, 1+W) published-by-rank   [1+W, 1+2W) done-by-rank
     [1+2W, 1+2W+4) error record   [5+2W] this rank's token count
     [6+2W, 10+2W) the grid-barrier words of this rank's one-launch forward (mok/ep_one_launch.py)
+    [10+2W] the CTAs of this rank's publish launch that are done (the last one signals, resets it)
 
 The error record is (1, phase, peer, epoch) for a wait that timed out, or (2, rank, rows
 needed, capacity) when rank's experts were given more rows than a bounded capacity holds;
@@ -38,7 +39,7 @@ ERROR_TIMEOUT, ERROR_CAPACITY = 1, 2
 
 def flag_words(world: int) -> int:
     """int32 words of one rank's flag region (padded to 128 bytes)."""
-    return -(-(grid_sync_slot(world) + GRID_SYNC_WORDS) // 32) * 32
+    return -(-(publish_count_slot(world) + 1) // 32) * 32
 
 
 def epoch_slot() -> int:
@@ -61,6 +62,10 @@ def grid_sync_slot(world: int) -> int:
     """The first of the one-launch forward's grid-barrier words: per workspace and rank (not per
     stream: the ranks' CUDA graphs may all be captured on one stream and replayed at once)."""
     return 6 + 2 * world
+
+
+def publish_count_slot(world: int) -> int:
+    return grid_sync_slot(world) + GRID_SYNC_WORDS
 
 
 class EpSignalKernel:
@@ -131,29 +136,104 @@ def record_timeout(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], ph
         m_flags[rank, err + 3] = epoch
 
 
+class EpPublishKernel:
+    """This rank's call inputs into its published regions, then the publish signal: one launch for
+    what were two copies, the token count's fill and the signal kernel.
+
+    Every CTA copies its share of the rows ([T, width] bf16, e.g. x or dout) and of the 32-bit
+    values ([T, k], e.g. topk_idx or the router weights' bits) grid-strided, then counts itself
+    done (a system-scope fence first, then an acq_rel add at gpu scope); the last CTA resets the
+    count, writes the token count, advances the epoch and signals every rank (EpSignalKernel's
+    release stores). No CTA waits for another: any grid size is safe.
+    """
+
+    def __init__(self, world: int, width: int, topk: int, threads: int = 256) -> None:
+        if width % VECTOR:
+            raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+        self.world, self.width, self.topk, self.threads = world, width, topk, threads
+
+    @cute.jit
+    def __call__(
+        self, flags_ptr: cute.Pointer, rows_ptr: cute.Pointer, values_ptr: cute.Pointer, src_rows_ptr: cute.Pointer,
+        src_values_ptr: cute.Pointer, rank: cutlass.Int32, num_tokens: cutlass.Int32, max_ctas: cutlass.Int32,
+        flags_stride: cutlass.Int32, rows_stride: cutlass.Int32, values_stride: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        w, h, k = self.world, self.width, self.topk
+        rows_stride = cute.assume(rows_stride, divby=VECTOR)
+        m_flags = cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1)))
+        m_rows = cute.make_tensor(rows_ptr, cute.make_layout((w, num_tokens * h), stride=(rows_stride, 1)))
+        m_values = cute.make_tensor(values_ptr, cute.make_layout((w, num_tokens * k), stride=(values_stride, 1)))
+        m_src_rows = cute.make_tensor(src_rows_ptr, cute.make_layout((num_tokens * h,)))
+        m_src_values = cute.make_tensor(src_values_ptr, cute.make_layout((num_tokens * k,)))
+        vectors = num_tokens * (h // VECTOR)
+        ctas = cutlass.max(cutlass.min((vectors + self.threads - 1) // self.threads, max_ctas), 1)
+        self.kernel(m_flags, m_rows, m_values, m_src_rows, m_src_values, rank, num_tokens).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self, m_flags: cute.Tensor, m_rows: cute.Tensor, m_values: cute.Tensor, m_src_rows: cute.Tensor, m_src_values: cute.Tensor,
+        rank: cutlass.Int32, num_tokens: cutlass.Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        src = cute.zipped_divide(m_src_rows, (VECTOR,))
+        dst = cute.zipped_divide(m_rows[rank, None], (VECTOR,))
+        for v in cutlass.range(cta * self.threads + tid, num_tokens * (self.width // VECTOR), ctas * self.threads, unroll=1):
+            dst[None, v].store(src[None, v].load())
+        for i in cutlass.range(cta * self.threads + tid, num_tokens * self.topk, ctas * self.threads, unroll=1):
+            m_values[rank, i] = m_src_values[i]
+        cute.arch.sync_threads()
+        if tid == 0:
+            cute.arch.fence_acq_rel_sys()  # this CTA's copies (ordered before by the bar.sync) before its count
+            count = m_flags[rank, None].iterator + publish_count_slot(self.world)
+            if cute.arch.atomic_add(count, cutlass.Int32(1), sem="acq_rel", scope="gpu") == ctas - 1:
+                cute.arch.atomic_exch(count, cutlass.Int32(0), sem="relaxed", scope="gpu")  # ready for the next call
+                m_flags[rank, tokens_slot(self.world)] = num_tokens
+                epoch = m_flags[rank, epoch_slot()] + 1
+                m_flags[rank, epoch_slot()] = epoch
+                cute.arch.fence_acq_rel_sys()
+                for peer in cutlass.range(self.world, unroll=1):
+                    slot = m_flags[peer, None].iterator + flag_slot(PHASE_PUBLISH, rank, self.world)
+                    cute.arch.atomic_exch(slot, epoch, sem="release", scope="sys")
+
+
 class EpRoutingGatherKernel:
-    """routing[p·T_max + t, :] = rank p's published topk_idx[t, :] for t < T_p, else -1 (no token)."""
+    """routing[p·T_max + t, :] = rank p's published topk_idx[t, :] for t < T_p, else -1 (no token),
+    once every rank published this rank's epoch: each CTA first waits for that (bounded; a timeout
+    is recorded as phase publish), so no wait kernel of its own is launched before it."""
 
     def __init__(self, world: int, topk: int, threads: int = 256) -> None:
         self.world, self.topk, self.threads = world, topk, threads
 
     @cute.jit
     def __call__(
-        self, flags_ptr: cute.Pointer, idx_ptr: cute.Pointer, routing_ptr: cute.Pointer, t_max: cutlass.Int32,
-        flags_stride: cutlass.Int32, idx_stride: cutlass.Int32, stream: cuda.CUstream,
+        self, flags_ptr: cute.Pointer, idx_ptr: cute.Pointer, routing_ptr: cute.Pointer, rank: cutlass.Int32, t_max: cutlass.Int32,
+        flags_stride: cutlass.Int32, idx_stride: cutlass.Int32, timeout_ns: cutlass.Int64, stream: cuda.CUstream,
     ):
         w, k = self.world, self.topk
         m_flags = cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1)))
         m_idx = cute.make_tensor(idx_ptr, cute.make_layout((w, t_max * k), stride=(idx_stride, 1)))
         m_routing = cute.make_tensor(routing_ptr, cute.make_layout((w, t_max * k), stride=(t_max * k, 1)))
-        self.kernel(m_flags, m_idx, m_routing, t_max).launch(
+        self.kernel(m_flags, m_idx, m_routing, rank, t_max, timeout_ns).launch(
             grid=[(t_max * k + self.threads - 1) // self.threads, w, 1], block=[self.threads, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, m_flags: cute.Tensor, m_idx: cute.Tensor, m_routing: cute.Tensor, t_max: cutlass.Int32):
+    def kernel(
+        self, m_flags: cute.Tensor, m_idx: cute.Tensor, m_routing: cute.Tensor, rank: cutlass.Int32, t_max: cutlass.Int32,
+        timeout_ns: cutlass.Int64,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         block, peer, _ = cute.arch.block_idx()
+        if tidx < self.world:  # every rank's publish of this epoch (the publish launch advanced it)
+            epoch = m_flags[rank, epoch_slot()]
+            seen = wait_at_least(m_flags[rank, None].iterator + flag_slot(PHASE_PUBLISH, tidx, self.world), epoch, timeout_ns, "sys")
+            if seen < epoch:
+                record_timeout(m_flags, rank, self.world, PHASE_PUBLISH, tidx, epoch)
+        cute.arch.sync_threads()
         i = block * self.threads + tidx
         if i < t_max * self.topk:
             value = cutlass.Int32(-1)
@@ -348,7 +428,7 @@ def _ptr(dtype, align):
 
 
 def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1):
-    """Compile one EP kernel (``kind``: signal, wait, routing, dispatch, push, overflow) for ``arch`` without tensors.
+    """Compile one EP kernel (``kind``: signal, wait, publish, routing, dispatch, push, overflow) for ``arch`` without tensors.
 
     For ``overflow``, ``phase`` PHASE_DONE selects the backward's variant (it poisons the router-gradient pieces too).
     """
@@ -360,8 +440,12 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         kernel, args = EpSignalKernel(world, phase), (_ptr(i32, 4), i, i, stream)
     elif kind == "wait":
         kernel, args = EpWaitKernel(world, phase), (_ptr(i32, 4), i, i, cutlass.Int64(1), stream)
+    elif kind == "publish":
+        kernel = EpPublishKernel(world, width, topk)
+        args = (_ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), i, i, i, i, i, i, stream)
     elif kind == "routing":
-        kernel, args = EpRoutingGatherKernel(world, topk), (_ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), i, i, i, stream)
+        kernel = EpRoutingGatherKernel(world, topk)
+        args = (_ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), i, i, i, i, cutlass.Int64(1), stream)
     elif kind == "dispatch":
         kernel = EpDispatchKernel(world, width, topk)
         args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, i, stream)
@@ -372,5 +456,5 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         kernel = EpOverflowKernel(world, width, topk, gradient=phase == PHASE_DONE)
         args = (*(_ptr(i32, 4) for _ in range(5)), _ptr(bf16, 16), _ptr(cutlass.Float32, 4), i, i, i, i, i, i, stream)
     else:
-        raise ValueError(f"kind: expected signal, wait, routing, dispatch, push or overflow, got {kind!r}")
+        raise ValueError(f"kind: expected signal, wait, publish, routing, dispatch, push or overflow, got {kind!r}")
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
