@@ -32,6 +32,16 @@ wait on nothing; an index is taken only after the previous tile's loads are all 
 CTA waiting before an fc2 tile still finishes (and publishes) every fc1 tile it took, and
 every fc1 tile is taken before any fc2 tile.
 
+Expert parallelism (``ep_world`` = W, mok/ep_one_launch.py): the launch is one rank's whole EP
+forward. Before the schedule, every CTA publishes its share of this rank's x and routing, the
+ranks meet on the workspace's epoch flags (system scope, bounded), and one warp per global
+token gathers its routing row and copies the token into x_all when one of its experts is local
+(common/ep_phases.py); a grid barrier, then the schedule of this rank's experts over all ranks'
+tokens. fc1 gathers from x_all; fc2's MMA warps hand each finished subtile to the producer
+warpgroup's warps 1-3 (idle after fc1), which push its rows into the tokens' slots on their
+ranks (the down projection's scatter, tile indices from warp 0 through a second ring). After
+the second grid barrier the done handshake, then the combine reads this rank's slots [t, j].
+
 The operand stages of the two phases share one region of shared memory: fc1 holds A,
 B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and B = w_down in the tile
 and depth the down projection has on its own (256 columns: 48 KB, 4 stages; 128: 32 KB, 6),
@@ -79,7 +89,7 @@ class ExpertMlpSm90:
         ``schedule_experts``): fc2 stores y rows and the combine runs after a second grid barrier,
         over all CTAs' MMA warps, as the combine launch would, instead of in fc2's epilogue.
         ``ep_world`` (with ``combine_phase``): the expert-parallel forward of one rank of W in this
-        one launch (see "Expert parallelism" in the module docstring)."""
+        one launch (see "Expert parallelism" in the module docstring; its phases: common/ep_phases.py)."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
@@ -242,7 +252,6 @@ class ExpertMlpSm90:
         row_args = (m_h, m_h, m_row_token, m_row_slot, m_topk_w)  # (the epilogues' row inputs; fc1's and fc2's use none)
         fc1_args = ((tma_x, t_x, tma_wg, t_wg, tma_wu, t_wu), (tma_a_st, t_a_st, tma_h, t_h, tma_h, t_h))
         fc2_args = ((tma_a, t_a, tma_wd, t_wd, tma_wd, t_wd), (tma_y, t_y, tma_y, t_y, tma_y, t_y))
-        m_shared = row_major(shared_ptr, num_tokens, hid)
         m_shared = row_major(shared_ptr, combined, hid)
         m_out = row_major(out_ptr, combined, hid)
         combine_args = (m_y_combined, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
@@ -385,7 +394,7 @@ class ExpertMlpSm90:
                 pending = tile_row
                 tile, given = self.handed_tile(ring, given, s_tiles)
             self.publish(warp_idx, m_ready, pending)  # before any fc2 tile: its producer may wait for this one
-            epi_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc1.epi_stage)  # (ep_world only)
+            epi_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.epi_stage)  # (ep_world only)
             if cutlass.const_expr(self.ep_world is not None):
                 self.fc1.epilogue_sync()  # the store warp's TMA stores have read the epilogue buffers the scatter refills
 
