@@ -40,6 +40,18 @@ def run_ranks(workspaces, per_rank_args, timeout_s=20.0, check=True, **dispatch)
     return outs
 
 
+def replay_on_streams(graphs, workspaces):
+    """Replay every rank's CUDA graph at once, each on a stream of its own; then check every workspace."""
+    streams = [torch.cuda.Stream() for _ in graphs]
+    torch.cuda.synchronize()
+    for graph, stream in zip(graphs, streams):
+        with torch.cuda.stream(stream):
+            graph.replay()
+    torch.cuda.synchronize()
+    for ws in workspaces:
+        ws.check()
+
+
 def split(world, counts, x, idx, w, experts, shared):
     """Rank p's tokens (counts[p] of them, in order) and experts (E / world of them)."""
     e_local = experts[0].shape[0] // world
@@ -258,14 +270,7 @@ def test_ep_forward_and_backward_replayed_from_cuda_graphs_equal_single_gpu_bitw
             douts[p].copy_(dout2[lo:hi])
         saved = moe_forward(x2, idx2, w2, *experts, shared, save_for_backward=True)
         want = moe_backward(dout2, x2, idx2, w2, *experts, shared, saved)
-        streams = [torch.cuda.Stream() for _ in graphs]
-        torch.cuda.synchronize()
-        for graph, stream in zip(graphs, streams):
-            with torch.cuda.stream(stream):
-                graph.replay()
-        torch.cuda.synchronize()
-        for ws in workspaces:
-            ws.check()
+        replay_on_streams(graphs, workspaces)
         assert torch.equal(torch.cat([out for out, _ in captured]), saved.out)
         assert torch.equal(torch.cat([g.dx for _, g in captured]), want.dx)
         assert torch.equal(torch.cat([g.d_topk_w for _, g in captured]), want.d_topk_w)
@@ -420,12 +425,5 @@ def test_one_launch_ep_forward_is_one_kernel_per_rank_and_replays_from_cuda_grap
             for static, new in zip(args[p][:3], (x2, idx2, w2)):
                 static.copy_(new[lo:hi])
         want = moe_forward(x2, idx2, w2, *experts).out
-        streams = [torch.cuda.Stream() for _ in graphs]
-        torch.cuda.synchronize()
-        for graph, stream in zip(graphs, streams):
-            with torch.cuda.stream(stream):
-                graph.replay()
-        torch.cuda.synchronize()
-        for ws in workspaces:
-            ws.check()
+        replay_on_streams(graphs, workspaces)
         assert torch.equal(torch.cat(captured), want)

@@ -68,6 +68,12 @@ def publish_count_slot(world: int) -> int:
     return grid_sync_slot(world) + GRID_SYNC_WORDS
 
 
+def check_width(width: int) -> None:
+    """A row width the 16-byte vector copies can take."""
+    if width % VECTOR:
+        raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+
+
 class EpSignalKernel:
     """Tell every rank (self included) that this rank reached ``phase`` of its current epoch.
 
@@ -148,8 +154,7 @@ class EpPublishKernel:
     """
 
     def __init__(self, world: int, width: int, topk: int, threads: int = 256) -> None:
-        if width % VECTOR:
-            raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+        check_width(width)
         self.world, self.width, self.topk, self.threads = world, width, topk, threads
 
     @cute.jit
@@ -255,8 +260,7 @@ class EpDispatchKernel:
     """
 
     def __init__(self, world: int, width: int, topk: int, max_threads: int = 128) -> None:
-        if width % VECTOR:
-            raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+        check_width(width)
         vectors = width // VECTOR
         self.world, self.width, self.topk = world, width, topk
         self.threads = max(t for t in range(1, max_threads + 1) if vectors % t == 0)  # every thread the same vectors
@@ -319,8 +323,7 @@ class EpPushKernel:
     kept as the baseline perf/gemm_sweep.py --scattered-fc2 measures that against."""
 
     def __init__(self, world: int, width: int, topk: int, threads: int = 128) -> None:
-        if width % VECTOR:
-            raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+        check_width(width)
         self.world, self.width, self.topk, self.threads = world, width, topk, threads
 
     @cute.jit
@@ -364,8 +367,7 @@ class EpOverflowKernel:
     """
 
     def __init__(self, world: int, width: int, topk: int, gradient: bool, threads: int = 256) -> None:
-        if width % VECTOR:
-            raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
+        check_width(width)
         self.world, self.width, self.topk, self.gradient, self.threads = world, width, topk, gradient, threads
 
     @cute.jit
