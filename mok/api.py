@@ -76,8 +76,6 @@ def create_workspace(
     """
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
-    if config.one_launch and config.ep_size > 1 and capacity_factor is not None:
-        raise ValueError("one_launch: the expert-parallel forward in one launch needs capacity_factor=None (the worst case) so far")
     ranks = 1 if group is None else torch.distributed.get_world_size(group)
     if ranks != config.ep_size:
         raise ValueError(f"group: expected {config.ep_size} ranks (config.ep_size), got {ranks}")

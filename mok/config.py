@@ -24,7 +24,7 @@ class MoKConfig:
     evenly). block_m: row tile of the grouped GEMMs; each expert's rows are padded to a
     multiple of it. one_launch: run the forward as one persistent kernel (plus 2 launches for
     a shared expert) instead of several: ``moe_forward(one_launch=True)`` at EP = 1, the
-    one-launch expert-parallel forward at EP > 1 (worst-case capacity only); the same bits.
+    one-launch expert-parallel forward at EP > 1; the same bits.
     """
 
     hidden: int

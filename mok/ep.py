@@ -326,7 +326,7 @@ def ep_moe_forward(
     ``overlap_dispatch``: the gate/up GEMM's idle producer warps copy the rows into x_rows row
     tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel).
     ``one_launch``: the whole forward in one persistent kernel (mok/ep_one_launch.py; plus 2
-    launches for a shared expert), the same bits; only with the worst-case capacity so far.
+    launches for a shared expert), the same bits.
     """
     return ep_moe_forward_saved(
         ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=False, fused_dispatch=fused_dispatch,

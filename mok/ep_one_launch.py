@@ -7,7 +7,9 @@ and routing, the ranks meet on the workspace's epoch flags, every CTA gathers ev
 routing and copies the tokens routed here into x_all, builds its part of the schedule, runs the
 expert MLP's tiles (fc2 pushing each y row into its token's slot on its token's rank), and
 after the done handshake combines this rank's tokens. Every wait is bounded; a timeout lands in
-the workspace's error record (raised by a later call, or :meth:`EPWorkspace.check`).
+the workspace's error record (raised by a later call, or :meth:`EPWorkspace.check`), and so does
+a capacity bound that the routing overflowed (the pairs that got no row come out NaN, as in the
+multi-launch forward).
 
 The same operations in the same order as the multi-launch forward: the same bits, which are
 those of the single-GPU forward of the concatenated batch.
@@ -46,11 +48,6 @@ def ep_one_launch_forward(
     """:func:`mok.ep.ep_moe_forward_saved` in one launch (inputs already checked by it). ``max_ctas``:
     the CTA cap (default: every SM, or an equal share of them when several of the workspace's
     ranks run on this GPU, where every rank's launch must be resident at once)."""
-    if ws.capacity is not None:
-        raise ValueError(
-            f"one_launch: only with the worst-case capacity (capacity_factor=None) so far, got capacity={ws.capacity} "
-            "(a bounded capacity needs the overflow marking of the multi-launch forward)"
-        )
     ops._check_cuda_aligned("x", x)  # (the launch copies it in 16-byte vectors)
     lay, dev = ws.layout, x.device
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
@@ -93,7 +90,7 @@ def _static(ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save
     found = ws._one_launch.get(key)
     if found is None:
         lay = ws.layout
-        capacity = worst_case_capacity(lay.world * lay.max_tokens, lay.topk, num_local, BLOCK_M)
+        capacity = ws.capacity or worst_case_capacity(lay.world * lay.max_tokens, lay.topk, num_local, BLOCK_M)
         variant = expert_mlp_variant(
             lay.hidden, inter, lay.topk, save_h=save_h, combine=True, has_shared=has_shared, schedule_experts=num_local,
             combine_phase=True, ep_world=lay.world,

@@ -96,8 +96,6 @@ class MoELayer(nn.Module):
         self.config = MoKConfig(
             hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch
         )
-        if one_launch and ep_size > 1 and capacity_factor is not None:
-            raise ValueError("one_launch: the expert-parallel forward in one launch needs capacity_factor=None (the worst case) so far")
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
             from .runtime.workspace import agree_on_spec

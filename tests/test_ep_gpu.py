@@ -177,11 +177,13 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
                 assert float((summed - want.d_shared[i].float()).norm() / want.d_shared[i].float().norm()) < 1e-2
 
 
-def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_with_nan_not_stale_rows():
+@pytest.mark.parametrize("forward", [{}, {"one_launch": True}])
+def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_with_nan_not_stale_rows(forward):
     """EP = 2 with a capacity bound: a routing within it gives the unbounded bits; one past it
     gives NaN exactly for the tokens (and the router-weight gradients) of the pairs that did
     not fit, every other token's bits unchanged, and an error on both ranks — at check(),
-    and at the workspace's next call without any host wait."""
+    and at the workspace's next call without any host wait. ``forward``: the forward (the
+    one-launch kernel marks the overflow itself)."""
     from mok.ep import capacity_rows
 
     world, counts, E, k = 2, (300, 260), 8, 2
@@ -197,13 +199,13 @@ def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_
         dout = torch.randn(total, 512, device="cuda").bfloat16()
         args = split(world, counts, x, idx, w, experts, None)
         douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
-        warm_up_training(layout, args, douts, capacity=capacity)
-        warm_up(layout, args, capacity=capacity)  # (the forward without h is another GEMM variant)
+        warm_up_training(layout, args, douts, capacity=capacity, **forward)
+        warm_up(layout, args, capacity=capacity, **forward)  # (the forward without h is another GEMM variant)
         bounded_ws = EPWorkspace.local_group(layout, capacity=capacity)
         for ws in bounded_ws:  # let the backward run after an overflowing forward, to look at its gradients
             ws.raise_pending = lambda: None
-        bounded = run_train_ranks(bounded_ws, args, douts, check=False)
-        free = run_train_ranks(EPWorkspace.local_group(layout), args, douts)
+        bounded = run_train_ranks(bounded_ws, args, douts, check=False, **forward)
+        free = run_train_ranks(EPWorkspace.local_group(layout), args, douts, **forward)
         out_b, out_f = (torch.cat([o for o, _ in r]) for r in (bounded, free))
         dx_b, dx_f = (torch.cat([g.dx for _, g in r]) for r in (bounded, free))
         dw_b, dw_f = (torch.cat([g.d_topk_w for _, g in r]) for r in (bounded, free))
@@ -227,7 +229,7 @@ def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_
         needed = int(sched.expert_offsets[-1])
         message = rf"experts of rank 0 were routed {needed} rows .* capacity is {capacity}"
         workspaces = EPWorkspace.local_group(layout, capacity=capacity)  # forward only: a backward launched after
-        run_ranks(workspaces, args, check=False)  # its forward finished would raise already (below)
+        run_ranks(workspaces, args, check=False, **forward)  # its forward finished would raise already (below)
         for ws in workspaces:
             with pytest.raises(RuntimeError, match=message):
                 ws.check()

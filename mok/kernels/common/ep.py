@@ -399,28 +399,45 @@ class EpOverflowKernel:
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         i = block * self.threads + tidx
-        k = self.topk
         if i == 0:
             if m_over[0] != 0:
-                err = error_slot(self.world)
-                for peer in cutlass.range(self.world, unroll=1):
-                    record = m_flags[peer, None].iterator + err
-                    if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_CAPACITY), scope="sys") == 0:
-                        m_flags[peer, err + 1] = rank
-                        m_flags[peer, err + 2] = m_offsets[num_local]
-                        m_flags[peer, err + 3] = capacity
-        if i < self.world * t_max * k:
-            expert = m_routing[i] - rank * num_local
-            if expert >= 0:
-                if expert < num_local:
-                    if m_slot_row[i] < 0:
-                        g = i // k
-                        dst = cute.zipped_divide(m_slots[g // t_max, (g % t_max) * k + i % k, None], (VECTOR,))
-                        nan = cute.full((VECTOR,), float("nan"), m_slots.element_type)
-                        for chunk in cutlass.range(self.width // VECTOR, unroll=1):
-                            dst[None, chunk].store(nan)
-                        if cutlass.const_expr(self.gradient):
-                            m_dw[i] = cutlass.Float32(float("nan"))
+                claim_capacity_error(m_flags, self.world, rank, m_offsets[num_local], capacity)
+        if i < self.world * t_max * self.topk:
+            poison_dropped_pair(m_routing, m_slot_row, m_slots, m_dw, i, rank, num_local, t_max, self.topk, self.width, self.gradient)
+
+
+@cute.jit
+def claim_capacity_error(m_flags: cute.Tensor, world: cutlass.Constexpr[int], rank, rows_needed, capacity):
+    """One thread: (2, rank, rows needed, capacity) into every rank's error record still clean
+    (compare-and-swap on its code: the first error stays)."""
+    err = error_slot(world)
+    for peer in cutlass.range(world, unroll=1):
+        record = m_flags[peer, None].iterator + err
+        if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_CAPACITY), scope="sys") == 0:
+            m_flags[peer, err + 1] = rank
+            m_flags[peer, err + 2] = rows_needed
+            m_flags[peer, err + 3] = capacity
+
+
+@cute.jit
+def poison_dropped_pair(
+    m_routing: cute.Tensor, m_slot_row: cute.Tensor, m_slots: cute.Tensor, m_dw: cute.Tensor, i, rank, num_local, t_max,
+    topk: cutlass.Constexpr[int], width: cutlass.Constexpr[int], gradient: cutlass.Constexpr[bool],
+):
+    """Pair ``i`` (global token i // k, slot i % k): if it went to one of this rank's experts but got
+    no row (past the capacity), NaN into its slot on the token's rank (m_slots: [W, T_max·k, H]),
+    and with ``gradient`` into its router-gradient piece here."""
+    expert = m_routing[i] - rank * num_local
+    if expert >= 0:
+        if expert < num_local:
+            if m_slot_row[i] < 0:
+                g = i // topk
+                dst = cute.zipped_divide(m_slots[g // t_max, (g % t_max) * topk + i % topk, None], (VECTOR,))
+                nan = cute.full((VECTOR,), float("nan"), m_slots.element_type)
+                for chunk in cutlass.range(width // VECTOR, unroll=1):
+                    dst[None, chunk].store(nan)
+                if cutlass.const_expr(gradient):
+                    m_dw[i] = cutlass.Float32(float("nan"))
 
 
 def _ptr(dtype, align):

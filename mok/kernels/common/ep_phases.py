@@ -11,13 +11,15 @@ epoch) in the error record) where it needs the peers:
     routing    every rank's routing -> [W·T_max, k] (-1 past a rank's tokens), and each token
                routed to one of this rank's experts copied once from its rank into x_all[g]
                (g = p·T_max + t), one warp per token (the schedule and fc1 then read them here)
+    overflow   only when the schedule overflowed a capacity bound: NaN into the slots of the
+               pairs that got no row, on their tokens' ranks, and the error into every rank's record
     done       after fc2 has pushed every y row into its token's rank (slot [t, j]): CTA 0 signals
                every rank, every CTA waits for every rank
     combine    out[t] = shared[t] + Σ_j topk_w[t, j]·slots[t, j] (fp32, j in order)
 
 The argument ``ep`` is the tuple ExpertMlpSm90 packs: (flags [W, words], published x [W, T_max·H],
 published routing [W, T_max·k], this rank's x [T·H], this rank's routing [T·k], routing out
-[W·T_max·k], x_all [W·T_max, H], rank, T_max, T, first local expert).
+[W·T_max·k], x_all [W·T_max, H], rank, T_max, T, first local expert, slots [W, T_max·k, H]).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .ep import PHASE_DONE, PHASE_PUBLISH, epoch_slot, flag_slot, record_timeout, tokens_slot
+from .ep import PHASE_DONE, PHASE_PUBLISH, claim_capacity_error, epoch_slot, flag_slot, poison_dropped_pair, record_timeout, tokens_slot
 from .waits import grid_barrier, wait_at_least
 
 VECTOR = 8  # bf16 elements per 16-byte access
@@ -37,7 +39,7 @@ def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Con
                      sync, timeout_ns: cutlass.Int64):
     """All threads of every CTA: this rank's x and routing into its published regions, then the
     epoch's publish handshake with every rank (see the module docstring)."""
-    m_flags, m_x_pub, m_idx_pub, m_x_in, m_idx_in, _, _, rank, _, num_tokens, _ = ep
+    m_flags, m_x_pub, m_idx_pub, m_x_in, m_idx_in, _, _, rank, _, num_tokens, _, _ = ep
     tid, _, _ = cute.arch.thread_idx()
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
@@ -87,7 +89,7 @@ def gather_routing_and_rows(ep: tuple, world: cutlass.Constexpr[int], topk: cutl
     p·T_max + t (grid-strided): lanes j < k write routing[g, j] (rank p's topk_idx[t, j], -1 past
     its tokens); if one of them is a local expert, the warp copies x of g from rank p into
     x_all[g] (once, however many local experts it goes to). The caller meets a grid barrier after."""
-    m_flags, m_x_pub, m_idx_pub, _, _, m_routing, m_x_all, rank, t_max, _, expert_lo = ep
+    m_flags, m_x_pub, m_idx_pub, _, _, m_routing, m_x_all, rank, t_max, _, expert_lo, _ = ep
     tid, _, _ = cute.arch.thread_idx()
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
@@ -130,10 +132,33 @@ def signal_done_and_wait(ep: tuple, world: cutlass.Constexpr[int], timeout_ns: c
     """After every CTA's pushes are complete (a grid barrier): CTA 0's ``leader`` thread signals
     the done phase of the epoch to every rank; threads ``tid`` < W of every CTA wait for every
     rank's. The caller synchronises its threads after."""
-    m_flags, _, _, _, _, _, _, rank, _, _, _ = ep
+    m_flags, _, _, _, _, _, _, rank, _, _, _, _ = ep
     cta, _, _ = cute.arch.block_idx()
     epoch = m_flags[rank, epoch_slot()]  # this call's (CTA 0 wrote it before its publish signal, which every CTA acquired)
     if cta == 0:
         if tid == leader:
             signal_all(m_flags, rank, world, PHASE_DONE, epoch)
     wait_all(m_flags, rank, world, PHASE_DONE, epoch, timeout_ns, tid)
+
+
+@cute.jit
+def mark_overflow(ep: tuple, sched_outputs: tuple, capacity, world: cutlass.Constexpr[int], topk: cutlass.Constexpr[int],
+                  hidden: cutlass.Constexpr[int], num_local: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], tid):
+    """``threads`` threads of every CTA (``tid`` among them), before the grid barrier that precedes
+    the done signal: if the schedule overflowed ``capacity``, every pair of this rank's experts
+    that got no row has its slot on its token's rank set to NaN (grid-strided; common/ep.py's
+    EpOverflowKernel does the same in the multi-launch forward) and CTA 0 records the error in
+    every rank's record; then a system-scope fence, so peers see the NaN after the signal."""
+    m_flags, _, _, _, _, m_routing, _, rank, t_max, _, _, m_slots = ep
+    _, m_offsets, _, _, m_slot_row, _, m_over, _ = sched_outputs
+    cta, _, _ = cute.arch.block_idx()
+    ctas, _, _ = cute.arch.grid_dim()
+    if m_over[0] != 0:
+        if cta == 0:
+            if tid == 0:
+                claim_capacity_error(m_flags, world, rank, m_offsets[num_local], capacity)
+        for i in cutlass.range(cta * threads + tid, world * t_max * topk, ctas * threads, unroll=1):
+            poison_dropped_pair(  # (no router-gradient pieces in a forward: m_routing stands in for them, unused)
+                m_routing, m_slot_row, m_slots, m_routing, i, rank, num_local, t_max, topk, hidden, False
+            )
+        cute.arch.fence_acq_rel_sys()

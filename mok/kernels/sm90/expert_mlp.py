@@ -215,6 +215,7 @@ class ExpertMlpSm90:
                 cute.make_tensor(topk_idx_ptr, cute.make_layout((num_tokens * k,))),
                 row_major(x_ptr, num_tokens, hid),
                 rank, t_max, my_tokens, rank * num_experts,
+                cute.make_tensor(slots_ptr, cute.make_layout((w, t_max * k, hid), stride=(slots_stride, hid, 1))),
             )
             # fc2's pushes: rank 0's slots on as 16-byte vectors (grouped_gemm.scatter_tile); the combine: this rank's [T_max·k, H]
             scatter_dst = (cute.zipped_divide(cute.make_tensor(slots_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), t_max, slots_stride)
@@ -420,6 +421,11 @@ class ExpertMlpSm90:
                 tile, given = self.handed_tile(ring, given, s_tiles)
             if warp_idx == self.fc1.store_warp:
                 store_pipe.producer_tail()
+            if cutlass.const_expr(self.ep_world is not None):  # a capacity bound that overflowed: NaN, not stale rows
+                ep_phases.mark_overflow(
+                    ep_args, sched_args[1], num_rows, self.ep_world, self.topk, self.hidden, self.schedule.num_local,
+                    self.fc1.consumer_threads, mma_tidx,
+                )
             if cutlass.const_expr(self.combine_phase):
                 self.publish(warp_idx, m_ready, cutlass.Int32(-1))  # every y row stored and visible before the barrier
                 grid_barrier(sched_args[2], timeout_ns, leader=128)
