@@ -27,10 +27,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .ep import PHASE_DONE, PHASE_PUBLISH, claim_capacity_error, epoch_slot, flag_slot, poison_dropped_pair, record_timeout, tokens_slot
+from .ep import (
+    PHASE_DONE, PHASE_PUBLISH, VECTOR, claim_capacity_error, epoch_slot, flag_slot, poison_dropped_pair, record_timeout, tokens_slot,
+)
 from .waits import grid_barrier, wait_at_least
 
-VECTOR = 8  # bf16 elements per 16-byte access
 COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's row
 
 
