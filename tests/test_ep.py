@@ -37,6 +37,13 @@ def test_workspace_regions_are_per_rank_views_and_the_error_record_raises():
         ranks[0].check()
 
 
+def test_ranks_emulated_on_one_device_know_they_share_it():
+    """local_group's W ranks share one buffer and one GPU: each one-launch forward then takes 1/W of the SMs."""
+    layout = EPLayout(world=3, max_tokens=4, hidden=16, topk=2)
+    assert [ws.ranks_on_device for ws in EPWorkspace.local_group(layout, device="cpu")] == [3, 3, 3]
+    assert EPWorkspace(torch.zeros(3 * layout.stride, dtype=torch.uint8), layout, 1).ranks_on_device == 1
+
+
 def test_bad_workspace_and_inputs_raise_before_any_launch():
     layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
     with pytest.raises(ValueError, match="buffer: expected"):
