@@ -161,6 +161,22 @@ def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arc
     assert "0 entries" in _mok("cache", "list", cache_dir=tmp_path).stdout
 
 
+def test_precompile_one_launch_adds_the_one_launch_forwards(tmp_path):
+    """--one-launch: what MoKConfig(one_launch=True) needs, i.e. also the expert-parallel one-launch
+    forward (with and without h) at EP > 1; the rest is what the plain config needs, already cached."""
+    shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4", "--ep-size", "2"]
+    base = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4, shared_intermediate=None, ep_size=2)
+    plain = len(variants_for(base, "sm_90a"))
+    one = len(variants_for(MoKConfig(**{**base.as_dict(), "one_launch": True}), "sm_90a"))
+    assert one == plain + 2
+    first = _mok("precompile", "--arch", "sm_90a", *shape, "--shared-intermediate", "0", cache_dir=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = _mok("precompile", "--arch", "sm_90a", *shape, "--shared-intermediate", "0", "--one-launch", cache_dir=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"sm_90a: 2 compiled, {plain} already in the cache" in second.stdout
+    assert "ep_world=2" in _mok("cache", "list", cache_dir=tmp_path).stdout
+
+
 def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     bad = _mok("precompile", "--arch", "sm_90", cache_dir=tmp_path)
     assert bad.returncode == 1 and "sm_90a" in bad.stderr
