@@ -195,6 +195,11 @@ class EPWorkspace:
         start = (self.rank if rank is None else rank) * self.rank_stride + offset
         return self.buffer[start:start + count * dtype.itemsize].view(dtype)
 
+    def expert_rows(self, num_local: int, block_m: int = 128) -> int:
+        """Rows this rank's ``num_local`` experts hold per call: the capacity bound, else the worst case."""
+        lay = self.layout
+        return self.capacity or worst_case_capacity(lay.world * lay.max_tokens, lay.topk, num_local, block_m)
+
     def stride_elems(self, name: str) -> int:
         """Elements of region ``name``'s dtype from one rank's copy to the next."""
         return self.rank_stride // self.layout.regions[name][2].itemsize
@@ -464,7 +469,7 @@ def ep_moe_forward_saved(
     routing = gather_ranks(ws, k, "idx", timeout_s, stream)  # every rank's routing -> this rank's schedule -> dispatch
     counters = None  # overlap_dispatch: [error, next, ready per row tile], zeroed by the schedule launch
     if overlap_dispatch:
-        rows = ws.capacity if ws.capacity is not None else worst_case_capacity(routing.shape[0], topk, num_local, 128)
+        rows = ws.expert_rows(num_local)
         counters = torch.empty(2 + -(-rows // 128), dtype=torch.int32, device=dev)
     sched = ops.device_schedule(routing, num_local * world, rank=ws.rank, world_size=world, capacity=ws.capacity, clear=counters)
 

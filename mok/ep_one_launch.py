@@ -26,9 +26,6 @@ from .ep import EPForwardResult, EPWorkspace
 from .fused_forward import shared_expert_forward
 from .kernels import GRID_SYNC_WORDS, expert_mlp_variant
 from .kernels.common.ep import grid_sync_slot
-from .schedule import worst_case_capacity
-
-BLOCK_M = 128
 
 
 def ep_one_launch_forward(
@@ -53,7 +50,7 @@ def ep_one_launch_forward(
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
     static = _static(ws, dev, num_local, inter, save_h, shared is not None)
     tokens_all, capacity = lay.world * lay.max_tokens, static.capacity
-    sched = ops._empty_schedule(tokens_all, lay.topk, num_local, capacity, BLOCK_M, dev)
+    sched = ops._empty_schedule(tokens_all, lay.topk, num_local, capacity, ops.MLP_TILE, dev)
     routing = torch.empty(tokens_all, lay.topk, dtype=torch.int32, device=dev)
     x_all = torch.empty(tokens_all, lay.hidden, dtype=x.dtype, device=dev)  # the tokens routed here, by global id
     a = torch.empty(capacity, inter, dtype=x.dtype, device=dev)
@@ -90,7 +87,7 @@ def _static(ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save
     found = ws._one_launch.get(key)
     if found is None:
         lay = ws.layout
-        capacity = ws.capacity or worst_case_capacity(lay.world * lay.max_tokens, lay.topk, num_local, BLOCK_M)
+        capacity = ws.expert_rows(num_local, ops.MLP_TILE)
         variant = expert_mlp_variant(
             lay.hidden, inter, lay.topk, save_h=save_h, combine=True, has_shared=has_shared, schedule_experts=num_local,
             combine_phase=True, ep_world=lay.world,

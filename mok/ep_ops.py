@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from .custom_ops import BLOCK_M, _shared
-from .schedule import worst_case_capacity
 
 
 def _workspace(handle: int):
@@ -70,10 +69,10 @@ def ep_moe_forward_op(
 
 @ep_moe_forward_op.register_fake
 def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, one_launch=False):
-    lay, capacity_bound = _workspace(workspace).layout, _workspace(workspace).capacity
-    num_local, inter = w_gate.shape[0], w_gate.shape[1]
+    ws = _workspace(workspace)
+    lay, num_local, inter = ws.layout, w_gate.shape[0], w_gate.shape[1]
     pairs_rows = lay.world * lay.max_tokens
-    capacity = capacity_bound or worst_case_capacity(pairs_rows, lay.topk, num_local, BLOCK_M)
+    capacity = ws.expert_rows(num_local, BLOCK_M)
     i32 = dict(dtype=torch.int32, device=x.device)
     shared_cols = 0 if shared_gate is None else 2 * shared_gate.shape[0]
     return (

@@ -5,6 +5,7 @@ import torch
 
 from mok.ep import ALIGN, EPLayout, EPWorkspace, ep_moe_forward
 from mok.kernels import GRID_SYNC_WORDS
+from mok.schedule import worst_case_capacity
 from mok.kernels.common.ep import PHASE_DONE, error_slot, flag_words, grid_sync_slot, tokens_slot
 
 from helpers import random_layer
@@ -75,6 +76,8 @@ def test_capacity_overflow_record_raises_on_check_and_on_the_next_call():
     with pytest.raises(ValueError, match="capacity: expected a positive multiple of 128"):
         EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0, capacity=100)
     ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 1, capacity=128)
+    assert ws.expert_rows(4) == 128  # the bound; without one, the worst case of every rank's tokens
+    assert EPWorkspace(ws.buffer, layout, 1).expert_rows(4) == worst_case_capacity(2 * 8, 2, 4, 128)
     ws.raise_pending()  # a clean record
     flags = ws.region("flags")
     flags[error_slot(2):error_slot(2) + 4] = torch.tensor([2, 0, 300, 128], dtype=torch.int32)
