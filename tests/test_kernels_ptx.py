@@ -185,7 +185,7 @@ def test_unit_weight_combine_reads_no_weights():
 def test_ep_flags_use_system_scope_release_acquire_and_bounded_waits():
     from mok.kernels import ep_variant
 
-    signal = compiled_ptx(ep_variant("signal", 4, phase=0), "sm_90a")
+    signal = compiled_ptx(ep_variant("signal", 4, phase=1), "sm_90a")
     wait = compiled_ptx(ep_variant("wait", 4, phase=1), "sm_90a")
     assert "fence.acq_rel.sys" in signal and count(r"atom\.global\.sys\.release\.exch\.b32", signal) == 1
     assert count(r"atom\.global\.sys\.acquire\.add\.u32", wait) >= 1

@@ -74,14 +74,26 @@ def check_width(width: int) -> None:
         raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
 
 
-class EpSignalKernel:
-    """Tell every rank (self included) that this rank reached ``phase`` of its current epoch.
+@cute.jit
+def signal_all(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], epoch):
+    """One thread: after a system-scope fence, ``epoch`` into every rank's slot (phase, this rank), release."""
+    cute.arch.fence_acq_rel_sys()
+    for peer in cutlass.range(world, unroll=1):
+        slot = m_flags[peer, None].iterator + flag_slot(phase, rank, world)
+        cute.arch.atomic_exch(slot, epoch, sem="release", scope="sys")
 
-    The publish phase first advances the epoch. Launched after the kernels whose writes it
-    announces (stream order), with a system-scope fence before the release stores.
+
+class EpSignalKernel:
+    """Tell every rank (self included) that this rank reached the done phase of its current epoch.
+
+    Launched after the kernels whose writes it announces (stream order), with a system-scope
+    fence before the release stores. (The publish phase, which also advances the epoch, is
+    signalled by EpPublishKernel.)
     """
 
     def __init__(self, world: int, phase: int) -> None:
+        if phase != PHASE_DONE:
+            raise ValueError(f"phase: expected PHASE_DONE ({PHASE_DONE}); the publish signal is EpPublishKernel's, got {phase}")
         self.world, self.phase = world, phase
 
     @cute.jit
@@ -93,14 +105,7 @@ class EpSignalKernel:
     def kernel(self, m_flags: cute.Tensor, rank: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
-            epoch = m_flags[rank, epoch_slot()]
-            if cutlass.const_expr(self.phase == PHASE_PUBLISH):
-                epoch = epoch + 1
-                m_flags[rank, epoch_slot()] = epoch
-            cute.arch.fence_acq_rel_sys()
-            for peer in cutlass.range(self.world, unroll=1):
-                slot = m_flags[peer, None].iterator + (1 + self.phase * self.world + rank)
-                cute.arch.atomic_exch(slot, epoch, sem="release", scope="sys")
+            signal_all(m_flags, rank, self.world, self.phase, m_flags[rank, epoch_slot()])
 
 
 class EpWaitKernel:
@@ -199,10 +204,7 @@ class EpPublishKernel:
                 m_flags[rank, tokens_slot(self.world)] = num_tokens
                 epoch = m_flags[rank, epoch_slot()] + 1
                 m_flags[rank, epoch_slot()] = epoch
-                cute.arch.fence_acq_rel_sys()
-                for peer in cutlass.range(self.world, unroll=1):
-                    slot = m_flags[peer, None].iterator + flag_slot(PHASE_PUBLISH, rank, self.world)
-                    cute.arch.atomic_exch(slot, epoch, sem="release", scope="sys")
+                signal_all(m_flags, rank, self.world, PHASE_PUBLISH, epoch)
 
 
 class EpRoutingGatherKernel:

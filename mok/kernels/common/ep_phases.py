@@ -28,7 +28,8 @@ import cutlass
 import cutlass.cute as cute
 
 from .ep import (
-    PHASE_DONE, PHASE_PUBLISH, VECTOR, claim_capacity_error, epoch_slot, flag_slot, poison_dropped_pair, record_timeout, tokens_slot,
+    PHASE_DONE, PHASE_PUBLISH, VECTOR, claim_capacity_error, epoch_slot, flag_slot, poison_dropped_pair, record_timeout,
+    signal_all, tokens_slot,
 )
 from .waits import grid_barrier, wait_at_least
 
@@ -61,15 +62,6 @@ def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Con
             signal_all(m_flags, rank, world, PHASE_PUBLISH, epoch)
     wait_all(m_flags, rank, world, PHASE_PUBLISH, epoch, timeout_ns, tid)
     cute.arch.sync_threads()
-
-
-@cute.jit
-def signal_all(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], epoch):
-    """One thread: after a system-scope fence, ``epoch`` into every rank's slot (phase, this rank), release."""
-    cute.arch.fence_acq_rel_sys()
-    for peer in cutlass.range(world, unroll=1):
-        slot = m_flags[peer, None].iterator + flag_slot(phase, rank, world)
-        cute.arch.atomic_exch(slot, epoch, sem="release", scope="sys")
 
 
 @cute.jit
