@@ -75,12 +75,35 @@ def check_width(width: int) -> None:
 
 
 @cute.jit
+def record_timeout(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], peer, epoch):
+    """A wait for ``peer``'s ``phase`` of ``epoch`` timed out: (1, phase, peer, epoch) into this
+    rank's error record, unless one is there already (the first error stays)."""
+    err = error_slot(world)
+    record = m_flags[rank, None].iterator + err
+    if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_TIMEOUT), scope="sys") == 0:
+        m_flags[rank, err + 1] = phase
+        m_flags[rank, err + 2] = peer
+        m_flags[rank, err + 3] = epoch
+
+
+@cute.jit
 def signal_all(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], epoch):
     """One thread: after a system-scope fence, ``epoch`` into every rank's slot (phase, this rank), release."""
     cute.arch.fence_acq_rel_sys()
     for peer in cutlass.range(world, unroll=1):
         slot = m_flags[peer, None].iterator + flag_slot(phase, rank, world)
         cute.arch.atomic_exch(slot, epoch, sem="release", scope="sys")
+
+
+@cute.jit
+def wait_all(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], epoch,
+             timeout_ns: cutlass.Int64, tid):
+    """Threads ``tid`` < W: wait (acquire, system scope, bounded) until rank ``tid`` signalled
+    ``phase`` of ``epoch``; on timeout record it and go on. The caller synchronises its threads after."""
+    if tid < world:
+        seen = wait_at_least(m_flags[rank, None].iterator + flag_slot(phase, tid, world), epoch, timeout_ns, "sys")
+        if seen < epoch:
+            record_timeout(m_flags, rank, world, phase, tid, epoch)
 
 
 class EpSignalKernel:
@@ -127,24 +150,7 @@ class EpWaitKernel:
     @cute.kernel
     def kernel(self, m_flags: cute.Tensor, rank: cutlass.Int32, timeout_ns: cutlass.Int64):
         lane, _, _ = cute.arch.thread_idx()
-        if lane < self.world:
-            epoch = m_flags[rank, epoch_slot()]
-            slot = m_flags[rank, None].iterator + (1 + self.phase * self.world + lane)
-            seen = wait_at_least(slot, epoch, timeout_ns, "sys")
-            if seen < epoch:  # timed out: record it and give up
-                record_timeout(m_flags, rank, self.world, self.phase, lane, epoch)
-
-
-@cute.jit
-def record_timeout(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], peer, epoch):
-    """A wait for ``peer``'s ``phase`` of ``epoch`` timed out: (1, phase, peer, epoch) into this
-    rank's error record, unless one is there already (the first error stays)."""
-    err = error_slot(world)
-    record = m_flags[rank, None].iterator + err
-    if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_TIMEOUT), scope="sys") == 0:
-        m_flags[rank, err + 1] = phase
-        m_flags[rank, err + 2] = peer
-        m_flags[rank, err + 3] = epoch
+        wait_all(m_flags, rank, self.world, self.phase, m_flags[rank, epoch_slot()], timeout_ns, lane)
 
 
 class EpPublishKernel:
@@ -235,11 +241,8 @@ class EpRoutingGatherKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         block, peer, _ = cute.arch.block_idx()
-        if tidx < self.world:  # every rank's publish of this epoch (the publish launch advanced it)
-            epoch = m_flags[rank, epoch_slot()]
-            seen = wait_at_least(m_flags[rank, None].iterator + flag_slot(PHASE_PUBLISH, tidx, self.world), epoch, timeout_ns, "sys")
-            if seen < epoch:
-                record_timeout(m_flags, rank, self.world, PHASE_PUBLISH, tidx, epoch)
+        # every rank's publish of this epoch (the publish launch advanced it)
+        wait_all(m_flags, rank, self.world, PHASE_PUBLISH, m_flags[rank, epoch_slot()], timeout_ns, tidx)
         cute.arch.sync_threads()
         i = block * self.threads + tidx
         if i < t_max * self.topk:

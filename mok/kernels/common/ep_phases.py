@@ -28,10 +28,9 @@ import cutlass
 import cutlass.cute as cute
 
 from .ep import (
-    PHASE_DONE, PHASE_PUBLISH, VECTOR, claim_capacity_error, epoch_slot, flag_slot, poison_dropped_pair, record_timeout,
-    signal_all, tokens_slot,
+    PHASE_DONE, PHASE_PUBLISH, VECTOR, claim_capacity_error, epoch_slot, poison_dropped_pair, signal_all, tokens_slot, wait_all,
 )
-from .waits import grid_barrier, wait_at_least
+from .waits import grid_barrier
 
 COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's row
 
@@ -62,17 +61,6 @@ def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Con
             signal_all(m_flags, rank, world, PHASE_PUBLISH, epoch)
     wait_all(m_flags, rank, world, PHASE_PUBLISH, epoch, timeout_ns, tid)
     cute.arch.sync_threads()
-
-
-@cute.jit
-def wait_all(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], epoch,
-             timeout_ns: cutlass.Int64, tid):
-    """Threads ``tid`` < W: wait (acquire, system scope, bounded) until rank ``tid`` signalled
-    ``phase`` of ``epoch``; on timeout record it and go on. The caller synchronises its threads after."""
-    if tid < world:
-        seen = wait_at_least(m_flags[rank, None].iterator + flag_slot(phase, tid, world), epoch, timeout_ns, "sys")
-        if seen < epoch:
-            record_timeout(m_flags, rank, world, phase, tid, epoch)
 
 
 @cute.jit
