@@ -130,6 +130,20 @@ def kernel_times(fn, top: int = 6) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+def kernel_sequence(fn) -> list[tuple[str, float]]:
+    """(kernel, device ms) of every launch of one call of fn, in launch order (variants of one
+    kernel class share a name: the order tells them apart)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    return [(e.name, (e.time_range.end - e.time_range.start) / 1e3) for e in kernels]
+
+
 def device_span(fn, calls: int = 5) -> tuple[float, float]:
     """(kernel-busy ms, first-start-to-last-end ms) per call over ``calls`` back-to-back calls:
     their difference is the device time between kernels (launch gaps, tails)."""
@@ -152,7 +166,7 @@ def main() -> int:
     parser.add_argument("--configs", default="dsv3,qwen3,dsv3-zipf,qwen3-small")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (one process per GPU)")
-    parser.add_argument("--profile", type=int, default=0, help="--ep: print rank 0's N most expensive kernels")
+    parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
     args = parser.parse_args()
     if args.ep > 1:
         from bench_ep import CONFIGS as EP_CONFIGS, run
@@ -203,8 +217,12 @@ def main() -> int:
         for p in ("mok", "mok (graph)"):
             busy, span = device_span(paths[p])
             print(f"{name:<11}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
-        for kernel, ms_k, _ in kernel_times(paths["mok"], top=12 if args.backward else 6):
-            print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:90]}")
+        if args.profile:
+            for kernel, ms_k in kernel_sequence(paths["mok"])[: args.profile]:
+                print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:100]}")
+        else:
+            for kernel, ms_k, _ in kernel_times(paths["mok"], top=12 if args.backward else 6):
+                print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:90]}")
     return 0
 
 
