@@ -746,13 +746,15 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
     @cute.jit
     def load_row_inputs(self, tidx, tiled_mma, tile_row, tile_col, row_args, num_rows):
-        """swiglu_bwd: what the epilogue reads from global memory besides the accumulator, loaded
-        before the tile's mainloop so that the loads' latency hides under it: this thread's
-        values of the saved h_gate and h_up (bf16, laid out like its accumulator; 0 past the last
-        row) and the router weights of its two rows. Other epilogues: None (nothing to load).
+        """swiglu_bwd: what the epilogue reads from global memory besides the accumulator, all
+        loads issued at once before the tile's mainloop: this thread's values of the saved h_gate
+        and h_up (bf16 pairs as 32-bit loads, laid out like its accumulator; 0 past the last row)
+        and the router weights of its two rows. Other epilogues: None (nothing to load).
 
-        (Loaded inside the epilogue, one value at a time between its subtile barriers, they made
-        the SwiGLU-backward GEMM ~2.5x slower than the down projection of the same FLOPs.)
+        (Loaded inside the epilogue one bf16 at a time, between its subtile barriers, they made
+        this GEMM up to 2.8x slower than the down projection of the same FLOPs; this way it is
+        27% faster at qwen3's shapes. Issued after the mainloop they measure the same: the
+        mainloop does not hide them — perf/NOTES.md, tenth session.)
         """
         rows_in = None
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
