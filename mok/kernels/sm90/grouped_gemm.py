@@ -795,7 +795,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         next anyway.
         """
         tma_c, m_c, tma_h, m_h_store, tma_as, m_as = store_args
-        m_h, m_part, m_row_token, m_row_slot, m_topk_w = row_args
+        m_part = row_args[1]  # (the row inputs themselves come in rows_in)
         tile_m, tile_n, _ = self.tile_shape_mnk
         col_tiles = self.n // tile_n
         tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
