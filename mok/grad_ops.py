@@ -90,6 +90,7 @@ def weight_grad(
     accumulate: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
     persistent: bool = True,
+    tile_n: int = 128,
 ) -> torch.Tensor:
     """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
 
@@ -98,7 +99,8 @@ def weight_grad(
     multiples of 128 except the last, which may be R; rows at or past R are not read). out:
     [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
     (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0. ``persistent=False``
-    selects the one-tile-per-CTA kernel (the same bits).
+    selects the one-tile-per-CTA kernel (the same bits). ``tile_n``: the output tile's columns,
+    128 or 256 (N % tile_n == 0); a wider tile reads each expert's A rows half as often.
     """
     check_tensor("a", a, dtypes=BF16, ndim=2)
     num_rows, m = a.shape
@@ -115,6 +117,8 @@ def weight_grad(
         raise ValueError(f"offsets: expected E + 1 >= 2 entries, got {offsets.shape[0]}")
     if m % 128 or n % 128:
         raise ValueError(f"(M, N): expected multiples of 128, got ({m}, {n})")
+    if tile_n not in (128, 256) or n % tile_n:
+        raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
     if accumulate and out is None:
         raise ValueError("accumulate: needs out, the fp32 gradient to add into")
     if out is None:
@@ -127,7 +131,7 @@ def weight_grad(
     if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
         return out if accumulate else out.zero_()
     dtype_name = "f32" if out.dtype == torch.float32 else "bf16"
-    variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=128, persistent=persistent)
+    variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent)
     kernel = _kernel(variant, dev)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, out), _ptr("i32", offsets, 4),

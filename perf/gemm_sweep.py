@@ -4,6 +4,7 @@
     python perf/gemm_sweep.py --gathered-fc1   # fc1 gathering its rows against gather + fc1 only
     python perf/gemm_sweep.py --scattered-fc2  # fc2 writing its rows into the slots against fc2 + push kernel
     python perf/gemm_sweep.py --skip-padding   # fc1 and fc2 skipping all-padding half tiles, at 128 experts a rank
+    python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide)
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -55,6 +56,8 @@ WEIGHT_GRAD_SHAPES = {  # name: (E, rows per expert, M, N): out[e] = A[rows of e
     "dsv3 dW_gate": (32, 1024, 2048, 7168),
     "qwen3 dW_down": (64, 1024, 2048, 768),
     "qwen3 dW_gate": (64, 1024, 768, 2048),
+    "e128 dW_down": (128, 384, 7168, 2048),  # one dsv3 EP = 2 rank: 128 experts of 2-3 row tiles
+    "e128 dW_gate": (128, 384, 2048, 7168),
 }
 
 
@@ -72,6 +75,7 @@ def weight_grads() -> None:
         runs = {
             "mok weight_grad": lambda: grad_ops.weight_grad(a, b, offsets, out=out, persistent=False),
             "mok weight_grad persist": lambda: grad_ops.weight_grad(a, b, offsets, out=out),
+            "mok persist n256": lambda: grad_ops.weight_grad(a, b, offsets, out=out, tile_n=256),
             "dense mm": lambda: a[:per * 8].T @ b[:per * 8],  # (8 experts' rows: FLOPs scaled below)
         }
         for kname, fn in runs.items():
@@ -158,6 +162,8 @@ if __name__ == "__main__":
 
     if "--skip-padding" in sys.argv:
         skipping_padding()
+    elif "--weight-grads" in sys.argv:
+        weight_grads()
     elif "--scattered-fc2" in sys.argv:
         scattered_fc2()
     else:

@@ -199,3 +199,17 @@ def test_grouped_gemm_that_pulls_its_rows_checks_where_they_come_from():
         grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters[:3]))
     with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
         grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters))
+
+
+def test_weight_grad_rejects_a_bad_tile_before_launch():
+    """The weight-gradient op takes 128- or 256-column tiles that divide N, and says so otherwise."""
+    from mok import grad_ops
+
+    a, b = torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(256, 384, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match="tile_n: expected 128 or 256 dividing N=384, got 256"):
+        grad_ops.weight_grad(a, b, offsets, tile_n=256)
+    with pytest.raises(ValueError, match="tile_n: expected 128 or 256 dividing N=384, got 64"):
+        grad_ops.weight_grad(a, b, offsets, tile_n=64)
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; the launch checks refuse CPU data
+        grad_ops.weight_grad(a, b, offsets, tile_n=128)
