@@ -78,12 +78,19 @@ def check_width(width: int) -> None:
 def record_timeout(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], peer, epoch):
     """A wait for ``peer``'s ``phase`` of ``epoch`` timed out: (1, phase, peer, epoch) into this
     rank's error record, unless one is there already (the first error stays)."""
+    claim_record(m_flags, rank, world, ERROR_TIMEOUT, phase, peer, epoch)
+
+
+@cute.jit
+def claim_record(m_flags: cute.Tensor, owner, world: cutlass.Constexpr[int], code: cutlass.Constexpr[int], a, b, c):
+    """(code, a, b, c) into rank ``owner``'s error record if it is still clean: a system-scope
+    compare-and-swap on its code word, so the first error recorded stays."""
     err = error_slot(world)
-    record = m_flags[rank, None].iterator + err
-    if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_TIMEOUT), scope="sys") == 0:
-        m_flags[rank, err + 1] = phase
-        m_flags[rank, err + 2] = peer
-        m_flags[rank, err + 3] = epoch
+    record = m_flags[owner, None].iterator + err
+    if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(code), scope="sys") == 0:
+        m_flags[owner, err + 1] = a
+        m_flags[owner, err + 2] = b
+        m_flags[owner, err + 3] = c
 
 
 @cute.jit
@@ -414,14 +421,9 @@ class EpOverflowKernel:
 @cute.jit
 def claim_capacity_error(m_flags: cute.Tensor, world: cutlass.Constexpr[int], rank, rows_needed, capacity):
     """One thread: (2, rank, rows needed, capacity) into every rank's error record still clean
-    (compare-and-swap on its code: the first error stays)."""
-    err = error_slot(world)
+    (the first error stays)."""
     for peer in cutlass.range(world, unroll=1):
-        record = m_flags[peer, None].iterator + err
-        if cute.arch.atomic_cas(record, cmp=cutlass.Int32(0), val=cutlass.Int32(ERROR_CAPACITY), scope="sys") == 0:
-            m_flags[peer, err + 1] = rank
-            m_flags[peer, err + 2] = rows_needed
-            m_flags[peer, err + 3] = capacity
+        claim_record(m_flags, peer, world, ERROR_CAPACITY, rank, rows_needed, capacity)
 
 
 @cute.jit
