@@ -104,49 +104,9 @@ def graph_of(fn):
     return graph.replay
 
 
-def count_launches(fn) -> int:
-    """CUDA kernels launched by one call of fn (after warm-up)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name and "Memset" not in e.name)
-
-
-def kernel_times(fn, top: int = 6) -> list[tuple[str, float, int]]:
-    """(kernel, device ms, calls) of one call of fn, the most expensive first (torch.profiler; with
-    expert parallelism every rank must call it together: the paths synchronise with their peers)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])[:top]
-
-
-def kernel_sequence(fn) -> list[tuple[str, float]]:
-    """(kernel, device ms) of every launch of one call of fn, in launch order (variants of one
-    kernel class share a name: the order tells them apart)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
-    return [(e.name, (e.time_range.end - e.time_range.start) / 1e3) for e in kernels]
-
-
-def device_span(fn, calls: int = 5) -> tuple[float, float]:
-    """(kernel-busy ms, first-start-to-last-end ms) per call over ``calls`` back-to-back calls:
-    their difference is the device time between kernels (launch gaps, tails)."""
+def profiled(fn, calls: int = 1):
+    """torch.profiler's record (CUDA activity) of ``calls`` back-to-back calls of fn, after one warm-up
+    call (with expert parallelism every rank must call it together: the paths synchronise with their peers)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -155,7 +115,36 @@ def device_span(fn, calls: int = 5) -> tuple[float, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return prof
+
+
+def device_events(prof) -> list:
+    """The record's events that ran on the GPU (kernels, copies, fills)."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def count_launches(fn) -> int:
+    """CUDA kernels launched by one call of fn (after warm-up)."""
+    return sum(1 for e in device_events(profiled(fn)) if "Memcpy" not in e.name and "Memset" not in e.name)
+
+
+def kernel_times(fn, top: int = 6) -> list[tuple[str, float, int]]:
+    """(kernel, device ms, calls) of one call of fn, the most expensive first."""
+    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in profiled(fn).key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def kernel_sequence(fn) -> list[tuple[str, float]]:
+    """(kernel, device ms) of every launch of one call of fn, in launch order (variants of one
+    kernel class share a name: the order tells them apart)."""
+    kernels = sorted(device_events(profiled(fn)), key=lambda e: e.time_range.start)
+    return [(e.name, (e.time_range.end - e.time_range.start) / 1e3) for e in kernels]
+
+
+def device_span(fn, calls: int = 5) -> tuple[float, float]:
+    """(kernel-busy ms, first-start-to-last-end ms) per call over ``calls`` back-to-back calls:
+    their difference is the device time between kernels (launch gaps, tails)."""
+    kernels = device_events(profiled(fn, calls))
     busy = sum(e.time_range.end - e.time_range.start for e in kernels)
     span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
     return busy / calls / 1e3, span / calls / 1e3
