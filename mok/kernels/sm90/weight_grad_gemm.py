@@ -214,14 +214,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
-                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-                linear = first
-                while linear < all_tiles:
-                    expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
-                    loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
-                    prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
-                    linear += step
-                ab_pipe.producer_tail(prod)
+                self.produce_tiles(ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -277,14 +270,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         if tidx < 128:  # producer warpgroup: every tile of the CTA in order, as kernel_persistent
             cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
-                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-                linear = first
-                while linear < all_tiles:
-                    expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
-                    loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
-                    prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
-                    linear += step
-                ab_pipe.producer_tail(prod)
+                self.produce_tiles(ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows)
         else:  # MMA warpgroup w = 0 or 1, each on its own tiles
             cute.arch.setmaxregister_increase(232)
             group_idx = cute.arch.make_warp_uniform((tidx - 128) // 128)
@@ -317,6 +303,18 @@ class WeightGradGemmSm90(WgmmaTileKernel):
                         linear += 2 * step
                     if warp_idx == group[2]:
                         store_pipe.producer_tail()
+
+    @cute.jit
+    def produce_tiles(self, ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows):
+        """The TMA warp of a persistent kernel: every K tile of output tiles first, first + step, ... in order."""
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        linear = first
+        while linear < all_tiles:
+            _, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+            loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
+            prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
+            linear += step
+        ab_pipe.producer_tail(prod)
 
     @cute.jit
     def skip_stages(self, linear, all_tiles, m_off, num_rows, cons, release):
