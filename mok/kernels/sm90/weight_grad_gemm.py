@@ -127,10 +127,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         store_args = (tma_c, t_c)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
         args = (load_args, store_args, m_off, num_rows, num_experts, mma_args)
-        if cutlass.const_expr(self.pingpong):
-            grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
-            self.kernel_pingpong(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
-        elif cutlass.const_expr(self.persistent):
+        if cutlass.const_expr(self.persistent):
             grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
             self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
         else:
@@ -191,8 +188,8 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         mma_args: tuple,
     ):
         """Persistent and warp-specialised, as GroupedGemmSm90.kernel_persistent: CTA i takes output
-        tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order.
-        Arguments as in ``kernel``."""
+        tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order
+        (``pingpong``: by one of its MMA warpgroups, see ``pingpong_consumers``). Arguments as in ``kernel``."""
         tma_a, _, tma_b, _ = load_args
         tma_c, m_c = store_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
@@ -206,7 +203,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             self.prefetch(tma_a, tma_b)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem)
+        ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem, consumer_warps=4 if self.pingpong else None)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -215,6 +212,10 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
                 self.produce_tiles(ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows)
+        elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
+            cute.arch.setmaxregister_increase(232)
+            tiles = (first, step, all_tiles, m_off, num_rows)
+            self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tma_c, m_c, tiles)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -234,75 +235,44 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
 
-    @cute.kernel
-    def kernel_pingpong(
-        self,
-        load_args: tuple,
-        store_args: tuple,
-        m_off: cute.Tensor,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        mma_args: tuple,
-    ):
-        """Persistent, the producer as in ``kernel_persistent``; MMA warpgroup w takes the CTA's
-        tiles j = w, w + 2, ... (tile j is output tile first + j·grid), skipping the other's
-        stages in the shared pipeline. Before its mainloop a warpgroup waits until the other has
-        finished the mainloop of the tile before (named barrier TURN_BARRIERS[w]); after it, it
-        lets the other go, then runs its epilogue. Arguments as in ``kernel``."""
-        tma_a, _, tma_b, _ = load_args
-        tma_c, m_c = store_args
-        tiled_mma, a_smem, b_smem, epi_smem = mma_args
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        first, _, _ = cute.arch.block_idx()
-        step, _, _ = cute.arch.grid_dim()
+    @cute.jit
+    def pingpong_consumers(self, mma_tidx, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tma_c, m_c, tiles):
+        """``pingpong``: MMA warpgroup w takes the CTA's tiles j = w, w + 2, ... (tile j is output
+        tile first + j·step), skipping the other's stages in the shared pipeline. Before its
+        mainloop a warpgroup waits until the other has finished the mainloop of the tile before
+        (named barrier TURN_BARRIERS[w]); after it, it lets the other go, then runs its epilogue
+        (its own barrier, store warp and epilogue buffers) while the other's WGMMAs run."""
+        first, step, all_tiles, m_off, num_rows = tiles
         tile_m, tile_n, _ = self.tile_shape_mnk
-        all_tiles = num_experts * (self.m // tile_m) * (self.n // tile_n)
-        if warp_idx == 0:
-            self.prefetch(tma_a, tma_b)
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem, consumer_warps=4)  # one warpgroup consumes a stage
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
-
-        if tidx < 128:  # producer warpgroup: every tile of the CTA in order, as kernel_persistent
-            cute.arch.setmaxregister_decrease(40)
-            if warp_idx == 0:
-                self.produce_tiles(ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows)
-        else:  # MMA warpgroup w = 0 or 1, each on its own tiles
-            cute.arch.setmaxregister_increase(232)
-            group_idx = cute.arch.make_warp_uniform((tidx - 128) // 128)
-            wg_tidx = (tidx - 128) % 128
-            thr_mma = tiled_mma.get_slice(0)  # (the tiled MMA is one warpgroup's)
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))).shape, cutlass.Float32)
-            r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-            r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            store_pipe = self.store_pipeline(threads=128)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
-            for w in cutlass.range_constexpr(2):  # (static per warpgroup: its barriers, store warp, buffers)
-                if group_idx == w:
-                    group = (1 + w, 128, 4 + 4 * w)  # epilogue barrier, its threads, its store warp
-                    linear = first + w * step
-                    if cutlass.const_expr(w == 1):  # warpgroup 1 starts past tile 0's stages
-                        cons, release = self.skip_stages(first, all_tiles, m_off, num_rows, cons, release)
-                    while linear < all_tiles:
-                        expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
-                        if linear != first:  # the other warpgroup ran the tile before: wait for the end of its mainloop
-                            cute.arch.barrier(barrier_id=TURN_BARRIERS[w], number_of_threads=256)
-                        acc.fill(0.0)
-                        cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
-                        if linear + step < all_tiles:  # the other warpgroup's tile comes next: its turn
-                            cute.arch.barrier_arrive(barrier_id=TURN_BARRIERS[1 - w], number_of_threads=256)
-                        g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
-                        self.store_tile(wg_tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group, w * self.epi_stage)
-                        cons, release = self.skip_stages(linear + step, all_tiles, m_off, num_rows, cons, release)
-                        linear += 2 * step
-                    if warp_idx == group[2]:
-                        store_pipe.producer_tail()
+        group_idx = cute.arch.make_warp_uniform(mma_tidx // 128)
+        thr_mma = tiled_mma.get_slice(0)  # (the tiled MMA is one warpgroup's)
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))).shape, cutlass.Float32)
+        r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        store_pipe = self.store_pipeline(threads=128)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
+        for w in cutlass.range_constexpr(2):  # (static per warpgroup: its barriers, store warp, buffers)
+            if group_idx == w:
+                group = (1 + w, 128, 4 + 4 * w)  # epilogue barrier, its threads, its store warp
+                linear = first + w * step
+                if cutlass.const_expr(w == 1):  # warpgroup 1 starts past tile 0's stages
+                    cons, release = self.skip_stages(first, all_tiles, m_off, num_rows, cons, release)
+                while linear < all_tiles:
+                    expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+                    if linear != first:  # the other warpgroup ran the tile before: wait for the end of its mainloop
+                        cute.arch.barrier(barrier_id=TURN_BARRIERS[w], number_of_threads=256)
+                    acc.fill(0.0)
+                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
+                    if linear + step < all_tiles:  # the other warpgroup's tile comes next: its turn
+                        cute.arch.barrier_arrive(barrier_id=TURN_BARRIERS[1 - w], number_of_threads=256)
+                    g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+                    self.store_tile(mma_tidx % 128, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group, w * self.epi_stage)
+                    cons, release = self.skip_stages(linear + step, all_tiles, m_off, num_rows, cons, release)
+                    linear += 2 * step
+                if warp_idx == group[2]:
+                    store_pipe.producer_tail()
 
     @cute.jit
     def produce_tiles(self, ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows):
