@@ -91,6 +91,7 @@ def weight_grad(
     out_dtype: torch.dtype = torch.bfloat16,
     persistent: bool = True,
     tile_n: int = 128,
+    pingpong: bool = False,
 ) -> torch.Tensor:
     """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
 
@@ -101,6 +102,8 @@ def weight_grad(
     (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0. ``persistent=False``
     selects the one-tile-per-CTA kernel (the same bits). ``tile_n``: the output tile's columns,
     128 or 256 (N % tile_n == 0); a wider tile reads each expert's A rows half as often.
+    ``pingpong`` (persistent): the two MMA warpgroups take whole tiles in turn, so that one's
+    epilogue runs under the other's mainloop (the same bits).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2)
     num_rows, m = a.shape
@@ -119,6 +122,8 @@ def weight_grad(
         raise ValueError(f"(M, N): expected multiples of 128, got ({m}, {n})")
     if tile_n not in (128, 256) or n % tile_n:
         raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
+    if pingpong and (not persistent or tile_n != 128):
+        raise ValueError("pingpong: only with persistent=True and tile_n=128")
     if accumulate and out is None:
         raise ValueError("accumulate: needs out, the fp32 gradient to add into")
     if out is None:
@@ -131,7 +136,7 @@ def weight_grad(
     if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
         return out if accumulate else out.zero_()
     dtype_name = "f32" if out.dtype == torch.float32 else "bf16"
-    variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent)
+    variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong)
     kernel = _kernel(variant, dev)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, out), _ptr("i32", offsets, 4),

@@ -4,7 +4,7 @@
     python perf/gemm_sweep.py --gathered-fc1   # fc1 gathering its rows against gather + fc1 only
     python perf/gemm_sweep.py --scattered-fc2  # fc2 writing its rows into the slots against fc2 + push kernel
     python perf/gemm_sweep.py --skip-padding   # fc1 and fc2 skipping all-padding half tiles, at 128 experts a rank
-    python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide)
+    python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide, ping-pong)
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -76,6 +76,7 @@ def weight_grads() -> None:
             "mok weight_grad": lambda: grad_ops.weight_grad(a, b, offsets, out=out, persistent=False),
             "mok weight_grad persist": lambda: grad_ops.weight_grad(a, b, offsets, out=out),
             "mok persist n256": lambda: grad_ops.weight_grad(a, b, offsets, out=out, tile_n=256),
+            "mok ping-pong": lambda: grad_ops.weight_grad(a, b, offsets, out=out, pingpong=True),
             "dense mm": lambda: a[:per * 8].T @ b[:per * 8],  # (8 experts' rows: FLOPs scaled below)
         }
         for kname, fn in runs.items():

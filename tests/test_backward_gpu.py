@@ -131,15 +131,15 @@ def test_forward_backward_graph_capture_without_host_sync():
 
 # ---- kernels one by one ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("n,tile_n", [(384, 128), (512, 256)])
-def test_weight_grad_per_expert_with_empty_experts_and_strided_a(n, tile_n):
+@pytest.mark.parametrize("n,tile_n,pingpong", [(384, 128, False), (512, 256, False), (384, 128, True)])
+def test_weight_grad_per_expert_with_empty_experts_and_strided_a(n, tile_n, pingpong):
     g = torch.Generator(device="cuda").manual_seed(16)
     rows, m = 1024, 256
     wide = torch.randn(rows, 2 * m, device="cuda", generator=g).bfloat16()
     a = wide[:, m:]  # a column slice: row stride 2m
     b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
     offsets = torch.tensor([0, 128, 128, 512, 1024, 1024], dtype=torch.int32, device="cuda")  # experts 1 and 4 empty
-    out = grad_ops.weight_grad(a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"), tile_n=tile_n)
+    out = grad_ops.weight_grad(a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"), tile_n=tile_n, pingpong=pingpong)
     one_tile_per_cta = grad_ops.weight_grad(
         a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"), persistent=False, tile_n=tile_n
     )
@@ -147,7 +147,9 @@ def test_weight_grad_per_expert_with_empty_experts_and_strided_a(n, tile_n):
     acc = torch.randn(5, m, n, device="cuda")
     want_acc = acc + out
     for persistent in (True, False):
-        got = grad_ops.weight_grad(a, b, offsets, out=acc.clone(), accumulate=True, persistent=persistent, tile_n=tile_n)
+        got = grad_ops.weight_grad(
+            a, b, offsets, out=acc.clone(), accumulate=True, persistent=persistent, tile_n=tile_n, pingpong=pingpong and persistent
+        )
         assert torch.equal(got, want_acc)
     for e in range(5):
         lo, hi = int(offsets[e]), int(offsets[e + 1])

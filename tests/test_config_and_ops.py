@@ -202,7 +202,7 @@ def test_grouped_gemm_that_pulls_its_rows_checks_where_they_come_from():
 
 
 def test_weight_grad_rejects_a_bad_tile_before_launch():
-    """The weight-gradient op takes 128- or 256-column tiles that divide N, and says so otherwise."""
+    """The weight-gradient op takes 128- or 256-column tiles that divide N (ping-pong: 128, persistent), and says so otherwise."""
     from mok import grad_ops
 
     a, b = torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(256, 384, dtype=torch.bfloat16)
@@ -211,5 +211,7 @@ def test_weight_grad_rejects_a_bad_tile_before_launch():
         grad_ops.weight_grad(a, b, offsets, tile_n=256)
     with pytest.raises(ValueError, match="tile_n: expected 128 or 256 dividing N=384, got 64"):
         grad_ops.weight_grad(a, b, offsets, tile_n=64)
+    with pytest.raises(ValueError, match="pingpong: only with persistent=True and tile_n=128"):
+        grad_ops.weight_grad(a, b, offsets, pingpong=True, persistent=False)
     with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; the launch checks refuse CPU data
-        grad_ops.weight_grad(a, b, offsets, tile_n=128)
+        grad_ops.weight_grad(a, b, offsets, tile_n=128, pingpong=True)

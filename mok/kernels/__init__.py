@@ -208,11 +208,13 @@ def expert_mlp_variant(
 
 def weight_grad_variant(
     m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
-    persistent: bool = True,
+    persistent: bool = True, pingpong: bool = False,
 ) -> KernelVariant:
     """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA).
 
-    ``persistent`` (default): one CTA per SM walks the output tiles, as in the grouped GEMM.
+    ``persistent`` (default): one CTA per SM walks the output tiles, as in the grouped GEMM;
+    ``pingpong`` (persistent): its two MMA warpgroups take whole tiles in turn, one's epilogue
+    under the other's mainloop.
     """
     a_stride = m if a_stride is None else a_stride
 
@@ -222,13 +224,16 @@ def weight_grad_variant(
         from .sm90.weight_grad_gemm import compile_weight_grad
 
         return compile_weight_grad(
-            m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n, persistent=persistent
+            m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n, persistent=persistent,
+            pingpong=pingpong,
         )
 
     config = {
         "m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n,
         "persistent": persistent,
     }
+    if pingpong:  # (keys of existing variants unchanged)
+        config["pingpong"] = True
     return KernelVariant("weight_grad", config, build)
 
 

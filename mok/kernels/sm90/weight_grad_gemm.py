@@ -16,6 +16,13 @@ rows are in canonical order, the same for any batch that holds the same rows. An
 with no rows gets zeros (or, accumulating, is left as it was). ``accumulate`` adds the
 result into an existing fp32 tensor with a TMA reduce-add (one add per element, by the
 tile's only owner), as Megatron's ``main_grad`` wants.
+
+``pingpong`` (persistent): each MMA warpgroup computes whole output tiles on its own (128 x
+tile_n, two 64-row WGMMAs per K block), the two taking the CTA's tiles in turn; a named-barrier
+handshake lets only one of them run its mainloop at a time, so one's epilogue (conversion,
+stores) runs while the other's WGMMAs keep the tensor cores busy. With a few hundred rows per
+expert (128 experts a rank) an output tile reduces only ~5 K tiles and the epilogue is about
+as long as the mainloop. The same WGMMA sequence per output element: the same bits.
 """
 
 from __future__ import annotations
@@ -25,12 +32,15 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
+PINGPONG_EPI_STAGES = 2  # per warpgroup (two sets of epilogue buffers)
+TURN_BARRIERS = (4, 3)  # named barrier warpgroup w waits on for its turn (the other arrives on it); 1, 2: epilogues
 
 
 class WeightGradGemmSm90(WgmmaTileKernel):
@@ -49,6 +59,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tile_n: int = 128,
         stages: int | None = None,
         persistent: bool = False,
+        pingpong: bool = False,
     ):
         tile_m = 128
         if out_dtype not in OUT_DTYPES:
@@ -62,13 +73,17 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         a_stride = m if a_stride is None else a_stride
         if a_stride < m or a_stride % 8:
             raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
+        if pingpong and (not persistent or tile_n != 128):
+            raise ValueError("pingpong: only in the persistent kernel with 128-column tiles (one warpgroup holds a whole tile)")
         self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
         out_bytes = 4 if out_dtype == "f32" else 2
-        self.persistent = persistent
+        self.persistent, self.pingpong = persistent, pingpong
         if persistent:  # a producer warpgroup in front of the two MMA warpgroups (see GroupedGemmSm90)
             self.threads, self.store_warp = self.consumer_threads + 128, 4
-        epi_bytes = self.epi_stage * tile_m * 32 * out_bytes
+        if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers
+            self.atom_layout_mnk, self.epi_stage = (1, 1, 1), PINGPONG_EPI_STAGES
+        epi_bytes = self.epi_stage * tile_m * 32 * out_bytes * (2 if pingpong else 1)
         self.ab_stage = pick_stages((tile_m + tile_n) * TILE_K * 2, epi_bytes, stages, dedicated_epi=persistent)
 
     @cute.jit
@@ -94,6 +109,8 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, TILE_K))
         tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, TILE_K))
         tma_c, t_c = self.store_atom(m_c, epi_smem, reduce_add=self.accumulate)
+        if cutlass.const_expr(self.pingpong):  # both warpgroups' epilogue buffers, warpgroup w's from w·epi_stage
+            epi_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 2 * self.epi_stage)
 
         c_elems = cute.cosize(epi_smem) if self.persistent else 8  # otherwise the epilogue reuses A's buffers
 
@@ -171,8 +188,8 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         mma_args: tuple,
     ):
         """Persistent and warp-specialised, as GroupedGemmSm90.kernel_persistent: CTA i takes output
-        tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order.
-        Arguments as in ``kernel``."""
+        tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order
+        (``pingpong``: by one of its MMA warpgroups, see ``pingpong_consumers``). Arguments as in ``kernel``."""
         tma_a, _, tma_b, _ = load_args
         tma_c, m_c = store_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
@@ -186,7 +203,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             self.prefetch(tma_a, tma_b)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem)
+        ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem, consumer_warps=4 if self.pingpong else None)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -194,14 +211,11 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
-                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-                linear = first
-                while linear < all_tiles:
-                    expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
-                    loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
-                    prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
-                    linear += step
-                ab_pipe.producer_tail(prod)
+                self.produce_tiles(ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows)
+        elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
+            cute.arch.setmaxregister_increase(232)
+            tiles = (first, step, all_tiles, m_off, num_rows)
+            self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tma_c, m_c, tiles)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -220,6 +234,68 @@ class WeightGradGemmSm90(WgmmaTileKernel):
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
+
+    @cute.jit
+    def pingpong_consumers(self, mma_tidx, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tma_c, m_c, tiles):
+        """``pingpong``: MMA warpgroup w takes the CTA's tiles j = w, w + 2, ... (tile j is output
+        tile first + j·step), skipping the other's stages in the shared pipeline. Before its
+        mainloop a warpgroup waits until the other has finished the mainloop of the tile before
+        (named barrier TURN_BARRIERS[w]); after it, it lets the other go, then runs its epilogue
+        (its own barrier, store warp and epilogue buffers) while the other's WGMMAs run."""
+        first, step, all_tiles, m_off, num_rows = tiles
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        group_idx = cute.arch.make_warp_uniform(mma_tidx // 128)
+        thr_mma = tiled_mma.get_slice(0)  # (the tiled MMA is one warpgroup's)
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))).shape, cutlass.Float32)
+        r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        store_pipe = self.store_pipeline(threads=128)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
+        for w in cutlass.range_constexpr(2):  # (static per warpgroup: its barriers, store warp, buffers)
+            if group_idx == w:
+                group = (1 + w, 128, 4 + 4 * w)  # epilogue barrier, its threads, its store warp
+                linear = first + w * step
+                if cutlass.const_expr(w == 1):  # warpgroup 1 starts past tile 0's stages
+                    cons, release = self.skip_stages(first, all_tiles, m_off, num_rows, cons, release)
+                while linear < all_tiles:
+                    expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+                    if linear != first:  # the other warpgroup ran the tile before: wait for the end of its mainloop
+                        cute.arch.barrier(barrier_id=TURN_BARRIERS[w], number_of_threads=256)
+                    acc.fill(0.0)
+                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
+                    if linear + step < all_tiles:  # the other warpgroup's tile comes next: its turn
+                        cute.arch.barrier_arrive(barrier_id=TURN_BARRIERS[1 - w], number_of_threads=256)
+                    g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+                    self.store_tile(mma_tidx % 128, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group, w * self.epi_stage)
+                    cons, release = self.skip_stages(linear + step, all_tiles, m_off, num_rows, cons, release)
+                    linear += 2 * step
+                if warp_idx == group[2]:
+                    store_pipe.producer_tail()
+
+    @cute.jit
+    def produce_tiles(self, ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows):
+        """The TMA warp of a persistent kernel: every K tile of output tiles first, first + step, ... in order."""
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        linear = first
+        while linear < all_tiles:
+            _, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+            loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
+            prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
+            linear += step
+        ab_pipe.producer_tail(prod)
+
+    @cute.jit
+    def skip_stages(self, linear, all_tiles, m_off, num_rows, cons, release):
+        """Advance a ping-pong warpgroup's pipeline states past the stages of output tile ``linear``
+        (the other warpgroup's; nothing if there is no such tile)."""
+        if linear < all_tiles:
+            _, _, _, _, k_tiles = self.tile_of(linear, m_off, num_rows)
+            for _ in cutlass.range(k_tiles, unroll=1):
+                cons.advance()
+                release.advance()
+        return cons, release
 
     def tile_loads(self, load_args, s_a, s_b, tile_row, tile_col, row_start):
         """What ``load_stage`` needs for one output tile: TMA atoms, smem/gmem partitions, the expert's first k tile."""
@@ -244,10 +320,12 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         return expert, tile_row, tile_col, row_start, k_tiles
 
     @cute.jit
-    def store_tile(self, tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe):
+    def store_tile(self, tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group=None, first_buf=0):
         """The accumulators -> out dtype -> shared memory -> global memory (TMA store or reduce-add).
 
-        A tile stores epi_stage subtiles, so each tile starts again at buffer 0 of the round robin.
+        A tile stores a multiple of epi_stage subtiles, so each tile starts again at buffer 0 of
+        the round robin (``first_buf`` with ping-pong: the warpgroup's buffers; ``group``: its
+        barrier, threads and store warp, see ``epilogue_sync``).
         """
         tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
         per_epi = cute.size(rd_layout)
@@ -256,7 +334,9 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         for epi in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(per_epi):
                 r_d[v] = t_acc[epi * per_epi + v]
-            self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, epi % self.epi_stage, warp_idx, store_pipe, rd_layout)
+            self.store_fragment(
+                r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, first_buf + epi % self.epi_stage, warp_idx, store_pipe, rd_layout, group
+            )
 
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):
@@ -272,7 +352,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
 def compile_weight_grad(
     m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None,
-    tile_n: int = 128, stages: int | None = None, persistent: bool = False,
+    tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -288,5 +368,7 @@ def compile_weight_grad(
         cutlass.Int32(1),
         make_fake_stream(),
     )
-    kernel = WeightGradGemmSm90(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, persistent=persistent)
+    kernel = WeightGradGemmSm90(
+        m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, persistent=persistent, pingpong=pingpong
+    )
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

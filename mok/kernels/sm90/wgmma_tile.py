@@ -113,9 +113,12 @@ class WgmmaTileKernel:
         r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
         return thr_mma, r_a, r_b, acc
 
-    def epilogue_sync(self):
-        """Barrier 1 over the MMA threads only (the producer warpgroup of a persistent kernel stays out)."""
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.consumer_threads)
+    def epilogue_sync(self, group=None):
+        """Barrier over the threads that run the epilogue: barrier 1 over every MMA thread (the
+        producer warpgroup of a persistent kernel stays out), or ``group`` = (barrier id, threads,
+        store warp) of one MMA warpgroup when each warpgroup runs its own tiles (ping-pong)."""
+        barrier_id, threads = (1, self.consumer_threads) if group is None else group[:2]
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
 
     def shared_buffers(self, storage, a_smem, b_smem, epi_smem, dedicated_epi: bool):
         """The A, B and epilogue tensors in shared memory; the epilogue's either has its own
@@ -128,12 +131,13 @@ class WgmmaTileKernel:
             s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
         return s_a, s_b, s_c
 
-    def make_pipeline(self, storage, num_b: int, a_smem, b_smem, gather_threads: int = 0, barriers=None):
-        """The producer / consumer (all MMA warps) pipeline over ``ab_stage`` stages.
+    def make_pipeline(self, storage, num_b: int, a_smem, b_smem, gather_threads: int = 0, barriers=None, consumer_warps=None):
+        """The producer / consumer (all MMA warps, or ``consumer_warps``) pipeline over ``ab_stage`` stages.
 
         A stage is full once its TMA bytes landed (one thread arms the count) and, when
-        ``gather_threads`` threads cp.async A's rows instead, once each of them arrived.
-        ``barriers``: where its mbarriers live (default: ``storage.mbar``).
+        ``gather_threads`` threads cp.async A's rows instead, once each of them arrived; it is
+        free again once every consuming warp released it. ``barriers``: where its mbarriers live
+        (default: ``storage.mbar``).
         """
         a_stage = cute.slice_(a_smem, (None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, 0))
@@ -144,7 +148,9 @@ class WgmmaTileKernel:
             barrier_storage=storage.mbar.data_ptr() if barriers is None else barriers,
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + gather_threads),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.consumer_threads // 32 if consumer_warps is None else consumer_warps
+            ),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
@@ -267,22 +273,26 @@ class WgmmaTileKernel:
         return g_epi, cute.size(g_epi, mode=[1]), cute.make_layout(shape, stride=(shape[1], 1))
 
     @cute.jit
-    def store_fragment(self, values, tiled_r2s, t_sd, s_c, tma, g_tile, epi, buf, warp_idx, store_pipe, rd_layout):
-        """Store one epilogue subtile ``epi`` of ``values`` (fp32 SSA) into ``g_tile`` via smem buffer ``buf``."""
+    def store_fragment(self, values, tiled_r2s, t_sd, s_c, tma, g_tile, epi, buf, warp_idx, store_pipe, rd_layout, group=None):
+        """Store one epilogue subtile ``epi`` of ``values`` (fp32 SSA) into ``g_tile`` via smem buffer
+        ``buf``; ``group``: see :meth:`epilogue_sync` (its store warp issues the TMA store)."""
+        store_warp = self.store_warp if group is None else group[2]
         r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
         r_out.store(values.to(self.c_dtype))
         cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, buf)])
         cute.arch.fence_proxy("async.shared", space="cta")
-        self.epilogue_sync()
-        if warp_idx == self.store_warp:
+        self.epilogue_sync(group)
+        if warp_idx == store_warp:
             g_epi, _, order = self.epi_order(g_tile)
             b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), g_epi)
             cute.copy(tma, b_sd[(None, buf)], b_gd[(None, order.get_hier_coord(epi))])
             store_pipe.producer_commit()
             store_pipe.producer_acquire()
-        self.epilogue_sync()
+        self.epilogue_sync(group)
 
-    def store_pipeline(self):
+    def store_pipeline(self, threads=None):
+        """The epilogue's TMA-store pipeline over its ``epi_stage`` buffers (all MMA threads, or ``threads``)."""
         return pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads)
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads if threads is None else threads),
         )
