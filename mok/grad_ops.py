@@ -91,7 +91,7 @@ def weight_grad(
     out_dtype: torch.dtype = torch.bfloat16,
     persistent: bool = True,
     tile_n: int = 128,
-    pingpong: bool = False,
+    pingpong: bool | None = None,
 ) -> torch.Tensor:
     """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
 
@@ -102,8 +102,8 @@ def weight_grad(
     (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0. ``persistent=False``
     selects the one-tile-per-CTA kernel (the same bits). ``tile_n``: the output tile's columns,
     128 or 256 (N % tile_n == 0); a wider tile reads each expert's A rows half as often.
-    ``pingpong`` (persistent): the two MMA warpgroups take whole tiles in turn, so that one's
-    epilogue runs under the other's mainloop (the same bits).
+    ``pingpong`` (persistent, 128-wide tiles; the default there): the two MMA warpgroups take
+    whole tiles in turn, so that one's epilogue runs under the other's mainloop (the same bits).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2)
     num_rows, m = a.shape
@@ -122,6 +122,8 @@ def weight_grad(
         raise ValueError(f"(M, N): expected multiples of 128, got ({m}, {n})")
     if tile_n not in (128, 256) or n % tile_n:
         raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
+    if pingpong is None:
+        pingpong = persistent and tile_n == 128
     if pingpong and (not persistent or tile_n != 128):
         raise ValueError("pingpong: only with persistent=True and tile_n=128")
     if accumulate and out is None:

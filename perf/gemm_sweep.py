@@ -74,9 +74,9 @@ def weight_grads() -> None:
         flops = 2 * R * M * N
         runs = {
             "mok weight_grad": lambda: grad_ops.weight_grad(a, b, offsets, out=out, persistent=False),
-            "mok weight_grad persist": lambda: grad_ops.weight_grad(a, b, offsets, out=out),
+            "mok weight_grad persist": lambda: grad_ops.weight_grad(a, b, offsets, out=out, pingpong=False),
             "mok persist n256": lambda: grad_ops.weight_grad(a, b, offsets, out=out, tile_n=256),
-            "mok ping-pong": lambda: grad_ops.weight_grad(a, b, offsets, out=out, pingpong=True),
+            "mok ping-pong": lambda: grad_ops.weight_grad(a, b, offsets, out=out),  # (the default)
             "dense mm": lambda: a[:per * 8].T @ b[:per * 8],  # (8 experts' rows: FLOPs scaled below)
         }
         for kname, fn in runs.items():

@@ -131,10 +131,15 @@ def test_forward_backward_graph_capture_without_host_sync():
 
 # ---- kernels one by one ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("n,tile_n,pingpong", [(384, 128, False), (512, 256, False), (384, 128, True)])
-def test_weight_grad_per_expert_with_empty_experts_and_strided_a(n, tile_n, pingpong):
+# 30 output tiles (one per CTA), or 320 at M = N = 1024 (several per CTA; with ping-pong both
+# warpgroups take tiles in turn)
+@pytest.mark.parametrize(
+    "m,n,tile_n,pingpong",
+    [(256, 384, 128, False), (256, 512, 256, False), (256, 384, 128, True), (1024, 1024, 128, False), (1024, 1024, 128, True)],
+)
+def test_weight_grad_per_expert_with_empty_experts_and_strided_a(m, n, tile_n, pingpong):
     g = torch.Generator(device="cuda").manual_seed(16)
-    rows, m = 1024, 256
+    rows = 1024
     wide = torch.randn(rows, 2 * m, device="cuda", generator=g).bfloat16()
     a = wide[:, m:]  # a column slice: row stride 2m
     b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()

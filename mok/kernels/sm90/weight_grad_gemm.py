@@ -328,12 +328,17 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         barrier, threads and store warp, see ``epilogue_sync``).
         """
         tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
-        per_epi = cute.size(rd_layout)
         r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         _, epi_count, _ = self.epi_order(g_c)
+        # A subtile spans every row of the tile (epi = its column block). rd_layout is (values,
+        # 64-row blocks, column groups); t_acc is (values of a row block across all columns, 64-row
+        # blocks, 1): more than one row block (ping-pong) interleaves them, so index both by coordinate.
+        per_group, row_blocks, col_groups = (cute.size(rd_layout, mode=[i]) for i in range(3))
         for epi in cutlass.range_constexpr(epi_count):
-            for v in cutlass.range_constexpr(per_epi):
-                r_d[v] = t_acc[epi * per_epi + v]
+            for n in cutlass.range_constexpr(col_groups):
+                for m in cutlass.range_constexpr(row_blocks):
+                    for v in cutlass.range_constexpr(per_group):
+                        r_d[v + per_group * (m + row_blocks * n)] = t_acc[(v + per_group * (n + col_groups * epi), m, 0)]
             self.store_fragment(
                 r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, first_buf + epi % self.epi_stage, warp_idx, store_pipe, rd_layout, group
             )
