@@ -27,6 +27,7 @@ def swiglu_backward_gemm(
     topk_w: torch.Tensor | None = None,
     persistent: bool = True,
     skip_padding: bool = False,
+    pingpong: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
@@ -40,6 +41,9 @@ def swiglu_backward_gemm(
     Rows of tiles with tile_expert -1 are left unwritten. ``persistent=False``: the
     one-tile-per-CTA kernel (the same results, bit for bit). ``skip_padding`` (with row_token,
     persistent): 64-row halves of a tile that are all padding issue no WGMMA (see ops.grouped_gemm).
+    ``pingpong`` (persistent, no skip_padding): the two MMA warpgroups take whole tiles in turn,
+    one's epilogue under the other's WGMMAs (the same bits; 16% faster at qwen3's shapes, 4% at
+    dsv3's — perf/NOTES.md). None: off until the whole GPU suite has run with it on.
     """
     check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, hidden = dout_rows.shape
@@ -62,6 +66,9 @@ def swiglu_backward_gemm(
         raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
     if skip_padding and (unit_scale or not persistent):
         raise ValueError("skip_padding: only with row_token (routed experts) and the persistent kernel")
+    pingpong = bool(pingpong)
+    if pingpong and (skip_padding or not persistent):
+        raise ValueError("pingpong: only with persistent=True and without skip_padding")
     tile_n = default_tile_n(inter, hidden, True)
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
@@ -71,7 +78,7 @@ def swiglu_backward_gemm(
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
         inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=unit_scale,
-        persistent=persistent, skip_padding=skip_padding,
+        persistent=persistent, skip_padding=skip_padding, pingpong=pingpong,
     )
     launch_grouped_gemm(
         variant, dout_rows, w_down, w_down, dh, tile_expert, h=h, a_scaled=a_scaled, partial=partial,

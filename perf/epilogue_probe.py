@@ -5,7 +5,7 @@
 Per config, on one rank's rows (E experts x rows per expert, whole 128-row tiles, as the
 schedule lays them out), ms and TFLOP/s of:
 - the SwiGLU-backward GEMM (dA = dout_rows·W_down read N-major; writes dh [R, 2I], a_scaled,
-  the router-gradient pieces: 3 stores per epilogue subtile, h read);
+  the router-gradient pieces: 3 stores per epilogue subtile, h read), cooperative and ping-pong;
 - the plain GEMM of the same product (1 store per subtile, no math);
 - the gate/up GEMM with the SwiGLU epilogue, h saved or not (3 or 1 stores per subtile);
 - the down projection (K-major, tile 256), the forward's GEMM of the SwiGLU-backward's FLOPs.
@@ -50,6 +50,8 @@ def main() -> None:
         runs = {
             "SwiGLU-backward GEMM (N-major B, tile 128)": (lambda: grad_ops.swiglu_backward_gemm(
                 dout_rows, wd, tiles, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w), 1),
+            "SwiGLU-backward GEMM, ping-pong": (lambda: grad_ops.swiglu_backward_gemm(
+                dout_rows, wd, tiles, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, pingpong=True), 1),
             "plain, the same product (N-major B, tile 128)": (lambda: ops.grouped_gemm(dout_rows, wd, tiles, b_major="n", tile_n=128), 1),
             "gate/up + SwiGLU, h saved (tile 128)": (lambda: ops.grouped_gemm(x_rows, wg, tiles, b2=wu, h_out=h), 2),
             "gate/up + SwiGLU (tile 128)": (lambda: ops.grouped_gemm(x_rows, wg, tiles, b2=wu), 2),

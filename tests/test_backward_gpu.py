@@ -5,7 +5,7 @@ import torch
 
 from mok import grad_ops, ops
 from mok.fused_backward import moe_backward
-from mok.fused_forward import moe_forward
+from mok.fused_forward import moe_forward, single_expert_tiles
 from mok.reference import moe_reference
 
 from helpers import gpu_layer, poisoned, rel_err
@@ -184,6 +184,31 @@ def test_grouped_gemm_n_major_and_k_split():
         assert rel_err(split[rs], want) < 1e-2
 
 
+def test_swiglu_backward_pingpong_gives_the_same_bits():
+    """Ping-pong (each MMA warpgroup a whole tile, the two in turn) against the cooperative kernel:
+    ~280 tiles (two or three per CTA), unused tiles, and the shared expert's partial last tile."""
+    x, idx, w, (wg, wu, wd), _ = gpu_layer(3000, 512, 512, 8, 4, None, seed=27, routing="zipf")
+    s = moe_forward(x, idx, w, wg, wu, wd, None).schedule
+    dout = torch.randn(3000, 512, device="cuda").bfloat16()
+    g = ops.gather_rows(dout, s.row_token)
+    h = torch.randn(g.shape[0], 1024, device="cuda").bfloat16()
+    used = s.tile_expert.repeat_interleave(128) >= 0
+    routed = {
+        pp: grad_ops.swiglu_backward_gemm(g, wd, s.tile_expert, h, row_token=s.row_token, row_slot=s.row_slot, topk_w=w, pingpong=pp)
+        for pp in (False, True)
+    }
+    for cooperative, pingpong in zip(routed[False], routed[True]):
+        assert not pingpong[used].isnan().any()
+        assert torch.equal(pingpong[used], cooperative[used])
+    one_tile = single_expert_tiles(3000, x.device)  # the shared expert: 3000 rows, a partial last tile
+    h_shared = torch.randn(3000, 1024, device="cuda").bfloat16()
+    shared = {pp: grad_ops.swiglu_backward_gemm(dout, wd[:1], one_tile, h_shared, pingpong=pp) for pp in (False, True)}
+    assert shared[True][2] is None
+    for cooperative, pingpong in zip(shared[False][:2], shared[True][:2]):
+        assert not pingpong.isnan().any()
+        assert torch.equal(pingpong, cooperative)
+
+
 def test_backward_rejects_missing_saved_activations():
     x, idx, w, experts, shared = gpu_layer(16, 256, 128, 8, 2, None, seed=18)
     saved = moe_forward(x, idx, w, *experts, shared)
@@ -214,3 +239,40 @@ def test_persistent_kernels_give_the_same_bits():
     base, persistent = all_epilogues(False), all_epilogues(True)
     assert not any(t.isnan().any() for t in persistent)
     assert all(torch.equal(p, q) for p, q in zip(persistent, base))
+
+
+def test_branch_free_reciprocal_rounds_as_the_ieee_reciprocal():
+    """The SwiGLU backward's 1/(1 + exp(-h)) without rcp.rn's branch: bit for bit rcp.rn below
+    2^126 (where its fast path is the same approximate reciprocal and Newton step), 2^-126 above."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack
+
+    from mok.kernels.sm90.grouped_gemm import RECIPROCAL_MAX_DENOMINATOR, reciprocal_at_least_one
+
+    @cute.kernel
+    def both(d: cute.Tensor, fast: cute.Tensor, ieee: cute.Tensor):
+        i = cute.arch.block_idx()[0] * 256 + cute.arch.thread_idx()[0]
+        if i < cute.size(d):
+            fast[i] = reciprocal_at_least_one(d[i])
+            ieee[i] = 1.0 / d[i]
+
+    @cute.jit
+    def launch(d: cute.Tensor, fast: cute.Tensor, ieee: cute.Tensor):
+        both(d, fast, ieee).launch(grid=[(cute.size(d) + 255) // 256, 1, 1], block=[256, 1, 1])
+
+    g = torch.Generator(device="cuda").manual_seed(28)
+    h = torch.cat([torch.randn(1 << 20, device="cuda", generator=g) * 8, torch.linspace(-87, 80, 1 << 18, device="cuda")])
+    d = torch.cat([
+        1 + torch.exp(-h),  # what the epilogue takes the reciprocal of
+        torch.exp2(torch.rand(1 << 20, device="cuda", generator=g) * 125.9),  # every exponent in [1, 2^126)
+        torch.tensor([1.0, 2.0, 3.0, RECIPROCAL_MAX_DENOMINATOR * (1 - 2**-24)], device="cuda"),
+    ])
+    d = d[d < RECIPROCAL_MAX_DENOMINATOR]
+    big = torch.tensor([RECIPROCAL_MAX_DENOMINATOR, 2.0**127, float("inf")], device="cuda")
+    d = torch.cat([d, big])
+    fast, ieee = torch.full_like(d, float("nan")), torch.full_like(d, float("nan"))
+    launch(from_dlpack(d), from_dlpack(fast), from_dlpack(ieee))
+    torch.cuda.synchronize()
+    n = d.numel() - big.numel()
+    assert torch.equal(fast[:n].view(torch.int32), ieee[:n].view(torch.int32))
+    assert torch.equal(fast[n:], torch.full_like(big, 2.0**-126))

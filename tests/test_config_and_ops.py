@@ -201,6 +201,24 @@ def test_grouped_gemm_that_pulls_its_rows_checks_where_they_come_from():
         grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters))
 
 
+def test_swiglu_backward_gemm_refuses_pingpong_where_it_has_no_kernel():
+    """Ping-pong is the persistent kernel's, without skip_padding (a warpgroup holds whole tiles)."""
+    from mok import grad_ops
+
+    rows, hidden, inter, experts = 256, 128, 128, 2
+    dout = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+    w_down = torch.zeros(experts, hidden, inter, dtype=torch.bfloat16)
+    tiles = torch.tensor([0, 1], dtype=torch.int32)
+    h = torch.zeros(rows, 2 * inter, dtype=torch.bfloat16)
+    routing = dict(row_token=torch.zeros(rows, dtype=torch.int32), row_slot=torch.zeros(rows, dtype=torch.int32), topk_w=torch.ones(rows, 1))
+    with pytest.raises(ValueError, match="pingpong: only with persistent=True and without skip_padding"):
+        grad_ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing, skip_padding=True, pingpong=True)
+    with pytest.raises(ValueError, match="pingpong: only with persistent=True and without skip_padding"):
+        grad_ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing, persistent=False, pingpong=True)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):  # the defaults pass the checks; the launch checks refuse CPU data
+        grad_ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing, skip_padding=True)
+
+
 def test_weight_grad_rejects_a_bad_tile_before_launch():
     """The weight-gradient op takes 128- or 256-column tiles that divide N (ping-pong: 128, persistent), and says so otherwise."""
     from mok import grad_ops

@@ -161,6 +161,26 @@ def test_backward_gemm_variants_use_wgmma_with_the_right_b_major(variant, trans_
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 
 
+@pytest.mark.parametrize("kind,stores", [("weight_grad", 4), ("swiglu_bwd", 12)])
+def test_pingpong_kernels_give_each_warpgroup_whole_tiles_and_take_turns(kind, stores):
+    """Ping-pong: one copy of the consumer code for both warpgroups (barriers, store warp and
+    buffers as values), two 64-row WGMMAs per k block (a whole 128-row tile), the tile's
+    subtiles stored over the warpgroup's own 128-thread barrier; the turn goes back and forth
+    over two named barriers of 256 threads."""
+    from mok.kernels import weight_grad_variant
+
+    if kind == "weight_grad":
+        variant = weight_grad_variant(2048, 768, pingpong=True)
+    else:
+        variant = grouped_gemm_variant(768, 2048, epilogue="swiglu_bwd", b_major="n", topk=8, tile_n=128, pingpong=True)
+    ptx = compiled_ptx(variant, "sm_90a")
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 2 * 4  # 2 row blocks x 4 k blocks
+    assert count(r"cp\.(reduce\.)?async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx) == stores
+    assert count(r"\bbar\.sync\s+%r\d+, 128;", ptx) == 2 * stores  # before and after each store
+    assert count(r"\bbar\.arrive\s+%r\d+, 256;", ptx) == 1 and count(r"\bbar\.sync\s+%r\d+, 256;", ptx) == 1
+    assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+
+
 @pytest.mark.parametrize("out_dtype,accumulate", [("bf16", False), ("f32", False), ("f32", True)])
 def test_weight_grad_ptx_reads_both_operands_mn_major(out_dtype, accumulate):
     from mok.kernels import weight_grad_variant

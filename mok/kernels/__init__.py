@@ -122,6 +122,7 @@ def grouped_gemm_variant(
     scatter: bool = False,
     skip_padding: bool = False,
     pull_a: bool = False,
+    pingpong: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
 
@@ -142,6 +143,8 @@ def grouped_gemm_variant(
     ``pull_a`` (persistent, A by TMA): the kernel's idle producer warps also copy A's rows from
     their owners' token matrices, row tile by row tile, and each tile's loads wait for its rows
     (the expert-parallel dispatch overlapped with the gate/up GEMM).
+    ``pingpong`` (persistent swiglu_bwd, 128-wide tiles): the MMA warpgroups take whole tiles in
+    turn, one's epilogue under the other's WGMMAs (the same bits).
     """
     epilogue = epilogue or ("swiglu" if swiglu else "plain")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
@@ -159,6 +162,8 @@ def grouped_gemm_variant(
         options["skip_padding"] = True
     if pull_a:
         options["pull_a"] = True
+    if pingpong:
+        options["pingpong"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":

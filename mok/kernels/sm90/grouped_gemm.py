@@ -54,6 +54,12 @@ releases the tile's stages without issuing WGMMAs, so a tile holding a few rows 
 costs about half a tile of tensor-core time. Its accumulator stays zero, what zero A rows
 (the padding rows the schedule's dispatch and gather write) would give, bit for bit.
 
+With ``pingpong`` (persistent, swiglu_bwd, 128-wide tiles) each MMA warpgroup computes whole
+128-row tiles, the two taking the CTA's tiles in turn (WgmmaTileKernel.pingpong_consumers): the
+SwiGLU backward's epilogue (three stores per subtile, h read, ~0.5 GB moved at qwen3's shapes)
+then runs under the other warpgroup's WGMMAs instead of stopping the tensor cores. The same
+WGMMAs per output element and the same row sums: the same bits as the cooperative kernel.
+
 With ``combine`` (plain epilogue, the down projection) the kernel also finishes the layer:
 once a tile's y rows are in global memory, each of its rows counts one arrival on
 arrivals[token, column tile] (an integer atomic, gpu scope, acquire-release); the CTA that
@@ -88,6 +94,8 @@ EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
+PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
+RECIPROCAL_MAX_DENOMINATOR = 2.0**126  # see reciprocal_at_least_one
 PULL_DEPTH = 4  # pull_a: 16-byte loads each copying thread keeps in flight
 
 
@@ -114,6 +122,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         scatter: bool = False,
         skip_padding: bool = False,
         pull_a: bool = False,
+        pingpong: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -140,7 +149,11 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("skip_padding: only in the persistent kernel")
         if pull_a and (gather_a or scatter or combine or not persistent):
             raise ValueError("pull_a: only in the persistent kernel with A by TMA (no gather, scatter or combine)")
-        self.skip_padding, self.pull_a = skip_padding, pull_a
+        if pingpong and (epilogue != "swiglu_bwd" or tile_n != 128 or not persistent or skip_padding):
+            raise ValueError("pingpong: only for the persistent swiglu_bwd GEMM with 128-column tiles, without skip_padding")
+        self.skip_padding, self.pull_a, self.pingpong = skip_padding, pull_a, pingpong
+        if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers
+            self.use_pingpong(PINGPONG_BWD_EPI_STAGES)
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
@@ -155,7 +168,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         if stores_per_tile % self.epi_stage:  # each tile starts again at buffer 0 (see epilogue)
             raise ValueError(f"tile_n: {tile_n} gives {stores_per_tile} epilogue stores, not a multiple of {self.epi_stage}")
         stage_bytes = (tile_m * TILE_K + self.num_b * tile_n * TILE_K) * 2
-        self.epi_bytes = self.epi_stage * tile_m * 32 * 2
+        self.epi_bytes = self.epi_stage * tile_m * 32 * 2 * (2 if pingpong else 1)
         self.ab_stage = pick_stages(stage_bytes, self.epi_bytes, stages, dedicated_epi=persistent)
 
     def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
@@ -223,6 +236,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         tma_c, t_c = self.store_atom(m_c, epi_smem)
         tma_h, t_h = self.store_atom(m_h, epi_smem)  # used by swiglu_save only
         tma_as, t_as = self.store_atom(m_as, epi_smem)  # used by swiglu_bwd only
+        if cutlass.const_expr(self.pingpong):
+            epi_smem = self.pingpong_epi_smem()
 
         b2_elems = cute.cosize(b_smem) if self.num_b == 2 else 8  # no second B buffer otherwise
         c_elems = cute.cosize(epi_smem) if self.persistent else 8  # otherwise the epilogue reuses A's buffers
@@ -350,7 +365,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipe = self.make_pipeline(storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0)
+        ab_pipe = self.make_pipeline(
+            storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0, consumer_warps=4 if self.pingpong else None
+        )
         epi_pipe = None
         if cutlass.const_expr(self.scatter):
             epi_pipe = self.scatter_pipeline(storage)
@@ -392,6 +409,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
                     self.scatter_tiles(epi_pipe, s_c, storage.s_dest.get_tensor(cute.make_layout(self.tile_shape_mnk[0])),
                                        tiles, m_row_token, m_row_slot, num_rows, m_x, tidx - 32)
+        elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
+            cute.arch.setmaxregister_increase(232)
+            tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
+            self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, (store_args, row_args, num_rows))
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -850,20 +871,15 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     row_in_tile = t_row[epi * per_epi + v]
                     h_g = t_gate[epi * per_epi + v].to(cutlass.Float32)
                     h_u = t_up[epi * per_epi + v].to(cutlass.Float32)
-                    sig = 1.0 / (1.0 + cute.math.exp(-h_g, fastmath=True))
-                    act = h_g * sig
-                    a_val = act * h_u
                     d_a = r_d[v]  # dA_u: dout·W_down for this row's token, not yet scaled
                     s = s_hi
                     if row_in_tile == row_lo:
                         s = s_lo
+                    r_d[v], r_u[v], r_x[v], a_val = swiglu_backward_values(d_a, s, h_g, h_u)
+                    if row_in_tile == row_lo:
                         sum_lo = cute.math.fma(d_a, a_val, sum_lo)
                     else:
                         sum_hi = cute.math.fma(d_a, a_val, sum_hi)
-                    d_a = d_a * s
-                    r_d[v] = d_a * h_u * (sig * (1.0 + h_g * (1.0 - sig)))  # d h_gate
-                    r_u[v] = d_a * act  # d h_up
-                    r_x[v] = s * a_val  # a_scaled
                 self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 self.store_fragment(r_u.load(), tiled_r2s, t_sd, s_c, tma_c, g_c2, epi, (stores + 1) % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 self.store_fragment(r_x.load(), tiled_r2s, t_sd, s_c, tma_as, g_as, epi, (stores + 2) % self.epi_stage, warp_idx, store_pipe, rd_layout)
@@ -893,6 +909,140 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     m_part[first_row + row_lo, tile_col] = sum_lo
                 if first_row + row_lo + 8 < num_rows:
                     m_part[first_row + row_lo + 8, tile_col] = sum_hi
+
+    @cute.jit
+    def pingpong_tile(self, linear, tiles):
+        """Ping-pong: tile ``linear``'s K tiles (0 for an unused row tile: the producer skips it
+        too), whether it has an output, and (row tile, column tile)."""
+        tile_row, tile_col = self.grouped_tile(linear, tiles[3], tiles[4])
+        expert = tiles[5][tile_row]
+        k_tiles = cutlass.Int32(0)
+        if expert >= 0:
+            k_tiles = cutlass.Int32(self.k // self.tile_shape_mnk[2])
+        return k_tiles, expert >= 0, (tile_row, tile_col)
+
+    @cute.jit
+    def pingpong_epilogue(self, tidx, warp_idx, tiled_mma, acc, s_c, store_pipe, group, first_buf, tile, epi_args):
+        """Ping-pong swiglu_bwd: one warpgroup's epilogue of a whole 128-row tile, the values of
+        ``epilogue`` (the same bits). A thread holds 128 accumulators, so h is read one subtile
+        at a time, after the mainloop (loading the next subtile's during this one's math spills
+        registers); the thread's rows are r, r + 8, r + 64 and r + 72 of the tile (two 64-row blocks)."""
+        tile_row, tile_col = tile
+        store_args, row_args, num_rows = epi_args
+        tma_c, m_c, _, _, tma_as, m_as = store_args
+        m_h, m_part, m_row_token, m_row_slot, m_topk_w = row_args
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        col_tiles = self.n // tile_n
+        g_c = cute.local_tile(m_c, (tile_m, tile_n), (tile_row, tile_col))
+        g_c2 = cute.local_tile(m_c, (tile_m, tile_n), (tile_row, tile_col + col_tiles))  # dh_up: the right half
+        g_as = cute.local_tile(m_as, (tile_m, tile_n), (tile_row, tile_col))
+        tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
+        per_group, row_blocks = cute.size(rd_layout, mode=[0]), cute.size(rd_layout, mode=[1])
+        block_rows = tile_m // row_blocks
+
+        thr = tiled_mma.get_slice(tidx)  # per thread
+        crd = thr.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        h_gate = thr.partition_C(cute.local_tile(m_h, (tile_m, tile_n), (tile_row, tile_col)))
+        h_up = thr.partition_C(cute.local_tile(m_h, (tile_m, tile_n), (tile_row, tile_col + col_tiles)))
+        r_gate = cute.make_rmem_tensor(crd.shape, cutlass.BFloat16)  # (filled one subtile at a time)
+        r_up = cute.make_rmem_tensor(crd.shape, cutlass.BFloat16)
+        r_row = cute.make_rmem_tensor_like(acc, cutlass.Int32)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r_row[i] = crd[i][0]
+        t_gate, t_up, t_row = tiled_r2s.retile(r_gate), tiled_r2s.retile(r_up), tiled_r2s.retile(r_row)
+
+        first_row = tile_row * tile_m
+        row_lo = crd[0][0]
+        r_scale = cute.make_rmem_tensor((2, row_blocks), cutlass.Float32)  # (row r / r + 8, row block)
+        r_sum = cute.make_rmem_tensor((2, row_blocks), cutlass.Float32)
+        for m in cutlass.range_constexpr(row_blocks):
+            for hi in cutlass.range_constexpr(2):
+                row = first_row + row_lo + block_rows * m + 8 * hi
+                r_scale[hi, m] = self.row_scale(row, num_rows, m_row_token, m_row_slot, m_topk_w)
+                r_sum[hi, m] = cutlass.Float32(0.0)
+
+        r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
+        r_u = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
+        r_x = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
+        _, epi_count, _ = self.epi_order(g_c)
+        for epi in cutlass.range_constexpr(epi_count):
+            self.load_h_subtile(h_gate, h_up, r_gate, r_up, crd, epi, first_row, num_rows)
+            for i in cutlass.range_constexpr(cute.size(rd_layout)):
+                at = self.acc_index(rd_layout, epi, i)
+                m = (i // per_group) % row_blocks
+                d_a = t_acc[at]  # dA_u: dout·W_down for this row's token, not yet scaled
+                h_g = t_gate[at].to(cutlass.Float32)
+                h_u = t_up[at].to(cutlass.Float32)
+                is_lo = t_row[at] == row_lo + block_rows * m
+                s = r_scale[1, m]
+                if is_lo:
+                    s = r_scale[0, m]
+                r_d[i], r_u[i], r_x[i], a_val = swiglu_backward_values(d_a, s, h_g, h_u)
+                if is_lo:
+                    r_sum[0, m] = cute.math.fma(d_a, a_val, r_sum[0, m])
+                else:
+                    r_sum[1, m] = cute.math.fma(d_a, a_val, r_sum[1, m])
+            for j, (values, tma, g_out) in enumerate(((r_d, tma_c, g_c), (r_u, tma_c, g_c2), (r_x, tma_as, g_as))):
+                buf = first_buf + (3 * epi + j) % self.epi_stage
+                self.store_fragment(values.load(), tiled_r2s, t_sd, s_c, tma, g_out, epi, buf, warp_idx, store_pipe, rd_layout, group)
+
+        if cutlass.const_expr(not self.unit_scale):  # as in ``epilogue``: the quad's sums, in butterfly order
+            for m in cutlass.range_constexpr(row_blocks):
+                for hi in cutlass.range_constexpr(2):
+                    total = r_sum[hi, m]
+                    for offset in cutlass.range_constexpr(2):
+                        total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
+                    row = first_row + row_lo + block_rows * m + 8 * hi
+                    if tidx % 4 == 0:
+                        if row < num_rows:
+                            m_part[row, tile_col] = total
+
+    @cute.jit
+    def load_h_subtile(self, h_gate, h_up, r_gate, r_up, crd, epi, first_row, num_rows):
+        """Ping-pong swiglu_bwd: this thread's saved h_gate and h_up of epilogue subtile ``epi``
+        (columns 32·epi..) into the registers laid out like its accumulator, bf16 pairs as
+        32-bit loads; zeros for rows past the end (a partial last tile: one branch per row,
+        not a second copy of the loads)."""
+        # WGMMA accumulator of a thread: ((2 columns, rows r / r + 8, 8-column groups), row blocks, 1)
+        groups = SCATTER_COLS // 8  # 8-column groups per subtile
+        row_blocks = cute.size(crd, mode=[1])
+        for m in cutlass.range_constexpr(row_blocks):
+            for hi in cutlass.range_constexpr(2):
+                row = first_row + crd[0][0] + self.tile_shape_mnk[0] // row_blocks * m + 8 * hi
+                if row < num_rows:
+                    for j in cutlass.range_constexpr(groups):
+                        at = ((None, hi, groups * epi + j), m, 0)
+                        cute.autovec_copy(h_gate[at], r_gate[at])
+                        cute.autovec_copy(h_up[at], r_up[at])
+                else:
+                    for j in cutlass.range_constexpr(groups):
+                        at = ((None, hi, groups * epi + j), m, 0)
+                        r_gate[at].fill(0.0)
+                        r_up[at].fill(0.0)
+
+
+@cute.jit
+def reciprocal_at_least_one(d):
+    """1/d for d >= 1, as rcp.rn.f32 rounds it, without its branch: the approximate reciprocal
+    and one Newton step are what rcp.rn computes for d below 2^126 (its fast path; the same bits),
+    and d is clamped there (1/d then 2^-126 instead of a denormal or 0). The branch per value kept
+    the compiler from interleaving the SwiGLU backward's values (ncu: the epilogue's math ran as
+    one dependent chain per value)."""
+    d = cute.arch.fmin(d, RECIPROCAL_MAX_DENOMINATOR)
+    r = cute.arch.rcp_approx(d)
+    e = cute.math.fma(d, r, -1.0)
+    return cute.math.fma(r, -e, r)
+
+
+@cute.jit
+def swiglu_backward_values(d_a, s, h_g, h_u):
+    """The SwiGLU backward of one value: from dA_u (not yet scaled), the row's router weight s and
+    the saved h_gate, h_up: (d h_gate, d h_up, s·a, a) with a = silu(h_gate)·h_up."""
+    sig = reciprocal_at_least_one(1.0 + cute.math.exp(-h_g, fastmath=True))
+    act = h_g * sig
+    a_val = act * h_u
+    d_s = d_a * s
+    return d_s * h_u * (sig * (1.0 + h_g * (1.0 - sig))), d_s * act, s * a_val, a_val
 
 
 @cute.jit
@@ -927,6 +1077,7 @@ def compile_grouped_gemm(
     scatter: bool = False,
     skip_padding: bool = False,
     pull_a: bool = False,
+    pingpong: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -944,7 +1095,7 @@ def compile_grouped_gemm(
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
         persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
-        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a,
+        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a, pingpong=pingpong,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")

@@ -32,15 +32,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
-PINGPONG_EPI_STAGES = 2  # per warpgroup (two sets of epilogue buffers)
-TURN_BARRIERS = (4, 3)  # named barrier warpgroup w waits on for its turn (the other arrives on it); 1, 2: epilogues
 
 
 class WeightGradGemmSm90(WgmmaTileKernel):
@@ -82,7 +79,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         if persistent:  # a producer warpgroup in front of the two MMA warpgroups (see GroupedGemmSm90)
             self.threads, self.store_warp = self.consumer_threads + 128, 4
         if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers
-            self.atom_layout_mnk, self.epi_stage = (1, 1, 1), PINGPONG_EPI_STAGES
+            self.use_pingpong()
         epi_bytes = self.epi_stage * tile_m * 32 * out_bytes * (2 if pingpong else 1)
         self.ab_stage = pick_stages((tile_m + tile_n) * TILE_K * 2, epi_bytes, stages, dedicated_epi=persistent)
 
@@ -110,7 +107,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, TILE_K))
         tma_c, t_c = self.store_atom(m_c, epi_smem, reduce_add=self.accumulate)
         if cutlass.const_expr(self.pingpong):  # both warpgroups' epilogue buffers, warpgroup w's from w·epi_stage
-            epi_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 2 * self.epi_stage)
+            epi_smem = self.pingpong_epi_smem()
 
         c_elems = cute.cosize(epi_smem) if self.persistent else 8  # otherwise the epilogue reuses A's buffers
 
@@ -173,7 +170,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         cute.arch.sync_threads()  # the epilogue reuses A's shared memory
 
         store_pipe = self.store_pipeline()
-        self.store_tile(tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
+        self.store_acc(tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
         if warp_idx == self.store_warp:
             store_pipe.producer_tail()
 
@@ -215,7 +212,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
             cute.arch.setmaxregister_increase(232)
             tiles = (first, step, all_tiles, m_off, num_rows)
-            self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tma_c, m_c, tiles)
+            self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, (tma_c, m_c))
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -230,49 +227,10 @@ class WeightGradGemmSm90(WgmmaTileKernel):
                 acc.fill(0.0)
                 cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
                 g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
-                self.store_tile(mma_tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
+                self.store_acc(mma_tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
-
-    @cute.jit
-    def pingpong_consumers(self, mma_tidx, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tma_c, m_c, tiles):
-        """``pingpong``: MMA warpgroup w takes the CTA's tiles j = w, w + 2, ... (tile j is output
-        tile first + j·step), skipping the other's stages in the shared pipeline. Before its
-        mainloop a warpgroup waits until the other has finished the mainloop of the tile before
-        (named barrier TURN_BARRIERS[w]); after it, it lets the other go, then runs its epilogue
-        (its own barrier, store warp and epilogue buffers) while the other's WGMMAs run."""
-        first, step, all_tiles, m_off, num_rows = tiles
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        group_idx = cute.arch.make_warp_uniform(mma_tidx // 128)
-        thr_mma = tiled_mma.get_slice(0)  # (the tiled MMA is one warpgroup's)
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))).shape, cutlass.Float32)
-        r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-        r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        store_pipe = self.store_pipeline(threads=128)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
-        for w in cutlass.range_constexpr(2):  # (static per warpgroup: its barriers, store warp, buffers)
-            if group_idx == w:
-                group = (1 + w, 128, 4 + 4 * w)  # epilogue barrier, its threads, its store warp
-                linear = first + w * step
-                if cutlass.const_expr(w == 1):  # warpgroup 1 starts past tile 0's stages
-                    cons, release = self.skip_stages(first, all_tiles, m_off, num_rows, cons, release)
-                while linear < all_tiles:
-                    expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
-                    if linear != first:  # the other warpgroup ran the tile before: wait for the end of its mainloop
-                        cute.arch.barrier(barrier_id=TURN_BARRIERS[w], number_of_threads=256)
-                    acc.fill(0.0)
-                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
-                    if linear + step < all_tiles:  # the other warpgroup's tile comes next: its turn
-                        cute.arch.barrier_arrive(barrier_id=TURN_BARRIERS[1 - w], number_of_threads=256)
-                    g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
-                    self.store_tile(mma_tidx % 128, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group, w * self.epi_stage)
-                    cons, release = self.skip_stages(linear + step, all_tiles, m_off, num_rows, cons, release)
-                    linear += 2 * step
-                if warp_idx == group[2]:
-                    store_pipe.producer_tail()
 
     @cute.jit
     def produce_tiles(self, ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows):
@@ -287,15 +245,19 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         ab_pipe.producer_tail(prod)
 
     @cute.jit
-    def skip_stages(self, linear, all_tiles, m_off, num_rows, cons, release):
-        """Advance a ping-pong warpgroup's pipeline states past the stages of output tile ``linear``
-        (the other warpgroup's; nothing if there is no such tile)."""
-        if linear < all_tiles:
-            _, _, _, _, k_tiles = self.tile_of(linear, m_off, num_rows)
-            for _ in cutlass.range(k_tiles, unroll=1):
-                cons.advance()
-                release.advance()
-        return cons, release
+    def pingpong_tile(self, linear, tiles):
+        """Ping-pong: output tile ``linear``'s K tiles, that it has an output (always: an expert
+        without rows gets zeros), and (expert, tile row, tile column) for the epilogue."""
+        expert, tile_row, tile_col, _, k_tiles = self.tile_of(linear, tiles[3], tiles[4])
+        return k_tiles, True, (expert, tile_row, tile_col)
+
+    @cute.jit
+    def pingpong_epilogue(self, tidx, warp_idx, tiled_mma, acc, s_c, store_pipe, group, first_buf, tile, epi_args):
+        """Ping-pong: one warpgroup stores its tile (``epi_args`` = the store's TMA atom and out)."""
+        expert, tile_row, tile_col = tile
+        tma_c, m_c = epi_args
+        g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+        self.store_acc(tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group, first_buf)
 
     def tile_loads(self, load_args, s_a, s_b, tile_row, tile_col, row_start):
         """What ``load_stage`` needs for one output tile: TMA atoms, smem/gmem partitions, the expert's first k tile."""
@@ -318,30 +280,6 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         if row_end > row_start:
             k_tiles = (row_end - row_start + TILE_K - 1) // TILE_K
         return expert, tile_row, tile_col, row_start, k_tiles
-
-    @cute.jit
-    def store_tile(self, tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group=None, first_buf=0):
-        """The accumulators -> out dtype -> shared memory -> global memory (TMA store or reduce-add).
-
-        A tile stores a multiple of epi_stage subtiles, so each tile starts again at buffer 0 of
-        the round robin (``first_buf`` with ping-pong: the warpgroup's buffers; ``group``: its
-        barrier, threads and store warp, see ``epilogue_sync``).
-        """
-        tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
-        r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
-        _, epi_count, _ = self.epi_order(g_c)
-        # A subtile spans every row of the tile (epi = its column block). rd_layout is (values,
-        # 64-row blocks, column groups); t_acc is (values of a row block across all columns, 64-row
-        # blocks, 1): more than one row block (ping-pong) interleaves them, so index both by coordinate.
-        per_group, row_blocks, col_groups = (cute.size(rd_layout, mode=[i]) for i in range(3))
-        for epi in cutlass.range_constexpr(epi_count):
-            for n in cutlass.range_constexpr(col_groups):
-                for m in cutlass.range_constexpr(row_blocks):
-                    for v in cutlass.range_constexpr(per_group):
-                        r_d[v + per_group * (m + row_blocks * n)] = t_acc[(v + per_group * (n + col_groups * epi), m, 0)]
-            self.store_fragment(
-                r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, first_buf + epi % self.epi_stage, warp_idx, store_pipe, rd_layout, group
-            )
 
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):

@@ -12,7 +12,9 @@ and what the epilogue computes; this base holds the pieces that do not change:
   retired and K is reduced in one fixed order, so a tile's result depends only on its inputs
   (determinism, batch invariance) — and is the same bits in both kinds of kernel;
 - ``store_fragment``: registers -> dtype -> shared memory -> global memory (TMA store, or
-  TMA reduce-add into an existing fp32 tensor), synchronised over the MMA threads only.
+  TMA reduce-add into an existing fp32 tensor), synchronised over the MMA threads only;
+- ``pingpong_consumers`` (persistent kernels that opt in): each MMA warpgroup computes whole
+  128-row tiles, the two taking turns, so that one's epilogue runs under the other's WGMMAs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ ROW_GROUP = 8  # row tiles per CTA group in the launch order (see grouped_tile)
 SMEM_BYTES = 227 * 1024
 THREADS = 256  # two consumer warpgroups; warp 0 also produces
 EPI_STAGES = 4
+PINGPONG_EPI_STAGES = 2  # ping-pong: per warpgroup (each has its own two epilogue buffers)
+TURN_BARRIERS = (4, 3)  # ping-pong: the named barrier warpgroup w waits on for its turn (1, 2: the epilogues')
 
 
 def pick_stages(stage_bytes: int, epi_bytes: int, stages: int | None, dedicated_epi: bool = False) -> int:
@@ -112,6 +116,106 @@ class WgmmaTileKernel:
         r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
         return thr_mma, r_a, r_b, acc
+
+    def use_pingpong(self, epi_stages: int = PINGPONG_EPI_STAGES):
+        """Ping-pong (host side, before make_mma): a tiled MMA of one warpgroup (it covers a
+        128-row tile in two 64-row WGMMAs) and ``epi_stages`` epilogue buffers per warpgroup."""
+        self.atom_layout_mnk, self.epi_stage = (1, 1, 1), epi_stages
+
+    def pingpong_epi_smem(self):
+        """Ping-pong: both warpgroups' epilogue buffers (warpgroup w's from w·epi_stage on)."""
+        return sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 2 * self.epi_stage)
+
+    @cute.jit
+    def pingpong_consumers(self, mma_tidx, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, epi_args):
+        """Ping-pong: MMA warpgroup w takes the CTA's tiles j = w, w + 2, ... (tile j is output tile
+        first + j·step; ``tiles`` = (first, step, all_tiles, ...)), skipping the other's stages in
+        the shared pipeline (its consumers: 4 warps). Before its mainloop a warpgroup waits until
+        the other has finished the mainloop of the tile before (named barrier TURN_BARRIERS[w]);
+        after it, it lets the other go, then runs its epilogue (its own barrier, store warp and
+        epilogue buffers) while the other's WGMMAs run. The subclass says what a tile is
+        (``pingpong_tile``: its K tiles, whether it has an output, what the epilogue needs) and
+        stores it (``pingpong_epilogue``, with ``epi_args``). A tile's WGMMAs and their order
+        per output element are those of the cooperative kernel: the same bits."""
+        first, step, all_tiles = tiles[0], tiles[1], tiles[2]
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        group_idx = cute.arch.make_warp_uniform(mma_tidx // 128)
+        thr_mma = tiled_mma.get_slice(0)  # (the tiled MMA is one warpgroup's)
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))).shape, cutlass.Float32)
+        r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        store_pipe = self.store_pipeline(threads=128)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
+        # Both warpgroups run one copy of the code, their barriers, store warp and buffers as
+        # values (a copy per warpgroup doubled the code past the instruction cache: ncu showed a
+        # third of the warps' time waiting for instructions).
+        group = (1 + group_idx, 128, 4 + 4 * group_idx)  # epilogue barrier, its threads, its store warp
+        my_turn = TURN_BARRIERS[0] - group_idx  # (4 for warpgroup 0, 3 for warpgroup 1)
+        their_turn = TURN_BARRIERS[1] + group_idx
+        linear = first + group_idx * step
+        if group_idx == 1:  # warpgroup 1 starts past tile 0's stages
+            cons, release = self.skip_stages(first, tiles, cons, release)
+        while linear < all_tiles:
+            k_tiles, has_output, tile = self.pingpong_tile(linear, tiles)
+            if linear != first:  # the other warpgroup ran the tile before: wait for the end of its mainloop
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=256)
+            acc.fill(0.0)
+            cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
+            if linear + step < all_tiles:  # the other warpgroup's tile comes next: its turn
+                cute.arch.barrier_arrive(barrier_id=their_turn, number_of_threads=256)
+            if has_output:
+                self.pingpong_epilogue(mma_tidx % 128, warp_idx, tiled_mma, acc, s_c, store_pipe, group, group_idx * self.epi_stage, tile, epi_args)
+            cons, release = self.skip_stages(linear + step, tiles, cons, release)
+            linear += 2 * step
+        if warp_idx == group[2]:
+            store_pipe.producer_tail()
+
+    @cute.jit
+    def skip_stages(self, linear, tiles, cons, release):
+        """Advance a ping-pong warpgroup's pipeline states past the stages of output tile ``linear``
+        (the other warpgroup's; nothing if there is no such tile)."""
+        if linear < tiles[2]:
+            k_tiles, _, _ = self.pingpong_tile(linear, tiles)
+            for _ in cutlass.range(k_tiles, unroll=1):
+                cons.advance()
+                release.advance()
+        return cons, release
+
+    @cute.jit
+    def store_acc(self, tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group=None, first_buf=0):
+        """The accumulators -> out dtype -> shared memory -> global memory (TMA store or reduce-add).
+
+        A tile stores a multiple of epi_stage subtiles, so each tile starts again at buffer 0 of
+        the round robin (``first_buf`` with ping-pong: the warpgroup's buffers; ``group``: its
+        barrier, threads and store warp, see ``epilogue_sync``).
+        """
+        tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
+        r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
+        _, epi_count, _ = self.epi_order(g_c)
+        for epi in cutlass.range_constexpr(epi_count):
+            for i in cutlass.range_constexpr(cute.size(rd_layout)):
+                r_d[i] = t_acc[self.acc_index(rd_layout, epi, i)]
+            self.store_fragment(
+                r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, first_buf + epi % self.epi_stage, warp_idx, store_pipe, rd_layout, group
+            )
+
+    @staticmethod
+    def acc_index(rd_layout, epi: int, i: int):
+        """Where value ``i`` of epilogue subtile ``epi`` (columns 32·epi.., every row of the tile)
+        sits in the accumulator retiled for the epilogue (``epilogue_views``).
+
+        rd_layout is (values, 64-row blocks, column groups) and the retiled accumulator (values of
+        a row block across all columns, 64-row blocks, 1). With one row block (two warpgroups of
+        64 rows) that is the flat index epi·size(rd) + i; with two (one warpgroup holding 128 rows,
+        ping-pong) the blocks interleave, so the index is by coordinate.
+        """
+        per_group, row_blocks, _ = (cute.size(rd_layout, mode=[m]) for m in range(3))
+        v, rest = i % per_group, i // per_group
+        m, n = rest % row_blocks, rest // row_blocks
+        col_groups = cute.size(rd_layout, mode=[2])
+        return (v + per_group * (n + col_groups * epi), m, 0)
 
     def epilogue_sync(self, group=None):
         """Barrier over the threads that run the epilogue: barrier 1 over every MMA thread (the
