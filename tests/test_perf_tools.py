@@ -1,0 +1,37 @@
+"""perf/sass_stalls.py reads ncu's source-page CSV export (CPU; a synthetic export of two kernels)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("sass_stalls", ROOT / "perf" / "sass_stalls.py")
+sass_stalls = importlib.util.module_from_spec(spec)
+sys.modules["sass_stalls"] = sass_stalls  # (dataclasses look their module up)
+spec.loader.exec_module(sass_stalls)
+
+HEADER = '"Address","Source","Warp Stall Sampling (All Samples)","# Samples","stall_long_sb","stall_no_inst","stall_long_sb (Not Issued)"'
+
+
+def test_stall_shares_and_hottest_instructions_per_kernel(tmp_path):
+    export = tmp_path / "rep_sass.csv"
+    export.write_text("\n".join([
+        '"Kernel Name","gemm_a",',
+        HEADER,
+        '"0x10","HGMMA.64x128x16.F32.BF16 R24","1,200","1,200","200","1,000","7"',
+        '"0x20","SHF.L.U32 R28, R100, 0x10, RZ","600","600","600","0","9"',
+        '"0x30","  EXIT","","",""',  # a row shorter than the header is skipped
+        '"Kernel Name","gemm_b",',
+        HEADER,
+        '"0x40","NANOSLEEP.SYNCS 0x989680","5","5","5","0","0"',
+    ]) + "\n")
+    a, b = sass_stalls.read_source_page(str(export))
+    assert (a.name, len(a.rows), b.name, len(b.rows)) == ("gemm_a", 2, "gemm_b", 1)
+    shares = a.stall_shares()
+    assert list(shares) == ["stall_no_inst", "stall_long_sb"]  # "(Not Issued)" columns are not reasons
+    assert abs(shares["stall_no_inst"] - 1000 / 1800) < 1e-12 and abs(shares["stall_long_sb"] - 800 / 1800) < 1e-12
+    hottest = a.hottest(1)
+    assert hottest == [(1200 / 1800, "0x10", "stall_no_inst", "HGMMA.64x128x16.F32.BF16 R24")]
+    assert b.stall_shares() == {"stall_long_sb": 1.0, "stall_no_inst": 0.0}
+    text = sass_stalls.report(a, top=2)
+    assert "2 SASS instructions" in text and "SHF.L.U32" in text
