@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import default_tile_n, grouped_gemm_variant, router_grad_variant, weight_grad_variant
+from .kernels import default_tile_n, grouped_gemm_variant, router_grad_variant, weight_grad_pingpong, weight_grad_variant
 from .ops import BF16, _check_32bit, _check_launchable, _i32, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm
 from .validation import check_tensor
 
@@ -129,8 +129,7 @@ def weight_grad(
         raise ValueError(f"(M, N): expected multiples of 128, got ({m}, {n})")
     if tile_n not in (128, 256) or n % tile_n:
         raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
-    if pingpong is None:
-        pingpong = persistent and tile_n == 128
+    pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
     if pingpong and (not persistent or tile_n != 128):
         raise ValueError("pingpong: only with persistent=True and tile_n=128")
     if accumulate and out is None:

@@ -276,3 +276,31 @@ def test_branch_free_reciprocal_rounds_as_the_ieee_reciprocal():
     n = d.numel() - big.numel()
     assert torch.equal(fast[:n].view(torch.int32), ieee[:n].view(torch.int32))
     assert torch.equal(fast[n:], torch.full_like(big, 2.0**-126))
+
+
+def test_precompiled_variants_are_the_ones_a_training_step_launches():
+    """variants_for (what `mok precompile` builds) names every kernel variant a forward and backward
+    look up, so a precompiled cache leaves nothing to JIT (a default that changes in an op but not
+    in the list — ping-pong weight gradients — would otherwise compile on the first step)."""
+    from mok.config import MoKConfig
+    from mok.kernels import variants_for
+    from mok.runtime.cache import default_cache
+
+    cache = default_cache()
+    looked_up = set()
+    lookup = cache.loaded
+
+    def recording(name, config, arch):
+        looked_up.add((name, tuple(sorted(config.items()))))
+        return lookup(name, config, arch)
+
+    x, idx, w, experts, shared = gpu_layer(300, 512, 256, 8, 4, 256, seed=29)
+    cache.loaded = recording  # (the cache's own lookup, recorded)
+    try:
+        saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+        moe_backward(torch.randn_like(x), x, idx, w, *experts, shared, saved)
+        torch.cuda.synchronize()
+    finally:
+        del cache.loaded
+    listed = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(512, 256, 8, 4, shared_intermediate=256))}
+    assert looked_up and looked_up <= listed, sorted(looked_up - listed)

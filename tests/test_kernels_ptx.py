@@ -181,13 +181,14 @@ def test_pingpong_kernels_give_each_warpgroup_whole_tiles_and_take_turns(kind, s
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 
 
+@pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("out_dtype,accumulate", [("bf16", False), ("f32", False), ("f32", True)])
-def test_weight_grad_ptx_reads_both_operands_mn_major(out_dtype, accumulate):
+def test_weight_grad_ptx_reads_both_operands_mn_major(out_dtype, accumulate, pingpong):
     from mok.kernels import weight_grad_variant
 
-    ptx = compiled_ptx(weight_grad_variant(7168, 2048, out_dtype, accumulate), "sm_90a")
+    ptx = compiled_ptx(weight_grad_variant(7168, 2048, out_dtype, accumulate, pingpong=pingpong), "sm_90a")
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16[^;]*;", ptx, re.S)
-    assert len(wgmma) == 4
+    assert len(wgmma) == 4 * (2 if pingpong else 1)  # ping-pong: one warpgroup's two 64-row blocks per k block
     assert all(w.replace(" ", "").rstrip(";").endswith(",1,1") for w in wgmma)  # trans-a, trans-b
     assert count(r"cp\.reduce\.async\.bulk\.tensor", ptx) == (4 if accumulate else 0)  # main_grad: TMA reduce-add, 4 subtiles
     assert count(r"\batom\.|\bred\.global", ptx) == 0  # no atomics: one CTA owns each output tile
