@@ -1,13 +1,15 @@
 """What a grouped GEMM's epilogue costs: the same mainloop under different epilogues, one process.
 
-    python perf/epilogue_probe.py [--configs qwen3,dsv3]
+    python perf/epilogue_probe.py [--configs qwen3,dsv3,e128]
 
 Per config, on one rank's rows (E experts x rows per expert, whole 128-row tiles, as the
 schedule lays them out), ms and TFLOP/s of:
 - the SwiGLU-backward GEMM (dA = dout_rows·W_down read N-major; writes dh [R, 2I], a_scaled,
   the router-gradient pieces: 3 stores per epilogue subtile, h read), cooperative and ping-pong;
 - the plain GEMM of the same product (1 store per subtile, no math);
-- the gate/up GEMM with the SwiGLU epilogue, h saved or not (3 or 1 stores per subtile);
+- the gate/up GEMM with the SwiGLU epilogue, h saved or not (3 or 1 stores per subtile), and
+  with A gathered from a token matrix by cp.async as the layer's fc1 does;
+- dx (dh·[W_gate; W_up], the two K halves, tile 256): the gate/up GEMM's FLOPs by TMA alone;
 - the down projection (K-major, tile 256), the forward's GEMM of the SwiGLU-backward's FLOPs.
 """
 
@@ -23,12 +25,13 @@ from mok.bench import time_ms
 CONFIGS = {  # name: (E, rows per expert, H, I)
     "qwen3": (64, 1024, 2048, 768),
     "dsv3": (32, 1024, 7168, 2048),
+    "e128": (128, 256, 7168, 2048),  # one rank of dsv3 at EP 2: each expert's weights used by 2 row tiles
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="qwen3,dsv3")
+    parser.add_argument("--configs", default="qwen3,dsv3", help=f"of {','.join(CONFIGS)}")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}")
     print(f"{'config':<7}{'kernel':<44}{'ms':>8}{'TFLOP/s':>9}")
@@ -55,6 +58,8 @@ def main() -> None:
             "plain, the same product (N-major B, tile 128)": (lambda: ops.grouped_gemm(dout_rows, wd, tiles, b_major="n", tile_n=128), 1),
             "gate/up + SwiGLU, h saved (tile 128)": (lambda: ops.grouped_gemm(x_rows, wg, tiles, b2=wu, h_out=h), 2),
             "gate/up + SwiGLU (tile 128)": (lambda: ops.grouped_gemm(x_rows, wg, tiles, b2=wu), 2),
+            "gate/up + SwiGLU, h saved, A gathered": (lambda: ops.grouped_gemm(x_rows, wg, tiles, b2=wu, h_out=h, gather=row_token), 2),
+            "dx: dh·[W_gate; W_up] (K halves, tile 256)": (lambda: ops.grouped_gemm(h, wg, tiles, b2=wu, b_major="n", k_split=True), 2),
             "down projection (K-major B, tile 256)": (lambda: ops.grouped_gemm(a_kmajor, wd, tiles), 1),
         }
         for label, (fn, products) in runs.items():
