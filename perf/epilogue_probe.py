@@ -11,6 +11,13 @@ schedule lays them out), ms and TFLOP/s of:
   with A gathered from a token matrix by cp.async as the layer's fc1 does;
 - dx (dh·[W_gate; W_up], the two K halves, tile 256): the gate/up GEMM's FLOPs by TMA alone;
 - the down projection (K-major, tile 256), the forward's GEMM of the SwiGLU-backward's FLOPs.
+
+``--only TEXT`` keeps the kernels whose label holds TEXT; ``--profile`` launches each kept kernel
+twice without timing, for Nsight Compute (profile the second launch of one kernel, after the setup
+GEMM and the JIT; then perf/sass_stalls.py):
+
+    ncu --set full --import-source no -k regex:persistent --launch-skip 2 --launch-count 1 -o $OUT/rep \
+        python3 perf/epilogue_probe.py --configs e128 --only "A gathered" --profile
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ CONFIGS = {  # name: (E, rows per expert, H, I)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="qwen3,dsv3", help=f"of {','.join(CONFIGS)}")
+    parser.add_argument("--only", default="", help="keep the kernels whose label holds this text")
+    parser.add_argument("--profile", action="store_true", help="launch each kernel twice, untimed (for ncu)")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}")
     print(f"{'config':<7}{'kernel':<44}{'ms':>8}{'TFLOP/s':>9}")
@@ -63,6 +72,12 @@ def main() -> None:
             "down projection (K-major B, tile 256)": (lambda: ops.grouped_gemm(a_kmajor, wd, tiles), 1),
         }
         for label, (fn, products) in runs.items():
+            if args.only not in label:
+                continue
+            if args.profile:
+                fn(), fn()
+                torch.cuda.synchronize()
+                continue
             ms = time_ms(fn, batch=5, repeats=10)
             print(f"{name:<7}{label:<44}{ms:8.3f}{2 * R * H * I * products / ms / 1e9:9.0f}")
 
