@@ -899,16 +899,19 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 stores += 1
 
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
-            # The four threads of a quad hold the same two rows: add their sums in a fixed
-            # butterfly order (every lane ends with the same value), lane 0 of the quad writes.
-            for offset in cutlass.range_constexpr(2):
-                sum_lo = sum_lo + cute.arch.shuffle_sync_bfly(sum_lo, offset=1 << offset)
-                sum_hi = sum_hi + cute.arch.shuffle_sync_bfly(sum_hi, offset=1 << offset)
-            if tidx % 4 == 0:
-                if first_row + row_lo < num_rows:
-                    m_part[first_row + row_lo, tile_col] = sum_lo
-                if first_row + row_lo + 8 < num_rows:
-                    m_part[first_row + row_lo + 8, tile_col] = sum_hi
+            self.store_row_sum(tidx, sum_lo, first_row + row_lo, tile_col, m_part, num_rows)
+            self.store_row_sum(tidx, sum_hi, first_row + row_lo + 8, tile_col, m_part, num_rows)
+
+    @cute.jit
+    def store_row_sum(self, tidx, total, row, tile_col, m_part, num_rows):
+        """swiglu_bwd: the four threads of a quad hold parts of the same row: add their sums in a
+        fixed butterfly order (every lane ends with the same value); lane 0 of the quad writes
+        partial[row, tile_col] (rows past the end: nothing)."""
+        for offset in cutlass.range_constexpr(2):
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
+        if tidx % 4 == 0:
+            if row < num_rows:
+                m_part[row, tile_col] = total
 
     @cute.jit
     def pingpong_tile(self, linear, tiles):
@@ -986,16 +989,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 buf = first_buf + (3 * epi + j) % self.epi_stage
                 self.store_fragment(values.load(), tiled_r2s, t_sd, s_c, tma, g_out, epi, buf, warp_idx, store_pipe, rd_layout, group)
 
-        if cutlass.const_expr(not self.unit_scale):  # as in ``epilogue``: the quad's sums, in butterfly order
+        if cutlass.const_expr(not self.unit_scale):
             for m in cutlass.range_constexpr(row_blocks):
                 for hi in cutlass.range_constexpr(2):
-                    total = r_sum[hi, m]
-                    for offset in cutlass.range_constexpr(2):
-                        total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
-                    row = first_row + row_lo + block_rows * m + 8 * hi
-                    if tidx % 4 == 0:
-                        if row < num_rows:
-                            m_part[row, tile_col] = total
+                    self.store_row_sum(tidx, r_sum[hi, m], first_row + row_lo + block_rows * m + 8 * hi, tile_col, m_part, num_rows)
 
     @cute.jit
     def load_h_subtile(self, h_gate, h_up, r_gate, r_up, crd, epi, first_row, num_rows):

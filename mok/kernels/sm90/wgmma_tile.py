@@ -211,10 +211,9 @@ class WgmmaTileKernel:
         64 rows) that is the flat index epi·size(rd) + i; with two (one warpgroup holding 128 rows,
         ping-pong) the blocks interleave, so the index is by coordinate.
         """
-        per_group, row_blocks, _ = (cute.size(rd_layout, mode=[m]) for m in range(3))
+        per_group, row_blocks, col_groups = (cute.size(rd_layout, mode=[m]) for m in range(3))
         v, rest = i % per_group, i // per_group
         m, n = rest % row_blocks, rest // row_blocks
-        col_groups = cute.size(rd_layout, mode=[2])
         return (v + per_group * (n + col_groups * epi), m, 0)
 
     def epilogue_sync(self, group=None):
