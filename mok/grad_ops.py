@@ -41,9 +41,9 @@ def swiglu_backward_gemm(
     Rows of tiles with tile_expert -1 are left unwritten. ``persistent=False``: the
     one-tile-per-CTA kernel (the same results, bit for bit). ``skip_padding`` (with row_token,
     persistent): 64-row halves of a tile that are all padding issue no WGMMA (see ops.grouped_gemm).
-    ``pingpong`` (persistent, no skip_padding): the two MMA warpgroups take whole tiles in turn,
-    one's epilogue under the other's WGMMAs (the same bits; 16% faster at qwen3's shapes, 4% at
-    dsv3's — perf/NOTES.md). None: off until the whole GPU suite has run with it on.
+    ``pingpong`` (persistent, no skip_padding; the default there): the two MMA warpgroups take
+    whole tiles in turn, one's epilogue under the other's WGMMAs (the same bits; 16% faster at
+    qwen3's shapes, 4% at dsv3's — perf/NOTES.md).
     """
     check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, hidden = dout_rows.shape
@@ -66,7 +66,8 @@ def swiglu_backward_gemm(
         raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
     if skip_padding and (unit_scale or not persistent):
         raise ValueError("skip_padding: only with row_token (routed experts) and the persistent kernel")
-    pingpong = bool(pingpong)
+    if pingpong is None:
+        pingpong = persistent and not skip_padding
     if pingpong and (skip_padding or not persistent):
         raise ValueError("pingpong: only with persistent=True and without skip_padding")
     tile_n = default_tile_n(inter, hidden, True)
