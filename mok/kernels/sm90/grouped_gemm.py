@@ -928,8 +928,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
     def pingpong_epilogue(self, tidx, warp_idx, tiled_mma, acc, s_c, store_pipe, group, first_buf, tile, epi_args):
         """Ping-pong swiglu_bwd: one warpgroup's epilogue of a whole 128-row tile, the values of
         ``epilogue`` (the same bits). A thread holds 128 accumulators, so h is read one subtile
-        at a time, after the mainloop (loading the next subtile's during this one's math spills
-        registers); the thread's rows are r, r + 8, r + 64 and r + 72 of the tile (two 64-row blocks)."""
+        at a time after the mainloop, the next subtile's loads in flight during this one's math
+        (the outputs held as bf16 leave the registers for that: as fp32, ptxas spilled); the
+        thread's rows are r, r + 8, r + 64 and r + 72 of the tile (two 64-row blocks)."""
         tile_row, tile_col = tile
         store_args, row_args, num_rows = epi_args
         tma_c, m_c, _, _, tma_as, m_as = store_args
@@ -964,12 +965,16 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 r_scale[hi, m] = self.row_scale(row, num_rows, m_row_token, m_row_slot, m_topk_w)
                 r_sum[hi, m] = cutlass.Float32(0.0)
 
-        r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
-        r_u = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
-        r_x = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
+        # the three outputs rounded to bf16 as they are computed (half the registers of fp32),
+        # which leaves room for the next subtile's h to be in flight during this one's math
+        r_d = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
+        r_u = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
+        r_x = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
         _, epi_count, _ = self.epi_order(g_c)
+        self.load_h_subtile(h_gate, h_up, r_gate, r_up, crd, 0, first_row, num_rows)
         for epi in cutlass.range_constexpr(epi_count):
-            self.load_h_subtile(h_gate, h_up, r_gate, r_up, crd, epi, first_row, num_rows)
+            if cutlass.const_expr(epi + 1 < epi_count):
+                self.load_h_subtile(h_gate, h_up, r_gate, r_up, crd, epi + 1, first_row, num_rows)
             for i in cutlass.range_constexpr(cute.size(rd_layout)):
                 at = self.acc_index(rd_layout, epi, i)
                 m = (i // per_group) % row_blocks
@@ -980,7 +985,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 s = r_scale[1, m]
                 if is_lo:
                     s = r_scale[0, m]
-                r_d[i], r_u[i], r_x[i], a_val = swiglu_backward_values(d_a, s, h_g, h_u)
+                d_gate, d_up, a_scaled, a_val = swiglu_backward_values(d_a, s, h_g, h_u)
+                r_d[i], r_u[i], r_x[i] = d_gate.to(self.c_dtype), d_up.to(self.c_dtype), a_scaled.to(self.c_dtype)
                 if is_lo:
                     r_sum[0, m] = cute.math.fma(d_a, a_val, r_sum[0, m])
                 else:
