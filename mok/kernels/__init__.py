@@ -270,7 +270,8 @@ def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False
         grouped_gemm_variant(inter, hidden, epilogue="swiglu", gather_a=not shared),
         grouped_gemm_variant(inter, hidden, epilogue="swiglu_save", gather_a=not shared),
         grouped_gemm_variant(hidden, inter),  # the shared expert's down projection, and EP's
-        grouped_gemm_variant(inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared),
+        # (ping-pong: grad_ops.swiglu_backward_gemm's default without skip_padding, as the layer calls it)
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared, pingpong=True),
         grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
         weight_grad_variant(hidden, inter),
         weight_grad_variant(inter, hidden, a_stride=2 * inter),  # dW_gate, dW_up: the halves of dh
