@@ -430,3 +430,40 @@ def test_device_schedule_equals_python_schedule(N, E, k, world, rank, capacity, 
         assert torch.equal(getattr(dev, field), getattr(ref, field)), field
     assert bool(dev.overflow) == bool(ref.overflow)
     assert bool(ref.overflow) == (capacity is not None)
+
+
+def test_branch_free_division_rounds_as_the_ieee_division():
+    """SiLU's gate / (1 + exp(-gate)) without div.rn's branch: bit for bit div.rn over gate values
+    (|gate| from 2^-60 to 87, both signs), and over quotients of numerators in [2^-60, 2^60) by
+    denominators in [1, 2^60) (every quotient a normal float, as SiLU's are)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack
+
+    from mok.kernels.sm90.grouped_gemm import divide_by_at_least_one
+
+    @cute.kernel
+    def both(a: cute.Tensor, d: cute.Tensor, fast: cute.Tensor, ieee: cute.Tensor):
+        i = cute.arch.block_idx()[0] * 256 + cute.arch.thread_idx()[0]
+        if i < cute.size(d):
+            fast[i] = divide_by_at_least_one(a[i], d[i])
+            ieee[i] = a[i] / d[i]
+
+    @cute.jit
+    def launch(a: cute.Tensor, d: cute.Tensor, fast: cute.Tensor, ieee: cute.Tensor):
+        both(a, d, fast, ieee).launch(grid=[(cute.size(d) + 255) // 256, 1, 1], block=[256, 1, 1])
+
+    g = torch.Generator(device="cuda").manual_seed(30)
+    n = 1 << 20
+    sign = torch.where(torch.rand(n, device="cuda", generator=g) < 0.5, -1.0, 1.0)
+    gate = torch.cat([
+        torch.randn(n, device="cuda", generator=g) * 6,
+        sign * torch.exp2(torch.rand(n, device="cuda", generator=g) * 66 - 60),  # |gate| in [2^-60, 64)
+        torch.linspace(-87, 80, 1 << 18, device="cuda"),
+    ])
+    numerators = sign * torch.exp2(torch.rand(n, device="cuda", generator=g) * 120 - 60)
+    a = torch.cat([gate, numerators])
+    d = torch.cat([1 + torch.exp(-gate), torch.exp2(torch.rand(n, device="cuda", generator=g) * 60)])
+    fast, ieee = torch.full_like(d, float("nan")), torch.full_like(d, float("nan"))
+    launch(from_dlpack(a), from_dlpack(d), from_dlpack(fast), from_dlpack(ieee))
+    torch.cuda.synchronize()
+    assert torch.equal(fast.view(torch.int32), ieee.view(torch.int32))

@@ -885,9 +885,11 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 self.store_fragment(r_x.load(), tiled_r2s, t_sd, s_c, tma_as, g_as, epi, (stores + 2) % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 stores += 3
             elif cutlass.const_expr(self.two_accumulators):
+                for v in cutlass.range_constexpr(per_epi):  # a = silu(gate)·up, value by value (no branch)
+                    r_x[v] = divide_by_at_least_one(r_d[v], 1.0 + cute.math.exp(-r_d[v], fastmath=True)) * r_u[v]
                 gate = r_d.load()
                 up = r_u.load()
-                act = gate / (1.0 + cute.math.exp(-gate, fastmath=True)) * up
+                act = r_x.load()
                 self.store_fragment(act, tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 stores += 1
                 if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):
@@ -1035,6 +1037,20 @@ def reciprocal_at_least_one(d):
     r = cute.arch.rcp_approx(d)
     e = cute.math.fma(d, r, -1.0)
     return cute.math.fma(r, -e, r)
+
+
+@cute.jit
+def divide_by_at_least_one(a, d):
+    """a / d for d >= 1 without div.rn.f32's branch: a refined reciprocal, the quotient and one
+    correction (the fast path of the IEEE division: the same bits wherever the quotient is a
+    normal float and d is below 2^126; tests/test_forward_gpu.py checks them against div.rn), d
+    clamped as in :func:`reciprocal_at_least_one`. SiLU's gate / (1 + exp(-gate)) had a branch
+    per value."""
+    r = reciprocal_at_least_one(d)
+    d = cute.arch.fmin(d, RECIPROCAL_MAX_DENOMINATOR)
+    q = a * r
+    rem = cute.math.fma(-d, q, a)
+    return cute.math.fma(r, rem, q)
 
 
 @cute.jit
