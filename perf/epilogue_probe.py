@@ -60,8 +60,8 @@ def main() -> None:
         a = ops.grouped_gemm(x_rows, wg, tiles, b2=wu, h_out=h)
         a_kmajor = a  # fc2's A
         runs = {
-            "SwiGLU-backward GEMM (N-major B, tile 128)": (lambda: grad_ops.swiglu_backward_gemm(
-                dout_rows, wd, tiles, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w), 1),
+            "SwiGLU-backward GEMM, cooperative (tile 128)": (lambda: grad_ops.swiglu_backward_gemm(
+                dout_rows, wd, tiles, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, pingpong=False), 1),
             "SwiGLU-backward GEMM, ping-pong": (lambda: grad_ops.swiglu_backward_gemm(
                 dout_rows, wd, tiles, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, pingpong=True), 1),
             "plain, the same product (N-major B, tile 128)": (lambda: ops.grouped_gemm(dout_rows, wd, tiles, b_major="n", tile_n=128), 1),
