@@ -87,9 +87,9 @@ def ep_moe_backward(
     grad_ops.router_grad(partial, sched.slot_row, out=router_pieces)
     announce_pushed(ws, k, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)
 
-    offsets = sched.expert_offsets  # (while the peers push)
-    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2])
-    d_gate, d_up = _gate_up_grad(dh, saved.x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2])
+    offsets, counts = sched.expert_offsets, sched.expert_counts  # (while the peers push)
+    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
+    d_gate, d_up = _gate_up_grad(dh, saved.x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
     dx_shared = d_shared = None
     if shared is not None:
         dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])

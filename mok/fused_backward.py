@@ -44,19 +44,20 @@ def _shared_backward(x, dout, shared, shared_h, dtype, main_grads):
     return dx, (d_gate[0], d_up[0], d_down[0])
 
 
-def _weight_grad(a, b, offsets, dtype, main_grad):
+def _weight_grad(a, b, offsets, dtype, main_grad, counts=None):
+    """One weight gradient, fresh in ``dtype`` or added into ``main_grad``; ``counts``: the experts'
+    unpadded row counts (the kernel then skips the K tiles of padding alone)."""
     if main_grad is not None:
-        return grad_ops.weight_grad(a, b, offsets, out=main_grad, accumulate=True)
-    return grad_ops.weight_grad(a, b, offsets, out_dtype=dtype)
+        return grad_ops.weight_grad(a, b, offsets, counts=counts, out=main_grad, accumulate=True)
+    return grad_ops.weight_grad(a, b, offsets, counts=counts, out_dtype=dtype)
 
 
-def _gate_up_grad(dh, x_rows, offsets, dtype, main_grads):
+def _gate_up_grad(dh, x_rows, offsets, dtype, main_grads, counts=None):
     """dW_gate, dW_up from the two column halves of dh (read in place, row stride 2I), each into its own tensor."""
     inter = dh.shape[1] // 2
     halves = (dh[:, :inter], dh[:, inter:])
-    if main_grads is not None:
-        return tuple(_weight_grad(half, x_rows, offsets, dtype, buf) for half, buf in zip(halves, main_grads))
-    return tuple(_weight_grad(half, x_rows, offsets, dtype, None) for half in halves)
+    bufs = (None, None) if main_grads is None else main_grads
+    return tuple(_weight_grad(half, x_rows, offsets, dtype, buf, counts) for half, buf in zip(halves, bufs))
 
 
 def moe_backward(
@@ -100,9 +101,9 @@ def moe_backward(
     dx_rows = ops.grouped_gemm(dh, w_gate, sched.tile_expert, b2=w_up, b_major="n", k_split=True)
     d_topk_w = grad_ops.router_grad(partial, sched.slot_row)
     x_rows = ops.gather_rows(x, sched.row_token)
-    offsets = sched.expert_offsets
-    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2])
-    d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2])
+    offsets, counts = sched.expert_offsets, sched.expert_counts
+    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
+    d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
 
     dx_shared = d_shared = None
     if shared is not None:

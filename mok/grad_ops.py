@@ -94,6 +94,7 @@ def weight_grad(
     b: torch.Tensor,
     offsets: torch.Tensor,
     *,
+    counts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
@@ -105,7 +106,10 @@ def weight_grad(
 
     a: [R, M] bf16 (rows may be strided: a column slice of a wider buffer), b: [R, N] bf16
     contiguous; expert e owns rows offsets[e] .. offsets[e+1] (offsets [E+1] int32 on the GPU,
-    multiples of 128 except the last, which may be R; rows at or past R are not read). out:
+    multiples of 128 except the last, which may be R; rows at or past R are not read).
+    ``counts`` [E] int32 on the GPU (the schedule's expert_counts): expert e's rows past
+    offsets[e] + counts[e] are padding (zero in a and b); the 64-row blocks holding only such
+    rows are skipped, not multiplied (the same bits: they would add zeros). out:
     [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
     (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0. ``persistent=False``
     selects the one-tile-per-CTA kernel (the same bits). ``tile_n``: the output tile's columns,
@@ -126,6 +130,8 @@ def weight_grad(
     num_experts = offsets.shape[0] - 1
     if num_experts < 1:
         raise ValueError(f"offsets: expected E + 1 >= 2 entries, got {offsets.shape[0]}")
+    if counts is not None:
+        check_tensor("counts", counts, dtypes=I32, shape=(num_experts,), device=dev, contiguous=True)
     if m % 128 or n % 128:
         raise ValueError(f"(M, N): expected multiples of 128, got ({m}, {n})")
     if tile_n not in (128, 256) or n % tile_n:
@@ -149,7 +155,7 @@ def weight_grad(
     kernel = _kernel(variant, dev)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, out), _ptr("i32", offsets, 4),
-        _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _stream(dev),
+        _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None), _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _stream(dev),
     )
     return out
 

@@ -4,6 +4,7 @@
     python perf/gemm_sweep.py --gathered-fc1   # fc1 gathering its rows against gather + fc1 only
     python perf/gemm_sweep.py --scattered-fc2  # fc2 writing its rows into the slots against fc2 + push kernel
     python perf/gemm_sweep.py --skip-padding   # fc1 and fc2 skipping all-padding half tiles, at 128 experts a rank
+    python perf/gemm_sweep.py --counted-wgrad  # weight gradients stopping at each expert's last row block
     python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide, ping-pong)
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
@@ -158,10 +159,35 @@ def skipping_padding() -> None:
             print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
 
 
+def counted_weight_grads() -> None:
+    """The weight gradients on real uniform schedules (zero padding rows), reducing every padded
+    row against stopping at each expert's last 64-row block (``counts``), as the backward calls them."""
+    from mok import grad_ops
+
+    for name, (T, H, I, E, k) in {"dsv3 E128": (4096, 7168, 2048, 128, 8), "qwen3 E128": (8192, 2048, 768, 128, 8)}.items():
+        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        token, used = sched.row_token, int(sched.expert_offsets[-1])
+        blocks = int(((sched.expert_offsets[1:] - sched.expert_offsets[:-1]) // 64).sum())
+        kept = int(((sched.expert_counts + 63) // 64).sum())
+        print(f"{name:<11}padding {1 - T * k / used:.1%} of {used} rows; {1 - kept / blocks:.1%} of 64-row blocks skipped")
+        x_rows = ops.gather_rows(torch.randn(T, H, device="cuda").bfloat16(), token)
+        dh = ops.gather_rows(torch.randn(T, 2 * I, device="cuda").bfloat16(), token)
+        offsets, counts = sched.expert_offsets, sched.expert_counts
+        out = torch.empty(E, I, H, device="cuda").bfloat16()
+        runs = {
+            "dW_gate": lambda: grad_ops.weight_grad(dh[:, :I], x_rows, offsets, out=out),
+            "dW_gate counted": lambda: grad_ops.weight_grad(dh[:, :I], x_rows, offsets, counts=counts, out=out),
+        }
+        for kname, fn in runs.items():
+            print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--skip-padding" in sys.argv:
+    if "--counted-wgrad" in sys.argv:
+        counted_weight_grads()
+    elif "--skip-padding" in sys.argv:
         skipping_padding()
     elif "--weight-grads" in sys.argv:
         weight_grads()

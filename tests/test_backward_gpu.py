@@ -165,6 +165,51 @@ def test_weight_grad_per_expert_with_empty_experts_and_strided_a(m, n, tile_n, p
             assert rel_err(out[e], want) <= 1e-5  # fp32 out: only the summation order differs
 
 
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_weight_grad_with_counts_skips_padding_blocks_and_keeps_the_bits(pingpong):
+    """With the experts' row counts the kernel stops at the 64-row block holding an expert's last
+    row. On a real schedule (padding rows zero, as the backward's buffers have them) that gives
+    the bits of the kernel reducing every padded row, fresh or accumulated; counts of 0, 1, 64,
+    65 and 128 rows (block edges) are in it. A padding block left in by mistake would add
+    nothing, so rows past the counts hold garbage in a second run: the counted kernel must not
+    read them."""
+    g = torch.Generator(device="cuda").manual_seed(21)
+    m, n = 256, 384
+    counts = torch.tensor([0, 1, 64, 65, 128, 129, 192, 200, 300, 17], dtype=torch.int32)
+    padded = (counts + 127) // 128 * 128
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), padded.cumsum(0).int()])
+    rows = int(offsets[-1])
+    real = torch.zeros(rows, dtype=torch.bool)
+    for e in range(len(counts)):
+        real[int(offsets[e]) : int(offsets[e]) + int(counts[e])] = True
+    real = real.cuda()
+    a = torch.randn(rows, m, device="cuda", generator=g).bfloat16() * real[:, None]
+    b = torch.randn(rows, n, device="cuda", generator=g).bfloat16() * real[:, None]
+    offsets, counts = offsets.cuda(), counts.cuda()
+    experts = len(counts)
+    full = grad_ops.weight_grad(a, b, offsets, out=torch.full((experts, m, n), float("nan"), device="cuda"), pingpong=pingpong)
+    counted = grad_ops.weight_grad(a, b, offsets, counts=counts, out=torch.full((experts, m, n), float("nan"), device="cuda"), pingpong=pingpong)
+    assert torch.equal(counted, full)
+    acc = torch.randn(experts, m, n, device="cuda", generator=g)
+    got = grad_ops.weight_grad(a, b, offsets, counts=counts, out=acc.clone(), accumulate=True, pingpong=pingpong)
+    assert torch.equal(got, acc + full)
+    # garbage in the padding rows: whole padding blocks are not read, and the rows of a block
+    # the last real row shares would show (so only check experts whose count is a multiple of 64)
+    junk = torch.randn(rows, m, device="cuda", generator=g).bfloat16() * 1e3
+    a_junk = torch.where(real[:, None], a, junk)
+    b_junk = torch.where(real[:, None], b, junk[:, :1].expand(rows, n))
+    skipped = grad_ops.weight_grad(a_junk, b_junk.contiguous(), offsets, counts=counts, pingpong=pingpong)
+    for e in range(experts):
+        lo, c = int(offsets[e]), int(counts[e])
+        if c == 0:
+            assert not counted[e].any() and not skipped[e].any()
+            continue
+        want = a[lo : lo + c].float().T @ b[lo : lo + c].float()
+        assert rel_err(counted[e], want) <= 1e-5  # fp32 out: only the summation order differs
+        if c % 64 == 0:
+            assert rel_err(skipped[e].float(), want) <= 1e-2  # bf16 out
+
+
 def test_grouped_gemm_n_major_and_k_split():
     g = torch.Generator(device="cuda").manual_seed(17)
     rows, n, half, experts = 640, 512, 256, 3

@@ -233,3 +233,7 @@ def test_weight_grad_rejects_a_bad_tile_before_launch():
         grad_ops.weight_grad(a, b, offsets, pingpong=True, persistent=False)
     with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; the launch checks refuse CPU data
         grad_ops.weight_grad(a, b, offsets, tile_n=128, pingpong=True)
+    with pytest.raises(ValueError, match="counts: expected shape"):  # one count per expert
+        grad_ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128, 0], dtype=torch.int32))
+    with pytest.raises(TypeError, match="counts: expected dtype"):
+        grad_ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128]))

@@ -3,7 +3,10 @@
     out[e] (+)= A[rows of e]ᵀ · B[rows of e]        out [E, M, N], A [R, M] (row stride >= M), B [R, N]
 
 The rows of expert e are ``offsets[e] .. offsets[e + 1]`` of the buffers the forward and the
-SwiGLU backward filled (padding rows are zero in both operands, so they add nothing). Both
+SwiGLU backward filled (padding rows are zero in both operands, so they add nothing). Given the
+experts' row counts, a tile stops at the 64-row K tile holding expert e's last row: the K tiles
+of padding alone (about half of the padding at 128 experts a rank, ~10% of the rows there) are
+not loaded or multiplied. Both
 operands are read MN-major (the rows are the reduction dimension); the three weight
 gradients of the layer are all this product:
 
@@ -90,6 +93,8 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         b_ptr: cute.Pointer,
         out_ptr: cute.Pointer,
         offsets_ptr: cute.Pointer,
+        counts_ptr: cute.Pointer,
+        counted: cutlass.Int32,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         max_ctas: cutlass.Int32,
@@ -101,6 +106,8 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows), stride=(1, n)))
         m_c = cute.make_tensor(out_ptr, cute.make_layout((m, n, num_experts), stride=(n, 1, m * n)))
         m_off = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
+        m_cnt = cute.make_tensor(counts_ptr, cute.make_layout((num_experts,)))
+        rows = (m_off, m_cnt, counted)  # where each expert's rows start and end (see tile_of)
 
         a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
         tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, TILE_K))
@@ -123,7 +130,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         load_args = (tma_a, t_a, tma_b, t_b)
         store_args = (tma_c, t_c)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
-        args = (load_args, store_args, m_off, num_rows, num_experts, mma_args)
+        args = (load_args, store_args, rows, num_rows, num_experts, mma_args)
         if cutlass.const_expr(self.persistent):
             grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
             self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
@@ -135,7 +142,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         self,
         load_args: tuple,
         store_args: tuple,
-        m_off: cute.Tensor,
+        rows: tuple,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         mma_args: tuple,
@@ -149,7 +156,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
         tile_m, tile_n, _ = self.tile_shape_mnk
-        expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+        expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
 
         if warp_idx == 0:
             self.prefetch(tma_a, tma_b)
@@ -179,7 +186,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         self,
         load_args: tuple,
         store_args: tuple,
-        m_off: cute.Tensor,
+        rows: tuple,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         mma_args: tuple,
@@ -208,10 +215,10 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
-                self.produce_tiles(ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows)
+                self.produce_tiles(ab_pipe, load_args, s_a, s_b, first, step, all_tiles, rows, num_rows)
         elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
             cute.arch.setmaxregister_increase(232)
-            tiles = (first, step, all_tiles, m_off, num_rows)
+            tiles = (first, step, all_tiles, rows, num_rows)
             self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, (tma_c, m_c))
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
@@ -223,7 +230,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
             linear = first
             while linear < all_tiles:
-                expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+                expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
                 acc.fill(0.0)
                 cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
                 g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
@@ -233,12 +240,12 @@ class WeightGradGemmSm90(WgmmaTileKernel):
                 store_pipe.producer_tail()
 
     @cute.jit
-    def produce_tiles(self, ab_pipe, load_args, s_a, s_b, first, step, all_tiles, m_off, num_rows):
+    def produce_tiles(self, ab_pipe, load_args, s_a, s_b, first, step, all_tiles, rows, num_rows):
         """The TMA warp of a persistent kernel: every K tile of output tiles first, first + step, ... in order."""
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         linear = first
         while linear < all_tiles:
-            _, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, m_off, num_rows)
+            _, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
             loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
             prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
             linear += step
@@ -268,14 +275,20 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)  # offsets: multiples of 128 (or 0)
 
     @cute.jit
-    def tile_of(self, linear, m_off, num_rows):
-        """Output tile ``linear`` -> (expert, tile row, tile column, first row, k tiles); experts one after another."""
+    def tile_of(self, linear, rows, num_rows):
+        """Output tile ``linear`` -> (expert, tile row, tile column, first row, k tiles); experts one after another.
+
+        ``rows`` = (offsets, counts, counted): expert e's rows run from offsets[e] to offsets[e + 1]
+        (and R), or, when ``counted``, only to the K tile that holds row offsets[e] + counts[e] - 1."""
+        m_off, m_cnt, counted = rows
         tile_m, tile_n, _ = self.tile_shape_mnk
         tiles_per_expert = (self.m // tile_m) * (self.n // tile_n)
         expert = linear // tiles_per_expert
         tile_row, tile_col = self.grouped_tile(linear - expert * tiles_per_expert, self.m // tile_m, self.n // tile_n)
         row_start = m_off[expert]
         row_end = cutlass.min(m_off[expert + 1], num_rows)
+        if counted != 0:
+            row_end = cutlass.min(row_end, row_start + m_cnt[expert])
         k_tiles = cutlass.Int32(0)
         if row_end > row_start:
             k_tiles = (row_end - row_start + TILE_K - 1) // TILE_K
@@ -306,6 +319,8 @@ def compile_weight_grad(
         make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
         make_ptr(OUT_DTYPES[out_dtype], 0, gmem, assumed_align=16),
         make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
+        cutlass.Int32(0),
         cutlass.Int32(128),
         cutlass.Int32(1),
         cutlass.Int32(1),

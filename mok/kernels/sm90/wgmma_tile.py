@@ -162,9 +162,10 @@ class WgmmaTileKernel:
             if linear != first:  # the other warpgroup ran the tile before: wait for the end of its mainloop
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=256)
             acc.fill(0.0)
-            cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
-            if linear + step < all_tiles:  # the other warpgroup's tile comes next: its turn
+            cons, release = self.issue_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
+            if linear + step < all_tiles:  # all WGMMAs issued: the other warpgroup's turn while ours drain
                 cute.arch.barrier_arrive(barrier_id=their_turn, number_of_threads=256)
+            release = self.retire_tile(ab_pipe, k_tiles, release)
             if has_output:
                 self.pingpong_epilogue(mma_tidx % 128, warp_idx, tiled_mma, acc, s_c, store_pipe, group, group_idx * self.epi_stage, tile, epi_args)
             cons, release = self.skip_stages(linear + step, tiles, cons, release)
@@ -331,6 +332,13 @@ class WgmmaTileKernel:
         The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop.
         ``skip`` (a warpgroup-uniform flag, or None): this warpgroup waits for and releases every
         stage but issues no WGMMA, leaving acc as it was (its rows are all padding)."""
+        cons, release = self.issue_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, skip)
+        return cons, self.retire_tile(ab_pipe, k_tiles, release)
+
+    @cute.jit
+    def issue_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, skip=None):
+        """:meth:`consume_tile` up to its last stage's WGMMAs issued (one group may still run);
+        :meth:`retire_tile` waits for it. Ping-pong hands the tensor cores over in between."""
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.consumer_wait(cons)
             if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
@@ -345,11 +353,16 @@ class WgmmaTileKernel:
                 cute.nvgpu.warpgroup.wait_group(1)
                 ab_pipe.consumer_release(release)
                 release.advance()
+        return cons, release
+
+    @cute.jit
+    def retire_tile(self, ab_pipe, k_tiles, release):
+        """Wait for a tile's last WGMMAs and hand its last stage back; returns the release state."""
         cute.nvgpu.warpgroup.wait_group(0)
         if k_tiles > 0:  # the tile's last stage
             ab_pipe.consumer_release(release)
             release.advance()
-        return cons, release
+        return release
 
     def r2s_copy(self, tiled_mma, tidx):
         """Registers -> epilogue smem copy (stmatrix layout for 16-bit outputs) and its thread slice."""
