@@ -64,8 +64,8 @@ def moe_forward_op(
     shared_down: Optional[Tensor],
     save: bool,
     one_launch: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, h, shared_h, row_token, row_slot, slot_row, tile_expert, expert_offsets).
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, h, shared_h, row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts).
 
     h and shared_h are empty unless ``save``; the schedule tensors are what the backward
     needs to find each row again. Expert ids are not range-checked here (that reads the
@@ -81,7 +81,7 @@ def moe_forward_op(
     _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
     h = res.h if res.h is not None else x.new_empty(h_rows, 2 * inter)
     shared_h = res.shared_h if res.shared_h is not None else x.new_empty(sh_rows, 2 * shared_inter)
-    return res.out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets
+    return res.out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets, s.expert_counts
 
 
 @moe_forward_op.register_fake
@@ -98,6 +98,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
         torch.empty(num_tokens, topk, **i32),
         torch.empty(capacity // BLOCK_M, **i32),
         torch.empty(w_gate.shape[0] + 1, **i32),
+        torch.empty(w_gate.shape[0], **i32),
     )
 
 
@@ -122,7 +123,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     if save and shared is not None:
         xf = x.float()
         shared_h = torch.cat([xf @ shared_gate.float().T, xf @ shared_up.float().T], 1).to(x.dtype)
-    return out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets
+    return out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets, s.expert_counts
 
 
 @torch.library.custom_op("mok::moe_backward", mutates_args=(), device_types="cuda")
@@ -144,6 +145,7 @@ def moe_backward_op(
     slot_row: Tensor,
     tile_expert: Tensor,
     expert_offsets: Tensor,
+    expert_counts: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down).
 
@@ -153,8 +155,8 @@ def moe_backward_op(
     from .fused_forward import ForwardResult
     from .schedule import Schedule
 
-    empty = torch.empty(0, dtype=torch.int32, device=x.device)  # counts and overflow: not used by backward
-    sched = Schedule(empty, expert_offsets, row_token, row_slot, slot_row, tile_expert, empty, BLOCK_M, row_token.shape[0])
+    no_overflow = torch.empty(0, dtype=torch.int32, device=x.device)  # (the backward does not read the flag)
+    sched = Schedule(expert_counts, expert_offsets, row_token, row_slot, slot_row, tile_expert, no_overflow, BLOCK_M, row_token.shape[0])
     shared = _shared(shared_gate, shared_up, shared_down)
     saved = ForwardResult(out=None, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
     g = moe_backward(dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype)
