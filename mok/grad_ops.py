@@ -155,7 +155,8 @@ def weight_grad(
     kernel = _kernel(variant, dev)
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, out), _ptr("i32", offsets, 4),
-        _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None), _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _stream(dev),
+        _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None),  # (offsets: a stand-in, not read)
+        _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _stream(dev),
     )
     return out
 

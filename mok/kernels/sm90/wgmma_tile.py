@@ -131,9 +131,9 @@ class WgmmaTileKernel:
         """Ping-pong: MMA warpgroup w takes the CTA's tiles j = w, w + 2, ... (tile j is output tile
         first + j·step; ``tiles`` = (first, step, all_tiles, ...)), skipping the other's stages in
         the shared pipeline (its consumers: 4 warps). Before its mainloop a warpgroup waits until
-        the other has finished the mainloop of the tile before (named barrier TURN_BARRIERS[w]);
-        after it, it lets the other go, then runs its epilogue (its own barrier, store warp and
-        epilogue buffers) while the other's WGMMAs run. The subclass says what a tile is
+        the other has issued the last WGMMAs of the tile before (named barrier TURN_BARRIERS[w]);
+        once its own are issued it lets the other go, waits for its WGMMAs to retire and runs its
+        epilogue (its own barrier, store warp and epilogue buffers) while the other's WGMMAs run. The subclass says what a tile is
         (``pingpong_tile``: its K tiles, whether it has an output, what the epilogue needs) and
         stores it (``pingpong_epilogue``, with ``epi_args``). A tile's WGMMAs and their order
         per output element are those of the cooperative kernel: the same bits."""
@@ -159,7 +159,7 @@ class WgmmaTileKernel:
             cons, release = self.skip_stages(first, tiles, cons, release)
         while linear < all_tiles:
             k_tiles, has_output, tile = self.pingpong_tile(linear, tiles)
-            if linear != first:  # the other warpgroup ran the tile before: wait for the end of its mainloop
+            if linear != first:  # the other warpgroup ran the tile before: wait until it issued its last WGMMAs
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=256)
             acc.fill(0.0)
             cons, release = self.issue_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
