@@ -168,11 +168,11 @@ def test_weight_grad_per_expert_with_empty_experts_and_strided_a(m, n, tile_n, p
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_weight_grad_with_counts_skips_padding_blocks_and_keeps_the_bits(pingpong):
     """With the experts' row counts the kernel stops at the 64-row block holding an expert's last
-    row. On a real schedule (padding rows zero, as the backward's buffers have them) that gives
-    the bits of the kernel reducing every padded row, fresh or accumulated; counts at and next
-    to the block edges (0, 1, 64, 65, 128, 129, 192) are in it. A padding block left in by mistake would add
-    nothing, so rows past the counts hold garbage in a second run: the counted kernel must not
-    read them."""
+    row. On rows laid out as a schedule lays them (each expert padded to 128 rows, padding rows
+    zero, as the backward's buffers have them) that gives the bits of the kernel reducing every
+    padded row, fresh or accumulated; counts at and next to the block edges (0, 1, 64, 65, 128,
+    129, 192) are in it. A padding block left in by mistake would add nothing, so rows past the
+    counts hold garbage in a second run: the counted kernel must not read them."""
     g = torch.Generator(device="cuda").manual_seed(21)
     m, n = 256, 384
     counts = torch.tensor([0, 1, 64, 65, 128, 129, 192, 200, 300, 17], dtype=torch.int32)

@@ -133,9 +133,9 @@ class WgmmaTileKernel:
         the shared pipeline (its consumers: 4 warps). Before its mainloop a warpgroup waits until
         the other has issued the last WGMMAs of the tile before (named barrier TURN_BARRIERS[w]);
         once its own are issued it lets the other go, waits for its WGMMAs to retire and runs its
-        epilogue (its own barrier, store warp and epilogue buffers) while the other's WGMMAs run. The subclass says what a tile is
-        (``pingpong_tile``: its K tiles, whether it has an output, what the epilogue needs) and
-        stores it (``pingpong_epilogue``, with ``epi_args``). A tile's WGMMAs and their order
+        epilogue (its own barrier, store warp and epilogue buffers) while the other's WGMMAs run.
+        The subclass says what a tile is (``pingpong_tile``: its K tiles, whether it has an output,
+        what the epilogue needs) and stores it (``pingpong_epilogue``, with ``epi_args``). A tile's WGMMAs and their order
         per output element are those of the cooperative kernel: the same bits."""
         first, step, all_tiles = tiles[0], tiles[1], tiles[2]
         tile_m, tile_n, _ = self.tile_shape_mnk
@@ -390,8 +390,9 @@ class WgmmaTileKernel:
 
     @cute.jit
     def store_fragment(self, values, tiled_r2s, t_sd, s_c, tma, g_tile, epi, buf, warp_idx, store_pipe, rd_layout, group=None):
-        """Store one epilogue subtile ``epi`` of ``values`` (fp32 SSA) into ``g_tile`` via smem buffer
-        ``buf``; ``group``: see :meth:`epilogue_sync` (its store warp issues the TMA store)."""
+        """Store one epilogue subtile ``epi`` of ``values`` (SSA, fp32 or already the output dtype)
+        into ``g_tile`` via smem buffer ``buf``; ``group``: see :meth:`epilogue_sync` (its store
+        warp issues the TMA store)."""
         store_warp = self.store_warp if group is None else group[2]
         r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
         r_out.store(values.to(self.c_dtype))
