@@ -15,16 +15,48 @@ def count(pattern, text):
     return len(re.findall(pattern, text))
 
 
-def ptxas_spill_bytes(ptx: str, arch: str = "sm_90a") -> int | None:
-    """Bytes ptxas spills (stores) assembling ``ptx``, or None where no ptxas is installed. (The
-    PTX version is lowered to 9.0, which CUDA 13's ptxas reads; nothing it checks depends on it.)"""
+def ptxas_log(ptx: str, arch: str = "sm_90a") -> str | None:
+    """ptxas -v's report on ``ptx``, or None where no ptxas is installed. (The PTX version is
+    lowered to 9.0, which CUDA 13's ptxas reads; nothing it checks depends on it.)"""
     if shutil.which("ptxas") is None:
         return None
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(re.sub(r"^\.version \S+", ".version 9.0", ptx, count=1, flags=re.M))
         f.flush()
         log = subprocess.run(["ptxas", f"-arch={arch}", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True, check=True)
-    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log.stdout + log.stderr))
+    return log.stdout + log.stderr
+
+
+def ptxas_spill_bytes(ptx: str, arch: str = "sm_90a") -> int | None:
+    """Bytes ptxas spills (stores) assembling ``ptx``, or None where no ptxas is installed."""
+    log = ptxas_log(ptx, arch)
+    return None if log is None else sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
+
+
+def ptxas_registers(ptx: str, arch: str = "sm_90a") -> dict[str, int] | None:
+    """Registers per thread ptxas gives each entry of ``ptx``, or None where no ptxas is installed."""
+    log = ptxas_log(ptx, arch)
+    return None if log is None else {name: int(n) for name, n in re.findall(r"entry function '(\w+)'.*?Used (\d+) registers", log, re.S)}
+
+
+def assert_register_handover_fits(ptx: str) -> None:
+    """setmaxnreg.inc takes registers from the CTA's pool and waits until the pool has them: a
+    kernel whose producer warpgroup frees fewer than its MMA warpgroups ask for never gets past
+    the increase (it hangs on the GPU, as 48 + 2 x 232 did). So for every entry that hands
+    registers over, 128 x the producer's count + the other threads x the MMA count must fit in
+    what the CTA was launched with (threads x ptxas's count; without ptxas, the most a thread
+    can have at that CTA size)."""
+    registers = ptxas_registers(ptx)
+    for entry in re.split(r"\.entry\s+", ptx)[1:]:
+        name = entry.split("(", 1)[0].strip()
+        lower = [int(n) for n in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", entry)]
+        higher = [int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", entry)]
+        if not higher:
+            continue
+        threads = int(re.search(r"\.reqntid\s+(\d+)", entry).group(1))
+        launched = registers[name] if registers is not None else 65536 // threads // 8 * 8
+        asked = 128 * max(lower or [launched]) + (threads - 128) * max(higher)
+        assert asked <= threads * launched, f"{name}: setmaxnreg asks for {asked} registers, the CTA has {threads} x {launched}"
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
@@ -49,7 +81,10 @@ def test_every_variant_of_the_default_config_compiles_for_both_archs():
     for config in configs:
         for arch in ("sm_90a", "sm_100a"):
             for variant in variants_for(config, arch):
-                assert f".target {arch}" in compiled_ptx(variant, arch)
+                ptx = compiled_ptx(variant, arch)
+                assert f".target {arch}" in ptx
+                if arch == "sm_90a":
+                    assert_register_handover_fits(ptx)
 
 
 @pytest.mark.parametrize("persistent", [True, False])
@@ -81,6 +116,7 @@ def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilo
     assert count(r"fence\.proxy\.async\.shared::cta", ptx) >= 2  # the consumer's, and the epilogue's
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 8
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert_register_handover_fits(ptx)  # (the gathering warpgroup works with the producer's registers)
 
 
 @pytest.mark.parametrize(
@@ -102,6 +138,7 @@ def test_scattering_gemm_stores_rows_from_the_producer_warps(variant, loads):
     assert count(r"bar\.sync\s+2, 96;", ptx) == 2
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx) == 4
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert_register_handover_fits(ptx)
 
 
 @pytest.mark.parametrize("options", [dict(n=7168, k=2048), dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True),
@@ -179,6 +216,7 @@ def test_pingpong_kernels_give_each_warpgroup_whole_tiles_and_take_turns(kind, s
     assert count(r"\bbar\.sync\s+%r\d+, 128;", ptx) == 2 * stores  # before and after each store
     assert count(r"\bbar\.arrive\s+%r\d+, 256;", ptx) == 1 and count(r"\bbar\.sync\s+%r\d+, 256;", ptx) == 1
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert_register_handover_fits(ptx)
 
 
 @pytest.mark.parametrize("pingpong", [False, True])
@@ -325,6 +363,7 @@ def test_one_launch_ep_forward_adds_system_scope_flags_and_pushes_not_float_atom
     assert not any(".f32" in a or ".f16" in a or ".bf16" in a for a in atomics)
     assert count(r"fence\.acq_rel\.sys", ep) >= 2 and count(r"st\.global\.cs\.v4", ep) >= 1
     assert count(r"\.local", ep) == 0 and ptxas_spill_bytes(ep) in (0, None)
+    assert_register_handover_fits(ep)
 
 
 def test_gate_up_gemm_that_pulls_its_rows_keeps_its_wgmmas_and_copies_with_idle_warps():
@@ -342,3 +381,4 @@ def test_gate_up_gemm_that_pulls_its_rows_keeps_its_wgmmas_and_copies_with_idle_
     assert atomics == {"atom.global.add.u32", "atom.global.release.add.u32", "atom.global.acquire.add.u32"}
     assert count(r"bar\.sync\s+2, 96;", pull) >= 3 and "%globaltimer" in pull
     assert count(r"\.local", pull) == 0 and ptxas_spill_bytes(pull) in (0, None)
+    assert_register_handover_fits(pull)
