@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import default_tile_n, grouped_gemm_variant, router_grad_variant, weight_grad_pingpong, weight_grad_variant
+from .kernels import (
+    default_tile_n, grouped_gemm_variant, router_grad_variant, swiglu_backward_pingpong, weight_grad_pingpong, weight_grad_variant,
+)
 from .ops import BF16, _check_32bit, _check_launchable, _i32, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm
 from .validation import check_tensor
 
@@ -66,11 +68,11 @@ def swiglu_backward_gemm(
         raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
     if skip_padding and (unit_scale or not persistent):
         raise ValueError("skip_padding: only with row_token (routed experts) and the persistent kernel")
+    tile_n = default_tile_n(inter, hidden, True)
     if pingpong is None:
-        pingpong = persistent and not skip_padding
+        pingpong = swiglu_backward_pingpong(persistent, skip_padding, tile_n)
     if pingpong and (skip_padding or not persistent):
         raise ValueError("pingpong: only with persistent=True and without skip_padding")
-    tile_n = default_tile_n(inter, hidden, True)
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
     partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)

@@ -211,6 +211,13 @@ def expert_mlp_variant(
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)
 
 
+def swiglu_backward_pingpong(persistent: bool, skip_padding: bool, tile_n: int = 128) -> bool:
+    """Whether the SwiGLU-backward GEMM runs ping-pong by default: wherever it can (persistent,
+    no skip_padding, 128-wide tiles; 4-16% faster than the cooperative kernel, perf/NOTES.md
+    eleventh and twelfth sessions)."""
+    return persistent and not skip_padding and tile_n == 128
+
+
 def weight_grad_pingpong(persistent: bool, tile_n: int) -> bool:
     """Whether the weight-gradient GEMM runs ping-pong by default: wherever it can (persistent,
     128-wide tiles; 4-21% faster than the cooperative kernel, perf/NOTES.md eleventh session)."""
@@ -270,8 +277,10 @@ def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False
         grouped_gemm_variant(inter, hidden, epilogue="swiglu", gather_a=not shared),
         grouped_gemm_variant(inter, hidden, epilogue="swiglu_save", gather_a=not shared),
         grouped_gemm_variant(hidden, inter),  # the shared expert's down projection, and EP's
-        # (ping-pong: grad_ops.swiglu_backward_gemm's default without skip_padding, as the layer calls it)
-        grouped_gemm_variant(inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared, pingpong=True),
+        grouped_gemm_variant(  # as grad_ops.swiglu_backward_gemm launches it for the layer (persistent, no skip_padding)
+            inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared,
+            pingpong=swiglu_backward_pingpong(True, False, default_tile_n(inter, hidden, True)),
+        ),
         grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
         weight_grad_variant(hidden, inter),
         weight_grad_variant(inter, hidden, a_stride=2 * inter),  # dW_gate, dW_up: the halves of dh
