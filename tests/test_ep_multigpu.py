@@ -47,6 +47,13 @@ def _worker(rank, init_file, out_dir, skip_rank, shared_gpu):
                 torch.cuda.synchronize()
                 ws.check()
                 result["bitwise"] = all(torch.equal(o, want[mine]) for o in outs)
+                if not shared_gpu:  # the other dispatches over real NVLink (emulated on one GPU: test_ep_gpu.py)
+                    for mode in ("fused_dispatch", "overlap_dispatch", "one_launch"):
+                        dist.barrier()  # both ranks compile the mode's kernels at about the same time
+                        outs = [ep_moe_forward(ws, *args, timeout_s=60.0, **{mode: True}) for _ in range(2)]
+                        torch.cuda.synchronize()
+                        ws.check()
+                        result[f"bitwise {mode}"] = all(torch.equal(o, want[mine]) for o in outs)
                 saved = ep_moe_forward_saved(ws, *args, timeout_s=60.0)
                 grads = ep_moe_backward(ws, dout[mine].contiguous(), *args, saved, timeout_s=60.0)
                 torch.cuda.synchronize()
@@ -91,8 +98,13 @@ def _spawn(tmp_path, skip_rank=None, shared_gpu=False):
 
 @pytest.mark.multigpu
 def test_ep2_over_nvlink_equals_single_gpu_forward_and_backward_bitwise(tmp_path):
+    """Both ranks' outputs are the single-GPU forward's rows bit for bit, with every dispatch
+    (separate copy, the GEMM pulling its rows, the idle warps copying them, one launch), and so
+    are the gradients."""
     results = _spawn(tmp_path)
     assert all(r["bitwise"] for r in results)
+    for mode in ("fused_dispatch", "overlap_dispatch", "one_launch"):
+        assert all(r[f"bitwise {mode}"] for r in results), mode
     assert all(r["grads_bitwise"] for r in results)
 
 
