@@ -20,10 +20,11 @@ pytestmark = pytest.mark.gpu
 
 # ---- kernels one by one ---------------------------------------------------------------------
 
-def test_gather_rows():
-    src = torch.randn(300, 512, device="cuda").bfloat16()
-    index = torch.randint(-1, 300, (1000,), device="cuda", dtype=torch.int32)
-    out = ops.gather_rows(src, index, out=poisoned(1000, 512))
+@pytest.mark.parametrize("rows,width", [(1000, 512), (1001, 520), (3, 7168)])  # (rows not a multiple of a CTA's 4)
+def test_gather_rows(rows, width):
+    src = torch.randn(300, width, device="cuda").bfloat16()
+    index = torch.randint(-1, 300, (rows,), device="cuda", dtype=torch.int32)
+    out = ops.gather_rows(src, index, out=poisoned(rows, width))
     want = torch.where((index >= 0)[:, None], src[index.clamp(min=0).long()], torch.zeros((), dtype=src.dtype, device="cuda"))
     assert torch.equal(out, want)
 

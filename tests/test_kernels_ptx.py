@@ -87,6 +87,21 @@ def test_every_variant_of_the_default_config_compiles_for_both_archs():
                     assert_register_handover_fits(ptx)
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_row_gather_keeps_four_16_byte_loads_in_flight_before_it_stores(arch):
+    """gather: each thread loads its four rows' 16-byte vectors (after their four int32 row
+    indices) before the first store; nothing narrower, no spills."""
+    from mok.kernels import gather_variant
+    from mok.kernels.common.gather import ROWS
+
+    ptx = compiled_ptx(gather_variant(2048), arch)
+    loads = [m.start() for m in re.finditer(r"ld\.global\.v4\.b32", ptx)]
+    stores = [m.start() for m in re.finditer(r"st\.global\.v4\.b32", ptx)]
+    assert len(loads) == len(stores) == ROWS == 4 and max(loads) < min(stores)
+    assert count(r"ld\.global\.b32", ptx) == ROWS and count(r"st\.global\.(?!v4)", ptx) == 0
+    assert count(r"\.local", ptx) == 0
+
+
 @pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("n,k,swiglu", [(2048, 7168, True), (7168, 2048, False), (768, 2048, True)])
 def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu, persistent):

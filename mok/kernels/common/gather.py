@@ -2,7 +2,9 @@
 
 Builds the expert-grouped activation buffer from the token rows, in the row order the
 schedule gives (canonical within each expert). Arch-neutral: 16-byte vector loads and
-stores, one CTA row of ``threads`` threads per 8·threads columns of one output row.
+stores; a CTA of ``threads`` threads covers 8·threads columns of ROWS output rows, each
+thread loading its ROWS vectors before it stores any, so that ROWS loads are in flight per
+thread (one row per CTA kept one load in flight and launched a CTA per 2 KB moved).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import cutlass
 import cutlass.cute as cute
 
 VECTOR = 8  # bf16 elements per 16-byte access
+ROWS = 4  # output rows per CTA (16-byte loads in flight per thread)
 
 
 class GatherRowsKernel:
@@ -40,7 +43,7 @@ class GatherRowsKernel:
         m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
         m_out = cute.make_tensor(out_ptr, cute.make_layout((num_out, w), stride=(w, 1)))
         self.kernel(m_src, m_index, m_out).launch(
-            grid=[num_out, (w + self.cols_per_cta - 1) // self.cols_per_cta, 1],
+            grid=[(num_out + ROWS - 1) // ROWS, (w + self.cols_per_cta - 1) // self.cols_per_cta, 1],
             block=[self.threads, 1, 1],
             stream=stream,
         )
@@ -48,15 +51,24 @@ class GatherRowsKernel:
     @cute.kernel
     def kernel(self, m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        row, col_block, _ = cute.arch.block_idx()
+        row_block, col_block, _ = cute.arch.block_idx()
         chunk = col_block * self.threads + tidx
+        num_out = m_out.shape[0]
         if chunk * VECTOR < self.width:
-            out_vec = cute.zipped_divide(m_out[row, None], (VECTOR,))[None, chunk]
-            source = m_index[row]
-            if source >= 0:
-                out_vec.store(cute.zipped_divide(m_src[source, None], (VECTOR,))[None, chunk].load())
-            else:
-                out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
+            held = []
+            for i in cutlass.range_constexpr(ROWS):  # every load first ...
+                row = row_block * ROWS + i
+                vec = cute.make_rmem_tensor((VECTOR,), m_out.element_type)
+                vec.fill(0.0)
+                if row < num_out:
+                    source = m_index[row]
+                    if source >= 0:
+                        vec.store(cute.zipped_divide(m_src[source, None], (VECTOR,))[None, chunk].load())
+                held.append(vec)
+            for i in cutlass.range_constexpr(ROWS):  # ... then every store
+                row = row_block * ROWS + i
+                if row < num_out:
+                    cute.zipped_divide(m_out[row, None], (VECTOR,))[None, chunk].store(held[i].load())
 
 
 def compile_gather(width: int, arch: str, options: str = ""):
