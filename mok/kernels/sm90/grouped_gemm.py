@@ -1033,7 +1033,13 @@ def reciprocal_at_least_one(d):
     and d is clamped there (1/d then 2^-126 instead of a denormal or 0). The branch per value kept
     the compiler from interleaving the SwiGLU backward's values (ncu: the epilogue's math ran as
     one dependent chain per value)."""
-    d = cute.arch.fmin(d, RECIPROCAL_MAX_DENOMINATOR)
+    return refined_reciprocal(cute.arch.fmin(d, RECIPROCAL_MAX_DENOMINATOR))
+
+
+@cute.jit
+def refined_reciprocal(d):
+    """1/d for 1 <= d <= RECIPROCAL_MAX_DENOMINATOR (already clamped): the approximate
+    reciprocal and one Newton step."""
     r = cute.arch.rcp_approx(d)
     e = cute.math.fma(d, r, -1.0)
     return cute.math.fma(r, -e, r)
@@ -1046,8 +1052,8 @@ def divide_by_at_least_one(a, d):
     normal float and d is below 2^126; tests/test_forward_gpu.py checks them against div.rn), d
     clamped as in :func:`reciprocal_at_least_one`. SiLU's gate / (1 + exp(-gate)) had a branch
     per value."""
-    r = reciprocal_at_least_one(d)
     d = cute.arch.fmin(d, RECIPROCAL_MAX_DENOMINATOR)
+    r = refined_reciprocal(d)
     q = a * r
     rem = cute.math.fma(-d, q, a)
     return cute.math.fma(r, rem, q)
