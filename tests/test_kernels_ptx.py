@@ -1,5 +1,6 @@
 """Compile-only checks of every kernel variant for sm_90a and sm_100a: the PTX uses the intended instructions."""
 
+import functools
 import re
 import shutil
 import subprocess
@@ -15,8 +16,10 @@ def count(pattern, text):
     return len(re.findall(pattern, text))
 
 
+@functools.lru_cache(maxsize=8)
 def ptxas_log(ptx: str, arch: str = "sm_90a") -> str | None:
-    """ptxas -v's report on ``ptx``, or None where no ptxas is installed. (The PTX version is
+    """ptxas -v's report on ``ptx``, or None where no ptxas is installed (kept for the last few
+    kernels: a test that checks spills and registers assembles once). (The PTX version is
     lowered to 9.0, which CUDA 13's ptxas reads; nothing it checks depends on it.)"""
     if shutil.which("ptxas") is None:
         return None
