@@ -19,18 +19,33 @@ def time_ms(fn, batch: int = 20, repeats: int = 10, warmup: int = 3) -> float:
     Timed with CUDA events around a batch, so the host's launch work overlaps the device's
     (as in a training step) instead of being counted once per call.
     """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / batch)
-    return statistics.median(times)
+    return time_ms_interleaved({"fn": fn}, batch, repeats, warmup)["fn"]
+
+
+def time_ms_interleaved(fns: dict, batch: int = 5, repeats: int = 10, warmup: int = 2) -> dict:
+    """:func:`time_ms` of several callables taken in turn: each repeat times one batch of every
+    callable, starting one further along each time, and each gets the median of its batches.
+
+    A GPU's clock drifts during a long run (power and heat: an H200 at sustained bf16 load
+    moved 6% between two timings of the same kernel), and timing one callable after another
+    hands that drift to whichever ran later; taken in turn, all of them see the same clocks.
+    """
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict = {name: [] for name in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(batch):
+                fns[name]()
+            stop.record()
+            stop.synchronize()
+            times[name].append(start.elapsed_time(stop) / batch)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def host_us(fn, calls: int = 200) -> float:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mok.fused_backward import moe_backward
-from mok.bench import time_ms
+from mok.bench import time_ms_interleaved
 from mok.fused_forward import moe_forward
 
 CONFIGS = {
@@ -193,7 +193,7 @@ def main() -> int:
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }
-        ms = {p: time_ms(fn, batch=5, repeats=10) for p, fn in paths.items()}
+        ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
         launches = {p: count_launches(fn) for p, fn in paths.items()}
         mok_out, torch_out = paths["mok"](), paths["torch"]()  # (the graph replays the same kernels)
         if args.backward:  # compare dx

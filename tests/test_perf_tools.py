@@ -1,8 +1,11 @@
-"""perf/sass_stalls.py reads ncu's source-page CSV export (CPU; a synthetic export of two kernels)."""
+"""perf/sass_stalls.py reads ncu's source-page CSV export (CPU; a synthetic export of two kernels);
+mok.bench's interleaved timer (GPU)."""
 
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("sass_stalls", ROOT / "perf" / "sass_stalls.py")
@@ -35,3 +38,28 @@ def test_stall_shares_and_hottest_instructions_per_kernel(tmp_path):
     assert b.stall_shares() == {"stall_long_sb": 1.0, "stall_no_inst": 0.0}
     text = sass_stalls.report(a, top=2)
     assert "2 SASS instructions" in text and "SHF.L.U32" in text
+
+
+@pytest.mark.gpu
+def test_interleaved_timing_takes_the_callables_in_turn_and_measures_each():
+    """mok.bench.time_ms_interleaved: after the warm-up each repeat times one batch of every
+    callable, the first one rotating; a kernel that spins three times as long measures ~3x."""
+    import torch
+
+    from mok.bench import time_ms_interleaved
+
+    calls = []
+
+    def spinning(name, cycles):
+        def fn():
+            calls.append(name)
+            torch.cuda._sleep(cycles)
+        return fn
+
+    fns = {"short": spinning("short", 1_000_000), "long": spinning("long", 3_000_000), "mid": spinning("mid", 2_000_000)}
+    ms = time_ms_interleaved(fns, batch=2, repeats=4, warmup=1)
+    names = list(fns)
+    want = names + [names[(r + i) % 3] for r in range(4) for i in range(3) for _ in range(2)]
+    assert calls == want
+    assert set(ms) == set(names) and all(v > 0 for v in ms.values())
+    assert 2.4 < ms["long"] / ms["short"] < 3.6 and 1.6 < ms["mid"] / ms["short"] < 2.4
