@@ -87,6 +87,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.combine import VECTOR, combine_vector
+from ..common.swiglu import swiglu_backward_values, swiglu_value
 from ..common.waits import wait_at_least
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
@@ -95,7 +96,6 @@ SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
-RECIPROCAL_MAX_DENOMINATOR = 2.0**126  # see reciprocal_at_least_one
 PULL_DEPTH = 4  # pull_a: 16-byte loads each copying thread keeps in flight
 
 
@@ -886,7 +886,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 stores += 3
             elif cutlass.const_expr(self.two_accumulators):
                 for v in cutlass.range_constexpr(per_epi):  # a = silu(gate)·up, value by value (no branch)
-                    r_x[v] = divide_by_at_least_one(r_d[v], 1.0 + cute.math.exp(-r_d[v], fastmath=True)) * r_u[v]
+                    r_x[v] = swiglu_value(r_d[v], r_u[v])
                 gate = r_d.load()
                 up = r_u.load()
                 act = r_x.load()
@@ -1024,50 +1024,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
                         at = ((None, hi, groups * epi + j), m, 0)
                         r_gate[at].fill(0.0)
                         r_up[at].fill(0.0)
-
-
-@cute.jit
-def reciprocal_at_least_one(d):
-    """1/d for d >= 1, as rcp.rn.f32 rounds it, without its branch: the approximate reciprocal
-    and one Newton step are what rcp.rn computes for d below 2^126 (its fast path; the same bits),
-    and d is clamped there (1/d then 2^-126 instead of a denormal or 0). The branch per value kept
-    the compiler from interleaving the SwiGLU backward's values (ncu: the epilogue's math ran as
-    one dependent chain per value)."""
-    return refined_reciprocal(cute.arch.fmin(d, RECIPROCAL_MAX_DENOMINATOR))
-
-
-@cute.jit
-def refined_reciprocal(d):
-    """1/d for 1 <= d <= RECIPROCAL_MAX_DENOMINATOR (already clamped): the approximate
-    reciprocal and one Newton step."""
-    r = cute.arch.rcp_approx(d)
-    e = cute.math.fma(d, r, -1.0)
-    return cute.math.fma(r, -e, r)
-
-
-@cute.jit
-def divide_by_at_least_one(a, d):
-    """a / d for d >= 1 without div.rn.f32's branch: a refined reciprocal, the quotient and one
-    correction (the fast path of the IEEE division: the same bits wherever the quotient is a
-    normal float and d is below 2^126; tests/test_forward_gpu.py checks them against div.rn), d
-    clamped as in :func:`reciprocal_at_least_one`. SiLU's gate / (1 + exp(-gate)) had a branch
-    per value."""
-    d = cute.arch.fmin(d, RECIPROCAL_MAX_DENOMINATOR)
-    r = refined_reciprocal(d)
-    q = a * r
-    rem = cute.math.fma(-d, q, a)
-    return cute.math.fma(r, rem, q)
-
-
-@cute.jit
-def swiglu_backward_values(d_a, s, h_g, h_u):
-    """The SwiGLU backward of one value: from dA_u (not yet scaled), the row's router weight s and
-    the saved h_gate, h_up: (d h_gate, d h_up, s·a, a) with a = silu(h_gate)·h_up."""
-    sig = reciprocal_at_least_one(1.0 + cute.math.exp(-h_g, fastmath=True))
-    act = h_g * sig
-    a_val = act * h_u
-    d_s = d_a * s
-    return d_s * h_u * (sig * (1.0 + h_g * (1.0 - sig))), d_s * act, s * a_val, a_val
 
 
 @cute.jit
