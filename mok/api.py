@@ -24,7 +24,7 @@ from .config import MoKConfig
 from .fused_forward import ForwardResult, moe_forward
 from .reference import SharedExpert
 from .reference_backward import Gradients
-from .validation import check_moe_inputs
+from .validation import check_index_range, check_moe_inputs
 
 
 @dataclass
@@ -133,6 +133,9 @@ def forward(
     _check_config(config, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     if config.ep_size > 1:
         from .ep import ep_moe_forward_saved
+
+        if check_routing:  # an id out of range would reach no rank (one host read; pass False inside graph capture)
+            check_index_range("topk_idx", topk_idx, config.num_experts)
 
         res = ep_moe_forward_saved(
             workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward, timeout_s=timeout_s,

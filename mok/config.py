@@ -21,10 +21,10 @@ class MoKConfig:
     hidden: model width H. intermediate: routed-expert width I. num_experts: E, over all
     ranks. topk: experts per token. shared_intermediate: width of the optional shared
     expert (None for none). ep_size: ranks in the expert-parallel group (E must divide
-    evenly). block_m: row tile of the grouped GEMMs; each expert's rows are padded to a
-    multiple of it. one_launch: run the forward as one persistent kernel (plus 2 launches for
-    a shared expert) instead of several: ``moe_forward(one_launch=True)`` at EP = 1, the
-    one-launch expert-parallel forward at EP > 1; the same bits.
+    evenly). block_m: row tile of the grouped GEMMs (128, the only one the kernels have); each
+    expert's rows are padded to a multiple of it. one_launch: run the forward as one persistent
+    kernel (plus 2 launches for a shared expert) instead of several: ``moe_forward(one_launch=True)``
+    at EP = 1, the one-launch expert-parallel forward at EP > 1; the same bits.
     """
 
     hidden: int
@@ -44,6 +44,8 @@ class MoKConfig:
         check_positive_int("topk", self.topk)
         check_positive_int("ep_size", self.ep_size)
         check_positive_int("block_m", self.block_m)
+        if self.block_m != 128:
+            raise ValueError(f"block_m: expected 128 (the row tile every MoK kernel is built for), got {self.block_m}")
         if self.shared_intermediate is not None:
             check_positive_int("shared_intermediate", self.shared_intermediate)
         if self.hidden % 8:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
-from .fused_forward import shared_expert_forward
+from .fused_forward import check_tile_multiples, shared_expert_forward
 from .kernels import GRID_SYNC_WORDS, ep_variant, get_kernel
 from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, grid_sync_slot
 from .runtime.arch import device_arch
@@ -356,7 +356,16 @@ def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, 
         raise TypeError(f"topk_idx: expected dtype int32, got {topk_idx.dtype}")
     if x.device != ws.buffer.device:
         raise ValueError(f"x: expected a tensor on the workspace's device {ws.buffer.device}, got one on {x.device}")
+    check_rows_aligned("x", x)
+    if ws.owner is not None and ws.owner.closed:
+        raise RuntimeError("workspace: its symmetric memory was closed (SymmetricWorkspace.close()); build a new one")
     return num_tokens, hidden, num_local, topk
+
+
+def check_rows_aligned(name: str, rows: torch.Tensor) -> None:
+    """Rows the publish kernel copies with 16-byte vectors start 16-byte aligned."""
+    if rows.data_ptr() % 16:
+        raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got address {rows.data_ptr():#x}")
 
 
 def flag_args(ws: EPWorkspace) -> tuple:
@@ -456,6 +465,7 @@ def ep_moe_forward_saved(
         raise ValueError("fused_dispatch: only with save_h=False (a backward needs the pulled rows kept; the unfused dispatch keeps them)")
     if fused_dispatch + overlap_dispatch + one_launch > 1:
         raise ValueError("fused_dispatch, overlap_dispatch, one_launch: at most one (different ways of running the forward)")
+    check_tile_multiples(hidden, w_gate.shape[1], None if shared is None else tuple(shared))
     ws.raise_pending()
     if one_launch:
         from .ep_one_launch import ep_one_launch_forward

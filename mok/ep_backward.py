@@ -32,10 +32,11 @@ import torch
 
 from . import grad_ops, ops
 from .ep import (
-    EPForwardResult, EPWorkspace, _kernels, announce_pushed, check_ep_inputs, gather_ranks, publish, pull_rows, scatter_into_slots,
-    wait_pushed,
+    EPForwardResult, EPWorkspace, _kernels, announce_pushed, check_ep_inputs, check_rows_aligned, gather_ranks, publish, pull_rows,
+    scatter_into_slots, wait_pushed,
 )
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
+from .fused_forward import check_tile_multiples
 from .reference_backward import Gradients
 from .validation import check_main_grads, check_tensor, check_timeout
 
@@ -65,12 +66,14 @@ def ep_moe_backward(
     """
     num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
+    check_rows_aligned("dout", dout)
     if saved.h is None or (shared is not None and saved.shared_h is None):
         raise ValueError("saved: the forward did not keep h; call ep_moe_forward_saved(..., save_h=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
     check_timeout(timeout_s)
+    check_tile_multiples(hidden, w_gate.shape[1], None if shared is None else tuple(shared))
     ws.raise_pending()
     lay, dev, sched = ws.layout, x.device, saved.schedule
     k = _kernels(ws, dev)

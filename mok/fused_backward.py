@@ -25,9 +25,10 @@ from __future__ import annotations
 import torch
 
 from . import grad_ops, ops
-from .fused_forward import ForwardResult, single_expert_tiles
+from .fused_forward import ForwardResult, check_tile_multiples, single_expert_tiles
 from .reference import SharedExpert
 from .reference_backward import Gradients
+from .schedule import check_schedule
 from .validation import check_main_grads, check_moe_inputs, check_tensor
 
 
@@ -82,17 +83,24 @@ def moe_backward(
     like the weights; the weight gradients are added into them (Megatron's main_grad) and
     returned.
     """
-    num_tokens, hidden, _, num_experts, _ = check_moe_inputs(
+    num_tokens, hidden, inter, num_experts, _ = check_moe_inputs(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=False,
     )
+    check_tile_multiples(hidden, inter, shared)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
     if saved.h is None or (shared is not None and saved.shared_h is None):
         raise ValueError("saved: the forward did not keep h; call moe_forward(..., save_for_backward=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
-    sched = saved.schedule
+    sched = check_schedule(
+        "saved.schedule", saved.schedule, num_tokens=num_tokens, topk=topk_idx.shape[1], num_experts=num_experts, device=x.device
+    )
+    check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * w_gate.shape[1]), device=x.device, contiguous=True)
+    if shared is not None:
+        check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared[0].shape[0]),
+                     device=x.device, contiguous=True)
 
     dout_rows = ops.gather_rows(dout, sched.row_token)
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(

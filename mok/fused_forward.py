@@ -57,6 +57,16 @@ def single_expert_tiles(num_rows: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(-(-num_rows // TILE_M), dtype=torch.int32, device=device)
 
 
+def check_tile_multiples(hidden: int, inter: int, shared: tuple | None) -> None:
+    """The fused kernels tile H, I (and the shared expert's I_s) by 128: refuse other widths before
+    anything launches (the reference path, mok.reference, takes any)."""
+    widths = {"H": hidden, "I": inter} | ({} if shared is None else {"I_s (shared)": shared[0].shape[0]})
+    bad = {name: width for name, width in widths.items() if width % TILE_M}
+    if bad:
+        got = ", ".join(f"{name}={width}" for name, width in widths.items())
+        raise ValueError(f"w_gate: expected {', '.join(widths)} multiples of {TILE_M} (the fused kernels' tile), got {got}")
+
+
 def shared_expert_forward(x: torch.Tensor, shared: SharedExpert, h_out: torch.Tensor | None = None) -> torch.Tensor:
     """The shared expert as a grouped GEMM with one expert over all of x (``h_out``: keep h for backward)."""
     tiles = single_expert_tiles(x.shape[0], x.device)
@@ -103,10 +113,11 @@ def moe_forward(
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
     check_fused_layer_device(x.device.index)
-    _, _, _, num_experts, _ = check_moe_inputs(
+    _, hidden, inter, num_experts, _ = check_moe_inputs(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,
     )
+    check_tile_multiples(hidden, inter, shared)
     num_tokens, hidden = x.shape
     rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # the schedule's buffer rows
     h = shared_h = None

@@ -169,6 +169,8 @@ def router_grad(partial: torch.Tensor, slot_row: torch.Tensor, *, out: torch.Ten
     ``out``: an optional [T, k] fp32 destination (the expert-parallel backward's workspace).
     """
     check_tensor("partial", partial, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    if partial.device.type != "cuda":
+        raise ValueError(f"partial: expected a CUDA tensor, got one on {partial.device}")
     check_tensor("slot_row", slot_row, dtypes=I32, ndim=2, device=partial.device, contiguous=True)
     num_tokens, topk = slot_row.shape
     if out is None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from . import custom_ops, ep_ops  # noqa: F401  (register mok::moe_forward / moe_backward and the ep_ twins)
 from .config import MoKConfig
-from .validation import check_capacity_factor, check_tensor, check_timeout
+from .validation import check_capacity_factor, check_index_range, check_tensor, check_timeout
 
 _EP_WARNED = False
 
@@ -164,16 +164,20 @@ class MoELayer(nn.Module):
         if external:
             check_tensor("topk_idx", topk_idx, dtypes=(torch.int32, torch.int64), shape=(*lead, c.topk), device=x.device)
             check_tensor("topk_w", topk_w, dtypes=(torch.float32, torch.bfloat16, torch.float16), shape=(*lead, c.topk), device=x.device)
+            if _may_sync(tokens):  # on the ids as given: an int64 id would wrap in the int32 cast (one host read)
+                check_index_range("topk_idx", topk_idx, c.num_experts)
             topk_idx = topk_idx.reshape(-1, c.topk).to(torch.int32).contiguous()
             topk_w = topk_w.reshape(-1, c.topk).float().contiguous()
         else:
             topk_idx, topk_w = route(self.router(tokens), c.topk)
+        if self.group is not None and tokens.shape[0] > self.max_tokens:
+            raise ValueError(f"x: expected at most max_tokens={self.max_tokens} tokens per rank and call, got {tokens.shape[0]}")
         if self.group is not None and tokens.is_cuda:
-            out = self._fused_ep(tokens, topk_idx, topk_w, check_range=external and _may_sync(tokens))
+            out = self._fused_ep(tokens, topk_idx, topk_w)
         elif self.group is not None:
             out = self._reference_ep(tokens, topk_idx, topk_w)
         else:
-            out = self._fused(tokens, topk_idx, topk_w, check_range=external and _may_sync(tokens))
+            out = self._fused(tokens, topk_idx, topk_w)
         return out.reshape(*lead, c.hidden)
 
     def _needs_saving(self, x, topk_w, shared) -> bool:
@@ -182,26 +186,24 @@ class MoELayer(nn.Module):
             t.requires_grad for t in (x, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or ()))
         )
 
-    def _fused(self, x, topk_idx, topk_w, check_range: bool):
+    def _fused(self, x, topk_idx, topk_w):
         from .validation import check_moe_inputs
 
         shared = self.shared_weights()
-        check_moe_inputs(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range)
+        check_moe_inputs(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False)  # (ids: forward)
         save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
         return torch.ops.mok.moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch
         )[0]
 
-    def _fused_ep(self, x, topk_idx, topk_w, check_range: bool):
+    def _fused_ep(self, x, topk_idx, topk_w):
         from .runtime.arch import check_fused_layer_device
         from .validation import check_moe_inputs
 
         check_fused_layer_device(x.device.index)
-        if x.shape[0] > self.max_tokens:
-            raise ValueError(f"x: expected at most max_tokens={self.max_tokens} tokens per rank and call, got {x.shape[0]}")
         shared = self.shared_weights()
-        check_moe_inputs(  # an expert id out of range would reach no rank: refused here (one host read) where allowed
-            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=check_range,
+        check_moe_inputs(  # (the ids were range-checked in forward, where a host read is allowed)
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False,
             experts_total=self.config.num_experts,
         )
         save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)

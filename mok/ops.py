@@ -16,10 +16,10 @@ from .kernels import (
     GRID_SYNC_WORDS, combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_ctas,
     schedule_variant,
 )
-from .schedule import Schedule, check_schedule_args, worst_case_capacity
+from .schedule import Schedule, check_schedule, check_schedule_args, worst_case_capacity
 from .runtime.arch import device_arch
 from .runtime.launch import i32 as _i32, i64 as _i64, ptr as _ptr, stream as _stream
-from .validation import check_tensor
+from .validation import check_tensor, check_timeout
 
 _ALIGN = 16  # bytes: the kernels use 16-byte vector loads and stores (and TMA)
 BF16 = (torch.bfloat16,)
@@ -230,8 +230,7 @@ def grouped_gemm(
         check_tensor("pull row_token", pull_tokens, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
         check_tensor("pull counters", pull_counters, dtypes=(torch.int32,), shape=(2 + -(-num_rows // 128),), device=a.device,
                      contiguous=True)
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+        check_timeout(timeout_s)
     if skip_padding is not None:
         if not persistent:
             raise ValueError("skip_padding: only with the persistent kernel")
@@ -395,6 +394,7 @@ def grouped_gemm_combine(
     num_experts, hidden = w_down.shape[:2]
     check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
     num_tokens, topk = schedule.slot_row.shape
+    check_schedule("schedule", schedule, num_tokens=num_tokens, topk=topk, num_experts=num_experts, device=a.device)
     check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=a.device, contiguous=True)
     if schedule.row_token.shape[0] != num_rows:
         raise ValueError(f"a: expected the schedule's {schedule.row_token.shape[0]} rows, got {num_rows}")
@@ -468,6 +468,7 @@ def expert_mlp(
         raise ValueError(f"schedule: expected one for x's {num_tokens} tokens, got one for {schedule.slot_row.shape[0]}")
     if schedule.expert_counts.shape[0] != w_gate.shape[0]:
         raise ValueError(f"schedule: expected one over w_gate's {w_gate.shape[0]} experts, got {schedule.expert_counts.shape[0]}")
+    check_schedule("schedule", schedule, num_tokens=num_tokens, topk=topk, num_experts=w_gate.shape[0], device=x.device, block_m=MLP_TILE)
     check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
     want = expert_mlp_counters(num_tokens, hidden, num_rows, x.device, shape_only=True)
     if counters.shape != want:
@@ -522,10 +523,11 @@ def scheduled_expert_mlp(
     check_tensor("w_gate", w_gate, dtypes=BF16, ndim=3, device=x.device, contiguous=True)
     num_tokens, topk = topk_idx.shape
     num_experts, inter = w_gate.shape[:2]
-    capacity = worst_case_capacity(num_tokens, topk, num_experts, MLP_TILE)
-    _check_expert_mlp_args(x, w_gate, w_up, w_down, capacity, topk, topk_w, h_out, shared_out, out, timeout_s)
     if x.shape[0] != num_tokens:
         raise ValueError(f"topk_idx: expected one row per token of x ({x.shape[0]}), got {num_tokens}")
+    check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=x.device, contiguous=True)  # (it combines)
+    capacity = worst_case_capacity(num_tokens, topk, num_experts, MLP_TILE)
+    _check_expert_mlp_args(x, w_gate, w_up, w_down, capacity, topk, topk_w, h_out, shared_out, out, timeout_s)
     if grid_sync is not None:
         check_tensor("grid_sync", grid_sync, dtypes=(torch.int32,), shape=(GRID_SYNC_WORDS,), device=x.device, contiguous=True)
     hidden = x.shape[1]
@@ -535,8 +537,8 @@ def scheduled_expert_mlp(
         x=x, topk_idx=topk_idx, w_gate=w_gate, w_up=w_up, w_down=w_down, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out
     )
     schedule = _empty_schedule(num_tokens, topk, num_experts, capacity, MLP_TILE, x.device)
-    if num_tokens == 0:
-        return out, schedule
+    if num_tokens == 0:  # nothing routed: no launch
+        return out, _unrouted(schedule)
     if grid_sync is None:
         grid_sync = grid_sync_words(x.device)
     counters = expert_mlp_counters(num_tokens, hidden, capacity, x.device)  # zeroed by the launch itself
@@ -571,38 +573,40 @@ def _check_expert_mlp_args(x, w_gate, w_up, w_down, num_rows, topk, topk_w, h_ou
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=x.device, contiguous=True)
     if h_out is not None:
         check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * inter), device=x.device, contiguous=True)
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+    check_timeout(timeout_s)
 
 
-GRID_SYNC_STREAMS = 64  # word sets per device: streams that get barrier words of their own
-_GRID_SYNC_POOL: dict[int, torch.Tensor] = {}
-_GRID_SYNC_SLOT: dict[tuple[int, int], int] = {}
+GRID_SYNC_STREAMS = 64  # word sets per pool: a device's streams take sets of their own, a pool at a time
+_GRID_SYNC_POOLS: dict[int, list[torch.Tensor]] = {}  # per device, pools of GRID_SYNC_STREAMS sets
+_GRID_SYNC_SET: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its set
 
 
 def grid_sync_words(device: torch.device) -> torch.Tensor:
     """The default grid-barrier words of :func:`scheduled_expert_mlp` for the current stream of
-    ``device``: a set of its own for each of the first GRID_SYNC_STREAMS streams that use one (so
-    one-launch forwards on different streams never share a barrier; later streams share sets
-    round robin), from a pool zeroed once on first use, which must be outside CUDA-graph capture
-    (a warm-up call, as capture needs anyway; a capture stream then takes a set with no
-    allocation)."""
+    ``device``: a set of its own for every stream that uses one (so one-launch forwards on
+    different streams never share a barrier), from pools of GRID_SYNC_STREAMS sets zeroed when
+    made. A pool is made outside CUDA-graph capture: on the device's first use (a warm-up call, as
+    capture needs anyway) and when a stream finds every set taken; a capture stream then takes a
+    set with no allocation, or raises if there is none left."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    pool = _GRID_SYNC_POOL.get(index)
-    if pool is None:
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    words = _GRID_SYNC_SET.get(key)
+    if words is not None:
+        return words
+    pools = _GRID_SYNC_POOLS.setdefault(index, [])
+    taken = sum(1 for dev, _ in _GRID_SYNC_SET if dev == index)
+    if taken == len(pools) * GRID_SYNC_STREAMS:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "grid_sync_words: first used inside CUDA-graph capture; call the one-launch forward once before "
-                "capturing (a warm-up), or pass grid_sync=torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=...)"
+                f"grid_sync_words: no free barrier words for a new stream inside CUDA-graph capture ({taken} streams "
+                "have sets); call the one-launch forward once on this stream before capturing (a warm-up), or pass "
+                "grid_sync=torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=...)"
             )
         shape = (GRID_SYNC_STREAMS, GRID_SYNC_WORDS)
-        pool = _GRID_SYNC_POOL[index] = torch.zeros(shape, dtype=torch.int32, device=torch.device("cuda", index))
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
-    slot = _GRID_SYNC_SLOT.get(key)
-    if slot is None:
-        slot = _GRID_SYNC_SLOT[key] = len(_GRID_SYNC_SLOT) % GRID_SYNC_STREAMS
-    return pool[slot]
+        pools.append(torch.zeros(shape, dtype=torch.int32, device=torch.device("cuda", index)))
+    words = _GRID_SYNC_SET[key] = pools[taken // GRID_SYNC_STREAMS][taken % GRID_SYNC_STREAMS]
+    return words
 
 
 def raise_grid_timeouts(grid_sync: torch.Tensor) -> None:
@@ -694,10 +698,16 @@ def device_schedule(
             _i32(schedule_ctas(num_tokens * topk, _sm_count(dev))), _stream(dev),
         )
     else:  # nothing routed: no launch
-        sched.expert_counts.zero_(), sched.expert_offsets.zero_(), sched.overflow.zero_()
-        sched.row_token.fill_(-1), sched.row_slot.fill_(-1), sched.tile_expert.fill_(-1)
+        _unrouted(sched)
         if clear is not None:
             clear.zero_()
+    return sched
+
+
+def _unrouted(sched: Schedule) -> Schedule:
+    """``sched`` filled as the schedule of no tokens: no rows, every row unused."""
+    sched.expert_counts.zero_(), sched.expert_offsets.zero_(), sched.overflow.zero_()
+    sched.row_token.fill_(-1), sched.row_slot.fill_(-1), sched.tile_expert.fill_(-1)
     return sched
 
 

@@ -57,6 +57,28 @@ class Schedule:
             )
 
 
+def check_schedule(
+    name: str, schedule: object, *, num_tokens: int, topk: int, num_experts: int, device: torch.device, block_m: int = 128
+) -> Schedule:
+    """Check that a kernel can read ``schedule`` for these shapes: a :class:`Schedule` of
+    ``num_tokens`` x ``topk`` pairs over ``num_experts`` local experts in ``block_m``-row tiles,
+    its tensors int32, contiguous and on ``device``, sized for its capacity."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"{name}: expected a mok.schedule.Schedule, got {type(schedule).__name__}")
+    if schedule.block_m != block_m:
+        raise ValueError(f"{name}: expected {block_m}-row tiles (block_m={block_m}), got block_m={schedule.block_m}")
+    if tuple(schedule.slot_row.shape) != (num_tokens, topk):
+        raise ValueError(f"{name}: expected one for {num_tokens} tokens x top-{topk}, got slot_row of shape {list(schedule.slot_row.shape)}")
+    if schedule.expert_counts.shape != (num_experts,):
+        raise ValueError(f"{name}: expected one over {num_experts} experts, got expert_counts of shape {list(schedule.expert_counts.shape)}")
+    rows = schedule.capacity
+    i32 = (torch.int32,)
+    for field, shape in (("expert_counts", (num_experts,)), ("expert_offsets", (num_experts + 1,)), ("row_token", (rows,)),
+                         ("row_slot", (rows,)), ("slot_row", (num_tokens, topk)), ("tile_expert", (rows // block_m,))):
+        check_tensor(f"{name}.{field}", getattr(schedule, field), dtypes=i32, shape=shape, device=device, contiguous=True)
+    return schedule
+
+
 def worst_case_capacity(num_tokens: int, topk: int, num_local_experts: int, block_m: int) -> int:
     """Rows that any routing of ``num_tokens`` global tokens can need on one rank.
 

@@ -7,6 +7,7 @@ was given, so that bad input fails in Python before anything is launched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -59,9 +60,10 @@ def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
 def check_index_range(name: str, index: torch.Tensor, upper: int) -> None:
     """Check that every entry of ``index`` lies in ``[0, upper)``.
 
-    Reads two scalars back from the device: use it at the edge of reference and test
-    code, never on a fused kernel's hot path (that path reports bad indices through its
-    device error flag instead).
+    Reads two scalars back from the device: the entry points call it by default
+    (``check_routing``), and skip it where a host sync is not allowed (CUDA-graph capture,
+    torch.compile). The kernels do not check ids: an id outside the experts' range gets no
+    row (its slot contributes nothing), so a caller that skips the check must pass valid ids.
     """
     if index.numel() == 0:
         return
@@ -126,9 +128,9 @@ def check_moe_inputs(
 
 
 def check_capacity_factor(value: "float | None") -> None:
-    """A capacity factor is None (no bound) or a positive number."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-        raise ValueError(f"capacity_factor: expected a positive number (or None: no bound), got {value!r}")
+    """A capacity factor is None (no bound) or a positive finite number."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
+        raise ValueError(f"capacity_factor: expected a positive finite number (or None: no bound), got {value!r}")
 
 
 def check_main_grads(main_grads: "tuple | None", weights: tuple, shared: "tuple | None") -> None:
@@ -145,7 +147,11 @@ def check_main_grads(main_grads: "tuple | None", weights: tuple, shared: "tuple 
         check_tensor(f"main_grads ({name})", buf, dtypes=(torch.float32,), shape=tuple(weight.shape), device=weight.device, contiguous=True)
 
 
+MAX_TIMEOUT_S = 1e9  # the kernels take the bound in int64 nanoseconds (and no run waits 30 years)
+
+
 def check_timeout(value: float) -> None:
-    """A wait bound is a positive number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {value!r}")
+    """A wait bound is a positive number of seconds, at most MAX_TIMEOUT_S (finite: the kernels
+    take it in int64 nanoseconds)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s: expected a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {value!r}")

@@ -37,6 +37,7 @@ def test_one_launch_config_adds_its_kernels(ep_size):
         (dict(precision="fp16"), ValueError, "precision: expected one of ('bf16',), got 'fp16'"),
         (dict(topk=True), TypeError, "topk: expected an int, got bool"),
         (dict(one_launch=1), TypeError, "one_launch: expected a bool, got 1"),
+        (dict(block_m=64), ValueError, "block_m: expected 128 (the row tile every MoK kernel is built for), got 64"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, error, words):
@@ -237,3 +238,56 @@ def test_weight_grad_rejects_a_bad_tile_before_launch():
         grad_ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128, 0], dtype=torch.int32))
     with pytest.raises(TypeError, match="counts: expected dtype"):
         grad_ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128]))
+
+
+def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
+    """moe_backward reads the saved schedule and h with the kernels: one of another batch, other
+    tiles or another width is refused by name before anything launches."""
+    from mok.fused_backward import moe_backward
+    from mok.fused_forward import ForwardResult
+    from mok.schedule import build_schedule
+
+    T, H, I, E, k = 50, 128, 128, 4, 2
+    bf16 = dict(dtype=torch.bfloat16)
+    x, dout = torch.randn(T, H).to(**bf16), torch.randn(T, H).to(**bf16)
+    wg, wu, wd = torch.randn(E, I, H).to(**bf16), torch.randn(E, I, H).to(**bf16), torch.randn(E, H, I).to(**bf16)
+    idx, w = torch.randint(0, E, (T, k), dtype=torch.int32), torch.rand(T, k)
+    mine = build_schedule(idx, E, block_m=128)
+    h = torch.randn(mine.capacity, 2 * I).to(**bf16)
+    other_batch = build_schedule(torch.randint(0, E, (4 * T, k), dtype=torch.int32), E, block_m=128)
+    with pytest.raises(ValueError, match=r"saved.schedule: expected one for 50 tokens x top-2, got slot_row of shape \[200, 2\]"):
+        moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, other_batch, torch.randn(other_batch.capacity, 2 * I).to(**bf16)))
+    with pytest.raises(ValueError, match=r"saved.schedule: expected 128-row tiles \(block_m=128\), got block_m=64"):
+        moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, build_schedule(idx, E, block_m=64), h))
+    with pytest.raises(ValueError, match=r"saved.schedule: expected one over 4 experts, got expert_counts of shape \[8\]"):
+        moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, build_schedule(idx, 8, block_m=128), h))
+    with pytest.raises(ValueError, match=rf"saved.h: expected shape \[{mine.capacity}, 256\], got \[{mine.capacity}, 128\]"):
+        moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h[:, :I].contiguous()))
+    with pytest.raises(ValueError, match=r"w_gate: expected H, I multiples of 128 \(the fused kernels' tile\), got H=128, I=64"):
+        moe_backward(dout, x, idx, w, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), None,
+                     ForwardResult(None, mine, h[:, :I].contiguous()))
+    with pytest.raises(ValueError, match="src: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
+        moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h))
+
+
+def test_ops_refuse_a_schedule_of_other_tiles_and_a_one_launch_forward_without_weights():
+    """The one-launch MLP and the combining down projection read 128-row tiles of the schedule: a
+    64-row schedule is refused; the one-launch forward always combines, so it needs topk_w; the
+    router gradient's partial sums must be on the GPU."""
+    from mok.grad_ops import router_grad
+    from mok.ops import arrival_counters, expert_mlp, expert_mlp_counters, grouped_gemm_combine, scheduled_expert_mlp
+    from mok.schedule import build_schedule
+
+    T, H, I, E, k = 64, 256, 128, 4, 2
+    bf16 = dict(dtype=torch.bfloat16)
+    x, wg, wu, wd = torch.zeros(T, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, H, I, **bf16)
+    idx = torch.randint(0, E, (T, k), dtype=torch.int32)
+    tiles64 = build_schedule(idx, E, block_m=64)
+    with pytest.raises(ValueError, match=r"schedule: expected 128-row tiles \(block_m=128\), got block_m=64"):
+        expert_mlp(x, wg, wu, wd, tiles64, expert_mlp_counters(T, H, tiles64.capacity, "cpu"))
+    with pytest.raises(ValueError, match=r"schedule: expected 128-row tiles \(block_m=128\), got block_m=64"):
+        grouped_gemm_combine(torch.zeros(tiles64.capacity, I, **bf16), wd, tiles64, torch.rand(T, k), arrival_counters(T, H, "cpu"))
+    with pytest.raises(TypeError, match="topk_w: expected a torch.Tensor, got NoneType"):
+        scheduled_expert_mlp(x, idx, None, wg, wu, wd)
+    with pytest.raises(ValueError, match="partial: expected a CUDA tensor, got one on cpu"):
+        router_grad(torch.zeros(384, 2), build_schedule(idx, E, block_m=128).slot_row)

@@ -66,8 +66,8 @@ def test_capacity_rows_scale_an_even_routing_and_never_exceed_the_worst_case():
     assert capacity_rows(layout, 32, 1.0) == -(-(4096 * 8 + 32 * 127) // 128) * 128
     assert capacity_rows(layout, 32, 1.25) == -(-(5 * 4096 * 8 // 4 + 32 * 127) // 128) * 128
     assert capacity_rows(layout, 32, 100.0) == worst_case_capacity(8 * 4096, 8, 32, 128)
-    for bad in (0, -1.0, True, "2"):
-        with pytest.raises(ValueError, match="capacity_factor: expected a positive number"):
+    for bad in (0, -1.0, True, "2", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="capacity_factor: expected a positive finite number"):
             capacity_rows(layout, 32, bad)
 
 
@@ -91,7 +91,7 @@ def test_capacity_overflow_record_raises_on_check_and_on_the_next_call():
 def test_layer_refuses_a_bad_capacity_factor():
     from mok import MoELayer
 
-    with pytest.raises(ValueError, match=r"capacity_factor: expected a positive number \(or None: no bound\), got 0"):
+    with pytest.raises(ValueError, match=r"capacity_factor: expected a positive finite number \(or None: no bound\), got 0"):
         MoELayer(16, 8, 4, 2, capacity_factor=0)
 
 
@@ -127,8 +127,11 @@ def test_ep_custom_ops_output_shapes_follow_the_layout_not_the_routing():
 def test_layer_refuses_a_bad_timeout():
     from mok import MoELayer
 
-    with pytest.raises(ValueError, match=r"timeout_s: expected a positive number of seconds, got -1"):
+    with pytest.raises(ValueError, match=r"timeout_s: expected a positive number of seconds up to 1e\+09, got -1"):
         MoELayer(16, 8, 4, 2, timeout_s=-1)
+    for bad in (float("inf"), float("nan"), 1e10):  # the kernels take the bound in int64 nanoseconds
+        with pytest.raises(ValueError, match=r"timeout_s: expected a positive number of seconds up to 1e\+09"):
+            MoELayer(16, 8, 4, 2, timeout_s=bad)
 
 
 def test_fused_dispatch_is_for_forwards_that_keep_nothing_and_its_geometry_is_checked():
@@ -155,3 +158,35 @@ def test_one_launch_forward_refuses_other_forward_modes_before_launching():
     ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
     with pytest.raises(ValueError, match="fused_dispatch, overlap_dispatch, one_launch: at most one"):
         ep_moe_forward(ws, x, idx.int(), w, *local, one_launch=True, overlap_dispatch=True)
+
+
+def test_ep_inputs_the_kernels_could_not_take_are_refused_before_any_launch():
+    """At EP > 1: an expert id out of range (it would reach no rank) with check_routing, rows the
+    publish kernel cannot copy with 16-byte vectors, a workspace whose memory was closed, widths
+    the kernels do not tile."""
+    from types import SimpleNamespace
+
+    import mok
+    from mok.ep import ep_moe_forward_saved
+
+    config = mok.MoKConfig(hidden=128, intermediate=128, num_experts=4, topk=2, ep_size=2)
+    layout = EPLayout(world=2, max_tokens=8, hidden=128, topk=2)
+    ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
+    x, idx, w, experts, _ = random_layer(8, 128, 128, 4, 2, seed=5, dtype=torch.bfloat16)
+    local = [e[:2].contiguous() for e in experts]
+    bad = idx.int().clone()
+    bad[3, 1] = 4  # one past the last of the 4 experts (2 per rank)
+    with pytest.raises(ValueError, match=r"topk_idx: expected every entry in \[0, 4\), got 4"):
+        mok.forward(config, ws, x, bad, w, *local)
+    shifted = torch.zeros(x.numel() + 1, dtype=torch.bfloat16)[1:].view(8, 128)  # contiguous, 2 bytes off alignment
+    with pytest.raises(ValueError, match="x: expected a 16-byte aligned data pointer"):
+        ep_moe_forward_saved(ws, shifted, idx.int(), w, *local)
+    ws.owner = SimpleNamespace(closed=True)
+    with pytest.raises(RuntimeError, match=r"workspace: its symmetric memory was closed"):
+        ep_moe_forward_saved(ws, x, idx.int(), w, *local)
+    ws.owner = None
+    narrow = EPLayout(world=2, max_tokens=8, hidden=64, topk=2)
+    ws = EPWorkspace(torch.zeros(2 * narrow.stride, dtype=torch.uint8), narrow, 0)
+    x, idx, w, experts, _ = random_layer(8, 64, 128, 4, 2, seed=6, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w_gate: expected H, I multiples of 128 \(the fused kernels' tile\), got H=64, I=128"):
+        ep_moe_forward_saved(ws, x, idx.int(), w, *(e[:2].contiguous() for e in experts))

@@ -225,3 +225,40 @@ def test_ranks_building_different_layers_raise_at_construction(tmp_path):
     for rank in range(2):
         msg = (tmp_path / f"{rank}.txt").read_text()
         assert "ranks disagree on intermediate" in msg and "32" in msg and "48" in msg, msg
+
+
+def test_layer_range_checks_the_ids_it_is_given_before_narrowing_them():
+    """An int64 expert id past int32 must not wrap into a valid one (2**32 + 1 would become 1)."""
+    layer = small_layer(shared=None)
+    x = torch.randn(4, layer.config.hidden)
+    idx = torch.tensor([[2**32 + 1, 3]] * 4)
+    with pytest.raises(ValueError, match=r"topk_idx: expected every entry in \[0, 8\), got 4294967297"):
+        layer(x, topk_idx=idx, topk_w=torch.rand(4, 2))
+
+
+def _max_tokens_worker(rank, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        layer = MoELayer(64, 32, 8, 2, group=dist.group.WORLD, max_tokens=4, dtype=torch.float32)
+        try:
+            layer(torch.randn(5, 64))
+            msg = "no error"
+        except ValueError as err:
+            msg = str(err)
+        with open(f"{out_dir}/{rank}.txt", "w") as f:
+            f.write(msg)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_layer_refuses_more_tokens_than_max_tokens_on_every_device(tmp_path):
+    """max_tokens bounds the tokens a rank passes per call on the CPU path too (the GPU path's workspace is sized by it)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_max_tokens_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        msg = (tmp_path / f"{rank}.txt").read_text()
+        assert "x: expected at most max_tokens=4 tokens per rank and call, got 5" in msg, msg

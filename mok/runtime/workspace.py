@@ -126,12 +126,18 @@ def _exchange_fds(fd: int, group, token: str) -> list[int]:
                     socket.send_fds(conn, [rank.to_bytes(4, "little")], [fd])
         fds = [-1] * world
         fds[rank] = fd
-        for _ in range(world - 1):
-            conn, _ = listener.accept()
-            with conn:
-                conn.settimeout(60.0)
-                msg, got, _, _ = socket.recv_fds(conn, 4, 1)
-                fds[int.from_bytes(msg, "little")] = got[0]
+        try:
+            for _ in range(world - 1):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(60.0)
+                    msg, got, _, _ = socket.recv_fds(conn, 4, 1)
+                    fds[int.from_bytes(msg, "little")] = got[0]
+        except BaseException:  # the peers' descriptors received so far are ours to close (our own: the caller's)
+            for r, received in enumerate(fds):
+                if r != rank and received >= 0:
+                    os.close(received)
+            raise
         return fds
     finally:
         listener.close()
@@ -181,11 +187,15 @@ class SymmetricWorkspace:
                 fd = _cu(driver.cuMemExportToShareableHandle(own, fd_type, 0), "cuMemExportToShareableHandle")
                 token = [uuid.uuid4().hex if self.rank == 0 else None]
                 dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+                self._fds = [int(fd)]  # (closed by close() if the exchange fails)
                 self._fds = _exchange_fds(int(fd), self.group, token[0])
-                peers = [own if r == self.rank else
-                         _cu(driver.cuMemImportFromShareableHandle(self._fds[r], fd_type), "cuMemImportFromShareableHandle")
-                         for r in range(self.world)]
-                self._handles += [h for r, h in enumerate(peers) if r != self.rank]
+                peers = []
+                for r in range(self.world):  # each imported handle is kept at once: close() releases it if a later one fails
+                    if r != self.rank:
+                        self._handles.append(
+                            _cu(driver.cuMemImportFromShareableHandle(self._fds[r], fd_type), "cuMemImportFromShareableHandle")
+                        )
+                    peers.append(own if r == self.rank else self._handles[-1])
             self.base = int(_cu(driver.cuMemAddressReserve(self.size * self.world, gran, 0, 0), "cuMemAddressReserve"))
             for r, handle in enumerate(peers):
                 _cu(driver.cuMemMap(self.base + r * self.size, self.size, 0, handle, 0), "cuMemMap")
@@ -199,7 +209,9 @@ class SymmetricWorkspace:
             self.close()
             raise
         self.peer_table = torch.tensor([self.peer_ptr(r) for r in range(self.world)], dtype=torch.int64, device=self.device)
-        self._finalizer = weakref.finalize(self, SymmetricWorkspace._release, self._mapped, self._handles, self._fds, self.base, self.size)
+        self._finalizer = weakref.finalize(
+            self, SymmetricWorkspace._release, self._mapped, self._handles, self._fds, self.base, self.size, self.device
+        )
         _live.add(self)
 
     def _import_by_fabric(self, prop) -> list | None:
@@ -254,13 +266,13 @@ class SymmetricWorkspace:
         return self.peer_ptr(self.rank)
 
     @staticmethod
-    def _release(mapped: list[int], handles: list[Any], fds: list[int], base: int, size: int) -> None:
+    def _release(mapped: list[int], handles: list[Any], fds: list[int], base: int, size: int, device: int) -> None:
         """Undo construction, whatever part of it happened; errors are ignored (runs at exit too)."""
         from cuda.bindings import driver
 
         if handles:
             try:
-                torch.cuda.synchronize()  # no kernel may still be reading a peer's memory
+                torch.cuda.synchronize(device)  # no kernel on the workspace's device may still be reading a peer's memory
             except RuntimeError:
                 pass
         for addr in mapped:
@@ -283,7 +295,7 @@ class SymmetricWorkspace:
         if finalizer is not None:
             finalizer()
         else:  # construction failed part-way
-            SymmetricWorkspace._release(self._mapped, self._handles, self._fds, self.base, self.size)
+            SymmetricWorkspace._release(self._mapped, self._handles, self._fds, self.base, self.size, self.device)
             self.base = 0
         _live.discard(self)
 
