@@ -66,3 +66,30 @@ def gpu_layer(num_tokens, hidden, inter, num_experts, topk, shared_inter=None, s
 def poisoned(*shape):
     """A bf16 CUDA tensor of NaN: an element the kernel does not write stays NaN."""
     return torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+
+
+def _gloo_rank(rank: int, init_file: str, out_dir: str, action) -> None:
+    """One of two gloo ranks: run ``action(rank)`` and write the ValueError it raised (or "no error")."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        try:
+            action(rank)
+            msg = "no error"
+        except ValueError as err:
+            msg = str(err)
+        with open(f"{out_dir}/{rank}.txt", "w") as f:
+            f.write(msg)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def value_errors_on_two_ranks(tmp_path, action) -> list[str]:
+    """The ValueError message (or "no error") of ``action(rank)`` on each of two gloo CPU ranks
+    (``action``: a module-level function, so that the spawned processes can import it)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_rank, args=(str(tmp_path / "init"), str(tmp_path), action), nprocs=2)
+    return [(tmp_path / f"{rank}.txt").read_text() for rank in range(2)]

@@ -12,6 +12,8 @@ from mok.config import MoKConfig
 from mok.layer import MoELayer, route
 from mok.reference import moe_reference
 
+from helpers import value_errors_on_two_ranks
+
 
 def small_layer(shared=48, seed=0, **kw):
     torch.manual_seed(seed)
@@ -200,30 +202,15 @@ def test_functional_api_checks_the_config():
 
 
 
-def _layer_spec_worker(rank, init_file, out_dir):
+def _build_layers_of_different_widths(rank):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        try:
-            MoELayer(64, 32 if rank == 0 else 48, 8, 2, group=dist.group.WORLD, dtype=torch.float32)
-            msg = "no error"
-        except ValueError as err:
-            msg = str(err)
-        with open(f"{out_dir}/{rank}.txt", "w") as f:
-            f.write(msg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    MoELayer(64, 32 if rank == 0 else 48, 8, 2, group=dist.group.WORLD, dtype=torch.float32)
 
 
 def test_ranks_building_different_layers_raise_at_construction(tmp_path):
     """A shape mismatch between ranks is an error when the layer is built, not a hang in its first exchange."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_layer_spec_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        msg = (tmp_path / f"{rank}.txt").read_text()
+    for msg in value_errors_on_two_ranks(tmp_path, _build_layers_of_different_widths):
         assert "ranks disagree on intermediate" in msg and "32" in msg and "48" in msg, msg
 
 
@@ -236,29 +223,13 @@ def test_layer_range_checks_the_ids_it_is_given_before_narrowing_them():
         layer(x, topk_idx=idx, topk_w=torch.rand(4, 2))
 
 
-def _max_tokens_worker(rank, init_file, out_dir):
+def _pass_more_than_max_tokens(rank):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        layer = MoELayer(64, 32, 8, 2, group=dist.group.WORLD, max_tokens=4, dtype=torch.float32)
-        try:
-            layer(torch.randn(5, 64))
-            msg = "no error"
-        except ValueError as err:
-            msg = str(err)
-        with open(f"{out_dir}/{rank}.txt", "w") as f:
-            f.write(msg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    MoELayer(64, 32, 8, 2, group=dist.group.WORLD, max_tokens=4, dtype=torch.float32)(torch.randn(5, 64))
 
 
 def test_expert_parallel_layer_refuses_more_tokens_than_max_tokens_on_every_device(tmp_path):
     """max_tokens bounds the tokens a rank passes per call on the CPU path too (the GPU path's workspace is sized by it)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_max_tokens_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        msg = (tmp_path / f"{rank}.txt").read_text()
+    for msg in value_errors_on_two_ranks(tmp_path, _pass_more_than_max_tokens):
         assert "x: expected at most max_tokens=4 tokens per rank and call, got 5" in msg, msg

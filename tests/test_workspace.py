@@ -6,6 +6,8 @@ import torch.multiprocessing as mp
 
 from mok.runtime.workspace import SymmetricWorkspace, agree_on_spec, check_multicast_allowed
 
+from helpers import value_errors_on_two_ranks
+
 
 @pytest.mark.parametrize("name,value", [("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")])
 def test_multicast_refused_by_each_switch(name, value):
@@ -30,26 +32,13 @@ def test_workspace_rejects_bad_size():
         SymmetricWorkspace(0)
 
 
-def _spec_worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        agree_on_spec({"hidden": 7168, "topk": 8}, None)  # agreement passes
-        try:
-            agree_on_spec({"hidden": 7168 if rank == 0 else 4096, "topk": 8}, None)
-            msg = "no error"
-        except ValueError as err:
-            msg = str(err)
-        with open(f"{out_dir}/{rank}.txt", "w") as f:
-            f.write(msg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _agree_then_disagree(rank):
+    agree_on_spec({"hidden": 7168, "topk": 8}, None)  # agreement passes
+    agree_on_spec({"hidden": 7168 if rank == 0 else 4096, "topk": 8}, None)
 
 
 def test_ranks_disagreeing_on_shapes_raise_on_every_rank(tmp_path):
-    mp.spawn(_spec_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        msg = (tmp_path / f"{rank}.txt").read_text()
+    for msg in value_errors_on_two_ranks(tmp_path, _agree_then_disagree):
         assert "ranks disagree on hidden" in msg, msg
         assert "7168" in msg and "4096" in msg
 
