@@ -103,7 +103,8 @@ def moe_forward(
     same bits; from 4% faster (qwen3) to 7% slower (dsv3) than four launches so far
     (perf/NOTES.md). Its fc2 tiles wait for their rows' fc1 tiles, at most 10 s: only a GPU
     shared so that not all of this launch's CTAs can run at once could make it time out, and
-    then the output is wrong (the op's error word, :func:`mok.ops.expert_mlp`).
+    then the output is wrong (:func:`mok.ops.expert_mlp` sets its counters' error word; this
+    function does not read it back).
     ``one_launch``: the schedule, fc1, fc2 and the combine in one launch
     (:func:`mok.ops.scheduled_expert_mlp`), within 0-2% of the four launches so far; its grid
     barriers keep 16 bytes per stream across calls, allocated on the device's first such call:
