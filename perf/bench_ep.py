@@ -10,8 +10,10 @@ back to the host, torch._grouped_mm experts, all_to_all_single back, index_add c
 has the gate/up GEMM pull its rows itself, "mok od" its idle warps copy them into x_rows while
 its tiles run (forward only, ``fused_dispatch`` / ``overlap_dispatch``); "mok 1L" is the whole
 forward in one kernel per rank (``one_launch``), "mok 1Lg" that replayed from a graph. Reported:
-the median over iterations of the slowest rank's time, the speedup, the bytes each
-rank sends to other ranks (dispatch + combine) and the effective NVLink GB/s per GPU. With
+the median over iterations of the slowest rank's time (the paths timed in turn), the speedup,
+the bytes each rank sends to other ranks (dispatch + combine: the baseline sends a row per
+remote (token, slot) pair each way, MoK's dispatch a token once per rank) and the effective
+NVLink GB/s per GPU, and whether every MoK path gave the default path's bits. With
 ``--backward`` each path runs forward + backward: MoK's ep_moe_forward_saved + ep_moe_backward,
 and autograd through the baseline with torch.distributed.nn's differentiable all_to_all_single
 (gradients of x, router weights and this rank's expert weights); bytes sent double.
@@ -29,7 +31,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_layer import graph_of, kernel_times
+from bench_layer import expert_offsets, graph_of, kernel_times, same_bits
 
 CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
@@ -64,7 +66,7 @@ def torch_ep_forward(x, idx, w, experts, group, exchange=_exchange):
     dist.all_to_all_single(e_recv, flat[order], recv, send, group=group)
     local = e_recv - rank * e_local
     by_expert = local.argsort(stable=True)
-    offs = torch.bincount(local, minlength=e_local).cumsum(0).int()
+    offs = expert_offsets(local, e_local)
     xs = x_recv[by_expert]
     a = F.silu(torch._grouped_mm(xs, wg.transpose(1, 2), offs=offs)) * torch._grouped_mm(xs, wu.transpose(1, 2), offs=offs)
     y_sorted = torch._grouped_mm(a, wd.transpose(1, 2), offs=offs)
@@ -72,7 +74,7 @@ def torch_ep_forward(x, idx, w, experts, group, exchange=_exchange):
     y_back = x.new_empty(T * k, x.shape[1])
     y_back = exchange(y_back, y_recv, send, recv, group)
     out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
-    out.index_add_(0, order // k, y_back.float() * w.flatten()[order, None])
+    out.index_add_(0, order // k, y_back * w.flatten()[order, None])  # (bf16 times fp32 weights: fp32, one pass)
     return out.bfloat16()
 
 
@@ -88,23 +90,29 @@ def torch_ep_train_step(x, idx, w, experts, dout, group):
     return torch.autograd.grad(out, leaves, dout)
 
 
-def _time(fn, group, iters: int = 20, warmup: int = 3) -> float:
-    """Median over iterations of the slowest rank's milliseconds."""
-    for _ in range(warmup):
-        fn()
+def _time_in_turn(fns: dict, group, iters: int = 20, warmup: int = 3) -> dict:
+    """Per callable, the median over iterations of the slowest rank's milliseconds; each iteration
+    times every callable once, in an order that rotates (as mok.bench.time_ms_interleaved: clock
+    drift under sustained load then falls on all of them alike). Every rank runs the same order."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
     torch.cuda.synchronize()
-    per_iter = []
-    for _ in range(iters):
-        dist.barrier(group=group)
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        mine = torch.tensor([start.elapsed_time(stop)], device="cuda")
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-        per_iter.append(float(mine))
-    return statistics.median(per_iter)
+    per_iter: dict = {name: [] for name in names}
+    for it in range(iters):
+        for i in range(len(names)):
+            name = names[(it + i) % len(names)]
+            dist.barrier(group=group)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            stop.record()
+            stop.synchronize()
+            mine = torch.tensor([start.elapsed_time(stop)], device="cuda")
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+            per_iter[name].append(float(mine))
+    return {name: statistics.median(t) for name, t in per_iter.items()}
 
 
 def _host_ms(fn, calls: int = 10) -> float:
@@ -187,17 +195,24 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
                     "mok 1Lg": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True)),
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
-            ms = {p: _time(fn, group) for p, fn in paths.items()}
-            agree = float((paths["mok"]().float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
+            ms = _time_in_turn(paths, group)
+            want = paths["mok"]().clone()
+            same = {p: same_bits(fn(), want) for p, fn in paths.items() if p not in ("mok", "torch")}  # MoK's ways: the same bits
+            agree = float((want.float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
             ws.check()
-            remote = int((idx.long() // e_local != rank).sum())  # (token, slot) pairs whose expert is elsewhere
-            sent = torch.tensor([(4 if backward else 2) * remote * H * 2], device="cuda", dtype=torch.float64)  # x, y (dout, dx) bf16
+            owner = idx.long() // e_local
+            remote_pairs = int((owner != rank).sum())  # (token, slot) pairs whose expert is elsewhere: torch sends each
+            remote_tokens = sum(int((owner == r).any(1).sum()) for r in range(world) if r != rank)  # MoK: each token once per rank
+            rows = {"torch": 2 * remote_pairs, "mok": remote_tokens + remote_pairs}  # x (dout) out, y (dx) back; bf16 rows
+            sent = torch.tensor([(2 if backward else 1) * n * H * 2 for n in rows.values()], device="cuda", dtype=torch.float64)
             dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group)
+            sent_by = dict(zip(rows, sent.tolist()))
             if rank == 0:
                 for p in paths:
-                    gbs = float(sent) / ms[p] / 1e6
-                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{float(sent) / 1e6:>9.0f}{gbs:>8.0f}")
+                    nbytes = sent_by["torch" if p == "torch" else "mok"]
+                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{nbytes / 1e6:>9.0f}{nbytes / ms[p] / 1e6:>8.0f}")
                 print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")
+                print(f"{name:<8}every other MoK path gives the default path's bits (rank 0): {same}")
             if profile_top:
                 host = _host_ms(paths["mok"])
                 stats = _host_profile(paths["mok"])

@@ -65,7 +65,7 @@ def torch_forward(x, idx, w, experts, shared):
     T, k = idx.shape
     flat = idx.flatten().long()
     order = flat.argsort(stable=True)
-    offs = torch.bincount(flat, minlength=wg.shape[0]).cumsum(0).int()
+    offs = expert_offsets(flat, wg.shape[0])
     tok = order // k
     xs = x[tok]
     a = F.silu(torch._grouped_mm(xs, wg.transpose(1, 2), offs=offs)) * torch._grouped_mm(xs, wu.transpose(1, 2), offs=offs)
@@ -73,8 +73,15 @@ def torch_forward(x, idx, w, experts, shared):
     out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
     if shared is not None:
         out += (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
-    out.index_add_(0, tok, y.float() * w.flatten()[order, None])
+    out.index_add_(0, tok, y * w.flatten()[order, None])  # (bf16 y times fp32 weights: fp32, one pass)
     return out.bfloat16()
+
+
+def expert_offsets(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """End row of each expert's sorted rows (torch._grouped_mm's offs), without a host sync
+    (torch.bincount on CUDA reads the ids' range back to the host)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return counts.cumsum(0).int()
 
 
 def mok_train_step(inputs, dout):
@@ -95,13 +102,28 @@ def torch_train_step(inputs, dout):
 
 def graph_of(fn):
     """fn captured once in a CUDA graph after one eager call (with expert parallelism every rank
-    makes it together); the returned callable replays it (no host launch work)."""
+    makes it together); the returned callable replays it (no host launch work) and returns what
+    fn returned during the capture (the graph's output tensors, rewritten by each replay)."""
     fn()  # compile and load outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
+def same_bits(a, b) -> bool:
+    """Whether two results (tensors, or tuples of them and None, as Gradients) are bitwise equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    return a is None and b is None
 
 
 def profiled(fn, calls: int = 1):
@@ -195,7 +217,9 @@ def main() -> int:
             }
         ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
         launches = {p: count_launches(fn) for p, fn in paths.items()}
-        mok_out, torch_out = paths["mok"](), paths["torch"]()  # (the graph replays the same kernels)
+        mok_result = paths["mok"]()
+        same = {p: same_bits(paths[p](), mok_result) for p in paths if p.startswith("mok ")}  # MoK's ways: the same bits
+        mok_out, torch_out = mok_result, paths["torch"]()
         if args.backward:  # compare dx
             mok_out, torch_out = mok_out.dx, torch_out[0]
         agree = float((mok_out.float() - torch_out.float()).norm() / torch_out.float().norm())
@@ -203,6 +227,7 @@ def main() -> int:
             tflops = flops / ms[p] / 1e9
             print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}")
         print(f"{name:<11}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
+        print(f"{name:<11}every other MoK path gives the default path's bits: {same}")
         for p in ("mok", "mok (graph)"):
             busy, span = device_span(paths[p])
             print(f"{name:<11}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")

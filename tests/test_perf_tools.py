@@ -63,3 +63,22 @@ def test_interleaved_timing_takes_the_callables_in_turn_and_measures_each():
     assert calls == want
     assert set(ms) == set(names) and all(v > 0 for v in ms.values())
     assert 2.4 < ms["long"] / ms["short"] < 3.6 and 1.6 < ms["mid"] / ms["short"] < 2.4
+
+
+def test_bench_layer_helpers_count_experts_without_bincount_and_compare_results_bit_for_bit():
+    """perf/bench_layer.py: the baseline's expert offsets equal bincount's (without its host sync
+    on CUDA); same_bits compares tensors and tuples of them (Gradients) exactly, None as None."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "perf"))
+    try:
+        from bench_layer import expert_offsets, same_bits
+    finally:
+        sys.path.remove(str(ROOT / "perf"))
+    flat = torch.randint(0, 7, (1000,))
+    assert torch.equal(expert_offsets(flat, 9), torch.bincount(flat, minlength=9).cumsum(0).int())
+    a = torch.randn(4, 3)
+    b = a.clone()
+    b.view(torch.int32)[2, 1] ^= 1  # one bit of one element
+    assert same_bits((a, None, (a, a)), (a.clone(), None, (a, a.clone())))
+    assert not same_bits((a, None), (b, None)) and not same_bits(a, None) and not same_bits((a,), (a, a))
