@@ -48,8 +48,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     entries = cache.entries()
     for e in entries:
         key = e["key"]
-        params = ", ".join(f"{k}={v}" for k, v in key["config"].items())
-        print(f"{key['name']}({params})  {key['arch']}  dsl {key['dsl_version']}  {e['bytes']} B  {e['created']}")
+        params = ", ".join(f"{k}={v}" for k, v in dict(key.get("config") or {}).items())
+        print(f"{key.get('name')}({params})  {key.get('arch')}  dsl {key.get('dsl_version')}  {e['bytes']} B  {e.get('created')}")
     print(f"{len(entries)} entries in {cache.directory}")
     return 0
 

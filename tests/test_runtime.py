@@ -182,6 +182,46 @@ def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     assert bad.returncode == 1 and "sm_90a" in bad.stderr
     bad = _mok("precompile", "--arch", "sm_90a", "--hidden", "100", cache_dir=tmp_path)
     assert bad.returncode == 1 and "hidden: expected a multiple of 8 (16-byte bf16 vectors), got 100" in bad.stderr
+    bad = _mok("precompile", "--arch", "sm_100a", "--hidden", "136", "--intermediate", "256", cache_dir=tmp_path)  # before compiling anything
+    assert bad.returncode == 1 and "multiples of 128 (the kernels' tile), got hidden=136, intermediate=256" in bad.stderr
+    assert not list(tmp_path.glob("*/*.o"))
+
+
+def test_the_expert_parallel_backward_combine_is_precompiled():
+    """ep_moe_backward sums dx over the pushed [T, k] slots with unit weights: that combine is listed."""
+    config = MoKConfig(hidden=256, intermediate=128, num_experts=8, topk=2, shared_intermediate=128, ep_size=2)
+    want = combine_variant(256, 2, True, gathered=False, unit_weights=True)
+    assert any((v.name, v.config) == (want.name, want.config) for v in variants_for(config))
+
+
+def test_cache_clear_takes_kernel_names_only_and_listing_skips_damaged_records(tmp_path):
+    """`cache clear --kernel ..` must not delete the folder above the cache; a record that parses
+    but is not an entry's is skipped by the listing, as unreadable ones are."""
+    (tmp_path / "sibling").mkdir()
+    (tmp_path / "sibling" / "keep.txt").write_text("x")
+    cache = KernelCache(tmp_path / "cache")
+    for name in ("..", "/tmp", "a/b"):
+        with pytest.raises(ValueError, match="name: expected a kernel name"):
+            cache.clear(name)
+    assert (tmp_path / "sibling" / "keep.txt").exists()
+    (tmp_path / "cache" / "combine").mkdir(parents=True)
+    (tmp_path / "cache" / "combine" / "x.json").write_text("{}")
+    assert cache.entries() == []
+    listing = _mok("cache", "list", cache_dir=tmp_path / "cache")
+    assert listing.returncode == 0 and "0 entries" in listing.stdout, listing.stderr
+
+
+def test_cache_key_holds_the_dsl_settings_that_change_code():
+    """A build with the DSL's assertions on must not be loaded by a process without them (and the
+    reverse): the settings are part of the key, as in the DSL's own JIT cache."""
+    code = ("from mok.runtime.cache import KernelCache as K; "
+            "print(K.digest(K.key_record('combine', {'hidden': 64}, 'sm_90a')))")
+    digests = []
+    for extra in ({}, {"CUTE_DSL_ENABLE_ASSERTIONS": "1"}, {}):
+        env = {**os.environ, **extra}
+        env.pop("CUTE_DSL_ENABLE_ASSERTIONS", None) if not extra else None
+        digests.append(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300).stdout.strip())
+    assert digests[0] == digests[2] and digests[0] != digests[1] and len(digests[1]) == 64
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

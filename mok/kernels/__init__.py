@@ -2,8 +2,11 @@
 
 A :class:`KernelVariant` names one kernel specialisation by static configuration only
 (shapes, top-k, flags, never token counts) and knows how to compile it for a target.
-``variants_for(config)`` lists every variant a layer configuration needs; the ops and
-the offline precompiler both ask it, so they always agree on what exists.
+The ops build the variant they launch through these constructors (``grouped_gemm_variant``
+and the like), and ``variants_for(config)`` lists every variant a layer configuration needs,
+for the offline precompiler; tests/test_backward_gpu.py holds the list to what a training step
+looks up. Not listed: weight gradients in fp32 or accumulated into ``main_grads`` (compiled on
+first use).
 """
 
 from __future__ import annotations
@@ -292,8 +295,13 @@ def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False
 
 
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:
-    """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward)."""
+    """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward,
+    bf16 weight gradients). Widths the fused kernels do not tile (not multiples of 128) are refused."""
     h, i = config.hidden, config.intermediate
+    widths = {"hidden": h, "intermediate": i, "shared_intermediate": config.shared_intermediate or 128}
+    if any(width % 128 for width in widths.values()):
+        got = ", ".join(f"{name}={width}" for name, width in widths.items() if name != "shared_intermediate" or config.shared_intermediate)
+        raise ValueError(f"config: expected hidden, intermediate and shared_intermediate multiples of 128 (the kernels' tile), got {got}")
     variants = [
         schedule_variant(config.experts_per_rank, config.topk, config.block_m),
         gather_variant(h),
@@ -306,6 +314,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         variants += [ep_variant("publish", w, width=h, topk=k), ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h, topk=k)]
         variants += [ep_variant("overflow", w, phase=phase, width=h, topk=k) for phase in (0, 1)]  # capacity bound only
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
+        variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False, unit_weights=True))  # backward dx
     if arch == "sm_90a":
         variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert)
         if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered; y and dx go out scattered

@@ -1,7 +1,7 @@
 """JIT on first use, with an in-memory and an on-disk cache of compiled kernels.
 
 A kernel is compiled once per (name, static config, target arch, calling convention, CuTe DSL
-version, fingerprint of MoK's kernel sources). The compiled host+device code is exported as an
+version and code-changing settings, fingerprint of MoK's kernel sources). The compiled host+device code is exported as an
 object file (CuTe DSL's ``export_to_c``) under ``$MOK_CACHE_DIR`` (default
 ``~/.cache/mok``) and loaded back with ``cute.runtime.load_module`` by later processes,
 which then compile nothing. Entries carry a JSON record with the object's SHA-256: a
@@ -44,7 +44,38 @@ def default_cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def dsl_version() -> str:
-    return metadata.version("nvidia-cutlass-dsl")
+    """CuTe DSL's version, with those of its compiler package and of TVM-FFI (whose export
+    format the tvm_ffi calling convention depends on) where installed."""
+    versions = []
+    for package in ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-core", "apache-tvm-ffi"):
+        try:
+            versions.append(f"{package}={metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ";".join(versions)
+
+
+@functools.lru_cache(maxsize=None)
+def dsl_settings() -> str:
+    """The CuTe DSL settings that change the code it compiles (assertions, debug, line info,
+    optimisation level, backend, the runtime library it links: cu12 or cu13), as the DSL's own
+    JIT cache keys them, without the target arch (keyed on its own). Read once per process: the
+    DSL reads its environment once too."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    try:
+        entries = sorted((e for e in type(envar)._ENV_VAR_SPEC if e.affects_compile and e.key_name != "arch"), key=lambda e: e.key_name)
+    except AttributeError:  # a DSL whose settings are laid out otherwise: its own whole key
+        return envar.cache_key_str()
+    rendered = []
+    for entry in entries:
+        value = getattr(envar, entry.key_name)
+        if isinstance(value, (set, frozenset)):
+            value = tuple(sorted(value, key=repr))
+        if value is not None:
+            rendered.append(f"{entry.key_name}={value!r}")
+    return ";".join(rendered)
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,6 +123,7 @@ class KernelCache:
             "arch": arch,
             "calling": convention(),
             "dsl_version": dsl_version(),
+            "dsl_settings": dsl_settings(),
             "source": kernel_source_fingerprint(),
         }
 
@@ -201,6 +233,8 @@ class KernelCache:
                 meta = json.loads(meta_path.read_text())
             except (OSError, ValueError):
                 continue
+            if not isinstance(meta, dict) or not isinstance(meta.get("key"), dict):  # damaged, or another format's
+                continue
             obj = meta_path.with_suffix(".o")
             meta["bytes"] = obj.stat().st_size if obj.exists() else 0
             meta["path"] = str(obj)
@@ -209,6 +243,8 @@ class KernelCache:
 
     def clear(self, name: str | None = None) -> int:
         """Delete entries on disk (all, or those of one kernel); returns how many."""
+        if name is not None and not name.replace("_", "").isalnum():
+            raise ValueError(f"name: expected a kernel name (letters, digits and '_'), got {name!r}")
         folders = [self.directory / name] if name else [p for p in self.directory.glob("*") if p.is_dir()]
         removed = 0
         for folder in folders:
