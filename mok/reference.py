@@ -195,11 +195,19 @@ def _shared_on_global_batch(x: torch.Tensor, shared: list[torch.Tensor], group) 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """fp32 fused multiply-add, round(a·b + c) once, emulated in float64.
 
-    The product of two fp32 values is exact in float64; the sum is rounded to float64
-    and then to fp32, which differs from a single rounding only when the float64 sum
-    lands exactly on an fp32 rounding midpoint (about one case in 2^29).
+    The product of two fp32 values is exact in float64. Their sum with c is rounded to float64
+    by round-to-odd (the exact error of the sum, by TwoSum, decides: an inexact sum is moved to
+    the odd neighbour), which keeps enough information for the final rounding to fp32 to be the
+    single rounding of the exact value. (Rounding the sum to nearest first is wrong whenever c is
+    far below a·b and a·b lies on an fp32 midpoint, which bf16 · fp32 products often do.)
     """
-    return (a.double() * b.double() + c.double()).float()
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    v = s - p
+    err = (p - (s - v)) + (c - v)  # TwoSum: p + c = s + err exactly
+    even = (s.view(torch.int64) & 1) == 0
+    odd = torch.where((err != 0) & even, torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).double()), s)
+    return odd.float()
 
 
 def combine_reference(y: torch.Tensor, topk_w: torch.Tensor, shared_out: torch.Tensor | None = None) -> torch.Tensor:

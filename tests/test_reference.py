@@ -92,11 +92,16 @@ def _round_to_f32(value: Fraction) -> np.float32:
     return np.float32(sign * float(n * ulp))
 
 
-def test_fma_f32_is_a_single_rounding():
+@pytest.mark.parametrize("c_scale", [1e-2, 1e-30])
+def test_fma_f32_is_a_single_rounding(c_scale):
+    """Against exact rational arithmetic, also where c is far below a·b and b is a bf16 value
+    (a·b then often lies on an fp32 midpoint: rounding the float64 sum to nearest first fails)."""
     g = torch.Generator().manual_seed(0)
-    a, b, c = (torch.randn(400, generator=g) * s for s in (1.0, 1e3, 1e-2))
+    a, b, c = (torch.randn(2000, generator=g) * s for s in (1.0, 1e3, c_scale))
+    b[1000:] = b[1000:].bfloat16().float()
+    a[:4], b[:4], c[:4] = torch.tensor([1 + 2**-23] * 4), torch.tensor([1.5] * 4), torch.tensor([-1e-30, 1e-30, -0.0, 0.0])
     got = fma_f32(a, b, c)
-    for i in range(400):
+    for i in range(2000):
         exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
         assert got[i].item() == float(_round_to_f32(exact)), i
 
