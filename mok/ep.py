@@ -400,14 +400,15 @@ def gather_ranks(ws: EPWorkspace, kernels: dict, name: str, timeout_s: float, st
     return out
 
 
-def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream) -> torch.Tensor:
+def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream, out: torch.Tensor | None = None) -> torch.Tensor:
     """rows[r] = row g = row_token[r] of the owner's bf16 [T_max, H] region ``name`` (zeros for the
-    padding rows; the unused rows past the schedule's end are left as they are).
+    padding rows; the unused rows past the schedule's end are left as they are), into ``out``
+    ([capacity, H] bf16) if given.
 
     Token-major (sched.slot_row): each token's row is read from its owner once, however many
     of this rank's experts it goes to."""
     lay = ws.layout
-    rows = torch.empty(sched.capacity, lay.hidden, dtype=torch.bfloat16, device=ws.buffer.device)
+    rows = ops._bf16_out(out, (sched.capacity, lay.hidden), ws.buffer.device)
     kernels["dispatch"](
         ops._ptr("bf16", ws.region(name, 0)), ops._ptr("i32", sched.slot_row, 4), ops._ptr("i32", sched.expert_counts, 4),
         ops._ptr("i32", sched.expert_offsets, 4), ops._ptr("bf16", rows), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems(name)),

@@ -36,6 +36,26 @@ def rel_err(got, want):
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+def worst_row_err(got, want):
+    """The largest ||got_r - want_r|| / ||want_r|| over the rows r of the first dimension (tokens,
+    or the experts of a weight gradient), a row whose reference is zero counting 0 if it came out
+    zero and inf if not. One norm over a whole tensor can hide a dropped (token, slot) pair (at
+    4096 x 8 pairs it moves the norm by less than 1e-2); one row's cannot."""
+    g, w = got.float().reshape(got.shape[0], -1), want.float().reshape(want.shape[0], -1)
+    diff, ref = (g - w).norm(dim=1), w.norm(dim=1)
+    zero = ref == 0
+    rel = torch.where(zero, torch.where(diff == 0, 0.0, float("inf")), diff / torch.where(zero, 1.0, ref))
+    return float(rel.max()) if rel.numel() else 0.0
+
+
+def worst_entry_err(got, want):
+    """The largest |got - want| / (|want| + rms(want)) over the entries: per value, for values
+    such as router-weight gradients (a few per token, any of them may be near zero)."""
+    g, w = got.float(), want.float()
+    rms = w.square().mean().sqrt()
+    return float(((g - w).abs() / (w.abs() + rms)).max()) if w.numel() else 0.0
+
+
 def gpu_layer(num_tokens, hidden, inter, num_experts, topk, shared_inter=None, seed=0, routing="uniform"):
     """A bf16 layer on the GPU: x, topk_idx (int32), topk_w, (w_gate, w_up, w_down), shared or None."""
     g = torch.Generator(device="cuda").manual_seed(seed)

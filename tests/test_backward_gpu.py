@@ -8,7 +8,7 @@ from mok.fused_backward import moe_backward
 from mok.fused_forward import moe_forward, single_expert_tiles
 from mok.reference import moe_reference
 
-from helpers import gpu_layer, poisoned, rel_err
+from helpers import gpu_layer, poisoned, rel_err, worst_entry_err, worst_row_err
 
 pytestmark = pytest.mark.gpu
 
@@ -61,6 +61,9 @@ def test_backward_matches_autograd(T, H, I, E, k, shared_inter, routing):
         assert not got.isnan().any(), f"{name}: unwritten or NaN elements"
         assert rel_err(got, ref) <= 1e-2, f"{name}: rel err {rel_err(got, ref):.2e}"
         assert cosine(got, ref) >= 0.9999, f"{name}: cosine {cosine(got, ref):.6f}"
+        # per token (dx), per expert (weights), per value (d_topk_w): a dropped pair shows here
+        worst = worst_entry_err(got, ref) if name == "d_topk_w" else worst_row_err(got, ref)
+        assert worst <= 5e-2, f"{name}: worst row or entry err {worst:.2e}"
 
 
 def test_router_gradient_with_weights_zero_and_tiny():
@@ -74,7 +77,7 @@ def test_router_gradient_with_weights_zero_and_tiny():
     for rows, slot in ((slice(0, None, 3), 0), (slice(1, None, 3), 1)):
         got, ref = grads.d_topk_w[rows, slot], want[rows, slot]
         assert ref.abs().min() > 0  # these pairs do have a gradient
-        assert rel_err(got, ref) <= 1e-2
+        assert rel_err(got, ref) <= 1e-2 and worst_entry_err(got, ref) <= 5e-2
     assert rel_err(grads.d_topk_w, want) <= 1e-2
 
 
@@ -198,7 +201,9 @@ def test_weight_grad_with_counts_skips_padding_blocks_and_keeps_the_bits(pingpon
     junk = torch.randn(rows, m, device="cuda", generator=g).bfloat16() * 1e3
     a_junk = torch.where(real[:, None], a, junk)
     b_junk = torch.where(real[:, None], b, junk[:, :1].expand(rows, n))
-    skipped = grad_ops.weight_grad(a_junk, b_junk.contiguous(), offsets, counts=counts, pingpong=pingpong)
+    skipped = grad_ops.weight_grad(  # (into NaN: an empty expert's zeros must be written, not found)
+        a_junk, b_junk.contiguous(), offsets, counts=counts, out=poisoned(experts, m, n), pingpong=pingpong
+    )
     for e in range(experts):
         lo, c = int(offsets[e]), int(counts[e])
         if c == 0:

@@ -49,6 +49,6 @@ def test_torch_ep_baseline_matches_the_reference(tmp_path):
     dout = torch.randn(sum(COUNTS), 32, generator=torch.Generator().manual_seed(5)).bfloat16()
     want_grads = torch.autograd.grad(want, leaves, dout.float())
     for i in range(2):  # dx, d_topk_w: the ranks' tokens in order
-        assert _rel(torch.cat([g[i] for _, g in results]), want_grads[i]) <= 2e-2
+        assert _rel(torch.cat([g[i] for _, g in results]), want_grads[i]) <= 1e-2
     for i in range(2, 5):  # the experts' weights: rank 0's experts, then rank 1's
-        assert _rel(torch.cat([g[i] for _, g in results]), want_grads[i]) <= 2e-2
+        assert _rel(torch.cat([g[i] for _, g in results]), want_grads[i]) <= 1e-2

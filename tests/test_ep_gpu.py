@@ -10,7 +10,7 @@ import torch
 from mok.ep import EPLayout, EPWorkspace, ep_moe_forward
 from mok.fused_forward import moe_forward
 
-from helpers import gpu_layer, rel_err
+from helpers import gpu_layer, poisoned, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -343,8 +343,7 @@ def test_dispatch_puts_each_token_in_every_local_row_and_zeros_the_padding(world
     stream = ops._stream(torch.device("cuda"))
     for rank in range(world):
         sched = ops.device_schedule(routing, E, rank=rank, world_size=world, capacity=capacity)
-        torch.full((sched.capacity, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: poisons the next block
-        rows = pull_rows(ws[rank], _kernels(ws[rank], ws[rank].buffer.device), "x", sched, stream)
+        rows = pull_rows(ws[rank], _kernels(ws[rank], ws[rank].buffer.device), "x", sched, stream, out=poisoned(sched.capacity, hidden))
         torch.cuda.synchronize()
         used = min(int(sched.expert_offsets[-1]), sched.capacity)
         token = sched.row_token[:used].long()

@@ -7,7 +7,7 @@ import torch
 
 from mok.layer import MoELayer
 
-from helpers import rel_err
+from helpers import rel_err, worst_entry_err, worst_row_err
 
 pytestmark = pytest.mark.gpu
 
@@ -43,9 +43,10 @@ def test_fused_layer_matches_the_reference_path():
     got = grads_of(layer, x, idx, w, dout)
     cpu = copy.deepcopy(layer).cpu()
     want = grads_of(cpu, x.cpu(), idx.cpu(), w.cpu(), dout.cpu())
-    for g, r in zip(got, want):
+    for i, (g, r) in enumerate(zip(got, want)):  # out, x.grad, topk_w.grad, the weights' grads
         assert g.is_cuda and not g.isnan().any()
         assert rel_err(g.cpu(), r) <= 1e-2
+        assert (worst_entry_err if i == 2 else worst_row_err)(g.cpu(), r) <= 5e-2  # per token, value or expert
 
 
 def test_built_in_router_learns():

@@ -50,10 +50,16 @@ def test_backward_reference_rejects_bad_dout():
         moe_backward_reference(x, idx, w, *experts, None, torch.zeros(4, 8))
 
 
-@pytest.mark.parametrize("shared_inter", [None, 6])
-def test_reference_passes_finite_difference_gradcheck(shared_inter):
-    """The oracle itself: autograd of moe_reference against central differences (float64, tiny shapes)."""
-    x, idx, w, experts, shared = random_layer(5, 8, 4, 3, 2, shared_inter, seed=21, dtype=torch.float64)
+@pytest.mark.parametrize("shared_inter,routing", [(None, "random"), (6, "random"), (None, "k1 empty zero")])
+def test_reference_passes_finite_difference_gradcheck(shared_inter, routing):
+    """The oracle itself: autograd of moe_reference against central differences (float64, tiny
+    shapes); also with k = 1, an expert no token chooses and router weights exactly 0."""
+    k = 1 if routing == "k1 empty zero" else 2
+    x, idx, w, experts, shared = random_layer(5, 8, 4, 3, k, shared_inter, seed=21, dtype=torch.float64)
+    if routing == "k1 empty zero":
+        idx = torch.tensor([[0], [2], [0], [2], [2]])  # expert 1 gets nothing
+        w = w.clone()
+        w[::2, 0] = 0.0
     leaves = [t.double().requires_grad_() for t in (x, w.double(), *experts, *(shared or ()))]
 
     def layer(x, w, wg, wu, wd, *sh):

@@ -111,6 +111,21 @@ def test_worst_case_capacity_is_enough_and_tight_for_one_token_per_expert():
     assert worst_case_capacity(1, 8, 256, 16) == 8 * 16
 
 
+@pytest.mark.parametrize("experts,topk,bm", [(4, 1, 16), (6, 3, 8), (4, 2, 128)])
+def test_worst_case_capacity_is_reached_when_every_expert_overflows_a_tile_by_one_row(experts, topk, bm):
+    """Every expert holding one row more than a multiple of the tile pads the most: the routing
+    then needs exactly the worst-case capacity (fits), one tile less overflows."""
+    per_expert = next(m * bm + 1 for m in range(1, 64) if (m * bm + 1) * experts % topk == 0)  # ≡ 1 (mod bm)
+    tokens = per_expert * experts // topk  # (>= per_expert as experts >= topk: a token's slots are distinct experts)
+    pairs = torch.arange(experts).repeat_interleave(per_expert)  # expert of each (token, slot) pair
+    idx = pairs.view(topk, tokens).T.contiguous()  # token t's slots: experts pairs[t], pairs[tokens + t], ...: distinct
+    assert all(len(set(row.tolist())) == topk for row in idx)
+    worst = worst_case_capacity(tokens, topk, experts, bm)
+    fits = build_schedule(idx, experts, block_m=bm, capacity=worst)
+    assert not bool(fits.overflow) and int(fits.expert_offsets[-1]) == worst == experts * (per_expert + bm - 1)
+    assert bool(build_schedule(idx, experts, block_m=bm, capacity=worst - bm).overflow)
+
+
 @pytest.mark.parametrize(
     "kwargs,error,words",
     [
