@@ -18,6 +18,31 @@ SMALL = combine_variant(64, 2, True)  # a real kernel that compiles in well unde
 
 # ---- arch ---------------------------------------------------------------------------------
 
+def test_dsl_target_nests_and_holds_one_thread_at_a_time():
+    """The DSL's target is one setting per process: a nested block restores its enclosing
+    block's target, and another thread's block waits until this one ends."""
+    import threading
+
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    seen = []
+
+    def other_thread():
+        with arch_mod.dsl_target("sm_100a"):
+            seen.append(envar.arch)
+
+    with arch_mod.dsl_target("sm_90a"):
+        with arch_mod.dsl_target("sm_100a"):
+            assert envar.arch == "sm_100a"
+        assert envar.arch == "sm_90a"  # (a plain del here went back to the environment's)
+        other = threading.Thread(target=other_thread)
+        other.start()
+        other.join(timeout=0.5)
+        assert other.is_alive() and not seen and envar.arch == "sm_90a"  # it waits for this block
+    other.join(timeout=10)
+    assert seen == ["sm_100a"]
+
 def test_explicit_arch_wins_and_is_normalised(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
     assert arch_mod.resolve_arch("SM_90a") == "sm_90a"

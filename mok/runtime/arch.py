@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
@@ -87,20 +88,32 @@ def resolve_arch(arch: str | None = None, device: "int | None" = None) -> str:
     return found
 
 
+_TARGET_LOCK = threading.RLock()  # the DSL's target is one setting per process
+_TARGETS: list[str] = []  # the targets of the dsl_target blocks open now (nested in one thread)
+
+
 @contextlib.contextmanager
 def dsl_target(arch: str) -> Iterator[None]:
     """Make CuTe DSL compile for ``arch`` whatever GPU this machine has (or lacks).
 
     The DSL takes its notion of "this machine" from ``CUTE_DSL_ARCH`` or a GPU probe, and
     refuses to export code for another target (and, with no GPU, fails to export at all).
-    Inside this block it is told the target itself; afterwards it goes back to what the
-    environment says. The ``--gpu-arch`` option of every compile names the target too.
+    Inside this block it is told the target itself; afterwards it goes back to the enclosing
+    block's target, or to what the environment says. The setting is the whole process's: one
+    thread at a time holds a block (others wait), so no compile or export runs under another
+    thread's target. The ``--gpu-arch`` option of every compile names the target too.
     """
     from cutlass.cutlass_dsl import CuTeDSL
 
-    envar = CuTeDSL._get_dsl().envar
-    envar.arch = normalize_arch(arch)
-    try:
-        yield
-    finally:
-        del envar.arch  # back to $CUTE_DSL_ARCH, or to probing the GPU on first use
+    with _TARGET_LOCK:
+        envar = CuTeDSL._get_dsl().envar
+        _TARGETS.append(normalize_arch(arch))
+        envar.arch = _TARGETS[-1]
+        try:
+            yield
+        finally:
+            _TARGETS.pop()
+            if _TARGETS:
+                envar.arch = _TARGETS[-1]
+            else:
+                del envar.arch  # back to $CUTE_DSL_ARCH, or to probing the GPU on first use
