@@ -302,9 +302,12 @@ class ExpertMlpSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         region = storage.s_ab.data_ptr()  # fc1: [A | B | B2] stages; fc2: [A | B] stages (first the schedule's scratch)
+        scheduled_rows = cutlass.Int32(0)
         if cutlass.const_expr(self.schedule is not None):
-            self.build_schedule(sched_args, ep_args, region, num_rows, timeout_ns)
-        used_rows = cutlass.min(m_offsets[num_experts] // TILE, num_row_tiles)  # the schedule's (padded) row tiles
+            scheduled_rows = self.build_schedule(sched_args, ep_args, region, num_rows, timeout_ns, m_offsets, num_experts)
+        else:  # (written by an earlier launch: every thread reads the same value)
+            scheduled_rows = m_offsets[num_experts]
+        used_rows = cutlass.min(scheduled_rows // TILE, num_row_tiles)  # the schedule's (padded) row tiles
         fc1_tiles = used_rows * fc1_cols
         all_tiles = fc1_tiles + used_rows * fc2_cols
         pipe1 = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=128)
@@ -435,10 +438,14 @@ class ExpertMlpSm90:
                 self.combine_all(mma_tidx, combine_args)
 
     @cute.jit
-    def build_schedule(self, sched_args, ep_args, region, num_rows, timeout_ns):
+    def build_schedule(self, sched_args, ep_args, region, num_rows, timeout_ns, m_offsets, num_experts):
         """The one-launch forward's prologue: every CTA builds its part of the schedule (scratch in the
         operand region, which the pipelines take over afterwards; it also zeroes the counters), then
-        all wait for all (grid barrier), as the next launch would have."""
+        all wait for all (grid barrier), as the next launch would have. Returns the schedule's row
+        count (``m_offsets[num_experts]``), read once by thread 0 for the whole CTA: after a barrier that timed
+        out, a late CTA may still be writing it, and warps that read different values would disagree
+        on the tile count and wait on each other's barriers forever (the output is wrong then, as
+        the timeout count says, but nothing hangs)."""
         m_idx, outputs, sync_ptr, pairs, expert_lo = sched_args
         if cutlass.const_expr(self.ep_world is not None):  # the routing (and x rows) of every rank first
             ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns)
@@ -448,8 +455,15 @@ class ExpertMlpSm90:
             cute.recast_ptr(region, dtype=cutlass.Int32), cute.make_layout(self.schedule.scratch_words(self.threads))
         )
         self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows)
-        cute.arch.fence_proxy("async.shared", space="cta")  # the scratch's generic writes before TMA writes to the region
         grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase)
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            scratch[0] = m_offsets[num_experts]
+        cute.arch.fence_proxy("async.shared", space="cta")  # the scratch's generic writes before TMA writes to the region
+        cute.arch.sync_threads()
+        total = scratch[0]
+        cute.arch.sync_threads()  # (every thread has it before the pipelines take the region over)
+        return total
 
     @cute.jit
     def combine_all(self, mma_tidx, combine_args):
