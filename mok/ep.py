@@ -230,8 +230,8 @@ class EPWorkspace:
         if grid_timeouts:
             raise RuntimeError(
                 f"MoK expert parallelism: rank {self.rank}'s one-launch forward timed out {grid_timeouts} time(s) at a grid "
-                "barrier (its CTAs were not all resident at once, e.g. other kernels held SMs); its outputs are wrong. "
-                "Rebuild the workspace."
+                "barrier or an fc2 tile's wait for its rows (its CTAs were not all resident at once, e.g. other kernels "
+                "held SMs); its outputs are wrong. Rebuild the workspace."
             )
 
     def raise_pending(self) -> None:

@@ -512,8 +512,9 @@ def scheduled_expert_mlp(
     launches that may run at the same time must not share them. Default: the current stream's
     set (:func:`grid_sync_words`). A barrier that waits longer than
     ``timeout_s`` counts it in grid_sync[2] and goes on (wrong output, no hang;
-    :func:`raise_grid_timeouts` reports it), leaving the words ready for the next call; an fc2 tile's
-    wait sets the counters' error word as in :func:`expert_mlp`. ``combine_phase`` (default): the
+    :func:`raise_grid_timeouts` reports it), leaving the words ready for the next call; with
+    ``combine_phase``, an fc2 tile whose wait for its rows timed out is counted there too (without
+    it, only in the launch's own counters). ``combine_phase`` (default): the
     combine as the launch's last phase (after a second grid barrier, as the combine launch
     computes it); False: in fc2's epilogue, as :func:`expert_mlp` does. The same bits; the phase
     was 2-6% faster on an H200 (perf/NOTES.md).
@@ -610,15 +611,16 @@ def grid_sync_words(device: torch.device) -> torch.Tensor:
 
 
 def raise_grid_timeouts(grid_sync: torch.Tensor) -> None:
-    """Raise if the grid barriers using these words (:func:`grid_sync_words`, or a caller's) have
-    timed out since their timeout count was last cleared: the outputs of those launches are wrong.
+    """Raise if the one-launch forwards using these words (:func:`grid_sync_words`, or a caller's)
+    have timed out since their timeout count was last cleared (at a grid barrier, or an fc2 tile
+    waiting for its rows): the outputs of those launches are wrong.
     Reads one int back from the GPU (a host sync): call it off the hot path, e.g. every N steps."""
     check_tensor("grid_sync", grid_sync, dtypes=(torch.int32,), shape=(GRID_SYNC_WORDS,))
     timeouts = int(grid_sync[2])
     if timeouts:
         raise RuntimeError(
-            f"MoK one-launch forward: {timeouts} grid-barrier timeouts (CTAs of a launch were not all resident "
-            "at once, e.g. other work held SMs); those outputs are wrong. Clear with grid_sync[2] = 0."
+            f"MoK one-launch forward: {timeouts} grid-barrier timeouts or fc2 waits that timed out (CTAs of a launch "
+            "were not all resident at once, e.g. other work held SMs); those outputs are wrong. Clear with grid_sync[2] = 0."
         )
 
 

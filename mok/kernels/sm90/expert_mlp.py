@@ -432,6 +432,7 @@ class ExpertMlpSm90:
             if cutlass.const_expr(self.combine_phase):
                 self.publish(warp_idx, m_ready, cutlass.Int32(-1))  # every y row stored and visible before the barrier
                 grid_barrier(sched_args[2], timeout_ns, leader=128)
+                self.count_wait_timeouts(m_flags, sched_args[2], mma_tidx)
                 if cutlass.const_expr(self.ep_world is not None):  # every rank's pushes into this rank's slots
                     ep_phases.signal_done_and_wait(ep_args, self.ep_world, timeout_ns, mma_tidx, 0)
                     self.fc1.epilogue_sync()
@@ -530,10 +531,23 @@ class ExpertMlpSm90:
     @cute.jit
     def wait_ready(self, m_ready, m_flags, tile_row, timeout_ns):
         """TMA thread, before an fc2 tile: wait (acquire, bounded) until every fc1 column tile of
-        ``tile_row`` is published. On timeout set flags[0] and go on."""
+        ``tile_row`` is published. On timeout set flags[0] and go on (with ``combine_phase`` the
+        launch then counts it where the host looks: :meth:`count_wait_timeouts`)."""
         target = self.inter // TILE
         if wait_at_least(m_ready.iterator + tile_row, target, timeout_ns, "gpu") < target:
             m_flags[0] = 1
+
+    @cute.jit
+    def count_wait_timeouts(self, m_flags, sync, mma_tidx):
+        """After the last grid barrier (every CTA's fc2 waits are over and their flags visible):
+        CTA 0's first MMA thread adds one to the barrier words' timeout count, sync[2], if any fc2
+        wait timed out. That count outlives the launch and the host reads it
+        (:func:`mok.ops.raise_grid_timeouts`, the EP workspace's check); flags[0] does not (the
+        next launch's schedule clears it)."""
+        cta, _, _ = cute.arch.block_idx()
+        if cta == 0 and mma_tidx == 0:
+            if m_flags[0] != 0:
+                cute.arch.atomic_add(sync + 2, cutlass.Int32(1), scope="gpu")
 
     @cute.jit
     def hand_to_scatter(self, scatter_ring, state, s_scatter, tile, tidx):
