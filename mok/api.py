@@ -136,7 +136,7 @@ def forward(
 
         if check_routing:  # an id out of range would reach no rank (one host read; pass False inside graph capture)
             check_index_range("topk_idx", topk_idx, config.num_experts)
-
+        topk_idx = topk_idx.to(torch.int32).contiguous()  # (the exchange kernels take int32 ids; the backward too)
         res = ep_moe_forward_saved(
             workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward, timeout_s=timeout_s,
             one_launch=config.one_launch,

@@ -59,9 +59,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "No CUDA GPU is visible, so there is nothing to benchmark: MoK's kernels run on Hopper (sm_90a) "
-            "and Blackwell (sm_100a) GPUs.\nOn this machine you can compile them ahead of time: "
-            "`python -m mok precompile --arch sm_90a` (or --arch sm_100a).",
+            "No CUDA GPU is visible, so there is nothing to benchmark: MoK's layer runs on Hopper (sm_90a) GPUs "
+            "(for Blackwell, sm_100a, only some kernels compile so far).\nOn this machine you can compile them ahead "
+            "of time: `python -m mok precompile --arch sm_90a`.",
             file=sys.stderr,
         )
         return 2

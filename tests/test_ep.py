@@ -178,6 +178,9 @@ def test_ep_inputs_the_kernels_could_not_take_are_refused_before_any_launch():
     bad[3, 1] = 4  # one past the last of the 4 experts (2 per rank)
     with pytest.raises(ValueError, match=r"topk_idx: expected every entry in \[0, 4\), got 4"):
         mok.forward(config, ws, x, bad, w, *local)
+    with pytest.raises(Exception) as info:  # int64 ids pass the checks (cast for the kernels): on a CPU it fails at the kernels
+        mok.forward(config, ws, x, idx.long(), w, *local)
+    assert "topk_idx" not in str(info.value), info.value
     shifted = torch.zeros(x.numel() + 1, dtype=torch.bfloat16)[1:].view(8, 128)  # contiguous, 2 bytes off alignment
     with pytest.raises(ValueError, match="x: expected a 16-byte aligned data pointer"):
         ep_moe_forward_saved(ws, shifted, idx.int(), w, *local)
