@@ -49,11 +49,13 @@ def get_workspace(
     max_tokens: int | None = None,
     capacity_factor: float | None = None,
 ):
-    """The communication workspace for ``config`` on ``group``, built once and reused (None at EP = 1)."""
+    """The communication workspace for ``config`` on ``group``, built once and reused (None at EP = 1);
+    built again (a collective, as the first time) once it was closed, e.g. after an error it recorded."""
     key = (id(group), tuple(sorted(config.as_dict().items())), max_tokens, capacity_factor)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor)
-    return _WORKSPACES[key]
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.closed:
+        ws = _WORKSPACES[key] = create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor)
+    return ws
 
 
 def create_workspace(

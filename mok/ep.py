@@ -189,6 +189,18 @@ class EPWorkspace:
         buffer = torch.zeros(layout.world * layout.stride, dtype=torch.uint8, device=device)
         return [cls(buffer, layout, r, capacity=capacity, ranks_on_device=layout.world) for r in range(layout.world)]
 
+    @property
+    def closed(self) -> bool:
+        """Whether the symmetric memory behind this workspace was released (:meth:`close`)."""
+        return self.owner is not None and self.owner.closed
+
+    def close(self) -> None:
+        """Release the symmetric memory behind this workspace (on every rank of its group, together:
+        e.g. after an error it recorded). :func:`mok.get_workspace` and the layers using it build a
+        new one at their next call; CUDA graphs captured with this one must be captured again."""
+        if self.owner is not None:
+            self.owner.close()
+
     def region(self, name: str, rank: int | None = None) -> torch.Tensor:
         """Rank ``rank``'s (default: this rank's) region ``name`` as a flat typed tensor."""
         offset, count, dtype = self.layout.regions[name]
@@ -220,18 +232,18 @@ class EPWorkspace:
             raise RuntimeError(
                 f"MoK expert parallelism: the experts of rank {a} were routed {b} rows (tile padding included), "
                 f"capacity is {c}; the (token, slot) pairs that did not fit have NaN outputs and gradients. "
-                "Raise capacity_factor (None: the worst case, which never overflows) and rebuild the workspace."
+                "Raise capacity_factor (None: the worst case, which never overflows) and rebuild the workspace (close() it on every rank; the next call builds a new one)."
             )
         if code:
             raise RuntimeError(
                 f"MoK expert parallelism: rank {self.rank} timed out in phase {PHASES.get(a, a)} waiting for "
-                f"rank {b} (epoch {c}); the peer did not reach the same call. Rebuild the workspace."
+                f"rank {b} (epoch {c}); the peer did not reach the same call. Rebuild the workspace: close() it on every rank; the next call builds a new one."
             )
         if grid_timeouts:
             raise RuntimeError(
                 f"MoK expert parallelism: rank {self.rank}'s one-launch forward timed out {grid_timeouts} time(s) at a grid "
                 "barrier or an fc2 tile's wait for its rows (its CTAs were not all resident at once, e.g. other kernels "
-                "held SMs); its outputs are wrong. Rebuild the workspace."
+                "held SMs); its outputs are wrong. Rebuild the workspace: close() it on every rank; the next call builds a new one."
             )
 
     def raise_pending(self) -> None:
@@ -326,7 +338,9 @@ def ep_moe_forward(
 
     x [T_r, H] bf16 (T_r <= the layout's max_tokens), topk_idx [T_r, k] int32 global expert
     ids, topk_w [T_r, k] fp32, this rank's expert weights (and the replicated shared expert).
-    Every rank of the workspace must make the same sequence of calls. ``fused_dispatch``: the
+    Every rank of the workspace must make the same sequence of calls, each ordered after the
+    previous one on the GPU (one stream, or the caller's events between streams: the calls share
+    the workspace's regions and epoch). ``fused_dispatch``: the
     gate/up GEMM pulls its rows from the peers itself (no dispatch kernel, no x_rows buffer).
     ``overlap_dispatch``: the gate/up GEMM's idle producer warps copy the rows into x_rows row
     tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel).
@@ -357,8 +371,8 @@ def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, 
     if x.device != ws.buffer.device:
         raise ValueError(f"x: expected a tensor on the workspace's device {ws.buffer.device}, got one on {x.device}")
     check_rows_aligned("x", x)
-    if ws.owner is not None and ws.owner.closed:
-        raise RuntimeError("workspace: its symmetric memory was closed (SymmetricWorkspace.close()); build a new one")
+    if ws.closed:
+        raise RuntimeError("workspace: its symmetric memory was closed (close()); build a new one (mok.get_workspace)")
     return num_tokens, hidden, num_local, topk
 
 

@@ -62,7 +62,8 @@ def ep_moe_backward(
     tokens) in ``grad_dtype``. ``saved``: this rank's ``ep_moe_forward_saved`` of the same
     inputs. ``main_grads``: as in :func:`mok.fused_backward.moe_backward` (fp32 buffers shaped
     like this rank's weights, the gradients added into them). Every rank of the workspace must
-    make the same sequence of calls.
+    make the same sequence of calls, each ordered after the previous one on the GPU (one stream,
+    or the caller's events between streams).
     """
     num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)

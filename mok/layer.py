@@ -208,6 +208,11 @@ class MoELayer(nn.Module):
         )
         save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
         handle = self._ep_handle
+        if handle is not None and not torch.compiler.is_compiling():
+            from .ep import workspace_by_handle
+
+            if workspace_by_handle(handle).closed:  # closed after an error: the next call builds a new one
+                handle = None
         if handle is None:
             if torch.compiler.is_compiling():
                 raise RuntimeError(

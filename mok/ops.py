@@ -9,6 +9,7 @@ so every op is CUDA-graph capturable.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -577,36 +578,47 @@ def _check_expert_mlp_args(x, w_gate, w_up, w_down, num_rows, topk, topk_w, h_ou
     check_timeout(timeout_s)
 
 
-GRID_SYNC_STREAMS = 64  # word sets per pool: a device's streams take sets of their own, a pool at a time
+GRID_SYNC_STREAMS = 64  # word sets per pool: a device's streams (and captured launches) take sets of their own
 _GRID_SYNC_POOLS: dict[int, list[torch.Tensor]] = {}  # per device, pools of GRID_SYNC_STREAMS sets
-_GRID_SYNC_SET: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its set
+_GRID_SYNC_TAKEN: dict[int, int] = {}  # per device, sets handed out so far
+_GRID_SYNC_SET: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its set (eager launches)
+_GRID_SYNC_LOCK = threading.Lock()
 
 
 def grid_sync_words(device: torch.device) -> torch.Tensor:
-    """The default grid-barrier words of :func:`scheduled_expert_mlp` for the current stream of
-    ``device``: a set of its own for every stream that uses one (so one-launch forwards on
-    different streams never share a barrier), from pools of GRID_SYNC_STREAMS sets zeroed when
-    made. A pool is made outside CUDA-graph capture: on the device's first use (a warm-up call, as
-    capture needs anyway) and when a stream finds every set taken; a capture stream then takes a
-    set with no allocation, or raises if there is none left."""
+    """The default grid-barrier words of :func:`scheduled_expert_mlp`: a set no launch that may run
+    at the same time shares. Eager launches get their stream's set (a set of its own per stream of
+    ``device``); a launch captured into a CUDA graph gets a set of its own, whatever the capture
+    stream (graphs captured on one stream may be replayed at once on several). The sets come from
+    pools of GRID_SYNC_STREAMS, zeroed when made, which happens outside capture only (the
+    device's first use, a warm-up call as capture needs anyway, or when a stream finds every set
+    taken) and waits for its zero fill once (a host sync), so a set used on another stream never
+    reads the fill before it lands. A capture that finds no free set raises."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
+    capturing = torch.cuda.is_current_stream_capturing()
     key = (index, torch.cuda.current_stream(index).cuda_stream)
-    words = _GRID_SYNC_SET.get(key)
-    if words is not None:
-        return words
-    pools = _GRID_SYNC_POOLS.setdefault(index, [])
-    taken = sum(1 for dev, _ in _GRID_SYNC_SET if dev == index)
-    if taken == len(pools) * GRID_SYNC_STREAMS:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"grid_sync_words: no free barrier words for a new stream inside CUDA-graph capture ({taken} streams "
-                "have sets); call the one-launch forward once on this stream before capturing (a warm-up), or pass "
-                "grid_sync=torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=...)"
-            )
-        shape = (GRID_SYNC_STREAMS, GRID_SYNC_WORDS)
-        pools.append(torch.zeros(shape, dtype=torch.int32, device=torch.device("cuda", index)))
-    words = _GRID_SYNC_SET[key] = pools[taken // GRID_SYNC_STREAMS][taken % GRID_SYNC_STREAMS]
+    if not capturing:
+        words = _GRID_SYNC_SET.get(key)
+        if words is not None:
+            return words
+    with _GRID_SYNC_LOCK:
+        pools = _GRID_SYNC_POOLS.setdefault(index, [])
+        taken = _GRID_SYNC_TAKEN.get(index, 0)
+        if taken == len(pools) * GRID_SYNC_STREAMS:
+            if capturing:
+                raise RuntimeError(
+                    f"grid_sync_words: no free barrier words inside CUDA-graph capture ({taken} sets taken); call the "
+                    "one-launch forward once before capturing (a warm-up), or pass "
+                    "grid_sync=torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=...)"
+                )
+            shape = (GRID_SYNC_STREAMS, GRID_SYNC_WORDS)
+            pools.append(torch.zeros(shape, dtype=torch.int32, device=torch.device("cuda", index)))
+            torch.cuda.synchronize(index)  # (once per pool) the zeros land before any stream reads a set
+        words = pools[taken // GRID_SYNC_STREAMS][taken % GRID_SYNC_STREAMS]
+        _GRID_SYNC_TAKEN[index] = taken + 1
+        if not capturing:
+            _GRID_SYNC_SET[key] = words
     return words
 
 

@@ -288,7 +288,7 @@ def test_one_launch_forward_is_one_kernel_and_leaves_its_barrier_ready():
     assert len(kernels) == 1, [e.name for e in kernels]
 
 
-def test_one_launch_forward_gives_each_stream_its_own_barrier_words():
+def test_one_launch_forward_gives_each_stream_and_each_captured_launch_its_own_barrier_words():
     """Default barrier words: the same set for every call on one stream, another set on another
     stream (two one-launch forwards in flight on two streams never share a barrier), all zero."""
     here = ops.grid_sync_words(torch.device("cuda"))
@@ -297,6 +297,11 @@ def test_one_launch_forward_gives_each_stream_its_own_barrier_words():
         there = ops.grid_sync_words(torch.device("cuda"))
     assert ops.grid_sync_words(torch.device("cuda")).data_ptr() == here.data_ptr()
     assert there.data_ptr() != here.data_ptr()
+    graph = torch.cuda.CUDAGraph()  # captured launches: a set each, whatever the capture stream (graphs may replay at once)
+    with torch.cuda.graph(graph):
+        first, second = (ops.grid_sync_words(torch.device("cuda")) for _ in range(2))
+        torch.ones(1, device="cuda").add_(1)  # (something to capture)
+    assert len({here.data_ptr(), there.data_ptr(), first.data_ptr(), second.data_ptr()}) == 4
     torch.cuda.synchronize()
     assert here.tolist()[0] == 0 and there.tolist()[0] == 0
     x, idx, w, experts, _ = layer(300, 256, 128, 8, 4, None, seed=14)

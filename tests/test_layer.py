@@ -150,6 +150,18 @@ def test_unsupported_gpu_arch_names_the_supported_ones(monkeypatch):
         arch.check_fused_layer_device(0)
 
 
+def test_fused_layer_refuses_a_device_that_is_not_the_current_one(monkeypatch):
+    """MoK's kernels launch on the current device with the tensors' device's stream: a layer on
+    cuda:1 called while cuda:0 is current gets a clear error, not a driver failure."""
+    from mok.runtime import arch
+
+    monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    arch.check_fused_layer_device(0)
+    with pytest.raises(ValueError, match=r"x: on cuda:1, but the current CUDA device is cuda:0; .*torch.cuda.device\(1\)"):
+        arch.check_fused_layer_device(1)
+
+
 def test_custom_ops_pass_opcheck():
     layer = small_layer()
     g = torch.Generator().manual_seed(3)

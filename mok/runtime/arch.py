@@ -58,13 +58,25 @@ FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) ha
 
 
 def check_fused_layer_device(device: "int | None" = None) -> str:
-    """The device's target if MoK's fused layer runs there; a clear error naming the supported ones if not."""
+    """The device's target if MoK's fused layer runs there; a clear error naming the supported ones
+    if not, or if ``device`` is not the current CUDA device (MoK's kernels launch on the current
+    device, with the stream of the tensors' device: on another device that fails in the driver
+    with no word of why)."""
     arch = device_arch(device)
     if arch not in FUSED_LAYER_ARCHS:
         raise RuntimeError(
             f"MoK's fused MoE layer runs on {', '.join(FUSED_LAYER_ARCHS)} (Hopper: H100/H200) so far; "
             f"this GPU is {arch or 'not visible'} (its grouped GEMMs are not written yet for it)"
         )
+    if device is not None:
+        import torch
+
+        current = torch.cuda.current_device()
+        if device != current:
+            raise ValueError(
+                f"x: on cuda:{device}, but the current CUDA device is cuda:{current}; MoK launches on the current "
+                f"device: call it under `with torch.cuda.device({device}):` (or torch.cuda.set_device({device}))"
+            )
     return arch
 
 
