@@ -443,10 +443,10 @@ class ExpertMlpSm90:
         """The one-launch forward's prologue: every CTA builds its part of the schedule (scratch in the
         operand region, which the pipelines take over afterwards; it also zeroes the counters), then
         all wait for all (grid barrier), as the next launch would have. Returns the schedule's row
-        count (``m_offsets[num_experts]``), read once by thread 0 for the whole CTA: after a barrier that timed
-        out, a late CTA may still be writing it, and warps that read different values would disagree
-        on the tile count and wait on each other's barriers forever (the output is wrong then, as
-        the timeout count says, but nothing hangs)."""
+        count (``m_offsets[num_experts]``), read once by thread 0 for the whole CTA: after a barrier
+        that timed out, a late CTA may still be writing it, and warps that read different values
+        would disagree on the tile count and wait on each other's barriers forever (the output is
+        wrong then, as the timeout count says, but nothing hangs)."""
         m_idx, outputs, sync_ptr, pairs, expert_lo = sched_args
         if cutlass.const_expr(self.ep_world is not None):  # the routing (and x rows) of every rank first
             ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns)
