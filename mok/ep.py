@@ -44,7 +44,7 @@ from . import ops
 from .fused_forward import check_tile_multiples, shared_expert_forward
 from .kernels import GRID_SYNC_WORDS, ep_variant, get_kernel
 from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, grid_sync_slot
-from .runtime.arch import device_arch
+from .runtime.arch import check_fused_layer_device, device_arch
 from .schedule import Schedule, worst_case_capacity
 from .validation import check_capacity_factor, check_moe_inputs, check_timeout
 
@@ -371,6 +371,8 @@ def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, 
     if x.device != ws.buffer.device:
         raise ValueError(f"x: expected a tensor on the workspace's device {ws.buffer.device}, got one on {x.device}")
     check_rows_aligned("x", x)
+    if x.is_cuda:  # a Hopper GPU, and the current device (the kernels launch there)
+        check_fused_layer_device(x.device.index)
     if ws.closed:
         raise RuntimeError("workspace: its symmetric memory was closed (close()); build a new one (mok.get_workspace)")
     return num_tokens, hidden, num_local, topk

@@ -71,6 +71,8 @@ def check_fused_layer_device(device: "int | None" = None) -> str:
     if device is not None:
         import torch
 
+        if torch.compiler.is_compiling():  # (traced once; the ops check again where they run)
+            return arch
         current = torch.cuda.current_device()
         if device != current:
             raise ValueError(
