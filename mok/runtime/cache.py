@@ -3,9 +3,8 @@
 A kernel is compiled once per (name, static config, target arch, calling convention, CuTe DSL
 version and code-changing settings, fingerprint of MoK's kernel sources). The compiled
 host+device code is exported as an object file (CuTe DSL's ``export_to_c``) under
-``$MOK_CACHE_DIR`` (default
-``~/.cache/mok``) and loaded back with ``cute.runtime.load_module`` by later processes,
-which then compile nothing. Entries carry a JSON record with the object's SHA-256: a
+``$MOK_CACHE_DIR`` (default ``~/.cache/mok``) and loaded back with ``cute.runtime.load_module``
+by later processes, which then compile nothing. Entries carry a JSON record with the object's SHA-256: a
 corrupt, truncated or unreadable entry is rebuilt, never trusted. A file lock per entry
 makes concurrent processes compile each kernel once and never read a half-written file.
 """
