@@ -106,6 +106,7 @@ def combine(
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=y.device, contiguous=True)
         _check_cuda_aligned("shared_out", shared_out)
     out = _bf16_out(out, (num_tokens, hidden), y.device)
+    _check_32bit("out", out)  # (gathered: T rows may outnumber y's R when a capacity bound cut them)
     if num_tokens == 0:
         return out
     kernel = _kernel(combine_variant(hidden, topk, shared_out is not None, gathered, unit_weights=topk_w is None), y.device)
