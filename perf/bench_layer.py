@@ -117,6 +117,21 @@ def graph_of(fn):
     return replay
 
 
+def gpu_state() -> str:
+    """The GPU's SM clock, power draw and temperature now (nvidia-smi), or "" where it cannot say:
+    printed after the timing, it tells how far power and heat held the clock down (an H200 at
+    sustained bf16 load ran at ~1.45 GHz, not 1.98)."""
+    import subprocess
+
+    try:
+        query = "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
+        line = subprocess.run(["nvidia-smi", query, "--format=csv,noheader", "-i", str(torch.cuda.current_device())],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"SM clock, max, power, temperature just after: {line}" if line else ""
+
+
 def same_bits(a, b) -> bool:
     """Whether two results (tensors, or tuples of them and None, as Gradients) are bitwise equal."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -228,6 +243,7 @@ def main() -> int:
             print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}")
         print(f"{name:<11}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
         print(f"{name:<11}every other MoK path gives the default path's bits: {same}")
+        print(f"{name:<11}{gpu_state()}")
         for p in ("mok", "mok (graph)"):
             busy, span = device_span(paths[p])
             print(f"{name:<11}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
