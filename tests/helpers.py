@@ -37,15 +37,19 @@ def rel_err(got, want):
 
 
 def worst_row_err(got, want):
-    """The largest ||got_r - want_r|| / ||want_r|| over the rows r of the first dimension (tokens,
-    or the experts of a weight gradient), a row whose reference is zero counting 0 if it came out
-    zero and inf if not. One norm over a whole tensor can hide a dropped (token, slot) pair (at
-    4096 x 8 pairs it moves the norm by less than 1e-2); one row's cannot."""
+    """The largest ||got_r - want_r|| / (||want_r|| + the mean row norm) over the rows r of the
+    first dimension (tokens, or the experts of a weight gradient); 0 where everything is zero and
+    equal, inf where the reference is all zero and the result is not. One norm over a whole
+    tensor can hide a dropped (token, slot) pair (at 4096 x 8 pairs it moves the norm by less than
+    1e-2); one row's cannot. (The mean in the denominator keeps a row whose reference is nearly
+    zero, such as a row of a one-token weight gradient, from counting its rounding as an error.)"""
     g, w = got.float().reshape(got.shape[0], -1), want.float().reshape(want.shape[0], -1)
     diff, ref = (g - w).norm(dim=1), w.norm(dim=1)
-    zero = ref == 0
-    rel = torch.where(zero, torch.where(diff == 0, 0.0, float("inf")), diff / torch.where(zero, 1.0, ref))
-    return float(rel.max()) if rel.numel() else 0.0
+    if not diff.numel():
+        return 0.0
+    if float(ref.max()) == 0:
+        return 0.0 if float(diff.max()) == 0 else float("inf")
+    return float((diff / (ref + ref.mean())).max())
 
 
 def worst_entry_err(got, want):
