@@ -12,7 +12,9 @@ import torch
 from .kernels import (
     default_tile_n, grouped_gemm_variant, router_grad_variant, swiglu_backward_pingpong, weight_grad_pingpong, weight_grad_variant,
 )
-from .ops import BF16, _check_32bit, _check_launchable, _i32, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm
+from .ops import (
+    BF16, _check_32bit, _check_launchable, _check_weights_launchable, _i32, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm,
+)
 from .validation import check_tensor
 
 I32 = (torch.int32,)
@@ -76,7 +78,8 @@ def swiglu_backward_gemm(
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
     partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)
-    _check_launchable(dout_rows=dout_rows, w_down=w_down, h=h, dh=dh)
+    _check_launchable(dout_rows=dout_rows, h=h, dh=dh)
+    _check_weights_launchable(w_down=w_down)
     if num_rows == 0:
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
@@ -149,7 +152,8 @@ def weight_grad(
         out = torch.empty(num_experts, m, n, dtype=out_dtype, device=dev)
     dtypes = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
     check_tensor("out", out, dtypes=dtypes, shape=(num_experts, m, n), device=dev, contiguous=True)
-    _check_launchable(a=a, b=b, out=out)
+    _check_launchable(a=a, b=b)
+    _check_weights_launchable(out=out)  # (the gradient [E, M, N]: written by TMA only)
     if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
         return out if accumulate else out.zero_()
     dtype_name = "f32" if out.dtype == torch.float32 else "bf16"

@@ -46,6 +46,16 @@ def _check_launchable(**tensors: torch.Tensor | None) -> None:
             _check_32bit(name, t)
 
 
+def _check_weights_launchable(**tensors: torch.Tensor | None) -> None:
+    """Per-expert weight tensors (and weight gradients) [E, *, *]: on a CUDA device and 16-byte
+    aligned. Only TMA reads and writes them, by (column, k, expert) coordinates that each stay far
+    below 2^31, so the whole tensor may hold more elements than 32 bits index (a DeepSeek-V3-sized
+    layer's 256 experts on one GPU: 3.8e9 per weight)."""
+    for name, t in tensors.items():
+        if t is not None:
+            _check_cuda_aligned(name, t)
+
+
 def _bf16_out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """The caller's ``out`` after checking it (bf16, shape, device, contiguous, aligned), or a new one."""
     if out is None:
@@ -258,7 +268,8 @@ def grouped_gemm(
     if skip_padding is not None:
         check_tensor("skip_padding", skip_padding, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
     out = _bf16_out(out, (num_rows, n), a.device)
-    _check_launchable(a=a, b=b, b2=b2, out=out, h_out=h_out)
+    _check_launchable(a=a, out=out, h_out=h_out)
+    _check_weights_launchable(b=b, b2=b2)
     if num_rows == 0 or a.shape[0] * world == 0:  # (gather from no tokens: every row is padding)
         return out
     if pull is not None and pull_src.shape[0] == 0:  # (no tokens anywhere to pull)
@@ -320,7 +331,8 @@ def grouped_gemm_scatter(
     slot_ranks = slot_ranks if slot_ranks is not None else (1, slots.numel())
     _check_rank_stride("slot_ranks", slot_ranks, slots.numel(), 2**31 - 8, "2^31 - 8 elements")  # (the kernel's vector indices)
     _, rank_stride = slot_ranks
-    _check_launchable(a=a, b=b, b2=b2, slots=slots)
+    _check_launchable(a=a, slots=slots)
+    _check_weights_launchable(b=b, b2=b2)
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
@@ -408,7 +420,8 @@ def grouped_gemm_combine(
     y_rows = _bf16_out(y_rows, (num_rows, hidden), a.device)
     if hidden % 128 or inter % 64:
         raise ValueError(f"w_down: expected H % 128 == 0 and I % 64 == 0, got H={hidden}, I={inter}")
-    _check_launchable(a=a, w_down=w_down, out=out, y_rows=y_rows, shared_out=shared_out)
+    _check_launchable(a=a, out=out, y_rows=y_rows, shared_out=shared_out)
+    _check_weights_launchable(w_down=w_down)
     if num_rows == 0 or num_tokens == 0:
         return out
     variant = grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=shared_out is not None)
@@ -479,7 +492,8 @@ def expert_mlp(
         _check_no_slot_dropped(schedule)
         out = _bf16_out(out, (num_tokens, hidden), x.device)
     y_rows = _bf16_out(y_rows, (num_rows, hidden), x.device)
-    _check_launchable(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out)
+    _check_launchable(x=x, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out)
+    _check_weights_launchable(w_gate=w_gate, w_up=w_up, w_down=w_down)
     a = torch.empty(num_rows, w_gate.shape[1], dtype=torch.bfloat16, device=x.device)  # fc1's output, fc2's input
     if num_rows == 0 or num_tokens == 0:
         return out if combine else y_rows
@@ -536,9 +550,8 @@ def scheduled_expert_mlp(
     hidden = x.shape[1]
     out = _bf16_out(out, (num_tokens, hidden), x.device)
     y_rows = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=x.device)
-    _check_launchable(
-        x=x, topk_idx=topk_idx, w_gate=w_gate, w_up=w_up, w_down=w_down, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out
-    )
+    _check_launchable(x=x, topk_idx=topk_idx, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out)
+    _check_weights_launchable(w_gate=w_gate, w_up=w_up, w_down=w_down)
     schedule = _empty_schedule(num_tokens, topk, num_experts, capacity, MLP_TILE, x.device)
     if num_tokens == 0:  # nothing routed: no launch
         return out, _unrouted(schedule)
