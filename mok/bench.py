@@ -22,13 +22,17 @@ def time_ms(fn, batch: int = 20, repeats: int = 10, warmup: int = 3) -> float:
     return time_ms_interleaved({"fn": fn}, batch, repeats, warmup)["fn"]
 
 
-def time_ms_interleaved(fns: dict, batch: int = 5, repeats: int = 10, warmup: int = 2) -> dict:
+def time_ms_interleaved(
+    fns: dict, batch: int = 5, repeats: int = 10, warmup: int = 2, *, before_batch=None, per_batch=None
+) -> dict:
     """:func:`time_ms` of several callables taken in turn: each repeat times one batch of every
     callable, starting one further along each time, and each gets the median of its batches.
 
     A GPU's clock drifts during a long run (power and heat: an H200 at sustained bf16 load
     moved 6% between two timings of the same kernel), and timing one callable after another
     hands that drift to whichever ran later; taken in turn, all of them see the same clocks.
+    ``before_batch()`` runs before each batch, untimed, and ``per_batch(ms)`` maps each batch's
+    time before it is kept (with several ranks: a barrier, and the slowest rank's time).
     """
     names = list(fns)
     for name in names:
@@ -38,13 +42,16 @@ def time_ms_interleaved(fns: dict, batch: int = 5, repeats: int = 10, warmup: in
     for r in range(repeats):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
+            if before_batch is not None:
+                before_batch()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(batch):
                 fns[name]()
             stop.record()
             stop.synchronize()
-            times[name].append(start.elapsed_time(stop) / batch)
+            ms = start.elapsed_time(stop) / batch
+            times[name].append(ms if per_batch is None else per_batch(ms))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

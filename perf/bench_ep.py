@@ -25,13 +25,14 @@ nvidia-h200-x2 is its test.
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_layer import expert_offsets, graph_of, kernel_times, same_bits
+
+from mok.bench import time_ms_interleaved
 
 CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
@@ -91,28 +92,17 @@ def torch_ep_train_step(x, idx, w, experts, dout, group):
 
 
 def _time_in_turn(fns: dict, group, iters: int = 20, warmup: int = 3) -> dict:
-    """Per callable, the median over iterations of the slowest rank's milliseconds; each iteration
-    times every callable once, in an order that rotates (as mok.bench.time_ms_interleaved: clock
-    drift under sustained load then falls on all of them alike). Every rank runs the same order."""
-    names = list(fns)
-    for name in names:
-        for _ in range(warmup):
-            fns[name]()
-    torch.cuda.synchronize()
-    per_iter: dict = {name: [] for name in names}
-    for it in range(iters):
-        for i in range(len(names)):
-            name = names[(it + i) % len(names)]
-            dist.barrier(group=group)
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name]()
-            stop.record()
-            stop.synchronize()
-            mine = torch.tensor([start.elapsed_time(stop)], device="cuda")
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-            per_iter[name].append(float(mine))
-    return {name: statistics.median(t) for name, t in per_iter.items()}
+    """Per callable, the median over iterations of the slowest rank's milliseconds, the callables
+    taken in turn (mok.bench.time_ms_interleaved); every rank runs the same order."""
+
+    def slowest_rank(ms: float) -> float:
+        mine = torch.tensor([ms], device="cuda")
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+        return float(mine)
+
+    return time_ms_interleaved(
+        fns, batch=1, repeats=iters, warmup=warmup, before_batch=lambda: dist.barrier(group=group), per_batch=slowest_rank
+    )
 
 
 def _host_ms(fn, calls: int = 10) -> float:
