@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+from .kernels import check_tiled_widths
 from .reference import SharedExpert
 from .runtime.arch import check_fused_layer_device
 from .schedule import Schedule, worst_case_capacity
@@ -58,13 +59,9 @@ def single_expert_tiles(num_rows: int, device: torch.device) -> torch.Tensor:
 
 
 def check_tile_multiples(hidden: int, inter: int, shared: tuple | None) -> None:
-    """The fused kernels tile H, I (and the shared expert's I_s) by 128: refuse other widths before
-    anything launches (the reference path, mok.reference, takes any)."""
-    widths = {"H": hidden, "I": inter} | ({} if shared is None else {"I_s (shared)": shared[0].shape[0]})
-    bad = {name: width for name, width in widths.items() if width % TILE_M}
-    if bad:
-        got = ", ".join(f"{name}={width}" for name, width in widths.items())
-        raise ValueError(f"w_gate: expected {', '.join(widths)} multiples of {TILE_M} (the fused kernels' tile), got {got}")
+    """The layer's widths, as the weights give them, multiples of the fused kernels' tile
+    (:func:`mok.kernels.check_tiled_widths`)."""
+    check_tiled_widths("w_gate", {"H": hidden, "I": inter} | ({} if shared is None else {"I_s (shared)": shared[0].shape[0]}))
 
 
 def shared_expert_forward(x: torch.Tensor, shared: SharedExpert, h_out: torch.Tensor | None = None) -> torch.Tensor:

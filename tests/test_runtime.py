@@ -208,7 +208,7 @@ def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     bad = _mok("precompile", "--arch", "sm_90a", "--hidden", "100", cache_dir=tmp_path)
     assert bad.returncode == 1 and "hidden: expected a multiple of 8 (16-byte bf16 vectors), got 100" in bad.stderr
     bad = _mok("precompile", "--arch", "sm_100a", "--hidden", "136", "--intermediate", "256", cache_dir=tmp_path)  # before compiling anything
-    assert bad.returncode == 1 and "multiples of 128 (the kernels' tile), got hidden=136, intermediate=256" in bad.stderr
+    assert bad.returncode == 1 and "multiples of 128 (the fused kernels' tile), got hidden=136, intermediate=256" in bad.stderr
     assert not list(tmp_path.glob("*/*.o"))
 
 

@@ -294,14 +294,21 @@ def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False
     return variants
 
 
+def check_tiled_widths(name: str, widths: Mapping[str, int]) -> None:
+    """The fused kernels tile every width of the layer (H, I, a shared expert's I_s) by 128:
+    refuse others, naming them, before anything is compiled or launched (the reference path,
+    mok.reference, takes any)."""
+    if any(width % 128 for width in widths.values()):
+        got = ", ".join(f"{width_name}={width}" for width_name, width in widths.items())
+        raise ValueError(f"{name}: expected {', '.join(widths)} multiples of 128 (the fused kernels' tile), got {got}")
+
+
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:
     """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward,
     bf16 weight gradients). Widths the fused kernels do not tile (not multiples of 128) are refused."""
     h, i = config.hidden, config.intermediate
-    widths = {"hidden": h, "intermediate": i, "shared_intermediate": config.shared_intermediate or 128}
-    if any(width % 128 for width in widths.values()):
-        got = ", ".join(f"{name}={width}" for name, width in widths.items() if name != "shared_intermediate" or config.shared_intermediate)
-        raise ValueError(f"config: expected hidden, intermediate and shared_intermediate multiples of 128 (the kernels' tile), got {got}")
+    shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
+    check_tiled_widths("config", {"hidden": h, "intermediate": i, **shared})
     variants = [
         schedule_variant(config.experts_per_rank, config.topk, config.block_m),
         gather_variant(h),
