@@ -102,7 +102,7 @@ def test_expert_mlp_rejects_bad_input_before_launch():
         expert_mlp(x, wg, wu, wd, full, counters, shared_out=torch.zeros(T, H, **bf16))
     with pytest.raises(ValueError, match="expected H and I multiples of 128, got H=256, I=64"):
         expert_mlp(x, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), full, counters)
-    with pytest.raises(ValueError, match="schedule: expected one for x's 32 tokens, got one for 64"):
+    with pytest.raises(ValueError, match=r"schedule: expected one for 32 tokens x top-2, got slot_row of shape \[64, 2\]"):
         expert_mlp(x[:32], wg, wu, wd, full, counters)
     with pytest.raises(ValueError, match=r"w_down: expected shape \[4, 256, 128\]"):
         expert_mlp(x, wg, wu, wd.transpose(1, 2).contiguous(), full, counters)
