@@ -124,6 +124,9 @@ def workspace_by_handle(handle: int) -> "EPWorkspace":
     return ws
 
 
+REBUILD = "rebuild the workspace: close() it on every rank; the next call builds a new one."  # (the error records' advice)
+
+
 class EPWorkspace:
     """One rank's handle on the workspace: the whole range (all ranks' regions, ``rank_stride``
     bytes apart, default the layout's stride) and its rank.
@@ -232,18 +235,18 @@ class EPWorkspace:
             raise RuntimeError(
                 f"MoK expert parallelism: the experts of rank {a} were routed {b} rows (tile padding included), "
                 f"capacity is {c}; the (token, slot) pairs that did not fit have NaN outputs and gradients. "
-                "Raise capacity_factor (None: the worst case, which never overflows) and rebuild the workspace (close() it on every rank; the next call builds a new one)."
+                f"Raise capacity_factor (None: the worst case, which never overflows) and {REBUILD}"
             )
         if code:
             raise RuntimeError(
                 f"MoK expert parallelism: rank {self.rank} timed out in phase {PHASES.get(a, a)} waiting for "
-                f"rank {b} (epoch {c}); the peer did not reach the same call. Rebuild the workspace: close() it on every rank; the next call builds a new one."
+                f"rank {b} (epoch {c}); the peer did not reach the same call. {REBUILD.capitalize()}"
             )
         if grid_timeouts:
             raise RuntimeError(
                 f"MoK expert parallelism: rank {self.rank}'s one-launch forward timed out {grid_timeouts} time(s) at a grid "
                 "barrier or an fc2 tile's wait for its rows (its CTAs were not all resident at once, e.g. other kernels "
-                "held SMs); its outputs are wrong. Rebuild the workspace: close() it on every rank; the next call builds a new one."
+                f"held SMs); its outputs are wrong. {REBUILD.capitalize()}"
             )
 
     def raise_pending(self) -> None:

@@ -23,9 +23,9 @@ tile's only owner), as Megatron's ``main_grad`` wants.
 ``pingpong`` (persistent): each MMA warpgroup computes whole output tiles on its own (128 x
 tile_n, two 64-row WGMMAs per K block), the two taking the CTA's tiles in turn; a named-barrier
 handshake lets only one of them issue its mainloop's WGMMAs at a time, so one's epilogue
-(conversion, stores) runs while the other's WGMMAs keep the tensor cores busy. With a few hundred rows per
-expert (128 experts a rank) an output tile reduces only ~5 K tiles and the epilogue is about
-as long as the mainloop. The same WGMMA sequence per output element: the same bits.
+(conversion, stores) runs while the other's WGMMAs keep the tensor cores busy. With a few
+hundred rows per expert (128 experts a rank) an output tile reduces only ~5 K tiles and the
+epilogue is about as long as the mainloop. The same WGMMA sequence per output element: the same bits.
 """
 
 from __future__ import annotations

@@ -135,8 +135,8 @@ class WgmmaTileKernel:
         once its own are issued it lets the other go, waits for its WGMMAs to retire and runs its
         epilogue (its own barrier, store warp and epilogue buffers) while the other's WGMMAs run.
         The subclass says what a tile is (``pingpong_tile``: its K tiles, whether it has an output,
-        what the epilogue needs) and stores it (``pingpong_epilogue``, with ``epi_args``). A tile's WGMMAs and their order
-        per output element are those of the cooperative kernel: the same bits."""
+        what the epilogue needs) and stores it (``pingpong_epilogue``, with ``epi_args``). A tile's
+        WGMMAs and their order per output element are those of the cooperative kernel: the same bits."""
         first, step, all_tiles = tiles[0], tiles[1], tiles[2]
         tile_m, tile_n, _ = self.tile_shape_mnk
         group_idx = cute.arch.make_warp_uniform(mma_tidx // 128)
