@@ -55,6 +55,101 @@ def time_ms_interleaved(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+class GpuSampler:
+    """Samples the GPU's SM clock (MHz), power (W) and temperature (C) every ``period_ms`` from
+    ``nvidia-smi`` in the background while the ``with`` block runs; ``means()`` averages them.
+
+    An H200 under sustained bf16 load is held at its power limit: its clock then depends on
+    what runs (a kernel that keeps the L2 busier draws more and runs slower), so a timing means
+    little without the clock it ran at. Where nvidia-smi is missing ``means()`` is empty.
+    """
+
+    QUERY = "--query-gpu=clocks.sm,power.draw,temperature.gpu"
+
+    def __init__(self, device: int | None = None, period_ms: int = 50) -> None:
+        self.device = torch.cuda.current_device() if device is None else device
+        self.period_ms = period_ms
+        self.samples: list[tuple[float, float, float]] = []
+        self._proc = None
+
+    def __enter__(self) -> "GpuSampler":
+        import subprocess
+
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", self.QUERY, "--format=csv,noheader,nounits", f"-lms={self.period_ms}", "-i", str(self.device)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+        except OSError:
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=10)
+        except Exception:  # (a sampler that will not stop must not hang the benchmark)
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self.samples = parse_samples(out)
+
+    def means(self) -> dict:
+        """{"clock_mhz", "power_w", "temp_c", "samples"} over the block, or {} without samples."""
+        if not self.samples:
+            return {}
+        n = len(self.samples)
+        clock, power, temp = (sum(s[i] for s in self.samples) / n for i in range(3))
+        return {"clock_mhz": clock, "power_w": power, "temp_c": temp, "samples": n}
+
+
+def parse_samples(text: str) -> list[tuple[float, float, float]]:
+    """nvidia-smi's "clock, power, temperature" lines (no units) as floats; lines that do not
+    parse (the last one cut short when the sampler stops, "[N/A]") are skipped."""
+    samples = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            values = tuple(float(p) for p in parts)
+        except ValueError:
+            continue
+        if len(values) == 3:
+            samples.append(values)
+    return samples
+
+
+def time_ms_sustained(fn, seconds: float = 3.0, batch: int = 5) -> tuple[float, dict]:
+    """fn alone under sustained load: ``seconds`` of untimed calls (the GPU reaches the clock its
+    power limit allows for this fn), then batches timed for ``seconds`` more while a
+    :class:`GpuSampler` runs. Returns (median ms per call, the sampler's means).
+
+    :func:`time_ms_interleaved` gives every path the same clocks, which is fair to kernels of
+    one power draw; a path that draws less (fewer tensor-core cycles, more gaps) would, run on
+    its own as a user runs it, keep a higher clock than amid power-hungry neighbours. This timer
+    measures each path at its own steady state instead.
+    """
+    def run_for(limit: float, timed: bool) -> list[float]:
+        times = []
+        end = time.perf_counter() + limit
+        while True:  # (at least one batch)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(batch):
+                fn()
+            stop.record()
+            stop.synchronize()
+            if timed:
+                times.append(start.elapsed_time(stop) / batch)
+            if time.perf_counter() >= end:
+                return times
+
+    run_for(seconds, timed=False)
+    with GpuSampler() as sampler:
+        times = run_for(seconds, timed=True)
+    return statistics.median(times), sampler.means()
+
+
 def host_us(fn, calls: int = 200) -> float:
     """Host microseconds per call (argument checks, packing, launch), device left running."""
     torch.cuda.synchronize()

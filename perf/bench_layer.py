@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mok.fused_backward import moe_backward
-from mok.bench import time_ms_interleaved
+from mok.bench import time_ms_interleaved, time_ms_sustained
 from mok.fused_forward import moe_forward
 
 CONFIGS = {
@@ -192,6 +192,11 @@ def main() -> int:
     parser.add_argument("--configs", default="dsv3,qwen3,dsv3-zipf,qwen3-small")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (one process per GPU)")
+    parser.add_argument(
+        "--sustained", type=float, default=0.0, metavar="S",
+        help="time each path alone at its own steady state (S s of calls, then S s timed), with its mean SM clock and power",
+    )
+    parser.add_argument("--paths", default="", help="MoK paths to time, comma-separated (default: all; torch and dense always)")
     parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
     args = parser.parse_args()
     if args.ep > 1:
@@ -201,6 +206,8 @@ def main() -> int:
         return run(args.ep, names, backward=args.backward, profile_top=args.profile)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = f"{'config':<11}{'path':<13}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
+    if args.sustained:
+        header += f"{'MHz':>7}{'W':>6}{'C':>4}"
     print(header)
     for name in args.configs.split(","):
         T, H, I, E, k, s_inter, routing = CONFIGS[name]
@@ -230,7 +237,21 @@ def main() -> int:
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }
-        ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
+        if args.paths:
+            keep = {"mok", "torch", "dense gemm", *args.paths.split(",")}  # (the default path: the others' bits are checked against it)
+            unknown = keep - set(paths)
+            if unknown:
+                raise SystemExit(f"--paths: no path(s) {sorted(unknown)}; known: {list(paths)}")
+            paths = {p: fn for p, fn in paths.items() if p in keep}
+        state = {p: "" for p in paths}
+        if args.sustained:  # each path alone at the clock its own power draw allows
+            ms = {}
+            for p, fn in paths.items():
+                ms[p], gpu = time_ms_sustained(fn, args.sustained)
+                if gpu:
+                    state[p] = f"{gpu['clock_mhz']:>7.0f}{gpu['power_w']:>6.0f}{gpu['temp_c']:>4.0f}"
+        else:
+            ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
         launches = {p: count_launches(fn) for p, fn in paths.items()}
         mok_result = paths["mok"]()
         same = {p: same_bits(paths[p](), mok_result) for p in paths if p.startswith("mok ")}  # MoK's ways: the same bits
@@ -240,11 +261,11 @@ def main() -> int:
         agree = float((mok_out.float() - torch_out.float()).norm() / torch_out.float().norm())
         for p in paths:
             tflops = flops / ms[p] / 1e9
-            print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}")
+            print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}{state[p]}")
         print(f"{name:<11}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
         print(f"{name:<11}every other MoK path gives the default path's bits: {same}")
         print(f"{name:<11}{gpu_state()}")
-        for p in ("mok", "mok (graph)"):
+        for p in [p for p in ("mok", "mok (graph)") if p in paths]:
             busy, span = device_span(paths[p])
             print(f"{name:<11}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
         if args.profile:

@@ -82,3 +82,41 @@ def test_bench_layer_helpers_count_experts_without_bincount_and_compare_results_
     b.view(torch.int32)[2, 1] ^= 1  # one bit of one element
     assert same_bits((a, None, (a, a)), (a.clone(), None, (a, a.clone())))
     assert not same_bits((a, None), (b, None)) and not same_bits(a, None) and not same_bits((a,), (a, a))
+
+
+def test_gpu_sampler_reads_nvidia_smi_lines_and_skips_what_does_not_parse():
+    """mok.bench.parse_samples: "clock, power, temperature" lines as floats; a line cut short when
+    the sampler stops, "[N/A]" values and blank lines are skipped (CPU)."""
+    from mok.bench import parse_samples
+
+    text = "1980, 412.53, 41\n\n1455, 698.10, 63\n[N/A], 700.00, 64\n1470, 69"
+    assert parse_samples(text) == [(1980.0, 412.53, 41.0), (1455.0, 698.1, 63.0)]
+    assert parse_samples("") == []
+
+
+@pytest.mark.gpu
+def test_sustained_timing_warms_up_then_times_and_samples_the_clock():
+    """mok.bench.time_ms_sustained: untimed calls for ``seconds``, then timed ones for as long; a
+    kernel that spins twice as long measures ~2x, and the sampler saw the SM clock (nvidia-smi)."""
+    import shutil
+    import time
+
+    import torch
+
+    from mok.bench import time_ms_sustained
+
+    calls = []
+
+    def spin(cycles):
+        def fn():
+            calls.append(cycles)
+            torch.cuda._sleep(cycles)
+        return fn
+
+    start = time.perf_counter()
+    short, gpu = time_ms_sustained(spin(1_000_000), seconds=0.3)
+    assert time.perf_counter() - start >= 0.6 and short > 0 and len(calls) >= 10
+    long, _ = time_ms_sustained(spin(2_000_000), seconds=0.3)
+    assert 1.6 < long / short < 2.4
+    if shutil.which("nvidia-smi"):
+        assert gpu["samples"] >= 1 and 100 < gpu["clock_mhz"] < 5000 and gpu["power_w"] > 0
