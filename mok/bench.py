@@ -119,29 +119,38 @@ def parse_samples(text: str) -> list[tuple[float, float, float]]:
     return samples
 
 
-def time_ms_sustained(fn, seconds: float = 3.0, batch: int = 5) -> tuple[float, dict]:
-    """fn alone under sustained load: ``seconds`` of untimed calls (the GPU reaches the clock its
-    power limit allows for this fn), then batches timed for ``seconds`` more while a
+def time_ms_sustained(
+    fn, seconds: float = 2.0, batch: int = 5, *, before_batch=None, per_batch=None, agree_done=None
+) -> tuple[float, dict]:
+    """fn alone under sustained load: ``seconds`` of untimed batches (the GPU settles at the clock
+    its power limit allows for this fn), then batches timed for ``seconds`` more while a
     :class:`GpuSampler` runs. Returns (median ms per call, the sampler's means).
 
-    :func:`time_ms_interleaved` gives every path the same clocks, which is fair to kernels of
-    one power draw; a path that draws less (fewer tensor-core cycles, more gaps) would, run on
-    its own as a user runs it, keep a higher clock than amid power-hungry neighbours. This timer
-    measures each path at its own steady state instead.
+    :func:`time_ms_interleaved` gives every path the same clocks, which is fair only to paths of
+    one power draw: a path that draws less (an H200 ran PyTorch's MoE path at 1.73 GHz on its
+    own, MoK's at 1.44) runs slower amid power-hungry neighbours than it would on its own, and
+    they run faster in its company. A user runs one path, sustained: this timer measures that.
+    ``before_batch``, ``per_batch`` as in :func:`time_ms_interleaved`; ``agree_done(done) ->
+    bool``: with several ranks, whether any rank's time is up (every rank then runs the same
+    number of batches).
     """
     def run_for(limit: float, timed: bool) -> list[float]:
         times = []
         end = time.perf_counter() + limit
         while True:  # (at least one batch)
+            if before_batch is not None:
+                before_batch()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(batch):
                 fn()
             stop.record()
             stop.synchronize()
+            ms = start.elapsed_time(stop) / batch
             if timed:
-                times.append(start.elapsed_time(stop) / batch)
-            if time.perf_counter() >= end:
+                times.append(ms if per_batch is None else per_batch(ms))
+            done = time.perf_counter() >= end
+            if (done if agree_done is None else agree_done(done)):
                 return times
 
     run_for(seconds, timed=False)

@@ -10,7 +10,8 @@ back to the host, torch._grouped_mm experts, all_to_all_single back, index_add c
 has the gate/up GEMM pull its rows itself, "mok od" its idle warps copy them into x_rows while
 its tiles run (forward only, ``fused_dispatch`` / ``overlap_dispatch``); "mok 1L" is the whole
 forward in one kernel per rank (``one_launch``), "mok 1Lg" that replayed from a graph. Reported:
-the median over iterations of the slowest rank's time (the paths timed in turn), the speedup,
+the median over batches of the slowest rank's time (each path alone at its own steady state,
+with rank 0's SM clock, power and temperature; ``--sustained 0``: the paths timed in turn), the speedup,
 the bytes each rank sends to other ranks (dispatch + combine: the baseline sends a row per
 remote (token, slot) pair each way, MoK's dispatch a token once per rank) and the effective
 NVLink GB/s per GPU, and whether every MoK path gave the default path's bits. With
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_layer import expert_offsets, graph_of, kernel_times, same_bits
 
-from mok.bench import time_ms_interleaved
+from mok.bench import time_ms_interleaved, time_ms_sustained
 
 CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
@@ -105,6 +106,29 @@ def _time_in_turn(fns: dict, group, iters: int = 20, warmup: int = 3) -> dict:
     )
 
 
+def _time_sustained(fns: dict, group, seconds: float) -> tuple[dict, dict]:
+    """Per callable, alone at its own steady state (mok.bench.time_ms_sustained, batches of 5
+    after a barrier, until any rank's time is up): the median of the slowest rank's milliseconds,
+    and this rank's GPU clock, power and temperature while it was timed."""
+
+    def slowest_rank(ms: float) -> float:
+        mine = torch.tensor([ms], device="cuda")
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+        return float(mine)
+
+    def any_rank_done(done: bool) -> bool:
+        flag = torch.tensor([int(done)], device="cuda")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag)
+
+    ms, gpu = {}, {}
+    for name, fn in fns.items():
+        ms[name], gpu[name] = time_ms_sustained(
+            fn, seconds, batch=5, before_batch=lambda: dist.barrier(group=group), per_batch=slowest_rank, agree_done=any_rank_done
+        )
+    return ms, gpu
+
+
 def _host_ms(fn, calls: int = 10) -> float:
     """Host milliseconds to launch one call (no device sync inside): above the device time, the call is host-bound."""
     import time
@@ -133,7 +157,9 @@ def _host_profile(fn, calls: int = 5):
     return pstats.Stats(prof)
 
 
-def _worker(rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0) -> None:
+def _worker(
+    rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0, sustained: float = 2.0
+) -> None:
     from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
     from mok.ep_backward import ep_moe_backward
     from mok.runtime.workspace import SymmetricWorkspace
@@ -144,7 +170,7 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
     try:
         if rank == 0:
             print(f"# {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}")
-            print(f"{'config':<8}{'path':<8}{'ms':>9}{'vs torch':>9}{'MB sent':>9}{'GB/s':>8}")
+            print(f"{'config':<8}{'path':<8}{'ms':>9}{'vs torch':>9}{'MB sent':>9}{'GB/s':>8}" + (" MHz, W, C (rank 0)" if sustained else ""))
         for name in configs:
             T, H, I, E, k = CONFIGS[name]
             g = torch.Generator(device="cuda").manual_seed(1000 + rank)
@@ -185,7 +211,10 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
                     "mok 1Lg": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True)),
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
-            ms = _time_in_turn(paths, group)
+            if sustained:
+                ms, gpu = _time_sustained(paths, group, sustained)
+            else:
+                ms, gpu = _time_in_turn(paths, group), {}
             want = paths["mok"]().clone()
             same = {p: same_bits(fn(), want) for p, fn in paths.items() if p not in ("mok", "torch")}  # MoK's ways: the same bits
             agree = float((want.float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
@@ -200,7 +229,9 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
             if rank == 0:
                 for p in paths:
                     nbytes = sent_by["torch" if p == "torch" else "mok"]
-                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{nbytes / 1e6:>9.0f}{nbytes / ms[p] / 1e6:>8.0f}")
+                    state = gpu.get(p) or {}
+                    clock = f"{state['clock_mhz']:>7.0f}{state['power_w']:>6.0f}{state['temp_c']:>4.0f}" if state else ""
+                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{nbytes / 1e6:>9.0f}{nbytes / ms[p] / 1e6:>8.0f}{clock}")
                 print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")
                 print(f"{name:<8}every other MoK path gives the default path's bits (rank 0): {same}")
             if profile_top:
@@ -220,7 +251,7 @@ def _worker(rank: int, world: int, configs: list[str], init_file: str, backward:
         dist.destroy_process_group()
 
 
-def run(world: int, configs: list[str], backward: bool = False, profile_top: int = 0) -> int:
+def run(world: int, configs: list[str], backward: bool = False, profile_top: int = 0, sustained: float = 2.0) -> int:
     """Spawn one process per GPU and run the comparison (called by perf/bench_layer.py --ep N)."""
     import torch.multiprocessing as mp
 
@@ -228,5 +259,5 @@ def run(world: int, configs: list[str], backward: bool = False, profile_top: int
         print(f"--ep {world}: needs {world} GPUs, this machine has {torch.cuda.device_count()}")
         return 1
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init"), backward, profile_top), nprocs=world)
+        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init"), backward, profile_top, sustained), nprocs=world)
     return 0

@@ -15,6 +15,12 @@ launch, plus 2 for a shared expert). With ``--backward`` each path runs
 forward + backward (MoK: moe_forward(save_for_backward=True) + moe_backward; PyTorch:
 autograd through the same path, gradients of x, router weights and all weights), counted
 as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs.
+
+Each path is timed alone at its own steady state (``--sustained S``, mok.bench.time_ms_sustained),
+with the SM clock, power and temperature it ran at: an H200 under these loads sits at its 700 W
+limit, and a path that draws less keeps a higher clock on its own. Timed in turn instead
+(``--sustained 0``), the paths share clocks, which flatters the power-hungry ones (perf/NOTES.md,
+fifteenth session: PyTorch's path 9.06 ms alone, 10.15 amid MoK's).
 """
 
 from __future__ import annotations
@@ -193,8 +199,9 @@ def main() -> int:
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (one process per GPU)")
     parser.add_argument(
-        "--sustained", type=float, default=0.0, metavar="S",
-        help="time each path alone at its own steady state (S s of calls, then S s timed), with its mean SM clock and power",
+        "--sustained", type=float, default=2.0, metavar="S",
+        help="each path alone at its own steady state: S s of calls, then S s timed, with its mean SM clock, power and "
+        "temperature (default 2); 0: the paths timed in turn instead (mok.bench.time_ms_interleaved)",
     )
     parser.add_argument("--paths", default="", help="MoK paths to time, comma-separated (default: all; torch and dense always)")
     parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
@@ -203,7 +210,7 @@ def main() -> int:
         from bench_ep import CONFIGS as EP_CONFIGS, run
 
         names = args.configs.split(",") if args.configs != parser.get_default("configs") else list(EP_CONFIGS)
-        return run(args.ep, names, backward=args.backward, profile_top=args.profile)
+        return run(args.ep, names, backward=args.backward, profile_top=args.profile, sustained=args.sustained)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = f"{'config':<11}{'path':<13}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
     if args.sustained:
