@@ -224,6 +224,14 @@ class EPWorkspace:
         err = error_slot(self.layout.world)
         return self.region("flags")[err:grid_sync_slot(self.layout.world) + GRID_SYNC_WORDS]
 
+    def count_own_timeouts(self, flag: torch.Tensor) -> None:
+        """Add a kernel's own timeout flag (one int32 on the device, 0 or 1) to the record's count of
+        waits on this rank's own work that expired (queued on the current stream, no host sync), so
+        that :meth:`check` raises for it as for the one-launch forward's grid-barrier timeouts."""
+        record = self._record()
+        timeouts = grid_sync_slot(self.layout.world) - error_slot(self.layout.world) + 2
+        record[timeouts:timeouts + 1].add_(flag)
+
     def check(self) -> None:
         """Raise if this rank's error record holds an error (reads it back: call it off the hot path)."""
         self._raise_for(self._record().tolist())
@@ -244,9 +252,10 @@ class EPWorkspace:
             )
         if grid_timeouts:
             raise RuntimeError(
-                f"MoK expert parallelism: rank {self.rank}'s one-launch forward timed out {grid_timeouts} time(s) at a grid "
-                "barrier or an fc2 tile's wait for its rows (its CTAs were not all resident at once, e.g. other kernels "
-                f"held SMs); its outputs are wrong. {REBUILD.capitalize()}"
+                f"MoK expert parallelism: a wait of rank {self.rank}'s kernels on their own work timed out {grid_timeouts} "
+                "time(s): a one-launch forward's grid barrier or an fc2 tile's wait for its rows (its CTAs were not all "
+                "resident at once, e.g. other kernels held SMs), or overlap_dispatch's wait for a row tile's copy; those "
+                f"outputs are wrong. {REBUILD.capitalize()}"
             )
 
     def raise_pending(self) -> None:
@@ -346,7 +355,8 @@ def ep_moe_forward(
     the workspace's regions and epoch). ``fused_dispatch``: the
     gate/up GEMM pulls its rows from the peers itself (no dispatch kernel, no x_rows buffer).
     ``overlap_dispatch``: the gate/up GEMM's idle producer warps copy the rows into x_rows row
-    tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel).
+    tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel; a
+    wait that outlasts ``timeout_s`` is counted where :meth:`EPWorkspace.check` raises for it).
     ``one_launch``: the whole forward in one persistent kernel (mok/ep_one_launch.py; plus 2
     launches for a shared expert), the same bits.
     """
@@ -516,6 +526,7 @@ def ep_moe_forward_saved(
         x_all = ws.region("x", 0)[: ws.layout.max_tokens * hidden].view(ws.layout.max_tokens, hidden)
         pull = (x_all, (world, ws.stride_elems("x")), sched.row_token, counters)
         a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h, pull=pull, timeout_s=timeout_s)
+        ws.count_own_timeouts(counters[:1])  # a row tile's wait that expired: where check() looks
     else:
         x_rows = pull_rows(ws, k, "x", sched, stream)
         a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank

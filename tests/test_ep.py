@@ -34,8 +34,12 @@ def test_workspace_regions_are_per_rank_views_and_the_error_record_raises():
     with pytest.raises(RuntimeError, match=r"rank 1 timed out in phase combine .* waiting for rank 2 \(epoch 5\)"):
         ranks[1].check()
     ranks[0].region("flags")[grid_sync_slot(3) + 2] = 3  # the one-launch forward's grid barrier counted 3 timeouts
-    with pytest.raises(RuntimeError, match=r"rank 0's one-launch forward timed out 3 time\(s\) at a grid barrier"):
+    with pytest.raises(RuntimeError, match=r"a wait of rank 0's kernels on their own work timed out 3 time\(s\): a one-launch"):
         ranks[0].check()
+    ranks[2].count_own_timeouts(torch.tensor([1], dtype=torch.int32))  # overlap_dispatch's row-tile wait expired once
+    ranks[2].count_own_timeouts(torch.tensor([0], dtype=torch.int32))  # (and not the next time)
+    with pytest.raises(RuntimeError, match=r"rank 2's kernels on their own work timed out 1 time\(s\).*overlap_dispatch"):
+        ranks[2].check()
 
 
 def test_ranks_emulated_on_one_device_know_they_share_it():

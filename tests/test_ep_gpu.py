@@ -105,6 +105,25 @@ def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang(dispatch):
         ws0.check()
 
 
+def test_overlap_dispatch_row_tile_wait_that_expires_is_raised_by_check():
+    """overlap_dispatch: the gate/up GEMM's TMA warp waits for its copying warps to fill a row
+    tile; with a 1 ns bound that wait expires (a 128-row tile of 2048 columns takes far longer to
+    copy) and the workspace's check must say so, while a generous bound leaves a clean record.
+    (One rank: every wait on a peer is on its own flags, already set.)"""
+    x, idx, w, experts, _ = gpu_layer(512, 2048, 256, 4, 2, None, seed=11)
+    layout = EPLayout(world=1, max_tokens=512, hidden=2048, topk=2)
+    (ws,) = EPWorkspace.local_group(layout)
+    args = split(1, (512,), x, idx, w, experts, None)[0]
+    want = moe_forward(x, idx, w, *experts).out
+    assert torch.equal(ep_moe_forward(ws, *args, timeout_s=20.0, overlap_dispatch=True), want)
+    torch.cuda.synchronize()
+    ws.check()
+    ep_moe_forward(ws, *args, timeout_s=1e-9, overlap_dispatch=True)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match=r"rank 0's kernels on their own work timed out 1 time\(s\).*overlap_dispatch"):
+        ws.check()
+
+
 def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None, **forward):
     """warm_up for forward and backward: each on its own throwaway workspaces (a forward whose
     waits timed out leaves an error that the next call of its workspace would raise)."""
