@@ -120,7 +120,7 @@ def parse_samples(text: str) -> list[tuple[float, float, float]]:
 
 
 def time_ms_sustained(
-    fn, seconds: float = 2.0, batch: int = 5, *, before_batch=None, per_batch=None, agree_done=None
+    fn, seconds: float = 3.0, batch: int = 5, *, before_batch=None, per_batch=None, agree_done=None
 ) -> tuple[float, dict]:
     """fn alone under sustained load: ``seconds`` of untimed batches (the GPU settles at the clock
     its power limit allows for this fn), then batches timed for ``seconds`` more while a

@@ -158,7 +158,7 @@ def _host_profile(fn, calls: int = 5):
 
 
 def _worker(
-    rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0, sustained: float = 2.0
+    rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0, sustained: float = 3.0
 ) -> None:
     from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
     from mok.ep_backward import ep_moe_backward
@@ -251,7 +251,7 @@ def _worker(
         dist.destroy_process_group()
 
 
-def run(world: int, configs: list[str], backward: bool = False, profile_top: int = 0, sustained: float = 2.0) -> int:
+def run(world: int, configs: list[str], backward: bool = False, profile_top: int = 0, sustained: float = 3.0) -> int:
     """Spawn one process per GPU and run the comparison (called by perf/bench_layer.py --ep N)."""
     import torch.multiprocessing as mp
 

@@ -199,9 +199,10 @@ def main() -> int:
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (one process per GPU)")
     parser.add_argument(
-        "--sustained", type=float, default=2.0, metavar="S",
+        "--sustained", type=float, default=3.0, metavar="S",
         help="each path alone at its own steady state: S s of calls, then S s timed, with its mean SM clock, power and "
-        "temperature (default 2); 0: the paths timed in turn instead (mok.bench.time_ms_interleaved)",
+        "temperature (default 3; nvidia-smi's power reading is averaged over about a second, so shorter windows can misread it); "
+        "0: the paths timed in turn instead (mok.bench.time_ms_interleaved)",
     )
     parser.add_argument("--paths", default="", help="MoK paths to time, comma-separated (default: all; torch and dense always)")
     parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
@@ -236,6 +237,7 @@ def main() -> int:
                 "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
                 "mok (graph)": graph_of(lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out),
                 "mok 3-launch": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, combine_in_gemm=True).out,
+                "mok gather": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, gather_launch=True).out,
                 "mok 1-MLP": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch_mlp=True).out,
                 "mok 1-MLP+c": lambda: moe_forward(
                     *inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch_mlp=True, combine_in_gemm=True
