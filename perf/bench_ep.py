@@ -170,7 +170,8 @@ def _worker(
     try:
         if rank == 0:
             print(f"# {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}")
-            print(f"{'config':<8}{'path':<8}{'ms':>9}{'vs torch':>9}{'MB sent':>9}{'GB/s':>8}" + (" MHz, W, C (rank 0)" if sustained else ""))
+            clocks = " MHz, W, C (rank 0)" if sustained else ""
+            print(f"{'config':<8}{'path':<8}{'ms':>9}{'vs torch':>9}{'MB sent':>9}{'GB/s':>8}{clocks}")
         for name in configs:
             T, H, I, E, k = CONFIGS[name]
             g = torch.Generator(device="cuda").manual_seed(1000 + rank)
@@ -231,7 +232,8 @@ def _worker(
                     nbytes = sent_by["torch" if p == "torch" else "mok"]
                     state = gpu.get(p) or {}
                     clock = f"{state['clock_mhz']:>7.0f}{state['power_w']:>6.0f}{state['temp_c']:>4.0f}" if state else ""
-                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{nbytes / 1e6:>9.0f}{nbytes / ms[p] / 1e6:>8.0f}{clock}")
+                    sent = f"{nbytes / 1e6:>9.0f}{nbytes / ms[p] / 1e6:>8.0f}"
+                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{sent}{clock}")
                 print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")
                 print(f"{name:<8}every other MoK path gives the default path's bits (rank 0): {same}")
             if profile_top:

@@ -270,7 +270,8 @@ def main() -> int:
         agree = float((mok_out.float() - torch_out.float()).norm() / torch_out.float().norm())
         for p in paths:
             tflops = flops / ms[p] / 1e9
-            print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%{launches[p]:>9}{state[p]}")
+            ratios = f"{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%"
+            print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ratios}{launches[p]:>9}{state[p]}")
         print(f"{name:<11}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
         print(f"{name:<11}every other MoK path gives the default path's bits: {same}")
         print(f"{name:<11}{gpu_state()}")
