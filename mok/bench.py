@@ -60,8 +60,9 @@ class GpuSampler:
     ``nvidia-smi`` in the background while the ``with`` block runs; ``means()`` averages them.
 
     An H200 under sustained bf16 load is held at its power limit: its clock then depends on
-    what runs (a kernel that keeps the L2 busier draws more and runs slower), so a timing means
-    little without the clock it ran at. Where nvidia-smi is missing ``means()`` is empty.
+    what runs (a kernel that moves more bytes per FLOP into the SMs draws more per cycle and gets
+    a lower clock), so a timing means little without the clock it ran at. Where nvidia-smi is
+    missing ``means()`` is empty.
     """
 
     QUERY = "--query-gpu=clocks.sm,power.draw,temperature.gpu"

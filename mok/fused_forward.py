@@ -98,13 +98,13 @@ def moe_forward(
     ``combine_in_gemm``: the down projection also combines (3 launches instead of 4, the same
     bits); slower at the benchmark shapes so far (perf/NOTES.md), hence off by default.
     ``one_launch_mlp``: fc1 and fc2 (and with ``combine_in_gemm`` the combine) in one launch, the
-    same bits; from 4% faster (qwen3) to 7% slower (dsv3) than four launches so far
-    (perf/NOTES.md). Its fc2 tiles wait for their rows' fc1 tiles, at most 10 s: only a GPU
+    same bits; within 1% of four launches at steady state (perf/NOTES.md, fifteenth session).
+    Its fc2 tiles wait for their rows' fc1 tiles, at most 10 s: only a GPU
     shared so that not all of this launch's CTAs can run at once could make it time out, and
     then the output is wrong (:func:`mok.ops.expert_mlp` sets its counters' error word; this
     function does not read it back).
     ``one_launch``: the schedule, fc1, fc2 and the combine in one launch
-    (:func:`mok.ops.scheduled_expert_mlp`), within 0-2% of the four launches so far; its grid
+    (:func:`mok.ops.scheduled_expert_mlp`), within 1% of the four launches at steady state; its grid
     barriers keep 16 bytes per stream across calls, allocated on the device's first such call:
     warm up before CUDA-graph capture. Like ``one_launch_mlp`` it needs all its CTAs resident at
     once (waits bounded by the same timeout).
