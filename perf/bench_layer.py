@@ -90,10 +90,10 @@ def expert_offsets(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.cumsum(0).int()
 
 
-def mok_train_step(inputs, dout):
-    """MoK forward (keeping h) and backward: all gradients."""
+def mok_train_step(inputs, dout, **forward):
+    """MoK forward (keeping h; ``forward``: moe_forward's options) and backward: all gradients."""
     x, idx, w, experts, shared = inputs
-    saved = moe_forward(x, idx, w, *experts, shared, check_routing=False, save_for_backward=True)
+    saved = moe_forward(x, idx, w, *experts, shared, check_routing=False, save_for_backward=True, **forward)
     return moe_backward(dout, x, idx, w, *experts, shared, saved)
 
 
@@ -229,6 +229,7 @@ def main() -> int:
             paths = {
                 "mok": lambda: mok_train_step(inputs, dout),
                 "mok (graph)": graph_of(lambda: mok_train_step(inputs, dout)),
+                "mok gather": lambda: mok_train_step(inputs, dout, gather_launch=True),
                 "torch": lambda: torch_train_step(inputs, dout),
                 "dense gemm": lambda: [dense_a @ dense_b for _ in range(3)],
             }
