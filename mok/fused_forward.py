@@ -86,7 +86,7 @@ def moe_forward(
     combine_in_gemm: bool = False,
     one_launch_mlp: bool = False,
     one_launch: bool = False,
-    gather_launch: bool = False,
+    gather_first: bool = False,
 ) -> ForwardResult:
     """MoE layer output [T, H] bf16 for bf16 x [T, H] and bf16 weights, all experts on this GPU.
 
@@ -108,13 +108,13 @@ def moe_forward(
     barriers keep 16 bytes per stream across calls, allocated on the device's first such call:
     warm up before CUDA-graph capture. Like ``one_launch_mlp`` it needs all its CTAs resident at
     once (waits bounded by the same timeout).
-    ``gather_launch`` (not with the one-launch forms): the rows are gathered into x_rows [R, H]
-    by a launch of their own and the gate/up GEMM loads them by TMA, instead of gathering them
-    itself with cp.async: one launch and R·H·2 bytes of transient memory more, the same bits
-    (perf/NOTES.md, fifteenth session: the gate/up GEMM 3-4% faster at steady state).
+    ``gather_first`` (not with the one-launch forms): the rows are gathered into x_rows [R, H]
+    first, by a launch of their own, and the gate/up GEMM loads them by TMA, instead of
+    gathering them itself with cp.async: one launch and R·H·2 bytes of transient memory more,
+    the same bits (perf/NOTES.md, fifteenth session: the gate/up GEMM 3-4% faster at steady state).
     """
-    if gather_launch and (one_launch or one_launch_mlp):
-        raise ValueError("gather_launch: only with the multi-launch forward (not one_launch or one_launch_mlp)")
+    if gather_first and (one_launch or one_launch_mlp):
+        raise ValueError("gather_first: only with the multi-launch forward (not one_launch or one_launch_mlp)")
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
     check_fused_layer_device(x.device.index)
@@ -148,7 +148,7 @@ def moe_forward(
             y_rows = ops.expert_mlp(x, w_gate, w_up, w_down, sched, counters, h_out=h)
             out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
         return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
-    if gather_launch:
+    if gather_first:
         a = ops.grouped_gemm(ops.gather_rows(x, sched.row_token), w_gate, sched.tile_expert, b2=w_up, h_out=h)
     else:
         a = ops.grouped_gemm(x, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token)

@@ -229,7 +229,7 @@ def main() -> int:
             paths = {
                 "mok": lambda: mok_train_step(inputs, dout),
                 "mok (graph)": graph_of(lambda: mok_train_step(inputs, dout)),
-                "mok gather": lambda: mok_train_step(inputs, dout, gather_launch=True),
+                "mok gather": lambda: mok_train_step(inputs, dout, gather_first=True),
                 "torch": lambda: torch_train_step(inputs, dout),
                 "dense gemm": lambda: [dense_a @ dense_b for _ in range(3)],
             }
@@ -238,7 +238,7 @@ def main() -> int:
                 "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
                 "mok (graph)": graph_of(lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out),
                 "mok 3-launch": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, combine_in_gemm=True).out,
-                "mok gather": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, gather_launch=True).out,
+                "mok gather": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, gather_first=True).out,
                 "mok 1-MLP": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch_mlp=True).out,
                 "mok 1-MLP+c": lambda: moe_forward(
                     *inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch_mlp=True, combine_in_gemm=True

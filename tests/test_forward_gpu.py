@@ -228,7 +228,7 @@ def test_forward_matches_reference(T, H, I, E, k, shared_inter, routing):
         assert torch.equal(one, res.out)
     whole = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), one_launch=True).out  # schedule in the launch too
     assert torch.equal(whole, res.out)
-    gathered_first = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), gather_launch=True, save_for_backward=True)
+    gathered_first = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), gather_first=True, save_for_backward=True)
     assert torch.equal(gathered_first.out, res.out)  # x_rows by a launch of their own, then TMA: the same bits
     used = int(gathered_first.schedule.expert_offsets[-1])
     assert torch.equal(gathered_first.h[:used], moe_forward(x, idx, w, *experts, shared, save_for_backward=True).h[:used])
