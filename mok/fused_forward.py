@@ -108,13 +108,15 @@ def moe_forward(
     barriers keep 16 bytes per stream across calls, allocated on the device's first such call:
     warm up before CUDA-graph capture. Like ``one_launch_mlp`` it needs all its CTAs resident at
     once (waits bounded by the same timeout).
-    ``gather_first`` (not with the one-launch forms): the rows are gathered into x_rows [R, H]
-    first, by a launch of their own, and the gate/up GEMM loads them by TMA, instead of
-    gathering them itself with cp.async: one launch and R·H·2 bytes of transient memory more,
-    the same bits (perf/NOTES.md, fifteenth session: the gate/up GEMM 3-4% faster at steady state).
+    ``gather_first`` (not with ``one_launch_mlp``): the rows are gathered into x_rows [R, H]
+    first, by a launch of their own (with ``one_launch``: by a phase of the launch, after the
+    schedule, behind a grid barrier), and the gate/up GEMM loads them by TMA, instead of
+    gathering them itself with cp.async: R·H·2 bytes of transient memory (and in the multi-launch
+    forward one launch) more, the same bits (perf/NOTES.md, fifteenth session: the gate/up GEMM
+    3-4% faster at steady state).
     """
-    if gather_first and (one_launch or one_launch_mlp):
-        raise ValueError("gather_first: only with the multi-launch forward (not one_launch or one_launch_mlp)")
+    if gather_first and one_launch_mlp:
+        raise ValueError("gather_first: not with one_launch_mlp (its fc1 gathers the rows itself)")
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
     check_fused_layer_device(x.device.index)
@@ -133,7 +135,9 @@ def moe_forward(
     topk_idx = topk_idx.to(torch.int32).contiguous()
     if one_launch:  # the shared expert (if any), then one launch
         shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
-        out, sched = ops.scheduled_expert_mlp(x, topk_idx, topk_w, w_gate, w_up, w_down, h_out=h, shared_out=shared_out, out=out)
+        out, sched = ops.scheduled_expert_mlp(
+            x, topk_idx, topk_w, w_gate, w_up, w_down, h_out=h, shared_out=shared_out, out=out, gather_first=gather_first
+        )
         return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
     if one_launch_mlp:  # its tile, ready and arrival counters
         counters = ops.expert_mlp_counters(num_tokens, hidden, rows, x.device)

@@ -512,6 +512,7 @@ def scheduled_expert_mlp(
     out: torch.Tensor | None = None,
     timeout_s: float = 10.0,
     combine_phase: bool = True,
+    gather_first: bool = False,
 ) -> tuple[torch.Tensor, Schedule]:
     """The routed experts' whole forward in ONE launch: the device schedule of ``topk_idx``, then
     :func:`expert_mlp` with the combine, all CTAs waiting for all after the schedule (a grid
@@ -529,7 +530,9 @@ def scheduled_expert_mlp(
     it, only in the launch's own counters). ``combine_phase`` (default): the
     combine as the launch's last phase (after a second grid barrier, as the combine launch
     computes it); False: in fc2's epilogue, as :func:`expert_mlp` does. The same bits; the phase
-    was 2-6% faster on an H200 (perf/NOTES.md).
+    was 2-6% faster on an H200 (perf/NOTES.md). ``gather_first``: after the schedule the CTAs
+    gather the rows into an x_rows buffer [R, H] (transient) and meet at another grid barrier;
+    fc1 then loads them by TMA instead of gathering them with cp.async (the same bits).
     """
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=2, device=x.device, contiguous=True)
@@ -557,11 +560,12 @@ def scheduled_expert_mlp(
     a = torch.empty(capacity, inter, dtype=torch.bfloat16, device=x.device)
     variant = expert_mlp_variant(
         hidden, inter, topk, save_h=h_out is not None, combine=True, has_shared=shared_out is not None, schedule_experts=num_experts,
-        combine_phase=combine_phase,
+        combine_phase=combine_phase, gather_phase=gather_first,
     )
+    x_rows = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=x.device) if gather_first else None
     launch_expert_mlp(
         variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s,
-        topk_idx=topk_idx, grid_sync=grid_sync,
+        topk_idx=topk_idx, grid_sync=grid_sync, x_rows=x_rows,
     )
     return out, schedule
 
@@ -648,13 +652,14 @@ def raise_grid_timeouts(grid_sync: torch.Tensor) -> None:
 
 def launch_expert_mlp(
     variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s, *,
-    topk_idx=None, grid_sync=None, ep: tuple | None = None, max_ctas: int | None = None,
+    topk_idx=None, grid_sync=None, ep: tuple | None = None, max_ctas: int | None = None, x_rows=None,
 ) -> None:
     """Launch a checked expert-MLP variant (see :func:`expert_mlp`; None for what it does not use;
     ``topk_idx`` and ``grid_sync`` only when it builds the ``schedule`` itself). ``ep``: the
     expert-parallel variant's (flags, x, idx and slots regions of rank 0, this rank's x and
     topk_idx, rank, T_max, and the four regions' rank strides in elements); ``max_ctas``: a CTA
-    cap below the SM count (ranks emulated on one GPU must all be resident at once)."""
+    cap below the SM count (ranks emulated on one GPU must all be resident at once); ``x_rows``
+    [R, H]: where a gather_phase variant gathers the rows."""
     num_rows, num_experts, num_tokens = schedule.row_token.shape[0], w_gate.shape[0], x.shape[0]
     flags = x_pub = idx_pub = slots = x_in = idx_in = None
     rank = t_max = my_tokens = 0
@@ -669,7 +674,7 @@ def launch_expert_mlp(
         _ptr("bf16", out), _ptr("i32", counters, 4), _ptr("i32", schedule.expert_offsets, 4),
         _ptr("i32", topk_idx, 4), _ptr("i32", schedule.expert_counts, 4), _ptr("i32", schedule.overflow, 4), _ptr("i32", grid_sync, 4),
         _ptr("i32", flags, 4), _ptr("bf16", x_pub), _ptr("i32", idx_pub, 4), _ptr("bf16", slots), _ptr("bf16", x_in),
-        _ptr("i32", idx_in, 4),
+        _ptr("i32", idx_in, 4), _ptr("bf16", x_rows),
         _i32(num_rows), _i32(num_experts), _i32(num_tokens), _i32(max_ctas or _sm_count(x.device)), _i64(int(timeout_s * 1e9)),
         _i32(rank), _i32(t_max), _i32(my_tokens), *(_i32(s) for s in strides), _stream(x.device),
     )

@@ -244,6 +244,9 @@ def main() -> int:
                     *inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch_mlp=True, combine_in_gemm=True
                 ).out,
                 "mok 1-launch": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch=True).out,
+                "mok 1L gather": lambda: moe_forward(
+                    *inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch=True, gather_first=True
+                ).out,
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }

@@ -293,16 +293,17 @@ def test_ops_refuse_a_schedule_of_other_tiles_and_a_one_launch_forward_without_w
         router_grad(torch.zeros(384, 2), build_schedule(idx, E, block_m=128).slot_row)
 
 
-def test_forward_refuses_gather_first_with_the_one_launch_forms():
-    """moe_forward(gather_first=True) gathers x_rows in a launch of its own first: the one-launch forms
-    gather inside their kernel, so asking for both is an error (raised before any device check)."""
+def test_forward_refuses_gather_first_with_the_one_launch_mlp():
+    """moe_forward(gather_first=True) gathers x_rows before the gate/up GEMM (a launch of its own,
+    or a phase of the one-launch forward); the one-launch MLP's fc1 gathers them itself, so asking
+    for both is an error, raised before any device check."""
     from mok.fused_forward import moe_forward
 
     T, H, I, E, k = 8, 256, 128, 4, 2
     x, wg, wu, wd = (torch.randn(*s).bfloat16() for s in ((T, H), (E, I, H), (E, I, H), (E, H, I)))
     idx, w = torch.randint(0, E, (T, k), dtype=torch.int32), torch.rand(T, k)
-    for form in ("one_launch", "one_launch_mlp"):
-        with pytest.raises(ValueError, match=r"gather_first: only with the multi-launch forward"):
-            moe_forward(x, idx, w, wg, wu, wd, gather_first=True, **{form: True})
-    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # alone it is accepted; then the device check
-        moe_forward(x, idx, w, wg, wu, wd, gather_first=True)
+    with pytest.raises(ValueError, match=r"gather_first: not with one_launch_mlp"):
+        moe_forward(x, idx, w, wg, wu, wd, gather_first=True, one_launch_mlp=True)
+    for form in ({}, {"one_launch": True}):  # accepted; then the device check
+        with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+            moe_forward(x, idx, w, wg, wu, wd, gather_first=True, **form)

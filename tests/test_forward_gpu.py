@@ -228,10 +228,14 @@ def test_forward_matches_reference(T, H, I, E, k, shared_inter, routing):
         assert torch.equal(one, res.out)
     whole = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), one_launch=True).out  # schedule in the launch too
     assert torch.equal(whole, res.out)
-    gathered_first = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H), gather_first=True, save_for_backward=True)
-    assert torch.equal(gathered_first.out, res.out)  # x_rows by a launch of their own, then TMA: the same bits
-    used = int(gathered_first.schedule.expert_offsets[-1])
-    assert torch.equal(gathered_first.h[:used], moe_forward(x, idx, w, *experts, shared, save_for_backward=True).h[:used])
+    h_default = moe_forward(x, idx, w, *experts, shared, save_for_backward=True).h
+    for one_launch in (False, True):  # x_rows gathered first (a launch, or a phase of the one launch), fc1 by TMA: the same bits
+        gathered_first = moe_forward(
+            x, idx, w, *experts, shared, out=poisoned(T, H), gather_first=True, save_for_backward=True, one_launch=one_launch
+        )
+        assert torch.equal(gathered_first.out, res.out)
+        used = int(gathered_first.schedule.expert_offsets[-1])
+        assert torch.equal(gathered_first.h[:used], h_default[:used])
 
 
 @pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [CASES[0], CASES[3], CASES[7]])
@@ -278,10 +282,10 @@ def test_one_launch_forward_is_one_kernel_and_leaves_its_barrier_ready():
     sync = torch.zeros(4, dtype=torch.int32, device="cuda")
     sync[1] = 2**31 - 1  # the generation wraps
     generation = 2**31 - 1
-    for combine_phase in (False, False, True, True):  # one barrier per launch, or two
-        out, _ = ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, combine_phase=combine_phase)
+    for combine_phase, gather_first in ((False, False), (False, False), (True, True), (True, False), (False, True)):  # 1-3 barriers
+        out, _ = ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, combine_phase=combine_phase, gather_first=gather_first)
         assert torch.equal(out, want)
-        generation = (generation + 1 + combine_phase + 2**31) % 2**32 - 2**31
+        generation = (generation + 1 + combine_phase + gather_first + 2**31) % 2**32 - 2**31
         assert sync.tolist() == [0, generation, 0, 0]
     moe_forward(x, idx, w, *experts, check_routing=False, one_launch=True)  # compiled and warm
     torch.cuda.synchronize()
@@ -318,8 +322,8 @@ def test_one_launch_forward_gives_each_stream_and_each_captured_launch_its_own_b
     assert torch.equal(out_here, want) and torch.equal(out_side, want)
 
 
-@pytest.mark.parametrize("combine_phase", [False, True])
-def test_one_launch_forward_grid_barrier_is_bounded_and_leaves_its_words_ready(combine_phase):
+@pytest.mark.parametrize("combine_phase,gather_first", [(False, False), (True, False), (True, True)])
+def test_one_launch_forward_grid_barrier_is_bounded_and_leaves_its_words_ready(combine_phase, gather_first):
     """Barrier words that can never complete (arrived far below zero): every CTA stops waiting
     after the timeout, at each barrier, and counts it in grid_sync[2]; the launch finishes
     instead of hanging, its last CTA out sets the words back to arrived = 0, and the next call
@@ -327,16 +331,18 @@ def test_one_launch_forward_grid_barrier_is_bounded_and_leaves_its_words_ready(c
     x, idx, w, experts, _ = layer(64, 256, 128, 4, 2, None, seed=13)
     want = moe_forward(x, idx, w, *experts).out
     sync = torch.tensor([-(10**6), 0, 0, 0], dtype=torch.int32, device="cuda")
-    ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, timeout_s=0.02, combine_phase=combine_phase)
+    opts = dict(combine_phase=combine_phase, gather_first=gather_first)
+    barriers = 1 + combine_phase + gather_first
+    ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, timeout_s=0.02, **opts)
     torch.cuda.synchronize()
-    timeouts = int(sync[2])  # every CTA, at each of its 1 or 2 barriers
-    assert timeouts >= 1 + combine_phase and timeouts % (1 + combine_phase) == 0
+    timeouts = int(sync[2])  # every CTA, at each of its 1 to 3 barriers
+    assert timeouts >= barriers and timeouts % barriers == 0
     assert sync.tolist() == [0, 0, timeouts, 0]
     with pytest.raises(RuntimeError, match=f"{timeouts} grid-barrier timeouts"):
         ops.raise_grid_timeouts(sync)
-    out, _ = ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, combine_phase=combine_phase)
+    out, _ = ops.scheduled_expert_mlp(x, idx, w, *experts, grid_sync=sync, **opts)
     assert torch.equal(out, want)
-    assert sync.tolist() == [0, 1 + combine_phase, timeouts, 0]
+    assert sync.tolist() == [0, barriers, timeouts, 0]
     sync[2] = 0
     ops.raise_grid_timeouts(sync)  # none: no error
 

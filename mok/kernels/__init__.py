@@ -181,7 +181,7 @@ def grouped_gemm_variant(
 
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
-    schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None,
+    schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None, gather_phase: bool = False,
 ) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
     persistent launch, tiles taken in one global order, each fc2 row tile waiting for its fc1
@@ -189,8 +189,9 @@ def expert_mlp_variant(
     ``has_shared``); ``schedule_experts`` (E, with ``combine``): the schedule of the routing is
     built in the same launch first, so the launch is the whole forward; ``combine_phase`` (with
     it): the combine as a last phase after a grid barrier, not in fc2's epilogue; ``ep_world`` (W,
-    with both): the whole expert-parallel forward of one rank of W, exchanges included. See
-    mok/kernels/sm90/expert_mlp.py."""
+    with both): the whole expert-parallel forward of one rank of W, exchanges included;
+    ``gather_phase`` (with ``schedule_experts``, not ``ep_world``): the rows gathered into x_rows
+    by all CTAs after the schedule, fc1 reading them by TMA. See mok/kernels/sm90/expert_mlp.py."""
     # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
     fc2_tile_n = default_tile_n(hidden, inter, False)
     options = dict(save_h=save_h, combine=combine, has_shared=has_shared, order="dynamic", fc2_tile_n=fc2_tile_n)
@@ -200,6 +201,8 @@ def expert_mlp_variant(
         options["combine_phase"] = True
     if ep_world is not None:
         options["ep_world"] = ep_world
+    if gather_phase:
+        options["gather_phase"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
@@ -209,6 +212,7 @@ def expert_mlp_variant(
         return compile_expert_mlp(
             hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared,
             fc2_tile_n=fc2_tile_n, schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world,
+            gather_phase=gather_phase,
         )
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)

@@ -53,22 +53,28 @@ class GatherRowsKernel:
         tidx, _, _ = cute.arch.thread_idx()
         row_block, col_block, _ = cute.arch.block_idx()
         chunk = col_block * self.threads + tidx
-        num_out = m_out.shape[0]
         if chunk * VECTOR < self.width:
-            held = []
-            for i in cutlass.range_constexpr(ROWS):  # every load first ...
-                row = row_block * ROWS + i
-                vec = cute.make_rmem_tensor((VECTOR,), m_out.element_type)
-                vec.fill(0.0)
-                if row < num_out:
-                    source = m_index[row]
-                    if source >= 0:
-                        vec.store(cute.zipped_divide(m_src[source, None], (VECTOR,))[None, chunk].load())
-                held.append(vec)
-            for i in cutlass.range_constexpr(ROWS):  # ... then every store
-                row = row_block * ROWS + i
-                if row < num_out:
-                    cute.zipped_divide(m_out[row, None], (VECTOR,))[None, chunk].store(held[i].load())
+            gather_row_block(m_src, m_index, m_out, row_block, chunk, m_out.shape[0])
+
+
+@cute.jit
+def gather_row_block(m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor, row_block, chunk, num_out):
+    """Column chunk ``chunk`` (VECTOR elements) of out rows row_block·ROWS .. + ROWS - 1 (those below
+    ``num_out``): every load first, then every store, so ROWS loads are in flight per thread."""
+    held = []
+    for i in cutlass.range_constexpr(ROWS):  # every load first ...
+        row = row_block * ROWS + i
+        vec = cute.make_rmem_tensor((VECTOR,), m_out.element_type)
+        vec.fill(0.0)
+        if row < num_out:
+            source = m_index[row]
+            if source >= 0:
+                vec.store(cute.zipped_divide(m_src[source, None], (VECTOR,))[None, chunk].load())
+        held.append(vec)
+    for i in cutlass.range_constexpr(ROWS):  # ... then every store
+        row = row_block * ROWS + i
+        if row < num_out:
+            cute.zipped_divide(m_out[row, None], (VECTOR,))[None, chunk].store(held[i].load())
 
 
 def compile_gather(width: int, arch: str, options: str = ""):

@@ -65,6 +65,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ep_phases
 from ..common.combine import VECTOR, combine_vector
+from ..common.gather import ROWS as GATHER_ROWS
+from ..common.gather import gather_row_block
 from ..common.ep import flag_words
 from ..common.schedule import ScheduleKernel
 from ..common.waits import grid_barrier, wait_at_least
@@ -82,6 +84,7 @@ class ExpertMlpSm90:
     def __init__(
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
         fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None,
+        gather_phase: bool = False,
     ):
         """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
         ``schedule_experts``: E, to build the schedule of the routing in the same launch first (the
@@ -89,7 +92,10 @@ class ExpertMlpSm90:
         ``schedule_experts``): fc2 stores y rows and the combine runs after a second grid barrier,
         over all CTAs' MMA warps, as the combine launch would, instead of in fc2's epilogue.
         ``ep_world`` (with ``combine_phase``): the expert-parallel forward of one rank of W in this
-        one launch (see "Expert parallelism" in the module docstring; its phases: common/ep_phases.py)."""
+        one launch (see "Expert parallelism" in the module docstring; its phases: common/ep_phases.py).
+        ``gather_phase`` (with ``schedule_experts``, not ``ep_world``): after the schedule every CTA
+        gathers its share of x_rows = x[row_token] (zeros for padding rows) and, past a second grid
+        barrier, fc1 loads its A tiles from x_rows by TMA instead of gathering them with cp.async."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
@@ -103,13 +109,15 @@ class ExpertMlpSm90:
                 f"ep_world: expected 1..32 ranks, top-k <= 32 (a lane per slot), with combine_phase; got {ep_world}, "
                 f"topk={topk}, combine_phase={combine_phase}"
             )
-        self.ep_world = ep_world
+        if gather_phase and (schedule_experts is None or ep_world is not None):
+            raise ValueError("gather_phase: only with schedule_experts and without ep_world (the one-launch forward on one GPU)")
+        self.ep_world, self.gather_phase = ep_world, gather_phase
         self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.combine = combine and not combine_phase  # in fc2's epilogue
         self.combine_phase, self.has_shared = combine_phase, has_shared
         self.fc1 = GroupedGemmSm90(
-            inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True
+            inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=not gather_phase
         )
         self.fc2 = GroupedGemmSm90(
             hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, combine=self.combine, topk=topk,
@@ -152,6 +160,7 @@ class ExpertMlpSm90:
         slots_ptr: cute.Pointer,
         x_in_ptr: cute.Pointer,
         idx_in_ptr: cute.Pointer,
+        x_rows_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
@@ -170,7 +179,8 @@ class ExpertMlpSm90:
         unused. With it: x_ptr is x_all [W·T_max, H] and topk_idx_ptr the routing [W·T_max, k] this
         launch fills, num_tokens = W·T_max; topk_w, shared and out are this rank's ``my_tokens``
         rows; flags, x_pub, idx_pub and slots are rank 0's regions of the workspace (each rank's
-        ``*_stride`` elements further), x_in and idx_in this rank's inputs."""
+        ``*_stride`` elements further), x_in and idx_in this rank's inputs. x_rows [R, H]: the
+        gathered rows (``gather_phase`` only)."""
         hid, inter = self.hidden, self.inter
         num_row_tiles = (num_rows + TILE - 1) // TILE
         row_major = lambda ptr, rows, cols: cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))  # noqa: E731
@@ -223,7 +233,12 @@ class ExpertMlpSm90:
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
         a2_smem, b2_smem, _ = self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))
-        tma_x, t_x = self.fc1.load_atom(m_x, a_smem, (TILE, TILE_K))  # (A of fc1 is gathered; tile_loads still partitions it)
+        gather_args = None  # gather_phase: x [T, H], the rows' tokens, x_rows [R, H]
+        m_fc1_a = m_x  # (A of fc1 is gathered; tile_loads still partitions it)
+        if cutlass.const_expr(self.gather_phase):
+            m_fc1_a = cute.make_tensor(x_rows_ptr, cute.make_layout((num_rows, hid, 1), stride=(hid, 1, num_rows * hid)))
+            gather_args = (row_major(x_ptr, num_tokens, hid), m_row_token, row_major(x_rows_ptr, num_rows, hid))
+        tma_x, t_x = self.fc1.load_atom(m_fc1_a, a_smem, (TILE, TILE_K))
         tma_wg, t_wg = self.fc1.load_atom(m_wg, b_smem, (TILE, TILE_K))
         tma_wu, t_wu = self.fc1.load_atom(m_wu, b_smem, (TILE, TILE_K))
         tma_a, t_a = self.fc2.load_atom(m_a3, a2_smem, (TILE, TILE_K))
@@ -260,8 +275,8 @@ class ExpertMlpSm90:
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, ep_args, scatter_dst, m_x, m_tiles, m_flags, m_ready,
-            m_offsets, num_experts, num_row_tiles, num_rows, timeout_ns,
+            fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, ep_args, scatter_dst, gather_args, m_x, m_tiles, m_flags,
+            m_ready, m_offsets, num_experts, num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -275,6 +290,7 @@ class ExpertMlpSm90:
         sched_args: tuple,
         ep_args: tuple,
         scatter_dst: tuple,
+        gather_args: tuple,
         m_x: cute.Tensor,
         m_tiles: cute.Tensor,
         m_flags: cute.Tensor,
@@ -304,13 +320,13 @@ class ExpertMlpSm90:
         region = storage.s_ab.data_ptr()  # fc1: [A | B | B2] stages; fc2: [A | B] stages (first the schedule's scratch)
         scheduled_rows = cutlass.Int32(0)
         if cutlass.const_expr(self.schedule is not None):
-            scheduled_rows = self.build_schedule(sched_args, ep_args, region, num_rows, timeout_ns, m_offsets, num_experts)
+            scheduled_rows = self.build_schedule(sched_args, ep_args, gather_args, region, num_rows, timeout_ns, m_offsets, num_experts)
         else:  # (written by an earlier launch: every thread reads the same value)
             scheduled_rows = m_offsets[num_experts]
         used_rows = cutlass.min(scheduled_rows // TILE, num_row_tiles)  # the schedule's (padded) row tiles
         fc1_tiles = used_rows * fc1_cols
         all_tiles = fc1_tiles + used_rows * fc2_cols
-        pipe1 = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=128)
+        pipe1 = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=0 if self.gather_phase else 128)
         pipe2 = self.fc2.make_pipeline(storage, 1, a2_smem, b2_smem, barriers=storage.mbar2.data_ptr())
         ring = pipeline.PipelineAsync.create(
             barrier_storage=storage.tile_mbar.data_ptr(),
@@ -349,9 +365,14 @@ class ExpertMlpSm90:
             while tile < fc1_tiles:
                 tile_row, tile_col = self.fc1.grouped_tile(tile, used_rows, fc1_cols)
                 loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, m_tiles[tile_row])
-                prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
+                if cutlass.const_expr(self.gather_phase):  # A by TMA from x_rows: warp 0 loads, warps 1-3 only follow the tiles
+                    if warp_idx == 0:
+                        prod = self.fc1.produce_tile(pipe1, prod, loads, k1_tiles)
+                else:
+                    prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
                 tile, handed = self.take_next(m_flags, ring, handed, s_tiles, tidx)
-            cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(not self.gather_phase):
+                cute.arch.cp_async_wait_group(0)
             if warp_idx == 0:  # warps 1-3 are done: fc2's A comes by TMA
                 pipe1.producer_tail(prod)  # every fc1 stage consumed: fc2's stages may take the region
                 prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
@@ -439,14 +460,15 @@ class ExpertMlpSm90:
                 self.combine_all(mma_tidx, combine_args)
 
     @cute.jit
-    def build_schedule(self, sched_args, ep_args, region, num_rows, timeout_ns, m_offsets, num_experts):
+    def build_schedule(self, sched_args, ep_args, gather_args, region, num_rows, timeout_ns, m_offsets, num_experts):
         """The one-launch forward's prologue: every CTA builds its part of the schedule (scratch in the
         operand region, which the pipelines take over afterwards; it also zeroes the counters), then
         all wait for all (grid barrier), as the next launch would have. Returns the schedule's row
         count (``m_offsets[num_experts]``), read once by thread 0 for the whole CTA: after a barrier
         that timed out, a late CTA may still be writing it, and warps that read different values
         would disagree on the tile count and wait on each other's barriers forever (the output is
-        wrong then, as the timeout count says, but nothing hangs)."""
+        wrong then, as the timeout count says, but nothing hangs). With ``gather_phase`` the CTAs then
+        gather x_rows and meet at a second grid barrier before fc1's TMA loads read it."""
         m_idx, outputs, sync_ptr, pairs, expert_lo = sched_args
         if cutlass.const_expr(self.ep_world is not None):  # the routing (and x rows) of every rank first
             ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns)
@@ -456,7 +478,7 @@ class ExpertMlpSm90:
             cute.recast_ptr(region, dtype=cutlass.Int32), cute.make_layout(self.schedule.scratch_words(self.threads))
         )
         self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows)
-        grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase)
+        grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase and not self.gather_phase)
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
             scratch[0] = m_offsets[num_experts]
@@ -464,7 +486,27 @@ class ExpertMlpSm90:
         cute.arch.sync_threads()
         total = scratch[0]
         cute.arch.sync_threads()  # (every thread has it before the pipelines take the region over)
+        if cutlass.const_expr(self.gather_phase):
+            self.gather_rows(gather_args, cutlass.min(total, num_rows))
+            cute.arch.fence_proxy("async.global")  # the generic stores before the release, for the TMA loads after it
+            grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase)
+            cute.arch.fence_proxy("async.global")  # (after the acquire) every CTA's rows before this CTA's TMA loads
         return total
+
+    @cute.jit
+    def gather_rows(self, gather_args, rows):
+        """``gather_phase``: x_rows[r] = x[row_token[r]] (zeros where row_token < 0) for r < ``rows``,
+        the 16-byte column chunks of ROWS-row blocks spread over every thread of the grid (the
+        gather launch's per-thread code: ROWS loads in flight)."""
+        m_src, m_index, m_out = gather_args
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        chunks = self.hidden // VECTOR
+        units = (rows + GATHER_ROWS - 1) // GATHER_ROWS * chunks
+        for unit in cutlass.range(cta * self.threads + tidx, units, ctas * self.threads, unroll=1):
+            block = unit // chunks
+            gather_row_block(m_src, m_index, m_out, block, unit - block * chunks, rows)
 
     @cute.jit
     def combine_all(self, mma_tidx, combine_args):
@@ -587,7 +629,7 @@ class ExpertMlpSm90:
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
     has_shared: bool = False, fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False,
-    ep_world: int | None = None,
+    ep_world: int | None = None, gather_phase: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap, the timeout and the EP
     ints are runtime arguments (with ``schedule_experts``, E must be that)."""
@@ -601,11 +643,12 @@ def compile_expert_mlp(
         bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), i32(), i32(), i32(),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(), i32(), i32(), i32(), i32(),
         i32(), bf16(), i32(), bf16(), bf16(), i32(),  # the EP regions and inputs
+        bf16(),  # x_rows (gather_phase)
         cutlass.Int32(128), one, one, one, cutlass.Int64(1), one, one, one, one, one, one, one, make_fake_stream(),
     )
     kernel = ExpertMlpSm90(
         hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n,
-        schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world,
+        schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world, gather_phase=gather_phase,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
