@@ -101,8 +101,8 @@ def moe_forward(
     same bits; within 1% of four launches at steady state (perf/NOTES.md, fifteenth session).
     Its fc2 tiles wait for their rows' fc1 tiles, at most 10 s: only a GPU
     shared so that not all of this launch's CTAs can run at once could make it time out, and
-    then the output is wrong (:func:`mok.ops.expert_mlp` sets its counters' error word; this
-    function does not read it back).
+    then the output is wrong: the timeout is counted in the stream's grid-barrier words, which
+    ``mok.ops.raise_grid_timeouts(mok.ops.grid_sync_words(x.device))`` reads (as for ``one_launch``).
     ``one_launch``: the schedule, fc1, fc2 and the combine in one launch
     (:func:`mok.ops.scheduled_expert_mlp`), within 1% of the four launches at steady state; its grid
     barriers keep 16 bytes per stream across calls, allocated on the device's first such call:

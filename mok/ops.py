@@ -459,6 +459,7 @@ def expert_mlp(
     out: torch.Tensor | None = None,
     y_rows: torch.Tensor | None = None,
     timeout_s: float = 10.0,
+    grid_sync: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every expert's MLP in one launch: fc1 on the gathered rows with SwiGLU, then fc2, and with
     ``topk_w`` the combine too. Returns out [T, H] (with ``topk_w``) or y_rows [R, H] bf16.
@@ -471,8 +472,9 @@ def expert_mlp(
     and :func:`combine` in three launches. ``h_out`` [R, 2I]: keep h for the backward;
     ``shared_out`` [T, H]: a shared expert's output, added by the combine. An fc2 tile waits for
     its rows' fc1 tiles at most ``timeout_s`` (it can only time out if work sharing the GPU keeps
-    SMs from this launch); on expiry the kernel sets counters[0] to 1 and finishes with wrong
-    values instead of hanging.
+    SMs from this launch); on expiry the kernel sets counters[0] to 1, counts the timeout in
+    ``grid_sync[2]`` (default: :func:`grid_sync_words`, as for :func:`scheduled_expert_mlp`;
+    :func:`raise_grid_timeouts` reports it) and finishes with wrong values instead of hanging.
     """
     num_rows = schedule.row_token.shape[0]
     topk = schedule.slot_row.shape[1]
@@ -481,6 +483,8 @@ def expert_mlp(
     num_tokens, hidden = x.shape
     check_schedule("schedule", schedule, num_tokens=num_tokens, topk=topk, num_experts=w_gate.shape[0], device=x.device, block_m=MLP_TILE)
     check_tensor("counters", counters, dtypes=(torch.int32,), device=x.device, contiguous=True)
+    if grid_sync is not None:
+        check_tensor("grid_sync", grid_sync, dtypes=(torch.int32,), shape=(GRID_SYNC_WORDS,), device=x.device, contiguous=True)
     want = expert_mlp_counters(num_tokens, hidden, num_rows, x.device, shape_only=True)
     if counters.shape != want:
         raise ValueError(f"counters: expected shape {want} (expert_mlp_counters), got {tuple(counters.shape)}")
@@ -494,7 +498,10 @@ def expert_mlp(
     if num_rows == 0 or num_tokens == 0:
         return out if combine else y_rows
     variant = expert_mlp_variant(hidden, w_gate.shape[1], topk, save_h=h_out is not None, combine=combine, has_shared=shared_out is not None)
-    launch_expert_mlp(variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s)
+    launch_expert_mlp(
+        variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s,
+        grid_sync=grid_sync_words(x.device) if grid_sync is None else grid_sync,
+    )
     return out if combine else y_rows
 
 
@@ -525,9 +532,8 @@ def scheduled_expert_mlp(
     launches that may run at the same time must not share them. Default: the current stream's
     set (:func:`grid_sync_words`). A barrier that waits longer than
     ``timeout_s`` counts it in grid_sync[2] and goes on (wrong output, no hang;
-    :func:`raise_grid_timeouts` reports it), leaving the words ready for the next call; with
-    ``combine_phase``, an fc2 tile whose wait for its rows timed out is counted there too (without
-    it, only in the launch's own counters). ``combine_phase`` (default): the
+    :func:`raise_grid_timeouts` reports it), leaving the words ready for the next call; an fc2
+    tile whose wait for its rows timed out is counted there too. ``combine_phase`` (default): the
     combine as the launch's last phase (after a second grid barrier, as the combine launch
     computes it); False: in fc2's epilogue, as :func:`expert_mlp` does. The same bits; the phase
     was 2-6% faster on an H200 (perf/NOTES.md). ``gather_first``: after the schedule the CTAs
@@ -637,9 +643,9 @@ def grid_sync_words(device: torch.device) -> torch.Tensor:
 
 
 def raise_grid_timeouts(grid_sync: torch.Tensor) -> None:
-    """Raise if the one-launch forwards using these words (:func:`grid_sync_words`, or a caller's)
-    have timed out since their timeout count was last cleared (at a grid barrier, or an fc2 tile
-    waiting for its rows): the outputs of those launches are wrong.
+    """Raise if the one-launch forwards or one-launch MLPs using these words (:func:`grid_sync_words`,
+    or a caller's) have timed out since their timeout count was last cleared (at a grid barrier, or
+    an fc2 tile waiting for its rows): the outputs of those launches are wrong.
     Reads one int back from the GPU (a host sync): call it off the hot path, e.g. every N steps."""
     check_tensor("grid_sync", grid_sync, dtypes=(torch.int32,), shape=(GRID_SYNC_WORDS,))
     timeouts = int(grid_sync[2])
@@ -655,7 +661,8 @@ def launch_expert_mlp(
     topk_idx=None, grid_sync=None, ep: tuple | None = None, max_ctas: int | None = None, x_rows=None,
 ) -> None:
     """Launch a checked expert-MLP variant (see :func:`expert_mlp`; None for what it does not use;
-    ``topk_idx`` and ``grid_sync`` only when it builds the ``schedule`` itself). ``ep``: the
+    ``topk_idx`` only when it builds the ``schedule`` itself; ``grid_sync``: its barrier words, or
+    where a variant without barriers counts its waits' timeouts). ``ep``: the
     expert-parallel variant's (flags, x, idx and slots regions of rank 0, this rank's x and
     topk_idx, rank, T_max, and the four regions' rank strides in elements); ``max_ctas``: a CTA
     cap below the SM count (ranks emulated on one GPU must all be resident at once); ``x_rows``

@@ -349,20 +349,27 @@ def test_one_launch_forward_grid_barrier_is_bounded_and_leaves_its_words_ready(c
 
 def test_one_launch_mlp_wait_is_bounded():
     """Ready counters that never reach their target (not zeroed): the fc2 tiles stop waiting
-    after the timeout, the kernel finishes and counters[0] reports it, instead of a hang."""
+    after the timeout, the kernel finishes, counters[0] says so and every fc2 wait that timed out
+    is counted in the grid-barrier words' timeout count, which raise_grid_timeouts reports,
+    instead of a hang. With zeroed counters nothing is counted."""
     T, H, I, E, k = 64, 256, 128, 4, 2
     x, idx, w, (wg, wu, wd), _ = layer(T, H, I, E, k, None, seed=9)
     sched = ops.device_schedule(idx, E)
     counters = torch.full_like(ops.expert_mlp_counters(T, H, sched.capacity, x.device), -(10**6))
     counters[:2] = 0  # the error word and the tile counter start right; every ready counter does not
-    ops.expert_mlp(x, wg, wu, wd, sched, counters, timeout_s=0.02)
+    sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+    ops.expert_mlp(x, wg, wu, wd, sched, counters, timeout_s=0.02, grid_sync=sync)
     torch.cuda.synchronize()
-    assert int(counters[0]) == 1
+    fc2_tiles = int((sched.tile_expert >= 0).sum()) * (H // 128)  # (H 256: fc2's column tile is 128 or 256)
+    assert int(counters[0]) == 1 and 1 <= int(sync[2]) <= fc2_tiles and sync.tolist()[:2] == [0, 0]
+    with pytest.raises(RuntimeError, match=f"{int(sync[2])} grid-barrier timeouts or fc2 waits"):
+        ops.raise_grid_timeouts(sync)
     ok = ops.expert_mlp_counters(T, H, sched.capacity, x.device)
     sched = ops.device_schedule(idx, E, clear=ok)  # zeroed: no timeout
-    ops.expert_mlp(x, wg, wu, wd, sched, ok, timeout_s=0.02)
+    sync.zero_()
+    ops.expert_mlp(x, wg, wu, wd, sched, ok, timeout_s=0.02, grid_sync=sync)
     torch.cuda.synchronize()
-    assert int(ok[0]) == 0
+    assert int(ok[0]) == 0 and sync.tolist() == [0, 0, 0, 0]
 
 
 FORWARDS = [{}, {"one_launch_mlp": True, "combine_in_gemm": True}, {"one_launch": True}]  # four launches; two; one

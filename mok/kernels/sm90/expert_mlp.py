@@ -18,7 +18,8 @@ column tiles of m whose stores are complete (integer atomic, gpu scope, release;
 warp publishes a tile once the next fc1 tile's mainloop is done, by which time its TMA stores
 have drained, and before its first fc2 tile at the latest), and the TMA thread polls it
 (acquire), then fences (proxy) before its TMA loads of a. The wait is bounded by
-%globaltimer: on expiry the kernel sets ``error`` and goes on (the output is then wrong,
+%globaltimer: on expiry the kernel sets ``error``, counts the timeout in the grid-barrier
+words' timeout count (sync[2], which the host reads) and goes on (the output is then wrong,
 never a hang).
 
 With ``schedule_experts`` the launch is the whole routed forward: every CTA first builds its part
@@ -276,7 +277,7 @@ class ExpertMlpSm90:
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
             fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, ep_args, scatter_dst, gather_args, m_x, m_tiles, m_flags,
-            m_ready, m_offsets, num_experts, num_row_tiles, num_rows, timeout_ns,
+            m_ready, m_offsets, sync_ptr, num_experts, num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -296,6 +297,7 @@ class ExpertMlpSm90:
         m_flags: cute.Tensor,
         m_ready: cute.Tensor,
         m_offsets: cute.Tensor,
+        sync_ptr: cute.Pointer,
         num_experts: cutlass.Int32,
         num_row_tiles: cutlass.Int32,
         num_rows: cutlass.Int32,
@@ -380,7 +382,7 @@ class ExpertMlpSm90:
                 while tile < all_tiles:
                     tile_row, tile_col = self.fc2.grouped_tile(tile - fc1_tiles, used_rows, fc2_cols)
                     if tidx == 0:
-                        self.wait_ready(m_ready, m_flags, tile_row, timeout_ns)
+                        self.wait_ready(m_ready, m_flags, tile_row, timeout_ns, sync_ptr)
                     cute.arch.sync_warp()
                     cute.arch.fence_proxy("async.global")  # the TMA loads of a (async proxy) after the acquire
                     loads = self.fc2.tile_loads(fc2_loads, s_a2, s_bd, s_bd, tile_row, tile_col, m_tiles[tile_row])
@@ -453,7 +455,6 @@ class ExpertMlpSm90:
             if cutlass.const_expr(self.combine_phase):
                 self.publish(warp_idx, m_ready, cutlass.Int32(-1))  # every y row stored and visible before the barrier
                 grid_barrier(sched_args[2], timeout_ns, leader=128)
-                self.count_wait_timeouts(m_flags, sched_args[2], mma_tidx)
                 if cutlass.const_expr(self.ep_world is not None):  # every rank's pushes into this rank's slots
                     ep_phases.signal_done_and_wait(ep_args, self.ep_world, timeout_ns, mma_tidx, 0)
                     self.fc1.epilogue_sync()
@@ -571,25 +572,16 @@ class ExpertMlpSm90:
                     cute.arch.atomic_add(m_ready.iterator + tile_row, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def wait_ready(self, m_ready, m_flags, tile_row, timeout_ns):
+    def wait_ready(self, m_ready, m_flags, tile_row, timeout_ns, sync_ptr):
         """TMA thread, before an fc2 tile: wait (acquire, bounded) until every fc1 column tile of
-        ``tile_row`` is published. On timeout set flags[0] and go on (with ``combine_phase`` the
-        launch then counts it where the host looks: :meth:`count_wait_timeouts`)."""
+        ``tile_row`` is published. On timeout set flags[0], count one in sync[2] (the grid-barrier
+        words' timeout count, which outlives the launch and which the host reads:
+        :func:`mok.ops.raise_grid_timeouts`, the EP workspace's check; flags[0] does not, the next
+        schedule launch clears it) and go on: wrong output, no hang."""
         target = self.inter // TILE
         if wait_at_least(m_ready.iterator + tile_row, target, timeout_ns, "gpu") < target:
             m_flags[0] = 1
-
-    @cute.jit
-    def count_wait_timeouts(self, m_flags, sync, mma_tidx):
-        """After the last grid barrier (every CTA's fc2 waits are over and their flags visible):
-        CTA 0's first MMA thread adds one to the barrier words' timeout count, sync[2], if any fc2
-        wait timed out. That count outlives the launch and the host reads it
-        (:func:`mok.ops.raise_grid_timeouts`, the EP workspace's check); flags[0] does not (the
-        next launch's schedule clears it)."""
-        cta, _, _ = cute.arch.block_idx()
-        if cta == 0 and mma_tidx == 0:
-            if m_flags[0] != 0:
-                cute.arch.atomic_add(sync + 2, cutlass.Int32(1), scope="gpu")
+            cute.arch.atomic_add(sync_ptr + 2, cutlass.Int32(1), scope="gpu")
 
     @cute.jit
     def hand_to_scatter(self, scatter_ring, state, s_scatter, tile, tidx):
