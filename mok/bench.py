@@ -42,17 +42,23 @@ def time_ms_interleaved(
     for r in range(repeats):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            if before_batch is not None:
-                before_batch()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(batch):
-                fns[name]()
-            stop.record()
-            stop.synchronize()
-            ms = start.elapsed_time(stop) / batch
+            ms = batch_ms(fns[name], batch, before_batch)
             times[name].append(ms if per_batch is None else per_batch(ms))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def batch_ms(fn, batch: int, before_batch=None) -> float:
+    """Mean milliseconds per call of ``batch`` back-to-back ``fn()`` calls, by CUDA events around
+    the batch (``before_batch()`` runs first, untimed); waits for the batch to finish."""
+    if before_batch is not None:
+        before_batch()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(batch):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / batch
 
 
 class GpuSampler:
@@ -139,15 +145,7 @@ def time_ms_sustained(
         times = []
         end = time.perf_counter() + limit
         while True:  # (at least one batch)
-            if before_batch is not None:
-                before_batch()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(batch):
-                fn()
-            stop.record()
-            stop.synchronize()
-            ms = start.elapsed_time(stop) / batch
+            ms = batch_ms(fn, batch, before_batch)
             if timed:
                 times.append(ms if per_batch is None else per_batch(ms))
             done = time.perf_counter() >= end

@@ -92,17 +92,19 @@ def torch_ep_train_step(x, idx, w, experts, dout, group):
     return torch.autograd.grad(out, leaves, dout)
 
 
+def _max_over_ranks(value: float, group) -> float:
+    """The largest of the ranks' ``value`` (every rank calls it: a collective)."""
+    mine = torch.tensor([value], device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    return float(mine)
+
+
 def _time_in_turn(fns: dict, group, iters: int = 20, warmup: int = 3) -> dict:
     """Per callable, the median over iterations of the slowest rank's milliseconds, the callables
     taken in turn (mok.bench.time_ms_interleaved); every rank runs the same order."""
-
-    def slowest_rank(ms: float) -> float:
-        mine = torch.tensor([ms], device="cuda")
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-        return float(mine)
-
     return time_ms_interleaved(
-        fns, batch=1, repeats=iters, warmup=warmup, before_batch=lambda: dist.barrier(group=group), per_batch=slowest_rank
+        fns, batch=1, repeats=iters, warmup=warmup, before_batch=lambda: dist.barrier(group=group),
+        per_batch=lambda ms: _max_over_ranks(ms, group),
     )
 
 
@@ -111,20 +113,11 @@ def _time_sustained(fns: dict, group, seconds: float) -> tuple[dict, dict]:
     after a barrier, until any rank's time is up): the median of the slowest rank's milliseconds,
     and this rank's GPU clock, power and temperature while it was timed."""
 
-    def slowest_rank(ms: float) -> float:
-        mine = torch.tensor([ms], device="cuda")
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-        return float(mine)
-
-    def any_rank_done(done: bool) -> bool:
-        flag = torch.tensor([int(done)], device="cuda")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag)
-
     ms, gpu = {}, {}
     for name, fn in fns.items():
         ms[name], gpu[name] = time_ms_sustained(
-            fn, seconds, batch=5, before_batch=lambda: dist.barrier(group=group), per_batch=slowest_rank, agree_done=any_rank_done
+            fn, seconds, batch=5, before_batch=lambda: dist.barrier(group=group), per_batch=lambda t: _max_over_ranks(t, group),
+            agree_done=lambda done: bool(_max_over_ranks(float(done), group)),
         )
     return ms, gpu
 
