@@ -4,15 +4,14 @@ Inputs: dout [T, H], the forward's inputs, and what ``moe_forward(save_for_backw
 kept (the schedule and h). The kernels, in order (mok/reference_backward.py spells out the
 same math in PyTorch):
 
-    gather                  dout_rows [R, H] = dout[row_token]                (zeros on padding rows)
+    gather (one launch)     dout_rows [R, H] = dout[row_token], x_rows [R, H] = x[row_token]   (zeros on padding rows)
     grouped GEMM, N-major B dA_u = dout_rows·W_down, with the SwiGLU backward in the epilogue:
                             dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, I/tile]
     grouped GEMM, K split   dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up
-    router_grad             d_topk_w[t, j] = Σ pieces of row slot_row[t, j], in column order
-    gather                  x_rows [R, H] = x[row_token] (not saved by the forward)
-    weight_grad (K-grouped) dW_down[e] = dout_rowsᵀ·a_scaled, dW_gate[e] = dh_gateᵀ·x_rows, dW_up likewise
-    shared expert           the same three GEMMs over all tokens with s = 1
-    combine                 dx[t] = dx_shared[t] + Σ_j dx_rows[slot_row[t, j]]  (fp32, j in order)
+    weight_grad (K-grouped) dW_down[e] = dout_rowsᵀ·a_scaled; [dW_gate[e]; dW_up[e]] = dhᵀ·x_rows (one launch)
+    shared expert           the same four GEMM launches over all tokens with s = 1
+    combine                 dx[t] = dx_shared[t] + Σ_j dx_rows[slot_row[t, j]]  (fp32, j in order), and in
+                            the same launch d_topk_w[t, j] = Σ pieces of row slot_row[t, j], in column order
 
 Nothing here uses atomics or reads device data back: every output element is written by one
 thread or one CTA in a fixed order, so gradients are bitwise reproducible and a token's dx
@@ -54,11 +53,10 @@ def _weight_grad(a, b, offsets, dtype, main_grad, counts=None):
 
 
 def _gate_up_grad(dh, x_rows, offsets, dtype, main_grads, counts=None):
-    """dW_gate, dW_up from the two column halves of dh (read in place, row stride 2I), each into its own tensor."""
-    inter = dh.shape[1] // 2
-    halves = (dh[:, :inter], dh[:, inter:])
-    bufs = (None, None) if main_grads is None else main_grads
-    return tuple(_weight_grad(half, x_rows, offsets, dtype, buf, counts) for half, buf in zip(halves, bufs))
+    """dW_gate, dW_up from the two column halves of dh, each into its own tensor, in one launch."""
+    if main_grads is None:
+        return grad_ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype, split_out=True)
+    return grad_ops.weight_grad(dh, x_rows, offsets, counts=counts, out=tuple(main_grads), accumulate=True, split_out=True)
 
 
 def moe_backward(
@@ -102,13 +100,11 @@ def moe_backward(
         check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared[0].shape[0]),
                      device=x.device, contiguous=True)
 
-    dout_rows = ops.gather_rows(dout, sched.row_token)
+    dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
         dout_rows, w_down, sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w
     )
     dx_rows = ops.grouped_gemm(dh, w_gate, sched.tile_expert, b2=w_up, b_major="n", k_split=True)
-    d_topk_w = grad_ops.router_grad(partial, sched.slot_row)
-    x_rows = ops.gather_rows(x, sched.row_token)
     offsets, counts = sched.expert_offsets, sched.expert_counts
     d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
     d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
@@ -116,5 +112,8 @@ def moe_backward(
     dx_shared = d_shared = None
     if shared is not None:
         dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])
-    dx = ops.combine(dx_rows, None, dx_shared, slot_row=sched.slot_row)  # unweighted: s is already inside dh
+    d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
+    dx = ops.combine(  # unweighted (s is already inside dh), and d_topk_w from the SwiGLU backward's pieces
+        dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w)
+    )
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)

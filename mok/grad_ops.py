@@ -13,7 +13,7 @@ from .kernels import (
     default_tile_n, grouped_gemm_variant, router_grad_variant, swiglu_backward_pingpong, weight_grad_pingpong, weight_grad_variant,
 )
 from .ops import (
-    BF16, _check_32bit, _check_launchable, _check_weights_launchable, _i32, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm,
+    BF16, _check_32bit, _check_launchable, _check_weights_launchable, _i32, _i64, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm,
 )
 from .validation import check_tensor
 
@@ -94,19 +94,23 @@ def swiglu_backward_gemm(
     return dh, a_scaled, partial
 
 
+TMA_STRIDE_LIMIT = 2**40  # bytes: a TMA descriptor's strides stay below it (cuTensorMapEncodeTiled)
+
+
 def weight_grad(
     a: torch.Tensor,
     b: torch.Tensor,
     offsets: torch.Tensor,
     *,
     counts: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
     persistent: bool = True,
     tile_n: int = 128,
     pingpong: bool | None = None,
-) -> torch.Tensor:
+    split_out: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
 
     a: [R, M] bf16 (rows may be strided: a column slice of a wider buffer), b: [R, N] bf16
@@ -121,6 +125,10 @@ def weight_grad(
     128 or 256 (N % tile_n == 0); a wider tile reads each expert's A rows half as often.
     ``pingpong`` (persistent, 128-wide tiles; the default there): the two MMA warpgroups take
     whole tiles in turn, so that one's epilogue runs under the other's mainloop (the same bits).
+    ``split_out`` (M % 256 == 0): out is a pair of [E, M/2, N] tensors (new unless given), the
+    product's first M/2 rows going into the first, the others into the second: dW_gate and dW_up
+    from one launch over all of dh (the same bits as a launch per half, which it falls back to
+    where the two tensors' distance is not one a TMA descriptor can hold).
     """
     check_tensor("a", a, dtypes=BF16, ndim=2)
     num_rows, m = a.shape
@@ -139,6 +147,8 @@ def weight_grad(
         check_tensor("counts", counts, dtypes=I32, shape=(num_experts,), device=dev, contiguous=True)
     if m % 128 or n % 128:
         raise ValueError(f"(M, N): expected multiples of 128, got ({m}, {n})")
+    if split_out and m % 256:
+        raise ValueError(f"split_out: expected M a multiple of 256 (each half whole 128-row tiles), got M={m}")
     if tile_n not in (128, 256) or n % tile_n:
         raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
     pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
@@ -146,25 +156,62 @@ def weight_grad(
         raise ValueError("pingpong: only with persistent=True and tile_n=128")
     if accumulate and out is None:
         raise ValueError("accumulate: needs out, the fp32 gradient to add into")
-    if out is None:
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
-        out = torch.empty(num_experts, m, n, dtype=out_dtype, device=dev)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     dtypes = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
-    check_tensor("out", out, dtypes=dtypes, shape=(num_experts, m, n), device=dev, contiguous=True)
+    outs = _weight_grad_outputs(out, split_out, (num_experts, m, n), out_dtype, dtypes, dev)
     _check_launchable(a=a, b=b)
-    _check_weights_launchable(out=out)  # (the gradient [E, M, N]: written by TMA only)
+    _check_weights_launchable(**{f"out[{i}]": o for i, o in enumerate(outs)})  # (the gradient: written by TMA only)
+    result = tuple(outs) if split_out else outs[0]
     if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
-        return out if accumulate else out.zero_()
-    dtype_name = "f32" if out.dtype == torch.float32 else "bf16"
-    variant = weight_grad_variant(m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong)
-    kernel = _kernel(variant, dev)
-    kernel(
-        _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, out), _ptr("i32", offsets, 4),
-        _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None),  # (offsets: a stand-in, not read)
-        _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _stream(dev),
+        if not accumulate:
+            for o in outs:
+                o.zero_()
+        return result
+    half_stride, upper_first = 0, 0
+    if split_out:
+        elem = outs[0].element_size()
+        distance = outs[1].data_ptr() - outs[0].data_ptr()  # bytes from the first half's tensor to the second's
+        if abs(distance) < outs[0].numel() * elem:
+            raise ValueError("out: the two halves overlap in memory")
+        if distance % 16 or abs(distance) >= TMA_STRIDE_LIMIT:  # not a TMA descriptor's stride: a launch per half
+            opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong)
+            for half, o in zip((a[:, : m // 2], a[:, m // 2 :]), outs):
+                weight_grad(half, b, offsets, out=o, **opts)
+            return result
+        half_stride, upper_first = abs(distance) // elem, int(distance < 0)
+    dtype_name = "f32" if outs[0].dtype == torch.float32 else "bf16"
+    variant = weight_grad_variant(
+        m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out
     )
-    return out
+    kernel = _kernel(variant, dev)
+    base = min(outs, key=lambda o: o.data_ptr())
+    kernel(
+        _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, base), _ptr("i32", offsets, 4),
+        _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None),  # (offsets: a stand-in, not read)
+        _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _i64(half_stride), _i32(upper_first), _stream(dev),
+    )
+    return result
+
+
+def _weight_grad_outputs(out, split_out, shape, out_dtype, dtypes, device) -> list[torch.Tensor]:
+    """weight_grad's output tensors, checked (one [E, M, N], or with ``split_out`` two [E, M/2, N]), new where not given."""
+    num_experts, m, n = shape
+    if split_out:
+        shape = (num_experts, m // 2, n)
+        if out is None:
+            return [torch.empty(shape, dtype=out_dtype, device=device) for _ in range(2)]
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"out: with split_out, expected a pair of tensors, got {type(out).__name__}")
+        for i, o in enumerate(out):
+            check_tensor(f"out[{i}]", o, dtypes=dtypes, shape=shape, device=device, contiguous=True)
+        if out[0].dtype != out[1].dtype:
+            raise TypeError(f"out: expected one dtype for both halves, got {out[0].dtype} and {out[1].dtype}")
+        return list(out)
+    if out is None:
+        return [torch.empty(shape, dtype=out_dtype, device=device)]
+    check_tensor("out", out, dtypes=dtypes, shape=shape, device=device, contiguous=True)
+    return [out]
 
 
 def router_grad(partial: torch.Tensor, slot_row: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

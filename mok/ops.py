@@ -82,6 +82,7 @@ def combine(
     *,
     slot_row: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    router: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """out[t] = shared_out[t] + Σ_j topk_w[t, j]·y[t, j] in fp32, fixed j order, bf16 result.
 
@@ -92,7 +93,9 @@ def combine(
     optional [T, H] bf16 shared-expert output. out: optional [T, H] bf16 destination.
     All contiguous, on one CUDA device, H % 8 == 0. The operation order (one FMA per slot)
     is given in ``mok.kernels.common.combine``; ``mok.reference.combine_reference``
-    reproduces it exactly.
+    reproduces it exactly. ``router`` = (partial [R, parts] fp32, d_topk_w [T, k] fp32), with
+    gathered rows and unit weights only (the backward's dx): the same launch also writes
+    d_topk_w as :func:`mok.grad_ops.router_grad` computes it.
     """
     gathered = slot_row is not None
     if gathered:
@@ -117,7 +120,25 @@ def combine(
         _check_cuda_aligned("shared_out", shared_out)
     out = _bf16_out(out, (num_tokens, hidden), y.device)
     _check_32bit("out", out)  # (gathered: T rows may outnumber y's R when a capacity bound cut them)
+    if router is not None:
+        if not gathered or topk_w is not None:
+            raise ValueError("router: only with slot_row and topk_w=None (the backward's dx combine)")
+        partial, d_topk_w = router
+        check_tensor("router partial", partial, dtypes=(torch.float32,), ndim=2, device=y.device, contiguous=True)
+        if partial.shape[0] != num_rows or not 1 <= partial.shape[1] <= 1024:
+            raise ValueError(f"router partial: expected [{num_rows}, parts] with 1 <= parts <= 1024, got {list(partial.shape)}")
+        check_tensor("router d_topk_w", d_topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=y.device, contiguous=True)
+        if topk > 128:
+            raise ValueError(f"router: expected k <= 128 (one thread per pair), got k={topk}")
+        _check_32bit("router partial", partial)
     if num_tokens == 0:
+        return out
+    if router is not None:
+        kernel = _kernel(combine_variant(hidden, topk, shared_out is not None, True, True, router_parts=partial.shape[1]), y.device)
+        kernel(
+            _ptr("bf16", y), _ptr("i32", slot_row, 4), _ptr("f32", partial, 4), _ptr("bf16", shared_out), _ptr("bf16", out),
+            _ptr("f32", d_topk_w, 4), _i32(num_tokens), _i32(num_rows), _stream(y.device),
+        )
         return out
     kernel = _kernel(combine_variant(hidden, topk, shared_out is not None, gathered, unit_weights=topk_w is None), y.device)
     kernel(
@@ -143,6 +164,35 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | N
     kernel = _kernel(gather_variant(width), src.device)
     kernel(_ptr("bf16", src), _ptr("i32", index, 4), _ptr("bf16", out), _i32(src.shape[0]), _i32(num_out), _stream(src.device))
     return out
+
+
+def gather_rows_pair(
+    first: torch.Tensor, second: torch.Tensor, index: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first[index], second[index]) as :func:`gather_rows` gives each, in one launch; the two
+    sources [T, W] bf16 of one shape (the backward's dout and x); ``out``: the two results' tensors."""
+    check_tensor("first", first, dtypes=BF16, ndim=2, contiguous=True)
+    check_tensor("second", second, dtypes=BF16, shape=tuple(first.shape), device=first.device, contiguous=True)
+    for name, t in (("first", first), ("second", second)):
+        _check_cuda_aligned(name, t)
+        _check_32bit(name, t)
+    check_tensor("index", index, dtypes=(torch.int32,), ndim=1, device=first.device, contiguous=True)
+    num_out, width = index.shape[0], first.shape[1]
+    if width % 8:
+        raise ValueError(f"first: expected a row width % 8 == 0, got {width}")
+    if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
+        raise TypeError(f"out: expected a pair of tensors, got {type(out).__name__}")
+    outs = tuple(_bf16_out(None if out is None else out[i], (num_out, width), first.device) for i in range(2))
+    for name, t in zip(("out[0]", "out[1]"), outs):
+        _check_32bit(name, t)
+    if num_out == 0:
+        return outs
+    kernel = _kernel(gather_variant(width, sources=2), first.device)
+    kernel(
+        _ptr("bf16", first), _ptr("bf16", second), _ptr("i32", index, 4), _ptr("bf16", outs[0]), _ptr("bf16", outs[1]),
+        _i32(first.shape[0]), _i32(num_out), _stream(first.device),
+    )
+    return outs
 
 
 def _check_rank_stride(name: str, ranks: tuple[int, int], per_rank: int, limit: int, limit_text: str) -> None:

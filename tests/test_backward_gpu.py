@@ -168,6 +168,66 @@ def test_weight_grad_per_expert_with_empty_experts_and_strided_a(m, n, tile_n, p
             assert rel_err(out[e], want) <= 1e-5  # fp32 out: only the summation order differs
 
 
+def expert_rows_as_scheduled(counts: list[int], m: int, n: int, g: torch.Generator):
+    """Random bf16 operands a [R, m], b [R, n] laid out as a schedule lays expert rows: expert e's
+    ``counts[e]`` rows from offsets[e], each expert padded to 128 rows of zeros. Returns a, b,
+    offsets [E + 1] and counts [E] (int32, on the GPU) and the real-row mask [R]."""
+    counts = torch.tensor(counts, dtype=torch.int32)
+    padded = (counts + 127) // 128 * 128
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), padded.cumsum(0).int()])
+    rows = int(offsets[-1])
+    real = torch.zeros(rows, dtype=torch.bool)
+    for e in range(len(counts)):
+        real[int(offsets[e]) : int(offsets[e]) + int(counts[e])] = True
+    real = real.cuda()
+    a = torch.randn(rows, m, device="cuda", generator=g).bfloat16() * real[:, None]
+    b = torch.randn(rows, n, device="cuda", generator=g).bfloat16() * real[:, None]
+    return a, b, offsets.cuda(), counts.cuda(), real
+
+
+@pytest.mark.parametrize("persistent,pingpong", [(True, True), (True, False), (False, False)])
+def test_weight_grad_split_out_gives_each_half_the_bits_of_its_own_launch(persistent, pingpong, monkeypatch):
+    """split_out (dW_gate and dW_up from one launch over dh): each half bitwise the launch over its
+    column half of a, fresh (bf16, fp32) and accumulated, with the second tensor above or below the
+    first in memory, with counts and empty experts, and through the fallback (a launch per half)
+    where the halves' distance is not a TMA stride."""
+    g = torch.Generator(device="cuda").manual_seed(23)
+    m, n = 512, 384
+    a, b, offsets, counts, _ = expert_rows_as_scheduled([0, 100, 256, 129, 0, 64], m, n, g)
+    experts = len(counts)
+    opts = dict(counts=counts, persistent=persistent, pingpong=pingpong)
+    halves = (a[:, : m // 2], a[:, m // 2 :])
+    for dtype in (torch.bfloat16, torch.float32):
+        want = [grad_ops.weight_grad(h, b, offsets, out=torch.full((experts, m // 2, n), float("nan"), device="cuda", dtype=dtype), **opts) for h in halves]
+        fresh = grad_ops.weight_grad(a, b, offsets, out_dtype=dtype, split_out=True, **opts)
+        assert all(torch.equal(got, w) for got, w in zip(fresh, want))
+        storage = torch.full((2 * experts + 1, m // 2, n), float("nan"), device="cuda", dtype=dtype)
+        for first, second in ((storage[:experts], storage[experts + 1 :]), (storage[experts + 1 :], storage[:experts])):
+            got = grad_ops.weight_grad(a, b, offsets, out=(first, second), split_out=True, **opts)
+            assert got[0] is first and got[1] is second
+            assert torch.equal(first, want[0]) and torch.equal(second, want[1])
+    acc = [torch.randn(experts, m // 2, n, device="cuda", generator=g) for _ in range(2)]
+    want = [grad_ops.weight_grad(h, b, offsets, out=t.clone(), accumulate=True, **opts) for h, t in zip(halves, acc)]
+    for first_below in (True, False):
+        pair = torch.empty(2, experts, m // 2, n, device="cuda")
+        lo, hi = (0, 1) if first_below else (1, 0)
+        pair[lo], pair[hi] = acc[0], acc[1]
+        got = grad_ops.weight_grad(a, b, offsets, out=(pair[lo], pair[hi]), accumulate=True, split_out=True, **opts)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    monkeypatch.setattr(grad_ops, "TMA_STRIDE_LIMIT", 0)  # every distance too far: one launch per half
+    nan32 = lambda: torch.full((experts, m // 2, n), float("nan"), device="cuda")  # noqa: E731 (fp32 out)
+    fallback = grad_ops.weight_grad(a, b, offsets, out=(nan32(), nan32()), split_out=True, **opts)
+    fresh = [grad_ops.weight_grad(h, b, offsets, out=nan32(), **opts) for h in halves]
+    assert torch.equal(fallback[0], fresh[0]) and torch.equal(fallback[1], fresh[1])
+    for e in range(experts):  # and against fp32 products of the real rows (fp32 out: only the order differs)
+        lo, c = int(offsets[e]), int(counts[e])
+        for h, got in zip(halves, fresh):
+            if c == 0:
+                assert not got[e].any()
+            else:
+                assert rel_err(got[e], h[lo : lo + c].float().T @ b[lo : lo + c].float()) <= 1e-5
+
+
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_weight_grad_with_counts_skips_padding_blocks_and_keeps_the_bits(pingpong):
     """With the experts' row counts the kernel stops at the 64-row block holding an expert's last
@@ -178,18 +238,8 @@ def test_weight_grad_with_counts_skips_padding_blocks_and_keeps_the_bits(pingpon
     counts hold garbage in a second run: the counted kernel must not read them."""
     g = torch.Generator(device="cuda").manual_seed(21)
     m, n = 256, 384
-    counts = torch.tensor([0, 1, 64, 65, 128, 129, 192, 200, 300, 17], dtype=torch.int32)
-    padded = (counts + 127) // 128 * 128
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), padded.cumsum(0).int()])
-    rows = int(offsets[-1])
-    real = torch.zeros(rows, dtype=torch.bool)
-    for e in range(len(counts)):
-        real[int(offsets[e]) : int(offsets[e]) + int(counts[e])] = True
-    real = real.cuda()
-    a = torch.randn(rows, m, device="cuda", generator=g).bfloat16() * real[:, None]
-    b = torch.randn(rows, n, device="cuda", generator=g).bfloat16() * real[:, None]
-    offsets, counts = offsets.cuda(), counts.cuda()
-    experts = len(counts)
+    a, b, offsets, counts, real = expert_rows_as_scheduled([0, 1, 64, 65, 128, 129, 192, 200, 300, 17], m, n, g)
+    rows, experts = a.shape[0], len(counts)
     full = grad_ops.weight_grad(a, b, offsets, out=torch.full((experts, m, n), float("nan"), device="cuda"), pingpong=pingpong)
     counted = grad_ops.weight_grad(a, b, offsets, counts=counts, out=torch.full((experts, m, n), float("nan"), device="cuda"), pingpong=pingpong)
     assert torch.equal(counted, full)
@@ -326,6 +376,25 @@ def test_branch_free_reciprocal_rounds_as_the_ieee_reciprocal():
     n = d.numel() - big.numel()
     assert torch.equal(fast[:n].view(torch.int32), ieee[:n].view(torch.int32))
     assert torch.equal(fast[n:], torch.full_like(big, 2.0**-126))
+
+
+def test_backward_launches_six_kernels_and_four_more_for_a_shared_expert():
+    """The backward's launch count (issue: as few as it can be): the rows gathered (dout and x in one
+    launch), the SwiGLU backward, dx rows, dW_down, dW_gate with dW_up, and dx with the router
+    gradient; a shared expert adds its SwiGLU backward, dx, dW_down and dW_gate/up. Counted with
+    torch.profiler as the CuTe DSL kernels run (not the small torch ops that set a shared expert's
+    offsets up)."""
+    for shared_inter, want in ((None, 6), (256, 10)):
+        x, idx, w, experts, shared = gpu_layer(300, 512, 256, 8, 4, shared_inter, seed=37)
+        saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+        dout = torch.randn_like(x)
+        moe_backward(dout, x, idx, w, *experts, shared, saved)  # compiled and warm
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            moe_backward(dout, x, idx, w, *experts, shared, saved)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "cutlass" in e.name]
+        assert len(kernels) == want, kernels
 
 
 def test_precompiled_variants_are_the_ones_a_training_step_launches():

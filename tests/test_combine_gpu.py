@@ -150,3 +150,31 @@ def test_gathered_combine_reads_rows_by_slot():
         # weights of 1, read from nowhere (the backward's dx sum): the same bits as a tensor of ones
         unit = combine(rows, None, shared, slot_row=slot_row, out=poisoned(200, 1024))
         assert torch.equal(unit, combine(rows, torch.ones_like(w), shared, slot_row=slot_row))
+
+
+@pytest.mark.parametrize("topk,parts", [(6, 16), (1, 1), (8, 6)])
+def test_dx_combine_with_the_router_gradient_in_the_same_launch(topk, parts):
+    """The backward's combine with router=(partial, d_topk_w): dx bitwise the plain unit-weight
+    combine, d_topk_w bitwise mok.grad_ops.router_grad (column pieces added in order; 0 for a
+    pair without a row), and both against float64 sums."""
+    from mok.grad_ops import router_grad
+
+    g = torch.Generator(device="cuda").manual_seed(31 + topk)
+    num_rows, tokens, hidden = 700, 200, 1032  # (1032: a second, partial column block)
+    rows = torch.randn(num_rows, hidden, device="cuda", generator=g).bfloat16()
+    slot_row = torch.randint(-1, num_rows, (tokens, topk), device="cuda", dtype=torch.int32, generator=g)
+    partial = torch.randn(num_rows, parts, device="cuda", generator=g) * 10
+    s = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    for shared in (s, None):
+        d_w = torch.full((tokens, topk), float("nan"), device="cuda")
+        dx = combine(rows, None, shared, slot_row=slot_row, out=poisoned(tokens, hidden), router=(partial, d_w))
+        assert torch.equal(dx, combine(rows, None, shared, slot_row=slot_row))
+        assert torch.equal(d_w, router_grad(partial, slot_row))
+        has_row = slot_row >= 0
+        want = torch.where(has_row, partial.double()[slot_row.clamp(min=0).long()].sum(-1), torch.zeros((), dtype=torch.float64, device="cuda"))
+        assert (d_w.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        assert not d_w[~has_row].any()
+    with pytest.raises(ValueError, match="router"):
+        combine(rows, torch.rand(tokens, topk, device="cuda"), None, slot_row=slot_row, router=(partial, d_w))
+    with pytest.raises(ValueError, match="router partial"):
+        combine(rows, None, None, slot_row=slot_row, router=(partial[:-1], d_w))

@@ -266,7 +266,7 @@ def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
     with pytest.raises(ValueError, match=r"w_gate: expected H, I multiples of 128 \(the fused kernels' tile\), got H=128, I=64"):
         moe_backward(dout, x, idx, w, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), None,
                      ForwardResult(None, mine, h[:, :I].contiguous()))
-    with pytest.raises(ValueError, match="src: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
+    with pytest.raises(ValueError, match="first: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h))
 
 

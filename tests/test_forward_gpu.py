@@ -27,6 +27,10 @@ def test_gather_rows(rows, width):
     out = ops.gather_rows(src, index, out=poisoned(rows, width))
     want = torch.where((index >= 0)[:, None], src[index.clamp(min=0).long()], torch.zeros((), dtype=src.dtype, device="cuda"))
     assert torch.equal(out, want)
+    second = torch.randn(300, width, device="cuda").bfloat16()
+    pair = ops.gather_rows_pair(src, second, index, out=(poisoned(rows, width), poisoned(rows, width)))  # one launch, both
+    want_second = torch.where((index >= 0)[:, None], second[index.clamp(min=0).long()], torch.zeros((), dtype=src.dtype, device="cuda"))
+    assert torch.equal(pair[0], want) and torch.equal(pair[1], want_second)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])

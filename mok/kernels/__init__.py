@@ -33,32 +33,42 @@ class KernelVariant:
         return f"{self.name}({params})"
 
 
-def combine_variant(hidden: int, topk: int, has_shared: bool, gathered: bool = False, unit_weights: bool = False) -> KernelVariant:
+def combine_variant(
+    hidden: int, topk: int, has_shared: bool, gathered: bool = False, unit_weights: bool = False, router_parts: int = 0
+) -> KernelVariant:
     """The final weighted combine of k expert rows (plus the shared expert's row) per token.
 
-    ``unit_weights``: every weight 1 (the backward's sum of the slots' dx rows).
+    ``unit_weights``: every weight 1 (the backward's sum of the slots' dx rows). ``router_parts``
+    > 0 (gathered, unit weights): the router-weight gradient from that many pieces per row too.
     """
+    if router_parts and not (gathered and unit_weights):
+        raise ValueError("router_parts: only with gathered rows and unit weights (the backward's dx combine)")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.combine import compile_combine
 
-        return compile_combine(hidden, topk, has_shared, gathered, arch, options, unit_weights=unit_weights)
+        return compile_combine(hidden, topk, has_shared, gathered, arch, options, unit_weights=unit_weights, router_parts=router_parts)
 
     config = {"hidden": hidden, "topk": topk, "has_shared": has_shared, "gathered": gathered}
     if unit_weights:  # (absent otherwise: the forward's cache keys stay as they were)
         config["unit_weights"] = True
+    if router_parts:
+        config["router_parts"] = router_parts
     return KernelVariant("combine", config, build)
 
 
-def gather_variant(width: int) -> KernelVariant:
-    """Row gather into the expert-grouped buffer (zeros for padding rows)."""
+def gather_variant(width: int, sources: int = 1) -> KernelVariant:
+    """Row gather into the expert-grouped buffer (zeros for padding rows); ``sources`` 2: the same
+    rows of two tensors in one launch."""
+    if sources not in (1, 2):
+        raise ValueError(f"sources: expected 1 or 2, got {sources}")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.gather import compile_gather
 
-        return compile_gather(width, arch, options)
+        return compile_gather(width, arch, options, sources=sources)
 
-    return KernelVariant("gather", {"width": width}, build)
+    return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
 
 
 SCHEDULE_THREADS = 512  # threads per CTA of the schedule launch
@@ -233,7 +243,7 @@ def weight_grad_pingpong(persistent: bool, tile_n: int) -> bool:
 
 def weight_grad_variant(
     m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
-    persistent: bool = True, pingpong: bool | None = None,
+    persistent: bool = True, pingpong: bool | None = None, split_out: bool = False,
 ) -> KernelVariant:
     """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA).
 
@@ -241,6 +251,7 @@ def weight_grad_variant(
     ``pingpong`` (persistent, 128-wide tiles): its two MMA warpgroups take whole tiles in turn,
     one's epilogue under the other's mainloop; None: :func:`weight_grad_pingpong` (what
     grad_ops.weight_grad launches, so that precompiling finds the same variants).
+    ``split_out``: the two halves of M into two [E, M/2, N] tensors (dW_gate and dW_up in one launch).
     """
     a_stride = m if a_stride is None else a_stride
     pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
@@ -252,7 +263,7 @@ def weight_grad_variant(
 
         return compile_weight_grad(
             m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n, persistent=persistent,
-            pingpong=pingpong,
+            pingpong=pingpong, split_out=split_out,
         )
 
     config = {
@@ -261,6 +272,8 @@ def weight_grad_variant(
     }
     if pingpong:  # (keys of existing variants unchanged)
         config["pingpong"] = True
+    if split_out:
+        config["split_out"] = True
     return KernelVariant("weight_grad", config, build)
 
 
@@ -290,11 +303,11 @@ def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False
         ),
         grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
         weight_grad_variant(hidden, inter),
-        weight_grad_variant(inter, hidden, a_stride=2 * inter),  # dW_gate, dW_up: the halves of dh
+        weight_grad_variant(2 * inter, hidden, split_out=True),  # dW_gate and dW_up in one launch over dh
     ]
     if not shared:
         variants.append(grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=has_shared_expert))
-        variants.append(router_grad_variant(topk, inter // default_tile_n(inter, hidden, True)))
+        variants.append(router_grad_variant(topk, inter // default_tile_n(inter, hidden, True)))  # (EP's backward)
     return variants
 
 
@@ -315,9 +328,12 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     check_tiled_widths("config", {"hidden": h, "intermediate": i, **shared})
     variants = [
         schedule_variant(config.experts_per_rank, config.topk, config.block_m),
-        gather_variant(h),
+        gather_variant(h),  # (the EP forward's rows for the backward; gather_first)
+        gather_variant(h, sources=2),  # the backward's dout and x rows
         combine_variant(h, config.topk, config.has_shared_expert, gathered=True),
-        combine_variant(h, config.topk, config.has_shared_expert, gathered=True, unit_weights=True),  # backward dx
+        combine_variant(  # the backward's dx and router-weight gradient
+            h, config.topk, config.has_shared_expert, gathered=True, unit_weights=True, router_parts=i // default_tile_n(i, h, True)
+        ),
     ]
     if config.ep_size > 1:  # mok/ep.py: the exchange kernels and the combine over pushed [T, k] slots
         w, k = config.ep_size, config.topk

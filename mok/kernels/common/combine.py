@@ -16,6 +16,9 @@ single round-to-nearest-even; out[t, c] = bf16(acc), round to nearest even.
 ``mok.reference.combine_reference`` computes exactly this. With ``unit_weights`` (the
 backward's dx = Σ_j dx_slot) every weight is 1.0 and none is read; fma(1, y, acc) is the
 single-rounding add, so the result equals the weighted kernel's with a tensor of ones.
+``CombineRouterGradKernel`` is that backward combine with the router-weight gradient of
+mok.kernels.common.router_grad in the same launch (the first column block's first k threads
+of each token add its pairs' pieces).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+
+from .router_grad import pair_router_grad
 
 VECTOR = 8  # bf16 elements per 16-byte access
 
@@ -83,6 +88,59 @@ class CombineKernel:
             )
 
 
+class CombineRouterGradKernel(CombineKernel):
+    """dx[t] = shared[t] + Σ_j dx_rows[slot_row[t, j]] (unit weights, gathered rows) and
+    d_topk_w[t, j] = Σ_c partial[slot_row[t, j], c] in one launch. Static: hidden, top-k, shared or
+    not, the number of router pieces per row."""
+
+    def __init__(self, hidden: int, topk: int, has_shared: bool, parts: int, threads: int = 128) -> None:
+        super().__init__(hidden, topk, has_shared, gathered=True, unit_weights=True, threads=threads)
+        if parts < 1 or topk > threads:
+            raise ValueError(f"(parts, topk): expected parts >= 1 and topk <= {threads}, got ({parts}, {topk})")
+        self.parts = parts
+
+    @cute.jit
+    def __call__(
+        self,
+        y_ptr: cute.Pointer,
+        slot_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        shared_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        d_w_ptr: cute.Pointer,
+        num_tokens: cutlass.Int32,
+        num_rows: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """y [R, H] bf16 rows, slot_row [T, k] int32, partial [R, parts] fp32, shared [T, H] bf16 (read
+        only with has_shared), out [T, H] bf16, d_w [T, k] fp32."""
+        k, h = self.topk, self.hidden
+        m_y = cute.make_tensor(y_ptr, cute.make_layout((num_rows, h), stride=(h, 1)))
+        m_slot = cute.make_tensor(slot_ptr, cute.make_layout((num_tokens, k), stride=(k, 1)))
+        m_part = cute.make_tensor(partial_ptr, cute.make_layout((num_rows, self.parts), stride=(self.parts, 1)))
+        m_shared = cute.make_tensor(shared_ptr, cute.make_layout((num_tokens, h), stride=(h, 1)))
+        m_out = cute.make_tensor(out_ptr, cute.make_layout((num_tokens, h), stride=(h, 1)))
+        m_d_w = cute.make_tensor(d_w_ptr, cute.make_layout((num_tokens, k), stride=(k, 1)))
+        self.kernel_router(m_y, m_slot, m_part, m_shared, m_out, m_d_w).launch(
+            grid=[num_tokens, (h + self.cols_per_cta - 1) // self.cols_per_cta, 1],
+            block=[self.threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel_router(
+        self, m_y: cute.Tensor, m_slot: cute.Tensor, m_part: cute.Tensor, m_shared: cute.Tensor, m_out: cute.Tensor, m_d_w: cute.Tensor
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        token, col_block, _ = cute.arch.block_idx()
+        chunk = col_block * self.threads + tidx
+        if chunk * VECTOR < self.hidden:
+            # (unit weights: the weights' tensor is not read; slot_row stands in for it)
+            combine_vector(m_y, m_slot, m_slot, m_shared, m_out, token, chunk, self.topk, self.has_shared, True, True)
+        if col_block == 0 and tidx < self.topk:
+            m_d_w[token, tidx] = pair_router_grad(m_part, m_slot[token, tidx], self.parts)
+
+
 @cute.jit
 def combine_vector(
     m_y: cute.Tensor, m_slot: cute.Tensor, m_w: cute.Tensor, m_shared: cute.Tensor, m_out: cute.Tensor,
@@ -116,12 +174,20 @@ def combine_vector(
 
 
 def compile_combine(
-    hidden: int, topk: int, has_shared: bool, gathered: bool, arch: str, options: str = "", unit_weights: bool = False
+    hidden: int, topk: int, has_shared: bool, gathered: bool, arch: str, options: str = "", unit_weights: bool = False,
+    router_parts: int = 0,
 ):
-    """Compile for ``arch`` without tensors: pointers and the token/row counts are runtime arguments."""
+    """Compile for ``arch`` without tensors: pointers and the token/row counts are runtime arguments
+    (``router_parts`` > 0: CombineRouterGradKernel, gathered with unit weights)."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
+    if router_parts:
+        bf16 = make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)
+        f32, i32 = (make_ptr(dtype, 0, gmem, assumed_align=4) for dtype in (cutlass.Float32, cutlass.Int32))
+        kernel = CombineRouterGradKernel(hidden, topk, has_shared, router_parts)
+        args = (bf16, i32, f32, bf16, bf16, f32, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream())
+        return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
     args = (
         make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
         make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),

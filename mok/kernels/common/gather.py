@@ -5,6 +5,8 @@ schedule gives (canonical within each expert). Arch-neutral: 16-byte vector load
 stores; a CTA of ``threads`` threads covers 8·threads columns of ROWS output rows, each
 thread loading its ROWS vectors before it stores any, so that ROWS loads are in flight per
 thread (one row per CTA kept one load in flight and launched a CTA per 2 KB moved).
+``GatherTwoRowsKernel`` gathers the same rows of two sources of one width in one launch (the
+backward's dout and x rows).
 """
 
 from __future__ import annotations
@@ -57,6 +59,44 @@ class GatherRowsKernel:
             gather_row_block(m_src, m_index, m_out, row_block, chunk, m_out.shape[0])
 
 
+class GatherTwoRowsKernel(GatherRowsKernel):
+    """The same rows of two sources: out_a[r] = src_a[index[r]], out_b[r] = src_b[index[r]] (grid z: which)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        src_a_ptr: cute.Pointer,
+        src_b_ptr: cute.Pointer,
+        index_ptr: cute.Pointer,
+        out_a_ptr: cute.Pointer,
+        out_b_ptr: cute.Pointer,
+        num_src: cutlass.Int32,
+        num_out: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """src_a, src_b [num_src, width] bf16, index [num_out] int32, out_a, out_b [num_out, width] bf16."""
+        w = self.width
+        rows_of = lambda ptr, count: cute.make_tensor(ptr, cute.make_layout((count, w), stride=(w, 1)))  # noqa: E731
+        m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
+        self.kernel_two(rows_of(src_a_ptr, num_src), rows_of(src_b_ptr, num_src), m_index, rows_of(out_a_ptr, num_out),
+                        rows_of(out_b_ptr, num_out)).launch(
+            grid=[(num_out + ROWS - 1) // ROWS, (w + self.cols_per_cta - 1) // self.cols_per_cta, 2],
+            block=[self.threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel_two(self, m_src_a: cute.Tensor, m_src_b: cute.Tensor, m_index: cute.Tensor, m_out_a: cute.Tensor, m_out_b: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        row_block, col_block, which = cute.arch.block_idx()
+        chunk = col_block * self.threads + tidx
+        if chunk * VECTOR < self.width:
+            if which == 0:
+                gather_row_block(m_src_a, m_index, m_out_a, row_block, chunk, m_out_a.shape[0])
+            else:
+                gather_row_block(m_src_b, m_index, m_out_b, row_block, chunk, m_out_b.shape[0])
+
+
 @cute.jit
 def gather_row_block(m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor, row_block, chunk, num_out):
     """Column chunk ``chunk`` (VECTOR elements) of out rows row_block·ROWS .. + ROWS - 1 (those below
@@ -77,17 +117,15 @@ def gather_row_block(m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tenso
             cute.zipped_divide(m_out[row, None], (VECTOR,))[None, chunk].store(held[i].load())
 
 
-def compile_gather(width: int, arch: str, options: str = ""):
-    """Compile for ``arch`` without tensors."""
+def compile_gather(width: int, arch: str, options: str = "", sources: int = 1):
+    """Compile for ``arch`` without tensors (``sources`` 2: GatherTwoRowsKernel)."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
-    args = (
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        make_fake_stream(),
-    )
-    return cute.compile(GatherRowsKernel(width), *args, options=f"--gpu-arch {arch} {options}".strip())
+    rows = make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)
+    index = make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)
+    counts = (cutlass.Int32(1), cutlass.Int32(1), make_fake_stream())
+    options = f"--gpu-arch {arch} {options}".strip()
+    if sources == 2:
+        return cute.compile(GatherTwoRowsKernel(width), rows, rows, index, rows, rows, *counts, options=options)
+    return cute.compile(GatherRowsKernel(width), rows, index, rows, *counts, options=options)

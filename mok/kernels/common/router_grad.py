@@ -50,12 +50,17 @@ class RouterGradKernel:
         block, _, _ = cute.arch.block_idx()
         pair = block * self.threads + tidx
         if pair < pairs:
-            row = m_slot[pair]
-            total = cutlass.Float32(0.0)
-            if row >= 0:
-                for c in cutlass.range_constexpr(self.parts):
-                    total = total + m_part[row, c]
-            m_out[pair] = total
+            m_out[pair] = pair_router_grad(m_part, m_slot[pair], self.parts)
+
+
+@cute.jit
+def pair_router_grad(m_part: cute.Tensor, row, parts: cutlass.Constexpr) -> cutlass.Float32:
+    """One pair's d_topk_w: Σ_c partial[row, c], c in order (fp32 adds), or 0 for row < 0 (no row)."""
+    total = cutlass.Float32(0.0)
+    if row >= 0:
+        for c in cutlass.range_constexpr(parts):
+            total = total + m_part[row, c]
+    return total
 
 
 def compile_router_grad(topk: int, parts: int, arch: str, options: str = ""):

@@ -18,7 +18,11 @@ order: no split-K, no atomics, so the result is the same on every run and, becau
 rows are in canonical order, the same for any batch that holds the same rows. An expert
 with no rows gets zeros (or, accumulating, is left as it was). ``accumulate`` adds the
 result into an existing fp32 tensor with a TMA reduce-add (one add per element, by the
-tile's only owner), as Megatron's ``main_grad`` wants.
+tile's only owner), as Megatron's ``main_grad`` wants. ``split_out``: the output is two tensors
+[E, M/2, N], the product's rows below M/2 going into the first: dW_gate and dW_up from one launch
+over all of dh. They are described to the TMA store as one tensor [2, E, M/2, N] from the lower
+of the two addresses, the halves ``half_stride`` elements apart (``upper_first``: the second
+half's tensor lies lower).
 
 ``pingpong`` (persistent): each MMA warpgroup computes whole output tiles on its own (128 x
 tile_n, two 64-row WGMMAs per K block), the two taking the CTA's tiles in turn; a named-barrier
@@ -60,6 +64,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         stages: int | None = None,
         persistent: bool = False,
         pingpong: bool = False,
+        split_out: bool = False,
     ):
         tile_m = 128
         if out_dtype not in OUT_DTYPES:
@@ -70,12 +75,15 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
         if m % tile_m or n % tile_n:
             raise ValueError(f"(m, n): expected multiples of the tile ({tile_m}, {tile_n}), got ({m}, {n})")
+        if split_out and m % (2 * tile_m):
+            raise ValueError(f"split_out: expected m a multiple of {2 * tile_m} (each half whole tiles), got {m}")
         a_stride = m if a_stride is None else a_stride
         if a_stride < m or a_stride % 8:
             raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
         if pingpong and (not persistent or tile_n != 128):
             raise ValueError("pingpong: only in the persistent kernel with 128-column tiles (one warpgroup holds a whole tile)")
         self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
+        self.split_out = split_out
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
         out_bytes = 4 if out_dtype == "f32" else 2
         self.persistent, self.pingpong = persistent, pingpong
@@ -98,13 +106,19 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         max_ctas: cutlass.Int32,
+        half_stride: cutlass.Int64,
+        upper_first: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         m, n = self.m, self.n
         tile_m, tile_n, _ = self.tile_shape_mnk
         m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows), stride=(1, self.a_stride)))
         m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows), stride=(1, n)))
-        m_c = cute.make_tensor(out_ptr, cute.make_layout((m, n, num_experts), stride=(n, 1, m * n)))
+        if cutlass.const_expr(self.split_out):  # [E, m/2, n] twice, half_stride elements apart
+            layout = cute.make_layout((m // 2, n, num_experts, 2), stride=(n, 1, m // 2 * n, half_stride))
+            m_c = cute.make_tensor(out_ptr, layout)
+        else:
+            m_c = cute.make_tensor(out_ptr, cute.make_layout((m, n, num_experts), stride=(n, 1, m * n)))
         m_off = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
         m_cnt = cute.make_tensor(counts_ptr, cute.make_layout((num_experts,)))
         rows = (m_off, m_cnt, counted)  # where each expert's rows start and end (see tile_of)
@@ -130,7 +144,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         load_args = (tma_a, t_a, tma_b, t_b)
         store_args = (tma_c, t_c)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
-        args = (load_args, store_args, rows, num_rows, num_experts, mma_args)
+        args = (load_args, store_args + (upper_first,), rows, num_rows, num_experts, mma_args)
         if cutlass.const_expr(self.persistent):
             grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
             self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
@@ -150,7 +164,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         """One CTA per output tile. ``load_args``: the TMA atoms and tensors of A and B; ``store_args``:
         those of out; ``mma_args``: the tiled MMA and the shared-memory layouts (as ``__call__`` packs them)."""
         tma_a, _, tma_b, _ = load_args
-        tma_c, m_c = store_args
+        tma_c, m_c, upper_first = store_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -167,7 +181,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=False)
 
-        g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+        g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
         loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
         _, r_a, r_b, acc = self.mma_operands(tiled_mma, tidx, s_a, s_b)
         acc.fill(0.0)
@@ -195,7 +209,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order
         (``pingpong``: by one of its MMA warpgroups, see ``pingpong_consumers``). Arguments as in ``kernel``."""
         tma_a, _, tma_b, _ = load_args
-        tma_c, m_c = store_args
+        tma_c, m_c, upper_first = store_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -219,7 +233,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
             cute.arch.setmaxregister_increase(232)
             tiles = (first, step, all_tiles, rows, num_rows)
-            self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, (tma_c, m_c))
+            self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, store_args)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -233,7 +247,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
                 expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
                 acc.fill(0.0)
                 cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
-                g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+                g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
                 self.store_acc(mma_tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
                 linear += step
             if warp_idx == self.store_warp:
@@ -260,11 +274,26 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
     @cute.jit
     def pingpong_epilogue(self, tidx, warp_idx, tiled_mma, acc, s_c, store_pipe, group, first_buf, tile, epi_args):
-        """Ping-pong: one warpgroup stores its tile (``epi_args`` = the store's TMA atom and out)."""
+        """Ping-pong: one warpgroup stores its tile (``epi_args`` = the store's TMA atom, out, upper_first)."""
         expert, tile_row, tile_col = tile
-        tma_c, m_c = epi_args
-        g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+        tma_c, m_c, upper_first = epi_args
+        g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
         self.store_acc(tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group, first_buf)
+
+    @cute.jit
+    def out_tile(self, m_c, upper_first, expert, tile_row, tile_col):
+        """Output tile (tile row, tile column) of ``expert``'s gradient; with ``split_out`` a tile row
+        in M's second half lies in the second tensor (m_c's last mode: 1, or 0 when ``upper_first``)."""
+        if cutlass.const_expr(self.split_out):
+            rows_per_half = self.m // 2 // self.tile_shape_mnk[0]
+            half = tile_row // rows_per_half
+            g_c = cute.local_tile(
+                m_c[None, None, None, half ^ upper_first], self.tile_shape_mnk, (tile_row - half * rows_per_half, tile_col, None, expert),
+                proj=(1, 1, None),
+            )
+        else:
+            g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
+        return g_c
 
     def tile_loads(self, load_args, s_a, s_b, tile_row, tile_col, row_start):
         """What ``load_stage`` needs for one output tile: TMA atoms, smem/gmem partitions, the expert's first k tile."""
@@ -308,7 +337,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
 def compile_weight_grad(
     m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None,
-    tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False,
+    tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -324,9 +353,12 @@ def compile_weight_grad(
         cutlass.Int32(128),
         cutlass.Int32(1),
         cutlass.Int32(1),
+        cutlass.Int64(0),
+        cutlass.Int32(0),
         make_fake_stream(),
     )
     kernel = WeightGradGemmSm90(
-        m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, persistent=persistent, pingpong=pingpong
+        m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, persistent=persistent, pingpong=pingpong,
+        split_out=split_out,
     )
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
