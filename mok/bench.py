@@ -61,6 +61,15 @@ def batch_ms(fn, batch: int, before_batch=None) -> float:
     return start.elapsed_time(stop) / batch
 
 
+def smi_command(fields: str, device: int, *, units: bool = True, period_ms: int | None = None) -> list[str]:
+    """The nvidia-smi command line that reads ``fields`` (its --query-gpu names, comma-separated)
+    of GPU ``device`` as CSV lines without a header (``units``: "1980 MHz", else "1980"), once,
+    or every ``period_ms`` until stopped."""
+    fmt = "csv,noheader" if units else "csv,noheader,nounits"
+    command = ["nvidia-smi", f"--query-gpu={fields}", f"--format={fmt}", "-i", str(device)]
+    return command if period_ms is None else [*command, f"-lms={period_ms}"]
+
+
 class GpuSampler:
     """Samples the GPU's SM clock (MHz), power (W) and temperature (C) every ``period_ms`` from
     ``nvidia-smi`` in the background while the ``with`` block runs; ``means()`` averages them.
@@ -71,7 +80,7 @@ class GpuSampler:
     missing ``means()`` is empty.
     """
 
-    QUERY = "--query-gpu=clocks.sm,power.draw,temperature.gpu"
+    FIELDS = "clocks.sm,power.draw,temperature.gpu"
 
     def __init__(self, device: int | None = None, period_ms: int = 50) -> None:
         self.device = torch.cuda.current_device() if device is None else device
@@ -84,7 +93,7 @@ class GpuSampler:
 
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", self.QUERY, "--format=csv,noheader,nounits", f"-lms={self.period_ms}", "-i", str(self.device)],
+                smi_command(self.FIELDS, self.device, units=False, period_ms=self.period_ms),
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )
         except OSError:

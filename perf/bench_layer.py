@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mok.fused_backward import moe_backward
-from mok.bench import time_ms_interleaved, time_ms_sustained
+from mok.bench import smi_command, time_ms_interleaved, time_ms_sustained
 from mok.fused_forward import moe_forward
 
 CONFIGS = {
@@ -130,9 +130,8 @@ def gpu_state() -> str:
     import subprocess
 
     try:
-        query = "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
-        line = subprocess.run(["nvidia-smi", query, "--format=csv,noheader", "-i", str(torch.cuda.current_device())],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
+        command = smi_command("clocks.sm,clocks.max.sm,power.draw,temperature.gpu", torch.cuda.current_device())
+        line = subprocess.run(command, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
     return f"SM clock, max, power, temperature just after: {line}" if line else ""

@@ -94,6 +94,17 @@ def test_gpu_sampler_reads_nvidia_smi_lines_and_skips_what_does_not_parse():
     assert parse_samples("") == []
 
 
+def test_nvidia_smi_command_lines_for_one_reading_and_for_sampling():
+    """mok.bench.smi_command: the one-shot reading keeps units, the sampler's drops them (its lines
+    are parsed as numbers) and repeats every period (CPU)."""
+    from mok.bench import GpuSampler, smi_command
+
+    once = smi_command("clocks.sm,power.draw", 1)
+    assert once == ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader", "-i", "1"]
+    sampled = smi_command(GpuSampler.FIELDS, 0, units=False, period_ms=50)
+    assert sampled[1:] == [f"--query-gpu={GpuSampler.FIELDS}", "--format=csv,noheader,nounits", "-i", "0", "-lms=50"]
+
+
 @pytest.mark.gpu
 def test_sustained_timing_warms_up_then_times_and_samples_the_clock():
     """mok.bench.time_ms_sustained: untimed calls for ``seconds``, then timed ones for as long; a
