@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import grad_ops, ops
-from .fused_forward import ForwardResult, check_tile_multiples, single_expert_tiles
+from .fused_forward import ForwardResult, check_tile_multiples, shared_expert_as_last, single_expert_tiles
 from .reference import SharedExpert
 from .reference_backward import Gradients
 from .schedule import check_schedule
@@ -38,10 +38,15 @@ def _shared_backward(x, dout, shared, shared_h, dtype, main_grads):
     w_gate, w_up, w_down = shared
     dh, a, _ = grad_ops.swiglu_backward_gemm(dout, w_down[None], tiles, shared_h)
     dx = ops.grouped_gemm(dh, w_gate[None], tiles, b2=w_up[None], b_major="n", k_split=True)
-    offsets = torch.arange(2, dtype=torch.int32, device=x.device) * num_tokens  # [0, T]: all rows
+    return dx, _shared_weight_grads(dout, a, dh, x, dtype, main_grads)
+
+
+def _shared_weight_grads(dout, a, dh, x, dtype, main_grads):
+    """(dW_gate, dW_up, dW_down) of the shared expert from its T rows: dout, a (s = 1), dh, x."""
+    offsets = torch.arange(2, dtype=torch.int32, device=x.device) * x.shape[0]  # [0, T]: all rows
     d_down = _weight_grad(dout, a, offsets, dtype, None if main_grads is None else main_grads[2][None])
     d_gate, d_up = _gate_up_grad(dh, x, offsets, dtype, None if main_grads is None else (main_grads[0][None], main_grads[1][None]))
-    return dx, (d_gate[0], d_up[0], d_down[0])
+    return d_gate[0], d_up[0], d_down[0]
 
 
 def _weight_grad(a, b, offsets, dtype, main_grad, counts=None):
@@ -100,17 +105,28 @@ def moe_backward(
         check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared[0].shape[0]),
                      device=x.device, contiguous=True)
 
+    weights = (w_gate, w_up, w_down)
+    if sched.shared_rows:  # the forward ran the shared expert as expert E, its rows first
+        weights = shared_expert_as_last(w_gate, w_up, w_down, shared)
+        if weights is None:
+            raise ValueError("saved.schedule: has a shared expert's rows, but its weights do not follow the routed ones")
     dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
-        dout_rows, w_down, sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w
+        dout_rows, weights[2], sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w
     )
-    dx_rows = ops.grouped_gemm(dh, w_gate, sched.tile_expert, b2=w_up, b_major="n", k_split=True)
+    dx_rows = ops.grouped_gemm(dh, weights[0], sched.tile_expert, b2=weights[1], b_major="n", k_split=True)
     offsets, counts = sched.expert_offsets, sched.expert_counts
     d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
     d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
 
     dx_shared = d_shared = None
-    if shared is not None:
+    if sched.shared_rows:  # its dx rows, and its weight gradients from its rows (views [:T]: what _shared_backward reads)
+        dx_shared = dx_rows[:num_tokens]
+        rows = slice(0, num_tokens)
+        d_shared = _shared_weight_grads(
+            dout_rows[rows], a_scaled[rows], dh[rows], x_rows[rows], grad_dtype, None if main_grads is None else main_grads[3:]
+        )
+    elif shared is not None:
         dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])
     d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
     dx = ops.combine(  # unweighted (s is already inside dh), and d_topk_w from the SwiGLU backward's pieces

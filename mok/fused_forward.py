@@ -71,6 +71,25 @@ def shared_expert_forward(x: torch.Tensor, shared: SharedExpert, h_out: torch.Te
     return ops.grouped_gemm(a, shared[2][None], tiles)
 
 
+def shared_expert_as_last(w_gate, w_up, w_down, shared) -> tuple | None:
+    """(w_gate, w_up, w_down) over E + 1 experts, the shared expert the last, when each of its
+    weights lies right after the routed experts' in the same storage with their shapes (as
+    mok.MoELayer allocates them); else None (then the shared expert runs in launches of its own)."""
+    if shared is None:
+        return None
+    stacked = []
+    for routed, one in zip((w_gate, w_up, w_down), tuple(shared)):
+        if (
+            one.shape != routed.shape[1:] or one.dtype != routed.dtype or not one.is_contiguous() or not routed.is_contiguous()
+            or one.device != routed.device
+            or one.untyped_storage().data_ptr() != routed.untyped_storage().data_ptr()
+            or one.storage_offset() != routed.storage_offset() + routed.numel()
+        ):
+            return None
+        stacked.append(routed.as_strided((routed.shape[0] + 1, *routed.shape[1:]), routed.stride(), routed.storage_offset()))
+    return tuple(stacked)
+
+
 def moe_forward(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -108,6 +127,10 @@ def moe_forward(
     barriers keep 16 bytes per stream across calls, allocated on the device's first such call:
     warm up before CUDA-graph capture. Like ``one_launch_mlp`` it needs all its CTAs resident at
     once (waits bounded by the same timeout).
+    A shared expert whose weights lie right after the routed experts' (:func:`shared_expert_as_last`;
+    mok.MoELayer's layout) runs in the routed GEMM launches as expert E, its rows in front of the
+    routed ones (the schedule's shared prefix): 4 launches instead of 6, the same bits (not with
+    ``combine_in_gemm``, ``one_launch_mlp`` or ``one_launch`` yet: those launch it on its own).
     ``gather_first`` (not with ``one_launch_mlp``): the rows are gathered into x_rows [R, H]
     first, by a launch of their own (with ``one_launch``: by a phase of the launch, after the
     schedule, behind a grid barrier), and the gate/up GEMM loads them by TMA, instead of
@@ -128,13 +151,16 @@ def moe_forward(
     )
     check_tile_multiples(hidden, inter, shared)
     num_tokens, hidden = x.shape
+    topk_idx = topk_idx.to(torch.int32).contiguous()
+    stacked = None if (one_launch or one_launch_mlp or combine_in_gemm) else shared_expert_as_last(w_gate, w_up, w_down, shared)
+    if stacked is not None:
+        return _forward_shared_in_routed(x, topk_idx, topk_w, stacked, num_experts, out, save_for_backward, gather_first)
     rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # the schedule's buffer rows
     h = shared_h = None
     if save_for_backward:
         h = torch.empty(rows, 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)
         if shared is not None:
             shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
-    topk_idx = topk_idx.to(torch.int32).contiguous()
     if one_launch:  # the shared expert (if any), then one launch
         shared_out = None if shared is None else shared_expert_forward(x, shared, shared_h)
         out, sched = ops.scheduled_expert_mlp(
@@ -165,4 +191,22 @@ def moe_forward(
         y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
         out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
     return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
+
+
+def _forward_shared_in_routed(x, topk_idx, topk_w, stacked, num_experts, out, save_for_backward, gather_first) -> ForwardResult:
+    """The four-launch forward with the shared expert as expert E of ``stacked`` (E + 1 experts),
+    its T rows first in the buffer (the schedule's shared prefix); its output rows y_rows[:T] are
+    the combine's shared input, h[:T] its saved h."""
+    num_tokens = x.shape[0]
+    w_gate, w_up, w_down = stacked
+    capacity = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)
+    sched = ops.device_schedule(topk_idx, num_experts, block_m=TILE_M, capacity=capacity, shared_prefix=True)
+    h = torch.empty(sched.capacity, 2 * w_gate.shape[1], dtype=x.dtype, device=x.device) if save_for_backward else None
+    if gather_first:
+        a = ops.grouped_gemm(ops.gather_rows(x, sched.row_token), w_gate, sched.tile_expert, b2=w_up, h_out=h)
+    else:
+        a = ops.grouped_gemm(x, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token)
+    y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
+    out = ops.combine(y_rows, topk_w, y_rows[:num_tokens], slot_row=sched.slot_row, out=out)
+    return ForwardResult(out=out, schedule=sched, h=h, shared_h=None if h is None else h[:num_tokens])
 

@@ -103,14 +103,20 @@ class MoELayer(nn.Module):
             agree_on_spec({**self.config.as_dict(), "dtype": str(dtype or torch.bfloat16)}, self.group)
         local = self.config.experts_per_rank
         kw = dict(device=device, dtype=dtype or torch.bfloat16)
-        self.gate_proj = nn.Parameter(torch.empty(local, intermediate, hidden, **kw))
-        self.up_proj = nn.Parameter(torch.empty(local, intermediate, hidden, **kw))
-        self.down_proj = nn.Parameter(torch.empty(local, hidden, intermediate, **kw))
-        if shared_intermediate is not None:
+        shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+        if shared_intermediate == intermediate and self.group is None:
+            # one buffer per projection, the shared expert after the routed ones: the single-GPU
+            # forward then runs it in the routed launches (mok.fused_forward.shared_expert_as_last)
+            bufs = [torch.empty(local + 1, *shape, **kw) for shape in shapes]
+            self.gate_proj, self.up_proj, self.down_proj = (nn.Parameter(buf[:local]) for buf in bufs)
+            self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj = (nn.Parameter(buf[local]) for buf in bufs)
+        elif shared_intermediate is not None:
+            self.gate_proj, self.up_proj, self.down_proj = (nn.Parameter(torch.empty(local, *shape, **kw)) for shape in shapes)
             self.shared_gate_proj = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
             self.shared_up_proj = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
             self.shared_down_proj = nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))
         else:
+            self.gate_proj, self.up_proj, self.down_proj = (nn.Parameter(torch.empty(local, *shape, **kw)) for shape in shapes)
             self.register_parameter("shared_gate_proj", None)
             self.register_parameter("shared_up_proj", None)
             self.register_parameter("shared_down_proj", None)

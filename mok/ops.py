@@ -17,7 +17,7 @@ from .kernels import (
     GRID_SYNC_WORDS, combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_ctas,
     schedule_variant,
 )
-from .schedule import Schedule, check_schedule, check_schedule_args, worst_case_capacity
+from .schedule import Schedule, check_schedule, check_schedule_args, shared_prefix_rows, worst_case_capacity
 from .runtime.arch import device_arch
 from .runtime.launch import i32 as _i32, i64 as _i64, ptr as _ptr, stream as _stream
 from .validation import check_tensor, check_timeout
@@ -756,21 +756,24 @@ def device_schedule(
     rank: int = 0,
     world_size: int = 1,
     clear: torch.Tensor | None = None,
+    shared_prefix: bool = False,
 ) -> Schedule:
     """:func:`mok.schedule.build_schedule` computed by one kernel launch (many CTAs), bit for bit.
 
     topk_idx: [N, k] int32 on the GPU (global expert ids, canonical token order). The
     overflow field is an int32 flag (non-zero: the routing needed more than ``capacity`` rows).
     ``clear``: an int32 CUDA tensor the same launch fills with zeros (the arrival counters of
-    :func:`grouped_gemm_combine`).
+    :func:`grouped_gemm_combine`). ``shared_prefix``: a shared expert's rows in front of the routed
+    ones (the same launch writes them; ``capacity`` is the routed rows').
     """
     num_tokens, topk, num_local, capacity = check_schedule_args(topk_idx, num_experts, block_m, capacity, rank, world_size)
+    prefix = shared_prefix_rows(num_tokens, block_m) if shared_prefix else 0
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), contiguous=True)
     if topk_idx.device.type != "cuda":
         raise ValueError(f"topk_idx: expected a CUDA tensor, got one on {topk_idx.device}")
     _check_32bit("topk_idx", topk_idx)
     dev = topk_idx.device
-    sched = _empty_schedule(num_tokens, topk, num_local, capacity, block_m, dev)
+    sched = _empty_schedule(num_tokens, topk, num_local, prefix + capacity, block_m, dev, prefix)
     if clear is not None:
         check_tensor("clear", clear, dtypes=(torch.int32,), device=dev, contiguous=True)
         _check_32bit("clear", clear)
@@ -780,8 +783,8 @@ def device_schedule(
                    sched.tile_expert, sched.overflow, clear)
         kernel(
             *(_ptr("i32", t, 4) for t in buffers),
-            _i32(num_tokens), _i32(rank * num_local), _i32(capacity), _i32(0 if clear is None else clear.numel()),
-            _i32(schedule_ctas(num_tokens * topk, _sm_count(dev))), _stream(dev),
+            _i32(num_tokens), _i32(rank * num_local), _i32(prefix + capacity), _i32(0 if clear is None else clear.numel()),
+            _i32(schedule_ctas(num_tokens * topk, _sm_count(dev))), _i32(prefix), _stream(dev),
         )
     else:  # nothing routed: no launch
         _unrouted(sched)
@@ -797,11 +800,13 @@ def _unrouted(sched: Schedule) -> Schedule:
     return sched
 
 
-def _empty_schedule(num_tokens: int, topk: int, num_local: int, capacity: int, block_m: int, device: torch.device) -> Schedule:
+def _empty_schedule(
+    num_tokens: int, topk: int, num_local: int, capacity: int, block_m: int, device: torch.device, shared_rows: int = 0
+) -> Schedule:
     """A schedule's tensors, unwritten (a schedule launch fills them)."""
     i32 = dict(dtype=torch.int32, device=device)
     return Schedule(
         torch.empty(num_local, **i32), torch.empty(num_local + 1, **i32), torch.empty(capacity, **i32),
         torch.empty(capacity, **i32), torch.empty(num_tokens, topk, **i32), torch.empty(capacity // block_m, **i32),
-        torch.empty((), **i32), block_m, capacity,
+        torch.empty((), **i32), block_m, capacity, shared_rows,
     )

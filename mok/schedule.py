@@ -34,6 +34,9 @@ class Schedule:
         or it did not fit.
     tile_expert [capacity // block_m]: local expert of each row tile, -1 for unused tiles.
     overflow []: True when the routing needs more than ``capacity`` rows.
+    shared_rows: rows in front of the routed experts' that hold a shared expert (0: none):
+        ceil(N / block_m)·block_m rows, row r < N token r's with slot k (no routed pair has
+        it), their tiles expert E_local; ``capacity`` counts them, every offset starts after them.
     """
 
     expert_counts: torch.Tensor
@@ -45,6 +48,7 @@ class Schedule:
     overflow: torch.Tensor
     block_m: int
     capacity: int
+    shared_rows: int = 0
 
     def check_overflow(self) -> None:
         """Raise if the routing did not fit (reads one flag back: call it off the hot path)."""
@@ -120,14 +124,20 @@ def build_schedule(
     capacity: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    shared_prefix: bool = False,
 ) -> Schedule:
     """Schedule of rank ``rank``'s experts for the global routing ``topk_idx`` [N, k].
 
     ``topk_idx`` holds all ranks' routing concatenated in rank order (row g is global
     token g) with global expert ids; rank r owns experts [r·E/W, (r+1)·E/W). ``capacity``
-    (a multiple of ``block_m``) defaults to :func:`worst_case_capacity`.
+    (a multiple of ``block_m``) defaults to :func:`worst_case_capacity`. ``shared_prefix``:
+    the routed rows follow a shared expert's (see :class:`Schedule`; ``capacity`` is then the
+    routed rows', the schedule's capacity that plus the prefix).
     """
     num_tokens, topk, num_local, capacity = check_schedule_args(topk_idx, num_experts, block_m, capacity, rank, world_size)
+    if shared_prefix:
+        return _with_shared_prefix(build_schedule(topk_idx, num_experts, block_m=block_m, capacity=capacity, rank=rank,
+                                                  world_size=world_size))
 
     device = topk_idx.device
     i64 = dict(dtype=torch.int64, device=device)
@@ -173,3 +183,31 @@ def build_schedule(
         block_m=block_m,
         capacity=capacity,
     )
+
+
+def shared_prefix_rows(num_tokens: int, block_m: int) -> int:
+    """Rows of a shared expert's prefix in front of the routed rows: the tokens, whole tiles."""
+    return -(-num_tokens // block_m) * block_m
+
+
+def _with_shared_prefix(routed: Schedule) -> Schedule:
+    """``routed`` moved behind a shared expert's prefix of rows (see :class:`Schedule`)."""
+    num_tokens, topk = routed.slot_row.shape
+    bm, num_local = routed.block_m, routed.expert_counts.shape[0]
+    prefix = shared_prefix_rows(num_tokens, bm)
+    like = dict(dtype=torch.int32, device=routed.row_token.device)
+    rows = torch.arange(prefix, **like)
+    is_token = rows < num_tokens
+    return Schedule(
+        expert_counts=routed.expert_counts,
+        expert_offsets=routed.expert_offsets + prefix,
+        row_token=torch.cat([torch.where(is_token, rows, -1), routed.row_token]),
+        row_slot=torch.cat([torch.where(is_token, topk, -1).to(torch.int32), routed.row_slot]),
+        slot_row=torch.where(routed.slot_row >= 0, routed.slot_row + prefix, -1),
+        tile_expert=torch.cat([torch.full((prefix // bm,), num_local, **like), routed.tile_expert]),
+        overflow=routed.overflow,
+        block_m=bm,
+        capacity=prefix + routed.capacity,
+        shared_rows=prefix,
+    )
+

@@ -378,6 +378,16 @@ def test_branch_free_reciprocal_rounds_as_the_ieee_reciprocal():
     assert torch.equal(fast[n:], torch.full_like(big, 2.0**-126))
 
 
+def cutlass_launches(fn) -> int:
+    """How many CuTe DSL kernels one call of ``fn`` launches (torch.profiler), after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "cutlass" in e.name)
+
+
 def test_backward_launches_six_kernels_and_four_more_for_a_shared_expert():
     """The backward's launch count (issue: as few as it can be): the rows gathered (dout and x in one
     launch), the SwiGLU backward, dx rows, dW_down, dW_gate with dW_up, and dx with the router
@@ -388,13 +398,42 @@ def test_backward_launches_six_kernels_and_four_more_for_a_shared_expert():
         x, idx, w, experts, shared = gpu_layer(300, 512, 256, 8, 4, shared_inter, seed=37)
         saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
         dout = torch.randn_like(x)
-        moe_backward(dout, x, idx, w, *experts, shared, saved)  # compiled and warm
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            moe_backward(dout, x, idx, w, *experts, shared, saved)
-            torch.cuda.synchronize()
-        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "cutlass" in e.name]
-        assert len(kernels) == want, kernels
+        assert cutlass_launches(lambda: moe_backward(dout, x, idx, w, *experts, shared, saved)) == want
+
+
+@pytest.mark.parametrize("T,H,I,E,k", [(300, 512, 256, 8, 4), (1000, 1024, 512, 16, 8)])
+def test_shared_expert_in_the_routed_launches_gives_the_bits_of_its_own_launches(T, H, I, E, k):
+    """A shared expert whose weights lie right after the routed experts' (one [E + 1, ...] buffer
+    per projection, as mok.MoELayer allocates them) runs as expert E in the routed launches, its
+    rows first: the output, h and every gradient (fresh and added into main_grads) bitwise those
+    of the same weights in tensors of their own, in 4 + 8 launches instead of 6 + 10."""
+    from mok.fused_forward import shared_expert_as_last
+
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, I, seed=41)
+    bufs = [torch.cat([routed, one[None]]) for routed, one in zip(experts, shared)]
+    stacked, stacked_shared = tuple(b[:E] for b in bufs), tuple(b[E] for b in bufs)
+    assert shared_expert_as_last(*stacked, stacked_shared) is not None and shared_expert_as_last(*experts, shared) is None
+    want = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+    got = moe_forward(x, idx, w, *stacked, stacked_shared, save_for_backward=True, out=poisoned(T, H))
+    assert got.schedule.shared_rows == -(-T // 128) * 128 and want.schedule.shared_rows == 0
+    assert torch.equal(got.out, want.out) and torch.equal(got.shared_h, want.shared_h)
+    pairs_got, pairs_want = got.schedule.slot_row.flatten().long(), want.schedule.slot_row.flatten().long()
+    assert torch.equal(got.h[pairs_got], want.h[pairs_want])  # every pair's h row
+    dout = torch.randn_like(x)
+    g_want = moe_backward(dout, x, idx, w, *experts, shared, want)
+    g_got = moe_backward(dout, x, idx, w, *stacked, stacked_shared, got)
+    for name in ("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"):
+        assert torch.equal(getattr(g_got, name), getattr(g_want, name)), name
+    assert all(torch.equal(a, b) for a, b in zip(g_got.d_shared, g_want.d_shared))
+    mains = [torch.randn(t.shape, device="cuda") for t in (*experts, *shared)]
+    m_want = moe_backward(dout, x, idx, w, *experts, shared, want, main_grads=tuple(t.clone() for t in mains))
+    m_got = moe_backward(dout, x, idx, w, *stacked, stacked_shared, got, main_grads=tuple(t.clone() for t in mains))
+    for a, b in zip((m_got.d_w_gate, m_got.d_w_up, m_got.d_w_down, *m_got.d_shared),
+                    (m_want.d_w_gate, m_want.d_w_up, m_want.d_w_down, *m_want.d_shared)):
+        assert torch.equal(a, b)
+    assert cutlass_launches(lambda: moe_forward(x, idx, w, *stacked, stacked_shared, check_routing=False)) == 4
+    assert cutlass_launches(lambda: moe_forward(x, idx, w, *experts, shared, check_routing=False)) == 6
+    assert cutlass_launches(lambda: moe_backward(dout, x, idx, w, *stacked, stacked_shared, got)) == 8
 
 
 def test_precompiled_variants_are_the_ones_a_training_step_launches():

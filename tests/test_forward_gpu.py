@@ -446,18 +446,21 @@ def test_forward_rejects_bad_input():
         (3000, 64, 8, 1, 0, 4096, "zipf"),  # overflow with many CTAs
     ],
 )
-def test_device_schedule_equals_python_schedule(N, E, k, world, rank, capacity, routing):
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_device_schedule_equals_python_schedule(N, E, k, world, rank, capacity, routing, shared_prefix):
     from mok.schedule import build_schedule
 
     _, idx, _, _, _ = layer(N, 8, 8, E, k, seed=N + E, routing=routing)
     clear = torch.randint(1, 100, (N + 5,), dtype=torch.int32, device="cuda")
-    dev = ops.device_schedule(idx, E, block_m=128, capacity=capacity, rank=rank, world_size=world, clear=clear)
+    opts = dict(block_m=128, capacity=capacity, rank=rank, world_size=world, shared_prefix=shared_prefix)
+    dev = ops.device_schedule(idx, E, clear=clear, **opts)
     assert (clear == 0).all()  # the same launch zeroes the caller's counters
-    ref = build_schedule(idx, E, block_m=128, capacity=capacity, rank=rank, world_size=world)
+    ref = build_schedule(idx, E, **opts)
     for field in ("expert_counts", "expert_offsets", "row_token", "row_slot", "slot_row", "tile_expert"):
         assert torch.equal(getattr(dev, field), getattr(ref, field)), field
     assert bool(dev.overflow) == bool(ref.overflow)
     assert bool(ref.overflow) == (capacity is not None)
+    assert (dev.capacity, dev.shared_rows) == (ref.capacity, ref.shared_rows)
 
 
 def test_branch_free_division_rounds_as_the_ieee_division():

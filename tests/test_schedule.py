@@ -143,3 +143,29 @@ def test_schedule_rejects_bad_input(kwargs, error, words):
     with pytest.raises(error) as info:
         build_schedule(args.pop("topk_idx"), args.pop("num_experts"), **args)
     assert words in str(info.value)
+
+
+def test_a_shared_prefix_puts_every_token_first_and_moves_the_routed_rows_behind_it():
+    """build_schedule(shared_prefix=True): rows 0 .. N-1 are tokens 0 .. N-1 (slot k), padding to
+    whole tiles, those tiles expert E_local; the routed schedule follows unchanged but for the
+    shift (offsets, slot_row, row_token and tile_expert of its rows)."""
+    g = torch.Generator().manual_seed(3)
+    n, e, k, bm = 300, 8, 4, 128
+    idx = torch.rand(n, e, generator=g).topk(k, dim=1).indices
+    plain = build_schedule(idx, e, block_m=bm)
+    shared = build_schedule(idx, e, block_m=bm, shared_prefix=True)
+    prefix = 384  # 300 tokens in whole 128-row tiles
+    assert shared.shared_rows == prefix and shared.capacity == prefix + plain.capacity
+    assert shared.row_token[:n].tolist() == list(range(n)) and (shared.row_token[n:prefix] == -1).all()
+    assert (shared.row_slot[:n] == k).all() and (shared.row_slot[n:prefix] == -1).all()
+    assert (shared.tile_expert[: prefix // bm] == e).all()
+    assert torch.equal(shared.row_token[prefix:], plain.row_token) and torch.equal(shared.row_slot[prefix:], plain.row_slot)
+    assert torch.equal(shared.tile_expert[prefix // bm :], plain.tile_expert)
+    assert torch.equal(shared.expert_offsets, plain.expert_offsets + prefix)
+    assert torch.equal(shared.expert_counts, plain.expert_counts)
+    assert torch.equal(shared.slot_row, plain.slot_row + prefix)  # (every pair placed)
+    for t in range(n):  # each pair's row holds that pair
+        for j in range(k):
+            row = int(shared.slot_row[t, j])
+            assert (int(shared.row_token[row]), int(shared.row_slot[row])) == (t, j)
+

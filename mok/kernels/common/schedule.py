@@ -16,6 +16,12 @@ match.any) and a scan over warps gives each warp's base. No CTA waits on another
 atomics, and every output element has exactly one writer: the rows of a chunk's pairs by
 that chunk's CTA, padding rows, tail rows, tile experts and the cleared buffer by CTAs in a
 fixed round robin. The result is a pure function of the routing.
+
+``prefix_rows`` (a runtime argument, 0 for none): the buffer starts with that many rows of a
+shared expert, expert E_local (after the routed ones): row r < N holds token r (row_slot k, a
+slot no routed pair has), the rest of the prefix is padding; the routed experts' rows follow
+it (every offset and row moves by prefix_rows). A shared expert with the routed ones' shapes
+then runs in their GEMM launches.
 """
 
 from __future__ import annotations
@@ -57,8 +63,10 @@ class ScheduleKernel:
         capacity: cutlass.Int32,
         num_clear: cutlass.Int32,
         num_ctas: cutlass.Int32,
+        prefix_rows: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        """``capacity``: the buffer's rows, the prefix's included."""
         pairs = num_tokens * self.topk
         e = self.num_local
         vec = lambda ptr, n: cute.make_tensor(ptr, cute.make_layout((n,)))  # noqa: E731
@@ -75,6 +83,7 @@ class ScheduleKernel:
             pairs,
             expert_lo,
             capacity,
+            prefix_rows,
         ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -92,11 +101,12 @@ class ScheduleKernel:
         pairs: cutlass.Int32,
         expert_lo: cutlass.Int32,
         capacity: cutlass.Int32,
+        prefix_rows: cutlass.Int32,
     ):
         smem = cutlass.memory.SmemAllocator()
         scratch = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.scratch_words(THREADS)), byte_alignment=16)
         outputs = (m_counts, m_offsets, m_row_token, m_row_slot, m_slot_row, m_tile_expert, m_overflow, m_clear)
-        self.build(m_idx, outputs, scratch, THREADS, pairs, expert_lo, capacity)
+        self.build(m_idx, outputs, scratch, THREADS, pairs, expert_lo, capacity, prefix_rows)
 
     def scratch_words(self, threads: int) -> int:
         """Shared-memory int32 words :meth:`build` needs with ``threads`` threads per CTA."""
@@ -112,6 +122,7 @@ class ScheduleKernel:
         pairs: cutlass.Int32,
         expert_lo: cutlass.Int32,
         capacity: cutlass.Int32,
+        prefix_rows: cutlass.Int32,
     ):
         """This CTA's part of the schedule, with all ``threads`` threads of every CTA of the grid
         taking part (this launch's, or a larger kernel's prologue: the one-launch forward's);
@@ -203,12 +214,12 @@ class ScheduleKernel:
                 got = cute.arch.shuffle_sync_up(incl, 1 << step)
                 if lane >= (1 << step):
                     incl = incl + got
-            acc = incl - mine
+            acc = prefix_rows + incl - mine
             for i in cutlass.range(first, last, unroll=1):
                 offs[i] = acc
                 acc = acc + (counts[i] + bm - 1) // bm * bm
             if lane == 31:
-                offs[e_local] = incl
+                offs[e_local] = prefix_rows + incl
         cute.arch.sync_threads()
         total_rows = offs[e_local]
         if cta == 0:
@@ -253,6 +264,16 @@ class ScheduleKernel:
             m_tile_expert[t] = -1
         for i in cutlass.range(cta * threads + tid, cute.size(m_clear), ctas * threads, unroll=1):  # a later kernel's
             m_clear[i] = 0
+        # 7. the shared expert's prefix: row r < N is token r's, the rest padding; its tiles expert E_local
+        num_tokens = pairs // k
+        for r in cutlass.range(cta * threads + tid, prefix_rows, ctas * threads, unroll=1):
+            token, slot = cutlass.Int32(-1), cutlass.Int32(-1)
+            if r < num_tokens:
+                token, slot = r, cutlass.Int32(k)
+            m_row_token[r] = token
+            m_row_slot[r] = slot
+        for t in cutlass.range(cta * threads + tid, prefix_rows // bm, ctas * threads, unroll=1):
+            m_tile_expert[t] = e_local
         cute.arch.sync_threads()  # (the caller may reuse the scratch)
 
 
@@ -264,7 +285,8 @@ def compile_schedule(num_local_experts: int, topk: int, block_m: int, arch: str,
     i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
     args = (
         i32(), i32(), i32(), i32(), i32(), i32(), i32(), i32(), i32(),
-        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(128), cutlass.Int32(0), cutlass.Int32(1), make_fake_stream(),
+        cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(128), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0),
+        make_fake_stream(),
     )
     kernel = ScheduleKernel(num_local_experts, topk, block_m)
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

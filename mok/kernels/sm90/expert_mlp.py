@@ -478,7 +478,7 @@ class ExpertMlpSm90:
         scratch = cute.make_tensor(
             cute.recast_ptr(region, dtype=cutlass.Int32), cute.make_layout(self.schedule.scratch_words(self.threads))
         )
-        self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows)
+        self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows, cutlass.Int32(0))
         grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase and not self.gather_phase)
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:

@@ -754,7 +754,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
     @cute.jit
     def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
-        """Router weight of a buffer row (1 for the shared expert; 0 for padding and rows past the end)."""
+        """Router weight of a buffer row: 1 for the shared expert (``unit_scale``, or a row of a
+        schedule's shared prefix: slot k), 0 for padding and rows past the end."""
         s = cutlass.Float32(0.0)
         if row < num_rows:
             if cutlass.const_expr(self.unit_scale):
@@ -762,7 +763,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
             else:
                 token = m_row_token[row]
                 if token >= 0:
-                    s = m_topk_w[token * self.topk + m_row_slot[row]]
+                    slot = m_row_slot[row]
+                    s = cutlass.Float32(1.0)
+                    if slot < self.topk:
+                        s = m_topk_w[token * self.topk + slot]
         return s
 
     @cute.jit
