@@ -9,8 +9,10 @@ Python that launches the kernels. Neither op mutates its inputs; every output is
   warning, so that the same model code runs in CPU tests. It returns the same outputs
   (schedule from mok/schedule.py, h computed in fp32), so shapes match the fake kernels.
 
-Output shapes depend only on (T, H, I, I_s, E, k), never on the routing: the schedule's
-buffers have the worst-case capacity (``worst_case_capacity``).
+Output shapes depend only on (T, H, I, I_s, E, k) and ``shared_in_routed``, never on the
+routing: the schedule's buffers have the worst-case capacity (``worst_case_capacity``), plus
+the shared expert's rows in front when it runs in the routed launches (its h is then h[:T],
+and the op's shared_h output is empty: outputs may not alias one another).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .schedule import build_schedule, worst_case_capacity
+from .schedule import build_schedule, shared_prefix_rows, worst_case_capacity
 
 BLOCK_M = 128
 _CPU_WARNED = False
@@ -42,13 +44,16 @@ def _shared(sg, su, sd):
     return None if sg is None else (sg, su, sd)
 
 
-def _forward_shapes(x, topk_idx, w_gate, shared_gate, save):
+def _forward_shapes(x, topk_idx, w_gate, shared_gate, save, shared_in_routed=False):
     """(capacity, h rows, shared h rows, I, I_s) for the outputs of moe_forward."""
     num_tokens, topk = topk_idx.shape
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     capacity = worst_case_capacity(num_tokens, topk, num_experts, BLOCK_M)
+    if shared_in_routed:
+        capacity += shared_prefix_rows(num_tokens, BLOCK_M)
     shared_inter = 0 if shared_gate is None else shared_gate.shape[0]
-    return capacity, (capacity if save else 0), (num_tokens if save and shared_gate is not None else 0), inter, shared_inter
+    own_shared_h = save and shared_gate is not None and not shared_in_routed
+    return capacity, (capacity if save else 0), (num_tokens if own_shared_h else 0), inter, shared_inter
 
 
 @torch.library.custom_op("mok::moe_forward", mutates_args=(), device_types="cuda")
@@ -64,29 +69,31 @@ def moe_forward_op(
     shared_down: Optional[Tensor],
     save: bool,
     one_launch: bool = False,
+    shared_in_routed: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, h, shared_h, row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts).
 
-    h and shared_h are empty unless ``save``; the schedule tensors are what the backward
-    needs to find each row again. Expert ids are not range-checked here (that reads the
-    device): ``mok.MoELayer`` checks external routing outside graph capture and compilation.
+    h and shared_h are empty unless ``save`` (shared_h also with ``shared_in_routed``: h[:T]
+    holds it); the schedule tensors are what the backward needs to find each row again. Expert
+    ids are not range-checked here (that reads the device): ``mok.MoELayer`` checks external
+    routing outside graph capture and compilation.
     """
     from .fused_forward import moe_forward
 
     res = moe_forward(
         x, topk_idx, topk_w, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down),
-        check_routing=False, save_for_backward=save, one_launch=one_launch,
+        check_routing=False, save_for_backward=save, one_launch=one_launch, shared_in_routed=shared_in_routed,
     )
     s = res.schedule
-    _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
+    _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save, shared_in_routed)
     h = res.h if res.h is not None else x.new_empty(h_rows, 2 * inter)
-    shared_h = res.shared_h if res.shared_h is not None else x.new_empty(sh_rows, 2 * shared_inter)
+    shared_h = res.shared_h if res.shared_h is not None and not shared_in_routed else x.new_empty(sh_rows, 2 * shared_inter)
     return res.out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets, s.expert_counts
 
 
 @moe_forward_op.register_fake
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False):
-    capacity, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False):
+    capacity, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save, shared_in_routed)
     num_tokens, topk = topk_idx.shape
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
@@ -103,24 +110,26 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
 
 
 @moe_forward_op.register_kernel("cpu")
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False):
     from .reference import moe_reference
 
     _warn_cpu_once()
     shared = _shared(shared_gate, shared_up, shared_down)
     out = moe_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared).to(x.dtype)
-    s = build_schedule(topk_idx, w_gate.shape[0], block_m=BLOCK_M)
-    _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
+    s = build_schedule(topk_idx, w_gate.shape[0], block_m=BLOCK_M, shared_prefix=shared_in_routed)
+    _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save, shared_in_routed)
     h = x.new_zeros(h_rows, 2 * inter)
     if save:  # what the fused gate/up GEMM saves: [x_row·w_gateᵀ | x_row·w_upᵀ] per buffer row
         rows = s.row_token.long()
         experts = s.tile_expert.long().repeat_interleave(BLOCK_M)
-        for e in range(w_gate.shape[0]):
+        extra = (shared_gate, shared_up) if shared_in_routed else None  # (expert E: the shared expert)
+        gates, ups = [*w_gate, *([extra[0]] if extra else [])], [*w_up, *([extra[1]] if extra else [])]
+        for e, (wg, wu) in enumerate(zip(gates, ups)):
             sel = ((experts == e) & (rows >= 0)).nonzero().flatten()
             xr = x[rows[sel]].float()
-            h[sel] = torch.cat([xr @ w_gate[e].float().T, xr @ w_up[e].float().T], 1).to(x.dtype)
+            h[sel] = torch.cat([xr @ wg.float().T, xr @ wu.float().T], 1).to(x.dtype)
     shared_h = x.new_empty(sh_rows, 2 * shared_inter)
-    if save and shared is not None:
+    if save and shared is not None and not shared_in_routed:
         xf = x.float()
         shared_h = torch.cat([xf @ shared_gate.float().T, xf @ shared_up.float().T], 1).to(x.dtype)
     return out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets, s.expert_counts
@@ -156,7 +165,11 @@ def moe_backward_op(
     from .schedule import Schedule
 
     no_overflow = torch.empty(0, dtype=torch.int32, device=x.device)  # (the backward does not read the flag)
-    sched = Schedule(expert_counts, expert_offsets, row_token, row_slot, slot_row, tile_expert, no_overflow, BLOCK_M, row_token.shape[0])
+    routed_rows = worst_case_capacity(x.shape[0], topk_idx.shape[1], w_gate.shape[0], BLOCK_M)
+    shared_rows = row_token.shape[0] - routed_rows  # (rows in front: the shared expert ran in the routed launches)
+    sched = Schedule(
+        expert_counts, expert_offsets, row_token, row_slot, slot_row, tile_expert, no_overflow, BLOCK_M, row_token.shape[0], shared_rows
+    )
     shared = _shared(shared_gate, shared_up, shared_down)
     saved = ForwardResult(out=None, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
     g = moe_backward(dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype)
@@ -188,7 +201,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, _one_launch = inputs
+    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, _one_launch, _shared_in_routed = inputs
     _, h, shared_h, *schedule = output
     ctx.saved_h = save
     ctx.has_shared = shared_gate is not None
@@ -202,7 +215,7 @@ def _backward(ctx, d_out, *_unused):
     dx, d_topk_w, d_gate, d_up, d_down, *d_shared = grads
     if not ctx.has_shared:
         d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None
 
 
 moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

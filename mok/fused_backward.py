@@ -9,7 +9,9 @@ same math in PyTorch):
                             dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, I/tile]
     grouped GEMM, K split   dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up
     weight_grad (K-grouped) dW_down[e] = dout_rowsᵀ·a_scaled; [dW_gate[e]; dW_up[e]] = dhᵀ·x_rows (one launch)
-    shared expert           the same four GEMM launches over all tokens with s = 1
+    shared expert           the same four GEMM launches over all tokens with s = 1; or, when the forward ran it
+                            as expert E (its rows first, s = 1 there), inside the launches above, plus
+                            its two weight-gradient launches over rows 0 .. T-1
     combine                 dx[t] = dx_shared[t] + Σ_j dx_rows[slot_row[t, j]]  (fp32, j in order), and in
                             the same launch d_topk_w[t, j] = Σ pieces of row slot_row[t, j], in column order
 
@@ -24,10 +26,10 @@ from __future__ import annotations
 import torch
 
 from . import grad_ops, ops
-from .fused_forward import ForwardResult, check_tile_multiples, shared_expert_as_last, single_expert_tiles
+from .fused_forward import ForwardResult, check_tile_multiples, single_expert_tiles, stacked_weights
 from .reference import SharedExpert
 from .reference_backward import Gradients
-from .schedule import check_schedule
+from .schedule import check_schedule, shared_prefix_rows
 from .validation import check_main_grads, check_moe_inputs, check_tensor
 
 
@@ -92,7 +94,8 @@ def moe_backward(
     )
     check_tile_multiples(hidden, inter, shared)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
-    if saved.h is None or (shared is not None and saved.shared_h is None):
+    shared_rows = getattr(saved.schedule, "shared_rows", 0)  # (its shared expert's h is then h[:T])
+    if saved.h is None or (shared is not None and saved.shared_h is None and not shared_rows):
         raise ValueError("saved: the forward did not keep h; call moe_forward(..., save_for_backward=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
@@ -101,15 +104,19 @@ def moe_backward(
         "saved.schedule", saved.schedule, num_tokens=num_tokens, topk=topk_idx.shape[1], num_experts=num_experts, device=x.device
     )
     check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * w_gate.shape[1]), device=x.device, contiguous=True)
-    if shared is not None:
+    if shared_rows and (shared is None or tuple(shared[0].shape) != tuple(w_gate.shape[1:])
+                        or shared_rows != shared_prefix_rows(num_tokens, sched.block_m)):
+        raise ValueError(
+            f"saved.schedule: has {shared_rows} rows of a shared expert in front; expected a shared expert of the "
+            f"routed experts' shapes and {shared_prefix_rows(num_tokens, sched.block_m)} rows for {num_tokens} tokens"
+        )
+    if shared is not None and not shared_rows:
         check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared[0].shape[0]),
                      device=x.device, contiguous=True)
 
     weights = (w_gate, w_up, w_down)
     if sched.shared_rows:  # the forward ran the shared expert as expert E, its rows first
-        weights = shared_expert_as_last(w_gate, w_up, w_down, shared)
-        if weights is None:
-            raise ValueError("saved.schedule: has a shared expert's rows, but its weights do not follow the routed ones")
+        weights = stacked_weights(w_gate, w_up, w_down, shared)
     dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
         dout_rows, weights[2], sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w

@@ -28,6 +28,7 @@ Saved bytes per token: 2·k·2I (h, plus the padding rows of each expert's last 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from . import ops
 from .kernels import check_tiled_widths
 from .reference import SharedExpert
 from .runtime.arch import check_fused_layer_device
-from .schedule import Schedule, worst_case_capacity
+from .schedule import Schedule, shared_prefix_rows, worst_case_capacity
 from .validation import check_moe_inputs
 
 TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to it
@@ -90,6 +91,26 @@ def shared_expert_as_last(w_gate, w_up, w_down, shared) -> tuple | None:
     return tuple(stacked)
 
 
+def stacked_weights(w_gate, w_up, w_down, shared) -> tuple:
+    """The routed and shared experts' weights as [E + 1, ...] tensors, the shared expert last: views
+    where they lie so (:func:`shared_expert_as_last`), else copies (one warning per process)."""
+    stacked = shared_expert_as_last(w_gate, w_up, w_down, shared)
+    if stacked is None:
+        global _COPY_WARNED
+        if not _COPY_WARNED:
+            _COPY_WARNED = True
+            warnings.warn(
+                "MoK: the shared expert's weights do not lie right after the routed experts' (one [E + 1, ...] "
+                "buffer per projection, as mok.MoELayer allocates them): copying them together on every call",
+                stacklevel=3,
+            )
+        stacked = tuple(torch.cat([routed, one[None]]) for routed, one in zip((w_gate, w_up, w_down), tuple(shared)))
+    return stacked
+
+
+_COPY_WARNED = False
+
+
 def moe_forward(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -106,6 +127,7 @@ def moe_forward(
     one_launch_mlp: bool = False,
     one_launch: bool = False,
     gather_first: bool = False,
+    shared_in_routed: bool | None = None,
 ) -> ForwardResult:
     """MoE layer output [T, H] bf16 for bf16 x [T, H] and bf16 weights, all experts on this GPU.
 
@@ -127,10 +149,13 @@ def moe_forward(
     barriers keep 16 bytes per stream across calls, allocated on the device's first such call:
     warm up before CUDA-graph capture. Like ``one_launch_mlp`` it needs all its CTAs resident at
     once (waits bounded by the same timeout).
-    A shared expert whose weights lie right after the routed experts' (:func:`shared_expert_as_last`;
-    mok.MoELayer's layout) runs in the routed GEMM launches as expert E, its rows in front of the
-    routed ones (the schedule's shared prefix): 4 launches instead of 6, the same bits (not with
-    ``combine_in_gemm``, ``one_launch_mlp`` or ``one_launch`` yet: those launch it on its own).
+    ``shared_in_routed``: a shared expert of the routed experts' shapes runs in the routed GEMM
+    launches as expert E, its rows in front of the routed ones (the schedule's shared prefix): 4
+    launches instead of 6, with ``one_launch`` ONE instead of 3, the same bits; its saved h is
+    then h[:T]. None (default): wherever its weights lie right after the routed experts'
+    (:func:`shared_expert_as_last`, mok.MoELayer's layout) and neither ``combine_in_gemm`` nor
+    ``one_launch_mlp`` is asked for (those run it on its own so far); True: always (weights
+    elsewhere are copied together first, per call); False: never.
     ``gather_first`` (not with ``one_launch_mlp``): the rows are gathered into x_rows [R, H]
     first, by a launch of their own (with ``one_launch``: by a phase of the launch, after the
     schedule, behind a grid barrier), and the gate/up GEMM loads them by TMA, instead of
@@ -152,9 +177,19 @@ def moe_forward(
     check_tile_multiples(hidden, inter, shared)
     num_tokens, hidden = x.shape
     topk_idx = topk_idx.to(torch.int32).contiguous()
-    stacked = None if (one_launch or one_launch_mlp or combine_in_gemm) else shared_expert_as_last(w_gate, w_up, w_down, shared)
+    other_path = one_launch_mlp or combine_in_gemm
+    if shared_in_routed and (shared is None or tuple(shared[0].shape) != tuple(w_gate.shape[1:]) or other_path):
+        raise ValueError(
+            "shared_in_routed: needs a shared expert of the routed experts' shapes, and neither combine_in_gemm nor "
+            "one_launch_mlp"
+        )
+    stacked = None
+    if shared_in_routed:
+        stacked = stacked_weights(w_gate, w_up, w_down, shared)
+    elif shared_in_routed is None and not other_path:
+        stacked = shared_expert_as_last(w_gate, w_up, w_down, shared)
     if stacked is not None:
-        return _forward_shared_in_routed(x, topk_idx, topk_w, stacked, num_experts, out, save_for_backward, gather_first)
+        return _forward_shared_in_routed(x, topk_idx, topk_w, stacked, num_experts, out, save_for_backward, gather_first, one_launch)
     rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # the schedule's buffer rows
     h = shared_h = None
     if save_for_backward:
@@ -193,20 +228,29 @@ def moe_forward(
     return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
 
 
-def _forward_shared_in_routed(x, topk_idx, topk_w, stacked, num_experts, out, save_for_backward, gather_first) -> ForwardResult:
-    """The four-launch forward with the shared expert as expert E of ``stacked`` (E + 1 experts),
-    its T rows first in the buffer (the schedule's shared prefix); its output rows y_rows[:T] are
-    the combine's shared input, h[:T] its saved h."""
+def _forward_shared_in_routed(
+    x, topk_idx, topk_w, stacked, num_experts, out, save_for_backward, gather_first, one_launch
+) -> ForwardResult:
+    """The forward (four launches, or ``one_launch``) with the shared expert as expert E of
+    ``stacked`` (E + 1 experts), its T rows first in the buffer (the schedule's shared prefix); its
+    output rows y_rows[:T] are the combine's shared input, h[:T] its saved h."""
     num_tokens = x.shape[0]
     w_gate, w_up, w_down = stacked
     capacity = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)
+    rows = shared_prefix_rows(num_tokens, TILE_M) + capacity
+    h = torch.empty(rows, 2 * w_gate.shape[1], dtype=x.dtype, device=x.device) if save_for_backward else None
+    shared_h = None if h is None else h[:num_tokens]
+    if one_launch:
+        out, sched = ops.scheduled_expert_mlp(
+            x, topk_idx, topk_w, w_gate, w_up, w_down, h_out=h, out=out, gather_first=gather_first, shared_in_routed=True
+        )
+        return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
     sched = ops.device_schedule(topk_idx, num_experts, block_m=TILE_M, capacity=capacity, shared_prefix=True)
-    h = torch.empty(sched.capacity, 2 * w_gate.shape[1], dtype=x.dtype, device=x.device) if save_for_backward else None
     if gather_first:
         a = ops.grouped_gemm(ops.gather_rows(x, sched.row_token), w_gate, sched.tile_expert, b2=w_up, h_out=h)
     else:
         a = ops.grouped_gemm(x, w_gate, sched.tile_expert, b2=w_up, h_out=h, gather=sched.row_token)
     y_rows = ops.grouped_gemm(a, w_down, sched.tile_expert)
     out = ops.combine(y_rows, topk_w, y_rows[:num_tokens], slot_row=sched.slot_row, out=out)
-    return ForwardResult(out=out, schedule=sched, h=h, shared_h=None if h is None else h[:num_tokens])
+    return ForwardResult(out=out, schedule=sched, h=h, shared_h=shared_h)
 

@@ -104,9 +104,10 @@ class MoELayer(nn.Module):
         local = self.config.experts_per_rank
         kw = dict(device=device, dtype=dtype or torch.bfloat16)
         shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
-        if shared_intermediate == intermediate and self.group is None:
-            # one buffer per projection, the shared expert after the routed ones: the single-GPU
-            # forward then runs it in the routed launches (mok.fused_forward.shared_expert_as_last)
+        # a shared expert of the routed experts' shapes runs in their launches (single GPU): its weights
+        # then sit after theirs, one buffer per projection (see _apply)
+        self.shared_in_routed = shared_intermediate == intermediate and self.group is None
+        if self.shared_in_routed:
             bufs = [torch.empty(local + 1, *shape, **kw) for shape in shapes]
             self.gate_proj, self.up_proj, self.down_proj = (nn.Parameter(buf[:local]) for buf in bufs)
             self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj = (nn.Parameter(buf[local]) for buf in bufs)
@@ -125,6 +126,21 @@ class MoELayer(nn.Module):
         self._ep_handle = None  # the expert-parallel workspace's handle, once built (mok/ep_ops.py)
         if self.group is not None and self.gate_proj.is_cuda:  # build it now: torch.compile can then trace the first call
             self.workspace()
+
+    def _apply(self, fn, *args, **kwargs):
+        """nn.Module._apply (``.to()``, ``.cuda()``, ``.half()``), then the shared expert's weights put
+        back after the routed experts' (the conversion gives every parameter its own storage)."""
+        super()._apply(fn, *args, **kwargs)
+        if self.shared_in_routed:
+            from .fused_forward import shared_expert_as_last
+
+            routed, shared = (self.gate_proj, self.up_proj, self.down_proj), self.shared_weights()
+            if shared_expert_as_last(*routed, shared) is None:
+                with torch.no_grad():
+                    for r, s in zip(routed, shared):
+                        buf = torch.cat([r.data, s.data[None]])
+                        r.data, s.data = buf[: r.shape[0]], buf[r.shape[0]]
+        return self
 
     def reset_parameters(self) -> None:
         """Every projection as nn.Linear initialises its weight: U(-1/√fan_in, 1/√fan_in)."""
@@ -199,7 +215,8 @@ class MoELayer(nn.Module):
         check_moe_inputs(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False)  # (ids: forward)
         save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
         return torch.ops.mok.moe_forward(
-            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch,
+            self.shared_in_routed,
         )[0]
 
     def _fused_ep(self, x, topk_idx, topk_w):

@@ -570,6 +570,7 @@ def scheduled_expert_mlp(
     timeout_s: float = 10.0,
     combine_phase: bool = True,
     gather_first: bool = False,
+    shared_in_routed: bool = False,
 ) -> tuple[torch.Tensor, Schedule]:
     """The routed experts' whole forward in ONE launch: the device schedule of ``topk_idx``, then
     :func:`expert_mlp` with the combine, all CTAs waiting for all after the schedule (a grid
@@ -589,25 +590,36 @@ def scheduled_expert_mlp(
     was 2-6% faster on an H200 (perf/NOTES.md). ``gather_first``: after the schedule the CTAs
     gather the rows into an x_rows buffer [R, H] (transient) and meet at another grid barrier;
     fc1 then loads them by TMA instead of gathering them with cp.async (the same bits).
+    ``shared_in_routed``: the weights hold E + 1 experts, the last a shared expert that runs as
+    one more expert, its T rows in front of the routed ones (the schedule's shared prefix); its
+    output rows y_rows[:T] are the combine's shared input (so no ``shared_out``), h_out then has
+    the prefix's rows too (its h is h_out[:T]).
     """
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=2, device=x.device, contiguous=True)
     check_tensor("w_gate", w_gate, dtypes=BF16, ndim=3, device=x.device, contiguous=True)
     num_tokens, topk = topk_idx.shape
     num_experts, inter = w_gate.shape[:2]
+    if shared_in_routed:
+        if shared_out is not None or num_experts < 2:
+            raise ValueError(f"shared_in_routed: expected E + 1 >= 2 experts' weights and no shared_out, got {num_experts} experts")
+        num_experts -= 1  # (routed)
     if x.shape[0] != num_tokens:
         raise ValueError(f"topk_idx: expected one row per token of x ({x.shape[0]}), got {num_tokens}")
     check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=x.device, contiguous=True)  # (it combines)
-    capacity = worst_case_capacity(num_tokens, topk, num_experts, MLP_TILE)
+    prefix = shared_prefix_rows(num_tokens, MLP_TILE) if shared_in_routed else 0
+    capacity = prefix + worst_case_capacity(num_tokens, topk, num_experts, MLP_TILE)
     _check_expert_mlp_args(x, w_gate, w_up, w_down, capacity, topk, topk_w, h_out, shared_out, out, timeout_s)
     if grid_sync is not None:
         check_tensor("grid_sync", grid_sync, dtypes=(torch.int32,), shape=(GRID_SYNC_WORDS,), device=x.device, contiguous=True)
     hidden = x.shape[1]
     out = _bf16_out(out, (num_tokens, hidden), x.device)
     y_rows = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=x.device)
+    if shared_in_routed:
+        shared_out = y_rows[:num_tokens]
     _check_launchable(x=x, topk_idx=topk_idx, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out)
     _check_weights_launchable(w_gate=w_gate, w_up=w_up, w_down=w_down)
-    schedule = _empty_schedule(num_tokens, topk, num_experts, capacity, MLP_TILE, x.device)
+    schedule = _empty_schedule(num_tokens, topk, num_experts, capacity, MLP_TILE, x.device, prefix)
     if num_tokens == 0:  # nothing routed: no launch
         return out, _unrouted(schedule)
     if grid_sync is None:
@@ -616,12 +628,12 @@ def scheduled_expert_mlp(
     a = torch.empty(capacity, inter, dtype=torch.bfloat16, device=x.device)
     variant = expert_mlp_variant(
         hidden, inter, topk, save_h=h_out is not None, combine=True, has_shared=shared_out is not None, schedule_experts=num_experts,
-        combine_phase=combine_phase, gather_phase=gather_first,
+        combine_phase=combine_phase, gather_phase=gather_first, shared_prefix=shared_in_routed,
     )
     x_rows = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=x.device) if gather_first else None
     launch_expert_mlp(
         variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s,
-        topk_idx=topk_idx, grid_sync=grid_sync, x_rows=x_rows,
+        topk_idx=topk_idx, grid_sync=grid_sync, x_rows=x_rows, num_experts=num_experts,
     )
     return out, schedule
 
@@ -708,7 +720,7 @@ def raise_grid_timeouts(grid_sync: torch.Tensor) -> None:
 
 def launch_expert_mlp(
     variant, x, w_gate, w_up, w_down, a, h_out, y_rows, schedule, topk_w, shared_out, out, counters, timeout_s, *,
-    topk_idx=None, grid_sync=None, ep: tuple | None = None, max_ctas: int | None = None, x_rows=None,
+    topk_idx=None, grid_sync=None, ep: tuple | None = None, max_ctas: int | None = None, x_rows=None, num_experts=None,
 ) -> None:
     """Launch a checked expert-MLP variant (see :func:`expert_mlp`; None for what it does not use;
     ``topk_idx`` only when it builds the ``schedule`` itself; ``grid_sync``: its barrier words, or
@@ -716,8 +728,10 @@ def launch_expert_mlp(
     expert-parallel variant's (flags, x, idx and slots regions of rank 0, this rank's x and
     topk_idx, rank, T_max, and the four regions' rank strides in elements); ``max_ctas``: a CTA
     cap below the SM count (ranks emulated on one GPU must all be resident at once); ``x_rows``
-    [R, H]: where a gather_phase variant gathers the rows."""
-    num_rows, num_experts, num_tokens = schedule.row_token.shape[0], w_gate.shape[0], x.shape[0]
+    [R, H]: where a gather_phase variant gathers the rows; ``num_experts``: the routed experts when the
+    weights also hold a shared expert (a shared_prefix variant), else theirs."""
+    num_rows, num_tokens = schedule.row_token.shape[0], x.shape[0]
+    num_experts = w_gate.shape[0] if num_experts is None else num_experts
     flags = x_pub = idx_pub = slots = x_in = idx_in = None
     rank = t_max = my_tokens = 0
     strides = (0, 0, 0, 0)

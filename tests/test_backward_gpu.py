@@ -402,11 +402,13 @@ def test_backward_launches_six_kernels_and_four_more_for_a_shared_expert():
 
 
 @pytest.mark.parametrize("T,H,I,E,k", [(300, 512, 256, 8, 4), (1000, 1024, 512, 16, 8)])
-def test_shared_expert_in_the_routed_launches_gives_the_bits_of_its_own_launches(T, H, I, E, k):
+def test_shared_expert_in_the_routed_launches_gives_the_bits_of_its_own_launches(T, H, I, E, k, monkeypatch):
     """A shared expert whose weights lie right after the routed experts' (one [E + 1, ...] buffer
     per projection, as mok.MoELayer allocates them) runs as expert E in the routed launches, its
     rows first: the output, h and every gradient (fresh and added into main_grads) bitwise those
-    of the same weights in tensors of their own, in 4 + 8 launches instead of 6 + 10."""
+    of the same weights in tensors of their own, in 4 + 8 launches instead of 6 + 10, and with
+    one_launch=True in ONE forward launch (3 before)."""
+    from mok import fused_forward
     from mok.fused_forward import shared_expert_as_last
 
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, I, seed=41)
@@ -417,6 +419,10 @@ def test_shared_expert_in_the_routed_launches_gives_the_bits_of_its_own_launches
     got = moe_forward(x, idx, w, *stacked, stacked_shared, save_for_backward=True, out=poisoned(T, H))
     assert got.schedule.shared_rows == -(-T // 128) * 128 and want.schedule.shared_rows == 0
     assert torch.equal(got.out, want.out) and torch.equal(got.shared_h, want.shared_h)
+    monkeypatch.setattr(fused_forward, "_COPY_WARNED", False)  # (it warns once per process)
+    with pytest.warns(UserWarning, match="copying them together"):  # weights elsewhere, asked for anyway: copied
+        copied = moe_forward(x, idx, w, *experts, shared, shared_in_routed=True)
+    assert torch.equal(copied.out, want.out)
     pairs_got, pairs_want = got.schedule.slot_row.flatten().long(), want.schedule.slot_row.flatten().long()
     assert torch.equal(got.h[pairs_got], want.h[pairs_want])  # every pair's h row
     dout = torch.randn_like(x)
@@ -431,6 +437,11 @@ def test_shared_expert_in_the_routed_launches_gives_the_bits_of_its_own_launches
     for a, b in zip((m_got.d_w_gate, m_got.d_w_up, m_got.d_w_down, *m_got.d_shared),
                     (m_want.d_w_gate, m_want.d_w_up, m_want.d_w_down, *m_want.d_shared)):
         assert torch.equal(a, b)
+    one = moe_forward(x, idx, w, *stacked, stacked_shared, save_for_backward=True, one_launch=True, out=poisoned(T, H))
+    assert torch.equal(one.out, want.out) and torch.equal(one.h, got.h)  # the one-launch forward: the same bits
+    g_one = moe_backward(dout, x, idx, w, *stacked, stacked_shared, one)
+    assert all(torch.equal(a, b) for a, b in zip((*g_one[:5], *g_one.d_shared), (*g_want[:5], *g_want.d_shared)))
+    assert cutlass_launches(lambda: moe_forward(x, idx, w, *stacked, stacked_shared, one_launch=True, check_routing=False)) == 1
     assert cutlass_launches(lambda: moe_forward(x, idx, w, *stacked, stacked_shared, check_routing=False)) == 4
     assert cutlass_launches(lambda: moe_forward(x, idx, w, *experts, shared, check_routing=False)) == 6
     assert cutlass_launches(lambda: moe_backward(dout, x, idx, w, *stacked, stacked_shared, got)) == 8

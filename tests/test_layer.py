@@ -174,6 +174,39 @@ def test_custom_ops_pass_opcheck():
     _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
     bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
     torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    # the shared expert in the routed launches (I_s == I): its rows first, h[:T] its h, shared_h empty
+    same = small_layer(shared=32)
+    assert same.shared_in_routed and not small_layer().shared_in_routed
+    weights = [t.detach() for t in (same.gate_proj, same.up_proj, same.down_proj, *same.shared_weights())]
+    fwd_args = (x, idx, w, *weights, True, False, True)
+    torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
+    _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
+    assert shared_h.shape[0] == 0 and schedule[0][:6].tolist() == list(range(6))  # row_token: the tokens first
+    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_shared_expert_of_the_routed_shapes_lies_after_them_and_stays_so_after_to():
+    """MoELayer with I_s == I keeps each shared projection right after the routed ones in one
+    storage (what lets the forward run it in the routed launches), also after .to() and
+    load_state_dict; the parameters keep their names and shapes, and the layer still matches its
+    reference."""
+    from mok.fused_forward import shared_expert_as_last
+
+    torch.manual_seed(0)
+    layer = MoELayer(64, 32, 8, 2, shared_intermediate=32)  # (bf16)
+    stacked = lambda m: shared_expert_as_last(m.gate_proj, m.up_proj, m.down_proj, m.shared_weights()) is not None  # noqa: E731
+    assert stacked(layer)
+    assert [(n, tuple(p.shape)) for n, p in layer.named_parameters()][:4] == [
+        ("gate_proj", (8, 32, 64)), ("up_proj", (8, 32, 64)), ("down_proj", (8, 64, 32)), ("shared_gate_proj", (32, 64)),
+    ]
+    layer.to(torch.float32)  # (new storage for every parameter, then put back together)
+    assert stacked(layer) and layer.gate_proj.dtype == torch.float32
+    other = small_layer(shared=32, seed=1)
+    other.load_state_dict(layer.state_dict())
+    assert stacked(other) and torch.equal(other.shared_down_proj, layer.shared_down_proj)
+    x = torch.randn(5, 64)
+    assert torch.allclose(layer(x), reference_layer(layer, x), rtol=1e-5, atol=1e-6)
 
 
 def test_torch_compile_fullgraph_two_layers_matches_eager():

@@ -192,6 +192,7 @@ def grouped_gemm_variant(
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
     schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None, gather_phase: bool = False,
+    shared_prefix: bool = False,
 ) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
     persistent launch, tiles taken in one global order, each fc2 row tile waiting for its fc1
@@ -201,7 +202,9 @@ def expert_mlp_variant(
     it): the combine as a last phase after a grid barrier, not in fc2's epilogue; ``ep_world`` (W,
     with both): the whole expert-parallel forward of one rank of W, exchanges included;
     ``gather_phase`` (with ``schedule_experts``, not ``ep_world``): the rows gathered into x_rows
-    by all CTAs after the schedule, fc1 reading them by TMA. See mok/kernels/sm90/expert_mlp.py."""
+    by all CTAs after the schedule, fc1 reading them by TMA; ``shared_prefix`` (with
+    ``schedule_experts`` and ``has_shared``): the shared expert runs as expert E, its rows first.
+    See mok/kernels/sm90/expert_mlp.py."""
     # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
     fc2_tile_n = default_tile_n(hidden, inter, False)
     options = dict(save_h=save_h, combine=combine, has_shared=has_shared, order="dynamic", fc2_tile_n=fc2_tile_n)
@@ -213,6 +216,8 @@ def expert_mlp_variant(
         options["ep_world"] = ep_world
     if gather_phase:
         options["gather_phase"] = True
+    if shared_prefix:
+        options["shared_prefix"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
@@ -222,7 +227,7 @@ def expert_mlp_variant(
         return compile_expert_mlp(
             hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared,
             fc2_tile_n=fc2_tile_n, schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world,
-            gather_phase=gather_phase,
+            gather_phase=gather_phase, shared_prefix=shared_prefix,
         )
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)

@@ -85,7 +85,7 @@ class ExpertMlpSm90:
     def __init__(
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
         fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None,
-        gather_phase: bool = False,
+        gather_phase: bool = False, shared_prefix: bool = False,
     ):
         """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
         ``schedule_experts``: E, to build the schedule of the routing in the same launch first (the
@@ -96,7 +96,10 @@ class ExpertMlpSm90:
         one launch (see "Expert parallelism" in the module docstring; its phases: common/ep_phases.py).
         ``gather_phase`` (with ``schedule_experts``, not ``ep_world``): after the schedule every CTA
         gathers its share of x_rows = x[row_token] (zeros for padding rows) and, past a second grid
-        barrier, fc1 loads its A tiles from x_rows by TMA instead of gathering them with cp.async."""
+        barrier, fc1 loads its A tiles from x_rows by TMA instead of gathering them with cp.async.
+        ``shared_prefix`` (with ``schedule_experts``, not ``ep_world``): a shared expert of the routed
+        ones' shapes is expert E of the weights (E + 1 of them) and the schedule puts its T rows
+        first (common/schedule.py); the combine reads its output rows as the shared input."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
@@ -112,6 +115,9 @@ class ExpertMlpSm90:
             )
         if gather_phase and (schedule_experts is None or ep_world is not None):
             raise ValueError("gather_phase: only with schedule_experts and without ep_world (the one-launch forward on one GPU)")
+        if shared_prefix and (schedule_experts is None or ep_world is not None or not has_shared):
+            raise ValueError("shared_prefix: only with schedule_experts and has_shared, without ep_world")
+        self.shared_prefix = shared_prefix
         self.ep_world, self.gather_phase = ep_world, gather_phase
         self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
@@ -188,8 +194,9 @@ class ExpertMlpSm90:
         m_x = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, hid, 1), stride=(hid, 1, num_tokens * hid)))
         m_a3 = cute.make_tensor(a_ptr, cute.make_layout((num_rows, inter, 1), stride=(inter, 1, num_rows * inter)))
         m_a, m_h, m_y = row_major(a_ptr, num_rows, inter), row_major(h_ptr, num_rows, 2 * inter), row_major(y_ptr, num_rows, hid)
-        m_wg, m_wu = self.fc1.b_tensor(w_gate_ptr, num_experts), self.fc1.b_tensor(w_up_ptr, num_experts)
-        m_wd = self.fc2.b_tensor(w_down_ptr, num_experts)
+        weights = num_experts + 1 if cutlass.const_expr(self.shared_prefix) else num_experts  # (shared_prefix: E + 1)
+        m_wg, m_wu = self.fc1.b_tensor(w_gate_ptr, weights), self.fc1.b_tensor(w_up_ptr, weights)
+        m_wd = self.fc2.b_tensor(w_down_ptr, weights)
         m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
         m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
@@ -478,7 +485,10 @@ class ExpertMlpSm90:
         scratch = cute.make_tensor(
             cute.recast_ptr(region, dtype=cutlass.Int32), cute.make_layout(self.schedule.scratch_words(self.threads))
         )
-        self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows, cutlass.Int32(0))
+        prefix_rows = cutlass.Int32(0)
+        if cutlass.const_expr(self.shared_prefix):  # the shared expert's rows: the tokens, whole tiles
+            prefix_rows = (pairs // self.topk + TILE - 1) // TILE * TILE
+        self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows, prefix_rows)
         grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase and not self.gather_phase)
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
@@ -621,7 +631,7 @@ class ExpertMlpSm90:
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
     has_shared: bool = False, fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False,
-    ep_world: int | None = None, gather_phase: bool = False,
+    ep_world: int | None = None, gather_phase: bool = False, shared_prefix: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap, the timeout and the EP
     ints are runtime arguments (with ``schedule_experts``, E must be that)."""
@@ -641,6 +651,7 @@ def compile_expert_mlp(
     kernel = ExpertMlpSm90(
         hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n,
         schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world, gather_phase=gather_phase,
+        shared_prefix=shared_prefix,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
