@@ -40,6 +40,7 @@ CONFIGS = {
     "qwen3": (8192, 2048, 768, 64, 8, None, "uniform"),
     "dsv3-zipf": (4096, 7168, 2048, 32, 8, None, "zipf"),
     "dsv3-e128": (4096, 7168, 2048, 128, 8, None, "uniform"),  # one EP=2 rank's expert work (bench_ep's dsv3)
+    "dsv3-shared": (4096, 7168, 2048, 32, 8, 2048, "uniform"),  # with DeepSeek-V3's shared expert
     "qwen3-small": (256, 2048, 768, 64, 8, None, "uniform"),  # few tokens: launch-bound
 }
 
@@ -63,6 +64,17 @@ def make_inputs(T, H, I, E, k, shared_inter, routing, seed=0):
             for shape in ((shared_inter, H), (shared_inter, H), (H, shared_inter))
         )
     return x, idx, w, (wg, wu, wd), shared
+
+
+def stacked_inputs(inputs):
+    """The inputs with each projection's routed and shared weights in one [E + 1, ...] buffer (the
+    shared expert last, as mok.MoELayer allocates them), or None without a shared expert of the
+    routed experts' shapes: MoK then runs the shared expert in the routed launches."""
+    x, idx, w, experts, shared = inputs
+    if shared is None or shared[0].shape != experts[0].shape[1:]:
+        return None
+    bufs = [torch.cat([routed, one[None]]) for routed, one in zip(experts, shared)]
+    return x, idx, w, tuple(b[:-1] for b in bufs), tuple(b[-1] for b in bufs)
 
 
 def torch_forward(x, idx, w, experts, shared):
@@ -219,6 +231,7 @@ def main() -> int:
     for name in args.configs.split(","):
         T, H, I, E, k, s_inter, routing = CONFIGS[name]
         inputs = make_inputs(T, H, I, E, k, s_inter, routing)
+        stacked = stacked_inputs(inputs)
         flops = 6 * T * k * H * I + (6 * T * H * s_inter if s_inter else 0)
         dense_a = torch.randn(T * k, H, device="cuda").bfloat16()
         dense_b = torch.randn(H, 3 * I + (3 * s_inter // k if s_inter else 0), device="cuda").bfloat16()
@@ -232,6 +245,8 @@ def main() -> int:
                 "torch": lambda: torch_train_step(inputs, dout),
                 "dense gemm": lambda: [dense_a @ dense_b for _ in range(3)],
             }
+            if stacked is not None:
+                paths["mok shared-in"] = lambda: mok_train_step(stacked, dout)
         else:
             paths = {
                 "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
@@ -249,6 +264,11 @@ def main() -> int:
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }
+            if stacked is not None:  # the shared expert in the routed launches (four, or one)
+                paths["mok shared-in"] = lambda: moe_forward(*stacked[:3], *stacked[3], stacked[4], check_routing=False).out
+                paths["mok 1L shared-in"] = lambda: moe_forward(
+                    *stacked[:3], *stacked[3], stacked[4], check_routing=False, one_launch=True
+                ).out
         if args.paths:
             keep = {"mok", "torch", "dense gemm", *args.paths.split(",")}  # (the default path: the others' bits are checked against it)
             unknown = keep - set(paths)
