@@ -131,7 +131,7 @@ class MoELayer(nn.Module):
         """nn.Module._apply (``.to()``, ``.cuda()``, ``.half()``), then the shared expert's weights put
         back after the routed experts' (the conversion gives every parameter its own storage)."""
         super()._apply(fn, *args, **kwargs)
-        if self.shared_in_routed:
+        if getattr(self, "shared_in_routed", False):  # (a layer pickled by an older MoK has no such attribute)
             from .fused_forward import shared_expert_as_last
 
             routed, shared = (self.gate_proj, self.up_proj, self.down_proj), self.shared_weights()
