@@ -367,6 +367,14 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
                 )
                 for save_h in (False, True)
             ]
+            if config.has_shared_expert and config.shared_intermediate == i and ep_world is None:  # MoELayer's layout
+                variants += [
+                    expert_mlp_variant(
+                        h, i, config.topk, save_h=save_h, combine=True, has_shared=True, schedule_experts=config.experts_per_rank,
+                        combine_phase=True, shared_prefix=True,
+                    )
+                    for save_h in (False, True)
+                ]
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
     return list(unique.values())
 
