@@ -120,6 +120,12 @@ class GpuSampler:
         return {"clock_mhz": clock, "power_w": power, "temp_c": temp, "samples": n}
 
 
+def format_gpu(means: dict) -> str:
+    """A :meth:`GpuSampler.means` as the benchmarks' "MHz W C" columns (widths 7, 6, 4), or ""
+    without samples."""
+    return f"{means['clock_mhz']:>7.0f}{means['power_w']:>6.0f}{means['temp_c']:>4.0f}" if means else ""
+
+
 def parse_samples(text: str) -> list[tuple[float, float, float]]:
     """nvidia-smi's "clock, power, temperature" lines (no units) as floats; lines that do not
     parse (the last one cut short when the sampler stops, "[N/A]") are skipped."""

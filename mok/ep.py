@@ -224,13 +224,17 @@ class EPWorkspace:
         err = error_slot(self.layout.world)
         return self.region("flags")[err:grid_sync_slot(self.layout.world) + GRID_SYNC_WORDS]
 
+    def _timeouts_index(self) -> int:
+        """Where in :meth:`_record` the count of expired waits on this rank's own work lies (the
+        grid-barrier words' third)."""
+        return grid_sync_slot(self.layout.world) - error_slot(self.layout.world) + 2
+
     def count_own_timeouts(self, flag: torch.Tensor) -> None:
         """Add a kernel's own timeout flag (one int32 on the device, 0 or 1) to the record's count of
         waits on this rank's own work that expired (queued on the current stream, no host sync), so
         that :meth:`check` raises for it as for the one-launch forward's grid-barrier timeouts."""
-        record = self._record()
-        timeouts = grid_sync_slot(self.layout.world) - error_slot(self.layout.world) + 2
-        record[timeouts:timeouts + 1].add_(flag)
+        timeouts = self._timeouts_index()
+        self._record()[timeouts:timeouts + 1].add_(flag)
 
     def check(self) -> None:
         """Raise if this rank's error record holds an error (reads it back: call it off the hot path)."""
@@ -238,7 +242,7 @@ class EPWorkspace:
 
     def _raise_for(self, record: list[int]) -> None:
         code, a, b, c = record[:4]
-        grid_timeouts = record[grid_sync_slot(self.layout.world) - error_slot(self.layout.world) + 2]
+        grid_timeouts = record[self._timeouts_index()]
         if code == ERROR_CAPACITY:
             raise RuntimeError(
                 f"MoK expert parallelism: the experts of rank {a} were routed {b} rows (tile padding included), "

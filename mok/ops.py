@@ -148,15 +148,21 @@ def combine(
     return out
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out[r] = src[index[r]] (bf16 rows), zeros where index[r] < 0. Indices must be < len(src)."""
-    check_tensor("src", src, dtypes=BF16, ndim=2, contiguous=True)
-    _check_cuda_aligned("src", src)
-    _check_32bit("src", src)
+def _check_gather_args(name: str, src: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:
+    """A row gather's source ``name`` (bf16 [T, W], W % 8 == 0, launchable) and index; returns (rows out, W)."""
+    check_tensor(name, src, dtypes=BF16, ndim=2, contiguous=True)
+    _check_cuda_aligned(name, src)
+    _check_32bit(name, src)
     check_tensor("index", index, dtypes=(torch.int32,), ndim=1, device=src.device, contiguous=True)
     num_out, width = index.shape[0], src.shape[1]
     if width % 8:
-        raise ValueError(f"src: expected a row width % 8 == 0, got {width}")
+        raise ValueError(f"{name}: expected a row width % 8 == 0, got {width}")
+    return num_out, width
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[r] = src[index[r]] (bf16 rows), zeros where index[r] < 0. Indices must be < len(src)."""
+    num_out, width = _check_gather_args("src", src, index)
     out = _bf16_out(out, (num_out, width), src.device)
     _check_32bit("out", out)
     if num_out == 0:
@@ -171,15 +177,9 @@ def gather_rows_pair(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(first[index], second[index]) as :func:`gather_rows` gives each, in one launch; the two
     sources [T, W] bf16 of one shape (the backward's dout and x); ``out``: the two results' tensors."""
-    check_tensor("first", first, dtypes=BF16, ndim=2, contiguous=True)
-    check_tensor("second", second, dtypes=BF16, shape=tuple(first.shape), device=first.device, contiguous=True)
-    for name, t in (("first", first), ("second", second)):
-        _check_cuda_aligned(name, t)
-        _check_32bit(name, t)
-    check_tensor("index", index, dtypes=(torch.int32,), ndim=1, device=first.device, contiguous=True)
-    num_out, width = index.shape[0], first.shape[1]
-    if width % 8:
-        raise ValueError(f"first: expected a row width % 8 == 0, got {width}")
+    num_out, width = _check_gather_args("first", first, index)
+    check_tensor("second", second, shape=tuple(first.shape), device=first.device)
+    _check_gather_args("second", second, index)
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
         raise TypeError(f"out: expected a pair of tensors, got {type(out).__name__}")
     outs = tuple(_bf16_out(None if out is None else out[i], (num_out, width), first.device) for i in range(2))

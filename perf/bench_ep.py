@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_layer import expert_offsets, graph_of, kernel_times, same_bits
 
-from mok.bench import time_ms_interleaved, time_ms_sustained
+from mok.bench import format_gpu, time_ms_interleaved, time_ms_sustained
 
 CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
@@ -223,8 +223,7 @@ def _worker(
             if rank == 0:
                 for p in paths:
                     nbytes = sent_by["torch" if p == "torch" else "mok"]
-                    state = gpu.get(p) or {}
-                    clock = f"{state['clock_mhz']:>7.0f}{state['power_w']:>6.0f}{state['temp_c']:>4.0f}" if state else ""
+                    clock = format_gpu(gpu.get(p) or {})
                     sent = f"{nbytes / 1e6:>9.0f}{nbytes / ms[p] / 1e6:>8.0f}"
                     print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{sent}{clock}")
                 print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")

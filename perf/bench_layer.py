@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mok.fused_backward import moe_backward
-from mok.bench import smi_command, time_ms_interleaved, time_ms_sustained
+from mok.bench import format_gpu, smi_command, time_ms_interleaved, time_ms_sustained
 from mok.fused_forward import moe_forward
 
 CONFIGS = {
@@ -280,8 +280,7 @@ def main() -> int:
             ms = {}
             for p, fn in paths.items():
                 ms[p], gpu = time_ms_sustained(fn, args.sustained)
-                if gpu:
-                    state[p] = f"{gpu['clock_mhz']:>7.0f}{gpu['power_w']:>6.0f}{gpu['temp_c']:>4.0f}"
+                state[p] = format_gpu(gpu)
         else:
             ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
         launches = {p: count_launches(fn) for p, fn in paths.items()}

@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from mok.bench import time_ms_sustained
+from mok.bench import format_gpu, time_ms_sustained
 
 
 def main() -> int:
@@ -44,8 +44,7 @@ def main() -> int:
     for name, a_z in cases:
         useful = float((a_z.abs().amax(1) > 0).float().mean())  # the share of rows not zero
         ms, gpu = time_ms_sustained(lambda: a_z @ b, args.seconds)
-        state = f"{gpu['clock_mhz']:>7.0f}{gpu['power_w']:>6.0f}{gpu['temp_c']:>4.0f}" if gpu else ""
-        print(f"{name:<12}{ms:>9.3f}{flops / ms / 1e9:>9.0f}{flops * useful / ms / 1e9:>9.0f}{state}")
+        print(f"{name:<12}{ms:>9.3f}{flops / ms / 1e9:>9.0f}{flops * useful / ms / 1e9:>9.0f}{format_gpu(gpu)}")
     return 0
 
 

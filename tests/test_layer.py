@@ -105,6 +105,9 @@ def test_zero_tokens():
 
 
 def test_nan_in_one_token_stays_in_that_token():
+    """On the CPU path the NaN must not spread. The bits of the other tokens may move by an ulp:
+    the NaN token routes elsewhere, the experts' row counts change, and the CPU BLAS may block a
+    GEMM differently for another row count (the GPU test holds the fused kernels to the bits)."""
     layer = small_layer()
     x = torch.randn(9, 64)
     clean = layer(x)
@@ -112,7 +115,8 @@ def test_nan_in_one_token_stays_in_that_token():
     out = layer(x)
     assert out[4].isnan().all()
     keep = torch.arange(9) != 4
-    assert torch.equal(out[keep], clean[keep])
+    assert not out[keep].isnan().any()
+    torch.testing.assert_close(out[keep], clean[keep], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
