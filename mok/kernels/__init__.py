@@ -71,6 +71,17 @@ def gather_variant(width: int, sources: int = 1) -> KernelVariant:
     return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
 
 
+def quantize_mxfp8_variant() -> KernelVariant:
+    """bf16 rows -> MXFP8 elements and E8M0 scales (mok/mxfp8.py's rule); no static shape."""
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.mxfp8_quantize import compile_quantize_mxfp8
+
+        return compile_quantize_mxfp8(arch, options)
+
+    return KernelVariant("quantize_mxfp8", {}, build)
+
+
 SCHEDULE_THREADS = 512  # threads per CTA of the schedule launch
 GRID_SYNC_WORDS = 4  # int32 words of a grid barrier's state (common/waits.py: grid_barrier)
 
