@@ -222,6 +222,26 @@ def quantize_mxfp8(
     return elements, scales
 
 
+def dequantize_mxfp8(elements: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 values of MXFP8 ``elements`` (float8_e4m3fn [..., n], contiguous) with ``scales`` (uint8
+    [..., n // 32]): mok.mxfp8.dequantize_mxfp8 rounded to bf16, in one launch."""
+    check_tensor("elements", elements, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+    if elements.dim() < 1 or elements.shape[-1] % MXFP8_BLOCK:
+        raise ValueError(f"elements: expected a last dimension that is a multiple of {MXFP8_BLOCK}, got shape {tuple(elements.shape)}")
+    _check_launchable(elements=elements)
+    scale_shape = (*elements.shape[:-1], elements.shape[-1] // MXFP8_BLOCK)
+    check_tensor("scales", scales, dtypes=(torch.uint8,), shape=scale_shape, device=elements.device, contiguous=True)
+    if out is None:
+        out = torch.empty(elements.shape, dtype=torch.bfloat16, device=elements.device)
+    check_tensor("out", out, dtypes=BF16, shape=tuple(elements.shape), device=elements.device, contiguous=True)
+    _check_cuda_aligned("out", out)
+    if scales.numel() == 0:
+        return out
+    kernel = _kernel(quantize_mxfp8_variant(back=True), elements.device)
+    kernel(_ptr("e4m3", elements), _ptr("u8", scales, 1), _ptr("bf16", out), _i32(scales.numel()), _stream(elements.device))
+    return out
+
+
 def _check_rank_stride(name: str, ranks: tuple[int, int], per_rank: int, limit: int, limit_text: str) -> None:
     """(world W, rank stride) of W ranks' tensors of ``per_rank`` elements lying a stride apart in one
     mapping: 16-byte aligned strides, no overlap, every element within ``limit`` of rank 0's start."""

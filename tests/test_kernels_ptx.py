@@ -415,3 +415,13 @@ def test_mxfp8_quantizer_converts_pairs_with_the_saturating_e4m3_cvt_and_moves_1
     # the block maximum is an integer max over the bit patterns (a float max would drop a NaN)
     assert count(r"\bmax\.(f32|NaN)", ptx) == 0 and count(r"\bmax\.[us]32", ptx) >= 31
     assert count(r"\.local", ptx) == 0 and count(r"\batom\.", ptx) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_mxfp8_dequantizer_reads_the_scale_as_an_unsigned_byte_and_converts_pairs(arch):
+    ptx = compiled_ptx(quantize_mxfp8_variant(back=True), arch)
+    assert count(r"ld\.global\.v4\.b32", ptx) == 2 and count(r"st\.global\.v4\.b32", ptx) == 4
+    assert count(r"ld\.global\.s8", ptx) == 0 and count(r"ld\.global\.(u8|b8)", ptx) == 1  # a sign-extended 0x80.. would be wrong
+    assert re.search(r"setp\.eq\.[bsu]32\s+%p\d+, %r\d+, 255;", ptx)  # E8M0's NaN byte is tested for
+    assert count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 16 and count(r"cvt\.rn\.bf16x2\.f32", ptx) == 16
+    assert count(r"\.local", ptx) == 0

@@ -144,3 +144,15 @@ def test_the_kernel_op_refuses_bad_input_before_any_launch(x, error, match):
 
     with pytest.raises(error, match=match):
         quantize_on_gpu(x)
+
+
+def test_the_dequantizer_op_refuses_bad_input_before_any_launch():
+    from mok.ops import dequantize_mxfp8 as dequantize_on_gpu
+
+    elements = torch.zeros(4, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        dequantize_on_gpu(elements, torch.zeros(4, 2, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        dequantize_on_gpu(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        dequantize_on_gpu(torch.zeros(4, 40).to(torch.float8_e4m3fn), torch.zeros(4, 1, dtype=torch.uint8))

@@ -1,11 +1,12 @@
-"""The MXFP8 quantizer kernel on the GPU: the reference's bytes (mok/mxfp8.py, itself checked
-against a float64 oracle in tests/test_mxfp8.py), every output byte written, capturable."""
+"""The MXFP8 quantizer and dequantizer kernels on the GPU: the reference's bytes (mok/mxfp8.py,
+itself checked against a float64 oracle in tests/test_mxfp8.py), every output byte written,
+capturable."""
 
 import pytest
 import torch
 
-from mok.mxfp8 import BLOCK, SCALE_NAN, quantize_mxfp8 as quantize_reference
-from mok.ops import quantize_mxfp8
+from mok.mxfp8 import BLOCK, SCALE_NAN, dequantize_mxfp8 as dequantize_reference, quantize_mxfp8 as quantize_reference
+from mok.ops import dequantize_mxfp8, quantize_mxfp8
 
 pytestmark = pytest.mark.gpu
 
@@ -99,3 +100,26 @@ def test_wrong_out_raises():
         quantize_mxfp8(x, out=(torch.empty(4, 64, dtype=torch.uint8, device="cuda"), torch.empty(4, 2, dtype=torch.uint8, device="cuda")))
     with pytest.raises(ValueError, match=r"\[4, 2\]"):
         quantize_mxfp8(x, out=(torch.empty(4, 64, device="cuda").to(torch.float8_e4m3fn), torch.empty(4, 3, dtype=torch.uint8, device="cuda")))
+
+
+def test_dequantizer_gives_the_references_values_rounded_to_bf16_for_every_byte():
+    # every E4M3 byte under every scale byte: 256 blocks (one per scale), each holding 32 element
+    # bytes, all 256 element bytes over 8 blocks of a row
+    element_bytes = torch.arange(256, dtype=torch.uint8).reshape(8, BLOCK)
+    elements = element_bytes.repeat(256, 1).reshape(256, 8 * BLOCK)
+    scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1).repeat(1, 8)
+    elements = elements.view(torch.float8_e4m3fn)
+    want = dequantize_reference(elements, scales).to(torch.bfloat16)
+    out = torch.full(elements.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = dequantize_mxfp8(elements.cuda(), scales.cuda(), out=out).cpu()
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert same.all(), (got[~same][:8], want[~same][:8])
+    assert got.isnan().sum() == want.isnan().sum()
+
+
+@pytest.mark.parametrize("shape", [(7, 7168), (4096, 2048)])
+def test_quantize_then_dequantize_is_the_reference_round_trip(shape):
+    x = random_rows(shape, seed=11)
+    back = dequantize_mxfp8(*quantize_mxfp8(x))
+    want = dequantize_reference(*quantize_reference(x.cpu())).to(torch.bfloat16)
+    assert torch.equal(back.cpu(), want)
