@@ -14,9 +14,10 @@ import threading
 import torch
 
 from .kernels import (
-    GRID_SYNC_WORDS, combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant, schedule_ctas,
-    schedule_variant,
+    GRID_SYNC_WORDS, combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant,
+    quantize_mxfp8_variant, schedule_ctas, schedule_variant,
 )
+from .mxfp8 import BLOCK as MXFP8_BLOCK
 from .schedule import Schedule, check_schedule, check_schedule_args, shared_prefix_rows, worst_case_capacity
 from .runtime.arch import device_arch
 from .runtime.launch import i32 as _i32, i64 as _i64, ptr as _ptr, stream as _stream
@@ -193,6 +194,52 @@ def gather_rows_pair(
         _i32(first.shape[0]), _i32(num_out), _stream(first.device),
     )
     return outs
+
+
+def quantize_mxfp8(
+    x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements float8_e4m3fn of x's shape, scales uint8 [..., n // 32]) of bf16 ``x`` [..., n]
+    (contiguous, n a multiple of 32): the bytes mok.mxfp8.quantize_mxfp8 gives, in one launch.
+    ``out``: the (elements, scales) tensors to write."""
+    check_tensor("x", x, dtypes=BF16, contiguous=True)
+    if x.dim() < 1 or x.shape[-1] % MXFP8_BLOCK:
+        raise ValueError(f"x: expected a last dimension that is a multiple of {MXFP8_BLOCK}, got shape {tuple(x.shape)}")
+    _check_launchable(x=x)
+    scale_shape = (*x.shape[:-1], x.shape[-1] // MXFP8_BLOCK)
+    if out is None:
+        out = (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(scale_shape, dtype=torch.uint8, device=x.device))
+    elif not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out: expected a pair of tensors (elements, scales), got {type(out).__name__}")
+    elements, scales = out
+    check_tensor("out[0]", elements, dtypes=(torch.float8_e4m3fn,), shape=tuple(x.shape), device=x.device, contiguous=True)
+    check_tensor("out[1]", scales, dtypes=(torch.uint8,), shape=scale_shape, device=x.device, contiguous=True)
+    _check_cuda_aligned("out[0]", elements)
+    if scales.numel() == 0:
+        return elements, scales
+    kernel = _kernel(quantize_mxfp8_variant(), x.device)
+    kernel(_ptr("bf16", x), _ptr("e4m3", elements), _ptr("u8", scales, 1), _i32(scales.numel()), _stream(x.device))
+    return elements, scales
+
+
+def dequantize_mxfp8(elements: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 values of MXFP8 ``elements`` (float8_e4m3fn [..., n], contiguous) with ``scales`` (uint8
+    [..., n // 32]): mok.mxfp8.dequantize_mxfp8 rounded to bf16, in one launch."""
+    check_tensor("elements", elements, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+    if elements.dim() < 1 or elements.shape[-1] % MXFP8_BLOCK:
+        raise ValueError(f"elements: expected a last dimension that is a multiple of {MXFP8_BLOCK}, got shape {tuple(elements.shape)}")
+    _check_launchable(elements=elements)
+    scale_shape = (*elements.shape[:-1], elements.shape[-1] // MXFP8_BLOCK)
+    check_tensor("scales", scales, dtypes=(torch.uint8,), shape=scale_shape, device=elements.device, contiguous=True)
+    if out is None:
+        out = torch.empty(elements.shape, dtype=torch.bfloat16, device=elements.device)
+    check_tensor("out", out, dtypes=BF16, shape=tuple(elements.shape), device=elements.device, contiguous=True)
+    _check_cuda_aligned("out", out)
+    if scales.numel() == 0:
+        return out
+    kernel = _kernel(quantize_mxfp8_variant(back=True), elements.device)
+    kernel(_ptr("e4m3", elements), _ptr("u8", scales, 1), _ptr("bf16", out), _i32(scales.numel()), _stream(elements.device))
+    return out
 
 
 def _check_rank_stride(name: str, ranks: tuple[int, int], per_rank: int, limit: int, limit_text: str) -> None:

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 from mok.config import DEFAULT_CONFIG, MoKConfig
-from mok.kernels import combine_variant, compiled_ptx, grouped_gemm_variant, schedule_variant, variants_for
+from mok.kernels import combine_variant, compiled_ptx, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant, variants_for
 
 
 def count(pattern, text):
@@ -400,3 +400,28 @@ def test_gate_up_gemm_that_pulls_its_rows_keeps_its_wgmmas_and_copies_with_idle_
     assert count(r"bar\.sync\s+2, 96;", pull) >= 3 and "%globaltimer" in pull
     assert count(r"\.local", pull) == 0 and ptxas_spill_bytes(pull) in (0, None)
     assert_register_handover_fits(pull)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_mxfp8_quantizer_converts_pairs_with_the_saturating_e4m3_cvt_and_moves_16_byte_vectors(arch):
+    ptx = compiled_ptx(quantize_mxfp8_variant(), arch)
+    assert f".target {arch}" in ptx
+    # per thread, one block of 32: four 16-byte loads, sixteen pair conversions (round to nearest
+    # even), two 16-byte stores of the elements and one byte for the scale
+    assert count(r"ld\.global\.v4\.b32", ptx) == 4
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 16
+    assert count(r"st\.global\.v4\.b32", ptx) == 2
+    assert count(r"st\.global\.(?!v4)", ptx) == 1
+    # the block maximum is an integer max over the bit patterns (a float max would drop a NaN)
+    assert count(r"\bmax\.(f32|NaN)", ptx) == 0 and count(r"\bmax\.[us]32", ptx) >= 31
+    assert count(r"\.local", ptx) == 0 and count(r"\batom\.", ptx) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_mxfp8_dequantizer_reads_the_scale_as_an_unsigned_byte_and_converts_pairs(arch):
+    ptx = compiled_ptx(quantize_mxfp8_variant(back=True), arch)
+    assert count(r"ld\.global\.v4\.b32", ptx) == 2 and count(r"st\.global\.v4\.b32", ptx) == 4
+    assert count(r"ld\.global\.s8", ptx) == 0 and count(r"ld\.global\.(u8|b8)", ptx) == 1  # a sign-extended 0x80.. would be wrong
+    assert re.search(r"setp\.eq\.[bsu]32\s+%p\d+, %r\d+, 255;", ptx)  # E8M0's NaN byte is tested for
+    assert count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 16 and count(r"cvt\.rn\.bf16x2\.f32", ptx) == 16
+    assert count(r"\.local", ptx) == 0

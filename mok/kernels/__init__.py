@@ -71,6 +71,18 @@ def gather_variant(width: int, sources: int = 1) -> KernelVariant:
     return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
 
 
+def quantize_mxfp8_variant(back: bool = False) -> KernelVariant:
+    """bf16 rows -> MXFP8 elements and E8M0 scales (mok/mxfp8.py's rule), or with ``back`` MXFP8 ->
+    bf16; no static shape."""
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.mxfp8_quantize import compile_dequantize_mxfp8, compile_quantize_mxfp8
+
+        return (compile_dequantize_mxfp8 if back else compile_quantize_mxfp8)(arch, options)
+
+    return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", {}, build)
+
+
 SCHEDULE_THREADS = 512  # threads per CTA of the schedule launch
 GRID_SYNC_WORDS = 4  # int32 words of a grid barrier's state (common/waits.py: grid_barrier)
 

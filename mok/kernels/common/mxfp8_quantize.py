@@ -1,0 +1,159 @@
+"""bf16 rows <-> MXFP8 (E4M3 elements, one E8M0 scale byte per 32 consecutive elements).
+
+The rule is mok/mxfp8.py's, bit for bit: the block's largest magnitude is an integer max over
+the fp32 bit patterns with the sign cleared (a NaN's pattern is above every other, so it wins;
+a float max would drop it), the scale exponent comes from that pattern's exponent and mantissa
+fields, the elements are ``x * 2**-e`` (exact: a power-of-two factor) rounded by
+``cvt.rn.satfinite.e4m3x2.f32``. Arch-neutral. One thread per block of 32: four 16-byte loads,
+two 16-byte stores and the scale byte; the rows are contiguous, so the tensor is one run of
+blocks and the row width does not enter the kernel.
+
+``DequantizeMxfp8Kernel`` is the way back, ``bf16(float32(element) * 2**(byte - 127))`` as
+mok.mxfp8.dequantize_mxfp8 then a bf16 rounding gives it (exact wherever the value is a normal
+bf16: E4M3's 3 mantissa bits fit in bf16's 7).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+BLOCK = 32  # elements per scale (mok.mxfp8.BLOCK)
+ABS_MASK = 0x7FFFFFFF
+MANTISSA_MASK = 0x7FFFFF
+MANTISSA_1_75 = 0x600000  # fp32 mantissa field of 1.75 (448 = 1.75 * 2**8)
+E4M3_MAX_EXP = 8
+NAN_EXPONENT = 255  # the exponent field of Inf and NaN; also E8M0's NaN byte
+ELEMENT_NAN = 0x7F
+
+
+class QuantizeMxfp8Kernel:
+    """Static config: threads per CTA (nothing else: any row width that is a multiple of 32)."""
+
+    def __init__(self, threads: int = 128) -> None:
+        self.threads = threads
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        elements_ptr: cute.Pointer,
+        scales_ptr: cute.Pointer,
+        num_blocks: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """x [num_blocks·32] bf16 -> elements [num_blocks·32] E4M3, scales [num_blocks] E8M0 bytes."""
+        blocks = cute.make_layout((num_blocks, BLOCK), stride=(BLOCK, 1))
+        m_x = cute.make_tensor(x_ptr, blocks)
+        m_elements = cute.make_tensor(elements_ptr, blocks)
+        m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_blocks,)))
+        self.kernel(m_x, m_elements, m_scales).launch(
+            grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1],
+            block=[self.threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        block = cta * self.threads + tidx
+        if block < m_x.shape[0]:
+            values = cute.make_rmem_tensor((BLOCK,), cutlass.Float32)
+            values.store(m_x[block, None].load().to(cutlass.Float32))
+            bits = cute.recast_tensor(values, cutlass.Int32)
+            amax = cutlass.Int32(0)
+            for i in cutlass.range_constexpr(BLOCK):
+                amax = max(amax, bits[i] & ABS_MASK)
+            field = amax >> 23
+            exponent = field - E4M3_MAX_EXP
+            if (amax & MANTISSA_MASK) > MANTISSA_1_75:
+                exponent = exponent + 1
+            exponent = min(max(exponent, 0), 254)
+            inverse = cute.make_rmem_tensor((1,), cutlass.Int32)
+            inverse[0] = (254 - exponent) << 23  # 2**-(exponent - 127): a normal float for every exponent here
+            factor = cute.recast_tensor(inverse, cutlass.Float32)[0]
+            elements = cute.make_rmem_tensor((BLOCK,), m_elements.element_type)
+            elements.store((values.load() * factor).to(m_elements.element_type))
+            if field == NAN_EXPONENT:  # an Inf or a NaN in the block
+                exponent = NAN_EXPONENT
+                cute.recast_tensor(elements, cutlass.Uint8).fill(ELEMENT_NAN)
+            m_elements[block, None].store(elements.load())
+            m_scales[block] = cutlass.Uint8(exponent)
+
+
+class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
+    """elements [num_blocks·32] E4M3 and scales [num_blocks] E8M0 bytes -> bf16 [num_blocks·32]."""
+
+    @cute.jit
+    def __call__(
+        self,
+        elements_ptr: cute.Pointer,
+        scales_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        num_blocks: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        blocks = cute.make_layout((num_blocks, BLOCK), stride=(BLOCK, 1))
+        m_elements = cute.make_tensor(elements_ptr, blocks)
+        m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_blocks,)))
+        m_out = cute.make_tensor(out_ptr, blocks)
+        self.kernel_back(m_elements, m_scales, m_out).launch(
+            grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1],
+            block=[self.threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel_back(self, m_elements: cute.Tensor, m_scales: cute.Tensor, m_out: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        block = cta * self.threads + tidx
+        if block < m_elements.shape[0]:
+            exponent = cutlass.Int32(m_scales[block]) & 0xFF  # (the byte comes in sign-extended)
+            factor_bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+            factor_bits[0] = exponent << 23
+            if exponent == 0:
+                factor_bits[0] = SMALLEST_SCALE_BITS
+            if exponent == NAN_EXPONENT:
+                factor_bits[0] = FLOAT_NAN_BITS
+            factor = cute.recast_tensor(factor_bits, cutlass.Float32)[0]
+            values = m_elements[block, None].load().to(cutlass.Float32) * factor
+            m_out[block, None].store(values.to(m_out.element_type))
+
+
+SMALLEST_SCALE_BITS = 0x00400000  # 2**-127, a subnormal float32 (byte 0)
+FLOAT_NAN_BITS = 0x7FC00000
+
+
+def compile_quantize_mxfp8(arch: str, options: str = ""):
+    """Compile for ``arch`` without tensors."""
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    gmem = cute.AddressSpace.gmem
+    return cute.compile(
+        QuantizeMxfp8Kernel(),
+        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
+        make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16),
+        make_ptr(cutlass.Uint8, 0, gmem, assumed_align=1),
+        cutlass.Int32(1),
+        make_fake_stream(),
+        options=f"--gpu-arch {arch} {options}".strip(),
+    )
+
+
+def compile_dequantize_mxfp8(arch: str, options: str = ""):
+    """Compile the way back for ``arch`` without tensors."""
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    gmem = cute.AddressSpace.gmem
+    return cute.compile(
+        DequantizeMxfp8Kernel(),
+        make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16),
+        make_ptr(cutlass.Uint8, 0, gmem, assumed_align=1),
+        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
+        cutlass.Int32(1),
+        make_fake_stream(),
+        options=f"--gpu-arch {arch} {options}".strip(),
+    )

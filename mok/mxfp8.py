@@ -1,0 +1,84 @@
+"""MXFP8: the OCP microscaling format with E4M3 elements, the exact rule MoK quantizes by.
+
+A tensor is cut into blocks of 32 consecutive elements along its last dimension; each block
+stores one shared power-of-two scale as an E8M0 byte (``2 ** (byte - 127)``) and 32 E4M3
+elements, and stands for ``element * scale``.
+
+The scale is rounded up, as NVIDIA's MXFP8 training recipes do (the OCP text rounds it down,
+which lets a block's largest element overflow E4M3 and saturate): the smallest power of two
+``2**e`` with ``448 * 2**e >= amax`` (448 = E4M3's largest finite value), clamped to E8M0's
+finite range. With ``amax = m * 2**E`` (1 <= m < 2) that is ``e = E - 8 + (m > 1.75)``: integer
+arithmetic on amax's bits, which the GPU kernel does too, so both give the same bytes. Every
+element ``x * 2**-e`` then lies within E4M3's range and is rounded to nearest, ties to even.
+A block holding an Inf or a NaN gets the NaN scale byte 0xFF and NaN elements (0x7F).
+
+This module is the reference (plain PyTorch, any device); ``mok.ops.quantize_mxfp8`` is the
+kernel, held to these bytes by tests/test_mxfp8_gpu.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # elements per shared scale
+E4M3_MAX = 448.0
+SCALE_NAN = 0xFF  # E8M0's NaN
+ELEMENT_NAN = 0x7F  # E4M3 (fn) NaN, positive sign
+_SCALE_BIAS = 127
+_E4M3_MAX_EXP = 8  # 448 = 1.75 * 2**8
+_MANTISSA_1_75 = 0x600000  # fp32 mantissa field of 1.75
+
+
+def _check_blocked(name: str, x: torch.Tensor) -> None:
+    if x.dim() < 1 or x.shape[-1] % BLOCK:
+        raise ValueError(f"{name}: expected a last dimension that is a multiple of {BLOCK}, got shape {tuple(x.shape)}")
+
+
+def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponents (int32, 0..254, or 255 for a non-finite amax) of blocks with maximum
+    magnitude ``amax`` (float32, >= 0 or NaN): the smallest ``e`` with ``448 * 2**(e - 127) >= amax``."""
+    bits = amax.to(torch.float32).view(torch.int32) & 0x7FFFFFFF
+    biased = bits >> 23  # amax's own biased exponent (0 for zero and subnormals)
+    exps = (biased - _E4M3_MAX_EXP + ((bits & 0x7FFFFF) > _MANTISSA_1_75).to(torch.int32)).clamp(0, 254)
+    return torch.where(biased == 255, torch.full_like(exps, SCALE_NAN), exps)
+
+
+def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements float8_e4m3fn of x's shape, scales uint8 [..., n // 32]) of x (bf16, fp16 or fp32)
+    along its last dimension, by the rule in the module docstring."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x: expected a bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    _check_blocked("x", x)
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    # the largest magnitude's bits: integer max, so a NaN anywhere wins (float max may drop it)
+    amax_bits = (blocks.view(torch.int32) & 0x7FFFFFFF).amax(dim=-1)
+    exps = scale_exponents(amax_bits.view(torch.float32))
+    finite = exps != SCALE_NAN
+    inverse = ((254 - exps.clamp(max=254)) << 23).view(torch.float32)  # 2**-(e - 127), always a normal float
+    scaled = blocks * inverse.unsqueeze(-1)  # exact: a power-of-two factor, |result| <= 448
+    elements = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    elements = torch.where(finite.unsqueeze(-1), elements, torch.full_like(elements, ELEMENT_NAN))
+    return elements.view(torch.float8_e4m3fn).reshape(x.shape), exps.to(torch.uint8)
+
+
+def dequantize_mxfp8(elements: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 values of MXFP8 ``elements`` (float8_e4m3fn, [..., n]) with ``scales`` (uint8, [..., n // 32])."""
+    if elements.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"elements: expected float8_e4m3fn, got {elements.dtype}")
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"scales: expected uint8 (E8M0 bytes), got {scales.dtype}")
+    _check_blocked("elements", elements)
+    expected = (*elements.shape[:-1], elements.shape[-1] // BLOCK)
+    if tuple(scales.shape) != expected:
+        raise ValueError(f"scales: expected shape {expected}, got {tuple(scales.shape)}")
+    exps = scales.to(torch.int32)
+    # 2**(byte - 127) as float32 bits; bytes 0 and 255 have no normal float32 twin
+    factor = torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps - _SCALE_BIAS)
+    factor = torch.where(exps == SCALE_NAN, torch.full_like(factor, float("nan")), factor)
+    blocks = elements.to(torch.float32).reshape(*expected, BLOCK)
+    return (blocks * factor.unsqueeze(-1)).reshape(elements.shape)
+
+
+def fake_quantize_mxfp8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through MXFP8 and back (float32): what a GEMM on MXFP8 operands sees of x."""
+    return dequantize_mxfp8(*quantize_mxfp8(x))

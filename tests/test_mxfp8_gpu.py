@@ -1,0 +1,125 @@
+"""The MXFP8 quantizer and dequantizer kernels on the GPU: the reference's bytes (mok/mxfp8.py,
+itself checked against a float64 oracle in tests/test_mxfp8.py), every output byte written,
+capturable."""
+
+import pytest
+import torch
+
+from mok.mxfp8 import BLOCK, SCALE_NAN, dequantize_mxfp8 as dequantize_reference, quantize_mxfp8 as quantize_reference
+from mok.ops import dequantize_mxfp8, quantize_mxfp8
+
+pytestmark = pytest.mark.gpu
+
+
+def awkward_blocks() -> torch.Tensor:
+    """Rows of 32 that sit on the rule's edges (bf16 on the GPU)."""
+    bf16 = torch.finfo(torch.bfloat16)
+    rows = [
+        [0.0] * BLOCK,
+        [-0.0] * BLOCK,
+        [1.75] + [0.3] * (BLOCK - 1),
+        [1.7578125] + [-0.3] * (BLOCK - 1),
+        [448.0] + [1.0] * (BLOCK - 1),
+        [bf16.max] + [-bf16.max / 5] * (BLOCK - 1),
+        [bf16.smallest_normal * 3] + [bf16.smallest_normal / 8] * (BLOCK - 1),
+        [1.0 + i / 16 for i in range(BLOCK)],
+        [float("nan")] + [1.0] * (BLOCK - 1),
+        [2.0] * (BLOCK - 1) + [float("-inf")],
+        [float("inf")] * BLOCK,
+    ]
+    return torch.tensor(rows).to(torch.bfloat16).cuda()
+
+
+def random_rows(shape, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    magnitudes = torch.exp2(torch.randint(-60, 60, (*shape[:-1], shape[-1] // BLOCK, 1), device="cuda", generator=g).float())
+    x = torch.randn(*shape[:-1], shape[-1] // BLOCK, BLOCK, device="cuda", generator=g) * magnitudes
+    return x.reshape(shape).to(torch.bfloat16)
+
+
+def quantize_poisoned(x, byte):
+    """The kernel's output into buffers filled with ``byte`` first (two fills catch an unwritten byte)."""
+    elements = torch.full(x.shape, byte, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    scales = torch.full((*x.shape[:-1], x.shape[-1] // BLOCK), byte, dtype=torch.uint8, device="cuda")
+    return quantize_mxfp8(x, out=(elements, scales))
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (3, 7168), (4096, 2048), (2, 5, 96), (1000, 2080)])
+def test_quantizer_gives_the_reference_bytes(shape):
+    x = random_rows(shape, seed=sum(shape))
+    if shape[-1] == 7168:  # the edge cases among ordinary blocks, in every row
+        edges = awkward_blocks().reshape(1, -1)
+        x[:, 64: 64 + edges.shape[1]] = edges
+    want_elements, want_scales = quantize_reference(x.cpu())
+    for byte in (0x00, 0xFF):
+        elements, scales = quantize_poisoned(x, byte)
+        assert torch.equal(elements.view(torch.uint8).cpu(), want_elements.view(torch.uint8))
+        assert torch.equal(scales.cpu(), want_scales)
+
+
+def test_awkward_blocks_on_their_own():
+    x = awkward_blocks()
+    elements, scales = quantize_mxfp8(x)
+    want_elements, want_scales = quantize_reference(x.cpu())
+    assert torch.equal(scales.cpu(), want_scales) and (scales[-3:] == SCALE_NAN).all()
+    assert torch.equal(elements.view(torch.uint8).cpu(), want_elements.view(torch.uint8))
+
+
+def test_quantizer_replays_from_a_cuda_graph_and_handles_no_rows():
+    x = random_rows((256, 1024), seed=3)
+    elements, scales = quantize_mxfp8(x)
+    out = (torch.empty_like(elements), torch.empty_like(scales))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quantize_mxfp8(x, out=out)
+    x.copy_(random_rows((256, 1024), seed=4))
+    graph.replay()
+    want_elements, want_scales = quantize_mxfp8(x)
+    assert torch.equal(out[0].view(torch.uint8), want_elements.view(torch.uint8)) and torch.equal(out[1], want_scales)
+    empty = quantize_mxfp8(torch.empty(0, 64, dtype=torch.bfloat16, device="cuda"))
+    assert empty[0].shape == (0, 64) and empty[1].shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: torch.zeros(4, 64, dtype=torch.bfloat16), ValueError, "CUDA"),
+        (lambda: torch.zeros(4, 64, device="cuda"), TypeError, "bfloat16"),
+        (lambda: torch.zeros(4, 48, dtype=torch.bfloat16, device="cuda"), ValueError, "multiple of 32"),
+        (lambda: torch.zeros(64, 4, dtype=torch.bfloat16, device="cuda").T, ValueError, "contiguous"),
+    ],
+)
+def test_bad_input_raises_before_launch(make, error, match):
+    with pytest.raises(error, match=match):
+        quantize_mxfp8(make())
+
+
+def test_wrong_out_raises():
+    x = random_rows((4, 64), seed=1)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        quantize_mxfp8(x, out=(torch.empty(4, 64, dtype=torch.uint8, device="cuda"), torch.empty(4, 2, dtype=torch.uint8, device="cuda")))
+    with pytest.raises(ValueError, match=r"\[4, 2\]"):
+        quantize_mxfp8(x, out=(torch.empty(4, 64, device="cuda").to(torch.float8_e4m3fn), torch.empty(4, 3, dtype=torch.uint8, device="cuda")))
+
+
+def test_dequantizer_gives_the_references_values_rounded_to_bf16_for_every_byte():
+    # every E4M3 byte under every scale byte: 256 blocks (one per scale), each holding 32 element
+    # bytes, all 256 element bytes over 8 blocks of a row
+    element_bytes = torch.arange(256, dtype=torch.uint8).reshape(8, BLOCK)
+    elements = element_bytes.repeat(256, 1).reshape(256, 8 * BLOCK)
+    scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1).repeat(1, 8)
+    elements = elements.view(torch.float8_e4m3fn)
+    want = dequantize_reference(elements, scales).to(torch.bfloat16)
+    out = torch.full(elements.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = dequantize_mxfp8(elements.cuda(), scales.cuda(), out=out).cpu()
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert same.all(), (got[~same][:8], want[~same][:8])
+    assert got.isnan().sum() == want.isnan().sum()
+
+
+@pytest.mark.parametrize("shape", [(7, 7168), (4096, 2048)])
+def test_quantize_then_dequantize_is_the_reference_round_trip(shape):
+    x = random_rows(shape, seed=11)
+    back = dequantize_mxfp8(*quantize_mxfp8(x))
+    want = dequantize_reference(*quantize_reference(x.cpu())).to(torch.bfloat16)
+    assert torch.equal(back.cpu(), want)
