@@ -648,8 +648,11 @@ def scheduled_expert_mlp(
     num_tokens, topk = topk_idx.shape
     num_experts, inter = w_gate.shape[:2]
     if shared_in_routed:
-        if shared_out is not None or num_experts < 2:
-            raise ValueError(f"shared_in_routed: expected E + 1 >= 2 experts' weights and no shared_out, got {num_experts} experts")
+        if shared_out is not None or num_experts < 2 or not combine_phase:
+            raise ValueError(
+                f"shared_in_routed: expected E + 1 >= 2 experts' weights, no shared_out and combine_phase, got {num_experts} "
+                f"experts, shared_out {'given' if shared_out is not None else 'None'}, combine_phase={combine_phase}"
+            )
         num_experts -= 1  # (routed)
     if x.shape[0] != num_tokens:
         raise ValueError(f"topk_idx: expected one row per token of x ({x.shape[0]}), got {num_tokens}")

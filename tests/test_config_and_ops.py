@@ -132,6 +132,16 @@ def test_one_launch_forward_op_rejects_bad_input_before_launch():
         scheduled_expert_mlp(x, idx, w, wg, wu, wd, timeout_s=0)
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
         scheduled_expert_mlp(x, idx, w, wg, wu, wd)
+    # a shared expert in the routed launches needs the combine as a phase of its own (fc2's epilogue
+    # combine would read the shared rows while other tiles of the launch still write them)
+    with pytest.raises(ValueError, match="shared_in_routed: .*combine_phase=False"):
+        scheduled_expert_mlp(x, idx, w, wg, wu, wd, shared_in_routed=True, combine_phase=False)
+    with pytest.raises(ValueError, match="shared_in_routed: .*shared_out given"):
+        scheduled_expert_mlp(x, idx, w, wg, wu, wd, shared_in_routed=True, shared_out=x)
+    from mok.kernels.sm90.expert_mlp import ExpertMlpSm90
+
+    with pytest.raises(ValueError, match="shared_prefix: only with .*combine_phase"):
+        ExpertMlpSm90(H, I, k, combine=True, has_shared=True, schedule_experts=E, shared_prefix=True)
 
 
 def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():

@@ -115,8 +115,10 @@ class ExpertMlpSm90:
             )
         if gather_phase and (schedule_experts is None or ep_world is not None):
             raise ValueError("gather_phase: only with schedule_experts and without ep_world (the one-launch forward on one GPU)")
-        if shared_prefix and (schedule_experts is None or ep_world is not None or not has_shared):
-            raise ValueError("shared_prefix: only with schedule_experts and has_shared, without ep_world")
+        if shared_prefix and (schedule_experts is None or ep_world is not None or not has_shared or not combine_phase):
+            # (combine_phase: fc2's epilogue combine would read a token's shared row, written by another
+            # tile of the same launch, with nothing ordering the two)
+            raise ValueError("shared_prefix: only with schedule_experts, has_shared and combine_phase, without ep_world")
         self.shared_prefix = shared_prefix
         self.ep_world, self.gather_phase = ep_world, gather_phase
         self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
