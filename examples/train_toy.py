@@ -83,7 +83,8 @@ def main() -> int:
         optimizer.step()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
-    if world > 1:
+    if world > 1:  # every rank past its last collective before any tears its connections down
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
