@@ -76,9 +76,9 @@ def quantize_mxfp8_variant(back: bool = False) -> KernelVariant:
     bf16; no static shape."""
 
     def build(arch: str, options: str = "") -> Any:
-        from .common.mxfp8_quantize import compile_dequantize_mxfp8, compile_quantize_mxfp8
+        from .common.mxfp8_quantize import compile_mxfp8
 
-        return (compile_dequantize_mxfp8 if back else compile_quantize_mxfp8)(arch, options)
+        return compile_mxfp8(arch, options, back=back)
 
     return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", {}, build)
 

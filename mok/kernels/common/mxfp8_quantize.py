@@ -26,6 +26,8 @@ MANTISSA_1_75 = 0x600000  # fp32 mantissa field of 1.75 (448 = 1.75 * 2**8)
 E4M3_MAX_EXP = 8
 NAN_EXPONENT = 255  # the exponent field of Inf and NaN; also E8M0's NaN byte
 ELEMENT_NAN = 0x7F
+SMALLEST_SCALE_BITS = 0x00400000  # 2**-127 (scale byte 0), a subnormal float32
+FLOAT_NAN_BITS = 0x7FC00000
 
 
 class QuantizeMxfp8Kernel:
@@ -44,15 +46,18 @@ class QuantizeMxfp8Kernel:
         stream: cuda.CUstream,
     ):
         """x [num_blocks·32] bf16 -> elements [num_blocks·32] E4M3, scales [num_blocks] E8M0 bytes."""
+        m_x, m_elements, m_scales = self.block_tensors(x_ptr, elements_ptr, scales_ptr, num_blocks)
+        self.kernel(m_x, m_elements, m_scales).launch(**self.launch_shape(num_blocks, stream))
+
+    def block_tensors(self, values_ptr, elements_ptr, scales_ptr, num_blocks):
+        """A run of blocks: bf16 values [n, 32], E4M3 elements [n, 32], scale bytes [n]."""
         blocks = cute.make_layout((num_blocks, BLOCK), stride=(BLOCK, 1))
-        m_x = cute.make_tensor(x_ptr, blocks)
-        m_elements = cute.make_tensor(elements_ptr, blocks)
-        m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_blocks,)))
-        self.kernel(m_x, m_elements, m_scales).launch(
-            grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1],
-            block=[self.threads, 1, 1],
-            stream=stream,
-        )
+        scales = cute.make_layout((num_blocks,))
+        return cute.make_tensor(values_ptr, blocks), cute.make_tensor(elements_ptr, blocks), cute.make_tensor(scales_ptr, scales)
+
+    def launch_shape(self, num_blocks, stream) -> dict:
+        """A thread per block."""
+        return dict(grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor):
@@ -95,15 +100,8 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
         num_blocks: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        blocks = cute.make_layout((num_blocks, BLOCK), stride=(BLOCK, 1))
-        m_elements = cute.make_tensor(elements_ptr, blocks)
-        m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_blocks,)))
-        m_out = cute.make_tensor(out_ptr, blocks)
-        self.kernel_back(m_elements, m_scales, m_out).launch(
-            grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1],
-            block=[self.threads, 1, 1],
-            stream=stream,
-        )
+        m_out, m_elements, m_scales = self.block_tensors(out_ptr, elements_ptr, scales_ptr, num_blocks)
+        self.kernel_back(m_elements, m_scales, m_out).launch(**self.launch_shape(num_blocks, stream))
 
     @cute.kernel
     def kernel_back(self, m_elements: cute.Tensor, m_scales: cute.Tensor, m_out: cute.Tensor):
@@ -123,37 +121,13 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
             m_out[block, None].store(values.to(m_out.element_type))
 
 
-SMALLEST_SCALE_BITS = 0x00400000  # 2**-127, a subnormal float32 (byte 0)
-FLOAT_NAN_BITS = 0x7FC00000
-
-
-def compile_quantize_mxfp8(arch: str, options: str = ""):
-    """Compile for ``arch`` without tensors."""
+def compile_mxfp8(arch: str, options: str = "", back: bool = False):
+    """Compile the quantizer (``back``: the dequantizer) for ``arch`` without tensors."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
-    return cute.compile(
-        QuantizeMxfp8Kernel(),
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16),
-        make_ptr(cutlass.Uint8, 0, gmem, assumed_align=1),
-        cutlass.Int32(1),
-        make_fake_stream(),
-        options=f"--gpu-arch {arch} {options}".strip(),
-    )
-
-
-def compile_dequantize_mxfp8(arch: str, options: str = ""):
-    """Compile the way back for ``arch`` without tensors."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    return cute.compile(
-        DequantizeMxfp8Kernel(),
-        make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16),
-        make_ptr(cutlass.Uint8, 0, gmem, assumed_align=1),
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        cutlass.Int32(1),
-        make_fake_stream(),
-        options=f"--gpu-arch {arch} {options}".strip(),
-    )
+    bf16 = make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)
+    elements = make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16)
+    scales = make_ptr(cutlass.Uint8, 0, gmem, assumed_align=1)
+    kernel, pointers = (DequantizeMxfp8Kernel(), (elements, scales, bf16)) if back else (QuantizeMxfp8Kernel(), (bf16, elements, scales))
+    return cute.compile(kernel, *pointers, cutlass.Int32(1), make_fake_stream(), options=f"--gpu-arch {arch} {options}".strip())
