@@ -1,8 +1,10 @@
-"""The layer as PyTorch custom ops: ``mok::moe_forward`` and ``mok::moe_backward``.
+"""The layer as PyTorch custom ops: ``mok::moe_forward`` and ``mok::moe_backward`` (or, adding the
+weight gradients into ``main_grad`` buffers, ``mok::moe_backward_main_grad``).
 
 Registered with torch.library so that autograd, ``torch.compile(fullgraph=True)`` and CUDA
 graphs see two opaque ops with known output shapes (``register_fake``) instead of the
-Python that launches the kernels. Neither op mutates its inputs; every output is new.
+Python that launches the kernels. Only ``mok::moe_backward_main_grad`` writes into an input
+(its main_grad buffers, declared as mutated); every output is new.
 
 - CUDA: MoK's fused kernels (mok/fused_forward.py, mok/fused_backward.py), bf16, Hopper (sm_90a).
 - CPU: the reference (mok/reference.py, fp32 math, any float dtype), with a one-time
@@ -70,13 +72,15 @@ def moe_forward_op(
     save: bool,
     one_launch: bool = False,
     shared_in_routed: bool = False,
+    fuse_wgrad: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, h, shared_h, row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts).
 
     h and shared_h are empty unless ``save`` (shared_h also with ``shared_in_routed``: h[:T]
     holds it); the schedule tensors are what the backward needs to find each row again. Expert
     ids are not range-checked here (that reads the device): ``mok.MoELayer`` checks external
-    routing outside graph capture and compilation.
+    routing outside graph capture and compilation. ``fuse_wgrad``: the backward adds the weight
+    gradients into the weights' ``main_grad`` (mok/main_grad.py); the forward does not read it.
     """
     from .fused_forward import moe_forward
 
@@ -92,7 +96,8 @@ def moe_forward_op(
 
 
 @moe_forward_op.register_fake
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False,
+      fuse_wgrad=False):
     capacity, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save, shared_in_routed)
     num_tokens, topk = topk_idx.shape
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -110,7 +115,8 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
 
 
 @moe_forward_op.register_kernel("cpu")
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False,
+      fuse_wgrad=False):
     from .reference import moe_reference
 
     _warn_cpu_once()
@@ -160,6 +166,15 @@ def moe_backward_op(
 
     The shared expert's gradients are empty tensors when there is none.
     """
+    g = _fused_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h,
+                        row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts)
+    d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
+    return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)
+
+
+def _fused_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h,
+                    row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts, main_grads=None):
+    """moe_backward on the forward op's saved outputs (``main_grads``: added into, see moe_backward)."""
     from .fused_backward import moe_backward
     from .fused_forward import ForwardResult
     from .schedule import Schedule
@@ -172,9 +187,9 @@ def moe_backward_op(
     )
     shared = _shared(shared_gate, shared_up, shared_down)
     saved = ForwardResult(out=None, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
-    g = moe_backward(dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype)
-    d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
-    return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)
+    return moe_backward(
+        dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype, main_grads=main_grads
+    )
 
 
 @moe_backward_op.register_fake
@@ -200,22 +215,76 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
     )
 
 
+@torch.library.custom_op("mok::moe_backward_main_grad", mutates_args=("main_grads",), device_types="cuda")
+def moe_backward_main_grad_op(
+    dout: Tensor,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    shared_gate: Optional[Tensor],
+    shared_up: Optional[Tensor],
+    shared_down: Optional[Tensor],
+    h: Tensor,
+    shared_h: Tensor,
+    row_token: Tensor,
+    row_slot: Tensor,
+    slot_row: Tensor,
+    tile_expert: Tensor,
+    expert_offsets: Tensor,
+    expert_counts: Tensor,
+    main_grads: list[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """(dx, d_topk_w); the weight gradients are added into ``main_grads`` (fp32, one per weight:
+    gate, up, down[, shared gate, up, down]) by the weight-gradient GEMMs themselves."""
+    g = _fused_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h,
+                        row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts, main_grads=tuple(main_grads))
+    return g.dx, g.d_topk_w
+
+
+@moe_backward_main_grad_op.register_fake
+def _(dout, x, topk_idx, topk_w, *rest):
+    return torch.empty_like(x), torch.empty_like(topk_w)
+
+
+@moe_backward_main_grad_op.register_kernel("cpu")
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved_and_main_grads):
+    from .reference_backward import moe_backward_reference
+
+    _warn_cpu_once()
+    main_grads = saved_and_main_grads[-1]
+    shared = _shared(shared_gate, shared_up, shared_down)
+    g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout)
+    for buf, grad in zip(main_grads, (g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ()))):
+        buf.add_(grad.float())
+    return g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype)
+
+
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, _one_launch, _shared_in_routed = inputs
+    (x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, _one_launch, _shared_in_routed,
+     fuse_wgrad) = inputs
     _, h, shared_h, *schedule = output
     ctx.saved_h = save
     ctx.has_shared = shared_gate is not None
+    ctx.params = tuple(w for w in (w_gate, w_up, w_down, shared_gate, shared_up, shared_down) if w is not None) if fuse_wgrad else None
     ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule)
 
 
 def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::moe_forward: called with save=False, so it kept nothing for the backward")
-    grads = moe_backward_op(d_out.contiguous(), *ctx.saved_tensors)
-    dx, d_topk_w, d_gate, d_up, d_down, *d_shared = grads
+    if ctx.params is not None:  # the weight gradients go into the weights' main_grad (mok/main_grad.py)
+        from .main_grad import grads_after_accumulation, main_grads_of
+
+        dx, d_topk_w = moe_backward_main_grad_op(d_out.contiguous(), *ctx.saved_tensors, main_grads_of(ctx.params))
+        d_gate, d_up, d_down, *d_shared = grads_after_accumulation(ctx.params)
+    else:
+        dx, d_topk_w, d_gate, d_up, d_down, *d_shared = moe_backward_op(d_out.contiguous(), *ctx.saved_tensors)
     if not ctx.has_shared:
         d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None
 
 
 moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

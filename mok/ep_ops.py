@@ -1,4 +1,5 @@
-"""The expert-parallel layer as PyTorch custom ops: ``mok::ep_moe_forward`` and ``mok::ep_moe_backward``.
+"""The expert-parallel layer as PyTorch custom ops: ``mok::ep_moe_forward`` and ``mok::ep_moe_backward``
+(``mok::ep_moe_backward_main_grad`` to add the weight gradients into ``main_grad`` buffers).
 
 The same role as mok/custom_ops.py at EP = 1: autograd, ``torch.compile(fullgraph=True)``
 and CUDA graphs see two opaque ops with known output shapes. The workspace cannot be an op
@@ -44,11 +45,13 @@ def ep_moe_forward_op(
     save: bool,
     timeout_s: float,
     one_launch: bool = False,
+    fuse_wgrad: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, x_rows, h, shared_h, routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow).
 
     x_rows, h and shared_h are empty unless ``save``. ``one_launch``: the forward in one kernel
-    (mok/ep_one_launch.py). See :func:`mok.ep.ep_moe_forward_saved`.
+    (mok/ep_one_launch.py). ``fuse_wgrad``: the backward adds the weight gradients into the
+    weights' ``main_grad`` (mok/main_grad.py). See :func:`mok.ep.ep_moe_forward_saved`.
     """
     from .ep import ep_moe_forward_saved
 
@@ -68,7 +71,8 @@ def ep_moe_forward_op(
 
 
 @ep_moe_forward_op.register_fake
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, one_launch=False):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, one_launch=False,
+      fuse_wgrad=False):
     ws = _workspace(workspace)
     lay, num_local, inter = ws.layout, w_gate.shape[0], w_gate.shape[1]
     pairs_rows = lay.world * lay.max_tokens
@@ -119,6 +123,15 @@ def ep_moe_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down); see
     :func:`mok.ep_backward.ep_moe_backward`. The shared expert's are empty when there is none."""
+    g = _ep_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, x_rows, h, shared_h,
+                     routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, workspace, timeout_s)
+    d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
+    return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)
+
+
+def _ep_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, x_rows, h, shared_h,
+                 routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, workspace, timeout_s, main_grads=None):
+    """ep_moe_backward on the forward op's saved outputs (``main_grads``: added into)."""
     from .ep import EPForwardResult
     from .ep_backward import ep_moe_backward
     from .schedule import Schedule
@@ -126,12 +139,10 @@ def ep_moe_backward_op(
     sched = Schedule(counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, BLOCK_M, row_token.shape[0])
     shared = _shared(shared_gate, shared_up, shared_down)
     saved = EPForwardResult(None, sched, x_rows, h, shared_h if shared is not None else None, routing)
-    g = ep_moe_backward(
+    return ep_moe_backward(
         _workspace(workspace), dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved,
-        grad_dtype=w_gate.dtype, timeout_s=timeout_s,
+        grad_dtype=w_gate.dtype, timeout_s=timeout_s, main_grads=main_grads,
     )
-    d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
-    return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)
 
 
 @ep_moe_backward_op.register_fake
@@ -143,22 +154,69 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
     )
 
 
+@torch.library.custom_op("mok::ep_moe_backward_main_grad", mutates_args=("main_grads",), device_types="cuda")
+def ep_moe_backward_main_grad_op(
+    dout: Tensor,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    shared_gate: Optional[Tensor],
+    shared_up: Optional[Tensor],
+    shared_down: Optional[Tensor],
+    x_rows: Tensor,
+    h: Tensor,
+    shared_h: Tensor,
+    routing: Tensor,
+    counts: Tensor,
+    offsets: Tensor,
+    row_token: Tensor,
+    row_slot: Tensor,
+    slot_row: Tensor,
+    tile_expert: Tensor,
+    overflow: Tensor,
+    workspace: int,
+    timeout_s: float,
+    main_grads: list[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """(dx, d_topk_w); the weight gradients are added into ``main_grads`` (see mok::moe_backward_main_grad)."""
+    g = _ep_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, x_rows, h, shared_h,
+                     routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, workspace, timeout_s,
+                     main_grads=tuple(main_grads))
+    return g.dx, g.d_topk_w
+
+
+@ep_moe_backward_main_grad_op.register_fake
+def _(dout, x, topk_idx, topk_w, *rest):
+    return torch.empty_like(x), torch.empty_like(topk_w)
+
+
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, _one_launch = inputs
+    (x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, _one_launch,
+     fuse_wgrad) = inputs
     _, *saved = output
     ctx.saved_h, ctx.has_shared = save, shared_gate is not None
     ctx.workspace, ctx.timeout_s = workspace, timeout_s
+    ctx.params = tuple(w for w in (w_gate, w_up, w_down, shared_gate, shared_up, shared_down) if w is not None) if fuse_wgrad else None
     ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved)
 
 
 def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::ep_moe_forward: called with save=False, so it kept nothing for the backward")
-    grads = ep_moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s)
-    dx, d_topk_w, d_gate, d_up, d_down, *d_shared = grads
+    args = (d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s)
+    if ctx.params is not None:  # the weight gradients go into the weights' main_grad (mok/main_grad.py)
+        from .main_grad import grads_after_accumulation, main_grads_of
+
+        dx, d_topk_w = ep_moe_backward_main_grad_op(*args, main_grads_of(ctx.params))
+        d_gate, d_up, d_down, *d_shared = grads_after_accumulation(ctx.params)
+    else:
+        dx, d_topk_w, d_gate, d_up, d_down, *d_shared = ep_moe_backward_op(*args)
     if not ctx.has_shared:
         d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None, None
 
 
 ep_moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

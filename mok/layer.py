@@ -63,6 +63,9 @@ class MoELayer(nn.Module):
     once): tokens are never dropped silently. ``timeout_s`` bounds every wait on a peer (a
     rank that does not make the same call makes the others raise, naming it, instead of hang).
     ``one_launch``: the forward as one persistent kernel (:class:`mok.config.MoKConfig`), the same bits.
+    ``fuse_wgrad_accumulation``: the backward adds the expert weights' gradients straight into
+    their fp32 ``main_grad`` buffers (Megatron's protocol, eager mode; see mok/main_grad.py) instead
+    of returning them; the router's gradient is returned as usual.
     """
 
     def __init__(
@@ -81,8 +84,12 @@ class MoELayer(nn.Module):
         capacity_factor: float | None = None,
         timeout_s: float = 5.0,
         one_launch: bool = False,
+        fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(fuse_wgrad_accumulation, bool):
+            raise TypeError(f"fuse_wgrad_accumulation: expected a bool, got {fuse_wgrad_accumulation!r}")
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive int (tokens per rank and call, EP only), got {max_tokens!r}")
         check_capacity_factor(capacity_factor)
@@ -217,6 +224,7 @@ class MoELayer(nn.Module):
         return torch.ops.mok.moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch,
             self.shared_in_routed,
+            self.fuse_wgrad_accumulation,
         )[0]
 
     def _fused_ep(self, x, topk_idx, topk_w):
@@ -245,12 +253,18 @@ class MoELayer(nn.Module):
             handle = self.workspace().handle
         return torch.ops.mok.ep_moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, handle, save, self.timeout_s,
-            self.config.one_launch,
+            self.config.one_launch, self.fuse_wgrad_accumulation,
         )[0]
 
     def _reference_ep(self, x, topk_idx, topk_w):
         global _EP_WARNED
         from .reference import moe_reference_ep
+
+        if self.fuse_wgrad_accumulation:
+            raise NotImplementedError(
+                "fuse_wgrad_accumulation: not on the CPU expert-parallel reference path (it returns the weight gradients); "
+                "run the layer on GPUs, or without the option"
+            )
 
         if not _EP_WARNED:
             _EP_WARNED = True

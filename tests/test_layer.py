@@ -178,6 +178,8 @@ def test_custom_ops_pass_opcheck():
     _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
     bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
     torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    mains = [torch.randn(t.shape, generator=g) for t in weights]  # (the op adds into them: declared as mutated)
+    torch.library.opcheck(torch.ops.mok.moe_backward_main_grad.default, (*bwd_args, mains), test_utils=("test_schema", "test_faketensor"))
     # the shared expert in the routed launches (I_s == I): its rows first, h[:T] its h, shared_h empty
     same = small_layer(shared=32)
     assert same.shared_in_routed and not small_layer().shared_in_routed
@@ -211,6 +213,72 @@ def test_a_shared_expert_of_the_routed_shapes_lies_after_them_and_stays_so_after
     assert stacked(other) and torch.equal(other.shared_down_proj, layer.shared_down_proj)
     x = torch.randn(5, 64)
     assert torch.allclose(layer(x), reference_layer(layer, x), rtol=1e-5, atol=1e-6)
+
+
+
+def with_main_grads(layer, seed, megatron=False):
+    """Random fp32 main_grad buffers on the layer's expert weights (and Megatron's flag if asked); their values."""
+    g = torch.Generator().manual_seed(seed)
+    experts = [layer.gate_proj, layer.up_proj, layer.down_proj, *(layer.shared_weights() or ())]
+    for p in experts:
+        p.main_grad = torch.randn(p.shape, generator=g)
+        if megatron:
+            p.grad_added_to_main_grad = False
+    return experts, [p.main_grad.clone() for p in experts]
+
+
+@pytest.mark.parametrize("shared", [48, None])
+def test_fused_wgrad_accumulation_adds_the_weight_gradients_into_main_grad(shared):
+    """fuse_wgrad_accumulation: each expert weight's gradient lands in its fp32 main_grad (on top of
+    what was there) and autograd gets None for it; the router, x and the other gradients as usual."""
+    plain, fused = small_layer(shared), small_layer(shared, fuse_wgrad_accumulation=True)
+    x = torch.randn(2, 5, 64)
+    x_plain, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain(x_plain).square().sum().backward()
+    experts, before = with_main_grads(fused, seed=1)
+    fused(x_fused).square().sum().backward()
+    plain_experts = [plain.gate_proj, plain.up_proj, plain.down_proj, *(plain.shared_weights() or ())]
+    for p, old, q in zip(experts, before, plain_experts):
+        assert p.grad is None
+        torch.testing.assert_close(p.main_grad, old + q.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_fused.grad, x_plain.grad)
+    torch.testing.assert_close(fused.router.weight.grad, plain.router.weight.grad)
+
+
+def test_fused_wgrad_accumulation_follows_megatrons_flags():
+    """A weight with Megatron's grad_added_to_main_grad gets it set and a placeholder gradient of its
+    shape (zeros with zero_out_wgrad), so gradient hooks still fire; main_grad holds the sum."""
+    layer = small_layer(fuse_wgrad_accumulation=True)
+    experts, before = with_main_grads(layer, seed=2, megatron=True)
+    layer.down_proj.zero_out_wgrad = True
+    fired = []
+    for p in experts:
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad_added_to_main_grad))
+    layer(torch.randn(7, 64)).sum().backward()
+    assert fired == [True] * len(experts)
+    assert all(p.grad_added_to_main_grad and p.grad.shape == p.shape for p in experts)
+    assert not layer.down_proj.grad.any()
+    assert all(not torch.equal(p.main_grad, old) for p, old in zip(experts, before))
+
+
+def test_fused_wgrad_accumulation_needs_a_main_grad_of_the_weights_shape():
+    layer = small_layer(fuse_wgrad_accumulation=True)
+    with pytest.raises(RuntimeError, match=r"expert weight 0 \(shape \[8, 32, 64\]\) has no main_grad"):
+        layer(torch.randn(3, 64)).sum().backward()
+    experts, _ = with_main_grads(layer, seed=3)
+    layer.up_proj.main_grad = torch.zeros(8, 32, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"expert weight 1 .*expected a contiguous float32 main_grad of shape \[8, 32, 64\].*bfloat16"):
+        layer(torch.randn(3, 64)).sum().backward()
+    with pytest.raises(TypeError, match="fuse_wgrad_accumulation: expected a bool"):
+        small_layer(fuse_wgrad_accumulation=1)
+
+
+def test_fused_wgrad_accumulation_says_it_is_eager_only_under_torch_compile():
+    layer = small_layer(fuse_wgrad_accumulation=True)
+    with_main_grads(layer, seed=4)
+    compiled = torch.compile(layer, fullgraph=True)
+    with pytest.raises(Exception, match="fuse_wgrad_accumulation: eager mode only"):
+        compiled(torch.randn(3, 64)).sum().backward()
 
 
 def test_torch_compile_fullgraph_two_layers_matches_eager():

@@ -158,3 +158,31 @@ def test_zero_tokens_on_the_gpu():
     out.sum().backward()
     assert out.shape == (0, 512) and x.grad.shape == (0, 512)
     assert all(p.grad is None or not p.grad.any() for p in layer.parameters())
+
+
+def test_fused_wgrad_accumulation_adds_the_gradients_into_main_grad_deterministically():
+    """fuse_wgrad_accumulation on the GPU: the weight-gradient GEMMs add into each expert weight's
+    fp32 main_grad (TMA reduce-add: no bf16 gradient in between), bit for bit the same on every
+    run; what they add is the layer's own weight gradient (which is that sum rounded to bf16), and
+    dx and the router-weight gradient are the plain backward's bits."""
+    layer = make_layer(seed=5)
+    x = torch.randn(500, 512, device="cuda").bfloat16()
+    idx, w = external_routing(500, seed=6)
+    dout = torch.randn(500, 512, device="cuda").bfloat16()
+    plain = grads_of(layer, x, idx, w, dout)
+    fused = copy.deepcopy(layer)
+    fused.fuse_wgrad_accumulation = True
+    experts = [fused.gate_proj, fused.up_proj, fused.down_proj, *fused.shared_weights()]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    start = [torch.randn(p.shape, device="cuda", generator=g) for p in experts]
+    runs = []
+    for _ in range(2):
+        for p, s in zip(experts, start):
+            p.main_grad = s.clone()
+        got = grads_of(fused, x, idx, w, dout)
+        assert all(p.grad is None for p in experts)
+        assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])  # dx, d_topk_w
+        runs.append([p.main_grad.clone() for p in experts])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    for added, s, want in zip(runs[0], start, plain[3:]):
+        assert rel_err((added - s).cpu(), want.float().cpu()) <= 4e-3
