@@ -165,6 +165,8 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu, one_launch=False):
             and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
         )
         del out  # its autograd graph would keep the parameters' AccumulateGrad nodes (default stream) into the capture below
+        experts = [getattr(ep, n) for n in ("gate_proj", "up_proj", "down_proj", "shared_gate_proj", "shared_up_proj", "shared_down_proj")]
+        plain_grads = [p.grad.clone() for p in experts]
         shared_sum = [getattr(ep, n).grad.float().cpu() for n in ("shared_gate_proj", "shared_up_proj", "shared_down_proj")]
         for t in shared_sum:
             dist.all_reduce(t)
@@ -179,6 +181,18 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu, one_launch=False):
         result["router_grad"] = bool(ep.router.weight.grad.abs().sum() > 0)
         result["compiled"] = _compiled_equals_eager(x[mine], idx[mine], w[mine], dout[mine], one_launch)
         result["graph"] = _graph_replay_equals_eager(ep, x[mine], idx[mine], w[mine], dout[mine])
+        # fuse_wgrad_accumulation: the same gradients added into fp32 main_grad buffers, none returned
+        starts = [torch.randn(p.shape, device="cuda", generator=g) for p in experts]
+        for p, start in zip(experts, starts):
+            p.main_grad = start.clone()
+        ep.zero_grad(set_to_none=True)
+        ep.fuse_wgrad_accumulation = True
+        ep(x[mine].clone().requires_grad_(), topk_idx=idx[mine], topk_w=w[mine].clone().requires_grad_()).backward(dout[mine])
+        torch.cuda.synchronize()
+        result["main_grad"] = all(p.grad is None for p in experts) and max(
+            float(((p.main_grad - s) - want.float()).norm() / want.float().norm()) for p, s, want in zip(experts, starts, plain_grads)
+        ) <= 4e-3
+        ep.fuse_wgrad_accumulation = False
         torch.save(result, f"{out_dir}/{rank}.pt")
         dist.barrier()
     finally:
@@ -256,10 +270,14 @@ def _spawn_layer(tmp_path, shared_gpu, one_launch=False):
 @pytest.mark.parametrize("one_launch", [False, True])
 def test_layer_with_a_group_on_two_gpus_equals_the_single_gpu_layer(tmp_path, one_launch):
     results = _spawn_layer(tmp_path, shared_gpu=False, one_launch=one_launch)
-    assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True for r in results), [(r["compiled"], r["graph"]) for r in results]
+    assert all(
+        r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"] for r in results
+    ), [(r["compiled"], r["graph"], r["main_grad"]) for r in results]
 
 
 @pytest.mark.parametrize("one_launch", [False, True])
 def test_layer_with_a_group_of_two_processes_sharing_one_gpu_equals_the_single_gpu_layer(tmp_path, one_launch):
     results = _spawn_layer(tmp_path, shared_gpu=True, one_launch=one_launch)
-    assert all(r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True for r in results), [(r["compiled"], r["graph"]) for r in results]
+    assert all(
+        r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"] for r in results
+    ), [(r["compiled"], r["graph"], r["main_grad"]) for r in results]
