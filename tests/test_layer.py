@@ -177,9 +177,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.mok.moe_forward.default, (*fwd_args, True))  # one_launch: the same outputs
     _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
     bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
-    torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, (*bwd_args, []), test_utils=("test_schema", "test_faketensor"))
     mains = [torch.randn(t.shape, generator=g) for t in weights]  # (the op adds into them: declared as mutated)
-    torch.library.opcheck(torch.ops.mok.moe_backward_main_grad.default, (*bwd_args, mains), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, (*bwd_args, mains), test_utils=("test_schema", "test_faketensor"))
 
 
 def with_main_grads(layer, seed, megatron=False):
