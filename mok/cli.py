@@ -18,12 +18,15 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                    help=f"shared-expert width, 0 for none (default {d.shared_intermediate})")
     p.add_argument("--ep-size", type=int, default=d.ep_size, help=f"expert-parallel ranks (default {d.ep_size})")
     p.add_argument("--one-launch", action="store_true", help="also the one-launch forward's kernels (MoKConfig.one_launch)")
+    p.add_argument("--fuse-wgrad-accumulation", action="store_true",
+                   help="the weight gradients added into fp32 main_grad buffers (MoKConfig.fuse_wgrad_accumulation)")
 
 
 def _config_from(args: argparse.Namespace) -> MoKConfig:
     return MoKConfig(
         hidden=args.hidden, intermediate=args.intermediate, num_experts=args.experts, topk=args.topk,
         shared_intermediate=args.shared_intermediate or None, ep_size=args.ep_size, one_launch=args.one_launch,
+        fuse_wgrad_accumulation=args.fuse_wgrad_accumulation,
     )
 
 

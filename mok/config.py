@@ -25,6 +25,9 @@ class MoKConfig:
     expert's rows are padded to a multiple of it. one_launch: run the forward as one persistent
     kernel (plus 2 launches for a shared expert) instead of several: ``moe_forward(one_launch=True)``
     at EP = 1, the one-launch expert-parallel forward at EP > 1; the same bits.
+    fuse_wgrad_accumulation: the backward adds the expert weights' gradients into fp32
+    ``main_grad`` buffers (mok/main_grad.py); its weight-gradient kernels are then the fp32
+    accumulating ones.
     """
 
     hidden: int
@@ -36,6 +39,7 @@ class MoKConfig:
     block_m: int = 128
     precision: str = "bf16"
     one_launch: bool = False
+    fuse_wgrad_accumulation: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("hidden", self.hidden)
@@ -58,8 +62,9 @@ class MoKConfig:
             raise ValueError(
                 f"num_experts: expected a multiple of ep_size={self.ep_size}, got {self.num_experts}"
             )
-        if not isinstance(self.one_launch, bool):
-            raise TypeError(f"one_launch: expected a bool, got {self.one_launch!r}")
+        for flag in ("one_launch", "fuse_wgrad_accumulation"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag}: expected a bool, got {getattr(self, flag)!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
 

@@ -1,10 +1,9 @@
-"""The layer as PyTorch custom ops: ``mok::moe_forward`` and ``mok::moe_backward`` (or, adding the
-weight gradients into ``main_grad`` buffers, ``mok::moe_backward_main_grad``).
+"""The layer as PyTorch custom ops: ``mok::moe_forward`` and ``mok::moe_backward``.
 
 Registered with torch.library so that autograd, ``torch.compile(fullgraph=True)`` and CUDA
 graphs see two opaque ops with known output shapes (``register_fake``) instead of the
-Python that launches the kernels. Only ``mok::moe_backward_main_grad`` writes into an input
-(its main_grad buffers, declared as mutated); every output is new.
+Python that launches the kernels. Only ``mok::moe_backward`` writes into an input: the
+main_grad buffers it may be given (declared as mutated); every output is new.
 
 - CUDA: MoK's fused kernels (mok/fused_forward.py, mok/fused_backward.py), bf16, Hopper (sm_90a).
 - CPU: the reference (mok/reference.py, fp32 math, any float dtype), with a one-time
@@ -141,7 +140,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     return out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets, s.expert_counts
 
 
-@torch.library.custom_op("mok::moe_backward", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("mok::moe_backward", mutates_args=("main_grads",), device_types="cuda")
 def moe_backward_op(
     dout: Tensor,
     x: Tensor,
@@ -161,20 +160,14 @@ def moe_backward_op(
     tile_expert: Tensor,
     expert_offsets: Tensor,
     expert_counts: Tensor,
+    main_grads: list[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down).
 
-    The shared expert's gradients are empty tensors when there is none.
+    The shared expert's gradients are empty tensors when there is none. ``main_grads`` (one fp32
+    buffer per weight: gate, up, down[, shared gate, up, down], or none): the weight gradients
+    are added into them by the weight-gradient GEMMs themselves, and come out as empty tensors.
     """
-    g = _fused_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h,
-                        row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts)
-    d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
-    return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)
-
-
-def _fused_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h,
-                    row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts, main_grads=None):
-    """moe_backward on the forward op's saved outputs (``main_grads``: added into, see moe_backward)."""
     from .fused_backward import moe_backward
     from .fused_forward import ForwardResult
     from .schedule import Schedule
@@ -187,79 +180,47 @@ def _fused_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate
     )
     shared = _shared(shared_gate, shared_up, shared_down)
     saved = ForwardResult(out=None, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
-    return moe_backward(
-        dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype, main_grads=main_grads
+    g = moe_backward(
+        dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype,
+        main_grads=tuple(main_grads) or None,
     )
+    return g.dx, g.d_topk_w, *_weight_grads_out(g, x, len(main_grads) > 0)
+
+
+def _weight_grads_out(g, x: Tensor, added: bool) -> list[Tensor]:
+    """The six weight-gradient outputs of a backward op: empty where there is no shared expert, and
+    all empty when they went into main_grad buffers (an output may not alias an input)."""
+    if added:
+        return [x.new_empty(0) for _ in range(6)]
+    return [g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)])]
 
 
 @moe_backward_op.register_fake
-def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule):
-    shared = [torch.empty_like(t) if t is not None else x.new_empty(0) for t in (shared_gate, shared_up, shared_down)]
-    return (
-        torch.empty_like(x), torch.empty_like(topk_w), torch.empty_like(w_gate), torch.empty_like(w_up),
-        torch.empty_like(w_down), *shared,
-    )
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule_and_main_grads):
+    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                                                                               added=len(schedule_and_main_grads[-1]) > 0)
+
+
+def _fake_weight_grads(x, *weights, added: bool) -> list[Tensor]:
+    """Fake twins of :func:`_weight_grads_out`'s outputs."""
+    return [torch.empty_like(w) if w is not None and not added else x.new_empty(0) for w in weights]
 
 
 @moe_backward_op.register_kernel("cpu")
-def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule):
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule_and_main_grads):
     from .reference_backward import moe_backward_reference
 
     _warn_cpu_once()
+    main_grads = schedule_and_main_grads[-1]
     shared = _shared(shared_gate, shared_up, shared_down)
     g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout)
-    d_shared = [t.to(w.dtype) for t, w in zip(g.d_shared, shared)] if shared is not None else [x.new_empty(0) for _ in range(3)]
-    return (
-        g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype), g.d_w_gate.to(w_gate.dtype), g.d_w_up.to(w_up.dtype),
-        g.d_w_down.to(w_down.dtype), *d_shared,
-    )
-
-
-@torch.library.custom_op("mok::moe_backward_main_grad", mutates_args=("main_grads",), device_types="cuda")
-def moe_backward_main_grad_op(
-    dout: Tensor,
-    x: Tensor,
-    topk_idx: Tensor,
-    topk_w: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    shared_gate: Optional[Tensor],
-    shared_up: Optional[Tensor],
-    shared_down: Optional[Tensor],
-    h: Tensor,
-    shared_h: Tensor,
-    row_token: Tensor,
-    row_slot: Tensor,
-    slot_row: Tensor,
-    tile_expert: Tensor,
-    expert_offsets: Tensor,
-    expert_counts: Tensor,
-    main_grads: list[Tensor],
-) -> tuple[Tensor, Tensor]:
-    """(dx, d_topk_w); the weight gradients are added into ``main_grads`` (fp32, one per weight:
-    gate, up, down[, shared gate, up, down]) by the weight-gradient GEMMs themselves."""
-    g = _fused_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h,
-                        row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts, main_grads=tuple(main_grads))
-    return g.dx, g.d_topk_w
-
-
-@moe_backward_main_grad_op.register_fake
-def _(dout, x, topk_idx, topk_w, *rest):
-    return torch.empty_like(x), torch.empty_like(topk_w)
-
-
-@moe_backward_main_grad_op.register_kernel("cpu")
-def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved_and_main_grads):
-    from .reference_backward import moe_backward_reference
-
-    _warn_cpu_once()
-    main_grads = saved_and_main_grads[-1]
-    shared = _shared(shared_gate, shared_up, shared_down)
-    g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout)
-    for buf, grad in zip(main_grads, (g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ()))):
+    weight_grads = (g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ()))
+    for buf, grad in zip(main_grads, weight_grads):
         buf.add_(grad.float())
-    return g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype)
+    if main_grads:
+        return g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype), *[x.new_empty(0) for _ in range(6)]
+    outs = [grad.to(w.dtype) for grad, w in zip(weight_grads, (w_gate, w_up, w_down, *(shared or ())))]
+    return g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype), *outs, *[x.new_empty(0) for _ in range(6 - len(outs))]
 
 
 def _setup_context(ctx, inputs, output):
@@ -275,16 +236,28 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::moe_forward: called with save=False, so it kept nothing for the backward")
-    if ctx.params is not None:  # the weight gradients go into the weights' main_grad (mok/main_grad.py)
-        from .main_grad import grads_after_accumulation, main_grads_of
-
-        dx, d_topk_w = moe_backward_main_grad_op(d_out.contiguous(), *ctx.saved_tensors, main_grads_of(ctx.params))
-        d_gate, d_up, d_down, *d_shared = grads_after_accumulation(ctx.params)
-    else:
-        dx, d_topk_w, d_gate, d_up, d_down, *d_shared = moe_backward_op(d_out.contiguous(), *ctx.saved_tensors)
+    dx, d_topk_w, *weight_grads = moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, _main_grads(ctx))
+    d_gate, d_up, d_down, *d_shared = weight_grads if ctx.params is None else _after_accumulation(ctx)
     if not ctx.has_shared:
         d_shared = [None] * 3
     return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None
+
+
+def _main_grads(ctx) -> list[Tensor]:
+    """The weights' main_grad buffers when the forward asked for fused accumulation, else none."""
+    if ctx.params is None:
+        return []
+    from .main_grad import main_grads_of
+
+    return main_grads_of(ctx.params)
+
+
+def _after_accumulation(ctx) -> list:
+    """What autograd gets for the six weights once their gradients are in main_grad (mok/main_grad.py)."""
+    from .main_grad import grads_after_accumulation
+
+    grads = grads_after_accumulation(ctx.params)
+    return grads + [None] * (6 - len(grads))
 
 
 moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,5 +1,4 @@
-"""The expert-parallel layer as PyTorch custom ops: ``mok::ep_moe_forward`` and ``mok::ep_moe_backward``
-(``mok::ep_moe_backward_main_grad`` to add the weight gradients into ``main_grad`` buffers).
+"""The expert-parallel layer as PyTorch custom ops: ``mok::ep_moe_forward`` and ``mok::ep_moe_backward``.
 
 The same role as mok/custom_ops.py at EP = 1: autograd, ``torch.compile(fullgraph=True)``
 and CUDA graphs see two opaque ops with known output shapes. The workspace cannot be an op
@@ -21,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .custom_ops import BLOCK_M, _shared
+from .custom_ops import BLOCK_M, _after_accumulation, _fake_weight_grads, _main_grads, _shared, _weight_grads_out
 
 
 def _workspace(handle: int):
@@ -95,7 +94,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     )
 
 
-@torch.library.custom_op("mok::ep_moe_backward", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("mok::ep_moe_backward", mutates_args=("main_grads",), device_types="cuda")
 def ep_moe_backward_op(
     dout: Tensor,
     x: Tensor,
@@ -120,18 +119,11 @@ def ep_moe_backward_op(
     overflow: Tensor,
     workspace: int,
     timeout_s: float,
+    main_grads: list[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down); see
-    :func:`mok.ep_backward.ep_moe_backward`. The shared expert's are empty when there is none."""
-    g = _ep_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, x_rows, h, shared_h,
-                     routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, workspace, timeout_s)
-    d_shared = g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)]
-    return (g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *d_shared)
-
-
-def _ep_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, x_rows, h, shared_h,
-                 routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, workspace, timeout_s, main_grads=None):
-    """ep_moe_backward on the forward op's saved outputs (``main_grads``: added into)."""
+    :func:`mok.ep_backward.ep_moe_backward`. The shared expert's are empty when there is none;
+    ``main_grads``: as in mok::moe_backward."""
     from .ep import EPForwardResult
     from .ep_backward import ep_moe_backward
     from .schedule import Schedule
@@ -139,58 +131,17 @@ def _ep_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, s
     sched = Schedule(counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, BLOCK_M, row_token.shape[0])
     shared = _shared(shared_gate, shared_up, shared_down)
     saved = EPForwardResult(None, sched, x_rows, h, shared_h if shared is not None else None, routing)
-    return ep_moe_backward(
+    g = ep_moe_backward(
         _workspace(workspace), dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved,
-        grad_dtype=w_gate.dtype, timeout_s=timeout_s, main_grads=main_grads,
+        grad_dtype=w_gate.dtype, timeout_s=timeout_s, main_grads=tuple(main_grads) or None,
     )
+    return g.dx, g.d_topk_w, *_weight_grads_out(g, x, len(main_grads) > 0)
 
 
 @ep_moe_backward_op.register_fake
 def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved_and_args):
-    shared = [torch.empty_like(t) if t is not None else x.new_empty(0) for t in (shared_gate, shared_up, shared_down)]
-    return (
-        torch.empty_like(x), torch.empty_like(topk_w), torch.empty_like(w_gate), torch.empty_like(w_up),
-        torch.empty_like(w_down), *shared,
-    )
-
-
-@torch.library.custom_op("mok::ep_moe_backward_main_grad", mutates_args=("main_grads",), device_types="cuda")
-def ep_moe_backward_main_grad_op(
-    dout: Tensor,
-    x: Tensor,
-    topk_idx: Tensor,
-    topk_w: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    shared_gate: Optional[Tensor],
-    shared_up: Optional[Tensor],
-    shared_down: Optional[Tensor],
-    x_rows: Tensor,
-    h: Tensor,
-    shared_h: Tensor,
-    routing: Tensor,
-    counts: Tensor,
-    offsets: Tensor,
-    row_token: Tensor,
-    row_slot: Tensor,
-    slot_row: Tensor,
-    tile_expert: Tensor,
-    overflow: Tensor,
-    workspace: int,
-    timeout_s: float,
-    main_grads: list[Tensor],
-) -> tuple[Tensor, Tensor]:
-    """(dx, d_topk_w); the weight gradients are added into ``main_grads`` (see mok::moe_backward_main_grad)."""
-    g = _ep_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, x_rows, h, shared_h,
-                     routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, workspace, timeout_s,
-                     main_grads=tuple(main_grads))
-    return g.dx, g.d_topk_w
-
-
-@ep_moe_backward_main_grad_op.register_fake
-def _(dout, x, topk_idx, topk_w, *rest):
-    return torch.empty_like(x), torch.empty_like(topk_w)
+    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                                                                               added=len(saved_and_args[-1]) > 0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -206,14 +157,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::ep_moe_forward: called with save=False, so it kept nothing for the backward")
-    args = (d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s)
-    if ctx.params is not None:  # the weight gradients go into the weights' main_grad (mok/main_grad.py)
-        from .main_grad import grads_after_accumulation, main_grads_of
-
-        dx, d_topk_w = ep_moe_backward_main_grad_op(*args, main_grads_of(ctx.params))
-        d_gate, d_up, d_down, *d_shared = grads_after_accumulation(ctx.params)
-    else:
-        dx, d_topk_w, d_gate, d_up, d_down, *d_shared = ep_moe_backward_op(*args)
+    dx, d_topk_w, *weight_grads = ep_moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s, _main_grads(ctx))
+    d_gate, d_up, d_down, *d_shared = weight_grads if ctx.params is None else _after_accumulation(ctx)
     if not ctx.has_shared:
         d_shared = [None] * 3
     return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None, None

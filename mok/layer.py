@@ -87,9 +87,6 @@ class MoELayer(nn.Module):
         fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(fuse_wgrad_accumulation, bool):
-            raise TypeError(f"fuse_wgrad_accumulation: expected a bool, got {fuse_wgrad_accumulation!r}")
-        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive int (tokens per rank and call, EP only), got {max_tokens!r}")
         check_capacity_factor(capacity_factor)
@@ -101,7 +98,8 @@ class MoELayer(nn.Module):
 
             ep_size = dist.get_world_size(group)
         self.config = MoKConfig(
-            hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch
+            hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
@@ -224,7 +222,7 @@ class MoELayer(nn.Module):
         return torch.ops.mok.moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch,
             self.shared_in_routed,
-            self.fuse_wgrad_accumulation,
+            self.config.fuse_wgrad_accumulation,
         )[0]
 
     def _fused_ep(self, x, topk_idx, topk_w):
@@ -253,14 +251,14 @@ class MoELayer(nn.Module):
             handle = self.workspace().handle
         return torch.ops.mok.ep_moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, handle, save, self.timeout_s,
-            self.config.one_launch, self.fuse_wgrad_accumulation,
+            self.config.one_launch, self.config.fuse_wgrad_accumulation,
         )[0]
 
     def _reference_ep(self, x, topk_idx, topk_w):
         global _EP_WARNED
         from .reference import moe_reference_ep
 
-        if self.fuse_wgrad_accumulation:
+        if self.config.fuse_wgrad_accumulation:
             raise NotImplementedError(
                 "fuse_wgrad_accumulation: not on the CPU expert-parallel reference path (it returns the weight gradients); "
                 "run the layer on GPUs, or without the option"

@@ -25,6 +25,22 @@ def test_one_launch_config_adds_its_kernels(ep_size):
     assert not any(v.config.get("schedule_experts") for v in variants_for(MoKConfig(**base)))
 
 
+def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradients():
+    """variants_for with fuse_wgrad_accumulation: each expert MLP's weight gradients also as the fp32
+    kernels that add into main_grad (dW_down; dW_gate with dW_up; a half of dh alone), nothing else."""
+    from mok.kernels import variants_for
+
+    base = dict(hidden=512, intermediate=256, num_experts=8, topk=2, shared_intermediate=384)
+    plain = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base))}
+    fused = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base, fuse_wgrad_accumulation=True))}
+    assert plain < fused
+    added = [dict(c) for name, c in fused - plain]
+    assert all(c["accumulate"] and c["out_dtype"] == "f32" for c in added) and len(added) == 6  # routed and shared
+    assert sorted((c["m"], c["n"], c["a_stride"], c.get("split_out", False)) for c in added) == sorted(
+        [(512, i, 512, False) for i in (256, 384)] + [(2 * i, 512, 2 * i, True) for i in (256, 384)] + [(i, 512, 2 * i, False) for i in (256, 384)]
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs,error,words",
     [
@@ -37,6 +53,7 @@ def test_one_launch_config_adds_its_kernels(ep_size):
         (dict(precision="fp16"), ValueError, "precision: expected one of ('bf16',), got 'fp16'"),
         (dict(topk=True), TypeError, "topk: expected an int, got bool"),
         (dict(one_launch=1), TypeError, "one_launch: expected a bool, got 1"),
+        (dict(fuse_wgrad_accumulation="yes"), TypeError, "fuse_wgrad_accumulation: expected a bool, got 'yes'"),
         (dict(block_m=64), ValueError, "block_m: expected 128 (the row tile every MoK kernel is built for), got 64"),
     ],
 )
@@ -317,3 +334,15 @@ def test_forward_refuses_gather_first_with_the_one_launch_mlp():
     for form in ({}, {"one_launch": True}):  # accepted; then the device check
         with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
             moe_forward(x, idx, w, wg, wu, wd, gather_first=True, **form)
+
+
+def test_precompile_options_set_the_configs_flags():
+    import argparse
+
+    from mok.cli import _add_shape_options, _config_from
+
+    parser = argparse.ArgumentParser()
+    _add_shape_options(parser)
+    config = _config_from(parser.parse_args(["--hidden", "512", "--fuse-wgrad-accumulation"]))
+    assert config.fuse_wgrad_accumulation and not config.one_launch and config.hidden == 512
+    assert not _config_from(parser.parse_args([])).fuse_wgrad_accumulation

@@ -117,11 +117,14 @@ def test_ep_custom_ops_output_shapes_follow_the_layout_not_the_routing():
             experts = (torch.empty(3, 32, 64, **bf16), torch.empty(3, 32, 64, **bf16), torch.empty(3, 64, 32, **bf16))
             shared = (torch.empty(16, 64, **bf16), torch.empty(16, 64, **bf16), torch.empty(64, 16, **bf16))
             outs = torch.ops.mok.ep_moe_forward(x, idx, w, *experts, *shared, ws.handle, True, 5.0)
-            grads = torch.ops.mok.ep_moe_backward(x, x, idx, w, *experts, *shared, *outs[1:], ws.handle, 5.0)
+            grads = torch.ops.mok.ep_moe_backward(x, x, idx, w, *experts, *shared, *outs[1:], ws.handle, 5.0, [])
+            mains = [torch.empty(t.shape, device="meta") for t in (*experts, *shared)]
+            added = torch.ops.mok.ep_moe_backward(x, x, idx, w, *experts, *shared, *outs[1:], ws.handle, 5.0, mains)
         assert [tuple(o.shape) for o in outs] == [
             (30, 64), (rows, 64), (rows, 64), (30, 32), (80, 2), (3,), (4,), (rows,), (rows,), (80, 2), (rows // 128,), (),
         ]
         assert [tuple(g.shape) for g in grads] == [(30, 64), (30, 2), (3, 32, 64), (3, 32, 64), (3, 64, 32), (16, 64), (16, 64), (64, 16)]
+        assert [tuple(g.shape) for g in added] == [(30, 64), (30, 2)] + [(0,)] * 6  # (into main_grads: nothing returned)
     with pytest.raises(ValueError, match="no live MoK expert-parallel workspace has handle -1"):
         from mok.ep import workspace_by_handle
 

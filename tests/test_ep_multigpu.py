@@ -6,6 +6,8 @@ one GPU (the same workspace code: POSIX-fd handles exchanged between the process
 mappings of the peer's memory, system-scope flags; the GPU time-slices the two contexts).
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -186,13 +188,13 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu, one_launch=False):
         for p, start in zip(experts, starts):
             p.main_grad = start.clone()
         ep.zero_grad(set_to_none=True)
-        ep.fuse_wgrad_accumulation = True
+        plain_config, ep.config = ep.config, dataclasses.replace(ep.config, fuse_wgrad_accumulation=True)
         ep(x[mine].clone().requires_grad_(), topk_idx=idx[mine], topk_w=w[mine].clone().requires_grad_()).backward(dout[mine])
         torch.cuda.synchronize()
         result["main_grad"] = all(p.grad is None for p in experts) and max(
             float(((p.main_grad - s) - want.float()).norm() / want.float().norm()) for p, s, want in zip(experts, starts, plain_grads)
         ) <= 4e-3
-        ep.fuse_wgrad_accumulation = False
+        ep.config = plain_config
         torch.save(result, f"{out_dir}/{rank}.pt")
         dist.barrier()
     finally:

@@ -177,9 +177,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.mok.moe_forward.default, (*fwd_args, True))  # one_launch: the same outputs
     _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
     bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
-    torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, (*bwd_args, []), test_utils=("test_schema", "test_faketensor"))
     mains = [torch.randn(t.shape, generator=g) for t in weights]  # (the op adds into them: declared as mutated)
-    torch.library.opcheck(torch.ops.mok.moe_backward_main_grad.default, (*bwd_args, mains), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, (*bwd_args, mains), test_utils=("test_schema", "test_faketensor"))
     # the shared expert in the routed launches (I_s == I): its rows first, h[:T] its h, shared_h empty
     same = small_layer(shared=32)
     assert same.shared_in_routed and not small_layer().shared_in_routed
@@ -189,7 +189,7 @@ def test_custom_ops_pass_opcheck():
     _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
     assert shared_h.shape[0] == 0 and schedule[0][:6].tolist() == list(range(6))  # row_token: the tokens first
     bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
-    torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, (*bwd_args, []), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_a_shared_expert_of_the_routed_shapes_lies_after_them_and_stays_so_after_to():

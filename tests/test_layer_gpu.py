@@ -1,6 +1,7 @@
 """MoELayer on the H200: fused custom ops against the reference, torch.compile, CUDA graphs, memory."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -171,7 +172,7 @@ def test_fused_wgrad_accumulation_adds_the_gradients_into_main_grad_deterministi
     dout = torch.randn(500, 512, device="cuda").bfloat16()
     plain = grads_of(layer, x, idx, w, dout)
     fused = copy.deepcopy(layer)
-    fused.fuse_wgrad_accumulation = True
+    fused.config = dataclasses.replace(fused.config, fuse_wgrad_accumulation=True)
     experts = [fused.gate_proj, fused.up_proj, fused.down_proj, *fused.shared_weights()]
     g = torch.Generator(device="cuda").manual_seed(7)
     start = [torch.randn(p.shape, device="cuda", generator=g) for p in experts]

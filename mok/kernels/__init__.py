@@ -5,8 +5,7 @@ A :class:`KernelVariant` names one kernel specialisation by static configuration
 The ops build the variant they launch through these constructors (``grouped_gemm_variant``
 and the like), and ``variants_for(config)`` lists every variant a layer configuration needs,
 for the offline precompiler; tests/test_backward_gpu.py holds the list to what a training step
-looks up. Not listed: weight gradients in fp32 or accumulated into ``main_grads`` (compiled on
-first use).
+looks up. Not listed: fresh fp32 weight gradients (``grad_dtype=torch.float32``, compiled on first use).
 """
 
 from __future__ import annotations
@@ -305,10 +304,14 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
     return KernelVariant("router_grad", {"topk": topk, "parts": parts}, build)
 
 
-def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False, has_shared_expert: bool = False) -> list[KernelVariant]:
+def expert_mlp_variants(
+    hidden: int, inter: int, topk: int, shared: bool = False, has_shared_expert: bool = False, main_grads: bool = False
+) -> list[KernelVariant]:
     """The GEMM variants of one SwiGLU expert MLP (routed, or the shared expert), forward and backward, on sm_90a.
 
     ``has_shared_expert``: the routed experts' down projection adds a shared expert's output as it combines.
+    ``main_grads``: also the weight gradients added into fp32 buffers (dW_gate and dW_up in one launch,
+    or, when the two buffers lie too far apart for one TMA descriptor, one launch each).
     """
     variants = [
         grouped_gemm_variant(inter, hidden, epilogue="swiglu", gather_a=not shared),
@@ -322,6 +325,12 @@ def expert_mlp_variants(hidden: int, inter: int, topk: int, shared: bool = False
         weight_grad_variant(hidden, inter),
         weight_grad_variant(2 * inter, hidden, split_out=True),  # dW_gate and dW_up in one launch over dh
     ]
+    if main_grads:
+        variants += [
+            weight_grad_variant(hidden, inter, "f32", True),
+            weight_grad_variant(2 * inter, hidden, "f32", True, split_out=True),
+            weight_grad_variant(inter, hidden, "f32", True, a_stride=2 * inter),  # (a half of dh)
+        ]
     if not shared:
         variants.append(grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=has_shared_expert))
         variants.append(router_grad_variant(topk, inter // default_tile_n(inter, hidden, True)))  # (EP's backward)
@@ -338,8 +347,9 @@ def check_tiled_widths(name: str, widths: Mapping[str, int]) -> None:
 
 
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:
-    """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward,
-    bf16 weight gradients). Widths the fused kernels do not tile (not multiples of 128) are refused."""
+    """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward:
+    bf16 weight gradients, or fp32 ones added into main_grad buffers with ``fuse_wgrad_accumulation``).
+    Widths the fused kernels do not tile (not multiples of 128) are refused."""
     h, i = config.hidden, config.intermediate
     shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
     check_tiled_widths("config", {"hidden": h, "intermediate": i, **shared})
@@ -360,7 +370,8 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False, unit_weights=True))  # backward dx
     if arch == "sm_90a":
-        variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert)
+        main_grads = config.fuse_wgrad_accumulation
+        variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert, main_grads=main_grads)
         if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered; y and dx go out scattered
             k = config.topk
             variants += [grouped_gemm_variant(i, h, epilogue=epilogue) for epilogue in ("swiglu", "swiglu_save")]
@@ -369,7 +380,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
                 grouped_gemm_variant(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True),
             ]
         if config.has_shared_expert:
-            variants += expert_mlp_variants(h, config.shared_intermediate, config.topk, shared=True)
+            variants += expert_mlp_variants(h, config.shared_intermediate, config.topk, shared=True, main_grads=main_grads)
         if config.one_launch:  # the forward in one launch, with and without h saved
             ep_world = config.ep_size if config.ep_size > 1 else None
             variants += [
