@@ -229,7 +229,7 @@ def _setup_context(ctx, inputs, output):
     _, h, shared_h, *schedule = output
     ctx.saved_h = save
     ctx.has_shared = shared_gate is not None
-    ctx.params = tuple(w for w in (w_gate, w_up, w_down, shared_gate, shared_up, shared_down) if w is not None) if fuse_wgrad else None
+    ctx.params = _accumulating_weights(fuse_wgrad, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
     ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule)
 
 
@@ -241,6 +241,13 @@ def _backward(ctx, d_out, *_unused):
     if not ctx.has_shared:
         d_shared = [None] * 3
     return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None
+
+
+def _accumulating_weights(fuse_wgrad: bool, *weights) -> tuple | None:
+    """The weights whose gradients the backward adds into main_grad: all of them when the forward
+    asked for it and every one wants a gradient (frozen experts keep the plain path), else None."""
+    weights = tuple(w for w in weights if w is not None)
+    return weights if fuse_wgrad and all(w.requires_grad for w in weights) else None
 
 
 def _main_grads(ctx) -> list[Tensor]:

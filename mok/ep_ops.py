@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .custom_ops import BLOCK_M, _after_accumulation, _fake_weight_grads, _main_grads, _shared, _weight_grads_out
+from .custom_ops import BLOCK_M, _accumulating_weights, _after_accumulation, _fake_weight_grads, _main_grads, _shared, _weight_grads_out
 
 
 def _workspace(handle: int):
@@ -150,7 +150,7 @@ def _setup_context(ctx, inputs, output):
     _, *saved = output
     ctx.saved_h, ctx.has_shared = save, shared_gate is not None
     ctx.workspace, ctx.timeout_s = workspace, timeout_s
-    ctx.params = tuple(w for w in (w_gate, w_up, w_down, shared_gate, shared_up, shared_down) if w is not None) if fuse_wgrad else None
+    ctx.params = _accumulating_weights(fuse_wgrad, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
     ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved)
 
 

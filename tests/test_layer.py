@@ -261,6 +261,15 @@ def test_fused_wgrad_accumulation_follows_megatrons_flags():
     assert all(not torch.equal(p.main_grad, old) for p, old in zip(experts, before))
 
 
+def test_fused_wgrad_accumulation_leaves_frozen_experts_alone():
+    layer = small_layer(fuse_wgrad_accumulation=True)
+    for p in (layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights()):
+        p.requires_grad_(False)  # (no main_grad either: nothing is added anywhere)
+    x = torch.randn(4, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.router.weight.grad is not None and layer.gate_proj.grad is None
+
+
 def test_fused_wgrad_accumulation_needs_a_main_grad_of_the_weights_shape():
     layer = small_layer(fuse_wgrad_accumulation=True)
     with pytest.raises(RuntimeError, match=r"expert weight 0 \(shape \[8, 32, 64\]\) has no main_grad"):
