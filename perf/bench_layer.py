@@ -11,10 +11,12 @@ number of kernel launches per forward (torch.profiler). "mok 3-launch" is the fo
 down projection also combines (moe_forward(combine_in_gemm=True)); "mok 1-MLP" runs both
 grouped GEMMs in one launch (one_launch_mlp=True), "mok 1-MLP+c" the combine in it too (2
 launches with the schedule), "mok 1-launch" the schedule in it as well (one_launch=True: one
-launch, plus 2 for a shared expert). With ``--backward`` each path runs
+launch, plus 2 for a shared expert; "mok 1L shared-in": one, the shared expert in it). With ``--backward`` each path runs
 forward + backward (MoK: moe_forward(save_for_backward=True) + moe_backward; PyTorch:
 autograd through the same path, gradients of x, router weights and all weights), counted
-as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs.
+as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs; "main_grad fused" adds the
+weight gradients into fp32 main_grad buffers inside the backward (moe_backward(main_grads=...)),
+"main_grad add" takes bf16 gradients and adds them afterwards, as a loop without it would.
 
 Each path is timed alone at its own steady state (``--sustained S``, mok.bench.time_ms_sustained),
 with the SM clock, power and temperature it ran at: an H200 under these loads sits at its 700 W
@@ -102,11 +104,21 @@ def expert_offsets(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.cumsum(0).int()
 
 
-def mok_train_step(inputs, dout, **forward):
-    """MoK forward (keeping h; ``forward``: moe_forward's options) and backward: all gradients."""
+def mok_train_step(inputs, dout, main_grads=None, **forward):
+    """MoK forward (keeping h; ``forward``: moe_forward's options) and backward: all gradients
+    (``main_grads``: fp32 buffers the weight gradients are added into, in the backward's GEMMs)."""
     x, idx, w, experts, shared = inputs
     saved = moe_forward(x, idx, w, *experts, shared, check_routing=False, save_for_backward=True, **forward)
-    return moe_backward(dout, x, idx, w, *experts, shared, saved)
+    return moe_backward(dout, x, idx, w, *experts, shared, saved, main_grads=main_grads)
+
+
+def mok_train_step_then_add(inputs, dout, main_grads):
+    """What a training loop without the fused accumulation does: bf16 weight gradients, then an
+    add of each into its fp32 main_grad."""
+    grads = mok_train_step(inputs, dout)
+    for buffer, grad in zip(main_grads, (grads.d_w_gate, grads.d_w_up, grads.d_w_down, *(grads.d_shared or ()))):
+        buffer.add_(grad)
+    return grads
 
 
 def torch_train_step(inputs, dout):
@@ -224,7 +236,7 @@ def main() -> int:
         names = args.configs.split(",") if args.configs != parser.get_default("configs") else list(EP_CONFIGS)
         return run(args.ep, names, backward=args.backward, profile_top=args.profile, sustained=args.sustained)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    header = f"{'config':<11}{'path':<13}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
+    header = f"{'config':<12}{'path':<17}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
     if args.sustained:
         header += f"{'MHz':>7}{'W':>6}{'C':>4}"
     print(header)
@@ -247,6 +259,9 @@ def main() -> int:
             }
             if stacked is not None:
                 paths["mok shared-in"] = lambda: mok_train_step(stacked, dout)
+            main_grads = tuple(torch.zeros(t.shape, device="cuda") for t in (*inputs[3], *(inputs[4] or ())))
+            paths["main_grad add"] = lambda: mok_train_step_then_add(inputs, dout, main_grads)
+            paths["main_grad fused"] = lambda: mok_train_step(inputs, dout, main_grads=main_grads)
         else:
             paths = {
                 "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
@@ -293,13 +308,13 @@ def main() -> int:
         for p in paths:
             tflops = flops / ms[p] / 1e9
             ratios = f"{ms['torch'] / ms[p]:>8.2f}x{ms['dense gemm'] / ms[p] * 100:>8.0f}%"
-            print(f"{name:<11}{p:<13}{ms[p]:>9.3f}{tflops:>9.0f}{ratios}{launches[p]:>9}{state[p]}")
-        print(f"{name:<11}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
-        print(f"{name:<11}every other MoK path gives the default path's bits: {same}")
-        print(f"{name:<11}{gpu_state()}")
+            print(f"{name:<12}{p:<17}{ms[p]:>9.3f}{tflops:>9.0f}{ratios}{launches[p]:>9}{state[p]}")
+        print(f"{name:<12}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
+        print(f"{name:<12}every other MoK path gives the default path's bits: {same}")
+        print(f"{name:<12}{gpu_state()}")
         for p in [p for p in ("mok", "mok (graph)") if p in paths]:
             busy, span = device_span(paths[p])
-            print(f"{name:<11}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
+            print(f"{name:<12}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
         if args.profile:
             for kernel, ms_k in kernel_sequence(paths["mok"])[: args.profile]:
                 print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:100]}")

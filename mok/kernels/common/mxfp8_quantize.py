@@ -10,7 +10,9 @@ blocks and the row width does not enter the kernel.
 
 ``DequantizeMxfp8Kernel`` is the way back, ``bf16(float32(element) * 2**(byte - 127))`` as
 mok.mxfp8.dequantize_mxfp8 then a bf16 rounding gives it (exact wherever the value is a normal
-bf16: E4M3's 3 mantissa bits fit in bf16's 7).
+bf16: E4M3's 3 mantissa bits fit in bf16's 7). It writes twice the bytes it reads, so a thread
+takes a quarter block (an 8-byte load, a 16-byte store): a warp's stores are then 512 contiguous
+bytes, where a block per thread left each store instruction half of every 32-byte sector.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import cutlass
 import cutlass.cute as cute
 
 BLOCK = 32  # elements per scale (mok.mxfp8.BLOCK)
+CHUNK = 8  # elements per thread of the dequantizer
+CHUNKS_PER_BLOCK = BLOCK // CHUNK
+CHUNKS_PER_BLOCK_LOG2 = 2  # (chunk indices are never negative: a shift, not a signed division)
 ABS_MASK = 0x7FFFFFFF
 MANTISSA_MASK = 0x7FFFFF
 MANTISSA_1_75 = 0x600000  # fp32 mantissa field of 1.75 (448 = 1.75 * 2**8)
@@ -55,9 +60,9 @@ class QuantizeMxfp8Kernel:
         scales = cute.make_layout((num_blocks,))
         return cute.make_tensor(values_ptr, blocks), cute.make_tensor(elements_ptr, blocks), cute.make_tensor(scales_ptr, scales)
 
-    def launch_shape(self, num_blocks, stream) -> dict:
-        """A thread per block."""
-        return dict(grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
+    def launch_shape(self, num_items, stream) -> dict:
+        """A thread per item (the quantizer's item is a block, the dequantizer's a quarter block)."""
+        return dict(grid=[(num_items + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor):
@@ -100,16 +105,20 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
         num_blocks: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        m_out, m_elements, m_scales = self.block_tensors(out_ptr, elements_ptr, scales_ptr, num_blocks)
-        self.kernel_back(m_elements, m_scales, m_out).launch(**self.launch_shape(num_blocks, stream))
+        chunks = num_blocks * CHUNKS_PER_BLOCK
+        layout = cute.make_layout((chunks, CHUNK), stride=(CHUNK, 1))
+        m_elements = cute.make_tensor(elements_ptr, layout)
+        m_out = cute.make_tensor(out_ptr, layout)
+        m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_blocks,)))
+        self.kernel_back(m_elements, m_scales, m_out).launch(**self.launch_shape(chunks, stream))
 
     @cute.kernel
     def kernel_back(self, m_elements: cute.Tensor, m_scales: cute.Tensor, m_out: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        block = cta * self.threads + tidx
-        if block < m_elements.shape[0]:
-            exponent = cutlass.Int32(m_scales[block]) & 0xFF  # (the byte comes in sign-extended)
+        chunk = cta * self.threads + tidx
+        if chunk < m_elements.shape[0]:
+            exponent = cutlass.Int32(m_scales[chunk >> CHUNKS_PER_BLOCK_LOG2]) & 0xFF  # (the byte comes in sign-extended)
             factor_bits = cute.make_rmem_tensor((1,), cutlass.Int32)
             factor_bits[0] = exponent << 23
             if exponent == 0:
@@ -117,8 +126,8 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
             if exponent == NAN_EXPONENT:
                 factor_bits[0] = FLOAT_NAN_BITS
             factor = cute.recast_tensor(factor_bits, cutlass.Float32)[0]
-            values = m_elements[block, None].load().to(cutlass.Float32) * factor
-            m_out[block, None].store(values.to(m_out.element_type))
+            values = m_elements[chunk, None].load().to(cutlass.Float32) * factor
+            m_out[chunk, None].store(values.to(m_out.element_type))
 
 
 def compile_mxfp8(arch: str, options: str = "", back: bool = False):
