@@ -420,10 +420,12 @@ def test_mxfp8_quantizer_converts_pairs_with_the_saturating_e4m3_cvt_and_moves_1
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_mxfp8_dequantizer_reads_the_scale_as_an_unsigned_byte_and_converts_pairs(arch):
     ptx = compiled_ptx(quantize_mxfp8_variant(back=True), arch)
-    # per thread, a quarter block: one 8-byte load, one 16-byte store (a warp's stores are contiguous)
-    assert count(r"ld\.global\.v2\.b32", ptx) == 1 and count(r"st\.global\.v4\.b32", ptx) == 1
-    assert count(r"ld\.global\.s8", ptx) == 0 and count(r"ld\.global\.(u8|b8)", ptx) == 1  # a sign-extended 0x80.. would be wrong
+    # per thread, four quarter blocks: four 8-byte loads and their scale bytes, all before the first
+    # of four 16-byte stores (a warp's stores are 512 contiguous bytes)
+    assert count(r"ld\.global\.v2\.b32", ptx) == 4 and count(r"st\.global\.v4\.b32", ptx) == 4
+    assert ptx.rindex("ld.global") < ptx.index("st.global")
+    assert count(r"ld\.global\.s8", ptx) == 0 and count(r"ld\.global\.(u8|b8)", ptx) == 4  # a sign-extended 0x80.. would be wrong
     assert re.search(r"setp\.eq\.[bsu]32\s+%p\d+, %r\d+, 255;", ptx)  # E8M0's NaN byte is tested for
-    assert count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 4 and count(r"cvt\.rn\.bf16x2\.f32", ptx) == 4
+    assert count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 16 and count(r"cvt\.rn\.bf16x2\.f32", ptx) == 16
     assert count(r"\bdiv\.", ptx) == 0
     assert count(r"\.local", ptx) == 0

@@ -10,9 +10,10 @@ blocks and the row width does not enter the kernel.
 
 ``DequantizeMxfp8Kernel`` is the way back, ``bf16(float32(element) * 2**(byte - 127))`` as
 mok.mxfp8.dequantize_mxfp8 then a bf16 rounding gives it (exact wherever the value is a normal
-bf16: E4M3's 3 mantissa bits fit in bf16's 7). It writes twice the bytes it reads, so a thread
-takes a quarter block (an 8-byte load, a 16-byte store): a warp's stores are then 512 contiguous
-bytes, where a block per thread left each store instruction half of every 32-byte sector.
+bf16: E4M3's 3 mantissa bits fit in bf16's 7). It writes twice the bytes it reads, so its unit is
+a quarter block (an 8-byte load, a 16-byte store) and a warp's stores are 512 contiguous bytes,
+where a block per thread left each store instruction half of every 32-byte sector; each thread
+takes four quarter blocks a CTA width apart and loads all four before it stores.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ class QuantizeMxfp8Kernel:
         scales = cute.make_layout((num_blocks,))
         return cute.make_tensor(values_ptr, blocks), cute.make_tensor(elements_ptr, blocks), cute.make_tensor(scales_ptr, scales)
 
-    def launch_shape(self, num_items, stream) -> dict:
-        """A thread per item (the quantizer's item is a block, the dequantizer's a quarter block)."""
-        return dict(grid=[(num_items + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
+    def launch_shape(self, num_blocks, stream) -> dict:
+        """A CTA per ``threads`` blocks."""
+        return dict(grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor):
@@ -110,24 +111,35 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
         m_elements = cute.make_tensor(elements_ptr, layout)
         m_out = cute.make_tensor(out_ptr, layout)
         m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_blocks,)))
-        self.kernel_back(m_elements, m_scales, m_out).launch(**self.launch_shape(chunks, stream))
+        self.kernel_back(m_elements, m_scales, m_out).launch(**self.launch_shape(num_blocks, stream))
 
     @cute.kernel
     def kernel_back(self, m_elements: cute.Tensor, m_scales: cute.Tensor, m_out: cute.Tensor):
+        """A CTA takes ``threads`` blocks as CHUNKS_PER_BLOCK rounds of ``threads`` quarter blocks;
+        each thread loads its rounds' elements and scales before it stores any (more bytes in flight)."""
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        chunk = cta * self.threads + tidx
-        if chunk < m_elements.shape[0]:
-            exponent = cutlass.Int32(m_scales[chunk >> CHUNKS_PER_BLOCK_LOG2]) & 0xFF  # (the byte comes in sign-extended)
-            factor_bits = cute.make_rmem_tensor((1,), cutlass.Int32)
-            factor_bits[0] = exponent << 23
-            if exponent == 0:
-                factor_bits[0] = SMALLEST_SCALE_BITS
-            if exponent == NAN_EXPONENT:
-                factor_bits[0] = FLOAT_NAN_BITS
-            factor = cute.recast_tensor(factor_bits, cutlass.Float32)[0]
-            values = m_elements[chunk, None].load().to(cutlass.Float32) * factor
-            m_out[chunk, None].store(values.to(m_out.element_type))
+        first = cta * (self.threads * CHUNKS_PER_BLOCK) + tidx
+        loaded = cute.make_rmem_tensor((CHUNKS_PER_BLOCK, CHUNK), m_elements.element_type)
+        exponents = cute.make_rmem_tensor((CHUNKS_PER_BLOCK,), cutlass.Int32)
+        for r in cutlass.range_constexpr(CHUNKS_PER_BLOCK):
+            chunk = first + r * self.threads
+            if chunk < m_elements.shape[0]:
+                loaded[r, None].store(m_elements[chunk, None].load())
+                exponents[r] = cutlass.Int32(m_scales[chunk >> CHUNKS_PER_BLOCK_LOG2]) & 0xFF  # (the byte comes in sign-extended)
+        for r in cutlass.range_constexpr(CHUNKS_PER_BLOCK):
+            chunk = first + r * self.threads
+            if chunk < m_elements.shape[0]:
+                exponent = exponents[r]
+                factor_bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+                factor_bits[0] = exponent << 23
+                if exponent == 0:
+                    factor_bits[0] = SMALLEST_SCALE_BITS
+                if exponent == NAN_EXPONENT:
+                    factor_bits[0] = FLOAT_NAN_BITS
+                factor = cute.recast_tensor(factor_bits, cutlass.Float32)[0]
+                values = loaded[r, None].load().to(cutlass.Float32) * factor
+                m_out[chunk, None].store(values.to(m_out.element_type))
 
 
 def compile_mxfp8(arch: str, options: str = "", back: bool = False):
