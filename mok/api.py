@@ -129,7 +129,8 @@ def forward(
     check_routing: bool = True,
     timeout_s: float = 5.0,
 ) -> tuple[torch.Tensor, LayerContext]:
-    """Layer output [T, H] bf16 and the context ``backward`` takes (see :func:`mok.forward.moe_forward`).
+    """Layer output [T, H] bf16 and the context ``backward`` takes (see :func:`mok.forward.moe_forward`;
+    with ``config.saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py).
 
     ``timeout_s`` (EP > 1) bounds every wait on a peer rank."""
     _check_config(config, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
@@ -148,6 +149,10 @@ def forward(
             x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_routing=check_routing, save_for_backward=save_for_backward,
             one_launch=config.one_launch,
         )
+    if save_for_backward and config.saved_h_format == "mxfp8":
+        from .saved_mxfp8 import pack_saved
+
+        res = pack_saved(res)
     return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res)
 
 

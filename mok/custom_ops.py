@@ -13,7 +13,9 @@ main_grad buffers it may be given (declared as mutated); every output is new.
 Output shapes depend only on (T, H, I, I_s, E, k) and ``shared_in_routed``, never on the
 routing: the schedule's buffers have the worst-case capacity (``worst_case_capacity``), plus
 the shared expert's rows in front when it runs in the routed launches (its h is then h[:T],
-and the op's shared_h output is empty: outputs may not alias one another).
+and the op's shared_h output is empty: outputs may not alias one another). With
+``saved_h_format="mxfp8"`` h and shared_h come out packed (uint8, mok/saved_mxfp8.py) and the
+backward op, seeing uint8, unpacks them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .config import check_saved_h_format
+from .saved_mxfp8 import empty_saved_h, pack_h
 from .schedule import build_schedule, shared_prefix_rows, worst_case_capacity
 
 BLOCK_M = 128
@@ -72,6 +76,7 @@ def moe_forward_op(
     one_launch: bool = False,
     shared_in_routed: bool = False,
     fuse_wgrad: bool = False,
+    saved_h_format: str = "bf16",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, h, shared_h, row_token, row_slot, slot_row, tile_expert, expert_offsets, expert_counts).
 
@@ -80,30 +85,36 @@ def moe_forward_op(
     ids are not range-checked here (that reads the device): ``mok.MoELayer`` checks external
     routing outside graph capture and compilation. ``fuse_wgrad``: the backward adds the weight
     gradients into the weights' ``main_grad`` (mok/main_grad.py); the forward does not read it.
+    ``saved_h_format``: "mxfp8" keeps h and shared_h packed (mok/saved_mxfp8.py).
     """
     from .fused_forward import moe_forward
+    from .saved_mxfp8 import pack_saved
+
+    check_saved_h_format(saved_h_format)
 
     res = moe_forward(
         x, topk_idx, topk_w, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down),
         check_routing=False, save_for_backward=save, one_launch=one_launch, shared_in_routed=shared_in_routed,
     )
     s = res.schedule
+    if save and saved_h_format == "mxfp8":
+        res = pack_saved(res)
     _, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save, shared_in_routed)
-    h = res.h if res.h is not None else x.new_empty(h_rows, 2 * inter)
-    shared_h = res.shared_h if res.shared_h is not None and not shared_in_routed else x.new_empty(sh_rows, 2 * shared_inter)
+    h = res.h if res.h is not None else empty_saved_h(x, h_rows, 2 * inter, saved_h_format)
+    shared_h = res.shared_h if res.shared_h is not None and not shared_in_routed else empty_saved_h(x, sh_rows, 2 * shared_inter, saved_h_format)
     return res.out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets, s.expert_counts
 
 
 @moe_forward_op.register_fake
 def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False,
-      fuse_wgrad=False):
+      fuse_wgrad=False, saved_h_format="bf16"):
     capacity, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save, shared_in_routed)
     num_tokens, topk = topk_idx.shape
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
         x.new_empty(num_tokens, x.shape[1]),
-        x.new_empty(h_rows, 2 * inter),
-        x.new_empty(sh_rows, 2 * shared_inter),
+        empty_saved_h(x, h_rows, 2 * inter, saved_h_format),
+        empty_saved_h(x, sh_rows, 2 * shared_inter, saved_h_format),
         torch.empty(capacity, **i32),
         torch.empty(capacity, **i32),
         torch.empty(num_tokens, topk, **i32),
@@ -115,9 +126,10 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
 
 @moe_forward_op.register_kernel("cpu")
 def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False,
-      fuse_wgrad=False):
+      fuse_wgrad=False, saved_h_format="bf16"):
     from .reference import moe_reference
 
+    check_saved_h_format(saved_h_format)
     _warn_cpu_once()
     shared = _shared(shared_gate, shared_up, shared_down)
     out = moe_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared).to(x.dtype)
@@ -137,6 +149,8 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     if save and shared is not None and not shared_in_routed:
         xf = x.float()
         shared_h = torch.cat([xf @ shared_gate.float().T, xf @ shared_up.float().T], 1).to(x.dtype)
+    if saved_h_format == "mxfp8":  # (packed as the CUDA op packs; the reference backward recomputes h)
+        h, shared_h = pack_h(h.to(torch.bfloat16)), pack_h(shared_h.to(torch.bfloat16))
     return out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets, s.expert_counts
 
 
@@ -225,7 +239,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, _one_launch, _shared_in_routed,
-     fuse_wgrad) = inputs
+     fuse_wgrad, _saved_h_format) = inputs
     _, h, shared_h, *schedule = output
     ctx.saved_h = save
     ctx.has_shared = shared_gate is not None
@@ -240,7 +254,7 @@ def _backward(ctx, d_out, *_unused):
     d_gate, d_up, d_down, *d_shared = weight_grads if ctx.params is None else _after_accumulation(ctx)
     if not ctx.has_shared:
         d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None, None
 
 
 def _accumulating_weights(fuse_wgrad: bool, *weights) -> tuple | None:

@@ -1,7 +1,8 @@
 """Expert-parallel backward over the symmetric workspace: a first, multi-launch version.
 
 After :func:`mok.ep.ep_moe_forward_saved`, per rank and call, on the rank's stream, with no
-host synchronisation (the same steps as mok/fused_backward.py, plus the exchanges):
+host synchronisation (the same steps as mok/fused_backward.py, plus the exchanges; an h kept in
+MXFP8 is turned back into bf16 first, as there):
 
     publish      dout and topk_w into this rank's regions; signal every rank (one launch)
     gather       once every rank published (bounded wait, same launch): every rank's router
@@ -38,6 +39,7 @@ from .ep import (
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .fused_forward import check_tile_multiples
 from .reference_backward import Gradients
+from .saved_mxfp8 import unpack_saved
 from .validation import check_main_grads, check_tensor, check_timeout
 
 
@@ -74,6 +76,7 @@ def ep_moe_backward(
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
     check_timeout(timeout_s)
+    saved = unpack_saved(saved, w_gate.shape[1], None if shared is None else shared[0].shape[0])  # (an MXFP8 h back to bf16)
     check_tile_multiples(hidden, w_gate.shape[1], None if shared is None else tuple(shared))
     ws.raise_pending()
     lay, dev, sched = ws.layout, x.device, saved.schedule

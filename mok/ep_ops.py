@@ -20,7 +20,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .config import check_saved_h_format
 from .custom_ops import BLOCK_M, _accumulating_weights, _after_accumulation, _fake_weight_grads, _main_grads, _shared, _weight_grads_out
+from .saved_mxfp8 import empty_saved_h, pack_saved
 
 
 def _workspace(handle: int):
@@ -45,24 +47,31 @@ def ep_moe_forward_op(
     timeout_s: float,
     one_launch: bool = False,
     fuse_wgrad: bool = False,
+    saved_h_format: str = "bf16",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, x_rows, h, shared_h, routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow).
 
     x_rows, h and shared_h are empty unless ``save``. ``one_launch``: the forward in one kernel
     (mok/ep_one_launch.py). ``fuse_wgrad``: the backward adds the weight gradients into the
-    weights' ``main_grad`` (mok/main_grad.py). See :func:`mok.ep.ep_moe_forward_saved`.
+    weights' ``main_grad`` (mok/main_grad.py). ``saved_h_format``: "mxfp8" keeps h and shared_h
+    packed (mok/saved_mxfp8.py). See :func:`mok.ep.ep_moe_forward_saved`.
     """
     from .ep import ep_moe_forward_saved
 
+    check_saved_h_format(saved_h_format)
     ws = _workspace(workspace)
     res = ep_moe_forward_saved(
         ws, x, topk_idx, topk_w, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down), timeout_s=timeout_s, save_h=save,
         one_launch=one_launch,
     )
     s = res.schedule
+    if save and saved_h_format == "mxfp8":
+        res = pack_saved(res)
     x_rows = res.x_rows if save else x.new_empty(0, x.shape[1])  # (the backward's only)
-    h = res.h if res.h is not None else x.new_empty(0, 2 * w_gate.shape[1])
-    shared_h = res.shared_h if res.shared_h is not None else x.new_empty(0, 0 if shared_gate is None else 2 * shared_gate.shape[0])
+    h = res.h if res.h is not None else empty_saved_h(x, 0, 2 * w_gate.shape[1], saved_h_format)
+    shared_h = res.shared_h if res.shared_h is not None else empty_saved_h(
+        x, 0, 0 if shared_gate is None else 2 * shared_gate.shape[0], saved_h_format
+    )
     return (
         res.out, x_rows, h, shared_h, res.routing,
         s.expert_counts, s.expert_offsets, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.overflow,
@@ -71,7 +80,7 @@ def ep_moe_forward_op(
 
 @ep_moe_forward_op.register_fake
 def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, one_launch=False,
-      fuse_wgrad=False):
+      fuse_wgrad=False, saved_h_format="bf16"):
     ws = _workspace(workspace)
     lay, num_local, inter = ws.layout, w_gate.shape[0], w_gate.shape[1]
     pairs_rows = lay.world * lay.max_tokens
@@ -81,8 +90,8 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     return (
         x.new_empty(x.shape),
         x.new_empty(capacity if save else 0, x.shape[1]),
-        x.new_empty(capacity if save else 0, 2 * inter),
-        x.new_empty(x.shape[0] if save and shared_gate is not None else 0, shared_cols),
+        empty_saved_h(x, capacity if save else 0, 2 * inter, saved_h_format),
+        empty_saved_h(x, x.shape[0] if save and shared_gate is not None else 0, shared_cols, saved_h_format),
         torch.empty(pairs_rows, lay.topk, **i32),
         torch.empty(num_local, **i32),
         torch.empty(num_local + 1, **i32),
@@ -146,7 +155,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, _one_launch,
-     fuse_wgrad) = inputs
+     fuse_wgrad, _saved_h_format) = inputs
     _, *saved = output
     ctx.saved_h, ctx.has_shared = save, shared_gate is not None
     ctx.workspace, ctx.timeout_s = workspace, timeout_s
@@ -161,7 +170,7 @@ def _backward(ctx, d_out, *_unused):
     d_gate, d_up, d_down, *d_shared = weight_grads if ctx.params is None else _after_accumulation(ctx)
     if not ctx.has_shared:
         d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None, None
+    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None, None, None
 
 
 ep_moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,8 +1,9 @@
 """The MoE layer backward on one GPU (EP = 1) from MoK's kernels.
 
 Inputs: dout [T, H], the forward's inputs, and what ``moe_forward(save_for_backward=True)``
-kept (the schedule and h). The kernels, in order (mok/reference_backward.py spells out the
-same math in PyTorch):
+kept (the schedule and h; an h kept in MXFP8, mok/saved_mxfp8.py, is turned back into bf16 first,
+one launch more). The kernels, in order (mok/reference_backward.py spells out the same math in
+PyTorch):
 
     gather (one launch)     dout_rows [R, H] = dout[row_token], x_rows [R, H] = x[row_token]   (zeros on padding rows)
     grouped GEMM, N-major B dA_u = dout_rows·W_down, with the SwiGLU backward in the epilogue:
@@ -29,6 +30,7 @@ from . import grad_ops, ops
 from .fused_forward import ForwardResult, check_tile_multiples, single_expert_tiles, stacked_weights
 from .reference import SharedExpert
 from .reference_backward import Gradients
+from .saved_mxfp8 import unpack_saved
 from .schedule import check_schedule, shared_prefix_rows
 from .validation import check_main_grads, check_moe_inputs, check_tensor
 
@@ -100,6 +102,7 @@ def moe_backward(
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
+    saved = unpack_saved(saved, inter, None if shared is None else shared[0].shape[0])  # (an MXFP8 h back to bf16)
     sched = check_schedule(
         "saved.schedule", saved.schedule, num_tokens=num_tokens, topk=topk_idx.shape[1], num_experts=num_experts, device=x.device
     )

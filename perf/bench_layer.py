@@ -16,7 +16,9 @@ forward + backward (MoK: moe_forward(save_for_backward=True) + moe_backward; PyT
 autograd through the same path, gradients of x, router weights and all weights), counted
 as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs; "main_grad fused" adds the
 weight gradients into fp32 main_grad buffers inside the backward (moe_backward(main_grads=...)),
-"main_grad add" takes bf16 gradients and adds them afterwards, as a loop without it would.
+"main_grad add" takes bf16 gradients and adds them afterwards, as a loop without it would;
+"mok mxfp8 h" keeps h in MXFP8 between forward and backward (mok/saved_mxfp8.py: other bits, so
+it is left out of the same-bits check).
 
 Each path is timed alone at its own steady state (``--sustained S``, mok.bench.time_ms_sustained),
 with the SM clock, power and temperature it ran at: an H200 under these loads sits at its 700 W
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from mok.fused_backward import moe_backward
 from mok.bench import format_gpu, smi_command, time_ms_interleaved, time_ms_sustained
 from mok.fused_forward import moe_forward
+from mok.saved_mxfp8 import pack_saved
 
 CONFIGS = {
     # name: (T, H, I, E, k, shared I_s, routing)
@@ -104,11 +107,14 @@ def expert_offsets(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.cumsum(0).int()
 
 
-def mok_train_step(inputs, dout, main_grads=None, **forward):
+def mok_train_step(inputs, dout, main_grads=None, mxfp8_h=False, **forward):
     """MoK forward (keeping h; ``forward``: moe_forward's options) and backward: all gradients
-    (``main_grads``: fp32 buffers the weight gradients are added into, in the backward's GEMMs)."""
+    (``main_grads``: fp32 buffers the weight gradients are added into, in the backward's GEMMs;
+    ``mxfp8_h``: h kept packed in MXFP8 between the two, mok/saved_mxfp8.py)."""
     x, idx, w, experts, shared = inputs
     saved = moe_forward(x, idx, w, *experts, shared, check_routing=False, save_for_backward=True, **forward)
+    if mxfp8_h:
+        saved = pack_saved(saved)
     return moe_backward(dout, x, idx, w, *experts, shared, saved, main_grads=main_grads)
 
 
@@ -262,6 +268,7 @@ def main() -> int:
             main_grads = tuple(torch.zeros(t.shape, device="cuda") for t in (*inputs[3], *(inputs[4] or ())))
             paths["main_grad add"] = lambda: mok_train_step_then_add(inputs, dout, main_grads)
             paths["main_grad fused"] = lambda: mok_train_step(inputs, dout, main_grads=main_grads)
+            paths["mok mxfp8 h"] = lambda: mok_train_step(inputs, dout, mxfp8_h=True)
         else:
             paths = {
                 "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
@@ -300,7 +307,7 @@ def main() -> int:
             ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
         launches = {p: count_launches(fn) for p, fn in paths.items()}
         mok_result = paths["mok"]()
-        same = {p: same_bits(paths[p](), mok_result) for p in paths if p.startswith("mok ")}  # MoK's ways: the same bits
+        same = {p: same_bits(paths[p](), mok_result) for p in paths if p.startswith("mok ") and p != "mok mxfp8 h"}  # MoK's ways: the same bits
         mok_out, torch_out = mok_result, paths["torch"]()
         if args.backward:  # compare dx
             mok_out, torch_out = mok_out.dx, torch_out[0]

@@ -86,7 +86,10 @@ def _compile_here(one_launch=False):
     from mok.runtime.arch import device_arch
 
     for shared in (256, None):
-        config = MoKConfig(hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=shared, ep_size=2, one_launch=one_launch)
+        config = MoKConfig(
+            hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=shared, ep_size=2, one_launch=one_launch,
+            saved_h_format="mxfp8",  # (all of the plain config's kernels, and the quantize pair)
+        )
         for variant in variants_for(config):
             get_kernel(variant, device_arch())
 
@@ -194,6 +197,25 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu, one_launch=False):
         result["main_grad"] = all(p.grad is None for p in experts) and max(
             float(((p.main_grad - s) - want.float()).norm() / want.float().norm()) for p, s, want in zip(experts, starts, plain_grads)
         ) <= 4e-3
+        # saved_h_format="mxfp8": h kept packed on both layers; EP = 2 still gives the single-GPU bits
+        # (each row's blocks are quantized alone), and the gradients did change (E4M3's rounding)
+        for p in experts:
+            del p.main_grad
+        ep.config = dataclasses.replace(plain_config, saved_h_format="mxfp8")
+        full.config = dataclasses.replace(full.config, saved_h_format="mxfp8")
+        full.zero_grad(set_to_none=True)
+        ep.zero_grad(set_to_none=True)
+        xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+        full(xf, topk_idx=idx, topk_w=wf).backward(dout)
+        plain_dx = xe.grad
+        xe, we = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
+        ep(xe, topk_idx=idx[mine], topk_w=we).backward(dout[mine])
+        torch.cuda.synchronize()
+        result["mxfp8_h"] = (
+            torch.equal(xe.grad, xf.grad[mine]) and torch.equal(we.grad, wf.grad[mine])
+            and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
+            and not torch.equal(xe.grad, plain_dx)
+        )
         ep.config = plain_config
         torch.save(result, f"{out_dir}/{rank}.pt")
         dist.barrier()
@@ -273,13 +295,15 @@ def _spawn_layer(tmp_path, shared_gpu, one_launch=False):
 def test_layer_with_a_group_on_two_gpus_equals_the_single_gpu_layer(tmp_path, one_launch):
     results = _spawn_layer(tmp_path, shared_gpu=False, one_launch=one_launch)
     assert all(
-        r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"] for r in results
-    ), [(r["compiled"], r["graph"], r["main_grad"]) for r in results]
+        r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"]
+        and r["mxfp8_h"] for r in results
+    ), [(r["compiled"], r["graph"], r["main_grad"], r["mxfp8_h"]) for r in results]
 
 
 @pytest.mark.parametrize("one_launch", [False, True])
 def test_layer_with_a_group_of_two_processes_sharing_one_gpu_equals_the_single_gpu_layer(tmp_path, one_launch):
     results = _spawn_layer(tmp_path, shared_gpu=True, one_launch=one_launch)
     assert all(
-        r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"] for r in results
-    ), [(r["compiled"], r["graph"], r["main_grad"]) for r in results]
+        r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"]
+        and r["mxfp8_h"] for r in results
+    ), [(r["compiled"], r["graph"], r["main_grad"], r["mxfp8_h"]) for r in results]

@@ -362,6 +362,8 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
             h, config.topk, config.has_shared_expert, gathered=True, unit_weights=True, router_parts=i // default_tile_n(i, h, True)
         ),
     ]
+    if config.saved_h_format == "mxfp8":  # h kept for the backward in MXFP8 (mok/saved_mxfp8.py)
+        variants += [quantize_mxfp8_variant(), quantize_mxfp8_variant(back=True)]
     if config.ep_size > 1:  # mok/ep.py: the exchange kernels and the combine over pushed [T, k] slots
         w, k = config.ep_size, config.topk
         variants += [ep_variant(kind, w, phase=1) for kind in ("signal", "wait")]  # (the publish phase: its own two)
