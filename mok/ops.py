@@ -197,15 +197,18 @@ def gather_rows_pair(
 
 
 def quantize_mxfp8(
-    x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, rows_used: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(elements float8_e4m3fn of x's shape, scales uint8 [..., n // 32]) of bf16 ``x`` [..., n]
     (contiguous, n a multiple of 32): the bytes mok.mxfp8.quantize_mxfp8 gives, in one launch.
-    ``out``: the (elements, scales) tensors to write."""
+    ``out``: the (elements, scales) tensors to write. ``rows_used`` (int32 [1] on x's device): only
+    the first rows_used[0] rows of x (as rows of n) are converted, the rest of ``out`` is left as it
+    is; the count stays on the device (no host sync)."""
     check_tensor("x", x, dtypes=BF16, contiguous=True)
     if x.dim() < 1 or x.shape[-1] % MXFP8_BLOCK:
         raise ValueError(f"x: expected a last dimension that is a multiple of {MXFP8_BLOCK}, got shape {tuple(x.shape)}")
     _check_launchable(x=x)
+    _check_rows_used(rows_used, x.device)
     scale_shape = (*x.shape[:-1], x.shape[-1] // MXFP8_BLOCK)
     if out is None:
         out = (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(scale_shape, dtype=torch.uint8, device=x.device))
@@ -217,18 +220,25 @@ def quantize_mxfp8(
     _check_cuda_aligned("out[0]", elements)
     if scales.numel() == 0:
         return elements, scales
-    kernel = _kernel(quantize_mxfp8_variant(), x.device)
-    kernel(_ptr("bf16", x), _ptr("e4m3", elements), _ptr("u8", scales, 1), _i32(scales.numel()), _stream(x.device))
+    kernel = _kernel(quantize_mxfp8_variant(bounded=rows_used is not None), x.device)
+    kernel(
+        _ptr("bf16", x), _ptr("e4m3", elements), _ptr("u8", scales, 1), _i32(scales.numel()), *_rows_bound(rows_used, scales),
+        _stream(x.device),
+    )
     return elements, scales
 
 
-def dequantize_mxfp8(elements: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_mxfp8(
+    elements: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None, rows_used: torch.Tensor | None = None
+) -> torch.Tensor:
     """bf16 values of MXFP8 ``elements`` (float8_e4m3fn [..., n], contiguous) with ``scales`` (uint8
-    [..., n // 32]): mok.mxfp8.dequantize_mxfp8 rounded to bf16, in one launch."""
+    [..., n // 32]): mok.mxfp8.dequantize_mxfp8 rounded to bf16, in one launch. ``rows_used``: as
+    in :func:`quantize_mxfp8` (the rows past the count are left as ``out`` has them)."""
     check_tensor("elements", elements, dtypes=(torch.float8_e4m3fn,), contiguous=True)
     if elements.dim() < 1 or elements.shape[-1] % MXFP8_BLOCK:
         raise ValueError(f"elements: expected a last dimension that is a multiple of {MXFP8_BLOCK}, got shape {tuple(elements.shape)}")
     _check_launchable(elements=elements)
+    _check_rows_used(rows_used, elements.device)
     scale_shape = (*elements.shape[:-1], elements.shape[-1] // MXFP8_BLOCK)
     check_tensor("scales", scales, dtypes=(torch.uint8,), shape=scale_shape, device=elements.device, contiguous=True)
     if out is None:
@@ -237,9 +247,26 @@ def dequantize_mxfp8(elements: torch.Tensor, scales: torch.Tensor, *, out: torch
     _check_cuda_aligned("out", out)
     if scales.numel() == 0:
         return out
-    kernel = _kernel(quantize_mxfp8_variant(back=True), elements.device)
-    kernel(_ptr("e4m3", elements), _ptr("u8", scales, 1), _ptr("bf16", out), _i32(scales.numel()), _stream(elements.device))
+    kernel = _kernel(quantize_mxfp8_variant(back=True, bounded=rows_used is not None), elements.device)
+    kernel(
+        _ptr("e4m3", elements), _ptr("u8", scales, 1), _ptr("bf16", out), _i32(scales.numel()), *_rows_bound(rows_used, scales),
+        _stream(elements.device),
+    )
     return out
+
+
+def _check_rows_used(rows_used: torch.Tensor | None, device: torch.device) -> None:
+    """A row count on the device: int32 with one element."""
+    if rows_used is not None:
+        check_tensor("rows_used", rows_used, dtypes=(torch.int32,), device=device)
+        if rows_used.numel() != 1:
+            raise ValueError(f"rows_used: expected one element (a count of rows), got shape {tuple(rows_used.shape)}")
+
+
+def _rows_bound(rows_used: torch.Tensor | None, scales: torch.Tensor) -> tuple:
+    """The (count pointer, blocks per row) kernel arguments (null for an unbounded kernel, which
+    reads neither)."""
+    return _ptr("i32", rows_used, 4), _i32(scales.shape[-1])
 
 
 def _check_rank_stride(name: str, ranks: tuple[int, int], per_rank: int, limit: int, limit_text: str) -> None:

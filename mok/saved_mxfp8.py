@@ -43,16 +43,17 @@ def _views(packed: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor
     return flat[:split].view(torch.float8_e4m3fn).view(rows, width), flat[split:].view(rows, width // BLOCK)
 
 
-def pack_h(h: torch.Tensor) -> torch.Tensor:
+def pack_h(h: torch.Tensor, rows_used: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 ``h`` [rows, width] (width a multiple of 32) -> packed MXFP8 uint8 [rows, width·33/32]:
-    MoK's quantize kernel on CUDA, mok.mxfp8's rule (the same bytes) elsewhere."""
+    MoK's quantize kernel on CUDA, mok.mxfp8's rule (the same bytes) elsewhere. ``rows_used`` (int32
+    [1] on the device, CUDA only): convert only the first rows_used[0] rows (the rest stay unset)."""
     rows, width = h.shape
     packed = torch.empty(rows, packed_width(width), dtype=PACKED_DTYPE, device=h.device)
     elements, scales = _views(packed, width)
     if h.is_cuda:
         from . import ops
 
-        ops.quantize_mxfp8(h, out=(elements, scales))
+        ops.quantize_mxfp8(h, out=(elements, scales), rows_used=rows_used)
     else:
         reference_elements, reference_scales = quantize_mxfp8(h)
         elements.copy_(reference_elements)
@@ -60,9 +61,9 @@ def pack_h(h: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def unpack_h(name: str, packed: torch.Tensor, width: int) -> torch.Tensor:
-    """The bf16 h [rows, width] of a packed one (MoK's dequantize kernel on CUDA); raises naming
-    ``name`` when ``packed`` is not a packed h of that width."""
+def unpack_h(name: str, packed: torch.Tensor, width: int, rows_used: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 h [rows, width] of a packed one (MoK's dequantize kernel on CUDA; ``rows_used``: as
+    in :func:`pack_h`); raises naming ``name`` when ``packed`` is not a packed h of that width."""
     if packed.dtype != PACKED_DTYPE or packed.dim() != 2 or packed.shape[1] != packed_width(width) or not packed.is_contiguous():
         raise ValueError(
             f"{name}: expected a packed MXFP8 h, contiguous uint8 [rows, {packed_width(width)}] for {width} columns, "
@@ -72,20 +73,28 @@ def unpack_h(name: str, packed: torch.Tensor, width: int) -> torch.Tensor:
     if packed.is_cuda:
         from . import ops
 
-        return ops.dequantize_mxfp8(elements, scales)
+        return ops.dequantize_mxfp8(elements, scales, rows_used=rows_used)
     return dequantize_mxfp8(elements, scales).to(torch.bfloat16)
+
+
+def _rows_in_use(schedule, h: torch.Tensor) -> torch.Tensor | None:
+    """The schedule's used rows (its last expert offset, on the device) on CUDA: the buffer has the
+    worst case's rows, the backward reads only these; None elsewhere (all rows)."""
+    return schedule.expert_offsets[-1:] if h.is_cuda else None
 
 
 def pack_saved(result):
     """A forward result (mok.fused_forward.ForwardResult or mok.ep.EPForwardResult) with h and
-    shared_h packed. A shared_h that is h's first rows (the shared expert ran as expert E: its rows
-    lead the schedule) is dropped: the backward reads it in h."""
+    shared_h packed; of h, the rows the schedule uses (the rest of the packed buffer stays unset, as
+    those rows of h were). A shared_h that is h's first rows (the shared expert ran as expert E: its
+    rows lead the schedule) is dropped: the backward reads it in h."""
     shared_h = result.shared_h
     if getattr(result.schedule, "shared_rows", 0):
         shared_h = None
+    h = result.h
     return dataclasses.replace(
         result,
-        h=None if result.h is None else pack_h(result.h),
+        h=None if h is None else pack_h(h, _rows_in_use(result.schedule, h)),
         shared_h=None if shared_h is None else pack_h(shared_h),
     )
 
@@ -95,7 +104,7 @@ def unpack_saved(saved, inter: int, shared_inter: int | None):
     uint8); ``inter`` and ``shared_inter`` are the experts' widths I and I_s (h has 2I columns)."""
     if saved.h is None or saved.h.dtype != PACKED_DTYPE:
         return saved
-    h = unpack_h("saved.h", saved.h, 2 * inter)
+    h = unpack_h("saved.h", saved.h, 2 * inter, _rows_in_use(saved.schedule, saved.h))
     shared_h = saved.shared_h
     if shared_h is not None and shared_inter is not None:
         shared_h = unpack_h("saved.shared_h", shared_h, 2 * shared_inter)

@@ -417,6 +417,16 @@ def test_mxfp8_quantizer_converts_pairs_with_the_saturating_e4m3_cvt_and_moves_1
     assert count(r"\.local", ptx) == 0 and count(r"\batom\.", ptx) == 0
 
 
+@pytest.mark.parametrize("back", [False, True])
+def test_bounded_mxfp8_kernels_read_the_row_count_once_and_clamp_it_to_the_blocks_there_are(back):
+    plain = compiled_ptx(quantize_mxfp8_variant(back=back), "sm_90a")
+    ptx = compiled_ptx(quantize_mxfp8_variant(back=back, bounded=True), "sm_90a")
+    assert count(r"ld\.global\.b32\s", ptx) == 1 and count(r"ld\.global\.b32\s", plain) == 0  # rows_used[0], nothing else
+    assert count(r"ld\.global", ptx) == count(r"ld\.global", plain) + 1
+    assert count(r"\bmin\.s32", ptx) == 1 and count(r"\bmul\.lo\.s32", ptx) >= 1  # min(blocks, rows_used · blocks per row)
+    assert count(r"\.local", ptx) == 0
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_mxfp8_dequantizer_reads_the_scale_as_an_unsigned_byte_and_converts_pairs(arch):
     ptx = compiled_ptx(quantize_mxfp8_variant(back=True), arch)

@@ -125,3 +125,43 @@ def test_quantize_then_dequantize_is_the_reference_round_trip(shape):
     back = dequantize_mxfp8(*quantize_mxfp8(x), out=out)
     want = dequantize_reference(*quantize_reference(x.cpu())).to(torch.bfloat16)
     assert torch.equal(back.cpu(), want)
+
+
+def test_bounded_conversions_touch_only_the_rows_in_use_and_read_the_count_on_the_device():
+    """rows_used (a device count, as a schedule's last expert offset): the first rows converted to
+    the reference's bytes, every later byte left as it was; a count past the rows converts them all;
+    the count may change between replays of one CUDA graph (it is never read by the host)."""
+    rows, width = 300, 2080  # (65 blocks a row: the bound falls inside CTAs)
+    x = random_rows((rows, width), seed=21)
+    want_elements, want_scales = quantize_reference(x.cpu())
+    want_back = dequantize_reference(want_elements, want_scales).to(torch.bfloat16)
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    elements = torch.full((rows, width), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    scales = torch.full((rows, width // BLOCK), 0xAB, dtype=torch.uint8, device="cuda")
+    back = torch.full((rows, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quantize_mxfp8(x, out=(elements, scales), rows_used=count)
+        dequantize_mxfp8(elements, scales, out=back, rows_used=count)
+    for used in (0, 1, 77, 299, 300, 5000):
+        elements.view(torch.uint8).fill_(0xAB)
+        scales.fill_(0xAB)
+        back.fill_(float("nan"))
+        count.fill_(used)
+        graph.replay()
+        n = min(used, rows)
+        got_e, got_s, got_b = elements.view(torch.uint8).cpu(), scales.cpu(), back.cpu()
+        assert torch.equal(got_e[:n], want_elements.view(torch.uint8)[:n]) and torch.equal(got_s[:n], want_scales[:n]), used
+        assert (got_e[n:] == 0xAB).all() and (got_s[n:] == 0xAB).all(), used
+        assert torch.equal(got_b[:n], want_back[:n]) and got_b[n:].isnan().all(), used
+
+
+def test_bounded_conversions_check_the_count():
+    x = random_rows((4, 64), seed=1)
+    with pytest.raises(TypeError, match=r"rows_used: .*int32"):
+        quantize_mxfp8(x, rows_used=torch.zeros(1, dtype=torch.int64, device="cuda"))
+    with pytest.raises(ValueError, match=r"rows_used: expected one element \(a count of rows\), got shape \(2,\)"):
+        quantize_mxfp8(x, rows_used=torch.zeros(2, dtype=torch.int32, device="cuda"))
+    elements, scales = quantize_mxfp8(x)
+    with pytest.raises(ValueError, match=r"rows_used: .*cuda"):
+        dequantize_mxfp8(elements, scales, rows_used=torch.zeros(1, dtype=torch.int32))

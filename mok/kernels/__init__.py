@@ -70,16 +70,16 @@ def gather_variant(width: int, sources: int = 1) -> KernelVariant:
     return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
 
 
-def quantize_mxfp8_variant(back: bool = False) -> KernelVariant:
+def quantize_mxfp8_variant(back: bool = False, bounded: bool = False) -> KernelVariant:
     """bf16 rows -> MXFP8 elements and E8M0 scales (mok/mxfp8.py's rule), or with ``back`` MXFP8 ->
-    bf16; no static shape."""
+    bf16; no static shape. ``bounded``: only the rows a device count says are in use."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.mxfp8_quantize import compile_mxfp8
 
-        return compile_mxfp8(arch, options, back=back)
+        return compile_mxfp8(arch, options, back=back, bounded=bounded)
 
-    return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", {}, build)
+    return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", {"bounded": True} if bounded else {}, build)
 
 
 SCHEDULE_THREADS = 512  # threads per CTA of the schedule launch
@@ -362,8 +362,10 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
             h, config.topk, config.has_shared_expert, gathered=True, unit_weights=True, router_parts=i // default_tile_n(i, h, True)
         ),
     ]
-    if config.saved_h_format == "mxfp8":  # h kept for the backward in MXFP8 (mok/saved_mxfp8.py)
-        variants += [quantize_mxfp8_variant(), quantize_mxfp8_variant(back=True)]
+    if config.saved_h_format == "mxfp8":  # h kept for the backward in MXFP8 (mok/saved_mxfp8.py): the rows in use
+        variants += [quantize_mxfp8_variant(bounded=True), quantize_mxfp8_variant(back=True, bounded=True)]
+        if config.has_shared_expert:  # a shared expert of its own width: its h, every row
+            variants += [quantize_mxfp8_variant(), quantize_mxfp8_variant(back=True)]
     if config.ep_size > 1:  # mok/ep.py: the exchange kernels and the combine over pushed [T, k] slots
         w, k = config.ep_size, config.topk
         variants += [ep_variant(kind, w, phase=1) for kind in ("signal", "wait")]  # (the publish phase: its own two)

@@ -6,7 +6,9 @@ a float max would drop it), the scale exponent comes from that pattern's exponen
 fields, the elements are ``x * 2**-e`` (exact: a power-of-two factor) rounded by
 ``cvt.rn.satfinite.e4m3x2.f32``. Arch-neutral. One thread per block of 32: four 16-byte loads,
 two 16-byte stores and the scale byte; the rows are contiguous, so the tensor is one run of
-blocks and the row width does not enter the kernel.
+blocks and the row width does not enter the kernel. ``bounded``: the count of rows to convert is
+read from the device (a schedule's used rows: buffers sized for the worst case need not be
+converted whole, and the host never learns the count); the rest is left as it is.
 
 ``DequantizeMxfp8Kernel`` is the way back, ``bf16(float32(element) * 2**(byte - 127))`` as
 mok.mxfp8.dequantize_mxfp8 then a bf16 rounding gives it (exact wherever the value is a normal
@@ -37,10 +39,11 @@ FLOAT_NAN_BITS = 0x7FC00000
 
 
 class QuantizeMxfp8Kernel:
-    """Static config: threads per CTA (nothing else: any row width that is a multiple of 32)."""
+    """Static config: threads per CTA, ``bounded`` (any row width that is a multiple of 32)."""
 
-    def __init__(self, threads: int = 128) -> None:
+    def __init__(self, threads: int = 128, bounded: bool = False) -> None:
         self.threads = threads
+        self.bounded = bounded
 
     @cute.jit
     def __call__(
@@ -49,11 +52,23 @@ class QuantizeMxfp8Kernel:
         elements_ptr: cute.Pointer,
         scales_ptr: cute.Pointer,
         num_blocks: cutlass.Int32,
+        rows_used_ptr: cute.Pointer,
+        blocks_per_row: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        """x [num_blocks·32] bf16 -> elements [num_blocks·32] E4M3, scales [num_blocks] E8M0 bytes."""
+        """x [num_blocks·32] bf16 -> elements [num_blocks·32] E4M3, scales [num_blocks] E8M0 bytes
+        (``bounded``: the first rows_used[0]·blocks_per_row blocks only; else the two are not read)."""
         m_x, m_elements, m_scales = self.block_tensors(x_ptr, elements_ptr, scales_ptr, num_blocks)
-        self.kernel(m_x, m_elements, m_scales).launch(**self.launch_shape(num_blocks, stream))
+        m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
+        self.kernel(m_x, m_elements, m_scales, m_used, blocks_per_row).launch(**self.launch_shape(num_blocks, stream))
+
+    @cute.jit
+    def blocks_to_convert(self, num_blocks: cutlass.Int32, m_used: cute.Tensor, blocks_per_row: cutlass.Int32) -> cutlass.Int32:
+        """All blocks, or with ``bounded`` those of the rows in use (never more than there are)."""
+        limit = num_blocks
+        if cutlass.const_expr(self.bounded):
+            limit = min(num_blocks, m_used[0] * blocks_per_row)
+        return limit
 
     def block_tensors(self, values_ptr, elements_ptr, scales_ptr, num_blocks):
         """A run of blocks: bf16 values [n, 32], E4M3 elements [n, 32], scale bytes [n]."""
@@ -66,11 +81,11 @@ class QuantizeMxfp8Kernel:
         return dict(grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor):
+    def kernel(self, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor, m_used: cute.Tensor, blocks_per_row: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         block = cta * self.threads + tidx
-        if block < m_x.shape[0]:
+        if block < self.blocks_to_convert(m_x.shape[0], m_used, blocks_per_row):
             values = cute.make_rmem_tensor((BLOCK,), cutlass.Float32)
             values.store(m_x[block, None].load().to(cutlass.Float32))
             bits = cute.recast_tensor(values, cutlass.Int32)
@@ -104,6 +119,8 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
         scales_ptr: cute.Pointer,
         out_ptr: cute.Pointer,
         num_blocks: cutlass.Int32,
+        rows_used_ptr: cute.Pointer,
+        blocks_per_row: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         chunks = num_blocks * CHUNKS_PER_BLOCK
@@ -111,25 +128,29 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
         m_elements = cute.make_tensor(elements_ptr, layout)
         m_out = cute.make_tensor(out_ptr, layout)
         m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_blocks,)))
-        self.kernel_back(m_elements, m_scales, m_out).launch(**self.launch_shape(num_blocks, stream))
+        m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
+        self.kernel_back(m_elements, m_scales, m_out, m_used, blocks_per_row).launch(**self.launch_shape(num_blocks, stream))
 
     @cute.kernel
-    def kernel_back(self, m_elements: cute.Tensor, m_scales: cute.Tensor, m_out: cute.Tensor):
+    def kernel_back(
+        self, m_elements: cute.Tensor, m_scales: cute.Tensor, m_out: cute.Tensor, m_used: cute.Tensor, blocks_per_row: cutlass.Int32
+    ):
         """A CTA takes ``threads`` blocks as CHUNKS_PER_BLOCK rounds of ``threads`` quarter blocks;
         each thread loads its rounds' elements and scales before it stores any (more bytes in flight)."""
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         first = cta * (self.threads * CHUNKS_PER_BLOCK) + tidx
+        limit = self.blocks_to_convert(m_scales.shape[0], m_used, blocks_per_row) * CHUNKS_PER_BLOCK
         loaded = cute.make_rmem_tensor((CHUNKS_PER_BLOCK, CHUNK), m_elements.element_type)
         exponents = cute.make_rmem_tensor((CHUNKS_PER_BLOCK,), cutlass.Int32)
         for r in cutlass.range_constexpr(CHUNKS_PER_BLOCK):
             chunk = first + r * self.threads
-            if chunk < m_elements.shape[0]:
+            if chunk < limit:
                 loaded[r, None].store(m_elements[chunk, None].load())
                 exponents[r] = cutlass.Int32(m_scales[chunk >> CHUNKS_PER_BLOCK_LOG2]) & 0xFF  # (the byte comes in sign-extended)
         for r in cutlass.range_constexpr(CHUNKS_PER_BLOCK):
             chunk = first + r * self.threads
-            if chunk < m_elements.shape[0]:
+            if chunk < limit:
                 exponent = exponents[r]
                 factor_bits = cute.make_rmem_tensor((1,), cutlass.Int32)
                 factor_bits[0] = exponent << 23
@@ -142,13 +163,19 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
                 m_out[chunk, None].store(values.to(m_out.element_type))
 
 
-def compile_mxfp8(arch: str, options: str = "", back: bool = False):
-    """Compile the quantizer (``back``: the dequantizer) for ``arch`` without tensors."""
+def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: bool = False):
+    """Compile the quantizer (``back``: the dequantizer; ``bounded``: converting the rows in use) for
+    ``arch`` without tensors."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
     bf16 = make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)
     elements = make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16)
     scales = make_ptr(cutlass.Uint8, 0, gmem, assumed_align=1)
-    kernel, pointers = (DequantizeMxfp8Kernel(), (elements, scales, bf16)) if back else (QuantizeMxfp8Kernel(), (bf16, elements, scales))
-    return cute.compile(kernel, *pointers, cutlass.Int32(1), make_fake_stream(), options=f"--gpu-arch {arch} {options}".strip())
+    rows_used = make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)
+    kernel_class = DequantizeMxfp8Kernel if back else QuantizeMxfp8Kernel
+    pointers = (elements, scales, bf16) if back else (bf16, elements, scales)
+    return cute.compile(
+        kernel_class(bounded=bounded), *pointers, cutlass.Int32(1), rows_used, cutlass.Int32(1), make_fake_stream(),
+        options=f"--gpu-arch {arch} {options}".strip(),
+    )
