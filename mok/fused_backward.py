@@ -102,10 +102,10 @@ def moe_backward(
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
-    saved = unpack_saved(saved, inter, None if shared is None else shared[0].shape[0])  # (an MXFP8 h back to bf16)
     sched = check_schedule(
         "saved.schedule", saved.schedule, num_tokens=num_tokens, topk=topk_idx.shape[1], num_experts=num_experts, device=x.device
     )
+    saved = unpack_saved(saved, inter, None if shared is None else shared[0].shape[0])  # (an MXFP8 h back to bf16: the used rows)
     check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * w_gate.shape[1]), device=x.device, contiguous=True)
     if shared_rows and (shared is None or tuple(shared[0].shape) != tuple(w_gate.shape[1:])
                         or shared_rows != shared_prefix_rows(num_tokens, sched.block_m)):
