@@ -251,10 +251,14 @@ def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::moe_forward: called with save=False, so it kept nothing for the backward")
     dx, d_topk_w, *weight_grads = moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, _main_grads(ctx))
-    d_gate, d_up, d_down, *d_shared = weight_grads if ctx.params is None else _after_accumulation(ctx)
-    if not ctx.has_shared:
-        d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None, None
+    return dx, None, d_topk_w, *_autograd_weight_grads(ctx, weight_grads), None, None, None, None, None
+
+
+def _autograd_weight_grads(ctx, weight_grads: list) -> list:
+    """The six weight gradients autograd gets from a backward op's outputs: those, or what
+    mok/main_grad.py hands out once they went into main_grad; None for an absent shared expert."""
+    grads = list(weight_grads) if ctx.params is None else _after_accumulation(ctx)
+    return grads if ctx.has_shared else grads[:3] + [None] * 3
 
 
 def _accumulating_weights(fuse_wgrad: bool, *weights) -> tuple | None:

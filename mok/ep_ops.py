@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from .config import check_saved_h_format
-from .custom_ops import BLOCK_M, _accumulating_weights, _after_accumulation, _fake_weight_grads, _main_grads, _shared, _weight_grads_out
+from .custom_ops import (
+    BLOCK_M, _accumulating_weights, _autograd_weight_grads, _fake_weight_grads, _main_grads, _shared, _weight_grads_out,
+)
 from .saved_mxfp8 import empty_saved_h, pack_saved
 
 
@@ -167,10 +169,7 @@ def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::ep_moe_forward: called with save=False, so it kept nothing for the backward")
     dx, d_topk_w, *weight_grads = ep_moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s, _main_grads(ctx))
-    d_gate, d_up, d_down, *d_shared = weight_grads if ctx.params is None else _after_accumulation(ctx)
-    if not ctx.has_shared:
-        d_shared = [None] * 3
-    return dx, None, d_topk_w, d_gate, d_up, d_down, *d_shared, None, None, None, None, None, None
+    return dx, None, d_topk_w, *_autograd_weight_grads(ctx, weight_grads), None, None, None, None, None, None
 
 
 ep_moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

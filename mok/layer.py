@@ -120,16 +120,16 @@ class MoELayer(nn.Module):
             bufs = [torch.empty(local + 1, *shape, **kw) for shape in shapes]
             self.gate_proj, self.up_proj, self.down_proj = (nn.Parameter(buf[:local]) for buf in bufs)
             self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj = (nn.Parameter(buf[local]) for buf in bufs)
-        elif shared_intermediate is not None:
-            self.gate_proj, self.up_proj, self.down_proj = (nn.Parameter(torch.empty(local, *shape, **kw)) for shape in shapes)
-            self.shared_gate_proj = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
-            self.shared_up_proj = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
-            self.shared_down_proj = nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))
         else:
             self.gate_proj, self.up_proj, self.down_proj = (nn.Parameter(torch.empty(local, *shape, **kw)) for shape in shapes)
-            self.register_parameter("shared_gate_proj", None)
-            self.register_parameter("shared_up_proj", None)
-            self.register_parameter("shared_down_proj", None)
+            if shared_intermediate is not None:
+                self.shared_gate_proj = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
+                self.shared_up_proj = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
+                self.shared_down_proj = nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))
+            else:
+                self.register_parameter("shared_gate_proj", None)
+                self.register_parameter("shared_up_proj", None)
+                self.register_parameter("shared_down_proj", None)
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.reset_parameters()
         self._ep_handle = None  # the expert-parallel workspace's handle, once built (mok/ep_ops.py)

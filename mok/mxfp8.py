@@ -29,7 +29,8 @@ _E4M3_MAX_EXP = 8  # 448 = 1.75 * 2**8
 _MANTISSA_1_75 = 0x600000  # fp32 mantissa field of 1.75
 
 
-def _check_blocked(name: str, x: torch.Tensor) -> None:
+def check_blocked(name: str, x: torch.Tensor) -> None:
+    """``x``'s last dimension is whole blocks of 32 (the reference and the kernels' ops alike)."""
     if x.dim() < 1 or x.shape[-1] % BLOCK:
         raise ValueError(f"{name}: expected a last dimension that is a multiple of {BLOCK}, got shape {tuple(x.shape)}")
 
@@ -48,7 +49,7 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     along its last dimension, by the rule in the module docstring."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x: expected a bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    _check_blocked("x", x)
+    check_blocked("x", x)
     blocks = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     # the largest magnitude's bits: integer max, so a NaN anywhere wins (float max may drop it)
     amax_bits = (blocks.view(torch.int32) & 0x7FFFFFFF).amax(dim=-1)
@@ -67,7 +68,7 @@ def dequantize_mxfp8(elements: torch.Tensor, scales: torch.Tensor) -> torch.Tens
         raise TypeError(f"elements: expected float8_e4m3fn, got {elements.dtype}")
     if scales.dtype != torch.uint8:
         raise TypeError(f"scales: expected uint8 (E8M0 bytes), got {scales.dtype}")
-    _check_blocked("elements", elements)
+    check_blocked("elements", elements)
     expected = (*elements.shape[:-1], elements.shape[-1] // BLOCK)
     if tuple(scales.shape) != expected:
         raise ValueError(f"scales: expected shape {expected}, got {tuple(scales.shape)}")

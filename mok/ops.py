@@ -17,7 +17,7 @@ from .kernels import (
     GRID_SYNC_WORDS, combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant,
     quantize_mxfp8_variant, schedule_ctas, schedule_variant,
 )
-from .mxfp8 import BLOCK as MXFP8_BLOCK
+from .mxfp8 import BLOCK as MXFP8_BLOCK, check_blocked
 from .schedule import Schedule, check_schedule, check_schedule_args, shared_prefix_rows, worst_case_capacity
 from .runtime.arch import device_arch
 from .runtime.launch import i32 as _i32, i64 as _i64, ptr as _ptr, stream as _stream
@@ -205,8 +205,7 @@ def quantize_mxfp8(
     the first rows_used[0] rows of x (as rows of n) are converted, the rest of ``out`` is left as it
     is; the count stays on the device (no host sync)."""
     check_tensor("x", x, dtypes=BF16, contiguous=True)
-    if x.dim() < 1 or x.shape[-1] % MXFP8_BLOCK:
-        raise ValueError(f"x: expected a last dimension that is a multiple of {MXFP8_BLOCK}, got shape {tuple(x.shape)}")
+    check_blocked("x", x)
     _check_launchable(x=x)
     _check_rows_used(rows_used, x.device)
     scale_shape = (*x.shape[:-1], x.shape[-1] // MXFP8_BLOCK)
@@ -235,8 +234,7 @@ def dequantize_mxfp8(
     [..., n // 32]): mok.mxfp8.dequantize_mxfp8 rounded to bf16, in one launch. ``rows_used``: as
     in :func:`quantize_mxfp8` (the rows past the count are left as ``out`` has them)."""
     check_tensor("elements", elements, dtypes=(torch.float8_e4m3fn,), contiguous=True)
-    if elements.dim() < 1 or elements.shape[-1] % MXFP8_BLOCK:
-        raise ValueError(f"elements: expected a last dimension that is a multiple of {MXFP8_BLOCK}, got shape {tuple(elements.shape)}")
+    check_blocked("elements", elements)
     _check_launchable(elements=elements)
     _check_rows_used(rows_used, elements.device)
     scale_shape = (*elements.shape[:-1], elements.shape[-1] // MXFP8_BLOCK)
