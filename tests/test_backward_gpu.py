@@ -26,6 +26,25 @@ def autograd_reference(x, idx, w, experts, shared, dout):
     return (*grads[:5], tuple(grads[5:]) if shared else None)
 
 
+def router_grad_term_sizes(x, idx, experts, dout):
+    """Σ_i |dz_i·h_i| per (token, slot) in fp32, for d_topk_w[t, j] = <dz, h> = Σ_i dz_i·h_i with
+    h = silu(x_t·W_gate[e])⊙(x_t·W_up[e]) and dz = dout_t·W_down[e] of the pair's expert e.
+
+    The yardstick for one router-gradient value: the kernel keeps h (and may keep dz) in bf16,
+    which moves each term by up to 2^-9 of its size, so the dot can move by a few 2^-9 of Σ|terms|
+    however much its terms cancel. Relative to the value itself the error is unbounded: one token
+    with H = 512 and I = 256 is off by more than 1% in about one draw of 20 (a CPU emulation)."""
+    w_gate, w_up, w_down = (t.float() for t in experts)
+    sizes = torch.zeros(idx.shape, device=x.device)
+    for e in idx.unique().tolist():
+        tokens, slots = (idx == e).nonzero(as_tuple=True)
+        xe = x[tokens].float()
+        h = torch.nn.functional.silu(xe @ w_gate[e].T) * (xe @ w_up[e].T)
+        dz = dout[tokens].float() @ w_down[e]
+        sizes[tokens, slots] = (dz * h).abs().sum(1)
+    return sizes
+
+
 def fused(x, idx, w, experts, shared, dout, **kw):
     saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
     return saved.out, moe_backward(dout, x, idx, w, *experts, shared, saved, **kw)
@@ -52,18 +71,24 @@ CASES = [
 
 @pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", CASES)
 def test_backward_matches_autograd(T, H, I, E, k, shared_inter, routing):
-    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + E + 7, routing=routing)
-    dout = torch.randn(T, H, device="cuda").bfloat16()
+    seed = T + E + 7
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=seed, routing=routing)
+    dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).bfloat16()
     _, grads = fused(x, idx, w, experts, shared, dout)
     want = autograd_reference(x, idx, w, experts, shared, dout)
     for name, got, ref in zip(NAMES, flat(grads), flat(want)):
         assert got.shape == ref.shape, name
         assert not got.isnan().any(), f"{name}: unwritten or NaN elements"
+        if name == "d_topk_w":  # each value against the size of its dot's terms (a dropped pair shows here)
+            worst = float(((got - ref).abs() / router_grad_term_sizes(x, idx, experts, dout)).max())
+            assert worst <= 2**-8, f"d_topk_w: worst |error| / Σ|terms| {worst:.2e}"
+            if got.numel() < 256:  # (a norm over a few cancelling dots measures their luck, not the kernel)
+                continue
         assert rel_err(got, ref) <= 1e-2, f"{name}: rel err {rel_err(got, ref):.2e}"
         assert cosine(got, ref) >= 0.9999, f"{name}: cosine {cosine(got, ref):.6f}"
-        # per token (dx), per expert (weights), per value (d_topk_w): a dropped pair shows here
-        worst = worst_entry_err(got, ref) if name == "d_topk_w" else worst_row_err(got, ref)
-        assert worst <= 5e-2, f"{name}: worst row or entry err {worst:.2e}"
+        if name != "d_topk_w":  # per token (dx), per expert (weights): a dropped row shows here
+            worst = worst_row_err(got, ref)
+            assert worst <= 5e-2, f"{name}: worst row err {worst:.2e}"
 
 
 def test_router_gradient_with_weights_zero_and_tiny():
