@@ -235,6 +235,7 @@ def main() -> int:
     )
     parser.add_argument("--paths", default="", help="MoK paths to time, comma-separated (default: all; torch and dense always)")
     parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
+    parser.add_argument("--profile-paths", default="mok", help="at EP 1: the paths whose kernels are printed, comma-separated (default: mok)")
     args = parser.parse_args()
     if args.ep > 1:
         from bench_ep import CONFIGS as EP_CONFIGS, run
@@ -322,12 +323,14 @@ def main() -> int:
         for p in [p for p in ("mok", "mok (graph)") if p in paths]:
             busy, span = device_span(paths[p])
             print(f"{name:<12}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
-        if args.profile:
-            for kernel, ms_k in kernel_sequence(paths["mok"])[: args.profile]:
-                print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:100]}")
-        else:
-            for kernel, ms_k, _ in kernel_times(paths["mok"], top=12 if args.backward else 6):
-                print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:90]}")
+        for p in [p for p in args.profile_paths.split(",") if p in paths]:
+            print(f"{name:<12}{p}: kernels")
+            if args.profile:
+                for kernel, ms_k in kernel_sequence(paths[p])[: args.profile]:
+                    print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:100]}")
+            else:
+                for kernel, ms_k, _ in kernel_times(paths[p], top=12 if args.backward else 6):
+                    print(f"{'':<11}  {ms_k:8.3f} ms  {kernel[:90]}")
     return 0
 
 
