@@ -6,7 +6,7 @@ import torch
 from mok import grad_ops, ops
 from mok.fused_backward import moe_backward
 from mok.fused_forward import moe_forward, single_expert_tiles
-from mok.reference import moe_reference
+from mok.reference import expert_rows, moe_reference
 
 from helpers import gpu_layer, poisoned, rel_err, worst_entry_err, worst_row_err
 
@@ -37,7 +37,7 @@ def router_grad_term_sizes(x, idx, experts, dout):
     w_gate, w_up, w_down = (t.float() for t in experts)
     sizes = torch.zeros(idx.shape, device=x.device)
     for e in idx.unique().tolist():
-        tokens, slots = (idx == e).nonzero(as_tuple=True)
+        tokens, slots = expert_rows(idx, e)
         xe = x[tokens].float()
         h = torch.nn.functional.silu(xe @ w_gate[e].T) * (xe @ w_up[e].T)
         dz = dout[tokens].float() @ w_down[e]
