@@ -298,6 +298,9 @@ def main() -> int:
             if unknown:
                 raise SystemExit(f"--paths: no path(s) {sorted(unknown)}; known: {list(paths)}")
             paths = {p: fn for p, fn in paths.items() if p in keep}
+        unprofiled = set(args.profile_paths.split(",")) - set(paths)
+        if unprofiled:
+            raise SystemExit(f"--profile-paths: no timed path(s) {sorted(unprofiled)} (name them in --paths too); timed: {list(paths)}")
         state = {p: "" for p in paths}
         if args.sustained:  # each path alone at the clock its own power draw allows
             ms = {}
@@ -323,7 +326,7 @@ def main() -> int:
         for p in [p for p in ("mok", "mok (graph)") if p in paths]:
             busy, span = device_span(paths[p])
             print(f"{name:<12}{p} on the device: kernels {busy:.3f} ms of {span:.3f} ms per call (5 back to back)")
-        for p in [p for p in args.profile_paths.split(",") if p in paths]:
+        for p in args.profile_paths.split(","):
             print(f"{name:<12}{p}: kernels")
             if args.profile:
                 for kernel, ms_k in kernel_sequence(paths[p])[: args.profile]:
