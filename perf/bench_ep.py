@@ -94,7 +94,7 @@ def torch_ep_train_step(x, idx, w, experts, dout, group):
 
 def _max_over_ranks(value: float, group) -> float:
     """The largest of the ranks' ``value`` (every rank calls it: a collective)."""
-    mine = torch.tensor([value], device="cuda")
+    mine = torch.tensor([value], device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
     return float(mine)
 
@@ -151,18 +151,21 @@ def _host_profile(fn, calls: int = 5):
 
 
 def _worker(
-    rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0, sustained: float = 3.0
+    rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0, sustained: float = 3.0,
+    share_gpu: bool = False,
 ) -> None:
     from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
     from mok.ep_backward import ep_moe_backward
     from mok.runtime.workspace import SymmetricWorkspace
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.cuda.set_device(0 if share_gpu else rank)
+    backend = "gloo" if share_gpu else "nccl"  # (NCCL refuses two ranks on one GPU)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = dist.group.WORLD
     try:
         if rank == 0:
-            print(f"# {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}")
+            shared = ", SHARING ONE GPU (a smoke run: no baseline, times mean nothing)" if share_gpu else ""
+            print(f"# {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}{shared}")
             clocks = " MHz, W, C (rank 0)" if sustained else ""
             print(f"{'config':<8}{'path':<8}{'ms':>9}{'vs torch':>9}{'MB sent':>9}{'GB/s':>8}{clocks}")
         for name in configs:
@@ -205,19 +208,23 @@ def _worker(
                     "mok 1Lg": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True)),
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
+            if share_gpu:  # the baseline needs NCCL
+                del paths["torch"]
             if sustained:
                 ms, gpu = _time_sustained(paths, group, sustained)
             else:
                 ms, gpu = _time_in_turn(paths, group), {}
             want = paths["mok"]().clone()
             same = {p: same_bits(fn(), want) for p, fn in paths.items() if p not in ("mok", "torch")}  # MoK's ways: the same bits
-            agree = float((want.float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
+            agree = None if share_gpu else float((want.float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
             ws.check()
             owner = idx.long() // e_local
             remote_pairs = int((owner != rank).sum())  # (token, slot) pairs whose expert is elsewhere: torch sends each
             remote_tokens = sum(int((owner == r).any(1).sum()) for r in range(world) if r != rank)  # MoK: each token once per rank
             rows = {"torch": 2 * remote_pairs, "mok": remote_tokens + remote_pairs}  # x (dout) out, y (dx) back; bf16 rows
-            sent = torch.tensor([(2 if backward else 1) * n * H * 2 for n in rows.values()], device="cuda", dtype=torch.float64)
+            sent = torch.tensor(
+                [(2 if backward else 1) * n * H * 2 for n in rows.values()], device="cpu" if share_gpu else "cuda", dtype=torch.float64
+            )
             dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group)
             sent_by = dict(zip(rows, sent.tolist()))
             if rank == 0:
@@ -225,8 +232,10 @@ def _worker(
                     nbytes = sent_by["torch" if p == "torch" else "mok"]
                     clock = format_gpu(gpu.get(p) or {})
                     sent = f"{nbytes / 1e6:>9.0f}{nbytes / ms[p] / 1e6:>8.0f}"
-                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ms['torch'] / ms[p]:>8.2f}x{sent}{clock}")
-                print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")
+                    ratio = f"{ms['torch'] / ms[p]:>8.2f}x" if "torch" in ms else f"{'-':>9}"
+                    print(f"{name:<8}{p:<8}{ms[p]:>9.3f}{ratio}{sent}{clock}")
+                if agree is not None:
+                    print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")
                 print(f"{name:<8}every other MoK path gives the default path's bits (rank 0): {same}")
             if profile_top:
                 host = _host_ms(paths["mok"])
@@ -245,13 +254,17 @@ def _worker(
         dist.destroy_process_group()
 
 
-def run(world: int, configs: list[str], backward: bool = False, profile_top: int = 0, sustained: float = 3.0) -> int:
-    """Spawn one process per GPU and run the comparison (called by perf/bench_layer.py --ep N)."""
+def run(
+    world: int, configs: list[str], backward: bool = False, profile_top: int = 0, sustained: float = 3.0, share_gpu: bool = False
+) -> int:
+    """Spawn one process per GPU and run the comparison (called by perf/bench_layer.py --ep N).
+    ``share_gpu``: every process on GPU 0 over gloo, MoK's paths only: a smoke run of this script
+    on one GPU (the baseline's NCCL refuses two ranks on one GPU), not a measurement."""
     import torch.multiprocessing as mp
 
-    if torch.cuda.device_count() < world:
+    if not share_gpu and torch.cuda.device_count() < world:
         print(f"--ep {world}: needs {world} GPUs, this machine has {torch.cuda.device_count()}")
         return 1
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init"), backward, profile_top, sustained), nprocs=world)
+        mp.spawn(_worker, args=(world, configs, os.path.join(d, "init"), backward, profile_top, sustained, share_gpu), nprocs=world)
     return 0

@@ -236,12 +236,19 @@ def main() -> int:
     parser.add_argument("--paths", default="", help="MoK paths to time, comma-separated (default: all; torch and dense always)")
     parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
     parser.add_argument("--profile-paths", default="mok", help="at EP 1: the paths whose kernels are printed, comma-separated (default: mok)")
+    parser.add_argument(
+        "--share-gpu", action="store_true",
+        help="with --ep N: all N processes on GPU 0 over gloo, MoK's paths only (a smoke run of the EP benchmark on one GPU; "
+        "its times mean nothing)",
+    )
     args = parser.parse_args()
+    if args.share_gpu and args.ep < 2:
+        parser.error("--share-gpu: only with --ep 2 or more")
     if args.ep > 1:
         from bench_ep import CONFIGS as EP_CONFIGS, run
 
         names = args.configs.split(",") if args.configs != parser.get_default("configs") else list(EP_CONFIGS)
-        return run(args.ep, names, backward=args.backward, profile_top=args.profile, sustained=args.sustained)
+        return run(args.ep, names, backward=args.backward, profile_top=args.profile, sustained=args.sustained, share_gpu=args.share_gpu)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = f"{'config':<12}{'path':<17}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
     if args.sustained:

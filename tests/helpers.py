@@ -117,3 +117,51 @@ def value_errors_on_two_ranks(tmp_path, action) -> list[str]:
 
     mp.spawn(_gloo_rank, args=(str(tmp_path / "init"), str(tmp_path), action), nprocs=2)
     return [(tmp_path / f"{rank}.txt").read_text() for rank in range(2)]
+
+
+# Expert parallelism emulated on one GPU (W ranks on W streams sharing one workspace buffer)
+
+
+def split_ranks(world, counts, x, idx, w, experts, shared):
+    """Rank p's tokens (counts[p] of them, in order) and experts (E / world of them)."""
+    e_local = experts[0].shape[0] // world
+    bounds = [sum(counts[:p]) for p in range(world + 1)]
+    return [
+        (x[bounds[p]:bounds[p + 1]].contiguous(), idx[bounds[p]:bounds[p + 1]].contiguous(), w[bounds[p]:bounds[p + 1]].contiguous(),
+         *(t[p * e_local:(p + 1) * e_local].contiguous() for t in experts), shared)
+        for p in range(world)
+    ]
+
+
+def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None, **forward):
+    """Launch every forward and backward kernel once, one rank at a time (their waits time out at
+    once), each on its own throwaway workspaces (a forward whose waits timed out leaves an error
+    that the next call of its workspace would raise). CUDA loads a kernel at its first launch and
+    loading waits for the device: on one GPU, for another "rank's" spinning kernel."""
+    from mok.ep import EPWorkspace, ep_moe_forward_saved
+    from mok.ep_backward import ep_moe_backward
+
+    forward_ws = EPWorkspace.local_group(layout, capacity=capacity)
+    backward_ws = EPWorkspace.local_group(layout, capacity=capacity)
+    for f, b, a, d in zip(forward_ws, backward_ws, per_rank_args, per_rank_dout):
+        s = ep_moe_forward_saved(f, *a, timeout_s=1e-4, **forward)
+        ep_moe_backward(b, d, *a, s, timeout_s=1e-4)
+        torch.cuda.synchronize()
+
+
+def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, check=True, **forward):
+    """Forward (keeping h) then backward on every rank, each on its own stream."""
+    from mok.ep import ep_moe_forward_saved
+    from mok.ep_backward import ep_moe_backward
+
+    streams = [torch.cuda.Stream() for _ in workspaces]
+    results = []
+    torch.cuda.synchronize()
+    for ws, args, dout, stream in zip(workspaces, per_rank_args, per_rank_dout, streams):
+        with torch.cuda.stream(stream):
+            saved = ep_moe_forward_saved(ws, *args, timeout_s=timeout_s, **forward)
+            results.append((saved.out, ep_moe_backward(ws, dout, *args, saved, timeout_s=timeout_s)))
+    torch.cuda.synchronize()
+    for ws in workspaces if check else ():
+        ws.check()
+    return results

@@ -10,7 +10,7 @@ import torch
 from mok.ep import EPLayout, EPWorkspace, ep_moe_forward
 from mok.fused_forward import moe_forward
 
-from helpers import gpu_layer, poisoned, rel_err
+from helpers import gpu_layer, poisoned, rel_err, run_train_ranks, split_ranks, warm_up_training
 
 pytestmark = pytest.mark.gpu
 
@@ -52,17 +52,6 @@ def replay_on_streams(graphs, workspaces):
         ws.check()
 
 
-def split(world, counts, x, idx, w, experts, shared):
-    """Rank p's tokens (counts[p] of them, in order) and experts (E / world of them)."""
-    e_local = experts[0].shape[0] // world
-    bounds = [sum(counts[:p]) for p in range(world + 1)]
-    return [
-        (x[bounds[p]:bounds[p + 1]].contiguous(), idx[bounds[p]:bounds[p + 1]].contiguous(), w[bounds[p]:bounds[p + 1]].contiguous(),
-         *(t[p * e_local:(p + 1) * e_local].contiguous() for t in experts), shared)
-        for p in range(world)
-    ]
-
-
 @pytest.mark.parametrize("world,counts,E,k,shared_inter,routing", [
     (2, (300, 517), 8, 4, 256, "uniform"),
     (3, (128, 1, 250), 6, 2, None, "uniform"),
@@ -83,7 +72,7 @@ def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter,
     x, idx, w, experts, shared = gpu_layer(total, 512, 256, E, k, shared_inter, seed=world * 7 + total, routing=routing)
     want = moe_forward(x, idx, w, *experts, shared).out  # also compiles the GEMMs before any rank waits
     layout = EPLayout(world=world, max_tokens=max(counts) + 13, hidden=512, topk=k)
-    args = split(world, counts, x, idx, w, experts, shared)
+    args = split_ranks(world, counts, x, idx, w, experts, shared)
     warm_up(layout, args, **dispatch)
     workspaces = EPWorkspace.local_group(layout)
     first = torch.cat(run_ranks(workspaces, args, **dispatch))
@@ -98,7 +87,7 @@ def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang(dispatch):
     x, idx, w, experts, _ = gpu_layer(64, 512, 256, 4, 2, None, seed=5)
     layout = EPLayout(world=2, max_tokens=64, hidden=512, topk=2)
     ws0, _ = EPWorkspace.local_group(layout)
-    args = split(2, (32, 32), x, idx, w, experts, None)[0]
+    args = split_ranks(2, (32, 32), x, idx, w, experts, None)[0]
     ep_moe_forward(ws0, *args, timeout_s=0.2, **dispatch)  # rank 1 never calls
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match=r"rank 0 timed out in phase publish .* waiting for rank 1"):
@@ -113,7 +102,7 @@ def test_overlap_dispatch_row_tile_wait_that_expires_is_raised_by_check():
     x, idx, w, experts, _ = gpu_layer(512, 2048, 256, 4, 2, None, seed=11)
     layout = EPLayout(world=1, max_tokens=512, hidden=2048, topk=2)
     (ws,) = EPWorkspace.local_group(layout)
-    args = split(1, (512,), x, idx, w, experts, None)[0]
+    args = split_ranks(1, (512,), x, idx, w, experts, None)[0]
     want = moe_forward(x, idx, w, *experts).out
     assert torch.equal(ep_moe_forward(ws, *args, timeout_s=20.0, overlap_dispatch=True), want)
     torch.cuda.synchronize()
@@ -122,38 +111,6 @@ def test_overlap_dispatch_row_tile_wait_that_expires_is_raised_by_check():
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match=r"rank 0's kernels on their own work timed out 1 time\(s\).*overlap_dispatch"):
         ws.check()
-
-
-def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None, **forward):
-    """warm_up for forward and backward: each on its own throwaway workspaces (a forward whose
-    waits timed out leaves an error that the next call of its workspace would raise)."""
-    from mok.ep import ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
-
-    forward_ws = EPWorkspace.local_group(layout, capacity=capacity)
-    backward_ws = EPWorkspace.local_group(layout, capacity=capacity)
-    for f, b, a, d in zip(forward_ws, backward_ws, per_rank_args, per_rank_dout):
-        s = ep_moe_forward_saved(f, *a, timeout_s=1e-4, **forward)
-        ep_moe_backward(b, d, *a, s, timeout_s=1e-4)
-        torch.cuda.synchronize()
-
-
-def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, check=True, **forward):
-    """Forward (keeping h) then backward on every rank, each on its own stream."""
-    from mok.ep import ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
-
-    streams = [torch.cuda.Stream() for _ in workspaces]
-    results = []
-    torch.cuda.synchronize()
-    for ws, args, dout, stream in zip(workspaces, per_rank_args, per_rank_dout, streams):
-        with torch.cuda.stream(stream):
-            saved = ep_moe_forward_saved(ws, *args, timeout_s=timeout_s, **forward)
-            results.append((saved.out, ep_moe_backward(ws, dout, *args, saved, timeout_s=timeout_s)))
-    torch.cuda.synchronize()
-    for ws in workspaces if check else ():
-        ws.check()
-    return results
 
 
 @pytest.mark.parametrize("world,counts,E,k,shared_inter,routing", [
@@ -177,7 +134,7 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
     saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
     want = moe_backward(dout, x, idx, w, *experts, shared, saved)
     layout = EPLayout(world=world, max_tokens=max(counts) + 5, hidden=512, topk=k)
-    args = split(world, counts, x, idx, w, experts, shared)
+    args = split_ranks(world, counts, x, idx, w, experts, shared)
     bounds = [sum(counts[:p]) for p in range(world + 1)]
     douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
     warm_up_training(layout, args, douts, **forward)
@@ -194,6 +151,42 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
             for i in range(3):
                 summed = sum(g.d_shared[i].float() for g in grads)
                 assert float((summed - want.d_shared[i].float()).norm() / want.d_shared[i].float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ep_training_steps_with_a_new_batch_every_step_on_one_workspace_equal_single_gpu_bitwise(world):
+    """One long-lived workspace, a different batch at every step: token counts that shrink and grow
+    (0 and 1 included), uniform, Zipf and all-to-one-expert routing, the multi-launch and the
+    one-launch forward in turn. Nothing from an earlier, larger call may leak into a later one
+    (flags, epochs, slots, rows): every step's output and gradients are the single-GPU bits on
+    the concatenated batch. (perf/ep_soak.py runs the same for thousands of steps.)"""
+    from mok.fused_backward import moe_backward
+
+    max_tokens, E, k = 300, 12, 4
+    layout = EPLayout(world=world, max_tokens=max_tokens, hidden=512, topk=k)
+    x, idx, w, experts, _ = gpu_layer(8 * world, 512, 256, E, k, seed=world)
+    args = split_ranks(world, [8] * world, x, idx, w, experts, None)
+    for forward in ({}, {"one_launch": True}):
+        warm_up_training(layout, args, [a[0] for a in args], **forward)
+    workspaces = EPWorkspace.local_group(layout)
+    plan = [(300, 0, 1), (1, 300, 17), (0, 0, 300), (150, 299, 64), (5, 1, 0), (300, 300, 300), (0, 2, 1), (77, 128, 255)]
+    for step, counts in enumerate(plan):
+        counts = list(counts[:world]) if sum(counts[:world]) else [max_tokens] * world
+        routing = ("uniform", "zipf", "one_expert")[step % 3]
+        forward = {"one_launch": True} if step % 2 else {}
+        total = sum(counts)
+        x, idx, w, experts, _ = gpu_layer(total, 512, 256, E, k, seed=100 * world + step, routing=routing)
+        dout = torch.randn(total, 512, device="cuda").bfloat16()
+        saved = moe_forward(x, idx, w, *experts, save_for_backward=True)
+        want = moe_backward(dout, x, idx, w, *experts, None, saved)
+        bounds = [sum(counts[:p]) for p in range(world + 1)]
+        douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
+        results = run_train_ranks(workspaces, split_ranks(world, counts, x, idx, w, experts, None), douts, **forward)
+        case = f"step {step}: counts {counts}, {routing}, {forward or 'multi-launch'}"
+        assert torch.equal(torch.cat([out for out, _ in results]), saved.out), case
+        grads = [g for _, g in results]
+        for name in ("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"):
+            assert torch.equal(torch.cat([getattr(g, name) for g in grads]), getattr(want, name)), f"{case}: {name}"
 
 
 @pytest.mark.parametrize("forward", [{}, {"one_launch": True}])
@@ -216,7 +209,7 @@ def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_
             idx = torch.randint(0, E // world, idx.shape, device="cuda", dtype=torch.int32)
             idx[:, 1] = (idx[:, 0] + 1) % (E // world)
         dout = torch.randn(total, 512, device="cuda").bfloat16()
-        args = split(world, counts, x, idx, w, experts, None)
+        args = split_ranks(world, counts, x, idx, w, experts, None)
         douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
         warm_up_training(layout, args, douts, capacity=capacity, **forward)
         warm_up(layout, args, capacity=capacity, **forward)  # (the forward without h is another GEMM variant)
@@ -269,7 +262,7 @@ def test_ep_forward_and_backward_replayed_from_cuda_graphs_equal_single_gpu_bitw
     x, idx, w, experts, shared = gpu_layer(total, hidden, 256, E, k, 256, seed=77)
     dout = torch.randn(total, hidden, device="cuda").bfloat16()
     layout = EPLayout(world=world, max_tokens=320, hidden=hidden, topk=k)
-    args = split(world, counts, x, idx, w, experts, shared)  # the static inputs of the graphs
+    args = split_ranks(world, counts, x, idx, w, experts, shared)  # the static inputs of the graphs
     douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
     moe_backward(dout, x, idx, w, *experts, shared, moe_forward(x, idx, w, *experts, shared, save_for_backward=True))
     warm_up_training(layout, args, douts)
@@ -315,7 +308,7 @@ def test_ep_backward_accumulates_into_main_grads_like_the_single_gpu_backward():
     single = [b.clone() for b in start]
     moe_backward(dout, x, idx, w, *experts, shared, moe_forward(x, idx, w, *experts, shared, save_for_backward=True), main_grads=single)
     layout = EPLayout(world=world, max_tokens=320, hidden=512, topk=k)
-    args = split(world, counts, x, idx, w, experts, shared)
+    args = split_ranks(world, counts, x, idx, w, experts, shared)
     douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
     warm_up_training(layout, args, douts)
     e_local = E // world
@@ -425,7 +418,7 @@ def test_one_launch_ep_forward_is_one_kernel_per_rank_and_replays_from_cuda_grap
     total = sum(counts)
     x, idx, w, experts, _ = gpu_layer(total, hidden, 256, E, k, None, seed=78)
     layout = EPLayout(world=world, max_tokens=320, hidden=hidden, topk=k)
-    args = split(world, counts, x, idx, w, experts, None)
+    args = split_ranks(world, counts, x, idx, w, experts, None)
     moe_forward(x, idx, w, *experts)
     warm_up(layout, args, one_launch=True)
     workspaces = EPWorkspace.local_group(layout)
