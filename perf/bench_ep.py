@@ -19,8 +19,10 @@ NVLink GB/s per GPU, and whether every MoK path gave the default path's bits. Wi
 and autograd through the baseline with torch.distributed.nn's differentiable all_to_all_single
 (gradients of x, router weights and this rank's expert weights); bytes sent double.
 
-Written 2026-12-01 without a multi-GPU machine to run it on: the first run on
-nvidia-h200-x2 is its test.
+``--share-gpu`` puts every process on GPU 0 over gloo and times MoK's paths only (NCCL refuses
+two ranks on one GPU): a smoke run of this script where two GPUs are not to be had, not a
+measurement. Its NCCL baseline and the NVLink figures need two GPUs (last run: the sixth
+session, perf/NOTES.md).
 """
 
 from __future__ import annotations

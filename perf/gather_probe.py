@@ -5,8 +5,9 @@
 Per config: the layer's schedule's row_token (uniform routing, padding rows -1), then
 ops.gather_rows timed against torch's index_select of the same rows (no zero padding) and a
 device-to-device copy of as many bytes (for scale only: the copy reads HBM, while the gathered
-token rows come largely from L2, so it bounds nothing). Prints ms and GB/s of bytes read plus
-written.
+token rows come largely from L2, so it bounds nothing) and a fill of the output (writes only: what
+HBM's write rate allows a gather whose reads hit L2). Prints ms and GB/s of bytes read plus
+written (the fill: written).
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ def main() -> int:
             "mok gather": lambda: ops.gather_rows(x, token, out=out),
             "index_select": lambda: torch.index_select(x, 0, picked, out=out),
             "copy": lambda: out.copy_(copy_src),
+            "fill (writes)": lambda: out.fill_(1.0),
+            "mok gather x2": lambda: ops.gather_rows_pair(x, x, token),  # the backward's pair (dout and x rows)
         }
         moved = 2 * rows * H * 2  # bytes read + written
         for path, fn in paths.items():
             ms = time_ms(fn)
-            print(f"{name:<10}{path:<14}{ms:>8.3f}{moved / ms / 1e6:>8.0f}")
+            nbytes = {"fill (writes)": moved // 2, "mok gather x2": 2 * moved}.get(path, moved)
+            print(f"{name:<10}{path:<14}{ms:>8.3f}{nbytes / ms / 1e6:>8.0f}")
     return 0
 
 
