@@ -22,38 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from mok.ep import EPLayout, EPWorkspace
-from mok.fused_backward import moe_backward
-from mok.fused_forward import moe_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import gpu_layer, run_train_ranks, split_ranks, warm_up_training  # noqa: E402
+from helpers import (  # noqa: E402
+    ep_training_case, ep_training_mismatches, run_train_ranks, warm_up_both_forwards,
+)
 
 HIDDEN, INTER, EXPERTS, TOPK, MAX_TOKENS = 512, 256, 12, 4, 300
 ROUTINGS = ("uniform", "zipf", "one_expert")
-
-
-def mismatches(results, want_out, want) -> list[str]:
-    """The names of the results that are not the single-GPU bits."""
-    grads = [g for _, g in results]
-    got = {"out": torch.cat([out for out, _ in results]), "dx": torch.cat([g.dx for g in grads]),
-           "d_topk_w": torch.cat([g.d_topk_w for g in grads])}
-    for name in ("d_w_gate", "d_w_up", "d_w_down"):
-        got[name] = torch.cat([getattr(g, name) for g in grads])
-    expected = {"out": want_out, "dx": want.dx, "d_topk_w": want.d_topk_w,
-                **{name: getattr(want, name) for name in ("d_w_gate", "d_w_up", "d_w_down")}}
-    return [name for name in got if not torch.equal(got[name], expected[name])]
-
-
-def warm_up(world: int) -> None:
-    """Load every kernel, one rank at a time (helpers.warm_up_training), for both forwards."""
-    layout = EPLayout(world=world, max_tokens=MAX_TOKENS, hidden=HIDDEN, topk=TOPK)
-    x, idx, w, experts, _ = gpu_layer(8 * world, HIDDEN, INTER, EXPERTS, TOPK, seed=world)
-    per_rank = split_ranks(world, [8] * world, x, idx, w, experts, None)
-    for forward in ({}, {"one_launch": True}):
-        warm_up_training(layout, per_rank, [args[0] for args in per_rank], **forward)
 
 
 def main() -> int:
@@ -65,8 +42,9 @@ def main() -> int:
     rng = random.Random(args.seed)
     failures = 0
     for world in (int(w) for w in args.worlds.split(",")):
-        warm_up(world)
-        workspaces = EPWorkspace.local_group(EPLayout(world=world, max_tokens=MAX_TOKENS, hidden=HIDDEN, topk=TOPK))
+        layout = EPLayout(world=world, max_tokens=MAX_TOKENS, hidden=HIDDEN, topk=TOPK)
+        warm_up_both_forwards(layout, INTER, EXPERTS)
+        workspaces = EPWorkspace.local_group(layout)
         slowest, start = 0.0, time.perf_counter()
         for step in range(args.steps):
             counts = [rng.choice((0, 1, rng.randrange(2, MAX_TOKENS + 1))) for _ in range(world)]
@@ -74,17 +52,11 @@ def main() -> int:
                 counts[rng.randrange(world)] = MAX_TOKENS  # (a batch of no token at all is not a step)
             routing = rng.choice(ROUTINGS)
             forward = rng.choice(({}, {"one_launch": True}))
-            total = sum(counts)
-            x, idx, w, experts, _ = gpu_layer(total, HIDDEN, INTER, EXPERTS, TOPK, seed=rng.randrange(1 << 30), routing=routing)
-            dout = torch.randn(total, HIDDEN, device="cuda").bfloat16()
-            saved = moe_forward(x, idx, w, *experts, save_for_backward=True)
-            want = moe_backward(dout, x, idx, w, *experts, None, saved)
-            bounds = [sum(counts[:p]) for p in range(world + 1)]
-            douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
+            seed = rng.randrange(1 << 30)
+            per_rank, douts, want_out, want = ep_training_case(world, counts, HIDDEN, INTER, EXPERTS, TOPK, seed=seed, routing=routing)
             t0 = time.perf_counter()
             try:
-                results = run_train_ranks(workspaces, split_ranks(world, counts, x, idx, w, experts, None), douts, **forward)
-                wrong = mismatches(results, saved.out, want)
+                wrong = ep_training_mismatches(run_train_ranks(workspaces, per_rank, douts, **forward), want_out, want)
             except RuntimeError as error:  # a wait that timed out, recorded by a workspace
                 wrong = [f"error: {error}"]
             slowest = max(slowest, time.perf_counter() - t0)
@@ -92,7 +64,7 @@ def main() -> int:
                 failures += 1
                 print(f"W={world} step {step}: counts {counts}, {routing}, {forward or 'multi-launch'}: {', '.join(wrong)}")
                 if any(name.startswith("error") for name in wrong):  # the workspaces are out of step now
-                    workspaces = EPWorkspace.local_group(EPLayout(world=world, max_tokens=MAX_TOKENS, hidden=HIDDEN, topk=TOPK))
+                    workspaces = EPWorkspace.local_group(layout)
         print(f"W={world}: {args.steps} steps in {time.perf_counter() - start:.1f} s, slowest EP step {slowest * 1e3:.1f} ms, "
               f"{failures} with a mismatch or an error so far")
     return 1 if failures else 0

@@ -165,3 +165,42 @@ def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, ch
     for ws in workspaces if check else ():
         ws.check()
     return results
+
+
+def warm_up_both_forwards(layout, inter: int, num_experts: int) -> None:
+    """:func:`warm_up_training` on 8 tokens per rank, after the multi-launch and the one-launch
+    forward: every kernel a training step of this layout and these expert shapes launches."""
+    world, hidden, topk = layout.world, layout.hidden, layout.topk
+    x, idx, w, experts, _ = gpu_layer(8 * world, hidden, inter, num_experts, topk, seed=world)
+    per_rank = split_ranks(world, [8] * world, x, idx, w, experts, None)
+    for forward in ({}, {"one_launch": True}):
+        warm_up_training(layout, per_rank, [args[0] for args in per_rank], **forward)
+
+
+def ep_training_case(world, counts, hidden, inter, num_experts, topk, *, seed, routing):
+    """A batch of sum(counts) tokens (no shared expert) split over ``world`` ranks, and the
+    single-GPU forward and backward on all of it: (per-rank arguments, per-rank dout, out,
+    gradients), the bits an expert-parallel training step on it must give."""
+    from mok.fused_backward import moe_backward
+    from mok.fused_forward import moe_forward
+
+    total = sum(counts)
+    x, idx, w, experts, _ = gpu_layer(total, hidden, inter, num_experts, topk, seed=seed, routing=routing)
+    dout = torch.randn(total, hidden, device="cuda").bfloat16()
+    saved = moe_forward(x, idx, w, *experts, save_for_backward=True)
+    want = moe_backward(dout, x, idx, w, *experts, None, saved)
+    bounds = [sum(counts[:p]) for p in range(world + 1)]
+    douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
+    return split_ranks(world, counts, x, idx, w, experts, None), douts, saved.out, want
+
+
+def ep_training_mismatches(results, want_out, want) -> list[str]:
+    """The names of what :func:`run_train_ranks` gave (concatenated over ranks) that is not the
+    single-GPU bits: out, dx, d_topk_w, d_w_gate, d_w_up, d_w_down."""
+    grads = [g for _, g in results]
+    got = {"out": torch.cat([out for out, _ in results])}
+    expected = {"out": want_out}
+    for name in ("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"):
+        got[name] = torch.cat([getattr(g, name) for g in grads])
+        expected[name] = getattr(want, name)
+    return [name for name in got if not torch.equal(got[name], expected[name])]

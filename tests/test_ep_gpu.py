@@ -10,7 +10,10 @@ import torch
 from mok.ep import EPLayout, EPWorkspace, ep_moe_forward
 from mok.fused_forward import moe_forward
 
-from helpers import gpu_layer, poisoned, rel_err, run_train_ranks, split_ranks, warm_up_training
+from helpers import (
+    ep_training_case, ep_training_mismatches, gpu_layer, poisoned, rel_err, run_train_ranks, split_ranks, warm_up_both_forwards,
+    warm_up_training,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -160,33 +163,18 @@ def test_ep_training_steps_with_a_new_batch_every_step_on_one_workspace_equal_si
     one-launch forward in turn. Nothing from an earlier, larger call may leak into a later one
     (flags, epochs, slots, rows): every step's output and gradients are the single-GPU bits on
     the concatenated batch. (perf/ep_soak.py runs the same for thousands of steps.)"""
-    from mok.fused_backward import moe_backward
-
     max_tokens, E, k = 300, 12, 4
     layout = EPLayout(world=world, max_tokens=max_tokens, hidden=512, topk=k)
-    x, idx, w, experts, _ = gpu_layer(8 * world, 512, 256, E, k, seed=world)
-    args = split_ranks(world, [8] * world, x, idx, w, experts, None)
-    for forward in ({}, {"one_launch": True}):
-        warm_up_training(layout, args, [a[0] for a in args], **forward)
+    warm_up_both_forwards(layout, 256, E)
     workspaces = EPWorkspace.local_group(layout)
     plan = [(300, 0, 1), (1, 300, 17), (0, 0, 300), (150, 299, 64), (5, 1, 0), (300, 300, 300), (0, 2, 1), (77, 128, 255)]
     for step, counts in enumerate(plan):
         counts = list(counts[:world]) if sum(counts[:world]) else [max_tokens] * world
         routing = ("uniform", "zipf", "one_expert")[step % 3]
         forward = {"one_launch": True} if step % 2 else {}
-        total = sum(counts)
-        x, idx, w, experts, _ = gpu_layer(total, 512, 256, E, k, seed=100 * world + step, routing=routing)
-        dout = torch.randn(total, 512, device="cuda").bfloat16()
-        saved = moe_forward(x, idx, w, *experts, save_for_backward=True)
-        want = moe_backward(dout, x, idx, w, *experts, None, saved)
-        bounds = [sum(counts[:p]) for p in range(world + 1)]
-        douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
-        results = run_train_ranks(workspaces, split_ranks(world, counts, x, idx, w, experts, None), douts, **forward)
-        case = f"step {step}: counts {counts}, {routing}, {forward or 'multi-launch'}"
-        assert torch.equal(torch.cat([out for out, _ in results]), saved.out), case
-        grads = [g for _, g in results]
-        for name in ("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"):
-            assert torch.equal(torch.cat([getattr(g, name) for g in grads]), getattr(want, name)), f"{case}: {name}"
+        per_rank, douts, want_out, want = ep_training_case(world, counts, 512, 256, E, k, seed=100 * world + step, routing=routing)
+        wrong = ep_training_mismatches(run_train_ranks(workspaces, per_rank, douts, **forward), want_out, want)
+        assert not wrong, f"step {step}: counts {counts}, {routing}, {forward or 'multi-launch'}: not the single-GPU bits: {wrong}"
 
 
 @pytest.mark.parametrize("forward", [{}, {"one_launch": True}])
