@@ -1,6 +1,8 @@
 """The expert-parallel reference over gloo equals the single-process reference."""
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -26,27 +28,43 @@ def _global_problem(world, num_experts, topk, skew):
     return x, idx, w, experts, shared
 
 
+def _rank_step(rank, world, num_experts, topk, skew):
+    """This rank's slice of the global problem through the EP reference, forward and backward."""
+    x, idx, w, experts, shared = _global_problem(world, num_experts, topk, skew)
+    counts = _tokens_per_rank(world)
+    lo = sum(counts[:rank])
+    sl = slice(lo, lo + counts[rank])
+    e_local = num_experts // world
+    esl = slice(rank * e_local, (rank + 1) * e_local)
+    leaves = [x[sl].clone().requires_grad_(), w[sl].clone().requires_grad_()]
+    leaves += [t[esl].clone().requires_grad_() for t in experts]
+    leaves += [t.clone().requires_grad_() for t in shared]
+    out = moe_reference_ep(leaves[0], idx[sl], leaves[1], *leaves[2:5], tuple(leaves[5:]))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
+    out.backward(dout)
+    grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]  # unused experts: zero
+    return {"out": out.detach(), "dout": dout, "grads": grads}
+
+
 def _worker(rank, world, num_experts, topk, skew, init_file, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        x, idx, w, experts, shared = _global_problem(world, num_experts, topk, skew)
-        counts = _tokens_per_rank(world)
-        lo = sum(counts[:rank])
-        sl = slice(lo, lo + counts[rank])
-        e_local = num_experts // world
-        esl = slice(rank * e_local, (rank + 1) * e_local)
-        leaves = [x[sl].clone().requires_grad_(), w[sl].clone().requires_grad_()]
-        leaves += [t[esl].clone().requires_grad_() for t in experts]
-        leaves += [t.clone().requires_grad_() for t in shared]
-        out = moe_reference_ep(leaves[0], idx[sl], leaves[1], *leaves[2:5], tuple(leaves[5:]))
-        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
-        out.backward(dout)
-        grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]  # unused experts: zero
-        torch.save({"out": out.detach(), "dout": dout, "grads": grads}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save(_rank_step(rank, world, num_experts, topk, skew), os.path.join(out_dir, f"{rank}.pt"))
         dist.barrier()  # no rank tears gloo down while a peer still has an exchange in flight
     finally:
         dist.destroy_process_group()
+
+
+def _teardown_worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    _rank_step(rank, world, 8, 2, False)
+    dist.barrier()
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    torch.save(group() is None, os.path.join(out_dir, f"released{rank}.pt"))
 
 
 @pytest.mark.parametrize("world,num_experts,topk,skew", [(2, 8, 2, False), (2, 4, 1, True), (4, 8, 3, False), (4, 16, 8, True)])
@@ -72,3 +90,16 @@ def test_ep_reference_equals_single_process(tmp_path, world, num_experts, topk, 
         assert close(torch.cat([p["grads"][i] for p in parts]), leaves[i].grad)
     for i in (5, 6, 7):  # shared expert: replicated, per-rank contributions sum to the total
         assert close(sum(p["grads"][i] for p in parts), leaves[i].grad)
+
+
+def test_ep_reference_lets_the_process_group_go_at_destroy(tmp_path):
+    """After a forward and backward, destroy_process_group frees the group: nothing of MoK's keeps it.
+
+    A group that outlives it is torn down during the interpreter's shutdown, with gloo's worker
+    threads still running; the 4-rank torchrun example aborted there now and then ("terminate
+    called without an active exception") while torch's functional collectives held the group.
+    """
+    world = 2
+    mp.spawn(_teardown_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    released = [torch.load(tmp_path / f"released{r}.pt") for r in range(world)]
+    assert released == [True] * world, f"process group still alive after destroy_process_group on ranks {released}"
