@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers import random_layer
+from mok import MoELayer
 from mok.reference import moe_reference, moe_reference_ep
 
 HIDDEN, INTER, SHARED_INTER = 16, 8, 12
@@ -60,6 +61,9 @@ def _teardown_worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     _rank_step(rank, world, 8, 2, False)
+    layer = MoELayer(HIDDEN, INTER, 8, 2, group=dist.group.WORLD, dtype=torch.float32)  # the layer's CPU path too
+    layer(torch.randn(3 + rank, HIDDEN, requires_grad=True)).sum().backward()
+    del layer
     dist.barrier()
     group = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
@@ -92,12 +96,14 @@ def test_ep_reference_equals_single_process(tmp_path, world, num_experts, topk, 
         assert close(sum(p["grads"][i] for p in parts), leaves[i].grad)
 
 
-def test_ep_reference_lets_the_process_group_go_at_destroy(tmp_path):
-    """After a forward and backward, destroy_process_group frees the group: nothing of MoK's keeps it.
+def test_ep_reference_and_layer_let_the_process_group_go_at_destroy(tmp_path):
+    """After a forward and backward (the EP reference, then mok.MoELayer on the CPU), destroy_process_group
+    frees the group: nothing of MoK's keeps it.
 
     A group that outlives it is torn down during the interpreter's shutdown, with gloo's worker
     threads still running; the 4-rank torchrun example aborted there now and then ("terminate
-    called without an active exception") while torch's functional collectives held the group.
+    called without an active exception") while torch.distributed.nn's default arguments held the
+    group (torch's functional collectives, which the EP reference used, import that module).
     """
     world = 2
     mp.spawn(_teardown_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
