@@ -17,7 +17,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before init_process_group: see main()
 from torch import nn
 
 import mok
@@ -85,10 +84,6 @@ def main() -> int:
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
     if world > 1:  # every rank past its last collective before any tears its connections down
-        # The group's gloo threads then stop when main returns (the model holds the group), not
-        # during interpreter shutdown: nothing else holds it. torch.distributed.nn's functions
-        # take the default group as a default argument when first imported (torch imports them
-        # lazily, from the optimizer among others), hence their import before init_process_group.
         dist.barrier()
         dist.destroy_process_group()
     return 0

@@ -7,6 +7,15 @@ the routing schedule (:func:`build_schedule`) and the combine op (:func:`combine
 Kernels (CuTe DSL) load only when a GPU op first runs.
 """
 
+import torch.distributed
+
+if torch.distributed.is_available():
+    # Now, before any process group exists: torch imports this module lazily (torch._dynamo
+    # does, which optimizers and custom ops load), and its functions take the default group as
+    # a default argument when imported. Imported after init_process_group, it keeps that group
+    # (and gloo's threads) alive past destroy_process_group, into the interpreter's shutdown.
+    import torch.distributed.nn  # noqa: F401
+
 from .config import DEFAULT_CONFIG, MoKConfig
 from .reference import SharedExpert, combine_reference, moe_reference, moe_reference_ep
 from .schedule import Schedule, build_schedule, worst_case_capacity

@@ -16,7 +16,9 @@ Both check the tensors against the config and raise before any launch. For autog
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,7 +41,7 @@ class LayerContext:
     saved: ForwardResult
 
 
-_WORKSPACES: dict = {}
+_WORKSPACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()  # group -> {settings: workspace}
 
 
 def get_workspace(
@@ -50,11 +52,16 @@ def get_workspace(
     capacity_factor: float | None = None,
 ):
     """The communication workspace for ``config`` on ``group``, built once and reused (None at EP = 1);
-    built again (a collective, as the first time) once it was closed, e.g. after an error it recorded."""
-    key = (id(group), tuple(sorted(config.as_dict().items())), max_tokens, capacity_factor)
-    ws = _WORKSPACES.get(key)
+    built again (a collective, as the first time) once it was closed, e.g. after an error it recorded.
+    Kept for as long as ``group`` lives: once the group is destroyed and nothing else holds it (a
+    layer holds its group) or the workspace, the workspace's memory is released."""
+    if group is None:  # (EP = 1: nothing to build or keep; else create_workspace says what was expected)
+        return create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor)
+    built = _WORKSPACES.setdefault(group, {})
+    key = (tuple(sorted(config.as_dict().items())), max_tokens, capacity_factor)
+    ws = built.get(key)
     if ws is None or ws.closed:
-        ws = _WORKSPACES[key] = create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor)
+        ws = built[key] = create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor)
     return ws
 
 

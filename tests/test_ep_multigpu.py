@@ -130,6 +130,40 @@ def test_rank_that_skips_the_call_makes_the_peer_raise_two_processes_one_gpu(tmp
     assert "rank 0 timed out in phase publish" in results[0]["error"] and "waiting for rank 1" in results[0]["error"]
 
 
+def _release_worker(rank, init_file, out_dir, shared_gpu):
+    """A layer's workspace, its symmetric memory and the group: reused while the layer lives, all
+    released once the layer is gone and the group destroyed (MoK's workspace cache holds neither)."""
+    import gc
+    import weakref
+
+    from mok import MoELayer
+
+    torch.cuda.set_device(0 if shared_gpu else rank)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    layer = MoELayer(H, I, E, K, shared_intermediate=256, group=dist.group.WORLD, device="cuda", max_tokens=max(COUNTS))
+    x = torch.randn(COUNTS[rank], H, device="cuda").bfloat16().requires_grad_()
+    layer(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    workspace = layer.workspace()
+    reused = layer.workspace() is workspace
+    refs = [weakref.ref(obj) for obj in (dist.group.WORLD, workspace, workspace.owner)]
+    del layer, x, workspace
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    torch.save({"reused": reused, "released": [ref() is None for ref in refs]}, f"{out_dir}/{rank}.pt")
+
+
+@pytest.mark.parametrize("shared_gpu", [pytest.param(False, marks=pytest.mark.multigpu), True])
+def test_layer_workspace_and_group_are_released_once_the_layer_is_gone_and_the_group_destroyed(tmp_path, shared_gpu):
+    if shared_gpu:
+        _compile_here()
+    mp.spawn(_release_worker, args=(str(tmp_path / "init"), str(tmp_path), shared_gpu), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert got == {"reused": True, "released": [True, True, True]}, (rank, got)  # (group, workspace, its memory)
+
+
 def _layer_worker(rank, init_file, out_dir, shared_gpu, one_launch=False):
     """mok.MoELayer(group=...) on rank ``rank`` against the single-process layer holding every expert
     (``one_launch``: the expert-parallel layer's forward in one kernel)."""

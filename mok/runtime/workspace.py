@@ -155,10 +155,11 @@ class SymmetricWorkspace:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
         check_multicast_allowed(multicast)
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
-        agree_on_spec({**(spec or {}), "nbytes": nbytes, "world": self.world}, self.group)
+        group = group if group is not None else dist.group.WORLD
+        self._group = weakref.ref(group)  # (the collectives are all here: holding the group would keep it past its destroy)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        agree_on_spec({**(spec or {}), "nbytes": nbytes, "world": self.world}, group)
 
         self.device = torch.cuda.current_device()
         torch.cuda.init()
@@ -180,15 +181,15 @@ class SymmetricWorkspace:
         self._fds: list[int] = []
         self.base = 0
         try:
-            peers = self._import_by_fabric(prop) if _every_rank(_fabric_supported(self.device), self.group) else None
+            peers = self._import_by_fabric(prop, group) if _every_rank(_fabric_supported(self.device), group) else None
             if peers is None:
                 own = _cu(driver.cuMemCreate(self.size, prop, 0), "cuMemCreate")
                 self._handles.append(own)
                 fd = _cu(driver.cuMemExportToShareableHandle(own, fd_type, 0), "cuMemExportToShareableHandle")
                 token = [uuid.uuid4().hex if self.rank == 0 else None]
-                dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+                dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
                 self._fds = [int(fd)]  # (closed by close() if the exchange fails)
-                self._fds = _exchange_fds(int(fd), self.group, token[0])
+                self._fds = _exchange_fds(int(fd), group, token[0])
                 peers = []
                 for r in range(self.world):  # each imported handle is kept at once: close() releases it if a later one fails
                     if r != self.rank:
@@ -214,7 +215,12 @@ class SymmetricWorkspace:
         )
         _live.add(self)
 
-    def _import_by_fabric(self, prop) -> list | None:
+    @property
+    def group(self):
+        """The process group this workspace was built on; None once that group is gone (held weakly)."""
+        return self._group()
+
+    def _import_by_fabric(self, prop, group) -> list | None:
         """Every rank's allocation through fabric handles (own first in ``_handles``), or None, on
         every rank alike, when any rank could not create, export or import one (its pieces released)."""
         import torch.distributed as dist
@@ -230,7 +236,7 @@ class SymmetricWorkspace:
         except Exception:  # anything: this rank then votes against fabric (raising here would leave the peers waiting)
             blob = None
         blobs: list[Any] = [None] * self.world
-        dist.all_gather_object(blobs, blob, group=self.group)
+        dist.all_gather_object(blobs, blob, group=group)
         peers = None
         if all(b is not None for b in blobs):
             try:
@@ -246,7 +252,7 @@ class SymmetricWorkspace:
                     held.append(peers[-1])
             except Exception:  # likewise: vote against, never raise alone
                 peers = None
-        if not _every_rank(peers is not None, self.group):
+        if not _every_rank(peers is not None, group):
             for handle in held:
                 driver.cuMemRelease(handle)
             prop.requestedHandleTypes = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -311,18 +317,22 @@ class SymmetricWorkspace:
 
 
 _live: "weakref.WeakSet[SymmetricWorkspace]" = weakref.WeakSet()
-_by_key: dict[tuple, SymmetricWorkspace] = {}
+_by_group: "weakref.WeakKeyDictionary[Any, dict[tuple, SymmetricWorkspace]]" = weakref.WeakKeyDictionary()
 
 
 def get_workspace(nbytes: int, group=None, *, spec: Mapping[str, Any] | None = None) -> SymmetricWorkspace:
-    """The workspace for (group, size, spec), created on first use and reused after."""
+    """The workspace for (group, size, spec), created on first use and reused after.
+
+    Kept for as long as its group lives: once the group is destroyed and nothing else holds
+    it or the workspace, the workspace's memory is released."""
     import torch.distributed as dist
 
     group = group if group is not None else dist.group.WORLD
-    key = (id(group), nbytes, tuple(sorted((spec or {}).items())))
-    ws = _by_key.get(key)
+    built = _by_group.setdefault(group, {})
+    key = (nbytes, tuple(sorted((spec or {}).items())))
+    ws = built.get(key)
     if ws is None or ws.closed:
-        ws = _by_key[key] = SymmetricWorkspace(nbytes, group, spec=spec)
+        ws = built[key] = SymmetricWorkspace(nbytes, group, spec=spec)
     return ws
 
 
