@@ -170,10 +170,9 @@ def moe_reference_ep(
 class ExchangeRows(torch.autograd.Function):
     """all_to_all of rows whose backward is the reverse all_to_all (no arithmetic: exact).
 
-    Written on ``torch.distributed.all_to_all_single`` rather than torch's functional
-    collectives: their first call imports ``torch.distributed.nn.functional``, whose default
-    arguments capture the default group, so the group (and gloo's worker threads) outlived
-    ``destroy_process_group`` into the interpreter's shutdown.
+    Written on ``torch.distributed.all_to_all_single`` rather than torch's private functional
+    collectives, whose first call also imports ``torch.distributed.nn`` (see mok/__init__.py:
+    imported after ``init_process_group``, it keeps the default group alive).
     """
 
     @staticmethod

@@ -103,7 +103,8 @@ def test_ep_reference_and_layer_let_the_process_group_go_at_destroy(tmp_path):
     A group that outlives it is torn down during the interpreter's shutdown, with gloo's worker
     threads still running; the 4-rank torchrun example aborted there now and then ("terminate
     called without an active exception") while torch.distributed.nn's default arguments held the
-    group (torch's functional collectives, which the EP reference used, import that module).
+    group: torch's functional collectives (which the EP reference used) and optimizers import that
+    module lazily, after init_process_group; mok now imports it first.
     """
     world = 2
     mp.spawn(_teardown_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
