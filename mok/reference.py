@@ -120,6 +120,7 @@ def moe_reference_ep(
     autograd flows through the exchange. Ranks may hold different token counts.
     """
     import torch.distributed as dist
+    from torch.distributed.nn.functional import all_to_all_single  # (differentiable: its backward is the reverse exchange)
 
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
@@ -148,7 +149,7 @@ def moe_reference_ep(
     send_tok = order // topk
     recv_expert = flat_expert.new_empty(num_recv)
     dist.all_to_all_single(recv_expert, flat_expert[order].contiguous(), recv_splits, send_splits, group=group)
-    recv_x = ExchangeRows.apply(xc[send_tok].contiguous(), recv_splits, send_splits, group)
+    recv_x = all_to_all_single(xc.new_empty(num_recv, hidden), xc[send_tok].contiguous(), recv_splits, send_splits, group=group)
 
     # Expert side: rows arrive in source-rank order, each source in (t, j) order, which is
     # the canonical global order (g = token offset of the source + t, then j).
@@ -161,37 +162,10 @@ def moe_reference_ep(
             out_rows = swiglu_mlp(recv_x[rows], experts.gate[local], experts.up[local], experts.down[local])
             recv_y = recv_y.index_put((rows,), out_rows)
 
-    back_y = ExchangeRows.apply(recv_y, send_splits, recv_splits, group)
+    back_y = all_to_all_single(xc.new_empty(len(order), hidden), recv_y, send_splits, recv_splits, group=group)
     y = xc.new_zeros(x.shape[0] * topk, hidden).index_put((order,), back_y).view(x.shape[0], topk, hidden)
     base = None if shared is None else _shared_on_global_batch(xc, _upcast(dtype, *shared), group)
     return weighted_sum(y, wc, base)
-
-
-class ExchangeRows(torch.autograd.Function):
-    """all_to_all of rows whose backward is the reverse all_to_all (no arithmetic: exact).
-
-    Written on ``torch.distributed.all_to_all_single`` rather than torch's private functional
-    collectives, whose first call also imports ``torch.distributed.nn`` (see mok/__init__.py:
-    imported after ``init_process_group``, it keeps the default group alive).
-    """
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.splits, ctx.group = (recv_splits, send_splits), group
-        out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-        dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        import torch.distributed as dist
-
-        recv_splits, send_splits = ctx.splits
-        back = grad.new_empty(sum(send_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
-        return back, None, None, None
 
 
 def _shared_on_global_batch(x: torch.Tensor, shared: list[torch.Tensor], group) -> torch.Tensor:
