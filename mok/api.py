@@ -16,9 +16,7 @@ Both check the tensors against the config and raise before any launch. For autog
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -26,6 +24,7 @@ from .config import MoKConfig
 from .fused_forward import ForwardResult, moe_forward
 from .reference import SharedExpert
 from .reference_backward import Gradients
+from .runtime.workspace import PerGroupCache
 from .validation import check_index_range, check_moe_inputs
 
 
@@ -41,7 +40,7 @@ class LayerContext:
     saved: ForwardResult
 
 
-_WORKSPACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()  # group -> {settings: workspace}
+_WORKSPACES = PerGroupCache()  # group -> {settings: workspace}
 
 
 def get_workspace(
@@ -57,12 +56,8 @@ def get_workspace(
     layer holds its group) or the workspace, the workspace's memory is released."""
     if group is None:  # (EP = 1: nothing to build or keep; else create_workspace says what was expected)
         return create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor)
-    built = _WORKSPACES.setdefault(group, {})
     key = (tuple(sorted(config.as_dict().items())), max_tokens, capacity_factor)
-    ws = built.get(key)
-    if ws is None or ws.closed:
-        ws = built[key] = create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor)
-    return ws
+    return _WORKSPACES.get(group, key, lambda: create_workspace(config, group, max_tokens=max_tokens, capacity_factor=capacity_factor))
 
 
 def create_workspace(

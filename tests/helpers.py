@@ -122,15 +122,17 @@ def value_errors_on_two_ranks(tmp_path, action) -> list[str]:
 # Expert parallelism emulated on one GPU (W ranks on W streams sharing one workspace buffer)
 
 
+def split_rows(t, counts):
+    """``t``'s rows cut in order into pieces of counts[0], counts[1], ... rows (contiguous copies)."""
+    bounds = [sum(counts[:p]) for p in range(len(counts) + 1)]
+    return [t[bounds[p]:bounds[p + 1]].contiguous() for p in range(len(counts))]
+
+
 def split_ranks(world, counts, x, idx, w, experts, shared):
     """Rank p's tokens (counts[p] of them, in order) and experts (E / world of them)."""
     e_local = experts[0].shape[0] // world
-    bounds = [sum(counts[:p]) for p in range(world + 1)]
-    return [
-        (x[bounds[p]:bounds[p + 1]].contiguous(), idx[bounds[p]:bounds[p + 1]].contiguous(), w[bounds[p]:bounds[p + 1]].contiguous(),
-         *(t[p * e_local:(p + 1) * e_local].contiguous() for t in experts), shared)
-        for p in range(world)
-    ]
+    tokens = zip(split_rows(x, counts), split_rows(idx, counts), split_rows(w, counts))
+    return [(*rank_tokens, *(t[p * e_local:(p + 1) * e_local].contiguous() for t in experts), shared) for p, rank_tokens in enumerate(tokens)]
 
 
 def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None, **forward):
@@ -189,9 +191,7 @@ def ep_training_case(world, counts, hidden, inter, num_experts, topk, *, seed, r
     dout = torch.randn(total, hidden, device="cuda").bfloat16()
     saved = moe_forward(x, idx, w, *experts, save_for_backward=True)
     want = moe_backward(dout, x, idx, w, *experts, None, saved)
-    bounds = [sum(counts[:p]) for p in range(world + 1)]
-    douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
-    return split_ranks(world, counts, x, idx, w, experts, None), douts, saved.out, want
+    return split_ranks(world, counts, x, idx, w, experts, None), split_rows(dout, counts), saved.out, want
 
 
 def ep_training_mismatches(results, want_out, want) -> list[str]:

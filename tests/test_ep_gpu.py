@@ -11,7 +11,7 @@ from mok.ep import EPLayout, EPWorkspace, ep_moe_forward
 from mok.fused_forward import moe_forward
 
 from helpers import (
-    ep_training_case, ep_training_mismatches, gpu_layer, poisoned, rel_err, run_train_ranks, split_ranks, warm_up_both_forwards,
+    ep_training_case, ep_training_mismatches, gpu_layer, poisoned, rel_err, run_train_ranks, split_ranks, split_rows, warm_up_both_forwards,
     warm_up_training,
 )
 
@@ -138,8 +138,7 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
     want = moe_backward(dout, x, idx, w, *experts, shared, saved)
     layout = EPLayout(world=world, max_tokens=max(counts) + 5, hidden=512, topk=k)
     args = split_ranks(world, counts, x, idx, w, experts, shared)
-    bounds = [sum(counts[:p]) for p in range(world + 1)]
-    douts = [dout[bounds[p]:bounds[p + 1]].contiguous() for p in range(world)]
+    douts = split_rows(dout, counts)
     warm_up_training(layout, args, douts, **forward)
     workspaces = EPWorkspace.local_group(layout)
     for _ in range(2):  # a second training step on the same workspace: the same bits
@@ -198,7 +197,7 @@ def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_
             idx[:, 1] = (idx[:, 0] + 1) % (E // world)
         dout = torch.randn(total, 512, device="cuda").bfloat16()
         args = split_ranks(world, counts, x, idx, w, experts, None)
-        douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
+        douts = split_rows(dout, counts)
         warm_up_training(layout, args, douts, capacity=capacity, **forward)
         warm_up(layout, args, capacity=capacity, **forward)  # (the forward without h is another GEMM variant)
         bounded_ws = EPWorkspace.local_group(layout, capacity=capacity)
@@ -251,7 +250,7 @@ def test_ep_forward_and_backward_replayed_from_cuda_graphs_equal_single_gpu_bitw
     dout = torch.randn(total, hidden, device="cuda").bfloat16()
     layout = EPLayout(world=world, max_tokens=320, hidden=hidden, topk=k)
     args = split_ranks(world, counts, x, idx, w, experts, shared)  # the static inputs of the graphs
-    douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
+    douts = split_rows(dout, counts)
     moe_backward(dout, x, idx, w, *experts, shared, moe_forward(x, idx, w, *experts, shared, save_for_backward=True))
     warm_up_training(layout, args, douts)
     workspaces = EPWorkspace.local_group(layout)
@@ -266,10 +265,9 @@ def test_ep_forward_and_backward_replayed_from_cuda_graphs_equal_single_gpu_bitw
     for step in range(3):
         x2, idx2, w2, _, _ = gpu_layer(total, hidden, 256, E, k, 256, seed=100 + step, routing=("uniform", "zipf", "one_expert")[step])
         dout2 = torch.randn(total, hidden, device="cuda").bfloat16()
-        for p, (lo, hi) in enumerate(((0, counts[0]), (counts[0], total))):
-            for static, new in zip(args[p][:3], (x2, idx2, w2)):
-                static.copy_(new[lo:hi])
-            douts[p].copy_(dout2[lo:hi])
+        for p, pieces in enumerate(zip(*(split_rows(t, counts) for t in (x2, idx2, w2, dout2)))):
+            for static, new in zip((*args[p][:3], douts[p]), pieces):
+                static.copy_(new)
         saved = moe_forward(x2, idx2, w2, *experts, shared, save_for_backward=True)
         want = moe_backward(dout2, x2, idx2, w2, *experts, shared, saved)
         replay_on_streams(graphs, workspaces)
@@ -297,7 +295,7 @@ def test_ep_backward_accumulates_into_main_grads_like_the_single_gpu_backward():
     moe_backward(dout, x, idx, w, *experts, shared, moe_forward(x, idx, w, *experts, shared, save_for_backward=True), main_grads=single)
     layout = EPLayout(world=world, max_tokens=320, hidden=512, topk=k)
     args = split_ranks(world, counts, x, idx, w, experts, shared)
-    douts = [dout[:counts[0]].contiguous(), dout[counts[0]:].contiguous()]
+    douts = split_rows(dout, counts)
     warm_up_training(layout, args, douts)
     e_local = E // world
     buffers = [[b[p * e_local:(p + 1) * e_local].clone() for b in start[:3]] + [b.clone() for b in start[3:]] for p in range(world)]

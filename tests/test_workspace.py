@@ -1,10 +1,12 @@
 """Workspace rules that need no GPU: the multicast guard and the cross-rank shape check."""
 
+import gc
+
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mok.runtime.workspace import SymmetricWorkspace, agree_on_spec, check_multicast_allowed
+from mok.runtime.workspace import PerGroupCache, SymmetricWorkspace, agree_on_spec, check_multicast_allowed
 
 from helpers import value_errors_on_two_ranks
 
@@ -65,3 +67,33 @@ def test_a_handle_type_is_used_only_when_every_rank_can():
         for rank in range(2):
             with open(f"{tmp}/{rank}.txt") as f:
                 assert f.read() == repr([True, False, False]), rank
+
+
+class _FakeGroup:
+    """Stands in for a process group: PerGroupCache only needs it hashable and weakly referable."""
+
+
+class _FakeWorkspace:
+    def __init__(self) -> None:
+        self.closed = False
+
+
+def test_per_group_cache_reuses_rebuilds_when_closed_and_lets_the_group_go():
+    cache, group, other = PerGroupCache(), _FakeGroup(), _FakeGroup()
+    builds = []
+
+    def build():
+        builds.append(_FakeWorkspace())
+        return builds[-1]
+
+    first = cache.get(group, ("a", 1), build)
+    assert cache.get(group, ("a", 1), build) is first and len(builds) == 1  # reused
+    assert cache.get(group, ("b", 1), build) is not first  # another key: another workspace
+    assert cache.get(other, ("a", 1), build) is not first  # another group: another workspace
+    first.closed = True
+    rebuilt = cache.get(group, ("a", 1), build)
+    assert rebuilt is not first and not rebuilt.closed and len(builds) == 4
+    assert len(cache) == 2
+    del group, first, rebuilt
+    gc.collect()
+    assert len(cache) == 1  # the cache held neither the destroyed group nor its workspaces

@@ -26,7 +26,7 @@ import os
 import socket
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -317,7 +317,28 @@ class SymmetricWorkspace:
 
 
 _live: "weakref.WeakSet[SymmetricWorkspace]" = weakref.WeakSet()
-_by_group: "weakref.WeakKeyDictionary[Any, dict[tuple, SymmetricWorkspace]]" = weakref.WeakKeyDictionary()
+class PerGroupCache:
+    """Workspaces built once per (process group, key) and reused while open.
+
+    Keyed weakly by the group: an entry goes with its group once that is destroyed and nothing
+    else holds it, so the cache never keeps a group (or its workspaces' memory) alive."""
+
+    def __init__(self) -> None:
+        self._by_group: "weakref.WeakKeyDictionary[Any, dict[Hashable, Any]]" = weakref.WeakKeyDictionary()
+
+    def get(self, group, key: Hashable, build: Callable[[], Any]):
+        """The workspace cached for (group, key); built by ``build()`` when missing or closed."""
+        built = self._by_group.setdefault(group, {})
+        ws = built.get(key)
+        if ws is None or ws.closed:
+            ws = built[key] = build()
+        return ws
+
+    def __len__(self) -> int:
+        return len(self._by_group)
+
+
+_cache = PerGroupCache()
 
 
 def get_workspace(nbytes: int, group=None, *, spec: Mapping[str, Any] | None = None) -> SymmetricWorkspace:
@@ -328,12 +349,8 @@ def get_workspace(nbytes: int, group=None, *, spec: Mapping[str, Any] | None = N
     import torch.distributed as dist
 
     group = group if group is not None else dist.group.WORLD
-    built = _by_group.setdefault(group, {})
     key = (nbytes, tuple(sorted((spec or {}).items())))
-    ws = built.get(key)
-    if ws is None or ws.closed:
-        ws = built[key] = SymmetricWorkspace(nbytes, group, spec=spec)
-    return ws
+    return _cache.get(group, key, lambda: SymmetricWorkspace(nbytes, group, spec=spec))
 
 
 @atexit.register
