@@ -317,20 +317,20 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         dst0 = (chunk // 8) * 64 * tile_k + row0 * 64 + ((chunk % 8) ^ row0) * 8
         stride = self.a_stride if cutlass.const_expr(self.gather == "a") else self.n
         src_base = m_src.iterator
-        tokens = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int32)
+        tokens = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int32)  # this K tile's rows' tokens
+        ahead = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int32)  # the next K tile's, loading meanwhile
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         linear = first
         while linear < all_tiles:
             _, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
             tma_a, t_ag, t_as, tma_b, t_bg, t_bs, k_first = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
             col = (tile_row if cutlass.const_expr(self.gather == "a") else tile_col) * 128 + chunk * 8
+            self.load_tokens(ahead, m_row_token, row_start + row0, num_rows)
             for k_tile in cutlass.range(k_tiles, unroll=1):
-                for i in cutlass.range_constexpr(passes):  # (loaded before the wait: their latency under it)
-                    row = row_start + k_tile * tile_k + row0 + 8 * i
-                    token = cutlass.Int32(-1)
-                    if row < num_rows:
-                        token = m_row_token[row]
-                    tokens[i] = token
+                for i in cutlass.range_constexpr(passes):
+                    tokens[i] = ahead[i]
+                # the next K tile's tokens (past the expert's rows: loaded, never used), in flight during this one
+                self.load_tokens(ahead, m_row_token, row_start + (k_tile + 1) * tile_k + row0, num_rows)
                 ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
                 if tidx < 32:  # warp 0 arms the stage's byte count and loads the other operand
                     ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
@@ -350,6 +350,16 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         cute.arch.cp_async_wait_group(0)
         if tidx < 32:
             ab_pipe.producer_tail(prod)
+
+    @cute.jit
+    def load_tokens(self, tokens, m_row_token, first_row, num_rows):
+        """tokens[i] = row_token[first_row + 8·i] (-1 past the buffer's R rows)."""
+        for i in cutlass.range_constexpr(cute.size(tokens)):
+            row = first_row + 8 * i
+            token = cutlass.Int32(-1)
+            if row < num_rows:
+                token = m_row_token[row]
+            tokens[i] = token
 
     @cute.jit
     def pingpong_tile(self, linear, tiles):
