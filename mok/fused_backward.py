@@ -5,14 +5,11 @@ kept (the schedule and h; an h kept in MXFP8, mok/saved_mxfp8.py, is turned back
 one launch more). The kernels, in order (mok/reference_backward.py spells out the same math in
 PyTorch):
 
+    gather (one launch)     dout_rows [R, H] = dout[row_token], x_rows [R, H] = x[row_token]   (zeros on padding rows)
     grouped GEMM, N-major B dA_u = dout_rows·W_down, with the SwiGLU backward in the epilogue:
                             dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, I/tile]
     grouped GEMM, K split   dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up
     weight_grad (K-grouped) dW_down[e] = dout_rowsᵀ·a_scaled; [dW_gate[e]; dW_up[e]] = dhᵀ·x_rows (one launch)
-
-where dout_rows [R, H] = dout[row_token] and x_rows [R, H] = x[row_token] (zeros on padding rows)
-are never written: the kernels reading them gather the rows from dout and x themselves
-(cp.async in their producer warpgroups), as the forward's gate/up GEMM gathers x.
     shared expert           the same four GEMM launches over all tokens with s = 1; or, when the forward ran it
                             as expert E (its rows first, s = 1 there), inside the launches above, plus
                             its two weight-gradient launches over rows 0 .. T-1
@@ -56,23 +53,19 @@ def _shared_weight_grads(dout, a, dh, x, dtype, main_grads):
     return d_gate[0], d_up[0], d_down[0]
 
 
-def _weight_grad(a, b, offsets, dtype, main_grad, counts=None, row_token=None):
+def _weight_grad(a, b, offsets, dtype, main_grad, counts=None):
     """One weight gradient, fresh in ``dtype`` or added into ``main_grad``; ``counts``: the experts'
-    unpadded row counts (the kernel then skips the K tiles of padding alone); ``row_token``: ``a``
-    is dout, its rows gathered by the kernel."""
-    gather = dict(row_token=row_token, gathered=None if row_token is None else "a")
+    unpadded row counts (the kernel then skips the K tiles of padding alone)."""
     if main_grad is not None:
-        return grad_ops.weight_grad(a, b, offsets, counts=counts, out=main_grad, accumulate=True, **gather)
-    return grad_ops.weight_grad(a, b, offsets, counts=counts, out_dtype=dtype, **gather)
+        return grad_ops.weight_grad(a, b, offsets, counts=counts, out=main_grad, accumulate=True)
+    return grad_ops.weight_grad(a, b, offsets, counts=counts, out_dtype=dtype)
 
 
-def _gate_up_grad(dh, x_rows, offsets, dtype, main_grads, counts=None, row_token=None):
-    """dW_gate, dW_up from the two column halves of dh, each into its own tensor, in one launch;
-    ``row_token``: ``x_rows`` is x, its rows gathered by the kernel."""
-    gather = dict(row_token=row_token, gathered=None if row_token is None else "b")
+def _gate_up_grad(dh, x_rows, offsets, dtype, main_grads, counts=None):
+    """dW_gate, dW_up from the two column halves of dh, each into its own tensor, in one launch."""
     if main_grads is None:
-        return grad_ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype, split_out=True, **gather)
-    return grad_ops.weight_grad(dh, x_rows, offsets, counts=counts, out=tuple(main_grads), accumulate=True, split_out=True, **gather)
+        return grad_ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype, split_out=True)
+    return grad_ops.weight_grad(dh, x_rows, offsets, counts=counts, out=tuple(main_grads), accumulate=True, split_out=True)
 
 
 def moe_backward(
@@ -127,20 +120,22 @@ def moe_backward(
     weights = (w_gate, w_up, w_down)
     if sched.shared_rows:  # the forward ran the shared expert as expert E, its rows first
         weights = stacked_weights(w_gate, w_up, w_down, shared)
-    row_token = sched.row_token  # (dout and x rows gathered by the kernels below, never written out)
+    dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
-        dout, weights[2], sched.tile_expert, saved.h, row_token=row_token, row_slot=sched.row_slot, topk_w=topk_w, gather_rows=True
+        dout_rows, weights[2], sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w
     )
     dx_rows = ops.grouped_gemm(dh, weights[0], sched.tile_expert, b2=weights[1], b_major="n", k_split=True)
     offsets, counts = sched.expert_offsets, sched.expert_counts
-    d_down = _weight_grad(dout, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts, row_token)
-    d_gate, d_up = _gate_up_grad(dh, x, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts, row_token)
+    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
+    d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
 
     dx_shared = d_shared = None
-    if sched.shared_rows:  # its dx rows, and its weight gradients from its rows (rows 0 .. T-1 are tokens 0 .. T-1)
+    if sched.shared_rows:  # its dx rows, and its weight gradients from its rows (views [:T]: what _shared_backward reads)
         dx_shared = dx_rows[:num_tokens]
         rows = slice(0, num_tokens)
-        d_shared = _shared_weight_grads(dout, a_scaled[rows], dh[rows], x, grad_dtype, None if main_grads is None else main_grads[3:])
+        d_shared = _shared_weight_grads(
+            dout_rows[rows], a_scaled[rows], dh[rows], x_rows[rows], grad_dtype, None if main_grads is None else main_grads[3:]
+        )
     elif shared is not None:
         dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])
     d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)

@@ -32,7 +32,6 @@ def swiglu_backward_gemm(
     persistent: bool = True,
     skip_padding: bool = False,
     pingpong: bool | None = None,
-    gather_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
@@ -49,20 +48,10 @@ def swiglu_backward_gemm(
     ``pingpong`` (persistent, no skip_padding; the default there): the two MMA warpgroups take
     whole tiles in turn, one's epilogue under the other's WGMMAs (the same bits; 16% faster at
     qwen3's shapes, 4% at dsv3's — perf/NOTES.md).
-    ``gather_rows`` (persistent, with row_token): ``dout_rows`` is dout [T, H] itself and buffer row r
-    reads dout[row_token[r]] (zeros on padding rows), gathered by the kernel's producer warpgroup:
-    the same bits as passing the gathered rows.
     """
     check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, hidden = dout_rows.shape
     dev = dout_rows.device
-    if gather_rows:  # the buffer's rows are row_token's
-        if row_token is None or not persistent:
-            raise ValueError("gather_rows: only with row_token, row_slot, topk_w (routed experts) and persistent=True")
-        check_tensor("row_token", row_token, dtypes=I32, ndim=1, device=dev, contiguous=True)
-        num_rows = row_token.shape[0]
-        if dout_rows.shape[0] == 0:  # no token: every row is padding (and no TMA descriptor holds zero rows)
-            dout_rows, gather_rows = dout_rows.new_zeros(num_rows, hidden), False
     check_tensor("w_down", w_down, dtypes=BF16, ndim=3, device=dev, contiguous=True)
     num_experts, _, inter = w_down.shape
     check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
@@ -77,8 +66,6 @@ def swiglu_backward_gemm(
         num_tokens, topk = topk_w.shape
         check_tensor("row_token", row_token, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
         check_tensor("row_slot", row_slot, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
-        if gather_rows:
-            check_tensor("dout_rows", dout_rows, shape=(num_tokens, hidden))  # (dout itself: a row per token)
     if inter % 128 or hidden % 64:
         raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
     if skip_padding and (unit_scale or not persistent):
@@ -97,7 +84,7 @@ def swiglu_backward_gemm(
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
         inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=unit_scale,
-        persistent=persistent, skip_padding=skip_padding, pingpong=pingpong, gather_a=gather_rows,
+        persistent=persistent, skip_padding=skip_padding, pingpong=pingpong,
     )
     launch_grouped_gemm(
         variant, dout_rows, w_down, w_down, dh, tile_expert, h=h, a_scaled=a_scaled, partial=partial,
@@ -123,8 +110,6 @@ def weight_grad(
     tile_n: int = 128,
     pingpong: bool | None = None,
     split_out: bool = False,
-    row_token: torch.Tensor | None = None,
-    gathered: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
 
@@ -144,34 +129,16 @@ def weight_grad(
     product's first M/2 rows going into the first, the others into the second: dW_gate and dW_up
     from one launch over all of dh (the same bits as a launch per half, which it falls back to
     where the two tensors' distance is not one a TMA descriptor can hold).
-    ``gathered`` ("a" or "b", with ``row_token`` [R] int32; persistent, 128-wide tiles): that
-    operand is a token matrix [T, width] and its row r is token row_token[r] (zeros where < 0),
-    gathered inside the kernel: the same bits as passing it gathered (``ops.gather_rows``).
     """
-    if gathered not in (None, "a", "b"):
-        raise ValueError(f"gathered: expected None, 'a' or 'b', got {gathered!r}")
-    if (gathered is None) != (row_token is None):
-        raise ValueError("row_token, gathered: give both (an operand gathered by row_token) or neither")
     check_tensor("a", a, dtypes=BF16, ndim=2)
-    m = a.shape[1]
+    num_rows, m = a.shape
     dev = a.device
-    if a.shape[0] and (a.stride(1) != 1 or a.stride(0) < m or a.stride(0) % 8):  # (empty views have any strides)
+    if num_rows and (a.stride(1) != 1 or a.stride(0) < m or a.stride(0) % 8):  # (empty views have any strides)
         raise ValueError(f"a: expected unit column stride and a row stride >= {m} that is a multiple of 8, got strides {a.stride()}")
     check_tensor("b", b, dtypes=BF16, ndim=2, device=dev, contiguous=True)
-    n = b.shape[1]
-    num_rows = (b if gathered == "a" else a).shape[0]
-    if gathered is None and b.shape[0] != num_rows:
+    if b.shape[0] != num_rows:
         raise ValueError(f"b: expected {num_rows} rows like a, got {b.shape[0]}")
-    num_tokens = 1
-    if gathered is not None:
-        check_tensor("row_token", row_token, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
-        if not persistent or tile_n != 128:
-            raise ValueError(f"gathered: only with persistent=True and tile_n=128, got persistent={persistent}, tile_n={tile_n}")
-        num_tokens = (a if gathered == "a" else b).shape[0]
-        if num_tokens == 0:  # no token: every row is padding, zero (and no TMA descriptor holds zero rows)
-            zeros = torch.zeros(num_rows, (a if gathered == "a" else b).shape[1], dtype=torch.bfloat16, device=dev)
-            a, b = (zeros, b) if gathered == "a" else (a, zeros)
-            row_token = gathered = None
+    n = b.shape[1]
     check_tensor("offsets", offsets, dtypes=I32, ndim=1, device=dev, contiguous=True)
     num_experts = offsets.shape[0] - 1
     if num_experts < 1:
@@ -208,26 +175,21 @@ def weight_grad(
         if abs(distance) < outs[0].numel() * elem:
             raise ValueError("out: the two halves overlap in memory")
         if distance % 16 or abs(distance) >= TMA_STRIDE_LIMIT:  # not a TMA descriptor's stride: a launch per half
-            opts = dict(
-                counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong, row_token=row_token,
-                gathered=gathered,
-            )
+            opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong)
             for half, o in zip((a[:, : m // 2], a[:, m // 2 :]), outs):
                 weight_grad(half, b, offsets, out=o, **opts)
             return result
         half_stride, upper_first = abs(distance) // elem, int(distance < 0)
     dtype_name = "f32" if outs[0].dtype == torch.float32 else "bf16"
     variant = weight_grad_variant(
-        m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out,
-        gather=gathered,
+        m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out
     )
     kernel = _kernel(variant, dev)
     base = min(outs, key=lambda o: o.data_ptr())
     kernel(
         _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, base), _ptr("i32", offsets, 4),
         _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None),  # (offsets: a stand-in, not read)
-        _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _i64(half_stride), _i32(upper_first),
-        _ptr("i32", offsets if row_token is None else row_token, 4), _i32(num_tokens), _stream(dev),  # (offsets: a stand-in, not read)
+        _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _i64(half_stride), _i32(upper_first), _stream(dev),
     )
     return result
 

@@ -267,42 +267,6 @@ def test_weight_grad_rejects_a_bad_tile_before_launch():
         grad_ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128]))
 
 
-def test_gathered_operands_are_checked_before_launch():
-    """An operand gathered by row_token (the single-GPU backward) is a token matrix of any row
-    count; the op wants row_token with it (and only then), one per row of the other operand, in the
-    persistent 128-column kernel, and the SwiGLU backward dout with a row per token."""
-    from mok import grad_ops
-
-    dout, rows = torch.zeros(100, 256, dtype=torch.bfloat16), torch.zeros(256, 384, dtype=torch.bfloat16)
-    offsets, row_token = torch.tensor([0, 128, 256], dtype=torch.int32), torch.zeros(256, dtype=torch.int32)
-    with pytest.raises(ValueError, match="row_token, gathered: give both"):
-        grad_ops.weight_grad(dout, rows, offsets, gathered="a")
-    with pytest.raises(ValueError, match="row_token, gathered: give both"):
-        grad_ops.weight_grad(rows, rows, offsets, row_token=row_token)
-    with pytest.raises(ValueError, match="gathered: expected None, 'a' or 'b', got 'c'"):
-        grad_ops.weight_grad(dout, rows, offsets, row_token=row_token, gathered="c")
-    with pytest.raises(ValueError, match=r"row_token: expected shape \[256\], got \[200\]"):
-        grad_ops.weight_grad(dout, rows, offsets, row_token=row_token[:200], gathered="a")
-    with pytest.raises(ValueError, match="gathered: only with persistent=True and tile_n=128, got persistent=False"):
-        grad_ops.weight_grad(dout, rows, offsets, row_token=row_token, gathered="a", persistent=False)
-    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; the launch checks refuse CPU data
-        grad_ops.weight_grad(dout, rows, offsets, row_token=row_token, gathered="a")
-    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):
-        grad_ops.weight_grad(rows[:, :256], dout[:, :128].contiguous(), offsets, row_token=row_token, gathered="b")
-
-    inter, experts = 128, 2
-    w_down = torch.zeros(experts, 256, inter, dtype=torch.bfloat16)
-    tiles = torch.tensor([0, 1], dtype=torch.int32)
-    h = torch.zeros(256, 2 * inter, dtype=torch.bfloat16)
-    routing = dict(row_token=row_token, row_slot=torch.zeros(256, dtype=torch.int32), topk_w=torch.ones(100, 2))
-    with pytest.raises(ValueError, match="gather_rows: only with row_token, row_slot, topk_w"):
-        grad_ops.swiglu_backward_gemm(dout, w_down, tiles, h, gather_rows=True)
-    with pytest.raises(ValueError, match=r"dout_rows: expected shape \[100, 256\], got \[99, 256\]"):
-        grad_ops.swiglu_backward_gemm(dout[:99], w_down, tiles, h, **routing, gather_rows=True)
-    with pytest.raises(ValueError, match="expected a CUDA tensor"):
-        grad_ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing, gather_rows=True)
-
-
 def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
     """moe_backward reads the saved schedule and h with the kernels: one of another batch, other
     tiles or another width is refused by name before anything launches."""
@@ -329,7 +293,7 @@ def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
     with pytest.raises(ValueError, match=r"w_gate: expected H, I multiples of 128 \(the fused kernels' tile\), got H=128, I=64"):
         moe_backward(dout, x, idx, w, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), None,
                      ForwardResult(None, mine, h[:, :I].contiguous()))
-    with pytest.raises(ValueError, match="dout_rows: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
+    with pytest.raises(ValueError, match="first: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h))
 
 

@@ -251,23 +251,6 @@ def test_weight_grad_ptx_reads_both_operands_mn_major(out_dtype, accumulate, pin
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 
 
-@pytest.mark.parametrize("gather", ["a", "b"])
-def test_weight_grad_gathering_an_operand_copies_its_rows_by_cp_async_and_the_other_by_tma(gather):
-    """The single-GPU backward's weight gradients read dout or x rows straight from the token
-    matrix: 8 zero-filling 16-byte cp.async per producer thread and stage (64 rows x 128
-    columns over 128 threads), the other operand by TMA (two boxes of 64 columns), the same
-    WGMMAs as without gathering; no spills."""
-    from mok.kernels import weight_grad_variant
-
-    ptx = compiled_ptx(weight_grad_variant(2048, 768, gather=gather), "sm_90a")
-    assert count(r"cp\.async\.cg\.shared\.global(\.L2::\w+)?\s*\[[^;]*\], 16, %r\d+;", ptx) == 8  # (source size: 0 on padding)
-    assert count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared", ptx) == 1
-    assert count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", ptx) == 2
-    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 2 * 4
-    assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
-    assert_register_handover_fits(ptx)
-
-
 def test_unit_weight_combine_reads_no_weights():
     weighted = compiled_ptx(combine_variant(7168, 8, True, gathered=True), "sm_90a")
     unit = compiled_ptx(combine_variant(7168, 8, True, gathered=True, unit_weights=True), "sm_90a")

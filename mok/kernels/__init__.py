@@ -259,7 +259,7 @@ def weight_grad_pingpong(persistent: bool, tile_n: int) -> bool:
 
 def weight_grad_variant(
     m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
-    persistent: bool = True, pingpong: bool | None = None, split_out: bool = False, gather: str | None = None,
+    persistent: bool = True, pingpong: bool | None = None, split_out: bool = False,
 ) -> KernelVariant:
     """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA).
 
@@ -268,8 +268,6 @@ def weight_grad_variant(
     one's epilogue under the other's mainloop; None: :func:`weight_grad_pingpong` (what
     grad_ops.weight_grad launches, so that precompiling finds the same variants).
     ``split_out``: the two halves of M into two [E, M/2, N] tensors (dW_gate and dW_up in one launch).
-    ``gather`` ("a" or "b"; persistent, 128-wide tiles): that operand's rows are gathered from its
-    token matrix by the schedule's row_token inside the kernel (the single-GPU backward).
     """
     a_stride = m if a_stride is None else a_stride
     pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
@@ -281,7 +279,7 @@ def weight_grad_variant(
 
         return compile_weight_grad(
             m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n, persistent=persistent,
-            pingpong=pingpong, split_out=split_out, gather=gather,
+            pingpong=pingpong, split_out=split_out,
         )
 
     config = {
@@ -292,8 +290,6 @@ def weight_grad_variant(
         config["pingpong"] = True
     if split_out:
         config["split_out"] = True
-    if gather:
-        config["gather"] = gather
     return KernelVariant("weight_grad", config, build)
 
 
@@ -309,36 +305,31 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
 
 
 def expert_mlp_variants(
-    hidden: int, inter: int, topk: int, shared: bool = False, has_shared_expert: bool = False, main_grads: bool = False,
-    rows_gathered: bool = True,
+    hidden: int, inter: int, topk: int, shared: bool = False, has_shared_expert: bool = False, main_grads: bool = False
 ) -> list[KernelVariant]:
     """The GEMM variants of one SwiGLU expert MLP (routed, or the shared expert), forward and backward, on sm_90a.
 
     ``has_shared_expert``: the routed experts' down projection adds a shared expert's output as it combines.
     ``main_grads``: also the weight gradients added into fp32 buffers (dW_gate and dW_up in one launch,
     or, when the two buffers lie too far apart for one TMA descriptor, one launch each).
-    ``rows_gathered`` (routed experts): the backward's GEMMs gather dout and x rows by the schedule
-    (the single-GPU layer, mok/fused_backward.py); False: they read rows already in expert order
-    (the expert-parallel backward, mok/ep_backward.py). The shared expert's read its tokens in order.
     """
-    gather = rows_gathered and not shared
     variants = [
         grouped_gemm_variant(inter, hidden, epilogue="swiglu", gather_a=not shared),
         grouped_gemm_variant(inter, hidden, epilogue="swiglu_save", gather_a=not shared),
         grouped_gemm_variant(hidden, inter),  # the shared expert's down projection, and EP's
         grouped_gemm_variant(  # as grad_ops.swiglu_backward_gemm launches it for the layer (persistent, no skip_padding)
             inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared,
-            pingpong=swiglu_backward_pingpong(True, False, default_tile_n(inter, hidden, True)), gather_a=gather,
+            pingpong=swiglu_backward_pingpong(True, False, default_tile_n(inter, hidden, True)),
         ),
         grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
-        weight_grad_variant(hidden, inter, gather="a" if gather else None),  # dW_down from dout (rows)
-        weight_grad_variant(2 * inter, hidden, split_out=True, gather="b" if gather else None),  # dW_gate, dW_up from dh and x (rows)
+        weight_grad_variant(hidden, inter),
+        weight_grad_variant(2 * inter, hidden, split_out=True),  # dW_gate and dW_up in one launch over dh
     ]
     if main_grads:
         variants += [
-            weight_grad_variant(hidden, inter, "f32", True, gather="a" if gather else None),
-            weight_grad_variant(2 * inter, hidden, "f32", True, split_out=True, gather="b" if gather else None),
-            weight_grad_variant(inter, hidden, "f32", True, a_stride=2 * inter, gather="b" if gather else None),  # (a half of dh)
+            weight_grad_variant(hidden, inter, "f32", True),
+            weight_grad_variant(2 * inter, hidden, "f32", True, split_out=True),
+            weight_grad_variant(inter, hidden, "f32", True, a_stride=2 * inter),  # (a half of dh)
         ]
     if not shared:
         variants.append(grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=has_shared_expert))
@@ -365,6 +356,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     variants = [
         schedule_variant(config.experts_per_rank, config.topk, config.block_m),
         gather_variant(h),  # (the EP forward's rows for the backward; gather_first)
+        gather_variant(h, sources=2),  # the backward's dout and x rows
         combine_variant(h, config.topk, config.has_shared_expert, gathered=True),
         combine_variant(  # the backward's dx and router-weight gradient
             h, config.topk, config.has_shared_expert, gathered=True, unit_weights=True, router_parts=i // default_tile_n(i, h, True)
@@ -383,9 +375,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False, unit_weights=True))  # backward dx
     if arch == "sm_90a":
         main_grads = config.fuse_wgrad_accumulation
-        variants += expert_mlp_variants(
-            h, i, config.topk, has_shared_expert=config.has_shared_expert, main_grads=main_grads, rows_gathered=config.ep_size == 1
-        )
+        variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert, main_grads=main_grads)
         if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered; y and dx go out scattered
             k = config.topk
             variants += [grouped_gemm_variant(i, h, epilogue=epilogue) for epilogue in ("swiglu", "swiglu_save")]

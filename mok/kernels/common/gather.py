@@ -5,8 +5,8 @@ schedule gives (canonical within each expert). Arch-neutral: 16-byte vector load
 stores; a CTA of ``threads`` threads covers 8·threads columns of ROWS output rows, each
 thread loading its ROWS vectors before it stores any, so that ROWS loads are in flight per
 thread (one row per CTA kept one load in flight and launched a CTA per 2 KB moved).
-``GatherTwoRowsKernel`` gathers the same rows of two sources of one width in one launch (dout
-and x rows, as the single-GPU backward did before its GEMMs gathered them; ``ops.gather_rows_pair``).
+``GatherTwoRowsKernel`` gathers the same rows of two sources of one width in one launch (the
+backward's dout and x rows).
 """
 
 from __future__ import annotations

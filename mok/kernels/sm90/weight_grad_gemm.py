@@ -30,13 +30,6 @@ handshake lets only one of them issue its mainloop's WGMMAs at a time, so one's 
 (conversion, stores) runs while the other's WGMMAs keep the tensor cores busy. With a few
 hundred rows per expert (128 experts a rank) an output tile reduces only ~5 K tiles and the
 epilogue is about as long as the mainloop. The same WGMMA sequence per output element: the same bits.
-
-``gather`` ("a" or "b", persistent): that operand is not a rows buffer but the token matrix
-[T, width] (dout or x), its row r being token row_token[r] (zeros where row_token[r] < 0, the
-padding rows): the producer warpgroup copies the rows with cp.async straight into the
-swizzled stage (see ``gather_tiles``), the other operand still comes by TMA. The stage holds
-the same values as from a gathered buffer, so the result is the same bits, without the
-buffer's write and read (the single-GPU backward's row gather).
 """
 
 from __future__ import annotations
@@ -49,15 +42,13 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from .grouped_gemm import copy_async_16b
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
 
 
 class WeightGradGemmSm90(WgmmaTileKernel):
-    """Static config: M, N, A's row stride, output dtype, accumulate, tile N, the gathered operand.
-    Runtime: pointers, R, E, T (the gathered operand's token rows)."""
+    """Static config: M, N, A's row stride, output dtype, accumulate, tile N. Runtime: pointers, R, E."""
 
     two_accumulators = False
 
@@ -74,7 +65,6 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         persistent: bool = False,
         pingpong: bool = False,
         split_out: bool = False,
-        gather: str | None = None,
     ):
         tile_m = 128
         if out_dtype not in OUT_DTYPES:
@@ -92,11 +82,6 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
         if pingpong and (not persistent or tile_n != 128):
             raise ValueError("pingpong: only in the persistent kernel with 128-column tiles (one warpgroup holds a whole tile)")
-        if gather not in (None, "a", "b"):
-            raise ValueError(f"gather: expected None, 'a' or 'b', got {gather!r}")
-        if gather and (not persistent or tile_n != 128):
-            raise ValueError("gather: only in the persistent kernel with 128-column tiles (its producer warpgroup gathers 128-wide rows)")
-        self.gather, self.gathered_operand = gather, gather or "a"  # (the latter: a str for make_pipeline, "a" when none)
         self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
         self.split_out = split_out
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
@@ -123,17 +108,12 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         max_ctas: cutlass.Int32,
         half_stride: cutlass.Int64,
         upper_first: cutlass.Int32,
-        row_token_ptr: cute.Pointer,
-        num_tokens: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         m, n = self.m, self.n
         tile_m, tile_n, _ = self.tile_shape_mnk
-        a_rows = num_tokens if cutlass.const_expr(self.gather == "a") else num_rows  # gather: the token matrix [T, width]
-        b_rows = num_tokens if cutlass.const_expr(self.gather == "b") else num_rows
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((m, a_rows), stride=(1, self.a_stride)))
-        m_b = cute.make_tensor(b_ptr, cute.make_layout((n, b_rows), stride=(1, n)))
-        m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
+        m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows), stride=(1, self.a_stride)))
+        m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows), stride=(1, n)))
         if cutlass.const_expr(self.split_out):  # [E, m/2, n] twice, half_stride elements apart
             layout = cute.make_layout((m // 2, n, num_experts, 2), stride=(n, 1, m // 2 * n, half_stride))
             m_c = cute.make_tensor(out_ptr, layout)
@@ -167,8 +147,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         args = (load_args, store_args + (upper_first,), rows, num_rows, num_experts, mma_args)
         if cutlass.const_expr(self.persistent):
             grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
-            gathered = m_a if cutlass.const_expr(self.gather == "a") else m_b
-            self.kernel_persistent(*args, (m_row_token, gathered)).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
         else:
             self.kernel(*args).launch(grid=[all_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -225,12 +204,10 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         mma_args: tuple,
-        gather_args: tuple,
     ):
         """Persistent and warp-specialised, as GroupedGemmSm90.kernel_persistent: CTA i takes output
         tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order
-        (``pingpong``: by one of its MMA warpgroups, see ``pingpong_consumers``). Arguments as in
-        ``kernel``, and ``gather_args`` = (row_token, the gathered operand's token matrix) for ``gather``."""
+        (``pingpong``: by one of its MMA warpgroups, see ``pingpong_consumers``). Arguments as in ``kernel``."""
         tma_a, _, tma_b, _ = load_args
         tma_c, m_c, upper_first = store_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
@@ -244,21 +221,14 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             self.prefetch(tma_a, tma_b)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipe = self.make_pipeline(
-            storage, 1, a_smem, b_smem, gather_threads=128 if self.gather else 0, consumer_warps=4 if self.pingpong else None,
-            gathered=self.gathered_operand,
-        )
+        ab_pipe = self.make_pipeline(storage, 1, a_smem, b_smem, consumer_warps=4 if self.pingpong else None)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
-            if cutlass.const_expr(self.gather is not None):  # all four warps: cp.async the gathered rows, warp 0 also TMA
-                base = storage.s_a.data_ptr() if cutlass.const_expr(self.gather == "a") else storage.s_b.data_ptr()
-                tiles = (first, step, all_tiles, rows, num_rows)
-                self.gather_tiles(ab_pipe, load_args, s_a, s_b, tiles, gather_args, base, tidx)
-            elif warp_idx == 0:
+            if warp_idx == 0:
                 self.produce_tiles(ab_pipe, load_args, s_a, s_b, first, step, all_tiles, rows, num_rows)
         elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
             cute.arch.setmaxregister_increase(232)
@@ -294,72 +264,6 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
             linear += step
         ab_pipe.producer_tail(prod)
-
-    @cute.jit
-    def gather_tiles(self, ab_pipe, load_args, s_a, s_b, tiles, gather_args, base, tidx):
-        """The producer warpgroup with ``gather``: every K tile of output tiles first, first + step, ...
-        in order, the other operand by TMA (warp 0), the gathered one's 64 rows x 128 columns by
-        cp.async from its token matrix.
-
-        Thread t copies 16-byte chunk t % 16 of K rows t // 16 + 8·i (i < 8): a warp reads two
-        whole 256-byte row segments at a time. The stage is MN-major with a 128-byte swizzle:
-        column c of K row k lies at element 4096·(c // 64) + 64·k + (c % 64), its 16-byte chunk
-        index (c % 64) // 8 XOR-ed with k % 8 (= t // 16 for all of a thread's rows). Rows past
-        R or with row_token < 0 (padding) are zero-filled (cp.async of 0 source bytes).
-        """
-        first, step, all_tiles, rows, num_rows = tiles
-        m_row_token, m_src = gather_args
-        tile_k = TILE_K
-        passes = tile_k // 8  # (16 chunks a row, 128 threads: 8 rows a pass)
-        chunk = tidx % 16
-        row0 = tidx // 16
-        stage_elems = 128 * tile_k
-        dst0 = (chunk // 8) * 64 * tile_k + row0 * 64 + ((chunk % 8) ^ row0) * 8
-        stride = self.a_stride if cutlass.const_expr(self.gather == "a") else self.n
-        src_base = m_src.iterator
-        tokens = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int32)  # this K tile's rows' tokens
-        ahead = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int32)  # the next K tile's, loading meanwhile
-        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        linear = first
-        while linear < all_tiles:
-            _, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
-            tma_a, t_ag, t_as, tma_b, t_bg, t_bs, k_first = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
-            col = (tile_row if cutlass.const_expr(self.gather == "a") else tile_col) * 128 + chunk * 8
-            self.load_tokens(ahead, m_row_token, row_start + row0, num_rows)
-            for k_tile in cutlass.range(k_tiles, unroll=1):
-                for i in cutlass.range_constexpr(passes):
-                    tokens[i] = ahead[i]
-                # the next K tile's tokens (past the expert's rows: loaded, never used), in flight during this one
-                self.load_tokens(ahead, m_row_token, row_start + (k_tile + 1) * tile_k + row0, num_rows)
-                ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
-                if tidx < 32:  # warp 0 arms the stage's byte count and loads the other operand
-                    ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
-                    bar = ab_pipe.producer_get_barrier(prod)
-                    if cutlass.const_expr(self.gather == "a"):
-                        cute.copy(tma_b, t_bg[(None, k_first + k_tile)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
-                    else:
-                        cute.copy(tma_a, t_ag[(None, k_first + k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
-                for i in cutlass.range_constexpr(passes):
-                    token = tokens[i]
-                    src = src_base + (cutlass.Int64(cutlass.max(token, 0)) * stride + col)
-                    dst = base + (prod.index * stage_elems + dst0 + i * 8 * 64)
-                    copy_async_16b(dst, src, token >= 0)
-                cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
-                prod.advance()
-            linear += step
-        cute.arch.cp_async_wait_group(0)
-        if tidx < 32:
-            ab_pipe.producer_tail(prod)
-
-    @cute.jit
-    def load_tokens(self, tokens, m_row_token, first_row, num_rows):
-        """tokens[i] = row_token[first_row + 8·i] (-1 past the buffer's R rows)."""
-        for i in cutlass.range_constexpr(cute.size(tokens)):
-            row = first_row + 8 * i
-            token = cutlass.Int32(-1)
-            if row < num_rows:
-                token = m_row_token[row]
-            tokens[i] = token
 
     @cute.jit
     def pingpong_tile(self, linear, tiles):
@@ -434,9 +338,8 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 def compile_weight_grad(
     m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None,
     tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
-    gather: str | None = None,
 ):
-    """Compile for ``arch`` without tensors: pointers, the row count R, E and T are runtime arguments."""
+    """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
@@ -452,12 +355,10 @@ def compile_weight_grad(
         cutlass.Int32(1),
         cutlass.Int64(0),
         cutlass.Int32(0),
-        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
-        cutlass.Int32(1),
         make_fake_stream(),
     )
     kernel = WeightGradGemmSm90(
         m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, persistent=persistent, pingpong=pingpong,
-        split_out=split_out, gather=gather,
+        split_out=split_out,
     )
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
