@@ -1,0 +1,200 @@
+"""How fast can one SM pull gathered token rows into a GEMM's swizzled shared-memory stages?
+
+    python perf/row_feed_probe.py [--configs qwen3,dsv3-e128] [--check]
+
+The twenty-second session found the backward's GEMMs slower when they gathered their rows with
+cp.async than when fed pre-gathered rows by TMA (perf/NOTES.md). This probe isolates the feed:
+a persistent kernel (a producer warpgroup, one consumer warp that only waits for and releases
+stages) fills 128-row x 64-column K-major stages (128-byte swizzle, as the grouped GEMM's A)
+for every row tile and K tile of the schedule's rows, three ways:
+
+    tma_tile   one TMA box of 128 rows from a pre-gathered rows buffer (what the GEMMs read now)
+    tma_rows   one TMA box of 1 row per row, from the token matrix at row row_token[r] (a
+               negative row is outside the tensor: TMA fills zeros); the box lands at the row's
+               unswizzled offset and the TMA unit swizzles by the shared-memory address bits
+    cp_async   16-byte zero-filling cp.async per thread, as the GEMMs' gather producers do
+
+``--check`` has the consumer write every stage back through the swizzled layout and compares
+with x[row_token] (zeros on padding): whether a 1-row TMA box lands where the swizzled layout
+expects it. Prints ms and GB/s of stage bytes filled per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass.cute.runtime import from_dlpack
+from cutlass.tensor_utils import LayoutEnum
+
+from mok import ops
+from mok.bench import time_ms_interleaved
+from mok.kernels.sm90.grouped_gemm import copy_async_16b
+from mok.schedule import worst_case_capacity
+
+from bench_layer import CONFIGS, make_inputs
+
+TILE_M, TILE_K, STAGES = 128, 64, 6
+MODES = ("tma_tile", "tma_rows", "cp_async")
+
+
+class RowFeedProbe:
+    """Static: the mode, K, whether the consumer writes the stages back. Runtime: x, rows, row_token, out."""
+
+    def __init__(self, mode: str, k: int, check: bool):
+        self.mode, self.k, self.check = mode, k, check
+
+    @cute.jit
+    def __call__(self, m_x: cute.Tensor, m_rows: cute.Tensor, m_token: cute.Tensor, m_out: cute.Tensor, grid: cutlass.Int32,
+                 stream: cuda.CUstream):
+        staged = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, 128, TILE_K), cutlass.BFloat16, STAGES)
+        one_row = cute.make_composed_layout(staged.inner, 0, cute.make_layout((1, TILE_K), stride=(TILE_K, 1)))
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_tile, t_rows = cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_rows, cute.slice_(staged, (None, None, 0)), (TILE_M, TILE_K))
+        tma_row, t_x = cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_x, one_row, (1, TILE_K))
+
+        @cute.struct
+        class Storage:
+            full: cute.struct.MemRange[cutlass.Int64, STAGES]
+            empty: cute.struct.MemRange[cutlass.Int64, STAGES]
+            stages: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(staged)], 1024]
+
+        self.storage = Storage
+        self.kernel(tma_tile, t_rows, tma_row, t_x, m_x, m_token, m_out, staged).launch(grid=[grid, 1, 1], block=[160, 1, 1],
+                                                                                   stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_tile, t_rows, tma_row, t_x, m_x, m_token, m_out, staged):
+        tidx, _, _ = cute.arch.thread_idx()
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
+        base = storage.stages.data_ptr()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(full + s, 128 if cutlass.const_expr(self.mode == "cp_async") else 1)
+                cute.arch.mbarrier_init(empty + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        num_rows = m_token.shape[0]
+        k_tiles = self.k // TILE_K
+        all_tiles = (num_rows + TILE_M - 1) // TILE_M * k_tiles
+        stage, phase = cutlass.Int32(0), cutlass.Int32(0)
+        linear = first
+        if tidx < 128:  # producer warpgroup
+            while linear < all_tiles:
+                tile_row, k_tile = linear // k_tiles, linear % k_tiles
+                cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
+                if cutlass.const_expr(self.mode == "cp_async"):
+                    x_base = cute.make_ptr(cutlass.BFloat16, m_x.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+                    chunk, row0 = tidx % 8, tidx // 8
+                    for i in cutlass.range_constexpr(TILE_M // 16):
+                        row = row0 + 16 * i
+                        token = cutlass.Int32(-1)
+                        if tile_row * TILE_M + row < num_rows:
+                            token = m_token[tile_row * TILE_M + row]
+                        src = x_base + (cutlass.Int64(cutlass.max(token, 0)) * self.k + k_tile * TILE_K + chunk * 8)
+                        dst = base + (stage * TILE_M * TILE_K + row * TILE_K + ((chunk ^ (row % 8)) * 8))
+                        copy_async_16b(dst, src, token >= 0)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                elif tidx < 32:
+                    if tidx == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, TILE_M * TILE_K * 2)
+                    cute.arch.sync_warp()
+                    if cutlass.const_expr(self.mode == "tma_tile"):
+                        if tidx == 0:
+                            s_tile = cute.make_tensor(base + stage * TILE_M * TILE_K, cute.slice_(staged, (None, None, 0)))
+                            g_tile = cute.local_tile(t_rows, (TILE_M, TILE_K), (tile_row, k_tile))
+                            t_s, t_g = cute.nvgpu.cpasync.tma_partition(
+                                tma_tile, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2), cute.group_modes(g_tile, 0, 2)
+                            )
+                            cute.copy(tma_tile, t_g, t_s, tma_bar_ptr=full + stage)
+                    else:  # tma_rows: lane l issues rows l, l + 32, l + 64, l + 96
+                        for i in cutlass.range_constexpr(TILE_M // 32):
+                            row = tidx + 32 * i
+                            token = cutlass.Int32(-1)
+                            if tile_row * TILE_M + row < num_rows:
+                                token = m_token[tile_row * TILE_M + row]
+                            s_row = cute.make_tensor(
+                                base + (stage * TILE_M * TILE_K + row * TILE_K), cute.make_layout((1, TILE_K), stride=(TILE_K, 1))
+                            )
+                            g_row = cute.local_tile(t_x, (1, TILE_K), (token, k_tile))
+                            t_s, t_g = cute.nvgpu.cpasync.tma_partition(
+                                tma_row, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2), cute.group_modes(g_row, 0, 2)
+                            )
+                            cute.copy(tma_row, t_g, t_s, tma_bar_ptr=full + stage)
+                stage, phase = self.advance(stage, phase)
+                linear += step
+            if cutlass.const_expr(self.mode == "cp_async"):
+                cute.arch.cp_async_wait_group(0)
+        else:  # the consumer warp: wait, (check: write the stage back through the swizzled layout), release
+            lane = tidx - 128
+            view = storage.stages.get_tensor(staged.outer, swizzle=staged.inner)
+            while linear < all_tiles:
+                tile_row, k_tile = linear // k_tiles, linear % k_tiles
+                cute.arch.mbarrier_wait(full + stage, phase)
+                if cutlass.const_expr(self.check):
+                    for i in cutlass.range_constexpr(TILE_M // 32):
+                        row = lane + 32 * i
+                        if tile_row * TILE_M + row < num_rows:
+                            for c in cutlass.range(TILE_K, unroll=8):
+                                m_out[tile_row * TILE_M + row, k_tile * TILE_K + c] = view[row, c, stage]
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty + stage)
+                stage, phase = self.advance(stage, phase)
+                linear += step
+
+    @cute.jit
+    def advance(self, stage, phase):
+        stage += 1
+        if stage == STAGES:
+            stage, phase = cutlass.Int32(0), phase ^ 1
+        return stage, phase
+
+
+_COMPILED: dict = {}
+
+
+def feed(mode: str, x: torch.Tensor, rows: torch.Tensor, token: torch.Tensor, out: torch.Tensor, check: bool) -> None:
+    """Run the probe (compiled once per mode, K and check)."""
+    key = (mode, x.shape[1], check)
+    args = [from_dlpack(t, assumed_align=16) for t in (x, rows, token, out)]
+    grid = torch.cuda.get_device_properties(x.device).multi_processor_count
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    if key not in _COMPILED:
+        _COMPILED[key] = cute.compile(RowFeedProbe(mode, x.shape[1], check), *args, cutlass.Int32(grid), stream)
+    _COMPILED[key](*args, cutlass.Int32(grid), stream)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="qwen3,dsv3-e128")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    print(f"# {torch.cuda.get_device_name()}")
+    for name in args.configs.split(","):
+        T, H, I, E, k, shared, routing = CONFIGS[name]
+        x, idx, *_ = make_inputs(T, H, I, E, k, shared, routing)
+        token = ops.device_schedule(idx, E, capacity=worst_case_capacity(T, k, E, 128)).row_token
+        rows = ops.gather_rows(x, token)  # zeros on padding rows
+        if args.check:
+            for mode in MODES:
+                out = torch.full_like(rows, float("nan"))
+                feed(mode, x, rows, token, out, True)
+                torch.cuda.synchronize()
+                print(f"{name:<10}{mode:<10} check: stages hold x[row_token] (zeros on padding): {torch.equal(out, rows)}")
+        out = torch.empty(1, 1, dtype=torch.bfloat16, device="cuda")
+        ms = time_ms_interleaved({mode: (lambda mode=mode: feed(mode, x, rows, token, out, False)) for mode in MODES})
+        nbytes = rows.numel() * 2
+        print(f"{name:<10}" + "  ".join(f"{mode} {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)" for mode, t in ms.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
