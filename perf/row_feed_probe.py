@@ -106,28 +106,32 @@ class RowFeedProbe:
                     if tidx == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, TILE_M * TILE_K * 2)
                     cute.arch.sync_warp()
-                    if cutlass.const_expr(self.mode == "tma_tile"):
-                        if tidx == 0:
-                            s_tile = cute.make_tensor(base + stage * TILE_M * TILE_K, cute.slice_(staged, (None, None, 0)))
-                            g_tile = cute.local_tile(t_rows, (TILE_M, TILE_K), (tile_row, k_tile))
-                            t_s, t_g = cute.nvgpu.cpasync.tma_partition(
-                                tma_tile, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2), cute.group_modes(g_tile, 0, 2)
-                            )
-                            cute.copy(tma_tile, t_g, t_s, tma_bar_ptr=full + stage)
-                    else:  # tma_rows: lane l issues rows l, l + 32, l + 64, l + 96
+                    if cutlass.const_expr(self.mode == "tma_tile"):  # (the copy elects one lane of the warp)
+                        s_tile = cute.make_tensor(base + stage * TILE_M * TILE_K, cute.slice_(staged, (None, None, 0)))
+                        g_tile = cute.local_tile(t_rows, (TILE_M, TILE_K), (tile_row, k_tile))
+                        t_s, t_g = cute.nvgpu.cpasync.tma_partition(
+                            tma_tile, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2), cute.group_modes(g_tile, 0, 2)
+                        )
+                        cute.copy(tma_tile, t_g, t_s, tma_bar_ptr=full + stage)
+                    else:  # tma_rows: lane l loads the tokens of rows l + 32·i; one lane issues every row's copy
+                        tokens = cute.make_rmem_tensor(cute.make_layout(TILE_M // 32), cutlass.Int32)
                         for i in cutlass.range_constexpr(TILE_M // 32):
-                            row = tidx + 32 * i
                             token = cutlass.Int32(-1)
-                            if tile_row * TILE_M + row < num_rows:
-                                token = m_token[tile_row * TILE_M + row]
-                            s_row = cute.make_tensor(
-                                base + (stage * TILE_M * TILE_K + row * TILE_K), cute.make_layout((1, TILE_K), stride=(TILE_K, 1))
-                            )
-                            g_row = cute.local_tile(t_x, (1, TILE_K), (token, k_tile))
-                            t_s, t_g = cute.nvgpu.cpasync.tma_partition(
-                                tma_row, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2), cute.group_modes(g_row, 0, 2)
-                            )
-                            cute.copy(tma_row, t_g, t_s, tma_bar_ptr=full + stage)
+                            if tile_row * TILE_M + tidx + 32 * i < num_rows:
+                                token = m_token[tile_row * TILE_M + tidx + 32 * i]
+                            tokens[i] = token
+                        for i in cutlass.range_constexpr(TILE_M // 32):
+                            for lane in cutlass.range(32, unroll=4):
+                                row = lane + 32 * i
+                                token = cute.arch.shuffle_sync(tokens[i], lane)
+                                s_row = cute.make_tensor(
+                                    base + (stage * TILE_M * TILE_K + row * TILE_K), cute.make_layout((1, TILE_K), stride=(TILE_K, 1))
+                                )
+                                g_row = cute.local_tile(t_x, (1, TILE_K), (token, k_tile))
+                                t_s, t_g = cute.nvgpu.cpasync.tma_partition(
+                                    tma_row, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2), cute.group_modes(g_row, 0, 2)
+                                )
+                                cute.copy(tma_row, t_g, t_s, tma_bar_ptr=full + stage)  # (the copy elects one lane)
                 stage, phase = self.advance(stage, phase)
                 linear += step
             if cutlass.const_expr(self.mode == "cp_async"):
