@@ -176,10 +176,34 @@ def feed(mode: str, x: torch.Tensor, rows: torch.Tensor, token: torch.Tensor, ou
     _COMPILED[key](*args, cutlass.Int32(grid), stream)
 
 
+def fc1(name, x, rows, token, idx, E, I, H) -> None:
+    """The layer's gate/up GEMM (SwiGLU epilogue, h kept) on pre-gathered rows, gathering by cp.async
+    and gathering by per-row TMA: bitwise equal outputs, and each one's time, interleaved."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    wg, wu = ((torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5).bfloat16() for _ in range(2))
+    tiles = ops.device_schedule(idx, E, capacity=rows.shape[0]).tile_expert
+    outs = {path: (torch.full((rows.shape[0], I), float("nan"), device="cuda").bfloat16(),
+                   torch.full((rows.shape[0], 2 * I), float("nan"), device="cuda").bfloat16()) for path in ("rows", "cp_async", "tma")}
+    calls = {
+        "rows": lambda: ops.grouped_gemm(rows, wg, tiles, b2=wu, out=outs["rows"][0], h_out=outs["rows"][1]),
+        "cp_async": lambda: ops.grouped_gemm(x, wg, tiles, b2=wu, gather=token, out=outs["cp_async"][0], h_out=outs["cp_async"][1]),
+        "tma": lambda: ops.grouped_gemm(x, wg, tiles, b2=wu, gather=token, gather_by="tma", out=outs["tma"][0], h_out=outs["tma"][1]),
+    }
+    for call in calls.values():
+        call()
+    torch.cuda.synchronize()
+    used = tiles.repeat_interleave(128)[: rows.shape[0]] >= 0
+    same = {path: all(torch.equal(o[used], w[used]) for o, w in zip(outs[path], outs["rows"])) for path in ("cp_async", "tma")}
+    print(f"{name:<10}fc1 bits equal to the pre-gathered rows': {same}")
+    ms = time_ms_interleaved(calls)
+    print(f"{name:<10}fc1 ms: " + "  ".join(f"{path} {t:.3f}" for path, t in ms.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="qwen3,dsv3-e128")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM fed each way (ops.grouped_gemm gather_by)")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}")
     for name in args.configs.split(","):
@@ -197,6 +221,8 @@ def main() -> int:
         ms = time_ms_interleaved({mode: (lambda mode=mode: feed(mode, x, rows, token, out, False)) for mode in MODES})
         nbytes = rows.numel() * 2
         print(f"{name:<10}" + "  ".join(f"{mode} {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)" for mode, t in ms.items()))
+        if args.fc1:
+            fc1(name, x, rows, token, idx, E, I, H)
     return 0
 
 
