@@ -313,7 +313,6 @@ def grouped_gemm(
     persistent: bool = True,
     gather: torch.Tensor | None = None,
     gather_ranks: tuple[int, int] | None = None,
-    gather_by: str = "cp_async",
     skip_padding: torch.Tensor | None = None,
     pull: tuple | None = None,
     timeout_s: float = 10.0,
@@ -401,7 +400,7 @@ def grouped_gemm(
     variant = grouped_gemm_variant(
         n, k, tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split, persistent=persistent,
         gather_a=gather is not None, gather_ranks=gather_ranks is not None, skip_padding=skip_padding is not None,
-        pull_a=pull is not None, gather_tma=gather is not None and gather_by == "tma",
+        pull_a=pull is not None,
     )
     row_token = gather if gather is not None else (skip_padding if pull is None else pull[2])
     rows_per_rank = a.shape[0] if pull is None else pull_src.shape[0]

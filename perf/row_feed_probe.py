@@ -26,6 +26,7 @@ import argparse
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass.cute.runtime import from_dlpack
@@ -72,7 +73,7 @@ class RowFeedProbe:
         tidx, _, _ = cute.arch.thread_idx()
         first, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
-        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
         base = storage.stages.data_ptr()
         if tidx == 0:
@@ -177,23 +178,23 @@ def feed(mode: str, x: torch.Tensor, rows: torch.Tensor, token: torch.Tensor, ou
 
 
 def fc1(name, x, rows, token, idx, E, I, H) -> None:
-    """The layer's gate/up GEMM (SwiGLU epilogue, h kept) on pre-gathered rows, gathering by cp.async
-    and gathering by per-row TMA: bitwise equal outputs, and each one's time, interleaved."""
+    """The layer's gate/up GEMM (SwiGLU epilogue, h kept) on pre-gathered rows and gathering them by
+    cp.async: bitwise equal outputs, and each one's time, interleaved. (Gathering by per-row TMA,
+    tried in the twenty-second session, was 2.6-2.8x slower: perf/NOTES.md.)"""
     g = torch.Generator(device="cuda").manual_seed(1)
     wg, wu = ((torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5).bfloat16() for _ in range(2))
     tiles = ops.device_schedule(idx, E, capacity=rows.shape[0]).tile_expert
     outs = {path: (torch.full((rows.shape[0], I), float("nan"), device="cuda").bfloat16(),
-                   torch.full((rows.shape[0], 2 * I), float("nan"), device="cuda").bfloat16()) for path in ("rows", "cp_async", "tma")}
+                   torch.full((rows.shape[0], 2 * I), float("nan"), device="cuda").bfloat16()) for path in ("rows", "cp_async")}
     calls = {
         "rows": lambda: ops.grouped_gemm(rows, wg, tiles, b2=wu, out=outs["rows"][0], h_out=outs["rows"][1]),
         "cp_async": lambda: ops.grouped_gemm(x, wg, tiles, b2=wu, gather=token, out=outs["cp_async"][0], h_out=outs["cp_async"][1]),
-        "tma": lambda: ops.grouped_gemm(x, wg, tiles, b2=wu, gather=token, gather_by="tma", out=outs["tma"][0], h_out=outs["tma"][1]),
     }
     for call in calls.values():
         call()
     torch.cuda.synchronize()
     used = tiles.repeat_interleave(128)[: rows.shape[0]] >= 0
-    same = {path: all(torch.equal(o[used], w[used]) for o, w in zip(outs[path], outs["rows"])) for path in ("cp_async", "tma")}
+    same = all(torch.equal(o[used], w[used]) for o, w in zip(outs["cp_async"], outs["rows"]))
     print(f"{name:<10}fc1 bits equal to the pre-gathered rows': {same}")
     ms = time_ms_interleaved(calls)
     print(f"{name:<10}fc1 ms: " + "  ".join(f"{path} {t:.3f}" for path, t in ms.items()))
@@ -203,7 +204,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="qwen3,dsv3-e128")
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM fed each way (ops.grouped_gemm gather_by)")
+    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM on pre-gathered rows and gathering by cp.async")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}")
     for name in args.configs.split(","):

@@ -141,7 +141,6 @@ def grouped_gemm_variant(
     persistent: bool = True,
     gather_a: bool = False,
     gather_ranks: bool = False,
-    gather_tma: bool = False,
     combine: bool = False,
     has_shared: bool = False,
     scatter: bool = False,
@@ -179,8 +178,6 @@ def grouped_gemm_variant(
         options["gather_a"] = True
     if gather_ranks:
         options["gather_ranks"] = True
-    if gather_tma:
-        options["gather_tma"] = True
     if combine:
         options.update(combine=True, has_shared=has_shared)
     if scatter:

@@ -117,7 +117,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
         persistent: bool = False,
         gather_a: bool = False,
         gather_ranks: bool = False,
-        gather_tma: bool = False,
         combine: bool = False,
         has_shared: bool = False,
         scatter: bool = False,
@@ -142,9 +141,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
         if gather_ranks and not gather_a:
             raise ValueError("gather_ranks: only with gather_a (it says where the gathered rows live)")
-        if gather_tma and (not gather_a or gather_ranks):
-            raise ValueError("gather_tma: only with gather_a on one GPU (a TMA descriptor over this rank's x)")
-        self.gather_tma = gather_tma
         if combine and (epilogue != "plain" or k_split or b_major != "k" or not persistent):
             raise ValueError("combine: only for the persistent plain GEMM with K-major B (the down projection)")
         if scatter and (epilogue != "plain" or combine or gather_a or not persistent):
@@ -264,11 +260,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
         combine_args = (m_c, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
         x_rows = m_a  # gather_a: x [T, K]; gather_ranks: every rank's x, T_max rows each, rank_stride elements apart
-        if cutlass.const_expr(self.gather_tma):  # a TMA box of one row of x, landing at the row's unswizzled offset
-            one_row = cute.make_composed_layout(a_smem.inner, 0, cute.make_layout((1, TILE_K), stride=(TILE_K, 1)))
-            x_2d = cute.make_tensor(a_ptr, cute.make_layout((a_rows, k), stride=(k, 1)))
-            tma_row, t_row = cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), x_2d, one_row, (1, TILE_K))
-            x_rows = (tma_row, t_row)
         if cutlass.const_expr(self.gather_ranks):
             x_rows = (m_a, rows_per_rank, rank_stride)
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
@@ -374,9 +365,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        copy_threads = 128 if self.gather_a and not self.gather_tma else 0  # (cp.async arrivals)
         ab_pipe = self.make_pipeline(
-            storage, self.num_b, a_smem, b_smem, gather_threads=copy_threads, consumer_warps=4 if self.pingpong else None
+            storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0, consumer_warps=4 if self.pingpong else None
         )
         epi_pipe = None
         if cutlass.const_expr(self.scatter):
@@ -390,7 +380,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
             # warp 0 issues the TMA loads; with gather_a all four warps also cp.async A's rows
-            if warp_idx < (4 if self.gather_a and not self.gather_tma else 1):
+            if warp_idx < (4 if self.gather_a else 1):
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 linear = first
                 while linear < all_tiles:
@@ -398,10 +388,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     expert = m_tiles[tile_row]
                     if expert >= 0:
                         loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert)
-                        if cutlass.const_expr(self.gather_tma):
-                            a_base = storage.s_a.data_ptr()
-                            prod = self.gather_tile_tma(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
-                        elif cutlass.const_expr(self.gather_a):
+                        if cutlass.const_expr(self.gather_a):
                             a_base = storage.s_a.data_ptr()
                             prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
                         else:
@@ -409,7 +396,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                                 self.wait_pulled(m_x, tile_row)
                             prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
-                if cutlass.const_expr(self.gather_a and not self.gather_tma):
+                if cutlass.const_expr(self.gather_a):
                     cute.arch.cp_async_wait_group(0)
                 if warp_idx == 0:
                     ab_pipe.producer_tail(prod)
@@ -572,44 +559,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 dst = a_base + (prod.index * stage_elems + dst0 + i * rows_per_pass * tile_k)
                 copy_async_16b(dst, src, token >= 0)
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
-            prod.advance()
-        return prod
-
-    @cute.jit
-    def gather_tile_tma(self, ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles):
-        """Warp 0, ``gather_tma``: fill one tile's ``k_tiles`` stages, B by TMA and A's 128 rows by
-        one TMA box of one row each (row r of x's K tile at the row's unswizzled offset r·64 in the
-        stage; the TMA unit applies the 128-byte swizzle by the shared-memory address bits, which
-        for row r XOR the chunk index with r % 8, as the WGMMA layout wants). Padding rows (row_token
-        < 0, or past the buffer) ask for row -1: outside x, so TMA writes zeros (their bytes still
-        count). Lane l loads the tokens of rows l + 32·i once a tile; one lane issues the copies."""
-        tile_m, _, tile_k = self.tile_shape_mnk
-        tma_row, t_row = m_x
-        stage_elems = tile_m * tile_k
-        tokens = cute.make_rmem_tensor(cute.make_layout(tile_m // 32), cutlass.Int32)
-        for i in cutlass.range_constexpr(tile_m // 32):
-            row = tile_row * tile_m + tidx + 32 * i
-            token = cutlass.Int32(-1)
-            if row < num_rows:
-                token = m_row_token[row]
-            tokens[i] = token
-        prod.reset_count()
-        for k_tile in cutlass.range(k_tiles, unroll=1):
-            ab_pipe.producer_acquire(prod)
-            bar = ab_pipe.producer_get_barrier(prod)
-            self.load_b(prod, loads, k_tile, bar)
-            for i in cutlass.range_constexpr(tile_m // 32):
-                for lane in cutlass.range(32, unroll=4):
-                    row = lane + 32 * i
-                    s_row = cute.make_tensor(
-                        a_base + (prod.index * stage_elems + row * tile_k), cute.make_layout((1, tile_k), stride=(tile_k, 1))
-                    )
-                    g_row = cute.local_tile(t_row, (1, tile_k), (cute.arch.shuffle_sync(tokens[i], lane), k_tile))
-                    t_s, t_g = cute.nvgpu.cpasync.tma_partition(
-                        tma_row, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2), cute.group_modes(g_row, 0, 2)
-                    )
-                    cute.copy(tma_row, t_g, t_s, tma_bar_ptr=bar)  # (the copy elects one lane)
-            ab_pipe.producer_commit(prod)
             prod.advance()
         return prod
 
@@ -1108,7 +1057,6 @@ def compile_grouped_gemm(
     persistent: bool = False,
     gather_a: bool = False,
     gather_ranks: bool = False,
-    gather_tma: bool = False,
     combine: bool = False,
     has_shared: bool = False,
     scatter: bool = False,
@@ -1131,8 +1079,8 @@ def compile_grouped_gemm(
     )
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
-        persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, gather_tma=gather_tma, combine=combine,
-        has_shared=has_shared, scatter=scatter, skip_padding=skip_padding, pull_a=pull_a, pingpong=pingpong,
+        persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
+        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a, pingpong=pingpong,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
