@@ -96,4 +96,4 @@ def test_per_group_cache_reuses_rebuilds_when_closed_and_lets_the_group_go():
     assert len(cache) == 2
     del group, first, rebuilt
     gc.collect()
-    assert len(cache) == 1  # the cache held neither the destroyed group nor its workspaces
+    assert len(cache) == 1  # the cache did not keep the dropped group (and with it its entries) alive

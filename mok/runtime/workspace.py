@@ -317,6 +317,8 @@ class SymmetricWorkspace:
 
 
 _live: "weakref.WeakSet[SymmetricWorkspace]" = weakref.WeakSet()
+
+
 class PerGroupCache:
     """Workspaces built once per (process group, key) and reused while open.
 
