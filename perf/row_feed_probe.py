@@ -34,6 +34,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from mok import ops
 from mok.bench import time_ms_interleaved
+from mok.kernels import grouped_gemm_variant
 from mok.kernels.sm90.grouped_gemm import copy_async_16b
 from mok.schedule import worst_case_capacity
 
@@ -173,25 +174,37 @@ def make_feed(mode: str, x: torch.Tensor, rows: torch.Tensor, token: torch.Tenso
     return lambda: kernel(*args, grid, stream)
 
 
-def fc1(name, x, rows, token, idx, E, I, H) -> None:
-    """The layer's gate/up GEMM (SwiGLU epilogue, h kept) on pre-gathered rows and gathering them by
-    cp.async: bitwise equal outputs, and each one's time, interleaved. (Gathering by per-row TMA,
-    tried in the twenty-second session, was 2.6-2.8x slower: perf/NOTES.md.)"""
+def fc1(name, x, rows, token, idx, E, I, H, gather_warps=(2, 1)) -> None:
+    """The layer's gate/up GEMM (SwiGLU epilogue, h kept) on pre-gathered rows, gathering them by
+    cp.async with the producer's four warps (the layer's kernel) and with ``gather_warps`` fewer
+    (the grouped GEMM's experimental ``gather_warps``: warp 0 then loads B only): bitwise equal
+    outputs, and each one's time, interleaved. (Gathering by per-row TMA, tried in the
+    twenty-second session, was 2.6-2.8x slower: perf/NOTES.md.)"""
     g = torch.Generator(device="cuda").manual_seed(1)
     wg, wu = ((torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5).bfloat16() for _ in range(2))
     tiles = ops.device_schedule(idx, E, capacity=rows.shape[0]).tile_expert
+    paths = ("rows", "cp_async", *(f"cp_async {w} warps" for w in gather_warps))
     outs = {path: (torch.full((rows.shape[0], I), float("nan"), device="cuda").bfloat16(),
-                   torch.full((rows.shape[0], 2 * I), float("nan"), device="cuda").bfloat16()) for path in ("rows", "cp_async")}
+                   torch.full((rows.shape[0], 2 * I), float("nan"), device="cuda").bfloat16()) for path in paths}
+
+    def fewer_warps(w: int):
+        variant = grouped_gemm_variant(I, H, epilogue="swiglu_save", gather_a=True, gather_warps=w)
+        out, h = outs[f"cp_async {w} warps"]
+        return lambda: ops.launch_grouped_gemm(variant, x, wg, wu, out, tiles, h=h, row_token=token, num_rows=rows.shape[0],
+                                               num_experts=E, num_tokens=x.shape[0])
+
     calls = {
         "rows": lambda: ops.grouped_gemm(rows, wg, tiles, b2=wu, out=outs["rows"][0], h_out=outs["rows"][1]),
         "cp_async": lambda: ops.grouped_gemm(x, wg, tiles, b2=wu, gather=token, out=outs["cp_async"][0], h_out=outs["cp_async"][1]),
+        **{f"cp_async {w} warps": fewer_warps(w) for w in gather_warps},
     }
     for call in calls.values():
         call()
     torch.cuda.synchronize()
     used = tiles.repeat_interleave(128)[: rows.shape[0]] >= 0
-    same = all(torch.equal(o[used], w[used]) for o, w in zip(outs["cp_async"], outs["rows"]))
-    print(f"{name:<10}fc1 bits equal to the pre-gathered rows': {same}")
+    for path in paths[1:]:
+        same = all(torch.equal(o[used], w[used]) for o, w in zip(outs[path], outs["rows"]))
+        print(f"{name:<10}fc1 {path}: bits equal to the pre-gathered rows': {same}")
     ms = time_ms_interleaved(calls)
     print(f"{name:<10}fc1 ms: " + "  ".join(f"{path} {t:.3f}" for path, t in ms.items()))
 
@@ -200,7 +213,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="qwen3,dsv3-e128")
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM on pre-gathered rows and gathering by cp.async")
+    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM on pre-gathered rows and gathering by cp.async (4, 2, 1 warps)")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}")
     for name in args.configs.split(","):
