@@ -174,29 +174,26 @@ def make_feed(mode: str, x: torch.Tensor, rows: torch.Tensor, token: torch.Tenso
     return lambda: kernel(*args, grid, stream)
 
 
-def fc1(name, x, rows, token, idx, E, I, H, gather_warps=(2, 1)) -> None:
+def fc1(name, x, rows, token, idx, E, I, H) -> None:
     """The layer's gate/up GEMM (SwiGLU epilogue, h kept) on pre-gathered rows, gathering them by
-    cp.async with the producer's four warps (the layer's kernel) and with ``gather_warps`` fewer
-    (the grouped GEMM's experimental ``gather_warps``: warp 0 then loads B only): bitwise equal
-    outputs, and each one's time, interleaved. (Gathering by per-row TMA, tried in the
-    twenty-second session, was 2.6-2.8x slower: perf/NOTES.md.)"""
+    cp.async (the layer's kernel) and by cp.async from source addresses worked out once a tile
+    (the grouped GEMM's experimental ``gather_addresses``): bitwise equal outputs, and each one's
+    time, interleaved. (Gathering by per-row TMA, tried in the twenty-second session, was
+    2.6-2.8x slower; with fewer producer warps, 1.3-1.4x slower with two: perf/NOTES.md.)"""
     g = torch.Generator(device="cuda").manual_seed(1)
     wg, wu = ((torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5).bfloat16() for _ in range(2))
     tiles = ops.device_schedule(idx, E, capacity=rows.shape[0]).tile_expert
-    paths = ("rows", "cp_async", *(f"cp_async {w} warps" for w in gather_warps))
+    paths = ("rows", "cp_async", "cp_async addressed")
     outs = {path: (torch.full((rows.shape[0], I), float("nan"), device="cuda").bfloat16(),
                    torch.full((rows.shape[0], 2 * I), float("nan"), device="cuda").bfloat16()) for path in paths}
 
-    def fewer_warps(w: int):
-        variant = grouped_gemm_variant(I, H, epilogue="swiglu_save", gather_a=True, gather_warps=w)
-        out, h = outs[f"cp_async {w} warps"]
-        return lambda: ops.launch_grouped_gemm(variant, x, wg, wu, out, tiles, h=h, row_token=token, num_rows=rows.shape[0],
-                                               num_experts=E, num_tokens=x.shape[0])
-
+    addressed = grouped_gemm_variant(I, H, epilogue="swiglu_save", gather_a=True, gather_addresses=True)
     calls = {
         "rows": lambda: ops.grouped_gemm(rows, wg, tiles, b2=wu, out=outs["rows"][0], h_out=outs["rows"][1]),
         "cp_async": lambda: ops.grouped_gemm(x, wg, tiles, b2=wu, gather=token, out=outs["cp_async"][0], h_out=outs["cp_async"][1]),
-        **{f"cp_async {w} warps": fewer_warps(w) for w in gather_warps},
+        "cp_async addressed": lambda: ops.launch_grouped_gemm(
+            addressed, x, wg, wu, outs["cp_async addressed"][0], tiles, h=outs["cp_async addressed"][1], row_token=token,
+            num_rows=rows.shape[0], num_experts=E, num_tokens=x.shape[0]),
     }
     for call in calls.values():
         call()
@@ -213,7 +210,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="qwen3,dsv3-e128")
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM on pre-gathered rows and gathering by cp.async (4, 2, 1 warps)")
+    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM on pre-gathered rows and gathering by cp.async (addresses worked out per stage or per tile)")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}")
     for name in args.configs.split(","):

@@ -123,7 +123,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         skip_padding: bool = False,
         pull_a: bool = False,
         pingpong: bool = False,
-        gather_warps: int = 4,
+        gather_addresses: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -142,8 +142,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
         if gather_ranks and not gather_a:
             raise ValueError("gather_ranks: only with gather_a (it says where the gathered rows live)")
-        if gather_warps not in (1, 2, 4):
-            raise ValueError(f"gather_warps: expected 1, 2 or 4, got {gather_warps}")
         if combine and (epilogue != "plain" or k_split or b_major != "k" or not persistent):
             raise ValueError("combine: only for the persistent plain GEMM with K-major B (the down projection)")
         if scatter and (epilogue != "plain" or combine or gather_a or not persistent):
@@ -164,7 +162,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         self.b_k = k // 2 if k_split else k  # K extent of each B tensor
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
         self.persistent, self.gather_a, self.gather_ranks = persistent, gather_a, gather_ranks
-        self.gather_warps = gather_warps
+        self.gather_addresses = gather_addresses
         self.combine, self.has_shared, self.scatter = combine, has_shared, scatter
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
@@ -251,7 +249,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
             # scatter only (one element otherwise); these fit in front of s_a's 1024-byte alignment
             epi_mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.epi_stage if self.scatter else 1]
-            s_dest: cute.struct.MemRange[cutlass.Int32, tile_m if self.scatter or self.gather_warps < 4 else 1]
+            s_dest: cute.struct.MemRange[cutlass.Int32, tile_m if self.scatter else 1]
             s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
             s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
             s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
@@ -370,8 +368,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(
-            storage, self.num_b, a_smem, b_smem, gather_threads=32 * self.gather_warps if self.gather_a else 0,
-            consumer_warps=4 if self.pingpong else None,
+            storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0, consumer_warps=4 if self.pingpong else None
         )
         epi_pipe = None
         if cutlass.const_expr(self.scatter):
@@ -384,8 +381,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
-            # warp 0 issues the TMA loads; with gather_a the last gather_warps warps cp.async A's rows
-            if warp_idx < (4 if self.gather_a else 1) and (warp_idx == 0 or warp_idx >= 4 - self.gather_warps):
+            # warp 0 issues the TMA loads; with gather_a all four warps also cp.async A's rows
+            if warp_idx < (4 if self.gather_a else 1):
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 linear = first
                 while linear < all_tiles:
@@ -395,9 +392,12 @@ class GroupedGemmSm90(WgmmaTileKernel):
                         loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert)
                         if cutlass.const_expr(self.gather_a):
                             a_base = storage.s_a.data_ptr()
-                            s_tokens = storage.s_dest.get_tensor(cute.make_layout(self.tile_shape_mnk[0]))
-                            prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles,
-                                                    s_tokens)
+                            if cutlass.const_expr(self.gather_addresses):
+                                prod = self.gather_tile_by_address(
+                                    ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles
+                                )
+                            else:
+                                prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
                         else:
                             if cutlass.const_expr(self.pull_a):
                                 self.wait_pulled(m_x, tile_row)
@@ -520,61 +520,25 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 cute.copy(tma_b2, t_b2g[(None, k_tile)], t_b2s[(None, prod.index)], tma_bar_ptr=bar)
 
     @cute.jit
-    def gather_tile(self, ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles, s_tokens=None):
+    def gather_tile(self, ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles):
         """Producer warpgroup, ``gather_a``: fill one tile's ``k_tiles`` stages, B by TMA (warp 0)
         and A's 128 rows by cp.async from x, returning the advanced pipeline state.
 
-        The last ``gather_warps`` warps copy (all four by default, warp 0 among them). Gathering
-        thread t copies 16-byte chunk t % 8 of rows t // 8 + (4·gather_warps)·i of every K tile,
-        so a warp reads four whole 128-byte row segments at a time. Padding rows (row_token < 0,
-        or past the buffer) are zero-filled (a copy of 0 source bytes), so the backward never sees
+        Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16·i (i < 8) of every K tile, so a
+        warp reads four whole 128-byte row segments at a time. Padding rows (row_token < 0, or
+        past the buffer) are zero-filled (a copy of 0 source bytes), so the backward never sees
         garbage there. The destination follows the A stage's 128-byte swizzle: within a K tile
         of 64 bf16, chunk c of row r sits at byte r·128 + ((c ^ (r % 8))·16).
         With ``gather_ranks``, ``m_x`` is (x of rank 0, T_max, rank stride) and token g is row
         g % T_max of rank g // T_max's x (through the symmetric mapping: a pull from the peer).
-        With fewer than four warps a thread's rows are too many for its 40 registers: their
-        tokens go to ``s_tokens`` (one per row, written by the row's chunk-0 lane; a row's eight
-        lanes are one warp's, so a warp barrier orders them).
         """
         tile_m, _, tile_k = self.tile_shape_mnk
-        warps = self.gather_warps
-        gid = tidx - 32 * (4 - warps)  # this thread among the gathering ones (< 0: warp 0 loading B only)
-        chunk = gid % 8
-        row0 = gid // 8
+        rows_per_pass = 128 // 8
+        chunk = tidx % 8
+        row0 = tidx // 8
         stage_elems = tile_m * tile_k
-        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)  # the same swizzle for rows row0 + 4·warps·i
-        tokens = cute.make_rmem_tensor(cute.make_layout(tile_m // 16 if warps == 4 else 1), cutlass.Int32)
-        if cutlass.const_expr(warps < 4):
-            cute.arch.sync_warp()  # (the warp's lanes are done with the last tile's tokens)
-        if cutlass.const_expr(warps == 4):
-            self.gather_tokens(tokens, m_x, m_row_token, tile_row, num_rows, row0, chunk)
-        else:
-            if gid >= 0:
-                self.gather_tokens(s_tokens, m_x, m_row_token, tile_row, num_rows, row0, chunk)
-        if cutlass.const_expr(warps < 4):
-            cute.arch.sync_warp()
-        x_base = m_x[0].iterator if cutlass.const_expr(self.gather_ranks) else m_x.iterator
-        prod.reset_count()
-        for k_tile in cutlass.range(k_tiles, unroll=1):
-            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
-            if tidx < 32:  # warp 0 arms the stage's byte count and loads B
-                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
-                self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
-            dst = a_base + (prod.index * stage_elems + dst0)
-            if cutlass.const_expr(warps == 4):
-                self.gather_stage(ab_pipe, prod, tokens, x_base, dst, k_tile * tile_k + chunk * 8, row0)
-            else:
-                if gid >= 0:
-                    self.gather_stage(ab_pipe, prod, s_tokens, x_base, dst, k_tile * tile_k + chunk * 8, row0)
-            prod.advance()
-        return prod
-
-    @cute.jit
-    def gather_tokens(self, tokens, m_x, m_row_token, tile_row, num_rows, row0, chunk):
-        """``gather_tile``: this thread's rows' tokens (-1 for padding) into ``tokens``, a register
-        per row (four gathering warps) or, with fewer, the tile's shared token list (chunk-0 lanes)."""
-        tile_m = self.tile_shape_mnk[0]
-        rows_per_pass = 4 * self.gather_warps
+        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)  # the same swizzle for rows row0 + 16·i
+        tokens = cute.make_rmem_tensor(cute.make_layout(tile_m // rows_per_pass), cutlass.Int32)
         for i in cutlass.range_constexpr(tile_m // rows_per_pass):
             row = tile_row * tile_m + row0 + rows_per_pass * i
             token = cutlass.Int32(-1)
@@ -584,31 +548,70 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 _, rows_per_rank, rank_stride = m_x
                 if token >= 0:
                     token = (token // rows_per_rank) * rank_stride + (token % rows_per_rank) * self.k
-            if cutlass.const_expr(self.gather_warps == 4):
-                tokens[i] = token
-            else:
-                if chunk == 0:
-                    tokens[row0 + rows_per_pass * i] = token
+            tokens[i] = token
+        x_base = m_x[0].iterator if cutlass.const_expr(self.gather_ranks) else m_x.iterator
+        prod.reset_count()
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+            if tidx < 32:  # warp 0 arms the stage's byte count and loads B
+                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
+                self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
+            col = k_tile * tile_k + chunk * 8
+            for i in cutlass.range_constexpr(tile_m // rows_per_pass):
+                token = tokens[i]
+                if cutlass.const_expr(self.gather_ranks):
+                    src = x_base + (cutlass.Int64(cutlass.max(token, 0)) + col)
+                else:
+                    src = x_base + (cutlass.Int64(cutlass.max(token, 0)) * self.k + col)
+                dst = a_base + (prod.index * stage_elems + dst0 + i * rows_per_pass * tile_k)
+                copy_async_16b(dst, src, token >= 0)
+            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
+            prod.advance()
+        return prod
 
     @cute.jit
-    def gather_stage(self, ab_pipe, prod, tokens, x_base, dst, col, row0):
-        """``gather_tile``: this thread's 16-byte copies of one stage (column ``col`` of its rows,
-        to ``dst`` and every ``rows_per_pass`` rows on), then its arrival on the stage's barrier
-        once they land."""
+    def gather_tile_by_address(self, ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles):
+        """``gather_tile`` with each row's source byte address and byte count (16, or 0 for a
+        padding row: zero fill) worked out once a tile, so that a stage's copy costs one 64-bit add
+        and the cp.async, not the token's multiply, clamp and address arithmetic again."""
         tile_m, _, tile_k = self.tile_shape_mnk
-        rows_per_pass = 4 * self.gather_warps
-        for i in cutlass.range_constexpr(tile_m // rows_per_pass):
-            token = tokens[0]
-            if cutlass.const_expr(self.gather_warps == 4):
-                token = tokens[i]
-            else:
-                token = tokens[row0 + rows_per_pass * i]
-            if cutlass.const_expr(self.gather_ranks):
-                src = x_base + (cutlass.Int64(cutlass.max(token, 0)) + col)
-            else:
-                src = x_base + (cutlass.Int64(cutlass.max(token, 0)) * self.k + col)
-            copy_async_16b(dst + i * rows_per_pass * tile_k, src, token >= 0)
-        cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
+        rows_per_pass = 128 // 8
+        passes = tile_m // rows_per_pass
+        chunk = tidx % 8
+        row0 = tidx // 8
+        stage_elems = tile_m * tile_k
+        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)
+        x_base = m_x[0].iterator if cutlass.const_expr(self.gather_ranks) else m_x.iterator
+        addresses = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int64)
+        sizes = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int32)
+        for i in cutlass.range_constexpr(passes):
+            row = tile_row * tile_m + row0 + rows_per_pass * i
+            token = cutlass.Int32(-1)
+            if row < num_rows:
+                token = m_row_token[row]
+            element = cutlass.Int64(0)
+            if token >= 0:
+                if cutlass.const_expr(self.gather_ranks):  # row token % T_max of rank token // T_max
+                    _, rows_per_rank, rank_stride = m_x
+                    element = cutlass.Int64(token // rows_per_rank) * rank_stride + cutlass.Int64(token % rows_per_rank) * self.k
+                else:
+                    element = cutlass.Int64(token) * self.k
+            addresses[i] = (x_base + (element + chunk * 8)).toint()
+            sizes[i] = cutlass.Int32(token >= 0) * 16
+        prod.reset_count()
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+            if tidx < 32:  # warp 0 arms the stage's byte count and loads B
+                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
+                self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
+            column_bytes = cutlass.Int64(k_tile * tile_k * 2)
+            dst = a_base + (prod.index * stage_elems + dst0)
+            for i in cutlass.range_constexpr(passes):
+                src = cute.make_ptr(self.ab_dtype, addresses[i] + column_bytes, cute.AddressSpace.gmem, assumed_align=16)
+                copy_async_bytes(dst + i * rows_per_pass * tile_k, src, sizes[i])
+            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
+            prod.advance()
+        return prod
 
     @cute.jit
     def combine_rows(self, mma_tidx, warp_idx, tile_col, token, combine_args):
@@ -1089,6 +1092,13 @@ def copy_async_16b(dst: cute.Pointer, src: cute.Pointer, valid) -> None:
     primitives.cp_async_shared_global(dst, src, 16, "cg", cp_size=cutlass.Int32(valid) * 16)
 
 
+def copy_async_bytes(dst: cute.Pointer, src: cute.Pointer, nbytes) -> None:
+    """cp.async of 16 bytes global -> shared, ``nbytes`` (16 or 0) of them read, the rest zero-filled."""
+    from cutlass.experimental import primitives
+
+    primitives.cp_async_shared_global(dst, src, 16, "cg", cp_size=nbytes)
+
+
 def compile_grouped_gemm(
     n: int,
     k: int,
@@ -1111,7 +1121,7 @@ def compile_grouped_gemm(
     skip_padding: bool = False,
     pull_a: bool = False,
     pingpong: bool = False,
-    gather_warps: int = 4,
+    gather_addresses: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -1129,7 +1139,7 @@ def compile_grouped_gemm(
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
         persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
-        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a, pingpong=pingpong, gather_warps=gather_warps,
+        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a, pingpong=pingpong, gather_addresses=gather_addresses,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
