@@ -34,7 +34,6 @@ from cutlass.tensor_utils import LayoutEnum
 
 from mok import ops
 from mok.bench import time_ms_interleaved
-from mok.kernels import grouped_gemm_variant
 from mok.kernels.sm90.grouped_gemm import copy_async_16b
 from mok.schedule import worst_case_capacity
 
@@ -102,7 +101,7 @@ class RowFeedProbe:
                             token = m_token[tile_row * TILE_M + row]
                         src = x_base + (cutlass.Int64(cutlass.max(token, 0)) * self.k + k_tile * TILE_K + chunk * 8)
                         dst = base + (stage * TILE_M * TILE_K + row * TILE_K + ((chunk ^ (row % 8)) * 8))
-                        copy_async_16b(dst, src, token >= 0)
+                        copy_async_16b(dst, src, cutlass.Int32(token >= 0) * 16)
                     cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
                 elif tidx < 32:
                     if tidx == 0:
@@ -175,33 +174,26 @@ def make_feed(mode: str, x: torch.Tensor, rows: torch.Tensor, token: torch.Tenso
 
 
 def fc1(name, x, rows, token, idx, E, I, H) -> None:
-    """The layer's gate/up GEMM (SwiGLU epilogue, h kept) on pre-gathered rows, gathering them by
-    cp.async (the layer's kernel) and by cp.async from source addresses worked out once a tile
-    (the grouped GEMM's experimental ``gather_addresses``): bitwise equal outputs, and each one's
-    time, interleaved. (Gathering by per-row TMA, tried in the twenty-second session, was
-    2.6-2.8x slower; with fewer producer warps, 1.3-1.4x slower with two: perf/NOTES.md.)"""
+    """The layer's gate/up GEMM (SwiGLU epilogue, h kept) on pre-gathered rows and gathering them by
+    cp.async: bitwise equal outputs, and each one's time, interleaved. (Gathering by per-row TMA
+    was 2.6-2.8x slower; with two of the four producer warps gathering, 1.3-1.4x slower; with the
+    source addresses worked out every stage instead of once a tile, 6-9% slower: perf/NOTES.md,
+    twenty-second and twenty-third sessions.)"""
     g = torch.Generator(device="cuda").manual_seed(1)
     wg, wu = ((torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5).bfloat16() for _ in range(2))
     tiles = ops.device_schedule(idx, E, capacity=rows.shape[0]).tile_expert
-    paths = ("rows", "cp_async", "cp_async addressed")
     outs = {path: (torch.full((rows.shape[0], I), float("nan"), device="cuda").bfloat16(),
-                   torch.full((rows.shape[0], 2 * I), float("nan"), device="cuda").bfloat16()) for path in paths}
-
-    addressed = grouped_gemm_variant(I, H, epilogue="swiglu_save", gather_a=True, gather_addresses=True)
+                   torch.full((rows.shape[0], 2 * I), float("nan"), device="cuda").bfloat16()) for path in ("rows", "cp_async")}
     calls = {
         "rows": lambda: ops.grouped_gemm(rows, wg, tiles, b2=wu, out=outs["rows"][0], h_out=outs["rows"][1]),
         "cp_async": lambda: ops.grouped_gemm(x, wg, tiles, b2=wu, gather=token, out=outs["cp_async"][0], h_out=outs["cp_async"][1]),
-        "cp_async addressed": lambda: ops.launch_grouped_gemm(
-            addressed, x, wg, wu, outs["cp_async addressed"][0], tiles, h=outs["cp_async addressed"][1], row_token=token,
-            num_rows=rows.shape[0], num_experts=E, num_tokens=x.shape[0]),
     }
     for call in calls.values():
         call()
     torch.cuda.synchronize()
     used = tiles.repeat_interleave(128)[: rows.shape[0]] >= 0
-    for path in paths[1:]:
-        same = all(torch.equal(o[used], w[used]) for o, w in zip(outs[path], outs["rows"]))
-        print(f"{name:<10}fc1 {path}: bits equal to the pre-gathered rows': {same}")
+    same = all(torch.equal(o[used], w[used]) for o, w in zip(outs["cp_async"], outs["rows"]))
+    print(f"{name:<10}fc1 bits equal to the pre-gathered rows': {same}")
     ms = time_ms_interleaved(calls)
     print(f"{name:<10}fc1 ms: " + "  ".join(f"{path} {t:.3f}" for path, t in ms.items()))
 
@@ -210,7 +202,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="qwen3,dsv3-e128")
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM on pre-gathered rows and gathering by cp.async (addresses worked out per stage or per tile)")
+    parser.add_argument("--fc1", action="store_true", help="also the gate/up GEMM on pre-gathered rows and gathering by cp.async")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}")
     for name in args.configs.split(","):

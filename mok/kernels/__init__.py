@@ -147,7 +147,6 @@ def grouped_gemm_variant(
     skip_padding: bool = False,
     pull_a: bool = False,
     pingpong: bool = False,
-    gather_addresses: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
 
@@ -189,8 +188,6 @@ def grouped_gemm_variant(
         options["pull_a"] = True
     if pingpong:
         options["pingpong"] = True
-    if gather_addresses:  # (experimental: perf/row_feed_probe.py --fc1)
-        options["gather_addresses"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":

@@ -123,7 +123,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
         skip_padding: bool = False,
         pull_a: bool = False,
         pingpong: bool = False,
-        gather_addresses: bool = False,
     ) -> None:
         tile_m = 128
         if epilogue not in EPILOGUES:
@@ -162,7 +161,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
         self.b_k = k // 2 if k_split else k  # K extent of each B tensor
         self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
         self.persistent, self.gather_a, self.gather_ranks = persistent, gather_a, gather_ranks
-        self.gather_addresses = gather_addresses
         self.combine, self.has_shared, self.scatter = combine, has_shared, scatter
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
@@ -392,12 +390,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                         loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert)
                         if cutlass.const_expr(self.gather_a):
                             a_base = storage.s_a.data_ptr()
-                            if cutlass.const_expr(self.gather_addresses):
-                                prod = self.gather_tile_by_address(
-                                    ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles
-                                )
-                            else:
-                                prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
+                            prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
                         else:
                             if cutlass.const_expr(self.pull_a):
                                 self.wait_pulled(m_x, tile_row)
@@ -531,59 +524,22 @@ class GroupedGemmSm90(WgmmaTileKernel):
         of 64 bf16, chunk c of row r sits at byte r·128 + ((c ^ (r % 8))·16).
         With ``gather_ranks``, ``m_x`` is (x of rank 0, T_max, rank stride) and token g is row
         g % T_max of rank g // T_max's x (through the symmetric mapping: a pull from the peer).
+        The gather is bound by how fast these threads issue (perf/NOTES.md, twenty-third
+        session), so each row's source offset and byte count are worked out once a tile: a
+        stage then costs one multiply-add and a cp.async per row.
         """
-        tile_m, _, tile_k = self.tile_shape_mnk
-        rows_per_pass = 128 // 8
-        chunk = tidx % 8
-        row0 = tidx // 8
-        stage_elems = tile_m * tile_k
-        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)  # the same swizzle for rows row0 + 16·i
-        tokens = cute.make_rmem_tensor(cute.make_layout(tile_m // rows_per_pass), cutlass.Int32)
-        for i in cutlass.range_constexpr(tile_m // rows_per_pass):
-            row = tile_row * tile_m + row0 + rows_per_pass * i
-            token = cutlass.Int32(-1)
-            if row < num_rows:
-                token = m_row_token[row]
-            if cutlass.const_expr(self.gather_ranks):  # the row's element offset from rank 0's x (-1: padding)
-                _, rows_per_rank, rank_stride = m_x
-                if token >= 0:
-                    token = (token // rows_per_rank) * rank_stride + (token % rows_per_rank) * self.k
-            tokens[i] = token
-        x_base = m_x[0].iterator if cutlass.const_expr(self.gather_ranks) else m_x.iterator
-        prod.reset_count()
-        for k_tile in cutlass.range(k_tiles, unroll=1):
-            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
-            if tidx < 32:  # warp 0 arms the stage's byte count and loads B
-                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
-                self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
-            col = k_tile * tile_k + chunk * 8
-            for i in cutlass.range_constexpr(tile_m // rows_per_pass):
-                token = tokens[i]
-                if cutlass.const_expr(self.gather_ranks):
-                    src = x_base + (cutlass.Int64(cutlass.max(token, 0)) + col)
-                else:
-                    src = x_base + (cutlass.Int64(cutlass.max(token, 0)) * self.k + col)
-                dst = a_base + (prod.index * stage_elems + dst0 + i * rows_per_pass * tile_k)
-                copy_async_16b(dst, src, token >= 0)
-            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
-            prod.advance()
-        return prod
-
-    @cute.jit
-    def gather_tile_by_address(self, ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles):
-        """``gather_tile`` with each row's source byte address and byte count (16, or 0 for a
-        padding row: zero fill) worked out once a tile, so that a stage's copy costs one 64-bit add
-        and the cp.async, not the token's multiply, clamp and address arithmetic again."""
         tile_m, _, tile_k = self.tile_shape_mnk
         rows_per_pass = 128 // 8
         passes = tile_m // rows_per_pass
         chunk = tidx % 8
         row0 = tidx // 8
         stage_elems = tile_m * tile_k
-        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)
+        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)  # the same swizzle for rows row0 + 16·i
         x_base = m_x[0].iterator if cutlass.const_expr(self.gather_ranks) else m_x.iterator
-        addresses = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int64)
-        sizes = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int32)
+        # per row: where its chunk of K tile 0 lies, in 16-byte units from x's start (32 bits: x's
+        # element offsets fit 31), and in bit i of ``rows_read`` whether row i is read (else padding: zeros)
+        units = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Uint32)
+        rows_read = cutlass.Uint32(0)
         for i in cutlass.range_constexpr(passes):
             row = tile_row * tile_m + row0 + rows_per_pass * i
             token = cutlass.Int32(-1)
@@ -591,24 +547,24 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 token = m_row_token[row]
             element = cutlass.Int64(0)
             if token >= 0:
-                if cutlass.const_expr(self.gather_ranks):  # row token % T_max of rank token // T_max
+                if cutlass.const_expr(self.gather_ranks):
                     _, rows_per_rank, rank_stride = m_x
                     element = cutlass.Int64(token // rows_per_rank) * rank_stride + cutlass.Int64(token % rows_per_rank) * self.k
                 else:
                     element = cutlass.Int64(token) * self.k
-            addresses[i] = (x_base + (element + chunk * 8)).toint()
-            sizes[i] = cutlass.Int32(token >= 0) * 16
+            units[i] = cutlass.Uint32((element + chunk * 8) // 8)
+            rows_read = rows_read | (cutlass.Uint32(token >= 0) << i)
         prod.reset_count()
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
             if tidx < 32:  # warp 0 arms the stage's byte count and loads B
                 ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
                 self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
-            column_bytes = cutlass.Int64(k_tile * tile_k * 2)
+            column_units = cutlass.Uint32(k_tile * (tile_k // 8))  # this K tile, 16-byte units into a row
             dst = a_base + (prod.index * stage_elems + dst0)
             for i in cutlass.range_constexpr(passes):
-                src = cute.make_ptr(self.ab_dtype, addresses[i] + column_bytes, cute.AddressSpace.gmem, assumed_align=16)
-                copy_async_bytes(dst + i * rows_per_pass * tile_k, src, sizes[i])
+                src = x_base + cutlass.Int64(units[i] + column_units) * 8
+                copy_async_16b(dst + i * rows_per_pass * tile_k, src, cutlass.Int32((rows_read >> i) & 1) * 16)
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
             prod.advance()
         return prod
@@ -1082,18 +1038,12 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
 
 @cute.jit
-def copy_async_16b(dst: cute.Pointer, src: cute.Pointer, valid) -> None:
-    """cp.async of 16 bytes global -> shared, or 16 zero bytes where not ``valid`` (no source read).
+def copy_async_16b(dst: cute.Pointer, src: cute.Pointer, nbytes) -> None:
+    """cp.async of 16 bytes global -> shared, ``nbytes`` (16, or 0: no source read) of them from
+    ``src``, the rest zero-filled.
 
     (CuTe DSL's experimental NVVM wrapper is the one that exposes cp.async's source size.)
     """
-    from cutlass.experimental import primitives
-
-    primitives.cp_async_shared_global(dst, src, 16, "cg", cp_size=cutlass.Int32(valid) * 16)
-
-
-def copy_async_bytes(dst: cute.Pointer, src: cute.Pointer, nbytes) -> None:
-    """cp.async of 16 bytes global -> shared, ``nbytes`` (16 or 0) of them read, the rest zero-filled."""
     from cutlass.experimental import primitives
 
     primitives.cp_async_shared_global(dst, src, 16, "cg", cp_size=nbytes)
@@ -1121,7 +1071,6 @@ def compile_grouped_gemm(
     skip_padding: bool = False,
     pull_a: bool = False,
     pingpong: bool = False,
-    gather_addresses: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -1139,7 +1088,7 @@ def compile_grouped_gemm(
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
         persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
-        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a, pingpong=pingpong, gather_addresses=gather_addresses,
+        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a, pingpong=pingpong,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
