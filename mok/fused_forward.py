@@ -160,10 +160,10 @@ def moe_forward(
     first, by a launch of their own (with ``one_launch``: by a phase of the launch, after the
     schedule, behind a grid barrier), and the gate/up GEMM loads them by TMA, instead of
     gathering them itself with cp.async: R·H·2 bytes of transient memory (and in the multi-launch
-    forward one launch) more, the same bits. Measured alone at steady state (perf/NOTES.md,
-    sixteenth session): the forward 2-3% faster at H = 7168, 4% slower at H = 2048 (a row of 4 KB
-    is cheap to gather in the GEMM; the extra round trip is not), a training step no faster; with
-    ``one_launch`` no gain (its gather phase runs at the GEMMs' clock). Hence opt-in.
+    forward one launch) more, the same bits. It was 2-3% faster at H = 7168 until the GEMM's
+    gather worked out its source addresses once a tile; since then (perf/NOTES.md, twenty-third
+    session) the gathering gate/up GEMM is as fast as the TMA-fed one and the default forward
+    as fast as this at H = 7168 and 4% faster at H = 2048. Kept for comparison; opt-in.
     """
     if gather_first and one_launch_mlp:
         raise ValueError("gather_first: not with one_launch_mlp (its fc1 gathers the rows itself)")
