@@ -178,7 +178,7 @@ def fc1(name, x, rows, token, idx, E, I, H) -> None:
     cp.async: bitwise equal outputs, and each one's time, interleaved. (Gathering by per-row TMA
     was 2.6-2.8x slower; with two of the four producer warps gathering, 1.3-1.4x slower; with the
     source addresses worked out every stage instead of once a tile, 6-9% slower; with 32-bit
-    offsets instead of 64-bit addresses once a tile, 4-5% slower: perf/NOTES.md, twenty-second
+    offsets instead of 64-bit addresses once a tile, 4-6% slower: perf/NOTES.md, twenty-second
     and twenty-third sessions.)"""
     g = torch.Generator(device="cuda").manual_seed(1)
     wg, wu = ((torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5).bfloat16() for _ in range(2))

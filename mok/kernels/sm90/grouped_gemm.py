@@ -527,7 +527,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         The gather is bound by how fast these threads issue (perf/NOTES.md, twenty-third
         session), so each row's source address and whether it is read are worked out once a
         tile: a stage then costs a 64-bit add and a cp.async per row. (Keeping 32-bit offsets
-        instead, which spares the producer's registers a 16-byte spill, measured 4-5% slower.)
+        instead, which spares the producer's registers a 16-byte spill, measured 4-6% slower.)
         """
         tile_m, _, tile_k = self.tile_shape_mnk
         rows_per_pass = 128 // 8
