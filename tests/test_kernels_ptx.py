@@ -148,11 +148,13 @@ def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilo
 )
 def test_scattering_gemm_stores_rows_from_the_producer_warps(variant, loads):
     """scatter: TMA loads, WGMMA; no TMA store: three producer warps (barrier 2 over 96 threads)
-    copy the handed-over epilogue subtiles out with 16-byte shared loads and streaming global stores."""
+    copy the handed-over epilogue subtiles out with 16-byte shared loads and streaming global stores,
+    each thread the same rows of every subtile (their destinations read once a tile)."""
     ptx = compiled_ptx(variant, "sm_90a")
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx) == 0  # no TMA store
-    assert count(r"ld\.shared\.v4\.b32", ptx) == count(r"st\.global\.cs\.v4\.b32", ptx) == 1  # (one loop; streaming)
+    # a thread's 6 rows of each subtile (96 threads, 4 chunks a row), unrolled; streaming stores
+    assert count(r"ld\.shared\.v4\.b32", ptx) == count(r"st\.global\.cs\.v4\.b32", ptx) == 6
     assert count(r"bar\.sync\s+2, 96;", ptx) == 2
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx) == 4
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0

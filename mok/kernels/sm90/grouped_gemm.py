@@ -648,7 +648,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
     def scatter_tile(self, epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, m_dst, tid):
         """``scatter``, producer warps 1-3, one tile: each row's first element in the slots (rank 0's
         slots on; -1 for padding rows) into ``s_dest``, then per subtile copy the handed-over buffer
-        out, 16 bytes per store. Returns the advanced epilogue-pipeline state."""
+        out, 16 bytes per store. A thread copies the same chunk of the same rows in every subtile,
+        their destinations read into registers once a tile: the copy is bound by these three warps'
+        issue rate (perf/NOTES.md, twenty-third session). Returns the advanced epilogue-pipeline state."""
         m_vecs, rows_per_rank, rank_stride = m_dst
         tile_m, tile_n, _ = self.tile_shape_mnk
         per_row = SCATTER_COLS // VECTOR
@@ -662,15 +664,27 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     dest = (g // rows_per_rank) * rank_stride + ((g % rows_per_rank) * self.topk + m_row_slot[row]) * self.n
             s_dest[r] = dest
         self.scatter_sync()
+        # this thread's rows: row0 + rows_per_pass·j, its chunk of each (16 bytes), the same in every
+        # subtile; their vector indices in column 0 are read once a tile (-1: none, or past the tile)
+        rows_per_pass = SCATTER_THREADS // per_row
+        passes = (tile_m + rows_per_pass - 1) // rows_per_pass
+        chunk = tid % per_row
+        row0 = tid // per_row
+        vectors = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int32)
+        for j in cutlass.range_constexpr(passes):
+            vector = cutlass.Int32(-1)
+            if row0 + rows_per_pass * j < tile_m:
+                dest = s_dest[row0 + rows_per_pass * j]
+                if dest >= 0:
+                    vector = (dest + chunk * VECTOR) // VECTOR
+            vectors[j] = vector
         for epi in cutlass.range(tile_n // SCATTER_COLS, unroll=1):
             epi_pipe.consumer_wait(cons)
-            col0 = tile_col * tile_n + epi * SCATTER_COLS
-            for v in cutlass.range(tid, tile_m * per_row, SCATTER_THREADS, unroll=1):
-                chunk = v % per_row
-                dest = s_dest[v // per_row]
-                if dest >= 0:
-                    src = cute.zipped_divide(s_c[v // per_row, None, cons.index], (VECTOR,))[None, chunk]
-                    dst = m_vecs[None, (dest + col0 + chunk * VECTOR) // VECTOR]
+            col_vectors = (tile_col * tile_n + epi * SCATTER_COLS) // VECTOR
+            for j in cutlass.range_constexpr(passes):
+                if vectors[j] >= 0:
+                    src = cute.zipped_divide(s_c[row0 + rows_per_pass * j, None, cons.index], (VECTOR,))[None, chunk]
+                    dst = m_vecs[None, vectors[j] + col_vectors]
                     cute.arch.store(dst.iterator, src.load(), cop="cs")  # streaming: y is read once, by the combine
             epi_pipe.consumer_release(cons)
             cons.advance()
