@@ -1,6 +1,6 @@
 """How fast can one SM pull gathered token rows into a GEMM's swizzled shared-memory stages?
 
-    python perf/row_feed_probe.py [--configs qwen3,dsv3-e128] [--check]
+    python perf/row_feed_probe.py [--configs qwen3,dsv3-e128] [--check] [--fc1]
 
 The twenty-second session found the backward's GEMMs slower when they gathered their rows with
 cp.async than when fed pre-gathered rows by TMA (perf/NOTES.md). This probe isolates the feed:
@@ -12,11 +12,14 @@ for every row tile and K tile of the schedule's rows, three ways:
     tma_rows   one TMA box of 1 row per row, from the token matrix at row row_token[r] (a
                negative row is outside the tensor: TMA fills zeros); the box lands at the row's
                unswizzled offset and the TMA unit swizzles by the shared-memory address bits
-    cp_async   16-byte zero-filling cp.async per thread, as the GEMMs' gather producers do
+    cp_async   16-byte zero-filling cp.async per thread, each address worked out every stage
+               (as the gather producers did before the twenty-third session; they now work
+               them out once a tile, see ``fc1``)
 
 ``--check`` has the consumer write every stage back through the swizzled layout and compares
 with x[row_token] (zeros on padding): whether a 1-row TMA box lands where the swizzled layout
-expects it. Prints ms and GB/s of stage bytes filled per mode.
+expects it. Prints ms and GB/s of stage bytes filled per mode. ``--fc1`` also times the
+layer's gate/up GEMM fed pre-gathered rows by TMA against the same GEMM gathering them.
 """
 
 from __future__ import annotations
