@@ -1,6 +1,6 @@
 """Expert parallelism EMULATED on one GPU: W ranks share one workspace buffer, one stream each.
 
-    python perf/ep_emulated.py [--configs qwen3,dsv3] [--world 2] [--iters 20] [--backward]
+    python perf/ep_emulated.py [--configs qwen3,dsv3] [--world 2] [--iters 20] [--backward] [--modes multi-launch,overlap]
 
 No NVLink here: the "remote" reads and writes are local, and the ranks share one GPU's SMs
 (the one-launch forward gives each rank an equal share). What this measures is what does not
@@ -9,6 +9,8 @@ no waiting), and the device time of that step, for the multi-launch forward (mok
 the one-launch forward (mok/ep_one_launch.py) on the same inputs. Per-rank shapes as bench_ep's
 (T tokens per rank, E experts over all ranks), uniform routing. ``--backward``: a step is the
 forward keeping h (mok.ep.ep_moe_forward_saved) and mok.ep_backward.ep_moe_backward.
+``--modes`` picks the forwards (MODES: the default multi-launch one, ``fused_dispatch``,
+``overlap_dispatch``, ``one_launch``); every mode's output must equal the first's, bit for bit.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ CONFIGS = {  # per rank: T, H, I, E over all ranks, k
     "qwen3": (8192, 2048, 768, 128, 8),
     "dsv3": (4096, 7168, 2048, 256, 8),
     "qwen3-small": (512, 2048, 768, 128, 8),
+}
+
+
+MODES = {  # label: ep_moe_forward's keyword arguments
+    "multi-launch": {},
+    "fused": {"fused_dispatch": True},
+    "overlap": {"overlap_dispatch": True},
+    "one launch": {"one_launch": True},
 }
 
 
@@ -86,7 +96,9 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--backward", action="store_true", help="a step is forward (h kept) + backward")
+    parser.add_argument("--modes", default="multi-launch,one launch", help=f"comma-separated, of {', '.join(MODES)}")
     args = parser.parse_args()
+    modes = [(label, MODES[label]) for label in args.modes.split(",")]
     what = "forward + backward" if args.backward else "forward"
     print(f"{'config':<12} {'forward':<12} {'host ms':>8} {'step ms':>8}  ({what}; W={args.world} emulated on one GPU: no NVLink)")
     for name in args.configs.split(","):
@@ -97,7 +109,7 @@ def main() -> None:
         douts = [torch.randn(tokens, hidden, device="cuda").bfloat16() for _ in range(world)] if args.backward else None
         layout = EPLayout(world=world, max_tokens=tokens, hidden=hidden, topk=topk)
         for p, args_p in enumerate(per_rank):  # load every kernel, one rank at a time (the waits time out at once)
-            for mode in ({}, {"one_launch": True}):
+            for _, mode in modes:
                 if args.backward:  # (a fresh workspace: the forward's timeout is in the first one's record)
                     saved = ep_moe_forward_saved(EPWorkspace.local_group(layout)[p], *args_p, timeout_s=1e-4, **mode)
                     ep_moe_backward(EPWorkspace.local_group(layout)[p], douts[p], *args_p, None, saved, timeout_s=1e-4)
@@ -105,11 +117,13 @@ def main() -> None:
                     ep_moe_forward(EPWorkspace.local_group(layout)[p], *args_p, timeout_s=1e-4, **mode)
                 torch.cuda.synchronize()
         results = {}
-        for label, mode in (("multi-launch", {}), ("one launch", {"one_launch": True})):
+        for label, mode in modes:
             host, device, out = measure(EPWorkspace.local_group(layout), per_rank, args.iters, douts, **mode)
             results[label] = out
             print(f"{name:<12} {label:<12} {host:8.3f} {device:8.3f}")
-        assert torch.equal(results["multi-launch"], results["one launch"]), "the two forwards disagree"
+        first = modes[0][0]
+        for label, out in results.items():
+            assert torch.equal(out, results[first]), f"{label} disagrees with {first}"
         del x, idx, w, weights, per_rank, results
         torch.cuda.empty_cache()
 

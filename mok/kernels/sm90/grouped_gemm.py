@@ -94,6 +94,7 @@ from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
+VECTOR_SHIFT = VECTOR.bit_length() - 1  # log2(VECTOR)
 SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
 PULL_DEPTH = 4  # pull_a: 16-byte loads each copying thread keeps in flight
@@ -245,9 +246,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            # scatter only (one element otherwise); these fit in front of s_a's 1024-byte alignment
+            # epi_mbar scatter only, s_dest scatter or pull_a (one element otherwise): in front of s_a's 1024-byte alignment
             epi_mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.epi_stage if self.scatter else 1]
-            s_dest: cute.struct.MemRange[cutlass.Int32, tile_m if self.scatter else 1]
+            s_dest: cute.struct.MemRange[cutlass.Int32, self.row_list_words()]
             s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
             s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
             s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
@@ -403,7 +404,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
             if cutlass.const_expr(self.pull_a):
                 if warp_idx >= 1:  # warps 1-3 copy A's rows from their owners, row tile by row tile
                     self.pull_rows(m_x, m_tiles, num_row_tiles, num_rows, m_row_token,
-                                   storage.s_dest.get_tensor(cute.make_layout(1)), tidx - 32)
+                                   storage.s_dest.get_tensor(cute.make_layout(self.tile_shape_mnk[0] + 1)), tidx - 32)
             if cutlass.const_expr(self.scatter):
                 if warp_idx >= 1:  # warps 1-3 copy the MMA warps' epilogue subtiles out to the slots
                     tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
@@ -676,11 +677,11 @@ class GroupedGemmSm90(WgmmaTileKernel):
             if row0 + rows_per_pass * j < tile_m:
                 dest = s_dest[row0 + rows_per_pass * j]
                 if dest >= 0:
-                    vector = (dest + chunk * VECTOR) // VECTOR
+                    vector = (dest >> VECTOR_SHIFT) + chunk  # (dest >= 0: a shift, no signed division's fix-up)
             vectors[j] = vector
         for epi in cutlass.range(tile_n // SCATTER_COLS, unroll=1):
             epi_pipe.consumer_wait(cons)
-            col_vectors = (tile_col * tile_n + epi * SCATTER_COLS) // VECTOR
+            col_vectors = tile_col * (tile_n // VECTOR) + epi * (SCATTER_COLS // VECTOR)
             for j in cutlass.range_constexpr(passes):
                 if vectors[j] >= 0:
                     src = cute.zipped_divide(s_c[row0 + rows_per_pass * j, None, cons.index], (VECTOR,))[None, chunk]
@@ -691,36 +692,55 @@ class GroupedGemmSm90(WgmmaTileKernel):
         return cons
 
     @cute.jit
-    def pull_rows(self, m_pull, m_tiles, num_row_tiles, num_rows, m_row_token, s_task, tid):
+    def pull_rows(self, m_pull, m_tiles, num_row_tiles, num_rows, m_row_token, s_rows, tid):
         """``pull_a``, producer warps 1-3 (``tid`` 0..95): take row tiles from the counter, in order,
-        until none is left; copy each used tile's rows into x_rows (four 16-byte loads in flight
-        per thread before their stores), then publish it (see the module docstring)."""
+        until none is left; for each used tile work out its rows' source vectors once into
+        ``s_rows`` (-1: a padding row, zeros; -2: past the last row, not written), then copy the
+        tile into x_rows (four 16-byte loads in flight per thread before their stores) and publish
+        it (see the module docstring). ``s_rows[tile_m]`` passes the task from thread 0 to the rest.
+
+        (Worked out per 16-byte vector, a row's source cost a token load and a runtime division
+        and remainder by T_max per vector, as the scatter's destination did: perf/NOTES.md,
+        twenty-fourth session.)"""
         m_src, rows_per_rank, rank_stride, m_rows, m_counters, _ = m_pull
         tile_m = self.tile_shape_mnk[0]
         per_row = self.k // VECTOR
         per_tile = tile_m * per_row
         step = SCATTER_THREADS * PULL_DEPTH
+        s_task = cute.make_tensor(s_rows.iterator + tile_m, cute.make_layout(1))
         task = self.take_pull_task(m_counters, s_task, tid)
         while task < num_row_tiles:
             if m_tiles[task] >= 0:
                 first_row = task * tile_m
+                # (the previous tile's sources are read no more: take_pull_task synced after its copy)
+                for r in cutlass.range(tid, tile_m, SCATTER_THREADS, unroll=1):
+                    row = first_row + r
+                    src = cutlass.Int32(-2)
+                    if row < num_rows:
+                        src = cutlass.Int32(-1)
+                        g = m_row_token[row]
+                        if g >= 0:
+                            src = ((g // rows_per_rank) * rank_stride + (g % rows_per_rank) * self.k) // VECTOR
+                    s_rows[r] = src
+                self.scatter_sync()
+                first_vector = first_row * per_row
                 for base in cutlass.range(tid, per_tile, step, unroll=1):
                     vals = []
                     dests = []
                     for i in cutlass.range_constexpr(PULL_DEPTH):
                         v = base + i * SCATTER_THREADS
-                        row = first_row + v // per_row
-                        chunk = v % per_row
+                        src = cutlass.Int32(-2)
+                        chunk = cutlass.Int32(0)
                         dest = cutlass.Int32(-1)
-                        src = cutlass.Int32(-1)
-                        if v < per_tile and row < num_rows:
-                            dest = row * per_row + chunk
-                            g = m_row_token[row]
-                            if g >= 0:
-                                src = ((g // rows_per_rank) * rank_stride + (g % rows_per_rank) * self.k) // VECTOR + chunk
+                        if v < per_tile:
+                            r = v // per_row  # (per_row is static: a multiply, no division)
+                            chunk = v - r * per_row
+                            src = s_rows[r]
+                            if src >= -1:
+                                dest = first_vector + v
                         val = cute.full((VECTOR,), 0.0, cutlass.BFloat16)
                         if src >= 0:
-                            val = m_src[None, src].load()
+                            val = m_src[None, src + chunk].load()
                         vals.append(val)
                         dests.append(dest)
                     for i in cutlass.range_constexpr(PULL_DEPTH):
@@ -753,6 +773,12 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 m_counters[0] = 1
         cute.arch.sync_warp()
         cute.arch.fence_proxy("async.global")
+
+    def row_list_words(self) -> int:
+        """Int32 words of the shared row list: a tile's destinations (scatter), its rows' sources
+        and the task (pull_a), one word otherwise."""
+        tile_m = self.tile_shape_mnk[0]
+        return tile_m if self.scatter else tile_m + 1 if self.pull_a else 1
 
     def scatter_sync(self):
         """Barrier 2 over the producer warpgroup's warps 1-3 only (scattering or copying A's rows)."""
