@@ -144,7 +144,7 @@ def forward(
         topk_idx = topk_idx.to(torch.int32).contiguous()  # (the exchange kernels take int32 ids; the backward too)
         res = ep_moe_forward_saved(
             workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward, timeout_s=timeout_s,
-            one_launch=config.one_launch,
+            one_launch=config.one_launch, dispatch_format=config.dispatch_format,
         )
     else:
         res = moe_forward(

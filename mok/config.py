@@ -13,6 +13,7 @@ from .validation import check_positive_int
 
 PRECISIONS = ("bf16",)
 SAVED_H_FORMATS = ("bf16", "mxfp8")  # how h is kept for the backward (mok/saved_mxfp8.py)
+DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/ep.py)
 
 
 def check_saved_h_format(value: object) -> str:
@@ -38,6 +39,9 @@ class MoKConfig:
     accumulating ones. saved_h_format: "bf16" (default) or "mxfp8": h, the SwiGLU inputs kept for
     the backward, in MXFP8 (mok/saved_mxfp8.py): 33/64 of the bytes, a quantize launch in the forward
     and a dequantize launch in the backward, ~3-4% relative error in the expert gradients.
+    dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, not with one_launch, H a multiple of
+    32): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
+    compute on its rounding (:func:`mok.ep.ep_moe_forward`).
     """
 
     hidden: int
@@ -51,6 +55,7 @@ class MoKConfig:
     one_launch: bool = False
     fuse_wgrad_accumulation: bool = False
     saved_h_format: str = "bf16"
+    dispatch_format: str = "bf16"
 
     def __post_init__(self) -> None:
         check_positive_int("hidden", self.hidden)
@@ -79,6 +84,15 @@ class MoKConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
         check_saved_h_format(self.saved_h_format)
+        if self.dispatch_format not in DISPATCH_FORMATS:
+            raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {self.dispatch_format!r}")
+        if self.dispatch_format == "mxfp8":
+            if self.ep_size == 1:
+                raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")
+            if self.one_launch:
+                raise ValueError("dispatch_format='mxfp8': not with one_launch (its forward reads the published x as bf16)")
+            if self.hidden % 32:
+                raise ValueError(f"dispatch_format='mxfp8': expected hidden a multiple of 32 (the MXFP8 block), got {self.hidden}")
 
     @property
     def experts_per_rank(self) -> int:

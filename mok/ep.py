@@ -307,6 +307,16 @@ def _load_kernels(ws: EPWorkspace, device: torch.device) -> dict:
     }
 
 
+def _mxfp8_kernels(ws: EPWorkspace, device: torch.device) -> dict:
+    """:func:`_kernels` plus the MXFP8 dispatch's two (loaded at the first such call, before it waits)."""
+    kernels = _kernels(ws, device)
+    if "dispatch_mxfp8" not in kernels:
+        lay, arch = ws.layout, device_arch(device.index)
+        for kind in ("publish_values", "dispatch_mxfp8"):
+            kernels[kind] = get_kernel(ep_variant(kind, lay.world, width=lay.hidden, topk=lay.topk), arch)
+    return kernels
+
+
 def mark_overflow(ws: EPWorkspace, kernels: dict, routing: torch.Tensor, sched: Schedule, stream, *, gradient: bool) -> None:
     """With a capacity bound: NaN into the pushed slots (and, for ``gradient``, the router-gradient
     pieces) of the pairs that got no row, and the overflow into every rank's error record."""
@@ -349,6 +359,7 @@ def ep_moe_forward(
     fused_dispatch: bool = False,
     overlap_dispatch: bool = False,
     one_launch: bool = False,
+    dispatch_format: str = "bf16",
 ) -> torch.Tensor:
     """This rank's layer output [T_r, H] bf16; its experts are global ids rank·E_local .. (rank+1)·E_local - 1.
 
@@ -362,11 +373,16 @@ def ep_moe_forward(
     tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel; a
     wait that outlasts ``timeout_s`` is counted where :meth:`EPWorkspace.check` raises for it).
     ``one_launch``: the whole forward in one persistent kernel (mok/ep_one_launch.py; plus 2
-    launches for a shared expert), the same bits.
+    launches for a shared expert), the same bits. ``dispatch_format="mxfp8"`` (default dispatch
+    only): x crosses to the experts' ranks in MXFP8 (mok.mxfp8's rule: E4M3 elements, a scale
+    byte per 32; ~half the bytes) and the routed experts compute on its bf16 dequantization,
+    every token's on every rank alike (the shared expert on x itself): the output is the
+    single-GPU forward's of the dequantized x, bit for bit; the backward passes the gradient
+    of x through the rounding unchanged (straight-through, as FP8 dispatch does elsewhere).
     """
     return ep_moe_forward_saved(
         ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=False, fused_dispatch=fused_dispatch,
-        overlap_dispatch=overlap_dispatch, one_launch=one_launch,
+        overlap_dispatch=overlap_dispatch, one_launch=one_launch, dispatch_format=dispatch_format,
     ).out
 
 
@@ -395,6 +411,17 @@ def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, 
     return num_tokens, hidden, num_local, topk
 
 
+def check_dispatch_format(dispatch_format: str, hidden: int, other_mode: bool) -> None:
+    """``dispatch_format``: "bf16", or "mxfp8" for the default dispatch (H a multiple of 32)."""
+    if dispatch_format not in DISPATCH_FORMATS:
+        raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {dispatch_format!r}")
+    if dispatch_format == "mxfp8":
+        if other_mode:
+            raise ValueError("dispatch_format='mxfp8': only with the default dispatch (not fused_dispatch, overlap_dispatch or one_launch)")
+        if hidden % 32:
+            raise ValueError(f"dispatch_format='mxfp8': expected H a multiple of 32 (the MXFP8 block), got H={hidden}")
+
+
 def check_rows_aligned(name: str, rows: torch.Tensor) -> None:
     """Rows the publish kernel copies with 16-byte vectors start 16-byte aligned."""
     if rows.data_ptr() % 16:
@@ -406,12 +433,13 @@ def flag_args(ws: EPWorkspace) -> tuple:
     return (ops._ptr("i32", ws.region("flags", 0), 4), ops._i32(ws.rank), ops._i32(ws.stride_elems("flags")))
 
 
-def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream) -> None:
+def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream, *, kernel: str = "publish") -> None:
     """One launch: ``rows`` = (region name, [T, H] bf16) and ``values`` = (region name, [T, k]
     32-bit) into this rank's regions, then the publish signal of a new epoch to every rank (the
-    wait for the peers' is in :func:`gather_ranks`)."""
+    wait for the peers' is in :func:`gather_ranks`). ``kernel="publish_values"``: the rows are
+    already in place (:func:`publish_mxfp8`); T is still ``rows``' row count."""
     (rows_name, rows_src), (values_name, values_src) = rows, values
-    kernels["publish"](
+    kernels[kernel](
         ops._ptr("i32", ws.region("flags", 0), 4), ops._ptr("bf16", ws.region(rows_name, 0)),
         ops._ptr("i32", ws.region(values_name, 0), 4), ops._ptr("bf16", rows_src), ops._ptr("i32", values_src, 4),
         ops._i32(ws.rank), ops._i32(rows_src.shape[0]), ops._i32(4 * ops._sm_count(rows_src.device)), ops._i32(ws.stride_elems("flags")),
@@ -446,6 +474,44 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream
         ops._ptr("bf16", ws.region(name, 0)), ops._ptr("i32", sched.slot_row, 4), ops._ptr("i32", sched.expert_counts, 4),
         ops._ptr("i32", sched.expert_offsets, 4), ops._ptr("bf16", rows), ops._i32(lay.max_tokens), ops._i32(ws.stride_elems(name)),
         ops._i32(sched.capacity), ops._i32(sched.expert_counts.shape[0]), stream,
+    )
+    return rows
+
+
+DISPATCH_FORMATS = ("bf16", "mxfp8")
+
+
+def mxfp8_region(ws: EPWorkspace, rank: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s region "x" holding MXFP8 rows: (elements float8_e4m3fn [T, H] from its first
+    byte, scales uint8 [T, H / 32] from byte T_max·H); both fit in the T_max·H bf16 it holds."""
+    lay = ws.layout
+    region = ws.region("x", rank).view(torch.uint8)
+    start = lay.max_tokens * lay.hidden
+    elements = region[: num_tokens * lay.hidden].view(torch.float8_e4m3fn).view(num_tokens, lay.hidden)
+    scales = region[start:start + num_tokens * lay.hidden // 32].view(num_tokens, lay.hidden // 32)
+    return elements, scales
+
+
+def publish_mxfp8(ws: EPWorkspace, kernels: dict, x: torch.Tensor, topk_idx: torch.Tensor, stream) -> None:
+    """x quantized to MXFP8 (mok.ops.quantize_mxfp8, one launch) into this rank's region "x"
+    (:func:`mxfp8_region`), then topk_idx and the publish signal (a publish without rows: the
+    quantizer's writes precede it in stream order, and its signal follows a system-scope fence)."""
+    ops.quantize_mxfp8(x, out=mxfp8_region(ws, ws.rank, x.shape[0]))
+    publish(ws, kernels, ("x", x), ("idx", topk_idx), stream, kernel="publish_values")
+
+
+def pull_rows_mxfp8(ws: EPWorkspace, kernels: dict, sched: Schedule, stream) -> torch.Tensor:
+    """:func:`pull_rows` of MXFP8-published x: each row dequantized to bf16 on arrival
+    (mok.ops.dequantize_mxfp8's bits), H·33/32 bytes a token over the link instead of 2H."""
+    lay = ws.layout
+    rows = torch.empty(sched.capacity, lay.hidden, dtype=torch.bfloat16, device=ws.buffer.device)
+    region = ws.region("x", 0).view(torch.uint8)
+    start = lay.max_tokens * lay.hidden
+    kernels["dispatch_mxfp8"](
+        ops._ptr("e4m3", region[:start].view(torch.float8_e4m3fn)), ops._ptr("u8", region[start:], 1),
+        ops._ptr("i32", sched.slot_row, 4), ops._ptr("i32", sched.expert_counts, 4), ops._ptr("i32", sched.expert_offsets, 4),
+        ops._ptr("bf16", rows), ops._i32(lay.max_tokens), ops._i64(ws.rank_stride), ops._i32(sched.capacity),
+        ops._i32(sched.expert_counts.shape[0]), stream,
     )
     return rows
 
@@ -488,6 +554,7 @@ def ep_moe_forward_saved(
     fused_dispatch: bool = False,
     overlap_dispatch: bool = False,
     one_launch: bool = False,
+    dispatch_format: str = "bf16",
 ) -> EPForwardResult:
     """:func:`ep_moe_forward` that also returns what :func:`mok.ep_backward.ep_moe_backward` needs
     (h of this rank's rows and of the shared expert when ``save_h``; the schedule and x_rows
@@ -499,6 +566,7 @@ def ep_moe_forward_saved(
         raise ValueError("fused_dispatch: only with save_h=False (a backward needs the pulled rows kept; the unfused dispatch keeps them)")
     if fused_dispatch + overlap_dispatch + one_launch > 1:
         raise ValueError("fused_dispatch, overlap_dispatch, one_launch: at most one (different ways of running the forward)")
+    check_dispatch_format(dispatch_format, hidden, fused_dispatch or overlap_dispatch or one_launch)
     check_tile_multiples(hidden, w_gate.shape[1], None if shared is None else tuple(shared))
     ws.raise_pending()
     if one_launch:
@@ -509,7 +577,11 @@ def ep_moe_forward_saved(
     k = _kernels(ws, dev)
     stream = ops._stream(dev)
 
-    publish(ws, k, ("x", x), ("idx", topk_idx), stream)
+    if dispatch_format == "mxfp8":
+        k = _mxfp8_kernels(ws, dev)
+        publish_mxfp8(ws, k, x, topk_idx, stream)
+    else:
+        publish(ws, k, ("x", x), ("idx", topk_idx), stream)
     routing = gather_ranks(ws, k, "idx", timeout_s, stream)  # every rank's routing -> this rank's schedule -> dispatch
     counters = None  # overlap_dispatch: [error, next, ready per row tile], zeroed by the schedule launch
     if overlap_dispatch:
@@ -532,7 +604,7 @@ def ep_moe_forward_saved(
         a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h, pull=pull, timeout_s=timeout_s)
         ws.count_own_timeouts(counters[:1])  # a row tile's wait that expired: where check() looks
     else:
-        x_rows = pull_rows(ws, k, "x", sched, stream)
+        x_rows = pull_rows_mxfp8(ws, k, sched, stream) if dispatch_format == "mxfp8" else pull_rows(ws, k, "x", sched, stream)
         a = ops.grouped_gemm(x_rows, w_gate, sched.tile_expert, b2=w_up, h_out=h)  # experts, then every y row to its token's rank
     scatter_into_slots(ws, a, w_down, sched)  # each y row straight into its token's slot on the token's rank
     announce_pushed(ws, k, sched, routing, stream, gradient=False)

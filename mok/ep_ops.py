@@ -50,13 +50,15 @@ def ep_moe_forward_op(
     one_launch: bool = False,
     fuse_wgrad: bool = False,
     saved_h_format: str = "bf16",
+    dispatch_format: str = "bf16",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, x_rows, h, shared_h, routing, counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow).
 
     x_rows, h and shared_h are empty unless ``save``. ``one_launch``: the forward in one kernel
     (mok/ep_one_launch.py). ``fuse_wgrad``: the backward adds the weight gradients into the
     weights' ``main_grad`` (mok/main_grad.py). ``saved_h_format``: "mxfp8" keeps h and shared_h
-    packed (mok/saved_mxfp8.py). See :func:`mok.ep.ep_moe_forward_saved`.
+    packed (mok/saved_mxfp8.py). ``dispatch_format``: "mxfp8" sends x to the experts' ranks in
+    MXFP8. See :func:`mok.ep.ep_moe_forward_saved`.
     """
     from .ep import ep_moe_forward_saved
 
@@ -64,7 +66,7 @@ def ep_moe_forward_op(
     ws = _workspace(workspace)
     res = ep_moe_forward_saved(
         ws, x, topk_idx, topk_w, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down), timeout_s=timeout_s, save_h=save,
-        one_launch=one_launch,
+        one_launch=one_launch, dispatch_format=dispatch_format,
     )
     s = res.schedule
     if save and saved_h_format == "mxfp8":
@@ -82,7 +84,7 @@ def ep_moe_forward_op(
 
 @ep_moe_forward_op.register_fake
 def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, one_launch=False,
-      fuse_wgrad=False, saved_h_format="bf16"):
+      fuse_wgrad=False, saved_h_format="bf16", dispatch_format="bf16"):
     ws = _workspace(workspace)
     lay, num_local, inter = ws.layout, w_gate.shape[0], w_gate.shape[1]
     pairs_rows = lay.world * lay.max_tokens
@@ -157,7 +159,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, workspace, save, timeout_s, _one_launch,
-     fuse_wgrad, _saved_h_format) = inputs
+     fuse_wgrad, _saved_h_format, _dispatch_format) = inputs
     _, *saved = output
     ctx.saved_h, ctx.has_shared = save, shared_gate is not None
     ctx.workspace, ctx.timeout_s = workspace, timeout_s
@@ -169,7 +171,7 @@ def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::ep_moe_forward: called with save=False, so it kept nothing for the backward")
     dx, d_topk_w, *weight_grads = ep_moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s, _main_grads(ctx))
-    return dx, None, d_topk_w, *_autograd_weight_grads(ctx, weight_grads), None, None, None, None, None, None
+    return dx, None, d_topk_w, *_autograd_weight_grads(ctx, weight_grads), None, None, None, None, None, None, None
 
 
 ep_moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

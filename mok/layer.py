@@ -69,6 +69,8 @@ class MoELayer(nn.Module):
     ``saved_h_format="mxfp8"``: h, the SwiGLU inputs kept for the backward (the layer's largest
     saved activation, k·2I values per token), is kept in MXFP8 (mok/saved_mxfp8.py): 33/64 of the
     bytes, ~3-4% relative error in the expert gradients.
+    ``dispatch_format="mxfp8"`` (EP > 1): x crosses to the experts' ranks in MXFP8 and the routed
+    experts compute on its rounding (:func:`mok.ep.ep_moe_forward`); not on the CPU reference path.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class MoELayer(nn.Module):
         one_launch: bool = False,
         fuse_wgrad_accumulation: bool = False,
         saved_h_format: str = "bf16",
+        dispatch_format: str = "bf16",
     ) -> None:
         super().__init__()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -103,7 +106,7 @@ class MoELayer(nn.Module):
             ep_size = dist.get_world_size(group)
         self.config = MoKConfig(
             hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation, saved_h_format=saved_h_format,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation, saved_h_format=saved_h_format, dispatch_format=dispatch_format,
         )
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
@@ -254,7 +257,7 @@ class MoELayer(nn.Module):
             handle = self.workspace().handle
         return torch.ops.mok.ep_moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, handle, save, self.timeout_s,
-            self.config.one_launch, self.config.fuse_wgrad_accumulation, self.config.saved_h_format,
+            self.config.one_launch, self.config.fuse_wgrad_accumulation, self.config.saved_h_format, self.config.dispatch_format,
         )[0]
 
     def _reference_ep(self, x, topk_idx, topk_w):
@@ -265,6 +268,10 @@ class MoELayer(nn.Module):
             raise NotImplementedError(
                 "fuse_wgrad_accumulation: not on the CPU expert-parallel reference path (it returns the weight gradients); "
                 "run the layer on GPUs, or without the option"
+            )
+        if self.config.dispatch_format != "bf16":
+            raise NotImplementedError(
+                f"dispatch_format={self.config.dispatch_format!r}: not on the CPU expert-parallel reference path; run the layer on GPUs"
             )
 
         if not _EP_WARNED:

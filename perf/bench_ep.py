@@ -188,8 +188,10 @@ def _worker(
             if backward:
                 dout = torch.randn(T, H, device="cuda", generator=g).bfloat16()
 
-                def mok_step(one_launch=False):
-                    saved = ep_moe_forward_saved(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=one_launch)
+                def mok_step(one_launch=False, dispatch_format="bf16"):
+                    saved = ep_moe_forward_saved(
+                        ws, x, idx, w, *experts, timeout_s=30.0, one_launch=one_launch, dispatch_format=dispatch_format
+                    )
                     return ep_moe_backward(ws, dout, x, idx, w, *experts, None, saved, timeout_s=30.0).dx
 
                 paths = {
@@ -197,6 +199,7 @@ def _worker(
                     "mok gr": graph_of(mok_step),
                     "mok 1L": lambda: mok_step(one_launch=True),  # the forward in one kernel
                     "mok 1Lg": graph_of(lambda: mok_step(one_launch=True)),
+                    "mok fp8": lambda: mok_step(dispatch_format="mxfp8"),  # x sent in MXFP8 (other bits)
                     "torch": lambda: torch_ep_train_step(x, idx, w, experts, dout, group)[0],
                 }
             else:
@@ -208,6 +211,8 @@ def _worker(
                     "mok od": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, overlap_dispatch=True),
                     "mok 1L": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True),  # one kernel
                     "mok 1Lg": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True)),
+                    # x sent in MXFP8: 33/64 of the dispatch bytes, the routed experts on its rounding (other bits)
+                    "mok fp8": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, dispatch_format="mxfp8"),
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
             if share_gpu:  # the baseline needs NCCL
@@ -217,21 +222,24 @@ def _worker(
             else:
                 ms, gpu = _time_in_turn(paths, group), {}
             want = paths["mok"]().clone()
-            same = {p: same_bits(fn(), want) for p, fn in paths.items() if p not in ("mok", "torch")}  # MoK's ways: the same bits
+            same = {p: same_bits(fn(), want) for p, fn in paths.items() if p not in ("mok", "torch", "mok fp8")}  # the same bits
+            fp8_diff = float((paths["mok fp8"]().float() - want.float()).norm() / want.float().norm())
             agree = None if share_gpu else float((want.float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
             ws.check()
             owner = idx.long() // e_local
             remote_pairs = int((owner != rank).sum())  # (token, slot) pairs whose expert is elsewhere: torch sends each
             remote_tokens = sum(int((owner == r).any(1).sum()) for r in range(world) if r != rank)  # MoK: each token once per rank
-            rows = {"torch": 2 * remote_pairs, "mok": remote_tokens + remote_pairs}  # x (dout) out, y (dx) back; bf16 rows
-            sent = torch.tensor(
-                [(2 if backward else 1) * n * H * 2 for n in rows.values()], device="cpu" if share_gpu else "cuda", dtype=torch.float64
-            )
+            # x (dout) out, y (dx) back, bf16 rows; "mok fp8": x in MXFP8 (H·33/32 bytes a row), the rest bf16
+            nbytes = {"torch": 2 * remote_pairs * H * 2, "mok": (remote_tokens + remote_pairs) * H * 2}
+            nbytes["mok fp8"] = remote_tokens * H * 33 // 32 + remote_pairs * H * 2
+            for path in nbytes if backward else ():
+                nbytes[path] += nbytes["torch" if path == "torch" else "mok"]  # (the backward's exchanges: bf16)
+            sent = torch.tensor(list(nbytes.values()), device="cpu" if share_gpu else "cuda", dtype=torch.float64)
             dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group)
-            sent_by = dict(zip(rows, sent.tolist()))
+            sent_by = dict(zip(nbytes, sent.tolist()))
             if rank == 0:
                 for p in paths:
-                    nbytes = sent_by["torch" if p == "torch" else "mok"]
+                    nbytes = sent_by[p if p in sent_by else "mok"]
                     clock = format_gpu(gpu.get(p) or {})
                     sent = f"{nbytes / 1e6:>9.0f}{nbytes / ms[p] / 1e6:>8.0f}"
                     ratio = f"{ms['torch'] / ms[p]:>8.2f}x" if "torch" in ms else f"{'-':>9}"
@@ -239,6 +247,7 @@ def _worker(
                 if agree is not None:
                     print(f"{name:<8}mok vs torch {'dx' if backward else 'output'} (rank 0): relative difference {agree:.2e}")
                 print(f"{name:<8}every other MoK path gives the default path's bits (rank 0): {same}")
+                print(f"{name:<8}mok fp8 vs mok {'dx' if backward else 'output'} (rank 0): relative difference {fp8_diff:.2e}")
             if profile_top:
                 host = _host_ms(paths["mok"])
                 stats = _host_profile(paths["mok"])

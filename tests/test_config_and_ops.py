@@ -25,6 +25,25 @@ def test_one_launch_config_adds_its_kernels(ep_size):
     assert not any(v.config.get("schedule_experts") for v in variants_for(MoKConfig(**base)))
 
 
+def test_mxfp8_dispatch_config_adds_its_three_kernels_and_the_cli_sets_it():
+    """variants_for with dispatch_format="mxfp8": the quantizer, the publish without rows and the
+    dequantizing dispatch, nothing else; `precompile --dispatch-format mxfp8` sets it."""
+    import argparse
+
+    from mok.cli import _add_shape_options, _config_from
+    from mok.kernels import variants_for
+
+    base = dict(hidden=512, intermediate=256, num_experts=8, topk=2, ep_size=2)
+    plain = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base))}
+    mxfp8 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base, dispatch_format="mxfp8"))}
+    assert plain < mxfp8
+    assert sorted(name for name, _ in mxfp8 - plain) == ["ep_dispatch_mxfp8", "ep_publish_values", "quantize_mxfp8"]
+    parser = argparse.ArgumentParser()
+    _add_shape_options(parser)
+    config = _config_from(parser.parse_args(["--ep-size", "8", "--dispatch-format", "mxfp8"]))
+    assert config.dispatch_format == "mxfp8" and _config_from(parser.parse_args([])).dispatch_format == "bf16"
+
+
 def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradients():
     """variants_for with fuse_wgrad_accumulation: each expert MLP's weight gradients also as the fp32
     kernels that add into main_grad (dW_down; dW_gate with dW_up; a half of dh alone), nothing else."""
@@ -55,6 +74,10 @@ def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradi
         (dict(one_launch=1), TypeError, "one_launch: expected a bool, got 1"),
         (dict(fuse_wgrad_accumulation="yes"), TypeError, "fuse_wgrad_accumulation: expected a bool, got 'yes'"),
         (dict(block_m=64), ValueError, "block_m: expected 128 (the row tile every MoK kernel is built for), got 64"),
+        (dict(dispatch_format="fp8", ep_size=8), ValueError, "dispatch_format: expected one of ('bf16', 'mxfp8'), got 'fp8'"),
+        (dict(dispatch_format="mxfp8"), ValueError, "dispatch_format='mxfp8': only with ep_size > 1"),
+        (dict(dispatch_format="mxfp8", ep_size=8, one_launch=True), ValueError, "dispatch_format='mxfp8': not with one_launch"),
+        (dict(dispatch_format="mxfp8", ep_size=8, hidden=7176), ValueError, "expected hidden a multiple of 32 (the MXFP8 block), got 7176"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, error, words):

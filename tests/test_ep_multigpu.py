@@ -36,6 +36,9 @@ def _worker(rank, init_file, out_dir, skip_rank, shared_gpu):
         want = saved_all.out
         dout = torch.randn(sum(COUNTS), H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
         want_grads = moe_backward(dout, x, idx, w, *experts, shared, saved_all)
+        from mok.mxfp8 import fake_quantize_mxfp8
+
+        want_mxfp8 = moe_forward(fake_quantize_mxfp8(x).bfloat16(), idx, w, *experts).out  # (no shared expert: it sees x itself)
         lo = sum(COUNTS[:rank])
         mine = slice(lo, lo + COUNTS[rank])
         e_local = E // 2
@@ -56,6 +59,11 @@ def _worker(rank, init_file, out_dir, skip_rank, shared_gpu):
                         torch.cuda.synchronize()
                         ws.check()
                         result[f"bitwise {mode}"] = all(torch.equal(o, want[mine]) for o in outs)
+                dist.barrier()
+                outs = [ep_moe_forward(ws, *args[:-1], None, timeout_s=60.0, dispatch_format="mxfp8") for _ in range(2)]
+                torch.cuda.synchronize()
+                ws.check()
+                result["bitwise mxfp8"] = all(torch.equal(o, want_mxfp8[mine]) for o in outs)
                 saved = ep_moe_forward_saved(ws, *args, timeout_s=60.0)
                 grads = ep_moe_backward(ws, dout[mine].contiguous(), *args, saved, timeout_s=60.0)
                 torch.cuda.synchronize()
@@ -89,6 +97,7 @@ def _compile_here(one_launch=False):
         config = MoKConfig(
             hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=shared, ep_size=2, one_launch=one_launch,
             saved_h_format="mxfp8",  # (all of the plain config's kernels, and the quantize pair)
+            dispatch_format="bf16" if one_launch else "mxfp8",  # (and the MXFP8 dispatch's)
         )
         for variant in variants_for(config):
             get_kernel(variant, device_arch())
@@ -104,11 +113,11 @@ def _spawn(tmp_path, skip_rank=None, shared_gpu=False):
 @pytest.mark.multigpu
 def test_ep2_over_nvlink_equals_single_gpu_forward_and_backward_bitwise(tmp_path):
     """Both ranks' outputs are the single-GPU forward's rows bit for bit, with every dispatch
-    (separate copy, the GEMM pulling its rows, the idle warps copying them, one launch), and so
-    are the gradients."""
+    (separate copy, the GEMM pulling its rows, the idle warps copying them, one launch; x sent in
+    MXFP8: the forward of its rounding), and so are the gradients."""
     results = _spawn(tmp_path)
     assert all(r["bitwise"] for r in results)
-    for mode in ("fused_dispatch", "overlap_dispatch", "one_launch"):
+    for mode in ("fused_dispatch", "overlap_dispatch", "one_launch", "mxfp8"):
         assert all(r[f"bitwise {mode}"] for r in results), mode
     assert all(r["grads_bitwise"] for r in results)
 
@@ -122,6 +131,7 @@ def test_rank_that_skips_the_call_makes_the_peer_raise(tmp_path):
 def test_ep2_as_two_processes_sharing_one_gpu_equals_single_gpu_bitwise(tmp_path):
     results = _spawn(tmp_path, shared_gpu=True)
     assert all(r["bitwise"] for r in results)
+    assert all(r["bitwise mxfp8"] for r in results)  # x sent in MXFP8: the single-GPU forward of its rounding
     assert all(r["grads_bitwise"] for r in results)
 
 
@@ -250,6 +260,32 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu, one_launch=False):
             and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
             and not torch.equal(xe.grad, plain_dx)
         )
+        if not one_launch:  # dispatch_format="mxfp8": the routed experts see x's MXFP8 rounding, the shared expert x
+            # itself; with the shared weights zeroed that is the single-GPU layer on the rounded x, bit for bit, and
+            # dx passes through the rounding (straight-through)
+            from mok.mxfp8 import fake_quantize_mxfp8
+
+            ep.config = dataclasses.replace(plain_config, dispatch_format="mxfp8")
+            full.config = dataclasses.replace(full.config, saved_h_format="bf16")
+            with torch.no_grad():
+                for layer in (full, ep):
+                    for n in ("shared_gate_proj", "shared_up_proj", "shared_down_proj"):
+                        getattr(layer, n).zero_()
+            full.zero_grad(set_to_none=True)
+            ep.zero_grad(set_to_none=True)
+            xr, wf = fake_quantize_mxfp8(x).bfloat16().requires_grad_(), w.clone().requires_grad_()
+            want_out = full(xr, topk_idx=idx, topk_w=wf)
+            want_out.backward(dout)
+            xe, we = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
+            out = ep(xe, topk_idx=idx[mine], topk_w=we)
+            out.backward(dout[mine])
+            torch.cuda.synchronize()
+            result["mxfp8_dispatch"] = (
+                torch.equal(out, want_out.detach()[mine]) and torch.equal(xe.grad, xr.grad[mine]) and torch.equal(we.grad, wf.grad[mine])
+                and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
+                and not torch.equal(out, full(x, topk_idx=idx, topk_w=w).detach()[mine])
+            )
+            del out
         ep.config = plain_config
         torch.save(result, f"{out_dir}/{rank}.pt")
         dist.barrier()
@@ -330,8 +366,8 @@ def test_layer_with_a_group_on_two_gpus_equals_the_single_gpu_layer(tmp_path, on
     results = _spawn_layer(tmp_path, shared_gpu=False, one_launch=one_launch)
     assert all(
         r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"]
-        and r["mxfp8_h"] for r in results
-    ), [(r["compiled"], r["graph"], r["main_grad"], r["mxfp8_h"]) for r in results]
+        and r["mxfp8_h"] and r.get("mxfp8_dispatch", one_launch) for r in results
+    ), [(r["compiled"], r["graph"], r["main_grad"], r["mxfp8_h"], r.get("mxfp8_dispatch")) for r in results]
 
 
 @pytest.mark.parametrize("one_launch", [False, True])
@@ -339,5 +375,5 @@ def test_layer_with_a_group_of_two_processes_sharing_one_gpu_equals_the_single_g
     results = _spawn_layer(tmp_path, shared_gpu=True, one_launch=one_launch)
     assert all(
         r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"]
-        and r["mxfp8_h"] for r in results
-    ), [(r["compiled"], r["graph"], r["main_grad"], r["mxfp8_h"]) for r in results]
+        and r["mxfp8_h"] and r.get("mxfp8_dispatch", one_launch) for r in results
+    ), [(r["compiled"], r["graph"], r["main_grad"], r["mxfp8_h"], r.get("mxfp8_dispatch")) for r in results]

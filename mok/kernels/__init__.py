@@ -371,6 +371,9 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         variants += [ep_variant(kind, w, phase=1) for kind in ("signal", "wait")]  # (the publish phase: its own two)
         variants += [ep_variant("publish", w, width=h, topk=k), ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h, topk=k)]
         variants += [ep_variant("overflow", w, phase=phase, width=h, topk=k) for phase in (0, 1)]  # capacity bound only
+        if config.dispatch_format == "mxfp8":  # x quantized into the workspace, published without rows, dequantized on arrival
+            variants += [quantize_mxfp8_variant(), ep_variant("publish_values", w, width=h, topk=k)]
+            variants.append(ep_variant("dispatch_mxfp8", w, width=h, topk=k))
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False, unit_weights=True))  # backward dx
     if arch == "sm_90a":

@@ -30,6 +30,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .. import GRID_SYNC_WORDS
+from .mxfp8_quantize import e8m0_factor
 from .waits import wait_at_least
 
 VECTOR = 8  # bf16 elements per 16-byte access
@@ -169,11 +170,14 @@ class EpPublishKernel:
     done (a system-scope fence first, then an acq_rel add at gpu scope); the last CTA resets the
     count, writes the token count, advances the epoch and signals every rank (EpSignalKernel's
     release stores). No CTA waits for another: any grid size is safe.
+
+    ``rows=False``: the values only (the rows pointers are not read): the MXFP8 dispatch's rows
+    are already in the region, written by the quantizer launched before it in stream order.
     """
 
-    def __init__(self, world: int, width: int, topk: int, threads: int = 256) -> None:
+    def __init__(self, world: int, width: int, topk: int, threads: int = 256, rows: bool = True) -> None:
         check_width(width)
-        self.world, self.width, self.topk, self.threads = world, width, topk, threads
+        self.world, self.width, self.topk, self.threads, self.rows = world, width, topk, threads, rows
 
     @cute.jit
     def __call__(
@@ -188,7 +192,7 @@ class EpPublishKernel:
         m_values = cute.make_tensor(values_ptr, cute.make_layout((w, num_tokens * k), stride=(values_stride, 1)))
         m_src_rows = cute.make_tensor(src_rows_ptr, cute.make_layout((num_tokens * h,)))
         m_src_values = cute.make_tensor(src_values_ptr, cute.make_layout((num_tokens * k,)))
-        vectors = num_tokens * (h // VECTOR)
+        vectors = num_tokens * (h // VECTOR) if cutlass.const_expr(self.rows) else num_tokens * k
         ctas = cutlass.max(cutlass.min((vectors + self.threads - 1) // self.threads, max_ctas), 1)
         self.kernel(m_flags, m_rows, m_values, m_src_rows, m_src_values, rank, num_tokens).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream
@@ -202,10 +206,11 @@ class EpPublishKernel:
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
-        src = cute.zipped_divide(m_src_rows, (VECTOR,))
-        dst = cute.zipped_divide(m_rows[rank, None], (VECTOR,))
-        for v in cutlass.range(cta * self.threads + tid, num_tokens * (self.width // VECTOR), ctas * self.threads, unroll=1):
-            dst[None, v].store(src[None, v].load())
+        if cutlass.const_expr(self.rows):
+            src = cute.zipped_divide(m_src_rows, (VECTOR,))
+            dst = cute.zipped_divide(m_rows[rank, None], (VECTOR,))
+            for v in cutlass.range(cta * self.threads + tid, num_tokens * (self.width // VECTOR), ctas * self.threads, unroll=1):
+                dst[None, v].store(src[None, v].load())
         for i in cutlass.range(cta * self.threads + tid, num_tokens * self.topk, ctas * self.threads, unroll=1):
             m_values[rank, i] = m_src_values[i]
         cute.arch.sync_threads()
@@ -311,21 +316,84 @@ class EpDispatchKernel:
             if local > 0:
                 src = cute.zipped_divide(m_x[block // t_max, block % t_max, None], (VECTOR,))
                 vecs = [src[None, tidx + i * self.threads].load() for i in range(self.per_thread)]  # all loads first
-                for j in cutlass.range(self.topk, unroll_full=True):
-                    dest = m_slot_row[block, j]
-                    if dest >= 0:
-                        dst = cute.zipped_divide(m_out[dest, None], (VECTOR,))
-                        for i in cutlass.range_constexpr(self.per_thread):
-                            dst[None, tidx + i * self.threads].store(vecs[i])
+                self.store_rows(vecs, m_slot_row, m_out, block, tidx)
         else:
-            expert = block - tokens
-            first = m_offsets[expert] + m_counts[expert]
-            end = cutlass.min(m_offsets[expert + 1], num_rows)
-            for row in cutlass.range(first, end, unroll=1):
-                dst = cute.zipped_divide(m_out[row, None], (VECTOR,))
+            self.zero_padding(m_counts, m_offsets, m_out, block - tokens, num_rows, tidx)
+
+    @cute.jit
+    def store_rows(self, vecs: list, m_slot_row: cute.Tensor, m_out: cute.Tensor, token, tidx):
+        """This thread's vectors of a token's row into each of its rows here."""
+        for j in cutlass.range(self.topk, unroll_full=True):
+            dest = m_slot_row[token, j]
+            if dest >= 0:
+                dst = cute.zipped_divide(m_out[dest, None], (VECTOR,))
                 for i in cutlass.range_constexpr(self.per_thread):
-                    out_vec = dst[None, tidx + i * self.threads]
-                    out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
+                    dst[None, tidx + i * self.threads].store(vecs[i])
+
+    @cute.jit
+    def zero_padding(self, m_counts: cute.Tensor, m_offsets: cute.Tensor, m_out: cute.Tensor, expert, num_rows, tidx):
+        """Zeros into local expert ``expert``'s padding rows (clipped to the buffer)."""
+        first = m_offsets[expert] + m_counts[expert]
+        end = cutlass.min(m_offsets[expert + 1], num_rows)
+        for row in cutlass.range(first, end, unroll=1):
+            dst = cute.zipped_divide(m_out[row, None], (VECTOR,))
+            for i in cutlass.range_constexpr(self.per_thread):
+                out_vec = dst[None, tidx + i * self.threads]
+                out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
+
+
+class EpDispatchMxfp8Kernel(EpDispatchKernel):
+    """EpDispatchKernel for rows published in MXFP8: rank p's region holds its tokens' E4M3
+    elements [T_max, H] (bytes) and then their E8M0 scales [T_max, H / 32]; each row here gets
+    bf16(element·2**(scale - 127)), mok.ops.dequantize_mxfp8's bits. A token crosses the link
+    as H·33/32 bytes instead of 2H. A thread's unit is 8 elements: an 8-byte load and its scale
+    byte, then a 16-byte store per row (all loads first, as in the bf16 dispatch)."""
+
+    def __init__(self, world: int, width: int, topk: int, max_threads: int = 128) -> None:
+        if width % 32:
+            raise ValueError(f"width: expected a multiple of 32 (the MXFP8 block), got {width}")
+        super().__init__(world, width, topk, max_threads)
+
+    @cute.jit
+    def __call__(
+        self, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, slot_row_ptr: cute.Pointer, counts_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer, out_ptr: cute.Pointer, t_max: cutlass.Int32, x_stride_bytes: cutlass.Int64,
+        num_rows: cutlass.Int32, num_local: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        h = self.width
+        x_stride_bytes = cute.assume(x_stride_bytes, divby=16)  # (64-bit: bytes, twice the bf16 regions' element offsets)
+        m_el = cute.make_tensor(elements_ptr, cute.make_layout((self.world, t_max, h), stride=(x_stride_bytes, h, 1)))
+        m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, h // 32), stride=(x_stride_bytes, h // 32, 1)))
+        m_slot_row = cute.make_tensor(slot_row_ptr, cute.make_layout((self.world * t_max, self.topk), stride=(self.topk, 1)))
+        m_counts = cute.make_tensor(counts_ptr, cute.make_layout((num_local,)))
+        m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_local + 1,)))
+        m_out = cute.make_tensor(out_ptr, cute.make_layout((num_rows, h), stride=(h, 1)))
+        self.kernel_mxfp8(m_el, m_sc, m_slot_row, m_counts, m_offsets, m_out, t_max, num_rows).launch(
+            grid=[self.world * t_max + num_local, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel_mxfp8(
+        self, m_el: cute.Tensor, m_sc: cute.Tensor, m_slot_row: cute.Tensor, m_counts: cute.Tensor, m_offsets: cute.Tensor,
+        m_out: cute.Tensor, t_max: cutlass.Int32, num_rows: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        tokens = self.world * t_max
+        if block < tokens:
+            local = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(self.topk):
+                if m_slot_row[block, j] >= 0:
+                    local = local + 1
+            if local > 0:
+                rank, t = block // t_max, block % t_max
+                src = cute.zipped_divide(m_el[rank, t, None], (VECTOR,))
+                loaded = [src[None, tidx + i * self.threads].load() for i in range(self.per_thread)]  # all loads first
+                exponents = [cutlass.Int32(m_sc[rank, t, (tidx + i * self.threads) >> 2]) & 0xFF for i in range(self.per_thread)]
+                vecs = [(loaded[i].to(cutlass.Float32) * e8m0_factor(exponents[i])).to(m_out.element_type) for i in range(self.per_thread)]
+                self.store_rows(vecs, m_slot_row, m_out, block, tidx)
+        else:
+            self.zero_padding(m_counts, m_offsets, m_out, block - tokens, num_rows, tidx)
 
 
 class EpPushKernel:
@@ -454,7 +522,8 @@ def _ptr(dtype, align):
 
 
 def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1):
-    """Compile one EP kernel (``kind``: signal, wait, publish, routing, dispatch, push, overflow) for ``arch`` without tensors.
+    """Compile one EP kernel (``kind``: signal, wait, publish, publish_values, routing, dispatch, dispatch_mxfp8, push,
+    overflow) for ``arch`` without tensors.
 
     For ``overflow``, ``phase`` PHASE_DONE selects the backward's variant (it poisons the router-gradient pieces too).
     """
@@ -466,8 +535,8 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         kernel, args = EpSignalKernel(world, phase), (_ptr(i32, 4), i, i, stream)
     elif kind == "wait":
         kernel, args = EpWaitKernel(world, phase), (_ptr(i32, 4), i, i, cutlass.Int64(1), stream)
-    elif kind == "publish":
-        kernel = EpPublishKernel(world, width, topk)
+    elif kind in ("publish", "publish_values"):
+        kernel = EpPublishKernel(world, width, topk, rows=kind == "publish")
         args = (_ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), i, i, i, i, i, i, stream)
     elif kind == "routing":
         kernel = EpRoutingGatherKernel(world, topk)
@@ -475,6 +544,12 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
     elif kind == "dispatch":
         kernel = EpDispatchKernel(world, width, topk)
         args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, i, stream)
+    elif kind == "dispatch_mxfp8":
+        kernel = EpDispatchMxfp8Kernel(world, width, topk)
+        args = (
+            _ptr(cutlass.Float8E4M3FN, 16), _ptr(cutlass.Uint8, 1), *(_ptr(i32, 4) for _ in range(3)), _ptr(bf16, 16), i, cutlass.Int64(16),
+            i, i, stream,
+        )
     elif kind == "push":
         kernel = EpPushKernel(world, width, topk)
         args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, stream)
@@ -482,5 +557,7 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         kernel = EpOverflowKernel(world, width, topk, gradient=phase == PHASE_DONE)
         args = (*(_ptr(i32, 4) for _ in range(5)), _ptr(bf16, 16), _ptr(cutlass.Float32, 4), i, i, i, i, i, i, stream)
     else:
-        raise ValueError(f"kind: expected signal, wait, publish, routing, dispatch, push or overflow, got {kind!r}")
+        raise ValueError(
+            f"kind: expected signal, wait, publish, publish_values, routing, dispatch, dispatch_mxfp8, push or overflow, got {kind!r}"
+        )
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

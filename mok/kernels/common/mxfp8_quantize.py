@@ -38,6 +38,19 @@ SMALLEST_SCALE_BITS = 0x00400000  # 2**-127 (scale byte 0), a subnormal float32
 FLOAT_NAN_BITS = 0x7FC00000
 
 
+@cute.jit
+def e8m0_factor(exponent: cutlass.Int32) -> cutlass.Float32:
+    """2**(exponent - 127) of an E8M0 scale byte (0..255) as a float32: byte 0 is the subnormal
+    2**-127, byte 255 NaN. (Shared by the dequantizer and the EP dispatch of MXFP8 rows.)"""
+    bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+    bits[0] = exponent << 23
+    if exponent == 0:
+        bits[0] = SMALLEST_SCALE_BITS
+    if exponent == NAN_EXPONENT:
+        bits[0] = FLOAT_NAN_BITS
+    return cute.recast_tensor(bits, cutlass.Float32)[0]
+
+
 class QuantizeMxfp8Kernel:
     """Static config: threads per CTA, ``bounded`` (any row width that is a multiple of 32)."""
 
@@ -151,15 +164,7 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
         for r in cutlass.range_constexpr(CHUNKS_PER_BLOCK):
             chunk = first + r * self.threads
             if chunk < limit:
-                exponent = exponents[r]
-                factor_bits = cute.make_rmem_tensor((1,), cutlass.Int32)
-                factor_bits[0] = exponent << 23
-                if exponent == 0:
-                    factor_bits[0] = SMALLEST_SCALE_BITS
-                if exponent == NAN_EXPONENT:
-                    factor_bits[0] = FLOAT_NAN_BITS
-                factor = cute.recast_tensor(factor_bits, cutlass.Float32)[0]
-                values = loaded[r, None].load().to(cutlass.Float32) * factor
+                values = loaded[r, None].load().to(cutlass.Float32) * e8m0_factor(exponents[r])
                 m_out[chunk, None].store(values.to(m_out.element_type))
 
 
