@@ -3,12 +3,13 @@
 Each rank holds E / W experts and its own T_r <= T_max tokens. Per call, on each rank's
 stream and with no host synchronisation:
 
-    publish     x and topk_idx (and T_r) into this rank's workspace; signal every rank (one launch)
+    publish     x and topk_idx (and T_r) into this rank's workspace; signal every rank (one launch;
+                with dispatch_format="mxfp8" x goes in quantized by a launch before it)
     routing     once every rank published this epoch (a bounded wait in the same launch): all
                 ranks' routing -> [W·T_max, k] (token g = p·T_max + t; -1 past T_p)
     schedule    the device schedule of this rank's experts over that routing (canonical order)
     dispatch    pull each row's x from its owner's workspace (or, with fused_dispatch, the
-                gate/up GEMM pulls them itself)
+                gate/up GEMM pulls them itself; MXFP8 rows are dequantized on arrival)
     experts     grouped gate/up GEMM + SwiGLU, grouped down GEMM (the single-GPU kernels); the
                 down projection writes each y row straight into its token's rank, slot [t, j]
     signal      every rank (after NaN into the slots a capacity bound dropped, if one is set)
