@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+from .config import DISPATCH_FORMATS
 from .fused_forward import check_tile_multiples, shared_expert_forward
 from .kernels import GRID_SYNC_WORDS, ep_variant, get_kernel
 from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, grid_sync_slot
@@ -477,9 +478,6 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream
         ops._i32(sched.capacity), ops._i32(sched.expert_counts.shape[0]), stream,
     )
     return rows
-
-
-DISPATCH_FORMATS = ("bf16", "mxfp8")
 
 
 def mxfp8_region(ws: EPWorkspace, rank: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
