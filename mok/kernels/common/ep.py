@@ -309,16 +309,21 @@ class EpDispatchKernel:
         block, _, _ = cute.arch.block_idx()
         tokens = self.world * t_max
         if block < tokens:
-            local = cutlass.Int32(0)
-            for j in cutlass.range_constexpr(self.topk):
-                if m_slot_row[block, j] >= 0:
-                    local = local + 1
-            if local > 0:
+            if self.local_rows(m_slot_row, block) > 0:
                 src = cute.zipped_divide(m_x[block // t_max, block % t_max, None], (VECTOR,))
                 vecs = [src[None, tidx + i * self.threads].load() for i in range(self.per_thread)]  # all loads first
                 self.store_rows(vecs, m_slot_row, m_out, block, tidx)
         else:
             self.zero_padding(m_counts, m_offsets, m_out, block - tokens, num_rows, tidx)
+
+    @cute.jit
+    def local_rows(self, m_slot_row: cute.Tensor, token) -> cutlass.Int32:
+        """How many of a token's slots have a row here (its experts on this rank)."""
+        local = cutlass.Int32(0)
+        for j in cutlass.range_constexpr(self.topk):
+            if m_slot_row[token, j] >= 0:
+                local = local + 1
+        return local
 
     @cute.jit
     def store_rows(self, vecs: list, m_slot_row: cute.Tensor, m_out: cute.Tensor, token, tidx):
@@ -381,11 +386,7 @@ class EpDispatchMxfp8Kernel(EpDispatchKernel):
         block, _, _ = cute.arch.block_idx()
         tokens = self.world * t_max
         if block < tokens:
-            local = cutlass.Int32(0)
-            for j in cutlass.range_constexpr(self.topk):
-                if m_slot_row[block, j] >= 0:
-                    local = local + 1
-            if local > 0:
+            if self.local_rows(m_slot_row, block) > 0:
                 rank, t = block // t_max, block % t_max
                 src = cute.zipped_divide(m_el[rank, t, None], (VECTOR,))
                 loaded = [src[None, tidx + i * self.threads].load() for i in range(self.per_thread)]  # all loads first
