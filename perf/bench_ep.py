@@ -230,13 +230,13 @@ def _worker(
             remote_pairs = int((owner != rank).sum())  # (token, slot) pairs whose expert is elsewhere: torch sends each
             remote_tokens = sum(int((owner == r).any(1).sum()) for r in range(world) if r != rank)  # MoK: each token once per rank
             # x (dout) out, y (dx) back, bf16 rows; "mok fp8": x in MXFP8 (H·33/32 bytes a row), the rest bf16
-            nbytes = {"torch": 2 * remote_pairs * H * 2, "mok": (remote_tokens + remote_pairs) * H * 2}
-            nbytes["mok fp8"] = remote_tokens * H * 33 // 32 + remote_pairs * H * 2
-            for path in nbytes if backward else ():
-                nbytes[path] += nbytes["torch" if path == "torch" else "mok"]  # (the backward's exchanges: bf16)
-            sent = torch.tensor(list(nbytes.values()), device="cpu" if share_gpu else "cuda", dtype=torch.float64)
+            forward_bytes = {"torch": 2 * remote_pairs * H * 2, "mok": (remote_tokens + remote_pairs) * H * 2}
+            forward_bytes["mok fp8"] = remote_tokens * H * 33 // 32 + remote_pairs * H * 2
+            backward_bytes = {p: forward_bytes["torch" if p == "torch" else "mok"] if backward else 0 for p in forward_bytes}  # (bf16)
+            path_bytes = {p: forward_bytes[p] + backward_bytes[p] for p in forward_bytes}
+            sent = torch.tensor(list(path_bytes.values()), device="cpu" if share_gpu else "cuda", dtype=torch.float64)
             dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group)
-            sent_by = dict(zip(nbytes, sent.tolist()))
+            sent_by = dict(zip(path_bytes, sent.tolist()))
             if rank == 0:
                 for p in paths:
                     nbytes = sent_by[p if p in sent_by else "mok"]
