@@ -504,10 +504,9 @@ def pull_rows_mxfp8(ws: EPWorkspace, kernels: dict, sched: Schedule, stream) -> 
     (mok.ops.dequantize_mxfp8's bits), H·33/32 bytes a token over the link instead of 2H."""
     lay = ws.layout
     rows = torch.empty(sched.capacity, lay.hidden, dtype=torch.bfloat16, device=ws.buffer.device)
-    region = ws.region("x", 0).view(torch.uint8)
-    start = lay.max_tokens * lay.hidden
+    elements, scales = mxfp8_region(ws, 0, lay.max_tokens)  # rank 0's; the kernel steps by the rank stride
     kernels["dispatch_mxfp8"](
-        ops._ptr("e4m3", region[:start].view(torch.float8_e4m3fn)), ops._ptr("u8", region[start:], 1),
+        ops._ptr("e4m3", elements), ops._ptr("u8", scales, 1),
         ops._ptr("i32", sched.slot_row, 4), ops._ptr("i32", sched.expert_counts, 4), ops._ptr("i32", sched.expert_offsets, 4),
         ops._ptr("bf16", rows), ops._i32(lay.max_tokens), ops._i64(ws.rank_stride), ops._i32(sched.capacity),
         ops._i32(sched.expert_counts.shape[0]), stream,

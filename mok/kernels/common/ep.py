@@ -292,13 +292,20 @@ class EpDispatchKernel:
         h = self.width
         x_stride = cute.assume(x_stride, divby=VECTOR)  # (ep.py keeps every region 128-byte aligned)
         m_x = cute.make_tensor(x_ptr, cute.make_layout((self.world, t_max, h), stride=(x_stride, h, 1)))
+        rows = self.row_tensors(slot_row_ptr, counts_ptr, offsets_ptr, out_ptr, t_max, num_rows, num_local)
+        self.kernel(m_x, *rows, t_max, num_rows).launch(**self.launch_shape(t_max, num_local, stream))
+
+    def row_tensors(self, slot_row_ptr, counts_ptr, offsets_ptr, out_ptr, t_max, num_rows, num_local) -> tuple:
+        """(slot_row [W·T_max, k], expert counts, expert offsets, rows out [R, H]) of the schedule."""
         m_slot_row = cute.make_tensor(slot_row_ptr, cute.make_layout((self.world * t_max, self.topk), stride=(self.topk, 1)))
         m_counts = cute.make_tensor(counts_ptr, cute.make_layout((num_local,)))
         m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_local + 1,)))
-        m_out = cute.make_tensor(out_ptr, cute.make_layout((num_rows, h), stride=(h, 1)))
-        self.kernel(m_x, m_slot_row, m_counts, m_offsets, m_out, t_max, num_rows).launch(
-            grid=[self.world * t_max + num_local, 1, 1], block=[self.threads, 1, 1], stream=stream
-        )
+        m_out = cute.make_tensor(out_ptr, cute.make_layout((num_rows, self.width), stride=(self.width, 1)))
+        return m_slot_row, m_counts, m_offsets, m_out
+
+    def launch_shape(self, t_max, num_local, stream) -> dict:
+        """A CTA per token of every rank, then one per local expert (its padding rows)."""
+        return dict(grid=[self.world * t_max + num_local, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -369,13 +376,8 @@ class EpDispatchMxfp8Kernel(EpDispatchKernel):
         x_stride_bytes = cute.assume(x_stride_bytes, divby=16)  # (64-bit: bytes, twice the bf16 regions' element offsets)
         m_el = cute.make_tensor(elements_ptr, cute.make_layout((self.world, t_max, h), stride=(x_stride_bytes, h, 1)))
         m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, h // 32), stride=(x_stride_bytes, h // 32, 1)))
-        m_slot_row = cute.make_tensor(slot_row_ptr, cute.make_layout((self.world * t_max, self.topk), stride=(self.topk, 1)))
-        m_counts = cute.make_tensor(counts_ptr, cute.make_layout((num_local,)))
-        m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_local + 1,)))
-        m_out = cute.make_tensor(out_ptr, cute.make_layout((num_rows, h), stride=(h, 1)))
-        self.kernel_mxfp8(m_el, m_sc, m_slot_row, m_counts, m_offsets, m_out, t_max, num_rows).launch(
-            grid=[self.world * t_max + num_local, 1, 1], block=[self.threads, 1, 1], stream=stream
-        )
+        rows = self.row_tensors(slot_row_ptr, counts_ptr, offsets_ptr, out_ptr, t_max, num_rows, num_local)
+        self.kernel_mxfp8(m_el, m_sc, *rows, t_max, num_rows).launch(**self.launch_shape(t_max, num_local, stream))
 
     @cute.kernel
     def kernel_mxfp8(

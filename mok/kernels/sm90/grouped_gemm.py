@@ -404,7 +404,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
             if cutlass.const_expr(self.pull_a):
                 if warp_idx >= 1:  # warps 1-3 copy A's rows from their owners, row tile by row tile
                     self.pull_rows(m_x, m_tiles, num_row_tiles, num_rows, m_row_token,
-                                   storage.s_dest.get_tensor(cute.make_layout(self.tile_shape_mnk[0] + 1)), tidx - 32)
+                                   storage.s_dest.get_tensor(cute.make_layout(self.row_list_words())), tidx - 32)
             if cutlass.const_expr(self.scatter):
                 if warp_idx >= 1:  # warps 1-3 copy the MMA warps' epilogue subtiles out to the slots
                     tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
