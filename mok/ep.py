@@ -4,7 +4,7 @@ Each rank holds E / W experts and its own T_r <= T_max tokens. Per call, on each
 stream and with no host synchronisation:
 
     publish     x and topk_idx (and T_r) into this rank's workspace; signal every rank (one launch;
-                with dispatch_format="mxfp8" x goes in quantized by a launch before it)
+                with dispatch_format="mxfp8" the same launch quantizes x on its way in)
     routing     once every rank published this epoch (a bounded wait in the same launch): all
                 ranks' routing -> [W·T_max, k] (token g = p·T_max + t; -1 past T_p)
     schedule    the device schedule of this rank's experts over that routing (canonical order)
@@ -314,7 +314,7 @@ def _mxfp8_kernels(ws: EPWorkspace, device: torch.device) -> dict:
     kernels = _kernels(ws, device)
     if "dispatch_mxfp8" not in kernels:
         lay, arch = ws.layout, device_arch(device.index)
-        for kind in ("publish_values", "dispatch_mxfp8"):
+        for kind in ("publish_mxfp8", "dispatch_mxfp8"):
             kernels[kind] = get_kernel(ep_variant(kind, lay.world, width=lay.hidden, topk=lay.topk), arch)
     return kernels
 
@@ -435,13 +435,12 @@ def flag_args(ws: EPWorkspace) -> tuple:
     return (ops._ptr("i32", ws.region("flags", 0), 4), ops._i32(ws.rank), ops._i32(ws.stride_elems("flags")))
 
 
-def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream, *, kernel: str = "publish") -> None:
+def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream) -> None:
     """One launch: ``rows`` = (region name, [T, H] bf16) and ``values`` = (region name, [T, k]
     32-bit) into this rank's regions, then the publish signal of a new epoch to every rank (the
-    wait for the peers' is in :func:`gather_ranks`). ``kernel="publish_values"``: the rows are
-    already in place (:func:`publish_mxfp8`); T is still ``rows``' row count."""
+    wait for the peers' is in :func:`gather_ranks`)."""
     (rows_name, rows_src), (values_name, values_src) = rows, values
-    kernels[kernel](
+    kernels["publish"](
         ops._ptr("i32", ws.region("flags", 0), 4), ops._ptr("bf16", ws.region(rows_name, 0)),
         ops._ptr("i32", ws.region(values_name, 0), 4), ops._ptr("bf16", rows_src), ops._ptr("i32", values_src, 4),
         ops._i32(ws.rank), ops._i32(rows_src.shape[0]), ops._i32(4 * ops._sm_count(rows_src.device)), ops._i32(ws.stride_elems("flags")),
@@ -492,11 +491,15 @@ def mxfp8_region(ws: EPWorkspace, rank: int, num_tokens: int) -> tuple[torch.Ten
 
 
 def publish_mxfp8(ws: EPWorkspace, kernels: dict, x: torch.Tensor, topk_idx: torch.Tensor, stream) -> None:
-    """x quantized to MXFP8 (mok.ops.quantize_mxfp8, one launch) into this rank's region "x"
-    (:func:`mxfp8_region`), then topk_idx and the publish signal (a publish without rows: the
-    quantizer's writes precede it in stream order, and its signal follows a system-scope fence)."""
-    ops.quantize_mxfp8(x, out=mxfp8_region(ws, ws.rank, x.shape[0]))
-    publish(ws, kernels, ("x", x), ("idx", topk_idx), stream, kernel="publish_values")
+    """:func:`publish` of x in MXFP8, one launch: x quantized (mok.ops.quantize_mxfp8's bytes) into
+    this rank's region "x" (:func:`mxfp8_region`), topk_idx into "idx", then the publish signal."""
+    elements, scales = mxfp8_region(ws, ws.rank, x.shape[0])
+    kernels["publish_mxfp8"](
+        ops._ptr("i32", ws.region("flags", 0), 4), ops._ptr("e4m3", elements), ops._ptr("u8", scales, 1),
+        ops._ptr("i32", ws.region("idx", 0), 4), ops._ptr("bf16", x), ops._ptr("i32", topk_idx, 4), ops._i32(ws.rank),
+        ops._i32(x.shape[0]), ops._i32(4 * ops._sm_count(x.device)), ops._i32(ws.stride_elems("flags")),
+        ops._i32(ws.stride_elems("idx")), stream,
+    )
 
 
 def pull_rows_mxfp8(ws: EPWorkspace, kernels: dict, sched: Schedule, stream) -> torch.Tensor:

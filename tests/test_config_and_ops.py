@@ -37,7 +37,7 @@ def test_mxfp8_dispatch_config_adds_its_three_kernels_and_the_cli_sets_it():
     plain = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base))}
     mxfp8 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base, dispatch_format="mxfp8"))}
     assert plain < mxfp8
-    assert sorted(name for name, _ in mxfp8 - plain) == ["ep_dispatch_mxfp8", "ep_publish_values", "quantize_mxfp8"]
+    assert sorted(name for name, _ in mxfp8 - plain) == ["ep_dispatch_mxfp8", "ep_publish_mxfp8"]
     parser = argparse.ArgumentParser()
     _add_shape_options(parser)
     config = _config_from(parser.parse_args(["--ep-size", "8", "--dispatch-format", "mxfp8"]))

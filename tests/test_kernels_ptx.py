@@ -291,7 +291,8 @@ def test_ep_mxfp8_dispatch_reads_8_byte_element_vectors_and_scale_bytes_and_publ
     """dispatch_mxfp8 (H = 7168: 7 units of 8 elements a thread): per unit an 8-byte load of
     elements and a scale byte, all before any store; E4M3 pairs converted by cvt (no float
     atomics, no atomics at all); 16-byte bf16 stores into each of up to 8 rows, and the padding's.
-    publish_values: the values and the signal as publish, no 16-byte row copy. Arch-neutral: the
+    publish_mxfp8: the quantizer's block (four 16-byte loads, 16 saturating E4M3 conversions, two
+    16-byte stores and the scale byte) and the values and the signal as publish. Arch-neutral: the
     same on SM100 (compiled only; no SM100 GPU here)."""
     from mok.kernels import ep_variant
 
@@ -303,8 +304,10 @@ def test_ep_mxfp8_dispatch_reads_8_byte_element_vectors_and_scale_bytes_and_publ
     assert len(loads) == 7 and len(scales) == 7 and len(stores) == 7 * 8 + 7
     assert max(loads + scales) < min(stores)
     assert count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 7 * 4 and count(r"cvt\.rn\.bf16x2\.f32", ptx) == 7 * 4
-    publish = compiled_ptx(ep_variant("publish_values", 4, width=7168, topk=8), arch)
-    assert count(r"st\.global\.v4", publish) == 0 and count(r"fence\.acq_rel\.sys", publish) == 2
+    publish = compiled_ptx(ep_variant("publish_mxfp8", 4, width=7168, topk=8), arch)
+    assert count(r"ld\.global\.v4\.b32", publish) == 4 and count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", publish) == 16
+    assert count(r"st\.global\.v4\.b32", publish) == 2 and count(r"st\.global\.[bu]8", publish) == 1
+    assert count(r"fence\.acq_rel\.sys", publish) == 2 and count(r"\.local", publish) == 0
     assert set(re.findall(r"\b(?:atom|red)\.[\w.:]+", publish)) == {
         "atom.global.acq_rel.add.u32", "atom.global.exch.b32", "atom.global.sys.release.exch.b32",
     }

@@ -106,7 +106,8 @@ def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelV
 
 
 def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: int = 1) -> KernelVariant:
-    """One expert-parallel exchange kernel (mok/kernels/common/ep.py): signal, wait, publish, routing, dispatch, push or overflow."""
+    """One expert-parallel exchange kernel (mok/kernels/common/ep.py): signal, wait, publish, publish_mxfp8, routing, dispatch,
+    dispatch_mxfp8, push or overflow."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.ep import compile_ep
@@ -371,9 +372,8 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
         variants += [ep_variant(kind, w, phase=1) for kind in ("signal", "wait")]  # (the publish phase: its own two)
         variants += [ep_variant("publish", w, width=h, topk=k), ep_variant("routing", w, topk=k), ep_variant("dispatch", w, width=h, topk=k)]
         variants += [ep_variant("overflow", w, phase=phase, width=h, topk=k) for phase in (0, 1)]  # capacity bound only
-        if config.dispatch_format == "mxfp8":  # x quantized into the workspace, published without rows, dequantized on arrival
-            variants += [quantize_mxfp8_variant(), ep_variant("publish_values", w, width=h, topk=k)]
-            variants.append(ep_variant("dispatch_mxfp8", w, width=h, topk=k))
+        if config.dispatch_format == "mxfp8":  # x quantized into the workspace as it is published, dequantized on arrival
+            variants += [ep_variant("publish_mxfp8", w, width=h, topk=k), ep_variant("dispatch_mxfp8", w, width=h, topk=k)]
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False, unit_weights=True))  # backward dx
     if arch == "sm_90a":

@@ -30,7 +30,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .. import GRID_SYNC_WORDS
-from .mxfp8_quantize import e8m0_factor
+from .mxfp8_quantize import BLOCK, block_tensors, e8m0_factor, quantize_block
 from .waits import wait_at_least
 
 VECTOR = 8  # bf16 elements per 16-byte access
@@ -170,14 +170,11 @@ class EpPublishKernel:
     done (a system-scope fence first, then an acq_rel add at gpu scope); the last CTA resets the
     count, writes the token count, advances the epoch and signals every rank (EpSignalKernel's
     release stores). No CTA waits for another: any grid size is safe.
-
-    ``rows=False``: the values only (the rows pointers are not read): the MXFP8 dispatch's rows
-    are already in the region, written by the quantizer launched before it in stream order.
     """
 
-    def __init__(self, world: int, width: int, topk: int, threads: int = 256, rows: bool = True) -> None:
+    def __init__(self, world: int, width: int, topk: int, threads: int = 256) -> None:
         check_width(width)
-        self.world, self.width, self.topk, self.threads, self.rows = world, width, topk, threads, rows
+        self.world, self.width, self.topk, self.threads = world, width, topk, threads
 
     @cute.jit
     def __call__(
@@ -185,18 +182,27 @@ class EpPublishKernel:
         src_values_ptr: cute.Pointer, rank: cutlass.Int32, num_tokens: cutlass.Int32, max_ctas: cutlass.Int32,
         flags_stride: cutlass.Int32, rows_stride: cutlass.Int32, values_stride: cutlass.Int32, stream: cuda.CUstream,
     ):
-        w, h, k = self.world, self.width, self.topk
+        h = self.width
         rows_stride = cute.assume(rows_stride, divby=VECTOR)
-        m_flags = cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1)))
-        m_rows = cute.make_tensor(rows_ptr, cute.make_layout((w, num_tokens * h), stride=(rows_stride, 1)))
-        m_values = cute.make_tensor(values_ptr, cute.make_layout((w, num_tokens * k), stride=(values_stride, 1)))
+        m_rows = cute.make_tensor(rows_ptr, cute.make_layout((self.world, num_tokens * h), stride=(rows_stride, 1)))
         m_src_rows = cute.make_tensor(src_rows_ptr, cute.make_layout((num_tokens * h,)))
-        m_src_values = cute.make_tensor(src_values_ptr, cute.make_layout((num_tokens * k,)))
-        vectors = num_tokens * (h // VECTOR) if cutlass.const_expr(self.rows) else num_tokens * k
-        ctas = cutlass.max(cutlass.min((vectors + self.threads - 1) // self.threads, max_ctas), 1)
+        m_flags, m_values, m_src_values = self.value_tensors(flags_ptr, values_ptr, src_values_ptr, num_tokens, flags_stride, values_stride)
         self.kernel(m_flags, m_rows, m_values, m_src_rows, m_src_values, rank, num_tokens).launch(
-            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream
+            **self.launch_shape(num_tokens * (h // VECTOR), max_ctas, stream)
         )
+
+    def value_tensors(self, flags_ptr, values_ptr, src_values_ptr, num_tokens, flags_stride, values_stride) -> tuple:
+        """Every rank's flags and values regions, and this rank's values to publish."""
+        w, k = self.world, self.topk
+        m_flags = cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1)))
+        m_values = cute.make_tensor(values_ptr, cute.make_layout((w, num_tokens * k), stride=(values_stride, 1)))
+        m_src_values = cute.make_tensor(src_values_ptr, cute.make_layout((num_tokens * k,)))
+        return m_flags, m_values, m_src_values
+
+    def launch_shape(self, units, max_ctas, stream) -> dict:
+        """A thread per unit of row work, at most ``max_ctas`` CTAs and at least one (the signal)."""
+        ctas = cutlass.max(cutlass.min((units + self.threads - 1) // self.threads, max_ctas), 1)
+        return dict(grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -206,11 +212,17 @@ class EpPublishKernel:
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
-        if cutlass.const_expr(self.rows):
-            src = cute.zipped_divide(m_src_rows, (VECTOR,))
-            dst = cute.zipped_divide(m_rows[rank, None], (VECTOR,))
-            for v in cutlass.range(cta * self.threads + tid, num_tokens * (self.width // VECTOR), ctas * self.threads, unroll=1):
-                dst[None, v].store(src[None, v].load())
+        src = cute.zipped_divide(m_src_rows, (VECTOR,))
+        dst = cute.zipped_divide(m_rows[rank, None], (VECTOR,))
+        for v in cutlass.range(cta * self.threads + tid, num_tokens * (self.width // VECTOR), ctas * self.threads, unroll=1):
+            dst[None, v].store(src[None, v].load())
+        self.publish_values(m_flags, m_values, m_src_values, rank, num_tokens, tid, cta, ctas)
+
+    @cute.jit
+    def publish_values(
+        self, m_flags: cute.Tensor, m_values: cute.Tensor, m_src_values: cute.Tensor, rank, num_tokens, tid, cta, ctas,
+    ):
+        """This CTA's share of the values, then its count; the last CTA in signals (the class docstring)."""
         for i in cutlass.range(cta * self.threads + tid, num_tokens * self.topk, ctas * self.threads, unroll=1):
             m_values[rank, i] = m_src_values[i]
         cute.arch.sync_threads()
@@ -223,6 +235,44 @@ class EpPublishKernel:
                 epoch = m_flags[rank, epoch_slot()] + 1
                 m_flags[rank, epoch_slot()] = epoch
                 signal_all(m_flags, rank, self.world, PHASE_PUBLISH, epoch)
+
+
+class EpPublishMxfp8Kernel(EpPublishKernel):
+    """EpPublishKernel whose rows go out in MXFP8: every thread quantizes blocks of 32 of this
+    rank's x (mok.ops.quantize_mxfp8's bytes, :func:`quantize_block`) into its own region, E4M3
+    elements [T, H] then E8M0 scales [T, H / 32] (mok.ep.mxfp8_region), then the values and the
+    signal as EpPublishKernel: one launch where the quantizer and a publish of the values were two."""
+
+    def __init__(self, world: int, width: int, topk: int, threads: int = 256) -> None:
+        if width % BLOCK:
+            raise ValueError(f"width: expected a multiple of {BLOCK} (the MXFP8 block), got {width}")
+        super().__init__(world, width, topk, threads)
+
+    @cute.jit
+    def __call__(
+        self, flags_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, values_ptr: cute.Pointer,
+        src_rows_ptr: cute.Pointer, src_values_ptr: cute.Pointer, rank: cutlass.Int32, num_tokens: cutlass.Int32,
+        max_ctas: cutlass.Int32, flags_stride: cutlass.Int32, values_stride: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        """``elements_ptr`` and ``scales_ptr``: this rank's region (the peers' are not written)."""
+        blocks = num_tokens * (self.width // BLOCK)
+        m_x, m_elements, m_scales = block_tensors(src_rows_ptr, elements_ptr, scales_ptr, blocks)
+        m_flags, m_values, m_src_values = self.value_tensors(flags_ptr, values_ptr, src_values_ptr, num_tokens, flags_stride, values_stride)
+        self.kernel_mxfp8(m_flags, m_x, m_elements, m_scales, m_values, m_src_values, rank, num_tokens).launch(
+            **self.launch_shape(blocks, max_ctas, stream)
+        )
+
+    @cute.kernel
+    def kernel_mxfp8(
+        self, m_flags: cute.Tensor, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor, m_values: cute.Tensor,
+        m_src_values: cute.Tensor, rank: cutlass.Int32, num_tokens: cutlass.Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        for block in cutlass.range(cta * self.threads + tid, m_x.shape[0], ctas * self.threads, unroll=1):
+            quantize_block(m_x, m_elements, m_scales, block)
+        self.publish_values(m_flags, m_values, m_src_values, rank, num_tokens, tid, cta, ctas)
 
 
 class EpRoutingGatherKernel:
@@ -525,7 +575,7 @@ def _ptr(dtype, align):
 
 
 def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1):
-    """Compile one EP kernel (``kind``: signal, wait, publish, publish_values, routing, dispatch, dispatch_mxfp8, push,
+    """Compile one EP kernel (``kind``: signal, wait, publish, publish_mxfp8, routing, dispatch, dispatch_mxfp8, push,
     overflow) for ``arch`` without tensors.
 
     For ``overflow``, ``phase`` PHASE_DONE selects the backward's variant (it poisons the router-gradient pieces too).
@@ -538,9 +588,12 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         kernel, args = EpSignalKernel(world, phase), (_ptr(i32, 4), i, i, stream)
     elif kind == "wait":
         kernel, args = EpWaitKernel(world, phase), (_ptr(i32, 4), i, i, cutlass.Int64(1), stream)
-    elif kind in ("publish", "publish_values"):
-        kernel = EpPublishKernel(world, width, topk, rows=kind == "publish")
+    elif kind == "publish":
+        kernel = EpPublishKernel(world, width, topk)
         args = (_ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), i, i, i, i, i, i, stream)
+    elif kind == "publish_mxfp8":
+        kernel = EpPublishMxfp8Kernel(world, width, topk)
+        args = (_ptr(i32, 4), _ptr(cutlass.Float8E4M3FN, 16), _ptr(cutlass.Uint8, 1), _ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), i, i, i, i, i, stream)
     elif kind == "routing":
         kernel = EpRoutingGatherKernel(world, topk)
         args = (_ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), i, i, i, i, cutlass.Int64(1), stream)
@@ -561,6 +614,6 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         args = (*(_ptr(i32, 4) for _ in range(5)), _ptr(bf16, 16), _ptr(cutlass.Float32, 4), i, i, i, i, i, i, stream)
     else:
         raise ValueError(
-            f"kind: expected signal, wait, publish, publish_values, routing, dispatch, dispatch_mxfp8, push or overflow, got {kind!r}"
+            f"kind: expected signal, wait, publish, publish_mxfp8, routing, dispatch, dispatch_mxfp8, push or overflow, got {kind!r}"
         )
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

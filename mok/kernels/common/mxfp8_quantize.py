@@ -51,6 +51,40 @@ def e8m0_factor(exponent: cutlass.Int32) -> cutlass.Float32:
     return cute.recast_tensor(bits, cutlass.Float32)[0]
 
 
+def block_tensors(values_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, num_blocks) -> tuple:
+    """A run of blocks: bf16 values [n, 32], E4M3 elements [n, 32], scale bytes [n]."""
+    blocks = cute.make_layout((num_blocks, BLOCK), stride=(BLOCK, 1))
+    scales = cute.make_layout((num_blocks,))
+    return cute.make_tensor(values_ptr, blocks), cute.make_tensor(elements_ptr, blocks), cute.make_tensor(scales_ptr, scales)
+
+
+@cute.jit
+def quantize_block(m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor, block):
+    """Block ``block`` of ``m_x`` ([n, 32] bf16) into its 32 E4M3 elements and its scale byte, by
+    mok.mxfp8's rule (the module docstring). (Shared by the quantizer and the EP publish of MXFP8 rows.)"""
+    values = cute.make_rmem_tensor((BLOCK,), cutlass.Float32)
+    values.store(m_x[block, None].load().to(cutlass.Float32))
+    bits = cute.recast_tensor(values, cutlass.Int32)
+    amax = cutlass.Int32(0)
+    for i in cutlass.range_constexpr(BLOCK):
+        amax = max(amax, bits[i] & ABS_MASK)
+    field = amax >> 23
+    exponent = field - E4M3_MAX_EXP
+    if (amax & MANTISSA_MASK) > MANTISSA_1_75:
+        exponent = exponent + 1
+    exponent = min(max(exponent, 0), 254)
+    inverse = cute.make_rmem_tensor((1,), cutlass.Int32)
+    inverse[0] = (254 - exponent) << 23  # 2**-(exponent - 127): a normal float for every exponent here
+    factor = cute.recast_tensor(inverse, cutlass.Float32)[0]
+    elements = cute.make_rmem_tensor((BLOCK,), m_elements.element_type)
+    elements.store((values.load() * factor).to(m_elements.element_type))
+    if field == NAN_EXPONENT:  # an Inf or a NaN in the block
+        exponent = NAN_EXPONENT
+        cute.recast_tensor(elements, cutlass.Uint8).fill(ELEMENT_NAN)
+    m_elements[block, None].store(elements.load())
+    m_scales[block] = cutlass.Uint8(exponent)
+
+
 class QuantizeMxfp8Kernel:
     """Static config: threads per CTA, ``bounded`` (any row width that is a multiple of 32)."""
 
@@ -71,7 +105,7 @@ class QuantizeMxfp8Kernel:
     ):
         """x [num_blocks·32] bf16 -> elements [num_blocks·32] E4M3, scales [num_blocks] E8M0 bytes
         (``bounded``: the first rows_used[0]·blocks_per_row blocks only; else the two are not read)."""
-        m_x, m_elements, m_scales = self.block_tensors(x_ptr, elements_ptr, scales_ptr, num_blocks)
+        m_x, m_elements, m_scales = block_tensors(x_ptr, elements_ptr, scales_ptr, num_blocks)
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel(m_x, m_elements, m_scales, m_used, blocks_per_row).launch(**self.launch_shape(num_blocks, stream))
 
@@ -83,12 +117,6 @@ class QuantizeMxfp8Kernel:
             limit = min(num_blocks, m_used[0] * blocks_per_row)
         return limit
 
-    def block_tensors(self, values_ptr, elements_ptr, scales_ptr, num_blocks):
-        """A run of blocks: bf16 values [n, 32], E4M3 elements [n, 32], scale bytes [n]."""
-        blocks = cute.make_layout((num_blocks, BLOCK), stride=(BLOCK, 1))
-        scales = cute.make_layout((num_blocks,))
-        return cute.make_tensor(values_ptr, blocks), cute.make_tensor(elements_ptr, blocks), cute.make_tensor(scales_ptr, scales)
-
     def launch_shape(self, num_blocks, stream) -> dict:
         """A CTA per ``threads`` blocks."""
         return dict(grid=[(num_blocks + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
@@ -99,27 +127,7 @@ class QuantizeMxfp8Kernel:
         cta, _, _ = cute.arch.block_idx()
         block = cta * self.threads + tidx
         if block < self.blocks_to_convert(m_x.shape[0], m_used, blocks_per_row):
-            values = cute.make_rmem_tensor((BLOCK,), cutlass.Float32)
-            values.store(m_x[block, None].load().to(cutlass.Float32))
-            bits = cute.recast_tensor(values, cutlass.Int32)
-            amax = cutlass.Int32(0)
-            for i in cutlass.range_constexpr(BLOCK):
-                amax = max(amax, bits[i] & ABS_MASK)
-            field = amax >> 23
-            exponent = field - E4M3_MAX_EXP
-            if (amax & MANTISSA_MASK) > MANTISSA_1_75:
-                exponent = exponent + 1
-            exponent = min(max(exponent, 0), 254)
-            inverse = cute.make_rmem_tensor((1,), cutlass.Int32)
-            inverse[0] = (254 - exponent) << 23  # 2**-(exponent - 127): a normal float for every exponent here
-            factor = cute.recast_tensor(inverse, cutlass.Float32)[0]
-            elements = cute.make_rmem_tensor((BLOCK,), m_elements.element_type)
-            elements.store((values.load() * factor).to(m_elements.element_type))
-            if field == NAN_EXPONENT:  # an Inf or a NaN in the block
-                exponent = NAN_EXPONENT
-                cute.recast_tensor(elements, cutlass.Uint8).fill(ELEMENT_NAN)
-            m_elements[block, None].store(elements.load())
-            m_scales[block] = cutlass.Uint8(exponent)
+            quantize_block(m_x, m_elements, m_scales, block)
 
 
 class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
