@@ -39,8 +39,8 @@ class MoKConfig:
     accumulating ones. saved_h_format: "bf16" (default) or "mxfp8": h, the SwiGLU inputs kept for
     the backward, in MXFP8 (mok/saved_mxfp8.py): 33/64 of the bytes, a quantize launch in the forward
     and a dequantize launch in the backward, ~3-4% relative error in the expert gradients.
-    dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, not with one_launch, H a multiple of
-    32): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
+    dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
+    one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
     compute on its rounding (:func:`mok.ep.ep_moe_forward`).
     """
 
@@ -89,8 +89,6 @@ class MoKConfig:
         if self.dispatch_format == "mxfp8":
             if self.ep_size == 1:
                 raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")
-            if self.one_launch:
-                raise ValueError("dispatch_format='mxfp8': not with one_launch (its forward reads the published x as bf16)")
             if self.hidden % 32:
                 raise ValueError(f"dispatch_format='mxfp8': expected hidden a multiple of 32 (the MXFP8 block), got {self.hidden}")
 

@@ -375,8 +375,8 @@ def ep_moe_forward(
     tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel; a
     wait that outlasts ``timeout_s`` is counted where :meth:`EPWorkspace.check` raises for it).
     ``one_launch``: the whole forward in one persistent kernel (mok/ep_one_launch.py; plus 2
-    launches for a shared expert), the same bits. ``dispatch_format="mxfp8"`` (default dispatch
-    only): x crosses to the experts' ranks in MXFP8 (mok.mxfp8's rule: E4M3 elements, a scale
+    launches for a shared expert), the same bits. ``dispatch_format="mxfp8"`` (the default
+    dispatch or one_launch): x crosses to the experts' ranks in MXFP8 (mok.mxfp8's rule: E4M3 elements, a scale
     byte per 32; ~half the bytes) and the routed experts compute on its bf16 dequantization,
     every token's on every rank alike (the shared expert on x itself): the output is the
     single-GPU forward's of the dequantized x, bit for bit; the backward passes the gradient
@@ -414,12 +414,12 @@ def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, 
 
 
 def check_dispatch_format(dispatch_format: str, hidden: int, other_mode: bool) -> None:
-    """``dispatch_format``: "bf16", or "mxfp8" for the default dispatch (H a multiple of 32)."""
+    """``dispatch_format``: "bf16", or "mxfp8" for the default dispatch or one_launch (H a multiple of 32)."""
     if dispatch_format not in DISPATCH_FORMATS:
         raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {dispatch_format!r}")
     if dispatch_format == "mxfp8":
         if other_mode:
-            raise ValueError("dispatch_format='mxfp8': only with the default dispatch (not fused_dispatch, overlap_dispatch or one_launch)")
+            raise ValueError("dispatch_format='mxfp8': not with fused_dispatch or overlap_dispatch (their GEMMs read the published x as bf16)")
         if hidden % 32:
             raise ValueError(f"dispatch_format='mxfp8': expected H a multiple of 32 (the MXFP8 block), got H={hidden}")
 
@@ -567,13 +567,15 @@ def ep_moe_forward_saved(
         raise ValueError("fused_dispatch: only with save_h=False (a backward needs the pulled rows kept; the unfused dispatch keeps them)")
     if fused_dispatch + overlap_dispatch + one_launch > 1:
         raise ValueError("fused_dispatch, overlap_dispatch, one_launch: at most one (different ways of running the forward)")
-    check_dispatch_format(dispatch_format, hidden, fused_dispatch or overlap_dispatch or one_launch)
+    check_dispatch_format(dispatch_format, hidden, fused_dispatch or overlap_dispatch)
     check_tile_multiples(hidden, w_gate.shape[1], None if shared is None else tuple(shared))
     ws.raise_pending()
     if one_launch:
         from .ep_one_launch import ep_one_launch_forward
 
-        return ep_one_launch_forward(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=save_h)
+        return ep_one_launch_forward(
+            ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, timeout_s=timeout_s, save_h=save_h, dispatch_format=dispatch_format
+        )
     dev, world = x.device, ws.layout.world
     k = _kernels(ws, dev)
     stream = ops._stream(dev)

@@ -41,14 +41,17 @@ def ep_one_launch_forward(
     timeout_s: float,
     save_h: bool,
     max_ctas: int | None = None,
+    dispatch_format: str = "bf16",
 ) -> EPForwardResult:
     """:func:`mok.ep.ep_moe_forward_saved` in one launch (inputs already checked by it). ``max_ctas``:
     the CTA cap (default: every SM, or an equal share of them when several of the workspace's
-    ranks run on this GPU, where every rank's launch must be resident at once)."""
+    ranks run on this GPU, where every rank's launch must be resident at once). ``dispatch_format``
+    "mxfp8": x published in MXFP8 (mok.ep.mxfp8_region's layout), each row dequantized into x_all
+    as it is copied (the bits of the multi-launch forward's MXFP8 dispatch)."""
     ops._check_cuda_aligned("x", x)  # (the launch copies it in 16-byte vectors)
     lay, dev = ws.layout, x.device
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
-    static = _static(ws, dev, num_local, inter, save_h, shared is not None)
+    static = _static(ws, dev, num_local, inter, save_h, shared is not None, dispatch_format)
     tokens_all, capacity = lay.world * lay.max_tokens, static.capacity
     sched = ops._empty_schedule(tokens_all, lay.topk, num_local, capacity, ops.MLP_TILE, dev)
     routing = torch.empty(tokens_all, lay.topk, dtype=torch.int32, device=dev)
@@ -82,15 +85,17 @@ class _Static:
     max_ctas: int
 
 
-def _static(ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save_h: bool, has_shared: bool) -> _Static:
-    key = (num_local, inter, save_h, has_shared)
+def _static(
+    ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save_h: bool, has_shared: bool, dispatch_format: str
+) -> _Static:
+    key = (num_local, inter, save_h, has_shared, dispatch_format)
     found = ws._one_launch.get(key)
     if found is None:
         lay = ws.layout
         capacity = ws.expert_rows(num_local, ops.MLP_TILE)
         variant = expert_mlp_variant(
             lay.hidden, inter, lay.topk, save_h=save_h, combine=True, has_shared=has_shared, schedule_experts=num_local,
-            combine_phase=True, ep_world=lay.world,
+            combine_phase=True, ep_world=lay.world, dispatch_format=dispatch_format,
         )
         names = ("flags", "x", "idx", "slots")
         first = grid_sync_slot(lay.world)

@@ -9,7 +9,9 @@ back to the host, torch._grouped_mm experts, all_to_all_single back, index_add c
 (captured once per rank): the device-bound time, without the host's launch work; "mok fd"
 has the gate/up GEMM pull its rows itself, "mok od" its idle warps copy them into x_rows while
 its tiles run (forward only, ``fused_dispatch`` / ``overlap_dispatch``); "mok 1L" is the whole
-forward in one kernel per rank (``one_launch``), "mok 1Lg" that replayed from a graph. Reported:
+forward in one kernel per rank (``one_launch``), "mok 1Lg" that replayed from a graph; "mok fp8"
+sends x in MXFP8 (``dispatch_format="mxfp8"``: other bits, those of x's rounding), "mok 1L8" does
+so in one launch (the bits of "mok fp8"). Reported:
 the median over batches of the slowest rank's time (each path alone at its own steady state,
 with rank 0's SM clock, power and temperature; ``--sustained 0``: the paths timed in turn), the speedup,
 the bytes each rank sends to other ranks (dispatch + combine: the baseline sends a row per
@@ -200,6 +202,7 @@ def _worker(
                     "mok 1L": lambda: mok_step(one_launch=True),  # the forward in one kernel
                     "mok 1Lg": graph_of(lambda: mok_step(one_launch=True)),
                     "mok fp8": lambda: mok_step(dispatch_format="mxfp8"),  # x sent in MXFP8 (other bits)
+                    "mok 1L8": lambda: mok_step(one_launch=True, dispatch_format="mxfp8"),  # both
                     "torch": lambda: torch_ep_train_step(x, idx, w, experts, dout, group)[0],
                 }
             else:
@@ -213,6 +216,7 @@ def _worker(
                     "mok 1Lg": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True)),
                     # x sent in MXFP8: 33/64 of the dispatch bytes, the routed experts on its rounding (other bits)
                     "mok fp8": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, dispatch_format="mxfp8"),
+                    "mok 1L8": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True, dispatch_format="mxfp8"),
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
             if share_gpu:  # the baseline needs NCCL
@@ -222,7 +226,9 @@ def _worker(
             else:
                 ms, gpu = _time_in_turn(paths, group), {}
             want = paths["mok"]().clone()
-            same = {p: same_bits(fn(), want) for p, fn in paths.items() if p not in ("mok", "torch", "mok fp8")}  # the same bits
+            fp8_paths = ("mok fp8", "mok 1L8")
+            same = {p: same_bits(fn(), want) for p, fn in paths.items() if p not in ("mok", "torch", *fp8_paths)}  # the same bits
+            same["mok 1L8 = mok fp8"] = same_bits(paths["mok 1L8"](), paths["mok fp8"]())
             fp8_diff = float((paths["mok fp8"]().float() - want.float()).norm() / want.float().norm())
             agree = None if share_gpu else float((want.float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
             ws.check()
@@ -231,7 +237,7 @@ def _worker(
             remote_tokens = sum(int((owner == r).any(1).sum()) for r in range(world) if r != rank)  # MoK: each token once per rank
             # x (dout) out, y (dx) back, bf16 rows; "mok fp8": x in MXFP8 (H·33/32 bytes a row), the rest bf16
             forward_bytes = {"torch": 2 * remote_pairs * H * 2, "mok": (remote_tokens + remote_pairs) * H * 2}
-            forward_bytes["mok fp8"] = remote_tokens * H * 33 // 32 + remote_pairs * H * 2
+            forward_bytes["mok fp8"] = forward_bytes["mok 1L8"] = remote_tokens * H * 33 // 32 + remote_pairs * H * 2
             backward_bytes = {p: forward_bytes["torch" if p == "torch" else "mok"] if backward else 0 for p in forward_bytes}  # (bf16)
             path_bytes = {p: forward_bytes[p] + backward_bytes[p] for p in forward_bytes}
             sent = torch.tensor(list(path_bytes.values()), device="cpu" if share_gpu else "cuda", dtype=torch.float64)

@@ -10,8 +10,9 @@ the one-launch forward (mok/ep_one_launch.py) on the same inputs. Per-rank shape
 (T tokens per rank, E experts over all ranks), uniform routing. ``--backward``: a step is the
 forward keeping h (mok.ep.ep_moe_forward_saved) and mok.ep_backward.ep_moe_backward.
 ``--modes`` picks the forwards (MODES: the default multi-launch one, ``fused_dispatch``,
-``overlap_dispatch``, ``one_launch``, ``dispatch_format="mxfp8"``); every mode's output but
-mxfp8's (x rounded) must equal the first's, bit for bit.
+``overlap_dispatch``, ``one_launch``, ``dispatch_format="mxfp8"`` with and without one_launch);
+every mode's output must equal, bit for bit, the first's of the same dispatch format (MXFP8
+rounds x).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ MODES = {  # label: ep_moe_forward's keyword arguments
     "fused": {"fused_dispatch": True},
     "overlap": {"overlap_dispatch": True},
     "one launch": {"one_launch": True},
-    "mxfp8": {"dispatch_format": "mxfp8"},  # (other bits: not compared)
+    "mxfp8": {"dispatch_format": "mxfp8"},  # (other bits: compared with each other only)
+    "one launch mxfp8": {"one_launch": True, "dispatch_format": "mxfp8"},
 }
 
 
@@ -123,9 +125,10 @@ def main() -> None:
             host, device, out = measure(EPWorkspace.local_group(layout), per_rank, args.iters, douts, **mode)
             results[label] = out
             print(f"{name:<12} {label:<12} {host:8.3f} {device:8.3f}")
-        first = modes[0][0]
-        for label, out in results.items():
-            assert label == "mxfp8" or torch.equal(out, results[first]), f"{label} disagrees with {first}"
+        for dispatch_format in ("bf16", "mxfp8"):  # every mode's output the bits of the first of its format
+            same_format = [label for label, mode in modes if mode.get("dispatch_format", "bf16") == dispatch_format]
+            for label in same_format[1:]:
+                assert torch.equal(results[label], results[same_format[0]]), f"{label} disagrees with {same_format[0]}"
         del x, idx, w, weights, per_rank, results
         torch.cuda.empty_cache()
 

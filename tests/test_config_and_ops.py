@@ -25,9 +25,10 @@ def test_one_launch_config_adds_its_kernels(ep_size):
     assert not any(v.config.get("schedule_experts") for v in variants_for(MoKConfig(**base)))
 
 
-def test_mxfp8_dispatch_config_adds_its_three_kernels_and_the_cli_sets_it():
-    """variants_for with dispatch_format="mxfp8": the quantizer, the publish without rows and the
-    dequantizing dispatch, nothing else; `precompile --dispatch-format mxfp8` sets it."""
+def test_mxfp8_dispatch_config_adds_its_kernels_and_the_cli_sets_it():
+    """variants_for with dispatch_format="mxfp8": the quantizing publish and the dequantizing
+    dispatch, nothing else; with one_launch also the one-launch forwards that quantize and
+    dequantize (h saved or not) in place of the bf16 ones; `precompile --dispatch-format mxfp8` sets it."""
     import argparse
 
     from mok.cli import _add_shape_options, _config_from
@@ -38,6 +39,10 @@ def test_mxfp8_dispatch_config_adds_its_three_kernels_and_the_cli_sets_it():
     mxfp8 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base, dispatch_format="mxfp8"))}
     assert plain < mxfp8
     assert sorted(name for name, _ in mxfp8 - plain) == ["ep_dispatch_mxfp8", "ep_publish_mxfp8"]
+    one = {v.config.get("dispatch_format"): v.config["save_h"] for v in variants_for(MoKConfig(**base, one_launch=True)) if "ep_world" in v.config}
+    one_mxfp8 = [v.config for v in variants_for(MoKConfig(**base, one_launch=True, dispatch_format="mxfp8")) if "ep_world" in v.config]
+    assert list(one) == [None] and sorted(c["save_h"] for c in one_mxfp8) == [False, True]
+    assert all(c["dispatch_format"] == "mxfp8" for c in one_mxfp8)
     parser = argparse.ArgumentParser()
     _add_shape_options(parser)
     config = _config_from(parser.parse_args(["--ep-size", "8", "--dispatch-format", "mxfp8"]))
@@ -76,7 +81,6 @@ def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradi
         (dict(block_m=64), ValueError, "block_m: expected 128 (the row tile every MoK kernel is built for), got 64"),
         (dict(dispatch_format="fp8", ep_size=8), ValueError, "dispatch_format: expected one of ('bf16', 'mxfp8'), got 'fp8'"),
         (dict(dispatch_format="mxfp8"), ValueError, "dispatch_format='mxfp8': only with ep_size > 1"),
-        (dict(dispatch_format="mxfp8", ep_size=8, one_launch=True), ValueError, "dispatch_format='mxfp8': not with one_launch"),
         (dict(dispatch_format="mxfp8", ep_size=8, hidden=7176), ValueError, "expected hidden a multiple of 32 (the MXFP8 block), got 7176"),
     ],
 )

@@ -168,19 +168,20 @@ def test_one_launch_forward_refuses_other_forward_modes_before_launching():
 
 
 def test_mxfp8_dispatch_is_refused_where_it_cannot_run_before_launching():
-    """dispatch_format: "bf16" or "mxfp8"; MXFP8 only with the default dispatch (the other
-    forwards read the published rows as bf16) and H a multiple of 32 (the MXFP8 block)."""
+    """dispatch_format: "bf16" or "mxfp8"; MXFP8 not with fused_dispatch or overlap_dispatch (their
+    GEMMs read the published rows as bf16) and only with H a multiple of 32 (the MXFP8 block)."""
     layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
     x, idx, w, experts, _ = random_layer(8, 16, 8, 4, 2, seed=3, dtype=torch.bfloat16)
     local = [e[:2].contiguous() for e in experts]
     ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
     with pytest.raises(ValueError, match=r"dispatch_format: expected one of \('bf16', 'mxfp8'\), got 'fp8'"):
         ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="fp8")
-    for mode in ("fused_dispatch", "overlap_dispatch", "one_launch"):
-        with pytest.raises(ValueError, match="dispatch_format='mxfp8': only with the default dispatch"):
+    for mode in ("fused_dispatch", "overlap_dispatch"):
+        with pytest.raises(ValueError, match="dispatch_format='mxfp8': not with fused_dispatch or overlap_dispatch"):
             ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="mxfp8", **{mode: True})
-    with pytest.raises(ValueError, match=r"dispatch_format='mxfp8': expected H a multiple of 32 \(the MXFP8 block\), got H=16"):
-        ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="mxfp8")
+    for mode in ({}, {"one_launch": True}):
+        with pytest.raises(ValueError, match=r"dispatch_format='mxfp8': expected H a multiple of 32 \(the MXFP8 block\), got H=16"):
+            ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="mxfp8", **mode)
 
 
 def test_ep_inputs_the_kernels_could_not_take_are_refused_before_any_launch():

@@ -85,17 +85,19 @@ def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter,
         assert torch.equal(torch.cat(run_ranks(workspaces, args, **dispatch)), first)
 
 
+@pytest.mark.parametrize("dispatch", [{}, {"one_launch": True}])
 @pytest.mark.parametrize("world,counts,E,k,shared_inter,routing", [
     (2, (300, 517), 8, 4, None, "uniform"),
     (3, (128, 0, 250), 6, 2, 256, "zipf"),  # a rank with no tokens; a shared expert (on x itself)
     (2, (200, 200), 8, 4, None, "one_expert"),
 ])
-def test_mxfp8_dispatch_gives_the_single_gpu_forward_of_the_dequantized_x_bitwise(world, counts, E, k, shared_inter, routing):
+def test_mxfp8_dispatch_gives_the_single_gpu_forward_of_the_dequantized_x_bitwise(world, counts, E, k, shared_inter, routing, dispatch):
     """dispatch_format='mxfp8': x crosses to the experts' ranks in MXFP8. The routed experts see
     mok.mxfp8's rounding of x (the torch reference rule) and the shared expert x itself: the
     output is within 1e-2 of the fp32 reference of exactly that, bit for bit the single-GPU
     forward of the rounded x (without a shared expert), the same over 5 calls, and not the bf16
-    dispatch's output (the rounding happened)."""
+    dispatch's output (the rounding happened). The same with the one-launch forward (which
+    quantizes as it publishes and dequantizes as it copies rows into x_all)."""
     from mok.mxfp8 import fake_quantize_mxfp8
     from mok.reference import moe_reference
 
@@ -108,21 +110,23 @@ def test_mxfp8_dispatch_gives_the_single_gpu_forward_of_the_dequantized_x_bitwis
     layout = EPLayout(world=world, max_tokens=max(counts) + 13, hidden=512, topk=k)
     args = split_ranks(world, counts, x, idx, w, experts, shared)
     bf16_out = moe_forward(x, idx, w, *experts, shared).out
-    warm_up(layout, args, dispatch_format="mxfp8")
+    warm_up(layout, args, dispatch_format="mxfp8", **dispatch)
     workspaces = EPWorkspace.local_group(layout)
-    first = torch.cat(run_ranks(workspaces, args, dispatch_format="mxfp8"))
+    first = torch.cat(run_ranks(workspaces, args, dispatch_format="mxfp8", **dispatch))
     assert rel_err(first, want_ref) <= 1e-2
     assert not torch.equal(first, bf16_out)
     if shared is None:
         assert torch.equal(first, moe_forward(x_rounded, idx, w, *experts).out)
     for _ in range(4):
-        assert torch.equal(torch.cat(run_ranks(workspaces, args, dispatch_format="mxfp8")), first)
+        assert torch.equal(torch.cat(run_ranks(workspaces, args, dispatch_format="mxfp8", **dispatch)), first)
 
 
-def test_mxfp8_dispatch_training_step_equals_single_gpu_backward_of_the_dequantized_x_bitwise():
-    """The backward after an MXFP8 dispatch: the expert weights' gradients come from the rounded
-    rows the forward kept, dx passes through the rounding (straight-through): every gradient is
-    the single-GPU backward's on the rounded x, bit for bit, over two steps."""
+@pytest.mark.parametrize("forward", [{}, {"one_launch": True}])
+def test_mxfp8_dispatch_training_step_equals_single_gpu_backward_of_the_dequantized_x_bitwise(forward):
+    """The backward after an MXFP8 dispatch (multi-launch or one-launch forward): the expert
+    weights' gradients come from the rounded rows the forward kept, dx passes through the
+    rounding (straight-through): every gradient is the single-GPU backward's on the rounded x,
+    bit for bit, over two steps."""
     from mok.mxfp8 import fake_quantize_mxfp8
 
     world, counts = 2, (260, 190)
@@ -136,10 +140,10 @@ def test_mxfp8_dispatch_training_step_equals_single_gpu_backward_of_the_dequanti
     layout = EPLayout(world=world, max_tokens=max(counts), hidden=512, topk=4)
     args = split_ranks(world, counts, x, idx, w, experts, None)
     douts = split_rows(dout, counts)
-    warm_up_training(layout, args, douts, dispatch_format="mxfp8")
+    warm_up_training(layout, args, douts, dispatch_format="mxfp8", **forward)
     workspaces = EPWorkspace.local_group(layout)
     for _ in range(2):
-        results = run_train_ranks(workspaces, args, douts, dispatch_format="mxfp8")
+        results = run_train_ranks(workspaces, args, douts, dispatch_format="mxfp8", **forward)
         assert ep_training_mismatches(results, saved.out, want) == []
 
 

@@ -97,7 +97,7 @@ def _compile_here(one_launch=False):
         config = MoKConfig(
             hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=shared, ep_size=2, one_launch=one_launch,
             saved_h_format="mxfp8",  # (all of the plain config's kernels, and the quantize pair)
-            dispatch_format="bf16" if one_launch else "mxfp8",  # (and the MXFP8 dispatch's)
+            dispatch_format="mxfp8",  # (and the MXFP8 dispatch's)
         )
         for variant in variants_for(config):
             get_kernel(variant, device_arch())
@@ -260,32 +260,32 @@ def _layer_worker(rank, init_file, out_dir, shared_gpu, one_launch=False):
             and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
             and not torch.equal(xe.grad, plain_dx)
         )
-        if not one_launch:  # dispatch_format="mxfp8": the routed experts see x's MXFP8 rounding, the shared expert x
-            # itself; with the shared weights zeroed that is the single-GPU layer on the rounded x, bit for bit, and
-            # dx passes through the rounding (straight-through)
-            from mok.mxfp8 import fake_quantize_mxfp8
+        # dispatch_format="mxfp8": the routed experts see x's MXFP8 rounding, the shared expert x
+        # itself; with the shared weights zeroed that is the single-GPU layer on the rounded x, bit for bit, and
+        # dx passes through the rounding (straight-through)
+        from mok.mxfp8 import fake_quantize_mxfp8
 
-            ep.config = dataclasses.replace(plain_config, dispatch_format="mxfp8")
-            full.config = dataclasses.replace(full.config, saved_h_format="bf16")
-            with torch.no_grad():
-                for layer in (full, ep):
-                    for n in ("shared_gate_proj", "shared_up_proj", "shared_down_proj"):
-                        getattr(layer, n).zero_()
-            full.zero_grad(set_to_none=True)
-            ep.zero_grad(set_to_none=True)
-            xr, wf = fake_quantize_mxfp8(x).bfloat16().requires_grad_(), w.clone().requires_grad_()
-            want_out = full(xr, topk_idx=idx, topk_w=wf)
-            want_out.backward(dout)
-            xe, we = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
-            out = ep(xe, topk_idx=idx[mine], topk_w=we)
-            out.backward(dout[mine])
-            torch.cuda.synchronize()
-            result["mxfp8_dispatch"] = (
-                torch.equal(out, want_out.detach()[mine]) and torch.equal(xe.grad, xr.grad[mine]) and torch.equal(we.grad, wf.grad[mine])
-                and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
-                and not torch.equal(out, full(x, topk_idx=idx, topk_w=w).detach()[mine])
-            )
-            del out
+        ep.config = dataclasses.replace(plain_config, dispatch_format="mxfp8")
+        full.config = dataclasses.replace(full.config, saved_h_format="bf16")
+        with torch.no_grad():
+            for layer in (full, ep):
+                for n in ("shared_gate_proj", "shared_up_proj", "shared_down_proj"):
+                    getattr(layer, n).zero_()
+        full.zero_grad(set_to_none=True)
+        ep.zero_grad(set_to_none=True)
+        xr, wf = fake_quantize_mxfp8(x).bfloat16().requires_grad_(), w.clone().requires_grad_()
+        want_out = full(xr, topk_idx=idx, topk_w=wf)
+        want_out.backward(dout)
+        xe, we = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
+        out = ep(xe, topk_idx=idx[mine], topk_w=we)
+        out.backward(dout[mine])
+        torch.cuda.synchronize()
+        result["mxfp8_dispatch"] = (
+            torch.equal(out, want_out.detach()[mine]) and torch.equal(xe.grad, xr.grad[mine]) and torch.equal(we.grad, wf.grad[mine])
+            and all(torch.equal(getattr(ep, n).grad, getattr(full, n).grad[experts_mine]) for n in ("gate_proj", "up_proj", "down_proj"))
+            and not torch.equal(out, full(x, topk_idx=idx, topk_w=w).detach()[mine])
+        )
+        del out
         ep.config = plain_config
         torch.save(result, f"{out_dir}/{rank}.pt")
         dist.barrier()
@@ -366,7 +366,7 @@ def test_layer_with_a_group_on_two_gpus_equals_the_single_gpu_layer(tmp_path, on
     results = _spawn_layer(tmp_path, shared_gpu=False, one_launch=one_launch)
     assert all(
         r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"]
-        and r["mxfp8_h"] and r.get("mxfp8_dispatch", one_launch) for r in results
+        and r["mxfp8_h"] and r["mxfp8_dispatch"] for r in results
     ), [(r["compiled"], r["graph"], r["main_grad"], r["mxfp8_h"], r.get("mxfp8_dispatch")) for r in results]
 
 
@@ -375,5 +375,5 @@ def test_layer_with_a_group_of_two_processes_sharing_one_gpu_equals_the_single_g
     results = _spawn_layer(tmp_path, shared_gpu=True, one_launch=one_launch)
     assert all(
         r["bitwise"] and r["shared_rel"] < 1e-2 and r["router_grad"] and r["compiled"] and r["graph"] is True and r["main_grad"]
-        and r["mxfp8_h"] and r.get("mxfp8_dispatch", one_launch) for r in results
+        and r["mxfp8_h"] and r["mxfp8_dispatch"] for r in results
     ), [(r["compiled"], r["graph"], r["main_grad"], r["mxfp8_h"], r.get("mxfp8_dispatch")) for r in results]

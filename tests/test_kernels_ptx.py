@@ -413,6 +413,25 @@ def test_one_launch_ep_forward_adds_system_scope_flags_and_pushes_not_float_atom
     assert_register_handover_fits(ep)
 
 
+def test_one_launch_ep_forward_in_mxfp8_quantizes_as_it_publishes_and_dequantizes_as_it_copies():
+    """dispatch_format="mxfp8" in the one-launch EP forward: the bf16 kernel's WGMMAs, TMA and
+    atomics; the publish phase's copy becomes the quantizer's block (16 saturating E4M3
+    conversions, two 16-byte stores of elements), the row copy per lane COPY_DEPTH 8-byte element
+    loads (and their scale bytes) dequantized by cvt before the 16-byte stores; no spills."""
+    from mok.kernels import expert_mlp_variant
+
+    shape = dict(combine=True, schedule_experts=64, combine_phase=True, ep_world=2)
+    bf16 = compiled_ptx(expert_mlp_variant(2048, 768, 8, **shape), "sm_90a")
+    mxfp8 = compiled_ptx(expert_mlp_variant(2048, 768, 8, **shape, dispatch_format="mxfp8"), "sm_90a")
+    for pattern in (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"cp\.async\.cg\.shared\.global"):
+        assert count(pattern, mxfp8) == count(pattern, bf16), pattern
+    assert set(re.findall(r"\b(?:atom|red)\.[\w.:]+", mxfp8)) == set(re.findall(r"\b(?:atom|red)\.[\w.:]+", bf16))
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", mxfp8) == 16 and count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", bf16) == 0
+    assert count(r"ld\.global(\.nc)?\.v2\.b32", mxfp8) == 4 and count(r"cvt\.rn\.f16x2\.e4m3x2", mxfp8) == 4 * 4
+    assert count(r"\.local", mxfp8) == 0 and ptxas_spill_bytes(mxfp8) in (0, None)
+    assert_register_handover_fits(mxfp8)
+
+
 def test_gate_up_gemm_that_pulls_its_rows_keeps_its_wgmmas_and_copies_with_idle_warps():
     """pull_a: the same WGMMAs and TMA loads as the plain gate/up GEMM; the copy warps keep four
     16-byte loads in flight before their four stores, take row tiles with a relaxed add and

@@ -204,7 +204,7 @@ def grouped_gemm_variant(
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
     schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None, gather_phase: bool = False,
-    shared_prefix: bool = False,
+    shared_prefix: bool = False, dispatch_format: str = "bf16",
 ) -> KernelVariant:
     """fc1 (gathered rows, SwiGLU; ``save_h`` also writes h) and fc2 of every expert in one
     persistent launch, tiles taken in one global order, each fc2 row tile waiting for its fc1
@@ -215,7 +215,8 @@ def expert_mlp_variant(
     with both): the whole expert-parallel forward of one rank of W, exchanges included;
     ``gather_phase`` (with ``schedule_experts``, not ``ep_world``): the rows gathered into x_rows
     by all CTAs after the schedule, fc1 reading them by TMA; ``shared_prefix`` (with
-    ``schedule_experts`` and ``has_shared``): the shared expert runs as expert E, its rows first.
+    ``schedule_experts`` and ``has_shared``): the shared expert runs as expert E, its rows first;
+    ``dispatch_format`` "mxfp8" (with ``ep_world``): x published in MXFP8, dequantized as it arrives.
     See mok/kernels/sm90/expert_mlp.py."""
     # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
     fc2_tile_n = default_tile_n(hidden, inter, False)
@@ -230,6 +231,8 @@ def expert_mlp_variant(
         options["gather_phase"] = True
     if shared_prefix:
         options["shared_prefix"] = True
+    if dispatch_format != "bf16":
+        options["dispatch_format"] = dispatch_format
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch != "sm_90a":
@@ -239,7 +242,7 @@ def expert_mlp_variant(
         return compile_expert_mlp(
             hidden, inter, topk if combine else 1, arch, compile_options, save_h=save_h, combine=combine, has_shared=has_shared,
             fc2_tile_n=fc2_tile_n, schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world,
-            gather_phase=gather_phase, shared_prefix=shared_prefix,
+            gather_phase=gather_phase, shared_prefix=shared_prefix, dispatch_format=dispatch_format,
         )
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk if combine else 1, **options}, build)
@@ -394,6 +397,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
                 expert_mlp_variant(
                     h, i, config.topk, save_h=save_h, combine=True, has_shared=config.has_shared_expert,
                     schedule_experts=config.experts_per_rank, combine_phase=True, ep_world=ep_world,
+                    dispatch_format=config.dispatch_format,
                 )
                 for save_h in (False, True)
             ]

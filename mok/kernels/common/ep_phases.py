@@ -6,18 +6,21 @@ step needs the previous one complete on this rank, and the workspace's epoch fla
 system-scope release/acquire, bounded by %globaltimer, a timeout recorded as (1, phase, peer,
 epoch) in the error record) where it needs the peers:
 
-    publish    copy this rank's x and routing into its published regions; grid barrier; CTA 0
-               advances the epoch and signals every rank; every CTA waits for every rank
+    publish    copy this rank's x (or, in MXFP8, quantize it) and routing into its published
+               regions; grid barrier; CTA 0 advances the epoch and signals every rank; every CTA
+               waits for every rank
     routing    every rank's routing -> [W·T_max, k] (-1 past a rank's tokens), and each token
                routed to one of this rank's experts copied once from its rank into x_all[g]
-               (g = p·T_max + t), one warp per token (the schedule and fc1 then read them here)
+               (g = p·T_max + t; MXFP8 rows dequantized on the way), one warp per token (the
+               schedule and fc1 then read them here)
     overflow   only when the schedule overflowed a capacity bound: NaN into the slots of the
                pairs that got no row, on their tokens' ranks, and the error into every rank's record
     done       after fc2 has pushed every y row into its token's rank (slot [t, j]): CTA 0 signals
                every rank, every CTA waits for every rank
     combine    out[t] = shared[t] + Σ_j topk_w[t, j]·slots[t, j] (fp32, j in order)
 
-The argument ``ep`` is the tuple ExpertMlpSm90 packs: (flags [W, words], published x [W, T_max·H],
+The argument ``ep`` is the tuple ExpertMlpSm90 packs: (flags [W, words], published x [W, T_max·H]
+(in MXFP8: the pair elements [W, T_max·H], scales [W, T_max·H/32]),
 published routing [W, T_max·k], this rank's x [T·H], this rank's routing [T·k], routing out
 [W·T_max·k], x_all [W·T_max, H], rank, T_max, T, first local expert, slots [W, T_max·k, H]).
 """
@@ -30,6 +33,7 @@ import cutlass.cute as cute
 from .ep import (
     PHASE_DONE, PHASE_PUBLISH, VECTOR, claim_capacity_error, epoch_slot, poison_dropped_pair, signal_all, tokens_slot, wait_all,
 )
+from .mxfp8_quantize import BLOCK, e8m0_factor, quantize_block
 from .waits import grid_barrier
 
 COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's row
@@ -37,18 +41,29 @@ COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's r
 
 @cute.jit
 def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                     sync, timeout_ns: cutlass.Int64):
-    """All threads of every CTA: this rank's x and routing into its published regions, then the
-    epoch's publish handshake with every rank (see the module docstring)."""
+                     sync, timeout_ns: cutlass.Int64, mxfp8: cutlass.Constexpr[bool]):
+    """All threads of every CTA: this rank's x (``mxfp8``: quantized, a thread per block of 32, as
+    common/ep.py's EpPublishMxfp8Kernel) and routing into its published regions, then the epoch's
+    publish handshake with every rank (see the module docstring)."""
     m_flags, m_x_pub, m_idx_pub, m_x_in, m_idx_in, _, _, rank, _, num_tokens, _, _ = ep
     tid, _, _ = cute.arch.thread_idx()
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
     epoch = m_flags[rank, epoch_slot()] + 1  # read by all before the barrier; CTA 0 writes it after
-    src = cute.zipped_divide(m_x_in, (VECTOR,))
-    dst = cute.zipped_divide(m_x_pub[rank, None], (VECTOR,))
-    for v in cutlass.range(cta * threads + tid, cute.size(m_x_in) // VECTOR, ctas * threads, unroll=1):
-        dst[None, v].store(src[None, v].load())
+    if cutlass.const_expr(mxfp8):
+        m_el_pub, m_sc_pub = m_x_pub
+        blocks = cute.size(m_x_in) // BLOCK
+        by_block = cute.make_layout((blocks, BLOCK), stride=(BLOCK, 1))
+        m_x_blocks = cute.make_tensor(m_x_in.iterator, by_block)
+        m_el_blocks = cute.make_tensor(m_el_pub[rank, None].iterator, by_block)
+        m_sc_blocks = cute.make_tensor(m_sc_pub[rank, None].iterator, cute.make_layout((blocks,)))
+        for b in cutlass.range(cta * threads + tid, blocks, ctas * threads, unroll=1):
+            quantize_block(m_x_blocks, m_el_blocks, m_sc_blocks, b)
+    else:
+        src = cute.zipped_divide(m_x_in, (VECTOR,))
+        dst = cute.zipped_divide(m_x_pub[rank, None], (VECTOR,))
+        for v in cutlass.range(cta * threads + tid, cute.size(m_x_in) // VECTOR, ctas * threads, unroll=1):
+            dst[None, v].store(src[None, v].load())
     for i in cutlass.range(cta * threads + tid, num_tokens * topk, ctas * threads, unroll=1):
         m_idx_pub[rank, i] = m_idx_in[i]
     if cta == 0:
@@ -65,11 +80,12 @@ def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Con
 
 @cute.jit
 def gather_routing_and_rows(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
-                            num_local: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+                            num_local: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], mxfp8: cutlass.Constexpr[bool]):
     """All threads of every CTA, after :func:`publish_and_wait`: one warp per global token g =
     p·T_max + t (grid-strided): lanes j < k write routing[g, j] (rank p's topk_idx[t, j], -1 past
     its tokens); if one of them is a local expert, the warp copies x of g from rank p into
-    x_all[g] (once, however many local experts it goes to). The caller meets a grid barrier after."""
+    x_all[g] (once, however many local experts it goes to; ``mxfp8``: dequantized, see
+    :func:`copy_row_mxfp8`). The caller meets a grid barrier after."""
     m_flags, m_x_pub, m_idx_pub, _, _, m_routing, m_x_all, rank, t_max, _, expert_lo, _ = ep
     tid, _, _ = cute.arch.thread_idx()
     cta, _, _ = cute.arch.block_idx()
@@ -95,17 +111,40 @@ def gather_routing_and_rows(ep: tuple, world: cutlass.Constexpr[int], topk: cutl
             if expert < expert_lo + num_local:
                 local = cutlass.Boolean(True)
         if cute.arch.vote_any_sync(local):
-            src = cute.zipped_divide(m_x_pub[p, None], (VECTOR,))
             dst = cute.zipped_divide(m_x_all[g, None], (VECTOR,))
-            first = t * vectors
-            for base in cutlass.range(lane, vectors, 32 * COPY_DEPTH, unroll=1):
-                vals = []
-                for i in cutlass.range_constexpr(COPY_DEPTH):
-                    v = cutlass.min(base + i * 32, vectors - 1)  # (a clamped lane re-reads the last vector, stores nothing)
-                    vals.append(src[None, first + v].load())
-                for i in cutlass.range_constexpr(COPY_DEPTH):
-                    if base + i * 32 < vectors:
-                        dst[None, base + i * 32].store(vals[i])
+            if cutlass.const_expr(mxfp8):
+                copy_row_mxfp8(m_x_pub, p, t, dst, hidden, lane)
+            else:
+                src = cute.zipped_divide(m_x_pub[p, None], (VECTOR,))
+                first = t * vectors
+                for base in cutlass.range(lane, vectors, 32 * COPY_DEPTH, unroll=1):
+                    vals = []
+                    for i in cutlass.range_constexpr(COPY_DEPTH):
+                        v = cutlass.min(base + i * 32, vectors - 1)  # (a clamped lane re-reads the last vector, stores nothing)
+                        vals.append(src[None, first + v].load())
+                    for i in cutlass.range_constexpr(COPY_DEPTH):
+                        if base + i * 32 < vectors:
+                            dst[None, base + i * 32].store(vals[i])
+
+
+@cute.jit
+def copy_row_mxfp8(m_x_pub: tuple, p, t, dst: cute.Tensor, hidden: cutlass.Constexpr[int], lane):
+    """A warp: token t of rank p's MXFP8 region into ``dst`` (its bf16 row as 16-byte vectors): per
+    unit of 8 elements an 8-byte load and the block's scale byte, bf16(element·2**(scale - 127))
+    (common/ep.py's EpDispatchMxfp8Kernel's bits), COPY_DEPTH units a lane loaded before it stores."""
+    m_el_pub, m_sc_pub = m_x_pub
+    units = hidden // VECTOR
+    src = cute.zipped_divide(m_el_pub[p, None], (VECTOR,))
+    first, first_scale = t * units, t * (hidden // BLOCK)
+    for base in cutlass.range(lane, units, 32 * COPY_DEPTH, unroll=1):
+        vals, exponents = [], []
+        for i in cutlass.range_constexpr(COPY_DEPTH):
+            u = cutlass.min(base + i * 32, units - 1)  # (a clamped lane re-reads the last unit, stores nothing)
+            vals.append(src[None, first + u].load())
+            exponents.append(cutlass.Int32(m_sc_pub[p, first_scale + (u >> 2)]) & 0xFF)  # (the byte comes in sign-extended)
+        for i in cutlass.range_constexpr(COPY_DEPTH):
+            if base + i * 32 < units:
+                dst[None, base + i * 32].store((vals[i].to(cutlass.Float32) * e8m0_factor(exponents[i])).to(dst.element_type))
 
 
 @cute.jit

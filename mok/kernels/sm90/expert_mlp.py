@@ -37,8 +37,9 @@ Expert parallelism (``ep_world`` = W, mok/ep_one_launch.py): the launch is one r
 forward. Before the schedule, every CTA publishes its share of this rank's x and routing, the
 ranks meet on the workspace's epoch flags (system scope, bounded), and one warp per global
 token gathers its routing row and copies the token into x_all when one of its experts is local
-(common/ep_phases.py); a grid barrier, then the schedule of this rank's experts over all ranks'
-tokens. fc1 gathers from x_all; fc2's MMA warps hand each finished subtile to the producer
+(common/ep_phases.py; with ``dispatch_format="mxfp8"`` x is published quantized and each row
+dequantized as it is copied, mok.ops.quantize_mxfp8 and dequantize_mxfp8's bits); a grid
+barrier, then the schedule of this rank's experts over all ranks' tokens. fc1 gathers from x_all; fc2's MMA warps hand each finished subtile to the producer
 warpgroup's warps 1-3 (idle after fc1), which push its rows into the tokens' slots on their
 ranks (the down projection's scatter, tile indices from warp 0 through a second ring). After
 the second grid barrier the done handshake, then the combine reads this rank's slots [t, j].
@@ -85,7 +86,7 @@ class ExpertMlpSm90:
     def __init__(
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
         fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None,
-        gather_phase: bool = False, shared_prefix: bool = False,
+        gather_phase: bool = False, shared_prefix: bool = False, dispatch_format: str = "bf16",
     ):
         """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
         ``schedule_experts``: E, to build the schedule of the routing in the same launch first (the
@@ -99,7 +100,9 @@ class ExpertMlpSm90:
         barrier, fc1 loads its A tiles from x_rows by TMA instead of gathering them with cp.async.
         ``shared_prefix`` (with ``schedule_experts``, not ``ep_world``): a shared expert of the routed
         ones' shapes is expert E of the weights (E + 1 of them) and the schedule puts its T rows
-        first (common/schedule.py); the combine reads its output rows as the shared input."""
+        first (common/schedule.py); the combine reads its output rows as the shared input.
+        ``dispatch_format`` (with ``ep_world``): "mxfp8" publishes x quantized (mok.ep.mxfp8_region's
+        layout) and dequantizes each row as it is copied into x_all (common/ep_phases.py)."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if has_shared and not combine:
@@ -119,7 +122,9 @@ class ExpertMlpSm90:
             # (combine_phase: fc2's epilogue combine would read a token's shared row, written by another
             # tile of the same launch, with nothing ordering the two)
             raise ValueError("shared_prefix: only with schedule_experts, has_shared and combine_phase, without ep_world")
-        self.shared_prefix = shared_prefix
+        if dispatch_format not in ("bf16", "mxfp8") or (dispatch_format == "mxfp8" and (ep_world is None or hidden % 32)):
+            raise ValueError(f"dispatch_format: expected 'bf16', or 'mxfp8' with ep_world and H a multiple of 32; got {dispatch_format!r}")
+        self.shared_prefix, self.mxfp8 = shared_prefix, dispatch_format == "mxfp8"
         self.ep_world, self.gather_phase = ep_world, gather_phase
         self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
@@ -226,9 +231,12 @@ class ExpertMlpSm90:
             w, k = self.ep_world, self.topk
             x_stride = cute.assume(x_stride, divby=VECTOR)  # (ep.py keeps every region 128-byte aligned)
             slots_stride = cute.assume(slots_stride, divby=VECTOR)
+            m_x_pub = cute.make_tensor(x_pub_ptr, cute.make_layout((w, t_max * hid), stride=(x_stride, 1)))
+            if cutlass.const_expr(self.mxfp8):  # (elements [W, T_max·H], scales [W, T_max·H/32] from byte T_max·H of each region)
+                m_x_pub = self.mxfp8_regions(x_pub_ptr, x_stride, t_max)
             ep_args = (
                 cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1))),
-                cute.make_tensor(x_pub_ptr, cute.make_layout((w, t_max * hid), stride=(x_stride, 1))),
+                m_x_pub,
                 cute.make_tensor(idx_pub_ptr, cute.make_layout((w, t_max * k), stride=(idx_stride, 1))),
                 cute.make_tensor(x_in_ptr, cute.make_layout((my_tokens * hid,))),
                 cute.make_tensor(idx_in_ptr, cute.make_layout((my_tokens * k,))),
@@ -469,6 +477,19 @@ class ExpertMlpSm90:
                     self.fc1.epilogue_sync()
                 self.combine_all(mma_tidx, combine_args)
 
+    def mxfp8_regions(self, x_pub_ptr: cute.Pointer, x_stride, t_max) -> tuple:
+        """Every rank's region "x" holding MXFP8 rows (mok.ep.mxfp8_region): E4M3 elements [W, T_max·H]
+        from its first byte, E8M0 scales [W, T_max·H/32] from byte T_max·H; the rank stride in bytes
+        (64-bit: twice the bf16 element stride)."""
+        hid = self.hidden
+        stride = cute.assume(cutlass.Int64(x_stride) * 2, divby=16)
+        elements = cute.recast_ptr(x_pub_ptr, dtype=cutlass.Float8E4M3FN)
+        scales = cute.recast_ptr(x_pub_ptr, dtype=cutlass.Uint8) + t_max * hid
+        return (
+            cute.make_tensor(elements, cute.make_layout((self.ep_world, t_max * hid), stride=(stride, 1))),
+            cute.make_tensor(scales, cute.make_layout((self.ep_world, t_max * (hid // 32)), stride=(stride, 1))),
+        )
+
     @cute.jit
     def build_schedule(self, sched_args, ep_args, gather_args, region, num_rows, timeout_ns, m_offsets, num_experts):
         """The one-launch forward's prologue: every CTA builds its part of the schedule (scratch in the
@@ -481,8 +502,10 @@ class ExpertMlpSm90:
         gather x_rows and meet at a second grid barrier before fc1's TMA loads read it."""
         m_idx, outputs, sync_ptr, pairs, expert_lo = sched_args
         if cutlass.const_expr(self.ep_world is not None):  # the routing (and x rows) of every rank first
-            ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns)
-            ep_phases.gather_routing_and_rows(ep_args, self.ep_world, self.topk, self.hidden, self.schedule.num_local, self.threads)
+            ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns, self.mxfp8)
+            ep_phases.gather_routing_and_rows(
+                ep_args, self.ep_world, self.topk, self.hidden, self.schedule.num_local, self.threads, self.mxfp8
+            )
             grid_barrier(sync_ptr, timeout_ns, last=False)
         scratch = cute.make_tensor(
             cute.recast_ptr(region, dtype=cutlass.Int32), cute.make_layout(self.schedule.scratch_words(self.threads))
@@ -633,7 +656,7 @@ class ExpertMlpSm90:
 def compile_expert_mlp(
     hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
     has_shared: bool = False, fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False,
-    ep_world: int | None = None, gather_phase: bool = False, shared_prefix: bool = False,
+    ep_world: int | None = None, gather_phase: bool = False, shared_prefix: bool = False, dispatch_format: str = "bf16",
 ):
     """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap, the timeout and the EP
     ints are runtime arguments (with ``schedule_experts``, E must be that)."""
@@ -653,7 +676,7 @@ def compile_expert_mlp(
     kernel = ExpertMlpSm90(
         hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n,
         schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world, gather_phase=gather_phase,
-        shared_prefix=shared_prefix,
+        shared_prefix=shared_prefix, dispatch_format=dispatch_format,
     )
     with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
         warnings.filterwarnings("ignore", message="This static loop has")
