@@ -75,6 +75,12 @@ def check_width(width: int) -> None:
         raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
 
 
+def check_mxfp8_width(width: int) -> None:
+    """A row width of whole MXFP8 blocks."""
+    if width % BLOCK:
+        raise ValueError(f"width: expected a multiple of {BLOCK} (the MXFP8 block), got {width}")
+
+
 @cute.jit
 def record_timeout(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], peer, epoch):
     """A wait for ``peer``'s ``phase`` of ``epoch`` timed out: (1, phase, peer, epoch) into this
@@ -244,8 +250,7 @@ class EpPublishMxfp8Kernel(EpPublishKernel):
     signal as EpPublishKernel: one launch where the quantizer and a publish of the values were two."""
 
     def __init__(self, world: int, width: int, topk: int, threads: int = 256) -> None:
-        if width % BLOCK:
-            raise ValueError(f"width: expected a multiple of {BLOCK} (the MXFP8 block), got {width}")
+        check_mxfp8_width(width)
         super().__init__(world, width, topk, threads)
 
     @cute.jit
@@ -412,8 +417,7 @@ class EpDispatchMxfp8Kernel(EpDispatchKernel):
     byte, then a 16-byte store per row (all loads first, as in the bf16 dispatch)."""
 
     def __init__(self, world: int, width: int, topk: int, max_threads: int = 128) -> None:
-        if width % 32:
-            raise ValueError(f"width: expected a multiple of 32 (the MXFP8 block), got {width}")
+        check_mxfp8_width(width)
         super().__init__(world, width, topk, max_threads)
 
     @cute.jit
