@@ -94,13 +94,14 @@ def _compile_here(one_launch=False):
     from mok.runtime.arch import device_arch
 
     for shared in (256, None):
-        config = MoKConfig(
-            hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=shared, ep_size=2, one_launch=one_launch,
-            saved_h_format="mxfp8",  # (all of the plain config's kernels, and the quantize pair)
-            dispatch_format="mxfp8",  # (and the MXFP8 dispatch's)
-        )
-        for variant in variants_for(config):
-            get_kernel(variant, device_arch())
+        for dispatch_format in ("bf16", "mxfp8"):  # (one_launch: a forward kernel per format)
+            config = MoKConfig(
+                hidden=H, intermediate=I, num_experts=E, topk=K, shared_intermediate=shared, ep_size=2, one_launch=one_launch,
+                saved_h_format="mxfp8",  # (all of the plain config's kernels, and the quantize pair)
+                dispatch_format=dispatch_format,
+            )
+            for variant in variants_for(config):
+                get_kernel(variant, device_arch())
 
 
 def _spawn(tmp_path, skip_rank=None, shared_gpu=False):
