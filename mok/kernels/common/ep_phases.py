@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from .ep import (
     PHASE_DONE, PHASE_PUBLISH, VECTOR, claim_capacity_error, epoch_slot, poison_dropped_pair, signal_all, tokens_slot, wait_all,
 )
-from .mxfp8_quantize import BLOCK, e8m0_factor, quantize_block
+from .mxfp8_quantize import BLOCK, block_tensors, e8m0_factor, quantize_block
 from .waits import grid_barrier
 
 COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's row
@@ -53,10 +53,7 @@ def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Con
     if cutlass.const_expr(mxfp8):
         m_el_pub, m_sc_pub = m_x_pub
         blocks = cute.size(m_x_in) // BLOCK
-        by_block = cute.make_layout((blocks, BLOCK), stride=(BLOCK, 1))
-        m_x_blocks = cute.make_tensor(m_x_in.iterator, by_block)
-        m_el_blocks = cute.make_tensor(m_el_pub[rank, None].iterator, by_block)
-        m_sc_blocks = cute.make_tensor(m_sc_pub[rank, None].iterator, cute.make_layout((blocks,)))
+        m_x_blocks, m_el_blocks, m_sc_blocks = block_tensors(m_x_in.iterator, m_el_pub[rank, None].iterator, m_sc_pub[rank, None].iterator, blocks)
         for b in cutlass.range(cta * threads + tid, blocks, ctas * threads, unroll=1):
             quantize_block(m_x_blocks, m_el_blocks, m_sc_blocks, b)
     else:

@@ -67,6 +67,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ep_phases
 from ..common.combine import VECTOR, combine_vector
+from ..common.mxfp8_quantize import BLOCK as MXFP8_BLOCK
 from ..common.gather import ROWS as GATHER_ROWS
 from ..common.gather import gather_row_block
 from ..common.ep import flag_words
@@ -122,7 +123,7 @@ class ExpertMlpSm90:
             # (combine_phase: fc2's epilogue combine would read a token's shared row, written by another
             # tile of the same launch, with nothing ordering the two)
             raise ValueError("shared_prefix: only with schedule_experts, has_shared and combine_phase, without ep_world")
-        if dispatch_format not in ("bf16", "mxfp8") or (dispatch_format == "mxfp8" and (ep_world is None or hidden % 32)):
+        if dispatch_format not in ("bf16", "mxfp8") or (dispatch_format == "mxfp8" and (ep_world is None or hidden % MXFP8_BLOCK)):
             raise ValueError(f"dispatch_format: expected 'bf16', or 'mxfp8' with ep_world and H a multiple of 32; got {dispatch_format!r}")
         self.shared_prefix, self.mxfp8 = shared_prefix, dispatch_format == "mxfp8"
         self.ep_world, self.gather_phase = ep_world, gather_phase
@@ -487,7 +488,7 @@ class ExpertMlpSm90:
         scales = cute.recast_ptr(x_pub_ptr, dtype=cutlass.Uint8) + t_max * hid
         return (
             cute.make_tensor(elements, cute.make_layout((self.ep_world, t_max * hid), stride=(stride, 1))),
-            cute.make_tensor(scales, cute.make_layout((self.ep_world, t_max * (hid // 32)), stride=(stride, 1))),
+            cute.make_tensor(scales, cute.make_layout((self.ep_world, t_max * (hid // MXFP8_BLOCK)), stride=(stride, 1))),
         )
 
     @cute.jit
