@@ -46,7 +46,7 @@ from .config import DISPATCH_FORMATS
 from .fused_forward import check_tile_multiples, shared_expert_forward
 from .kernels import GRID_SYNC_WORDS, ep_variant, get_kernel
 from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, grid_sync_slot
-from .runtime.arch import check_fused_layer_device, device_arch
+from .runtime.arch import check_fused_layer_device, device_arch, has_persistent_gemms
 from .schedule import Schedule, worst_case_capacity
 from .validation import check_capacity_factor, check_moe_inputs, check_timeout
 
@@ -407,7 +407,9 @@ def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, 
         raise ValueError(f"x: expected a tensor on the workspace's device {ws.buffer.device}, got one on {x.device}")
     check_rows_aligned("x", x)
     if x.is_cuda:  # a Hopper GPU, and the current device (the kernels launch there)
-        check_fused_layer_device(x.device.index)
+        arch = check_fused_layer_device(x.device.index)
+        if not has_persistent_gemms(arch):
+            raise NotImplementedError(f"expert parallelism: not on {arch} yet (its exchanges run in Hopper's persistent GEMMs)")
     if ws.closed:
         raise RuntimeError("workspace: its symmetric memory was closed (close()); build a new one (mok.get_workspace)")
     return num_tokens, hidden, num_local, topk

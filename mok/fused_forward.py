@@ -18,6 +18,10 @@ that launch builds the schedule first (every CTA its part, then a grid barrier) 
 last (after a second grid barrier): the routed experts' whole forward is ONE launch (plus 2
 for a shared expert), the same bits again.
 
+On SM100 (``MOK_UNVERIFIED_SM100=1``; compile-verified, never run) the GEMMs run one tile per CTA
+and the rows are gathered first (``gather_first``); ``one_launch``, ``one_launch_mlp`` and
+``combine_in_gemm`` are Hopper's so far.
+
 Every kernel's configuration depends only on (H, I, E, k), so a token's output does not
 depend on the other tokens in the batch. With ``save_for_backward`` the gate/up GEMM also
 writes h = [x_rows·w_gateᵀ | x_rows·w_upᵀ] (bf16, [R, 2I], and [T, 2I_s] for the shared
@@ -36,7 +40,7 @@ import torch
 from . import ops
 from .kernels import check_tiled_widths
 from .reference import SharedExpert
-from .runtime.arch import check_fused_layer_device
+from .runtime.arch import check_fused_layer_device, has_persistent_gemms
 from .schedule import Schedule, shared_prefix_rows, worst_case_capacity
 from .validation import check_moe_inputs
 
@@ -169,7 +173,14 @@ def moe_forward(
         raise ValueError("gather_first: not with one_launch_mlp (its fc1 gathers the rows itself)")
     if isinstance(x, torch.Tensor) and x.device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
-    check_fused_layer_device(x.device.index)
+    arch = check_fused_layer_device(x.device.index)
+    if not has_persistent_gemms(arch):  # (SM100: GEMMs of one tile per CTA so far)
+        if one_launch or one_launch_mlp or combine_in_gemm:
+            raise NotImplementedError(
+                f"one_launch, one_launch_mlp, combine_in_gemm: not on {arch} yet (they are built on Hopper's persistent "
+                f"GEMMs); call moe_forward without them"
+            )
+        gather_first = True  # (the gathering gate/up GEMM is a persistent one)
     _, hidden, inter, num_experts, _ = check_moe_inputs(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
         dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True, check_range=check_routing,

@@ -13,7 +13,8 @@ from .kernels import (
     default_tile_n, grouped_gemm_variant, router_grad_variant, swiglu_backward_pingpong, weight_grad_pingpong, weight_grad_variant,
 )
 from .ops import (
-    BF16, _check_32bit, _check_launchable, _check_weights_launchable, _i32, _i64, _kernel, _ptr, _sm_count, _stream, launch_grouped_gemm,
+    BF16, _check_32bit, _check_launchable, _check_weights_launchable, _i32, _i64, _kernel, _persistent, _ptr, _sm_count, _stream,
+    launch_grouped_gemm,
 )
 from .validation import check_tensor
 
@@ -29,7 +30,7 @@ def swiglu_backward_gemm(
     row_token: torch.Tensor | None = None,
     row_slot: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None,
-    persistent: bool = True,
+    persistent: bool | None = None,
     skip_padding: bool = False,
     pingpong: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -43,7 +44,8 @@ def swiglu_backward_gemm(
     (:func:`router_grad` adds them up). row_token/row_slot [R] int32 and topk_w [T, k] fp32
     give s (0 for padding rows); all None for the shared expert (s = 1, partial is None).
     Rows of tiles with tile_expert -1 are left unwritten. ``persistent=False``: the
-    one-tile-per-CTA kernel (the same results, bit for bit). ``skip_padding`` (with row_token,
+    one-tile-per-CTA kernel (the same results, bit for bit); None (default): persistent where the
+    GPU has that kernel (Hopper), else one tile per CTA (SM100, compile-verified, never run). ``skip_padding`` (with row_token,
     persistent): 64-row halves of a tile that are all padding issue no WGMMA (see ops.grouped_gemm).
     ``pingpong`` (persistent, no skip_padding; the default there): the two MMA warpgroups take
     whole tiles in turn, one's epilogue under the other's WGMMAs (the same bits; 16% faster at
@@ -52,6 +54,7 @@ def swiglu_backward_gemm(
     check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, hidden = dout_rows.shape
     dev = dout_rows.device
+    persistent = _persistent(dev) if persistent is None else persistent
     check_tensor("w_down", w_down, dtypes=BF16, ndim=3, device=dev, contiguous=True)
     num_experts, _, inter = w_down.shape
     check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
@@ -106,7 +109,7 @@ def weight_grad(
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
-    persistent: bool = True,
+    persistent: bool | None = None,
     tile_n: int = 128,
     pingpong: bool | None = None,
     split_out: bool = False,
@@ -121,7 +124,8 @@ def weight_grad(
     rows are skipped, not multiplied (the same bits: they would add zeros). out:
     [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
     (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0. ``persistent=False``
-    selects the one-tile-per-CTA kernel (the same bits). ``tile_n``: the output tile's columns,
+    selects the one-tile-per-CTA kernel (the same bits); None (default): persistent where the GPU
+    has that kernel (Hopper), else one tile per CTA (SM100, compile-verified, never run). ``tile_n``: the output tile's columns,
     128 or 256 (N % tile_n == 0); a wider tile reads each expert's A rows half as often.
     ``pingpong`` (persistent, 128-wide tiles; the default there): the two MMA warpgroups take
     whole tiles in turn, so that one's epilogue runs under the other's mainloop (the same bits).
@@ -133,6 +137,7 @@ def weight_grad(
     check_tensor("a", a, dtypes=BF16, ndim=2)
     num_rows, m = a.shape
     dev = a.device
+    persistent = _persistent(dev) if persistent is None else persistent
     if num_rows and (a.stride(1) != 1 or a.stride(0) < m or a.stride(0) % 8):  # (empty views have any strides)
         raise ValueError(f"a: expected unit column stride and a row stride >= {m} that is a multiple of 8, got strides {a.stride()}")
     check_tensor("b", b, dtypes=BF16, ndim=2, device=dev, contiguous=True)

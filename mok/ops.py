@@ -19,7 +19,7 @@ from .kernels import (
 )
 from .mxfp8 import BLOCK as MXFP8_BLOCK, check_blocked
 from .schedule import Schedule, check_schedule, check_schedule_args, shared_prefix_rows, worst_case_capacity
-from .runtime.arch import device_arch
+from .runtime.arch import device_arch, has_persistent_gemms
 from .runtime.launch import i32 as _i32, i64 as _i64, ptr as _ptr, stream as _stream
 from .validation import check_tensor, check_timeout
 
@@ -68,6 +68,12 @@ def _bf16_out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.de
 
 def _kernel(variant, device: torch.device):
     return get_kernel(variant, _arch_of(device.index))
+
+
+def _persistent(device: torch.device) -> bool:
+    """The default kernel kind: persistent where the GPU has persistent GEMMs (Hopper; and where no
+    GPU is involved, so that the argument checks read as they always did)."""
+    return device.type != "cuda" or has_persistent_gemms(_arch_of(device.index))
 
 
 @functools.cache
@@ -310,7 +316,7 @@ def grouped_gemm(
     k_split: bool = False,
     tile_n: int | None = None,
     stages: int | None = None,
-    persistent: bool = True,
+    persistent: bool | None = None,
     gather: torch.Tensor | None = None,
     gather_ranks: tuple[int, int] | None = None,
     skip_padding: torch.Tensor | None = None,
@@ -326,10 +332,12 @@ def grouped_gemm(
     SwiGLU, out = silu(a·B)⊙(a·B2), and ``h_out`` [R, 2N] (optional) receives the pre-activations
     [a·B | a·B2] for the backward; or, with ``k_split``, b and b2 hold the two halves of K
     (b, b2 [E, K/2, N]: out = a[:, :K/2]·b + a[:, K/2:]·b2). out: [R, N] bf16.
-    Needs N % 128 == 0 and K % 64 == 0 (K % 128 with ``k_split``); Hopper (sm_90a) only so
-    far. ``tile_n`` overrides the column tile (64, 128 or 256 dividing N; default from the
-    static shape), ``stages`` the shared-memory pipeline depth (default: as deep as fits),
-    ``persistent=False`` selects the one-tile-per-CTA kernel (same results, bit for bit).
+    Needs N % 128 == 0 and K % 64 == 0 (K % 128 with ``k_split``). ``tile_n`` overrides the
+    column tile (64, 128 or 256 dividing N; default from the static shape), ``stages`` the
+    shared-memory pipeline depth (default: as deep as fits), ``persistent=False`` selects the
+    one-tile-per-CTA kernel (same results, bit for bit); None (default): the persistent kernel
+    where the GPU has one (Hopper), else the one-tile kernel (SM100: the only one so far, and
+    without ``gather``, ``skip_padding`` and ``pull``; compile-verified, never run).
     ``gather`` [R] int32 (the schedule's row_token): A is not materialised; a is the token
     matrix x [T, K] and row r of A is x[gather[r]], or zeros where gather[r] < 0 (each
     entry must be < T: the schedule guarantees it; nothing here reads it back).
@@ -352,6 +360,7 @@ def grouped_gemm(
     """
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_rows, k = a.shape
+    persistent = _persistent(a.device) if persistent is None else persistent
     pull_src = pull_counters = None
     if pull is not None:
         pull_src, pull_ranks, pull_tokens, pull_counters = pull

@@ -10,8 +10,15 @@ def _supported_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+def _blackwell_gpu() -> bool:
+    """SM100 / SM103: the tests of the Blackwell kernels written so far (none has run here: no such GPU)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() in ((10, 0), (10, 3))
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_ok = _supported_gpu()
+    blackwell_ok = _blackwell_gpu()
+    skip_blackwell = pytest.mark.skip(reason="needs a Blackwell (sm_100a / sm_103a) CUDA GPU")
     gpus = torch.cuda.device_count() if gpu_ok else 0
     skip_gpu = pytest.mark.skip(reason="needs an SM90 (Hopper) CUDA GPU")
     skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
@@ -20,6 +27,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(skip_multi)
+        if "sm100" in item.keywords and not blackwell_ok:
+            item.add_marker(skip_blackwell)
 
 
 @pytest.fixture

@@ -71,6 +71,11 @@ CASES = [
 
 @pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", CASES)
 def test_backward_matches_autograd(T, H, I, E, k, shared_inter, routing):
+    check_backward_against_autograd(T, H, I, E, k, shared_inter, routing)
+
+
+def check_backward_against_autograd(T, H, I, E, k, shared_inter, routing):
+    """The fused forward + backward's gradients against autograd of the fp32 reference (tests/test_sm100_gpu.py too)."""
     seed = T + E + 7
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=seed, routing=routing)
     dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).bfloat16()
@@ -499,4 +504,54 @@ def test_precompiled_variants_are_the_ones_a_training_step_launches():
     finally:
         del cache.loaded
     listed = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(512, 256, 8, 4, shared_intermediate=256))}
+    assert looked_up and looked_up <= listed, sorted(looked_up - listed)
+
+
+def take_the_one_tile_path(monkeypatch):
+    """Make the layer run as it does on SM100 (where only the one-tile-per-CTA GEMMs exist so far):
+    rows gathered first, every GEMM one tile per CTA."""
+    import mok.fused_forward
+
+    for module in (ops, grad_ops):
+        monkeypatch.setattr(module, "_persistent", lambda device: False)
+    monkeypatch.setattr(mok.fused_forward, "has_persistent_gemms", lambda arch: False)
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [(1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert")])
+def test_the_one_tile_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, I, E, k, shared_inter, routing, monkeypatch):
+    """On Hopper, the forward and backward run the way they run on SM100 (gather first, one tile per
+    CTA everywhere, fp32 main_grads too) give the default path's bits: the path's plumbing is right
+    whatever the GEMMs underneath, and it looks up only kernels `precompile --arch sm_100a` builds."""
+    from mok.config import MoKConfig
+    from mok.kernels import variants_for
+    from mok.runtime.cache import default_cache
+
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 3, routing=routing)
+    dout = torch.randn_like(x)
+    mains = [torch.randn(t.shape, device="cuda") for t in (*experts, *(shared or ()))]
+
+    def run():
+        grads = [m.clone() for m in mains]
+        out, got = fused(x, idx, w, experts, shared, dout, main_grads=tuple(grads))
+        plain = fused(x, idx, w, experts, shared, dout)
+        return [out, *flat(got), plain[0], *flat(plain[1])]
+
+    want = run()
+    cache, looked_up = default_cache(), set()
+    lookup = cache.loaded
+
+    def recording(name, config, arch):
+        looked_up.add((name, tuple(sorted(config.items()))))
+        return lookup(name, config, arch)
+
+    take_the_one_tile_path(monkeypatch)
+    cache.loaded = recording
+    try:
+        got = run()
+        torch.cuda.synchronize()
+    finally:
+        del cache.loaded
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    configs = [MoKConfig(H, I, E, k, shared_intermediate=shared_inter, fuse_wgrad_accumulation=fuse) for fuse in (False, True)]
+    listed = {(v.name, tuple(sorted(v.config.items()))) for c in configs for v in variants_for(c, "sm_100a")}
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)

@@ -9,7 +9,9 @@ import tempfile
 import pytest
 
 from mok.config import DEFAULT_CONFIG, MoKConfig
-from mok.kernels import combine_variant, compiled_ptx, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant, variants_for
+from mok.kernels import (
+    combine_variant, compiled_ptx, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant, variants_for, weight_grad_variant,
+)
 
 
 def count(pattern, text):
@@ -120,6 +122,74 @@ def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu, persistent):
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx) >= 1  # TMA store epilogue
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert (count(r"ex2\.approx", ptx) > 0) == swiglu
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize(
+    "n,k,epilogue,b_major,k_split",
+    [(2048, 7168, "swiglu", "k", False), (768, 2048, "swiglu_save", "k", False), (7168, 2048, "plain", "k", False),
+     (2048, 1536, "plain", "n", True), (768, 2048, "swiglu_bwd", "n", False)],
+)  # the forward's gate/up (with h) and down projections; the backward's dx and SwiGLU backward
+def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, epilogue, b_major, k_split):
+    """The Blackwell grouped GEMM (compile-verified only): tcgen05 MMAs into tensor memory fed by TMA,
+    the accumulators read back with tcgen05.ld (and its wait) once per accumulator and subtile loop,
+    16-byte stores (and loads of h for the SwiGLU backward); no Hopper or warp-level MMA, no spills."""
+    variant = grouped_gemm_variant(n, k, epilogue=epilogue, b_major=b_major, k_split=k_split, topk=8, persistent=False)
+    ptx = compiled_ptx(variant, arch)
+    assert f".target {arch}" in ptx
+    accumulators = 2 if epilogue in ("swiglu", "swiglu_save") else 1
+    k_blocks = 4  # 64-deep shared-memory stage / 16-deep bf16 MMA
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == k_blocks * accumulators
+    assert count(r"tcgen05\.commit\.cta_group::1", ptx) == 2  # a stage's MMAs done; the tile's last MMA done
+    assert count(r"tcgen05\.alloc\.", ptx) == 1 and count(r"tcgen05\.dealloc\.", ptx) == 1
+    assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == accumulators
+    assert count(r"tcgen05\.wait::ld", ptx) == 1
+    # TMA loads of A and B (B2), in the fill loop and the steady-state loop
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 2 * (1 + accumulators)
+    stores = 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)  # 32 bf16 columns of a row: four 16-byte stores a tensor
+    assert count(r"st\.global\.v4\.b32", ptx) == stores
+    assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row
+    assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # h_gate, h_up
+    assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert (count(r"ex2\.approx", ptx) > 0) == (epilogue != "plain")
+    spills = ptxas_spill_bytes(ptx, arch)
+    assert spills in (None, 0)
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize(
+    "m,n,options",
+    [(7168, 2048, dict()), (4096, 7168, dict(split_out=True)), (4096, 7168, dict(out_dtype="f32", accumulate=True, split_out=True)),
+     (2048, 7168, dict(out_dtype="f32", accumulate=True, a_stride=4096)), (2048, 7168, dict(out_dtype="f32"))],
+)  # dW_down, [dW_gate; dW_up] in one launch (fresh bf16, or added into fp32 main_grads), one half of dh, fresh fp32
+def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m, n, options):
+    """The Blackwell weight-gradient GEMM (compile-verified only): tcgen05 MMAs fed by TMA, the
+    accumulator read back once per subtile loop, 16-byte stores (and loads, adding into fp32); no
+    Hopper or warp-level MMA, no atomics, no spills."""
+    ptx = compiled_ptx(weight_grad_variant(m, n, persistent=False, **options), arch)
+    assert f".target {arch}" in ptx
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 4
+    assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == 1 and count(r"tcgen05\.wait::ld", ptx) == 1
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 4  # A and B, fill and steady-state loops
+    f32 = options.get("out_dtype") == "f32"
+    stores = count(r"st\.global\.v2\.b64", ptx) if f32 else count(r"st\.global\.v4\.b32", ptx)
+    assert stores == (8 if f32 else 4) and count(r"st\.global", ptx) == stores  # 32 columns of a row, 16 bytes at a time
+    assert count(r"ld\.global\.v2\.b64", ptx) == (8 if options.get("accumulate") else 0)
+    assert count(r"\batom\.|\bred\.", ptx) == 0
+    assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert ptxas_spill_bytes(ptx, arch) in (None, 0)
+
+
+def test_sm100_weight_grad_refuses_the_persistent_kernel_it_does_not_have_yet():
+    with pytest.raises(NotImplementedError, match=r"weight-gradient GEMM on sm_100a: persistent not written yet"):
+        compiled_ptx(weight_grad_variant(7168, 2048), "sm_100a")
+
+
+@pytest.mark.parametrize("options", [dict(), dict(gather_a=True), dict(skip_padding=True), dict(combine=True, topk=8)])
+def test_sm100_grouped_gemm_refuses_the_variants_it_does_not_have_yet(options):
+    options = {"epilogue": "swiglu_save", **options}
+    with pytest.raises(NotImplementedError, match=r"grouped GEMM on sm_100a: .*not written yet"):
+        compiled_ptx(grouped_gemm_variant(768, 2048, **options), "sm_100a")
 
 
 @pytest.mark.parametrize("n,k,epilogue", [(2048, 7168, "swiglu_save"), (768, 2048, "swiglu")])

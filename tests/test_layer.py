@@ -154,6 +154,22 @@ def test_unsupported_gpu_arch_names_the_supported_ones(monkeypatch):
         arch.check_fused_layer_device(0)
 
 
+def test_sm100_runs_the_layer_only_when_asked_to_and_says_why(monkeypatch):
+    """SM100's GEMMs are compile-verified, never run: the layer refuses them unless MOK_UNVERIFIED_SM100=1."""
+    from mok.runtime import arch
+
+    monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_100a")
+    monkeypatch.delenv("MOK_UNVERIFIED_SM100", raising=False)
+    with pytest.raises(RuntimeError, match=r"this GPU is sm_100a: .*never run on an SM100 GPU; set MOK_UNVERIFIED_SM100=1"):
+        arch.check_fused_layer_device()
+    monkeypatch.setenv("MOK_UNVERIFIED_SM100", "1")
+    assert arch.check_fused_layer_device() == "sm_100a"
+    assert not arch.has_persistent_gemms("sm_100a") and arch.has_persistent_gemms("sm_90a")
+    monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_120a")  # (no kernels at all: refused either way)
+    with pytest.raises(RuntimeError, match=r"this GPU is sm_120a \(its grouped GEMMs are not written yet"):
+        arch.check_fused_layer_device()
+
+
 def test_fused_layer_refuses_a_device_that_is_not_the_current_one(monkeypatch):
     """MoK's kernels launch on the current device with the tensors' device's stream: a layer on
     cuda:1 called while cuda:0 is current gets a clear error, not a driver failure."""

@@ -149,7 +149,9 @@ def grouped_gemm_variant(
     pull_a: bool = False,
     pingpong: bool = False,
 ) -> KernelVariant:
-    """Expert-grouped GEMM (sm_90a: WGMMA + TMA); see mok/kernels/sm90/grouped_gemm.py.
+    """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
+    tcgen05, mok/kernels/sm100/grouped_gemm.py, with ``persistent=False`` and the plain and forward
+    SwiGLU epilogues only so far, compile-verified, never run).
 
     ``epilogue``: plain, swiglu, swiglu_save (also writes h) or swiglu_bwd (SwiGLU backward
     with the router-weight gradient's partial sums; needs ``topk``, or ``unit_scale`` for the
@@ -191,8 +193,10 @@ def grouped_gemm_variant(
         options["pingpong"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
-        if arch != "sm_90a":
-            raise NotImplementedError(f"grouped GEMM: only sm_90a has an implementation so far, not {arch}")
+        if arch in ("sm_100a", "sm_103a"):  # tcgen05: the one-tile-per-CTA variants so far (compile-verified only)
+            from .sm100.grouped_gemm import compile_grouped_gemm_sm100
+
+            return compile_grouped_gemm_sm100(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options)
         from .sm90.grouped_gemm import compile_grouped_gemm
 
         return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options)
@@ -265,7 +269,8 @@ def weight_grad_variant(
     m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
     persistent: bool = True, pingpong: bool | None = None, split_out: bool = False,
 ) -> KernelVariant:
-    """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA).
+    """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA;
+    sm_100a / sm_103a: tcgen05, ``persistent=False`` only so far, compile-verified, never run).
 
     ``persistent`` (default): one CTA per SM walks the output tiles, as in the grouped GEMM;
     ``pingpong`` (persistent, 128-wide tiles): its two MMA warpgroups take whole tiles in turn,
@@ -277,8 +282,13 @@ def weight_grad_variant(
     pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
 
     def build(arch: str, compile_options: str = "") -> Any:
-        if arch != "sm_90a":
-            raise NotImplementedError(f"weight-gradient GEMM: only sm_90a has an implementation so far, not {arch}")
+        if arch in ("sm_100a", "sm_103a"):  # tcgen05: the one-tile-per-CTA kernel so far (compile-verified only)
+            from .sm100.weight_grad_gemm import compile_weight_grad_sm100
+
+            return compile_weight_grad_sm100(
+                m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n, persistent=persistent,
+                pingpong=pingpong, split_out=split_out,
+            )
         from .sm90.weight_grad_gemm import compile_weight_grad
 
         return compile_weight_grad(
@@ -309,34 +319,39 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
 
 
 def expert_mlp_variants(
-    hidden: int, inter: int, topk: int, shared: bool = False, has_shared_expert: bool = False, main_grads: bool = False
+    hidden: int, inter: int, topk: int, shared: bool = False, has_shared_expert: bool = False, main_grads: bool = False,
+    persistent: bool = True,
 ) -> list[KernelVariant]:
-    """The GEMM variants of one SwiGLU expert MLP (routed, or the shared expert), forward and backward, on sm_90a.
+    """The GEMM variants of one SwiGLU expert MLP (routed, or the shared expert), forward and backward.
 
     ``has_shared_expert``: the routed experts' down projection adds a shared expert's output as it combines.
     ``main_grads``: also the weight gradients added into fp32 buffers (dW_gate and dW_up in one launch,
     or, when the two buffers lie too far apart for one TMA descriptor, one launch each).
+    ``persistent``: the persistent GEMMs (sm_90a), or the one-tile-per-CTA ones the layer runs on
+    sm_100a / sm_103a (rows gathered first, no combining down projection).
     """
+    gather = not shared and persistent
     variants = [
-        grouped_gemm_variant(inter, hidden, epilogue="swiglu", gather_a=not shared),
-        grouped_gemm_variant(inter, hidden, epilogue="swiglu_save", gather_a=not shared),
-        grouped_gemm_variant(hidden, inter),  # the shared expert's down projection, and EP's
-        grouped_gemm_variant(  # as grad_ops.swiglu_backward_gemm launches it for the layer (persistent, no skip_padding)
-            inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared,
-            pingpong=swiglu_backward_pingpong(True, False, default_tile_n(inter, hidden, True)),
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu", gather_a=gather, persistent=persistent),
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu_save", gather_a=gather, persistent=persistent),
+        grouped_gemm_variant(hidden, inter, persistent=persistent),  # the shared expert's down projection, and EP's
+        grouped_gemm_variant(  # as grad_ops.swiglu_backward_gemm launches it for the layer (no skip_padding)
+            inter, hidden, epilogue="swiglu_bwd", b_major="n", topk=topk, unit_scale=shared, persistent=persistent,
+            pingpong=swiglu_backward_pingpong(persistent, False, default_tile_n(inter, hidden, True)),
         ),
-        grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True),
-        weight_grad_variant(hidden, inter),
-        weight_grad_variant(2 * inter, hidden, split_out=True),  # dW_gate and dW_up in one launch over dh
+        grouped_gemm_variant(hidden, 2 * inter, b_major="n", k_split=True, persistent=persistent),
+        weight_grad_variant(hidden, inter, persistent=persistent),
+        weight_grad_variant(2 * inter, hidden, split_out=True, persistent=persistent),  # dW_gate and dW_up in one launch over dh
     ]
     if main_grads:
         variants += [
-            weight_grad_variant(hidden, inter, "f32", True),
-            weight_grad_variant(2 * inter, hidden, "f32", True, split_out=True),
-            weight_grad_variant(inter, hidden, "f32", True, a_stride=2 * inter),  # (a half of dh)
+            weight_grad_variant(hidden, inter, "f32", True, persistent=persistent),
+            weight_grad_variant(2 * inter, hidden, "f32", True, split_out=True, persistent=persistent),
+            weight_grad_variant(inter, hidden, "f32", True, a_stride=2 * inter, persistent=persistent),  # (a half of dh)
         ]
     if not shared:
-        variants.append(grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=has_shared_expert))
+        if persistent:
+            variants.append(grouped_gemm_variant(hidden, inter, combine=True, topk=topk, has_shared=has_shared_expert))
         variants.append(router_grad_variant(topk, inter // default_tile_n(inter, hidden, True)))  # (EP's backward)
     return variants
 
@@ -353,6 +368,8 @@ def check_tiled_widths(name: str, widths: Mapping[str, int]) -> None:
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:
     """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward:
     bf16 weight gradients, or fp32 ones added into main_grad buffers with ``fuse_wgrad_accumulation``).
+    On sm_100a / sm_103a the layer's GEMMs exist for one GPU without ``one_launch`` (one tile per
+    CTA); other configurations list the arch-neutral kernels only there.
     Widths the fused kernels do not tile (not multiples of 128) are refused."""
     h, i = config.hidden, config.intermediate
     shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
@@ -409,6 +426,13 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
                     )
                     for save_h in (False, True)
                 ]
+    elif config.ep_size == 1 and not config.one_launch:  # sm_100a / sm_103a: the single-GPU layer's one-tile GEMMs
+        main_grads = config.fuse_wgrad_accumulation
+        variants += expert_mlp_variants(h, i, config.topk, main_grads=main_grads, persistent=False)
+        if config.has_shared_expert:
+            variants += expert_mlp_variants(
+                h, config.shared_intermediate, config.topk, shared=True, main_grads=main_grads, persistent=False
+            )
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
     return list(unique.values())
 

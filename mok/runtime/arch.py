@@ -54,7 +54,21 @@ def device_arch(device: "int | None" = None) -> str | None:
     return _BY_CAPABILITY[capability]
 
 
-FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) has kernels today
+FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) has kernels that have run and been tested
+UNVERIFIED_ARCHS = ("sm_100a", "sm_103a")  # GEMMs written and compile-verified, never run (no SM100 GPU here)
+UNVERIFIED_ENV = "MOK_UNVERIFIED_SM100"  # "1": run the single-GPU layer on them anyway
+PERSISTENT_GEMM_ARCHS = ("sm_90a",)  # the persistent GEMMs and what builds on them (gathering, combining, one launch, EP)
+
+
+def has_persistent_gemms(arch: str | None) -> bool:
+    """Whether ``arch`` has the persistent, warp-specialised GEMM kernels (Hopper); elsewhere the
+    GEMMs run one tile per CTA and the variants built on the persistent ones do not exist yet."""
+    return arch in PERSISTENT_GEMM_ARCHS
+
+
+def fused_layer_archs() -> tuple[str, ...]:
+    """The targets the fused layer runs on: Hopper, and SM100/SM103 when ``MOK_UNVERIFIED_SM100=1``."""
+    return FUSED_LAYER_ARCHS + (UNVERIFIED_ARCHS if os.environ.get(UNVERIFIED_ENV) == "1" else ())
 
 
 def check_fused_layer_device(device: "int | None" = None) -> str:
@@ -63,10 +77,15 @@ def check_fused_layer_device(device: "int | None" = None) -> str:
     device, with the stream of the tensors' device: on another device that fails in the driver
     with no word of why)."""
     arch = device_arch(device)
-    if arch not in FUSED_LAYER_ARCHS:
+    if arch not in fused_layer_archs():
+        unverified = (
+            f": MoK's SM100 kernels are written and compile-verified but have never run on an SM100 GPU; set "
+            f"{UNVERIFIED_ENV}=1 to use them (one GPU, one tile per CTA, no one_launch), after `python -m pytest -q -m "
+            f"sm100` passes on this GPU." if arch in UNVERIFIED_ARCHS else ""
+        )
         raise RuntimeError(
             f"MoK's fused MoE layer runs on {', '.join(FUSED_LAYER_ARCHS)} (Hopper: H100/H200) so far; "
-            f"this GPU is {arch or 'not visible'} (its grouped GEMMs are not written yet for it)"
+            f"this GPU is {arch or 'not visible'}{unverified or ' (its grouped GEMMs are not written yet for it)'}"
         )
     if device is not None:
         import torch

@@ -1,3 +1,5 @@
-"""Blackwell (sm_100a/sm_103a) GEMMs on tcgen05 + TMEM: none written yet, so the fused layer
-raises on SM100. The arch-neutral kernels of mok/kernels/common compile for sm_100a (their PTX is
-checked in CI); no SM100 GPU has run anything here."""
+"""Blackwell (sm_100a / sm_103a) GEMMs on tcgen05 + tensor memory, one output tile per CTA: the
+grouped GEMM of the layer's forward and backward (grouped_gemm.py) and the per-expert weight
+gradients (weight_grad_gemm.py), on a shared TMA + tcgen05 pipeline (tcgen05_tile.py). Compiled
+and PTX-checked in CI; never run: no SM100 GPU was available to this project (see README).
+"""

@@ -87,6 +87,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.combine import VECTOR, combine_vector
+from ..common.row_weight import row_router_weight
 from ..common.swiglu import swiglu_backward_values, swiglu_value
 from ..common.waits import wait_at_least
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
@@ -798,22 +799,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 token = m_row_token[row]
         return token
 
-    @cute.jit
     def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
-        """Router weight of a buffer row: 1 for the shared expert (``unit_scale``, or a row of a
-        schedule's shared prefix: slot k), 0 for padding and rows past the end."""
-        s = cutlass.Float32(0.0)
-        if row < num_rows:
-            if cutlass.const_expr(self.unit_scale):
-                s = cutlass.Float32(1.0)
-            else:
-                token = m_row_token[row]
-                if token >= 0:
-                    slot = m_row_slot[row]
-                    s = cutlass.Float32(1.0)
-                    if slot < self.topk:
-                        s = m_topk_w[token * self.topk + slot]
-        return s
+        """Router weight of a buffer row (mok/kernels/common/row_weight.py)."""
+        return row_router_weight(row, num_rows, m_row_token, m_row_slot, m_topk_w, self.topk, self.unit_scale)
 
     @cute.jit
     def load_row_inputs(self, tidx, tiled_mma, tile_row, tile_col, row_args, num_rows):
@@ -1112,18 +1100,9 @@ def compile_grouped_gemm(
     pingpong: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
+    from ..common.gemm_args import grouped_gemm_compile_args
 
-    gmem = cute.AddressSpace.gmem
-    bf16_ptr = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
-    i32_ptr = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
-    args = (
-        bf16_ptr(), bf16_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), bf16_ptr(),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), i32_ptr(),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), i32_ptr(),
-        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
-        cutlass.Int64(1), make_fake_stream(),
-    )
+    args = grouped_gemm_compile_args()
     kernel = GroupedGemmSm90(
         n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
         persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,

@@ -42,6 +42,7 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.weight_grad_tiles import expert_tile, out_tile
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
@@ -280,20 +281,9 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
         self.store_acc(tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group, first_buf)
 
-    @cute.jit
     def out_tile(self, m_c, upper_first, expert, tile_row, tile_col):
-        """Output tile (tile row, tile column) of ``expert``'s gradient; with ``split_out`` a tile row
-        in M's second half lies in the second tensor (m_c's last mode: 1, or 0 when ``upper_first``)."""
-        if cutlass.const_expr(self.split_out):
-            rows_per_half = self.m // 2 // self.tile_shape_mnk[0]
-            half = tile_row // rows_per_half
-            g_c = cute.local_tile(
-                m_c[None, None, None, half ^ upper_first], self.tile_shape_mnk, (tile_row - half * rows_per_half, tile_col, None, expert),
-                proj=(1, 1, None),
-            )
-        else:
-            g_c = cute.local_tile(m_c, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(1, 1, None))
-        return g_c
+        """Output tile of ``expert``'s gradient (mok/kernels/common/weight_grad_tiles.py)."""
+        return out_tile(m_c, upper_first, expert, tile_row, tile_col, self.m, self.tile_shape_mnk, self.split_out)
 
     def tile_loads(self, load_args, s_a, s_b, tile_row, tile_col, row_start):
         """What ``load_stage`` needs for one output tile: TMA atoms, smem/gmem partitions, the expert's first k tile."""
@@ -303,25 +293,9 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         t_bs, t_bg = self.tma_split(tma_b, s_b, cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None)))
         return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)  # offsets: multiples of 128 (or 0)
 
-    @cute.jit
     def tile_of(self, linear, rows, num_rows):
-        """Output tile ``linear`` -> (expert, tile row, tile column, first row, k tiles); experts one after another.
-
-        ``rows`` = (offsets, counts, counted): expert e's rows run from offsets[e] to offsets[e + 1]
-        (and R), or, when ``counted``, only to the K tile that holds row offsets[e] + counts[e] - 1."""
-        m_off, m_cnt, counted = rows
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        tiles_per_expert = (self.m // tile_m) * (self.n // tile_n)
-        expert = linear // tiles_per_expert
-        tile_row, tile_col = self.grouped_tile(linear - expert * tiles_per_expert, self.m // tile_m, self.n // tile_n)
-        row_start = m_off[expert]
-        row_end = cutlass.min(m_off[expert + 1], num_rows)
-        if counted != 0:
-            row_end = cutlass.min(row_end, row_start + m_cnt[expert])
-        k_tiles = cutlass.Int32(0)
-        if row_end > row_start:
-            k_tiles = (row_end - row_start + TILE_K - 1) // TILE_K
-        return expert, tile_row, tile_col, row_start, k_tiles
+        """Output tile ``linear`` -> (expert, tile row, tile column, first row, k tiles) (mok/kernels/common/weight_grad_tiles.py)."""
+        return expert_tile(linear, rows, num_rows, self.m, self.n, self.tile_shape_mnk)
 
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):
@@ -340,23 +314,9 @@ def compile_weight_grad(
     tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
 ):
     """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
+    from ..common.gemm_args import weight_grad_compile_args
 
-    gmem = cute.AddressSpace.gmem
-    args = (
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        make_ptr(OUT_DTYPES[out_dtype], 0, gmem, assumed_align=16),
-        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
-        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
-        cutlass.Int32(0),
-        cutlass.Int32(128),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        cutlass.Int64(0),
-        cutlass.Int32(0),
-        make_fake_stream(),
-    )
+    args = weight_grad_compile_args(OUT_DTYPES[out_dtype])
     kernel = WeightGradGemmSm90(
         m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, persistent=persistent, pingpong=pingpong,
         split_out=split_out,

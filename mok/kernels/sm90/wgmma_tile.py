@@ -25,8 +25,9 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.tile_order import grouped_tile
+
 TILE_K = 64  # bf16: four 16-deep WGMMA k-blocks per shared-memory stage
-ROW_GROUP = 8  # row tiles per CTA group in the launch order (see grouped_tile)
 SMEM_BYTES = 227 * 1024
 THREADS = 256  # two consumer warpgroups; warp 0 also produces
 EPI_STAGES = 4
@@ -260,20 +261,9 @@ class WgmmaTileKernel:
             defer_sync=True,
         )
 
-    @cute.jit
     def grouped_tile(self, linear: cutlass.Int32, num_row_tiles: cutlass.Int32, col_tiles: cutlass.Constexpr):
-        """CTA -> (row tile, column tile), grouped for L2 reuse.
-
-        CTAs run in groups of ROW_GROUP row tiles; inside a group the row tile varies fastest,
-        then the column tile. The CTAs in flight then share a few A row tiles (read from HBM
-        once, then from L2 for every column tile) and the B tiles of one or two experts,
-        instead of sweeping all of A once per column tile.
-        """
-        group = linear // (ROW_GROUP * col_tiles)
-        first_row = group * ROW_GROUP
-        rows_here = cutlass.min(ROW_GROUP, num_row_tiles - first_row)  # the last group may be short
-        within = linear - group * ROW_GROUP * col_tiles
-        return first_row + within % rows_here, within // rows_here
+        """CTA -> (row tile, column tile), grouped for L2 reuse (mok/kernels/common/tile_order.py)."""
+        return grouped_tile(linear, num_row_tiles, col_tiles)
 
     @cute.jit
     def mainloop(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, warp_idx, loads):

@@ -1,0 +1,323 @@
+"""Expert-grouped GEMM for Blackwell (sm_100a / sm_103a): tcgen05 MMA into tensor memory, fed by TMA.
+
+    C[rows of tile m, :] = epilogue(A[rows of tile m, :] · B[e(m)])
+
+The same contract as the Hopper kernel (mok/kernels/sm90/grouped_gemm.py), for the variants it
+has so far: A [R, K] holds rows grouped by expert in 128-row tiles, ``tile_expert[m]`` names the
+expert of row tile m (or -1: the CTA leaves the tile unwritten), B is one weight matrix per expert,
+K-major [E, N, K] (C = A·Bᵀ) or N-major [E, K, N] (C = A·B), ``k_split`` takes K's second half
+from B2; epilogues ``plain``, ``swiglu`` (gate from B, up from B2: C = silu(gate)·up) and
+``swiglu_save`` (also h = [gate | up] [R, 2N]), every value rounded once from fp32 to bf16, the
+SwiGLU by mok/kernels/common/swiglu.py's code.
+
+One CTA per output tile (128 x tile_n), 128 threads. Warp 0 issues the TMA loads of A and B into
+a multistage shared-memory pipeline (``stages - 2`` K tiles ahead, so that refilling a stage never
+waits for the MMAs just issued) and the tcgen05 MMAs (128 x tile_n x 16, one CTA) onto fp32
+accumulators in tensor memory: one, or two for SwiGLU (gate in columns [0, tile_n), up in
+[tile_n, 2·tile_n)). Each MMA's completion frees its stage (tcgen05.commit onto the stage's empty
+barrier); the last one's signals the epilogue. Then the four warps read the accumulators
+(tcgen05.ld 32x32b: thread t holds row t of the tile, 32 columns at a time), apply the epilogue
+and store bf16 rows straight to global memory, rows past R not written.
+
+Determinism and batch invariance as on Hopper: one CTA owns each output tile, K is reduced in one
+fixed order (the MMA sequence), the tile shape comes from static shapes only. Results are not the
+Hopper kernel's bits (another MMA unit, another summation inside it).
+
+Status: compiled for sm_100a and sm_103a and its PTX checked (tests/test_kernels_ptx.py); never
+run: no SM100 GPU was available to this project. tests/test_sm100_gpu.py holds it to the float32
+reference on such a GPU.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+from ..common.row_weight import row_router_weight
+from ..common.swiglu import swiglu_backward_values, swiglu_value
+from ..common.tile_order import grouped_tile
+from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_M, Tcgen05TileKernel, pick_stages
+
+EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
+
+
+class GroupedGemmSm100(Tcgen05TileKernel):
+    """Static config: N, K, epilogue, B's major mode, K split, column tile, stages."""
+
+    def __init__(
+        self,
+        n: int,
+        k: int,
+        epilogue: str = "plain",
+        *,
+        b_major: str = "k",
+        k_split: bool = False,
+        topk: int = 1,
+        unit_scale: bool = False,
+        tile_n: int = 128,
+        stages: int | None = None,
+    ) -> None:
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
+        if b_major not in ("k", "n"):
+            raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
+        if tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
+        if n % tile_n:
+            raise ValueError(f"n: expected a multiple of the column tile {tile_n}, got {n}")
+        if k % (2 * TILE_K if k_split else TILE_K):
+            raise ValueError(f"k: expected a multiple of {2 * TILE_K if k_split else TILE_K}, got {k}")
+        if k_split and epilogue != "plain":
+            raise ValueError("k_split: only with the plain epilogue")
+        self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
+        self.topk, self.unit_scale = topk, unit_scale
+        self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
+        self.num_b = 2 if self.two_accumulators else 1
+        self.b_k = k // 2 if k_split else k  # K extent of each B tensor
+        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
+        self.ab_stage = pick_stages((TILE_M + self.num_b * tile_n) * TILE_K * 2, stages)
+
+    def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
+        """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
+        n, bk = self.n, self.b_k
+        stride = (bk, 1, n * bk) if self.b_major == "k" else (1, n, n * bk)
+        return cute.make_tensor(ptr, cute.make_layout((n, bk, num_experts), stride=stride))
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        b2_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        tile_expert_ptr: cute.Pointer,
+        h_ptr: cute.Pointer,
+        a_scaled_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        row_token_ptr: cute.Pointer,
+        row_slot_ptr: cute.Pointer,
+        topk_w_ptr: cute.Pointer,
+        slot_row_ptr: cute.Pointer,
+        shared_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        arrivals_ptr: cute.Pointer,
+        pull_src_ptr: cute.Pointer,
+        pull_counters_ptr: cute.Pointer,
+        num_rows: cutlass.Int32,
+        num_experts: cutlass.Int32,
+        num_tokens: cutlass.Int32,
+        max_ctas: cutlass.Int32,
+        rows_per_rank: cutlass.Int32,
+        rank_stride: cutlass.Int32,
+        timeout_ns: cutlass.Int64,
+        stream: cuda.CUstream,
+    ):
+        """The Hopper kernel's argument list (mok.ops.launch_grouped_gemm launches either); the
+        arguments of variants this kernel does not have yet are ignored."""
+        n, k = self.n, self.k
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        m_a = cute.make_tensor(a_ptr, cute.make_layout((num_rows, k, 1), stride=(k, 1, num_rows * k)))
+        m_b = self.b_tensor(b_ptr, num_experts)
+        m_b2 = self.b_tensor(b2_ptr, num_experts)
+        c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
+        m_c = cute.make_tensor(c_ptr, cute.make_layout((num_rows, c_cols), stride=(c_cols, 1)))
+        m_h = cute.make_tensor(h_ptr, cute.make_layout((num_rows, 2 * n), stride=(2 * n, 1)))
+        m_as = cute.make_tensor(a_scaled_ptr, cute.make_layout((num_rows, n), stride=(n, 1)))
+        m_part = cute.make_tensor(partial_ptr, cute.make_layout((num_rows, n // tile_n), stride=(n // tile_n, 1)))
+        m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
+        m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
+        m_topk_w = cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * self.topk,)))
+        row_args = (m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w)  # the epilogue's other inputs and outputs
+        num_row_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills, stores stop at R
+        m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
+
+        tiled_mma, a_smem, b_smem = self.make_mma("k", "k" if self.b_major == "k" else "mn")
+        loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, m_b, m_b2)  # [(atom, coordinates)] of A, B, B2
+        self.shared_storage_type = self.shared_storage(a_smem, b_smem)
+        all_tiles = num_row_tiles * (n // tile_n)
+        self.kernel(tiled_mma, a_smem, b_smem, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows).launch(
+            grid=[all_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        loads: tuple,
+        m_c: cute.Tensor,
+        row_args: tuple,
+        m_tiles: cute.Tensor,
+        num_row_tiles: cutlass.Int32,
+        num_rows: cutlass.Int32,
+    ):
+        """One CTA per output tile; ``loads`` = the TMA atoms and coordinate tensors of A, B and B2,
+        ``row_args`` the epilogue's row tensors (h, a_scaled, partial, row_token, row_slot, topk_w)."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        linear, _, _ = cute.arch.block_idx()
+        tile_row, tile_col = grouped_tile(linear, num_row_tiles, self.n // self.tile_shape_mnk[1])
+        expert = m_tiles[tile_row]
+        if expert >= 0:
+            if warp_idx == 0:
+                for atom, _ in loads:
+                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
+            stages, pipes, tmem, t_acc = self.setup(tiled_mma, a_smem, b_smem)
+            views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, expert)
+            self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, self.k // self.tile_shape_mnk[2])
+            tmem.relinquish_alloc_permit()
+            acc_full = pipes[3].wait_and_advance()
+            self.epilogue(tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows)
+            self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
+
+    def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, expert):
+        """The TMA partitions of this tile's operands, (atom, global by K tile, shared by stage) for
+        A, B and B2: what ``load_stage`` reads."""
+        tiler = self.tile_shape_mnk
+        thr_mma = tiled_mma.get_slice(0)
+        views = []
+        for (atom, coords), s_x, is_a, index in zip(loads, stages, (True, False, False), (tile_row, tile_col, tile_col)):
+            # global tiles (bM|bN, bK, RestM|RestN, RestK, RestL) as the MMA partitions them, then the TMA's view of them
+            if is_a:
+                g_x = thr_mma.partition_A(cute.local_tile(coords, cute.slice_(tiler, (None, 0, None)), (None, None, None)))
+            else:
+                g_x = thr_mma.partition_B(cute.local_tile(coords, cute.slice_(tiler, (0, None, None)), (None, None, None)))
+            s_part, g_part = cute.nvgpu.cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 3), cute.group_modes(g_x, 0, 3)
+            )
+            views.append((atom, g_part[(None, index, None, 0 if is_a else expert)], s_part))
+        return views
+
+    @cute.jit
+    def load_stage(self, empty, views):
+        """TMA-load K tile ``empty.count`` of A and B (and B2; k_split: B or B2) into stage ``empty.index``."""
+        (tma_a, g_a, s_a), (tma_b, g_b, s_b), (tma_b2, g_b2, s_b2) = views
+        k_tile = empty.count
+        cute.copy(tma_a, g_a[(None, k_tile)], s_a[(None, empty.index)], tma_bar_ptr=empty.barrier)
+        if cutlass.const_expr(self.k_split):
+            half = self.b_k // self.tile_shape_mnk[2]
+            if k_tile < half:
+                cute.copy(tma_b, g_b[(None, k_tile)], s_b[(None, empty.index)], tma_bar_ptr=empty.barrier)
+            else:
+                cute.copy(tma_b2, g_b2[(None, k_tile - half)], s_b[(None, empty.index)], tma_bar_ptr=empty.barrier)
+        else:
+            cute.copy(tma_b, g_b[(None, k_tile)], s_b[(None, empty.index)], tma_bar_ptr=empty.barrier)
+            if cutlass.const_expr(self.num_b == 2):
+                cute.copy(tma_b2, g_b2[(None, k_tile)], s_b2[(None, empty.index)], tma_bar_ptr=empty.barrier)
+
+    @cute.jit
+    def epilogue(self, tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows):
+        """Tensor memory -> registers (32 columns of one row per thread at a time) -> epilogue math
+        -> bf16 -> global memory; a thread whose row is past R stores nothing."""
+        m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = row_args
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        t2r, thr, src, src2 = self.accumulator_reader(tidx, t_acc)
+
+        def thread_view(tensor, col_tile):  # this thread's part of a [128, tile_n] tile, by subtile
+            return self.thread_view(thr, cute.local_tile(tensor, (tile_m, tile_n), (tile_row, col_tile)))
+
+        col_tiles = self.n // tile_n
+        dst = thread_view(m_c, tile_col)
+        second = tile_col + col_tiles  # h_up's (swiglu_save) or dh_up's (swiglu_bwd) columns: [N, 2N)
+        dst_gate = thread_view(m_h, tile_col)  # swiglu_save: h written; swiglu_bwd: h read
+        dst_up = thread_view(m_h, second)
+        dst2 = thread_view(m_c, second)
+        dst_as = thread_view(m_as, tile_col)
+        coords = thread_view(cute.make_identity_tensor((num_rows, self.n)), tile_col)
+        row = coords[0][0]  # 32x32b: all of a thread's values lie in one row
+        row_ok = row < num_rows
+
+        r_acc = cute.make_rmem_tensor(dst[(None, None, None, 0, 0)].shape, cutlass.Float32)
+        r_acc2 = cute.make_rmem_tensor(r_acc.shape, cutlass.Float32)
+        r_x = cute.make_rmem_tensor(r_acc.shape, cutlass.Float32)
+        r_out = cute.make_rmem_tensor(r_acc.shape, cutlass.BFloat16)
+        r_gate = cute.make_rmem_tensor(r_acc.shape, cutlass.BFloat16)
+        r_up = cute.make_rmem_tensor(r_acc.shape, cutlass.BFloat16)
+        s = cutlass.Float32(0.0)
+        if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+            s = self.row_scale(row, num_rows, m_row_token, m_row_slot, m_topk_w)
+            r_gate.fill(0.0)  # (rows past R: zeros, nothing stored)
+            r_up.fill(0.0)
+        row_sum = cutlass.Float32(0.0)
+        for sub in cutlass.range(tile_n // EPI_COLS, unroll=1):
+            if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+                if row_ok:  # the saved h of these columns, loaded while the accumulator comes out of tensor memory
+                    cute.autovec_copy(dst_gate[(None, None, None, 0, sub)], r_gate)
+                    cute.autovec_copy(dst_up[(None, None, None, 0, sub)], r_up)
+            cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
+            if cutlass.const_expr(self.two_accumulators):
+                cute.copy(t2r, src2[(None, None, None, 0, sub)], r_acc2)
+            cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld: the loaded registers are ready
+            if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+                for v in cutlass.range_constexpr(cute.size(r_acc)):  # dA_u (unscaled) -> dh_gate, dh_up, s·a; Σ dA_u·a in column order
+                    d_a = r_acc[v]
+                    r_acc[v], r_acc2[v], r_x[v], a_val = swiglu_backward_values(
+                        d_a, s, r_gate[v].to(cutlass.Float32), r_up[v].to(cutlass.Float32)
+                    )
+                    row_sum = cute.math.fma(d_a, a_val, row_sum)
+                if row_ok:
+                    r_out.store(r_acc2.load().to(cutlass.BFloat16))
+                    cute.autovec_copy(r_out, dst2[(None, None, None, 0, sub)])
+                    r_out.store(r_x.load().to(cutlass.BFloat16))
+                    cute.autovec_copy(r_out, dst_as[(None, None, None, 0, sub)])
+            if cutlass.const_expr(self.two_accumulators):
+                if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):
+                    if row_ok:
+                        r_out.store(r_acc.load().to(cutlass.BFloat16))
+                        cute.autovec_copy(r_out, dst_gate[(None, None, None, 0, sub)])
+                        r_out.store(r_acc2.load().to(cutlass.BFloat16))
+                        cute.autovec_copy(r_out, dst_up[(None, None, None, 0, sub)])
+                for v in cutlass.range_constexpr(cute.size(r_acc)):  # a = silu(gate)·up, value by value
+                    r_acc[v] = swiglu_value(r_acc[v], r_acc2[v])
+            if row_ok:
+                r_out.store(r_acc.load().to(cutlass.BFloat16))
+                cute.autovec_copy(r_out, dst[(None, None, None, 0, sub)])
+        if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
+            if row_ok:  # the router-weight gradient's piece of this row and column tile
+                m_part[row, tile_col] = row_sum
+
+    def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
+        """Router weight of a buffer row (mok/kernels/common/row_weight.py)."""
+        return row_router_weight(row, num_rows, m_row_token, m_row_slot, m_topk_w, self.topk, self.unit_scale)
+
+
+SM90_ONLY_OPTIONS = ("gather_a", "gather_ranks", "combine", "has_shared", "scatter", "skip_padding", "pull_a", "pingpong")
+
+
+def compile_grouped_gemm_sm100(
+    n: int,
+    k: int,
+    arch: str,
+    options: str = "",
+    *,
+    epilogue: str = "plain",
+    b_major: str = "k",
+    k_split: bool = False,
+    topk: int = 1,
+    unit_scale: bool = False,
+    tile_n: int = 128,
+    stages: int | None = None,
+    persistent: bool = False,
+    **hopper_options: bool,
+):
+    """Compile for ``arch`` (sm_100a or sm_103a) without tensors, with the Hopper kernel's runtime
+    arguments; the variants only the Hopper kernel has so far raise NotImplementedError, naming them."""
+    from ..common.gemm_args import grouped_gemm_compile_args
+
+    missing = [name for name in SM90_ONLY_OPTIONS if hopper_options.get(name)]
+    if persistent:
+        missing.insert(0, "persistent")
+    unknown = set(hopper_options) - set(SM90_ONLY_OPTIONS)
+    if unknown:
+        raise TypeError(f"grouped GEMM options: unknown {sorted(unknown)}")
+    if missing:
+        raise NotImplementedError(
+            f"grouped GEMM on {arch}: {', '.join(missing)} not written yet (sm_100a has the one-tile-per-CTA kernel with the "
+            f"plain, swiglu, swiglu_save and swiglu_bwd epilogues, K- or N-major B, k_split: pass persistent=False)"
+        )
+    kernel = GroupedGemmSm100(
+        n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages
+    )
+    return cute.compile(kernel, *grouped_gemm_compile_args(), options=f"--gpu-arch {arch} {options}".strip())

@@ -1,0 +1,197 @@
+"""Per-expert weight gradients for Blackwell (sm_100a / sm_103a): a K-grouped tcgen05 GEMM over the
+expert-grouped rows, accumulating in tensor memory.
+
+    out[e] (+)= A[rows of e]ᵀ · B[rows of e]        out [E, M, N], A [R, M] (row stride >= M), B [R, N]
+
+The Hopper kernel's contract (mok/kernels/sm90/weight_grad_gemm.py): expert e's rows are
+``offsets[e] .. offsets[e + 1]`` (padding rows zero in both operands), cut at the K tile holding
+its last counted row when ``counted``; both operands are read MN-major (the rows are the
+reduction dimension) by TMA; one CTA owns one output tile of one expert (the same tile order,
+common/weight_grad_tiles.py) and reduces the expert's rows in increasing order, so the result is
+the same on every run and for every batch holding the same rows. An expert with no rows gets
+zeros (accumulating: its gradient is left as it was). ``accumulate`` adds into an existing fp32
+tensor (each element read, added to and written back by the one thread that owns it: the same
+single fp32 addition as the Hopper kernel's TMA reduce-add); ``split_out`` writes the two halves
+of M into two tensors [E, M/2, N] ``half_stride`` elements apart (``upper_first``: the second
+lies lower), as there.
+
+One CTA of four warps per output tile (128 x tile_n): mok/kernels/sm100/tcgen05_tile.py's
+pipeline, then each thread converts (or adds) its row of the tile, 32 columns at a time, with
+16-byte accesses. Compiled for sm_100a / sm_103a and its PTX checked (tests/test_kernels_ptx.py);
+never run: no SM100 GPU was available to this project (tests/test_sm100_gpu.py is for one).
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+from ..common.weight_grad_tiles import expert_tile, out_tile
+from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_M, Tcgen05TileKernel, pick_stages
+
+OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
+
+
+class WeightGradGemmSm100(Tcgen05TileKernel):
+    """Static config: M, N, output dtype, accumulate, A's row stride, column tile, split_out, stages."""
+
+    def __init__(
+        self,
+        m: int,
+        n: int,
+        out_dtype: str = "bf16",
+        accumulate: bool = False,
+        *,
+        a_stride: int | None = None,
+        tile_n: int = 128,
+        stages: int | None = None,
+        split_out: bool = False,
+    ) -> None:
+        if out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype: expected one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
+        if accumulate and out_dtype != "f32":
+            raise ValueError("accumulate: only into fp32 gradients")
+        if tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
+        if m % TILE_M or n % tile_n:
+            raise ValueError(f"(m, n): expected multiples of the tile ({TILE_M}, {tile_n}), got ({m}, {n})")
+        if split_out and m % (2 * TILE_M):
+            raise ValueError(f"split_out: expected m a multiple of {2 * TILE_M} (each half whole tiles), got {m}")
+        a_stride = m if a_stride is None else a_stride
+        if a_stride < m or a_stride % 8:
+            raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
+        self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
+        self.split_out = split_out
+        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
+        self.ab_stage = pick_stages((TILE_M + tile_n) * TILE_K * 2, stages)
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer,
+        counts_ptr: cute.Pointer,
+        counted: cutlass.Int32,
+        num_rows: cutlass.Int32,
+        num_experts: cutlass.Int32,
+        max_ctas: cutlass.Int32,
+        half_stride: cutlass.Int64,
+        upper_first: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """The Hopper kernel's argument list (mok.grad_ops.weight_grad launches either)."""
+        m, n = self.m, self.n
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        # (MN, K = rows, 1): both operands MN-major
+        m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows, 1), stride=(1, self.a_stride, self.a_stride * num_rows)))
+        m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows, 1), stride=(1, n, n * num_rows)))
+        if cutlass.const_expr(self.split_out):  # [E, m/2, n] twice, half_stride elements apart (16-byte multiples: grad_ops checks)
+            half_stride = cute.assume(half_stride, divby=16 // (OUT_DTYPES[self.out_dtype].width // 8))
+            m_c = cute.make_tensor(out_ptr, cute.make_layout((m // 2, n, num_experts, 2), stride=(n, 1, m // 2 * n, half_stride)))
+        else:
+            m_c = cute.make_tensor(out_ptr, cute.make_layout((m, n, num_experts), stride=(n, 1, m * n)))
+        m_off = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
+        m_cnt = cute.make_tensor(counts_ptr, cute.make_layout((num_experts,)))
+        rows = (m_off, m_cnt, counted)  # where each expert's rows start and end (common/weight_grad_tiles.py)
+
+        tiled_mma, a_smem, b_smem = self.make_mma("mn", "mn")
+        loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, m_b)
+        self.shared_storage_type = self.shared_storage(a_smem, b_smem)
+        all_tiles = num_experts * (m // tile_m) * (n // tile_n)
+        self.kernel(tiled_mma, a_smem, b_smem, loads, m_c, upper_first, rows, num_rows).launch(
+            grid=[all_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        loads: tuple,
+        m_c: cute.Tensor,
+        upper_first: cutlass.Int32,
+        rows: tuple,
+        num_rows: cutlass.Int32,
+    ):
+        """One CTA per output tile of one expert; ``loads``: the TMA atoms and coordinate tensors of A and B."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        linear, _, _ = cute.arch.block_idx()
+        expert, tile_row, tile_col, row_start, k_tiles = expert_tile(linear, rows, num_rows, self.m, self.n, self.tile_shape_mnk)
+        if warp_idx == 0:
+            for atom, _ in loads:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+        stages, pipes, tmem, t_acc = self.setup(tiled_mma, a_smem, b_smem)
+        views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, row_start // TILE_K)  # offsets: multiples of 128
+        self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles)
+        tmem.relinquish_alloc_permit()
+        acc_full = pipes[3].wait_and_advance()
+        g_c = out_tile(m_c, upper_first, expert, tile_row, tile_col, self.m, self.tile_shape_mnk, self.split_out)
+        self.epilogue(tidx, t_acc, g_c, k_tiles > 0)
+        self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
+
+    def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, k_first):
+        """(atom, global by K tile from the expert's first, shared by stage) for A and B: what
+        ``load_stage`` reads."""
+        tiler = self.tile_shape_mnk
+        thr_mma = tiled_mma.get_slice(0)
+        (tma_a, t_a), (tma_b, t_b) = loads
+        g_a = thr_mma.partition_A(cute.local_tile(t_a, cute.slice_(tiler, (None, 0, None)), (None, None, None)))
+        g_b = thr_mma.partition_B(cute.local_tile(t_b, cute.slice_(tiler, (0, None, None)), (None, None, None)))
+        s_as, g_as = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(stages[0], 0, 3),
+                                                      cute.group_modes(g_a, 0, 3))
+        s_bs, g_bs = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(stages[1], 0, 3),
+                                                      cute.group_modes(g_b, 0, 3))
+        return (tma_a, g_as[(None, tile_row, None, 0)], s_as), (tma_b, g_bs[(None, tile_col, None, 0)], s_bs), k_first
+
+    @cute.jit
+    def load_stage(self, empty, views):
+        """TMA-load the expert's K tile ``empty.count`` (64 rows) of A and B into stage ``empty.index``."""
+        (tma_a, g_a, s_a), (tma_b, g_b, s_b), k_first = views
+        k_tile = k_first + empty.count
+        cute.copy(tma_a, g_a[(None, k_tile)], s_a[(None, empty.index)], tma_bar_ptr=empty.barrier)
+        cute.copy(tma_b, g_b[(None, k_tile)], s_b[(None, empty.index)], tma_bar_ptr=empty.barrier)
+
+    @cute.jit
+    def epilogue(self, tidx, t_acc, g_c, has_rows):
+        """Each thread's row of the tile, 32 columns at a time: the accumulator (zeros for an expert
+        without rows, whose MMAs never ran) converted to the output dtype, or added into it."""
+        t2r, thr, src, _ = self.accumulator_reader(tidx, t_acc)
+        dst = self.thread_view(thr, g_c)
+        out_dtype = OUT_DTYPES[self.out_dtype]
+        r_acc = cute.make_rmem_tensor(dst[(None, None, None, 0, 0)].shape, cutlass.Float32)
+        r_out = cute.make_rmem_tensor(r_acc.shape, out_dtype)
+        for sub in cutlass.range(self.tile_shape_mnk[1] // EPI_COLS, unroll=1):
+            if cutlass.const_expr(self.accumulate):
+                if has_rows:  # (without rows nothing is added: the gradient stays as it was)
+                    cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
+                    cute.autovec_copy(dst[(None, None, None, 0, sub)], r_out)
+                    cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
+                    r_out.store(r_out.load() + r_acc.load())
+                    cute.autovec_copy(r_out, dst[(None, None, None, 0, sub)])
+            else:
+                r_acc.fill(0.0)
+                if has_rows:
+                    cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
+                    cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
+                r_out.store(r_acc.load().to(out_dtype))
+                cute.autovec_copy(r_out, dst[(None, None, None, 0, sub)])
+
+
+def compile_weight_grad_sm100(
+    m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None,
+    tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
+):
+    """Compile for ``arch`` (sm_100a or sm_103a) without tensors, with the Hopper kernel's runtime
+    arguments; ``persistent`` and ``pingpong`` (Hopper only so far) raise NotImplementedError."""
+    from ..common.gemm_args import weight_grad_compile_args
+
+    if persistent or pingpong:
+        raise NotImplementedError(
+            f"weight-gradient GEMM on {arch}: {'persistent' if persistent else 'pingpong'} not written yet (sm_100a has the "
+            f"one-tile-per-CTA kernel: pass persistent=False)"
+        )
+    kernel = WeightGradGemmSm100(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, split_out=split_out)
+    return cute.compile(kernel, *weight_grad_compile_args(OUT_DTYPES[out_dtype]), options=f"--gpu-arch {arch} {options}".strip())

@@ -1,0 +1,181 @@
+"""The Blackwell grouped GEMM (mok/kernels/sm100/grouped_gemm.py) against the float32 reference.
+
+For a B200 / GB200 / B300: skipped everywhere else. No such GPU was available to this project, so
+these tests have never run; the kernel is compile-verified only (tests/test_kernels_ptx.py). Run
+them with ``python -m pytest -q -m sm100`` on one.
+"""
+
+import pytest
+import torch
+
+from mok import ops
+
+from helpers import poisoned, rel_err
+
+pytestmark = pytest.mark.sm100
+
+
+def _operands(rows, n, k, experts, epilogue, b_major, k_split, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    b_k = k // 2 if k_split else k
+    shape = (experts, n, b_k) if b_major == "k" else (experts, b_k, n)
+    b = (torch.randn(shape, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    b2 = (torch.randn(shape, device="cuda", generator=g) * k ** -0.5).bfloat16() if epilogue != "plain" or k_split else None
+    tiles = -(-rows // 128)
+    tile_expert = torch.randint(0, experts, (tiles,), device="cuda", dtype=torch.int32, generator=g)
+    if tiles > 1:
+        tile_expert[1] = -1  # a skipped tile keeps its (poisoned) output rows
+    return a, b, b2, tile_expert
+
+
+def _expert_matrix(b, e, b_major):
+    """Expert e's weights as the [K, N] matrix the GEMM multiplies by."""
+    return b[e].float().T if b_major == "k" else b[e].float()
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,experts,epilogue,b_major,k_split",
+    [
+        (1000, 256, 192, 5, "plain", "k", False),  # a partial last tile, K of three stages
+        (384, 7168, 2048, 2, "plain", "k", False),  # the down projection's shapes (256-wide tiles)
+        (300, 768, 2048, 3, "swiglu", "k", False),
+        (520, 768, 2048, 4, "swiglu_save", "k", False),
+        (400, 2048, 1536, 3, "plain", "n", True),  # the backward's dx: N-major weights, K in two halves
+        (37, 128, 64, 1, "swiglu_save", "k", False),  # one partial tile, one K tile
+    ],
+)
+def test_sm100_grouped_gemm_matches_the_float32_reference(rows, n, k, experts, epilogue, b_major, k_split):
+    a, b, b2, tile_expert = _operands(rows, n, k, experts, epilogue, b_major, k_split, seed=rows + n)
+    h = poisoned(rows, 2 * n) if epilogue == "swiglu_save" else None
+    out = ops.grouped_gemm(a, b, tile_expert, b2=b2, out=poisoned(rows, n), h_out=h, b_major=b_major, k_split=k_split,
+                           persistent=False)
+    again = ops.grouped_gemm(a, b, tile_expert, b2=b2, out=poisoned(rows, n), h_out=poisoned(*h.shape) if h is not None else None,
+                             b_major=b_major, k_split=k_split, persistent=False)
+    for t in range(-(-rows // 128)):
+        rs = slice(128 * t, min(128 * (t + 1), rows))
+        e = int(tile_expert[t])
+        if e < 0:
+            assert out[rs].isnan().all() and (h is None or h[rs].isnan().all())
+            continue
+        af = a[rs].float()
+        if k_split:
+            want = af[:, : k // 2] @ _expert_matrix(b, e, b_major) + af[:, k // 2 :] @ _expert_matrix(b2, e, b_major)
+        else:
+            want = af @ _expert_matrix(b, e, b_major)
+        if epilogue != "plain":
+            gate, up = want, af @ _expert_matrix(b2, e, b_major)
+            want = torch.nn.functional.silu(gate) * up
+            if h is not None:
+                assert not h[rs].isnan().any()
+                assert rel_err(h[rs, :n], gate) < 1e-2 and rel_err(h[rs, n:], up) < 1e-2
+        assert not out[rs].isnan().any()
+        assert rel_err(out[rs], want) < 1e-2
+    assert torch.equal(out.nan_to_num(), again.nan_to_num())  # deterministic
+
+
+def test_sm100_grouped_gemm_rows_do_not_depend_on_the_other_tiles():
+    """Batch invariance: a row tile's output is the same bits whatever the other tiles hold."""
+    a, b, b2, tile_expert = _operands(640, 768, 2048, 3, "swiglu", "k", False, seed=7)
+    tile_expert[1] = 2
+    first = ops.grouped_gemm(a, b, tile_expert, b2=b2, persistent=False)
+    other = a.clone()
+    other[128:] = torch.randn_like(other[128:].float()).bfloat16()
+    second = ops.grouped_gemm(other, b, tile_expert, b2=b2, persistent=False)
+    assert torch.equal(first[:128], second[:128])
+
+
+@pytest.mark.parametrize("rows,hidden,inter,experts,topk", [(700, 512, 256, 3, 4), (300, 2048, 768, 2, 8), (130, 256, 128, 1, 1)])
+def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, inter, experts, topk):
+    """dh, s·a and the router gradient's per-tile pieces from dA_u = dout_rows·W_down (grad_ops.swiglu_backward_gemm)."""
+    from mok import grad_ops
+
+    g = torch.Generator(device="cuda").manual_seed(rows + hidden)
+    tokens = 97
+    dout_rows = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+    w_down = (torch.randn(experts, hidden, inter, device="cuda", generator=g) * hidden ** -0.5).bfloat16()
+    h = torch.randn(rows, 2 * inter, device="cuda", generator=g).bfloat16()
+    row_token = torch.randint(-1, tokens, (rows,), device="cuda", dtype=torch.int32, generator=g)  # -1: padding rows
+    row_slot = torch.randint(0, topk, (rows,), device="cuda", dtype=torch.int32, generator=g)
+    topk_w = torch.rand(tokens, topk, device="cuda", generator=g)
+    tile_expert = torch.randint(0, experts, (-(-rows // 128),), device="cuda", dtype=torch.int32, generator=g)
+    dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
+        dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, persistent=False
+    )
+    tile_n = inter // partial.shape[1]
+    e_of_row = tile_expert.repeat_interleave(128)[:rows].long()
+    d_a = torch.einsum("rh,rhi->ri", dout_rows.float(), w_down[e_of_row].float())
+    s = torch.where(row_token >= 0, topk_w[row_token.clamp(min=0).long(), row_slot.long()], torch.zeros((), device="cuda"))[:, None]
+    h_g, h_u = h[:, :inter].float(), h[:, inter:].float()
+    sig = torch.sigmoid(h_g)
+    a = h_g * sig * h_u
+    want_dh = torch.cat([s * d_a * h_u * sig * (1 + h_g * (1 - sig)), s * d_a * h_g * sig], dim=1)
+    want_partial = (d_a * a).reshape(rows, inter // tile_n, tile_n).sum(-1)
+    assert rel_err(dh, want_dh) < 1e-2 and rel_err(a_scaled, s * a) < 1e-2
+    assert rel_err(partial, want_partial) < 1e-3
+    again = grad_ops.swiglu_backward_gemm(
+        dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, persistent=False
+    )
+    assert all(torch.equal(x, y) for x, y in zip((dh, a_scaled, partial), again))  # deterministic
+
+
+@pytest.mark.parametrize("m,n,split_out,accumulate", [(256, 384, False, False), (512, 256, True, False), (256, 256, True, True),
+                                                       (384, 128, False, True)])
+def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumulate):
+    """out[e] (+)= a[rows of e]ᵀ·b[rows of e] (grad_ops.weight_grad): experts of 128-row blocks with
+    zero padding rows, one expert without rows (zeros, or left as it was when accumulating)."""
+    from mok import grad_ops
+
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    counts = torch.tensor([200, 0, 77, 128], dtype=torch.int32)
+    blocks = (counts + 127) // 128
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(blocks * 128, 0).to(torch.int32)])
+    rows = int(offsets[-1])
+    used = torch.zeros(rows, dtype=torch.bool)
+    for e, c in enumerate(counts.tolist()):
+        used[int(offsets[e]) : int(offsets[e]) + c] = True
+    used = used.cuda()[:, None]
+    a = torch.where(used, torch.randn(rows, m, device="cuda", generator=g), torch.zeros((), device="cuda")).bfloat16()
+    b = torch.where(used, torch.randn(rows, n, device="cuda", generator=g), torch.zeros((), device="cuda")).bfloat16()
+    experts = counts.shape[0]
+    want = torch.stack([a[int(offsets[e]) : int(offsets[e + 1])].float().T @ b[int(offsets[e]) : int(offsets[e + 1])].float()
+                        for e in range(experts)])
+    offsets, counts = offsets.cuda(), counts.cuda()
+    kw = dict(counts=counts, split_out=split_out, persistent=False)
+    if accumulate:
+        shape = (experts, m // 2, n) if split_out else (experts, m, n)
+        before = [torch.randn(shape, device="cuda", generator=g) for _ in range(2 if split_out else 1)]
+        out = [t.clone() for t in before]
+        got = grad_ops.weight_grad(a, b, offsets, out=tuple(out) if split_out else out[0], accumulate=True, **kw)
+        got = torch.cat(got, dim=1) if split_out else got
+        want = want + torch.cat(before, dim=1)
+        assert torch.equal(got[1], torch.cat(before, dim=1)[1])  # the expert without rows: untouched
+    else:
+        got = grad_ops.weight_grad(a, b, offsets, **kw)
+        got = torch.cat(got, dim=1) if split_out else got
+        assert torch.equal(got[1], torch.zeros_like(got[1]))  # the expert without rows: zeros
+    for e in (0, 2, 3):
+        assert rel_err(got[e], want[e]) < 1e-2
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [
+    (4096, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
+])
+def test_sm100_layer_forward_and_backward_match_the_float32_reference(T, H, I, E, k, shared_inter, routing, monkeypatch):
+    """The single-GPU layer on SM100 (``MOK_UNVERIFIED_SM100=1``): its forward against the fp32
+    reference, its gradients against autograd of it (tests/test_backward_gpu.py's checks)."""
+    from mok.fused_forward import moe_forward
+    from mok.reference import moe_reference
+
+    from helpers import gpu_layer, worst_row_err
+    from test_backward_gpu import check_backward_against_autograd
+
+    monkeypatch.setenv("MOK_UNVERIFIED_SM100", "1")
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T, routing=routing)
+    out = moe_forward(x, idx, w, *experts, shared, out=poisoned(T, H)).out
+    f32 = lambda t: t.float()  # noqa: E731
+    want = moe_reference(f32(x), idx, w, *map(f32, experts), tuple(map(f32, shared)) if shared else None)
+    assert not out.isnan().any() and rel_err(out, want) < 1e-2 and worst_row_err(out, want) < 5e-2
+    again = moe_forward(x, idx, w, *experts, shared).out
+    assert torch.equal(out, again)
+    check_backward_against_autograd(T, H, I, E, k, shared_inter, routing)
