@@ -34,6 +34,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from ..common.gemm_args import expert_weights, grouped_row_tensors
 from ..common.row_weight import row_router_weight
 from ..common.swiglu import swiglu_backward_values, swiglu_value
 from ..common.tile_order import grouped_tile
@@ -80,9 +81,7 @@ class GroupedGemmSm100(Tcgen05TileKernel):
 
     def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
         """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
-        n, bk = self.n, self.b_k
-        stride = (bk, 1, n * bk) if self.b_major == "k" else (1, n, n * bk)
-        return cute.make_tensor(ptr, cute.make_layout((n, bk, num_experts), stride=stride))
+        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major)
 
     @cute.jit
     def __call__(
@@ -121,14 +120,9 @@ class GroupedGemmSm100(Tcgen05TileKernel):
         m_b = self.b_tensor(b_ptr, num_experts)
         m_b2 = self.b_tensor(b2_ptr, num_experts)
         c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
-        m_c = cute.make_tensor(c_ptr, cute.make_layout((num_rows, c_cols), stride=(c_cols, 1)))
-        m_h = cute.make_tensor(h_ptr, cute.make_layout((num_rows, 2 * n), stride=(2 * n, 1)))
-        m_as = cute.make_tensor(a_scaled_ptr, cute.make_layout((num_rows, n), stride=(n, 1)))
-        m_part = cute.make_tensor(partial_ptr, cute.make_layout((num_rows, n // tile_n), stride=(n // tile_n, 1)))
-        m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
-        m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
-        m_topk_w = cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * self.topk,)))
-        row_args = (m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w)  # the epilogue's other inputs and outputs
+        ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
+        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk)
+        row_args = tuple(row_args)  # h, a_scaled, partial, row_token, row_slot, topk_w: the epilogue's other tensors
         num_row_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills, stores stop at R
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
 
@@ -161,14 +155,10 @@ class GroupedGemmSm100(Tcgen05TileKernel):
         tile_row, tile_col = grouped_tile(linear, num_row_tiles, self.n // self.tile_shape_mnk[1])
         expert = m_tiles[tile_row]
         if expert >= 0:
-            if warp_idx == 0:
-                for atom, _ in loads:
-                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
-            stages, pipes, tmem, t_acc = self.setup(tiled_mma, a_smem, b_smem)
+            stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, a_smem, b_smem, loads)
             views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, expert)
             self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, self.k // self.tile_shape_mnk[2])
-            tmem.relinquish_alloc_permit()
-            acc_full = pipes[3].wait_and_advance()
+            acc_full = self.wait_accumulators(tmem, pipes)
             self.epilogue(tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows)
             self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
 

@@ -91,9 +91,13 @@ class Tcgen05TileKernel:
         return max(32, 1 << (used - 1).bit_length())
 
     @cute.jit
-    def setup(self, tiled_mma, a_smem, b_smem):
-        """Every thread: shared memory, the two pipelines, and the accumulators allocated in tensor
-        memory (as (MMA, MMA_M, MMA_N, accumulator)). Returns (stages, pipelines, tmem, t_acc)."""
+    def setup(self, warp_idx, tiled_mma, a_smem, b_smem, loads):
+        """Every thread: the TMA descriptors prefetched (warp 0), shared memory, the two pipelines, and
+        the accumulators allocated in tensor memory (as (MMA, MMA_M, MMA_N, accumulator)). Returns
+        (stages, pipelines, tmem, t_acc)."""
+        if warp_idx == 0:
+            for atom, _ in loads:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage_type)
         s_a = storage.s_a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         s_b = storage.s_b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
@@ -155,6 +159,13 @@ class Tcgen05TileKernel:
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                 full.release()  # the stage is free once these MMAs complete
             acc_empty.commit()  # the accumulators are final once every MMA has completed
+
+    @cute.jit
+    def wait_accumulators(self, tmem, pipes):
+        """Every thread: give up the right to allocate tensor memory (others' CTAs may), then wait until
+        the MMAs are done; returns the accumulator barrier's handle for :meth:`finish`."""
+        tmem.relinquish_alloc_permit()
+        return pipes[3].wait_and_advance()
 
     @cute.jit
     def finish(self, warp_idx, pipes, tmem, t_acc, acc_full):

@@ -25,6 +25,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from ..common.gemm_args import expert_row_ranges, weight_grad_compile_args, weight_grad_output
 from ..common.weight_grad_tiles import expert_tile, out_tile
 from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_M, Tcgen05TileKernel, pick_stages
 
@@ -86,14 +87,10 @@ class WeightGradGemmSm100(Tcgen05TileKernel):
         # (MN, K = rows, 1): both operands MN-major
         m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows, 1), stride=(1, self.a_stride, self.a_stride * num_rows)))
         m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows, 1), stride=(1, n, n * num_rows)))
-        if cutlass.const_expr(self.split_out):  # [E, m/2, n] twice, half_stride elements apart (16-byte multiples: grad_ops checks)
+        if cutlass.const_expr(self.split_out):  # the halves lie a multiple of 16 bytes apart (grad_ops checks): 16-byte stores
             half_stride = cute.assume(half_stride, divby=16 // (OUT_DTYPES[self.out_dtype].width // 8))
-            m_c = cute.make_tensor(out_ptr, cute.make_layout((m // 2, n, num_experts, 2), stride=(n, 1, m // 2 * n, half_stride)))
-        else:
-            m_c = cute.make_tensor(out_ptr, cute.make_layout((m, n, num_experts), stride=(n, 1, m * n)))
-        m_off = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
-        m_cnt = cute.make_tensor(counts_ptr, cute.make_layout((num_experts,)))
-        rows = (m_off, m_cnt, counted)  # where each expert's rows start and end (common/weight_grad_tiles.py)
+        m_c = weight_grad_output(out_ptr, m, n, num_experts, half_stride, self.split_out)
+        rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)  # where each expert's rows start and end
 
         tiled_mma, a_smem, b_smem = self.make_mma("mn", "mn")
         loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, m_b)
@@ -120,14 +117,10 @@ class WeightGradGemmSm100(Tcgen05TileKernel):
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
         expert, tile_row, tile_col, row_start, k_tiles = expert_tile(linear, rows, num_rows, self.m, self.n, self.tile_shape_mnk)
-        if warp_idx == 0:
-            for atom, _ in loads:
-                cute.nvgpu.cpasync.prefetch_descriptor(atom)
-        stages, pipes, tmem, t_acc = self.setup(tiled_mma, a_smem, b_smem)
+        stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, a_smem, b_smem, loads)
         views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, row_start // TILE_K)  # offsets: multiples of 128
         self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles)
-        tmem.relinquish_alloc_permit()
-        acc_full = pipes[3].wait_and_advance()
+        acc_full = self.wait_accumulators(tmem, pipes)
         g_c = out_tile(m_c, upper_first, expert, tile_row, tile_col, self.m, self.tile_shape_mnk, self.split_out)
         self.epilogue(tidx, t_acc, g_c, k_tiles > 0)
         self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
@@ -186,8 +179,6 @@ def compile_weight_grad_sm100(
 ):
     """Compile for ``arch`` (sm_100a or sm_103a) without tensors, with the Hopper kernel's runtime
     arguments; ``persistent`` and ``pingpong`` (Hopper only so far) raise NotImplementedError."""
-    from ..common.gemm_args import weight_grad_compile_args
-
     if persistent or pingpong:
         raise NotImplementedError(
             f"weight-gradient GEMM on {arch}: {'persistent' if persistent else 'pingpong'} not written yet (sm_100a has the "

@@ -87,6 +87,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.combine import VECTOR, combine_vector
+from ..common.gemm_args import expert_weights, grouped_row_tensors
 from ..common.row_weight import row_router_weight
 from ..common.swiglu import swiglu_backward_values, swiglu_value
 from ..common.waits import wait_at_least
@@ -175,9 +176,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
     def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
         """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
-        n, bk = self.n, self.b_k
-        stride = (bk, 1, n * bk) if self.b_major == "k" else (1, n, n * bk)
-        return cute.make_tensor(ptr, cute.make_layout((n, bk, num_experts), stride=stride))
+        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major)
 
     @cute.jit
     def __call__(
@@ -215,13 +214,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
         m_a = cute.make_tensor(a_ptr, cute.make_layout((a_rows, k, 1), stride=(k, 1, a_rows * k)))
         m_b = self.b_tensor(b_ptr, num_experts)
         m_b2 = self.b_tensor(b2_ptr, num_experts)
-        m_c = cute.make_tensor(c_ptr, cute.make_layout((num_rows, c_cols), stride=(c_cols, 1)))
-        m_h = cute.make_tensor(h_ptr, cute.make_layout((num_rows, 2 * n), stride=(2 * n, 1)))
-        m_as = cute.make_tensor(a_scaled_ptr, cute.make_layout((num_rows, n), stride=(n, 1)))
-        m_part = cute.make_tensor(partial_ptr, cute.make_layout((num_rows, n // tile_n), stride=(n // tile_n, 1)))
-        m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
-        m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
-        m_topk_w = cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * self.topk,)))
+        ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
+        m_c, m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = grouped_row_tensors(
+            ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk
+        )
         tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
         m_token_w = cute.make_tensor(topk_w_ptr, tokens_by_slot)  # combine: topk_w and slot_row [T, k]
         m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)

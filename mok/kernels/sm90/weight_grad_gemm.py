@@ -42,6 +42,7 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.gemm_args import expert_row_ranges, weight_grad_output
 from ..common.weight_grad_tiles import expert_tile, out_tile
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
@@ -115,14 +116,8 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tile_m, tile_n, _ = self.tile_shape_mnk
         m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows), stride=(1, self.a_stride)))
         m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows), stride=(1, n)))
-        if cutlass.const_expr(self.split_out):  # [E, m/2, n] twice, half_stride elements apart
-            layout = cute.make_layout((m // 2, n, num_experts, 2), stride=(n, 1, m // 2 * n, half_stride))
-            m_c = cute.make_tensor(out_ptr, layout)
-        else:
-            m_c = cute.make_tensor(out_ptr, cute.make_layout((m, n, num_experts), stride=(n, 1, m * n)))
-        m_off = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
-        m_cnt = cute.make_tensor(counts_ptr, cute.make_layout((num_experts,)))
-        rows = (m_off, m_cnt, counted)  # where each expert's rows start and end (see tile_of)
+        m_c = weight_grad_output(out_ptr, m, n, num_experts, half_stride, self.split_out)
+        rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)  # where each expert's rows start and end
 
         a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
         tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, TILE_K))
