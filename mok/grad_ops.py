@@ -45,8 +45,9 @@ def swiglu_backward_gemm(
     give s (0 for padding rows); all None for the shared expert (s = 1, partial is None).
     Rows of tiles with tile_expert -1 are left unwritten. ``persistent=False``: the
     one-tile-per-CTA kernel (the same results, bit for bit); None (default): persistent where the
-    GPU has that kernel (Hopper), else one tile per CTA (SM100, compile-verified, never run). ``skip_padding`` (with row_token,
-    persistent): 64-row halves of a tile that are all padding issue no WGMMA (see ops.grouped_gemm).
+    GPU has that kernel (Hopper), else one tile per CTA (SM100, compile-verified, never run).
+    ``skip_padding`` (with row_token, persistent): 64-row halves of a tile that are all padding
+    issue no WGMMA (see ops.grouped_gemm).
     ``pingpong`` (persistent, no skip_padding; the default there): the two MMA warpgroups take
     whole tiles in turn, one's epilogue under the other's WGMMAs (the same bits; 16% faster at
     qwen3's shapes, 4% at dsv3's — perf/NOTES.md).
@@ -125,8 +126,9 @@ def weight_grad(
     [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
     (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0. ``persistent=False``
     selects the one-tile-per-CTA kernel (the same bits); None (default): persistent where the GPU
-    has that kernel (Hopper), else one tile per CTA (SM100, compile-verified, never run). ``tile_n``: the output tile's columns,
-    128 or 256 (N % tile_n == 0); a wider tile reads each expert's A rows half as often.
+    has that kernel (Hopper), else one tile per CTA (SM100, compile-verified, never run).
+    ``tile_n``: the output tile's columns, 128 or 256 (N % tile_n == 0); a wider tile reads each
+    expert's A rows half as often.
     ``pingpong`` (persistent, 128-wide tiles; the default there): the two MMA warpgroups take
     whole tiles in turn, so that one's epilogue runs under the other's mainloop (the same bits).
     ``split_out`` (M % 256 == 0): out is a pair of [E, M/2, N] tensors (new unless given), the

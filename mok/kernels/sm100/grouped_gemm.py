@@ -6,18 +6,19 @@ The same contract as the Hopper kernel (mok/kernels/sm90/grouped_gemm.py), for t
 has so far: A [R, K] holds rows grouped by expert in 128-row tiles, ``tile_expert[m]`` names the
 expert of row tile m (or -1: the CTA leaves the tile unwritten), B is one weight matrix per expert,
 K-major [E, N, K] (C = A·Bᵀ) or N-major [E, K, N] (C = A·B), ``k_split`` takes K's second half
-from B2; epilogues ``plain``, ``swiglu`` (gate from B, up from B2: C = silu(gate)·up) and
-``swiglu_save`` (also h = [gate | up] [R, 2N]), every value rounded once from fp32 to bf16, the
-SwiGLU by mok/kernels/common/swiglu.py's code.
+from B2; epilogues ``plain``, ``swiglu`` (gate from B, up from B2: C = silu(gate)·up),
+``swiglu_save`` (also h = [gate | up] [R, 2N]) and ``swiglu_bwd`` (from dA_u = dout_row·W_down,
+the saved h and the row's router weight s: C = dh [R, 2N], a_scaled = s·a and the router
+gradient's per-column-tile pieces Σ dA_u·a), every value rounded once from fp32 to bf16, the
+SwiGLU math by mok/kernels/common/swiglu.py's code.
 
-One CTA per output tile (128 x tile_n), 128 threads. Warp 0 issues the TMA loads of A and B into
-a multistage shared-memory pipeline (``stages - 2`` K tiles ahead, so that refilling a stage never
-waits for the MMAs just issued) and the tcgen05 MMAs (128 x tile_n x 16, one CTA) onto fp32
-accumulators in tensor memory: one, or two for SwiGLU (gate in columns [0, tile_n), up in
-[tile_n, 2·tile_n)). Each MMA's completion frees its stage (tcgen05.commit onto the stage's empty
-barrier); the last one's signals the epilogue. Then the four warps read the accumulators
-(tcgen05.ld 32x32b: thread t holds row t of the tile, 32 columns at a time), apply the epilogue
-and store bf16 rows straight to global memory, rows past R not written.
+One CTA per output tile (128 x tile_n), 128 threads, on mok/kernels/sm100/tcgen05_tile.py's
+pipeline: warp 0 loads A and B by TMA and issues the tcgen05 MMAs onto fp32 accumulators in tensor
+memory (one, or two for SwiGLU: gate in columns [0, tile_n), up in [tile_n, 2·tile_n)); then the
+four warps read them back (thread t holds row t of the tile, 32 columns at a time), apply the
+epilogue and store bf16 rows straight to global memory with 16-byte stores, rows past R not
+written. With whole rows per thread the SwiGLU backward's row sums are plain sequential sums in
+column order (the Hopper kernel adds four threads' parts with shuffles).
 
 Determinism and batch invariance as on Hopper: one CTA owns each output tile, K is reduced in one
 fixed order (the MMA sequence), the tile shape comes from static shapes only. Results are not the
@@ -34,7 +35,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from ..common.gemm_args import expert_weights, grouped_row_tensors
+from ..common.gemm_args import expert_weights, grouped_gemm_compile_args, grouped_row_tensors
 from ..common.row_weight import row_router_weight
 from ..common.swiglu import swiglu_backward_values, swiglu_value
 from ..common.tile_order import grouped_tile
@@ -294,8 +295,6 @@ def compile_grouped_gemm_sm100(
 ):
     """Compile for ``arch`` (sm_100a or sm_103a) without tensors, with the Hopper kernel's runtime
     arguments; the variants only the Hopper kernel has so far raise NotImplementedError, naming them."""
-    from ..common.gemm_args import grouped_gemm_compile_args
-
     missing = [name for name in SM90_ONLY_OPTIONS if hopper_options.get(name)]
     if persistent:
         missing.insert(0, "persistent")
