@@ -1,0 +1,50 @@
+"""The SASS of MoK's SM100 GEMMs (compiled for sm_100a here, on any machine), instruction counts.
+
+There is no SM100 GPU to run them; this shows what ptxas made of the PTX: tensor-core MMAs of
+the tcgen05 family, TMA loads, tensor-memory loads, no Hopper or warp-level MMA. Needs
+cuobjdump (the device machine has it). Usage: python3 perf/sm100_sass.py
+"""
+
+import collections
+import glob
+import os
+import re
+import subprocess
+import tempfile
+
+from mok.kernels import grouped_gemm_variant, weight_grad_variant
+from mok.runtime.arch import dsl_target
+
+VARIANTS = [
+    grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False),
+    grouped_gemm_variant(7168, 2048, persistent=False),
+    grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False),
+    weight_grad_variant(4096, 7168, split_out=True, persistent=False),
+]
+
+
+def sass_of(variant, arch: str = "sm_100a") -> str:
+    """cuobjdump -sass of a fresh compile of ``variant`` for ``arch``."""
+    with tempfile.TemporaryDirectory() as d, dsl_target(arch):
+        variant.compile(arch, f"--keep-cubin --dump-dir {d}")
+        (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
+        return subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def mnemonics(sass: str) -> collections.Counter:
+    """Opcode (without modifiers) -> count."""
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass)
+    return collections.Counter(ops)
+
+
+def main() -> int:
+    for variant in VARIANTS:
+        counts = mnemonics(sass_of(variant))
+        keep = {op: n for op, n in sorted(counts.items()) if re.search(r"MMA|UTC|UTMA|LDTM|STTM|TMEM|SYNCS|LDG|STG|LDS|STS", op)}
+        print(variant.describe()[:100])
+        print("   ", keep)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
