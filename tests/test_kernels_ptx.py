@@ -180,6 +180,32 @@ def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
 
 
+@pytest.mark.skipif(shutil.which("cuobjdump") is None, reason="needs cuobjdump (CUDA toolkit), e.g. on the GPU machine")
+def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
+    """What ptxas made of the SM100 GEMMs (compiled for sm_100a on any machine): UTCHMMA (tcgen05
+    MMAs, four a stage and accumulator), UTMALDG (TMA loads), LDTM (tensor-memory loads), no
+    Hopper or warp-level MMA. (The same is printed by perf/sm100_sass.py.)"""
+    import glob
+    import os
+
+    from mok.runtime.arch import dsl_target
+
+    cases = [
+        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False), 8, 2),
+        (grouped_gemm_variant(7168, 2048, persistent=False), 4, 1),
+        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False), 4, 1),
+        (weight_grad_variant(4096, 7168, split_out=True, persistent=False), 4, 1),
+    ]
+    for variant, mmas, tmem_loads in cases:
+        with tempfile.TemporaryDirectory() as d, dsl_target("sm_100a"):
+            variant.compile("sm_100a", f"--keep-cubin --dump-dir {d}")
+            (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
+            sass = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        assert count(r"\bUTCHMMA\b", sass) == mmas, variant.describe()
+        assert count(r"\bLDTM\b", sass) == tmem_loads and count(r"\bUTMALDG\b", sass) >= 4
+        assert count(r"\bH[G]?MMA\b", sass) == 0
+
+
 def test_sm100_weight_grad_refuses_the_persistent_kernel_it_does_not_have_yet():
     with pytest.raises(NotImplementedError, match=r"weight-gradient GEMM on sm_100a: persistent not written yet"):
         compiled_ptx(weight_grad_variant(7168, 2048), "sm_100a")
