@@ -67,8 +67,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print(
             "No CUDA GPU is visible, so there is nothing to benchmark: MoK's layer runs on Hopper (sm_90a) GPUs "
-            "(for Blackwell, sm_100a, only some kernels compile so far).\nOn this machine you can compile them ahead "
-            "of time: `python -m mok precompile --arch sm_90a`.",
+            "(Blackwell, sm_100a: compile-verified, never run; opt in with MOK_UNVERIFIED_SM100=1).\nOn this machine you "
+            "can compile them ahead of time: `python -m mok precompile --arch sm_90a`.",
             file=sys.stderr,
         )
         return 2

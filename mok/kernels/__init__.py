@@ -150,8 +150,8 @@ def grouped_gemm_variant(
     pingpong: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
-    tcgen05, mok/kernels/sm100/grouped_gemm.py, with ``persistent=False`` and the plain and forward
-    SwiGLU epilogues only so far, compile-verified, never run).
+    tcgen05, mok/kernels/sm100/grouped_gemm.py: ``persistent=False`` only so far, without gather,
+    scatter, combine, skip_padding, pull or ping-pong; compile-verified, never run).
 
     ``epilogue``: plain, swiglu, swiglu_save (also writes h) or swiglu_bwd (SwiGLU backward
     with the router-weight gradient's partial sums; needs ``topk``, or ``unit_scale`` for the
