@@ -166,20 +166,11 @@ class GroupedGemmSm100(Tcgen05TileKernel):
     def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, expert):
         """The TMA partitions of this tile's operands, (atom, global by K tile, shared by stage) for
         A, B and B2: what ``load_stage`` reads."""
-        tiler = self.tile_shape_mnk
-        thr_mma = tiled_mma.get_slice(0)
-        views = []
-        for (atom, coords), s_x, is_a, index in zip(loads, stages, (True, False, False), (tile_row, tile_col, tile_col)):
-            # global tiles (bM|bN, bK, RestM|RestN, RestK, RestL) as the MMA partitions them, then the TMA's view of them
-            if is_a:
-                g_x = thr_mma.partition_A(cute.local_tile(coords, cute.slice_(tiler, (None, 0, None)), (None, None, None)))
-            else:
-                g_x = thr_mma.partition_B(cute.local_tile(coords, cute.slice_(tiler, (0, None, None)), (None, None, None)))
-            s_part, g_part = cute.nvgpu.cpasync.tma_partition(
-                atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 3), cute.group_modes(g_x, 0, 3)
-            )
-            views.append((atom, g_part[(None, index, None, 0 if is_a else expert)], s_part))
-        return views
+        return (
+            self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0),
+            self.operand_view(tiled_mma, loads[1], stages[1], "b", tile_col, expert),
+            self.operand_view(tiled_mma, loads[2], stages[2], "b", tile_col, expert),
+        )
 
     @cute.jit
     def load_stage(self, empty, views):

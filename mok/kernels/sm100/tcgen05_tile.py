@@ -90,6 +90,22 @@ class Tcgen05TileKernel:
         used = self.num_b * self.tile_shape_mnk[1]
         return max(32, 1 << (used - 1).bit_length())
 
+    def operand_view(self, tiled_mma, load, s_x, operand: str, mn_tile, l_index):
+        """One operand's TMA partition for this CTA's tile: (atom, global by K tile, shared by stage).
+        ``load`` = (atom, coordinate tensor (MN, K, L)) from :meth:`load_atoms`, ``operand`` "a" or
+        "b", ``mn_tile`` its tile along M or N, ``l_index`` its L coordinate (an expert, or 0)."""
+        atom, coords = load
+        thr_mma = tiled_mma.get_slice(0)
+        # global tiles (bM|bN, bK, RestM|RestN, RestK, RestL) as the MMA partitions them, then the TMA's view of them
+        if operand == "a":
+            g_x = thr_mma.partition_A(cute.local_tile(coords, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None)))
+        else:
+            g_x = thr_mma.partition_B(cute.local_tile(coords, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None)))
+        s_part, g_part = cute.nvgpu.cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 3), cute.group_modes(g_x, 0, 3)
+        )
+        return atom, g_part[(None, mn_tile, None, l_index)], s_part
+
     @cute.jit
     def setup(self, warp_idx, tiled_mma, a_smem, b_smem, loads):
         """Every thread: the TMA descriptors prefetched (warp 0), shared memory, the two pipelines, and

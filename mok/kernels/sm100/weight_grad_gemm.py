@@ -128,16 +128,8 @@ class WeightGradGemmSm100(Tcgen05TileKernel):
     def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, k_first):
         """(atom, global by K tile from the expert's first, shared by stage) for A and B: what
         ``load_stage`` reads."""
-        tiler = self.tile_shape_mnk
-        thr_mma = tiled_mma.get_slice(0)
-        (tma_a, t_a), (tma_b, t_b) = loads
-        g_a = thr_mma.partition_A(cute.local_tile(t_a, cute.slice_(tiler, (None, 0, None)), (None, None, None)))
-        g_b = thr_mma.partition_B(cute.local_tile(t_b, cute.slice_(tiler, (0, None, None)), (None, None, None)))
-        s_as, g_as = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(stages[0], 0, 3),
-                                                      cute.group_modes(g_a, 0, 3))
-        s_bs, g_bs = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(stages[1], 0, 3),
-                                                      cute.group_modes(g_b, 0, 3))
-        return (tma_a, g_as[(None, tile_row, None, 0)], s_as), (tma_b, g_bs[(None, tile_col, None, 0)], s_bs), k_first
+        a_view = self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0)
+        return a_view, self.operand_view(tiled_mma, loads[1], stages[1], "b", tile_col, 0), k_first
 
     @cute.jit
     def load_stage(self, empty, views):
