@@ -6,14 +6,9 @@ cuobjdump (the device machine has it). Usage: python3 perf/sm100_sass.py
 """
 
 import collections
-import glob
-import os
 import re
-import subprocess
-import tempfile
 
-from mok.kernels import grouped_gemm_variant, weight_grad_variant
-from mok.runtime.arch import dsl_target
+from mok.kernels import compiled_sass, grouped_gemm_variant, weight_grad_variant
 
 VARIANTS = [
     grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False),
@@ -21,14 +16,6 @@ VARIANTS = [
     grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False),
     weight_grad_variant(4096, 7168, split_out=True, persistent=False),
 ]
-
-
-def sass_of(variant, arch: str = "sm_100a") -> str:
-    """cuobjdump -sass of a fresh compile of ``variant`` for ``arch``."""
-    with tempfile.TemporaryDirectory() as d, dsl_target(arch):
-        variant.compile(arch, f"--keep-cubin --dump-dir {d}")
-        (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
-        return subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
 
 
 def mnemonics(sass: str) -> collections.Counter:
@@ -39,7 +26,7 @@ def mnemonics(sass: str) -> collections.Counter:
 
 def main() -> int:
     for variant in VARIANTS:
-        counts = mnemonics(sass_of(variant))
+        counts = mnemonics(compiled_sass(variant, "sm_100a"))
         keep = {op: n for op, n in sorted(counts.items()) if re.search(r"MMA|UTC|UTMA|LDTM|STTM|TMEM|SYNCS|LDG|STG|LDS|STS", op)}
         print(variant.describe()[:100])
         print("   ", keep)

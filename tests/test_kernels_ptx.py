@@ -10,7 +10,7 @@ import pytest
 
 from mok.config import DEFAULT_CONFIG, MoKConfig
 from mok.kernels import (
-    combine_variant, compiled_ptx, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant, variants_for, weight_grad_variant,
+    combine_variant, compiled_ptx, compiled_sass, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant, variants_for, weight_grad_variant,
 )
 
 
@@ -185,11 +185,6 @@ def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
     """What ptxas made of the SM100 GEMMs (compiled for sm_100a on any machine): UTCHMMA (tcgen05
     MMAs, four a stage and accumulator), UTMALDG (TMA loads), LDTM (tensor-memory loads), no
     Hopper or warp-level MMA. (The same is printed by perf/sm100_sass.py.)"""
-    import glob
-    import os
-
-    from mok.runtime.arch import dsl_target
-
     cases = [
         (grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False), 8, 2),
         (grouped_gemm_variant(7168, 2048, persistent=False), 4, 1),
@@ -197,10 +192,7 @@ def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
         (weight_grad_variant(4096, 7168, split_out=True, persistent=False), 4, 1),
     ]
     for variant, mmas, tmem_loads in cases:
-        with tempfile.TemporaryDirectory() as d, dsl_target("sm_100a"):
-            variant.compile("sm_100a", f"--keep-cubin --dump-dir {d}")
-            (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
-            sass = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        sass = compiled_sass(variant, "sm_100a")
         assert count(r"\bUTCHMMA\b", sass) == mmas, variant.describe()
         assert count(r"\bLDTM\b", sass) == tmem_loads and count(r"\bUTMALDG\b", sass) >= 4
         assert count(r"\bH[G]?MMA\b", sass) == 0

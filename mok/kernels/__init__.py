@@ -465,3 +465,18 @@ def compiled_ptx(variant: KernelVariant, arch: str) -> str:
     if not ptx:
         raise RuntimeError(f"CuTe DSL returned no PTX for {variant.describe()} on {arch}")
     return ptx
+
+
+def compiled_sass(variant: KernelVariant, arch: str) -> str:
+    """SASS (``cuobjdump -sass``) of a fresh compile of ``variant`` for ``arch``: what ptxas made of
+    the PTX, for any target on any machine that has cuobjdump (bypasses the cache)."""
+    import glob
+    import subprocess
+
+    from ..runtime.arch import dsl_target, normalize_arch
+
+    arch = normalize_arch(arch)
+    with dsl_target(arch), tempfile.TemporaryDirectory() as dump_dir:
+        variant.compile(arch, f"--keep-cubin --dump-dir {dump_dir}")
+        (cubin,) = glob.glob(os.path.join(dump_dir, "*.cubin"))
+        return subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
