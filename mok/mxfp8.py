@@ -13,7 +13,8 @@ element ``x * 2**-e`` then lies within E4M3's range and is rounded to nearest, t
 A block holding an Inf or a NaN gets the NaN scale byte 0xFF and NaN elements (0x7F).
 
 This module is the reference (plain PyTorch, any device); ``mok.ops.quantize_mxfp8`` is the
-kernel, held to these bytes by tests/test_mxfp8_gpu.py.
+kernel, held to these bytes by tests/test_mxfp8_gpu.py. :func:`mma_scale_layout` puts the scales
+in the order SM100's block-scaled MMAs read them (``mok.ops.grouped_gemm_mxfp8``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ ELEMENT_NAN = 0x7F  # E4M3 (fn) NaN, positive sign
 _SCALE_BIAS = 127
 _E4M3_MAX_EXP = 8  # 448 = 1.75 * 2**8
 _MANTISSA_1_75 = 0x600000  # fp32 mantissa field of 1.75
+MMA_CHUNK_ROWS = 128  # rows (of A, or columns of B) of one chunk of scales in the MMA's order
+MMA_CHUNK_BLOCKS = 4  # blocks of 32 along K per chunk: 128 K values, 512 bytes of scales
+SCALE_ONE = 127  # E8M0 of 1.0: what padding rows' scales hold
 
 
 def check_blocked(name: str, x: torch.Tensor) -> None:
@@ -83,3 +87,27 @@ def dequantize_mxfp8(elements: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 def fake_quantize_mxfp8(x: torch.Tensor) -> torch.Tensor:
     """x rounded through MXFP8 and back (float32): what a GEMM on MXFP8 operands sees of x."""
     return dequantize_mxfp8(*quantize_mxfp8(x))
+
+
+def mma_scale_layout(scales: torch.Tensor) -> torch.Tensor:
+    """MXFP8 scales (uint8 [..., rows, K // 32], as :func:`quantize_mxfp8` gives them) in the order
+    SM100's block-scaled MMAs read them (tcgen05 ``kind::mxf8f6f4``, a scale per 32 along K):
+    uint8 [..., ceil(rows / 128), K // 128, 512], one 512-byte chunk per 128 rows and 128 K values,
+    K's chunks innermost; in a chunk, row r's scale of block c lies at byte
+    ``(r % 32) * 16 + (r // 32) * 4 + c`` (the PTX ISA's scale-factor layout for a 128-row MMA:
+    four 32-row groups side by side in each 16-byte line). Rows past the last are padded with
+    scale 1 (their elements are the zeros TMA fills in). Needs K // 32 a multiple of 4."""
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or scales.dim() < 2:
+        raise TypeError(f"scales: expected a uint8 tensor [..., rows, K // 32], got {getattr(scales, 'dtype', type(scales).__name__)}"
+                        f"{'' if not isinstance(scales, torch.Tensor) else f' of shape {tuple(scales.shape)}'}")
+    *lead, rows, blocks = scales.shape
+    if blocks % MMA_CHUNK_BLOCKS:
+        raise ValueError(f"scales: expected K // 32 a multiple of {MMA_CHUNK_BLOCKS} (K a multiple of 128), got {blocks} blocks")
+    chunks = -(-rows // MMA_CHUNK_ROWS)
+    padded = scales.new_full((*lead, chunks * MMA_CHUNK_ROWS, blocks), SCALE_ONE)
+    padded[..., :rows, :] = scales
+    # rows as (chunk, 32-row group, row in group), blocks as (chunk, block in chunk)
+    split = padded.reshape(*lead, chunks, 4, 32, blocks // MMA_CHUNK_BLOCKS, MMA_CHUNK_BLOCKS)
+    n = len(lead)
+    order = (*range(n), n, n + 3, n + 2, n + 1, n + 4)  # (row chunk, block chunk, row in group, group, block)
+    return split.permute(order).reshape(*lead, chunks, blocks // MMA_CHUNK_BLOCKS, 512).contiguous()

@@ -14,8 +14,8 @@ import threading
 import torch
 
 from .kernels import (
-    GRID_SYNC_WORDS, combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel, grouped_gemm_variant,
-    quantize_mxfp8_variant, schedule_ctas, schedule_variant,
+    GRID_SYNC_WORDS, MXFP8_GEMM_ARCHS, combine_variant, default_tile_n, expert_mlp_variant, gather_variant, get_kernel,
+    grouped_gemm_mxfp8_variant, grouped_gemm_variant, quantize_mxfp8_variant, schedule_ctas, schedule_variant,
 )
 from .mxfp8 import BLOCK as MXFP8_BLOCK, check_blocked
 from .schedule import Schedule, check_schedule, check_schedule_args, shared_prefix_rows, worst_case_capacity
@@ -203,18 +203,34 @@ def gather_rows_pair(
 
 
 def quantize_mxfp8(
-    x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, rows_used: torch.Tensor | None = None
+    x: torch.Tensor,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows_used: torch.Tensor | None = None,
+    scale_order: str = "rows",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(elements float8_e4m3fn of x's shape, scales uint8 [..., n // 32]) of bf16 ``x`` [..., n]
     (contiguous, n a multiple of 32): the bytes mok.mxfp8.quantize_mxfp8 gives, in one launch.
     ``out``: the (elements, scales) tensors to write. ``rows_used`` (int32 [1] on x's device): only
     the first rows_used[0] rows of x (as rows of n) are converted, the rest of ``out`` is left as it
-    is; the count stays on the device (no host sync)."""
+    is; the count stays on the device (no host sync). ``scale_order`` "mma" (x [R, n], n a multiple
+    of 128): the scales in the order SM100's block-scaled MMAs read them, uint8 [ceil(R / 128),
+    n // 128, 512], the bytes of mok.mxfp8.mma_scale_layout for rows < R (the padding rows' scales
+    are left unwritten: they never reach a row of the GEMM's output), what grouped_gemm_mxfp8 takes."""
     check_tensor("x", x, dtypes=BF16, contiguous=True)
     check_blocked("x", x)
+    if scale_order not in ("rows", "mma"):
+        raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
+    mma_order = scale_order == "mma"
+    if mma_order and (x.dim() != 2 or x.shape[1] % 128):
+        raise ValueError(f"x: expected [R, n] with n a multiple of 128 for scale_order='mma', got shape {tuple(x.shape)}")
     _check_launchable(x=x)
     _check_rows_used(rows_used, x.device)
-    scale_shape = (*x.shape[:-1], x.shape[-1] // MXFP8_BLOCK)
+    blocks_per_row = x.shape[-1] // MXFP8_BLOCK
+    if mma_order:
+        scale_shape = (-(-x.shape[0] // 128), x.shape[1] // 128, 512)
+    else:
+        scale_shape = (*x.shape[:-1], blocks_per_row)
     if out is None:
         out = (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(scale_shape, dtype=torch.uint8, device=x.device))
     elif not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -223,12 +239,12 @@ def quantize_mxfp8(
     check_tensor("out[0]", elements, dtypes=(torch.float8_e4m3fn,), shape=tuple(x.shape), device=x.device, contiguous=True)
     check_tensor("out[1]", scales, dtypes=(torch.uint8,), shape=scale_shape, device=x.device, contiguous=True)
     _check_cuda_aligned("out[0]", elements)
-    if scales.numel() == 0:
+    if x.numel() == 0:
         return elements, scales
-    kernel = _kernel(quantize_mxfp8_variant(bounded=rows_used is not None), x.device)
+    kernel = _kernel(quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=mma_order), x.device)
     kernel(
-        _ptr("bf16", x), _ptr("e4m3", elements), _ptr("u8", scales, 1), _i32(scales.numel()), *_rows_bound(rows_used, scales),
-        _stream(x.device),
+        _ptr("bf16", x), _ptr("e4m3", elements), _ptr("u8", scales, 1), _i32(x.numel() // MXFP8_BLOCK), _ptr("i32", rows_used, 4),
+        _i32(blocks_per_row), _stream(x.device),
     )
     return elements, scales
 
@@ -417,6 +433,74 @@ def grouped_gemm(
         variant, a, b, b if b2 is None else b2, out, tile_expert, h=h_out, row_token=row_token, num_rows=num_rows,
         num_experts=num_experts, num_tokens=a.shape[0] if gather is not None else 1, rows_per_rank=rows_per_rank,
         rank_stride=rank_stride, pull_src=pull_src, pull_counters=pull_counters, timeout_s=timeout_s,
+    )
+    return out
+
+
+def grouped_gemm_mxfp8(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    tile_expert: torch.Tensor,
+    *,
+    b2: torch.Tensor | None = None,
+    b2_scales: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    tile_n: int | None = None,
+    stages: int | None = None,
+) -> torch.Tensor:
+    """:func:`grouped_gemm` on MXFP8 operands, SM100 only (block-scaled tcgen05 MMAs; compile-verified,
+    never run: no SM100 GPU was available to this project).
+
+    out[rows of tile m] = (a ⊙ a_scales)[rows of tile m] · (b ⊙ b_scales)[tile_expert[m]]ᵀ, fp32
+    accumulation, bf16 out [R, N]. a: [R, K] float8_e4m3fn, rows grouped by expert in 128-row
+    tiles; b: [E, N, K] float8_e4m3fn (K-major, the forward's weights); each with its E8M0 scales
+    (a scale per 32 along K) in the MMA's order, mok.mxfp8.mma_scale_layout of what
+    quantize_mxfp8 gives: a_scales uint8 [ceil(R / 128), K / 128, 512], b_scales uint8
+    [E, N / 128, K / 128, 512]. With ``b2`` (and ``b2_scales``) shaped like b: SwiGLU,
+    out = silu(a·B)⊙(a·B2), and ``h_out`` [R, 2N] (optional) receives [a·B | a·B2]. Needs N % 128
+    == 0 and K % 128 == 0. tile_expert: [ceil(R / 128)] int32, -1 leaves a tile's rows unwritten.
+    """
+    check_tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    num_rows, k = a.shape
+    check_tensor("b", b, dtypes=(torch.float8_e4m3fn,), ndim=3, device=a.device, contiguous=True)
+    num_experts, n = b.shape[0], b.shape[1]
+    check_tensor("b", b, shape=(num_experts, n, k))
+    if n % 128 or k % 128:
+        raise ValueError(f"b: expected N % 128 == 0 and K % 128 == 0 with MXFP8 operands, got N={n}, K={k}")
+    tiles = -(-num_rows // 128)
+    u8 = (torch.uint8,)
+    check_tensor("a_scales", a_scales, dtypes=u8, shape=(tiles, k // 128, 512), device=a.device, contiguous=True)
+    check_tensor("b_scales", b_scales, dtypes=u8, shape=(num_experts, n // 128, k // 128, 512), device=a.device, contiguous=True)
+    if (b2 is None) != (b2_scales is None):
+        raise ValueError("b2, b2_scales: expected both (SwiGLU's up projection) or neither")
+    if b2 is not None:
+        check_tensor("b2", b2, dtypes=(torch.float8_e4m3fn,), shape=tuple(b.shape), device=a.device, contiguous=True)
+        check_tensor("b2_scales", b2_scales, dtypes=u8, shape=tuple(b_scales.shape), device=a.device, contiguous=True)
+    if h_out is not None:
+        if b2 is None:
+            raise ValueError("h_out: only with the SwiGLU epilogue (b2 given)")
+        check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * n), device=a.device, contiguous=True)
+    check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(tiles,), device=a.device, contiguous=True)
+    out = _bf16_out(out, (num_rows, n), a.device)
+    _check_launchable(a=a, a_scales=a_scales, out=out, h_out=h_out)
+    _check_weights_launchable(b=b, b_scales=b_scales, b2=b2, b2_scales=b2_scales)
+    arch = _arch_of(a.device.index)
+    if arch not in MXFP8_GEMM_ARCHS:
+        raise NotImplementedError(
+            f"grouped_gemm_mxfp8: needs an SM100 GPU ({', '.join(MXFP8_GEMM_ARCHS)}: block-scaled MMAs), got {arch}"
+        )
+    if num_rows == 0:
+        return out
+    epilogue = "plain" if b2 is None else ("swiglu" if h_out is None else "swiglu_save")
+    kernel = _kernel(grouped_gemm_mxfp8_variant(n, k, epilogue, tile_n, stages), a.device)
+    b2, b2_scales = (b, b_scales) if b2 is None else (b2, b2_scales)
+    kernel(
+        _ptr("e4m3", a), _ptr("e8m0", a_scales), _ptr("e4m3", b), _ptr("e8m0", b_scales), _ptr("e4m3", b2),
+        _ptr("e8m0", b2_scales), _ptr("bf16", out), _ptr("bf16", h_out), _ptr("i32", tile_expert, 4), _i32(num_rows),
+        _i32(num_experts), _stream(a.device),
     )
     return out
 

@@ -1,20 +1,23 @@
 """The SASS of MoK's SM100 GEMMs (compiled for sm_100a here, on any machine), instruction counts.
 
 There is no SM100 GPU to run them; this shows what ptxas made of the PTX: tensor-core MMAs of
-the tcgen05 family, TMA loads, tensor-memory loads, no Hopper or warp-level MMA. Needs
+the tcgen05 family (block-scaled for the MXFP8 GEMMs), TMA loads, tensor-memory loads (and
+copies into it), no Hopper or warp-level MMA. Needs
 cuobjdump (the device machine has it). Usage: python3 perf/sm100_sass.py
 """
 
 import collections
 import re
 
-from mok.kernels import compiled_sass, grouped_gemm_variant, weight_grad_variant
+from mok.kernels import compiled_sass, grouped_gemm_mxfp8_variant, grouped_gemm_variant, weight_grad_variant
 
 VARIANTS = [
     grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False),
     grouped_gemm_variant(7168, 2048, persistent=False),
     grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False),
     weight_grad_variant(4096, 7168, split_out=True, persistent=False),
+    grouped_gemm_mxfp8_variant(2048, 7168, "swiglu_save"),  # MXFP8 operands: block-scaled MMAs, scales copied into TMEM
+    grouped_gemm_mxfp8_variant(7168, 2048),
 ]
 
 

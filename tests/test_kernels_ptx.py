@@ -10,7 +10,8 @@ import pytest
 
 from mok.config import DEFAULT_CONFIG, MoKConfig
 from mok.kernels import (
-    combine_variant, compiled_ptx, compiled_sass, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant, variants_for, weight_grad_variant,
+    combine_variant, compiled_ptx, compiled_sass, grouped_gemm_mxfp8_variant, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant,
+    variants_for, weight_grad_variant,
 )
 
 
@@ -180,20 +181,57 @@ def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
 
 
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize(
+    "n,k,epilogue,tile_n", [(2048, 7168, "swiglu_save", 128), (768, 2048, "swiglu", 128), (7168, 2048, "plain", 256), (2048, 768, "plain", 128)]
+)  # the forward's gate/up (with h) and down projections at dsv3- and qwen3-like shapes
+def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k, epilogue, tile_n):
+    """The MXFP8 grouped GEMM (compile-verified only): block-scaled tcgen05 MMAs (kind::mxf8f6f4,
+    a scale per 32: block32), four a stage and accumulator, each stage's scales copied from shared
+    into tensor memory (tcgen05.cp: one copy per 128 rows of A, B and B2), TMA loads of the operands
+    and of their scales, the bf16 epilogue of the bf16 kernel; no bf16 MMA, no Hopper or warp-level
+    MMA, no spills."""
+    variant = grouped_gemm_mxfp8_variant(n, k, epilogue, tile_n)
+    ptx = compiled_ptx(variant, arch)
+    assert f".target {arch}" in ptx
+    accumulators = 1 if epilogue == "plain" else 2
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale\.block32", ptx) == 4 * accumulators
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 0
+    assert count(r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", ptx) == 1 + accumulators * tile_n // 128
+    assert count(r"tcgen05\.commit\.cta_group::1", ptx) == 2
+    assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == accumulators
+    # A, B (B2) and their scales, in the fill loop and the steady-state loop
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 2 * 2 * (1 + accumulators)
+    assert count(r"st\.global\.v4\.b32", ptx) == 4 * (3 if epilogue == "swiglu_save" else 1)
+    assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert ptxas_spill_bytes(ptx, arch) in (None, 0)
+
+
+def test_mxfp8_grouped_gemm_is_refused_where_no_block_scaled_mma_exists():
+    with pytest.raises(NotImplementedError, match=r"MXFP8 grouped GEMM on sm_90a: needs block-scaled MMAs"):
+        compiled_ptx(grouped_gemm_mxfp8_variant(2048, 7168, "swiglu"), "sm_90a")
+    with pytest.raises(ValueError, match=r"tile_n: expected 128 or 256 \(128 with SwiGLU\)"):
+        compiled_ptx(grouped_gemm_mxfp8_variant(2048, 7168, "swiglu", tile_n=256), "sm_100a")
+
+
 @pytest.mark.skipif(shutil.which("cuobjdump") is None, reason="needs cuobjdump (CUDA toolkit), e.g. on the GPU machine")
 def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
     """What ptxas made of the SM100 GEMMs (compiled for sm_100a on any machine): UTCHMMA (tcgen05
-    MMAs, four a stage and accumulator), UTMALDG (TMA loads), LDTM (tensor-memory loads), no
-    Hopper or warp-level MMA. (The same is printed by perf/sm100_sass.py.)"""
-    cases = [
-        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False), 8, 2),
-        (grouped_gemm_variant(7168, 2048, persistent=False), 4, 1),
-        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False), 4, 1),
-        (weight_grad_variant(4096, 7168, split_out=True, persistent=False), 4, 1),
+    MMAs, four a stage and accumulator; UTCQMMA, the block-scaled ones, for MXFP8 operands, with
+    UTCCP copying each stage's scales into tensor memory), UTMALDG (TMA loads), LDTM
+    (tensor-memory loads), no Hopper or warp-level MMA. (The same is printed by perf/sm100_sass.py.)"""
+    cases = [  # (variant, MMA opcode, MMAs, tensor-memory loads, scale copies)
+        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False), "UTCHMMA", 8, 2, 0),
+        (grouped_gemm_variant(7168, 2048, persistent=False), "UTCHMMA", 4, 1, 0),
+        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False), "UTCHMMA", 4, 1, 0),
+        (weight_grad_variant(4096, 7168, split_out=True, persistent=False), "UTCHMMA", 4, 1, 0),
+        (grouped_gemm_mxfp8_variant(2048, 7168, "swiglu_save"), "UTCQMMA", 8, 2, 3),
+        (grouped_gemm_mxfp8_variant(7168, 2048), "UTCQMMA", 4, 1, 3),
     ]
-    for variant, mmas, tmem_loads in cases:
+    for variant, opcode, mmas, tmem_loads, scale_copies in cases:
         sass = compiled_sass(variant, "sm_100a")
-        assert count(r"\bUTCHMMA\b", sass) == mmas, variant.describe()
+        assert count(rf"\b{opcode}\b", sass) == mmas, variant.describe()
+        assert count(r"\bUTC[HQ]MMA\b", sass) == mmas and count(r"\bUTCCP\b", sass) == scale_copies
         assert count(r"\bLDTM\b", sass) == tmem_loads and count(r"\bUTMALDG\b", sass) >= 4
         assert count(r"\bH[G]?MMA\b", sass) == 0
 
@@ -538,9 +576,10 @@ def test_gate_up_gemm_that_pulls_its_rows_keeps_its_wgmmas_and_copies_with_idle_
     assert_register_handover_fits(pull)
 
 
+@pytest.mark.parametrize("mma_order", [False, True])
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_mxfp8_quantizer_converts_pairs_with_the_saturating_e4m3_cvt_and_moves_16_byte_vectors(arch):
-    ptx = compiled_ptx(quantize_mxfp8_variant(), arch)
+def test_mxfp8_quantizer_converts_pairs_with_the_saturating_e4m3_cvt_and_moves_16_byte_vectors(arch, mma_order):
+    ptx = compiled_ptx(quantize_mxfp8_variant(mma_order=mma_order), arch)
     assert f".target {arch}" in ptx
     # per thread, one block of 32: four 16-byte loads, sixteen pair conversions (round to nearest
     # even), two 16-byte stores of the elements and one byte for the scale
@@ -551,6 +590,8 @@ def test_mxfp8_quantizer_converts_pairs_with_the_saturating_e4m3_cvt_and_moves_1
     # the block maximum is an integer max over the bit patterns (a float max would drop a NaN)
     assert count(r"\bmax\.(f32|NaN)", ptx) == 0 and count(r"\bmax\.[us]32", ptx) >= 31
     assert count(r"\.local", ptx) == 0 and count(r"\batom\.", ptx) == 0
+    # mma_order: the scale's place from the block's row and column (one division by the row's blocks)
+    assert count(r"\bdiv\.", ptx) == (1 if mma_order else 0)
 
 
 @pytest.mark.parametrize("back", [False, True])

@@ -156,3 +156,125 @@ def test_the_dequantizer_op_refuses_bad_input_before_any_launch():
         dequantize_on_gpu(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.uint8))
     with pytest.raises(ValueError, match="multiple of 32"):
         dequantize_on_gpu(torch.zeros(4, 40).to(torch.float8_e4m3fn), torch.zeros(4, 1, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(300, 8), (2, 128, 4), (3, 256, 12)])
+def test_mma_scale_layout_puts_each_scale_where_the_ptx_isa_says(shape):
+    """Every scale lands at the byte the block-scaled MMA's layout gives it (a 512-byte chunk per
+    128 rows and 4 blocks, K's chunks innermost; in a chunk (r % 32)·16 + (r // 32)·4 + c),
+    checked position by position; rows past the end hold scale 1 (127)."""
+    from mok.mxfp8 import mma_scale_layout
+
+    scales = torch.randint(0, 255, shape, dtype=torch.uint8)
+    *lead, rows, blocks = shape
+    chunks = -(-rows // 128)
+    got = mma_scale_layout(scales)
+    assert got.shape == (*lead, chunks, blocks // 4, 512) and got.dtype == torch.uint8
+    flat_in = scales.reshape(-1, rows, blocks)
+    flat_out = got.reshape(-1, chunks * (blocks // 4) * 512)
+    for m in range(flat_in.shape[0]):
+        for r in range(chunks * 128):
+            for c in range(blocks):
+                at = ((r // 128) * (blocks // 4) + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+                expected = flat_in[m, r, c].item() if r < rows else 127
+                assert flat_out[m, at].item() == expected, (m, r, c)
+
+
+def test_mma_scale_layout_is_the_layout_the_sm100_kernel_reads():
+    """The same placement as CuTe's own scale-factor layout (cutlass.utils.blockscaled_layout
+    .tile_atom_to_shape_SF, what the SM100 MXFP8 GEMM's TMA reads), offset by offset, for
+    two 256 x 512 operands (experts): the kernel and the host agree on where each scale lives."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blockscaled_layout as blockscaled_layout
+
+    from mok.mxfp8 import mma_scale_layout
+    from mok.runtime.arch import dsl_target
+
+    rows, k, experts = 256, 512, 2
+    offsets = {}
+
+    @cute.jit
+    def layout_offsets():
+        layout = blockscaled_layout.tile_atom_to_shape_SF((rows, k, experts), 32)
+        for e in cutlass.range_constexpr(experts):
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(k // 32):
+                    offsets[(e, r, c)] = cute.crd2idx((r, c * 32, e), layout)
+
+    with dsl_target("sm_100a"):
+        cute.compile(layout_offsets)
+    scales = torch.randint(0, 255, (experts, rows, k // 32), dtype=torch.uint8)
+    flat = mma_scale_layout(scales).reshape(-1)
+    assert len(offsets) == experts * rows * k // 32
+    for (e, r, c), at in offsets.items():
+        assert flat[int(at)].item() == scales[e, r, c].item(), (e, r, c)
+
+
+def test_mma_scale_layout_refuses_what_it_cannot_lay_out():
+    from mok.mxfp8 import mma_scale_layout
+
+    with pytest.raises(ValueError, match="multiple of 4"):
+        mma_scale_layout(torch.zeros(128, 6, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        mma_scale_layout(torch.zeros(128, 8))
+
+
+def test_the_mxfp8_gemm_op_refuses_bad_input_before_any_launch():
+    from mok.ops import grouped_gemm_mxfp8
+
+    e4m3 = torch.float8_e4m3fn
+    a, a_scales = torch.zeros(200, 256).to(e4m3), torch.zeros(2, 2, 512, dtype=torch.uint8)
+    b, b_scales = torch.zeros(3, 128, 256).to(e4m3), torch.zeros(3, 1, 2, 512, dtype=torch.uint8)
+    tiles = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        grouped_gemm_mxfp8(a.to(torch.bfloat16), a_scales, b, b_scales, tiles)
+    with pytest.raises(ValueError, match=r"a_scales: expected shape \[2, 2, 512\]"):
+        grouped_gemm_mxfp8(a, a_scales[:1], b, b_scales, tiles)
+    with pytest.raises(ValueError, match=r"b_scales: expected shape \[3, 1, 2, 512\]"):
+        grouped_gemm_mxfp8(a, a_scales, b, b_scales[:, :, :1], tiles)
+    with pytest.raises(ValueError, match="K % 128 == 0"):
+        grouped_gemm_mxfp8(a[:, :192].contiguous(), a_scales, b[:, :, :192].contiguous(), b_scales, tiles)
+    with pytest.raises(ValueError, match="both"):
+        grouped_gemm_mxfp8(a, a_scales, b, b_scales, tiles, b2=b)
+    with pytest.raises(ValueError, match="h_out: only with the SwiGLU epilogue"):
+        grouped_gemm_mxfp8(a, a_scales, b, b_scales, tiles, h_out=torch.zeros(200, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        grouped_gemm_mxfp8(a, a_scales, b, b_scales, tiles)
+
+
+def test_the_quantizer_op_refuses_an_mma_scale_order_it_cannot_write():
+    from mok.ops import quantize_mxfp8 as quantize_on_gpu
+
+    with pytest.raises(ValueError, match="scale_order: expected 'rows' or 'mma'"):
+        quantize_on_gpu(torch.zeros(4, 128, dtype=torch.bfloat16), scale_order="cols")
+    with pytest.raises(ValueError, match=r"n a multiple of 128 for scale_order='mma', got shape \(4, 96\)"):
+        quantize_on_gpu(torch.zeros(4, 96, dtype=torch.bfloat16), scale_order="mma")
+    with pytest.raises(ValueError, match=r"n a multiple of 128 for scale_order='mma', got shape \(2, 4, 128\)"):
+        quantize_on_gpu(torch.zeros(2, 4, 128, dtype=torch.bfloat16), scale_order="mma")
+
+
+def test_the_mxfp8_forward_refuses_bad_input_before_any_launch():
+    from mok.mxfp8_forward import Mxfp8ExpertWeights, mxfp8_moe_forward
+
+    e4m3 = torch.float8_e4m3fn
+    num_tokens, hidden, inter, experts, topk = 8, 256, 128, 4, 2
+    x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16)
+    idx = torch.zeros(num_tokens, topk, dtype=torch.int32)
+    idx[:, 1] = 1
+    w = torch.rand(num_tokens, topk)
+
+    def weights(inter=inter, scale_k=hidden // 128):
+        proj = lambda n, k, sk: (torch.zeros(experts, n, k).to(e4m3), torch.zeros(experts, n // 128, sk, 512, dtype=torch.uint8))  # noqa: E731
+        return Mxfp8ExpertWeights(proj(inter, hidden, scale_k), proj(inter, hidden, hidden // 128), proj(hidden, inter, inter // 128))
+
+    with pytest.raises(TypeError, match="Mxfp8ExpertWeights"):
+        mxfp8_moe_forward(x, idx, w, (None, None, None))
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16"):
+        mxfp8_moe_forward(x.float(), idx, w, weights())
+    with pytest.raises(ValueError, match=r"weights.gate scales: expected shape \[4, 1, 2, 512\]"):
+        mxfp8_moe_forward(x, idx, w, weights(scale_k=1))
+    with pytest.raises(ValueError, match=r"topk_w: expected shape \[8, 2\]"):
+        mxfp8_moe_forward(x, idx, w[:, :1], weights())
+    with pytest.raises(NotImplementedError, match="needs an SM100 GPU .*got cpu"):
+        mxfp8_moe_forward(x, idx, w, weights())

@@ -165,3 +165,32 @@ def test_bounded_conversions_check_the_count():
     elements, scales = quantize_mxfp8(x)
     with pytest.raises(ValueError, match=r"rows_used: .*cuda"):
         dequantize_mxfp8(elements, scales, rows_used=torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("rows,width", [(300, 2048), (128, 7168), (1, 128), (4096, 768)])
+def test_quantizer_writes_scales_in_the_mma_order(rows, width):
+    """scale_order="mma" (what grouped_gemm_mxfp8 reads on SM100; the kernel is arch-neutral): the
+    reference's elements, and its scales at the places mok.mxfp8.mma_scale_layout gives them, every
+    byte of rows < R written (two fills), the padding rows' bytes left alone; bounded by a device
+    count too, the rows past it untouched."""
+    from mok.mxfp8 import mma_scale_layout
+
+    x = random_rows((rows, width), seed=rows + width)
+    want_elements, want_scales = quantize_reference(x.cpu())
+    want = mma_scale_layout(want_scales)
+    filled = mma_scale_layout(torch.ones_like(want_scales)) == 1  # the bytes of real rows (padding holds 127)
+    for byte in (0x00, 0xFF):
+        elements = torch.full((rows, width), byte, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        scales = torch.full(tuple(want.shape), byte, dtype=torch.uint8, device="cuda")
+        quantize_mxfp8(x, out=(elements, scales), scale_order="mma")
+        assert torch.equal(elements.view(torch.uint8).cpu(), want_elements.view(torch.uint8))
+        got = scales.cpu()
+        assert torch.equal(got[filled], want[filled]) and (got[~filled] == byte).all()
+    used = rows // 2
+    count = torch.full((1,), used, dtype=torch.int32, device="cuda")
+    scales = torch.full(tuple(want.shape), 0xAB, dtype=torch.uint8, device="cuda")
+    elements = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device="cuda")
+    quantize_mxfp8(x, out=(elements, scales), rows_used=count, scale_order="mma")
+    used_bytes = mma_scale_layout(torch.zeros_like(want_scales).index_fill_(0, torch.arange(used), 1)) == 1
+    got = scales.cpu()
+    assert torch.equal(got[used_bytes], want[used_bytes]) and (got[~used_bytes] == 0xAB).all()

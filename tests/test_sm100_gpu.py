@@ -179,3 +179,103 @@ def test_sm100_layer_forward_and_backward_match_the_float32_reference(T, H, I, E
     again = moe_forward(x, idx, w, *experts, shared).out
     assert torch.equal(out, again)
     check_backward_against_autograd(T, H, I, E, k, shared_inter, routing)
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,experts,epilogue,tile_n",
+    [
+        (1000, 256, 384, 5, "plain", 128),  # a partial last tile, K of three stages
+        (384, 7168, 2048, 2, "plain", 256),  # the down projection's shapes
+        (300, 768, 2048, 3, "swiglu", 128),
+        (520, 2048, 7168, 4, "swiglu_save", 128),  # the gate/up projection's shapes (dsv3-like)
+        (37, 128, 128, 1, "swiglu_save", 128),  # one partial tile, one K tile
+    ],
+)
+def test_sm100_mxfp8_grouped_gemm_matches_the_float64_product_of_its_dequantized_operands(rows, n, k, experts, epilogue, tile_n):
+    """ops.grouped_gemm_mxfp8 on operands quantized by mok.mxfp8 (blocks' magnitudes spread over
+    2^-6..2^6 so a misplaced scale shows): against float64 products of the dequantized operands (every product
+    exact; the kernel's only rounding is its fp32 sums and the bf16 output)."""
+    from mok.mxfp8 import dequantize_mxfp8, mma_scale_layout, quantize_mxfp8
+
+    g = torch.Generator(device="cuda").manual_seed(rows + n + k)
+
+    def spread(shape):  # values whose blocks of 32 have very different magnitudes
+        x = torch.randn(shape, device="cuda", generator=g)
+        blocks = torch.randint(-6, 7, (*shape[:-1], shape[-1] // 32), device="cuda", generator=g).float()
+        return (x * torch.exp2(blocks).repeat_interleave(32, dim=-1)).bfloat16()
+
+    tiles = -(-rows // 128)
+    a_q, a_s = quantize_mxfp8(spread((rows, k)))
+    weights = [quantize_mxfp8(spread((experts, n, k))) for _ in range(1 if epilogue == "plain" else 2)]
+    tile_expert = torch.randint(0, experts, (tiles,), device="cuda", dtype=torch.int32, generator=g)
+    if tiles > 1:
+        tile_expert[1] = -1  # a skipped tile keeps its (poisoned) output rows
+    b, b_s = weights[0]
+    b2, b2_s = weights[1] if len(weights) == 2 else (None, None)
+    h = poisoned(rows, 2 * n) if epilogue == "swiglu_save" else None
+
+    def run():
+        return ops.grouped_gemm_mxfp8(
+            a_q, mma_scale_layout(a_s), b, mma_scale_layout(b_s), tile_expert, b2=b2,
+            b2_scales=None if b2 is None else mma_scale_layout(b2_s), out=poisoned(rows, n), h_out=h, tile_n=tile_n,
+        )
+
+    out = run()
+    a_f = dequantize_mxfp8(a_q, a_s).double()
+    b_f = [dequantize_mxfp8(q, s).double() for q, s in weights]
+    for t in range(tiles):
+        rs = slice(128 * t, min(128 * (t + 1), rows))
+        e = int(tile_expert[t])
+        if e < 0:
+            assert out[rs].isnan().all() and (h is None or h[rs].isnan().all())
+            continue
+        gate = a_f[rs] @ b_f[0][e].T
+        want = gate
+        if epilogue != "plain":
+            up = a_f[rs] @ b_f[1][e].T
+            want = torch.nn.functional.silu(gate) * up
+            if h is not None:
+                assert rel_err(h[rs, :n], gate) < 1e-2 and rel_err(h[rs, n:], up) < 1e-2
+        assert not out[rs].isnan().any()
+        assert rel_err(out[rs], want) < 1e-2
+    assert torch.equal(out.nan_to_num(), run().nan_to_num())  # deterministic
+
+
+def mxfp8_forward_reference(x, idx, w, experts, shared):
+    """float64: each expert's SwiGLU MLP on MXFP8-rounded x and weights, a rounded to bf16 (the
+    GEMM's output) and then through MXFP8 (the down projection's input); the shared expert in bf16
+    operands; the weighted sum in slot order."""
+    from mok.mxfp8 import fake_quantize_mxfp8
+    from mok.reference import swiglu_mlp, weighted_sum
+
+    fq = lambda t: fake_quantize_mxfp8(t).double()  # noqa: E731
+    x_q, (g_q, u_q, d_q) = fq(x), [fq(t) for t in experts]
+    y = torch.zeros(x.shape[0], idx.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in range(g_q.shape[0]):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            a = torch.nn.functional.silu(x_q[tok] @ g_q[e].T) * (x_q[tok] @ u_q[e].T)
+            y[tok, slot] = fq(a.bfloat16()) @ d_q[e].T
+    base = None if shared is None else swiglu_mlp(x.double(), *(t.double() for t in shared))
+    return weighted_sum(y, w.double(), base)
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [
+    (4096, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
+])
+def test_sm100_mxfp8_forward_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing):
+    """mok.mxfp8_forward (the routed experts' GEMMs on MXFP8 operands): against the float64
+    reference of the same roundings; deterministic, and a token's output the same bits whatever
+    the rest of the batch (the first half of the tokens alone)."""
+    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+
+    from helpers import gpu_layer, worst_row_err
+
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 1, routing=routing)
+    weights = quantize_expert_weights(*experts)
+    out = mxfp8_moe_forward(x, idx, w, weights, shared, out=poisoned(T, H))
+    want = mxfp8_forward_reference(x, idx, w, experts, shared)
+    assert not out.isnan().any() and rel_err(out, want) < 1e-2 and worst_row_err(out, want) < 5e-2
+    assert torch.equal(out, mxfp8_moe_forward(x, idx, w, weights, shared))
+    half = T // 2
+    assert torch.equal(out[:half], mxfp8_moe_forward(x[:half], idx[:half], w[:half], weights, shared))

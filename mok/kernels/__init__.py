@@ -70,16 +70,20 @@ def gather_variant(width: int, sources: int = 1) -> KernelVariant:
     return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
 
 
-def quantize_mxfp8_variant(back: bool = False, bounded: bool = False) -> KernelVariant:
+def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order: bool = False) -> KernelVariant:
     """bf16 rows -> MXFP8 elements and E8M0 scales (mok/mxfp8.py's rule), or with ``back`` MXFP8 ->
-    bf16; no static shape. ``bounded``: only the rows a device count says are in use."""
+    bf16; no static shape. ``bounded``: only the rows a device count says are in use. ``mma_order``
+    (quantizing): the scales in the order SM100's block-scaled MMAs read (mok.mxfp8.mma_scale_layout)."""
+    if back and mma_order:
+        raise ValueError("mma_order: only when quantizing")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.mxfp8_quantize import compile_mxfp8
 
-        return compile_mxfp8(arch, options, back=back, bounded=bounded)
+        return compile_mxfp8(arch, options, back=back, bounded=bounded, mma_order=mma_order)
 
-    return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", {"bounded": True} if bounded else {}, build)
+    config = ({"bounded": True} if bounded else {}) | ({"mma_order": True} if mma_order else {})
+    return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", config, build)
 
 
 SCHEDULE_THREADS = 512  # threads per CTA of the schedule launch
@@ -203,6 +207,30 @@ def grouped_gemm_variant(
 
     config = {"n": n, "k": k, "tile_n": tile_n, "stages": stages or 0, **options}  # stages 0: as deep as fits
     return KernelVariant("grouped_gemm", config, build)
+
+
+MXFP8_GEMM_ARCHS = ("sm_100a", "sm_103a")  # block-scaled MMAs (tcgen05 kind::mxf8f6f4); Hopper has none
+
+
+def grouped_gemm_mxfp8_variant(n: int, k: int, epilogue: str = "plain", tile_n: int | None = None, stages: int | None = None) -> KernelVariant:
+    """Expert-grouped GEMM on MXFP8 operands (E4M3, an E8M0 scale per 32 along K), SM100 only:
+    block-scaled tcgen05 MMAs, mok/kernels/sm100/grouped_gemm.py (compile-verified, never run).
+    ``epilogue`` plain, swiglu or swiglu_save; ``tile_n`` 128 or 256 (default: 256 for the plain
+    epilogue where N allows, else 128)."""
+    tile_n = (256 if epilogue == "plain" and n % 256 == 0 else 128) if tile_n is None else tile_n
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        if arch not in MXFP8_GEMM_ARCHS:
+            raise NotImplementedError(
+                f"MXFP8 grouped GEMM on {arch}: needs block-scaled MMAs, which only {', '.join(MXFP8_GEMM_ARCHS)} have "
+                "(on Hopper MoK keeps MXFP8 as a storage and transport format and computes in bf16)"
+            )
+        from .sm100.grouped_gemm import compile_grouped_gemm_mxfp8_sm100
+
+        return compile_grouped_gemm_mxfp8_sm100(n, k, arch, compile_options, epilogue=epilogue, tile_n=tile_n, stages=stages)
+
+    config = {"n": n, "k": k, "epilogue": epilogue, "tile_n": tile_n, "stages": stages or 0}
+    return KernelVariant("grouped_gemm_mxfp8", config, build)
 
 
 def expert_mlp_variant(

@@ -42,12 +42,13 @@ def _dsl():
     import cutlass
     from cutlass.cute.runtime import make_ptr
 
-    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32, "e4m3": cutlass.Float8E4M3FN, "u8": cutlass.Uint8}
+    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32, "e4m3": cutlass.Float8E4M3FN, "u8": cutlass.Uint8,
+              "e8m0": cutlass.Float8E8M0FNU}
     return make_ptr, dtypes, cutlass.cute.AddressSpace.gmem, cutlass.Int32, cutlass.Int64
 
 
 def ptr(dtype_name: str, t: torch.Tensor | None, align: int = 16):
-    """A kernel's pointer argument: ``t``'s data (elements "bf16", "f32", "i32", "e4m3" or "u8", ``align``-byte
+    """A kernel's pointer argument: ``t``'s data (elements "bf16", "f32", "i32", "e4m3", "u8" or "e8m0", ``align``-byte
     aligned, as the kernel was compiled for), or null for an argument the kernel does not use."""
     address = 0 if t is None else t.data_ptr()
     if convention() == "tvm_ffi":

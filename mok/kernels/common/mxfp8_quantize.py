@@ -59,9 +59,10 @@ def block_tensors(values_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_p
 
 
 @cute.jit
-def quantize_block(m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor, block):
-    """Block ``block`` of ``m_x`` ([n, 32] bf16) into its 32 E4M3 elements and its scale byte, by
-    mok.mxfp8's rule (the module docstring). (Shared by the quantizer and the EP publish of MXFP8 rows.)"""
+def quantize_block(m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor, block, scale_index=None):
+    """Block ``block`` of ``m_x`` ([n, 32] bf16) into its 32 E4M3 elements and its scale byte (at
+    ``scale_index``, default ``block``), by mok.mxfp8's rule (the module docstring). (Shared by the
+    quantizer and the EP publish of MXFP8 rows.)"""
     values = cute.make_rmem_tensor((BLOCK,), cutlass.Float32)
     values.store(m_x[block, None].load().to(cutlass.Float32))
     bits = cute.recast_tensor(values, cutlass.Int32)
@@ -82,15 +83,31 @@ def quantize_block(m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Ten
         exponent = NAN_EXPONENT
         cute.recast_tensor(elements, cutlass.Uint8).fill(ELEMENT_NAN)
     m_elements[block, None].store(elements.load())
-    m_scales[block] = cutlass.Uint8(exponent)
+    if cutlass.const_expr(scale_index is None):
+        m_scales[block] = cutlass.Uint8(exponent)
+    else:
+        m_scales[scale_index] = cutlass.Uint8(exponent)
+
+
+@cute.jit
+def mma_scale_index(block, blocks_per_row) -> cutlass.Int32:
+    """Where block ``block`` (of rows of ``blocks_per_row`` blocks, a multiple of 4) keeps its scale
+    in the order SM100's block-scaled MMAs read (mok.mxfp8.mma_scale_layout): a 512-byte chunk per
+    128 rows and 4 blocks, K's chunks innermost; in a chunk (r % 32)·16 + (r // 32 % 4)·4 + c % 4."""
+    row = block // blocks_per_row
+    col = block - row * blocks_per_row
+    chunk = (row >> 7) * (blocks_per_row >> 2) + (col >> 2)
+    return chunk * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 + (col & 3)
 
 
 class QuantizeMxfp8Kernel:
-    """Static config: threads per CTA, ``bounded`` (any row width that is a multiple of 32)."""
+    """Static config: threads per CTA, ``bounded``, ``mma_order`` (the scales in the order of
+    :func:`mma_scale_index`; rows of a multiple of 128 elements) (any row width that is a multiple of 32)."""
 
-    def __init__(self, threads: int = 128, bounded: bool = False) -> None:
+    def __init__(self, threads: int = 128, bounded: bool = False, mma_order: bool = False) -> None:
         self.threads = threads
         self.bounded = bounded
+        self.mma_order = mma_order
 
     @cute.jit
     def __call__(
@@ -104,7 +121,9 @@ class QuantizeMxfp8Kernel:
         stream: cuda.CUstream,
     ):
         """x [num_blocks·32] bf16 -> elements [num_blocks·32] E4M3, scales [num_blocks] E8M0 bytes
-        (``bounded``: the first rows_used[0]·blocks_per_row blocks only; else the two are not read)."""
+        (``bounded``: the first rows_used[0]·blocks_per_row blocks only; ``mma_order``: the scales at
+        :func:`mma_scale_index`, the scale tensor covering whole 128-row chunks; blocks_per_row is
+        read by either, else ignored)."""
         m_x, m_elements, m_scales = block_tensors(x_ptr, elements_ptr, scales_ptr, num_blocks)
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel(m_x, m_elements, m_scales, m_used, blocks_per_row).launch(**self.launch_shape(num_blocks, stream))
@@ -127,7 +146,10 @@ class QuantizeMxfp8Kernel:
         cta, _, _ = cute.arch.block_idx()
         block = cta * self.threads + tidx
         if block < self.blocks_to_convert(m_x.shape[0], m_used, blocks_per_row):
-            quantize_block(m_x, m_elements, m_scales, block)
+            if cutlass.const_expr(self.mma_order):
+                quantize_block(m_x, m_elements, m_scales, block, mma_scale_index(block, blocks_per_row))
+            else:
+                quantize_block(m_x, m_elements, m_scales, block)
 
 
 class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
@@ -176,9 +198,9 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
                 m_out[chunk, None].store(values.to(m_out.element_type))
 
 
-def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: bool = False):
-    """Compile the quantizer (``back``: the dequantizer; ``bounded``: converting the rows in use) for
-    ``arch`` without tensors."""
+def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: bool = False, mma_order: bool = False):
+    """Compile the quantizer (``back``: the dequantizer; ``bounded``: converting the rows in use;
+    ``mma_order``: scales in the MMA's order) for ``arch`` without tensors."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
@@ -189,6 +211,6 @@ def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: boo
     kernel_class = DequantizeMxfp8Kernel if back else QuantizeMxfp8Kernel
     pointers = (elements, scales, bf16) if back else (bf16, elements, scales)
     return cute.compile(
-        kernel_class(bounded=bounded), *pointers, cutlass.Int32(1), rows_used, cutlass.Int32(1), make_fake_stream(),
+        kernel_class(bounded=bounded, mma_order=mma_order), *pointers, cutlass.Int32(1), rows_used, cutlass.Int32(1), make_fake_stream(),
         options=f"--gpu-arch {arch} {options}".strip(),
     )

@@ -39,7 +39,7 @@ from ..common.gemm_args import expert_weights, grouped_gemm_compile_args, groupe
 from ..common.row_weight import row_router_weight
 from ..common.swiglu import swiglu_backward_values, swiglu_value
 from ..common.tile_order import grouped_tile
-from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_M, Tcgen05TileKernel, pick_stages
+from .tcgen05_tile import EPI_COLS, SCALE_BLOCK, THREADS, TILE_K, TILE_K_MXFP8, TILE_M, Tcgen05TileKernel, pick_stages
 
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 
@@ -130,8 +130,12 @@ class GroupedGemmSm100(Tcgen05TileKernel):
         tiled_mma, a_smem, b_smem = self.make_mma("k", "k" if self.b_major == "k" else "mn")
         loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, m_b, m_b2)  # [(atom, coordinates)] of A, B, B2
         self.shared_storage_type = self.shared_storage(a_smem, b_smem)
-        all_tiles = num_row_tiles * (n // tile_n)
-        self.kernel(tiled_mma, a_smem, b_smem, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows).launch(
+        self.launch(tiled_mma, (a_smem, b_smem), loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream)
+
+    def launch(self, tiled_mma, smem_layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream):
+        """Host side: one CTA per output tile."""
+        all_tiles = num_row_tiles * (self.n // self.tile_shape_mnk[1])
+        self.kernel(tiled_mma, smem_layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows).launch(
             grid=[all_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
@@ -139,8 +143,7 @@ class GroupedGemmSm100(Tcgen05TileKernel):
     def kernel(
         self,
         tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
+        smem_layouts: tuple,
         loads: tuple,
         m_c: cute.Tensor,
         row_args: tuple,
@@ -148,36 +151,52 @@ class GroupedGemmSm100(Tcgen05TileKernel):
         num_row_tiles: cutlass.Int32,
         num_rows: cutlass.Int32,
     ):
-        """One CTA per output tile; ``loads`` = the TMA atoms and coordinate tensors of A, B and B2,
-        ``row_args`` the epilogue's row tensors (h, a_scaled, partial, row_token, row_slot, topk_w)."""
+        """One CTA per output tile; ``smem_layouts`` = the staged layouts of A and B (MXFP8: and of
+        their scales), ``loads`` = the TMA atoms and coordinate tensors of A, B and B2 (MXFP8: then of
+        their scales), ``row_args`` the epilogue's row tensors (h, a_scaled, partial, row_token,
+        row_slot, topk_w)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
         tile_row, tile_col = grouped_tile(linear, num_row_tiles, self.n // self.tile_shape_mnk[1])
         expert = m_tiles[tile_row]
         if expert >= 0:
-            stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, a_smem, b_smem, loads)
+            a_smem, b_smem = smem_layouts[0], smem_layouts[1]
+            scale_layouts = smem_layouts[2:] if self.mxfp8 else None
+            stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, a_smem, b_smem, loads, scale_layouts)
             views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, expert)
-            self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, self.k // self.tile_shape_mnk[2])
+            self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, self.k // self.tile_shape_mnk[2], scale_layouts)
             acc_full = self.wait_accumulators(tmem, pipes)
             self.epilogue(tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows)
             self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
 
     def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, expert):
         """The TMA partitions of this tile's operands, (atom, global by K tile, shared by stage) for
-        A, B and B2: what ``load_stage`` reads."""
-        return (
+        A, B and B2 (MXFP8: then for their scales): what ``load_stage`` reads."""
+        views = (
             self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0),
             self.operand_view(tiled_mma, loads[1], stages[1], "b", tile_col, expert),
             self.operand_view(tiled_mma, loads[2], stages[2], "b", tile_col, expert),
         )
+        if cutlass.const_expr(self.mxfp8):
+            views += (
+                self.operand_view(tiled_mma, loads[3], stages[3], "a", tile_row, 0, scales=True),
+                self.operand_view(tiled_mma, loads[4], stages[4], "b", tile_col, expert, scales=True),
+                self.operand_view(tiled_mma, loads[5], stages[5], "b", tile_col, expert, scales=True),
+            )
+        return views
 
     @cute.jit
     def load_stage(self, empty, views):
-        """TMA-load K tile ``empty.count`` of A and B (and B2; k_split: B or B2) into stage ``empty.index``."""
-        (tma_a, g_a, s_a), (tma_b, g_b, s_b), (tma_b2, g_b2, s_b2) = views
+        """TMA-load K tile ``empty.count`` of A and B (and B2; k_split: B or B2; MXFP8: and their
+        scales) into stage ``empty.index``."""
+        (tma_a, g_a, s_a), (tma_b, g_b, s_b), (tma_b2, g_b2, s_b2) = views[0], views[1], views[2]
         k_tile = empty.count
         cute.copy(tma_a, g_a[(None, k_tile)], s_a[(None, empty.index)], tma_bar_ptr=empty.barrier)
+        if cutlass.const_expr(self.mxfp8):
+            for operand in cutlass.range_constexpr(3, 4 + self.num_b):  # A's scales, B's (and B2's)
+                tma_sf, g_sf, s_sf = views[operand]
+                cute.copy(tma_sf, g_sf[(None, k_tile)], s_sf[(None, empty.index)], tma_bar_ptr=empty.barrier)
         if cutlass.const_expr(self.k_split):
             half = self.b_k // self.tile_shape_mnk[2]
             if k_tile < half:
@@ -263,6 +282,95 @@ class GroupedGemmSm100(Tcgen05TileKernel):
     def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
         """Router weight of a buffer row (mok/kernels/common/row_weight.py)."""
         return row_router_weight(row, num_rows, m_row_token, m_row_slot, m_topk_w, self.topk, self.unit_scale)
+
+
+class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
+    """The forward's grouped GEMMs on MXFP8 operands (block-scaled tcgen05 MMAs, kind::mxf8f6f4):
+
+        C[rows of tile m, :] = epilogue((A ⊙ SA)[rows of tile m, :] · (B[e(m)] ⊙ SB[e(m)])ᵀ)
+
+    A [R, K] and each expert's B [N, K] (K-major: the forward's weights as stored) hold E4M3
+    elements; SA and SB one E8M0 scale per 32 elements along K, in the MMA's scale order
+    (mok.mxfp8.mma_scale_layout: A's rows padded to whole 128-row tiles). Epilogues ``plain``,
+    ``swiglu`` and ``swiglu_save`` as for bf16 operands (the fp32 accumulators are the same kind of
+    value), bf16 out. Static config: N, K (a multiple of 128), epilogue, column tile (128 or 256;
+    128 with SwiGLU: two accumulators and the scales must fit 512 tensor-memory columns), stages.
+    Compile-verified only, never run (no SM100 GPU here)."""
+
+    mxfp8 = True
+
+    def __init__(self, n: int, k: int, epilogue: str = "plain", *, tile_n: int = 128, stages: int | None = None) -> None:
+        if epilogue not in ("plain", "swiglu", "swiglu_save"):
+            raise ValueError(f"epilogue: expected plain, swiglu or swiglu_save with MXFP8 operands, got {epilogue!r}")
+        if tile_n not in (128, 256) or (epilogue != "plain" and tile_n != 128):
+            raise ValueError(f"tile_n: expected 128 or 256 (128 with SwiGLU) with MXFP8 operands, got {tile_n}")
+        if k % TILE_K_MXFP8:
+            raise ValueError(f"k: expected a multiple of {TILE_K_MXFP8} with MXFP8 operands, got {k}")
+        super().__init__(n, k, epilogue, tile_n=tile_n)
+        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K_MXFP8)
+        rows = TILE_M + self.num_b * tile_n
+        self.ab_stage = pick_stages(rows * TILE_K_MXFP8 + rows * (TILE_K_MXFP8 // SCALE_BLOCK) + 3 * 128, stages)
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        a_scale_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        b_scale_ptr: cute.Pointer,
+        b2_ptr: cute.Pointer,
+        b2_scale_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        h_ptr: cute.Pointer,
+        tile_expert_ptr: cute.Pointer,
+        num_rows: cutlass.Int32,
+        num_experts: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """A and its scales, B and B2 and theirs (B2: SwiGLU's up projection; the plain epilogue
+        ignores it), C [R, N] and h [R, 2N] (swiglu_save) in bf16, tile_expert [ceil(R / 128)]."""
+        n, k = self.n, self.k
+        tile_m = self.tile_shape_mnk[0]
+        num_row_tiles = (num_rows + tile_m - 1) // tile_m
+        m_a = cute.make_tensor(a_ptr, cute.make_layout((num_rows, k, 1), stride=(k, 1, num_rows * k)))
+        m_sfa = self.scale_tensor(a_scale_ptr, num_row_tiles * tile_m, k, 1)
+        m_bs = (self.b_tensor(b_ptr, num_experts), self.b_tensor(b2_ptr, num_experts))
+        m_sfbs = (self.scale_tensor(b_scale_ptr, n, k, num_experts), self.scale_tensor(b2_scale_ptr, n, k, num_experts))
+        m_c = cute.make_tensor(c_ptr, cute.make_layout((num_rows, n), stride=(n, 1)))
+        m_h = cute.make_tensor(h_ptr, cute.make_layout((num_rows, 2 * n), stride=(2 * n, 1)))
+        m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
+        # the epilogue's other row tensors serve only swiglu_bwd: stand-ins, never read here
+        row_args = (m_h, m_c, m_c, m_tiles, m_tiles, m_c)
+
+        tiled_mma, a_smem, b_smem = self.make_mma("k", "k")
+        sfa_smem, sfb_smem = self.make_scale_layouts(tiled_mma)
+        loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, *m_bs)
+        loads += self.scale_load_atoms(tiled_mma, sfa_smem, sfb_smem, m_sfa, *m_sfbs)
+        self.shared_storage_type = self.shared_storage(a_smem, b_smem, sfa_smem, sfb_smem)
+        self.launch(tiled_mma, (a_smem, b_smem, sfa_smem, sfb_smem), loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream)
+
+
+def grouped_gemm_mxfp8_compile_args() -> tuple:
+    """:class:`GroupedGemmMxfp8Sm100`'s ``__call__`` arguments as compile-time stand-ins (pointers
+    as mok.ops.grouped_gemm_mxfp8 passes them)."""
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    gmem = cute.AddressSpace.gmem
+    e4m3 = lambda: make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16)  # noqa: E731
+    e8m0 = lambda: make_ptr(cutlass.Float8E8M0FNU, 0, gmem, assumed_align=16)  # noqa: E731
+    bf16 = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
+    return (
+        e4m3(), e8m0(), e4m3(), e8m0(), e4m3(), e8m0(), bf16(), bf16(), make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
+        cutlass.Int32(128), cutlass.Int32(1), make_fake_stream(),
+    )
+
+
+def compile_grouped_gemm_mxfp8_sm100(
+    n: int, k: int, arch: str, options: str = "", *, epilogue: str = "plain", tile_n: int = 128, stages: int | None = None
+):
+    """Compile :class:`GroupedGemmMxfp8Sm100` for ``arch`` (sm_100a or sm_103a) without tensors."""
+    kernel = GroupedGemmMxfp8Sm100(n, k, epilogue, tile_n=tile_n, stages=stages)
+    return cute.compile(kernel, *grouped_gemm_mxfp8_compile_args(), options=f"--gpu-arch {arch} {options}".strip())
 
 
 SM90_ONLY_OPTIONS = ("gather_a", "gather_ranks", "combine", "has_shared", "scatter", "skip_padding", "pull_a", "pingpong")

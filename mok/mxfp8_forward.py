@@ -1,0 +1,112 @@
+"""The MoE forward with its expert GEMMs on MXFP8 operands (SM100: block-scaled tcgen05 MMAs).
+
+    device schedule                 -> row slots, tile -> expert map (as the bf16 forward's)
+    row gather                      -> x_rows [R, H] bf16, rows grouped by expert
+    quantize (scales in MMA order)  -> x_rows in MXFP8
+    MXFP8 grouped GEMM + SwiGLU     -> a [R, I] bf16 (fp32 accumulation)
+    quantize                        -> a in MXFP8
+    MXFP8 grouped GEMM              -> y_rows [R, H] bf16
+    combine                         -> out[t] = shared[t] + Σ_j w[t, j]·y_rows[slot_row[t, j]]
+
+The expert weights are quantized once (:func:`quantize_expert_weights`) and reused across calls
+until they change. Only the rows the schedule uses are converted (a count on the device: no host
+sync). Quantization is mok.mxfp8's rule (E4M3 elements, an E8M0 scale per 32 along K, rounded up);
+every scale, row and tile decision depends on static shapes and each row's own values, so a
+token's output does not depend on the rest of the batch. The shared expert (if any) runs in bf16.
+Forward only: the bf16 backward (mok/fused_backward.py) does not take this forward's state.
+
+Status: the GEMMs are compile-verified only (no SM100 GPU was available to this project); the
+rest is the bf16 forward's kernels plus the quantizer, which run on Hopper too.
+tests/test_sm100_gpu.py holds this forward to the float64 reference on MXFP8-rounded operands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .fused_forward import TILE_M, shared_expert_forward
+from .kernels import MXFP8_GEMM_ARCHS
+from .reference import SharedExpert
+from .runtime.arch import device_arch
+from .schedule import worst_case_capacity
+from .validation import check_index_range, check_moe_inputs, check_tensor
+
+
+@dataclass(frozen=True)
+class Mxfp8ExpertWeights:
+    """The experts' weights in MXFP8, each as (elements float8_e4m3fn, scales uint8 in the MMA's
+    order): gate and up [E, I, H] with scales [E, I/128, H/128, 512], down [E, H, I] with
+    [E, H/128, I/128, 512] (mok.mxfp8.mma_scale_layout)."""
+
+    gate: tuple[torch.Tensor, torch.Tensor]
+    up: tuple[torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor]
+
+
+def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's weights [E, N, K] (bf16, CUDA, N and K multiples of 128) in MXFP8 along K:
+    (elements [E, N, K], scales [E, N/128, K/128, 512] in the MMA's order), one launch."""
+    check_tensor("w", w, dtypes=(torch.bfloat16,), ndim=3, contiguous=True)
+    experts, n, k = w.shape
+    if n % 128 or k % 128:
+        raise ValueError(f"w: expected [E, N, K] with N and K multiples of 128, got {list(w.shape)}")
+    elements, scales = ops.quantize_mxfp8(w.reshape(experts * n, k), scale_order="mma")
+    return elements.reshape(experts, n, k), scales.reshape(experts, n // 128, k // 128, 512)
+
+
+def quantize_expert_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> Mxfp8ExpertWeights:
+    """The layer's expert weights (w_gate, w_up [E, I, H], w_down [E, H, I], bf16) in MXFP8."""
+    return Mxfp8ExpertWeights(quantize_weights(w_gate), quantize_weights(w_up), quantize_weights(w_down))
+
+
+def mxfp8_moe_forward(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    weights: Mxfp8ExpertWeights,
+    shared: SharedExpert | tuple | None = None,
+    *,
+    check_routing: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The layer output [T, H] bf16 with the routed experts' GEMMs on MXFP8 operands (module
+    docstring). x [T, H] bf16; topk_idx [T, k] int32/int64 in [0, E); topk_w [T, k] fp32;
+    ``weights`` from :func:`quantize_expert_weights`; ``shared``: bf16 (gate [I_s, H], up, down
+    [H, I_s]). ``check_routing`` reads the index range back (a host sync; off under CUDA graphs).
+    Needs an SM100 GPU (block-scaled MMAs), H and I multiples of 128."""
+    if not isinstance(weights, Mxfp8ExpertWeights):
+        raise TypeError(f"weights: expected Mxfp8ExpertWeights (quantize_expert_weights), got {type(weights).__name__}")
+    (gate, gate_scales), (up, up_scales), (down, down_scales) = weights.gate, weights.up, weights.down
+    e4m3 = (torch.bfloat16, torch.float8_e4m3fn)  # x and the shared expert: bf16 (checked below); the experts: E4M3
+    num_tokens, hidden, inter, num_experts, _ = check_moe_inputs(
+        x, topk_idx, topk_w, gate, up, down, shared, dtypes=e4m3, router_dtypes=(torch.float32,), check_range=False
+    )
+    check_tensor("x", x, dtypes=(torch.bfloat16,))
+    for name, t in (("shared.gate", 0), ("shared.up", 1), ("shared.down", 2)) if shared is not None else ():
+        check_tensor(name, shared[t], dtypes=(torch.bfloat16,))
+    for name, elements, scales in (("gate", gate, gate_scales), ("up", up, up_scales), ("down", down, down_scales)):
+        experts, n, k = elements.shape
+        check_tensor(f"weights.{name}", elements, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+        if n % 128 or k % 128:
+            raise ValueError(f"weights.{name}: expected [E, N, K] with N and K multiples of 128, got {list(elements.shape)}")
+        check_tensor(f"weights.{name} scales", scales, dtypes=(torch.uint8,), shape=(experts, n // 128, k // 128, 512),
+                     device=x.device, contiguous=True)
+    arch = device_arch(x.device.index) if x.is_cuda else None
+    if arch not in MXFP8_GEMM_ARCHS:
+        raise NotImplementedError(f"mxfp8_moe_forward: needs an SM100 GPU ({', '.join(MXFP8_GEMM_ARCHS)}: block-scaled MMAs), got {arch or x.device}")
+    if check_routing:
+        check_index_range("topk_idx", topk_idx, num_experts)
+    x, topk_w = x.contiguous(), topk_w.contiguous()
+    rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)
+    sched = ops.device_schedule(topk_idx, num_experts, block_m=TILE_M, capacity=rows)
+    used = sched.expert_offsets[-1:]  # the rows in use (tile-aligned), on the device
+    x_rows = ops.gather_rows(x, sched.row_token)
+    x_q = ops.quantize_mxfp8(x_rows, rows_used=used, scale_order="mma")
+    a = ops.grouped_gemm_mxfp8(*x_q, gate, gate_scales, sched.tile_expert, b2=up, b2_scales=up_scales)
+    a_q = ops.quantize_mxfp8(a, rows_used=used, scale_order="mma")
+    y_rows = ops.grouped_gemm_mxfp8(*a_q, down, down_scales, sched.tile_expert)
+    shared_out = None if shared is None else shared_expert_forward(x, shared)
+    return ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
