@@ -233,6 +233,18 @@ def grouped_gemm_mxfp8_variant(n: int, k: int, epilogue: str = "plain", tile_n: 
     return KernelVariant("grouped_gemm_mxfp8", config, build)
 
 
+def mxfp8_forward_variants(hidden: int, inter: int) -> list[KernelVariant]:
+    """What mok.mxfp8_forward runs beyond the bf16 forward's kernels (SM100 only): the two MXFP8
+    GEMMs, and the quantizer writing scales in the MMA's order (x's and a's rows in use; the
+    weights' every row)."""
+    return [
+        grouped_gemm_mxfp8_variant(inter, hidden, "swiglu"),
+        grouped_gemm_mxfp8_variant(hidden, inter),
+        quantize_mxfp8_variant(bounded=True, mma_order=True),
+        quantize_mxfp8_variant(mma_order=True),
+    ]
+
+
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
     schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None, gather_phase: bool = False,
@@ -397,7 +409,8 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward:
     bf16 weight gradients, or fp32 ones added into main_grad buffers with ``fuse_wgrad_accumulation``).
     On sm_100a / sm_103a the layer's GEMMs exist for one GPU without ``one_launch`` (one tile per
-    CTA); other configurations list the arch-neutral kernels only there.
+    CTA), and with them mok.mxfp8_forward's MXFP8 GEMMs; other configurations list the
+    arch-neutral kernels only there.
     Widths the fused kernels do not tile (not multiples of 128) are refused."""
     h, i = config.hidden, config.intermediate
     shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
@@ -461,6 +474,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
             variants += expert_mlp_variants(
                 h, config.shared_intermediate, config.topk, shared=True, main_grads=main_grads, persistent=False
             )
+        variants += mxfp8_forward_variants(h, i)
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
     return list(unique.values())
 

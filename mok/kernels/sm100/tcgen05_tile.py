@@ -32,7 +32,7 @@ TILE_M = 128  # rows of a tile: one tcgen05 MMA's M on one CTA (and the schedule
 TILE_K = 64  # bf16: four 16-deep MMAs per shared-memory stage (one 128-byte swizzle atom)
 TILE_K_MXFP8 = 128  # MXFP8: four 32-deep block-scaled MMAs per stage (128 bytes a row, the same atom)
 SCALE_BLOCK = 32  # MXFP8: elements along K that share one E8M0 scale
-SCALE_ATOM = 32  # MXFP8: rows of A (columns of B) whose scales share one tensor-memory column group
+SCALE_ATOM = 32  # MXFP8: tensor memory reserved for scales, per stage: (rows / 32) x (MMAs per stage) columns
 THREADS = 128  # four warps: warp 0 loads and issues the MMAs; all four run the epilogue
 EPI_COLS = 32  # accumulator columns a thread reads per tcgen05.ld (32x32b, 32 repetitions)
 SMEM_BYTES = 227 * 1024
@@ -97,18 +97,20 @@ class Tcgen05TileKernel:
     def scale_load_atoms(self, tiled_mma, sfa_smem, sfb_smem, m_sfa: cute.Tensor, *m_sfbs: cute.Tensor):
         """Host side (MXFP8, after :meth:`load_atoms`): the same for A's scales and each B's; adds their
         bytes to ``stage_tx_bytes``."""
-        atoms, scale_bytes = self.stage_loads(tiled_mma, sfa_smem, sfb_smem, cutlass.Float8E8M0FNU, m_sfa, m_sfbs)
+        atoms, scale_bytes = self.stage_loads(tiled_mma, sfa_smem, sfb_smem, cutlass.Float8E8M0FNU, m_sfa, m_sfbs, cutlass.Int16)
         self.stage_tx_bytes += scale_bytes
         return atoms
 
-    def stage_loads(self, tiled_mma, a_smem, b_smem, dtype, m_a: cute.Tensor, m_bs: tuple):
+    def stage_loads(self, tiled_mma, a_smem, b_smem, dtype, m_a: cute.Tensor, m_bs: tuple, internal_type=None):
         """TMA atoms (A's, then each B's) into one stage of these staged layouts, and the bytes of A's
-        and ``num_b`` B's loads."""
+        and ``num_b`` B's loads. ``internal_type``: the unit the TMA moves (the scales go as 16-bit
+        pairs, as NVIDIA's block-scaled kernels load them: fewer, wider boxes)."""
         a_stage = cute.slice_(a_smem, (None, None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, None, 0))
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-        atoms = (cute.nvgpu.make_tiled_tma_atom_A(g2s, m_a, a_stage, self.tile_shape_mnk, tiled_mma),)
-        atoms += tuple(cute.nvgpu.make_tiled_tma_atom_B(g2s, m_b, b_stage, self.tile_shape_mnk, tiled_mma) for m_b in m_bs)
+        unit = {} if internal_type is None else {"internal_type": internal_type}
+        atoms = (cute.nvgpu.make_tiled_tma_atom_A(g2s, m_a, a_stage, self.tile_shape_mnk, tiled_mma, **unit),)
+        atoms += tuple(cute.nvgpu.make_tiled_tma_atom_B(g2s, m_b, b_stage, self.tile_shape_mnk, tiled_mma, **unit) for m_b in m_bs)
         return atoms, cute.size_in_bytes(dtype, a_stage) + self.num_b * cute.size_in_bytes(dtype, b_stage)
 
     def shared_storage(self, a_smem, b_smem, sfa_smem=None, sfb_smem=None):
@@ -138,7 +140,9 @@ class Tcgen05TileKernel:
         return self.num_b * self.tile_shape_mnk[1]
 
     def scale_columns(self) -> tuple[int, int]:
-        """MXFP8: tensor-memory columns of A's scales and of each B's, for one stage (4 MMAs deep)."""
+        """MXFP8: tensor-memory columns reserved for A's scales and for each B's (one stage, 4 MMAs
+        deep), as CUTLASS's block-scaled kernels reserve them (the copies fill fewer: 4 columns a
+        128 rows)."""
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         mmas = tile_k // SCALE_BLOCK
         return tile_m // SCALE_ATOM * mmas, tile_n // SCALE_ATOM * mmas
