@@ -111,3 +111,20 @@ def mma_scale_layout(scales: torch.Tensor) -> torch.Tensor:
     n = len(lead)
     order = (*range(n), n, n + 3, n + 2, n + 1, n + 4)  # (row chunk, block chunk, row in group, group, block)
     return split.permute(order).reshape(*lead, chunks, blocks // MMA_CHUNK_BLOCKS, 512).contiguous()
+
+
+def rows_scale_layout(scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """The inverse of :func:`mma_scale_layout`: scales uint8 [..., chunks, K // 128, 512] in the
+    MMA's order back to [..., rows, K // 32] (the padding rows past ``rows`` dropped)."""
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or scales.dim() < 3 or scales.shape[-1] != 512:
+        raise TypeError(f"scales: expected uint8 [..., chunks, K // 128, 512], got {getattr(scales, 'dtype', type(scales).__name__)}"
+                        f"{'' if not isinstance(scales, torch.Tensor) else f' of shape {tuple(scales.shape)}'}")
+    *lead, chunks, col_chunks, _ = scales.shape
+    if not 0 <= rows <= chunks * MMA_CHUNK_ROWS:
+        raise ValueError(f"rows: expected 0..{chunks * MMA_CHUNK_ROWS} for {chunks} chunks of 128, got {rows}")
+    n = len(lead)
+    # (row chunk, block chunk, row in group, group, block) -> (row chunk, group, row in group, block chunk, block)
+    split = scales.reshape(*lead, chunks, col_chunks, 32, 4, MMA_CHUNK_BLOCKS)
+    order = (*range(n), n, n + 3, n + 2, n + 1, n + 4)
+    flat = split.permute(order).reshape(*lead, chunks * MMA_CHUNK_ROWS, col_chunks * MMA_CHUNK_BLOCKS)
+    return flat[..., :rows, :].contiguous()

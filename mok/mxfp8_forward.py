@@ -15,9 +15,11 @@ every scale, row and tile decision depends on static shapes and each row's own v
 token's output does not depend on the rest of the batch. The shared expert (if any) runs in bf16.
 Forward only: the bf16 backward (mok/fused_backward.py) does not take this forward's state.
 
-Status: the GEMMs are compile-verified only (no SM100 GPU was available to this project); the
-rest is the bf16 forward's kernels plus the quantizer, which run on Hopper too.
-tests/test_sm100_gpu.py holds this forward to the float64 reference on MXFP8-rounded operands.
+Status: the MXFP8 GEMMs are compile-verified only (no SM100 GPU was available to this project).
+With ``emulate=True`` the same forward runs on Hopper, its GEMMs' operands dequantized (exactly)
+into the bf16 grouped GEMM: the same numerics up to the order of the fp32 sums, for studying
+MXFP8's accuracy there; tests/test_mxfp8_gpu.py holds that path, and tests/test_sm100_gpu.py the
+real one, to the float64 reference on MXFP8-rounded operands.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from . import ops
 from .fused_forward import TILE_M, shared_expert_forward
 from .kernels import MXFP8_GEMM_ARCHS
+from .mxfp8 import rows_scale_layout
 from .reference import SharedExpert
 from .runtime.arch import device_arch
 from .schedule import worst_case_capacity
@@ -71,12 +74,16 @@ def mxfp8_moe_forward(
     *,
     check_routing: bool = True,
     out: torch.Tensor | None = None,
+    emulate: bool = False,
 ) -> torch.Tensor:
     """The layer output [T, H] bf16 with the routed experts' GEMMs on MXFP8 operands (module
     docstring). x [T, H] bf16; topk_idx [T, k] int32/int64 in [0, E); topk_w [T, k] fp32;
     ``weights`` from :func:`quantize_expert_weights`; ``shared``: bf16 (gate [I_s, H], up, down
     [H, I_s]). ``check_routing`` reads the index range back (a host sync; off under CUDA graphs).
-    Needs an SM100 GPU (block-scaled MMAs), H and I multiples of 128."""
+    Needs an SM100 GPU (block-scaled MMAs), H and I multiples of 128. ``emulate``: the GEMMs'
+    MXFP8 operands dequantized (exactly: E4M3 times a power of two fits bf16) and multiplied by the
+    bf16 grouped GEMM, for Hopper: the same quantization and products, fp32 sums in another order
+    (to study MXFP8's numerics where no block-scaled MMA exists; slower than the bf16 forward)."""
     if not isinstance(weights, Mxfp8ExpertWeights):
         raise TypeError(f"weights: expected Mxfp8ExpertWeights (quantize_expert_weights), got {type(weights).__name__}")
     (gate, gate_scales), (up, up_scales), (down, down_scales) = weights.gate, weights.up, weights.down
@@ -95,8 +102,11 @@ def mxfp8_moe_forward(
         check_tensor(f"weights.{name} scales", scales, dtypes=(torch.uint8,), shape=(experts, n // 128, k // 128, 512),
                      device=x.device, contiguous=True)
     arch = device_arch(x.device.index) if x.is_cuda else None
-    if arch not in MXFP8_GEMM_ARCHS:
-        raise NotImplementedError(f"mxfp8_moe_forward: needs an SM100 GPU ({', '.join(MXFP8_GEMM_ARCHS)}: block-scaled MMAs), got {arch or x.device}")
+    if arch is None or (arch not in MXFP8_GEMM_ARCHS and not emulate):
+        raise NotImplementedError(
+            f"mxfp8_moe_forward: needs an SM100 GPU ({', '.join(MXFP8_GEMM_ARCHS)}: block-scaled MMAs), got {arch or x.device}"
+            + ("" if arch is None else " (emulate=True runs its numerics on this GPU)")
+        )
     if check_routing:
         check_index_range("topk_idx", topk_idx, num_experts)
     x, topk_w = x.contiguous(), topk_w.contiguous()
@@ -105,8 +115,28 @@ def mxfp8_moe_forward(
     used = sched.expert_offsets[-1:]  # the rows in use (tile-aligned), on the device
     x_rows = ops.gather_rows(x, sched.row_token)
     x_q = ops.quantize_mxfp8(x_rows, rows_used=used, scale_order="mma")
-    a = ops.grouped_gemm_mxfp8(*x_q, gate, gate_scales, sched.tile_expert, b2=up, b2_scales=up_scales)
+    a = mxfp8_grouped_gemm(x_q, weights.gate, sched.tile_expert, weights.up, used=used, emulate=emulate)
     a_q = ops.quantize_mxfp8(a, rows_used=used, scale_order="mma")
-    y_rows = ops.grouped_gemm_mxfp8(*a_q, down, down_scales, sched.tile_expert)
+    y_rows = mxfp8_grouped_gemm(a_q, weights.down, sched.tile_expert, used=used, emulate=emulate)
     shared_out = None if shared is None else shared_expert_forward(x, shared)
     return ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
+
+
+def mxfp8_grouped_gemm(a_q: tuple, b_q: tuple, tile_expert: torch.Tensor, b2_q: tuple | None = None, *,
+                       used: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
+    """ops.grouped_gemm_mxfp8 on (elements, MMA-ordered scales) pairs (SwiGLU with ``b2_q``), or
+    with ``emulate`` the same product from dequantized operands by the bf16 grouped GEMM (A's rows
+    past the device count ``used`` are not dequantized: no tile reads them)."""
+    if not emulate:
+        b2, b2_scales = (None, None) if b2_q is None else b2_q
+        return ops.grouped_gemm_mxfp8(*a_q, *b_q, tile_expert, b2=b2, b2_scales=b2_scales)
+    rows = a_q[0].shape[0]
+    a = ops.dequantize_mxfp8(a_q[0], rows_scale_layout(a_q[1], rows), rows_used=used)
+    return ops.grouped_gemm(a, dequantized_weights(b_q), tile_expert, b2=None if b2_q is None else dequantized_weights(b2_q))
+
+
+def dequantized_weights(w_q: tuple) -> torch.Tensor:
+    """bf16 [E, N, K] of MXFP8 weights (elements, MMA-ordered scales) (exact)."""
+    elements, scales = w_q
+    experts, n, k = elements.shape
+    return ops.dequantize_mxfp8(elements, rows_scale_layout(scales, n))

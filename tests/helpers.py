@@ -204,3 +204,40 @@ def ep_training_mismatches(results, want_out, want) -> list[str]:
         got[name] = torch.cat([getattr(g, name) for g in grads])
         expected[name] = getattr(want, name)
     return [name for name in got if not torch.equal(got[name], expected[name])]
+
+
+def mxfp8_forward_reference(x, idx, w, experts, shared):
+    """float64: each expert's SwiGLU MLP on MXFP8-rounded x and weights, a rounded to bf16 (the
+    GEMM's output) and then through MXFP8 (the down projection's input); the shared expert in bf16
+    operands; the weighted sum in slot order."""
+    from mok.mxfp8 import fake_quantize_mxfp8
+    from mok.reference import swiglu_mlp, weighted_sum
+
+    fq = lambda t: fake_quantize_mxfp8(t).double()  # noqa: E731
+    x_q, (g_q, u_q, d_q) = fq(x), [fq(t) for t in experts]
+    y = torch.zeros(x.shape[0], idx.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in range(g_q.shape[0]):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            a = torch.nn.functional.silu(x_q[tok] @ g_q[e].T) * (x_q[tok] @ u_q[e].T)
+            y[tok, slot] = fq(a.bfloat16()) @ d_q[e].T
+    base = None if shared is None else swiglu_mlp(x.double(), *(t.double() for t in shared))
+    return weighted_sum(y, w.double(), base)
+
+
+def check_mxfp8_forward(T, H, I, E, k, shared_inter, routing, emulate):
+    """mok.mxfp8_forward's output against :func:`mxfp8_forward_reference` (poisoned output first),
+    called twice for the same bits, and the first half of the batch alone for the same bits of
+    those tokens. Returns (out, the quantized weights, the layer)."""
+    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+
+    layer = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 1, routing=routing)
+    x, idx, w, experts, shared = layer
+    weights = quantize_expert_weights(*experts)
+    run = lambda n, **kw: mxfp8_moe_forward(x[:n], idx[:n], w[:n], weights, shared, emulate=emulate, **kw)  # noqa: E731
+    out = run(T, out=poisoned(T, H))
+    want = mxfp8_forward_reference(x, idx, w, experts, shared)
+    assert not out.isnan().any() and rel_err(out, want) < 1e-2 and worst_row_err(out, want) < 5e-2
+    assert torch.equal(out, run(T))
+    assert torch.equal(out[: T // 2], run(T // 2))
+    return out, weights, layer

@@ -276,5 +276,22 @@ def test_the_mxfp8_forward_refuses_bad_input_before_any_launch():
         mxfp8_moe_forward(x, idx, w, weights(scale_k=1))
     with pytest.raises(ValueError, match=r"topk_w: expected shape \[8, 2\]"):
         mxfp8_moe_forward(x, idx, w[:, :1], weights())
-    with pytest.raises(NotImplementedError, match="needs an SM100 GPU .*got cpu"):
+    with pytest.raises(NotImplementedError, match="needs an SM100 GPU .*got cpu$"):
         mxfp8_moe_forward(x, idx, w, weights())
+
+
+@pytest.mark.parametrize("shape", [(300, 8), (2, 128, 4), (3, 256, 12), (1, 4)])
+def test_rows_scale_layout_undoes_mma_scale_layout(shape):
+    from mok.mxfp8 import mma_scale_layout, rows_scale_layout
+
+    scales = torch.randint(0, 255, shape, dtype=torch.uint8)
+    assert torch.equal(rows_scale_layout(mma_scale_layout(scales), shape[-2]), scales)
+
+
+def test_rows_scale_layout_refuses_what_is_not_in_the_mma_order():
+    from mok.mxfp8 import rows_scale_layout
+
+    with pytest.raises(TypeError, match=r"uint8 \[..., chunks, K // 128, 512\]"):
+        rows_scale_layout(torch.zeros(2, 3, 256, dtype=torch.uint8), 200)
+    with pytest.raises(ValueError, match=r"rows: expected 0..256 for 2 chunks of 128, got 300"):
+        rows_scale_layout(torch.zeros(2, 3, 512, dtype=torch.uint8), 300)

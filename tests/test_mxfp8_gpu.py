@@ -194,3 +194,28 @@ def test_quantizer_writes_scales_in_the_mma_order(rows, width):
     used_bytes = mma_scale_layout(torch.zeros_like(want_scales).index_fill_(0, torch.arange(used), 1)) == 1
     got = scales.cpu()
     assert torch.equal(got[used_bytes], want[used_bytes]) and (got[~used_bytes] == 0xAB).all()
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [
+    (4096, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
+])
+def test_mxfp8_forward_emulated_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing):
+    """mok.mxfp8_forward with emulate=True (Hopper: the MXFP8 operands dequantized, exactly, into
+    the bf16 grouped GEMM): the schedule, the row gather, the quantizer writing MMA-ordered scales
+    (x and a, the rows in use; the weights whole), the scales' way back and the combine, against the
+    float64 reference of the same roundings; the same bits call after call and for half the batch."""
+    from helpers import check_mxfp8_forward
+
+    check_mxfp8_forward(T, H, I, E, k, shared_inter, routing, emulate=True)
+
+
+def test_mxfp8_forward_without_emulation_asks_for_a_gpu_with_block_scaled_mmas():
+    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+
+    from helpers import gpu_layer
+
+    x, idx, w, experts, _ = gpu_layer(64, 256, 128, 4, 2)
+    if torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("an SM100 GPU has block-scaled MMAs")
+    with pytest.raises(NotImplementedError, match=r"needs an SM100 GPU .*emulate=True runs its numerics on this GPU"):
+        mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts))
