@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from .kernels import (
-    default_tile_n, grouped_gemm_variant, router_grad_variant, swiglu_backward_pingpong, weight_grad_pingpong, weight_grad_variant,
+    default_tile_n, grouped_gemm_mxfp8_variant, grouped_gemm_variant, router_grad_variant, swiglu_backward_pingpong,
+    weight_grad_pingpong, weight_grad_variant,
 )
 from .ops import (
-    BF16, _check_32bit, _check_launchable, _check_weights_launchable, _i32, _i64, _kernel, _persistent, _ptr, _sm_count, _stream,
-    launch_grouped_gemm,
+    BF16, _check_32bit, _check_launchable, _check_mxfp8_gemm_arch, _check_mxfp8_rows, _check_mxfp8_weights, _check_weights_launchable,
+    _i32, _i64, _kernel, _persistent, _ptr, _sm_count, _stream, launch_grouped_gemm, launch_grouped_gemm_mxfp8,
 )
 from .validation import check_tensor
 
@@ -99,6 +100,59 @@ def swiglu_backward_gemm(
 
 
 TMA_STRIDE_LIMIT = 2**40  # bytes: a TMA descriptor's strides stay below it (cuTensorMapEncodeTiled)
+
+
+def swiglu_backward_gemm_mxfp8(
+    dout_rows: tuple[torch.Tensor, torch.Tensor],
+    w_down_t: tuple[torch.Tensor, torch.Tensor],
+    tile_expert: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    row_token: torch.Tensor | None = None,
+    row_slot: torch.Tensor | None = None,
+    topk_w: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`swiglu_backward_gemm` with dA_u = dout_rows·w_down on MXFP8 operands, SM100 only
+    (block-scaled tcgen05 MMAs; compile-verified, never run: no SM100 GPU was available).
+
+    dout_rows: (elements float8_e4m3fn [R, H], scales in the MMA's order [ceil(R / 128), H / 128,
+    512]); w_down_t: the down projection's weights transposed, K-major for this product, in MXFP8
+    along H: (elements [E, I, H], scales [E, I / 128, H / 128, 512]) (e.g.
+    mok.mxfp8_forward.quantize_weights(w_down.transpose(1, 2).contiguous())). h, row_token,
+    row_slot, topk_w and the results (dh, a_scaled, partial) as there; 128-wide column tiles.
+    """
+    dout, dout_scales = dout_rows
+    check_tensor("dout_rows", dout, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    num_rows, hidden = dout.shape
+    dev = dout.device
+    num_experts, inter = _check_mxfp8_weights("w_down_t", w_down_t[0], w_down_t[1], dev, hidden)
+    _check_mxfp8_rows("dout_rows", dout, dout_scales)
+    check_tensor("h", h, dtypes=BF16, shape=(num_rows, 2 * inter), device=dev, contiguous=True)
+    check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
+    unit_scale = topk_w is None
+    if unit_scale != (row_token is None) or unit_scale != (row_slot is None):
+        raise ValueError("row_token, row_slot, topk_w: give all three (routed experts) or none (shared expert)")
+    num_tokens, topk = 1, 1
+    if not unit_scale:
+        check_tensor("topk_w", topk_w, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
+        num_tokens, topk = topk_w.shape
+        check_tensor("row_token", row_token, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
+        check_tensor("row_slot", row_slot, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
+    tile_n = 128
+    dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
+    a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
+    partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)
+    _check_launchable(dout_rows=dout, dout_scales=dout_scales, h=h, dh=dh)
+    _check_weights_launchable(w_down_t=w_down_t[0], w_down_t_scales=w_down_t[1])
+    _check_mxfp8_gemm_arch("swiglu_backward_gemm_mxfp8", dev)
+    if num_rows == 0:
+        return dh, a_scaled, partial
+    variant = grouped_gemm_mxfp8_variant(inter, hidden, "swiglu_bwd", tile_n, topk=topk, unit_scale=unit_scale)
+    launch_grouped_gemm_mxfp8(
+        variant, dout_rows, w_down_t, w_down_t, dh, tile_expert, h=h, a_scaled=a_scaled, partial=partial, row_token=row_token,
+        row_slot=row_slot, topk_w=topk_w, num_experts=num_experts, num_tokens=num_tokens,
+    )
+    return dh, a_scaled, partial
 
 
 def weight_grad(

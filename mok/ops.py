@@ -446,6 +446,7 @@ def grouped_gemm_mxfp8(
     *,
     b2: torch.Tensor | None = None,
     b2_scales: torch.Tensor | None = None,
+    k_split: bool = False,
     out: torch.Tensor | None = None,
     h_out: torch.Tensor | None = None,
     tile_n: int | None = None,
@@ -460,49 +461,81 @@ def grouped_gemm_mxfp8(
     (a scale per 32 along K) in the MMA's order, mok.mxfp8.mma_scale_layout of what
     quantize_mxfp8 gives: a_scales uint8 [ceil(R / 128), K / 128, 512], b_scales uint8
     [E, N / 128, K / 128, 512]. With ``b2`` (and ``b2_scales``) shaped like b: SwiGLU,
-    out = silu(a·B)⊙(a·B2), and ``h_out`` [R, 2N] (optional) receives [a·B | a·B2]. Needs N % 128
-    == 0 and K % 128 == 0. tile_expert: [ceil(R / 128)] int32, -1 leaves a tile's rows unwritten.
+    out = silu(a·B)⊙(a·B2), and ``h_out`` [R, 2N] (optional) receives [a·B | a·B2]; or, with
+    ``k_split``, b and b2 [E, N, K/2] hold K's two halves (out = a[:, :K/2]·Bᵀ + a[:, K/2:]·B2ᵀ: the
+    backward's dx from [dh_gate | dh_up] and the transposed gate and up weights). Needs N % 128 == 0
+    and K % 128 == 0 (% 256 with k_split). tile_expert: [ceil(R / 128)] int32, -1 leaves a tile's
+    rows unwritten.
     """
     check_tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
     num_rows, k = a.shape
-    check_tensor("b", b, dtypes=(torch.float8_e4m3fn,), ndim=3, device=a.device, contiguous=True)
-    num_experts, n = b.shape[0], b.shape[1]
-    check_tensor("b", b, shape=(num_experts, n, k))
-    if n % 128 or k % 128:
-        raise ValueError(f"b: expected N % 128 == 0 and K % 128 == 0 with MXFP8 operands, got N={n}, K={k}")
-    tiles = -(-num_rows // 128)
-    u8 = (torch.uint8,)
-    check_tensor("a_scales", a_scales, dtypes=u8, shape=(tiles, k // 128, 512), device=a.device, contiguous=True)
-    check_tensor("b_scales", b_scales, dtypes=u8, shape=(num_experts, n // 128, k // 128, 512), device=a.device, contiguous=True)
+    if k_split and b2 is None:
+        raise ValueError("k_split: needs b2 (and b2_scales), the weights of K's second half")
+    num_experts, n = _check_mxfp8_weights("b", b, b_scales, a.device, k // 2 if k_split else k)
     if (b2 is None) != (b2_scales is None):
-        raise ValueError("b2, b2_scales: expected both (SwiGLU's up projection) or neither")
+        raise ValueError("b2, b2_scales: expected both (SwiGLU's up projection, or K's second half) or neither")
     if b2 is not None:
         check_tensor("b2", b2, dtypes=(torch.float8_e4m3fn,), shape=tuple(b.shape), device=a.device, contiguous=True)
-        check_tensor("b2_scales", b2_scales, dtypes=u8, shape=tuple(b_scales.shape), device=a.device, contiguous=True)
+        check_tensor("b2_scales", b2_scales, dtypes=(torch.uint8,), shape=tuple(b_scales.shape), device=a.device, contiguous=True)
+    if k % (256 if k_split else 128):
+        raise ValueError(f"a: expected K % {256 if k_split else 128} == 0 with MXFP8 operands, got K={k}")
+    _check_mxfp8_rows("a", a, a_scales)
     if h_out is not None:
-        if b2 is None:
-            raise ValueError("h_out: only with the SwiGLU epilogue (b2 given)")
+        if b2 is None or k_split:
+            raise ValueError("h_out: only with the SwiGLU epilogue (b2 given, no k_split)")
         check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * n), device=a.device, contiguous=True)
-    check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(tiles,), device=a.device, contiguous=True)
+    check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(-(-num_rows // 128),), device=a.device, contiguous=True)
     out = _bf16_out(out, (num_rows, n), a.device)
     _check_launchable(a=a, a_scales=a_scales, out=out, h_out=h_out)
     _check_weights_launchable(b=b, b_scales=b_scales, b2=b2, b2_scales=b2_scales)
-    arch = _arch_of(a.device.index)
-    if arch not in MXFP8_GEMM_ARCHS:
-        raise NotImplementedError(
-            f"grouped_gemm_mxfp8: needs an SM100 GPU ({', '.join(MXFP8_GEMM_ARCHS)}: block-scaled MMAs), got {arch}"
-        )
+    _check_mxfp8_gemm_arch("grouped_gemm_mxfp8", a.device)
     if num_rows == 0:
         return out
-    epilogue = "plain" if b2 is None else ("swiglu" if h_out is None else "swiglu_save")
-    kernel = _kernel(grouped_gemm_mxfp8_variant(n, k, epilogue, tile_n, stages), a.device)
-    b2, b2_scales = (b, b_scales) if b2 is None else (b2, b2_scales)
-    kernel(
-        _ptr("e4m3", a), _ptr("e8m0", a_scales), _ptr("e4m3", b), _ptr("e8m0", b_scales), _ptr("e4m3", b2),
-        _ptr("e8m0", b2_scales), _ptr("bf16", out), _ptr("bf16", h_out), _ptr("i32", tile_expert, 4), _i32(num_rows),
-        _i32(num_experts), _stream(a.device),
-    )
+    epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
+    variant = grouped_gemm_mxfp8_variant(n, k, epilogue, tile_n, stages, k_split=k_split)
+    b2_q = (b, b_scales) if b2 is None else (b2, b2_scales)
+    launch_grouped_gemm_mxfp8(variant, (a, a_scales), (b, b_scales), b2_q, out, tile_expert, h=h_out, num_experts=num_experts)
     return out
+
+
+def _check_mxfp8_weights(name: str, b: torch.Tensor, scales: torch.Tensor, device: torch.device, k: int) -> tuple[int, int]:
+    """MXFP8 weights [E, N, k] float8_e4m3fn (K-major, N a multiple of 128) with their scales uint8
+    [E, N / 128, k / 128, 512] in the MMA's order; returns (E, N)."""
+    check_tensor(name, b, dtypes=(torch.float8_e4m3fn,), ndim=3, device=device, contiguous=True)
+    num_experts, n = b.shape[0], b.shape[1]
+    check_tensor(name, b, shape=(num_experts, n, k))
+    if n % 128 or k % 128:
+        raise ValueError(f"{name}: expected N % 128 == 0 and K % 128 == 0 with MXFP8 operands, got N={n}, K={k}")
+    check_tensor(f"{name}_scales", scales, dtypes=(torch.uint8,), shape=(num_experts, n // 128, k // 128, 512), device=device, contiguous=True)
+    return num_experts, n
+
+
+def _check_mxfp8_rows(name: str, a: torch.Tensor, scales: torch.Tensor) -> None:
+    """MXFP8 rows [R, K] with their scales uint8 [ceil(R / 128), K / 128, 512] in the MMA's order."""
+    rows, k = a.shape
+    check_tensor(f"{name}_scales", scales, dtypes=(torch.uint8,), shape=(-(-rows // 128), k // 128, 512), device=a.device, contiguous=True)
+
+
+def _check_mxfp8_gemm_arch(op: str, device: torch.device) -> None:
+    """The block-scaled MMAs exist on SM100 only: refuse other GPUs before anything launches."""
+    arch = _arch_of(device.index)
+    if arch not in MXFP8_GEMM_ARCHS:
+        raise NotImplementedError(f"{op}: needs an SM100 GPU ({', '.join(MXFP8_GEMM_ARCHS)}: block-scaled MMAs), got {arch}")
+
+
+def launch_grouped_gemm_mxfp8(
+    variant, a_q, b_q, b2_q, out, tile_expert, *, h=None, a_scaled=None, partial=None, row_token=None, row_slot=None, topk_w=None,
+    num_experts: int, num_tokens: int = 1,
+) -> None:
+    """Launch a checked MXFP8 grouped-GEMM variant on (elements, scales) pairs (arguments it does not
+    use may be None)."""
+    kernel = _kernel(variant, a_q[0].device)
+    kernel(
+        _ptr("e4m3", a_q[0]), _ptr("e8m0", a_q[1]), _ptr("e4m3", b_q[0]), _ptr("e8m0", b_q[1]), _ptr("e4m3", b2_q[0]),
+        _ptr("e8m0", b2_q[1]), _ptr("bf16", out), _ptr("bf16", h), _ptr("bf16", a_scaled), _ptr("f32", partial, 4),
+        _ptr("i32", row_token, 4), _ptr("i32", row_slot, 4), _ptr("f32", topk_w, 4), _ptr("i32", tile_expert, 4),
+        _i32(a_q[0].shape[0]), _i32(num_experts), _i32(num_tokens), _stream(a_q[0].device),
+    )
 
 
 def grouped_gemm_scatter(

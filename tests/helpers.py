@@ -234,10 +234,84 @@ def check_mxfp8_forward(T, H, I, E, k, shared_inter, routing, emulate):
     layer = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 1, routing=routing)
     x, idx, w, experts, shared = layer
     weights = quantize_expert_weights(*experts)
-    run = lambda n, **kw: mxfp8_moe_forward(x[:n], idx[:n], w[:n], weights, shared, emulate=emulate, **kw)  # noqa: E731
+    run = lambda n, **kw: mxfp8_moe_forward(x[:n], idx[:n], w[:n], weights, shared, emulate=emulate, **kw).out  # noqa: E731
     out = run(T, out=poisoned(T, H))
     want = mxfp8_forward_reference(x, idx, w, experts, shared)
     assert not out.isnan().any() and rel_err(out, want) < 1e-2 and worst_row_err(out, want) < 5e-2
     assert torch.equal(out, run(T))
     assert torch.equal(out[: T // 2], run(T // 2))
     return out, weights, layer
+
+
+def mxfp8_backward_reference(dout, x, idx, w, experts, shared):
+    """float64 gradients as mok.mxfp8_backward computes them: the saved h from MXFP8-rounded x and
+    weights, rounded to bf16; per routed row dA_u = q(dout)·q(W_downᵀ)ᵀ (q: through MXFP8 along the
+    product's K), dh rounded to bf16, then through MXFP8 for dx = q(dh_gate)·q(W_gateᵀ)ᵀ + q(dh_up)·
+    q(W_upᵀ)ᵀ; d_topk_w = Σ dA_u·a; the weight gradients from the bf16 rows (dout, bf16(s·a), dh, x);
+    the shared expert by autograd on bf16 operands. Returns (dx, d_topk_w, d_gate, d_up, d_down,
+    d_shared or None)."""
+    from mok.mxfp8 import fake_quantize_mxfp8
+    from mok.reference import swiglu_mlp
+
+    fq = lambda t: fake_quantize_mxfp8(t.float()).double()  # noqa: E731
+    bf = lambda t: t.bfloat16().double()  # noqa: E731
+    w_gate, w_up, w_down = experts
+    num_tokens, hidden = x.shape
+    num_experts, inter, _ = w_gate.shape
+    f64 = dict(dtype=torch.float64, device=x.device)
+    dx = torch.zeros(num_tokens, hidden, **f64)
+    d_topk_w = torch.zeros(idx.shape, **f64)
+    d_gate, d_up, d_down = torch.zeros(w_gate.shape, **f64), torch.zeros(w_up.shape, **f64), torch.zeros(w_down.shape, **f64)
+    x_q, dout_q = fq(x), fq(dout)
+    for e in range(num_experts):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if not tok.numel():
+            continue
+        h_g, h_u = bf(x_q[tok] @ fq(w_gate[e]).T), bf(x_q[tok] @ fq(w_up[e]).T)
+        s = w[tok, slot].double()[:, None]
+        d_a = dout_q[tok] @ fq(w_down[e].T).T
+        sig = torch.sigmoid(h_g)
+        a = h_g * sig * h_u
+        dh_g, dh_u = bf(s * d_a * h_u * sig * (1 + h_g * (1 - sig))), bf(s * d_a * h_g * sig)
+        d_topk_w[tok, slot] = (d_a * a).sum(1)
+        dh_q = fq(torch.cat([dh_g, dh_u], 1))
+        dx.index_add_(0, tok, dh_q[:, :inter] @ fq(w_gate[e].T).T + dh_q[:, inter:] @ fq(w_up[e].T).T)
+        d_down[e] = dout[tok].double().T @ bf(s * a)
+        d_gate[e], d_up[e] = dh_g.T @ x[tok].double(), dh_u.T @ x[tok].double()
+    d_shared = None
+    if shared is not None:
+        x64 = x.double().requires_grad_()
+        weights64 = [t.double().requires_grad_() for t in shared]
+        swiglu_mlp(x64, *weights64).backward(dout.double())
+        dx = dx + x64.grad
+        d_shared = tuple(t.grad for t in weights64)
+    return dx, d_topk_w, d_gate, d_up, d_down, d_shared
+
+
+def check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate):
+    """mok.mxfp8_backward's gradients against :func:`mxfp8_backward_reference`; the same bits twice;
+    dx and d_topk_w of the first half of the batch alone the same bits. Returns the gradients."""
+    from mok.mxfp8_backward import mxfp8_moe_backward
+    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 2, routing=routing)
+    dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)).bfloat16()
+    weights, weights_t = quantize_expert_weights(*experts), quantize_expert_weights(*experts, transposed=True)
+
+    def run(n):
+        saved = mxfp8_moe_forward(x[:n], idx[:n], w[:n], weights, shared, save_for_backward=True, emulate=emulate)
+        return mxfp8_moe_backward(dout[:n], x[:n], idx[:n], w[:n], weights_t, shared, saved, emulate=emulate)
+
+    grads = run(T)
+    want = mxfp8_backward_reference(dout, x, idx, w, experts, shared)
+    names = ("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down")
+    for name, got, ref in zip(names, grads[:5], want[:5]):
+        assert not got.isnan().any() and rel_err(got, ref) < 1e-2, (name, rel_err(got, ref))
+    assert worst_row_err(grads.dx, want[0]) < 5e-2
+    for got, ref in zip(grads.d_shared or (), want[5] or ()):
+        assert rel_err(got, ref) < 1e-2
+    again = run(T)
+    assert all(torch.equal(a, b) for a, b in zip(grads[:5], again[:5]))
+    half = run(T // 2)
+    assert torch.equal(half.dx, grads.dx[: T // 2]) and torch.equal(half.d_topk_w, grads.d_topk_w[: T // 2])
+    return grads

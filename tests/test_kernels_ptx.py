@@ -183,26 +183,32 @@ def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 @pytest.mark.parametrize(
-    "n,k,epilogue,tile_n", [(2048, 7168, "swiglu_save", 128), (768, 2048, "swiglu", 128), (7168, 2048, "plain", 256), (2048, 768, "plain", 128)]
-)  # the forward's gate/up (with h) and down projections at dsv3- and qwen3-like shapes
-def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k, epilogue, tile_n):
+    "n,k,epilogue,tile_n,k_split",
+    [(2048, 7168, "swiglu_save", 128, False), (768, 2048, "swiglu", 128, False), (7168, 2048, "plain", 256, False),
+     (2048, 768, "plain", 128, False), (768, 2048, "swiglu_bwd", 128, False), (2048, 1536, "plain", 256, True)],
+)  # the forward's gate/up (with h) and down projections; the backward's SwiGLU backward and dx (transposed weights)
+def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k, epilogue, tile_n, k_split):
     """The MXFP8 grouped GEMM (compile-verified only): block-scaled tcgen05 MMAs (kind::mxf8f6f4,
     a scale per 32: block32), four a stage and accumulator, each stage's scales copied from shared
     into tensor memory (tcgen05.cp: one copy per 128 rows of A, B and B2), TMA loads of the operands
-    and of their scales, the bf16 epilogue of the bf16 kernel; no bf16 MMA, no Hopper or warp-level
-    MMA, no spills."""
-    variant = grouped_gemm_mxfp8_variant(n, k, epilogue, tile_n)
+    and of their scales (k_split: B's or B2's), the bf16 kernel's epilogues; no bf16 MMA, no Hopper
+    or warp-level MMA, no spills."""
+    variant = grouped_gemm_mxfp8_variant(n, k, epilogue, tile_n, k_split=k_split, topk=8)
     ptx = compiled_ptx(variant, arch)
     assert f".target {arch}" in ptx
-    accumulators = 1 if epilogue == "plain" else 2
+    accumulators = 2 if epilogue in ("swiglu", "swiglu_save") else 1
     assert count(r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale\.block32", ptx) == 4 * accumulators
     assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 0
     assert count(r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", ptx) == 1 + accumulators * tile_n // 128
     assert count(r"tcgen05\.commit\.cta_group::1", ptx) == 2
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == accumulators
-    # A, B (B2) and their scales, in the fill loop and the steady-state loop
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 2 * 2 * (1 + accumulators)
-    assert count(r"st\.global\.v4\.b32", ptx) == 4 * (3 if epilogue == "swiglu_save" else 1)
+    # A, B (B2) and their scales, in the fill loop and the steady-state loop (k_split: B or B2, each with its
+    # scales, in the steady-state loop; the fill loop's K tiles all lie in B's half here, its B2 loads fold away)
+    loads = 4 * (1 + accumulators) + (2 if k_split else 0)
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
+    assert count(r"st\.global\.v4\.b32", ptx) == 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
+    assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # the saved h_gate, h_up
+    assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
 

@@ -295,3 +295,28 @@ def test_rows_scale_layout_refuses_what_is_not_in_the_mma_order():
         rows_scale_layout(torch.zeros(2, 3, 256, dtype=torch.uint8), 200)
     with pytest.raises(ValueError, match=r"rows: expected 0..256 for 2 chunks of 128, got 300"):
         rows_scale_layout(torch.zeros(2, 3, 512, dtype=torch.uint8), 300)
+
+
+def test_the_mxfp8_backward_refuses_bad_input_before_any_launch():
+    from mok.fused_forward import ForwardResult
+    from mok.mxfp8_backward import mxfp8_moe_backward
+    from mok.mxfp8_forward import Mxfp8ExpertWeights
+
+    e4m3 = torch.float8_e4m3fn
+    num_tokens, hidden, inter, experts, topk = 8, 256, 128, 4, 2
+    x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16)
+    idx = torch.zeros(num_tokens, topk, dtype=torch.int32)
+    idx[:, 1] = 1
+    w = torch.rand(num_tokens, topk)
+    proj = lambda n, k: (torch.zeros(experts, n, k).to(e4m3), torch.zeros(experts, n // 128, k // 128, 512, dtype=torch.uint8))  # noqa: E731
+    weights_t = Mxfp8ExpertWeights(proj(hidden, inter), proj(hidden, inter), proj(inter, hidden))  # transposed: gate, up [E, H, I]
+    saved = ForwardResult(out=None, schedule=None, h=None)
+    with pytest.raises(TypeError, match="Mxfp8ExpertWeights"):
+        mxfp8_moe_backward(x, x, idx, w, None, None, saved)
+    with pytest.raises(ValueError, match=r"dout: expected shape \[8, 256\]"):
+        mxfp8_moe_backward(x[:4], x, idx, w, weights_t, None, saved)
+    with pytest.raises(ValueError, match="save_for_backward=True"):
+        mxfp8_moe_backward(x, x, idx, w, weights_t, None, saved)
+    wrong = Mxfp8ExpertWeights(proj(inter, hidden), proj(hidden, inter), proj(inter, hidden))  # gate not transposed
+    with pytest.raises(ValueError, match="w_gate"):
+        mxfp8_moe_backward(x, x, idx, w, wrong, None, saved)

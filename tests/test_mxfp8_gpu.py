@@ -219,3 +219,36 @@ def test_mxfp8_forward_without_emulation_asks_for_a_gpu_with_block_scaled_mmas()
         pytest.skip("an SM100 GPU has block-scaled MMAs")
     with pytest.raises(NotImplementedError, match=r"needs an SM100 GPU .*emulate=True runs its numerics on this GPU"):
         mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts))
+
+
+def test_mxfp8_forward_replays_from_a_cuda_graph_with_new_routing():
+    """No host sync in the MXFP8 forward (check_routing=False; emulate=True on Hopper): captured once,
+    replayed on a new batch and routing in the same buffers, the bits of an eager call on them."""
+    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+
+    from helpers import gpu_layer
+
+    x, idx, w, experts, shared = gpu_layer(512, 256, 128, 8, 2, 128, seed=5)
+    weights = quantize_expert_weights(*experts)
+    emulate = torch.cuda.get_device_capability()[0] != 10
+    run = lambda: mxfp8_moe_forward(x, idx, w, weights, shared, check_routing=False, emulate=emulate).out  # noqa: E731
+    run()  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x2, idx2, w2, _, _ = gpu_layer(512, 256, 128, 8, 2, 128, seed=6, routing="skewed")
+    x.copy_(x2), idx.copy_(idx2), w.copy_(w2)
+    graph.replay()
+    assert torch.equal(out, run())
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [
+    (2048, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
+])
+def test_mxfp8_backward_emulated_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing):
+    """mok.mxfp8_backward with emulate=True (its two data-gradient GEMMs on dequantized MXFP8
+    operands, dout and dh quantized in MMA order, the transposed weights' copies): every gradient
+    against the float64 reference of the same roundings; the same bits twice and for half the batch."""
+    from helpers import check_mxfp8_backward
+
+    check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate=True)

@@ -189,6 +189,7 @@ def test_sm100_layer_forward_and_backward_match_the_float32_reference(T, H, I, E
         (300, 768, 2048, 3, "swiglu", 128),
         (520, 2048, 7168, 4, "swiglu_save", 128),  # the gate/up projection's shapes (dsv3-like)
         (37, 128, 128, 1, "swiglu_save", 128),  # one partial tile, one K tile
+        (400, 2048, 1536, 3, "k_split", 256),  # the backward's dx: K's halves from B and B2 (transposed weights)
     ],
 )
 def test_sm100_mxfp8_grouped_gemm_matches_the_float64_product_of_its_dequantized_operands(rows, n, k, experts, epilogue, tile_n):
@@ -205,8 +206,9 @@ def test_sm100_mxfp8_grouped_gemm_matches_the_float64_product_of_its_dequantized
         return (x * torch.exp2(blocks).repeat_interleave(32, dim=-1)).bfloat16()
 
     tiles = -(-rows // 128)
+    k_split = epilogue == "k_split"
     a_q, a_s = quantize_mxfp8(spread((rows, k)))
-    weights = [quantize_mxfp8(spread((experts, n, k))) for _ in range(1 if epilogue == "plain" else 2)]
+    weights = [quantize_mxfp8(spread((experts, n, k // 2 if k_split else k))) for _ in range(1 if epilogue == "plain" else 2)]
     tile_expert = torch.randint(0, experts, (tiles,), device="cuda", dtype=torch.int32, generator=g)
     if tiles > 1:
         tile_expert[1] = -1  # a skipped tile keeps its (poisoned) output rows
@@ -217,7 +219,7 @@ def test_sm100_mxfp8_grouped_gemm_matches_the_float64_product_of_its_dequantized
     def run():
         return ops.grouped_gemm_mxfp8(
             a_q, mma_scale_layout(a_s), b, mma_scale_layout(b_s), tile_expert, b2=b2,
-            b2_scales=None if b2 is None else mma_scale_layout(b2_s), out=poisoned(rows, n), h_out=h, tile_n=tile_n,
+            b2_scales=None if b2 is None else mma_scale_layout(b2_s), k_split=k_split, out=poisoned(rows, n), h_out=h, tile_n=tile_n,
         )
 
     out = run()
@@ -229,9 +231,9 @@ def test_sm100_mxfp8_grouped_gemm_matches_the_float64_product_of_its_dequantized
         if e < 0:
             assert out[rs].isnan().all() and (h is None or h[rs].isnan().all())
             continue
-        gate = a_f[rs] @ b_f[0][e].T
+        gate = a_f[rs] @ b_f[0][e].T if not k_split else a_f[rs, : k // 2] @ b_f[0][e].T + a_f[rs, k // 2 :] @ b_f[1][e].T
         want = gate
-        if epilogue != "plain":
+        if epilogue in ("swiglu", "swiglu_save"):
             up = a_f[rs] @ b_f[1][e].T
             want = torch.nn.functional.silu(gate) * up
             if h is not None:
@@ -254,5 +256,17 @@ def test_sm100_mxfp8_forward_matches_the_reference_on_mxfp8_rounded_operands(T, 
     from mok.mxfp8_forward import mxfp8_moe_forward
 
     x, idx, w, _, shared = layer
-    emulated = mxfp8_moe_forward(x, idx, w, weights, shared, emulate=True)  # Hopper's way to the same numbers
+    emulated = mxfp8_moe_forward(x, idx, w, weights, shared, emulate=True).out  # Hopper's way to the same numbers
     assert rel_err(out, emulated) < 1e-2
+
+
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [
+    (2048, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
+])
+def test_sm100_mxfp8_backward_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing):
+    """mok.mxfp8_backward on SM100 (the SwiGLU-backward and dx GEMMs on MXFP8 operands): every
+    gradient against the float64 reference of the same roundings; the same bits twice and for half
+    the batch (tests/helpers.py: check_mxfp8_backward)."""
+    from helpers import check_mxfp8_backward
+
+    check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate=False)

@@ -212,12 +212,20 @@ def grouped_gemm_variant(
 MXFP8_GEMM_ARCHS = ("sm_100a", "sm_103a")  # block-scaled MMAs (tcgen05 kind::mxf8f6f4); Hopper has none
 
 
-def grouped_gemm_mxfp8_variant(n: int, k: int, epilogue: str = "plain", tile_n: int | None = None, stages: int | None = None) -> KernelVariant:
+def grouped_gemm_mxfp8_variant(
+    n: int, k: int, epilogue: str = "plain", tile_n: int | None = None, stages: int | None = None, *, k_split: bool = False,
+    topk: int = 1, unit_scale: bool = False,
+) -> KernelVariant:
     """Expert-grouped GEMM on MXFP8 operands (E4M3, an E8M0 scale per 32 along K), SM100 only:
     block-scaled tcgen05 MMAs, mok/kernels/sm100/grouped_gemm.py (compile-verified, never run).
-    ``epilogue`` plain, swiglu or swiglu_save; ``tile_n`` 128 or 256 (default: 256 for the plain
-    epilogue where N allows, else 128)."""
+    ``epilogue`` plain, swiglu, swiglu_save or swiglu_bwd (``topk``, or ``unit_scale``, as in
+    :func:`grouped_gemm_variant`); ``k_split``: K's halves from B and B2; ``tile_n`` 128 or 256
+    (default: 256 for the plain epilogue where N allows, else 128)."""
     tile_n = (256 if epilogue == "plain" and n % 256 == 0 else 128) if tile_n is None else tile_n
+    topk = topk if epilogue == "swiglu_bwd" and not unit_scale else 1
+    options = {"k_split": True} if k_split else {}  # (absent when off: the forward's cache keys stay as they were)
+    if epilogue == "swiglu_bwd":
+        options.update(topk=topk, unit_scale=unit_scale)
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch not in MXFP8_GEMM_ARCHS:
@@ -227,9 +235,9 @@ def grouped_gemm_mxfp8_variant(n: int, k: int, epilogue: str = "plain", tile_n: 
             )
         from .sm100.grouped_gemm import compile_grouped_gemm_mxfp8_sm100
 
-        return compile_grouped_gemm_mxfp8_sm100(n, k, arch, compile_options, epilogue=epilogue, tile_n=tile_n, stages=stages)
+        return compile_grouped_gemm_mxfp8_sm100(n, k, arch, compile_options, epilogue=epilogue, tile_n=tile_n, stages=stages, **options)
 
-    config = {"n": n, "k": k, "epilogue": epilogue, "tile_n": tile_n, "stages": stages or 0}
+    config = {"n": n, "k": k, "epilogue": epilogue, "tile_n": tile_n, "stages": stages or 0, **options}
     return KernelVariant("grouped_gemm_mxfp8", config, build)
 
 

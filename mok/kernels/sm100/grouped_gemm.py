@@ -189,24 +189,37 @@ class GroupedGemmSm100(Tcgen05TileKernel):
     @cute.jit
     def load_stage(self, empty, views):
         """TMA-load K tile ``empty.count`` of A and B (and B2; k_split: B or B2; MXFP8: and their
-        scales) into stage ``empty.index``."""
-        (tma_a, g_a, s_a), (tma_b, g_b, s_b), (tma_b2, g_b2, s_b2) = views[0], views[1], views[2]
+        scales the same way) into stage ``empty.index``."""
         k_tile = empty.count
-        cute.copy(tma_a, g_a[(None, k_tile)], s_a[(None, empty.index)], tma_bar_ptr=empty.barrier)
+        self.load_tile(views[0], k_tile, empty)
+        self.load_b_tiles(views[1], views[2], k_tile, empty)
         if cutlass.const_expr(self.mxfp8):
-            for operand in cutlass.range_constexpr(3, 4 + self.num_b):  # A's scales, B's (and B2's)
-                tma_sf, g_sf, s_sf = views[operand]
-                cute.copy(tma_sf, g_sf[(None, k_tile)], s_sf[(None, empty.index)], tma_bar_ptr=empty.barrier)
+            self.load_tile(views[3], k_tile, empty)
+            self.load_b_tiles(views[4], views[5], k_tile, empty)
+
+    @cute.jit
+    def load_tile(self, view, k_tile, empty, into=None):
+        """One TMA load: K tile ``k_tile`` of ``view`` = (atom, global by K tile, shared by stage) into
+        stage ``empty.index`` of its own shared buffer (or of ``into``'s)."""
+        atom, g_x, s_x = view
+        if cutlass.const_expr(into is not None):
+            s_x = into[2]
+        cute.copy(atom, g_x[(None, k_tile)], s_x[(None, empty.index)], tma_bar_ptr=empty.barrier)
+
+    @cute.jit
+    def load_b_tiles(self, view_b, view_b2, k_tile, empty):
+        """K tile ``k_tile`` of B and B2 (SwiGLU), of B alone, or with k_split of B (K's first half) or
+        B2 (its second half) into B's buffer."""
         if cutlass.const_expr(self.k_split):
             half = self.b_k // self.tile_shape_mnk[2]
             if k_tile < half:
-                cute.copy(tma_b, g_b[(None, k_tile)], s_b[(None, empty.index)], tma_bar_ptr=empty.barrier)
+                self.load_tile(view_b, k_tile, empty)
             else:
-                cute.copy(tma_b2, g_b2[(None, k_tile - half)], s_b[(None, empty.index)], tma_bar_ptr=empty.barrier)
+                self.load_tile(view_b2, k_tile - half, empty, into=view_b)
         else:
-            cute.copy(tma_b, g_b[(None, k_tile)], s_b[(None, empty.index)], tma_bar_ptr=empty.barrier)
+            self.load_tile(view_b, k_tile, empty)
             if cutlass.const_expr(self.num_b == 2):
-                cute.copy(tma_b2, g_b2[(None, k_tile)], s_b2[(None, empty.index)], tma_bar_ptr=empty.barrier)
+                self.load_tile(view_b2, k_tile, empty)
 
     @cute.jit
     def epilogue(self, tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows):
@@ -285,28 +298,31 @@ class GroupedGemmSm100(Tcgen05TileKernel):
 
 
 class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
-    """The forward's grouped GEMMs on MXFP8 operands (block-scaled tcgen05 MMAs, kind::mxf8f6f4):
+    """The grouped GEMM on MXFP8 operands (block-scaled tcgen05 MMAs, kind::mxf8f6f4):
 
         C[rows of tile m, :] = epilogue((A ⊙ SA)[rows of tile m, :] · (B[e(m)] ⊙ SB[e(m)])ᵀ)
 
-    A [R, K] and each expert's B [N, K] (K-major: the forward's weights as stored) hold E4M3
-    elements; SA and SB one E8M0 scale per 32 elements along K, in the MMA's scale order
-    (mok.mxfp8.mma_scale_layout: A's rows padded to whole 128-row tiles). Epilogues ``plain``,
-    ``swiglu`` and ``swiglu_save`` as for bf16 operands (the fp32 accumulators are the same kind of
-    value), bf16 out. Static config: N, K (a multiple of 128), epilogue, column tile (128 or 256;
+    A [R, K] and each expert's B [N, K] (K-major) hold E4M3 elements; SA and SB one E8M0 scale per
+    32 elements along K, in the MMA's scale order (mok.mxfp8.mma_scale_layout: A's rows padded to
+    whole 128-row tiles). Every epilogue of the bf16 kernel (plain, swiglu, swiglu_save,
+    swiglu_bwd; k_split: B and B2 [E, N, K/2] hold K's two halves, each with its scales) on the
+    same fp32 accumulators, bf16 out: the forward's two GEMMs, and the backward's SwiGLU-backward
+    and dx GEMMs given the weights transposed (K-major for their K). Static config: N, K (a multiple
+    of 128, of 256 with k_split), epilogue, k_split, top-k, unit scale, column tile (128 or 256;
     128 with SwiGLU: two accumulators and the scales must fit 512 tensor-memory columns), stages.
     Compile-verified only, never run (no SM100 GPU here)."""
 
     mxfp8 = True
 
-    def __init__(self, n: int, k: int, epilogue: str = "plain", *, tile_n: int = 128, stages: int | None = None) -> None:
-        if epilogue not in ("plain", "swiglu", "swiglu_save"):
-            raise ValueError(f"epilogue: expected plain, swiglu or swiglu_save with MXFP8 operands, got {epilogue!r}")
-        if tile_n not in (128, 256) or (epilogue != "plain" and tile_n != 128):
+    def __init__(
+        self, n: int, k: int, epilogue: str = "plain", *, k_split: bool = False, topk: int = 1, unit_scale: bool = False,
+        tile_n: int = 128, stages: int | None = None,
+    ) -> None:
+        if tile_n not in (128, 256) or (epilogue in ("swiglu", "swiglu_save") and tile_n != 128):
             raise ValueError(f"tile_n: expected 128 or 256 (128 with SwiGLU) with MXFP8 operands, got {tile_n}")
-        if k % TILE_K_MXFP8:
-            raise ValueError(f"k: expected a multiple of {TILE_K_MXFP8} with MXFP8 operands, got {k}")
-        super().__init__(n, k, epilogue, tile_n=tile_n)
+        if k % (2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8):
+            raise ValueError(f"k: expected a multiple of {2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8} with MXFP8 operands, got {k}")
+        super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n)
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K_MXFP8)
         rows = TILE_M + self.num_b * tile_n
         self.ab_stage = pick_stages(rows * TILE_K_MXFP8 + rows * (TILE_K_MXFP8 // SCALE_BLOCK) + 3 * 128, stages)
@@ -322,54 +338,65 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
         b2_scale_ptr: cute.Pointer,
         c_ptr: cute.Pointer,
         h_ptr: cute.Pointer,
+        a_scaled_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        row_token_ptr: cute.Pointer,
+        row_slot_ptr: cute.Pointer,
+        topk_w_ptr: cute.Pointer,
         tile_expert_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
+        num_tokens: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        """A and its scales, B and B2 and theirs (B2: SwiGLU's up projection; the plain epilogue
-        ignores it), C [R, N] and h [R, 2N] (swiglu_save) in bf16, tile_expert [ceil(R / 128)]."""
-        n, k = self.n, self.k
-        tile_m = self.tile_shape_mnk[0]
+        """A and its scales, B and B2 and theirs (B2: SwiGLU's up projection, or K's second half; the
+        plain epilogue without k_split ignores it), C [R, N] ([R, 2N] for swiglu_bwd) and the
+        epilogue's row tensors as the bf16 kernel takes them (h, a_scaled, partial, row_token,
+        row_slot, topk_w; those a variant does not use may be null), tile_expert [ceil(R / 128)]."""
+        n, k, b_k = self.n, self.k, self.b_k
+        tile_m, tile_n, _ = self.tile_shape_mnk
         num_row_tiles = (num_rows + tile_m - 1) // tile_m
         m_a = cute.make_tensor(a_ptr, cute.make_layout((num_rows, k, 1), stride=(k, 1, num_rows * k)))
         m_sfa = self.scale_tensor(a_scale_ptr, num_row_tiles * tile_m, k, 1)
         m_bs = (self.b_tensor(b_ptr, num_experts), self.b_tensor(b2_ptr, num_experts))
-        m_sfbs = (self.scale_tensor(b_scale_ptr, n, k, num_experts), self.scale_tensor(b2_scale_ptr, n, k, num_experts))
-        m_c = cute.make_tensor(c_ptr, cute.make_layout((num_rows, n), stride=(n, 1)))
-        m_h = cute.make_tensor(h_ptr, cute.make_layout((num_rows, 2 * n), stride=(2 * n, 1)))
+        m_sfbs = (self.scale_tensor(b_scale_ptr, n, b_k, num_experts), self.scale_tensor(b2_scale_ptr, n, b_k, num_experts))
+        c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
+        ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
+        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk)
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
-        # the epilogue's other row tensors serve only swiglu_bwd: stand-ins, never read here
-        row_args = (m_h, m_c, m_c, m_tiles, m_tiles, m_c)
 
         tiled_mma, a_smem, b_smem = self.make_mma("k", "k")
         sfa_smem, sfb_smem = self.make_scale_layouts(tiled_mma)
         loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, *m_bs)
         loads += self.scale_load_atoms(tiled_mma, sfa_smem, sfb_smem, m_sfa, *m_sfbs)
         self.shared_storage_type = self.shared_storage(a_smem, b_smem, sfa_smem, sfb_smem)
-        self.launch(tiled_mma, (a_smem, b_smem, sfa_smem, sfb_smem), loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream)
+        layouts = (a_smem, b_smem, sfa_smem, sfb_smem)
+        self.launch(tiled_mma, layouts, loads, m_c, tuple(row_args), m_tiles, num_row_tiles, num_rows, stream)
 
 
 def grouped_gemm_mxfp8_compile_args() -> tuple:
     """:class:`GroupedGemmMxfp8Sm100`'s ``__call__`` arguments as compile-time stand-ins (pointers
-    as mok.ops.grouped_gemm_mxfp8 passes them)."""
+    as mok.ops.grouped_gemm_mxfp8 and mok.grad_ops.swiglu_backward_gemm_mxfp8 pass them)."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
     e4m3 = lambda: make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16)  # noqa: E731
     e8m0 = lambda: make_ptr(cutlass.Float8E8M0FNU, 0, gmem, assumed_align=16)  # noqa: E731
     bf16 = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
+    i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
+    f32 = lambda: make_ptr(cutlass.Float32, 0, gmem, assumed_align=4)  # noqa: E731
     return (
-        e4m3(), e8m0(), e4m3(), e8m0(), e4m3(), e8m0(), bf16(), bf16(), make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
-        cutlass.Int32(128), cutlass.Int32(1), make_fake_stream(),
+        e4m3(), e8m0(), e4m3(), e8m0(), e4m3(), e8m0(), bf16(), bf16(), bf16(), f32(), i32(), i32(), f32(), i32(),
+        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
     )
 
 
 def compile_grouped_gemm_mxfp8_sm100(
-    n: int, k: int, arch: str, options: str = "", *, epilogue: str = "plain", tile_n: int = 128, stages: int | None = None
+    n: int, k: int, arch: str, options: str = "", *, epilogue: str = "plain", k_split: bool = False, topk: int = 1,
+    unit_scale: bool = False, tile_n: int = 128, stages: int | None = None,
 ):
     """Compile :class:`GroupedGemmMxfp8Sm100` for ``arch`` (sm_100a or sm_103a) without tensors."""
-    kernel = GroupedGemmMxfp8Sm100(n, k, epilogue, tile_n=tile_n, stages=stages)
+    kernel = GroupedGemmMxfp8Sm100(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages)
     return cute.compile(kernel, *grouped_gemm_mxfp8_compile_args(), options=f"--gpu-arch {arch} {options}".strip())
 
 

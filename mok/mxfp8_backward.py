@@ -1,0 +1,96 @@
+"""The MoE backward with its data-gradient GEMMs on MXFP8 operands (SM100: block-scaled tcgen05
+MMAs), after mok.mxfp8_forward's forward (``save_for_backward=True``).
+
+    gather (one launch)      dout_rows, x_rows [R, H] bf16 (as mok/fused_backward.py)
+    quantize                 dout_rows in MXFP8 along H
+    MXFP8 grouped GEMM       dA_u = dout_rows·W_down (W_down transposed, in MXFP8 along H), with the
+                             SwiGLU backward in the epilogue: dh [R, 2I], s·a [R, I], router pieces
+    quantize                 dh in MXFP8 along I (no block straddles gate and up: I % 32 == 0)
+    MXFP8 grouped GEMM, K split  dx_rows = dh_gate·W_gate + dh_up·W_up (W transposed, along I)
+    weight gradients         bf16 operands (dout_rows, s·a, dh, x_rows), fp32 sums, as the bf16 backward
+    shared expert, combine   bf16, as the bf16 backward
+
+The weight gradients stay in bf16 operands: quantizing along the rows (their K) needs a column-wise
+quantizer and a block-scaled weight-gradient GEMM, not written yet. Deterministic and batch
+invariant as the bf16 backward (per-row quantization, one CTA per output tile, fixed orders).
+``emulate=True`` runs the same numerics on Hopper (the GEMMs' operands dequantized, exactly, into
+the bf16 GEMMs). The MXFP8 GEMMs are compile-verified only (no SM100 GPU was available).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grad_ops, ops
+from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
+from .fused_forward import ForwardResult
+from .mxfp8_forward import (
+    Mxfp8ExpertWeights, check_mxfp8_device, check_mxfp8_weights, dequantized_rows, dequantized_weights, mxfp8_grouped_gemm,
+)
+from .reference import SharedExpert
+from .reference_backward import Gradients
+from .schedule import check_schedule
+from .validation import check_moe_inputs, check_tensor
+
+
+def mxfp8_moe_backward(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    weights_t: Mxfp8ExpertWeights,
+    shared: SharedExpert | tuple | None,
+    saved: ForwardResult,
+    *,
+    grad_dtype: torch.dtype = torch.bfloat16,
+    emulate: bool = False,
+) -> Gradients:
+    """All gradients of the layer for ``dout`` [T, H] bf16 (module docstring), after
+    ``mxfp8_moe_forward(..., save_for_backward=True)``. ``weights_t``: the expert weights from
+    ``quantize_expert_weights(w_gate, w_up, w_down, transposed=True)``. Returns
+    mok.reference_backward.Gradients: dx [T, H] bf16, d_topk_w [T, k] fp32, weight gradients in
+    ``grad_dtype`` (bf16 or fp32)."""
+    if not isinstance(weights_t, Mxfp8ExpertWeights):
+        raise TypeError(f"weights_t: expected Mxfp8ExpertWeights (quantize_expert_weights(..., transposed=True)), got {type(weights_t).__name__}")
+    gate_t, up_t, down_t = weights_t.gate[0], weights_t.up[0], weights_t.down[0]
+    # the forward's shapes of the weights (views, for the shared checks): gate, up [E, I, H], down [E, H, I]
+    forward_shapes = (gate_t.transpose(1, 2), up_t.transpose(1, 2), down_t.transpose(1, 2))
+    num_tokens, hidden, inter, num_experts, _ = check_moe_inputs(
+        x, topk_idx, topk_w, *forward_shapes, shared, dtypes=(torch.bfloat16, torch.float8_e4m3fn), router_dtypes=(torch.float32,),
+        check_range=False,
+    )
+    check_tensor("x", x, dtypes=(torch.bfloat16,), contiguous=True)
+    check_mxfp8_weights(weights_t, shared, x.device, "weights_t")
+    check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
+    if grad_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
+    if not isinstance(saved, ForwardResult) or saved.h is None or (shared is not None and saved.shared_h is None):
+        raise ValueError("saved: expected the ForwardResult of mxfp8_moe_forward(..., save_for_backward=True)")
+    sched = check_schedule(
+        "saved.schedule", saved.schedule, num_tokens=num_tokens, topk=topk_idx.shape[1], num_experts=num_experts, device=x.device
+    )
+    if getattr(sched, "shared_rows", 0):
+        raise ValueError("saved.schedule: has a shared expert's rows in front; mxfp8_moe_forward never puts them there")
+    check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * inter), device=x.device, contiguous=True)
+    check_mxfp8_device("mxfp8_moe_backward", x, emulate)
+
+    used = sched.expert_offsets[-1:]  # the rows in use (tile-aligned), on the device
+    dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)
+    dout_q = ops.quantize_mxfp8(dout_rows, rows_used=used, scale_order="mma")
+    route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w.contiguous())
+    if emulate:
+        w_down = dequantized_weights(weights_t.down).transpose(1, 2).contiguous()  # [E, H, I], the values of the MXFP8 copy
+        dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(dequantized_rows(dout_q, used), w_down, sched.tile_expert, saved.h, **route)
+    else:
+        dh, a_scaled, partial = grad_ops.swiglu_backward_gemm_mxfp8(dout_q, weights_t.down, sched.tile_expert, saved.h, **route)
+    dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
+    dx_rows = mxfp8_grouped_gemm(dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True, emulate=emulate)
+    offsets, counts = sched.expert_offsets, sched.expert_counts
+    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None, counts)
+    d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None, counts)
+    dx_shared = d_shared = None
+    if shared is not None:
+        dx_shared, d_shared = _shared_backward(x, dout, tuple(shared), saved.shared_h, grad_dtype, None)
+    d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
+    dx = ops.combine(dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w))
+    return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
