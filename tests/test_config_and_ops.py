@@ -26,15 +26,17 @@ def test_one_launch_config_adds_its_kernels(ep_size):
 
 
 def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
-    """On sm_100a precompile builds mok.mxfp8_forward's kernels too: both MXFP8 GEMMs at the
-    layer's widths and the quantizer writing MMA-ordered scales (bounded, and whole for the
-    weights); sm_90a has no block-scaled MMA, so none of them there."""
+    """On sm_100a precompile builds the MXFP8 path's kernels too (mok.mxfp8_forward and
+    mok.mxfp8_backward): its GEMMs at the layer's widths and the quantizer writing MMA-ordered
+    scales (bounded, and whole for the weights); sm_90a has no block-scaled MMA, so none there."""
     from mok.kernels import variants_for
 
     config = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8)
     sm100 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(config, "sm_100a")}
-    gemms = sorted((dict(c)["n"], dict(c)["k"], dict(c)["epilogue"]) for name, c in sm100 if name == "grouped_gemm_mxfp8")
-    assert gemms == [(2048, 7168, "swiglu"), (7168, 2048, "plain")]
+    gemms = sorted((dict(c)["n"], dict(c)["k"], dict(c)["epilogue"], dict(c).get("k_split", False)) for name, c in sm100
+                   if name == "grouped_gemm_mxfp8")
+    assert gemms == [(2048, 7168, "swiglu", False), (2048, 7168, "swiglu_bwd", False), (2048, 7168, "swiglu_save", False),
+                     (7168, 2048, "plain", False), (7168, 4096, "plain", True)]
     quantizers = sorted(dict(c).get("bounded", False) for name, c in sm100 if name == "quantize_mxfp8" and dict(c).get("mma_order"))
     assert quantizers == [False, True]
     assert not any(v.name == "grouped_gemm_mxfp8" or v.config.get("mma_order") for v in variants_for(config, "sm_90a"))

@@ -241,13 +241,16 @@ def grouped_gemm_mxfp8_variant(
     return KernelVariant("grouped_gemm_mxfp8", config, build)
 
 
-def mxfp8_forward_variants(hidden: int, inter: int) -> list[KernelVariant]:
-    """What mok.mxfp8_forward runs beyond the bf16 forward's kernels (SM100 only): the two MXFP8
-    GEMMs, and the quantizer writing scales in the MMA's order (x's and a's rows in use; the
-    weights' every row)."""
+def mxfp8_layer_variants(hidden: int, inter: int, topk: int) -> list[KernelVariant]:
+    """What mok.mxfp8_forward and mok.mxfp8_backward run beyond the bf16 layer's kernels (SM100
+    only): the MXFP8 GEMMs (gate/up with and without h, down; the SwiGLU backward, dx) and the
+    quantizer writing scales in the MMA's order (rows in use; the weights' every row)."""
     return [
         grouped_gemm_mxfp8_variant(inter, hidden, "swiglu"),
+        grouped_gemm_mxfp8_variant(inter, hidden, "swiglu_save"),
         grouped_gemm_mxfp8_variant(hidden, inter),
+        grouped_gemm_mxfp8_variant(inter, hidden, "swiglu_bwd", 128, topk=topk),
+        grouped_gemm_mxfp8_variant(hidden, 2 * inter, k_split=True),
         quantize_mxfp8_variant(bounded=True, mma_order=True),
         quantize_mxfp8_variant(mma_order=True),
     ]
@@ -417,7 +420,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward:
     bf16 weight gradients, or fp32 ones added into main_grad buffers with ``fuse_wgrad_accumulation``).
     On sm_100a / sm_103a the layer's GEMMs exist for one GPU without ``one_launch`` (one tile per
-    CTA), and with them mok.mxfp8_forward's MXFP8 GEMMs; other configurations list the
+    CTA), and with them the MXFP8 path's GEMMs (mok.mxfp8_forward, mok.mxfp8_backward); other configurations list the
     arch-neutral kernels only there.
     Widths the fused kernels do not tile (not multiples of 128) are refused."""
     h, i = config.hidden, config.intermediate
@@ -482,7 +485,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
             variants += expert_mlp_variants(
                 h, config.shared_intermediate, config.topk, shared=True, main_grads=main_grads, persistent=False
             )
-        variants += mxfp8_forward_variants(h, i)
+        variants += mxfp8_layer_variants(h, i, config.topk)
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
     return list(unique.values())
 
