@@ -11,7 +11,7 @@ import torch
 
 from .kernels import (
     default_tile_n, grouped_gemm_mxfp8_variant, grouped_gemm_variant, router_grad_variant, swiglu_backward_pingpong,
-    weight_grad_pingpong, weight_grad_variant,
+    weight_grad_mxfp8_variant, weight_grad_pingpong, weight_grad_variant,
 )
 from .ops import (
     BF16, _check_32bit, _check_launchable, _check_mxfp8_gemm_arch, _check_mxfp8_rows, _check_mxfp8_weights, _check_weights_launchable,
@@ -253,6 +253,98 @@ def weight_grad(
         _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _i64(half_stride), _i32(upper_first), _stream(dev),
     )
     return result
+
+
+def weight_grad_mxfp8(
+    a_q: tuple[torch.Tensor, torch.Tensor],
+    b_q: tuple[torch.Tensor, torch.Tensor],
+    offsets: torch.Tensor,
+    *,
+    counts: torch.Tensor | None = None,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    accumulate: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    tile_n: int = 128,
+    split_out: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`weight_grad` on MXFP8 operands quantized along the rows, SM100 only (block-scaled
+    tcgen05 MMAs; compile-verified, never run: no SM100 GPU was available).
+
+    a_q = (elements float8_e4m3fn [R, M], scales [ceil(M / 128), R / 128, 512]) and b_q likewise
+    [R, N], as mok.ops.quantize_mxfp8_columns(..., scale_order="mma") gives them; R a multiple of
+    128 and every offset too (the schedule's are). offsets, counts, out, accumulate, out_dtype,
+    tile_n and split_out as there (one tile per CTA).
+    """
+    (a, a_scales), (b, b_scales) = a_q, b_q
+    check_tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    num_rows, m = a.shape
+    dev = a.device
+    check_tensor("b", b, dtypes=(torch.float8_e4m3fn,), ndim=2, device=dev, contiguous=True)
+    if b.shape[0] != num_rows:
+        raise ValueError(f"b: expected {num_rows} rows like a, got {b.shape[0]}")
+    n = b.shape[1]
+    if num_rows % 128 or m % 128 or n % 128:
+        raise ValueError(f"(R, M, N): expected multiples of 128 with MXFP8 operands, got ({num_rows}, {m}, {n})")
+    for name, t, width in (("a", a_scales, m), ("b", b_scales, n)):
+        check_tensor(f"{name}_scales", t, dtypes=(torch.uint8,), shape=(width // 128, num_rows // 128, 512), device=dev, contiguous=True)
+    check_tensor("offsets", offsets, dtypes=I32, ndim=1, device=dev, contiguous=True)
+    num_experts = offsets.shape[0] - 1
+    if num_experts < 1:
+        raise ValueError(f"offsets: expected E + 1 >= 2 entries, got {offsets.shape[0]}")
+    if counts is not None:
+        check_tensor("counts", counts, dtypes=I32, shape=(num_experts,), device=dev, contiguous=True)
+    if split_out and m % 256:
+        raise ValueError(f"split_out: expected M a multiple of 256 (each half whole 128-row tiles), got M={m}")
+    if tile_n not in (128, 256) or n % tile_n:
+        raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
+    if accumulate and out is None:
+        raise ValueError("accumulate: needs out, the fp32 gradient to add into")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+    dtypes = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
+    outs = _weight_grad_outputs(out, split_out, (num_experts, m, n), out_dtype, dtypes, dev)
+    _check_launchable(a=a, a_scales=a_scales, b=b, b_scales=b_scales)
+    _check_weights_launchable(**{f"out[{i}]": o for i, o in enumerate(outs)})
+    _check_mxfp8_gemm_arch("weight_grad_mxfp8", dev)
+    result = tuple(outs) if split_out else outs[0]
+    if num_rows == 0:
+        if not accumulate:
+            for o in outs:
+                o.zero_()
+        return result
+    half_stride, upper_first = 0, 0
+    if split_out:
+        elem = outs[0].element_size()
+        distance = outs[1].data_ptr() - outs[0].data_ptr()
+        if abs(distance) < outs[0].numel() * elem:
+            raise ValueError("out: the two halves overlap in memory")
+        if distance % 16 or abs(distance) >= TMA_STRIDE_LIMIT:  # a launch per half: A's column halves, their scales' chunk halves
+            half_chunks = m // 2 // 128
+            for half, o in enumerate(outs):
+                cols = slice(half * (m // 2), (half + 1) * (m // 2))
+                a_half = (a[:, cols], a_scales[half * half_chunks : (half + 1) * half_chunks])
+                _launch_weight_grad_mxfp8(a_half, b_q, offsets, counts, [o], accumulate, tile_n, False, 0, 0)
+            return result
+        half_stride, upper_first = abs(distance) // elem, int(distance < 0)
+    _launch_weight_grad_mxfp8(a_q, b_q, offsets, counts, outs, accumulate, tile_n, split_out, half_stride, upper_first)
+    return result
+
+
+def _launch_weight_grad_mxfp8(a_q, b_q, offsets, counts, outs, accumulate, tile_n, split_out, half_stride, upper_first) -> None:
+    """Launch the MXFP8 weight-gradient kernel on checked arguments (A may be a column slice)."""
+    (a, a_scales), (b, b_scales) = a_q, b_q
+    num_rows, m = a.shape
+    dtype_name = "f32" if outs[0].dtype == torch.float32 else "bf16"
+    variant = weight_grad_mxfp8_variant(
+        m, b.shape[1], dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n,
+        split_out=split_out,
+    )
+    base = min(outs, key=lambda o: o.data_ptr())
+    _kernel(variant, a.device)(
+        _ptr("e4m3", a), _ptr("e8m0", a_scales), _ptr("e4m3", b), _ptr("e8m0", b_scales), _ptr(dtype_name, base),
+        _ptr("i32", offsets, 4), _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None),
+        _i32(num_rows), _i32(offsets.shape[0] - 1), _i64(half_stride), _i32(upper_first), _stream(a.device),
+    )
 
 
 def _weight_grad_outputs(out, split_out, shape, out_dtype, dtypes, device) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""The MoE backward with its data-gradient GEMMs on MXFP8 operands (SM100: block-scaled tcgen05
-MMAs), after mok.mxfp8_forward's forward (``save_for_backward=True``).
+"""The MoE backward with its GEMMs on MXFP8 operands (SM100: block-scaled tcgen05 MMAs), after
+mok.mxfp8_forward's forward (``save_for_backward=True``).
 
     gather (one launch)      dout_rows, x_rows [R, H] bf16 (as mok/fused_backward.py)
     quantize                 dout_rows in MXFP8 along H
@@ -7,14 +7,16 @@ MMAs), after mok.mxfp8_forward's forward (``save_for_backward=True``).
                              SwiGLU backward in the epilogue: dh [R, 2I], s·a [R, I], router pieces
     quantize                 dh in MXFP8 along I (no block straddles gate and up: I % 32 == 0)
     MXFP8 grouped GEMM, K split  dx_rows = dh_gate·W_gate + dh_up·W_up (W transposed, along I)
-    weight gradients         bf16 operands (dout_rows, s·a, dh, x_rows), fp32 sums, as the bf16 backward
+    quantize along the rows  dout_rows, s·a, dh, x_rows: blocks of 32 rows down each column (their
+                             K in the weight gradients; an expert's rows start on a 128-row tile)
+    MXFP8 weight gradients   dW_down[e] = dout_rowsᵀ·(s·a), [dW_gate; dW_up][e] = dhᵀ·x_rows, fp32 sums
     shared expert, combine   bf16, as the bf16 backward
 
-The weight gradients stay in bf16 operands: quantizing along the rows (their K) needs a column-wise
-quantizer and a block-scaled weight-gradient GEMM, not written yet. Deterministic and batch
-invariant as the bf16 backward (per-row quantization, one CTA per output tile, fixed orders).
-``emulate=True`` runs the same numerics on Hopper (the GEMMs' operands dequantized, exactly, into
-the bf16 GEMMs). The MXFP8 GEMMs are compile-verified only (no SM100 GPU was available).
+``wgrad_format="bf16"`` keeps the weight gradients on the bf16 rows instead (the bf16 backward's
+kernels). Deterministic and batch invariant as the bf16 backward (per-row and per-expert-block
+quantization, one CTA per output tile, fixed orders). ``emulate=True`` runs the same numerics on
+Hopper (the GEMMs' operands dequantized, exactly, into the bf16 GEMMs). The MXFP8 GEMMs are
+compile-verified only (no SM100 GPU was available).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from . import grad_ops, ops
 from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .fused_forward import ForwardResult
+from .mxfp8 import rows_scale_layout
 from .mxfp8_forward import (
     Mxfp8ExpertWeights, check_mxfp8_device, check_mxfp8_weights, dequantized_rows, dequantized_weights, mxfp8_grouped_gemm,
 )
@@ -43,6 +46,7 @@ def mxfp8_moe_backward(
     saved: ForwardResult,
     *,
     grad_dtype: torch.dtype = torch.bfloat16,
+    wgrad_format: str = "mxfp8",
     emulate: bool = False,
 ) -> Gradients:
     """All gradients of the layer for ``dout`` [T, H] bf16 (module docstring), after
@@ -64,6 +68,8 @@ def mxfp8_moe_backward(
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
+    if wgrad_format not in ("mxfp8", "bf16"):
+        raise ValueError(f"wgrad_format: expected 'mxfp8' or 'bf16', got {wgrad_format!r}")
     if not isinstance(saved, ForwardResult) or saved.h is None or (shared is not None and saved.shared_h is None):
         raise ValueError("saved: expected the ForwardResult of mxfp8_moe_forward(..., save_for_backward=True)")
     sched = check_schedule(
@@ -86,11 +92,31 @@ def mxfp8_moe_backward(
     dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
     dx_rows = mxfp8_grouped_gemm(dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True, emulate=emulate)
     offsets, counts = sched.expert_offsets, sched.expert_counts
-    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None, counts)
-    d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None, counts)
+    if wgrad_format == "bf16":
+        d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None, counts)
+        d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None, counts)
+    else:
+        columns = [ops.quantize_mxfp8_columns(t, rows_used=used, scale_order="mma") for t in (dout_rows, a_scaled, dh, x_rows)]
+        wgrad = dict(offsets=offsets, counts=counts, out_dtype=grad_dtype)
+        if emulate:
+            dout_c, as_c, dh_c, x_c = (dequantized_columns(q) for q in columns)
+            d_down = grad_ops.weight_grad(dout_c, as_c, **wgrad)
+            d_gate, d_up = grad_ops.weight_grad(dh_c, x_c, split_out=True, **wgrad)
+        else:
+            d_down = grad_ops.weight_grad_mxfp8(columns[0], columns[1], **wgrad)
+            d_gate, d_up = grad_ops.weight_grad_mxfp8(columns[2], columns[3], split_out=True, **wgrad)
     dx_shared = d_shared = None
     if shared is not None:
         dx_shared, d_shared = _shared_backward(x, dout, tuple(shared), saved.shared_h, grad_dtype, None)
     d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
     dx = ops.combine(dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w))
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
+
+
+def dequantized_columns(q: tuple) -> torch.Tensor:
+    """bf16 [R, M] of a matrix quantized along its rows (elements [R, M], MMA-ordered scales, as
+    ops.quantize_mxfp8_columns gives them), exact; the emulation's weight-gradient operands (rows
+    the quantizer left unconverted come out as whatever they hold: no expert's range reads them)."""
+    elements, scales = q
+    transposed = ops.dequantize_mxfp8(elements.T.contiguous(), rows_scale_layout(scales, elements.shape[1]))
+    return transposed.T.contiguous()

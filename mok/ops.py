@@ -249,6 +249,40 @@ def quantize_mxfp8(
     return elements, scales
 
 
+def quantize_mxfp8_columns(
+    x: torch.Tensor, *, rows_used: torch.Tensor | None = None, scale_order: str = "rows"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 of bf16 ``x`` [R, M] along its rows (blocks of 32 rows down each column: what a GEMM
+    that sums over the rows, a weight gradient, takes), in one launch: elements float8_e4m3fn
+    [R, M] in x's own layout, each the element of x's transpose that mok.mxfp8.quantize_mxfp8(x.T)
+    gives, and that call's scales, uint8 [M, R / 32], or with ``scale_order="mma"`` in the order
+    SM100's block-scaled MMAs read them, [ceil(M / 128), R / 128, 512] (mok.mxfp8.mma_scale_layout;
+    the padding columns' scales left unwritten). R a multiple of 32 (of 128 for "mma"), contiguous x.
+    ``rows_used`` (int32 [1] on x's device, a multiple of 32): only the first rows_used[0] rows are
+    converted, the rest of the outputs left as they are; the count stays on the device."""
+    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
+    if scale_order not in ("rows", "mma"):
+        raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
+    rows, columns = x.shape
+    if rows % (128 if scale_order == "mma" else MXFP8_BLOCK):
+        raise ValueError(f"x: expected a row count that is a multiple of {128 if scale_order == 'mma' else MXFP8_BLOCK}, got shape {tuple(x.shape)}")
+    _check_launchable(x=x)
+    _check_rows_used(rows_used, x.device)
+    elements = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if scale_order == "mma":
+        scales = torch.empty(-(-columns // 128), rows // 128, 512, dtype=torch.uint8, device=x.device)
+    else:
+        scales = torch.empty(columns, rows // MXFP8_BLOCK, dtype=torch.uint8, device=x.device)
+    if x.numel() == 0:
+        return elements, scales
+    variant = quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=scale_order == "mma", columns=True)
+    _kernel(variant, x.device)(
+        _ptr("bf16", x), _ptr("e4m3", elements), _ptr("u8", scales, 1), _i32(x.numel() // MXFP8_BLOCK), _ptr("i32", rows_used, 4),
+        _i32(columns), _stream(x.device),
+    )
+    return elements, scales
+
+
 def dequantize_mxfp8(
     elements: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None, rows_used: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -9,7 +9,7 @@ cuobjdump (the device machine has it). Usage: python3 perf/sm100_sass.py
 import collections
 import re
 
-from mok.kernels import compiled_sass, grouped_gemm_mxfp8_variant, grouped_gemm_variant, weight_grad_variant
+from mok.kernels import compiled_sass, grouped_gemm_mxfp8_variant, grouped_gemm_variant, weight_grad_mxfp8_variant, weight_grad_variant
 
 VARIANTS = [
     grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False),
@@ -18,6 +18,7 @@ VARIANTS = [
     weight_grad_variant(4096, 7168, split_out=True, persistent=False),
     grouped_gemm_mxfp8_variant(2048, 7168, "swiglu_save"),  # MXFP8 operands: block-scaled MMAs, scales copied into TMEM
     grouped_gemm_mxfp8_variant(7168, 2048),
+    weight_grad_mxfp8_variant(4096, 7168, split_out=True),  # MN-major block-scaled operands (K = rows)
 ]
 
 

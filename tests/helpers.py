@@ -243,17 +243,25 @@ def check_mxfp8_forward(T, H, I, E, k, shared_inter, routing, emulate):
     return out, weights, layer
 
 
-def mxfp8_backward_reference(dout, x, idx, w, experts, shared):
+def mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format="mxfp8"):
     """float64 gradients as mok.mxfp8_backward computes them: the saved h from MXFP8-rounded x and
     weights, rounded to bf16; per routed row dA_u = q(dout)·q(W_downᵀ)ᵀ (q: through MXFP8 along the
     product's K), dh rounded to bf16, then through MXFP8 for dx = q(dh_gate)·q(W_gateᵀ)ᵀ + q(dh_up)·
-    q(W_upᵀ)ᵀ; d_topk_w = Σ dA_u·a; the weight gradients from the bf16 rows (dout, bf16(s·a), dh, x);
-    the shared expert by autograd on bf16 operands. Returns (dx, d_topk_w, d_gate, d_up, d_down,
-    d_shared or None)."""
+    q(W_upᵀ)ᵀ; d_topk_w = Σ dA_u·a; the weight gradients from the bf16 rows (dout, bf16(s·a), dh, x),
+    with ``wgrad_format`` "mxfp8" each through MXFP8 along the rows (blocks of 32 of an expert's rows
+    in canonical order, from its first); the shared expert by autograd on bf16 operands. Returns
+    (dx, d_topk_w, d_gate, d_up, d_down, d_shared or None)."""
     from mok.mxfp8 import fake_quantize_mxfp8
     from mok.reference import swiglu_mlp
 
     fq = lambda t: fake_quantize_mxfp8(t.float()).double()  # noqa: E731
+
+    def fq_rows(t):  # through MXFP8 along the rows, the expert's rows padded with zeros to blocks of 32
+        if wgrad_format != "mxfp8":
+            return t
+        padded = torch.cat([t, t.new_zeros(-t.shape[0] % 32, t.shape[1])])
+        return fq(padded.T).T[: t.shape[0]]
+
     bf = lambda t: t.bfloat16().double()  # noqa: E731
     w_gate, w_up, w_down = experts
     num_tokens, hidden = x.shape
@@ -276,8 +284,9 @@ def mxfp8_backward_reference(dout, x, idx, w, experts, shared):
         d_topk_w[tok, slot] = (d_a * a).sum(1)
         dh_q = fq(torch.cat([dh_g, dh_u], 1))
         dx.index_add_(0, tok, dh_q[:, :inter] @ fq(w_gate[e].T).T + dh_q[:, inter:] @ fq(w_up[e].T).T)
-        d_down[e] = dout[tok].double().T @ bf(s * a)
-        d_gate[e], d_up[e] = dh_g.T @ x[tok].double(), dh_u.T @ x[tok].double()
+        x_rows = fq_rows(x[tok].double())
+        d_down[e] = fq_rows(dout[tok].double()).T @ fq_rows(bf(s * a))
+        d_gate[e], d_up[e] = fq_rows(dh_g).T @ x_rows, fq_rows(dh_u).T @ x_rows
     d_shared = None
     if shared is not None:
         x64 = x.double().requires_grad_()
@@ -288,7 +297,7 @@ def mxfp8_backward_reference(dout, x, idx, w, experts, shared):
     return dx, d_topk_w, d_gate, d_up, d_down, d_shared
 
 
-def check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate):
+def check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate, wgrad_format="mxfp8"):
     """mok.mxfp8_backward's gradients against :func:`mxfp8_backward_reference`; the same bits twice;
     dx and d_topk_w of the first half of the batch alone the same bits. Returns the gradients."""
     from mok.mxfp8_backward import mxfp8_moe_backward
@@ -300,10 +309,10 @@ def check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate):
 
     def run(n):
         saved = mxfp8_moe_forward(x[:n], idx[:n], w[:n], weights, shared, save_for_backward=True, emulate=emulate)
-        return mxfp8_moe_backward(dout[:n], x[:n], idx[:n], w[:n], weights_t, shared, saved, emulate=emulate)
+        return mxfp8_moe_backward(dout[:n], x[:n], idx[:n], w[:n], weights_t, shared, saved, emulate=emulate, wgrad_format=wgrad_format)
 
     grads = run(T)
-    want = mxfp8_backward_reference(dout, x, idx, w, experts, shared)
+    want = mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format)
     names = ("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down")
     for name, got, ref in zip(names, grads[:5], want[:5]):
         assert not got.isnan().any() and rel_err(got, ref) < 1e-2, (name, rel_err(got, ref))

@@ -37,9 +37,13 @@ def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
                    if name == "grouped_gemm_mxfp8")
     assert gemms == [(2048, 7168, "swiglu", False), (2048, 7168, "swiglu_bwd", False), (2048, 7168, "swiglu_save", False),
                      (7168, 2048, "plain", False), (7168, 4096, "plain", True)]
-    quantizers = sorted(dict(c).get("bounded", False) for name, c in sm100 if name == "quantize_mxfp8" and dict(c).get("mma_order"))
-    assert quantizers == [False, True]
-    assert not any(v.name == "grouped_gemm_mxfp8" or v.config.get("mma_order") for v in variants_for(config, "sm_90a"))
+    quantizers = sorted((dict(c).get("bounded", False), dict(c).get("columns", False)) for name, c in sm100
+                        if name == "quantize_mxfp8" and dict(c).get("mma_order"))
+    assert quantizers == [(False, False), (True, False), (True, True)]
+    wgrads = sorted((dict(c)["m"], dict(c)["n"], dict(c).get("split_out", False)) for name, c in sm100 if name == "weight_grad_mxfp8")
+    assert wgrads == [(4096, 7168, True), (7168, 2048, False)]
+    hopper = variants_for(config, "sm_90a")
+    assert not any(v.name in ("grouped_gemm_mxfp8", "weight_grad_mxfp8") or v.config.get("mma_order") for v in hopper)
 
 
 def test_mxfp8_dispatch_config_adds_its_kernels_and_the_cli_sets_it():

@@ -11,7 +11,7 @@ import pytest
 from mok.config import DEFAULT_CONFIG, MoKConfig
 from mok.kernels import (
     combine_variant, compiled_ptx, compiled_sass, grouped_gemm_mxfp8_variant, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant,
-    variants_for, weight_grad_variant,
+    variants_for, weight_grad_mxfp8_variant, weight_grad_variant,
 )
 
 
@@ -213,6 +213,25 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
 
 
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("m,n,options", [(7168, 2048, dict()), (4096, 7168, dict(split_out=True)), (2048, 7168, dict(out_dtype="f32", accumulate=True))])
+def test_sm100_mxfp8_weight_grad_ptx_uses_block_scaled_mmas_on_mn_major_operands(arch, m, n, options):
+    """The MXFP8 weight-gradient GEMM (compile-verified only): four block-scaled tcgen05 MMAs a
+    128-row K tile, the scales of A and B copied into tensor memory each stage, TMA loads of both
+    operands and both scales (fill and steady-state loops), the bf16 kernel's epilogue; no bf16,
+    Hopper or warp-level MMA, no atomics, no spills."""
+    ptx = compiled_ptx(weight_grad_mxfp8_variant(m, n, **options), arch)
+    assert f".target {arch}" in ptx
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale\.block32", ptx) == 4
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 0
+    assert count(r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", ptx) == 2
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 8
+    assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == 1
+    assert count(r"\batom\.|\bred\.", ptx) == 0
+    assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert ptxas_spill_bytes(ptx, arch) in (None, 0)
+
+
 def test_mxfp8_grouped_gemm_is_refused_where_no_block_scaled_mma_exists():
     with pytest.raises(NotImplementedError, match=r"MXFP8 grouped GEMM on sm_90a: needs block-scaled MMAs"):
         compiled_ptx(grouped_gemm_mxfp8_variant(2048, 7168, "swiglu"), "sm_90a")
@@ -233,6 +252,7 @@ def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
         (weight_grad_variant(4096, 7168, split_out=True, persistent=False), "UTCHMMA", 4, 1, 0),
         (grouped_gemm_mxfp8_variant(2048, 7168, "swiglu_save"), "UTCQMMA", 8, 2, 3),
         (grouped_gemm_mxfp8_variant(7168, 2048), "UTCQMMA", 4, 1, 3),
+        (weight_grad_mxfp8_variant(4096, 7168, split_out=True), "UTCQMMA", 4, 1, 2),
     ]
     for variant, opcode, mmas, tmem_loads, scale_copies in cases:
         sass = compiled_sass(variant, "sm_100a")
@@ -598,6 +618,18 @@ def test_mxfp8_quantizer_converts_pairs_with_the_saturating_e4m3_cvt_and_moves_1
     assert count(r"\.local", ptx) == 0 and count(r"\batom\.", ptx) == 0
     # mma_order: the scale's place from the block's row and column (one division by the row's blocks)
     assert count(r"\bdiv\.", ptx) == (1 if mma_order else 0)
+
+
+@pytest.mark.parametrize("mma_order", [False, True])
+def test_mxfp8_column_quantizer_reads_a_block_down_a_column_and_converts_pairs(mma_order):
+    """columns: per thread one block of 32 rows of one column (32 two-byte loads, neighbouring
+    threads on neighbouring columns), the same sixteen saturating pair conversions, 32 element
+    bytes and the scale byte stored; no local memory."""
+    ptx = compiled_ptx(quantize_mxfp8_variant(columns=True, mma_order=mma_order), "sm_90a")
+    assert count(r"ld\.global\.b16", ptx) == 32 and count(r"ld\.global", ptx) == 32
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 16
+    assert count(r"st\.global\.b8", ptx) == 33 and count(r"st\.global", ptx) == 33
+    assert count(r"\bmax\.[us]32", ptx) >= 31 and count(r"\.local", ptx) == 0
 
 
 @pytest.mark.parametrize("back", [False, True])

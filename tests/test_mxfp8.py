@@ -320,3 +320,33 @@ def test_the_mxfp8_backward_refuses_bad_input_before_any_launch():
     wrong = Mxfp8ExpertWeights(proj(inter, hidden), proj(hidden, inter), proj(inter, hidden))  # gate not transposed
     with pytest.raises(ValueError, match="w_gate"):
         mxfp8_moe_backward(x, x, idx, w, wrong, None, saved)
+
+
+def test_the_column_quantizer_op_refuses_bad_input_before_any_launch():
+    from mok.ops import quantize_mxfp8_columns
+
+    with pytest.raises(ValueError, match=r"multiple of 32, got shape \(40, 64\)"):
+        quantize_mxfp8_columns(torch.zeros(40, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"multiple of 128, got shape \(64, 64\)"):
+        quantize_mxfp8_columns(torch.zeros(64, 64, dtype=torch.bfloat16), scale_order="mma")
+    with pytest.raises(ValueError, match="2-d"):
+        quantize_mxfp8_columns(torch.zeros(2, 64, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        quantize_mxfp8_columns(torch.zeros(64, 64, dtype=torch.bfloat16))
+
+
+def test_the_mxfp8_weight_gradient_op_refuses_bad_input_before_any_launch():
+    from mok.grad_ops import weight_grad_mxfp8
+
+    e4m3 = torch.float8_e4m3fn
+    a = (torch.zeros(256, 128).to(e4m3), torch.zeros(1, 2, 512, dtype=torch.uint8))
+    b = (torch.zeros(256, 256).to(e4m3), torch.zeros(2, 2, 512, dtype=torch.uint8))
+    offsets = torch.tensor([0, 128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"b_scales: expected shape \[2, 2, 512\]"):
+        weight_grad_mxfp8(a, (b[0], b[1][:1]), offsets)
+    with pytest.raises(ValueError, match=r"multiples of 128 with MXFP8 operands, got \(200, 128, 256\)"):
+        weight_grad_mxfp8((a[0][:200], a[1]), (b[0][:200], b[1]), offsets)
+    with pytest.raises(ValueError, match="split_out: expected M a multiple of 256"):
+        weight_grad_mxfp8(a, b, offsets, split_out=True)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        weight_grad_mxfp8(a, b, offsets)

@@ -242,13 +242,41 @@ def test_mxfp8_forward_replays_from_a_cuda_graph_with_new_routing():
     assert torch.equal(out, run())
 
 
-@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [
-    (2048, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing,wgrad_format", [
+    (2048, 7168, 2048, 32, 8, None, "uniform", "mxfp8"), (1000, 512, 256, 8, 2, 384, "uniform", "mxfp8"),
+    (300, 256, 128, 8, 1, None, "one_expert", "mxfp8"), (1000, 512, 256, 8, 2, 384, "uniform", "bf16"),
 ])
-def test_mxfp8_backward_emulated_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing):
-    """mok.mxfp8_backward with emulate=True (its two data-gradient GEMMs on dequantized MXFP8
-    operands, dout and dh quantized in MMA order, the transposed weights' copies): every gradient
-    against the float64 reference of the same roundings; the same bits twice and for half the batch."""
+def test_mxfp8_backward_emulated_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing, wgrad_format):
+    """mok.mxfp8_backward with emulate=True (its GEMMs on dequantized MXFP8 operands: dout and dh
+    quantized in MMA order, the transposed weights' copies, and for the weight gradients the rows
+    quantized down the columns): every gradient against the float64 reference of the same
+    roundings; the same bits twice and for half the batch. wgrad_format="bf16": bf16 weight gradients."""
     from helpers import check_mxfp8_backward
 
-    check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate=True)
+    check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate=True, wgrad_format=wgrad_format)
+
+
+@pytest.mark.parametrize("rows,columns", [(256, 2048), (4096, 768), (32, 96), (384, 7168)])
+def test_column_quantizer_gives_the_transposes_reference_bytes(rows, columns):
+    """ops.quantize_mxfp8_columns (blocks of 32 rows down each column, the weight gradients' K):
+    its elements are those of mok.mxfp8.quantize_mxfp8(x.T) in x's own layout, its scales that
+    call's, or in the MMA's order (where rows allow) mma_scale_layout's bytes; bounded by a device
+    count, the rows past it untouched (the elements; their scales' bytes left as they were)."""
+    from mok.mxfp8 import mma_scale_layout
+    from mok.ops import quantize_mxfp8_columns
+
+    x = random_rows((rows, columns), seed=rows + columns)
+    want_elements, want_scales = quantize_reference(x.cpu().T.contiguous())
+    elements, scales = quantize_mxfp8_columns(x)
+    assert torch.equal(elements.view(torch.uint8).cpu(), want_elements.view(torch.uint8).T)
+    assert torch.equal(scales.cpu(), want_scales)
+    if rows % 128 == 0:
+        elements, scales = quantize_mxfp8_columns(x, scale_order="mma")
+        real = mma_scale_layout(torch.ones_like(want_scales)) == 1  # the bytes of real columns
+        assert torch.equal(scales.cpu()[real], mma_scale_layout(want_scales)[real])
+        assert torch.equal(elements.view(torch.uint8).cpu(), want_elements.view(torch.uint8).T)
+    used = rows // 2 // 32 * 32
+    count = torch.full((1,), used, dtype=torch.int32, device="cuda")
+    elements, scales = quantize_mxfp8_columns(x, rows_used=count)
+    assert torch.equal(elements.view(torch.uint8).cpu()[:used], want_elements.view(torch.uint8).T[:used])
+    assert torch.equal(scales.cpu()[:, : used // 32], want_scales[:, : used // 32])

@@ -270,3 +270,31 @@ def test_sm100_mxfp8_backward_matches_the_reference_on_mxfp8_rounded_operands(T,
     from helpers import check_mxfp8_backward
 
     check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate=False)
+
+
+@pytest.mark.parametrize("split_out", [False, True])
+def test_sm100_mxfp8_weight_grad_matches_the_float64_product_of_its_dequantized_operands(split_out):
+    """grad_ops.weight_grad_mxfp8 (both operands quantized down their columns by
+    ops.quantize_mxfp8_columns): each expert's Aᵀ·B over its rows against float64 of the dequantized
+    operands (every product exact), an expert without rows zeros; deterministic."""
+    from mok import grad_ops
+    from mok.mxfp8_backward import dequantized_columns
+
+    g = torch.Generator(device="cuda").manual_seed(11 + split_out)
+    rows, m, n = 640, 512 if split_out else 256, 384
+    offsets = torch.tensor([0, 256, 256, 512, 640], dtype=torch.int32, device="cuda")  # expert 1 has no rows
+    a = torch.randn(rows, m, device="cuda", generator=g).bfloat16()
+    b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    a_q, b_q = (ops.quantize_mxfp8_columns(t, scale_order="mma") for t in (a, b))
+    got = grad_ops.weight_grad_mxfp8(a_q, b_q, offsets, split_out=split_out)
+    again = grad_ops.weight_grad_mxfp8(a_q, b_q, offsets, split_out=split_out)
+    if split_out:
+        got, again = torch.cat(got, dim=1), torch.cat(again, dim=1)
+    a_f, b_f = dequantized_columns(a_q).double(), dequantized_columns(b_q).double()
+    for e in range(4):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        if lo == hi:
+            assert torch.equal(got[e], torch.zeros_like(got[e]))
+            continue
+        assert rel_err(got[e], a_f[lo:hi].T @ b_f[lo:hi]) < 1e-2
+    assert torch.equal(got, again)

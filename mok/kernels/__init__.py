@@ -70,19 +70,21 @@ def gather_variant(width: int, sources: int = 1) -> KernelVariant:
     return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
 
 
-def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order: bool = False) -> KernelVariant:
+def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False) -> KernelVariant:
     """bf16 rows -> MXFP8 elements and E8M0 scales (mok/mxfp8.py's rule), or with ``back`` MXFP8 ->
     bf16; no static shape. ``bounded``: only the rows a device count says are in use. ``mma_order``
-    (quantizing): the scales in the order SM100's block-scaled MMAs read (mok.mxfp8.mma_scale_layout)."""
-    if back and mma_order:
-        raise ValueError("mma_order: only when quantizing")
+    (quantizing): the scales in the order SM100's block-scaled MMAs read (mok.mxfp8.mma_scale_layout).
+    ``columns`` (quantizing): blocks of 32 rows down each column (the transpose's MXFP8)."""
+    if back and (mma_order or columns):
+        raise ValueError("mma_order, columns: only when quantizing")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.mxfp8_quantize import compile_mxfp8
 
-        return compile_mxfp8(arch, options, back=back, bounded=bounded, mma_order=mma_order)
+        return compile_mxfp8(arch, options, back=back, bounded=bounded, mma_order=mma_order, columns=columns)
 
-    config = ({"bounded": True} if bounded else {}) | ({"mma_order": True} if mma_order else {})
+    flags = {"bounded": bounded, "mma_order": mma_order, "columns": columns}
+    config = {name: True for name, on in flags.items() if on}
     return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", config, build)
 
 
@@ -243,16 +245,20 @@ def grouped_gemm_mxfp8_variant(
 
 def mxfp8_layer_variants(hidden: int, inter: int, topk: int) -> list[KernelVariant]:
     """What mok.mxfp8_forward and mok.mxfp8_backward run beyond the bf16 layer's kernels (SM100
-    only): the MXFP8 GEMMs (gate/up with and without h, down; the SwiGLU backward, dx) and the
-    quantizer writing scales in the MMA's order (rows in use; the weights' every row)."""
+    only): the MXFP8 GEMMs (gate/up with and without h, down; the SwiGLU backward, dx; the weight
+    gradients, fresh bf16) and the quantizer writing scales in the MMA's order (rows in use; the
+    weights' every row; down the columns for the weight gradients)."""
     return [
         grouped_gemm_mxfp8_variant(inter, hidden, "swiglu"),
         grouped_gemm_mxfp8_variant(inter, hidden, "swiglu_save"),
         grouped_gemm_mxfp8_variant(hidden, inter),
         grouped_gemm_mxfp8_variant(inter, hidden, "swiglu_bwd", 128, topk=topk),
         grouped_gemm_mxfp8_variant(hidden, 2 * inter, k_split=True),
+        weight_grad_mxfp8_variant(hidden, inter),
+        weight_grad_mxfp8_variant(2 * inter, hidden, split_out=True),
         quantize_mxfp8_variant(bounded=True, mma_order=True),
         quantize_mxfp8_variant(mma_order=True),
+        quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True),
     ]
 
 
@@ -356,6 +362,31 @@ def weight_grad_variant(
     if split_out:
         config["split_out"] = True
     return KernelVariant("weight_grad", config, build)
+
+
+def weight_grad_mxfp8_variant(
+    m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
+    split_out: bool = False,
+) -> KernelVariant:
+    """:func:`weight_grad_variant` on MXFP8 operands quantized along the rows (SM100 only:
+    block-scaled tcgen05 MMAs on MN-major operands, mok/kernels/sm100/weight_grad_gemm.py;
+    compile-verified, never run); one tile per CTA."""
+    a_stride = m if a_stride is None else a_stride
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        if arch not in MXFP8_GEMM_ARCHS:
+            raise NotImplementedError(f"MXFP8 weight-gradient GEMM on {arch}: needs block-scaled MMAs, which only "
+                                      f"{', '.join(MXFP8_GEMM_ARCHS)} have")
+        from .sm100.weight_grad_gemm import compile_weight_grad_mxfp8_sm100
+
+        return compile_weight_grad_mxfp8_sm100(
+            m, n, out_dtype, accumulate, arch, compile_options, a_stride=a_stride, tile_n=tile_n, split_out=split_out
+        )
+
+    config = {"m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n}
+    if split_out:
+        config["split_out"] = True
+    return KernelVariant("weight_grad_mxfp8", config, build)
 
 
 def router_grad_variant(topk: int, parts: int) -> KernelVariant:

@@ -100,14 +100,27 @@ def mma_scale_index(block, blocks_per_row) -> cutlass.Int32:
     return chunk * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 + (col & 3)
 
 
+def column_block_tensors(values_ptr: cute.Pointer, elements_ptr: cute.Pointer, num_blocks, columns) -> tuple:
+    """Blocks of 32 rows of one column of a row-major [R, columns] matrix (R = 32·num_blocks /
+    columns): bf16 values and E4M3 elements as [num_blocks, 32], block (m, b) = rows 32b..32b+31
+    of column m at linear index m + b·columns (a warp's threads take neighbouring columns)."""
+    row_blocks = num_blocks // columns
+    blocks = cute.make_layout(((columns, row_blocks), BLOCK), stride=((1, BLOCK * columns), columns))
+    return cute.make_tensor(values_ptr, blocks), cute.make_tensor(elements_ptr, blocks)
+
+
 class QuantizeMxfp8Kernel:
     """Static config: threads per CTA, ``bounded``, ``mma_order`` (the scales in the order of
-    :func:`mma_scale_index`; rows of a multiple of 128 elements) (any row width that is a multiple of 32)."""
+    :func:`mma_scale_index`; rows of a multiple of 128 elements) (any row width that is a multiple
+    of 32), ``columns``: blocks of 32 rows down each column instead (the MXFP8 of the matrix's
+    transpose, elements left in the matrix's own layout: the weight gradients' operands, whose K is
+    the rows)."""
 
-    def __init__(self, threads: int = 128, bounded: bool = False, mma_order: bool = False) -> None:
+    def __init__(self, threads: int = 128, bounded: bool = False, mma_order: bool = False, columns: bool = False) -> None:
         self.threads = threads
         self.bounded = bounded
         self.mma_order = mma_order
+        self.columns = columns
 
     @cute.jit
     def __call__(
@@ -123,8 +136,12 @@ class QuantizeMxfp8Kernel:
         """x [num_blocks·32] bf16 -> elements [num_blocks·32] E4M3, scales [num_blocks] E8M0 bytes
         (``bounded``: the first rows_used[0]·blocks_per_row blocks only; ``mma_order``: the scales at
         :func:`mma_scale_index`, the scale tensor covering whole 128-row chunks; blocks_per_row is
-        read by either, else ignored)."""
+        read by either, else ignored). ``columns``: blocks_per_row is the matrix's column count,
+        the scales those of its transpose ([columns, R / 32], or in the MMA's order), and with
+        ``bounded`` the first rows_used[0] rows (a multiple of 32) are converted."""
         m_x, m_elements, m_scales = block_tensors(x_ptr, elements_ptr, scales_ptr, num_blocks)
+        if cutlass.const_expr(self.columns):
+            m_x, m_elements = column_block_tensors(x_ptr, elements_ptr, num_blocks, blocks_per_row)
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel(m_x, m_elements, m_scales, m_used, blocks_per_row).launch(**self.launch_shape(num_blocks, stream))
 
@@ -133,7 +150,10 @@ class QuantizeMxfp8Kernel:
         """All blocks, or with ``bounded`` those of the rows in use (never more than there are)."""
         limit = num_blocks
         if cutlass.const_expr(self.bounded):
-            limit = min(num_blocks, m_used[0] * blocks_per_row)
+            used_blocks = m_used[0] * blocks_per_row
+            if cutlass.const_expr(self.columns):
+                used_blocks = (m_used[0] // BLOCK) * blocks_per_row
+            limit = min(num_blocks, used_blocks)
         return limit
 
     def launch_shape(self, num_blocks, stream) -> dict:
@@ -145,8 +165,17 @@ class QuantizeMxfp8Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         block = cta * self.threads + tidx
-        if block < self.blocks_to_convert(m_x.shape[0], m_used, blocks_per_row):
-            if cutlass.const_expr(self.mma_order):
+        num_blocks = cute.size(m_x, mode=[0])
+        if block < self.blocks_to_convert(num_blocks, m_used, blocks_per_row):
+            if cutlass.const_expr(self.columns):  # block (column m, row block b): the transpose's row m, block b
+                row_blocks = num_blocks // blocks_per_row
+                column = block % blocks_per_row
+                transposed = column * row_blocks + block // blocks_per_row
+                if cutlass.const_expr(self.mma_order):
+                    quantize_block(m_x, m_elements, m_scales, block, mma_scale_index(transposed, row_blocks))
+                else:
+                    quantize_block(m_x, m_elements, m_scales, block, transposed)
+            elif cutlass.const_expr(self.mma_order):
                 quantize_block(m_x, m_elements, m_scales, block, mma_scale_index(block, blocks_per_row))
             else:
                 quantize_block(m_x, m_elements, m_scales, block)
@@ -198,9 +227,10 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
                 m_out[chunk, None].store(values.to(m_out.element_type))
 
 
-def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: bool = False, mma_order: bool = False):
+def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False):
     """Compile the quantizer (``back``: the dequantizer; ``bounded``: converting the rows in use;
-    ``mma_order``: scales in the MMA's order) for ``arch`` without tensors."""
+    ``mma_order``: scales in the MMA's order; ``columns``: blocks down the columns) for ``arch``
+    without tensors."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
@@ -211,6 +241,6 @@ def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: boo
     kernel_class = DequantizeMxfp8Kernel if back else QuantizeMxfp8Kernel
     pointers = (elements, scales, bf16) if back else (bf16, elements, scales)
     return cute.compile(
-        kernel_class(bounded=bounded, mma_order=mma_order), *pointers, cutlass.Int32(1), rows_used, cutlass.Int32(1), make_fake_stream(),
+        kernel_class(bounded=bounded, mma_order=mma_order, columns=columns), *pointers, cutlass.Int32(1), rows_used, cutlass.Int32(1), make_fake_stream(),
         options=f"--gpu-arch {arch} {options}".strip(),
     )
