@@ -13,7 +13,7 @@ until they change. Only the rows the schedule uses are converted (a count on the
 sync). Quantization is mok.mxfp8's rule (E4M3 elements, an E8M0 scale per 32 along K, rounded up);
 every scale, row and tile decision depends on static shapes and each row's own values, so a
 token's output does not depend on the rest of the batch. The shared expert (if any) runs in bf16.
-Forward only: the bf16 backward (mok/fused_backward.py) does not take this forward's state.
+With ``save_for_backward`` it keeps h (bf16) and the schedule for mok.mxfp8_backward.
 
 Status: the MXFP8 GEMMs are compile-verified only (no SM100 GPU was available to this project).
 With ``emulate=True`` the same forward runs on Hopper, its GEMMs' operands dequantized (exactly)
