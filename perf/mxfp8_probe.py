@@ -2,10 +2,12 @@
 
     python perf/mxfp8_probe.py [--shapes 4096x7168,8192x2048,65536x7168]
 
-Per shape [rows, n] of bf16: ops.quantize_mxfp8 and ops.dequantize_mxfp8, mok.mxfp8's
-PyTorch functions run on the GPU (what one would write without the kernels; the same bytes),
-and a device-to-device copy of the bf16 tensor (for scale). Prints ms and GB/s of bytes read
-plus written (quantize: 2 B in, 1 + 1/32 B out per element; dequantize the reverse).
+Per shape [rows, n] of bf16: ops.quantize_mxfp8 (scales in row order, and in the SM100 MMA's
+order), ops.quantize_mxfp8_columns (blocks of 32 rows down each column: the MXFP8 weight
+gradients' operands) and ops.dequantize_mxfp8, mok.mxfp8's PyTorch functions run on the GPU (what
+one would write without the kernels; the same bytes), and a device-to-device copy of the bf16
+tensor (for scale). Prints ms and GB/s of bytes read plus written (quantize: 2 B in, 1 + 1/32 B
+out per element; dequantize the reverse).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def main() -> int:
         same = torch.equal(want[0].view(torch.uint8), elements.view(torch.uint8)) and torch.equal(want[1], scales)
         paths = {
             "mok quantize": (lambda: ops.quantize_mxfp8(x, out=(elements, scales)), moved),
+            "mok quantize mma": (lambda: ops.quantize_mxfp8(x, scale_order="mma"), moved),
+            "mok columns": (lambda: ops.quantize_mxfp8_columns(x, scale_order="mma"), moved),
+            "torch columns": (lambda: mxfp8.quantize_mxfp8(x.T), moved),
             "torch quantize": (lambda: mxfp8.quantize_mxfp8(x), moved),
             "mok dequantize": (lambda: ops.dequantize_mxfp8(elements, scales, out=back), moved),
             "torch dequantize": (lambda: mxfp8.dequantize_mxfp8(elements, scales).bfloat16(), moved),
