@@ -62,15 +62,7 @@ def swiglu_backward_gemm(
     check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
     check_tensor("h", h, dtypes=BF16, shape=(num_rows, 2 * inter), device=dev, contiguous=True)
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
-    unit_scale = topk_w is None
-    if unit_scale != (row_token is None) or unit_scale != (row_slot is None):
-        raise ValueError("row_token, row_slot, topk_w: give all three (routed experts) or none (shared expert)")
-    num_tokens, topk = 1, 1
-    if not unit_scale:
-        check_tensor("topk_w", topk_w, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
-        num_tokens, topk = topk_w.shape
-        check_tensor("row_token", row_token, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
-        check_tensor("row_slot", row_slot, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
+    unit_scale, num_tokens, topk = _check_router_rows(row_token, row_slot, topk_w, num_rows, dev)
     if inter % 128 or hidden % 64:
         raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
     if skip_padding and (unit_scale or not persistent):
@@ -80,9 +72,7 @@ def swiglu_backward_gemm(
         pingpong = swiglu_backward_pingpong(persistent, skip_padding, tile_n)
     if pingpong and (skip_padding or not persistent):
         raise ValueError("pingpong: only with persistent=True and without skip_padding")
-    dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
-    a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
-    partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)
+    dh, a_scaled, partial = _swiglu_backward_outputs(num_rows, inter, tile_n, unit_scale, dev)
     _check_launchable(dout_rows=dout_rows, h=h, dh=dh)
     _check_weights_launchable(w_down=w_down)
     if num_rows == 0:
@@ -100,6 +90,28 @@ def swiglu_backward_gemm(
 
 
 TMA_STRIDE_LIMIT = 2**40  # bytes: a TMA descriptor's strides stay below it (cuTensorMapEncodeTiled)
+
+
+def _check_router_rows(row_token, row_slot, topk_w, num_rows: int, device) -> tuple[bool, int, int]:
+    """The SwiGLU backward's router inputs: all three (routed experts: row_token, row_slot [R] int32,
+    topk_w [T, k] fp32) or none (the shared expert, s = 1). Returns (unit_scale, T, k)."""
+    unit_scale = topk_w is None
+    if unit_scale != (row_token is None) or unit_scale != (row_slot is None):
+        raise ValueError("row_token, row_slot, topk_w: give all three (routed experts) or none (shared expert)")
+    if unit_scale:
+        return True, 1, 1
+    check_tensor("topk_w", topk_w, dtypes=(torch.float32,), ndim=2, device=device, contiguous=True)
+    check_tensor("row_token", row_token, dtypes=I32, shape=(num_rows,), device=device, contiguous=True)
+    check_tensor("row_slot", row_slot, dtypes=I32, shape=(num_rows,), device=device, contiguous=True)
+    return False, *topk_w.shape
+
+
+def _swiglu_backward_outputs(num_rows: int, inter: int, tile_n: int, unit_scale: bool, device) -> tuple:
+    """dh [R, 2I] and a_scaled [R, I] bf16, and the router gradient's pieces [R, I / tile_n] fp32 (None for the shared expert)."""
+    dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=device)
+    a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=device)
+    partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=device)
+    return dh, a_scaled, partial
 
 
 def swiglu_backward_gemm_mxfp8(
@@ -129,19 +141,9 @@ def swiglu_backward_gemm_mxfp8(
     _check_mxfp8_rows("dout_rows", dout, dout_scales)
     check_tensor("h", h, dtypes=BF16, shape=(num_rows, 2 * inter), device=dev, contiguous=True)
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
-    unit_scale = topk_w is None
-    if unit_scale != (row_token is None) or unit_scale != (row_slot is None):
-        raise ValueError("row_token, row_slot, topk_w: give all three (routed experts) or none (shared expert)")
-    num_tokens, topk = 1, 1
-    if not unit_scale:
-        check_tensor("topk_w", topk_w, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
-        num_tokens, topk = topk_w.shape
-        check_tensor("row_token", row_token, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
-        check_tensor("row_slot", row_slot, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
+    unit_scale, num_tokens, topk = _check_router_rows(row_token, row_slot, topk_w, num_rows, dev)
     tile_n = 128
-    dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
-    a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
-    partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)
+    dh, a_scaled, partial = _swiglu_backward_outputs(num_rows, inter, tile_n, unit_scale, dev)
     _check_launchable(dout_rows=dout, dout_scales=dout_scales, h=h, dh=dh)
     _check_weights_launchable(w_down_t=w_down_t[0], w_down_t_scales=w_down_t[1])
     _check_mxfp8_gemm_arch("swiglu_backward_gemm_mxfp8", dev)
@@ -200,25 +202,12 @@ def weight_grad(
     if b.shape[0] != num_rows:
         raise ValueError(f"b: expected {num_rows} rows like a, got {b.shape[0]}")
     n = b.shape[1]
-    check_tensor("offsets", offsets, dtypes=I32, ndim=1, device=dev, contiguous=True)
-    num_experts = offsets.shape[0] - 1
-    if num_experts < 1:
-        raise ValueError(f"offsets: expected E + 1 >= 2 entries, got {offsets.shape[0]}")
-    if counts is not None:
-        check_tensor("counts", counts, dtypes=I32, shape=(num_experts,), device=dev, contiguous=True)
     if m % 128 or n % 128:
         raise ValueError(f"(M, N): expected multiples of 128, got ({m}, {n})")
-    if split_out and m % 256:
-        raise ValueError(f"split_out: expected M a multiple of 256 (each half whole 128-row tiles), got M={m}")
-    if tile_n not in (128, 256) or n % tile_n:
-        raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
+    num_experts = _check_weight_grad_args(offsets, counts, m, n, split_out, tile_n, accumulate, out, out_dtype, dev)
     pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
     if pingpong and (not persistent or tile_n != 128):
         raise ValueError("pingpong: only with persistent=True and tile_n=128")
-    if accumulate and out is None:
-        raise ValueError("accumulate: needs out, the fp32 gradient to add into")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     dtypes = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
     outs = _weight_grad_outputs(out, split_out, (num_experts, m, n), out_dtype, dtypes, dev)
     _check_launchable(a=a, b=b)
@@ -229,18 +218,12 @@ def weight_grad(
             for o in outs:
                 o.zero_()
         return result
-    half_stride, upper_first = 0, 0
-    if split_out:
-        elem = outs[0].element_size()
-        distance = outs[1].data_ptr() - outs[0].data_ptr()  # bytes from the first half's tensor to the second's
-        if abs(distance) < outs[0].numel() * elem:
-            raise ValueError("out: the two halves overlap in memory")
-        if distance % 16 or abs(distance) >= TMA_STRIDE_LIMIT:  # not a TMA descriptor's stride: a launch per half
-            opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong)
-            for half, o in zip((a[:, : m // 2], a[:, m // 2 :]), outs):
-                weight_grad(half, b, offsets, out=o, **opts)
-            return result
-        half_stride, upper_first = abs(distance) // elem, int(distance < 0)
+    half_stride, upper_first = _split_out_stride(outs) if split_out else (0, 0)
+    if half_stride is None:  # not a TMA descriptor's stride: a launch per half
+        opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong)
+        for half, o in zip((a[:, : m // 2], a[:, m // 2 :]), outs):
+            weight_grad(half, b, offsets, out=o, **opts)
+        return result
     dtype_name = "f32" if outs[0].dtype == torch.float32 else "bf16"
     variant = weight_grad_variant(
         m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out
@@ -287,20 +270,7 @@ def weight_grad_mxfp8(
         raise ValueError(f"(R, M, N): expected multiples of 128 with MXFP8 operands, got ({num_rows}, {m}, {n})")
     for name, t, width in (("a", a_scales, m), ("b", b_scales, n)):
         check_tensor(f"{name}_scales", t, dtypes=(torch.uint8,), shape=(width // 128, num_rows // 128, 512), device=dev, contiguous=True)
-    check_tensor("offsets", offsets, dtypes=I32, ndim=1, device=dev, contiguous=True)
-    num_experts = offsets.shape[0] - 1
-    if num_experts < 1:
-        raise ValueError(f"offsets: expected E + 1 >= 2 entries, got {offsets.shape[0]}")
-    if counts is not None:
-        check_tensor("counts", counts, dtypes=I32, shape=(num_experts,), device=dev, contiguous=True)
-    if split_out and m % 256:
-        raise ValueError(f"split_out: expected M a multiple of 256 (each half whole 128-row tiles), got M={m}")
-    if tile_n not in (128, 256) or n % tile_n:
-        raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
-    if accumulate and out is None:
-        raise ValueError("accumulate: needs out, the fp32 gradient to add into")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+    num_experts = _check_weight_grad_args(offsets, counts, m, n, split_out, tile_n, accumulate, out, out_dtype, dev)
     dtypes = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
     outs = _weight_grad_outputs(out, split_out, (num_experts, m, n), out_dtype, dtypes, dev)
     _check_launchable(a=a, a_scales=a_scales, b=b, b_scales=b_scales)
@@ -312,20 +282,14 @@ def weight_grad_mxfp8(
             for o in outs:
                 o.zero_()
         return result
-    half_stride, upper_first = 0, 0
-    if split_out:
-        elem = outs[0].element_size()
-        distance = outs[1].data_ptr() - outs[0].data_ptr()
-        if abs(distance) < outs[0].numel() * elem:
-            raise ValueError("out: the two halves overlap in memory")
-        if distance % 16 or abs(distance) >= TMA_STRIDE_LIMIT:  # a launch per half: A's column halves, their scales' chunk halves
-            half_chunks = m // 2 // 128
-            for half, o in enumerate(outs):
-                cols = slice(half * (m // 2), (half + 1) * (m // 2))
-                a_half = (a[:, cols], a_scales[half * half_chunks : (half + 1) * half_chunks])
-                _launch_weight_grad_mxfp8(a_half, b_q, offsets, counts, [o], accumulate, tile_n, False, 0, 0)
-            return result
-        half_stride, upper_first = abs(distance) // elem, int(distance < 0)
+    half_stride, upper_first = _split_out_stride(outs) if split_out else (0, 0)
+    if half_stride is None:  # a launch per half: A's column halves, their scales' chunk halves
+        half_chunks = m // 2 // 128
+        for half, o in enumerate(outs):
+            cols = slice(half * (m // 2), (half + 1) * (m // 2))
+            a_half = (a[:, cols], a_scales[half * half_chunks : (half + 1) * half_chunks])
+            _launch_weight_grad_mxfp8(a_half, b_q, offsets, counts, [o], accumulate, tile_n, False, 0, 0)
+        return result
     _launch_weight_grad_mxfp8(a_q, b_q, offsets, counts, outs, accumulate, tile_n, split_out, half_stride, upper_first)
     return result
 
@@ -345,6 +309,40 @@ def _launch_weight_grad_mxfp8(a_q, b_q, offsets, counts, outs, accumulate, tile_
         _ptr("i32", offsets, 4), _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None),
         _i32(num_rows), _i32(offsets.shape[0] - 1), _i64(half_stride), _i32(upper_first), _stream(a.device),
     )
+
+
+def _check_weight_grad_args(offsets, counts, m: int, n: int, split_out: bool, tile_n: int, accumulate: bool, out, out_dtype,
+                            device) -> int:
+    """The weight-gradient ops' shared arguments (the experts' row ranges, the output's form);
+    returns E."""
+    check_tensor("offsets", offsets, dtypes=I32, ndim=1, device=device, contiguous=True)
+    num_experts = offsets.shape[0] - 1
+    if num_experts < 1:
+        raise ValueError(f"offsets: expected E + 1 >= 2 entries, got {offsets.shape[0]}")
+    if counts is not None:
+        check_tensor("counts", counts, dtypes=I32, shape=(num_experts,), device=device, contiguous=True)
+    if split_out and m % 256:
+        raise ValueError(f"split_out: expected M a multiple of 256 (each half whole 128-row tiles), got M={m}")
+    if tile_n not in (128, 256) or n % tile_n:
+        raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
+    if accumulate and out is None:
+        raise ValueError("accumulate: needs out, the fp32 gradient to add into")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+    return num_experts
+
+
+def _split_out_stride(outs) -> tuple[int | None, int]:
+    """split_out's two output tensors as one TMA descriptor's halves: (elements from the lower to the
+    upper one, 1 when the second tensor lies lower); (None, 0) when their distance is not a stride a
+    descriptor can hold (then a launch per half)."""
+    elem = outs[0].element_size()
+    distance = outs[1].data_ptr() - outs[0].data_ptr()  # bytes from the first half's tensor to the second's
+    if abs(distance) < outs[0].numel() * elem:
+        raise ValueError("out: the two halves overlap in memory")
+    if distance % 16 or abs(distance) >= TMA_STRIDE_LIMIT:
+        return None, 0
+    return abs(distance) // elem, int(distance < 0)
 
 
 def _weight_grad_outputs(out, split_out, shape, out_dtype, dtypes, device) -> list[torch.Tensor]:

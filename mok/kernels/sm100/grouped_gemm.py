@@ -39,7 +39,7 @@ from ..common.gemm_args import expert_weights, grouped_gemm_compile_args, groupe
 from ..common.row_weight import row_router_weight
 from ..common.swiglu import swiglu_backward_values, swiglu_value
 from ..common.tile_order import grouped_tile
-from .tcgen05_tile import EPI_COLS, SCALE_BLOCK, THREADS, TILE_K, TILE_K_MXFP8, TILE_M, Tcgen05TileKernel, pick_stages
+from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, TILE_M, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 
@@ -324,8 +324,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
             raise ValueError(f"k: expected a multiple of {2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8} with MXFP8 operands, got {k}")
         super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n)
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K_MXFP8)
-        rows = TILE_M + self.num_b * tile_n
-        self.ab_stage = pick_stages(rows * TILE_K_MXFP8 + rows * (TILE_K_MXFP8 // SCALE_BLOCK) + 3 * 128, stages)
+        self.ab_stage = pick_mxfp8_stages(TILE_M + self.num_b * tile_n, stages)
 
     @cute.jit
     def __call__(

@@ -49,6 +49,12 @@ def pick_stages(stage_bytes: int, stages: int | None) -> int:
     return most if stages is None else stages
 
 
+def pick_mxfp8_stages(rows: int, stages: int | None) -> int:
+    """:func:`pick_stages` for MXFP8 stages of ``rows`` operand rows (A's and the B's): 128 E4M3
+    bytes and 4 scale bytes a row, and the alignment of the three scale buffers."""
+    return pick_stages(rows * TILE_K_MXFP8 + rows * (TILE_K_MXFP8 // SCALE_BLOCK) + 3 * 128, stages)
+
+
 class Tcgen05TileKernel:
     """Base of the SM100 GEMM kernels (see the module docstring)."""
 

@@ -27,7 +27,7 @@ import cutlass.cute as cute
 
 from ..common.gemm_args import expert_row_ranges, weight_grad_compile_args, weight_grad_output
 from ..common.weight_grad_tiles import expert_tile, out_tile
-from .tcgen05_tile import EPI_COLS, SCALE_BLOCK, THREADS, TILE_K, TILE_K_MXFP8, TILE_M, Tcgen05TileKernel, pick_stages
+from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, TILE_M, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
 
@@ -204,8 +204,7 @@ class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
             raise ValueError(f"a_stride: expected a multiple of 16 (bytes of E4M3) with MXFP8 operands, got {a_stride}")
         super().__init__(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, split_out=split_out)
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K_MXFP8)
-        rows = TILE_M + tile_n
-        self.ab_stage = pick_stages(rows * TILE_K_MXFP8 + rows * (TILE_K_MXFP8 // SCALE_BLOCK) + 3 * 128, stages)
+        self.ab_stage = pick_mxfp8_stages(TILE_M + tile_n, stages)
 
     @cute.jit
     def __call__(
