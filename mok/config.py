@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from .validation import check_positive_int
 
-PRECISIONS = ("bf16",)
+PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated")  # the expert GEMMs' operands (mok/mxfp8_forward.py, mok/mxfp8_backward.py)
 SAVED_H_FORMATS = ("bf16", "mxfp8")  # how h is kept for the backward (mok/saved_mxfp8.py)
 DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/ep.py)
 
@@ -42,6 +42,11 @@ class MoKConfig:
     dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
     one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
     compute on its rounding (:func:`mok.ep.ep_moe_forward`).
+    precision: the routed experts' GEMM operands: "bf16" (default), "mxfp8" (every expert GEMM of
+    forward and backward on MXFP8 operands, block-scaled MMAs: SM100 only, compile-verified, never
+    run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
+    into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16); one GPU, H and I multiples
+    of 128, without one_launch, fuse_wgrad_accumulation or saved_h_format="mxfp8" so far.
     """
 
     hidden: int
@@ -83,6 +88,14 @@ class MoKConfig:
                 raise TypeError(f"{flag}: expected a bool, got {getattr(self, flag)!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision != "bf16":
+            others = {"ep_size > 1": self.ep_size > 1, "one_launch": self.one_launch,
+                      "fuse_wgrad_accumulation": self.fuse_wgrad_accumulation, "saved_h_format='mxfp8'": self.saved_h_format != "bf16"}
+            if any(others.values()):
+                raise ValueError(f"precision={self.precision!r}: not with {', '.join(k for k, v in others.items() if v)} (not written yet)")
+            widths = {"hidden": self.hidden, "intermediate": self.intermediate, "shared_intermediate": self.shared_intermediate or 128}
+            if any(v % 128 for v in widths.values()):
+                raise ValueError(f"precision={self.precision!r}: expected widths that are multiples of 128, got {widths}")
         check_saved_h_format(self.saved_h_format)
         if self.dispatch_format not in DISPATCH_FORMATS:
             raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {self.dispatch_format!r}")

@@ -30,7 +30,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import custom_ops, ep_ops  # noqa: F401  (register mok::moe_forward / moe_backward and the ep_ twins)
+from . import custom_ops, ep_ops, mxfp8_ops  # noqa: F401  (register mok::moe_forward / moe_backward, the ep_ and _mxfp8 twins)
 from .config import MoKConfig
 from .validation import check_capacity_factor, check_index_range, check_tensor, check_timeout
 
@@ -71,6 +71,10 @@ class MoELayer(nn.Module):
     bytes, ~3-4% relative error in the expert gradients.
     ``dispatch_format="mxfp8"`` (EP > 1): x crosses to the experts' ranks in MXFP8 and the routed
     experts compute on its rounding (:func:`mok.ep.ep_moe_forward`); not on the CPU reference path.
+    ``precision="mxfp8"``: every routed-expert GEMM of forward and backward on MXFP8 operands (the
+    weights quantized on every call; SM100 only, compile-verified, never run); ``"mxfp8_emulated"``:
+    the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
+    one GPU, see :class:`mok.config.MoKConfig` for what it does not combine with yet.
     """
 
     def __init__(
@@ -226,6 +230,24 @@ class MoELayer(nn.Module):
         shared = self.shared_weights()
         check_moe_inputs(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False)  # (ids: forward)
         save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
+        if self.config.precision != "bf16":  # the expert GEMMs on MXFP8 operands (mok/mxfp8_ops.py)
+            if not x.is_cuda:
+                raise NotImplementedError(
+                    f"precision={self.config.precision!r}: the MXFP8 layer runs on a GPU only (no CPU reference of its numerics); "
+                    "use precision='bf16' on the CPU"
+                )
+            from .kernels import MXFP8_GEMM_ARCHS
+            from .runtime.arch import check_fused_layer_device
+
+            arch = check_fused_layer_device(x.device.index)  # (SM100: only with MOK_UNVERIFIED_SM100=1, as the bf16 layer)
+            emulate = self.config.precision == "mxfp8_emulated"
+            if not emulate and arch not in MXFP8_GEMM_ARCHS:
+                raise NotImplementedError(
+                    f"precision='mxfp8': needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}), this GPU is {arch}; "
+                    "precision='mxfp8_emulated' runs the same numerics here (slower than bf16)"
+                )
+            return torch.ops.mok.moe_forward_mxfp8(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save,
+                                                   emulate)[0]
         return torch.ops.mok.moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch,
             self.shared_in_routed, self.config.fuse_wgrad_accumulation, self.config.saved_h_format,

@@ -375,3 +375,19 @@ def test_expert_parallel_layer_refuses_more_tokens_than_max_tokens_on_every_devi
     """max_tokens bounds the tokens a rank passes per call on the CPU path too (the GPU path's workspace is sized by it)."""
     for msg in value_errors_on_two_ranks(tmp_path, _pass_more_than_max_tokens):
         assert "x: expected at most max_tokens=4 tokens per rank and call, got 5" in msg, msg
+
+
+def test_mxfp8_precision_is_checked_at_construction_and_refused_on_the_cpu():
+    """precision="mxfp8" / "mxfp8_emulated": what it does not combine with yet raises at
+    construction, naming it; on the CPU (no reference of its numerics) the call raises clearly."""
+    from mok.config import MoKConfig
+
+    with pytest.raises(ValueError, match=r"precision='mxfp8': not with one_launch, fuse_wgrad_accumulation"):
+        MoKConfig(256, 128, 8, 2, precision="mxfp8", one_launch=True, fuse_wgrad_accumulation=True)
+    with pytest.raises(ValueError, match=r"precision='mxfp8_emulated': expected widths that are multiples of 128"):
+        MoKConfig(256, 96, 8, 2, precision="mxfp8_emulated")
+    with pytest.raises(ValueError, match=r"precision: expected one of \('bf16', 'mxfp8', 'mxfp8_emulated'\)"):
+        MoKConfig(256, 128, 8, 2, precision="fp8")
+    layer = MoELayer(256, 128, 8, 2, precision="mxfp8_emulated")
+    with pytest.raises(NotImplementedError, match="the MXFP8 layer runs on a GPU only"):
+        layer(torch.randn(4, 256).bfloat16())

@@ -280,3 +280,48 @@ def test_column_quantizer_gives_the_transposes_reference_bytes(rows, columns):
     elements, scales = quantize_mxfp8_columns(x, rows_used=count)
     assert torch.equal(elements.view(torch.uint8).cpu()[:used], want_elements.view(torch.uint8).T[:used])
     assert torch.equal(scales.cpu()[:, : used // 32], want_scales[:, : used // 32])
+
+
+@pytest.mark.parametrize("shared", [None, 256])
+def test_mxfp8_emulated_layer_gives_the_functional_paths_bits_eager_and_compiled(shared):
+    """MoELayer(precision="mxfp8_emulated") through its custom ops (mok/mxfp8_ops.py): output and
+    every gradient the same bits as mxfp8_moe_forward / mxfp8_moe_backward called directly on the
+    layer's weights (emulated), eager and under torch.compile(fullgraph=True); a shared expert of the
+    routed experts' width (kept in their buffers) included."""
+    from mok.layer import MoELayer
+    from mok.mxfp8_backward import mxfp8_moe_backward
+    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+
+    from test_layer_gpu import external_routing, grads_of
+
+    torch.manual_seed(9)
+    layer = MoELayer(512, 256, 16, 4, shared_intermediate=shared, device="cuda", precision="mxfp8_emulated")
+    x = torch.randn(333, 512, device="cuda").bfloat16()
+    idx, w = external_routing(333, seed=3)
+    dout = torch.randn(333, 512, device="cuda").bfloat16()
+    got = grads_of(layer, x, idx, w, dout)
+    with torch.no_grad():
+        experts = (layer.gate_proj, layer.up_proj, layer.down_proj)
+        shared_w = layer.shared_weights()
+        res = mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts), shared_w, save_for_backward=True, emulate=True)
+        weights_t = quantize_expert_weights(*experts, transposed=True)
+        g = mxfp8_moe_backward(dout, x, idx, w, weights_t, shared_w, res, emulate=True)
+    want = [res.out, g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ())]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    compiled = torch.compile(layer, fullgraph=True)
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = compiled(xc, topk_idx=idx, topk_w=wc)
+    out.backward(dout)
+    again = [out.detach(), xc.grad, wc.grad] + [p.grad for n, p in layer.named_parameters() if not n.startswith("router")]
+    assert all(torch.equal(a, b) for a, b in zip(again, want))
+
+
+def test_mxfp8_layer_on_hopper_asks_for_the_emulated_precision():
+    from mok.layer import MoELayer
+
+    if torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("an SM100 GPU has block-scaled MMAs")
+    layer = MoELayer(512, 256, 16, 4, device="cuda", precision="mxfp8")
+    with pytest.raises(NotImplementedError, match="precision='mxfp8_emulated' runs the same numerics here"):
+        layer(torch.randn(8, 512, device="cuda").bfloat16())
