@@ -106,8 +106,9 @@ def moe_forward_op(
 
 
 @moe_forward_op.register_fake
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False, shared_in_routed=False,
-      fuse_wgrad=False, saved_h_format="bf16"):
+def fake_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, one_launch=False,
+                 shared_in_routed=False, fuse_wgrad=False, saved_h_format="bf16"):
+    """The forward op's outputs as empty tensors of their shapes (also the MXFP8 op's: mok/mxfp8_ops.py)."""
     capacity, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save, shared_in_routed)
     num_tokens, topk = topk_idx.shape
     i32 = dict(dtype=torch.int32, device=x.device)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .custom_ops import BLOCK_M, _forward_shapes, _shared
+from .custom_ops import BLOCK_M, _fake_weight_grads, _forward_shapes, _shared, fake_forward
 
 
 @torch.library.custom_op("mok::moe_forward_mxfp8", mutates_args=(), device_types="cuda")
@@ -50,14 +50,7 @@ def moe_forward_mxfp8_op(
 
 @moe_forward_mxfp8_op.register_fake
 def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save, emulate):
-    capacity, h_rows, sh_rows, inter, shared_inter = _forward_shapes(x, topk_idx, w_gate, shared_gate, save)
-    num_tokens, topk = topk_idx.shape
-    i32 = dict(dtype=torch.int32, device=x.device)
-    return (
-        x.new_empty(num_tokens, x.shape[1]), x.new_empty(h_rows, 2 * inter), x.new_empty(sh_rows, 2 * shared_inter),
-        torch.empty(capacity, **i32), torch.empty(capacity, **i32), torch.empty(num_tokens, topk, **i32),
-        torch.empty(capacity // BLOCK_M, **i32), torch.empty(w_gate.shape[0] + 1, **i32), torch.empty(w_gate.shape[0], **i32),
-    )
+    return fake_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, save)  # (bf16 h, shared h of its own)
 
 
 @torch.library.custom_op("mok::moe_backward_mxfp8", mutates_args=(), device_types="cuda")
@@ -104,7 +97,7 @@ def moe_backward_mxfp8_op(
 @moe_backward_mxfp8_op.register_fake
 def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule_and_emulate):
     weights = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
-    return torch.empty_like(x), torch.empty_like(topk_w), *[torch.empty_like(w) if w is not None else x.new_empty(0) for w in weights]
+    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, *weights, added=False)
 
 
 def _setup_context(ctx, inputs, output):

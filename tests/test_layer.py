@@ -391,3 +391,21 @@ def test_mxfp8_precision_is_checked_at_construction_and_refused_on_the_cpu():
     layer = MoELayer(256, 128, 8, 2, precision="mxfp8_emulated")
     with pytest.raises(NotImplementedError, match="the MXFP8 layer runs on a GPU only"):
         layer(torch.randn(4, 256).bfloat16())
+
+
+def test_mxfp8_ops_fake_outputs_have_the_bf16_ops_shapes():
+    """torch.compile traces mok::moe_forward_mxfp8 / moe_backward_mxfp8 through their fake
+    implementations: the forward's outputs have the bf16 op's shapes and dtypes (bf16 h, the shared
+    expert's own h), the backward's gradients the shapes of what they differentiate."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, idx, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(300, 2, dtype=torch.int32), torch.empty(300, 2)
+        gate, down = torch.empty(8, 128, 256, dtype=torch.bfloat16), torch.empty(8, 256, 128, dtype=torch.bfloat16)
+        s_gate, s_down = torch.empty(128, 256, dtype=torch.bfloat16), torch.empty(256, 128, dtype=torch.bfloat16)
+        weights = (gate, gate, down, s_gate, s_gate, s_down)
+        mxfp8 = torch.ops.mok.moe_forward_mxfp8(x, idx, w, *weights, True, True)
+        bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, True)
+        assert [(t.shape, t.dtype) for t in mxfp8] == [(t.shape, t.dtype) for t in bf16]
+        grads = torch.ops.mok.moe_backward_mxfp8(x, x, idx, w, *weights, *mxfp8[1:], True)
+        assert [t.shape for t in grads] == [t.shape for t in (x, w, *weights)]
