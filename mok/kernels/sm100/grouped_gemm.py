@@ -127,10 +127,8 @@ class GroupedGemmSm100(Tcgen05TileKernel):
         num_row_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills, stores stop at R
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
 
-        tiled_mma, a_smem, b_smem = self.make_mma("k", "k" if self.b_major == "k" else "mn")
-        loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, m_b, m_b2)  # [(atom, coordinates)] of A, B, B2
-        self.shared_storage_type = self.shared_storage(a_smem, b_smem)
-        self.launch(tiled_mma, (a_smem, b_smem), loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream)
+        tiled_mma, layouts, loads = self.prepare("k", "k" if self.b_major == "k" else "mn", m_a, (m_b, m_b2))
+        self.launch(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream)
 
     def launch(self, tiled_mma, smem_layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream):
         """Host side: one CTA per output tile."""
@@ -161,11 +159,9 @@ class GroupedGemmSm100(Tcgen05TileKernel):
         tile_row, tile_col = grouped_tile(linear, num_row_tiles, self.n // self.tile_shape_mnk[1])
         expert = m_tiles[tile_row]
         if expert >= 0:
-            a_smem, b_smem = smem_layouts[0], smem_layouts[1]
-            scale_layouts = smem_layouts[2:] if self.mxfp8 else None
-            stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, a_smem, b_smem, loads, scale_layouts)
+            stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, smem_layouts, loads)
             views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, expert)
-            self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, self.k // self.tile_shape_mnk[2], scale_layouts)
+            self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, self.k // self.tile_shape_mnk[2], smem_layouts)
             acc_full = self.wait_accumulators(tmem, pipes)
             self.epilogue(tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows)
             self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
@@ -364,12 +360,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
         m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk)
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
 
-        tiled_mma, a_smem, b_smem = self.make_mma("k", "k")
-        sfa_smem, sfb_smem = self.make_scale_layouts(tiled_mma)
-        loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, *m_bs)
-        loads += self.scale_load_atoms(tiled_mma, sfa_smem, sfb_smem, m_sfa, *m_sfbs)
-        self.shared_storage_type = self.shared_storage(a_smem, b_smem, sfa_smem, sfb_smem)
-        layouts = (a_smem, b_smem, sfa_smem, sfb_smem)
+        tiled_mma, layouts, loads = self.prepare("k", "k", m_a, m_bs, m_sfa, m_sfbs)
         self.launch(tiled_mma, layouts, loads, m_c, tuple(row_args), m_tiles, num_row_tiles, num_rows, stream)
 
 

@@ -94,6 +94,20 @@ class Tcgen05TileKernel:
         for each L, 128-row by 128-column chunks of 512 bytes, K's chunks innermost."""
         return cute.make_tensor(ptr, blockscaled_layout.tile_atom_to_shape_SF((mn, k, batches), SCALE_BLOCK))
 
+    def prepare(self, a_major: str, b_major: str, m_a: cute.Tensor, m_bs: tuple, m_sfa=None, m_sfbs: tuple = ()):
+        """Host side, what every kernel's launch needs: the tiled MMA, the staged shared-memory layouts
+        (A's, B's; MXFP8: then their scales', from ``m_sfa`` / ``m_sfbs``), the TMA loads of A and
+        each B (MXFP8: then of their scales), and the CTA's shared storage
+        (``shared_storage_type``). Returns (tiled_mma, layouts, loads)."""
+        tiled_mma, a_smem, b_smem = self.make_mma(a_major, b_major)
+        layouts = (a_smem, b_smem)
+        loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, *m_bs)
+        if self.mxfp8:
+            layouts += self.make_scale_layouts(tiled_mma)
+            loads += self.scale_load_atoms(tiled_mma, layouts[2], layouts[3], m_sfa, *m_sfbs)
+        self.shared_storage_type = self.shared_storage(*layouts)
+        return tiled_mma, layouts, loads
+
     def load_atoms(self, tiled_mma, a_smem, b_smem, m_a: cute.Tensor, *m_bs: cute.Tensor):
         """Host side: TMA load atoms and coordinate tensors of A and each B (all (MN, K, L)), and the
         bytes one stage receives (``stage_tx_bytes``: A and ``num_b`` B tiles)."""
@@ -183,11 +197,12 @@ class Tcgen05TileKernel:
         return atom, g_part[(None, mn_tile, None, l_index)], s_part
 
     @cute.jit
-    def setup(self, warp_idx, tiled_mma, a_smem, b_smem, loads, scale_layouts=None):
+    def setup(self, warp_idx, tiled_mma, layouts, loads):
         """Every thread: the TMA descriptors prefetched (warp 0), shared memory, the two pipelines, and
         the accumulators allocated in tensor memory (as (MMA, MMA_M, MMA_N, accumulator)). Returns
-        (stages, pipelines, tmem, t_acc); stages = (A, B, B2) in shared memory, with MXFP8 (whose
-        ``scale_layouts`` come from :meth:`make_scale_layouts`) also their scales'."""
+        (stages, pipelines, tmem, t_acc); stages = (A, B, B2) in shared memory, with MXFP8 also their
+        scales'. ``layouts`` and ``loads``: from :meth:`prepare`."""
+        a_smem, b_smem = layouts[0], layouts[1]
         if warp_idx == 0:
             for atom, _ in loads:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
@@ -199,7 +214,7 @@ class Tcgen05TileKernel:
             s_b2 = storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         stages = (s_a, s_b, s_b2)
         if cutlass.const_expr(self.mxfp8):
-            sfa_smem, sfb_smem = scale_layouts
+            sfa_smem, sfb_smem = layouts[2], layouts[3]
             s_sfb = storage.s_sfb.get_tensor(sfb_smem)
             s_sfb2 = s_sfb
             if cutlass.const_expr(self.num_b == 2):
@@ -230,7 +245,7 @@ class Tcgen05TileKernel:
         return stages, (ab_producer, ab_consumer, acc_producer, acc_consumer), tmem, t_acc
 
     @cute.jit
-    def mma_warp(self, warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles, scale_layouts=None):
+    def mma_warp(self, warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles, layouts):
         """Warp 0: TMA loads (``load_stage(empty, views)``) ``stages - 2`` K tiles ahead of the MMAs;
         acc (acc2) = A·Bᵀ (A·B2ᵀ) over ``k_tiles`` K tiles in order (none: the accumulators are not
         written; the epilogue must not read them); MXFP8: each stage's scales copied into tensor
@@ -247,7 +262,7 @@ class Tcgen05TileKernel:
             acc2 = t_acc[(None, None, None, self.num_b - 1)]
             scales = None
             if cutlass.const_expr(self.mxfp8):
-                scales = self.scale_copies(tiled_mma, stages, t_acc, scale_layouts)
+                scales = self.scale_copies(tiled_mma, stages, t_acc, layouts[2], layouts[3])
             ahead = cutlass.min(self.ab_stage - 2, k_tiles)
             acc_empty = acc_producer.acquire_and_advance()
             for _ in cutlass.range(ahead, unroll=1):
@@ -275,11 +290,10 @@ class Tcgen05TileKernel:
                 full.release()  # the stage is free once these MMAs complete
             acc_empty.commit()  # the accumulators are final once every MMA has completed
 
-    def scale_copies(self, tiled_mma, stages, t_acc, scale_layouts):
+    def scale_copies(self, tiled_mma, stages, t_acc, sfa_smem, sfb_smem):
         """MXFP8, warp 0: for A's scales, B's and B2's: (tcgen05.cp copy, shared-memory source by
         stage, tensor-memory destination, the MMAs' view of that tensor memory (MMA, MMA_MN, MMA_K)).
         The scales lie in tensor memory after the accumulators: A's, then B's, then B2's."""
-        sfa_smem, sfb_smem = scale_layouts
         sfa_cols, sfb_cols = self.scale_columns()
         base = t_acc.iterator + self.accumulator_columns()
         e8m0 = cutlass.Float8E8M0FNU

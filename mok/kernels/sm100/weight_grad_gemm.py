@@ -92,10 +92,8 @@ class WeightGradGemmSm100(Tcgen05TileKernel):
         m_c = weight_grad_output(out_ptr, m, n, num_experts, half_stride, self.split_out)
         rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)  # where each expert's rows start and end
 
-        tiled_mma, a_smem, b_smem = self.make_mma("mn", "mn")
-        loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, m_b)
-        self.shared_storage_type = self.shared_storage(a_smem, b_smem)
-        self.launch(tiled_mma, (a_smem, b_smem), loads, m_c, upper_first, rows, num_rows, num_experts, stream)
+        tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,))
+        self.launch(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, num_experts, stream)
 
     def launch(self, tiled_mma, smem_layouts, loads, m_c, upper_first, rows, num_rows, num_experts, stream):
         """Host side: one CTA per output tile of each expert."""
@@ -122,12 +120,10 @@ class WeightGradGemmSm100(Tcgen05TileKernel):
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
         expert, tile_row, tile_col, row_start, k_tiles = expert_tile(linear, rows, num_rows, self.m, self.n, self.tile_shape_mnk)
-        a_smem, b_smem = smem_layouts[0], smem_layouts[1]
-        scale_layouts = smem_layouts[2:] if self.mxfp8 else None
-        stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, a_smem, b_smem, loads, scale_layouts)
+        stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, smem_layouts, loads)
         k_first = row_start // self.tile_shape_mnk[2]  # (offsets: multiples of 128)
         views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, k_first)
-        self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles, scale_layouts)
+        self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles, smem_layouts)
         acc_full = self.wait_accumulators(tmem, pipes)
         g_c = out_tile(m_c, upper_first, expert, tile_row, tile_col, self.m, self.tile_shape_mnk, self.split_out)
         self.epilogue(tidx, t_acc, g_c, k_tiles > 0)
@@ -235,12 +231,7 @@ class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
         m_c = weight_grad_output(out_ptr, m, n, num_experts, half_stride, self.split_out)
         rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)
 
-        tiled_mma, a_smem, b_smem = self.make_mma("mn", "mn")
-        sfa_smem, sfb_smem = self.make_scale_layouts(tiled_mma)
-        loads = self.load_atoms(tiled_mma, a_smem, b_smem, m_a, m_b)
-        loads += self.scale_load_atoms(tiled_mma, sfa_smem, sfb_smem, m_sfa, m_sfb)
-        self.shared_storage_type = self.shared_storage(a_smem, b_smem, sfa_smem, sfb_smem)
-        layouts = (a_smem, b_smem, sfa_smem, sfb_smem)
+        tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,), m_sfa, (m_sfb,))
         self.launch(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, num_experts, stream)
 
 
