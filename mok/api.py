@@ -131,8 +131,9 @@ def forward(
     check_routing: bool = True,
     timeout_s: float = 5.0,
 ) -> tuple[torch.Tensor, LayerContext]:
-    """Layer output [T, H] bf16 and the context ``backward`` takes (see :func:`mok.forward.moe_forward`;
-    with ``config.saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py).
+    """Layer output [T, H] bf16 and the context ``backward`` takes (see :func:`mok.fused_forward.moe_forward`;
+    with ``config.saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py; with
+    ``config.precision`` "mxfp8" or "mxfp8_emulated", :func:`mok.mxfp8_forward.mxfp8_moe_forward`).
 
     ``timeout_s`` (EP > 1) bounds every wait on a peer rank."""
     _check_config(config, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
@@ -145,6 +146,13 @@ def forward(
         res = ep_moe_forward_saved(
             workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward, timeout_s=timeout_s,
             one_launch=config.one_launch, dispatch_format=config.dispatch_format,
+        )
+    elif config.precision != "bf16":  # the routed experts' GEMMs on MXFP8 operands (the weights quantized on every call)
+        from .mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+
+        res = mxfp8_moe_forward(
+            x, topk_idx, topk_w, quantize_expert_weights(w_gate, w_up, w_down), shared, check_routing=check_routing,
+            save_for_backward=save_for_backward, emulate=config.precision == "mxfp8_emulated",
         )
     else:
         res = moe_forward(
@@ -168,7 +176,8 @@ def backward(
     main_grads: tuple | None = None,
     timeout_s: float = 5.0,
 ) -> Gradients:
-    """All gradients for ``dout`` [T, H] (see :func:`mok.backward.moe_backward`; ``main_grads`` accumulates).
+    """All gradients for ``dout`` [T, H] (see :func:`mok.fused_backward.moe_backward`, or with an MXFP8
+    ``config.precision`` :func:`mok.mxfp8_backward.mxfp8_moe_backward`; ``main_grads`` accumulates).
 
     At EP > 1: this rank's dx and d_topk_w, its experts' weight gradients, and the shared
     expert's over this rank's tokens (sum those over ranks, as data-parallel gradients).
@@ -184,6 +193,14 @@ def backward(
         return ep_moe_backward(
             workspace, dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype,
             main_grads=main_grads, timeout_s=timeout_s,
+        )
+    if config.precision != "bf16":
+        from .mxfp8_backward import mxfp8_moe_backward
+        from .mxfp8_forward import quantize_expert_weights
+
+        return mxfp8_moe_backward(
+            dout, ctx.x, ctx.topk_idx, ctx.topk_w, quantize_expert_weights(*ctx.weights, transposed=True), ctx.shared, ctx.saved,
+            grad_dtype=grad_dtype, emulate=config.precision == "mxfp8_emulated", main_grads=main_grads,
         )
     return moe_backward(
         dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype, main_grads=main_grads

@@ -246,8 +246,10 @@ class MoELayer(nn.Module):
                     f"precision='mxfp8': needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}), this GPU is {arch}; "
                     "precision='mxfp8_emulated' runs the same numerics here (slower than bf16)"
                 )
-            return torch.ops.mok.moe_forward_mxfp8(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save,
-                                                   emulate)[0]
+            return torch.ops.mok.moe_forward_mxfp8(
+                x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, emulate,
+                self.config.fuse_wgrad_accumulation, self.config.saved_h_format,
+            )[0]
         return torch.ops.mok.moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch,
             self.shared_in_routed, self.config.fuse_wgrad_accumulation, self.config.saved_h_format,

@@ -13,7 +13,9 @@ mok.mxfp8_forward's forward (``save_for_backward=True``).
     shared expert, combine   bf16, as the bf16 backward
 
 ``wgrad_format="bf16"`` keeps the weight gradients on the bf16 rows instead (the bf16 backward's
-kernels). Deterministic and batch invariant as the bf16 backward (per-row and per-expert-block
+kernels). ``main_grads``: the weight gradients added into fp32 buffers by the weight-gradient GEMMs
+themselves (Megatron's main_grad, as mok/fused_backward.py does). A packed MXFP8 h
+(mok/saved_mxfp8.py) is turned back into bf16 first. Deterministic and batch invariant as the bf16 backward (per-row and per-expert-block
 quantization, one CTA per output tile, fixed orders). ``emulate=True`` runs the same numerics on
 Hopper (the GEMMs' operands dequantized, exactly, into the bf16 GEMMs). The MXFP8 GEMMs are
 compile-verified only (no SM100 GPU was available).
@@ -32,8 +34,9 @@ from .mxfp8_forward import (
 )
 from .reference import SharedExpert
 from .reference_backward import Gradients
+from .saved_mxfp8 import unpack_saved
 from .schedule import check_schedule
-from .validation import check_moe_inputs, check_tensor
+from .validation import check_main_grads, check_moe_inputs, check_tensor
 
 
 def mxfp8_moe_backward(
@@ -48,12 +51,14 @@ def mxfp8_moe_backward(
     grad_dtype: torch.dtype = torch.bfloat16,
     wgrad_format: str = "mxfp8",
     emulate: bool = False,
+    main_grads: tuple | None = None,
 ) -> Gradients:
     """All gradients of the layer for ``dout`` [T, H] bf16 (module docstring), after
     ``mxfp8_moe_forward(..., save_for_backward=True)``. ``weights_t``: the expert weights from
     ``quantize_expert_weights(w_gate, w_up, w_down, transposed=True)``. Returns
     mok.reference_backward.Gradients: dx [T, H] bf16, d_topk_w [T, k] fp32, weight gradients in
-    ``grad_dtype`` (bf16 or fp32)."""
+    ``grad_dtype`` (bf16 or fp32), or, with ``main_grads`` (one fp32 buffer per weight: gate, up,
+    down[, shared gate, up, down]), added into those and returned as them."""
     if not isinstance(weights_t, Mxfp8ExpertWeights):
         raise TypeError(f"weights_t: expected Mxfp8ExpertWeights (quantize_expert_weights(..., transposed=True)), got {type(weights_t).__name__}")
     gate_t, up_t, down_t = weights_t.gate[0], weights_t.up[0], weights_t.down[0]
@@ -70,6 +75,7 @@ def mxfp8_moe_backward(
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     if wgrad_format not in ("mxfp8", "bf16"):
         raise ValueError(f"wgrad_format: expected 'mxfp8' or 'bf16', got {wgrad_format!r}")
+    check_main_grads(main_grads, forward_shapes, None if shared is None else tuple(shared))
     if not isinstance(saved, ForwardResult) or saved.h is None or (shared is not None and saved.shared_h is None):
         raise ValueError("saved: expected the ForwardResult of mxfp8_moe_forward(..., save_for_backward=True)")
     sched = check_schedule(
@@ -77,6 +83,7 @@ def mxfp8_moe_backward(
     )
     if getattr(sched, "shared_rows", 0):
         raise ValueError("saved.schedule: has a shared expert's rows in front; mxfp8_moe_forward never puts them there")
+    saved = unpack_saved(saved, inter, None if shared is None else shared[0].shape[0])  # (an MXFP8 h back to bf16: the used rows)
     check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * inter), device=x.device, contiguous=True)
     check_mxfp8_device("mxfp8_moe_backward", x, emulate)
 
@@ -93,21 +100,23 @@ def mxfp8_moe_backward(
     dx_rows = mxfp8_grouped_gemm(dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True, emulate=emulate)
     offsets, counts = sched.expert_offsets, sched.expert_counts
     if wgrad_format == "bf16":
-        d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None, counts)
-        d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None, counts)
+        d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
+        d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
     else:
         columns = [ops.quantize_mxfp8_columns(t, rows_used=used, scale_order="mma") for t in (dout_rows, a_scaled, dh, x_rows)]
-        wgrad = dict(offsets=offsets, counts=counts, out_dtype=grad_dtype)
         if emulate:
-            dout_c, as_c, dh_c, x_c = (dequantized_columns(q) for q in columns)
-            d_down = grad_ops.weight_grad(dout_c, as_c, **wgrad)
-            d_gate, d_up = grad_ops.weight_grad(dh_c, x_c, split_out=True, **wgrad)
-        else:
-            d_down = grad_ops.weight_grad_mxfp8(columns[0], columns[1], **wgrad)
-            d_gate, d_up = grad_ops.weight_grad_mxfp8(columns[2], columns[3], split_out=True, **wgrad)
+            columns = [dequantized_columns(q) for q in columns]
+        weight_grad = grad_ops.weight_grad if emulate else grad_ops.weight_grad_mxfp8
+        wgrad = dict(offsets=offsets, counts=counts, out_dtype=grad_dtype)
+        down_into, gate_up_into = {}, {}  # (fresh tensors, or added into the main_grad buffers)
+        if main_grads is not None:
+            down_into, gate_up_into = dict(out=main_grads[2], accumulate=True), dict(out=tuple(main_grads[:2]), accumulate=True)
+        d_down = weight_grad(columns[0], columns[1], **wgrad, **down_into)
+        d_gate, d_up = weight_grad(columns[2], columns[3], split_out=True, **wgrad, **gate_up_into)
     dx_shared = d_shared = None
     if shared is not None:
-        dx_shared, d_shared = _shared_backward(x, dout, tuple(shared), saved.shared_h, grad_dtype, None)
+        shared_mains = None if main_grads is None else main_grads[3:]
+        dx_shared, d_shared = _shared_backward(x, dout, tuple(shared), saved.shared_h, grad_dtype, shared_mains)
     d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
     dx = ops.combine(dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w))
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)

@@ -324,3 +324,45 @@ def check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate, wgrad_fo
     half = run(T // 2)
     assert torch.equal(half.dx, grads.dx[: T // 2]) and torch.equal(half.d_topk_w, grads.d_topk_w[: T // 2])
     return grads
+
+
+def check_mxfp8_main_grads_and_packed_h(emulate, wgrad_format):
+    """mok.mxfp8_backward with ``main_grads``: each weight gradient added once into its fp32 buffer
+    (buffer == old + the fresh fp32 gradient, bitwise; what comes back is the buffer), dx and
+    d_topk_w unchanged; and from a packed MXFP8 h (mok.saved_mxfp8.pack_saved), the bits of the
+    backward given that h rounded through MXFP8 by the reference rule (mok.mxfp8, on the CPU)."""
+    import dataclasses
+
+    from mok.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+    from mok.mxfp8_backward import mxfp8_moe_backward
+    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+    from mok.saved_mxfp8 import pack_saved
+
+    T, H, I, E, k, shared_inter = 600, 512, 256, 8, 2, 384
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=14)
+    dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(15)).bfloat16()
+    weights_t = quantize_expert_weights(*experts, transposed=True)
+    saved = mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts), shared, save_for_backward=True, emulate=emulate)
+
+    def backward(state, **kw):
+        g = mxfp8_moe_backward(dout, x, idx, w, weights_t, shared, state, emulate=emulate, wgrad_format=wgrad_format, **kw)
+        return [*g[:5], *(g.d_shared or ())]
+
+    fresh = backward(saved, grad_dtype=torch.float32)
+    buffers = [torch.randn(t.shape, device="cuda") for t in (*experts, *shared)]
+    before = [b.clone() for b in buffers]
+    added = backward(saved, main_grads=tuple(buffers))
+    assert torch.equal(added[0], fresh[0]) and torch.equal(added[1], fresh[1])
+    for got, buf, old, new in zip(added[2:], buffers, before, fresh[2:]):
+        assert got.data_ptr() == buf.data_ptr()
+        assert torch.equal(buf, old + new)  # one fp32 add per element, nothing else
+
+    def through_mxfp8(h):
+        return dequantize_mxfp8(*quantize_mxfp8(h.cpu())).to(torch.bfloat16).to(h.device)
+
+    packed = pack_saved(saved)
+    assert packed.h.dtype == torch.uint8 and packed.shared_h.dtype == torch.uint8
+    rounded = dataclasses.replace(saved, h=through_mxfp8(saved.h), shared_h=through_mxfp8(saved.shared_h))
+    got, want = backward(packed), backward(rounded)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not all(torch.equal(a, b) for a, b in zip(got, backward(saved)))  # (the rounding does reach the gradients)

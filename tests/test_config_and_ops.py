@@ -42,6 +42,12 @@ def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
     assert quantizers == [(False, False), (True, False), (True, True)]
     wgrads = sorted((dict(c)["m"], dict(c)["n"], dict(c).get("split_out", False)) for name, c in sm100 if name == "weight_grad_mxfp8")
     assert wgrads == [(4096, 7168, True), (7168, 2048, False)]
+    fused = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8, fuse_wgrad_accumulation=True)
+    added = [dict(c) for name, c in {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(fused, "sm_100a")} - sm100
+             if name == "weight_grad_mxfp8"]  # fuse_wgrad_accumulation: the fp32 ones adding into main_grad
+    assert sorted((c["m"], c["n"], c["a_stride"], c.get("split_out", False)) for c in added if c["accumulate"] and c["out_dtype"] == "f32") == [
+        (2048, 7168, 4096, False), (4096, 7168, 4096, True), (7168, 2048, 7168, False)
+    ] and len(added) == 3
     hopper = variants_for(config, "sm_90a")
     assert not any(v.name in ("grouped_gemm_mxfp8", "weight_grad_mxfp8") or v.config.get("mma_order") for v in hopper)
 

@@ -382,8 +382,10 @@ def test_mxfp8_precision_is_checked_at_construction_and_refused_on_the_cpu():
     construction, naming it; on the CPU (no reference of its numerics) the call raises clearly."""
     from mok.config import MoKConfig
 
-    with pytest.raises(ValueError, match=r"precision='mxfp8': not with one_launch, fuse_wgrad_accumulation"):
-        MoKConfig(256, 128, 8, 2, precision="mxfp8", one_launch=True, fuse_wgrad_accumulation=True)
+    with pytest.raises(ValueError, match=r"precision='mxfp8': not with ep_size > 1, one_launch \(not written yet\)"):
+        MoKConfig(256, 128, 8, 2, ep_size=2, precision="mxfp8", one_launch=True, fuse_wgrad_accumulation=True)
+    both = MoKConfig(256, 128, 8, 2, precision="mxfp8", fuse_wgrad_accumulation=True, saved_h_format="mxfp8")
+    assert both.fuse_wgrad_accumulation and both.saved_h_format == "mxfp8"
     with pytest.raises(ValueError, match=r"precision='mxfp8_emulated': expected widths that are multiples of 128"):
         MoKConfig(256, 96, 8, 2, precision="mxfp8_emulated")
     with pytest.raises(ValueError, match=r"precision: expected one of \('bf16', 'mxfp8', 'mxfp8_emulated'\)"):
@@ -395,8 +397,9 @@ def test_mxfp8_precision_is_checked_at_construction_and_refused_on_the_cpu():
 
 def test_mxfp8_ops_fake_outputs_have_the_bf16_ops_shapes():
     """torch.compile traces mok::moe_forward_mxfp8 / moe_backward_mxfp8 through their fake
-    implementations: the forward's outputs have the bf16 op's shapes and dtypes (bf16 h, the shared
-    expert's own h), the backward's gradients the shapes of what they differentiate."""
+    implementations: the forward's outputs have the bf16 op's shapes and dtypes (bf16 or packed h,
+    the shared expert's own h), the backward's gradients the shapes of what they differentiate, or
+    empty ones when they went into main_grad buffers."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -407,5 +410,12 @@ def test_mxfp8_ops_fake_outputs_have_the_bf16_ops_shapes():
         mxfp8 = torch.ops.mok.moe_forward_mxfp8(x, idx, w, *weights, True, True)
         bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, True)
         assert [(t.shape, t.dtype) for t in mxfp8] == [(t.shape, t.dtype) for t in bf16]
-        grads = torch.ops.mok.moe_backward_mxfp8(x, x, idx, w, *weights, *mxfp8[1:], True)
+        grads = torch.ops.mok.moe_backward_mxfp8(x, x, idx, w, *weights, *mxfp8[1:], True, [])
         assert [t.shape for t in grads] == [t.shape for t in (x, w, *weights)]
+        # h packed in MXFP8, the weight gradients added into main_grad buffers (none returned)
+        packed = torch.ops.mok.moe_forward_mxfp8(x, idx, w, *weights, True, True, True, "mxfp8")
+        packed_bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, True, False, False, True, "mxfp8")
+        assert [(t.shape, t.dtype) for t in packed] == [(t.shape, t.dtype) for t in packed_bf16] and packed[1].dtype == torch.uint8
+        mains = [torch.empty(t.shape) for t in weights]
+        added = torch.ops.mok.moe_backward_mxfp8(x, x, idx, w, *weights, *packed[1:], True, mains)
+        assert [t.shape for t in added] == [x.shape, w.shape] + [(0,)] * 6

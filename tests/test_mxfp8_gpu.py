@@ -256,6 +256,15 @@ def test_mxfp8_backward_emulated_matches_the_reference_on_mxfp8_rounded_operands
     check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate=True, wgrad_format=wgrad_format)
 
 
+@pytest.mark.parametrize("wgrad_format", ["mxfp8", "bf16"])
+def test_mxfp8_backward_adds_into_main_grads_and_takes_a_packed_h(wgrad_format):
+    """main_grads (fuse_wgrad_accumulation) and a packed MXFP8 h (saved_h_format="mxfp8") on the
+    MXFP8 backward, emulated: tests/helpers.py, check_mxfp8_main_grads_and_packed_h."""
+    from helpers import check_mxfp8_main_grads_and_packed_h
+
+    check_mxfp8_main_grads_and_packed_h(emulate=True, wgrad_format=wgrad_format)
+
+
 @pytest.mark.parametrize("rows,columns", [(256, 2048), (4096, 768), (32, 96), (384, 7168)])
 def test_column_quantizer_gives_the_transposes_reference_bytes(rows, columns):
     """ops.quantize_mxfp8_columns (blocks of 32 rows down each column, the weight gradients' K):
@@ -315,6 +324,55 @@ def test_mxfp8_emulated_layer_gives_the_functional_paths_bits_eager_and_compiled
     out.backward(dout)
     again = [out.detach(), xc.grad, wc.grad] + [p.grad for n, p in layer.named_parameters() if not n.startswith("router")]
     assert all(torch.equal(a, b) for a, b in zip(again, want))
+
+
+def test_mxfp8_emulated_layer_and_functional_api_add_into_main_grad_from_a_packed_h():
+    """MoELayer(precision="mxfp8_emulated", fuse_wgrad_accumulation=True, saved_h_format="mxfp8"):
+    h is kept packed (uint8, 33/64 of bf16's bytes), each expert weight's main_grad ends as what it
+    held plus the fp32 gradient mxfp8_moe_backward gives from that packed h (bitwise), autograd gets
+    None for those weights, and out, dx and d_topk_w are the functional path's bits; mok.api's
+    forward/backward with the layer's config give the same bits."""
+    from mok import api
+    from mok.layer import MoELayer
+    from mok.mxfp8_backward import mxfp8_moe_backward
+    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
+    from mok.saved_mxfp8 import pack_saved
+
+    from test_layer_gpu import external_routing
+
+    torch.manual_seed(10)
+    layer = MoELayer(512, 256, 16, 4, shared_intermediate=384, device="cuda", precision="mxfp8_emulated",
+                     fuse_wgrad_accumulation=True, saved_h_format="mxfp8")
+    params = [layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights()]
+    x = torch.randn(333, 512, device="cuda").bfloat16()
+    idx, w = external_routing(333, seed=4)
+    dout = torch.randn(333, 512, device="cuda").bfloat16()
+    with torch.no_grad():
+        res = mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*params[:3]), params[3:], save_for_backward=True, emulate=True)
+        packed = pack_saved(res)
+        g = mxfp8_moe_backward(dout, x, idx, w, quantize_expert_weights(*params[:3], transposed=True), params[3:], packed,
+                               grad_dtype=torch.float32, emulate=True)
+    fresh = [g.d_w_gate, g.d_w_up, g.d_w_down, *g.d_shared]
+    starts = [torch.randn(p.shape, device="cuda") for p in params]
+    for p, start in zip(params, starts):
+        p.main_grad = start.clone()
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    saved_dtypes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_dtypes.append(t.dtype) or t, lambda t: t):
+        out = layer(xg, topk_idx=idx, topk_w=wg)
+    out.backward(dout)
+    assert torch.uint8 in saved_dtypes  # (h and the shared expert's h, packed)
+    assert torch.equal(out, res.out) and torch.equal(xg.grad, g.dx) and torch.equal(wg.grad, g.d_topk_w)
+    for p, start, new in zip(params, starts, fresh):
+        assert p.grad is None and torch.equal(p.main_grad, start + new)
+    mains = [start.clone() for start in starts]
+    out2, ctx = api.forward(layer.config, None, x, idx, w, *params[:3], params[3:])
+    assert torch.equal(out2, res.out) and ctx.saved.h.dtype == torch.uint8
+    g2 = api.backward(layer.config, None, ctx, dout, main_grads=tuple(mains))
+    assert torch.equal(g2.dx, g.dx) and torch.equal(g2.d_topk_w, g.d_topk_w)
+    assert all(torch.equal(m, start + new) for m, start, new in zip(mains, starts, fresh))
+    for p in params:
+        del p.main_grad
 
 
 def test_mxfp8_layer_on_hopper_asks_for_the_emulated_precision():

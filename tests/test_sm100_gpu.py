@@ -272,6 +272,15 @@ def test_sm100_mxfp8_backward_matches_the_reference_on_mxfp8_rounded_operands(T,
     check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate=False)
 
 
+@pytest.mark.parametrize("wgrad_format", ["mxfp8", "bf16"])
+def test_sm100_mxfp8_backward_adds_into_main_grads_and_takes_a_packed_h(wgrad_format):
+    """The MXFP8 weight-gradient GEMMs adding into fp32 main_grad buffers (TMA reduce-add), and the
+    backward from a packed MXFP8 h (tests/helpers.py: check_mxfp8_main_grads_and_packed_h)."""
+    from helpers import check_mxfp8_main_grads_and_packed_h
+
+    check_mxfp8_main_grads_and_packed_h(emulate=False, wgrad_format=wgrad_format)
+
+
 @pytest.mark.parametrize("split_out", [False, True])
 def test_sm100_mxfp8_weight_grad_matches_the_float64_product_of_its_dequantized_operands(split_out):
     """grad_ops.weight_grad_mxfp8 (both operands quantized down their columns by

@@ -243,12 +243,18 @@ def grouped_gemm_mxfp8_variant(
     return KernelVariant("grouped_gemm_mxfp8", config, build)
 
 
-def mxfp8_layer_variants(hidden: int, inter: int, topk: int) -> list[KernelVariant]:
+def mxfp8_layer_variants(hidden: int, inter: int, topk: int, main_grads: bool = False) -> list[KernelVariant]:
     """What mok.mxfp8_forward and mok.mxfp8_backward run beyond the bf16 layer's kernels (SM100
     only): the MXFP8 GEMMs (gate/up with and without h, down; the SwiGLU backward, dx; the weight
-    gradients, fresh bf16) and the quantizer writing scales in the MMA's order (rows in use; the
-    weights' every row; down the columns for the weight gradients)."""
-    return [
+    gradients, fresh bf16, and with ``main_grads`` also added into fp32 buffers: dW_gate with dW_up
+    in one launch, or a half of dh alone) and the quantizer writing scales in the MMA's order (rows
+    in use; the weights' every row; down the columns for the weight gradients)."""
+    accumulating = [
+        weight_grad_mxfp8_variant(hidden, inter, "f32", True),
+        weight_grad_mxfp8_variant(2 * inter, hidden, "f32", True, split_out=True),
+        weight_grad_mxfp8_variant(inter, hidden, "f32", True, a_stride=2 * inter),
+    ]
+    return (accumulating if main_grads else []) + [
         grouped_gemm_mxfp8_variant(inter, hidden, "swiglu"),
         grouped_gemm_mxfp8_variant(inter, hidden, "swiglu_save"),
         grouped_gemm_mxfp8_variant(hidden, inter),
@@ -516,7 +522,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
             variants += expert_mlp_variants(
                 h, config.shared_intermediate, config.topk, shared=True, main_grads=main_grads, persistent=False
             )
-        variants += mxfp8_layer_variants(h, i, config.topk)
+        variants += mxfp8_layer_variants(h, i, config.topk, main_grads)
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
     return list(unique.values())
 
