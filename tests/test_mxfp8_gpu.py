@@ -344,13 +344,14 @@ def test_mxfp8_emulated_layer_and_functional_api_add_into_main_grad_from_a_packe
     layer = MoELayer(512, 256, 16, 4, shared_intermediate=384, device="cuda", precision="mxfp8_emulated",
                      fuse_wgrad_accumulation=True, saved_h_format="mxfp8")
     params = [layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights()]
+    experts, shared = params[:3], tuple(params[3:])
     x = torch.randn(333, 512, device="cuda").bfloat16()
     idx, w = external_routing(333, seed=4)
     dout = torch.randn(333, 512, device="cuda").bfloat16()
     with torch.no_grad():
-        res = mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*params[:3]), params[3:], save_for_backward=True, emulate=True)
+        res = mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts), shared, save_for_backward=True, emulate=True)
         packed = pack_saved(res)
-        g = mxfp8_moe_backward(dout, x, idx, w, quantize_expert_weights(*params[:3], transposed=True), params[3:], packed,
+        g = mxfp8_moe_backward(dout, x, idx, w, quantize_expert_weights(*experts, transposed=True), shared, packed,
                                grad_dtype=torch.float32, emulate=True)
     fresh = [g.d_w_gate, g.d_w_up, g.d_w_down, *g.d_shared]
     starts = [torch.randn(p.shape, device="cuda") for p in params]
@@ -366,7 +367,7 @@ def test_mxfp8_emulated_layer_and_functional_api_add_into_main_grad_from_a_packe
     for p, start, new in zip(params, starts, fresh):
         assert p.grad is None and torch.equal(p.main_grad, start + new)
     mains = [start.clone() for start in starts]
-    out2, ctx = api.forward(layer.config, None, x, idx, w, *params[:3], params[3:])
+    out2, ctx = api.forward(layer.config, None, x, idx, w, *experts, shared)
     assert torch.equal(out2, res.out) and ctx.saved.h.dtype == torch.uint8
     g2 = api.backward(layer.config, None, ctx, dout, main_grads=tuple(mains))
     assert torch.equal(g2.dx, g.dx) and torch.equal(g2.d_topk_w, g.d_topk_w)
