@@ -15,8 +15,8 @@ mok.mxfp8_forward's forward (``save_for_backward=True``).
 ``wgrad_format="bf16"`` keeps the weight gradients on the bf16 rows instead (the bf16 backward's
 kernels). ``main_grads``: the weight gradients added into fp32 buffers by the weight-gradient GEMMs
 themselves (Megatron's main_grad, as mok/fused_backward.py does). A packed MXFP8 h
-(mok/saved_mxfp8.py) is turned back into bf16 first. Deterministic and batch invariant as the bf16 backward (per-row and per-expert-block
-quantization, one CTA per output tile, fixed orders). ``emulate=True`` runs the same numerics on
+(mok/saved_mxfp8.py) is turned back into bf16 first. Deterministic and batch invariant as the
+bf16 backward (per-row and per-expert-block quantization, one CTA per output tile, fixed orders). ``emulate=True`` runs the same numerics on
 Hopper (the GEMMs' operands dequantized, exactly, into the bf16 GEMMs). The MXFP8 GEMMs are
 compile-verified only (no SM100 GPU was available).
 """
