@@ -38,6 +38,7 @@ class LayerContext:
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     shared: SharedExpert | tuple | None
     saved: ForwardResult
+    config: MoKConfig | None = None  # (the forward's; backward refuses another)
 
 
 _WORKSPACES = PerGroupCache()  # group -> {settings: workspace}
@@ -163,7 +164,7 @@ def forward(
         from .saved_mxfp8 import pack_saved
 
         res = pack_saved(res)
-    return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res)
+    return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res, config)
 
 
 def backward(
@@ -177,7 +178,10 @@ def backward(
     timeout_s: float = 5.0,
 ) -> Gradients:
     """All gradients for ``dout`` [T, H] (see :func:`mok.fused_backward.moe_backward`, or with an MXFP8
-    ``config.precision`` :func:`mok.mxfp8_backward.mxfp8_moe_backward`; ``main_grads`` accumulates).
+    ``config.precision`` :func:`mok.mxfp8_backward.mxfp8_moe_backward`). ``main_grads`` (one fp32
+    buffer per weight) accumulates the weight gradients: given exactly when
+    ``config.fuse_wgrad_accumulation`` (precompile builds the accumulating kernels by it); ``config``
+    must be the forward's.
 
     At EP > 1: this rank's dx and d_topk_w, its experts' weight gradients, and the shared
     expert's over this rank's tokens (sum those over ranks, as data-parallel gradients).
@@ -187,6 +191,15 @@ def backward(
     if not isinstance(ctx, LayerContext):
         raise TypeError(f"ctx: expected the LayerContext that forward returned, got {type(ctx).__name__}")
     _check_config(config, workspace, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared)
+    if ctx.config is not None and ctx.config != config:
+        changed = [k for k, v in config.as_dict().items() if ctx.config.as_dict()[k] != v]
+        raise ValueError(f"config: not the forward's (differs in {', '.join(changed)}); pass the config forward ran with")
+    if config.fuse_wgrad_accumulation != (main_grads is not None):
+        raise ValueError(
+            f"main_grads: config.fuse_wgrad_accumulation is {config.fuse_wgrad_accumulation}, so expected "
+            f"{'one fp32 buffer per weight' if config.fuse_wgrad_accumulation else 'None'}, got "
+            f"{'None' if main_grads is None else type(main_grads).__name__}"
+        )
     if config.ep_size > 1:
         from .ep_backward import ep_moe_backward
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, SAVED_H_FORMATS, MoKConfig
+from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, PRECISIONS, SAVED_H_FORMATS, MoKConfig
 
 
 def _add_shape_options(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                    help="the weight gradients added into fp32 main_grad buffers (MoKConfig.fuse_wgrad_accumulation)")
     p.add_argument("--dispatch-format", choices=DISPATCH_FORMATS, default="bf16",
                    help="how x crosses to the experts' ranks (EP > 1); mxfp8 adds its kernels (MoKConfig.dispatch_format)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="the routed experts' GEMM operands; mxfp8 (sm_100a) and mxfp8_emulated add their kernels (MoKConfig.precision)")
     p.add_argument("--saved-h-format", choices=SAVED_H_FORMATS, default="bf16",
                    help="how h is kept for the backward; mxfp8 adds its quantize kernels (MoKConfig.saved_h_format)")
 
@@ -31,6 +33,7 @@ def _config_from(args: argparse.Namespace) -> MoKConfig:
         hidden=args.hidden, intermediate=args.intermediate, num_experts=args.experts, topk=args.topk,
         shared_intermediate=args.shared_intermediate or None, ep_size=args.ep_size, one_launch=args.one_launch,
         fuse_wgrad_accumulation=args.fuse_wgrad_accumulation, saved_h_format=args.saved_h_format, dispatch_format=args.dispatch_format,
+        precision=args.precision,
     )
 
 

@@ -37,16 +37,17 @@ class MoKConfig:
     fuse_wgrad_accumulation: the backward adds the expert weights' gradients into fp32
     ``main_grad`` buffers (mok/main_grad.py); its weight-gradient kernels are then the fp32
     accumulating ones. saved_h_format: "bf16" (default) or "mxfp8": h, the SwiGLU inputs kept for
-    the backward, in MXFP8 (mok/saved_mxfp8.py): 33/64 of the bytes, a quantize launch in the forward
-    and a dequantize launch in the backward, ~3-4% relative error in the expert gradients.
+    the backward, in MXFP8 (mok/saved_mxfp8.py; I and I_s multiples of 16): 33/64 of the bytes, a
+    quantize launch in the forward and a dequantize launch in the backward (two each with a shared
+    expert in launches of its own), ~3-4% relative error in the expert gradients.
     dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
     one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
     compute on its rounding (:func:`mok.ep.ep_moe_forward`).
     precision: the routed experts' GEMM operands: "bf16" (default), "mxfp8" (every expert GEMM of
     forward and backward on MXFP8 operands, block-scaled MMAs: SM100 only, compile-verified, never
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
-    into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16); one GPU, H and I multiples
-    of 128, without one_launch so far (with fuse_wgrad_accumulation and either saved_h_format).
+    into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16); one GPU, H, I and I_s
+    multiples of 128, without one_launch so far (with fuse_wgrad_accumulation and either saved_h_format).
     """
 
     hidden: int
@@ -96,6 +97,10 @@ class MoKConfig:
             if any(v % 128 for v in widths.values()):
                 raise ValueError(f"precision={self.precision!r}: expected widths that are multiples of 128, got {widths}")
         check_saved_h_format(self.saved_h_format)
+        if self.saved_h_format == "mxfp8":  # h [rows, 2I] in blocks of 32 along its rows: 2I and 2I_s multiples of 32
+            widths = {"intermediate": self.intermediate, "shared_intermediate": self.shared_intermediate or 16}
+            if any(v % 16 for v in widths.values()):
+                raise ValueError(f"saved_h_format='mxfp8': expected widths that are multiples of 16 (h's 2I in blocks of 32), got {widths}")
         if self.dispatch_format not in DISPATCH_FORMATS:
             raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {self.dispatch_format!r}")
         if self.dispatch_format == "mxfp8":

@@ -151,7 +151,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
         xf = x.float()
         shared_h = torch.cat([xf @ shared_gate.float().T, xf @ shared_up.float().T], 1).to(x.dtype)
     if saved_h_format == "mxfp8":  # (packed as the CUDA op packs; the reference backward recomputes h)
-        h, shared_h = pack_h(h.to(torch.bfloat16)), pack_h(shared_h.to(torch.bfloat16))
+        h, shared_h = (pack_h(t.to(torch.bfloat16)) if save else empty_saved_h(x, t.shape[0], t.shape[1], "mxfp8") for t in (h, shared_h))
     return out, h, shared_h, s.row_token, s.row_slot, s.slot_row, s.tile_expert, s.expert_offsets, s.expert_counts
 
 

@@ -1,7 +1,8 @@
-"""The expert-parallel forward of one rank in ONE kernel launch (plus 2 for a shared expert).
+"""The expert-parallel forward of one rank in ONE kernel launch (plus 2 for a shared expert, and a
+row gather after it when h is saved for the backward).
 
-The multi-launch forward of mok/ep.py (publish, signal, wait, routing gather, schedule, dispatch,
-two grouped GEMMs, done signal, wait, combine: ~14 launches) as one persistent kernel
+The multi-launch forward of mok/ep.py (publish and signal, wait and routing gather, schedule,
+dispatch, two grouped GEMMs, done signal, wait, combine: 9 launches) as one persistent kernel
 (mok/kernels/sm90/expert_mlp.py with ``ep_world``): every CTA publishes its share of this rank's x
 and routing, the ranks meet on the workspace's epoch flags, every CTA gathers every rank's
 routing and copies the tokens routed here into x_all, builds its part of the schedule, runs the

@@ -12,7 +12,8 @@ Where it runs:
 - CPU: the same op's reference implementation (one warning), so model code runs in CPU tests.
 - ``group`` with more than one rank (one process per rank): on CUDA, MoK's expert-parallel
   path (mok/ep.py, mok/ep_backward.py) over a symmetric workspace shared by every MoELayer of
-  the same shape on the group, sized for ``max_tokens`` tokens per rank and call; the shared
+  the same configuration (shapes and options), ``max_tokens`` and ``capacity_factor`` on the
+  group, sized for ``max_tokens`` tokens per rank and call; the shared
   expert's and the router's weight gradients then cover this rank's tokens (sum them over
   ranks as data-parallel gradients are summed). On CPU, the reference expert-parallel path
   over torch.distributed (all_to_all, fp32 math), with a one-time warning. The fused path is
@@ -301,8 +302,8 @@ class MoELayer(nn.Module):
         if not _EP_WARNED:
             _EP_WARNED = True
             warnings.warn(
-                "MoK: expert parallelism runs through the reference path (all_to_all + fp32 math) until the fused "
-                "EP kernels land", stacklevel=3,
+                "MoK: expert parallelism on CPU tensors runs through the reference path (all_to_all + fp32 math); "
+                "the fused expert-parallel kernels need the layer and its inputs on GPUs", stacklevel=3,
             )
         out = moe_reference_ep(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, self.shared_weights(), group=self.group)
         return out.to(x.dtype)

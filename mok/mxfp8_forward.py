@@ -106,7 +106,7 @@ def mxfp8_moe_forward(
     check_mxfp8_device("mxfp8_moe_forward", x, emulate)
     if check_routing:
         check_index_range("topk_idx", topk_idx, num_experts)
-    x, topk_w = x.contiguous(), topk_w.contiguous()
+    x, topk_w, topk_idx = x.contiguous(), topk_w.contiguous(), topk_idx.to(torch.int32).contiguous()
     rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)
     sched = ops.device_schedule(topk_idx, num_experts, block_m=TILE_M, capacity=rows)
     used = sched.expert_offsets[-1:]  # the rows in use (tile-aligned), on the device

@@ -2,8 +2,9 @@
 
 Each one validates its arguments (dtype, shape, device, layout) and raises before any
 launch, then fetches its compiled kernel through the registry and cache (JIT on first
-call) and launches it on the current CUDA stream. Nothing here reads device data back,
-so every op is CUDA-graph capturable.
+call) and launches it on the current CUDA stream. The launching ops read no device data
+back, so they are CUDA-graph capturable (``raise_grid_timeouts`` reads one int, and
+``grid_sync_words`` synchronises once when it allocates a stream's words: call it before capture).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The MoE layer's backward written out as the fused kernels will compute it, in plain PyTorch.
+"""The MoE layer's backward written out as the fused kernels compute it, in plain PyTorch.
 
 Autograd of :func:`mok.reference.moe_reference` is the oracle; this module spells out the
 same gradients in the order and with the intermediates of the planned kernels, so that each
@@ -6,7 +6,7 @@ kernel has a reference for exactly what it produces, and so that the formulation
 checked against autograd (tests/test_reference_backward.py). Per row (token t, slot j) of
 expert e, with s = topk_w[t, j] and g = dout[t]:
 
-    h_g = x·W_gᵀ, h_u = x·W_uᵀ, a = silu(h_g)·h_u           (recomputed from x, not saved)
+    h_g = x·W_gᵀ, h_u = x·W_uᵀ, a = silu(h_g)·h_u           (recomputed here; the kernels read the saved h)
     dA_unscaled = g·W_d                                      (down-projection backward)
     d_topk_w[t, j] = rowsum(dA_unscaled ⊙ a)                 (= <g, y>; y is never formed)
     dA = s·dA_unscaled

@@ -8,7 +8,7 @@ E8M0 scale bytes (one per 32 along a row), the two contiguous runs ``ops.quantiz
 back into bf16 (exact: an E4M3 value times a power of two is a bf16) and runs as it does on a
 bf16 h, so its gradients are bit for bit those of the bf16 backward given that h. DeepSeek-V3
 keeps its MoE SwiGLU inputs in FP8 the same way. The price: a quantize launch in the forward, a
-dequantize launch in the backward, and E4M3's 3 mantissa bits, about 3-4% relative error in the
+dequantize launch in the backward (two each with a shared expert in launches of its own), and E4M3's 3 mantissa bits, about 3-4% relative error in the
 expert path's gradients where a bf16 h gives about 0.2% (perf/NOTES.md, eighteenth session).
 """
 

@@ -26,13 +26,19 @@ def test_one_launch_config_adds_its_kernels(ep_size):
 
 
 def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
-    """On sm_100a precompile builds the MXFP8 path's kernels too (mok.mxfp8_forward and
-    mok.mxfp8_backward): its GEMMs at the layer's widths and the quantizer writing MMA-ordered
-    scales (bounded, and whole for the weights); sm_90a has no block-scaled MMA, so none there."""
-    from mok.kernels import variants_for
+    """On sm_100a precompile builds the MXFP8 path's kernels for precision="mxfp8" (mok.mxfp8_forward
+    and mok.mxfp8_backward): its GEMMs at the layer's widths and the quantizer writing MMA-ordered
+    scales (bounded, and whole for the weights), not the bf16 routed GEMMs; a bf16 layer none of
+    them; sm_90a has no block-scaled MMA, so none there (and such a layer is refused there)."""
+    from mok.kernels import unsupported_on, variants_for
 
-    config = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8)
+    config = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8, precision="mxfp8")
     sm100 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(config, "sm_100a")}
+    bf16 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(7168, 2048, 32, 8), "sm_100a")}
+    assert not any(name.endswith("_mxfp8") or dict(c).get("mma_order") for name, c in bf16)
+    routed_bf16 = {(name, c) for name, c in bf16 if name in ("grouped_gemm", "weight_grad")}
+    assert routed_bf16 and not routed_bf16 & sm100
+    assert "block-scaled MMAs" in unsupported_on(config, "sm_90a") and unsupported_on(config, "sm_100a") is None
     gemms = sorted((dict(c)["n"], dict(c)["k"], dict(c)["epilogue"], dict(c).get("k_split", False)) for name, c in sm100
                    if name == "grouped_gemm_mxfp8")
     assert gemms == [(2048, 7168, "swiglu", False), (2048, 7168, "swiglu_bwd", False), (2048, 7168, "swiglu_save", False),
@@ -42,7 +48,7 @@ def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
     assert quantizers == [(False, False), (True, False), (True, True)]
     wgrads = sorted((dict(c)["m"], dict(c)["n"], dict(c).get("split_out", False)) for name, c in sm100 if name == "weight_grad_mxfp8")
     assert wgrads == [(4096, 7168, True), (7168, 2048, False)]
-    fused = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8, fuse_wgrad_accumulation=True)
+    fused = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8, fuse_wgrad_accumulation=True, precision="mxfp8")
     added = [dict(c) for name, c in {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(fused, "sm_100a")} - sm100
              if name == "weight_grad_mxfp8"]  # fuse_wgrad_accumulation: the fp32 ones adding into main_grad
     assert sorted((c["m"], c["n"], c["a_stride"], c.get("split_out", False)) for c in added if c["accumulate"] and c["out_dtype"] == "f32") == [
@@ -50,6 +56,27 @@ def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
     ] and len(added) == 3
     hopper = variants_for(config, "sm_90a")
     assert not any(v.name in ("grouped_gemm_mxfp8", "weight_grad_mxfp8") or v.config.get("mma_order") for v in hopper)
+
+
+def test_mxfp8_emulated_config_adds_its_quantizers_dequantizers_and_gemms_and_the_cli_sets_it():
+    """precision="mxfp8_emulated" (any arch): the MMA-ordered quantizers, the dequantizers and the
+    bf16 GEMMs on dequantized rows join the bf16 list (mok.kernels.mxfp8_emulated_variants); the
+    precompile CLI's --precision sets it."""
+    import argparse
+
+    from mok.cli import _add_shape_options, _config_from
+    from mok.kernels import mxfp8_emulated_variants, variants_for
+
+    base = dict(hidden=512, intermediate=256, num_experts=8, topk=2)
+    for arch, persistent in (("sm_90a", True), ("sm_100a", False)):
+        plain = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base), arch)}
+        emulated = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base, precision="mxfp8_emulated"), arch)}
+        extra = {(v.name, tuple(sorted(v.config.items()))) for v in mxfp8_emulated_variants(512, 256, persistent=persistent)}
+        assert emulated == plain | extra and not extra <= plain
+    parser = argparse.ArgumentParser()
+    _add_shape_options(parser)
+    assert _config_from(parser.parse_args(["--ep-size", "1", "--precision", "mxfp8_emulated"])).precision == "mxfp8_emulated"
+    assert _config_from(parser.parse_args([])).precision == "bf16"
 
 
 def test_mxfp8_dispatch_config_adds_its_kernels_and_the_cli_sets_it():

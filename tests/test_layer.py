@@ -341,6 +341,18 @@ def test_functional_api_checks_the_config():
         mok.forward(ep, None, x, idx, w, *weights)
     with pytest.raises(ValueError, match="workspace: expected None at ep_size 1"):
         mok.forward(config, object(), x, idx, w, *weights)
+    # backward: the forward's config (kept in the context), and main_grads exactly when it fuses the accumulation
+    from mok.api import LayerContext
+
+    ctx = LayerContext(x, idx, w, weights, None, saved=None, config=config)
+    fused = MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=2, fuse_wgrad_accumulation=True)
+    with pytest.raises(ValueError, match=r"config: not the forward's \(differs in fuse_wgrad_accumulation\)"):
+        mok.backward(fused, None, ctx, x)
+    with pytest.raises(ValueError, match="main_grads: config.fuse_wgrad_accumulation is False, so expected None, got tuple"):
+        mok.backward(config, None, ctx, x, main_grads=tuple(torch.zeros(p.shape) for p in weights))
+    ctx.config = fused
+    with pytest.raises(ValueError, match="main_grads: config.fuse_wgrad_accumulation is True, so expected one fp32 buffer per weight, got None"):
+        mok.backward(fused, None, ctx, x)
 
 
 
@@ -386,6 +398,10 @@ def test_mxfp8_precision_is_checked_at_construction_and_refused_on_the_cpu():
         MoKConfig(256, 128, 8, 2, ep_size=2, precision="mxfp8", one_launch=True, fuse_wgrad_accumulation=True)
     both = MoKConfig(256, 128, 8, 2, precision="mxfp8", fuse_wgrad_accumulation=True, saved_h_format="mxfp8")
     assert both.fuse_wgrad_accumulation and both.saved_h_format == "mxfp8"
+    with pytest.raises(ValueError, match=r"saved_h_format='mxfp8': expected widths that are multiples of 16 .*'intermediate': 8"):
+        MoKConfig(64, 8, 4, 2, saved_h_format="mxfp8")  # (h's 2I = 16 columns: not one block of 32)
+    with pytest.raises(ValueError, match=r"saved_h_format='mxfp8': .*'shared_intermediate': 40"):
+        MoKConfig(64, 32, 4, 2, shared_intermediate=40, saved_h_format="mxfp8")
     with pytest.raises(ValueError, match=r"precision='mxfp8_emulated': expected widths that are multiples of 128"):
         MoKConfig(256, 96, 8, 2, precision="mxfp8_emulated")
     with pytest.raises(ValueError, match=r"precision: expected one of \('bf16', 'mxfp8', 'mxfp8_emulated'\)"):

@@ -169,8 +169,10 @@ def _mok(*args, cache_dir, machine_arch=None):
 
 @pytest.mark.parametrize("arch,machine_arch", [("sm_90a", None), ("sm_100a", None), ("sm_100a", "sm_90a")])
 def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arch):
-    shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4", "--shared-intermediate", "256"]
-    config = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4, shared_intermediate=256, ep_size=8)
+    ep_size = 8 if arch == "sm_90a" else 1  # (expert parallelism runs on sm_90a only so far)
+    shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4", "--shared-intermediate", "256",
+             "--ep-size", str(ep_size)]
+    config = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4, shared_intermediate=256, ep_size=ep_size)
     expected = len(variants_for(config, arch))
     assert expected >= 2
     first = _mok("precompile", "--arch", arch, *shape, cache_dir=tmp_path, machine_arch=machine_arch)
@@ -207,8 +209,13 @@ def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     assert bad.returncode == 1 and "sm_90a" in bad.stderr
     bad = _mok("precompile", "--arch", "sm_90a", "--hidden", "100", cache_dir=tmp_path)
     assert bad.returncode == 1 and "hidden: expected a multiple of 8 (16-byte bf16 vectors), got 100" in bad.stderr
-    bad = _mok("precompile", "--arch", "sm_100a", "--hidden", "136", "--intermediate", "256", cache_dir=tmp_path)  # before compiling anything
+    bad = _mok("precompile", "--arch", "sm_100a", "--hidden", "136", "--intermediate", "256", "--ep-size", "1", cache_dir=tmp_path)  # before compiling anything
     assert bad.returncode == 1 and "multiples of 128 (the fused kernels' tile), got hidden=136, intermediate=256" in bad.stderr
+    # a configuration whose layer would not run on the arch: refused, not a list of kernels nobody uses
+    bad = _mok("precompile", "--arch", "sm_90a", "--precision", "mxfp8", "--ep-size", "1", cache_dir=tmp_path)
+    assert bad.returncode == 1 and "does not run on sm_90a: precision='mxfp8' needs block-scaled MMAs" in bad.stderr
+    bad = _mok("precompile", "--arch", "sm_100a", cache_dir=tmp_path)  # (the default configuration has ep_size 8)
+    assert bad.returncode == 1 and "does not run on sm_100a: ep_size > 1: not on sm_100a yet" in bad.stderr
     assert not list(tmp_path.glob("*/*.o"))
 
 

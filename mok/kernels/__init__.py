@@ -268,6 +268,34 @@ def mxfp8_layer_variants(hidden: int, inter: int, topk: int, main_grads: bool = 
     ]
 
 
+def mxfp8_emulated_variants(hidden: int, inter: int, persistent: bool = True) -> list[KernelVariant]:
+    """What ``precision="mxfp8_emulated"`` runs beyond the bf16 layer's kernels (any arch): the
+    quantizers writing MMA-ordered scales (as mxfp8_layer_variants), the dequantizers turning the
+    operands back into bf16 (rows in use; every row of a weight), and the bf16 grouped GEMMs on those
+    rows (gate/up without gathering, dx on the transposed weights' K-major copies)."""
+    return [
+        quantize_mxfp8_variant(bounded=True, mma_order=True),
+        quantize_mxfp8_variant(mma_order=True),
+        quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True),
+        quantize_mxfp8_variant(back=True),
+        quantize_mxfp8_variant(back=True, bounded=True),
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu", persistent=persistent),
+        grouped_gemm_variant(inter, hidden, epilogue="swiglu_save", persistent=persistent),
+        grouped_gemm_variant(hidden, 2 * inter, k_split=True, persistent=persistent),
+    ]
+
+
+def unsupported_on(config: MoKConfig, arch: str) -> str | None:
+    """Why a layer of ``config`` does not run on ``arch`` (None when it does): what precompile
+    refuses instead of building a list of kernels no layer would use."""
+    if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
+        return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
+    if arch != "sm_90a" and (config.ep_size > 1 or config.one_launch):
+        what = "ep_size > 1" if config.ep_size > 1 else "one_launch"
+        return f"{what}: not on {arch} yet (its kernels there are the single-GPU layer's one-tile GEMMs)"
+    return None
+
+
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
     schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None, gather_phase: bool = False,
@@ -457,8 +485,10 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward:
     bf16 weight gradients, or fp32 ones added into main_grad buffers with ``fuse_wgrad_accumulation``).
     On sm_100a / sm_103a the layer's GEMMs exist for one GPU without ``one_launch`` (one tile per
-    CTA), and with them the MXFP8 path's GEMMs (mok.mxfp8_forward, mok.mxfp8_backward); other configurations list the
-    arch-neutral kernels only there.
+    CTA), the MXFP8 path's GEMMs with ``precision="mxfp8"`` (mok.mxfp8_forward, mok.mxfp8_backward);
+    other configurations list the arch-neutral kernels only there (:func:`unsupported_on` says why
+    such a layer would not run). ``precision="mxfp8_emulated"`` adds its quantizers, dequantizers and
+    bf16 GEMMs on any arch.
     Widths the fused kernels do not tile (not multiples of 128) are refused."""
     h, i = config.hidden, config.intermediate
     shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
@@ -485,8 +515,10 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
             variants += [ep_variant("publish_mxfp8", w, width=h, topk=k), ep_variant("dispatch_mxfp8", w, width=h, topk=k)]
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False))
         variants.append(combine_variant(h, k, config.has_shared_expert, gathered=False, unit_weights=True))  # backward dx
+    main_grads = config.fuse_wgrad_accumulation
+    if config.precision == "mxfp8_emulated":
+        variants += mxfp8_emulated_variants(h, i, persistent=arch == "sm_90a")
     if arch == "sm_90a":
-        main_grads = config.fuse_wgrad_accumulation
         variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert, main_grads=main_grads)
         if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered; y and dx go out scattered
             k = config.topk
@@ -516,13 +548,14 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
                     for save_h in (False, True)
                 ]
     elif config.ep_size == 1 and not config.one_launch:  # sm_100a / sm_103a: the single-GPU layer's one-tile GEMMs
-        main_grads = config.fuse_wgrad_accumulation
-        variants += expert_mlp_variants(h, i, config.topk, main_grads=main_grads, persistent=False)
+        if config.precision == "mxfp8":  # the routed experts' GEMMs on MXFP8; the rest (gathers, combine) above
+            variants += mxfp8_layer_variants(h, i, config.topk, main_grads)
+        else:
+            variants += expert_mlp_variants(h, i, config.topk, main_grads=main_grads, persistent=False)
         if config.has_shared_expert:
             variants += expert_mlp_variants(
                 h, config.shared_intermediate, config.topk, shared=True, main_grads=main_grads, persistent=False
             )
-        variants += mxfp8_layer_variants(h, i, config.topk, main_grads)
     unique = {(v.name, tuple(sorted(v.config.items()))): v for v in variants}  # the shared expert may repeat some
     return list(unique.values())
 

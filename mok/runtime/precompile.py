@@ -12,7 +12,7 @@ import time
 from typing import TextIO
 
 from ..config import MoKConfig
-from ..kernels import get_kernel, variants_for
+from ..kernels import get_kernel, unsupported_on, variants_for
 from .arch import normalize_arch
 from .cache import CacheStats, KernelCache
 
@@ -23,8 +23,13 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 
 def precompile(config: MoKConfig, arch: str, cache: KernelCache, out: TextIO = sys.stderr) -> CacheStats:
-    """Compile (or find on disk) every kernel ``config`` needs for ``arch``; returns what was done."""
+    """Compile (or find on disk) every kernel ``config`` needs for ``arch``; returns what was done.
+    Raises ValueError, before compiling anything, for a configuration whose layer does not run on
+    ``arch`` (mok.kernels.unsupported_on says why)."""
     arch = normalize_arch(arch)
+    why = unsupported_on(config, arch)
+    if why is not None:
+        raise ValueError(f"precompile: a layer of this configuration does not run on {arch}: {why}")
     variants = variants_for(config, arch)
     before = CacheStats(**vars(cache.stats))
     for i, variant in enumerate(variants):
