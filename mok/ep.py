@@ -48,7 +48,7 @@ from .kernels import GRID_SYNC_WORDS, ep_variant, get_kernel
 from .kernels.common.ep import ERROR_CAPACITY, PHASE_DONE, PHASE_PUBLISH, error_slot, flag_words, grid_sync_slot
 from .runtime.arch import check_fused_layer_device, device_arch, has_persistent_gemms
 from .schedule import Schedule, worst_case_capacity
-from .validation import check_capacity_factor, check_moe_inputs, check_timeout
+from .validation import check_capacity_factor, check_moe_inputs, check_tensor, check_timeout
 
 ALIGN = 256  # bytes: every region starts on it (16-byte vectors, TMA)
 PHASES = {PHASE_PUBLISH: "publish (waiting for the peer's tokens)", PHASE_DONE: "combine (waiting for the peer's expert outputs)"}
@@ -403,6 +403,7 @@ def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, 
         )
     if topk_idx.dtype != torch.int32:
         raise TypeError(f"topk_idx: expected dtype int32, got {topk_idx.dtype}")
+    check_tensor("topk_idx", topk_idx, contiguous=True)  # (published as T·k int32s from its start)
     if x.device != ws.buffer.device:
         raise ValueError(f"x: expected a tensor on the workspace's device {ws.buffer.device}, got one on {x.device}")
     check_rows_aligned("x", x)

@@ -40,6 +40,7 @@ from .fused_backward import _gate_up_grad, _shared_backward, _weight_grad
 from .fused_forward import check_tile_multiples
 from .reference_backward import Gradients
 from .saved_mxfp8 import unpack_saved
+from .schedule import check_schedule
 from .validation import check_main_grads, check_tensor, check_timeout
 
 
@@ -70,13 +71,17 @@ def ep_moe_backward(
     num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
     check_rows_aligned("dout", dout)
-    if saved.h is None or (shared is not None and saved.shared_h is None):
+    if not isinstance(saved, EPForwardResult):
+        raise TypeError(f"saved: expected the EPForwardResult of ep_moe_forward_saved, got {type(saved).__name__}")
+    if saved.h is None or (shared is not None and saved.shared_h is None) or saved.x_rows is None:
         raise ValueError("saved: the forward did not keep h; call ep_moe_forward_saved(..., save_h=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
     check_timeout(timeout_s)
+    _check_saved_matches(saved, ws, num_tokens, hidden, num_local, topk, x.device)
     saved = unpack_saved(saved, w_gate.shape[1], None if shared is None else shared[0].shape[0])  # (an MXFP8 h back to bf16)
+    check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(saved.schedule.capacity, 2 * w_gate.shape[1]), contiguous=True)
     check_tile_multiples(hidden, w_gate.shape[1], None if shared is None else tuple(shared))
     ws.raise_pending()
     lay, dev, sched = ws.layout, x.device, saved.schedule
@@ -107,6 +112,19 @@ def ep_moe_backward(
     dx = ops.combine(slots, None, dx_shared)  # unweighted: s is already inside dh
     ws.copy_record()
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
+
+
+def _check_saved_matches(saved: EPForwardResult, ws: EPWorkspace, num_tokens: int, hidden: int, num_local: int, topk: int,
+                         device: torch.device) -> None:
+    """``saved`` is a forward of this call's shapes on this workspace: its output this rank's T_r
+    rows, its schedule this rank's E_local experts over every rank's T_max·k pairs, its pulled rows,
+    routing and h sized by that schedule (a forward of other inputs would send stale rows and slots)."""
+    lay = ws.layout
+    check_tensor("saved.out", saved.out, shape=(num_tokens, hidden), device=device)
+    sched = check_schedule("saved.schedule", saved.schedule, num_tokens=lay.world * lay.max_tokens, topk=topk,
+                           num_experts=num_local, device=device)
+    check_tensor("saved.x_rows", saved.x_rows, dtypes=(torch.bfloat16,), shape=(sched.capacity, hidden), device=device, contiguous=True)
+    check_tensor("saved.routing", saved.routing, dtypes=(torch.int32,), shape=(lay.world * lay.max_tokens, topk), device=device)
 
 
 def _owned_router_grads(ws: EPWorkspace, topk_idx: torch.Tensor, num_local: int, num_tokens: int) -> torch.Tensor:

@@ -199,9 +199,12 @@ def moe_forward(
         stacked = stacked_weights(w_gate, w_up, w_down, shared)
     elif shared_in_routed is None and not other_path:
         stacked = shared_expert_as_last(w_gate, w_up, w_down, shared)
+    rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # the schedule's buffer rows
+    # (refused before any launch: the expert rows' buffers, h [rows, 2I], a [rows, I], y [rows, H], are 32-bit indexed)
+    prefix = shared_prefix_rows(num_tokens, TILE_M) if stacked is not None else 0
+    ops._check_32bit_rows("the expert rows (h, a, y)", prefix + rows, max(hidden, (2 if save_for_backward else 1) * inter))
     if stacked is not None:
         return _forward_shared_in_routed(x, topk_idx, topk_w, stacked, num_experts, out, save_for_backward, gather_first, one_launch)
-    rows = worst_case_capacity(num_tokens, topk_idx.shape[1], num_experts, TILE_M)  # the schedule's buffer rows
     h = shared_h = None
     if save_for_backward:
         h = torch.empty(rows, 2 * w_gate.shape[1], dtype=x.dtype, device=x.device)

@@ -59,8 +59,9 @@ def mxfp8_moe_backward(
     mok.reference_backward.Gradients: dx [T, H] bf16, d_topk_w [T, k] fp32, weight gradients in
     ``grad_dtype`` (bf16 or fp32), or, with ``main_grads`` (one fp32 buffer per weight: gate, up,
     down[, shared gate, up, down]), added into those and returned as them."""
-    if not isinstance(weights_t, Mxfp8ExpertWeights):
-        raise TypeError(f"weights_t: expected Mxfp8ExpertWeights (quantize_expert_weights(..., transposed=True)), got {type(weights_t).__name__}")
+    if not isinstance(weights_t, Mxfp8ExpertWeights) or not weights_t.transposed:
+        got = "the forward's copies (transposed=False)" if isinstance(weights_t, Mxfp8ExpertWeights) else type(weights_t).__name__
+        raise TypeError(f"weights_t: expected Mxfp8ExpertWeights (quantize_expert_weights(..., transposed=True)), got {got}")
     gate_t, up_t, down_t = weights_t.gate[0], weights_t.up[0], weights_t.down[0]
     # the forward's shapes of the weights (views, for the shared checks): gate, up [E, I, H], down [E, H, I]
     forward_shapes = (gate_t.transpose(1, 2), up_t.transpose(1, 2), down_t.transpose(1, 2))

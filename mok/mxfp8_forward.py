@@ -42,11 +42,14 @@ from .validation import check_index_range, check_moe_inputs, check_tensor
 class Mxfp8ExpertWeights:
     """The experts' weights in MXFP8, each as (elements float8_e4m3fn, scales uint8 in the MMA's
     order): gate and up [E, I, H] with scales [E, I/128, H/128, 512], down [E, H, I] with
-    [E, H/128, I/128, 512] (mok.mxfp8.mma_scale_layout)."""
+    [E, H/128, I/128, 512] (mok.mxfp8.mma_scale_layout); ``transposed``: the backward's copies
+    instead (gate and up [E, H, I], down [E, I, H]: the shapes alone cannot tell them apart when
+    H == I, so the forward and the backward check this flag)."""
 
     gate: tuple[torch.Tensor, torch.Tensor]
     up: tuple[torch.Tensor, torch.Tensor]
     down: tuple[torch.Tensor, torch.Tensor]
+    transposed: bool = False
 
 
 def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +72,7 @@ def quantize_expert_weights(
     gate and up [E, H, I] along I, down [E, I, H] along H."""
     if transposed:
         w_gate, w_up, w_down = (w.transpose(1, 2).contiguous() for w in (w_gate, w_up, w_down))
-    return Mxfp8ExpertWeights(quantize_weights(w_gate), quantize_weights(w_up), quantize_weights(w_down))
+    return Mxfp8ExpertWeights(quantize_weights(w_gate), quantize_weights(w_up), quantize_weights(w_down), transposed)
 
 
 def mxfp8_moe_forward(
@@ -94,8 +97,9 @@ def mxfp8_moe_forward(
     MXFP8 operands dequantized (exactly: E4M3 times a power of two fits bf16) and multiplied by the
     bf16 grouped GEMM, for Hopper: the same quantization and products, fp32 sums in another order
     (to study MXFP8's numerics where no block-scaled MMA exists; slower than the bf16 forward)."""
-    if not isinstance(weights, Mxfp8ExpertWeights):
-        raise TypeError(f"weights: expected Mxfp8ExpertWeights (quantize_expert_weights), got {type(weights).__name__}")
+    if not isinstance(weights, Mxfp8ExpertWeights) or weights.transposed:
+        got = "the backward's transposed copies" if isinstance(weights, Mxfp8ExpertWeights) else type(weights).__name__
+        raise TypeError(f"weights: expected Mxfp8ExpertWeights (quantize_expert_weights, not transposed), got {got}")
     e4m3 = (torch.bfloat16, torch.float8_e4m3fn)  # x and the shared expert: bf16 (checked below); the experts: E4M3
     num_tokens, hidden, inter, num_experts, _ = check_moe_inputs(
         x, topk_idx, topk_w, weights.gate[0], weights.up[0], weights.down[0], shared, dtypes=e4m3, router_dtypes=(torch.float32,),

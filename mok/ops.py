@@ -40,6 +40,12 @@ def _check_32bit(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected fewer than 2**31 elements (32-bit indexing), got {t.numel()}")
 
 
+def _check_32bit_rows(name: str, rows: int, width: int) -> None:
+    """An intermediate buffer [rows, width] the op allocates: 32-bit indexable (checked before it exists)."""
+    if rows * width >= 2**31:
+        raise ValueError(f"{name}: expected fewer than 2**31 elements (32-bit indexing), got {rows} x {width} = {rows * width}")
+
+
 def _check_launchable(**tensors: torch.Tensor | None) -> None:
     """Each tensor given (None: skipped) is on a CUDA device, 16-byte aligned and 32-bit indexable."""
     for name, t in tensors.items():
@@ -140,6 +146,11 @@ def combine(
             raise ValueError(f"router: expected k <= 128 (one thread per pair), got k={topk}")
         _check_32bit("router partial", partial)
     if num_tokens == 0:
+        return out
+    if gathered and num_rows == 0:  # no row to read, so no slot has one: the shared expert's output, or zeros (the kernel's bits)
+        out.copy_(shared_out) if shared_out is not None else out.zero_()
+        if router is not None:
+            router[1].zero_()
         return out
     if router is not None:
         kernel = _kernel(combine_variant(hidden, topk, shared_out is not None, True, True, router_parts=partial.shape[1]), y.device)
@@ -777,6 +788,7 @@ def expert_mlp(
     y_rows = _bf16_out(y_rows, (num_rows, hidden), x.device)
     _check_launchable(x=x, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out)
     _check_weights_launchable(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    _check_32bit_rows("a (fc1's output)", num_rows, w_gate.shape[1])
     a = torch.empty(num_rows, w_gate.shape[1], dtype=torch.bfloat16, device=x.device)  # fc1's output, fc2's input
     if num_rows == 0 or num_tokens == 0:
         return out if combine else y_rows
@@ -855,6 +867,7 @@ def scheduled_expert_mlp(
         shared_out = y_rows[:num_tokens]
     _check_launchable(x=x, topk_idx=topk_idx, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out)
     _check_weights_launchable(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    _check_32bit_rows("a (fc1's output)", capacity, w_gate.shape[1])
     schedule = _empty_schedule(num_tokens, topk, num_experts, capacity, MLP_TILE, x.device, prefix)
     if num_tokens == 0:  # nothing routed: no launch
         return out, _unrouted(schedule)

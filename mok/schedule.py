@@ -76,6 +76,8 @@ def check_schedule(
     if schedule.expert_counts.shape != (num_experts,):
         raise ValueError(f"{name}: expected one over {num_experts} experts, got expert_counts of shape {list(schedule.expert_counts.shape)}")
     rows = schedule.capacity
+    if rows % block_m:  # (the kernels read a tile_expert entry per block_m rows, ceil(rows / block_m) of them)
+        raise ValueError(f"{name}: expected a capacity that is a multiple of block_m={block_m}, got {rows} rows")
     i32 = (torch.int32,)
     for field, shape in (("expert_counts", (num_experts,)), ("expert_offsets", (num_experts + 1,)), ("row_token", (rows,)),
                          ("row_slot", (rows,)), ("slot_row", (num_tokens, topk)), ("tile_expert", (rows // block_m,))):

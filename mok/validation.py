@@ -145,6 +145,13 @@ def check_main_grads(main_grads: "tuple | None", weights: tuple, shared: "tuple 
         raise ValueError(f"main_grads: expected {len(owners)} fp32 buffers, got {got}")
     for name, buf, weight in zip(names, main_grads, owners):
         check_tensor(f"main_grads ({name})", buf, dtypes=(torch.float32,), shape=tuple(weight.shape), device=weight.device, contiguous=True)
+        if buf.data_ptr() % 16:  # (the weight-gradient kernels add into it with 16-byte TMA stores)
+            raise ValueError(f"main_grads ({name}): expected a 16-byte aligned start, got address {buf.data_ptr():#x}")
+    spans = [(buf.device, buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size(), name) for name, buf in zip(names, main_grads)]
+    for i, (dev, lo, hi, name) in enumerate(spans):  # (each gradient is added into its own buffer: two sharing memory would mix)
+        for dev2, lo2, hi2, name2 in spans[i + 1:]:
+            if dev == dev2 and lo < hi2 and lo2 < hi:
+                raise ValueError(f"main_grads ({name}, {name2}): expected separate buffers, got two that overlap in memory")
 
 
 MAX_TIMEOUT_S = 1e9  # the kernels take the bound in int64 nanoseconds (and no run waits 30 years)

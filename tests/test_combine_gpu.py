@@ -152,6 +152,22 @@ def test_gathered_combine_reads_rows_by_slot():
         assert torch.equal(unit, combine(rows, torch.ones_like(w), shared, slot_row=slot_row))
 
 
+def test_gathered_combine_of_no_rows_gives_the_shared_output_or_zeros():
+    """Every slot without a row and y empty (a schedule where nothing landed): out is the shared
+    expert's output (or zeros), the router gradient zeros, as the kernel gives them for -1 slots;
+    nothing reads y (it has no row 0)."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    slot_row = torch.full((50, 4), -1, device="cuda", dtype=torch.int32)
+    w = torch.rand(50, 4, device="cuda", generator=g)
+    s = torch.randn(50, 256, device="cuda", generator=g).bfloat16()
+    empty = torch.empty(0, 256, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(combine(empty, w, s, slot_row=slot_row, out=poisoned(50, 256)), s)
+    assert torch.equal(combine(empty, w, None, slot_row=slot_row, out=poisoned(50, 256)), torch.zeros_like(s))
+    d_topk_w = torch.full((50, 4), float("nan"), device="cuda")
+    out = combine(empty, None, s, slot_row=slot_row, router=(torch.empty(0, 2, device="cuda"), d_topk_w), out=poisoned(50, 256))
+    assert torch.equal(out, s) and torch.equal(d_topk_w, torch.zeros_like(d_topk_w))
+
+
 @pytest.mark.parametrize("topk,parts", [(6, 16), (1, 1), (8, 6)])
 def test_dx_combine_with_the_router_gradient_in_the_same_launch(topk, parts):
     """The backward's combine with router=(partial, d_topk_w): dx bitwise the plain unit-weight

@@ -280,6 +280,12 @@ def test_main_grads_are_checked_before_anything_runs():
         check_main_grads((good[0], good[1].bfloat16(), good[2]), weights, None)
     with pytest.raises(ValueError, match=r"main_grads \(d_w_down\): expected shape"):
         check_main_grads((good[0], good[1], torch.zeros(4, 8, 16)), weights, None)
+    square = [torch.zeros(4, 16, 16) for _ in range(3)]  # (H == I: gate, up and down of one shape)
+    with pytest.raises(ValueError, match=r"main_grads \(d_w_gate, d_w_down\): expected separate buffers, got two that overlap"):
+        check_main_grads((square[0], square[1], square[0]), square, None)
+    base = torch.zeros(4 * 16 * 16 + 1)
+    with pytest.raises(ValueError, match=r"main_grads \(d_w_up\): expected a 16-byte aligned start"):
+        check_main_grads((square[0], base[1:].view(4, 16, 16), square[2]), square, None)
 
 
 def test_raise_grid_timeouts_reports_the_barriers_timeout_count():
@@ -427,3 +433,20 @@ def test_precompile_options_set_the_configs_flags():
     config = _config_from(parser.parse_args(["--hidden", "512", "--fuse-wgrad-accumulation"]))
     assert config.fuse_wgrad_accumulation and not config.one_launch and config.hidden == 512
     assert not _config_from(parser.parse_args([])).fuse_wgrad_accumulation
+
+
+def test_zero_widths_and_schedules_of_partial_tiles_are_refused():
+    """A width of 0 is no multiple of the 128-wide tile (the compiler would be the first to complain);
+    a schedule whose capacity is not whole tiles would have the kernels read a tile_expert entry past
+    its end."""
+    import dataclasses
+
+    from mok.kernels import check_tiled_widths
+    from mok.schedule import build_schedule, check_schedule
+
+    with pytest.raises(ValueError, match=r"multiples of 128 \(the fused kernels' tile\), got hidden=0, intermediate=128"):
+        check_tiled_widths("config", {"hidden": 0, "intermediate": 128})
+    sched = build_schedule(torch.randint(0, 8, (40, 2), dtype=torch.int32), 8)
+    check_schedule("s", sched, num_tokens=40, topk=2, num_experts=8, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="s: expected a capacity that is a multiple of block_m=128, got 1000 rows"):
+        check_schedule("s", dataclasses.replace(sched, capacity=1000), num_tokens=40, topk=2, num_experts=8, device=torch.device("cpu"))

@@ -488,3 +488,25 @@ def test_branch_free_division_rounds_as_the_ieee_division():
     launch(from_dlpack(a), from_dlpack(d), from_dlpack(fast), from_dlpack(ieee))
     torch.cuda.synchronize()
     assert torch.equal(fast.view(torch.int32), ieee.view(torch.int32))
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_expert_rows_past_32_bit_indexing_are_refused_before_any_launch(one_launch):
+    """40000 tokens x top-8 over 8 experts need ~320k expert rows: at H = 7168 their y [rows, H]
+    holds more than 2^31 elements, which the kernels index in 32 bits. The forward refuses the
+    shapes before it launches anything (the schedule included), whatever the path (ids not
+    range-checked here: that check's reductions would be launches of their own)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T, H, I, E, k = 40000, 7168, 128, 8, 8
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    idx = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices.int()
+    w = torch.rand(T, k, device="cuda", generator=g)
+    experts = [torch.randn(E, I, H, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    experts.append(torch.randn(E, H, I, device="cuda", generator=g).bfloat16())
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with pytest.raises(ValueError, match=r"the expert rows \(h, a, y\): expected fewer than 2\*\*31 elements"):
+            moe_forward(x, idx, w, *experts, one_launch=one_launch, check_routing=False)
+        torch.cuda.synchronize()
+    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not launched, launched

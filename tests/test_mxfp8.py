@@ -3,6 +3,7 @@ format's definition: E4M3 decoded from its bit fields, the scale as the smallest
 that brings the block's maximum within 448, every element the nearest E4M3 value (ties to the
 even code)."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -270,6 +271,8 @@ def test_the_mxfp8_forward_refuses_bad_input_before_any_launch():
 
     with pytest.raises(TypeError, match="Mxfp8ExpertWeights"):
         mxfp8_moe_forward(x, idx, w, (None, None, None))
+    with pytest.raises(TypeError, match=r"not transposed\), got the backward's transposed copies"):
+        mxfp8_moe_forward(x, idx, w, dataclasses.replace(weights(), transposed=True))
     with pytest.raises(TypeError, match="x: expected dtype bfloat16"):
         mxfp8_moe_forward(x.float(), idx, w, weights())
     with pytest.raises(ValueError, match=r"weights.gate scales: expected shape \[4, 1, 2, 512\]"):
@@ -309,15 +312,18 @@ def test_the_mxfp8_backward_refuses_bad_input_before_any_launch():
     idx[:, 1] = 1
     w = torch.rand(num_tokens, topk)
     proj = lambda n, k: (torch.zeros(experts, n, k).to(e4m3), torch.zeros(experts, n // 128, k // 128, 512, dtype=torch.uint8))  # noqa: E731
-    weights_t = Mxfp8ExpertWeights(proj(hidden, inter), proj(hidden, inter), proj(inter, hidden))  # transposed: gate, up [E, H, I]
+    weights_t = Mxfp8ExpertWeights(proj(hidden, inter), proj(hidden, inter), proj(inter, hidden), transposed=True)  # gate, up [E, H, I]
     saved = ForwardResult(out=None, schedule=None, h=None)
     with pytest.raises(TypeError, match="Mxfp8ExpertWeights"):
         mxfp8_moe_backward(x, x, idx, w, None, None, saved)
+    forward_copies = Mxfp8ExpertWeights(proj(hidden, hidden), proj(hidden, hidden), proj(hidden, hidden))  # (H == I: shapes alike)
+    with pytest.raises(TypeError, match=r"transposed=True\)\), got the forward's copies"):
+        mxfp8_moe_backward(x, x, idx, w, forward_copies, None, saved)
     with pytest.raises(ValueError, match=r"dout: expected shape \[8, 256\]"):
         mxfp8_moe_backward(x[:4], x, idx, w, weights_t, None, saved)
     with pytest.raises(ValueError, match="save_for_backward=True"):
         mxfp8_moe_backward(x, x, idx, w, weights_t, None, saved)
-    wrong = Mxfp8ExpertWeights(proj(inter, hidden), proj(hidden, inter), proj(inter, hidden))  # gate not transposed
+    wrong = Mxfp8ExpertWeights(proj(inter, hidden), proj(hidden, inter), proj(inter, hidden), transposed=True)  # gate not transposed
     with pytest.raises(ValueError, match="w_gate"):
         mxfp8_moe_backward(x, x, idx, w, wrong, None, saved)
 

@@ -476,7 +476,7 @@ def check_tiled_widths(name: str, widths: Mapping[str, int]) -> None:
     """The fused kernels tile every width of the layer (H, I, a shared expert's I_s) by 128:
     refuse others, naming them, before anything is compiled or launched (the reference path,
     mok.reference, takes any)."""
-    if any(width % 128 for width in widths.values()):
+    if any(width % 128 or width < 128 for width in widths.values()):
         got = ", ".join(f"{width_name}={width}" for width_name, width in widths.items())
         raise ValueError(f"{name}: expected {', '.join(widths)} multiples of 128 (the fused kernels' tile), got {got}")
 
