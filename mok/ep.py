@@ -148,6 +148,11 @@ class EPWorkspace:
             raise ValueError(f"rank_stride: expected a multiple of {ALIGN} that is >= {layout.stride}, got {rank_stride}")
         if buffer.dtype != torch.uint8 or buffer.numel() < layout.world * rank_stride:
             raise ValueError(f"buffer: expected >= {layout.world * rank_stride} uint8 bytes, got {buffer.numel()} {buffer.dtype}")
+        if buffer.dim() != 1 or not buffer.is_contiguous() or (buffer.is_cuda and buffer.data_ptr() % ALIGN):
+            raise ValueError(
+                f"buffer: expected a contiguous 1-D uint8 tensor starting on a {ALIGN}-byte boundary (the regions' offsets "
+                f"are from it), got shape {list(buffer.shape)} at {buffer.data_ptr():#x}"
+            )
         if not 0 <= rank < layout.world:
             raise ValueError(f"rank: expected 0..{layout.world - 1}, got {rank}")
         if layout.world * rank_stride // 2 >= 2**31:  # the kernels index bf16 elements across all ranks in 32 bits
@@ -367,7 +372,9 @@ def ep_moe_forward(
 
     x [T_r, H] bf16 (T_r <= the layout's max_tokens), topk_idx [T_r, k] int32 global expert
     ids, topk_w [T_r, k] fp32, this rank's expert weights (and the replicated shared expert).
-    Every rank of the workspace must make the same sequence of calls, each ordered after the
+    The ids are not range-checked here (that reads the device back; mok.api.forward and
+    mok.MoELayer check them): an id outside [0, E) reaches no rank, and its slot keeps whatever an
+    earlier call left there. Every rank of the workspace must make the same sequence of calls, each ordered after the
     previous one on the GPU (one stream, or the caller's events between streams: the calls share
     the workspace's regions and epoch). ``fused_dispatch``: the
     gate/up GEMM pulls its rows from the peers itself (no dispatch kernel, no x_rows buffer).

@@ -429,6 +429,7 @@ def grouped_gemm(
         if gather is not None or skip_padding is not None or not persistent:
             raise ValueError("pull: only with the persistent kernel, without gather or skip_padding")
         check_tensor("pull src", pull_src, dtypes=BF16, ndim=2, device=a.device, contiguous=True)
+        _check_cuda_aligned("pull src", pull_src)  # (its rows are copied in 16-byte vectors)
         if pull_src.shape[1] != k:
             raise ValueError(f"pull src: expected rows of a's {k} columns, got {pull_src.shape[1]}")
         _check_rank_stride("pull ranks", pull_ranks, pull_src.numel(), 2**31 - 1, "2^31 elements")

@@ -55,10 +55,15 @@ def test_bad_workspace_and_inputs_raise_before_any_launch():
         EPWorkspace(torch.zeros(10, dtype=torch.uint8), layout, 0)
     with pytest.raises(ValueError, match=r"rank: expected 0\.\.1, got 2"):
         EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 2)
+    with pytest.raises(ValueError, match=r"buffer: expected a contiguous 1-D uint8 tensor .* got shape \[2, "):
+        EPWorkspace(torch.zeros(2, layout.stride, dtype=torch.uint8), layout, 0)
     ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
     x, idx, w, experts, _ = random_layer(9, 16, 8, 2, 2, seed=1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"T <= 8 \(the workspace layout\), got H=16, k=2, T=9"):
         ep_moe_forward(ws, x, idx, w, *experts)
+    wide = torch.zeros(8, 4, dtype=torch.int32)  # ids published from their first element: a strided view would send others
+    with pytest.raises(ValueError, match="topk_idx: expected a contiguous tensor"):
+        ep_moe_forward(ws, x[:8], wide[:, :2], w[:8], *experts)
 
 
 def test_capacity_rows_scale_an_even_routing_and_never_exceed_the_worst_case():

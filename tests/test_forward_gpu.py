@@ -510,3 +510,17 @@ def test_expert_rows_past_32_bit_indexing_are_refused_before_any_launch(one_laun
         torch.cuda.synchronize()
     launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert not launched, launched
+
+
+@pytest.mark.multigpu
+def test_tensors_on_another_device_than_the_current_one_raise_clearly():
+    """MoK launches in the current device's context: tensors on cuda:1 while cuda:0 is current get
+    an error naming both (and how to switch), not a driver error or work on the wrong GPU; under
+    `with torch.cuda.device(1)` the same call runs."""
+    src = torch.randn(64, 256, device="cuda:1").bfloat16()
+    index = torch.arange(64, device="cuda:1", dtype=torch.int32).flip(0)
+    with torch.cuda.device(0):
+        with pytest.raises(ValueError, match=r"tensors on cuda:1, but the current CUDA device is cuda:0"):
+            ops.gather_rows(src, index)
+    with torch.cuda.device(1):
+        assert torch.equal(ops.gather_rows(src, index), src.flip(0))

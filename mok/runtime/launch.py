@@ -68,7 +68,15 @@ def i64(value: int):
 
 
 def stream(device: torch.device):
-    """The current CUDA stream of ``device``, as the kernel's stream argument."""
+    """The current CUDA stream of ``device``, as the kernel's stream argument. The kernels launch
+    in the current device's context, so ``device`` must be the current device (else the launch
+    would fail in the driver, or run on the wrong GPU): a clear error instead."""
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        raise ValueError(
+            f"tensors on {device}, but the current CUDA device is cuda:{current}: MoK launches on the current device; "
+            f"call torch.cuda.set_device({device.index}) or run under `with torch.cuda.device({device.index}):`"
+        )
     handle = torch.cuda.current_stream(device).cuda_stream
     if convention() == "tvm_ffi":
         return handle
