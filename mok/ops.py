@@ -429,7 +429,6 @@ def grouped_gemm(
         if gather is not None or skip_padding is not None or not persistent:
             raise ValueError("pull: only with the persistent kernel, without gather or skip_padding")
         check_tensor("pull src", pull_src, dtypes=BF16, ndim=2, device=a.device, contiguous=True)
-        _check_cuda_aligned("pull src", pull_src)  # (its rows are copied in 16-byte vectors)
         if pull_src.shape[1] != k:
             raise ValueError(f"pull src: expected rows of a's {k} columns, got {pull_src.shape[1]}")
         _check_rank_stride("pull ranks", pull_ranks, pull_src.numel(), 2**31 - 1, "2^31 elements")
@@ -464,6 +463,8 @@ def grouped_gemm(
     out = _bf16_out(out, (num_rows, n), a.device)
     _check_launchable(a=a, out=out, h_out=h_out)
     _check_weights_launchable(b=b, b2=b2)
+    if pull_src is not None:
+        _check_cuda_aligned("pull src", pull_src)  # (its rows are copied in 16-byte vectors)
     if num_rows == 0 or a.shape[0] * world == 0:  # (gather from no tokens: every row is padding)
         return out
     if pull is not None and pull_src.shape[0] == 0:  # (no tokens anywhere to pull)
