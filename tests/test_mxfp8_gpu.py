@@ -384,3 +384,35 @@ def test_mxfp8_layer_on_hopper_asks_for_the_emulated_precision():
     layer = MoELayer(512, 256, 16, 4, device="cuda", precision="mxfp8")
     with pytest.raises(NotImplementedError, match="precision='mxfp8_emulated' runs the same numerics here"):
         layer(torch.randn(8, 512, device="cuda").bfloat16())
+
+
+@pytest.mark.parametrize("fuse,saved_h_format", [(False, "bf16"), (True, "mxfp8")])
+def test_precompile_lists_every_kernel_the_emulated_mxfp8_layer_looks_up(fuse, saved_h_format):
+    """variants_for(config) of an MXFP8-emulated layer (what `mok precompile --precision
+    mxfp8_emulated` builds) names every kernel variant its forward and backward look up."""
+    from mok.kernels import variants_for
+    from mok.layer import MoELayer
+    from mok.runtime.cache import default_cache
+
+    torch.manual_seed(11)
+    layer = MoELayer(512, 256, 8, 2, shared_intermediate=384, device="cuda", precision="mxfp8_emulated",
+                     fuse_wgrad_accumulation=fuse, saved_h_format=saved_h_format)
+    if fuse:
+        for p in layer.parameters():
+            p.main_grad = torch.zeros(p.shape, device="cuda")
+    cache, looked_up = default_cache(), set()
+    lookup = cache.loaded
+
+    def recording(name, config, arch):
+        looked_up.add((name, tuple(sorted(config.items()))))
+        return lookup(name, config, arch)
+
+    cache.loaded = recording
+    try:
+        x = torch.randn(300, 512, device="cuda").bfloat16().requires_grad_()
+        layer(x).float().square().sum().backward()
+        torch.cuda.synchronize()
+    finally:
+        del cache.loaded
+    listed = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(layer.config)}
+    assert looked_up and looked_up <= listed, sorted(looked_up - listed)
