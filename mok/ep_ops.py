@@ -141,11 +141,13 @@ def ep_moe_backward_op(
     from .ep_backward import ep_moe_backward
     from .schedule import Schedule
 
-    sched = Schedule(counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, BLOCK_M, row_token.shape[0])
+    ws = _workspace(workspace)
+    sched = Schedule(counts, offsets, row_token, row_slot, slot_row, tile_expert, overflow, BLOCK_M, row_token.shape[0],
+                     world_size=ws.layout.world)
     shared = _shared(shared_gate, shared_up, shared_down)
     saved = EPForwardResult(None, sched, x_rows, h, shared_h if shared is not None else None, routing)
     g = ep_moe_backward(
-        _workspace(workspace), dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved,
+        ws, dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved,
         grad_dtype=w_gate.dtype, timeout_s=timeout_s, main_grads=tuple(main_grads) or None,
     )
     return g.dx, g.d_topk_w, *_weight_grads_out(g, x, len(main_grads) > 0)

@@ -670,7 +670,11 @@ def _column_tiles(hidden: int) -> int:
 
 def _check_no_slot_dropped(schedule: Schedule) -> None:
     """A down projection that combines needs every (token, slot) to have a row: the schedule's
-    capacity must be the worst case for its tokens, top-k and experts."""
+    capacity must be the worst case for its tokens, top-k and experts, its experts every expert (not
+    one rank's share) and no shared expert's rows in front (they would count an arrival too many)."""
+    if schedule.world_size > 1 or schedule.shared_rows:
+        what = f"an expert-parallel one (world_size={schedule.world_size})" if schedule.world_size > 1 else "one with a shared prefix"
+        raise ValueError(f"schedule: expected one GPU's schedule of the routed experts alone, got {what}")
     num_tokens, topk = schedule.slot_row.shape
     worst = worst_case_capacity(num_tokens, topk, schedule.expert_counts.shape[0], schedule.block_m)
     if schedule.capacity < worst:
@@ -1038,7 +1042,7 @@ def device_schedule(
         raise ValueError(f"topk_idx: expected a CUDA tensor, got one on {topk_idx.device}")
     _check_32bit("topk_idx", topk_idx)
     dev = topk_idx.device
-    sched = _empty_schedule(num_tokens, topk, num_local, prefix + capacity, block_m, dev, prefix)
+    sched = _empty_schedule(num_tokens, topk, num_local, prefix + capacity, block_m, dev, prefix, world_size)
     if clear is not None:
         check_tensor("clear", clear, dtypes=(torch.int32,), device=dev, contiguous=True)
         _check_32bit("clear", clear)
@@ -1066,12 +1070,13 @@ def _unrouted(sched: Schedule) -> Schedule:
 
 
 def _empty_schedule(
-    num_tokens: int, topk: int, num_local: int, capacity: int, block_m: int, device: torch.device, shared_rows: int = 0
+    num_tokens: int, topk: int, num_local: int, capacity: int, block_m: int, device: torch.device, shared_rows: int = 0,
+    world_size: int = 1,
 ) -> Schedule:
     """A schedule's tensors, unwritten (a schedule launch fills them)."""
     i32 = dict(dtype=torch.int32, device=device)
     return Schedule(
         torch.empty(num_local, **i32), torch.empty(num_local + 1, **i32), torch.empty(capacity, **i32),
         torch.empty(capacity, **i32), torch.empty(num_tokens, topk, **i32), torch.empty(capacity // block_m, **i32),
-        torch.empty((), **i32), block_m, capacity, shared_rows,
+        torch.empty((), **i32), block_m, capacity, shared_rows, world_size,
     )

@@ -37,6 +37,8 @@ class Schedule:
     shared_rows: rows in front of the routed experts' that hold a shared expert (0: none):
         ceil(N / block_m)·block_m rows, row r < N token r's with slot k (no routed pair has
         it), their tiles expert E_local; ``capacity`` counts them, every offset starts after them.
+    world_size: the ranks the routing's tokens come from (> 1: one rank's expert-parallel
+        schedule, its experts holding only some of each token's slots).
     """
 
     expert_counts: torch.Tensor
@@ -49,6 +51,7 @@ class Schedule:
     block_m: int
     capacity: int
     shared_rows: int = 0
+    world_size: int = 1
 
     def check_overflow(self) -> None:
         """Raise if the routing did not fit (reads one flag back: call it off the hot path)."""
@@ -184,6 +187,7 @@ def build_schedule(
         overflow=offsets[-1] > capacity,
         block_m=block_m,
         capacity=capacity,
+        world_size=world_size,
     )
 
 

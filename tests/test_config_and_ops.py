@@ -450,3 +450,22 @@ def test_zero_widths_and_schedules_of_partial_tiles_are_refused():
     check_schedule("s", sched, num_tokens=40, topk=2, num_experts=8, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="s: expected a capacity that is a multiple of block_m=128, got 1000 rows"):
         check_schedule("s", dataclasses.replace(sched, capacity=1000), num_tokens=40, topk=2, num_experts=8, device=torch.device("cpu"))
+
+
+def test_combining_down_projection_refuses_an_expert_parallel_or_shared_prefix_schedule():
+    """grouped_gemm_combine completes a token at its k-th arrival: with one rank's EP schedule some
+    slots never arrive (out left unwritten), with a shared prefix one arrives too many (a race):
+    both refused before anything launches."""
+    from mok.ops import grouped_gemm_combine
+    from mok.schedule import _with_shared_prefix, build_schedule
+
+    idx = torch.randint(0, 8, (40, 2), dtype=torch.int32)
+    w_down, topk_w = torch.zeros(4, 256, 128, dtype=torch.bfloat16), torch.rand(40, 2)
+    ep = build_schedule(idx, 8, world_size=2, rank=1)
+    assert ep.world_size == 2 and build_schedule(idx, 8).world_size == 1
+    with pytest.raises(ValueError, match=r"schedule: expected one GPU's schedule .*, got an expert-parallel one \(world_size=2\)"):
+        grouped_gemm_combine(torch.zeros(ep.capacity, 128, dtype=torch.bfloat16), w_down, ep, topk_w, torch.zeros(40, 1, dtype=torch.int32))
+    prefixed = _with_shared_prefix(build_schedule(idx, 8))
+    with pytest.raises(ValueError, match="got one with a shared prefix"):
+        grouped_gemm_combine(torch.zeros(prefixed.capacity, 128, dtype=torch.bfloat16), torch.zeros(8, 256, 128, dtype=torch.bfloat16),
+                             prefixed, topk_w, torch.zeros(40, 1, dtype=torch.int32))
