@@ -73,6 +73,28 @@ def _bf16_out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.de
     return out
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first byte, past the last byte) that ``t`` can touch (None when it holds nothing)."""
+    if t.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_disjoint(written: dict, read: dict) -> None:
+    """Each output in ``written`` shares no memory with any tensor in ``read`` or with another
+    output (the kernels read rows other threads write: an overlap gives wrong values, not an
+    error); None entries are skipped."""
+    spans = {name: (t.device, _byte_span(t)) for name, t in {**written, **read}.items() if t is not None}
+    names = [n for n in written if written[n] is not None]
+    for i, out_name in enumerate(names):
+        dev, span = spans[out_name]
+        for other in names[i + 1:] + [n for n in read if read[n] is not None]:
+            dev2, span2 = spans[other]
+            if span and span2 and dev == dev2 and span[0] < span2[1] and span2[0] < span[1]:
+                raise ValueError(f"{out_name}: expected memory of its own, got a tensor that overlaps {other}")
+
+
 def _kernel(variant, device: torch.device):
     return get_kernel(variant, _arch_of(device.index))
 
@@ -134,6 +156,7 @@ def combine(
         _check_cuda_aligned("shared_out", shared_out)
     out = _bf16_out(out, (num_tokens, hidden), y.device)
     _check_32bit("out", out)  # (gathered: T rows may outnumber y's R when a capacity bound cut them)
+    _check_disjoint({"out": out}, {"y": y})  # (out may be shared_out itself: a thread reads its element before writing it)
     if router is not None:
         if not gathered or topk_w is not None:
             raise ValueError("router: only with slot_row and topk_w=None (the backward's dx combine)")
@@ -184,6 +207,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | N
     num_out, width = _check_gather_args("src", src, index)
     out = _bf16_out(out, (num_out, width), src.device)
     _check_32bit("out", out)
+    _check_disjoint({"out": out}, {"src": src})
     if num_out == 0:
         return out
     kernel = _kernel(gather_variant(width), src.device)
@@ -204,6 +228,7 @@ def gather_rows_pair(
     outs = tuple(_bf16_out(None if out is None else out[i], (num_out, width), first.device) for i in range(2))
     for name, t in zip(("out[0]", "out[1]"), outs):
         _check_32bit(name, t)
+    _check_disjoint({"out[0]": outs[0], "out[1]": outs[1]}, {"first": first, "second": second})
     if num_out == 0:
         return outs
     kernel = _kernel(gather_variant(width, sources=2), first.device)
@@ -463,6 +488,7 @@ def grouped_gemm(
     out = _bf16_out(out, (num_rows, n), a.device)
     _check_launchable(a=a, out=out, h_out=h_out)
     _check_weights_launchable(b=b, b2=b2)
+    _check_disjoint({"out": out, "h_out": h_out}, {"a": a, "b": b, "b2": b2})
     if pull_src is not None:
         _check_cuda_aligned("pull src", pull_src)  # (its rows are copied in 16-byte vectors)
     if num_rows == 0 or a.shape[0] * world == 0:  # (gather from no tokens: every row is padding)

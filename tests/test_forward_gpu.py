@@ -524,3 +524,23 @@ def test_tensors_on_another_device_than_the_current_one_raise_clearly():
             ops.gather_rows(src, index)
     with torch.cuda.device(1):
         assert torch.equal(ops.gather_rows(src, index), src.flip(0))
+
+
+def test_outputs_that_overlap_an_input_are_refused_before_launch():
+    """The kernels read rows that other threads write: an ``out`` sharing memory with what an op
+    reads would give wrong values silently, so it is refused (an out of its own is fine)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    src = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+    index = torch.randperm(512, device="cuda", generator=g).int()
+    with pytest.raises(ValueError, match="out: expected memory of its own, got a tensor that overlaps src"):
+        ops.gather_rows(src, index, out=src)
+    with pytest.raises(ValueError, match=r"out\[1\]: expected memory of its own, got a tensor that overlaps first"):
+        ops.gather_rows_pair(src, src.clone(), index, out=(torch.empty_like(src), src))
+    slot_row = torch.arange(512, device="cuda", dtype=torch.int32).view(256, 2)
+    with pytest.raises(ValueError, match="out: expected memory of its own, got a tensor that overlaps y"):
+        ops.combine(src, torch.rand(256, 2, device="cuda"), slot_row=slot_row, out=src[256:])
+    b = torch.randn(2, 256, 256, device="cuda", generator=g).bfloat16()
+    tiles = torch.tensor([0, 1, 0, 1], device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="out: expected memory of its own, got a tensor that overlaps a"):
+        ops.grouped_gemm(src, b, tiles, out=src)
+    assert torch.equal(ops.gather_rows(src, index, out=torch.empty_like(src)), src[index.long()])
