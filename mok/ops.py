@@ -84,7 +84,9 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
 def _check_disjoint(written: dict, read: dict) -> None:
     """Each output in ``written`` shares no memory with any tensor in ``read`` or with another
     output (the kernels read rows other threads write: an overlap gives wrong values, not an
-    error); None entries are skipped."""
+    error); None entries (outputs the op allocates itself) are skipped."""
+    if all(t is None for t in written.values()):
+        return
     spans = {name: (t.device, _byte_span(t)) for name, t in {**written, **read}.items() if t is not None}
     names = [n for n in written if written[n] is not None]
     for i, out_name in enumerate(names):
@@ -154,9 +156,10 @@ def combine(
     if shared_out is not None:
         check_tensor("shared_out", shared_out, dtypes=BF16, shape=(num_tokens, hidden), device=y.device, contiguous=True)
         _check_cuda_aligned("shared_out", shared_out)
+    given = out
     out = _bf16_out(out, (num_tokens, hidden), y.device)
     _check_32bit("out", out)  # (gathered: T rows may outnumber y's R when a capacity bound cut them)
-    _check_disjoint({"out": out}, {"y": y})  # (out may be shared_out itself: a thread reads its element before writing it)
+    _check_disjoint({"out": given}, {"y": y})  # (out may be shared_out itself: a thread reads its element before writing it)
     if router is not None:
         if not gathered or topk_w is not None:
             raise ValueError("router: only with slot_row and topk_w=None (the backward's dx combine)")
@@ -205,9 +208,10 @@ def _check_gather_args(name: str, src: torch.Tensor, index: torch.Tensor) -> tup
 def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """out[r] = src[index[r]] (bf16 rows), zeros where index[r] < 0. Indices must be < len(src)."""
     num_out, width = _check_gather_args("src", src, index)
+    given = out
     out = _bf16_out(out, (num_out, width), src.device)
     _check_32bit("out", out)
-    _check_disjoint({"out": out}, {"src": src})
+    _check_disjoint({"out": given}, {"src": src})
     if num_out == 0:
         return out
     kernel = _kernel(gather_variant(width), src.device)
@@ -228,7 +232,8 @@ def gather_rows_pair(
     outs = tuple(_bf16_out(None if out is None else out[i], (num_out, width), first.device) for i in range(2))
     for name, t in zip(("out[0]", "out[1]"), outs):
         _check_32bit(name, t)
-    _check_disjoint({"out[0]": outs[0], "out[1]": outs[1]}, {"first": first, "second": second})
+    if out is not None:
+        _check_disjoint({"out[0]": outs[0], "out[1]": outs[1]}, {"first": first, "second": second})
     if num_out == 0:
         return outs
     kernel = _kernel(gather_variant(width, sources=2), first.device)
@@ -485,10 +490,11 @@ def grouped_gemm(
     check_tensor("tile_expert", tile_expert, dtypes=(torch.int32,), shape=(tiles,), device=a.device, contiguous=True)
     if skip_padding is not None:
         check_tensor("skip_padding", skip_padding, dtypes=(torch.int32,), shape=(num_rows,), device=a.device, contiguous=True)
+    given = out
     out = _bf16_out(out, (num_rows, n), a.device)
     _check_launchable(a=a, out=out, h_out=h_out)
     _check_weights_launchable(b=b, b2=b2)
-    _check_disjoint({"out": out, "h_out": h_out}, {"a": a, "b": b, "b2": b2})
+    _check_disjoint({"out": given, "h_out": h_out}, {"a": a, "b": b, "b2": b2})
     if pull_src is not None:
         _check_cuda_aligned("pull src", pull_src)  # (its rows are copied in 16-byte vectors)
     if num_rows == 0 or a.shape[0] * world == 0:  # (gather from no tokens: every row is padding)
