@@ -46,7 +46,9 @@ def _may_sync(x: torch.Tensor) -> bool:
 
 
 def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts in fp32, top-k, weights renormalised to sum to 1: (topk_idx int32, topk_w fp32)."""
+    """Softmax over experts in fp32, top-k, weights renormalised to sum to 1: (topk_idx int32, topk_w fp32).
+    (The logits are the built-in router's nn.Linear, PyTorch's GEMM: unlike MoK's kernels its bits
+    may depend on the number of tokens, so batch invariance holds given the routing.)"""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, idx = probs.topk(topk, dim=-1)
     return idx.to(torch.int32), weights / weights.sum(-1, keepdim=True)
@@ -190,9 +192,20 @@ class MoELayer(nn.Module):
     def shared_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         return None if self.shared_gate_proj is None else (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
 
-    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_w: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_w: torch.Tensor | None = None, *, check_routing: bool = True
+    ) -> torch.Tensor:
+        """The layer's output for ``x`` [..., H]: routed by the built-in router, or by ``topk_idx``
+        [..., k] (int32/int64 expert ids) and ``topk_w`` [..., k] given together. External ids are
+        range-checked with one host read unless ``check_routing=False`` (the caller vouches for
+        them) or under torch.compile / CUDA-graph capture."""
         c = self.config
         check_tensor("x", x, dtypes=(self.gate_proj.dtype,), device=self.gate_proj.device)
+        if x.is_cuda and self.gate_proj.dtype != torch.bfloat16:
+            raise TypeError(
+                f"MoELayer: the fused CUDA path takes bf16 parameters and inputs, this layer's are {self.gate_proj.dtype}; "
+                "construct it with dtype=torch.bfloat16 (the default) or call .bfloat16() on it"
+            )
         if x.dim() < 1 or x.shape[-1] != c.hidden:
             raise ValueError(f"x: expected shape [..., {c.hidden}], got {list(x.shape)}")
         lead = x.shape[:-1]
@@ -203,7 +216,7 @@ class MoELayer(nn.Module):
         if external:
             check_tensor("topk_idx", topk_idx, dtypes=(torch.int32, torch.int64), shape=(*lead, c.topk), device=x.device)
             check_tensor("topk_w", topk_w, dtypes=(torch.float32, torch.bfloat16, torch.float16), shape=(*lead, c.topk), device=x.device)
-            if _may_sync(tokens):  # on the ids as given: an int64 id would wrap in the int32 cast (one host read)
+            if check_routing and _may_sync(tokens):  # on the ids as given: an int64 id would wrap in the int32 cast (one host read)
                 check_index_range("topk_idx", topk_idx, c.num_experts)
             topk_idx = topk_idx.reshape(-1, c.topk).to(torch.int32).contiguous()
             topk_w = topk_w.reshape(-1, c.topk).float().contiguous()

@@ -951,6 +951,7 @@ GRID_SYNC_STREAMS = 64  # word sets per pool: a device's streams (and captured l
 _GRID_SYNC_POOLS: dict[int, list[torch.Tensor]] = {}  # per device, pools of GRID_SYNC_STREAMS sets
 _GRID_SYNC_TAKEN: dict[int, int] = {}  # per device, sets handed out so far
 _GRID_SYNC_SET: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its set (eager launches)
+_GRID_SYNC_CAPTURED: list[torch.Tensor] = []  # sets made inside captures (kept: the graphs point at them)
 _GRID_SYNC_LOCK = threading.Lock()
 
 
@@ -962,7 +963,9 @@ def grid_sync_words(device: torch.device) -> torch.Tensor:
     pools of GRID_SYNC_STREAMS, zeroed when made, which happens outside capture only (the
     device's first use, a warm-up call as capture needs anyway, or when a stream finds every set
     taken) and waits for its zero fill once (a host sync), so a set used on another stream never
-    reads the fill before it lands. A capture that finds no free set raises."""
+    reads the fill before it lands. A capture that finds every pooled set taken (many captured
+    one-launch forwards) makes a set of its own inside the capture: its zero fill is captured too,
+    so every replay starts it from zeros, before the launch that uses it."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     capturing = torch.cuda.is_current_stream_capturing()
@@ -975,12 +978,10 @@ def grid_sync_words(device: torch.device) -> torch.Tensor:
         pools = _GRID_SYNC_POOLS.setdefault(index, [])
         taken = _GRID_SYNC_TAKEN.get(index, 0)
         if taken == len(pools) * GRID_SYNC_STREAMS:
-            if capturing:
-                raise RuntimeError(
-                    f"grid_sync_words: no free barrier words inside CUDA-graph capture ({taken} sets taken); call the "
-                    "one-launch forward once before capturing (a warm-up), or pass "
-                    "grid_sync=torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=...)"
-                )
+            if capturing:  # (no host sync allowed here: a set of this graph's own, zeroed by the graph itself)
+                words = torch.zeros(GRID_SYNC_WORDS, dtype=torch.int32, device=torch.device("cuda", index))
+                _GRID_SYNC_CAPTURED.append(words)
+                return words
             shape = (GRID_SYNC_STREAMS, GRID_SYNC_WORDS)
             pools.append(torch.zeros(shape, dtype=torch.int32, device=torch.device("cuda", index)))
             torch.cuda.synchronize(index)  # (once per pool) the zeros land before any stream reads a set

@@ -67,8 +67,7 @@ def check_index_range(name: str, index: torch.Tensor, upper: int) -> None:
     """
     if index.numel() == 0:
         return
-    lo = int(index.min())
-    hi = int(index.max())
+    lo, hi = torch.stack(torch.aminmax(index)).tolist()  # (one read back, not two)
     if lo < 0 or hi >= upper:
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name}: expected every entry in [0, {upper}), got {bad}")

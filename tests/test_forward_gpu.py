@@ -408,6 +408,33 @@ def test_forward_graph_capture_without_host_sync(opts):
         graph.replay()
 
 
+def test_captures_past_the_pooled_barrier_words_get_words_of_their_own(monkeypatch):
+    """Every pooled set of grid-barrier words taken (as after 64 captured one-launch forwards): a
+    further capture makes a set inside the graph, zeroed by the graph itself, and its replays give
+    the eager bits, replay after replay (no host sync in the capture)."""
+    x, idx, w, experts, shared = layer(512, 512, 256, 16, 4, 256, seed=5)
+    want = moe_forward(x, idx, w, *experts, shared, one_launch=True).out  # (compiles; makes the device's first pool)
+    index = torch.cuda.current_device()
+    monkeypatch.setitem(ops._GRID_SYNC_TAKEN, index, len(ops._GRID_SYNC_POOLS[index]) * ops.GRID_SYNC_STREAMS)
+    out = poisoned(512, 512)
+    made = len(ops._GRID_SYNC_CAPTURED)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+        for graph in graphs:
+            with torch.cuda.graph(graph):
+                moe_forward(x, idx, w, *experts, shared, check_routing=False, out=out, one_launch=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(ops._GRID_SYNC_CAPTURED) == made + 2
+    for graph in graphs * 2:
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 def test_forward_rejects_bad_input():
     x, idx, w, experts, shared = layer(16, 256, 128, 8, 2, 128, seed=4)
     with pytest.raises(TypeError, match="x: expected dtype bfloat16, got float16"):

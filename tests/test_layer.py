@@ -435,3 +435,18 @@ def test_mxfp8_ops_fake_outputs_have_the_bf16_ops_shapes():
         mains = [torch.empty(t.shape) for t in weights]
         added = torch.ops.mok.moe_backward_mxfp8(x, x, idx, w, *weights, *packed[1:], True, mains)
         assert [t.shape for t in added] == [x.shape, w.shape] + [(0,)] * 6
+
+
+def test_external_ids_are_range_checked_unless_the_caller_says_not_to(monkeypatch):
+    """forward(..., check_routing=False) skips the ids' range check (its host read), for callers
+    that vouch for their ids on CUDA; by default each call checks once."""
+    import mok.layer
+
+    calls = []
+    real = mok.layer.check_index_range
+    monkeypatch.setattr(mok.layer, "check_index_range", lambda *a: calls.append(a[0]) or real(*a))
+    layer = small_layer()
+    x, idx, w = torch.randn(4, 64), torch.randint(0, 8, (4, 2)), torch.rand(4, 2)
+    want = layer(x, topk_idx=idx, topk_w=w)
+    assert calls == ["topk_idx"]
+    assert torch.equal(layer(x, topk_idx=idx, topk_w=w, check_routing=False), want) and calls == ["topk_idx"]
