@@ -246,6 +246,7 @@ def _setup_context(ctx, inputs, output):
     ctx.has_shared = shared_gate is not None
     ctx.params = _accumulating_weights(fuse_wgrad, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
     ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule)
+    ctx.mark_non_differentiable(h, shared_h)  # (saved state: a gradient flowing into it would be dropped)
 
 
 def _backward(ctx, d_out, *_unused):

@@ -167,6 +167,7 @@ def _setup_context(ctx, inputs, output):
     ctx.workspace, ctx.timeout_s = workspace, timeout_s
     ctx.params = _accumulating_weights(fuse_wgrad, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
     ctx.save_for_backward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved)
+    ctx.mark_non_differentiable(*(t for t in saved if t.is_floating_point()))  # (saved state: no gradient flows into it)
 
 
 def _backward(ctx, d_out, *_unused):

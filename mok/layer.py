@@ -54,6 +54,11 @@ def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.to(torch.int32), weights / weights.sum(-1, keepdim=True)
 
 
+def _restack_after_load(module: "MoELayer", incompatible_keys) -> None:
+    """load_state_dict's post hook: the shared expert's weights back after the routed experts'."""
+    module._restack_shared()
+
+
 class MoELayer(nn.Module):
     """Mixture-of-Experts SwiGLU MLP on MoK's fused kernels. ``layer(x)`` routes with the built-in
     router; ``layer(x, topk_idx=..., topk_w=...)`` uses the given routing (topk_w then gets the
@@ -142,6 +147,7 @@ class MoELayer(nn.Module):
                 self.register_parameter("shared_down_proj", None)
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.reset_parameters()
+        self.register_load_state_dict_post_hook(_restack_after_load)  # (load_state_dict(..., assign=True) replaces the tensors)
         self._ep_handle = None  # the expert-parallel workspace's handle, once built (mok/ep_ops.py)
         if self.group is not None and self.gate_proj.is_cuda:  # build it now: torch.compile can then trace the first call
             self.workspace()
@@ -150,16 +156,28 @@ class MoELayer(nn.Module):
         """nn.Module._apply (``.to()``, ``.cuda()``, ``.half()``), then the shared expert's weights put
         back after the routed experts' (the conversion gives every parameter its own storage)."""
         super()._apply(fn, *args, **kwargs)
-        if getattr(self, "shared_in_routed", False):  # (a layer pickled by an older MoK has no such attribute)
-            from .fused_forward import shared_expert_as_last
-
-            routed, shared = (self.gate_proj, self.up_proj, self.down_proj), self.shared_weights()
-            if shared_expert_as_last(*routed, shared) is None:
-                with torch.no_grad():
-                    for r, s in zip(routed, shared):
-                        buf = torch.cat([r.data, s.data[None]])
-                        r.data, s.data = buf[: r.shape[0]], buf[r.shape[0]]
+        self._restack_shared()
         return self
+
+    def __setstate__(self, state) -> None:
+        """Unpickling and copy.deepcopy: the layout of the shared expert's weights restored too."""
+        super().__setstate__(state)
+        self._restack_shared()
+
+    def _restack_shared(self) -> None:
+        """Where the shared expert runs in the routed launches, put its weights right after the
+        routed experts' again (one buffer per projection) if a conversion, a copy or an assigning
+        load gave them storages of their own; else every call would copy them together."""
+        if not getattr(self, "shared_in_routed", False):  # (a layer pickled by an older MoK has no such attribute)
+            return
+        from .fused_forward import shared_expert_as_last
+
+        routed, shared = (self.gate_proj, self.up_proj, self.down_proj), self.shared_weights()
+        if shared_expert_as_last(*routed, shared) is None:
+            with torch.no_grad():
+                for r, s in zip(routed, shared):
+                    buf = torch.cat([r.data, s.data[None]])
+                    r.data, s.data = buf[: r.shape[0]], buf[r.shape[0]]
 
     def reset_parameters(self) -> None:
         """Every projection as nn.Linear initialises its weight: U(-1/√fan_in, 1/√fan_in)."""

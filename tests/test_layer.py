@@ -450,3 +450,44 @@ def test_external_ids_are_range_checked_unless_the_caller_says_not_to(monkeypatc
     want = layer(x, topk_idx=idx, topk_w=w)
     assert calls == ["topk_idx"]
     assert torch.equal(layer(x, topk_idx=idx, topk_w=w, check_routing=False), want) and calls == ["topk_idx"]
+
+
+def test_the_forward_ops_saved_state_takes_no_gradient():
+    """mok::moe_forward's h and shared_h are what its backward reads, not outputs to differentiate:
+    marked non-differentiable, so a loss on them raises instead of getting a silently dropped
+    gradient; the output's gradients are unchanged."""
+    x = torch.randn(9, 64, requires_grad=True)
+    idx, w = torch.randint(0, 4, (9, 2), dtype=torch.int32), torch.rand(9, 2, requires_grad=True)
+    gate, down = torch.randn(4, 32, 64, requires_grad=True), torch.randn(4, 64, 32, requires_grad=True)
+    out, h, shared_h, *_ = torch.ops.mok.moe_forward(x, idx, w, gate, gate, down, None, None, None, True)
+    assert out.requires_grad and not h.requires_grad and not shared_h.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        h.float().sum().backward()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "load_assign"])
+def test_copies_and_assigning_loads_keep_the_shared_expert_after_the_routed_ones(how):
+    """A shared expert of the routed experts' shapes lives right after them (one buffer per
+    projection), so the fused path runs it in their launches without copying; a deepcopy, an
+    unpickled layer and load_state_dict(assign=True) keep that layout, and the same values."""
+    import copy
+    import io
+
+    from mok.fused_forward import shared_expert_as_last
+
+    layer = MoELayer(64, 32, 8, 2, shared_intermediate=32, dtype=torch.float32)
+    if how == "deepcopy":
+        other = copy.deepcopy(layer)
+    elif how == "pickle":
+        buf = io.BytesIO()
+        torch.save(layer, buf)
+        buf.seek(0)
+        other = torch.load(buf, weights_only=False)
+    else:
+        other = MoELayer(64, 32, 8, 2, shared_intermediate=32, dtype=torch.float32)
+        other.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()}, assign=True)
+    routed = (other.gate_proj, other.up_proj, other.down_proj)
+    assert shared_expert_as_last(*routed, other.shared_weights()) is not None
+    assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), other.state_dict().values()))
+    x = torch.randn(5, 64)
+    assert torch.equal(other(x), layer(x))
