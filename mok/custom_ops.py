@@ -176,12 +176,14 @@ def moe_backward_op(
     expert_offsets: Tensor,
     expert_counts: Tensor,
     main_grads: list[Tensor],
+    weight_grads: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down).
 
     The shared expert's gradients are empty tensors when there is none. ``main_grads`` (one fp32
     buffer per weight: gate, up, down[, shared gate, up, down], or none): the weight gradients
     are added into them by the weight-gradient GEMMs themselves, and come out as empty tensors.
+    ``weight_grads=False`` (every expert weight frozen): none computed, all six empty.
     """
     from .fused_backward import moe_backward
     from .fused_forward import ForwardResult
@@ -197,23 +199,25 @@ def moe_backward_op(
     saved = ForwardResult(out=None, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
     g = moe_backward(
         dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, grad_dtype=w_gate.dtype,
-        main_grads=tuple(main_grads) or None,
+        main_grads=tuple(main_grads) or None, weight_grads=weight_grads,
     )
     return g.dx, g.d_topk_w, *_weight_grads_out(g, x, len(main_grads) > 0)
 
 
 def _weight_grads_out(g, x: Tensor, added: bool) -> list[Tensor]:
     """The six weight-gradient outputs of a backward op: empty where there is no shared expert, and
-    all empty when they went into main_grad buffers (an output may not alias an input)."""
-    if added:
+    all empty when they went into main_grad buffers (an output may not alias an input) or were not
+    computed (weight_grads=False)."""
+    if added or g.d_w_gate is None:
         return [x.new_empty(0) for _ in range(6)]
     return [g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)])]
 
 
 @moe_backward_op.register_fake
-def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule_and_main_grads):
-    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                                                                               added=len(schedule_and_main_grads[-1]) > 0)
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, row_token, row_slot, slot_row,
+      tile_expert, expert_offsets, expert_counts, main_grads, weight_grads=True):
+    weights = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
+    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, *weights, added=len(main_grads) > 0 or not weight_grads)
 
 
 def _fake_weight_grads(x, *weights, added: bool) -> list[Tensor]:
@@ -222,19 +226,21 @@ def _fake_weight_grads(x, *weights, added: bool) -> list[Tensor]:
 
 
 @moe_backward_op.register_kernel("cpu")
-def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule_and_main_grads):
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, row_token, row_slot, slot_row,
+      tile_expert, expert_offsets, expert_counts, main_grads, weight_grads=True):
     from .reference_backward import moe_backward_reference
 
     _warn_cpu_once()
-    main_grads = schedule_and_main_grads[-1]
     shared = _shared(shared_gate, shared_up, shared_down)
     g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout)
-    weight_grads = (g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ()))
-    for buf, grad in zip(main_grads, weight_grads):
+    if not weight_grads:
+        return g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype), *[x.new_empty(0) for _ in range(6)]
+    grads = (g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ()))
+    for buf, grad in zip(main_grads, grads):
         buf.add_(grad.float())
     if main_grads:
         return g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype), *[x.new_empty(0) for _ in range(6)]
-    outs = [grad.to(w.dtype) for grad, w in zip(weight_grads, (w_gate, w_up, w_down, *(shared or ())))]
+    outs = [grad.to(w.dtype) for grad, w in zip(grads, (w_gate, w_up, w_down, *(shared or ())))]
     return g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype), *outs, *[x.new_empty(0) for _ in range(6 - len(outs))]
 
 
@@ -252,13 +258,23 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::moe_forward: called with save=False, so it kept nothing for the backward")
-    dx, d_topk_w, *weight_grads = moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, _main_grads(ctx))
+    want = _wants_weight_grads(ctx)
+    dx, d_topk_w, *weight_grads = moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, _main_grads(ctx) if want else [], want)
     return dx, None, d_topk_w, *_autograd_weight_grads(ctx, weight_grads), None, None, None, None, None
+
+
+def _wants_weight_grads(ctx) -> bool:
+    """Whether any expert weight (routed or shared: the forward op's inputs 3..8) wants a gradient;
+    with every one frozen the backward runs no weight-gradient GEMM."""
+    return any(ctx.needs_input_grad[3:9])
 
 
 def _autograd_weight_grads(ctx, weight_grads: list) -> list:
     """The six weight gradients autograd gets from a backward op's outputs: those, or what
-    mok/main_grad.py hands out once they went into main_grad; None for an absent shared expert."""
+    mok/main_grad.py hands out once they went into main_grad; None for an absent shared expert,
+    and for all six when none wanted one."""
+    if not _wants_weight_grads(ctx):
+        return [None] * 6
     grads = list(weight_grads) if ctx.params is None else _after_accumulation(ctx)
     return grads if ctx.has_shared else grads[:3] + [None] * 3
 

@@ -59,12 +59,15 @@ def ep_moe_backward(
     grad_dtype: torch.dtype = torch.bfloat16,
     main_grads: tuple | None = None,
     timeout_s: float = 5.0,
+    weight_grads: bool = True,
 ) -> Gradients:
     """This rank's gradients for ``dout`` [T_r, H] bf16: dx [T_r, H], d_topk_w [T_r, k] fp32,
     the weight gradients of this rank's experts (and of the shared expert over this rank's
     tokens) in ``grad_dtype``. ``saved``: this rank's ``ep_moe_forward_saved`` of the same
     inputs. ``main_grads``: as in :func:`mok.fused_backward.moe_backward` (fp32 buffers shaped
-    like this rank's weights, the gradients added into them). Every rank of the workspace must
+    like this rank's weights, the gradients added into them); ``weight_grads=False`` (frozen
+    experts): dx and d_topk_w only, no weight-gradient GEMM (ranks may differ in it: it exchanges
+    nothing). Every rank of the workspace must
     make the same sequence of calls, each ordered after the previous one on the GPU (one stream,
     or the caller's events between streams).
     """
@@ -78,6 +81,8 @@ def ep_moe_backward(
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
+    if main_grads is not None and not weight_grads:
+        raise ValueError("main_grads: given with weight_grads=False (nothing would be added into them)")
     check_timeout(timeout_s)
     _check_saved_matches(saved, ws, num_tokens, hidden, num_local, topk, x.device)
     saved = unpack_saved(saved, w_gate.shape[1], None if shared is None else shared[0].shape[0])  # (an MXFP8 h back to bf16)
@@ -100,11 +105,15 @@ def ep_moe_backward(
     announce_pushed(ws, k, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)
 
     offsets, counts = sched.expert_offsets, sched.expert_counts  # (while the peers push)
-    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
-    d_gate, d_up = _gate_up_grad(dh, saved.x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
+    d_gate = d_up = d_down = None
+    if weight_grads:  # (local work: the exchanges are the same either way)
+        d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
+        d_gate, d_up = _gate_up_grad(dh, saved.x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
     dx_shared = d_shared = None
     if shared is not None:
-        dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])
+        dx_shared, d_shared = _shared_backward(
+            x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:], weight_grads
+        )
     wait_pushed(ws, k, timeout_s, stream)
 
     d_topk_w = _owned_router_grads(ws, topk_idx, num_local, num_tokens)

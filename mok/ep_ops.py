@@ -22,7 +22,8 @@ from torch import Tensor
 
 from .config import check_saved_h_format
 from .custom_ops import (
-    BLOCK_M, _accumulating_weights, _autograd_weight_grads, _fake_weight_grads, _main_grads, _shared, _weight_grads_out,
+    BLOCK_M, _accumulating_weights, _autograd_weight_grads, _fake_weight_grads, _main_grads, _shared, _wants_weight_grads,
+    _weight_grads_out,
 )
 from .saved_mxfp8 import empty_saved_h, pack_saved
 
@@ -133,10 +134,11 @@ def ep_moe_backward_op(
     workspace: int,
     timeout_s: float,
     main_grads: list[Tensor],
+    weight_grads: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down); see
     :func:`mok.ep_backward.ep_moe_backward`. The shared expert's are empty when there is none;
-    ``main_grads``: as in mok::moe_backward."""
+    ``main_grads`` and ``weight_grads``: as in mok::moe_backward."""
     from .ep import EPForwardResult
     from .ep_backward import ep_moe_backward
     from .schedule import Schedule
@@ -148,15 +150,16 @@ def ep_moe_backward_op(
     saved = EPForwardResult(None, sched, x_rows, h, shared_h if shared is not None else None, routing)
     g = ep_moe_backward(
         ws, dout.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved,
-        grad_dtype=w_gate.dtype, timeout_s=timeout_s, main_grads=tuple(main_grads) or None,
+        grad_dtype=w_gate.dtype, timeout_s=timeout_s, main_grads=tuple(main_grads) or None, weight_grads=weight_grads,
     )
     return g.dx, g.d_topk_w, *_weight_grads_out(g, x, len(main_grads) > 0)
 
 
 @ep_moe_backward_op.register_fake
-def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, *saved_and_args):
-    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                                                                               added=len(saved_and_args[-1]) > 0)
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, x_rows, h, shared_h, routing, counts,
+      offsets, row_token, row_slot, slot_row, tile_expert, overflow, workspace, timeout_s, main_grads, weight_grads=True):
+    weights = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
+    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, *weights, added=len(main_grads) > 0 or not weight_grads)
 
 
 def _setup_context(ctx, inputs, output):
@@ -173,7 +176,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::ep_moe_forward: called with save=False, so it kept nothing for the backward")
-    dx, d_topk_w, *weight_grads = ep_moe_backward_op(d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s, _main_grads(ctx))
+    want = _wants_weight_grads(ctx)
+    dx, d_topk_w, *weight_grads = ep_moe_backward_op(
+        d_out.contiguous(), *ctx.saved_tensors, ctx.workspace, ctx.timeout_s, _main_grads(ctx) if want else [], want
+    )
     return dx, None, d_topk_w, *_autograd_weight_grads(ctx, weight_grads), None, None, None, None, None, None, None
 
 

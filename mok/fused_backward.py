@@ -35,14 +35,15 @@ from .schedule import check_schedule, shared_prefix_rows
 from .validation import check_main_grads, check_moe_inputs, check_tensor
 
 
-def _shared_backward(x, dout, shared, shared_h, dtype, main_grads):
-    """dx, dW_gate, dW_up, dW_down of the shared expert (one expert over every token, s = 1)."""
+def _shared_backward(x, dout, shared, shared_h, dtype, main_grads, weight_grads=True):
+    """dx, (dW_gate, dW_up, dW_down) of the shared expert (one expert over every token, s = 1); the
+    weight gradients None unless ``weight_grads``."""
     num_tokens = x.shape[0]
     tiles = single_expert_tiles(num_tokens, x.device)
     w_gate, w_up, w_down = shared
     dh, a, _ = grad_ops.swiglu_backward_gemm(dout, w_down[None], tiles, shared_h)
     dx = ops.grouped_gemm(dh, w_gate[None], tiles, b2=w_up[None], b_major="n", k_split=True)
-    return dx, _shared_weight_grads(dout, a, dh, x, dtype, main_grads)
+    return dx, (_shared_weight_grads(dout, a, dh, x, dtype, main_grads) if weight_grads else None)
 
 
 def _shared_weight_grads(dout, a, dh, x, dtype, main_grads):
@@ -81,6 +82,7 @@ def moe_backward(
     *,
     grad_dtype: torch.dtype = torch.bfloat16,
     main_grads: tuple | None = None,
+    weight_grads: bool = True,
 ) -> Gradients:
     """All gradients of the layer for ``dout`` [T, H] bf16, after ``moe_forward(..., save_for_backward=True)``.
 
@@ -88,7 +90,8 @@ def moe_backward(
     weight gradients in ``grad_dtype`` (bf16 or fp32). ``main_grads``, if given, is
     (d_w_gate, d_w_up, d_w_down[, shared_gate, shared_up, shared_down]) fp32 buffers shaped
     like the weights; the weight gradients are added into them (Megatron's main_grad) and
-    returned.
+    returned. ``weight_grads=False`` (frozen experts): dx and d_topk_w only, the weight-gradient
+    GEMMs not run (the weight gradients None).
     """
     num_tokens, hidden, inter, num_experts, _ = check_moe_inputs(
         x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
@@ -102,6 +105,8 @@ def moe_backward(
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
+    if main_grads is not None and not weight_grads:
+        raise ValueError("main_grads: given with weight_grads=False (nothing would be added into them)")
     sched = check_schedule(
         "saved.schedule", saved.schedule, num_tokens=num_tokens, topk=topk_idx.shape[1], num_experts=num_experts, device=x.device
     )
@@ -120,24 +125,32 @@ def moe_backward(
     weights = (w_gate, w_up, w_down)
     if sched.shared_rows:  # the forward ran the shared expert as expert E, its rows first
         weights = stacked_weights(w_gate, w_up, w_down, shared)
-    dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
+    if weight_grads:
+        dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
+    else:
+        dout_rows, x_rows = ops.gather_rows(dout, sched.row_token), None
     dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
         dout_rows, weights[2], sched.tile_expert, saved.h, row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w
     )
     dx_rows = ops.grouped_gemm(dh, weights[0], sched.tile_expert, b2=weights[1], b_major="n", k_split=True)
     offsets, counts = sched.expert_offsets, sched.expert_counts
-    d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
-    d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
+    d_gate = d_up = d_down = None
+    if weight_grads:
+        d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
+        d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
 
     dx_shared = d_shared = None
     if sched.shared_rows:  # its dx rows, and its weight gradients from its rows (views [:T]: what _shared_backward reads)
         dx_shared = dx_rows[:num_tokens]
         rows = slice(0, num_tokens)
-        d_shared = _shared_weight_grads(
-            dout_rows[rows], a_scaled[rows], dh[rows], x_rows[rows], grad_dtype, None if main_grads is None else main_grads[3:]
-        )
+        if weight_grads:
+            d_shared = _shared_weight_grads(
+                dout_rows[rows], a_scaled[rows], dh[rows], x_rows[rows], grad_dtype, None if main_grads is None else main_grads[3:]
+            )
     elif shared is not None:
-        dx_shared, d_shared = _shared_backward(x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:])
+        dx_shared, d_shared = _shared_backward(
+            x, dout, shared, saved.shared_h, grad_dtype, None if main_grads is None else main_grads[3:], weight_grads
+        )
     d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
     dx = ops.combine(  # unweighted (s is already inside dh), and d_topk_w from the SwiGLU backward's pieces
         dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w)

@@ -52,13 +52,15 @@ def mxfp8_moe_backward(
     wgrad_format: str = "mxfp8",
     emulate: bool = False,
     main_grads: tuple | None = None,
+    weight_grads: bool = True,
 ) -> Gradients:
     """All gradients of the layer for ``dout`` [T, H] bf16 (module docstring), after
     ``mxfp8_moe_forward(..., save_for_backward=True)``. ``weights_t``: the expert weights from
     ``quantize_expert_weights(w_gate, w_up, w_down, transposed=True)``. Returns
     mok.reference_backward.Gradients: dx [T, H] bf16, d_topk_w [T, k] fp32, weight gradients in
     ``grad_dtype`` (bf16 or fp32), or, with ``main_grads`` (one fp32 buffer per weight: gate, up,
-    down[, shared gate, up, down]), added into those and returned as them."""
+    down[, shared gate, up, down]), added into those and returned as them; ``weight_grads=False``
+    (frozen experts): dx and d_topk_w only (the weight gradients None)."""
     if not isinstance(weights_t, Mxfp8ExpertWeights) or not weights_t.transposed:
         got = "the forward's copies (transposed=False)" if isinstance(weights_t, Mxfp8ExpertWeights) else type(weights_t).__name__
         raise TypeError(f"weights_t: expected Mxfp8ExpertWeights (quantize_expert_weights(..., transposed=True)), got {got}")
@@ -77,6 +79,8 @@ def mxfp8_moe_backward(
     if wgrad_format not in ("mxfp8", "bf16"):
         raise ValueError(f"wgrad_format: expected 'mxfp8' or 'bf16', got {wgrad_format!r}")
     check_main_grads(main_grads, forward_shapes, None if shared is None else tuple(shared))
+    if main_grads is not None and not weight_grads:
+        raise ValueError("main_grads: given with weight_grads=False (nothing would be added into them)")
     if not isinstance(saved, ForwardResult) or saved.h is None or (shared is not None and saved.shared_h is None):
         raise ValueError("saved: expected the ForwardResult of mxfp8_moe_forward(..., save_for_backward=True)")
     sched = check_schedule(
@@ -100,7 +104,10 @@ def mxfp8_moe_backward(
     dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
     dx_rows = mxfp8_grouped_gemm(dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True, emulate=emulate)
     offsets, counts = sched.expert_offsets, sched.expert_counts
-    if wgrad_format == "bf16":
+    d_gate = d_up = d_down = None
+    if not weight_grads:
+        pass
+    elif wgrad_format == "bf16":
         d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
         d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
     else:
@@ -117,7 +124,7 @@ def mxfp8_moe_backward(
     dx_shared = d_shared = None
     if shared is not None:
         shared_mains = None if main_grads is None else main_grads[3:]
-        dx_shared, d_shared = _shared_backward(x, dout, tuple(shared), saved.shared_h, grad_dtype, shared_mains)
+        dx_shared, d_shared = _shared_backward(x, dout, tuple(shared), saved.shared_h, grad_dtype, shared_mains, weight_grads)
     d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
     dx = ops.combine(dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w))
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)

@@ -21,7 +21,7 @@ from torch import Tensor
 from .config import check_saved_h_format
 from .custom_ops import (
     BLOCK_M, _accumulating_weights, _autograd_weight_grads, _fake_weight_grads, _forward_shapes, _main_grads, _shared,
-    _weight_grads_out, fake_forward,
+    _wants_weight_grads, _weight_grads_out, fake_forward,
 )
 from .saved_mxfp8 import empty_saved_h
 
@@ -92,10 +92,11 @@ def moe_backward_mxfp8_op(
     expert_counts: Tensor,
     emulate: bool,
     main_grads: list[Tensor],
+    weight_grads: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down); the
     shared expert's are empty tensors when there is none, and all six are when they were added into
-    ``main_grads`` (one fp32 buffer per weight, or none)."""
+    ``main_grads`` (one fp32 buffer per weight, or none) or not computed (``weight_grads=False``)."""
     from .fused_forward import ForwardResult
     from .mxfp8_backward import mxfp8_moe_backward
     from .mxfp8_forward import quantize_expert_weights
@@ -107,15 +108,16 @@ def moe_backward_mxfp8_op(
     saved = ForwardResult(out=None, schedule=sched, h=h, shared_h=shared_h if shared is not None else None)
     g = mxfp8_moe_backward(
         dout.contiguous(), x, topk_idx, topk_w, quantize_expert_weights(w_gate, w_up, w_down, transposed=True), shared, saved,
-        grad_dtype=w_gate.dtype, emulate=emulate, main_grads=tuple(main_grads) or None,
+        grad_dtype=w_gate.dtype, emulate=emulate, main_grads=tuple(main_grads) or None, weight_grads=weight_grads,
     )
     return g.dx, g.d_topk_w, *_weight_grads_out(g, x, len(main_grads) > 0)
 
 
 @moe_backward_mxfp8_op.register_fake
-def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, *schedule_emulate_main_grads):
+def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, h, shared_h, row_token, row_slot, slot_row,
+      tile_expert, expert_offsets, expert_counts, emulate, main_grads, weight_grads=True):
     weights = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
-    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, *weights, added=len(schedule_emulate_main_grads[-1]) > 0)
+    return torch.empty_like(x), torch.empty_like(topk_w), *_fake_weight_grads(x, *weights, added=len(main_grads) > 0 or not weight_grads)
 
 
 def _setup_context(ctx, inputs, output):
@@ -130,7 +132,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::moe_forward_mxfp8: called with save=False, so it kept nothing for the backward")
-    dx, d_topk_w, *weight_grads = moe_backward_mxfp8_op(d_out.contiguous(), *ctx.saved_tensors, ctx.emulate, _main_grads(ctx))
+    want = _wants_weight_grads(ctx)
+    dx, d_topk_w, *weight_grads = moe_backward_mxfp8_op(
+        d_out.contiguous(), *ctx.saved_tensors, ctx.emulate, _main_grads(ctx) if want else [], want
+    )
     return dx, None, d_topk_w, *_autograd_weight_grads(ctx, weight_grads), None, None, None, None
 
 

@@ -491,3 +491,35 @@ def test_copies_and_assigning_loads_keep_the_shared_expert_after_the_routed_ones
     assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), other.state_dict().values()))
     x = torch.randn(5, 64)
     assert torch.equal(other(x), layer(x))
+
+
+def test_frozen_experts_get_no_weight_gradient_computed():
+    """With every expert weight frozen (fine-tuning the router, say) the backward op is told so and
+    runs no weight-gradient work: its six weight outputs empty, autograd gets None for them; x's
+    and the router's gradients those of the layer that trains everything."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "moe_backward" in str(func):
+                self.calls.append((args[-1], [tuple(t.shape) for t in out[2:]]))
+            return out
+
+    plain, frozen = small_layer(), small_layer()
+    experts = [frozen.gate_proj, frozen.up_proj, frozen.down_proj, *frozen.shared_weights()]
+    for p in experts:
+        p.requires_grad_(False)
+    x = torch.randn(7, 64)
+    xp, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain(xp).square().sum().backward()
+    with Record() as rec:
+        frozen(xf).square().sum().backward()
+    assert rec.calls == [(False, [(0,)] * 6)]
+    assert all(p.grad is None for p in experts)
+    torch.testing.assert_close(xf.grad, xp.grad)
+    torch.testing.assert_close(frozen.router.weight.grad, plain.router.weight.grad)

@@ -187,3 +187,23 @@ def test_fused_wgrad_accumulation_adds_the_gradients_into_main_grad_deterministi
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     for added, s, want in zip(runs[0], start, plain[3:]):
         assert rel_err((added - s).cpu(), want.float().cpu()) <= 4e-3
+
+
+def test_frozen_experts_backward_gives_the_same_dx_and_router_gradient_bitwise():
+    """Every expert weight frozen: the backward skips the weight-gradient GEMMs (and the x rows'
+    gather), and x's and the router's gradients are the bits of the layer that trains everything."""
+    plain = make_layer()
+    frozen = make_layer()
+    frozen.load_state_dict(plain.state_dict())
+    for name, p in frozen.named_parameters():
+        if not name.startswith("router"):
+            p.requires_grad_(False)
+    x = torch.randn(700, 512, device="cuda").bfloat16()
+    dout = torch.randn(700, 512, device="cuda").bfloat16()
+    grads = []
+    for layer in (plain, frozen):
+        xg = x.clone().requires_grad_()
+        layer(xg).backward(dout)
+        grads.append((xg.grad, layer.router.weight.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert all(p.grad is None for name, p in frozen.named_parameters() if not name.startswith("router"))
