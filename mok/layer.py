@@ -8,7 +8,8 @@ Parameters are named as Hugging Face MoE models name them, so checkpoints map ov
 Where it runs:
 - CUDA on Hopper: the custom op ``mok::moe_forward`` (MoK's fused kernels) and its backward;
   another GPU arch raises an error naming the supported ones. External expert ids are
-  range-checked (one host read) except under torch.compile or CUDA-graph capture.
+  range-checked (one host read) except under torch.compile or CUDA-graph capture, or with
+  ``layer(x, topk_idx=..., topk_w=..., check_routing=False)``.
 - CPU: the same op's reference implementation (one warning), so model code runs in CPU tests.
 - ``group`` with more than one rank (one process per rank): on CUDA, MoK's expert-parallel
   path (mok/ep.py, mok/ep_backward.py) over a symmetric workspace shared by every MoELayer of
