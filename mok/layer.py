@@ -160,6 +160,15 @@ class MoELayer(nn.Module):
         self._restack_shared()
         return self
 
+    def __deepcopy__(self, memo: dict) -> "MoELayer":
+        """copy.deepcopy (an EMA or reference copy of a model): parameters and buffers copied, the
+        process group shared (a group cannot be copied; the copy's calls are collectives on it too)."""
+        import copy
+
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+
     def __setstate__(self, state) -> None:
         """Unpickling and copy.deepcopy: the layout of the shared expert's weights restored too."""
         super().__setstate__(state)

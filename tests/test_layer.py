@@ -523,3 +523,23 @@ def test_frozen_experts_get_no_weight_gradient_computed():
     assert all(p.grad is None for p in experts)
     torch.testing.assert_close(xf.grad, xp.grad)
     torch.testing.assert_close(frozen.router.weight.grad, plain.router.weight.grad)
+
+
+def _deepcopy_expert_parallel_layer(rank):
+    import copy
+
+    import torch.distributed as dist
+
+    torch.manual_seed(4)
+    layer = MoELayer(64, 32, 8, 2, group=dist.group.WORLD, max_tokens=8, dtype=torch.float32)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(rank))
+    shared = twin.group is layer.group and twin.gate_proj.data_ptr() != layer.gate_proj.data_ptr()
+    raise ValueError(f"shared group, own weights: {shared}; same output: {torch.equal(twin(x), layer(x))}")
+
+
+def test_an_expert_parallel_layer_can_be_deepcopied(tmp_path):
+    """copy.deepcopy of a layer with a process group (an EMA copy, say): the group is shared, the
+    weights copied, and the copy computes what the original does (its calls collectives too)."""
+    for msg in value_errors_on_two_ranks(tmp_path, _deepcopy_expert_parallel_layer):
+        assert msg == "shared group, own weights: True; same output: True", msg
