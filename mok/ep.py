@@ -126,7 +126,8 @@ def workspace_by_handle(handle: int) -> "EPWorkspace":
     return ws
 
 
-REBUILD = "rebuild the workspace: close() it on every rank; the next call builds a new one."  # (the error records' advice)
+REBUILD = ("rebuild the workspace: close() it on every rank; the next call builds a new one (of a torch.compile'd "
+           "MoELayer: call layer.workspace() eagerly first).")  # (the error records' advice)
 
 
 class EPWorkspace:
@@ -259,14 +260,14 @@ class EPWorkspace:
         if code:
             raise RuntimeError(
                 f"MoK expert parallelism: rank {self.rank} timed out in phase {PHASES.get(a, a)} waiting for "
-                f"rank {b} (epoch {c}); the peer did not reach the same call. {REBUILD.capitalize()}"
+                f"rank {b} (epoch {c}); the peer did not reach the same call. {REBUILD[0].upper() + REBUILD[1:]}"
             )
         if grid_timeouts:
             raise RuntimeError(
                 f"MoK expert parallelism: a wait of rank {self.rank}'s kernels on their own work timed out {grid_timeouts} "
                 "time(s): a one-launch forward's grid barrier or an fc2 tile's wait for its rows (its CTAs were not all "
                 "resident at once, e.g. other kernels held SMs), or overlap_dispatch's wait for a row tile's copy; those "
-                f"outputs are wrong. {REBUILD.capitalize()}"
+                f"outputs are wrong. {REBUILD[0].upper() + REBUILD[1:]}"
             )
 
     def raise_pending(self) -> None:
@@ -419,7 +420,10 @@ def check_ep_inputs(ws: EPWorkspace, x, topk_idx, topk_w, w_gate, w_up, w_down, 
         if not has_persistent_gemms(arch):
             raise NotImplementedError(f"expert parallelism: not on {arch} yet (its exchanges run in Hopper's persistent GEMMs)")
     if ws.closed:
-        raise RuntimeError("workspace: its symmetric memory was closed (close()); build a new one (mok.get_workspace)")
+        raise RuntimeError(
+            "workspace: its symmetric memory was closed (close()); build a new one (mok.get_workspace; a MoELayer does so on "
+            "its next eager call, or, compiled, on layer.workspace())"
+        )
     return num_tokens, hidden, num_local, topk
 
 
