@@ -104,13 +104,11 @@ def mxfp8_moe_backward(
     dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
     dx_rows = mxfp8_grouped_gemm(dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True, emulate=emulate)
     offsets, counts = sched.expert_offsets, sched.expert_counts
-    d_gate = d_up = d_down = None
-    if not weight_grads:
-        pass
-    elif wgrad_format == "bf16":
+    d_gate = d_up = d_down = None  # (stay None with weight_grads=False)
+    if weight_grads and wgrad_format == "bf16":
         d_down = _weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
         d_gate, d_up = _gate_up_grad(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
-    else:
+    elif weight_grads:
         columns = [ops.quantize_mxfp8_columns(t, rows_used=used, scale_order="mma") for t in (dout_rows, a_scaled, dh, x_rows)]
         if emulate:
             columns = [dequantized_columns(q) for q in columns]
