@@ -375,9 +375,9 @@ def ep_moe_forward(
     ids, topk_w [T_r, k] fp32, this rank's expert weights (and the replicated shared expert).
     The ids are not range-checked here (that reads the device back; mok.api.forward and
     mok.MoELayer check them): an id outside [0, E) reaches no rank, and its slot keeps whatever an
-    earlier call left there. Every rank of the workspace must make the same sequence of calls, each ordered after the
-    previous one on the GPU (one stream, or the caller's events between streams: the calls share
-    the workspace's regions and epoch). ``fused_dispatch``: the
+    earlier call left there. Every rank of the workspace must make the same sequence of calls,
+    each ordered after the previous one on the GPU (one stream, or the caller's events between
+    streams: the calls share the workspace's regions and epoch). ``fused_dispatch``: the
     gate/up GEMM pulls its rows from the peers itself (no dispatch kernel, no x_rows buffer).
     ``overlap_dispatch``: the gate/up GEMM's idle producer warps copy the rows into x_rows row
     tile by row tile while its tiles run, each tile waiting for its rows (no dispatch kernel; a

@@ -67,9 +67,8 @@ def ep_moe_backward(
     inputs. ``main_grads``: as in :func:`mok.fused_backward.moe_backward` (fp32 buffers shaped
     like this rank's weights, the gradients added into them); ``weight_grads=False`` (frozen
     experts): dx and d_topk_w only, no weight-gradient GEMM (ranks may differ in it: it exchanges
-    nothing). Every rank of the workspace must
-    make the same sequence of calls, each ordered after the previous one on the GPU (one stream,
-    or the caller's events between streams).
+    nothing). Every rank of the workspace must make the same sequence of calls, each ordered after
+    the previous one on the GPU (one stream, or the caller's events between streams).
     """
     num_tokens, hidden, num_local, topk = check_ep_inputs(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
