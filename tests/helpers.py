@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -366,3 +368,24 @@ def check_mxfp8_main_grads_and_packed_h(emulate, wgrad_format):
     got, want = backward(packed), backward(rounded)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not all(torch.equal(a, b) for a, b in zip(got, backward(saved)))  # (the rounding does reach the gradients)
+
+
+@contextlib.contextmanager
+def recorded_lookups():
+    """The kernels the default cache is asked for inside the block, as (name, sorted config items)
+    (the cache's own lookup, recorded; the GPU synchronised before the block ends)."""
+    from mok.runtime.cache import default_cache
+
+    cache, looked_up = default_cache(), set()
+    lookup = cache.loaded
+
+    def recording(name, config, arch):
+        looked_up.add((name, tuple(sorted(config.items()))))
+        return lookup(name, config, arch)
+
+    cache.loaded = recording
+    try:
+        yield looked_up
+        torch.cuda.synchronize()
+    finally:
+        del cache.loaded

@@ -485,24 +485,13 @@ def test_precompiled_variants_are_the_ones_a_training_step_launches():
     in the list — ping-pong weight gradients — would otherwise compile on the first step)."""
     from mok.config import MoKConfig
     from mok.kernels import variants_for
-    from mok.runtime.cache import default_cache
 
-    cache = default_cache()
-    looked_up = set()
-    lookup = cache.loaded
-
-    def recording(name, config, arch):
-        looked_up.add((name, tuple(sorted(config.items()))))
-        return lookup(name, config, arch)
+    from helpers import recorded_lookups
 
     x, idx, w, experts, shared = gpu_layer(300, 512, 256, 8, 4, 256, seed=29)
-    cache.loaded = recording  # (the cache's own lookup, recorded)
-    try:
+    with recorded_lookups() as looked_up:
         saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
         moe_backward(torch.randn_like(x), x, idx, w, *experts, shared, saved)
-        torch.cuda.synchronize()
-    finally:
-        del cache.loaded
     listed = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(512, 256, 8, 4, shared_intermediate=256))}
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)
 
@@ -524,7 +513,8 @@ def test_the_one_tile_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, 
     whatever the GEMMs underneath, and it looks up only kernels `precompile --arch sm_100a` builds."""
     from mok.config import MoKConfig
     from mok.kernels import variants_for
-    from mok.runtime.cache import default_cache
+
+    from helpers import recorded_lookups
 
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 3, routing=routing)
     dout = torch.randn_like(x)
@@ -537,20 +527,9 @@ def test_the_one_tile_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, 
         return [out, *flat(got), plain[0], *flat(plain[1])]
 
     want = run()
-    cache, looked_up = default_cache(), set()
-    lookup = cache.loaded
-
-    def recording(name, config, arch):
-        looked_up.add((name, tuple(sorted(config.items()))))
-        return lookup(name, config, arch)
-
     take_the_one_tile_path(monkeypatch)
-    cache.loaded = recording
-    try:
+    with recorded_lookups() as looked_up:
         got = run()
-        torch.cuda.synchronize()
-    finally:
-        del cache.loaded
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     configs = [MoKConfig(H, I, E, k, shared_intermediate=shared_inter, fuse_wgrad_accumulation=fuse) for fuse in (False, True)]
     listed = {(v.name, tuple(sorted(v.config.items()))) for c in configs for v in variants_for(c, "sm_100a")}

@@ -392,7 +392,8 @@ def test_precompile_lists_every_kernel_the_emulated_mxfp8_layer_looks_up(fuse, s
     mxfp8_emulated` builds) names every kernel variant its forward and backward look up."""
     from mok.kernels import variants_for
     from mok.layer import MoELayer
-    from mok.runtime.cache import default_cache
+
+    from helpers import recorded_lookups
 
     torch.manual_seed(11)
     layer = MoELayer(512, 256, 8, 2, shared_intermediate=384, device="cuda", precision="mxfp8_emulated",
@@ -400,19 +401,8 @@ def test_precompile_lists_every_kernel_the_emulated_mxfp8_layer_looks_up(fuse, s
     if fuse:
         for p in layer.parameters():
             p.main_grad = torch.zeros(p.shape, device="cuda")
-    cache, looked_up = default_cache(), set()
-    lookup = cache.loaded
-
-    def recording(name, config, arch):
-        looked_up.add((name, tuple(sorted(config.items()))))
-        return lookup(name, config, arch)
-
-    cache.loaded = recording
-    try:
+    with recorded_lookups() as looked_up:
         x = torch.randn(300, 512, device="cuda").bfloat16().requires_grad_()
         layer(x).float().square().sum().backward()
-        torch.cuda.synchronize()
-    finally:
-        del cache.loaded
     listed = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(layer.config)}
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)
