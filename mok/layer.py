@@ -4,6 +4,8 @@ Parameters are named as Hugging Face MoE models name them, so checkpoints map ov
 ``gate_proj``/``up_proj`` [E_local, I, H], ``down_proj`` [E_local, H, I], ``shared_gate_proj``/
 ``shared_up_proj`` [I_s, H], ``shared_down_proj`` [H, I_s], and the router ``router``
 (``nn.Linear(H, E, bias=False)``: softmax over all E, top-k, weights renormalised over the k).
+On CUDA its logits and their gradients run on MoK's GEMMs (mok/router.py), whose bits do not
+depend on the token count, so a token's routing is batch- and EP-invariant as its experts' work is.
 
 Where it runs:
 - CUDA on Hopper: the custom op ``mok::moe_forward`` (MoK's fused kernels) and its backward;
@@ -34,6 +36,7 @@ from torch import nn
 
 from . import custom_ops, ep_ops, mxfp8_ops  # noqa: F401  (register mok::moe_forward / moe_backward, the ep_ and _mxfp8 twins)
 from .config import MoKConfig
+from .router import router_logits
 from .validation import check_capacity_factor, check_index_range, check_tensor, check_timeout
 
 _EP_WARNED = False
@@ -48,8 +51,8 @@ def _may_sync(x: torch.Tensor) -> bool:
 
 def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in fp32, top-k, weights renormalised to sum to 1: (topk_idx int32, topk_w fp32).
-    (The logits are the built-in router's nn.Linear, PyTorch's GEMM: unlike MoK's kernels its bits
-    may depend on the number of tokens, so batch invariance holds given the routing.)"""
+    (On CUDA the built-in router's logits come from MoK's GEMMs, mok/router.py: a token's routing
+    does not depend on the rest of the batch.)"""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, idx = probs.topk(topk, dim=-1)
     return idx.to(torch.int32), weights / weights.sum(-1, keepdim=True)
@@ -217,6 +220,15 @@ class MoELayer(nn.Module):
         self._ep_handle = ws.handle
         return ws
 
+    def _router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The built-in router's logits: on MoK's batch-invariant GEMMs (mok/router.py) while
+        ``self.router`` is the bias-free ``nn.Linear`` it was built as, without hooks; a router
+        module replaced or hooked by the user is called as it is."""
+        r = self.router
+        if type(r) is nn.Linear and r.bias is None and not (r._forward_hooks or r._forward_pre_hooks):
+            return router_logits(tokens, r.weight)
+        return r(tokens)
+
     def shared_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         return None if self.shared_gate_proj is None else (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
 
@@ -249,7 +261,7 @@ class MoELayer(nn.Module):
             topk_idx = topk_idx.reshape(-1, c.topk).to(torch.int32).contiguous()
             topk_w = topk_w.reshape(-1, c.topk).float().contiguous()
         else:
-            topk_idx, topk_w = route(self.router(tokens), c.topk)
+            topk_idx, topk_w = route(self._router_logits(tokens), c.topk)
         if self.group is not None and tokens.shape[0] > self.max_tokens:
             raise ValueError(f"x: expected at most max_tokens={self.max_tokens} tokens per rank and call, got {tokens.shape[0]}")
         if self.group is not None and tokens.is_cuda:

@@ -543,3 +543,17 @@ def test_an_expert_parallel_layer_can_be_deepcopied(tmp_path):
     weights copied, and the copy computes what the original does (its calls collectives too)."""
     for msg in value_errors_on_two_ranks(tmp_path, _deepcopy_expert_parallel_layer):
         assert msg == "shared group, own weights: True; same output: True", msg
+
+
+def test_router_logits_off_the_gpu_are_f_linear_and_bad_shapes_are_named():
+    """mok.router.router_logits: on the CPU (and for dtypes other than bf16) exactly F.linear;
+    a weight of the wrong width or dtype is refused with the expected shape or dtype named."""
+    from mok.router import padded_experts, router_logits
+
+    x, w = torch.randn(33, 256), torch.randn(24, 256)
+    assert torch.equal(router_logits(x, w), torch.nn.functional.linear(x, w))
+    assert [padded_experts(e) for e in (1, 128, 129, 256)] == [128, 128, 256, 256]
+    with pytest.raises(ValueError, match=r"expected \[E, 256\]"):
+        router_logits(x, torch.randn(24, 128))
+    with pytest.raises(TypeError, match="router weight: expected dtype float32"):
+        router_logits(x, w.bfloat16())

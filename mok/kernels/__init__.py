@@ -434,6 +434,20 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
     return KernelVariant("router_grad", {"topk": topk, "parts": parts}, build)
 
 
+ROUTER_LOGITS_TILE_N = 128  # the router logits' column tile: a narrow output (E columns) gets twice the CTAs of 256-wide tiles
+
+
+def router_variants(hidden: int, num_experts: int, persistent: bool = True) -> list[KernelVariant]:
+    """The built-in router's GEMMs (mok/router.py), experts padded to a multiple of 128: the
+    logits, their dx (B read [K, N]) and the router weight's gradient (bf16)."""
+    experts = -(-num_experts // 128) * 128
+    return [
+        grouped_gemm_variant(experts, hidden, epilogue="plain", tile_n=ROUTER_LOGITS_TILE_N, persistent=persistent),
+        grouped_gemm_variant(hidden, experts, epilogue="plain", b_major="n", persistent=persistent),
+        weight_grad_variant(experts, hidden, "bf16", False, a_stride=experts, persistent=persistent),
+    ]
+
+
 def expert_mlp_variants(
     hidden: int, inter: int, topk: int, shared: bool = False, has_shared_expert: bool = False, main_grads: bool = False,
     persistent: bool = True,
@@ -482,8 +496,8 @@ def check_tiled_widths(name: str, widths: Mapping[str, int]) -> None:
 
 
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:
-    """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward:
-    bf16 weight gradients, or fp32 ones added into main_grad buffers with ``fuse_wgrad_accumulation``).
+    """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward,
+    the built-in router's GEMMs included: bf16 weight gradients, or fp32 ones added into main_grad buffers with ``fuse_wgrad_accumulation``).
     On sm_100a / sm_103a the layer's GEMMs exist for one GPU without ``one_launch`` (one tile per
     CTA), the MXFP8 path's GEMMs with ``precision="mxfp8"`` (mok.mxfp8_forward, mok.mxfp8_backward);
     other configurations list the arch-neutral kernels only there (:func:`unsupported_on` says why
@@ -519,6 +533,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
     if config.precision == "mxfp8_emulated":
         variants += mxfp8_emulated_variants(h, i, persistent=arch == "sm_90a")
     if arch == "sm_90a":
+        variants += router_variants(h, config.num_experts)
         variants += expert_mlp_variants(h, i, config.topk, has_shared_expert=config.has_shared_expert, main_grads=main_grads)
         if config.ep_size > 1:  # mok/ep.py runs fc1 on the dispatched rows, already gathered; y and dx go out scattered
             k = config.topk
@@ -548,6 +563,7 @@ def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]
                     for save_h in (False, True)
                 ]
     elif config.ep_size == 1 and not config.one_launch:  # sm_100a / sm_103a: the single-GPU layer's one-tile GEMMs
+        variants += router_variants(h, config.num_experts, persistent=False)
         if config.precision == "mxfp8":  # the routed experts' GEMMs on MXFP8; the rest (gathers, combine) above
             variants += mxfp8_layer_variants(h, i, config.topk, main_grads)
         else:

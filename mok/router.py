@@ -1,0 +1,120 @@
+"""The built-in router's logits on MoK's own GEMMs: ``mok::router_logits`` and its backward.
+
+Why not ``nn.Linear``: cuBLAS picks its kernel (tile shape, split-K) from the token count, so
+one token's logits, and with them its experts, can change with the rest of the batch. MoK's
+GEMMs pick every tile from the static shape (H, E) alone and give each output element one
+fixed reduction order over H, so logits[t] depends on x[t] and the weight only: routing is
+then batch- and EP-invariant like the experts. The backward keeps that for dx (the same GEMM,
+reducing over the experts); the weight gradient, a sum over the batch, comes from the
+weight-gradient kernel (rows in order, one CTA per output tile, no atomics).
+
+The experts are padded to a multiple of 128 (the GEMMs' column tile) with zero weight rows;
+the op returns the padded logits and :func:`router_logits` slices them off, so the padding's
+gradient is zero and adds nothing (exact zeros in an fp32 sum).
+On the CPU, and for dtypes other than bf16: ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .kernels import ROUTER_LOGITS_TILE_N
+from .validation import check_tensor
+
+EXPERT_TILE = 128  # the GEMMs' column tile: the experts are padded to a multiple of it
+
+
+def padded_experts(num_experts: int) -> int:
+    """E rounded up to the GEMMs' column tile (the logits' width inside the op)."""
+    return -(-num_experts // EXPERT_TILE) * EXPERT_TILE
+
+
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """logits [T, E] = x [T, H] · weightᵀ (weight [E, H]), in x's dtype: MoK's GEMMs for bf16 CUDA
+    tensors (batch-invariant bits, H % 128 == 0), ``F.linear`` otherwise."""
+    check_tensor("x", x, ndim=2)
+    check_tensor("router weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"router weight: expected [E, {x.shape[1]}] (x's width), got {list(weight.shape)}")
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
+        return F.linear(x, weight)
+    if x.shape[1] % EXPERT_TILE:
+        raise ValueError(f"x: expected a width that is a multiple of {EXPERT_TILE} for MoK's router GEMM, got {x.shape[1]}")
+    return router_logits_op(x.contiguous(), weight.contiguous())[:, : weight.shape[0]]
+
+
+def _padded_weight(weight: Tensor) -> Tensor:
+    """weight [E, H] with zero rows appended up to E padded (itself when E is a multiple already)."""
+    extra = padded_experts(weight.shape[0]) - weight.shape[0]
+    return F.pad(weight, (0, 0, 0, extra)) if extra else weight
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """t, or a copy of it where its data pointer is not 16-byte aligned (TMA's requirement)."""
+    return t.clone() if t.data_ptr() % 16 else t
+
+
+def _row_tiles(rows: int, device: torch.device) -> Tensor:
+    """The tile_expert argument of a one-expert grouped GEMM: every 128-row tile is expert 0."""
+    return torch.zeros(-(-rows // 128), dtype=torch.int32, device=device)
+
+
+@torch.library.custom_op("mok::router_logits", mutates_args=(), device_types="cuda")
+def router_logits_op(x: Tensor, weight: Tensor) -> Tensor:
+    """Padded logits [T, padded_experts(E)] bf16 from x [T, H] and weight [E, H] (MoK's grouped GEMM, one expert)."""
+    from . import ops
+    from .runtime.arch import check_fused_layer_device
+
+    check_fused_layer_device(x.device.index)
+    w = _padded_weight(weight)
+    return ops.grouped_gemm(_aligned(x), _aligned(w).unsqueeze(0), _row_tiles(x.shape[0], x.device), tile_n=ROUTER_LOGITS_TILE_N)
+
+
+@router_logits_op.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], padded_experts(weight.shape[0]))
+
+
+@torch.library.custom_op("mok::router_logits_backward", mutates_args=(), device_types="cuda")
+def router_logits_backward_op(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
+    """(dx [T, H], d_weight [E, H]) from the padded logits' gradient [T, padded E]; an empty
+    tensor for one not wanted. dx = d_logits · W (reduced over the experts in the GEMM's fixed
+    order); d_weight = d_logitsᵀ · x over all T rows in order (fp32 accumulation, bf16 out)."""
+    from . import grad_ops, ops
+
+    num_tokens, num_experts = x.shape[0], weight.shape[0]
+    d_logits = _aligned(d_logits.contiguous())
+    dx = d_weight = x.new_empty(0)
+    if want_dx:
+        w = _aligned(_padded_weight(weight)).unsqueeze(0)  # [1, K = padded E, N = H]
+        dx = ops.grouped_gemm(d_logits, w, _row_tiles(num_tokens, x.device), b_major="n")
+    if want_dw:
+        offsets = torch.arange(2, dtype=torch.int32, device=x.device) * num_tokens  # one expert: rows 0 .. T
+        d_weight = grad_ops.weight_grad(d_logits, _aligned(x), offsets, out_dtype=weight.dtype)[0]
+        if d_weight.shape[0] != num_experts:
+            d_weight = d_weight[:num_experts].contiguous()
+    return dx, d_weight
+
+
+@router_logits_backward_op.register_fake
+def _(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
+    return (x.new_empty(x.shape) if want_dx else x.new_empty(0)), (weight.new_empty(weight.shape) if want_dw else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx, d_logits: Tensor):
+    x, weight = ctx.saved_tensors
+    want_dx, want_dw = ctx.needs_input_grad
+    if not (want_dx or want_dw):
+        return None, None
+    dx, d_weight = router_logits_backward_op(d_logits, x, weight, want_dx, want_dw)
+    return (dx if want_dx else None), (d_weight if want_dw else None)
+
+
+router_logits_op.register_autograd(_backward, setup_context=_setup_context)
