@@ -228,14 +228,21 @@ def weight_grad(
     variant = weight_grad_variant(
         m, n, dtype_name, accumulate, a_stride=a.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out
     )
-    kernel = _kernel(variant, dev)
-    base = min(outs, key=lambda o: o.data_ptr())
-    kernel(
-        _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, base), _ptr("i32", offsets, 4),
-        _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None),  # (offsets: a stand-in, not read)
-        _i32(num_rows), _i32(num_experts), _i32(_sm_count(dev)), _i64(half_stride), _i32(upper_first), _stream(dev),
-    )
+    launch_weight_grad(variant, a, b, offsets, counts, outs, half_stride, upper_first)
     return result
+
+
+def launch_weight_grad(variant, a, b, offsets, counts, outs, half_stride: int = 0, upper_first: int = 0) -> None:
+    """Launch a checked weight-gradient variant on A [R, M] with R >= 1 (``outs``: its output
+    tensor, or split_out's two; ``counts`` None: offsets stand in, not read)."""
+    dtype_name = "f32" if outs[0].dtype == torch.float32 else "bf16"
+    base = min(outs, key=lambda o: o.data_ptr())
+    _kernel(variant, a.device)(
+        _ptr("bf16", a), _ptr("bf16", b), _ptr(dtype_name, base), _ptr("i32", offsets, 4),
+        _ptr("i32", offsets if counts is None else counts, 4), _i32(counts is not None),
+        _i32(a.shape[0]), _i32(offsets.shape[0] - 1), _i32(_sm_count(a.device)), _i64(half_stride), _i32(upper_first),
+        _stream(a.device),
+    )
 
 
 def weight_grad_mxfp8(

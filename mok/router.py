@@ -16,11 +16,12 @@ On the CPU, and for dtypes other than bf16: ``F.linear``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels import ROUTER_LOGITS_TILE_N
 from .validation import check_tensor
 
 EXPERT_TILE = 128  # the GEMMs' column tile: the experts are padded to a multiple of it
@@ -61,15 +62,39 @@ def _row_tiles(rows: int, device: torch.device) -> Tensor:
     return torch.zeros(-(-rows // 128), dtype=torch.int32, device=device)
 
 
-@torch.library.custom_op("mok::router_logits", mutates_args=(), device_types="cuda")
-def router_logits_op(x: Tensor, weight: Tensor) -> Tensor:
-    """Padded logits [T, padded_experts(E)] bf16 from x [T, H] and weight [E, H] (MoK's grouped GEMM, one expert)."""
-    from . import ops
+@functools.cache
+def _gemms(device_index: int, hidden: int, num_experts: int) -> tuple:
+    """(logits, dx, weight-gradient) kernel variants for this device: the ones ``mok precompile``
+    lists (kernels.router_variants), looked up once per shape instead of per call (the
+    router's tensors are made here, so the ops' per-call argument checks are not needed)."""
+    from .kernels import router_variants
+    from .ops import _persistent
+
+    return tuple(router_variants(hidden, num_experts, persistent=_persistent(torch.device("cuda", device_index))))
+
+
+def _check_launch(x: Tensor, num_experts: int) -> None:
+    """Where the router's GEMMs may run: MoK's fused-layer GPUs, x on the current device, 32-bit indexable."""
+    from .ops import _check_32bit_rows
     from .runtime.arch import check_fused_layer_device
 
     check_fused_layer_device(x.device.index)
-    w = _padded_weight(weight)
-    return ops.grouped_gemm(_aligned(x), _aligned(w).unsqueeze(0), _row_tiles(x.shape[0], x.device), tile_n=ROUTER_LOGITS_TILE_N)
+    _check_32bit_rows("x", x.shape[0], max(x.shape[1], padded_experts(num_experts)))
+
+
+@torch.library.custom_op("mok::router_logits", mutates_args=(), device_types="cuda")
+def router_logits_op(x: Tensor, weight: Tensor) -> Tensor:
+    """Padded logits [T, padded_experts(E)] bf16 from x [T, H] and weight [E, H] (MoK's grouped GEMM, one expert)."""
+    from .ops import launch_grouped_gemm
+
+    num_tokens, num_experts = x.shape[0], weight.shape[0]
+    _check_launch(x, num_experts)
+    logits = x.new_empty(num_tokens, padded_experts(num_experts))
+    if num_tokens:
+        w = _aligned(_padded_weight(weight)).unsqueeze(0)
+        variant = _gemms(x.device.index, x.shape[1], num_experts)[0]
+        launch_grouped_gemm(variant, _aligned(x), w, w, logits, _row_tiles(num_tokens, x.device), num_rows=num_tokens, num_experts=1)
+    return logits
 
 
 @router_logits_op.register_fake
@@ -82,19 +107,26 @@ def router_logits_backward_op(d_logits: Tensor, x: Tensor, weight: Tensor, want_
     """(dx [T, H], d_weight [E, H]) from the padded logits' gradient [T, padded E]; an empty
     tensor for one not wanted. dx = d_logits · W (reduced over the experts in the GEMM's fixed
     order); d_weight = d_logitsᵀ · x over all T rows in order (fp32 accumulation, bf16 out)."""
-    from . import grad_ops, ops
+    from .grad_ops import launch_weight_grad
+    from .ops import launch_grouped_gemm
 
-    num_tokens, num_experts = x.shape[0], weight.shape[0]
+    (num_tokens, hidden), num_experts = x.shape, weight.shape[0]
+    _check_launch(x, num_experts)
+    check_tensor("d_logits", d_logits, dtypes=(x.dtype,), shape=(num_tokens, padded_experts(num_experts)), device=x.device)
+    _, dx_gemm, dw_gemm = _gemms(x.device.index, hidden, num_experts)
     d_logits = _aligned(d_logits.contiguous())
-    dx = d_weight = x.new_empty(0)
-    if want_dx:
+    dx = x.new_empty(x.shape) if want_dx else x.new_empty(0)
+    d_weight = weight.new_empty(padded_experts(num_experts), hidden) if want_dw else weight.new_empty(0)
+    if want_dw and not num_tokens:  # (a sum over no tokens)
+        d_weight.zero_()
+    if num_tokens and want_dx:
         w = _aligned(_padded_weight(weight)).unsqueeze(0)  # [1, K = padded E, N = H]
-        dx = ops.grouped_gemm(d_logits, w, _row_tiles(num_tokens, x.device), b_major="n")
-    if want_dw:
+        launch_grouped_gemm(dx_gemm, d_logits, w, w, dx, _row_tiles(num_tokens, x.device), num_rows=num_tokens, num_experts=1)
+    if num_tokens and want_dw:
         offsets = torch.arange(2, dtype=torch.int32, device=x.device) * num_tokens  # one expert: rows 0 .. T
-        d_weight = grad_ops.weight_grad(d_logits, _aligned(x), offsets, out_dtype=weight.dtype)[0]
-        if d_weight.shape[0] != num_experts:
-            d_weight = d_weight[:num_experts].contiguous()
+        launch_weight_grad(dw_gemm, d_logits, _aligned(x), offsets, None, [d_weight])
+    if want_dw and d_weight.shape[0] != num_experts:
+        d_weight = d_weight[:num_experts].contiguous()
     return dx, d_weight
 
 

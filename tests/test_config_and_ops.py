@@ -29,15 +29,17 @@ def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
     """On sm_100a precompile builds the MXFP8 path's kernels for precision="mxfp8" (mok.mxfp8_forward
     and mok.mxfp8_backward): its GEMMs at the layer's widths and the quantizer writing MMA-ordered
     scales (bounded, and whole for the weights), not the bf16 routed GEMMs; a bf16 layer none of
-    them; sm_90a has no block-scaled MMA, so none there (and such a layer is refused there)."""
-    from mok.kernels import unsupported_on, variants_for
+    them; sm_90a has no block-scaled MMA, so none there (and such a layer is refused there). The
+    built-in router's bf16 GEMMs are the same in both."""
+    from mok.kernels import router_variants, unsupported_on, variants_for
 
     config = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8, precision="mxfp8")
     sm100 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(config, "sm_100a")}
     bf16 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(7168, 2048, 32, 8), "sm_100a")}
     assert not any(name.endswith("_mxfp8") or dict(c).get("mma_order") for name, c in bf16)
-    routed_bf16 = {(name, c) for name, c in bf16 if name in ("grouped_gemm", "weight_grad")}
-    assert routed_bf16 and not routed_bf16 & sm100
+    router = {(v.name, tuple(sorted(v.config.items()))) for v in router_variants(7168, 32, persistent=False)}
+    routed_bf16 = {(name, c) for name, c in bf16 if name in ("grouped_gemm", "weight_grad")} - router
+    assert routed_bf16 and not routed_bf16 & sm100 and router <= sm100 & bf16
     assert "block-scaled MMAs" in unsupported_on(config, "sm_90a") and unsupported_on(config, "sm_100a") is None
     gemms = sorted((dict(c)["n"], dict(c)["k"], dict(c)["epilogue"], dict(c).get("k_split", False)) for name, c in sm100
                    if name == "grouped_gemm_mxfp8")
