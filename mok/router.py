@@ -43,7 +43,8 @@ def router_logits(x: Tensor, weight: Tensor) -> Tensor:
         return F.linear(x, weight)
     if x.shape[1] % EXPERT_TILE:
         raise ValueError(f"x: expected a width that is a multiple of {EXPERT_TILE} for MoK's router GEMM, got {x.shape[1]}")
-    return router_logits_op(x.contiguous(), weight.contiguous())[:, : weight.shape[0]]
+    logits = router_logits_op if torch.compiler.is_compiling() else EagerRouterLogits.apply
+    return logits(x.contiguous(), weight.contiguous())[:, : weight.shape[0]]
 
 
 def _padded_weight(weight: Tensor) -> Tensor:
@@ -82,8 +83,7 @@ def _check_launch(x: Tensor, num_experts: int) -> None:
     _check_32bit_rows("x", x.shape[0], max(x.shape[1], padded_experts(num_experts)))
 
 
-@torch.library.custom_op("mok::router_logits", mutates_args=(), device_types="cuda")
-def router_logits_op(x: Tensor, weight: Tensor) -> Tensor:
+def padded_logits(x: Tensor, weight: Tensor) -> Tensor:
     """Padded logits [T, padded_experts(E)] bf16 from x [T, H] and weight [E, H] (MoK's grouped GEMM, one expert)."""
     from .ops import launch_grouped_gemm
 
@@ -97,13 +97,18 @@ def router_logits_op(x: Tensor, weight: Tensor) -> Tensor:
     return logits
 
 
+@torch.library.custom_op("mok::router_logits", mutates_args=(), device_types="cuda")
+def router_logits_op(x: Tensor, weight: Tensor) -> Tensor:
+    """:func:`padded_logits` as an op torch.compile sees whole."""
+    return padded_logits(x, weight)
+
+
 @router_logits_op.register_fake
 def _(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], padded_experts(weight.shape[0]))
 
 
-@torch.library.custom_op("mok::router_logits_backward", mutates_args=(), device_types="cuda")
-def router_logits_backward_op(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
+def padded_logits_backward(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
     """(dx [T, H], d_weight [E, H]) from the padded logits' gradient [T, padded E]; an empty
     tensor for one not wanted. dx = d_logits · W (reduced over the experts in the GEMM's fixed
     order); d_weight = d_logitsᵀ · x over all T rows in order (fp32 accumulation, bf16 out)."""
@@ -130,6 +135,12 @@ def router_logits_backward_op(d_logits: Tensor, x: Tensor, weight: Tensor, want_
     return dx, d_weight
 
 
+@torch.library.custom_op("mok::router_logits_backward", mutates_args=(), device_types="cuda")
+def router_logits_backward_op(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
+    """:func:`padded_logits_backward` as an op torch.compile sees whole."""
+    return padded_logits_backward(d_logits, x, weight, want_dx, want_dw)
+
+
 @router_logits_backward_op.register_fake
 def _(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
     return (x.new_empty(x.shape) if want_dx else x.new_empty(0)), (weight.new_empty(weight.shape) if want_dw else weight.new_empty(0))
@@ -150,3 +161,23 @@ def _backward(ctx, d_logits: Tensor):
 
 
 router_logits_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerRouterLogits(torch.autograd.Function):
+    """The same two functions as the ops, for eager calls: the GPU machine spent several hundred
+    µs of host time per call in torch.library's dispatch of the two ops (perf/NOTES.md,
+    twenty-ninth session), more than the GEMMs' device time; torch.compile still gets the ops."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return padded_logits(x, weight)
+
+    @staticmethod
+    def backward(ctx, d_logits: Tensor):
+        x, weight = ctx.saved_tensors
+        want_dx, want_dw = ctx.needs_input_grad[:2]
+        if not (want_dx or want_dw):
+            return None, None
+        dx, d_weight = padded_logits_backward(d_logits, x, weight, want_dx, want_dw)
+        return (dx if want_dx else None), (d_weight if want_dw else None)

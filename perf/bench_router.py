@@ -2,8 +2,9 @@
 
     python perf/bench_router.py [--configs dsv3,qwen3,qwen3-small]
 
-For each config, on the same inputs in one process: milliseconds of the logits (forward) and of
-forward + backward (dx and the weight's gradient), eager (both paths timed in turn,
+For each config, on the same inputs in one process (MoK's router as eager calls take it, "mok";
+through its torch.library op as torch.compile does, "mok op"; cuBLAS's F.linear): milliseconds
+of the logits (forward) and of forward + backward (dx and the weight's gradient), eager (the paths timed in turn,
 mok.bench.time_ms_interleaved) and replayed from a CUDA graph (the device's time alone), with the
 host microseconds per eager call; then batch dependence: for sub-batches x[:n] of several sizes n,
 how many of them give some token other logits bits than the whole batch does, and how many
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from mok.bench import host_us, time_ms_interleaved
 from mok.layer import route
-from mok.router import router_logits
+from mok.router import router_logits, router_logits_op
 
 CONFIGS = {  # name: (T, H, E, k)
     "dsv3": (4096, 7168, 256, 8),
@@ -29,6 +30,12 @@ CONFIGS = {  # name: (T, H, E, k)
     "mixtral": (4096, 4096, 8, 2),  # E padded to 128 inside MoK's GEMMs
 }
 SUB_BATCHES = (1, 2, 3, 5, 8, 17, 31, 64, 100, 129, 255, 513, 1000, 1537, 2048, 3001)
+
+
+def via_the_op(x, w):
+    """MoK's router through the torch.library op as torch.compile calls it (eager calls take an
+    autograd.Function over the same functions): the two paths' host time side by side."""
+    return router_logits_op(x, w)[:, : w.shape[0]]
 
 
 def train_step(logits_fn, x, w, d_logits):
@@ -92,7 +99,7 @@ def main() -> int:
         f"{'config':<12}{'path':<8}{'fwd ms (us)':>16}{'fwd+bwd ms (us)':>18}{'graph fwd':>11}{'graph f+b':>11}"
         f"{'sub-batches: bits differ':>27}{'tokens re-routed':>18}"
     )
-    paths = {"mok": router_logits, "cublas": F.linear}
+    paths = {"mok": router_logits, "mok op": via_the_op, "cublas": F.linear}
     for name in args.configs.split(","):
         T, H, E, k = CONFIGS[name]
         g = torch.Generator(device="cuda").manual_seed(T + H + E)

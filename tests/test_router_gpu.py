@@ -38,6 +38,25 @@ def test_router_logits_and_gradients_match_fp32(T, H, E):
         assert worst_row_err(got, ref) <= 2e-2  # every token's logits and dx, every expert's weight row
 
 
+def test_eager_calls_and_the_op_torch_compile_sees_give_the_same_bits():
+    """Eager calls take an autograd.Function (less host time), torch.compile the torch.library ops
+    over the same functions: logits, dx and the weight's gradient the same bits, frozen weight too."""
+    from mok.router import router_logits_op
+
+    x, w = router_case(1000, 2048, 160, seed=3)
+    d_logits = torch.randn(1000, 160, device="cuda").bfloat16()
+    results = []
+    for logits_of in (router_logits, lambda xs, ws: router_logits_op(xs, ws)[:, :160]):
+        for weight_grad in (True, False):
+            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_(weight_grad)
+            logits = logits_of(xg, wg)
+            logits.backward(d_logits)
+            results.append([logits, xg.grad] + ([wg.grad] if weight_grad else []))
+    eager, eager_frozen, op, op_frozen = results
+    assert all(torch.equal(a, b) for a, b in zip(eager + eager_frozen, op + op_frozen))
+    assert torch.equal(eager[1], eager_frozen[1])
+
+
 def test_a_tokens_logits_and_dx_do_not_depend_on_the_rest_of_the_batch():
     """The rows of any sub-batch get the bits they get in the whole batch, forward and dx (the
     GEMMs tile by (H, E) only); cuBLAS's nn.Linear may not (it picks kernels by token count)."""
