@@ -1,4 +1,4 @@
-"""The built-in router's logits on MoK's own GEMMs: ``mok::router_logits`` and its backward.
+"""The built-in router's logits on MoK's own GEMMs: :func:`router_logits` and its backward.
 
 Why not ``nn.Linear``: cuBLAS picks its kernel (tile shape, split-K) from the token count, so
 one token's logits, and with them its experts, can change with the rest of the batch. MoK's
@@ -9,8 +9,10 @@ reducing over the experts); the weight gradient, a sum over the batch, comes fro
 weight-gradient kernel (rows in order, one CTA per output tile, no atomics).
 
 The experts are padded to a multiple of 128 (the GEMMs' column tile) with zero weight rows;
-the op returns the padded logits and :func:`router_logits` slices them off, so the padding's
-gradient is zero and adds nothing (exact zeros in an fp32 sum).
+:func:`padded_logits` returns the padded logits and :func:`router_logits` slices them off, so
+the padding's gradient is zero and adds nothing (exact zeros in an fp32 sum). Eager calls go
+through an autograd.Function over the forward and backward functions, torch.compile through
+the ops ``mok::router_logits`` / ``mok::router_logits_backward`` over the same two (the same bits).
 On the CPU, and for dtypes other than bf16: ``F.linear``.
 """
 

@@ -497,7 +497,8 @@ def check_tiled_widths(name: str, widths: Mapping[str, int]) -> None:
 
 def variants_for(config: MoKConfig, arch: str = "sm_90a") -> list[KernelVariant]:
     """Every kernel variant a layer with this configuration uses on ``arch`` (forward and backward,
-    the built-in router's GEMMs included: bf16 weight gradients, or fp32 ones added into main_grad buffers with ``fuse_wgrad_accumulation``).
+    the built-in router's GEMMs included: bf16 weight gradients, or fp32 ones added into main_grad
+    buffers with ``fuse_wgrad_accumulation``).
     On sm_100a / sm_103a the layer's GEMMs exist for one GPU without ``one_launch`` (one tile per
     CTA), the MXFP8 path's GEMMs with ``precision="mxfp8"`` (mok.mxfp8_forward, mok.mxfp8_backward);
     other configurations list the arch-neutral kernels only there (:func:`unsupported_on` says why
