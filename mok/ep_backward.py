@@ -79,9 +79,7 @@ def ep_moe_backward(
         raise ValueError("saved: the forward did not keep h; call ep_moe_forward_saved(..., save_h=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
-    check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
-    if main_grads is not None and not weight_grads:
-        raise ValueError("main_grads: given with weight_grads=False (nothing would be added into them)")
+    check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared), weight_grads)
     check_timeout(timeout_s)
     _check_saved_matches(saved, ws, num_tokens, hidden, num_local, topk, x.device)
     saved = unpack_saved(saved, w_gate.shape[1], None if shared is None else shared[0].shape[0])  # (an MXFP8 h back to bf16)

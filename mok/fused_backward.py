@@ -104,9 +104,7 @@ def moe_backward(
         raise ValueError("saved: the forward did not keep h; call moe_forward(..., save_for_backward=True)")
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
-    check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared))
-    if main_grads is not None and not weight_grads:
-        raise ValueError("main_grads: given with weight_grads=False (nothing would be added into them)")
+    check_main_grads(main_grads, (w_gate, w_up, w_down), None if shared is None else tuple(shared), weight_grads)
     sched = check_schedule(
         "saved.schedule", saved.schedule, num_tokens=num_tokens, topk=topk_idx.shape[1], num_experts=num_experts, device=x.device
     )

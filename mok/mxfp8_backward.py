@@ -78,9 +78,7 @@ def mxfp8_moe_backward(
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     if wgrad_format not in ("mxfp8", "bf16"):
         raise ValueError(f"wgrad_format: expected 'mxfp8' or 'bf16', got {wgrad_format!r}")
-    check_main_grads(main_grads, forward_shapes, None if shared is None else tuple(shared))
-    if main_grads is not None and not weight_grads:
-        raise ValueError("main_grads: given with weight_grads=False (nothing would be added into them)")
+    check_main_grads(main_grads, forward_shapes, None if shared is None else tuple(shared), weight_grads)
     if not isinstance(saved, ForwardResult) or saved.h is None or (shared is not None and saved.shared_h is None):
         raise ValueError("saved: expected the ForwardResult of mxfp8_moe_forward(..., save_for_backward=True)")
     sched = check_schedule(

@@ -132,9 +132,10 @@ def check_capacity_factor(value: "float | None") -> None:
         raise ValueError(f"capacity_factor: expected a positive finite number (or None: no bound), got {value!r}")
 
 
-def check_main_grads(main_grads: "tuple | None", weights: tuple, shared: "tuple | None") -> None:
+def check_main_grads(main_grads: "tuple | None", weights: tuple, shared: "tuple | None", weight_grads: bool = True) -> None:
     """``main_grads``: None, or one fp32 buffer per weight (gate, up, down[, shared gate, up, down]),
-    each contiguous, shaped like its weight and on its device (checked before anything launches)."""
+    each contiguous, shaped like its weight and on its device (checked before anything launches);
+    not with ``weight_grads=False`` (a backward that computes no weight gradient)."""
     if main_grads is None:
         return
     owners = (*weights, *(shared or ()))
@@ -151,6 +152,8 @@ def check_main_grads(main_grads: "tuple | None", weights: tuple, shared: "tuple 
         for dev2, lo2, hi2, name2 in spans[i + 1:]:
             if dev == dev2 and lo < hi2 and lo2 < hi:
                 raise ValueError(f"main_grads ({name}, {name2}): expected separate buffers, got two that overlap in memory")
+    if not weight_grads:
+        raise ValueError("main_grads: given with weight_grads=False (nothing would be added into them)")
 
 
 MAX_TIMEOUT_S = 1e9  # the kernels take the bound in int64 nanoseconds (and no run waits 30 years)
