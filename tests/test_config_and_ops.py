@@ -288,6 +288,9 @@ def test_main_grads_are_checked_before_anything_runs():
     base = torch.zeros(4 * 16 * 16 + 1)
     with pytest.raises(ValueError, match=r"main_grads \(d_w_up\): expected a 16-byte aligned start"):
         check_main_grads((square[0], base[1:].view(4, 16, 16), square[2]), square, None)
+    check_main_grads(None, weights, None, weight_grads=False)  # (frozen experts, no buffers: fine)
+    with pytest.raises(ValueError, match=r"main_grads: given with weight_grads=False \(nothing would be added into them\)"):
+        check_main_grads(good, weights, None, weight_grads=False)
 
 
 def test_raise_grid_timeouts_reports_the_barriers_timeout_count():
