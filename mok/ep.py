@@ -128,6 +128,7 @@ def workspace_by_handle(handle: int) -> "EPWorkspace":
 
 REBUILD = ("rebuild the workspace: close() it on every rank; the next call builds a new one (of a torch.compile'd "
            "MoELayer: call layer.workspace() eagerly first).")  # (the error records' advice)
+REBUILD_SENTENCE = REBUILD[0].upper() + REBUILD[1:]  # (as a sentence of its own; capitalize() would lower "MoELayer")
 
 
 class EPWorkspace:
@@ -260,14 +261,14 @@ class EPWorkspace:
         if code:
             raise RuntimeError(
                 f"MoK expert parallelism: rank {self.rank} timed out in phase {PHASES.get(a, a)} waiting for "
-                f"rank {b} (epoch {c}); the peer did not reach the same call. {REBUILD[0].upper() + REBUILD[1:]}"
+                f"rank {b} (epoch {c}); the peer did not reach the same call. {REBUILD_SENTENCE}"
             )
         if grid_timeouts:
             raise RuntimeError(
                 f"MoK expert parallelism: a wait of rank {self.rank}'s kernels on their own work timed out {grid_timeouts} "
                 "time(s): a one-launch forward's grid barrier or an fc2 tile's wait for its rows (its CTAs were not all "
                 "resident at once, e.g. other kernels held SMs), or overlap_dispatch's wait for a row tile's copy; those "
-                f"outputs are wrong. {REBUILD[0].upper() + REBUILD[1:]}"
+                f"outputs are wrong. {REBUILD_SENTENCE}"
             )
 
     def raise_pending(self) -> None:

@@ -440,7 +440,9 @@ ROUTER_LOGITS_TILE_N = 128  # the router logits' column tile: a narrow output (E
 def router_variants(hidden: int, num_experts: int, persistent: bool = True) -> list[KernelVariant]:
     """The built-in router's GEMMs (mok/router.py), experts padded to a multiple of 128: the
     logits, their dx (B read [K, N]) and the router weight's gradient (bf16)."""
-    experts = -(-num_experts // 128) * 128
+    from ..router import padded_experts  # (one padding rule: the logits' width in mok/router.py)
+
+    experts = padded_experts(num_experts)
     return [
         grouped_gemm_variant(experts, hidden, epilogue="plain", tile_n=ROUTER_LOGITS_TILE_N, persistent=persistent),
         grouped_gemm_variant(hidden, experts, epilogue="plain", b_major="n", persistent=persistent),
