@@ -173,6 +173,21 @@ def time_ms_sustained(
     return statistics.median(times), sampler.means()
 
 
+def host_profile(fn, calls: int):
+    """cProfile statistics (pstats.Stats) of ``calls`` calls of fn, the device drained before and after."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(prof)
+
+
 def host_us(fn, calls: int = 200) -> float:
     """Host microseconds per call (argument checks, packing, launch), device left running."""
     torch.cuda.synchronize()

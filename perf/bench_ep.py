@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_layer import expert_offsets, graph_of, kernel_times, same_bits
 
-from mok.bench import format_gpu, time_ms_interleaved, time_ms_sustained
+from mok.bench import format_gpu, host_profile, time_ms_interleaved, time_ms_sustained
 
 CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
@@ -137,21 +137,6 @@ def _host_ms(fn, calls: int = 10) -> float:
     host = (time.perf_counter() - start) / calls * 1e3
     torch.cuda.synchronize()
     return host
-
-
-def _host_profile(fn, calls: int = 5):
-    """cProfile statistics of ``calls`` calls of fn (every rank calls it together)."""
-    import cProfile
-    import pstats
-
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    return pstats.Stats(prof)
 
 
 def _worker(
@@ -256,7 +241,7 @@ def _worker(
                 print(f"{name:<8}mok fp8 vs mok {'dx' if backward else 'output'} (rank 0): relative difference {fp8_diff:.2e}")
             if profile_top:
                 host = _host_ms(paths["mok"])
-                stats = _host_profile(paths["mok"])
+                stats = host_profile(paths["mok"], 5)  # (every rank calls it together)
                 if rank == 0:
                     print(f"{name:<8}mok on rank 0: {host:.3f} ms of host time to launch one call; where it goes (cProfile, 5 calls):")
                     stats.sort_stats("tottime").print_stats(profile_top)

@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from mok.bench import host_us, time_ms_interleaved
+from mok.bench import host_profile, host_us, time_ms_interleaved
 from mok.layer import route
 from mok.router import router_logits, router_logits_op
 
@@ -59,18 +59,9 @@ def graph_of(fn):
 
 
 def print_host_profile(fn, top: int) -> None:
-    import cProfile
-    import pstats
-
+    """The ``top`` functions by own host time over 50 calls of fn, after one call that loads everything."""
     fn()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(50):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    host_profile(fn, 50).sort_stats("tottime").print_stats(top)
 
 
 def batch_dependence(logits_fn, x, w, topk) -> tuple[int, int, int]:
