@@ -23,8 +23,8 @@ and autograd through the baseline with torch.distributed.nn's differentiable all
 
 ``--share-gpu`` puts every process on GPU 0 over gloo and times MoK's paths only (NCCL refuses
 two ranks on one GPU): a smoke run of this script where two GPUs are not to be had, not a
-measurement. Its NCCL baseline and the NVLink figures need two GPUs (last run: the sixth
-session, perf/NOTES.md).
+measurement. Its NCCL baseline and the NVLink figures need two GPUs (last run: 2026-12-01,
+perf/RESULTS.md; docs/notes/expert-parallel-exchange.md).
 """
 
 from __future__ import annotations

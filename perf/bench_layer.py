@@ -23,8 +23,9 @@ it is left out of the same-bits check).
 Each path is timed alone at its own steady state (``--sustained S``, mok.bench.time_ms_sustained),
 with the SM clock, power and temperature it ran at: an H200 under these loads sits at its 700 W
 limit, and a path that draws less keeps a higher clock on its own. Timed in turn instead
-(``--sustained 0``), the paths share clocks, which flatters the power-hungry ones (perf/NOTES.md,
-fifteenth session: PyTorch's path 9.06 ms alone, 10.15 amid MoK's).
+(``--sustained 0``), the paths share clocks, which flatters the power-hungry ones
+(docs/notes/timing-method.md: at dsv3-e128 PyTorch's path took 9.06 ms alone, 10.15 amid MoK's).
+The current figures are in perf/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def test_ep_training_steps_with_a_new_batch_every_step_on_one_workspace_equal_si
     (0 and 1 included), uniform, Zipf and all-to-one-expert routing, the multi-launch and the
     one-launch forward in turn. Nothing from an earlier, larger call may leak into a later one
     (flags, epochs, slots, rows): every step's output and gradients are the single-GPU bits on
-    the concatenated batch. (perf/ep_soak.py runs the same for thousands of steps.)"""
+    the concatenated batch. (tools/ep_soak.py runs the same for thousands of steps.)"""
     max_tokens, E, k = 300, 12, 4
     layout = EPLayout(world=world, max_tokens=max_tokens, hidden=512, topk=k)
     warm_up_both_forwards(layout, 256, E)

@@ -1,5 +1,5 @@
-"""perf/sass_stalls.py reads ncu's source-page CSV export (CPU; a synthetic export of two kernels);
-mok.bench's interleaved timer (GPU); perf/mxfp8_h_training.py's hand-written backward (CPU)."""
+"""tools/sass_stalls.py reads ncu's source-page CSV export (CPU; a synthetic export of two kernels);
+mok.bench's interleaved timer (GPU)."""
 
 import importlib.util
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("sass_stalls", ROOT / "perf" / "sass_stalls.py")
+spec = importlib.util.spec_from_file_location("sass_stalls", ROOT / "tools" / "sass_stalls.py")
 sass_stalls = importlib.util.module_from_spec(spec)
 sys.modules["sass_stalls"] = sass_stalls  # (dataclasses look their module up)
 spec.loader.exec_module(sass_stalls)
@@ -132,26 +132,3 @@ def test_sustained_timing_warms_up_then_times_and_samples_the_clock():
     if shutil.which("nvidia-smi"):
         assert gpu["samples"] >= 1 and 100 < gpu["clock_mhz"] < 5000 and gpu["power_w"] > 0
 
-
-def test_mxfp8_h_training_emulation_backward_is_autograd_exactly_when_h_is_kept_exact_and_rounds_h_otherwise():
-    """perf/mxfp8_h_training.py's hand-written backward: with the exact h it is autograd's (to fp64
-    rounding), so its MXFP8 run differs from the exact one only by the kept h's rounding."""
-    import torch
-
-    spec = importlib.util.spec_from_file_location("mxfp8_h_training", ROOT / "perf" / "mxfp8_h_training.py")
-    emulation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(emulation)
-    g = torch.Generator().manual_seed(0)
-    f64 = dict(generator=g, dtype=torch.float64)
-    h, w_down, s = torch.randn(40, 64, **f64), torch.randn(16, 32, **f64), torch.rand(40, **f64)
-    grad = torch.randn(40, 16, generator=g, dtype=torch.float64)
-    leaves = [t.clone().requires_grad_() for t in (h, w_down, s)]
-    (leaves[2][:, None] * (emulation.swiglu(leaves[0]) @ leaves[1].T)).backward(grad)  # autograd's
-    for mxfp8 in (False, True):
-        mine = [t.clone().requires_grad_() for t in (h, w_down, s)]
-        emulation.ExpertPath.apply(*mine, mxfp8).backward(grad)
-        for a, b in zip(mine, leaves):
-            if mxfp8:  # the rounded h moves every gradient a little (E4M3: ~3% per element), not more
-                assert 0 < float((a.grad - b.grad).norm() / b.grad.norm()) < 0.1
-            else:
-                torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)

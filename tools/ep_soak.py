@@ -1,6 +1,6 @@
 """Expert-parallel training steps on long-lived workspaces, a new batch every step: a soak test.
 
-    python perf/ep_soak.py [--steps 200] [--worlds 2,3] [--seed 0]
+    python tools/ep_soak.py [--steps 200] [--worlds 2,3] [--seed 0]
 
 Most EP GPU tests repeat one batch per workspace (up to 20 times), one runs eight different
 batches on one workspace. Here each emulated rank group (W ranks on one GPU, one stream each,

@@ -7,13 +7,13 @@ On the GPU machine (ncu is installed there; one launch profiled, the second, aft
 
 then anywhere:
 
-    python perf/sass_stalls.py rep_sass.csv [more.csv ...] [--top 25]
+    python tools/sass_stalls.py rep_sass.csv [more.csv ...] [--top 25]
 
 Per kernel in each file: its SASS instruction count (a kernel of many thousands, each warpgroup
 running a different part, can outgrow the instruction cache: no_instruction stalls then lead),
 the share of warp-state samples per stall reason, and the instructions with the most samples.
 That is how the ping-pong SwiGLU-backward GEMM's instruction-cache misses and per-value
-reciprocal branches were found (perf/NOTES.md, eleventh session).
+reciprocal branches were found (docs/notes/pingpong-backward-gemms.md).
 """
 
 from __future__ import annotations
