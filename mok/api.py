@@ -11,7 +11,7 @@ collective: every rank must call it), and every rank passes its own tokens (at m
 and its E / ep_size experts to ``forward`` and ``backward``, in the same sequence of calls.
 
 Both check the tensors against the config and raise before any launch. For autograd use
-:class:`mok.MoELayer` or, at EP = 1, the custom op ``torch.ops.mok.moe_forward``.
+:class:`mok.MoELayer` (or the op ``torch.ops.mok.moe_forward``, mok/torch_ops.py).
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
+from . import pipeline
 from .config import MoKConfig
-from .fused_forward import ForwardResult, moe_forward
+from .pipeline.forward import check_inputs
+from .pipeline.stages import ForwardResult
+from .plan import Plan, plan_for_device
 from .reference import SharedExpert
 from .reference_backward import Gradients
 from .runtime.workspace import PerGroupCache
-from .validation import check_index_range, check_moe_inputs
+from .saved_mxfp8 import pack_saved
 
 
 @dataclass
@@ -70,10 +73,10 @@ def create_workspace(
 ):
     """A new communication workspace for ``config`` on ``group`` (None at EP = 1, where none is needed).
 
-    At EP > 1, a :class:`mok.ep.EPWorkspace` over a :class:`mok.runtime.workspace.SymmetricWorkspace`
-    sized for ``max_tokens`` tokens per rank and call. ``capacity_factor`` bounds the expert
-    rows each rank holds per call to that many times an even routing's (see
-    :func:`mok.ep.capacity_rows`; None: the worst case, which never overflows); past the bound
+    At EP > 1, a :class:`mok.pipeline.workspace.EPWorkspace` over a
+    :class:`mok.runtime.workspace.SymmetricWorkspace` sized for ``max_tokens`` tokens per rank and
+    call. ``capacity_factor`` bounds the expert rows each rank holds per call to that many times an
+    even routing's (see :func:`mok.pipeline.workspace.capacity_rows`; None: the worst case, which never overflows); past the bound
     the pairs that did not fit come out NaN and a later call raises (the workspace's ``check()``
     at once): tokens are never dropped silently.
     Collective: every rank of ``group`` calls it with the same config (checked: ranks that
@@ -88,7 +91,7 @@ def create_workspace(
         return None
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens: expected the most tokens one rank passes per call (a positive int), got {max_tokens!r}")
-    from .ep import EPLayout, EPWorkspace, capacity_rows
+    from .pipeline.workspace import EPLayout, EPWorkspace, capacity_rows
     from .runtime.workspace import SymmetricWorkspace
 
     layout = EPLayout(world=config.ep_size, max_tokens=max_tokens, hidden=config.hidden, topk=config.topk)
@@ -98,71 +101,46 @@ def create_workspace(
     return EPWorkspace.from_symmetric(symmetric, layout, capacity=capacity)
 
 
-def _check_config(config: MoKConfig, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared) -> None:
-    from .ep import EPWorkspace
-
+def _check_config(config: MoKConfig) -> None:
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
-    if config.ep_size == 1 and workspace is not None:
-        raise ValueError(f"workspace: expected None at ep_size 1, got {type(workspace).__name__}")
-    if config.ep_size > 1 and not (isinstance(workspace, EPWorkspace) and workspace.layout.world == config.ep_size):
-        raise ValueError(f"workspace: expected get_workspace(config, group, max_tokens=...) for ep_size {config.ep_size}")
-    num_tokens, hidden, inter, num_local, topk = check_moe_inputs(
-        x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_range=False, experts_total=config.num_experts
-    )
-    got = dict(hidden=hidden, intermediate=inter, experts_per_rank=num_local, topk=topk)
-    got["shared_intermediate"] = None if shared is None else shared[0].shape[0]
-    for field, value in got.items():
-        if getattr(config, field) != value:
-            raise ValueError(f"{field}: the config says {getattr(config, field)}, the tensors have {value}")
+
+
+def _plan(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, shared, check_routing: bool = False) -> Plan:
+    """The plan of ``config`` on x's GPU (TypeError/ValueError for what is not a MoKConfig or a CUDA
+    tensor). Off a GPU the tensors are checked first as the pipelines check them (against each other,
+    the config and the workspace: mok.pipeline.forward.check_inputs), so that what is wrong with
+    them is named on any device."""
+    _check_config(config)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cuda":
+        check_inputs(config, workspace, x, topk_idx, topk_w, weights, shared, check_routing=check_routing)
+        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device} (mok.MoELayer runs the reference path on the CPU)")
+    return plan_for_device(config, x.device)
 
 
 def forward(
     config: MoKConfig,
     workspace,
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
     shared: SharedExpert | tuple | None = None,
     *,
     save_for_backward: bool = True,
     check_routing: bool = True,
     timeout_s: float = 5.0,
 ) -> tuple[torch.Tensor, LayerContext]:
-    """Layer output [T, H] bf16 and the context ``backward`` takes (see :func:`mok.fused_forward.moe_forward`;
-    with ``config.saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py; with
-    ``config.precision`` "mxfp8" or "mxfp8_emulated", :func:`mok.mxfp8_forward.mxfp8_moe_forward`).
-
+    """Layer output [T, H] bf16 and the context ``backward`` takes (mok.pipeline.forward, as
+    ``config`` says: precision, one launch, saved-h format, dispatch format; with
+    ``saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py). ``check_routing``
+    range-checks the expert ids (one host read; pass False inside CUDA-graph capture);
     ``timeout_s`` (EP > 1) bounds every wait on a peer rank."""
-    _check_config(config, workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
-    if config.ep_size > 1:
-        from .ep import ep_moe_forward_saved
-
-        if check_routing:  # an id out of range would reach no rank (one host read; pass False inside graph capture)
-            check_index_range("topk_idx", topk_idx, config.num_experts)
-        topk_idx = topk_idx.to(torch.int32).contiguous()  # (the exchange kernels take int32 ids; the backward too)
-        res = ep_moe_forward_saved(
-            workspace, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, save_h=save_for_backward, timeout_s=timeout_s,
-            one_launch=config.one_launch, dispatch_format=config.dispatch_format,
-        )
-    elif config.precision != "bf16":  # the routed experts' GEMMs on MXFP8 operands (the weights quantized on every call)
-        from .mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
-
-        res = mxfp8_moe_forward(
-            x, topk_idx, topk_w, quantize_expert_weights(w_gate, w_up, w_down), shared, check_routing=check_routing,
-            save_for_backward=save_for_backward, emulate=config.precision == "mxfp8_emulated",
-        )
-    else:
-        res = moe_forward(
-            x, topk_idx, topk_w, w_gate, w_up, w_down, shared, check_routing=check_routing, save_for_backward=save_for_backward,
-            one_launch=config.one_launch,
-        )
+    plan = _plan(config, workspace, x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, check_routing)
+    res = pipeline.forward(
+        plan, x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, workspace=workspace, save=save_for_backward,
+        check_routing=check_routing, timeout_s=timeout_s,
+    )
     if save_for_backward and config.saved_h_format == "mxfp8":
-        from .saved_mxfp8 import pack_saved
-
         res = pack_saved(res)
     return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res, config)
 
@@ -177,20 +155,16 @@ def backward(
     main_grads: tuple | None = None,
     timeout_s: float = 5.0,
 ) -> Gradients:
-    """All gradients for ``dout`` [T, H] (see :func:`mok.fused_backward.moe_backward`, or with an MXFP8
-    ``config.precision`` :func:`mok.mxfp8_backward.mxfp8_moe_backward`). ``main_grads`` (one fp32
-    buffer per weight) accumulates the weight gradients: given exactly when
-    ``config.fuse_wgrad_accumulation`` (precompile builds the accumulating kernels by it); ``config``
-    must be the forward's.
+    """All gradients for ``dout`` [T, H] (mok.pipeline.backward). ``main_grads`` (one fp32 buffer
+    per weight) accumulates the weight gradients: given exactly when ``config.fuse_wgrad_accumulation``
+    (precompile builds the accumulating kernels by it); ``config`` must be the forward's.
 
     At EP > 1: this rank's dx and d_topk_w, its experts' weight gradients, and the shared
     expert's over this rank's tokens (sum those over ranks, as data-parallel gradients).
     """
-    from .fused_backward import moe_backward
-
     if not isinstance(ctx, LayerContext):
         raise TypeError(f"ctx: expected the LayerContext that forward returned, got {type(ctx).__name__}")
-    _check_config(config, workspace, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared)
+    _check_config(config)
     if ctx.config is not None and ctx.config != config:
         changed = [k for k, v in config.as_dict().items() if ctx.config.as_dict()[k] != v]
         raise ValueError(f"config: not the forward's (differs in {', '.join(changed)}); pass the config forward ran with")
@@ -200,21 +174,8 @@ def backward(
             f"{'one fp32 buffer per weight' if config.fuse_wgrad_accumulation else 'None'}, got "
             f"{'None' if main_grads is None else type(main_grads).__name__}"
         )
-    if config.ep_size > 1:
-        from .ep_backward import ep_moe_backward
-
-        return ep_moe_backward(
-            workspace, dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype,
-            main_grads=main_grads, timeout_s=timeout_s,
-        )
-    if config.precision != "bf16":
-        from .mxfp8_backward import mxfp8_moe_backward
-        from .mxfp8_forward import quantize_expert_weights
-
-        return mxfp8_moe_backward(
-            dout, ctx.x, ctx.topk_idx, ctx.topk_w, quantize_expert_weights(*ctx.weights, transposed=True), ctx.shared, ctx.saved,
-            grad_dtype=grad_dtype, emulate=config.precision == "mxfp8_emulated", main_grads=main_grads,
-        )
-    return moe_backward(
-        dout, ctx.x, ctx.topk_idx, ctx.topk_w, *ctx.weights, ctx.shared, ctx.saved, grad_dtype=grad_dtype, main_grads=main_grads
+    plan = _plan(config, workspace, ctx.x, ctx.topk_idx, ctx.topk_w, ctx.weights, ctx.shared)
+    return pipeline.backward(
+        plan, dout, ctx.x, ctx.topk_idx, ctx.topk_w, ctx.weights, ctx.shared, ctx.saved, workspace=workspace, grad_dtype=grad_dtype,
+        main_grads=main_grads, timeout_s=timeout_s,
     )

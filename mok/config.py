@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass
 
 from .validation import check_positive_int
 
-PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated")  # the expert GEMMs' operands (mok/mxfp8_forward.py, mok/mxfp8_backward.py)
+TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
+PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated")  # the expert GEMMs' operands (mok/pipeline/stages.py)
 SAVED_H_FORMATS = ("bf16", "mxfp8")  # how h is kept for the backward (mok/saved_mxfp8.py)
-DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/ep.py)
+DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
 
 
 def check_saved_h_format(value: object) -> str:
@@ -32,8 +33,8 @@ class MoKConfig:
     expert (None for none). ep_size: ranks in the expert-parallel group (E must divide
     evenly). block_m: row tile of the grouped GEMMs (128, the only one the kernels have); each
     expert's rows are padded to a multiple of it. one_launch: run the forward as one persistent
-    kernel (plus 2 launches for a shared expert) instead of several: ``moe_forward(one_launch=True)``
-    at EP = 1, the one-launch expert-parallel forward at EP > 1; the same bits.
+    kernel (plus 2 launches for a shared expert) instead of several, at EP = 1 and per rank at
+    EP > 1; the same bits.
     fuse_wgrad_accumulation: the backward adds the expert weights' gradients into fp32
     ``main_grad`` buffers (mok/main_grad.py); its weight-gradient kernels are then the fp32
     accumulating ones. saved_h_format: "bf16" (default) or "mxfp8": h, the SwiGLU inputs kept for
@@ -42,7 +43,7 @@ class MoKConfig:
     expert in launches of its own), ~3-4% relative error in the expert gradients.
     dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
     one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
-    compute on its rounding (:func:`mok.ep.ep_moe_forward`).
+    compute on its rounding (mok/pipeline/exchange.py).
     precision: the routed experts' GEMM operands: "bf16" (default), "mxfp8" (every expert GEMM of
     forward and backward on MXFP8 operands, block-scaled MMAs: SM100 only, compile-verified, never
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
@@ -89,25 +90,10 @@ class MoKConfig:
                 raise TypeError(f"{flag}: expected a bool, got {getattr(self, flag)!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
-        if self.precision != "bf16":
-            others = {"ep_size > 1": self.ep_size > 1, "one_launch": self.one_launch}
-            if any(others.values()):
-                raise ValueError(f"precision={self.precision!r}: not with {', '.join(k for k, v in others.items() if v)} (not written yet)")
-            widths = {"hidden": self.hidden, "intermediate": self.intermediate, "shared_intermediate": self.shared_intermediate or 128}
-            if any(v % 128 for v in widths.values()):
-                raise ValueError(f"precision={self.precision!r}: expected widths that are multiples of 128, got {widths}")
         check_saved_h_format(self.saved_h_format)
-        if self.saved_h_format == "mxfp8":  # h [rows, 2I] in blocks of 32 along its rows: 2I and 2I_s multiples of 32
-            widths = {"intermediate": self.intermediate, "shared_intermediate": self.shared_intermediate or 16}
-            if any(v % 16 for v in widths.values()):
-                raise ValueError(f"saved_h_format='mxfp8': expected widths that are multiples of 16 (h's 2I in blocks of 32), got {widths}")
         if self.dispatch_format not in DISPATCH_FORMATS:
             raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {self.dispatch_format!r}")
-        if self.dispatch_format == "mxfp8":
-            if self.ep_size == 1:
-                raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")
-            if self.hidden % 32:
-                raise ValueError(f"dispatch_format='mxfp8': expected hidden a multiple of 32 (the MXFP8 block), got {self.hidden}")
+        check_combination(self)
 
     @property
     def experts_per_rank(self) -> int:
@@ -120,6 +106,27 @@ class MoKConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def check_combination(config: "MoKConfig") -> None:
+    """Refuse a combination of options no target runs (ValueError naming it); which ones a given
+    target does not run is mok.plan's to say."""
+    if config.precision != "bf16":
+        others = {"ep_size > 1": config.ep_size > 1, "one_launch": config.one_launch}
+        if any(others.values()):
+            raise ValueError(f"precision={config.precision!r}: not with {', '.join(k for k, v in others.items() if v)} (not written yet)")
+        widths = {"hidden": config.hidden, "intermediate": config.intermediate, "shared_intermediate": config.shared_intermediate or TILE}
+        if any(v % TILE for v in widths.values()):
+            raise ValueError(f"precision={config.precision!r}: expected widths that are multiples of {TILE}, got {widths}")
+    if config.saved_h_format == "mxfp8":  # h [rows, 2I] in blocks of 32 along its rows: 2I and 2I_s multiples of 32
+        widths = {"intermediate": config.intermediate, "shared_intermediate": config.shared_intermediate or 16}
+        if any(v % 16 for v in widths.values()):
+            raise ValueError(f"saved_h_format='mxfp8': expected widths that are multiples of 16 (h's 2I in blocks of 32), got {widths}")
+    if config.dispatch_format == "mxfp8":
+        if config.ep_size == 1:
+            raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")
+        if config.hidden % 32:
+            raise ValueError(f"dispatch_format='mxfp8': expected hidden a multiple of 32 (the MXFP8 block), got {config.hidden}")
 
 
 # The configuration `python -m mok precompile` builds when given no shape options:

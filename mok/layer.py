@@ -8,21 +8,21 @@ On CUDA its logits and their gradients run on MoK's GEMMs (mok/router.py), whose
 depend on the token count, so a token's routing is batch- and EP-invariant as its experts' work is.
 
 Where it runs:
-- CUDA on Hopper: the custom op ``mok::moe_forward`` (MoK's fused kernels) and its backward;
-  another GPU arch raises an error naming the supported ones. External expert ids are
+- CUDA on Hopper: the op ``mok::moe_forward`` (mok/torch_ops.py: MoK's pipelines, as the
+  configuration's plan says) and its backward; another GPU arch raises an error naming the
+  supported ones. External expert ids are
   range-checked (one host read) except under torch.compile or CUDA-graph capture, or with
   ``layer(x, topk_idx=..., topk_w=..., check_routing=False)``.
 - CPU: the same op's reference implementation (one warning), so model code runs in CPU tests.
 - ``group`` with more than one rank (one process per rank): on CUDA, MoK's expert-parallel
-  path (mok/ep.py, mok/ep_backward.py) over a symmetric workspace shared by every MoELayer of
+  pipelines (the same op) over a symmetric workspace shared by every MoELayer of
   the same configuration (shapes and options), ``max_tokens`` and ``capacity_factor`` on the
   group, sized for ``max_tokens`` tokens per rank and call; the shared
   expert's and the router's weight gradients then cover this rank's tokens (sum them over
   ranks as data-parallel gradients are summed). On CPU, the reference expert-parallel path
-  over torch.distributed (all_to_all, fp32 math), with a one-time warning. The fused path is
-  the custom op ``mok::ep_moe_forward`` (mok/ep_ops.py): torch.compile and CUDA graphs work as
-  at EP = 1, as long as every rank runs the same model code (the exchange needs every rank to
-  make the same calls). The workspace is built at construction on a CUDA device (a
+  over torch.distributed (all_to_all, fp32 math), with a one-time warning. torch.compile and
+  CUDA graphs work as at EP = 1, as long as every rank runs the same model code (the exchange
+  needs every rank to make the same calls). The workspace is built at construction on a CUDA device (a
   collective), else by the first call.
 """
 
@@ -34,10 +34,12 @@ import warnings
 import torch
 from torch import nn
 
-from . import custom_ops, ep_ops, mxfp8_ops  # noqa: F401  (register mok::moe_forward / moe_backward, the ep_ and _mxfp8 twins)
 from .config import MoKConfig
-from .router import router_logits
-from .validation import check_capacity_factor, check_index_range, check_tensor, check_timeout
+from .pipeline.stages import shared_expert_as_last
+from .pipeline.workspace import workspace_by_handle
+from .runtime.arch import check_fused_layer_device
+from .torch_ops import config_text, router_logits
+from .validation import check_capacity_factor, check_index_range, check_moe_inputs, check_tensor, check_timeout
 
 _EP_WARNED = False
 
@@ -69,7 +71,7 @@ class MoELayer(nn.Module):
     router gradient). x: [..., H]; returns the same shape and dtype. With a ``group`` of more
     than one rank, ``max_tokens`` bounds the tokens one rank passes per call (it sizes the
     expert-parallel workspace; more raises), and ``capacity_factor`` optionally bounds the
-    expert rows a rank holds per call (:func:`mok.ep.capacity_rows`; default None: the worst
+    expert rows a rank holds per call (:func:`mok.pipeline.workspace.capacity_rows`; default None: the worst
     case). Past that bound the dropped pairs come out NaN and the layer raises at a later call,
     once the error record's copy reached the host (``layer.workspace().check()`` raises at
     once): tokens are never dropped silently. ``timeout_s`` bounds every wait on a peer (a
@@ -82,7 +84,7 @@ class MoELayer(nn.Module):
     saved activation, k·2I values per token), is kept in MXFP8 (mok/saved_mxfp8.py): 33/64 of the
     bytes, ~3-4% relative error in the expert gradients.
     ``dispatch_format="mxfp8"`` (EP > 1): x crosses to the experts' ranks in MXFP8 and the routed
-    experts compute on its rounding (:func:`mok.ep.ep_moe_forward`); not on the CPU reference path.
+    experts compute on its rounding (mok/pipeline/exchange.py); not on the CPU reference path.
     ``precision="mxfp8"``: every routed-expert GEMM of forward and backward on MXFP8 operands (the
     weights quantized on every call; SM100 only, compile-verified, never run); ``"mxfp8_emulated"``:
     the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
@@ -152,9 +154,20 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.reset_parameters()
         self.register_load_state_dict_post_hook(_restack_after_load)  # (load_state_dict(..., assign=True) replaces the tensors)
-        self._ep_handle = None  # the expert-parallel workspace's handle, once built (mok/ep_ops.py)
+        self._ep_handle = None  # the expert-parallel workspace's handle, once built (mok/torch_ops.py takes it)
         if self.group is not None and self.gate_proj.is_cuda:  # build it now: torch.compile can then trace the first call
             self.workspace()
+
+    @property
+    def config(self) -> MoKConfig:
+        """The layer's static configuration; one assigned later (e.g. ``dataclasses.replace(layer.config,
+        fuse_wgrad_accumulation=True)``) takes effect at the next call."""
+        return self._config
+
+    @config.setter
+    def config(self, value: MoKConfig) -> None:
+        self._config = value
+        self._config_text = config_text(value)  # (the op's configuration argument, kept with the config it spells)
 
     def _apply(self, fn, *args, **kwargs):
         """nn.Module._apply (``.to()``, ``.cuda()``, ``.half()``), then the shared expert's weights put
@@ -183,8 +196,6 @@ class MoELayer(nn.Module):
         load gave them storages of their own; else every call would copy them together."""
         if not getattr(self, "shared_in_routed", False):  # (a layer pickled by an older MoK has no such attribute)
             return
-        from .fused_forward import shared_expert_as_last
-
         routed, shared = (self.gate_proj, self.up_proj, self.down_proj), self.shared_weights()
         if shared_expert_as_last(*routed, shared) is None:
             with torch.no_grad():
@@ -208,7 +219,7 @@ class MoELayer(nn.Module):
         )
 
     def workspace(self):
-        """The expert-parallel workspace this layer's calls use (:class:`mok.ep.EPWorkspace`; None without a group).
+        """The expert-parallel workspace this layer's calls use (:class:`mok.pipeline.workspace.EPWorkspace`; None without a group).
 
         ``layer.workspace().check()`` raises at once for an error an earlier call recorded
         (a capacity overflow, a peer that did not make the same call)."""
@@ -264,9 +275,7 @@ class MoELayer(nn.Module):
             topk_idx, topk_w = route(self._router_logits(tokens), c.topk)
         if self.group is not None and tokens.shape[0] > self.max_tokens:
             raise ValueError(f"x: expected at most max_tokens={self.max_tokens} tokens per rank and call, got {tokens.shape[0]}")
-        if self.group is not None and tokens.is_cuda:
-            out = self._fused_ep(tokens, topk_idx, topk_w)
-        elif self.group is not None:
+        if self.group is not None and not tokens.is_cuda:
             out = self._reference_ep(tokens, topk_idx, topk_w)
         else:
             out = self._fused(tokens, topk_idx, topk_w)
@@ -279,53 +288,32 @@ class MoELayer(nn.Module):
         )
 
     def _fused(self, x, topk_idx, topk_w):
-        from .validation import check_moe_inputs
-
-        shared = self.shared_weights()
-        check_moe_inputs(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False)  # (ids: forward)
-        save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
-        if self.config.precision != "bf16":  # the expert GEMMs on MXFP8 operands (mok/mxfp8_ops.py)
-            if not x.is_cuda:
-                raise NotImplementedError(
-                    f"precision={self.config.precision!r}: the MXFP8 layer runs on a GPU only (no CPU reference of its numerics); "
-                    "use precision='bf16' on the CPU"
-                )
-            from .kernels import MXFP8_GEMM_ARCHS
-            from .runtime.arch import check_fused_layer_device
-
-            arch = check_fused_layer_device(x.device.index)  # (SM100: only with MOK_UNVERIFIED_SM100=1, as the bf16 layer)
-            emulate = self.config.precision == "mxfp8_emulated"
-            if not emulate and arch not in MXFP8_GEMM_ARCHS:
-                raise NotImplementedError(
-                    f"precision='mxfp8': needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}), this GPU is {arch}; "
-                    "precision='mxfp8_emulated' runs the same numerics here (slower than bf16)"
-                )
-            return torch.ops.mok.moe_forward_mxfp8(
-                x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, emulate,
-                self.config.fuse_wgrad_accumulation, self.config.saved_h_format,
-            )[0]
-        return torch.ops.mok.moe_forward(
-            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, save, self.config.one_launch,
-            self.shared_in_routed, self.config.fuse_wgrad_accumulation, self.config.saved_h_format,
-        )[0]
-
-    def _fused_ep(self, x, topk_idx, topk_w):
-        from .runtime.arch import check_fused_layer_device
-        from .validation import check_moe_inputs
-
-        check_fused_layer_device(x.device.index)
+        """The op ``mok::moe_forward`` (mok/torch_ops.py): MoK's pipelines on CUDA, the reference on the CPU."""
+        c = self.config
         shared = self.shared_weights()
         check_moe_inputs(  # (the ids were range-checked in forward, where a host read is allowed)
-            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False,
-            experts_total=self.config.num_experts,
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False, experts_total=c.num_experts
         )
+        if c.precision != "bf16" and not x.is_cuda:
+            raise NotImplementedError(
+                f"precision={c.precision!r}: the MXFP8 layer runs on a GPU only (no CPU reference of its numerics); "
+                "use precision='bf16' on the CPU"
+            )
+        if x.is_cuda:  # (a GPU the fused layer runs on, the current device: before the op, with its own message)
+            check_fused_layer_device(x.device.index)
         save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
-        handle = self._ep_handle
-        if handle is not None and not torch.compiler.is_compiling():
-            from .ep import workspace_by_handle
+        return torch.ops.mok.moe_forward(
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, self._config_text, self._workspace_handle(),
+            save, self.shared_in_routed, self.timeout_s,
+        )[0]
 
-            if workspace_by_handle(handle).closed:  # closed after an error: the next call builds a new one
-                handle = None
+    def _workspace_handle(self) -> int:
+        """The expert-parallel workspace's handle for the op (0 without a group), rebuilt after a close."""
+        if self.group is None:
+            return 0
+        handle = self._ep_handle
+        if handle is not None and not torch.compiler.is_compiling() and workspace_by_handle(handle).closed:
+            handle = None  # closed after an error: the next call builds a new one
         if handle is None:
             if torch.compiler.is_compiling():
                 raise RuntimeError(
@@ -333,10 +321,7 @@ class MoELayer(nn.Module):
                     "eager call; construct the layer on the GPU (device='cuda') or run one eager call before torch.compile"
                 )
             handle = self.workspace().handle
-        return torch.ops.mok.ep_moe_forward(
-            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, handle, save, self.timeout_s,
-            self.config.one_launch, self.config.fuse_wgrad_accumulation, self.config.saved_h_format, self.config.dispatch_format,
-        )[0]
+        return handle
 
     def _reference_ep(self, x, topk_idx, topk_w):
         global _EP_WARNED

@@ -55,3 +55,10 @@ def grads_after_accumulation(params: Sequence[torch.Tensor]) -> list[torch.Tenso
         else:
             grads.append(None)
     return grads
+
+
+def accumulating_weights(fuse_wgrad: bool, *weights: torch.Tensor | None) -> tuple | None:
+    """The weights whose gradients a backward adds into main_grad: all of them when the forward asked
+    for it and every one wants a gradient (frozen experts keep the plain path), else None."""
+    weights = tuple(w for w in weights if w is not None)
+    return weights if fuse_wgrad and all(w.requires_grad for w in weights) else None

@@ -77,12 +77,7 @@ def _upcast(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def moe_reference(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
     shared: SharedExpert | tuple | None = None,
     *,
     dtype: torch.dtype = torch.float32,
@@ -100,12 +95,7 @@ def moe_reference(
 
 
 def moe_reference_ep(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
     shared: SharedExpert | tuple | None = None,
     *,
     group: "torch.distributed.ProcessGroup | None" = None,

@@ -66,12 +66,7 @@ def expert_backward(rows_x, g, scale, w_gate, w_up, w_down):
 
 
 def moe_backward_reference(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
     shared: tuple | None,
     dout: torch.Tensor,
     *,

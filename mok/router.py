@@ -11,9 +11,9 @@ weight-gradient kernel (rows in order, one CTA per output tile, no atomics).
 The experts are padded to a multiple of 128 (the GEMMs' column tile) with zero weight rows;
 :func:`padded_logits` returns the padded logits and :func:`router_logits` slices them off, so
 the padding's gradient is zero and adds nothing (exact zeros in an fp32 sum). Eager calls go
-through an autograd.Function over the forward and backward functions, torch.compile through
-the ops ``mok::router_logits`` / ``mok::router_logits_backward`` over the same two (the same bits).
-On the CPU, and for dtypes other than bf16: ``F.linear``.
+through :class:`EagerRouterLogits` over the forward and backward functions, torch.compile through
+the ops ``mok::router_logits`` / ``mok::router_logits_backward`` over the same two (the same bits;
+mok.torch_ops.router_logits picks). On the CPU, and for dtypes other than bf16: ``F.linear``.
 """
 
 from __future__ import annotations
@@ -24,29 +24,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .ops.common import check_32bit_rows, persistent_default
+from .ops.gemm import launch_grouped_gemm
+from .ops.weight_grads import launch_weight_grad
+from .plan import EXPERT_TILE, padded_experts, router_variants
+from .runtime.arch import check_fused_layer_device
 from .validation import check_tensor
 
-EXPERT_TILE = 128  # the GEMMs' column tile: the experts are padded to a multiple of it
 
-
-def padded_experts(num_experts: int) -> int:
-    """E rounded up to the GEMMs' column tile (the logits' width inside the op)."""
-    return -(-num_experts // EXPERT_TILE) * EXPERT_TILE
-
-
-def router_logits(x: Tensor, weight: Tensor) -> Tensor:
-    """logits [T, E] = x [T, H] · weightᵀ (weight [E, H]), in x's dtype: MoK's GEMMs for bf16 CUDA
-    tensors (batch-invariant bits, H % 128 == 0), ``F.linear`` otherwise."""
+def runs_on_mok(x: Tensor, weight: Tensor) -> bool:
+    """Check the router's inputs (x [T, H], weight [E, H]); whether MoK's GEMMs compute the logits
+    (bf16 CUDA tensors, H % 128 == 0) rather than ``F.linear``."""
     check_tensor("x", x, ndim=2)
     check_tensor("router weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"router weight: expected [E, {x.shape[1]}] (x's width), got {list(weight.shape)}")
     if not (x.is_cuda and x.dtype == torch.bfloat16):
-        return F.linear(x, weight)
+        return False
     if x.shape[1] % EXPERT_TILE:
         raise ValueError(f"x: expected a width that is a multiple of {EXPERT_TILE} for MoK's router GEMM, got {x.shape[1]}")
-    logits = router_logits_op if torch.compiler.is_compiling() else EagerRouterLogits.apply
-    return logits(x.contiguous(), weight.contiguous())[:, : weight.shape[0]]
+    return True
 
 
 def _padded_weight(weight: Tensor) -> Tensor:
@@ -68,55 +65,36 @@ def _row_tiles(rows: int, device: torch.device) -> Tensor:
 @functools.cache
 def _gemms(device_index: int, hidden: int, num_experts: int) -> tuple:
     """(logits, dx, weight-gradient) kernel variants for this device: the ones ``mok precompile``
-    lists (kernels.router_variants), looked up once per shape instead of per call (the
+    lists (mok.plan.router_variants), looked up once per shape instead of per call (the
     router's tensors are made here, so the ops' per-call argument checks are not needed)."""
-    from .kernels import router_variants
-    from .ops import _persistent
-
-    return tuple(router_variants(hidden, num_experts, persistent=_persistent(torch.device("cuda", device_index))))
+    return tuple(router_variants(hidden, num_experts, persistent=persistent_default(torch.device("cuda", device_index))))
 
 
 def _check_launch(x: Tensor, num_experts: int) -> None:
     """Where the router's GEMMs may run: MoK's fused-layer GPUs, x on the current device, 32-bit indexable."""
-    from .ops import _check_32bit_rows
-    from .runtime.arch import check_fused_layer_device
-
     check_fused_layer_device(x.device.index)
-    _check_32bit_rows("x", x.shape[0], max(x.shape[1], padded_experts(num_experts)))
+    check_32bit_rows("x", x.shape[0], max(x.shape[1], padded_experts(num_experts)))
 
 
 def padded_logits(x: Tensor, weight: Tensor) -> Tensor:
     """Padded logits [T, padded_experts(E)] bf16 from x [T, H] and weight [E, H] (MoK's grouped GEMM, one expert)."""
-    from .ops import launch_grouped_gemm
-
     num_tokens, num_experts = x.shape[0], weight.shape[0]
     _check_launch(x, num_experts)
     logits = x.new_empty(num_tokens, padded_experts(num_experts))
     if num_tokens:
         w = _aligned(_padded_weight(weight)).unsqueeze(0)
         variant = _gemms(x.device.index, x.shape[1], num_experts)[0]
-        launch_grouped_gemm(variant, _aligned(x), w, w, logits, _row_tiles(num_tokens, x.device), num_rows=num_tokens, num_experts=1)
+        launch_grouped_gemm(
+            variant, x.device, a=_aligned(x), b=w, b2=w, c=logits, tile_expert=_row_tiles(num_tokens, x.device), num_rows=num_tokens,
+            num_experts=1,
+        )
     return logits
-
-
-@torch.library.custom_op("mok::router_logits", mutates_args=(), device_types="cuda")
-def router_logits_op(x: Tensor, weight: Tensor) -> Tensor:
-    """:func:`padded_logits` as an op torch.compile sees whole."""
-    return padded_logits(x, weight)
-
-
-@router_logits_op.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], padded_experts(weight.shape[0]))
 
 
 def padded_logits_backward(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
     """(dx [T, H], d_weight [E, H]) from the padded logits' gradient [T, padded E]; an empty
     tensor for one not wanted. dx = d_logits · W (reduced over the experts in the GEMM's fixed
     order); d_weight = d_logitsᵀ · x over all T rows in order (fp32 accumulation, bf16 out)."""
-    from .grad_ops import launch_weight_grad
-    from .ops import launch_grouped_gemm
-
     (num_tokens, hidden), num_experts = x.shape, weight.shape[0]
     _check_launch(x, num_experts)
     check_tensor("d_logits", d_logits, dtypes=(x.dtype,), shape=(num_tokens, padded_experts(num_experts)), device=x.device)
@@ -128,7 +106,9 @@ def padded_logits_backward(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx:
         d_weight.zero_()
     if num_tokens and want_dx:
         w = _aligned(_padded_weight(weight)).unsqueeze(0)  # [1, K = padded E, N = H]
-        launch_grouped_gemm(dx_gemm, d_logits, w, w, dx, _row_tiles(num_tokens, x.device), num_rows=num_tokens, num_experts=1)
+        launch_grouped_gemm(
+            dx_gemm, x.device, a=d_logits, b=w, b2=w, c=dx, tile_expert=_row_tiles(num_tokens, x.device), num_rows=num_tokens, num_experts=1,
+        )
     if num_tokens and want_dw:
         offsets = torch.arange(2, dtype=torch.int32, device=x.device) * num_tokens  # one expert: rows 0 .. T
         launch_weight_grad(dw_gemm, d_logits, _aligned(x), offsets, None, [d_weight])
@@ -137,38 +117,11 @@ def padded_logits_backward(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx:
     return dx, d_weight
 
 
-@torch.library.custom_op("mok::router_logits_backward", mutates_args=(), device_types="cuda")
-def router_logits_backward_op(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
-    """:func:`padded_logits_backward` as an op torch.compile sees whole."""
-    return padded_logits_backward(d_logits, x, weight, want_dx, want_dw)
-
-
-@router_logits_backward_op.register_fake
-def _(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx: bool, want_dw: bool) -> tuple[Tensor, Tensor]:
-    return (x.new_empty(x.shape) if want_dx else x.new_empty(0)), (weight.new_empty(weight.shape) if want_dw else weight.new_empty(0))
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight = inputs
-    ctx.save_for_backward(x, weight)
-
-
-def _backward(ctx, d_logits: Tensor):
-    x, weight = ctx.saved_tensors
-    want_dx, want_dw = ctx.needs_input_grad
-    if not (want_dx or want_dw):
-        return None, None
-    dx, d_weight = router_logits_backward_op(d_logits, x, weight, want_dx, want_dw)
-    return (dx if want_dx else None), (d_weight if want_dw else None)
-
-
-router_logits_op.register_autograd(_backward, setup_context=_setup_context)
-
-
 class EagerRouterLogits(torch.autograd.Function):
     """The same two functions as the ops, for eager calls: the GPU machine spent several hundred
-    µs of host time per call in torch.library's dispatch of the two ops (perf/NOTES.md,
-    twenty-ninth session), more than the GEMMs' device time; torch.compile still gets the ops."""
+    µs of host time per call in torch.library's dispatch of the two ops
+    (docs/notes/router-batch-invariance.md), more than the GEMMs' device time; torch.compile
+    still gets the ops."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:

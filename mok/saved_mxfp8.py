@@ -9,7 +9,7 @@ back into bf16 (exact: an E4M3 value times a power of two is a bf16) and runs as
 bf16 h, so its gradients are bit for bit those of the bf16 backward given that h. DeepSeek-V3
 keeps its MoE SwiGLU inputs in FP8 the same way. The price: a quantize launch in the forward, a
 dequantize launch in the backward (two each with a shared expert in launches of its own), and E4M3's 3 mantissa bits, about 3-4% relative error in the
-expert path's gradients where a bf16 h gives about 0.2% (perf/NOTES.md, eighteenth session).
+expert path's gradients where a bf16 h gives about 0.2% (docs/notes/saved-h-mxfp8.md).
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ def _rows_in_use(schedule, h: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_saved(result):
-    """A forward result (mok.fused_forward.ForwardResult or mok.ep.EPForwardResult) with h and
-    shared_h packed; of h, the rows the schedule uses (the rest of the packed buffer stays unset, as
+    """A forward result (mok.pipeline.ForwardResult) with h and shared_h packed; of h, the rows the schedule uses (the rest of the packed buffer stays unset, as
     those rows of h were). A shared_h that is h's first rows (the shared expert ran as expert E: its
     rows lead the schedule) is dropped: the backward reads it in h."""
     shared_h = result.shared_h

@@ -53,6 +53,39 @@ class Schedule:
     shared_rows: int = 0
     world_size: int = 1
 
+    FIELDS = ("expert_counts", "expert_offsets", "row_token", "row_slot", "slot_row", "tile_expert", "overflow")  # its tensors
+
+    @staticmethod
+    def shapes(num_tokens: int, topk: int, num_local: int, capacity: int, block_m: int) -> tuple[tuple[int, ...], ...]:
+        """Its tensors' shapes in FIELDS order, for N = ``num_tokens`` pairs' tokens and ``capacity`` rows."""
+        return (num_local,), (num_local + 1,), (capacity,), (capacity,), (num_tokens, topk), (capacity // block_m,), ()
+
+    @classmethod
+    def empty(
+        cls, num_tokens: int, topk: int, num_local: int, capacity: int, block_m: int, device: torch.device, *, shared_rows: int = 0,
+        world_size: int = 1,
+    ) -> "Schedule":
+        """A schedule's int32 tensors, unwritten (a schedule launch fills them)."""
+        shapes = cls.shapes(num_tokens, topk, num_local, capacity, block_m)
+        tensors = [torch.empty(shape, dtype=torch.int32, device=device) for shape in shapes]
+        return cls(*tensors, block_m, capacity, shared_rows, world_size)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors in FIELDS order (what an op returns, and :meth:`of_tensors` takes back)."""
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    @classmethod
+    def of_tensors(cls, tensors, block_m: int, *, shared_rows: int = 0, world_size: int = 1) -> "Schedule":
+        """The schedule of :meth:`tensors`' output (its capacity: the row maps' length)."""
+        fields = dict(zip(cls.FIELDS, tensors))
+        return cls(**fields, block_m=block_m, capacity=fields["row_token"].shape[0], shared_rows=shared_rows, world_size=world_size)
+
+    def mark_unrouted(self) -> "Schedule":
+        """Fill it as the schedule of no tokens: no rows, every row unused."""
+        self.expert_counts.zero_(), self.expert_offsets.zero_(), self.overflow.zero_()
+        self.row_token.fill_(-1), self.row_slot.fill_(-1), self.tile_expert.fill_(-1)
+        return self
+
     def check_overflow(self) -> None:
         """Raise if the routing did not fit (reads one flag back: call it off the hot path)."""
         if bool(self.overflow):
@@ -122,13 +155,7 @@ def check_schedule_args(
 
 
 def build_schedule(
-    topk_idx: torch.Tensor,
-    num_experts: int,
-    *,
-    block_m: int = 128,
-    capacity: int | None = None,
-    rank: int = 0,
-    world_size: int = 1,
+    topk_idx: torch.Tensor, num_experts: int, *, block_m: int = 128, capacity: int | None = None, rank: int = 0, world_size: int = 1,
     shared_prefix: bool = False,
 ) -> Schedule:
     """Schedule of rank ``rank``'s experts for the global routing ``topk_idx`` [N, k].

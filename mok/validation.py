@@ -74,12 +74,7 @@ def check_index_range(name: str, index: torch.Tensor, upper: int) -> None:
 
 
 def check_moe_inputs(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
     shared: tuple | None,
     *,
     dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,

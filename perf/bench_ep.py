@@ -1,14 +1,12 @@
 """Expert-parallel MoE forward (or forward + backward) on N GPUs: MoK's EP path against the PyTorch-native EP baseline.
 
-    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3] [--backward] [--profile N]     (one process per GPU)
+    python perf/bench_ep.py --ep 2 [--configs dsv3,qwen3] [--backward] [--profile N]     (one process per GPU)
 
-Per rank, on the same inputs in one run: ``mok.ep.ep_moe_forward`` over the symmetric VMM
-workspace, and what users write with NCCL: all_to_all_single dispatch with split sizes read
-back to the host, torch._grouped_mm experts, all_to_all_single back, index_add combine.
-"mok gr" replays MoK's path from a CUDA graph
-(captured once per rank): the device-bound time, without the host's launch work; "mok fd"
-has the gate/up GEMM pull its rows itself, "mok od" its idle warps copy them into x_rows while
-its tiles run (forward only, ``fused_dispatch`` / ``overlap_dispatch``); "mok 1L" is the whole
+Per rank, on the same inputs in one run: ``mok.forward`` with ``ep_size=N`` over the symmetric
+VMM workspace (``mok.get_workspace``), and what users write with NCCL: all_to_all_single
+dispatch with split sizes read back to the host, torch._grouped_mm experts, all_to_all_single
+back, index_add combine. "mok gr" replays MoK's path from a CUDA graph (captured once per rank):
+the device-bound time, without the host's launch work; "mok 1L" is the whole
 forward in one kernel per rank (``one_launch``), "mok 1Lg" that replayed from a graph; "mok fp8"
 sends x in MXFP8 (``dispatch_format="mxfp8"``: other bits, those of x's rounding), "mok 1L8" does
 so in one launch (the bits of "mok fp8"). Reported:
@@ -17,7 +15,7 @@ with rank 0's SM clock, power and temperature; ``--sustained 0``: the paths time
 the bytes each rank sends to other ranks (dispatch + combine: the baseline sends a row per
 remote (token, slot) pair each way, MoK's dispatch a token once per rank) and the effective
 NVLink GB/s per GPU, and whether every MoK path gave the default path's bits. With
-``--backward`` each path runs forward + backward: MoK's ep_moe_forward_saved + ep_moe_backward,
+``--backward`` each path runs forward + backward: MoK's ``mok.forward`` + ``mok.backward``,
 and autograd through the baseline with torch.distributed.nn's differentiable all_to_all_single
 (gradients of x, router weights and this rank's expert weights); bytes sent double.
 
@@ -35,9 +33,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_layer import expert_offsets, graph_of, kernel_times, same_bits
-
-from mok.bench import format_gpu, host_profile, time_ms_interleaved, time_ms_sustained
+import mok
+from mok.bench import (
+    expert_offsets, format_gpu, graph_of, host_profile, kernel_times, same_bits, time_ms_interleaved, time_ms_sustained,
+)
 
 CONFIGS = {  # name: (T per rank, H, I, E over all ranks, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
@@ -143,10 +142,6 @@ def _worker(
     rank: int, world: int, configs: list[str], init_file: str, backward: bool, profile_top: int = 0, sustained: float = 3.0,
     share_gpu: bool = False,
 ) -> None:
-    from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
-    from mok.runtime.workspace import SymmetricWorkspace
-
     torch.cuda.set_device(0 if share_gpu else rank)
     backend = "gloo" if share_gpu else "nccl"  # (NCCL refuses two ranks on one GPU)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -169,17 +164,20 @@ def _worker(
                 (torch.randn(e_local, *shape, device="cuda", generator=gw) * shape[1] ** -0.5).bfloat16()
                 for shape in ((I, H), (I, H), (H, I))
             )
-            layout = EPLayout(world=world, max_tokens=T, hidden=H, topk=k)
-            sym = SymmetricWorkspace(layout.stride, group, spec={"bench": name})
-            ws = EPWorkspace.from_symmetric(sym, layout)
+            config = mok.MoKConfig(H, I, E, k, ep_size=world)
+            ws = mok.create_workspace(config, group, max_tokens=T)  # (one layout serves every option below)
+
+            def mok_forward(**options):
+                cfg = mok.MoKConfig(H, I, E, k, ep_size=world, **options)
+                return mok.forward(cfg, ws, x, idx, w, *experts, save_for_backward=False, check_routing=False, timeout_s=30.0)[0]
+
             if backward:
                 dout = torch.randn(T, H, device="cuda", generator=g).bfloat16()
 
-                def mok_step(one_launch=False, dispatch_format="bf16"):
-                    saved = ep_moe_forward_saved(
-                        ws, x, idx, w, *experts, timeout_s=30.0, one_launch=one_launch, dispatch_format=dispatch_format
-                    )
-                    return ep_moe_backward(ws, dout, x, idx, w, *experts, None, saved, timeout_s=30.0).dx
+                def mok_step(**options):
+                    cfg = mok.MoKConfig(H, I, E, k, ep_size=world, **options)
+                    _, ctx = mok.forward(cfg, ws, x, idx, w, *experts, check_routing=False, timeout_s=30.0)
+                    return mok.backward(cfg, ws, ctx, dout, timeout_s=30.0).dx
 
                 paths = {
                     "mok": mok_step,
@@ -192,16 +190,13 @@ def _worker(
                 }
             else:
                 paths = {
-                    "mok": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0),
-                    "mok gr": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0)),
-                    "mok fd": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, fused_dispatch=True),  # fc1 pulls
-                    # fc1's idle producer warps fill x_rows while its tiles run
-                    "mok od": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, overlap_dispatch=True),
-                    "mok 1L": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True),  # one kernel
-                    "mok 1Lg": graph_of(lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True)),
+                    "mok": mok_forward,
+                    "mok gr": graph_of(mok_forward),
+                    "mok 1L": lambda: mok_forward(one_launch=True),  # one kernel
+                    "mok 1Lg": graph_of(lambda: mok_forward(one_launch=True)),
                     # x sent in MXFP8: 33/64 of the dispatch bytes, the routed experts on its rounding (other bits)
-                    "mok fp8": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, dispatch_format="mxfp8"),
-                    "mok 1L8": lambda: ep_moe_forward(ws, x, idx, w, *experts, timeout_s=30.0, one_launch=True, dispatch_format="mxfp8"),
+                    "mok fp8": lambda: mok_forward(dispatch_format="mxfp8"),
+                    "mok 1L8": lambda: mok_forward(one_launch=True, dispatch_format="mxfp8"),
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
             if share_gpu:  # the baseline needs NCCL
@@ -251,7 +246,7 @@ def _worker(
                     for kernel, ms_k, calls in rows:
                         print(f"{'':<10}{ms_k:8.3f} ms {calls:>3}x  {kernel[:90]}")
             dist.barrier(group=group)
-            sym.close()
+            ws.close()
     finally:
         dist.destroy_process_group()
 
@@ -259,7 +254,7 @@ def _worker(
 def run(
     world: int, configs: list[str], backward: bool = False, profile_top: int = 0, sustained: float = 3.0, share_gpu: bool = False
 ) -> int:
-    """Spawn one process per GPU and run the comparison (called by perf/bench_layer.py --ep N).
+    """Spawn one process per GPU and run the comparison.
     ``share_gpu``: every process on GPU 0 over gloo, MoK's paths only: a smoke run of this script
     on one GPU (the baseline's NCCL refuses two ranks on one GPU), not a measurement."""
     import torch.multiprocessing as mp
@@ -270,3 +265,31 @@ def run(
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, configs, os.path.join(d, "init"), backward, profile_top, sustained, share_gpu), nprocs=world)
     return 0
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks, one process per GPU (default 2)")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument("--sustained", type=float, default=3.0, metavar="S",
+                        help="each path alone at its own steady state for S s (default 3); 0: the paths timed in turn")
+    parser.add_argument("--profile", type=int, default=0, help="print rank 0's N most expensive kernels and its host profile")
+    parser.add_argument(
+        "--share-gpu", action="store_true",
+        help="all processes on GPU 0 over gloo, MoK's paths only (a smoke run of this benchmark on one GPU; its times mean nothing)",
+    )
+    args = parser.parse_args()
+    if args.ep < 2:
+        parser.error("--ep: expected 2 or more ranks")
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        parser.error(f"--configs: no config(s) {sorted(unknown)}; known: {list(CONFIGS)}")
+    return run(args.ep, args.configs.split(","), backward=args.backward, profile_top=args.profile, sustained=args.sustained,
+               share_gpu=args.share_gpu)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,24 +1,22 @@
 """MoE layer on one GPU: MoK's fused path against the plain PyTorch path, side by side.
 
     python perf/bench_layer.py [--configs dsv3,qwen3,dsv3-zipf] [--backward]
-    python perf/bench_layer.py --ep 2 [--configs dsv3,qwen3] [--backward]     (expert parallel: perf/bench_ep.py)
+    (expert parallel: perf/bench_ep.py --ep 2)
 
-For each config, on the same inputs in one process: MoK's forward, the PyTorch path users
-write (router-grouped torch._grouped_mm for gate/up and down, SwiGLU, weighting and
-index_add combine), and a dense bf16 GEMM of the same FLOPs as the ceiling. Prints ms,
-TFLOP/s (6·T·k·H·I per forward, plus 6·T·H·I_s for a shared expert), the ratios, and the
-number of kernel launches per forward (torch.profiler). "mok 3-launch" is the forward whose
-down projection also combines (moe_forward(combine_in_gemm=True)); "mok 1-MLP" runs both
-grouped GEMMs in one launch (one_launch_mlp=True), "mok 1-MLP+c" the combine in it too (2
-launches with the schedule), "mok 1-launch" the schedule in it as well (one_launch=True: one
-launch, plus 2 for a shared expert; "mok 1L shared-in": one, the shared expert in it). With ``--backward`` each path runs
-forward + backward (MoK: moe_forward(save_for_backward=True) + moe_backward; PyTorch:
-autograd through the same path, gradients of x, router weights and all weights), counted
-as 3x the forward's FLOPs, against the dense GEMM at 3x its FLOPs; "main_grad fused" adds the
-weight gradients into fp32 main_grad buffers inside the backward (moe_backward(main_grads=...)),
-"main_grad add" takes bf16 gradients and adds them afterwards, as a loop without it would;
-"mok mxfp8 h" keeps h in MXFP8 between forward and backward (mok/saved_mxfp8.py: other bits, so
-it is left out of the same-bits check).
+For each config, on the same inputs in one process: MoK's forward (``mok.forward`` with the
+configuration's options), the PyTorch path users write (mok.bench.torch_forward: router-grouped
+torch._grouped_mm for gate/up and down, SwiGLU, weighting and index_add combine), and a dense
+bf16 GEMM of the same FLOPs as the ceiling. Prints ms, TFLOP/s (6·T·k·H·I per forward, plus
+6·T·H·I_s for a shared expert), the ratios, and the number of kernel launches per forward
+(torch.profiler). "mok 1-launch" is the forward in one launch (``one_launch=True``: plus 2 for a
+shared expert; "mok 1L shared-in": one, the shared expert in it). With ``--backward`` each path
+runs forward + backward (MoK: ``mok.forward`` + ``mok.backward``; PyTorch: autograd through the
+same path, gradients of x, router weights and all weights), counted as 3x the forward's FLOPs,
+against the dense GEMM at 3x its FLOPs; "main_grad fused" adds the weight gradients into fp32
+main_grad buffers inside the backward (``fuse_wgrad_accumulation``), "main_grad add" takes bf16
+gradients and adds them afterwards, as a loop without it would; "mok mxfp8 h" keeps h in MXFP8
+between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is left out of the
+same-bits check).
 
 Each path is timed alone at its own steady state (``--sustained S``, mok.bench.time_ms_sustained),
 with the SM clock, power and temperature it ran at: an H200 under these loads sits at its 700 W
@@ -33,12 +31,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
-from mok.fused_backward import moe_backward
-from mok.bench import format_gpu, smi_command, time_ms_interleaved, time_ms_sustained
-from mok.fused_forward import moe_forward
-from mok.saved_mxfp8 import pack_saved
+import mok
+from mok.bench import (
+    count_launches, device_span, format_gpu, gpu_state, graph_of, kernel_sequence, kernel_times, same_bits, time_ms_interleaved,
+    time_ms_sustained, torch_forward, torch_train_step,
+)
 
 CONFIGS = {
     # name: (T, H, I, E, k, shared I_s, routing)
@@ -83,40 +81,27 @@ def stacked_inputs(inputs):
     return x, idx, w, tuple(b[:-1] for b in bufs), tuple(b[-1] for b in bufs)
 
 
-def torch_forward(x, idx, w, experts, shared):
-    """The plain PyTorch path: sort by expert, grouped GEMMs, SwiGLU, weight, index_add."""
-    wg, wu, wd = experts
-    T, k = idx.shape
-    flat = idx.flatten().long()
-    order = flat.argsort(stable=True)
-    offs = expert_offsets(flat, wg.shape[0])
-    tok = order // k
-    xs = x[tok]
-    a = F.silu(torch._grouped_mm(xs, wg.transpose(1, 2), offs=offs)) * torch._grouped_mm(xs, wu.transpose(1, 2), offs=offs)
-    y = torch._grouped_mm(a, wd.transpose(1, 2), offs=offs)
-    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
-    if shared is not None:
-        out += (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
-    out.index_add_(0, tok, y * w.flatten()[order, None])  # (bf16 y times fp32 weights: fp32, one pass)
-    return out.bfloat16()
+def config_of(inputs, **options) -> mok.MoKConfig:
+    """The layer configuration of these inputs, with ``options``."""
+    x, idx, _, experts, shared = inputs
+    return mok.MoKConfig(
+        x.shape[1], experts[0].shape[1], experts[0].shape[0], idx.shape[1], None if shared is None else shared[0].shape[0], **options
+    )
 
 
-def expert_offsets(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """End row of each expert's sorted rows (torch._grouped_mm's offs), without a host sync
-    (torch.bincount on CUDA reads the ids' range back to the host)."""
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-    return counts.cumsum(0).int()
-
-
-def mok_train_step(inputs, dout, main_grads=None, mxfp8_h=False, **forward):
-    """MoK forward (keeping h; ``forward``: moe_forward's options) and backward: all gradients
-    (``main_grads``: fp32 buffers the weight gradients are added into, in the backward's GEMMs;
-    ``mxfp8_h``: h kept packed in MXFP8 between the two, mok/saved_mxfp8.py)."""
+def mok_forward(inputs, **options):
+    """MoK's forward output (``mok.forward``, nothing kept for a backward)."""
     x, idx, w, experts, shared = inputs
-    saved = moe_forward(x, idx, w, *experts, shared, check_routing=False, save_for_backward=True, **forward)
-    if mxfp8_h:
-        saved = pack_saved(saved)
-    return moe_backward(dout, x, idx, w, *experts, shared, saved, main_grads=main_grads)
+    return mok.forward(config_of(inputs, **options), None, x, idx, w, *experts, shared, save_for_backward=False, check_routing=False)[0]
+
+
+def mok_train_step(inputs, dout, main_grads=None, **options):
+    """MoK forward (keeping h) and backward: all gradients (``main_grads``: fp32 buffers the weight
+    gradients are added into, in the backward's GEMMs; ``options``: the configuration's)."""
+    x, idx, w, experts, shared = inputs
+    config = config_of(inputs, fuse_wgrad_accumulation=main_grads is not None, **options)
+    _, ctx = mok.forward(config, None, x, idx, w, *experts, shared, check_routing=False)
+    return mok.backward(config, None, ctx, dout, main_grads=main_grads)
 
 
 def mok_train_step_then_add(inputs, dout, main_grads):
@@ -128,106 +113,10 @@ def mok_train_step_then_add(inputs, dout, main_grads):
     return grads
 
 
-def torch_train_step(inputs, dout):
-    """The PyTorch path's forward and autograd backward: gradients of x, router weights and weights."""
-    x, idx, w, experts, shared = inputs
-    leaves = [t.detach().requires_grad_() for t in (x, w, *experts, *(shared or ()))]
-    xl, wl, wg, wu, wd, *sh = leaves
-    out = torch_forward(xl, idx, wl, (wg, wu, wd), tuple(sh) if sh else None)
-    return torch.autograd.grad(out, leaves, dout)
-
-
-def graph_of(fn):
-    """fn captured once in a CUDA graph after one eager call (with expert parallelism every rank
-    makes it together); the returned callable replays it (no host launch work) and returns what
-    fn returned during the capture (the graph's output tensors, rewritten by each replay)."""
-    fn()  # compile and load outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-
-    return replay
-
-
-def gpu_state() -> str:
-    """The GPU's SM clock, power draw and temperature now (nvidia-smi), or "" where it cannot say:
-    printed after the timing, it tells how far power and heat held the clock down (an H200 at
-    sustained bf16 load ran at ~1.45 GHz, not 1.98)."""
-    import subprocess
-
-    try:
-        command = smi_command("clocks.sm,clocks.max.sm,power.draw,temperature.gpu", torch.cuda.current_device())
-        line = subprocess.run(command, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return f"SM clock, max, power, temperature just after: {line}" if line else ""
-
-
-def same_bits(a, b) -> bool:
-    """Whether two results (tensors, or tuples of them and None, as Gradients) are bitwise equal."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
-    return a is None and b is None
-
-
-def profiled(fn, calls: int = 1):
-    """torch.profiler's record (CUDA activity) of ``calls`` back-to-back calls of fn, after one warm-up
-    call (with expert parallelism every rank must call it together: the paths synchronise with their peers)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return prof
-
-
-def device_events(prof) -> list:
-    """The record's events that ran on the GPU (kernels, copies, fills)."""
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def count_launches(fn) -> int:
-    """CUDA kernels launched by one call of fn (after warm-up)."""
-    return sum(1 for e in device_events(profiled(fn)) if "Memcpy" not in e.name and "Memset" not in e.name)
-
-
-def kernel_times(fn, top: int = 6) -> list[tuple[str, float, int]]:
-    """(kernel, device ms, calls) of one call of fn, the most expensive first."""
-    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in profiled(fn).key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])[:top]
-
-
-def kernel_sequence(fn) -> list[tuple[str, float]]:
-    """(kernel, device ms) of every launch of one call of fn, in launch order (variants of one
-    kernel class share a name: the order tells them apart)."""
-    kernels = sorted(device_events(profiled(fn)), key=lambda e: e.time_range.start)
-    return [(e.name, (e.time_range.end - e.time_range.start) / 1e3) for e in kernels]
-
-
-def device_span(fn, calls: int = 5) -> tuple[float, float]:
-    """(kernel-busy ms, first-start-to-last-end ms) per call over ``calls`` back-to-back calls:
-    their difference is the device time between kernels (launch gaps, tails)."""
-    kernels = device_events(profiled(fn, calls))
-    busy = sum(e.time_range.end - e.time_range.start for e in kernels)
-    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
-    return busy / calls / 1e3, span / calls / 1e3
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="dsv3,qwen3,dsv3-zipf,qwen3-small")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (one process per GPU)")
     parser.add_argument(
         "--sustained", type=float, default=3.0, metavar="S",
         help="each path alone at its own steady state: S s of calls, then S s timed, with its mean SM clock, power and "
@@ -237,19 +126,7 @@ def main() -> int:
     parser.add_argument("--paths", default="", help="MoK paths to time, comma-separated (default: all; torch and dense always)")
     parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
     parser.add_argument("--profile-paths", default="mok", help="at EP 1: the paths whose kernels are printed, comma-separated (default: mok)")
-    parser.add_argument(
-        "--share-gpu", action="store_true",
-        help="with --ep N: all N processes on GPU 0 over gloo, MoK's paths only (a smoke run of the EP benchmark on one GPU; "
-        "its times mean nothing)",
-    )
     args = parser.parse_args()
-    if args.share_gpu and args.ep < 2:
-        parser.error("--share-gpu: only with --ep 2 or more")
-    if args.ep > 1:
-        from bench_ep import CONFIGS as EP_CONFIGS, run
-
-        names = args.configs.split(",") if args.configs != parser.get_default("configs") else list(EP_CONFIGS)
-        return run(args.ep, names, backward=args.backward, profile_top=args.profile, sustained=args.sustained, share_gpu=args.share_gpu)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = f"{'config':<12}{'path':<17}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
     if args.sustained:
@@ -268,7 +145,6 @@ def main() -> int:
             paths = {
                 "mok": lambda: mok_train_step(inputs, dout),
                 "mok (graph)": graph_of(lambda: mok_train_step(inputs, dout)),
-                "mok gather": lambda: mok_train_step(inputs, dout, gather_first=True),
                 "torch": lambda: torch_train_step(inputs, dout),
                 "dense gemm": lambda: [dense_a @ dense_b for _ in range(3)],
             }
@@ -277,29 +153,18 @@ def main() -> int:
             main_grads = tuple(torch.zeros(t.shape, device="cuda") for t in (*inputs[3], *(inputs[4] or ())))
             paths["main_grad add"] = lambda: mok_train_step_then_add(inputs, dout, main_grads)
             paths["main_grad fused"] = lambda: mok_train_step(inputs, dout, main_grads=main_grads)
-            paths["mok mxfp8 h"] = lambda: mok_train_step(inputs, dout, mxfp8_h=True)
+            paths["mok mxfp8 h"] = lambda: mok_train_step(inputs, dout, saved_h_format="mxfp8")
         else:
             paths = {
-                "mok": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out,
-                "mok (graph)": graph_of(lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False).out),
-                "mok 3-launch": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, combine_in_gemm=True).out,
-                "mok gather": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, gather_first=True).out,
-                "mok 1-MLP": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch_mlp=True).out,
-                "mok 1-MLP+c": lambda: moe_forward(
-                    *inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch_mlp=True, combine_in_gemm=True
-                ).out,
-                "mok 1-launch": lambda: moe_forward(*inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch=True).out,
-                "mok 1L gather": lambda: moe_forward(
-                    *inputs[:3], *inputs[3], inputs[4], check_routing=False, one_launch=True, gather_first=True
-                ).out,
+                "mok": lambda: mok_forward(inputs),
+                "mok (graph)": graph_of(lambda: mok_forward(inputs)),
+                "mok 1-launch": lambda: mok_forward(inputs, one_launch=True),
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }
             if stacked is not None:  # the shared expert in the routed launches (four, or one)
-                paths["mok shared-in"] = lambda: moe_forward(*stacked[:3], *stacked[3], stacked[4], check_routing=False).out
-                paths["mok 1L shared-in"] = lambda: moe_forward(
-                    *stacked[:3], *stacked[3], stacked[4], check_routing=False, one_launch=True
-                ).out
+                paths["mok shared-in"] = lambda: mok_forward(stacked)
+                paths["mok 1L shared-in"] = lambda: mok_forward(stacked, one_launch=True)
         if args.paths:
             keep = {"mok", "torch", "dense gemm", *args.paths.split(",")}  # (the default path: the others' bits are checked against it)
             unknown = keep - set(paths)

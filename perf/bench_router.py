@@ -1,4 +1,4 @@
-"""The built-in router's logits: MoK's GEMMs (mok/router.py) against nn.Linear (cuBLAS), side by side.
+"""The built-in router's logits: MoK's GEMMs (mok/router.py, mok/torch_ops.py) against nn.Linear (cuBLAS), side by side.
 
     python perf/bench_router.py [--configs dsv3,qwen3,qwen3-small]
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from mok.bench import host_profile, host_us, time_ms_interleaved
 from mok.layer import route
-from mok.router import router_logits, router_logits_op
+from mok.torch_ops import router_logits, router_logits_op
 
 CONFIGS = {  # name: (T, H, E, k)
     "dsv3": (4096, 7168, 256, 8),

@@ -2,8 +2,7 @@
 
     python perf/gemm_sweep.py                  # every shape, then the gathered fc1
     python perf/gemm_sweep.py --gathered-fc1   # fc1 gathering its rows against gather + fc1 only
-    python perf/gemm_sweep.py --scattered-fc2  # fc2 writing its rows into the slots against fc2 + push kernel
-    python perf/gemm_sweep.py --skip-padding   # fc1 and fc2 skipping all-padding half tiles, at 128 experts a rank
+    python perf/gemm_sweep.py --scattered-fc2  # fc2 writing its rows into the slots against fc2 into rows
     python perf/gemm_sweep.py --counted-wgrad  # weight gradients stopping at each expert's last row block
     python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide, ping-pong)
 
@@ -64,8 +63,7 @@ WEIGHT_GRAD_SHAPES = {  # name: (E, rows per expert, M, N): out[e] = A[rows of e
 
 def weight_grads() -> None:
     """The K-grouped weight-gradient GEMM, one tile per CTA against persistent, and a dense GEMM of the same FLOPs."""
-    from mok import grad_ops
-
+    
     for name, (E, per, M, N) in WEIGHT_GRAD_SHAPES.items():
         R = E * per
         a = torch.randn(R, M, device="cuda").bfloat16()
@@ -74,10 +72,10 @@ def weight_grads() -> None:
         out = torch.empty(E, M, N, device="cuda").bfloat16()
         flops = 2 * R * M * N
         runs = {
-            "mok weight_grad": lambda: grad_ops.weight_grad(a, b, offsets, out=out, persistent=False),
-            "mok weight_grad persist": lambda: grad_ops.weight_grad(a, b, offsets, out=out, pingpong=False),
-            "mok persist n256": lambda: grad_ops.weight_grad(a, b, offsets, out=out, tile_n=256),
-            "mok ping-pong": lambda: grad_ops.weight_grad(a, b, offsets, out=out),  # (the default)
+            "mok weight_grad": lambda: ops.weight_grad(a, b, offsets, out=out, persistent=False),
+            "mok weight_grad persist": lambda: ops.weight_grad(a, b, offsets, out=out, pingpong=False),
+            "mok persist n256": lambda: ops.weight_grad(a, b, offsets, out=out, tile_n=256),
+            "mok ping-pong": lambda: ops.weight_grad(a, b, offsets, out=out),  # (the default)
             "dense mm": lambda: a[:per * 8].T @ b[:per * 8],  # (8 experts' rows: FLOPs scaled below)
         }
         for kname, fn in runs.items():
@@ -105,10 +103,7 @@ def gathered_fc1() -> None:
 
 def scattered_fc2() -> None:
     """The down projection writing each row into its (token, slot) slot (the EP push inside the GEMM)
-    against the GEMM into y_rows + the EP push kernel, on a real schedule, one rank (local slots)."""
-    from mok.kernels import ep_variant, get_kernel
-    from mok.runtime.arch import device_arch
-
+    against the same GEMM into y_rows, on a real schedule, one rank (local slots)."""
     for name, (T, H, I, E, k) in {"dsv3 fc2": (4096, 7168, 2048, 32, 8), "qwen3 fc2": (8192, 2048, 768, 64, 8)}.items():
         sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
         a = torch.randn(sched.capacity, I, device="cuda").bfloat16()
@@ -117,43 +112,10 @@ def scattered_fc2() -> None:
         slots = torch.empty(T, k, H, device="cuda").bfloat16()
         rows = torch.arange(sched.capacity, device="cuda", dtype=torch.int32)  # (row r -> y_rows[r]: the stores alone)
         zeros = torch.zeros_like(rows)
-        push = get_kernel(ep_variant("push", 1, width=H, topk=k), device_arch(0))
-        push_args = (
-            ops._ptr("bf16", y_rows), ops._ptr("i32", sched.row_token, 4), ops._ptr("i32", sched.row_slot, 4),
-            ops._ptr("bf16", slots), ops._i32(T), ops._i32(slots.numel()), ops._i32(sched.capacity), ops._stream(slots.device),
-        )
         runs = {
             "fc2 -> y_rows": lambda: ops.grouped_gemm(a, wd, sched.tile_expert, out=y_rows),
-            "fc2 + push kernel": lambda: (ops.grouped_gemm(a, wd, sched.tile_expert, out=y_rows), push(*push_args)),
             "fc2 scattering": lambda: ops.grouped_gemm_scatter(a, wd, sched.tile_expert, sched.row_token, sched.row_slot, slots),
             "fc2 scattering in order": lambda: ops.grouped_gemm_scatter(a, wd, sched.tile_expert, rows, zeros, y_rows.view(-1, 1, H)),
-        }
-        for kname, fn in runs.items():
-            print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
-
-
-def skipping_padding() -> None:
-    """fc1 (on dispatched rows) and the scattering fc2 with and without skip_padding, on real
-    uniform schedules with many experts per rank (one EP = 2 rank of dsv3 and qwen3), plus the
-    share of computed rows that are padding and of half tiles that skip."""
-    for name, (T, H, I, E, k) in {"dsv3 E128": (4096, 7168, 2048, 128, 8), "qwen3 E64": (8192, 2048, 768, 64, 8)}.items():
-        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
-        token, used = sched.row_token, int(sched.expert_offsets[-1])
-        halves = torch.arange(0, used, 64, device="cuda")
-        skipped = float((token[halves] < 0).float().mean())
-        print(f"{name:<11}padding {1 - T * k / used:.1%} of {used} computed rows; {skipped:.1%} of half tiles skip")
-        x_rows = ops.gather_rows(torch.randn(T, H, device="cuda").bfloat16(), token)
-        wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
-        wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
-        a = ops.grouped_gemm(x_rows, wg, sched.tile_expert, b2=wu)
-        slots = torch.empty(T, k, H, device="cuda").bfloat16()
-        runs = {
-            "fc1": lambda: ops.grouped_gemm(x_rows, wg, sched.tile_expert, b2=wu, out=a),
-            "fc1 skip": lambda: ops.grouped_gemm(x_rows, wg, sched.tile_expert, b2=wu, out=a, skip_padding=token),
-            "fc2 scattering": lambda: ops.grouped_gemm_scatter(a, wd, sched.tile_expert, token, sched.row_slot, slots),
-            "fc2 scattering skip": lambda: ops.grouped_gemm_scatter(
-                a, wd, sched.tile_expert, token, sched.row_slot, slots, skip_padding=True
-            ),
         }
         for kname, fn in runs.items():
             print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
@@ -162,8 +124,6 @@ def skipping_padding() -> None:
 def counted_weight_grads() -> None:
     """The weight gradients on real uniform schedules (zero padding rows), reducing every padded
     row against stopping at each expert's last 64-row block (``counts``), as the backward calls them."""
-    from mok import grad_ops
-
     for name, (T, H, I, E, k) in {"dsv3 E128": (4096, 7168, 2048, 128, 8), "qwen3 E128": (8192, 2048, 768, 128, 8)}.items():
         sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
         token, used = sched.row_token, int(sched.expert_offsets[-1])
@@ -175,8 +135,8 @@ def counted_weight_grads() -> None:
         offsets, counts = sched.expert_offsets, sched.expert_counts
         out = torch.empty(E, I, H, device="cuda").bfloat16()
         runs = {
-            "dW_gate": lambda: grad_ops.weight_grad(dh[:, :I], x_rows, offsets, out=out),
-            "dW_gate counted": lambda: grad_ops.weight_grad(dh[:, :I], x_rows, offsets, counts=counts, out=out),
+            "dW_gate": lambda: ops.weight_grad(dh[:, :I], x_rows, offsets, out=out),
+            "dW_gate counted": lambda: ops.weight_grad(dh[:, :I], x_rows, offsets, counts=counts, out=out),
         }
         for kname, fn in runs.items():
             print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
@@ -187,8 +147,6 @@ if __name__ == "__main__":
 
     if "--counted-wgrad" in sys.argv:
         counted_weight_grads()
-    elif "--skip-padding" in sys.argv:
-        skipping_padding()
     elif "--weight-grads" in sys.argv:
         weight_grads()
     elif "--scattered-fc2" in sys.argv:

@@ -142,8 +142,7 @@ def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None, **forw
     once), each on its own throwaway workspaces (a forward whose waits timed out leaves an error
     that the next call of its workspace would raise). CUDA loads a kernel at its first launch and
     loading waits for the device: on one GPU, for another "rank's" spinning kernel."""
-    from mok.ep import EPWorkspace, ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
+    from mok.pipeline.workspace import EPWorkspace
 
     forward_ws = EPWorkspace.local_group(layout, capacity=capacity)
     backward_ws = EPWorkspace.local_group(layout, capacity=capacity)
@@ -155,9 +154,6 @@ def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None, **forw
 
 def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, check=True, **forward):
     """Forward (keeping h) then backward on every rank, each on its own stream."""
-    from mok.ep import ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
-
     streams = [torch.cuda.Stream() for _ in workspaces]
     results = []
     torch.cuda.synchronize()
@@ -185,9 +181,6 @@ def ep_training_case(world, counts, hidden, inter, num_experts, topk, *, seed, r
     """A batch of sum(counts) tokens (no shared expert) split over ``world`` ranks, and the
     single-GPU forward and backward on all of it: (per-rank arguments, per-rank dout, out,
     gradients), the bits an expert-parallel training step on it must give."""
-    from mok.fused_backward import moe_backward
-    from mok.fused_forward import moe_forward
-
     total = sum(counts)
     x, idx, w, experts, _ = gpu_layer(total, hidden, inter, num_experts, topk, seed=seed, routing=routing)
     dout = torch.randn(total, hidden, device="cuda").bfloat16()
@@ -228,25 +221,23 @@ def mxfp8_forward_reference(x, idx, w, experts, shared):
 
 
 def check_mxfp8_forward(T, H, I, E, k, shared_inter, routing, emulate):
-    """mok.mxfp8_forward's output against :func:`mxfp8_forward_reference` (poisoned output first),
+    """The MXFP8 forward's output against :func:`mxfp8_forward_reference` (poisoned output first),
     called twice for the same bits, and the first half of the batch alone for the same bits of
-    those tokens. Returns (out, the quantized weights, the layer)."""
-    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
-
+    those tokens. Returns (out, the layer)."""
     layer = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 1, routing=routing)
     x, idx, w, experts, shared = layer
-    weights = quantize_expert_weights(*experts)
-    run = lambda n, **kw: mxfp8_moe_forward(x[:n], idx[:n], w[:n], weights, shared, emulate=emulate, **kw).out  # noqa: E731
+    precision = "mxfp8_emulated" if emulate else "mxfp8"
+    run = lambda n, **kw: moe_forward(x[:n], idx[:n], w[:n], *experts, shared, precision=precision, **kw).out  # noqa: E731
     out = run(T, out=poisoned(T, H))
     want = mxfp8_forward_reference(x, idx, w, experts, shared)
     assert not out.isnan().any() and rel_err(out, want) < 1e-2 and worst_row_err(out, want) < 5e-2
     assert torch.equal(out, run(T))
     assert torch.equal(out[: T // 2], run(T // 2))
-    return out, weights, layer
+    return out, layer
 
 
 def mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format="mxfp8"):
-    """float64 gradients as mok.mxfp8_backward computes them: the saved h from MXFP8-rounded x and
+    """float64 gradients as the MXFP8 backward computes them: the saved h from MXFP8-rounded x and
     weights, rounded to bf16; per routed row dA_u = q(dout)·q(W_downᵀ)ᵀ (q: through MXFP8 along the
     product's K), dh rounded to bf16, then through MXFP8 for dx = q(dh_gate)·q(W_gateᵀ)ᵀ + q(dh_up)·
     q(W_upᵀ)ᵀ; d_topk_w = Σ dA_u·a; the weight gradients from the bf16 rows (dout, bf16(s·a), dh, x),
@@ -300,18 +291,15 @@ def mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format="mxf
 
 
 def check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate, wgrad_format="mxfp8"):
-    """mok.mxfp8_backward's gradients against :func:`mxfp8_backward_reference`; the same bits twice;
+    """The MXFP8 backward's gradients against :func:`mxfp8_backward_reference`; the same bits twice;
     dx and d_topk_w of the first half of the batch alone the same bits. Returns the gradients."""
-    from mok.mxfp8_backward import mxfp8_moe_backward
-    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
-
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 2, routing=routing)
     dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)).bfloat16()
-    weights, weights_t = quantize_expert_weights(*experts), quantize_expert_weights(*experts, transposed=True)
+    precision = "mxfp8_emulated" if emulate else "mxfp8"
 
     def run(n):
-        saved = mxfp8_moe_forward(x[:n], idx[:n], w[:n], weights, shared, save_for_backward=True, emulate=emulate)
-        return mxfp8_moe_backward(dout[:n], x[:n], idx[:n], w[:n], weights_t, shared, saved, emulate=emulate, wgrad_format=wgrad_format)
+        saved = moe_forward(x[:n], idx[:n], w[:n], *experts, shared, save_for_backward=True, precision=precision)
+        return moe_backward(dout[:n], x[:n], idx[:n], w[:n], *experts, shared, saved, precision=precision, wgrad_format=wgrad_format)
 
     grads = run(T)
     want = mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format)
@@ -329,25 +317,23 @@ def check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate, wgrad_fo
 
 
 def check_mxfp8_main_grads_and_packed_h(emulate, wgrad_format):
-    """mok.mxfp8_backward with ``main_grads``: each weight gradient added once into its fp32 buffer
+    """The MXFP8 backward with ``main_grads``: each weight gradient added once into its fp32 buffer
     (buffer == old + the fresh fp32 gradient, bitwise; what comes back is the buffer), dx and
     d_topk_w unchanged; and from a packed MXFP8 h (mok.saved_mxfp8.pack_saved), the bits of the
     backward given that h rounded through MXFP8 by the reference rule (mok.mxfp8, on the CPU)."""
     import dataclasses
 
     from mok.mxfp8 import dequantize_mxfp8, quantize_mxfp8
-    from mok.mxfp8_backward import mxfp8_moe_backward
-    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
     from mok.saved_mxfp8 import pack_saved
 
     T, H, I, E, k, shared_inter = 600, 512, 256, 8, 2, 384
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=14)
     dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(15)).bfloat16()
-    weights_t = quantize_expert_weights(*experts, transposed=True)
-    saved = mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts), shared, save_for_backward=True, emulate=emulate)
+    precision = "mxfp8_emulated" if emulate else "mxfp8"
+    saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, precision=precision)
 
     def backward(state, **kw):
-        g = mxfp8_moe_backward(dout, x, idx, w, weights_t, shared, state, emulate=emulate, wgrad_format=wgrad_format, **kw)
+        g = moe_backward(dout, x, idx, w, *experts, shared, state, precision=precision, wgrad_format=wgrad_format, **kw)
         return [*g[:5], *(g.d_shared or ())]
 
     fresh = backward(saved, grad_dtype=torch.float32)
@@ -389,3 +375,77 @@ def recorded_lookups():
         torch.cuda.synchronize()
     finally:
         del cache.loaded
+
+
+# The pipelines called as the tests call them: a configuration made from the tensors' shapes and the
+# options a test names, resolved into the plan of the tensors' GPU (mok.pipeline.forward / backward)
+
+
+def layer_config(x, topk_idx, experts, shared=None, *, ep_size: int = 1, **options):
+    """The MoKConfig of these tensors (E: the local experts times ``ep_size``) with ``options``."""
+    from mok.config import MoKConfig
+
+    return MoKConfig(
+        hidden=x.shape[1], intermediate=experts[0].shape[1], num_experts=experts[0].shape[0] * ep_size, topk=topk_idx.shape[1],
+        shared_intermediate=None if shared is None else shared[0].shape[0], ep_size=ep_size, **options,
+    )
+
+
+def layer_plan(x, topk_idx, experts, shared=None, **options):
+    """The plan of :func:`layer_config` on x's GPU (on another device: Hopper's, so that the
+    pipelines' own checks are what a test meets)."""
+    from mok.plan import plan_for, plan_for_device
+
+    config = layer_config(x, topk_idx, experts, shared, **options)
+    return plan_for_device(config, x.device) if x.is_cuda else plan_for(config, "sm_90a")
+
+
+def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, *, save_for_backward=False, out=None, check_routing=True,
+                shared_in_routed=None, **options):
+    """mok.pipeline.forward at one GPU (``options``: MoKConfig's, e.g. one_launch, precision)."""
+    from mok import pipeline
+
+    experts = (w_gate, w_up, w_down)
+    return pipeline.forward(
+        layer_plan(x, topk_idx, experts, shared, **options), x, topk_idx, topk_w, experts, shared, save=save_for_backward, out=out,
+        check_routing=check_routing, shared_in_routed=shared_in_routed,
+    )
+
+
+def moe_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, *, grad_dtype=torch.bfloat16, main_grads=None,
+                 weight_grads=True, wgrad_format="mxfp8", **options):
+    """mok.pipeline.backward at one GPU (``options``: MoKConfig's, the forward's)."""
+    from mok import pipeline
+
+    experts = (w_gate, w_up, w_down)
+    return pipeline.backward(
+        layer_plan(x, topk_idx, experts, shared, **options), dout, x, topk_idx, topk_w, experts, shared, saved, grad_dtype=grad_dtype,
+        main_grads=main_grads, weight_grads=weight_grads, wgrad_format=wgrad_format,
+    )
+
+
+def ep_moe_forward_saved(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, *, save_h=True, timeout_s=5.0, **options):
+    """mok.pipeline.forward of one rank over the workspace ``ws`` (``options``: MoKConfig's)."""
+    from mok import pipeline
+
+    experts = (w_gate, w_up, w_down)
+    plan = layer_plan(x, topk_idx, experts, shared, ep_size=ws.layout.world, **options)
+    return pipeline.forward(plan, x, topk_idx, topk_w, experts, shared, workspace=ws, save=save_h, check_routing=False, timeout_s=timeout_s)
+
+
+def ep_moe_forward(ws, *args, **kwargs):
+    """This rank's output of :func:`ep_moe_forward_saved` without saving anything."""
+    return ep_moe_forward_saved(ws, *args, save_h=False, **kwargs).out
+
+
+def ep_moe_backward(ws, dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, *, grad_dtype=torch.bfloat16, main_grads=None,
+                    timeout_s=5.0, weight_grads=True, **options):
+    """mok.pipeline.backward of one rank over the workspace ``ws``."""
+    from mok import pipeline
+
+    experts = (w_gate, w_up, w_down)
+    plan = layer_plan(x, topk_idx, experts, shared, ep_size=ws.layout.world, **options)
+    return pipeline.backward(
+        plan, dout, x, topk_idx, topk_w, experts, shared, saved, workspace=ws, grad_dtype=grad_dtype, main_grads=main_grads,
+        weight_grads=weight_grads, timeout_s=timeout_s,
+    )

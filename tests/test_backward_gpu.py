@@ -1,14 +1,15 @@
 """The single-GPU fused backward and its kernels on the H200, against fp32 autograd of the reference."""
 
+import importlib
+
 import pytest
 import torch
 
-from mok import grad_ops, ops
-from mok.fused_backward import moe_backward
-from mok.fused_forward import moe_forward, single_expert_tiles
+from mok import ops
+from mok.pipeline.stages import single_expert_tiles
 from mok.reference import expert_rows, moe_reference
 
-from helpers import gpu_layer, poisoned, rel_err, worst_entry_err, worst_row_err
+from helpers import gpu_layer, moe_backward, moe_forward, poisoned, rel_err, worst_entry_err, worst_row_err
 
 pytestmark = pytest.mark.gpu
 
@@ -177,15 +178,15 @@ def test_weight_grad_per_expert_with_empty_experts_and_strided_a(m, n, tile_n, p
     a = wide[:, m:]  # a column slice: row stride 2m
     b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
     offsets = torch.tensor([0, 128, 128, 512, 1024, 1024], dtype=torch.int32, device="cuda")  # experts 1 and 4 empty
-    out = grad_ops.weight_grad(a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"), tile_n=tile_n, pingpong=pingpong)
-    one_tile_per_cta = grad_ops.weight_grad(
+    out = ops.weight_grad(a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"), tile_n=tile_n, pingpong=pingpong)
+    one_tile_per_cta = ops.weight_grad(
         a, b, offsets, out=torch.full((5, m, n), float("nan"), device="cuda"), persistent=False, tile_n=tile_n
     )
     assert torch.equal(out, one_tile_per_cta)  # the persistent kernel reduces each tile in the same order
     acc = torch.randn(5, m, n, device="cuda")
     want_acc = acc + out
     for persistent in (True, False):
-        got = grad_ops.weight_grad(
+        got = ops.weight_grad(
             a, b, offsets, out=acc.clone(), accumulate=True, persistent=persistent, tile_n=tile_n, pingpong=pingpong and persistent
         )
         assert torch.equal(got, want_acc)
@@ -228,26 +229,26 @@ def test_weight_grad_split_out_gives_each_half_the_bits_of_its_own_launch(persis
     opts = dict(counts=counts, persistent=persistent, pingpong=pingpong)
     halves = (a[:, : m // 2], a[:, m // 2 :])
     for dtype in (torch.bfloat16, torch.float32):
-        want = [grad_ops.weight_grad(h, b, offsets, out=torch.full((experts, m // 2, n), float("nan"), device="cuda", dtype=dtype), **opts) for h in halves]
-        fresh = grad_ops.weight_grad(a, b, offsets, out_dtype=dtype, split_out=True, **opts)
+        want = [ops.weight_grad(h, b, offsets, out=torch.full((experts, m // 2, n), float("nan"), device="cuda", dtype=dtype), **opts) for h in halves]
+        fresh = ops.weight_grad(a, b, offsets, out_dtype=dtype, split_out=True, **opts)
         assert all(torch.equal(got, w) for got, w in zip(fresh, want))
         storage = torch.full((2 * experts + 1, m // 2, n), float("nan"), device="cuda", dtype=dtype)
         for first, second in ((storage[:experts], storage[experts + 1 :]), (storage[experts + 1 :], storage[:experts])):
-            got = grad_ops.weight_grad(a, b, offsets, out=(first, second), split_out=True, **opts)
+            got = ops.weight_grad(a, b, offsets, out=(first, second), split_out=True, **opts)
             assert got[0] is first and got[1] is second
             assert torch.equal(first, want[0]) and torch.equal(second, want[1])
     acc = [torch.randn(experts, m // 2, n, device="cuda", generator=g) for _ in range(2)]
-    want = [grad_ops.weight_grad(h, b, offsets, out=t.clone(), accumulate=True, **opts) for h, t in zip(halves, acc)]
+    want = [ops.weight_grad(h, b, offsets, out=t.clone(), accumulate=True, **opts) for h, t in zip(halves, acc)]
     for first_below in (True, False):
         pair = torch.empty(2, experts, m // 2, n, device="cuda")
         lo, hi = (0, 1) if first_below else (1, 0)
         pair[lo], pair[hi] = acc[0], acc[1]
-        got = grad_ops.weight_grad(a, b, offsets, out=(pair[lo], pair[hi]), accumulate=True, split_out=True, **opts)
+        got = ops.weight_grad(a, b, offsets, out=(pair[lo], pair[hi]), accumulate=True, split_out=True, **opts)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    monkeypatch.setattr(grad_ops, "TMA_STRIDE_LIMIT", 0)  # every distance too far: one launch per half
+    monkeypatch.setattr(importlib.import_module("mok.ops.weight_grads"), "TMA_STRIDE_LIMIT", 0)  # every distance too far: one launch per half
     nan32 = lambda: torch.full((experts, m // 2, n), float("nan"), device="cuda")  # noqa: E731 (fp32 out)
-    fallback = grad_ops.weight_grad(a, b, offsets, out=(nan32(), nan32()), split_out=True, **opts)
-    fresh = [grad_ops.weight_grad(h, b, offsets, out=nan32(), **opts) for h in halves]
+    fallback = ops.weight_grad(a, b, offsets, out=(nan32(), nan32()), split_out=True, **opts)
+    fresh = [ops.weight_grad(h, b, offsets, out=nan32(), **opts) for h in halves]
     assert torch.equal(fallback[0], fresh[0]) and torch.equal(fallback[1], fresh[1])
     for e in range(experts):  # and against fp32 products of the real rows (fp32 out: only the order differs)
         lo, c = int(offsets[e]), int(counts[e])
@@ -270,18 +271,18 @@ def test_weight_grad_with_counts_skips_padding_blocks_and_keeps_the_bits(pingpon
     m, n = 256, 384
     a, b, offsets, counts, real = expert_rows_as_scheduled([0, 1, 64, 65, 128, 129, 192, 200, 300, 17], m, n, g)
     rows, experts = a.shape[0], len(counts)
-    full = grad_ops.weight_grad(a, b, offsets, out=torch.full((experts, m, n), float("nan"), device="cuda"), pingpong=pingpong)
-    counted = grad_ops.weight_grad(a, b, offsets, counts=counts, out=torch.full((experts, m, n), float("nan"), device="cuda"), pingpong=pingpong)
+    full = ops.weight_grad(a, b, offsets, out=torch.full((experts, m, n), float("nan"), device="cuda"), pingpong=pingpong)
+    counted = ops.weight_grad(a, b, offsets, counts=counts, out=torch.full((experts, m, n), float("nan"), device="cuda"), pingpong=pingpong)
     assert torch.equal(counted, full)
     acc = torch.randn(experts, m, n, device="cuda", generator=g)
-    got = grad_ops.weight_grad(a, b, offsets, counts=counts, out=acc.clone(), accumulate=True, pingpong=pingpong)
+    got = ops.weight_grad(a, b, offsets, counts=counts, out=acc.clone(), accumulate=True, pingpong=pingpong)
     assert torch.equal(got, acc + full)
     # garbage in the padding rows: whole padding blocks are not read, and the rows of a block
     # the last real row shares would show (so only check experts whose count is a multiple of 64)
     junk = torch.randn(rows, m, device="cuda", generator=g).bfloat16() * 1e3
     a_junk = torch.where(real[:, None], a, junk)
     b_junk = torch.where(real[:, None], b, junk[:, :1].expand(rows, n))
-    skipped = grad_ops.weight_grad(  # (into NaN: an empty expert's zeros must be written, not found)
+    skipped = ops.weight_grad(  # (into NaN: an empty expert's zeros must be written, not found)
         a_junk, b_junk.contiguous(), offsets, counts=counts, out=poisoned(experts, m, n), pingpong=pingpong
     )
     for e in range(experts):
@@ -324,7 +325,7 @@ def test_swiglu_backward_pingpong_gives_the_same_bits():
     h = torch.randn(g.shape[0], 1024, device="cuda").bfloat16()
     used = s.tile_expert.repeat_interleave(128) >= 0
     routed = {
-        pp: grad_ops.swiglu_backward_gemm(g, wd, s.tile_expert, h, row_token=s.row_token, row_slot=s.row_slot, topk_w=w, pingpong=pp)
+        pp: ops.swiglu_backward_gemm(g, wd, s.tile_expert, h, row_token=s.row_token, row_slot=s.row_slot, topk_w=w, pingpong=pp)
         for pp in (False, True)
     }
     for cooperative, pingpong in zip(routed[False], routed[True]):
@@ -332,7 +333,7 @@ def test_swiglu_backward_pingpong_gives_the_same_bits():
         assert torch.equal(pingpong[used], cooperative[used])
     one_tile = single_expert_tiles(3000, x.device)  # the shared expert: 3000 rows, a partial last tile
     h_shared = torch.randn(3000, 1024, device="cuda").bfloat16()
-    shared = {pp: grad_ops.swiglu_backward_gemm(dout, wd[:1], one_tile, h_shared, pingpong=pp) for pp in (False, True)}
+    shared = {pp: ops.swiglu_backward_gemm(dout, wd[:1], one_tile, h_shared, pingpong=pp) for pp in (False, True)}
     assert shared[True][2] is None
     for cooperative, pingpong in zip(shared[False][:2], shared[True][:2]):
         assert not pingpong.isnan().any()
@@ -342,7 +343,7 @@ def test_swiglu_backward_pingpong_gives_the_same_bits():
 def test_backward_rejects_missing_saved_activations():
     x, idx, w, experts, shared = gpu_layer(16, 256, 128, 8, 2, None, seed=18)
     saved = moe_forward(x, idx, w, *experts, shared)
-    with pytest.raises(ValueError, match="save_for_backward=True"):
+    with pytest.raises(ValueError, match="the forward did not keep h; call it with save=True"):
         moe_backward(torch.randn_like(x), x, idx, w, *experts, shared, saved)
 
 
@@ -360,7 +361,7 @@ def test_persistent_kernels_give_the_same_bits():
         a = ops.grouped_gemm(xr, wg, s.tile_expert, b2=wu, h_out=h, persistent=persistent)
         y256 = ops.grouped_gemm(a, wd, s.tile_expert, persistent=persistent)  # H = 512: 256-wide tiles
         y128 = ops.grouped_gemm(a, wd, s.tile_expert, tile_n=128, persistent=persistent)
-        dh, a_s, part = grad_ops.swiglu_backward_gemm(
+        dh, a_s, part = ops.swiglu_backward_gemm(
             g, wd, s.tile_expert, h, row_token=s.row_token, row_slot=s.row_slot, topk_w=w, persistent=persistent
         )
         dx = ops.grouped_gemm(dh, wg, s.tile_expert, b2=wu, b_major="n", k_split=True, persistent=persistent)
@@ -438,8 +439,8 @@ def test_shared_expert_in_the_routed_launches_gives_the_bits_of_its_own_launches
     rows first: the output, h and every gradient (fresh and added into main_grads) bitwise those
     of the same weights in tensors of their own, in 4 + 8 launches instead of 6 + 10, and with
     one_launch=True in ONE forward launch (3 before)."""
-    from mok import fused_forward
-    from mok.fused_forward import shared_expert_as_last
+    from mok.pipeline import stages
+    from mok.pipeline.stages import shared_expert_as_last
 
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, I, seed=41)
     bufs = [torch.cat([routed, one[None]]) for routed, one in zip(experts, shared)]
@@ -449,7 +450,7 @@ def test_shared_expert_in_the_routed_launches_gives_the_bits_of_its_own_launches
     got = moe_forward(x, idx, w, *stacked, stacked_shared, save_for_backward=True, out=poisoned(T, H))
     assert got.schedule.shared_rows == -(-T // 128) * 128 and want.schedule.shared_rows == 0
     assert torch.equal(got.out, want.out) and torch.equal(got.shared_h, want.shared_h)
-    monkeypatch.setattr(fused_forward, "_COPY_WARNED", False)  # (it warns once per process)
+    monkeypatch.setattr(stages, "_COPY_WARNED", False)  # (it warns once per process)
     with pytest.warns(UserWarning, match="copying them together"):  # weights elsewhere, asked for anyway: copied
         copied = moe_forward(x, idx, w, *experts, shared, shared_in_routed=True)
     assert torch.equal(copied.out, want.out)
@@ -480,11 +481,11 @@ def test_shared_expert_in_the_routed_launches_gives_the_bits_of_its_own_launches
 
 
 def test_precompiled_variants_are_the_ones_a_training_step_launches():
-    """variants_for (what `mok precompile` builds) names every kernel variant a forward and backward
+    """The plan's variants (what `mok precompile` builds) name every kernel variant a forward and backward
     look up, so a precompiled cache leaves nothing to JIT (a default that changes in an op but not
     in the list — ping-pong weight gradients — would otherwise compile on the first step)."""
     from mok.config import MoKConfig
-    from mok.kernels import variants_for
+    from mok.plan import plan_for
 
     from helpers import recorded_lookups
 
@@ -492,18 +493,20 @@ def test_precompiled_variants_are_the_ones_a_training_step_launches():
     with recorded_lookups() as looked_up:
         saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
         moe_backward(torch.randn_like(x), x, idx, w, *experts, shared, saved)
-    listed = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(512, 256, 8, 4, shared_intermediate=256))}
+    listed = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(MoKConfig(512, 256, 8, 4, shared_intermediate=256), "sm_90a").variants()}
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)
 
 
 def take_the_one_tile_path(monkeypatch):
     """Make the layer run as it does on SM100 (where only the one-tile-per-CTA GEMMs exist so far):
-    rows gathered first, every GEMM one tile per CTA."""
-    import mok.fused_forward
+    rows gathered first (the plan of sm_100a, whose GEMMs are not persistent), every GEMM one tile
+    per CTA (the ops' default kind; the kernels themselves still Hopper's, compiled for this GPU)."""
+    import mok.plan
 
-    for module in (ops, grad_ops):
-        monkeypatch.setattr(module, "_persistent", lambda device: False)
-    monkeypatch.setattr(mok.fused_forward, "has_persistent_gemms", lambda arch: False)
+    for name in ("mok.ops.common", "mok.ops.gemm", "mok.ops.weight_grads"):
+        monkeypatch.setattr(importlib.import_module(name), "persistent_default", lambda device: False)
+    plan_for = mok.plan.plan_for
+    monkeypatch.setattr(mok.plan, "plan_for_device", lambda config, device: plan_for(config, "sm_100a"))
 
 
 @pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [(1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert")])
@@ -512,7 +515,7 @@ def test_the_one_tile_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, 
     CTA everywhere, fp32 main_grads too) give the default path's bits: the path's plumbing is right
     whatever the GEMMs underneath, and it looks up only kernels `precompile --arch sm_100a` builds."""
     from mok.config import MoKConfig
-    from mok.kernels import variants_for
+    from mok.plan import plan_for
 
     from helpers import recorded_lookups
 
@@ -532,5 +535,5 @@ def test_the_one_tile_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, 
         got = run()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     configs = [MoKConfig(H, I, E, k, shared_intermediate=shared_inter, fuse_wgrad_accumulation=fuse) for fuse in (False, True)]
-    listed = {(v.name, tuple(sorted(v.config.items()))) for c in configs for v in variants_for(c, "sm_100a")}
+    listed = {(v.name, tuple(sorted(v.config.items()))) for c in configs for v in plan_for(c, "sm_100a").variants()}
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)

@@ -171,9 +171,9 @@ def test_gathered_combine_of_no_rows_gives_the_shared_output_or_zeros():
 @pytest.mark.parametrize("topk,parts", [(6, 16), (1, 1), (8, 6)])
 def test_dx_combine_with_the_router_gradient_in_the_same_launch(topk, parts):
     """The backward's combine with router=(partial, d_topk_w): dx bitwise the plain unit-weight
-    combine, d_topk_w bitwise mok.grad_ops.router_grad (column pieces added in order; 0 for a
+    combine, d_topk_w bitwise mok.ops.router_grad (column pieces added in order; 0 for a
     pair without a row), and both against float64 sums."""
-    from mok.grad_ops import router_grad
+    from mok.ops import router_grad
 
     g = torch.Generator(device="cuda").manual_seed(31 + topk)
     num_rows, tokens, hidden = 700, 200, 1032  # (1032: a second, partial column block)

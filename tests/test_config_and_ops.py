@@ -14,67 +14,83 @@ def test_config_derived_values():
 
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_one_launch_config_adds_its_kernels(ep_size):
-    """variants_for (what precompile builds) holds the one-launch forward (h saved or not) only
-    when the config asks for it; at EP > 1 it is the expert-parallel one."""
-    from mok.kernels import variants_for
+    """The plan's variants (what precompile builds) hold the one-launch forward (h saved or not)
+    only when the config asks for it; at EP > 1 it is the expert-parallel one."""
+    from mok.plan import plan_for
 
     base = dict(hidden=512, intermediate=256, num_experts=8, topk=2, ep_size=ep_size)
-    one = [v.config for v in variants_for(MoKConfig(**base, one_launch=True)) if v.config.get("schedule_experts")]
+    one = [v.config for v in plan_for(MoKConfig(**base, one_launch=True), "sm_90a").variants() if v.name == "expert_mlp"]
     assert sorted(c["save_h"] for c in one) == [False, True]
-    assert all(c["schedule_experts"] == 8 // ep_size and c.get("ep_world") == (ep_size if ep_size > 1 else None) for c in one)
-    assert not any(v.config.get("schedule_experts") for v in variants_for(MoKConfig(**base)))
+    assert all(c["num_experts"] == 8 // ep_size and c.get("ep_world") == (ep_size if ep_size > 1 else None) for c in one)
+    assert not any(v.name == "expert_mlp" for v in plan_for(MoKConfig(**base), "sm_90a").variants())
 
 
 def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
-    """On sm_100a precompile builds the MXFP8 path's kernels for precision="mxfp8" (mok.mxfp8_forward
-    and mok.mxfp8_backward): its GEMMs at the layer's widths and the quantizer writing MMA-ordered
-    scales (bounded, and whole for the weights), not the bf16 routed GEMMs; a bf16 layer none of
-    them; sm_90a has no block-scaled MMA, so none there (and such a layer is refused there). The
-    built-in router's bf16 GEMMs are the same in both."""
-    from mok.kernels import router_variants, unsupported_on, variants_for
+    """On sm_100a precompile builds the MXFP8 path's kernels for precision="mxfp8" (the pipelines'
+    MXFP8 stages, forward and backward): its GEMMs on E4M3 operands at the layer's widths and the
+    quantizer writing MMA-ordered scales (bounded, and whole for the weights), not the bf16 routed
+    GEMMs; a bf16 layer none of them; sm_90a has no block-scaled MMA, so such a layer is refused
+    there (plan_for raises). The built-in router's bf16 GEMMs are the same in both."""
+    from mok.plan import plan_for, refusal, router_variants
+
+    def keys(config, arch="sm_100a"):
+        return {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, arch).variants()}
 
     config = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8, precision="mxfp8")
-    sm100 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(config, "sm_100a")}
-    bf16 = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(7168, 2048, 32, 8), "sm_100a")}
-    assert not any(name.endswith("_mxfp8") or dict(c).get("mma_order") for name, c in bf16)
+    sm100 = keys(config)
+    bf16 = keys(MoKConfig(7168, 2048, 32, 8))
+    assert not any(name.endswith("_mxfp8") or dict(c).get("operand") or dict(c).get("mma_order") for name, c in bf16)
     router = {(v.name, tuple(sorted(v.config.items()))) for v in router_variants(7168, 32, persistent=False)}
     routed_bf16 = {(name, c) for name, c in bf16 if name in ("grouped_gemm", "weight_grad")} - router
     assert routed_bf16 and not routed_bf16 & sm100 and router <= sm100 & bf16
-    assert "block-scaled MMAs" in unsupported_on(config, "sm_90a") and unsupported_on(config, "sm_100a") is None
-    gemms = sorted((dict(c)["n"], dict(c)["k"], dict(c)["epilogue"], dict(c).get("k_split", False)) for name, c in sm100
-                   if name == "grouped_gemm_mxfp8")
+    assert "block-scaled MMAs" in refusal(config, "sm_90a") and refusal(config, "sm_100a") is None
+    e4m3 = lambda name: [dict(c) for n, c in sm100 if n == name and dict(c).get("operand") == "e4m3"]  # noqa: E731
+    gemms = sorted((c["n"], c["k"], c["epilogue"], c.get("k_split", False)) for c in e4m3("grouped_gemm"))
     assert gemms == [(2048, 7168, "swiglu", False), (2048, 7168, "swiglu_bwd", False), (2048, 7168, "swiglu_save", False),
                      (7168, 2048, "plain", False), (7168, 4096, "plain", True)]
     quantizers = sorted((dict(c).get("bounded", False), dict(c).get("columns", False)) for name, c in sm100
                         if name == "quantize_mxfp8" and dict(c).get("mma_order"))
     assert quantizers == [(False, False), (True, False), (True, True)]
-    wgrads = sorted((dict(c)["m"], dict(c)["n"], dict(c).get("split_out", False)) for name, c in sm100 if name == "weight_grad_mxfp8")
+    wgrads = sorted((c["m"], c["n"], c.get("split_out", False)) for c in e4m3("weight_grad"))
     assert wgrads == [(4096, 7168, True), (7168, 2048, False)]
     fused = MoKConfig(hidden=7168, intermediate=2048, num_experts=32, topk=8, fuse_wgrad_accumulation=True, precision="mxfp8")
-    added = [dict(c) for name, c in {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(fused, "sm_100a")} - sm100
-             if name == "weight_grad_mxfp8"]  # fuse_wgrad_accumulation: the fp32 ones adding into main_grad
+    added = [dict(c) for name, c in keys(fused) - sm100
+             if name == "weight_grad" and dict(c).get("operand") == "e4m3"]  # fuse_wgrad_accumulation: the fp32 ones adding into main_grad
     assert sorted((c["m"], c["n"], c["a_stride"], c.get("split_out", False)) for c in added if c["accumulate"] and c["out_dtype"] == "f32") == [
         (2048, 7168, 4096, False), (4096, 7168, 4096, True), (7168, 2048, 7168, False)
     ] and len(added) == 3
-    hopper = variants_for(config, "sm_90a")
-    assert not any(v.name in ("grouped_gemm_mxfp8", "weight_grad_mxfp8") or v.config.get("mma_order") for v in hopper)
+    with pytest.raises(NotImplementedError, match="precision='mxfp8': needs block-scaled MMAs"):
+        plan_for(config, "sm_90a")
 
 
 def test_mxfp8_emulated_config_adds_its_quantizers_dequantizers_and_gemms_and_the_cli_sets_it():
     """precision="mxfp8_emulated" (any arch): the MMA-ordered quantizers, the dequantizers and the
-    bf16 GEMMs on dequantized rows join the bf16 list (mok.kernels.mxfp8_emulated_variants); the
-    precompile CLI's --precision sets it."""
+    bf16 GEMMs on dequantized rows (gate/up without gathering, dx on the transposed weights' K-major
+    copies) take the place of the bf16 plan's gathering gate/up GEMMs and N-major dx GEMM, the
+    rest of the bf16 list as it is; the precompile CLI's --precision sets it."""
     import argparse
 
     from mok.cli import _add_shape_options, _config_from
-    from mok.kernels import mxfp8_emulated_variants, variants_for
+    from mok.kernels.variants import grouped_gemm_variant, quantize_mxfp8_variant
+    from mok.plan import plan_for
 
     base = dict(hidden=512, intermediate=256, num_experts=8, topk=2)
     for arch, persistent in (("sm_90a", True), ("sm_100a", False)):
-        plain = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base), arch)}
-        emulated = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base, precision="mxfp8_emulated"), arch)}
-        extra = {(v.name, tuple(sorted(v.config.items()))) for v in mxfp8_emulated_variants(512, 256, persistent=persistent)}
-        assert emulated == plain | extra and not extra <= plain
+        keys = lambda variants: {(v.name, tuple(sorted(v.config.items()))) for v in variants}  # noqa: E731
+        plain = keys(plan_for(MoKConfig(**base), arch).variants())
+        emulated = keys(plan_for(MoKConfig(**base, precision="mxfp8_emulated"), arch).variants())
+        extra = keys([
+            quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True),
+            quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True), quantize_mxfp8_variant(back=True),
+            quantize_mxfp8_variant(back=True, bounded=True),
+            grouped_gemm_variant(256, 512, epilogue="swiglu", persistent=persistent),
+            grouped_gemm_variant(256, 512, epilogue="swiglu_save", persistent=persistent),
+            grouped_gemm_variant(512, 512, k_split=True, persistent=persistent),
+        ])
+        replaced = keys([grouped_gemm_variant(512, 512, b_major="n", k_split=True, persistent=persistent)] + [
+            grouped_gemm_variant(256, 512, epilogue=epilogue, gather_a=True) for epilogue in ("swiglu", "swiglu_save") if persistent
+        ])
+        assert replaced <= plain and emulated == (plain - replaced) | extra and not extra <= plain
     parser = argparse.ArgumentParser()
     _add_shape_options(parser)
     assert _config_from(parser.parse_args(["--ep-size", "1", "--precision", "mxfp8_emulated"])).precision == "mxfp8_emulated"
@@ -82,13 +98,15 @@ def test_mxfp8_emulated_config_adds_its_quantizers_dequantizers_and_gemms_and_th
 
 
 def test_mxfp8_dispatch_config_adds_its_kernels_and_the_cli_sets_it():
-    """variants_for with dispatch_format="mxfp8": the quantizing publish and the dequantizing
+    """The plan's variants with dispatch_format="mxfp8": the quantizing publish and the dequantizing
     dispatch, nothing else; with one_launch also the one-launch forwards that quantize and
     dequantize (h saved or not) in place of the bf16 ones; `precompile --dispatch-format mxfp8` sets it."""
     import argparse
 
     from mok.cli import _add_shape_options, _config_from
-    from mok.kernels import variants_for
+    from mok.plan import plan_for
+
+    variants_for = lambda config: plan_for(config, "sm_90a").variants()  # noqa: E731
 
     base = dict(hidden=512, intermediate=256, num_experts=8, topk=2, ep_size=2)
     plain = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base))}
@@ -106,9 +124,11 @@ def test_mxfp8_dispatch_config_adds_its_kernels_and_the_cli_sets_it():
 
 
 def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradients():
-    """variants_for with fuse_wgrad_accumulation: each expert MLP's weight gradients also as the fp32
-    kernels that add into main_grad (dW_down; dW_gate with dW_up; a half of dh alone), nothing else."""
-    from mok.kernels import variants_for
+    """The plan's variants with fuse_wgrad_accumulation: each expert MLP's weight gradients also as the
+    fp32 kernels that add into main_grad (dW_down; dW_gate with dW_up; a half of dh alone), nothing else."""
+    from mok.plan import plan_for
+
+    variants_for = lambda config: plan_for(config, "sm_90a").variants()  # noqa: E731
 
     base = dict(hidden=512, intermediate=256, num_experts=8, topk=2, shared_intermediate=384)
     plain = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(MoKConfig(**base))}
@@ -163,51 +183,16 @@ def test_combine_rejects_bad_input_before_launch(args, error, words):
     assert words in str(info.value)
 
 
-def test_grouped_gemm_combine_rejects_a_schedule_that_can_drop_slots():
-    """A token's output is written by its k-th arrival: a schedule whose capacity could drop a slot is refused."""
-    from mok.ops import arrival_counters, grouped_gemm_combine
+def test_one_launch_counters_are_sized_by_row_tiles():
+    """The one-launch forward's counters: an error word, the next tile, one per row tile (the
+    per-token arrival counters were fc2's epilogue combine's, which is gone)."""
+    from mok.ops.one_launch import expert_mlp_counters
     from mok.schedule import build_schedule
 
-    T, H, I, E, k = 64, 256, 128, 4, 2
+    T, E, k = 64, 4, 2
     idx = torch.randint(0, E, (T, k), dtype=torch.int32)
     full = build_schedule(idx, E, block_m=128)
-    short = build_schedule(idx, E, block_m=128, capacity=128)
-    args = dict(w_down=torch.zeros(E, H, I, dtype=torch.bfloat16), topk_w=torch.rand(T, k), arrivals=arrival_counters(T, H, "cpu"))
-    with pytest.raises(ValueError, match="schedule: expected a capacity of at least 640 rows"):
-        grouped_gemm_combine(torch.zeros(128, I, dtype=torch.bfloat16), schedule=short, **args)
-    with pytest.raises(ValueError, match="a: expected the schedule.s 640 rows, got 100"):
-        grouped_gemm_combine(torch.zeros(100, I, dtype=torch.bfloat16), schedule=full, **args)
-    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
-        grouped_gemm_combine(torch.zeros(full.capacity, I, dtype=torch.bfloat16), schedule=full, **args)
-
-
-def test_expert_mlp_rejects_bad_input_before_launch():
-    """The one-launch expert MLP checks its counters, schedule and combine arguments before any launch."""
-    from mok.ops import expert_mlp, expert_mlp_counters
-    from mok.schedule import build_schedule
-
-    T, H, I, E, k = 64, 256, 128, 4, 2
-    idx = torch.randint(0, E, (T, k), dtype=torch.int32)
-    full = build_schedule(idx, E, block_m=128)
-    short = build_schedule(idx, E, block_m=128, capacity=128)
-    bf16 = dict(dtype=torch.bfloat16)
-    x, wg, wu, wd = torch.zeros(T, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, H, I, **bf16)
-    counters = expert_mlp_counters(T, H, full.capacity, "cpu")
-    assert counters.shape == (2 + 5 + T,)  # error word, next tile, 640 rows = 5 row tiles, one 256-column tile of fc2 per token
-    with pytest.raises(ValueError, match=r"counters: expected shape \(71,\) \(expert_mlp_counters\), got \(70,\)"):
-        expert_mlp(x, wg, wu, wd, full, counters[1:])
-    with pytest.raises(ValueError, match="schedule: expected a capacity of at least 640 rows"):
-        expert_mlp(x, wg, wu, wd, short, expert_mlp_counters(T, H, 128, "cpu"), topk_w=torch.rand(T, k))
-    with pytest.raises(ValueError, match="shared_out, out: only with topk_w"):
-        expert_mlp(x, wg, wu, wd, full, counters, shared_out=torch.zeros(T, H, **bf16))
-    with pytest.raises(ValueError, match="expected H and I multiples of 128, got H=256, I=64"):
-        expert_mlp(x, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), full, counters)
-    with pytest.raises(ValueError, match=r"schedule: expected one for 32 tokens x top-2, got slot_row of shape \[64, 2\]"):
-        expert_mlp(x[:32], wg, wu, wd, full, counters)
-    with pytest.raises(ValueError, match=r"w_down: expected shape \[4, 256, 128\]"):
-        expert_mlp(x, wg, wu, wd.transpose(1, 2).contiguous(), full, counters)
-    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
-        expert_mlp(x, wg, wu, wd, full, counters, topk_w=torch.rand(T, k))
+    assert expert_mlp_counters(full.capacity) == (2 + 5,)  # 640 rows = 5 row tiles
 
 
 def test_one_launch_forward_op_rejects_bad_input_before_launch():
@@ -232,16 +217,8 @@ def test_one_launch_forward_op_rejects_bad_input_before_launch():
         scheduled_expert_mlp(x, idx, w, wg, wu, wd, timeout_s=0)
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
         scheduled_expert_mlp(x, idx, w, wg, wu, wd)
-    # a shared expert in the routed launches needs the combine as a phase of its own (fc2's epilogue
-    # combine would read the shared rows while other tiles of the launch still write them)
-    with pytest.raises(ValueError, match="shared_in_routed: .*combine_phase=False"):
-        scheduled_expert_mlp(x, idx, w, wg, wu, wd, shared_in_routed=True, combine_phase=False)
     with pytest.raises(ValueError, match="shared_in_routed: .*shared_out given"):
         scheduled_expert_mlp(x, idx, w, wg, wu, wd, shared_in_routed=True, shared_out=x)
-    from mok.kernels.sm90.expert_mlp import ExpertMlpSm90
-
-    with pytest.raises(ValueError, match="shared_prefix: only with .*combine_phase"):
-        ExpertMlpSm90(H, I, k, combine=True, has_shared=True, schedule_experts=E, shared_prefix=True)
 
 
 def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
@@ -303,27 +280,9 @@ def test_raise_grid_timeouts_reports_the_barriers_timeout_count():
         raise_grid_timeouts(torch.zeros(3, dtype=torch.int32))
 
 
-def test_grouped_gemm_that_pulls_its_rows_checks_where_they_come_from():
-    from mok.ops import grouped_gemm
-
-    bf16 = dict(dtype=torch.bfloat16)
-    rows, wg, tiles = torch.zeros(256, 512, **bf16), torch.zeros(2, 256, 512, **bf16), torch.zeros(2, dtype=torch.int32)
-    src, token, counters = torch.zeros(100, 512, **bf16), torch.zeros(256, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="pull: only with the persistent kernel, without gather or skip_padding"):
-        grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters), gather=token)
-    with pytest.raises(ValueError, match=r"pull src: expected rows of a's 512 columns, got 256"):
-        grouped_gemm(rows, wg, tiles, pull=(src[:, :256].contiguous(), (1, 25600), token, counters))
-    with pytest.raises(ValueError, match=r"pull ranks: expected \(world >= 1, rank stride >= 51200"):
-        grouped_gemm(rows, wg, tiles, pull=(src, (2, 512), token, counters))
-    with pytest.raises(ValueError, match=r"pull counters: expected shape \[4\]"):
-        grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters[:3]))
-    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
-        grouped_gemm(rows, wg, tiles, pull=(src, (1, 51200), token, counters))
-
-
 def test_swiglu_backward_gemm_refuses_pingpong_where_it_has_no_kernel():
-    """Ping-pong is the persistent kernel's, without skip_padding (a warpgroup holds whole tiles)."""
-    from mok import grad_ops
+    """Ping-pong is the persistent kernel's."""
+    from mok import ops
 
     rows, hidden, inter, experts = 256, 128, 128, 2
     dout = torch.zeros(rows, hidden, dtype=torch.bfloat16)
@@ -331,40 +290,39 @@ def test_swiglu_backward_gemm_refuses_pingpong_where_it_has_no_kernel():
     tiles = torch.tensor([0, 1], dtype=torch.int32)
     h = torch.zeros(rows, 2 * inter, dtype=torch.bfloat16)
     routing = dict(row_token=torch.zeros(rows, dtype=torch.int32), row_slot=torch.zeros(rows, dtype=torch.int32), topk_w=torch.ones(rows, 1))
-    with pytest.raises(ValueError, match="pingpong: only with persistent=True and without skip_padding"):
-        grad_ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing, skip_padding=True, pingpong=True)
-    with pytest.raises(ValueError, match="pingpong: only with persistent=True and without skip_padding"):
-        grad_ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing, persistent=False, pingpong=True)
+    with pytest.raises(ValueError, match=r"^pingpong: only with persistent=True$"):
+        ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing, persistent=False, pingpong=True)
     with pytest.raises(ValueError, match="expected a CUDA tensor"):  # the defaults pass the checks; the launch checks refuse CPU data
-        grad_ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing, skip_padding=True)
+        ops.swiglu_backward_gemm(dout, w_down, tiles, h, **routing)
 
 
 def test_weight_grad_rejects_a_bad_tile_before_launch():
     """The weight-gradient op takes 128- or 256-column tiles that divide N (ping-pong: 128, persistent), and says so otherwise."""
-    from mok import grad_ops
+    from mok import ops
 
     a, b = torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(256, 384, dtype=torch.bfloat16)
     offsets = torch.tensor([0, 128, 256], dtype=torch.int32)
     with pytest.raises(ValueError, match="tile_n: expected 128 or 256 dividing N=384, got 256"):
-        grad_ops.weight_grad(a, b, offsets, tile_n=256)
+        ops.weight_grad(a, b, offsets, tile_n=256)
     with pytest.raises(ValueError, match="tile_n: expected 128 or 256 dividing N=384, got 64"):
-        grad_ops.weight_grad(a, b, offsets, tile_n=64)
+        ops.weight_grad(a, b, offsets, tile_n=64)
     with pytest.raises(ValueError, match="pingpong: only with persistent=True and tile_n=128"):
-        grad_ops.weight_grad(a, b, offsets, pingpong=True, persistent=False)
+        ops.weight_grad(a, b, offsets, pingpong=True, persistent=False)
     with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; the launch checks refuse CPU data
-        grad_ops.weight_grad(a, b, offsets, tile_n=128, pingpong=True)
+        ops.weight_grad(a, b, offsets, tile_n=128, pingpong=True)
     with pytest.raises(ValueError, match="counts: expected shape"):  # one count per expert
-        grad_ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128, 0], dtype=torch.int32))
+        ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128, 0], dtype=torch.int32))
     with pytest.raises(TypeError, match="counts: expected dtype"):
-        grad_ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128]))
+        ops.weight_grad(a, b, offsets, counts=torch.tensor([128, 128]))
 
 
 def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
-    """moe_backward reads the saved schedule and h with the kernels: one of another batch, other
+    """The backward reads the saved schedule and h with the kernels: one of another batch, other
     tiles or another width is refused by name before anything launches."""
-    from mok.fused_backward import moe_backward
-    from mok.fused_forward import ForwardResult
+    from mok.pipeline import ForwardResult
     from mok.schedule import build_schedule
+
+    from helpers import moe_backward
 
     T, H, I, E, k = 50, 128, 128, 4, 2
     bf16 = dict(dtype=torch.bfloat16)
@@ -382,50 +340,42 @@ def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, build_schedule(idx, 8, block_m=128), h))
     with pytest.raises(ValueError, match=rf"saved.h: expected shape \[{mine.capacity}, 256\], got \[{mine.capacity}, 128\]"):
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h[:, :I].contiguous()))
-    with pytest.raises(ValueError, match=r"w_gate: expected H, I multiples of 128 \(the fused kernels' tile\), got H=128, I=64"):
+    # (the widths are the configuration's, refused by its plan before the tensors are looked at)
+    widths = r"config: expected hidden, intermediate multiples of 128 \(the fused kernels' tile\), got hidden=128, intermediate=64"
+    with pytest.raises(ValueError, match=widths):
         moe_backward(dout, x, idx, w, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), None,
                      ForwardResult(None, mine, h[:, :I].contiguous()))
-    with pytest.raises(ValueError, match="first: expected a CUDA tensor"):  # the checks pass; then the launch checks refuse CPU data
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the checks pass; then the device check refuses CPU data
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h))
 
 
-def test_ops_refuse_a_schedule_of_other_tiles_and_a_one_launch_forward_without_weights():
-    """The one-launch MLP and the combining down projection read 128-row tiles of the schedule: a
-    64-row schedule is refused; the one-launch forward always combines, so it needs topk_w; the
-    router gradient's partial sums must be on the GPU."""
-    from mok.grad_ops import router_grad
-    from mok.ops import arrival_counters, expert_mlp, expert_mlp_counters, grouped_gemm_combine, scheduled_expert_mlp
+def test_ops_refuse_a_one_launch_forward_without_weights():
+    """The one-launch forward always combines, so it needs topk_w; the router gradient's partial
+    sums must be on the GPU."""
+    from mok.ops import router_grad, scheduled_expert_mlp
     from mok.schedule import build_schedule
 
     T, H, I, E, k = 64, 256, 128, 4, 2
     bf16 = dict(dtype=torch.bfloat16)
     x, wg, wu, wd = torch.zeros(T, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, I, H, **bf16), torch.zeros(E, H, I, **bf16)
     idx = torch.randint(0, E, (T, k), dtype=torch.int32)
-    tiles64 = build_schedule(idx, E, block_m=64)
-    with pytest.raises(ValueError, match=r"schedule: expected 128-row tiles \(block_m=128\), got block_m=64"):
-        expert_mlp(x, wg, wu, wd, tiles64, expert_mlp_counters(T, H, tiles64.capacity, "cpu"))
-    with pytest.raises(ValueError, match=r"schedule: expected 128-row tiles \(block_m=128\), got block_m=64"):
-        grouped_gemm_combine(torch.zeros(tiles64.capacity, I, **bf16), wd, tiles64, torch.rand(T, k), arrival_counters(T, H, "cpu"))
     with pytest.raises(TypeError, match="topk_w: expected a torch.Tensor, got NoneType"):
         scheduled_expert_mlp(x, idx, None, wg, wu, wd)
     with pytest.raises(ValueError, match="partial: expected a CUDA tensor, got one on cpu"):
         router_grad(torch.zeros(384, 2), build_schedule(idx, E, block_m=128).slot_row)
 
 
-def test_forward_refuses_gather_first_with_the_one_launch_mlp():
-    """moe_forward(gather_first=True) gathers x_rows before the gate/up GEMM (a launch of its own,
-    or a phase of the one-launch forward); the one-launch MLP's fc1 gathers them itself, so asking
-    for both is an error, raised before any device check."""
-    from mok.fused_forward import moe_forward
+def test_forward_takes_cpu_tensors_through_its_checks_then_refuses_them():
+    """The forward (multi-launch and one-launch) checks the call, then refuses CPU data (the device
+    check) before any launch."""
+    from helpers import moe_forward
 
     T, H, I, E, k = 8, 256, 128, 4, 2
     x, wg, wu, wd = (torch.randn(*s).bfloat16() for s in ((T, H), (E, I, H), (E, I, H), (E, H, I)))
     idx, w = torch.randint(0, E, (T, k), dtype=torch.int32), torch.rand(T, k)
-    with pytest.raises(ValueError, match=r"gather_first: not with one_launch_mlp"):
-        moe_forward(x, idx, w, wg, wu, wd, gather_first=True, one_launch_mlp=True)
     for form in ({}, {"one_launch": True}):  # accepted; then the device check
         with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
-            moe_forward(x, idx, w, wg, wu, wd, gather_first=True, **form)
+            moe_forward(x, idx, w, wg, wu, wd, **form)
 
 
 def test_precompile_options_set_the_configs_flags():
@@ -446,7 +396,7 @@ def test_zero_widths_and_schedules_of_partial_tiles_are_refused():
     its end."""
     import dataclasses
 
-    from mok.kernels import check_tiled_widths
+    from mok.plan import check_tiled_widths
     from mok.schedule import build_schedule, check_schedule
 
     with pytest.raises(ValueError, match=r"multiples of 128 \(the fused kernels' tile\), got hidden=0, intermediate=128"):
@@ -457,20 +407,9 @@ def test_zero_widths_and_schedules_of_partial_tiles_are_refused():
         check_schedule("s", dataclasses.replace(sched, capacity=1000), num_tokens=40, topk=2, num_experts=8, device=torch.device("cpu"))
 
 
-def test_combining_down_projection_refuses_an_expert_parallel_or_shared_prefix_schedule():
-    """grouped_gemm_combine completes a token at its k-th arrival: with one rank's EP schedule some
-    slots never arrive (out left unwritten), with a shared prefix one arrives too many (a race):
-    both refused before anything launches."""
-    from mok.ops import grouped_gemm_combine
-    from mok.schedule import _with_shared_prefix, build_schedule
+def test_an_expert_parallel_schedule_knows_its_world_size():
+    from mok.schedule import build_schedule
 
     idx = torch.randint(0, 8, (40, 2), dtype=torch.int32)
-    w_down, topk_w = torch.zeros(4, 256, 128, dtype=torch.bfloat16), torch.rand(40, 2)
     ep = build_schedule(idx, 8, world_size=2, rank=1)
     assert ep.world_size == 2 and build_schedule(idx, 8).world_size == 1
-    with pytest.raises(ValueError, match=r"schedule: expected one GPU's schedule .*, got an expert-parallel one \(world_size=2\)"):
-        grouped_gemm_combine(torch.zeros(ep.capacity, 128, dtype=torch.bfloat16), w_down, ep, topk_w, torch.zeros(40, 1, dtype=torch.int32))
-    prefixed = _with_shared_prefix(build_schedule(idx, 8))
-    with pytest.raises(ValueError, match="got one with a shared prefix"):
-        grouped_gemm_combine(torch.zeros(prefixed.capacity, 128, dtype=torch.bfloat16), torch.zeros(8, 256, 128, dtype=torch.bfloat16),
-                             prefixed, topk_w, torch.zeros(40, 1, dtype=torch.int32))

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from mok.ep import ALIGN, EPLayout, EPWorkspace, ep_moe_forward
-from mok.kernels import GRID_SYNC_WORDS
+import mok
+from mok.kernels.common.flag_layout import PHASE_DONE, error_slot, flag_words, grid_sync_slot, tokens_slot
+from mok.kernels.constants import GRID_SYNC_WORDS
+from mok.pipeline.workspace import ALIGN, EPLayout, EPWorkspace
 from mok.schedule import worst_case_capacity
-from mok.kernels.common.ep import PHASE_DONE, error_slot, flag_words, grid_sync_slot, tokens_slot
 
-from helpers import random_layer
+from helpers import ep_moe_forward, ep_moe_forward_saved, random_layer
 
 
 def test_layout_regions_are_aligned_and_disjoint():
@@ -36,10 +37,6 @@ def test_workspace_regions_are_per_rank_views_and_the_error_record_raises():
     ranks[0].region("flags")[grid_sync_slot(3) + 2] = 3  # the one-launch forward's grid barrier counted 3 timeouts
     with pytest.raises(RuntimeError, match=r"a wait of rank 0's kernels on their own work timed out 3 time\(s\): a one-launch"):
         ranks[0].check()
-    ranks[2].count_own_timeouts(torch.tensor([1], dtype=torch.int32))  # overlap_dispatch's row-tile wait expired once
-    ranks[2].count_own_timeouts(torch.tensor([0], dtype=torch.int32))  # (and not the next time)
-    with pytest.raises(RuntimeError, match=r"rank 2's kernels on their own work timed out 1 time\(s\).*overlap_dispatch"):
-        ranks[2].check()
 
 
 def test_ranks_emulated_on_one_device_know_they_share_it():
@@ -59,15 +56,16 @@ def test_bad_workspace_and_inputs_raise_before_any_launch():
         EPWorkspace(torch.zeros(2, layout.stride, dtype=torch.uint8), layout, 0)
     ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
     x, idx, w, experts, _ = random_layer(9, 16, 8, 2, 2, seed=1, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"T <= 8 \(the workspace layout\), got H=16, k=2, T=9"):
-        ep_moe_forward(ws, x, idx, w, *experts)
-    wide = torch.zeros(8, 4, dtype=torch.int32)  # ids published from their first element: a strided view would send others
-    with pytest.raises(ValueError, match="topk_idx: expected a contiguous tensor"):
-        ep_moe_forward(ws, x[:8], wide[:, :2], w[:8], *experts)
+    config = mok.MoKConfig(hidden=16, intermediate=8, num_experts=4, topk=2, ep_size=2)  # (the checks come before the plan's widths)
+    with pytest.raises(ValueError, match=r"x: expected at most the workspace's max_tokens=8 tokens, got 9"):
+        mok.forward(config, ws, x, idx, w, *experts)
+    wide = torch.zeros(8, 4, dtype=torch.int32)  # ids are published from their first element: a strided view is copied first
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # (accepted; then the device check)
+        mok.forward(config, ws, x[:8], wide[:, :2], w[:8], *experts)
 
 
 def test_capacity_rows_scale_an_even_routing_and_never_exceed_the_worst_case():
-    from mok.ep import capacity_rows
+    from mok.pipeline.workspace import capacity_rows
     from mok.schedule import worst_case_capacity
 
     layout = EPLayout(world=8, max_tokens=4096, hidden=7168, topk=8)
@@ -105,14 +103,17 @@ def test_layer_refuses_a_bad_capacity_factor():
 
 
 def test_ep_custom_ops_output_shapes_follow_the_layout_not_the_routing():
-    """mok::ep_moe_forward / ep_moe_backward under fake tensors (what torch.compile traces): the
-    saved tensors take the workspace's worst case, or its capacity bound."""
+    """mok::moe_forward / moe_backward with an expert-parallel workspace under fake tensors (what
+    torch.compile traces): the saved tensors take the workspace's worst case, or its capacity bound."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import mok.layer  # noqa: F401  (registers the ops)
+    from mok.pipeline.workspace import workspace_by_handle
     from mok.schedule import worst_case_capacity
+    from mok.torch_ops import config_text
 
     layout = EPLayout(world=2, max_tokens=40, hidden=64, topk=2)
+    config = config_text(mok.MoKConfig(hidden=64, intermediate=32, num_experts=6, topk=2, shared_intermediate=16, ep_size=2))
     for capacity in (None, 256):
         ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 1, capacity=capacity)
         rows = capacity or worst_case_capacity(80, 2, 3, 128)
@@ -121,18 +122,16 @@ def test_ep_custom_ops_output_shapes_follow_the_layout_not_the_routing():
             x, idx, w = torch.empty(30, 64, **bf16), torch.empty(30, 2, dtype=torch.int32, device="meta"), torch.empty(30, 2, device="meta")
             experts = (torch.empty(3, 32, 64, **bf16), torch.empty(3, 32, 64, **bf16), torch.empty(3, 64, 32, **bf16))
             shared = (torch.empty(16, 64, **bf16), torch.empty(16, 64, **bf16), torch.empty(64, 16, **bf16))
-            outs = torch.ops.mok.ep_moe_forward(x, idx, w, *experts, *shared, ws.handle, True, 5.0)
-            grads = torch.ops.mok.ep_moe_backward(x, x, idx, w, *experts, *shared, *outs[1:], ws.handle, 5.0, [])
+            outs = torch.ops.mok.moe_forward(x, idx, w, *experts, *shared, config, ws.handle, True, False, 5.0)
+            grads = torch.ops.mok.moe_backward(x, x, idx, w, *experts, *shared, list(outs[1:]), config, ws.handle, 5.0, [])
             mains = [torch.empty(t.shape, device="meta") for t in (*experts, *shared)]
-            added = torch.ops.mok.ep_moe_backward(x, x, idx, w, *experts, *shared, *outs[1:], ws.handle, 5.0, mains)
-        assert [tuple(o.shape) for o in outs] == [
-            (30, 64), (rows, 64), (rows, 64), (30, 32), (80, 2), (3,), (4,), (rows,), (rows,), (80, 2), (rows // 128,), (),
+            added = torch.ops.mok.moe_backward(x, x, idx, w, *experts, *shared, list(outs[1:]), config, ws.handle, 5.0, mains)
+        assert [tuple(o.shape) for o in outs] == [  # out, h, shared_h, x_rows, routing, then the schedule's tensors
+            (30, 64), (rows, 64), (30, 32), (rows, 64), (80, 2), (3,), (4,), (rows,), (rows,), (80, 2), (rows // 128,), (),
         ]
         assert [tuple(g.shape) for g in grads] == [(30, 64), (30, 2), (3, 32, 64), (3, 32, 64), (3, 64, 32), (16, 64), (16, 64), (64, 16)]
         assert [tuple(g.shape) for g in added] == [(30, 64), (30, 2)] + [(0,)] * 6  # (into main_grads: nothing returned)
     with pytest.raises(ValueError, match="no live MoK expert-parallel workspace has handle -1"):
-        from mok.ep import workspace_by_handle
-
         workspace_by_handle(-1)
 
 
@@ -146,46 +145,16 @@ def test_layer_refuses_a_bad_timeout():
             MoELayer(16, 8, 4, 2, timeout_s=bad)
 
 
-def test_fused_dispatch_is_for_forwards_that_keep_nothing_and_its_geometry_is_checked():
-    from mok import ops
-    from mok.ep import ep_moe_forward_saved
-
-    layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
-    ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
-    x, idx, w, experts, _ = random_layer(8, 16, 8, 2, 2, seed=3, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="fused_dispatch: only with save_h=False"):
-        ep_moe_forward_saved(ws, x, idx.int(), w, *(e[:1].contiguous() for e in experts), fused_dispatch=True)
-    a, b = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(1, 128, 64, dtype=torch.bfloat16)
-    rows, tiles = torch.zeros(128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="gather_ranks: only with gather"):
-        ops.grouped_gemm(a, b, tiles, gather_ranks=(2, 512))
-    with pytest.raises(ValueError, match=r"gather_ranks: expected \(world >= 1, rank stride >= 512 elements"):
-        ops.grouped_gemm(a, b, tiles, gather=rows, gather_ranks=(2, 500))
-
-
-def test_one_launch_forward_refuses_other_forward_modes_before_launching():
-    layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
-    x, idx, w, experts, _ = random_layer(8, 16, 8, 4, 2, seed=3, dtype=torch.bfloat16)
-    local = [e[:2].contiguous() for e in experts]
-    ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
-    with pytest.raises(ValueError, match="fused_dispatch, overlap_dispatch, one_launch: at most one"):
-        ep_moe_forward(ws, x, idx.int(), w, *local, one_launch=True, overlap_dispatch=True)
-
-
 def test_mxfp8_dispatch_is_refused_where_it_cannot_run_before_launching():
-    """dispatch_format: "bf16" or "mxfp8"; MXFP8 not with fused_dispatch or overlap_dispatch (their
-    GEMMs read the published rows as bf16) and only with H a multiple of 32 (the MXFP8 block)."""
+    """dispatch_format: "bf16" or "mxfp8"; MXFP8 only with H a multiple of 32 (the MXFP8 block)."""
     layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
     x, idx, w, experts, _ = random_layer(8, 16, 8, 4, 2, seed=3, dtype=torch.bfloat16)
     local = [e[:2].contiguous() for e in experts]
     ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
     with pytest.raises(ValueError, match=r"dispatch_format: expected one of \('bf16', 'mxfp8'\), got 'fp8'"):
         ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="fp8")
-    for mode in ("fused_dispatch", "overlap_dispatch"):
-        with pytest.raises(ValueError, match="dispatch_format='mxfp8': not with fused_dispatch or overlap_dispatch"):
-            ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="mxfp8", **{mode: True})
     for mode in ({}, {"one_launch": True}):
-        with pytest.raises(ValueError, match=r"dispatch_format='mxfp8': expected H a multiple of 32 \(the MXFP8 block\), got H=16"):
+        with pytest.raises(ValueError, match=r"dispatch_format='mxfp8': expected hidden a multiple of 32 \(the MXFP8 block\), got 16"):
             ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="mxfp8", **mode)
 
 
@@ -194,9 +163,6 @@ def test_ep_inputs_the_kernels_could_not_take_are_refused_before_any_launch():
     publish kernel cannot copy with 16-byte vectors, a workspace whose memory was closed, widths
     the kernels do not tile."""
     from types import SimpleNamespace
-
-    import mok
-    from mok.ep import ep_moe_forward_saved
 
     config = mok.MoKConfig(hidden=128, intermediate=128, num_experts=4, topk=2, ep_size=2)
     layout = EPLayout(world=2, max_tokens=8, hidden=128, topk=2)
@@ -220,5 +186,6 @@ def test_ep_inputs_the_kernels_could_not_take_are_refused_before_any_launch():
     narrow = EPLayout(world=2, max_tokens=8, hidden=64, topk=2)
     ws = EPWorkspace(torch.zeros(2 * narrow.stride, dtype=torch.uint8), narrow, 0)
     x, idx, w, experts, _ = random_layer(8, 64, 128, 4, 2, seed=6, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"w_gate: expected H, I multiples of 128 \(the fused kernels' tile\), got H=64, I=128"):
+    widths = r"config: expected hidden, intermediate multiples of 128 \(the fused kernels' tile\), got hidden=64, intermediate=128"
+    with pytest.raises(ValueError, match=widths):  # (the widths are the configuration's: its plan refuses them)
         ep_moe_forward_saved(ws, x, idx.int(), w, *(e[:2].contiguous() for e in experts))

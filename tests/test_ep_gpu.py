@@ -7,12 +7,11 @@ over NVLink through the symmetric VMM mapping; here the "peers" are other stream
 import pytest
 import torch
 
-from mok.ep import EPLayout, EPWorkspace, ep_moe_forward
-from mok.fused_forward import moe_forward
+from mok.pipeline.workspace import EPLayout, EPWorkspace
 
 from helpers import (
-    ep_training_case, ep_training_mismatches, gpu_layer, poisoned, rel_err, run_train_ranks, split_ranks, split_rows, warm_up_both_forwards,
-    warm_up_training,
+    ep_moe_backward, ep_moe_forward, ep_moe_forward_saved, ep_training_case, ep_training_mismatches, gpu_layer, moe_backward, moe_forward,
+    rel_err, run_train_ranks, split_ranks, split_rows, warm_up_both_forwards, warm_up_training,
 )
 
 pytestmark = pytest.mark.gpu
@@ -62,12 +61,10 @@ def replay_on_streams(graphs, workspaces):
     (4, (100, 37, 250, 1), 8, 4, 256, "uniform"),  # EP = 4 (issue 7's size, emulated)
     (2, (0, 300), 8, 1, None, "one_expert"),  # rank 0 sends nothing; every token of rank 1 to expert 0, on rank 0
 ])
-@pytest.mark.parametrize("dispatch", [{}, {"fused_dispatch": True}, {"overlap_dispatch": True}, {"one_launch": True}])
+@pytest.mark.parametrize("dispatch", [{}, {"one_launch": True}])
 def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter, routing, dispatch):
     """EP = W emulated on one GPU: within 1e-2 of the fp32 reference, bit for bit the single-GPU
-    forward on the concatenated batch, and the same bits over 20 calls; with ``fused_dispatch``
-    the gate/up GEMM pulls its rows from the ranks' published x itself, with ``overlap_dispatch``
-    its idle producer warps copy them into x_rows while its tiles run, with ``one_launch`` the
+    forward on the concatenated batch, and the same bits over 20 calls; with ``one_launch`` the
     whole forward of a rank is one kernel (its ranks resident at once on their share of the SMs)."""
     from mok.reference import moe_reference
 
@@ -133,8 +130,6 @@ def test_mxfp8_dispatch_training_step_equals_single_gpu_backward_of_the_dequanti
     x, idx, w, experts, _ = gpu_layer(sum(counts), 512, 256, 8, 4, None, seed=41, routing="uniform")
     x_rounded = fake_quantize_mxfp8(x).bfloat16()
     dout = torch.randn(sum(counts), 512, device="cuda").bfloat16()
-    from mok.fused_backward import moe_backward
-
     saved = moe_forward(x_rounded, idx, w, *experts, save_for_backward=True)
     want = moe_backward(dout, x_rounded, idx, w, *experts, None, saved)
     layout = EPLayout(world=world, max_tokens=max(counts), hidden=512, topk=4)
@@ -159,25 +154,6 @@ def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang(dispatch):
         ws0.check()
 
 
-def test_overlap_dispatch_row_tile_wait_that_expires_is_raised_by_check():
-    """overlap_dispatch: the gate/up GEMM's TMA warp waits for its copying warps to fill a row
-    tile; with a 1 ns bound that wait expires (a 128-row tile of 2048 columns takes far longer to
-    copy) and the workspace's check must say so, while a generous bound leaves a clean record.
-    (One rank: every wait on a peer is on its own flags, already set.)"""
-    x, idx, w, experts, _ = gpu_layer(512, 2048, 256, 4, 2, None, seed=11)
-    layout = EPLayout(world=1, max_tokens=512, hidden=2048, topk=2)
-    (ws,) = EPWorkspace.local_group(layout)
-    args = split_ranks(1, (512,), x, idx, w, experts, None)[0]
-    want = moe_forward(x, idx, w, *experts).out
-    assert torch.equal(ep_moe_forward(ws, *args, timeout_s=20.0, overlap_dispatch=True), want)
-    torch.cuda.synchronize()
-    ws.check()
-    ep_moe_forward(ws, *args, timeout_s=1e-9, overlap_dispatch=True)
-    torch.cuda.synchronize()
-    with pytest.raises(RuntimeError, match=r"rank 0's kernels on their own work timed out 1 time\(s\).*overlap_dispatch"):
-        ws.check()
-
-
 @pytest.mark.parametrize("world,counts,E,k,shared_inter,routing", [
     (2, (300, 517), 8, 4, 256, "uniform"),
     (3, (128, 1, 250), 6, 2, None, "zipf"),
@@ -191,8 +167,6 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
     batch: dx, d_topk_w and every expert's weight gradients are the same bits; the shared
     expert's weight gradients, summed over ranks, agree to rounding. ``forward``: the forward
     the backward follows (its one-launch version keeps h and the rows the same)."""
-    from mok.fused_backward import moe_backward
-
     total = sum(counts)
     x, idx, w, experts, shared = gpu_layer(total, 512, 256, E, k, shared_inter, seed=world * 11 + total, routing=routing)
     dout = torch.randn(total, 512, device="cuda").bfloat16()
@@ -245,7 +219,7 @@ def test_capacity_bound_that_holds_changes_no_bit_and_one_that_overflows_raises_
     not fit, every other token's bits unchanged, and an error on both ranks — at check(),
     and at the workspace's next call without any host wait. ``forward``: the forward (the
     one-launch kernel marks the overflow itself)."""
-    from mok.ep import capacity_rows
+    from mok.pipeline.workspace import capacity_rows
 
     world, counts, E, k = 2, (300, 260), 8, 2
     total = sum(counts)
@@ -302,10 +276,6 @@ def test_ep_forward_and_backward_replayed_from_cuda_graphs_equal_single_gpu_bitw
     """Each rank captures its forward + backward in a CUDA graph once; replays on new inputs
     (new routing included) give the single-GPU bits: nothing in the path reads back to the
     host, and the epochs advance on the device."""
-    from mok.ep import ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
-    from mok.fused_backward import moe_backward
-
     world, counts, E, k, hidden = 2, (300, 217), 8, 4, 512
     total = sum(counts)
     x, idx, w, experts, shared = gpu_layer(total, hidden, 256, E, k, 256, seed=77)
@@ -344,10 +314,6 @@ def test_ep_backward_accumulates_into_main_grads_like_the_single_gpu_backward():
     """main_grads at EP = 2: each rank adds its experts' weight gradients into its fp32 buffers,
     bit for bit as the single-GPU backward adds them; the shared expert's, summed over ranks,
     agree to rounding."""
-    from mok.ep import ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
-    from mok.fused_backward import moe_backward
-
     world, counts, E, k = 2, (300, 217), 8, 4
     total = sum(counts)
     x, idx, w, experts, shared = gpu_layer(total, 512, 256, E, k, 256, seed=91, routing="zipf")
@@ -386,9 +352,11 @@ def test_ep_backward_accumulates_into_main_grads_like_the_single_gpu_backward():
 ])
 def test_dispatch_puts_each_token_in_every_local_row_and_zeros_the_padding(world, counts, E, k, capacity):
     """pull_rows (token-major: each token read once) against indexing the ranks' published x:
-    rows[r] = x of row_token[r], zeros for the padding rows below the schedule's end, on every rank."""
+    rows[r] = x of row_token[r], zeros for the padding rows below the schedule's end, on every rank
+    (into a NaN-filled rows buffer: a row it does not write shows)."""
     from mok import ops
-    from mok.ep import _kernels, pull_rows
+    from mok.pipeline.exchange import exchange_kernels, pull_rows
+    from mok.runtime import launch
 
     hidden, t_max = 1024, 640
     layout = EPLayout(world=world, max_tokens=t_max, hidden=hidden, topk=k)
@@ -400,10 +368,13 @@ def test_dispatch_puts_each_token_in_every_local_row_and_zeros_the_padding(world
         ws[p].region("x")[: x.numel()].copy_(x.reshape(-1))
         x_all[p * t_max:p * t_max + count] = x
         routing[p * t_max:p * t_max + count] = torch.rand(count, E, device="cuda").topk(k, dim=1).indices.int()
-    stream = ops._stream(torch.device("cuda"))
+    stream = launch.stream(torch.device("cuda"))
     for rank in range(world):
         sched = ops.device_schedule(routing, E, rank=rank, world_size=world, capacity=capacity)
-        rows = pull_rows(ws[rank], _kernels(ws[rank], ws[rank].buffer.device), "x", sched, stream, out=poisoned(sched.capacity, hidden))
+        kernels = exchange_kernels(ws[rank], ws[rank].buffer.device)
+        poisoned_rows = torch.full((sched.capacity, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        rows = pull_rows(ws[rank], kernels, "x", sched, stream, out=poisoned_rows)
+        assert rows.shape == (sched.capacity, hidden) and rows.dtype == torch.bfloat16
         torch.cuda.synchronize()
         used = min(int(sched.expert_offsets[-1]), sched.capacity)
         token = sched.row_token[:used].long()
@@ -412,49 +383,6 @@ def test_dispatch_puts_each_token_in_every_local_row_and_zeros_the_padding(world
         assert torch.equal(rows[:used], want), f"rank {rank}"
         if capacity is not None:
             assert bool(sched.overflow) and int((sched.slot_row >= 0).sum()) == int((token >= 0).sum())
-
-
-@pytest.mark.parametrize("world,counts,E,k,capacity", [
-    (2, (300, 517), 8, 4, None),
-    (3, (128, 0, 250), 12, 8, None),
-    (2, (320, 320), 8, 4, 640),  # an overflowing capacity bound: pairs past it get no row
-])
-def test_gate_up_gemm_that_pulls_its_rows_fills_them_as_the_dispatch_does(world, counts, E, k, capacity):
-    """grouped_gemm(pull=...): its idle warps copy every used row tile of x_rows from the ranks'
-    published x (zeros for padding rows) — what the dispatch kernel writes — and its output is
-    the GEMM of those rows, bit for bit; every used row tile is published once, no wait timed out."""
-    from mok import ops
-    from mok.ep import _kernels, pull_rows
-
-    hidden, inter, t_max = 1024, 256, 640
-    layout = EPLayout(world=world, max_tokens=t_max, hidden=hidden, topk=k)
-    ws = EPWorkspace.local_group(layout)
-    routing = torch.full((world * t_max, k), -1, dtype=torch.int32, device="cuda")
-    for p, count in enumerate(counts):
-        ws[p].region("x")[: count * hidden].copy_(torch.randn(count * hidden, device="cuda").bfloat16())
-        routing[p * t_max:p * t_max + count] = torch.rand(count, E, device="cuda").topk(k, dim=1).indices.int()
-    e_local = E // world
-    wg, wu = ((torch.randn(e_local, inter, hidden, device="cuda") * hidden**-0.5).bfloat16() for _ in range(2))
-    stream = ops._stream(torch.device("cuda"))
-    x_all = ws[0].region("x", 0)[: t_max * hidden].view(t_max, hidden)
-    for rank in range(world):
-        sched = ops.device_schedule(routing, E, rank=rank, world_size=world, capacity=capacity)  # (for its capacity)
-        counters = torch.full((2 + sched.capacity // 128,), 7, dtype=torch.int32, device="cuda")
-        sched = ops.device_schedule(routing, E, rank=rank, world_size=world, capacity=capacity, clear=counters)
-        want_rows = pull_rows(ws[rank], _kernels(ws[rank], ws[rank].buffer.device), "x", sched, stream)
-        want_h = torch.empty(sched.capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
-        want = ops.grouped_gemm(want_rows, wg, sched.tile_expert, b2=wu, h_out=want_h)
-        rows = torch.full((sched.capacity, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-        h = torch.full_like(want_h, float("nan"))
-        pull = (x_all, (world, ws[rank].stride_elems("x")), sched.row_token, counters)
-        got = ops.grouped_gemm(rows, wg, sched.tile_expert, b2=wu, h_out=h, pull=pull, timeout_s=5.0)
-        torch.cuda.synchronize()
-        used = min(int(sched.expert_offsets[-1]), sched.capacity)
-        tiles = used // 128
-        assert used > 0 and torch.equal(rows[:used], want_rows[:used]), f"rank {rank}"
-        assert torch.equal(got[:used], want[:used]) and torch.equal(h[:used], want_h[:used])
-        assert int(counters[0]) == 0 and int(counters[1]) >= sched.capacity // 128
-        assert counters[2:2 + tiles].eq(1).all() and counters[2 + tiles:].eq(0).all()
 
 
 def test_one_launch_ep_forward_is_one_kernel_per_rank_and_replays_from_cuda_graphs():

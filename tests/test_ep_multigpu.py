@@ -20,11 +20,8 @@ H, I, E, K = 512, 256, 8, 4
 
 
 def _worker(rank, init_file, out_dir, skip_rank, shared_gpu):
-    from helpers import gpu_layer
-    from mok.ep import EPLayout, EPWorkspace, ep_moe_forward, ep_moe_forward_saved
-    from mok.ep_backward import ep_moe_backward
-    from mok.fused_backward import moe_backward
-    from mok.fused_forward import moe_forward
+    from helpers import ep_moe_backward, ep_moe_forward, ep_moe_forward_saved, gpu_layer, moe_backward, moe_forward
+    from mok.pipeline.workspace import EPLayout, EPWorkspace
     from mok.runtime.workspace import SymmetricWorkspace
 
     torch.cuda.set_device(0 if shared_gpu else rank)
@@ -52,8 +49,8 @@ def _worker(rank, init_file, out_dir, skip_rank, shared_gpu):
                 torch.cuda.synchronize()
                 ws.check()
                 result["bitwise"] = all(torch.equal(o, want[mine]) for o in outs)
-                if not shared_gpu:  # the other dispatches over real NVLink (emulated on one GPU: test_ep_gpu.py)
-                    for mode in ("fused_dispatch", "overlap_dispatch", "one_launch"):
+                if not shared_gpu:  # the other forward over real NVLink (emulated on one GPU: test_ep_gpu.py)
+                    for mode in ("one_launch",):
                         dist.barrier()  # both ranks compile the mode's kernels at about the same time
                         outs = [ep_moe_forward(ws, *args, timeout_s=60.0, **{mode: True}) for _ in range(2)]
                         torch.cuda.synchronize()
@@ -90,7 +87,8 @@ def _worker(rank, init_file, out_dir, skip_rank, shared_gpu):
 def _compile_here(one_launch=False):
     """Compile every kernel of the test's layer in this process, so that two ranks sharing the GPU only load them."""
     from mok.config import MoKConfig
-    from mok.kernels import get_kernel, variants_for
+    from mok.kernels import get_kernel
+    from mok.plan import plan_for
     from mok.runtime.arch import device_arch
 
     for shared in (256, None):
@@ -100,7 +98,7 @@ def _compile_here(one_launch=False):
                 saved_h_format="mxfp8",  # (all of the plain config's kernels, and the quantize pair)
                 dispatch_format=dispatch_format,
             )
-            for variant in variants_for(config):
+            for variant in plan_for(config, device_arch()).variants():
                 get_kernel(variant, device_arch())
 
 
@@ -113,12 +111,12 @@ def _spawn(tmp_path, skip_rank=None, shared_gpu=False):
 
 @pytest.mark.multigpu
 def test_ep2_over_nvlink_equals_single_gpu_forward_and_backward_bitwise(tmp_path):
-    """Both ranks' outputs are the single-GPU forward's rows bit for bit, with every dispatch
-    (separate copy, the GEMM pulling its rows, the idle warps copying them, one launch; x sent in
-    MXFP8: the forward of its rounding), and so are the gradients."""
+    """Both ranks' outputs are the single-GPU forward's rows bit for bit, with every forward
+    (several launches, one launch; x sent in MXFP8: the forward of its rounding), and so are the
+    gradients."""
     results = _spawn(tmp_path)
     assert all(r["bitwise"] for r in results)
-    for mode in ("fused_dispatch", "overlap_dispatch", "one_launch", "mxfp8"):
+    for mode in ("one_launch", "mxfp8"):
         assert all(r[f"bitwise {mode}"] for r in results), mode
     assert all(r["grads_bitwise"] for r in results)
 

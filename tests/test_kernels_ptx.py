@@ -8,11 +8,21 @@ import tempfile
 
 import pytest
 
-from mok.config import DEFAULT_CONFIG, MoKConfig
-from mok.kernels import (
-    combine_variant, compiled_ptx, compiled_sass, grouped_gemm_mxfp8_variant, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant,
-    variants_for, weight_grad_mxfp8_variant, weight_grad_variant,
+from mok.kernels import compiled_ptx, compiled_sass
+from mok.kernels.variants import (
+    combine_variant, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant,
+    weight_grad_variant,
 )
+
+
+def mxfp8_grouped_gemm(n, k, epilogue="plain", tile_n=None, **options):
+    """The MXFP8 grouped GEMM (SM100's block-scaled kernel: one tile per CTA)."""
+    return grouped_gemm_variant(n, k, epilogue=epilogue, tile_n=tile_n, operand="e4m3", persistent=False, **options)
+
+
+def mxfp8_weight_grad(m, n, *args, **options):
+    """The MXFP8 weight-gradient GEMM (SM100's block-scaled kernel: one tile per CTA)."""
+    return weight_grad_variant(m, n, *args, operand="e4m3", persistent=False, **options)
 
 
 def count(pattern, text):
@@ -83,21 +93,30 @@ def test_combine_ptx(arch, hidden, topk, has_shared, gathered):
 
 
 def test_every_variant_of_the_default_config_compiles_for_both_archs():
+    """Every kernel a layer's plan (mok.plan) launches compiles, on each arch that runs that layer
+    (a layer a target refuses has no plan there: mok.plan.refusal says why)."""
+    plan = pytest.importorskip("mok.plan")
+    from mok.config import DEFAULT_CONFIG, MoKConfig
+
     configs = [DEFAULT_CONFIG, MoKConfig(hidden=2048, intermediate=768, num_experts=64, topk=8, shared_intermediate=1024)]
+    compiled = 0
     for config in configs:
         for arch in ("sm_90a", "sm_100a"):
-            for variant in variants_for(config, arch):
+            if plan.refusal(config, arch) is not None:
+                continue
+            for variant in plan.plan_for(config, arch).variants():
                 ptx = compiled_ptx(variant, arch)
                 assert f".target {arch}" in ptx
                 if arch == "sm_90a":
                     assert_register_handover_fits(ptx)
+                compiled += 1
+    assert compiled > 0
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_row_gather_keeps_four_16_byte_loads_in_flight_before_it_stores(arch):
     """gather: each thread loads its four rows' 16-byte vectors (after their four int32 row
     indices) before the first store; nothing narrower, no spills."""
-    from mok.kernels import gather_variant
     from mok.kernels.common.gather import ROWS
 
     ptx = compiled_ptx(gather_variant(2048), arch)
@@ -111,7 +130,7 @@ def test_row_gather_keeps_four_16_byte_loads_in_flight_before_it_stores(arch):
 @pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("n,k,swiglu", [(2048, 7168, True), (7168, 2048, False), (768, 2048, True)])
 def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu, persistent):
-    variant = grouped_gemm_variant(n, k, swiglu, persistent=persistent)
+    variant = grouped_gemm_variant(n, k, epilogue="swiglu" if swiglu else "plain", persistent=persistent)
     ptx = compiled_ptx(variant, "sm_90a")
     tile_n = variant.config["tile_n"]
     assert ".target sm_90a" in ptx
@@ -193,7 +212,7 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
     into tensor memory (tcgen05.cp: one copy per 128 rows of A, B and B2), TMA loads of the operands
     and of their scales (k_split: B's or B2's), the bf16 kernel's epilogues; no bf16 MMA, no Hopper
     or warp-level MMA, no spills."""
-    variant = grouped_gemm_mxfp8_variant(n, k, epilogue, tile_n, k_split=k_split, topk=8)
+    variant = mxfp8_grouped_gemm(n, k, epilogue, tile_n, k_split=k_split, topk=8)
     ptx = compiled_ptx(variant, arch)
     assert f".target {arch}" in ptx
     accumulators = 2 if epilogue in ("swiglu", "swiglu_save") else 1
@@ -220,7 +239,7 @@ def test_sm100_mxfp8_weight_grad_ptx_uses_block_scaled_mmas_on_mn_major_operands
     128-row K tile, the scales of A and B copied into tensor memory each stage, TMA loads of both
     operands and both scales (fill and steady-state loops), the bf16 kernel's epilogue; no bf16,
     Hopper or warp-level MMA, no atomics, no spills."""
-    ptx = compiled_ptx(weight_grad_mxfp8_variant(m, n, **options), arch)
+    ptx = compiled_ptx(mxfp8_weight_grad(m, n, **options), arch)
     assert f".target {arch}" in ptx
     assert count(r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale\.block32", ptx) == 4
     assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 0
@@ -233,10 +252,14 @@ def test_sm100_mxfp8_weight_grad_ptx_uses_block_scaled_mmas_on_mn_major_operands
 
 
 def test_mxfp8_grouped_gemm_is_refused_where_no_block_scaled_mma_exists():
-    with pytest.raises(NotImplementedError, match=r"MXFP8 grouped GEMM on sm_90a: needs block-scaled MMAs"):
-        compiled_ptx(grouped_gemm_mxfp8_variant(2048, 7168, "swiglu"), "sm_90a")
+    with pytest.raises(NotImplementedError, match=r"grouped GEMM on MXFP8 operands on sm_90a: needs block-scaled MMAs"):
+        compiled_ptx(mxfp8_grouped_gemm(2048, 7168, "swiglu"), "sm_90a")
+    with pytest.raises(NotImplementedError, match=r"weight-gradient GEMM on MXFP8 operands on sm_90a: needs block-scaled MMAs"):
+        compiled_ptx(mxfp8_weight_grad(2048, 7168), "sm_90a")
     with pytest.raises(ValueError, match=r"tile_n: expected 128 or 256 \(128 with SwiGLU\)"):
-        compiled_ptx(grouped_gemm_mxfp8_variant(2048, 7168, "swiglu", tile_n=256), "sm_100a")
+        compiled_ptx(mxfp8_grouped_gemm(2048, 7168, "swiglu", tile_n=256), "sm_100a")
+    with pytest.raises(ValueError, match=r"operand='e4m3': the block-scaled \(SM100\) kernels are one tile per CTA with K-major B"):
+        compiled_ptx(mxfp8_grouped_gemm(2048, 7168, "swiglu_bwd", b_major="n", topk=8), "sm_100a")
 
 
 @pytest.mark.skipif(shutil.which("cuobjdump") is None, reason="needs cuobjdump (CUDA toolkit), e.g. on the GPU machine")
@@ -250,9 +273,9 @@ def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
         (grouped_gemm_variant(7168, 2048, persistent=False), "UTCHMMA", 4, 1, 0),
         (grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False), "UTCHMMA", 4, 1, 0),
         (weight_grad_variant(4096, 7168, split_out=True, persistent=False), "UTCHMMA", 4, 1, 0),
-        (grouped_gemm_mxfp8_variant(2048, 7168, "swiglu_save"), "UTCQMMA", 8, 2, 3),
-        (grouped_gemm_mxfp8_variant(7168, 2048), "UTCQMMA", 4, 1, 3),
-        (weight_grad_mxfp8_variant(4096, 7168, split_out=True), "UTCQMMA", 4, 1, 2),
+        (mxfp8_grouped_gemm(2048, 7168, "swiglu_save"), "UTCQMMA", 8, 2, 3),
+        (mxfp8_grouped_gemm(7168, 2048), "UTCQMMA", 4, 1, 3),
+        (mxfp8_weight_grad(4096, 7168, split_out=True), "UTCQMMA", 4, 1, 2),
     ]
     for variant, opcode, mmas, tmem_loads, scale_copies in cases:
         sass = compiled_sass(variant, "sm_100a")
@@ -267,7 +290,7 @@ def test_sm100_weight_grad_refuses_the_persistent_kernel_it_does_not_have_yet():
         compiled_ptx(weight_grad_variant(7168, 2048), "sm_100a")
 
 
-@pytest.mark.parametrize("options", [dict(), dict(gather_a=True), dict(skip_padding=True), dict(combine=True, topk=8)])
+@pytest.mark.parametrize("options", [dict(), dict(gather_a=True), dict(scatter=True, topk=8), dict(pingpong=True)])
 def test_sm100_grouped_gemm_refuses_the_variants_it_does_not_have_yet(options):
     options = {"epilogue": "swiglu_save", **options}
     with pytest.raises(NotImplementedError, match=r"grouped GEMM on sm_100a: .*not written yet"):
@@ -313,31 +336,6 @@ def test_scattering_gemm_stores_rows_from_the_producer_warps(variant, loads):
     assert_register_handover_fits(ptx)
 
 
-@pytest.mark.parametrize("options", [dict(n=7168, k=2048), dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True),
-                                     dict(n=7168, k=2048, scatter=True, topk=8)], ids=["plain", "gathering_swiglu", "scatter"])
-def test_skipping_padding_halves_reads_one_row_token_per_tile_and_keeps_the_wgmma(options):
-    """skip_padding: the MMA warpgroups read one row_token per tile (one more 32-bit global load
-    than without) and branch around the same WGMMA instructions; no spills."""
-    plain = compiled_ptx(grouped_gemm_variant(**options), "sm_90a")
-    skipping = compiled_ptx(grouped_gemm_variant(**options, skip_padding=True), "sm_90a")
-    assert count(r"ld\.global\.b32", skipping) == count(r"ld\.global\.b32", plain) + 1
-    assert count(r"wgmma\.mma_async", skipping) == count(r"wgmma\.mma_async", plain) > 0
-    assert count(r"\.local", skipping) == 0
-
-
-@pytest.mark.parametrize("has_shared", [False, True])
-def test_combining_down_projection_counts_arrivals_with_integer_atomics_only(has_shared):
-    """combine: one acquire-release integer atomic per row (no float atomics), the tile's TMA
-    stores completed and fenced into the generic proxy before it, k FMAs per output column."""
-    ptx = compiled_ptx(grouped_gemm_variant(7168, 2048, combine=True, topk=8, has_shared=has_shared), "sm_90a")
-    atomics = re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)
-    assert atomics == ["atom.global.acq_rel.add.u32"]
-    assert count(r"cp\.async\.bulk\.wait_group\s+0;", ptx) >= 1 and count(r"fence\.proxy\.async\.global", ptx) == 1
-    assert count(r"fma\.rn\.f32", ptx) == 8 * 8  # 8 slots x 8 columns per lane
-    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx) == 4
-    assert count(r"\.local", ptx) == 0
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_schedule_ptx_places_rows_without_global_atomics(arch):
     ptx = compiled_ptx(schedule_variant(256, 8, 128), arch)
@@ -376,8 +374,6 @@ def test_pingpong_kernels_give_each_warpgroup_whole_tiles_and_take_turns(kind, s
     buffers as values), two 64-row WGMMAs per k block (a whole 128-row tile), the tile's
     subtiles stored over the warpgroup's own 128-thread barrier; the turn goes back and forth
     over two named barriers of 256 threads."""
-    from mok.kernels import weight_grad_variant
-
     if kind == "weight_grad":
         variant = weight_grad_variant(2048, 768, pingpong=True)
     else:
@@ -394,8 +390,6 @@ def test_pingpong_kernels_give_each_warpgroup_whole_tiles_and_take_turns(kind, s
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("out_dtype,accumulate", [("bf16", False), ("f32", False), ("f32", True)])
 def test_weight_grad_ptx_reads_both_operands_mn_major(out_dtype, accumulate, pingpong):
-    from mok.kernels import weight_grad_variant
-
     ptx = compiled_ptx(weight_grad_variant(7168, 2048, out_dtype, accumulate, pingpong=pingpong), "sm_90a")
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16[^;]*;", ptx, re.S)
     assert len(wgmma) == 4 * (2 if pingpong else 1)  # ping-pong: one warpgroup's two 64-row blocks per k block
@@ -414,14 +408,12 @@ def test_unit_weight_combine_reads_no_weights():
 
 
 def test_ep_flags_use_system_scope_release_acquire_and_bounded_waits():
-    from mok.kernels import ep_variant
-
     signal = compiled_ptx(ep_variant("signal", 4, phase=1), "sm_90a")
     wait = compiled_ptx(ep_variant("wait", 4, phase=1), "sm_90a")
     assert "fence.acq_rel.sys" in signal and count(r"atom\.global\.sys\.release\.exch\.b32", signal) == 1
     assert count(r"atom\.global\.sys\.acquire\.add\.u32", wait) >= 1
     assert "%globaltimer" in wait  # every wait is bounded in time
-    for kind, kw in (("dispatch", dict(width=7168, topk=8)), ("push", dict(width=7168, topk=8))):
+    for kind, kw in (("dispatch", dict(width=7168, topk=8)),):
         ptx = compiled_ptx(ep_variant(kind, 4, **kw), "sm_90a")
         assert count(r"\batom\.|\bred\.", ptx) == 0  # data moves with plain loads and stores
         assert count(r"ld\.global(\.nc)?\.v4", ptx) >= 1 and count(r"st\.global\.v4", ptx) >= 1  # 16-byte vectors
@@ -446,8 +438,6 @@ def test_ep_mxfp8_dispatch_reads_8_byte_element_vectors_and_scale_bytes_and_publ
     publish_mxfp8: the quantizer's block (four 16-byte loads, 16 saturating E4M3 conversions, two
     16-byte stores and the scale byte) and the values and the signal as publish. Arch-neutral: the
     same on SM100 (compiled only; no SM100 GPU here)."""
-    from mok.kernels import ep_variant
-
     ptx = compiled_ptx(ep_variant("dispatch_mxfp8", 4, width=7168, topk=8), arch)
     assert f".target {arch}" in ptx and count(r"\batom\.|\bred\.", ptx) == 0
     loads = [m.start() for m in re.finditer(r"ld\.global(\.nc)?\.v2\.b32", ptx)]
@@ -466,8 +456,6 @@ def test_ep_mxfp8_dispatch_reads_8_byte_element_vectors_and_scale_bytes_and_publ
 
 
 def test_ep_overflow_kernel_claims_error_records_by_compare_and_swap_and_poisons_with_vector_stores():
-    from mok.kernels import ep_variant
-
     forward = compiled_ptx(ep_variant("overflow", 4, phase=0, width=7168, topk=8), "sm_90a")
     backward = compiled_ptx(ep_variant("overflow", 4, phase=1, width=7168, topk=8), "sm_90a")
     wait = compiled_ptx(ep_variant("wait", 4, phase=1), "sm_90a")
@@ -479,67 +467,42 @@ def test_ep_overflow_kernel_claims_error_records_by_compare_and_swap_and_poisons
     assert count(r"st\.global\.(f32|b32)\b", backward) > count(r"st\.global\.(f32|b32)\b", forward)  # + the router pieces
 
 
-def test_gathering_from_every_ranks_x_adds_only_the_row_address_arithmetic():
-    """gather_ranks: the same cp.async gather and WGMMAs, each row's (rank, row) address computed once per tile."""
-    plain = compiled_ptx(grouped_gemm_variant(256, 512, epilogue="swiglu", gather_a=True), "sm_90a")
-    ranks = compiled_ptx(grouped_gemm_variant(256, 512, epilogue="swiglu", gather_a=True, gather_ranks=True), "sm_90a")
-    for pattern in (r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor"):
-        assert count(pattern, ranks) == count(pattern, plain), pattern
-    assert count(r"\b(div|rem)\.", ranks) > count(r"\b(div|rem)\.", plain)
-
-
-@pytest.mark.parametrize("combine", [False, True])
-def test_one_launch_expert_mlp_keeps_both_gemms_on_wgmma_and_syncs_with_integer_release_acquire(combine):
-    """The one-launch MLP: fc1's two WGMMA products and fc2's one per k block, fc1's rows by
+@pytest.mark.parametrize("hidden,inter,experts,options", [(7168, 2048, 256, {}), (2048, 768, 64, dict(save_h=True)),
+                                                      (2048, 768, 64, dict(has_shared=True, shared_prefix=True))])
+def test_one_launch_forward_keeps_both_gemms_on_wgmma_and_syncs_with_integer_release_acquire(hidden, inter, experts, options):
+    """The one-launch forward: fc1's two WGMMA products and fc2's one per k block, fc1's rows by
     cp.async and every weight tile by TMA, tiles taken from an integer counter, and between the
     phases only integer release/acquire adds at gpu scope with a bounded (%globaltimer) wait; no
     float atomics, no spills."""
-    from mok.kernels import expert_mlp_variant
-
-    ptx = compiled_ptx(expert_mlp_variant(7168, 2048, 8, combine=combine), "sm_90a")
+    ptx = compiled_ptx(expert_mlp_variant(hidden, inter, 8, experts, **options), "sm_90a")
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 2 * 4  # fc1: gate and up
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx) == 4  # fc2: 256 columns, as alone
     assert count(r"cp\.async\.cg\.shared\.global", ptx) >= 1
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3  # w_gate, w_up, a and w_down
-    atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx))  # + the tile counter's relaxed add
-    expected = {"atom.global.release.add.u32", "atom.global.acquire.add.u32", "atom.global.add.u32"}
-    assert atomics == expected | ({"atom.global.acq_rel.add.u32"} if combine else set())
+    # the tile counter's relaxed add, the ready counters' release / acquire, the grid barriers' acq_rel add and
+    # exchange, the schedule's shared-memory counts: integer atomics only
+    assert set(re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)) == {
+        "atom.global.release.add.u32", "atom.global.acquire.add.u32", "atom.global.add.u32", "atom.global.acq_rel.add.u32",
+        "atom.global.exch.b32", "atom.shared.cta.add.u32",
+    }
     assert count(r"bar\.sync\s+3, 128;", ptx) >= 1  # the producer warps share each tile index
     assert "%globaltimer" in ptx and count(r"fence\.proxy\.async\.global", ptx) >= 2
     assert count(r"\.local", ptx) == 0
 
 
-def test_one_launch_forward_builds_the_schedule_then_meets_at_a_bounded_grid_barrier():
-    """The MLP that builds its own schedule: the same WGMMAs and TMA as without, the schedule's
-    warp ranking (match.any, shared-memory integer adds), a grid barrier of integer acq_rel/acquire
-    atomics at gpu scope bounded by %globaltimer; no float atomics, no spills."""
-    from mok.kernels import expert_mlp_variant
-
-    plain = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True), "sm_90a")
-    whole = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64), "sm_90a")
-    for pattern in (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"cp\.async\.cg\.shared\.global"):
-        assert count(pattern, whole) == count(pattern, plain), pattern
-    assert count(r"match\.any\.sync", whole) >= 1 and count(r"match\.any\.sync", plain) == 0
-    atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", whole))
-    assert atomics == set(re.findall(r"\b(?:atom|red)\.[\w.:]+", plain)) | {"atom.shared.cta.add.u32", "atom.global.exch.b32"}
-    assert count(r"fence\.acq_rel\.gpu", whole) == 2 and count(r"%globaltimer", whole) > count(r"%globaltimer", plain)
-    assert count(r"\.local", whole) == 0
-    assert ptxas_spill_bytes(whole) in (0, None)
-
-
-def test_one_launch_forward_combining_last_keeps_its_registers():
-    """The one-launch forward whose combine is its last phase (after a second grid barrier, in the
-    MMA warps): the same WGMMAs, the combine's 16-byte vector loads, and no spills (run after the
-    warp roles join, the producer warps' 40 registers would bound it)."""
-    from mok.kernels import expert_mlp_variant
-
-    ptx = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64, combine_phase=True), "sm_90a")
-    plain = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64), "sm_90a")
-    assert count(r"wgmma\.mma_async", ptx) == count(r"wgmma\.mma_async", plain)
-    assert count(r"fence\.acq_rel\.gpu", ptx) == 2 * count(r"fence\.acq_rel\.gpu", plain)  # two barriers
+def test_one_launch_forward_builds_the_schedule_meets_at_two_bounded_grid_barriers_and_combines_last():
+    """The one-launch forward's other phases: the schedule's warp ranking (match.any, shared-memory
+    integer adds) first, a grid barrier (integer acq_rel / acquire atomics at gpu scope bounded by
+    %globaltimer) before the first tile and another before the combine, which runs in the MMA
+    warps with the combine launch's 16-byte vector loads; no spills (run after the warp roles
+    join, the producer warps' 40 registers would bound it)."""
+    ptx = compiled_ptx(expert_mlp_variant(2048, 768, 8, 64), "sm_90a")
+    assert count(r"match\.any\.sync", ptx) == 1
+    assert count(r"fence\.acq_rel\.gpu", ptx) == 2 * 2  # two grid barriers
     assert count(r"ld\.global(\.nc)?\.v4", ptx) >= 8  # k = 8 rows per vector, loaded before the first FMA
     assert count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx) in (0, None)
+    assert_register_handover_fits(ptx)
 
 
 def test_one_launch_ep_forward_adds_system_scope_flags_and_pushes_not_float_atomics():
@@ -547,10 +510,8 @@ def test_one_launch_ep_forward_adds_system_scope_flags_and_pushes_not_float_atom
     cp.async, weights by TMA) with fc2's tile pushed out by the producer's idle warps (no TMA store
     of y), the epoch flags as system-scope release exchanges and acquire reads bounded by
     %globaltimer, the first error kept by a compare-and-swap; integer atomics only, no spills."""
-    from mok.kernels import expert_mlp_variant
-
-    one = expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64, combine_phase=True)
-    ep = compiled_ptx(expert_mlp_variant(2048, 768, 8, combine=True, schedule_experts=64, combine_phase=True, ep_world=2), "sm_90a")
+    one = expert_mlp_variant(2048, 768, 8, 64)
+    ep = compiled_ptx(expert_mlp_variant(2048, 768, 8, 64, ep_world=2), "sm_90a")
     plain = compiled_ptx(one, "sm_90a")
     for pattern in (r"wgmma\.mma_async", r"cp\.async\.cg\.shared\.global"):
         assert count(pattern, ep) == count(pattern, plain), pattern
@@ -570,11 +531,8 @@ def test_one_launch_ep_forward_in_mxfp8_quantizes_as_it_publishes_and_dequantize
     atomics; the publish phase's copy becomes the quantizer's block (16 saturating E4M3
     conversions, two 16-byte stores of elements), the row copy per lane COPY_DEPTH 8-byte element
     loads (and their scale bytes) dequantized by cvt before the 16-byte stores; no spills."""
-    from mok.kernels import expert_mlp_variant
-
-    shape = dict(combine=True, schedule_experts=64, combine_phase=True, ep_world=2)
-    bf16 = compiled_ptx(expert_mlp_variant(2048, 768, 8, **shape), "sm_90a")
-    mxfp8 = compiled_ptx(expert_mlp_variant(2048, 768, 8, **shape, dispatch_format="mxfp8"), "sm_90a")
+    bf16 = compiled_ptx(expert_mlp_variant(2048, 768, 8, 64, ep_world=2), "sm_90a")
+    mxfp8 = compiled_ptx(expert_mlp_variant(2048, 768, 8, 64, ep_world=2, dispatch_format="mxfp8"), "sm_90a")
     for pattern in (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"cp\.async\.cg\.shared\.global"):
         assert count(pattern, mxfp8) == count(pattern, bf16), pattern
     assert set(re.findall(r"\b(?:atom|red)\.[\w.:]+", mxfp8)) == set(re.findall(r"\b(?:atom|red)\.[\w.:]+", bf16))
@@ -582,24 +540,6 @@ def test_one_launch_ep_forward_in_mxfp8_quantizes_as_it_publishes_and_dequantize
     assert count(r"ld\.global(\.nc)?\.v2\.b32", mxfp8) == 4 and count(r"cvt\.rn\.f16x2\.e4m3x2", mxfp8) == 4 * 4
     assert count(r"\.local", mxfp8) == 0 and ptxas_spill_bytes(mxfp8) in (0, None)
     assert_register_handover_fits(mxfp8)
-
-
-def test_gate_up_gemm_that_pulls_its_rows_keeps_its_wgmmas_and_copies_with_idle_warps():
-    """pull_a: the same WGMMAs and TMA loads as the plain gate/up GEMM; the copy warps keep four
-    16-byte loads in flight before their four stores, take row tiles with a relaxed add and
-    publish them with a release add, and warp 0 waits with acquire reads; no spills."""
-    plain = compiled_ptx(grouped_gemm_variant(2048, 7168, epilogue="swiglu_save"), "sm_90a")
-    pull = compiled_ptx(grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", pull_a=True), "sm_90a")
-    for pattern in (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor"):
-        assert count(pattern, pull) == count(pattern, plain), pattern
-    loads = [m.start() for m in re.finditer(r"ld\.global\.v4\.b32", pull)]
-    stores = [m.start() for m in re.finditer(r"st\.global\.v4\.b32", pull)]
-    assert len(loads) == 4 and len(stores) == 4 and max(loads) < min(stores)
-    atomics = set(re.findall(r"\b(?:atom|red)\.[\w.:]+", pull))
-    assert atomics == {"atom.global.add.u32", "atom.global.release.add.u32", "atom.global.acquire.add.u32"}
-    assert count(r"bar\.sync\s+2, 96;", pull) >= 3 and "%globaltimer" in pull
-    assert count(r"\.local", pull) == 0 and ptxas_spill_bytes(pull) in (0, None)
-    assert_register_handover_fits(pull)
 
 
 @pytest.mark.parametrize("mma_order", [False, True])
@@ -654,3 +594,33 @@ def test_mxfp8_dequantizer_reads_the_scale_as_an_unsigned_byte_and_converts_pair
     assert count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 16 and count(r"cvt\.rn\.bf16x2\.f32", ptx) == 16
     assert count(r"\bdiv\.", ptx) == 0
     assert count(r"\.local", ptx) == 0
+
+
+def test_every_kernel_takes_its_records_arguments_in_order():
+    """Each kernel's launch arguments are written once, as a record (common/launch_args.py) that the
+    compile step's stand-ins, the launcher and the kernel's ``__call__`` all read: the ``__call__``
+    parameters (seen through ``@cute.jit``) are the record's, in order, the stream last. The bf16
+    and MXFP8 GEMMs of both arches take the same lists."""
+    import inspect
+
+    from mok.kernels.common import combine, gather, router_grad
+    from mok.kernels.common.records import EXPERT_MLP_ARGS, grouped_gemm_args, weight_grad_args
+    from mok.kernels.sm90.expert_mlp import ExpertMlpSm90
+    from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
+    from mok.kernels.sm90.weight_grad_gemm import WeightGradGemmSm90
+    from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100, GroupedGemmSm100
+    from mok.kernels.sm100.weight_grad_gemm import WeightGradGemmMxfp8Sm100, WeightGradGemmSm100
+
+    kernels = [
+        (GroupedGemmSm90, grouped_gemm_args("bf16")), (GroupedGemmSm100, grouped_gemm_args("bf16")),
+        (GroupedGemmMxfp8Sm100, grouped_gemm_args("e4m3")), (WeightGradGemmSm90, weight_grad_args("bf16")),
+        (WeightGradGemmSm100, weight_grad_args("bf16")), (WeightGradGemmMxfp8Sm100, weight_grad_args("e4m3")),
+        (ExpertMlpSm90, EXPERT_MLP_ARGS), (combine.CombineKernel, combine.COMBINE_ARGS),
+        (combine.CombineRouterGradKernel, combine.COMBINE_ROUTER_GRAD_ARGS), (router_grad.RouterGradKernel, router_grad.ROUTER_GRAD_ARGS),
+        (gather.GatherRowsKernel, gather.GATHER_ARGS), (gather.GatherTwoRowsKernel, gather.GATHER_TWO_ARGS),
+    ]
+    for kernel, record in kernels:
+        assert "stream" in inspect.signature(kernel.__call__).parameters  # (the decorator keeps the signature)
+        record.check_signature(kernel.__call__)
+    with pytest.raises(TypeError, match=r"are not the record's"):  # (and the check does check)
+        grouped_gemm_args().check_signature(WeightGradGemmSm90.__call__)

@@ -5,7 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from mok.kernels import combine_variant, get_kernel
+from mok.kernels import get_kernel
+from mok.kernels.variants import combine_variant
 from mok.runtime import launch
 from mok.runtime.cache import KernelCache
 

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import mok
-from mok import custom_ops
+from mok import torch_ops
 from mok.config import MoKConfig
 from mok.layer import MoELayer, route
 from mok.reference import moe_reference
+from mok.schedule import Schedule
+from mok.torch_ops import config_text
 
 from helpers import value_errors_on_two_ranks
 
@@ -68,7 +70,7 @@ def test_forward_and_gradients_match_the_reference_on_cpu():
 
 
 def test_cpu_path_warns_once():
-    custom_ops._CPU_WARNED = False
+    torch_ops._CPU_WARNED = False
     layer = small_layer()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -188,11 +190,13 @@ def test_custom_ops_pass_opcheck():
     x = torch.randn(6, 64, generator=g)
     idx, w = route(torch.randn(6, 8, generator=g), 2)
     weights = [t.detach() for t in (layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights())]
-    fwd_args = (x, idx, w, *weights, True)
+    config = config_text(layer.config)
+    fwd_args = (x, idx, w, *weights, config, 0, True, False, 5.0)
     torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
-    torch.library.opcheck(torch.ops.mok.moe_forward.default, (*fwd_args, True))  # one_launch: the same outputs
-    _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
-    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
+    one_launch = config_text(MoKConfig(**{**layer.config.as_dict(), "one_launch": True}))
+    torch.library.opcheck(torch.ops.mok.moe_forward.default, (x, idx, w, *weights, one_launch, 0, True, False, 5.0))  # the same outputs
+    _, *saved = torch.ops.mok.moe_forward(*fwd_args)
+    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, saved, config, 0, 5.0)
     torch.library.opcheck(torch.ops.mok.moe_backward.default, (*bwd_args, []), test_utils=("test_schema", "test_faketensor"))
     mains = [torch.randn(t.shape, generator=g) for t in weights]  # (the op adds into them: declared as mutated)
     torch.library.opcheck(torch.ops.mok.moe_backward.default, (*bwd_args, mains), test_utils=("test_schema", "test_faketensor"))
@@ -200,11 +204,14 @@ def test_custom_ops_pass_opcheck():
     same = small_layer(shared=32)
     assert same.shared_in_routed and not small_layer().shared_in_routed
     weights = [t.detach() for t in (same.gate_proj, same.up_proj, same.down_proj, *same.shared_weights())]
-    fwd_args = (x, idx, w, *weights, True, False, True)
+    config = config_text(same.config)
+    fwd_args = (x, idx, w, *weights, config, 0, True, True, 5.0)
     torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
-    _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
-    assert shared_h.shape[0] == 0 and schedule[0][:6].tolist() == list(range(6))  # row_token: the tokens first
-    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule)
+    _, *saved = torch.ops.mok.moe_forward(*fwd_args)
+    h, shared_h, _, _, *schedule = saved
+    row_token = dict(zip(Schedule.FIELDS, schedule))["row_token"]
+    assert shared_h.shape[0] == 0 and row_token[:6].tolist() == list(range(6))  # the tokens first
+    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, saved, config, 0, 5.0)
     torch.library.opcheck(torch.ops.mok.moe_backward.default, (*bwd_args, []), test_utils=("test_schema", "test_faketensor"))
 
 
@@ -213,7 +220,7 @@ def test_a_shared_expert_of_the_routed_shapes_lies_after_them_and_stays_so_after
     storage (what lets the forward run it in the routed launches), also after .to() and
     load_state_dict; the parameters keep their names and shapes, and the layer still matches its
     reference."""
-    from mok.fused_forward import shared_expert_as_last
+    from mok.pipeline.stages import shared_expert_as_last
 
     torch.manual_seed(0)
     layer = MoELayer(64, 32, 8, 2, shared_intermediate=32)  # (bf16)
@@ -326,9 +333,9 @@ def test_functional_api_checks_the_config():
     config = MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=2)
     assert mok.get_workspace(config) is None and mok.create_workspace(config) is None
     layer = small_layer(shared=None)
-    x = torch.randn(4, 64)
+    x = torch.randn(4, 64).bfloat16()  # (the fused path's dtype: its checks run on any device, then the device is refused)
     idx, w = route(torch.randn(4, 8), 2)
-    weights = (layer.gate_proj, layer.up_proj, layer.down_proj)
+    weights = tuple(p.detach().bfloat16() for p in (layer.gate_proj, layer.up_proj, layer.down_proj))
     wrong = MoKConfig(hidden=64, intermediate=32, num_experts=8, topk=4)
     with pytest.raises(ValueError, match="topk: the config says 4, the tensors have 2"):
         mok.forward(wrong, None, x, idx, w, *weights)
@@ -412,28 +419,32 @@ def test_mxfp8_precision_is_checked_at_construction_and_refused_on_the_cpu():
 
 
 def test_mxfp8_ops_fake_outputs_have_the_bf16_ops_shapes():
-    """torch.compile traces mok::moe_forward_mxfp8 / moe_backward_mxfp8 through their fake
-    implementations: the forward's outputs have the bf16 op's shapes and dtypes (bf16 or packed h,
-    the shared expert's own h), the backward's gradients the shapes of what they differentiate, or
-    empty ones when they went into main_grad buffers."""
+    """torch.compile traces mok::moe_forward / moe_backward with an MXFP8 precision through their
+    fake implementations: the forward's outputs have the bf16 configuration's shapes and dtypes
+    (bf16 or packed h, the shared expert's own h), the backward's gradients the shapes of what they
+    differentiate, or empty ones when they went into main_grad buffers."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    shapes = dict(hidden=256, intermediate=128, num_experts=8, topk=2, shared_intermediate=128)
+    emulated, bf16_config = config_text(MoKConfig(**shapes, precision="mxfp8_emulated")), config_text(MoKConfig(**shapes))
+    packed_config = config_text(MoKConfig(**shapes, precision="mxfp8_emulated", fuse_wgrad_accumulation=True, saved_h_format="mxfp8"))
+    packed_bf16_config = config_text(MoKConfig(**shapes, fuse_wgrad_accumulation=True, saved_h_format="mxfp8"))
     with FakeTensorMode():
         x, idx, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(300, 2, dtype=torch.int32), torch.empty(300, 2)
         gate, down = torch.empty(8, 128, 256, dtype=torch.bfloat16), torch.empty(8, 256, 128, dtype=torch.bfloat16)
         s_gate, s_down = torch.empty(128, 256, dtype=torch.bfloat16), torch.empty(256, 128, dtype=torch.bfloat16)
         weights = (gate, gate, down, s_gate, s_gate, s_down)
-        mxfp8 = torch.ops.mok.moe_forward_mxfp8(x, idx, w, *weights, True, True)
-        bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, True)
+        mxfp8 = torch.ops.mok.moe_forward(x, idx, w, *weights, emulated, 0, True, False, 5.0)
+        bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, bf16_config, 0, True, False, 5.0)
         assert [(t.shape, t.dtype) for t in mxfp8] == [(t.shape, t.dtype) for t in bf16]
-        grads = torch.ops.mok.moe_backward_mxfp8(x, x, idx, w, *weights, *mxfp8[1:], True, [])
+        grads = torch.ops.mok.moe_backward(x, x, idx, w, *weights, list(mxfp8[1:]), emulated, 0, 5.0, [])
         assert [t.shape for t in grads] == [t.shape for t in (x, w, *weights)]
         # h packed in MXFP8, the weight gradients added into main_grad buffers (none returned)
-        packed = torch.ops.mok.moe_forward_mxfp8(x, idx, w, *weights, True, True, True, "mxfp8")
-        packed_bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, True, False, False, True, "mxfp8")
+        packed = torch.ops.mok.moe_forward(x, idx, w, *weights, packed_config, 0, True, False, 5.0)
+        packed_bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, packed_bf16_config, 0, True, False, 5.0)
         assert [(t.shape, t.dtype) for t in packed] == [(t.shape, t.dtype) for t in packed_bf16] and packed[1].dtype == torch.uint8
         mains = [torch.empty(t.shape) for t in weights]
-        added = torch.ops.mok.moe_backward_mxfp8(x, x, idx, w, *weights, *packed[1:], True, mains)
+        added = torch.ops.mok.moe_backward(x, x, idx, w, *weights, list(packed[1:]), packed_config, 0, 5.0, mains)
         assert [t.shape for t in added] == [x.shape, w.shape] + [(0,)] * 6
 
 
@@ -459,7 +470,8 @@ def test_the_forward_ops_saved_state_takes_no_gradient():
     x = torch.randn(9, 64, requires_grad=True)
     idx, w = torch.randint(0, 4, (9, 2), dtype=torch.int32), torch.rand(9, 2, requires_grad=True)
     gate, down = torch.randn(4, 32, 64, requires_grad=True), torch.randn(4, 64, 32, requires_grad=True)
-    out, h, shared_h, *_ = torch.ops.mok.moe_forward(x, idx, w, gate, gate, down, None, None, None, True)
+    config = config_text(MoKConfig(hidden=64, intermediate=32, num_experts=4, topk=2))
+    out, h, shared_h, *_ = torch.ops.mok.moe_forward(x, idx, w, gate, gate, down, None, None, None, config, 0, True, False, 5.0)
     assert out.requires_grad and not h.requires_grad and not shared_h.requires_grad
     with pytest.raises(RuntimeError, match="does not require grad"):
         h.float().sum().backward()
@@ -473,7 +485,7 @@ def test_copies_and_assigning_loads_keep_the_shared_expert_after_the_routed_ones
     import copy
     import io
 
-    from mok.fused_forward import shared_expert_as_last
+    from mok.pipeline.stages import shared_expert_as_last
 
     layer = MoELayer(64, 32, 8, 2, shared_intermediate=32, dtype=torch.float32)
     if how == "deepcopy":
@@ -548,7 +560,8 @@ def test_an_expert_parallel_layer_can_be_deepcopied(tmp_path):
 def test_router_logits_off_the_gpu_are_f_linear_and_bad_shapes_are_named():
     """mok.router.router_logits: on the CPU (and for dtypes other than bf16) exactly F.linear;
     a weight of the wrong width or dtype is refused with the expected shape or dtype named."""
-    from mok.router import padded_experts, router_logits
+    from mok.plan import padded_experts
+    from mok.torch_ops import router_logits
 
     x, w = torch.randn(33, 256), torch.randn(24, 256)
     assert torch.equal(router_logits(x, w), torch.nn.functional.linear(x, w))

@@ -3,7 +3,6 @@ format's definition: E4M3 decoded from its bit fields, the scale as the smallest
 that brings the block's maximum within 448, every element the nearest E4M3 value (ties to the
 even code)."""
 
-import dataclasses
 import math
 
 import numpy as np
@@ -222,26 +221,27 @@ def test_mma_scale_layout_refuses_what_it_cannot_lay_out():
 
 
 def test_the_mxfp8_gemm_op_refuses_bad_input_before_any_launch():
-    from mok.ops import grouped_gemm_mxfp8
+    from mok.ops import grouped_gemm
 
     e4m3 = torch.float8_e4m3fn
     a, a_scales = torch.zeros(200, 256).to(e4m3), torch.zeros(2, 2, 512, dtype=torch.uint8)
     b, b_scales = torch.zeros(3, 128, 256).to(e4m3), torch.zeros(3, 1, 2, 512, dtype=torch.uint8)
     tiles = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
-        grouped_gemm_mxfp8(a.to(torch.bfloat16), a_scales, b, b_scales, tiles)
-    with pytest.raises(ValueError, match=r"a_scales: expected shape \[2, 2, 512\]"):
-        grouped_gemm_mxfp8(a, a_scales[:1], b, b_scales, tiles)
-    with pytest.raises(ValueError, match=r"b_scales: expected shape \[3, 1, 2, 512\]"):
-        grouped_gemm_mxfp8(a, a_scales, b, b_scales[:, :, :1], tiles)
-    with pytest.raises(ValueError, match="K % 128 == 0"):
-        grouped_gemm_mxfp8(a[:, :192].contiguous(), a_scales, b[:, :, :192].contiguous(), b_scales, tiles)
-    with pytest.raises(ValueError, match="both"):
-        grouped_gemm_mxfp8(a, a_scales, b, b_scales, tiles, b2=b)
+        grouped_gemm((a.to(torch.bfloat16), a_scales), (b, b_scales), tiles)
+    with pytest.raises(ValueError, match=r"a scales: expected shape \[2, 2, 512\]"):
+        grouped_gemm((a, a_scales[:1]), (b, b_scales), tiles)
+    with pytest.raises(ValueError, match=r"b scales: expected shape \[3, 1, 2, 512\]"):
+        grouped_gemm((a, a_scales), (b, b_scales[:, :, :1]), tiles)
+    a192, b192 = (a[:, :192].contiguous(), a_scales[:, :1].contiguous()), (b[:, :, :192].contiguous(), b_scales[:, :, :1].contiguous())
+    with pytest.raises(ValueError, match="K % 128 == 0"):  # (with the scales of K = 192: the width is what is refused)
+        grouped_gemm(a192, b192, tiles)
+    with pytest.raises(TypeError, match=r"a, b, b2: expected MXFP8 \(elements, scales\) pairs for all of them, or bf16 tensors for all"):
+        grouped_gemm((a, a_scales), (b, b_scales), tiles, b2=b)
     with pytest.raises(ValueError, match="h_out: only with the SwiGLU epilogue"):
-        grouped_gemm_mxfp8(a, a_scales, b, b_scales, tiles, h_out=torch.zeros(200, 256, dtype=torch.bfloat16))
+        grouped_gemm((a, a_scales), (b, b_scales), tiles, h_out=torch.zeros(200, 256, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
-        grouped_gemm_mxfp8(a, a_scales, b, b_scales, tiles)
+        grouped_gemm((a, a_scales), (b, b_scales), tiles)
 
 
 def test_the_quantizer_op_refuses_an_mma_scale_order_it_cannot_write():
@@ -256,31 +256,31 @@ def test_the_quantizer_op_refuses_an_mma_scale_order_it_cannot_write():
 
 
 def test_the_mxfp8_forward_refuses_bad_input_before_any_launch():
-    from mok.mxfp8_forward import Mxfp8ExpertWeights, mxfp8_moe_forward
+    """The MXFP8 forward (its plan on sm_100a; the pipeline quantizes the bf16 weights itself)
+    checks the call on any device, then refuses CPU data; Hopper's plan refuses it up front."""
+    from mok import pipeline
+    from mok.config import MoKConfig
+    from mok.plan import plan_for
 
-    e4m3 = torch.float8_e4m3fn
     num_tokens, hidden, inter, experts, topk = 8, 256, 128, 4, 2
     x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16)
     idx = torch.zeros(num_tokens, topk, dtype=torch.int32)
     idx[:, 1] = 1
     w = torch.rand(num_tokens, topk)
-
-    def weights(inter=inter, scale_k=hidden // 128):
-        proj = lambda n, k, sk: (torch.zeros(experts, n, k).to(e4m3), torch.zeros(experts, n // 128, sk, 512, dtype=torch.uint8))  # noqa: E731
-        return Mxfp8ExpertWeights(proj(inter, hidden, scale_k), proj(inter, hidden, hidden // 128), proj(hidden, inter, inter // 128))
-
-    with pytest.raises(TypeError, match="Mxfp8ExpertWeights"):
-        mxfp8_moe_forward(x, idx, w, (None, None, None))
-    with pytest.raises(TypeError, match=r"not transposed\), got the backward's transposed copies"):
-        mxfp8_moe_forward(x, idx, w, dataclasses.replace(weights(), transposed=True))
+    weights = (torch.zeros(experts, inter, hidden, dtype=torch.bfloat16), torch.zeros(experts, inter, hidden, dtype=torch.bfloat16),
+               torch.zeros(experts, hidden, inter, dtype=torch.bfloat16))
+    config = MoKConfig(hidden, inter, experts, topk, precision="mxfp8")
+    plan = plan_for(config, "sm_100a")
+    with pytest.raises(TypeError, match="w_gate: expected a torch.Tensor, got NoneType"):
+        pipeline.forward(plan, x, idx, w, (None, None, None))
     with pytest.raises(TypeError, match="x: expected dtype bfloat16"):
-        mxfp8_moe_forward(x.float(), idx, w, weights())
-    with pytest.raises(ValueError, match=r"weights.gate scales: expected shape \[4, 1, 2, 512\]"):
-        mxfp8_moe_forward(x, idx, w, weights(scale_k=1))
+        pipeline.forward(plan, x.float(), idx, w, weights)
     with pytest.raises(ValueError, match=r"topk_w: expected shape \[8, 2\]"):
-        mxfp8_moe_forward(x, idx, w[:, :1], weights())
-    with pytest.raises(NotImplementedError, match="needs an SM100 GPU .*got cpu$"):
-        mxfp8_moe_forward(x, idx, w, weights())
+        pipeline.forward(plan, x, idx, w[:, :1], weights)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor, got one on cpu"):
+        pipeline.forward(plan, x, idx, w, weights)
+    with pytest.raises(NotImplementedError, match=r"precision='mxfp8': needs block-scaled MMAs \(sm_100a, sm_103a: SM100\), got sm_90a"):
+        plan_for(config, "sm_90a")
 
 
 @pytest.mark.parametrize("shape", [(300, 8), (2, 128, 4), (3, 256, 12), (1, 4)])
@@ -301,31 +301,27 @@ def test_rows_scale_layout_refuses_what_is_not_in_the_mma_order():
 
 
 def test_the_mxfp8_backward_refuses_bad_input_before_any_launch():
-    from mok.fused_forward import ForwardResult
-    from mok.mxfp8_backward import mxfp8_moe_backward
-    from mok.mxfp8_forward import Mxfp8ExpertWeights
+    from mok import pipeline
+    from mok.config import MoKConfig
+    from mok.pipeline import ForwardResult
+    from mok.plan import plan_for
 
-    e4m3 = torch.float8_e4m3fn
     num_tokens, hidden, inter, experts, topk = 8, 256, 128, 4, 2
     x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16)
     idx = torch.zeros(num_tokens, topk, dtype=torch.int32)
     idx[:, 1] = 1
     w = torch.rand(num_tokens, topk)
-    proj = lambda n, k: (torch.zeros(experts, n, k).to(e4m3), torch.zeros(experts, n // 128, k // 128, 512, dtype=torch.uint8))  # noqa: E731
-    weights_t = Mxfp8ExpertWeights(proj(hidden, inter), proj(hidden, inter), proj(inter, hidden), transposed=True)  # gate, up [E, H, I]
+    gate, down = torch.zeros(experts, inter, hidden, dtype=torch.bfloat16), torch.zeros(experts, hidden, inter, dtype=torch.bfloat16)
+    plan = plan_for(MoKConfig(hidden, inter, experts, topk, precision="mxfp8"), "sm_100a")
     saved = ForwardResult(out=None, schedule=None, h=None)
-    with pytest.raises(TypeError, match="Mxfp8ExpertWeights"):
-        mxfp8_moe_backward(x, x, idx, w, None, None, saved)
-    forward_copies = Mxfp8ExpertWeights(proj(hidden, hidden), proj(hidden, hidden), proj(hidden, hidden))  # (H == I: shapes alike)
-    with pytest.raises(TypeError, match=r"transposed=True\)\), got the forward's copies"):
-        mxfp8_moe_backward(x, x, idx, w, forward_copies, None, saved)
+    with pytest.raises(TypeError, match=r"weights: expected \(w_gate, w_up, w_down\), got NoneType"):
+        pipeline.backward(plan, x, x, idx, w, None, None, saved)
     with pytest.raises(ValueError, match=r"dout: expected shape \[8, 256\]"):
-        mxfp8_moe_backward(x[:4], x, idx, w, weights_t, None, saved)
-    with pytest.raises(ValueError, match="save_for_backward=True"):
-        mxfp8_moe_backward(x, x, idx, w, weights_t, None, saved)
-    wrong = Mxfp8ExpertWeights(proj(inter, hidden), proj(hidden, inter), proj(inter, hidden), transposed=True)  # gate not transposed
-    with pytest.raises(ValueError, match="w_gate"):
-        mxfp8_moe_backward(x, x, idx, w, wrong, None, saved)
+        pipeline.backward(plan, x[:4], x, idx, w, (gate, gate, down), None, saved)
+    with pytest.raises(ValueError, match=r"saved: the forward did not keep h; call it with save=True"):
+        pipeline.backward(plan, x, x, idx, w, (gate, gate, down), None, saved)
+    with pytest.raises(ValueError, match="w_gate"):  # gate in the backward's orientation [E, H, I]: refused, not transposed
+        pipeline.backward(plan, x, x, idx, w, (down, gate, down), None, saved)
 
 
 def test_the_column_quantizer_op_refuses_bad_input_before_any_launch():
@@ -342,17 +338,17 @@ def test_the_column_quantizer_op_refuses_bad_input_before_any_launch():
 
 
 def test_the_mxfp8_weight_gradient_op_refuses_bad_input_before_any_launch():
-    from mok.grad_ops import weight_grad_mxfp8
+    from mok.ops import weight_grad
 
     e4m3 = torch.float8_e4m3fn
     a = (torch.zeros(256, 128).to(e4m3), torch.zeros(1, 2, 512, dtype=torch.uint8))
     b = (torch.zeros(256, 256).to(e4m3), torch.zeros(2, 2, 512, dtype=torch.uint8))
     offsets = torch.tensor([0, 128, 256], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"b_scales: expected shape \[2, 2, 512\]"):
-        weight_grad_mxfp8(a, (b[0], b[1][:1]), offsets)
-    with pytest.raises(ValueError, match=r"multiples of 128 with MXFP8 operands, got \(200, 128, 256\)"):
-        weight_grad_mxfp8((a[0][:200], a[1]), (b[0][:200], b[1]), offsets)
+    with pytest.raises(ValueError, match=r"b scales: expected shape \[2, 2, 512\]"):
+        weight_grad(a, (b[0], b[1][:1]), offsets)
+    with pytest.raises(ValueError, match=r"\(R, M, N\): expected M, N, R multiples of 128, got \(200, 128, 256\)"):
+        weight_grad((a[0][:200], a[1]), (b[0][:200], b[1]), offsets)
     with pytest.raises(ValueError, match="split_out: expected M a multiple of 256"):
-        weight_grad_mxfp8(a, b, offsets, split_out=True)
+        weight_grad(a, b, offsets, split_out=True)
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
-        weight_grad_mxfp8(a, b, offsets)
+        weight_grad(a, b, offsets)

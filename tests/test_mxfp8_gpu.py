@@ -200,7 +200,7 @@ def test_quantizer_writes_scales_in_the_mma_order(rows, width):
     (4096, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
 ])
 def test_mxfp8_forward_emulated_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing):
-    """mok.mxfp8_forward with emulate=True (Hopper: the MXFP8 operands dequantized, exactly, into
+    """The MXFP8 forward, emulated (precision="mxfp8_emulated"; Hopper: the MXFP8 operands dequantized, exactly, into
     the bf16 grouped GEMM): the schedule, the row gather, the quantizer writing MMA-ordered scales
     (x and a, the rows in use; the weights whole), the scales' way back and the combine, against the
     float64 reference of the same roundings; the same bits call after call and for half the batch."""
@@ -210,28 +210,23 @@ def test_mxfp8_forward_emulated_matches_the_reference_on_mxfp8_rounded_operands(
 
 
 def test_mxfp8_forward_without_emulation_asks_for_a_gpu_with_block_scaled_mmas():
-    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
-
-    from helpers import gpu_layer
+    from helpers import gpu_layer, moe_forward
 
     x, idx, w, experts, _ = gpu_layer(64, 256, 128, 4, 2)
     if torch.cuda.get_device_capability()[0] == 10:
         pytest.skip("an SM100 GPU has block-scaled MMAs")
-    with pytest.raises(NotImplementedError, match=r"needs an SM100 GPU .*emulate=True runs its numerics on this GPU"):
-        mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts))
+    with pytest.raises(NotImplementedError, match=r"needs block-scaled MMAs .*precision='mxfp8_emulated' runs the same numerics there"):
+        moe_forward(x, idx, w, *experts, precision="mxfp8")
 
 
 def test_mxfp8_forward_replays_from_a_cuda_graph_with_new_routing():
-    """No host sync in the MXFP8 forward (check_routing=False; emulate=True on Hopper): captured once,
+    """No host sync in the MXFP8 forward (check_routing=False; emulated on Hopper): captured once,
     replayed on a new batch and routing in the same buffers, the bits of an eager call on them."""
-    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
-
-    from helpers import gpu_layer
+    from helpers import gpu_layer, moe_forward
 
     x, idx, w, experts, shared = gpu_layer(512, 256, 128, 8, 2, 128, seed=5)
-    weights = quantize_expert_weights(*experts)
-    emulate = torch.cuda.get_device_capability()[0] != 10
-    run = lambda: mxfp8_moe_forward(x, idx, w, weights, shared, check_routing=False, emulate=emulate).out  # noqa: E731
+    precision = "mxfp8_emulated" if torch.cuda.get_device_capability()[0] != 10 else "mxfp8"
+    run = lambda: moe_forward(x, idx, w, *experts, shared, check_routing=False, precision=precision).out  # noqa: E731
     run()  # compile and warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -247,7 +242,7 @@ def test_mxfp8_forward_replays_from_a_cuda_graph_with_new_routing():
     (300, 256, 128, 8, 1, None, "one_expert", "mxfp8"), (1000, 512, 256, 8, 2, 384, "uniform", "bf16"),
 ])
 def test_mxfp8_backward_emulated_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing, wgrad_format):
-    """mok.mxfp8_backward with emulate=True (its GEMMs on dequantized MXFP8 operands: dout and dh
+    """The MXFP8 backward, emulated (its GEMMs on dequantized MXFP8 operands: dout and dh
     quantized in MMA order, the transposed weights' copies, and for the weight gradients the rows
     quantized down the columns): every gradient against the float64 reference of the same
     roundings; the same bits twice and for half the batch. wgrad_format="bf16": bf16 weight gradients."""
@@ -293,14 +288,13 @@ def test_column_quantizer_gives_the_transposes_reference_bytes(rows, columns):
 
 @pytest.mark.parametrize("shared", [None, 256])
 def test_mxfp8_emulated_layer_gives_the_functional_paths_bits_eager_and_compiled(shared):
-    """MoELayer(precision="mxfp8_emulated") through its custom ops (mok/mxfp8_ops.py): output and
-    every gradient the same bits as mxfp8_moe_forward / mxfp8_moe_backward called directly on the
+    """MoELayer(precision="mxfp8_emulated") through its custom ops (mok/torch_ops.py): output and
+    every gradient the same bits as the pipelines' forward / backward called directly on the
     layer's weights (emulated), eager and under torch.compile(fullgraph=True); a shared expert of the
     routed experts' width (kept in their buffers) included."""
     from mok.layer import MoELayer
-    from mok.mxfp8_backward import mxfp8_moe_backward
-    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
 
+    from helpers import moe_backward, moe_forward
     from test_layer_gpu import external_routing, grads_of
 
     torch.manual_seed(9)
@@ -312,9 +306,8 @@ def test_mxfp8_emulated_layer_gives_the_functional_paths_bits_eager_and_compiled
     with torch.no_grad():
         experts = (layer.gate_proj, layer.up_proj, layer.down_proj)
         shared_w = layer.shared_weights()
-        res = mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts), shared_w, save_for_backward=True, emulate=True)
-        weights_t = quantize_expert_weights(*experts, transposed=True)
-        g = mxfp8_moe_backward(dout, x, idx, w, weights_t, shared_w, res, emulate=True)
+        res = moe_forward(x, idx, w, *experts, shared_w, save_for_backward=True, precision="mxfp8_emulated")
+        g = moe_backward(dout, x, idx, w, *experts, shared_w, res, precision="mxfp8_emulated")
     want = [res.out, g.dx, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ())]
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     compiled = torch.compile(layer, fullgraph=True)
@@ -329,15 +322,14 @@ def test_mxfp8_emulated_layer_gives_the_functional_paths_bits_eager_and_compiled
 def test_mxfp8_emulated_layer_and_functional_api_add_into_main_grad_from_a_packed_h():
     """MoELayer(precision="mxfp8_emulated", fuse_wgrad_accumulation=True, saved_h_format="mxfp8"):
     h is kept packed (uint8, 33/64 of bf16's bytes), each expert weight's main_grad ends as what it
-    held plus the fp32 gradient mxfp8_moe_backward gives from that packed h (bitwise), autograd gets
+    held plus the fp32 gradient the MXFP8 backward gives from that packed h (bitwise), autograd gets
     None for those weights, and out, dx and d_topk_w are the functional path's bits; mok.api's
     forward/backward with the layer's config give the same bits."""
     from mok import api
     from mok.layer import MoELayer
-    from mok.mxfp8_backward import mxfp8_moe_backward
-    from mok.mxfp8_forward import mxfp8_moe_forward, quantize_expert_weights
     from mok.saved_mxfp8 import pack_saved
 
+    from helpers import moe_backward, moe_forward
     from test_layer_gpu import external_routing
 
     torch.manual_seed(10)
@@ -349,10 +341,9 @@ def test_mxfp8_emulated_layer_and_functional_api_add_into_main_grad_from_a_packe
     idx, w = external_routing(333, seed=4)
     dout = torch.randn(333, 512, device="cuda").bfloat16()
     with torch.no_grad():
-        res = mxfp8_moe_forward(x, idx, w, quantize_expert_weights(*experts), shared, save_for_backward=True, emulate=True)
+        res = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, precision="mxfp8_emulated")
         packed = pack_saved(res)
-        g = mxfp8_moe_backward(dout, x, idx, w, quantize_expert_weights(*experts, transposed=True), shared, packed,
-                               grad_dtype=torch.float32, emulate=True)
+        g = moe_backward(dout, x, idx, w, *experts, shared, packed, grad_dtype=torch.float32, precision="mxfp8_emulated")
     fresh = [g.d_w_gate, g.d_w_up, g.d_w_down, *g.d_shared]
     starts = [torch.randn(p.shape, device="cuda") for p in params]
     for p, start in zip(params, starts):
@@ -382,16 +373,16 @@ def test_mxfp8_layer_on_hopper_asks_for_the_emulated_precision():
     if torch.cuda.get_device_capability()[0] == 10:
         pytest.skip("an SM100 GPU has block-scaled MMAs")
     layer = MoELayer(512, 256, 16, 4, device="cuda", precision="mxfp8")
-    with pytest.raises(NotImplementedError, match="precision='mxfp8_emulated' runs the same numerics here"):
+    with pytest.raises(NotImplementedError, match="precision='mxfp8_emulated' runs the same numerics there"):
         layer(torch.randn(8, 512, device="cuda").bfloat16())
 
 
 @pytest.mark.parametrize("fuse,saved_h_format", [(False, "bf16"), (True, "mxfp8")])
 def test_precompile_lists_every_kernel_the_emulated_mxfp8_layer_looks_up(fuse, saved_h_format):
-    """variants_for(config) of an MXFP8-emulated layer (what `mok precompile --precision
-    mxfp8_emulated` builds) names every kernel variant its forward and backward look up."""
-    from mok.kernels import variants_for
+    """The plan's variants of an MXFP8-emulated layer (what `mok precompile --precision
+    mxfp8_emulated` builds) name every kernel variant its forward and backward look up."""
     from mok.layer import MoELayer
+    from mok.plan import plan_for
 
     from helpers import recorded_lookups
 
@@ -404,5 +395,5 @@ def test_precompile_lists_every_kernel_the_emulated_mxfp8_layer_looks_up(fuse, s
     with recorded_lookups() as looked_up:
         x = torch.randn(300, 512, device="cuda").bfloat16().requires_grad_()
         layer(x).float().square().sum().backward()
-    listed = {(v.name, tuple(sorted(v.config.items()))) for v in variants_for(layer.config)}
+    listed = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(layer.config, "sm_90a").variants()}
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)

@@ -66,15 +66,12 @@ def test_interleaved_timing_takes_the_callables_in_turn_and_measures_each():
 
 
 def test_bench_layer_helpers_count_experts_without_bincount_and_compare_results_bit_for_bit():
-    """perf/bench_layer.py: the baseline's expert offsets equal bincount's (without its host sync
-    on CUDA); same_bits compares tensors and tuples of them (Gradients) exactly, None as None."""
+    """mok.bench (what perf/bench_layer.py and perf/bench_ep.py use): the baseline's expert offsets
+    equal bincount's (without its host sync on CUDA); same_bits compares tensors and tuples of them
+    (Gradients) exactly, None as None."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "perf"))
-    try:
-        from bench_layer import expert_offsets, same_bits
-    finally:
-        sys.path.remove(str(ROOT / "perf"))
+    from mok.bench import expert_offsets, same_bits
     flat = torch.randint(0, 7, (1000,))
     assert torch.equal(expert_offsets(flat, 9), torch.bincount(flat, minlength=9).cumsum(0).int())
     a = torch.randn(4, 3)

@@ -1,11 +1,11 @@
-"""The built-in router on MoK's GEMMs (mok/router.py) on the H200: logits and gradients against
+"""The built-in router on MoK's GEMMs (mok/router.py, mok/torch_ops.py) on the H200: logits and gradients against
 fp32, a token's bits independent of the batch, and the layer batch-invariant with its own routing."""
 
 import pytest
 import torch
 
 from mok.layer import MoELayer
-from mok.router import router_logits
+from mok.torch_ops import router_logits
 
 from helpers import rel_err, worst_row_err
 
@@ -41,7 +41,7 @@ def test_router_logits_and_gradients_match_fp32(T, H, E):
 def test_eager_calls_and_the_op_torch_compile_sees_give_the_same_bits():
     """Eager calls take an autograd.Function (less host time), torch.compile the torch.library ops
     over the same functions: logits, dx and the weight's gradient the same bits, frozen weight too."""
-    from mok.router import router_logits_op
+    from mok.torch_ops import router_logits_op
 
     x, w = router_case(1000, 2048, 160, seed=3)
     d_logits = torch.randn(1000, 160, device="cuda").bfloat16()

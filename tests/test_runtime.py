@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from mok.config import MoKConfig
-from mok.kernels import combine_variant, get_kernel, variants_for
+from mok.kernels import get_kernel
+from mok.kernels.variants import combine_variant
+from mok.plan import plan_for
 from mok.runtime import arch as arch_mod
 from mok.runtime.cache import KernelCache
 
@@ -141,7 +143,8 @@ def test_stale_record_is_rebuilt(tmp_path):
 _RACE = """
 import sys
 from mok.config import MoKConfig
-from mok.kernels import combine_variant, get_kernel, variants_for
+from mok.kernels import get_kernel
+from mok.kernels.variants import combine_variant
 from mok.runtime.cache import KernelCache
 cache = KernelCache(sys.argv[1])
 get_kernel(combine_variant(64, 2, True), "sm_90a", cache)
@@ -173,7 +176,7 @@ def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arc
     shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4", "--shared-intermediate", "256",
              "--ep-size", str(ep_size)]
     config = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4, shared_intermediate=256, ep_size=ep_size)
-    expected = len(variants_for(config, arch))
+    expected = len(plan_for(config, arch).variants())
     assert expected >= 2
     first = _mok("precompile", "--arch", arch, *shape, cache_dir=tmp_path, machine_arch=machine_arch)
     assert first.returncode == 0, first.stderr
@@ -181,7 +184,8 @@ def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arc
     second = _mok("precompile", "--arch", arch, *shape, cache_dir=tmp_path, machine_arch=machine_arch)
     assert f"{arch}: 0 compiled, {expected} already in the cache" in second.stdout
     listing = _mok("cache", "list", cache_dir=tmp_path)
-    assert "combine(gathered=True, has_shared=True, hidden=256, topk=4)" in listing.stdout and arch in listing.stdout
+    gathered = ep_size == 1  # (at EP > 1 the combine reads the [T, k] slots the peers pushed)
+    assert f"combine(gathered={gathered}, has_shared=True, hidden=256, topk=4)" in listing.stdout and arch in listing.stdout
     assert f"{expected} entries" in listing.stdout
     cleared = _mok("cache", "clear", cache_dir=tmp_path)
     assert f"removed {expected} entries" in cleared.stdout
@@ -190,17 +194,22 @@ def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arc
 
 def test_precompile_one_launch_adds_the_one_launch_forwards(tmp_path):
     """--one-launch: what MoKConfig(one_launch=True) needs, i.e. also the expert-parallel one-launch
-    forward (with and without h) at EP > 1; the rest is what the plain config needs, already cached."""
+    forward (with and without h) at EP > 1, and the gather of the rows it keeps for the backward
+    (the multi-launch forward keeps the rows it pulled); the rest is what the plain config needs,
+    already cached."""
     shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4", "--ep-size", "2"]
     base = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4, shared_intermediate=None, ep_size=2)
-    plain = len(variants_for(base, "sm_90a"))
-    one = len(variants_for(MoKConfig(**{**base.as_dict(), "one_launch": True}), "sm_90a"))
-    assert one == plain + 2
+    keys = lambda config: {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, "sm_90a").variants()}  # noqa: E731
+    plain, one = keys(base), keys(MoKConfig(**{**base.as_dict(), "one_launch": True}))
+    added = one - plain
+    assert sorted(name for name, _ in added) == ["expert_mlp", "expert_mlp", "gather"]
+    assert sorted(dict(c)["save_h"] for name, c in added if name == "expert_mlp") == [False, True]
+    assert all(dict(c)["ep_world"] == 2 for name, c in added if name == "expert_mlp")
     first = _mok("precompile", "--arch", "sm_90a", *shape, "--shared-intermediate", "0", cache_dir=tmp_path)
     assert first.returncode == 0, first.stderr
     second = _mok("precompile", "--arch", "sm_90a", *shape, "--shared-intermediate", "0", "--one-launch", cache_dir=tmp_path)
     assert second.returncode == 0, second.stderr
-    assert f"sm_90a: 2 compiled, {plain} already in the cache" in second.stdout
+    assert f"sm_90a: 3 compiled, {len(one) - 3} already in the cache" in second.stdout
     assert "ep_world=2" in _mok("cache", "list", cache_dir=tmp_path).stdout
 
 
@@ -213,7 +222,7 @@ def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     assert bad.returncode == 1 and "multiples of 128 (the fused kernels' tile), got hidden=136, intermediate=256" in bad.stderr
     # a configuration whose layer would not run on the arch: refused, not a list of kernels nobody uses
     bad = _mok("precompile", "--arch", "sm_90a", "--precision", "mxfp8", "--ep-size", "1", cache_dir=tmp_path)
-    assert bad.returncode == 1 and "does not run on sm_90a: precision='mxfp8' needs block-scaled MMAs" in bad.stderr
+    assert bad.returncode == 1 and "does not run on sm_90a: precision='mxfp8': needs block-scaled MMAs" in bad.stderr
     bad = _mok("precompile", "--arch", "sm_100a", cache_dir=tmp_path)  # (the default configuration has ep_size 8)
     assert bad.returncode == 1 and "does not run on sm_100a: ep_size > 1: not on sm_100a yet" in bad.stderr
     assert not list(tmp_path.glob("*/*.o"))
@@ -223,7 +232,7 @@ def test_the_expert_parallel_backward_combine_is_precompiled():
     """ep_moe_backward sums dx over the pushed [T, k] slots with unit weights: that combine is listed."""
     config = MoKConfig(hidden=256, intermediate=128, num_experts=8, topk=2, shared_intermediate=128, ep_size=2)
     want = combine_variant(256, 2, True, gathered=False, unit_weights=True)
-    assert any((v.name, v.config) == (want.name, want.config) for v in variants_for(config))
+    assert any((v.name, v.config) == (want.name, want.config) for v in plan_for(config, "sm_90a").variants())
 
 
 def test_cache_clear_takes_kernel_names_only_and_listing_skips_damaged_records(tmp_path):

@@ -1,16 +1,19 @@
 """h kept for the backward in MXFP8 (mok/saved_mxfp8.py) on the CPU: the packed layout, the checks,
 the saved state's round trip, and the layer and its ops carrying a packed h (GPU: test_saved_mxfp8_gpu.py)."""
 
+import json
+
 import pytest
 import torch
 
 from mok.config import MoKConfig
-from mok.fused_forward import ForwardResult
-from mok.kernels import variants_for
 from mok.layer import MoELayer, route
 from mok.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from mok.pipeline import ForwardResult
+from mok.plan import plan_for
 from mok.saved_mxfp8 import pack_h, pack_saved, packed_width, unpack_h, unpack_saved
 from mok.schedule import build_schedule
+from mok.torch_ops import config_text
 
 
 def random_h(rows, width, seed):
@@ -72,14 +75,15 @@ def test_the_format_is_checked_where_it_is_given():
         MoELayer(64, 32, 8, 2, dtype=torch.float32, saved_h_format="e4m3")
     x, idx, w = torch.randn(4, 64), torch.zeros(4, 2, dtype=torch.int32), torch.full((4, 2), 0.5)
     weights = (torch.randn(8, 32, 64), torch.randn(8, 32, 64), torch.randn(8, 64, 32))
+    config = json.dumps({**MoKConfig(64, 32, 8, 2).as_dict(), "saved_h_format": "MXFP8"}, sort_keys=True)  # (as config_text spells it)
     with pytest.raises(ValueError, match="saved_h_format: expected one of"):
-        torch.ops.mok.moe_forward(x, idx, w, *weights, None, None, None, True, False, False, False, "MXFP8")
+        torch.ops.mok.moe_forward(x, idx, w, *weights, None, None, None, config, 0, True, False, 5.0)
 
 
 def test_precompile_lists_the_quantize_kernels_for_an_mxfp8_h():
     base = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4)
-    plain = [v.name for v in variants_for(base)]
-    packed = [v.name for v in variants_for(MoKConfig(**{**base.as_dict(), "saved_h_format": "mxfp8"}))]
+    plain = [v.name for v in plan_for(base, "sm_90a").variants()]
+    packed = [v.name for v in plan_for(MoKConfig(**{**base.as_dict(), "saved_h_format": "mxfp8"}), "sm_90a").variants()]
     assert sorted(packed) == sorted([*plain, "quantize_mxfp8", "dequantize_mxfp8"])
 
 
@@ -119,9 +123,11 @@ def test_custom_ops_with_a_packed_h_pass_opcheck():
     x = torch.randn(6, 64, generator=g)
     idx, w = route(torch.randn(6, 8, generator=g), 2)
     weights = [t.detach() for t in (layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights())]
-    fwd_args = (x, idx, w, *weights, True, False, False, False, "mxfp8")
+    config = config_text(MoKConfig(64, 32, 8, 2, shared_intermediate=48, saved_h_format="mxfp8"))
+    fwd_args = (x, idx, w, *weights, config, 0, True, False, 5.0)
     torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
-    _, h, shared_h, *schedule = torch.ops.mok.moe_forward(*fwd_args)
+    _, *saved = torch.ops.mok.moe_forward(*fwd_args)
+    h, shared_h = saved[:2]
     assert h.dtype == shared_h.dtype == torch.uint8 and shared_h.shape == (6, packed_width(96))
-    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, h, shared_h, *schedule, [])
+    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, saved, config, 0, 5.0, [])
     torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))

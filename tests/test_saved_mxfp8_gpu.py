@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from mok import MoELayer
-from mok.fused_backward import moe_backward
-from mok.fused_forward import moe_forward
 from mok.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from mok.saved_mxfp8 import pack_saved, packed_width
 
-from helpers import gpu_layer, rel_err
+from helpers import gpu_layer, moe_backward, moe_forward, rel_err
 from test_backward_gpu import NAMES, autograd_reference, cosine, flat
 
 pytestmark = pytest.mark.gpu

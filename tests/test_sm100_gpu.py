@@ -87,9 +87,7 @@ def test_sm100_grouped_gemm_rows_do_not_depend_on_the_other_tiles():
 
 @pytest.mark.parametrize("rows,hidden,inter,experts,topk", [(700, 512, 256, 3, 4), (300, 2048, 768, 2, 8), (130, 256, 128, 1, 1)])
 def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, inter, experts, topk):
-    """dh, s·a and the router gradient's per-tile pieces from dA_u = dout_rows·W_down (grad_ops.swiglu_backward_gemm)."""
-    from mok import grad_ops
-
+    """dh, s·a and the router gradient's per-tile pieces from dA_u = dout_rows·W_down (ops.swiglu_backward_gemm)."""
     g = torch.Generator(device="cuda").manual_seed(rows + hidden)
     tokens = 97
     dout_rows = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
@@ -99,7 +97,7 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
     row_slot = torch.randint(0, topk, (rows,), device="cuda", dtype=torch.int32, generator=g)
     topk_w = torch.rand(tokens, topk, device="cuda", generator=g)
     tile_expert = torch.randint(0, experts, (-(-rows // 128),), device="cuda", dtype=torch.int32, generator=g)
-    dh, a_scaled, partial = grad_ops.swiglu_backward_gemm(
+    dh, a_scaled, partial = ops.swiglu_backward_gemm(
         dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, persistent=False
     )
     tile_n = inter // partial.shape[1]
@@ -113,7 +111,7 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
     want_partial = (d_a * a).reshape(rows, inter // tile_n, tile_n).sum(-1)
     assert rel_err(dh, want_dh) < 1e-2 and rel_err(a_scaled, s * a) < 1e-2
     assert rel_err(partial, want_partial) < 1e-3
-    again = grad_ops.swiglu_backward_gemm(
+    again = ops.swiglu_backward_gemm(
         dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, persistent=False
     )
     assert all(torch.equal(x, y) for x, y in zip((dh, a_scaled, partial), again))  # deterministic
@@ -122,10 +120,8 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
 @pytest.mark.parametrize("m,n,split_out,accumulate", [(256, 384, False, False), (512, 256, True, False), (256, 256, True, True),
                                                        (384, 128, False, True)])
 def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumulate):
-    """out[e] (+)= a[rows of e]ᵀ·b[rows of e] (grad_ops.weight_grad): experts of 128-row blocks with
+    """out[e] (+)= a[rows of e]ᵀ·b[rows of e] (ops.weight_grad): experts of 128-row blocks with
     zero padding rows, one expert without rows (zeros, or left as it was when accumulating)."""
-    from mok import grad_ops
-
     g = torch.Generator(device="cuda").manual_seed(m + n)
     counts = torch.tensor([200, 0, 77, 128], dtype=torch.int32)
     blocks = (counts + 127) // 128
@@ -146,12 +142,12 @@ def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumu
         shape = (experts, m // 2, n) if split_out else (experts, m, n)
         before = [torch.randn(shape, device="cuda", generator=g) for _ in range(2 if split_out else 1)]
         out = [t.clone() for t in before]
-        got = grad_ops.weight_grad(a, b, offsets, out=tuple(out) if split_out else out[0], accumulate=True, **kw)
+        got = ops.weight_grad(a, b, offsets, out=tuple(out) if split_out else out[0], accumulate=True, **kw)
         got = torch.cat(got, dim=1) if split_out else got
         want = want + torch.cat(before, dim=1)
         assert torch.equal(got[1], torch.cat(before, dim=1)[1])  # the expert without rows: untouched
     else:
-        got = grad_ops.weight_grad(a, b, offsets, **kw)
+        got = ops.weight_grad(a, b, offsets, **kw)
         got = torch.cat(got, dim=1) if split_out else got
         assert torch.equal(got[1], torch.zeros_like(got[1]))  # the expert without rows: zeros
     for e in (0, 2, 3):
@@ -164,10 +160,9 @@ def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumu
 def test_sm100_layer_forward_and_backward_match_the_float32_reference(T, H, I, E, k, shared_inter, routing, monkeypatch):
     """The single-GPU layer on SM100 (``MOK_UNVERIFIED_SM100=1``): its forward against the fp32
     reference, its gradients against autograd of it (tests/test_backward_gpu.py's checks)."""
-    from mok.fused_forward import moe_forward
     from mok.reference import moe_reference
 
-    from helpers import gpu_layer, worst_row_err
+    from helpers import gpu_layer, moe_forward, worst_row_err
     from test_backward_gpu import check_backward_against_autograd
 
     monkeypatch.setenv("MOK_UNVERIFIED_SM100", "1")
@@ -193,7 +188,7 @@ def test_sm100_layer_forward_and_backward_match_the_float32_reference(T, H, I, E
     ],
 )
 def test_sm100_mxfp8_grouped_gemm_matches_the_float64_product_of_its_dequantized_operands(rows, n, k, experts, epilogue, tile_n):
-    """ops.grouped_gemm_mxfp8 on operands quantized by mok.mxfp8 (blocks' magnitudes spread over
+    """ops.grouped_gemm on MXFP8 operands quantized by mok.mxfp8 (blocks' magnitudes spread over
     2^-6..2^6 so a misplaced scale shows): against float64 products of the dequantized operands (every product
     exact; the kernel's only rounding is its fp32 sums and the bf16 output)."""
     from mok.mxfp8 import dequantize_mxfp8, mma_scale_layout, quantize_mxfp8
@@ -217,9 +212,9 @@ def test_sm100_mxfp8_grouped_gemm_matches_the_float64_product_of_its_dequantized
     h = poisoned(rows, 2 * n) if epilogue == "swiglu_save" else None
 
     def run():
-        return ops.grouped_gemm_mxfp8(
-            a_q, mma_scale_layout(a_s), b, mma_scale_layout(b_s), tile_expert, b2=b2,
-            b2_scales=None if b2 is None else mma_scale_layout(b2_s), k_split=k_split, out=poisoned(rows, n), h_out=h, tile_n=tile_n,
+        return ops.grouped_gemm(
+            (a_q, mma_scale_layout(a_s)), (b, mma_scale_layout(b_s)), tile_expert, b2=None if b2 is None else (b2, mma_scale_layout(b2_s)),
+            k_split=k_split, out=poisoned(rows, n), h_out=h, tile_n=tile_n,
         )
 
     out = run()
@@ -247,16 +242,14 @@ def test_sm100_mxfp8_grouped_gemm_matches_the_float64_product_of_its_dequantized
     (4096, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
 ])
 def test_sm100_mxfp8_forward_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing):
-    """mok.mxfp8_forward (the routed experts' GEMMs on MXFP8 operands): against the float64
+    """The MXFP8 forward (precision="mxfp8": the routed experts' GEMMs on MXFP8 operands): against the float64
     reference of the same roundings; deterministic, and a token's output the same bits whatever
     the rest of the batch (the first half of the tokens alone); close to its emulation."""
-    from helpers import check_mxfp8_forward
+    from helpers import check_mxfp8_forward, moe_forward
 
-    out, weights, layer = check_mxfp8_forward(T, H, I, E, k, shared_inter, routing, emulate=False)
-    from mok.mxfp8_forward import mxfp8_moe_forward
-
-    x, idx, w, _, shared = layer
-    emulated = mxfp8_moe_forward(x, idx, w, weights, shared, emulate=True).out  # Hopper's way to the same numbers
+    out, layer = check_mxfp8_forward(T, H, I, E, k, shared_inter, routing, emulate=False)
+    x, idx, w, experts, shared = layer
+    emulated = moe_forward(x, idx, w, *experts, shared, precision="mxfp8_emulated").out  # Hopper's way to the same numbers
     assert rel_err(out, emulated) < 1e-2
 
 
@@ -264,7 +257,7 @@ def test_sm100_mxfp8_forward_matches_the_reference_on_mxfp8_rounded_operands(T, 
     (2048, 7168, 2048, 32, 8, None, "uniform"), (1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert"),
 ])
 def test_sm100_mxfp8_backward_matches_the_reference_on_mxfp8_rounded_operands(T, H, I, E, k, shared_inter, routing):
-    """mok.mxfp8_backward on SM100 (the SwiGLU-backward and dx GEMMs on MXFP8 operands): every
+    """The MXFP8 backward on SM100 (precision="mxfp8": the SwiGLU-backward and dx GEMMs on MXFP8 operands): every
     gradient against the float64 reference of the same roundings; the same bits twice and for half
     the batch (tests/helpers.py: check_mxfp8_backward)."""
     from helpers import check_mxfp8_backward
@@ -283,11 +276,10 @@ def test_sm100_mxfp8_backward_adds_into_main_grads_and_takes_a_packed_h(wgrad_fo
 
 @pytest.mark.parametrize("split_out", [False, True])
 def test_sm100_mxfp8_weight_grad_matches_the_float64_product_of_its_dequantized_operands(split_out):
-    """grad_ops.weight_grad_mxfp8 (both operands quantized down their columns by
+    """ops.weight_grad on MXFP8 operands (both quantized down their columns by
     ops.quantize_mxfp8_columns): each expert's Aᵀ·B over its rows against float64 of the dequantized
     operands (every product exact), an expert without rows zeros; deterministic."""
-    from mok import grad_ops
-    from mok.mxfp8_backward import dequantized_columns
+    from mok.pipeline.stages import dequantized_columns
 
     g = torch.Generator(device="cuda").manual_seed(11 + split_out)
     rows, m, n = 640, 512 if split_out else 256, 384
@@ -295,8 +287,8 @@ def test_sm100_mxfp8_weight_grad_matches_the_float64_product_of_its_dequantized_
     a = torch.randn(rows, m, device="cuda", generator=g).bfloat16()
     b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
     a_q, b_q = (ops.quantize_mxfp8_columns(t, scale_order="mma") for t in (a, b))
-    got = grad_ops.weight_grad_mxfp8(a_q, b_q, offsets, split_out=split_out)
-    again = grad_ops.weight_grad_mxfp8(a_q, b_q, offsets, split_out=split_out)
+    got = ops.weight_grad(a_q, b_q, offsets, split_out=split_out)
+    again = ops.weight_grad(a_q, b_q, offsets, split_out=split_out)
     if split_out:
         got, again = torch.cat(got, dim=1), torch.cat(again, dim=1)
     a_f, b_f = dequantized_columns(a_q).double(), dequantized_columns(b_q).double()

@@ -17,8 +17,9 @@ def _worker(rank, init_file, out_dir, shared_gpu):
     from cuda.bindings import driver
     from cutlass.cute.runtime import make_ptr
 
-    from mok.kernels import gather_variant, get_kernel
-    from mok.ops import _i32, _ptr, _stream
+    from mok.kernels import get_kernel
+    from mok.kernels.variants import gather_variant
+    from mok.runtime.launch import i32, ptr, stream
     from mok.runtime.arch import device_arch
     from mok.runtime.workspace import SymmetricWorkspace, get_workspace
 
@@ -46,7 +47,7 @@ def _worker(rank, init_file, out_dir, shared_gpu):
         out = torch.full((ROWS, WIDTH), float("nan"), device="cuda", dtype=torch.bfloat16)
         kernel = get_kernel(gather_variant(WIDTH), device_arch())
         src = make_ptr(cutlass.BFloat16, ws.peer_ptr(peer), cutlass.cute.AddressSpace.gmem, assumed_align=16)
-        kernel(src, _ptr("i32", index, 4), _ptr("bf16", out), _i32(ROWS), _i32(ROWS), _stream(out.device))
+        kernel(src, ptr("i32", index, 4), ptr("bf16", out), i32(ROWS), i32(ROWS), stream(out.device))
         torch.cuda.synchronize()
         result.append(torch.equal(out.cpu(), want.flip(0)))
         dist.barrier()

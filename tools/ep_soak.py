@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from mok.ep import EPLayout, EPWorkspace
+from mok.pipeline.workspace import EPLayout, EPWorkspace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import (  # noqa: E402

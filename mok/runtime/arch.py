@@ -57,13 +57,24 @@ def device_arch(device: "int | None" = None) -> str | None:
 FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) has kernels that have run and been tested
 UNVERIFIED_ARCHS = ("sm_100a", "sm_103a")  # GEMMs written and compile-verified, never run (no SM100 GPU here)
 UNVERIFIED_ENV = "MOK_UNVERIFIED_SM100"  # "1": run the single-GPU layer on them anyway
-PERSISTENT_GEMM_ARCHS = ("sm_90a",)  # the persistent GEMMs and what builds on them (gathering, combining, one launch, EP)
+PERSISTENT_GEMM_ARCHS = ("sm_90a",)  # the persistent GEMMs and what builds on them (gathering, one launch, EP)
+MXFP8_GEMM_ARCHS = ("sm_100a", "sm_103a")  # block-scaled MMAs (tcgen05 kind::mxf8f6f4); Hopper has none
 
 
 def has_persistent_gemms(arch: str | None) -> bool:
     """Whether ``arch`` has the persistent, warp-specialised GEMM kernels (Hopper); elsewhere the
     GEMMs run one tile per CTA and the variants built on the persistent ones do not exist yet."""
     return arch in PERSISTENT_GEMM_ARCHS
+
+
+def require_mxfp8_gemms(what: str, arch: str | None, emulated_hint: bool = True) -> None:
+    """Raise NotImplementedError unless ``arch`` has block-scaled MMAs (the MXFP8 GEMMs): the one
+    place that refuses MXFP8 compute elsewhere, naming ``what`` asked for it."""
+    if arch not in MXFP8_GEMM_ARCHS:
+        hint = "; precision='mxfp8_emulated' runs the same numerics there (slower than bf16)" if emulated_hint and arch else ""
+        raise NotImplementedError(
+            f"{what}: needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}: SM100), got {arch or 'no GPU'}{hint}"
+        )
 
 
 def fused_layer_archs() -> tuple[str, ...]:

@@ -6,7 +6,7 @@ convention every argument becomes a Python object (a ``cute.Pointer`` per addres
 and ~15 arguments per GEMM launch. Kernels compiled with ``--enable-tvm-ffi`` take plain
 Python ints for all three kinds and convert them in C: on an H200 a combine call costs 37 µs of
 host time instead of 72, and an eager forward + backward of 256 tokens 0.87 ms instead of 2.04
-(perf/NOTES.md, 2026-12-01). MoK uses TVM-FFI whenever the ``apache-tvm-ffi`` package (a
+(docs/notes/tvm-ffi.md). MoK uses TVM-FFI whenever the ``apache-tvm-ffi`` package (a
 dependency) can be imported, unless ``MOK_TVM_FFI=0``; else the DSL's own. The choice is made
 once per process, and the kernel cache keys entries by it (a kernel compiled for one
 convention is never called with the other's arguments).

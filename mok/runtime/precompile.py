@@ -1,7 +1,8 @@
 """Offline compilation: fill the kernel cache for a configuration, no GPU needed.
 
 ``python -m mok precompile --arch sm_90a [shape options]`` compiles every kernel variant
-that ``mok.kernels.variants_for(config, arch)`` lists into ``$MOK_CACHE_DIR``; a later process
+that the configuration's plan on that target lists (``mok.plan.plan_for(config, arch).variants()``)
+into ``$MOK_CACHE_DIR``; a later process
 on a GPU of that arch loads them from disk and compiles nothing.
 """
 
@@ -12,7 +13,7 @@ import time
 from typing import TextIO
 
 from ..config import MoKConfig
-from ..kernels import get_kernel, unsupported_on, variants_for
+from ..kernels import get_kernel
 from .arch import normalize_arch
 from .cache import CacheStats, KernelCache
 
@@ -25,12 +26,14 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 def precompile(config: MoKConfig, arch: str, cache: KernelCache, out: TextIO = sys.stderr) -> CacheStats:
     """Compile (or find on disk) every kernel ``config`` needs for ``arch``; returns what was done.
     Raises ValueError, before compiling anything, for a configuration whose layer does not run on
-    ``arch`` (mok.kernels.unsupported_on says why)."""
+    ``arch`` (the plan says why)."""
+    from ..plan import plan_for
+
     arch = normalize_arch(arch)
-    why = unsupported_on(config, arch)
-    if why is not None:
-        raise ValueError(f"precompile: a layer of this configuration does not run on {arch}: {why}")
-    variants = variants_for(config, arch)
+    try:
+        variants = plan_for(config, arch).variants()
+    except NotImplementedError as why:
+        raise ValueError(f"precompile: a layer of this configuration does not run on {arch}: {why}") from None
     before = CacheStats(**vars(cache.stats))
     for i, variant in enumerate(variants):
         out.write(f"\r{_bar(i, len(variants))} {variant.describe()} for {arch} ...")

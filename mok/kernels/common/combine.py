@@ -27,9 +27,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from .compile import compile_kernel
+from .records import COMBINE_ARGS, COMBINE_ROUTER_GRAD_ARGS
 from .router_grad import pair_router_grad
+from .row_vectors import VECTOR, thread_vector, vector_grid
 
-VECTOR = 8  # bf16 elements per 16-byte access
+# the launches' arguments (the CUDA stream follows): CombineKernel's, CombineRouterGradKernel's
 
 
 class CombineKernel:
@@ -40,25 +43,13 @@ class CombineKernel:
     ) -> None:
         if hidden % VECTOR:
             raise ValueError(f"hidden: expected a multiple of {VECTOR}, got {hidden}")
-        self.hidden = hidden
-        self.topk = topk
-        self.has_shared = has_shared
-        self.gathered = gathered
-        self.unit_weights = unit_weights
-        self.threads = threads
-        self.cols_per_cta = threads * VECTOR
+        self.hidden, self.topk, self.has_shared, self.gathered = hidden, topk, has_shared, gathered
+        self.unit_weights, self.threads = unit_weights, threads
 
     @cute.jit
     def __call__(
-        self,
-        y_ptr: cute.Pointer,
-        slot_ptr: cute.Pointer,
-        w_ptr: cute.Pointer,
-        shared_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        num_tokens: cutlass.Int32,
-        num_rows: cutlass.Int32,
-        stream: cuda.CUstream,
+        self, y_ptr: cute.Pointer, slot_ptr: cute.Pointer, w_ptr: cute.Pointer, shared_ptr: cute.Pointer, out_ptr: cute.Pointer,
+        num_tokens: cutlass.Int32, num_rows: cutlass.Int32, stream: cuda.CUstream,
     ):
         """y: [T, k, H] (dense) or [R, H] rows (gathered) bf16; slot_row [T, k] int32 (gathered only);
         topk_w [T, k] fp32; shared [T, H] bf16 (read only with has_shared); out [T, H] bf16."""
@@ -72,16 +63,12 @@ class CombineKernel:
         m_shared = cute.make_tensor(shared_ptr, cute.make_layout((num_tokens, h), stride=(h, 1)))
         m_out = cute.make_tensor(out_ptr, cute.make_layout((num_tokens, h), stride=(h, 1)))
         self.kernel(m_y, m_slot, m_w, m_shared, m_out).launch(
-            grid=[num_tokens, (h + self.cols_per_cta - 1) // self.cols_per_cta, 1],
-            block=[self.threads, 1, 1],
-            stream=stream,
+            grid=vector_grid(num_tokens, h, self.threads), block=[self.threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, m_y: cute.Tensor, m_slot: cute.Tensor, m_w: cute.Tensor, m_shared: cute.Tensor, m_out: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        token, col_block, _ = cute.arch.block_idx()
-        chunk = col_block * self.threads + tidx  # which 8-column vector of the row
+        chunk, token, _ = thread_vector(self.threads)  # which 8-column vector of which token's row
         if chunk * VECTOR < self.hidden:
             combine_vector(
                 m_y, m_slot, m_w, m_shared, m_out, token, chunk, self.topk, self.has_shared, self.unit_weights, self.gathered
@@ -101,16 +88,8 @@ class CombineRouterGradKernel(CombineKernel):
 
     @cute.jit
     def __call__(
-        self,
-        y_ptr: cute.Pointer,
-        slot_ptr: cute.Pointer,
-        partial_ptr: cute.Pointer,
-        shared_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        d_w_ptr: cute.Pointer,
-        num_tokens: cutlass.Int32,
-        num_rows: cutlass.Int32,
-        stream: cuda.CUstream,
+        self, y_ptr: cute.Pointer, slot_ptr: cute.Pointer, partial_ptr: cute.Pointer, shared_ptr: cute.Pointer, out_ptr: cute.Pointer,
+        d_w_ptr: cute.Pointer, num_tokens: cutlass.Int32, num_rows: cutlass.Int32, stream: cuda.CUstream,
     ):
         """y [R, H] bf16 rows, slot_row [T, k] int32, partial [R, parts] fp32, shared [T, H] bf16 (read
         only with has_shared), out [T, H] bf16, d_w [T, k] fp32."""
@@ -122,9 +101,7 @@ class CombineRouterGradKernel(CombineKernel):
         m_out = cute.make_tensor(out_ptr, cute.make_layout((num_tokens, h), stride=(h, 1)))
         m_d_w = cute.make_tensor(d_w_ptr, cute.make_layout((num_tokens, k), stride=(k, 1)))
         self.kernel_router(m_y, m_slot, m_part, m_shared, m_out, m_d_w).launch(
-            grid=[num_tokens, (h + self.cols_per_cta - 1) // self.cols_per_cta, 1],
-            block=[self.threads, 1, 1],
-            stream=stream,
+            grid=vector_grid(num_tokens, h, self.threads), block=[self.threads, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -133,7 +110,7 @@ class CombineRouterGradKernel(CombineKernel):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         token, col_block, _ = cute.arch.block_idx()
-        chunk = col_block * self.threads + tidx
+        chunk = col_block * self.threads + tidx  # (the router pieces: threads < k of column block 0)
         if chunk * VECTOR < self.hidden:
             # (unit weights: the weights' tensor is not read; slot_row stands in for it)
             combine_vector(m_y, m_slot, m_slot, m_shared, m_out, token, chunk, self.topk, self.has_shared, True, True)
@@ -179,24 +156,6 @@ def compile_combine(
 ):
     """Compile for ``arch`` without tensors: pointers and the token/row counts are runtime arguments
     (``router_parts`` > 0: CombineRouterGradKernel, gathered with unit weights)."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
     if router_parts:
-        bf16 = make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)
-        f32, i32 = (make_ptr(dtype, 0, gmem, assumed_align=4) for dtype in (cutlass.Float32, cutlass.Int32))
-        kernel = CombineRouterGradKernel(hidden, topk, has_shared, router_parts)
-        args = (bf16, i32, f32, bf16, bf16, f32, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream())
-        return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
-    args = (
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        make_fake_stream(),
-    )
-    kernel = CombineKernel(hidden, topk, has_shared, gathered, unit_weights)
-    return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
+        return compile_kernel(CombineRouterGradKernel(hidden, topk, has_shared, router_parts), COMBINE_ROUTER_GRAD_ARGS, arch, options)
+    return compile_kernel(CombineKernel(hidden, topk, has_shared, gathered, unit_weights), COMBINE_ARGS, arch, options)

@@ -3,16 +3,8 @@
 Every rank's workspace has the same layout and sits at ``base + rank·stride`` in one address
 range (mok/runtime/workspace.py maps the peers' memory there; a single-GPU test puts W
 "ranks" in one buffer), so a kernel reaches rank p's copy of a region as row p of one tensor.
-Per rank, in int32 words of the flag region (see mok/ep.py for the byte layout):
-
-    [0] epoch   [1, 1+W) published-by-rank   [1+W, 1+2W) done-by-rank
-    [1+2W, 1+2W+4) error record   [5+2W] this rank's token count
-    [6+2W, 10+2W) the grid-barrier words of this rank's one-launch forward (mok/ep_one_launch.py)
-    [10+2W] the CTAs of this rank's publish launch that are done (the last one signals, resets it)
-
-The error record is (1, phase, peer, epoch) for a wait that timed out, or (2, rank, rows
-needed, capacity) when rank's experts were given more rows than a bounded capacity holds;
-the first error stays.
+The flag region's words are laid out in flag_layout.py (the workspace's byte layout:
+mok/pipeline/workspace.py).
 
 Flags carry the epoch they belong to (a counter each rank advances once per forward, on the
 device, so graph replays keep working): a writer stores ``epoch`` into the reader's slot
@@ -29,46 +21,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from .. import GRID_SYNC_WORDS
+from .flag_layout import (
+    ERROR_CAPACITY, ERROR_TIMEOUT, PHASE_DONE, PHASE_PUBLISH, epoch_slot, error_slot, flag_slot, flag_words, publish_count_slot,
+    tokens_slot,
+)
 from .mxfp8_quantize import BLOCK, block_tensors, e8m0_factor, quantize_block
+from .row_vectors import VECTOR
 from .waits import wait_at_least
-
-VECTOR = 8  # bf16 elements per 16-byte access
-PHASE_PUBLISH, PHASE_DONE = 0, 1
-ERROR_TIMEOUT, ERROR_CAPACITY = 1, 2
-
-
-def flag_words(world: int) -> int:
-    """int32 words of one rank's flag region (padded to 128 bytes)."""
-    return -(-(publish_count_slot(world) + 1) // 32) * 32
-
-
-def epoch_slot() -> int:
-    return 0
-
-
-def flag_slot(phase: int, peer: int, world: int) -> int:
-    return 1 + phase * world + peer
-
-
-def error_slot(world: int) -> int:
-    return 1 + 2 * world
-
-
-def tokens_slot(world: int) -> int:
-    return 5 + 2 * world
-
-
-def grid_sync_slot(world: int) -> int:
-    """The first of the one-launch forward's grid-barrier words: per workspace and rank (not per
-    stream: the ranks' CUDA graphs may all be captured on one stream and replayed at once)."""
-    return 6 + 2 * world
-
-
-def publish_count_slot(world: int) -> int:
-    return grid_sync_slot(world) + GRID_SYNC_WORDS
-
-
 def check_width(width: int) -> None:
     """A row width the 16-byte vector copies can take."""
     if width % VECTOR:
@@ -167,7 +126,20 @@ class EpWaitKernel:
         wait_all(m_flags, rank, self.world, self.phase, m_flags[rank, epoch_slot()], timeout_ns, lane)
 
 
-class EpPublishKernel:
+class EpRowsKernel:
+    """Base of the EP kernels over rows of ``width`` bf16 (a multiple of VECTOR) and ``topk`` slots
+    a token, for ``world`` ranks, ``threads`` per CTA (the class's default unless given)."""
+
+    threads = 256
+
+    def __init__(self, world: int, width: int, topk: int, threads: int | None = None) -> None:
+        check_width(width)
+        self.world, self.width, self.topk = world, width, topk
+        if threads is not None:
+            self.threads = threads
+
+
+class EpPublishKernel(EpRowsKernel):
     """This rank's call inputs into its published regions, then the publish signal: one launch for
     what were two copies, the token count's fill and the signal kernel.
 
@@ -177,10 +149,6 @@ class EpPublishKernel:
     count, writes the token count, advances the epoch and signals every rank (EpSignalKernel's
     release stores). No CTA waits for another: any grid size is safe.
     """
-
-    def __init__(self, world: int, width: int, topk: int, threads: int = 256) -> None:
-        check_width(width)
-        self.world, self.width, self.topk, self.threads = world, width, topk, threads
 
     @cute.jit
     def __call__(
@@ -246,10 +214,10 @@ class EpPublishKernel:
 class EpPublishMxfp8Kernel(EpPublishKernel):
     """EpPublishKernel whose rows go out in MXFP8: every thread quantizes blocks of 32 of this
     rank's x (mok.ops.quantize_mxfp8's bytes, :func:`quantize_block`) into its own region, E4M3
-    elements [T, H] then E8M0 scales [T, H / 32] (mok.ep.mxfp8_region), then the values and the
+    elements [T, H] then E8M0 scales [T, H / 32] (mok.pipeline.exchange.mxfp8_region), then the values and the
     signal as EpPublishKernel: one launch where the quantizer and a publish of the values were two."""
 
-    def __init__(self, world: int, width: int, topk: int, threads: int = 256) -> None:
+    def __init__(self, world: int, width: int, topk: int, threads: int | None = None) -> None:
         check_mxfp8_width(width)
         super().__init__(world, width, topk, threads)
 
@@ -453,46 +421,7 @@ class EpDispatchMxfp8Kernel(EpDispatchKernel):
             self.zero_padding(m_counts, m_offsets, m_out, block - tokens, num_rows, tidx)
 
 
-class EpPushKernel:
-    """y_slots of the token's rank [t, j] = y_rows[r] for every row r with a token (g = p·T_max + t, j = row_slot[r]).
-
-    The EP layer no longer launches it (its GEMMs write the slots themselves: grouped_gemm_scatter);
-    kept as the baseline perf/gemm_sweep.py --scattered-fc2 measures that against."""
-
-    def __init__(self, world: int, width: int, topk: int, threads: int = 128) -> None:
-        check_width(width)
-        self.world, self.width, self.topk, self.threads = world, width, topk, threads
-
-    @cute.jit
-    def __call__(
-        self, y_rows_ptr: cute.Pointer, row_token_ptr: cute.Pointer, row_slot_ptr: cute.Pointer, slots_ptr: cute.Pointer,
-        t_max: cutlass.Int32, slots_stride: cutlass.Int32, num_rows: cutlass.Int32, stream: cuda.CUstream,
-    ):
-        h, k = self.width, self.topk
-        slots_stride = cute.assume(slots_stride, divby=VECTOR)
-        m_y = cute.make_tensor(y_rows_ptr, cute.make_layout((num_rows, h), stride=(h, 1)))
-        m_tok = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
-        m_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
-        m_slots = cute.make_tensor(slots_ptr, cute.make_layout((self.world, t_max * k, h), stride=(slots_stride, h, 1)))
-        cols = self.threads * VECTOR
-        self.kernel(m_y, m_tok, m_slot, m_slots, t_max).launch(
-            grid=[num_rows, (h + cols - 1) // cols, 1], block=[self.threads, 1, 1], stream=stream
-        )
-
-    @cute.kernel
-    def kernel(self, m_y: cute.Tensor, m_tok: cute.Tensor, m_slot: cute.Tensor, m_slots: cute.Tensor, t_max: cutlass.Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        row, col_block, _ = cute.arch.block_idx()
-        chunk = col_block * self.threads + tidx
-        if chunk * VECTOR < self.width:
-            g = m_tok[row]
-            if g >= 0:
-                dst = m_slots[g // t_max, (g % t_max) * self.topk + m_slot[row], None]
-                src = cute.zipped_divide(m_y[row, None], (VECTOR,))[None, chunk]
-                cute.zipped_divide(dst, (VECTOR,))[None, chunk].store(src.load())
-
-
-class EpOverflowKernel:
+class EpOverflowKernel(EpRowsKernel):
     """Make a capacity overflow loud: every (token, slot) pair routed to this rank's experts that
     got no row (slot_row < 0: past the capacity) has its pushed slot row set to NaN on the
     token's rank, and with ``gradient`` its router-gradient piece in this rank's "dw" region
@@ -503,9 +432,9 @@ class EpOverflowKernel:
     the slots and pieces after the signal), only when a capacity bound is set.
     """
 
-    def __init__(self, world: int, width: int, topk: int, gradient: bool, threads: int = 256) -> None:
-        check_width(width)
-        self.world, self.width, self.topk, self.gradient, self.threads = world, width, topk, gradient, threads
+    def __init__(self, world: int, width: int, topk: int, gradient: bool, threads: int | None = None) -> None:
+        super().__init__(world, width, topk, threads)
+        self.gradient = gradient
 
     @cute.jit
     def __call__(
@@ -579,7 +508,7 @@ def _ptr(dtype, align):
 
 
 def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1):
-    """Compile one EP kernel (``kind``: signal, wait, publish, publish_mxfp8, routing, dispatch, dispatch_mxfp8, push,
+    """Compile one EP kernel (``kind``: signal, wait, publish, publish_mxfp8, routing, dispatch, dispatch_mxfp8,
     overflow) for ``arch`` without tensors.
 
     For ``overflow``, ``phase`` PHASE_DONE selects the backward's variant (it poisons the router-gradient pieces too).
@@ -610,14 +539,11 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
             _ptr(cutlass.Float8E4M3FN, 16), _ptr(cutlass.Uint8, 1), *(_ptr(i32, 4) for _ in range(3)), _ptr(bf16, 16), i, cutlass.Int64(16),
             i, i, stream,
         )
-    elif kind == "push":
-        kernel = EpPushKernel(world, width, topk)
-        args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, stream)
     elif kind == "overflow":
         kernel = EpOverflowKernel(world, width, topk, gradient=phase == PHASE_DONE)
         args = (*(_ptr(i32, 4) for _ in range(5)), _ptr(bf16, 16), _ptr(cutlass.Float32, 4), i, i, i, i, i, i, stream)
     else:
         raise ValueError(
-            f"kind: expected signal, wait, publish, publish_mxfp8, routing, dispatch, dispatch_mxfp8, push or overflow, got {kind!r}"
+            f"kind: expected signal, wait, publish, publish_mxfp8, routing, dispatch, dispatch_mxfp8 or overflow, got {kind!r}"
         )
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

@@ -1,6 +1,6 @@
 """The expert-parallel phases of the one-launch EP forward (mok/kernels/sm90/expert_mlp.py, ``ep_world``).
 
-The multi-launch EP forward (mok/ep.py) runs these steps as separate kernels; here every CTA of
+The multi-launch EP forward (mok/pipeline/forward.py) runs these steps as separate kernels; here every CTA of
 the one persistent launch runs its share of each, with grid barriers (common/waits.py) where a
 step needs the previous one complete on this rank, and the workspace's epoch flags (common/ep.py:
 system-scope release/acquire, bounded by %globaltimer, a timeout recorded as (1, phase, peer,
@@ -30,9 +30,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .ep import (
-    PHASE_DONE, PHASE_PUBLISH, VECTOR, claim_capacity_error, epoch_slot, poison_dropped_pair, signal_all, tokens_slot, wait_all,
-)
+from .ep import VECTOR, claim_capacity_error, poison_dropped_pair, signal_all, wait_all
+from .flag_layout import PHASE_DONE, PHASE_PUBLISH, epoch_slot, tokens_slot
 from .mxfp8_quantize import BLOCK, block_tensors, e8m0_factor, quantize_block
 from .waits import grid_barrier
 

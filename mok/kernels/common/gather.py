@@ -15,8 +15,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-VECTOR = 8  # bf16 elements per 16-byte access
+from .compile import compile_kernel
+from .records import GATHER_ARGS, GATHER_TWO_ARGS
+from .row_vectors import VECTOR, thread_vector, vector_grid
+
 ROWS = 4  # output rows per CTA (16-byte loads in flight per thread)
+# the launches' arguments (the CUDA stream follows): GatherRowsKernel's, GatherTwoRowsKernel's
 
 
 class GatherRowsKernel:
@@ -27,16 +31,10 @@ class GatherRowsKernel:
             raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
         self.width = width
         self.threads = threads
-        self.cols_per_cta = threads * VECTOR
 
     @cute.jit
     def __call__(
-        self,
-        src_ptr: cute.Pointer,
-        index_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        num_src: cutlass.Int32,
-        num_out: cutlass.Int32,
+        self, src_ptr: cute.Pointer, index_ptr: cute.Pointer, out_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         """src [num_src, width] bf16, index [num_out] int32, out [num_out, width] bf16."""
@@ -45,16 +43,12 @@ class GatherRowsKernel:
         m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
         m_out = cute.make_tensor(out_ptr, cute.make_layout((num_out, w), stride=(w, 1)))
         self.kernel(m_src, m_index, m_out).launch(
-            grid=[(num_out + ROWS - 1) // ROWS, (w + self.cols_per_cta - 1) // self.cols_per_cta, 1],
-            block=[self.threads, 1, 1],
-            stream=stream,
+            grid=vector_grid((num_out + ROWS - 1) // ROWS, w, self.threads), block=[self.threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        row_block, col_block, _ = cute.arch.block_idx()
-        chunk = col_block * self.threads + tidx
+        chunk, row_block, _ = thread_vector(self.threads)
         if chunk * VECTOR < self.width:
             gather_row_block(m_src, m_index, m_out, row_block, chunk, m_out.shape[0])
 
@@ -64,15 +58,8 @@ class GatherTwoRowsKernel(GatherRowsKernel):
 
     @cute.jit
     def __call__(
-        self,
-        src_a_ptr: cute.Pointer,
-        src_b_ptr: cute.Pointer,
-        index_ptr: cute.Pointer,
-        out_a_ptr: cute.Pointer,
-        out_b_ptr: cute.Pointer,
-        num_src: cutlass.Int32,
-        num_out: cutlass.Int32,
-        stream: cuda.CUstream,
+        self, src_a_ptr: cute.Pointer, src_b_ptr: cute.Pointer, index_ptr: cute.Pointer, out_a_ptr: cute.Pointer,
+        out_b_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32, stream: cuda.CUstream,
     ):
         """src_a, src_b [num_src, width] bf16, index [num_out] int32, out_a, out_b [num_out, width] bf16."""
         w = self.width
@@ -80,16 +67,12 @@ class GatherTwoRowsKernel(GatherRowsKernel):
         m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
         self.kernel_two(rows_of(src_a_ptr, num_src), rows_of(src_b_ptr, num_src), m_index, rows_of(out_a_ptr, num_out),
                         rows_of(out_b_ptr, num_out)).launch(
-            grid=[(num_out + ROWS - 1) // ROWS, (w + self.cols_per_cta - 1) // self.cols_per_cta, 2],
-            block=[self.threads, 1, 1],
-            stream=stream,
+            grid=vector_grid((num_out + ROWS - 1) // ROWS, w, self.threads, depth=2), block=[self.threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel_two(self, m_src_a: cute.Tensor, m_src_b: cute.Tensor, m_index: cute.Tensor, m_out_a: cute.Tensor, m_out_b: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        row_block, col_block, which = cute.arch.block_idx()
-        chunk = col_block * self.threads + tidx
+        chunk, row_block, which = thread_vector(self.threads)
         if chunk * VECTOR < self.width:
             if which == 0:
                 gather_row_block(m_src_a, m_index, m_out_a, row_block, chunk, m_out_a.shape[0])
@@ -118,14 +101,7 @@ def gather_row_block(m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tenso
 
 
 def compile_gather(width: int, arch: str, options: str = "", sources: int = 1):
-    """Compile for ``arch`` without tensors (``sources`` 2: GatherTwoRowsKernel)."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    rows = make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)
-    index = make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)
-    counts = (cutlass.Int32(1), cutlass.Int32(1), make_fake_stream())
-    options = f"--gpu-arch {arch} {options}".strip()
+    """Compile for ``arch`` without tensors (``sources`` 2: GatherTwoRowsKernel), the records' stand-ins."""
     if sources == 2:
-        return cute.compile(GatherTwoRowsKernel(width), rows, rows, index, rows, rows, *counts, options=options)
-    return cute.compile(GatherRowsKernel(width), rows, index, rows, *counts, options=options)
+        return compile_kernel(GatherTwoRowsKernel(width), GATHER_TWO_ARGS, arch, options)
+    return compile_kernel(GatherRowsKernel(width), GATHER_ARGS, arch, options)

@@ -1,43 +1,9 @@
-"""Placeholder runtime arguments for compiling the GEMMs without tensors (either arch)."""
+"""The tensors the GEMMs' ``__call__`` builds from their launch arguments (either arch; the records: records.py)."""
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 
-
-def grouped_gemm_compile_args() -> tuple:
-    """The grouped GEMM's ``__call__`` arguments as compile-time stand-ins: 17 pointers (bf16,
-    int32 or fp32, each as mok.ops.launch_grouped_gemm passes it), the row count R, E, T, the CTA
-    cap, the rows per rank, the rank stride, the timeout and a stream."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    bf16_ptr = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
-    i32_ptr = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
-    f32_ptr = lambda: make_ptr(cutlass.Float32, 0, gmem, assumed_align=4)  # noqa: E731
-    return (
-        bf16_ptr(), bf16_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), bf16_ptr(), f32_ptr(), i32_ptr(), i32_ptr(),
-        f32_ptr(), i32_ptr(), bf16_ptr(), bf16_ptr(), i32_ptr(), bf16_ptr(), i32_ptr(),
-        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
-        cutlass.Int64(1), make_fake_stream(),
-    )
-
-
-def weight_grad_compile_args(out_dtype: type) -> tuple:
-    """The weight-gradient GEMM's ``__call__`` arguments as compile-time stand-ins: A, B (bf16),
-    out (``out_dtype``), offsets, counts (int32), counted, R, E, the CTA cap, the halves' distance,
-    upper_first and a stream."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    bf16_ptr = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
-    i32_ptr = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
-    return (
-        bf16_ptr(), bf16_ptr(), make_ptr(out_dtype, 0, gmem, assumed_align=16), i32_ptr(), i32_ptr(),
-        cutlass.Int32(0), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int32(0),
-        make_fake_stream(),
-    )
 
 
 def expert_weights(ptr: cute.Pointer, n: int, k: int, num_experts, b_major: str) -> cute.Tensor:
@@ -71,6 +37,6 @@ def weight_grad_output(out_ptr: cute.Pointer, m: int, n: int, num_experts, half_
 
 
 def expert_row_ranges(offsets_ptr: cute.Pointer, counts_ptr: cute.Pointer, counted, num_experts) -> tuple:
-    """(offsets [E + 1], counts [E], counted): where each expert's rows start and end (common/weight_grad_tiles.py)."""
+    """(offsets [E + 1], counts [E], counted): where each expert's rows start and end (common/weight_grad.py)."""
     m_off = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
     return m_off, cute.make_tensor(counts_ptr, cute.make_layout((num_experts,))), counted

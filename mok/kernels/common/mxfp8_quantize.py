@@ -124,14 +124,8 @@ class QuantizeMxfp8Kernel:
 
     @cute.jit
     def __call__(
-        self,
-        x_ptr: cute.Pointer,
-        elements_ptr: cute.Pointer,
-        scales_ptr: cute.Pointer,
-        num_blocks: cutlass.Int32,
-        rows_used_ptr: cute.Pointer,
-        blocks_per_row: cutlass.Int32,
-        stream: cuda.CUstream,
+        self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, num_blocks: cutlass.Int32,
+        rows_used_ptr: cute.Pointer, blocks_per_row: cutlass.Int32, stream: cuda.CUstream,
     ):
         """x [num_blocks·32] bf16 -> elements [num_blocks·32] E4M3, scales [num_blocks] E8M0 bytes
         (``bounded``: the first rows_used[0]·blocks_per_row blocks only; ``mma_order``: the scales at
@@ -186,14 +180,8 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
 
     @cute.jit
     def __call__(
-        self,
-        elements_ptr: cute.Pointer,
-        scales_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        num_blocks: cutlass.Int32,
-        rows_used_ptr: cute.Pointer,
-        blocks_per_row: cutlass.Int32,
-        stream: cuda.CUstream,
+        self, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, out_ptr: cute.Pointer, num_blocks: cutlass.Int32,
+        rows_used_ptr: cute.Pointer, blocks_per_row: cutlass.Int32, stream: cuda.CUstream,
     ):
         chunks = num_blocks * CHUNKS_PER_BLOCK
         layout = cute.make_layout((chunks, CHUNK), stride=(CHUNK, 1))

@@ -16,6 +16,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from .compile import compile_kernel
+from .records import ROUTER_GRAD_ARGS
+
 
 class RouterGradKernel:
     """Static config: top-k and the number of column pieces per row."""
@@ -27,13 +30,8 @@ class RouterGradKernel:
 
     @cute.jit
     def __call__(
-        self,
-        partial_ptr: cute.Pointer,
-        slot_row_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        num_tokens: cutlass.Int32,
-        num_rows: cutlass.Int32,
-        stream: cuda.CUstream,
+        self, partial_ptr: cute.Pointer, slot_row_ptr: cute.Pointer, out_ptr: cute.Pointer, num_tokens: cutlass.Int32,
+        num_rows: cutlass.Int32, stream: cuda.CUstream,
     ):
         """partial [R, parts] fp32, slot_row [T, k] int32, out [T, k] fp32."""
         pairs = num_tokens * self.topk
@@ -64,16 +62,5 @@ def pair_router_grad(m_part: cute.Tensor, row, parts: cutlass.Constexpr) -> cutl
 
 
 def compile_router_grad(topk: int, parts: int, arch: str, options: str = ""):
-    """Compile for ``arch`` without tensors."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    args = (
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
-        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        make_fake_stream(),
-    )
-    return cute.compile(RouterGradKernel(topk, parts), *args, options=f"--gpu-arch {arch} {options}".strip())
+    """Compile for ``arch`` without tensors (ROUTER_GRAD_ARGS' stand-ins)."""
+    return compile_kernel(RouterGradKernel(topk, parts), ROUTER_GRAD_ARGS, arch, options)

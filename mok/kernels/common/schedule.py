@@ -4,8 +4,8 @@ Input: topk_idx flattened to P = N·k pairs in canonical order (token, then slot
 global expert ids; this rank owns experts [lo, lo + E). Output: expert counts and padded
 offsets, row_token / row_slot of every buffer row, slot_row of every pair, the expert of
 every row tile, and an overflow flag (rows needed > capacity). It also zeroes a
-caller-given int32 buffer (the arrival counters of the down projection that combines as it
-goes), which then needs no launch of its own.
+caller-given int32 buffer (the one-launch forward's tile and ready counters), which then
+needs no launch of its own.
 
 A pair's row is offsets[e] + (pairs of expert e before it in canonical order). The pairs are
 cut into one contiguous chunk per CTA. Every CTA counts, per expert, the pairs before and
@@ -30,7 +30,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from .. import SCHEDULE_THREADS as THREADS
+from ..constants import SCHEDULE_THREADS as THREADS
 
 MAX_EXPERTS = 1024
 FULL_MASK = 0xFFFFFFFF

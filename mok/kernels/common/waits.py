@@ -6,7 +6,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .. import GRID_SYNC_WORDS  # noqa: F401 (the size of grid_barrier's ``sync``: [arrived, generation, timeouts, left])
+from ..constants import GRID_SYNC_WORDS  # noqa: F401 (the size of grid_barrier's ``sync``: [arrived, generation, timeouts, left])
 
 
 @cute.jit

@@ -2,15 +2,10 @@
 
     C[rows of tile m, :] = epilogue(A[rows of tile m, :] · B[e(m)])
 
-The same contract as the Hopper kernel (mok/kernels/sm90/grouped_gemm.py), for the variants it
-has so far: A [R, K] holds rows grouped by expert in 128-row tiles, ``tile_expert[m]`` names the
-expert of row tile m (or -1: the CTA leaves the tile unwritten), B is one weight matrix per expert,
-K-major [E, N, K] (C = A·Bᵀ) or N-major [E, K, N] (C = A·B), ``k_split`` takes K's second half
-from B2; epilogues ``plain``, ``swiglu`` (gate from B, up from B2: C = silu(gate)·up),
-``swiglu_save`` (also h = [gate | up] [R, 2N]) and ``swiglu_bwd`` (from dA_u = dout_row·W_down,
-the saved h and the row's router weight s: C = dh [R, 2N], a_scaled = s·a and the router
-gradient's per-column-tile pieces Σ dA_u·a), every value rounded once from fp32 to bf16, the
-SwiGLU math by mok/kernels/common/swiglu.py's code.
+The contract (A's expert-grouped rows, B's major modes, k_split, the four epilogues and their
+value math, the launch arguments) is every arch's: mok/kernels/common/grouped_gemm.py. Here: the
+one-tile-per-CTA kernel (the Hopper-only variants, persistent, gather_a, scatter and pingpong,
+are not written yet), on bf16 operands or on MXFP8 ones (block-scaled MMAs: GroupedGemmMxfp8Sm100).
 
 One CTA per output tile (128 x tile_n), 128 threads, on mok/kernels/sm100/tcgen05_tile.py's
 pipeline: warp 0 loads A and B by TMA and issues the tcgen05 MMAs onto fp32 accumulators in tensor
@@ -31,123 +26,49 @@ reference on such a GPU.
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from ..common.gemm_args import expert_weights, grouped_gemm_compile_args, grouped_row_tensors
-from ..common.row_weight import row_router_weight
-from ..common.swiglu import swiglu_backward_values, swiglu_value
+from ..common.compile import compile_kernel
+from ..common.records import grouped_gemm_args
+from ..common.grouped_gemm import GroupedGemm
 from ..common.tile_order import grouped_tile
-from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, TILE_M, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
-EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
+SM90_ONLY_OPTIONS = ("gather_a", "scatter", "pingpong")  # the Hopper kernel's variants this one has not yet
 
 
-class GroupedGemmSm100(Tcgen05TileKernel):
-    """Static config: N, K, epilogue, B's major mode, K split, column tile, stages."""
+class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
+    """Static config: N, K, epilogue, B's major mode, K split, top-k, unit scale, column tile, stages."""
 
     def __init__(
-        self,
-        n: int,
-        k: int,
-        epilogue: str = "plain",
-        *,
-        b_major: str = "k",
-        k_split: bool = False,
-        topk: int = 1,
-        unit_scale: bool = False,
-        tile_n: int = 128,
-        stages: int | None = None,
+        self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
+        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None,
     ) -> None:
-        if epilogue not in EPILOGUES:
-            raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
-        if b_major not in ("k", "n"):
-            raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
-        if tile_n not in (64, 128, 256):
-            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
-        if n % tile_n:
-            raise ValueError(f"n: expected a multiple of the column tile {tile_n}, got {n}")
-        if k % (2 * TILE_K if k_split else TILE_K):
-            raise ValueError(f"k: expected a multiple of {2 * TILE_K if k_split else TILE_K}, got {k}")
-        if k_split and epilogue != "plain":
-            raise ValueError("k_split: only with the plain epilogue")
-        self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
-        self.topk, self.unit_scale = topk, unit_scale
-        self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
-        self.num_b = 2 if self.two_accumulators else 1
-        self.b_k = k // 2 if k_split else k  # K extent of each B tensor
-        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
-        self.ab_stage = pick_stages((TILE_M + self.num_b * tile_n) * TILE_K * 2, stages)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K)
+        self.ab_stage = pick_stages((self.tile_shape_mnk[0] + self.num_b * tile_n) * TILE_K * 2, stages)
 
-    def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
-        """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
-        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major)
-
-    @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        b2_ptr: cute.Pointer,
-        c_ptr: cute.Pointer,
-        tile_expert_ptr: cute.Pointer,
-        h_ptr: cute.Pointer,
-        a_scaled_ptr: cute.Pointer,
-        partial_ptr: cute.Pointer,
-        row_token_ptr: cute.Pointer,
-        row_slot_ptr: cute.Pointer,
-        topk_w_ptr: cute.Pointer,
-        slot_row_ptr: cute.Pointer,
-        shared_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        arrivals_ptr: cute.Pointer,
-        pull_src_ptr: cute.Pointer,
-        pull_counters_ptr: cute.Pointer,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        num_tokens: cutlass.Int32,
-        max_ctas: cutlass.Int32,
-        rows_per_rank: cutlass.Int32,
-        rank_stride: cutlass.Int32,
-        timeout_ns: cutlass.Int64,
-        stream: cuda.CUstream,
-    ):
-        """The Hopper kernel's argument list (mok.ops.launch_grouped_gemm launches either); the
-        arguments of variants this kernel does not have yet are ignored."""
-        n, k = self.n, self.k
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((num_rows, k, 1), stride=(k, 1, num_rows * k)))
-        m_b = self.b_tensor(b_ptr, num_experts)
-        m_b2 = self.b_tensor(b2_ptr, num_experts)
-        c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
-        ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
-        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk)
-        row_args = tuple(row_args)  # h, a_scaled, partial, row_token, row_slot, topk_w: the epilogue's other tensors
-        num_row_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills, stores stop at R
-        m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
-
-        tiled_mma, layouts, loads = self.prepare("k", "k" if self.b_major == "k" else "mn", m_a, (m_b, m_b2))
-        self.launch(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream)
-
-    def launch(self, tiled_mma, smem_layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, stream):
-        """Host side: one CTA per output tile."""
+    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream):
+        """Host side (see GroupedGemm.launch): MXFP8's scale tensors, the TMA loads, one CTA per
+        output tile (max_ctas and the scatter arguments are the Hopper kernel's)."""
+        m_tiles, num_row_tiles, num_rows = rows
+        scale_tensors = ()
+        if self.mxfp8:  # A's scales [ceil(R / 128)·128 rows, K / 32], B's and B2's per expert [N, K / 32]
+            a_scale_ptr, b_scale_ptr, b2_scale_ptr = scales
+            m_sfa = self.scale_tensor(a_scale_ptr, num_row_tiles * self.tile_shape_mnk[0], self.k, 1)
+            m_sfbs = (self.scale_tensor(b_scale_ptr, self.n, self.b_k, num_experts),
+                      self.scale_tensor(b2_scale_ptr, self.n, self.b_k, num_experts))
+            scale_tensors = (m_sfa, m_sfbs)
+        tiled_mma, layouts, loads = self.prepare("k", "k" if self.b_major == "k" else "mn", m_a, m_bs, *scale_tensors)
         all_tiles = num_row_tiles * (self.n // self.tile_shape_mnk[1])
-        self.kernel(tiled_mma, smem_layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows).launch(
+        self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows).launch(
             grid=[all_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(
-        self,
-        tiled_mma: cute.TiledMma,
-        smem_layouts: tuple,
-        loads: tuple,
-        m_c: cute.Tensor,
-        row_args: tuple,
-        m_tiles: cute.Tensor,
-        num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32,
+        self, tiled_mma: cute.TiledMma, smem_layouts: tuple, loads: tuple, m_c: cute.Tensor, row_args: tuple, m_tiles: cute.Tensor,
+        num_row_tiles: cutlass.Int32, num_rows: cutlass.Int32,
     ):
         """One CTA per output tile; ``smem_layouts`` = the staged layouts of A and B (MXFP8: and of
         their scales), ``loads`` = the TMA atoms and coordinate tensors of A, B and B2 (MXFP8: then of
@@ -262,11 +183,9 @@ class GroupedGemmSm100(Tcgen05TileKernel):
             cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld: the loaded registers are ready
             if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
                 for v in cutlass.range_constexpr(cute.size(r_acc)):  # dA_u (unscaled) -> dh_gate, dh_up, s·a; Σ dA_u·a in column order
-                    d_a = r_acc[v]
-                    r_acc[v], r_acc2[v], r_x[v], a_val = swiglu_backward_values(
-                        d_a, s, r_gate[v].to(cutlass.Float32), r_up[v].to(cutlass.Float32)
+                    r_acc[v], r_acc2[v], r_x[v], row_sum, _ = self.swiglu_backward_value(  # (a thread's values: one row)
+                        r_acc[v], r_gate[v].to(cutlass.Float32), r_up[v].to(cutlass.Float32), True, (s, s), (row_sum, row_sum)
                     )
-                    row_sum = cute.math.fma(d_a, a_val, row_sum)
                 if row_ok:
                     r_out.store(r_acc2.load().to(cutlass.BFloat16))
                     cute.autovec_copy(r_out, dst2[(None, None, None, 0, sub)])
@@ -279,18 +198,13 @@ class GroupedGemmSm100(Tcgen05TileKernel):
                         cute.autovec_copy(r_out, dst_gate[(None, None, None, 0, sub)])
                         r_out.store(r_acc2.load().to(cutlass.BFloat16))
                         cute.autovec_copy(r_out, dst_up[(None, None, None, 0, sub)])
-                for v in cutlass.range_constexpr(cute.size(r_acc)):  # a = silu(gate)·up, value by value
-                    r_acc[v] = swiglu_value(r_acc[v], r_acc2[v])
+                self.swiglu_subtile(r_acc, r_acc2, r_acc)
             if row_ok:
                 r_out.store(r_acc.load().to(cutlass.BFloat16))
                 cute.autovec_copy(r_out, dst[(None, None, None, 0, sub)])
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
             if row_ok:  # the router-weight gradient's piece of this row and column tile
                 m_part[row, tile_col] = row_sum
-
-    def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
-        """Router weight of a buffer row (mok/kernels/common/row_weight.py)."""
-        return row_router_weight(row, num_rows, m_row_token, m_row_slot, m_topk_w, self.topk, self.unit_scale)
 
 
 class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
@@ -311,118 +225,32 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
     mxfp8 = True
 
     def __init__(
-        self, n: int, k: int, epilogue: str = "plain", *, k_split: bool = False, topk: int = 1, unit_scale: bool = False,
-        tile_n: int = 128, stages: int | None = None,
+        self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
+        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None,
     ) -> None:
+        if b_major != "k":
+            raise ValueError(f"b_major: expected 'k' with MXFP8 operands (K-major B: give the weights transposed), got {b_major!r}")
         if tile_n not in (128, 256) or (epilogue in ("swiglu", "swiglu_save") and tile_n != 128):
             raise ValueError(f"tile_n: expected 128 or 256 (128 with SwiGLU) with MXFP8 operands, got {tile_n}")
         if k % (2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8):
             raise ValueError(f"k: expected a multiple of {2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8} with MXFP8 operands, got {k}")
         super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n)
-        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K_MXFP8)
-        self.ab_stage = pick_mxfp8_stages(TILE_M + self.num_b * tile_n, stages)
-
-    @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        a_scale_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        b_scale_ptr: cute.Pointer,
-        b2_ptr: cute.Pointer,
-        b2_scale_ptr: cute.Pointer,
-        c_ptr: cute.Pointer,
-        h_ptr: cute.Pointer,
-        a_scaled_ptr: cute.Pointer,
-        partial_ptr: cute.Pointer,
-        row_token_ptr: cute.Pointer,
-        row_slot_ptr: cute.Pointer,
-        topk_w_ptr: cute.Pointer,
-        tile_expert_ptr: cute.Pointer,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        num_tokens: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        """A and its scales, B and B2 and theirs (B2: SwiGLU's up projection, or K's second half; the
-        plain epilogue without k_split ignores it), C [R, N] ([R, 2N] for swiglu_bwd) and the
-        epilogue's row tensors as the bf16 kernel takes them (h, a_scaled, partial, row_token,
-        row_slot, topk_w; those a variant does not use may be null), tile_expert [ceil(R / 128)]."""
-        n, k, b_k = self.n, self.k, self.b_k
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        num_row_tiles = (num_rows + tile_m - 1) // tile_m
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((num_rows, k, 1), stride=(k, 1, num_rows * k)))
-        m_sfa = self.scale_tensor(a_scale_ptr, num_row_tiles * tile_m, k, 1)
-        m_bs = (self.b_tensor(b_ptr, num_experts), self.b_tensor(b2_ptr, num_experts))
-        m_sfbs = (self.scale_tensor(b_scale_ptr, n, b_k, num_experts), self.scale_tensor(b2_scale_ptr, n, b_k, num_experts))
-        c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
-        ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
-        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk)
-        m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
-
-        tiled_mma, layouts, loads = self.prepare("k", "k", m_a, m_bs, m_sfa, m_sfbs)
-        self.launch(tiled_mma, layouts, loads, m_c, tuple(row_args), m_tiles, num_row_tiles, num_rows, stream)
-
-
-def grouped_gemm_mxfp8_compile_args() -> tuple:
-    """:class:`GroupedGemmMxfp8Sm100`'s ``__call__`` arguments as compile-time stand-ins (pointers
-    as mok.ops.grouped_gemm_mxfp8 and mok.grad_ops.swiglu_backward_gemm_mxfp8 pass them)."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    e4m3 = lambda: make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16)  # noqa: E731
-    e8m0 = lambda: make_ptr(cutlass.Float8E8M0FNU, 0, gmem, assumed_align=16)  # noqa: E731
-    bf16 = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
-    i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
-    f32 = lambda: make_ptr(cutlass.Float32, 0, gmem, assumed_align=4)  # noqa: E731
-    return (
-        e4m3(), e8m0(), e4m3(), e8m0(), e4m3(), e8m0(), bf16(), bf16(), bf16(), f32(), i32(), i32(), f32(), i32(),
-        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
-    )
-
-
-def compile_grouped_gemm_mxfp8_sm100(
-    n: int, k: int, arch: str, options: str = "", *, epilogue: str = "plain", k_split: bool = False, topk: int = 1,
-    unit_scale: bool = False, tile_n: int = 128, stages: int | None = None,
-):
-    """Compile :class:`GroupedGemmMxfp8Sm100` for ``arch`` (sm_100a or sm_103a) without tensors."""
-    kernel = GroupedGemmMxfp8Sm100(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages)
-    return cute.compile(kernel, *grouped_gemm_mxfp8_compile_args(), options=f"--gpu-arch {arch} {options}".strip())
-
-
-SM90_ONLY_OPTIONS = ("gather_a", "gather_ranks", "combine", "has_shared", "scatter", "skip_padding", "pull_a", "pingpong")
+        self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
+        self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + self.num_b * tile_n, stages)
 
 
 def compile_grouped_gemm_sm100(
-    n: int,
-    k: int,
-    arch: str,
-    options: str = "",
-    *,
-    epilogue: str = "plain",
-    b_major: str = "k",
-    k_split: bool = False,
-    topk: int = 1,
-    unit_scale: bool = False,
-    tile_n: int = 128,
-    stages: int | None = None,
-    persistent: bool = False,
-    **hopper_options: bool,
+    n: int, k: int, arch: str, options: str = "", *, operand: str = "bf16", persistent: bool = False, **config
 ):
-    """Compile for ``arch`` (sm_100a or sm_103a) without tensors, with the Hopper kernel's runtime
-    arguments; the variants only the Hopper kernel has so far raise NotImplementedError, naming them."""
-    missing = [name for name in SM90_ONLY_OPTIONS if hopper_options.get(name)]
-    if persistent:
-        missing.insert(0, "persistent")
-    unknown = set(hopper_options) - set(SM90_ONLY_OPTIONS)
-    if unknown:
-        raise TypeError(f"grouped GEMM options: unknown {sorted(unknown)}")
+    """Compile :class:`GroupedGemmSm100` (``operand`` "bf16") or :class:`GroupedGemmMxfp8Sm100`
+    ("e4m3"), ``config`` their keyword arguments, for ``arch`` (sm_100a or sm_103a) without tensors:
+    the stand-ins of grouped_gemm_args(operand). The variants only the Hopper kernel has so far
+    (persistent, gather_a, scatter, pingpong) raise NotImplementedError, naming them."""
+    missing = (["persistent"] if persistent else []) + [name for name in SM90_ONLY_OPTIONS if config.pop(name, False)]
     if missing:
         raise NotImplementedError(
             f"grouped GEMM on {arch}: {', '.join(missing)} not written yet (sm_100a has the one-tile-per-CTA kernel with the "
             f"plain, swiglu, swiglu_save and swiglu_bwd epilogues, K- or N-major B, k_split: pass persistent=False)"
         )
-    kernel = GroupedGemmSm100(
-        n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages
-    )
-    return cute.compile(kernel, *grouped_gemm_compile_args(), options=f"--gpu-arch {arch} {options}".strip())
+    kernel = (GroupedGemmMxfp8Sm100 if operand == "e4m3" else GroupedGemmSm100)(n, k, **config)
+    return compile_kernel(kernel, grouped_gemm_args(operand), arch, options)

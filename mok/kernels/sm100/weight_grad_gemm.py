@@ -3,114 +3,56 @@ expert-grouped rows, accumulating in tensor memory.
 
     out[e] (+)= A[rows of e]ᵀ · B[rows of e]        out [E, M, N], A [R, M] (row stride >= M), B [R, N]
 
-The Hopper kernel's contract (mok/kernels/sm90/weight_grad_gemm.py): expert e's rows are
-``offsets[e] .. offsets[e + 1]`` (padding rows zero in both operands), cut at the K tile holding
-its last counted row when ``counted``; both operands are read MN-major (the rows are the
-reduction dimension) by TMA; one CTA owns one output tile of one expert (the same tile order,
-common/weight_grad_tiles.py) and reduces the expert's rows in increasing order, so the result is
-the same on every run and for every batch holding the same rows. An expert with no rows gets
-zeros (accumulating: its gradient is left as it was). ``accumulate`` adds into an existing fp32
-tensor (each element read, added to and written back by the one thread that owns it: the same
-single fp32 addition as the Hopper kernel's TMA reduce-add); ``split_out`` writes the two halves
-of M into two tensors [E, M/2, N] ``half_stride`` elements apart (``upper_first``: the second
-lies lower), as there.
-
-One CTA of four warps per output tile (128 x tile_n): mok/kernels/sm100/tcgen05_tile.py's
+The contract (rows, counts, accumulate, split_out, the tile order, determinism, the launch
+arguments) is every arch's: mok/kernels/common/weight_grad.py. Here: both operands read MN-major
+by TMA, one CTA of four warps per output tile (128 x tile_n) on mok/kernels/sm100/tcgen05_tile.py's
 pipeline, then each thread converts (or adds) its row of the tile, 32 columns at a time, with
-16-byte accesses. Compiled for sm_100a / sm_103a and its PTX checked (tests/test_kernels_ptx.py);
-never run: no SM100 GPU was available to this project (tests/test_sm100_gpu.py is for one).
+16-byte accesses; ``accumulate`` reads, adds to and writes back each element by the one thread
+that owns it (the same single fp32 addition as the Hopper kernel's TMA reduce-add). On bf16
+operands, or on MXFP8 ones (block-scaled MMAs: WeightGradGemmMxfp8Sm100). Compiled for sm_100a /
+sm_103a and its PTX checked (tests/test_kernels_ptx.py); never run: no SM100 GPU was available to
+this project (tests/test_sm100_gpu.py is for one).
 """
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from ..common.gemm_args import expert_row_ranges, weight_grad_compile_args, weight_grad_output
-from ..common.weight_grad_tiles import expert_tile, out_tile
-from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, TILE_M, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from ..common.compile import compile_kernel
+from ..common.records import weight_grad_args
+from ..common.weight_grad import OUT_DTYPES, WeightGradGemm
+from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
-OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
 
-
-class WeightGradGemmSm100(Tcgen05TileKernel):
+class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
     """Static config: M, N, output dtype, accumulate, A's row stride, column tile, split_out, stages."""
 
+    aligned_halves = True  # split_out's halves lie a multiple of 16 bytes apart (the launcher checks): 16-byte stores
+
     def __init__(
-        self,
-        m: int,
-        n: int,
-        out_dtype: str = "bf16",
-        accumulate: bool = False,
-        *,
-        a_stride: int | None = None,
-        tile_n: int = 128,
-        stages: int | None = None,
-        split_out: bool = False,
+        self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
+        tile_n: int = 128, stages: int | None = None, split_out: bool = False,
     ) -> None:
-        if out_dtype not in OUT_DTYPES:
-            raise ValueError(f"out_dtype: expected one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
-        if accumulate and out_dtype != "f32":
-            raise ValueError("accumulate: only into fp32 gradients")
-        if tile_n not in (64, 128, 256):
-            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
-        if m % TILE_M or n % tile_n:
-            raise ValueError(f"(m, n): expected multiples of the tile ({TILE_M}, {tile_n}), got ({m}, {n})")
-        if split_out and m % (2 * TILE_M):
-            raise ValueError(f"split_out: expected m a multiple of {2 * TILE_M} (each half whole tiles), got {m}")
-        a_stride = m if a_stride is None else a_stride
-        if a_stride < m or a_stride % 8:
-            raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
-        self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
-        self.split_out = split_out
-        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
-        self.ab_stage = pick_stages((TILE_M + tile_n) * TILE_K * 2, stages)
+        self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out)
+        self.ab_stage = pick_stages((self.tile_shape_mnk[0] + tile_n) * TILE_K * 2, stages)
 
-    @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        offsets_ptr: cute.Pointer,
-        counts_ptr: cute.Pointer,
-        counted: cutlass.Int32,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        max_ctas: cutlass.Int32,
-        half_stride: cutlass.Int64,
-        upper_first: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        """The Hopper kernel's argument list (mok.grad_ops.weight_grad launches either)."""
-        m, n = self.m, self.n
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        # (MN, K = rows, 1): both operands MN-major
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows, 1), stride=(1, self.a_stride, self.a_stride * num_rows)))
-        m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows, 1), stride=(1, n, n * num_rows)))
-        if cutlass.const_expr(self.split_out):  # the halves lie a multiple of 16 bytes apart (grad_ops checks): 16-byte stores
-            half_stride = cute.assume(half_stride, divby=16 // (OUT_DTYPES[self.out_dtype].width // 8))
-        m_c = weight_grad_output(out_ptr, m, n, num_experts, half_stride, self.split_out)
-        rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)  # where each expert's rows start and end
+    def operand_tensor(self, ptr, mn, row_stride, num_rows):
+        """(MN, K = R, 1): MN-major, the rows ``row_stride`` elements apart."""
+        return cute.make_tensor(ptr, cute.make_layout((mn, num_rows, 1), stride=(1, row_stride, row_stride * num_rows)))
 
-        tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,))
-        self.launch(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, num_experts, stream)
-
-    def launch(self, tiled_mma, smem_layouts, loads, m_c, upper_first, rows, num_rows, num_experts, stream):
-        """Host side: one CTA per output tile of each expert."""
-        all_tiles = num_experts * (self.m // self.tile_shape_mnk[0]) * (self.n // self.tile_shape_mnk[1])
-        self.kernel(tiled_mma, smem_layouts, loads, m_c, upper_first, rows, num_rows).launch(
-            grid=[all_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream
+    def launch(self, m_a, m_b, scales, m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream):
+        """Host side (see WeightGradGemm.launch): MXFP8's scale tensors, the TMA loads, one CTA per
+        output tile of each expert (max_ctas is the Hopper kernel's)."""
+        scale_tensors = ()
+        if self.mxfp8:  # the scales of A [R, M] and B [R, N] along the rows, in the MMA's order
+            scale_tensors = (self.scale_tensor(scales[0], self.m, num_rows, 1), (self.scale_tensor(scales[1], self.n, num_rows, 1),))
+        tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,), *scale_tensors)
+        self.kernel(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows).launch(
+            grid=[self.all_tiles(num_experts), 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(
-        self,
-        tiled_mma: cute.TiledMma,
-        smem_layouts: tuple,
-        loads: tuple,
-        m_c: cute.Tensor,
-        upper_first: cutlass.Int32,
-        rows: tuple,
+        self, tiled_mma: cute.TiledMma, smem_layouts: tuple, loads: tuple, m_c: cute.Tensor, upper_first: cutlass.Int32, rows: tuple,
         num_rows: cutlass.Int32,
     ):
         """One CTA per output tile of one expert; ``smem_layouts``: the staged layouts of A and B
@@ -119,13 +61,13 @@ class WeightGradGemmSm100(Tcgen05TileKernel):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
-        expert, tile_row, tile_col, row_start, k_tiles = expert_tile(linear, rows, num_rows, self.m, self.n, self.tile_shape_mnk)
+        expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
         stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, smem_layouts, loads)
         k_first = row_start // self.tile_shape_mnk[2]  # (offsets: multiples of 128)
         views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, k_first)
         self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles, smem_layouts)
         acc_full = self.wait_accumulators(tmem, pipes)
-        g_c = out_tile(m_c, upper_first, expert, tile_row, tile_col, self.m, self.tile_shape_mnk, self.split_out)
+        g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
         self.epilogue(tidx, t_acc, g_c, k_tiles > 0)
         self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
 
@@ -199,75 +141,22 @@ class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
         if a_stride is not None and a_stride % 16:
             raise ValueError(f"a_stride: expected a multiple of 16 (bytes of E4M3) with MXFP8 operands, got {a_stride}")
         super().__init__(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, split_out=split_out)
-        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K_MXFP8)
-        self.ab_stage = pick_mxfp8_stages(TILE_M + tile_n, stages)
-
-    @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        a_scale_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        b_scale_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        offsets_ptr: cute.Pointer,
-        counts_ptr: cute.Pointer,
-        counted: cutlass.Int32,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        half_stride: cutlass.Int64,
-        upper_first: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        """A and B (E4M3, [R, M] and [R, N]) with their scales, then the bf16 kernel's outputs and row
-        ranges (mok.grad_ops.weight_grad_mxfp8 launches it)."""
-        m, n = self.m, self.n
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows, 1), stride=(1, self.a_stride, self.a_stride * num_rows)))
-        m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows, 1), stride=(1, n, n * num_rows)))
-        m_sfa = self.scale_tensor(a_scale_ptr, m, num_rows, 1)
-        m_sfb = self.scale_tensor(b_scale_ptr, n, num_rows, 1)
-        if cutlass.const_expr(self.split_out):
-            half_stride = cute.assume(half_stride, divby=16 // (OUT_DTYPES[self.out_dtype].width // 8))
-        m_c = weight_grad_output(out_ptr, m, n, num_experts, half_stride, self.split_out)
-        rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)
-
-        tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,), m_sfa, (m_sfb,))
-        self.launch(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, num_experts, stream)
-
-
-def weight_grad_mxfp8_compile_args(out_dtype: type) -> tuple:
-    """:class:`WeightGradGemmMxfp8Sm100`'s ``__call__`` arguments as compile-time stand-ins."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    e4m3 = lambda: make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16)  # noqa: E731
-    e8m0 = lambda: make_ptr(cutlass.Float8E8M0FNU, 0, gmem, assumed_align=16)  # noqa: E731
-    i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
-    return (
-        e4m3(), e8m0(), e4m3(), e8m0(), make_ptr(out_dtype, 0, gmem, assumed_align=16), i32(), i32(), cutlass.Int32(0),
-        cutlass.Int32(128), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int32(0), make_fake_stream(),
-    )
-
-
-def compile_weight_grad_mxfp8_sm100(
-    m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None, tile_n: int = 128,
-    stages: int | None = None, split_out: bool = False,
-):
-    """Compile :class:`WeightGradGemmMxfp8Sm100` for ``arch`` (sm_100a or sm_103a) without tensors."""
-    kernel = WeightGradGemmMxfp8Sm100(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, split_out=split_out)
-    return cute.compile(kernel, *weight_grad_mxfp8_compile_args(OUT_DTYPES[out_dtype]), options=f"--gpu-arch {arch} {options}".strip())
+        self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
+        self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + tile_n, stages)
 
 
 def compile_weight_grad_sm100(
-    m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None,
-    tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
+    m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, operand: str = "bf16",
+    persistent: bool = False, pingpong: bool = False, **config
 ):
-    """Compile for ``arch`` (sm_100a or sm_103a) without tensors, with the Hopper kernel's runtime
-    arguments; ``persistent`` and ``pingpong`` (Hopper only so far) raise NotImplementedError."""
+    """Compile :class:`WeightGradGemmSm100` (``operand`` "bf16") or :class:`WeightGradGemmMxfp8Sm100`
+    ("e4m3"), ``config`` their keyword arguments, for ``arch`` (sm_100a or sm_103a) without tensors:
+    the stand-ins of weight_grad_args(operand, out_dtype). ``persistent`` and ``pingpong`` (Hopper
+    only so far) raise NotImplementedError."""
     if persistent or pingpong:
         raise NotImplementedError(
             f"weight-gradient GEMM on {arch}: {'persistent' if persistent else 'pingpong'} not written yet (sm_100a has the "
             f"one-tile-per-CTA kernel: pass persistent=False)"
         )
-    kernel = WeightGradGemmSm100(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, split_out=split_out)
-    return cute.compile(kernel, *weight_grad_compile_args(OUT_DTYPES[out_dtype]), options=f"--gpu-arch {arch} {options}".strip())
+    kernel = (WeightGradGemmMxfp8Sm100 if operand == "e4m3" else WeightGradGemmSm100)(m, n, out_dtype, accumulate, **config)
+    return compile_kernel(kernel, weight_grad_args(operand, out_dtype), arch, options)

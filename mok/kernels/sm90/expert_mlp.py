@@ -1,8 +1,10 @@
-"""Every expert's whole MLP in one persistent launch on Hopper: fc1 (gathered rows, SwiGLU), then fc2.
+"""The routed experts' whole forward in one persistent launch on Hopper: the schedule, fc1 (gathered
+rows, SwiGLU), fc2, the combine.
 
+    schedule of the routing (row_token, row_slot, slot_row, tile_expert, offsets)  (phase 0)
     a      [R, I] = silu(x[row_token]·w_gateᵀ) ⊙ x[row_token]·w_upᵀ       (phase 1: fc1 tiles)
     y_rows [R, H] = a·w_downᵀ                                           (phase 2: fc2 tiles)
-    out    [T, H] = shared[t] + Σ_j topk_w[t, j]·y_rows[slot_row[t, j]]   (``combine``: in phase 2)
+    out    [T, H] = shared[t] + Σ_j topk_w[t, j]·y_rows[slot_row[t, j]]   (phase 3: the combine)
 
 The two grouped GEMMs of mok/kernels/sm90/grouped_gemm.py (the gathering SwiGLU one and the
 down projection) share one persistent, warp-specialised CTA per SM. Tiles are handed out in
@@ -13,7 +15,7 @@ ring, to the MMA warps. So tiles run in that order whatever each CTA's speed: th
 start on SMs that fc1's tail leaves idle, yet the tiles in flight stay together (a static
 round robin let CTAs enter fc2 up to a tile apart, and that skew spread the fc2 tiles in
 flight over several experts' w_down, 29 MB each at dsv3, which then no longer stayed in L2;
-perf/NOTES.md). An fc2 tile of row tile m needs a's row tile m: ``ready[m]`` counts the fc1
+docs/notes/one-launch.md). An fc2 tile of row tile m needs a's row tile m: ``ready[m]`` counts the fc1
 column tiles of m whose stores are complete (integer atomic, gpu scope, release; the store
 warp publishes a tile once the next fc1 tile's mainloop is done, by which time its TMA stores
 have drained, and before its first fc2 tile at the latest), and the TMA thread polls it
@@ -22,18 +24,20 @@ have drained, and before its first fc2 tile at the latest), and the TMA thread p
 words' timeout count (sync[2], which the host reads) and goes on (the output is then wrong,
 never a hang).
 
-With ``schedule_experts`` the launch is the whole routed forward: every CTA first builds its part
-of the routing's schedule (mok/kernels/common/schedule.py, its scratch in the operand region;
-it also zeroes the counters), then all CTAs meet at a grid barrier (common/waits.py: sense
-reversal on words that outlive the launch and are left ready for the next, bounded by
-%globaltimer) before any tile is taken.
+Every CTA first builds its part of the routing's schedule over the ``num_experts`` experts
+(mok/kernels/common/schedule.py, its scratch in the operand region; it also zeroes the counters
+[error, next tile, ready per row tile]: 2 + ceil(R / 128) int32 words), then all CTAs meet at a
+grid barrier (common/waits.py: sense reversal on words that outlive the launch and are left
+ready for the next, bounded by %globaltimer) before any tile is taken. After the last fc2 tile
+the CTAs meet at a second grid barrier, and the MMA warps of all CTAs combine the tokens, with the
+combine launch's per-vector code (the same bits).
 
 No deadlock: the grid is at most one CTA per SM (every CTA is resident at once); fc1 tiles
 wait on nothing; an index is taken only after the previous tile's loads are all issued, so a
 CTA waiting before an fc2 tile still finishes (and publishes) every fc1 tile it took, and
 every fc1 tile is taken before any fc2 tile.
 
-Expert parallelism (``ep_world`` = W, mok/ep_one_launch.py): the launch is one rank's whole EP
+Expert parallelism (``ep_world`` = W, mok/pipeline/exchange.py): the launch is one rank's whole EP
 forward. Before the schedule, every CTA publishes its share of this rank's x and routing, the
 ranks meet on the workspace's epoch flags (system scope, bounded), and one warp per global
 token gathers its routing row and copies the token into x_all when one of its experts is local
@@ -43,6 +47,11 @@ barrier, then the schedule of this rank's experts over all ranks' tokens. fc1 ga
 warpgroup's warps 1-3 (idle after fc1), which push its rows into the tokens' slots on their
 ranks (the down projection's scatter, tile indices from warp 0 through a second ring). After
 the second grid barrier the done handshake, then the combine reads this rank's slots [t, j].
+
+With ``has_shared`` the combine adds a shared expert's output rows; with ``shared_prefix`` (one
+GPU) that shared expert, of the routed ones' shapes, runs in this launch as expert E of the
+weights (E + 1 of them), the schedule putting its T rows first, and the combine reads its output
+rows as the shared input.
 
 The operand stages of the two phases share one region of shared memory: fc1 holds A,
 B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and B = w_down in the tile
@@ -55,8 +64,6 @@ with the same operations in the same order.
 
 from __future__ import annotations
 
-import warnings
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -67,10 +74,10 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ep_phases
 from ..common.combine import VECTOR, combine_vector
+from ..common.flag_layout import flag_words
+from ..common.compile import compile_kernel
+from ..common.records import EXPERT_MLP_ARGS
 from ..common.mxfp8_quantize import BLOCK as MXFP8_BLOCK
-from ..common.gather import ROWS as GATHER_ROWS
-from ..common.gather import gather_row_block
-from ..common.ep import flag_words
 from ..common.schedule import ScheduleKernel
 from ..common.waits import grid_barrier, wait_at_least
 from .grouped_gemm import SCATTER_ELEMS, SCATTER_THREADS, GroupedGemmSm90
@@ -82,69 +89,46 @@ TILE_BARRIER = 3  # named barrier of the producer warpgroup (1: the MMA warps' e
 
 
 class ExpertMlpSm90:
-    """Static config: H, I, top-k, whether h is saved for the backward, whether fc2 combines (with a shared expert's output)."""
+    """Static config: H, I, top-k, whether h is saved for the backward, whether the combine adds a shared
+    expert's output, fc2's column tile, E, and the expert-parallel options."""
 
     def __init__(
-        self, hidden: int, inter: int, topk: int, *, save_h: bool = False, combine: bool = False, has_shared: bool = False,
-        fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False, ep_world: int | None = None,
-        gather_phase: bool = False, shared_prefix: bool = False, dispatch_format: str = "bf16",
+        self, hidden: int, inter: int, topk: int, *, save_h: bool = False, has_shared: bool = False, fc2_tile_n: int = TILE,
+        num_experts: int, ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16",
     ):
         """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
-        ``schedule_experts``: E, to build the schedule of the routing in the same launch first (the
-        whole forward in one launch; only with ``combine``). ``combine_phase`` (with
-        ``schedule_experts``): fc2 stores y rows and the combine runs after a second grid barrier,
-        over all CTAs' MMA warps, as the combine launch would, instead of in fc2's epilogue.
-        ``ep_world`` (with ``combine_phase``): the expert-parallel forward of one rank of W in this
-        one launch (see "Expert parallelism" in the module docstring; its phases: common/ep_phases.py).
-        ``gather_phase`` (with ``schedule_experts``, not ``ep_world``): after the schedule every CTA
-        gathers its share of x_rows = x[row_token] (zeros for padding rows) and, past a second grid
-        barrier, fc1 loads its A tiles from x_rows by TMA instead of gathering them with cp.async.
-        ``shared_prefix`` (with ``schedule_experts``, not ``ep_world``): a shared expert of the routed
+        ``num_experts``: E, the experts (of this rank) the schedule is built over; the launch's E must be it.
+        ``ep_world``: the expert-parallel forward of one rank of W in this one launch (see "Expert
+        parallelism" in the module docstring; its phases: common/ep_phases.py).
+        ``shared_prefix`` (with ``has_shared``, not ``ep_world``): a shared expert of the routed
         ones' shapes is expert E of the weights (E + 1 of them) and the schedule puts its T rows
         first (common/schedule.py); the combine reads its output rows as the shared input.
-        ``dispatch_format`` (with ``ep_world``): "mxfp8" publishes x quantized (mok.ep.mxfp8_region's
+        ``dispatch_format`` (with ``ep_world``): "mxfp8" publishes x quantized (mok.pipeline.exchange.mxfp8_region's
         layout) and dequantizes each row as it is copied into x_all (common/ep_phases.py)."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
-        if has_shared and not combine:
-            raise ValueError("has_shared: only with combine (the combine adds the shared expert's output)")
-        if schedule_experts is not None and not combine:
-            raise ValueError("schedule_experts: only with combine (a one-launch forward)")
-        if combine_phase and schedule_experts is None:
-            raise ValueError("combine_phase: only with schedule_experts (its grid barrier)")
-        if ep_world is not None and (not combine_phase or not 1 <= ep_world <= 32 or topk > 32):
-            raise ValueError(
-                f"ep_world: expected 1..32 ranks, top-k <= 32 (a lane per slot), with combine_phase; got {ep_world}, "
-                f"topk={topk}, combine_phase={combine_phase}"
-            )
-        if gather_phase and (schedule_experts is None or ep_world is not None):
-            raise ValueError("gather_phase: only with schedule_experts and without ep_world (the one-launch forward on one GPU)")
-        if shared_prefix and (schedule_experts is None or ep_world is not None or not has_shared or not combine_phase):
-            # (combine_phase: fc2's epilogue combine would read a token's shared row, written by another
-            # tile of the same launch, with nothing ordering the two)
-            raise ValueError("shared_prefix: only with schedule_experts, has_shared and combine_phase, without ep_world")
+        if ep_world is not None and (not 1 <= ep_world <= 32 or topk > 32):
+            raise ValueError(f"ep_world: expected 1..32 ranks, top-k <= 32 (a lane per slot); got {ep_world}, topk={topk}")
+        if shared_prefix and (ep_world is not None or not has_shared):
+            raise ValueError("shared_prefix: only with has_shared, without ep_world")
         if dispatch_format not in ("bf16", "mxfp8") or (dispatch_format == "mxfp8" and (ep_world is None or hidden % MXFP8_BLOCK)):
             raise ValueError(f"dispatch_format: expected 'bf16', or 'mxfp8' with ep_world and H a multiple of 32; got {dispatch_format!r}")
         self.shared_prefix, self.mxfp8 = shared_prefix, dispatch_format == "mxfp8"
-        self.ep_world, self.gather_phase = ep_world, gather_phase
-        self.schedule = None if schedule_experts is None else ScheduleKernel(schedule_experts, topk, TILE)
+        self.ep_world = ep_world
+        self.schedule = ScheduleKernel(num_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
-        self.combine = combine and not combine_phase  # in fc2's epilogue
-        self.combine_phase, self.has_shared = combine_phase, has_shared
-        self.fc1 = GroupedGemmSm90(
-            inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=not gather_phase
-        )
-        self.fc2 = GroupedGemmSm90(
-            hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, combine=self.combine, topk=topk,
-            has_shared=has_shared and self.combine, scatter=ep_world is not None,  # EP: y rows into their tokens' ranks
+        self.has_shared = has_shared
+        self.fc1 = GroupedGemmSm90(inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True)
+        self.fc2 = GroupedGemmSm90(  # EP: y rows pushed into their tokens' ranks
+            hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, topk=topk, scatter=ep_world is not None
         )
         self.fc2_tile_n = fc2_tile_n
         self.region_elems = 3 * TILE * TILE_K * self.fc1.ab_stage  # fc1: A, B, B2 per stage
         if (TILE + fc2_tile_n) * TILE_K * self.fc2.ab_stage > self.region_elems:
             raise ValueError(f"fc2's {self.fc2.ab_stage} stages do not fit in fc1's {self.fc1.ab_stage}")
         self.threads = self.fc1.threads
-        if self.schedule is not None and self.schedule.scratch_words(self.threads) * 4 > self.region_elems * 2:
-            raise ValueError(f"schedule_experts: {schedule_experts} experts' schedule scratch does not fit the operand region")
+        if self.schedule.scratch_words(self.threads) * 4 > self.region_elems * 2:
+            raise ValueError(f"num_experts: {num_experts} experts' schedule scratch does not fit the operand region")
 
     @cute.jit
     def __call__(
@@ -175,7 +159,6 @@ class ExpertMlpSm90:
         slots_ptr: cute.Pointer,
         x_in_ptr: cute.Pointer,
         idx_in_ptr: cute.Pointer,
-        x_rows_ptr: cute.Pointer,
         num_rows: cutlass.Int32,
         num_experts: cutlass.Int32,
         num_tokens: cutlass.Int32,
@@ -190,12 +173,12 @@ class ExpertMlpSm90:
         slots_stride: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        """Without ``ep_world`` the EP arguments (flags_ptr ... idx_in_ptr, rank ... slots_stride) are
-        unused. With it: x_ptr is x_all [W·T_max, H] and topk_idx_ptr the routing [W·T_max, k] this
-        launch fills, num_tokens = W·T_max; topk_w, shared and out are this rank's ``my_tokens``
-        rows; flags, x_pub, idx_pub and slots are rank 0's regions of the workspace (each rank's
-        ``*_stride`` elements further), x_in and idx_in this rank's inputs. x_rows [R, H]: the
-        gathered rows (``gather_phase`` only)."""
+        """EXPERT_MLP_ARGS' arguments (mok/kernels/common/records.py), in its order. Without
+        ``ep_world`` the EP arguments (flags_ptr ... idx_in_ptr, rank ... slots_stride) are unused.
+        With it: x_ptr is x_all [W·T_max, H] and topk_idx_ptr the routing [W·T_max, k] this launch
+        fills, num_tokens = W·T_max; topk_w, shared and out are this rank's ``my_tokens`` rows;
+        flags, x_pub, idx_pub and slots are rank 0's regions of the workspace (each rank's
+        ``*_stride`` elements further), x_in and idx_in this rank's inputs."""
         hid, inter = self.hidden, self.inter
         num_row_tiles = (num_rows + TILE - 1) // TILE
         row_major = lambda ptr, rows, cols: cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))  # noqa: E731
@@ -212,20 +195,17 @@ class ExpertMlpSm90:
         combined = num_tokens if cutlass.const_expr(self.ep_world is None) else my_tokens  # the tokens the combine writes
         m_token_w = cute.make_tensor(topk_w_ptr, cute.make_layout((combined, self.topk), stride=(self.topk, 1)))
         m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
-        # counters: [error, next tile | ready per row tile | arrivals per (token, fc2 column tile)], zeroed by the schedule launch
+        # counters: [error, next tile | ready per row tile], zeroed by the schedule phase
         m_flags = cute.make_tensor(counters_ptr, cute.make_layout((2,)))
         m_ready = cute.make_tensor(counters_ptr + 2, cute.make_layout((num_row_tiles,)))
-        m_arrivals = row_major(counters_ptr + (2 + num_row_tiles), num_tokens, hid // self.fc2_tile_n)
         m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
-        sched_args = None
-        if cutlass.const_expr(self.schedule is not None):  # the schedule's input and outputs (counters: zeroed by it)
-            pairs = num_tokens * self.topk
-            vec = lambda ptr, n: cute.make_tensor(ptr, cute.make_layout((n,)))  # noqa: E731
-            outputs = (
-                vec(counts_ptr, num_experts), m_offsets, m_row_token, m_row_slot, vec(slot_row_ptr, pairs), m_tiles,
-                vec(overflow_ptr, 1), vec(counters_ptr, 2 + num_row_tiles + num_tokens * (hid // self.fc2_tile_n)),
-            )
-            sched_args = (vec(topk_idx_ptr, pairs), outputs, sync_ptr, pairs, rank * num_experts)
+        pairs = num_tokens * self.topk  # the schedule's input and outputs (the counters: zeroed by it)
+        vec = lambda ptr, n: cute.make_tensor(ptr, cute.make_layout((n,)))  # noqa: E731
+        outputs = (
+            vec(counts_ptr, num_experts), m_offsets, m_row_token, m_row_slot, vec(slot_row_ptr, pairs), m_tiles,
+            vec(overflow_ptr, 1), vec(counters_ptr, 2 + num_row_tiles),
+        )
+        sched_args = (vec(topk_idx_ptr, pairs), outputs, sync_ptr, pairs, rank * num_experts)
         ep_args = scatter_dst = None
         m_y_combined = m_y
         if cutlass.const_expr(self.ep_world is not None):
@@ -252,12 +232,7 @@ class ExpertMlpSm90:
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
         a2_smem, b2_smem, _ = self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))
-        gather_args = None  # gather_phase: x [T, H], the rows' tokens, x_rows [R, H]
-        m_fc1_a = m_x  # (A of fc1 is gathered; tile_loads still partitions it)
-        if cutlass.const_expr(self.gather_phase):
-            m_fc1_a = cute.make_tensor(x_rows_ptr, cute.make_layout((num_rows, hid, 1), stride=(hid, 1, num_rows * hid)))
-            gather_args = (row_major(x_ptr, num_tokens, hid), m_row_token, row_major(x_rows_ptr, num_rows, hid))
-        tma_x, t_x = self.fc1.load_atom(m_fc1_a, a_smem, (TILE, TILE_K))
+        tma_x, t_x = self.fc1.load_atom(m_x, a_smem, (TILE, TILE_K))  # (A of fc1 is gathered; tile_loads still partitions it)
         tma_wg, t_wg = self.fc1.load_atom(m_wg, b_smem, (TILE, TILE_K))
         tma_wu, t_wu = self.fc1.load_atom(m_wu, b_smem, (TILE, TILE_K))
         tma_a, t_a = self.fc2.load_atom(m_a3, a2_smem, (TILE, TILE_K))
@@ -289,12 +264,12 @@ class ExpertMlpSm90:
         fc2_args = ((tma_a, t_a, tma_wd, t_wd, tma_wd, t_wd), (tma_y, t_y, tma_y, t_y, tma_y, t_y))
         m_shared = row_major(shared_ptr, combined, hid)
         m_out = row_major(out_ptr, combined, hid)
-        combine_args = (m_y_combined, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
+        combine_args = (m_y_combined, m_token_w, m_slot_row, m_shared, m_out)
         all_tiles = num_row_tiles * (inter // TILE + hid // self.fc2_tile_n)
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, ep_args, scatter_dst, gather_args, m_x, m_tiles, m_flags,
+            fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, ep_args, scatter_dst, m_x, m_tiles, m_flags,
             m_ready, m_offsets, sync_ptr, num_experts, num_row_tiles, num_rows, timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -309,7 +284,6 @@ class ExpertMlpSm90:
         sched_args: tuple,
         ep_args: tuple,
         scatter_dst: tuple,
-        gather_args: tuple,
         m_x: cute.Tensor,
         m_tiles: cute.Tensor,
         m_flags: cute.Tensor,
@@ -338,15 +312,11 @@ class ExpertMlpSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         region = storage.s_ab.data_ptr()  # fc1: [A | B | B2] stages; fc2: [A | B] stages (first the schedule's scratch)
-        scheduled_rows = cutlass.Int32(0)
-        if cutlass.const_expr(self.schedule is not None):
-            scheduled_rows = self.build_schedule(sched_args, ep_args, gather_args, region, num_rows, timeout_ns, m_offsets, num_experts)
-        else:  # (written by an earlier launch: every thread reads the same value)
-            scheduled_rows = m_offsets[num_experts]
+        scheduled_rows = self.build_schedule(sched_args, ep_args, region, num_rows, timeout_ns, m_offsets, num_experts)
         used_rows = cutlass.min(scheduled_rows // TILE, num_row_tiles)  # the schedule's (padded) row tiles
         fc1_tiles = used_rows * fc1_cols
         all_tiles = fc1_tiles + used_rows * fc2_cols
-        pipe1 = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=0 if self.gather_phase else 128)
+        pipe1 = self.fc1.make_pipeline(storage, 2, a_smem, b_smem, gather_threads=128)
         pipe2 = self.fc2.make_pipeline(storage, 1, a2_smem, b2_smem, barriers=storage.mbar2.data_ptr())
         ring = pipeline.PipelineAsync.create(
             barrier_storage=storage.tile_mbar.data_ptr(),
@@ -385,14 +355,9 @@ class ExpertMlpSm90:
             while tile < fc1_tiles:
                 tile_row, tile_col = self.fc1.grouped_tile(tile, used_rows, fc1_cols)
                 loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, m_tiles[tile_row])
-                if cutlass.const_expr(self.gather_phase):  # A by TMA from x_rows: warp 0 loads, warps 1-3 only follow the tiles
-                    if warp_idx == 0:
-                        prod = self.fc1.produce_tile(pipe1, prod, loads, k1_tiles)
-                else:
-                    prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
+                prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
                 tile, handed = self.take_next(m_flags, ring, handed, s_tiles, tidx)
-            if cutlass.const_expr(not self.gather_phase):
-                cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(0)
             if warp_idx == 0:  # warps 1-3 are done: fc2's A comes by TMA
                 pipe1.producer_tail(prod)  # every fc1 stage consumed: fc2's stages may take the region
                 prod2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fc2.ab_stage)
@@ -414,8 +379,7 @@ class ExpertMlpSm90:
                     tile, fc1_tiles, all_tiles, used_rows, fc2_cols, scatter_ring, s_scatter, epi_pipe, s_c, s_dest,
                     m_row_token, row_args[3], num_rows, scatter_dst, tidx - 32,
                 )
-            if cutlass.const_expr(self.combine_phase):
-                grid_barrier(sched_args[2], timeout_ns, leader=128)  # (the MMA warps' thread 0 arrives and polls)
+            grid_barrier(sched_args[2], timeout_ns, leader=128)  # (the MMA warps' thread 0 arrives and polls)
         else:  # the two MMA warpgroups
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
@@ -449,9 +413,6 @@ class ExpertMlpSm90:
             mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             while tile < all_tiles:
                 tile_row, tile_col = self.fc2.grouped_tile(tile - fc1_tiles, used_rows, fc2_cols)
-                token = cutlass.Int32(-1)
-                if cutlass.const_expr(self.combine):
-                    token = self.fc2.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
                 acc_d.fill(0.0)
                 cons2, release2 = self.fc2.consume_tile(pipe2, mma2, acc_d, acc_d, r_a2, r_bd, r_bd, k2_tiles, cons2, release2)
                 if cutlass.const_expr(self.ep_world is not None):
@@ -460,8 +421,6 @@ class ExpertMlpSm90:
                     self.fc2.epilogue(
                         mma_tidx, warp_idx, mma2, acc_d, acc_d, s_c, tile_row, tile_col, fc2_stores, row_args, num_rows, store_pipe
                     )
-                if cutlass.const_expr(self.combine):
-                    self.fc2.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
                 tile, given = self.handed_tile(ring, given, s_tiles)
             if warp_idx == self.fc1.store_warp:
                 store_pipe.producer_tail()
@@ -470,16 +429,15 @@ class ExpertMlpSm90:
                     ep_args, sched_args[1], num_rows, self.ep_world, self.topk, self.hidden, self.schedule.num_local,
                     self.fc1.consumer_threads, mma_tidx,
                 )
-            if cutlass.const_expr(self.combine_phase):
-                self.publish(warp_idx, m_ready, cutlass.Int32(-1))  # every y row stored and visible before the barrier
-                grid_barrier(sched_args[2], timeout_ns, leader=128)
-                if cutlass.const_expr(self.ep_world is not None):  # every rank's pushes into this rank's slots
-                    ep_phases.signal_done_and_wait(ep_args, self.ep_world, timeout_ns, mma_tidx, 0)
-                    self.fc1.epilogue_sync()
-                self.combine_all(mma_tidx, combine_args)
+            self.publish(warp_idx, m_ready, cutlass.Int32(-1))  # every y row stored and visible before the barrier
+            grid_barrier(sched_args[2], timeout_ns, leader=128)
+            if cutlass.const_expr(self.ep_world is not None):  # every rank's pushes into this rank's slots
+                ep_phases.signal_done_and_wait(ep_args, self.ep_world, timeout_ns, mma_tidx, 0)
+                self.fc1.epilogue_sync()
+            self.combine_all(mma_tidx, combine_args)
 
     def mxfp8_regions(self, x_pub_ptr: cute.Pointer, x_stride, t_max) -> tuple:
-        """Every rank's region "x" holding MXFP8 rows (mok.ep.mxfp8_region): E4M3 elements [W, T_max·H]
+        """Every rank's region "x" holding MXFP8 rows (mok.pipeline.exchange.mxfp8_region): E4M3 elements [W, T_max·H]
         from its first byte, E8M0 scales [W, T_max·H/32] from byte T_max·H; the rank stride in bytes
         (64-bit: twice the bf16 element stride)."""
         hid = self.hidden
@@ -492,15 +450,14 @@ class ExpertMlpSm90:
         )
 
     @cute.jit
-    def build_schedule(self, sched_args, ep_args, gather_args, region, num_rows, timeout_ns, m_offsets, num_experts):
+    def build_schedule(self, sched_args, ep_args, region, num_rows, timeout_ns, m_offsets, num_experts):
         """The one-launch forward's prologue: every CTA builds its part of the schedule (scratch in the
         operand region, which the pipelines take over afterwards; it also zeroes the counters), then
         all wait for all (grid barrier), as the next launch would have. Returns the schedule's row
         count (``m_offsets[num_experts]``), read once by thread 0 for the whole CTA: after a barrier
         that timed out, a late CTA may still be writing it, and warps that read different values
         would disagree on the tile count and wait on each other's barriers forever (the output is
-        wrong then, as the timeout count says, but nothing hangs). With ``gather_phase`` the CTAs then
-        gather x_rows and meet at a second grid barrier before fc1's TMA loads read it."""
+        wrong then, as the timeout count says, but nothing hangs)."""
         m_idx, outputs, sync_ptr, pairs, expert_lo = sched_args
         if cutlass.const_expr(self.ep_world is not None):  # the routing (and x rows) of every rank first
             ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns, self.mxfp8)
@@ -515,7 +472,7 @@ class ExpertMlpSm90:
         if cutlass.const_expr(self.shared_prefix):  # the shared expert's rows: the tokens, whole tiles
             prefix_rows = (pairs // self.topk + TILE - 1) // TILE * TILE
         self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows, prefix_rows)
-        grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase and not self.gather_phase)
+        grid_barrier(sync_ptr, timeout_ns, last=False)  # (the last: the one before the combine)
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
             scratch[0] = m_offsets[num_experts]
@@ -523,27 +480,8 @@ class ExpertMlpSm90:
         cute.arch.sync_threads()
         total = scratch[0]
         cute.arch.sync_threads()  # (every thread has it before the pipelines take the region over)
-        if cutlass.const_expr(self.gather_phase):
-            self.gather_rows(gather_args, cutlass.min(total, num_rows))
-            cute.arch.fence_proxy("async.global")  # the generic stores before the release, for the TMA loads after it
-            grid_barrier(sync_ptr, timeout_ns, last=not self.combine_phase)
-            cute.arch.fence_proxy("async.global")  # (after the acquire) every CTA's rows before this CTA's TMA loads
         return total
 
-    @cute.jit
-    def gather_rows(self, gather_args, rows):
-        """``gather_phase``: x_rows[r] = x[row_token[r]] (zeros where row_token < 0) for r < ``rows``,
-        the 16-byte column chunks of ROWS-row blocks spread over every thread of the grid (the
-        gather launch's per-thread code: ROWS loads in flight)."""
-        m_src, m_index, m_out = gather_args
-        tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
-        chunks = self.hidden // VECTOR
-        units = (rows + GATHER_ROWS - 1) // GATHER_ROWS * chunks
-        for unit in cutlass.range(cta * self.threads + tidx, units, ctas * self.threads, unroll=1):
-            block = unit // chunks
-            gather_row_block(m_src, m_index, m_out, block, unit - block * chunks, rows)
 
     @cute.jit
     def combine_all(self, mma_tidx, combine_args):
@@ -551,7 +489,7 @@ class ExpertMlpSm90:
         CTAs combine the tokens, 8 columns per thread per step, grid-strided, with the combine
         launch's own per-vector code (the same operations in the same order: the same bits). Here,
         not after the warp roles join: there the producer warps' 40 registers would bound it."""
-        m_y, m_token_w, m_slot_row, m_shared, m_out, _ = combine_args
+        m_y, m_token_w, m_slot_row, m_shared, m_out = combine_args
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         chunks = self.hidden // VECTOR
@@ -654,31 +592,7 @@ class ExpertMlpSm90:
         return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=self.fc1.ab_dtype), layout.outer)
 
 
-def compile_expert_mlp(
-    hidden: int, inter: int, topk: int, arch: str, options: str = "", *, save_h: bool = False, combine: bool = False,
-    has_shared: bool = False, fc2_tile_n: int = TILE, schedule_experts: int | None = None, combine_phase: bool = False,
-    ep_world: int | None = None, gather_phase: bool = False, shared_prefix: bool = False, dispatch_format: str = "bf16",
-):
-    """Compile for ``arch`` without tensors: pointers, R, E, T, the CTA cap, the timeout and the EP
-    ints are runtime arguments (with ``schedule_experts``, E must be that)."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    bf16 = lambda: make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16)  # noqa: E731
-    i32 = lambda: make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)  # noqa: E731
-    one = cutlass.Int32(1)
-    args = (
-        bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), bf16(), i32(), i32(), i32(),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4), i32(), bf16(), bf16(), i32(), i32(), i32(), i32(), i32(), i32(),
-        i32(), bf16(), i32(), bf16(), bf16(), i32(),  # the EP regions and inputs
-        bf16(),  # x_rows (gather_phase)
-        cutlass.Int32(128), one, one, one, cutlass.Int64(1), one, one, one, one, one, one, one, make_fake_stream(),
-    )
-    kernel = ExpertMlpSm90(
-        hidden, inter, topk, save_h=save_h, combine=combine, has_shared=has_shared, fc2_tile_n=fc2_tile_n,
-        schedule_experts=schedule_experts, combine_phase=combine_phase, ep_world=ep_world, gather_phase=gather_phase,
-        shared_prefix=shared_prefix, dispatch_format=dispatch_format,
-    )
-    with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
-        warnings.filterwarnings("ignore", message="This static loop has")
-        return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
+def compile_expert_mlp(hidden: int, inter: int, topk: int, arch: str, options: str = "", **config):
+    """Compile :class:`ExpertMlpSm90` (``config``: its keyword arguments) for ``arch`` without
+    tensors: the stand-ins of EXPERT_MLP_ARGS (the launch's E must be ``num_experts``)."""
+    return compile_kernel(ExpertMlpSm90(hidden, inter, topk, **config), EXPERT_MLP_ARGS, arch, options)

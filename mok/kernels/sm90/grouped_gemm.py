@@ -2,26 +2,18 @@
 
     C[rows of tile m, :] = epilogue(A[rows of tile m, :] · B[e(m)])
 
-A [R, K] holds rows grouped by expert (the schedule pads each expert's rows to a whole
-``tile_m`` tile, so a tile never mixes experts); ``tile_expert[m]`` names the expert of row
-tile m, or -1 for an unused tile, which the CTA skips. With ``gather_a`` A is not
-materialised: A is the token matrix x [T, K] and buffer row r reads x[row_token[r]] (zeros
-where row_token[r] < 0, the padding rows); the producer warpgroup gathers the rows with
-cp.async straight into the swizzled shared-memory tile (Hopper's TMA cannot gather rows).
-B holds one weight matrix per expert, either K-major [E, N, K] (C = A·Bᵀ, the forward's
-weights) or N-major [E, K, N] (C = A·B, the same weights read transposed in the backward).
-With ``k_split`` the K range is two halves, the first read from B and the second from B2
-(dx = dh_gate·W_gate + dh_up·W_up in one pass).
+The contract (A's expert-grouped rows, B's major modes, k_split, the four epilogues, the launch
+arguments) is every arch's: mok/kernels/common/grouped_gemm.py, whose epilogue math this kernel
+applies to its WGMMA accumulators. Here: the mainloop (WGMMA, mok/kernels/sm90/wgmma_tile.py),
+how the accumulators reach global memory (stmatrix into shared memory, TMA stores), and the
+Hopper-only variants.
 
-Epilogues (static), all rounding once from fp32 to bf16:
-- ``plain``: C = A·B.
-- ``swiglu``: two products of the same A tile, gate (B) and up (B2); C = a = silu(gate)·up.
-- ``swiglu_save``: the same, and h = [gate | up] [R, 2N] is written too (saved for backward).
-- ``swiglu_bwd``: the accumulator is dA_u = dout_row·W_down for the row's token; with the
-  saved h, the row's router weight s and a = silu(h_g)·h_u it writes
-  C = dh [R, 2N] = [s·dA_u·h_u·silu'(h_g) | s·dA_u·silu(h_g)], a_scaled [R, N] = s·a (the
-  operand of dW_down), and partial[R, N / tile_n] = Σ over the tile's columns of dA_u·a,
-  the router-weight gradient's per-tile pieces (reduced in column order by another kernel).
+``persistent``: one CTA per SM walks the tiles, a producer warpgroup loading ahead while the two
+MMA warpgroups run the epilogue (otherwise one CTA per output tile). With ``gather_a``
+(persistent) A is not materialised: A is the token matrix x [T, K] and buffer row r reads
+x[row_token[r]] (zeros where row_token[r] < 0, the padding rows); the producer warpgroup gathers
+the rows with cp.async straight into the swizzled shared-memory tile (Hopper's TMA cannot gather
+rows).
 
 With ``scatter`` (plain epilogue, persistent) C is not a [R, N] matrix: buffer row r goes to
 the slot of its (token g, slot j) = (row_token[r], row_slot[r]), row (g % T_max)·topk + j of
@@ -33,52 +25,13 @@ warpgroup's idle warps 1-3 through an mbarrier pipeline over the epilogue buffer
 copy it out with 16-byte stores while the MMA warps go on to the next tile; padding rows are
 not written.
 
-With ``pull_a`` (persistent, A by TMA: the expert-parallel gate/up GEMM) the kernel also fills
-A itself, overlapping the dispatch with its own tiles: A is this rank's x_rows buffer, and buffer
-row r must hold row g % T_max of rank g // T_max's published x (g = row_token[r]; zeros for
-padding rows). The producer warpgroup's warps 1-3, idle while warp 0 issues the TMA loads, take
-row tiles from a counter (integer atomic) in order, copy each of the tile's rows from its owner
-(16-byte vectors over the symmetric mapping, four in flight per thread) into x_rows, and then
-publish the tile (bar.sync over the three warps, a gpu-scope fence and a release add on its
-ready counter). Before the first TMA load of a tile's A, warp 0 waits for that counter
-(acquire, bounded by %globaltimer: on expiry it sets the error word and goes on, wrong output
-but no hang), then fences the async proxy. Nothing the copy warps do waits, and a row tile is
-only ever taken by a running CTA, so every row tile gets copied even when not all CTAs fit on
-the GPU at once. The counters [error, next, ready per row tile] must be zero at launch (the
-schedule launch clears them). A row's bits are what the dispatch kernel writes, so the GEMM's
-are too.
-
-With ``skip_padding`` (persistent) an MMA warpgroup whose 64 rows of a tile are all padding
-(row_token < 0 at its first row: an expert's padding rows follow its rows) waits for and
-releases the tile's stages without issuing WGMMAs, so a tile holding a few rows of its expert
-costs about half a tile of tensor-core time. Its accumulator stays zero, what zero A rows
-(the padding rows the schedule's dispatch and gather write) would give, bit for bit.
-
 With ``pingpong`` (persistent, swiglu_bwd, 128-wide tiles) each MMA warpgroup computes whole
 128-row tiles, the two taking the CTA's tiles in turn (WgmmaTileKernel.pingpong_consumers): the
 SwiGLU backward's epilogue (three stores per subtile, h read, ~0.5 GB moved at qwen3's shapes)
 then runs under the other warpgroup's WGMMAs instead of stopping the tensor cores. The same
 WGMMAs per output element and the same row sums: the same bits as the cooperative kernel.
-
-With ``combine`` (plain epilogue, the down projection) the kernel also finishes the layer:
-once a tile's y rows are in global memory, each of its rows counts one arrival on
-arrivals[token, column tile] (an integer atomic, gpu scope, acquire-release); the CTA that
-brings a token's last slot for that column tile computes out[token, those columns] =
-shared[token] + Σ_j topk_w[token, j]·y[slot_row[token, j]] in fp32, j in order — the same
-operations as the combine kernel (mok/kernels/common/combine.py), so the same bits, and
-which CTA happens to arrive last changes nothing. The arrivals must be zero at launch.
-
-Determinism and batch invariance: each output tile is owned by one CTA, K is reduced in
-one fixed order by the WGMMA sequence, the row sums in a fixed order, and the tile shape
-comes from static shapes only, so a row's result depends on nothing but that row, its
-expert's weights (and, for swiglu_bwd, its saved h and router weight).
 """
 
-from __future__ import annotations
-
-import warnings
-
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
@@ -86,87 +39,42 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.combine import VECTOR, combine_vector
-from ..common.gemm_args import expert_weights, grouped_row_tensors
-from ..common.row_weight import row_router_weight
-from ..common.swiglu import swiglu_backward_values, swiglu_value
-from ..common.waits import wait_at_least
+from ..common.combine import VECTOR
+from ..common.compile import compile_kernel
+from ..common.records import grouped_gemm_args
+from ..common.grouped_gemm import GroupedGemm
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
-EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 VECTOR_SHIFT = VECTOR.bit_length() - 1  # log2(VECTOR)
 SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
-PULL_DEPTH = 4  # pull_a: 16-byte loads each copying thread keeps in flight
 
 
-class GroupedGemmSm90(WgmmaTileKernel):
-    """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages."""
+class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
+    """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, and the
+    Hopper variants (persistent, gather_a, scatter, pingpong)."""
 
     def __init__(
-        self,
-        n: int,
-        k: int,
-        epilogue: str = "plain",
-        *,
-        b_major: str = "k",
-        k_split: bool = False,
-        topk: int = 1,
-        unit_scale: bool = False,
-        tile_n: int = 128,
-        stages: int | None = None,
-        persistent: bool = False,
-        gather_a: bool = False,
-        gather_ranks: bool = False,
-        combine: bool = False,
-        has_shared: bool = False,
-        scatter: bool = False,
-        skip_padding: bool = False,
-        pull_a: bool = False,
-        pingpong: bool = False,
+        self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
+        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
+        gather_a: bool = False, scatter: bool = False, pingpong: bool = False,
     ) -> None:
-        tile_m = 128
-        if epilogue not in EPILOGUES:
-            raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
-        if b_major not in ("k", "n"):
-            raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
-        if tile_n not in (64, 128, 256):
-            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
-        if n % tile_n:
-            raise ValueError(f"n: expected a multiple of the column tile {tile_n}, got {n}")
-        if k % (2 * TILE_K if k_split else TILE_K):
-            raise ValueError(f"k: expected a multiple of {2 * TILE_K if k_split else TILE_K}, got {k}")
-        if k_split and epilogue != "plain":
-            raise ValueError("k_split: only with the plain epilogue")
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K)
         if gather_a and not persistent:
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
-        if gather_ranks and not gather_a:
-            raise ValueError("gather_ranks: only with gather_a (it says where the gathered rows live)")
-        if combine and (epilogue != "plain" or k_split or b_major != "k" or not persistent):
-            raise ValueError("combine: only for the persistent plain GEMM with K-major B (the down projection)")
-        if scatter and (epilogue != "plain" or combine or gather_a or not persistent):
-            raise ValueError("scatter: only for the persistent plain GEMM without combine or gather (the row pushes of EP)")
-        if skip_padding and not persistent:
-            raise ValueError("skip_padding: only in the persistent kernel")
-        if pull_a and (gather_a or scatter or combine or not persistent):
-            raise ValueError("pull_a: only in the persistent kernel with A by TMA (no gather, scatter or combine)")
-        if pingpong and (epilogue != "swiglu_bwd" or tile_n != 128 or not persistent or skip_padding):
-            raise ValueError("pingpong: only for the persistent swiglu_bwd GEMM with 128-column tiles, without skip_padding")
-        self.skip_padding, self.pull_a, self.pingpong = skip_padding, pull_a, pingpong
+        if scatter and (epilogue != "plain" or gather_a or not persistent):
+            raise ValueError("scatter: only for the persistent plain GEMM without gather (the row pushes of EP)")
+        if pingpong and (epilogue != "swiglu_bwd" or tile_n != 128 or not persistent):
+            raise ValueError("pingpong: only for the persistent swiglu_bwd GEMM with 128-column tiles")
+        self.pingpong = pingpong
         if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers
             self.use_pingpong(PINGPONG_BWD_EPI_STAGES)
-        self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
-        self.topk, self.unit_scale = topk, unit_scale
-        self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
-        self.num_b = 2 if self.two_accumulators else 1
-        self.b_k = k // 2 if k_split else k  # K extent of each B tensor
-        self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
-        self.persistent, self.gather_a, self.gather_ranks = persistent, gather_a, gather_ranks
-        self.combine, self.has_shared, self.scatter = combine, has_shared, scatter
+        self.persistent, self.gather_a, self.scatter = persistent, gather_a, scatter
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
+        tile_m = self.tile_shape_mnk[0]
         stores_per_tile = (tile_n // 32) * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
         if stores_per_tile % self.epi_stage:  # each tile starts again at buffer 0 (see epilogue)
             raise ValueError(f"tile_n: {tile_n} gives {stores_per_tile} epilogue stores, not a multiple of {self.epi_stage}")
@@ -174,59 +82,14 @@ class GroupedGemmSm90(WgmmaTileKernel):
         self.epi_bytes = self.epi_stage * tile_m * 32 * 2 * (2 if pingpong else 1)
         self.ab_stage = pick_stages(stage_bytes, self.epi_bytes, stages, dedicated_epi=persistent)
 
-    def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
-        """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
-        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major)
-
-    @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        b2_ptr: cute.Pointer,
-        c_ptr: cute.Pointer,
-        tile_expert_ptr: cute.Pointer,
-        h_ptr: cute.Pointer,
-        a_scaled_ptr: cute.Pointer,
-        partial_ptr: cute.Pointer,
-        row_token_ptr: cute.Pointer,
-        row_slot_ptr: cute.Pointer,
-        topk_w_ptr: cute.Pointer,
-        slot_row_ptr: cute.Pointer,
-        shared_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        arrivals_ptr: cute.Pointer,
-        pull_src_ptr: cute.Pointer,
-        pull_counters_ptr: cute.Pointer,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        num_tokens: cutlass.Int32,
-        max_ctas: cutlass.Int32,
-        rows_per_rank: cutlass.Int32,
-        rank_stride: cutlass.Int32,
-        timeout_ns: cutlass.Int64,
-        stream: cuda.CUstream,
-    ):
-        n, k = self.n, self.k
+    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream):
+        """Host side (see GroupedGemm.launch): the TMA atoms, the shared storage, the grid. (The
+        storage struct's annotations are evaluated here, with ``self`` in scope: this module does
+        not postpone annotations.)"""
         tile_m, tile_n, _ = self.tile_shape_mnk
-        c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
-        a_rows = num_tokens if self.gather_a else num_rows  # gather_a: A is x [T, K]
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((a_rows, k, 1), stride=(k, 1, a_rows * k)))
-        m_b = self.b_tensor(b_ptr, num_experts)
-        m_b2 = self.b_tensor(b2_ptr, num_experts)
-        ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
-        m_c, m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = grouped_row_tensors(
-            ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk
-        )
-        tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
-        m_token_w = cute.make_tensor(topk_w_ptr, tokens_by_slot)  # combine: topk_w and slot_row [T, k]
-        m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
-        m_shared = cute.make_tensor(shared_ptr, cute.make_layout((num_tokens, n), stride=(n, 1)))
-        m_out = cute.make_tensor(out_ptr, cute.make_layout((num_tokens, n), stride=(n, 1)))
-        m_arrivals = cute.make_tensor(arrivals_ptr, cute.make_layout((num_tokens, n // tile_n), stride=(n // tile_n, 1)))
-        num_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills and clips
-        m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_tiles,)))
-
+        m_b, m_b2 = m_bs
+        m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = row_args
+        m_tiles, num_tiles, num_rows = rows
         a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
         tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, TILE_K))
         tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, TILE_K))
@@ -243,9 +106,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            # epi_mbar scatter only, s_dest scatter or pull_a (one element otherwise): in front of s_a's 1024-byte alignment
+            # epi_mbar and s_dest scatter only (one element otherwise): in front of s_a's 1024-byte alignment
             epi_mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.epi_stage if self.scatter else 1]
-            s_dest: cute.struct.MemRange[cutlass.Int32, self.row_list_words()]
+            s_dest: cute.struct.MemRange[cutlass.Int32, self.tile_shape_mnk[0] if self.scatter else 1]
             s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
             s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
             s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
@@ -256,38 +119,17 @@ class GroupedGemmSm90(WgmmaTileKernel):
         store_args = (tma_c, t_c, tma_h, t_h, tma_as, t_as)
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
-        combine_args = (m_c, m_token_w, m_slot_row, m_shared, m_out, m_arrivals)
-        x_rows = m_a  # gather_a: x [T, K]; gather_ranks: every rank's x, T_max rows each, rank_stride elements apart
-        if cutlass.const_expr(self.gather_ranks):
-            x_rows = (m_a, rows_per_rank, rank_stride)
+        m_x = m_a  # gather_a: x [T, K]
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
-            x_rows = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
-        if cutlass.const_expr(self.pull_a):  # where A's rows come from, A as 16-byte vectors, the counters (see pull_rows)
-            vectors = lambda ptr, n: cute.zipped_divide(cute.make_tensor(ptr, cute.make_layout((n,))), (VECTOR,))  # noqa: E731
-            x_rows = (
-                vectors(pull_src_ptr, SCATTER_ELEMS), rows_per_rank, rank_stride, vectors(a_ptr, num_rows * k),
-                cute.make_tensor(pull_counters_ptr, cute.make_layout((2 + (num_rows + tile_m - 1) // tile_m,))), timeout_ns,
-            )
-        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, x_rows, combine_args)
-        all_tiles = num_tiles * (n // tile_n)
-        if cutlass.const_expr(self.persistent):
-            grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
-            self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
-        else:
-            self.kernel(*args).launch(grid=[all_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            c_ptr, rows_per_rank, rank_stride = scatter_to
+            m_x = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
+        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x)
+        self.launch_tiles(args, num_tiles * (self.n // tile_n), max_ctas, stream)
 
     @cute.kernel
     def kernel(
-        self,
-        load_args: tuple,
-        store_args: tuple,
-        row_args: tuple,
-        m_tiles: cute.Tensor,
-        num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32,
-        mma_args: tuple,
-        m_x: cute.Tensor | tuple,
-        combine_args: tuple,
+        self, load_args: tuple, store_args: tuple, row_args: tuple, m_tiles: cute.Tensor, num_row_tiles: cutlass.Int32,
+        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple,
     ):
         """One CTA per output tile. The tuples are the ones ``__call__`` packs: ``load_args`` the
         TMA atoms and tensors of A, B, B2; ``store_args`` those of C, h and a_scaled; ``row_args``
@@ -331,16 +173,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
 
     @cute.kernel
     def kernel_persistent(
-        self,
-        load_args: tuple,
-        store_args: tuple,
-        row_args: tuple,
-        m_tiles: cute.Tensor,
-        num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32,
-        mma_args: tuple,
-        m_x: cute.Tensor | tuple,
-        combine_args: tuple,
+        self, load_args: tuple, store_args: tuple, row_args: tuple, m_tiles: cute.Tensor, num_row_tiles: cutlass.Int32,
+        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple,
     ):
         """Persistent and warp-specialised: CTA i takes tiles i, i + grid, ... in the L2-friendly order.
 
@@ -390,18 +224,12 @@ class GroupedGemmSm90(WgmmaTileKernel):
                             a_base = storage.s_a.data_ptr()
                             prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
                         else:
-                            if cutlass.const_expr(self.pull_a):
-                                self.wait_pulled(m_x, tile_row)
                             prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
                 if cutlass.const_expr(self.gather_a):
                     cute.arch.cp_async_wait_group(0)
                 if warp_idx == 0:
                     ab_pipe.producer_tail(prod)
-            if cutlass.const_expr(self.pull_a):
-                if warp_idx >= 1:  # warps 1-3 copy A's rows from their owners, row tile by row tile
-                    self.pull_rows(m_x, m_tiles, num_row_tiles, num_rows, m_row_token,
-                                   storage.s_dest.get_tensor(cute.make_layout(self.row_list_words())), tidx - 32)
             if cutlass.const_expr(self.scatter):
                 if warp_idx >= 1:  # warps 1-3 copy the MMA warps' epilogue subtiles out to the slots
                     tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
@@ -425,17 +253,11 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
                 expert = m_tiles[tile_row]
                 if expert >= 0:
-                    token = cutlass.Int32(-1)
-                    if cutlass.const_expr(self.combine):
-                        token = self.combine_token(mma_tidx, tile_row, m_row_token, num_rows)
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
-                    skip = None
-                    if cutlass.const_expr(self.skip_padding):
-                        skip = self.padding_half(mma_tidx, tile_row, m_row_token, num_rows)
                     rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
-                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, skip)
+                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
                     if cutlass.const_expr(self.scatter):
                         epi_prod = self.scatter_epilogue(mma_tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod)
                     else:
@@ -443,23 +265,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
                             mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe,
                             rows_in,
                         )
-                    if cutlass.const_expr(self.combine):
-                        self.combine_rows(mma_tidx, warp_idx, tile_col, token, combine_args)
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
-
-    @cute.jit
-    def padding_half(self, mma_tidx, tile_row, m_row_token, num_rows) -> cutlass.Boolean:
-        """Whether this MMA warpgroup's 64 rows of the tile are all padding: an expert's padding
-        rows follow its rows, so its first row tells (row_token < 0, or past the buffer). Then
-        its WGMMAs would only multiply zero rows: skipping them leaves the same zero accumulator."""
-        half_rows = self.tile_shape_mnk[0] // 2
-        first_row = tile_row * self.tile_shape_mnk[0] + cute.arch.make_warp_uniform(mma_tidx // 128) * half_rows
-        padding = cutlass.Boolean(True)
-        if first_row < num_rows:
-            padding = m_row_token[first_row] < 0
-        return padding
 
     def second_b(self, storage, b_smem, s_b):
         """B2's shared-memory tile: its own buffer for SwiGLU's second product, else B's (k_split loads B2 there)."""
@@ -520,10 +328,8 @@ class GroupedGemmSm90(WgmmaTileKernel):
         past the buffer) are zero-filled (a copy of 0 source bytes), so the backward never sees
         garbage there. The destination follows the A stage's 128-byte swizzle: within a K tile
         of 64 bf16, chunk c of row r sits at byte r·128 + ((c ^ (r % 8))·16).
-        With ``gather_ranks``, ``m_x`` is (x of rank 0, T_max, rank stride) and token g is row
-        g % T_max of rank g // T_max's x (through the symmetric mapping: a pull from the peer).
-        The gather is bound by how fast these threads issue (perf/NOTES.md, twenty-third
-        session), so each row's source address and whether it is read are worked out once a
+        The gather is bound by how fast these threads issue (docs/notes/gather-in-gemm.md), so
+        each row's source address and whether it is read are worked out once a
         tile: a stage then costs a 64-bit add and a cp.async per row. (Keeping 32-bit offsets
         instead, which spares the producer's registers a 16-byte spill, measured 4-6% slower.)
         """
@@ -534,7 +340,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         row0 = tidx // 8
         stage_elems = tile_m * tile_k
         dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)  # the same swizzle for rows row0 + 16·i
-        x_base = m_x[0].iterator if cutlass.const_expr(self.gather_ranks) else m_x.iterator
+        x_base = m_x.iterator
         addresses = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int64)  # row i's chunk in K tile 0
         rows_read = cutlass.Uint32(0)  # bit i: row i is read (else padding: zero-filled)
         for i in cutlass.range_constexpr(passes):
@@ -544,11 +350,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 token = m_row_token[row]
             element = cutlass.Int64(0)
             if token >= 0:
-                if cutlass.const_expr(self.gather_ranks):
-                    _, rows_per_rank, rank_stride = m_x
-                    element = cutlass.Int64(token // rows_per_rank) * rank_stride + cutlass.Int64(token % rows_per_rank) * self.k
-                else:
-                    element = cutlass.Int64(token) * self.k
+                element = cutlass.Int64(token) * self.k
             addresses[i] = (x_base + (element + chunk * 8)).toint()
             rows_read = rows_read | (cutlass.Uint32(token >= 0) << i)
         prod.reset_count()
@@ -565,40 +367,6 @@ class GroupedGemmSm90(WgmmaTileKernel):
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
             prod.advance()
         return prod
-
-    @cute.jit
-    def combine_rows(self, mma_tidx, warp_idx, tile_col, token, combine_args):
-        """``combine``: count this tile's rows as arrived and combine the tokens whose last slot this was.
-
-        Release: the store warp waits until the tile's TMA stores are complete, fences them
-        from the async into the generic proxy, and the MMA threads synchronise; then each row's
-        acquire-release atomic publishes them. MMA warp w owns rows 16w..16w+15 of the tile,
-        lane i < 16 counting row 16w + i; the warp then combines, one row after the other,
-        the rows its lanes found last, lane c taking columns 8c..8c+7 of the column tile.
-        ``token``: this lane's row's token (see ``combine_token``), -1 for none.
-        """
-        m_y, m_token_w, m_slot_row, m_shared, m_out, m_arrivals = combine_args
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        if warp_idx == self.store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")
-        self.epilogue_sync()
-        rows_per_warp = tile_m // (self.consumer_threads // 32)
-        lane = mma_tidx % 32
-        last = cutlass.Int32(0)
-        if token >= 0:  # every slot of a token has a row (the op checks the schedule's capacity)
-            counter = m_arrivals[token, None].iterator + tile_col
-            if cute.arch.atomic_add(counter, cutlass.Int32(1), sem="acq_rel", scope="gpu") == self.topk - 1:
-                last = 1
-        cute.arch.sync_warp()  # the lanes' acquires order the whole warp's loads below
-        chunks = tile_n // VECTOR
-        for r in cutlass.range(rows_per_warp, unroll=1):
-            if cute.arch.shuffle_sync(last, r) != 0:
-                combined = cute.arch.shuffle_sync(token, r)
-                if lane < chunks:
-                    combine_vector(
-                        m_y, m_slot_row, m_token_w, m_shared, m_out, combined, tile_col * chunks + lane, self.topk, self.has_shared
-                    )
 
     def scatter_pipeline(self, storage):
         """``scatter``: epilogue subtiles handed from the MMA warps (they fill the epilogue buffers)
@@ -648,7 +416,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         slots on; -1 for padding rows) into ``s_dest``, then per subtile copy the handed-over buffer
         out, 16 bytes per store. A thread copies the same chunk of the same rows in every subtile,
         their destinations read into registers once a tile: the copy is bound by these three warps'
-        issue rate (perf/NOTES.md, twenty-third session). Returns the advanced epilogue-pipeline state."""
+        issue rate (docs/notes/expert-parallel-exchange.md). Returns the advanced epilogue-pipeline state."""
         m_vecs, rows_per_rank, rank_stride = m_dst
         tile_m, tile_n, _ = self.tile_shape_mnk
         per_row = SCATTER_COLS // VECTOR
@@ -688,116 +456,9 @@ class GroupedGemmSm90(WgmmaTileKernel):
             cons.advance()
         return cons
 
-    @cute.jit
-    def pull_rows(self, m_pull, m_tiles, num_row_tiles, num_rows, m_row_token, s_rows, tid):
-        """``pull_a``, producer warps 1-3 (``tid`` 0..95): take row tiles from the counter, in order,
-        until none is left; for each used tile work out its rows' source vectors once into
-        ``s_rows`` (-1: a padding row, zeros; -2: past the last row, not written), then copy the
-        tile into x_rows (four 16-byte loads in flight per thread before their stores) and publish
-        it (see the module docstring). ``s_rows[tile_m]`` passes the task from thread 0 to the rest.
-
-        (Worked out per 16-byte vector, a row's source cost a token load and a runtime division
-        and remainder by T_max per vector, as the scatter's destination did: perf/NOTES.md,
-        twenty-fourth session.)"""
-        m_src, rows_per_rank, rank_stride, m_rows, m_counters, _ = m_pull
-        tile_m = self.tile_shape_mnk[0]
-        per_row = self.k // VECTOR
-        per_tile = tile_m * per_row
-        step = SCATTER_THREADS * PULL_DEPTH
-        s_task = cute.make_tensor(s_rows.iterator + tile_m, cute.make_layout(1))
-        task = self.take_pull_task(m_counters, s_task, tid)
-        while task < num_row_tiles:
-            if m_tiles[task] >= 0:
-                first_row = task * tile_m
-                # (the previous tile's sources are read no more: take_pull_task synced after its copy)
-                for r in cutlass.range(tid, tile_m, SCATTER_THREADS, unroll=1):
-                    row = first_row + r
-                    src = cutlass.Int32(-2)
-                    if row < num_rows:
-                        src = cutlass.Int32(-1)
-                        g = m_row_token[row]
-                        if g >= 0:
-                            src = ((g // rows_per_rank) * rank_stride + (g % rows_per_rank) * self.k) // VECTOR
-                    s_rows[r] = src
-                self.scatter_sync()
-                first_vector = first_row * per_row
-                for base in cutlass.range(tid, per_tile, step, unroll=1):
-                    vals = []
-                    dests = []
-                    for i in cutlass.range_constexpr(PULL_DEPTH):
-                        v = base + i * SCATTER_THREADS
-                        src = cutlass.Int32(-2)
-                        chunk = cutlass.Int32(0)
-                        dest = cutlass.Int32(-1)
-                        if v < per_tile:
-                            r = v // per_row  # (per_row is static: a multiply, no division)
-                            chunk = v - r * per_row
-                            src = s_rows[r]
-                            if src >= -1:
-                                dest = first_vector + v
-                        val = cute.full((VECTOR,), 0.0, cutlass.BFloat16)
-                        if src >= 0:
-                            val = m_src[None, src + chunk].load()
-                        vals.append(val)
-                        dests.append(dest)
-                    for i in cutlass.range_constexpr(PULL_DEPTH):
-                        if dests[i] >= 0:
-                            m_rows[None, dests[i]].store(vals[i])
-                cute.arch.fence_proxy("async.global")  # (conservative: this thread's stores before any TMA read of them)
-                self.scatter_sync()  # the tile's 96 copiers are done
-                if tid == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.atomic_add(m_counters.iterator + (2 + task), cutlass.Int32(1), sem="release", scope="gpu")
-            task = self.take_pull_task(m_counters, s_task, tid)
-
-    @cute.jit
-    def take_pull_task(self, m_counters, s_task, tid):
-        """Copy warps: the next row tile to copy, from counters[1] (one atomic, shared through ``s_task``)."""
-        if tid == 0:
-            s_task[0] = cute.arch.atomic_add(m_counters.iterator + 1, cutlass.Int32(1), scope="gpu")
-        self.scatter_sync()
-        task = s_task[0]
-        self.scatter_sync()  # all have read it before the next is written
-        return task
-
-    @cute.jit
-    def wait_pulled(self, m_pull, tile_row):
-        """Warp 0, ``pull_a``, before a tile's first TMA load of A: wait (acquire, bounded) until its
-        row tile is copied (on timeout set the error word and go on), then fence the async proxy."""
-        _, _, _, _, m_counters, timeout_ns = m_pull
-        if cute.arch.lane_idx() == 0:
-            if wait_at_least(m_counters.iterator + (2 + tile_row), cutlass.Int32(1), timeout_ns, "gpu") < 1:
-                m_counters[0] = 1
-        cute.arch.sync_warp()
-        cute.arch.fence_proxy("async.global")
-
-    def row_list_words(self) -> int:
-        """Int32 words of the shared row list: a tile's destinations (scatter), its rows' sources
-        and the task (pull_a), one word otherwise."""
-        tile_m = self.tile_shape_mnk[0]
-        return tile_m if self.scatter else tile_m + 1 if self.pull_a else 1
-
     def scatter_sync(self):
         """Barrier 2 over the producer warpgroup's warps 1-3 only (scattering or copying A's rows)."""
         cute.arch.barrier(barrier_id=2, number_of_threads=SCATTER_THREADS)
-
-    @cute.jit
-    def combine_token(self, mma_tidx, tile_row, m_row_token, num_rows):
-        """``combine``: the token of the tile row this lane counts (lane i < 16 of MMA warp w: row
-        16w + i), or -1; read before the tile's mainloop so that its latency hides there."""
-        tile_m = self.tile_shape_mnk[0]
-        rows_per_warp = tile_m // (self.consumer_threads // 32)
-        lane = mma_tidx % 32
-        row = tile_row * tile_m + (mma_tidx // 32) * rows_per_warp + lane
-        token = cutlass.Int32(-1)
-        if lane < rows_per_warp:
-            if row < num_rows:
-                token = m_row_token[row]
-        return token
-
-    def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
-        """Router weight of a buffer row (mok/kernels/common/row_weight.py)."""
-        return row_router_weight(row, num_rows, m_row_token, m_row_slot, m_topk_w, self.topk, self.unit_scale)
 
     @cute.jit
     def load_row_inputs(self, tidx, tiled_mma, tile_row, tile_col, row_args, num_rows):
@@ -809,7 +470,7 @@ class GroupedGemmSm90(WgmmaTileKernel):
         (Loaded inside the epilogue one bf16 at a time, between its subtile barriers, they made
         this GEMM up to 2.8x slower than the down projection of the same FLOPs; this way it is
         27% faster at qwen3's shapes. Issued after the mainloop they measure the same: the
-        mainloop does not hide them — perf/NOTES.md, tenth session.)
+        mainloop does not hide them — docs/notes/pingpong-backward-gemms.md.)
         """
         rows_in = None
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
@@ -906,21 +567,15 @@ class GroupedGemmSm90(WgmmaTileKernel):
                     h_g = t_gate[epi * per_epi + v].to(cutlass.Float32)
                     h_u = t_up[epi * per_epi + v].to(cutlass.Float32)
                     d_a = r_d[v]  # dA_u: dout·W_down for this row's token, not yet scaled
-                    s = s_hi
-                    if row_in_tile == row_lo:
-                        s = s_lo
-                    r_d[v], r_u[v], r_x[v], a_val = swiglu_backward_values(d_a, s, h_g, h_u)
-                    if row_in_tile == row_lo:
-                        sum_lo = cute.math.fma(d_a, a_val, sum_lo)
-                    else:
-                        sum_hi = cute.math.fma(d_a, a_val, sum_hi)
+                    r_d[v], r_u[v], r_x[v], sum_lo, sum_hi = self.swiglu_backward_value(
+                        d_a, h_g, h_u, row_in_tile == row_lo, (s_lo, s_hi), (sum_lo, sum_hi)
+                    )
                 self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 self.store_fragment(r_u.load(), tiled_r2s, t_sd, s_c, tma_c, g_c2, epi, (stores + 1) % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 self.store_fragment(r_x.load(), tiled_r2s, t_sd, s_c, tma_as, g_as, epi, (stores + 2) % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 stores += 3
             elif cutlass.const_expr(self.two_accumulators):
-                for v in cutlass.range_constexpr(per_epi):  # a = silu(gate)·up, value by value (no branch)
-                    r_x[v] = swiglu_value(r_d[v], r_u[v])
+                self.swiglu_subtile(r_d, r_u, r_x)
                 gate = r_d.load()
                 up = r_u.load()
                 act = r_x.load()
@@ -1018,15 +673,10 @@ class GroupedGemmSm90(WgmmaTileKernel):
                 h_g = t_gate[at].to(cutlass.Float32)
                 h_u = t_up[at].to(cutlass.Float32)
                 is_lo = t_row[at] == row_lo + block_rows * m
-                s = r_scale[1, m]
-                if is_lo:
-                    s = r_scale[0, m]
-                d_gate, d_up, a_scaled, a_val = swiglu_backward_values(d_a, s, h_g, h_u)
+                d_gate, d_up, a_scaled, r_sum[0, m], r_sum[1, m] = self.swiglu_backward_value(
+                    d_a, h_g, h_u, is_lo, (r_scale[0, m], r_scale[1, m]), (r_sum[0, m], r_sum[1, m])
+                )
                 r_d[i], r_u[i], r_x[i] = d_gate.to(self.c_dtype), d_up.to(self.c_dtype), a_scaled.to(self.c_dtype)
-                if is_lo:
-                    r_sum[0, m] = cute.math.fma(d_a, a_val, r_sum[0, m])
-                else:
-                    r_sum[1, m] = cute.math.fma(d_a, a_val, r_sum[1, m])
             for j, (values, tma, g_out) in enumerate(((r_d, tma_c, g_c), (r_u, tma_c, g_c2), (r_x, tma_as, g_as))):
                 buf = first_buf + (3 * epi + j) % self.epi_stage
                 self.store_fragment(values.load(), tiled_r2s, t_sd, s_c, tma, g_out, epi, buf, warp_idx, store_pipe, rd_layout, group)
@@ -1072,38 +722,7 @@ def copy_async_16b(dst: cute.Pointer, src: cute.Pointer, nbytes) -> None:
     primitives.cp_async_shared_global(dst, src, 16, "cg", cp_size=nbytes)
 
 
-def compile_grouped_gemm(
-    n: int,
-    k: int,
-    arch: str,
-    options: str = "",
-    *,
-    epilogue: str = "plain",
-    b_major: str = "k",
-    k_split: bool = False,
-    topk: int = 1,
-    unit_scale: bool = False,
-    tile_n: int = 128,
-    stages: int | None = None,
-    persistent: bool = False,
-    gather_a: bool = False,
-    gather_ranks: bool = False,
-    combine: bool = False,
-    has_shared: bool = False,
-    scatter: bool = False,
-    skip_padding: bool = False,
-    pull_a: bool = False,
-    pingpong: bool = False,
-):
-    """Compile for ``arch`` without tensors: pointers, the row count R, E, T and the CTA cap are runtime arguments."""
-    from ..common.gemm_args import grouped_gemm_compile_args
-
-    args = grouped_gemm_compile_args()
-    kernel = GroupedGemmSm90(
-        n, k, epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, stages=stages,
-        persistent=persistent, gather_a=gather_a, gather_ranks=gather_ranks, combine=combine, has_shared=has_shared,
-        scatter=scatter, skip_padding=skip_padding, pull_a=pull_a, pingpong=pingpong,
-    )
-    with warnings.catch_warnings():  # the epilogue's value loops are static on purpose (register indexing)
-        warnings.filterwarnings("ignore", message="This static loop has")
-        return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
+def compile_grouped_gemm(n: int, k: int, arch: str, options: str = "", **config):
+    """Compile :class:`GroupedGemmSm90` (``config``: its keyword arguments) for ``arch`` without
+    tensors: the stand-ins of grouped_gemm_args("bf16")."""
+    return compile_kernel(GroupedGemmSm90(n, k, **config), grouped_gemm_args("bf16"), arch, options)

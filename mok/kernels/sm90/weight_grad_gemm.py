@@ -2,27 +2,17 @@
 
     out[e] (+)= A[rows of e]ᵀ · B[rows of e]        out [E, M, N], A [R, M] (row stride >= M), B [R, N]
 
-The rows of expert e are ``offsets[e] .. offsets[e + 1]`` of the buffers the forward and the
-SwiGLU backward filled (padding rows are zero in both operands, so they add nothing). Given the
-experts' row counts, a tile stops at the 64-row K tile holding expert e's last row: the K tiles
-of padding alone (about half of the padding at 128 experts a rank, ~10% of the rows there) are
-not loaded or multiplied. Both
-operands are read MN-major (the rows are the reduction dimension); the three weight
-gradients of the layer are all this product:
+The contract (rows, counts, accumulate, split_out, determinism, the launch arguments) is every
+arch's: mok/kernels/common/weight_grad.py. The three weight gradients of the layer are all this
+product:
 
     dW_down[e]        = (dout rows)ᵀ · (s·a rows)          M = H, N = I
     [dW_gate; dW_up]  = (dh rows)ᵀ · (x rows)              M = 2I, N = H
 
-One CTA owns one output tile of one expert and reduces that expert's rows in increasing
-order: no split-K, no atomics, so the result is the same on every run and, because the
-rows are in canonical order, the same for any batch that holds the same rows. An expert
-with no rows gets zeros (or, accumulating, is left as it was). ``accumulate`` adds the
-result into an existing fp32 tensor with a TMA reduce-add (one add per element, by the
-tile's only owner), as Megatron's ``main_grad`` wants. ``split_out``: the output is two tensors
-[E, M/2, N], the product's rows below M/2 going into the first: dW_gate and dW_up from one launch
-over all of dh. They are described to the TMA store as one tensor [2, E, M/2, N] from the lower
-of the two addresses, the halves ``half_stride`` elements apart (``upper_first``: the second
-half's tensor lies lower).
+Here: WGMMA on both operands read MN-major by TMA (mok/kernels/sm90/wgmma_tile.py), the output
+stored by TMA (``accumulate``: a TMA reduce-add into the fp32 tensor). split_out's two tensors
+are described to the TMA store as one tensor [2, E, M/2, N] from the lower of the two
+addresses, the halves ``half_stride`` elements apart.
 
 ``pingpong`` (persistent): each MMA warpgroup computes whole output tiles on its own (128 x
 tile_n, two 64-row WGMMAs per K block), the two taking the CTA's tiles in turn; a named-barrier
@@ -32,9 +22,6 @@ hundred rows per expert (128 experts a rank) an output tile reduces only ~5 K ti
 epilogue is about as long as the mainloop. The same WGMMA sequence per output element: the same bits.
 """
 
-from __future__ import annotations
-
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
@@ -42,51 +29,25 @@ import cutlass.pipeline as pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.gemm_args import expert_row_ranges, weight_grad_output
-from ..common.weight_grad_tiles import expert_tile, out_tile
+from ..common.compile import compile_kernel
+from ..common.records import weight_grad_args
+from ..common.weight_grad import WeightGradGemm
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
-OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
 
-
-class WeightGradGemmSm90(WgmmaTileKernel):
-    """Static config: M, N, A's row stride, output dtype, accumulate, tile N. Runtime: pointers, R, E."""
+class WeightGradGemmSm90(WeightGradGemm, WgmmaTileKernel):
+    """Static config: M, N, A's row stride, output dtype, accumulate, tile N, persistent, pingpong, split_out."""
 
     two_accumulators = False
 
     def __init__(
-        self,
-        m: int,
-        n: int,
-        out_dtype: str = "bf16",
-        accumulate: bool = False,
-        *,
-        a_stride: int | None = None,
-        tile_n: int = 128,
-        stages: int | None = None,
-        persistent: bool = False,
-        pingpong: bool = False,
-        split_out: bool = False,
+        self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
+        tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
     ):
-        tile_m = 128
-        if out_dtype not in OUT_DTYPES:
-            raise ValueError(f"out_dtype: expected one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
-        if accumulate and out_dtype != "f32":
-            raise ValueError("accumulate: only into fp32 gradients")
-        if tile_n not in (64, 128, 256):
-            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
-        if m % tile_m or n % tile_n:
-            raise ValueError(f"(m, n): expected multiples of the tile ({tile_m}, {tile_n}), got ({m}, {n})")
-        if split_out and m % (2 * tile_m):
-            raise ValueError(f"split_out: expected m a multiple of {2 * tile_m} (each half whole tiles), got {m}")
-        a_stride = m if a_stride is None else a_stride
-        if a_stride < m or a_stride % 8:
-            raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
+        self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out)
         if pingpong and (not persistent or tile_n != 128):
             raise ValueError("pingpong: only in the persistent kernel with 128-column tiles (one warpgroup holds a whole tile)")
-        self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
-        self.split_out = split_out
-        self.tile_shape_mnk = (tile_m, tile_n, TILE_K)
+        tile_m = self.tile_shape_mnk[0]
         out_bytes = 4 if out_dtype == "f32" else 2
         self.persistent, self.pingpong = persistent, pingpong
         if persistent:  # a producer warpgroup in front of the two MMA warpgroups (see GroupedGemmSm90)
@@ -96,29 +57,15 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         epi_bytes = self.epi_stage * tile_m * 32 * out_bytes * (2 if pingpong else 1)
         self.ab_stage = pick_stages((tile_m + tile_n) * TILE_K * 2, epi_bytes, stages, dedicated_epi=persistent)
 
-    @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        offsets_ptr: cute.Pointer,
-        counts_ptr: cute.Pointer,
-        counted: cutlass.Int32,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        max_ctas: cutlass.Int32,
-        half_stride: cutlass.Int64,
-        upper_first: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        m, n = self.m, self.n
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((m, num_rows), stride=(1, self.a_stride)))
-        m_b = cute.make_tensor(b_ptr, cute.make_layout((n, num_rows), stride=(1, n)))
-        m_c = weight_grad_output(out_ptr, m, n, num_experts, half_stride, self.split_out)
-        rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)  # where each expert's rows start and end
+    def operand_tensor(self, ptr, mn, row_stride, num_rows):
+        """(MN, R): MN-major, the rows ``row_stride`` elements apart."""
+        return cute.make_tensor(ptr, cute.make_layout((mn, num_rows), stride=(1, row_stride)))
 
+    def launch(self, m_a, m_b, scales, m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream):
+        """Host side (see WeightGradGemm.launch): the TMA atoms, the shared storage, the grid. (The
+        storage struct's annotations are evaluated here, with ``self`` in scope: this module does
+        not postpone annotations.)"""
+        tile_m, tile_n, _ = self.tile_shape_mnk
         a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
         tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, TILE_K))
         tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, TILE_K))
@@ -136,36 +83,23 @@ class WeightGradGemmSm90(WgmmaTileKernel):
             s_c: cute.struct.Align[cute.struct.MemRange[self.c_dtype, c_elems], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        all_tiles = num_experts * (m // tile_m) * (n // tile_n)
         load_args = (tma_a, t_a, tma_b, t_b)
         store_args = (tma_c, t_c)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
         args = (load_args, store_args + (upper_first,), rows, num_rows, num_experts, mma_args)
-        if cutlass.const_expr(self.persistent):
-            grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
-            self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
-        else:
-            self.kernel(*args).launch(grid=[all_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.launch_tiles(args, self.all_tiles(num_experts), max_ctas, stream)
 
     @cute.kernel
     def kernel(
-        self,
-        load_args: tuple,
-        store_args: tuple,
-        rows: tuple,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        mma_args: tuple,
+        self, load_args: tuple, store_args: tuple, rows: tuple, num_rows: cutlass.Int32, num_experts: cutlass.Int32, mma_args: tuple
     ):
         """One CTA per output tile. ``load_args``: the TMA atoms and tensors of A and B; ``store_args``:
         those of out; ``mma_args``: the tiled MMA and the shared-memory layouts (as ``__call__`` packs them)."""
         tma_a, _, tma_b, _ = load_args
-        tma_c, m_c, upper_first = store_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
-        tile_m, tile_n, _ = self.tile_shape_mnk
         expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
 
         if warp_idx == 0:
@@ -177,6 +111,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=False)
 
+        tma_c, m_c, upper_first = store_args
         g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
         loads = self.tile_loads(load_args, s_a, s_b, tile_row, tile_col, row_start)
         _, r_a, r_b, acc = self.mma_operands(tiled_mma, tidx, s_a, s_b)
@@ -193,13 +128,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
 
     @cute.kernel
     def kernel_persistent(
-        self,
-        load_args: tuple,
-        store_args: tuple,
-        rows: tuple,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        mma_args: tuple,
+        self, load_args: tuple, store_args: tuple, rows: tuple, num_rows: cutlass.Int32, num_experts: cutlass.Int32, mma_args: tuple
     ):
         """Persistent and warp-specialised, as GroupedGemmSm90.kernel_persistent: CTA i takes output
         tiles i, i + grid, ... (expert by expert); each tile is still reduced by one CTA in row order
@@ -211,8 +140,7 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         tidx, _, _ = cute.arch.thread_idx()
         first, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        all_tiles = num_experts * (self.m // tile_m) * (self.n // tile_n)
+        all_tiles = self.all_tiles(num_experts)
         if warp_idx == 0:
             self.prefetch(tma_a, tma_b)
         smem = cutlass.memory.SmemAllocator()
@@ -276,10 +204,6 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
         self.store_acc(tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe, group, first_buf)
 
-    def out_tile(self, m_c, upper_first, expert, tile_row, tile_col):
-        """Output tile of ``expert``'s gradient (mok/kernels/common/weight_grad_tiles.py)."""
-        return out_tile(m_c, upper_first, expert, tile_row, tile_col, self.m, self.tile_shape_mnk, self.split_out)
-
     def tile_loads(self, load_args, s_a, s_b, tile_row, tile_col, row_start):
         """What ``load_stage`` needs for one output tile: TMA atoms, smem/gmem partitions, the expert's first k tile."""
         tma_a, m_a, tma_b, m_b = load_args
@@ -287,10 +211,6 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         t_as, t_ag = self.tma_split(tma_a, s_a, cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None)))
         t_bs, t_bg = self.tma_split(tma_b, s_b, cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None)))
         return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)  # offsets: multiples of 128 (or 0)
-
-    def tile_of(self, linear, rows, num_rows):
-        """Output tile ``linear`` -> (expert, tile row, tile column, first row, k tiles) (mok/kernels/common/weight_grad_tiles.py)."""
-        return expert_tile(linear, rows, num_rows, self.m, self.n, self.tile_shape_mnk)
 
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):
@@ -304,16 +224,8 @@ class WeightGradGemmSm90(WgmmaTileKernel):
         ab_pipe.producer_commit(prod)
 
 
-def compile_weight_grad(
-    m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, a_stride: int | None = None,
-    tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
-):
-    """Compile for ``arch`` without tensors: pointers, the row count R and E are runtime arguments."""
-    from ..common.gemm_args import weight_grad_compile_args
-
-    args = weight_grad_compile_args(OUT_DTYPES[out_dtype])
-    kernel = WeightGradGemmSm90(
-        m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, stages=stages, persistent=persistent, pingpong=pingpong,
-        split_out=split_out,
-    )
-    return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())
+def compile_weight_grad(m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", **config):
+    """Compile :class:`WeightGradGemmSm90` (``config``: its keyword arguments) for ``arch`` without
+    tensors: the stand-ins of weight_grad_args("bf16", out_dtype)."""
+    kernel = WeightGradGemmSm90(m, n, out_dtype, accumulate, **config)
+    return compile_kernel(kernel, weight_grad_args("bf16", out_dtype), arch, options)

@@ -261,6 +261,15 @@ class WgmmaTileKernel:
             defer_sync=True,
         )
 
+    def launch_tiles(self, args: tuple, all_tiles, max_ctas, stream) -> None:
+        """Host side: the persistent kernel (``kernel_persistent``) on min(all_tiles, max_ctas)
+        CTAs (at least one), or one CTA per output tile (``kernel``), with ``args``."""
+        if self.persistent:
+            grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
+            self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        else:
+            self.kernel(*args).launch(grid=[all_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
     def grouped_tile(self, linear: cutlass.Int32, num_row_tiles: cutlass.Int32, col_tiles: cutlass.Constexpr):
         """CTA -> (row tile, column tile), grouped for L2 reuse (mok/kernels/common/tile_order.py)."""
         return grouped_tile(linear, num_row_tiles, col_tiles)
@@ -316,28 +325,22 @@ class WgmmaTileKernel:
         return prod
 
     @cute.jit
-    def consume_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, skip=None):
+    def consume_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release):
         """Persistent consumer: acc (+)= one tile's product over ``k_tiles`` stages, every stage
         handed back once its WGMMAs retired; returns the advanced (read, release) states.
-        The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop.
-        ``skip`` (a warpgroup-uniform flag, or None): this warpgroup waits for and releases every
-        stage but issues no WGMMA, leaving acc as it was (its rows are all padding)."""
-        cons, release = self.issue_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, skip)
+        The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop."""
+        cons, release = self.issue_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
         return cons, self.retire_tile(ab_pipe, k_tiles, release)
 
     @cute.jit
-    def issue_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, skip=None):
+    def issue_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release):
         """:meth:`consume_tile` up to its last stage's WGMMAs issued (one group may still run);
         :meth:`retire_tile` waits for it. Ping-pong hands the tensor cores over in between."""
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.consumer_wait(cons)
             if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
                 cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(skip is None):
-                self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
-            else:
-                if not skip:
-                    self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
+            self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
             cons.advance()
             if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
                 cute.nvgpu.warpgroup.wait_group(1)

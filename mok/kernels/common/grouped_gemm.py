@@ -1,0 +1,147 @@
+"""What the grouped GEMM is on every arch: its configuration, its launch arguments and its epilogue math.
+
+    C[rows of tile m, :] = epilogue(A[rows of tile m, :] · B[e(m)])
+
+A [R, K] holds rows grouped by expert (the schedule pads each expert's rows to whole 128-row
+tiles, so a tile never mixes experts); ``tile_expert[m]`` names the expert of row tile m, or -1
+for an unused tile, which no CTA computes. B holds one weight matrix per expert, K-major
+[E, N, K] (C = A·Bᵀ, the forward's weights) or N-major [E, K, N] (C = A·B, the same weights read
+transposed in the backward); with ``k_split`` K is two halves, the first read from B and the
+second from B2 (dx = dh_gate·W_gate + dh_up·W_up in one pass).
+
+Epilogues (static), every value rounded once from fp32 to bf16:
+- ``plain``: C = A·B.
+- ``swiglu``: two products of the same A tile, gate (B) and up (B2); C = a = silu(gate)·up.
+- ``swiglu_save``: the same, and h = [gate | up] [R, 2N] is written too (saved for backward).
+- ``swiglu_bwd``: the accumulator is dA_u = dout_row·W_down for the row's token; with the saved
+  h, the row's router weight s and a = silu(h_g)·h_u it writes C = dh [R, 2N] =
+  [s·dA_u·h_u·silu'(h_g) | s·dA_u·silu(h_g)], a_scaled [R, N] = s·a (the operand of dW_down), and
+  partial[R, N / tile_n] = Σ over the tile's columns of dA_u·a, the router-weight gradient's
+  per-tile pieces (reduced in column order by another kernel).
+
+:class:`GroupedGemm` holds what does not depend on the arch: the checks of the configuration, the
+launch (``__call__``: :func:`mok.kernels.common.gemm_args.grouped_gemm_args`'s arguments, the same
+on every arch and operand format, turned into tensors) and the epilogue's value math
+(:meth:`GroupedGemm.swiglu_subtile`, :meth:`GroupedGemm.swiglu_backward_value`,
+:meth:`GroupedGemm.row_scale`). An arch's subclass (sm90/grouped_gemm.py: WGMMA; sm100/grouped_gemm.py:
+tcgen05) holds the mainloop, how it reads the accumulators out and stores the epilogue's values
+(``launch``: the host side from these tensors on).
+
+Determinism and batch invariance: each output tile is owned by one CTA, K is reduced in one fixed
+order by the MMA sequence, the row sums in a fixed order, and the tile shape comes from static
+shapes only, so a row's result depends on nothing but that row, its expert's weights (and, for
+swiglu_bwd, its saved h and router weight).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+from .gemm_args import expert_weights, grouped_row_tensors
+from .row_weight import row_router_weight
+from .swiglu import swiglu_backward_values, swiglu_value
+
+EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
+TILE_M = 128  # rows of an output tile (the schedule's row tile)
+
+
+class GroupedGemm:
+    """Arch-neutral base of the grouped GEMM kernels (see the module docstring). A subclass calls
+    :meth:`configure`, sets ``ab_stage`` and writes ``launch``."""
+
+    gather_a = False  # (Hopper) A is the token matrix x [T, K], its rows gathered by row_token
+
+    def configure(
+        self, n: int, k: int, epilogue: str, b_major: str, k_split: bool, topk: int, unit_scale: bool, tile_n: int, tile_k: int
+    ) -> None:
+        """Check and keep the static configuration; the tile is (128, ``tile_n``, ``tile_k``)."""
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
+        if b_major not in ("k", "n"):
+            raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
+        if tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
+        if n % tile_n:
+            raise ValueError(f"n: expected a multiple of the column tile {tile_n}, got {n}")
+        if k % (2 * tile_k if k_split else tile_k):
+            raise ValueError(f"k: expected a multiple of {2 * tile_k if k_split else tile_k}, got {k}")
+        if k_split and epilogue != "plain":
+            raise ValueError("k_split: only with the plain epilogue")
+        self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
+        self.topk, self.unit_scale = topk, unit_scale
+        self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
+        self.num_b = 2 if self.two_accumulators else 1
+        self.b_k = k // 2 if k_split else k  # K extent of each B tensor
+        self.tile_shape_mnk = (TILE_M, tile_n, tile_k)
+
+    def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
+        """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
+        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major)
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer, a_scale_ptr: cute.Pointer,  # the operands (the scales: MXFP8 only)
+        b_ptr: cute.Pointer, b_scale_ptr: cute.Pointer,
+        b2_ptr: cute.Pointer, b2_scale_ptr: cute.Pointer,
+        c_ptr: cute.Pointer, tile_expert_ptr: cute.Pointer,
+        h_ptr: cute.Pointer, a_scaled_ptr: cute.Pointer, partial_ptr: cute.Pointer,  # the epilogue's row tensors
+        row_token_ptr: cute.Pointer, row_slot_ptr: cute.Pointer, topk_w_ptr: cute.Pointer,
+        num_rows: cutlass.Int32, num_experts: cutlass.Int32, num_tokens: cutlass.Int32, max_ctas: cutlass.Int32,
+        rows_per_rank: cutlass.Int32, rank_stride: cutlass.Int32,  # (scatter)
+        stream: cuda.CUstream,
+    ):
+        """grouped_gemm_args' arguments (mok/kernels/common/gemm_args.py), in its order: A [R, K] (with
+        ``gather_a`` x [T, K]), B and B2 (bf16 or E4M3; the scale pointers are read by the MXFP8
+        kernel only), C, tile_expert [ceil(R / 128)], the epilogue's row tensors, R, E, T, the CTA
+        cap (persistent kernels), and where scattered rows go (``scatter``: T_max and the ranks'
+        distance in elements)."""
+        n, k = self.n, self.k
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        a_rows = num_tokens if self.gather_a else num_rows
+        m_a = cute.make_tensor(a_ptr, cute.make_layout((a_rows, k, 1), stride=(k, 1, a_rows * k)))
+        m_bs = (self.b_tensor(b_ptr, num_experts), self.b_tensor(b2_ptr, num_experts))
+        c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
+        ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
+        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk)
+        num_row_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills, stores stop at R
+        m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
+        rows = (m_tiles, num_row_tiles, num_rows)
+        scales = (a_scale_ptr, b_scale_ptr, b2_scale_ptr)
+        self.launch(m_a, m_bs, scales, m_c, tuple(row_args), rows, num_experts, max_ctas, (c_ptr, rows_per_rank, rank_stride), stream)
+
+    def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
+        """Router weight of a buffer row (mok/kernels/common/row_weight.py)."""
+        return row_router_weight(row, num_rows, m_row_token, m_row_slot, m_topk_w, self.topk, self.unit_scale)
+
+    @cute.jit
+    def swiglu_subtile(self, r_gate, r_up, r_act):
+        """swiglu, swiglu_save: a = silu(gate)·up of a subtile's values, value by value (no branch)."""
+        for v in cutlass.range_constexpr(cute.size(r_act)):
+            r_act[v] = swiglu_value(r_gate[v], r_up[v])
+
+    @cute.jit
+    def swiglu_backward_value(self, d_a, h_g, h_u, first, scales, sums):
+        """swiglu_bwd, one value: from dA_u (``d_a``, not yet scaled) and the saved h_gate, h_up of
+        its row, (d h_gate, d h_up, s·a) and the row sums (Σ dA_u·a in column order) with this
+        value added. A thread's values lie in one of two rows (``first``: the first; a Python
+        bool where the thread has one row), each with its router weight (``scales``) and its sum
+        (``sums``): returns (d h_gate, d h_up, s·a, sum of the first, sum of the second)."""
+        sum_first, sum_second = sums
+        s = scales[1]
+        if first:
+            s = scales[0]
+        d_gate, d_up, a_scaled, a_val = swiglu_backward_values(d_a, s, h_g, h_u)
+        if first:
+            sum_first = cute.math.fma(d_a, a_val, sum_first)
+        else:
+            sum_second = cute.math.fma(d_a, a_val, sum_second)
+        return d_gate, d_up, a_scaled, sum_first, sum_second
+
+    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream):
+        """Host side, the arch's: from the tensors ``__call__`` built (``row_args`` = h, a_scaled,
+        partial, row_token, row_slot, topk_w; ``rows`` = tile_expert, its row tiles, R; ``scales``
+        the MXFP8 scales' pointers; ``scatter_to`` = C's pointer, T_max, the rank stride) on."""
+        raise NotImplementedError

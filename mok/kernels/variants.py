@@ -1,0 +1,281 @@
+"""The kernel variants MoK compiles: one constructor per kernel family, and the tuning rules they follow.
+
+A variant names one specialisation by static configuration only (shapes, top-k, flags, never
+token counts: batch invariance) and knows how to compile it for each target. The ops build the
+variant they launch with these constructors; :mod:`mok.plan` lists the variants a layer
+configuration needs with the same constructors (what ``python -m mok precompile`` builds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS
+from . import KernelVariant
+from .constants import SCHEDULE_THREADS
+
+OPERANDS = ("bf16", "e4m3")  # GEMM operands: bf16, or MXFP8 (E4M3 elements, an E8M0 scale per 32 along K)
+
+
+def combine_variant(
+    hidden: int, topk: int, has_shared: bool, gathered: bool = False, unit_weights: bool = False, router_parts: int = 0
+) -> KernelVariant:
+    """The final weighted combine of k expert rows (plus the shared expert's row) per token.
+
+    ``unit_weights``: every weight 1 (the backward's sum of the slots' dx rows). ``router_parts``
+    > 0 (gathered, unit weights): the router-weight gradient from that many pieces per row too.
+    """
+    if router_parts and not (gathered and unit_weights):
+        raise ValueError("router_parts: only with gathered rows and unit weights (the backward's dx combine)")
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.combine import compile_combine
+
+        return compile_combine(hidden, topk, has_shared, gathered, arch, options, unit_weights=unit_weights, router_parts=router_parts)
+
+    config = {"hidden": hidden, "topk": topk, "has_shared": has_shared, "gathered": gathered}
+    if unit_weights:
+        config["unit_weights"] = True
+    if router_parts:
+        config["router_parts"] = router_parts
+    return KernelVariant("combine", config, build)
+
+
+def gather_variant(width: int, sources: int = 1) -> KernelVariant:
+    """Row gather into the expert-grouped buffer (zeros for padding rows); ``sources`` 2: the same
+    rows of two tensors in one launch."""
+    if sources not in (1, 2):
+        raise ValueError(f"sources: expected 1 or 2, got {sources}")
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.gather import compile_gather
+
+        return compile_gather(width, arch, options, sources=sources)
+
+    return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
+
+
+def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False) -> KernelVariant:
+    """bf16 rows -> MXFP8 elements and E8M0 scales (mok/mxfp8.py's rule), or with ``back`` MXFP8 ->
+    bf16; no static shape. ``bounded``: only the rows a device count says are in use. ``mma_order``
+    (quantizing): the scales in the order SM100's block-scaled MMAs read (mok.mxfp8.mma_scale_layout).
+    ``columns`` (quantizing): blocks of 32 rows down each column (the transpose's MXFP8)."""
+    if back and (mma_order or columns):
+        raise ValueError("mma_order, columns: only when quantizing")
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.mxfp8_quantize import compile_mxfp8
+
+        return compile_mxfp8(arch, options, back=back, bounded=bounded, mma_order=mma_order, columns=columns)
+
+    flags = {"bounded": bounded, "mma_order": mma_order, "columns": columns}
+    config = {name: True for name, on in flags.items() if on}
+    return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", config, build)
+
+
+def schedule_ctas(pairs: int, sm_count: int) -> int:
+    """CTAs of a schedule launch: one per SM at most, at least one warp-step of pairs per warp.
+
+    Each CTA reads all P expert ids once (its counts) and walks only its own chunk, so more
+    CTAs shorten the serial walk; the placement does not depend on the count."""
+    return max(1, min(sm_count, -(-pairs // SCHEDULE_THREADS)))
+
+
+def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelVariant:
+    """Routing -> row slots on the GPU (one launch), the device twin of mok/schedule.py."""
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.schedule import compile_schedule
+
+        return compile_schedule(num_local_experts, topk, block_m, arch, options)
+
+    return KernelVariant("schedule", {"experts": num_local_experts, "topk": topk, "block_m": block_m}, build)
+
+
+def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: int = 1) -> KernelVariant:
+    """One expert-parallel exchange kernel (mok/kernels/common/ep.py): signal, wait, publish,
+    publish_mxfp8, routing, dispatch, dispatch_mxfp8 or overflow."""
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.ep import compile_ep
+
+        return compile_ep(kind, world, arch, options, phase=phase, width=width, topk=topk)
+
+    return KernelVariant(f"ep_{kind}", {"world": world, "phase": phase, "width": width, "topk": topk}, build)
+
+
+def default_tile_n(n: int, k: int, swiglu: bool) -> int:
+    """Column tile of the grouped GEMM, from static shapes only (batch invariance).
+
+    SwiGLU holds two accumulators, so 128 wide; a plain GEMM takes 256 where N allows
+    (docs/notes/tile-shapes-and-padding.md: 256 won at qwen3's down projection, the two were within noise
+    of each other at dsv3's)."""
+    return 256 if not swiglu and n % 256 == 0 else 128
+
+
+def swiglu_backward_pingpong(persistent: bool, tile_n: int = 128) -> bool:
+    """Whether the SwiGLU-backward GEMM runs ping-pong: wherever it can (persistent, 128-wide
+    tiles; 4-16% faster than the cooperative kernel, docs/notes/pingpong-backward-gemms.md)."""
+    return persistent and tile_n == 128
+
+
+def weight_grad_pingpong(persistent: bool, tile_n: int) -> bool:
+    """Whether the weight-gradient GEMM runs ping-pong: wherever it can (persistent, 128-wide
+    tiles; 4-21% faster than the cooperative kernel, docs/notes/pingpong-backward-gemms.md)."""
+    return persistent and tile_n == 128
+
+
+def _check_operand(operand: str, persistent: bool, b_major: str = "k") -> None:
+    if operand not in OPERANDS:
+        raise ValueError(f"operand: expected one of {OPERANDS}, got {operand!r}")
+    if operand == "e4m3" and (persistent or b_major != "k"):
+        raise ValueError("operand='e4m3': the block-scaled (SM100) kernels are one tile per CTA with K-major B: pass "
+                         "persistent=False and b_major='k'")
+
+
+def _no_mxfp8_here(what: str, arch: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{what} on MXFP8 operands on {arch}: needs block-scaled MMAs, which only {', '.join(MXFP8_GEMM_ARCHS)} have "
+        "(on Hopper MoK keeps MXFP8 as a storage and transport format and computes in bf16)"
+    )
+
+
+def grouped_gemm_variant(
+    n: int,
+    k: int,
+    *,
+    epilogue: str = "plain",
+    tile_n: int | None = None,
+    stages: int | None = None,
+    b_major: str = "k",
+    k_split: bool = False,
+    topk: int = 1,
+    unit_scale: bool = False,
+    persistent: bool = True,
+    gather_a: bool = False,
+    scatter: bool = False,
+    pingpong: bool = False,
+    operand: str = "bf16",
+) -> KernelVariant:
+    """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
+    tcgen05, mok/kernels/sm100/grouped_gemm.py, one tile per CTA, compile-verified, never run).
+
+    ``epilogue``: plain, swiglu, swiglu_save (also writes h) or swiglu_bwd (SwiGLU backward with
+    the router-weight gradient's partial sums; needs ``topk``, or ``unit_scale`` for the shared
+    expert). ``b_major`` "n" reads B as [E, K, N]; ``k_split`` takes the two K halves from B and
+    B2. ``persistent`` (Hopper): one CTA per SM walks the tiles, a producer warpgroup loading
+    ahead while the MMA warpgroups run the epilogue. ``stages``: shared-memory pipeline depth;
+    None fills shared memory. ``gather_a`` (persistent): A is the token matrix, its rows gathered
+    by the schedule's row_token. ``scatter`` (the down projection): each row goes to its (token,
+    slot) row of the combine slots of the token's rank (``topk`` slots per token). ``pingpong``
+    (persistent swiglu_bwd, 128-wide tiles): the MMA warpgroups take whole tiles in turn.
+    ``operand`` "e4m3": MXFP8 operands with E8M0 scales (block-scaled tcgen05 MMAs, SM100 only;
+    K-major B, one tile per CTA).
+    """
+    _check_operand(operand, persistent, b_major)
+    tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
+    topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or scatter else 1
+    options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
+    for flag, on in (("gather_a", gather_a), ("scatter", scatter), ("pingpong", pingpong)):
+        if on:  # (absent when off: fewer keys to read in a cache listing)
+            options[flag] = True
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        if arch in MXFP8_GEMM_ARCHS:  # tcgen05: the one-tile-per-CTA kernels so far (compile-verified only)
+            from .sm100.grouped_gemm import compile_grouped_gemm_sm100
+
+            return compile_grouped_gemm_sm100(n, k, arch, compile_options, operand=operand, tile_n=tile_n, stages=stages, **options)
+        if operand != "bf16":
+            raise _no_mxfp8_here("grouped GEMM", arch)
+        from .sm90.grouped_gemm import compile_grouped_gemm
+
+        return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options)
+
+    config = {"n": n, "k": k, "tile_n": tile_n, "stages": stages or 0, **options}  # stages 0: as deep as fits
+    if operand != "bf16":
+        config["operand"] = operand
+    return KernelVariant("grouped_gemm", config, build)
+
+
+def weight_grad_variant(
+    m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
+    persistent: bool = True, pingpong: bool | None = None, split_out: bool = False, operand: str = "bf16",
+) -> KernelVariant:
+    """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA;
+    sm_100a / sm_103a: tcgen05, one tile per CTA so far, compile-verified, never run).
+
+    ``persistent`` (Hopper): one CTA per SM walks the output tiles; ``pingpong`` (persistent,
+    128-wide tiles): its two MMA warpgroups take whole tiles in turn; None:
+    :func:`weight_grad_pingpong`. ``split_out``: the two halves of M into two [E, M/2, N] tensors
+    (dW_gate and dW_up in one launch). ``operand`` "e4m3": MXFP8 operands quantized along the rows
+    (block-scaled MMAs on MN-major operands, SM100 only).
+    """
+    _check_operand(operand, persistent)
+    a_stride = m if a_stride is None else a_stride
+    pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
+    options = dict(a_stride=a_stride, tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out)
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        if arch in MXFP8_GEMM_ARCHS:
+            from .sm100.weight_grad_gemm import compile_weight_grad_sm100
+
+            return compile_weight_grad_sm100(m, n, out_dtype, accumulate, arch, compile_options, operand=operand, **options)
+        if operand != "bf16":
+            raise _no_mxfp8_here("weight-gradient GEMM", arch)
+        from .sm90.weight_grad_gemm import compile_weight_grad
+
+        return compile_weight_grad(m, n, out_dtype, accumulate, arch, compile_options, **options)
+
+    config = {
+        "m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n,
+        "persistent": persistent,
+    }
+    for flag, on in (("pingpong", pingpong), ("split_out", split_out)):
+        if on:
+            config[flag] = True
+    if operand != "bf16":
+        config["operand"] = operand
+    return KernelVariant("weight_grad", config, build)
+
+
+def router_grad_variant(topk: int, parts: int) -> KernelVariant:
+    """d_topk_w[t, j] = Σ_c partial[slot_row[t, j], c] in column order (the SwiGLU backward's pieces)."""
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        from .common.router_grad import compile_router_grad
+
+        return compile_router_grad(topk, parts, arch, compile_options)
+
+    return KernelVariant("router_grad", {"topk": topk, "parts": parts}, build)
+
+
+def expert_mlp_variant(
+    hidden: int, inter: int, topk: int, num_experts: int, *, save_h: bool = False, has_shared: bool = False,
+    ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16",
+) -> KernelVariant:
+    """The routed experts' whole forward in one persistent launch (Hopper): the schedule of the
+    routing over ``num_experts`` experts, a grid barrier, fc1 (gathered rows, SwiGLU; ``save_h``
+    also writes h) and fc2 tiles in one global order, each fc2 row tile waiting for its fc1 row
+    tile, a second grid barrier, the combine (with a shared expert's output: ``has_shared``).
+    ``ep_world`` (W): the whole expert-parallel forward of one rank of W, exchanges included;
+    ``shared_prefix`` (with ``has_shared``, one GPU): the shared expert runs as expert E, its rows
+    first; ``dispatch_format`` "mxfp8" (with ``ep_world``): x published in MXFP8, dequantized as it
+    arrives. See mok/kernels/sm90/expert_mlp.py."""
+    # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
+    fc2_tile_n = default_tile_n(hidden, inter, False)
+    options = dict(save_h=save_h, has_shared=has_shared, fc2_tile_n=fc2_tile_n, num_experts=num_experts)
+    if ep_world is not None:
+        options["ep_world"] = ep_world
+    if shared_prefix:
+        options["shared_prefix"] = True
+    if dispatch_format != "bf16":
+        options["dispatch_format"] = dispatch_format
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        if arch not in PERSISTENT_GEMM_ARCHS:
+            raise NotImplementedError(f"expert MLP in one launch: only {', '.join(PERSISTENT_GEMM_ARCHS)} has it so far, not {arch}")
+        from .sm90.expert_mlp import compile_expert_mlp
+
+        return compile_expert_mlp(hidden, inter, topk, arch, compile_options, **options)
+
+    return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk, **options}, build)

@@ -1,0 +1,28 @@
+"""Entry points that launch MoK's kernels on PyTorch tensors, one module per kernel family.
+
+Each one validates its arguments (dtype, shape, device, layout) and raises before any launch,
+then fetches its compiled kernel through the registry and cache (JIT on first call) and launches
+it on the current CUDA stream. None reads device data back, so they are CUDA-graph capturable
+(``raise_grid_timeouts`` reads one int; ``grid_sync_words`` synchronises once when it allocates a
+device's words: call it before capture).
+
+    rows         gather_rows, gather_rows_pair, combine
+    quantize     quantize_mxfp8, quantize_mxfp8_columns, dequantize_mxfp8
+    schedule     device_schedule
+    gemm         grouped_gemm, grouped_gemm_scatter, swiglu_backward_gemm   (bf16 or MXFP8 operands)
+    weight_grads weight_grad (bf16 or MXFP8 operands), router_grad
+    one_launch   scheduled_expert_mlp, grid_sync_words, raise_grid_timeouts
+"""
+
+from .gemm import grouped_gemm, grouped_gemm_scatter, swiglu_backward_gemm
+from .one_launch import grid_sync_words, raise_grid_timeouts, scheduled_expert_mlp
+from .quantize import dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_columns
+from .rows import combine, gather_rows, gather_rows_pair
+from .schedule import device_schedule
+from .weight_grads import router_grad, weight_grad
+
+__all__ = [
+    "combine", "dequantize_mxfp8", "device_schedule", "gather_rows", "gather_rows_pair", "grid_sync_words", "grouped_gemm",
+    "grouped_gemm_scatter", "quantize_mxfp8", "quantize_mxfp8_columns", "raise_grid_timeouts", "router_grad",
+    "scheduled_expert_mlp", "swiglu_backward_gemm", "weight_grad",
+]

@@ -1,0 +1,339 @@
+"""The expert-grouped GEMM on tensors: forward products, the scattering down projection, the SwiGLU backward.
+
+    grouped_gemm          out[rows of tile m] = epilogue(a[rows of tile m] · B[tile_expert[m]])
+    grouped_gemm_scatter  the same, each row written into its (token, slot) row of the combine slots
+    swiglu_backward_gemm  dout_rows · W_down with the SwiGLU backward and the router-gradient pieces
+
+The operand format is a parameter: a bf16 tensor, or an MXFP8 pair (E4M3 elements, E8M0 scales
+in the order SM100's block-scaled MMAs read them, mok.mxfp8.mma_scale_layout) for the
+block-scaled kernels (SM100 only; compile-verified, never run). Every launch takes the grouped
+GEMM's one argument record (mok/kernels/common/gemm_args.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.common.records import grouped_gemm_args
+from ..kernels.variants import default_tile_n, grouped_gemm_variant, swiglu_backward_pingpong
+from ..runtime import launch
+from ..runtime.arch import require_mxfp8_gemms
+from ..validation import check_tensor
+from .common import (
+    BF16, E4M3, I32, arch_of, bf16_out, check_disjoint, check_launchable, check_rank_stride,
+    check_weights_launchable, kernel_for, persistent_default, sm_count,
+)
+
+RECORDS = {operand: grouped_gemm_args(operand) for operand in ("bf16", "e4m3")}
+Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # bf16 values, or MXFP8 (elements, scales)
+
+
+def launch_grouped_gemm(variant, device: torch.device, **arguments) -> None:
+    """Launch a checked grouped-GEMM variant on ``device`` with its record's named arguments (a
+    pointer not given is null; max_ctas defaults to the SM count)."""
+    arguments.setdefault("max_ctas", sm_count(device))
+    record = RECORDS[variant.config.get("operand", "bf16")]
+    kernel_for(variant, device)(*record.values(**arguments), launch.stream(device))
+
+
+def operand_parts(name: str, value: Operand) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, scales) of an operand: a bf16 tensor has no scales; an MXFP8 one is a pair."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise TypeError(f"{name}: expected a tensor or an (elements, scales) pair, got {len(value)} items")
+        return value[0], value[1]
+    return value, None
+
+
+def check_mxfp8_rows(name: str, a: torch.Tensor, scales: torch.Tensor) -> None:
+    """MXFP8 rows [R, K] (E4M3) with their scales uint8 [ceil(R / 128), K / 128, 512] in the MMA's order."""
+    check_tensor(name, a, dtypes=E4M3, ndim=2, contiguous=True)
+    rows, k = a.shape
+    check_tensor(f"{name} scales", scales, dtypes=(torch.uint8,), shape=(-(-rows // 128), k // 128, 512), device=a.device, contiguous=True)
+
+
+def check_mxfp8_weights(name: str, b: torch.Tensor, scales: torch.Tensor, device: torch.device, k: int) -> tuple[int, int]:
+    """MXFP8 weights [E, N, k] (E4M3, K-major, N and k multiples of 128) with their scales uint8
+    [E, N / 128, k / 128, 512] in the MMA's order; returns (E, N)."""
+    check_tensor(name, b, dtypes=E4M3, ndim=3, device=device, contiguous=True)
+    num_experts, n = b.shape[0], b.shape[1]
+    check_tensor(name, b, shape=(num_experts, n, k))
+    if n % 128 or k % 128:
+        raise ValueError(f"{name}: expected N % 128 == 0 and K % 128 == 0 with MXFP8 operands, got N={n}, K={k}")
+    check_tensor(f"{name} scales", scales, dtypes=(torch.uint8,), shape=(num_experts, n // 128, k // 128, 512), device=device,
+                 contiguous=True)
+    return num_experts, n
+
+
+def _bf16_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_major: str, k_split: bool) -> tuple[int, int]:
+    """Check a bf16 grouped GEMM's B (and B2) against A [R, K]; returns (E, N)."""
+    k = a.shape[1]
+    if b_major not in ("k", "n"):
+        raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
+    if k_split and b2 is None:
+        raise ValueError("k_split: needs b2, the weights of K's second half")
+    check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+    num_experts = b.shape[0]
+    n = b.shape[1] if b_major == "k" else b.shape[2]
+    b_k = k // 2 if k_split else k
+    b_shape = (num_experts, n, b_k) if b_major == "k" else (num_experts, b_k, n)
+    check_tensor("b", b, shape=b_shape)
+    if b2 is not None:
+        check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device, contiguous=True)
+    if n % 128 or k % (128 if k_split else 64):
+        raise ValueError(f"b: expected N % 128 == 0 and K % {128 if k_split else 64} == 0, got N={n}, K={k}")
+    return num_experts, n
+
+
+def _mxfp8_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool) -> dict:
+    """Check MXFP8 A, B (and B2) of a grouped GEMM (K-major B; K % 128, % 256 with k_split; where
+    they may launch: :func:`check_mxfp8_launchable`); returns the record's pointer arguments."""
+    (a_q, a_s), (b_q, b_s) = operand_parts("a", a), operand_parts("b", b)
+    if a_s is None or b_s is None or (b2 is not None and operand_parts("b2", b2)[1] is None):
+        raise TypeError("a, b, b2: expected MXFP8 (elements, scales) pairs for all of them, or bf16 tensors for all")
+    check_mxfp8_rows("a", a_q, a_s)
+    k = a_q.shape[1]
+    if k_split and b2 is None:
+        raise ValueError("k_split: needs b2, the weights of K's second half")
+    check_mxfp8_weights("b", b_q, b_s, a_q.device, k // 2 if k_split else k)
+    b2_q, b2_s = (b_q, b_s) if b2 is None else operand_parts("b2", b2)
+    check_tensor("b2", b2_q, dtypes=E4M3, shape=tuple(b_q.shape), device=a_q.device, contiguous=True)
+    check_tensor("b2 scales", b2_s, dtypes=(torch.uint8,), shape=tuple(b_s.shape), device=a_q.device, contiguous=True)
+    if k % (256 if k_split else 128):
+        raise ValueError(f"a: expected K % {256 if k_split else 128} == 0 with MXFP8 operands, got K={k}")
+    return dict(a=a_q, a_scale=a_s, b=b_q, b_scale=b_s, b2=b2_q, b2_scale=b2_s)
+
+
+def check_mxfp8_launchable(op: str, pointers: dict) -> None:
+    """The MXFP8 operands of :func:`_mxfp8_operands` where they may launch (after the call's other
+    checks): on a CUDA device, aligned, on an SM100 GPU."""
+    check_launchable(a=pointers["a"], a_scales=pointers["a_scale"])
+    check_weights_launchable(b=pointers["b"], b_scales=pointers["b_scale"], b2=pointers["b2"], b2_scales=pointers["b2_scale"])
+    if pointers["a"].device.type == "cuda":
+        require_mxfp8_gemms(op, arch_of(pointers["a"].device.index))
+
+
+def grouped_gemm(
+    a: Operand,
+    b: Operand,
+    tile_expert: torch.Tensor,
+    *,
+    b2: Operand | None = None,
+    out: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    b_major: str = "k",
+    k_split: bool = False,
+    tile_n: int | None = None,
+    stages: int | None = None,
+    persistent: bool | None = None,
+    gather: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (fp32 accumulation, bf16 out).
+
+    a: [R, K], rows grouped by expert in 128-row tiles. tile_expert: [ceil(R / 128)] int32, the
+    expert of each row tile, -1 to skip the tile (its output rows are left unwritten). b: [E, N, K]
+    (``b_major="k"``: B = bᵀ, the forward's weights) or [E, K, N] (``b_major="n"``: B = b, the same
+    weights in the backward). With ``b2`` shaped like b: SwiGLU, out = silu(a·B)⊙(a·B2), and
+    ``h_out`` [R, 2N] (optional) receives the pre-activations [a·B | a·B2] for the backward; or,
+    with ``k_split``, b and b2 hold the two halves of K (out = a[:, :K/2]·B + a[:, K/2:]·B2).
+    Needs N % 128 == 0 and K % 64 == 0 (K % 128 with ``k_split``). ``tile_n`` overrides the column
+    tile (64, 128 or 256 dividing N; default from the static shape), ``stages`` the shared-memory
+    pipeline depth (default: as deep as fits), ``persistent=False`` selects the one-tile-per-CTA
+    kernel (the same bits); None: the persistent kernel where the GPU has one (Hopper), else the
+    one-tile kernel (SM100: compile-verified, never run; without ``gather``).
+    ``gather`` [R] int32 (the schedule's row_token): A is not materialised; a is the token matrix
+    x [T, K] and row r of A is x[gather[r]], or zeros where gather[r] < 0 (each entry < T).
+
+    MXFP8 operands (SM100 only): a = (elements float8_e4m3fn [R, K], scales uint8 [ceil(R / 128),
+    K / 128, 512]) and b, b2 = (elements [E, N, K] K-major, scales [E, N / 128, K / 128, 512]), each
+    scale in the MMA's order (mok.ops.quantize_mxfp8(..., scale_order="mma")); K % 128 (% 256 with
+    k_split); the SwiGLU and k_split forms as above (b_major "k" only, no gather).
+    """
+    if isinstance(a, (tuple, list)):
+        pointers = _mxfp8_operands(a, b, b2, k_split)
+        a_values = pointers["a"]
+        num_experts, n = pointers["b"].shape[:2]
+        if b_major != "k" or gather is not None or persistent:
+            raise ValueError("MXFP8 operands: K-major B (b_major='k'), no gather, one tile per CTA")
+        persistent, operand = False, "e4m3"
+    else:
+        check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
+        a_values, operand = a, "bf16"
+        persistent = persistent_default(a.device) if persistent is None else persistent
+        num_experts, n = _bf16_weights(a, b, b2, b_major, k_split)
+        pointers = dict(a=a, b=b, b2=b if b2 is None else b2)
+    num_rows = a_values.shape[0]
+    if gather is not None:
+        check_tensor("gather", gather, dtypes=I32, ndim=1, device=a_values.device, contiguous=True)
+        if not persistent:
+            raise ValueError("gather: only with the persistent kernel")
+        num_rows = gather.shape[0]
+    if h_out is not None:
+        if b2 is None or k_split:
+            raise ValueError("h_out: only with the SwiGLU epilogue (b2 given, no k_split)")
+        check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * n), device=a_values.device, contiguous=True)
+    check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=a_values.device, contiguous=True)
+    given = out
+    out = bf16_out(out, (num_rows, n), a_values.device)
+    if operand == "e4m3":
+        check_mxfp8_launchable("grouped_gemm", pointers)
+    check_launchable(a=a_values, out=out, h_out=h_out)
+    check_weights_launchable(b=pointers["b"], b2=pointers["b2"])
+    check_disjoint({"out": given, "h_out": h_out}, {"a": a_values, "b": pointers["b"], "b2": pointers["b2"]})
+    if num_rows == 0 or a_values.shape[0] == 0:  # (gather from no tokens: every row is padding)
+        return out
+    epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
+    variant = grouped_gemm_variant(
+        n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
+        persistent=persistent, gather_a=gather is not None, operand=operand,
+    )
+    launch_grouped_gemm(
+        variant, a_values.device, **pointers, c=out, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
+        num_experts=num_experts, num_tokens=a_values.shape[0] if gather is not None else 1,
+    )
+    return out
+
+
+def grouped_gemm_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tile_expert: torch.Tensor,
+    row_token: torch.Tensor,
+    row_slot: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    slot_ranks: tuple[int, int] | None = None,
+    b2: torch.Tensor | None = None,
+    b_major: str = "k",
+    k_split: bool = False,
+) -> None:
+    """The plain bf16 :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2`` as there), each
+    row written into the (token, slot) row of ``slots`` instead of an [R, N] output (no rows
+    buffer, no copy).
+
+    a [R, K] bf16 in the schedule's row order, b [E, N, K] (or [E, K, N] for "n"), tile_expert
+    [ceil(R / 128)]; row r belongs to token g = row_token[r] (-1: padding, not written) and slot
+    j = row_slot[r] (int32 [R]). ``slots`` [T, k, N] bf16 receives row r at [g, j]; with
+    ``slot_ranks`` = (W, rank stride in elements) it is rank 0's slots in an expert-parallel
+    workspace, the W ranks' slots ``rank stride`` elements apart in one mapping, and g = p·T + t
+    goes to rank p's [t, j] (the down projection pushing y, and the backward's dx GEMM pushing
+    dx, to the tokens' owners). Slots no row maps to are left as they were.
+    """
+    check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
+    num_rows = a.shape[0]
+    if b2 is not None and not k_split:
+        raise ValueError("b2: only with k_split (the scattering GEMM has the plain epilogue)")
+    num_experts, n = _bf16_weights(a, b, b2, b_major, k_split)
+    check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=a.device, contiguous=True)
+    for name, t in (("row_token", row_token), ("row_slot", row_slot)):
+        check_tensor(name, t, dtypes=I32, shape=(num_rows,), device=a.device, contiguous=True)
+    check_tensor("slots", slots, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+    if slots.shape[2] != n:
+        raise ValueError(f"slots: expected [T, k, {n}] (N of b), got {list(slots.shape)}")
+    slot_ranks = slot_ranks if slot_ranks is not None else (1, slots.numel())
+    check_rank_stride("slot_ranks", slot_ranks, slots.numel(), 2**31 - 8, "2^31 - 8 elements")  # (the kernel's vector indices)
+    check_launchable(a=a, slots=slots)
+    check_weights_launchable(b=b, b2=b2)
+    if num_rows == 0:
+        return
+    num_tokens, topk, _ = slots.shape
+    variant = grouped_gemm_variant(n, a.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split)
+    launch_grouped_gemm(
+        variant, a.device, a=a, b=b, b2=b if b2 is None else b2, c=slots, tile_expert=tile_expert, row_token=row_token,
+        row_slot=row_slot, num_rows=num_rows, num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=slot_ranks[1],
+    )
+
+
+def _check_router_rows(row_token, row_slot, topk_w, num_rows: int, device) -> tuple[bool, int, int]:
+    """The SwiGLU backward's router inputs: all three (routed experts: row_token, row_slot [R] int32,
+    topk_w [T, k] fp32) or none (the shared expert, s = 1). Returns (unit_scale, T, k)."""
+    unit_scale = topk_w is None
+    if unit_scale != (row_token is None) or unit_scale != (row_slot is None):
+        raise ValueError("row_token, row_slot, topk_w: give all three (routed experts) or none (shared expert)")
+    if unit_scale:
+        return True, 1, 1
+    check_tensor("topk_w", topk_w, dtypes=(torch.float32,), ndim=2, device=device, contiguous=True)
+    check_tensor("row_token", row_token, dtypes=I32, shape=(num_rows,), device=device, contiguous=True)
+    check_tensor("row_slot", row_slot, dtypes=I32, shape=(num_rows,), device=device, contiguous=True)
+    return False, *topk_w.shape
+
+
+def swiglu_backward_gemm(
+    dout_rows: Operand,
+    w_down: Operand,
+    tile_expert: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    row_token: torch.Tensor | None = None,
+    row_slot: torch.Tensor | None = None,
+    topk_w: torch.Tensor | None = None,
+    persistent: bool | None = None,
+    pingpong: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
+
+    Per buffer row r (expert e of its tile, token t, slot j, router weight s = topk_w[t, j]):
+    dA_u = dout_rows[r]·w_down[e] (w_down [E, H, I], read N-major); with the saved
+    h[r] = [h_gate | h_up] ([R, 2I] bf16) and a = silu(h_gate)·h_up it returns
+    dh [R, 2I] = [s·dA_u·h_up·silu'(h_gate) | s·dA_u·silu(h_gate)] (bf16), a_scaled [R, I] = s·a
+    (bf16, for dW_down) and partial [R, I/tile_n] fp32, Σ over each column tile of dA_u·a
+    (:func:`mok.ops.router_grad` adds them up). row_token/row_slot [R] int32 and topk_w [T, k] fp32
+    give s (0 for padding rows); all None for the shared expert (s = 1, partial is None).
+    Rows of tiles with tile_expert -1 are left unwritten. ``persistent``: as in :func:`grouped_gemm`.
+    ``pingpong`` (persistent; the default there): the two MMA warpgroups take whole tiles in turn,
+    one's epilogue under the other's WGMMAs (the same bits; docs/notes/pingpong-backward-gemms.md).
+
+    MXFP8 operands (SM100 only, one tile per CTA, 128-wide tiles): dout_rows = (elements [R, H],
+    scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
+    this product, in MXFP8 along H: (elements [E, I, H], scales [E, I / 128, H / 128, 512])
+    (e.g. mok.pipeline.stages.quantize_weights(w_down.transpose(1, 2).contiguous())).
+    """
+    mxfp8 = isinstance(dout_rows, (tuple, list))
+    if mxfp8:
+        (dout_q, dout_s), (w_q, w_s) = operand_parts("dout_rows", dout_rows), operand_parts("w_down", w_down)
+        if w_s is None or persistent or pingpong:
+            raise ValueError("MXFP8 operands: w_down as an (elements, scales) pair too; one tile per CTA, no ping-pong")
+        check_mxfp8_rows("dout_rows", dout_q, dout_s)
+        num_rows, hidden = dout_q.shape
+        dev = dout_q.device
+        num_experts, inter = check_mxfp8_weights("w_down", w_q, w_s, dev, hidden)
+        persistent = pingpong = False
+        tile_n, operand = 128, "e4m3"
+        pointers = dict(a=dout_q, a_scale=dout_s, b=w_q, b_scale=w_s, b2=w_q, b2_scale=w_s)
+    else:
+        check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
+        num_rows, hidden = dout_rows.shape
+        dev = dout_rows.device
+        persistent = persistent_default(dev) if persistent is None else persistent
+        check_tensor("w_down", w_down, dtypes=BF16, ndim=3, device=dev, contiguous=True)
+        num_experts, _, inter = w_down.shape
+        check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
+        if inter % 128 or hidden % 64:
+            raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
+        tile_n, operand = default_tile_n(inter, hidden, True), "bf16"
+        if pingpong is None:
+            pingpong = swiglu_backward_pingpong(persistent, tile_n)
+        if pingpong and not persistent:
+            raise ValueError("pingpong: only with persistent=True")
+        pointers = dict(a=dout_rows, b=w_down, b2=w_down)
+    check_tensor("h", h, dtypes=BF16, shape=(num_rows, 2 * inter), device=dev, contiguous=True)
+    check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
+    unit_scale, num_tokens, topk = _check_router_rows(row_token, row_slot, topk_w, num_rows, dev)
+    dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
+    a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
+    partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)
+    check_launchable(dout_rows=pointers["a"], h=h, dh=dh)
+    check_weights_launchable(w_down=pointers["b"])
+    if mxfp8 and dev.type == "cuda":
+        require_mxfp8_gemms("swiglu_backward_gemm", arch_of(dev.index))
+    if num_rows == 0:
+        return dh, a_scaled, partial
+    variant = grouped_gemm_variant(
+        inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="k" if mxfp8 else "n", topk=topk, unit_scale=unit_scale,
+        persistent=persistent, pingpong=pingpong, operand=operand,
+    )
+    launch_grouped_gemm(
+        variant, dev, **pointers, c=dh, tile_expert=tile_expert, h=h, a_scaled=a_scaled, partial=partial, row_token=row_token,
+        row_slot=row_slot, topk_w=topk_w, num_rows=num_rows, num_experts=num_experts, num_tokens=num_tokens,
+    )
+    return dh, a_scaled, partial

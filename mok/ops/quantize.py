@@ -1,0 +1,125 @@
+"""MXFP8 conversion kernels: bf16 rows to E4M3 elements with E8M0 scales (mok.mxfp8's rule) and back.
+
+    quantize_mxfp8          blocks of 32 along each row (scales by rows, or in the MMA's order)
+    quantize_mxfp8_columns  blocks of 32 rows down each column (the operands of a weight gradient)
+    dequantize_mxfp8        back to bf16 (exact: an E4M3 value times a power of two is a bf16)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.variants import quantize_mxfp8_variant
+from ..mxfp8 import BLOCK as MXFP8_BLOCK, check_blocked
+from ..runtime import launch
+from ..validation import check_tensor
+from .common import BF16, check_cuda_aligned, check_launchable, check_rows_used, kernel_for
+
+
+def quantize_mxfp8(
+    x: torch.Tensor,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows_used: torch.Tensor | None = None,
+    scale_order: str = "rows",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements float8_e4m3fn of x's shape, scales uint8 [..., n // 32]) of bf16 ``x`` [..., n]
+    (contiguous, n a multiple of 32): the bytes mok.mxfp8.quantize_mxfp8 gives, in one launch.
+    ``out``: the (elements, scales) tensors to write. ``rows_used`` (int32 [1] on x's device): only
+    the first rows_used[0] rows of x (as rows of n) are converted, the rest of ``out`` is left as it
+    is; the count stays on the device (no host sync). ``scale_order`` "mma" (x [R, n], n a multiple
+    of 128): the scales in the order SM100's block-scaled MMAs read them, uint8 [ceil(R / 128),
+    n // 128, 512], the bytes of mok.mxfp8.mma_scale_layout for rows < R (the padding rows' scales
+    are left unwritten: they never reach a row of the GEMM's output), what grouped_gemm_mxfp8 takes."""
+    check_tensor("x", x, dtypes=BF16, contiguous=True)
+    check_blocked("x", x)
+    if scale_order not in ("rows", "mma"):
+        raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
+    mma_order = scale_order == "mma"
+    if mma_order and (x.dim() != 2 or x.shape[1] % 128):
+        raise ValueError(f"x: expected [R, n] with n a multiple of 128 for scale_order='mma', got shape {tuple(x.shape)}")
+    check_launchable(x=x)
+    check_rows_used(rows_used, x.device)
+    blocks_per_row = x.shape[-1] // MXFP8_BLOCK
+    if mma_order:
+        scale_shape = (-(-x.shape[0] // 128), x.shape[1] // 128, 512)
+    else:
+        scale_shape = (*x.shape[:-1], blocks_per_row)
+    if out is None:
+        out = (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(scale_shape, dtype=torch.uint8, device=x.device))
+    elif not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out: expected a pair of tensors (elements, scales), got {type(out).__name__}")
+    elements, scales = out
+    check_tensor("out[0]", elements, dtypes=(torch.float8_e4m3fn,), shape=tuple(x.shape), device=x.device, contiguous=True)
+    check_tensor("out[1]", scales, dtypes=(torch.uint8,), shape=scale_shape, device=x.device, contiguous=True)
+    check_cuda_aligned("out[0]", elements)
+    if x.numel() == 0:
+        return elements, scales
+    kernel = kernel_for(quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=mma_order), x.device)
+    kernel(
+        launch.ptr("bf16", x), launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), launch.i32(x.numel() // MXFP8_BLOCK), launch.ptr("i32", rows_used, 4),
+        launch.i32(blocks_per_row), launch.stream(x.device),
+    )
+    return elements, scales
+
+
+def quantize_mxfp8_columns(
+    x: torch.Tensor, *, rows_used: torch.Tensor | None = None, scale_order: str = "rows"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 of bf16 ``x`` [R, M] along its rows (blocks of 32 rows down each column: what a GEMM
+    that sums over the rows, a weight gradient, takes), in one launch: elements float8_e4m3fn
+    [R, M] in x's own layout, each the element of x's transpose that mok.mxfp8.quantize_mxfp8(x.T)
+    gives, and that call's scales, uint8 [M, R / 32], or with ``scale_order="mma"`` in the order
+    SM100's block-scaled MMAs read them, [ceil(M / 128), R / 128, 512] (mok.mxfp8.mma_scale_layout;
+    the padding columns' scales left unwritten). R a multiple of 32 (of 128 for "mma"), contiguous x.
+    ``rows_used`` (int32 [1] on x's device, a multiple of 32): only the first rows_used[0] rows are
+    converted, the rest of the outputs left as they are; the count stays on the device."""
+    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
+    if scale_order not in ("rows", "mma"):
+        raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
+    rows, columns = x.shape
+    if rows % (128 if scale_order == "mma" else MXFP8_BLOCK):
+        raise ValueError(f"x: expected a row count that is a multiple of {128 if scale_order == 'mma' else MXFP8_BLOCK}, got shape {tuple(x.shape)}")
+    check_launchable(x=x)
+    check_rows_used(rows_used, x.device)
+    elements = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if scale_order == "mma":
+        scales = torch.empty(-(-columns // 128), rows // 128, 512, dtype=torch.uint8, device=x.device)
+    else:
+        scales = torch.empty(columns, rows // MXFP8_BLOCK, dtype=torch.uint8, device=x.device)
+    if x.numel() == 0:
+        return elements, scales
+    variant = quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=scale_order == "mma", columns=True)
+    kernel_for(variant, x.device)(
+        launch.ptr("bf16", x), launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), launch.i32(x.numel() // MXFP8_BLOCK), launch.ptr("i32", rows_used, 4),
+        launch.i32(columns), launch.stream(x.device),
+    )
+    return elements, scales
+
+
+def dequantize_mxfp8(
+    elements: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None, rows_used: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bf16 values of MXFP8 ``elements`` (float8_e4m3fn [..., n], contiguous) with ``scales`` (uint8
+    [..., n // 32]): mok.mxfp8.dequantize_mxfp8 rounded to bf16, in one launch. ``rows_used``: as
+    in :func:`quantize_mxfp8` (the rows past the count are left as ``out`` has them)."""
+    check_tensor("elements", elements, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+    check_blocked("elements", elements)
+    check_launchable(elements=elements)
+    check_rows_used(rows_used, elements.device)
+    scale_shape = (*elements.shape[:-1], elements.shape[-1] // MXFP8_BLOCK)
+    check_tensor("scales", scales, dtypes=(torch.uint8,), shape=scale_shape, device=elements.device, contiguous=True)
+    if out is None:
+        out = torch.empty(elements.shape, dtype=torch.bfloat16, device=elements.device)
+    check_tensor("out", out, dtypes=BF16, shape=tuple(elements.shape), device=elements.device, contiguous=True)
+    check_cuda_aligned("out", out)
+    if scales.numel() == 0:
+        return out
+    kernel = kernel_for(quantize_mxfp8_variant(back=True, bounded=rows_used is not None), elements.device)
+    kernel(
+        launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), launch.ptr("bf16", out), launch.i32(scales.numel()),
+        launch.ptr("i32", rows_used, 4), launch.i32(scales.shape[-1]),  # (null count: an unbounded kernel reads neither)
+        launch.stream(elements.device),
+    )
+    return out
+

@@ -1,0 +1,152 @@
+"""The MoE layer's backward: the forward's stages mirrored, as the plan says.
+
+    rows in           dout_rows = dout[row_token] and x_rows = x[row_token] (one launch); EP: publish dout
+                      and topk_w, gather every rank's router weights, pull each row's dout from its
+                      token's owner (x_rows were kept by the forward)
+    down backward     dA_u = dout_rows·W_down with the SwiGLU backward and the router-gradient pieces in
+                      its epilogue: dh [R, 2I], s·a [R, I], pieces [R, I / tile]
+    gate/up backward  dx_rows = dh_gate·W_gate + dh_up·W_up; EP: each row pushed into its token's slot
+    weight grads      dW_down[e] = dout_rowsᵀ·(s·a), [dW_gate; dW_up][e] = dhᵀ·x_rows (one launch each),
+                      rows in canonical order, one CTA per output tile; or added into fp32 main_grad
+    shared expert     the same over every token with s = 1, or inside the launches above when the
+                      forward ran it as expert E (its rows first)
+    dx combine        dx[t] = dx_shared[t] + Σ_j dx_rows[t, j] (fp32, j in order) and, in the same launch,
+                      d_topk_w[t, j] = Σ pieces in column order; EP: the pieces into the "dw" region,
+                      the done handshake, each (t, j) read from the rank that owns its expert
+
+Nothing uses atomics or reads device data back: the gradients are bitwise reproducible and a
+token's dx and router gradient do not depend on the rest of the batch; at EP > 1 they are the
+single-GPU backward's of the concatenated batch, bit for bit. An h kept in MXFP8
+(mok/saved_mxfp8.py) is turned back into bf16 first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..plan import Plan
+from ..reference_backward import Gradients
+from ..runtime import launch
+from ..saved_mxfp8 import unpack_saved
+from ..schedule import shared_prefix_rows
+from ..validation import check_main_grads, check_tensor, check_timeout
+from . import exchange, stages
+from .forward import check_inputs, check_on_gpu, check_saved
+from .stages import ForwardResult
+from .workspace import EPWorkspace
+
+WGRAD_FORMATS = ("mxfp8", "bf16")
+
+
+def backward(
+    plan: Plan,
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    weights: tuple,
+    shared: tuple | None,
+    saved: ForwardResult,
+    *,
+    workspace: EPWorkspace | None = None,
+    grad_dtype: torch.dtype = torch.bfloat16,
+    main_grads: tuple | None = None,
+    weight_grads: bool = True,
+    wgrad_format: str = "mxfp8",
+    timeout_s: float = 5.0,
+) -> Gradients:
+    """All gradients for ``dout`` [T, H] bf16 after ``forward(..., save=True)`` of the same inputs
+    (module docstring): :class:`mok.reference_backward.Gradients` with dx [T, H] bf16, d_topk_w
+    [T, k] fp32 and the weight gradients in ``grad_dtype`` (bf16 or fp32). ``main_grads`` (one fp32
+    buffer per weight: gate, up, down[, shared gate, up, down]): the weight gradients are added into
+    them by the weight-gradient GEMMs (Megatron's main_grad) and returned as them.
+    ``weight_grads=False`` (frozen experts): dx and d_topk_w only, no weight-gradient GEMM (the
+    weight gradients None). ``wgrad_format`` (MXFP8 precision): "mxfp8" (the weight gradients on
+    rows quantized down their columns) or "bf16" (on the bf16 rows). At EP > 1 the shared expert's
+    weight gradients cover this rank's tokens (sum them over ranks as data-parallel gradients).
+    """
+    num_tokens, hidden, inter, num_local, topk = check_inputs(plan.config, workspace, x, topk_idx, topk_w, weights, shared)
+    check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
+    if grad_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
+    if wgrad_format not in WGRAD_FORMATS:
+        raise ValueError(f"wgrad_format: expected one of {WGRAD_FORMATS}, got {wgrad_format!r}")
+    check_main_grads(main_grads, tuple(weights), None if shared is None else tuple(shared), weight_grads)
+    sched = check_saved("saved", saved, plan, num_tokens, topk, num_local, x.device, workspace)
+    shared_inter = None if shared is None else shared[0].shape[0]
+    if sched.shared_rows and (shared is None or shared_inter != inter or sched.shared_rows != shared_prefix_rows(num_tokens, sched.block_m)):
+        raise ValueError(
+            f"saved.schedule: has {sched.shared_rows} rows of a shared expert in front; expected a shared expert of the "
+            f"routed experts' shapes and {shared_prefix_rows(num_tokens, sched.block_m)} rows for {num_tokens} tokens"
+        )
+    if shared is not None and not sched.shared_rows and saved.shared_h is None:
+        raise ValueError("saved: the forward did not keep the shared expert's h; call it with save=True")
+    saved = unpack_saved(saved, inter, shared_inter)  # (an MXFP8 h back to bf16: the used rows)
+    check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * inter), device=x.device, contiguous=True)
+    if shared is not None and not sched.shared_rows:
+        check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared_inter), device=x.device,
+                     contiguous=True)
+    check_on_gpu(x)
+    mains = (None, None) if main_grads is None else (main_grads[:3], main_grads[3:])
+    if plan.ep:
+        check_timeout(timeout_s)
+        return _ep_backward(plan, workspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
+                            timeout_s)
+
+    expert_weights = weights
+    if sched.shared_rows:  # the forward ran the shared expert as expert E, its rows first
+        expert_weights = stages.stacked_weights(*weights, shared)
+    elif plan.precision == "mxfp8":
+        expert_weights = stages.quantize_expert_weights(*weights, transposed=True)
+    if weight_grads:
+        dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
+    else:
+        dout_rows, x_rows = ops.gather_rows(dout, sched.row_token), None
+    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, expert_weights, saved.h, topk_w)
+    dx_rows = stages.gate_up_backward(plan, dh, sched, expert_weights)
+    d_gate = d_up = d_down = None
+    if weight_grads:
+        d_gate, d_up, d_down = stages.expert_weight_grads(plan, (dout_rows, a_scaled, dh, x_rows), sched, grad_dtype, mains[0], wgrad_format)
+    dx_shared = d_shared = None
+    if sched.shared_rows:  # its dx rows, and its weight gradients from its rows (views [:T])
+        dx_shared = dx_rows[:num_tokens]
+        if weight_grads:
+            rows = slice(0, num_tokens)
+            d_shared = stages.shared_weight_grads(dout_rows[rows], a_scaled[rows], dh[rows], x_rows[rows], grad_dtype, mains[1])
+    elif shared is not None:
+        dx_shared, d_shared = stages.shared_expert_backward(x, dout, shared, saved.shared_h, grad_dtype, mains[1], weight_grads)
+    d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
+    dx = ops.combine(  # unweighted (s is already inside dh), and d_topk_w from the SwiGLU backward's pieces
+        dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w)
+    )
+    return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
+
+
+def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
+                 timeout_s) -> Gradients:
+    """This rank's gradients over the workspace (module docstring): every rank makes the same calls."""
+    if dout.data_ptr() % 16:  # (published with 16-byte vectors)
+        raise ValueError(f"dout: expected a 16-byte aligned data pointer, got address {dout.data_ptr():#x}")
+    ws.raise_pending()
+    dev, sched, num_tokens = x.device, saved.schedule, x.shape[0]
+    kernels = exchange.exchange_kernels(ws, dev)
+    stream = launch.stream(dev)
+    exchange.publish(ws, kernels, ("x", dout), ("w", topk_w.view(torch.int32)), stream)  # dout replaces x (pulled in the forward)
+    weights_all = exchange.gather_ranks(ws, kernels, "w", timeout_s, stream).view(torch.float32)
+    dout_rows = exchange.pull_rows(ws, kernels, "x", sched, stream)
+    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, weights, saved.h, weights_all)
+    exchange.push_rows(ws, dh, weights[0], sched, b2=weights[1], b_major="n", k_split=True)  # dx rows straight into their tokens' slots
+    ops.router_grad(partial, sched.slot_row, out=exchange.router_pieces(ws))
+    exchange.announce_pushed(ws, kernels, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)
+    d_gate = d_up = d_down = None
+    if weight_grads:  # (local work while the peers push: the exchanges are the same either way)
+        d_gate, d_up, d_down = stages.expert_weight_grads(plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0])
+    dx_shared = d_shared = None
+    if shared is not None:
+        dx_shared, d_shared = stages.shared_expert_backward(x, dout, shared, saved.shared_h, grad_dtype, mains[1], weight_grads)
+    exchange.wait_pushed(ws, kernels, timeout_s, stream)
+    d_topk_w = exchange.owned_router_grads(ws, topk_idx, weights[0].shape[0], num_tokens)
+    dx = ops.combine(exchange.own_slots(ws, num_tokens), None, dx_shared)  # unweighted: s is already inside dh
+    ws.copy_record()
+    return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)

@@ -1,0 +1,274 @@
+"""The stages the forward and backward pipelines compose, each written once.
+
+    forward                                   backward
+    gate_up   rows · [W_gate | W_up] + SwiGLU  down_backward    dout_rows · W_down, SwiGLU backward,
+              (+ h kept for the backward)                       router-gradient pieces
+    down      a · W_down                       gate_up_backward dh · [W_gate; W_up]
+    shared expert, forward                     expert_weight_grads, shared expert backward
+
+Precision is a parameter of each GEMM stage (``plan.precision``): bf16 operands, or MXFP8
+(rows quantized on the way in, the weights quantized once per call: :func:`quantize_expert_weights`;
+block-scaled MMAs on SM100, or with ``plan.emulate`` the same operands dequantized, exactly, into
+the bf16 GEMMs). Where the rows come from (gathered inside the GEMM, gathered first, pulled from
+the peers) and where they go (rows, or the peers' combine slots) is the pipelines' business
+(forward.py, backward.py, exchange.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..mxfp8 import rows_scale_layout
+from ..plan import Plan
+from ..schedule import Schedule
+from ..validation import check_tensor
+
+TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to it
+
+
+@dataclass
+class ForwardResult:
+    """The layer output and what the backward needs: the schedule, h (and the shared expert's h)
+    when saved; at EP > 1 also the rows this rank pulled (x_rows) and every rank's routing. out
+    is None when an op rebuilds the saved state for its backward."""
+
+    out: torch.Tensor | None
+    schedule: Schedule
+    h: torch.Tensor | None = None
+    shared_h: torch.Tensor | None = None
+    x_rows: torch.Tensor | None = None
+    routing: torch.Tensor | None = None
+
+
+def single_expert_tiles(num_rows: int, device: torch.device) -> torch.Tensor:
+    """tile_expert for a GEMM over all rows with one expert (the shared expert)."""
+    return torch.zeros(-(-num_rows // TILE_M), dtype=torch.int32, device=device)
+
+
+# ----- the shared expert: one expert over every token, unit weight
+
+
+def shared_expert_forward(x: torch.Tensor, shared: tuple, h_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert as a grouped GEMM with one expert over all of x (``h_out``: keep h for backward)."""
+    tiles = single_expert_tiles(x.shape[0], x.device)
+    a = ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=h_out)
+    return ops.grouped_gemm(a, shared[2][None], tiles)
+
+
+def shared_expert_backward(x, dout, shared, shared_h, grad_dtype, main_grads, weight_grads=True):
+    """dx, (dW_gate, dW_up, dW_down) of the shared expert (s = 1); the weight gradients None
+    unless ``weight_grads``."""
+    tiles = single_expert_tiles(x.shape[0], x.device)
+    w_gate, w_up, w_down = shared
+    dh, a, _ = ops.swiglu_backward_gemm(dout, w_down[None], tiles, shared_h)
+    dx = ops.grouped_gemm(dh, w_gate[None], tiles, b2=w_up[None], b_major="n", k_split=True)
+    return dx, (shared_weight_grads(dout, a, dh, x, grad_dtype, main_grads) if weight_grads else None)
+
+
+def shared_weight_grads(dout, a, dh, x, grad_dtype, main_grads):
+    """(dW_gate, dW_up, dW_down) of the shared expert from its T rows: dout, a (s = 1), dh, x."""
+    offsets = torch.arange(2, dtype=torch.int32, device=x.device) * x.shape[0]  # [0, T]: all rows
+    d_down = weight_grad(dout, a, offsets, grad_dtype, None if main_grads is None else main_grads[2][None])
+    d_gate, d_up = gate_up_weight_grads(dh, x, offsets, grad_dtype, None if main_grads is None else (main_grads[0][None], main_grads[1][None]))
+    return d_gate[0], d_up[0], d_down[0]
+
+
+def shared_expert_as_last(w_gate, w_up, w_down, shared) -> tuple | None:
+    """(w_gate, w_up, w_down) over E + 1 experts, the shared expert the last, when each of its
+    weights lies right after the routed experts' in the same storage with their shapes (as
+    mok.MoELayer allocates them); else None (then the shared expert runs in launches of its own)."""
+    if shared is None:
+        return None
+    stacked = []
+    for routed, one in zip((w_gate, w_up, w_down), tuple(shared)):
+        if (
+            one.shape != routed.shape[1:] or one.dtype != routed.dtype or not one.is_contiguous() or not routed.is_contiguous()
+            or one.device != routed.device
+            or one.untyped_storage().data_ptr() != routed.untyped_storage().data_ptr()
+            or one.storage_offset() != routed.storage_offset() + routed.numel()
+        ):
+            return None
+        stacked.append(routed.as_strided((routed.shape[0] + 1, *routed.shape[1:]), routed.stride(), routed.storage_offset()))
+    return tuple(stacked)
+
+
+_COPY_WARNED = False
+
+
+def stacked_weights(w_gate, w_up, w_down, shared) -> tuple:
+    """The routed and shared experts' weights as [E + 1, ...] tensors, the shared expert last: views
+    where they lie so (:func:`shared_expert_as_last`), else copies (one warning per process)."""
+    global _COPY_WARNED
+    stacked = shared_expert_as_last(w_gate, w_up, w_down, shared)
+    if stacked is None:
+        if not _COPY_WARNED:
+            _COPY_WARNED = True
+            warnings.warn(
+                "MoK: the shared expert's weights do not lie right after the routed experts' (one [E + 1, ...] "
+                "buffer per projection, as mok.MoELayer allocates them): copying them together on every call",
+                stacklevel=3,
+            )
+        stacked = tuple(torch.cat([routed, one[None]]) for routed, one in zip((w_gate, w_up, w_down), tuple(shared)))
+    return stacked
+
+
+# ----- MXFP8 weights
+
+
+@dataclass(frozen=True)
+class Mxfp8ExpertWeights:
+    """The experts' weights in MXFP8, each as (elements float8_e4m3fn, scales uint8 in the MMA's
+    order): gate and up [E, I, H] with scales [E, I/128, H/128, 512], down [E, H, I] with
+    [E, H/128, I/128, 512] (mok.mxfp8.mma_scale_layout); ``transposed``: the backward's copies
+    instead (gate and up [E, H, I], down [E, I, H]: the shapes alone cannot tell them apart when
+    H == I)."""
+
+    gate: tuple[torch.Tensor, torch.Tensor]
+    up: tuple[torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor]
+    transposed: bool = False
+
+
+def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's weights [E, N, K] (bf16, CUDA, N and K multiples of 128) in MXFP8 along K:
+    (elements [E, N, K], scales [E, N/128, K/128, 512] in the MMA's order), one launch."""
+    check_tensor("w", w, dtypes=(torch.bfloat16,), ndim=3, contiguous=True)
+    experts, n, k = w.shape
+    if n % 128 or k % 128:
+        raise ValueError(f"w: expected [E, N, K] with N and K multiples of 128, got {list(w.shape)}")
+    elements, scales = ops.quantize_mxfp8(w.reshape(experts * n, k), scale_order="mma")
+    return elements.reshape(experts, n, k), scales.reshape(experts, n // 128, k // 128, 512)
+
+
+def quantize_expert_weights(w_gate, w_up, w_down, *, transposed: bool = False) -> Mxfp8ExpertWeights:
+    """The layer's expert weights (w_gate, w_up [E, I, H], w_down [E, H, I], bf16) in MXFP8 along
+    their K in the forward (H for gate and up, I for down); ``transposed``: for the backward's
+    products, each transposed and quantized along its other axis (gate and up [E, H, I] along I,
+    down [E, I, H] along H)."""
+    if transposed:
+        w_gate, w_up, w_down = (w.transpose(1, 2).contiguous() for w in (w_gate, w_up, w_down))
+    return Mxfp8ExpertWeights(quantize_weights(w_gate), quantize_weights(w_up), quantize_weights(w_down), transposed)
+
+
+def dequantized_rows(a_q: tuple, used: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [R, K] of MXFP8 rows (elements, MMA-ordered scales), exact; only the first used[0] rows
+    with a device count ``used``."""
+    return ops.dequantize_mxfp8(a_q[0], rows_scale_layout(a_q[1], a_q[0].shape[0]), rows_used=used)
+
+
+def dequantized_weights(w_q: tuple) -> torch.Tensor:
+    """bf16 [E, N, K] of MXFP8 weights (elements, MMA-ordered scales), exact."""
+    elements, scales = w_q
+    return ops.dequantize_mxfp8(elements, rows_scale_layout(scales, elements.shape[1]))
+
+
+def dequantized_columns(q: tuple) -> torch.Tensor:
+    """bf16 [R, M] of a matrix quantized along its rows (ops.quantize_mxfp8_columns), exact (rows
+    the quantizer left unconverted come out as whatever they hold: no expert's range reads them)."""
+    elements, scales = q
+    transposed = ops.dequantize_mxfp8(elements.T.contiguous(), rows_scale_layout(scales, elements.shape[1]))
+    return transposed.T.contiguous()
+
+
+def mxfp8_gemm(plan: Plan, a_q, b_q, tiles, b2_q=None, *, used=None, h_out=None, k_split=False) -> torch.Tensor:
+    """ops.grouped_gemm on MXFP8 pairs, or with ``plan.emulate`` the same product from dequantized
+    operands by the bf16 grouped GEMM (A's rows past the device count ``used`` are not dequantized:
+    no tile reads them)."""
+    if not plan.emulate:
+        return ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, h_out=h_out)
+    b2 = None if b2_q is None else dequantized_weights(b2_q)
+    return ops.grouped_gemm(dequantized_rows(a_q, used), dequantized_weights(b_q), tiles, b2=b2, k_split=k_split, h_out=h_out)
+
+
+def rows_in_use(sched: Schedule) -> torch.Tensor:
+    """The rows the schedule uses (its last expert offset, tile-aligned), as a device count."""
+    return sched.expert_offsets[-1:]
+
+
+# ----- the expert GEMMs
+
+
+def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None, *, gather: bool) -> torch.Tensor:
+    """a [R, I] = silu(rows·W_gateᵀ) ⊙ rows·W_upᵀ (and h = [rows·W_gateᵀ | rows·W_upᵀ] into ``h_out``).
+    ``gather``: ``rows`` is x [T, H] and the GEMM's producer gathers row r = x[row_token[r]]; else
+    ``rows`` holds the rows [R, H]. ``weights``: (w_gate, w_up, w_down) bf16, or Mxfp8ExpertWeights."""
+    if plan.precision == "bf16":
+        return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None)
+    used = rows_in_use(sched)
+    rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
+    return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
+
+
+def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> torch.Tensor:
+    """y_rows [R, H] = a·W_downᵀ per expert."""
+    if plan.precision == "bf16":
+        return ops.grouped_gemm(a, weights[2], sched.tile_expert)
+    used = rows_in_use(sched)
+    return mxfp8_gemm(plan, ops.quantize_mxfp8(a, rows_used=used, scale_order="mma"), weights.down, sched.tile_expert, used=used)
+
+
+def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor) -> tuple:
+    """(dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, parts]) from dout_rows [R, H]
+    and the saved h: ops.swiglu_backward_gemm with each row's router weight s from ``topk_w``.
+    ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights."""
+    route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w)
+    if plan.precision == "bf16":
+        return ops.swiglu_backward_gemm(dout_rows, weights_t[2], sched.tile_expert, h, **route)
+    used = rows_in_use(sched)
+    dout_q = ops.quantize_mxfp8(dout_rows, rows_used=used, scale_order="mma")
+    if plan.emulate:  # w_down [E, H, I] with the MXFP8 copy's values, read N-major as the bf16 GEMM does
+        w_down = dequantized_weights(weights_t.down).transpose(1, 2).contiguous()
+        return ops.swiglu_backward_gemm(dequantized_rows(dout_q, used), w_down, sched.tile_expert, h, **route)
+    return ops.swiglu_backward_gemm(dout_q, weights_t.down, sched.tile_expert, h, **route)
+
+
+def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:
+    """dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up (the two K halves of dh in one GEMM)."""
+    if plan.precision == "bf16":
+        return ops.grouped_gemm(dh, weights_t[0], sched.tile_expert, b2=weights_t[1], b_major="n", k_split=True)
+    used = rows_in_use(sched)
+    dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
+    return mxfp8_gemm(plan, dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True)
+
+
+def weight_grad(a, b, offsets, dtype, main_grad, counts=None):
+    """One weight gradient, fresh in ``dtype`` or added into ``main_grad``; ``counts``: the experts'
+    unpadded row counts (the kernel then skips the K tiles of padding alone)."""
+    if main_grad is not None:
+        return ops.weight_grad(a, b, offsets, counts=counts, out=main_grad, accumulate=True)
+    return ops.weight_grad(a, b, offsets, counts=counts, out_dtype=dtype)
+
+
+def gate_up_weight_grads(dh, x_rows, offsets, dtype, main_grads, counts=None):
+    """dW_gate, dW_up from the two column halves of dh, each into its own tensor, in one launch."""
+    if main_grads is None:
+        return ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype, split_out=True)
+    return ops.weight_grad(dh, x_rows, offsets, counts=counts, out=tuple(main_grads), accumulate=True, split_out=True)
+
+
+def expert_weight_grads(plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str = "mxfp8") -> tuple:
+    """(dW_gate, dW_up, dW_down) of the routed experts over their rows in canonical order, from
+    ``rows`` = (dout_rows, a_scaled, dh, x_rows); fresh in ``grad_dtype`` or added into
+    ``main_grads`` (gate, up, down). With MXFP8 precision the operands are quantized along the
+    rows (blocks of 32 rows down each column) unless ``wgrad_format="bf16"``."""
+    dout_rows, a_scaled, dh, x_rows = rows
+    offsets, counts = sched.expert_offsets, sched.expert_counts
+    if plan.precision == "bf16" or wgrad_format == "bf16":
+        d_down = weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
+        d_gate, d_up = gate_up_weight_grads(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
+        return d_gate, d_up, d_down
+    used = rows_in_use(sched)
+    columns = [ops.quantize_mxfp8_columns(t, rows_used=used, scale_order="mma") for t in rows]
+    if plan.emulate:
+        columns = [dequantized_columns(q) for q in columns]
+    wgrad = dict(offsets=offsets, counts=counts, out_dtype=grad_dtype)
+    down_into, gate_up_into = {}, {}  # (fresh tensors, or added into the main_grad buffers)
+    if main_grads is not None:
+        down_into, gate_up_into = dict(out=main_grads[2], accumulate=True), dict(out=tuple(main_grads[:2]), accumulate=True)
+    d_down = ops.weight_grad(columns[0], columns[1], **wgrad, **down_into)
+    d_gate, d_up = ops.weight_grad(columns[2], columns[3], split_out=True, **wgrad, **gate_up_into)
+    return d_gate, d_up, d_down

@@ -1,0 +1,258 @@
+"""What runs where: a layer configuration and a target resolved once into a :class:`Plan`.
+
+The plan is the one place that says which combination of precision (bf16, mxfp8, mxfp8_emulated),
+parallelism (one GPU, or expert parallel over a workspace), fusion (staged launches, or one
+launch) and arch (sm_90a, sm_100a, sm_103a) runs on a target and why a combination is refused there
+(:func:`refusal`; the combinations no target runs are refused by MoKConfig itself,
+mok.config.check_combination),
+and which kernels each stage launches (:meth:`Plan.variants`, what ``python -m mok precompile``
+builds). The pipelines (mok/pipeline/) read their branches from it; the layer, the functional
+API and the torch ops only resolve it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .config import MoKConfig
+from .kernels import KernelVariant
+from .kernels.variants import (
+    combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
+    router_grad_variant, schedule_variant, swiglu_backward_pingpong, weight_grad_variant,
+)
+from .runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
+
+TILE = 128  # every width the fused kernels tile (H, I, I_s), and the grouped GEMMs' row tile
+
+
+def check_tiled_widths(name: str, widths: dict) -> None:
+    """The fused kernels tile every width of the layer (H, I, a shared expert's I_s) by 128: refuse
+    others, naming them, before anything is compiled or launched (the reference path takes any)."""
+    if any(width % TILE or width < TILE for width in widths.values()):
+        got = ", ".join(f"{width_name}={width}" for width_name, width in widths.items())
+        raise ValueError(f"{name}: expected {', '.join(widths)} multiples of {TILE} (the fused kernels' tile), got {got}")
+
+
+def refusal(config: MoKConfig, arch: str) -> str | None:
+    """Why a layer of ``config`` does not run on ``arch`` (None when it does)."""
+    if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
+        return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
+    if arch not in PERSISTENT_GEMM_ARCHS and (config.ep_size > 1 or config.one_launch):
+        what = "ep_size > 1" if config.ep_size > 1 else "one_launch"
+        return f"{what}: not on {arch} yet (its kernels there are the single-GPU layer's one-tile GEMMs); pass ep_size=1 and one_launch=False"
+    return None
+
+
+def shared_in_routed_possible(config: MoKConfig) -> bool:
+    """Whether a shared expert of the routed experts' shapes may run in their launches, as expert E
+    with its rows first (bf16 on one GPU; the weights' layout decides per call)."""
+    return config.precision == "bf16" and config.ep_size == 1 and config.shared_intermediate == config.intermediate
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A configuration resolved for one target: every branch the pipelines take, read from here."""
+
+    config: MoKConfig
+    arch: str
+
+    @property
+    def precision(self) -> str:
+        """The routed experts' GEMM operands: "bf16" or "mxfp8" (emulated or not)."""
+        return "bf16" if self.config.precision == "bf16" else "mxfp8"
+
+    @property
+    def emulate(self) -> bool:
+        """MXFP8's numerics on bf16 GEMMs (the operands dequantized, exactly): any target."""
+        return self.config.precision == "mxfp8_emulated"
+
+    @property
+    def persistent(self) -> bool:
+        """The persistent, warp-specialised GEMMs (Hopper); elsewhere one tile per CTA."""
+        return self.arch in PERSISTENT_GEMM_ARCHS
+
+    @property
+    def ep(self) -> bool:
+        return self.config.ep_size > 1
+
+    @property
+    def one_launch(self) -> bool:
+        return self.config.one_launch
+
+    @property
+    def gather_in_gemm(self) -> bool:
+        """Whether the gate/up GEMM's producer gathers its rows from x (bf16, persistent, one GPU);
+        else they are gathered first (or pulled from the peers)."""
+        return self.precision == "bf16" and self.persistent and not self.ep
+
+    @property
+    def shared_in_routed(self) -> bool:
+        """Whether a shared expert may run in the routed experts' launches (:func:`shared_in_routed_possible`)."""
+        return shared_in_routed_possible(self.config)
+
+    def variants(self) -> list[KernelVariant]:
+        """Every kernel variant this plan's forward and backward launch (the built-in router's GEMMs
+        included), each once: what precompile builds."""
+        found = {}
+        for variant in self._forward_variants() + self._backward_variants() + router_variants(self.config.hidden, self.config.num_experts, self.persistent):
+            found.setdefault((variant.name, tuple(sorted(variant.config.items()))), variant)
+        return list(found.values())
+
+    def _forward_variants(self) -> list[KernelVariant]:
+        c, persistent = self.config, self.persistent
+        h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
+        v = self._exchange_variants() if self.ep else []
+        if not self.one_launch:  # (the one-launch kernel combines in its last phase)
+            v.append(combine_variant(h, k, shared, gathered=not self.ep))
+        if self.one_launch:
+            ep_world = c.ep_size if self.ep else None
+            for save_h in (False, True):
+                v.append(expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=shared, ep_world=ep_world,
+                                            dispatch_format=c.dispatch_format))
+                if self.shared_in_routed:
+                    v.append(expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=True, shared_prefix=True))
+            if self.ep:
+                v.append(gather_variant(h))  # (the backward's rows, from the tokens the launch copied)
+        else:
+            v.append(schedule_variant(c.experts_per_rank, k, TILE))
+            if not self.gather_in_gemm and not self.ep:
+                v.append(gather_variant(h))
+            for save_h in (False, True):
+                v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm)
+            if self.ep:
+                v.append(grouped_gemm_variant(h, i, scatter=True, topk=k))
+            else:
+                v += self._gemm_variants(h, i)
+        if shared:  # in launches of its own (weights that do not lie after the routed experts', or EP)
+            for epilogue in ("swiglu", "swiglu_save"):
+                v.append(grouped_gemm_variant(c.shared_intermediate, h, epilogue=epilogue, persistent=persistent))
+            v.append(grouped_gemm_variant(h, c.shared_intermediate, persistent=persistent))
+        if c.saved_h_format == "mxfp8":  # h kept in MXFP8: the rows in use; a shared expert's own h, every row
+            v += [quantize_mxfp8_variant(bounded=True), quantize_mxfp8_variant(back=True, bounded=True)]
+            if shared:
+                v += [quantize_mxfp8_variant(), quantize_mxfp8_variant(back=True)]
+        return v
+
+    def _backward_variants(self) -> list[KernelVariant]:
+        c, persistent = self.config, self.persistent
+        h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
+        v = [gather_variant(h), gather_variant(h, sources=2)] if not self.ep else []
+        v += self._swiglu_backward_variants(i, h, topk=k)
+        if self.ep:
+            v.append(grouped_gemm_variant(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True))
+            v.append(router_grad_variant(k, i // default_tile_n(i, h, True)))
+            v.append(combine_variant(h, k, shared, gathered=False, unit_weights=True))
+        else:
+            v += self._gemm_variants(h, 2 * i, b_major="n", k_split=True)
+            v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=i // default_tile_n(i, h, True)))
+        v += self._weight_grad_variants(h, i, mxfp8=self.precision == "mxfp8")
+        if shared:
+            s = c.shared_intermediate
+            v.append(grouped_gemm_variant(s, h, epilogue="swiglu_bwd", b_major="n", unit_scale=True, persistent=persistent,
+                                          pingpong=swiglu_backward_pingpong(persistent, default_tile_n(s, h, True))))
+            v.append(grouped_gemm_variant(h, 2 * s, b_major="n", k_split=True, persistent=persistent))
+            v += self._weight_grad_variants(h, s, mxfp8=False)
+        return v
+
+    def _exchange_variants(self) -> list[KernelVariant]:
+        c, w = self.config, self.config.ep_size
+        rows = dict(width=c.hidden, topk=c.topk)
+        v = [ep_variant(kind, w, phase=1) for kind in ("signal", "wait")]
+        v += [ep_variant("publish", w, **rows), ep_variant("routing", w, topk=c.topk), ep_variant("dispatch", w, **rows)]
+        v += [ep_variant("overflow", w, phase=phase, **rows) for phase in (0, 1)]  # (a capacity bound only)
+        if c.dispatch_format == "mxfp8":
+            v += [ep_variant("publish_mxfp8", w, **rows), ep_variant("dispatch_mxfp8", w, **rows)]
+        return v
+
+    def _gemm_variants(self, n: int, k: int, **options) -> list[KernelVariant]:
+        """A routed-expert GEMM in this plan's precision: bf16; MXFP8 (its rows quantized, the weights
+        quantized once per call); emulated (the same operands dequantized into the bf16 GEMM)."""
+        if self.precision == "bf16":
+            return [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
+        options.pop("gather_a", None)
+        quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
+        if self.emulate:
+            options.pop("b_major", None)  # (the transposed copies, K-major)
+            dequantizers = [quantize_mxfp8_variant(back=True, bounded=True), quantize_mxfp8_variant(back=True)]
+            return quantizers + dequantizers + [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
+        options.pop("b_major", None)
+        return quantizers + [grouped_gemm_variant(n, k, persistent=False, operand="e4m3", **options)]
+
+    def _swiglu_backward_variants(self, i: int, h: int, topk: int) -> list[KernelVariant]:
+        if self.precision == "mxfp8" and not self.emulate:
+            quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
+            return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=False, operand="e4m3")]
+        v = []
+        if self.emulate:
+            v += [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True),
+                  quantize_mxfp8_variant(back=True, bounded=True), quantize_mxfp8_variant(back=True)]
+        tile_n = default_tile_n(i, h, True)
+        return v + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", b_major="n", topk=topk, persistent=self.persistent,
+                                         pingpong=swiglu_backward_pingpong(self.persistent, tile_n))]
+
+    def _weight_grad_variants(self, h: int, i: int, *, mxfp8: bool) -> list[KernelVariant]:
+        """dW_down [E, H, I] and [dW_gate; dW_up] [E, 2I, H] (one launch), fresh bf16, and with
+        fuse_wgrad_accumulation added into fp32 buffers (also a half of dh alone: the split-out
+        fallback where the two buffers lie too far apart for one TMA descriptor)."""
+        if mxfp8:
+            persistent, operand = False, "bf16" if self.emulate else "e4m3"
+            v = [quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True)]
+            if self.emulate:
+                v.append(quantize_mxfp8_variant(back=True))
+                persistent = self.persistent
+        else:
+            persistent, operand, v = self.persistent, "bf16", []
+        kinds = [("bf16", False)] + ([("f32", True)] if self.config.fuse_wgrad_accumulation else [])
+        for out, accumulate in kinds:
+            v += [
+                weight_grad_variant(h, i, out, accumulate, persistent=persistent, operand=operand),
+                weight_grad_variant(2 * i, h, out, accumulate, split_out=True, persistent=persistent, operand=operand),
+            ]
+            if accumulate:
+                v.append(weight_grad_variant(i, h, out, accumulate, a_stride=2 * i, persistent=persistent, operand=operand))
+        return v
+
+
+ROUTER_LOGITS_TILE_N = 128  # the router logits' column tile: a narrow output (E columns) gets twice the CTAs of 256-wide tiles
+EXPERT_TILE = 128  # the router's experts are padded to a multiple of the GEMMs' column tile
+
+
+def padded_experts(num_experts: int) -> int:
+    """E rounded up to the GEMMs' column tile (the router logits' width inside its GEMM)."""
+    return -(-num_experts // EXPERT_TILE) * EXPERT_TILE
+
+
+def router_variants(hidden: int, num_experts: int, persistent: bool = True) -> list[KernelVariant]:
+    """The built-in router's GEMMs (mok/router.py), experts padded to a multiple of 128: the
+    logits, their dx (B read [K, N]) and the router weight's gradient (bf16)."""
+    experts = padded_experts(num_experts)
+    return [
+        grouped_gemm_variant(experts, hidden, tile_n=ROUTER_LOGITS_TILE_N, persistent=persistent),
+        grouped_gemm_variant(hidden, experts, b_major="n", persistent=persistent),
+        weight_grad_variant(experts, hidden, "bf16", False, a_stride=experts, persistent=persistent),
+    ]
+
+
+@functools.cache
+def plan_for(config: MoKConfig, arch: str) -> Plan:
+    """The plan of ``config`` on ``arch``; raises (naming what to pass instead) where that layer does
+    not run: widths the fused kernels do not tile, MXFP8 GEMMs without block-scaled MMAs, expert
+    parallelism or one launch without Hopper's persistent GEMMs."""
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
+    arch = normalize_arch(arch)
+    shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
+    check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared})
+    if config.precision == "mxfp8":
+        require_mxfp8_gemms("precision='mxfp8'", arch)
+    why = refusal(config, arch)
+    if why is not None:
+        raise NotImplementedError(why)
+    return Plan(config, arch)
+
+
+def plan_for_device(config: MoKConfig, device) -> Plan:
+    """The plan of ``config`` on a CUDA device's target, where MoK's fused layer runs there and the
+    device is the current one (mok.runtime.arch.check_fused_layer_device says why not)."""
+    return plan_for(config, check_fused_layer_device(device.index))
