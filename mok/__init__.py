@@ -23,8 +23,16 @@ from .schedule import Schedule, build_schedule, worst_case_capacity
 __version__ = "0.1.0"
 
 
+_SUBMODULES = ("ops", "plan", "pipeline", "reference_backward", "mxfp8", "torch_ops", "kernels", "runtime", "bench")
+
+
 def __getattr__(name: str):
-    """MoELayer and the functional API: imported on first use (they pull in the torch.library ops)."""
+    """MoELayer, the functional API and the public submodules (``mok.ops``, ``mok.plan``, ...):
+    imported on first use (they pull in the torch.library ops and the kernels' registry)."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     if name == "MoELayer":
         from .layer import MoELayer
 

@@ -108,6 +108,11 @@ class MoKConfig:
         return asdict(self)
 
 
+def _shared_width(config: "MoKConfig") -> dict:
+    """{"shared_intermediate": I_s} with a shared expert, else {} (a width the user did not give is not named)."""
+    return {} if config.shared_intermediate is None else {"shared_intermediate": config.shared_intermediate}
+
+
 def check_combination(config: "MoKConfig") -> None:
     """Refuse a combination of options no target runs (ValueError naming it); which ones a given
     target does not run is mok.plan's to say."""
@@ -115,11 +120,11 @@ def check_combination(config: "MoKConfig") -> None:
         others = {"ep_size > 1": config.ep_size > 1, "one_launch": config.one_launch}
         if any(others.values()):
             raise ValueError(f"precision={config.precision!r}: not with {', '.join(k for k, v in others.items() if v)} (not written yet)")
-        widths = {"hidden": config.hidden, "intermediate": config.intermediate, "shared_intermediate": config.shared_intermediate or TILE}
+        widths = {"hidden": config.hidden, "intermediate": config.intermediate} | _shared_width(config)
         if any(v % TILE for v in widths.values()):
             raise ValueError(f"precision={config.precision!r}: expected widths that are multiples of {TILE}, got {widths}")
     if config.saved_h_format == "mxfp8":  # h [rows, 2I] in blocks of 32 along its rows: 2I and 2I_s multiples of 32
-        widths = {"intermediate": config.intermediate, "shared_intermediate": config.shared_intermediate or 16}
+        widths = {"intermediate": config.intermediate} | _shared_width(config)
         if any(v % 16 for v in widths.values()):
             raise ValueError(f"saved_h_format='mxfp8': expected widths that are multiples of 16 (h's 2I in blocks of 32), got {widths}")
     if config.dispatch_format == "mxfp8":

@@ -29,17 +29,17 @@ Where it runs:
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import nn
 
 from .config import MoKConfig
+from .main_grad import refuse_compiling
 from .pipeline.stages import shared_expert_as_last
 from .pipeline.workspace import workspace_by_handle
 from .runtime.arch import check_fused_layer_device
-from .torch_ops import config_text, router_logits
-from .validation import check_capacity_factor, check_index_range, check_moe_inputs, check_tensor, check_timeout
+from .torch_ops import config_text, route, router_logits  # noqa: F401 (route: the layer's routing, importable from here)
+from .validation import check_capacity_factor, check_index_range, check_moe_inputs, check_tensor, check_timeout, warn_at_caller
 
 _EP_WARNED = False
 
@@ -49,15 +49,6 @@ def _may_sync(x: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
-def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts in fp32, top-k, weights renormalised to sum to 1: (topk_idx int32, topk_w fp32).
-    (On CUDA the built-in router's logits come from MoK's GEMMs, mok/router.py: a token's routing
-    does not depend on the rest of the batch.)"""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, idx = probs.topk(topk, dim=-1)
-    return idx.to(torch.int32), weights / weights.sum(-1, keepdim=True)
 
 
 def _restack_after_load(module: "MoELayer", incompatible_keys) -> None:
@@ -112,6 +103,12 @@ class MoELayer(nn.Module):
         dispatch_format: str = "bf16",
     ) -> None:
         super().__init__()
+        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            build = "this torch build has no CUDA" if torch.version.cuda is None else "torch.cuda.is_available() is False"
+            raise RuntimeError(
+                f"MoELayer: device={str(device)!r}, but no CUDA GPU is visible ({build}); construct the layer on the CPU "
+                "(the reference path, for tests) or run on a machine with a Hopper GPU and a CUDA build of torch"
+            )
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive int (tokens per rank and call, EP only), got {max_tokens!r}")
         check_capacity_factor(capacity_factor)
@@ -251,6 +248,8 @@ class MoELayer(nn.Module):
         range-checked with one host read unless ``check_routing=False`` (the caller vouches for
         them) or under torch.compile / CUDA-graph capture."""
         c = self.config
+        if c.fuse_wgrad_accumulation:  # (refused while tracing, not first in the traced backward)
+            refuse_compiling()
         check_tensor("x", x, dtypes=(self.gate_proj.dtype,), device=self.gate_proj.device)
         if x.is_cuda and self.gate_proj.dtype != torch.bfloat16:
             raise TypeError(
@@ -339,9 +338,9 @@ class MoELayer(nn.Module):
 
         if not _EP_WARNED:
             _EP_WARNED = True
-            warnings.warn(
+            warn_at_caller(
                 "MoK: expert parallelism on CPU tensors runs through the reference path (all_to_all + fp32 math); "
-                "the fused expert-parallel kernels need the layer and its inputs on GPUs", stacklevel=3,
+                "the fused expert-parallel kernels need the layer and its inputs on GPUs"
             )
         out = moe_reference_ep(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, self.shared_weights(), group=self.group)
         return out.to(x.dtype)

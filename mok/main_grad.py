@@ -19,13 +19,19 @@ from collections.abc import Sequence
 import torch
 
 
-def main_grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's ``main_grad``, checked: fp32, contiguous, of the parameter's shape and device."""
-    if torch.compiler.is_compiling():  # (traced, the weights are stand-ins without their attributes)
+def refuse_compiling() -> None:
+    """fuse_wgrad_accumulation reads each weight's ``main_grad`` attribute, which torch.compile does
+    not trace (traced, the weights are stand-ins without their attributes): refuse it there."""
+    if torch.compiler.is_compiling():
         raise RuntimeError(
             "fuse_wgrad_accumulation: eager mode only (the backward reads each weight's main_grad attribute, which "
             "torch.compile does not trace); compile the layer without it, or run it eagerly"
         )
+
+
+def main_grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's ``main_grad``, checked: fp32, contiguous, of the parameter's shape and device."""
+    refuse_compiling()
     buffers = []
     for i, p in enumerate(params):
         buf = getattr(p, "main_grad", None)

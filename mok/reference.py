@@ -110,7 +110,6 @@ def moe_reference_ep(
     autograd flows through the exchange. Ranks may hold different token counts.
     """
     import torch.distributed as dist
-    from torch.distributed.nn.functional import all_to_all_single  # (differentiable: its backward is the reverse exchange)
 
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
@@ -139,7 +138,7 @@ def moe_reference_ep(
     send_tok = order // topk
     recv_expert = flat_expert.new_empty(num_recv)
     dist.all_to_all_single(recv_expert, flat_expert[order].contiguous(), recv_splits, send_splits, group=group)
-    recv_x = all_to_all_single(xc.new_empty(num_recv, hidden), xc[send_tok].contiguous(), recv_splits, send_splits, group=group)
+    recv_x = AllToAll.apply(xc[send_tok].contiguous(), recv_splits, send_splits, group)
 
     # Expert side: rows arrive in source-rank order, each source in (t, j) order, which is
     # the canonical global order (g = token offset of the source + t, then j).
@@ -152,10 +151,34 @@ def moe_reference_ep(
             out_rows = swiglu_mlp(recv_x[rows], experts.gate[local], experts.up[local], experts.down[local])
             recv_y = recv_y.index_put((rows,), out_rows)
 
-    back_y = all_to_all_single(xc.new_empty(len(order), hidden), recv_y, send_splits, recv_splits, group=group)
+    back_y = AllToAll.apply(recv_y, send_splits, recv_splits, group)
     y = xc.new_zeros(x.shape[0] * topk, hidden).index_put((order,), back_y).view(x.shape[0], topk, hidden)
     base = None if shared is None else _shared_on_global_batch(xc, _upcast(dtype, *shared), group)
     return weighted_sum(y, wc, base)
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows exchanged between ranks (``dist.all_to_all_single``: ``in_splits`` rows of ``rows`` to
+    each rank, ``out_splits`` rows from each), differentiable: the backward is the reverse exchange
+    of the gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = rows.new_empty(sum(out_splits), *rows.shape[1:])
+        dist.all_to_all_single(out, rows, out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        out_splits, in_splits = ctx.splits
+        grad_rows = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(grad_rows, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_rows, None, None, None
 
 
 def _shared_on_global_batch(x: torch.Tensor, shared: list[torch.Tensor], group) -> torch.Tensor:

@@ -117,6 +117,25 @@ def padded_logits_backward(d_logits: Tensor, x: Tensor, weight: Tensor, want_dx:
     return dx, d_weight
 
 
+def route(logits: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    """Softmax over experts in fp32, top-k, weights renormalised to sum to 1: (topk_idx int32, topk_w fp32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, idx = probs.topk(topk, dim=-1)
+    return idx.to(torch.int32), weights / weights.sum(-1, keepdim=True)
+
+
+def route_backward(d_weights: Tensor, logits: Tensor, topk: int) -> Tensor:
+    """The logits' gradient for the routing weights' gradient ``d_weights``: the operations eager
+    autograd runs through :func:`route` (division, sum, top-k's scatter, softmax's backward, the
+    cast back), written out in its order, so the same bits (tests hold it to autograd)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    raw, idx = probs.topk(topk, dim=-1)
+    total = raw.sum(-1, keepdim=True)
+    d_raw = d_weights / total + (-d_weights * ((raw / total) / total)).sum(-1, keepdim=True).expand_as(raw)
+    d_probs = torch.zeros_like(probs).scatter(-1, idx.long(), d_raw)
+    return torch._softmax_backward_data(d_probs, probs, -1, torch.float32).to(logits.dtype)
+
+
 class EagerRouterLogits(torch.autograd.Function):
     """The same two functions as the ops, for eager calls: the GPU machine spent several hundred
     µs of host time per call in torch.library's dispatch of the two ops

@@ -1,5 +1,5 @@
-"""Every MoK op PyTorch sees: ``mok::moe_forward`` / ``mok::moe_backward`` and the router's
-``mok::router_logits`` / ``mok::router_logits_backward``.
+"""Every MoK op PyTorch sees: ``mok::moe_forward`` / ``mok::moe_backward``, the router's
+``mok::router_logits`` / ``mok::router_logits_backward`` and ``mok::route`` / ``mok::route_backward``.
 
 Registered with torch.library so that autograd, ``torch.compile(fullgraph=True)`` and CUDA graphs
 see opaque ops with known output shapes instead of the Python that launches the kernels. One op
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import warnings
 from typing import Optional
 
 import torch
@@ -32,6 +31,7 @@ from .pipeline.workspace import workspace_by_handle
 from .plan import TILE, plan_for_device, shared_in_routed_possible
 from .saved_mxfp8 import PACKED_DTYPE, pack_h, pack_saved, packed_width
 from .schedule import Schedule, build_schedule, shared_prefix_rows, worst_case_capacity
+from .validation import warn_at_caller
 
 _CPU_WARNED = False
 
@@ -50,10 +50,9 @@ def _warn_cpu_once() -> None:
     global _CPU_WARNED
     if not _CPU_WARNED:
         _CPU_WARNED = True
-        warnings.warn(
+        warn_at_caller(
             "MoK: running the MoE layer on the CPU through the reference path (fp32 math, no fused "
-            "kernels); put the layer and its inputs on a Hopper GPU for the fused kernels",
-            stacklevel=3,
+            "kernels); put the layer and its inputs on a Hopper GPU for the fused kernels"
         )
 
 
@@ -326,3 +325,52 @@ def router_logits(x: Tensor, weight: Tensor) -> Tensor:
         return torch.nn.functional.linear(x, weight)
     logits = router_logits_op if torch.compiler.is_compiling() else router.EagerRouterLogits.apply
     return logits(x.contiguous(), weight.contiguous())[:, : weight.shape[0]]
+
+
+# ----- the built-in router's routing (softmax, top-k, renormalised weights)
+
+
+@torch.library.custom_op("mok::route", mutates_args=())
+def route_op(logits: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    """:func:`mok.router.route` as an op torch.compile sees whole (fused, its fp32 arithmetic would
+    round otherwise: compiled steps would route with other weights than eager ones)."""
+    return router.route(logits, topk)
+
+
+@route_op.register_fake
+def _(logits: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    shape = (*logits.shape[:-1], topk)
+    return logits.new_empty(shape, dtype=torch.int32), logits.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("mok::route_backward", mutates_args=())
+def route_backward_op(d_weights: Tensor, logits: Tensor, topk: int) -> Tensor:
+    """:func:`mok.router.route_backward` as an op."""
+    return router.route_backward(d_weights, logits, topk)
+
+
+@route_backward_op.register_fake
+def _(d_weights: Tensor, logits: Tensor, topk: int) -> Tensor:
+    return torch.empty_like(logits)
+
+
+def _route_setup_context(ctx, inputs, output) -> None:
+    logits, topk = inputs
+    ctx.save_for_backward(logits)
+    ctx.topk = topk
+    ctx.mark_non_differentiable(output[0])
+
+
+def _route_backward(ctx, _d_idx, d_weights: Tensor):
+    (logits,) = ctx.saved_tensors
+    return route_backward_op(d_weights.contiguous(), logits, ctx.topk), None
+
+
+route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
+def route(logits: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    """The built-in router's routing (:func:`mok.router.route`): through the op under torch.compile,
+    so that a compiled step routes with the bits of an eager one; directly otherwise (the same
+    functions; an op call costs host time)."""
+    return route_op(logits, topk) if torch.compiler.is_compiling() else router.route(logits, topk)

@@ -8,6 +8,9 @@ was given, so that bad input fails in Python before anything is launched.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -159,3 +162,15 @@ def check_timeout(value: float) -> None:
     take it in int64 nanoseconds)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout_s: expected a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {value!r}")
+
+
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn, attributed to the first frame outside MoK and torch: the user's line that called into
+    the layer or an op, not torch's dispatch that ran MoK's code."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_DIRS):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level + 1)

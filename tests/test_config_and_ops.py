@@ -413,3 +413,19 @@ def test_an_expert_parallel_schedule_knows_its_world_size():
     idx = torch.randint(0, 8, (40, 2), dtype=torch.int32)
     ep = build_schedule(idx, 8, world_size=2, rank=1)
     assert ep.world_size == 2 and build_schedule(idx, 8).world_size == 1
+
+
+def test_public_submodules_are_reachable_after_import_mok():
+    """``import mok`` then ``mok.ops``, ``mok.plan``, ``mok.pipeline``...: each loads on first use,
+    in a fresh interpreter (nothing imported them before), and CuTe DSL is not loaded by it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mok; names = ('ops', 'plan', 'pipeline', 'reference_backward', 'mxfp8', 'torch_ops', 'kernels', 'runtime', 'bench');"
+        "mods = [getattr(mok, n) for n in names]; assert mok.ops.grouped_gemm and mok.plan.plan_for and mok.pipeline.forward;"
+        "print('cutlass' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -1,5 +1,6 @@
 """MoELayer, the custom ops and the functional API on the CPU (the reference path behind the same ops)."""
 
+import copy
 import math
 import warnings
 
@@ -77,6 +78,24 @@ def test_cpu_path_warns_once():
         layer(torch.randn(4, 64))
         layer(torch.randn(4, 64))
     assert sum("reference path" in str(w.message) for w in caught) == 1
+    (warned,) = [w for w in caught if "reference path" in str(w.message)]
+    assert warned.filename == __file__  # attributed to the caller's line, not to torch's dispatch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a CUDA GPU")
+def test_a_cuda_layer_without_a_gpu_says_so():
+    with pytest.raises(RuntimeError, match=r"device='cuda', but no CUDA GPU is visible .*construct the layer on the CPU"):
+        MoELayer(64, 32, 8, 2, device="cuda")
+
+
+def test_refusals_name_only_the_widths_given():
+    """An MXFP8 layer's width check names H and I, and the shared expert's width only when there is one."""
+    with pytest.raises(ValueError, match=r"got \{'hidden': 64, 'intermediate': 32\}$"):
+        MoELayer(64, 32, 8, 2, precision="mxfp8")
+    with pytest.raises(ValueError, match=r"'shared_intermediate': 48\}$"):
+        MoELayer(128, 128, 8, 2, 48, precision="mxfp8")
+    with pytest.raises(ValueError, match=r"got \{'intermediate': 40\}$"):
+        MoELayer(64, 40, 8, 2, saved_h_format="mxfp8")
 
 
 def test_external_routing_gets_the_router_gradient():
@@ -311,6 +330,37 @@ def test_fused_wgrad_accumulation_says_it_is_eager_only_under_torch_compile():
     compiled = torch.compile(layer, fullgraph=True)
     with pytest.raises(Exception, match="fuse_wgrad_accumulation: eager mode only"):
         compiled(torch.randn(3, 64)).sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_backward_is_what_eager_autograd_computes(dtype):
+    """mok.router.route_backward (what the route op's backward runs) against autograd through the
+    eager route: the same bits, fp32 and bf16 logits, ties or not."""
+    from mok.router import route_backward
+
+    g = torch.Generator().manual_seed(11)
+    for num_experts, topk in ((37, 5), (8, 2), (128, 8)):
+        logits = torch.randn(301, num_experts, generator=g).to(dtype).requires_grad_()
+        _, weights = route(logits, topk)
+        d_weights = torch.randn(weights.shape, generator=g)
+        (want,) = torch.autograd.grad(weights, logits, d_weights)
+        assert torch.equal(route_backward(d_weights, logits.detach(), topk), want)
+
+
+def test_compiled_layer_gives_the_eager_bits_with_the_built_in_router():
+    """torch.compile (inductor, fullgraph) of a layer routed by its built-in router: the output and
+    every gradient are the eager step's bits (the routing is an op torch.compile does not fuse)."""
+    torch.manual_seed(12)
+    layer = MoELayer(128, 64, 16, 4, 64, dtype=torch.float32)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(300, 128)
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_eager = layer(x_eager)
+    out_eager.square().sum().backward()
+    out_compiled = torch.compile(twin, fullgraph=True)(x_compiled)
+    out_compiled.square().sum().backward()
+    assert torch.equal(out_eager, out_compiled) and torch.equal(x_eager.grad, x_compiled.grad)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(layer.parameters(), twin.parameters()))
 
 
 def test_torch_compile_fullgraph_two_layers_matches_eager():

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mok.runtime.workspace import PerGroupCache, SymmetricWorkspace, agree_on_spec, check_multicast_allowed
+from mok.runtime.workspace import MULTICAST_OFF_SWITCHES, PerGroupCache, SymmetricWorkspace, agree_on_spec, check_multicast_allowed
 
 from helpers import value_errors_on_two_ranks
 
@@ -24,6 +24,8 @@ def test_multicast_not_requested_is_fine_and_allowed_request_is_not_served():
 
 
 def test_workspace_refuses_multicast_before_touching_anything(monkeypatch):
+    for name in MULTICAST_OFF_SWITCHES:  # (GPU machines set NCCL_NVLS_ENABLE=0: that one would be named)
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")
     with pytest.raises(RuntimeError, match="NVSHMEM_DISABLE_NVLS=1"):
         SymmetricWorkspace(1 << 20, group=object(), multicast=True)

@@ -16,7 +16,6 @@ the peers) and where they go (rows, or the peers' combine slots) is the pipeline
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ from .. import ops
 from ..mxfp8 import rows_scale_layout
 from ..plan import Plan
 from ..schedule import Schedule
-from ..validation import check_tensor
+from ..validation import check_tensor, warn_at_caller
 
 TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to it
 
@@ -107,10 +106,9 @@ def stacked_weights(w_gate, w_up, w_down, shared) -> tuple:
     if stacked is None:
         if not _COPY_WARNED:
             _COPY_WARNED = True
-            warnings.warn(
+            warn_at_caller(
                 "MoK: the shared expert's weights do not lie right after the routed experts' (one [E + 1, ...] "
-                "buffer per projection, as mok.MoELayer allocates them): copying them together on every call",
-                stacklevel=3,
+                "buffer per projection, as mok.MoELayer allocates them): copying them together on every call"
             )
         stacked = tuple(torch.cat([routed, one[None]]) for routed, one in zip((w_gate, w_up, w_down), tuple(shared)))
     return stacked

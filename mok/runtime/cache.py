@@ -4,13 +4,19 @@ A kernel is compiled once per (name, static config, target arch, calling convent
 version and code-changing settings, fingerprint of MoK's kernel sources). The compiled
 host+device code is exported as an object file (CuTe DSL's ``export_to_c``) under
 ``$MOK_CACHE_DIR`` (default ``~/.cache/mok``) and loaded back with ``cute.runtime.load_module``
-by later processes, which then compile nothing. Entries carry a JSON record with the object's SHA-256: a
+by later processes, which then compile nothing. The key holds no install path (a cache built in CI,
+in a container build step or in another venv loads in any environment with the same DSL and MoK
+sources); the loader links the object against the runtime library of the loading process. Entries
+carry a JSON record with the object's SHA-256: a
 corrupt, truncated or unreadable entry is rebuilt, never trusted. A file lock per entry
-makes concurrent processes compile each kernel once and never read a half-written file.
+makes concurrent processes compile each kernel once and never read a half-written file. A cache
+this process cannot write (a read-only image layer, another user's folder) is read without the
+lock, and the kernels it lacks are compiled for this process only (with a warning).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -59,28 +65,60 @@ def dsl_version() -> str:
 def dsl_settings() -> str:
     """The CuTe DSL settings that change the code it compiles (assertions, debug, line info,
     optimisation level, backend, the runtime library it links: cu12 or cu13), as the DSL's own
-    JIT cache keys them, without the target arch (keyed on its own). Read once per process: the
-    DSL reads its environment once too."""
+    JIT cache keys them, without the target arch (keyed on its own) and without install paths
+    (``_path_free``). Read once per process: the DSL reads its environment once too."""
     from cutlass.cutlass_dsl import CuTeDSL
 
     envar = CuTeDSL._get_dsl().envar
     try:
         entries = sorted((e for e in type(envar)._ENV_VAR_SPEC if e.affects_compile and e.key_name != "arch"), key=lambda e: e.key_name)
-    except AttributeError:  # a DSL whose settings are laid out otherwise: its own whole key
-        return envar.cache_key_str()
+    except AttributeError:  # a DSL whose settings are laid out otherwise: its own whole key (paths and
+        return envar.cache_key_str()  # all: at worst a cache that does not move, never a wrong load)
     rendered = []
     for entry in entries:
         value = getattr(envar, entry.key_name)
         if isinstance(value, (set, frozenset)):
             value = tuple(sorted(value, key=repr))
         if value is not None:
-            rendered.append(f"{entry.key_name}={value!r}")
+            rendered.append(f"{entry.key_name}={_path_free(value)!r}")
     return ";".join(rendered)
+
+
+def _path_free(value: Any) -> Any:
+    """``value``, with a setting that names files (one absolute path, or several joined by
+    ``os.pathsep``) replaced by each file's name and the SHA-256 of its content.
+
+    The DSL's ``shared_libs`` setting (``CUTE_DSL_LIBS``, else found next to the installed DSL) is
+    the absolute path of its runtime library, e.g. ``<venv>/.../nvidia_cutlass_dsl/cu13/lib/
+    libcute_dsl_runtime.so``. Keyed as such, a byte-identical environment at another path (a
+    copied venv, a container, CI) missed every entry. What the setting selects is the library,
+    not its location: the content hash tells cu12 from cu13 and a custom build from the wheel's,
+    and the path is not in the exported object, which ``cute.runtime.load_module`` links against
+    the runtime library the loading process finds (its own ``shared_libs``). A value naming
+    anything else (a folder, a path that does not exist) is kept as it is: a cache that does not
+    move is safe, a wrong load would not be."""
+    if not isinstance(value, str) or not value:
+        return value
+    parts = value.split(os.pathsep)
+    if not all(os.path.isabs(p) and os.path.isfile(p) for p in parts):
+        return value
+    return os.pathsep.join(f"{os.path.basename(p)}@sha256:{_content_sha256(p)}" for p in parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _content_sha256(path: str) -> str:
+    """SHA-256 of a (large) file, read in blocks: ~0.05 s for the 43 MB runtime library, once per process."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_source_fingerprint() -> str:
-    """SHA-256 over every kernel source file: any edit to a kernel invalidates its entries."""
+    """SHA-256 over every kernel source file: any edit to a kernel invalidates its entries. It hashes
+    each file's path relative to ``mok/kernels`` and its content, never where MoK is installed."""
     digest = hashlib.sha256()
     for path in sorted(_KERNEL_SOURCES.rglob("*.py")):
         digest.update(str(path.relative_to(_KERNEL_SOURCES)).encode())
@@ -111,6 +149,7 @@ class KernelCache:
         self._by_key: dict[tuple, Any] = {}  # (name, config items, arch, convention) -> kernel: the per-call fast path
         self._modules: dict[str, Any] = {}  # keeps loaded object files alive
         self._lock = threading.Lock()
+        self._warned_unwritable = False
 
     # ---- keys and paths -------------------------------------------------------------
     @staticmethod
@@ -161,15 +200,23 @@ class KernelCache:
                 self.stats.memory_hits += 1
                 return fn
             obj_path, meta_path, lock_path = self._paths(name, digest)
-            obj_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(lock_path, "a") as lock_file:
-                fcntl.flock(lock_file, fcntl.LOCK_EX)
-                try:
-                    fn = self._load(record, digest, obj_path, meta_path)
-                    if fn is None:
-                        fn = self._compile_and_store(record, digest, obj_path, meta_path, build)
-                finally:
-                    fcntl.flock(lock_file, fcntl.LOCK_UN)
+            try:
+                obj_path.parent.mkdir(parents=True, exist_ok=True)
+                lock_file = open(lock_path, "a")
+            except OSError as err:  # a cache this process cannot write (a read-only image layer, another user's):
+                fn = self._load(record, digest, obj_path, meta_path)  # read it unlocked (entries are replaced whole)
+                if fn is None:
+                    self._warn_unwritable(err)
+                    fn, _ = self._compile(build)  # and keeps what it lacks in memory only
+            else:
+                with lock_file:
+                    fcntl.flock(lock_file, fcntl.LOCK_EX)
+                    try:
+                        fn = self._load(record, digest, obj_path, meta_path)
+                        if fn is None:
+                            fn = self._compile_and_store(record, digest, obj_path, meta_path, build)
+                    finally:
+                        fcntl.flock(lock_file, fcntl.LOCK_UN)
             self._memory[digest] = fn
             self._by_key[(name, tuple(sorted(config.items())), arch, convention())] = fn
             return fn
@@ -194,17 +241,26 @@ class KernelCache:
         except Exception as err:  # any unreadable entry is rebuilt, never trusted
             log.warning("MoK cache: rebuilding %s (%s): %s", obj_path.name, record["name"], err)
             for path in (obj_path, meta_path):
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # (a read-only cache keeps it; this process compiles its own)
+                    path.unlink(missing_ok=True)
             return None
         self._modules[digest] = module
         self.stats.disk_loads += 1
         return fn
 
-    def _compile_and_store(self, record: dict, digest: str, obj_path: Path, meta_path: Path, build: Callable[[], Any]) -> Any:
+    def _compile(self, build: Callable[[], Any]) -> tuple[Any, float]:
         start = time.perf_counter()
         fn = build()
-        seconds = time.perf_counter() - start
         self.stats.compiles += 1
+        return fn, time.perf_counter() - start
+
+    def _warn_unwritable(self, err: OSError) -> None:
+        if not self._warned_unwritable:
+            self._warned_unwritable = True
+            log.warning("MoK cache: cannot write to %s (%s): the kernels it lacks are compiled for this process only", self.directory, err)
+
+    def _compile_and_store(self, record: dict, digest: str, obj_path: Path, meta_path: Path, build: Callable[[], Any]) -> Any:
+        fn, seconds = self._compile(build)
         prefix = self._prefix(record["name"], digest)
         with tempfile.TemporaryDirectory(dir=obj_path.parent) as tmp:
             if record["calling"] == "tvm_ffi":  # (its export writes the object file itself)

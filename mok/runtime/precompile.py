@@ -9,6 +9,7 @@ on a GPU of that arch loads them from disk and compiles nothing.
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from typing import TextIO
 
@@ -34,6 +35,11 @@ def precompile(config: MoKConfig, arch: str, cache: KernelCache, out: TextIO = s
         variants = plan_for(config, arch).variants()
     except NotImplementedError as why:
         raise ValueError(f"precompile: a layer of this configuration does not run on {arch}: {why}") from None
+    try:  # (a cache a process cannot write is only read, what it lacks compiled in memory: here that is an error)
+        cache.directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=cache.directory).close()
+    except OSError as err:
+        raise OSError(f"precompile: cannot write to the cache directory {cache.directory}: {err.strerror or err}") from None
     before = CacheStats(**vars(cache.stats))
     for i, variant in enumerate(variants):
         out.write(f"\r{_bar(i, len(variants))} {variant.describe()} for {arch} ...")
