@@ -132,9 +132,9 @@ def forward(
 ) -> tuple[torch.Tensor, LayerContext]:
     """Layer output [T, H] bf16 and the context ``backward`` takes (mok.pipeline.forward, as
     ``config`` says: precision, one launch, saved-h format, dispatch format; with
-    ``saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py). ``check_routing``
-    range-checks the expert ids (one host read; pass False inside CUDA-graph capture);
-    ``timeout_s`` (EP > 1) bounds every wait on a peer rank."""
+    ``saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py; with "recompute" no h,
+    the backward computes it again). ``check_routing`` range-checks the expert ids (one host read;
+    pass False inside CUDA-graph capture); ``timeout_s`` (EP > 1) bounds every wait on a peer rank."""
     plan = _plan(config, workspace, x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, check_routing)
     res = pipeline.forward(
         plan, x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, workspace=workspace, save=save_for_backward,

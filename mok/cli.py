@@ -71,7 +71,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="the routed experts' GEMM operands; mxfp8 (sm_100a) and mxfp8_emulated add their kernels (MoKConfig.precision)")
     p.add_argument("--saved-h-format", choices=SAVED_H_FORMATS, default="bf16",
-                   help="how h is kept for the backward; mxfp8 adds its quantize kernels (MoKConfig.saved_h_format)")
+                   help="how h is kept for the backward; mxfp8 adds its quantize kernels, recompute the gate/up GEMM in the backward "
+                        "(MoKConfig.saved_h_format)")
 
 
 def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=None) -> tuple[MoKConfig, str | None]:

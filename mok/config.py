@@ -13,7 +13,7 @@ from .validation import check_positive_int
 
 TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
 PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated")  # the expert GEMMs' operands (mok/pipeline/stages.py)
-SAVED_H_FORMATS = ("bf16", "mxfp8")  # how h is kept for the backward (mok/saved_mxfp8.py)
+SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute")  # how h is kept for the backward (mok/saved_mxfp8.py), or not kept
 DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
 
 
@@ -37,10 +37,14 @@ class MoKConfig:
     EP > 1; the same bits.
     fuse_wgrad_accumulation: the backward adds the expert weights' gradients into fp32
     ``main_grad`` buffers (mok/main_grad.py); its weight-gradient kernels are then the fp32
-    accumulating ones. saved_h_format: "bf16" (default) or "mxfp8": h, the SwiGLU inputs kept for
-    the backward, in MXFP8 (mok/saved_mxfp8.py; I and I_s multiples of 16): 33/64 of the bytes, a
-    quantize launch in the forward and a dequantize launch in the backward (two each with a shared
-    expert in launches of its own), ~3-4% relative error in the expert gradients.
+    accumulating ones. saved_h_format: how h, the SwiGLU inputs the backward needs (k·2I values per
+    token), lives between forward and backward: "bf16" (default); "mxfp8" (mok/saved_mxfp8.py; I and
+    I_s multiples of 16): 33/64 of the bytes, a quantize launch in the forward and a dequantize
+    launch in the backward (two each with a shared expert in launches of its own), ~3-4% relative
+    error in the expert gradients; "recompute": not kept, the backward runs the gate/up GEMM again
+    right before the SwiGLU backward (the same GEMM on the same rows: the same h, the same
+    gradients, bit for bit; about a fifth more FLOPs a step; at EP > 1 the rows this rank pulled
+    are kept, H values per row, and h comes from them).
     dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
     one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
     compute on its rounding (mok/pipeline/exchange.py).
@@ -103,6 +107,11 @@ class MoKConfig:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_intermediate is not None
+
+    @property
+    def recomputes_h(self) -> bool:
+        """Whether the backward computes h again instead of the forward keeping it."""
+        return self.saved_h_format == "recompute"
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -73,7 +73,9 @@ class MoELayer(nn.Module):
     of returning them; the router's gradient is returned as usual.
     ``saved_h_format="mxfp8"``: h, the SwiGLU inputs kept for the backward (the layer's largest
     saved activation, k·2I values per token), is kept in MXFP8 (mok/saved_mxfp8.py): 33/64 of the
-    bytes, ~3-4% relative error in the expert gradients.
+    bytes, ~3-4% relative error in the expert gradients. ``saved_h_format="recompute"``: h is not
+    kept; the backward runs the gate/up GEMM again (the same bits as keeping it, about a fifth more
+    FLOPs a step).
     ``dispatch_format="mxfp8"`` (EP > 1): x crosses to the experts' ranks in MXFP8 and the routed
     experts compute on its rounding (mok/pipeline/exchange.py); not on the CPU reference path.
     ``precision="mxfp8"``: every routed-expert GEMM of forward and backward on MXFP8 operands (the

@@ -146,6 +146,8 @@ class Plan:
         else:
             v += self._gemm_variants(h, 2 * i, b_major="n", k_split=True)
             v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=i // default_tile_n(i, h, True)))
+        if c.recomputes_h:  # the gate/up GEMM again, as the forward's stages run it (also after a one-launch forward)
+            v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm)
         v += self._weight_grad_variants(h, i, mxfp8=self.precision == "mxfp8")
         if shared:
             s = c.shared_intermediate

@@ -63,7 +63,7 @@ def _shared(sg, su, sd):
 def forward_outputs(config: MoKConfig, x: Tensor, topk_idx: Tensor, workspace: int, save: bool, stacked: bool) -> dict:
     """Every output of ``mok::moe_forward`` as (shape, dtype), by name in output order: out, h,
     shared_h, x_rows, routing, then the schedule's tensors (mok.schedule.Schedule.FIELDS). h and
-    shared_h are empty unless saved (shared_h also when the shared expert ran as expert E,
+    shared_h are empty unless saved (and not with saved_h_format="recompute"; shared_h also when the shared expert ran as expert E,
     ``stacked``: h[:T] holds it; outputs may not alias), x_rows and routing unless at EP > 1."""
     num_tokens, topk = topk_idx.shape
     num_local, inter, hidden = config.experts_per_rank, config.intermediate, config.hidden
@@ -76,10 +76,11 @@ def forward_outputs(config: MoKConfig, x: Tensor, topk_idx: Tensor, workspace: i
     shared_inter = config.shared_intermediate or 0
     packed = config.saved_h_format == "mxfp8"
     h_dtype, width = (PACKED_DTYPE, packed_width) if packed else (x.dtype, lambda w: w)
-    own_shared_h = save and config.has_shared_expert and not stacked
+    keep_h = save and not config.recomputes_h
+    own_shared_h = keep_h and config.has_shared_expert and not stacked
     return {
         "out": ((num_tokens, hidden), x.dtype),
-        "h": ((rows if save else 0, width(2 * inter)), h_dtype),
+        "h": ((rows if keep_h else 0, width(2 * inter)), h_dtype),
         "shared_h": ((num_tokens if own_shared_h else 0, width(2 * shared_inter)), h_dtype),
         "x_rows": ((rows if save and workspace else 0, hidden), x.dtype),
         "routing": ((pairs if workspace else 0, topk), torch.int32),
@@ -149,7 +150,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     outs["out"] = moe_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared).to(x.dtype)
     sched = build_schedule(topk_idx, w_gate.shape[0], block_m=TILE, shared_prefix=stacked)
     outs |= dict(zip(Schedule.FIELDS, [t.to(torch.int32) for t in sched.tensors()]))
-    if save:  # what the fused gate/up GEMM saves: [x_row·w_gateᵀ | x_row·w_upᵀ] per buffer row
+    if save and not cfg.recomputes_h:  # what the fused gate/up GEMM saves: [x_row·w_gateᵀ | x_row·w_upᵀ] per buffer row
         h = x.new_zeros(sched.capacity, 2 * cfg.intermediate)
         rows = sched.row_token.long()
         experts = sched.tile_expert.long().repeat_interleave(TILE)
@@ -194,6 +195,8 @@ def moe_backward_op(
         sched = Schedule.of_tensors(schedule, TILE, shared_rows=schedule[2].shape[0] - routed_rows)
     else:
         sched = Schedule.of_tensors(schedule, TILE, world_size=ws.layout.world)
+    if cfg.recomputes_h:  # (none kept: the backward computes them again)
+        h = shared_h = None
     res = ForwardResult(None, sched, h, shared_h if shared is not None else None, x_rows if ws is not None else None,
                         routing if ws is not None else None)
     g = pipeline.backward(

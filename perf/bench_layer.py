@@ -16,7 +16,13 @@ against the dense GEMM at 3x its FLOPs; "main_grad fused" adds the weight gradie
 main_grad buffers inside the backward (``fuse_wgrad_accumulation``), "main_grad add" takes bf16
 gradients and adds them afterwards, as a loop without it would; "mok mxfp8 h" keeps h in MXFP8
 between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is left out of the
-same-bits check).
+same-bits check); "mok recompute" keeps no h and runs the gate/up GEMM again in the backward
+(``saved_h_format="recompute"``: the same bits).
+
+``--memory`` measures instead, per saved_h_format: what ``mok.forward`` keeps for the backward
+beyond x (bytes per token and layer), and a forward + backward through a stack of 4 layers
+(mok.MoELayer, the config's routing in every layer): what is held between them and the peak
+(torch.cuda.max_memory_allocated), both above the weights and inputs.
 
 Each path is timed alone at its own steady state (``--sustained S``, mok.bench.time_ms_sustained),
 with the SM clock, power and temperature it ran at: an H200 under these loads sits at its 700 W
@@ -113,6 +119,51 @@ def mok_train_step_then_add(inputs, dout, main_grads):
     return grads
 
 
+def saved_bytes_per_token(inputs, saved_h_format: str) -> float:
+    """What ``mok.forward`` keeps for the backward beyond x (h, the shared expert's h, the
+    schedule's tensors, as allocated), per token."""
+    x, idx, w, experts, shared = inputs
+    _, ctx = mok.forward(config_of(inputs, saved_h_format=saved_h_format), None, x, idx, w, *experts, shared, check_routing=False)
+    s = ctx.saved
+    kept = [s.h, s.shared_h, s.x_rows, s.routing, *s.schedule.tensors()]
+    return sum(t.numel() * t.element_size() for t in kept if t is not None) / x.shape[0]
+
+
+def stack_memory_gib(inputs, saved_h_format: str, layers: int = 4) -> tuple[float, float]:
+    """(held between forward and backward, peak of the step) in GiB above the weights and inputs,
+    for forward + backward through ``layers`` MoE layers of these shapes and this routing."""
+    x, idx, w, experts, shared = inputs
+    H, I, E, k = x.shape[1], experts[0].shape[1], experts[0].shape[0], idx.shape[1]
+    stack = [mok.MoELayer(H, I, E, k, shared_intermediate=None if shared is None else shared[0].shape[0], device="cuda",
+                          saved_h_format=saved_h_format) for _ in range(layers)]
+    x_in, dout = x.clone().requires_grad_(), torch.randn_like(x)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = x_in
+    for layer in stack:
+        y = layer(y, topk_idx=idx, topk_w=w)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    y.backward(dout)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del stack, y, x_in
+    torch.cuda.empty_cache()
+    return held / 2**30, peak / 2**30
+
+
+def print_memory(configs: list[str]) -> None:
+    """The --memory table (module docstring)."""
+    print(f"{'config':<12}{'saved_h_format':<16}{'saved B/token':>14}{'4 layers held GiB':>19}{'peak GiB':>10}")
+    for name in configs:
+        inputs = make_inputs(*CONFIGS[name])
+        for fmt in ("bf16", "mxfp8", "recompute"):
+            per_token = saved_bytes_per_token(inputs, fmt)
+            held, peak = stack_memory_gib(inputs, fmt)
+            print(f"{name:<12}{fmt:<16}{per_token:>14.0f}{held:>19.2f}{peak:>10.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="dsv3,qwen3,dsv3-zipf,qwen3-small")
@@ -126,8 +177,12 @@ def main() -> int:
     parser.add_argument("--paths", default="", help="MoK paths to time, comma-separated (default: all; torch and dense always)")
     parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
     parser.add_argument("--profile-paths", default="mok", help="at EP 1: the paths whose kernels are printed, comma-separated (default: mok)")
+    parser.add_argument("--memory", action="store_true", help="measure what each saved_h_format keeps and a 4-layer step's peak instead")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.memory:
+        print_memory(args.configs.split(","))
+        return 0
     header = f"{'config':<12}{'path':<17}{'ms':>9}{'TFLOP/s':>9}{'vs torch':>9}{'of dense':>9}{'launches':>9}"
     if args.sustained:
         header += f"{'MHz':>7}{'W':>6}{'C':>4}"
@@ -154,6 +209,7 @@ def main() -> int:
             paths["main_grad add"] = lambda: mok_train_step_then_add(inputs, dout, main_grads)
             paths["main_grad fused"] = lambda: mok_train_step(inputs, dout, main_grads=main_grads)
             paths["mok mxfp8 h"] = lambda: mok_train_step(inputs, dout, saved_h_format="mxfp8")
+            paths["mok recompute"] = lambda: mok_train_step(inputs, dout, saved_h_format="recompute")
         else:
             paths = {
                 "mok": lambda: mok_forward(inputs),

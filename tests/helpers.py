@@ -148,19 +148,20 @@ def warm_up_training(layout, per_rank_args, per_rank_dout, capacity=None, **forw
     backward_ws = EPWorkspace.local_group(layout, capacity=capacity)
     for f, b, a, d in zip(forward_ws, backward_ws, per_rank_args, per_rank_dout):
         s = ep_moe_forward_saved(f, *a, timeout_s=1e-4, **forward)
-        ep_moe_backward(b, d, *a, s, timeout_s=1e-4)
+        ep_moe_backward(b, d, *a, s, timeout_s=1e-4, **forward)
         torch.cuda.synchronize()
 
 
 def run_train_ranks(workspaces, per_rank_args, per_rank_dout, timeout_s=20.0, check=True, **forward):
-    """Forward (keeping h) then backward on every rank, each on its own stream."""
+    """Forward (keeping h) then backward on every rank, each on its own stream (``forward``: both
+    calls' MoKConfig options, as the layer passes one config to both)."""
     streams = [torch.cuda.Stream() for _ in workspaces]
     results = []
     torch.cuda.synchronize()
     for ws, args, dout, stream in zip(workspaces, per_rank_args, per_rank_dout, streams):
         with torch.cuda.stream(stream):
             saved = ep_moe_forward_saved(ws, *args, timeout_s=timeout_s, **forward)
-            results.append((saved.out, ep_moe_backward(ws, dout, *args, saved, timeout_s=timeout_s)))
+            results.append((saved.out, ep_moe_backward(ws, dout, *args, saved, timeout_s=timeout_s, **forward)))
     torch.cuda.synchronize()
     for ws in workspaces if check else ():
         ws.check()
@@ -449,3 +450,26 @@ def ep_moe_backward(ws, dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared,
         plan, dout, x, topk_idx, topk_w, experts, shared, saved, workspace=ws, grad_dtype=grad_dtype, main_grads=main_grads,
         weight_grads=weight_grads, timeout_s=timeout_s,
     )
+
+
+def opchecked_layer_ops(**options) -> list:
+    """torch.library.opcheck of mok::moe_forward and mok::moe_backward on a small CPU layer (6
+    tokens, H 64, I 32, 8 experts, top-2, a shared expert of width 48) with MoKConfig ``options``;
+    returns the forward op's saved outputs (h, shared_h, x_rows, routing, *schedule)."""
+    from mok.config import MoKConfig
+    from mok.layer import MoELayer, route
+    from mok.torch_ops import config_text
+
+    torch.manual_seed(1)
+    layer = MoELayer(64, 32, 8, 2, shared_intermediate=48, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 64, generator=g)
+    idx, w = route(torch.randn(6, 8, generator=g), 2)
+    weights = [t.detach() for t in (layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights())]
+    config = config_text(MoKConfig(64, 32, 8, 2, shared_intermediate=48, **options))
+    fwd_args = (x, idx, w, *weights, config, 0, True, False, 5.0)
+    torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
+    _, *saved = torch.ops.mok.moe_forward(*fwd_args)
+    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, saved, config, 0, 5.0, [])
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    return saved

@@ -13,9 +13,9 @@ from helpers import rel_err, worst_entry_err, worst_row_err
 pytestmark = pytest.mark.gpu
 
 
-def make_layer(seed=0, shared=256):
+def make_layer(seed=0, shared=256, **options):
     torch.manual_seed(seed)
-    return MoELayer(512, 256, 16, 4, shared_intermediate=shared, device="cuda")
+    return MoELayer(512, 256, 16, 4, shared_intermediate=shared, device="cuda", **options)
 
 
 def external_routing(T, E=16, k=4, seed=1):
@@ -97,8 +97,9 @@ def test_one_launch_layer_gives_the_default_layers_bits_eager_and_compiled():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_forward_backward_cuda_graph_equals_eager():
-    layer = make_layer(seed=3)
+@pytest.mark.parametrize("options", [{}, {"saved_h_format": "recompute"}])
+def test_forward_backward_cuda_graph_equals_eager(options):
+    layer = make_layer(seed=3, **options)
     x = torch.randn(256, 512, device="cuda").bfloat16()
     idx, w = external_routing(256, seed=4)
     dout = torch.randn(256, 512, device="cuda").bfloat16()

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from mok.config import MoKConfig
-from mok.layer import MoELayer, route
+from mok.layer import MoELayer
 from mok.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from mok.pipeline import ForwardResult
 from mok.plan import plan_for
 from mok.saved_mxfp8 import pack_h, pack_saved, packed_width, unpack_h, unpack_saved
 from mok.schedule import build_schedule
-from mok.torch_ops import config_text
+
+from helpers import opchecked_layer_ops
 
 
 def random_h(rows, width, seed):
@@ -69,7 +70,7 @@ def test_saved_state_round_trip_drops_the_shared_prefix_alias_and_leaves_bf16_al
 
 
 def test_the_format_is_checked_where_it_is_given():
-    with pytest.raises(ValueError, match=r"saved_h_format: expected one of \('bf16', 'mxfp8'\), got 'fp8'"):
+    with pytest.raises(ValueError, match=r"saved_h_format: expected one of \('bf16', 'mxfp8', 'recompute'\), got 'fp8'"):
         MoKConfig(256, 128, 8, 2, saved_h_format="fp8")
     with pytest.raises(ValueError, match="saved_h_format: expected one of"):
         MoELayer(64, 32, 8, 2, dtype=torch.float32, saved_h_format="e4m3")
@@ -117,17 +118,5 @@ def test_layer_keeps_h_packed_through_its_ops(shared):
 
 
 def test_custom_ops_with_a_packed_h_pass_opcheck():
-    torch.manual_seed(1)
-    layer = MoELayer(64, 32, 8, 2, shared_intermediate=48, dtype=torch.float32)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 64, generator=g)
-    idx, w = route(torch.randn(6, 8, generator=g), 2)
-    weights = [t.detach() for t in (layer.gate_proj, layer.up_proj, layer.down_proj, *layer.shared_weights())]
-    config = config_text(MoKConfig(64, 32, 8, 2, shared_intermediate=48, saved_h_format="mxfp8"))
-    fwd_args = (x, idx, w, *weights, config, 0, True, False, 5.0)
-    torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
-    _, *saved = torch.ops.mok.moe_forward(*fwd_args)
-    h, shared_h = saved[:2]
+    h, shared_h = opchecked_layer_ops(saved_h_format="mxfp8")[:2]
     assert h.dtype == shared_h.dtype == torch.uint8 and shared_h.shape == (6, packed_width(96))
-    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, saved, config, 0, 5.0, [])
-    torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))

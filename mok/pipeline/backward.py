@@ -22,6 +22,8 @@ single-GPU backward's of the concatenated batch, bit for bit. An h kept in MXFP8
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import ops
@@ -80,14 +82,17 @@ def backward(
             f"saved.schedule: has {sched.shared_rows} rows of a shared expert in front; expected a shared expert of the "
             f"routed experts' shapes and {shared_prefix_rows(num_tokens, sched.block_m)} rows for {num_tokens} tokens"
         )
-    if shared is not None and not sched.shared_rows and saved.shared_h is None:
+    if shared is not None and not sched.shared_rows and saved.shared_h is None and not plan.config.recomputes_h:
         raise ValueError("saved: the forward did not keep the shared expert's h; call it with save=True")
-    saved = unpack_saved(saved, inter, shared_inter)  # (an MXFP8 h back to bf16: the used rows)
-    check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * inter), device=x.device, contiguous=True)
-    if shared is not None and not sched.shared_rows:
-        check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared_inter), device=x.device,
-                     contiguous=True)
+    if not plan.config.recomputes_h:
+        saved = unpack_saved(saved, inter, shared_inter)  # (an MXFP8 h back to bf16: the used rows)
+        check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * inter), device=x.device, contiguous=True)
+        if shared is not None and not sched.shared_rows:
+            check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared_inter),
+                         device=x.device, contiguous=True)
     check_on_gpu(x)
+    if plan.config.recomputes_h:
+        saved = recomputed_h(plan, saved, x, weights, shared)
     mains = (None, None) if main_grads is None else (main_grads[:3], main_grads[3:])
     if plan.ep:
         check_timeout(timeout_s)
@@ -121,6 +126,32 @@ def backward(
         dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w)
     )
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
+
+
+def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tuple, shared: tuple | None) -> ForwardResult:
+    """``saved`` with h (and the shared expert's h) computed again, as the forward computed them: the
+    gate/up stage on the same rows with the same weights (at one GPU gathered from x, with the shared
+    expert as expert E when the forward ran it so; at EP > 1 the rows this rank pulled, which the
+    forward kept), so the same bits (saved_h_format="recompute")."""
+    sched, inter = saved.schedule, weights[0].shape[1]
+    h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=x.device)
+    if plan.ep:
+        rows, gather, expert_weights = saved.x_rows, False, weights
+    else:
+        rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
+        gather = plan.gather_in_gemm
+        expert_weights = stages.stacked_weights(*weights, shared) if sched.shared_rows else weights
+        if plan.precision == "mxfp8":
+            expert_weights = stages.quantize_expert_weights(*weights)
+    stages.gate_up(plan, rows, sched, expert_weights, h, gather=gather)
+    shared_h = None
+    if sched.shared_rows:
+        shared_h = h[: x.shape[0]]
+    elif shared is not None:
+        shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
+        tiles = stages.single_expert_tiles(x.shape[0], x.device)
+        ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=shared_h)  # (as shared_expert_forward's first GEMM)
+    return dataclasses.replace(saved, h=h, shared_h=shared_h)
 
 
 def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,

@@ -14,8 +14,9 @@ With ``one_launch`` every stage but the shared expert's (when it runs on its own
 launch, at one GPU or per rank at EP > 1: the same operations in the same order, the same bits.
 Every kernel's configuration depends on static shapes only, so a token's output does not depend
 on the rest of the batch, and at EP > 1 it is the single-GPU forward's of the concatenated batch,
-bit for bit. Saved for the backward: h, the schedule (and at EP > 1 the pulled rows and every
-rank's routing), never a or y.
+bit for bit. Saved for the backward: h (unless saved_h_format="recompute": then the backward runs
+the gate/up GEMM again), the schedule (and at EP > 1 the pulled rows and every rank's routing),
+never a or y.
 """
 
 from __future__ import annotations
@@ -127,11 +128,12 @@ def forward(
     prefix = shared_prefix_rows(num_tokens, TILE_M) if stacked is not None else 0
     # (refused before any launch: the expert rows' buffers, h [rows, 2I], a [rows, I], y [rows, H], are 32-bit indexed)
     check_32bit_rows("the expert rows (h, a, y)", prefix + capacity, max(hidden, (2 if save else 1) * inter))
-    h = torch.empty(prefix + capacity, 2 * inter, dtype=x.dtype, device=x.device) if save else None
+    keep_h = keeps_h(plan, save)
+    h = torch.empty(prefix + capacity, 2 * inter, dtype=x.dtype, device=x.device) if keep_h else None
     shared_h = None
     if stacked is not None:
         shared_h = None if h is None else h[:num_tokens]
-    elif save and shared is not None:
+    elif keep_h and shared is not None:
         shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
     if plan.one_launch:
         shared_out = None if shared is None or stacked is not None else stages.shared_expert_forward(x, shared, shared_h)
@@ -152,6 +154,11 @@ def forward(
         shared_out = y_rows[:num_tokens]  # (the shared expert's rows lead the buffer)
     out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
     return ForwardResult(out, sched, h, shared_h)
+
+
+def keeps_h(plan: Plan, save: bool) -> bool:
+    """Whether a forward keeps h for its backward: when saving, unless the backward recomputes it."""
+    return save and not plan.config.recomputes_h
 
 
 def _stacked_weights(plan: Plan, weights: tuple, shared: tuple | None, shared_in_routed: bool | None) -> tuple | None:
@@ -175,9 +182,10 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
     c, dev = plan.config, x.device
     num_tokens, num_local, inter = x.shape[0], weights[0].shape[0], weights[0].shape[1]
     ws.raise_pending()
+    keep_h = keeps_h(plan, save)
     if plan.one_launch:
-        h = torch.empty(ws.expert_rows(num_local, TILE_M), 2 * inter, dtype=x.dtype, device=dev) if save else None
-        shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if save and shared is not None else None
+        h = torch.empty(ws.expert_rows(num_local, TILE_M), 2 * inter, dtype=x.dtype, device=dev) if keep_h else None
+        shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if keep_h and shared is not None else None
         shared_out = None if shared is None else stages.shared_expert_forward(x, shared, shared_h)
         out, sched, routing, x_all = exchange.one_launch_forward(
             ws, x, topk_idx, topk_w, weights, shared_out, h, timeout_s=timeout_s, dispatch_format=c.dispatch_format
@@ -190,8 +198,8 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
     exchange.publish(ws, kernels, ("x", x), ("idx", topk_idx), stream, rows_format=c.dispatch_format)
     routing = exchange.gather_ranks(ws, kernels, "idx", timeout_s, stream)  # every rank's routing -> this rank's schedule -> pull
     sched = ops.device_schedule(routing, c.num_experts, rank=ws.rank, world_size=c.ep_size, capacity=ws.capacity)
-    h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=dev) if save else None
-    shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if save and shared is not None else None
+    h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=dev) if keep_h else None
+    shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if keep_h and shared is not None else None
     x_rows = exchange.pull_rows(ws, kernels, "x", sched, stream, rows_format=c.dispatch_format)
     a = stages.gate_up(plan, x_rows, sched, weights, h, gather=False)
     exchange.push_rows(ws, a, weights[2], sched)  # each y row straight into its token's slot on the token's rank
@@ -210,7 +218,7 @@ def check_saved(name: str, saved, plan: Plan, num_tokens: int, topk: int, num_lo
 
     if not isinstance(saved, ForwardResult):
         raise TypeError(f"{name}: expected the ForwardResult of a forward with save=True, got {type(saved).__name__}")
-    if saved.h is None:
+    if saved.h is None and not plan.config.recomputes_h:
         raise ValueError(f"{name}: the forward did not keep h; call it with save=True")
     pairs = workspace.layout.world * workspace.layout.max_tokens if plan.ep else num_tokens
     sched = check_schedule(f"{name}.schedule", saved.schedule, num_tokens=pairs, topk=topk, num_experts=num_local, device=device)
