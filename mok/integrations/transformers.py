@@ -1,0 +1,498 @@
+"""MoK as a Hugging Face transformers experts backend.
+
+transformers (5.x) runs an MoE model's experts through its ``ExpertsInterface``
+(``transformers.integrations.moe``): every experts class decorated with
+``@use_experts_implementation(...)`` looks its forward up by ``config._experts_implementation``
+("eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe", ...). Importing this module registers
+one more, ``"mok"``::
+
+    import mok.integrations.transformers as mok_hf   # registers experts_implementation="mok"
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, experts_implementation="mok")
+    model.set_experts_implementation("mok")          # or switch a model already built
+    mok_hf.apply(model)                              # or: check every experts module now, switch them, and
+                                                     # run DeepSeek-V3's shared experts in MoK's launches too
+
+What runs on MoK: the routed experts, ``out[t] = Σ_j w[t, j]·(silu(x[t]·W_gateᵀ)·(x[t]·W_upᵀ))·W_downᵀ``
+with the model's own router's top-k ids and weights (softmax or sigmoid, group-limited top-k, bias
+correction, scaling all stay the model's code; the weights' gradient flows back through it). The
+op is ``torch.ops.mok.moe_forward`` (mok/torch_ops.py): MoK's fused kernels on a Hopper GPU (bf16,
+H and I multiples of 128), the fp32 reference on the CPU (any widths MoKConfig takes).
+
+Weights: transformers stores each family's experts as ``gate_up_proj`` [E, 2I, H] (gate rows first)
+and ``down_proj`` [E, H, I]. ``down_proj`` is MoK's ``w_down`` as it is (used in place). The gate
+and up halves of ``gate_up_proj`` are views with an expert stride of 2·I·H, which MoK's kernels do
+not take yet (they need contiguous [E, I, H] weights): every forward copies them into two contiguous
+tensors and every backward does again (:class:`_Experts` keeps the parameter, not the copies, from
+the forward to the backward), and the backward concatenates the two halves' gradients into one.
+Parameters, their names, ``state_dict`` and ``save_pretrained`` stay transformers' own.
+
+Shared experts: DeepSeek-V3's (unit weight, ``shared_experts``) run inside MoK's op once
+:func:`apply` fused its MoE blocks; Qwen2-MoE's is gated (``sigmoid(x·g)·shared(x)``, which MoK's
+unit-weight shared expert cannot express) and stays the model's own code, as do the shared experts
+of any model not passed through :func:`apply`.
+
+Not supported yet (refused with the reason): expert biases, activations other than SwiGLU (gpt-oss's
+clamped ``(up + 1)·gate·σ(1.702·gate)``), ungated experts; on the GPU other dtypes than bf16 and
+widths that are not multiples of 128.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+import warnings
+
+import torch
+from torch import nn
+
+try:
+    from transformers.integrations import moe as _hf_moe
+except ImportError as error:  # (no transformers, or one without transformers.integrations.moe)
+    raise ImportError(
+        "mok.integrations.transformers needs transformers >= 5.0 (its ExpertsInterface, transformers.integrations.moe); "
+        "install MoK's extra: pip install 'mok[hf]'"
+    ) from error
+if not hasattr(_hf_moe, "ExpertsInterface"):
+    raise ImportError(
+        "mok.integrations.transformers: this transformers has no ExpertsInterface (transformers.integrations.moe); "
+        "install MoK's extra: pip install 'mok[hf]'"
+    )
+
+from ..config import MoKConfig
+from ..runtime.arch import check_fused_layer_device
+from ..torch_ops import config_text
+
+__all__ = [
+    "BACKEND",
+    "SUPPORTED_FAMILIES",
+    "UnsupportedModelError",
+    "apply",
+    "check_experts",
+    "copied_weights",
+    "describe",
+    "experts_modules",
+    "mok_experts_forward",
+    "mok_layout",
+    "moe_experts",
+    "register",
+]
+
+BACKEND = "mok"  # the experts_implementation name
+
+# Families whose experts transformers runs through the ExpertsInterface and MoK covers, tested
+# (tests/test_hf.py, tests/test_hf_gpu.py): experts class -> family. Other experts classes of the same
+# layout (SwiGLU, no biases) are accepted by their declared layout too; these are the ones tested.
+SUPPORTED_FAMILIES = {
+    "Qwen3MoeExperts": "Qwen3-MoE",
+    "Qwen2MoeExperts": "Qwen2-MoE",
+    "MixtralExperts": "Mixtral",
+    "DeepseekV3Experts": "DeepSeek-V3",
+    "OlmoeExperts": "OLMoE",
+}
+_KNOWN_UNSUPPORTED = {"GptOssExperts": "gpt-oss"}
+
+# MoE blocks whose shared expert MoK runs in its own op (unit weight: out = routed + shared(x)):
+# block class -> (its module, router attribute, experts attribute, shared-expert attribute).
+_SHARED_BLOCKS = {
+    "DeepseekV3MoE": ("transformers.models.deepseek_v3.modeling_deepseek_v3", "gate", "experts", "shared_experts"),
+}
+
+GPU_TILE = 128  # MoK's GPU kernels tile every width (H, I, I_s) by 128
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no MoE experts MoK can run, or experts MoK does not run yet (the message says why)."""
+
+
+def _families() -> str:
+    return ", ".join(SUPPORTED_FAMILIES.values())
+
+
+def _what_mok_runs() -> str:
+    return (
+        "MoK runs SwiGLU experts without biases, silu(x·W_gateᵀ)·(x·W_upᵀ)·W_downᵀ, stored as transformers' gate_up_proj "
+        f"and down_proj (on the GPU: bf16, H and I multiples of {GPU_TILE}); supported families: {_families()}"
+    )
+
+
+# ----- the experts' layout
+
+
+def _is_silu(act: object) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return type(act) in (nn.SiLU, SiLUActivation) or act is torch.nn.functional.silu
+
+
+def _uses_default_gate(cls: type) -> bool:
+    """Whether the class's gate is transformers' default, ``act_fn(gate)·up`` of the two halves."""
+    return getattr(cls, "_apply_gate", _hf_moe._default_apply_gate) is _hf_moe._default_apply_gate
+
+
+def _layout_problems(experts: nn.Module) -> list[str]:
+    """What keeps MoK from running ``experts`` exactly (empty: nothing)."""
+    cls = type(experts)
+    problems = []
+    if not getattr(experts, "has_gate", True):
+        problems.append("ungated experts (has_gate=False: act(x·W_upᵀ)·W_downᵀ; MoK's are gated, SwiGLU)")
+    biases = [n for n in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias") if getattr(experts, n, None) is not None]
+    if getattr(experts, "has_bias", False) or biases:
+        problems.append(f"expert biases ({', '.join(biases) or 'has_bias=True'}; MoK's experts have none)")
+    if not _uses_default_gate(cls):
+        problems.append(
+            f"its own gate activation ({cls.__name__}._apply_gate, not silu(gate)·up"
+            + ("; gpt-oss: clamped (up + 1)·gate·σ(1.702·gate) over interleaved gate/up columns" if cls.__name__ == "GptOssExperts" else "")
+            + ")"
+        )
+    elif not _is_silu(getattr(experts, "act_fn", None)):
+        act = getattr(experts, "act_fn", None)
+        problems.append(f"the activation {getattr(act, '__name__', type(act).__name__)} (MoK's SwiGLU applies silu: hidden_act='silu')")
+    extra = [n for n, _ in experts.named_children() if n != "act_fn"]
+    if getattr(experts, "has_post_expert_norm", False) or extra:  # (transformers >= 5.2x: a norm after each expert)
+        problems.append(f"modules inside the experts MoK does not run ({', '.join(extra) or 'has_post_expert_norm=True'})")
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and isinstance(down, torch.Tensor) and down.dim() == 3):
+        problems.append("no 3-d gate_up_proj and down_proj weights")
+    else:
+        E, rows, cols = gate_up.shape
+        two_i, hidden = (cols, rows) if getattr(experts, "is_transposed", False) else (rows, cols)
+        want = (E, two_i // 2, hidden) if getattr(experts, "is_transposed", False) else (E, hidden, two_i // 2)
+        if two_i % 2 or tuple(down.shape) != want:
+            problems.append(f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} do not fit together")
+    return problems
+
+
+def _refusal(name: str, experts: nn.Module, problems: list[str]) -> str:
+    cls = type(experts).__name__
+    family = SUPPORTED_FAMILIES.get(cls) or _KNOWN_UNSUPPORTED.get(cls)
+    what = f"{cls}" + (f" ({family})" if family else "")
+    where = f" at {name!r}" if name else ""
+    return f"MoK does not run the experts{where}, {what}, yet: {'; '.join(problems)}. {_what_mok_runs()}"
+
+
+def check_experts(experts: nn.Module, name: str = "") -> None:
+    """Raise :class:`UnsupportedModelError` unless MoK runs ``experts`` (an experts module of the
+    ExpertsInterface) exactly as transformers' own backends do."""
+    problems = _layout_problems(experts)
+    if problems:
+        raise UnsupportedModelError(_refusal(name, experts, problems))
+
+
+def _halves(gate_up: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up weights [E, I, H] as views of ``gate_up`` ([E, 2I, H], or [E, H, 2I] transposed;
+    gate first: transformers' default gate, ``act_fn(gate)·up`` of ``chunk(2)``)."""
+    if transposed:
+        inter = gate_up.shape[2] // 2
+        return gate_up[..., :inter].transpose(1, 2), gate_up[..., inter:].transpose(1, 2)
+    inter = gate_up.shape[1] // 2
+    return gate_up[:, :inter], gate_up[:, inter:]
+
+
+def mok_layout(
+    gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w_gate, w_up [E, I, H], w_down [E, H, I]), contiguous and in ``dtype`` (default: theirs), as
+    MoK's op takes them, from an experts module's ``gate_up_proj`` and ``down_proj``: views of the
+    parameters where their layout and dtype are MoK's (``down_proj`` of the non-transposed layout),
+    copies where not (the halves of ``gate_up_proj``, whose expert stride is 2·I·H; a transposed
+    ``down_proj``; a cast under autocast). Not autograd-tracked: :class:`_Experts` calls it in its
+    forward and again in its backward."""
+    gate, up = _halves(gate_up, transposed)
+    if transposed:
+        down = down.transpose(1, 2)
+    return tuple(_as(t, dtype) for t in (gate, up, down))
+
+
+def _as(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` contiguous in ``dtype`` (itself where it is already; a copy where not)."""
+    if t is None or (t.is_contiguous() and dtype in (None, t.dtype)):
+        return t
+    return t.to(dtype=dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _gate_up_grad(d_gate: torch.Tensor, d_up: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The gradient of ``gate_up_proj`` from those of its two halves."""
+    if transposed:
+        return torch.cat([d_gate.transpose(1, 2), d_up.transpose(1, 2)], dim=2)
+    return torch.cat([d_gate, d_up], dim=1)
+
+
+TIMEOUT_S = 5.0  # (the op's wait bound; only expert parallelism waits, which this backend does not use)
+
+
+class _Experts(torch.autograd.Function):
+    """``mok::moe_forward`` / ``mok::moe_backward`` over an experts module's own parameters, in
+    ``dtype`` (the parameters' own, or autocast's: then every weight is cast per call, as autocast
+    casts a Linear's, and its gradient cast back).
+
+    The op's own autograd keeps the weights it was given for its backward: the per-call copies of
+    gate_up_proj's halves would stay alive from the forward to the backward (as much memory as
+    gate_up_proj itself, per layer). This Function keeps the parameters instead and copies again in
+    the backward; the op pair and what it saves are the same. Autocast is off inside: MoK's op
+    computes at its own precision (its CPU reference in fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, transposed, config, save, dtype):
+        weights = (*mok_layout(gate_up, down, transposed, dtype), *(_as(t, dtype) for t in (shared_gate, shared_up, shared_down)))
+        with torch.autocast(x.device.type, enabled=False):
+            out, *saved = torch.ops.mok.moe_forward(x, topk_idx, topk_w, *weights, config, 0, save, False, TIMEOUT_S)
+        ctx.transposed, ctx.config, ctx.saved_state, ctx.dtype = transposed, config, save, dtype
+        if save:
+            ctx.save_for_backward(x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        if not ctx.saved_state:
+            raise RuntimeError("MoK experts backend: the forward ran without a gradient wanted, so it kept nothing for a backward")
+        x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, *saved = ctx.saved_tensors
+        want = any(ctx.needs_input_grad[3:8])  # any expert weight (routed or shared); all frozen: no weight-gradient GEMM
+        shared = (shared_gate, shared_up, shared_down)
+        weights = (*mok_layout(gate_up, down, ctx.transposed, ctx.dtype), *(_as(t, ctx.dtype) for t in shared))
+        with torch.autocast(x.device.type, enabled=False):
+            dx, d_topk_w, d_gate, d_up, d_down, *d_shared = torch.ops.mok.moe_backward(
+                d_out.to(x.dtype).contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, 0, TIMEOUT_S, [], want,
+            )
+        if not want:
+            grads = [None] * 5
+        else:
+            d_down = d_down.transpose(1, 2) if ctx.transposed else d_down
+            grads = [_gate_up_grad(d_gate, d_up, ctx.transposed).to(gate_up.dtype), d_down.to(down.dtype)]
+            grads += [g.to(p.dtype) for g, p in zip(d_shared, shared)] if shared_gate is not None else [None] * 3
+        return dx, None, d_topk_w, *grads, None, None, None, None
+
+
+def copied_weights(experts: nn.Module) -> tuple[str, ...]:
+    """The experts' parameters MoK copies on every call (their layout is not MoK's), by name."""
+    transposed = bool(getattr(experts, "is_transposed", False))
+    gate, up = _halves(experts.gate_up_proj, transposed)
+    down = experts.down_proj.transpose(1, 2) if transposed else experts.down_proj
+    return (("gate_up_proj",) if not (gate.is_contiguous() and up.is_contiguous()) else ()) + (("down_proj",) if not down.is_contiguous() else ())
+
+
+# ----- the backend
+
+
+@functools.lru_cache(maxsize=None)
+def _config_text_of(hidden: int, inter: int, num_experts: int, topk: int, shared_inter: int | None) -> str:
+    return config_text(MoKConfig(hidden, inter, num_experts, topk, shared_inter))
+
+
+@torch.compiler.assume_constant_result
+def _config_text(hidden: int, inter: int, num_experts: int, topk: int, shared_inter: int | None) -> str:
+    """The op's configuration string (a constant in a compiled graph: torch.compile runs this once
+    while tracing instead of tracing MoKConfig and json)."""
+    return _config_text_of(hidden, inter, num_experts, topk, shared_inter)
+
+
+def _check_device(x: torch.Tensor, widths: dict) -> None:
+    """What MoK's GPU path takes (tokens and weights in bf16: ``x`` in the dtype the call computes
+    in; widths multiples of 128; a Hopper GPU); the CPU runs the reference at any of them."""
+    if x.device.type == "cpu":
+        return
+    if x.device.type != "cuda":
+        raise ValueError(f"MoK experts backend: runs on a CUDA GPU (Hopper) or the CPU, got tensors on {x.device}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(
+            f"MoK experts backend: MoK's GPU kernels compute in bf16, this model's experts are {x.dtype}; "
+            "load it with dtype=torch.bfloat16 (or call model.bfloat16()), or run it under torch.autocast('cuda', dtype=torch.bfloat16)"
+        )
+    bad = {k: v for k, v in widths.items() if v is not None and v % GPU_TILE}
+    if bad:
+        raise ValueError(
+            f"MoK experts backend: MoK's GPU kernels need widths that are multiples of {GPU_TILE}, this model has "
+            f"{', '.join(f'{k}={v}' for k, v in widths.items() if v is not None)} (on the CPU any multiple of 8 runs)"
+        )
+    if not torch.compiler.is_compiling():
+        check_fused_layer_device(x.device.index)
+
+
+def moe_experts(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The experts' output [T, H] for tokens [T, H] and the model's routing (ids and weights [T, k]),
+    plus ``shared`` (gate [I_s, H], up [I_s, H], down [H, I_s]: a unit-weight SwiGLU expert on
+    every token) when given: one ``mok::moe_forward`` (its autograd gives every weight, the tokens
+    and the routing weights their gradients)."""
+    check_experts(experts)
+    transposed = bool(getattr(experts, "is_transposed", False))
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    device = hidden_states.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else gate_up.dtype  # (autocast: what a Linear gets)
+    x = hidden_states.to(dtype).contiguous()
+    num_tokens, hidden = x.shape
+    topk = top_k_index.shape[-1]
+    num_experts, inter = gate_up.shape[0], (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
+    shared_inter = None if shared is None else shared[0].shape[0]
+    widths = {"hidden": hidden, "intermediate": inter, "shared_intermediate": shared_inter}
+    _check_device(x, widths)
+    config = _config_text(hidden, inter, num_experts, topk, shared_inter)
+    idx = top_k_index.reshape(num_tokens, topk).to(torch.int32).contiguous()
+    weights = top_k_weights.reshape(num_tokens, topk).to(torch.float32).contiguous()
+    sg, su, sd = shared if shared is not None else (None, None, None)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, gate_up, down, *(shared or ())))
+    out = _Experts.apply(x, idx, weights, gate_up, down, sg, su, sd, transposed, config, save, dtype)
+    return out.to(hidden_states.dtype)
+
+
+def mok_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``"mok"`` entry of transformers' ExpertsInterface: an experts module's forward
+    (tokens [T, H], the router's top-k ids [T, k] and weights [T, k]) on MoK."""
+    return moe_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> None:
+    """Register ``"mok"`` in transformers' ExpertsInterface (done on import; idempotent)."""
+    _hf_moe.ExpertsInterface.register(BACKEND, mok_experts_forward)
+
+
+register()
+
+
+# ----- shared experts in MoK's launches (DeepSeek-V3)
+
+
+def _plain_swiglu_mlp(mlp: nn.Module) -> bool:
+    """A bias-free SwiGLU MLP (gate_proj, up_proj, down_proj nn.Linear, silu) computed by its own
+    class's forward, nothing hooked: MoK's shared expert computes exactly that."""
+    linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks) for m in linears):
+        return False
+    if mlp._forward_hooks or mlp._forward_pre_hooks or "forward" in mlp.__dict__ or not _is_silu(getattr(mlp, "act_fn", None)):
+        return False
+    return type(mlp).__name__.endswith("MLP")
+
+
+def _shared_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+
+def _fused_forward(base: type, router: str, experts_attr: str, shared_attr: str):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        experts, mlp = getattr(self, experts_attr), getattr(self, shared_attr)
+        if getattr(experts.config, "_experts_implementation", None) != BACKEND or not _plain_swiglu_mlp(mlp):
+            return base.forward(self, hidden_states)  # (switched back to another backend, or the MLP was changed)
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        _, topk_weights, topk_indices = getattr(self, router)(tokens)
+        return moe_experts(experts, tokens, topk_indices, topk_weights, shared=_shared_weights(mlp)).view(shape)
+
+    forward.__doc__ = f"{base.__name__}.forward with the routed and the shared experts in one MoK op (mok.integrations.transformers.apply)"
+    return forward
+
+
+def _fused_block_class(name: str) -> type:
+    """``MoK<Block>``: the MoE block class whose forward runs its shared expert inside MoK's op; a
+    subclass adding nothing but the forward (the same parameters, names and state_dict), defined in
+    this module so that pickling a model finds it."""
+    fused_name = f"MoK{name}"
+    cls = globals().get(fused_name)
+    if cls is None:
+        module, router, experts_attr, shared_attr = _SHARED_BLOCKS[name]
+        base = getattr(importlib.import_module(module), name)
+        cls = type(fused_name, (base,), {"forward": _fused_forward(base, router, experts_attr, shared_attr), "__module__": __name__})
+        cls.__qualname__ = fused_name
+        globals()[fused_name] = cls
+    return cls
+
+
+def __getattr__(name: str):
+    """``MoK<Block>`` classes on demand (unpickling a model :func:`apply` changed, in a new process)."""
+    if name.startswith("MoK") and name[3:] in _SHARED_BLOCKS:
+        return _fused_block_class(name[3:])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ----- the model
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every experts module transformers runs through its ExpertsInterface."""
+    return [
+        (name, m) for name, m in model.named_modules()
+        if all(hasattr(m, flag) for flag in ("has_gate", "has_bias", "is_transposed", "is_concatenated")) and hasattr(m, "config")
+    ]
+
+
+_MOE_NAME = re.compile(r"Experts|Sparse(MLP|Mo[Ee])|Mo[Ee](Block|Layer)?$")  # (DbrxExperts, JetMoeMoE, ...; not NllbMoeModel)
+
+
+def _moe_outside_interface(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """MoE modules that do not run through the ExpertsInterface (their experts a ModuleList or
+    ModuleDict of per-expert MLPs, or a class of their own), the experts themselves first."""
+    found = [
+        (name, m) for name, m in model.named_modules()
+        if name and (_MOE_NAME.search(type(m).__name__) or isinstance(getattr(m, "experts", None), (nn.ModuleList, nn.ModuleDict)))
+    ]
+    return sorted(found, key=lambda nm: "Experts" not in type(nm[1]).__name__)
+
+
+def apply(model: nn.Module, *, fuse_shared_experts: bool = True) -> nn.Module:
+    """Run ``model``'s experts on MoK: check every experts module (UnsupportedModelError, naming the
+    module, what MoK lacks for it and the supported families, before anything changes), switch the
+    model to ``experts_implementation="mok"``, and with ``fuse_shared_experts`` run DeepSeek-V3's
+    shared experts inside MoK's op too (the blocks' class becomes ``MoK<Block>``, a subclass with
+    only its forward changed: parameters, names, state_dict and save_pretrained stay the same).
+    Returns ``model``. ``model.set_experts_implementation(...)`` switches back."""
+    register()
+    found = experts_modules(model)
+    if not found:
+        outside = _moe_outside_interface(model)
+        if outside:
+            name, block = outside[0]
+            raise UnsupportedModelError(
+                f"MoK: {type(model).__name__} runs its experts outside transformers' ExpertsInterface ({name!r}: "
+                f"{type(block).__name__}), the hook MoK's backend uses; its family is not covered. {_what_mok_runs()}"
+            )
+        raise UnsupportedModelError(
+            f"MoK: {type(model).__name__} has no MoE experts (no module runs through transformers' ExpertsInterface, "
+            f"transformers.integrations.moe). {_what_mok_runs()}"
+        )
+    for name, experts in found:
+        check_experts(experts, name)
+    untested = sorted({type(e).__name__ for _, e in found} - set(SUPPORTED_FAMILIES))
+    if untested:
+        warnings.warn(
+            f"MoK: {', '.join(untested)} declare transformers' experts layout MoK runs (SwiGLU, no biases) but are not among the "
+            f"families tested with MoK ({_families()}); compare a few steps against experts_implementation='grouped_mm'",
+            stacklevel=2,
+        )
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(BACKEND)
+    for _, experts in found:  # (a submodel transformers does not switch: its config directly)
+        if experts.config._experts_implementation != BACKEND:
+            experts.config._experts_implementation_internal = BACKEND
+    if fuse_shared_experts:
+        for _, block in model.named_modules():
+            name = type(block).__name__
+            if name in _SHARED_BLOCKS and _plain_swiglu_mlp(getattr(block, _SHARED_BLOCKS[name][3])):
+                block.__class__ = _fused_block_class(name)
+    return model
+
+
+def describe(model: nn.Module) -> list[dict]:
+    """One entry per experts module: its name, class, family, whether MoK runs it (and why not),
+    which parameters every call copies, and whether its shared expert runs inside MoK's op."""
+    fused = {name for name, m in model.named_modules() if type(m).__name__.startswith("MoK") and type(m).__name__[3:] in _SHARED_BLOCKS}
+    out = []
+    for name, experts in experts_modules(model):
+        cls = type(experts).__name__
+        problems = _layout_problems(experts)
+        out.append({
+            "module": name,
+            "class": cls,
+            "family": SUPPORTED_FAMILIES.get(cls) or _KNOWN_UNSUPPORTED.get(cls),
+            "runs_on_mok": not problems,
+            "problems": problems,
+            "copied_per_call": copied_weights(experts) if not problems else (),
+            "shared_expert_in_mok": name.rpartition(".")[0] in fused,
+        })
+    return out
