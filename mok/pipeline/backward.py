@@ -149,8 +149,7 @@ def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tup
         shared_h = h[: x.shape[0]]
     elif shared is not None:
         shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
-        tiles = stages.single_expert_tiles(x.shape[0], x.device)
-        ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=shared_h)  # (as shared_expert_forward's first GEMM)
+        stages.shared_expert_gate_up(x, shared, shared_h)
     return dataclasses.replace(saved, h=h, shared_h=shared_h)
 
 

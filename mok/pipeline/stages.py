@@ -51,11 +51,18 @@ def single_expert_tiles(num_rows: int, device: torch.device) -> torch.Tensor:
 # ----- the shared expert: one expert over every token, unit weight
 
 
+def shared_expert_gate_up(x: torch.Tensor, shared: tuple, h_out: torch.Tensor | None = None,
+                          tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert's a [T, I_s] = silu(x·W_gateᵀ) ⊙ x·W_upᵀ, one expert over all of x (and its
+    h into ``h_out``); ``tiles``: :func:`single_expert_tiles` of x where the caller has them."""
+    tiles = single_expert_tiles(x.shape[0], x.device) if tiles is None else tiles
+    return ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=h_out)
+
+
 def shared_expert_forward(x: torch.Tensor, shared: tuple, h_out: torch.Tensor | None = None) -> torch.Tensor:
-    """The shared expert as a grouped GEMM with one expert over all of x (``h_out``: keep h for backward)."""
+    """The shared expert as grouped GEMMs with one expert over all of x (``h_out``: keep h for backward)."""
     tiles = single_expert_tiles(x.shape[0], x.device)
-    a = ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=h_out)
-    return ops.grouped_gemm(a, shared[2][None], tiles)
+    return ops.grouped_gemm(shared_expert_gate_up(x, shared, h_out, tiles), shared[2][None], tiles)
 
 
 def shared_expert_backward(x, dout, shared, shared_h, grad_dtype, main_grads, weight_grads=True):
