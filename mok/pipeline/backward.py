@@ -91,18 +91,18 @@ def backward(
             check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared_inter),
                          device=x.device, contiguous=True)
     check_on_gpu(x)
+    # the forward ran the shared expert as expert E, its rows first: the [E + 1, ...] weights, once
+    stacked = stages.stacked_weights(*weights, shared) if sched.shared_rows else None
     if plan.config.recomputes_h:
-        saved = recomputed_h(plan, saved, x, weights, shared)
+        saved = recomputed_h(plan, saved, x, weights, stacked, shared)
     mains = (None, None) if main_grads is None else (main_grads[:3], main_grads[3:])
     if plan.ep:
         check_timeout(timeout_s)
         return _ep_backward(plan, workspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
                             timeout_s)
 
-    expert_weights = weights
-    if sched.shared_rows:  # the forward ran the shared expert as expert E, its rows first
-        expert_weights = stages.stacked_weights(*weights, shared)
-    elif plan.precision == "mxfp8":
+    expert_weights = weights if stacked is None else stacked
+    if stacked is None and plan.precision == "mxfp8":
         expert_weights = stages.quantize_expert_weights(*weights, transposed=True)
     if weight_grads:
         dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
@@ -128,22 +128,18 @@ def backward(
     return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
 
 
-def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tuple, shared: tuple | None) -> ForwardResult:
+def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tuple, stacked: tuple | None,
+                 shared: tuple | None) -> ForwardResult:
     """``saved`` with h (and the shared expert's h) computed again, as the forward computed them: the
     gate/up stage on the same rows with the same weights (at one GPU gathered from x, with the shared
-    expert as expert E when the forward ran it so; at EP > 1 the rows this rank pulled, which the
-    forward kept), so the same bits (saved_h_format="recompute")."""
+    expert as expert E, ``stacked`` [E + 1, ...] weights, when the forward ran it so; at EP > 1 the
+    rows this rank pulled, which the forward kept), so the same bits (saved_h_format="recompute")."""
     sched, inter = saved.schedule, weights[0].shape[1]
     h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=x.device)
     if plan.ep:
-        rows, gather, expert_weights = saved.x_rows, False, weights
+        stages.gate_up(plan, saved.x_rows, sched, weights, h, gather=False)
     else:
-        rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
-        gather = plan.gather_in_gemm
-        expert_weights = stages.stacked_weights(*weights, shared) if sched.shared_rows else weights
-        if plan.precision == "mxfp8":
-            expert_weights = stages.quantize_expert_weights(*weights)
-    stages.gate_up(plan, rows, sched, expert_weights, h, gather=gather)
+        stages.gate_up_from_tokens(plan, x, sched, stages.routed_weights(plan, weights, stacked), h)
     shared_h = None
     if sched.shared_rows:
         shared_h = h[: x.shape[0]]

@@ -143,11 +143,8 @@ def forward(
         )
         return ForwardResult(out, sched, h, shared_h)
     sched = ops.device_schedule(topk_idx, num_local, block_m=TILE_M, capacity=capacity, shared_prefix=stacked is not None)
-    expert_weights = stacked if stacked is not None else weights
-    if plan.precision == "mxfp8":
-        expert_weights = stages.quantize_expert_weights(*weights)
-    rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
-    a = stages.gate_up(plan, rows, sched, expert_weights, h, gather=plan.gather_in_gemm)
+    expert_weights = stages.routed_weights(plan, weights, stacked)
+    a = stages.gate_up_from_tokens(plan, x, sched, expert_weights, h)
     shared_out = None if shared is None or stacked is not None else stages.shared_expert_forward(x, shared, shared_h)
     y_rows = stages.down(plan, a, sched, expert_weights)
     if stacked is not None:

@@ -208,6 +208,22 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
     return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
 
 
+def routed_weights(plan: Plan, weights: tuple, stacked: tuple | None):
+    """The weights a one-GPU forward's routed GEMMs take: their MXFP8 copies (MXFP8 precision), the
+    [E + 1, ...] stack with the shared expert (``stacked``, when it runs in the routed launches), or
+    ``weights`` (w_gate, w_up, w_down) themselves."""
+    if plan.precision == "mxfp8":
+        return quantize_expert_weights(*weights)
+    return stacked if stacked is not None else weights
+
+
+def gate_up_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None) -> torch.Tensor:
+    """:func:`gate_up` at one GPU on the rows of x the schedule names: gathered by the GEMM's
+    producer where the plan allows it (``plan.gather_in_gemm``), else gathered first."""
+    rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
+    return gate_up(plan, rows, sched, weights, h_out, gather=plan.gather_in_gemm)
+
+
 def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> torch.Tensor:
     """y_rows [R, H] = a·W_downᵀ per expert."""
     if plan.precision == "bf16":
