@@ -1,7 +1,7 @@
 """Expert parallelism across processes through the symmetric VMM workspace.
 
 Two processes, each a rank: on two GPUs (NVLink; written for nvidia-h200-x2, not yet run
-there: that machine was not lent in the sessions that wrote it, 2026-12-01), and sharing
+there: no two-GPU machine was available, as of 2026-12-04), and sharing
 one GPU (the same workspace code: POSIX-fd handles exchanged between the processes, VMM
 mappings of the peer's memory, system-scope flags; the GPU time-slices the two contexts).
 """

@@ -62,7 +62,7 @@ def test_backward_from_packed_h_gives_the_bits_of_the_bf16_backward_on_the_round
 def test_gradients_from_packed_h_stay_within_e4m3s_error_of_fp32_autograd():
     """E4M3 keeps 3 mantissa bits: the expert path's gradients move by ~3-4% (bf16 h: ~0.2%), and
     not more. Measured bounds: float64 on the CPU at these scales gave 3.0-4.2% and cosines
-    >= 0.9991 (perf/NOTES.md, eighteenth session)."""
+    >= 0.9991 (docs/notes/saved-h-mxfp8.md)."""
     T, H, I, E, k, shared_inter = 2048, 1024, 512, 16, 8, 512
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=5)
     dout = torch.randn_like(x)
