@@ -30,6 +30,20 @@ def count(pattern, text):
 
 
 @functools.lru_cache(maxsize=8)
+def assert_stages_drained_before_tensor_memory_is_freed(ptx: str) -> None:
+    """SM100: after the tile's last tcgen05.commit, warp 0 waits once on each stage's empty barrier
+    (the producer's tail, on the state its loops advanced: parities in registers, not the constant
+    a fresh state would give) before the accumulator's wait; nothing waits after tcgen05.dealloc (a
+    wait there hung the CTA on exit whenever a stage had been filled an odd number of times)."""
+    before, after = ptx.split("tcgen05.dealloc")
+    assert count(r"mbarrier\.try_wait", after) == 0
+    stages = (count(r"mbarrier\.init\.shared\.b64", ptx) - 2) // 2  # each stage's full and empty, the accumulator's two
+    tail = before[before.rindex("tcgen05.commit"):before.index("tcgen05.ld")]
+    parities = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64 \S+, \[[^\]]+\], ([^,]+),", tail)
+    assert len(parities) == stages + 1 and stages >= 2
+    assert all(parity.startswith("%r") for parity in parities[:-1]), parities
+
+
 def ptxas_log(ptx: str, arch: str = "sm_90a") -> str | None:
     """ptxas -v's report on ``ptx``, or None where no ptxas is installed (kept for the last few
     kernels: a test that checks spills and registers assembles once). (The PTX version is
@@ -171,6 +185,7 @@ def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, e
     assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row
     assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # h_gate, h_up
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert_stages_drained_before_tensor_memory_is_freed(ptx)
     assert (count(r"ex2\.approx", ptx) > 0) == (epilogue != "plain")
     spills = ptxas_spill_bytes(ptx, arch)
     assert spills in (None, 0)
@@ -195,6 +210,7 @@ def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m
     stores = count(r"st\.global\.v2\.b64", ptx) if f32 else count(r"st\.global\.v4\.b32", ptx)
     assert stores == (8 if f32 else 4) and count(r"st\.global", ptx) == stores  # 32 columns of a row, 16 bytes at a time
     assert count(r"ld\.global\.v2\.b64", ptx) == (8 if options.get("accumulate") else 0)
+    assert_stages_drained_before_tensor_memory_is_freed(ptx)
     assert count(r"\batom\.|\bred\.", ptx) == 0
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
@@ -227,6 +243,7 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
     assert count(r"st\.global\.v4\.b32", ptx) == 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
     assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # the saved h_gate, h_up
+    assert_stages_drained_before_tensor_memory_is_freed(ptx)
     assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
@@ -246,6 +263,7 @@ def test_sm100_mxfp8_weight_grad_ptx_uses_block_scaled_mmas_on_mn_major_operands
     assert count(r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", ptx) == 2
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 8
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == 1
+    assert_stages_drained_before_tensor_memory_is_freed(ptx)
     assert count(r"\batom\.|\bred\.", ptx) == 0
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)

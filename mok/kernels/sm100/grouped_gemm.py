@@ -85,7 +85,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
             self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, self.k // self.tile_shape_mnk[2], smem_layouts)
             acc_full = self.wait_accumulators(tmem, pipes)
             self.epilogue(tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows)
-            self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
+            self.finish(tmem, t_acc, acc_full)
 
     def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, expert):
         """The TMA partitions of this tile's operands, (atom, global by K tile, shared by stage) for

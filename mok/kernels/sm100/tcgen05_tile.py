@@ -3,11 +3,12 @@ multistage shared-memory pipeline, accumulating in tensor memory (compile-verifi
 GPU has run them).
 
 A CTA of four warps owns one output tile (128 x tile_n). Warp 0 issues the TMA loads
-``stages - 2`` K tiles ahead of the MMAs (so refilling a stage waits for MMAs issued a stage
+``stages - 2`` K tiles ahead of the MMAs (so refilling a stage waits for MMAs issued two K tiles
 earlier, never for the ones just issued) and the MMAs (128 x tile_n x 16, cta_group::1), one or
 two accumulators (the second in the next tile_n columns of tensor memory). Each stage's MMAs free
 it on completion (tcgen05.commit onto its empty barrier), the last ones signal the accumulator
-barrier. Then the four warps read the accumulators back with tcgen05.ld 32x32b (thread t holds row
+barrier; warp 0 then waits until every stage's last release has landed (the producer's tail).
+Then the four warps read the accumulators back with tcgen05.ld 32x32b (thread t holds row
 t of the tile, ``EPI_COLS`` columns at a time) for the subclass's epilogue. K is reduced in one
 fixed order, by one CTA per output tile: the result depends only on the tile's inputs.
 
@@ -39,6 +40,12 @@ SMEM_BYTES = 227 * 1024
 MAX_STAGES = 8
 TMEM_ALLOC_BARRIER = 1  # named barrier: the TMEM allocation's retrieval and its release
 MAJOR = {"k": cute.nvgpu.OperandMajorMode.K, "mn": cute.nvgpu.OperandMajorMode.MN}
+
+
+def load_lookahead(stages: int) -> int:
+    """K tiles warp 0 loads ahead of its MMAs: refilling a stage then waits for the MMAs issued two
+    K tiles earlier, never for the ones just issued (tests/barrier_model.py runs this schedule)."""
+    return stages - 2
 
 
 def pick_stages(stage_bytes: int, stages: int | None) -> int:
@@ -263,7 +270,7 @@ class Tcgen05TileKernel:
             scales = None
             if cutlass.const_expr(self.mxfp8):
                 scales = self.scale_copies(tiled_mma, stages, t_acc, layouts[2], layouts[3])
-            ahead = cutlass.min(self.ab_stage - 2, k_tiles)
+            ahead = cutlass.min(load_lookahead(self.ab_stage), k_tiles)
             acc_empty = acc_producer.acquire_and_advance()
             for _ in cutlass.range(ahead, unroll=1):
                 self.load_stage(ab_producer.acquire_and_advance(), views)
@@ -289,6 +296,11 @@ class Tcgen05TileKernel:
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                 full.release()  # the stage is free once these MMAs complete
             acc_empty.commit()  # the accumulators are final once every MMA has completed
+            # Before warp 0 moves on: every stage's last release has landed (no arrive onto shared
+            # memory after the CTA exits). On the producer state these loops advanced: the state
+            # ``setup`` made stays at stage 0, and its waits (parity 1) hang whenever a stage was
+            # filled an odd number of times.
+            ab_producer.tail()
 
     def scale_copies(self, tiled_mma, stages, t_acc, sfa_smem, sfb_smem):
         """MXFP8, warp 0: for A's scales, B's and B2's: (tcgen05.cp copy, shared-memory source by
@@ -336,15 +348,12 @@ class Tcgen05TileKernel:
         return pipes[3].wait_and_advance()
 
     @cute.jit
-    def finish(self, warp_idx, pipes, tmem, t_acc, acc_full):
-        """Every thread, after its epilogue: release the accumulator, free the tensor memory once
-        every warp's reads are done, and (warp 0) wait for the pipeline's last stages."""
-        ab_producer = pipes[0]
+    def finish(self, tmem, t_acc, acc_full):
+        """Every thread, after its epilogue: release the accumulator and free the tensor memory once
+        every warp's reads are done."""
         acc_full.release()
         pipeline.sync(barrier_id=TMEM_ALLOC_BARRIER)
         tmem.free(t_acc.iterator)
-        if warp_idx == 0:
-            ab_producer.tail()
 
     def accumulator_reader(self, tidx, t_acc):
         """The epilogue's tcgen05.ld copy, this thread's slice of it, and the sources

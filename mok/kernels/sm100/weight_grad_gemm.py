@@ -69,7 +69,7 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         acc_full = self.wait_accumulators(tmem, pipes)
         g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
         self.epilogue(tidx, t_acc, g_c, k_tiles > 0)
-        self.finish(warp_idx, pipes, tmem, t_acc, acc_full)
+        self.finish(tmem, t_acc, acc_full)
 
     def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, k_first):
         """(atom, global by K tile, shared by stage) for A and B (MXFP8: then for their scales), and

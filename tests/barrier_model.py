@@ -1,0 +1,222 @@
+"""A model of the mbarrier pipelines of MoK's Blackwell GEMMs (mok/kernels/sm100/tcgen05_tile.py),
+for checking on any machine what no SM100 GPU here can run: that every wait completes, that no
+stage or accumulator is overwritten before it is read, and that nothing arrives on shared memory
+after the CTA has exited.
+
+The model follows the PTX semantics the kernels rely on:
+- an mbarrier completes a phase when its expected arrivals are in; ``try_wait.parity p`` passes
+  once the phase of parity p has completed, so before any completion a wait on parity 1 passes and
+  one on parity 0 blocks;
+- pipeline states as CUTLASS's ``PipelineState`` (index, phase, count; the phase flips when the
+  index wraps), producers starting at phase 1 and consumers at phase 0;
+- asynchronous work as events that land later in any order, except that tcgen05.commit arrivals
+  land in issue order (each covers every MMA issued before it): TMA loads arrive on a stage's full
+  barrier, MMA commits on a stage's empty barrier or on an accumulator's full barrier.
+
+Warp 0's program is the kernel's ``mma_warp`` for each tile of a CTA (``load_lookahead`` is the
+kernel's own), then the producer's tail; the epilogue warps wait for each tile's accumulator and
+release it. ``tail_state="setup"`` drains with the state the pipeline was created with instead of
+the advanced one, as the kernels once did: the model must report that as a hang.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+class Hang(AssertionError):
+    """Every agent waits and nothing is in flight that could release it."""
+
+
+class Hazard(AssertionError):
+    """A buffer written before its reader finished, read before its data landed, or an arrival after exit."""
+
+
+class Barrier:
+    def __init__(self, name: str, arrivals: int = 1) -> None:
+        self.name, self.arrivals, self.pending, self.completed = name, arrivals, arrivals, 0
+
+    def arrive(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed, self.pending = self.completed + 1, self.arrivals
+
+    def passes(self, parity: int) -> bool:
+        """try_wait.parity: the phase of this parity has completed (the current phase's parity differs)."""
+        return self.completed % 2 != parity
+
+
+@dataclass
+class State:
+    stages: int
+    index: int = 0
+    phase: int = 0
+    count: int = 0
+
+    def advance(self) -> None:
+        self.index, self.count = self.index + 1, self.count + 1
+        if self.index == self.stages:
+            self.index, self.phase = 0, self.phase ^ 1
+
+
+@dataclass
+class Wait:
+    barrier: Barrier
+    parity: int
+    who: str
+
+
+@dataclass
+class Cta:
+    """One CTA's barriers, buffers and in-flight events."""
+
+    stages: int
+    acc_stages: int
+    full: list = field(init=False)
+    empty: list = field(init=False)
+    acc_full: list = field(init=False)
+    acc_empty: list = field(init=False)
+    stage_data: list = field(init=False)  # per stage: (tile, k) landed, None when empty
+    stage_in_flight: list = field(init=False)  # per stage: a load issued, not landed
+    stage_readers: list = field(init=False)  # per stage: MMAs issued on it and not yet committed
+    acc_owner: list = field(init=False)  # per accumulator: "mma" (being accumulated), "epilogue" or None
+    events: list = field(default_factory=list)  # TMA loads (any order), then the commits (in order)
+    commits: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.full = [Barrier(f"full[{s}]") for s in range(self.stages)]
+        self.empty = [Barrier(f"empty[{s}]") for s in range(self.stages)]
+        self.acc_full = [Barrier(f"acc_full[{a}]") for a in range(self.acc_stages)]
+        self.acc_empty = [Barrier(f"acc_empty[{a}]") for a in range(self.acc_stages)]
+        self.stage_data = [None] * self.stages
+        self.stage_in_flight = [False] * self.stages
+        self.stage_readers = [0] * self.stages
+        self.acc_owner = [None] * self.acc_stages
+
+    # warp 0's operations
+    def load(self, stage: int, tile: int, k: int) -> None:
+        if self.stage_data[stage] is not None or self.stage_in_flight[stage] or self.stage_readers[stage]:
+            raise Hazard(f"TMA load of tile {tile} k {k} into stage {stage} while it holds {self.stage_data[stage]}, "
+                         f"a load in flight or {self.stage_readers[stage]} MMAs reading it")
+        self.stage_in_flight[stage] = True
+        self.events.append(("load", stage, (tile, k)))
+
+    def mma(self, stage: int, tile: int, k: int, acc: int) -> None:
+        if self.stage_data[stage] != (tile, k):
+            raise Hazard(f"MMA of tile {tile} k {k} on stage {stage} holding {self.stage_data[stage]}")
+        if self.acc_owner[acc] != "mma":
+            raise Hazard(f"MMA into accumulator {acc} owned by {self.acc_owner[acc]}")
+        self.stage_readers[stage] += 1
+
+    def release_stage(self, stage: int) -> None:  # tcgen05.commit onto the stage's empty barrier
+        self.stage_data[stage] = None  # the MMAs have their operands; the stage is the next load's once they complete
+        self.commits.append(("stage", stage))
+
+    def commit_accumulator(self, acc: int) -> None:  # tcgen05.commit onto the accumulator's full barrier
+        self.commits.append(("acc", acc))
+
+    def land(self, rng: random.Random) -> bool:
+        """Land one in-flight event (a random TMA load, or the oldest commit); False if none is in flight."""
+        choices = [("event", i) for i in range(len(self.events))] + ([("commit", 0)] if self.commits else [])
+        if not choices:
+            return False
+        kind, i = rng.choice(choices)
+        if kind == "event":
+            _, stage, data = self.events.pop(i)
+            self.stage_in_flight[stage], self.stage_data[stage] = False, data
+            self.full[stage].arrive()
+        else:
+            what, index = self.commits.pop(0)
+            if what == "stage":
+                self.stage_readers = [0] * self.stages  # a commit covers every MMA issued before it
+                self.empty[index].arrive()
+            else:
+                self.acc_owner[index] = "done"
+                self.acc_full[index].arrive()
+        return True
+
+
+def warp0(cta: Cta, tiles: list[int], lookahead: int, tail_state: str):
+    """The kernel's warp 0: per tile, ``mma_warp`` (the accumulator acquired, loads ``lookahead`` K
+    tiles ahead, MMAs in K order, each stage released by commit, the accumulator committed), then
+    the producer's tail."""
+    producer, consumer = State(cta.stages, phase=1), State(cta.stages)
+    acc_producer = State(cta.acc_stages, phase=1)
+    for tile, k_tiles in enumerate(tiles):
+        ahead = min(lookahead, k_tiles)
+        acc = acc_producer.index
+        yield Wait(cta.acc_empty[acc], acc_producer.phase, f"warp 0: accumulator {acc} for tile {tile}")
+        cta.acc_owner[acc] = "mma"
+        acc_producer.advance()
+        loads = 0
+        for _ in range(ahead):
+            yield Wait(cta.empty[producer.index], producer.phase, f"warp 0: stage {producer.index} for a load")
+            cta.load(producer.index, tile, loads)
+            loads += 1
+            producer.advance()
+        for k in range(k_tiles):
+            if k < k_tiles - ahead:
+                yield Wait(cta.empty[producer.index], producer.phase, f"warp 0: stage {producer.index} for a load")
+                cta.load(producer.index, tile, loads)
+                loads += 1
+                producer.advance()
+            yield Wait(cta.full[consumer.index], consumer.phase, f"warp 0: stage {consumer.index} full")
+            cta.mma(consumer.index, tile, k, acc)
+            cta.release_stage(consumer.index)
+            consumer.advance()
+        cta.commit_accumulator(acc)
+    drain = producer if tail_state == "advanced" else State(cta.stages, phase=1)
+    for _ in range(cta.stages):
+        yield Wait(cta.empty[drain.index], drain.phase, f"warp 0: tail, stage {drain.index}")
+        drain.advance()
+
+
+def epilogue(cta: Cta, tiles: list[int]):
+    """The epilogue warps: each tile's accumulator waited for, read, released."""
+    acc_consumer = State(cta.acc_stages)
+    for tile in range(len(tiles)):
+        acc = acc_consumer.index
+        yield Wait(cta.acc_full[acc], acc_consumer.phase, f"epilogue: accumulator {acc} of tile {tile}")
+        if cta.acc_owner[acc] != "done":
+            raise Hazard(f"epilogue read accumulator {acc} of tile {tile} before its MMAs completed")
+        cta.acc_owner[acc] = None
+        cta.acc_empty[acc].arrive()
+        acc_consumer.advance()
+
+
+LANDINGS = ("eager", "lazy", "random")
+
+
+def run_cta(
+    tiles: list[int], stages: int, lookahead: int, *, acc_stages: int = 1, tail_state: str = "advanced", landing: str = "random",
+    seed: int = 0,
+) -> None:
+    """Run one CTA's agents over ``tiles`` (each a K-tile count) to the end; raises Hang or Hazard.
+    ``landing``: when in-flight work lands: "eager" (all of it before each agent's step), "lazy"
+    (only when every agent waits) or "random" (seeded)."""
+    if landing not in LANDINGS:
+        raise ValueError(f"landing: expected one of {LANDINGS}, got {landing!r}")
+    rng = random.Random(seed)
+    cta = Cta(stages, acc_stages)
+    agents = {"warp 0": warp0(cta, tiles, lookahead, tail_state), "epilogue": epilogue(cta, tiles)}
+    waits = {name: None for name in agents}
+    while agents:
+        progressed = False
+        for name in list(agents):
+            while landing == "eager" and cta.land(rng):
+                pass
+            wait = waits[name]
+            if wait is not None and not wait.barrier.passes(wait.parity):
+                continue
+            try:
+                waits[name] = next(agents[name])
+            except StopIteration:
+                del agents[name], waits[name]
+            progressed = True
+        if not progressed and not cta.land(rng):
+            raise Hang("; ".join(f"{w.who} waits on {w.barrier.name} parity {w.parity}" for w in waits.values()))
+        if landing == "random" and rng.random() < 0.5:
+            cta.land(rng)
+    if cta.events or cta.commits:
+        raise Hazard(f"the CTA exits with {len(cta.events)} loads and {len(cta.commits)} commits still to arrive on its shared memory")
