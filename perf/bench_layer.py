@@ -52,6 +52,11 @@ CONFIGS = {
     "dsv3-e128": (4096, 7168, 2048, 128, 8, None, "uniform"),  # one EP=2 rank's expert work (bench_ep's dsv3)
     "dsv3-shared": (4096, 7168, 2048, 32, 8, 2048, "uniform"),  # with DeepSeek-V3's shared expert
     "qwen3-small": (256, 2048, 768, 64, 8, None, "uniform"),  # few tokens: launch-bound
+    # one GPU's whole model layer, T = 4096 (the small-expert shapes: ~256 rows an expert at 128 experts)
+    "qwen3-30b": (4096, 2048, 768, 128, 8, None, "uniform"),
+    "qwen3-30b-32k": (32768, 2048, 768, 128, 8, None, "uniform"),
+    "qwen3-235b": (4096, 4096, 1536, 128, 8, None, "uniform"),
+    "mixtral": (4096, 4096, 14336, 8, 2, None, "uniform"),
 }
 
 
@@ -74,6 +79,43 @@ def make_inputs(T, H, I, E, k, shared_inter, routing, seed=0):
             for shape in ((shared_inter, H), (shared_inter, H), (H, shared_inter))
         )
     return x, idx, w, (wg, wu, wd), shared
+
+
+def quack_gemms(inputs, tuned: bool = False):
+    """quack-kernels' two grouped GEMMs alone, the peer whose GEMMs SonicMoE is built on: its varlen-M
+    gate/up GEMM gathering the token rows with SwiGLU in the epilogue, then its varlen-M down GEMM,
+    on rows sorted by expert beforehand (no routing metadata, no weighting, no combine). Returns
+    (the forward's callable, a check of its rows against float32 torch), or None where quack is not
+    installed (a benchmark-only peer: ``tools/carry-quack`` for the GPU machine). ``tuned``: quack's
+    autotuner (slow to start) instead of its default Hopper config."""
+    try:
+        from quack.gemm_interface import gemm, gemm_act
+    except ImportError:
+        return None
+    x, idx, _, (wg, wu, wd), _ = inputs
+    E, k = wg.shape[0], idx.shape[1]
+    expert_of_slot = idx.flatten().long()
+    order = torch.argsort(expert_of_slot, stable=True)
+    token_of_row = (order // k).int()
+    cu_rows = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+    cu_rows[1:] = torch.cumsum(torch.bincount(expert_of_slot, minlength=E), 0)
+    w_gate_up = torch.cat([wg, wu], dim=1).transpose(1, 2)  # (E, H, 2I), K-major, N = [gate; up]
+    w_down = wd.transpose(1, 2)  # (E, I, H)
+
+    def forward():
+        _, h = gemm_act(x, w_gate_up, activation="swiglu", cu_seqlens_m=cu_rows, A_idx=token_of_row, store_preact=False,
+                        tuned=tuned, concat_layout=("B",))
+        return gemm(h, w_down, cu_seqlens_m=cu_rows, tuned=tuned)
+
+    def check() -> float:
+        """Relative difference of the first expert's rows from float32 torch."""
+        rows = slice(0, int(cu_rows[1]))
+        xe = x[token_of_row[rows].long()].float()
+        want = (torch.nn.functional.silu(xe @ wg[0].float().T) * (xe @ wu[0].float().T)) @ wd[0].float().T
+        got = forward()[rows].float()
+        return float((got - want).norm() / want.norm())
+
+    return forward, check
 
 
 def stacked_inputs(inputs):
@@ -177,6 +219,7 @@ def main() -> int:
     parser.add_argument("--paths", default="", help="MoK paths to time, comma-separated (default: all; torch and dense always)")
     parser.add_argument("--profile", type=int, default=0, help="print (rank 0's) N most expensive kernels; at EP 1 every launch of one call in order")
     parser.add_argument("--profile-paths", default="mok", help="at EP 1: the paths whose kernels are printed, comma-separated (default: mok)")
+    parser.add_argument("--quack-tuned", action="store_true", help="the quack gemms path with quack's autotuner (default: its default config)")
     parser.add_argument("--memory", action="store_true", help="measure what each saved_h_format keeps and a 4-layer step's peak instead")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -218,11 +261,15 @@ def main() -> int:
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }
+            quack = quack_gemms(inputs, tuned=args.quack_tuned) if s_inter is None else None
+            if quack is not None:
+                paths["quack gemms"] = quack[0]
             if stacked is not None:  # the shared expert in the routed launches (four, or one)
                 paths["mok shared-in"] = lambda: mok_forward(stacked)
                 paths["mok 1L shared-in"] = lambda: mok_forward(stacked, one_launch=True)
         if args.paths:
-            keep = {"mok", "torch", "dense gemm", *args.paths.split(",")}  # (the default path: the others' bits are checked against it)
+            # (the default path: the others' bits are checked against it; quack wherever it is installed)
+            keep = ({"mok", "torch", "dense gemm", *args.paths.split(",")} - {"quack gemms"}) | ({"quack gemms"} & set(paths))
             unknown = keep - set(paths)
             if unknown:
                 raise SystemExit(f"--paths: no path(s) {sorted(unknown)}; known: {list(paths)}")
@@ -251,6 +298,8 @@ def main() -> int:
             print(f"{name:<12}{p:<17}{ms[p]:>9.3f}{tflops:>9.0f}{ratios}{launches[p]:>9}{state[p]}")
         print(f"{name:<12}mok vs torch {'dx' if args.backward else 'output'}: relative difference {agree:.2e}")
         print(f"{name:<12}every other MoK path gives the default path's bits: {same}")
+        if "quack gemms" in paths:
+            print(f"{name:<12}quack gemms' first expert's rows vs float32 torch: relative difference {quack[1]():.2e}")
         print(f"{name:<12}{gpu_state()}")
         for p in [p for p in ("mok", "mok (graph)") if p in paths]:
             busy, span = device_span(paths[p])
