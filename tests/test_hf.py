@@ -275,6 +275,56 @@ def test_describe_names_the_copied_weights_and_the_fused_shared_experts():
         assert all(not e["shared_expert_in_mok"] and e["copied_per_call"] == ("gate_up_proj",) for e in mok_hf.describe(tiny_model(family)))
 
 
+def saved_bytes(model, ids) -> int:
+    """Bytes autograd keeps from a forward of ``model`` for its backward (every saved tensor, once)."""
+    seen = {}
+
+    def pack(t):
+        seen[(t.data_ptr(), t.numel(), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_layer_options_reach_every_experts_module_and_keep_the_gradients(family):
+    """apply(model, saved_h_format="recompute") keeps no h (the forward saves less, by about h's
+    k·2I values a token a layer) and gives the default's logits and gradients; describe() shows
+    the options; one_launch likewise gives the same results."""
+    ref = tiny_model(family)
+    default, recompute, one_launch = (mok_hf.apply(copy.deepcopy(ref), **opts) for opts in
+                                      ({}, {"saved_h_format": "recompute"}, {"one_launch": True}))
+    assert all(e["options"] == {"saved_h_format": "recompute"} for e in mok_hf.describe(recompute))
+    assert all(e["options"] == {} for e in mok_hf.describe(default))
+    ids = tokens()
+    want_logits, want = logits_and_grads(default, ids)
+    for m in (recompute, one_launch):
+        got_logits, got = logits_and_grads(m, ids)
+        assert rel_err(got_logits, want_logits) <= TOL
+        for name, g in want.items():
+            assert rel_err(got[name], g) <= TOL, name
+    cfg = ref.config
+    h_bytes = ids.numel() * cfg.num_experts_per_tok * 2 * cfg.moe_intermediate_size * 4 * cfg.num_hidden_layers  # fp32 h
+    assert saved_bytes(default, ids) - saved_bytes(recompute, ids) >= h_bytes
+
+
+def test_layer_options_are_checked_before_anything_changes():
+    m = tiny_model("qwen3_moe")
+    before = m.config._experts_implementation
+    with pytest.raises(ValueError, match=r"saved_h_format: expected one of"):
+        mok_hf.apply(m, saved_h_format="fp4")
+    with pytest.raises(ValueError, match=r"precision='mxfp8': expected widths that are multiples of 128"):
+        mok_hf.apply(m, precision="mxfp8")
+    with pytest.raises(TypeError, match=r"one_launch: expected a bool"):
+        mok_hf.apply(m, one_launch="yes")
+    assert m.config._experts_implementation == before
+    assert not any(hasattr(e, mok_hf.OPTIONS_ATTR) for _, e in mok_hf.experts_modules(m))
+    with pytest.raises(TypeError, match=r"unknown layer option\(s\) \['ep_size'\]"):
+        mok_hf.layer_options(mok_hf.experts_modules(m)[0][1], ep_size=2)
+
+
 def test_mok_layout_views_and_copies():
     gate_up = torch.randn(4, 2 * 16, 24)
     down = torch.randn(4, 24, 16)

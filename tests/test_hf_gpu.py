@@ -12,6 +12,7 @@ the same shapes for every family, so that they share compiled kernels):
   the logits of the tokens routed alike everywhere within 1.5e-2;
 - two runs of the same step: bitwise-equal logits and gradients (eager attention, a loss
   without atomics: every op in the model deterministic);
+- the layer options apply() passes on (saved_h_format="recompute", one_launch=True): the default's bits;
 - generate(); torch.compile(fullgraph=True): the experts bitwise as eager, a compiled MoE block
   within bf16 rounding of the eager one, the whole compiled model runs; the example's fine-tuning run;
 - fp32 parameters under bf16 autocast run (weights cast per call); an fp32 model without autocast
@@ -109,16 +110,29 @@ def test_two_layers_forward_matches_where_the_routing_agrees(family):
     assert rel_err(got.reshape(-1, vocab)[alike], want.reshape(-1, vocab)[alike]) <= 1.5e-2
 
 
+def assert_same_bits(first, second, ids):
+    """``first`` and ``second`` (models, or one model twice) give bitwise-equal logits and gradients on ``ids``."""
+    first_logits, first_grads = logits_and_grads(first, ids)
+    first_grads = {n: g.clone() for n, g in first_grads.items()}
+    second_logits, second_grads = logits_and_grads(second, ids)
+    assert torch.equal(first_logits, second_logits)
+    for name, g in first_grads.items():
+        assert torch.equal(g, second_grads[name]), name
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_runs_are_bitwise_equal(family):
     m = mok_hf.apply(gpu_model(family, layers=2, attn="eager"))
-    ids = gpu_tokens()
-    first_logits, first = logits_and_grads(m, ids)
-    first = {n: g.clone() for n, g in first.items()}
-    again_logits, again = logits_and_grads(m, ids)
-    assert torch.equal(first_logits, again_logits)
-    for name, g in first.items():
-        assert torch.equal(g, again[name]), name
+    assert_same_bits(m, m, gpu_tokens())
+
+
+@pytest.mark.parametrize("options", [dict(saved_h_format="recompute"), dict(one_launch=True)])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_layer_options_give_the_default_bits(family, options):
+    """apply(model, saved_h_format="recompute") and apply(model, one_launch=True): the same logits
+    and gradients, bit for bit, as the default MoK layer (the same GEMMs on the same rows)."""
+    ref = gpu_model(family, layers=2, attn="eager")
+    assert_same_bits(mok_hf.apply(copy.deepcopy(ref)), mok_hf.apply(copy.deepcopy(ref), **options), gpu_tokens())
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])

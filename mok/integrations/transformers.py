@@ -12,6 +12,7 @@ one more, ``"mok"``::
     model.set_experts_implementation("mok")          # or switch a model already built
     mok_hf.apply(model)                              # or: check every experts module now, switch them, and
                                                      # run DeepSeek-V3's shared experts in MoK's launches too
+    mok_hf.apply(model, saved_h_format="recompute")  # with the layer's options (see apply)
 
 What runs on MoK: the routed experts, ``out[t] = Σ_j w[t, j]·(silu(x[t]·W_gateᵀ)·(x[t]·W_upᵀ))·W_downᵀ``
 with the model's own router's top-k ids and weights (softmax or sigmoid, group-limited top-k, bias
@@ -73,6 +74,7 @@ __all__ = [
     "copied_weights",
     "describe",
     "experts_modules",
+    "layer_options",
     "mok_experts_forward",
     "mok_layout",
     "moe_experts",
@@ -100,6 +102,11 @@ _SHARED_BLOCKS = {
 }
 
 GPU_TILE = 128  # MoK's GPU kernels tile every width (H, I, I_s) by 128
+
+# The layer options apply() takes (MoKConfig's fields of one GPU), with their defaults; kept on
+# each experts module as OPTIONS_ATTR: the options that differ from these, as (name, value) pairs.
+LAYER_OPTIONS = {"saved_h_format": "bf16", "one_launch": False, "precision": "bf16"}
+OPTIONS_ATTR = "mok_options"
 
 
 class UnsupportedModelError(ValueError):
@@ -276,15 +283,16 @@ def copied_weights(experts: nn.Module) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _config_text_of(hidden: int, inter: int, num_experts: int, topk: int, shared_inter: int | None) -> str:
-    return config_text(MoKConfig(hidden, inter, num_experts, topk, shared_inter))
+def _config_text_of(hidden: int, inter: int, num_experts: int, topk: int, shared_inter: int | None, options: tuple = ()) -> str:
+    return config_text(MoKConfig(hidden, inter, num_experts, topk, shared_inter, **dict(options)))
 
 
 @torch.compiler.assume_constant_result
-def _config_text(hidden: int, inter: int, num_experts: int, topk: int, shared_inter: int | None) -> str:
+def _config_text(hidden: int, inter: int, num_experts: int, topk: int, shared_inter: int | None, options: tuple = ()) -> str:
     """The op's configuration string (a constant in a compiled graph: torch.compile runs this once
-    while tracing instead of tracing MoKConfig and json)."""
-    return _config_text_of(hidden, inter, num_experts, topk, shared_inter)
+    while tracing instead of tracing MoKConfig and json); ``options``: the experts module's
+    OPTIONS_ATTR."""
+    return _config_text_of(hidden, inter, num_experts, topk, shared_inter, options)
 
 
 def _check_device(x: torch.Tensor, widths: dict) -> None:
@@ -332,7 +340,7 @@ def moe_experts(
     shared_inter = None if shared is None else shared[0].shape[0]
     widths = {"hidden": hidden, "intermediate": inter, "shared_intermediate": shared_inter}
     _check_device(x, widths)
-    config = _config_text(hidden, inter, num_experts, topk, shared_inter)
+    config = _config_text(hidden, inter, num_experts, topk, shared_inter, getattr(experts, OPTIONS_ATTR, ()))
     idx = top_k_index.reshape(num_tokens, topk).to(torch.int32).contiguous()
     weights = top_k_weights.reshape(num_tokens, topk).to(torch.float32).contiguous()
     sg, su, sd = shared if shared is not None else (None, None, None)
@@ -435,12 +443,34 @@ def _moe_outside_interface(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(found, key=lambda nm: "Experts" not in type(nm[1]).__name__)
 
 
-def apply(model: nn.Module, *, fuse_shared_experts: bool = True) -> nn.Module:
+def layer_options(experts: nn.Module, **options) -> tuple:
+    """``options`` (names of LAYER_OPTIONS) checked against this experts module's shapes as
+    MoKConfig checks them (ValueError naming the option and what it takes), as the (name, value)
+    pairs that differ from the defaults."""
+    unknown = sorted(set(options) - set(LAYER_OPTIONS))
+    if unknown:
+        raise TypeError(f"MoK experts backend: unknown layer option(s) {unknown}; expected some of {sorted(LAYER_OPTIONS)}")
+    transposed = bool(getattr(experts, "is_transposed", False))
+    gate_up = experts.gate_up_proj
+    hidden, inter = (gate_up.shape[1], gate_up.shape[2] // 2) if transposed else (gate_up.shape[2], gate_up.shape[1] // 2)
+    topk = min(getattr(experts.config, "num_experts_per_tok", 1), gate_up.shape[0])
+    MoKConfig(hidden, inter, gate_up.shape[0], topk, **options)
+    return tuple(sorted((k, v) for k, v in options.items() if v != LAYER_OPTIONS[k]))
+
+
+def apply(
+    model: nn.Module, *, fuse_shared_experts: bool = True, saved_h_format: str = "bf16", one_launch: bool = False,
+    precision: str = "bf16",
+) -> nn.Module:
     """Run ``model``'s experts on MoK: check every experts module (UnsupportedModelError, naming the
     module, what MoK lacks for it and the supported families, before anything changes), switch the
     model to ``experts_implementation="mok"``, and with ``fuse_shared_experts`` run DeepSeek-V3's
     shared experts inside MoK's op too (the blocks' class becomes ``MoK<Block>``, a subclass with
     only its forward changed: parameters, names, state_dict and save_pretrained stay the same).
+    ``saved_h_format``, ``one_launch`` and ``precision`` are MoKConfig's (mok.MoKConfig says what
+    each does; e.g. ``saved_h_format="recompute"`` keeps no expert activations between forward and
+    backward), checked against every experts module's shapes before anything changes and kept on
+    each as its ``mok_options`` attribute (not a parameter or buffer: the state_dict is unchanged).
     Returns ``model``. ``model.set_experts_implementation(...)`` switches back."""
     register()
     found = experts_modules(model)
@@ -456,8 +486,10 @@ def apply(model: nn.Module, *, fuse_shared_experts: bool = True) -> nn.Module:
             f"MoK: {type(model).__name__} has no MoE experts (no module runs through transformers' ExpertsInterface, "
             f"transformers.integrations.moe). {_what_mok_runs()}"
         )
+    options = {"saved_h_format": saved_h_format, "one_launch": one_launch, "precision": precision}
     for name, experts in found:
         check_experts(experts, name)
+    chosen = [layer_options(experts, **options) for _, experts in found]
     untested = sorted({type(e).__name__ for _, e in found} - set(SUPPORTED_FAMILIES))
     if untested:
         warnings.warn(
@@ -467,6 +499,8 @@ def apply(model: nn.Module, *, fuse_shared_experts: bool = True) -> nn.Module:
         )
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(BACKEND)
+    for (_, experts), pairs in zip(found, chosen):
+        setattr(experts, OPTIONS_ATTR, pairs)
     for _, experts in found:  # (a submodel transformers does not switch: its config directly)
         if experts.config._experts_implementation != BACKEND:
             experts.config._experts_implementation_internal = BACKEND
@@ -480,7 +514,8 @@ def apply(model: nn.Module, *, fuse_shared_experts: bool = True) -> nn.Module:
 
 def describe(model: nn.Module) -> list[dict]:
     """One entry per experts module: its name, class, family, whether MoK runs it (and why not),
-    which parameters every call copies, and whether its shared expert runs inside MoK's op."""
+    which parameters every call copies, whether its shared expert runs inside MoK's op, and the
+    layer options :func:`apply` gave it."""
     fused = {name for name, m in model.named_modules() if type(m).__name__.startswith("MoK") and type(m).__name__[3:] in _SHARED_BLOCKS}
     out = []
     for name, experts in experts_modules(model):
@@ -494,5 +529,6 @@ def describe(model: nn.Module) -> list[dict]:
             "problems": problems,
             "copied_per_call": copied_weights(experts) if not problems else (),
             "shared_expert_in_mok": name.rpartition(".")[0] in fused,
+            "options": dict(getattr(experts, OPTIONS_ATTR, ())),
         })
     return out
