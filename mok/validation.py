@@ -51,6 +51,32 @@ def check_tensor(
     return value
 
 
+def expert_blocks_contiguous(w: torch.Tensor) -> bool:
+    """Per-expert weights [E, N, K] whose each expert's [N, K] block is contiguous: the experts
+    packed, or further apart (a half of one [E, 2N, K] tensor)."""
+    experts, n, k = w.shape
+    return w.stride(2) == 1 and w.stride(1) == k and (experts <= 1 or w.stride(0) >= n * k)
+
+
+def expert_stride(name: str, w: torch.Tensor, like: torch.Tensor | None = None) -> int | None:
+    """The expert stride of per-expert weights ``w`` [E, N, K] whose every expert's [N, K] block is
+    contiguous: None when the experts are packed too (a contiguous tensor), else the stride in
+    elements (a multiple of 8: 16 bytes; e.g. 2·I·H for the gate or up half of one [E, 2I, H]
+    tensor, which the kernels then read in place). ``like``: the weights this one must be strided
+    as (b with b2: one stride for both). ValueError otherwise."""
+    experts, n, k = w.shape
+    if not expert_blocks_contiguous(w):
+        raise ValueError(
+            f"{name}: expected each expert's [{n}, {k}] block contiguous (a contiguous tensor, or a half of one [E, 2·{n}, {k}] "
+            f"tensor), got strides {w.stride()} for shape {tuple(w.shape)}"
+        )
+    if experts > 1 and w.stride(0) % 8:
+        raise ValueError(f"{name}: expected the experts a multiple of 8 elements (16 bytes) apart, got strides {w.stride()}")
+    if like is not None and experts > 1 and w.stride() != like.stride():
+        raise ValueError(f"{name}: expected the strides of its partner weights {like.stride()}, got {w.stride()}")
+    return None if experts <= 1 or w.stride(0) == n * k else w.stride(0)
+
+
 def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     """Check an integer argument (bools are refused: ``True`` is not a size)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -95,10 +121,13 @@ def check_moe_inputs(
     check_tensor("x", x, dtypes=dtypes, ndim=2, contiguous=contiguous)
     num_tokens, hidden = x.shape
     dev = x.device
-    check_tensor("w_gate", w_gate, dtypes=dtypes, ndim=3, device=dev, contiguous=contiguous)
+    check_tensor("w_gate", w_gate, dtypes=dtypes, ndim=3, device=dev)
     num_local, inter, _ = w_gate.shape
     check_tensor("w_gate", w_gate, shape=(num_local, inter, hidden))
-    check_tensor("w_up", w_up, dtypes=dtypes, shape=(num_local, inter, hidden), device=dev, contiguous=contiguous)
+    check_tensor("w_up", w_up, dtypes=dtypes, shape=(num_local, inter, hidden), device=dev)
+    if contiguous:  # (w_gate and w_up: each expert's block; the two may be the halves of one [E, 2I, H] tensor)
+        expert_stride("w_gate", w_gate)
+        expert_stride("w_up", w_up, like=w_gate)
     check_tensor("w_down", w_down, dtypes=dtypes, shape=(num_local, hidden, inter), device=dev, contiguous=contiguous)
     experts_total = num_local if experts_total is None else experts_total
     check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, ndim=2, device=dev)

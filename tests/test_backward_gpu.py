@@ -537,3 +537,24 @@ def test_the_one_tile_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, 
     configs = [MoKConfig(H, I, E, k, shared_intermediate=shared_inter, fuse_wgrad_accumulation=fuse) for fuse in (False, True)]
     listed = {(v.name, tuple(sorted(v.config.items()))) for c in configs for v in plan_for(c, "sm_100a").variants()}
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(one_launch=True), dict(saved_h_format="recompute")])
+@pytest.mark.parametrize("T,H,I,E,k,shared_inter", [(1000, 512, 256, 8, 2, 384), (2048, 2048, 768, 64, 8, None)])
+def test_gate_up_halves_of_one_tensor_give_the_bits_of_packed_weights(T, H, I, E, k, shared_inter, options):
+    """w_gate and w_up as the two halves of one [E, 2I, H] tensor (transformers' gate_up_proj: each
+    expert's block contiguous, 2·I·H apart), read in place by the forward's gate/up GEMM (or the
+    one-launch kernel, or the recompute) and the backward's dx GEMM: the output and every gradient
+    bitwise those of packed copies."""
+    x, idx, w, (wg, wu, wd), shared = gpu_layer(T, H, I, E, k, shared_inter, seed=21)
+    gate_up = torch.cat([wg, wu], dim=1)  # [E, 2I, H]
+    halves = (gate_up[:, :I], gate_up[:, I:], wd)
+    assert not halves[0].is_contiguous() and halves[0].stride(0) == 2 * I * H
+    dout = torch.randn(T, H, device="cuda").bfloat16()
+    want_out = moe_forward(x, idx, w, wg, wu, wd, shared, save_for_backward=True, **options)
+    want = moe_backward(dout, x, idx, w, wg, wu, wd, shared, want_out, **options)
+    got_out = moe_forward(x, idx, w, *halves, shared, save_for_backward=True, **options)
+    got = moe_backward(dout, x, idx, w, *halves, shared, got_out, **options)
+    assert torch.equal(got_out.out, want_out.out)
+    for name, a, b in zip(NAMES, flat(got), flat(want)):
+        assert torch.equal(a, b), name

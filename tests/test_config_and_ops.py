@@ -429,3 +429,24 @@ def test_public_submodules_are_reachable_after_import_mok():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_expert_weights_may_be_the_halves_of_one_tensor_and_anything_else_is_named():
+    """Per-expert weights: contiguous, or each expert's block contiguous with the experts further
+    apart (the halves of one [E, 2I, H] tensor: their stride, read in place); a layout whose
+    blocks are not contiguous is refused naming the strides, as are partner weights strided
+    differently."""
+    from mok.validation import expert_stride
+
+    gate_up = torch.randn(4, 2 * 16, 24)
+    gate, up = gate_up[:, :16], gate_up[:, 16:]
+    assert expert_stride("w_gate", gate) == expert_stride("w_up", up, like=gate) == 2 * 16 * 24
+    assert expert_stride("w", gate_up[:, :16].contiguous()) is None
+    assert expert_stride("w", gate_up[:1, :16]) is None  # one expert: no stride to speak of
+    with pytest.raises(ValueError, match=r"w_gate: expected each expert's \[16, 24\] block contiguous .* got strides \(384, 1, 16\)"):
+        expert_stride("w_gate", torch.randn(4, 24, 16).transpose(1, 2))
+    with pytest.raises(ValueError, match=r"w_up: expected the strides of its partner weights"):
+        expert_stride("w_up", torch.randn(4, 16, 24), like=gate)
+    odd = torch.randn(4 * (16 * 24 + 4))[: 4 * (16 * 24 + 4)].as_strided((4, 16, 24), (16 * 24 + 4, 24, 1))
+    with pytest.raises(ValueError, match=r"a multiple of 8 elements \(16 bytes\) apart"):
+        expert_stride("w", odd)

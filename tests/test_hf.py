@@ -269,10 +269,10 @@ def test_describe_names_the_copied_weights_and_the_fused_shared_experts():
     assert [e["module"] for e in info] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     for e in info:
         assert e["family"] == "DeepSeek-V3" and e["runs_on_mok"] and not e["problems"]
-        assert e["copied_per_call"] == ("gate_up_proj",)  # [E, 2I, H]: its halves have an expert stride of 2·I·H
+        assert e["copied_per_call"] == ()  # [E, 2I, H]: its halves read in place (an expert stride of 2·I·H)
         assert e["shared_expert_in_mok"]
     for family in FAMILIES[:3] + FAMILIES[4:]:
-        assert all(not e["shared_expert_in_mok"] and e["copied_per_call"] == ("gate_up_proj",) for e in mok_hf.describe(tiny_model(family)))
+        assert all(not e["shared_expert_in_mok"] and e["copied_per_call"] == () for e in mok_hf.describe(tiny_model(family)))
 
 
 def saved_bytes(model, ids) -> int:
@@ -329,11 +329,14 @@ def test_mok_layout_views_and_copies():
     gate_up = torch.randn(4, 2 * 16, 24)
     down = torch.randn(4, 24, 16)
     g, u, d = mok_hf.mok_layout(gate_up, down, transposed=False)
-    assert all(t.is_contiguous() for t in (g, u, d))
+    assert (g.data_ptr(), u.data_ptr(), d.data_ptr()) == (gate_up.data_ptr(), gate_up[:, 16:].data_ptr(), down.data_ptr())  # in place
+    assert g.stride() == u.stride() == (2 * 16 * 24, 24, 1)  # each expert's block contiguous, 2·I·H apart
     assert torch.equal(g, gate_up[:, :16]) and torch.equal(u, gate_up[:, 16:])
-    assert d.data_ptr() == down.data_ptr()  # in place
     gt, ut, dt = mok_hf.mok_layout(gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous(), transposed=True)
+    assert all(t.is_contiguous() for t in (gt, ut, dt))  # the transposed layout: copies
     assert torch.equal(gt, g) and torch.equal(ut, u) and torch.equal(dt, d)
+    gb, ub, _ = mok_hf.mok_layout(gate_up, down, transposed=False, dtype=torch.bfloat16)  # a cast: packed copies
+    assert gb.is_contiguous() and ub.is_contiguous() and torch.equal(gb, g.bfloat16())
     one = torch.randn(1, 32, 24)  # one expert: both halves contiguous views, nothing copied
     g1, u1, _ = mok_hf.mok_layout(one, torch.randn(1, 24, 16), transposed=False)
     assert g1.data_ptr() == one.data_ptr() and u1.data_ptr() == one[:, 16:].data_ptr()

@@ -21,12 +21,12 @@ op is ``torch.ops.mok.moe_forward`` (mok/torch_ops.py): MoK's fused kernels on a
 H and I multiples of 128), the fp32 reference on the CPU (any widths MoKConfig takes).
 
 Weights: transformers stores each family's experts as ``gate_up_proj`` [E, 2I, H] (gate rows first)
-and ``down_proj`` [E, H, I]. ``down_proj`` is MoK's ``w_down`` as it is (used in place). The gate
-and up halves of ``gate_up_proj`` are views with an expert stride of 2·I·H, which MoK's kernels do
-not take yet (they need contiguous [E, I, H] weights): every forward copies them into two contiguous
-tensors and every backward does again (:class:`_Experts` keeps the parameter, not the copies, from
-the forward to the backward), and the backward concatenates the two halves' gradients into one.
-Parameters, their names, ``state_dict`` and ``save_pretrained`` stay transformers' own.
+and ``down_proj`` [E, H, I]. Both are used in place: ``down_proj`` is MoK's ``w_down`` as it is,
+and the gate and up halves of ``gate_up_proj`` are views with an expert stride of 2·I·H, which
+MoK's kernels read as they are (each expert's block is contiguous). The backward concatenates the
+two halves' gradients into ``gate_up_proj``'s. (A transposed layout, ``is_transposed``, is copied
+per call; under autocast the weights are cast per call.) Parameters, their names, ``state_dict``
+and ``save_pretrained`` stay transformers' own.
 
 Shared experts: DeepSeek-V3's (unit weight, ``shared_experts``) run inside MoK's op once
 :func:`apply` fused its MoE blocks; Qwen2-MoE's is gated (``sigmoid(x·g)·shared(x)``, which MoK's
@@ -64,6 +64,7 @@ if not hasattr(_hf_moe, "ExpertsInterface"):
 from ..config import MoKConfig
 from ..runtime.arch import check_fused_layer_device
 from ..torch_ops import config_text
+from ..validation import expert_blocks_contiguous
 
 __all__ = [
     "BACKEND",
@@ -200,16 +201,16 @@ def _halves(gate_up: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torc
 def mok_layout(
     gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w_gate, w_up [E, I, H], w_down [E, H, I]), contiguous and in ``dtype`` (default: theirs), as
-    MoK's op takes them, from an experts module's ``gate_up_proj`` and ``down_proj``: views of the
-    parameters where their layout and dtype are MoK's (``down_proj`` of the non-transposed layout),
-    copies where not (the halves of ``gate_up_proj``, whose expert stride is 2·I·H; a transposed
-    ``down_proj``; a cast under autocast). Not autograd-tracked: :class:`_Experts` calls it in its
-    forward and again in its backward."""
+    """(w_gate, w_up [E, I, H], w_down [E, H, I]) in ``dtype`` (default: theirs), as MoK's op takes
+    them, from an experts module's ``gate_up_proj`` and ``down_proj``: views of the parameters
+    where their layout and dtype are MoK's (the halves of a [E, 2I, H] ``gate_up_proj``, each
+    expert's block contiguous, 2·I·H apart, which MoK's kernels read in place; ``down_proj`` of the
+    non-transposed layout), copies where not (the transposed layout; a cast under autocast). Not
+    autograd-tracked: :class:`_Experts` calls it in its forward and again in its backward."""
     gate, up = _halves(gate_up, transposed)
     if transposed:
         down = down.transpose(1, 2)
-    return tuple(_as(t, dtype) for t in (gate, up, down))
+    return (*(_blocks_as(t, dtype) for t in (gate, up)), _as(down, dtype))
 
 
 def _as(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -217,6 +218,12 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | Non
     if t is None or (t.is_contiguous() and dtype in (None, t.dtype)):
         return t
     return t.to(dtype=dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _blocks_as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Per-expert weights ``t`` in ``dtype`` with each expert's block contiguous (the experts may
+    lie further apart): itself where it is so already, else a contiguous copy."""
+    return t if expert_blocks_contiguous(t) and dtype in (None, t.dtype) else _as(t, dtype)
 
 
 def _gate_up_grad(d_gate: torch.Tensor, d_up: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -234,10 +241,11 @@ class _Experts(torch.autograd.Function):
     ``dtype`` (the parameters' own, or autocast's: then every weight is cast per call, as autocast
     casts a Linear's, and its gradient cast back).
 
-    The op's own autograd keeps the weights it was given for its backward: the per-call copies of
-    gate_up_proj's halves would stay alive from the forward to the backward (as much memory as
-    gate_up_proj itself, per layer). This Function keeps the parameters instead and copies again in
-    the backward; the op pair and what it saves are the same. Autocast is off inside: MoK's op
+    The op's own autograd keeps the weights it was given for its backward: a per-call copy (a cast
+    under autocast, the transposed layout) would stay alive from the forward to the backward (as
+    much memory as gate_up_proj itself, per layer). This Function keeps the parameters instead and
+    makes the weights again in the backward (views where they are MoK's layout, :func:`mok_layout`),
+    and hands gate_up_proj one gradient; the op pair and what it saves are the same. Autocast is off inside: MoK's op
     computes at its own precision (its CPU reference in fp32)."""
 
     @staticmethod
@@ -276,7 +284,8 @@ def copied_weights(experts: nn.Module) -> tuple[str, ...]:
     transposed = bool(getattr(experts, "is_transposed", False))
     gate, up = _halves(experts.gate_up_proj, transposed)
     down = experts.down_proj.transpose(1, 2) if transposed else experts.down_proj
-    return (("gate_up_proj",) if not (gate.is_contiguous() and up.is_contiguous()) else ()) + (("down_proj",) if not down.is_contiguous() else ())
+    gate_up_copied = not (expert_blocks_contiguous(gate) and expert_blocks_contiguous(up))
+    return (("gate_up_proj",) if gate_up_copied else ()) + (("down_proj",) if not down.is_contiguous() else ())
 
 
 # ----- the backend

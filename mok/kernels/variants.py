@@ -156,6 +156,7 @@ def grouped_gemm_variant(
     scatter: bool = False,
     pingpong: bool = False,
     operand: str = "bf16",
+    b_expert_stride: int | None = None,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, one tile per CTA, compile-verified, never run).
@@ -170,15 +171,20 @@ def grouped_gemm_variant(
     slot) row of the combine slots of the token's rank (``topk`` slots per token). ``pingpong``
     (persistent swiglu_bwd, 128-wide tiles): the MMA warpgroups take whole tiles in turn.
     ``operand`` "e4m3": MXFP8 operands with E8M0 scales (block-scaled tcgen05 MMAs, SM100 only;
-    K-major B, one tile per CTA).
+    K-major B, one tile per CTA). ``b_expert_stride``: elements from one expert's B to the next
+    (None: N·K, packed; 2·I·H for the halves of one [E, 2I, H] gate/up tensor, read in place).
     """
     _check_operand(operand, persistent, b_major)
+    if b_expert_stride is not None and operand != "bf16":
+        raise ValueError("b_expert_stride: bf16 weights only (MXFP8 weights are quantized into packed tensors)")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
     topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or scatter else 1
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
     for flag, on in (("gather_a", gather_a), ("scatter", scatter), ("pingpong", pingpong)):
         if on:  # (absent when off: fewer keys to read in a cache listing)
             options[flag] = True
+    if b_expert_stride is not None:
+        options["b_expert_stride"] = b_expert_stride
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:  # tcgen05: the one-tile-per-CTA kernels so far (compile-verified only)
@@ -251,7 +257,7 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
 
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, num_experts: int, *, save_h: bool = False, has_shared: bool = False,
-    ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16",
+    ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16", gate_up_stride: int | None = None,
 ) -> KernelVariant:
     """The routed experts' whole forward in one persistent launch (Hopper): the schedule of the
     routing over ``num_experts`` experts, a grid barrier, fc1 (gathered rows, SwiGLU; ``save_h``
@@ -260,7 +266,8 @@ def expert_mlp_variant(
     ``ep_world`` (W): the whole expert-parallel forward of one rank of W, exchanges included;
     ``shared_prefix`` (with ``has_shared``, one GPU): the shared expert runs as expert E, its rows
     first; ``dispatch_format`` "mxfp8" (with ``ep_world``): x published in MXFP8, dequantized as it
-    arrives. See mok/kernels/sm90/expert_mlp.py."""
+    arrives; ``gate_up_stride``: w_gate's and w_up's expert stride (None: packed). See
+    mok/kernels/sm90/expert_mlp.py."""
     # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
     fc2_tile_n = default_tile_n(hidden, inter, False)
     options = dict(save_h=save_h, has_shared=has_shared, fc2_tile_n=fc2_tile_n, num_experts=num_experts)
@@ -270,6 +277,8 @@ def expert_mlp_variant(
         options["shared_prefix"] = True
     if dispatch_format != "bf16":
         options["dispatch_format"] = dispatch_format
+    if gate_up_stride is not None:
+        options["gate_up_stride"] = gate_up_stride
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch not in PERSISTENT_GEMM_ARCHS:

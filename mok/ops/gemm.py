@@ -18,7 +18,7 @@ from ..kernels.common.records import grouped_gemm_args
 from ..kernels.variants import default_tile_n, grouped_gemm_variant, swiglu_backward_pingpong
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
-from ..validation import check_tensor
+from ..validation import check_tensor, expert_stride
 from .common import (
     BF16, E4M3, I32, arch_of, bf16_out, check_disjoint, check_launchable, check_rank_stride,
     check_weights_launchable, kernel_for, persistent_default, sm_count,
@@ -65,24 +65,27 @@ def check_mxfp8_weights(name: str, b: torch.Tensor, scales: torch.Tensor, device
     return num_experts, n
 
 
-def _bf16_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_major: str, k_split: bool) -> tuple[int, int]:
-    """Check a bf16 grouped GEMM's B (and B2) against A [R, K]; returns (E, N)."""
+def _bf16_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_major: str, k_split: bool) -> tuple[int, int, int | None]:
+    """Check a bf16 grouped GEMM's B (and B2) against A [R, K] (each expert's block contiguous, one
+    expert stride for both: :func:`expert_stride`); returns (E, N, the expert stride or None)."""
     k = a.shape[1]
     if b_major not in ("k", "n"):
         raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
     if k_split and b2 is None:
         raise ValueError("k_split: needs b2, the weights of K's second half")
-    check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+    check_tensor("b", b, dtypes=BF16, ndim=3, device=a.device)
     num_experts = b.shape[0]
     n = b.shape[1] if b_major == "k" else b.shape[2]
     b_k = k // 2 if k_split else k
     b_shape = (num_experts, n, b_k) if b_major == "k" else (num_experts, b_k, n)
     check_tensor("b", b, shape=b_shape)
+    stride = expert_stride("b", b)
     if b2 is not None:
-        check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device, contiguous=True)
+        check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device)
+        expert_stride("b2", b2, like=b)
     if n % 128 or k % (128 if k_split else 64):
         raise ValueError(f"b: expected N % 128 == 0 and K % {128 if k_split else 64} == 0, got N={n}, K={k}")
-    return num_experts, n
+    return num_experts, n, stride
 
 
 def _mxfp8_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool) -> dict:
@@ -133,7 +136,9 @@ def grouped_gemm(
     a: [R, K], rows grouped by expert in 128-row tiles. tile_expert: [ceil(R / 128)] int32, the
     expert of each row tile, -1 to skip the tile (its output rows are left unwritten). b: [E, N, K]
     (``b_major="k"``: B = bᵀ, the forward's weights) or [E, K, N] (``b_major="n"``: B = b, the same
-    weights in the backward). With ``b2`` shaped like b: SwiGLU, out = silu(a·B)⊙(a·B2), and
+    weights in the backward); each expert's block contiguous, the experts packed or further apart
+    (:func:`mok.validation.expert_stride`: the gate and up halves of one [E, 2I, H] tensor are read
+    in place), b2 strided as b. With ``b2`` shaped like b: SwiGLU, out = silu(a·B)⊙(a·B2), and
     ``h_out`` [R, 2N] (optional) receives the pre-activations [a·B | a·B2] for the backward; or,
     with ``k_split``, b and b2 hold the two halves of K (out = a[:, :K/2]·B + a[:, K/2:]·B2).
     Needs N % 128 == 0 and K % 64 == 0 (K % 128 with ``k_split``). ``tile_n`` overrides the column
@@ -155,12 +160,12 @@ def grouped_gemm(
         num_experts, n = pointers["b"].shape[:2]
         if b_major != "k" or gather is not None or persistent:
             raise ValueError("MXFP8 operands: K-major B (b_major='k'), no gather, one tile per CTA")
-        persistent, operand = False, "e4m3"
+        persistent, operand, b_stride = False, "e4m3", None
     else:
         check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
         a_values, operand = a, "bf16"
         persistent = persistent_default(a.device) if persistent is None else persistent
-        num_experts, n = _bf16_weights(a, b, b2, b_major, k_split)
+        num_experts, n, b_stride = _bf16_weights(a, b, b2, b_major, k_split)
         pointers = dict(a=a, b=b, b2=b if b2 is None else b2)
     num_rows = a_values.shape[0]
     if gather is not None:
@@ -185,7 +190,7 @@ def grouped_gemm(
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     variant = grouped_gemm_variant(
         n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
-        persistent=persistent, gather_a=gather is not None, operand=operand,
+        persistent=persistent, gather_a=gather is not None, operand=operand, b_expert_stride=b_stride,
     )
     launch_grouped_gemm(
         variant, a_values.device, **pointers, c=out, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
@@ -223,7 +228,7 @@ def grouped_gemm_scatter(
     num_rows = a.shape[0]
     if b2 is not None and not k_split:
         raise ValueError("b2: only with k_split (the scattering GEMM has the plain epilogue)")
-    num_experts, n = _bf16_weights(a, b, b2, b_major, k_split)
+    num_experts, n, b_stride = _bf16_weights(a, b, b2, b_major, k_split)
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=a.device, contiguous=True)
     for name, t in (("row_token", row_token), ("row_slot", row_slot)):
         check_tensor(name, t, dtypes=I32, shape=(num_rows,), device=a.device, contiguous=True)
@@ -237,7 +242,7 @@ def grouped_gemm_scatter(
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
-    variant = grouped_gemm_variant(n, a.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split)
+    variant = grouped_gemm_variant(n, a.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split, b_expert_stride=b_stride)
     launch_grouped_gemm(
         variant, a.device, a=a, b=b, b2=b if b2 is None else b2, c=slots, tile_expert=tile_expert, row_token=row_token,
         row_slot=row_slot, num_rows=num_rows, num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=slot_ranks[1],

@@ -22,7 +22,7 @@ from ..kernels.constants import GRID_SYNC_WORDS
 from ..kernels.variants import expert_mlp_variant
 from ..runtime import launch
 from ..schedule import Schedule, shared_prefix_rows, worst_case_capacity
-from ..validation import check_tensor, check_timeout
+from ..validation import check_tensor, check_timeout, expert_stride
 from .common import BF16, I32, bf16_out, check_32bit_rows, check_launchable, check_weights_launchable, kernel_for, sm_count
 
 TILE = 128  # the one-launch forward's row tile and fc1's column tile
@@ -67,7 +67,8 @@ def scheduled_expert_mlp(
 
     x [T, H] bf16; topk_idx [T, k] int32 (ids in [0, E), not checked here:
     :func:`mok.validation.check_moe_inputs`); topk_w [T, k] fp32; w_gate, w_up [E, I, H]; w_down
-    [E, H, I] (H, I multiples of 128). ``h_out`` [R, 2I]: keep h for the backward (R the worst
+    [E, H, I] (H, I multiples of 128; w_gate and w_up may be the halves of one [E, 2I, H] tensor,
+    read in place: mok.validation.expert_stride). ``h_out`` [R, 2I]: keep h for the backward (R the worst
     case's rows); ``shared_out`` [T, H]: a shared expert's output, added by the combine.
     ``grid_sync``: the barriers' GRID_SYNC_WORDS int32 words, zero when first used and kept across
     calls (the barrier leaves them ready for the next); two launches that may run at the same time
@@ -82,11 +83,13 @@ def scheduled_expert_mlp(
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     num_tokens, hidden = x.shape
     check_tensor("topk_idx", topk_idx, dtypes=I32, ndim=2, device=x.device, contiguous=True)
-    check_tensor("w_gate", w_gate, dtypes=BF16, ndim=3, device=x.device, contiguous=True)
+    check_tensor("w_gate", w_gate, dtypes=BF16, ndim=3, device=x.device)
     topk = topk_idx.shape[1]
     num_experts, inter = w_gate.shape[:2]
     check_tensor("w_gate", w_gate, shape=(num_experts, inter, hidden))
-    check_tensor("w_up", w_up, dtypes=BF16, shape=(num_experts, inter, hidden), device=x.device, contiguous=True)
+    check_tensor("w_up", w_up, dtypes=BF16, shape=(num_experts, inter, hidden), device=x.device)
+    gate_up_stride = expert_stride("w_gate", w_gate)
+    expert_stride("w_up", w_up, like=w_gate)
     check_tensor("w_down", w_down, dtypes=BF16, shape=(num_experts, hidden, inter), device=x.device, contiguous=True)
     if hidden % TILE or inter % TILE:
         raise ValueError(f"w_gate: expected H and I multiples of {TILE}, got H={hidden}, I={inter}")
@@ -123,6 +126,7 @@ def scheduled_expert_mlp(
     a = torch.empty(capacity, inter, dtype=torch.bfloat16, device=x.device)
     variant = expert_mlp_variant(
         hidden, inter, topk, num_experts, save_h=h_out is not None, has_shared=shared_out is not None, shared_prefix=shared_in_routed,
+        gate_up_stride=gate_up_stride,
     )
     launch_expert_mlp(
         variant, x.device, timeout_s, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, a=a, h=h_out, y=y_rows, topk_w=topk_w,

@@ -27,6 +27,7 @@ from ..ops.common import bf16_out, check_cuda_aligned, kernel_for, sm_count
 from ..ops.one_launch import TILE, expert_mlp_counters, launch_expert_mlp, schedule_arguments
 from ..runtime import launch
 from ..schedule import Schedule
+from ..validation import expert_stride
 from .workspace import EPWorkspace
 
 
@@ -214,16 +215,17 @@ class OneLaunchStatics:
 
 
 def one_launch_statics(
-    ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save_h: bool, has_shared: bool, dispatch_format: str
+    ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save_h: bool, has_shared: bool, dispatch_format: str,
+    gate_up_stride: int | None = None,
 ) -> OneLaunchStatics:
-    key = (num_local, inter, save_h, has_shared, dispatch_format)
+    key = (num_local, inter, save_h, has_shared, dispatch_format, gate_up_stride)
     found = ws.one_launch_statics.get(key)
     if found is None:
         lay = ws.layout
         capacity = ws.expert_rows(num_local, TILE)
         variant = expert_mlp_variant(
             lay.hidden, inter, lay.topk, num_local, save_h=save_h, has_shared=has_shared, ep_world=lay.world,
-            dispatch_format=dispatch_format,
+            dispatch_format=dispatch_format, gate_up_stride=gate_up_stride,
         )
         names = {"flags": "flags", "x_pub": "x", "idx_pub": "idx", "slots": "slots"}
         regions = {arg: ws.region(name, 0) for arg, name in names.items()}
@@ -250,7 +252,9 @@ def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out
     lay, dev = ws.layout, x.device
     w_gate, w_up, w_down = weights
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
-    static = one_launch_statics(ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format)
+    gate_up_stride = expert_stride("w_gate", w_gate)
+    expert_stride("w_up", w_up, like=w_gate)
+    static = one_launch_statics(ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, gate_up_stride)
     tokens_all = lay.world * lay.max_tokens
     sched = Schedule.empty(tokens_all, lay.topk, num_local, static.capacity, TILE, dev, world_size=lay.world)
     routing = torch.empty(tokens_all, lay.topk, dtype=torch.int32, device=dev)

@@ -153,9 +153,11 @@ def quantize_expert_weights(w_gate, w_up, w_down, *, transposed: bool = False) -
     """The layer's expert weights (w_gate, w_up [E, I, H], w_down [E, H, I], bf16) in MXFP8 along
     their K in the forward (H for gate and up, I for down); ``transposed``: for the backward's
     products, each transposed and quantized along its other axis (gate and up [E, H, I] along I,
-    down [E, I, H] along H)."""
+    down [E, I, H] along H). (Gate and up may be the halves of one [E, 2I, H] tensor: the quantizer
+    reads them packed.)"""
     if transposed:
-        w_gate, w_up, w_down = (w.transpose(1, 2).contiguous() for w in (w_gate, w_up, w_down))
+        w_gate, w_up, w_down = (w.transpose(1, 2) for w in (w_gate, w_up, w_down))
+    w_gate, w_up, w_down = (w.contiguous() for w in (w_gate, w_up, w_down))
     return Mxfp8ExpertWeights(quantize_weights(w_gate), quantize_weights(w_up), quantize_weights(w_down), transposed)
 
 

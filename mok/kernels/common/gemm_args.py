@@ -6,9 +6,12 @@ import cutlass.cute as cute
 
 
 
-def expert_weights(ptr: cute.Pointer, n: int, k: int, num_experts, b_major: str) -> cute.Tensor:
-    """One weight matrix per expert as (N, K, E): K-major [E, N, K] or N-major [E, K, N] in memory."""
-    stride = (k, 1, n * k) if b_major == "k" else (1, n, n * k)
+def expert_weights(ptr: cute.Pointer, n: int, k: int, num_experts, b_major: str, expert_stride: int | None = None) -> cute.Tensor:
+    """One weight matrix per expert as (N, K, E): K-major [E, N, K] or N-major [E, K, N] in memory,
+    the experts ``expert_stride`` elements apart (default N·K: packed; more for the halves of one
+    [E, 2I, H] gate/up tensor)."""
+    expert_stride = n * k if expert_stride is None else expert_stride
+    stride = (k, 1, expert_stride) if b_major == "k" else (1, n, expert_stride)
     return cute.make_tensor(ptr, cute.make_layout((n, k, num_experts), stride=stride))
 
 

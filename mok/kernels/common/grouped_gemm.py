@@ -54,9 +54,11 @@ class GroupedGemm:
     gather_a = False  # (Hopper) A is the token matrix x [T, K], its rows gathered by row_token
 
     def configure(
-        self, n: int, k: int, epilogue: str, b_major: str, k_split: bool, topk: int, unit_scale: bool, tile_n: int, tile_k: int
+        self, n: int, k: int, epilogue: str, b_major: str, k_split: bool, topk: int, unit_scale: bool, tile_n: int, tile_k: int,
+        b_expert_stride: int | None = None,
     ) -> None:
-        """Check and keep the static configuration; the tile is (128, ``tile_n``, ``tile_k``)."""
+        """Check and keep the static configuration; the tile is (128, ``tile_n``, ``tile_k``).
+        ``b_expert_stride``: elements from one expert's B (and B2) to the next (None: packed)."""
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
         if b_major not in ("k", "n"):
@@ -74,11 +76,14 @@ class GroupedGemm:
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
         self.num_b = 2 if self.two_accumulators else 1
         self.b_k = k // 2 if k_split else k  # K extent of each B tensor
+        if b_expert_stride is not None and (b_expert_stride < n * self.b_k or b_expert_stride % 8):
+            raise ValueError(f"b_expert_stride: expected a multiple of 8 (16 bytes) of at least N·K = {n * self.b_k}, got {b_expert_stride}")
+        self.b_expert_stride = b_expert_stride
         self.tile_shape_mnk = (TILE_M, tile_n, tile_k)
 
     def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
         """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
-        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major)
+        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major, self.b_expert_stride)
 
     @cute.jit
     def __call__(

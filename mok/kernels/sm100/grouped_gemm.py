@@ -43,9 +43,9 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
-        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None,
+        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, b_expert_stride: int | None = None,
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride)
         self.ab_stage = pick_stages((self.tile_shape_mnk[0] + self.num_b * tile_n) * TILE_K * 2, stages)
 
     def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream):

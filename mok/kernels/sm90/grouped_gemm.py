@@ -59,9 +59,9 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
-        gather_a: bool = False, scatter: bool = False, pingpong: bool = False,
+        gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride)
         if gather_a and not persistent:
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
         if scatter and (epilogue != "plain" or gather_a or not persistent):
