@@ -23,8 +23,8 @@ H and I multiples of 128), the fp32 reference on the CPU (any widths MoKConfig t
 Weights: transformers stores each family's experts as ``gate_up_proj`` [E, 2I, H] (gate rows first)
 and ``down_proj`` [E, H, I]. Both are used in place: ``down_proj`` is MoK's ``w_down`` as it is,
 and the gate and up halves of ``gate_up_proj`` are views with an expert stride of 2·I·H, which
-MoK's kernels read as they are (each expert's block is contiguous). The backward concatenates the
-two halves' gradients into ``gate_up_proj``'s. (A transposed layout, ``is_transposed``, is copied
+MoK's kernels read as they are (each expert's block is contiguous). The backward's weight-gradient
+GEMM writes ``gate_up_proj``'s gradient as one tensor. (A transposed layout, ``is_transposed``, is copied
 per call; under autocast the weights are cast per call.) Parameters, their names, ``state_dict``
 and ``save_pretrained`` stay transformers' own.
 
@@ -245,15 +245,16 @@ class _Experts(torch.autograd.Function):
     under autocast, the transposed layout) would stay alive from the forward to the backward (as
     much memory as gate_up_proj itself, per layer). This Function keeps the parameters instead and
     makes the weights again in the backward (views where they are MoK's layout, :func:`mok_layout`),
-    and hands gate_up_proj one gradient; the op pair and what it saves are the same. Autocast is off inside: MoK's op
+    and gate_up_proj's gradient comes from the weight-gradient GEMM as one [E, 2I, H] tensor
+    (``joined_grad``: the op's joined_gate_up_grad); the op pair and what it saves are the same. Autocast is off inside: MoK's op
     computes at its own precision (its CPU reference in fp32)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, transposed, config, save, dtype):
+    def forward(ctx, x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, transposed, config, save, dtype, joined_grad):
         weights = (*mok_layout(gate_up, down, transposed, dtype), *(_as(t, dtype) for t in (shared_gate, shared_up, shared_down)))
         with torch.autocast(x.device.type, enabled=False):
             out, *saved = torch.ops.mok.moe_forward(x, topk_idx, topk_w, *weights, config, 0, save, False, TIMEOUT_S)
-        ctx.transposed, ctx.config, ctx.saved_state, ctx.dtype = transposed, config, save, dtype
+        ctx.transposed, ctx.config, ctx.saved_state, ctx.dtype, ctx.joined_grad = transposed, config, save, dtype, joined_grad
         if save:
             ctx.save_for_backward(x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, *saved)
         return out
@@ -266,17 +267,19 @@ class _Experts(torch.autograd.Function):
         want = any(ctx.needs_input_grad[3:8])  # any expert weight (routed or shared); all frozen: no weight-gradient GEMM
         shared = (shared_gate, shared_up, shared_down)
         weights = (*mok_layout(gate_up, down, ctx.transposed, ctx.dtype), *(_as(t, ctx.dtype) for t in shared))
+        joined = ctx.joined_grad
         with torch.autocast(x.device.type, enabled=False):
             dx, d_topk_w, d_gate, d_up, d_down, *d_shared = torch.ops.mok.moe_backward(
-                d_out.to(x.dtype).contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, 0, TIMEOUT_S, [], want,
+                d_out.to(x.dtype).contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, 0, TIMEOUT_S, [], want, joined,
             )
         if not want:
             grads = [None] * 5
         else:
             d_down = d_down.transpose(1, 2) if ctx.transposed else d_down
-            grads = [_gate_up_grad(d_gate, d_up, ctx.transposed).to(gate_up.dtype), d_down.to(down.dtype)]
+            d_gate_up = d_gate if joined else _gate_up_grad(d_gate, d_up, ctx.transposed)
+            grads = [d_gate_up.to(gate_up.dtype), d_down.to(down.dtype)]
             grads += [g.to(p.dtype) for g, p in zip(d_shared, shared)] if shared_gate is not None else [None] * 3
-        return dx, None, d_topk_w, *grads, None, None, None, None
+        return dx, None, d_topk_w, *grads, None, None, None, None, None
 
 
 def copied_weights(experts: nn.Module) -> tuple[str, ...]:
@@ -349,12 +352,14 @@ def moe_experts(
     shared_inter = None if shared is None else shared[0].shape[0]
     widths = {"hidden": hidden, "intermediate": inter, "shared_intermediate": shared_inter}
     _check_device(x, widths)
-    config = _config_text(hidden, inter, num_experts, topk, shared_inter, getattr(experts, OPTIONS_ATTR, ()))
+    options = getattr(experts, OPTIONS_ATTR, ())
+    config = _config_text(hidden, inter, num_experts, topk, shared_inter, options)
+    joined_grad = not transposed and dict(options).get("precision", "bf16") == "bf16"  # gate_up_proj's gradient straight from the GEMM
     idx = top_k_index.reshape(num_tokens, topk).to(torch.int32).contiguous()
     weights = top_k_weights.reshape(num_tokens, topk).to(torch.float32).contiguous()
     sg, su, sd = shared if shared is not None else (None, None, None)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, gate_up, down, *(shared or ())))
-    out = _Experts.apply(x, idx, weights, gate_up, down, sg, su, sd, transposed, config, save, dtype)
+    out = _Experts.apply(x, idx, weights, gate_up, down, sg, su, sd, transposed, config, save, dtype, joined_grad)
     return out.to(hidden_states.dtype)
 
 

@@ -266,24 +266,35 @@ def weight_grad(a, b, offsets, dtype, main_grad, counts=None):
     return ops.weight_grad(a, b, offsets, counts=counts, out_dtype=dtype)
 
 
-def gate_up_weight_grads(dh, x_rows, offsets, dtype, main_grads, counts=None):
-    """dW_gate, dW_up from the two column halves of dh, each into its own tensor, in one launch."""
+def gate_up_weight_grads(dh, x_rows, offsets, dtype, main_grads, counts=None, joined: bool = False):
+    """dW_gate, dW_up from the two column halves of dh, each into its own tensor, in one launch;
+    ``joined``: (one [E, 2I, H] tensor, each expert's dW_gate rows then its dW_up rows: the layout of
+    one gate/up weight, e.g. transformers' gate_up_proj; None), the same tiles, the same bits."""
+    if joined:
+        return ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype), None
     if main_grads is None:
         return ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype, split_out=True)
     return ops.weight_grad(dh, x_rows, offsets, counts=counts, out=tuple(main_grads), accumulate=True, split_out=True)
 
 
-def expert_weight_grads(plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str = "mxfp8") -> tuple:
+def expert_weight_grads(
+    plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str = "mxfp8", joined: bool = False
+) -> tuple:
     """(dW_gate, dW_up, dW_down) of the routed experts over their rows in canonical order, from
     ``rows`` = (dout_rows, a_scaled, dh, x_rows); fresh in ``grad_dtype`` or added into
     ``main_grads`` (gate, up, down). With MXFP8 precision the operands are quantized along the
-    rows (blocks of 32 rows down each column) unless ``wgrad_format="bf16"``."""
+    rows (blocks of 32 rows down each column) unless ``wgrad_format="bf16"``. ``joined`` (bf16,
+    fresh): dW_gate and dW_up as one [E, 2I, H] tensor (:func:`gate_up_weight_grads`)."""
     dout_rows, a_scaled, dh, x_rows = rows
     offsets, counts = sched.expert_offsets, sched.expert_counts
     if plan.precision == "bf16" or wgrad_format == "bf16":
         d_down = weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
-        d_gate, d_up = gate_up_weight_grads(dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts)
+        d_gate, d_up = gate_up_weight_grads(
+            dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts, joined=joined
+        )
         return d_gate, d_up, d_down
+    if joined:
+        raise ValueError("joined_gate_up_grad: bf16 weight gradients only (not MXFP8's)")
     used = rows_in_use(sched)
     columns = [ops.quantize_mxfp8_columns(t, rows_used=used, scale_order="mma") for t in rows]
     if plan.emulate:
