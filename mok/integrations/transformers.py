@@ -244,10 +244,10 @@ class _Experts(torch.autograd.Function):
     The op's own autograd keeps the weights it was given for its backward: a per-call copy (a cast
     under autocast, the transposed layout) would stay alive from the forward to the backward (as
     much memory as gate_up_proj itself, per layer). This Function keeps the parameters instead and
-    makes the weights again in the backward (views where they are MoK's layout, :func:`mok_layout`),
-    and gate_up_proj's gradient comes from the weight-gradient GEMM as one [E, 2I, H] tensor
-    (``joined_grad``: the op's joined_gate_up_grad); the op pair and what it saves are the same. Autocast is off inside: MoK's op
-    computes at its own precision (its CPU reference in fp32)."""
+    makes the weights again in the backward (views where they are MoK's layout, :func:`mok_layout`);
+    with ``joined_grad`` gate_up_proj's gradient comes from the weight-gradient GEMM as one
+    [E, 2I, H] tensor (the op's joined_gate_up_grad). The op pair and what it saves are the same.
+    Autocast is off inside: MoK's op computes at its own precision (its CPU reference in fp32)."""
 
     @staticmethod
     def forward(ctx, x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, transposed, config, save, dtype, joined_grad):
