@@ -154,13 +154,12 @@ def backward(
     grad_dtype: torch.dtype = torch.bfloat16,
     main_grads: tuple | None = None,
     timeout_s: float = 5.0,
-    joined_gate_up_grad: bool = False,
 ) -> Gradients:
     """All gradients for ``dout`` [T, H] (mok.pipeline.backward). ``main_grads`` (one fp32 buffer
     per weight) accumulates the weight gradients: given exactly when ``config.fuse_wgrad_accumulation``
     (precompile builds the accumulating kernels by it); ``config`` must be the forward's.
-    ``joined_gate_up_grad``: d_w_gate is [dW_gate; dW_up] per expert as one [E, 2I, H] tensor and
-    d_w_up None (for gate and up weights kept as the halves of one such tensor).
+    With ``config.gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert as one
+    [E, 2I, H] tensor and d_w_up None.
 
     At EP > 1: this rank's dx and d_topk_w, its experts' weight gradients, and the shared
     expert's over this rank's tokens (sum those over ranks, as data-parallel gradients).
@@ -180,5 +179,5 @@ def backward(
     plan = _plan(config, workspace, ctx.x, ctx.topk_idx, ctx.topk_w, ctx.weights, ctx.shared)
     return pipeline.backward(
         plan, dout, ctx.x, ctx.topk_idx, ctx.topk_w, ctx.weights, ctx.shared, ctx.saved, workspace=workspace, grad_dtype=grad_dtype,
-        main_grads=main_grads, timeout_s=timeout_s, joined_gate_up_grad=joined_gate_up_grad,
+        main_grads=main_grads, timeout_s=timeout_s,
     )

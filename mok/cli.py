@@ -14,7 +14,7 @@ import sys
 
 from . import __version__
 from .bench.layer import PASS_ALIASES, PASSES, PATHS, PLOT_METRICS, PRESETS, parse_choices, parse_models, presets_table, resolve_shapes
-from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, PRECISIONS, SAVED_H_FORMATS, MoKConfig
+from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, GATE_UP_LAYOUTS, PRECISIONS, SAVED_H_FORMATS, MoKConfig
 
 NO_GPU_MESSAGE = (
     "No CUDA GPU is visible, so there is nothing to benchmark: MoK's layer runs on Hopper (sm_90a) GPUs "
@@ -73,6 +73,9 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--saved-h-format", choices=SAVED_H_FORMATS, default="bf16",
                    help="how h is kept for the backward; mxfp8 adds its quantize kernels, recompute the gate/up GEMM in the backward "
                         "(MoKConfig.saved_h_format)")
+    p.add_argument("--gate-up-layout", choices=GATE_UP_LAYOUTS, default="separate",
+                   help="how the gate and up weights are stored; concatenated (one [E, 2I, H] tensor, as transformers' "
+                        "gate_up_proj) adds the kernels that read its halves in place (MoKConfig.gate_up_layout)")
 
 
 def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=None) -> tuple[MoKConfig, str | None]:
@@ -101,7 +104,8 @@ def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=Non
     if "shared_intermediate" in given:
         given["shared_intermediate"] = given["shared_intermediate"] or None
     values = {**base, **given, "one_launch": args.one_launch, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation,
-              "saved_h_format": args.saved_h_format, "dispatch_format": args.dispatch_format, "precision": args.precision}
+              "saved_h_format": args.saved_h_format, "dispatch_format": args.dispatch_format, "precision": args.precision,
+              "gate_up_layout": args.gate_up_layout}
     if args.ep_size is not None or default_ep == 1:
         return MoKConfig(**values, ep_size=args.ep_size if args.ep_size is not None else default_ep), None
     try:
@@ -159,6 +163,7 @@ def _describe(config: MoKConfig) -> str:
     shared = f"shared expert {config.shared_intermediate}" if config.has_shared_expert else "no shared expert"
     options = [f"{f}={getattr(config, f)!r}" for f in ("precision", "saved_h_format", "dispatch_format") if getattr(config, f) != "bf16"]
     options += [f for f in ("one_launch", "fuse_wgrad_accumulation") if getattr(config, f)]
+    options += [f"gate_up_layout={config.gate_up_layout!r}"] if config.gate_up_concatenated else []
     return (f"H {config.hidden}, I {config.intermediate}, {config.num_experts} experts, top-{config.topk}, {shared}, "
             f"ep_size {config.ep_size}" + (f", {', '.join(options)}" if options else ""))
 

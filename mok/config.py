@@ -15,6 +15,7 @@ TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
 PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated")  # the expert GEMMs' operands (mok/pipeline/stages.py)
 SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute")  # how h is kept for the backward (mok/saved_mxfp8.py), or not kept
 DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
+GATE_UP_LAYOUTS = ("separate", "concatenated")  # how w_gate and w_up are stored (the kernels read either in place)
 
 
 def check_saved_h_format(value: object) -> str:
@@ -53,6 +54,12 @@ class MoKConfig:
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
     into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16); one GPU, H, I and I_s
     multiples of 128, without one_launch so far (with fuse_wgrad_accumulation and either saved_h_format).
+    gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
+    [I, H] block contiguous) or "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows
+    first, as transformers' gate_up_proj): the GEMMs read them in place either way (their expert
+    stride is a kernel parameter); with "concatenated" the backward returns their gradient as one
+    [E, 2I, H] tensor (d_w_gate, with d_w_up None) straight from the weight-gradient GEMM, and
+    precompile builds the strided kernels (bf16 precision, fresh weight gradients so far).
     """
 
     hidden: int
@@ -67,6 +74,7 @@ class MoKConfig:
     fuse_wgrad_accumulation: bool = False
     saved_h_format: str = "bf16"
     dispatch_format: str = "bf16"
+    gate_up_layout: str = "separate"
 
     def __post_init__(self) -> None:
         check_positive_int("hidden", self.hidden)
@@ -97,6 +105,8 @@ class MoKConfig:
         check_saved_h_format(self.saved_h_format)
         if self.dispatch_format not in DISPATCH_FORMATS:
             raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {self.dispatch_format!r}")
+        if self.gate_up_layout not in GATE_UP_LAYOUTS:
+            raise ValueError(f"gate_up_layout: expected one of {GATE_UP_LAYOUTS}, got {self.gate_up_layout!r}")
         check_combination(self)
 
     @property
@@ -107,6 +117,11 @@ class MoKConfig:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_intermediate is not None
+
+    @property
+    def gate_up_concatenated(self) -> bool:
+        """Whether w_gate and w_up are the halves of one [E, 2I, H] tensor (and their gradient one too)."""
+        return self.gate_up_layout == "concatenated"
 
     @property
     def recomputes_h(self) -> bool:
@@ -136,6 +151,13 @@ def check_combination(config: "MoKConfig") -> None:
         widths = {"intermediate": config.intermediate} | _shared_width(config)
         if any(v % 16 for v in widths.values()):
             raise ValueError(f"saved_h_format='mxfp8': expected widths that are multiples of 16 (h's 2I in blocks of 32), got {widths}")
+    if config.gate_up_concatenated:
+        others = {f"precision={config.precision!r}": config.precision != "bf16", "fuse_wgrad_accumulation": config.fuse_wgrad_accumulation}
+        if any(others.values()):
+            raise ValueError(
+                f"gate_up_layout='concatenated': not with {', '.join(k for k, v in others.items() if v)} (its one [E, 2I, H] "
+                "gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
+            )
     if config.dispatch_format == "mxfp8":
         if config.ep_size == 1:
             raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")

@@ -95,7 +95,8 @@ class Plan:
         """Every kernel variant this plan's forward and backward launch (the built-in router's GEMMs
         included), each once: what precompile builds."""
         found = {}
-        for variant in self._forward_variants() + self._backward_variants() + router_variants(self.config.hidden, self.config.num_experts, self.persistent):
+        listed = self._forward_variants() + self._backward_variants() + self._gate_up_in_place_variants()
+        for variant in listed + router_variants(self.config.hidden, self.config.num_experts, self.persistent):
             found.setdefault((variant.name, tuple(sorted(variant.config.items()))), variant)
         return list(found.values())
 
@@ -155,6 +156,26 @@ class Plan:
                                           pingpong=swiglu_backward_pingpong(persistent, default_tile_n(s, h, True))))
             v.append(grouped_gemm_variant(h, 2 * s, b_major="n", k_split=True, persistent=persistent))
             v += self._weight_grad_variants(h, s, mxfp8=False)
+        return v
+
+    def _gate_up_in_place_variants(self) -> list[KernelVariant]:
+        """gate_up_layout="concatenated": the kernels that read w_gate and w_up as the halves of one
+        [E, 2I, H] tensor (their expert stride 2·I·H) and write their gradient as one (bf16 only), beside
+        the packed ones (which run where the weights are copied together, e.g. with a shared expert)."""
+        c = self.config
+        if not c.gate_up_concatenated:
+            return []
+        h, i, k, stride = c.hidden, c.intermediate, c.topk, 2 * c.intermediate * c.hidden
+        epilogues = (("swiglu", "swiglu_save") if not self.one_launch else ()) + (("swiglu_save",) if c.recomputes_h else ())
+        v = [grouped_gemm_variant(i, h, epilogue=e, gather_a=self.gather_in_gemm, persistent=self.persistent, b_expert_stride=stride)
+             for e in epilogues]
+        if self.one_launch:
+            ep_world = c.ep_size if self.ep else None
+            v += [expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=c.has_shared_expert, ep_world=ep_world,
+                                     dispatch_format=c.dispatch_format, gate_up_stride=stride) for save_h in (False, True)]
+        dx = dict(scatter=True, topk=k) if self.ep else dict(persistent=self.persistent)
+        v.append(grouped_gemm_variant(h, 2 * i, b_major="n", k_split=True, b_expert_stride=stride, **dx))
+        v.append(weight_grad_variant(2 * i, h, "bf16", False, persistent=self.persistent))  # [dW_gate; dW_up] as one [E, 2I, H]
         return v
 
     def _exchange_variants(self) -> list[KernelVariant]:

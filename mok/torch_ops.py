@@ -179,16 +179,14 @@ def moe_backward_op(
     timeout_s: float,
     main_grads: list[Tensor],
     weight_grads: bool = True,
-    joined_gate_up_grad: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down) of
     mok.pipeline.backward, ``saved`` being the forward op's outputs after out. The shared expert's
     gradients are empty tensors when there is none. ``main_grads`` (one fp32 buffer per weight:
     gate, up, down[, shared gate, up, down], or none): the weight gradients are added into them by
     the weight-gradient GEMMs themselves, and come out as empty tensors. ``weight_grads=False``
-    (every expert weight frozen): none computed, all six empty. ``joined_gate_up_grad``: d_w_gate
-    is [dW_gate; dW_up] per expert as one [E, 2I, H] tensor (the layout of transformers'
-    gate_up_proj), d_w_up empty (mok.pipeline.backward)."""
+    (every expert weight frozen): none computed, all six empty. With gate_up_layout="concatenated"
+    d_w_gate is [dW_gate; dW_up] per expert as one [E, 2I, H] tensor and d_w_up empty."""
     cfg = config_of(config)
     ws = workspace_by_handle(workspace) if workspace else None
     h, shared_h, x_rows, routing, *schedule = saved
@@ -205,7 +203,6 @@ def moe_backward_op(
     g = pipeline.backward(
         plan_for_device(cfg, x.device), dout.contiguous(), x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res, workspace=ws,
         grad_dtype=w_gate.dtype, main_grads=tuple(main_grads) or None, weight_grads=weight_grads, timeout_s=timeout_s,
-        joined_gate_up_grad=joined_gate_up_grad,
     )
     return g.dx, g.d_topk_w, *_weight_grads_out(g, x, len(main_grads) > 0)
 
@@ -220,10 +217,10 @@ def _weight_grads_out(g, x: Tensor, added: bool) -> list[Tensor]:
 
 @moe_backward_op.register_fake
 def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved, config, workspace, timeout_s, main_grads,
-      weight_grads=True, joined_gate_up_grad=False):
+      weight_grads=True):
     added = len(main_grads) > 0 or not weight_grads
     grads = [x.new_empty(0) if w is None or added else w.new_empty(w.shape) for w in (w_gate, w_up, w_down, shared_gate, shared_up, shared_down)]
-    if joined_gate_up_grad and not added:
+    if config_of(config).gate_up_concatenated and not added:
         experts, inter, hidden = w_gate.shape
         grads[:2] = [w_gate.new_empty(experts, 2 * inter, hidden), x.new_empty(0)]
     return torch.empty_like(x), torch.empty_like(topk_w), *grads
@@ -231,7 +228,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
 @moe_backward_op.register_kernel("cpu")
 def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved, config, workspace, timeout_s, main_grads,
-      weight_grads=True, joined_gate_up_grad=False):
+      weight_grads=True):
     from .reference_backward import moe_backward_reference
 
     _warn_cpu_once()
@@ -246,7 +243,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
     if main_grads:
         return dx, d_topk_w, *[x.new_empty(0) for _ in range(6)]
     outs = [grad.to(w.dtype) for grad, w in zip(grads, (w_gate, w_up, w_down, *(shared or ())))]
-    if joined_gate_up_grad:
+    if config_of(config).gate_up_concatenated:
         outs[:2] = [torch.cat(outs[:2], dim=1), x.new_empty(0)]
     return dx, d_topk_w, *outs, *[x.new_empty(0) for _ in range(6 - len(outs))]
 

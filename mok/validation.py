@@ -77,6 +77,24 @@ def expert_stride(name: str, w: torch.Tensor, like: torch.Tensor | None = None) 
     return None if experts <= 1 or w.stride(0) == n * k else w.stride(0)
 
 
+def check_gate_up_halves(w_gate: torch.Tensor, w_up: torch.Tensor) -> None:
+    """``w_gate`` and ``w_up`` [E, I, H] are the two halves of one [E, 2I, H] tensor, gate first
+    (gate_up_layout="concatenated"); ValueError otherwise."""
+    experts, inter, hidden = w_gate.shape
+    whole = (2 * inter * hidden, hidden, 1)
+    if (
+        w_up.untyped_storage().data_ptr() != w_gate.untyped_storage().data_ptr()
+        or w_up.storage_offset() != w_gate.storage_offset() + inter * hidden
+        or (experts > 1 and (w_gate.stride() != whole or w_up.stride() != whole))
+    ):
+        raise ValueError(
+            f"w_gate, w_up: gate_up_layout='concatenated' expects the halves [:, :{inter}] and [:, {inter}:] of one "
+            f"[{experts}, {2 * inter}, {hidden}] tensor, got strides {w_gate.stride()} and {w_up.stride()}, storage offsets "
+            f"{w_gate.storage_offset()} and {w_up.storage_offset()}"
+            + ("" if w_up.untyped_storage().data_ptr() == w_gate.untyped_storage().data_ptr() else " in different storages")
+        )
+
+
 def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     """Check an integer argument (bools are refused: ``True`` is not a size)."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -414,14 +414,14 @@ def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, *, save_
 
 
 def moe_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, *, grad_dtype=torch.bfloat16, main_grads=None,
-                 weight_grads=True, wgrad_format="mxfp8", joined_gate_up_grad=False, **options):
+                 weight_grads=True, wgrad_format="mxfp8", **options):
     """mok.pipeline.backward at one GPU (``options``: MoKConfig's, the forward's)."""
     from mok import pipeline
 
     experts = (w_gate, w_up, w_down)
     return pipeline.backward(
         layer_plan(x, topk_idx, experts, shared, **options), dout, x, topk_idx, topk_w, experts, shared, saved, grad_dtype=grad_dtype,
-        main_grads=main_grads, weight_grads=weight_grads, wgrad_format=wgrad_format, joined_gate_up_grad=joined_gate_up_grad,
+        main_grads=main_grads, weight_grads=weight_grads, wgrad_format=wgrad_format,
     )
 
 

@@ -545,8 +545,8 @@ def test_gate_up_halves_of_one_tensor_give_the_bits_of_packed_weights(T, H, I, E
     """w_gate and w_up as the two halves of one [E, 2I, H] tensor (transformers' gate_up_proj: each
     expert's block contiguous, 2·I·H apart), read in place by the forward's gate/up GEMM (or the
     one-launch kernel, or the recompute) and the backward's dx GEMM: the output and every gradient
-    bitwise those of packed copies; with joined_gate_up_grad, dW_gate and dW_up come as one
-    [E, 2I, H] tensor holding those bits."""
+    bitwise those of packed copies; with gate_up_layout="concatenated", dW_gate and dW_up come as
+    one [E, 2I, H] tensor holding those bits."""
     x, idx, w, (wg, wu, wd), shared = gpu_layer(T, H, I, E, k, shared_inter, seed=21)
     gate_up = torch.cat([wg, wu], dim=1)  # [E, 2I, H]
     halves = (gate_up[:, :I], gate_up[:, I:], wd)
@@ -559,7 +559,7 @@ def test_gate_up_halves_of_one_tensor_give_the_bits_of_packed_weights(T, H, I, E
     assert torch.equal(got_out.out, want_out.out)
     for name, a, b in zip(NAMES, flat(got), flat(want)):
         assert torch.equal(a, b), name
-    joined = moe_backward(dout, x, idx, w, *halves, shared, got_out, joined_gate_up_grad=True, **options)
+    joined = moe_backward(dout, x, idx, w, *halves, shared, got_out, gate_up_layout="concatenated", **options)
     assert joined.d_w_up is None and joined.d_w_gate.shape == gate_up.shape
     assert torch.equal(joined.d_w_gate, torch.cat([want.d_w_gate, want.d_w_up], dim=1))
     assert torch.equal(joined.d_w_down, want.d_w_down) and torch.equal(joined.dx, want.dx)

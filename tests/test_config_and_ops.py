@@ -450,3 +450,36 @@ def test_expert_weights_may_be_the_halves_of_one_tensor_and_anything_else_is_nam
     odd = torch.randn(4 * (16 * 24 + 4))[: 4 * (16 * 24 + 4)].as_strided((4, 16, 24), (16 * 24 + 4, 24, 1))
     with pytest.raises(ValueError, match=r"a multiple of 8 elements \(16 bytes\) apart"):
         expert_stride("w", odd)
+
+
+def test_concatenated_gate_up_layout_is_checked_and_precompiled():
+    """gate_up_layout="concatenated": refused beside what has no joined gradient yet; the weights
+    must be the two halves of one [E, 2I, H] tensor (checked before anything runs); the plan lists
+    the kernels that read them in place (expert stride 2·I·H) and the one-tensor weight gradient."""
+    from mok.pipeline.forward import check_inputs
+    from mok.plan import plan_for
+
+    with pytest.raises(ValueError, match=r"gate_up_layout: expected one of \('separate', 'concatenated'\)"):
+        MoKConfig(256, 128, 8, 2, gate_up_layout="fused")
+    with pytest.raises(ValueError, match=r"gate_up_layout='concatenated': not with precision='mxfp8_emulated'"):
+        MoKConfig(256, 128, 8, 2, gate_up_layout="concatenated", precision="mxfp8_emulated")
+    config = MoKConfig(256, 128, 8, 2, gate_up_layout="concatenated")
+    x, idx, w = torch.randn(5, 256).bfloat16(), torch.randint(0, 8, (5, 2), dtype=torch.int32), torch.rand(5, 2)
+    gate_up, down = torch.randn(8, 256, 256).bfloat16(), torch.randn(8, 256, 128).bfloat16()
+    assert check_inputs(config, None, x, idx, w, (gate_up[:, :128], gate_up[:, 128:], down), None)[:3] == (5, 256, 128)
+    separate = (gate_up[:, :128].contiguous(), gate_up[:, 128:].contiguous(), down)
+    with pytest.raises(ValueError, match=r"gate_up_layout='concatenated' expects the halves \[:, :128\] and \[:, 128:\] of one \[8, 256, 256\]"):
+        check_inputs(config, None, x, idx, w, separate, None)
+    with pytest.raises(ValueError, match=r"expects the halves"):  # swapped halves
+        check_inputs(config, None, x, idx, w, (gate_up[:, 128:], gate_up[:, :128], down), None)
+    stride = 2 * 128 * 256
+    listed = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, "sm_90a").variants()}
+    strided = [dict(c) for name, c in listed if name == "grouped_gemm" and dict(c).get("b_expert_stride") == stride]
+    assert sorted((c["epilogue"], c["b_major"], c["k_split"]) for c in strided) == [
+        ("plain", "n", True), ("swiglu", "k", False), ("swiglu_save", "k", False)
+    ]
+    joined = [dict(c) for name, c in listed
+              if name == "weight_grad" and (dict(c)["m"], dict(c)["n"]) == (256, 256) and not dict(c).get("split_out")]  # M = 2I, N = H
+    assert len(joined) == 1 and joined[0]["out_dtype"] == "bf16"
+    packed = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(MoKConfig(256, 128, 8, 2), "sm_90a").variants()}
+    assert packed < listed and not any("b_expert_stride" in dict(c) for _, c in packed)

@@ -335,8 +335,9 @@ def test_mok_layout_views_and_copies():
     gt, ut, dt = mok_hf.mok_layout(gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous(), transposed=True)
     assert all(t.is_contiguous() for t in (gt, ut, dt))  # the transposed layout: copies
     assert torch.equal(gt, g) and torch.equal(ut, u) and torch.equal(dt, d)
-    gb, ub, _ = mok_hf.mok_layout(gate_up, down, transposed=False, dtype=torch.bfloat16)  # a cast: packed copies
-    assert gb.is_contiguous() and ub.is_contiguous() and torch.equal(gb, g.bfloat16())
+    gb, ub, _ = mok_hf.mok_layout(gate_up, down, transposed=False, dtype=torch.bfloat16)  # a cast: the halves of one cast copy
+    assert gb.stride() == ub.stride() == (2 * 16 * 24, 24, 1) and ub.data_ptr() == gb.data_ptr() + 16 * 24 * 2
+    assert torch.equal(gb, g.bfloat16()) and torch.equal(ub, u.bfloat16())
     one = torch.randn(1, 32, 24)  # one expert: both halves contiguous views, nothing copied
     g1, u1, _ = mok_hf.mok_layout(one, torch.randn(1, 24, 16), transposed=False)
     assert g1.data_ptr() == one.data_ptr() and u1.data_ptr() == one[:, 16:].data_ptr()

@@ -202,15 +202,15 @@ def mok_layout(
     gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w_gate, w_up [E, I, H], w_down [E, H, I]) in ``dtype`` (default: theirs), as MoK's op takes
-    them, from an experts module's ``gate_up_proj`` and ``down_proj``: views of the parameters
-    where their layout and dtype are MoK's (the halves of a [E, 2I, H] ``gate_up_proj``, each
-    expert's block contiguous, 2·I·H apart, which MoK's kernels read in place; ``down_proj`` of the
-    non-transposed layout), copies where not (the transposed layout; a cast under autocast). Not
-    autograd-tracked: :class:`_Experts` calls it in its forward and again in its backward."""
-    gate, up = _halves(gate_up, transposed)
+    them, from an experts module's ``gate_up_proj`` and ``down_proj``. A [E, 2I, H] ``gate_up_proj``
+    gives its two halves, always of one tensor (MoK's gate_up_layout="concatenated"): views of the
+    parameter (each expert's block contiguous, 2·I·H apart, which MoK's kernels read in place), or of
+    one cast copy under autocast. ``down_proj`` of that layout is used as it is (cast where needed);
+    the transposed layout is copied. Not autograd-tracked: :class:`_Experts` calls it in its forward
+    and again in its backward."""
     if transposed:
-        down = down.transpose(1, 2)
-    return (*(_blocks_as(t, dtype) for t in (gate, up)), _as(down, dtype))
+        return (*(_as(t, dtype) for t in _halves(gate_up, True)), _as(down.transpose(1, 2), dtype))
+    return (*_halves(_as(gate_up, dtype), False), _as(down, dtype))
 
 
 def _as(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -218,12 +218,6 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | Non
     if t is None or (t.is_contiguous() and dtype in (None, t.dtype)):
         return t
     return t.to(dtype=dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
-
-
-def _blocks_as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """Per-expert weights ``t`` in ``dtype`` with each expert's block contiguous (the experts may
-    lie further apart): itself where it is so already, else a contiguous copy."""
-    return t if expert_blocks_contiguous(t) and dtype in (None, t.dtype) else _as(t, dtype)
 
 
 def _gate_up_grad(d_gate: torch.Tensor, d_up: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -245,8 +239,8 @@ class _Experts(torch.autograd.Function):
     under autocast, the transposed layout) would stay alive from the forward to the backward (as
     much memory as gate_up_proj itself, per layer). This Function keeps the parameters instead and
     makes the weights again in the backward (views where they are MoK's layout, :func:`mok_layout`);
-    with ``joined_grad`` gate_up_proj's gradient comes from the weight-gradient GEMM as one
-    [E, 2I, H] tensor (the op's joined_gate_up_grad). The op pair and what it saves are the same.
+    with ``joined_grad`` (the config's gate_up_layout="concatenated") gate_up_proj's gradient comes
+    from the weight-gradient GEMM as one [E, 2I, H] tensor. The op pair and what it saves are the same.
     Autocast is off inside: MoK's op computes at its own precision (its CPU reference in fp32)."""
 
     @staticmethod
@@ -270,7 +264,7 @@ class _Experts(torch.autograd.Function):
         joined = ctx.joined_grad
         with torch.autocast(x.device.type, enabled=False):
             dx, d_topk_w, d_gate, d_up, d_down, *d_shared = torch.ops.mok.moe_backward(
-                d_out.to(x.dtype).contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, 0, TIMEOUT_S, [], want, joined,
+                d_out.to(x.dtype).contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, 0, TIMEOUT_S, [], want,
             )
         if not want:
             grads = [None] * 5
@@ -353,8 +347,10 @@ def moe_experts(
     widths = {"hidden": hidden, "intermediate": inter, "shared_intermediate": shared_inter}
     _check_device(x, widths)
     options = getattr(experts, OPTIONS_ATTR, ())
-    config = _config_text(hidden, inter, num_experts, topk, shared_inter, options)
     joined_grad = not transposed and dict(options).get("precision", "bf16") == "bf16"  # gate_up_proj's gradient straight from the GEMM
+    if joined_grad:  # (gate_up_proj's halves, read in place; its gradient one tensor)
+        options = tuple(sorted((*options, ("gate_up_layout", "concatenated"))))
+    config = _config_text(hidden, inter, num_experts, topk, shared_inter, options)
     idx = top_k_index.reshape(num_tokens, topk).to(torch.int32).contiguous()
     weights = top_k_weights.reshape(num_tokens, topk).to(torch.float32).contiguous()
     sg, su, sd = shared if shared is not None else (None, None, None)

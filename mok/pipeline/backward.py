@@ -57,7 +57,6 @@ def backward(
     weight_grads: bool = True,
     wgrad_format: str = "mxfp8",
     timeout_s: float = 5.0,
-    joined_gate_up_grad: bool = False,
 ) -> Gradients:
     """All gradients for ``dout`` [T, H] bf16 after ``forward(..., save=True)`` of the same inputs
     (module docstring): :class:`mok.reference_backward.Gradients` with dx [T, H] bf16, d_topk_w
@@ -68,9 +67,9 @@ def backward(
     weight gradients None). ``wgrad_format`` (MXFP8 precision): "mxfp8" (the weight gradients on
     rows quantized down their columns) or "bf16" (on the bf16 rows). At EP > 1 the shared expert's
     weight gradients cover this rank's tokens (sum them over ranks as data-parallel gradients).
-    ``joined_gate_up_grad`` (fresh gradients, bf16 precision): d_w_gate is [dW_gate; dW_up] per
-    expert in one [E, 2I, H] tensor (the layout of one gate/up weight, such as transformers'
-    gate_up_proj: nothing to concatenate after) and d_w_up is None; the same bits.
+    With ``gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert in one
+    [E, 2I, H] tensor (the layout of the weights', such as transformers' gate_up_proj: nothing to
+    concatenate after) and d_w_up is None; the same bits.
     """
     num_tokens, hidden, inter, num_local, topk = check_inputs(plan.config, workspace, x, topk_idx, topk_w, weights, shared)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
@@ -79,8 +78,6 @@ def backward(
     if wgrad_format not in WGRAD_FORMATS:
         raise ValueError(f"wgrad_format: expected one of {WGRAD_FORMATS}, got {wgrad_format!r}")
     check_main_grads(main_grads, tuple(weights), None if shared is None else tuple(shared), weight_grads)
-    if joined_gate_up_grad and (main_grads is not None or plan.precision != "bf16"):
-        raise ValueError("joined_gate_up_grad: fresh weight gradients at bf16 precision only (not into main_grads, not MXFP8)")
     sched = check_saved("saved", saved, plan, num_tokens, topk, num_local, x.device, workspace)
     shared_inter = None if shared is None else shared[0].shape[0]
     if sched.shared_rows and (shared is None or shared_inter != inter or sched.shared_rows != shared_prefix_rows(num_tokens, sched.block_m)):
@@ -105,7 +102,7 @@ def backward(
     if plan.ep:
         check_timeout(timeout_s)
         return _ep_backward(plan, workspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
-                            timeout_s, joined_gate_up_grad)
+                            timeout_s)
 
     expert_weights = weights if stacked is None else stacked
     if stacked is None and plan.precision == "mxfp8":
@@ -119,7 +116,7 @@ def backward(
     d_gate = d_up = d_down = None
     if weight_grads:
         d_gate, d_up, d_down = stages.expert_weight_grads(
-            plan, (dout_rows, a_scaled, dh, x_rows), sched, grad_dtype, mains[0], wgrad_format, joined=joined_gate_up_grad
+            plan, (dout_rows, a_scaled, dh, x_rows), sched, grad_dtype, mains[0], wgrad_format, joined=plan.config.gate_up_concatenated
         )
     dx_shared = d_shared = None
     if sched.shared_rows:  # its dx rows, and its weight gradients from its rows (views [:T])
@@ -158,7 +155,7 @@ def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tup
 
 
 def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
-                 timeout_s, joined_gate_up_grad) -> Gradients:
+                 timeout_s) -> Gradients:
     """This rank's gradients over the workspace (module docstring): every rank makes the same calls."""
     if dout.data_ptr() % 16:  # (published with 16-byte vectors)
         raise ValueError(f"dout: expected a 16-byte aligned data pointer, got address {dout.data_ptr():#x}")
@@ -176,7 +173,7 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     d_gate = d_up = d_down = None
     if weight_grads:  # (local work while the peers push: the exchanges are the same either way)
         d_gate, d_up, d_down = stages.expert_weight_grads(
-            plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0], joined=joined_gate_up_grad
+            plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0], joined=plan.config.gate_up_concatenated
         )
     dx_shared = d_shared = None
     if shared is not None:

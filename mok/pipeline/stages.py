@@ -293,8 +293,6 @@ def expert_weight_grads(
             dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts, joined=joined
         )
         return d_gate, d_up, d_down
-    if joined:
-        raise ValueError("joined_gate_up_grad: bf16 weight gradients only (not MXFP8's)")
     used = rows_in_use(sched)
     columns = [ops.quantize_mxfp8_columns(t, rows_used=used, scale_order="mma") for t in rows]
     if plan.emulate:
