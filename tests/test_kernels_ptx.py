@@ -106,16 +106,21 @@ def test_combine_ptx(arch, hidden, topk, has_shared, gathered):
     assert count(r"\.local", ptx) == 0  # no spills to local memory
 
 
-def test_every_variant_of_the_default_config_compiles_for_both_archs():
+def test_every_variant_of_the_default_config_compiles_for_every_arch():
     """Every kernel a layer's plan (mok.plan) launches compiles, on each arch that runs that layer
-    (a layer a target refuses has no plan there: mok.plan.refusal says why)."""
+    (a layer a target refuses has no plan there: mok.plan.refusal says why): the default (EP)
+    configuration, a one-GPU one with a shared expert, and one with transformers' concatenated
+    gate/up weights (the kernels that read them in place)."""
     plan = pytest.importorskip("mok.plan")
     from mok.config import DEFAULT_CONFIG, MoKConfig
 
-    configs = [DEFAULT_CONFIG, MoKConfig(hidden=2048, intermediate=768, num_experts=64, topk=8, shared_intermediate=1024)]
+    configs = [
+        DEFAULT_CONFIG, MoKConfig(hidden=2048, intermediate=768, num_experts=64, topk=8, shared_intermediate=1024),
+        MoKConfig(hidden=2048, intermediate=768, num_experts=128, topk=8, gate_up_layout="concatenated"),  # transformers' weights
+    ]
     compiled = 0
     for config in configs:
-        for arch in ("sm_90a", "sm_100a"):
+        for arch in ("sm_90a", "sm_100a", "sm_103a"):
             if plan.refusal(config, arch) is not None:
                 continue
             for variant in plan.plan_for(config, arch).variants():
