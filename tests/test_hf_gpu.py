@@ -33,7 +33,7 @@ import torch
 pytest.importorskip("transformers")
 mok_hf = pytest.importorskip("mok.integrations.transformers")
 
-from test_hf import FAMILIES, rel_err, tiny_model, tokens  # noqa: E402
+from test_hf import FAMILIES, assert_autocast_results_close, rel_err, tiny_model, tokens  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -202,10 +202,7 @@ def test_fp32_parameters_under_bf16_autocast():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want_logits, want = logits_and_grads(ref, ids)
         got_logits, got = logits_and_grads(m, ids)
-    assert rel_err(got_logits, want_logits) <= 1e-2
-    for name, g in want.items():
-        assert got[name].dtype == torch.float32
-        assert rel_err(got[name], g) <= 3e-2, name
+    assert_autocast_results_close(got_logits, want_logits, got, want, grad_tol=3e-2)
 
 
 def test_fp32_on_the_gpu_is_refused():

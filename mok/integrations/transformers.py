@@ -188,13 +188,17 @@ def check_experts(experts: nn.Module, name: str = "") -> None:
         raise UnsupportedModelError(_refusal(name, experts, problems))
 
 
+def _widths(gate_up: torch.Tensor, transposed: bool) -> tuple[int, int]:
+    """(H, I) of a ``gate_up_proj`` [E, 2I, H] (or [E, H, 2I] transposed)."""
+    return (gate_up.shape[1], gate_up.shape[2] // 2) if transposed else (gate_up.shape[2], gate_up.shape[1] // 2)
+
+
 def _halves(gate_up: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up weights [E, I, H] as views of ``gate_up`` ([E, 2I, H], or [E, H, 2I] transposed;
     gate first: transformers' default gate, ``act_fn(gate)·up`` of ``chunk(2)``)."""
+    inter = _widths(gate_up, transposed)[1]
     if transposed:
-        inter = gate_up.shape[2] // 2
         return gate_up[..., :inter].transpose(1, 2), gate_up[..., inter:].transpose(1, 2)
-    inter = gate_up.shape[1] // 2
     return gate_up[:, :inter], gate_up[:, inter:]
 
 
@@ -342,7 +346,7 @@ def moe_experts(
     x = hidden_states.to(dtype).contiguous()
     num_tokens, hidden = x.shape
     topk = top_k_index.shape[-1]
-    num_experts, inter = gate_up.shape[0], (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
+    num_experts, inter = gate_up.shape[0], _widths(gate_up, transposed)[1]
     shared_inter = None if shared is None else shared[0].shape[0]
     widths = {"hidden": hidden, "intermediate": inter, "shared_intermediate": shared_inter}
     _check_device(x, widths)
@@ -462,7 +466,7 @@ def layer_options(experts: nn.Module, **options) -> tuple:
         raise TypeError(f"MoK experts backend: unknown layer option(s) {unknown}; expected some of {sorted(LAYER_OPTIONS)}")
     transposed = bool(getattr(experts, "is_transposed", False))
     gate_up = experts.gate_up_proj
-    hidden, inter = (gate_up.shape[1], gate_up.shape[2] // 2) if transposed else (gate_up.shape[2], gate_up.shape[1] // 2)
+    hidden, inter = _widths(gate_up, transposed)
     topk = min(getattr(experts.config, "num_experts_per_tok", 1), gate_up.shape[0])
     MoKConfig(hidden, inter, gate_up.shape[0], topk, **options)
     return tuple(sorted((k, v) for k, v in options.items() if v != LAYER_OPTIONS[k]))

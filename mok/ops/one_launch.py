@@ -22,7 +22,7 @@ from ..kernels.constants import GRID_SYNC_WORDS
 from ..kernels.variants import expert_mlp_variant
 from ..runtime import launch
 from ..schedule import Schedule, shared_prefix_rows, worst_case_capacity
-from ..validation import check_tensor, check_timeout, expert_stride
+from ..validation import check_tensor, check_timeout, gate_up_expert_stride
 from .common import BF16, I32, bf16_out, check_32bit_rows, check_launchable, check_weights_launchable, kernel_for, sm_count
 
 TILE = 128  # the one-launch forward's row tile and fc1's column tile
@@ -68,7 +68,7 @@ def scheduled_expert_mlp(
     x [T, H] bf16; topk_idx [T, k] int32 (ids in [0, E), not checked here:
     :func:`mok.validation.check_moe_inputs`); topk_w [T, k] fp32; w_gate, w_up [E, I, H]; w_down
     [E, H, I] (H, I multiples of 128; w_gate and w_up may be the halves of one [E, 2I, H] tensor,
-    read in place: mok.validation.expert_stride). ``h_out`` [R, 2I]: keep h for the backward (R the worst
+    read in place: mok.validation.gate_up_expert_stride). ``h_out`` [R, 2I]: keep h for the backward (R the worst
     case's rows); ``shared_out`` [T, H]: a shared expert's output, added by the combine.
     ``grid_sync``: the barriers' GRID_SYNC_WORDS int32 words, zero when first used and kept across
     calls (the barrier leaves them ready for the next); two launches that may run at the same time
@@ -88,8 +88,7 @@ def scheduled_expert_mlp(
     num_experts, inter = w_gate.shape[:2]
     check_tensor("w_gate", w_gate, shape=(num_experts, inter, hidden))
     check_tensor("w_up", w_up, dtypes=BF16, shape=(num_experts, inter, hidden), device=x.device)
-    gate_up_stride = expert_stride("w_gate", w_gate)
-    expert_stride("w_up", w_up, like=w_gate)
+    gate_up_stride = gate_up_expert_stride(w_gate, w_up)
     check_tensor("w_down", w_down, dtypes=BF16, shape=(num_experts, hidden, inter), device=x.device, contiguous=True)
     if hidden % TILE or inter % TILE:
         raise ValueError(f"w_gate: expected H and I multiples of {TILE}, got H={hidden}, I={inter}")

@@ -27,7 +27,7 @@ from ..ops.common import bf16_out, check_cuda_aligned, kernel_for, sm_count
 from ..ops.one_launch import TILE, expert_mlp_counters, launch_expert_mlp, schedule_arguments
 from ..runtime import launch
 from ..schedule import Schedule
-from ..validation import expert_stride
+from ..validation import gate_up_expert_stride
 from .workspace import EPWorkspace
 
 
@@ -252,9 +252,9 @@ def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out
     lay, dev = ws.layout, x.device
     w_gate, w_up, w_down = weights
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
-    gate_up_stride = expert_stride("w_gate", w_gate)
-    expert_stride("w_up", w_up, like=w_gate)
-    static = one_launch_statics(ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, gate_up_stride)
+    static = one_launch_statics(
+        ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, gate_up_expert_stride(w_gate, w_up)
+    )
     tokens_all = lay.world * lay.max_tokens
     sched = Schedule.empty(tokens_all, lay.topk, num_local, static.capacity, TILE, dev, world_size=lay.world)
     routing = torch.empty(tokens_all, lay.topk, dtype=torch.int32, device=dev)
