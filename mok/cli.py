@@ -327,8 +327,8 @@ and forward + backward, each alone at its own steady state. Prints ms, TFLOP/s, 
 PyTorch and the share of the dense GEMM's TFLOP/s, and how far MoK's result is from PyTorch's."""
 
 BENCH_EPILOG = """\
-presets (one GPU's shape: experts on the GPU; shared = the shared experts' width; widths are
-multiples of 128, which MoK's fused kernels need):
+presets (one GPU's shape: experts on the GPU; shared = the shared experts' width; on Hopper
+any widths that are multiples of 8 run):
 {table}
 
 examples:

@@ -23,15 +23,30 @@ from .kernels.variants import (
 )
 from .runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
-TILE = 128  # every width the fused kernels tile (H, I, I_s), and the grouped GEMMs' row tile
+TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
 
 
-def check_tiled_widths(name: str, widths: dict) -> None:
-    """The fused kernels tile every width of the layer (H, I, a shared expert's I_s) by 128: refuse
-    others, naming them, before anything is compiled or launched (the reference path takes any)."""
-    if any(width % TILE or width < TILE for width in widths.values()):
+def whole_tiles_reason(config: MoKConfig, arch: str) -> str | None:
+    """Why a layer of ``config`` on ``arch`` needs every width a multiple of 128 (None: any multiple
+    of 8 runs, the partial last tiles zero-filled and clipped by TMA: Hopper's staged bf16 kernels)."""
+    if arch not in PERSISTENT_GEMM_ARCHS:
+        return f"{arch}'s kernels take whole tiles so far"
+    if config.one_launch:
+        return "the one-launch kernel takes whole tiles so far; pass one_launch=False"
+    if config.precision != "bf16":
+        return f"precision={config.precision!r}: MXFP8 blocks tile every width"
+    return None
+
+
+def check_tiled_widths(name: str, widths: dict, reason: str | None = "the fused kernels' tile") -> None:
+    """Refuse widths of the layer (H, I, a shared expert's I_s) that the kernels do not take,
+    naming them, before anything is compiled or launched: multiples of 128 where ``reason`` says
+    why whole tiles are needed, else multiples of 8 (16-byte rows; the reference path takes any)."""
+    step = 8 if reason is None else TILE
+    if any(width % step or width < step for width in widths.values()):
         got = ", ".join(f"{width_name}={width}" for width_name, width in widths.items())
-        raise ValueError(f"{name}: expected {', '.join(widths)} multiples of {TILE} (the fused kernels' tile), got {got}")
+        why = "16-byte rows" if reason is None else reason
+        raise ValueError(f"{name}: expected {', '.join(widths)} multiples of {step} ({why}), got {got}")
 
 
 def refusal(config: MoKConfig, arch: str) -> str | None:
@@ -142,11 +157,11 @@ class Plan:
         v += self._swiglu_backward_variants(i, h, topk=k)
         if self.ep:
             v.append(grouped_gemm_variant(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True))
-            v.append(router_grad_variant(k, i // default_tile_n(i, h, True)))
+            v.append(router_grad_variant(k, -(-i // default_tile_n(i, h, True))))
             v.append(combine_variant(h, k, shared, gathered=False, unit_weights=True))
         else:
             v += self._gemm_variants(h, 2 * i, b_major="n", k_split=True)
-            v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=i // default_tile_n(i, h, True)))
+            v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=-(-i // default_tile_n(i, h, True))))
         if c.recomputes_h:  # the gate/up GEMM again, as the forward's stages run it (also after a one-launch forward)
             v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm)
         v += self._weight_grad_variants(h, i, mxfp8=self.precision == "mxfp8")
@@ -266,7 +281,7 @@ def plan_for(config: MoKConfig, arch: str) -> Plan:
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     arch = normalize_arch(arch)
     shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
-    check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared})
+    check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared}, whole_tiles_reason(config, arch))
     if config.precision == "mxfp8":
         require_mxfp8_gemms("precision='mxfp8'", arch)
     why = refusal(config, arch)

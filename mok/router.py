@@ -27,22 +27,22 @@ from torch import Tensor
 from .ops.common import check_32bit_rows, persistent_default
 from .ops.gemm import launch_grouped_gemm
 from .ops.weight_grads import launch_weight_grad
-from .plan import EXPERT_TILE, padded_experts, router_variants
+from .plan import padded_experts, router_variants
 from .runtime.arch import check_fused_layer_device
 from .validation import check_tensor
 
 
 def runs_on_mok(x: Tensor, weight: Tensor) -> bool:
     """Check the router's inputs (x [T, H], weight [E, H]); whether MoK's GEMMs compute the logits
-    (bf16 CUDA tensors, H % 128 == 0) rather than ``F.linear``."""
+    (bf16 CUDA tensors, H % 8 == 0) rather than ``F.linear``."""
     check_tensor("x", x, ndim=2)
     check_tensor("router weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"router weight: expected [E, {x.shape[1]}] (x's width), got {list(weight.shape)}")
     if not (x.is_cuda and x.dtype == torch.bfloat16):
         return False
-    if x.shape[1] % EXPERT_TILE:
-        raise ValueError(f"x: expected a width that is a multiple of {EXPERT_TILE} for MoK's router GEMM, got {x.shape[1]}")
+    if x.shape[1] % 8:
+        raise ValueError(f"x: expected a width that is a multiple of 8 (16-byte rows) for MoK's router GEMM, got {x.shape[1]}")
     return True
 
 

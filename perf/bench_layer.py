@@ -57,6 +57,12 @@ CONFIGS = {
     "qwen3-30b-32k": (32768, 2048, 768, 128, 8, None, "uniform"),
     "qwen3-235b": (4096, 4096, 1536, 128, 8, None, "uniform"),
     "mixtral": (4096, 4096, 14336, 8, 2, None, "uniform"),
+    # gpt-oss's widths (H = I = 2880: partial last tiles; MoK's SwiGLU without gpt-oss's biases and
+    # clamp), and the same layer at 3072 (whole tiles) to see what the partial tiles cost
+    "gpt-oss-20b": (4096, 2880, 2880, 32, 4, None, "uniform"),
+    "gpt-oss-120b": (4096, 2880, 2880, 128, 4, None, "uniform"),
+    "gpt-oss-20b-3072": (4096, 3072, 3072, 32, 4, None, "uniform"),
+    "gpt-oss-20b-16k": (16384, 2880, 2880, 32, 4, None, "uniform"),
 }
 
 

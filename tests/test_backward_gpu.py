@@ -134,8 +134,13 @@ def test_backward_batch_invariance():
 
 
 def test_main_grad_accumulation_adds_once_into_fp32():
-    x, idx, w, experts, shared = gpu_layer(600, 512, 256, 8, 2, 256, seed=14)
-    dout = torch.randn(600, 512, device="cuda").bfloat16()
+    check_main_grad_adds_once(600, 512, 256, 8, 2, 256, seed=14)
+
+
+def check_main_grad_adds_once(T, H, I, E, k, shared_inter, seed):
+    """main_grads: each weight's fp32 buffer gets the fresh fp32 gradient added once (and is the one returned)."""
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=seed)
+    dout = torch.randn(T, H, device="cuda").bfloat16()
     fresh = flat(fused(x, idx, w, experts, shared, dout, grad_dtype=torch.float32)[1])[2:]
     buffers = [torch.randn(t.shape, device="cuda") for t in (*experts, *shared)]
     before = [b.clone() for b in buffers]

@@ -297,15 +297,18 @@ def test_swiglu_backward_gemm_refuses_pingpong_where_it_has_no_kernel():
 
 
 def test_weight_grad_rejects_a_bad_tile_before_launch():
-    """The weight-gradient op takes 128- or 256-column tiles that divide N (ping-pong: 128, persistent), and says so otherwise."""
+    """The weight-gradient op takes 128- or 256-column tiles (ping-pong: 128, persistent; on
+    Hopper N need not be a multiple of the tile), M and N multiples of 8, and says so otherwise."""
     from mok import ops
 
     a, b = torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(256, 384, dtype=torch.bfloat16)
     offsets = torch.tensor([0, 128, 256], dtype=torch.int32)
-    with pytest.raises(ValueError, match="tile_n: expected 128 or 256 dividing N=384, got 256"):
-        ops.weight_grad(a, b, offsets, tile_n=256)
-    with pytest.raises(ValueError, match="tile_n: expected 128 or 256 dividing N=384, got 64"):
+    with pytest.raises(ValueError, match="tile_n: expected 128 or 256, got 64"):
         ops.weight_grad(a, b, offsets, tile_n=64)
+    with pytest.raises(ValueError, match=r"\(R, M, N\): expected M, N multiples of 8, got \(256, 256, 380\)"):
+        ops.weight_grad(a, torch.zeros(256, 380, dtype=torch.bfloat16), offsets)
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # a partial column tile passes the checks
+        ops.weight_grad(a, b, offsets, tile_n=256)
     with pytest.raises(ValueError, match="pingpong: only with persistent=True and tile_n=128"):
         ops.weight_grad(a, b, offsets, pingpong=True, persistent=False)
     with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # the checks pass; the launch checks refuse CPU data
@@ -341,10 +344,10 @@ def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
     with pytest.raises(ValueError, match=rf"saved.h: expected shape \[{mine.capacity}, 256\], got \[{mine.capacity}, 128\]"):
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h[:, :I].contiguous()))
     # (the widths are the configuration's, refused by its plan before the tensors are looked at)
-    widths = r"config: expected hidden, intermediate multiples of 128 \(the fused kernels' tile\), got hidden=128, intermediate=64"
+    widths = r"config: expected hidden, intermediate multiples of 128 \(the one-launch kernel takes whole tiles so far; pass one_launch=False\), got hidden=128, intermediate=64"
     with pytest.raises(ValueError, match=widths):
         moe_backward(dout, x, idx, w, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), None,
-                     ForwardResult(None, mine, h[:, :I].contiguous()))
+                     ForwardResult(None, mine, h[:, :I].contiguous()), one_launch=True)
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the checks pass; then the device check refuses CPU data
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h))
 

@@ -16,7 +16,8 @@ the same shapes for every family, so that they share compiled kernels):
 - generate(); torch.compile(fullgraph=True): the experts bitwise as eager, a compiled MoE block
   within bf16 rounding of the eager one, the whole compiled model runs; the example's fine-tuning run;
 - fp32 parameters under bf16 autocast run (weights cast per call); an fp32 model without autocast
-  and widths that are not multiples of 128 refused, naming what is needed.
+  refused, naming what is needed; widths that are not multiples of 128 (H 64, I 32) as the default
+  backend, and refused by the one-launch forward, which takes whole tiles.
 """
 
 from __future__ import annotations
@@ -212,11 +213,20 @@ def test_fp32_on_the_gpu_is_refused():
         m(gpu_tokens())
 
 
-def test_widths_that_are_not_multiples_of_128_are_refused():
-    m = tiny_model("qwen3_moe", dtype=torch.bfloat16, layers=1).cuda()  # H 64, I 32
-    m.set_experts_implementation("mok")
-    with pytest.raises(ValueError, match="multiples of 128.*hidden=64, intermediate=32"):
-        m(gpu_tokens())
+def test_widths_that_are_not_multiples_of_128_run_and_one_launch_refuses_them():
+    """H 64, I 32 (one partial tile each): logits and gradients as the default backend's; the
+    one-launch forward, which takes whole tiles, refuses them naming the requirement."""
+    ref = tiny_model("qwen3_moe", dtype=torch.bfloat16, layers=1).cuda()
+    m = mok_hf.apply(copy.deepcopy(ref))
+    ids = gpu_tokens()
+    want_logits, want_grads = logits_and_grads(ref, ids)
+    got_logits, got_grads = logits_and_grads(m, ids)
+    assert rel_err(got_logits, want_logits) <= 1e-2
+    for name, want in want_grads.items():
+        assert rel_err(got_grads[name], want) <= 3e-2, name
+    mok_hf.apply(m, one_launch=True)
+    with pytest.raises(ValueError, match=r"multiples of 128 \(the one-launch kernel takes whole tiles.*hidden=64, intermediate=32"):
+        m(ids)
 
 
 def test_finetune_example_on_one_gpu():

@@ -132,6 +132,47 @@ def test_every_variant_of_the_default_config_compiles_for_every_arch():
     assert compiled > 0
 
 
+PARTIAL_TILE_CONFIGS = [  # widths the 128-wide tiles do not divide (H, I, E, k, options)
+    (2880, 2880, 32, 4, dict()),  # gpt-oss's
+    (2056, 1032, 16, 4, dict(shared_intermediate=520, fuse_wgrad_accumulation=True)),
+    (2056, 1032, 16, 4, dict(gate_up_layout="concatenated", saved_h_format="recompute")),
+    (2056, 1032, 8, 4, dict(ep_size=2)),
+]
+
+
+@pytest.mark.parametrize("hidden,inter,experts,topk,options", PARTIAL_TILE_CONFIGS)
+def test_partial_tile_variants_keep_wgmma_tma_and_no_spills(hidden, inter, experts, topk, options):
+    """Hopper takes widths that are multiples of 8, not of the tile: every kernel of such a layer's
+    plan compiles, its GEMMs on WGMMA fed by TMA (no mma.sync fallback), nothing in local memory,
+    ptxas spills nothing (the partial tiles' predicates in the epilogues included) but the 16 bytes
+    the gathering producer spills at every width (its 64-bit row addresses: docs/notes/gather-in-gemm.md)."""
+    from mok.config import MoKConfig
+    from mok.plan import plan_for
+
+    config = MoKConfig(hidden, inter, experts, topk, **options)
+    for variant in plan_for(config, "sm_90a").variants():
+        ptx = compiled_ptx(variant, "sm_90a")
+        assert count(r"\.local", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0, variant.describe()
+        assert_register_handover_fits(ptx)
+        if variant.name in ("grouped_gemm", "weight_grad"):
+            assert count(r"wgmma\.mma_async", ptx) > 0 and count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) > 0
+            assert ptxas_spill_bytes(ptx) in (None, 0, 16 if variant.config.get("gather_a") else 0), variant.describe()
+
+
+def test_sm100_kernels_refuse_partial_tiles_naming_the_requirement():
+    """The SM100 kernels take whole tiles so far: a layer with gpt-oss's widths is refused there
+    before anything compiles, and the kernels themselves say what they need."""
+    from mok.config import MoKConfig
+    from mok.plan import plan_for
+
+    with pytest.raises(ValueError, match=r"multiples of 128 \(sm_100a's kernels take whole tiles so far\), got hidden=2880"):
+        plan_for(MoKConfig(2880, 2880, 32, 4), "sm_100a")
+    with pytest.raises(ValueError, match=r"this arch's kernel takes whole tiles: multiples of \(128, 64\), got \(2880, 2880\)"):
+        compiled_ptx(grouped_gemm_variant(2880, 2880, persistent=False), "sm_100a")
+    with pytest.raises(ValueError, match=r"this arch's kernel takes whole tiles: multiples of \(256, 128\), got \(2064, 2056\)"):
+        compiled_ptx(weight_grad_variant(2064, 2056, split_out=True, persistent=False), "sm_100a")
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_row_gather_keeps_four_16_byte_loads_in_flight_before_it_stores(arch):
     """gather: each thread loads its four rows' 16-byte vectors (after their four int32 row
@@ -339,8 +380,8 @@ def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilo
     "variant,loads",
     [
         (grouped_gemm_variant(7168, 2048, scatter=True, topk=8), 2),  # the forward's down projection: A, B
-        # the backward's dx: A, and B or B2 by K half (9 load sites once unrolled, as in the unscattered dx GEMM)
-        (grouped_gemm_variant(7168, 4096, scatter=True, topk=8, b_major="n", k_split=True), 9),
+        # the backward's dx: A's and B's (B2's) half of K by K tile (10 load sites once unrolled, as in the unscattered dx GEMM)
+        (grouped_gemm_variant(7168, 4096, scatter=True, topk=8, b_major="n", k_split=True), 10),
     ],
     ids=["down_projection", "dx_k_split"],
 )

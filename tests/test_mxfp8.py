@@ -348,7 +348,7 @@ def test_the_mxfp8_weight_gradient_op_refuses_bad_input_before_any_launch():
         weight_grad(a, (b[0], b[1][:1]), offsets)
     with pytest.raises(ValueError, match=r"\(R, M, N\): expected M, N, R multiples of 128, got \(200, 128, 256\)"):
         weight_grad((a[0][:200], a[1]), (b[0][:200], b[1]), offsets)
-    with pytest.raises(ValueError, match="split_out: expected M a multiple of 256"):
-        weight_grad(a, b, offsets, split_out=True)
+    with pytest.raises(ValueError, match=r"\(R, M, N\): expected M, N, R multiples of 128, got \(256, 136, 256\)"):
+        weight_grad((torch.zeros(256, 136).to(e4m3), a[1]), b, offsets)
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         weight_grad(a, b, offsets)

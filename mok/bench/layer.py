@@ -61,16 +61,17 @@ class Shape:
         return MoKConfig(self.hidden, self.intermediate, self.experts, self.topk, self.shared_intermediate, **options)
 
     def check(self, tiled: bool = True) -> None:
-        """ValueError for a shape MoK's layer does not take: MoKConfig's rules, and (``tiled``) widths
-        that are not multiples of 128, the fused kernels' tile."""
-        from ..plan import check_tiled_widths
+        """ValueError for a shape MoK's layer does not take: MoKConfig's rules, and (``tiled``) the
+        widths the fused kernels take where the benchmark runs them (Hopper, bf16: multiples of 8)."""
+        from ..plan import check_tiled_widths, whole_tiles_reason
 
         if self.tokens < 1:
             raise ValueError(f"{self.model}: expected at least one token, got {self.tokens}")
-        self.config()
+        config = self.config()
         if tiled:
             shared = {"shared_intermediate": self.shared_intermediate} if self.shared_intermediate else {}
-            check_tiled_widths(self.model, {"hidden": self.hidden, "intermediate": self.intermediate, **shared})
+            widths = {"hidden": self.hidden, "intermediate": self.intermediate, **shared}
+            check_tiled_widths(self.model, widths, whole_tiles_reason(config, "sm_90a"))
 
     def describe(self) -> str:
         shared = f"shared expert I_s {self.shared_intermediate}" if self.shared_intermediate else "no shared expert"
@@ -81,9 +82,7 @@ class Shape:
 # Per model, the one-GPU shape a user runs: H, the routed experts' width I (moe_intermediate_size), the
 # experts on the GPU, top-k, the shared expert's width (all shared experts together) and tokens on the
 # GPU: 4096 for the models of H >= 4096, 8192 for the H = 2048 ones (smaller activations per token).
-# Every width is a multiple of 128, which MoK's fused kernels tile by (mok.plan.check_tiled_widths).
-# Left out: gpt-oss-20b / gpt-oss-120b (H = I = 2880, not a multiple of 128; their experts also
-# have biases and a clamped SwiGLU, which MoK's layer does not compute).
+# gpt-oss's H = I = 2880 is not a multiple of the 128-wide tile: its last tiles are partial (Hopper).
 PRESETS: dict[str, Shape] = {
     "deepseek-v3": Shape("deepseek-v3", 4096, 7168, 2048, 32, 8, 2048),
     "deepseek-v2-lite": Shape("deepseek-v2-lite", 8192, 2048, 1408, 64, 6, 2816),
@@ -93,6 +92,8 @@ PRESETS: dict[str, Shape] = {
     "mixtral-8x7b": Shape("mixtral-8x7b", 4096, 4096, 14336, 8, 2),
     "mixtral-8x22b": Shape("mixtral-8x22b", 4096, 6144, 16384, 8, 2),
     "olmoe-1b-7b": Shape("olmoe-1b-7b", 8192, 2048, 1024, 64, 8),
+    "gpt-oss-20b": Shape("gpt-oss-20b", 4096, 2880, 2880, 32, 4),
+    "gpt-oss-120b": Shape("gpt-oss-120b", 4096, 2880, 2880, 128, 4),
 }
 PRESET_NOTES: dict[str, str] = {
     "deepseek-v3": "32 of its 256 routed experts: one EP = 8 rank's share (that rank's expert work at T tokens a rank); 1 shared expert",
@@ -103,6 +104,8 @@ PRESET_NOTES: dict[str, str] = {
     "mixtral-8x7b": "all 8 experts",
     "mixtral-8x22b": "all 8 experts",
     "olmoe-1b-7b": "all 64 experts",
+    "gpt-oss-20b": "all 32 experts; MoK's SwiGLU without gpt-oss's expert biases and clamp (the same GEMM FLOPs)",
+    "gpt-oss-120b": "all 128 experts; as gpt-oss-20b",
 }
 DEFAULT_MODEL = "deepseek-v3"
 

@@ -18,7 +18,8 @@ What runs on MoK: the routed experts, ``out[t] = Σ_j w[t, j]·(silu(x[t]·W_gat
 with the model's own router's top-k ids and weights (softmax or sigmoid, group-limited top-k, bias
 correction, scaling all stay the model's code; the weights' gradient flows back through it). The
 op is ``torch.ops.mok.moe_forward`` (mok/torch_ops.py): MoK's fused kernels on a Hopper GPU (bf16,
-H and I multiples of 128), the fp32 reference on the CPU (any widths MoKConfig takes).
+H and I multiples of 8, of 128 with ``one_launch``), the fp32 reference on the CPU (any widths
+MoKConfig takes).
 
 Weights: transformers stores each family's experts as ``gate_up_proj`` [E, 2I, H] (gate rows first)
 and ``down_proj`` [E, H, I]. Both are used in place: ``down_proj`` is MoK's ``w_down`` as it is,
@@ -34,8 +35,7 @@ unit-weight shared expert cannot express) and stays the model's own code, as do 
 of any model not passed through :func:`apply`.
 
 Not supported yet (refused with the reason): expert biases, activations other than SwiGLU (gpt-oss's
-clamped ``(up + 1)·gate·σ(1.702·gate)``), ungated experts; on the GPU other dtypes than bf16 and
-widths that are not multiples of 128.
+clamped ``(up + 1)·gate·σ(1.702·gate)``), ungated experts; on the GPU other dtypes than bf16.
 """
 
 from __future__ import annotations
@@ -102,8 +102,6 @@ _SHARED_BLOCKS = {
     "DeepseekV3MoE": ("transformers.models.deepseek_v3.modeling_deepseek_v3", "gate", "experts", "shared_experts"),
 }
 
-GPU_TILE = 128  # MoK's GPU kernels tile every width (H, I, I_s) by 128
-
 # The layer options apply() takes (MoKConfig's fields of one GPU), with their defaults; kept on
 # each experts module as OPTIONS_ATTR: the options that differ from these, as (name, value) pairs.
 LAYER_OPTIONS = {"saved_h_format": "bf16", "one_launch": False, "precision": "bf16"}
@@ -121,7 +119,7 @@ def _families() -> str:
 def _what_mok_runs() -> str:
     return (
         "MoK runs SwiGLU experts without biases, silu(x·W_gateᵀ)·(x·W_upᵀ)·W_downᵀ, stored as transformers' gate_up_proj "
-        f"and down_proj (on the GPU: bf16, H and I multiples of {GPU_TILE}); supported families: {_families()}"
+        f"and down_proj (on the GPU: bf16, H and I multiples of 8; of 128 with one_launch); supported families: {_families()}"
     )
 
 
@@ -307,7 +305,7 @@ def _config_text(hidden: int, inter: int, num_experts: int, topk: int, shared_in
 
 def _check_device(x: torch.Tensor, widths: dict) -> None:
     """What MoK's GPU path takes (tokens and weights in bf16: ``x`` in the dtype the call computes
-    in; widths multiples of 128; a Hopper GPU); the CPU runs the reference at any of them."""
+    in; a Hopper GPU; the widths: the layer's plan checks them); the CPU runs the reference."""
     if x.device.type == "cpu":
         return
     if x.device.type != "cuda":
@@ -316,12 +314,6 @@ def _check_device(x: torch.Tensor, widths: dict) -> None:
         raise TypeError(
             f"MoK experts backend: MoK's GPU kernels compute in bf16, this model's experts are {x.dtype}; "
             "load it with dtype=torch.bfloat16 (or call model.bfloat16()), or run it under torch.autocast('cuda', dtype=torch.bfloat16)"
-        )
-    bad = {k: v for k, v in widths.items() if v is not None and v % GPU_TILE}
-    if bad:
-        raise ValueError(
-            f"MoK experts backend: MoK's GPU kernels need widths that are multiples of {GPU_TILE}, this model has "
-            f"{', '.join(f'{k}={v}' for k, v in widths.items() if v is not None)} (on the CPU any multiple of 8 runs)"
         )
     if not torch.compiler.is_compiling():
         check_fused_layer_device(x.device.index)

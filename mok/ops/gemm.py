@@ -83,8 +83,8 @@ def _bf16_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_m
     if b2 is not None:
         check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device)
         expert_stride("b2", b2, like=b)
-    if n % 128 or k % (128 if k_split else 64):
-        raise ValueError(f"b: expected N % 128 == 0 and K % {128 if k_split else 64} == 0, got N={n}, K={k}")
+    if n % 8 or k % (16 if k_split else 8):
+        raise ValueError(f"b: expected N % 8 == 0 and K % {16 if k_split else 8} == 0 (16-byte rows), got N={n}, K={k}")
     return num_experts, n, stride
 
 
@@ -141,8 +141,11 @@ def grouped_gemm(
     in place), b2 strided as b. With ``b2`` shaped like b: SwiGLU, out = silu(a·B)⊙(a·B2), and
     ``h_out`` [R, 2N] (optional) receives the pre-activations [a·B | a·B2] for the backward; or,
     with ``k_split``, b and b2 hold the two halves of K (out = a[:, :K/2]·B + a[:, K/2:]·B2).
-    Needs N % 128 == 0 and K % 64 == 0 (K % 128 with ``k_split``). ``tile_n`` overrides the column
-    tile (64, 128 or 256 dividing N; default from the static shape), ``stages`` the shared-memory
+    Needs N % 8 == 0 and K % 8 == 0 (K % 16 with ``k_split``): on Hopper the last column and K
+    tiles may be partial (TMA zero-fills the loads past N and K and clips the stores; with k_split
+    each half of K on its own); the SM100 kernels take whole tiles (N a multiple of the column
+    tile, K of 64, of 128 with k_split). ``tile_n`` overrides the column
+    tile (64, 128 or 256; default from the static shape), ``stages`` the shared-memory
     pipeline depth (default: as deep as fits), ``persistent=False`` selects the one-tile-per-CTA
     kernel (the same bits); None: the persistent kernel where the GPU has one (Hopper), else the
     one-tile kernel (SM100: compile-verified, never run; without ``gather``).
@@ -281,7 +284,7 @@ def swiglu_backward_gemm(
     dA_u = dout_rows[r]·w_down[e] (w_down [E, H, I], read N-major); with the saved
     h[r] = [h_gate | h_up] ([R, 2I] bf16) and a = silu(h_gate)·h_up it returns
     dh [R, 2I] = [s·dA_u·h_up·silu'(h_gate) | s·dA_u·silu(h_gate)] (bf16), a_scaled [R, I] = s·a
-    (bf16, for dW_down) and partial [R, I/tile_n] fp32, Σ over each column tile of dA_u·a
+    (bf16, for dW_down) and partial [R, ceil(I / tile_n)] fp32, Σ over each column tile of dA_u·a
     (:func:`mok.ops.router_grad` adds them up). row_token/row_slot [R] int32 and topk_w [T, k] fp32
     give s (0 for padding rows); all None for the shared expert (s = 1, partial is None).
     Rows of tiles with tile_expert -1 are left unwritten. ``persistent``: as in :func:`grouped_gemm`.
@@ -313,8 +316,8 @@ def swiglu_backward_gemm(
         check_tensor("w_down", w_down, dtypes=BF16, ndim=3, device=dev, contiguous=True)
         num_experts, _, inter = w_down.shape
         check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
-        if inter % 128 or hidden % 64:
-            raise ValueError(f"w_down: expected I % 128 == 0 and H % 64 == 0, got I={inter}, H={hidden}")
+        if inter % 8 or hidden % 8:
+            raise ValueError(f"w_down: expected I % 8 == 0 and H % 8 == 0 (16-byte rows), got I={inter}, H={hidden}")
         tile_n, operand = default_tile_n(inter, hidden, True), "bf16"
         if pingpong is None:
             pingpong = swiglu_backward_pingpong(persistent, tile_n)
@@ -326,7 +329,7 @@ def swiglu_backward_gemm(
     unit_scale, num_tokens, topk = _check_router_rows(row_token, row_slot, topk_w, num_rows, dev)
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
-    partial = None if unit_scale else torch.empty(num_rows, inter // tile_n, dtype=torch.float32, device=dev)
+    partial = None if unit_scale else torch.empty(num_rows, -(-inter // tile_n), dtype=torch.float32, device=dev)
     check_launchable(dout_rows=pointers["a"], h=h, dh=dh)
     check_weights_launchable(w_down=pointers["b"])
     if mxfp8 and dev.type == "cuda":

@@ -63,10 +63,11 @@ def weight_grad(
     offsets[e] + counts[e] are padding (zero in a and b); the 64-row blocks holding only such
     rows are skipped, not multiplied (the same bits: they would add zeros). out:
     [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
-    (main_grad style) instead of overwriting it. M % 128 == 0, N % 128 == 0. ``persistent``: as in
-    :func:`mok.ops.grouped_gemm`. ``tile_n``: the output tile's columns, 128 or 256
-    (N % tile_n == 0). ``pingpong`` (persistent, 128-wide tiles; the default there): the two MMA
-    warpgroups take whole tiles in turn (the same bits). ``split_out`` (M % 256 == 0): out is a
+    (main_grad style) instead of overwriting it. M % 8 == 0, N % 8 == 0 (on Hopper the last row and
+    column tiles may be partial; the SM100 kernels take whole tiles: M, N multiples of 128 and of
+    tile_n). ``persistent``: as in :func:`mok.ops.grouped_gemm`. ``tile_n``: the output tile's
+    columns, 128 or 256. ``pingpong`` (persistent, 128-wide tiles; the default there): the two MMA
+    warpgroups take whole tiles in turn (the same bits). ``split_out`` (M % 16 == 0): out is a
     pair of [E, M/2, N] tensors (new unless given), the product's first M/2 rows going into the
     first, the others into the second: dW_gate and dW_up from one launch over all of dh (the
     same bits as a launch per half, which it falls back to where the two tensors' distance is not
@@ -96,8 +97,9 @@ def weight_grad(
     if b_values.shape[0] != num_rows:
         raise ValueError(f"b: expected {num_rows} rows like a, got {b_values.shape[0]}")
     n = b_values.shape[1]
-    if m % 128 or n % 128 or (mxfp8 and num_rows % 128):
-        raise ValueError(f"(R, M, N): expected M, N{', R' if mxfp8 else ''} multiples of 128, got ({num_rows}, {m}, {n})")
+    step = 128 if mxfp8 else 8  # (bf16: 16-byte rows; the tiles past M and N partial on Hopper)
+    if m % step or n % step or (mxfp8 and num_rows % 128):
+        raise ValueError(f"(R, M, N): expected M, N{', R' if mxfp8 else ''} multiples of {step}, got ({num_rows}, {m}, {n})")
     if mxfp8:
         for name, t, width in (("a", a_scales, m), ("b", b_scales, n)):
             check_tensor(f"{name} scales", t, dtypes=(torch.uint8,), shape=(width // 128, num_rows // 128, 512), device=dev, contiguous=True)
@@ -143,10 +145,10 @@ def _check_rows_and_outputs(offsets, counts, m: int, n: int, split_out: bool, ti
         raise ValueError(f"offsets: expected E + 1 >= 2 entries, got {offsets.shape[0]}")
     if counts is not None:
         check_tensor("counts", counts, dtypes=I32, shape=(num_experts,), device=device, contiguous=True)
-    if split_out and m % 256:
-        raise ValueError(f"split_out: expected M a multiple of 256 (each half whole 128-row tiles), got M={m}")
-    if tile_n not in (128, 256) or n % tile_n:
-        raise ValueError(f"tile_n: expected 128 or 256 dividing N={n}, got {tile_n}")
+    if split_out and m % 16:
+        raise ValueError(f"split_out: expected M a multiple of 16 (each half 16-byte rows), got M={m}")
+    if tile_n not in (128, 256):
+        raise ValueError(f"tile_n: expected 128 or 256, got {tile_n}")
     if accumulate and out is None:
         raise ValueError("accumulate: needs out, the fp32 gradient to add into")
     if out_dtype not in (torch.bfloat16, torch.float32):

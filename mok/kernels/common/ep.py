@@ -303,8 +303,11 @@ class EpDispatchKernel:
         check_width(width)
         vectors = width // VECTOR
         self.world, self.width, self.topk = world, width, topk
-        self.threads = max(t for t in range(1, max_threads + 1) if vectors % t == 0)  # every thread the same vectors
-        self.per_thread = vectors // self.threads
+        # the fewest vectors a thread, then the fewest threads for them: every thread the same
+        # vectors where a divisor allows (H = 7168: 128 x 7), else the last thread's few idle (H = 2056: 86 x 3 for 257)
+        self.per_thread = -(-vectors // max_threads)
+        self.threads = -(-vectors // self.per_thread)
+        self.vectors = vectors
 
     @cute.jit
     def __call__(
@@ -341,10 +344,24 @@ class EpDispatchKernel:
         if block < tokens:
             if self.local_rows(m_slot_row, block) > 0:
                 src = cute.zipped_divide(m_x[block // t_max, block % t_max, None], (VECTOR,))
-                vecs = [src[None, tidx + i * self.threads].load() for i in range(self.per_thread)]  # all loads first
+                vecs = [src[None, self.vector_of(tidx, i)].load() for i in range(self.per_thread)]  # all loads first
                 self.store_rows(vecs, m_slot_row, m_out, block, tidx)
         else:
             self.zero_padding(m_counts, m_offsets, m_out, block - tokens, num_rows, tidx)
+
+    def vector_of(self, tidx, i: int):
+        """The row's vector that thread ``tidx`` loads ``i``-th: its own, or where the threads hold
+        more slots than the row has vectors, the last one for the idle slots (a valid address, not stored)."""
+        vector = tidx + i * self.threads
+        if self.threads * self.per_thread == self.vectors:
+            return vector
+        return cutlass.min(vector, self.vectors - 1)
+
+    def owns(self, tidx, i: int):
+        """Whether thread ``tidx``'s ``i``-th slot is a vector of the row (always, where the threads divide the row)."""
+        if self.threads * self.per_thread == self.vectors:
+            return True
+        return tidx + i * self.threads < self.vectors
 
     @cute.jit
     def local_rows(self, m_slot_row: cute.Tensor, token) -> cutlass.Int32:
@@ -363,7 +380,8 @@ class EpDispatchKernel:
             if dest >= 0:
                 dst = cute.zipped_divide(m_out[dest, None], (VECTOR,))
                 for i in cutlass.range_constexpr(self.per_thread):
-                    dst[None, tidx + i * self.threads].store(vecs[i])
+                    if self.owns(tidx, i):
+                        dst[None, tidx + i * self.threads].store(vecs[i])
 
     @cute.jit
     def zero_padding(self, m_counts: cute.Tensor, m_offsets: cute.Tensor, m_out: cute.Tensor, expert, num_rows, tidx):
@@ -373,8 +391,9 @@ class EpDispatchKernel:
         for row in cutlass.range(first, end, unroll=1):
             dst = cute.zipped_divide(m_out[row, None], (VECTOR,))
             for i in cutlass.range_constexpr(self.per_thread):
-                out_vec = dst[None, tidx + i * self.threads]
-                out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
+                if self.owns(tidx, i):
+                    out_vec = dst[None, tidx + i * self.threads]
+                    out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
 
 
 class EpDispatchMxfp8Kernel(EpDispatchKernel):
@@ -413,8 +432,8 @@ class EpDispatchMxfp8Kernel(EpDispatchKernel):
             if self.local_rows(m_slot_row, block) > 0:
                 rank, t = block // t_max, block % t_max
                 src = cute.zipped_divide(m_el[rank, t, None], (VECTOR,))
-                loaded = [src[None, tidx + i * self.threads].load() for i in range(self.per_thread)]  # all loads first
-                exponents = [cutlass.Int32(m_sc[rank, t, (tidx + i * self.threads) >> 2]) & 0xFF for i in range(self.per_thread)]
+                loaded = [src[None, self.vector_of(tidx, i)].load() for i in range(self.per_thread)]  # all loads first
+                exponents = [cutlass.Int32(m_sc[rank, t, self.vector_of(tidx, i) >> 2]) & 0xFF for i in range(self.per_thread)]
                 vecs = [(loaded[i].to(cutlass.Float32) * e8m0_factor(exponents[i])).to(m_out.element_type) for i in range(self.per_thread)]
                 self.store_rows(vecs, m_slot_row, m_out, block, tidx)
         else:

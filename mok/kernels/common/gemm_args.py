@@ -15,16 +15,24 @@ def expert_weights(ptr: cute.Pointer, n: int, k: int, num_experts, b_major: str,
     return cute.make_tensor(ptr, cute.make_layout((n, k, num_experts), stride=stride))
 
 
-def grouped_row_tensors(ptrs: tuple, num_rows, num_tokens, n: int, c_cols: int, tile_n: int, topk: int) -> tuple:
+def halves(ptr: cute.Pointer, rows, width: int, count: int) -> cute.Tensor:
+    """Rows of ``count`` halves side by side, [R, count·width] in memory, as (R, width, count): each
+    half bounded at its own width, so a partial last column tile of one half stops there (TMA
+    clips and zero-fills per mode) instead of reaching into the next (h = [gate | up], dh)."""
+    return cute.make_tensor(ptr, cute.make_layout((rows, width, count), stride=(count * width, 1, width)))
+
+
+def grouped_row_tensors(ptrs: tuple, num_rows, num_tokens, n: int, c_halves: int, col_tiles: int, topk: int) -> tuple:
     """The grouped GEMM's row-indexed tensors from ``ptrs`` = (C, h, a_scaled, partial, row_token,
-    row_slot, topk_w): C [R, c_cols], h [R, 2N], a_scaled [R, N], partial [R, N / tile_n], row_token
-    and row_slot [R], topk_w [T·k] (the arguments of variants that do not use one are placeholders)."""
+    row_slot, topk_w): C [R, c_halves·N] as (R, N, c_halves), h [R, 2N] as (R, N, 2), a_scaled [R, N],
+    partial [R, col_tiles], row_token and row_slot [R], topk_w [T·k] (the arguments of variants that
+    do not use one are placeholders)."""
     c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr = ptrs
     return (
-        cute.make_tensor(c_ptr, cute.make_layout((num_rows, c_cols), stride=(c_cols, 1))),
-        cute.make_tensor(h_ptr, cute.make_layout((num_rows, 2 * n), stride=(2 * n, 1))),
+        halves(c_ptr, num_rows, n, c_halves),
+        halves(h_ptr, num_rows, n, 2),
         cute.make_tensor(a_scaled_ptr, cute.make_layout((num_rows, n), stride=(n, 1))),
-        cute.make_tensor(partial_ptr, cute.make_layout((num_rows, n // tile_n), stride=(n // tile_n, 1))),
+        cute.make_tensor(partial_ptr, cute.make_layout((num_rows, col_tiles), stride=(col_tiles, 1))),
         cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,))),
         cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,))),
         cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * topk,))),

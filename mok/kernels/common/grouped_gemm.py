@@ -7,7 +7,11 @@ tiles, so a tile never mixes experts); ``tile_expert[m]`` names the expert of ro
 for an unused tile, which no CTA computes. B holds one weight matrix per expert, K-major
 [E, N, K] (C = A·Bᵀ, the forward's weights) or N-major [E, K, N] (C = A·B, the same weights read
 transposed in the backward); with ``k_split`` K is two halves, the first read from B and the
-second from B2 (dx = dh_gate·W_gate + dh_up·W_up in one pass).
+second from B2 (dx = dh_gate·W_gate + dh_up·W_up in one pass). N and K are multiples of 8; where
+the arch's kernel takes partial tiles (``partial_tiles``: Hopper's) the tile need not divide them:
+the last column and K tiles are partial, and tensors of two halves side by side (h, dh, k_split's
+A) are described per half, (rows, width, halves), so that no tile crosses from one into the other
+(docs/notes/partial-tiles.md).
 
 Epilogues (static), every value rounded once from fp32 to bf16:
 - ``plain``: C = A·B.
@@ -40,6 +44,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .gemm_args import expert_weights, grouped_row_tensors
+from .row_vectors import VECTOR
 from .row_weight import row_router_weight
 from .swiglu import swiglu_backward_values, swiglu_value
 
@@ -52,6 +57,7 @@ class GroupedGemm:
     :meth:`configure`, sets ``ab_stage`` and writes ``launch``."""
 
     gather_a = False  # (Hopper) A is the token matrix x [T, K], its rows gathered by row_token
+    partial_tiles = False  # whether the arch's kernel takes N and K that its tile does not divide (else whole tiles only)
 
     def configure(
         self, n: int, k: int, epilogue: str, b_major: str, k_split: bool, topk: int, unit_scale: bool, tile_n: int, tile_k: int,
@@ -65,17 +71,21 @@ class GroupedGemm:
             raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
-        if n % tile_n:
-            raise ValueError(f"n: expected a multiple of the column tile {tile_n}, got {n}")
-        if k % (2 * tile_k if k_split else tile_k):
-            raise ValueError(f"k: expected a multiple of {2 * tile_k if k_split else tile_k}, got {k}")
+        halves = 2 if k_split else 1
+        if n % VECTOR or k % (halves * VECTOR):
+            raise ValueError(f"(n, k): expected multiples of {VECTOR} ({halves * VECTOR} for k with k_split: 16-byte rows), got ({n}, {k})")
+        if not self.partial_tiles and (n % tile_n or k % (halves * tile_k)):
+            raise ValueError(f"(n, k): this arch's kernel takes whole tiles: multiples of ({tile_n}, {halves * tile_k}), got ({n}, {k})")
         if k_split and epilogue != "plain":
             raise ValueError("k_split: only with the plain epilogue")
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
         self.num_b = 2 if self.two_accumulators else 1
-        self.b_k = k // 2 if k_split else k  # K extent of each B tensor
+        self.b_k = k // halves  # K extent of each B tensor
+        self.col_tiles = -(-n // tile_n)  # the last one partial where tile_n does not divide N
+        self.half_k_tiles = -(-self.b_k // tile_k)  # K tiles of each half (of K with k_split), the last one partial
+        self.k_tiles = halves * self.half_k_tiles
         if b_expert_stride is not None and (b_expert_stride < n * self.b_k or b_expert_stride % 8):
             raise ValueError(f"b_expert_stride: expected a multiple of 8 (16 bytes) of at least N·K = {n * self.b_k}, got {b_expert_stride}")
         self.b_expert_stride = b_expert_stride
@@ -103,19 +113,22 @@ class GroupedGemm:
         kernel only), C, tile_expert [ceil(R / 128)], the epilogue's row tensors, R, E, T, the CTA
         cap (persistent kernels), and where scattered rows go (``scatter``: T_max and the ranks'
         distance in elements)."""
-        n, k = self.n, self.k
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        a_rows = num_tokens if self.gather_a else num_rows
-        m_a = cute.make_tensor(a_ptr, cute.make_layout((a_rows, k, 1), stride=(k, 1, a_rows * k)))
+        tile_m = self.tile_shape_mnk[0]
+        m_a = self.a_tensor(a_ptr, num_tokens if self.gather_a else num_rows)
         m_bs = (self.b_tensor(b_ptr, num_experts), self.b_tensor(b2_ptr, num_experts))
-        c_cols = 2 * n if self.epilogue_kind == "swiglu_bwd" else n
+        c_halves = 2 if self.epilogue_kind == "swiglu_bwd" else 1  # dh = [dh_gate | dh_up]
         ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
-        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, n, c_cols, tile_n, self.topk)
+        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, self.n, c_halves, self.col_tiles, self.topk)
         num_row_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills, stores stop at R
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
         rows = (m_tiles, num_row_tiles, num_rows)
         scales = (a_scale_ptr, b_scale_ptr, b2_scale_ptr)
         self.launch(m_a, m_bs, scales, m_c, tuple(row_args), rows, num_experts, max_ctas, (c_ptr, rows_per_rank, rank_stride), stream)
+
+    def a_tensor(self, ptr: cute.Pointer, rows) -> cute.Tensor:
+        """A [R, K] as (R, K, 1); an arch whose kernel reads k_split's halves of A on their own
+        (their K tiles bounded at K/2) overrides it."""
+        return cute.make_tensor(ptr, cute.make_layout((rows, self.k, 1), stride=(self.k, 1, rows * self.k)))
 
     def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
         """Router weight of a buffer row (mok/kernels/common/row_weight.py)."""

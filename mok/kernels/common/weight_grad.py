@@ -3,7 +3,9 @@ arguments, which output tile a CTA owns and which rows it reduces.
 
     out[e] (+)= A[rows of e]ᵀ · B[rows of e]        out [E, M, N], A [R, M] (row stride >= M), B [R, N]
 
-The rows of expert e are ``offsets[e] .. offsets[e + 1]`` of the buffers the forward and the
+M and N are multiples of 8 (each half's M with split_out); where the arch's kernel takes partial
+tiles (``partial_tiles``: Hopper's) the last row tile of each half and the last column tile may be
+partial (docs/notes/partial-tiles.md). The rows of expert e are ``offsets[e] .. offsets[e + 1]`` of the buffers the forward and the
 SwiGLU backward filled (padding rows are zero in both operands, so they add nothing); given the
 experts' row counts (``counted``), a tile stops at the K tile holding expert e's last row. Both
 operands are read MN-major (the rows are the reduction dimension). One CTA (or MMA warpgroup)
@@ -30,6 +32,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .gemm_args import expert_row_ranges, weight_grad_output
+from .row_vectors import VECTOR
 from .tile_order import grouped_tile
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
@@ -41,6 +44,7 @@ class WeightGradGemm:
     calls :meth:`configure`, sets ``ab_stage`` and writes ``operand_tensor`` and ``launch``."""
 
     aligned_halves = False  # whether the epilogue is told split_out's halves lie 16 bytes apart (its 16-byte stores)
+    partial_tiles = False  # whether the arch's kernel takes M (each half's) and N its tile does not divide (else whole tiles only)
 
     def configure(self, m: int, n: int, out_dtype: str, accumulate: bool, a_stride: int | None, tile_n: int, tile_k: int,
                   split_out: bool) -> None:
@@ -51,15 +55,18 @@ class WeightGradGemm:
             raise ValueError("accumulate: only into fp32 gradients")
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n: expected 64, 128 or 256, got {tile_n}")
-        if m % TILE_M or n % tile_n:
-            raise ValueError(f"(m, n): expected multiples of the tile ({TILE_M}, {tile_n}), got ({m}, {n})")
-        if split_out and m % (2 * TILE_M):
-            raise ValueError(f"split_out: expected m a multiple of {2 * TILE_M} (each half whole tiles), got {m}")
+        halves = 2 if split_out else 1
+        if m % (halves * VECTOR) or n % VECTOR:
+            raise ValueError(f"(m, n): expected multiples of ({halves * VECTOR}, {VECTOR}) (16-byte rows, each half's), got ({m}, {n})")
+        if not self.partial_tiles and (m % (halves * TILE_M) or n % tile_n):
+            raise ValueError(f"(m, n): this arch's kernel takes whole tiles: multiples of ({halves * TILE_M}, {tile_n}), got ({m}, {n})")
         a_stride = m if a_stride is None else a_stride
         if a_stride < m or a_stride % 8:
             raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
         self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
-        self.split_out = split_out
+        self.split_out, self.halves = split_out, halves
+        self.row_tiles = -(-m // halves // TILE_M)  # output row tiles of each half (the last one partial where 128 does not divide)
+        self.col_tiles = -(-n // tile_n)
         self.tile_shape_mnk = (TILE_M, tile_n, tile_k)
 
     @cute.jit
@@ -75,7 +82,7 @@ class WeightGradGemm:
         [R, N] (bf16 or E4M3; the scale pointers are read by the MXFP8 kernel only), out, the
         experts' row offsets and counts, R, E, the CTA cap (persistent kernels), the halves'
         distance and order (split_out)."""
-        m_a = self.operand_tensor(a_ptr, self.m, self.a_stride, num_rows)
+        m_a = self.a_operand(a_ptr, num_rows)
         m_b = self.operand_tensor(b_ptr, self.n, self.n, num_rows)
         if cutlass.const_expr(self.split_out and self.aligned_halves):  # (the launcher checks it)
             half_stride = cute.assume(half_stride, divby=16 // (OUT_DTYPES[self.out_dtype].width // 8))
@@ -85,15 +92,20 @@ class WeightGradGemm:
 
     def all_tiles(self, num_experts):
         """Output tiles of every expert's gradient."""
-        return num_experts * (self.m // self.tile_shape_mnk[0]) * (self.n // self.tile_shape_mnk[1])
+        return num_experts * self.halves * self.row_tiles * self.col_tiles
 
     def tile_of(self, linear, rows, num_rows):
         """Output tile ``linear`` -> (expert, tile row, tile column, first row, k tiles) (:func:`expert_tile`)."""
-        return expert_tile(linear, rows, num_rows, self.m, self.n, self.tile_shape_mnk)
+        return expert_tile(linear, rows, num_rows, (self.halves * self.row_tiles, self.col_tiles), self.tile_shape_mnk[2])
 
     def out_tile(self, m_c, upper_first, expert, tile_row, tile_col):
         """Output tile of ``expert``'s gradient (:func:`out_tile`)."""
-        return out_tile(m_c, upper_first, expert, tile_row, tile_col, self.m, self.tile_shape_mnk, self.split_out)
+        return out_tile(m_c, upper_first, expert, tile_row, tile_col, self.row_tiles, self.tile_shape_mnk, self.split_out)
+
+    def a_operand(self, ptr: cute.Pointer, num_rows) -> cute.Tensor:
+        """A as the MMA reads it (:meth:`operand_tensor`); an arch whose kernel reads split_out's
+        halves of A on their own (each bounded at M/2) overrides it."""
+        return self.operand_tensor(ptr, self.m, self.a_stride, num_rows)
 
     def operand_tensor(self, ptr: cute.Pointer, mn: int, row_stride: int, num_rows) -> cute.Tensor:
         """An operand [R, MN] (rows ``row_stride`` elements apart) as the arch's MMA reads it, MN-major."""
@@ -106,16 +118,17 @@ class WeightGradGemm:
 
 
 @cute.jit
-def expert_tile(linear, rows, num_rows, m: cutlass.Constexpr, n: cutlass.Constexpr, tile_shape_mnk: cutlass.Constexpr):
-    """Output tile ``linear`` -> (expert, tile row, tile column, first row, K tiles).
+def expert_tile(linear, rows, num_rows, tiles_mn: cutlass.Constexpr, tile_k: cutlass.Constexpr):
+    """Output tile ``linear`` -> (expert, tile row, tile column, first row, K tiles); ``tiles_mn``:
+    an expert's output tiles (rows, both halves of split_out's; columns).
 
     ``rows`` = (offsets, counts, counted): expert e's rows run from offsets[e] to offsets[e + 1]
     (and R), or, when ``counted``, only to the K tile that holds row offsets[e] + counts[e] - 1."""
     m_off, m_cnt, counted = rows
-    tile_m, tile_n, tile_k = tile_shape_mnk
-    tiles_per_expert = (m // tile_m) * (n // tile_n)
+    row_tiles, col_tiles = tiles_mn
+    tiles_per_expert = row_tiles * col_tiles
     expert = linear // tiles_per_expert
-    tile_row, tile_col = grouped_tile(linear - expert * tiles_per_expert, m // tile_m, n // tile_n)
+    tile_row, tile_col = grouped_tile(linear - expert * tiles_per_expert, row_tiles, col_tiles)
     row_start = m_off[expert]
     row_end = cutlass.min(m_off[expert + 1], num_rows)
     if counted != 0:
@@ -127,13 +140,12 @@ def expert_tile(linear, rows, num_rows, m: cutlass.Constexpr, n: cutlass.Constex
 
 
 @cute.jit
-def out_tile(m_c, upper_first, expert, tile_row, tile_col, m: cutlass.Constexpr, tile_shape_mnk: cutlass.Constexpr,
+def out_tile(m_c, upper_first, expert, tile_row, tile_col, rows_per_half: cutlass.Constexpr, tile_shape_mnk: cutlass.Constexpr,
              split_out: cutlass.Constexpr):
     """Output tile (tile row, tile column) of ``expert``'s gradient, (tile_m, tile_n); with
-    ``split_out`` a tile row in M's second half lies in the second tensor (m_c's last mode: 1, or 0
-    when ``upper_first``)."""
+    ``split_out`` tile rows from ``rows_per_half`` on lie in M's second half, the second tensor
+    (m_c's last mode: 1, or 0 when ``upper_first``)."""
     if cutlass.const_expr(split_out):
-        rows_per_half = m // 2 // tile_shape_mnk[0]
         half = tile_row // rows_per_half
         g_c = cute.local_tile(
             m_c[None, None, None, half ^ upper_first], tile_shape_mnk, (tile_row - half * rows_per_half, tile_col, None, expert),

@@ -149,12 +149,12 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         def thread_view(tensor, col_tile):  # this thread's part of a [128, tile_n] tile, by subtile
             return self.thread_view(thr, cute.local_tile(tensor, (tile_m, tile_n), (tile_row, col_tile)))
 
-        col_tiles = self.n // tile_n
-        dst = thread_view(m_c, tile_col)
-        second = tile_col + col_tiles  # h_up's (swiglu_save) or dh_up's (swiglu_bwd) columns: [N, 2N)
-        dst_gate = thread_view(m_h, tile_col)  # swiglu_save: h written; swiglu_bwd: h read
-        dst_up = thread_view(m_h, second)
-        dst2 = thread_view(m_c, second)
+        dst = thread_view(m_c[None, None, 0], tile_col)  # (C and h: (R, N, halves), common/gemm_args.halves)
+        dst2 = dst
+        if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+            dst2 = thread_view(m_c[None, None, 1], tile_col)  # dh_up: dh's second half
+        dst_gate = thread_view(m_h[None, None, 0], tile_col)  # swiglu_save: h written; swiglu_bwd: h read
+        dst_up = thread_view(m_h[None, None, 1], tile_col)
         dst_as = thread_view(m_as, tile_col)
         coords = thread_view(cute.make_identity_tensor((num_rows, self.n)), tile_col)
         row = coords[0][0]  # 32x32b: all of a thread's values lie in one row

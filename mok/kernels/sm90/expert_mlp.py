@@ -76,6 +76,7 @@ from ..common import ep_phases
 from ..common.combine import VECTOR, combine_vector
 from ..common.flag_layout import flag_words
 from ..common.compile import compile_kernel
+from ..common.gemm_args import halves
 from ..common.records import EXPERT_MLP_ARGS
 from ..common.mxfp8_quantize import BLOCK as MXFP8_BLOCK
 from ..common.schedule import ScheduleKernel
@@ -189,7 +190,9 @@ class ExpertMlpSm90:
         row_major = lambda ptr, rows, cols: cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))  # noqa: E731
         m_x = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, hid, 1), stride=(hid, 1, num_tokens * hid)))
         m_a3 = cute.make_tensor(a_ptr, cute.make_layout((num_rows, inter, 1), stride=(inter, 1, num_rows * inter)))
-        m_a, m_h, m_y = row_major(a_ptr, num_rows, inter), row_major(h_ptr, num_rows, 2 * inter), row_major(y_ptr, num_rows, hid)
+        m_a, m_y = row_major(a_ptr, num_rows, inter), row_major(y_ptr, num_rows, hid)
+        m_h = halves(h_ptr, num_rows, inter, 2)  # the epilogues store through (R, N, halves) tensors
+        m_a_st, m_y_st = halves(a_ptr, num_rows, inter, 1), halves(y_ptr, num_rows, hid, 1)
         weights = num_experts + 1 if cutlass.const_expr(self.shared_prefix) else num_experts  # (shared_prefix: E + 1)
         m_wg, m_wu = self.fc1.b_tensor(w_gate_ptr, weights), self.fc1.b_tensor(w_up_ptr, weights)
         m_wd = self.fc2.b_tensor(w_down_ptr, weights)
@@ -242,9 +245,9 @@ class ExpertMlpSm90:
         tma_wu, t_wu = self.fc1.load_atom(m_wu, b_smem, (TILE, TILE_K))
         tma_a, t_a = self.fc2.load_atom(m_a3, a2_smem, (TILE, TILE_K))
         tma_wd, t_wd = self.fc2.load_atom(m_wd, b2_smem, (self.fc2_tile_n, TILE_K))
-        tma_a_st, t_a_st = self.fc1.store_atom(m_a, epi_smem)
+        tma_a_st, t_a_st = self.fc1.store_atom(m_a_st, epi_smem)
         tma_h, t_h = self.fc1.store_atom(m_h, epi_smem)  # swiglu_save only
-        tma_y, t_y = self.fc2.store_atom(m_y, epi_smem)
+        tma_y, t_y = self.fc2.store_atom(m_y_st, epi_smem)
 
         ep = self.ep_world is not None
 

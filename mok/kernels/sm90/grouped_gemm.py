@@ -25,6 +25,11 @@ warpgroup's idle warps 1-3 through an mbarrier pipeline over the epilogue buffer
 copy it out with 16-byte stores while the MMA warps go on to the next tile; padding rows are
 not written.
 
+Partial tiles (N or K not a multiple of the tile): TMA zero-fills what a load box holds past the
+tensor (and counts the whole box's bytes) and clips what a store box holds past it; what is not
+TMA is predicated by hand, per 16-byte chunk or 8-column group: the gathered rows' chunks past K
+(zero-filled like padding rows), the saved h loaded by the SwiGLU backward, the scattered vectors.
+
 With ``pingpong`` (persistent, swiglu_bwd, 128-wide tiles) each MMA warpgroup computes whole
 128-row tiles, the two taking the CTA's tiles in turn (WgmmaTileKernel.pingpong_consumers): the
 SwiGLU backward's epilogue (three stores per subtile, h read, ~0.5 GB moved at qwen3's shapes)
@@ -54,7 +59,10 @@ PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgr
 
 class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, and the
-    Hopper variants (persistent, gather_a, scatter, pingpong)."""
+    Hopper variants (persistent, gather_a, scatter, pingpong). N and K need not be multiples of the
+    tile: TMA zero-fills the loads past them and clips the stores (see the module docstring)."""
+
+    partial_tiles = True
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
@@ -124,7 +132,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             c_ptr, rows_per_rank, rank_stride = scatter_to
             m_x = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
         args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x)
-        self.launch_tiles(args, num_tiles * (self.n // tile_n), max_ctas, stream)
+        self.launch_tiles(args, num_tiles * self.col_tiles, max_ctas, stream)
 
     @cute.kernel
     def kernel(
@@ -139,7 +147,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
-        tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, self.n // self.tile_shape_mnk[1])
+        tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, self.col_tiles)
         expert = m_tiles[tile_row]
         if expert >= 0:
             if warp_idx == 0:
@@ -159,7 +167,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
                 acc2.fill(0.0)
 
             pipeline_init_wait(cluster_shape_mn=(1, 1))
-            k_tiles = self.k // self.tile_shape_mnk[2]
+            k_tiles = self.k_tiles
             rows_in = self.load_row_inputs(tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
             self.mainloop(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, warp_idx, loads)
             cute.arch.sync_threads()  # the epilogue reuses A's shared memory
@@ -190,7 +198,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         tidx, _, _ = cute.arch.thread_idx()
         first, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
-        col_tiles = self.n // self.tile_shape_mnk[1]
+        col_tiles = self.col_tiles
         all_tiles = num_row_tiles * col_tiles
         if warp_idx == 0:
             self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()))
@@ -207,7 +215,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         s_b2 = self.second_b(storage, b_smem, s_b)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
-        k_tiles = self.k // self.tile_shape_mnk[2]
+        k_tiles = self.k_tiles
 
         if tidx < 128:  # producer warpgroup
             cute.arch.setmaxregister_decrease(40)
@@ -269,6 +277,13 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
 
+    def a_tensor(self, ptr, rows):
+        """A [R, K] as (R, K, 1), or with k_split as (R, K/2, 2): each half's K tiles bounded at
+        K/2 (dh's gate and up halves when K/2 is not a multiple of the K tile)."""
+        if self.k_split:
+            return cute.make_tensor(ptr, cute.make_layout((rows, self.b_k, 2), stride=(self.k, 1, self.b_k)))
+        return super().a_tensor(ptr, rows)
+
     def second_b(self, storage, b_smem, s_b):
         """B2's shared-memory tile: its own buffer for SwiGLU's second product, else B's (k_split loads B2 there)."""
         if cutlass.const_expr(self.num_b == 2):
@@ -282,9 +297,12 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
         g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
         t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
+        t_ag2 = t_ag  # k_split: A's second half (the K tiles of dh_up)
+        if cutlass.const_expr(self.k_split):
+            t_ag2 = self.tma_split(tma_a, s_a, cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 1), proj=(1, None, 1)))[1]
         t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
         t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
-        return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s)
+        return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s, t_ag2)
 
     def mma_fragments(self, tiled_mma, mma_tidx, s_a, s_b, s_b2):
         """The warpgroup's WGMMA views of the A, B and B2 stages and two fp32 accumulators (not zeroed)."""
@@ -295,20 +313,27 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):
         """Warp 0: wait for a free stage, then TMA-load the next A tile and B tile(s) into it."""
-        tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s = loads
+        tma_a, t_ag, t_as = loads[:3]
         ab_pipe.producer_acquire(prod)
         bar = ab_pipe.producer_get_barrier(prod)
         k_tile = prod.count
-        cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.k_split):  # K's halves each bounded at K/2 (their last K tiles zero-filled past it)
+            half = self.half_k_tiles
+            if k_tile < half:
+                cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+            else:
+                cute.copy(tma_a, loads[9][(None, k_tile - half)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+        else:
+            cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
         self.load_b(prod, loads, k_tile, bar)
         ab_pipe.producer_commit(prod)
 
     @cute.jit
     def load_b(self, prod, loads, k_tile, bar):
         """TMA-load the B tile(s) of K tile ``k_tile`` into stage ``prod.index``."""
-        _, _, _, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s = loads
+        tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s = loads[3:9]
         if cutlass.const_expr(self.k_split):
-            half = self.b_k // self.tile_shape_mnk[2]
+            half = self.half_k_tiles
             if k_tile < half:
                 cute.copy(tma_b, t_bg[(None, k_tile)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
             else:
@@ -361,9 +386,12 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
                 self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
             column_bytes = cutlass.Int64(k_tile * tile_k * 2)
             dst = a_base + (prod.index * stage_elems + dst0)
+            chunk_bytes = cutlass.Int32(16)
+            if cutlass.const_expr(self.k % tile_k):  # K's partial last tile: chunks past K zero-filled, like padding rows
+                chunk_bytes = cutlass.Int32(k_tile * tile_k + chunk * 8 < self.k) * 16
             for i in cutlass.range_constexpr(passes):
                 src = cute.make_ptr(self.ab_dtype, addresses[i] + column_bytes, cute.AddressSpace.gmem, assumed_align=16)
-                copy_async_16b(dst + i * rows_per_pass * tile_k, src, cutlass.Int32((rows_read >> i) & 1) * 16)
+                copy_async_16b(dst + i * rows_per_pass * tile_k, src, cutlass.Int32((rows_read >> i) & 1) * chunk_bytes)
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
             prod.advance()
         return prod
@@ -447,11 +475,15 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         for epi in cutlass.range(tile_n // SCATTER_COLS, unroll=1):
             epi_pipe.consumer_wait(cons)
             col_vectors = tile_col * (tile_n // VECTOR) + epi * (SCATTER_COLS // VECTOR)
+            col_ok = True
+            if cutlass.const_expr(self.n % tile_n):  # N's partial last tile: no vector past N
+                col_ok = (col_vectors + chunk) * VECTOR < self.n
             for j in cutlass.range_constexpr(passes):
                 if vectors[j] >= 0:
-                    src = cute.zipped_divide(s_c[row0 + rows_per_pass * j, None, cons.index], (VECTOR,))[None, chunk]
-                    dst = m_vecs[None, vectors[j] + col_vectors]
-                    cute.arch.store(dst.iterator, src.load(), cop="cs")  # streaming: y is read once, by the combine
+                    if col_ok:
+                        src = cute.zipped_divide(s_c[row0 + rows_per_pass * j, None, cons.index], (VECTOR,))[None, chunk]
+                        dst = m_vecs[None, vectors[j] + col_vectors]
+                        cute.arch.store(dst.iterator, src.load(), cop="cs")  # streaming: y is read once, by the combine
             epi_pipe.consumer_release(cons)
             cons.advance()
         return cons
@@ -478,21 +510,24 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             tile_m, tile_n, _ = self.tile_shape_mnk
             thr = tiled_mma.get_slice(tidx)  # per thread (see the epilogue's coordinates)
             crd = thr.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-            t_gate = thr.partition_C(cute.local_tile(m_h, (tile_m, tile_n), (tile_row, tile_col)))
-            t_up = thr.partition_C(cute.local_tile(m_h, (tile_m, tile_n), (tile_row, tile_col + self.n // tile_n)))
+            t_gate = thr.partition_C(self.half_tile(m_h, 0, tile_row, tile_col))
+            t_up = thr.partition_C(self.half_tile(m_h, 1, tile_row, tile_col))
             r_gate = cute.make_rmem_tensor(crd.shape, cutlass.BFloat16)
             r_up = cute.make_rmem_tensor(crd.shape, cutlass.BFloat16)
             first_row = tile_row * tile_m
-            if first_row + tile_m <= num_rows:
+            rows_left = num_rows - first_row
+            cols_left = self.n - tile_col * tile_n
+            if rows_left >= tile_m and cols_left >= tile_n:
                 cute.autovec_copy(t_gate, r_gate)
                 cute.autovec_copy(t_up, r_up)
-            else:  # the buffer's partial last tile (the shared expert's T rows)
+            else:  # a partial tile: the buffer's last (the shared expert's T rows) or N's last
                 for i in cutlass.range_constexpr(cute.size(r_gate)):
                     r_gate[i] = cutlass.BFloat16(0.0)
                     r_up[i] = cutlass.BFloat16(0.0)
-                    if first_row + crd[i][0] < num_rows:
-                        r_gate[i] = t_gate[i]
-                        r_up[i] = t_up[i]
+                    if crd[i][0] < rows_left:
+                        if crd[i][1] < cols_left:
+                            r_gate[i] = t_gate[i]
+                            r_up[i] = t_up[i]
             row_lo = first_row + crd[0][0]
             s_lo = self.row_scale(row_lo, num_rows, m_row_token, m_row_slot, m_topk_w)
             s_hi = self.row_scale(row_lo + 8, num_rows, m_row_token, m_row_slot, m_topk_w)
@@ -513,7 +548,6 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         tma_c, m_c, tma_h, m_h_store, tma_as, m_as = store_args
         m_part = row_args[1]  # (the row inputs themselves come in rows_in)
         tile_m, tile_n, _ = self.tile_shape_mnk
-        col_tiles = self.n // tile_n
         tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
         t_acc2 = tiled_r2s.retile(acc2)
         per_epi = cute.size(rd_layout)
@@ -521,17 +555,17 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         r_u = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         r_x = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
 
-        g_c = cute.local_tile(m_c, (tile_m, tile_n), (tile_row, tile_col))
+        g_c = self.half_tile(m_c, 0, tile_row, tile_col)
         g_c2 = g_c  # swiglu_bwd: dh_up goes to the right half of dh
         g_h_gate = g_c
         g_h_up = g_c
         g_as = g_c
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
-            g_c2 = cute.local_tile(m_c, (tile_m, tile_n), (tile_row, tile_col + col_tiles))
+            g_c2 = self.half_tile(m_c, 1, tile_row, tile_col)
             g_as = cute.local_tile(m_as, (tile_m, tile_n), (tile_row, tile_col))
         if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):
-            g_h_gate = cute.local_tile(m_h_store, (tile_m, tile_n), (tile_row, tile_col))
-            g_h_up = cute.local_tile(m_h_store, (tile_m, tile_n), (tile_row, tile_col + col_tiles))
+            g_h_gate = self.half_tile(m_h_store, 0, tile_row, tile_col)
+            g_h_up = self.half_tile(m_h_store, 1, tile_row, tile_col)
 
         # swiglu_bwd: the row in the tile of each accumulator value, and the prefetched h, in
         # registers laid out like the accumulator so that the epilogue's retiling reorders them
@@ -593,6 +627,10 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             self.store_row_sum(tidx, sum_lo, first_row + row_lo, tile_col, m_part, num_rows)
             self.store_row_sum(tidx, sum_hi, first_row + row_lo + 8, tile_col, m_part, num_rows)
 
+    def half_tile(self, m_x, half, tile_row, tile_col):
+        """Output tile (tile_row, tile_col) of half ``half`` of a (R, N, halves) tensor (C, h: common/gemm_args.halves)."""
+        return cute.local_tile(m_x[None, None, half], self.tile_shape_mnk[:2], (tile_row, tile_col))
+
     @cute.jit
     def store_row_sum(self, tidx, total, row, tile_col, m_part, num_rows):
         """swiglu_bwd: the four threads of a quad hold parts of the same row: add their sums in a
@@ -612,7 +650,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         expert = tiles[5][tile_row]
         k_tiles = cutlass.Int32(0)
         if expert >= 0:
-            k_tiles = cutlass.Int32(self.k // self.tile_shape_mnk[2])
+            k_tiles = cutlass.Int32(self.k_tiles)
         return k_tiles, expert >= 0, (tile_row, tile_col)
 
     @cute.jit
@@ -627,9 +665,8 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         tma_c, m_c, _, _, tma_as, m_as = store_args
         m_h, m_part, m_row_token, m_row_slot, m_topk_w = row_args
         tile_m, tile_n, _ = self.tile_shape_mnk
-        col_tiles = self.n // tile_n
-        g_c = cute.local_tile(m_c, (tile_m, tile_n), (tile_row, tile_col))
-        g_c2 = cute.local_tile(m_c, (tile_m, tile_n), (tile_row, tile_col + col_tiles))  # dh_up: the right half
+        g_c = self.half_tile(m_c, 0, tile_row, tile_col)
+        g_c2 = self.half_tile(m_c, 1, tile_row, tile_col)  # dh_up: the right half
         g_as = cute.local_tile(m_as, (tile_m, tile_n), (tile_row, tile_col))
         tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
         per_group, row_blocks = cute.size(rd_layout, mode=[0]), cute.size(rd_layout, mode=[1])
@@ -637,8 +674,8 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
 
         thr = tiled_mma.get_slice(tidx)  # per thread
         crd = thr.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-        h_gate = thr.partition_C(cute.local_tile(m_h, (tile_m, tile_n), (tile_row, tile_col)))
-        h_up = thr.partition_C(cute.local_tile(m_h, (tile_m, tile_n), (tile_row, tile_col + col_tiles)))
+        h_gate = thr.partition_C(self.half_tile(m_h, 0, tile_row, tile_col))
+        h_up = thr.partition_C(self.half_tile(m_h, 1, tile_row, tile_col))
         r_gate = cute.make_rmem_tensor(crd.shape, cutlass.BFloat16)  # (filled one subtile at a time)
         r_up = cute.make_rmem_tensor(crd.shape, cutlass.BFloat16)
         r_row = cute.make_rmem_tensor_like(acc, cutlass.Int32)
@@ -662,10 +699,11 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         r_u = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
         r_x = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
         _, epi_count, _ = self.epi_order(g_c)
-        self.load_h_subtile(h_gate, h_up, r_gate, r_up, crd, 0, first_row, num_rows)
+        first = (first_row, tile_col * tile_n)
+        self.load_h_subtile(h_gate, h_up, r_gate, r_up, crd, 0, first, num_rows)
         for epi in cutlass.range_constexpr(epi_count):
             if cutlass.const_expr(epi + 1 < epi_count):
-                self.load_h_subtile(h_gate, h_up, r_gate, r_up, crd, epi + 1, first_row, num_rows)
+                self.load_h_subtile(h_gate, h_up, r_gate, r_up, crd, epi + 1, first, num_rows)
             for i in cutlass.range_constexpr(cute.size(rd_layout)):
                 at = self.acc_index(rd_layout, epi, i)
                 m = (i // per_group) % row_blocks
@@ -687,27 +725,43 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
                     self.store_row_sum(tidx, r_sum[hi, m], first_row + row_lo + block_rows * m + 8 * hi, tile_col, m_part, num_rows)
 
     @cute.jit
-    def load_h_subtile(self, h_gate, h_up, r_gate, r_up, crd, epi, first_row, num_rows):
+    def load_h_subtile(self, h_gate, h_up, r_gate, r_up, crd, epi, first, num_rows):
         """Ping-pong swiglu_bwd: this thread's saved h_gate and h_up of epilogue subtile ``epi``
         (columns 32·epi..) into the registers laid out like its accumulator, bf16 pairs as
         32-bit loads; zeros for rows past the end (a partial last tile: one branch per row,
-        not a second copy of the loads)."""
+        not a second copy of the loads) and, where N is not a multiple of the tile, for the
+        8-column groups past N. ``first``: the tile's first (row, column)."""
         # WGMMA accumulator of a thread: ((2 columns, rows r / r + 8, 8-column groups), row blocks, 1)
+        first_row, first_col = first
         groups = SCATTER_COLS // 8  # 8-column groups per subtile
         row_blocks = cute.size(crd, mode=[1])
-        for m in cutlass.range_constexpr(row_blocks):
-            for hi in cutlass.range_constexpr(2):
-                row = first_row + crd[0][0] + self.tile_shape_mnk[0] // row_blocks * m + 8 * hi
-                if row < num_rows:
-                    for j in cutlass.range_constexpr(groups):
+        if cutlass.const_expr(self.n % self.tile_shape_mnk[1]):  # N's partial last tile: per column group, rows < 0 past N
+            for j in cutlass.range_constexpr(groups):
+                rows_of_group = num_rows * cutlass.Int32(first_col + 8 * (groups * epi + j) < self.n)
+                for m in cutlass.range_constexpr(row_blocks):
+                    for hi in cutlass.range_constexpr(2):
+                        row = first_row + crd[0][0] + self.tile_shape_mnk[0] // row_blocks * m + 8 * hi
                         at = ((None, hi, groups * epi + j), m, 0)
-                        cute.autovec_copy(h_gate[at], r_gate[at])
-                        cute.autovec_copy(h_up[at], r_up[at])
-                else:
-                    for j in cutlass.range_constexpr(groups):
-                        at = ((None, hi, groups * epi + j), m, 0)
-                        r_gate[at].fill(0.0)
-                        r_up[at].fill(0.0)
+                        if row < rows_of_group:
+                            cute.autovec_copy(h_gate[at], r_gate[at])
+                            cute.autovec_copy(h_up[at], r_up[at])
+                        else:
+                            r_gate[at].fill(0.0)
+                            r_up[at].fill(0.0)
+        else:
+            for m in cutlass.range_constexpr(row_blocks):
+                for hi in cutlass.range_constexpr(2):
+                    row = first_row + crd[0][0] + self.tile_shape_mnk[0] // row_blocks * m + 8 * hi
+                    if row < num_rows:
+                        for j in cutlass.range_constexpr(groups):
+                            at = ((None, hi, groups * epi + j), m, 0)
+                            cute.autovec_copy(h_gate[at], r_gate[at])
+                            cute.autovec_copy(h_up[at], r_up[at])
+                    else:
+                        for j in cutlass.range_constexpr(groups):
+                            at = ((None, hi, groups * epi + j), m, 0)
+                            r_gate[at].fill(0.0)
+                            r_up[at].fill(0.0)
 
 
 @cute.jit

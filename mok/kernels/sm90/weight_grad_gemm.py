@@ -39,6 +39,7 @@ class WeightGradGemmSm90(WeightGradGemm, WgmmaTileKernel):
     """Static config: M, N, A's row stride, output dtype, accumulate, tile N, persistent, pingpong, split_out."""
 
     two_accumulators = False
+    partial_tiles = True  # M and N past the tile: TMA zero-fills the loads and clips the stores
 
     def __init__(
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
@@ -60,6 +61,12 @@ class WeightGradGemmSm90(WeightGradGemm, WgmmaTileKernel):
     def operand_tensor(self, ptr, mn, row_stride, num_rows):
         """(MN, R): MN-major, the rows ``row_stride`` elements apart."""
         return cute.make_tensor(ptr, cute.make_layout((mn, num_rows), stride=(1, row_stride)))
+
+    def a_operand(self, ptr, num_rows):
+        """A as (M / halves, R, halves): split_out's halves (dh_gate, dh_up) each bounded at M/2,
+        so a partial last row tile of the first stops there instead of reading the second."""
+        m_half = self.m // self.halves
+        return cute.make_tensor(ptr, cute.make_layout((m_half, num_rows, self.halves), stride=(1, self.a_stride, m_half)))
 
     def launch(self, m_a, m_b, scales, m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream):
         """Host side (see WeightGradGemm.launch): the TMA atoms, the shared storage, the grid. (The
@@ -208,7 +215,9 @@ class WeightGradGemmSm90(WeightGradGemm, WgmmaTileKernel):
         """What ``load_stage`` needs for one output tile: TMA atoms, smem/gmem partitions, the expert's first k tile."""
         tma_a, m_a, tma_b, m_b = load_args
         tile_m, tile_n, _ = self.tile_shape_mnk
-        t_as, t_ag = self.tma_split(tma_a, s_a, cute.local_tile(m_a, (tile_m, TILE_K), (tile_row, None)))
+        half = tile_row // self.row_tiles  # (split_out: which of A's halves; else 0)
+        g_a = cute.local_tile(m_a[None, None, half], (tile_m, TILE_K), (tile_row - half * self.row_tiles, None))
+        t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
         t_bs, t_bg = self.tma_split(tma_b, s_b, cute.local_tile(m_b, (tile_n, TILE_K), (tile_col, None)))
         return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, row_start // TILE_K)  # offsets: multiples of 128 (or 0)
 
