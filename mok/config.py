@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .kernels.constants import check_activation
 from .validation import check_positive_int
 
 TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
@@ -60,6 +61,11 @@ class MoKConfig:
     stride is a kernel parameter); with "concatenated" the backward returns their gradient as one
     [E, 2I, H] tensor (d_w_gate, with d_w_up None) straight from the weight-gradient GEMM, and
     precompile builds the strided kernels (bf16 precision, fresh weight gradients so far).
+    activation: the experts' gated activation a = act(x·W_gateᵀ, x·W_upᵀ), for the routed and the
+    shared experts alike: "swiglu" (default, silu(gate)·up), "clamped_swiglu" (gpt-oss's: the gate
+    clamped to at most 7, up to [-7, 7], (up + 1)·gate·σ(1.702·gate)) or "geglu" (gelu(gate)·up,
+    gelu's tanh approximation); computed in the SwiGLU epilogues, forward and backward
+    (mok/kernels/common/gated_activation.py), with the router-weight gradient as for SwiGLU.
     """
 
     hidden: int
@@ -75,6 +81,7 @@ class MoKConfig:
     saved_h_format: str = "bf16"
     dispatch_format: str = "bf16"
     gate_up_layout: str = "separate"
+    activation: str = "swiglu"
 
     def __post_init__(self) -> None:
         check_positive_int("hidden", self.hidden)
@@ -107,6 +114,7 @@ class MoKConfig:
             raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {self.dispatch_format!r}")
         if self.gate_up_layout not in GATE_UP_LAYOUTS:
             raise ValueError(f"gate_up_layout: expected one of {GATE_UP_LAYOUTS}, got {self.gate_up_layout!r}")
+        check_activation(self.activation)
         check_combination(self)
 
     @property

@@ -57,7 +57,7 @@ def _restack_after_load(module: "MoELayer", incompatible_keys) -> None:
 
 
 class MoELayer(nn.Module):
-    """Mixture-of-Experts SwiGLU MLP on MoK's fused kernels. ``layer(x)`` routes with the built-in
+    """Mixture-of-Experts gated MLP (SwiGLU by default) on MoK's fused kernels. ``layer(x)`` routes with the built-in
     router; ``layer(x, topk_idx=..., topk_w=...)`` uses the given routing (topk_w then gets the
     router gradient). x: [..., H]; returns the same shape and dtype. With a ``group`` of more
     than one rank, ``max_tokens`` bounds the tokens one rank passes per call (it sizes the
@@ -82,6 +82,8 @@ class MoELayer(nn.Module):
     weights quantized on every call; SM100 only, compile-verified, never run); ``"mxfp8_emulated"``:
     the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
     one GPU, see :class:`mok.config.MoKConfig` for what it does not combine with yet.
+    ``activation``: the experts' gated activation, "swiglu" (default), "clamped_swiglu" (gpt-oss's) or
+    "geglu" (:class:`mok.config.MoKConfig`).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class MoELayer(nn.Module):
         fuse_wgrad_accumulation: bool = False,
         saved_h_format: str = "bf16",
         dispatch_format: str = "bf16",
+        activation: str = "swiglu",
     ) -> None:
         super().__init__()
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -124,6 +127,7 @@ class MoELayer(nn.Module):
         self.config = MoKConfig(
             hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, saved_h_format=saved_h_format, dispatch_format=dispatch_format,
+            activation=activation,
         )
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
@@ -344,5 +348,6 @@ class MoELayer(nn.Module):
                 "MoK: expert parallelism on CPU tensors runs through the reference path (all_to_all + fp32 math); "
                 "the fused expert-parallel kernels need the layer and its inputs on GPUs"
             )
-        out = moe_reference_ep(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, self.shared_weights(), group=self.group)
+        out = moe_reference_ep(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, self.shared_weights(), group=self.group,
+                               activation=self.config.activation)
         return out.to(x.dtype)

@@ -56,6 +56,9 @@ def refusal(config: MoKConfig, arch: str) -> str | None:
     if arch not in PERSISTENT_GEMM_ARCHS and (config.ep_size > 1 or config.one_launch):
         what = "ep_size > 1" if config.ep_size > 1 else "one_launch"
         return f"{what}: not on {arch} yet (its kernels there are the single-GPU layer's one-tile GEMMs); pass ep_size=1 and one_launch=False"
+    if config.activation != "swiglu":
+        return (f"activation={config.activation!r}: its kernels are built (Plan.variants) but have not run on a GPU yet; "
+                "the CPU reference path computes it")
     return None
 
 
@@ -76,6 +79,11 @@ class Plan:
     def precision(self) -> str:
         """The routed experts' GEMM operands: "bf16" or "mxfp8" (emulated or not)."""
         return "bf16" if self.config.precision == "bf16" else "mxfp8"
+
+    @property
+    def activation(self) -> str:
+        """The experts' gated activation (the SwiGLU epilogues compute it)."""
+        return self.config.activation
 
     @property
     def emulate(self) -> bool:
@@ -117,7 +125,7 @@ class Plan:
 
     def _forward_variants(self) -> list[KernelVariant]:
         c, persistent = self.config, self.persistent
-        h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
+        h, i, k, shared, act = c.hidden, c.intermediate, c.topk, c.has_shared_expert, c.activation
         v = self._exchange_variants() if self.ep else []
         if not self.one_launch:  # (the one-launch kernel combines in its last phase)
             v.append(combine_variant(h, k, shared, gathered=not self.ep))
@@ -125,9 +133,10 @@ class Plan:
             ep_world = c.ep_size if self.ep else None
             for save_h in (False, True):
                 v.append(expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=shared, ep_world=ep_world,
-                                            dispatch_format=c.dispatch_format))
+                                            dispatch_format=c.dispatch_format, activation=act))
                 if self.shared_in_routed:
-                    v.append(expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=True, shared_prefix=True))
+                    v.append(expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=True, shared_prefix=True,
+                                                activation=act))
             if self.ep:
                 v.append(gather_variant(h))  # (the backward's rows, from the tokens the launch copied)
         else:
@@ -135,14 +144,14 @@ class Plan:
             if not self.gather_in_gemm and not self.ep:
                 v.append(gather_variant(h))
             for save_h in (False, True):
-                v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm)
+                v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm, activation=act)
             if self.ep:
                 v.append(grouped_gemm_variant(h, i, scatter=True, topk=k))
             else:
                 v += self._gemm_variants(h, i)
         if shared:  # in launches of its own (weights that do not lie after the routed experts', or EP)
             for epilogue in ("swiglu", "swiglu_save"):
-                v.append(grouped_gemm_variant(c.shared_intermediate, h, epilogue=epilogue, persistent=persistent))
+                v.append(grouped_gemm_variant(c.shared_intermediate, h, epilogue=epilogue, persistent=persistent, activation=act))
             v.append(grouped_gemm_variant(h, c.shared_intermediate, persistent=persistent))
         if c.saved_h_format == "mxfp8":  # h kept in MXFP8: the rows in use; a shared expert's own h, every row
             v += [quantize_mxfp8_variant(bounded=True), quantize_mxfp8_variant(back=True, bounded=True)]
@@ -163,12 +172,12 @@ class Plan:
             v += self._gemm_variants(h, 2 * i, b_major="n", k_split=True)
             v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=-(-i // default_tile_n(i, h, True))))
         if c.recomputes_h:  # the gate/up GEMM again, as the forward's stages run it (also after a one-launch forward)
-            v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm)
+            v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm, activation=c.activation)
         v += self._weight_grad_variants(h, i, mxfp8=self.precision == "mxfp8")
         if shared:
             s = c.shared_intermediate
             v.append(grouped_gemm_variant(s, h, epilogue="swiglu_bwd", b_major="n", unit_scale=True, persistent=persistent,
-                                          pingpong=swiglu_backward_pingpong(persistent, default_tile_n(s, h, True))))
+                                          pingpong=swiglu_backward_pingpong(persistent, default_tile_n(s, h, True)), activation=c.activation))
             v.append(grouped_gemm_variant(h, 2 * s, b_major="n", k_split=True, persistent=persistent))
             v += self._weight_grad_variants(h, s, mxfp8=False)
         return v
@@ -182,12 +191,12 @@ class Plan:
             return []
         h, i, k, stride = c.hidden, c.intermediate, c.topk, 2 * c.intermediate * c.hidden
         epilogues = (("swiglu", "swiglu_save") if not self.one_launch else ()) + (("swiglu_save",) if c.recomputes_h else ())
-        v = [grouped_gemm_variant(i, h, epilogue=e, gather_a=self.gather_in_gemm, persistent=self.persistent, b_expert_stride=stride)
-             for e in epilogues]
+        v = [grouped_gemm_variant(i, h, epilogue=e, gather_a=self.gather_in_gemm, persistent=self.persistent, b_expert_stride=stride,
+                                  activation=c.activation) for e in epilogues]
         if self.one_launch:
             ep_world = c.ep_size if self.ep else None
             v += [expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=c.has_shared_expert, ep_world=ep_world,
-                                     dispatch_format=c.dispatch_format, gate_up_stride=stride) for save_h in (False, True)]
+                                     dispatch_format=c.dispatch_format, gate_up_stride=stride, activation=c.activation) for save_h in (False, True)]
         dx = dict(scatter=True, topk=k) if self.ep else dict(persistent=self.persistent)
         v.append(grouped_gemm_variant(h, 2 * i, b_major="n", k_split=True, b_expert_stride=stride, **dx))
         v.append(weight_grad_variant(2 * i, h, "bf16", False, persistent=self.persistent))  # [dW_gate; dW_up] as one [E, 2I, H]
@@ -220,14 +229,15 @@ class Plan:
     def _swiglu_backward_variants(self, i: int, h: int, topk: int) -> list[KernelVariant]:
         if self.precision == "mxfp8" and not self.emulate:
             quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
-            return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=False, operand="e4m3")]
+            return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=False, operand="e4m3",
+                                                      activation=self.activation)]
         v = []
         if self.emulate:
             v += [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True),
                   quantize_mxfp8_variant(back=True, bounded=True), quantize_mxfp8_variant(back=True)]
         tile_n = default_tile_n(i, h, True)
         return v + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", b_major="n", topk=topk, persistent=self.persistent,
-                                         pingpong=swiglu_backward_pingpong(self.persistent, tile_n))]
+                                         pingpong=swiglu_backward_pingpong(self.persistent, tile_n), activation=self.activation)]
 
     def _weight_grad_variants(self, h: int, i: int, *, mxfp8: bool) -> list[KernelVariant]:
         """dW_down [E, H, I] and [dW_gate; dW_up] [E, 2I, H] (one launch), fresh bf16, and with

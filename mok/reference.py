@@ -2,10 +2,11 @@
 
 Per token t and slot j (DESIGN.md):
 
-    h_g = x[t]·w_gate[e]ᵀ,  h_u = x[t]·w_up[e]ᵀ,  a = silu(h_g)·h_u,  y[t, j] = a·w_down[e]ᵀ
+    h_g = x[t]·w_gate[e]ᵀ,  h_u = x[t]·w_up[e]ᵀ,  a = act(h_g, h_u),  y[t, j] = a·w_down[e]ᵀ
     out[t] = shared(x[t]) + Σ_{j=0..k-1} topk_w[t, j]·y[t, j]      (j in increasing order)
 
-with e = topk_idx[t, j]. Everything is computed in ``dtype`` (float32 by default, float64
+with e = topk_idx[t, j] and act the gated activation (:func:`gated_activation`; SwiGLU,
+silu(h_g)·h_u, by default). Everything is computed in ``dtype`` (float32 by default, float64
 for finite-difference checks) from upcast inputs, and is differentiable by autograd, which
 gives dx, d_topk_w and every weight gradient.
 
@@ -21,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .kernels.constants import CLAMP_LIMIT, CLAMPED_ALPHA, check_activation
 from .validation import check_moe_inputs
 
 
@@ -40,9 +42,22 @@ class RoutedExperts(NamedTuple):
     down: torch.Tensor  # [E_local, H, I]
 
 
-def swiglu_mlp(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP of a block of rows: (silu(rows·w_gateᵀ) ⊙ rows·w_upᵀ)·w_downᵀ."""
-    return (F.silu(rows @ w_gate.T) * (rows @ w_up.T)) @ w_down.T
+def gated_activation(activation: str, h_gate: torch.Tensor, h_up: torch.Tensor) -> torch.Tensor:
+    """a = act(h_gate, h_up), elementwise: "swiglu" silu(h_gate)·h_up; "clamped_swiglu" (gpt-oss's)
+    (u + 1)·g·σ(1.702·g) with g = h_gate clamped to at most 7 and u = h_up to [-7, 7]; "geglu"
+    gelu(h_gate)·h_up with gelu's tanh approximation."""
+    check_activation(activation)
+    if activation == "clamped_swiglu":
+        gate = h_gate.clamp(max=CLAMP_LIMIT)
+        return (h_up.clamp(-CLAMP_LIMIT, CLAMP_LIMIT) + 1) * (gate * torch.sigmoid(CLAMPED_ALPHA * gate))
+    if activation == "geglu":
+        return F.gelu(h_gate, approximate="tanh") * h_up
+    return F.silu(h_gate) * h_up
+
+
+def gated_mlp(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
+    """The gated MLP of a block of rows: act(rows·w_gateᵀ, rows·w_upᵀ)·w_downᵀ (SwiGLU by default)."""
+    return gated_activation(activation, rows @ w_gate.T, rows @ w_up.T) @ w_down.T
 
 
 def expert_rows(topk_idx: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +67,7 @@ def expert_rows(topk_idx: torch.Tensor, expert: int) -> tuple[torch.Tensor, torc
 
 
 def expert_outputs(
-    x: torch.Tensor, topk_idx: torch.Tensor, experts: RoutedExperts, expert_offset: int = 0
+    x: torch.Tensor, topk_idx: torch.Tensor, experts: RoutedExperts, expert_offset: int = 0, activation: str = "swiglu"
 ) -> torch.Tensor:
     """y[t, j] for every (t, j) routed to the given experts (ids from ``expert_offset``), else 0."""
     num_tokens, topk = topk_idx.shape
@@ -60,7 +75,7 @@ def expert_outputs(
     for local in range(experts.gate.shape[0]):
         tok, slot = expert_rows(topk_idx, expert_offset + local)
         if tok.numel():
-            y = y.index_put((tok, slot), swiglu_mlp(x[tok], experts.gate[local], experts.up[local], experts.down[local]))
+            y = y.index_put((tok, slot), gated_mlp(x[tok], experts.gate[local], experts.up[local], experts.down[local], activation))
     return y
 
 
@@ -81,16 +96,18 @@ def moe_reference(
     shared: SharedExpert | tuple | None = None,
     *,
     dtype: torch.dtype = torch.float32,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
-    """MoE layer output [T, H] in ``dtype``, all E experts on this process (EP = 1)."""
+    """MoE layer output [T, H] in ``dtype``, all E experts on this process (EP = 1); ``activation``:
+    the experts' gated activation (:func:`gated_activation`), the shared expert's too."""
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
     check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
     experts = RoutedExperts(w_gate, w_up, w_down)
     xc, wc = _upcast(dtype, x, topk_w)
     experts = RoutedExperts(*_upcast(dtype, *experts))
-    y = expert_outputs(xc, topk_idx, experts)
-    base = None if shared is None else swiglu_mlp(xc, *_upcast(dtype, *shared))
+    y = expert_outputs(xc, topk_idx, experts, activation=activation)
+    base = None if shared is None else gated_mlp(xc, *_upcast(dtype, *shared), activation)
     return weighted_sum(y, wc, base)
 
 
@@ -100,6 +117,7 @@ def moe_reference_ep(
     *,
     group: "torch.distributed.ProcessGroup | None" = None,
     dtype: torch.dtype = torch.float32,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Expert-parallel MoE layer over ``torch.distributed`` (gloo or NCCL).
 
@@ -148,12 +166,12 @@ def moe_reference_ep(
     for local in range(num_local):
         (rows,) = (recv_expert == rank * num_local + local).nonzero(as_tuple=True)
         if rows.numel():
-            out_rows = swiglu_mlp(recv_x[rows], experts.gate[local], experts.up[local], experts.down[local])
+            out_rows = gated_mlp(recv_x[rows], experts.gate[local], experts.up[local], experts.down[local], activation)
             recv_y = recv_y.index_put((rows,), out_rows)
 
     back_y = AllToAll.apply(recv_y, send_splits, recv_splits, group)
     y = xc.new_zeros(x.shape[0] * topk, hidden).index_put((order,), back_y).view(x.shape[0], topk, hidden)
-    base = None if shared is None else _shared_on_global_batch(xc, _upcast(dtype, *shared), group)
+    base = None if shared is None else _shared_on_global_batch(xc, _upcast(dtype, *shared), group, activation)
     return weighted_sum(y, wc, base)
 
 
@@ -181,7 +199,7 @@ class AllToAll(torch.autograd.Function):
         return grad_rows, None, None, None
 
 
-def _shared_on_global_batch(x: torch.Tensor, shared: list[torch.Tensor], group) -> torch.Tensor:
+def _shared_on_global_batch(x: torch.Tensor, shared: list[torch.Tensor], group, activation: str = "swiglu") -> torch.Tensor:
     """This rank's rows of the shared expert applied to the whole global batch.
 
     A matrix product's rows can change in the last bit with the number of rows (the BLAS
@@ -202,7 +220,7 @@ def _shared_on_global_batch(x: torch.Tensor, shared: list[torch.Tensor], group) 
     dist.all_gather(parts, padded, group=group)
     rows = [x if r == rank else part[: counts[r]] for r, part in enumerate(parts)]
     start = sum(counts[:rank])
-    return swiglu_mlp(torch.cat(rows), *shared)[start : start + x.shape[0]]
+    return gated_mlp(torch.cat(rows), *shared, activation)[start : start + x.shape[0]]
 
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

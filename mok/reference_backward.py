@@ -6,11 +6,12 @@ kernel has a reference for exactly what it produces, and so that the formulation
 checked against autograd (tests/test_reference_backward.py). Per row (token t, slot j) of
 expert e, with s = topk_w[t, j] and g = dout[t]:
 
-    h_g = x·W_gᵀ, h_u = x·W_uᵀ, a = silu(h_g)·h_u           (recomputed here; the kernels read the saved h)
+    h_g = x·W_gᵀ, h_u = x·W_uᵀ, a = act(h_g, h_u)          (recomputed here; the kernels read the saved h)
     dA_unscaled = g·W_d                                      (down-projection backward)
     d_topk_w[t, j] = rowsum(dA_unscaled ⊙ a)                 (= <g, y>; y is never formed)
     dA = s·dA_unscaled
-    d_h_u = dA ⊙ silu(h_g),  d_h_g = dA ⊙ h_u ⊙ silu'(h_g)   (SwiGLU backward)
+    d_h_g = dA ⊙ ∂a/∂h_g,  d_h_u = dA ⊙ ∂a/∂h_u              (the activation's backward: SwiGLU's
+                                                             d_h_g = dA ⊙ h_u ⊙ silu'(h_g), d_h_u = dA ⊙ silu(h_g))
     dx_slot = d_h_g·W_g + d_h_u·W_u
     dW_d[e] += (s·g)ᵀ·a,  dW_g[e] += d_h_gᵀ·x,  dW_u[e] += d_h_uᵀ·x   (rows in canonical order)
     dx[t] = dx_shared[t] + Σ_j dx_slot[t, j]                  (j in increasing order)
@@ -24,7 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from .reference import RoutedExperts, expert_rows
+from .kernels.constants import CLAMP_LIMIT, CLAMPED_ALPHA, GELU_CUBIC, GELU_SCALE
+from .reference import RoutedExperts, expert_rows, gated_activation
 from .validation import FLOAT_DTYPES, check_moe_inputs, check_tensor
 
 
@@ -45,21 +47,35 @@ def silu_grad(z: torch.Tensor) -> torch.Tensor:
     return sig * (1 + z * (1 - sig))
 
 
-def expert_backward(rows_x, g, scale, w_gate, w_up, w_down):
-    """Backward of one expert's SwiGLU MLP over a block of rows.
+def gated_activation_partials(activation: str, h_g: torch.Tensor, h_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(∂a/∂h_g, ∂a/∂h_u) of a = act(h_g, h_u) (mok.reference.gated_activation), written out; a clamp
+    passes the gradient where its input lies within its bounds, ends included (as torch.clamp's)."""
+    if activation == "clamped_swiglu":
+        gate, up = h_g.clamp(max=CLAMP_LIMIT), h_u.clamp(-CLAMP_LIMIT, CLAMP_LIMIT)
+        sig = torch.sigmoid(CLAMPED_ALPHA * gate)
+        d_gate = (up + 1) * sig * (1 + CLAMPED_ALPHA * gate * (1 - sig)) * (h_g <= CLAMP_LIMIT)
+        return d_gate, gate * sig * ((h_u >= -CLAMP_LIMIT) & (h_u <= CLAMP_LIMIT))
+    if activation == "geglu":
+        t = torch.tanh(GELU_SCALE * (h_g + GELU_CUBIC * h_g**3))
+        d_gelu = 0.5 * (1 + t) + 0.5 * h_g * (1 - t * t) * GELU_SCALE * (1 + 3 * GELU_CUBIC * h_g**2)
+        return h_u * d_gelu, 0.5 * h_g * (1 + t)
+    return h_u * silu_grad(h_g), torch.nn.functional.silu(h_g)
+
+
+def expert_backward(rows_x, g, scale, w_gate, w_up, w_down, activation="swiglu"):
+    """Backward of one expert's gated MLP over a block of rows.
 
     rows_x [M, H], g [M, H] (dout of each row's token), scale [M] (its router weight; ones for
     the shared expert). Returns (dx_rows [M, H], d_scale [M], dW_gate, dW_up, dW_down).
     """
     h_g = rows_x @ w_gate.T
     h_u = rows_x @ w_up.T
-    act = torch.nn.functional.silu(h_g)
-    a = act * h_u
+    a = gated_activation(activation, h_g, h_u)
     da_unscaled = g @ w_down
     d_scale = (da_unscaled * a).sum(1)
     da = scale[:, None] * da_unscaled
-    d_h_u = da * act
-    d_h_g = da * h_u * silu_grad(h_g)
+    partial_g, partial_u = gated_activation_partials(activation, h_g, h_u)
+    d_h_g, d_h_u = da * partial_g, da * partial_u
     dx_rows = d_h_g @ w_gate + d_h_u @ w_up
     d_w_down = (scale[:, None] * g).T @ a
     return dx_rows, d_scale, d_h_g.T @ rows_x, d_h_u.T @ rows_x, d_w_down
@@ -71,8 +87,9 @@ def moe_backward_reference(
     dout: torch.Tensor,
     *,
     dtype: torch.dtype = torch.float32,
+    activation: str = "swiglu",
 ) -> Gradients:
-    """All gradients of :func:`mok.reference.moe_reference` for the output gradient ``dout`` [T, H]."""
+    """All gradients of :func:`mok.reference.moe_reference` (with ``activation``) for the output gradient ``dout`` [T, H]."""
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
     num_tokens, hidden, _, num_experts, topk = check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
@@ -88,7 +105,7 @@ def moe_backward_reference(
         tok, slot = expert_rows(topk_idx, e)
         if tok.numel() == 0:
             continue
-        dx_rows, d_s, d_wg[e], d_wu[e], d_wd[e] = expert_backward(xc[tok], g[tok], wc[tok, slot], wg[e], wu[e], wd[e])
+        dx_rows, d_s, d_wg[e], d_wu[e], d_wd[e] = expert_backward(xc[tok], g[tok], wc[tok, slot], wg[e], wu[e], wd[e], activation)
         dx_slot[tok, slot] = dx_rows
         d_topk_w[tok, slot] = d_s
 
@@ -96,7 +113,7 @@ def moe_backward_reference(
     d_shared = None
     if shared is not None:
         sg, su, sd = (t.to(dtype) for t in shared)
-        dx, _, d_sg, d_su, d_sd = expert_backward(xc, g, xc.new_ones(num_tokens), sg, su, sd)
+        dx, _, d_sg, d_su, d_sd = expert_backward(xc, g, xc.new_ones(num_tokens), sg, su, sd, activation)
         d_shared = (d_sg, d_su, d_sd)
     for j in range(topk):
         dx = dx + dx_slot[:, j]

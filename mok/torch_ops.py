@@ -147,7 +147,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     shared = _shared(shared_gate, shared_up, shared_down)
     shapes = forward_outputs(cfg, x, topk_idx, workspace, save, stacked)
     outs = {name: _empty(shape, x.device) for name, shape in shapes.items()}
-    outs["out"] = moe_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared).to(x.dtype)
+    outs["out"] = moe_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, activation=cfg.activation).to(x.dtype)
     sched = build_schedule(topk_idx, w_gate.shape[0], block_m=TILE, shared_prefix=stacked)
     outs |= dict(zip(Schedule.FIELDS, [t.to(torch.int32) for t in sched.tensors()]))
     if save and not cfg.recomputes_h:  # what the fused gate/up GEMM saves: [x_row·w_gateᵀ | x_row·w_upᵀ] per buffer row
@@ -233,7 +233,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
     _warn_cpu_once()
     shared = _shared(shared_gate, shared_up, shared_down)
-    g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout)
+    g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout, activation=config_of(config).activation)
     dx, d_topk_w = g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype)
     if not weight_grads:
         return dx, d_topk_w, *[x.new_empty(0) for _ in range(6)]

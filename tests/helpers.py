@@ -207,7 +207,7 @@ def mxfp8_forward_reference(x, idx, w, experts, shared):
     GEMM's output) and then through MXFP8 (the down projection's input); the shared expert in bf16
     operands; the weighted sum in slot order."""
     from mok.mxfp8 import fake_quantize_mxfp8
-    from mok.reference import swiglu_mlp, weighted_sum
+    from mok.reference import gated_mlp, weighted_sum
 
     fq = lambda t: fake_quantize_mxfp8(t).double()  # noqa: E731
     x_q, (g_q, u_q, d_q) = fq(x), [fq(t) for t in experts]
@@ -217,7 +217,7 @@ def mxfp8_forward_reference(x, idx, w, experts, shared):
         if tok.numel():
             a = torch.nn.functional.silu(x_q[tok] @ g_q[e].T) * (x_q[tok] @ u_q[e].T)
             y[tok, slot] = fq(a.bfloat16()) @ d_q[e].T
-    base = None if shared is None else swiglu_mlp(x.double(), *(t.double() for t in shared))
+    base = None if shared is None else gated_mlp(x.double(), *(t.double() for t in shared))
     return weighted_sum(y, w.double(), base)
 
 
@@ -246,7 +246,7 @@ def mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format="mxf
     in canonical order, from its first); the shared expert by autograd on bf16 operands. Returns
     (dx, d_topk_w, d_gate, d_up, d_down, d_shared or None)."""
     from mok.mxfp8 import fake_quantize_mxfp8
-    from mok.reference import swiglu_mlp
+    from mok.reference import gated_mlp
 
     fq = lambda t: fake_quantize_mxfp8(t.float()).double()  # noqa: E731
 
@@ -285,7 +285,7 @@ def mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format="mxf
     if shared is not None:
         x64 = x.double().requires_grad_()
         weights64 = [t.double().requires_grad_() for t in shared]
-        swiglu_mlp(x64, *weights64).backward(dout.double())
+        gated_mlp(x64, *weights64).backward(dout.double())
         dx = dx + x64.grad
         d_shared = tuple(t.grad for t in weights64)
     return dx, d_topk_w, d_gate, d_up, d_down, d_shared

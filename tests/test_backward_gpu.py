@@ -383,7 +383,7 @@ def test_branch_free_reciprocal_rounds_as_the_ieee_reciprocal():
     import cutlass.cute as cute
     from cutlass.cute.runtime import from_dlpack
 
-    from mok.kernels.common.swiglu import RECIPROCAL_MAX_DENOMINATOR, reciprocal_at_least_one
+    from mok.kernels.common.gated_activation import RECIPROCAL_MAX_DENOMINATOR, reciprocal_at_least_one
 
     @cute.kernel
     def both(d: cute.Tensor, fast: cute.Tensor, ieee: cute.Tensor):

@@ -353,7 +353,7 @@ def test_branch_free_division_rounds_as_the_ieee_division():
     import cutlass.cute as cute
     from cutlass.cute.runtime import from_dlpack
 
-    from mok.kernels.common.swiglu import divide_by_at_least_one
+    from mok.kernels.common.gated_activation import divide_by_at_least_one
 
     @cute.kernel
     def both(a: cute.Tensor, d: cute.Tensor, fast: cute.Tensor, ieee: cute.Tensor):

@@ -173,6 +173,33 @@ def test_sm100_kernels_refuse_partial_tiles_naming_the_requirement():
         compiled_ptx(weight_grad_variant(2064, 2056, split_out=True, persistent=False), "sm_100a")
 
 
+@pytest.mark.parametrize("activation", ["clamped_swiglu", "geglu"])
+def test_activation_kernels_compute_it_in_the_swiglu_epilogues(activation):
+    """Every kernel that computes the activation (gate/up with and without h, SwiGLU backward
+    cooperative and ping-pong, the one-launch forward) is planned with it, a variant of its own
+    (its cache key names it), compiles for sm_90a (WGMMA, nothing in local memory) and sm_100a, with
+    the activation's instructions: GeGLU's tanh.approx, the clamp's min/max; SwiGLU's kernels have neither."""
+    from mok.config import MoKConfig
+    from mok.plan import Plan
+
+    config = MoKConfig(2048, 1024, 16, 4, shared_intermediate=512, activation=activation, saved_h_format="recompute")
+    variants = [v for v in Plan(config, "sm_90a").variants() if v.config.get("activation")]
+    epilogues = {v.config.get("epilogue") for v in variants if v.name == "grouped_gemm"}
+    assert epilogues == {"swiglu", "swiglu_save", "swiglu_bwd"} and all(v.config["activation"] == activation for v in variants)
+    one_launch = Plan(MoKConfig(2048, 1024, 16, 4, activation=activation, one_launch=True), "sm_90a").variants()
+    variants += [v for v in one_launch if v.name == "expert_mlp"]
+    assert variants[-1].config["activation"] == activation
+    marker = r"tanh\.approx\.f32" if activation == "geglu" else r"\b(min|max)\.f32"
+    for variant in variants:
+        ptx = compiled_ptx(variant, "sm_90a")
+        assert count(marker, ptx) > 0 and count(r"wgmma\.mma_async", ptx) > 0 and count(r"\.local", ptx) == 0, variant.describe()
+    default = compiled_ptx(grouped_gemm_variant(1024, 2048, epilogue="swiglu_bwd", b_major="n", topk=4), "sm_90a")
+    assert count(r"tanh\.approx", default) == 0 and count(r"\bmax\.f32", default) == 0
+    for epilogue in ("swiglu_save", "swiglu_bwd"):
+        sm100 = grouped_gemm_variant(1024, 2048, epilogue=epilogue, b_major="n", topk=4, persistent=False, activation=activation)
+        assert count(marker, compiled_ptx(sm100, "sm_100a")) > 0
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_row_gather_keeps_four_16_byte_loads_in_flight_before_it_stores(arch):
     """gather: each thread loads its four rows' 16-byte vectors (after their four int32 row

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS
 from . import KernelVariant
-from .constants import SCHEDULE_THREADS
+from .constants import SCHEDULE_THREADS, check_activation
 
 OPERANDS = ("bf16", "e4m3")  # GEMM operands: bf16, or MXFP8 (E4M3 elements, an E8M0 scale per 32 along K)
 
@@ -157,6 +157,7 @@ def grouped_gemm_variant(
     pingpong: bool = False,
     operand: str = "bf16",
     b_expert_stride: int | None = None,
+    activation: str = "swiglu",
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, one tile per CTA, compile-verified, never run).
@@ -173,8 +174,11 @@ def grouped_gemm_variant(
     ``operand`` "e4m3": MXFP8 operands with E8M0 scales (block-scaled tcgen05 MMAs, SM100 only;
     K-major B, one tile per CTA). ``b_expert_stride``: elements from one expert's B to the next
     (None: N·K, packed; 2·I·H for the halves of one [E, 2I, H] gate/up tensor, read in place).
+    ``activation``: the SwiGLU epilogues' gated activation (swiglu, clamped_swiglu, geglu:
+    mok/kernels/common/gated_activation.py).
     """
     _check_operand(operand, persistent, b_major)
+    check_activation(activation)
     if b_expert_stride is not None and operand != "bf16":
         raise ValueError("b_expert_stride: bf16 weights only (MXFP8 weights are quantized into packed tensors)")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
@@ -185,6 +189,8 @@ def grouped_gemm_variant(
             options[flag] = True
     if b_expert_stride is not None:
         options["b_expert_stride"] = b_expert_stride
+    if activation != "swiglu" and epilogue != "plain":  # (absent by default and where no activation is computed)
+        options["activation"] = activation
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:  # tcgen05: the one-tile-per-CTA kernels so far (compile-verified only)
@@ -258,6 +264,7 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, num_experts: int, *, save_h: bool = False, has_shared: bool = False,
     ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16", gate_up_stride: int | None = None,
+    activation: str = "swiglu",
 ) -> KernelVariant:
     """The routed experts' whole forward in one persistent launch (Hopper): the schedule of the
     routing over ``num_experts`` experts, a grid barrier, fc1 (gathered rows, SwiGLU; ``save_h``
@@ -266,8 +273,9 @@ def expert_mlp_variant(
     ``ep_world`` (W): the whole expert-parallel forward of one rank of W, exchanges included;
     ``shared_prefix`` (with ``has_shared``, one GPU): the shared expert runs as expert E, its rows
     first; ``dispatch_format`` "mxfp8" (with ``ep_world``): x published in MXFP8, dequantized as it
-    arrives; ``gate_up_stride``: w_gate's and w_up's expert stride (None: packed). See
-    mok/kernels/sm90/expert_mlp.py."""
+    arrives; ``gate_up_stride``: w_gate's and w_up's expert stride (None: packed); ``activation``:
+    fc1's gated activation. See mok/kernels/sm90/expert_mlp.py."""
+    check_activation(activation)
     # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
     fc2_tile_n = default_tile_n(hidden, inter, False)
     options = dict(save_h=save_h, has_shared=has_shared, fc2_tile_n=fc2_tile_n, num_experts=num_experts)
@@ -279,6 +287,8 @@ def expert_mlp_variant(
         options["dispatch_format"] = dispatch_format
     if gate_up_stride is not None:
         options["gate_up_stride"] = gate_up_stride
+    if activation != "swiglu":
+        options["activation"] = activation
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch not in PERSISTENT_GEMM_ARCHS:

@@ -130,6 +130,7 @@ def grouped_gemm(
     stages: int | None = None,
     persistent: bool | None = None,
     gather: torch.Tensor | None = None,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (fp32 accumulation, bf16 out).
 
@@ -138,7 +139,8 @@ def grouped_gemm(
     (``b_major="k"``: B = bᵀ, the forward's weights) or [E, K, N] (``b_major="n"``: B = b, the same
     weights in the backward); each expert's block contiguous, the experts packed or further apart
     (:func:`mok.validation.expert_stride`: the gate and up halves of one [E, 2I, H] tensor are read
-    in place), b2 strided as b. With ``b2`` shaped like b: SwiGLU, out = silu(a·B)⊙(a·B2), and
+    in place), b2 strided as b. With ``b2`` shaped like b: SwiGLU, out = silu(a·B)⊙(a·B2) (or the
+    gated ``activation`` "clamped_swiglu" or "geglu": mok.kernels.common.gated_activation), and
     ``h_out`` [R, 2N] (optional) receives the pre-activations [a·B | a·B2] for the backward; or,
     with ``k_split``, b and b2 hold the two halves of K (out = a[:, :K/2]·B + a[:, K/2:]·B2).
     Needs N % 8 == 0 and K % 8 == 0 (K % 16 with ``k_split``): on Hopper the last column and K
@@ -193,7 +195,7 @@ def grouped_gemm(
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     variant = grouped_gemm_variant(
         n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
-        persistent=persistent, gather_a=gather is not None, operand=operand, b_expert_stride=b_stride,
+        persistent=persistent, gather_a=gather is not None, operand=operand, b_expert_stride=b_stride, activation=activation,
     )
     launch_grouped_gemm(
         variant, a_values.device, **pointers, c=out, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
@@ -277,13 +279,14 @@ def swiglu_backward_gemm(
     topk_w: torch.Tensor | None = None,
     persistent: bool | None = None,
     pingpong: bool | None = None,
+    activation: str = "swiglu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
     Per buffer row r (expert e of its tile, token t, slot j, router weight s = topk_w[t, j]):
     dA_u = dout_rows[r]·w_down[e] (w_down [E, H, I], read N-major); with the saved
-    h[r] = [h_gate | h_up] ([R, 2I] bf16) and a = silu(h_gate)·h_up it returns
-    dh [R, 2I] = [s·dA_u·h_up·silu'(h_gate) | s·dA_u·silu(h_gate)] (bf16), a_scaled [R, I] = s·a
+    h[r] = [h_gate | h_up] ([R, 2I] bf16) and a = act(h_gate, h_up) (``activation``: silu(h_gate)·h_up
+    by default) it returns dh [R, 2I] = [s·dA_u·∂a/∂h_gate | s·dA_u·∂a/∂h_up] (bf16), a_scaled [R, I] = s·a
     (bf16, for dW_down) and partial [R, ceil(I / tile_n)] fp32, Σ over each column tile of dA_u·a
     (:func:`mok.ops.router_grad` adds them up). row_token/row_slot [R] int32 and topk_w [T, k] fp32
     give s (0 for padding rows); all None for the shared expert (s = 1, partial is None).
@@ -338,7 +341,7 @@ def swiglu_backward_gemm(
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
         inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="k" if mxfp8 else "n", topk=topk, unit_scale=unit_scale,
-        persistent=persistent, pingpong=pingpong, operand=operand,
+        persistent=persistent, pingpong=pingpong, operand=operand, activation=activation,
     )
     launch_grouped_gemm(
         variant, dev, **pointers, c=dh, tile_expert=tile_expert, h=h, a_scaled=a_scaled, partial=partial, row_token=row_token,

@@ -60,6 +60,7 @@ def scheduled_expert_mlp(
     out: torch.Tensor | None = None,
     timeout_s: float = 10.0,
     shared_in_routed: bool = False,
+    activation: str = "swiglu",
 ) -> tuple[torch.Tensor, Schedule]:
     """The routed experts' whole forward in ONE launch (module docstring). Returns (out [T, H] bf16,
     the schedule), the bits of ``device_schedule``, ``grouped_gemm(x, w_gate, ..., b2=w_up,
@@ -78,7 +79,8 @@ def scheduled_expert_mlp(
     ready for the next call. ``shared_in_routed``: the weights hold E + 1 experts, the last a
     shared expert that runs as one more expert, its T rows in front of the routed ones (the
     schedule's shared prefix); its output rows are the combine's shared input (so no
-    ``shared_out``), h_out then has the prefix's rows too (its h is h_out[:T]).
+    ``shared_out``), h_out then has the prefix's rows too (its h is h_out[:T]). ``activation``: fc1's
+    gated activation (mok.kernels.constants.ACTIVATIONS; SwiGLU by default).
     """
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     num_tokens, hidden = x.shape
@@ -125,7 +127,7 @@ def scheduled_expert_mlp(
     a = torch.empty(capacity, inter, dtype=torch.bfloat16, device=x.device)
     variant = expert_mlp_variant(
         hidden, inter, topk, num_experts, save_h=h_out is not None, has_shared=shared_out is not None, shared_prefix=shared_in_routed,
-        gate_up_stride=gate_up_stride,
+        gate_up_stride=gate_up_stride, activation=activation,
     )
     launch_expert_mlp(
         variant, x.device, timeout_s, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, a=a, h=h_out, y=y_rows, topk_w=topk_w,

@@ -125,7 +125,7 @@ def backward(
             rows = slice(0, num_tokens)
             d_shared = stages.shared_weight_grads(dout_rows[rows], a_scaled[rows], dh[rows], x_rows[rows], grad_dtype, mains[1])
     elif shared is not None:
-        dx_shared, d_shared = stages.shared_expert_backward(x, dout, shared, saved.shared_h, grad_dtype, mains[1], weight_grads)
+        dx_shared, d_shared = stages.shared_expert_backward(plan, x, dout, shared, saved.shared_h, grad_dtype, mains[1], weight_grads)
     d_topk_w = torch.empty(sched.slot_row.shape, dtype=torch.float32, device=x.device)
     dx = ops.combine(  # unweighted (s is already inside dh), and d_topk_w from the SwiGLU backward's pieces
         dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w)
@@ -150,7 +150,7 @@ def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tup
         shared_h = h[: x.shape[0]]
     elif shared is not None:
         shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
-        stages.shared_expert_gate_up(x, shared, shared_h)
+        stages.shared_expert_gate_up(plan, x, shared, shared_h)
     return dataclasses.replace(saved, h=h, shared_h=shared_h)
 
 
@@ -177,7 +177,7 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
         )
     dx_shared = d_shared = None
     if shared is not None:
-        dx_shared, d_shared = stages.shared_expert_backward(x, dout, shared, saved.shared_h, grad_dtype, mains[1], weight_grads)
+        dx_shared, d_shared = stages.shared_expert_backward(plan, x, dout, shared, saved.shared_h, grad_dtype, mains[1], weight_grads)
     exchange.wait_pushed(ws, kernels, timeout_s, stream)
     d_topk_w = exchange.owned_router_grads(ws, topk_idx, weights[0].shape[0], num_tokens)
     dx = ops.combine(exchange.own_slots(ws, num_tokens), None, dx_shared)  # unweighted: s is already inside dh

@@ -216,16 +216,16 @@ class OneLaunchStatics:
 
 def one_launch_statics(
     ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save_h: bool, has_shared: bool, dispatch_format: str,
-    gate_up_stride: int | None = None,
+    gate_up_stride: int | None = None, activation: str = "swiglu",
 ) -> OneLaunchStatics:
-    key = (num_local, inter, save_h, has_shared, dispatch_format, gate_up_stride)
+    key = (num_local, inter, save_h, has_shared, dispatch_format, gate_up_stride, activation)
     found = ws.one_launch_statics.get(key)
     if found is None:
         lay = ws.layout
         capacity = ws.expert_rows(num_local, TILE)
         variant = expert_mlp_variant(
             lay.hidden, inter, lay.topk, num_local, save_h=save_h, has_shared=has_shared, ep_world=lay.world,
-            dispatch_format=dispatch_format, gate_up_stride=gate_up_stride,
+            dispatch_format=dispatch_format, gate_up_stride=gate_up_stride, activation=activation,
         )
         names = {"flags": "flags", "x_pub": "x", "idx_pub": "idx", "slots": "slots"}
         regions = {arg: ws.region(name, 0) for arg, name in names.items()}
@@ -240,20 +240,21 @@ def one_launch_statics(
 
 
 def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out, h, *, timeout_s: float, dispatch_format: str,
-                       max_ctas: int | None = None):
+                       max_ctas: int | None = None, activation: str = "swiglu"):
     """The expert-parallel forward of this rank in ONE launch (mok/kernels/sm90/expert_mlp.py with
     ``ep_world``): every CTA publishes its share of x and the routing, the ranks meet on the epoch
     flags, every CTA gathers every rank's routing and copies the tokens routed here into x_all,
     builds its part of the schedule, runs the expert MLP's tiles (fc2 pushing each y row into its
     token's slot on its token's rank) and, after the done handshake, combines this rank's tokens.
     Returns (out, schedule, routing, x_all). ``h``: h's buffer (saving it) or None. ``max_ctas``:
-    the CTA cap (default: every SM, or an equal share when several ranks run on this GPU)."""
+    the CTA cap (default: every SM, or an equal share when several ranks run on this GPU);
+    ``activation``: the experts' gated activation."""
     check_cuda_aligned("x", x)  # (the launch copies it in 16-byte vectors)
     lay, dev = ws.layout, x.device
     w_gate, w_up, w_down = weights
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
     static = one_launch_statics(
-        ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, gate_up_expert_stride(w_gate, w_up)
+        ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, gate_up_expert_stride(w_gate, w_up), activation
     )
     tokens_all = lay.world * lay.max_tokens
     sched = Schedule.empty(tokens_all, lay.topk, num_local, static.capacity, TILE, dev, world_size=lay.world)

@@ -138,16 +138,17 @@ def forward(
     elif keep_h and shared is not None:
         shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
     if plan.one_launch:
-        shared_out = None if shared is None or stacked is not None else stages.shared_expert_forward(x, shared, shared_h)
+        shared_out = None if shared is None or stacked is not None else stages.shared_expert_forward(plan, x, shared, shared_h)
         launch_weights = stacked if stacked is not None else weights
         out, sched = ops.scheduled_expert_mlp(
-            x, topk_idx, topk_w, *launch_weights, h_out=h, shared_out=shared_out, out=out, shared_in_routed=stacked is not None
+            x, topk_idx, topk_w, *launch_weights, h_out=h, shared_out=shared_out, out=out, shared_in_routed=stacked is not None,
+            activation=plan.activation,
         )
         return ForwardResult(out, sched, h, shared_h)
     sched = ops.device_schedule(topk_idx, num_local, block_m=TILE_M, capacity=capacity, shared_prefix=stacked is not None)
     expert_weights = stages.routed_weights(plan, weights, stacked)
     a = stages.gate_up_from_tokens(plan, x, sched, expert_weights, h)
-    shared_out = None if shared is None or stacked is not None else stages.shared_expert_forward(x, shared, shared_h)
+    shared_out = None if shared is None or stacked is not None else stages.shared_expert_forward(plan, x, shared, shared_h)
     y_rows = stages.down(plan, a, sched, expert_weights)
     if stacked is not None:
         shared_out = y_rows[:num_tokens]  # (the shared expert's rows lead the buffer)
@@ -185,9 +186,10 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
     if plan.one_launch:
         h = torch.empty(ws.expert_rows(num_local, TILE_M), 2 * inter, dtype=x.dtype, device=dev) if keep_h else None
         shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if keep_h and shared is not None else None
-        shared_out = None if shared is None else stages.shared_expert_forward(x, shared, shared_h)
+        shared_out = None if shared is None else stages.shared_expert_forward(plan, x, shared, shared_h)
         out, sched, routing, x_all = exchange.one_launch_forward(
-            ws, x, topk_idx, topk_w, weights, shared_out, h, timeout_s=timeout_s, dispatch_format=c.dispatch_format
+            ws, x, topk_idx, topk_w, weights, shared_out, h, timeout_s=timeout_s, dispatch_format=c.dispatch_format,
+            activation=plan.activation,
         )
         x_rows = ops.gather_rows(x_all, sched.row_token) if save else None  # the backward's rows (training only)
         ws.copy_record()
@@ -203,7 +205,7 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
     a = stages.gate_up(plan, x_rows, sched, weights, h, gather=False)
     exchange.push_rows(ws, a, weights[2], sched)  # each y row straight into its token's slot on the token's rank
     exchange.announce_pushed(ws, kernels, sched, routing, stream, gradient=False)
-    shared_out = None if shared is None else stages.shared_expert_forward(x, shared, shared_h)  # (overlaps the peers' pushes)
+    shared_out = None if shared is None else stages.shared_expert_forward(plan, x, shared, shared_h)  # (overlaps the peers' pushes)
     exchange.wait_pushed(ws, kernels, timeout_s, stream)
     out = ops.combine(exchange.own_slots(ws, num_tokens), topk_w, shared_out)
     ws.copy_record()

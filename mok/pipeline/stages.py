@@ -51,26 +51,26 @@ def single_expert_tiles(num_rows: int, device: torch.device) -> torch.Tensor:
 # ----- the shared expert: one expert over every token, unit weight
 
 
-def shared_expert_gate_up(x: torch.Tensor, shared: tuple, h_out: torch.Tensor | None = None,
+def shared_expert_gate_up(plan: Plan, x: torch.Tensor, shared: tuple, h_out: torch.Tensor | None = None,
                           tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """The shared expert's a [T, I_s] = silu(x·W_gateᵀ) ⊙ x·W_upᵀ, one expert over all of x (and its
+    """The shared expert's a [T, I_s] = act(x·W_gateᵀ, x·W_upᵀ), one expert over all of x (and its
     h into ``h_out``); ``tiles``: :func:`single_expert_tiles` of x where the caller has them."""
     tiles = single_expert_tiles(x.shape[0], x.device) if tiles is None else tiles
-    return ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=h_out)
+    return ops.grouped_gemm(x, shared[0][None], tiles, b2=shared[1][None], h_out=h_out, activation=plan.activation)
 
 
-def shared_expert_forward(x: torch.Tensor, shared: tuple, h_out: torch.Tensor | None = None) -> torch.Tensor:
+def shared_expert_forward(plan: Plan, x: torch.Tensor, shared: tuple, h_out: torch.Tensor | None = None) -> torch.Tensor:
     """The shared expert as grouped GEMMs with one expert over all of x (``h_out``: keep h for backward)."""
     tiles = single_expert_tiles(x.shape[0], x.device)
-    return ops.grouped_gemm(shared_expert_gate_up(x, shared, h_out, tiles), shared[2][None], tiles)
+    return ops.grouped_gemm(shared_expert_gate_up(plan, x, shared, h_out, tiles), shared[2][None], tiles)
 
 
-def shared_expert_backward(x, dout, shared, shared_h, grad_dtype, main_grads, weight_grads=True):
+def shared_expert_backward(plan: Plan, x, dout, shared, shared_h, grad_dtype, main_grads, weight_grads=True):
     """dx, (dW_gate, dW_up, dW_down) of the shared expert (s = 1); the weight gradients None
     unless ``weight_grads``."""
     tiles = single_expert_tiles(x.shape[0], x.device)
     w_gate, w_up, w_down = shared
-    dh, a, _ = ops.swiglu_backward_gemm(dout, w_down[None], tiles, shared_h)
+    dh, a, _ = ops.swiglu_backward_gemm(dout, w_down[None], tiles, shared_h, activation=plan.activation)
     dx = ops.grouped_gemm(dh, w_gate[None], tiles, b2=w_up[None], b_major="n", k_split=True)
     return dx, (shared_weight_grads(dout, a, dh, x, grad_dtype, main_grads) if weight_grads else None)
 
@@ -186,9 +186,10 @@ def mxfp8_gemm(plan: Plan, a_q, b_q, tiles, b2_q=None, *, used=None, h_out=None,
     operands by the bf16 grouped GEMM (A's rows past the device count ``used`` are not dequantized:
     no tile reads them)."""
     if not plan.emulate:
-        return ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, h_out=h_out)
+        return ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, h_out=h_out, activation=plan.activation)
     b2 = None if b2_q is None else dequantized_weights(b2_q)
-    return ops.grouped_gemm(dequantized_rows(a_q, used), dequantized_weights(b_q), tiles, b2=b2, k_split=k_split, h_out=h_out)
+    return ops.grouped_gemm(dequantized_rows(a_q, used), dequantized_weights(b_q), tiles, b2=b2, k_split=k_split, h_out=h_out,
+                            activation=plan.activation)
 
 
 def rows_in_use(sched: Schedule) -> torch.Tensor:
@@ -200,11 +201,12 @@ def rows_in_use(sched: Schedule) -> torch.Tensor:
 
 
 def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None, *, gather: bool) -> torch.Tensor:
-    """a [R, I] = silu(rows·W_gateᵀ) ⊙ rows·W_upᵀ (and h = [rows·W_gateᵀ | rows·W_upᵀ] into ``h_out``).
+    """a [R, I] = act(rows·W_gateᵀ, rows·W_upᵀ) (and h = [rows·W_gateᵀ | rows·W_upᵀ] into ``h_out``).
     ``gather``: ``rows`` is x [T, H] and the GEMM's producer gathers row r = x[row_token[r]]; else
     ``rows`` holds the rows [R, H]. ``weights``: (w_gate, w_up, w_down) bf16, or Mxfp8ExpertWeights."""
     if plan.precision == "bf16":
-        return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None)
+        return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
+                                activation=plan.activation)
     used = rows_in_use(sched)
     rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
     return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
@@ -238,7 +240,7 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
     """(dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, parts]) from dout_rows [R, H]
     and the saved h: ops.swiglu_backward_gemm with each row's router weight s from ``topk_w``.
     ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights."""
-    route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w)
+    route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w, activation=plan.activation)
     if plan.precision == "bf16":
         return ops.swiglu_backward_gemm(dout_rows, weights_t[2], sched.tile_expert, h, **route)
     used = rows_in_use(sched)

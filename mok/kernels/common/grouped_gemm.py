@@ -13,14 +13,15 @@ the last column and K tiles are partial, and tensors of two halves side by side 
 A) are described per half, (rows, width, halves), so that no tile crosses from one into the other
 (docs/notes/partial-tiles.md).
 
-Epilogues (static), every value rounded once from fp32 to bf16:
+Epilogues (static), every value rounded once from fp32 to bf16; act is the gated activation
+``activation`` (SwiGLU by default; common/gated_activation.py has the others and their derivatives):
 - ``plain``: C = A·B.
-- ``swiglu``: two products of the same A tile, gate (B) and up (B2); C = a = silu(gate)·up.
+- ``swiglu``: two products of the same A tile, gate (B) and up (B2); C = a = act(gate, up).
 - ``swiglu_save``: the same, and h = [gate | up] [R, 2N] is written too (saved for backward).
 - ``swiglu_bwd``: the accumulator is dA_u = dout_row·W_down for the row's token; with the saved
-  h, the row's router weight s and a = silu(h_g)·h_u it writes C = dh [R, 2N] =
-  [s·dA_u·h_u·silu'(h_g) | s·dA_u·silu(h_g)], a_scaled [R, N] = s·a (the operand of dW_down), and
-  partial[R, N / tile_n] = Σ over the tile's columns of dA_u·a, the router-weight gradient's
+  h, the row's router weight s and a = act(h_g, h_u) it writes C = dh [R, 2N] =
+  [s·dA_u·∂a/∂h_g | s·dA_u·∂a/∂h_u], a_scaled [R, N] = s·a (the operand of dW_down), and
+  partial[R, ceil(N / tile_n)] = Σ over the tile's columns of dA_u·a, the router-weight gradient's
   per-tile pieces (reduced in column order by another kernel).
 
 :class:`GroupedGemm` holds what does not depend on the arch: the checks of the configuration, the
@@ -46,7 +47,8 @@ import cutlass.cute as cute
 from .gemm_args import expert_weights, grouped_row_tensors
 from .row_vectors import VECTOR
 from .row_weight import row_router_weight
-from .swiglu import swiglu_backward_values, swiglu_value
+from ..constants import check_activation
+from .gated_activation import glu_backward_values, glu_value
 
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 TILE_M = 128  # rows of an output tile (the schedule's row tile)
@@ -61,10 +63,13 @@ class GroupedGemm:
 
     def configure(
         self, n: int, k: int, epilogue: str, b_major: str, k_split: bool, topk: int, unit_scale: bool, tile_n: int, tile_k: int,
-        b_expert_stride: int | None = None,
+        b_expert_stride: int | None = None, activation: str = "swiglu",
     ) -> None:
         """Check and keep the static configuration; the tile is (128, ``tile_n``, ``tile_k``).
-        ``b_expert_stride``: elements from one expert's B (and B2) to the next (None: packed)."""
+        ``b_expert_stride``: elements from one expert's B (and B2) to the next (None: packed);
+        ``activation``: the gated activation of the SwiGLU epilogues (common/gated_activation.py)."""
+        check_activation(activation)
+        self.activation = activation
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
         if b_major not in ("k", "n"):
@@ -136,9 +141,9 @@ class GroupedGemm:
 
     @cute.jit
     def swiglu_subtile(self, r_gate, r_up, r_act):
-        """swiglu, swiglu_save: a = silu(gate)·up of a subtile's values, value by value (no branch)."""
+        """swiglu, swiglu_save: a = act(gate, up) of a subtile's values, value by value (no branch)."""
         for v in cutlass.range_constexpr(cute.size(r_act)):
-            r_act[v] = swiglu_value(r_gate[v], r_up[v])
+            r_act[v] = glu_value(self.activation, r_gate[v], r_up[v])
 
     @cute.jit
     def swiglu_backward_value(self, d_a, h_g, h_u, first, scales, sums):
@@ -151,7 +156,7 @@ class GroupedGemm:
         s = scales[1]
         if first:
             s = scales[0]
-        d_gate, d_up, a_scaled, a_val = swiglu_backward_values(d_a, s, h_g, h_u)
+        d_gate, d_up, a_scaled, a_val = glu_backward_values(self.activation, d_a, s, h_g, h_u)
         if first:
             sum_first = cute.math.fma(d_a, a_val, sum_first)
         else:

@@ -39,13 +39,15 @@ SM90_ONLY_OPTIONS = ("gather_a", "scatter", "pingpong")  # the Hopper kernel's v
 
 
 class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
-    """Static config: N, K, epilogue, B's major mode, K split, top-k, unit scale, column tile, stages."""
+    """Static config: N, K, epilogue, B's major mode, K split, top-k, unit scale, column tile, stages,
+    the gated activation."""
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, b_expert_stride: int | None = None,
+        activation: str = "swiglu",
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation)
         self.ab_stage = pick_stages((self.tile_shape_mnk[0] + self.num_b * tile_n) * TILE_K * 2, stages)
 
     def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream):
@@ -226,7 +228,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
-        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None,
+        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, activation: str = "swiglu",
     ) -> None:
         if b_major != "k":
             raise ValueError(f"b_major: expected 'k' with MXFP8 operands (K-major B: give the weights transposed), got {b_major!r}")
@@ -234,7 +236,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
             raise ValueError(f"tile_n: expected 128 or 256 (128 with SwiGLU) with MXFP8 operands, got {tile_n}")
         if k % (2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8):
             raise ValueError(f"k: expected a multiple of {2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8} with MXFP8 operands, got {k}")
-        super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n)
+        super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, activation=activation)
         self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
         self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + self.num_b * tile_n, stages)
 

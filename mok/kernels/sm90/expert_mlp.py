@@ -97,6 +97,7 @@ class ExpertMlpSm90:
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, has_shared: bool = False, fc2_tile_n: int = TILE,
         num_experts: int, ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16",
         gate_up_stride: int | None = None,
+        activation: str = "swiglu",
     ):
         """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
         ``num_experts``: E, the experts (of this rank) the schedule is built over; the launch's E must be it.
@@ -108,7 +109,7 @@ class ExpertMlpSm90:
         ``dispatch_format`` (with ``ep_world``): "mxfp8" publishes x quantized (mok.pipeline.exchange.mxfp8_region's
         layout) and dequantizes each row as it is copied into x_all (common/ep_phases.py).
         ``gate_up_stride``: elements from one expert's w_gate (and w_up) to the next (None: I·H; 2·I·H
-        for the halves of one [E, 2I, H] tensor)."""
+        for the halves of one [E, 2I, H] tensor). ``activation``: fc1's gated activation."""
         if hidden % TILE or inter % TILE:
             raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
         if ep_world is not None and (not 1 <= ep_world <= 32 or topk > 32):
@@ -123,7 +124,8 @@ class ExpertMlpSm90:
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.has_shared = has_shared
         self.fc1 = GroupedGemmSm90(
-            inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True, b_expert_stride=gate_up_stride
+            inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True, b_expert_stride=gate_up_stride,
+            activation=activation,
         )
         self.fc2 = GroupedGemmSm90(  # EP: y rows pushed into their tokens' ranks
             hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, topk=topk, scatter=ep_world is not None

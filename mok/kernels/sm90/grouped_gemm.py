@@ -58,8 +58,8 @@ PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgr
 
 
 class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
-    """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, and the
-    Hopper variants (persistent, gather_a, scatter, pingpong). N and K need not be multiples of the
+    """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, the gated
+    activation, and the Hopper variants (persistent, gather_a, scatter, pingpong). N and K need not be multiples of the
     tile: TMA zero-fills the loads past them and clips the stores (see the module docstring)."""
 
     partial_tiles = True
@@ -68,8 +68,9 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
+        activation: str = "swiglu",
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation)
         if gather_a and not persistent:
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
         if scatter and (epilogue != "plain" or gather_a or not persistent):
