@@ -17,7 +17,7 @@ if torch.distributed.is_available():
     import torch.distributed.nn  # noqa: F401
 
 from .config import DEFAULT_CONFIG, MoKConfig
-from .reference import SharedExpert, combine_reference, moe_reference, moe_reference_ep
+from .reference import ExpertBiases, SharedExpert, combine_reference, moe_reference, moe_reference_ep
 from .schedule import Schedule, build_schedule, worst_case_capacity
 
 __version__ = "0.1.0"
@@ -61,6 +61,7 @@ __all__ = [
     "get_workspace",
     "MoKConfig",
     "Schedule",
+    "ExpertBiases",
     "SharedExpert",
     "build_schedule",
     "combine",

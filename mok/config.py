@@ -66,6 +66,9 @@ class MoKConfig:
     clamped to at most 7, up to [-7, 7], (up + 1)·gate·σ(1.702·gate)) or "geglu" (gelu(gate)·up,
     gelu's tanh approximation); computed in the SwiGLU epilogues, forward and backward
     (mok/kernels/common/gated_activation.py), with the router-weight gradient as for SwiGLU.
+    expert_bias: the routed experts have biases (gpt-oss's): b_gate, b_up [E, I] added to h_gate and
+    h_up, b_down [E, H] to each expert's output y (so the router-weight gradient <dout, y> includes
+    it); the backward returns their gradients. Not with fuse_wgrad_accumulation or a shared expert so far.
     """
 
     hidden: int
@@ -82,6 +85,7 @@ class MoKConfig:
     dispatch_format: str = "bf16"
     gate_up_layout: str = "separate"
     activation: str = "swiglu"
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("hidden", self.hidden)
@@ -104,7 +108,7 @@ class MoKConfig:
             raise ValueError(
                 f"num_experts: expected a multiple of ep_size={self.ep_size}, got {self.num_experts}"
             )
-        for flag in ("one_launch", "fuse_wgrad_accumulation"):
+        for flag in ("one_launch", "fuse_wgrad_accumulation", "expert_bias"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag}: expected a bool, got {getattr(self, flag)!r}")
         if self.precision not in PRECISIONS:
@@ -166,6 +170,9 @@ def check_combination(config: "MoKConfig") -> None:
                 f"gate_up_layout='concatenated': not with {', '.join(k for k, v in others.items() if v)} (its one [E, 2I, H] "
                 "gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
             )
+    if config.expert_bias and (config.fuse_wgrad_accumulation or config.has_shared_expert):
+        what = "fuse_wgrad_accumulation" if config.fuse_wgrad_accumulation else "a shared expert"
+        raise ValueError(f"expert_bias: not with {what} (not written yet)")
     if config.dispatch_format == "mxfp8":
         if config.ep_size == 1:
             raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")

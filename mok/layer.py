@@ -83,7 +83,9 @@ class MoELayer(nn.Module):
     the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
     one GPU, see :class:`mok.config.MoKConfig` for what it does not combine with yet.
     ``activation``: the experts' gated activation, "swiglu" (default), "clamped_swiglu" (gpt-oss's) or
-    "geglu" (:class:`mok.config.MoKConfig`).
+    "geglu" (:class:`mok.config.MoKConfig`). ``bias=True``: the routed experts have biases
+    (``gate_bias``, ``up_bias`` [E, I], ``down_bias`` [E, H], initialised to zero; gpt-oss's; the
+    config's ``expert_bias``).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class MoELayer(nn.Module):
         saved_h_format: str = "bf16",
         dispatch_format: str = "bf16",
         activation: str = "swiglu",
+        bias: bool = False,
     ) -> None:
         super().__init__()
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -127,7 +130,7 @@ class MoELayer(nn.Module):
         self.config = MoKConfig(
             hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, saved_h_format=saved_h_format, dispatch_format=dispatch_format,
-            activation=activation,
+            activation=activation, expert_bias=bias,
         )
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
@@ -154,6 +157,8 @@ class MoELayer(nn.Module):
                 self.register_parameter("shared_gate_proj", None)
                 self.register_parameter("shared_up_proj", None)
                 self.register_parameter("shared_down_proj", None)
+        for name, width in (("gate_bias", intermediate), ("up_bias", intermediate), ("down_bias", hidden)):
+            self.register_parameter(name, nn.Parameter(torch.empty(local, width, **kw)) if bias else None)
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.reset_parameters()
         self.register_load_state_dict_post_hook(_restack_after_load)  # (load_state_dict(..., assign=True) replaces the tensors)
@@ -207,11 +212,13 @@ class MoELayer(nn.Module):
                     r.data, s.data = buf[: r.shape[0]], buf[r.shape[0]]
 
     def reset_parameters(self) -> None:
-        """Every projection as nn.Linear initialises its weight: U(-1/√fan_in, 1/√fan_in)."""
+        """Every projection as nn.Linear initialises its weight: U(-1/√fan_in, 1/√fan_in); biases zero."""
         for weight in (self.gate_proj, self.up_proj, self.down_proj, self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj):
             if weight is not None:
                 bound = 1.0 / math.sqrt(weight.shape[-1])
                 nn.init.uniform_(weight, -bound, bound)
+        for bias in self.expert_biases() or ():
+            nn.init.zeros_(bias)
         self.router.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -245,6 +252,10 @@ class MoELayer(nn.Module):
 
     def shared_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         return None if self.shared_gate_proj is None else (self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj)
+
+    def expert_biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The routed experts' (gate, up, down) biases, or None (``bias=False``)."""
+        return None if self.gate_bias is None else (self.gate_bias, self.up_bias, self.down_bias)
 
     def forward(
         self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_w: torch.Tensor | None = None, *, check_routing: bool = True
@@ -289,15 +300,17 @@ class MoELayer(nn.Module):
     def _needs_saving(self, x, topk_w, shared) -> bool:
         """Whether the forward must keep what its backward reads (a gradient is wanted of anything it uses)."""
         return torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or ()))
+            t.requires_grad for t in (x, topk_w, self.gate_proj, self.up_proj, self.down_proj, *(shared or ()), *(self.expert_biases() or ()))
         )
 
     def _fused(self, x, topk_idx, topk_w):
         """The op ``mok::moe_forward`` (mok/torch_ops.py): MoK's pipelines on CUDA, the reference on the CPU."""
         c = self.config
         shared = self.shared_weights()
+        biases = self.expert_biases()
         check_moe_inputs(  # (the ids were range-checked in forward, where a host read is allowed)
-            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False, experts_total=c.num_experts
+            x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, shared, check_range=False, experts_total=c.num_experts,
+            biases=biases,
         )
         if c.precision != "bf16" and not x.is_cuda:
             raise NotImplementedError(
@@ -309,7 +322,7 @@ class MoELayer(nn.Module):
         save, (sg, su, sd) = self._needs_saving(x, topk_w, shared), shared or (None, None, None)
         return torch.ops.mok.moe_forward(
             x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, sg, su, sd, self._config_text, self._workspace_handle(),
-            save, self.shared_in_routed, self.timeout_s,
+            save, self.shared_in_routed, self.timeout_s, *(biases or ()),
         )[0]
 
     def _workspace_handle(self) -> int:
@@ -349,5 +362,5 @@ class MoELayer(nn.Module):
                 "the fused expert-parallel kernels need the layer and its inputs on GPUs"
             )
         out = moe_reference_ep(x, topk_idx, topk_w, self.gate_proj, self.up_proj, self.down_proj, self.shared_weights(), group=self.group,
-                               activation=self.config.activation)
+                               activation=self.config.activation, biases=self.expert_biases())
         return out.to(x.dtype)

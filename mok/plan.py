@@ -59,6 +59,8 @@ def refusal(config: MoKConfig, arch: str) -> str | None:
     if config.activation != "swiglu":
         return (f"activation={config.activation!r}: its kernels are built (Plan.variants) but have not run on a GPU yet; "
                 "the CPU reference path computes it")
+    if config.expert_bias:
+        return "expert_bias: not in the GPU kernels yet; the CPU reference path computes it"
     return None
 
 

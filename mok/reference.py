@@ -2,11 +2,12 @@
 
 Per token t and slot j (DESIGN.md):
 
-    h_g = x[t]·w_gate[e]ᵀ,  h_u = x[t]·w_up[e]ᵀ,  a = act(h_g, h_u),  y[t, j] = a·w_down[e]ᵀ
+    h_g = x[t]·w_gate[e]ᵀ (+ b_gate[e]),  h_u = x[t]·w_up[e]ᵀ (+ b_up[e]),  a = act(h_g, h_u),
+    y[t, j] = a·w_down[e]ᵀ (+ b_down[e])
     out[t] = shared(x[t]) + Σ_{j=0..k-1} topk_w[t, j]·y[t, j]      (j in increasing order)
 
-with e = topk_idx[t, j] and act the gated activation (:func:`gated_activation`; SwiGLU,
-silu(h_g)·h_u, by default). Everything is computed in ``dtype`` (float32 by default, float64
+with e = topk_idx[t, j], act the gated activation (:func:`gated_activation`; SwiGLU,
+silu(h_g)·h_u, by default) and the routed experts' biases (:class:`ExpertBiases`) where given. Everything is computed in ``dtype`` (float32 by default, float64
 for finite-difference checks) from upcast inputs, and is differentiable by autograd, which
 gives dx, d_topk_w and every weight gradient.
 
@@ -34,6 +35,14 @@ class SharedExpert(NamedTuple):
     down: torch.Tensor  # [H, I_s]
 
 
+class ExpertBiases(NamedTuple):
+    """Biases of the routed experts held by one rank (gpt-oss has them), added to h_gate, h_up and y."""
+
+    gate: torch.Tensor  # [E_local, I]
+    up: torch.Tensor  # [E_local, I]
+    down: torch.Tensor  # [E_local, H]
+
+
 class RoutedExperts(NamedTuple):
     """Weights of the routed experts held by one rank."""
 
@@ -55,9 +64,19 @@ def gated_activation(activation: str, h_gate: torch.Tensor, h_up: torch.Tensor) 
     return F.silu(h_gate) * h_up
 
 
-def gated_mlp(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
-    """The gated MLP of a block of rows: act(rows·w_gateᵀ, rows·w_upᵀ)·w_downᵀ (SwiGLU by default)."""
-    return gated_activation(activation, rows @ w_gate.T, rows @ w_up.T) @ w_down.T
+def gated_mlp(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str = "swiglu",
+              biases: tuple | None = None) -> torch.Tensor:
+    """The gated MLP of a block of rows: act(rows·w_gateᵀ + b_gate, rows·w_upᵀ + b_up)·w_downᵀ + b_down
+    (SwiGLU by default; ``biases`` (b_gate [I], b_up [I], b_down [H]) or None: no biases)."""
+    h_gate, h_up = rows @ w_gate.T, rows @ w_up.T
+    if biases is None:
+        return gated_activation(activation, h_gate, h_up) @ w_down.T
+    return gated_activation(activation, h_gate + biases[0], h_up + biases[1]) @ w_down.T + biases[2]
+
+
+def expert_biases(biases: ExpertBiases | None, expert: int) -> tuple | None:
+    """Expert ``expert``'s (b_gate, b_up, b_down), or None without biases."""
+    return None if biases is None else (biases.gate[expert], biases.up[expert], biases.down[expert])
 
 
 def expert_rows(topk_idx: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +86,8 @@ def expert_rows(topk_idx: torch.Tensor, expert: int) -> tuple[torch.Tensor, torc
 
 
 def expert_outputs(
-    x: torch.Tensor, topk_idx: torch.Tensor, experts: RoutedExperts, expert_offset: int = 0, activation: str = "swiglu"
+    x: torch.Tensor, topk_idx: torch.Tensor, experts: RoutedExperts, expert_offset: int = 0, activation: str = "swiglu",
+    biases: ExpertBiases | None = None,
 ) -> torch.Tensor:
     """y[t, j] for every (t, j) routed to the given experts (ids from ``expert_offset``), else 0."""
     num_tokens, topk = topk_idx.shape
@@ -75,7 +95,8 @@ def expert_outputs(
     for local in range(experts.gate.shape[0]):
         tok, slot = expert_rows(topk_idx, expert_offset + local)
         if tok.numel():
-            y = y.index_put((tok, slot), gated_mlp(x[tok], experts.gate[local], experts.up[local], experts.down[local], activation))
+            mlp = gated_mlp(x[tok], experts.gate[local], experts.up[local], experts.down[local], activation, expert_biases(biases, local))
+            y = y.index_put((tok, slot), mlp)
     return y
 
 
@@ -97,16 +118,19 @@ def moe_reference(
     *,
     dtype: torch.dtype = torch.float32,
     activation: str = "swiglu",
+    biases: ExpertBiases | tuple | None = None,
 ) -> torch.Tensor:
     """MoE layer output [T, H] in ``dtype``, all E experts on this process (EP = 1); ``activation``:
-    the experts' gated activation (:func:`gated_activation`), the shared expert's too."""
+    the experts' gated activation (:func:`gated_activation`), the shared expert's too; ``biases``:
+    the routed experts' (b_gate, b_up, b_down) (:class:`ExpertBiases`; the shared expert has none)."""
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
-    check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
+    check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, biases=biases)
     experts = RoutedExperts(w_gate, w_up, w_down)
     xc, wc = _upcast(dtype, x, topk_w)
     experts = RoutedExperts(*_upcast(dtype, *experts))
-    y = expert_outputs(xc, topk_idx, experts, activation=activation)
+    biases = None if biases is None else ExpertBiases(*_upcast(dtype, *biases))
+    y = expert_outputs(xc, topk_idx, experts, activation=activation, biases=biases)
     base = None if shared is None else gated_mlp(xc, *_upcast(dtype, *shared), activation)
     return weighted_sum(y, wc, base)
 
@@ -118,8 +142,10 @@ def moe_reference_ep(
     group: "torch.distributed.ProcessGroup | None" = None,
     dtype: torch.dtype = torch.float32,
     activation: str = "swiglu",
+    biases: ExpertBiases | tuple | None = None,
 ) -> torch.Tensor:
-    """Expert-parallel MoE layer over ``torch.distributed`` (gloo or NCCL).
+    """Expert-parallel MoE layer over ``torch.distributed`` (gloo or NCCL); ``biases``: this rank's
+    experts' (as :func:`moe_reference`'s).
 
     Each rank passes its own tokens (x, topk_idx with global expert ids, topk_w) and its
     E_local = E / world_size experts (rank r holds experts r·E_local ...). Rows travel by
@@ -133,13 +159,14 @@ def moe_reference_ep(
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
     world = dist.get_world_size(group)
     num_local = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 3 else 0
-    _, hidden, _, _, _ = check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, experts_total=num_local * world)
+    _, hidden, _, _, _ = check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, experts_total=num_local * world, biases=biases)
     experts = RoutedExperts(w_gate, w_up, w_down)
     rank = dist.get_rank(group)
     group = group if group is not None else dist.group.WORLD
 
     xc, wc = _upcast(dtype, x, topk_w)
     experts = RoutedExperts(*_upcast(dtype, *experts))
+    biases = None if biases is None else ExpertBiases(*_upcast(dtype, *biases))
 
     # Send side: every (t, j) pair goes to the rank that owns its expert, grouped by
     # destination and in canonical (t, j) order inside each group.
@@ -166,7 +193,8 @@ def moe_reference_ep(
     for local in range(num_local):
         (rows,) = (recv_expert == rank * num_local + local).nonzero(as_tuple=True)
         if rows.numel():
-            out_rows = gated_mlp(recv_x[rows], experts.gate[local], experts.up[local], experts.down[local], activation)
+            out_rows = gated_mlp(recv_x[rows], experts.gate[local], experts.up[local], experts.down[local], activation,
+                                 expert_biases(biases, local))
             recv_y = recv_y.index_put((rows,), out_rows)
 
     back_y = AllToAll.apply(recv_y, send_splits, recv_splits, group)

@@ -6,14 +6,15 @@ kernel has a reference for exactly what it produces, and so that the formulation
 checked against autograd (tests/test_reference_backward.py). Per row (token t, slot j) of
 expert e, with s = topk_w[t, j] and g = dout[t]:
 
-    h_g = x·W_gᵀ, h_u = x·W_uᵀ, a = act(h_g, h_u)          (recomputed here; the kernels read the saved h)
+    h_g = x·W_gᵀ + b_g, h_u = x·W_uᵀ + b_u, a = act(h_g, h_u)   (recomputed here; the kernels read the saved h)
     dA_unscaled = g·W_d                                      (down-projection backward)
-    d_topk_w[t, j] = rowsum(dA_unscaled ⊙ a)                 (= <g, y>; y is never formed)
+    d_topk_w[t, j] = rowsum(dA_unscaled ⊙ a) + <g, b_d>      (= <g, y>; y is never formed)
     dA = s·dA_unscaled
     d_h_g = dA ⊙ ∂a/∂h_g,  d_h_u = dA ⊙ ∂a/∂h_u              (the activation's backward: SwiGLU's
                                                              d_h_g = dA ⊙ h_u ⊙ silu'(h_g), d_h_u = dA ⊙ silu(h_g))
     dx_slot = d_h_g·W_g + d_h_u·W_u
     dW_d[e] += (s·g)ᵀ·a,  dW_g[e] += d_h_gᵀ·x,  dW_u[e] += d_h_uᵀ·x   (rows in canonical order)
+    db_d[e] += Σ_rows s·g,  db_g[e] += Σ_rows d_h_g,  db_u[e] += Σ_rows d_h_u    (with biases: column sums)
     dx[t] = dx_shared[t] + Σ_j dx_slot[t, j]                  (j in increasing order)
 
 The shared expert is the same with s = 1 and every token as a row.
@@ -39,6 +40,7 @@ class Gradients(NamedTuple):
     d_w_up: torch.Tensor
     d_w_down: torch.Tensor
     d_shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    d_biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the routed experts' (gate, up, down), given biases
 
 
 def silu_grad(z: torch.Tensor) -> torch.Tensor:
@@ -62,14 +64,17 @@ def gated_activation_partials(activation: str, h_g: torch.Tensor, h_u: torch.Ten
     return h_u * silu_grad(h_g), torch.nn.functional.silu(h_g)
 
 
-def expert_backward(rows_x, g, scale, w_gate, w_up, w_down, activation="swiglu"):
+def expert_backward(rows_x, g, scale, w_gate, w_up, w_down, activation="swiglu", biases=None):
     """Backward of one expert's gated MLP over a block of rows.
 
     rows_x [M, H], g [M, H] (dout of each row's token), scale [M] (its router weight; ones for
-    the shared expert). Returns (dx_rows [M, H], d_scale [M], dW_gate, dW_up, dW_down).
+    the shared expert), biases None or the expert's (b_gate [I], b_up [I], b_down [H]). Returns
+    (dx_rows [M, H], d_scale [M], dW_gate, dW_up, dW_down, (db_gate, db_up, db_down) or None).
     """
     h_g = rows_x @ w_gate.T
     h_u = rows_x @ w_up.T
+    if biases is not None:
+        h_g, h_u = h_g + biases[0], h_u + biases[1]
     a = gated_activation(activation, h_g, h_u)
     da_unscaled = g @ w_down
     d_scale = (da_unscaled * a).sum(1)
@@ -77,8 +82,13 @@ def expert_backward(rows_x, g, scale, w_gate, w_up, w_down, activation="swiglu")
     partial_g, partial_u = gated_activation_partials(activation, h_g, h_u)
     d_h_g, d_h_u = da * partial_g, da * partial_u
     dx_rows = d_h_g @ w_gate + d_h_u @ w_up
-    d_w_down = (scale[:, None] * g).T @ a
-    return dx_rows, d_scale, d_h_g.T @ rows_x, d_h_u.T @ rows_x, d_w_down
+    scaled_g = scale[:, None] * g
+    d_w_down = scaled_g.T @ a
+    d_biases = None
+    if biases is not None:
+        d_scale = d_scale + g @ biases[2]
+        d_biases = (d_h_g.sum(0), d_h_u.sum(0), scaled_g.sum(0))
+    return dx_rows, d_scale, d_h_g.T @ rows_x, d_h_u.T @ rows_x, d_w_down, d_biases
 
 
 def moe_backward_reference(
@@ -88,11 +98,13 @@ def moe_backward_reference(
     *,
     dtype: torch.dtype = torch.float32,
     activation: str = "swiglu",
+    biases: tuple | None = None,
 ) -> Gradients:
-    """All gradients of :func:`mok.reference.moe_reference` (with ``activation``) for the output gradient ``dout`` [T, H]."""
+    """All gradients of :func:`mok.reference.moe_reference` (with ``activation`` and ``biases``) for
+    the output gradient ``dout`` [T, H]."""
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
-    num_tokens, hidden, _, num_experts, topk = check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared)
+    num_tokens, hidden, _, num_experts, topk = check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, biases=biases)
     experts = RoutedExperts(w_gate, w_up, w_down)
     check_tensor("dout", dout, dtypes=FLOAT_DTYPES, shape=(num_tokens, hidden), device=x.device)
 
@@ -101,20 +113,25 @@ def moe_backward_reference(
     dx_slot = xc.new_zeros(num_tokens, topk, hidden)
     d_topk_w = wc.new_zeros(num_tokens, topk)
     d_wg, d_wu, d_wd = torch.zeros_like(wg), torch.zeros_like(wu), torch.zeros_like(wd)
+    biases = None if biases is None else [t.to(dtype) for t in biases]
+    d_biases = None if biases is None else [torch.zeros_like(t) for t in biases]
     for e in range(num_experts):
         tok, slot = expert_rows(topk_idx, e)
         if tok.numel() == 0:
             continue
-        dx_rows, d_s, d_wg[e], d_wu[e], d_wd[e] = expert_backward(xc[tok], g[tok], wc[tok, slot], wg[e], wu[e], wd[e], activation)
+        mine = None if biases is None else [t[e] for t in biases]
+        dx_rows, d_s, d_wg[e], d_wu[e], d_wd[e], d_b = expert_backward(xc[tok], g[tok], wc[tok, slot], wg[e], wu[e], wd[e], activation, mine)
         dx_slot[tok, slot] = dx_rows
         d_topk_w[tok, slot] = d_s
+        for grad, part in zip(d_biases or (), d_b or ()):
+            grad[e] = part
 
     dx = xc.new_zeros(num_tokens, hidden)
     d_shared = None
     if shared is not None:
         sg, su, sd = (t.to(dtype) for t in shared)
-        dx, _, d_sg, d_su, d_sd = expert_backward(xc, g, xc.new_ones(num_tokens), sg, su, sd, activation)
+        dx, _, d_sg, d_su, d_sd, _ = expert_backward(xc, g, xc.new_ones(num_tokens), sg, su, sd, activation)
         d_shared = (d_sg, d_su, d_sd)
     for j in range(topk):
         dx = dx + dx_slot[:, j]
-    return Gradients(dx, d_topk_w, d_wg, d_wu, d_wd, d_shared)
+    return Gradients(dx, d_topk_w, d_wg, d_wu, d_wd, d_shared, None if d_biases is None else tuple(d_biases))

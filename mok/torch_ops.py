@@ -60,6 +60,15 @@ def _shared(sg, su, sd):
     return None if sg is None else (sg, su, sd)
 
 
+def _biases(config: MoKConfig, bg, bu, bd) -> tuple | None:
+    """The routed experts' biases as the pipelines take them: given exactly when ``config.expert_bias``."""
+    given = bg is not None
+    if given != config.expert_bias or (given and (bu is None or bd is None)):
+        raise ValueError(f"biases: config.expert_bias is {config.expert_bias}, so expected "
+                         f"{'the gate, up and down biases' if config.expert_bias else 'none'}, got {'some' if given else 'none'}")
+    return (bg, bu, bd) if given else None
+
+
 def forward_outputs(config: MoKConfig, x: Tensor, topk_idx: Tensor, workspace: int, save: bool, stacked: bool) -> dict:
     """Every output of ``mok::moe_forward`` as (shape, dtype), by name in output order: out, h,
     shared_h, x_rows, routing, then the schedule's tensors (mok.schedule.Schedule.FIELDS). h and
@@ -107,14 +116,18 @@ def moe_forward_op(
     save: bool,
     shared_in_routed: bool,
     timeout_s: float,
+    bias_gate: Optional[Tensor] = None, bias_up: Optional[Tensor] = None, bias_down: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, h, shared_h, x_rows, routing, *schedule) (:func:`forward_outputs`): the layer's forward
     (mok.pipeline.forward) and what its backward needs. ``config``: :func:`config_text` of the
     layer's MoKConfig; ``workspace``: an EP workspace's handle (0 at EP = 1); ``shared_in_routed``:
     the shared expert's weights lie after the routed experts' (it then runs in their launches
-    where the plan allows it). Expert ids are not range-checked here (that reads the device):
-    ``mok.MoELayer`` checks external routing outside graph capture and compilation."""
+    where the plan allows it); the routed experts' biases [E, I], [E, I], [E, H] exactly when the
+    config's expert_bias (the CPU reference path only so far: the plan refuses them on a GPU).
+    Expert ids are not range-checked here (that reads the device): ``mok.MoELayer`` checks external
+    routing outside graph capture and compilation."""
     cfg = config_of(config)
+    _biases(cfg, bias_gate, bias_up, bias_down)
     stacked = _stacked(cfg, shared_in_routed)
     res = pipeline.forward(
         plan_for_device(cfg, x.device), x, topk_idx, topk_w, (w_gate, w_up, w_down), _shared(shared_gate, shared_up, shared_down),
@@ -130,16 +143,19 @@ def moe_forward_op(
 
 
 @moe_forward_op.register_fake
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, config, workspace, save, shared_in_routed, timeout_s):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, config, workspace, save, shared_in_routed, timeout_s,
+      bias_gate=None, bias_up=None, bias_down=None):
     cfg = config_of(config)
     return tuple(_empty(shape, x.device) for shape in forward_outputs(cfg, x, topk_idx, workspace, save, _stacked(cfg, shared_in_routed)).values())
 
 
 @moe_forward_op.register_kernel("cpu")
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, config, workspace, save, shared_in_routed, timeout_s):
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, config, workspace, save, shared_in_routed, timeout_s,
+      bias_gate=None, bias_up=None, bias_down=None):
     from .reference import moe_reference
 
     cfg = config_of(config)
+    biases = _biases(cfg, bias_gate, bias_up, bias_down)
     if workspace or cfg.precision != "bf16":
         raise NotImplementedError("mok::moe_forward on the CPU: one GPU's bf16 configuration only (the reference path)")
     _warn_cpu_once()
@@ -147,7 +163,7 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
     shared = _shared(shared_gate, shared_up, shared_down)
     shapes = forward_outputs(cfg, x, topk_idx, workspace, save, stacked)
     outs = {name: _empty(shape, x.device) for name, shape in shapes.items()}
-    outs["out"] = moe_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, activation=cfg.activation).to(x.dtype)
+    outs["out"] = moe_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, activation=cfg.activation, biases=biases).to(x.dtype)
     sched = build_schedule(topk_idx, w_gate.shape[0], block_m=TILE, shared_prefix=stacked)
     outs |= dict(zip(Schedule.FIELDS, [t.to(torch.int32) for t in sched.tensors()]))
     if save and not cfg.recomputes_h:  # what the fused gate/up GEMM saves: [x_row·w_gateᵀ | x_row·w_upᵀ] per buffer row
@@ -179,15 +195,19 @@ def moe_backward_op(
     timeout_s: float,
     main_grads: list[Tensor],
     weight_grads: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down) of
-    mok.pipeline.backward, ``saved`` being the forward op's outputs after out. The shared expert's
-    gradients are empty tensors when there is none. ``main_grads`` (one fp32 buffer per weight:
-    gate, up, down[, shared gate, up, down], or none): the weight gradients are added into them by
-    the weight-gradient GEMMs themselves, and come out as empty tensors. ``weight_grads=False``
-    (every expert weight frozen): none computed, all six empty. With gate_up_layout="concatenated"
-    d_w_gate is [dW_gate; dW_up] per expert as one [E, 2I, H] tensor and d_w_up empty."""
+    bias_gate: Optional[Tensor] = None, bias_up: Optional[Tensor] = None, bias_down: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_w, d_w_gate, d_w_up, d_w_down, d_shared_gate, d_shared_up, d_shared_down,
+    d_bias_gate, d_bias_up, d_bias_down) of mok.pipeline.backward, ``saved`` being the forward op's
+    outputs after out. The shared expert's gradients are empty tensors when there is none, the
+    biases' when there are none (the biases: as the forward op's). ``main_grads`` (one fp32 buffer
+    per weight: gate, up, down[, shared gate, up, down], or none): the weight gradients are added
+    into them by the weight-gradient GEMMs themselves, and come out as empty tensors.
+    ``weight_grads=False`` (every expert weight frozen): none computed, all nine empty. With
+    gate_up_layout="concatenated" d_w_gate is [dW_gate; dW_up] per expert as one [E, 2I, H] tensor
+    and d_w_up empty."""
     cfg = config_of(config)
+    _biases(cfg, bias_gate, bias_up, bias_down)
     ws = workspace_by_handle(workspace) if workspace else None
     h, shared_h, x_rows, routing, *schedule = saved
     shared = _shared(shared_gate, shared_up, shared_down)
@@ -208,18 +228,22 @@ def moe_backward_op(
 
 
 def _weight_grads_out(g, x: Tensor, added: bool) -> list[Tensor]:
-    """The six weight-gradient outputs: empty where there is no shared expert, and all empty when they
-    went into main_grad buffers (an output may not alias an input) or were not computed."""
+    """The nine weight-gradient outputs (routed, shared, biases): empty where there is no shared
+    expert or no bias, and all empty when they went into main_grad buffers (an output may not alias
+    an input) or were not computed."""
     if added or g.d_w_gate is None:
-        return [x.new_empty(0) for _ in range(6)]
-    return [g.d_w_gate, x.new_empty(0) if g.d_w_up is None else g.d_w_up, g.d_w_down, *(g.d_shared if g.d_shared is not None else [x.new_empty(0) for _ in range(3)])]
+        return [x.new_empty(0) for _ in range(9)]
+    shared = g.d_shared or [x.new_empty(0) for _ in range(3)]
+    biases = g.d_biases or [x.new_empty(0) for _ in range(3)]
+    return [g.d_w_gate, x.new_empty(0) if g.d_w_up is None else g.d_w_up, g.d_w_down, *shared, *biases]
 
 
 @moe_backward_op.register_fake
 def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved, config, workspace, timeout_s, main_grads,
-      weight_grads=True):
+      weight_grads=True, bias_gate=None, bias_up=None, bias_down=None):
     added = len(main_grads) > 0 or not weight_grads
-    grads = [x.new_empty(0) if w is None or added else w.new_empty(w.shape) for w in (w_gate, w_up, w_down, shared_gate, shared_up, shared_down)]
+    params = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down, bias_gate, bias_up, bias_down)
+    grads = [x.new_empty(0) if w is None or added else w.new_empty(w.shape) for w in params]
     if config_of(config).gate_up_concatenated and not added:
         experts, inter, hidden = w_gate.shape
         grads[:2] = [w_gate.new_empty(experts, 2 * inter, hidden), x.new_empty(0)]
@@ -228,34 +252,45 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
 
 @moe_backward_op.register_kernel("cpu")
 def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved, config, workspace, timeout_s, main_grads,
-      weight_grads=True):
+      weight_grads=True, bias_gate=None, bias_up=None, bias_down=None):
     from .reference_backward import moe_backward_reference
 
     _warn_cpu_once()
-    shared = _shared(shared_gate, shared_up, shared_down)
-    g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout, activation=config_of(config).activation)
+    cfg = config_of(config)
+    shared, biases = _shared(shared_gate, shared_up, shared_down), _biases(cfg, bias_gate, bias_up, bias_down)
+    g = moe_backward_reference(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, dout, activation=cfg.activation, biases=biases)
     dx, d_topk_w = g.dx.to(x.dtype), g.d_topk_w.to(topk_w.dtype)
+
+    def empty(count: int) -> list[Tensor]:  # (each output its own tensor: outputs may not alias)
+        return [x.new_empty(0) for _ in range(count)]
+
     if not weight_grads:
-        return dx, d_topk_w, *[x.new_empty(0) for _ in range(6)]
+        return dx, d_topk_w, *empty(9)
     grads = (g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ()))
     for buf, grad in zip(main_grads, grads):
         buf.add_(grad.float())
     if main_grads:
-        return dx, d_topk_w, *[x.new_empty(0) for _ in range(6)]
+        return dx, d_topk_w, *empty(9)
     outs = [grad.to(w.dtype) for grad, w in zip(grads, (w_gate, w_up, w_down, *(shared or ())))]
-    if config_of(config).gate_up_concatenated:
+    if cfg.gate_up_concatenated:
         outs[:2] = [torch.cat(outs[:2], dim=1), x.new_empty(0)]
-    return dx, d_topk_w, *outs, *[x.new_empty(0) for _ in range(6 - len(outs))]
+    d_biases = empty(3) if biases is None else [grad.to(b.dtype) for grad, b in zip(g.d_biases, biases)]
+    return dx, d_topk_w, *outs, *empty(6 - len(outs)), *d_biases
+
+
+BIAS_INPUTS = slice(14, 17)  # mok::moe_forward's bias_gate, bias_up, bias_down
 
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, config, workspace, save, _stacked_in,
-     timeout_s) = inputs
+     timeout_s) = inputs[:14]
+    biases = (*inputs[BIAS_INPUTS], None, None, None)[:3]
     _, *saved = output
     ctx.saved_h, ctx.has_shared, ctx.config, ctx.workspace, ctx.timeout_s = save, shared_gate is not None, config, workspace, timeout_s
+    ctx.has_biases = biases[0] is not None
     weights = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
     ctx.params = main_grad.accumulating_weights(config_of(config).fuse_wgrad_accumulation, *weights)
-    ctx.save_for_backward(x, topk_idx, topk_w, *weights, *saved)
+    ctx.save_for_backward(x, topk_idx, topk_w, *weights, *biases, *saved)
     ctx.mark_non_differentiable(*(t for t in saved if t.is_floating_point()))  # (saved state: a gradient flowing into it would be dropped)
 
 
@@ -263,22 +298,26 @@ def _backward(ctx, d_out, *_unused):
     if not ctx.saved_h:
         raise RuntimeError("mok::moe_forward: called with save=False, so it kept nothing for the backward")
     x, topk_idx, topk_w, *rest = ctx.saved_tensors
-    weights, saved = rest[:6], rest[6:]
-    want = any(ctx.needs_input_grad[3:9])  # any expert weight (routed or shared); all frozen: no weight-gradient GEMM
+    weights, biases, saved = rest[:6], rest[6:9], rest[9:]
+    # any expert weight or bias (routed or shared); all frozen: no weight-gradient GEMM
+    want = any(ctx.needs_input_grad[3:9]) or any(ctx.needs_input_grad[BIAS_INPUTS])
     mains = main_grad.main_grads_of(ctx.params) if want and ctx.params is not None else []
     dx, d_topk_w, *weight_grads = moe_backward_op(
-        d_out.contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, ctx.workspace, ctx.timeout_s, mains, want
+        d_out.contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, ctx.workspace, ctx.timeout_s, mains, want,
+        *(biases if ctx.has_biases else ()),
     )
     if not want:
-        grads = [None] * 6
+        grads = [None] * 9
     elif ctx.params is not None:  # (added into main_grad: what Megatron's protocol hands autograd)
         grads = main_grad.grads_after_accumulation(ctx.params)
-        grads += [None] * (6 - len(grads))
+        grads += [None] * (9 - len(grads))
     else:
         grads = list(weight_grads)
     if not ctx.has_shared:
-        grads = grads[:3] + [None] * 3
-    return dx, None, d_topk_w, *grads, None, None, None, None, None
+        grads[3:6] = [None] * 3
+    if not ctx.has_biases:
+        grads[6:9] = [None] * 3
+    return dx, None, d_topk_w, *grads[:6], None, None, None, None, None, *grads[6:]
 
 
 moe_forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -136,12 +136,15 @@ def check_moe_inputs(
     contiguous: bool = False,
     experts_total: int | None = None,
     check_range: bool = True,
+    biases: tuple | None = None,
 ) -> tuple[int, int, int, int, int]:
     """Validate one MoE layer call; returns (T, H, I, E_local, k).
 
     x [T, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]; topk_idx [T, k] with ids in
     [0, experts_total) (default E_local); topk_w [T, k]; shared None or (gate [I_s, H],
-    up [I_s, H], down [H, I_s]). ``check_range`` reads two scalars back from the device.
+    up [I_s, H], down [H, I_s]); biases None or the routed experts' (gate [E_local, I], up
+    [E_local, I], down [E_local, H]) in the weights' dtype. ``check_range`` reads two scalars back
+    from the device.
     """
     check_tensor("x", x, dtypes=dtypes, ndim=2, contiguous=contiguous)
     num_tokens, hidden = x.shape
@@ -172,6 +175,11 @@ def check_moe_inputs(
         check_tensor("shared.gate", gate, shape=(s_inter, hidden))
         check_tensor("shared.up", up, dtypes=dtypes, shape=(s_inter, hidden), device=dev, contiguous=contiguous)
         check_tensor("shared.down", down, dtypes=dtypes, shape=(hidden, s_inter), device=dev, contiguous=contiguous)
+    if biases is not None:
+        if not isinstance(biases, tuple) or len(biases) != 3:
+            raise TypeError(f"biases: expected None or the experts' (gate, up, down) biases, got {type(biases).__name__}")
+        for name, bias, width in zip(("gate", "up", "down"), biases, (inter, inter, hidden)):
+            check_tensor(f"biases.{name}", bias, dtypes=(w_gate.dtype,), shape=(num_local, width), device=dev, contiguous=contiguous)
     if check_range:
         check_index_range("topk_idx", topk_idx, experts_total)
     return num_tokens, hidden, inter, num_local, topk

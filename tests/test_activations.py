@@ -84,6 +84,27 @@ def test_reference_passes_finite_difference_gradcheck(activation):
     assert torch.autograd.gradcheck(layer, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+def check_layer_matches_the_reference(layer, activation: str):
+    """``layer`` (an fp32 mok.MoELayer, 64 -> 32, 8 experts, top-2) on the CPU with random parameters
+    and external routing: its output and every gradient (x, router weights, every parameter of the
+    experts, biases included) those of mok.reference.moe_reference with ``activation``. Returns the
+    reference's output and the call's inputs (x, idx, topk_w)."""
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(20, 64).requires_grad_()
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(20)]).int()
+    topk_w = torch.rand(20, 2).requires_grad_()
+    out = layer(x, topk_idx=idx, topk_w=topk_w)
+    biases = layer.expert_biases()
+    params = [layer.gate_proj, layer.up_proj, layer.down_proj, *(biases or ())]
+    want = moe_reference(x, idx, topk_w, *params[:3], activation=activation, biases=biases)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(out)
+    for got, ref in zip(torch.autograd.grad(out, [x, topk_w, *params], dout), torch.autograd.grad(want, [x, topk_w, *params], dout)):
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
+    return want.detach(), (x, idx, topk_w)
+
+
 @pytest.mark.parametrize("activation", ["clamped_swiglu", "geglu"])
 def test_layer_on_the_cpu_computes_the_activation(activation):
     """mok.MoELayer(activation=...) on the CPU (the op's reference path): its output and gradients
@@ -92,21 +113,8 @@ def test_layer_on_the_cpu_computes_the_activation(activation):
 
     torch.manual_seed(4)
     layer = MoELayer(64, 32, 8, 2, dtype=torch.float32, activation=activation)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(20, 64).requires_grad_()
-    idx = torch.stack([torch.randperm(8)[:2] for _ in range(20)]).int()
-    topk_w = torch.rand(20, 2).requires_grad_()
-    out = layer(x, topk_idx=idx, topk_w=topk_w)
-    weights = [layer.gate_proj, layer.up_proj, layer.down_proj]
-    want = moe_reference(x, idx, topk_w, *weights, activation=activation)
-    assert torch.allclose(out.float(), want, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(want, moe_reference(x, idx, topk_w, *weights), rtol=1e-2)
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, [x, topk_w, *weights], dout)
-    ref = torch.autograd.grad(want, [x, topk_w, *weights], dout)
-    for g, r in zip(got, ref):
-        assert torch.allclose(g.float(), r, rtol=1e-4, atol=1e-5)
+    want, (x, idx, topk_w) = check_layer_matches_the_reference(layer, activation)
+    assert not torch.allclose(want, moe_reference(x, idx, topk_w, layer.gate_proj, layer.up_proj, layer.down_proj), rtol=1e-2)
 
 
 def test_config_names_the_activations_and_the_gpu_refuses_them_until_run_there():

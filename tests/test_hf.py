@@ -3,8 +3,9 @@
 For a tiny random model of every family the backend covers (two layers, H 64, I 32, 8 experts,
 top-2, fp32): logits and every parameter's gradient equal to the model with transformers' own
 experts backend, generate() gives the same tokens, save_pretrained / from_pretrained keep
-transformers' names and files, torch.compile(fullgraph=True) runs and matches; gpt-oss and a
-model without MoE blocks are refused, naming the supported families.
+transformers' names and files, torch.compile(fullgraph=True) runs and matches; gpt-oss with its
+expert biases, interleaved and transposed gate/up weights and clamped SwiGLU (also with large
+pre-activations, past its clamps); a model without MoE blocks is refused, naming the supported families.
 
 Tolerance: relative (norm-wise, per tensor) 1e-5. Both paths compute in fp32 and differ only in
 summation order (MoK's reference runs the gate and up products separately and sums the k slots in
@@ -27,7 +28,7 @@ mok_hf = pytest.importorskip("mok.integrations.transformers")  # (skips too wher
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "gpt_oss")
 TOL = 1e-5
 VOCAB = 128
 
@@ -276,8 +277,10 @@ def test_describe_names_the_copied_weights_and_the_fused_shared_experts():
         assert e["family"] == "DeepSeek-V3" and e["runs_on_mok"] and not e["problems"]
         assert e["copied_per_call"] == ()  # [E, 2I, H]: its halves read in place (an expert stride of 2·I·H)
         assert e["shared_expert_in_mok"]
-    for family in FAMILIES[:3] + FAMILIES[4:]:
+    for family in FAMILIES[:3] + FAMILIES[4:5]:
         assert all(not e["shared_expert_in_mok"] and e["copied_per_call"] == () for e in mok_hf.describe(tiny_model(family)))
+    gpt_oss = mok_hf.describe(tiny_model("gpt_oss"))  # transposed and interleaved: copied per call
+    assert all(e["copied_per_call"] == ("gate_up_proj", "down_proj", "gate_up_proj_bias") for e in gpt_oss)
 
 
 def saved_bytes(model, ids) -> int:
@@ -370,18 +373,43 @@ def test_a_fused_model_pickles():
         assert torch.equal(back(ids).logits, m(ids).logits)
 
 
-def test_gpt_oss_is_refused_naming_what_is_missing():
-    model = tiny_model("gpt_oss")
-    with pytest.raises(mok_hf.UnsupportedModelError) as info:
-        mok_hf.apply(model)
-    msg = str(info.value)
-    assert "GptOssExperts (gpt-oss)" in msg and "expert biases" in msg and "gate activation" in msg
-    assert "Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, OLMoE" in msg
-    assert model.config._experts_implementation != "mok"  # (refused before anything changed)
-    switched = tiny_model("gpt_oss")  # the from_pretrained(..., experts_implementation="mok") path: refused at the first forward
-    switched.set_experts_implementation("mok")
-    with pytest.raises(mok_hf.UnsupportedModelError, match="expert biases"):
-        switched(tokens())
+@pytest.mark.parametrize("via", ["apply", "experts_implementation"])
+def test_gpt_oss_past_its_clamps_matches_and_another_gate_is_refused(via, mok_calls):
+    """gpt-oss with random expert biases and gate/up weights scaled up so that many pre-activations
+    lie past the clamps (±7): logits and every gradient (the biases' included) as transformers'
+    eager experts. A gpt-oss whose clamp is not 7 is refused before anything changes."""
+    ref = tiny_model("gpt_oss")
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj.mul_(80.0)
+            for bias in (experts.gate_up_proj_bias, experts.down_proj_bias):
+                bias.normal_(0.0, 2.0)
+    m = on_mok(ref, via)
+    ids = tokens()
+    pre = {}
+
+    def keep_input(module, args):  # (a pre-hook that returns None leaves the call as it is)
+        pre.setdefault("x", args[0].detach())
+
+    hook = ref.model.layers[0].mlp.experts.register_forward_pre_hook(keep_input)
+    want_logits, want_grads = logits_and_grads(ref, ids)
+    hook.remove()
+    experts = ref.model.layers[0].mlp.experts
+    h = pre["x"] @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    assert (h.abs() > 7).float().mean() > 0.1  # (the clamps cut)
+    got_logits, got_grads = logits_and_grads(m, ids)
+    assert len(mok_calls) == ref.config.num_hidden_layers
+    assert rel_err(got_logits, want_logits) <= TOL
+    for name, want in want_grads.items():
+        assert rel_err(got_grads[name], want) <= TOL, (name, rel_err(got_grads[name], want))
+    other = tiny_model("gpt_oss")
+    for layer in other.model.layers:
+        layer.mlp.experts.limit = 10.0
+    with pytest.raises(mok_hf.UnsupportedModelError, match=r"GptOssExperts \(gpt-oss\).*its own gate activation"):
+        mok_hf.apply(other)
+    assert other.config._experts_implementation != "mok"  # (refused before anything changed)
 
 
 def test_a_model_without_moe_blocks_is_refused():

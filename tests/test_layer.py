@@ -488,14 +488,14 @@ def test_mxfp8_ops_fake_outputs_have_the_bf16_ops_shapes():
         bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, bf16_config, 0, True, False, 5.0)
         assert [(t.shape, t.dtype) for t in mxfp8] == [(t.shape, t.dtype) for t in bf16]
         grads = torch.ops.mok.moe_backward(x, x, idx, w, *weights, list(mxfp8[1:]), emulated, 0, 5.0, [])
-        assert [t.shape for t in grads] == [t.shape for t in (x, w, *weights)]
+        assert [t.shape for t in grads] == [t.shape for t in (x, w, *weights)] + [(0,)] * 3  # (no biases)
         # h packed in MXFP8, the weight gradients added into main_grad buffers (none returned)
         packed = torch.ops.mok.moe_forward(x, idx, w, *weights, packed_config, 0, True, False, 5.0)
         packed_bf16 = torch.ops.mok.moe_forward(x, idx, w, *weights, packed_bf16_config, 0, True, False, 5.0)
         assert [(t.shape, t.dtype) for t in packed] == [(t.shape, t.dtype) for t in packed_bf16] and packed[1].dtype == torch.uint8
         mains = [torch.empty(t.shape) for t in weights]
         added = torch.ops.mok.moe_backward(x, x, idx, w, *weights, list(packed[1:]), packed_config, 0, 5.0, mains)
-        assert [t.shape for t in added] == [x.shape, w.shape] + [(0,)] * 6
+        assert [t.shape for t in added] == [x.shape, w.shape] + [(0,)] * 9
 
 
 def test_external_ids_are_range_checked_unless_the_caller_says_not_to(monkeypatch):
@@ -557,7 +557,7 @@ def test_copies_and_assigning_loads_keep_the_shared_expert_after_the_routed_ones
 
 def test_frozen_experts_get_no_weight_gradient_computed():
     """With every expert weight frozen (fine-tuning the router, say) the backward op is told so and
-    runs no weight-gradient work: its six weight outputs empty, autograd gets None for them; x's
+    runs no weight-gradient work: its nine weight outputs (routed, shared, biases) empty, autograd gets None for them; x's
     and the router's gradients those of the layer that trains everything."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -581,7 +581,7 @@ def test_frozen_experts_get_no_weight_gradient_computed():
     plain(xp).square().sum().backward()
     with Record() as rec:
         frozen(xf).square().sum().backward()
-    assert rec.calls == [(False, [(0,)] * 6)]
+    assert rec.calls == [(False, [(0,)] * 9)]
     assert all(p.grad is None for p in experts)
     torch.testing.assert_close(xf.grad, xp.grad)
     torch.testing.assert_close(frozen.router.weight.grad, plain.router.weight.grad)

@@ -34,8 +34,13 @@ Shared experts: DeepSeek-V3's (unit weight, ``shared_experts``) run inside MoK's
 unit-weight shared expert cannot express) and stays the model's own code, as do the shared experts
 of any model not passed through :func:`apply`.
 
-Not supported yet (refused with the reason): expert biases, activations other than SwiGLU (gpt-oss's
-clamped ``(up + 1)·gate·σ(1.702·gate)``), ungated experts; on the GPU other dtypes than bf16.
+gpt-oss: its interleaved, transposed gate/up weights, its biases (``gate_up_proj_bias``,
+``down_proj_bias``) and its clamped SwiGLU ``(up + 1)·gate·σ(1.702·gate)`` (MoK's
+``activation="clamped_swiglu"`` and ``expert_bias``) run on the CPU reference path; on the GPU the
+plan refuses them until their kernels have run there.
+
+Not supported yet (refused with the reason): other biases and gate activations, ungated experts; on
+the GPU other dtypes than bf16.
 """
 
 from __future__ import annotations
@@ -93,8 +98,10 @@ SUPPORTED_FAMILIES = {
     "MixtralExperts": "Mixtral",
     "DeepseekV3Experts": "DeepSeek-V3",
     "OlmoeExperts": "OLMoE",
+    "GptOssExperts": "gpt-oss",
 }
-_KNOWN_UNSUPPORTED = {"GptOssExperts": "gpt-oss"}
+_KNOWN_UNSUPPORTED: dict[str, str] = {}
+GPT_OSS_GATE = {"alpha": 1.702, "limit": 7.0}  # GptOssExperts' clamped SwiGLU: MoK's activation="clamped_swiglu"
 
 # MoE blocks whose shared expert MoK runs in its own op (unit weight: out = routed + shared(x)):
 # block class -> (its module, router attribute, experts attribute, shared-expert attribute).
@@ -118,8 +125,10 @@ def _families() -> str:
 
 def _what_mok_runs() -> str:
     return (
-        "MoK runs SwiGLU experts without biases, silu(x·W_gateᵀ)·(x·W_upᵀ)·W_downᵀ, stored as transformers' gate_up_proj "
-        f"and down_proj (on the GPU: bf16, H and I multiples of 8; of 128 with one_launch); supported families: {_families()}"
+        "MoK runs gated experts, act(x·W_gateᵀ + b_gate, x·W_upᵀ + b_up)·W_downᵀ + b_down with SwiGLU (or gpt-oss's clamped "
+        "SwiGLU, with biases: the CPU reference path so far), stored as transformers' gate_up_proj (gate and up concatenated or "
+        "interleaved), down_proj and their biases (on the GPU: bf16, H and I multiples of 8; of 128 with one_launch); "
+        f"supported families: {_families()}"
     )
 
 
@@ -137,22 +146,38 @@ def _uses_default_gate(cls: type) -> bool:
     return getattr(cls, "_apply_gate", _hf_moe._default_apply_gate) is _hf_moe._default_apply_gate
 
 
+def _is_gpt_oss_gate(experts: nn.Module) -> bool:
+    """Whether ``experts`` computes gpt-oss's clamped SwiGLU: GptOssExperts' own _apply_gate with its
+    constants (MoK's activation="clamped_swiglu")."""
+    cls = type(experts)
+    if cls.__name__ != "GptOssExperts" or "_apply_gate" not in vars(cls):
+        return False
+    return all(getattr(experts, name, None) == value for name, value in GPT_OSS_GATE.items())
+
+
+def activation_of(experts: nn.Module) -> str:
+    """MoK's activation for an experts module MoK runs (mok.config.MoKConfig.activation)."""
+    return "clamped_swiglu" if _is_gpt_oss_gate(experts) else "swiglu"
+
+
+def _has_biases(experts: nn.Module) -> bool:
+    """Whether the experts have gate_up_proj_bias and down_proj_bias (gpt-oss's layout of biases)."""
+    return getattr(experts, "gate_up_proj_bias", None) is not None and getattr(experts, "down_proj_bias", None) is not None
+
+
 def _layout_problems(experts: nn.Module) -> list[str]:
     """What keeps MoK from running ``experts`` exactly (empty: nothing)."""
     cls = type(experts)
     problems = []
     if not getattr(experts, "has_gate", True):
-        problems.append("ungated experts (has_gate=False: act(x·W_upᵀ)·W_downᵀ; MoK's are gated, SwiGLU)")
+        problems.append("ungated experts (has_gate=False: act(x·W_upᵀ)·W_downᵀ; MoK's are gated)")
     biases = [n for n in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias") if getattr(experts, n, None) is not None]
-    if getattr(experts, "has_bias", False) or biases:
-        problems.append(f"expert biases ({', '.join(biases) or 'has_bias=True'}; MoK's experts have none)")
-    if not _uses_default_gate(cls):
-        problems.append(
-            f"its own gate activation ({cls.__name__}._apply_gate, not silu(gate)·up"
-            + ("; gpt-oss: clamped (up + 1)·gate·σ(1.702·gate) over interleaved gate/up columns" if cls.__name__ == "GptOssExperts" else "")
-            + ")"
-        )
-    elif not _is_silu(getattr(experts, "act_fn", None)):
+    if (getattr(experts, "has_bias", False) or biases) and not (_has_biases(experts) and len(biases) == 2):
+        problems.append(f"expert biases other than gate_up_proj_bias and down_proj_bias ({', '.join(biases) or 'has_bias=True'})")
+    gpt_oss = _is_gpt_oss_gate(experts)
+    if not gpt_oss and not _uses_default_gate(cls):
+        problems.append(f"its own gate activation ({cls.__name__}._apply_gate: MoK computes silu(gate)·up and gpt-oss's clamped SwiGLU)")
+    elif not gpt_oss and not _is_silu(getattr(experts, "act_fn", None)):
         act = getattr(experts, "act_fn", None)
         problems.append(f"the activation {getattr(act, '__name__', type(act).__name__)} (MoK's SwiGLU applies silu: hidden_act='silu')")
     extra = [n for n, _ in experts.named_children() if n != "act_fn"]
@@ -191,28 +216,41 @@ def _widths(gate_up: torch.Tensor, transposed: bool) -> tuple[int, int]:
     return (gate_up.shape[1], gate_up.shape[2] // 2) if transposed else (gate_up.shape[2], gate_up.shape[1] // 2)
 
 
-def _halves(gate_up: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up weights [E, I, H] as views of ``gate_up`` ([E, 2I, H], or [E, H, 2I] transposed;
-    gate first: transformers' default gate, ``act_fn(gate)·up`` of ``chunk(2)``)."""
+def _halves(gate_up: torch.Tensor, transposed: bool, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up weights [E, I, H] as views of ``gate_up`` ([E, 2I, H], or [E, H, 2I] transposed):
+    its two halves, gate first (transformers' default gate, ``act_fn(gate)·up`` of ``chunk(2)``), or
+    with ``interleaved`` (is_concatenated=False: gpt-oss's) its even and odd rows."""
     inter = _widths(gate_up, transposed)[1]
+    gate, up = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, inter), slice(inter, None))
     if transposed:
-        return gate_up[..., :inter].transpose(1, 2), gate_up[..., inter:].transpose(1, 2)
-    return gate_up[:, :inter], gate_up[:, inter:]
+        return gate_up[..., gate].transpose(1, 2), gate_up[..., up].transpose(1, 2)
+    return gate_up[:, gate], gate_up[:, up]
 
 
 def mok_layout(
-    gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, dtype: torch.dtype | None = None
+    gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, dtype: torch.dtype | None = None, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w_gate, w_up [E, I, H], w_down [E, H, I]) in ``dtype`` (default: theirs), as MoK's op takes
     them, from an experts module's ``gate_up_proj`` and ``down_proj``. A [E, 2I, H] ``gate_up_proj``
     gives its two halves, always of one tensor (MoK's gate_up_layout="concatenated"): views of the
     parameter (each expert's block contiguous, 2·I·H apart, which MoK's kernels read in place), or of
     one cast copy under autocast. ``down_proj`` of that layout is used as it is (cast where needed);
-    the transposed layout is copied. Not autograd-tracked: :class:`_Experts` calls it in its forward
-    and again in its backward."""
-    if transposed:
-        return (*(_as(t, dtype) for t in _halves(gate_up, True)), _as(down.transpose(1, 2), dtype))
+    the transposed and the interleaved layouts are copied. Not autograd-tracked: :class:`_Experts`
+    calls it in its forward and again in its backward."""
+    if transposed or interleaved:
+        return (*(_as(t, dtype) for t in _halves(gate_up, transposed, interleaved)), _as(down.transpose(1, 2) if transposed else down, dtype))
     return (*_halves(_as(gate_up, dtype), False), _as(down, dtype))
+
+
+def mok_biases(
+    gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, dtype: torch.dtype | None = None, interleaved: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """(b_gate, b_up [E, I], b_down [E, H]) in ``dtype`` from ``gate_up_proj_bias`` [E, 2I] (halves, or
+    even and odd columns with ``interleaved``) and ``down_proj_bias``; () without biases."""
+    if gate_up_bias is None:
+        return ()
+    gate, up = _halves(gate_up_bias[:, :, None], False, interleaved)  # (as [E, 2I, 1] weights: [E, I, 1] halves)
+    return _as(gate[..., 0], dtype), _as(up[..., 0], dtype), _as(down_bias, dtype)
 
 
 def _as(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -222,11 +260,19 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | Non
     return t.to(dtype=dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
 
 
-def _gate_up_grad(d_gate: torch.Tensor, d_up: torch.Tensor, transposed: bool) -> torch.Tensor:
+def _joined(gate: torch.Tensor, up: torch.Tensor, dim: int, interleaved: bool) -> torch.Tensor:
+    """``gate`` and ``up`` side by side along ``dim`` (a gradient in gate_up_proj's layout): concatenated, or interleaved."""
+    if not interleaved:
+        return torch.cat([gate, up], dim=dim)
+    pairs = torch.stack([gate, up], dim=dim + 1)  # (.., I, 2, ..)
+    return pairs.flatten(dim, dim + 1)
+
+
+def _gate_up_grad(d_gate: torch.Tensor, d_up: torch.Tensor, transposed: bool, interleaved: bool = False) -> torch.Tensor:
     """The gradient of ``gate_up_proj`` from those of its two halves."""
     if transposed:
-        return torch.cat([d_gate.transpose(1, 2), d_up.transpose(1, 2)], dim=2)
-    return torch.cat([d_gate, d_up], dim=1)
+        return _joined(d_gate.transpose(1, 2), d_up.transpose(1, 2), 2, interleaved)
+    return _joined(d_gate, d_up, 1, interleaved)
 
 
 TIMEOUT_S = 5.0  # (the op's wait bound; only expert parallelism waits, which this backend does not use)
@@ -246,45 +292,54 @@ class _Experts(torch.autograd.Function):
     Autocast is off inside: MoK's op computes at its own precision (its CPU reference in fp32)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, transposed, config, save, dtype, joined_grad):
-        weights = (*mok_layout(gate_up, down, transposed, dtype), *(_as(t, dtype) for t in (shared_gate, shared_up, shared_down)))
+    def forward(ctx, x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, gate_up_bias, down_bias, layout, config, save,
+                dtype, joined_grad):
+        transposed, interleaved = layout
+        weights = (*mok_layout(gate_up, down, transposed, dtype, interleaved), *(_as(t, dtype) for t in (shared_gate, shared_up, shared_down)))
+        biases = mok_biases(gate_up_bias, down_bias, dtype, interleaved)
         with torch.autocast(x.device.type, enabled=False):
-            out, *saved = torch.ops.mok.moe_forward(x, topk_idx, topk_w, *weights, config, 0, save, False, TIMEOUT_S)
-        ctx.transposed, ctx.config, ctx.saved_state, ctx.dtype, ctx.joined_grad = transposed, config, save, dtype, joined_grad
+            out, *saved = torch.ops.mok.moe_forward(x, topk_idx, topk_w, *weights, config, 0, save, False, TIMEOUT_S, *biases)
+        ctx.layout, ctx.config, ctx.saved_state, ctx.dtype, ctx.joined_grad = layout, config, save, dtype, joined_grad
         if save:
-            ctx.save_for_backward(x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, *saved)
+            ctx.save_for_backward(x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, gate_up_bias, down_bias, *saved)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         if not ctx.saved_state:
             raise RuntimeError("MoK experts backend: the forward ran without a gradient wanted, so it kept nothing for a backward")
-        x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, *saved = ctx.saved_tensors
-        want = any(ctx.needs_input_grad[3:8])  # any expert weight (routed or shared); all frozen: no weight-gradient GEMM
+        x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, gate_up_bias, down_bias, *saved = ctx.saved_tensors
+        want = any(ctx.needs_input_grad[3:10])  # any expert weight or bias (routed or shared); all frozen: no weight-gradient GEMM
+        transposed, interleaved = ctx.layout
         shared = (shared_gate, shared_up, shared_down)
-        weights = (*mok_layout(gate_up, down, ctx.transposed, ctx.dtype), *(_as(t, ctx.dtype) for t in shared))
-        joined = ctx.joined_grad
+        weights = (*mok_layout(gate_up, down, transposed, ctx.dtype, interleaved), *(_as(t, ctx.dtype) for t in shared))
+        biases = mok_biases(gate_up_bias, down_bias, ctx.dtype, interleaved)
         with torch.autocast(x.device.type, enabled=False):
-            dx, d_topk_w, d_gate, d_up, d_down, *d_shared = torch.ops.mok.moe_backward(
-                d_out.to(x.dtype).contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, 0, TIMEOUT_S, [], want,
+            dx, d_topk_w, d_gate, d_up, d_down, *rest = torch.ops.mok.moe_backward(
+                d_out.to(x.dtype).contiguous(), x, topk_idx, topk_w, *weights, saved, ctx.config, 0, TIMEOUT_S, [], want, *biases,
             )
+        d_shared, d_biases = rest[:3], rest[3:]
         if not want:
-            grads = [None] * 5
+            grads = [None] * 7
         else:
-            d_down = d_down.transpose(1, 2) if ctx.transposed else d_down
-            d_gate_up = d_gate if joined else _gate_up_grad(d_gate, d_up, ctx.transposed)
+            d_down = d_down.transpose(1, 2) if transposed else d_down
+            d_gate_up = d_gate if ctx.joined_grad else _gate_up_grad(d_gate, d_up, transposed, interleaved)
             grads = [d_gate_up.to(gate_up.dtype), d_down.to(down.dtype)]
             grads += [g.to(p.dtype) for g, p in zip(d_shared, shared)] if shared_gate is not None else [None] * 3
+            has_bias = gate_up_bias is not None
+            grads += [_joined(*d_biases[:2], 1, interleaved).to(gate_up_bias.dtype), d_biases[2].to(down_bias.dtype)] if has_bias else [None] * 2
         return dx, None, d_topk_w, *grads, None, None, None, None, None
 
 
 def copied_weights(experts: nn.Module) -> tuple[str, ...]:
     """The experts' parameters MoK copies on every call (their layout is not MoK's), by name."""
     transposed = bool(getattr(experts, "is_transposed", False))
-    gate, up = _halves(experts.gate_up_proj, transposed)
+    interleaved = not getattr(experts, "is_concatenated", True)
+    gate, up = _halves(experts.gate_up_proj, transposed, interleaved)
     down = experts.down_proj.transpose(1, 2) if transposed else experts.down_proj
     gate_up_copied = not (expert_blocks_contiguous(gate) and expert_blocks_contiguous(up))
-    return (("gate_up_proj",) if gate_up_copied else ()) + (("down_proj",) if not down.is_contiguous() else ())
+    copied = (("gate_up_proj",) if gate_up_copied else ()) + (("down_proj",) if not down.is_contiguous() else ())
+    return copied + (("gate_up_proj_bias",) if interleaved and _has_biases(experts) else ())
 
 
 # ----- the backend
@@ -343,15 +398,19 @@ def moe_experts(
     widths = {"hidden": hidden, "intermediate": inter, "shared_intermediate": shared_inter}
     _check_device(x, widths)
     options = getattr(experts, OPTIONS_ATTR, ())
-    joined_grad = not transposed and dict(options).get("precision", "bf16") == "bf16"  # gate_up_proj's gradient straight from the GEMM
-    if joined_grad:  # (gate_up_proj's halves, read in place; its gradient one tensor)
-        options = tuple(sorted((*options, ("gate_up_layout", "concatenated"))))
+    interleaved = not getattr(experts, "is_concatenated", True)
+    # gate_up_proj's gradient straight from the GEMM: its halves read in place, its gradient one tensor
+    joined_grad = not (transposed or interleaved) and dict(options).get("precision", "bf16") == "bf16"
+    model_options = {"gate_up_layout": "concatenated" if joined_grad else None, "activation": activation_of(experts),
+                     "expert_bias": _has_biases(experts)}
+    options = tuple(sorted((*options, *((k, v) for k, v in model_options.items() if v not in (None, "swiglu", False)))))
     config = _config_text(hidden, inter, num_experts, topk, shared_inter, options)
     idx = top_k_index.reshape(num_tokens, topk).to(torch.int32).contiguous()
     weights = top_k_weights.reshape(num_tokens, topk).to(torch.float32).contiguous()
     sg, su, sd = shared if shared is not None else (None, None, None)
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, gate_up, down, *(shared or ())))
-    out = _Experts.apply(x, idx, weights, gate_up, down, sg, su, sd, transposed, config, save, dtype, joined_grad)
+    biases = (experts.gate_up_proj_bias, experts.down_proj_bias) if _has_biases(experts) else (None, None)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, gate_up, down, *(shared or ()), *(b for b in biases if b is not None)))
+    out = _Experts.apply(x, idx, weights, gate_up, down, sg, su, sd, *biases, (transposed, interleaved), config, save, dtype, joined_grad)
     return out.to(hidden_states.dtype)
 
 
@@ -460,7 +519,7 @@ def layer_options(experts: nn.Module, **options) -> tuple:
     gate_up = experts.gate_up_proj
     hidden, inter = _widths(gate_up, transposed)
     topk = min(getattr(experts.config, "num_experts_per_tok", 1), gate_up.shape[0])
-    MoKConfig(hidden, inter, gate_up.shape[0], topk, **options)
+    MoKConfig(hidden, inter, gate_up.shape[0], topk, activation=activation_of(experts), expert_bias=_has_biases(experts), **options)
     return tuple(sorted((k, v) for k, v in options.items() if v != LAYER_OPTIONS[k]))
 
 

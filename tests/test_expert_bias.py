@@ -1,0 +1,130 @@
+"""Expert biases (MoKConfig.expert_bias, gpt-oss's): b_gate, b_up [E, I] on h_gate and h_up, b_down
+[E, H] on each expert's output. On the CPU (float64 where it checks a formulation): the reference
+against a loop written independently of it, the written-out backward (the kernels' formulation:
+the biases' gradients as per-expert column sums, the router-weight gradient <dout, y> with the down
+bias in y) against autograd and central differences, and mok.MoELayer(bias=True) through the op's
+CPU path."""
+
+import pytest
+import torch
+
+from helpers import random_layer
+from test_activations import check_layer_matches_the_reference
+from mok import MoELayer
+from mok.config import MoKConfig
+from mok.reference import moe_reference
+from mok.reference_backward import moe_backward_reference
+
+ACTIVATIONS = ["swiglu", "clamped_swiglu", "geglu"]
+
+
+def biased_layer(T, H, I, E, k, seed):
+    x, idx, w, experts, _ = random_layer(T, H, I, E, k, None, seed=seed, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed + 1)
+    biases = tuple(torch.randn(E, n, dtype=torch.float64, generator=g) for n in (I, I, H))
+    return x, idx, w.double(), experts, biases
+
+
+def loop_reference(x, idx, w, experts, biases):
+    """out[t] = Σ_j w[t, j]·(silu(x_t·W_g[e]ᵀ + b_g[e])·(x_t·W_u[e]ᵀ + b_u[e])·W_d[e]ᵀ + b_d[e]), token by token."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            h_g = experts[0][e] @ x[t] + biases[0][e]
+            h_u = experts[1][e] @ x[t] + biases[1][e]
+            out[t] += w[t, j] * (experts[2][e] @ (torch.nn.functional.silu(h_g) * h_u) + biases[2][e])
+    return out
+
+
+def test_reference_adds_the_biases_where_a_loop_does():
+    x, idx, w, experts, biases = biased_layer(9, 16, 8, 4, 2, seed=1)
+    got = moe_reference(x, idx, w, *experts, dtype=torch.float64, biases=biases)
+    assert torch.allclose(got, loop_reference(x, idx, w, experts, biases), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, moe_reference(x, idx, w, *experts, dtype=torch.float64), rtol=1e-3)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("T,E,k", [(13, 4, 2), (7, 8, 3), (6, 1, 1)])
+def test_backward_formulation_matches_autograd(T, E, k, activation):
+    """dx, d_topk_w (with <dout, b_down>), every weight's and every bias's gradient; an expert no
+    token chooses gets zero bias gradients."""
+    x, idx, w, experts, biases = biased_layer(T, 16, 8, E, k, seed=T + E)
+    dout = torch.randn(T, 16, generator=torch.Generator().manual_seed(T), dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x, w, *experts, *biases)]
+    moe_reference(leaves[0], idx, leaves[1], *leaves[2:5], dtype=torch.float64, activation=activation,
+                  biases=tuple(leaves[5:])).backward(dout)
+    got = moe_backward_reference(x, idx, w, *experts, None, dout, dtype=torch.float64, activation=activation, biases=biases)
+    flat = [got.dx, got.d_topk_w, got.d_w_gate, got.d_w_up, got.d_w_down, *got.d_biases]
+    for name, g, leaf in zip(["dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down", "d_b_gate", "d_b_up", "d_b_down"], flat, leaves):
+        want = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+        assert torch.allclose(g, want, rtol=1e-10, atol=1e-12), name
+    unused = sorted(set(range(E)) - set(idx.flatten().tolist()))
+    for e in unused:
+        assert not any(b[e].any() for b in got.d_biases)
+
+
+def test_reference_with_biases_passes_finite_difference_gradcheck():
+    x, idx, w, experts, biases = biased_layer(5, 8, 4, 3, 2, seed=9)
+    leaves = [t.clone().requires_grad_() for t in (x, w, *experts, *biases)]
+
+    def layer(x, w, wg, wu, wd, bg, bu, bd):
+        return moe_reference(x, idx, w, wg, wu, wd, dtype=torch.float64, activation="clamped_swiglu", biases=(bg, bu, bd))
+
+    assert torch.autograd.gradcheck(layer, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_layer_with_biases_on_the_cpu():
+    """MoELayer(bias=True): the biases are parameters named gate_bias, up_bias, down_bias, zero at
+    first; with random values the layer's output and every gradient are the reference's."""
+    torch.manual_seed(3)
+    layer = MoELayer(64, 32, 8, 2, dtype=torch.float32, bias=True, activation="clamped_swiglu")
+    assert {"gate_bias", "up_bias", "down_bias"} <= set(dict(layer.named_parameters()))
+    assert layer.down_bias.shape == (8, 64) and not any(b.any() for b in layer.expert_biases())
+    assert "gate_bias" not in dict(MoELayer(64, 32, 8, 2).named_parameters())
+    check_layer_matches_the_reference(layer, "clamped_swiglu")
+
+
+def test_ops_with_biases_pass_opcheck():
+    """mok::moe_forward / moe_backward with the biases: schema, fake tensors (the biases' gradients
+    shaped like them) and the forward's autograd registration."""
+    from mok.torch_ops import config_text
+
+    layer = MoELayer(64, 32, 8, 2, dtype=torch.float32, bias=True, activation="geglu")
+    for b in layer.expert_biases():
+        torch.nn.init.normal_(b)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 64, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(6)]).int()
+    w = torch.rand(6, 2, generator=g)
+    weights = [t.detach() for t in (layer.gate_proj, layer.up_proj, layer.down_proj)]
+    biases = [t.detach() for t in layer.expert_biases()]
+    config = config_text(layer.config)
+    fwd_args = (x, idx, w, *weights, None, None, None, config, 0, True, False, 5.0, *biases)
+    torch.library.opcheck(torch.ops.mok.moe_forward.default, fwd_args)
+    _, *saved = torch.ops.mok.moe_forward(*fwd_args)
+    bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, None, None, None, saved, config, 0, 5.0, [], True, *biases)
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    grads = torch.ops.mok.moe_backward(*bwd_args)
+    assert [tuple(t.shape) for t in grads[8:]] == [(8, 32), (8, 32), (8, 64)]
+
+
+def test_bad_bias_input_is_refused_naming_it():
+    from mok.plan import plan_for
+
+    with pytest.raises(ValueError, match="expert_bias: not with a shared expert"):
+        MoKConfig(64, 32, 8, 2, 32, expert_bias=True)
+    with pytest.raises(ValueError, match="expert_bias: not with fuse_wgrad_accumulation"):
+        MoKConfig(64, 32, 8, 2, expert_bias=True, fuse_wgrad_accumulation=True)
+    with pytest.raises(NotImplementedError, match="expert_bias: not in the GPU kernels yet"):
+        plan_for(MoKConfig(64, 32, 8, 2, expert_bias=True), "sm_90a")
+    x, idx, w, experts, biases = biased_layer(4, 16, 8, 4, 2, seed=2)
+    with pytest.raises(ValueError, match=r"biases.down: expected shape \[4, 16\], got \[4, 8\]"):
+        moe_reference(x, idx, w, *experts, dtype=torch.float64, biases=(biases[0], biases[1], biases[0]))
+    from mok.torch_ops import config_text
+
+    args = (x.float(), idx.int(), w.float(), *(t.float() for t in experts), None, None, None)
+    with pytest.raises(ValueError, match="biases: config.expert_bias is False, so expected none, got some"):
+        torch.ops.mok.moe_forward(*args, config_text(MoKConfig(16, 8, 4, 2)), 0, False, False, 5.0, *(b.float() for b in biases))
+    with pytest.raises(ValueError, match="biases: config.expert_bias is True, so expected the gate, up and down biases, got none"):
+        torch.ops.mok.moe_forward(*args, config_text(MoKConfig(16, 8, 4, 2, expert_bias=True)), 0, False, False, 5.0)
