@@ -32,7 +32,7 @@ def whole_tiles_reason(config: MoKConfig, arch: str) -> str | None:
     if arch not in PERSISTENT_GEMM_ARCHS:
         return f"{arch}'s kernels take whole tiles so far"
     if config.one_launch:
-        return "the one-launch kernel takes whole tiles so far; pass one_launch=False"
+        return "the one-launch kernel's partial tiles have not run on a GPU yet; pass one_launch=False"
     if config.precision != "bf16":
         return f"precision={config.precision!r}: MXFP8 blocks tile every width"
     return None

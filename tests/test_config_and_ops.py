@@ -344,7 +344,7 @@ def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
     with pytest.raises(ValueError, match=rf"saved.h: expected shape \[{mine.capacity}, 256\], got \[{mine.capacity}, 128\]"):
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h[:, :I].contiguous()))
     # (the widths are the configuration's, refused by its plan before the tensors are looked at)
-    widths = r"config: expected hidden, intermediate multiples of 128 \(the one-launch kernel takes whole tiles so far; pass one_launch=False\), got hidden=128, intermediate=64"
+    widths = r"config: expected hidden, intermediate multiples of 128 \(the one-launch kernel's partial tiles have not run on a GPU yet; pass one_launch=False\), got hidden=128, intermediate=64"
     with pytest.raises(ValueError, match=widths):
         moe_backward(dout, x, idx, w, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), None,
                      ForwardResult(None, mine, h[:, :I].contiguous()), one_launch=True)

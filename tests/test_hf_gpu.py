@@ -235,7 +235,7 @@ def test_widths_that_are_not_multiples_of_128_run_and_one_launch_refuses_them():
     for name, want in want_grads.items():
         assert rel_err(got_grads[name], want) <= 3e-2, name
     mok_hf.apply(m, one_launch=True)
-    with pytest.raises(ValueError, match=r"multiples of 128 \(the one-launch kernel takes whole tiles.*hidden=64, intermediate=32"):
+    with pytest.raises(ValueError, match=r"multiples of 128 \(the one-launch kernel's partial tiles have not run on a GPU yet.*hidden=64, intermediate=32"):
         m(ids)
 
 

@@ -68,7 +68,7 @@ def scheduled_expert_mlp(
 
     x [T, H] bf16; topk_idx [T, k] int32 (ids in [0, E), not checked here:
     :func:`mok.validation.check_moe_inputs`); topk_w [T, k] fp32; w_gate, w_up [E, I, H]; w_down
-    [E, H, I] (H, I multiples of 128; w_gate and w_up may be the halves of one [E, 2I, H] tensor,
+    [E, H, I] (H, I multiples of 8; w_gate and w_up may be the halves of one [E, 2I, H] tensor,
     read in place: mok.validation.gate_up_expert_stride). ``h_out`` [R, 2I]: keep h for the backward (R the worst
     case's rows); ``shared_out`` [T, H]: a shared expert's output, added by the combine.
     ``grid_sync``: the barriers' GRID_SYNC_WORDS int32 words, zero when first used and kept across
@@ -92,8 +92,8 @@ def scheduled_expert_mlp(
     check_tensor("w_up", w_up, dtypes=BF16, shape=(num_experts, inter, hidden), device=x.device)
     gate_up_stride = gate_up_expert_stride(w_gate, w_up)
     check_tensor("w_down", w_down, dtypes=BF16, shape=(num_experts, hidden, inter), device=x.device, contiguous=True)
-    if hidden % TILE or inter % TILE:
-        raise ValueError(f"w_gate: expected H and I multiples of {TILE}, got H={hidden}, I={inter}")
+    if hidden % 8 or inter % 8:
+        raise ValueError(f"w_gate: expected H and I multiples of 8 (16-byte rows), got H={hidden}, I={inter}")
     if shared_in_routed:
         if shared_out is not None or num_experts < 2:
             raise ValueError(

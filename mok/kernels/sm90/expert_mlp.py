@@ -110,8 +110,8 @@ class ExpertMlpSm90:
         layout) and dequantizes each row as it is copied into x_all (common/ep_phases.py).
         ``gate_up_stride``: elements from one expert's w_gate (and w_up) to the next (None: I·H; 2·I·H
         for the halves of one [E, 2I, H] tensor). ``activation``: fc1's gated activation."""
-        if hidden % TILE or inter % TILE:
-            raise ValueError(f"hidden, inter: expected multiples of {TILE}, got H={hidden}, I={inter}")
+        if hidden % VECTOR or inter % VECTOR:
+            raise ValueError(f"hidden, inter: expected multiples of {VECTOR} (16-byte rows), got H={hidden}, I={inter}")
         if ep_world is not None and (not 1 <= ep_world <= 32 or topk > 32):
             raise ValueError(f"ep_world: expected 1..32 ranks, top-k <= 32 (a lane per slot); got {ep_world}, topk={topk}")
         if shared_prefix and (ep_world is not None or not has_shared):
@@ -275,7 +275,7 @@ class ExpertMlpSm90:
         m_shared = row_major(shared_ptr, combined, hid)
         m_out = row_major(out_ptr, combined, hid)
         combine_args = (m_y_combined, m_token_w, m_slot_row, m_shared, m_out)
-        all_tiles = num_row_tiles * (inter // TILE + hid // self.fc2_tile_n)
+        all_tiles = num_row_tiles * (self.fc1.col_tiles + self.fc2.col_tiles)
         grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
@@ -314,8 +314,8 @@ class ExpertMlpSm90:
         tiled_mma, mma2, a_smem, b_smem, a2_smem, b2_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        fc1_cols, fc2_cols = self.inter // TILE, self.hidden // self.fc2_tile_n
-        k1_tiles, k2_tiles = self.hidden // TILE_K, self.inter // TILE_K
+        fc1_cols, fc2_cols = self.fc1.col_tiles, self.fc2.col_tiles  # (partial last tiles where the widths are not multiples)
+        k1_tiles, k2_tiles = self.fc1.k_tiles, self.fc2.k_tiles
         if warp_idx == 0:
             self.fc1.prefetch(fc1_loads[2], fc1_loads[4], fc2_loads[0], fc2_loads[2])
 
@@ -562,7 +562,7 @@ class ExpertMlpSm90:
         words' timeout count, which outlives the launch and which the host reads:
         :func:`mok.ops.raise_grid_timeouts`, the EP workspace's check; flags[0] does not, the next
         schedule launch clears it) and go on: wrong output, no hang."""
-        target = self.inter // TILE
+        target = self.fc1.col_tiles
         if wait_at_least(m_ready.iterator + tile_row, target, timeout_ns, "gpu") < target:
             m_flags[0] = 1
             cute.arch.atomic_add(sync_ptr + 2, cutlass.Int32(1), scope="gpu")
