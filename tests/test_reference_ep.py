@@ -20,18 +20,22 @@ def _tokens_per_rank(world):
     return [5 + 3 * r for r in range(world)]  # uneven on purpose
 
 
-def _global_problem(world, num_experts, topk, skew):
+def _global_problem(world, num_experts, topk, skew, biased=False):
+    """x, idx, w, the experts (with ``biased`` their (gate, up, down) biases after the weights), shared."""
     total = sum(_tokens_per_rank(world))
     x, idx, w, experts, shared = random_layer(total, HIDDEN, INTER, num_experts, topk, SHARED_INTER, seed=world * 100 + topk)
     if skew:  # every token of every rank on the last k experts: the first ranks get no rows
         base = num_experts - topk
         idx = torch.stack([torch.full((total,), base + j, dtype=torch.int32) for j in range(topk)], 1)
+    if biased:
+        g = torch.Generator().manual_seed(world)
+        experts = (*experts, *(torch.randn(num_experts, n, generator=g) for n in (INTER, INTER, HIDDEN)))
     return x, idx, w, experts, shared
 
 
-def _rank_step(rank, world, num_experts, topk, skew):
+def _rank_step(rank, world, num_experts, topk, skew, biased=False):
     """This rank's slice of the global problem through the EP reference, forward and backward."""
-    x, idx, w, experts, shared = _global_problem(world, num_experts, topk, skew)
+    x, idx, w, experts, shared = _global_problem(world, num_experts, topk, skew, biased)
     counts = _tokens_per_rank(world)
     lo = sum(counts[:rank])
     sl = slice(lo, lo + counts[rank])
@@ -40,18 +44,19 @@ def _rank_step(rank, world, num_experts, topk, skew):
     leaves = [x[sl].clone().requires_grad_(), w[sl].clone().requires_grad_()]
     leaves += [t[esl].clone().requires_grad_() for t in experts]
     leaves += [t.clone().requires_grad_() for t in shared]
-    out = moe_reference_ep(leaves[0], idx[sl], leaves[1], *leaves[2:5], tuple(leaves[5:]))
+    biases = tuple(leaves[5:8]) if biased else None  # (after the routed weights; the shared expert's then follow)
+    out = moe_reference_ep(leaves[0], idx[sl], leaves[1], *leaves[2:5], tuple(leaves[-3:]), biases=biases)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
     out.backward(dout)
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]  # unused experts: zero
     return {"out": out.detach(), "dout": dout, "grads": grads}
 
 
-def _worker(rank, world, num_experts, topk, skew, init_file, out_dir):
+def _worker(rank, world, num_experts, topk, skew, biased, init_file, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.save(_rank_step(rank, world, num_experts, topk, skew), os.path.join(out_dir, f"{rank}.pt"))
+        torch.save(_rank_step(rank, world, num_experts, topk, skew, biased), os.path.join(out_dir, f"{rank}.pt"))
         dist.barrier()  # no rank tears gloo down while a peer still has an exchange in flight
     finally:
         dist.destroy_process_group()
@@ -71,15 +76,20 @@ def _teardown_worker(rank, world, init_file, out_dir):
     torch.save(group() is None, os.path.join(out_dir, f"released{rank}.pt"))
 
 
-@pytest.mark.parametrize("world,num_experts,topk,skew", [(2, 8, 2, False), (2, 4, 1, True), (4, 8, 3, False), (4, 16, 8, True)])
-def test_ep_reference_equals_single_process(tmp_path, world, num_experts, topk, skew):
+@pytest.mark.parametrize("world,num_experts,topk,skew,biased", [
+    (2, 8, 2, False, False), (2, 4, 1, True, False), (4, 8, 3, False, False), (4, 16, 8, True, False), (2, 8, 2, False, True),
+])
+def test_ep_reference_equals_single_process(tmp_path, world, num_experts, topk, skew, biased):
+    """Forward bitwise, gradients to fp32 order; with ``biased`` the experts' biases (each rank its
+    experts' slice, their gradients too)."""
     torch.set_num_threads(1)
-    mp.spawn(_worker, args=(world, num_experts, topk, skew, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    mp.spawn(_worker, args=(world, num_experts, topk, skew, biased, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     parts = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
 
-    x, idx, w, experts, shared = _global_problem(world, num_experts, topk, skew)
+    x, idx, w, experts, shared = _global_problem(world, num_experts, topk, skew, biased)
     leaves = [t.clone().requires_grad_() for t in (x, w, *experts, *shared)]
-    want = moe_reference(leaves[0], idx, leaves[1], *leaves[2:5], tuple(leaves[5:]))
+    biases = tuple(leaves[5:8]) if biased else None
+    want = moe_reference(leaves[0], idx, leaves[1], *leaves[2:5], tuple(leaves[-3:]), biases=biases)
     want.backward(torch.cat([p["dout"] for p in parts]))
 
     # forward: bitwise equal (every expert sees the same rows in the same order)
@@ -90,9 +100,10 @@ def test_ep_reference_equals_single_process(tmp_path, world, num_experts, topk, 
 
     assert close(torch.cat([p["grads"][0] for p in parts]), leaves[0].grad)  # dx
     assert close(torch.cat([p["grads"][1] for p in parts]), leaves[1].grad)  # d topk_w
-    for i in (2, 3, 4):  # routed weights: each rank holds its experts' slice
+    routed = len(experts)  # the routed weights (and biases): each rank holds its experts' slice
+    for i in range(2, 2 + routed):
         assert close(torch.cat([p["grads"][i] for p in parts]), leaves[i].grad)
-    for i in (5, 6, 7):  # shared expert: replicated, per-rank contributions sum to the total
+    for i in range(2 + routed, 5 + routed):  # shared expert: replicated, per-rank contributions sum to the total
         assert close(sum(p["grads"][i] for p in parts), leaves[i].grad)
 
 
