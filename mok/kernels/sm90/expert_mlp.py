@@ -124,8 +124,8 @@ class ExpertMlpSm90:
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.has_shared = has_shared
         self.fc1 = GroupedGemmSm90(
-            inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True, b_expert_stride=gate_up_stride,
-            activation=activation,
+            inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True,
+            b_expert_stride=gate_up_stride, activation=activation,
         )
         self.fc2 = GroupedGemmSm90(  # EP: y rows pushed into their tokens' ranks
             hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, topk=topk, scatter=ep_world is not None

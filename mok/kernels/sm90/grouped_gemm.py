@@ -59,8 +59,9 @@ PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgr
 
 class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, the gated
-    activation, and the Hopper variants (persistent, gather_a, scatter, pingpong). N and K need not be multiples of the
-    tile: TMA zero-fills the loads past them and clips the stores (see the module docstring)."""
+    activation, and the Hopper variants (persistent, gather_a, scatter, pingpong). N and K need not
+    be multiples of the tile: TMA zero-fills the loads past them and clips the stores (see the
+    module docstring)."""
 
     partial_tiles = True
 
@@ -300,7 +301,8 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         t_as, t_ag = self.tma_split(tma_a, s_a, g_a)
         t_ag2 = t_ag  # k_split: A's second half (the K tiles of dh_up)
         if cutlass.const_expr(self.k_split):
-            t_ag2 = self.tma_split(tma_a, s_a, cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 1), proj=(1, None, 1)))[1]
+            g_a2 = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 1), proj=(1, None, 1))
+            t_ag2 = self.tma_split(tma_a, s_a, g_a2)[1]
         t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
         t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
         return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s, t_ag2)
@@ -314,7 +316,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     @cute.jit
     def load_stage(self, ab_pipe, prod, loads):
         """Warp 0: wait for a free stage, then TMA-load the next A tile and B tile(s) into it."""
-        tma_a, t_ag, t_as = loads[:3]
+        tma_a, t_ag, t_as, t_ag2 = loads[0], loads[1], loads[2], loads[9]  # (t_ag2: k_split's second half of A)
         ab_pipe.producer_acquire(prod)
         bar = ab_pipe.producer_get_barrier(prod)
         k_tile = prod.count
@@ -323,7 +325,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             if k_tile < half:
                 cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
             else:
-                cute.copy(tma_a, loads[9][(None, k_tile - half)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+                cute.copy(tma_a, t_ag2[(None, k_tile - half)], t_as[(None, prod.index)], tma_bar_ptr=bar)
         else:
             cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
         self.load_b(prod, loads, k_tile, bar)
