@@ -223,9 +223,10 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
+        extra = (f", activation={c.activation!r}" if c.activation != "swiglu" else "") + (", bias=True" if c.expert_bias else "")
         return (
             f"hidden={c.hidden}, intermediate={c.intermediate}, num_experts={c.num_experts}, topk={c.topk}, "
-            f"shared_intermediate={c.shared_intermediate}, ep_size={c.ep_size}"
+            f"shared_intermediate={c.shared_intermediate}, ep_size={c.ep_size}{extra}"
         )
 
     def workspace(self):

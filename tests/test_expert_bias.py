@@ -82,6 +82,7 @@ def test_layer_with_biases_on_the_cpu():
     assert {"gate_bias", "up_bias", "down_bias"} <= set(dict(layer.named_parameters()))
     assert layer.down_bias.shape == (8, 64) and not any(b.any() for b in layer.expert_biases())
     assert "gate_bias" not in dict(MoELayer(64, 32, 8, 2).named_parameters())
+    assert layer.extra_repr().endswith("activation='clamped_swiglu', bias=True")
     check_layer_matches_the_reference(layer, "clamped_swiglu")
 
 
