@@ -320,14 +320,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         ab_pipe.producer_acquire(prod)
         bar = ab_pipe.producer_get_barrier(prod)
         k_tile = prod.count
-        if cutlass.const_expr(self.k_split):  # K's halves each bounded at K/2 (their last K tiles zero-filled past it)
-            half = self.half_k_tiles
-            if k_tile < half:
-                cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
-            else:
-                cute.copy(tma_a, t_ag2[(None, k_tile - half)], t_as[(None, prod.index)], tma_bar_ptr=bar)
-        else:
-            cute.copy(tma_a, t_ag[(None, k_tile)], t_as[(None, prod.index)], tma_bar_ptr=bar)
+        self.load_k_tile((tma_a, t_ag), (tma_a, t_ag2), t_as[(None, prod.index)], k_tile, bar)
         self.load_b(prod, loads, k_tile, bar)
         ab_pipe.producer_commit(prod)
 
@@ -335,16 +328,23 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     def load_b(self, prod, loads, k_tile, bar):
         """TMA-load the B tile(s) of K tile ``k_tile`` into stage ``prod.index``."""
         tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s = loads[3:9]
+        self.load_k_tile((tma_b, t_bg), (tma_b2, t_b2g), t_bs[(None, prod.index)], k_tile, bar)
+        if cutlass.const_expr(self.num_b == 2 and not self.k_split):
+            cute.copy(tma_b2, t_b2g[(None, k_tile)], t_b2s[(None, prod.index)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def load_k_tile(self, first, second, dst, k_tile, bar):
+        """TMA-load K tile ``k_tile`` of one operand into ``dst``: from ``first`` (TMA atom, its gmem
+        partition), or with k_split the K tiles of K's second half from ``second``, each half's
+        tiles bounded at K/2 (their last one zero-filled past it)."""
         if cutlass.const_expr(self.k_split):
             half = self.half_k_tiles
             if k_tile < half:
-                cute.copy(tma_b, t_bg[(None, k_tile)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
+                cute.copy(first[0], first[1][(None, k_tile)], dst, tma_bar_ptr=bar)
             else:
-                cute.copy(tma_b2, t_b2g[(None, k_tile - half)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
+                cute.copy(second[0], second[1][(None, k_tile - half)], dst, tma_bar_ptr=bar)
         else:
-            cute.copy(tma_b, t_bg[(None, k_tile)], t_bs[(None, prod.index)], tma_bar_ptr=bar)
-            if cutlass.const_expr(self.num_b == 2):
-                cute.copy(tma_b2, t_b2g[(None, k_tile)], t_b2s[(None, prod.index)], tma_bar_ptr=bar)
+            cute.copy(first[0], first[1][(None, k_tile)], dst, tma_bar_ptr=bar)
 
     @cute.jit
     def gather_tile(self, ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles):
