@@ -42,6 +42,7 @@ class LayerContext:
     shared: SharedExpert | tuple | None
     saved: ForwardResult
     config: MoKConfig | None = None  # (the forward's; backward refuses another)
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the routed experts' (config.expert_bias)
 
 
 _WORKSPACES = PerGroupCache()  # group -> {settings: workspace}
@@ -106,7 +107,7 @@ def _check_config(config: MoKConfig) -> None:
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
 
 
-def _plan(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, shared, check_routing: bool = False) -> Plan:
+def _plan(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, shared, check_routing: bool = False, biases=None) -> Plan:
     """The plan of ``config`` on x's GPU (TypeError/ValueError for what is not a MoKConfig or a CUDA
     tensor). Off a GPU the tensors are checked first as the pipelines check them (against each other,
     the config and the workspace: mok.pipeline.forward.check_inputs), so that what is wrong with
@@ -115,7 +116,7 @@ def _plan(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, shared, ch
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.device.type != "cuda":
-        check_inputs(config, workspace, x, topk_idx, topk_w, weights, shared, check_routing=check_routing)
+        check_inputs(config, workspace, x, topk_idx, topk_w, weights, shared, check_routing=check_routing, biases=biases)
         raise ValueError(f"x: expected a CUDA tensor, got one on {x.device} (mok.MoELayer runs the reference path on the CPU)")
     return plan_for_device(config, x.device)
 
@@ -129,20 +130,24 @@ def forward(
     save_for_backward: bool = True,
     check_routing: bool = True,
     timeout_s: float = 5.0,
+    biases: tuple | None = None,
 ) -> tuple[torch.Tensor, LayerContext]:
     """Layer output [T, H] bf16 and the context ``backward`` takes (mok.pipeline.forward, as
     ``config`` says: precision, one launch, saved-h format, dispatch format; with
     ``saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py; with "recompute" no h,
     the backward computes it again). ``check_routing`` range-checks the expert ids (one host read;
-    pass False inside CUDA-graph capture); ``timeout_s`` (EP > 1) bounds every wait on a peer rank."""
-    plan = _plan(config, workspace, x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, check_routing)
+    pass False inside CUDA-graph capture); ``timeout_s`` (EP > 1) bounds every wait on a peer rank.
+    ``biases``: the routed experts' (b_gate, b_up [E_local, I], b_down [E_local, H], e.g. an
+    ExpertBiases), exactly when ``config.expert_bias``; the backward then returns their gradients."""
+    biases = None if biases is None else tuple(biases)
+    plan = _plan(config, workspace, x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, check_routing, biases)
     res = pipeline.forward(
         plan, x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, workspace=workspace, save=save_for_backward,
-        check_routing=check_routing, timeout_s=timeout_s,
+        check_routing=check_routing, timeout_s=timeout_s, biases=biases,
     )
     if save_for_backward and config.saved_h_format == "mxfp8":
         res = pack_saved(res)
-    return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res, config)
+    return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res, config, biases)
 
 
 def backward(
@@ -161,6 +166,8 @@ def backward(
     With ``config.gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert as one
     [E, 2I, H] tensor and d_w_up None.
 
+    With the forward's ``biases`` their gradients come as ``d_biases`` (gate, up, down).
+
     At EP > 1: this rank's dx and d_topk_w, its experts' weight gradients, and the shared
     expert's over this rank's tokens (sum those over ranks, as data-parallel gradients).
     """
@@ -176,8 +183,8 @@ def backward(
             f"{'one fp32 buffer per weight' if config.fuse_wgrad_accumulation else 'None'}, got "
             f"{'None' if main_grads is None else type(main_grads).__name__}"
         )
-    plan = _plan(config, workspace, ctx.x, ctx.topk_idx, ctx.topk_w, ctx.weights, ctx.shared)
+    plan = _plan(config, workspace, ctx.x, ctx.topk_idx, ctx.topk_w, ctx.weights, ctx.shared, biases=ctx.biases)
     return pipeline.backward(
         plan, dout, ctx.x, ctx.topk_idx, ctx.topk_w, ctx.weights, ctx.shared, ctx.saved, workspace=workspace, grad_dtype=grad_dtype,
-        main_grads=main_grads, timeout_s=timeout_s,
+        main_grads=main_grads, timeout_s=timeout_s, biases=ctx.biases,
     )

@@ -15,6 +15,7 @@ import sys
 from . import __version__
 from .bench.layer import PASS_ALIASES, PASSES, PATHS, PLOT_METRICS, PRESETS, parse_choices, parse_models, presets_table, resolve_shapes
 from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, GATE_UP_LAYOUTS, PRECISIONS, SAVED_H_FORMATS, MoKConfig
+from .kernels.constants import ACTIVATIONS
 
 NO_GPU_MESSAGE = (
     "No CUDA GPU is visible, so there is nothing to benchmark: MoK's layer runs on Hopper (sm_90a) GPUs "
@@ -76,6 +77,9 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate-up-layout", choices=GATE_UP_LAYOUTS, default="separate",
                    help="how the gate and up weights are stored; concatenated (one [E, 2I, H] tensor, as transformers' "
                         "gate_up_proj) adds the kernels that read its halves in place (MoKConfig.gate_up_layout)")
+    p.add_argument("--activation", choices=ACTIVATIONS, default="swiglu",
+                   help="the experts' gated activation (MoKConfig.activation; gpt-oss: clamped_swiglu)")
+    p.add_argument("--expert-bias", action="store_true", help="the routed experts have biases (MoKConfig.expert_bias; gpt-oss)")
 
 
 def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=None) -> tuple[MoKConfig, str | None]:
@@ -105,7 +109,7 @@ def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=Non
         given["shared_intermediate"] = given["shared_intermediate"] or None
     values = {**base, **given, "one_launch": args.one_launch, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation,
               "saved_h_format": args.saved_h_format, "dispatch_format": args.dispatch_format, "precision": args.precision,
-              "gate_up_layout": args.gate_up_layout}
+              "gate_up_layout": args.gate_up_layout, "activation": args.activation, "expert_bias": args.expert_bias}
     if args.ep_size is not None or default_ep == 1:
         return MoKConfig(**values, ep_size=args.ep_size if args.ep_size is not None else default_ep), None
     try:
@@ -164,6 +168,7 @@ def _describe(config: MoKConfig) -> str:
     options = [f"{f}={getattr(config, f)!r}" for f in ("precision", "saved_h_format", "dispatch_format") if getattr(config, f) != "bf16"]
     options += [f for f in ("one_launch", "fuse_wgrad_accumulation") if getattr(config, f)]
     options += [f"gate_up_layout={config.gate_up_layout!r}"] if config.gate_up_concatenated else []
+    options += ([f"activation={config.activation!r}"] if config.activation != "swiglu" else []) + (["expert_bias"] if config.expert_bias else [])
     return (f"H {config.hidden}, I {config.intermediate}, {config.num_experts} experts, top-{config.topk}, {shared}, "
             f"ep_size {config.ep_size}" + (f", {', '.join(options)}" if options else ""))
 
@@ -179,7 +184,7 @@ def _cmd_precompile(args: argparse.Namespace) -> int:
     cache = KernelCache(args.cache_dir)
     for shape in shapes:
         config, fallback = _resolve_config(args, arch, shape)
-        refused = refusal(config, arch) is not None
+        refused = refusal(config, arch, unverified_ok=True) is not None
         if not refused:
             name = f"{shape.model} preset: " if shape is not None else ""
             print(f"precompile for {arch}: {name}{_describe(config)}", file=sys.stderr)

@@ -68,7 +68,8 @@ class MoKConfig:
     (mok/kernels/common/gated_activation.py), with the router-weight gradient as for SwiGLU.
     expert_bias: the routed experts have biases (gpt-oss's): b_gate, b_up [E, I] added to h_gate and
     h_up, b_down [E, H] to each expert's output y (so the router-weight gradient <dout, y> includes
-    it); the backward returns their gradients. Not with fuse_wgrad_accumulation or a shared expert so far.
+    it); the backward returns their gradients. bf16 precision and the staged launches only, without
+    fuse_wgrad_accumulation or a shared expert, so far.
     """
 
     hidden: int
@@ -170,9 +171,11 @@ def check_combination(config: "MoKConfig") -> None:
                 f"gate_up_layout='concatenated': not with {', '.join(k for k, v in others.items() if v)} (its one [E, 2I, H] "
                 "gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
             )
-    if config.expert_bias and (config.fuse_wgrad_accumulation or config.has_shared_expert):
-        what = "fuse_wgrad_accumulation" if config.fuse_wgrad_accumulation else "a shared expert"
-        raise ValueError(f"expert_bias: not with {what} (not written yet)")
+    if config.expert_bias:
+        others = {"fuse_wgrad_accumulation": config.fuse_wgrad_accumulation, "a shared expert": config.has_shared_expert,
+                  "one_launch": config.one_launch, f"precision={config.precision!r}": config.precision != "bf16"}
+        if any(others.values()):
+            raise ValueError(f"expert_bias: not with {', '.join(k for k, v in others.items() if v)} (not written yet)")
     if config.dispatch_format == "mxfp8":
         if config.ep_size == 1:
             raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")

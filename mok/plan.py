@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from .config import MoKConfig
 from .kernels import KernelVariant
 from .kernels.variants import (
-    combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
-    router_grad_variant, schedule_variant, swiglu_backward_pingpong, weight_grad_variant,
+    column_sums_variant, combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
+    router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong, weight_grad_variant,
 )
 from .runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
@@ -49,19 +49,28 @@ def check_tiled_widths(name: str, widths: dict, reason: str | None = "the fused 
         raise ValueError(f"{name}: expected {', '.join(widths)} multiples of {step} ({why}), got {got}")
 
 
-def refusal(config: MoKConfig, arch: str) -> str | None:
-    """Why a layer of ``config`` does not run on ``arch`` (None when it does)."""
+def refusal(config: MoKConfig, arch: str, *, unverified_ok: bool = False) -> str | None:
+    """Why a layer of ``config`` does not run on ``arch`` (None when it does). ``unverified_ok``: not
+    for kernels that are built but have not run on a GPU yet (:func:`unverified`; precompile builds them)."""
     if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
         return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
     if arch not in PERSISTENT_GEMM_ARCHS and (config.ep_size > 1 or config.one_launch):
         what = "ep_size > 1" if config.ep_size > 1 else "one_launch"
         return f"{what}: not on {arch} yet (its kernels there are the single-GPU layer's one-tile GEMMs); pass ep_size=1 and one_launch=False"
-    if config.activation != "swiglu":
-        return (f"activation={config.activation!r}: its kernels are built (Plan.variants) but have not run on a GPU yet; "
-                "the CPU reference path computes it")
-    if config.expert_bias:
-        return "expert_bias: not in the GPU kernels yet; the CPU reference path computes it"
-    return None
+    if config.expert_bias and arch not in PERSISTENT_GEMM_ARCHS:
+        return f"expert_bias: not in {arch}'s kernels yet (Hopper's add them); the CPU reference path computes them"
+    return None if unverified_ok else unverified(config)
+
+
+def unverified(config: MoKConfig) -> str | None:
+    """What of ``config`` runs on kernels that are built (Plan.variants, precompile) but have not run
+    on a GPU yet, so that the layer refuses it there (None: nothing): the activations beside SwiGLU
+    (tests/test_activations_gpu.py) and the expert biases (tests/test_expert_bias_gpu.py)."""
+    found = [what for what, on in ((f"activation={config.activation!r}", config.activation != "swiglu"),
+                                   ("expert_bias", config.expert_bias)) if on]
+    if not found:
+        return None
+    return f"{' and '.join(found)}: the kernels are built (Plan.variants) but have not run on a GPU yet; the CPU reference path computes them"
 
 
 def shared_in_routed_possible(config: MoKConfig) -> bool:
@@ -116,6 +125,11 @@ class Plan:
         """Whether a shared expert may run in the routed experts' launches (:func:`shared_in_routed_possible`)."""
         return shared_in_routed_possible(self.config)
 
+    @property
+    def _bias(self) -> dict:
+        """The grouped GEMMs' ``bias`` option where the experts have biases (only then a key)."""
+        return {"bias": True} if self.config.expert_bias else {}
+
     def variants(self) -> list[KernelVariant]:
         """Every kernel variant this plan's forward and backward launch (the built-in router's GEMMs
         included), each once: what precompile builds."""
@@ -146,11 +160,12 @@ class Plan:
             if not self.gather_in_gemm and not self.ep:
                 v.append(gather_variant(h))
             for save_h in (False, True):
-                v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm, activation=act)
+                v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm, activation=act,
+                                         **self._bias)
             if self.ep:
-                v.append(grouped_gemm_variant(h, i, scatter=True, topk=k))
+                v.append(grouped_gemm_variant(h, i, scatter=True, topk=k, **self._bias))
             else:
-                v += self._gemm_variants(h, i)
+                v += self._gemm_variants(h, i, **self._bias)
         if shared:  # in launches of its own (weights that do not lie after the routed experts', or EP)
             for epilogue in ("swiglu", "swiglu_save"):
                 v.append(grouped_gemm_variant(c.shared_intermediate, h, epilogue=epilogue, persistent=persistent, activation=act))
@@ -166,15 +181,18 @@ class Plan:
         h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
         v = [gather_variant(h), gather_variant(h, sources=2)] if not self.ep else []
         v += self._swiglu_backward_variants(i, h, topk=k)
+        parts = -(-i // default_tile_n(i, h, True)) + int(c.expert_bias)  # the router-gradient pieces per row (the down bias's last)
         if self.ep:
             v.append(grouped_gemm_variant(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True))
-            v.append(router_grad_variant(k, -(-i // default_tile_n(i, h, True))))
+            v.append(router_grad_variant(k, parts))
             v.append(combine_variant(h, k, shared, gathered=False, unit_weights=True))
         else:
             v += self._gemm_variants(h, 2 * i, b_major="n", k_split=True)
-            v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=-(-i // default_tile_n(i, h, True))))
+            v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=parts))
+        if c.expert_bias:  # their gradients (column sums of dh and of the weighted dout rows) and the down bias's piece
+            v += [column_sums_variant(2 * i), column_sums_variant(h, weighted=True, topk=k), row_dots_variant(h, parts)]
         if c.recomputes_h:  # the gate/up GEMM again, as the forward's stages run it (also after a one-launch forward)
-            v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm, activation=c.activation)
+            v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm, activation=c.activation, **self._bias)
         v += self._weight_grad_variants(h, i, mxfp8=self.precision == "mxfp8")
         if shared:
             s = c.shared_intermediate
@@ -194,7 +212,7 @@ class Plan:
         h, i, k, stride = c.hidden, c.intermediate, c.topk, 2 * c.intermediate * c.hidden
         epilogues = (("swiglu", "swiglu_save") if not self.one_launch else ()) + (("swiglu_save",) if c.recomputes_h else ())
         v = [grouped_gemm_variant(i, h, epilogue=e, gather_a=self.gather_in_gemm, persistent=self.persistent, b_expert_stride=stride,
-                                  activation=c.activation) for e in epilogues]
+                                  activation=c.activation, **self._bias) for e in epilogues]
         if self.one_launch:
             ep_world = c.ep_size if self.ep else None
             v += [expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=c.has_shared_expert, ep_world=ep_world,
@@ -239,7 +257,7 @@ class Plan:
                   quantize_mxfp8_variant(back=True, bounded=True), quantize_mxfp8_variant(back=True)]
         tile_n = default_tile_n(i, h, True)
         return v + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", b_major="n", topk=topk, persistent=self.persistent,
-                                         pingpong=swiglu_backward_pingpong(self.persistent, tile_n), activation=self.activation)]
+                                         pingpong=swiglu_backward_pingpong(self.persistent, tile_n), activation=self.activation, **self._bias)]
 
     def _weight_grad_variants(self, h: int, i: int, *, mxfp8: bool) -> list[KernelVariant]:
         """dW_down [E, H, I] and [dW_gate; dW_up] [E, 2I, H] (one launch), fresh bf16, and with
@@ -285,10 +303,11 @@ def router_variants(hidden: int, num_experts: int, persistent: bool = True) -> l
 
 
 @functools.cache
-def plan_for(config: MoKConfig, arch: str) -> Plan:
+def plan_for(config: MoKConfig, arch: str, *, unverified_ok: bool = False) -> Plan:
     """The plan of ``config`` on ``arch``; raises (naming what to pass instead) where that layer does
     not run: widths the fused kernels do not tile, MXFP8 GEMMs without block-scaled MMAs, expert
-    parallelism or one launch without Hopper's persistent GEMMs."""
+    parallelism or one launch without Hopper's persistent GEMMs, kernels that have not run on a GPU
+    yet (unless ``unverified_ok``: precompile builds them)."""
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     arch = normalize_arch(arch)
@@ -296,7 +315,7 @@ def plan_for(config: MoKConfig, arch: str) -> Plan:
     check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared}, whole_tiles_reason(config, arch))
     if config.precision == "mxfp8":
         require_mxfp8_gemms("precision='mxfp8'", arch)
-    why = refusal(config, arch)
+    why = refusal(config, arch, unverified_ok=unverified_ok)
     if why is not None:
         raise NotImplementedError(why)
     return Plan(config, arch)

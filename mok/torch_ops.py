@@ -61,12 +61,12 @@ def _shared(sg, su, sd):
 
 
 def _biases(config: MoKConfig, bg, bu, bd) -> tuple | None:
-    """The routed experts' biases as the pipelines take them: given exactly when ``config.expert_bias``."""
+    """The routed experts' biases as the pipelines take them (contiguous): given exactly when ``config.expert_bias``."""
     given = bg is not None
     if given != config.expert_bias or (given and (bu is None or bd is None)):
         raise ValueError(f"biases: config.expert_bias is {config.expert_bias}, so expected "
                          f"{'the gate, up and down biases' if config.expert_bias else 'none'}, got {'some' if given else 'none'}")
-    return (bg, bu, bd) if given else None
+    return tuple(b.contiguous() for b in (bg, bu, bd)) if given else None
 
 
 def forward_outputs(config: MoKConfig, x: Tensor, topk_idx: Tensor, workspace: int, save: bool, stacked: bool) -> dict:
@@ -123,16 +123,16 @@ def moe_forward_op(
     layer's MoKConfig; ``workspace``: an EP workspace's handle (0 at EP = 1); ``shared_in_routed``:
     the shared expert's weights lie after the routed experts' (it then runs in their launches
     where the plan allows it); the routed experts' biases [E, I], [E, I], [E, H] exactly when the
-    config's expert_bias (the CPU reference path only so far: the plan refuses them on a GPU).
+    config's expert_bias (on a GPU: Hopper's staged bf16 kernels, mok.plan.refusal).
     Expert ids are not range-checked here (that reads the device): ``mok.MoELayer`` checks external
     routing outside graph capture and compilation."""
     cfg = config_of(config)
-    _biases(cfg, bias_gate, bias_up, bias_down)
+    biases = _biases(cfg, bias_gate, bias_up, bias_down)
     stacked = _stacked(cfg, shared_in_routed)
     res = pipeline.forward(
         plan_for_device(cfg, x.device), x, topk_idx, topk_w, (w_gate, w_up, w_down), _shared(shared_gate, shared_up, shared_down),
         workspace=workspace_by_handle(workspace) if workspace else None, save=save, shared_in_routed=stacked,
-        check_routing=False, timeout_s=timeout_s,
+        check_routing=False, timeout_s=timeout_s, biases=biases,
     )
     if save and cfg.saved_h_format == "mxfp8":
         res = pack_saved(res)
@@ -207,7 +207,7 @@ def moe_backward_op(
     gate_up_layout="concatenated" d_w_gate is [dW_gate; dW_up] per expert as one [E, 2I, H] tensor
     and d_w_up empty."""
     cfg = config_of(config)
-    _biases(cfg, bias_gate, bias_up, bias_down)
+    biases = _biases(cfg, bias_gate, bias_up, bias_down)
     ws = workspace_by_handle(workspace) if workspace else None
     h, shared_h, x_rows, routing, *schedule = saved
     shared = _shared(shared_gate, shared_up, shared_down)
@@ -222,7 +222,7 @@ def moe_backward_op(
                         routing if ws is not None else None)
     g = pipeline.backward(
         plan_for_device(cfg, x.device), dout.contiguous(), x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res, workspace=ws,
-        grad_dtype=w_gate.dtype, main_grads=tuple(main_grads) or None, weight_grads=weight_grads, timeout_s=timeout_s,
+        grad_dtype=w_gate.dtype, main_grads=tuple(main_grads) or None, weight_grads=weight_grads, timeout_s=timeout_s, biases=biases,
     )
     return g.dx, g.d_topk_w, *_weight_grads_out(g, x, len(main_grads) > 0)
 

@@ -17,7 +17,10 @@ main_grad buffers inside the backward (``fuse_wgrad_accumulation``), "main_grad 
 gradients and adds them afterwards, as a loop without it would; "mok mxfp8 h" keeps h in MXFP8
 between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is left out of the
 same-bits check); "mok recompute" keeps no h and runs the gate/up GEMM again in the backward
-(``saved_h_format="recompute"``: the same bits).
+(``saved_h_format="recompute"``: the same bits). At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
+experts as they are, clamped SwiGLU and expert biases (other bits), through the pipeline with a
+plan built directly: the layer refuses them on a GPU until tests/test_activations_gpu.py and
+tests/test_expert_bias_gpu.py have passed there.
 
 ``--memory`` measures instead, per saved_h_format: what ``mok.forward`` keeps for the backward
 beyond x (bytes per token and layer), and a forward + backward through a stack of 4 layers
@@ -58,7 +61,8 @@ CONFIGS = {
     "qwen3-235b": (4096, 4096, 1536, 128, 8, None, "uniform"),
     "mixtral": (4096, 4096, 14336, 8, 2, None, "uniform"),
     # gpt-oss's widths (H = I = 2880: partial last tiles; MoK's SwiGLU without gpt-oss's biases and
-    # clamp), and the same layer at 3072 (whole tiles) to see what the partial tiles cost
+    # clamp, which the "mok gpt-oss" path adds), and the same layer at 3072 (whole tiles) to see what
+    # the partial tiles cost
     "gpt-oss-20b": (4096, 2880, 2880, 32, 4, None, "uniform"),
     "gpt-oss-120b": (4096, 2880, 2880, 128, 4, None, "uniform"),
     "gpt-oss-20b-3072": (4096, 3072, 3072, 32, 4, None, "uniform"),
@@ -158,6 +162,29 @@ def mok_train_step(inputs, dout, main_grads=None, **options):
     return mok.backward(config, None, ctx, dout, main_grads=main_grads)
 
 
+def gpt_oss_plan(inputs):
+    """(plan, biases) of gpt-oss's own experts at these inputs' shapes: clamped SwiGLU, expert biases
+    of a few tenths (mok.plan.Plan directly: see the module docstring)."""
+    from mok.plan import Plan
+
+    x, _, _, experts, _ = inputs
+    E, I, H = experts[0].shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    biases = tuple((torch.randn(E, n, device="cuda", generator=g) * 0.3).bfloat16() for n in (I, I, H))
+    return Plan(config_of(inputs, activation="clamped_swiglu", expert_bias=True), "sm_90a"), biases
+
+
+def mok_gpt_oss_forward(inputs, plan, biases):
+    x, idx, w, experts, _ = inputs
+    return mok.pipeline.forward(plan, x, idx, w, experts, None, check_routing=False, biases=biases).out
+
+
+def mok_gpt_oss_train_step(inputs, dout, plan, biases):
+    x, idx, w, experts, _ = inputs
+    saved = mok.pipeline.forward(plan, x, idx, w, experts, None, save=True, check_routing=False, biases=biases)
+    return mok.pipeline.backward(plan, dout, x, idx, w, experts, None, saved, biases=biases)
+
+
 def mok_train_step_then_add(inputs, dout, main_grads):
     """What a training loop without the fused accumulation does: bf16 weight gradients, then an
     add of each into its fp32 main_grad."""
@@ -243,6 +270,7 @@ def main() -> int:
         flops = 6 * T * k * H * I + (6 * T * H * s_inter if s_inter else 0)
         dense_a = torch.randn(T * k, H, device="cuda").bfloat16()
         dense_b = torch.randn(H, 3 * I + (3 * s_inter // k if s_inter else 0), device="cuda").bfloat16()
+        gpt_oss = gpt_oss_plan(inputs) if name.startswith("gpt-oss") else None
         if args.backward:
             flops *= 3  # backward: dx and dW, twice the forward's products
             dout = torch.randn(T, H, device="cuda").bfloat16()
@@ -259,6 +287,8 @@ def main() -> int:
             paths["main_grad fused"] = lambda: mok_train_step(inputs, dout, main_grads=main_grads)
             paths["mok mxfp8 h"] = lambda: mok_train_step(inputs, dout, saved_h_format="mxfp8")
             paths["mok recompute"] = lambda: mok_train_step(inputs, dout, saved_h_format="recompute")
+            if gpt_oss is not None:
+                paths["mok gpt-oss"] = lambda: mok_gpt_oss_train_step(inputs, dout, *gpt_oss)
         else:
             paths = {
                 "mok": lambda: mok_forward(inputs),
@@ -270,6 +300,8 @@ def main() -> int:
             quack = quack_gemms(inputs, tuned=args.quack_tuned) if s_inter is None else None
             if quack is not None:
                 paths["quack gemms"] = quack[0]
+            if gpt_oss is not None:
+                paths["mok gpt-oss"] = lambda: mok_gpt_oss_forward(inputs, *gpt_oss)
             if stacked is not None:  # the shared expert in the routed launches (four, or one)
                 paths["mok shared-in"] = lambda: mok_forward(stacked)
                 paths["mok 1L shared-in"] = lambda: mok_forward(stacked, one_launch=True)
@@ -293,7 +325,8 @@ def main() -> int:
             ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
         launches = {p: count_launches(fn) for p, fn in paths.items()}
         mok_result = paths["mok"]()
-        same = {p: same_bits(paths[p](), mok_result) for p in paths if p.startswith("mok ") and p != "mok mxfp8 h"}  # MoK's ways: the same bits
+        other_bits = ("mok mxfp8 h", "mok gpt-oss")  # (other numerics: left out of the same-bits check)
+        same = {p: same_bits(paths[p](), mok_result) for p in paths if p.startswith("mok ") and p not in other_bits}  # MoK's ways: the same bits
         mok_out, torch_out = mok_result, paths["torch"]()
         if args.backward:  # compare dx
             mok_out, torch_out = mok_out.dx, torch_out[0]

@@ -122,5 +122,5 @@ def test_config_names_the_activations_and_the_gpu_refuses_them_until_run_there()
 
     with pytest.raises(ValueError, match=r"activation: expected one of \('swiglu', 'clamped_swiglu', 'geglu'\), got 'relu'"):
         MoKConfig(64, 32, 8, 2, activation="relu")
-    with pytest.raises(NotImplementedError, match="activation='geglu': its kernels are built .* but have not run on a GPU yet"):
+    with pytest.raises(NotImplementedError, match="activation='geglu': the kernels are built .* but have not run on a GPU yet"):
         plan_for(MoKConfig(64, 32, 8, 2, activation="geglu"), "sm_90a")

@@ -117,8 +117,14 @@ def test_bad_bias_input_is_refused_naming_it():
         MoKConfig(64, 32, 8, 2, 32, expert_bias=True)
     with pytest.raises(ValueError, match="expert_bias: not with fuse_wgrad_accumulation"):
         MoKConfig(64, 32, 8, 2, expert_bias=True, fuse_wgrad_accumulation=True)
-    with pytest.raises(NotImplementedError, match="expert_bias: not in the GPU kernels yet"):
+    with pytest.raises(ValueError, match="expert_bias: not with one_launch"):
+        MoKConfig(64, 32, 8, 2, expert_bias=True, one_launch=True)
+    with pytest.raises(ValueError, match="expert_bias: not with precision='mxfp8_emulated'"):
+        MoKConfig(128, 128, 8, 2, expert_bias=True, precision="mxfp8_emulated")
+    with pytest.raises(NotImplementedError, match="expert_bias: the kernels are built .* but have not run on a GPU yet"):
         plan_for(MoKConfig(64, 32, 8, 2, expert_bias=True), "sm_90a")
+    with pytest.raises(NotImplementedError, match="expert_bias: not in sm_100a's kernels yet"):
+        plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True), "sm_100a", unverified_ok=True)
     x, idx, w, experts, biases = biased_layer(4, 16, 8, 4, 2, seed=2)
     with pytest.raises(ValueError, match=r"biases.down: expected shape \[4, 16\], got \[4, 8\]"):
         moe_reference(x, idx, w, *experts, dtype=torch.float64, biases=(biases[0], biases[1], biases[0]))
@@ -129,3 +135,59 @@ def test_bad_bias_input_is_refused_naming_it():
         torch.ops.mok.moe_forward(*args, config_text(MoKConfig(16, 8, 4, 2)), 0, False, False, 5.0, *(b.float() for b in biases))
     with pytest.raises(ValueError, match="biases: config.expert_bias is True, so expected the gate, up and down biases, got none"):
         torch.ops.mok.moe_forward(*args, config_text(MoKConfig(16, 8, 4, 2, expert_bias=True)), 0, False, False, 5.0)
+
+
+def test_plan_with_biases_lists_the_bias_kernels():
+    """On Hopper a biased layer's plan adds the biases in the GEMMs that make the products (gate/up
+    with and without h, the down projection or, at EP, its scatter, the recomputed h), leaves the
+    down bias's piece a column of the SwiGLU backward's pieces (the combine's or router_grad's
+    pieces one more), and plans the column sums (dh's, the weighted dout rows') and the row dots;
+    dx and the weight gradients are the bias-free kernels."""
+    from mok.plan import Plan
+
+    def grouped(plan):
+        return {(v.config["epilogue"], v.config.get("scatter", False), v.config["k_split"]): v.config.get("bias", False)
+                for v in plan.variants() if v.name == "grouped_gemm" and 128 not in (v.config["n"], v.config["k"])}  # (not the router's)
+
+    one_gpu = Plan(MoKConfig(2880, 2880, 32, 4, expert_bias=True, saved_h_format="recompute"), "sm_90a")
+    assert grouped(one_gpu) == {("swiglu", False, False): True, ("swiglu_save", False, False): True, ("plain", False, False): True,
+                                ("swiglu_bwd", False, False): True, ("plain", False, True): False}
+    ep = Plan(MoKConfig(2880, 2880, 32, 4, expert_bias=True, ep_size=2), "sm_90a")
+    assert grouped(ep)[("plain", True, False)] is True and grouped(ep)[("plain", True, True)] is False
+    names = {v.name: v.config for v in one_gpu.variants()}
+    parts = 2880 // 128 + 1 + 1  # ceil(I / 128) GEMM pieces, the down bias's last
+    assert names["combine"].get("router_parts", parts) == parts and names["row_dots"] == {"width": 2880, "out_stride": parts}
+    sums = sorted((v.config["width"], v.config.get("weighted", False)) for v in one_gpu.variants() if v.name == "column_sums")
+    assert sums == [(2880, True), (5760, False)]
+    assert {v.name: v.config for v in ep.variants()}["router_grad"]["parts"] == parts
+    plain = Plan(MoKConfig(2880, 2880, 32, 4), "sm_90a").variants()
+    assert not any(v.name in ("column_sums", "row_dots") or v.config.get("bias") for v in plain)
+
+
+def test_bias_kernels_and_ops_refuse_what_they_do_not_take():
+    """The GEMM's bias option: not with k_split (dx has no bias), not in the SM100 kernels; the ops
+    name a bias of the wrong shape, a missing second bias and a bias beside k_split, before
+    anything launches (CPU tensors: the checks come before the launch's)."""
+    from mok import ops
+    from mok.kernels import compiled_ptx
+    from mok.kernels.variants import grouped_gemm_variant
+    from mok.schedule import Schedule
+
+    with pytest.raises(ValueError, match=r"bias: not with k_split \(dx has no bias\)"):
+        compiled_ptx(grouped_gemm_variant(256, 512, b_major="n", k_split=True, bias=True), "sm_90a")
+    with pytest.raises(NotImplementedError, match="bias not written yet"):
+        compiled_ptx(grouped_gemm_variant(256, 512, persistent=False, bias=True), "sm_100a")
+    a, b, b2 = torch.randn(256, 64).bfloat16(), torch.randn(4, 32, 64).bfloat16(), torch.randn(4, 32, 64).bfloat16()
+    tiles = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"bias: expected shape \[4, 32\], got \[4, 64\]"):
+        ops.grouped_gemm(a, b, tiles, bias=torch.zeros(4, 64).bfloat16())
+    with pytest.raises(ValueError, match="give bias for a plain GEMM, bias and bias2 for the SwiGLU form"):
+        ops.grouped_gemm(a, b, tiles, b2=b2, bias=torch.zeros(4, 32).bfloat16())
+    with pytest.raises(ValueError, match="bias: bf16 operands without k_split only"):
+        ops.grouped_gemm(torch.randn(256, 128).bfloat16(), b.transpose(1, 2).contiguous(), tiles, b2=b2.transpose(1, 2).contiguous(),
+                         b_major="n", k_split=True, bias=torch.zeros(4, 32).bfloat16())
+    sched = Schedule.empty(8, 2, 4, 256, 128, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"rows: expected shape \[256, \*\], got \[128, 64\]"):
+        ops.expert_column_sums(torch.zeros(128, 64).bfloat16(), sched)
+    with pytest.raises(ValueError, match=r"bias: expected shape \[4, 64\], got \[4, 32\]"):
+        ops.bias_router_pieces(torch.zeros(256, 64).bfloat16(), torch.zeros(4, 32).bfloat16(), sched, torch.zeros(256, 3))

@@ -203,6 +203,44 @@ def test_activation_kernels_compute_it_in_the_swiglu_epilogues(activation):
         assert count(marker, compiled_ptx(sm100, "sm_100a")) > 0
 
 
+@pytest.mark.parametrize("options", [dict(saved_h_format="recompute"), dict(ep_size=2), dict(gate_up_layout="concatenated")])
+def test_bias_kernels_add_the_bias_after_the_mainloop_and_reduce_without_atomics(options):
+    """gpt-oss's expert biases on Hopper (a plan with expert_bias, gpt-oss's widths): every kernel
+    compiles on WGMMA fed by TMA, nothing in local memory, no spill beyond the gathering producer's
+    16 bytes; a GEMM with ``bias`` loads its bias as 32-bit pairs, one per column pair of its
+    thread's accumulator and product (tile_n / 8 per accumulator), where its bias-free twin loads
+    none; the column sums and row dots read 16-byte vectors and reduce with plain adds (no atomics,
+    no float reductions in memory), the row dots with a five-step butterfly."""
+    from mok.config import MoKConfig
+    from mok.plan import Plan
+
+    plan = Plan(MoKConfig(2880, 2880, 32, 4, expert_bias=True, **options), "sm_90a")
+    biased = [v for v in plan.variants() if v.config.get("bias")]
+    assert {v.config["epilogue"] for v in biased} == {"swiglu", "swiglu_save", "plain", "swiglu_bwd"}
+    pair_loads = r"ld\.global\.(b32|v2\.b16)"
+    for variant in biased:
+        ptx = compiled_ptx(variant, "sm_90a")
+        assert count(r"wgmma\.mma_async", ptx) > 0 and count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"\.local", ptx) == 0
+        assert ptxas_spill_bytes(ptx) in (None, 0, 16 if variant.config.get("gather_a") else 0), (variant.describe(), ptxas_spill_bytes(ptx))
+        twin = KernelVariantLike(variant, bias=False)
+        added = count(pair_loads, ptx) - count(pair_loads, compiled_ptx(twin, "sm_90a"))
+        products = 2 if variant.config["epilogue"] in ("swiglu", "swiglu_save") else 1
+        want = 0 if variant.config["epilogue"] == "swiglu_bwd" else products * variant.config["tile_n"] // 8
+        assert added == want, (variant.describe(), added, want)
+    reducers = [v for v in plan.variants() if v.name in ("column_sums", "row_dots")]
+    assert sorted(v.name for v in reducers) == ["column_sums", "column_sums", "row_dots"]
+    for variant in reducers:
+        ptx = compiled_ptx(variant, "sm_90a")
+        assert count(r"ld\.global\.v4", ptx) > 0 and count(r"\b(atom|red)\.", ptx) == 0 and count(r"\.local", ptx) == 0
+        assert count(r"shfl\.sync\.bfly", ptx) == (5 if variant.name == "row_dots" else 0)
+
+
+def KernelVariantLike(variant, **changes):
+    """The grouped-GEMM variant of ``variant``'s configuration with ``changes`` (its twin)."""
+    config = {k: v for k, v in variant.config.items() if k not in ("n", "k", "stages")} | changes
+    return grouped_gemm_variant(variant.config["n"], variant.config["k"], stages=variant.config["stages"] or None, **config)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_row_gather_keeps_four_16_byte_loads_in_flight_before_it_stores(arch):
     """gather: each thread loads its four rows' 16-byte vectors (after their four int32 row
@@ -697,8 +735,8 @@ def test_every_kernel_takes_its_records_arguments_in_order():
     and MXFP8 GEMMs of both arches take the same lists."""
     import inspect
 
-    from mok.kernels.common import combine, gather, router_grad
-    from mok.kernels.common.records import EXPERT_MLP_ARGS, grouped_gemm_args, weight_grad_args
+    from mok.kernels.common import bias_grads, combine, gather, router_grad
+    from mok.kernels.common.records import COLUMN_SUMS_ARGS, EXPERT_MLP_ARGS, ROW_DOTS_ARGS, grouped_gemm_args, weight_grad_args
     from mok.kernels.sm90.expert_mlp import ExpertMlpSm90
     from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
     from mok.kernels.sm90.weight_grad_gemm import WeightGradGemmSm90
@@ -712,6 +750,7 @@ def test_every_kernel_takes_its_records_arguments_in_order():
         (ExpertMlpSm90, EXPERT_MLP_ARGS), (combine.CombineKernel, combine.COMBINE_ARGS),
         (combine.CombineRouterGradKernel, combine.COMBINE_ROUTER_GRAD_ARGS), (router_grad.RouterGradKernel, router_grad.ROUTER_GRAD_ARGS),
         (gather.GatherRowsKernel, gather.GATHER_ARGS), (gather.GatherTwoRowsKernel, gather.GATHER_TWO_ARGS),
+        (bias_grads.ColumnSumsKernel, COLUMN_SUMS_ARGS), (bias_grads.RowDotsKernel, ROW_DOTS_ARGS),
     ]
     for kernel, record in kernels:
         assert "stream" in inspect.signature(kernel.__call__).parameters  # (the decorator keeps the signature)

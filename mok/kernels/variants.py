@@ -158,6 +158,7 @@ def grouped_gemm_variant(
     operand: str = "bf16",
     b_expert_stride: int | None = None,
     activation: str = "swiglu",
+    bias: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, one tile per CTA, compile-verified, never run).
@@ -175,7 +176,9 @@ def grouped_gemm_variant(
     K-major B, one tile per CTA). ``b_expert_stride``: elements from one expert's B to the next
     (None: N·K, packed; 2·I·H for the halves of one [E, 2I, H] gate/up tensor, read in place).
     ``activation``: the SwiGLU epilogues' gated activation (swiglu, clamped_swiglu, geglu:
-    mok/kernels/common/gated_activation.py).
+    mok/kernels/common/gated_activation.py). ``bias`` (Hopper): the experts' biases added in the
+    plain and SwiGLU epilogues; swiglu_bwd leaves the down bias's router-gradient piece a column
+    (mok/kernels/common/grouped_gemm.py).
     """
     _check_operand(operand, persistent, b_major)
     check_activation(activation)
@@ -184,7 +187,7 @@ def grouped_gemm_variant(
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
     topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or scatter else 1
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
-    for flag, on in (("gather_a", gather_a), ("scatter", scatter), ("pingpong", pingpong)):
+    for flag, on in (("gather_a", gather_a), ("scatter", scatter), ("pingpong", pingpong), ("bias", bias)):
         if on:  # (absent when off: fewer keys to read in a cache listing)
             options[flag] = True
     if b_expert_stride is not None:
@@ -259,6 +262,31 @@ def router_grad_variant(topk: int, parts: int) -> KernelVariant:
         return compile_router_grad(topk, parts, arch, compile_options)
 
     return KernelVariant("router_grad", {"topk": topk, "parts": parts}, build)
+
+
+def column_sums_variant(width: int, weighted: bool = False, topk: int = 1) -> KernelVariant:
+    """Per-expert column sums of expert-grouped rows in a fixed order (the biases' gradients;
+    ``weighted``: each row times its router weight, ``topk`` slots per token)."""
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        from .common.bias_grads import compile_column_sums
+
+        return compile_column_sums(width, weighted, topk, arch, compile_options)
+
+    config = {"width": width, **({"weighted": True, "topk": topk} if weighted else {})}
+    return KernelVariant("column_sums", config, build)
+
+
+def row_dots_variant(width: int, out_stride: int) -> KernelVariant:
+    """<rows[r], bias[e(r)]> per expert-grouped row into every ``out_stride``-th element (the down
+    bias's piece of the router-weight gradient, the last column of the SwiGLU backward's pieces)."""
+
+    def build(arch: str, compile_options: str = "") -> Any:
+        from .common.bias_grads import compile_row_dots
+
+        return compile_row_dots(width, out_stride, arch, compile_options)
+
+    return KernelVariant("row_dots", {"width": width, "out_stride": out_stride}, build)
 
 
 def expert_mlp_variant(

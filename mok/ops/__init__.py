@@ -11,9 +11,11 @@ device's words: call it before capture).
     schedule     device_schedule
     gemm         grouped_gemm, grouped_gemm_scatter, swiglu_backward_gemm   (bf16 or MXFP8 operands)
     weight_grads weight_grad (bf16 or MXFP8 operands), router_grad
+    bias_grads   expert_column_sums, bias_router_pieces   (the expert biases' gradients)
     one_launch   scheduled_expert_mlp, grid_sync_words, raise_grid_timeouts
 """
 
+from .bias_grads import bias_router_pieces, expert_column_sums
 from .gemm import grouped_gemm, grouped_gemm_scatter, swiglu_backward_gemm
 from .one_launch import grid_sync_words, raise_grid_timeouts, scheduled_expert_mlp
 from .quantize import dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_columns
@@ -22,7 +24,7 @@ from .schedule import device_schedule
 from .weight_grads import router_grad, weight_grad
 
 __all__ = [
-    "combine", "dequantize_mxfp8", "device_schedule", "gather_rows", "gather_rows_pair", "grid_sync_words", "grouped_gemm",
+    "bias_router_pieces", "combine", "dequantize_mxfp8", "device_schedule", "expert_column_sums", "gather_rows", "gather_rows_pair", "grid_sync_words", "grouped_gemm",
     "grouped_gemm_scatter", "quantize_mxfp8", "quantize_mxfp8_columns", "raise_grid_timeouts", "router_grad",
     "scheduled_expert_mlp", "swiglu_backward_gemm", "weight_grad",
 ]

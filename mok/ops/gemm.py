@@ -131,6 +131,8 @@ def grouped_gemm(
     persistent: bool | None = None,
     gather: torch.Tensor | None = None,
     activation: str = "swiglu",
+    bias: torch.Tensor | None = None,
+    bias2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (fp32 accumulation, bf16 out).
 
@@ -153,6 +155,8 @@ def grouped_gemm(
     one-tile kernel (SM100: compile-verified, never run; without ``gather``).
     ``gather`` [R] int32 (the schedule's row_token): A is not materialised; a is the token matrix
     x [T, K] and row r of A is x[gather[r]], or zeros where gather[r] < 0 (each entry < T).
+    ``bias`` [E, N] bf16 (Hopper, bf16, not k_split): added to a·B before anything else (so to h's
+    gate half and before the activation), ``bias2`` likewise to a·B2 (both or neither with b2).
 
     MXFP8 operands (SM100 only): a = (elements float8_e4m3fn [R, K], scales uint8 [ceil(R / 128),
     K / 128, 512]) and b, b2 = (elements [E, N, K] K-major, scales [E, N / 128, K / 128, 512]), each
@@ -185,9 +189,10 @@ def grouped_gemm(
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=a_values.device, contiguous=True)
     given = out
     out = bf16_out(out, (num_rows, n), a_values.device)
+    _check_biases(bias, bias2, b2 is not None and not k_split, num_experts, n, a_values.device, operand, k_split)
     if operand == "e4m3":
         check_mxfp8_launchable("grouped_gemm", pointers)
-    check_launchable(a=a_values, out=out, h_out=h_out)
+    check_launchable(a=a_values, out=out, h_out=h_out, bias=bias, bias2=bias2)
     check_weights_launchable(b=pointers["b"], b2=pointers["b2"])
     check_disjoint({"out": given, "h_out": h_out}, {"a": a_values, "b": pointers["b"], "b2": pointers["b2"]})
     if num_rows == 0 or a_values.shape[0] == 0:  # (gather from no tokens: every row is padding)
@@ -196,12 +201,27 @@ def grouped_gemm(
     variant = grouped_gemm_variant(
         n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
         persistent=persistent, gather_a=gather is not None, operand=operand, b_expert_stride=b_stride, activation=activation,
+        bias=bias is not None,
     )
     launch_grouped_gemm(
         variant, a_values.device, **pointers, c=out, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
-        num_experts=num_experts, num_tokens=a_values.shape[0] if gather is not None else 1,
+        num_experts=num_experts, num_tokens=a_values.shape[0] if gather is not None else 1, bias=bias, bias2=bias2,
     )
     return out
+
+
+def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, operand: str, k_split: bool) -> None:
+    """A GEMM's expert biases: none, or ``bias`` [E, N] bf16 (and ``bias2`` with ``two`` products, the
+    SwiGLU form), contiguous, for bf16 operands without k_split (where they may launch: check_launchable)."""
+    if bias is None and bias2 is None:
+        return
+    if operand != "bf16" or k_split:
+        raise ValueError("bias: bf16 operands without k_split only (dx has no bias; the MXFP8 kernels add none)")
+    if bias is None or (bias2 is None) == two:
+        raise ValueError("bias, bias2: give bias for a plain GEMM, bias and bias2 for the SwiGLU form (b2 given)")
+    for name, t in (("bias", bias), ("bias2", bias2)):
+        if t is not None:
+            check_tensor(name, t, dtypes=BF16, shape=(num_experts, n), device=device, contiguous=True)
 
 
 def grouped_gemm_scatter(
@@ -216,8 +236,9 @@ def grouped_gemm_scatter(
     b2: torch.Tensor | None = None,
     b_major: str = "k",
     k_split: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """The plain bf16 :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2`` as there), each
+    """The plain bf16 :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2``, ``bias`` as there), each
     row written into the (token, slot) row of ``slots`` instead of an [R, N] output (no rows
     buffer, no copy).
 
@@ -242,15 +263,17 @@ def grouped_gemm_scatter(
         raise ValueError(f"slots: expected [T, k, {n}] (N of b), got {list(slots.shape)}")
     slot_ranks = slot_ranks if slot_ranks is not None else (1, slots.numel())
     check_rank_stride("slot_ranks", slot_ranks, slots.numel(), 2**31 - 8, "2^31 - 8 elements")  # (the kernel's vector indices)
-    check_launchable(a=a, slots=slots)
+    _check_biases(bias, None, False, num_experts, n, a.device, "bf16", k_split)
+    check_launchable(a=a, slots=slots, bias=bias)
     check_weights_launchable(b=b, b2=b2)
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
-    variant = grouped_gemm_variant(n, a.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split, b_expert_stride=b_stride)
+    variant = grouped_gemm_variant(n, a.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split, b_expert_stride=b_stride,
+                                   bias=bias is not None)
     launch_grouped_gemm(
         variant, a.device, a=a, b=b, b2=b if b2 is None else b2, c=slots, tile_expert=tile_expert, row_token=row_token,
-        row_slot=row_slot, num_rows=num_rows, num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=slot_ranks[1],
+        row_slot=row_slot, num_rows=num_rows, num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=slot_ranks[1], bias=bias,
     )
 
 
@@ -280,6 +303,7 @@ def swiglu_backward_gemm(
     persistent: bool | None = None,
     pingpong: bool | None = None,
     activation: str = "swiglu",
+    bias_piece: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
@@ -293,6 +317,8 @@ def swiglu_backward_gemm(
     Rows of tiles with tile_expert -1 are left unwritten. ``persistent``: as in :func:`grouped_gemm`.
     ``pingpong`` (persistent; the default there): the two MMA warpgroups take whole tiles in turn,
     one's epilogue under the other's WGMMAs (the same bits; docs/notes/pingpong-backward-gemms.md).
+    ``bias_piece`` (the experts have biases; bf16, routed experts): partial gets one more column,
+    the last, left unwritten for the down bias's piece (:func:`mok.ops.bias_router_pieces`).
 
     MXFP8 operands (SM100 only, one tile per CTA, 128-wide tiles): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
@@ -330,9 +356,12 @@ def swiglu_backward_gemm(
     check_tensor("h", h, dtypes=BF16, shape=(num_rows, 2 * inter), device=dev, contiguous=True)
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
     unit_scale, num_tokens, topk = _check_router_rows(row_token, row_slot, topk_w, num_rows, dev)
+    if bias_piece and (unit_scale or mxfp8):
+        raise ValueError("bias_piece: only for the routed experts' bf16 backward (the router-weight gradient's pieces)")
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
-    partial = None if unit_scale else torch.empty(num_rows, -(-inter // tile_n), dtype=torch.float32, device=dev)
+    pieces = -(-inter // tile_n) + int(bias_piece)
+    partial = None if unit_scale else torch.empty(num_rows, pieces, dtype=torch.float32, device=dev)
     check_launchable(dout_rows=pointers["a"], h=h, dh=dh)
     check_weights_launchable(w_down=pointers["b"])
     if mxfp8 and dev.type == "cuda":
@@ -341,7 +370,7 @@ def swiglu_backward_gemm(
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
         inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="k" if mxfp8 else "n", topk=topk, unit_scale=unit_scale,
-        persistent=persistent, pingpong=pingpong, operand=operand, activation=activation,
+        persistent=persistent, pingpong=pingpong, operand=operand, activation=activation, bias=bias_piece,
     )
     launch_grouped_gemm(
         variant, dev, **pointers, c=dh, tile_expert=tile_expert, h=h, a_scaled=a_scaled, partial=partial, row_token=row_token,

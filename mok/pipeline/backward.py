@@ -57,6 +57,7 @@ def backward(
     weight_grads: bool = True,
     wgrad_format: str = "mxfp8",
     timeout_s: float = 5.0,
+    biases: tuple | None = None,
 ) -> Gradients:
     """All gradients for ``dout`` [T, H] bf16 after ``forward(..., save=True)`` of the same inputs
     (module docstring): :class:`mok.reference_backward.Gradients` with dx [T, H] bf16, d_topk_w
@@ -69,9 +70,12 @@ def backward(
     weight gradients cover this rank's tokens (sum them over ranks as data-parallel gradients).
     With ``gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert in one
     [E, 2I, H] tensor (the layout of the weights', such as transformers' gate_up_proj: nothing to
-    concatenate after) and d_w_up is None; the same bits.
+    concatenate after) and d_w_up is None; the same bits. ``biases``: the forward's (exactly when
+    the config's expert_bias): their gradients come as ``d_biases`` (with the weight gradients), and
+    the down bias's share of d_topk_w, <dout, b_down>, is in it.
     """
-    num_tokens, hidden, inter, num_local, topk = check_inputs(plan.config, workspace, x, topk_idx, topk_w, weights, shared)
+    num_tokens, hidden, inter, num_local, topk = check_inputs(plan.config, workspace, x, topk_idx, topk_w, weights, shared,
+                                                              biases=biases)
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
@@ -97,12 +101,12 @@ def backward(
     # the forward ran the shared expert as expert E, its rows first: the [E + 1, ...] weights, once
     stacked = stages.stacked_weights(*weights, shared) if sched.shared_rows else None
     if plan.config.recomputes_h:
-        saved = recomputed_h(plan, saved, x, weights, stacked, shared)
+        saved = recomputed_h(plan, saved, x, weights, stacked, shared, biases)
     mains = (None, None) if main_grads is None else (main_grads[:3], main_grads[3:])
     if plan.ep:
         check_timeout(timeout_s)
         return _ep_backward(plan, workspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
-                            timeout_s)
+                            timeout_s, biases)
 
     expert_weights = weights if stacked is None else stacked
     if stacked is None and plan.precision == "mxfp8":
@@ -111,13 +115,15 @@ def backward(
         dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
     else:
         dout_rows, x_rows = ops.gather_rows(dout, sched.row_token), None
-    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, expert_weights, saved.h, topk_w)
+    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, expert_weights, saved.h, topk_w, biases)
     dx_rows = stages.gate_up_backward(plan, dh, sched, expert_weights)
-    d_gate = d_up = d_down = None
+    d_gate = d_up = d_down = d_biases = None
     if weight_grads:
         d_gate, d_up, d_down = stages.expert_weight_grads(
             plan, (dout_rows, a_scaled, dh, x_rows), sched, grad_dtype, mains[0], wgrad_format, joined=plan.config.gate_up_concatenated
         )
+        if biases is not None:
+            d_biases = stages.expert_bias_grads(dout_rows, dh, sched, topk_w, biases)
     dx_shared = d_shared = None
     if sched.shared_rows:  # its dx rows, and its weight gradients from its rows (views [:T])
         dx_shared = dx_rows[:num_tokens]
@@ -130,11 +136,11 @@ def backward(
     dx = ops.combine(  # unweighted (s is already inside dh), and d_topk_w from the SwiGLU backward's pieces
         dx_rows, None, dx_shared, slot_row=sched.slot_row, router=(partial, d_topk_w)
     )
-    return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
+    return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared, d_biases)
 
 
 def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tuple, stacked: tuple | None,
-                 shared: tuple | None) -> ForwardResult:
+                 shared: tuple | None, biases: tuple | None = None) -> ForwardResult:
     """``saved`` with h (and the shared expert's h) computed again, as the forward computed them: the
     gate/up stage on the same rows with the same weights (at one GPU gathered from x, with the shared
     expert as expert E, ``stacked`` [E + 1, ...] weights, when the forward ran it so; at EP > 1 the
@@ -142,9 +148,9 @@ def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tup
     sched, inter = saved.schedule, weights[0].shape[1]
     h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=x.device)
     if plan.ep:
-        stages.gate_up(plan, saved.x_rows, sched, weights, h, gather=False)
+        stages.gate_up(plan, saved.x_rows, sched, weights, h, gather=False, biases=biases)
     else:
-        stages.gate_up_from_tokens(plan, x, sched, stages.routed_weights(plan, weights, stacked), h)
+        stages.gate_up_from_tokens(plan, x, sched, stages.routed_weights(plan, weights, stacked), h, biases)
     shared_h = None
     if sched.shared_rows:
         shared_h = h[: x.shape[0]]
@@ -155,7 +161,7 @@ def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tup
 
 
 def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
-                 timeout_s) -> Gradients:
+                 timeout_s, biases) -> Gradients:
     """This rank's gradients over the workspace (module docstring): every rank makes the same calls."""
     if dout.data_ptr() % 16:  # (published with 16-byte vectors)
         raise ValueError(f"dout: expected a 16-byte aligned data pointer, got address {dout.data_ptr():#x}")
@@ -166,15 +172,17 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     exchange.publish(ws, kernels, ("x", dout), ("w", topk_w.view(torch.int32)), stream)  # dout replaces x (pulled in the forward)
     weights_all = exchange.gather_ranks(ws, kernels, "w", timeout_s, stream).view(torch.float32)
     dout_rows = exchange.pull_rows(ws, kernels, "x", sched, stream)
-    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, weights, saved.h, weights_all)
+    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, weights, saved.h, weights_all, biases)
     exchange.push_rows(ws, dh, weights[0], sched, b2=weights[1], b_major="n", k_split=True)  # dx rows straight into their tokens' slots
     ops.router_grad(partial, sched.slot_row, out=exchange.router_pieces(ws))
     exchange.announce_pushed(ws, kernels, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)
-    d_gate = d_up = d_down = None
+    d_gate = d_up = d_down = d_biases = None
     if weight_grads:  # (local work while the peers push: the exchanges are the same either way)
         d_gate, d_up, d_down = stages.expert_weight_grads(
             plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0], joined=plan.config.gate_up_concatenated
         )
+        if biases is not None:
+            d_biases = stages.expert_bias_grads(dout_rows, dh, sched, weights_all, biases)
     dx_shared = d_shared = None
     if shared is not None:
         dx_shared, d_shared = stages.shared_expert_backward(plan, x, dout, shared, saved.shared_h, grad_dtype, mains[1], weight_grads)
@@ -182,4 +190,4 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     d_topk_w = exchange.owned_router_grads(ws, topk_idx, weights[0].shape[0], num_tokens)
     dx = ops.combine(exchange.own_slots(ws, num_tokens), None, dx_shared)  # unweighted: s is already inside dh
     ws.copy_record()
-    return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared)
+    return Gradients(dx, d_topk_w, d_gate, d_up, d_down, d_shared, d_biases)

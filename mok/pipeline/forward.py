@@ -35,7 +35,8 @@ from .stages import TILE_M, ForwardResult
 from .workspace import EPWorkspace
 
 
-def check_inputs(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, shared, *, check_routing: bool = False) -> tuple:
+def check_inputs(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, shared, *, check_routing: bool = False,
+                 biases: tuple | None = None) -> tuple:
     """Check one call's tensors against each other, the configuration and (EP) the workspace;
     returns (T, H, I, E_local, k). ``check_routing`` also range-checks the expert ids (one host read).
     On any device (the device itself: :func:`check_on_gpu`), so that what is wrong is named first."""
@@ -59,9 +60,25 @@ def check_inputs(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, sha
             raise ValueError(f"x: expected at most the workspace's max_tokens={workspace.layout.max_tokens} tokens, got {num_tokens}")
     elif workspace is not None:
         raise ValueError(f"workspace: expected None at ep_size 1, got {type(workspace).__name__}")
+    check_biases(c, biases, num_local, x)
     if check_routing:
         check_index_range("topk_idx", topk_idx, c.num_experts)
     return num_tokens, hidden, inter, num_local, topk
+
+
+def check_biases(config: MoKConfig, biases, num_local: int, x: torch.Tensor) -> None:
+    """The routed experts' biases (b_gate, b_up [E_local, I], b_down [E_local, H], x's dtype and
+    device, contiguous): given exactly when the config's expert_bias."""
+    if (biases is not None) != config.expert_bias:
+        raise ValueError(f"biases: config.expert_bias is {config.expert_bias}, so expected "
+                         f"{'(b_gate, b_up, b_down)' if config.expert_bias else 'None'}, got {'None' if biases is None else 'biases'}")
+    if biases is None:
+        return
+    if not isinstance(biases, (tuple, list)) or len(biases) != 3:
+        raise TypeError(f"biases: expected (b_gate, b_up, b_down), got {type(biases).__name__}")
+    widths = (config.intermediate, config.intermediate, config.hidden)
+    for name, b, width in zip(("b_gate", "b_up", "b_down"), biases, widths):
+        check_tensor(name, b, dtypes=(x.dtype,), shape=(num_local, width), device=x.device, contiguous=True)
 
 
 def check_on_gpu(x: torch.Tensor) -> None:
@@ -102,6 +119,7 @@ def forward(
     shared_in_routed: bool | None = None,
     check_routing: bool = True,
     timeout_s: float = 5.0,
+    biases: tuple | None = None,
 ) -> ForwardResult:
     """The layer's output [T, H] bf16 (module docstring) and, with ``save``, what the backward needs.
 
@@ -114,17 +132,18 @@ def forward(
     plan allows it and its weights lie right after the routed experts' (mok.MoELayer's layout);
     True: always where the plan allows it (other weights are copied together per call); False:
     never. ``check_routing`` range-checks the ids (one host read; pass False inside CUDA-graph
-    capture). ``timeout_s`` (EP) bounds every wait on a peer.
+    capture). ``timeout_s`` (EP) bounds every wait on a peer. ``biases`` (b_gate, b_up [E_local, I],
+    b_down [E_local, H]) bf16: exactly when the config's expert_bias.
     """
     num_tokens, hidden, inter, num_local, topk = check_inputs(plan.config, workspace, x, topk_idx, topk_w, weights, shared,
-                                                              check_routing=check_routing)
+                                                              check_routing=check_routing, biases=biases)
     check_on_gpu(x)
     topk_idx = topk_idx.to(torch.int32).contiguous()
     if plan.ep:
         if out is not None:
             raise ValueError("out: not at EP > 1 (the output is the combine of this rank's slots)")
         check_timeout(timeout_s)
-        return _ep_forward(plan, workspace, x, topk_idx, topk_w, weights, shared, save, timeout_s)
+        return _ep_forward(plan, workspace, x, topk_idx, topk_w, weights, shared, save, timeout_s, biases)
     stacked = _stacked_weights(plan, weights, shared, shared_in_routed)
     capacity = worst_case_capacity(num_tokens, topk, num_local, TILE_M)
     prefix = shared_prefix_rows(num_tokens, TILE_M) if stacked is not None else 0
@@ -147,9 +166,9 @@ def forward(
         return ForwardResult(out, sched, h, shared_h)
     sched = ops.device_schedule(topk_idx, num_local, block_m=TILE_M, capacity=capacity, shared_prefix=stacked is not None)
     expert_weights = stages.routed_weights(plan, weights, stacked)
-    a = stages.gate_up_from_tokens(plan, x, sched, expert_weights, h)
+    a = stages.gate_up_from_tokens(plan, x, sched, expert_weights, h, biases)
     shared_out = None if shared is None or stacked is not None else stages.shared_expert_forward(plan, x, shared, shared_h)
-    y_rows = stages.down(plan, a, sched, expert_weights)
+    y_rows = stages.down(plan, a, sched, expert_weights, biases)
     if stacked is not None:
         shared_out = y_rows[:num_tokens]  # (the shared expert's rows lead the buffer)
     out = ops.combine(y_rows, topk_w, shared_out, slot_row=sched.slot_row, out=out)
@@ -176,7 +195,8 @@ def _stacked_weights(plan: Plan, weights: tuple, shared: tuple | None, shared_in
     return stages.stacked_weights(*weights, shared)
 
 
-def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, shared, save: bool, timeout_s: float) -> ForwardResult:
+def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, shared, save: bool, timeout_s: float,
+                biases: tuple | None) -> ForwardResult:
     """This rank's forward over the workspace: its tokens' output, and with ``save`` the schedule of its
     experts over every rank's tokens, the rows it pulled, h and every rank's routing."""
     c, dev = plan.config, x.device
@@ -202,8 +222,9 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
     h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=dev) if keep_h else None
     shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if keep_h and shared is not None else None
     x_rows = exchange.pull_rows(ws, kernels, "x", sched, stream, rows_format=c.dispatch_format)
-    a = stages.gate_up(plan, x_rows, sched, weights, h, gather=False)
-    exchange.push_rows(ws, a, weights[2], sched)  # each y row straight into its token's slot on the token's rank
+    a = stages.gate_up(plan, x_rows, sched, weights, h, gather=False, biases=biases)
+    down_bias = {} if biases is None else dict(bias=biases[2])
+    exchange.push_rows(ws, a, weights[2], sched, **down_bias)  # each y row straight into its token's slot on the token's rank
     exchange.announce_pushed(ws, kernels, sched, routing, stream, gradient=False)
     shared_out = None if shared is None else stages.shared_expert_forward(plan, x, shared, shared_h)  # (overlaps the peers' pushes)
     exchange.wait_pushed(ws, kernels, timeout_s, stream)

@@ -200,13 +200,16 @@ def rows_in_use(sched: Schedule) -> torch.Tensor:
 # ----- the expert GEMMs
 
 
-def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None, *, gather: bool) -> torch.Tensor:
+def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None, *, gather: bool,
+            biases: tuple | None = None) -> torch.Tensor:
     """a [R, I] = act(rows·W_gateᵀ, rows·W_upᵀ) (and h = [rows·W_gateᵀ | rows·W_upᵀ] into ``h_out``).
     ``gather``: ``rows`` is x [T, H] and the GEMM's producer gathers row r = x[row_token[r]]; else
-    ``rows`` holds the rows [R, H]. ``weights``: (w_gate, w_up, w_down) bf16, or Mxfp8ExpertWeights."""
+    ``rows`` holds the rows [R, H]. ``weights``: (w_gate, w_up, w_down) bf16, or Mxfp8ExpertWeights.
+    ``biases`` (bf16): (b_gate, b_up, b_down), the first two added to the products (inside h too)."""
     if plan.precision == "bf16":
+        bias = {} if biases is None else dict(bias=biases[0], bias2=biases[1])
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
-                                activation=plan.activation)
+                                activation=plan.activation, **bias)
     used = rows_in_use(sched)
     rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
     return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
@@ -221,28 +224,35 @@ def routed_weights(plan: Plan, weights: tuple, stacked: tuple | None):
     return stacked if stacked is not None else weights
 
 
-def gate_up_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None) -> torch.Tensor:
+def gate_up_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None,
+                        biases: tuple | None = None) -> torch.Tensor:
     """:func:`gate_up` at one GPU on the rows of x the schedule names: gathered by the GEMM's
     producer where the plan allows it (``plan.gather_in_gemm``), else gathered first."""
     rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
-    return gate_up(plan, rows, sched, weights, h_out, gather=plan.gather_in_gemm)
+    return gate_up(plan, rows, sched, weights, h_out, gather=plan.gather_in_gemm, biases=biases)
 
 
-def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> torch.Tensor:
-    """y_rows [R, H] = a·W_downᵀ per expert."""
+def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights, biases: tuple | None = None) -> torch.Tensor:
+    """y_rows [R, H] = a·W_downᵀ (+ b_down, the last of ``biases``) per expert."""
     if plan.precision == "bf16":
-        return ops.grouped_gemm(a, weights[2], sched.tile_expert)
+        return ops.grouped_gemm(a, weights[2], sched.tile_expert, bias=None if biases is None else biases[2])
     used = rows_in_use(sched)
     return mxfp8_gemm(plan, ops.quantize_mxfp8(a, rows_used=used, scale_order="mma"), weights.down, sched.tile_expert, used=used)
 
 
-def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor) -> tuple:
+def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor,
+                  biases: tuple | None = None) -> tuple:
     """(dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, parts]) from dout_rows [R, H]
     and the saved h: ops.swiglu_backward_gemm with each row's router weight s from ``topk_w``.
-    ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights."""
+    ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights. ``biases``
+    (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>."""
     route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w, activation=plan.activation)
     if plan.precision == "bf16":
-        return ops.swiglu_backward_gemm(dout_rows, weights_t[2], sched.tile_expert, h, **route)
+        dh, a_scaled, pieces = ops.swiglu_backward_gemm(dout_rows, weights_t[2], sched.tile_expert, h, bias_piece=biases is not None,
+                                                        **route)
+        if biases is not None:
+            ops.bias_router_pieces(dout_rows, biases[2], sched, pieces)
+        return dh, a_scaled, pieces
     used = rows_in_use(sched)
     dout_q = ops.quantize_mxfp8(dout_rows, rows_used=used, scale_order="mma")
     if plan.emulate:  # w_down [E, H, I] with the MXFP8 copy's values, read N-major as the bf16 GEMM does
@@ -258,6 +268,17 @@ def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -
     used = rows_in_use(sched)
     dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
     return mxfp8_gemm(plan, dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True)
+
+
+def expert_bias_grads(dout_rows: torch.Tensor, dh: torch.Tensor, sched: Schedule, topk_w: torch.Tensor, biases: tuple) -> tuple:
+    """(d b_gate, d b_up [E, I], d b_down [E, H]) in the biases' dtype: the sums over each expert's
+    rows of dh's two halves (the router weight is inside dh) and of the dout rows each times its
+    router weight (``topk_w``: the weights the schedule's rows index; at EP every rank's), each in one
+    fixed order (mok/kernels/common/bias_grads.py)."""
+    inter = dh.shape[1] // 2
+    d_gate_up = ops.expert_column_sums(dh, sched)
+    d_down = ops.expert_column_sums(dout_rows, sched, topk_w=topk_w)
+    return tuple(g.to(b.dtype) for g, b in zip((d_gate_up[:, :inter], d_gate_up[:, inter:], d_down), biases))
 
 
 def weight_grad(a, b, offsets, dtype, main_grad, counts=None):

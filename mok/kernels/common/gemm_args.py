@@ -22,17 +22,17 @@ def halves(ptr: cute.Pointer, rows, width: int, count: int) -> cute.Tensor:
     return cute.make_tensor(ptr, cute.make_layout((rows, width, count), stride=(count * width, 1, width)))
 
 
-def grouped_row_tensors(ptrs: tuple, num_rows, num_tokens, n: int, c_halves: int, col_tiles: int, topk: int) -> tuple:
+def grouped_row_tensors(ptrs: tuple, num_rows, num_tokens, n: int, c_halves: int, partial_cols: int, topk: int) -> tuple:
     """The grouped GEMM's row-indexed tensors from ``ptrs`` = (C, h, a_scaled, partial, row_token,
     row_slot, topk_w): C [R, c_halves·N] as (R, N, c_halves), h [R, 2N] as (R, N, 2), a_scaled [R, N],
-    partial [R, col_tiles], row_token and row_slot [R], topk_w [T·k] (the arguments of variants that
-    do not use one are placeholders)."""
+    partial [R, partial_cols], row_token and row_slot [R], topk_w [T·k] (the arguments of variants
+    that do not use one are placeholders)."""
     c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr = ptrs
     return (
         halves(c_ptr, num_rows, n, c_halves),
         halves(h_ptr, num_rows, n, 2),
         cute.make_tensor(a_scaled_ptr, cute.make_layout((num_rows, n), stride=(n, 1))),
-        cute.make_tensor(partial_ptr, cute.make_layout((num_rows, col_tiles), stride=(col_tiles, 1))),
+        cute.make_tensor(partial_ptr, cute.make_layout((num_rows, partial_cols), stride=(partial_cols, 1))),
         cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,))),
         cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,))),
         cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * topk,))),

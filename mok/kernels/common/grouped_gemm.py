@@ -24,6 +24,13 @@ Epilogues (static), every value rounded once from fp32 to bf16; act is the gated
   partial[R, ceil(N / tile_n)] = Σ over the tile's columns of dA_u·a, the router-weight gradient's
   per-tile pieces (reduced in column order by another kernel).
 
+``bias`` (the experts have biases, gpt-oss's): plain, swiglu and swiglu_save add the expert's bias
+row to the accumulators before anything else (gate's from ``bias``, up's from ``bias2``: so h and
+the activation see them, as the reference's x·Wᵀ + b); swiglu_bwd leaves one more column in
+``partial``, the last, for the down bias's piece of the router-weight gradient, <dout_row, b_down[e]>,
+which another kernel writes (mok/kernels/common/bias_grads.py). The arch's kernel must take them
+(``takes_bias``: Hopper's).
+
 :class:`GroupedGemm` holds what does not depend on the arch: the checks of the configuration, the
 launch (``__call__``: :func:`mok.kernels.common.gemm_args.grouped_gemm_args`'s arguments, the same
 on every arch and operand format, turned into tensors) and the epilogue's value math
@@ -60,14 +67,16 @@ class GroupedGemm:
 
     gather_a = False  # (Hopper) A is the token matrix x [T, K], its rows gathered by row_token
     partial_tiles = False  # whether the arch's kernel takes N and K that its tile does not divide (else whole tiles only)
+    takes_bias = False  # whether the arch's kernel adds expert biases (see the module docstring)
 
     def configure(
         self, n: int, k: int, epilogue: str, b_major: str, k_split: bool, topk: int, unit_scale: bool, tile_n: int, tile_k: int,
-        b_expert_stride: int | None = None, activation: str = "swiglu",
+        b_expert_stride: int | None = None, activation: str = "swiglu", bias: bool = False,
     ) -> None:
         """Check and keep the static configuration; the tile is (128, ``tile_n``, ``tile_k``).
         ``b_expert_stride``: elements from one expert's B (and B2) to the next (None: packed);
-        ``activation``: the gated activation of the SwiGLU epilogues (common/gated_activation.py)."""
+        ``activation``: the gated activation of the SwiGLU epilogues (common/gated_activation.py);
+        ``bias``: the experts' biases (the module docstring)."""
         check_activation(activation)
         self.activation = activation
         if epilogue not in EPILOGUES:
@@ -83,12 +92,16 @@ class GroupedGemm:
             raise ValueError(f"(n, k): this arch's kernel takes whole tiles: multiples of ({tile_n}, {halves * tile_k}), got ({n}, {k})")
         if k_split and epilogue != "plain":
             raise ValueError("k_split: only with the plain epilogue")
+        if bias and (k_split or not self.takes_bias):
+            raise ValueError("bias: not with k_split (dx has no bias)" if k_split else "bias: this arch's kernel does not add biases yet")
+        self.bias = bias
         self.n, self.k, self.epilogue_kind, self.b_major, self.k_split = n, k, epilogue, b_major, k_split
         self.topk, self.unit_scale = topk, unit_scale
         self.two_accumulators = epilogue in ("swiglu", "swiglu_save")
         self.num_b = 2 if self.two_accumulators else 1
         self.b_k = k // halves  # K extent of each B tensor
         self.col_tiles = -(-n // tile_n)  # the last one partial where tile_n does not divide N
+        self.partial_cols = self.col_tiles + (1 if bias and epilogue == "swiglu_bwd" else 0)  # (swiglu_bwd: the down bias's piece last)
         self.half_k_tiles = -(-self.b_k // tile_k)  # K tiles of each half (of K with k_split), the last one partial
         self.k_tiles = halves * self.half_k_tiles
         if b_expert_stride is not None and (b_expert_stride < n * self.b_k or b_expert_stride % 8):
@@ -109,26 +122,29 @@ class GroupedGemm:
         c_ptr: cute.Pointer, tile_expert_ptr: cute.Pointer,
         h_ptr: cute.Pointer, a_scaled_ptr: cute.Pointer, partial_ptr: cute.Pointer,  # the epilogue's row tensors
         row_token_ptr: cute.Pointer, row_slot_ptr: cute.Pointer, topk_w_ptr: cute.Pointer,
+        bias_ptr: cute.Pointer, bias2_ptr: cute.Pointer,  # the experts' biases of B's and B2's products (``bias``)
         num_rows: cutlass.Int32, num_experts: cutlass.Int32, num_tokens: cutlass.Int32, max_ctas: cutlass.Int32,
         rows_per_rank: cutlass.Int32, rank_stride: cutlass.Int32,  # (scatter)
         stream: cuda.CUstream,
     ):
         """grouped_gemm_args' arguments (mok/kernels/common/gemm_args.py), in its order: A [R, K] (with
         ``gather_a`` x [T, K]), B and B2 (bf16 or E4M3; the scale pointers are read by the MXFP8
-        kernel only), C, tile_expert [ceil(R / 128)], the epilogue's row tensors, R, E, T, the CTA
-        cap (persistent kernels), and where scattered rows go (``scatter``: T_max and the ranks'
-        distance in elements)."""
+        kernel only), C, tile_expert [ceil(R / 128)], the epilogue's row tensors, the biases [E, N]
+        (``bias``), R, E, T, the CTA cap (persistent kernels), and where scattered rows go
+        (``scatter``: T_max and the ranks' distance in elements)."""
         tile_m = self.tile_shape_mnk[0]
         m_a = self.a_tensor(a_ptr, num_tokens if self.gather_a else num_rows)
         m_bs = (self.b_tensor(b_ptr, num_experts), self.b_tensor(b2_ptr, num_experts))
         c_halves = 2 if self.epilogue_kind == "swiglu_bwd" else 1  # dh = [dh_gate | dh_up]
         ptrs = (c_ptr, h_ptr, a_scaled_ptr, partial_ptr, row_token_ptr, row_slot_ptr, topk_w_ptr)
-        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, self.n, c_halves, self.col_tiles, self.topk)
+        m_c, *row_args = grouped_row_tensors(ptrs, num_rows, num_tokens, self.n, c_halves, self.partial_cols, self.topk)
         num_row_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills, stores stop at R
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
         rows = (m_tiles, num_row_tiles, num_rows)
         scales = (a_scale_ptr, b_scale_ptr, b2_scale_ptr)
-        self.launch(m_a, m_bs, scales, m_c, tuple(row_args), rows, num_experts, max_ctas, (c_ptr, rows_per_rank, rank_stride), stream)
+        biases = (bias_ptr, bias2_ptr)
+        self.launch(m_a, m_bs, scales, m_c, tuple(row_args), rows, num_experts, max_ctas, (c_ptr, rows_per_rank, rank_stride), stream,
+                    biases)
 
     def a_tensor(self, ptr: cute.Pointer, rows) -> cute.Tensor:
         """A [R, K] as (R, K, 1); an arch whose kernel reads k_split's halves of A on their own
@@ -163,8 +179,9 @@ class GroupedGemm:
             sum_second = cute.math.fma(d_a, a_val, sum_second)
         return d_gate, d_up, a_scaled, sum_first, sum_second
 
-    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream):
+    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream, biases):
         """Host side, the arch's: from the tensors ``__call__`` built (``row_args`` = h, a_scaled,
         partial, row_token, row_slot, topk_w; ``rows`` = tile_expert, its row tiles, R; ``scales``
-        the MXFP8 scales' pointers; ``scatter_to`` = C's pointer, T_max, the rank stride) on."""
+        the MXFP8 scales' pointers; ``scatter_to`` = C's pointer, T_max, the rank stride;
+        ``biases`` the pointers of B's and B2's biases, read with ``bias`` only) on."""
         raise NotImplementedError

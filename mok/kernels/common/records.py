@@ -14,12 +14,12 @@ def grouped_gemm_args(operand: str = "bf16") -> LaunchArgs:
     operands, whose E8M0 scales come with them; a bf16 kernel never reads the scales). C is [R, N]
     ([R, 2N] for swiglu_bwd, the rank-0 slots for scatter); h, a_scaled, partial, row_token,
     row_slot and topk_w are the epilogue's row tensors, null where a variant does not use them;
-    rows_per_rank and rank_stride place the scattered rows (mok/kernels/sm90/grouped_gemm.py)."""
+    bias and bias2 the experts' biases [E, N] of B's and B2's products (read with ``bias`` only); rows_per_rank and rank_stride place the scattered rows (mok/kernels/sm90/grouped_gemm.py)."""
     return LaunchArgs(
         ptr("a", operand), ptr("a_scale", "e8m0"), ptr("b", operand), ptr("b_scale", "e8m0"), ptr("b2", operand),
         ptr("b2_scale", "e8m0"), ptr("c", "bf16"), ptr("tile_expert", "i32", 4), ptr("h", "bf16"), ptr("a_scaled", "bf16"),
         ptr("partial", "f32", 4), ptr("row_token", "i32", 4), ptr("row_slot", "i32", 4), ptr("topk_w", "f32", 4),
-        int32("num_rows"), int32("num_experts"), int32("num_tokens", 1), int32("max_ctas"), int32("rows_per_rank", 1),
+        ptr("bias", "bf16", 4), ptr("bias2", "bf16", 4), int32("num_rows"), int32("num_experts"), int32("num_tokens", 1), int32("max_ctas"), int32("rows_per_rank", 1),
         int32("rank_stride", 0),
     )
 
@@ -65,3 +65,11 @@ GATHER_TWO_ARGS = LaunchArgs(
     int32("num_out"),
 )
 ROUTER_GRAD_ARGS = LaunchArgs(ptr("partial", "f32", 4), ptr("slot_row", "i32", 4), ptr("out", "f32", 4), int32("num_tokens"), int32("num_rows"))
+COLUMN_SUMS_ARGS = LaunchArgs(  # per-expert column sums of rows (mok/kernels/common/bias_grads.py); the weights' tensors: weighted only
+    ptr("rows", "bf16"), ptr("offsets", "i32", 4), ptr("counts", "i32", 4), ptr("row_token", "i32", 4), ptr("row_slot", "i32", 4),
+    ptr("topk_w", "f32", 4), ptr("out", "f32"), int32("num_rows"), int32("num_experts"), int32("num_tokens", 1),
+)
+ROW_DOTS_ARGS = LaunchArgs(  # <rows[r], bias[e(r)]> into a column of the SwiGLU backward's pieces (out: 4-byte aligned)
+    ptr("rows", "bf16"), ptr("bias", "bf16"), ptr("tile_expert", "i32", 4), ptr("row_token", "i32", 4), ptr("out", "f32", 4),
+    int32("num_rows"), int32("num_experts"),
+)

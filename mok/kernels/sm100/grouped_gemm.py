@@ -35,7 +35,7 @@ from ..common.grouped_gemm import GroupedGemm
 from ..common.tile_order import grouped_tile
 from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
-SM90_ONLY_OPTIONS = ("gather_a", "scatter", "pingpong")  # the Hopper kernel's variants this one has not yet
+SM90_ONLY_OPTIONS = ("gather_a", "scatter", "pingpong", "bias")  # the Hopper kernel's variants this one has not yet
 
 
 class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
@@ -50,9 +50,9 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation)
         self.ab_stage = pick_stages((self.tile_shape_mnk[0] + self.num_b * tile_n) * TILE_K * 2, stages)
 
-    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream):
+    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream, biases):
         """Host side (see GroupedGemm.launch): MXFP8's scale tensors, the TMA loads, one CTA per
-        output tile (max_ctas and the scatter arguments are the Hopper kernel's)."""
+        output tile (max_ctas, the scatter arguments and the biases are the Hopper kernel's)."""
         m_tiles, num_row_tiles, num_rows = rows
         scale_tensors = ()
         if self.mxfp8:  # A's scales [ceil(R / 128)·128 rows, K / 32], B's and B2's per expert [N, K / 32]
@@ -252,7 +252,7 @@ def compile_grouped_gemm_sm100(
     if missing:
         raise NotImplementedError(
             f"grouped GEMM on {arch}: {', '.join(missing)} not written yet (sm_100a has the one-tile-per-CTA kernel with the "
-            f"plain, swiglu, swiglu_save and swiglu_bwd epilogues, K- or N-major B, k_split: pass persistent=False)"
+            f"plain, swiglu, swiglu_save and swiglu_bwd epilogues without biases, K- or N-major B, k_split: pass persistent=False)"
         )
     kernel = (GroupedGemmMxfp8Sm100 if operand == "e4m3" else GroupedGemmSm100)(n, k, **config)
     return compile_kernel(kernel, grouped_gemm_args(operand), arch, options)

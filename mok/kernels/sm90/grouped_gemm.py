@@ -59,19 +59,20 @@ PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgr
 
 class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, the gated
-    activation, and the Hopper variants (persistent, gather_a, scatter, pingpong). N and K need not
+    activation, expert biases, and the Hopper variants (persistent, gather_a, scatter, pingpong). N and K need not
     be multiples of the tile: TMA zero-fills the loads past them and clips the stores (see the
     module docstring)."""
 
     partial_tiles = True
+    takes_bias = True
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
-        activation: str = "swiglu",
+        activation: str = "swiglu", bias: bool = False,
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias)
         if gather_a and not persistent:
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
         if scatter and (epilogue != "plain" or gather_a or not persistent):
@@ -92,7 +93,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         self.epi_bytes = self.epi_stage * tile_m * 32 * 2 * (2 if pingpong else 1)
         self.ab_stage = pick_stages(stage_bytes, self.epi_bytes, stages, dedicated_epi=persistent)
 
-    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream):
+    def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream, biases):
         """Host side (see GroupedGemm.launch): the TMA atoms, the shared storage, the grid. (The
         storage struct's annotations are evaluated here, with ``self`` in scope: this module does
         not postpone annotations.)"""
@@ -133,17 +134,19 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             c_ptr, rows_per_rank, rank_stride = scatter_to
             m_x = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
-        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x)
+        bias_tensors = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases)
+        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x, bias_tensors)
         self.launch_tiles(args, num_tiles * self.col_tiles, max_ctas, stream)
 
     @cute.kernel
     def kernel(
         self, load_args: tuple, store_args: tuple, row_args: tuple, m_tiles: cute.Tensor, num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple,
+        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple,
     ):
         """One CTA per output tile. The tuples are the ones ``__call__`` packs: ``load_args`` the
         TMA atoms and tensors of A, B, B2; ``store_args`` those of C, h and a_scaled; ``row_args``
-        the epilogue's row inputs; ``mma_args`` the tiled MMA and the shared-memory layouts."""
+        the epilogue's row inputs; ``mma_args`` the tiled MMA and the shared-memory layouts;
+        ``biases`` B's and B2's bias rows [E·N] (``bias``)."""
         tma_a, _, tma_b, _, tma_b2, _ = load_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -172,6 +175,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             k_tiles = self.k_tiles
             rows_in = self.load_row_inputs(tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
             self.mainloop(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, warp_idx, loads)
+            self.add_bias(tidx, tiled_mma, (acc, acc2), biases, expert, tile_col)
             cute.arch.sync_threads()  # the epilogue reuses A's shared memory
 
             store_pipe = self.store_pipeline()
@@ -184,7 +188,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     @cute.kernel
     def kernel_persistent(
         self, load_args: tuple, store_args: tuple, row_args: tuple, m_tiles: cute.Tensor, num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple,
+        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple,
     ):
         """Persistent and warp-specialised: CTA i takes tiles i, i + grid, ... in the L2-friendly order.
 
@@ -268,6 +272,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
                         acc2.fill(0.0)
                     rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
                     cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
+                    self.add_bias(mma_tidx, tiled_mma, (acc, acc2), biases, expert, tile_col)
                     if cutlass.const_expr(self.scatter):
                         epi_prod = self.scatter_epilogue(mma_tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod)
                     else:
@@ -278,6 +283,35 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
+
+    @cute.jit
+    def add_bias(self, tidx, tiled_mma, accs, biases, expert, tile_col):
+        """``bias`` (plain, swiglu, swiglu_save): add the expert's bias to each accumulator value of
+        this thread, by its column (B's bias to acc, B2's to acc2), before the epilogue: so h keeps
+        x·Wᵀ + b and the activation reads it. Loaded after the mainloop, a bf16 pair (32 bits) per
+        column pair of the thread, added to each of its rows (column groups past N read nothing)."""
+        if cutlass.const_expr(self.bias and self.epilogue_kind != "swiglu_bwd"):
+            tile_m, tile_n, _ = self.tile_shape_mnk
+            thr = tiled_mma.get_slice(tidx)
+            crd = thr.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+            # WGMMA accumulator of a thread: ((2 columns, rows r / r + 8, 8-column groups), row blocks, 1)
+            groups, row_blocks = tile_n // 8, cute.size(crd, mode=[1])
+            for acc, m_bias in zip(accs[: self.num_b], biases[: self.num_b]):
+                pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
+                for j in cutlass.range_constexpr(groups):
+                    col = tile_col * tile_n + crd[(0, 0, j), 0, 0][1]  # (even: the pair is 4-byte aligned)
+                    src = cute.make_ptr(cutlass.BFloat16, (m_bias.iterator + (expert * self.n + col)).toint(), cute.AddressSpace.gmem,
+                                        assumed_align=4)
+                    pair.fill(0.0)
+                    if cutlass.const_expr(self.n % tile_n):  # N's partial last tile: nothing read past N
+                        if col < self.n:
+                            cute.autovec_copy(cute.make_tensor(src, cute.make_layout(2)), pair)
+                    else:
+                        cute.autovec_copy(cute.make_tensor(src, cute.make_layout(2)), pair)
+                    for m in cutlass.range_constexpr(row_blocks):
+                        for hi in cutlass.range_constexpr(2):
+                            for c in cutlass.range_constexpr(2):
+                                acc[(c, hi, j), m, 0] = acc[(c, hi, j), m, 0] + pair[c].to(cutlass.Float32)
 
     def a_tensor(self, ptr, rows):
         """A [R, K] as (R, K, 1), or with k_split as (R, K/2, 2): each half's K tiles bounded at
