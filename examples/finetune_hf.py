@@ -1,7 +1,8 @@
-"""Fine-tune a small random-initialised Qwen3-MoE with transformers' own experts backend and with MoK.
+"""Fine-tune a small random-initialised Qwen3-MoE (or gpt-oss) with transformers' own experts backend and with MoK.
 
     python examples/finetune_hf.py                            # one Hopper GPU, bf16, 50 steps
     python examples/finetune_hf.py --device cpu --steps 3     # smoke test anywhere (MoK's CPU reference path, fp32)
+    python examples/finetune_hf.py --model gpt_oss            # gpt-oss: its clamped SwiGLU and expert biases
 
 The same initial weights, batches and optimizer run twice: once with transformers' default experts
 backend (grouped_mm), once on MoK (``mok.integrations.transformers.apply(model)``: every MoE layer's
@@ -9,7 +10,9 @@ experts through MoK's op, the model's own router handing it the top-k ids and we
 a random bigram language (each token a fixed random function of the previous one, one in ten
 random), so the loss falls. Prints both loss curves side by side, their largest relative
 difference, both mean step times (the first --warmup steps left out: they compile kernels) and, on
-a GPU, both peak memories; exits 1 if the curves differ by more than --tol.
+a GPU, both peak memories; exits 1 if the curves differ by more than --tol. ``--model gpt_oss``:
+gpt-oss's experts (interleaved, transposed gate/up weights with biases, its clamped SwiGLU); on a
+GPU MoK refuses them until their kernels have run on one (the CPU runs them).
 
 Needs transformers (``pip install 'mok[hf]'``).
 """
@@ -29,13 +32,14 @@ import torch
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (one Hopper GPU, bf16) or cpu (MoK's reference path, fp32)")
+    p.add_argument("--model", choices=MODELS, default="qwen3_moe", help="the model family (default qwen3_moe)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the mean step time")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 16 on a GPU, 2 on the CPU)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 512 on a GPU, 32 on the CPU)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4 on a GPU, 2 on the CPU)")
-    p.add_argument("--hidden", type=int, default=None, help="H, a multiple of 128 on the GPU (default 1024 on a GPU, 256 on the CPU)")
-    p.add_argument("--intermediate", type=int, default=None, help="each expert's I, a multiple of 128 on the GPU (default 256; 128 on the CPU)")
+    p.add_argument("--hidden", type=int, default=None, help="H, a multiple of 8 on the GPU (default 1024 on a GPU, 256 on the CPU)")
+    p.add_argument("--intermediate", type=int, default=None, help="each expert's I, a multiple of 8 on the GPU (default 256; 128 on the CPU)")
     p.add_argument("--experts", type=int, default=None, help="default 32 on a GPU, 8 on the CPU")
     p.add_argument("--topk", type=int, default=None, help="default 4 on a GPU, 2 on the CPU")
     p.add_argument("--vocab", type=int, default=None, help="default 1024 on a GPU, 512 on the CPU")
@@ -57,10 +61,22 @@ def parse_args(argv=None):
     return args
 
 
+MODELS = ("qwen3_moe", "gpt_oss")
+
+
 def model_config(args):
+    heads = args.hidden // 64
+    if args.model == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+            num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=64, num_local_experts=args.experts,
+            num_experts_per_tok=args.topk, layer_types=["full_attention"] * args.layers,
+            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
     from transformers import Qwen3MoeConfig
 
-    heads = args.hidden // 64
     return Qwen3MoeConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.intermediate, moe_intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=64,
@@ -126,7 +142,7 @@ def main(argv=None) -> int:
     base.train()
     data = batches(args, device)
     tokens = args.batch * args.seq
-    print(f"Qwen3-MoE, random init: {args.layers} layers, H {args.hidden}, {args.experts} experts of I {args.intermediate}, "
+    print(f"{'gpt-oss' if args.model == 'gpt_oss' else 'Qwen3-MoE'}, random init: {args.layers} layers, H {args.hidden}, {args.experts} experts of I {args.intermediate}, "
           f"top-{args.topk}, vocab {args.vocab}; {args.steps} steps of {args.batch} x {args.seq} tokens on {device}, "
           f"{str(args.dtype).replace('torch.', '')}, AdamW lr {args.lr}")
 

@@ -429,7 +429,8 @@ def test_gpu_requirements_are_named_before_anything_runs():
         mok_hf._check_device(x, {"hidden": 64, "intermediate": 32, "shared_intermediate": None})
 
 
-def test_finetune_example_runs_on_the_cpu():
+@pytest.mark.parametrize("model", ["qwen3_moe", "gpt_oss"])
+def test_finetune_example_runs_on_the_cpu(model):
     """examples/finetune_hf.py, a few steps on the CPU: both runs, the same losses (fp32), exit 0."""
     import os
     import re
@@ -439,7 +440,7 @@ def test_finetune_example_runs_on_the_cpu():
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, str(root / "examples" / "finetune_hf.py"), "--device", "cpu", "--steps", "3"],
+    done = subprocess.run([sys.executable, str(root / "examples" / "finetune_hf.py"), "--device", "cpu", "--steps", "3", "--model", model],
                           capture_output=True, text=True, env=env, timeout=300, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s", done.stdout, re.M)

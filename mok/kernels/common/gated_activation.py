@@ -95,8 +95,9 @@ def glu_backward_values(kind: cutlass.Constexpr, d_a, s, h_g, h_u):
         act = g * sig
         up1 = u + 1.0
         d_act = sig * cute.math.fma(CLAMPED_ALPHA * g, 1.0 - sig, 1.0)
-        d_gate = cutlass.Float32(cutlass.select_(h_g <= CLAMP_LIMIT, d_s * up1 * d_act, cutlass.Float32(0.0)))
-        d_up = cutlass.Float32(cutlass.select_(u == h_u, d_s * act, cutlass.Float32(0.0)))  # (h_u within the bounds: the clamp left it)
+        # (the clamps pass the gradient where they left their input: as factors 1 or 0, no predicate kept)
+        d_gate = d_s * up1 * d_act * cutlass.Float32(h_g <= CLAMP_LIMIT)
+        d_up = d_s * act * cutlass.Float32(u == h_u)
         a_val = act * up1
         return d_gate, d_up, s * a_val, a_val
     elif cutlass.const_expr(kind == "geglu"):
