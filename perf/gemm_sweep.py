@@ -5,6 +5,7 @@
     python perf/gemm_sweep.py --scattered-fc2  # fc2 writing its rows into the slots against fc2 into rows
     python perf/gemm_sweep.py --counted-wgrad  # weight gradients stopping at each expert's last row block
     python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide, ping-pong)
+    python perf/gemm_sweep.py --fp8-block      # FP8 with 128-block scales (DeepSeek-V3's recipe) against bf16, same run
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -24,16 +25,21 @@ SHAPES = {  # name: (E, rows per expert, N, K, swiglu)
 }
 
 
+def shape_operands(E, per, N, K, swiglu):
+    """A shape's rows (E x per, whole tiles), weights (B2 for SwiGLU), tile experts and FLOPs."""
+    R = E * per
+    a = torch.randn(R, K, device="cuda").bfloat16()
+    b = (torch.randn(E, N, K, device="cuda") * K**-0.5).bfloat16()
+    b2 = (torch.randn(E, N, K, device="cuda") * K**-0.5).bfloat16() if swiglu else None
+    tiles = torch.arange(R // 128, device="cuda", dtype=torch.int32) // (per // 128)
+    return R, a, b, b2, tiles, 2 * R * N * K * (2 if swiglu else 1)
+
+
 def main() -> None:
     print(f"# {torch.cuda.get_device_name()}")
     print(f"{'shape':<11}{'kernel':<22}{'ms':>8}{'TFLOP/s':>9}")
     for name, (E, per, N, K, swiglu) in SHAPES.items():
-        R = E * per
-        a = torch.randn(R, K, device="cuda").bfloat16()
-        b = (torch.randn(E, N, K, device="cuda") * K**-0.5).bfloat16()
-        b2 = (torch.randn(E, N, K, device="cuda") * K**-0.5).bfloat16() if swiglu else None
-        tiles = torch.arange(R // 128, device="cuda", dtype=torch.int32) // (per // 128)
-        flops = 2 * R * N * K * (2 if swiglu else 1)
+        R, a, b, b2, tiles, flops = shape_operands(E, per, N, K, swiglu)
         runs = {}
         for tile_n in (128,) if swiglu else (128, 256):
             for persistent in (False, True):
@@ -142,10 +148,35 @@ def counted_weight_grads() -> None:
             print(f"{name:<11}{kname:<24}{time_ms(fn, batch=10, repeats=5):>8.3f}")
 
 
+def fp8_block() -> None:
+    """The forward's expert GEMMs on FP8 operands with 128-block scales (mok.fp8_block, the Hopper
+    kernel of mok/kernels/sm90/block_scaled.py) against MoK's bf16 kernel on the same values, and the
+    FP8 result's relative difference from the float64 product of its own (dequantized) operands."""
+    from mok import fp8_block as fp8
+
+    print(f"# {torch.cuda.get_device_name()}: FP8 block-scaled vs bf16 grouped GEMMs")
+    print(f"{'shape':<11}{'kernel':<22}{'ms':>8}{'TFLOP/s':>9}{'vs bf16':>9}")
+    for name, (E, per, N, K, swiglu) in SHAPES.items():
+        R, a, b, b2, tiles, flops = shape_operands(E, per, N, K, swiglu)
+        a_q, b_q = fp8.quantize_rows(a), fp8.quantize_weights(b)
+        b2_q = fp8.quantize_weights(b2) if swiglu else None
+        runs = {"mok bf16": lambda: ops.grouped_gemm(a, b, tiles, b2=b2), "mok fp8 block": lambda: ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q)}
+        ms = {k: time_ms(fn, batch=10, repeats=5) for k, fn in runs.items()}
+        for kname, t in ms.items():
+            print(f"{name:<11}{kname:<22}{t:>8.3f}{flops / t / 1e9:>9.0f}{ms['mok bf16'] / t:>8.2f}x")
+        if not swiglu:
+            rows = slice(0, 4 * 128)  # (a few tiles: the float64 reference is slow)
+            want = fp8.block_scaled_gemm_reference((a_q[0][rows], a_q[1][:, rows]), b_q, tiles.repeat_interleave(128)[rows])
+            got = runs["mok fp8 block"]()[rows].double()
+            print(f"{name:<11}fp8 vs float64 of its operands: relative difference {float((got - want).norm() / want.norm()):.2e}")
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--counted-wgrad" in sys.argv:
+    if "--fp8-block" in sys.argv:
+        fp8_block()
+    elif "--counted-wgrad" in sys.argv:
         counted_weight_grads()
     elif "--weight-grads" in sys.argv:
         weight_grads()

@@ -235,6 +235,28 @@ def test_bias_kernels_add_the_bias_after_the_mainloop_and_reduce_without_atomics
         assert count(r"shfl\.sync\.bfly", ptx) == (5 if variant.name == "row_dots" else 0)
 
 
+@pytest.mark.parametrize("n,k,options", [(7168, 2048, {}), (2048, 7168, dict(epilogue="swiglu_save")), (7168, 4096, dict(k_split=True)),
+                                         (7168, 2048, dict(scatter=True, topk=8)), (2048, 7168, dict(epilogue="swiglu_bwd", topk=8))])
+def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, options):
+    """FP8 with 128-block scales on Hopper (operand "e4m3_block"): E4M3 x E4M3 WGMMAs (32 deep, four
+    per 128-deep stage, eight for SwiGLU's two products), no mma.sync fallback; A, B and the stage's
+    row scales by TMA; each stage's WGMMAs waited for in full (wait_group 0) before their product is
+    promoted with fused multiply-adds (one per accumulator value); nothing spilled or in local
+    memory; and the kernel is refused on SM100 (which has MXFP8)."""
+    variant = grouped_gemm_variant(n, k, operand="e4m3_block", **options)
+    ptx = compiled_ptx(variant, "sm_90a")
+    products = 2 if options.get("epilogue") in ("swiglu", "swiglu_save") else 1
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx) == 4 * products
+    assert count(r"wgmma\.mma_async", ptx) == 4 * products and count(r"\bmma\.sync", ptx) == 0
+    assert count(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx) >= 1 and count(r"\.local", ptx) == 0
+    tile_n = variant.config["tile_n"]
+    assert count(r"\bfma\.rn\.f32", ptx) >= products * tile_n // 2  # (per thread: 64 x tile_n / 128 accumulator values a product)
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3
+    assert ptxas_spill_bytes(ptx) in (None, 0)
+    with pytest.raises(NotImplementedError, match="Hopper's kernel only so far"):
+        compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
+
+
 def KernelVariantLike(variant, **changes):
     """The grouped-GEMM variant of ``variant``'s configuration with ``changes`` (its twin)."""
     config = {k: v for k, v in variant.config.items() if k not in ("n", "k", "stages")} | changes

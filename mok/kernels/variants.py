@@ -14,7 +14,8 @@ from ..runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS
 from . import KernelVariant
 from .constants import SCHEDULE_THREADS, check_activation
 
-OPERANDS = ("bf16", "e4m3")  # GEMM operands: bf16, or MXFP8 (E4M3 elements, an E8M0 scale per 32 along K)
+OPERANDS = ("bf16", "e4m3", "e4m3_block")  # GEMM operands: bf16; MXFP8 (E4M3, an E8M0 scale per 32 along K; SM100);
+# FP8 with an fp32 scale per 128 along K (rows) and per 128 x 128 block (weights): DeepSeek-V3's recipe (Hopper)
 
 
 def combine_variant(
@@ -104,12 +105,15 @@ def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: i
     return KernelVariant(f"ep_{kind}", {"world": world, "phase": phase, "width": width, "topk": topk}, build)
 
 
-def default_tile_n(n: int, k: int, swiglu: bool) -> int:
+def default_tile_n(n: int, k: int, swiglu: bool, operand: str = "bf16") -> int:
     """Column tile of the grouped GEMM, from static shapes only (batch invariance).
 
     SwiGLU holds two accumulators, so 128 wide; a plain GEMM takes 256 where N allows
     (docs/notes/tile-shapes-and-padding.md: 256 won at qwen3's down projection, the two were within noise
-    of each other at dsv3's)."""
+    of each other at dsv3's). FP8 with block scales ("e4m3_block") holds each K block's product
+    beside the running sum, twice the accumulators: 128 wide, 64 for SwiGLU."""
+    if operand == "e4m3_block":
+        return 64 if swiglu else 128
     return 256 if not swiglu and n % 256 == 0 else 128
 
 
@@ -131,6 +135,8 @@ def _check_operand(operand: str, persistent: bool, b_major: str = "k") -> None:
     if operand == "e4m3" and (persistent or b_major != "k"):
         raise ValueError("operand='e4m3': the block-scaled (SM100) kernels are one tile per CTA with K-major B: pass "
                          "persistent=False and b_major='k'")
+    if operand == "e4m3_block" and (not persistent or b_major != "k"):
+        raise ValueError("operand='e4m3_block': the FP8 (Hopper) kernel is persistent with K-major B: pass persistent=True and b_major='k'")
 
 
 def _no_mxfp8_here(what: str, arch: str) -> NotImplementedError:
@@ -184,7 +190,7 @@ def grouped_gemm_variant(
     check_activation(activation)
     if b_expert_stride is not None and operand != "bf16":
         raise ValueError("b_expert_stride: bf16 weights only (MXFP8 weights are quantized into packed tensors)")
-    tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd")) if tile_n is None else tile_n
+    tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd"), operand) if tile_n is None else tile_n
     topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or scatter else 1
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
     for flag, on in (("gather_a", gather_a), ("scatter", scatter), ("pingpong", pingpong), ("bias", bias)):
@@ -197,14 +203,17 @@ def grouped_gemm_variant(
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:  # tcgen05: the one-tile-per-CTA kernels so far (compile-verified only)
+            if operand == "e4m3_block":
+                raise NotImplementedError(f"grouped GEMM on FP8 with 128-block scales on {arch}: Hopper's kernel only so far (SM100 has MXFP8)")
             from .sm100.grouped_gemm import compile_grouped_gemm_sm100
 
             return compile_grouped_gemm_sm100(n, k, arch, compile_options, operand=operand, tile_n=tile_n, stages=stages, **options)
-        if operand != "bf16":
+        if operand == "e4m3":
             raise _no_mxfp8_here("grouped GEMM", arch)
         from .sm90.grouped_gemm import compile_grouped_gemm
 
-        return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options)
+        precision = {"operand": operand} if operand != "bf16" else {}
+        return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options, **precision)
 
     config = {"n": n, "k": k, "tile_n": tile_n, "stages": stages or 0, **options}  # stages 0: as deep as fits
     if operand != "bf16":

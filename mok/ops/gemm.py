@@ -24,7 +24,7 @@ from .common import (
     check_weights_launchable, kernel_for, persistent_default, sm_count,
 )
 
-RECORDS = {operand: grouped_gemm_args(operand) for operand in ("bf16", "e4m3")}
+RECORDS = {operand: grouped_gemm_args(operand) for operand in ("bf16", "e4m3", "e4m3_block")}
 Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # bf16 values, or MXFP8 (elements, scales)
 
 
@@ -107,6 +107,40 @@ def _mxfp8_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool) -
     return dict(a=a_q, a_scale=a_s, b=b_q, b_scale=b_s, b2=b2_q, b2_scale=b2_s)
 
 
+def _fp8_block_scales(a: Operand) -> bool:
+    """Whether an (elements, scales) operand is FP8 with fp32 block scales (else MXFP8's E8M0 bytes)."""
+    return len(a) == 2 and isinstance(a[1], torch.Tensor) and a[1].dtype == torch.float32
+
+
+def _fp8_block_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool) -> dict:
+    """Check FP8 block-scaled A, B (and B2) of a grouped GEMM (mok.fp8_block's layouts); returns
+    the record's pointer arguments."""
+    (a_q, a_s), (b_q, b_s) = operand_parts("a", a), operand_parts("b", b)
+    check_tensor("a", a_q, dtypes=E4M3, ndim=2, contiguous=True)
+    rows, k = a_q.shape
+    halves = 2 if k_split else 1
+    if k % (halves * 128):
+        raise ValueError(f"a: expected K a multiple of {halves * 128} with FP8 block-scaled operands, got K={k}")
+    check_tensor("a scales", a_s, dtypes=(torch.float32,), shape=(k // 128, rows), device=a_q.device, contiguous=True)
+    if rows % 4:
+        raise ValueError(f"a: expected a row count that is a multiple of 4 (the scales' rows are read by TMA in 16-byte units), got {rows}")
+    if k_split and b2 is None:
+        raise ValueError("k_split: needs b2, the weights of K's second half")
+    check_tensor("b", b_q, dtypes=E4M3, ndim=3, device=a_q.device, contiguous=True)
+    num_experts, n = b_q.shape[:2]
+    check_tensor("b", b_q, shape=(num_experts, n, k // halves))
+    if n % 128:
+        raise ValueError(f"b: expected N a multiple of 128 with FP8 block-scaled operands, got N={n}")
+    scale_shape = (num_experts, n // 128, k // halves // 128)
+    check_tensor("b scales", b_s, dtypes=(torch.float32,), shape=scale_shape, device=a_q.device, contiguous=True)
+    b2_q, b2_s = (b_q, b_s) if b2 is None else operand_parts("b2", b2)
+    check_tensor("b2", b2_q, dtypes=E4M3, shape=tuple(b_q.shape), device=a_q.device, contiguous=True)
+    check_tensor("b2 scales", b2_s, dtypes=(torch.float32,), shape=scale_shape, device=a_q.device, contiguous=True)
+    check_launchable(a=a_q, a_scales=a_s)
+    check_weights_launchable(b=b_q, b_scales=b_s, b2=b2_q, b2_scales=b2_s)
+    return dict(a=a_q, a_scale=a_s, b=b_q, b_scale=b_s, b2=b2_q, b2_scale=b2_s)
+
+
 def check_mxfp8_launchable(op: str, pointers: dict) -> None:
     """The MXFP8 operands of :func:`_mxfp8_operands` where they may launch (after the call's other
     checks): on a CUDA device, aligned, on an SM100 GPU."""
@@ -162,8 +196,20 @@ def grouped_gemm(
     K / 128, 512]) and b, b2 = (elements [E, N, K] K-major, scales [E, N / 128, K / 128, 512]), each
     scale in the MMA's order (mok.ops.quantize_mxfp8(..., scale_order="mma")); K % 128 (% 256 with
     k_split); the SwiGLU and k_split forms as above (b_major "k" only, no gather).
+
+    FP8 with block scales (Hopper, DeepSeek-V3's recipe, mok.fp8_block): a = (elements [R, K]
+    float8_e4m3fn, scales float32 [K / 128, R]) and b, b2 = (elements [E, N, K] K-major, scales
+    float32 [E, N / 128, K / 128]); N and K multiples of 128 (each half of K with k_split); the
+    persistent kernel, b_major "k", no gather; every epilogue as with bf16.
     """
-    if isinstance(a, (tuple, list)):
+    if isinstance(a, (tuple, list)) and _fp8_block_scales(a):
+        if b_major != "k" or gather is not None or persistent is False:
+            raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), no gather, the persistent kernel")
+        pointers = _fp8_block_operands(a, b, b2, k_split)
+        a_values = pointers["a"]
+        num_experts, n = pointers["b"].shape[:2]
+        persistent, operand, b_stride = True, "e4m3_block", None
+    elif isinstance(a, (tuple, list)):
         pointers = _mxfp8_operands(a, b, b2, k_split)
         a_values = pointers["a"]
         num_experts, n = pointers["b"].shape[:2]
@@ -215,8 +261,8 @@ def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, oper
     SwiGLU form), contiguous, for bf16 operands without k_split (where they may launch: check_launchable)."""
     if bias is None and bias2 is None:
         return
-    if operand != "bf16" or k_split:
-        raise ValueError("bias: bf16 operands without k_split only (dx has no bias; the MXFP8 kernels add none)")
+    if operand not in ("bf16", "e4m3_block") or k_split:
+        raise ValueError("bias: Hopper's kernel without k_split only (dx has no bias; the MXFP8 kernels add none)")
     if bias is None or (bias2 is None) == two:
         raise ValueError("bias, bias2: give bias for a plain GEMM, bias and bias2 for the SwiGLU form (b2 given)")
     for name, t in (("bias", bias), ("bias2", bias2)):

@@ -9,15 +9,23 @@ from __future__ import annotations
 from .launch_args import LaunchArgs, int32, int64, ptr
 
 
+OPERAND_FORMATS = {  # a GEMM operand format: (its elements' pointer kind, its scales' pointer kind)
+    "bf16": ("bf16", "e8m0"),  # (no scales: the pointers are null, never read)
+    "e4m3": ("e4m3", "e8m0"),  # MXFP8: an E8M0 scale per 32 along K (SM100's block-scaled MMAs)
+    "e4m3_block": ("e4m3", "f32"),  # DeepSeek-V3's FP8: an fp32 scale per 128 along K (Hopper: mok/kernels/sm90/block_scaled.py)
+}
+
+
 def grouped_gemm_args(operand: str = "bf16") -> LaunchArgs:
-    """The grouped GEMM's launch arguments (either arch; ``operand`` "bf16", or "e4m3" for MXFP8
-    operands, whose E8M0 scales come with them; a bf16 kernel never reads the scales). C is [R, N]
+    """The grouped GEMM's launch arguments (either arch; ``operand`` one of OPERAND_FORMATS: bf16, or
+    E4M3 elements whose scales come with them; a bf16 kernel never reads the scales). C is [R, N]
     ([R, 2N] for swiglu_bwd, the rank-0 slots for scatter); h, a_scaled, partial, row_token,
     row_slot and topk_w are the epilogue's row tensors, null where a variant does not use them;
     bias and bias2 the experts' biases [E, N] of B's and B2's products (read with ``bias`` only); rows_per_rank and rank_stride place the scattered rows (mok/kernels/sm90/grouped_gemm.py)."""
+    elements, scales = OPERAND_FORMATS[operand]
     return LaunchArgs(
-        ptr("a", operand), ptr("a_scale", "e8m0"), ptr("b", operand), ptr("b_scale", "e8m0"), ptr("b2", operand),
-        ptr("b2_scale", "e8m0"), ptr("c", "bf16"), ptr("tile_expert", "i32", 4), ptr("h", "bf16"), ptr("a_scaled", "bf16"),
+        ptr("a", elements), ptr("a_scale", scales), ptr("b", elements), ptr("b_scale", scales), ptr("b2", elements),
+        ptr("b2_scale", scales), ptr("c", "bf16"), ptr("tile_expert", "i32", 4), ptr("h", "bf16"), ptr("a_scaled", "bf16"),
         ptr("partial", "f32", 4), ptr("row_token", "i32", 4), ptr("row_slot", "i32", 4), ptr("topk_w", "f32", 4),
         ptr("bias", "bf16", 4), ptr("bias2", "bf16", 4), int32("num_rows"), int32("num_experts"), int32("num_tokens", 1), int32("max_ctas"), int32("rows_per_rank", 1),
         int32("rank_stride", 0),

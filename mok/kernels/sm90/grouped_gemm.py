@@ -37,6 +37,8 @@ then runs under the other warpgroup's WGMMAs instead of stopping the tensor core
 WGMMAs per output element and the same row sums: the same bits as the cooperative kernel.
 """
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
@@ -48,6 +50,7 @@ from ..common.combine import VECTOR
 from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
 from ..common.grouped_gemm import GroupedGemm
+from .block_scaled import SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
@@ -57,9 +60,11 @@ SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0'
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
 
 
-class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
+class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
     """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, the gated
-    activation, expert biases, and the Hopper variants (persistent, gather_a, scatter, pingpong). N and K need not
+    activation, expert biases, the operands (bf16, or ``operand="e4m3_block"``: FP8 with an fp32 scale
+    per 128 along K, mok/kernels/sm90/block_scaled.py; persistent, K-major B, whole 128 blocks), and
+    the Hopper variants (persistent, gather_a, scatter, pingpong). With bf16 operands N and K need not
     be multiples of the tile: TMA zero-fills the loads past them and clips the stores (see the
     module docstring)."""
 
@@ -70,9 +75,22 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
-        activation: str = "swiglu", bias: bool = False,
+        activation: str = "swiglu", bias: bool = False, operand: str = "bf16",
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias)
+        if operand not in ("bf16", "e4m3_block"):
+            raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
+        self.block_scaled = operand == "e4m3_block"
+        tile_k = TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, tile_k, b_expert_stride, activation, bias)
+        if self.block_scaled:
+            halves = 2 if k_split else 1
+            problems = [what for what, bad in (
+                ("persistent=True", not persistent), ("no gather_a", gather_a), ("no pingpong", pingpong), ("b_major='k'", b_major != "k"),
+                (f"N a multiple of {SCALE_BLOCK}", n % SCALE_BLOCK), (f"K a multiple of {halves * SCALE_BLOCK}", k % (halves * SCALE_BLOCK)),
+                (f"tile_n dividing {SCALE_BLOCK}", SCALE_BLOCK % tile_n),
+            ) if bad]
+            if problems:
+                raise ValueError(f"operand='e4m3_block': needs {', '.join(problems)} (n={n}, k={k}, tile_n={tile_n})")
         if gather_a and not persistent:
             raise ValueError("gather_a: only in the persistent kernel (its producer warpgroup gathers)")
         if scatter and (epilogue != "plain" or gather_a or not persistent):
@@ -87,9 +105,12 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             self.threads, self.store_warp = self.consumer_threads + 128, 4
         tile_m = self.tile_shape_mnk[0]
         stores_per_tile = (tile_n // 32) * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
-        if stores_per_tile % self.epi_stage:  # each tile starts again at buffer 0 (see epilogue)
+        if stores_per_tile % self.epi_stage and not pingpong:  # each tile starts again at buffer 0 (see epilogue): 64-wide tiles take 2
+            self.epi_stage = math.gcd(stores_per_tile, self.epi_stage)
+        if stores_per_tile % self.epi_stage:
             raise ValueError(f"tile_n: {tile_n} gives {stores_per_tile} epilogue stores, not a multiple of {self.epi_stage}")
-        stage_bytes = (tile_m * TILE_K + self.num_b * tile_n * TILE_K) * 2
+        element_bytes = 1 if self.block_scaled else 2
+        stage_bytes = (tile_m * tile_k + self.num_b * tile_n * tile_k) * element_bytes + (tile_m * 4 if self.block_scaled else 0)
         self.epi_bytes = self.epi_stage * tile_m * 32 * 2 * (2 if pingpong else 1)
         self.ab_stage = pick_stages(stage_bytes, self.epi_bytes, stages, dedicated_epi=persistent)
 
@@ -101,10 +122,11 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         m_b, m_b2 = m_bs
         m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = row_args
         m_tiles, num_tiles, num_rows = rows
+        tile_k = self.tile_shape_mnk[2]
         a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
-        tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, TILE_K))
-        tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, TILE_K))
-        tma_b2, t_b2 = self.load_atom(m_b2, b_smem, (tile_n, TILE_K))
+        tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, tile_k))
+        tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, tile_k))
+        tma_b2, t_b2 = self.load_atom(m_b2, b_smem, (tile_n, tile_k))
         tma_c, t_c = self.store_atom(m_c, epi_smem)
         tma_h, t_h = self.store_atom(m_h, epi_smem)  # used by swiglu_save only
         tma_as, t_as = self.store_atom(m_as, epi_smem)  # used by swiglu_bwd only
@@ -124,9 +146,16 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
             s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
             s_c: cute.struct.Align[cute.struct.MemRange[self.c_dtype, c_elems], self.buffer_align_bytes]
+            s_sa: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.a_scale_smem()) if self.block_scaled else 1], 128]
 
         self.shared_storage = SharedStorage
         load_args = (tma_a, t_a, tma_b, t_b, tma_b2, t_b2)
+        b_scales = ()
+        if cutlass.const_expr(self.block_scaled):  # A's row scales TMA-loaded with each stage, B's read by the MMA warps
+            a_scale_ptr, b_scale_ptr, b2_scale_ptr = scales
+            m_sa = self.a_scale_tensor(a_scale_ptr, m_a.shape[0])
+            load_args += tuple(self.a_scale_load_atom(m_sa))
+            b_scales = (self.b_scale_tensor(b_scale_ptr, num_experts), self.b_scale_tensor(b2_scale_ptr, num_experts))
         store_args = (tma_c, t_c, tma_h, t_h, tma_as, t_as)
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
@@ -135,15 +164,15 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             c_ptr, rows_per_rank, rank_stride = scatter_to
             m_x = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
         bias_tensors = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases)
-        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x, bias_tensors)
+        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x, bias_tensors, b_scales)
         self.launch_tiles(args, num_tiles * self.col_tiles, max_ctas, stream)
 
     @cute.kernel
     def kernel(
         self, load_args: tuple, store_args: tuple, row_args: tuple, m_tiles: cute.Tensor, num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple,
+        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple, b_scales: tuple,
     ):
-        """One CTA per output tile. The tuples are the ones ``__call__`` packs: ``load_args`` the
+        """One CTA per output tile (bf16 operands). The tuples are the ones ``__call__`` packs: ``load_args`` the
         TMA atoms and tensors of A, B, B2; ``store_args`` those of C, h and a_scaled; ``row_args``
         the epilogue's row inputs; ``mma_args`` the tiled MMA and the shared-memory layouts;
         ``biases`` B's and B2's bias rows [E·N] (``bias``)."""
@@ -188,16 +217,17 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
     @cute.kernel
     def kernel_persistent(
         self, load_args: tuple, store_args: tuple, row_args: tuple, m_tiles: cute.Tensor, num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple,
+        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple, b_scales: tuple,
     ):
         """Persistent and warp-specialised: CTA i takes tiles i, i + grid, ... in the L2-friendly order.
 
         Warpgroup 0 produces (its warp 0 issues every TMA load, running ahead into the next
         tile while the MMA warpgroups run the epilogue of the last); warpgroups 1 and 2 consume
         (WGMMA, 64 rows each) and store. A tile's result does not depend on which CTA took it.
-        Arguments as in ``kernel``; ``m_x`` is x for ``gather_a`` and where C's rows go for ``scatter``.
+        Arguments as in ``kernel``; ``m_x`` is x for ``gather_a`` and where C's rows go for ``scatter``;
+        ``b_scales`` B's and B2's scales (``block_scaled``; A's row scales come with ``load_args``).
         """
-        tma_a, _, tma_b, _, tma_b2, _ = load_args
+        tma_a, _, tma_b, _, tma_b2, _ = load_args[:6]
         _, _, m_row_token, m_row_slot, _ = row_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -207,12 +237,13 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         col_tiles = self.col_tiles
         all_tiles = num_row_tiles * col_tiles
         if warp_idx == 0:
-            self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()))
+            self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()), *load_args[6:7])
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(
-            storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0, consumer_warps=4 if self.pingpong else None
+            storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0, consumer_warps=4 if self.pingpong else None,
+            extra_tx_bytes=self.tile_shape_mnk[0] * 4 if self.block_scaled else 0,
         )
         epi_pipe = None
         if cutlass.const_expr(self.scatter):
@@ -220,6 +251,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         s_b2 = self.second_b(storage, b_smem, s_b)
+        s_sa = storage.s_sa.get_tensor(self.a_scale_smem()) if self.block_scaled else None  # (A's row scales per stage)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         k_tiles = self.k_tiles
 
@@ -233,7 +265,7 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
                     tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
                     expert = m_tiles[tile_row]
                     if expert >= 0:
-                        loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert)
+                        loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert, s_sa)
                         if cutlass.const_expr(self.gather_a):
                             a_base = storage.s_a.data_ptr()
                             prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
@@ -257,6 +289,9 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
             r_a, r_b, r_b2, acc, acc2 = self.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
+            blocks = (None, None)
+            if cutlass.const_expr(self.block_scaled):  # each K block's product, before its scales
+                blocks = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             store_pipe = self.store_pipeline()
@@ -271,7 +306,13 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
                     rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
-                    cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
+                    if cutlass.const_expr(self.block_scaled):
+                        cons, release = self.consume_block_scaled_tile(
+                            ab_pipe, tiled_mma, (acc, acc2), blocks, (r_a, r_b, r_b2), k_tiles, cons, release, (s_sa, *b_scales),
+                            (expert, tile_col), mma_tidx,
+                        )
+                    else:
+                        cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
                     self.add_bias(mma_tidx, tiled_mma, (acc, acc2), biases, expert, tile_col)
                     if cutlass.const_expr(self.scatter):
                         epi_prod = self.scatter_epilogue(mma_tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod)
@@ -326,9 +367,10 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             return storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         return s_b
 
-    def tile_loads(self, load_args, s_a, s_b, s_b2, tile_row, tile_col, expert):
-        """What ``load_stage`` needs for one output tile: the TMA atoms and their smem/gmem partitions."""
-        tma_a, m_a, tma_b, m_b, tma_b2, m_b2 = load_args
+    def tile_loads(self, load_args, s_a, s_b, s_b2, tile_row, tile_col, expert, s_sa=None):
+        """What ``load_stage`` needs for one output tile: the TMA atoms and their smem/gmem partitions
+        (``block_scaled``: A's row scales too, into ``s_sa``)."""
+        tma_a, m_a, tma_b, m_b, tma_b2, m_b2 = load_args[:6]
         g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
         g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
         g_b2 = cute.local_tile(m_b2, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
@@ -339,7 +381,10 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
             t_ag2 = self.tma_split(tma_a, s_a, g_a2)[1]
         t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
         t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
-        return (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s, t_ag2)
+        loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s, t_ag2)
+        if cutlass.const_expr(self.block_scaled):
+            loads += self.a_scale_loads(*load_args[6:8], s_sa, tile_row)
+        return loads
 
     def mma_fragments(self, tiled_mma, mma_tidx, s_a, s_b, s_b2):
         """The warpgroup's WGMMA views of the A, B and B2 stages and two fp32 accumulators (not zeroed)."""
@@ -356,6 +401,9 @@ class GroupedGemmSm90(GroupedGemm, WgmmaTileKernel):
         k_tile = prod.count
         self.load_k_tile((tma_a, t_ag), (tma_a, t_ag2), t_as[(None, prod.index)], k_tile, bar)
         self.load_b(prod, loads, k_tile, bar)
+        if cutlass.const_expr(self.block_scaled):  # the K block's row scales (k_split: K counts on through the second half)
+            tma_sa, t_sag, t_sas = loads[10:13]
+            cute.copy(tma_sa, t_sag[(None, k_tile)], t_sas[(None, prod.index)], tma_bar_ptr=bar)
         ab_pipe.producer_commit(prod)
 
     @cute.jit
@@ -815,5 +863,5 @@ def copy_async_16b(dst: cute.Pointer, src: cute.Pointer, nbytes) -> None:
 
 def compile_grouped_gemm(n: int, k: int, arch: str, options: str = "", **config):
     """Compile :class:`GroupedGemmSm90` (``config``: its keyword arguments) for ``arch`` without
-    tensors: the stand-ins of grouped_gemm_args("bf16")."""
-    return compile_kernel(GroupedGemmSm90(n, k, **config), grouped_gemm_args("bf16"), arch, options)
+    tensors: the stand-ins of grouped_gemm_args(its operand)."""
+    return compile_kernel(GroupedGemmSm90(n, k, **config), grouped_gemm_args(config.get("operand", "bf16")), arch, options)

@@ -236,17 +236,18 @@ class WgmmaTileKernel:
             s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
         return s_a, s_b, s_c
 
-    def make_pipeline(self, storage, num_b: int, a_smem, b_smem, gather_threads: int = 0, barriers=None, consumer_warps=None):
+    def make_pipeline(self, storage, num_b: int, a_smem, b_smem, gather_threads: int = 0, barriers=None, consumer_warps=None,
+                      extra_tx_bytes: int = 0):
         """The producer / consumer (all MMA warps, or ``consumer_warps``) pipeline over ``ab_stage`` stages.
 
-        A stage is full once its TMA bytes landed (one thread arms the count) and, when
-        ``gather_threads`` threads cp.async A's rows instead, once each of them arrived; it is
-        free again once every consuming warp released it. ``barriers``: where its mbarriers live
-        (default: ``storage.mbar``).
+        A stage is full once its TMA bytes landed (one thread arms the count; ``extra_tx_bytes``:
+        what else its loads bring, e.g. block scales) and, when ``gather_threads`` threads cp.async
+        A's rows instead, once each of them arrived; it is free again once every consuming warp
+        released it. ``barriers``: where its mbarriers live (default: ``storage.mbar``).
         """
         a_stage = cute.slice_(a_smem, (None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, 0))
-        tx_bytes = num_b * cute.size_in_bytes(self.ab_dtype, b_stage)
+        tx_bytes = num_b * cute.size_in_bytes(self.ab_dtype, b_stage) + extra_tx_bytes
         if gather_threads == 0:
             tx_bytes += cute.size_in_bytes(self.ab_dtype, a_stage)
         return pipeline.PipelineTmaAsync.create(

@@ -1,0 +1,91 @@
+"""FP8 with block scales, DeepSeek-V3's training recipe: the rule and its float64 reference.
+
+Activations (rows) are scaled per row and per 128 consecutive values along K (1 x 128), weights
+per 128 x 128 block, each block by one fp32 scale:
+
+    amax   = max |x| over the block (in fp32)
+    scale  = amax / 448                    (448: E4M3's largest finite value; an all-zero block: 1)
+             or, with ``power_of_two``, 2^ceil(log2(amax / 448)) (then x / scale is exact before rounding)
+    q      = e4m3(x · (1 / scale))         the fp32 product, rounded to nearest even, saturating at ±448
+
+where 1 / scale is fp32's 448 / amax (one division per block; exactly 2^-e for power-of-two scales).
+The elements are E4M3 (float8_e4m3fn); the scales fp32: a row matrix's kept transposed, [K / 128, R]
+(the order the Hopper kernel's TMA reads a K block's row scales in), a weight's [E, N / 128, K / 128].
+A GEMM of two such operands is Σ over K blocks of (q_a·q_bᵀ)·scale_a·scale_b
+(:func:`block_scaled_gemm_reference`; mok/kernels/sm90/block_scaled.py computes it on FP8 WGMMAs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .validation import check_tensor
+
+BLOCK = 128
+E4M3_MAX = 448.0
+
+
+def block_scales(amax: torch.Tensor, power_of_two: bool = False) -> torch.Tensor:
+    """fp32 scales of blocks whose largest magnitude is ``amax`` (fp32): amax / 448, or the power of
+    two at or above it; 1 for an all-zero block."""
+    amax = amax.float()
+    scale = amax / E4M3_MAX
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def _quantize_blocks(x: torch.Tensor, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 128·m] (each last-dim row one block) -> (E4M3 elements, fp32 scales [...]) by the module's rule."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    scale = block_scales(amax, power_of_two)
+    if power_of_two:
+        factor = 1.0 / scale  # (exact: a power of two)
+    else:
+        factor = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
+    return (x * factor[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def quantize_rows(x: torch.Tensor, *, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [R, K] (K a multiple of 128) -> (elements [R, K] E4M3, scales [K / 128, R] fp32), 1 x 128 blocks."""
+    check_tensor("x", x, ndim=2)
+    rows, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"x: expected K a multiple of {BLOCK}, got {k}")
+    q, scale = _quantize_blocks(x.reshape(rows, k // BLOCK, BLOCK), power_of_two)
+    return q.reshape(rows, k), scale.T.contiguous()
+
+
+def quantize_weights(w: torch.Tensor, *, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights w [E, N, K] (N, K multiples of 128) -> (elements [E, N, K] E4M3, scales [E, N / 128, K / 128] fp32)."""
+    check_tensor("w", w, ndim=3)
+    experts, n, k = w.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"w: expected N and K multiples of {BLOCK}, got N={n}, K={k}")
+    blocks = w.reshape(experts, n // BLOCK, BLOCK, k // BLOCK, BLOCK).transpose(2, 3)  # [E, nb, kb, 128, 128]
+    q, scale = _quantize_blocks(blocks.reshape(experts, n // BLOCK, k // BLOCK, BLOCK * BLOCK), power_of_two)
+    q = q.reshape(experts, n // BLOCK, k // BLOCK, BLOCK, BLOCK).transpose(2, 3).reshape(experts, n, k)
+    return q.contiguous(), scale
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 rows [R, K] of (elements, scales [K / 128, R])."""
+    return q.double() * scales.double().T.repeat_interleave(BLOCK, dim=1)
+
+
+def dequantize_weights(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 weights [E, N, K] of (elements, scales [E, N / 128, K / 128])."""
+    return q.double() * scales.double().repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
+
+
+def block_scaled_gemm_reference(a: tuple, b: tuple, experts_of_rows: torch.Tensor) -> torch.Tensor:
+    """float64 C [R, N] = the dequantized rows of ``a`` (elements, scales) times the dequantized
+    weights of ``b`` of each row's expert (``experts_of_rows`` [R]; rows of expert -1 give 0), the
+    product the kernels compute up to their fp32 rounding."""
+    rows, weights = dequantize_rows(*a), dequantize_weights(*b)
+    out = torch.zeros(rows.shape[0], weights.shape[1], dtype=torch.float64, device=rows.device)
+    for e in range(weights.shape[0]):
+        sel = experts_of_rows == e
+        out[sel] = rows[sel] @ weights[e].T
+    return out

@@ -1,0 +1,67 @@
+"""FP8 with block scales (DeepSeek-V3's recipe, mok.fp8_block) on the CPU: the quantization rule,
+the scales' layouts, the float64 GEMM reference, and the op's checks of such operands before any
+launch. (The Hopper kernel: tests/test_fp8_block_gpu.py; its PTX: tests/test_kernels_ptx.py.)"""
+
+import pytest
+import torch
+
+from mok import fp8_block as fp8
+from mok import ops
+
+
+def test_row_blocks_scale_by_their_largest_magnitude_and_round_to_e4m3():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 512, generator=g) * torch.logspace(-3, 3, 37)[:, None]
+    x[5, 128:256] = 0.0  # an all-zero block
+    q, scales = fp8.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (4, 37) and scales.dtype == torch.float32
+    blocks = x.reshape(37, 4, 128)
+    assert torch.equal(scales.T, torch.where(blocks.abs().amax(-1) > 0, blocks.abs().amax(-1) / 448, torch.ones(37, 4)))
+    assert scales[1, 5] == 1 and not q[5, 128:256].float().any()
+    back = fp8.dequantize_rows(q, scales)
+    per_block_scale = scales.double().T.repeat_interleave(128, 1)
+    # E4M3: 3 mantissa bits (half an ulp: 2^-4 relative), subnormals down to 2^-9 of the scale
+    assert ((back - x.double()).abs() <= torch.maximum(x.double().abs() * 2**-4, per_block_scale * 2**-10)).all()
+    assert q.float().abs().max() <= 448 and (q.float().abs().reshape(37, 4, 128).amax(-1)[blocks.abs().amax(-1) > 0] == 448).all()
+
+
+def test_weight_blocks_are_128_by_128_and_power_of_two_scales_are_exact():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 256, 384, generator=g)
+    w[1, 128:, :128] *= 1000  # one block much larger: only its scale changes
+    q, scales = fp8.quantize_weights(w)
+    assert q.shape == w.shape and scales.shape == (3, 2, 3)
+    blocks = w.reshape(3, 2, 128, 3, 128).transpose(2, 3).abs().amax((-1, -2))
+    assert torch.equal(scales, blocks / 448)
+    assert scales[1, 1, 0] > 500 * scales[1, 0, 0]
+    q2, s2 = fp8.quantize_weights(w, power_of_two=True)
+    assert torch.equal(s2, torch.exp2(torch.log2(s2).round())) and (s2 >= blocks / 448).all() and (s2 < 2 * blocks / 448).all()
+    # x / scale is exact for a power of two: the elements are x's own values rounded once to E4M3
+    assert torch.equal(q2.float(), (w / s2.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(torch.float8_e4m3fn).float())
+    assert ((fp8.dequantize_weights(q, scales) - w.double()).norm() / w.double().norm()) < 0.04
+
+
+def test_gemm_reference_is_the_product_of_the_dequantized_operands_per_expert():
+    g = torch.Generator().manual_seed(2)
+    a = fp8.quantize_rows(torch.randn(300, 256, generator=g))
+    b = fp8.quantize_weights(torch.randn(3, 128, 256, generator=g))
+    experts = torch.randint(-1, 3, (300,), generator=g)
+    got = fp8.block_scaled_gemm_reference(a, b, experts)
+    rows, weights = fp8.dequantize_rows(*a), fp8.dequantize_weights(*b)
+    for r in range(0, 300, 37):
+        want = rows[r] @ weights[experts[r]].T if experts[r] >= 0 else torch.zeros(128, dtype=torch.float64)
+        assert torch.allclose(got[r], want, rtol=1e-12, atol=1e-12)
+
+
+def test_op_checks_block_scaled_operands_before_any_launch():
+    a = fp8.quantize_rows(torch.randn(256, 256))
+    b = fp8.quantize_weights(torch.randn(2, 128, 256))
+    tiles = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"a scales: expected shape \[2, 256\], got \[256, 2\]"):
+        ops.grouped_gemm((a[0], a[1].T.contiguous()), b, tiles)
+    with pytest.raises(ValueError, match=r"b: expected N a multiple of 128 with FP8 block-scaled operands, got N=64"):
+        ops.grouped_gemm(a, (b[0][:, :64].contiguous(), b[1][:, :1].contiguous()), tiles)
+    with pytest.raises(ValueError, match="FP8 block-scaled operands: K-major B .* no gather, the persistent kernel"):
+        ops.grouped_gemm(a, b, tiles, persistent=False)
+    with pytest.raises(ValueError, match=r"a: expected K a multiple of 128"):
+        ops.grouped_gemm((torch.zeros(256, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 256)), b, tiles)
