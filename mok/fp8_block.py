@@ -5,7 +5,8 @@ per 128 x 128 block, each block by one fp32 scale:
 
     amax   = max |x| over the block (in fp32)
     scale  = amax / 448                    (448: E4M3's largest finite value; an all-zero block: 1)
-             or, with ``power_of_two``, 2^ceil(log2(amax / 448)) (then x / scale is exact before rounding)
+             or, with ``power_of_two``, 2^ceil(log2(amax / 448)), at least 2^-126 (then x / scale is
+             exact before rounding)
     q      = e4m3(x · (1 / scale))         the fp32 product, rounded to nearest even, saturating at ±448
 
 where 1 / scale is fp32's 448 / amax (one division per block; exactly 2^-e for power-of-two scales).
@@ -27,11 +28,12 @@ E4M3_MAX = 448.0
 
 def block_scales(amax: torch.Tensor, power_of_two: bool = False) -> torch.Tensor:
     """fp32 scales of blocks whose largest magnitude is ``amax`` (fp32): amax / 448, or the power of
-    two at or above it; 1 for an all-zero block."""
+    two at or above it (at least 2^-126, the smallest normal float); 1 for an all-zero block."""
     amax = amax.float()
     scale = amax / E4M3_MAX
     if power_of_two:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        mantissa, exponent = torch.frexp(scale)  # scale = mantissa · 2^exponent, mantissa in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent)).clamp(min=2.0**-126)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 

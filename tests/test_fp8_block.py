@@ -65,3 +65,14 @@ def test_op_checks_block_scaled_operands_before_any_launch():
         ops.grouped_gemm(a, b, tiles, persistent=False)
     with pytest.raises(ValueError, match=r"a: expected K a multiple of 128"):
         ops.grouped_gemm((torch.zeros(256, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 256)), b, tiles)
+
+
+def test_quantize_ops_check_their_input_before_any_launch():
+    with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a multiple of 128 and R of 4 .*got \[8, 200\]"):
+        ops.quantize_fp8_rows(torch.zeros(8, 200, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a multiple of 128 and R of 4 .*got \[6, 256\]"):
+        ops.quantize_fp8_rows(torch.zeros(6, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"w: expected \[E, N, K\] with N and K multiples of 128, got \[2, 64, 128\]"):
+        ops.quantize_fp8_weights(torch.zeros(2, 64, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16))

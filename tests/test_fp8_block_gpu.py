@@ -63,3 +63,24 @@ def test_swiglu_with_h_and_biases_and_the_k_split_form():
     halves = [(dh[0][:, :K].contiguous(), dh[1][: K // 128].contiguous()), (dh[0][:, K:].contiguous(), dh[1][K // 128:].contiguous())]
     want = fp8.block_scaled_gemm_reference(halves[0], w1, experts) + fp8.block_scaled_gemm_reference(halves[1], w2, experts)
     assert rel_err(got[used], want[used]) < 5e-3
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_quantizers_give_the_rule_s_bits(power_of_two):
+    """ops.quantize_fp8_rows / quantize_fp8_weights against mok.fp8_block's rule computed on the CPU:
+    the same E4M3 bytes and fp32 scales (an all-zero block, magnitudes over twelve decades); with
+    rows_used, the rows in use the same."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = (torch.randn(1000, 2048, device="cuda", generator=g) * torch.logspace(-6, 6, 1000, device="cuda")[:, None]).bfloat16()
+    x[3, 128:256] = 0
+    q, s = ops.quantize_fp8_rows(x, power_of_two=power_of_two)
+    want_q, want_s = fp8.quantize_rows(x.cpu(), power_of_two=power_of_two)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s.cpu(), want_s)
+    used = torch.tensor([300], dtype=torch.int32, device="cuda")
+    q_used, s_used = ops.quantize_fp8_rows(x, power_of_two=power_of_two, rows_used=used)
+    assert torch.equal(q_used[:300].view(torch.uint8), q[:300].view(torch.uint8)) and torch.equal(s_used[:, :300], s[:, :300])
+    w = (torch.randn(3, 256, 384, device="cuda", generator=g) * 0.02).bfloat16()
+    w[1, :128, 128:256] *= 1e4
+    wq, ws = ops.quantize_fp8_weights(w, power_of_two=power_of_two)
+    want_wq, want_ws = fp8.quantize_weights(w.cpu(), power_of_two=power_of_two)
+    assert torch.equal(wq.cpu().view(torch.uint8), want_wq.view(torch.uint8)) and torch.equal(ws.cpu(), want_ws)

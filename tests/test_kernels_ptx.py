@@ -257,6 +257,20 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
         compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("block_rows,power_of_two", [(1, False), (128, False), (1, True)])
+def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturating_cvt(arch, block_rows, power_of_two):
+    """The 128-block quantizer (mok.fp8_block's rule): a lane's four values as one 8-byte load, the
+    saturating round-to-nearest E4M3 pair conversion, 4-byte element stores, IEEE divisions for the
+    scale and factor (div.rn), a butterfly max over the lanes; nothing in local memory."""
+    from mok.kernels.variants import quantize_fp8_block_variant
+
+    ptx = compiled_ptx(quantize_fp8_block_variant(2048, block_rows, power_of_two), arch)
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) >= 2 and count(r"ld\.global\.v4\.b16", ptx) >= 1
+    assert count(r"st\.global\.b32", ptx) >= 1 and count(r"div\.rn\.f32", ptx) >= 1 and count(r"shfl\.sync\.bfly", ptx) >= 5
+    assert count(r"\.local", ptx) == 0 and count(r"\b(atom|red)\.", ptx) == 0
+
+
 def KernelVariantLike(variant, **changes):
     """The grouped-GEMM variant of ``variant``'s configuration with ``changes`` (its twin)."""
     config = {k: v for k, v in variant.config.items() if k not in ("n", "k", "stages")} | changes

@@ -74,6 +74,21 @@ def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order:
     return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", config, build)
 
 
+def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False) -> KernelVariant:
+    """bf16 -> E4M3 with fp32 scales per 128 values (mok.fp8_block's rule, DeepSeek-V3's recipe):
+    ``block_rows`` 1 for rows (1 x 128 blocks, the scales transposed), 128 for weights (128 x 128).
+    ``bounded``: only the rows a device count says are in use."""
+
+    def build(arch: str, options: str = "") -> Any:
+        from .common.fp8_block_quantize import compile_fp8_block_quantize
+
+        return compile_fp8_block_quantize(width, block_rows, power_of_two, bounded, arch, options)
+
+    flags = {"power_of_two": power_of_two, "bounded": bounded}
+    config = {"width": width, "block_rows": block_rows, **{name: True for name, on in flags.items() if on}}
+    return KernelVariant("quantize_fp8_block", config, build)
+
+
 def schedule_ctas(pairs: int, sm_count: int) -> int:
     """CTAs of a schedule launch: one per SM at most, at least one warp-step of pairs per warp.
 

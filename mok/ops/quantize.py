@@ -1,15 +1,19 @@
-"""MXFP8 conversion kernels: bf16 rows to E4M3 elements with E8M0 scales (mok.mxfp8's rule) and back.
+"""FP8 conversion kernels: bf16 to E4M3 elements with E8M0 scales per 32 (MXFP8, mok.mxfp8's rule)
+and back, or with fp32 scales per 128 (DeepSeek-V3's recipe, mok.fp8_block's rule).
 
     quantize_mxfp8          blocks of 32 along each row (scales by rows, or in the MMA's order)
     quantize_mxfp8_columns  blocks of 32 rows down each column (the operands of a weight gradient)
     dequantize_mxfp8        back to bf16 (exact: an E4M3 value times a power of two is a bf16)
+    quantize_fp8_rows       1 x 128 blocks along each row, the scales [K / 128, R]
+    quantize_fp8_weights    128 x 128 blocks of each expert's [N, K], the scales [E, N / 128, K / 128]
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.variants import quantize_mxfp8_variant
+from ..kernels.common.records import FP8_BLOCK_QUANTIZE_ARGS
+from ..kernels.variants import quantize_fp8_block_variant, quantize_mxfp8_variant
 from ..mxfp8 import BLOCK as MXFP8_BLOCK, check_blocked
 from ..runtime import launch
 from ..validation import check_tensor
@@ -123,3 +127,47 @@ def dequantize_mxfp8(
     )
     return out
 
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements float8_e4m3fn [R, K], scales float32 [K / 128, R]) of bf16 rows ``x`` [R, K] (K a
+    multiple of 128, R of 4), 1 x 128 blocks: the bits mok.fp8_block.quantize_rows gives (finite
+    values), in one launch. ``rows_used`` (int32 [1] on x's device): only the first rows_used[0]
+    rows are converted (the rest of both outputs left unwritten; the count stays on the device)."""
+    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
+    rows, k = x.shape
+    if k % 128 or rows % 4:
+        raise ValueError(f"x: expected [R, K] with K a multiple of 128 and R of 4 (16-byte scale rows), got {list(x.shape)}")
+    check_launchable(x=x)
+    check_rows_used(rows_used, x.device)
+    elements = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k // 128, rows, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_fp8_block(x, elements, scales, 1, power_of_two, rows_used)
+    return elements, scales
+
+
+def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements float8_e4m3fn [E, N, K], scales float32 [E, N / 128, K / 128]) of bf16 weights
+    ``w`` [E, N, K] (N and K multiples of 128), 128 x 128 blocks: mok.fp8_block.quantize_weights's
+    bits (finite values), in one launch."""
+    check_tensor("w", w, dtypes=BF16, ndim=3, contiguous=True)
+    experts, n, k = w.shape
+    if n % 128 or k % 128:
+        raise ValueError(f"w: expected [E, N, K] with N and K multiples of 128, got {list(w.shape)}")
+    check_launchable(w=w)
+    elements = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(experts, n // 128, k // 128, dtype=torch.float32, device=w.device)
+    if w.numel():
+        _quantize_fp8_block(w.view(experts * n, k), elements.view(experts * n, k), scales, 128, power_of_two, None)
+    return elements, scales
+
+
+def _quantize_fp8_block(x, elements, scales, block_rows: int, power_of_two: bool, rows_used) -> None:
+    variant = quantize_fp8_block_variant(x.shape[1], block_rows, power_of_two, bounded=rows_used is not None)
+    kernel_for(variant, x.device)(
+        *FP8_BLOCK_QUANTIZE_ARGS.values(x=x, elements=elements, scales=scales, rows_used=rows_used, num_rows=x.shape[0]),
+        launch.stream(x.device),
+    )

@@ -1,0 +1,156 @@
+"""bf16 -> FP8 with 128-block fp32 scales, mok.fp8_block's rule bit for bit (arch-neutral).
+
+A CTA takes a tile of 128 rows x 128 columns (one K block of 128 rows) with four warps; a warp
+takes rows w, w + 4, ..., a lane four consecutive values of the row (8-byte loads, a warp's 256
+bytes contiguous; 4-byte stores). ``block_rows`` (static) says what one scale covers:
+
+- 1 (activations, 1 x 128): each row's largest magnitude is a butterfly max over the warp's lanes,
+  its scale goes to scales[k_block, row] (the transposed [K / 128, R] layout the GEMM's TMA reads);
+- 128 (weights, 128 x 128): the tile's largest magnitude (the warps' maxima through shared
+  memory) scales every row; the scale goes to scales[row tile, k_block] ([E, N / 128, K / 128] for
+  weights [E, N, K] taken as E·N rows).
+
+scale = amax / 448 (1 for an all-zero block; ``power_of_two``: the power of two at or above it,
+from its bits: a set mantissa rounds the exponent up, at least 2^-126), factor = 448 / amax (1 / scale
+for a power of two, exact), elements = cvt.rn.satfinite.e4m3x2(x · factor). A max is the same in
+any order, so the bits do not depend on the launch. ``bounded``: only the first rows_used[0] rows
+(a schedule's used rows, read on the device).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+
+from .compile import compile_kernel
+from .records import FP8_BLOCK_QUANTIZE_ARGS
+
+BLOCK = 128  # values along a row that share a scale (mok.fp8_block.BLOCK)
+WARPS = 4
+LANES = 32
+PER_LANE = BLOCK // LANES  # 4 values a lane
+E4M3_MAX = 448.0
+MANTISSA_MASK = 0x7FFFFF
+EXPONENT_MASK = 0x7F800000
+EXPONENT_ONE = 0x00800000
+
+
+@cute.jit
+def power_of_two_at_or_above(s: cutlass.Float32) -> cutlass.Float32:
+    """The power of two at or above a non-negative finite ``s``, at least 2^-126, from its bits."""
+    bits = cute.make_rmem_tensor((1,), cutlass.Float32)
+    bits[0] = s
+    raw = cute.recast_tensor(bits, cutlass.Int32)
+    if (raw[0] & MANTISSA_MASK) != 0:
+        raw[0] = (raw[0] & EXPONENT_MASK) + EXPONENT_ONE
+    return bits[0]
+
+
+class QuantizeFp8BlockKernel:
+    """Static config: the rows' width K (a multiple of 128), ``block_rows`` (1 or 128),
+    ``power_of_two`` and ``bounded`` (see the module docstring)."""
+
+    def __init__(self, width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False) -> None:
+        if width % BLOCK or width < BLOCK:
+            raise ValueError(f"width: expected a positive multiple of {BLOCK}, got {width}")
+        if block_rows not in (1, BLOCK):
+            raise ValueError(f"block_rows: expected 1 (rows) or {BLOCK} (weights), got {block_rows}")
+        self.width, self.block_rows, self.power_of_two, self.bounded = width, block_rows, power_of_two, bounded
+
+    @cute.jit
+    def __call__(
+        self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer,
+        num_rows: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        """x [R, K] bf16 -> elements [R, K] E4M3 and fp32 scales: [K / 128, R] (block_rows 1) or
+        [R / 128, K / 128] (block_rows 128, R a multiple of 128)."""
+        k_blocks = self.width // BLOCK
+        rows = cute.make_layout((num_rows, self.width), stride=(self.width, 1))
+        m_x, m_q = cute.make_tensor(x_ptr, rows), cute.make_tensor(elements_ptr, rows)
+        if cutlass.const_expr(self.block_rows == 1):
+            m_s = cute.make_tensor(scales_ptr, cute.make_layout((num_rows, k_blocks), stride=(1, num_rows)))
+        else:
+            m_s = cute.make_tensor(scales_ptr, cute.make_layout((num_rows // BLOCK, k_blocks), stride=(k_blocks, 1)))
+        m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
+        self.kernel(m_x, m_q, m_s, m_used, num_rows).launch(
+            grid=[k_blocks, (num_rows + BLOCK - 1) // BLOCK, 1], block=[WARPS * LANES, 1, 1], stream=stream
+        )
+
+    @cute.jit
+    def lane_values(self, m_x, row, k_block, lane):
+        """This lane's four values of row ``row`` in K block ``k_block``, as fp32."""
+        return cute.zipped_divide(m_x[row, None], (PER_LANE,))[None, k_block * LANES + lane].load().to(cutlass.Float32)
+
+    @cute.jit
+    def scale_and_factor(self, amax):
+        """(scale, the factor the values are multiplied by) of a block with largest magnitude ``amax``."""
+        scale = cutlass.Float32(1.0)
+        factor = cutlass.Float32(1.0)
+        if amax > 0.0:
+            scale = amax / E4M3_MAX
+            if cutlass.const_expr(self.power_of_two):
+                scale = power_of_two_at_or_above(scale)
+                factor = 1.0 / scale
+            else:
+                factor = E4M3_MAX / amax
+        return scale, factor
+
+    @cute.jit
+    def quantize_row(self, m_x, m_q, row, k_block, lane, factor):
+        values = self.lane_values(m_x, row, k_block, lane)
+        out = cute.zipped_divide(m_q[row, None], (PER_LANE,))[None, k_block * LANES + lane]
+        out.store((values * factor).to(m_q.element_type))
+
+    @cute.jit
+    def row_amax(self, m_x, row, k_block, lane):
+        """The largest magnitude of the row's K block (every lane gets it: a butterfly max)."""
+        values = self.lane_values(m_x, row, k_block, lane)
+        amax = cutlass.Float32(0.0)
+        for v in cutlass.range_constexpr(PER_LANE):
+            amax = cute.arch.fmax(amax, cute.math.absf(values[v]))
+        for offset in cutlass.range_constexpr(5):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << offset))
+        return amax
+
+    @cute.kernel
+    def kernel(self, m_x: cute.Tensor, m_q: cute.Tensor, m_s: cute.Tensor, m_used: cute.Tensor, num_rows: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        k_block, row_tile, _ = cute.arch.block_idx()
+        warp, lane = tidx // LANES, tidx % LANES
+        limit = num_rows
+        if cutlass.const_expr(self.bounded):
+            limit = min(num_rows, m_used[0])
+        first = row_tile * BLOCK
+        if cutlass.const_expr(self.block_rows == 1):
+            for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
+                row = first + r
+                if row < limit:
+                    scale, factor = self.scale_and_factor(self.row_amax(m_x, row, k_block, lane))
+                    self.quantize_row(m_x, m_q, row, k_block, lane, factor)
+                    if lane == 0:
+                        m_s[row, k_block] = scale
+        else:
+            smem = cutlass.memory.SmemAllocator()
+            s_max = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WARPS,)), byte_alignment=16)
+            amax = cutlass.Float32(0.0)
+            for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
+                if first + r < limit:
+                    amax = cute.arch.fmax(amax, self.row_amax(m_x, first + r, k_block, lane))
+            if lane == 0:
+                s_max[warp] = amax
+            cute.arch.sync_threads()
+            for w in cutlass.range_constexpr(WARPS):
+                amax = cute.arch.fmax(amax, s_max[w])
+            scale, factor = self.scale_and_factor(amax)
+            for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
+                if first + r < limit:
+                    self.quantize_row(m_x, m_q, first + r, k_block, lane, factor)
+            if tidx == 0 and first < limit:
+                m_s[row_tile, k_block] = scale
+
+
+def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, bounded: bool, arch: str, options: str = ""):
+    """Compile :class:`QuantizeFp8BlockKernel` for ``arch`` without tensors (FP8_BLOCK_QUANTIZE_ARGS' stand-ins)."""
+    return compile_kernel(QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded), FP8_BLOCK_QUANTIZE_ARGS, arch, options)
