@@ -70,7 +70,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch-format", choices=DISPATCH_FORMATS, default="bf16",
                    help="how x crosses to the experts' ranks (EP > 1); mxfp8 adds its kernels (MoKConfig.dispatch_format)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                   help="the routed experts' GEMM operands; mxfp8 (sm_100a) and mxfp8_emulated add their kernels (MoKConfig.precision)")
+                   help="the routed experts' GEMM operands; mxfp8 (sm_100a), mxfp8_emulated and fp8_block (sm_90a) add their kernels "
+                        "(MoKConfig.precision)")
     p.add_argument("--saved-h-format", choices=SAVED_H_FORMATS, default="bf16",
                    help="how h is kept for the backward; mxfp8 adds its quantize kernels, recompute the gate/up GEMM in the backward "
                         "(MoKConfig.saved_h_format)")

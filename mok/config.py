@@ -13,7 +13,7 @@ from .kernels.constants import check_activation
 from .validation import check_positive_int
 
 TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
-PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated")  # the expert GEMMs' operands (mok/pipeline/stages.py)
+PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated", "fp8_block")  # the expert GEMMs' operands (mok/pipeline/stages.py)
 SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute")  # how h is kept for the backward (mok/saved_mxfp8.py), or not kept
 DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
 GATE_UP_LAYOUTS = ("separate", "concatenated")  # how w_gate and w_up are stored (the kernels read either in place)
@@ -53,8 +53,11 @@ class MoKConfig:
     precision: the routed experts' GEMM operands: "bf16" (default), "mxfp8" (every expert GEMM of
     forward and backward on MXFP8 operands, block-scaled MMAs: SM100 only, compile-verified, never
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
-    into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16); one GPU, H, I and I_s
-    multiples of 128, without one_launch so far (with fuse_wgrad_accumulation and either saved_h_format).
+    into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16) or "fp8_block" (DeepSeek-V3's
+    FP8: the forward's expert GEMMs on E4M3 with fp32 scales per 1 x 128 of the rows and 128 x 128 of
+    the weights, mok.fp8_block, on Hopper's FP8 WGMMAs; the weights quantized once per version; the
+    backward in bf16 so far); one GPU, H, I and I_s multiples of 128, without one_launch so far
+    (with fuse_wgrad_accumulation and either saved_h_format).
     gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
     [I, H] block contiguous) or "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows
     first, as transformers' gate_up_proj): the GEMMs read them in place either way (their expert

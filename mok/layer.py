@@ -81,6 +81,8 @@ class MoELayer(nn.Module):
     ``precision="mxfp8"``: every routed-expert GEMM of forward and backward on MXFP8 operands (the
     weights quantized on every call; SM100 only, compile-verified, never run); ``"mxfp8_emulated"``:
     the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
+    ``"fp8_block"``: the forward's expert GEMMs in FP8 with 128-block scales (DeepSeek-V3's recipe,
+    Hopper's FP8 WGMMAs, the weights quantized once per version), the backward in bf16 so far;
     one GPU, see :class:`mok.config.MoKConfig` for what it does not combine with yet.
     ``activation``: the experts' gated activation, "swiglu" (default), "clamped_swiglu" (gpt-oss's) or
     "geglu" (:class:`mok.config.MoKConfig`). ``bias=True``: the routed experts have biases
@@ -315,7 +317,7 @@ class MoELayer(nn.Module):
         )
         if c.precision != "bf16" and not x.is_cuda:
             raise NotImplementedError(
-                f"precision={c.precision!r}: the MXFP8 layer runs on a GPU only (no CPU reference of its numerics); "
+                f"precision={c.precision!r}: the FP8 layer runs on a GPU only (no CPU reference of its numerics); "
                 "use precision='bf16' on the CPU"
             )
         if x.is_cuda:  # (a GPU the fused layer runs on, the current device: before the op, with its own message)

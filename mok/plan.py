@@ -19,7 +19,7 @@ from .config import MoKConfig
 from .kernels import KernelVariant
 from .kernels.variants import (
     column_sums_variant, combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
-    router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong, weight_grad_variant,
+    quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong, weight_grad_variant,
 )
 from .runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
@@ -34,7 +34,7 @@ def whole_tiles_reason(config: MoKConfig, arch: str) -> str | None:
     if config.one_launch:
         return "the one-launch kernel's partial tiles have not run on a GPU yet; pass one_launch=False"
     if config.precision != "bf16":
-        return f"precision={config.precision!r}: MXFP8 blocks tile every width"
+        return f"precision={config.precision!r}: its scale blocks tile every width"
     return None
 
 
@@ -57,6 +57,8 @@ def refusal(config: MoKConfig, arch: str, *, unverified_ok: bool = False) -> str
     if arch not in PERSISTENT_GEMM_ARCHS and (config.ep_size > 1 or config.one_launch):
         what = "ep_size > 1" if config.ep_size > 1 else "one_launch"
         return f"{what}: not on {arch} yet (its kernels there are the single-GPU layer's one-tile GEMMs); pass ep_size=1 and one_launch=False"
+    if config.precision == "fp8_block" and arch not in PERSISTENT_GEMM_ARCHS:
+        return f"precision='fp8_block': Hopper's kernels only so far; on {arch} use precision='mxfp8'"
     if config.expert_bias and arch not in PERSISTENT_GEMM_ARCHS:
         return f"expert_bias: not in {arch}'s kernels yet (Hopper's add them); the CPU reference path computes them"
     return None if unverified_ok else unverified(config)
@@ -65,9 +67,10 @@ def refusal(config: MoKConfig, arch: str, *, unverified_ok: bool = False) -> str
 def unverified(config: MoKConfig) -> str | None:
     """What of ``config`` runs on kernels that are built (Plan.variants, precompile) but have not run
     on a GPU yet, so that the layer refuses it there (None: nothing): the activations beside SwiGLU
-    (tests/test_activations_gpu.py) and the expert biases (tests/test_expert_bias_gpu.py)."""
+    (tests/test_activations_gpu.py), the expert biases (tests/test_expert_bias_gpu.py) and FP8 with
+    block scales (tests/test_fp8_block_gpu.py)."""
     found = [what for what, on in ((f"activation={config.activation!r}", config.activation != "swiglu"),
-                                   ("expert_bias", config.expert_bias)) if on]
+                                   ("expert_bias", config.expert_bias), ("precision='fp8_block'", config.precision == "fp8_block")) if on]
     if not found:
         return None
     return f"{' and '.join(found)}: the kernels are built (Plan.variants) but have not run on a GPU yet; the CPU reference path computes them"
@@ -88,8 +91,13 @@ class Plan:
 
     @property
     def precision(self) -> str:
-        """The routed experts' GEMM operands: "bf16" or "mxfp8" (emulated or not)."""
-        return "bf16" if self.config.precision == "bf16" else "mxfp8"
+        """The routed experts' forward GEMM operands: "bf16", "mxfp8" (emulated or not) or "fp8_block"."""
+        return {"mxfp8_emulated": "mxfp8"}.get(self.config.precision, self.config.precision)
+
+    @property
+    def backward_precision(self) -> str:
+        """The backward's expert GEMM operands: MXFP8's own, else bf16 (fp8_block's backward so far)."""
+        return "mxfp8" if self.precision == "mxfp8" else "bf16"
 
     @property
     def activation(self) -> str:
@@ -187,7 +195,7 @@ class Plan:
             v.append(router_grad_variant(k, parts))
             v.append(combine_variant(h, k, shared, gathered=False, unit_weights=True))
         else:
-            v += self._gemm_variants(h, 2 * i, b_major="n", k_split=True)
+            v += self._gemm_variants(h, 2 * i, precision=self.backward_precision, b_major="n", k_split=True)
             v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=parts))
         if c.expert_bias:  # their gradients (column sums of dh and of the weighted dout rows) and the down bias's piece
             v += [column_sums_variant(2 * i), column_sums_variant(h, weighted=True, topk=k), row_dots_variant(h, parts)]
@@ -232,12 +240,19 @@ class Plan:
             v += [ep_variant("publish_mxfp8", w, **rows), ep_variant("dispatch_mxfp8", w, **rows)]
         return v
 
-    def _gemm_variants(self, n: int, k: int, **options) -> list[KernelVariant]:
-        """A routed-expert GEMM in this plan's precision: bf16; MXFP8 (its rows quantized, the weights
-        quantized once per call); emulated (the same operands dequantized into the bf16 GEMM)."""
-        if self.precision == "bf16":
+    def _gemm_variants(self, n: int, k: int, precision: str | None = None, **options) -> list[KernelVariant]:
+        """A routed-expert GEMM in ``precision`` (default: the plan's forward precision): bf16; MXFP8
+        (its rows quantized, the weights quantized once per call); emulated (the same operands
+        dequantized into the bf16 GEMM); FP8 with block scales (its rows quantized, the weights
+        once per version)."""
+        precision = self.precision if precision is None else precision
+        if precision == "bf16":
             return [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
         options.pop("gather_a", None)
+        if precision == "fp8_block":
+            options.pop("b_major", None)
+            quantizers = [quantize_fp8_block_variant(k, bounded=True), quantize_fp8_block_variant(k, block_rows=128)]
+            return quantizers + [grouped_gemm_variant(n, k, operand="e4m3_block", **options)]
         quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
         if self.emulate:
             options.pop("b_major", None)  # (the transposed copies, K-major)

@@ -17,7 +17,10 @@ main_grad buffers inside the backward (``fuse_wgrad_accumulation``), "main_grad 
 gradients and adds them afterwards, as a loop without it would; "mok mxfp8 h" keeps h in MXFP8
 between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is left out of the
 same-bits check); "mok recompute" keeps no h and runs the gate/up GEMM again in the backward
-(``saved_h_format="recompute"``: the same bits). At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
+(``saved_h_format="recompute"``: the same bits). "mok fp8 block" runs the forward's expert GEMMs in
+FP8 with 128-block scales (``precision="fp8_block"``, other bits; its backward is bf16 so far) with a
+plan built directly, as the layer refuses it on a GPU until tests/test_fp8_block_gpu.py has passed
+there; widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
 experts as they are, clamped SwiGLU and expert biases (other bits), through the pipeline with a
 plan built directly: the layer refuses them on a GPU until tests/test_activations_gpu.py and
 tests/test_expert_bias_gpu.py have passed there.
@@ -174,6 +177,27 @@ def gpt_oss_plan(inputs):
     return Plan(config_of(inputs, activation="clamped_swiglu", expert_bias=True), "sm_90a"), biases
 
 
+def fp8_block_plan(inputs):
+    """The plan of these inputs with precision="fp8_block" (mok.plan.Plan directly: see the module
+    docstring), or None where a width is not a multiple of 128."""
+    from mok.plan import Plan
+
+    config = config_of(inputs)
+    widths = [config.hidden, config.intermediate] + ([config.shared_intermediate] if config.has_shared_expert else [])
+    return None if any(w % 128 for w in widths) else Plan(config_of(inputs, precision="fp8_block"), "sm_90a")
+
+
+def mok_plan_forward(inputs, plan):
+    x, idx, w, experts, shared = inputs
+    return mok.pipeline.forward(plan, x, idx, w, experts, shared, check_routing=False).out
+
+
+def mok_plan_train_step(inputs, dout, plan):
+    x, idx, w, experts, shared = inputs
+    saved = mok.pipeline.forward(plan, x, idx, w, experts, shared, save=True, check_routing=False)
+    return mok.pipeline.backward(plan, dout, x, idx, w, experts, shared, saved)
+
+
 def mok_gpt_oss_forward(inputs, plan, biases):
     x, idx, w, experts, _ = inputs
     return mok.pipeline.forward(plan, x, idx, w, experts, None, check_routing=False, biases=biases).out
@@ -271,6 +295,7 @@ def main() -> int:
         dense_a = torch.randn(T * k, H, device="cuda").bfloat16()
         dense_b = torch.randn(H, 3 * I + (3 * s_inter // k if s_inter else 0), device="cuda").bfloat16()
         gpt_oss = gpt_oss_plan(inputs) if name.startswith("gpt-oss") else None
+        fp8 = fp8_block_plan(inputs)
         if args.backward:
             flops *= 3  # backward: dx and dW, twice the forward's products
             dout = torch.randn(T, H, device="cuda").bfloat16()
@@ -289,6 +314,8 @@ def main() -> int:
             paths["mok recompute"] = lambda: mok_train_step(inputs, dout, saved_h_format="recompute")
             if gpt_oss is not None:
                 paths["mok gpt-oss"] = lambda: mok_gpt_oss_train_step(inputs, dout, *gpt_oss)
+            if fp8 is not None:
+                paths["mok fp8 block"] = lambda: mok_plan_train_step(inputs, dout, fp8)
         else:
             paths = {
                 "mok": lambda: mok_forward(inputs),
@@ -302,6 +329,8 @@ def main() -> int:
                 paths["quack gemms"] = quack[0]
             if gpt_oss is not None:
                 paths["mok gpt-oss"] = lambda: mok_gpt_oss_forward(inputs, *gpt_oss)
+            if fp8 is not None:
+                paths["mok fp8 block"] = lambda: mok_plan_forward(inputs, fp8)
             if stacked is not None:  # the shared expert in the routed launches (four, or one)
                 paths["mok shared-in"] = lambda: mok_forward(stacked)
                 paths["mok 1L shared-in"] = lambda: mok_forward(stacked, one_launch=True)
@@ -325,7 +354,7 @@ def main() -> int:
             ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
         launches = {p: count_launches(fn) for p, fn in paths.items()}
         mok_result = paths["mok"]()
-        other_bits = ("mok mxfp8 h", "mok gpt-oss")  # (other numerics: left out of the same-bits check)
+        other_bits = ("mok mxfp8 h", "mok gpt-oss", "mok fp8 block")  # (other numerics: left out of the same-bits check)
         same = {p: same_bits(paths[p](), mok_result) for p in paths if p.startswith("mok ") and p not in other_bits}  # MoK's ways: the same bits
         mok_out, torch_out = mok_result, paths["torch"]()
         if args.backward:  # compare dx

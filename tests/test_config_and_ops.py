@@ -150,7 +150,7 @@ def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradi
         (dict(topk=300), ValueError, "topk: expected at most num_experts=256, got 300"),
         (dict(ep_size=3), ValueError, "num_experts: expected a multiple of ep_size=3, got 256"),
         (dict(shared_intermediate=-1), ValueError, "shared_intermediate: expected an int >= 1"),
-        (dict(precision="fp16"), ValueError, "precision: expected one of ('bf16', 'mxfp8', 'mxfp8_emulated'), got 'fp16'"),
+        (dict(precision="fp16"), ValueError, "precision: expected one of ('bf16', 'mxfp8', 'mxfp8_emulated', 'fp8_block'), got 'fp16'"),
         (dict(topk=True), TypeError, "topk: expected an int, got bool"),
         (dict(one_launch=1), TypeError, "one_launch: expected a bool, got 1"),
         (dict(fuse_wgrad_accumulation="yes"), TypeError, "fuse_wgrad_accumulation: expected a bool, got 'yes'"),

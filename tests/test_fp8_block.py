@@ -76,3 +76,29 @@ def test_quantize_ops_check_their_input_before_any_launch():
         ops.quantize_fp8_weights(torch.zeros(2, 64, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16))
+
+
+def test_fp8_block_precision_plans_fp8_forward_gemms_and_a_bf16_backward():
+    """precision="fp8_block" on Hopper: the forward's expert GEMMs on E4M3 with block scales (rows
+    quantized once gathered, the weights' 128 x 128 quantizer), the backward's on bf16 (so far), h
+    recomputed on the forward's FP8 GEMM; refused on SM100 and, until its kernels have run on a GPU,
+    on Hopper too (precompile builds them); widths multiples of 128, one GPU."""
+    from mok.config import MoKConfig
+    from mok.plan import Plan, plan_for, refusal
+
+    config = MoKConfig(2048, 768, 64, 8, precision="fp8_block", saved_h_format="recompute")
+    variants = Plan(config, "sm_90a").variants()
+    fp8_gemms = [v.config for v in variants if v.name == "grouped_gemm" and v.config.get("operand") == "e4m3_block"]
+    assert sorted((c["epilogue"], c["n"], c["k"]) for c in fp8_gemms) == [("plain", 2048, 768), ("swiglu", 768, 2048),
+                                                                         ("swiglu_save", 768, 2048)]
+    backward = [v.config for v in variants if v.name == "grouped_gemm" and v.config["epilogue"] == "swiglu_bwd" or v.config.get("k_split")]
+    assert backward and all("operand" not in c for c in backward)
+    quantizers = sorted((v.config["width"], v.config["block_rows"]) for v in variants if v.name == "quantize_fp8_block")
+    assert quantizers == [(768, 1), (768, 128), (2048, 1), (2048, 128)]
+    assert "Hopper's kernels only so far" in refusal(config, "sm_100a")
+    with pytest.raises(NotImplementedError, match="precision='fp8_block': the kernels are built"):
+        plan_for(config, "sm_90a")
+    with pytest.raises(ValueError, match=r"precision='fp8_block': not with ep_size > 1"):
+        MoKConfig(2048, 768, 64, 8, precision="fp8_block", ep_size=2)
+    with pytest.raises(ValueError, match=r"precision='fp8_block': expected widths that are multiples of 128"):
+        MoKConfig(2048, 776, 64, 8, precision="fp8_block")

@@ -1,17 +1,23 @@
-"""The FP8 block-scaled grouped GEMM on the H200 (DeepSeek-V3's recipe: mok.fp8_block's operands on
-Hopper's FP8 WGMMAs, promoted into fp32 every 128 of K: mok/kernels/sm90/block_scaled.py).
+"""FP8 with 128-block scales (DeepSeek-V3's recipe) on the H200: the grouped GEMM (mok.fp8_block's
+operands on Hopper's FP8 WGMMAs, promoted into fp32 every 128 of K: mok/kernels/sm90/block_scaled.py),
+the quantizers, and the layer's precision="fp8_block".
 
-Against the float64 product of the same (dequantized) operands: the plain, SwiGLU (with h) and
-k-split forms, a last row tile that is partial, unused tiles left unwritten (outputs poisoned
-first), expert biases in the epilogue, and the same bits on every run and for each row alone."""
+The GEMM against the float64 product of the same (dequantized) operands: the plain, SwiGLU (with h)
+and k-split forms, a last row tile that is partial, unused tiles left unwritten (outputs poisoned
+first), expert biases in the epilogue, the same bits on every run and for a tile alone. The
+quantizers against the rule's bits. The layer against a float64 emulation of the recipe and the
+bf16 model, its bits run to run, per sub-batch and with h recomputed, the weights' cache.
+
+The layer's plan refuses precision="fp8_block" on a GPU until these tests have passed there
+(mok.plan.unverified); they build the plan directly."""
 
 import pytest
 import torch
 
 from mok import fp8_block as fp8
-from mok import ops
+from mok import ops, pipeline
 
-from helpers import poisoned, rel_err
+from helpers import gpu_layer, poisoned, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -84,3 +90,75 @@ def test_quantizers_give_the_rule_s_bits(power_of_two):
     wq, ws = ops.quantize_fp8_weights(w, power_of_two=power_of_two)
     want_wq, want_ws = fp8.quantize_weights(w.cpu(), power_of_two=power_of_two)
     assert torch.equal(wq.cpu().view(torch.uint8), want_wq.view(torch.uint8)) and torch.equal(ws.cpu(), want_ws)
+
+
+def fp8_plan(x, idx, experts, **options):
+    from mok.config import MoKConfig
+    from mok.plan import Plan
+
+    E, I, H = experts[0].shape
+    return Plan(MoKConfig(H, I, E, idx.shape[1], precision="fp8_block", **options), "sm_90a")
+
+
+def fp8_recipe_reference(x, idx, w, experts):
+    """float64 of the recipe: x per token and the weights per block quantized (mok.fp8_block), the
+    FP8 products exact, a = silu(gate)·up rounded to bf16 (as the kernel hands it on) and quantized
+    per row, the down product, the router-weighted sum."""
+    q_x = fp8.quantize_rows(x)
+    rows = fp8.dequantize_rows(*q_x)
+    gate_w, up_w, down_w = (fp8.dequantize_weights(*fp8.quantize_weights(t)) for t in experts)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in range(gate_w.shape[0]):
+        token, slot = (idx == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        a = (torch.nn.functional.silu(rows[token] @ gate_w[e].T) * (rows[token] @ up_w[e].T)).bfloat16()
+        y = fp8.dequantize_rows(*fp8.quantize_rows(a)) @ down_w[e].T
+        out.index_add_(0, token, w[token, slot].double()[:, None] * y)
+    return out
+
+
+def test_fp8_block_layer_forward_follows_the_recipe_and_trains():
+    """precision="fp8_block": the forward within 1e-2 of the float64 recipe (and within FP8's ~6% of
+    the bf16 model), the backward (bf16, on the FP8 forward's h) within a few percent of autograd of
+    the bf16 model; the same bits on every run, for a sub-batch (per-token scales), with h recomputed."""
+    from mok.reference import moe_reference
+
+    T, H, I, E, k = 1500, 2048, 768, 16, 4
+    x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=4)
+    plan = fp8_plan(x, idx, experts)
+    saved = pipeline.forward(plan, x, idx, w, experts, None, save=True, out=poisoned(T, H))
+    assert not saved.out.isnan().any()
+    assert rel_err(saved.out, fp8_recipe_reference(x, idx, w, experts)) < 1e-2
+    leaves = [t.float().requires_grad_() for t in (x, w, *experts)]
+    want = moe_reference(leaves[0], idx, leaves[1], *leaves[2:])
+    assert rel_err(saved.out, want) < 0.1  # (E4M3 keeps 3 mantissa bits: ~6% of a bf16 model, measured on the CPU)
+    dout = torch.randn(T, H, device="cuda").bfloat16()
+    grads = pipeline.backward(plan, dout, x, idx, w, experts, None, saved)
+    want.backward(dout.float())
+    for name, got, leaf in zip(["dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"],
+                               [grads.dx, grads.d_topk_w, grads.d_w_gate, grads.d_w_up, grads.d_w_down], leaves):
+        assert rel_err(got, leaf.grad) < 0.1, (name, rel_err(got, leaf.grad))
+    again = pipeline.forward(plan, x, idx, w, experts, None, save=True)
+    assert torch.equal(again.out, saved.out) and torch.equal(again.h, saved.h)
+    rows = torch.randperm(T, device="cuda")[:17]
+    part = pipeline.forward(plan, *(t[rows].contiguous() for t in (x, idx, w)), experts, None)
+    assert torch.equal(part.out, saved.out[rows])
+    recomputed = pipeline.backward(fp8_plan(x, idx, experts, saved_h_format="recompute"), dout, x, idx, w, experts, None,
+                                   pipeline.forward(fp8_plan(x, idx, experts, saved_h_format="recompute"), x, idx, w, experts, None, save=True))
+    assert torch.equal(recomputed.dx, grads.dx) and torch.equal(recomputed.d_w_gate, grads.d_w_gate)
+
+
+def test_fp8_weights_are_quantized_once_per_version():
+    """The weights' FP8 copies come from the cache while the weight is unchanged, and again after an
+    in-place update: doubling w_down doubles every scale exactly, so the output doubles bit for bit."""
+    from mok.pipeline.fp8_weights import quantized_once
+
+    x, idx, w, experts, _ = gpu_layer(512, 1024, 512, 8, 2, seed=6)
+    assert quantized_once(experts[2]) is quantized_once(experts[2])
+    plan = fp8_plan(x, idx, experts)
+    first = pipeline.forward(plan, x, idx, w, experts, None).out
+    cached = quantized_once(experts[2])
+    experts[2].mul_(2)
+    assert quantized_once(experts[2]) is not cached
+    assert torch.equal(pipeline.forward(plan, x, idx, w, experts, None).out, first * 2)

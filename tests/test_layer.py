@@ -461,10 +461,10 @@ def test_mxfp8_precision_is_checked_at_construction_and_refused_on_the_cpu():
         MoKConfig(64, 32, 4, 2, shared_intermediate=40, saved_h_format="mxfp8")
     with pytest.raises(ValueError, match=r"precision='mxfp8_emulated': expected widths that are multiples of 128"):
         MoKConfig(256, 96, 8, 2, precision="mxfp8_emulated")
-    with pytest.raises(ValueError, match=r"precision: expected one of \('bf16', 'mxfp8', 'mxfp8_emulated'\)"):
+    with pytest.raises(ValueError, match=r"precision: expected one of \('bf16', 'mxfp8', 'mxfp8_emulated', 'fp8_block'\)"):
         MoKConfig(256, 128, 8, 2, precision="fp8")
     layer = MoELayer(256, 128, 8, 2, precision="mxfp8_emulated")
-    with pytest.raises(NotImplementedError, match="the MXFP8 layer runs on a GPU only"):
+    with pytest.raises(NotImplementedError, match="the FP8 layer runs on a GPU only"):
         layer(torch.randn(4, 256).bfloat16())
 
 

@@ -6,10 +6,12 @@
     down      a · W_down                       gate_up_backward dh · [W_gate; W_up]
     shared expert, forward                     expert_weight_grads, shared expert backward
 
-Precision is a parameter of each GEMM stage (``plan.precision``): bf16 operands, or MXFP8
-(rows quantized on the way in, the weights quantized once per call: :func:`quantize_expert_weights`;
-block-scaled MMAs on SM100, or with ``plan.emulate`` the same operands dequantized, exactly, into
-the bf16 GEMMs). Where the rows come from (gathered inside the GEMM, gathered first, pulled from
+Precision is a parameter of each GEMM stage (``plan.precision``; the backward's stages read
+``plan.backward_precision``): bf16 operands, MXFP8 (rows quantized on the way in, the weights
+quantized once per call: :func:`quantize_expert_weights`; block-scaled MMAs on SM100, or with
+``plan.emulate`` the same operands dequantized, exactly, into the bf16 GEMMs), or FP8 with block
+scales (rows quantized on the way in, the weights once per version: fp8_weights.py; Hopper's FP8
+WGMMAs). Where the rows come from (gathered inside the GEMM, gathered first, pulled from
 the peers) and where they go (rows, or the peers' combine slots) is the pipelines' business
 (forward.py, backward.py, exchange.py).
 """
@@ -25,6 +27,7 @@ from ..mxfp8 import rows_scale_layout
 from ..plan import Plan
 from ..schedule import Schedule
 from ..validation import check_tensor, warn_at_caller
+from .fp8_weights import fp8_block_weights
 
 TILE_M = 128  # row tile of the grouped GEMMs: each expert's rows are padded to it
 
@@ -206,11 +209,14 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
     ``gather``: ``rows`` is x [T, H] and the GEMM's producer gathers row r = x[row_token[r]]; else
     ``rows`` holds the rows [R, H]. ``weights``: (w_gate, w_up, w_down) bf16, or Mxfp8ExpertWeights.
     ``biases`` (bf16): (b_gate, b_up, b_down), the first two added to the products (inside h too)."""
+    bias = {} if biases is None else dict(bias=biases[0], bias2=biases[1])
     if plan.precision == "bf16":
-        bias = {} if biases is None else dict(bias=biases[0], bias2=biases[1])
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias)
     used = rows_in_use(sched)
+    if plan.precision == "fp8_block":
+        rows_q = ops.quantize_fp8_rows(rows, rows_used=used)
+        return ops.grouped_gemm(rows_q, weights.gate, sched.tile_expert, b2=weights.up, h_out=h_out, activation=plan.activation, **bias)
     rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
     return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
 
@@ -221,6 +227,8 @@ def routed_weights(plan: Plan, weights: tuple, stacked: tuple | None):
     ``weights`` (w_gate, w_up, w_down) themselves."""
     if plan.precision == "mxfp8":
         return quantize_expert_weights(*weights)
+    if plan.precision == "fp8_block":
+        return fp8_block_weights(*weights)
     return stacked if stacked is not None else weights
 
 
@@ -234,9 +242,12 @@ def gate_up_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, h
 
 def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights, biases: tuple | None = None) -> torch.Tensor:
     """y_rows [R, H] = a·W_downᵀ (+ b_down, the last of ``biases``) per expert."""
+    bias = None if biases is None else biases[2]
     if plan.precision == "bf16":
-        return ops.grouped_gemm(a, weights[2], sched.tile_expert, bias=None if biases is None else biases[2])
+        return ops.grouped_gemm(a, weights[2], sched.tile_expert, bias=bias)
     used = rows_in_use(sched)
+    if plan.precision == "fp8_block":
+        return ops.grouped_gemm(ops.quantize_fp8_rows(a, rows_used=used), weights.down, sched.tile_expert, bias=bias)
     return mxfp8_gemm(plan, ops.quantize_mxfp8(a, rows_used=used, scale_order="mma"), weights.down, sched.tile_expert, used=used)
 
 
@@ -247,7 +258,7 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
     ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights. ``biases``
     (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>."""
     route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w, activation=plan.activation)
-    if plan.precision == "bf16":
+    if plan.backward_precision == "bf16":
         dh, a_scaled, pieces = ops.swiglu_backward_gemm(dout_rows, weights_t[2], sched.tile_expert, h, bias_piece=biases is not None,
                                                         **route)
         if biases is not None:
@@ -263,7 +274,7 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
 
 def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:
     """dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up (the two K halves of dh in one GEMM)."""
-    if plan.precision == "bf16":
+    if plan.backward_precision == "bf16":
         return ops.grouped_gemm(dh, weights_t[0], sched.tile_expert, b2=weights_t[1], b_major="n", k_split=True)
     used = rows_in_use(sched)
     dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
@@ -310,7 +321,7 @@ def expert_weight_grads(
     fresh): dW_gate and dW_up as one [E, 2I, H] tensor (:func:`gate_up_weight_grads`)."""
     dout_rows, a_scaled, dh, x_rows = rows
     offsets, counts = sched.expert_offsets, sched.expert_counts
-    if plan.precision == "bf16" or wgrad_format == "bf16":
+    if plan.backward_precision == "bf16" or wgrad_format == "bf16":
         d_down = weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
         d_gate, d_up = gate_up_weight_grads(
             dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts, joined=joined

@@ -26,10 +26,19 @@ SCALE_BLOCK = 128  # elements along K (and, for B, along N) that share one fp32 
 TILE_K_BLOCK_SCALED = 128  # K per shared-memory stage: one scale block (128 E4M3 bytes a row)
 
 
+
 class BlockScaledMainloop:
     """Mixin of GroupedGemmSm90 for ``operand="e4m3_block"`` (see the module docstring)."""
 
     block_scaled = False
+
+    @property
+    def hands_registers_over(self) -> bool:
+        """Whether the producer warpgroup hands registers to the MMA warpgroups (setmaxnreg 40 / 232).
+        Not here: the CTA's pool is what ptxas gave each thread at launch, which follows the code
+        outside the MMA warps, 138-168 for these kernels, and 40 + 2 x 232 needs 168 (else the
+        increase waits forever: docs/notes/kernel-pitfalls.md); every warp keeps the launch count."""
+        return not self.block_scaled
 
     def a_scale_tensor(self, ptr: cute.Pointer, rows) -> cute.Tensor:
         """A's scales as (R, K / 128), stored [K / 128, R] (each K block's row scales contiguous)."""

@@ -256,7 +256,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         k_tiles = self.k_tiles
 
         if tidx < 128:  # producer warpgroup
-            cute.arch.setmaxregister_decrease(40)
+            if cutlass.const_expr(self.hands_registers_over):
+                cute.arch.setmaxregister_decrease(40)
             # warp 0 issues the TMA loads; with gather_a all four warps also cp.async A's rows
             if warp_idx < (4 if self.gather_a else 1):
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
@@ -286,7 +287,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
             self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, (store_args, row_args, num_rows))
         else:  # the two MMA warpgroups
-            cute.arch.setmaxregister_increase(232)
+            if cutlass.const_expr(self.hands_registers_over):
+                cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
             r_a, r_b, r_b2, acc, acc2 = self.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
             blocks = (None, None)
