@@ -55,8 +55,8 @@ class MoKConfig:
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
     into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16) or "fp8_block" (DeepSeek-V3's
     FP8: the forward's expert GEMMs on E4M3 with fp32 scales per 1 x 128 of the rows and 128 x 128 of
-    the weights, mok.fp8_block, on Hopper's FP8 WGMMAs; the weights quantized once per version; the
-    backward in bf16 so far); one GPU, H, I and I_s multiples of 128, without one_launch so far
+    the weights, mok.fp8_block, on Hopper's FP8 WGMMAs, forward and backward dgrad; the weights
+    quantized once per version; the weight gradients in bf16 so far); one GPU, H, I and I_s multiples of 128, without one_launch so far
     (with fuse_wgrad_accumulation and either saved_h_format).
     gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
     [I, H] block contiguous) or "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows

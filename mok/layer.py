@@ -81,8 +81,8 @@ class MoELayer(nn.Module):
     ``precision="mxfp8"``: every routed-expert GEMM of forward and backward on MXFP8 operands (the
     weights quantized on every call; SM100 only, compile-verified, never run); ``"mxfp8_emulated"``:
     the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
-    ``"fp8_block"``: the forward's expert GEMMs in FP8 with 128-block scales (DeepSeek-V3's recipe,
-    Hopper's FP8 WGMMAs, the weights quantized once per version), the backward in bf16 so far;
+    ``"fp8_block"``: the expert GEMMs in FP8 with 128-block scales (DeepSeek-V3's recipe, Hopper's
+    FP8 WGMMAs, the weights quantized once per version), but the weight gradients' (bf16 so far);
     one GPU, see :class:`mok.config.MoKConfig` for what it does not combine with yet.
     ``activation``: the experts' gated activation, "swiglu" (default), "clamped_swiglu" (gpt-oss's) or
     "geglu" (:class:`mok.config.MoKConfig`). ``bias=True``: the routed experts have biases

@@ -94,10 +94,6 @@ class Plan:
         """The routed experts' forward GEMM operands: "bf16", "mxfp8" (emulated or not) or "fp8_block"."""
         return {"mxfp8_emulated": "mxfp8"}.get(self.config.precision, self.config.precision)
 
-    @property
-    def backward_precision(self) -> str:
-        """The backward's expert GEMM operands: MXFP8's own, else bf16 (fp8_block's backward so far)."""
-        return "mxfp8" if self.precision == "mxfp8" else "bf16"
 
     @property
     def activation(self) -> str:
@@ -189,13 +185,14 @@ class Plan:
         h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
         v = [gather_variant(h), gather_variant(h, sources=2)] if not self.ep else []
         v += self._swiglu_backward_variants(i, h, topk=k)
-        parts = -(-i // default_tile_n(i, h, True)) + int(c.expert_bias)  # the router-gradient pieces per row (the down bias's last)
+        operand = "e4m3_block" if self.precision == "fp8_block" else "bf16"
+        parts = -(-i // default_tile_n(i, h, True, operand)) + int(c.expert_bias)  # the router-gradient pieces per row (the down bias's last)
         if self.ep:
             v.append(grouped_gemm_variant(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True))
             v.append(router_grad_variant(k, parts))
             v.append(combine_variant(h, k, shared, gathered=False, unit_weights=True))
         else:
-            v += self._gemm_variants(h, 2 * i, precision=self.backward_precision, b_major="n", k_split=True)
+            v += self._gemm_variants(h, 2 * i, b_major="n", k_split=True)
             v.append(combine_variant(h, k, shared, gathered=True, unit_weights=True, router_parts=parts))
         if c.expert_bias:  # their gradients (column sums of dh and of the weighted dout rows) and the down bias's piece
             v += [column_sums_variant(2 * i), column_sums_variant(h, weighted=True, topk=k), row_dots_variant(h, parts)]
@@ -240,18 +237,18 @@ class Plan:
             v += [ep_variant("publish_mxfp8", w, **rows), ep_variant("dispatch_mxfp8", w, **rows)]
         return v
 
-    def _gemm_variants(self, n: int, k: int, precision: str | None = None, **options) -> list[KernelVariant]:
-        """A routed-expert GEMM in ``precision`` (default: the plan's forward precision): bf16; MXFP8
-        (its rows quantized, the weights quantized once per call); emulated (the same operands
-        dequantized into the bf16 GEMM); FP8 with block scales (its rows quantized, the weights
-        once per version)."""
-        precision = self.precision if precision is None else precision
-        if precision == "bf16":
+    def _gemm_variants(self, n: int, k: int, **options) -> list[KernelVariant]:
+        """A routed-expert GEMM in this plan's precision: bf16; MXFP8 (its rows quantized, the weights
+        quantized once per call); emulated (the same operands dequantized into the bf16 GEMM); FP8
+        with block scales (its rows quantized, the weights once per version, transposed for the
+        backward's: K-major either way)."""
+        if self.precision == "bf16":
             return [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
         options.pop("gather_a", None)
-        if precision == "fp8_block":
+        if self.precision == "fp8_block":
             options.pop("b_major", None)
-            quantizers = [quantize_fp8_block_variant(k, bounded=True), quantize_fp8_block_variant(k, block_rows=128)]
+            weight_k = k // 2 if options.get("k_split") else k
+            quantizers = [quantize_fp8_block_variant(k, bounded=True), quantize_fp8_block_variant(weight_k, block_rows=128)]
             return quantizers + [grouped_gemm_variant(n, k, operand="e4m3_block", **options)]
         quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
         if self.emulate:
@@ -262,6 +259,10 @@ class Plan:
         return quantizers + [grouped_gemm_variant(n, k, persistent=False, operand="e4m3", **options)]
 
     def _swiglu_backward_variants(self, i: int, h: int, topk: int) -> list[KernelVariant]:
+        if self.precision == "fp8_block":  # dout's rows and w_down's transpose [E, I, H] quantized along H
+            quantizers = [quantize_fp8_block_variant(h, bounded=True), quantize_fp8_block_variant(h, block_rows=128)]
+            return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", topk=topk, operand="e4m3_block", activation=self.activation,
+                                                      **self._bias)]
         if self.precision == "mxfp8" and not self.emulate:
             quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
             return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=False, operand="e4m3",

@@ -18,7 +18,7 @@ gradients and adds them afterwards, as a loop without it would; "mok mxfp8 h" ke
 between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is left out of the
 same-bits check); "mok recompute" keeps no h and runs the gate/up GEMM again in the backward
 (``saved_h_format="recompute"``: the same bits). "mok fp8 block" runs the forward's expert GEMMs in
-FP8 with 128-block scales (``precision="fp8_block"``, other bits; its backward is bf16 so far) with a
+FP8 with 128-block scales (``precision="fp8_block"``, other bits; the weight gradients bf16) with a
 plan built directly, as the layer refuses it on a GPU until tests/test_fp8_block_gpu.py has passed
 there; widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
 experts as they are, clamped SwiGLU and expert biases (other bits), through the pipeline with a

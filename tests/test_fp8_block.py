@@ -78,23 +78,25 @@ def test_quantize_ops_check_their_input_before_any_launch():
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16))
 
 
-def test_fp8_block_precision_plans_fp8_forward_gemms_and_a_bf16_backward():
-    """precision="fp8_block" on Hopper: the forward's expert GEMMs on E4M3 with block scales (rows
-    quantized once gathered, the weights' 128 x 128 quantizer), the backward's on bf16 (so far), h
-    recomputed on the forward's FP8 GEMM; refused on SM100 and, until its kernels have run on a GPU,
-    on Hopper too (precompile builds them); widths multiples of 128, one GPU."""
+def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
+    """precision="fp8_block" on Hopper: every expert GEMM but the weight gradients' on E4M3 with block
+    scales (rows quantized once gathered or produced, the weights' 128 x 128 quantizer for them and
+    their transposes), the weight gradients bf16, the router pieces of the 64-wide SwiGLU-backward
+    tiles, h recomputed on the forward's FP8 GEMM; refused on SM100 and, until its kernels have run
+    on a GPU, on Hopper too (precompile builds them); widths multiples of 128, one GPU."""
     from mok.config import MoKConfig
     from mok.plan import Plan, plan_for, refusal
 
     config = MoKConfig(2048, 768, 64, 8, precision="fp8_block", saved_h_format="recompute")
     variants = Plan(config, "sm_90a").variants()
     fp8_gemms = [v.config for v in variants if v.name == "grouped_gemm" and v.config.get("operand") == "e4m3_block"]
-    assert sorted((c["epilogue"], c["n"], c["k"]) for c in fp8_gemms) == [("plain", 2048, 768), ("swiglu", 768, 2048),
-                                                                         ("swiglu_save", 768, 2048)]
-    backward = [v.config for v in variants if v.name == "grouped_gemm" and v.config["epilogue"] == "swiglu_bwd" or v.config.get("k_split")]
-    assert backward and all("operand" not in c for c in backward)
+    assert sorted((c["epilogue"], c["n"], c["k"], c["k_split"]) for c in fp8_gemms) == [
+        ("plain", 2048, 768, False), ("plain", 2048, 1536, True), ("swiglu", 768, 2048, False), ("swiglu_bwd", 768, 2048, False),
+        ("swiglu_save", 768, 2048, False)]
+    assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
     quantizers = sorted((v.config["width"], v.config["block_rows"]) for v in variants if v.name == "quantize_fp8_block")
-    assert quantizers == [(768, 1), (768, 128), (2048, 1), (2048, 128)]
+    assert quantizers == [(768, 1), (768, 128), (1536, 1), (2048, 1), (2048, 128)]
+    assert [v.config["router_parts"] for v in variants if v.name == "combine" and "router_parts" in v.config] == [768 // 64]
     assert "Hopper's kernels only so far" in refusal(config, "sm_100a")
     with pytest.raises(NotImplementedError, match="precision='fp8_block': the kernels are built"):
         plan_for(config, "sm_90a")

@@ -120,8 +120,9 @@ def fp8_recipe_reference(x, idx, w, experts):
 
 def test_fp8_block_layer_forward_follows_the_recipe_and_trains():
     """precision="fp8_block": the forward within 1e-2 of the float64 recipe (and within FP8's ~6% of
-    the bf16 model), the backward (bf16, on the FP8 forward's h) within a few percent of autograd of
-    the bf16 model; the same bits on every run, for a sub-batch (per-token scales), with h recomputed."""
+    the bf16 model), the backward (FP8 dgrad GEMMs, bf16 weight gradients, on the FP8 forward's h)
+    within FP8's error of autograd of the bf16 model; the same bits on every run, for a sub-batch
+    (per-token scales), with h recomputed."""
     from mok.reference import moe_reference
 
     T, H, I, E, k = 1500, 2048, 768, 16, 4
@@ -138,7 +139,7 @@ def test_fp8_block_layer_forward_follows_the_recipe_and_trains():
     want.backward(dout.float())
     for name, got, leaf in zip(["dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"],
                                [grads.dx, grads.d_topk_w, grads.d_w_gate, grads.d_w_up, grads.d_w_down], leaves):
-        assert rel_err(got, leaf.grad) < 0.1, (name, rel_err(got, leaf.grad))
+        assert rel_err(got, leaf.grad) < 0.15, (name, rel_err(got, leaf.grad))  # (two FP8 products in a row: ~9%)
     again = pipeline.forward(plan, x, idx, w, experts, None, save=True)
     assert torch.equal(again.out, saved.out) and torch.equal(again.h, saved.h)
     rows = torch.randperm(T, device="cuda")[:17]
@@ -162,3 +163,29 @@ def test_fp8_weights_are_quantized_once_per_version():
     experts[2].mul_(2)
     assert quantized_once(experts[2]) is not cached
     assert torch.equal(pipeline.forward(plan, x, idx, w, experts, None).out, first * 2)
+
+
+def test_swiglu_backward_on_fp8_matches_float64_of_its_operands():
+    """ops.swiglu_backward_gemm on FP8 rows of dout and w_down's transpose (block scales): dh, s·a and
+    the router pieces against float64 of the dequantized operands and the same saved h."""
+    from mok.reference_backward import gated_activation_partials
+
+    R, H, I, E, k = 640, 1024, 256, 4, 2
+    g = torch.Generator(device="cuda").manual_seed(8)
+    tiles = torch.randint(0, E, (R // 128,), device="cuda", generator=g, dtype=torch.int32)
+    experts = tiles.long().repeat_interleave(128)
+    dout_q = fp8.quantize_rows(torch.randn(R, H, device="cuda", generator=g))
+    w_t = fp8.quantize_weights(torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5)
+    h = torch.randn(R, 2 * I, device="cuda", generator=g).bfloat16()
+    row_token = torch.arange(R, device="cuda", dtype=torch.int32) // k
+    row_slot = torch.arange(R, device="cuda", dtype=torch.int32) % k
+    topk_w = torch.rand(R // k, k, device="cuda", generator=g)
+    dh, a_scaled, pieces = ops.swiglu_backward_gemm(dout_q, w_t, tiles, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w)
+    d_a = fp8.block_scaled_gemm_reference(dout_q, w_t, experts)
+    s = topk_w.double().flatten()[:, None]
+    h_g, h_u = h.double()[:, :I], h.double()[:, I:]
+    da_dg, da_du = gated_activation_partials("swiglu", h_g, h_u)
+    a = torch.nn.functional.silu(h_g) * h_u
+    assert rel_err(dh, torch.cat([s * d_a * da_dg, s * d_a * da_du], 1)) < 1e-2
+    assert rel_err(a_scaled, s * a) < 1e-2
+    assert rel_err(pieces.sum(1), (d_a * a).sum(1)) < 1e-2 and pieces.shape == (R, I // 64)

@@ -369,10 +369,22 @@ def swiglu_backward_gemm(
     MXFP8 operands (SM100 only, one tile per CTA, 128-wide tiles): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
     this product, in MXFP8 along H: (elements [E, I, H], scales [E, I / 128, H / 128, 512])
-    (e.g. mok.pipeline.stages.quantize_weights(w_down.transpose(1, 2).contiguous())).
+    (e.g. mok.pipeline.stages.quantize_weights(w_down.transpose(1, 2).contiguous())). FP8 with block
+    scales (Hopper, persistent, no ping-pong, 64-wide tiles): dout_rows = (elements [R, H], scales
+    float32 [H / 128, R]) and w_down transposed likewise: (elements [E, I, H], scales [E, I / 128,
+    H / 128]) (mok.fp8_block's layouts).
     """
-    mxfp8 = isinstance(dout_rows, (tuple, list))
-    if mxfp8:
+    fp8_block = isinstance(dout_rows, (tuple, list)) and _fp8_block_scales(dout_rows)
+    mxfp8 = isinstance(dout_rows, (tuple, list)) and not fp8_block
+    if fp8_block:
+        if persistent is False or pingpong:
+            raise ValueError("FP8 block-scaled operands: the persistent kernel, no ping-pong")
+        pointers = _fp8_block_operands(dout_rows, w_down, None, False)
+        (num_rows, hidden), (num_experts, inter) = pointers["a"].shape, pointers["b"].shape[:2]
+        dev = pointers["a"].device
+        persistent, pingpong, operand = True, False, "e4m3_block"
+        tile_n = default_tile_n(inter, hidden, True, operand)
+    elif mxfp8:
         (dout_q, dout_s), (w_q, w_s) = operand_parts("dout_rows", dout_rows), operand_parts("w_down", w_down)
         if w_s is None or persistent or pingpong:
             raise ValueError("MXFP8 operands: w_down as an (elements, scales) pair too; one tile per CTA, no ping-pong")
@@ -415,7 +427,7 @@ def swiglu_backward_gemm(
     if num_rows == 0:
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
-        inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="k" if mxfp8 else "n", topk=topk, unit_scale=unit_scale,
+        inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="k" if mxfp8 or fp8_block else "n", topk=topk, unit_scale=unit_scale,
         persistent=persistent, pingpong=pingpong, operand=operand, activation=activation, bias=bias_piece,
     )
     launch_grouped_gemm(

@@ -108,9 +108,7 @@ def backward(
         return _ep_backward(plan, workspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
                             timeout_s, biases)
 
-    expert_weights = weights if stacked is None else stacked
-    if stacked is None and plan.precision == "mxfp8":
-        expert_weights = stages.quantize_expert_weights(*weights, transposed=True)
+    expert_weights = stages.backward_weights(plan, weights, stacked)
     if weight_grads:
         dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
     else:

@@ -1,5 +1,5 @@
 """The experts' weights in FP8 with 128 x 128 block scales (precision="fp8_block"), quantized once per
-weight version.
+weight version: as they are for the forward's products, transposed for the backward's.
 
 A weight is quantized again only when its tensor changed: another tensor, other storage, or an
 in-place update (an optimizer step bumps the tensor's version counter). The cache holds the
@@ -17,31 +17,35 @@ import torch
 
 from .. import ops
 
-_CACHE: dict[int, tuple] = {}  # id(weight) -> (weak reference, version, data pointer, (elements, scales))
+_CACHE: dict[tuple[int, bool], tuple] = {}  # (id(weight), transposed) -> (weak reference, version, data pointer, (elements, scales))
 
 
 @dataclass(frozen=True)
 class Fp8BlockExpertWeights:
     """Each projection's (elements float8_e4m3fn [E, N, K], scales float32 [E, N / 128, K / 128]):
-    gate and up [E, I, H], down [E, H, I] (mok.fp8_block's layout)."""
+    gate and up [E, I, H], down [E, H, I] (mok.fp8_block's layout); ``transposed``: the backward's
+    copies instead, gate and up [E, H, I], down [E, I, H]."""
 
     gate: tuple[torch.Tensor, torch.Tensor]
     up: tuple[torch.Tensor, torch.Tensor]
     down: tuple[torch.Tensor, torch.Tensor]
+    transposed: bool = False
 
 
-def quantized_once(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` [E, N, K] bf16 in FP8 with 128 x 128 block scales (ops.quantize_fp8_weights), from the
-    cache while ``w`` is the same tensor at the same version (module docstring)."""
-    key = id(w)
+def quantized_once(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [E, N, K] bf16 (``transposed``: its [E, K, N] transpose) in FP8 with 128 x 128 block
+    scales (ops.quantize_fp8_weights), from the cache while ``w`` is the same tensor at the same
+    version (module docstring)."""
+    key = (id(w), transposed)
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr():
         return hit[3]
-    quantized = ops.quantize_fp8_weights(w.contiguous())
+    quantized = ops.quantize_fp8_weights((w.transpose(1, 2) if transposed else w).contiguous())
     _CACHE[key] = (weakref.ref(w, lambda _, key=key: _CACHE.pop(key, None)), w._version, w.data_ptr(), quantized)
     return quantized
 
 
-def fp8_block_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> Fp8BlockExpertWeights:
-    """The layer's expert weights in FP8, each quantized once per version (:func:`quantized_once`)."""
-    return Fp8BlockExpertWeights(quantized_once(w_gate), quantized_once(w_up), quantized_once(w_down))
+def fp8_block_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *, transposed: bool = False) -> Fp8BlockExpertWeights:
+    """The layer's expert weights in FP8 (``transposed``: the backward's copies), each quantized once
+    per version (:func:`quantized_once`)."""
+    return Fp8BlockExpertWeights(*(quantized_once(w, transposed) for w in (w_gate, w_up, w_down)), transposed)

@@ -6,13 +6,13 @@
     down      a · W_down                       gate_up_backward dh · [W_gate; W_up]
     shared expert, forward                     expert_weight_grads, shared expert backward
 
-Precision is a parameter of each GEMM stage (``plan.precision``; the backward's stages read
-``plan.backward_precision``): bf16 operands, MXFP8 (rows quantized on the way in, the weights
-quantized once per call: :func:`quantize_expert_weights`; block-scaled MMAs on SM100, or with
-``plan.emulate`` the same operands dequantized, exactly, into the bf16 GEMMs), or FP8 with block
-scales (rows quantized on the way in, the weights once per version: fp8_weights.py; Hopper's FP8
-WGMMAs). Where the rows come from (gathered inside the GEMM, gathered first, pulled from
-the peers) and where they go (rows, or the peers' combine slots) is the pipelines' business
+Precision is a parameter of each GEMM stage (``plan.precision``): bf16 operands, MXFP8 (rows
+quantized on the way in, the weights quantized once per call: :func:`quantize_expert_weights`;
+block-scaled MMAs on SM100, or with ``plan.emulate`` the same operands dequantized, exactly, into
+the bf16 GEMMs), or FP8 with block scales (rows quantized on the way in, the weights once per
+version, transposed for the backward: fp8_weights.py; Hopper's FP8 WGMMAs; the weight gradients
+in bf16). Where the rows come from (gathered inside the GEMM, gathered first, pulled from the
+peers) and where they go (rows, or the peers' combine slots) is the pipelines' business
 (forward.py, backward.py, exchange.py).
 """
 
@@ -221,6 +221,17 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
     return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
 
 
+def backward_weights(plan: Plan, weights: tuple, stacked: tuple | None):
+    """The weights a one-GPU backward's dgrad GEMMs take: the transposed MXFP8 copies (MXFP8), the
+    transposed FP8 block-scaled ones (fp8_block), the [E + 1, ...] stack with the shared expert
+    (``stacked``), or ``weights`` themselves (read N-major)."""
+    if stacked is None and plan.precision == "mxfp8":
+        return quantize_expert_weights(*weights, transposed=True)
+    if stacked is None and plan.precision == "fp8_block":
+        return fp8_block_weights(*weights, transposed=True)
+    return weights if stacked is None else stacked
+
+
 def routed_weights(plan: Plan, weights: tuple, stacked: tuple | None):
     """The weights a one-GPU forward's routed GEMMs take: their MXFP8 copies (MXFP8 precision), the
     [E + 1, ...] stack with the shared expert (``stacked``, when it runs in the routed launches), or
@@ -258,13 +269,16 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
     ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights. ``biases``
     (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>."""
     route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w, activation=plan.activation)
-    if plan.backward_precision == "bf16":
+    if plan.precision == "bf16":
         dh, a_scaled, pieces = ops.swiglu_backward_gemm(dout_rows, weights_t[2], sched.tile_expert, h, bias_piece=biases is not None,
                                                         **route)
         if biases is not None:
             ops.bias_router_pieces(dout_rows, biases[2], sched, pieces)
         return dh, a_scaled, pieces
     used = rows_in_use(sched)
+    if plan.precision == "fp8_block":
+        dout_q = ops.quantize_fp8_rows(dout_rows, rows_used=used)
+        return ops.swiglu_backward_gemm(dout_q, weights_t.down, sched.tile_expert, h, **route)
     dout_q = ops.quantize_mxfp8(dout_rows, rows_used=used, scale_order="mma")
     if plan.emulate:  # w_down [E, H, I] with the MXFP8 copy's values, read N-major as the bf16 GEMM does
         w_down = dequantized_weights(weights_t.down).transpose(1, 2).contiguous()
@@ -274,9 +288,11 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
 
 def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:
     """dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up (the two K halves of dh in one GEMM)."""
-    if plan.backward_precision == "bf16":
+    if plan.precision == "bf16":
         return ops.grouped_gemm(dh, weights_t[0], sched.tile_expert, b2=weights_t[1], b_major="n", k_split=True)
     used = rows_in_use(sched)
+    if plan.precision == "fp8_block":
+        return ops.grouped_gemm(ops.quantize_fp8_rows(dh, rows_used=used), weights_t.gate, sched.tile_expert, b2=weights_t.up, k_split=True)
     dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
     return mxfp8_gemm(plan, dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True)
 
@@ -321,7 +337,7 @@ def expert_weight_grads(
     fresh): dW_gate and dW_up as one [E, 2I, H] tensor (:func:`gate_up_weight_grads`)."""
     dout_rows, a_scaled, dh, x_rows = rows
     offsets, counts = sched.expert_offsets, sched.expert_counts
-    if plan.backward_precision == "bf16" or wgrad_format == "bf16":
+    if plan.precision != "mxfp8" or wgrad_format == "bf16":
         d_down = weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
         d_gate, d_up = gate_up_weight_grads(
             dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts, joined=joined
