@@ -122,7 +122,7 @@ class Plan:
     def gather_in_gemm(self) -> bool:
         """Whether the gate/up GEMM's producer gathers its rows from x (bf16, persistent, one GPU);
         else they are gathered first (or pulled from the peers)."""
-        return self.precision == "bf16" and self.persistent and not self.ep
+        return self.precision in ("bf16", "fp8_block") and self.persistent and not self.ep
 
     @property
     def shared_in_routed(self) -> bool:
@@ -244,12 +244,12 @@ class Plan:
         backward's: K-major either way)."""
         if self.precision == "bf16":
             return [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
-        options.pop("gather_a", None)
-        if self.precision == "fp8_block":
+        if self.precision == "fp8_block":  # (gathering: x quantized whole; else the rows in use)
             options.pop("b_major", None)
             weight_k = k // 2 if options.get("k_split") else k
-            quantizers = [quantize_fp8_block_variant(k, bounded=True), quantize_fp8_block_variant(weight_k, block_rows=128)]
+            quantizers = [quantize_fp8_block_variant(k, bounded=not options.get("gather_a")), quantize_fp8_block_variant(weight_k, block_rows=128)]
             return quantizers + [grouped_gemm_variant(n, k, operand="e4m3_block", **options)]
+        options.pop("gather_a", None)
         quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
         if self.emulate:
             options.pop("b_major", None)  # (the transposed copies, K-major)

@@ -189,3 +189,22 @@ def test_swiglu_backward_on_fp8_matches_float64_of_its_operands():
     assert rel_err(dh, torch.cat([s * d_a * da_dg, s * d_a * da_du], 1)) < 1e-2
     assert rel_err(a_scaled, s * a) < 1e-2
     assert rel_err(pieces.sum(1), (d_a * a).sum(1)) < 1e-2 and pieces.shape == (R, I // 64)
+
+
+def test_gathered_fp8_rows_with_their_scales_match_the_rows_gathered_first():
+    """The gate/up GEMM gathering x's E4M3 rows and their scales in its producer (each token quantized
+    once) against the same product on rows gathered first and quantized per row: the same bits
+    (quantizing is per row, so either way a row gets the same elements and scale); padding rows are
+    zeros in h."""
+    T, H, I, E, k = 1001, 1024, 256, 8, 2
+    x, idx, _, (wg, wu, _), _ = gpu_layer(T, H, I, E, k, seed=12)
+    sched = ops.device_schedule(idx, E, block_m=128)
+    gate, up = fp8.quantize_weights(wg), fp8.quantize_weights(wu)
+    h_gathered, h_first = poisoned(sched.capacity, 2 * I), poisoned(sched.capacity, 2 * I)
+    a_gathered = ops.grouped_gemm(ops.quantize_fp8_rows(x), gate, sched.tile_expert, b2=up, h_out=h_gathered, gather=sched.row_token)
+    rows = ops.gather_rows(x, sched.row_token)
+    a_first = ops.grouped_gemm(ops.quantize_fp8_rows(rows), gate, sched.tile_expert, b2=up, h_out=h_first)
+    used = sched.tile_expert.long().repeat_interleave(128)[: sched.capacity] >= 0
+    assert torch.equal(h_gathered[used], h_first[used]) and torch.equal(a_gathered[used], a_first[used])
+    padding = used & (sched.row_token.long() < 0)
+    assert padding.any() and (h_gathered[padding] == 0).all()

@@ -112,9 +112,10 @@ def _fp8_block_scales(a: Operand) -> bool:
     return len(a) == 2 and isinstance(a[1], torch.Tensor) and a[1].dtype == torch.float32
 
 
-def _fp8_block_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool) -> dict:
-    """Check FP8 block-scaled A, B (and B2) of a grouped GEMM (mok.fp8_block's layouts); returns
-    the record's pointer arguments."""
+def _fp8_block_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool, gathered: bool = False) -> dict:
+    """Check FP8 block-scaled A, B (and B2) of a grouped GEMM (mok.fp8_block's layouts; ``gathered``:
+    A is x's rows, gathered with their scales by the kernel's producer); returns the record's
+    pointer arguments."""
     (a_q, a_s), (b_q, b_s) = operand_parts("a", a), operand_parts("b", b)
     check_tensor("a", a_q, dtypes=E4M3, ndim=2, contiguous=True)
     rows, k = a_q.shape
@@ -122,7 +123,7 @@ def _fp8_block_operands(a: Operand, b: Operand, b2: Operand | None, k_split: boo
     if k % (halves * 128):
         raise ValueError(f"a: expected K a multiple of {halves * 128} with FP8 block-scaled operands, got K={k}")
     check_tensor("a scales", a_s, dtypes=(torch.float32,), shape=(k // 128, rows), device=a_q.device, contiguous=True)
-    if rows % 4:
+    if rows % 4 and not gathered:
         raise ValueError(f"a: expected a row count that is a multiple of 4 (the scales' rows are read by TMA in 16-byte units), got {rows}")
     if k_split and b2 is None:
         raise ValueError("k_split: needs b2, the weights of K's second half")
@@ -200,12 +201,14 @@ def grouped_gemm(
     FP8 with block scales (Hopper, DeepSeek-V3's recipe, mok.fp8_block): a = (elements [R, K]
     float8_e4m3fn, scales float32 [K / 128, R]) and b, b2 = (elements [E, N, K] K-major, scales
     float32 [E, N / 128, K / 128]); N and K multiples of 128 (each half of K with k_split); the
-    persistent kernel, b_major "k", no gather; every epilogue as with bf16.
+    persistent kernel, b_major "k"; with ``gather`` a is x's rows [T, K] and their scales [K / 128, T]
+    (ops.quantize_fp8_rows(x): each token quantized once, its rows gathered with their scales);
+    every epilogue as with bf16.
     """
     if isinstance(a, (tuple, list)) and _fp8_block_scales(a):
-        if b_major != "k" or gather is not None or persistent is False:
-            raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), no gather, the persistent kernel")
-        pointers = _fp8_block_operands(a, b, b2, k_split)
+        if b_major != "k" or persistent is False:
+            raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
+        pointers = _fp8_block_operands(a, b, b2, k_split, gathered=gather is not None)
         a_values = pointers["a"]
         num_experts, n = pointers["b"].shape[:2]
         persistent, operand, b_stride = True, "e4m3_block", None

@@ -214,9 +214,10 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias)
     used = rows_in_use(sched)
-    if plan.precision == "fp8_block":
-        rows_q = ops.quantize_fp8_rows(rows, rows_used=used)
-        return ops.grouped_gemm(rows_q, weights.gate, sched.tile_expert, b2=weights.up, h_out=h_out, activation=plan.activation, **bias)
+    if plan.precision == "fp8_block":  # (gathering: each token quantized once, its rows gathered with their scales)
+        rows_q = ops.quantize_fp8_rows(rows) if gather else ops.quantize_fp8_rows(rows, rows_used=used)
+        return ops.grouped_gemm(rows_q, weights.gate, sched.tile_expert, b2=weights.up, h_out=h_out, gather=sched.row_token if gather else None,
+                                activation=plan.activation, **bias)
     rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
     return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
 

@@ -365,7 +365,7 @@ class ExpertMlpSm90:
             while tile < fc1_tiles:
                 tile_row, tile_col = self.fc1.grouped_tile(tile, used_rows, fc1_cols)
                 loads = self.fc1.tile_loads(fc1_loads, s_a, s_b, s_b2, tile_row, tile_col, m_tiles[tile_row])
-                prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, region, tile_row, num_rows, tidx, k1_tiles)
+                prod = self.fc1.gather_tile(pipe1, prod, loads, m_x, m_row_token, (region, None), tile_row, num_rows, tidx, k1_tiles)
                 tile, handed = self.take_next(m_flags, ring, handed, s_tiles, tidx)
             cute.arch.cp_async_wait_group(0)
             if warp_idx == 0:  # warps 1-3 are done: fc2's A comes by TMA

@@ -85,7 +85,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if self.block_scaled:
             halves = 2 if k_split else 1
             problems = [what for what, bad in (
-                ("persistent=True", not persistent), ("no gather_a", gather_a), ("no pingpong", pingpong), ("b_major='k'", b_major != "k"),
+                ("persistent=True", not persistent), ("no pingpong", pingpong), ("b_major='k'", b_major != "k"),
                 (f"N a multiple of {SCALE_BLOCK}", n % SCALE_BLOCK), (f"K a multiple of {halves * SCALE_BLOCK}", k % (halves * SCALE_BLOCK)),
                 (f"tile_n dividing {SCALE_BLOCK}", SCALE_BLOCK % tile_n),
             ) if bad]
@@ -151,15 +151,18 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         self.shared_storage = SharedStorage
         load_args = (tma_a, t_a, tma_b, t_b, tma_b2, t_b2)
         b_scales = ()
-        if cutlass.const_expr(self.block_scaled):  # A's row scales TMA-loaded with each stage, B's read by the MMA warps
+        m_x = m_a  # gather_a: x [T, K]
+        if cutlass.const_expr(self.block_scaled):  # A's row scales with each stage (TMA, or gathered), B's read by the MMA warps
             a_scale_ptr, b_scale_ptr, b2_scale_ptr = scales
             m_sa = self.a_scale_tensor(a_scale_ptr, m_a.shape[0])
-            load_args += tuple(self.a_scale_load_atom(m_sa))
+            if cutlass.const_expr(self.gather_a):
+                m_x = (m_a, m_sa)
+            else:
+                load_args += tuple(self.a_scale_load_atom(m_sa))
             b_scales = (self.b_scale_tensor(b_scale_ptr, num_experts), self.b_scale_tensor(b2_scale_ptr, num_experts))
         store_args = (tma_c, t_c, tma_h, t_h, tma_as, t_as)
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
-        m_x = m_a  # gather_a: x [T, K]
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             c_ptr, rows_per_rank, rank_stride = scatter_to
             m_x = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
@@ -243,7 +246,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(
             storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0, consumer_warps=4 if self.pingpong else None,
-            extra_tx_bytes=self.tile_shape_mnk[0] * 4 if self.block_scaled else 0,
+            extra_tx_bytes=self.tile_shape_mnk[0] * 4 if self.block_scaled and not self.gather_a else 0,  # (the row scales' TMA box)
         )
         epi_pipe = None
         if cutlass.const_expr(self.scatter):
@@ -268,8 +271,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                     if expert >= 0:
                         loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert, s_sa)
                         if cutlass.const_expr(self.gather_a):
-                            a_base = storage.s_a.data_ptr()
-                            prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles)
+                            bases = (storage.s_a.data_ptr(), storage.s_sa.data_ptr())
+                            prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, bases, tile_row, num_rows, tidx, k_tiles)
                         else:
                             prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear += step
@@ -384,7 +387,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         t_bs, t_bg = self.tma_split(tma_b, s_b, g_b)
         t_b2s, t_b2g = self.tma_split(tma_b2, s_b2, g_b2)
         loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s, t_ag2)
-        if cutlass.const_expr(self.block_scaled):
+        if cutlass.const_expr(self.block_scaled and not self.gather_a):
             loads += self.a_scale_loads(*load_args[6:8], s_sa, tile_row)
         return loads
 
@@ -403,7 +406,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         k_tile = prod.count
         self.load_k_tile((tma_a, t_ag), (tma_a, t_ag2), t_as[(None, prod.index)], k_tile, bar)
         self.load_b(prod, loads, k_tile, bar)
-        if cutlass.const_expr(self.block_scaled):  # the K block's row scales (k_split: K counts on through the second half)
+        if cutlass.const_expr(self.block_scaled and not self.gather_a):  # the K block's row scales (k_split: K counts on through the second half)
             tma_sa, t_sag, t_sas = loads[10:13]
             cute.copy(tma_sa, t_sag[(None, k_tile)], t_sas[(None, prod.index)], tma_bar_ptr=bar)
         ab_pipe.producer_commit(prod)
@@ -431,27 +434,35 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             cute.copy(first[0], first[1][(None, k_tile)], dst, tma_bar_ptr=bar)
 
     @cute.jit
-    def gather_tile(self, ab_pipe, prod, loads, m_x, m_row_token, a_base, tile_row, num_rows, tidx, k_tiles):
+    def gather_tile(self, ab_pipe, prod, loads, m_x, m_row_token, bases, tile_row, num_rows, tidx, k_tiles):
         """Producer warpgroup, ``gather_a``: fill one tile's ``k_tiles`` stages, B by TMA (warp 0)
-        and A's 128 rows by cp.async from x, returning the advanced pipeline state.
+        and A's 128 rows by cp.async from x, returning the advanced pipeline state. ``bases``: the
+        A stages' shared memory (and the row scales' with ``block_scaled``: then ``m_x`` is x's
+        E4M3 rows and their scales [K / 128, T], thread t copying row t's scale of each K block).
 
         Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16·i (i < 8) of every K tile, so a
-        warp reads four whole 128-byte row segments at a time. Padding rows (row_token < 0, or
-        past the buffer) are zero-filled (a copy of 0 source bytes), so the backward never sees
-        garbage there. The destination follows the A stage's 128-byte swizzle: within a K tile
-        of 64 bf16, chunk c of row r sits at byte r·128 + ((c ^ (r % 8))·16).
+        warp reads four whole 128-byte row segments at a time (a K tile is 128 bytes a row: 64
+        bf16 or 128 E4M3). Padding rows (row_token < 0, or past the buffer) are zero-filled (a copy
+        of 0 source bytes), so the backward never sees garbage there. The destination follows the
+        A stage's 128-byte swizzle: chunk c of row r sits at byte r·128 + ((c ^ (r % 8))·16).
         The gather is bound by how fast these threads issue (docs/notes/gather-in-gemm.md), so
         each row's source address and whether it is read are worked out once a
         tile: a stage then costs a 64-bit add and a cp.async per row. (Keeping 32-bit offsets
         instead, which spares the producer's registers a 16-byte spill, measured 4-6% slower.)
         """
         tile_m, _, tile_k = self.tile_shape_mnk
+        element_bytes = 1 if self.block_scaled else 2
+        per_chunk = 16 // element_bytes  # elements in a 16-byte chunk
+        a_base, sa_base = bases
+        m_sa = None
+        if cutlass.const_expr(self.block_scaled):
+            m_x, m_sa = m_x
         rows_per_pass = 128 // 8
         passes = tile_m // rows_per_pass
         chunk = tidx % 8
         row0 = tidx // 8
         stage_elems = tile_m * tile_k
-        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * 8)  # the same swizzle for rows row0 + 16·i
+        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * per_chunk)  # the same swizzle for rows row0 + 16·i
         x_base = m_x.iterator
         addresses = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int64)  # row i's chunk in K tile 0
         rows_read = cutlass.Uint32(0)  # bit i: row i is read (else padding: zero-filled)
@@ -463,22 +474,33 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             element = cutlass.Int64(0)
             if token >= 0:
                 element = cutlass.Int64(token) * self.k
-            addresses[i] = (x_base + (element + chunk * 8)).toint()
+            addresses[i] = (x_base + (element + chunk * per_chunk)).toint()
             rows_read = rows_read | (cutlass.Uint32(token >= 0) << i)
+        scale_src, scale_bytes = cutlass.Int64(0), cutlass.Int32(0)
+        if cutlass.const_expr(self.block_scaled):  # thread t: row t's scale (its token's, column k_tile of [K / 128, T])
+            scale_token = cutlass.Int32(-1)
+            if tile_row * tile_m + tidx < num_rows:
+                scale_token = m_row_token[tile_row * tile_m + tidx]
+            scale_bytes = cutlass.Int32(scale_token >= 0) * 4
+            scale_src = (m_sa.iterator + cutlass.max(scale_token, 0)).toint()
         prod.reset_count()
         for k_tile in cutlass.range(k_tiles, unroll=1):
             ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
             if tidx < 32:  # warp 0 arms the stage's byte count and loads B
                 ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
                 self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
-            column_bytes = cutlass.Int64(k_tile * tile_k * 2)
+            column_bytes = cutlass.Int64(k_tile * tile_k * element_bytes)
             dst = a_base + (prod.index * stage_elems + dst0)
             chunk_bytes = cutlass.Int32(16)
             if cutlass.const_expr(self.k % tile_k):  # K's partial last tile: chunks past K zero-filled, like padding rows
-                chunk_bytes = cutlass.Int32(k_tile * tile_k + chunk * 8 < self.k) * 16
+                chunk_bytes = cutlass.Int32(k_tile * tile_k + chunk * per_chunk < self.k) * 16
             for i in cutlass.range_constexpr(passes):
                 src = cute.make_ptr(self.ab_dtype, addresses[i] + column_bytes, cute.AddressSpace.gmem, assumed_align=16)
                 copy_async_16b(dst + i * rows_per_pass * tile_k, src, cutlass.Int32((rows_read >> i) & 1) * chunk_bytes)
+            if cutlass.const_expr(self.block_scaled):
+                tokens = cute.size(m_sa, mode=[0])
+                src = cute.make_ptr(cutlass.Float32, scale_src + cutlass.Int64(k_tile) * tokens * 4, cute.AddressSpace.gmem, assumed_align=4)
+                copy_async_4b(sa_base + (prod.index * tile_m + tidx), src, scale_bytes)
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
             prod.advance()
         return prod
@@ -849,6 +871,14 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                             at = ((None, hi, groups * epi + j), m, 0)
                             r_gate[at].fill(0.0)
                             r_up[at].fill(0.0)
+
+
+@cute.jit
+def copy_async_4b(dst: cute.Pointer, src: cute.Pointer, nbytes) -> None:
+    """cp.async of 4 bytes global -> shared (``nbytes`` 4, or 0: zero-filled): a gathered row's scale."""
+    from cutlass.experimental import primitives
+
+    primitives.cp_async_shared_global(dst, src, 4, "ca", cp_size=nbytes)
 
 
 @cute.jit
