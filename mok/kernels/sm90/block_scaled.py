@@ -5,8 +5,9 @@
 A [R, K] and B [E, N, K] are E4M3 (K-major both: FP8 WGMMA reads no other), A's scales fp32 per row
 and K block, kept transposed [K / 128, R] so that a K tile's 128 row scales are one 512-byte TMA
 box that lands with the stage (with ``gather_a``, A is x's E4M3 rows [T, K] with their scales
-[K / 128, T], and the producer warpgroup gathers each row's scale with its row, by cp.async); B's fp32 per 128 x 128 block [E, N / 128, K / 128]. A stage holds one
-K block (128 E4M3 values a row: the 128-byte swizzle atom, as bf16's 64). Per stage each MMA
+[K / 128, T], and the producer warpgroup gathers each row's scale with its row, by cp.async); B's
+fp32 per 128 x 128 block [E, N / 128, K / 128]. A stage holds one K block (128 E4M3 values a row:
+the 128-byte swizzle atom, as bf16's 64). Per stage each MMA
 warpgroup runs its WGMMAs (E4M3 x E4M3, 32 deep) into a fresh fp32 accumulator, waits for them,
 reads its rows' scales and hands the stage back, then adds the block's product into the running
 accumulator scaled by sa·sb: ``acc = fma(block, sa·sb, acc)`` per value, every 128 of K (the
@@ -25,7 +26,6 @@ import cutlass.cute as cute
 
 SCALE_BLOCK = 128  # elements along K (and, for B, along N) that share one fp32 scale
 TILE_K_BLOCK_SCALED = 128  # K per shared-memory stage: one scale block (128 E4M3 bytes a row)
-
 
 
 class BlockScaledMainloop:
@@ -68,7 +68,6 @@ class BlockScaledMainloop:
         g_sa = cute.local_tile(m_sa, (self.tile_shape_mnk[0], 1), (tile_row, None))
         t_sas, t_sag = self.tma_split(tma_sa, s_sa, g_sa)
         return tma_sa, t_sag, t_sas
-
 
     @cute.jit
     def b_scale(self, m_sb, m_sb2, n_block, k_tile, expert):
