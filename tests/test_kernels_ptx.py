@@ -237,11 +237,13 @@ def test_bias_kernels_add_the_bias_after_the_mainloop_and_reduce_without_atomics
 
 
 @pytest.mark.parametrize("n,k,options", [(7168, 2048, {}), (2048, 7168, dict(epilogue="swiglu_save")), (7168, 4096, dict(k_split=True)),
-                                         (7168, 2048, dict(scatter=True, topk=8)), (2048, 7168, dict(epilogue="swiglu_bwd", topk=8))])
+                                         (7168, 2048, dict(scatter=True, topk=8)), (2048, 7168, dict(epilogue="swiglu_bwd", topk=8)),
+                                         (2048, 7168, dict(epilogue="swiglu_save", gather_a=True))])
 def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, options):
     """FP8 with 128-block scales on Hopper (operand "e4m3_block"): E4M3 x E4M3 WGMMAs (32 deep, four
     per 128-deep stage, eight for SwiGLU's two products), no mma.sync fallback; A, B and the stage's
-    row scales by TMA; each stage's WGMMAs waited for in full (wait_group 0) before their product is
+    row scales by TMA (gathering: x's rows and their scales by cp.async, then the proxy fence before
+    the WGMMAs read them); each stage's WGMMAs waited for in full (wait_group 0) before their product is
     promoted with fused multiply-adds (one per accumulator value); nothing spilled or in local
     memory; the MMA warpgroups' register raise fits the launch count; and the kernel is refused on
     SM100 (which has MXFP8)."""
@@ -253,7 +255,12 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
     assert count(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx) >= 1 and count(r"\.local", ptx) == 0
     tile_n = variant.config["tile_n"]
     assert count(r"\bfma\.rn\.f32", ptx) >= products * tile_n // 2  # (per thread: 64 x tile_n / 128 accumulator values a product)
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3
+    if options.get("gather_a"):  # rows by cp.async (16-byte chunks), each row's scale a 4-byte one; B by TMA; the proxy fence
+        assert count(r"cp\.async\.cg\.shared\.global", ptx) >= 8 and count(r"cp\.async\.ca\.shared\.global", ptx) >= 1
+        twin = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **{**options, "gather_a": False}), "sm_90a")
+        assert count(r"fence\.proxy\.async", ptx) > count(r"fence\.proxy\.async", twin)
+    else:
+        assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3
     assert ptxas_spill_bytes(ptx) in (None, 0)
     assert_register_handover_fits(ptx)  # (a 64-wide SwiGLU tile launches with fewer registers than 168)
     with pytest.raises(NotImplementedError, match="Hopper's kernel only so far"):

@@ -114,6 +114,8 @@ class BlockScaledMainloop:
             if cutlass.const_expr(self.two_accumulators):
                 block2.fill(0.0)
             ab_pipe.consumer_wait(cons)
+            if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
+                cute.arch.fence_proxy("async.shared", space="cta")
             self.mma_stage(tiled_mma, block, block2, r_a, r_b, r_b2, cons.index)  # (fences the zeroed registers first)
             cute.nvgpu.warpgroup.wait_group(0)
             for m in cutlass.range_constexpr(row_blocks):
