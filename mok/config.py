@@ -54,10 +54,11 @@ class MoKConfig:
     forward and backward on MXFP8 operands, block-scaled MMAs: SM100 only, compile-verified, never
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
     into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16) or "fp8_block" (DeepSeek-V3's
-    FP8: the forward's expert GEMMs on E4M3 with fp32 scales per 1 x 128 of the rows and 128 x 128 of
-    the weights, mok.fp8_block, on Hopper's FP8 WGMMAs, forward and backward dgrad; the weights
-    quantized once per version; the weight gradients in bf16 so far); one GPU, H, I and I_s multiples of 128, without one_launch so far
-    (with fuse_wgrad_accumulation and either saved_h_format).
+    FP8: the expert GEMMs on E4M3 with fp32 scales per 1 x 128 of the rows and 128 x 128 of the
+    weights, mok.fp8_block, on Hopper's FP8 WGMMAs, forward and backward dgrad; the weights
+    quantized once per version; the weight gradients in bf16 so far); one GPU, H, I and I_s
+    multiples of 128, without one_launch so far (with fuse_wgrad_accumulation and either
+    saved_h_format).
     gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
     [I, H] block contiguous) or "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows
     first, as transformers' gate_up_proj): the GEMMs read them in place either way (their expert
@@ -90,6 +91,12 @@ class MoKConfig:
     gate_up_layout: str = "separate"
     activation: str = "swiglu"
     expert_bias: bool = False
+
+    def check_biases_given(self, given: bool) -> None:
+        """Refuse routed-expert biases given without ``expert_bias`` or missing with it (ValueError)."""
+        if given != self.expert_bias:
+            raise ValueError(f"biases: config.expert_bias is {self.expert_bias}, so expected "
+                             f"{'the gate, up and down biases' if self.expert_bias else 'none'}, got {'some' if given else 'none'}")
 
     def __post_init__(self) -> None:
         check_positive_int("hidden", self.hidden)

@@ -63,9 +63,9 @@ def _shared(sg, su, sd):
 def _biases(config: MoKConfig, bg, bu, bd) -> tuple | None:
     """The routed experts' biases as the pipelines take them (contiguous): given exactly when ``config.expert_bias``."""
     given = bg is not None
-    if given != config.expert_bias or (given and (bu is None or bd is None)):
-        raise ValueError(f"biases: config.expert_bias is {config.expert_bias}, so expected "
-                         f"{'the gate, up and down biases' if config.expert_bias else 'none'}, got {'some' if given else 'none'}")
+    config.check_biases_given(given)
+    if given and (bu is None or bd is None):
+        raise ValueError("biases: expected the gate, up and down biases together, got some of them")
     return tuple(b.contiguous() for b in (bg, bu, bd)) if given else None
 
 

@@ -261,7 +261,8 @@ def grouped_gemm(
 
 def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, operand: str, k_split: bool) -> None:
     """A GEMM's expert biases: none, or ``bias`` [E, N] bf16 (and ``bias2`` with ``two`` products, the
-    SwiGLU form), contiguous, for bf16 operands without k_split (where they may launch: check_launchable)."""
+    SwiGLU form), contiguous, for Hopper's operands (bf16, FP8 block-scaled) without k_split (where
+    they may launch: check_launchable)."""
     if bias is None and bias2 is None:
         return
     if operand not in ("bf16", "e4m3_block") or k_split:
@@ -418,7 +419,7 @@ def swiglu_backward_gemm(
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
     unit_scale, num_tokens, topk = _check_router_rows(row_token, row_slot, topk_w, num_rows, dev)
     if bias_piece and (unit_scale or mxfp8):
-        raise ValueError("bias_piece: only for the routed experts' bf16 backward (the router-weight gradient's pieces)")
+        raise ValueError("bias_piece: only for the routed experts' backward on Hopper's operands (the router-weight gradient's pieces)")
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
     pieces = -(-inter // tile_n) + int(bias_piece)

@@ -134,8 +134,9 @@ def quantize_fp8_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(elements float8_e4m3fn [R, K], scales float32 [K / 128, R]) of bf16 rows ``x`` [R, K] (K a
     multiple of 128), 1 x 128 blocks: the bits mok.fp8_block.quantize_rows gives (finite values), in
-    one launch. (A GEMM that reads the rows whole takes R a multiple of 4; gathered, any R.) ``rows_used`` (int32 [1] on x's device): only the first rows_used[0]
-    rows are converted (the rest of both outputs left unwritten; the count stays on the device)."""
+    one launch. (A GEMM that reads the rows whole takes R a multiple of 4; gathered, any R.)
+    ``rows_used`` (int32 [1] on x's device): only the first rows_used[0] rows are converted (the
+    rest of both outputs left unwritten; the count stays on the device)."""
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     rows, k = x.shape
     if k % 128:

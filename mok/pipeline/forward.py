@@ -69,9 +69,7 @@ def check_inputs(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, sha
 def check_biases(config: MoKConfig, biases, num_local: int, x: torch.Tensor) -> None:
     """The routed experts' biases (b_gate, b_up [E_local, I], b_down [E_local, H], x's dtype and
     device, contiguous): given exactly when the config's expert_bias."""
-    if (biases is not None) != config.expert_bias:
-        raise ValueError(f"biases: config.expert_bias is {config.expert_bias}, so expected "
-                         f"{'(b_gate, b_up, b_down)' if config.expert_bias else 'None'}, got {'None' if biases is None else 'biases'}")
+    config.check_biases_given(biases is not None)
     if biases is None:
         return
     if not isinstance(biases, (tuple, list)) or len(biases) != 3:

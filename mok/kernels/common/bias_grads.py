@@ -25,7 +25,7 @@ import cutlass.memory
 
 from .compile import compile_kernel
 from .records import COLUMN_SUMS_ARGS, ROW_DOTS_ARGS
-from .row_vectors import VECTOR
+from .row_vectors import VECTOR, row_vector
 from .row_weight import row_router_weight
 
 WARPS = 8  # column sums: row groups per CTA (a warp each)
@@ -73,30 +73,26 @@ class ColumnSumsKernel:
         smem = cutlass.memory.SmemAllocator()
         s_sum = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WARPS, LANES * VECTOR), stride=(LANES * VECTOR, 1)),
                                      byte_alignment=16)
-        acc = cute.make_rmem_tensor_like(self.vector(m_rows, 0, 0), cutlass.Float32)
+        acc = cute.make_rmem_tensor_like(row_vector(m_rows, 0, 0), cutlass.Float32)
         acc.fill(0.0)
         if chunk * VECTOR < self.width:
             first = m_off[expert]
             end = first + m_count[expert]
             for row in cutlass.range(first + warp, end, WARPS, unroll=4):
-                values = self.vector(m_rows, row, chunk).load().to(cutlass.Float32)
+                values = row_vector(m_rows, row, chunk).load().to(cutlass.Float32)
                 if cutlass.const_expr(self.weighted):
                     s = row_router_weight(row, num_rows, m_token, m_slot, m_w, self.topk, False)
                     acc.store(cute.math.fma(cute.full(values.shape, s, cutlass.Float32), values, acc.load()))
                 else:
                     acc.store(acc.load() + values)
-        self.vector(s_sum, warp, lane).store(acc.load())
+        row_vector(s_sum, warp, lane).store(acc.load())
         cute.arch.sync_threads()
         if warp == 0 and chunk * VECTOR < self.width:
-            total = self.vector(s_sum, 0, lane).load()
+            total = row_vector(s_sum, 0, lane).load()
             for w in cutlass.range_constexpr(1, WARPS):
-                total = total + self.vector(s_sum, w, lane).load()
-            self.vector(m_out, expert, chunk).store(total)
+                total = total + row_vector(s_sum, w, lane).load()
+            row_vector(m_out, expert, chunk).store(total)
 
-    @staticmethod
-    def vector(m: cute.Tensor, row, chunk) -> cute.Tensor:
-        """Columns 8·chunk .. 8·chunk + 7 of row ``row`` of a row-major matrix."""
-        return cute.zipped_divide(m[row, None], (VECTOR,))[None, chunk]
 
 
 class RowDotsKernel:
@@ -137,8 +133,8 @@ class RowDotsKernel:
             total = cutlass.Float32(0.0)
             if expert >= 0 and m_token[row] >= 0:
                 for chunk in cutlass.range(lane, self.width // VECTOR, LANES, unroll=2):
-                    x = ColumnSumsKernel.vector(m_rows, row, chunk).load().to(cutlass.Float32)
-                    b = ColumnSumsKernel.vector(m_bias, expert, chunk).load().to(cutlass.Float32)
+                    x = row_vector(m_rows, row, chunk).load().to(cutlass.Float32)
+                    b = row_vector(m_bias, expert, chunk).load().to(cutlass.Float32)
                     for v in cutlass.range_constexpr(VECTOR):
                         total = cute.math.fma(x[v], b[v], total)
             for offset in cutlass.range_constexpr(5):  # (a fixed butterfly: every lane ends with the same sum)

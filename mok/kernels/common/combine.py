@@ -30,7 +30,7 @@ import cutlass.cute as cute
 from .compile import compile_kernel
 from .records import COMBINE_ARGS, COMBINE_ROUTER_GRAD_ARGS
 from .router_grad import pair_router_grad
-from .row_vectors import VECTOR, thread_vector, vector_grid
+from .row_vectors import VECTOR, row_vector, thread_vector, vector_grid
 
 # the launches' arguments (the CUDA stream follows): CombineKernel's, CombineRouterGradKernel's
 
@@ -127,7 +127,7 @@ def combine_vector(
     """out[token, 8·chunk : 8·chunk + 8] from y's rows: slot_row[token, j] (gathered) or token·k + j
     (dense), in the order the module docstring fixes (also run by the grouped GEMM that combines
     as it goes)."""
-    out_vec = cute.zipped_divide(m_out[token, None], (VECTOR,))[None, chunk]
+    out_vec = row_vector(m_out, token, chunk)
     # All k rows are loaded before the first FMA (a slot without a row reads row 0 and adds
     # nothing), so the loads overlap instead of waiting on each other.
     rows = []
@@ -137,10 +137,10 @@ def combine_vector(
         rows.append(m_slot[token, j] if gathered else token * topk + j)
         weights.append(cutlass.Float32(1.0) if unit_weights else m_w[token, j])
     for j in cutlass.range_constexpr(topk):
-        y_vecs.append(cute.zipped_divide(m_y[cutlass.max(rows[j], 0), None], (VECTOR,))[None, chunk].load())
+        y_vecs.append(row_vector(m_y, cutlass.max(rows[j], 0), chunk).load())
     acc = cute.full(out_vec.shape, 0.0, cutlass.Float32)
     if cutlass.const_expr(has_shared):
-        acc = cute.zipped_divide(m_shared[token, None], (VECTOR,))[None, chunk].load().to(cutlass.Float32)
+        acc = row_vector(m_shared, token, chunk).load().to(cutlass.Float32)
     for j in cutlass.range_constexpr(topk):
         if cutlass.const_expr(gathered):
             if rows[j] >= 0:

@@ -26,6 +26,7 @@ import cutlass.memory
 
 from .compile import compile_kernel
 from .records import FP8_BLOCK_QUANTIZE_ARGS
+from .row_vectors import row_vector
 
 BLOCK = 128  # values along a row that share a scale (mok.fp8_block.BLOCK)
 WARPS = 4
@@ -81,7 +82,7 @@ class QuantizeFp8BlockKernel:
     @cute.jit
     def lane_values(self, m_x, row, k_block, lane):
         """This lane's four values of row ``row`` in K block ``k_block``, as fp32."""
-        return cute.zipped_divide(m_x[row, None], (PER_LANE,))[None, k_block * LANES + lane].load().to(cutlass.Float32)
+        return row_vector(m_x, row, k_block * LANES + lane, PER_LANE).load().to(cutlass.Float32)
 
     @cute.jit
     def scale_and_factor(self, amax):
@@ -100,8 +101,7 @@ class QuantizeFp8BlockKernel:
     @cute.jit
     def quantize_row(self, m_x, m_q, row, k_block, lane, factor):
         values = self.lane_values(m_x, row, k_block, lane)
-        out = cute.zipped_divide(m_q[row, None], (PER_LANE,))[None, k_block * LANES + lane]
-        out.store((values * factor).to(m_q.element_type))
+        row_vector(m_q, row, k_block * LANES + lane, PER_LANE).store((values * factor).to(m_q.element_type))
 
     @cute.jit
     def row_amax(self, m_x, row, k_block, lane):

@@ -57,8 +57,6 @@ def divide_by_at_least_one(a, d):
     return cute.math.fma(r, rem, q)
 
 
-
-
 @cute.jit
 def gelu_tanh_parts(g):
     """geglu: (gelu(g), gelu'(g)) of the tanh approximation."""

@@ -17,7 +17,7 @@ import cutlass.cute as cute
 
 from .compile import compile_kernel
 from .records import GATHER_ARGS, GATHER_TWO_ARGS
-from .row_vectors import VECTOR, thread_vector, vector_grid
+from .row_vectors import VECTOR, row_vector, thread_vector, vector_grid
 
 ROWS = 4  # output rows per CTA (16-byte loads in flight per thread)
 # the launches' arguments (the CUDA stream follows): GatherRowsKernel's, GatherTwoRowsKernel's
@@ -92,12 +92,12 @@ def gather_row_block(m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tenso
         if row < num_out:
             source = m_index[row]
             if source >= 0:
-                vec.store(cute.zipped_divide(m_src[source, None], (VECTOR,))[None, chunk].load())
+                vec.store(row_vector(m_src, source, chunk).load())
         held.append(vec)
     for i in cutlass.range_constexpr(ROWS):  # ... then every store
         row = row_block * ROWS + i
         if row < num_out:
-            cute.zipped_divide(m_out[row, None], (VECTOR,))[None, chunk].store(held[i].load())
+            row_vector(m_out, row, chunk).store(held[i].load())
 
 
 def compile_gather(width: int, arch: str, options: str = "", sources: int = 1):

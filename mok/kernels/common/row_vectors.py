@@ -16,6 +16,12 @@ def vector_grid(rows, width: int, threads: int, depth: int = 1) -> list:
     return [rows, (width + cols - 1) // cols, depth]
 
 
+def row_vector(m: cute.Tensor, row, chunk, width: int = VECTOR) -> cute.Tensor:
+    """Columns width·chunk .. width·chunk + width - 1 of row ``row`` of a row-major matrix (a
+    16-byte vector of bf16 by default)."""
+    return cute.zipped_divide(m[row, None], (width,))[None, chunk]
+
+
 def thread_vector(threads: int) -> tuple:
     """In a kernel: this thread's vector of the row (column block · ``threads`` + thread; VECTOR
     columns each), and its CTA's grid x and z."""
