@@ -185,7 +185,7 @@ def _cmd_precompile(args: argparse.Namespace) -> int:
     cache = KernelCache(args.cache_dir)
     for shape in shapes:
         config, fallback = _resolve_config(args, arch, shape)
-        refused = refusal(config, arch, unverified_ok=True) is not None
+        refused = refusal(config, arch) is not None
         if not refused:
             name = f"{shape.model} preset: " if shape is not None else ""
             print(f"precompile for {arch}: {name}{_describe(config)}", file=sys.stderr)

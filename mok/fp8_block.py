@@ -26,11 +26,19 @@ BLOCK = 128
 E4M3_MAX = 448.0
 
 
+def fp32_quotient(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> torch.Tensor:
+    """numerator / denominator correctly rounded to fp32 (PTX's div.rn.f32), through float64 (exact
+    for fp32 operands). torch's own fp32 division of or by a scalar multiplies by the rounded
+    reciprocal, which differs from the quotient in the last bit now and then."""
+    as_double = [t.double() if isinstance(t, torch.Tensor) else float(t) for t in (numerator, denominator)]
+    return (as_double[0] / as_double[1]).float()
+
+
 def block_scales(amax: torch.Tensor, power_of_two: bool = False) -> torch.Tensor:
     """fp32 scales of blocks whose largest magnitude is ``amax`` (fp32): amax / 448, or the power of
     two at or above it (at least 2^-126, the smallest normal float); 1 for an all-zero block."""
     amax = amax.float()
-    scale = amax / E4M3_MAX
+    scale = fp32_quotient(amax, E4M3_MAX)
     if power_of_two:
         mantissa, exponent = torch.frexp(scale)  # scale = mantissa · 2^exponent, mantissa in [0.5, 1)
         scale = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent)).clamp(min=2.0**-126)
@@ -45,7 +53,7 @@ def _quantize_blocks(x: torch.Tensor, power_of_two: bool) -> tuple[torch.Tensor,
     if power_of_two:
         factor = 1.0 / scale  # (exact: a power of two)
     else:
-        factor = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
+        factor = torch.where(amax > 0, fp32_quotient(E4M3_MAX, amax), torch.ones_like(amax))
     return (x * factor[..., None]).to(torch.float8_e4m3fn), scale
 
 

@@ -28,11 +28,10 @@ TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the groupe
 
 def whole_tiles_reason(config: MoKConfig, arch: str) -> str | None:
     """Why a layer of ``config`` on ``arch`` needs every width a multiple of 128 (None: any multiple
-    of 8 runs, the partial last tiles zero-filled and clipped by TMA: Hopper's staged bf16 kernels)."""
+    of 8 runs, the partial last tiles zero-filled and clipped by TMA: Hopper's bf16 kernels, staged
+    or in one launch)."""
     if arch not in PERSISTENT_GEMM_ARCHS:
         return f"{arch}'s kernels take whole tiles so far"
-    if config.one_launch:
-        return "the one-launch kernel's partial tiles have not run on a GPU yet; pass one_launch=False"
     if config.precision != "bf16":
         return f"precision={config.precision!r}: its scale blocks tile every width"
     return None
@@ -49,9 +48,8 @@ def check_tiled_widths(name: str, widths: dict, reason: str | None = "the fused 
         raise ValueError(f"{name}: expected {', '.join(widths)} multiples of {step} ({why}), got {got}")
 
 
-def refusal(config: MoKConfig, arch: str, *, unverified_ok: bool = False) -> str | None:
-    """Why a layer of ``config`` does not run on ``arch`` (None when it does). ``unverified_ok``: not
-    for kernels that are built but have not run on a GPU yet (:func:`unverified`; precompile builds them)."""
+def refusal(config: MoKConfig, arch: str) -> str | None:
+    """Why a layer of ``config`` does not run on ``arch`` (None when it does)."""
     if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
         return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
     if arch not in PERSISTENT_GEMM_ARCHS and (config.ep_size > 1 or config.one_launch):
@@ -61,19 +59,7 @@ def refusal(config: MoKConfig, arch: str, *, unverified_ok: bool = False) -> str
         return f"precision='fp8_block': Hopper's kernels only so far; on {arch} use precision='mxfp8'"
     if config.expert_bias and arch not in PERSISTENT_GEMM_ARCHS:
         return f"expert_bias: not in {arch}'s kernels yet (Hopper's add them); the CPU reference path computes them"
-    return None if unverified_ok else unverified(config)
-
-
-def unverified(config: MoKConfig) -> str | None:
-    """What of ``config`` runs on kernels that are built (Plan.variants, precompile) but have not run
-    on a GPU yet, so that the layer refuses it there (None: nothing): the activations beside SwiGLU
-    (tests/test_activations_gpu.py), the expert biases (tests/test_expert_bias_gpu.py) and FP8 with
-    block scales (tests/test_fp8_block_gpu.py)."""
-    found = [what for what, on in ((f"activation={config.activation!r}", config.activation != "swiglu"),
-                                   ("expert_bias", config.expert_bias), ("precision='fp8_block'", config.precision == "fp8_block")) if on]
-    if not found:
-        return None
-    return f"{' and '.join(found)}: the kernels are built (Plan.variants) but have not run on a GPU yet; the CPU reference path computes them"
+    return None
 
 
 def shared_in_routed_possible(config: MoKConfig) -> bool:
@@ -319,11 +305,10 @@ def router_variants(hidden: int, num_experts: int, persistent: bool = True) -> l
 
 
 @functools.cache
-def plan_for(config: MoKConfig, arch: str, *, unverified_ok: bool = False) -> Plan:
+def plan_for(config: MoKConfig, arch: str) -> Plan:
     """The plan of ``config`` on ``arch``; raises (naming what to pass instead) where that layer does
     not run: widths the fused kernels do not tile, MXFP8 GEMMs without block-scaled MMAs, expert
-    parallelism or one launch without Hopper's persistent GEMMs, kernels that have not run on a GPU
-    yet (unless ``unverified_ok``: precompile builds them)."""
+    parallelism, one launch, FP8 block scales or biases without Hopper's persistent GEMMs."""
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     arch = normalize_arch(arch)
@@ -331,7 +316,7 @@ def plan_for(config: MoKConfig, arch: str, *, unverified_ok: bool = False) -> Pl
     check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared}, whole_tiles_reason(config, arch))
     if config.precision == "mxfp8":
         require_mxfp8_gemms("precision='mxfp8'", arch)
-    why = refusal(config, arch, unverified_ok=unverified_ok)
+    why = refusal(config, arch)
     if why is not None:
         raise NotImplementedError(why)
     return Plan(config, arch)

@@ -18,12 +18,9 @@ gradients and adds them afterwards, as a loop without it would; "mok mxfp8 h" ke
 between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is left out of the
 same-bits check); "mok recompute" keeps no h and runs the gate/up GEMM again in the backward
 (``saved_h_format="recompute"``: the same bits). "mok fp8 block" runs the forward's expert GEMMs in
-FP8 with 128-block scales (``precision="fp8_block"``, other bits; the weight gradients bf16) with a
-plan built directly, as the layer refuses it on a GPU until tests/test_fp8_block_gpu.py has passed
-there; widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
-experts as they are, clamped SwiGLU and expert biases (other bits), through the pipeline with a
-plan built directly: the layer refuses them on a GPU until tests/test_activations_gpu.py and
-tests/test_expert_bias_gpu.py have passed there.
+FP8 with 128-block scales (``precision="fp8_block"``, other bits; the weight gradients bf16);
+widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
+experts as they are, clamped SwiGLU and expert biases (other bits).
 
 ``--memory`` measures instead, per saved_h_format: what ``mok.forward`` keeps for the backward
 beyond x (bytes per token and layer), and a forward + backward through a stack of 4 layers
@@ -175,6 +172,9 @@ def gpt_oss_plan(inputs):
     g = torch.Generator(device="cuda").manual_seed(1)
     biases = tuple((torch.randn(E, n, device="cuda", generator=g) * 0.3).bfloat16() for n in (I, I, H))
     return Plan(config_of(inputs, activation="clamped_swiglu", expert_bias=True), "sm_90a"), biases
+
+
+PATHS_OF_SOME_CONFIGS = {"mok gpt-oss", "mok fp8 block", "mok shared-in", "mok 1L shared-in"}  # (--paths may name them for every config)
 
 
 def fp8_block_plan(inputs):
@@ -337,9 +337,11 @@ def main() -> int:
         if args.paths:
             # (the default path: the others' bits are checked against it; quack wherever it is installed)
             keep = ({"mok", "torch", "dense gemm", *args.paths.split(",")} - {"quack gemms"}) | ({"quack gemms"} & set(paths))
-            unknown = keep - set(paths)
+            unknown = keep - set(paths) - PATHS_OF_SOME_CONFIGS
             if unknown:
                 raise SystemExit(f"--paths: no path(s) {sorted(unknown)}; known: {list(paths)}")
+            for absent in sorted(keep - set(paths)):
+                print(f"# {name}: no '{absent}' path at this config")
             paths = {p: fn for p, fn in paths.items() if p in keep}
         unprofiled = set(args.profile_paths.split(",")) - set(paths)
         if unprofiled:

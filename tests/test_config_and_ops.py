@@ -343,11 +343,11 @@ def test_backward_checks_the_saved_forward_against_its_inputs_before_launch():
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, build_schedule(idx, 8, block_m=128), h))
     with pytest.raises(ValueError, match=rf"saved.h: expected shape \[{mine.capacity}, 256\], got \[{mine.capacity}, 128\]"):
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h[:, :I].contiguous()))
-    # (the widths are the configuration's, refused by its plan before the tensors are looked at)
-    widths = r"config: expected hidden, intermediate multiples of 128 \(the one-launch kernel's partial tiles have not run on a GPU yet; pass one_launch=False\), got hidden=128, intermediate=64"
+    # (the widths are the configuration's, refused by it before the tensors are looked at)
+    widths = r"intermediate: expected a multiple of 8 \(16-byte bf16 vectors\), got 60"
     with pytest.raises(ValueError, match=widths):
-        moe_backward(dout, x, idx, w, wg[:, :64].contiguous(), wu[:, :64].contiguous(), wd[..., :64].contiguous(), None,
-                     ForwardResult(None, mine, h[:, :I].contiguous()), one_launch=True)
+        moe_backward(dout, x, idx, w, wg[:, :60].contiguous(), wu[:, :60].contiguous(), wd[..., :60].contiguous(), None,
+                     ForwardResult(None, mine, h[:, :120].contiguous()), one_launch=True)
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the checks pass; then the device check refuses CPU data
         moe_backward(dout, x, idx, w, wg, wu, wd, None, ForwardResult(None, mine, h))
 

@@ -185,7 +185,7 @@ def test_ep_inputs_the_kernels_could_not_take_are_refused_before_any_launch():
     ws.owner = None
     narrow = EPLayout(world=2, max_tokens=8, hidden=64, topk=2)
     ws = EPWorkspace(torch.zeros(2 * narrow.stride, dtype=torch.uint8), narrow, 0)
-    x, idx, w, experts, _ = random_layer(8, 64, 128, 4, 2, seed=6, dtype=torch.bfloat16)
-    widths = r"config: expected hidden, intermediate multiples of 128 \(the one-launch kernel's partial tiles have not run on a GPU yet; pass one_launch=False\), got hidden=64, intermediate=128"
-    with pytest.raises(ValueError, match=widths):  # (the widths are the configuration's: its plan refuses them)
+    x, idx, w, experts, _ = random_layer(8, 64, 124, 4, 2, seed=6, dtype=torch.bfloat16)
+    widths = r"intermediate: expected a multiple of 8 \(16-byte bf16 vectors\), got 124"
+    with pytest.raises(ValueError, match=widths):  # (the widths are the configuration's: it refuses them)
         ep_moe_forward_saved(ws, x, idx.int(), w, *(e[:2].contiguous() for e in experts), one_launch=True)

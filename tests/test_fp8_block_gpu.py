@@ -6,10 +6,8 @@ The GEMM against the float64 product of the same (dequantized) operands: the pla
 and k-split forms, a last row tile that is partial, unused tiles left unwritten (outputs poisoned
 first), expert biases in the epilogue, the same bits on every run and for a tile alone. The
 quantizers against the rule's bits. The layer against a float64 emulation of the recipe and the
-bf16 model, its bits run to run, per sub-batch and with h recomputed, the weights' cache.
-
-The layer's plan refuses precision="fp8_block" on a GPU until these tests have passed there
-(mok.plan.unverified); they build the plan directly."""
+bf16 model, its bits run to run, per sub-batch and with h recomputed, the weights' cache, and
+``MoELayer(precision="fp8_block")`` under autograd giving the pipeline's bits."""
 
 import pytest
 import torch
@@ -141,13 +139,37 @@ def test_fp8_block_layer_forward_follows_the_recipe_and_trains():
                                [grads.dx, grads.d_topk_w, grads.d_w_gate, grads.d_w_up, grads.d_w_down], leaves):
         assert rel_err(got, leaf.grad) < 0.15, (name, rel_err(got, leaf.grad))  # (two FP8 products in a row: ~9%)
     again = pipeline.forward(plan, x, idx, w, experts, None, save=True)
-    assert torch.equal(again.out, saved.out) and torch.equal(again.h, saved.h)
+    used = int(saved.schedule.expert_offsets[-1])  # (rows past the last expert's are not written)
+    assert torch.equal(again.out, saved.out) and torch.equal(again.h[:used], saved.h[:used])
     rows = torch.randperm(T, device="cuda")[:17]
     part = pipeline.forward(plan, *(t[rows].contiguous() for t in (x, idx, w)), experts, None)
     assert torch.equal(part.out, saved.out[rows])
     recomputed = pipeline.backward(fp8_plan(x, idx, experts, saved_h_format="recompute"), dout, x, idx, w, experts, None,
                                    pipeline.forward(fp8_plan(x, idx, experts, saved_h_format="recompute"), x, idx, w, experts, None, save=True))
     assert torch.equal(recomputed.dx, grads.dx) and torch.equal(recomputed.d_w_gate, grads.d_w_gate)
+
+
+def test_fp8_block_layer_gives_the_pipeline_s_bits():
+    """MoELayer(precision="fp8_block") under autograd (the custom ops, the weights' cache): output
+    and every gradient the pipeline's, bit for bit."""
+    from mok import MoELayer
+
+    T, H, I, E, k = 700, 1024, 512, 8, 2
+    x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=12)
+    layer = MoELayer(H, I, E, k, precision="fp8_block", device="cuda")
+    with torch.no_grad():
+        for param, weight in zip((layer.gate_proj, layer.up_proj, layer.down_proj), experts):
+            param.copy_(weight)
+    x_leaf, w_leaf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = layer(x_leaf, topk_idx=idx, topk_w=w_leaf)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    plan = fp8_plan(x, idx, experts)
+    saved = pipeline.forward(plan, x, idx, w, experts, None, save=True)
+    grads = pipeline.backward(plan, dout, x, idx, w, experts, None, saved)
+    assert torch.equal(out, saved.out) and torch.equal(x_leaf.grad, grads.dx) and torch.equal(w_leaf.grad, grads.d_topk_w)
+    for param, want in zip((layer.gate_proj, layer.up_proj, layer.down_proj), (grads.d_w_gate, grads.d_w_up, grads.d_w_down)):
+        assert torch.equal(param.grad, want)
 
 
 def test_fp8_weights_are_quantized_once_per_version():

@@ -172,8 +172,7 @@ def test_router_logits_and_gradients_at_h_2056():
 @pytest.mark.parametrize("T,H,I,E,k", [(1000, 2880, 2880, 32, 4), (700, 2056, 1032, 16, 4), (1, 264, 136, 8, 2)])
 def test_one_launch_kernel_with_partial_tiles_gives_the_staged_bits(T, H, I, E, k):
     """ops.scheduled_expert_mlp (the one-launch forward's kernel) at partial widths: out and h the
-    staged forward's bits. (The plan still refuses one_launch at such widths until this has passed:
-    mok.plan.whole_tiles_reason; test_one_launch_is_refused_by_the_plan_until_then.)"""
+    staged forward's bits."""
     x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, None, seed=T + I)
     staged = moe_forward(x, idx, w, *experts, save_for_backward=True)
     h = torch.full_like(staged.h, float("nan"))
@@ -183,7 +182,12 @@ def test_one_launch_kernel_with_partial_tiles_gives_the_staged_bits(T, H, I, E, 
     assert torch.equal(h[:used], staged.h[:used])
 
 
-def test_one_launch_is_refused_by_the_plan_until_then():
-    x, idx, w, experts, _ = gpu_layer(64, 2056, 1032, 8, 2, None, seed=43)
-    with pytest.raises(ValueError, match=r"multiples of 128 \(the one-launch kernel's partial tiles have not run on a GPU yet; pass one_launch=False\)"):
-        moe_forward(x, idx, w, *experts, one_launch=True)
+def test_one_launch_layer_forward_at_partial_widths_gives_the_staged_bits():
+    """The layer's one-launch forward (schedule in the launch too) at H 2056, I 1032 with a shared
+    expert: the staged forward's output and saved h, bit for bit."""
+    x, idx, w, experts, shared = gpu_layer(300, 2056, 1032, 8, 2, 520, seed=43)
+    staged = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+    one = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, one_launch=True, out=poisoned(300, 2056))
+    used = int(staged.schedule.expert_offsets[-1])
+    assert torch.equal(one.out, staged.out) and torch.equal(one.h[:used], staged.h[:used])
+    assert torch.equal(one.shared_h, staged.shared_h)

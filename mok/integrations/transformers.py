@@ -36,8 +36,8 @@ of any model not passed through :func:`apply`.
 
 gpt-oss: its interleaved, transposed gate/up weights, its biases (``gate_up_proj_bias``,
 ``down_proj_bias``) and its clamped SwiGLU ``(up + 1)·gate·σ(1.702·gate)`` (MoK's
-``activation="clamped_swiglu"`` and ``expert_bias``) run on the CPU reference path; on the GPU the
-plan refuses them until their kernels have run there.
+``activation="clamped_swiglu"`` and ``expert_bias``) run in Hopper's kernels (and on the CPU
+reference path).
 
 Not supported yet (refused with the reason): other biases and gate activations, ungated experts; on
 the GPU other dtypes than bf16.

@@ -27,14 +27,13 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 def precompile(config: MoKConfig, arch: str, cache: KernelCache, out: TextIO | None = None) -> CacheStats:
     """Compile (or find on disk) every kernel ``config`` needs for ``arch``; returns what was done.
     Raises ValueError, before compiling anything, for a configuration whose layer does not run on
-    ``arch`` (the plan says why); builds the kernels that have not run on a GPU yet too (a note says
-    which: mok.plan.unverified). Progress goes to ``out`` (default: the current sys.stderr)."""
-    from ..plan import plan_for, unverified
+    ``arch`` (the plan says why). Progress goes to ``out`` (default: the current sys.stderr)."""
+    from ..plan import plan_for
 
     out = sys.stderr if out is None else out
     arch = normalize_arch(arch)
     try:
-        variants = plan_for(config, arch, unverified_ok=True).variants()
+        variants = plan_for(config, arch).variants()
     except NotImplementedError as why:
         raise ValueError(f"precompile: a layer of this configuration does not run on {arch}: {why}") from None
     try:  # (a cache a process cannot write is only read, what it lacks compiled in memory: here that is an error)
@@ -42,8 +41,6 @@ def precompile(config: MoKConfig, arch: str, cache: KernelCache, out: TextIO | N
         tempfile.TemporaryFile(dir=cache.directory).close()
     except OSError as err:
         raise OSError(f"precompile: cannot write to the cache directory {cache.directory}: {err.strerror or err}") from None
-    if unverified(config):
-        out.write(f"note: {unverified(config)}\n")
     before = CacheStats(**vars(cache.stats))
     for i, variant in enumerate(variants):
         out.write(f"\r{_bar(i, len(variants))} {variant.describe()} for {arch} ...")
