@@ -231,7 +231,7 @@ def _bench_shapes(args: argparse.Namespace) -> list:
     """The shapes ``bench`` runs (mok.bench.resolve_shapes on its options)."""
     return resolve_shapes(
         args.model, tokens=args.tokens, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, topk=args.topk,
-        shared_intermediate=args.shared_intermediate, tiled="mok" in args.paths or args.kernel == "combine",
+        shared_intermediate=args.shared_intermediate, tiled="mok" in args.paths or args.kernel == "combine", precisions=args.precision,
     )
 
 
@@ -305,6 +305,10 @@ def _add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=None, help="experts per token k (with --model: in place of the preset's)")
     p.add_argument("--shared-intermediate", type=int, default=None,
                    help="shared-expert width, 0 for none (default: the preset's; none for a shape of one's own)")
+    p.add_argument("--precision", type=_argument_type(lambda t: parse_choices(t, PRECISIONS, None, "precision"), "precision"),
+                   default=["bf16"], metavar="P[,P...]",
+                   help="MoK's expert GEMMs: bf16 (default), fp8_block (DeepSeek-V3's FP8, Hopper), mxfp8_emulated, mxfp8 (SM100); "
+                        "comma-separated: each shape once per precision, the PyTorch path (bf16) timed beside each")
     p.add_argument("--passes", type=_argument_type(lambda t: parse_choices(t, PASSES, PASS_ALIASES, "pass"), "passes"),
                    default=list(PASSES), metavar="PASS[,PASS]", help=f"what is timed, comma-separated: {', '.join(PASSES)} (default both)")
     p.add_argument("--paths", type=_argument_type(lambda t: parse_choices(t, PATHS, None, "path"), "paths"), default=list(PATHS),
@@ -342,6 +346,7 @@ examples:
   python -m mok bench --model all --json bench.json --plot bench.png
   python -m mok bench --model qwen3-30b-a3b --tokens 16384
   python -m mok bench --hidden 4096 --intermediate 1024 --experts 64 --topk 6
+  python -m mok bench --model qwen3-235b-a22b --precision bf16,fp8_block   # FP8 with block scales beside bf16
   python -m mok bench --from-json bench.json --plot bench.png   # redraw on another machine
 
 Kernels compile on a shape's first call (seconds to a minute); `python -m mok precompile --arch

@@ -159,11 +159,16 @@ def test_bench_options_pick_presets_or_a_shape_of_ones_own(capsys):
     args = parser.parse_args(["bench", "--passes", "fwd", "--paths", "torch,mok"])
     assert args.passes == [FORWARD] and args.paths == ["mok", "torch"]
     assert parser.parse_args(["bench"]).passes == list(PASSES) and parser.parse_args(["bench"]).paths == list(PATHS)
+    both = shapes("--model", "qwen3-235b-a22b", "--precision", "fp8_block,bf16")  # (each shape once per precision, bf16 first)
+    assert [(s.model, s.precision) for s in both] == [("qwen3-235b-a22b", "bf16"), ("qwen3-235b-a22b", "fp8_block")]
+    assert both[1].config().precision == "fp8_block" and "MoK's expert GEMMs fp8_block" in both[1].describe()
+    assert main(["bench", "--model", "gpt-oss-20b", "--precision", "fp8_block"]) == 2  # (its block scales tile every width)
+    assert "precision='fp8_block': expected widths that are multiples of 128" in capsys.readouterr().err
     assert main(["bench", "--hidden", "1024"]) == 2  # (a shape of one's own needs all four)
     assert "missing --intermediate, --experts, --topk" in capsys.readouterr().err
     assert main(["bench", "--model", "deepseek-v3", "--intermediate", "1004"]) == 2  # (not a multiple of 8)
     assert "intermediate: expected a multiple of 8" in capsys.readouterr().err
-    for argv in (["--model", "gpt-oss-1t"], ["--passes", "sideways"], ["--paths", "numpy"], ["--seconds", "x"]):
+    for argv in (["--model", "gpt-oss-1t"], ["--passes", "sideways"], ["--paths", "numpy"], ["--seconds", "x"], ["--precision", "fp4"]):
         with pytest.raises(SystemExit) as exit_:
             parser.parse_args(["bench", *argv])
         assert exit_.value.code == 2

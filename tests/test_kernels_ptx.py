@@ -244,13 +244,17 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
     per 128-deep stage, eight for SwiGLU's two products), no mma.sync fallback; A, B and the stage's
     row scales by TMA (gathering: x's rows and their scales by cp.async, then the proxy fence before
     the WGMMAs read them); each stage's WGMMAs waited for in full (wait_group 0) before their product is
-    promoted with fused multiply-adds (one per accumulator value); nothing spilled or in local
-    memory; the MMA warpgroups' register raise fits the launch count; and the kernel is refused on
-    SM100 (which has MXFP8)."""
+    promoted with fused multiply-adds (one per accumulator value), the stage's first WGMMA of each
+    product overwriting its block accumulator (scale-d 0: no zeroing per stage); nothing spilled or
+    in local memory; the MMA warpgroups' register raise fits the launch count; and the kernel is
+    refused on SM100 (which has MXFP8)."""
     variant = grouped_gemm_variant(n, k, operand="e4m3_block", **options)
     ptx = compiled_ptx(variant, "sm_90a")
     products = 2 if options.get("epilogue") in ("swiglu", "swiglu_save") else 1
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx) == 4 * products
+    zeros = set(re.findall(r"mov\.b32\s+(%r\d+), 0;", ptx))
+    scale_d = re.findall(r"setp\.ne\.b32\s+p, (%r\d+), 0;\s*wgmma\.mma_async", ptx)
+    assert len(scale_d) == 4 * products and sum(reg in zeros for reg in scale_d) == products
     assert count(r"wgmma\.mma_async", ptx) == 4 * products and count(r"\bmma\.sync", ptx) == 0
     assert count(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx) >= 1 and count(r"\.local", ptx) == 0
     tile_n = variant.config["tile_n"]

@@ -29,13 +29,21 @@ PASSES = (FORWARD, TRAIN)
 PASS_ALIASES = {"fwd": FORWARD, "train": TRAIN, "backward": TRAIN, "fwd+bwd": TRAIN}
 PATHS = ("mok", "torch", "dense")  # MoK's fused layer, the PyTorch path (torch_forward), one dense bf16 GEMM of the same FLOPs
 AGREEMENT_TOLERANCE = 3e-2  # mok vs torch, relative difference (both bf16 between GEMMs): above it something is wrong
+FP8_AGREEMENT_TOLERANCE = 1e-1  # the same with MoK's GEMMs on FP8 operands (E4M3 keeps 3 mantissa bits: ~6% from bf16)
+
+
+def agreement_tolerance(precision: str) -> float:
+    """The largest relative difference from the bf16 PyTorch path that MoK's result of ``precision`` may show."""
+    return AGREEMENT_TOLERANCE if precision == "bf16" else FP8_AGREEMENT_TOLERANCE
 
 
 @dataclass(frozen=True)
 class Shape:
     """One MoE layer on one GPU as ``mok bench`` runs it: ``tokens`` on the GPU, ``experts`` on the
     GPU (all of them at EP = 1), ``topk`` of them per token, SwiGLU experts of width
-    ``intermediate`` and an optional shared expert of width ``shared_intermediate`` (None: none)."""
+    ``intermediate`` and an optional shared expert of width ``shared_intermediate`` (None: none);
+    ``precision``: MoK's expert GEMMs' (MoKConfig.precision; the PyTorch path and the dense GEMM
+    stay bf16)."""
 
     model: str
     tokens: int
@@ -44,6 +52,7 @@ class Shape:
     experts: int
     topk: int
     shared_intermediate: int | None = None
+    precision: str = "bf16"
 
     def forward_flops(self) -> int:
         """6·T·k·H·I (gate, up and down GEMMs of every routed pair) + 6·T·H·I_s (the shared expert)."""
@@ -58,11 +67,12 @@ class Shape:
         """The layer's MoKConfig (one GPU), with ``options``."""
         from ..config import MoKConfig
 
-        return MoKConfig(self.hidden, self.intermediate, self.experts, self.topk, self.shared_intermediate, **options)
+        return MoKConfig(self.hidden, self.intermediate, self.experts, self.topk, self.shared_intermediate, **{"precision": self.precision, **options})
 
     def check(self, tiled: bool = True) -> None:
         """ValueError for a shape MoK's layer does not take: MoKConfig's rules, and (``tiled``) the
-        widths the fused kernels take where the benchmark runs them (Hopper, bf16: multiples of 8)."""
+        widths the fused kernels take where the benchmark runs them (Hopper, bf16: multiples of 8;
+        FP8 with block scales: of 128)."""
         from ..plan import check_tiled_widths, whole_tiles_reason
 
         if self.tokens < 1:
@@ -75,8 +85,9 @@ class Shape:
 
     def describe(self) -> str:
         shared = f"shared expert I_s {self.shared_intermediate}" if self.shared_intermediate else "no shared expert"
+        precision = "" if self.precision == "bf16" else f", MoK's expert GEMMs {self.precision}"
         return (f"{self.tokens} tokens, H {self.hidden}, I {self.intermediate}, {self.experts} experts on the GPU, top-{self.topk}, "
-                f"{shared}; {self.forward_flops() / 1e12:.2f} TFLOP a forward")
+                f"{shared}{precision}; {self.forward_flops() / 1e12:.2f} TFLOP a forward")
 
 
 # Per model, the one-GPU shape a user runs: H, the routed experts' width I (moe_intermediate_size), the
@@ -134,11 +145,13 @@ def parse_choices(text: str, known: tuple, aliases: dict | None = None, what: st
 def resolve_shapes(
     models: list[str] | None = None, *, tokens: int | None = None, hidden: int | None = None, intermediate: int | None = None,
     experts: int | None = None, topk: int | None = None, shared_intermediate: int | None = None, tiled: bool = True,
+    precisions: tuple = ("bf16",),
 ) -> list[Shape]:
     """The shapes to run: each preset of ``models`` with the given values in place of its own; without
     ``models``, a shape of one's own when any of hidden, intermediate, experts, topk is given (then all
     four are needed; 4096 tokens unless given; ``shared_intermediate`` 0 or None: no shared expert),
-    else the default preset (deepseek-v3). Each is checked (:meth:`Shape.check`)."""
+    else the default preset (deepseek-v3); each once per precision of ``precisions`` (MoK's expert
+    GEMMs'). Each is checked (:meth:`Shape.check`)."""
     widths = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "topk": topk}
     if models is None and any(v is not None for v in widths.values()):
         missing = [f"--{name}" for name, value in widths.items() if value is None]
@@ -152,6 +165,7 @@ def resolve_shapes(
         if "shared_intermediate" in given:
             given["shared_intermediate"] = given["shared_intermediate"] or None
         shapes = [Shape(**{**asdict(PRESETS[name]), **given}) for name in (models or [DEFAULT_MODEL])]
+    shapes = [Shape(**{**asdict(shape), "precision": precision}) for shape in shapes for precision in precisions]
     for shape in shapes:
         shape.check(tiled)
     return shapes
@@ -294,11 +308,12 @@ def pass_records(shape: Shape, pass_: str, ms: dict, gpu: dict | None = None, me
     return records
 
 
-SHAPE_FIELDS = ("model", "tokens", "hidden", "intermediate", "experts", "topk", "shared_intermediate")
+SHAPE_FIELDS = ("model", "tokens", "hidden", "intermediate", "experts", "topk", "shared_intermediate", "precision")
 
 
 def shape_of(record: dict) -> Shape:
-    return Shape(**{f: record.get(f) for f in SHAPE_FIELDS})
+    """The shape a record was taken at (records written before ``precision`` existed: bf16)."""
+    return Shape(**{f: record.get(f) for f in SHAPE_FIELDS if f in record})
 
 
 def format_header(record: dict) -> str:
@@ -326,18 +341,21 @@ def format_row(r: dict) -> str:
 
 def format_agreement(records: list) -> str | None:
     """MoK's results against the PyTorch path's, per pass (relative differences: the forward's output;
-    every gradient), with a verdict, or None where they were not compared."""
+    every gradient), with a verdict (:func:`agreement_tolerance`), or None where they were not compared."""
     lines, suspect = [], []
+    precision = shape_of(records[0]).precision
+    tolerance = agreement_tolerance(precision)
     for r in records:
         diffs = r.get("rel_diff")
         if r["path"] != "mok" or not diffs:
             continue
         lines.append(f"#   {r['pass']}: " + ", ".join(f"{name} {d:.1e}" for name, d in diffs.items()))
-        suspect += [f"{r['pass']} {name}" for name, d in diffs.items() if not d <= AGREEMENT_TOLERANCE]
+        suspect += [f"{r['pass']} {name}" for name, d in diffs.items() if not d <= tolerance]
     if not lines:
         return None
-    verdict = f"SUSPECT, above {AGREEMENT_TOLERANCE:.0e}: {', '.join(suspect)}" if suspect else f"ok, all within {AGREEMENT_TOLERANCE:.0e}"
-    return "\n".join([f"# mok vs torch, relative difference (bf16 between the GEMMs on both sides): {verdict}"] + lines)
+    verdict = f"SUSPECT, above {tolerance:.0e}: {', '.join(suspect)}" if suspect else f"ok, all within {tolerance:.0e}"
+    between = "bf16 between the GEMMs on both sides" if precision == "bf16" else f"MoK's GEMMs {precision}, torch's bf16"
+    return "\n".join([f"# mok vs torch, relative difference ({between}): {verdict}"] + lines)
 
 
 def format_block(records: list) -> str:

@@ -8,7 +8,8 @@ box that lands with the stage (with ``gather_a``, A is x's E4M3 rows [T, K] with
 [K / 128, T], and the producer warpgroup gathers each row's scale with its row, by cp.async); B's
 fp32 per 128 x 128 block [E, N / 128, K / 128]. A stage holds one K block (128 E4M3 values a row:
 the 128-byte swizzle atom, as bf16's 64). Per stage each MMA
-warpgroup runs its WGMMAs (E4M3 x E4M3, 32 deep) into a fresh fp32 accumulator, waits for them,
+warpgroup runs its WGMMAs (E4M3 x E4M3, 32 deep) into a block accumulator (the first one
+overwriting it: nothing zeroes it), waits for them,
 reads its rows' scales and hands the stage back, then adds the block's product into the running
 accumulator scaled by sa·sb: ``acc = fma(block, sa·sb, acc)`` per value, every 128 of K (the
 promotion DeepGEMM does: Hopper's FP8 WGMMA keeps fewer bits than fp32 over a long K). The two MMA
@@ -110,13 +111,10 @@ class BlockScaledMainloop:
                 next_b = self.b_scale(m_sb, m_sb2, n_block, k_tile + 1, expert)
                 if cutlass.const_expr(self.two_accumulators):
                     next_b2 = m_sb2[n_block, k_tile + 1, expert]
-            block.fill(0.0)  # (the MMA accumulates: its ACCUMULATE field is set once, outside the loops)
-            if cutlass.const_expr(self.two_accumulators):
-                block2.fill(0.0)
             ab_pipe.consumer_wait(cons)
             if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
                 cute.arch.fence_proxy("async.shared", space="cta")
-            self.mma_stage(tiled_mma, block, block2, r_a, r_b, r_b2, cons.index)  # (fences the zeroed registers first)
+            self.mma_stage(tiled_mma, block, block2, r_a, r_b, r_b2, cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
             cute.nvgpu.warpgroup.wait_group(0)
             for m in cutlass.range_constexpr(row_blocks):
                 for hi in cutlass.range_constexpr(2):

@@ -306,10 +306,14 @@ class WgmmaTileKernel:
         cute.nvgpu.warpgroup.wait_group(0)
 
     @cute.jit
-    def mma_stage(self, tiled_mma, acc, acc2, r_a, r_b, r_b2, stage):
-        """Issue one shared-memory stage's WGMMAs (four 16-deep k blocks) as one commit group."""
+    def mma_stage(self, tiled_mma, acc, acc2, r_a, r_b, r_b2, stage, overwrite: cutlass.Constexpr = False):
+        """Issue one shared-memory stage's WGMMAs (its k blocks) as one commit group. ``overwrite``:
+        the first k block's WGMMAs replace acc (and acc2) instead of adding to them (scale-d 0), so
+        that a per-stage accumulator needs no zeroing; the ACCUMULATE field is set again after it."""
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
+            if cutlass.const_expr(overwrite):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb > 0)
             blk = (None, None, kb, stage)
             cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
             if cutlass.const_expr(self.two_accumulators):
