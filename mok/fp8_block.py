@@ -28,8 +28,8 @@ E4M3_MAX = 448.0
 
 def fp32_quotient(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> torch.Tensor:
     """numerator / denominator correctly rounded to fp32 (PTX's div.rn.f32), through float64 (exact
-    for fp32 operands). torch's own fp32 division of or by a scalar multiplies by the rounded
-    reciprocal, which differs from the quotient in the last bit now and then."""
+    for fp32 operands). torch may divide by multiplying with a rounded reciprocal (a scalar divided
+    by a tensor does), which misses the quotient's last bit now and then."""
     as_double = [t.double() if isinstance(t, torch.Tensor) else float(t) for t in (numerator, denominator)]
     return (as_double[0] / as_double[1]).float()
 

@@ -67,7 +67,8 @@ class Shape:
         """The layer's MoKConfig (one GPU), with ``options``."""
         from ..config import MoKConfig
 
-        return MoKConfig(self.hidden, self.intermediate, self.experts, self.topk, self.shared_intermediate, **{"precision": self.precision, **options})
+        options = {"precision": self.precision, **options}
+        return MoKConfig(self.hidden, self.intermediate, self.experts, self.topk, self.shared_intermediate, **options)
 
     def check(self, tiled: bool = True) -> None:
         """ValueError for a shape MoK's layer does not take: MoKConfig's rules, and (``tiled``) the
