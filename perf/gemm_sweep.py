@@ -6,6 +6,7 @@
     python perf/gemm_sweep.py --counted-wgrad  # weight gradients stopping at each expert's last row block
     python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide, ping-pong)
     python perf/gemm_sweep.py --fp8-block      # FP8 with 128-block scales (DeepSeek-V3's recipe) against bf16, same run
+                                               # (plain shapes: also with two sets of block accumulators, "x2")
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -161,6 +162,8 @@ def fp8_block() -> None:
         a_q, b_q = fp8.quantize_rows(a), fp8.quantize_weights(b)
         b2_q = fp8.quantize_weights(b2) if swiglu else None
         runs = {"mok bf16": lambda: ops.grouped_gemm(a, b, tiles, b2=b2), "mok fp8 block": lambda: ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q)}
+        if not swiglu:  # (two sets of block accumulators: the plain form only)
+            runs["mok fp8 block x2"] = lambda: ops.grouped_gemm(a_q, b_q, tiles, block_buffers=2)
         ms = {k: time_ms(fn, batch=10, repeats=5) for k, fn in runs.items()}
         for kname, t in ms.items():
             print(f"{name:<11}{kname:<22}{t:>8.3f}{flops / t / 1e9:>9.0f}{ms['mok bf16'] / t:>8.2f}x")

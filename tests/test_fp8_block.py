@@ -67,6 +67,16 @@ def test_op_checks_block_scaled_operands_before_any_launch():
         ops.grouped_gemm((torch.zeros(256, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 256)), b, tiles)
 
 
+def test_two_block_buffers_are_refused_where_the_kernel_has_none():
+    a = fp8.quantize_rows(torch.randn(256, 256))
+    b = fp8.quantize_weights(torch.randn(2, 128, 256))
+    tiles = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_buffers: expected 1, or 2 with FP8 block-scaled operands in the plain or k_split form, got 2"):
+        ops.grouped_gemm(a, b, tiles, b2=b, block_buffers=2)
+    with pytest.raises(ValueError, match="block_buffers: expected 1, or 2 with FP8 block-scaled operands in the plain or k_split form, got 2"):
+        ops.grouped_gemm(torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(2, 128, 256, dtype=torch.bfloat16), tiles, block_buffers=2)
+
+
 def test_quantize_ops_check_their_input_before_any_launch():
     with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a multiple of 128, got \[8, 200\]"):
         ops.quantize_fp8_rows(torch.zeros(8, 200, dtype=torch.bfloat16))

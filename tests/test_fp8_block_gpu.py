@@ -47,6 +47,25 @@ def test_plain_product_matches_float64_of_its_operands(R, N, K, E):
     assert torch.equal(one, out[:128])
 
 
+@pytest.mark.parametrize("k_split", [False, True])
+def test_two_block_buffers_give_the_same_bits(k_split):
+    """block_buffers=2 (a stage's WGMMAs overlapping the previous stage's promotion, the register
+    hand-over on): the same sums in the same order, so the one-set kernel's bits; odd and even K
+    block counts (K = 1152: 9 blocks; k_split: 9 a half), unused tiles left unwritten."""
+    R, N, K, E = 900, 1024, 2304 if k_split else 1152, 3
+    a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=11, two=k_split)
+    used = experts >= 0
+    if k_split:
+        b_q = fp8.quantize_weights(torch.randn(E, N, K // 2, device="cuda") * K**-0.5)
+        b2_q = fp8.quantize_weights(torch.randn(E, N, K // 2, device="cuda") * K**-0.5)
+    one, two = poisoned(R, N), poisoned(R, N)
+    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=one)
+    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=two, block_buffers=2)
+    assert two[~used].isnan().all() and torch.equal(two[used], one[used])
+    if not k_split:
+        assert rel_err(two[used], fp8.block_scaled_gemm_reference(a_q, b_q, experts)[used]) < 5e-3
+
+
 def test_swiglu_with_h_and_biases_and_the_k_split_form():
     R, N, K, E = 768, 512, 1024, 4
     a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=3, two=True)

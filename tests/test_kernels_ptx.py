@@ -271,6 +271,25 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
         compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
 
 
+@pytest.mark.parametrize("options", [{}, dict(k_split=True), dict(scatter=True, topk=8)])
+def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
+    """block_buffers=2 (the plain epilogue): the stage's WGMMAs in two copies (one per set of block
+    accumulators), the previous stage's waited for with wait_group 1 before its promotion, the same
+    fused multiply-adds per value; the registers handed over (setmaxnreg) within the launch count,
+    nothing spilled; and refused with SwiGLU's two products (ptxas spills them)."""
+    n, k = (7168, 4096) if options.get("k_split") else (7168, 2048)
+    one = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_90a")
+    ptx = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=2, **options), "sm_90a")
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx) == 8
+    assert count(r"wgmma\.wait_group\.sync\.aligned\s+1", ptx) == 1 and count(r"wgmma\.wait_group\.sync\.aligned\s+1", one) == 0
+    assert count(r"\bfma\.rn\.f32", ptx) >= 2 * count(r"\bfma\.rn\.f32", one) - 8  # (the promotion in two places: in the loop, after it)
+    assert count(r"setmaxnreg", ptx) == 2 and count(r"setmaxnreg", one) == 0
+    assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0
+    assert_register_handover_fits(ptx)
+    with pytest.raises(ValueError, match="block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue"):
+        compiled_ptx(grouped_gemm_variant(2048, 7168, operand="e4m3_block", block_buffers=2, epilogue="swiglu"), "sm_90a")
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("block_rows,power_of_two", [(1, False), (128, False), (1, True)])
 def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturating_cvt(arch, block_rows, power_of_two):

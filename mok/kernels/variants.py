@@ -180,6 +180,7 @@ def grouped_gemm_variant(
     b_expert_stride: int | None = None,
     activation: str = "swiglu",
     bias: bool = False,
+    block_buffers: int = 1,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, one tile per CTA, compile-verified, never run).
@@ -199,9 +200,13 @@ def grouped_gemm_variant(
     ``activation``: the SwiGLU epilogues' gated activation (swiglu, clamped_swiglu, geglu:
     mok/kernels/common/gated_activation.py). ``bias`` (Hopper): the experts' biases added in the
     plain and SwiGLU epilogues; swiglu_bwd leaves the down bias's router-gradient piece a column
-    (mok/kernels/common/grouped_gemm.py).
+    (mok/kernels/common/grouped_gemm.py). ``block_buffers`` (operand "e4m3_block", plain epilogue):
+    2 lets a stage's WGMMAs run while the previous stage's product is promoted
+    (mok/kernels/sm90/block_scaled.py; the same bits).
     """
     _check_operand(operand, persistent, b_major)
+    if block_buffers != 1 and operand != "e4m3_block":
+        raise ValueError(f"block_buffers: 2 only with operand='e4m3_block', got operand={operand!r}")
     check_activation(activation)
     if b_expert_stride is not None and operand != "bf16":
         raise ValueError("b_expert_stride: bf16 weights only (MXFP8 weights are quantized into packed tensors)")
@@ -228,11 +233,15 @@ def grouped_gemm_variant(
         from .sm90.grouped_gemm import compile_grouped_gemm
 
         precision = {"operand": operand} if operand != "bf16" else {}
+        if block_buffers != 1:
+            precision["block_buffers"] = block_buffers
         return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options, **precision)
 
     config = {"n": n, "k": k, "tile_n": tile_n, "stages": stages or 0, **options}  # stages 0: as deep as fits
     if operand != "bf16":
         config["operand"] = operand
+    if block_buffers != 1:
+        config["block_buffers"] = block_buffers
     return KernelVariant("grouped_gemm", config, build)
 
 

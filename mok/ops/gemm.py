@@ -168,6 +168,7 @@ def grouped_gemm(
     activation: str = "swiglu",
     bias: torch.Tensor | None = None,
     bias2: torch.Tensor | None = None,
+    block_buffers: int = 1,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (fp32 accumulation, bf16 out).
 
@@ -203,9 +204,13 @@ def grouped_gemm(
     float32 [E, N / 128, K / 128]); N and K multiples of 128 (each half of K with k_split); the
     persistent kernel, b_major "k"; with ``gather`` a is x's rows [T, K] and their scales [K / 128, T]
     (ops.quantize_fp8_rows(x): each token quantized once, its rows gathered with their scales);
-    every epilogue as with bf16.
+    every epilogue as with bf16. ``block_buffers=2`` (the plain and k_split forms): each stage's
+    WGMMAs overlap the previous stage's promotion (mok/kernels/sm90/block_scaled.py; the same bits).
     """
-    if isinstance(a, (tuple, list)) and _fp8_block_scales(a):
+    fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
+    if block_buffers != 1 and (not fp8_block or block_buffers != 2 or (b2 is not None and not k_split)):
+        raise ValueError(f"block_buffers: expected 1, or 2 with FP8 block-scaled operands in the plain or k_split form, got {block_buffers}")
+    if fp8_block:
         if b_major != "k" or persistent is False:
             raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
         pointers = _fp8_block_operands(a, b, b2, k_split, gathered=gather is not None)
@@ -250,7 +255,7 @@ def grouped_gemm(
     variant = grouped_gemm_variant(
         n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
         persistent=persistent, gather_a=gather is not None, operand=operand, b_expert_stride=b_stride, activation=activation,
-        bias=bias is not None,
+        bias=bias is not None, block_buffers=block_buffers,
     )
     launch_grouped_gemm(
         variant, a_values.device, **pointers, c=out, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,

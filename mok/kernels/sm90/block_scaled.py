@@ -14,6 +14,13 @@ accumulator scaled by sa·sb: ``acc = fma(block, sa·sb, acc)`` per value, every
 promotion DeepGEMM does: Hopper's FP8 WGMMA keeps fewer bits than fp32 over a long K). The two MMA
 warpgroups run this on their own rows, so one's WGMMAs overlap the other's promotion.
 
+With ``block_buffers=2`` each warpgroup keeps two sets of block accumulators and issues a stage's
+WGMMAs into one before it promotes the previous stage's from the other (``wait_group 1``): its
+tensor work no longer waits for its own promotion. The extra accumulators (64 registers a thread
+at 128-wide tiles) need the producer warpgroup's registers: the hand-over (setmaxnreg 40 / 232)
+is on for it. The plain epilogue only (k_split and scatter included): with SwiGLU's two products
+ptxas spills 636-792 bytes. The sums and their order are the same as with one set: the same bits.
+
 K is reduced in one fixed order (K blocks in order, one fma each), one CTA per output tile: the
 result depends only on the tile's inputs and scales (deterministic, batch-invariant with per-row
 scales). The epilogues are the bf16 kernel's, on the promoted fp32 accumulators.
@@ -32,14 +39,16 @@ class BlockScaledMainloop:
     """Mixin of GroupedGemmSm90 for ``operand="e4m3_block"`` (see the module docstring)."""
 
     block_scaled = False
+    block_buffers = 1  # sets of block accumulators a warpgroup cycles through (module docstring)
 
     @property
     def hands_registers_over(self) -> bool:
         """Whether the producer warpgroup hands registers to the MMA warpgroups (setmaxnreg 40 / 232).
-        Not here: the CTA's pool is what ptxas gave each thread at launch, which follows the code
-        outside the MMA warps, 138-168 for these kernels, and 40 + 2 x 232 needs 168 (else the
-        increase waits forever: docs/notes/kernel-pitfalls.md); every warp keeps the launch count."""
-        return not self.block_scaled
+        Not with one set of block accumulators: the CTA's pool is what ptxas gave each thread at
+        launch, which follows the code, 136-155 for those kernels, and 40 + 2 x 232 needs 168 (else
+        the increase waits forever: docs/notes/kernel-pitfalls.md); every warp keeps the launch
+        count. Two sets need the registers (the PTX test checks the launch count fits)."""
+        return not self.block_scaled or self.block_buffers == 2
 
     def a_scale_tensor(self, ptr: cute.Pointer, rows) -> cute.Tensor:
         """A's scales as (R, K / 128), stored [K / 128, R] (each K block's row scales contiguous)."""
@@ -87,23 +96,20 @@ class BlockScaledMainloop:
     def consume_block_scaled_tile(self, ab_pipe, tiled_mma, accs, blocks, operands, k_tiles, cons, release, scales, tile, mma_tidx):
         """Persistent consumer of one tile: acc (and acc2) += each K block's product times its scales
         (the module docstring), every stage handed back once its WGMMAs retired and its row scales
-        were read; returns the advanced (read, release) states (they move together here). ``scales``
-        = (the row scales' stage buffers, B's scales, B2's); ``tile`` = (expert, column tile)."""
-        acc, acc2 = accs
-        block, block2 = blocks
-        r_a, r_b, r_b2 = operands
+        were read; returns the advanced (read, release) states. ``blocks`` = the block accumulators
+        (block, block2), and with ``block_buffers=2`` a second such pair; ``scales`` = (the row
+        scales' stage buffers, B's scales, B2's); ``tile`` = (expert, column tile)."""
         s_sa, m_sb, m_sb2 = scales
         expert, tile_col = tile
         tile_m, tile_n, _ = self.tile_shape_mnk
         crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-        # WGMMA accumulator of a thread: ((2 columns, rows r / r + 8, 8-column groups), row blocks, 1)
-        row_blocks, groups = cute.size(crd, mode=[1]), tile_n // 8
         n_block = tile_col * tile_n // SCALE_BLOCK
-        row_scale = cute.make_rmem_tensor((2, row_blocks), cutlass.Float32)
+        row_scale = cute.make_rmem_tensor((2, cute.size(crd, mode=[1])), cutlass.Float32)
         next_b = self.b_scale(m_sb, m_sb2, n_block, 0, expert)  # (each K block's B scales loaded one block ahead)
         next_b2 = next_b
         if cutlass.const_expr(self.two_accumulators):
             next_b2 = m_sb2[n_block, 0, expert]
+        last_b, last_b2 = next_b, next_b2  # (the previous K block's, for its promotion one block late)
         for k_tile in cutlass.range(k_tiles, unroll=1):
             scale_b, scale_b2 = next_b, next_b2
             if k_tile + 1 < k_tiles:
@@ -113,21 +119,58 @@ class BlockScaledMainloop:
             ab_pipe.consumer_wait(cons)
             if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
                 cute.arch.fence_proxy("async.shared", space="cta")
-            self.mma_stage(tiled_mma, block, block2, r_a, r_b, r_b2, cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
+            if cutlass.const_expr(self.block_buffers == 1):
+                self.mma_stage(tiled_mma, blocks[0], blocks[1], *operands, cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
+                cute.nvgpu.warpgroup.wait_group(0)
+                self.retire_block(ab_pipe, release, s_sa, crd, row_scale, cons.index)
+                cons.advance()
+                release.advance()
+                self.promote(accs, blocks[:2], row_scale, (scale_b, scale_b2))
+            else:  # this stage's WGMMAs into one set while the previous stage's product, in the other, is promoted
+                if k_tile % 2 == 0:
+                    self.mma_stage(tiled_mma, blocks[0], blocks[1], *operands, cons.index, overwrite=True)
+                else:
+                    self.mma_stage(tiled_mma, blocks[2], blocks[3], *operands, cons.index, overwrite=True)
+                cons.advance()
+                if k_tile > 0:
+                    cute.nvgpu.warpgroup.wait_group(1)  # (the previous stage's WGMMAs have retired)
+                    self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
+                    release.advance()
+                    if k_tile % 2 == 0:
+                        self.promote(accs, blocks[2:], row_scale, (last_b, last_b2))
+                    else:
+                        self.promote(accs, blocks[:2], row_scale, (last_b, last_b2))
+                last_b, last_b2 = scale_b, scale_b2
+        if cutlass.const_expr(self.block_buffers == 2):  # the last stage's product
             cute.nvgpu.warpgroup.wait_group(0)
-            for m in cutlass.range_constexpr(row_blocks):
-                for hi in cutlass.range_constexpr(2):
-                    row_scale[hi, m] = s_sa[crd[(0, hi, 0), m, 0][0], 0, cons.index]
-            ab_pipe.consumer_release(release)
-            cons.advance()
+            self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
             release.advance()
-            for pair in ((acc, block, scale_b), (acc2, block2, scale_b2))[: self.num_b]:
-                total, part, scale = pair
-                for j in cutlass.range_constexpr(groups):
-                    for m in cutlass.range_constexpr(row_blocks):
-                        for hi in cutlass.range_constexpr(2):
-                            factor = row_scale[hi, m] * scale
-                            for c in cutlass.range_constexpr(2):
-                                at = ((c, hi, j), m, 0)
-                                total[at] = cute.math.fma(part[at], factor, total[at])
+            if (k_tiles - 1) % 2 == 0:
+                self.promote(accs, blocks[:2], row_scale, (last_b, last_b2))
+            else:
+                self.promote(accs, blocks[2:], row_scale, (last_b, last_b2))
         return cons, release
+
+    @cute.jit
+    def retire_block(self, ab_pipe, release, s_sa, crd, row_scale, stage):
+        """Once the WGMMAs of stage ``stage`` (``release``'s) retired: read this thread's rows' scales
+        of it into ``row_scale`` and hand the stage back (the caller advances ``release``)."""
+        for m in cutlass.range_constexpr(cute.size(crd, mode=[1])):
+            for hi in cutlass.range_constexpr(2):
+                row_scale[hi, m] = s_sa[crd[(0, hi, 0), m, 0][0], 0, stage]
+        ab_pipe.consumer_release(release)
+
+    @cute.jit
+    def promote(self, accs, blocks, row_scale, scales_b):
+        """acc += block · (row scale · B's scale) per value (acc2 with block2 and B2's scale)."""
+        tile_n = self.tile_shape_mnk[1]
+        groups = tile_n // 8
+        for pair in ((accs[0], blocks[0], scales_b[0]), (accs[1], blocks[1], scales_b[1]))[: self.num_b]:
+            total, part, scale = pair
+            for j in cutlass.range_constexpr(groups):
+                for m in cutlass.range_constexpr(cute.size(row_scale, mode=[1])):
+                    for hi in cutlass.range_constexpr(2):
+                        factor = row_scale[hi, m] * scale
+                        for c in cutlass.range_constexpr(2):
+                            at = ((c, hi, j), m, 0)
+                            total[at] = cute.math.fma(part[at], factor, total[at])

@@ -75,11 +75,15 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
-        activation: str = "swiglu", bias: bool = False, operand: str = "bf16",
+        activation: str = "swiglu", bias: bool = False, operand: str = "bf16", block_buffers: int = 1,
     ) -> None:
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
         self.block_scaled = operand == "e4m3_block"
+        if block_buffers not in (1, 2) or (block_buffers == 2 and (not self.block_scaled or epilogue != "plain")):
+            raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue (one product: "
+                             f"two would spill), got {block_buffers} with operand={operand!r}, epilogue={epilogue!r}")
+        self.block_buffers = block_buffers
         tile_k = TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K
         self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, tile_k, b_expert_stride, activation, bias)
         if self.block_scaled:
@@ -295,8 +299,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             mma_tidx = tidx - 128
             r_a, r_b, r_b2, acc, acc2 = self.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
             blocks = (None, None)
-            if cutlass.const_expr(self.block_scaled):  # each K block's product, before its scales
-                blocks = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
+            if cutlass.const_expr(self.block_scaled):  # each K block's product, before its scales (block_buffers sets)
+                blocks = tuple(cute.make_rmem_tensor(acc.shape, cutlass.Float32) for _ in range(2 * self.block_buffers))
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             store_pipe = self.store_pipeline()
