@@ -22,10 +22,12 @@ FP8 with 128-block scales (``precision="fp8_block"``, other bits; the weight gra
 widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
 experts as they are, clamped SwiGLU and expert biases (other bits).
 
-``--memory`` measures instead, per saved_h_format: what ``mok.forward`` keeps for the backward
-beyond x (bytes per token and layer), and a forward + backward through a stack of 4 layers
-(mok.MoELayer, the config's routing in every layer): what is held between them and the peak
-(torch.cuda.max_memory_allocated), both above the weights and inputs.
+``--memory`` measures instead, per saved_h_format (bf16; and precision="fp8_block" where the
+widths are multiples of 128): what ``mok.forward`` keeps for the backward beyond x (bytes per
+token and layer), and a forward + backward through a stack of 4 layers (mok.MoELayer, the
+config's routing in every layer): what is held between them and the peak
+(torch.cuda.max_memory_allocated), both above the weights and inputs (FP8: the weights' FP8
+copies count as held).
 
 Each path is timed alone at its own steady state (``--sustained S``, mok.bench.time_ms_sustained),
 with the SM clock, power and temperature it ran at: an H200 under these loads sits at its 700 W
@@ -218,23 +220,25 @@ def mok_train_step_then_add(inputs, dout, main_grads):
     return grads
 
 
-def saved_bytes_per_token(inputs, saved_h_format: str) -> float:
+def saved_bytes_per_token(inputs, saved_h_format: str, precision: str = "bf16") -> float:
     """What ``mok.forward`` keeps for the backward beyond x (h, the shared expert's h, the
     schedule's tensors, as allocated), per token."""
     x, idx, w, experts, shared = inputs
-    _, ctx = mok.forward(config_of(inputs, saved_h_format=saved_h_format), None, x, idx, w, *experts, shared, check_routing=False)
+    config = config_of(inputs, saved_h_format=saved_h_format, precision=precision)
+    _, ctx = mok.forward(config, None, x, idx, w, *experts, shared, check_routing=False)
     s = ctx.saved
     kept = [s.h, s.shared_h, s.x_rows, s.routing, *s.schedule.tensors()]
     return sum(t.numel() * t.element_size() for t in kept if t is not None) / x.shape[0]
 
 
-def stack_memory_gib(inputs, saved_h_format: str, layers: int = 4) -> tuple[float, float]:
+def stack_memory_gib(inputs, saved_h_format: str, layers: int = 4, precision: str = "bf16") -> tuple[float, float]:
     """(held between forward and backward, peak of the step) in GiB above the weights and inputs,
-    for forward + backward through ``layers`` MoE layers of these shapes and this routing."""
+    for forward + backward through ``layers`` MoE layers of these shapes and this routing (FP8: the
+    weights' FP8 copies, made by the first forward, count as held)."""
     x, idx, w, experts, shared = inputs
     H, I, E, k = x.shape[1], experts[0].shape[1], experts[0].shape[0], idx.shape[1]
     stack = [mok.MoELayer(H, I, E, k, shared_intermediate=None if shared is None else shared[0].shape[0], device="cuda",
-                          saved_h_format=saved_h_format) for _ in range(layers)]
+                          saved_h_format=saved_h_format, precision=precision) for _ in range(layers)]
     x_in, dout = x.clone().requires_grad_(), torch.randn_like(x)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -254,13 +258,14 @@ def stack_memory_gib(inputs, saved_h_format: str, layers: int = 4) -> tuple[floa
 
 def print_memory(configs: list[str]) -> None:
     """The --memory table (module docstring)."""
-    print(f"{'config':<12}{'saved_h_format':<16}{'saved B/token':>14}{'4 layers held GiB':>19}{'peak GiB':>10}")
+    print(f"{'config':<12}{'precision':<11}{'saved_h_format':<16}{'saved B/token':>14}{'4 layers held GiB':>19}{'peak GiB':>10}")
     for name in configs:
         inputs = make_inputs(*CONFIGS[name])
-        for fmt in ("bf16", "mxfp8", "recompute"):
-            per_token = saved_bytes_per_token(inputs, fmt)
-            held, peak = stack_memory_gib(inputs, fmt)
-            print(f"{name:<12}{fmt:<16}{per_token:>14.0f}{held:>19.2f}{peak:>10.2f}")
+        fp8 = fp8_block_plan(inputs) is not None
+        for precision, fmt in [("bf16", f) for f in ("bf16", "mxfp8", "recompute")] + ([("fp8_block", "bf16"), ("fp8_block", "recompute")] if fp8 else []):
+            per_token = saved_bytes_per_token(inputs, fmt, precision)
+            held, peak = stack_memory_gib(inputs, fmt, precision=precision)
+            print(f"{name:<12}{precision:<11}{fmt:<16}{per_token:>14.0f}{held:>19.2f}{peak:>10.2f}")
 
 
 def main() -> int:
