@@ -51,7 +51,7 @@ HIDDEN, INTER, EXPERTS, TOPK = 256, 256, 8, 2
 
 def train(args, precision: str, device: torch.device, group, rank: int, world: int) -> list[float]:
     """Train the toy model for ``args.steps`` steps from the same start and on the same batches
-    whatever the precision; returns every step's loss (printed every five on rank 0)."""
+    whatever the precision; returns every step's loss (printed every five on rank 0 unless comparing)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the fused kernels take bf16
     torch.manual_seed(0)  # the same router, norms and teacher on every rank
     model = ToyMoE(HIDDEN, INTER, EXPERTS, TOPK, group, device, dtype, precision)
