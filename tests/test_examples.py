@@ -17,11 +17,16 @@ def losses(stdout: str) -> list[float]:
     return [float(v) for v in re.findall(r"loss (\d+\.\d+)", stdout)]
 
 
-def run(cmd):
+def run_example(cmd, timeout=300) -> subprocess.CompletedProcess:
+    """``cmd`` with this checkout importable; fails the test on a non-zero exit, with its output's end."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return losses(done.stdout)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def run(cmd):
+    return losses(run_example(cmd).stdout)
 
 
 def test_toy_training_on_one_process():
@@ -32,10 +37,7 @@ def test_toy_training_on_one_process():
 def test_toy_training_compare_prints_both_curves_and_exits_on_the_tolerance():
     """--compare: both runs from the same start on the same batches (bf16 against bf16 on the CPU:
     the same losses, so the relative difference is 0 and within any tolerance)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "12", "--device", "cpu", "--compare"], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_example([sys.executable, str(EXAMPLE), "--steps", "12", "--device", "cpu", "--compare"])
     rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", done.stdout, re.M)
     assert [int(r[0]) for r in rows] == [0, 10, 11] and all(r[1] == r[2] for r in rows)
     assert "relative difference 0.00%: within 2%" in done.stdout
@@ -45,10 +47,8 @@ def test_toy_training_compare_prints_both_curves_and_exits_on_the_tolerance():
 def test_fp8_block_toy_training_tracks_bf16_over_200_steps():
     """precision="fp8_block" (DeepSeek-V3's recipe) against bf16 from the same start: the final
     loss within 2% (the example's default tolerance; exit status 1 otherwise)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "200", "--device", "cuda", "--precision", "fp8_block", "--compare"],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_example([sys.executable, str(EXAMPLE), "--steps", "200", "--device", "cuda", "--precision", "fp8_block", "--compare"],
+                       timeout=600)
     assert "within 2%" in done.stdout
 
 

@@ -71,9 +71,10 @@ def test_two_block_buffers_are_refused_where_the_kernel_has_none():
     a = fp8.quantize_rows(torch.randn(256, 256))
     b = fp8.quantize_weights(torch.randn(2, 128, 256))
     tiles = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="block_buffers: expected 1, or 2 with FP8 block-scaled operands in the plain or k_split form, got 2"):
+    rule = r"block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue \(one product: two would spill\), got 2 "
+    with pytest.raises(ValueError, match=rule + "with operand='e4m3_block', epilogue='swiglu'"):
         ops.grouped_gemm(a, b, tiles, b2=b, block_buffers=2)
-    with pytest.raises(ValueError, match="block_buffers: expected 1, or 2 with FP8 block-scaled operands in the plain or k_split form, got 2"):
+    with pytest.raises(ValueError, match=rule + "with operand='bf16', epilogue='plain'"):
         ops.grouped_gemm(torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(2, 128, 256, dtype=torch.bfloat16), tiles, block_buffers=2)
 
 

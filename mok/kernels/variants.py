@@ -154,6 +154,14 @@ def _check_operand(operand: str, persistent: bool, b_major: str = "k") -> None:
         raise ValueError("operand='e4m3_block': the FP8 (Hopper) kernel is persistent with K-major B: pass persistent=True and b_major='k'")
 
 
+def check_block_buffers(block_buffers: int, operand: str, epilogue: str) -> None:
+    """The FP8 GEMM's sets of block accumulators (mok/kernels/sm90/block_scaled.py): 1, or 2 with
+    operand "e4m3_block" and the plain epilogue (one product; SwiGLU's two would spill)."""
+    if block_buffers not in (1, 2) or (block_buffers == 2 and (operand != "e4m3_block" or epilogue != "plain")):
+        raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue (one product: "
+                         f"two would spill), got {block_buffers} with operand={operand!r}, epilogue={epilogue!r}")
+
+
 def _no_mxfp8_here(what: str, arch: str) -> NotImplementedError:
     return NotImplementedError(
         f"{what} on MXFP8 operands on {arch}: needs block-scaled MMAs, which only {', '.join(MXFP8_GEMM_ARCHS)} have "
@@ -205,8 +213,7 @@ def grouped_gemm_variant(
     (mok/kernels/sm90/block_scaled.py; the same bits).
     """
     _check_operand(operand, persistent, b_major)
-    if block_buffers != 1 and operand != "e4m3_block":
-        raise ValueError(f"block_buffers: 2 only with operand='e4m3_block', got operand={operand!r}")
+    check_block_buffers(block_buffers, operand, epilogue)
     check_activation(activation)
     if b_expert_stride is not None and operand != "bf16":
         raise ValueError("b_expert_stride: bf16 weights only (MXFP8 weights are quantized into packed tensors)")

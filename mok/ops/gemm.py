@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import grouped_gemm_args
-from ..kernels.variants import default_tile_n, grouped_gemm_variant, swiglu_backward_pingpong
+from ..kernels.variants import check_block_buffers, default_tile_n, grouped_gemm_variant, swiglu_backward_pingpong
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
 from ..validation import check_tensor, expert_stride
@@ -208,25 +208,26 @@ def grouped_gemm(
     WGMMAs overlap the previous stage's promotion (mok/kernels/sm90/block_scaled.py; the same bits).
     """
     fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
-    if block_buffers != 1 and (not fp8_block or block_buffers != 2 or (b2 is not None and not k_split)):
-        raise ValueError(f"block_buffers: expected 1, or 2 with FP8 block-scaled operands in the plain or k_split form, got {block_buffers}")
+    epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
+    operand = "e4m3_block" if fp8_block else "e4m3" if isinstance(a, (tuple, list)) else "bf16"
+    check_block_buffers(block_buffers, operand, epilogue)  # (before the operands' checks: the option's own error)
     if fp8_block:
         if b_major != "k" or persistent is False:
             raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
         pointers = _fp8_block_operands(a, b, b2, k_split, gathered=gather is not None)
         a_values = pointers["a"]
         num_experts, n = pointers["b"].shape[:2]
-        persistent, operand, b_stride = True, "e4m3_block", None
+        persistent, b_stride = True, None
     elif isinstance(a, (tuple, list)):
         pointers = _mxfp8_operands(a, b, b2, k_split)
         a_values = pointers["a"]
         num_experts, n = pointers["b"].shape[:2]
         if b_major != "k" or gather is not None or persistent:
             raise ValueError("MXFP8 operands: K-major B (b_major='k'), no gather, one tile per CTA")
-        persistent, operand, b_stride = False, "e4m3", None
+        persistent, b_stride = False, None
     else:
         check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
-        a_values, operand = a, "bf16"
+        a_values = a
         persistent = persistent_default(a.device) if persistent is None else persistent
         num_experts, n, b_stride = _bf16_weights(a, b, b2, b_major, k_split)
         pointers = dict(a=a, b=b, b2=b if b2 is None else b2)
@@ -251,7 +252,6 @@ def grouped_gemm(
     check_disjoint({"out": given, "h_out": h_out}, {"a": a_values, "b": pointers["b"], "b2": pointers["b2"]})
     if num_rows == 0 or a_values.shape[0] == 0:  # (gather from no tokens: every row is padding)
         return out
-    epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     variant = grouped_gemm_variant(
         n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
         persistent=persistent, gather_a=gather is not None, operand=operand, b_expert_stride=b_stride, activation=activation,

@@ -94,7 +94,6 @@ class ColumnSumsKernel:
             row_vector(m_out, expert, chunk).store(total)
 
 
-
 class RowDotsKernel:
     """Static config: the rows' width and the output's row stride (the SwiGLU backward's pieces per row)."""
 

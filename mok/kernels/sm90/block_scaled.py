@@ -9,8 +9,8 @@ box that lands with the stage (with ``gather_a``, A is x's E4M3 rows [T, K] with
 fp32 per 128 x 128 block [E, N / 128, K / 128]. A stage holds one K block (128 E4M3 values a row:
 the 128-byte swizzle atom, as bf16's 64). Per stage each MMA warpgroup runs its WGMMAs (E4M3 x
 E4M3, 32 deep) into a block accumulator (the first one overwriting it: nothing zeroes it), waits
-for them, reads its rows' scales and hands the stage back, then adds the block's product into the running
-accumulator scaled by sa·sb: ``acc = fma(block, sa·sb, acc)`` per value, every 128 of K (the
+for them, reads its rows' scales and hands the stage back, then adds the block's product into the
+running accumulator scaled by sa·sb: ``acc = fma(block, sa·sb, acc)`` per value, every 128 of K (the
 promotion DeepGEMM does: Hopper's FP8 WGMMA keeps fewer bits than fp32 over a long K). The two MMA
 warpgroups run this on their own rows, so one's WGMMAs overlap the other's promotion.
 

@@ -50,6 +50,7 @@ from ..common.combine import VECTOR
 from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
 from ..common.grouped_gemm import GroupedGemm
+from ..variants import check_block_buffers
 from .block_scaled import SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
@@ -80,9 +81,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
         self.block_scaled = operand == "e4m3_block"
-        if block_buffers not in (1, 2) or (block_buffers == 2 and (not self.block_scaled or epilogue != "plain")):
-            raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue (one product: "
-                             f"two would spill), got {block_buffers} with operand={operand!r}, epilogue={epilogue!r}")
+        check_block_buffers(block_buffers, operand, epilogue)
         self.block_buffers = block_buffers
         tile_k = TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K
         self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, tile_k, b_expert_stride, activation, bias)
