@@ -61,9 +61,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                    help=f"shared-expert width, 0 for none (default {d.shared_intermediate}, or the --model preset's)")
     p.add_argument("--ep-size", type=int, default=None,
                    help=f"expert-parallel ranks (default: {d.ep_size}, DeepSeek-V3's EP, where a layer at EP {d.ep_size} with the other "
-                        f"options runs on --arch (sm_90a); else 1 (sm_100a and sm_103a, whose EP kernels are not written yet; the "
-                        f"MXFP8 precisions), with one EP={d.ep_size} rank's {d.num_experts // d.ep_size} experts on one GPU unless "
-                        "--experts is given; 1 with --model)")
+                        f"options runs on --arch; else 1 (e.g. the MXFP8 precisions, or one_launch on sm_100a and sm_103a), with one "
+                        f"EP={d.ep_size} rank's {d.num_experts // d.ep_size} experts on one GPU unless --experts is given; 1 with --model)")
     p.add_argument("--one-launch", action="store_true", help="also the one-launch forward's kernels (MoKConfig.one_launch)")
     p.add_argument("--fuse-wgrad-accumulation", action="store_true",
                    help="the weight gradients added into fp32 main_grad buffers (MoKConfig.fuse_wgrad_accumulation)")
@@ -90,8 +89,7 @@ def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=Non
     1) or else DeepSeek-V3's (DEFAULT_CONFIG), each option given on the command line in place of its
     value. ``--ep-size`` left out, DeepSeek-V3's default is its own EP, 8, where MoKConfig accepts the
     configuration at EP 8 and the plan runs it on ``arch`` (mok.plan.refusal; any arch when ``arch``
-    is None); elsewhere (sm_100a and sm_103a, whose EP kernels are not written yet, or options that
-    do not go with EP) ep_size 1 with one EP = 8 rank's share of the experts (32, unless --experts is
+    is None); elsewhere (options that do not go with EP, or that the arch does not run at EP) ep_size 1 with one EP = 8 rank's share of the experts (32, unless --experts is
     given): the expert kernels of that rank, the configuration a user runs on one such GPU."""
     from .plan import refusal
 
@@ -149,11 +147,6 @@ def _instead(config: MoKConfig, arch: str) -> str | None:
         try:
             if "precision" in why and c.precision == "mxfp8":
                 c, flag = dataclasses.replace(c, precision="mxfp8_emulated"), "--precision mxfp8_emulated"
-            elif "ep_size" in why and c.ep_size > 1:
-                c, flag = dataclasses.replace(c, ep_size=1, num_experts=c.experts_per_rank, dispatch_format="bf16"), (
-                    f"--ep-size 1 --experts {c.experts_per_rank} (one rank's experts on one GPU)"
-                    + (" without --dispatch-format mxfp8" if c.dispatch_format != "bf16" else "")
-                )
             elif "one_launch" in why and c.one_launch:
                 c, flag = dataclasses.replace(c, one_launch=False), "no --one-launch"
             else:
@@ -197,10 +190,7 @@ def _cmd_precompile(args: argparse.Namespace) -> int:
             instead = _instead(config, arch) if refused else None
             if instead is None:
                 raise
-            hint = f". On the command line: {instead}"
-            if args.ep_size is not None and config.ep_size > 1:
-                hint += f"; or leave --ep-size out (then {arch} gets a configuration that runs there)"
-            raise ValueError(f"{err}{hint}") from None
+            raise ValueError(f"{err}. On the command line: {instead}") from None
         print(f"{arch}: {stats.compiles} compiled, {stats.disk_loads} already in the cache ({cache.directory})")
     return 0
 
@@ -374,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile every kernel a layer configuration's plan lists for a target into the kernel cache, without a GPU; "
                     "a later process on a GPU of that architecture loads them and compiles nothing. Without shape options: "
                     "DeepSeek-V3 (H 7168, I 2048, 256 experts, top-8, a shared expert of 2048), one rank of EP 8 where the "
-                    "target runs expert parallelism (sm_90a), else (sm_100a, sm_103a) that rank's 32 experts on one GPU. "
+                    "target runs that configuration at EP 8, else that rank's 32 experts on one GPU. "
                     "A configuration the target does not run is refused before anything compiles, with what to pass instead.",
     )
     p.add_argument("--arch", required=True, help="target: sm_90a (Hopper), sm_100a or sm_103a (Blackwell)")

@@ -21,7 +21,7 @@ from .kernels.variants import (
     column_sums_variant, combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
     quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong, weight_grad_variant,
 )
-from .runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
+from .runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, ROW_FUSED_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
 TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
 
@@ -30,7 +30,7 @@ def whole_tiles_reason(config: MoKConfig, arch: str) -> str | None:
     """Why a layer of ``config`` on ``arch`` needs every width a multiple of 128 (None: any multiple
     of 8 runs, the partial last tiles zero-filled and clipped by TMA: Hopper's bf16 kernels, staged
     or in one launch)."""
-    if arch not in PERSISTENT_GEMM_ARCHS:
+    if arch not in ROW_FUSED_GEMM_ARCHS:
         return f"{arch}'s kernels take whole tiles so far"
     if config.precision != "bf16":
         return f"precision={config.precision!r}: its scale blocks tile every width"
@@ -52,13 +52,10 @@ def refusal(config: MoKConfig, arch: str) -> str | None:
     """Why a layer of ``config`` does not run on ``arch`` (None when it does)."""
     if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
         return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
-    if arch not in PERSISTENT_GEMM_ARCHS and (config.ep_size > 1 or config.one_launch):
-        what = "ep_size > 1" if config.ep_size > 1 else "one_launch"
-        return f"{what}: not on {arch} yet (its kernels there are the single-GPU layer's one-tile GEMMs); pass ep_size=1 and one_launch=False"
-    if config.precision == "fp8_block" and arch not in PERSISTENT_GEMM_ARCHS:
+    if arch not in ROW_FUSED_GEMM_ARCHS and config.one_launch:
+        return f"one_launch: not on {arch} yet (its one-launch expert MLP kernel is Hopper's only so far); pass one_launch=False"
+    if config.precision == "fp8_block" and arch not in ROW_FUSED_GEMM_ARCHS:
         return f"precision='fp8_block': Hopper's kernels only so far; on {arch} use precision='mxfp8'"
-    if config.expert_bias and arch not in PERSISTENT_GEMM_ARCHS:
-        return f"expert_bias: not in {arch}'s kernels yet (Hopper's add them); the CPU reference path computes them"
     return None
 
 
@@ -93,7 +90,7 @@ class Plan:
 
     @property
     def persistent(self) -> bool:
-        """The persistent, warp-specialised GEMMs (Hopper); elsewhere one tile per CTA."""
+        """The persistent, warp-specialised GEMMs (every target MoK has; else one tile per CTA)."""
         return self.arch in PERSISTENT_GEMM_ARCHS
 
     @property
@@ -106,9 +103,9 @@ class Plan:
 
     @property
     def gather_in_gemm(self) -> bool:
-        """Whether the gate/up GEMM's producer gathers its rows from x (bf16, persistent, one GPU);
-        else they are gathered first (or pulled from the peers)."""
-        return self.precision in ("bf16", "fp8_block") and self.persistent and not self.ep
+        """Whether the gate/up GEMM's producer gathers its rows from x (bf16 or FP8 block scales, one
+        GPU, Hopper); else they are gathered first (or pulled from the peers)."""
+        return self.precision in ("bf16", "fp8_block") and self.arch in ROW_FUSED_GEMM_ARCHS and not self.ep
 
     @property
     def shared_in_routed(self) -> bool:
@@ -242,7 +239,7 @@ class Plan:
             dequantizers = [quantize_mxfp8_variant(back=True, bounded=True), quantize_mxfp8_variant(back=True)]
             return quantizers + dequantizers + [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
         options.pop("b_major", None)
-        return quantizers + [grouped_gemm_variant(n, k, persistent=False, operand="e4m3", **options)]
+        return quantizers + [grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)]
 
     def _swiglu_backward_variants(self, i: int, h: int, topk: int) -> list[KernelVariant]:
         if self.precision == "fp8_block":  # dout's rows and w_down's transpose [E, I, H] quantized along H
@@ -251,7 +248,7 @@ class Plan:
                                                       **self._bias)]
         if self.precision == "mxfp8" and not self.emulate:
             quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
-            return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=False, operand="e4m3",
+            return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=self.persistent, operand="e4m3",
                                                       activation=self.activation)]
         v = []
         if self.emulate:
@@ -265,14 +262,12 @@ class Plan:
         """dW_down [E, H, I] and [dW_gate; dW_up] [E, 2I, H] (one launch), fresh bf16, and with
         fuse_wgrad_accumulation added into fp32 buffers (also a half of dh alone: the split-out
         fallback where the two buffers lie too far apart for one TMA descriptor)."""
+        persistent, operand, v = self.persistent, "bf16", []
         if mxfp8:
-            persistent, operand = False, "bf16" if self.emulate else "e4m3"
+            operand = "bf16" if self.emulate else "e4m3"
             v = [quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True)]
             if self.emulate:
                 v.append(quantize_mxfp8_variant(back=True))
-                persistent = self.persistent
-        else:
-            persistent, operand, v = self.persistent, "bf16", []
         kinds = [("bf16", False)] + ([("f32", True)] if self.config.fuse_wgrad_accumulation else [])
         for out, accumulate in kinds:
             v += [

@@ -13,9 +13,11 @@ The model follows the PTX semantics the kernels rely on:
   land in issue order (each covers every MMA issued before it): TMA loads arrive on a stage's full
   barrier, MMA commits on a stage's empty barrier or on an accumulator's full barrier.
 
-Warp 0's program is the kernel's ``mma_warp`` for each tile of a CTA (``load_lookahead`` is the
-kernel's own), then the producer's tail; the epilogue warps wait for each tile's accumulator and
-release it. ``tail_state="setup"`` drains with the state the pipeline was created with instead of
+The agents are the kernels' warps (mok/kernels/sm100/tcgen05_tile.py): the load warp (each tile's
+K tiles into the stages as they free up, then the producer's tail), the MMA warp (per tile an
+accumulator stage acquired, each stage's MMAs issued and the stage released by commit, the
+accumulator committed) and the epilogue warps (each tile's accumulator waited for, read,
+released). ``tail_state="setup"`` drains with the state the pipeline was created with instead of
 the advanced one, as the kernels once did: the model must report that as a hang.
 """
 
@@ -94,7 +96,7 @@ class Cta:
         self.stage_readers = [0] * self.stages
         self.acc_owner = [None] * self.acc_stages
 
-    # warp 0's operations
+    # the load and MMA warps' operations
     def load(self, stage: int, tile: int, k: int) -> None:
         if self.stage_data[stage] is not None or self.stage_in_flight[stage] or self.stage_readers[stage]:
             raise Hazard(f"TMA load of tile {tile} k {k} into stage {stage} while it holds {self.stage_data[stage]}, "
@@ -137,39 +139,41 @@ class Cta:
         return True
 
 
-def warp0(cta: Cta, tiles: list[int], lookahead: int, tail_state: str):
-    """The kernel's warp 0: per tile, ``mma_warp`` (the accumulator acquired, loads ``lookahead`` K
-    tiles ahead, MMAs in K order, each stage released by commit, the accumulator committed), then
-    the producer's tail."""
-    producer, consumer = State(cta.stages, phase=1), State(cta.stages)
-    acc_producer = State(cta.acc_stages, phase=1)
+def load_warp(cta: Cta, tiles: list[int], tail_state: str):
+    """The load warp: each tile's K tiles, each into the next stage once it is free; then the
+    producer's tail on the advanced state (or, ``tail_state="setup"``, on a fresh one)."""
+    producer = State(cta.stages, phase=1)
     for tile, k_tiles in enumerate(tiles):
-        ahead = min(lookahead, k_tiles)
+        for k in range(k_tiles):
+            yield Wait(cta.empty[producer.index], producer.phase, f"load warp: stage {producer.index} for a load")
+            cta.load(producer.index, tile, k)
+            producer.advance()
+    drain = producer if tail_state == "advanced" else State(cta.stages, phase=1)
+    for _ in range(cta.stages):
+        yield Wait(cta.empty[drain.index], drain.phase, f"load warp: tail, stage {drain.index}")
+        drain.advance()
+    pending = [index for what, index in cta.commits if what == "stage"]
+    if pending or any(cta.stage_readers):
+        raise Hazard(f"load warp: the tail passed with the releases of stages {pending} still to land")
+
+
+def mma_warp(cta: Cta, tiles: list[int]):
+    """The MMA warp: per tile an accumulator stage once free, the K tiles' MMAs in order as their
+    stages fill, each stage released by commit, the accumulator committed."""
+    consumer, acc_producer = State(cta.stages), State(cta.acc_stages, phase=1)
+    for tile, k_tiles in enumerate(tiles):
         acc = acc_producer.index
-        yield Wait(cta.acc_empty[acc], acc_producer.phase, f"warp 0: accumulator {acc} for tile {tile}")
+        yield Wait(cta.acc_empty[acc], acc_producer.phase, f"MMA warp: accumulator {acc} for tile {tile}")
+        if cta.acc_owner[acc] is not None:
+            raise Hazard(f"MMA warp took accumulator {acc} for tile {tile} while the {cta.acc_owner[acc]} state of an earlier tile is unread")
         cta.acc_owner[acc] = "mma"
         acc_producer.advance()
-        loads = 0
-        for _ in range(ahead):
-            yield Wait(cta.empty[producer.index], producer.phase, f"warp 0: stage {producer.index} for a load")
-            cta.load(producer.index, tile, loads)
-            loads += 1
-            producer.advance()
         for k in range(k_tiles):
-            if k < k_tiles - ahead:
-                yield Wait(cta.empty[producer.index], producer.phase, f"warp 0: stage {producer.index} for a load")
-                cta.load(producer.index, tile, loads)
-                loads += 1
-                producer.advance()
-            yield Wait(cta.full[consumer.index], consumer.phase, f"warp 0: stage {consumer.index} full")
+            yield Wait(cta.full[consumer.index], consumer.phase, f"MMA warp: stage {consumer.index} full")
             cta.mma(consumer.index, tile, k, acc)
             cta.release_stage(consumer.index)
             consumer.advance()
         cta.commit_accumulator(acc)
-    drain = producer if tail_state == "advanced" else State(cta.stages, phase=1)
-    for _ in range(cta.stages):
-        yield Wait(cta.empty[drain.index], drain.phase, f"warp 0: tail, stage {drain.index}")
-        drain.advance()
 
 
 def epilogue(cta: Cta, tiles: list[int]):
@@ -189,8 +193,7 @@ LANDINGS = ("eager", "lazy", "random")
 
 
 def run_cta(
-    tiles: list[int], stages: int, lookahead: int, *, acc_stages: int = 1, tail_state: str = "advanced", landing: str = "random",
-    seed: int = 0,
+    tiles: list[int], stages: int, *, acc_stages: int = 1, tail_state: str = "advanced", landing: str = "random", seed: int = 0,
 ) -> None:
     """Run one CTA's agents over ``tiles`` (each a K-tile count) to the end; raises Hang or Hazard.
     ``landing``: when in-flight work lands: "eager" (all of it before each agent's step), "lazy"
@@ -199,7 +202,7 @@ def run_cta(
         raise ValueError(f"landing: expected one of {LANDINGS}, got {landing!r}")
     rng = random.Random(seed)
     cta = Cta(stages, acc_stages)
-    agents = {"warp 0": warp0(cta, tiles, lookahead, tail_state), "epilogue": epilogue(cta, tiles)}
+    agents = {"load warp": load_warp(cta, tiles, tail_state), "MMA warp": mma_warp(cta, tiles), "epilogue": epilogue(cta, tiles)}
     waits = {name: None for name in agents}
     while agents:
         progressed = False

@@ -96,6 +96,24 @@ def poisoned(*shape):
     return torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
 
 
+def assert_scatters_into_two_ranks_slots(a, w, sched, want) -> None:
+    """ops.grouped_gemm_scatter of rows ``a`` by ``w`` into two "ranks" of T0 = ceil(T / 2) tokens
+    whose [T0, k, H] slots lie a stride apart in one buffer (token g -> rank g // T0, row g % T0):
+    the slots read back as ``want`` [T, k, H], and the gap between the regions stays untouched."""
+    from mok import ops
+
+    T, k, H = want.shape
+    t0 = -(-T // 2)
+    stride = t0 * k * H + 1024  # (a gap of 1024 elements between the regions)
+    buffer = poisoned(2 * stride)
+    ops.grouped_gemm_scatter(
+        a, w, sched.tile_expert, sched.row_token, sched.row_slot, buffer[: t0 * k * H].view(t0, k, H), slot_ranks=(2, stride)
+    )
+    got = torch.cat([buffer[: t0 * k * H], buffer[stride: stride + (T - t0) * k * H]]).view(T, k, H)
+    assert torch.equal(got, want)
+    assert buffer[t0 * k * H: stride].isnan().all() and buffer[stride + (T - t0) * k * H:].isnan().all()
+
+
 def _gloo_rank(rank: int, init_file: str, out_dir: str, action) -> None:
     """One of two gloo ranks: run ``action(rank)`` and write the ValueError it raised (or "no error")."""
     import torch.distributed as dist

@@ -502,23 +502,26 @@ def test_precompiled_variants_are_the_ones_a_training_step_launches():
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)
 
 
-def take_the_one_tile_path(monkeypatch):
-    """Make the layer run as it does on SM100 (where only the one-tile-per-CTA GEMMs exist so far):
-    rows gathered first (the plan of sm_100a, whose GEMMs are not persistent), every GEMM one tile
-    per CTA (the ops' default kind; the kernels themselves still Hopper's, compiled for this GPU)."""
+def take_the_sm100_path(monkeypatch, persistent: bool):
+    """Make the layer run as it does on SM100 (whose GEMMs do not gather rows yet): rows gathered
+    first (the plan of sm_100a), every GEMM persistent or, with ``persistent=False``, one tile per
+    CTA (the ops' default kind; the kernels themselves still Hopper's, compiled for this GPU)."""
     import mok.plan
 
-    for name in ("mok.ops.common", "mok.ops.gemm", "mok.ops.weight_grads"):
-        monkeypatch.setattr(importlib.import_module(name), "persistent_default", lambda device: False)
+    if not persistent:
+        for name in ("mok.ops.common", "mok.ops.gemm", "mok.ops.weight_grads"):
+            monkeypatch.setattr(importlib.import_module(name), "persistent_default", lambda device: False)
     plan_for = mok.plan.plan_for
     monkeypatch.setattr(mok.plan, "plan_for_device", lambda config, device: plan_for(config, "sm_100a"))
 
 
+@pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [(1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert")])
-def test_the_one_tile_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, I, E, k, shared_inter, routing, monkeypatch):
-    """On Hopper, the forward and backward run the way they run on SM100 (gather first, one tile per
-    CTA everywhere, fp32 main_grads too) give the default path's bits: the path's plumbing is right
-    whatever the GEMMs underneath, and it looks up only kernels `precompile --arch sm_100a` builds."""
+def test_the_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, I, E, k, shared_inter, routing, persistent, monkeypatch):
+    """On Hopper, the forward and backward run the way they run on SM100 (gather first; persistent
+    GEMMs, or one tile per CTA everywhere; fp32 main_grads too) give the default path's bits: the
+    path's plumbing is right whatever the GEMMs underneath, and (persistent) it looks up only
+    kernels `precompile --arch sm_100a` builds."""
     from mok.config import MoKConfig
     from mok.plan import plan_for
 
@@ -535,13 +538,14 @@ def test_the_one_tile_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, 
         return [out, *flat(got), plain[0], *flat(plain[1])]
 
     want = run()
-    take_the_one_tile_path(monkeypatch)
+    take_the_sm100_path(monkeypatch, persistent)
     with recorded_lookups() as looked_up:
         got = run()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    configs = [MoKConfig(H, I, E, k, shared_intermediate=shared_inter, fuse_wgrad_accumulation=fuse) for fuse in (False, True)]
-    listed = {(v.name, tuple(sorted(v.config.items()))) for c in configs for v in plan_for(c, "sm_100a").variants()}
-    assert looked_up and looked_up <= listed, sorted(looked_up - listed)
+    if persistent:
+        configs = [MoKConfig(H, I, E, k, shared_intermediate=shared_inter, fuse_wgrad_accumulation=fuse) for fuse in (False, True)]
+        listed = {(v.name, tuple(sorted(v.config.items()))) for c in configs for v in plan_for(c, "sm_100a").variants()}
+        assert looked_up and looked_up <= listed, sorted(looked_up - listed)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(one_launch=True), dict(saved_h_format="recompute")])

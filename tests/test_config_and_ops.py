@@ -40,7 +40,7 @@ def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
     sm100 = keys(config)
     bf16 = keys(MoKConfig(7168, 2048, 32, 8))
     assert not any(name.endswith("_mxfp8") or dict(c).get("operand") or dict(c).get("mma_order") for name, c in bf16)
-    router = {(v.name, tuple(sorted(v.config.items()))) for v in router_variants(7168, 32, persistent=False)}
+    router = {(v.name, tuple(sorted(v.config.items()))) for v in router_variants(7168, 32)}
     routed_bf16 = {(name, c) for name, c in bf16 if name in ("grouped_gemm", "weight_grad")} - router
     assert routed_bf16 and not routed_bf16 & sm100 and router <= sm100 & bf16
     assert "block-scaled MMAs" in refusal(config, "sm_90a") and refusal(config, "sm_100a") is None
@@ -75,7 +75,7 @@ def test_mxfp8_emulated_config_adds_its_quantizers_dequantizers_and_gemms_and_th
     from mok.plan import plan_for
 
     base = dict(hidden=512, intermediate=256, num_experts=8, topk=2)
-    for arch, persistent in (("sm_90a", True), ("sm_100a", False)):
+    for arch, gathers in (("sm_90a", True), ("sm_100a", False)):  # (SM100's GEMMs do not gather rows: the bf16 plan's neither)
         keys = lambda variants: {(v.name, tuple(sorted(v.config.items()))) for v in variants}  # noqa: E731
         plain = keys(plan_for(MoKConfig(**base), arch).variants())
         emulated = keys(plan_for(MoKConfig(**base, precision="mxfp8_emulated"), arch).variants())
@@ -83,12 +83,12 @@ def test_mxfp8_emulated_config_adds_its_quantizers_dequantizers_and_gemms_and_th
             quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True),
             quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True), quantize_mxfp8_variant(back=True),
             quantize_mxfp8_variant(back=True, bounded=True),
-            grouped_gemm_variant(256, 512, epilogue="swiglu", persistent=persistent),
-            grouped_gemm_variant(256, 512, epilogue="swiglu_save", persistent=persistent),
-            grouped_gemm_variant(512, 512, k_split=True, persistent=persistent),
+            grouped_gemm_variant(256, 512, epilogue="swiglu"),
+            grouped_gemm_variant(256, 512, epilogue="swiglu_save"),
+            grouped_gemm_variant(512, 512, k_split=True),
         ])
-        replaced = keys([grouped_gemm_variant(512, 512, b_major="n", k_split=True, persistent=persistent)] + [
-            grouped_gemm_variant(256, 512, epilogue=epilogue, gather_a=True) for epilogue in ("swiglu", "swiglu_save") if persistent
+        replaced = keys([grouped_gemm_variant(512, 512, b_major="n", k_split=True)] + [
+            grouped_gemm_variant(256, 512, epilogue=epilogue, gather_a=True) for epilogue in ("swiglu", "swiglu_save") if gathers
         ])
         assert replaced <= plain and emulated == (plain - replaced) | extra and not extra <= plain
     parser = argparse.ArgumentParser()

@@ -121,8 +121,10 @@ def test_bad_bias_input_is_refused_naming_it():
         MoKConfig(64, 32, 8, 2, expert_bias=True, one_launch=True)
     with pytest.raises(ValueError, match="expert_bias: not with precision='mxfp8_emulated'"):
         MoKConfig(128, 128, 8, 2, expert_bias=True, precision="mxfp8_emulated")
-    with pytest.raises(NotImplementedError, match="expert_bias: not in sm_100a's kernels yet"):
-        plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True), "sm_100a")
+    on_sm100 = plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True), "sm_100a").variants()  # (whole tiles there)
+    assert {v.config["epilogue"] for v in on_sm100 if v.config.get("bias")} == {"plain", "swiglu", "swiglu_save", "swiglu_bwd"}
+    with pytest.raises(ValueError, match=r"sm_100a's kernels take whole tiles so far"):
+        plan_for(MoKConfig(2880, 2880, 8, 2, expert_bias=True), "sm_100a")
     x, idx, w, experts, biases = biased_layer(4, 16, 8, 4, 2, seed=2)
     with pytest.raises(ValueError, match=r"biases.down: expected shape \[4, 16\], got \[4, 8\]"):
         moe_reference(x, idx, w, *experts, dtype=torch.float64, biases=(biases[0], biases[1], biases[0]))
@@ -173,15 +175,15 @@ def test_bias_kernels_and_ops_refuse_what_they_do_not_take():
 
     with pytest.raises(ValueError, match=r"bias: not with k_split \(dx has no bias\)"):
         compiled_ptx(grouped_gemm_variant(256, 512, b_major="n", k_split=True, bias=True), "sm_90a")
-    with pytest.raises(NotImplementedError, match="bias not written yet"):
-        compiled_ptx(grouped_gemm_variant(256, 512, persistent=False, bias=True), "sm_100a")
+    with pytest.raises(ValueError, match=r"bias: not with k_split \(dx has no bias\)"):
+        compiled_ptx(grouped_gemm_variant(256, 512, b_major="n", k_split=True, bias=True), "sm_100a")
     a, b, b2 = torch.randn(256, 64).bfloat16(), torch.randn(4, 32, 64).bfloat16(), torch.randn(4, 32, 64).bfloat16()
     tiles = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"bias: expected shape \[4, 32\], got \[4, 64\]"):
         ops.grouped_gemm(a, b, tiles, bias=torch.zeros(4, 64).bfloat16())
     with pytest.raises(ValueError, match="give bias for a plain GEMM, bias and bias2 for the SwiGLU form"):
         ops.grouped_gemm(a, b, tiles, b2=b2, bias=torch.zeros(4, 32).bfloat16())
-    with pytest.raises(ValueError, match="bias: Hopper.s kernel without k_split only"):
+    with pytest.raises(ValueError, match="bias: bf16 or FP8 block-scaled operands without k_split only"):
         ops.grouped_gemm(torch.randn(256, 128).bfloat16(), b.transpose(1, 2).contiguous(), tiles, b2=b2.transpose(1, 2).contiguous(),
                          b_major="n", k_split=True, bias=torch.zeros(4, 32).bfloat16())
     sched = Schedule.empty(8, 2, 4, 256, 128, torch.device("cpu"))

@@ -9,7 +9,7 @@ from mok.kernels.variants import expert_mlp_variant, grouped_gemm_variant
 from mok.ops import one_launch as one_launch_ops
 from mok.reference import moe_reference
 
-from helpers import gpu_layer as layer, moe_forward, poisoned, rel_err, worst_row_err
+from helpers import assert_scatters_into_two_ranks_slots, gpu_layer as layer, moe_forward, poisoned, rel_err, worst_row_err
 
 pytestmark = pytest.mark.gpu
 
@@ -97,16 +97,7 @@ def test_down_projection_scattering_into_slots_equals_gemm_then_reorder(T, H, I,
     ops.grouped_gemm_scatter(a, wd, sched.tile_expert, sched.row_token, sched.row_slot, slots)
     assert torch.equal(slots, want)
 
-    # two ranks of T0 = ceil(T / 2) token rows each: token g -> rank g // T0, row g % T0
-    t0 = -(-T // 2)
-    stride = t0 * k * H + 1024  # (a gap of 1024 elements between the regions)
-    buffer = poisoned(2 * stride)
-    ops.grouped_gemm_scatter(
-        a, wd, sched.tile_expert, sched.row_token, sched.row_slot, buffer[: t0 * k * H].view(t0, k, H), slot_ranks=(2, stride)
-    )
-    got = torch.cat([buffer[: t0 * k * H], buffer[stride: stride + (T - t0) * k * H]]).view(T, k, H)
-    assert torch.equal(got, want)
-    assert buffer[t0 * k * H: stride].isnan().all() and buffer[stride + (T - t0) * k * H:].isnan().all()
+    assert_scatters_into_two_ranks_slots(a, wd, sched, want)
 
 
 def test_grouped_gemm_sass_has_hgmma():

@@ -17,31 +17,52 @@ from mok.kernels.variants import (
 
 def mxfp8_grouped_gemm(n, k, epilogue="plain", tile_n=None, **options):
     """The MXFP8 grouped GEMM (SM100's block-scaled kernel: one tile per CTA)."""
-    return grouped_gemm_variant(n, k, epilogue=epilogue, tile_n=tile_n, operand="e4m3", persistent=False, **options)
+    return grouped_gemm_variant(n, k, epilogue=epilogue, tile_n=tile_n, operand="e4m3", **options)
 
 
 def mxfp8_weight_grad(m, n, *args, **options):
     """The MXFP8 weight-gradient GEMM (SM100's block-scaled kernel: one tile per CTA)."""
-    return weight_grad_variant(m, n, *args, operand="e4m3", persistent=False, **options)
+    return weight_grad_variant(m, n, *args, operand="e4m3", **options)
 
 
 def count(pattern, text):
     return len(re.findall(pattern, text))
 
 
+TRY_WAIT = r"mbarrier\.try_wait\.parity\.shared\.b64 \S+, \[[^\]]+\], ([^,]+),"
+
+
 @functools.lru_cache(maxsize=8)
-def assert_stages_drained_before_tensor_memory_is_freed(ptx: str) -> None:
-    """SM100: after the tile's last tcgen05.commit, warp 0 waits once on each stage's empty barrier
-    (the producer's tail, on the state its loops advanced: parities in registers, not the constant
-    a fresh state would give) before the accumulator's wait; nothing waits after tcgen05.dealloc (a
-    wait there hung the CTA on exit whenever a stage had been filled an odd number of times)."""
+def assert_warp_specialised_tcgen05_kernel(ptx: str) -> None:
+    """SM100's warp-specialised CTA (mok/kernels/sm100/tcgen05_tile.py): six warps; a tile loop
+    stepping by the grid (the persistent walk; one pass where the grid covers every tile); after
+    the load warp's last TMA load its tail, one wait per stage, each on a parity held in a register
+    (the state its loops advanced: a fresh state's constant parity left the CTA waiting for ever,
+    or passing early, whenever a stage had been filled an odd number of times), then the MMA warp's
+    waits for an accumulator stage and a full stage; the barriers of each stage and of one or two
+    accumulator stages; nothing waits after tcgen05.dealloc. The launch bound of one CTA per SM lets
+    ptxas give the epilogue its registers (else it plans for three CTAs: 96 registers, spills)."""
+    assert ".reqntid 192, 1, 1" in ptx and ".minnctapersm 1" in ptx and count(r"%nctaid\.x", ptx) >= 1
     before, after = ptx.split("tcgen05.dealloc")
     assert count(r"mbarrier\.try_wait", after) == 0
-    stages = (count(r"mbarrier\.init\.shared\.b64", ptx) - 2) // 2  # each stage's full and empty, the accumulator's two
-    tail = before[before.rindex("tcgen05.commit"):before.index("tcgen05.ld")]
-    parities = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64 \S+, \[[^\]]+\], ([^,]+),", tail)
-    assert len(parities) == stages + 1 and stages >= 2
-    assert all(parity.startswith("%r") for parity in parities[:-1]), parities
+    last_load = before.rindex("cp.async.bulk.tensor")
+    parities = re.findall(TRY_WAIT, before[last_load:before.index("tcgen05.mma", last_load)])
+    stages = len(parities) - 2  # the tail's, then the MMA warp's accumulator and first stage waits
+    acc_stages = (count(r"mbarrier\.init\.shared\.b64", ptx) - 2 * stages) // 2
+    assert stages >= 2 and acc_stages in (1, 2), (stages, acc_stages)
+    assert all(parity.startswith("%r") for parity in parities), parities
+
+
+def assert_scales_lie_past_the_accumulator_stages(ptx: str, kernel) -> None:
+    """MXFP8 on SM100: every tcgen05.cp writes tensor-memory columns past all of ``kernel``'s
+    accumulator stages (two stages of 128-wide accumulators end at column 256: scales copied below
+    that would overwrite the next tile's sums) and inside the allocation the PTX makes."""
+    allocated = int(re.search(r"mov\.b32\s+%r\d+, (\d+);\s+tcgen05\.alloc", ptx).group(1))
+    assert allocated == kernel.tmem_columns()
+    offsets = {reg: int(off) for reg, off in re.findall(r"add\.s32\s+(%r\d+), %r\d+, (\d+);", ptx)}
+    columns = [offsets[reg] & 0xFFFF for reg in re.findall(r"tcgen05\.cp\.\S+\s+\[(%r\d+)\]", ptx)]
+    assert columns and min(columns) >= kernel.acc_stages * kernel.accumulator_columns(), (columns, kernel.acc_stages)
+    assert max(columns) < allocated
 
 
 def ptxas_log(ptx: str, arch: str = "sm_90a") -> str | None:
@@ -344,14 +365,15 @@ def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu, persistent):
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 @pytest.mark.parametrize(
     "n,k,epilogue,b_major,k_split",
-    [(2048, 7168, "swiglu", "k", False), (768, 2048, "swiglu_save", "k", False), (7168, 2048, "plain", "k", False),
+    [(2048, 7168, "swiglu", "k", False), (768, 2048, "swiglu_save", "k", False), (2048, 7168, "swiglu_save", "k", False),
+     (7168, 2048, "plain", "k", False),
      (2048, 1536, "plain", "n", True), (768, 2048, "swiglu_bwd", "n", False)],
 )  # the forward's gate/up (with h) and down projections; the backward's dx and SwiGLU backward
 def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, epilogue, b_major, k_split):
     """The Blackwell grouped GEMM (compile-verified only): tcgen05 MMAs into tensor memory fed by TMA,
     the accumulators read back with tcgen05.ld (and its wait) once per accumulator and subtile loop,
     16-byte stores (and loads of h for the SwiGLU backward); no Hopper or warp-level MMA, no spills."""
-    variant = grouped_gemm_variant(n, k, epilogue=epilogue, b_major=b_major, k_split=k_split, topk=8, persistent=False)
+    variant = grouped_gemm_variant(n, k, epilogue=epilogue, b_major=b_major, k_split=k_split, topk=8)  # (persistent or not: the same code)
     ptx = compiled_ptx(variant, arch)
     assert f".target {arch}" in ptx
     accumulators = 2 if epilogue in ("swiglu", "swiglu_save") else 1
@@ -361,14 +383,15 @@ def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, e
     assert count(r"tcgen05\.alloc\.", ptx) == 1 and count(r"tcgen05\.dealloc\.", ptx) == 1
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == accumulators
     assert count(r"tcgen05\.wait::ld", ptx) == 1
-    # TMA loads of A and B (B2), in the fill loop and the steady-state loop
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 2 * (1 + accumulators)
+    # TMA loads of A and B (B2; k_split: B or B2), an N-major B tile in boxes of 64 columns (a 128-byte swizzle atom)
+    b_boxes = variant.config["tile_n"] // 64 if b_major == "n" else 1
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 1 + b_boxes * (2 if accumulators == 2 or k_split else 1)
     stores = 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)  # 32 bf16 columns of a row: four 16-byte stores a tensor
     assert count(r"st\.global\.v4\.b32", ptx) == stores
     assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row
     assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # h_gate, h_up
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
-    assert_stages_drained_before_tensor_memory_is_freed(ptx)
+    assert_warp_specialised_tcgen05_kernel(ptx)
     assert (count(r"ex2\.approx", ptx) > 0) == (epilogue != "plain")
     spills = ptxas_spill_bytes(ptx, arch)
     assert spills in (None, 0)
@@ -384,16 +407,16 @@ def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m
     """The Blackwell weight-gradient GEMM (compile-verified only): tcgen05 MMAs fed by TMA, the
     accumulator read back once per subtile loop, 16-byte stores (and loads, adding into fp32); no
     Hopper or warp-level MMA, no atomics, no spills."""
-    ptx = compiled_ptx(weight_grad_variant(m, n, persistent=False, **options), arch)
+    ptx = compiled_ptx(weight_grad_variant(m, n, **options), arch)
     assert f".target {arch}" in ptx
     assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 4
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == 1 and count(r"tcgen05\.wait::ld", ptx) == 1
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 4  # A and B, fill and steady-state loops
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 4  # A and B, MN-major: two 64-wide boxes each
     f32 = options.get("out_dtype") == "f32"
     stores = count(r"st\.global\.v2\.b64", ptx) if f32 else count(r"st\.global\.v4\.b32", ptx)
     assert stores == (8 if f32 else 4) and count(r"st\.global", ptx) == stores  # 32 columns of a row, 16 bytes at a time
     assert count(r"ld\.global\.v2\.b64", ptx) == (8 if options.get("accumulate") else 0)
-    assert_stages_drained_before_tensor_memory_is_freed(ptx)
+    assert_warp_specialised_tcgen05_kernel(ptx)
     assert count(r"\batom\.|\bred\.", ptx) == 0
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
@@ -420,14 +443,17 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
     assert count(r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", ptx) == 1 + accumulators * tile_n // 128
     assert count(r"tcgen05\.commit\.cta_group::1", ptx) == 2
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == accumulators
-    # A, B (B2) and their scales, in the fill loop and the steady-state loop (k_split: B or B2, each with its
-    # scales, in the steady-state loop; the fill loop's K tiles all lie in B's half here, its B2 loads fold away)
-    loads = 4 * (1 + accumulators) + (2 if k_split else 0)
+    # A, B (B2; k_split: B or B2) and their scales
+    loads = 2 * (1 + (2 if accumulators == 2 or k_split else 1))
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
     assert count(r"st\.global\.v4\.b32", ptx) == 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
     assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # the saved h_gate, h_up
-    assert_stages_drained_before_tensor_memory_is_freed(ptx)
+    assert_warp_specialised_tcgen05_kernel(ptx)
     assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row
+    from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100
+
+    kernel = GroupedGemmMxfp8Sm100(n, k, epilogue, k_split=k_split, tile_n=tile_n, topk=8, persistent=True)
+    assert_scales_lie_past_the_accumulator_stages(ptx, kernel)
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
 
@@ -437,16 +463,19 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
 def test_sm100_mxfp8_weight_grad_ptx_uses_block_scaled_mmas_on_mn_major_operands(arch, m, n, options):
     """The MXFP8 weight-gradient GEMM (compile-verified only): four block-scaled tcgen05 MMAs a
     128-row K tile, the scales of A and B copied into tensor memory each stage, TMA loads of both
-    operands and both scales (fill and steady-state loops), the bf16 kernel's epilogue; no bf16,
+    operands and both scales, the bf16 kernel's epilogue; no bf16,
     Hopper or warp-level MMA, no atomics, no spills."""
     ptx = compiled_ptx(mxfp8_weight_grad(m, n, **options), arch)
     assert f".target {arch}" in ptx
     assert count(r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale\.block32", ptx) == 4
     assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 0
     assert count(r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", ptx) == 2
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 8
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 4
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == 1
-    assert_stages_drained_before_tensor_memory_is_freed(ptx)
+    assert_warp_specialised_tcgen05_kernel(ptx)
+    from mok.kernels.sm100.weight_grad_gemm import WeightGradGemmMxfp8Sm100
+
+    assert_scales_lie_past_the_accumulator_stages(ptx, WeightGradGemmMxfp8Sm100(m, n, **options))
     assert count(r"\batom\.|\bred\.", ptx) == 0
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
@@ -459,7 +488,7 @@ def test_mxfp8_grouped_gemm_is_refused_where_no_block_scaled_mma_exists():
         compiled_ptx(mxfp8_weight_grad(2048, 7168), "sm_90a")
     with pytest.raises(ValueError, match=r"tile_n: expected 128 or 256 \(128 with SwiGLU\)"):
         compiled_ptx(mxfp8_grouped_gemm(2048, 7168, "swiglu", tile_n=256), "sm_100a")
-    with pytest.raises(ValueError, match=r"operand='e4m3': the block-scaled \(SM100\) kernels are one tile per CTA with K-major B"):
+    with pytest.raises(ValueError, match=r"operand='e4m3': the block-scaled \(SM100\) kernels take K-major B"):
         compiled_ptx(mxfp8_grouped_gemm(2048, 7168, "swiglu_bwd", b_major="n", topk=8), "sm_100a")
 
 
@@ -470,10 +499,10 @@ def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
     UTCCP copying each stage's scales into tensor memory), UTMALDG (TMA loads), LDTM
     (tensor-memory loads), no Hopper or warp-level MMA. (The same is printed by perf/sm100_sass.py.)"""
     cases = [  # (variant, MMA opcode, MMAs, tensor-memory loads, scale copies)
-        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False), "UTCHMMA", 8, 2, 0),
-        (grouped_gemm_variant(7168, 2048, persistent=False), "UTCHMMA", 4, 1, 0),
-        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False), "UTCHMMA", 4, 1, 0),
-        (weight_grad_variant(4096, 7168, split_out=True, persistent=False), "UTCHMMA", 4, 1, 0),
+        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_save"), "UTCHMMA", 8, 2, 0),
+        (grouped_gemm_variant(7168, 2048), "UTCHMMA", 4, 1, 0),
+        (grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8), "UTCHMMA", 4, 1, 0),
+        (weight_grad_variant(4096, 7168, split_out=True), "UTCHMMA", 4, 1, 0),
         (mxfp8_grouped_gemm(2048, 7168, "swiglu_save"), "UTCQMMA", 8, 2, 3),
         (mxfp8_grouped_gemm(7168, 2048), "UTCQMMA", 4, 1, 3),
         (mxfp8_weight_grad(4096, 7168, split_out=True), "UTCQMMA", 4, 1, 2),
@@ -482,20 +511,63 @@ def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
         sass = compiled_sass(variant, "sm_100a")
         assert count(rf"\b{opcode}\b", sass) == mmas, variant.describe()
         assert count(r"\bUTC[HQ]MMA\b", sass) == mmas and count(r"\bUTCCP\b", sass) == scale_copies
-        assert count(r"\bLDTM\b", sass) == tmem_loads and count(r"\bUTMALDG\b", sass) >= 4
+        assert count(r"\bLDTM\b", sass) == tmem_loads and count(r"\bUTMALDG\b", sass) >= 2
         assert count(r"\bH[G]?MMA\b", sass) == 0
 
 
-def test_sm100_weight_grad_refuses_the_persistent_kernel_it_does_not_have_yet():
-    with pytest.raises(NotImplementedError, match=r"weight-gradient GEMM on sm_100a: persistent not written yet"):
-        compiled_ptx(weight_grad_variant(7168, 2048), "sm_100a")
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("n,k,b_major,k_split", [(7168, 2048, "k", False), (7168, 4096, "n", True)])  # EP: y pushed, dx pushed
+def test_sm100_scatter_gemm_stores_each_row_into_its_slot(arch, n, k, b_major, k_split):
+    """``scatter`` on SM100 (expert parallelism's pushes): the plain epilogue's rows go to their
+    (token, slot) rows of the ranks' combine slots, located once a tile per row (the rank and the
+    token's row: a division by T_max) and written with 16-byte stores from registers, four per 32
+    columns; the warp-specialised structure otherwise as the plain GEMM's; no spills."""
+    ptx = compiled_ptx(grouped_gemm_variant(n, k, scatter=True, topk=8, b_major=b_major, k_split=k_split), arch)
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 4
+    assert count(r"st\.global\.v4\.b32", ptx) == 4 and count(r"st\.global", ptx) == 4
+    assert count(r"div\.s32", ptx) >= 1 and count(r"ld\.global\.(nc\.)?b32", ptx) >= 2  # row_token, row_slot
+    assert_warp_specialised_tcgen05_kernel(ptx)
+    assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
+    assert ptxas_spill_bytes(ptx, arch) in (None, 0)
+    with pytest.raises(ValueError, match=r"scatter: only with the plain epilogue"):
+        compiled_ptx(grouped_gemm_variant(n, k, epilogue="swiglu", scatter=True, topk=8), arch)
 
 
-@pytest.mark.parametrize("options", [dict(), dict(gather_a=True), dict(scatter=True, topk=8), dict(pingpong=True)])
+@pytest.mark.parametrize("n,k,epilogue", [(2048, 7168, "swiglu_save"), (7168, 2048, "plain"), (2048, 7168, "swiglu_bwd")])
+def test_sm100_grouped_gemm_adds_the_experts_biases_in_its_epilogue(n, k, epilogue):
+    """``bias`` on SM100: per 32-column subtile each epilogue thread loads the subtile's 32 values
+    of each bias row (4-byte loads: the bias tensors' alignment), the same for every row, beside
+    the tensor-memory loads; the SwiGLU backward adds nothing (its partial sums keep a column for
+    the down bias's piece); nothing else changes, no spills."""
+    options = dict(epilogue=epilogue, topk=8, b_major="n" if epilogue == "swiglu_bwd" else "k")
+    ptx = compiled_ptx(grouped_gemm_variant(n, k, bias=True, **options), "sm_100a")
+    plain = compiled_ptx(grouped_gemm_variant(n, k, **options), "sm_100a")
+    bias_loads = count(r"ld\.global(\.nc)?\.v2\.b16", ptx) - count(r"ld\.global(\.nc)?\.v2\.b16", plain)
+    assert bias_loads == {"swiglu_save": 2, "plain": 1, "swiglu_bwd": 0}[epilogue] * 16  # 32 columns, two a load
+    for pattern in (r"tcgen05\.mma", r"tcgen05\.ld", r"st\.global"):
+        assert count(pattern, ptx) == count(pattern, plain)
+    assert_warp_specialised_tcgen05_kernel(ptx)
+    assert ptxas_spill_bytes(ptx, "sm_100a") in (None, 0)
+
+
+@pytest.mark.parametrize("options", [dict(gather_a=True)])
 def test_sm100_grouped_gemm_refuses_the_variants_it_does_not_have_yet(options):
     options = {"epilogue": "swiglu_save", **options}
     with pytest.raises(NotImplementedError, match=r"grouped GEMM on sm_100a: .*not written yet"):
         compiled_ptx(grouped_gemm_variant(768, 2048, **options), "sm_100a")
+
+
+def test_sm100_kernels_are_the_same_code_persistent_or_one_tile_per_cta():
+    """``persistent`` only sets the grid (at most max_ctas CTAs, or one per tile): the device code,
+    which walks the tiles from blockIdx.x by gridDim.x, is the same; and Hopper's ``pingpong``
+    changes nothing on SM100, whose kernel overlaps the epilogue through its accumulator stages."""
+    def body(ptx):
+        return ptx[ptx.index(".entry"):]
+
+    for variant in (lambda **o: grouped_gemm_variant(768, 2048, epilogue="swiglu_bwd", b_major="n", topk=8, **o),
+                    lambda **o: weight_grad_variant(2048, 768, **o)):
+        persistent = body(compiled_ptx(variant(persistent=True, pingpong=True), "sm_100a"))
+        assert body(compiled_ptx(variant(persistent=False, pingpong=False), "sm_100a")) == persistent
 
 
 @pytest.mark.parametrize("n,k,epilogue", [(2048, 7168, "swiglu_save"), (768, 2048, "swiglu")])

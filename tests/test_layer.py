@@ -185,7 +185,7 @@ def test_sm100_runs_the_layer_only_when_asked_to_and_says_why(monkeypatch):
         arch.check_fused_layer_device()
     monkeypatch.setenv("MOK_UNVERIFIED_SM100", "1")
     assert arch.check_fused_layer_device() == "sm_100a"
-    assert not arch.has_persistent_gemms("sm_100a") and arch.has_persistent_gemms("sm_90a")
+    assert arch.has_persistent_gemms("sm_100a") and arch.has_persistent_gemms("sm_90a") and not arch.has_persistent_gemms("sm_120a")
     monkeypatch.setattr(arch, "device_arch", lambda device=None: "sm_120a")  # (no kernels at all: refused either way)
     with pytest.raises(RuntimeError, match=r"this GPU is sm_120a \(its grouped GEMMs are not written yet"):
         arch.check_fused_layer_device()

@@ -223,9 +223,9 @@ def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     # a configuration whose layer would not run on the arch: refused, not a list of kernels nobody uses
     bad = _mok("precompile", "--arch", "sm_90a", "--precision", "mxfp8", "--ep-size", "1", cache_dir=tmp_path)
     assert bad.returncode == 1 and "does not run on sm_90a: precision='mxfp8': needs block-scaled MMAs" in bad.stderr
-    bad = _mok("precompile", "--arch", "sm_100a", "--ep-size", "8", cache_dir=tmp_path)  # (asked for explicitly: refused, what to pass said)
-    assert bad.returncode == 1 and "does not run on sm_100a: ep_size > 1: not on sm_100a yet" in bad.stderr
-    assert "On the command line: --ep-size 1 --experts 32" in bad.stderr
+    bad = _mok("precompile", "--arch", "sm_100a", "--one-launch", cache_dir=tmp_path)  # (asked for explicitly: refused, what to pass said)
+    assert bad.returncode == 1 and "does not run on sm_100a: one_launch: not on sm_100a yet" in bad.stderr
+    assert "On the command line: no --one-launch" in bad.stderr
     assert not list(tmp_path.glob("*/*.o"))
 
 

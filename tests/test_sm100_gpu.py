@@ -10,7 +10,7 @@ import torch
 
 from mok import ops
 
-from helpers import poisoned, rel_err
+from helpers import assert_scatters_into_two_ranks_slots, poisoned, rel_err
 
 pytestmark = pytest.mark.sm100
 
@@ -45,13 +45,14 @@ def _expert_matrix(b, e, b_major):
         (37, 128, 64, 1, "swiglu_save", "k", False),  # one partial tile, one K tile
     ],
 )
-def test_sm100_grouped_gemm_matches_the_float32_reference(rows, n, k, experts, epilogue, b_major, k_split):
+@pytest.mark.parametrize("persistent", [True, False])
+def test_sm100_grouped_gemm_matches_the_float32_reference(rows, n, k, experts, epilogue, b_major, k_split, persistent):
     a, b, b2, tile_expert = _operands(rows, n, k, experts, epilogue, b_major, k_split, seed=rows + n)
     h = poisoned(rows, 2 * n) if epilogue == "swiglu_save" else None
     out = ops.grouped_gemm(a, b, tile_expert, b2=b2, out=poisoned(rows, n), h_out=h, b_major=b_major, k_split=k_split,
-                           persistent=False)
+                           persistent=persistent)
     again = ops.grouped_gemm(a, b, tile_expert, b2=b2, out=poisoned(rows, n), h_out=poisoned(*h.shape) if h is not None else None,
-                             b_major=b_major, k_split=k_split, persistent=False)
+                             b_major=b_major, k_split=k_split, persistent=persistent)
     for t in range(-(-rows // 128)):
         rs = slice(128 * t, min(128 * (t + 1), rows))
         e = int(tile_expert[t])
@@ -74,14 +75,74 @@ def test_sm100_grouped_gemm_matches_the_float32_reference(rows, n, k, experts, e
     assert torch.equal(out.nan_to_num(), again.nan_to_num())  # deterministic
 
 
+@pytest.mark.parametrize("epilogue", ["plain", "swiglu_save"])
+def test_sm100_persistent_ctas_walking_many_tiles_give_the_one_tile_kernels_bits(epilogue):
+    """More output tiles than SMs (each persistent CTA takes several, through both accumulator
+    stages, skipped tiles among them): the same bits as one CTA per tile, and the reference."""
+    rows, n, k = 20000, 1024 if epilogue == "plain" else 512, 512
+    a, b, b2, tile_expert = _operands(rows, n, k, 6, epilogue, "k", False, seed=11)
+    tile_expert[5::7] = -1
+    outs = []
+    for persistent in (True, False):
+        h = poisoned(rows, 2 * n) if epilogue == "swiglu_save" else None
+        outs.append((ops.grouped_gemm(a, b, tile_expert, b2=b2, out=poisoned(rows, n), h_out=h, persistent=persistent), h))
+    (out, h), (one_tile, h_one_tile) = outs
+    assert torch.equal(out.nan_to_num(), one_tile.nan_to_num())
+    if h is not None:
+        assert torch.equal(h.nan_to_num(), h_one_tile.nan_to_num())
+    for t in range(-(-rows // 128)):
+        rs, e = slice(128 * t, min(128 * (t + 1), rows)), int(tile_expert[t])
+        if e < 0:
+            assert out[rs].isnan().all()
+            continue
+        gate = a[rs].float() @ b[e].float().T
+        want = gate if epilogue == "plain" else torch.nn.functional.silu(gate) * (a[rs].float() @ b2[e].float().T)
+        assert rel_err(out[rs], want) < 1e-2
+
+
+@pytest.mark.parametrize("T,H,I,E,k", [(1000, 512, 256, 8, 2), (333, 384, 128, 4, 3)])
+def test_sm100_scatter_gemm_writes_each_row_into_its_slot_with_the_gemms_bits(T, H, I, E, k):
+    """grouped_gemm_scatter (expert parallelism's push) writes row r into slots[token, slot] with the
+    bits grouped_gemm gives row r: one GPU, then two "ranks" whose slots lie a stride apart in one
+    buffer (the gap between them untouched)."""
+    g = torch.Generator(device="cuda").manual_seed(T + k)
+    idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(T)]).int()
+    sched = ops.device_schedule(idx, E)
+    a = torch.randn(sched.row_token.shape[0], I, device="cuda", generator=g).bfloat16()
+    wd = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    want = ops.grouped_gemm(a, wd, sched.tile_expert)[sched.slot_row.long()]  # [T, k, H]
+    slots = poisoned(T, k, H)
+    ops.grouped_gemm_scatter(a, wd, sched.tile_expert, sched.row_token, sched.row_slot, slots)
+    assert torch.equal(slots, want)
+    assert_scatters_into_two_ranks_slots(a, wd, sched, want)
+
+
+def test_sm100_grouped_gemm_adds_the_experts_biases_before_the_activation():
+    """bias, bias2 [E, N]: h = [a·Bᵀ + b | a·B2ᵀ + b2] and the output SwiGLU of those (swiglu_save)."""
+    rows, n, k, experts = 520, 256, 512, 4
+    a, b, b2, tile_expert = _operands(rows, n, k, experts, "swiglu_save", "k", False, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    bias, bias2 = (torch.randn(experts, n, device="cuda", generator=g).bfloat16() for _ in range(2))
+    h = poisoned(rows, 2 * n)
+    out = ops.grouped_gemm(a, b, tile_expert, b2=b2, out=poisoned(rows, n), h_out=h, bias=bias, bias2=bias2)
+    for t in range(-(-rows // 128)):
+        rs, e = slice(128 * t, min(128 * (t + 1), rows)), int(tile_expert[t])
+        if e < 0:
+            continue
+        gate = a[rs].float() @ b[e].float().T + bias[e].float()
+        up = a[rs].float() @ b2[e].float().T + bias2[e].float()
+        assert rel_err(h[rs, :n], gate) < 1e-2 and rel_err(h[rs, n:], up) < 1e-2
+        assert rel_err(out[rs], torch.nn.functional.silu(gate) * up) < 1e-2
+
+
 def test_sm100_grouped_gemm_rows_do_not_depend_on_the_other_tiles():
     """Batch invariance: a row tile's output is the same bits whatever the other tiles hold."""
     a, b, b2, tile_expert = _operands(640, 768, 2048, 3, "swiglu", "k", False, seed=7)
     tile_expert[1] = 2
-    first = ops.grouped_gemm(a, b, tile_expert, b2=b2, persistent=False)
+    first = ops.grouped_gemm(a, b, tile_expert, b2=b2)
     other = a.clone()
     other[128:] = torch.randn_like(other[128:].float()).bfloat16()
-    second = ops.grouped_gemm(other, b, tile_expert, b2=b2, persistent=False)
+    second = ops.grouped_gemm(other, b, tile_expert, b2=b2)
     assert torch.equal(first[:128], second[:128])
 
 
@@ -98,7 +159,7 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
     topk_w = torch.rand(tokens, topk, device="cuda", generator=g)
     tile_expert = torch.randint(0, experts, (-(-rows // 128),), device="cuda", dtype=torch.int32, generator=g)
     dh, a_scaled, partial = ops.swiglu_backward_gemm(
-        dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, persistent=False
+        dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w
     )
     tile_n = inter // partial.shape[1]
     e_of_row = tile_expert.repeat_interleave(128)[:rows].long()
@@ -112,14 +173,15 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
     assert rel_err(dh, want_dh) < 1e-2 and rel_err(a_scaled, s * a) < 1e-2
     assert rel_err(partial, want_partial) < 1e-3
     again = ops.swiglu_backward_gemm(
-        dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w, persistent=False
+        dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w
     )
     assert all(torch.equal(x, y) for x, y in zip((dh, a_scaled, partial), again))  # deterministic
 
 
 @pytest.mark.parametrize("m,n,split_out,accumulate", [(256, 384, False, False), (512, 256, True, False), (256, 256, True, True),
                                                        (384, 128, False, True)])
-def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumulate):
+@pytest.mark.parametrize("persistent", [True, False])
+def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumulate, persistent):
     """out[e] (+)= a[rows of e]ᵀ·b[rows of e] (ops.weight_grad): experts of 128-row blocks with
     zero padding rows, one expert without rows (zeros, or left as it was when accumulating)."""
     g = torch.Generator(device="cuda").manual_seed(m + n)
@@ -137,7 +199,7 @@ def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumu
     want = torch.stack([a[int(offsets[e]) : int(offsets[e + 1])].float().T @ b[int(offsets[e]) : int(offsets[e + 1])].float()
                         for e in range(experts)])
     offsets, counts = offsets.cuda(), counts.cuda()
-    kw = dict(counts=counts, split_out=split_out, persistent=False)
+    kw = dict(counts=counts, split_out=split_out, persistent=persistent)
     if accumulate:
         shape = (experts, m // 2, n) if split_out else (experts, m, n)
         before = [torch.randn(shape, device="cuda", generator=g) for _ in range(2 if split_out else 1)]

@@ -14,13 +14,13 @@ from mok.kernels import compiled_sass
 from mok.kernels.variants import grouped_gemm_variant, weight_grad_variant
 
 VARIANTS = [
-    grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False),
-    grouped_gemm_variant(7168, 2048, persistent=False),
-    grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8, persistent=False),
-    weight_grad_variant(4096, 7168, split_out=True, persistent=False),
-    grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", persistent=False, operand="e4m3"),  # MXFP8 operands: block-scaled MMAs, scales copied into TMEM
-    grouped_gemm_variant(7168, 2048, persistent=False, operand="e4m3"),
-    weight_grad_variant(4096, 7168, split_out=True, persistent=False, operand="e4m3"),  # MN-major block-scaled operands (K = rows)
+    grouped_gemm_variant(2048, 7168, epilogue="swiglu_save"),
+    grouped_gemm_variant(7168, 2048),
+    grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8),
+    weight_grad_variant(4096, 7168, split_out=True),
+    grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", operand="e4m3"),  # MXFP8 operands: block-scaled MMAs, scales copied into TMEM
+    grouped_gemm_variant(7168, 2048, operand="e4m3"),
+    weight_grad_variant(4096, 7168, split_out=True, operand="e4m3"),  # MN-major block-scaled operands (K = rows)
 ]
 
 

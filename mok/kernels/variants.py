@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS
+from ..runtime.arch import MXFP8_GEMM_ARCHS, ROW_FUSED_GEMM_ARCHS
 from . import KernelVariant
 from .constants import SCHEDULE_THREADS, check_activation
 
@@ -147,9 +147,8 @@ def weight_grad_pingpong(persistent: bool, tile_n: int) -> bool:
 def _check_operand(operand: str, persistent: bool, b_major: str = "k") -> None:
     if operand not in OPERANDS:
         raise ValueError(f"operand: expected one of {OPERANDS}, got {operand!r}")
-    if operand == "e4m3" and (persistent or b_major != "k"):
-        raise ValueError("operand='e4m3': the block-scaled (SM100) kernels are one tile per CTA with K-major B: pass "
-                         "persistent=False and b_major='k'")
+    if operand == "e4m3" and b_major != "k":
+        raise ValueError("operand='e4m3': the block-scaled (SM100) kernels take K-major B: pass b_major='k' (the weights transposed)")
     if operand == "e4m3_block" and (not persistent or b_major != "k"):
         raise ValueError("operand='e4m3_block': the FP8 (Hopper) kernel is persistent with K-major B: pass persistent=True and b_major='k'")
 
@@ -191,19 +190,21 @@ def grouped_gemm_variant(
     block_buffers: int = 1,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
-    tcgen05, mok/kernels/sm100/grouped_gemm.py, one tile per CTA, compile-verified, never run).
+    tcgen05, mok/kernels/sm100/grouped_gemm.py, compile-verified, never run).
 
     ``epilogue``: plain, swiglu, swiglu_save (also writes h) or swiglu_bwd (SwiGLU backward with
     the router-weight gradient's partial sums; needs ``topk``, or ``unit_scale`` for the shared
     expert). ``b_major`` "n" reads B as [E, K, N]; ``k_split`` takes the two K halves from B and
-    B2. ``persistent`` (Hopper): one CTA per SM walks the tiles, a producer warpgroup loading
-    ahead while the MMA warpgroups run the epilogue. ``stages``: shared-memory pipeline depth;
+    B2. ``persistent``: one CTA per SM walks the tiles, loads running ahead while the epilogue of
+    the last tile runs (Hopper: a producer warpgroup, two MMA warpgroups; SM100: a load warp, an
+    MMA warp, four epilogue warps, two accumulator stages). ``stages``: shared-memory pipeline depth;
     None fills shared memory. ``gather_a`` (persistent): A is the token matrix, its rows gathered
     by the schedule's row_token. ``scatter`` (the down projection): each row goes to its (token,
     slot) row of the combine slots of the token's rank (``topk`` slots per token). ``pingpong``
-    (persistent swiglu_bwd, 128-wide tiles): the MMA warpgroups take whole tiles in turn.
+    (Hopper, persistent swiglu_bwd, 128-wide tiles): the MMA warpgroups take whole tiles in turn
+    (SM100's kernel overlaps its epilogue anyway: no effect there).
     ``operand`` "e4m3": MXFP8 operands with E8M0 scales (block-scaled tcgen05 MMAs, SM100 only;
-    K-major B, one tile per CTA). ``b_expert_stride``: elements from one expert's B to the next
+    K-major B). ``b_expert_stride``: elements from one expert's B to the next
     (None: N·K, packed; 2·I·H for the halves of one [E, 2I, H] gate/up tensor, read in place).
     ``activation``: the SwiGLU epilogues' gated activation (swiglu, clamped_swiglu, geglu:
     mok/kernels/common/gated_activation.py). ``bias`` (Hopper): the experts' biases added in the
@@ -229,7 +230,7 @@ def grouped_gemm_variant(
         options["activation"] = activation
 
     def build(arch: str, compile_options: str = "") -> Any:
-        if arch in MXFP8_GEMM_ARCHS:  # tcgen05: the one-tile-per-CTA kernels so far (compile-verified only)
+        if arch in MXFP8_GEMM_ARCHS:  # tcgen05 (compile-verified only)
             if operand == "e4m3_block":
                 raise NotImplementedError(f"grouped GEMM on FP8 with 128-block scales on {arch}: Hopper's kernel only so far (SM100 has MXFP8)")
             from .sm100.grouped_gemm import compile_grouped_gemm_sm100
@@ -257,11 +258,11 @@ def weight_grad_variant(
     persistent: bool = True, pingpong: bool | None = None, split_out: bool = False, operand: str = "bf16",
 ) -> KernelVariant:
     """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA;
-    sm_100a / sm_103a: tcgen05, one tile per CTA so far, compile-verified, never run).
+    sm_100a / sm_103a: tcgen05, compile-verified, never run).
 
-    ``persistent`` (Hopper): one CTA per SM walks the output tiles; ``pingpong`` (persistent,
-    128-wide tiles): its two MMA warpgroups take whole tiles in turn; None:
-    :func:`weight_grad_pingpong`. ``split_out``: the two halves of M into two [E, M/2, N] tensors
+    ``persistent``: one CTA per SM walks the output tiles; ``pingpong`` (Hopper, persistent,
+    128-wide tiles): its two MMA warpgroups take whole tiles in turn (no effect on SM100, whose
+    kernel overlaps its epilogue anyway); None: :func:`weight_grad_pingpong`. ``split_out``: the two halves of M into two [E, M/2, N] tensors
     (dW_gate and dW_up in one launch). ``operand`` "e4m3": MXFP8 operands quantized along the rows
     (block-scaled MMAs on MN-major operands, SM100 only).
     """
@@ -359,8 +360,8 @@ def expert_mlp_variant(
         options["activation"] = activation
 
     def build(arch: str, compile_options: str = "") -> Any:
-        if arch not in PERSISTENT_GEMM_ARCHS:
-            raise NotImplementedError(f"expert MLP in one launch: only {', '.join(PERSISTENT_GEMM_ARCHS)} has it so far, not {arch}")
+        if arch not in ROW_FUSED_GEMM_ARCHS:
+            raise NotImplementedError(f"expert MLP in one launch: only {', '.join(ROW_FUSED_GEMM_ARCHS)} has it so far, not {arch}")
         from .sm90.expert_mlp import compile_expert_mlp
 
         return compile_expert_mlp(hidden, inter, topk, arch, compile_options, **options)

@@ -187,11 +187,11 @@ def grouped_gemm(
     tile, K of 64, of 128 with k_split). ``tile_n`` overrides the column
     tile (64, 128 or 256; default from the static shape), ``stages`` the shared-memory
     pipeline depth (default: as deep as fits), ``persistent=False`` selects the one-tile-per-CTA
-    kernel (the same bits); None: the persistent kernel where the GPU has one (Hopper), else the
-    one-tile kernel (SM100: compile-verified, never run; without ``gather``).
+    kernel (the same bits); None: the persistent kernel (SM100's compile-verified, never run;
+    without ``gather``).
     ``gather`` [R] int32 (the schedule's row_token): A is not materialised; a is the token matrix
     x [T, K] and row r of A is x[gather[r]], or zeros where gather[r] < 0 (each entry < T).
-    ``bias`` [E, N] bf16 (Hopper, bf16, not k_split): added to a·B before anything else (so to h's
+    ``bias`` [E, N] bf16 (bf16 or FP8 block-scaled operands, not k_split): added to a·B before anything else (so to h's
     gate half and before the activation), ``bias2`` likewise to a·B2 (both or neither with b2).
 
     MXFP8 operands (SM100 only): a = (elements float8_e4m3fn [R, K], scales uint8 [ceil(R / 128),
@@ -222,9 +222,10 @@ def grouped_gemm(
         pointers = _mxfp8_operands(a, b, b2, k_split)
         a_values = pointers["a"]
         num_experts, n = pointers["b"].shape[:2]
-        if b_major != "k" or gather is not None or persistent:
-            raise ValueError("MXFP8 operands: K-major B (b_major='k'), no gather, one tile per CTA")
-        persistent, b_stride = False, None
+        if b_major != "k" or gather is not None:
+            raise ValueError("MXFP8 operands: K-major B (b_major='k'), no gather")
+        persistent = persistent_default(a_values.device) if persistent is None else persistent
+        b_stride = None
     else:
         check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
         a_values = a
@@ -266,12 +267,12 @@ def grouped_gemm(
 
 def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, operand: str, k_split: bool) -> None:
     """A GEMM's expert biases: none, or ``bias`` [E, N] bf16 (and ``bias2`` with ``two`` products, the
-    SwiGLU form), contiguous, for Hopper's operands (bf16, FP8 block-scaled) without k_split (where
-    they may launch: check_launchable)."""
+    SwiGLU form), contiguous, for bf16 or FP8 block-scaled operands without k_split (where they may
+    launch: check_launchable)."""
     if bias is None and bias2 is None:
         return
     if operand not in ("bf16", "e4m3_block") or k_split:
-        raise ValueError("bias: Hopper's kernel without k_split only (dx has no bias; the MXFP8 kernels add none)")
+        raise ValueError("bias: bf16 or FP8 block-scaled operands without k_split only (dx has no bias; the MXFP8 kernels add none)")
     if bias is None or (bias2 is None) == two:
         raise ValueError("bias, bias2: give bias for a plain GEMM, bias and bias2 for the SwiGLU form (b2 given)")
     for name, t in (("bias", bias), ("bias2", bias2)):
@@ -375,7 +376,7 @@ def swiglu_backward_gemm(
     ``bias_piece`` (the experts have biases; bf16, routed experts): partial gets one more column,
     the last, left unwritten for the down bias's piece (:func:`mok.ops.bias_router_pieces`).
 
-    MXFP8 operands (SM100 only, one tile per CTA, 128-wide tiles): dout_rows = (elements [R, H],
+    MXFP8 operands (SM100 only, 128-wide tiles, no ping-pong): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
     this product, in MXFP8 along H: (elements [E, I, H], scales [E, I / 128, H / 128, 512])
     (e.g. mok.pipeline.stages.quantize_weights(w_down.transpose(1, 2).contiguous())). FP8 with block
@@ -395,13 +396,13 @@ def swiglu_backward_gemm(
         tile_n = default_tile_n(inter, hidden, True, operand)
     elif mxfp8:
         (dout_q, dout_s), (w_q, w_s) = operand_parts("dout_rows", dout_rows), operand_parts("w_down", w_down)
-        if w_s is None or persistent or pingpong:
-            raise ValueError("MXFP8 operands: w_down as an (elements, scales) pair too; one tile per CTA, no ping-pong")
+        if w_s is None or pingpong:
+            raise ValueError("MXFP8 operands: w_down as an (elements, scales) pair too, no ping-pong")
         check_mxfp8_rows("dout_rows", dout_q, dout_s)
         num_rows, hidden = dout_q.shape
         dev = dout_q.device
         num_experts, inter = check_mxfp8_weights("w_down", w_q, w_s, dev, hidden)
-        persistent = pingpong = False
+        persistent, pingpong = persistent_default(dev) if persistent is None else persistent, False
         tile_n, operand = 128, "e4m3"
         pointers = dict(a=dout_q, a_scale=dout_s, b=w_q, b_scale=w_s, b2=w_q, b2_scale=w_s)
     else:

@@ -73,7 +73,7 @@ def weight_grad(
     same bits as a launch per half, which it falls back to where the two tensors' distance is not
     one a TMA descriptor can hold).
 
-    MXFP8 operands (SM100 only, one tile per CTA): a = (elements float8_e4m3fn [R, M], scales
+    MXFP8 operands (SM100 only, no ping-pong): a = (elements float8_e4m3fn [R, M], scales
     [ceil(M / 128), R / 128, 512]) and b likewise [R, N], as
     mok.ops.quantize_mxfp8_columns(..., scale_order="mma") gives them; R and every offset
     multiples of 128 (the schedule's are).
@@ -83,9 +83,9 @@ def weight_grad(
     if mxfp8:
         check_tensor("a", a_values, dtypes=E4M3, ndim=2, contiguous=True)
         check_tensor("b", b_values, dtypes=E4M3, ndim=2, device=a_values.device, contiguous=True)
-        if b_scales is None or persistent or pingpong:
-            raise ValueError("MXFP8 operands: b as an (elements, scales) pair too; one tile per CTA, no ping-pong")
-        persistent = pingpong = False
+        if b_scales is None or pingpong:
+            raise ValueError("MXFP8 operands: b as an (elements, scales) pair too, no ping-pong")
+        persistent, pingpong = persistent_default(a_values.device) if persistent is None else persistent, False
     else:
         check_tensor("a", a_values, dtypes=BF16, ndim=2)
         check_tensor("b", b_values, dtypes=BF16, ndim=2, device=a_values.device, contiguous=True)

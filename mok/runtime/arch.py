@@ -57,13 +57,15 @@ def device_arch(device: "int | None" = None) -> str | None:
 FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) has kernels that have run and been tested
 UNVERIFIED_ARCHS = ("sm_100a", "sm_103a")  # GEMMs written and compile-verified, never run (no SM100 GPU here)
 UNVERIFIED_ENV = "MOK_UNVERIFIED_SM100"  # "1": run the single-GPU layer on them anyway
-PERSISTENT_GEMM_ARCHS = ("sm_90a",)  # the persistent GEMMs and what builds on them (gathering, one launch, EP)
+PERSISTENT_GEMM_ARCHS = ("sm_90a", "sm_100a", "sm_103a")  # persistent, warp-specialised grouped and weight-gradient GEMMs
+ROW_FUSED_GEMM_ARCHS = ("sm_90a",)  # GEMMs that gather rows in the producer, take partial tiles and FP8 block scales, and the
+# one-launch expert MLP built on them (every persistent arch scatters rows, for expert parallelism, and adds biases)
 MXFP8_GEMM_ARCHS = ("sm_100a", "sm_103a")  # block-scaled MMAs (tcgen05 kind::mxf8f6f4); Hopper has none
 
 
 def has_persistent_gemms(arch: str | None) -> bool:
-    """Whether ``arch`` has the persistent, warp-specialised GEMM kernels (Hopper); elsewhere the
-    GEMMs run one tile per CTA and the variants built on the persistent ones do not exist yet."""
+    """Whether ``arch`` has the persistent, warp-specialised GEMM kernels (Hopper and SM100; the
+    SM100 ones compile-verified only)."""
     return arch in PERSISTENT_GEMM_ARCHS
 
 

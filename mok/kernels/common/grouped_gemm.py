@@ -59,6 +59,8 @@ from .gated_activation import glu_backward_values, glu_value
 
 EPILOGUES = ("plain", "swiglu", "swiglu_save", "swiglu_bwd")
 TILE_M = 128  # rows of an output tile (the schedule's row tile)
+VECTOR_SHIFT = VECTOR.bit_length() - 1  # log2(VECTOR)
+SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
 
 
 class GroupedGemm:
@@ -150,6 +152,27 @@ class GroupedGemm:
         """A [R, K] as (R, K, 1); an arch whose kernel reads k_split's halves of A on their own
         (their K tiles bounded at K/2) overrides it."""
         return cute.make_tensor(ptr, cute.make_layout((rows, self.k, 1), stride=(self.k, 1, rows * self.k)))
+
+    def scatter_target(self, scatter_to) -> tuple:
+        """``scatter``: where rows go, from ``launch``'s ``scatter_to`` = (C's pointer: rank 0's slots,
+        T_max, the rank stride): (the slots as 16-byte vectors, T_max, the rank stride)."""
+        c_ptr, rows_per_rank, rank_stride = scatter_to
+        return cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride
+
+    @cute.jit
+    def slot_vector(self, row, num_rows, m_row_token, m_row_slot, m_dst):
+        """``scatter``: the vector index (16 bytes, rank 0's slots on) of column 0 of buffer row
+        ``row``'s slot: row (g % T_max)·topk + j of rank g // T_max's slots for its (token g, slot j);
+        -1 for a padding row or one past R (nothing is written for those). Every slot lies within
+        2^31 elements (the op checks it)."""
+        _, rows_per_rank, rank_stride = m_dst
+        vector = cutlass.Int32(-1)
+        if row < num_rows:
+            g = m_row_token[row]
+            if g >= 0:
+                dest = (g // rows_per_rank) * rank_stride + ((g % rows_per_rank) * self.topk + m_row_slot[row]) * self.n
+                vector = dest >> VECTOR_SHIFT  # (dest >= 0 and a multiple of VECTOR: a shift, no signed division's fix-up)
+        return vector
 
     def row_scale(self, row, num_rows, m_row_token, m_row_slot, m_topk_w):
         """Router weight of a buffer row (mok/kernels/common/row_weight.py)."""

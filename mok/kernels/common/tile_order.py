@@ -1,4 +1,4 @@
-"""The order in which one-tile-per-CTA GEMMs map CTAs to output tiles (arch-neutral)."""
+"""The order in which the GEMMs map CTAs (or a persistent CTA's turns) to output tiles (arch-neutral)."""
 
 from __future__ import annotations
 

@@ -4,16 +4,19 @@
 
 The contract (A's expert-grouped rows, B's major modes, k_split, the four epilogues and their
 value math, the launch arguments) is every arch's: mok/kernels/common/grouped_gemm.py. Here: the
-one-tile-per-CTA kernel (the Hopper-only variants, persistent, gather_a, scatter and pingpong,
-are not written yet), on bf16 operands or on MXFP8 ones (block-scaled MMAs: GroupedGemmMxfp8Sm100).
+warp-specialised kernel of mok/kernels/sm100/tcgen05_tile.py, persistent (at most one CTA per SM
+walks the tiles in the L2-grouped order of mok/kernels/common/tile_order.py) or one CTA per tile,
+on bf16 operands or on MXFP8 ones (block-scaled MMAs: GroupedGemmMxfp8Sm100). The Hopper kernel's
+gather_a is not written here yet (its ping-pong is what two accumulator stages give this kernel
+anyway). ``scatter`` (the expert-parallel push): each epilogue thread's row goes to
+its (token, slot) row of the combine slots of the token's rank, 16-byte stores from registers.
 
-One CTA per output tile (128 x tile_n), 128 threads, on mok/kernels/sm100/tcgen05_tile.py's
-pipeline: warp 0 loads A and B by TMA and issues the tcgen05 MMAs onto fp32 accumulators in tensor
-memory (one, or two for SwiGLU: gate in columns [0, tile_n), up in [tile_n, 2·tile_n)); then the
-four warps read them back (thread t holds row t of the tile, 32 columns at a time), apply the
-epilogue and store bf16 rows straight to global memory with 16-byte stores, rows past R not
-written. With whole rows per thread the SwiGLU backward's row sums are plain sequential sums in
-column order (the Hopper kernel adds four threads' parts with shuffles).
+The MMA warp accumulates into tensor memory (one accumulator, or two for SwiGLU: gate in columns
+[0, tile_n), up in [tile_n, 2·tile_n) of the accumulator stage); the four epilogue warps read
+them back (thread t holds row t of the tile, 32 columns at a time), apply the epilogue and store
+bf16 rows straight to global memory with 16-byte stores, rows past R not written. With whole
+rows per thread the SwiGLU backward's row sums are plain sequential sums in column order (the
+Hopper kernel adds four threads' parts with shuffles).
 
 Determinism and batch invariance as on Hopper: one CTA owns each output tile, K is reduced in one
 fixed order (the MMA sequence), the tile shape comes from static shapes only. Results are not the
@@ -32,27 +35,35 @@ import cutlass.cute as cute
 from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
 from ..common.grouped_gemm import GroupedGemm
+from ..common.row_vectors import VECTOR
 from ..common.tile_order import grouped_tile
-from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import EPI_COLS, ONE_CTA_PER_SM, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
-SM90_ONLY_OPTIONS = ("gather_a", "scatter", "pingpong", "bias")  # the Hopper kernel's variants this one has not yet
+SM90_ONLY_OPTIONS = ("gather_a",)  # the Hopper kernel's variants this one has not yet
 
 
 class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
     """Static config: N, K, epilogue, B's major mode, K split, top-k, unit scale, column tile, stages,
-    the gated activation."""
+    the gated activation, persistent, scatter (the plain epilogue's rows to their (token, slot) rows
+    of the combine slots, common/grouped_gemm.py's slot_vector: the expert-parallel push), expert
+    biases (common/grouped_gemm.py)."""
+
+    takes_bias = True
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, b_expert_stride: int | None = None,
-        activation: str = "swiglu",
+        activation: str = "swiglu", persistent: bool = False, scatter: bool = False, bias: bool = False,
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias)
+        if scatter and epilogue != "plain":
+            raise ValueError(f"scatter: only with the plain epilogue (the expert-parallel row pushes), got epilogue={epilogue!r}")
+        self.persistent, self.scatter = persistent, scatter
         self.ab_stage = pick_stages((self.tile_shape_mnk[0] + self.num_b * tile_n) * TILE_K * 2, stages)
 
     def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream, biases):
-        """Host side (see GroupedGemm.launch): MXFP8's scale tensors, the TMA loads, one CTA per
-        output tile (max_ctas, the scatter arguments and the biases are the Hopper kernel's)."""
+        """Host side (see GroupedGemm.launch): MXFP8's scale tensors, the TMA loads, the grid (the
+        scatter arguments and the biases are the Hopper kernel's)."""
         m_tiles, num_row_tiles, num_rows = rows
         scale_tensors = ()
         if self.mxfp8:  # A's scales [ceil(R / 128)·128 rows, K / 32], B's and B2's per expert [N, K / 32]
@@ -62,36 +73,39 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
                       self.scale_tensor(b2_scale_ptr, self.n, self.b_k, num_experts))
             scale_tensors = (m_sfa, m_sfbs)
         tiled_mma, layouts, loads = self.prepare("k", "k" if self.b_major == "k" else "mn", m_a, m_bs, *scale_tensors)
-        all_tiles = num_row_tiles * (self.n // self.tile_shape_mnk[1])
-        self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows).launch(
-            grid=[all_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream
+        all_tiles = num_row_tiles * self.col_tiles
+        m_dst = self.scatter_target(scatter_to) if self.scatter else None
+        m_biases = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases) if self.bias else None
+        self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, m_dst, m_biases).launch(
+            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=ONE_CTA_PER_SM
         )
 
     @cute.kernel
     def kernel(
         self, tiled_mma: cute.TiledMma, smem_layouts: tuple, loads: tuple, m_c: cute.Tensor, row_args: tuple, m_tiles: cute.Tensor,
-        num_row_tiles: cutlass.Int32, num_rows: cutlass.Int32,
+        num_row_tiles: cutlass.Int32, num_rows: cutlass.Int32, m_dst: tuple | None, m_biases: tuple | None,
     ):
-        """One CTA per output tile; ``smem_layouts`` = the staged layouts of A and B (MXFP8: and of
-        their scales), ``loads`` = the TMA atoms and coordinate tensors of A, B and B2 (MXFP8: then of
-        their scales), ``row_args`` the epilogue's row tensors (h, a_scaled, partial, row_token,
-        row_slot, topk_w)."""
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        linear, _, _ = cute.arch.block_idx()
-        tile_row, tile_col = grouped_tile(linear, num_row_tiles, self.n // self.tile_shape_mnk[1])
-        expert = m_tiles[tile_row]
-        if expert >= 0:
-            stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, smem_layouts, loads)
-            views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, expert)
-            self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, self.k // self.tile_shape_mnk[2], smem_layouts)
-            acc_full = self.wait_accumulators(tmem, pipes)
-            self.epilogue(tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows)
-            self.finish(tmem, t_acc, acc_full)
+        """The CTA's tiles (Tcgen05TileKernel.run_tiles); ``smem_layouts`` = the staged layouts of A
+        and B (MXFP8: and of their scales), ``loads`` = the TMA atoms and coordinate tensors of A, B
+        and B2 (MXFP8: then of their scales), ``row_args`` the epilogue's row tensors (h, a_scaled,
+        partial, row_token, row_slot, topk_w), ``m_dst`` where scattered rows go (``scatter``),
+        ``m_biases`` B's and B2's bias rows [E·N] (``bias``)."""
+        tiles = (num_row_tiles * self.col_tiles, m_tiles, num_row_tiles)
+        self.run_tiles(tiled_mma, smem_layouts, loads, tiles, (m_c, row_args, num_rows, m_dst, m_biases))
 
-    def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, expert):
+    @cute.jit
+    def tile_at(self, linear, tiles):
+        """Output tile ``linear`` (the L2-grouped order) -> (computed: its row tile holds rows of an
+        expert, K tiles, (row tile, column tile, expert))."""
+        _, m_tiles, num_row_tiles = tiles
+        tile_row, tile_col = grouped_tile(linear, num_row_tiles, self.col_tiles)
+        expert = m_tiles[tile_row]
+        return expert >= 0, self.k_tiles, (tile_row, tile_col, expert)
+
+    def tma_views(self, tiled_mma, loads, stages, tile):
         """The TMA partitions of this tile's operands, (atom, global by K tile, shared by stage) for
         A, B and B2 (MXFP8: then for their scales): what ``load_stage`` reads."""
+        tile_row, tile_col, expert = tile
         views = (
             self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0),
             self.operand_view(tiled_mma, loads[1], stages[1], "b", tile_col, expert),
@@ -141,12 +155,18 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
                 self.load_tile(view_b2, k_tile, empty)
 
     @cute.jit
-    def epilogue(self, tidx, t_acc, m_c, row_args, tile_row, tile_col, num_rows):
-        """Tensor memory -> registers (32 columns of one row per thread at a time) -> epilogue math
-        -> bf16 -> global memory; a thread whose row is past R stores nothing."""
+    def epilogue(self, tidx, t_acc, stage, tile, k_tiles, epi_args):
+        """Accumulator stage ``stage`` of ``tile`` (tensor memory) -> registers (32 columns of one row
+        per thread at a time) -> epilogue math -> bf16 -> global memory; a thread whose row is past
+        R stores nothing. ``epi_args`` = (C, the row tensors, R, where scattered rows go, the biases).
+        With ``scatter`` the thread's row goes to its slot (none for a padding row); with ``bias``
+        (plain, swiglu, swiglu_save) the expert's bias is added to each accumulator first, so h and
+        the activation see x·Wᵀ + b."""
+        m_c, row_args, num_rows, m_dst, m_biases = epi_args
+        tile_row, tile_col, expert = tile
         m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = row_args
         tile_m, tile_n, _ = self.tile_shape_mnk
-        t2r, thr, src, src2 = self.accumulator_reader(tidx, t_acc)
+        t2r, thr, src, src2 = self.accumulator_reader(tidx, t_acc, stage)
 
         def thread_view(tensor, col_tile):  # this thread's part of a [128, tile_n] tile, by subtile
             return self.thread_view(thr, cute.local_tile(tensor, (tile_m, tile_n), (tile_row, col_tile)))
@@ -161,6 +181,20 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         coords = thread_view(cute.make_identity_tensor((num_rows, self.n)), tile_col)
         row = coords[0][0]  # 32x32b: all of a thread's values lie in one row
         row_ok = row < num_rows
+        if cutlass.const_expr(self.scatter):  # C: every row of the tile at this thread's slot (a row stride of 0)
+            first = self.slot_vector(row, num_rows, m_row_token, m_row_slot, m_dst)
+            row_ok = first >= 0
+            slot = cute.make_ptr(cutlass.BFloat16, (m_c.iterator + first * VECTOR).toint(), cute.AddressSpace.gmem, assumed_align=16)
+            slot_rows = cute.make_tensor(slot, cute.make_layout((tile_m, self.n), stride=(0, 1)))
+            dst = self.thread_view(thr, cute.local_tile(slot_rows, (tile_m, tile_n), (0, tile_col)))
+        adds_bias = self.bias and self.epilogue_kind != "swiglu_bwd"
+        bias_rows = ()
+        if cutlass.const_expr(adds_bias):  # the expert's bias rows as tiles of identical rows (a row stride of 0)
+            for m_bias in m_biases[: self.num_b]:
+                first_col = cute.make_ptr(cutlass.BFloat16, (m_bias.iterator + expert * self.n).toint(), cute.AddressSpace.gmem,
+                                          assumed_align=4)
+                rows_of_bias = cute.make_tensor(first_col, cute.make_layout((tile_m, self.n), stride=(0, 1)))
+                bias_rows += (self.thread_view(thr, cute.local_tile(rows_of_bias, (tile_m, tile_n), (0, tile_col))),)
 
         r_acc = cute.make_rmem_tensor(dst[(None, None, None, 0, 0)].shape, cutlass.Float32)
         r_acc2 = cute.make_rmem_tensor(r_acc.shape, cutlass.Float32)
@@ -168,6 +202,8 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         r_out = cute.make_rmem_tensor(r_acc.shape, cutlass.BFloat16)
         r_gate = cute.make_rmem_tensor(r_acc.shape, cutlass.BFloat16)
         r_up = cute.make_rmem_tensor(r_acc.shape, cutlass.BFloat16)
+        r_bias = cute.make_rmem_tensor(r_acc.shape, cutlass.BFloat16)  # (bias: the subtile's columns of B's and B2's)
+        r_bias2 = cute.make_rmem_tensor(r_acc.shape, cutlass.BFloat16)
         s = cutlass.Float32(0.0)
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
             s = self.row_scale(row, num_rows, m_row_token, m_row_slot, m_topk_w)
@@ -179,10 +215,18 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
                 if row_ok:  # the saved h of these columns, loaded while the accumulator comes out of tensor memory
                     cute.autovec_copy(dst_gate[(None, None, None, 0, sub)], r_gate)
                     cute.autovec_copy(dst_up[(None, None, None, 0, sub)], r_up)
+            if cutlass.const_expr(adds_bias):  # the subtile's columns of the bias rows, while the accumulators come out
+                cute.autovec_copy(bias_rows[0][(None, None, None, 0, sub)], r_bias)
+                if cutlass.const_expr(self.two_accumulators):
+                    cute.autovec_copy(bias_rows[1][(None, None, None, 0, sub)], r_bias2)
             cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
             if cutlass.const_expr(self.two_accumulators):
                 cute.copy(t2r, src2[(None, None, None, 0, sub)], r_acc2)
             cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld: the loaded registers are ready
+            if cutlass.const_expr(adds_bias):
+                r_acc.store(r_acc.load() + r_bias.load().to(cutlass.Float32))
+                if cutlass.const_expr(self.two_accumulators):
+                    r_acc2.store(r_acc2.load() + r_bias2.load().to(cutlass.Float32))
             if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
                 for v in cutlass.range_constexpr(cute.size(r_acc)):  # dA_u (unscaled) -> dh_gate, dh_up, s·a; Σ dA_u·a in column order
                     r_acc[v], r_acc2[v], r_x[v], row_sum, _ = self.swiglu_backward_value(  # (a thread's values: one row)
@@ -228,7 +272,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
-        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, activation: str = "swiglu",
+        unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, activation: str = "swiglu", persistent: bool = False,
     ) -> None:
         if b_major != "k":
             raise ValueError(f"b_major: expected 'k' with MXFP8 operands (K-major B: give the weights transposed), got {b_major!r}")
@@ -236,23 +280,25 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
             raise ValueError(f"tile_n: expected 128 or 256 (128 with SwiGLU) with MXFP8 operands, got {tile_n}")
         if k % (2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8):
             raise ValueError(f"k: expected a multiple of {2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8} with MXFP8 operands, got {k}")
-        super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, activation=activation)
+        super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, activation=activation,
+                         persistent=persistent)
         self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
         self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + self.num_b * tile_n, stages)
 
 
-def compile_grouped_gemm_sm100(
-    n: int, k: int, arch: str, options: str = "", *, operand: str = "bf16", persistent: bool = False, **config
-):
+def compile_grouped_gemm_sm100(n: int, k: int, arch: str, options: str = "", *, operand: str = "bf16", **config):
     """Compile :class:`GroupedGemmSm100` (``operand`` "bf16") or :class:`GroupedGemmMxfp8Sm100`
     ("e4m3"), ``config`` their keyword arguments, for ``arch`` (sm_100a or sm_103a) without tensors:
     the stand-ins of grouped_gemm_args(operand). The variants only the Hopper kernel has so far
-    (persistent, gather_a, scatter, pingpong) raise NotImplementedError, naming them."""
-    missing = (["persistent"] if persistent else []) + [name for name in SM90_ONLY_OPTIONS if config.pop(name, False)]
+    (gather_a) raise NotImplementedError, naming them. ``pingpong`` (Hopper's two
+    MMA warpgroups taking tiles in turn, so that one's epilogue runs under the other's MMAs) is
+    what this kernel does anyway, through two accumulator stages: it changes nothing here."""
+    config.pop("pingpong", None)
+    missing = [name for name in SM90_ONLY_OPTIONS if config.pop(name, False)]
     if missing:
         raise NotImplementedError(
-            f"grouped GEMM on {arch}: {', '.join(missing)} not written yet (sm_100a has the one-tile-per-CTA kernel with the "
-            f"plain, swiglu, swiglu_save and swiglu_bwd epilogues without biases, K- or N-major B, k_split: pass persistent=False)"
+            f"grouped GEMM on {arch}: {', '.join(missing)} not written yet (sm_100a has the persistent or one-tile-per-CTA "
+            f"kernel with the plain, swiglu, swiglu_save and swiglu_bwd epilogues, K- or N-major B, k_split, scatter, biases)"
         )
     kernel = (GroupedGemmMxfp8Sm100 if operand == "e4m3" else GroupedGemmSm100)(n, k, **config)
     return compile_kernel(kernel, grouped_gemm_args(operand), arch, options)

@@ -1,24 +1,31 @@
-"""What MoK's Blackwell GEMM kernels share: tcgen05 MMAs on one CTA's output tile, fed by a TMA
-multistage shared-memory pipeline, accumulating in tensor memory (compile-verified only: no SM100
-GPU has run them).
+"""What MoK's Blackwell GEMM kernels share: tcgen05 MMAs into tensor memory, fed by a TMA multistage
+shared-memory pipeline, in warp-specialised CTAs that walk their output tiles (compile-verified
+only: no SM100 GPU has run them).
 
-A CTA of four warps owns one output tile (128 x tile_n). Warp 0 issues the TMA loads
-``stages - 2`` K tiles ahead of the MMAs (so refilling a stage waits for MMAs issued two K tiles
-earlier, never for the ones just issued) and the MMAs (128 x tile_n x 16, cta_group::1), one or
-two accumulators (the second in the next tile_n columns of tensor memory). Each stage's MMAs free
-it on completion (tcgen05.commit onto its empty barrier), the last ones signal the accumulator
-barrier; warp 0 then waits until every stage's last release has landed (the producer's tail).
-Then the four warps read the accumulators back with tcgen05.ld 32x32b (thread t holds row
-t of the tile, ``EPI_COLS`` columns at a time) for the subclass's epilogue. K is reduced in one
-fixed order, by one CTA per output tile: the result depends only on the tile's inputs.
+A CTA of six warps takes output tiles (128 x tile_n) ``blockIdx.x``, + ``gridDim.x``, ... in a
+static order (persistent: at most one CTA per SM; otherwise one CTA per tile, the same code):
+warp 5 issues the TMA loads of each tile's K tiles into the stages as they free up, running ahead
+into the next tile; warp 4 issues the MMAs (128 x tile_n x 16, cta_group::1) of each stage onto an
+accumulator stage in tensor memory (one or two accumulators per stage, the second in the next
+tile_n columns), frees each shared-memory stage on completion (tcgen05.commit onto its empty
+barrier) and signals the accumulator stage full once its last MMA has completed; warps 0-3 (the
+epilogue) read it back with tcgen05.ld 32x32b (thread t holds row t of the tile, ``EPI_COLS``
+columns at a time), release it and apply the subclass's epilogue. With two accumulator stages
+(where they fit tensor memory's 512 columns) the next tile's MMAs run under this tile's epilogue.
+Before exit warp 5 waits until every stage's last release has landed (the producer's tail) and
+the epilogue warps free the tensor memory once all four have read their last tile. K is reduced
+in one fixed order, by one CTA per output tile: the result depends only on the tile's inputs,
+never on which CTA took it.
 
 With ``mxfp8`` the operands are MXFP8 (E4M3 elements, an E8M0 scale per 32 along K): each stage
-also brings the tile's scales (TMA, in the MMA's scale order, see mok.mxfp8.mma_scale_layout), warp 0
+also brings the tile's scales (TMA, in the MMA's scale order, see mok.mxfp8.mma_scale_layout), warp 4
 copies them into tensor memory (tcgen05.cp) ahead of the stage's block-scaled MMAs
 (kind::mxf8f6f4, 128 x tile_n x 32), and a stage holds 128 K values (128 bytes a row, as bf16's 64).
 
-A subclass sets ``tile_shape_mnk``, ``num_b`` and ``ab_stage`` and writes ``load_stage`` (the TMA
-loads of one K tile) and its epilogue.
+A subclass sets ``tile_shape_mnk``, ``num_b``, ``ab_stage`` and ``persistent``, and writes
+``tile_at`` (a linear tile index -> whether it is computed, its K-tile count and its coordinates),
+``tma_views`` and ``load_stage`` (the TMA loads of one K tile), and its ``epilogue``; its kernel
+calls :meth:`Tcgen05TileKernel.run_tiles`.
 """
 
 import cutlass
@@ -34,18 +41,19 @@ TILE_K = 64  # bf16: four 16-deep MMAs per shared-memory stage (one 128-byte swi
 TILE_K_MXFP8 = 128  # MXFP8: four 32-deep block-scaled MMAs per stage (128 bytes a row, the same atom)
 SCALE_BLOCK = 32  # MXFP8: elements along K that share one E8M0 scale
 SCALE_ATOM = 32  # MXFP8: tensor memory reserved for scales, per stage: (rows / 32) x (MMAs per stage) columns
-THREADS = 128  # four warps: warp 0 loads and issues the MMAs; all four run the epilogue
+EPILOGUE_THREADS = 128  # warps 0-3: the epilogue (warp w reads tensor-memory lanes 32w..32w+31: rows of the tile)
+MMA_WARP = 4  # issues the tcgen05 MMAs (and MXFP8's scale copies into tensor memory)
+LOAD_WARP = 5  # issues the TMA loads
+THREADS = 192  # the six warps of a CTA
+ONE_CTA_PER_SM = 1  # launch bound: shared and tensor memory hold one CTA per SM, so the registers need not leave room for
+# more (told nothing, ptxas sizes a 192-thread CTA for three per SM: 96 registers, and the SwiGLU epilogue spills)
 EPI_COLS = 32  # accumulator columns a thread reads per tcgen05.ld (32x32b, 32 repetitions)
+TMEM_COLUMNS = 512  # tensor memory of an SM: 128 lanes x 512 fp32 columns
 SMEM_BYTES = 227 * 1024
 MAX_STAGES = 8
-TMEM_ALLOC_BARRIER = 1  # named barrier: the TMEM allocation's retrieval and its release
+TMEM_ALLOC_BARRIER = 1  # named barrier: every warp retrieves the tensor-memory address
+EPILOGUE_BARRIER = 2  # named barrier: the epilogue warps' last reads, before the tensor memory is freed
 MAJOR = {"k": cute.nvgpu.OperandMajorMode.K, "mn": cute.nvgpu.OperandMajorMode.MN}
-
-
-def load_lookahead(stages: int) -> int:
-    """K tiles warp 0 loads ahead of its MMAs: refilling a stage then waits for the MMAs issued two
-    K tiles earlier, never for the ones just issued (tests/barrier_model.py runs this schedule)."""
-    return stages - 2
 
 
 def pick_stages(stage_bytes: int, stages: int | None) -> int:
@@ -67,6 +75,14 @@ class Tcgen05TileKernel:
 
     num_b = 1  # accumulators (B operands per stage): 2 for SwiGLU's gate and up
     mxfp8 = False  # operands: bf16, or MXFP8 with block-scaled MMAs (see the module docstring)
+    persistent = False  # at most max_ctas CTAs walk the tiles (else one CTA per tile)
+
+    def grid(self, all_tiles, max_ctas):
+        """Host side: the CTAs to launch: min(all_tiles, max_ctas) when persistent, else all_tiles; at
+        least one."""
+        if self.persistent:
+            return cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
+        return cutlass.max(all_tiles, 1)
 
     @property
     def operand_dtype(self) -> type:
@@ -150,7 +166,7 @@ class Tcgen05TileKernel:
         @cute.struct
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            acc_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            acc_mbar: cute.struct.MemRange[cutlass.Int64, self.acc_stages * 2]
             tmem_base: cutlass.Int32
             s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem)], 1024]
             s_b: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(b_smem)], 1024]
@@ -163,7 +179,8 @@ class Tcgen05TileKernel:
         return SharedStorage
 
     def accumulator_columns(self) -> int:
-        """Tensor-memory columns of the accumulators (one fp32 column per output column)."""
+        """Tensor-memory columns of one accumulator stage (one fp32 column per output column, for
+        each of the ``num_b`` accumulators)."""
         return self.num_b * self.tile_shape_mnk[1]
 
     def scale_columns(self) -> tuple[int, int]:
@@ -174,13 +191,23 @@ class Tcgen05TileKernel:
         mmas = tile_k // SCALE_BLOCK
         return tile_m // SCALE_ATOM * mmas, tile_n // SCALE_ATOM * mmas
 
+    def all_scale_columns(self) -> int:
+        """Tensor-memory columns of the scales (A's and each B's; none without MXFP8)."""
+        if not self.mxfp8:
+            return 0
+        sfa_cols, sfb_cols = self.scale_columns()
+        return sfa_cols + self.num_b * sfb_cols
+
+    @property
+    def acc_stages(self) -> int:
+        """Accumulator stages in tensor memory: two where they fit its 512 columns beside the scales
+        (the MMAs of the next tile then run under this tile's epilogue), else one."""
+        return 2 if 2 * self.accumulator_columns() + self.all_scale_columns() <= TMEM_COLUMNS else 1
+
     def tmem_columns(self) -> int:
-        """Tensor-memory columns to allocate: the accumulators' (and MXFP8's scales'), a power of two,
-        at least 32."""
-        used = self.accumulator_columns()
-        if self.mxfp8:
-            sfa_cols, sfb_cols = self.scale_columns()
-            used += sfa_cols + self.num_b * sfb_cols
+        """Tensor-memory columns to allocate: the accumulator stages' (and MXFP8's scales'), a power of
+        two, at least 32."""
+        used = self.acc_stages * self.accumulator_columns() + self.all_scale_columns()
         return max(32, 1 << (used - 1).bit_length())
 
     def operand_view(self, tiled_mma, load, s_x, operand: str, mn_tile, l_index, scales: bool = False):
@@ -205,12 +232,13 @@ class Tcgen05TileKernel:
 
     @cute.jit
     def setup(self, warp_idx, tiled_mma, layouts, loads):
-        """Every thread: the TMA descriptors prefetched (warp 0), shared memory, the two pipelines, and
-        the accumulators allocated in tensor memory (as (MMA, MMA_M, MMA_N, accumulator)). Returns
-        (stages, pipelines, tmem, t_acc); stages = (A, B, B2) in shared memory, with MXFP8 also their
-        scales'. ``layouts`` and ``loads``: from :meth:`prepare`."""
+        """Every thread: the TMA descriptors prefetched (the load warp), shared memory, the two
+        pipelines, and the accumulator stages allocated in tensor memory (as (MMA, MMA_M, MMA_N,
+        accumulator), accumulator ``num_b·stage + b``). Returns (stages, pipelines, tmem, t_acc);
+        stages = (A, B, B2) in shared memory, with MXFP8 also their scales'. ``layouts`` and
+        ``loads``: from :meth:`prepare`."""
         a_smem, b_smem = layouts[0], layouts[1]
-        if warp_idx == 0:
+        if warp_idx == LOAD_WARP:
             for atom, _ in loads:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage_type)
@@ -235,79 +263,131 @@ class Tcgen05TileKernel:
             barrier_storage=storage.ab_mbar.data_ptr(),
         ).make_participants()
         acc_producer, acc_consumer = pipeline.PipelineUmmaAsync.create(
-            num_stages=1,
+            num_stages=self.acc_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, EPILOGUE_THREADS),
             barrier_storage=storage.acc_mbar.data_ptr(),
         ).make_participants()
         acc_shape = tiled_mma.partition_shape_C(self.tile_shape_mnk[:2])
-        acc_layout = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_b)).layout
+        acc_layout = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_b * self.acc_stages)).layout
         tmem = cutlass.memory.TmemAllocator(
             storage.tmem_base.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_ALLOC_BARRIER, num_threads=THREADS),
         )
-        tmem.allocate(self.tmem_columns())
+        tmem.allocate(self.tmem_columns())  # (by warp 0, an epilogue warp)
         tmem.wait_for_alloc()
         t_acc = cute.make_tensor(tmem.retrieve_ptr(cutlass.Float32), acc_layout)
         return stages, (ab_producer, ab_consumer, acc_producer, acc_consumer), tmem, t_acc
 
     @cute.jit
-    def mma_warp(self, warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles, layouts):
-        """Warp 0: TMA loads (``load_stage(empty, views)``) ``stages - 2`` K tiles ahead of the MMAs;
-        acc (acc2) = A·Bᵀ (A·B2ᵀ) over ``k_tiles`` K tiles in order (none: the accumulators are not
-        written; the epilogue must not read them); MXFP8: each stage's scales copied into tensor
-        memory before its block-scaled MMAs (tcgen05.cp and tcgen05.mma from one thread run in
-        order). The accumulator barrier fires once every MMA has completed. The other warps return
-        at once."""
-        if warp_idx == 0:
-            s_a, s_b, s_b2 = stages[0], stages[1], stages[2]
-            ab_producer, ab_consumer, acc_producer, _ = pipes
-            r_a = tiled_mma.make_fragment_A(s_a)  # (MMA, MMA_M, MMA_K, stage): shared-memory descriptors
-            r_b = tiled_mma.make_fragment_B(s_b)
-            r_b2 = tiled_mma.make_fragment_B(s_b2)
-            acc = t_acc[(None, None, None, 0)]
-            acc2 = t_acc[(None, None, None, self.num_b - 1)]
-            scales = None
-            if cutlass.const_expr(self.mxfp8):
-                scales = self.scale_copies(tiled_mma, stages, t_acc, layouts[2], layouts[3])
-            ahead = cutlass.min(load_lookahead(self.ab_stage), k_tiles)
-            acc_empty = acc_producer.acquire_and_advance()
-            for _ in cutlass.range(ahead, unroll=1):
-                self.load_stage(ab_producer.acquire_and_advance(), views)
-            tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-            for k_tile in cutlass.range(k_tiles, unroll=1):
-                if k_tile < k_tiles - ahead:
+    def run_tiles(self, tiled_mma, layouts, loads, tiles, epi_args):
+        """The kernel body, every thread: :meth:`setup`, then its warp's role over the CTA's tiles
+        (``tiles`` = (all_tiles, the subclass's arguments of ``tile_at``); ``epi_args``: its
+        ``epilogue``'s)."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, layouts, loads)
+        if warp_idx == LOAD_WARP:
+            self.load_warp(tiled_mma, loads, stages, pipes, tiles)
+        if warp_idx == MMA_WARP:
+            self.mma_warp(tiled_mma, stages, pipes, t_acc, tiles, layouts)
+        if warp_idx < MMA_WARP:
+            self.epilogue_warps(tidx, tmem, t_acc, pipes, tiles, epi_args)
+
+    def first_tile_and_step(self):
+        """The CTA's tiles in the static order every warp walks: ``blockIdx.x``, + ``gridDim.x``, ...
+        (below all tiles; a tile's work does not depend on which CTA takes it)."""
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        return first, step
+
+    @cute.jit
+    def load_warp(self, tiled_mma, loads, stages, pipes, tiles):
+        """The load warp: for each computed tile of the CTA, its K tiles (``load_stage``) into the
+        stages as the MMAs free them; then the producer's tail (every stage's last release landed:
+        nothing arrives on shared memory after the CTA exits), on the state these loops advanced."""
+        ab_producer = pipes[0]
+        linear, step = self.first_tile_and_step()
+        while linear < tiles[0]:
+            active, k_tiles, tile = self.tile_at(linear, tiles)
+            if active:
+                views = self.tma_views(tiled_mma, loads, stages, tile)
+                ab_producer.reset()  # (the handles count this tile's K tiles from 0)
+                for _ in cutlass.range(k_tiles, unroll=1):
                     self.load_stage(ab_producer.acquire_and_advance(), views)
-                full = ab_consumer.wait_and_advance()
-                if cutlass.const_expr(self.mxfp8):
-                    self.copy_scales(scales, full.index)
-                for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
-                    blk = (None, None, kb, full.index)
+            linear += step
+        ab_producer.tail()
+
+    @cute.jit
+    def mma_warp(self, tiled_mma, stages, pipes, t_acc, tiles, layouts):
+        """The MMA warp: for each computed tile, once an accumulator stage is free, acc (acc2) = A·Bᵀ
+        (A·B2ᵀ) over its K tiles in order, each stage freed when its MMAs complete; the accumulator
+        stage's barrier fires once every MMA of the tile has completed (no K tiles: at once, the
+        accumulators unwritten; the epilogue must not read them). MXFP8: each stage's scales copied
+        into tensor memory before its block-scaled MMAs (tcgen05.cp and tcgen05.mma from one
+        thread run in order)."""
+        _, ab_consumer, acc_producer, _ = pipes
+        s_a, s_b, s_b2 = stages[0], stages[1], stages[2]
+        r_a = tiled_mma.make_fragment_A(s_a)  # (MMA, MMA_M, MMA_K, stage): shared-memory descriptors
+        r_b = tiled_mma.make_fragment_B(s_b)
+        r_b2 = tiled_mma.make_fragment_B(s_b2)
+        scales = None
+        if cutlass.const_expr(self.mxfp8):
+            scales = self.scale_copies(tiled_mma, stages, t_acc, layouts[2], layouts[3])
+        linear, step = self.first_tile_and_step()
+        while linear < tiles[0]:
+            active, k_tiles, _ = self.tile_at(linear, tiles)
+            if active:
+                acc_empty = acc_producer.acquire_and_advance()
+                acc = t_acc[(None, None, None, acc_empty.index * self.num_b)]
+                acc2 = t_acc[(None, None, None, acc_empty.index * self.num_b + self.num_b - 1)]
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for _ in cutlass.range(k_tiles, unroll=1):
+                    full = ab_consumer.wait_and_advance()
                     if cutlass.const_expr(self.mxfp8):
-                        (_, _, _, t_sfa), (_, _, _, t_sfb), (_, _, _, t_sfb2) = scales
-                        sf = (None, None, kb)
-                        cute.gemm(tiled_mma, acc, [r_a[blk], t_sfa[sf]], [r_b[blk], t_sfb[sf]], acc)
-                        if cutlass.const_expr(self.num_b == 2):
-                            cute.gemm(tiled_mma, acc2, [r_a[blk], t_sfa[sf]], [r_b2[blk], t_sfb2[sf]], acc2)
-                    else:
-                        cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
-                        if cutlass.const_expr(self.num_b == 2):
-                            cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
-                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                full.release()  # the stage is free once these MMAs complete
-            acc_empty.commit()  # the accumulators are final once every MMA has completed
-            # Before warp 0 moves on: every stage's last release has landed (no arrive onto shared
-            # memory after the CTA exits). On the producer state these loops advanced: the state
-            # ``setup`` made stays at stage 0, and its waits (parity 1) hang whenever a stage was
-            # filled an odd number of times.
-            ab_producer.tail()
+                        self.copy_scales(scales, full.index)
+                    for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
+                        blk = (None, None, kb, full.index)
+                        if cutlass.const_expr(self.mxfp8):
+                            (_, _, _, t_sfa), (_, _, _, t_sfb), (_, _, _, t_sfb2) = scales
+                            sf = (None, None, kb)
+                            cute.gemm(tiled_mma, acc, [r_a[blk], t_sfa[sf]], [r_b[blk], t_sfb[sf]], acc)
+                            if cutlass.const_expr(self.num_b == 2):
+                                cute.gemm(tiled_mma, acc2, [r_a[blk], t_sfa[sf]], [r_b2[blk], t_sfb2[sf]], acc2)
+                        else:
+                            cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
+                            if cutlass.const_expr(self.num_b == 2):
+                                cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    full.release()  # the stage is free once these MMAs complete
+                acc_empty.commit()  # the accumulator stage is final once every MMA has completed
+            linear += step
+
+    @cute.jit
+    def epilogue_warps(self, tidx, tmem, t_acc, pipes, tiles, epi_args):
+        """Warps 0-3: for each computed tile, wait for its accumulator stage, run the subclass's
+        ``epilogue`` on it (which reads it with tcgen05.ld and waits for the loads), release it;
+        then, once all four warps are done, free the tensor memory."""
+        acc_consumer = pipes[3]
+        tmem.relinquish_alloc_permit()  # (other CTAs on the SM may allocate)
+        linear, step = self.first_tile_and_step()
+        while linear < tiles[0]:
+            active, k_tiles, tile = self.tile_at(linear, tiles)
+            if active:
+                acc_full = acc_consumer.wait_and_advance()
+                self.epilogue(tidx, t_acc, acc_full.index, tile, k_tiles, epi_args)
+                acc_full.release()
+            linear += step
+        pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER, num_threads=EPILOGUE_THREADS).arrive_and_wait()
+        tmem.free(t_acc.iterator)
 
     def scale_copies(self, tiled_mma, stages, t_acc, sfa_smem, sfb_smem):
-        """MXFP8, warp 0: for A's scales, B's and B2's: (tcgen05.cp copy, shared-memory source by
-        stage, tensor-memory destination, the MMAs' view of that tensor memory (MMA, MMA_MN, MMA_K)).
-        The scales lie in tensor memory after the accumulators: A's, then B's, then B2's."""
+        """MXFP8, the MMA warp: for A's scales, B's and B2's: (tcgen05.cp copy, shared-memory source
+        by stage, tensor-memory destination, the MMAs' view of that tensor memory (MMA, MMA_MN,
+        MMA_K)). The scales lie in tensor memory after every accumulator stage: A's, then B's, then
+        B2's."""
         sfa_cols, sfb_cols = self.scale_columns()
-        base = t_acc.iterator + self.accumulator_columns()
+        base = t_acc.iterator + self.acc_stages * self.accumulator_columns()
         e8m0 = cutlass.Float8E8M0FNU
         sfa_layout = blockscaled_layout.make_tmem_layout_sfa(
             tiled_mma, self.tile_shape_mnk, SCALE_BLOCK, cute.slice_(sfa_smem, (None, None, None, 0))
@@ -335,33 +415,20 @@ class Tcgen05TileKernel:
 
     @cute.jit
     def copy_scales(self, scales, stage):
-        """MXFP8, warp 0: stage ``stage``'s scales of A and B (and B2) into tensor memory."""
+        """MXFP8, the MMA warp: stage ``stage``'s scales of A and B (and B2) into tensor memory."""
         for operand in cutlass.range_constexpr(1 + self.num_b):
             copy, src, dst, _ = scales[operand]
             cute.copy(copy, src[(None, None, None, None, stage)], dst)
 
-    @cute.jit
-    def wait_accumulators(self, tmem, pipes):
-        """Every thread: give up the right to allocate tensor memory (others' CTAs may), then wait until
-        the MMAs are done; returns the accumulator barrier's handle for :meth:`finish`."""
-        tmem.relinquish_alloc_permit()
-        return pipes[3].wait_and_advance()
-
-    @cute.jit
-    def finish(self, tmem, t_acc, acc_full):
-        """Every thread, after its epilogue: release the accumulator and free the tensor memory once
-        every warp's reads are done."""
-        acc_full.release()
-        pipeline.sync(barrier_id=TMEM_ALLOC_BARRIER)
-        tmem.free(t_acc.iterator)
-
-    def accumulator_reader(self, tidx, t_acc):
+    def accumulator_reader(self, tidx, t_acc, stage):
         """The epilogue's tcgen05.ld copy, this thread's slice of it, and the sources
-        (T2R, T2R_M, T2R_N, 1, subtiles) of the first and the last accumulator."""
+        (T2R, T2R_M, T2R_N, 1, subtiles) of the first and the last accumulator of accumulator stage
+        ``stage``."""
         epi_tile = (self.tile_shape_mnk[0], EPI_COLS)
         load_atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), cutlass.Float32)
-        acc_epi = cute.flat_divide(t_acc[((None, None), 0, 0, 0)], epi_tile)  # (128, 32, 1, subtiles)
-        acc2_epi = cute.flat_divide(t_acc[((None, None), 0, 0, self.num_b - 1)], epi_tile)
+        first = stage * self.num_b
+        acc_epi = cute.flat_divide(t_acc[((None, None), 0, 0, first)], epi_tile)  # (128, 32, 1, subtiles)
+        acc2_epi = cute.flat_divide(t_acc[((None, None), 0, 0, first + self.num_b - 1)], epi_tile)
         t2r = tcgen05.make_tmem_copy(load_atom, acc_epi[(None, None, 0, 0)])
         thr = t2r.get_slice(tidx)
         return t2r, thr, thr.partition_S(acc_epi), thr.partition_S(acc2_epi)

@@ -5,8 +5,8 @@ expert-grouped rows, accumulating in tensor memory.
 
 The contract (rows, counts, accumulate, split_out, the tile order, determinism, the launch
 arguments) is every arch's: mok/kernels/common/weight_grad.py. Here: both operands read MN-major
-by TMA, one CTA of four warps per output tile (128 x tile_n) on mok/kernels/sm100/tcgen05_tile.py's
-pipeline, then each thread converts (or adds) its row of the tile, 32 columns at a time, with
+by TMA, in the warp-specialised kernel of mok/kernels/sm100/tcgen05_tile.py (persistent, or one CTA
+per output tile of 128 x tile_n); each epilogue thread converts (or adds) its row of the tile, 32 columns at a time, with
 16-byte accesses; ``accumulate`` reads, adds to and writes back each element by the one thread
 that owns it (the same single fp32 addition as the Hopper kernel's TMA reduce-add). On bf16
 operands, or on MXFP8 ones (block-scaled MMAs: WeightGradGemmMxfp8Sm100). Compiled for sm_100a /
@@ -20,19 +20,21 @@ import cutlass.cute as cute
 from ..common.compile import compile_kernel
 from ..common.records import weight_grad_args
 from ..common.weight_grad import OUT_DTYPES, WeightGradGemm
-from .tcgen05_tile import EPI_COLS, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import EPI_COLS, ONE_CTA_PER_SM, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
 class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
-    """Static config: M, N, output dtype, accumulate, A's row stride, column tile, split_out, stages."""
+    """Static config: M, N, output dtype, accumulate, A's row stride, column tile, split_out, stages,
+    persistent."""
 
     aligned_halves = True  # split_out's halves lie a multiple of 16 bytes apart (the launcher checks): 16-byte stores
 
     def __init__(
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
-        tile_n: int = 128, stages: int | None = None, split_out: bool = False,
+        tile_n: int = 128, stages: int | None = None, split_out: bool = False, persistent: bool = False,
     ) -> None:
         self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out)
+        self.persistent = persistent
         self.ab_stage = pick_stages((self.tile_shape_mnk[0] + tile_n) * TILE_K * 2, stages)
 
     def operand_tensor(self, ptr, mn, row_stride, num_rows):
@@ -40,40 +42,38 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         return cute.make_tensor(ptr, cute.make_layout((mn, num_rows, 1), stride=(1, row_stride, row_stride * num_rows)))
 
     def launch(self, m_a, m_b, scales, m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream):
-        """Host side (see WeightGradGemm.launch): MXFP8's scale tensors, the TMA loads, one CTA per
-        output tile of each expert (max_ctas is the Hopper kernel's)."""
+        """Host side (see WeightGradGemm.launch): MXFP8's scale tensors, the TMA loads, the grid."""
         scale_tensors = ()
         if self.mxfp8:  # the scales of A [R, M] and B [R, N] along the rows, in the MMA's order
             scale_tensors = (self.scale_tensor(scales[0], self.m, num_rows, 1), (self.scale_tensor(scales[1], self.n, num_rows, 1),))
         tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,), *scale_tensors)
-        self.kernel(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows).launch(
-            grid=[self.all_tiles(num_experts), 1, 1], block=[THREADS, 1, 1], stream=stream
+        all_tiles = self.all_tiles(num_experts)
+        self.kernel(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, all_tiles).launch(
+            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=ONE_CTA_PER_SM
         )
 
     @cute.kernel
     def kernel(
         self, tiled_mma: cute.TiledMma, smem_layouts: tuple, loads: tuple, m_c: cute.Tensor, upper_first: cutlass.Int32, rows: tuple,
-        num_rows: cutlass.Int32,
+        num_rows: cutlass.Int32, all_tiles: cutlass.Int32,
     ):
-        """One CTA per output tile of one expert; ``smem_layouts``: the staged layouts of A and B
-        (MXFP8: and of their scales), ``loads``: the TMA atoms and coordinate tensors of A and B
-        (MXFP8: then of their scales)."""
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        linear, _, _ = cute.arch.block_idx()
-        expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
-        stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, smem_layouts, loads)
-        k_first = row_start // self.tile_shape_mnk[2]  # (offsets: multiples of 128)
-        views = self.tma_views(tiled_mma, loads, stages, tile_row, tile_col, k_first)
-        self.mma_warp(warp_idx, tiled_mma, stages, pipes, t_acc, views, k_tiles, smem_layouts)
-        acc_full = self.wait_accumulators(tmem, pipes)
-        g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
-        self.epilogue(tidx, t_acc, g_c, k_tiles > 0)
-        self.finish(tmem, t_acc, acc_full)
+        """The CTA's output tiles (Tcgen05TileKernel.run_tiles), each of one expert; ``smem_layouts``:
+        the staged layouts of A and B (MXFP8: and of their scales), ``loads``: the TMA atoms and
+        coordinate tensors of A and B (MXFP8: then of their scales)."""
+        self.run_tiles(tiled_mma, smem_layouts, loads, (all_tiles, rows, num_rows), (m_c, upper_first))
 
-    def tma_views(self, tiled_mma, loads, stages, tile_row, tile_col, k_first):
+    @cute.jit
+    def tile_at(self, linear, tiles):
+        """Output tile ``linear`` -> (computed: always (an expert without rows gets zeros, or is left
+        as it was), K tiles, (expert, row tile, column tile, first K tile))."""
+        _, rows, num_rows = tiles
+        expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
+        return True, k_tiles, (expert, tile_row, tile_col, row_start // self.tile_shape_mnk[2])  # (offsets: multiples of 128)
+
+    def tma_views(self, tiled_mma, loads, stages, tile):
         """(atom, global by K tile, shared by stage) for A and B (MXFP8: then for their scales), and
         the expert's first K tile: what ``load_stage`` reads."""
+        _, tile_row, tile_col, k_first = tile
         views = (
             self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0),
             self.operand_view(tiled_mma, loads[1], stages[1], "b", tile_col, 0),
@@ -95,10 +95,15 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
             cute.copy(atom, g_x[(None, k_tile)], s_x[(None, empty.index)], tma_bar_ptr=empty.barrier)
 
     @cute.jit
-    def epilogue(self, tidx, t_acc, g_c, has_rows):
-        """Each thread's row of the tile, 32 columns at a time: the accumulator (zeros for an expert
-        without rows, whose MMAs never ran) converted to the output dtype, or added into it."""
-        t2r, thr, src, _ = self.accumulator_reader(tidx, t_acc)
+    def epilogue(self, tidx, t_acc, stage, tile, k_tiles, epi_args):
+        """Each thread's row of the tile, 32 columns at a time: accumulator stage ``stage`` (zeros for
+        an expert without rows, whose MMAs never ran) converted to the output dtype, or added into
+        it. ``epi_args`` = (the output, upper_first)."""
+        m_c, upper_first = epi_args
+        expert, tile_row, tile_col, _ = tile
+        g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
+        has_rows = k_tiles > 0
+        t2r, thr, src, _ = self.accumulator_reader(tidx, t_acc, stage)
         dst = self.thread_view(thr, g_c)
         out_dtype = OUT_DTYPES[self.out_dtype]
         r_acc = cute.make_rmem_tensor(dst[(None, None, None, 0, 0)].shape, cutlass.Float32)
@@ -135,28 +140,24 @@ class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
     mxfp8 = True
 
     def __init__(self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
-                 tile_n: int = 128, stages: int | None = None, split_out: bool = False) -> None:
+                 tile_n: int = 128, stages: int | None = None, split_out: bool = False, persistent: bool = False) -> None:
         if tile_n not in (128, 256):
             raise ValueError(f"tile_n: expected 128 or 256 with MXFP8 operands, got {tile_n}")
         if a_stride is not None and a_stride % 16:
             raise ValueError(f"a_stride: expected a multiple of 16 (bytes of E4M3) with MXFP8 operands, got {a_stride}")
-        super().__init__(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, split_out=split_out)
+        super().__init__(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, split_out=split_out, persistent=persistent)
         self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
         self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + tile_n, stages)
 
 
 def compile_weight_grad_sm100(
     m: int, n: int, out_dtype: str, accumulate: bool, arch: str, options: str = "", *, operand: str = "bf16",
-    persistent: bool = False, pingpong: bool = False, **config
+    pingpong: bool = False, **config
 ):
     """Compile :class:`WeightGradGemmSm100` (``operand`` "bf16") or :class:`WeightGradGemmMxfp8Sm100`
     ("e4m3"), ``config`` their keyword arguments, for ``arch`` (sm_100a or sm_103a) without tensors:
-    the stand-ins of weight_grad_args(operand, out_dtype). ``persistent`` and ``pingpong`` (Hopper
-    only so far) raise NotImplementedError."""
-    if persistent or pingpong:
-        raise NotImplementedError(
-            f"weight-gradient GEMM on {arch}: {'persistent' if persistent else 'pingpong'} not written yet (sm_100a has the "
-            f"one-tile-per-CTA kernel: pass persistent=False)"
-        )
+    the stand-ins of weight_grad_args(operand, out_dtype). ``pingpong`` (Hopper's two MMA
+    warpgroups taking tiles in turn, so that one's epilogue runs under the other's MMAs) is what
+    this kernel does anyway, through two accumulator stages: it changes nothing here."""
     kernel = (WeightGradGemmMxfp8Sm100 if operand == "e4m3" else WeightGradGemmSm100)(m, n, out_dtype, accumulate, **config)
     return compile_kernel(kernel, weight_grad_args(operand, out_dtype), arch, options)

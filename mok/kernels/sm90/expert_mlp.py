@@ -81,7 +81,7 @@ from ..common.records import EXPERT_MLP_ARGS
 from ..common.mxfp8_quantize import BLOCK as MXFP8_BLOCK
 from ..common.schedule import ScheduleKernel
 from ..common.waits import grid_barrier, wait_at_least
-from .grouped_gemm import SCATTER_ELEMS, SCATTER_THREADS, GroupedGemmSm90
+from .grouped_gemm import SCATTER_THREADS, GroupedGemmSm90
 from .wgmma_tile import TILE_K
 
 TILE = 128  # row and column tile of both GEMMs (the fc1 buffers hold the fc2 stages)
@@ -237,7 +237,7 @@ class ExpertMlpSm90:
                 cute.make_tensor(slots_ptr, cute.make_layout((w, t_max * k, hid), stride=(slots_stride, hid, 1))),
             )
             # fc2's pushes: rank 0's slots on as 16-byte vectors (grouped_gemm.scatter_tile); the combine: this rank's [T_max·k, H]
-            scatter_dst = (cute.zipped_divide(cute.make_tensor(slots_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), t_max, slots_stride)
+            scatter_dst = self.fc2.scatter_target((slots_ptr, t_max, slots_stride))
             m_y_combined = row_major(slots_ptr + rank * slots_stride, t_max * k, hid)
 
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))

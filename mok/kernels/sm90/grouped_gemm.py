@@ -56,8 +56,6 @@ from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
-VECTOR_SHIFT = VECTOR.bit_length() - 1  # log2(VECTOR)
-SCATTER_ELEMS = (1 << 31) - VECTOR  # the scattered rows' address space: rank 0's slots on, 32-bit vector indices
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
 
 
@@ -167,8 +165,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
-            c_ptr, rows_per_rank, rank_stride = scatter_to
-            m_x = (cute.zipped_divide(cute.make_tensor(c_ptr, cute.make_layout((SCATTER_ELEMS,))), (VECTOR,)), rows_per_rank, rank_stride)
+            m_x = self.scatter_target(scatter_to)
         bias_tensors = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases)
         args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x, bias_tensors, b_scales)
         self.launch_tiles(args, num_tiles * self.col_tiles, max_ctas, stream)
@@ -552,23 +549,17 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
 
     @cute.jit
     def scatter_tile(self, epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, m_dst, tid):
-        """``scatter``, producer warps 1-3, one tile: each row's first element in the slots (rank 0's
-        slots on; -1 for padding rows) into ``s_dest``, then per subtile copy the handed-over buffer
+        """``scatter``, producer warps 1-3, one tile: each row's first vector in the slots
+        (GroupedGemm.slot_vector; -1 for padding rows) into ``s_dest``, then per subtile copy the handed-over buffer
         out, 16 bytes per store. A thread copies the same chunk of the same rows in every subtile,
         their destinations read into registers once a tile: the copy is bound by these three warps'
         issue rate (docs/notes/expert-parallel-exchange.md). Returns the advanced epilogue-pipeline state."""
-        m_vecs, rows_per_rank, rank_stride = m_dst
+        m_vecs = m_dst[0]
         tile_m, tile_n, _ = self.tile_shape_mnk
         per_row = SCATTER_COLS // VECTOR
         self.scatter_sync()  # the previous tile's destinations are read no more
         for r in cutlass.range(tid, tile_m, SCATTER_THREADS, unroll=1):
-            row = tile_row * tile_m + r
-            dest = cutlass.Int32(-1)  # (every slot lies within 2^31 elements: the op checks it)
-            if row < num_rows:
-                g = m_row_token[row]
-                if g >= 0:
-                    dest = (g // rows_per_rank) * rank_stride + ((g % rows_per_rank) * self.topk + m_row_slot[row]) * self.n
-            s_dest[r] = dest
+            s_dest[r] = self.slot_vector(tile_row * tile_m + r, num_rows, m_row_token, m_row_slot, m_dst)
         self.scatter_sync()
         # this thread's rows: row0 + rows_per_pass·j, its chunk of each (16 bytes), the same in every
         # subtile; their vector indices in column 0 are read once a tile (-1: none, or past the tile)
@@ -580,9 +571,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         for j in cutlass.range_constexpr(passes):
             vector = cutlass.Int32(-1)
             if row0 + rows_per_pass * j < tile_m:
-                dest = s_dest[row0 + rows_per_pass * j]
-                if dest >= 0:
-                    vector = (dest >> VECTOR_SHIFT) + chunk  # (dest >= 0: a shift, no signed division's fix-up)
+                first = s_dest[row0 + rows_per_pass * j]
+                if first >= 0:
+                    vector = first + chunk
             vectors[j] = vector
         for epi in cutlass.range(tile_n // SCATTER_COLS, unroll=1):
             epi_pipe.consumer_wait(cons)
