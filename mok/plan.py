@@ -26,12 +26,10 @@ from .runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, ROW_FUSED_GEM
 TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
 
 
-def whole_tiles_reason(config: MoKConfig, arch: str) -> str | None:
-    """Why a layer of ``config`` on ``arch`` needs every width a multiple of 128 (None: any multiple
-    of 8 runs, the partial last tiles zero-filled and clipped by TMA: Hopper's bf16 kernels, staged
-    or in one launch)."""
-    if arch not in ROW_FUSED_GEMM_ARCHS:
-        return f"{arch}'s kernels take whole tiles so far"
+def whole_tiles_reason(config: MoKConfig) -> str | None:
+    """Why a layer of ``config`` needs every width a multiple of 128 (None: any multiple of 8 runs,
+    the partial last tiles zero-filled by TMA on load and left unwritten past the width on store:
+    the bf16 kernels of every arch, staged or in one launch)."""
     if config.precision != "bf16":
         return f"precision={config.precision!r}: its scale blocks tile every width"
     return None
@@ -308,7 +306,7 @@ def plan_for(config: MoKConfig, arch: str) -> Plan:
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     arch = normalize_arch(arch)
     shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
-    check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared}, whole_tiles_reason(config, arch))
+    check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared}, whole_tiles_reason(config))
     if config.precision == "mxfp8":
         require_mxfp8_gemms("precision='mxfp8'", arch)
     why = refusal(config, arch)

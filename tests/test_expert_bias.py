@@ -123,8 +123,7 @@ def test_bad_bias_input_is_refused_naming_it():
         MoKConfig(128, 128, 8, 2, expert_bias=True, precision="mxfp8_emulated")
     on_sm100 = plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True), "sm_100a").variants()  # (whole tiles there)
     assert {v.config["epilogue"] for v in on_sm100 if v.config.get("bias")} == {"plain", "swiglu", "swiglu_save", "swiglu_bwd"}
-    with pytest.raises(ValueError, match=r"sm_100a's kernels take whole tiles so far"):
-        plan_for(MoKConfig(2880, 2880, 8, 2, expert_bias=True), "sm_100a")
+    plan_for(MoKConfig(2880, 2880, 8, 2, expert_bias=True), "sm_100a")  # (gpt-oss's widths: partial tiles there too)
     x, idx, w, experts, biases = biased_layer(4, 16, 8, 4, 2, seed=2)
     with pytest.raises(ValueError, match=r"biases.down: expected shape \[4, 16\], got \[4, 8\]"):
         moe_reference(x, idx, w, *experts, dtype=torch.float64, biases=(biases[0], biases[1], biases[0]))

@@ -184,18 +184,40 @@ def test_partial_tile_variants_keep_wgmma_tma_and_no_spills(hidden, inter, exper
             assert ptxas_spill_bytes(ptx) in (None, 0, 16 if variant.config.get("gather_a") else 0), variant.describe()
 
 
-def test_sm100_kernels_refuse_partial_tiles_naming_the_requirement():
-    """The SM100 kernels take whole tiles so far: a layer with gpt-oss's widths is refused there
-    before anything compiles, and the kernels themselves say what they need."""
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("variant,vectors", [
+    (grouped_gemm_variant(2880, 2880, epilogue="swiglu_save"), 3), (grouped_gemm_variant(2056, 1032), 1),
+    (grouped_gemm_variant(1032, 2056, epilogue="swiglu_bwd", b_major="n", topk=4), 3),
+    (grouped_gemm_variant(2056, 2064, b_major="n", k_split=True), 1), (grouped_gemm_variant(2056, 1032, scatter=True, topk=4), 1),
+    (weight_grad_variant(2064, 2056, split_out=True), 1), (weight_grad_variant(2064, 2056, "f32", True, split_out=True), 1),
+])  # gpt-oss's widths, odd multiples of 8: every SM100 form, partial column (and K, row) tiles
+def test_sm100_kernels_take_partial_tiles_storing_nothing_past_the_width(arch, variant, vectors):
+    """Widths the tile does not divide: TMA zero-fills the loads past them (k_split: each half of K
+    on its own, A's two halves their own TMA views, as for whole tiles); the epilogue stores a
+    subtile whole where it lies inside the width, else 16 bytes at a time up to it (a second set of
+    the same vector stores, per output tensor); nothing else changes: no spills."""
+    ptx = compiled_ptx(variant, arch)
+    same = ("epilogue", "b_major", "k_split", "topk", "tile_n")
+    whole = compiled_ptx(
+        grouped_gemm_variant(2048, 2048, **{o: variant.config[o] for o in same if o in variant.config},
+                             **({"scatter": True} if variant.config.get("scatter") else {}))
+        if variant.name == "grouped_gemm" else
+        weight_grad_variant(2048, 2048, variant.config["out_dtype"], variant.config["accumulate"], split_out=True), arch)
+    stores = r"st\.global\.v2\.b64" if variant.config.get("out_dtype") == "f32" else r"st\.global\.v4\.b32"
+    per_subtile = 8 if variant.config.get("out_dtype") == "f32" else 4
+    assert count(stores, ptx) == count(stores, whole) + per_subtile * vectors
+    assert count(r"cp\.async\.bulk\.tensor", ptx) == count(r"cp\.async\.bulk\.tensor", whole)
+    assert_warp_specialised_tcgen05_kernel(ptx)
+    assert ptxas_spill_bytes(ptx, arch) in (None, 0)
+
+
+def test_sm100_layer_takes_gpt_oss_widths_and_mxfp8_still_whole_tiles():
     from mok.config import MoKConfig
     from mok.plan import plan_for
 
-    with pytest.raises(ValueError, match=r"multiples of 128 \(sm_100a's kernels take whole tiles so far\), got hidden=2880"):
-        plan_for(MoKConfig(2880, 2880, 32, 4), "sm_100a")
-    with pytest.raises(ValueError, match=r"this arch's kernel takes whole tiles: multiples of \(128, 64\), got \(2880, 2880\)"):
-        compiled_ptx(grouped_gemm_variant(2880, 2880, persistent=False), "sm_100a")
-    with pytest.raises(ValueError, match=r"this arch's kernel takes whole tiles: multiples of \(256, 128\), got \(2064, 2056\)"):
-        compiled_ptx(weight_grad_variant(2064, 2056, split_out=True, persistent=False), "sm_100a")
+    plan_for(MoKConfig(2880, 2880, 32, 4, activation="clamped_swiglu", expert_bias=True), "sm_100a")
+    with pytest.raises(ValueError, match=r"precision='mxfp8': expected widths that are multiples of 128"):
+        plan_for(MoKConfig(2880, 2880, 32, 4, precision="mxfp8"), "sm_100a")
 
 
 @pytest.mark.parametrize("activation", ["clamped_swiglu", "geglu"])
@@ -383,9 +405,11 @@ def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, e
     assert count(r"tcgen05\.alloc\.", ptx) == 1 and count(r"tcgen05\.dealloc\.", ptx) == 1
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == accumulators
     assert count(r"tcgen05\.wait::ld", ptx) == 1
-    # TMA loads of A and B (B2; k_split: B or B2), an N-major B tile in boxes of 64 columns (a 128-byte swizzle atom)
+    # TMA loads of A (k_split: its halves of K) and B (B2; k_split: B or B2), an N-major B tile in boxes of 64 columns
+    # (a 128-byte swizzle atom)
     b_boxes = variant.config["tile_n"] // 64 if b_major == "n" else 1
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 1 + b_boxes * (2 if accumulators == 2 or k_split else 1)
+    loads = (2 if k_split else 1) + b_boxes * (2 if accumulators == 2 or k_split else 1)
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
     stores = 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)  # 32 bf16 columns of a row: four 16-byte stores a tensor
     assert count(r"st\.global\.v4\.b32", ptx) == stores
     assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row
@@ -443,8 +467,8 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
     assert count(r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", ptx) == 1 + accumulators * tile_n // 128
     assert count(r"tcgen05\.commit\.cta_group::1", ptx) == 2
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == accumulators
-    # A, B (B2; k_split: B or B2) and their scales
-    loads = 2 * (1 + (2 if accumulators == 2 or k_split else 1))
+    # A (k_split: its halves of K), B (B2; k_split: B or B2) and their scales (A's over the whole of K)
+    loads = 2 * (1 + (2 if accumulators == 2 or k_split else 1)) + (1 if k_split else 0)
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
     assert count(r"st\.global\.v4\.b32", ptx) == 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
     assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # the saved h_gate, h_up

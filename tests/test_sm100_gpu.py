@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mok import ops
+from mok.kernels.variants import default_tile_n
 
 from helpers import assert_scatters_into_two_ranks_slots, poisoned, rel_err
 
@@ -43,6 +44,8 @@ def _expert_matrix(b, e, b_major):
         (520, 768, 2048, 4, "swiglu_save", "k", False),
         (400, 2048, 1536, 3, "plain", "n", True),  # the backward's dx: N-major weights, K in two halves
         (37, 128, 64, 1, "swiglu_save", "k", False),  # one partial tile, one K tile
+        (520, 1032, 2056, 3, "swiglu_save", "k", False),  # widths the tiles do not divide: the last column and K tiles partial
+        (400, 2056, 2064, 3, "plain", "n", True),  # dx with halves of K = 1032: each half's last K tile partial
     ],
 )
 @pytest.mark.parametrize("persistent", [True, False])
@@ -146,7 +149,7 @@ def test_sm100_grouped_gemm_rows_do_not_depend_on_the_other_tiles():
     assert torch.equal(first[:128], second[:128])
 
 
-@pytest.mark.parametrize("rows,hidden,inter,experts,topk", [(700, 512, 256, 3, 4), (300, 2048, 768, 2, 8), (130, 256, 128, 1, 1)])
+@pytest.mark.parametrize("rows,hidden,inter,experts,topk", [(700, 512, 256, 3, 4), (300, 2048, 768, 2, 8), (130, 256, 128, 1, 1), (260, 1032, 2056, 3, 4)])
 def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, inter, experts, topk):
     """dh, s·a and the router gradient's per-tile pieces from dA_u = dout_rows·W_down (ops.swiglu_backward_gemm)."""
     g = torch.Generator(device="cuda").manual_seed(rows + hidden)
@@ -161,7 +164,9 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
     dh, a_scaled, partial = ops.swiglu_backward_gemm(
         dout_rows, w_down, tile_expert, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w
     )
-    tile_n = inter // partial.shape[1]
+    tile_n = default_tile_n(inter, hidden, True)
+    col_tiles = -(-inter // tile_n)  # (the last one partial where the tile does not divide I)
+    assert partial.shape[1] == col_tiles
     e_of_row = tile_expert.repeat_interleave(128)[:rows].long()
     d_a = torch.einsum("rh,rhi->ri", dout_rows.float(), w_down[e_of_row].float())
     s = torch.where(row_token >= 0, topk_w[row_token.clamp(min=0).long(), row_slot.long()], torch.zeros((), device="cuda"))[:, None]
@@ -169,7 +174,7 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
     sig = torch.sigmoid(h_g)
     a = h_g * sig * h_u
     want_dh = torch.cat([s * d_a * h_u * sig * (1 + h_g * (1 - sig)), s * d_a * h_g * sig], dim=1)
-    want_partial = (d_a * a).reshape(rows, inter // tile_n, tile_n).sum(-1)
+    want_partial = torch.nn.functional.pad(d_a * a, (0, col_tiles * tile_n - inter)).reshape(rows, col_tiles, tile_n).sum(-1)
     assert rel_err(dh, want_dh) < 1e-2 and rel_err(a_scaled, s * a) < 1e-2
     assert rel_err(partial, want_partial) < 1e-3
     again = ops.swiglu_backward_gemm(
@@ -179,7 +184,8 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
 
 
 @pytest.mark.parametrize("m,n,split_out,accumulate", [(256, 384, False, False), (512, 256, True, False), (256, 256, True, True),
-                                                       (384, 128, False, True)])
+                                                       (384, 128, False, True),
+                                                       (272, 200, True, False), (136, 264, False, True)])  # partial row and column tiles
 @pytest.mark.parametrize("persistent", [True, False])
 def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumulate, persistent):
     """out[e] (+)= a[rows of e]ᵀ·b[rows of e] (ops.weight_grad): experts of 128-row blocks with

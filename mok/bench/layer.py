@@ -82,7 +82,7 @@ class Shape:
         if tiled:
             shared = {"shared_intermediate": self.shared_intermediate} if self.shared_intermediate else {}
             widths = {"hidden": self.hidden, "intermediate": self.intermediate, **shared}
-            check_tiled_widths(self.model, widths, whole_tiles_reason(config, "sm_90a"))
+            check_tiled_widths(self.model, widths, whole_tiles_reason(config))
 
     def describe(self) -> str:
         shared = f"shared expert I_s {self.shared_intermediate}" if self.shared_intermediate else "no shared expert"

@@ -181,10 +181,9 @@ def grouped_gemm(
     gated ``activation`` "clamped_swiglu" or "geglu": mok.kernels.common.gated_activation), and
     ``h_out`` [R, 2N] (optional) receives the pre-activations [a·B | a·B2] for the backward; or,
     with ``k_split``, b and b2 hold the two halves of K (out = a[:, :K/2]·B + a[:, K/2:]·B2).
-    Needs N % 8 == 0 and K % 8 == 0 (K % 16 with ``k_split``): on Hopper the last column and K
-    tiles may be partial (TMA zero-fills the loads past N and K and clips the stores; with k_split
-    each half of K on its own); the SM100 kernels take whole tiles (N a multiple of the column
-    tile, K of 64, of 128 with k_split). ``tile_n`` overrides the column
+    Needs N % 8 == 0 and K % 8 == 0 (K % 16 with ``k_split``): the last column and K tiles may be
+    partial (TMA zero-fills the loads past N and K, nothing is stored past N; with k_split each
+    half of K on its own; MXFP8 operands take whole tiles). ``tile_n`` overrides the column
     tile (64, 128 or 256; default from the static shape), ``stages`` the shared-memory
     pipeline depth (default: as deep as fits), ``persistent=False`` selects the one-tile-per-CTA
     kernel (the same bits); None: the persistent kernel (SM100's compile-verified, never run;

@@ -63,9 +63,9 @@ def weight_grad(
     offsets[e] + counts[e] are padding (zero in a and b); the 64-row blocks holding only such
     rows are skipped, not multiplied (the same bits: they would add zeros). out:
     [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
-    (main_grad style) instead of overwriting it. M % 8 == 0, N % 8 == 0 (on Hopper the last row and
-    column tiles may be partial; the SM100 kernels take whole tiles: M, N multiples of 128 and of
-    tile_n). ``persistent``: as in :func:`mok.ops.grouped_gemm`. ``tile_n``: the output tile's
+    (main_grad style) instead of overwriting it. M % 8 == 0, N % 8 == 0 (the last row and column
+    tiles may be partial; MXFP8 operands take whole tiles: M, N multiples of 128 and of tile_n).
+    ``persistent``: as in :func:`mok.ops.grouped_gemm`. ``tile_n``: the output tile's
     columns, 128 or 256. ``pingpong`` (persistent, 128-wide tiles; the default there): the two MMA
     warpgroups take whole tiles in turn (the same bits). ``split_out`` (M % 16 == 0): out is a
     pair of [E, M/2, N] tensors (new unless given), the product's first M/2 rows going into the

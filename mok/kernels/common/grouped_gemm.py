@@ -149,8 +149,10 @@ class GroupedGemm:
                     biases)
 
     def a_tensor(self, ptr: cute.Pointer, rows) -> cute.Tensor:
-        """A [R, K] as (R, K, 1); an arch whose kernel reads k_split's halves of A on their own
-        (their K tiles bounded at K/2) overrides it."""
+        """A [R, K] as (R, K, 1), or with k_split as (R, K/2, 2): each half's K tiles bounded at K/2
+        (dh's gate and up halves when K/2 is not a multiple of the K tile)."""
+        if self.k_split:
+            return cute.make_tensor(ptr, cute.make_layout((rows, self.b_k, 2), stride=(self.k, 1, self.b_k)))
         return cute.make_tensor(ptr, cute.make_layout((rows, self.k, 1), stride=(self.k, 1, rows * self.k)))
 
     def scatter_target(self, scatter_to) -> tuple:

@@ -49,6 +49,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
     biases (common/grouped_gemm.py)."""
 
     takes_bias = True
+    partial_tiles = True  # N and K past the tile: TMA zero-fills the loads, the epilogue stores nothing past N
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
@@ -104,12 +105,15 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
 
     def tma_views(self, tiled_mma, loads, stages, tile):
         """The TMA partitions of this tile's operands, (atom, global by K tile, shared by stage) for
-        A, B and B2 (MXFP8: then for their scales): what ``load_stage`` reads."""
+        A, B, B2 and A's second half of K (k_split; else A again) (MXFP8: then for their scales):
+        what ``load_stage`` reads."""
         tile_row, tile_col, expert = tile
+        a = self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0)
         views = (
-            self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0),
+            a,
             self.operand_view(tiled_mma, loads[1], stages[1], "b", tile_col, expert),
             self.operand_view(tiled_mma, loads[2], stages[2], "b", tile_col, expert),
+            self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 1) if self.k_split else a,
         )
         if cutlass.const_expr(self.mxfp8):
             views += (
@@ -121,14 +125,15 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
 
     @cute.jit
     def load_stage(self, empty, views):
-        """TMA-load K tile ``empty.count`` of A and B (and B2; k_split: B or B2; MXFP8: and their
-        scales the same way) into stage ``empty.index``."""
+        """TMA-load K tile ``empty.count`` of A and B (and B2; k_split: A's and B's first halves of K
+        or their second halves, A's and B2's; MXFP8: and their scales the same way, A's counted
+        through both halves) into stage ``empty.index``."""
         k_tile = empty.count
-        self.load_tile(views[0], k_tile, empty)
-        self.load_b_tiles(views[1], views[2], k_tile, empty)
+        self.load_operand(views[0], views[3], k_tile, empty, False)
+        self.load_operand(views[1], views[2], k_tile, empty, self.num_b == 2)
         if cutlass.const_expr(self.mxfp8):
-            self.load_tile(views[3], k_tile, empty)
-            self.load_b_tiles(views[4], views[5], k_tile, empty)
+            self.load_tile(views[4], k_tile, empty)
+            self.load_operand(views[5], views[6], k_tile, empty, self.num_b == 2)
 
     @cute.jit
     def load_tile(self, view, k_tile, empty, into=None):
@@ -140,19 +145,20 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         cute.copy(atom, g_x[(None, k_tile)], s_x[(None, empty.index)], tma_bar_ptr=empty.barrier)
 
     @cute.jit
-    def load_b_tiles(self, view_b, view_b2, k_tile, empty):
-        """K tile ``k_tile`` of B and B2 (SwiGLU), of B alone, or with k_split of B (K's first half) or
-        B2 (its second half) into B's buffer."""
+    def load_operand(self, view, view2, k_tile, empty, both: cutlass.Constexpr):
+        """K tile ``k_tile`` of an operand: with k_split K's first half from ``view`` and its second
+        from ``view2`` into ``view``'s buffer (each half's tiles bounded at K/2, the last zero-filled
+        past it); else from ``view``, and with ``both`` (SwiGLU's B and B2) from ``view2`` too."""
         if cutlass.const_expr(self.k_split):
-            half = self.b_k // self.tile_shape_mnk[2]
+            half = self.half_k_tiles
             if k_tile < half:
-                self.load_tile(view_b, k_tile, empty)
+                self.load_tile(view, k_tile, empty)
             else:
-                self.load_tile(view_b2, k_tile - half, empty, into=view_b)
+                self.load_tile(view2, k_tile - half, empty, into=view)
         else:
-            self.load_tile(view_b, k_tile, empty)
-            if cutlass.const_expr(self.num_b == 2):
-                self.load_tile(view_b2, k_tile, empty)
+            self.load_tile(view, k_tile, empty)
+            if cutlass.const_expr(both):
+                self.load_tile(view2, k_tile, empty)
 
     @cute.jit
     def epilogue(self, tidx, t_acc, stage, tile, k_tiles, epi_args):
@@ -210,15 +216,22 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
             r_gate.fill(0.0)  # (rows past R: zeros, nothing stored)
             r_up.fill(0.0)
         row_sum = cutlass.Float32(0.0)
+        partial = self.n % tile_n != 0  # N's last column tile holds fewer columns: nothing read or written past N
         for sub in cutlass.range(tile_n // EPI_COLS, unroll=1):
+            cols_left = self.n - (tile_col * tile_n + sub * EPI_COLS)
+            if cutlass.const_expr(partial):  # (what is not loaded past N reads as zero)
+                r_gate.fill(0.0)
+                r_up.fill(0.0)
+                r_bias.fill(0.0)
+                r_bias2.fill(0.0)
             if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
                 if row_ok:  # the saved h of these columns, loaded while the accumulator comes out of tensor memory
-                    cute.autovec_copy(dst_gate[(None, None, None, 0, sub)], r_gate)
-                    cute.autovec_copy(dst_up[(None, None, None, 0, sub)], r_up)
+                    self.copy_row_part(dst_gate[(None, None, None, 0, sub)], r_gate, cols_left, partial)
+                    self.copy_row_part(dst_up[(None, None, None, 0, sub)], r_up, cols_left, partial)
             if cutlass.const_expr(adds_bias):  # the subtile's columns of the bias rows, while the accumulators come out
-                cute.autovec_copy(bias_rows[0][(None, None, None, 0, sub)], r_bias)
+                self.copy_row_part(bias_rows[0][(None, None, None, 0, sub)], r_bias, cols_left, partial)
                 if cutlass.const_expr(self.two_accumulators):
-                    cute.autovec_copy(bias_rows[1][(None, None, None, 0, sub)], r_bias2)
+                    self.copy_row_part(bias_rows[1][(None, None, None, 0, sub)], r_bias2, cols_left, partial)
             cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
             if cutlass.const_expr(self.two_accumulators):
                 cute.copy(t2r, src2[(None, None, None, 0, sub)], r_acc2)
@@ -234,20 +247,20 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
                     )
                 if row_ok:
                     r_out.store(r_acc2.load().to(cutlass.BFloat16))
-                    cute.autovec_copy(r_out, dst2[(None, None, None, 0, sub)])
+                    self.copy_row_part(r_out, dst2[(None, None, None, 0, sub)], cols_left, partial)
                     r_out.store(r_x.load().to(cutlass.BFloat16))
-                    cute.autovec_copy(r_out, dst_as[(None, None, None, 0, sub)])
+                    self.copy_row_part(r_out, dst_as[(None, None, None, 0, sub)], cols_left, partial)
             if cutlass.const_expr(self.two_accumulators):
                 if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):
                     if row_ok:
                         r_out.store(r_acc.load().to(cutlass.BFloat16))
-                        cute.autovec_copy(r_out, dst_gate[(None, None, None, 0, sub)])
+                        self.copy_row_part(r_out, dst_gate[(None, None, None, 0, sub)], cols_left, partial)
                         r_out.store(r_acc2.load().to(cutlass.BFloat16))
-                        cute.autovec_copy(r_out, dst_up[(None, None, None, 0, sub)])
+                        self.copy_row_part(r_out, dst_up[(None, None, None, 0, sub)], cols_left, partial)
                 self.swiglu_subtile(r_acc, r_acc2, r_acc)
             if row_ok:
                 r_out.store(r_acc.load().to(cutlass.BFloat16))
-                cute.autovec_copy(r_out, dst[(None, None, None, 0, sub)])
+                self.copy_row_part(r_out, dst[(None, None, None, 0, sub)], cols_left, partial)
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
             if row_ok:  # the router-weight gradient's piece of this row and column tile
                 m_part[row, tile_col] = row_sum
@@ -269,6 +282,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
     Compile-verified only, never run (no SM100 GPU here)."""
 
     mxfp8 = True
+    partial_tiles = False  # (whole 128 blocks of K, whole column tiles: the scales' layout)
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,

@@ -36,6 +36,8 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_layout
 from cutlass.cute.nvgpu import tcgen05
 
+from ..common.row_vectors import VECTOR
+
 TILE_M = 128  # rows of a tile: one tcgen05 MMA's M on one CTA (and the schedule's row tile)
 TILE_K = 64  # bf16: four 16-deep MMAs per shared-memory stage (one 128-byte swizzle atom)
 TILE_K_MXFP8 = 128  # MXFP8: four 32-deep block-scaled MMAs per stage (128 bytes a row, the same atom)
@@ -432,6 +434,24 @@ class Tcgen05TileKernel:
         t2r = tcgen05.make_tmem_copy(load_atom, acc_epi[(None, None, 0, 0)])
         thr = t2r.get_slice(tidx)
         return t2r, thr, thr.partition_S(acc_epi), thr.partition_S(acc2_epi)
+
+    @cute.jit
+    def copy_row_part(self, src: cute.Tensor, dst: cute.Tensor, cols_left, partial: cutlass.Constexpr):
+        """A thread's ``EPI_COLS`` consecutive values of its row, ``src`` -> ``dst`` (registers to
+        global memory or back), 16 bytes at a time; with ``partial`` (a width the tile does not
+        divide) only the first ``cols_left`` where fewer are left in the row (a multiple of 8)."""
+        if cutlass.const_expr(not partial):
+            cute.autovec_copy(src, dst)
+        else:
+            if cols_left >= EPI_COLS:
+                cute.autovec_copy(src, dst)
+            else:
+                flat = cute.make_layout(EPI_COLS)
+                src_v = cute.zipped_divide(cute.make_tensor(src.iterator, flat), (VECTOR,))
+                dst_v = cute.zipped_divide(cute.make_tensor(dst.iterator, flat), (VECTOR,))
+                for c in cutlass.range_constexpr(EPI_COLS // VECTOR):
+                    if c * VECTOR < cols_left:
+                        cute.autovec_copy(src_v[None, c], dst_v[None, c])
 
     def thread_view(self, thr, tile: cute.Tensor) -> cute.Tensor:
         """This thread's part of a (128, tile_n) tile, by subtile: (T2R, T2R_M, T2R_N, 1, subtiles)."""

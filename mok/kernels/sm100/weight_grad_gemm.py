@@ -28,6 +28,7 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
     persistent."""
 
     aligned_halves = True  # split_out's halves lie a multiple of 16 bytes apart (the launcher checks): 16-byte stores
+    partial_tiles = True  # M (each half's) and N past the tile: TMA zero-fills the loads, the epilogue writes nothing past them
 
     def __init__(
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
@@ -40,6 +41,18 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
     def operand_tensor(self, ptr, mn, row_stride, num_rows):
         """(MN, K = R, 1): MN-major, the rows ``row_stride`` elements apart."""
         return cute.make_tensor(ptr, cute.make_layout((mn, num_rows, 1), stride=(1, row_stride, row_stride * num_rows)))
+
+    def a_operand(self, ptr, num_rows):
+        """A as (M / halves, R, halves): split_out's halves (dh_gate, dh_up) each bounded at M/2,
+        so a partial last row tile of the first stops there instead of reading the second."""
+        m_half = self.m // self.halves
+        return cute.make_tensor(ptr, cute.make_layout((m_half, num_rows, self.halves), stride=(1, self.a_stride, m_half)))
+
+    def row_tile_in_half(self, tile_row):
+        """(the tile's row tile within its half of M, the half): split_out's halves are read and
+        written on their own (one half, 0, without it)."""
+        half = tile_row // self.row_tiles if self.split_out else 0
+        return tile_row - half * self.row_tiles, half
 
     def launch(self, m_a, m_b, scales, m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream):
         """Host side (see WeightGradGemm.launch): MXFP8's scale tensors, the TMA loads, the grid."""
@@ -75,7 +88,7 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         the expert's first K tile: what ``load_stage`` reads."""
         _, tile_row, tile_col, k_first = tile
         views = (
-            self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0),
+            self.operand_view(tiled_mma, loads[0], stages[0], "a", *self.row_tile_in_half(tile_row)),
             self.operand_view(tiled_mma, loads[1], stages[1], "b", tile_col, 0),
         )
         if cutlass.const_expr(self.mxfp8):
@@ -101,28 +114,40 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         it. ``epi_args`` = (the output, upper_first)."""
         m_c, upper_first = epi_args
         expert, tile_row, tile_col, _ = tile
+        tile_m, tile_n, _ = self.tile_shape_mnk
         g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
         has_rows = k_tiles > 0
         t2r, thr, src, _ = self.accumulator_reader(tidx, t_acc, stage)
         dst = self.thread_view(thr, g_c)
+        m_half = self.m // self.halves
+        in_half, _ = self.row_tile_in_half(tile_row)
+        row_ok = True  # (a partial last row tile of a half: rows past it are not written)
+        if cutlass.const_expr(m_half % tile_m):
+            coords = self.thread_view(thr, cute.local_tile(cute.make_identity_tensor((m_half, self.n)), (tile_m, tile_n), (in_half, tile_col)))
+            row_ok = coords[0][0] < m_half  # 32x32b: all of a thread's values lie in one row
+        partial = self.n % tile_n != 0  # N's last column tile: nothing read or written past N
         out_dtype = OUT_DTYPES[self.out_dtype]
         r_acc = cute.make_rmem_tensor(dst[(None, None, None, 0, 0)].shape, cutlass.Float32)
         r_out = cute.make_rmem_tensor(r_acc.shape, out_dtype)
-        for sub in cutlass.range(self.tile_shape_mnk[1] // EPI_COLS, unroll=1):
+        for sub in cutlass.range(tile_n // EPI_COLS, unroll=1):
+            cols_left = self.n - (tile_col * tile_n + sub * EPI_COLS)
             if cutlass.const_expr(self.accumulate):
                 if has_rows:  # (without rows nothing is added: the gradient stays as it was)
                     cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
-                    cute.autovec_copy(dst[(None, None, None, 0, sub)], r_out)
+                    if row_ok:
+                        self.copy_row_part(dst[(None, None, None, 0, sub)], r_out, cols_left, partial)
                     cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
                     r_out.store(r_out.load() + r_acc.load())
-                    cute.autovec_copy(r_out, dst[(None, None, None, 0, sub)])
+                    if row_ok:
+                        self.copy_row_part(r_out, dst[(None, None, None, 0, sub)], cols_left, partial)
             else:
                 r_acc.fill(0.0)
                 if has_rows:
                     cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
                     cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
                 r_out.store(r_acc.load().to(out_dtype))
-                cute.autovec_copy(r_out, dst[(None, None, None, 0, sub)])
+                if row_ok:
+                    self.copy_row_part(r_out, dst[(None, None, None, 0, sub)], cols_left, partial)
 
 
 class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
@@ -138,6 +163,7 @@ class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
     added into fp32; split_out). Compile-verified only, never run (no SM100 GPU here)."""
 
     mxfp8 = True
+    partial_tiles = False  # (whole tiles: the scales' layout)
 
     def __init__(self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
                  tile_n: int = 128, stages: int | None = None, split_out: bool = False, persistent: bool = False) -> None:

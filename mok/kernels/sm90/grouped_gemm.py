@@ -359,13 +359,6 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                             for c in cutlass.range_constexpr(2):
                                 acc[(c, hi, j), m, 0] = acc[(c, hi, j), m, 0] + pair[c].to(cutlass.Float32)
 
-    def a_tensor(self, ptr, rows):
-        """A [R, K] as (R, K, 1), or with k_split as (R, K/2, 2): each half's K tiles bounded at
-        K/2 (dh's gate and up halves when K/2 is not a multiple of the K tile)."""
-        if self.k_split:
-            return cute.make_tensor(ptr, cute.make_layout((rows, self.b_k, 2), stride=(self.k, 1, self.b_k)))
-        return super().a_tensor(ptr, rows)
-
     def second_b(self, storage, b_smem, s_b):
         """B2's shared-memory tile: its own buffer for SwiGLU's second product, else B's (k_split loads B2 there)."""
         if cutlass.const_expr(self.num_b == 2):
