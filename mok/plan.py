@@ -101,9 +101,9 @@ class Plan:
 
     @property
     def gather_in_gemm(self) -> bool:
-        """Whether the gate/up GEMM's producer gathers its rows from x (bf16 or FP8 block scales, one
-        GPU, Hopper); else they are gathered first (or pulled from the peers)."""
-        return self.precision in ("bf16", "fp8_block") and self.arch in ROW_FUSED_GEMM_ARCHS and not self.ep
+        """Whether the gate/up GEMM's producer gathers its rows from x (bf16, or FP8 block scales on
+        Hopper; one GPU); else they are gathered first (or pulled from the peers)."""
+        return self.precision in ("bf16", "fp8_block") and self.persistent and not self.ep
 
     @property
     def shared_in_routed(self) -> bool:

@@ -502,52 +502,6 @@ def test_precompiled_variants_are_the_ones_a_training_step_launches():
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)
 
 
-def take_the_sm100_path(monkeypatch, persistent: bool):
-    """Make the layer run as it does on SM100 (whose GEMMs do not gather rows yet): rows gathered
-    first (the plan of sm_100a), every GEMM persistent or, with ``persistent=False``, one tile per
-    CTA (the ops' default kind; the kernels themselves still Hopper's, compiled for this GPU)."""
-    import mok.plan
-
-    if not persistent:
-        for name in ("mok.ops.common", "mok.ops.gemm", "mok.ops.weight_grads"):
-            monkeypatch.setattr(importlib.import_module(name), "persistent_default", lambda device: False)
-    plan_for = mok.plan.plan_for
-    monkeypatch.setattr(mok.plan, "plan_for_device", lambda config, device: plan_for(config, "sm_100a"))
-
-
-@pytest.mark.parametrize("persistent", [True, False])
-@pytest.mark.parametrize("T,H,I,E,k,shared_inter,routing", [(1000, 512, 256, 8, 2, 384, "uniform"), (300, 256, 128, 8, 1, None, "one_expert")])
-def test_the_path_sm100_takes_gives_the_bits_of_the_default_path(T, H, I, E, k, shared_inter, routing, persistent, monkeypatch):
-    """On Hopper, the forward and backward run the way they run on SM100 (gather first; persistent
-    GEMMs, or one tile per CTA everywhere; fp32 main_grads too) give the default path's bits: the
-    path's plumbing is right whatever the GEMMs underneath, and (persistent) it looks up only
-    kernels `precompile --arch sm_100a` builds."""
-    from mok.config import MoKConfig
-    from mok.plan import plan_for
-
-    from helpers import recorded_lookups
-
-    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + 3, routing=routing)
-    dout = torch.randn_like(x)
-    mains = [torch.randn(t.shape, device="cuda") for t in (*experts, *(shared or ()))]
-
-    def run():
-        grads = [m.clone() for m in mains]
-        out, got = fused(x, idx, w, experts, shared, dout, main_grads=tuple(grads))
-        plain = fused(x, idx, w, experts, shared, dout)
-        return [out, *flat(got), plain[0], *flat(plain[1])]
-
-    want = run()
-    take_the_sm100_path(monkeypatch, persistent)
-    with recorded_lookups() as looked_up:
-        got = run()
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    if persistent:
-        configs = [MoKConfig(H, I, E, k, shared_intermediate=shared_inter, fuse_wgrad_accumulation=fuse) for fuse in (False, True)]
-        listed = {(v.name, tuple(sorted(v.config.items()))) for c in configs for v in plan_for(c, "sm_100a").variants()}
-        assert looked_up and looked_up <= listed, sorted(looked_up - listed)
-
-
 @pytest.mark.parametrize("options", [dict(), dict(one_launch=True), dict(saved_h_format="recompute")])
 @pytest.mark.parametrize("T,H,I,E,k,shared_inter", [(1000, 512, 256, 8, 2, 384), (2048, 2048, 768, 64, 8, None)])
 def test_gate_up_halves_of_one_tensor_give_the_bits_of_packed_weights(T, H, I, E, k, shared_inter, options):

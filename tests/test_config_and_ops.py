@@ -25,6 +25,23 @@ def test_one_launch_config_adds_its_kernels(ep_size):
     assert not any(v.name == "expert_mlp" for v in plan_for(MoKConfig(**base), "sm_90a").variants())
 
 
+@pytest.mark.parametrize("options", [
+    dict(), dict(shared_intermediate=2048), dict(ep_size=8), dict(ep_size=8, shared_intermediate=2048, dispatch_format="mxfp8"),
+    dict(expert_bias=True, activation="clamped_swiglu"), dict(saved_h_format="recompute", fuse_wgrad_accumulation=True),
+    dict(gate_up_layout="concatenated"), dict(hidden=2880, intermediate=2880),
+])
+def test_the_sm100_plan_runs_the_hopper_plans_kernels_in_bf16(options):
+    """In bf16 the SM100 layer takes every option the Hopper layer does but one launch (refused there,
+    naming it) and launches the same kernel list (the variants, built for its arch: rows gathered in
+    the GEMM, scattered at EP, biases, partial widths)."""
+    from mok.plan import plan_for, refusal
+
+    config = MoKConfig(**{"hidden": 7168, "intermediate": 2048, "num_experts": 64, "topk": 8, **options})
+    keys = lambda arch: sorted((v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, arch).variants())  # noqa: E731
+    assert keys("sm_100a") == keys("sm_90a") == keys("sm_103a")
+    assert "one_launch: not on sm_100a yet" in refusal(MoKConfig(7168, 2048, 64, 8, one_launch=True), "sm_100a")
+
+
 def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():
     """On sm_100a precompile builds the MXFP8 path's kernels for precision="mxfp8" (the pipelines'
     MXFP8 stages, forward and backward): its GEMMs on E4M3 operands at the layer's widths and the
@@ -75,7 +92,7 @@ def test_mxfp8_emulated_config_adds_its_quantizers_dequantizers_and_gemms_and_th
     from mok.plan import plan_for
 
     base = dict(hidden=512, intermediate=256, num_experts=8, topk=2)
-    for arch, gathers in (("sm_90a", True), ("sm_100a", False)):  # (SM100's GEMMs do not gather rows: the bf16 plan's neither)
+    for arch in ("sm_90a", "sm_100a"):
         keys = lambda variants: {(v.name, tuple(sorted(v.config.items()))) for v in variants}  # noqa: E731
         plain = keys(plan_for(MoKConfig(**base), arch).variants())
         emulated = keys(plan_for(MoKConfig(**base, precision="mxfp8_emulated"), arch).variants())
@@ -88,7 +105,7 @@ def test_mxfp8_emulated_config_adds_its_quantizers_dequantizers_and_gemms_and_th
             grouped_gemm_variant(512, 512, k_split=True),
         ])
         replaced = keys([grouped_gemm_variant(512, 512, b_major="n", k_split=True)] + [
-            grouped_gemm_variant(256, 512, epilogue=epilogue, gather_a=True) for epilogue in ("swiglu", "swiglu_save") if gathers
+            grouped_gemm_variant(256, 512, epilogue=epilogue, gather_a=True) for epilogue in ("swiglu", "swiglu_save")
         ])
         assert replaced <= plain and emulated == (plain - replaced) | extra and not extra <= plain
     parser = argparse.ArgumentParser()

@@ -34,7 +34,7 @@ TRY_WAIT = r"mbarrier\.try_wait\.parity\.shared\.b64 \S+, \[[^\]]+\], ([^,]+),"
 
 @functools.lru_cache(maxsize=8)
 def assert_warp_specialised_tcgen05_kernel(ptx: str) -> None:
-    """SM100's warp-specialised CTA (mok/kernels/sm100/tcgen05_tile.py): six warps; a tile loop
+    """SM100's warp-specialised CTA (mok/kernels/sm100/tcgen05_tile.py): six warps (ten gathering); a tile loop
     stepping by the grid (the persistent walk; one pass where the grid covers every tile); after
     the load warp's last TMA load its tail, one wait per stage, each on a parity held in a register
     (the state its loops advanced: a fresh state's constant parity left the CTA waiting for ever,
@@ -42,7 +42,7 @@ def assert_warp_specialised_tcgen05_kernel(ptx: str) -> None:
     waits for an accumulator stage and a full stage; the barriers of each stage and of one or two
     accumulator stages; nothing waits after tcgen05.dealloc. The launch bound of one CTA per SM lets
     ptxas give the epilogue its registers (else it plans for three CTAs: 96 registers, spills)."""
-    assert ".reqntid 192, 1, 1" in ptx and ".minnctapersm 1" in ptx and count(r"%nctaid\.x", ptx) >= 1
+    assert re.search(r"\.reqntid (192|320), 1, 1", ptx) and ".minnctapersm 1" in ptx and count(r"%nctaid\.x", ptx) >= 1
     before, after = ptx.split("tcgen05.dealloc")
     assert count(r"mbarrier\.try_wait", after) == 0
     last_load = before.rindex("cp.async.bulk.tensor")
@@ -574,11 +574,26 @@ def test_sm100_grouped_gemm_adds_the_experts_biases_in_its_epilogue(n, k, epilog
     assert ptxas_spill_bytes(ptx, "sm_100a") in (None, 0)
 
 
-@pytest.mark.parametrize("options", [dict(gather_a=True)])
-def test_sm100_grouped_gemm_refuses_the_variants_it_does_not_have_yet(options):
-    options = {"epilogue": "swiglu_save", **options}
-    with pytest.raises(NotImplementedError, match=r"grouped GEMM on sm_100a: .*not written yet"):
-        compiled_ptx(grouped_gemm_variant(768, 2048, **options), "sm_100a")
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("n,k,epilogue", [(2048, 7168, "swiglu_save"), (2880, 2880, "swiglu")])
+def test_sm100_gathering_grouped_gemm_copies_a_with_cp_async_and_b_with_tma(arch, n, k, epilogue):
+    """gather_a on SM100: four more warps (320 threads) copy A's rows, per stage 8 16-byte cp.async
+    a thread (128 rows x 128 bytes over 128 threads, zero-filled for padding rows and past K)
+    arriving on the stage's full barrier (129 arrivals: the load warp's and theirs); B and B2 still
+    by TMA; the MMA warp fences the generic-proxy writes before its MMAs; no spills."""
+    ptx = compiled_ptx(grouped_gemm_variant(n, k, epilogue=epilogue, gather_a=True), arch)
+    assert ".reqntid 320, 1, 1" in ptx
+    assert count(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, %r\d+;", ptx) == 8  # zero-fill size operand
+    assert count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx) == 1
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 2  # B and B2 only
+    assert count(r"mov\.b32\s+%r\d+, 129;\s+mbarrier\.init", ptx) == 1
+    fence = ptx.index("fence.proxy.async.shared::cta")
+    assert ptx.rindex("mbarrier.try_wait", 0, fence) < fence < ptx.index("tcgen05.mma", fence)
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 8
+    assert_warp_specialised_tcgen05_kernel(ptx)
+    assert ptxas_spill_bytes(ptx, arch) in (None, 0)
+    with pytest.raises(ValueError, match=r"gather_a: not with k_split or scatter"):
+        compiled_ptx(grouped_gemm_variant(n, k, gather_a=True, scatter=True, topk=8), arch)
 
 
 def test_sm100_kernels_are_the_same_code_persistent_or_one_tile_per_cta():

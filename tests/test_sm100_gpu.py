@@ -138,6 +138,24 @@ def test_sm100_grouped_gemm_adds_the_experts_biases_before_the_activation():
         assert rel_err(out[rs], torch.nn.functional.silu(gate) * up) < 1e-2
 
 
+@pytest.mark.parametrize("tokens,hidden,inter", [(700, 512, 256), (300, 2056, 1032)])
+def test_sm100_gathering_gate_up_gemm_gives_the_bits_of_rows_gathered_first(tokens, hidden, inter):
+    """gather=row_token (the gather warps copy x's rows, zeros for padding rows): h and the output
+    bitwise those of the same GEMM on rows gathered first."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    experts, topk = 4, 2
+    idx = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:topk] for _ in range(tokens)]).int()
+    sched = ops.device_schedule(idx, experts)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    wg, wu = ((torch.randn(experts, inter, hidden, device="cuda", generator=g) * hidden ** -0.5).bfloat16() for _ in range(2))
+    rows = ops.gather_rows(x, sched.row_token)
+    h_want = poisoned(rows.shape[0], 2 * inter)
+    want = ops.grouped_gemm(rows, wg, sched.tile_expert, b2=wu, h_out=h_want)
+    h = poisoned(rows.shape[0], 2 * inter)
+    got = ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, h_out=h, gather=sched.row_token)
+    assert torch.equal(got, want) and torch.equal(h, h_want)
+
+
 def test_sm100_grouped_gemm_rows_do_not_depend_on_the_other_tiles():
     """Batch invariance: a row tile's output is the same bits whatever the other tiles hold."""
     a, b, b2, tile_expert = _operands(640, 768, 2048, 3, "swiglu", "k", False, seed=7)

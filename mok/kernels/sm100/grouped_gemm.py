@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 
 from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
 from ..common.grouped_gemm import GroupedGemm
+from ..common.row_gather import gather_stage, gathered_rows
 from ..common.row_vectors import VECTOR
 from ..common.tile_order import grouped_tile
-from .tcgen05_tile import EPI_COLS, ONE_CTA_PER_SM, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
-
-SM90_ONLY_OPTIONS = ("gather_a",)  # the Hopper kernel's variants this one has not yet
+from .tcgen05_tile import EPI_COLS, ONE_CTA_PER_SM, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
 class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
@@ -54,12 +54,14 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, b_expert_stride: int | None = None,
-        activation: str = "swiglu", persistent: bool = False, scatter: bool = False, bias: bool = False,
+        activation: str = "swiglu", persistent: bool = False, scatter: bool = False, bias: bool = False, gather_a: bool = False,
     ) -> None:
         self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias)
         if scatter and epilogue != "plain":
             raise ValueError(f"scatter: only with the plain epilogue (the expert-parallel row pushes), got epilogue={epilogue!r}")
-        self.persistent, self.scatter = persistent, scatter
+        if gather_a and (k_split or scatter):
+            raise ValueError("gather_a: not with k_split or scatter (the forward's gate/up GEMM gathers x's rows)")
+        self.persistent, self.scatter, self.gather_a = persistent, scatter, gather_a
         self.ab_stage = pick_stages((self.tile_shape_mnk[0] + self.num_b * tile_n) * TILE_K * 2, stages)
 
     def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream, biases):
@@ -77,22 +79,24 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         all_tiles = num_row_tiles * self.col_tiles
         m_dst = self.scatter_target(scatter_to) if self.scatter else None
         m_biases = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases) if self.bias else None
-        self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, m_dst, m_biases).launch(
-            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=ONE_CTA_PER_SM
+        m_x = m_a if self.gather_a else None  # (gather_a: A is x [T, K], its rows copied by the gather warps)
+        self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, m_dst, m_biases, m_x).launch(
+            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[self.cta_threads, 1, 1], stream=stream, min_blocks_per_mp=ONE_CTA_PER_SM
         )
 
     @cute.kernel
     def kernel(
         self, tiled_mma: cute.TiledMma, smem_layouts: tuple, loads: tuple, m_c: cute.Tensor, row_args: tuple, m_tiles: cute.Tensor,
-        num_row_tiles: cutlass.Int32, num_rows: cutlass.Int32, m_dst: tuple | None, m_biases: tuple | None,
+        num_row_tiles: cutlass.Int32, num_rows: cutlass.Int32, m_dst: tuple | None, m_biases: tuple | None, m_x: cute.Tensor | None,
     ):
         """The CTA's tiles (Tcgen05TileKernel.run_tiles); ``smem_layouts`` = the staged layouts of A
         and B (MXFP8: and of their scales), ``loads`` = the TMA atoms and coordinate tensors of A, B
         and B2 (MXFP8: then of their scales), ``row_args`` the epilogue's row tensors (h, a_scaled,
         partial, row_token, row_slot, topk_w), ``m_dst`` where scattered rows go (``scatter``),
-        ``m_biases`` B's and B2's bias rows [E·N] (``bias``)."""
+        ``m_biases`` B's and B2's bias rows [E·N] (``bias``), ``m_x`` the token matrix (``gather_a``)."""
         tiles = (num_row_tiles * self.col_tiles, m_tiles, num_row_tiles)
-        self.run_tiles(tiled_mma, smem_layouts, loads, tiles, (m_c, row_args, num_rows, m_dst, m_biases))
+        row_token = row_args[3]
+        self.run_tiles(tiled_mma, smem_layouts, loads, tiles, (m_c, row_args, num_rows, m_dst, m_biases), (m_x, row_token, num_rows))
 
     @cute.jit
     def tile_at(self, linear, tiles):
@@ -129,11 +133,35 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         or their second halves, A's and B2's; MXFP8: and their scales the same way, A's counted
         through both halves) into stage ``empty.index``."""
         k_tile = empty.count
-        self.load_operand(views[0], views[3], k_tile, empty, False)
+        if cutlass.const_expr(not self.gather_a):  # (gathered: the gather warps copy A's rows)
+            self.load_operand(views[0], views[3], k_tile, empty, False)
         self.load_operand(views[1], views[2], k_tile, empty, self.num_b == 2)
         if cutlass.const_expr(self.mxfp8):
             self.load_tile(views[4], k_tile, empty)
             self.load_operand(views[5], views[6], k_tile, empty, self.num_b == 2)
+
+    @cute.jit
+    def gather_warps(self, tidx, stages, pipes, tiles, gather_args):
+        """``gather_a``, warps 6-9 (``tidx`` 0..127): for each computed tile, its rows of x
+        (row_token; zeros for padding rows) into each K tile's stage by cp.async, once the stage is
+        free (mok/kernels/common/row_gather.py), each thread's copies arriving on the stage's full
+        barrier as they land; the states follow the load warp's stage by stage."""
+        m_x, m_row_token, num_rows = gather_args
+        ab_pipeline, a_base = pipes[4], stages[3]
+        tile_m, _, tile_k = self.tile_shape_mnk
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        linear, step = self.first_tile_and_step()
+        while linear < tiles[0]:
+            active, k_tiles, tile = self.tile_at(linear, tiles)
+            if active:
+                addresses, rows_read = gathered_rows(m_x, m_row_token, tile[0], num_rows, tidx, tile_m, self.k, VECTOR)
+                for k_tile in cutlass.range(k_tiles, unroll=1):
+                    ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+                    gather_stage(a_base, state.index, addresses, rows_read, k_tile, cutlass.BFloat16, tidx, tile_m, tile_k, self.k)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
+                    state.advance()
+            linear += step
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def load_tile(self, view, k_tile, empty, into=None):
@@ -303,16 +331,9 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
 def compile_grouped_gemm_sm100(n: int, k: int, arch: str, options: str = "", *, operand: str = "bf16", **config):
     """Compile :class:`GroupedGemmSm100` (``operand`` "bf16") or :class:`GroupedGemmMxfp8Sm100`
     ("e4m3"), ``config`` their keyword arguments, for ``arch`` (sm_100a or sm_103a) without tensors:
-    the stand-ins of grouped_gemm_args(operand). The variants only the Hopper kernel has so far
-    (gather_a) raise NotImplementedError, naming them. ``pingpong`` (Hopper's two
-    MMA warpgroups taking tiles in turn, so that one's epilogue runs under the other's MMAs) is
-    what this kernel does anyway, through two accumulator stages: it changes nothing here."""
+    the stand-ins of grouped_gemm_args(operand). ``pingpong`` (Hopper's two MMA warpgroups taking
+    tiles in turn, so that one's epilogue runs under the other's MMAs) is what this kernel does
+    anyway, through two accumulator stages: it changes nothing here."""
     config.pop("pingpong", None)
-    missing = [name for name in SM90_ONLY_OPTIONS if config.pop(name, False)]
-    if missing:
-        raise NotImplementedError(
-            f"grouped GEMM on {arch}: {', '.join(missing)} not written yet (sm_100a has the persistent or one-tile-per-CTA "
-            f"kernel with the plain, swiglu, swiglu_save and swiglu_bwd epilogues, K- or N-major B, k_split, scatter, biases)"
-        )
     kernel = (GroupedGemmMxfp8Sm100 if operand == "e4m3" else GroupedGemmSm100)(n, k, **config)
     return compile_kernel(kernel, grouped_gemm_args(operand), arch, options)

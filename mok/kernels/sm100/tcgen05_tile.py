@@ -15,7 +15,10 @@ columns at a time), release it and apply the subclass's epilogue. With two accum
 Before exit warp 5 waits until every stage's last release has landed (the producer's tail) and
 the epilogue warps free the tensor memory once all four have read their last tile. K is reduced
 in one fixed order, by one CTA per output tile: the result depends only on the tile's inputs,
-never on which CTA took it.
+never on which CTA took it. With ``gather_a`` four more warps (6-9) copy A's rows from the token
+matrix into each stage by cp.async (mok/kernels/common/row_gather.py), arriving on its full
+barrier beside the load warp's TMA bytes, and the MMA warp fences the generic-proxy writes
+before its MMAs read them.
 
 With ``mxfp8`` the operands are MXFP8 (E4M3 elements, an E8M0 scale per 32 along K): each stage
 also brings the tile's scales (TMA, in the MMA's scale order, see mok.mxfp8.mma_scale_layout), warp 4
@@ -36,6 +39,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_layout
 from cutlass.cute.nvgpu import tcgen05
 
+from ..common.row_gather import GATHER_THREADS
 from ..common.row_vectors import VECTOR
 
 TILE_M = 128  # rows of a tile: one tcgen05 MMA's M on one CTA (and the schedule's row tile)
@@ -46,7 +50,8 @@ SCALE_ATOM = 32  # MXFP8: tensor memory reserved for scales, per stage: (rows / 
 EPILOGUE_THREADS = 128  # warps 0-3: the epilogue (warp w reads tensor-memory lanes 32w..32w+31: rows of the tile)
 MMA_WARP = 4  # issues the tcgen05 MMAs (and MXFP8's scale copies into tensor memory)
 LOAD_WARP = 5  # issues the TMA loads
-THREADS = 192  # the six warps of a CTA
+THREADS = 192  # the six warps of a CTA (gather_a: and GATHER_THREADS more, warps 6-9, that copy A's rows)
+FIRST_GATHER_WARP = 6
 ONE_CTA_PER_SM = 1  # launch bound: shared and tensor memory hold one CTA per SM, so the registers need not leave room for
 # more (told nothing, ptxas sizes a 192-thread CTA for three per SM: 96 registers, and the SwiGLU epilogue spills)
 EPI_COLS = 32  # accumulator columns a thread reads per tcgen05.ld (32x32b, 32 repetitions)
@@ -78,6 +83,12 @@ class Tcgen05TileKernel:
     num_b = 1  # accumulators (B operands per stage): 2 for SwiGLU's gate and up
     mxfp8 = False  # operands: bf16, or MXFP8 with block-scaled MMAs (see the module docstring)
     persistent = False  # at most max_ctas CTAs walk the tiles (else one CTA per tile)
+    gather_a = False  # A's rows gathered from the token matrix by cp.async (the grouped GEMM's gate/up)
+
+    @property
+    def cta_threads(self) -> int:
+        """Threads of a CTA: the six warps, and the gather warps with ``gather_a``."""
+        return THREADS + (GATHER_THREADS if self.gather_a else 0)
 
     def grid(self, all_tiles, max_ctas):
         """Host side: the CTAs to launch: min(all_tiles, max_ctas) when persistent, else all_tiles; at
@@ -135,8 +146,10 @@ class Tcgen05TileKernel:
 
     def load_atoms(self, tiled_mma, a_smem, b_smem, m_a: cute.Tensor, *m_bs: cute.Tensor):
         """Host side: TMA load atoms and coordinate tensors of A and each B (all (MN, K, L)), and the
-        bytes one stage receives (``stage_tx_bytes``: A and ``num_b`` B tiles)."""
+        bytes one stage receives by TMA (``stage_tx_bytes``: A (unless gathered) and ``num_b`` B tiles)."""
         atoms, self.stage_tx_bytes = self.stage_loads(tiled_mma, a_smem, b_smem, self.operand_dtype, m_a, m_bs)
+        if self.gather_a:
+            self.stage_tx_bytes -= cute.size_in_bytes(self.operand_dtype, cute.slice_(a_smem, (None, None, None, 0)))
         return atoms
 
     def scale_load_atoms(self, tiled_mma, sfa_smem, sfb_smem, m_sfa: cute.Tensor, *m_sfbs: cute.Tensor):
@@ -237,8 +250,10 @@ class Tcgen05TileKernel:
         """Every thread: the TMA descriptors prefetched (the load warp), shared memory, the two
         pipelines, and the accumulator stages allocated in tensor memory (as (MMA, MMA_M, MMA_N,
         accumulator), accumulator ``num_b·stage + b``). Returns (stages, pipelines, tmem, t_acc);
-        stages = (A, B, B2) in shared memory, with MXFP8 also their scales'. ``layouts`` and
-        ``loads``: from :meth:`prepare`."""
+        stages = (A, B, B2) in shared memory, with MXFP8 also their scales', with ``gather_a`` also
+        A's first element (the gather's cp.async address it); pipelines = the participants of the
+        stages' and the accumulators' pipelines, then the stages' pipeline itself (the gather
+        warps wait and arrive on it by state). ``layouts`` and ``loads``: from :meth:`prepare`."""
         a_smem, b_smem = layouts[0], layouts[1]
         if warp_idx == LOAD_WARP:
             for atom, _ in loads:
@@ -257,13 +272,16 @@ class Tcgen05TileKernel:
             if cutlass.const_expr(self.num_b == 2):
                 s_sfb2 = storage.s_sfb2.get_tensor(sfb_smem)
             stages = (s_a, s_b, s_b2, storage.s_sfa.get_tensor(sfa_smem), s_sfb, s_sfb2)
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+        if cutlass.const_expr(self.gather_a):
+            stages = (s_a, s_b, s_b2, storage.s_a.data_ptr())
+        ab_pipeline = pipeline.PipelineTmaUmma.create(  # (a stage is full once its TMA bytes and each gathering thread's rows landed)
             num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + (GATHER_THREADS if self.gather_a else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             tx_count=self.stage_tx_bytes,
             barrier_storage=storage.ab_mbar.data_ptr(),
-        ).make_participants()
+        )
+        ab_producer, ab_consumer = ab_pipeline.make_participants()
         acc_producer, acc_consumer = pipeline.PipelineUmmaAsync.create(
             num_stages=self.acc_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -274,18 +292,18 @@ class Tcgen05TileKernel:
         acc_layout = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_b * self.acc_stages)).layout
         tmem = cutlass.memory.TmemAllocator(
             storage.tmem_base.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_ALLOC_BARRIER, num_threads=THREADS),
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_ALLOC_BARRIER, num_threads=self.cta_threads),
         )
         tmem.allocate(self.tmem_columns())  # (by warp 0, an epilogue warp)
         tmem.wait_for_alloc()
         t_acc = cute.make_tensor(tmem.retrieve_ptr(cutlass.Float32), acc_layout)
-        return stages, (ab_producer, ab_consumer, acc_producer, acc_consumer), tmem, t_acc
+        return stages, (ab_producer, ab_consumer, acc_producer, acc_consumer, ab_pipeline), tmem, t_acc
 
     @cute.jit
-    def run_tiles(self, tiled_mma, layouts, loads, tiles, epi_args):
+    def run_tiles(self, tiled_mma, layouts, loads, tiles, epi_args, gather_args=None):
         """The kernel body, every thread: :meth:`setup`, then its warp's role over the CTA's tiles
         (``tiles`` = (all_tiles, the subclass's arguments of ``tile_at``); ``epi_args``: its
-        ``epilogue``'s)."""
+        ``epilogue``'s; ``gather_args``: its ``gather_warps``' with ``gather_a``)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, layouts, loads)
@@ -293,7 +311,10 @@ class Tcgen05TileKernel:
             self.load_warp(tiled_mma, loads, stages, pipes, tiles)
         if warp_idx == MMA_WARP:
             self.mma_warp(tiled_mma, stages, pipes, t_acc, tiles, layouts)
-        if warp_idx < MMA_WARP:
+        if cutlass.const_expr(self.gather_a):
+            if warp_idx >= FIRST_GATHER_WARP:
+                self.gather_warps(tidx - FIRST_GATHER_WARP * 32, stages, pipes, tiles, gather_args)
+        if warp_idx < MMA_WARP:  # (last: the tensor memory is freed at its end)
             self.epilogue_warps(tidx, tmem, t_acc, pipes, tiles, epi_args)
 
     def first_tile_and_step(self):
@@ -328,7 +349,7 @@ class Tcgen05TileKernel:
         accumulators unwritten; the epilogue must not read them). MXFP8: each stage's scales copied
         into tensor memory before its block-scaled MMAs (tcgen05.cp and tcgen05.mma from one
         thread run in order)."""
-        _, ab_consumer, acc_producer, _ = pipes
+        ab_consumer, acc_producer = pipes[1], pipes[2]
         s_a, s_b, s_b2 = stages[0], stages[1], stages[2]
         r_a = tiled_mma.make_fragment_A(s_a)  # (MMA, MMA_M, MMA_K, stage): shared-memory descriptors
         r_b = tiled_mma.make_fragment_B(s_b)
@@ -346,6 +367,8 @@ class Tcgen05TileKernel:
                 tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for _ in cutlass.range(k_tiles, unroll=1):
                     full = ab_consumer.wait_and_advance()
+                    if cutlass.const_expr(self.gather_a):  # the gathered rows were written through the generic proxy
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     if cutlass.const_expr(self.mxfp8):
                         self.copy_scales(scales, full.index)
                     for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):

@@ -20,7 +20,7 @@ import cutlass.cute as cute
 from ..common.compile import compile_kernel
 from ..common.records import weight_grad_args
 from ..common.weight_grad import OUT_DTYPES, WeightGradGemm
-from .tcgen05_tile import EPI_COLS, ONE_CTA_PER_SM, THREADS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import EPI_COLS, ONE_CTA_PER_SM, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
 class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
@@ -62,7 +62,7 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,), *scale_tensors)
         all_tiles = self.all_tiles(num_experts)
         self.kernel(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, all_tiles).launch(
-            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=ONE_CTA_PER_SM
+            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[self.cta_threads, 1, 1], stream=stream, min_blocks_per_mp=ONE_CTA_PER_SM
         )
 
     @cute.kernel

@@ -49,6 +49,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common.combine import VECTOR
 from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
+from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows
 from ..common.grouped_gemm import GroupedGemm
 from ..variants import check_block_buffers
 from .block_scaled import SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
@@ -433,42 +434,16 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         A stages' shared memory (and the row scales' with ``block_scaled``: then ``m_x`` is x's
         E4M3 rows and their scales [K / 128, T], thread t copying row t's scale of each K block).
 
-        Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16·i (i < 8) of every K tile, so a
-        warp reads four whole 128-byte row segments at a time (a K tile is 128 bytes a row: 64
-        bf16 or 128 E4M3). Padding rows (row_token < 0, or past the buffer) are zero-filled (a copy
-        of 0 source bytes), so the backward never sees garbage there. The destination follows the
-        A stage's 128-byte swizzle: chunk c of row r sits at byte r·128 + ((c ^ (r % 8))·16).
-        The gather is bound by how fast these threads issue (docs/notes/gather-in-gemm.md), so
-        each row's source address and whether it is read are worked out once a
-        tile: a stage then costs a 64-bit add and a cp.async per row. (Keeping 32-bit offsets
-        instead, which spares the producer's registers a 16-byte spill, measured 4-6% slower.)
+        The rows' copies: mok/kernels/common/row_gather.py (padding rows zero-filled, so the
+        backward never sees garbage there). (Keeping 32-bit offsets instead of the rows' 64-bit
+        addresses, which spares the producer's registers a 16-byte spill, measured 4-6% slower.)
         """
         tile_m, _, tile_k = self.tile_shape_mnk
-        element_bytes = 1 if self.block_scaled else 2
-        per_chunk = 16 // element_bytes  # elements in a 16-byte chunk
         a_base, sa_base = bases
         m_sa = None
         if cutlass.const_expr(self.block_scaled):
             m_x, m_sa = m_x
-        rows_per_pass = 128 // 8
-        passes = tile_m // rows_per_pass
-        chunk = tidx % 8
-        row0 = tidx // 8
-        stage_elems = tile_m * tile_k
-        dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * per_chunk)  # the same swizzle for rows row0 + 16·i
-        x_base = m_x.iterator
-        addresses = cute.make_rmem_tensor(cute.make_layout(passes), cutlass.Int64)  # row i's chunk in K tile 0
-        rows_read = cutlass.Uint32(0)  # bit i: row i is read (else padding: zero-filled)
-        for i in cutlass.range_constexpr(passes):
-            row = tile_row * tile_m + row0 + rows_per_pass * i
-            token = cutlass.Int32(-1)
-            if row < num_rows:
-                token = m_row_token[row]
-            element = cutlass.Int64(0)
-            if token >= 0:
-                element = cutlass.Int64(token) * self.k
-            addresses[i] = (x_base + (element + chunk * per_chunk)).toint()
-            rows_read = rows_read | (cutlass.Uint32(token >= 0) << i)
+        addresses, rows_read = gathered_rows(m_x, m_row_token, tile_row, num_rows, tidx, tile_m, self.k, 16 * 8 // self.ab_dtype.width)
         scale_src, scale_bytes = cutlass.Int64(0), cutlass.Int32(0)
         if cutlass.const_expr(self.block_scaled):  # thread t: row t's scale (its token's, column k_tile of [K / 128, T])
             scale_token = cutlass.Int32(-1)
@@ -482,14 +457,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             if tidx < 32:  # warp 0 arms the stage's byte count and loads B
                 ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
                 self.load_b(prod, loads, k_tile, ab_pipe.producer_get_barrier(prod))
-            column_bytes = cutlass.Int64(k_tile * tile_k * element_bytes)
-            dst = a_base + (prod.index * stage_elems + dst0)
-            chunk_bytes = cutlass.Int32(16)
-            if cutlass.const_expr(self.k % tile_k):  # K's partial last tile: chunks past K zero-filled, like padding rows
-                chunk_bytes = cutlass.Int32(k_tile * tile_k + chunk * per_chunk < self.k) * 16
-            for i in cutlass.range_constexpr(passes):
-                src = cute.make_ptr(self.ab_dtype, addresses[i] + column_bytes, cute.AddressSpace.gmem, assumed_align=16)
-                copy_async_16b(dst + i * rows_per_pass * tile_k, src, cutlass.Int32((rows_read >> i) & 1) * chunk_bytes)
+            gather_stage(a_base, prod.index, addresses, rows_read, k_tile, self.ab_dtype, tidx, tile_m, tile_k, self.k)
             if cutlass.const_expr(self.block_scaled):
                 tokens = cute.size(m_sa, mode=[0])
                 src = cute.make_ptr(cutlass.Float32, scale_src + cutlass.Int64(k_tile) * tokens * 4, cute.AddressSpace.gmem, assumed_align=4)
@@ -858,26 +826,6 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                             at = ((None, hi, groups * epi + j), m, 0)
                             r_gate[at].fill(0.0)
                             r_up[at].fill(0.0)
-
-
-@cute.jit
-def copy_async_4b(dst: cute.Pointer, src: cute.Pointer, nbytes) -> None:
-    """cp.async of 4 bytes global -> shared (``nbytes`` 4, or 0: zero-filled): a gathered row's scale."""
-    from cutlass.experimental import primitives
-
-    primitives.cp_async_shared_global(dst, src, 4, "ca", cp_size=nbytes)
-
-
-@cute.jit
-def copy_async_16b(dst: cute.Pointer, src: cute.Pointer, nbytes) -> None:
-    """cp.async of 16 bytes global -> shared, ``nbytes`` (16, or 0: no source read) of them from
-    ``src``, the rest zero-filled.
-
-    (CuTe DSL's experimental NVVM wrapper is the one that exposes cp.async's source size.)
-    """
-    from cutlass.experimental import primitives
-
-    primitives.cp_async_shared_global(dst, src, 16, "cg", cp_size=nbytes)
 
 
 def compile_grouped_gemm(n: int, k: int, arch: str, options: str = "", **config):
