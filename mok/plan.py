@@ -300,8 +300,8 @@ def router_variants(hidden: int, num_experts: int, persistent: bool = True) -> l
 @functools.cache
 def plan_for(config: MoKConfig, arch: str) -> Plan:
     """The plan of ``config`` on ``arch``; raises (naming what to pass instead) where that layer does
-    not run: widths the fused kernels do not tile, MXFP8 GEMMs without block-scaled MMAs, expert
-    parallelism, one launch, FP8 block scales or biases without Hopper's persistent GEMMs."""
+    not run: widths the scale blocks do not tile, MXFP8 GEMMs without block-scaled MMAs, one launch
+    or FP8 block scales off Hopper."""
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     arch = normalize_arch(arch)

@@ -16,8 +16,9 @@ The model follows the PTX semantics the kernels rely on:
 The agents are the kernels' warps (mok/kernels/sm100/tcgen05_tile.py): the load warp (each tile's
 K tiles into the stages as they free up, then the producer's tail), the MMA warp (per tile an
 accumulator stage acquired, each stage's MMAs issued and the stage released by commit, the
-accumulator committed) and the epilogue warps (each tile's accumulator waited for, read,
-released). ``tail_state="setup"`` drains with the state the pipeline was created with instead of
+accumulator committed), the epilogue warps (each tile's accumulator waited for, read,
+released) and, where A's rows are gathered, the gather warps (each stage's rows, a second
+arrival on its full barrier). ``tail_state="setup"`` drains with the state the pipeline was created with instead of
 the advanced one, as the kernels once did: the model must report that as a hang.
 """
 
@@ -75,44 +76,52 @@ class Cta:
 
     stages: int
     acc_stages: int
+    gather: bool = False  # A's rows come from the gather warps: a stage is full once both parts landed
+    full_arrivals: int | None = None  # the full barriers' arrival count (None: the kernels', one per part)
     full: list = field(init=False)
     empty: list = field(init=False)
     acc_full: list = field(init=False)
     acc_empty: list = field(init=False)
-    stage_data: list = field(init=False)  # per stage: (tile, k) landed, None when empty
-    stage_in_flight: list = field(init=False)  # per stage: a load issued, not landed
+    stage_data: list = field(init=False)  # per stage: part -> (tile, k) landed ({} when empty)
+    stage_in_flight: list = field(init=False)  # per stage: the parts whose loads are issued, not landed
     stage_readers: list = field(init=False)  # per stage: MMAs issued on it and not yet committed
     acc_owner: list = field(init=False)  # per accumulator: "mma" (being accumulated), "epilogue" or None
     events: list = field(default_factory=list)  # TMA loads (any order), then the commits (in order)
     commits: list = field(default_factory=list)
 
+    @property
+    def parts(self) -> tuple:
+        """What fills a stage: the load warp's TMA bytes, and with ``gather`` the gather warps' rows."""
+        return ("tma", "rows") if self.gather else ("tma",)
+
     def __post_init__(self) -> None:
-        self.full = [Barrier(f"full[{s}]") for s in range(self.stages)]
+        arrivals = len(self.parts) if self.full_arrivals is None else self.full_arrivals
+        self.full = [Barrier(f"full[{s}]", arrivals=arrivals) for s in range(self.stages)]
         self.empty = [Barrier(f"empty[{s}]") for s in range(self.stages)]
         self.acc_full = [Barrier(f"acc_full[{a}]") for a in range(self.acc_stages)]
         self.acc_empty = [Barrier(f"acc_empty[{a}]") for a in range(self.acc_stages)]
-        self.stage_data = [None] * self.stages
-        self.stage_in_flight = [False] * self.stages
+        self.stage_data = [{} for _ in range(self.stages)]
+        self.stage_in_flight = [set() for _ in range(self.stages)]
         self.stage_readers = [0] * self.stages
         self.acc_owner = [None] * self.acc_stages
 
-    # the load and MMA warps' operations
-    def load(self, stage: int, tile: int, k: int) -> None:
-        if self.stage_data[stage] is not None or self.stage_in_flight[stage] or self.stage_readers[stage]:
-            raise Hazard(f"TMA load of tile {tile} k {k} into stage {stage} while it holds {self.stage_data[stage]}, "
-                         f"a load in flight or {self.stage_readers[stage]} MMAs reading it")
-        self.stage_in_flight[stage] = True
-        self.events.append(("load", stage, (tile, k)))
+    # the load, gather and MMA warps' operations
+    def load(self, stage: int, tile: int, k: int, part: str = "tma") -> None:
+        if part in self.stage_data[stage] or part in self.stage_in_flight[stage] or self.stage_readers[stage]:
+            raise Hazard(f"{part} load of tile {tile} k {k} into stage {stage} while it holds {self.stage_data[stage]}, "
+                         f"loads in flight {sorted(self.stage_in_flight[stage])} or {self.stage_readers[stage]} MMAs reading it")
+        self.stage_in_flight[stage].add(part)
+        self.events.append(("load", stage, part, (tile, k)))
 
     def mma(self, stage: int, tile: int, k: int, acc: int) -> None:
-        if self.stage_data[stage] != (tile, k):
+        if self.stage_data[stage] != {part: (tile, k) for part in self.parts}:
             raise Hazard(f"MMA of tile {tile} k {k} on stage {stage} holding {self.stage_data[stage]}")
         if self.acc_owner[acc] != "mma":
             raise Hazard(f"MMA into accumulator {acc} owned by {self.acc_owner[acc]}")
         self.stage_readers[stage] += 1
 
     def release_stage(self, stage: int) -> None:  # tcgen05.commit onto the stage's empty barrier
-        self.stage_data[stage] = None  # the MMAs have their operands; the stage is the next load's once they complete
+        self.stage_data[stage] = {}  # the MMAs have their operands; the stage is the next load's once they complete
         self.commits.append(("stage", stage))
 
     def commit_accumulator(self, acc: int) -> None:  # tcgen05.commit onto the accumulator's full barrier
@@ -125,8 +134,9 @@ class Cta:
             return False
         kind, i = rng.choice(choices)
         if kind == "event":
-            _, stage, data = self.events.pop(i)
-            self.stage_in_flight[stage], self.stage_data[stage] = False, data
+            _, stage, part, data = self.events.pop(i)
+            self.stage_in_flight[stage].discard(part)
+            self.stage_data[stage][part] = data
             self.full[stage].arrive()
         else:
             what, index = self.commits.pop(0)
@@ -155,6 +165,17 @@ def load_warp(cta: Cta, tiles: list[int], tail_state: str):
     pending = [index for what, index in cta.commits if what == "stage"]
     if pending or any(cta.stage_readers):
         raise Hazard(f"load warp: the tail passed with the releases of stages {pending} still to land")
+
+
+def gather_warps(cta: Cta, tiles: list[int]):
+    """The gather warps (``gather``): each tile's rows of each K tile into the next stage once it is
+    free, on a state of their own that follows the load warp's; their copies arrive as they land."""
+    producer = State(cta.stages, phase=1)
+    for tile, k_tiles in enumerate(tiles):
+        for k in range(k_tiles):
+            yield Wait(cta.empty[producer.index], producer.phase, f"gather warps: stage {producer.index} for rows")
+            cta.load(producer.index, tile, k, part="rows")
+            producer.advance()
 
 
 def mma_warp(cta: Cta, tiles: list[int]):
@@ -194,6 +215,7 @@ LANDINGS = ("eager", "lazy", "random")
 
 def run_cta(
     tiles: list[int], stages: int, *, acc_stages: int = 1, tail_state: str = "advanced", landing: str = "random", seed: int = 0,
+    gather: bool = False, full_arrivals: int | None = None,
 ) -> None:
     """Run one CTA's agents over ``tiles`` (each a K-tile count) to the end; raises Hang or Hazard.
     ``landing``: when in-flight work lands: "eager" (all of it before each agent's step), "lazy"
@@ -201,8 +223,10 @@ def run_cta(
     if landing not in LANDINGS:
         raise ValueError(f"landing: expected one of {LANDINGS}, got {landing!r}")
     rng = random.Random(seed)
-    cta = Cta(stages, acc_stages)
+    cta = Cta(stages, acc_stages, gather, full_arrivals)
     agents = {"load warp": load_warp(cta, tiles, tail_state), "MMA warp": mma_warp(cta, tiles), "epilogue": epilogue(cta, tiles)}
+    if gather:
+        agents["gather warps"] = gather_warps(cta, tiles)
     waits = {name: None for name in agents}
     while agents:
         progressed = False

@@ -112,6 +112,32 @@ def test_an_accumulator_taken_before_the_epilogue_released_it_is_a_hazard():
         next(mma)
 
 
+def test_gathering_pipelines_drain_with_the_rows_as_a_second_arrival():
+    """gather_a: the gather warps fill each stage's A rows beside the load warp's TMA bytes (the full
+    barrier counts both), on a state of their own: every wait completes, no stage is read before
+    both parts landed nor refilled while read, for the gathering kernel's stage count, one or
+    several tiles, empty ones among them."""
+    kernel = GroupedGemmSm100(2048, 7168, "swiglu_save", persistent=True, gather_a=True)
+    stages, acc_stages = kernel.ab_stage, kernel.acc_stages
+    assert (stages, acc_stages, kernel.cta_threads) == (4, 2, 320)
+    for tiles, (landing, seed) in itertools.product(([5], [3, 0, 2 * stages + 1, 1], [stages] * 3), ORDERS):
+        run_cta(tiles, stages, acc_stages=acc_stages, gather=True, landing=landing, seed=seed)
+
+
+def test_a_full_barrier_that_does_not_wait_for_the_gathered_rows_is_a_hazard():
+    """The model catches a kernel whose full barrier counts only the load warp's arrival: in every
+    order of landing either the MMAs read a stage whose rows have not landed, or the extra
+    arrivals run the barrier's phases ahead of the waits and the pipeline stalls."""
+    caught = set()
+    for landing, seed in ORDERS + [("random", seed) for seed in range(3, 20)]:
+        with pytest.raises((Hang, Hazard)) as err:
+            run_cta([6, 3], 4, acc_stages=2, gather=True, full_arrivals=1, landing=landing, seed=seed)
+        caught.add(err.type)
+        if err.type is Hazard:
+            assert "MMA of tile" in str(err.value)
+    assert caught
+
+
 def test_a_load_into_a_stage_still_being_read_is_a_hazard():
     from barrier_model import Cta
 

@@ -56,7 +56,7 @@ def device_arch(device: "int | None" = None) -> str | None:
 
 FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) has kernels that have run and been tested
 UNVERIFIED_ARCHS = ("sm_100a", "sm_103a")  # GEMMs written and compile-verified, never run (no SM100 GPU here)
-UNVERIFIED_ENV = "MOK_UNVERIFIED_SM100"  # "1": run the single-GPU layer on them anyway
+UNVERIFIED_ENV = "MOK_UNVERIFIED_SM100"  # "1": run the layer on them anyway
 PERSISTENT_GEMM_ARCHS = ("sm_90a", "sm_100a", "sm_103a")  # persistent, warp-specialised grouped and weight-gradient GEMMs
 ROW_FUSED_GEMM_ARCHS = ("sm_90a",)  # GEMMs on FP8 block scales and the one-launch expert MLP (every persistent arch gathers
 # and scatters rows, adds biases and takes partial tiles)
@@ -93,7 +93,7 @@ def check_fused_layer_device(device: "int | None" = None) -> str:
     if arch not in fused_layer_archs():
         unverified = (
             f": MoK's SM100 kernels are written and compile-verified but have never run on an SM100 GPU; set "
-            f"{UNVERIFIED_ENV}=1 to use them (one GPU, one tile per CTA, no one_launch), after `python -m pytest -q -m "
+            f"{UNVERIFIED_ENV}=1 to use them (no one_launch, no fp8_block), after `python -m pytest -q -m "
             f"sm100` passes on this GPU." if arch in UNVERIFIED_ARCHS else ""
         )
         raise RuntimeError(
