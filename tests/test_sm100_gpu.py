@@ -385,3 +385,31 @@ def test_sm100_mxfp8_weight_grad_matches_the_float64_product_of_its_dequantized_
             continue
         assert rel_err(got[e], a_f[lo:hi].T @ b_f[lo:hi]) < 1e-2
     assert torch.equal(got, again)
+
+
+def hopper_layer_tests():
+    """Layer tests written for Hopper whose bodies name no arch (the device's plan: on SM100 the
+    tcgen05 kernels): expert parallelism emulated on one GPU (scatter pushes, gradients, recompute),
+    widths the tiles do not divide."""
+    import test_ep_gpu
+    import test_partial_tiles_gpu
+
+    ep = dict(world=2, counts=(300, 517), E=8, k=4, shared_inter=256, routing="uniform")
+    partial = dict(zip(("T", "H", "I", "E", "k", "shared_inter", "routing"), test_partial_tiles_gpu.CASES[1]))
+    return [
+        (test_ep_gpu.test_ep_equals_single_gpu_forward_bitwise, dict(ep, dispatch={})),
+        (test_ep_gpu.test_ep_gradients_equal_single_gpu_backward_bitwise, dict(ep, forward={})),
+        (test_ep_gpu.test_ep_gradients_equal_single_gpu_backward_bitwise, dict(ep, forward={"saved_h_format": "recompute"})),
+        (test_partial_tiles_gpu.test_forward_matches_reference, partial),
+        (test_partial_tiles_gpu.test_backward_matches_autograd, partial),
+        (test_partial_tiles_gpu.test_weight_grad_partial_row_and_column_tiles, dict(split_out=True)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_sm100_passes_the_hopper_layer_tests_of_expert_parallelism_and_partial_tiles(index, monkeypatch):
+    """What the SM100 layer now takes beside Hopper's (EP, partial widths), held to the same tests."""
+    monkeypatch.setenv("MOK_UNVERIFIED_SM100", "1")
+    test, kwargs = hopper_layer_tests()[index]
+    test(**kwargs)
+
