@@ -150,6 +150,10 @@ def test_every_variant_of_the_default_config_compiles_for_every_arch():
                 assert f".target {arch}" in ptx
                 if arch == "sm_90a":
                     assert_register_handover_fits(ptx)
+                elif variant.name in ("grouped_gemm", "weight_grad"):  # SM100: every GEMM the warp-specialised tcgen05 kernel
+                    assert count(r"tcgen05\.mma", ptx) > 0 and count(r"\bwgmma\b|\bmma\.sync", ptx) == 0, variant.describe()
+                    assert_warp_specialised_tcgen05_kernel(ptx)
+                    assert ptxas_spill_bytes(ptx, arch) in (None, 0), variant.describe()
                 compiled += 1
     assert compiled > 0
 
@@ -160,6 +164,23 @@ PARTIAL_TILE_CONFIGS = [  # widths the 128-wide tiles do not divide (H, I, E, k,
     (2056, 1032, 16, 4, dict(gate_up_layout="concatenated", saved_h_format="recompute")),
     (2056, 1032, 8, 4, dict(ep_size=2)),
 ]
+
+
+@pytest.mark.parametrize("hidden,inter,experts,topk,options", PARTIAL_TILE_CONFIGS)
+def test_sm100_partial_tile_variants_keep_tcgen05_tma_and_no_spills(hidden, inter, experts, topk, options):
+    """The same layers on SM100 (one launch aside): every GEMM of the plan the warp-specialised
+    tcgen05 kernel, fed by TMA (and the gather warps' cp.async), no spills."""
+    from mok.config import MoKConfig
+    from mok.plan import plan_for
+
+    for variant in plan_for(MoKConfig(hidden, inter, experts, topk, **options), "sm_100a").variants():
+        if variant.name not in ("grouped_gemm", "weight_grad"):
+            continue
+        ptx = compiled_ptx(variant, "sm_100a")
+        assert count(r"tcgen05\.mma", ptx) > 0 and count(r"cp\.async\.bulk\.tensor", ptx) > 0, variant.describe()
+        assert count(r"\bwgmma\b|\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0, variant.describe()
+        assert_warp_specialised_tcgen05_kernel(ptx)
+        assert ptxas_spill_bytes(ptx, "sm_100a") in (None, 0), variant.describe()
 
 
 @pytest.mark.parametrize("hidden,inter,experts,topk,options", PARTIAL_TILE_CONFIGS)
