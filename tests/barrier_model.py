@@ -20,6 +20,14 @@ accumulator committed), the epilogue warps (each tile's accumulator waited for, 
 released) and, where A's rows are gathered, the gather warps (each stage's rows, a second
 arrival on its full barrier). ``tail_state="setup"`` drains with the state the pipeline was created with instead of
 the advanced one, as the kernels once did: the model must report that as a hang.
+
+:func:`run_pair` runs a CTA pair (``mma_ctas`` = 2, tcgen05.mma.cta_group::2): both CTAs' load
+warps fill their own stages and their bytes complete the leader's full barrier; the leader's MMA
+warp reads both CTAs' stages, its commits land on both CTAs' empty and accumulator-full barriers;
+both CTAs' epilogues read their own accumulators and arrive on the leader's accumulator-empty
+barrier (remote arrivals, landing later); the leader's MMA warp drains the accumulator pipeline
+(the producer's tail) and the epilogues meet on each other's tensor-memory dealloc barrier before
+exit. Anything that lands on a CTA after it exited is a hazard.
 """
 
 from __future__ import annotations
@@ -120,13 +128,6 @@ class Cta:
             raise Hazard(f"MMA into accumulator {acc} owned by {self.acc_owner[acc]}")
         self.stage_readers[stage] += 1
 
-    def release_stage(self, stage: int) -> None:  # tcgen05.commit onto the stage's empty barrier
-        self.stage_data[stage] = {}  # the MMAs have their operands; the stage is the next load's once they complete
-        self.commits.append(("stage", stage))
-
-    def commit_accumulator(self, acc: int) -> None:  # tcgen05.commit onto the accumulator's full barrier
-        self.commits.append(("acc", acc))
-
     def land(self, rng: random.Random) -> bool:
         """Land one in-flight event (a random TMA load, or the oldest commit); False if none is in flight."""
         choices = [("event", i) for i in range(len(self.events))] + ([("commit", 0)] if self.commits else [])
@@ -149,18 +150,18 @@ class Cta:
         return True
 
 
-def load_warp(cta: Cta, tiles: list[int], tail_state: str):
+def load_warp(cta: Cta, tiles: list[int], tail_state: str, who: str = "load warp"):
     """The load warp: each tile's K tiles, each into the next stage once it is free; then the
     producer's tail on the advanced state (or, ``tail_state="setup"``, on a fresh one)."""
     producer = State(cta.stages, phase=1)
     for tile, k_tiles in enumerate(tiles):
         for k in range(k_tiles):
-            yield Wait(cta.empty[producer.index], producer.phase, f"load warp: stage {producer.index} for a load")
+            yield Wait(cta.empty[producer.index], producer.phase, f"{who}: stage {producer.index} for a load")
             cta.load(producer.index, tile, k)
             producer.advance()
     drain = producer if tail_state == "advanced" else State(cta.stages, phase=1)
     for _ in range(cta.stages):
-        yield Wait(cta.empty[drain.index], drain.phase, f"load warp: tail, stage {drain.index}")
+        yield Wait(cta.empty[drain.index], drain.phase, f"{who}: tail, stage {drain.index}")
         drain.advance()
     pending = [index for what, index in cta.commits if what == "stage"]
     if pending or any(cta.stage_readers):
@@ -178,39 +179,88 @@ def gather_warps(cta: Cta, tiles: list[int]):
             producer.advance()
 
 
-def mma_warp(cta: Cta, tiles: list[int]):
-    """The MMA warp: per tile an accumulator stage once free, the K tiles' MMAs in order as their
-    stages fill, each stage released by commit, the accumulator committed."""
-    consumer, acc_producer = State(cta.stages), State(cta.acc_stages, phase=1)
+def mma_warp(ctas: list, tiles: list[int], acc_tail: str | None = None):
+    """The MMA warp of ``ctas[0]`` (the leader of a pair: its MMAs read both CTAs' stages and
+    accumulate into both CTAs' accumulators): per tile an accumulator stage once free (the
+    leader's barrier), the K tiles' MMAs in order as their stages fill, each stage released by
+    commit, the accumulator committed (the leader's commits reach every CTA of ``ctas``); then the
+    accumulator producer's tail: a wait for the release of ``"every stage"`` (the pair kernels'),
+    of the ``"last stage"`` used only (CuTe DSL's PipelineUmmaAsync.producer_tail, which counts on
+    one thread's remote arrivals landing in order: the model does not), or none (a lone CTA's
+    epilogue arrives on its own barriers before it exits)."""
+    leader = ctas[0]
+    consumer, acc_producer = State(leader.stages), State(leader.acc_stages, phase=1)
     for tile, k_tiles in enumerate(tiles):
         acc = acc_producer.index
-        yield Wait(cta.acc_empty[acc], acc_producer.phase, f"MMA warp: accumulator {acc} for tile {tile}")
-        if cta.acc_owner[acc] is not None:
-            raise Hazard(f"MMA warp took accumulator {acc} for tile {tile} while the {cta.acc_owner[acc]} state of an earlier tile is unread")
-        cta.acc_owner[acc] = "mma"
+        yield Wait(leader.acc_empty[acc], acc_producer.phase, f"MMA warp: accumulator {acc} for tile {tile}")
+        for rank, cta in enumerate(ctas):
+            if cta.acc_owner[acc] is not None:
+                raise Hazard(f"MMA warp took accumulator {acc} for tile {tile} while CTA {rank}'s holds the {cta.acc_owner[acc]} "
+                             "state of an earlier tile")
+            cta.acc_owner[acc] = "mma"
         acc_producer.advance()
         for k in range(k_tiles):
-            yield Wait(cta.full[consumer.index], consumer.phase, f"MMA warp: stage {consumer.index} full")
-            cta.mma(consumer.index, tile, k, acc)
-            cta.release_stage(consumer.index)
+            yield Wait(leader.full[consumer.index], consumer.phase, f"MMA warp: stage {consumer.index} full")
+            for cta in ctas:
+                cta.mma(consumer.index, tile, k, acc)
+                cta.stage_data[consumer.index] = {}  # the MMAs have their operands; the stage is the next load's once they complete
+            leader.commits.append(("stage", consumer.index))  # tcgen05.commit onto the stage's empty barrier(s)
             consumer.advance()
-        cta.commit_accumulator(acc)
+        leader.commits.append(("acc", acc))  # tcgen05.commit onto the accumulator's full barrier(s)
+    if acc_tail == "last stage":
+        for _ in range(leader.acc_stages - 1):
+            acc_producer.advance()
+        yield Wait(leader.acc_empty[acc_producer.index], acc_producer.phase, "MMA warp: accumulator tail")
+    elif acc_tail == "every stage":
+        for _ in range(leader.acc_stages):
+            yield Wait(leader.acc_empty[acc_producer.index], acc_producer.phase, f"MMA warp: accumulator tail, stage {acc_producer.index}")
+            acc_producer.advance()
 
 
-def epilogue(cta: Cta, tiles: list[int]):
-    """The epilogue warps: each tile's accumulator waited for, read, released."""
+def epilogue(cta: Cta, tiles: list[int], release=None, who: str = "epilogue"):
+    """The epilogue warps: each tile's accumulator waited for, read, released (``release(acc)``:
+    an arrival on this CTA's accumulator-empty barrier unless given)."""
     acc_consumer = State(cta.acc_stages)
     for tile in range(len(tiles)):
         acc = acc_consumer.index
-        yield Wait(cta.acc_full[acc], acc_consumer.phase, f"epilogue: accumulator {acc} of tile {tile}")
+        yield Wait(cta.acc_full[acc], acc_consumer.phase, f"{who}: accumulator {acc} of tile {tile}")
         if cta.acc_owner[acc] != "done":
-            raise Hazard(f"epilogue read accumulator {acc} of tile {tile} before its MMAs completed")
+            raise Hazard(f"{who} read accumulator {acc} of tile {tile} before its MMAs completed")
         cta.acc_owner[acc] = None
-        cta.acc_empty[acc].arrive()
+        if release is None:
+            cta.acc_empty[acc].arrive()
+        else:
+            release(acc)
         acc_consumer.advance()
 
 
 LANDINGS = ("eager", "lazy", "random")
+
+
+def run_agents(agents: dict, land, landing: str, rng: random.Random, on_finish=None) -> None:
+    """Step ``agents`` (name -> generator of Waits) until all have finished; ``land()`` lands one
+    in-flight event (False: none), as ``landing`` says; ``on_finish(agents)`` after an agent
+    finished (the ones left). Raises Hang when every agent waits and nothing is in flight."""
+    waits = {name: None for name in agents}
+    while agents:
+        progressed = False
+        for name in list(agents):
+            while landing == "eager" and land():
+                pass
+            wait = waits[name]
+            if wait is not None and not wait.barrier.passes(wait.parity):
+                continue
+            try:
+                waits[name] = next(agents[name])
+            except StopIteration:
+                del agents[name], waits[name]
+                if on_finish is not None:
+                    on_finish(agents)
+            progressed = True
+        if not progressed and not land():
+            raise Hang("; ".join(f"{w.who} waits on {w.barrier.name} parity {w.parity}" for w in waits.values()))
+        if landing == "random" and rng.random() < 0.5:
+            land()
 
 
 def run_cta(
@@ -224,26 +274,114 @@ def run_cta(
         raise ValueError(f"landing: expected one of {LANDINGS}, got {landing!r}")
     rng = random.Random(seed)
     cta = Cta(stages, acc_stages, gather, full_arrivals)
-    agents = {"load warp": load_warp(cta, tiles, tail_state), "MMA warp": mma_warp(cta, tiles), "epilogue": epilogue(cta, tiles)}
+    agents = {"load warp": load_warp(cta, tiles, tail_state), "MMA warp": mma_warp([cta], tiles), "epilogue": epilogue(cta, tiles)}
     if gather:
         agents["gather warps"] = gather_warps(cta, tiles)
-    waits = {name: None for name in agents}
-    while agents:
-        progressed = False
-        for name in list(agents):
-            while landing == "eager" and cta.land(rng):
-                pass
-            wait = waits[name]
-            if wait is not None and not wait.barrier.passes(wait.parity):
-                continue
-            try:
-                waits[name] = next(agents[name])
-            except StopIteration:
-                del agents[name], waits[name]
-            progressed = True
-        if not progressed and not cta.land(rng):
-            raise Hang("; ".join(f"{w.who} waits on {w.barrier.name} parity {w.parity}" for w in waits.values()))
-        if landing == "random" and rng.random() < 0.5:
-            cta.land(rng)
+    run_agents(agents, lambda: cta.land(rng), landing, rng)
     if cta.events or cta.commits:
         raise Hazard(f"the CTA exits with {len(cta.events)} loads and {len(cta.commits)} commits still to arrive on its shared memory")
+
+
+@dataclass
+class Pair:
+    """A CTA pair: the two CTAs, the remote arrivals in flight (epilogue releases onto the leader's
+    accumulator-empty barriers, the dealloc handshake) and which CTAs have exited."""
+
+    ctas: list
+    remote: list = field(default_factory=list)  # (cta rank, barrier) arrivals still to land
+    exited: set = field(default_factory=set)
+    dealloc: list = field(default_factory=lambda: [Barrier("dealloc[0]"), Barrier("dealloc[1]")])
+
+    def land(self, rng: random.Random) -> bool:
+        """Land one in-flight thing of either CTA or one remote arrival; False if nothing is in flight."""
+        sources = [c for c in range(2) if self.ctas[c].events or self.ctas[c].commits]
+        choices = [("cta", c) for c in sources] + [("remote", i) for i in range(len(self.remote))]
+        if not choices:
+            return False
+        kind, i = rng.choice(choices)
+        if kind == "cta":
+            self.land_cta(i, rng)
+        else:
+            rank, barrier = self.remote.pop(i)
+            self.check_alive(rank, f"a remote arrival on {barrier.name}")
+            barrier.arrive()
+        return True
+
+    def check_alive(self, rank: int, what: str) -> None:
+        if rank in self.exited:
+            raise Hazard(f"{what} lands on CTA {rank} after it exited")
+
+    def land_cta(self, rank: int, rng: random.Random) -> None:
+        """One event of CTA ``rank``: a TMA load (into its own stage; its bytes complete the leader's
+        full barrier) or the leader's oldest commit (multicast: both CTAs' barriers)."""
+        cta, leader = self.ctas[rank], self.ctas[0]
+        choices = [("event", i) for i in range(len(cta.events))] + ([("commit", 0)] if cta.commits else [])
+        kind, i = rng.choice(choices)
+        if kind == "event":
+            _, stage, part, data = cta.events.pop(i)
+            self.check_alive(0, f"CTA {rank}'s load of stage {stage}")
+            self.check_alive(rank, f"CTA {rank}'s load of stage {stage}")
+            cta.stage_in_flight[stage].discard(part)
+            cta.stage_data[stage][part] = data
+            leader.full[stage].arrive()
+            return
+        what, index = cta.commits.pop(0)
+        for c in range(2):
+            self.check_alive(c, f"the leader's commit onto {what} {index}")
+            if what == "stage":
+                self.ctas[c].stage_readers = [0] * cta.stages
+                self.ctas[c].empty[index].arrive()
+            else:
+                self.ctas[c].acc_owner[index] = "done"
+                self.ctas[c].acc_full[index].arrive()
+
+
+ACC_TAILS = ("every stage", "last stage", None)
+
+
+def pair_epilogue(pair: Pair, rank: int, tiles: list[int]):
+    """A pair CTA's epilogue: its own accumulator of each tile, released by an arrival on the
+    leader's accumulator-empty barrier; then the dealloc handshake (arrive on the peer's barrier,
+    wait on its own)."""
+    leader = pair.ctas[0]
+    yield from epilogue(pair.ctas[rank], tiles, lambda acc: pair.remote.append((0, leader.acc_empty[acc])), f"CTA {rank} epilogue")
+    pair.remote.append((rank ^ 1, pair.dealloc[rank ^ 1]))
+    yield Wait(pair.dealloc[rank], 0, f"CTA {rank} epilogue: dealloc handshake")
+
+
+def run_pair(
+    tiles: list[int], stages: int, *, acc_stages: int = 1, landing: str = "random", seed: int = 0,
+    acc_tail: str | None = "every stage", full_parts: int = 2,
+) -> None:
+    """Run a CTA pair's agents over ``tiles`` (each a K-tile count, the same for both CTAs) to the
+    end; raises Hang or Hazard. ``acc_tail``: the leader's accumulator tail (:func:`mma_warp`);
+    without one the peer's last releases may land after the leader exited. ``full_parts``: the
+    loads the leader's full barrier waits for (the kernels': 2, its own and the peer's bytes)."""
+    if landing not in LANDINGS:
+        raise ValueError(f"landing: expected one of {LANDINGS}, got {landing!r}")
+    if acc_tail not in ACC_TAILS:
+        raise ValueError(f"acc_tail: expected one of {ACC_TAILS}, got {acc_tail!r}")
+    rng = random.Random(seed)
+    ctas = [Cta(stages, acc_stages), Cta(stages, acc_stages)]
+    for barrier in ctas[0].full:  # the leader's expect-tx covers both CTAs' bytes: a part from each
+        barrier.arrivals = barrier.pending = full_parts
+    for barrier in ctas[0].acc_empty:  # both CTAs' epilogues release the leader's accumulator stage
+        barrier.arrivals = barrier.pending = 2
+    pair = Pair(ctas)
+    agents = {
+        # each load warp fills its own stages, freed by the leader's commits (multicast), then drains them
+        (0, "load warp"): load_warp(ctas[0], tiles, "advanced", "CTA 0 load warp"),
+        (1, "load warp"): load_warp(ctas[1], tiles, "advanced", "CTA 1 load warp"),
+        (0, "MMA warp"): mma_warp(ctas, tiles, acc_tail),
+        (0, "epilogue"): pair_epilogue(pair, 0, tiles), (1, "epilogue"): pair_epilogue(pair, 1, tiles),
+    }
+    def exit_finished_ctas(agents: dict) -> None:
+        for rank in (0, 1):
+            if rank not in pair.exited and not any(r == rank for r, _ in agents):
+                if pair.ctas[rank].events or pair.ctas[rank].commits:
+                    raise Hazard(f"CTA {rank} exits with its loads or commits still to land")
+                pair.exited.add(rank)
+
+    run_agents(agents, lambda: pair.land(rng), landing, rng, exit_finished_ctas)
+    while pair.land(rng):  # what is still in flight lands on exited CTAs: a hazard
+        pass

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from barrier_model import Hang, Hazard, run_cta
+from barrier_model import Hang, Hazard, run_cta, run_pair
 
 tcgen05_tile = pytest.importorskip("mok.kernels.sm100.tcgen05_tile")
 from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100, GroupedGemmSm100  # noqa: E402
@@ -32,9 +32,9 @@ def sm100_kernels():
     ]
 
 
-def pipelines():
-    """(stages, accumulator stages) of the kernels in sm100_kernels()."""
-    return {(kernel.ab_stage, kernel.acc_stages) for kernel in sm100_kernels()}
+def pipelines(mma_ctas: int = 1):
+    """(stages, accumulator stages) of the kernels in sm100_kernels() on ``mma_ctas`` CTAs."""
+    return {(kernel.ab_stage, kernel.acc_stages) for kernel in sm100_kernels() if kernel.mma_ctas == mma_ctas}
 
 
 def test_the_kernels_take_two_accumulator_stages_where_tensor_memory_holds_them():
@@ -104,7 +104,7 @@ def test_an_accumulator_taken_before_the_epilogue_released_it_is_a_hazard():
 
     cta = barrier_model.Cta(stages=2, acc_stages=1)
     cta.acc_empty = [EverPassing("acc_empty[0]")]
-    mma = barrier_model.mma_warp(cta, [0, 0])
+    mma = barrier_model.mma_warp([cta], [0, 0])
     next(mma)  # tile 0's accumulator
     next(mma)  # tile 0 committed (no K tiles); waits for tile 1's
     cta.acc_owner[0] = "done"  # tile 0's commit landed, the epilogue has not read it
@@ -145,3 +145,44 @@ def test_a_load_into_a_stage_still_being_read_is_a_hazard():
     cta.load(0, tile=0, k=0)
     with pytest.raises(Hazard, match="into stage 0"):
         cta.load(0, tile=0, k=2)
+
+
+def test_cta_pair_pipelines_drain_with_both_ctas_bytes_and_releases_on_the_leader():
+    """The weight gradient's CTA pairs (cta_group::2; tests/barrier_model.py's run_pair): both CTAs'
+    loads complete the leader's full barrier, the leader's commits free both CTAs' stages and fill
+    both accumulators, both epilogues release the leader's accumulator stage, the leader drains
+    every accumulator stage before exit: every wait completes, no stage or accumulator is reused
+    early, nothing lands on either CTA after it exited, for the kernels' stage counts, K-tile
+    counts 0 .. 4 x stages, one tile or several (empty experts among them)."""
+    pairs = pipelines(mma_ctas=2)
+    assert pairs == {(8, 2)}  # (128 rows of A + 64 of B) x 64 x 2 bytes a stage: as deep as the kernels go
+    for stages, acc_stages in pairs | {(2, 1), (3, 2)}:
+        for k_tiles, (landing, seed) in itertools.product(range(4 * stages + 1), ORDERS):
+            run_pair([k_tiles], stages, acc_stages=acc_stages, landing=landing, seed=seed)
+            run_pair([k_tiles, 0, k_tiles + 1, 2], stages, acc_stages=acc_stages, landing=landing, seed=seed)
+
+
+def test_a_pair_whose_leader_does_not_drain_its_accumulators_is_caught():
+    """Without the leader's accumulator tail the peer's last releases (remote arrivals) can land on
+    the leader after it exited; with the tail on the last stage alone (CuTe DSL's
+    PipelineUmmaAsync.producer_tail) an earlier stage's release can, unless one thread's remote
+    arrivals land in order, which the model does not assume: the kernels wait on every stage."""
+    for acc_tail in (None, "last stage"):
+        caught = []
+        for tiles, (landing, seed) in itertools.product(([0, 0, 0], [3, 2]), ORDERS + [("random", seed) for seed in range(3, 150)]):
+            try:
+                run_pair(tiles, 4, acc_stages=2, landing=landing, seed=seed, acc_tail=acc_tail)
+            except Hazard as err:
+                caught.append(str(err))
+        assert caught and all("acc_empty" in err and "after it exited" in err for err in caught), (acc_tail, caught)
+
+
+def test_a_pair_whose_leader_waits_for_its_own_bytes_only_is_caught():
+    """An expect-tx that counts one CTA's bytes lets the leader's MMAs read the peer's stage before
+    its load landed (or runs the barrier's phases ahead of the waits): a hazard or a hang."""
+    caught = set()
+    for landing, seed in ORDERS + [("random", seed) for seed in range(3, 20)]:
+        with pytest.raises((Hang, Hazard)) as err:
+            run_pair([6, 3], 4, acc_stages=2, landing=landing, seed=seed, full_parts=1)
+        caught.add(err.type)
+    assert caught

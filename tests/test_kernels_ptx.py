@@ -53,6 +53,29 @@ def assert_warp_specialised_tcgen05_kernel(ptx: str) -> None:
     assert all(parity.startswith("%r") for parity in parities), parities
 
 
+PEER_BIT_CLEARED = -16777224  # and-mask of a shared::cluster mbarrier address: 0xFEFFFFF8, the pair's leader CTA (rank bit 24 clear)
+
+
+def assert_cta_pair_kernel(ptx: str, cta_bytes: int) -> None:
+    """SM100's CTA pair (Tcgen05TileKernel.mma_ctas = 2): the MMAs and every TMA load of the
+    cta_group::2 kind and no 1-CTA one; each load completes on the leader's barrier (the peer bit
+    of its address cleared), whose expect-tx (issued under a rank test) counts both CTAs' bytes;
+    the MMA warp's commits reach both CTAs (multicast); tensor memory allocated and freed by the
+    pair; the epilogues' releases and the dealloc handshake arrive on the peer's barriers
+    (mapa + mbarrier.arrive.shared::cluster); cluster syncs after the barriers' init."""
+    assert count(r"tcgen05\.mma\.cta_group::1", ptx) == 0 and count(r"tcgen05\.mma\.cta_group::2", ptx) > 0
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.(\S+) \[[^\]]+\], \[[^\]]+\], \[(%r\d+)\]", ptx)
+    assert loads and all(kind.endswith(".cta_group::2") and kind.startswith("shared::cluster") for kind, _ in loads), loads
+    masked = set(re.findall(rf"and\.b32\s+(%r\d+), %r\d+, {PEER_BIT_CLEARED};", ptx))
+    assert {barrier for _, barrier in loads} <= masked, (loads, masked)
+    expect = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+mbarrier\.arrive\.expect_tx\.shared\.b64 %rd\d+, \[%r\d+\], (%r\d+);", ptx)
+    assert [int(value) for reg, value, used in expect if reg == used] == [2 * cta_bytes]
+    assert count(r"tcgen05\.commit\.cta_group::2\.mbarrier::arrive::one\.shared::cluster\.multicast::cluster", ptx) == 2
+    assert count(r"tcgen05\.alloc\.cta_group::2", ptx) == 1 and count(r"tcgen05\.dealloc\.cta_group::2", ptx) == 1
+    assert count(r"mapa\.shared::cluster", ptx) >= 2 and count(r"mbarrier\.arrive\.shared::cluster", ptx) >= 2
+    assert count(r"barrier\.cluster\.wait", ptx) >= 1
+
+
 def assert_scales_lie_past_the_accumulator_stages(ptx: str, kernel) -> None:
     """MXFP8 on SM100: every tcgen05.cp writes tensor-memory columns past all of ``kernel``'s
     accumulator stages (two stages of 128-wide accumulators end at column 256: scales copied below
@@ -444,19 +467,30 @@ def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, e
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 @pytest.mark.parametrize(
-    "m,n,options",
-    [(7168, 2048, dict()), (4096, 7168, dict(split_out=True)), (4096, 7168, dict(out_dtype="f32", accumulate=True, split_out=True)),
-     (2048, 7168, dict(out_dtype="f32", accumulate=True, a_stride=4096)), (2048, 7168, dict(out_dtype="f32"))],
-)  # dW_down, [dW_gate; dW_up] in one launch (fresh bf16, or added into fp32 main_grads), one half of dh, fresh fp32
-def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m, n, options):
-    """The Blackwell weight-gradient GEMM (compile-verified only): tcgen05 MMAs fed by TMA, the
-    accumulator read back once per subtile loop, 16-byte stores (and loads, adding into fp32); no
-    Hopper or warp-level MMA, no atomics, no spills."""
+    "m,n,options,pair",
+    [(7168, 2048, dict(), True), (4096, 7168, dict(split_out=True), True),
+     (4096, 7168, dict(out_dtype="f32", accumulate=True, split_out=True), True),
+     (2048, 7168, dict(out_dtype="f32", accumulate=True, a_stride=4096), True), (2048, 7168, dict(out_dtype="f32"), True),
+     (128, 7168, dict(a_stride=128), False)],
+)  # dW_down, [dW_gate; dW_up] in one launch (fresh bf16, or added into fp32 main_grads), one half of dh, fresh fp32; the
+# router weight's gradient (128 padded experts: one row tile, no pair)
+def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m, n, options, pair):
+    """The Blackwell weight-gradient GEMM (compile-verified only): tcgen05 MMAs fed by TMA, on CTA
+    pairs (256 x 128 tiles, cta_group::2: each CTA loads its 128 rows of A and 64 of B's 128)
+    wherever M has two row tiles or more (each half's), else on one CTA; the accumulator read back
+    once per subtile loop, 16-byte stores (and loads, adding into fp32); no Hopper or warp-level
+    MMA, no atomics, no spills."""
     ptx = compiled_ptx(weight_grad_variant(m, n, **options), arch)
     assert f".target {arch}" in ptx
-    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 4
+    group = 2 if pair else 1
+    assert count(rf"tcgen05\.mma\.cta_group::{group}\.kind::f16", ptx) == 4
     assert count(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx) == 1 and count(r"tcgen05\.wait::ld", ptx) == 1
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 4  # A and B, MN-major: two 64-wide boxes each
+    if pair:  # A's 128 rows, MN-major: two 64-wide boxes; B's 64: one
+        assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.\S+\.cta_group::2", ptx) == 3
+        assert_cta_pair_kernel(ptx, cta_bytes=(128 + 64) * 64 * 2)
+    else:  # A and B, MN-major: two 64-wide boxes each
+        assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 4
+        assert count(r"cta_group::2|mapa|barrier\.cluster", ptx) == 0
     f32 = options.get("out_dtype") == "f32"
     stores = count(r"st\.global\.v2\.b64", ptx) if f32 else count(r"st\.global\.v4\.b32", ptx)
     assert stores == (8 if f32 else 4) and count(r"st\.global", ptx) == stores  # 32 columns of a row, 16 bytes at a time

@@ -203,11 +203,13 @@ def test_sm100_swiglu_backward_gemm_matches_the_float32_reference(rows, hidden, 
 
 @pytest.mark.parametrize("m,n,split_out,accumulate", [(256, 384, False, False), (512, 256, True, False), (256, 256, True, True),
                                                        (384, 128, False, True),
-                                                       (272, 200, True, False), (136, 264, False, True)])  # partial row and column tiles
+                                                       (272, 200, True, False), (136, 264, False, True),  # partial row and column tiles
+                                                       (768, 256, True, True)])  # 3 row tiles a half: a pair's second CTA past it
 @pytest.mark.parametrize("persistent", [True, False])
 def test_sm100_weight_grad_matches_the_float32_reference(m, n, split_out, accumulate, persistent):
     """out[e] (+)= a[rows of e]ᵀ·b[rows of e] (ops.weight_grad): experts of 128-row blocks with
-    zero padding rows, one expert without rows (zeros, or left as it was when accumulating)."""
+    zero padding rows, one expert without rows (zeros, or left as it was when accumulating). Every
+    M here but split_out's 256 (one row tile a half) runs on CTA pairs (cta_group::2)."""
     g = torch.Generator(device="cuda").manual_seed(m + n)
     counts = torch.tensor([200, 0, 77, 128], dtype=torch.int32)
     blocks = (counts + 127) // 128

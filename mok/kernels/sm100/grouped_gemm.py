@@ -39,7 +39,7 @@ from ..common.grouped_gemm import GroupedGemm
 from ..common.row_gather import gather_stage, gathered_rows
 from ..common.row_vectors import VECTOR
 from ..common.tile_order import grouped_tile
-from .tcgen05_tile import EPI_COLS, ONE_CTA_PER_SM, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import EPI_COLS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
 class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
@@ -80,9 +80,8 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         m_dst = self.scatter_target(scatter_to) if self.scatter else None
         m_biases = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases) if self.bias else None
         m_x = m_a if self.gather_a else None  # (gather_a: A is x [T, K], its rows copied by the gather warps)
-        self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, m_dst, m_biases, m_x).launch(
-            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[self.cta_threads, 1, 1], stream=stream, min_blocks_per_mp=ONE_CTA_PER_SM
-        )
+        kernel = self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, m_dst, m_biases, m_x)
+        self.launch_kernel(kernel, all_tiles, max_ctas, stream)
 
     @cute.kernel
     def kernel(

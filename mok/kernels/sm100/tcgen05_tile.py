@@ -20,6 +20,17 @@ matrix into each stage by cp.async (mok/kernels/common/row_gather.py), arriving 
 barrier beside the load warp's TMA bytes, and the MMA warp fences the generic-proxy writes
 before its MMAs read them.
 
+With ``mma_ctas`` = 2 (:meth:`Tcgen05TileKernel.use_pair`; the weight gradients' choice where M
+allows) a cluster of two CTAs computes 256 x tile_n tiles with tcgen05.mma.cta_group::2: each
+CTA's load warp brings its own 128 rows of A and half of B's tile_n rows (cta_group::2 TMA loads,
+completing on the leader's full barrier, whose expect-tx counts both CTAs' bytes); the leader
+(even rank) alone issues the MMAs, which read both CTAs' stages and accumulate each CTA's rows in
+its own tensor memory; its commits free both CTAs' stages and fill both CTAs' accumulator stages;
+both CTAs' epilogues release the leader's accumulator stage (remote arrivals), so the leader
+waits for every accumulator stage's last release before it exits, and the two CTAs free their
+tensor memory together. Half of B's bytes per CTA: deeper pipelines, and B read from L2 once per
+256 rows.
+
 With ``mxfp8`` the operands are MXFP8 (E4M3 elements, an E8M0 scale per 32 along K): each stage
 also brings the tile's scales (TMA, in the MMA's scale order, see mok.mxfp8.mma_scale_layout), warp 4
 copies them into tensor memory (tcgen05.cp) ahead of the stage's block-scaled MMAs
@@ -58,6 +69,7 @@ EPI_COLS = 32  # accumulator columns a thread reads per tcgen05.ld (32x32b, 32 r
 TMEM_COLUMNS = 512  # tensor memory of an SM: 128 lanes x 512 fp32 columns
 SMEM_BYTES = 227 * 1024
 MAX_STAGES = 8
+PAIR = 2  # CTAs of a pair MMA (``mma_ctas`` = 2): a cluster of two along M, one 256-row tcgen05.mma.cta_group::2
 TMEM_ALLOC_BARRIER = 1  # named barrier: every warp retrieves the tensor-memory address
 EPILOGUE_BARRIER = 2  # named barrier: the epilogue warps' last reads, before the tensor memory is freed
 MAJOR = {"k": cute.nvgpu.OperandMajorMode.K, "mn": cute.nvgpu.OperandMajorMode.MN}
@@ -84,6 +96,41 @@ class Tcgen05TileKernel:
     mxfp8 = False  # operands: bf16, or MXFP8 with block-scaled MMAs (see the module docstring)
     persistent = False  # at most max_ctas CTAs walk the tiles (else one CTA per tile)
     gather_a = False  # A's rows gathered from the token matrix by cp.async (the grouped GEMM's gate/up)
+    mma_ctas = 1  # CTAs per MMA: 1, or PAIR (see :meth:`pair_reason`)
+
+    @property
+    def cta_group(self):
+        """The tcgen05 CTA group of the MMAs, the TMA loads and the tensor-memory allocation."""
+        return tcgen05.CtaGroup.TWO if self.mma_ctas == PAIR else tcgen05.CtaGroup.ONE
+
+    @property
+    def mma_tiler_mnk(self) -> tuple:
+        """The tile one MMA sequence computes: the CTA's tile, ``mma_ctas`` of them stacked along M."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        return (tile_m * self.mma_ctas, tile_n, tile_k)
+
+    def pair_reason(self) -> str | None:
+        """Why this kernel cannot run its MMAs on a CTA pair, or None. A pair's two CTAs compute
+        128 rows each of one 256 x tile_n product (each holds its rows of A and half of B's
+        tile_n rows, the leader issues the MMAs for both): the per-CTA shared memory of B halves
+        and B's bytes from L2 per output element halve too. It needs bf16 operands (MXFP8's
+        scales are not laid out for pairs here), A loaded by TMA (not gathered) and a tile_n of
+        128 or 256 (a 64- or 128-column half of B per CTA)."""
+        if self.mxfp8:
+            return "MXFP8 operands (their scales' copies into tensor memory are per CTA here)"
+        if self.gather_a:
+            return "A's rows gathered by the CTA's own warps"
+        if self.tile_shape_mnk[1] not in (128, 256):
+            return f"tile_n {self.tile_shape_mnk[1]} (a pair splits B's tile: 128 or 256)"
+        return None
+
+    def use_pair(self, wanted: bool) -> None:
+        """Run the MMAs on CTA pairs when ``wanted`` (raising where :meth:`pair_reason` forbids)."""
+        if wanted:
+            reason = self.pair_reason()
+            if reason is not None:
+                raise ValueError(f"mma_ctas=2: not with {reason}")
+        self.mma_ctas = PAIR if wanted else 1
 
     @property
     def cta_threads(self) -> int:
@@ -91,11 +138,24 @@ class Tcgen05TileKernel:
         return THREADS + (GATHER_THREADS if self.gather_a else 0)
 
     def grid(self, all_tiles, max_ctas):
-        """Host side: the CTAs to launch: min(all_tiles, max_ctas) when persistent, else all_tiles; at
-        least one."""
+        """Host side: the CTAs to launch for ``all_tiles`` MMA tiles: ``mma_ctas`` for each of
+        min(all_tiles, max_ctas / mma_ctas) when persistent, else of all_tiles; at least one MMA's."""
         if self.persistent:
-            return cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
-        return cutlass.max(all_tiles, 1)
+            return cutlass.max(cutlass.min(all_tiles, max_ctas // self.mma_ctas), 1) * self.mma_ctas
+        return cutlass.max(all_tiles, 1) * self.mma_ctas
+
+    def launch_kernel(self, kernel, all_tiles, max_ctas, stream) -> None:
+        """Host side: launch ``kernel`` (the subclass's, its arguments bound) over :meth:`grid`'s CTAs,
+        in clusters of ``mma_ctas``, one CTA per SM."""
+        cluster = {"cluster": [self.mma_ctas, 1, 1]} if self.mma_ctas > 1 else {}
+        kernel.launch(
+            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[self.cta_threads, 1, 1], stream=stream,
+            min_blocks_per_mp=ONE_CTA_PER_SM, **cluster
+        )
+
+    def cta_layout_vmnk(self, tiled_mma) -> cute.Layout:
+        """The cluster's CTAs as (V: CTAs of one MMA, M, N, L): (mma_ctas, 1, 1, 1)."""
+        return cute.tiled_divide(cute.make_layout((self.mma_ctas, 1, 1)), (tiled_mma.thr_id,))
 
     @property
     def operand_dtype(self) -> type:
@@ -108,15 +168,15 @@ class Tcgen05TileKernel:
         if self.mxfp8:
             tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
                 cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, MAJOR[a_major], MAJOR[b_major], cutlass.Float8E8M0FNU,
-                SCALE_BLOCK, tcgen05.CtaGroup.ONE, self.tile_shape_mnk[:2],
+                SCALE_BLOCK, self.cta_group, self.mma_tiler_mnk[:2],
             )
         else:
             tiled_mma = sm100_utils.make_trivial_tiled_mma(
-                cutlass.BFloat16, cutlass.BFloat16, MAJOR[a_major], MAJOR[b_major], cutlass.Float32, tcgen05.CtaGroup.ONE,
-                self.tile_shape_mnk[:2],
+                cutlass.BFloat16, cutlass.BFloat16, MAJOR[a_major], MAJOR[b_major], cutlass.Float32, self.cta_group,
+                self.mma_tiler_mnk[:2],
             )
-        a_smem = sm100_utils.make_smem_layout_a(tiled_mma, self.tile_shape_mnk, self.operand_dtype, self.ab_stage)
-        b_smem = sm100_utils.make_smem_layout_b(tiled_mma, self.tile_shape_mnk, self.operand_dtype, self.ab_stage)
+        a_smem = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler_mnk, self.operand_dtype, self.ab_stage)
+        b_smem = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler_mnk, self.operand_dtype, self.ab_stage)
         return tiled_mma, a_smem, b_smem
 
     def make_scale_layouts(self, tiled_mma):
@@ -146,8 +206,10 @@ class Tcgen05TileKernel:
 
     def load_atoms(self, tiled_mma, a_smem, b_smem, m_a: cute.Tensor, *m_bs: cute.Tensor):
         """Host side: TMA load atoms and coordinate tensors of A and each B (all (MN, K, L)), and the
-        bytes one stage receives by TMA (``stage_tx_bytes``: A (unless gathered) and ``num_b`` B tiles)."""
-        atoms, self.stage_tx_bytes = self.stage_loads(tiled_mma, a_smem, b_smem, self.operand_dtype, m_a, m_bs)
+        bytes one stage receives by TMA (``stage_tx_bytes``: A (unless gathered) and ``num_b`` B tiles;
+        a pair's leader expects both CTAs' bytes)."""
+        atoms, cta_bytes = self.stage_loads(tiled_mma, a_smem, b_smem, self.operand_dtype, m_a, m_bs)
+        self.stage_tx_bytes = cta_bytes * self.mma_ctas
         if self.gather_a:
             self.stage_tx_bytes -= cute.size_in_bytes(self.operand_dtype, cute.slice_(a_smem, (None, None, None, 0)))
         return atoms
@@ -165,10 +227,11 @@ class Tcgen05TileKernel:
         pairs, as NVIDIA's block-scaled kernels load them: fewer, wider boxes)."""
         a_stage = cute.slice_(a_smem, (None, None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, None, 0))
-        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(self.cta_group)  # (a pair's: completes on the leader's barrier)
         unit = {} if internal_type is None else {"internal_type": internal_type}
-        atoms = (cute.nvgpu.make_tiled_tma_atom_A(g2s, m_a, a_stage, self.tile_shape_mnk, tiled_mma, **unit),)
-        atoms += tuple(cute.nvgpu.make_tiled_tma_atom_B(g2s, m_b, b_stage, self.tile_shape_mnk, tiled_mma, **unit) for m_b in m_bs)
+        vmnk = self.cta_layout_vmnk(tiled_mma).shape
+        atoms = (cute.nvgpu.make_tiled_tma_atom_A(g2s, m_a, a_stage, self.mma_tiler_mnk, tiled_mma, vmnk, **unit),)
+        atoms += tuple(cute.nvgpu.make_tiled_tma_atom_B(g2s, m_b, b_stage, self.mma_tiler_mnk, tiled_mma, vmnk, **unit) for m_b in m_bs)
         return atoms, cute.size_in_bytes(dtype, a_stage) + self.num_b * cute.size_in_bytes(dtype, b_stage)
 
     def shared_storage(self, a_smem, b_smem, sfa_smem=None, sfb_smem=None):
@@ -183,6 +246,7 @@ class Tcgen05TileKernel:
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
             acc_mbar: cute.struct.MemRange[cutlass.Int64, self.acc_stages * 2]
             tmem_base: cutlass.Int32
+            tmem_dealloc_mbar: cutlass.Int64  # (a pair: the two CTAs free their tensor memory together)
             s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem)], 1024]
             s_b: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(b_smem)], 1024]
             s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b2_elems], 1024]
@@ -228,16 +292,17 @@ class Tcgen05TileKernel:
     def operand_view(self, tiled_mma, load, s_x, operand: str, mn_tile, l_index, scales: bool = False):
         """One operand's TMA partition for this CTA's tile: (atom, global by K tile, shared by stage).
         ``load`` = (atom, coordinate tensor (MN, K, L)) from :meth:`load_atoms`, ``operand`` "a" or
-        "b", ``mn_tile`` its tile along M or N, ``l_index`` its L coordinate (an expert, or 0);
-        ``scales``: the operand's MXFP8 scales (from :meth:`scale_load_atoms`; their layouts repeat
-        each scale over its 32 elements, which the copy leaves out)."""
+        "b", ``mn_tile`` its MMA tile along M (``mma_ctas`` x 128 rows) or N, ``l_index`` its L
+        coordinate (an expert, or 0); ``scales``: the operand's MXFP8 scales (from
+        :meth:`scale_load_atoms`; their layouts repeat each scale over its 32 elements, which the
+        copy leaves out). In a pair each CTA loads its own 128 rows of A and its half of B's tile."""
         atom, coords = load
-        thr_mma = tiled_mma.get_slice(0)
+        thr_mma = tiled_mma.get_slice(self.rank_in_pair())
         # global tiles (bM|bN, bK, RestM|RestN, RestK, RestL) as the MMA partitions them, then the TMA's view of them
         if operand == "a":
-            g_x = thr_mma.partition_A(cute.local_tile(coords, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None)))
+            g_x = thr_mma.partition_A(cute.local_tile(coords, cute.slice_(self.mma_tiler_mnk, (None, 0, None)), (None, None, None)))
         else:
-            g_x = thr_mma.partition_B(cute.local_tile(coords, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None)))
+            g_x = thr_mma.partition_B(cute.local_tile(coords, cute.slice_(self.mma_tiler_mnk, (0, None, None)), (None, None, None)))
         s_part, g_part = cute.nvgpu.cpasync.tma_partition(
             atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 3), cute.group_modes(g_x, 0, 3)
         )
@@ -274,27 +339,37 @@ class Tcgen05TileKernel:
             stages = (s_a, s_b, s_b2, storage.s_sfa.get_tensor(sfa_smem), s_sfb, s_sfb2)
         if cutlass.const_expr(self.gather_a):
             stages = (s_a, s_b, s_b2, storage.s_a.data_ptr())
-        ab_pipeline = pipeline.PipelineTmaUmma.create(  # (a stage is full once its TMA bytes and each gathering thread's rows landed)
+        pair = self.mma_ctas == PAIR
+        tmem = cutlass.memory.TmemAllocator(  # (before the pipelines: their cluster sync publishes its pair barrier too)
+            storage.tmem_base.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_ALLOC_BARRIER, num_threads=self.cta_threads),
+            is_two_cta=pair,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr if pair else None,
+        )
+        cluster = self.cta_layout_vmnk(tiled_mma)
+        # A stage is full once its TMA bytes (a pair's leader: both CTAs') and each gathering thread's rows landed; the
+        # leader's MMA completion frees it in both CTAs of a pair.
+        ab_pipeline = pipeline.PipelineTmaUmma.create(
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + (GATHER_THREADS if self.gather_a else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             tx_count=self.stage_tx_bytes,
             barrier_storage=storage.ab_mbar.data_ptr(),
+            cta_layout_vmnk=cluster,
         )
         ab_producer, ab_consumer = ab_pipeline.make_participants()
+        # An accumulator stage is full in both CTAs of a pair when the leader's MMAs complete; it is free once the epilogue
+        # threads of both have read it (their arrivals land on the leader's barrier).
         acc_producer, acc_consumer = pipeline.PipelineUmmaAsync.create(
             num_stages=self.acc_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, EPILOGUE_THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, EPILOGUE_THREADS * self.mma_ctas),
             barrier_storage=storage.acc_mbar.data_ptr(),
+            cta_layout_vmnk=cluster,
         ).make_participants()
-        acc_shape = tiled_mma.partition_shape_C(self.tile_shape_mnk[:2])
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler_mnk[:2])
         acc_layout = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_b * self.acc_stages)).layout
-        tmem = cutlass.memory.TmemAllocator(
-            storage.tmem_base.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_ALLOC_BARRIER, num_threads=self.cta_threads),
-        )
-        tmem.allocate(self.tmem_columns())  # (by warp 0, an epilogue warp)
+        tmem.allocate(self.tmem_columns())  # (by warp 0, an epilogue warp; in a pair by both CTAs' warp 0 together)
         tmem.wait_for_alloc()
         t_acc = cute.make_tensor(tmem.retrieve_ptr(cutlass.Float32), acc_layout)
         return stages, (ab_producer, ab_consumer, acc_producer, acc_consumer, ab_pipeline), tmem, t_acc
@@ -310,7 +385,8 @@ class Tcgen05TileKernel:
         if warp_idx == LOAD_WARP:
             self.load_warp(tiled_mma, loads, stages, pipes, tiles)
         if warp_idx == MMA_WARP:
-            self.mma_warp(tiled_mma, stages, pipes, t_acc, tiles, layouts)
+            if self.rank_in_pair() == 0:  # (a pair's leader issues the MMAs of both CTAs)
+                self.mma_warp(tiled_mma, stages, pipes, t_acc, tiles, layouts)
         if cutlass.const_expr(self.gather_a):
             if warp_idx >= FIRST_GATHER_WARP:
                 self.gather_warps(tidx - FIRST_GATHER_WARP * 32, stages, pipes, tiles, gather_args)
@@ -318,11 +394,21 @@ class Tcgen05TileKernel:
             self.epilogue_warps(tidx, tmem, t_acc, pipes, tiles, epi_args)
 
     def first_tile_and_step(self):
-        """The CTA's tiles in the static order every warp walks: ``blockIdx.x``, + ``gridDim.x``, ...
-        (below all tiles; a tile's work does not depend on which CTA takes it)."""
+        """The CTA's MMA tiles in the static order every warp walks: its MMA's index (``blockIdx.x``,
+        a pair's cluster index), + the MMAs of the grid, ... (below all tiles; a tile's work does
+        not depend on which CTA takes it)."""
         first, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(self.mma_ctas == PAIR):
+            return first // PAIR, step // PAIR
         return first, step
+
+    def rank_in_pair(self):
+        """This CTA's rank in its MMA's CTAs: 0 (the leader, which issues the MMAs), or 1."""
+        if cutlass.const_expr(self.mma_ctas == PAIR):
+            rank, _, _ = cute.arch.block_idx()
+            return rank % PAIR
+        return 0
 
     @cute.jit
     def load_warp(self, tiled_mma, loads, stages, pipes, tiles):
@@ -387,6 +473,9 @@ class Tcgen05TileKernel:
                     full.release()  # the stage is free once these MMAs complete
                 acc_empty.commit()  # the accumulator stage is final once every MMA has completed
             linear += step
+        if cutlass.const_expr(self.mma_ctas == PAIR):  # the peer's epilogue arrives on this CTA's barriers: before exit, every
+            for _ in cutlass.range_constexpr(self.acc_stages):  # accumulator stage's last release (not the last stage's
+                acc_producer.acquire_and_advance()  # alone: one thread's remote arrivals need not land in order)
 
     @cute.jit
     def epilogue_warps(self, tidx, tmem, t_acc, pipes, tiles, epi_args):

@@ -6,7 +6,11 @@ expert-grouped rows, accumulating in tensor memory.
 The contract (rows, counts, accumulate, split_out, the tile order, determinism, the launch
 arguments) is every arch's: mok/kernels/common/weight_grad.py. Here: both operands read MN-major
 by TMA, in the warp-specialised kernel of mok/kernels/sm100/tcgen05_tile.py (persistent, or one CTA
-per output tile of 128 x tile_n); each epilogue thread converts (or adds) its row of the tile, 32 columns at a time, with
+per output tile of 128 x tile_n); on bf16 operands with at least two row tiles in each half of M,
+CTA pairs (clusters of two) compute 256 x tile_n tiles with tcgen05.mma.cta_group::2, each CTA
+holding its 128 rows of A and half of B's tile (an odd last row tile: the pair's second CTA
+computes rows past M and writes none of them); each epilogue thread converts (or adds) its row of
+the tile, 32 columns at a time, with
 16-byte accesses; ``accumulate`` reads, adds to and writes back each element by the one thread
 that owns it (the same single fp32 addition as the Hopper kernel's TMA reduce-add). On bf16
 operands, or on MXFP8 ones (block-scaled MMAs: WeightGradGemmMxfp8Sm100). Compiled for sm_100a /
@@ -19,8 +23,8 @@ import cutlass.cute as cute
 
 from ..common.compile import compile_kernel
 from ..common.records import weight_grad_args
-from ..common.weight_grad import OUT_DTYPES, WeightGradGemm
-from .tcgen05_tile import EPI_COLS, ONE_CTA_PER_SM, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from ..common.weight_grad import OUT_DTYPES, WeightGradGemm, expert_tile
+from .tcgen05_tile import EPI_COLS, PAIR, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
 class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
@@ -33,10 +37,27 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
     def __init__(
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
         tile_n: int = 128, stages: int | None = None, split_out: bool = False, persistent: bool = False,
+        mma_ctas: int | None = None,
     ) -> None:
         self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out)
         self.persistent = persistent
-        self.ab_stage = pick_stages((self.tile_shape_mnk[0] + tile_n) * TILE_K * 2, stages)
+        self.pick_mma_ctas(mma_ctas)
+        self.ab_stage = pick_stages((self.tile_shape_mnk[0] + tile_n // self.mma_ctas) * TILE_K * 2, stages)
+
+    def pick_mma_ctas(self, mma_ctas: int | None) -> None:
+        """CTAs per MMA: ``mma_ctas`` (1 or 2), or by default a pair wherever it may run
+        (Tcgen05TileKernel.pair_reason) and each half of M has two row tiles or more (fewer: half
+        of a pair would compute nothing)."""
+        if mma_ctas not in (None, 1, PAIR):
+            raise ValueError(f"mma_ctas: expected 1, 2 or None (the kernel's choice), got {mma_ctas}")
+        if mma_ctas is None:
+            mma_ctas = PAIR if self.pair_reason() is None and self.row_tiles >= PAIR else 1
+        self.use_pair(mma_ctas == PAIR)
+        self.mma_row_tiles = -(-self.row_tiles // self.mma_ctas)  # MMA tiles along each half of M
+
+    def all_tiles(self, num_experts):
+        """MMA tiles of every expert's gradient (a pair's 256 rows count once)."""
+        return num_experts * self.halves * self.mma_row_tiles * self.col_tiles
 
     def operand_tensor(self, ptr, mn, row_stride, num_rows):
         """(MN, K = R, 1): MN-major, the rows ``row_stride`` elements apart."""
@@ -48,12 +69,6 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         m_half = self.m // self.halves
         return cute.make_tensor(ptr, cute.make_layout((m_half, num_rows, self.halves), stride=(1, self.a_stride, m_half)))
 
-    def row_tile_in_half(self, tile_row):
-        """(the tile's row tile within its half of M, the half): split_out's halves are read and
-        written on their own (one half, 0, without it)."""
-        half = tile_row // self.row_tiles if self.split_out else 0
-        return tile_row - half * self.row_tiles, half
-
     def launch(self, m_a, m_b, scales, m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream):
         """Host side (see WeightGradGemm.launch): MXFP8's scale tensors, the TMA loads, the grid."""
         scale_tensors = ()
@@ -61,9 +76,7 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
             scale_tensors = (self.scale_tensor(scales[0], self.m, num_rows, 1), (self.scale_tensor(scales[1], self.n, num_rows, 1),))
         tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,), *scale_tensors)
         all_tiles = self.all_tiles(num_experts)
-        self.kernel(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, all_tiles).launch(
-            grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[self.cta_threads, 1, 1], stream=stream, min_blocks_per_mp=ONE_CTA_PER_SM
-        )
+        self.launch_kernel(self.kernel(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, all_tiles), all_tiles, max_ctas, stream)
 
     @cute.kernel
     def kernel(
@@ -77,23 +90,29 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
 
     @cute.jit
     def tile_at(self, linear, tiles):
-        """Output tile ``linear`` -> (computed: always (an expert without rows gets zeros, or is left
-        as it was), K tiles, (expert, row tile, column tile, first K tile))."""
+        """MMA tile ``linear`` -> (computed: always (an expert without rows gets zeros, or is left
+        as it was), K tiles, (expert, half of M, this CTA's row tile in it, column tile, first K
+        tile))."""
         _, rows, num_rows = tiles
-        expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
-        return True, k_tiles, (expert, tile_row, tile_col, row_start // self.tile_shape_mnk[2])  # (offsets: multiples of 128)
+        tile_k = self.tile_shape_mnk[2]
+        expert, mma_row, tile_col, row_start, k_tiles = expert_tile(
+            linear, rows, num_rows, (self.halves * self.mma_row_tiles, self.col_tiles), tile_k
+        )
+        half = mma_row // self.mma_row_tiles if self.split_out else 0
+        in_half = (mma_row - half * self.mma_row_tiles) * self.mma_ctas + self.rank_in_pair()
+        return True, k_tiles, (expert, half, in_half, tile_col, row_start // tile_k)  # (offsets: multiples of 128)
 
     def tma_views(self, tiled_mma, loads, stages, tile):
         """(atom, global by K tile, shared by stage) for A and B (MXFP8: then for their scales), and
         the expert's first K tile: what ``load_stage`` reads."""
-        _, tile_row, tile_col, k_first = tile
+        _, half, in_half, tile_col, k_first = tile
         views = (
-            self.operand_view(tiled_mma, loads[0], stages[0], "a", *self.row_tile_in_half(tile_row)),
+            self.operand_view(tiled_mma, loads[0], stages[0], "a", in_half // self.mma_ctas, half),
             self.operand_view(tiled_mma, loads[1], stages[1], "b", tile_col, 0),
         )
         if cutlass.const_expr(self.mxfp8):
             views += (
-                self.operand_view(tiled_mma, loads[2], stages[3], "a", tile_row, 0, scales=True),
+                self.operand_view(tiled_mma, loads[2], stages[3], "a", half * self.row_tiles + in_half, 0, scales=True),
                 self.operand_view(tiled_mma, loads[3], stages[4], "b", tile_col, 0, scales=True),
             )
         return views + (k_first,)
@@ -113,16 +132,15 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         an expert without rows, whose MMAs never ran) converted to the output dtype, or added into
         it. ``epi_args`` = (the output, upper_first)."""
         m_c, upper_first = epi_args
-        expert, tile_row, tile_col, _ = tile
+        expert, half, in_half, tile_col, _ = tile
         tile_m, tile_n, _ = self.tile_shape_mnk
-        g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
+        g_c = self.out_tile(m_c, upper_first, expert, half * self.row_tiles + in_half, tile_col)
         has_rows = k_tiles > 0
         t2r, thr, src, _ = self.accumulator_reader(tidx, t_acc, stage)
         dst = self.thread_view(thr, g_c)
         m_half = self.m // self.halves
-        in_half, _ = self.row_tile_in_half(tile_row)
-        row_ok = True  # (a partial last row tile of a half: rows past it are not written)
-        if cutlass.const_expr(m_half % tile_m):
+        row_ok = True  # (a partial last row tile of a half, or a pair's second tile past it: rows past it are not written)
+        if cutlass.const_expr(m_half % tile_m or self.row_tiles % self.mma_ctas):
             coords = self.thread_view(thr, cute.local_tile(cute.make_identity_tensor((m_half, self.n)), (tile_m, tile_n), (in_half, tile_col)))
             row_ok = coords[0][0] < m_half  # 32x32b: all of a thread's values lie in one row
         partial = self.n % tile_n != 0  # N's last column tile: nothing read or written past N
