@@ -164,7 +164,7 @@ def backward(
     per weight) accumulates the weight gradients: given exactly when ``config.fuse_wgrad_accumulation``
     (precompile builds the accumulating kernels by it); ``config`` must be the forward's.
     With ``config.gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert as one
-    [E, 2I, H] tensor and d_w_up None.
+    [E, 2I, H] tensor ("interleaved": the two interleaved row by row) and d_w_up None.
 
     With the forward's ``biases`` their gradients come as ``d_biases`` (gate, up, down).
 

@@ -76,7 +76,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                         "(MoKConfig.saved_h_format)")
     p.add_argument("--gate-up-layout", choices=GATE_UP_LAYOUTS, default="separate",
                    help="how the gate and up weights are stored; concatenated (one [E, 2I, H] tensor, as transformers' "
-                        "gate_up_proj) adds the kernels that read its halves in place (MoKConfig.gate_up_layout)")
+                        "gate_up_proj) or interleaved (its rows alternating gate and up, gpt-oss's) adds the kernels that read "
+                        "them in place (MoKConfig.gate_up_layout)")
     p.add_argument("--activation", choices=ACTIVATIONS, default="swiglu",
                    help="the experts' gated activation (MoKConfig.activation; gpt-oss: clamped_swiglu)")
     p.add_argument("--expert-bias", action="store_true", help="the routed experts have biases (MoKConfig.expert_bias; gpt-oss)")
@@ -161,7 +162,7 @@ def _describe(config: MoKConfig) -> str:
     shared = f"shared expert {config.shared_intermediate}" if config.has_shared_expert else "no shared expert"
     options = [f"{f}={getattr(config, f)!r}" for f in ("precision", "saved_h_format", "dispatch_format") if getattr(config, f) != "bf16"]
     options += [f for f in ("one_launch", "fuse_wgrad_accumulation") if getattr(config, f)]
-    options += [f"gate_up_layout={config.gate_up_layout!r}"] if config.gate_up_concatenated else []
+    options += [f"gate_up_layout={config.gate_up_layout!r}"] if config.gate_up_joined else []
     options += ([f"activation={config.activation!r}"] if config.activation != "swiglu" else []) + (["expert_bias"] if config.expert_bias else [])
     return (f"H {config.hidden}, I {config.intermediate}, {config.num_experts} experts, top-{config.topk}, {shared}, "
             f"ep_size {config.ep_size}" + (f", {', '.join(options)}" if options else ""))

@@ -16,7 +16,7 @@ TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
 PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated", "fp8_block")  # the expert GEMMs' operands (mok/pipeline/stages.py)
 SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute")  # how h is kept for the backward (mok/saved_mxfp8.py), or not kept
 DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
-GATE_UP_LAYOUTS = ("separate", "concatenated")  # how w_gate and w_up are stored (the kernels read either in place)
+GATE_UP_LAYOUTS = ("separate", "concatenated", "interleaved")  # how w_gate and w_up are stored (the kernels read each in place)
 
 
 def check_saved_h_format(value: object) -> str:
@@ -60,11 +60,13 @@ class MoKConfig:
     multiples of 128, without one_launch so far (with fuse_wgrad_accumulation and either
     saved_h_format).
     gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
-    [I, H] block contiguous) or "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows
-    first, as transformers' gate_up_proj): the GEMMs read them in place either way (their expert
-    stride is a kernel parameter); with "concatenated" the backward returns their gradient as one
-    [E, 2I, H] tensor (d_w_gate, with d_w_up None) straight from the weight-gradient GEMM, and
-    precompile builds the strided kernels (bf16 precision, fresh weight gradients so far).
+    [I, H] block contiguous), "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows
+    first, as transformers' gate_up_proj) or "interleaved" (its even and odd rows, w[:, 0::2] and
+    w[:, 1::2]: gpt-oss's gate_up_proj, transposed): the GEMMs read them in place each way (their
+    expert and row strides are kernel parameters); with "concatenated" or "interleaved" the
+    backward returns their gradient as one [E, 2I, H] tensor in the same layout (d_w_gate, with
+    d_w_up None) straight from the weight-gradient GEMM, and precompile builds the strided kernels
+    (bf16 precision, fresh weight gradients, without one_launch so far).
     activation: the experts' gated activation a = act(x·W_gateᵀ, x·W_upᵀ), for the routed and the
     shared experts alike: "swiglu" (default, silu(gate)·up), "clamped_swiglu" (gpt-oss's: the gate
     clamped to at most 7, up to [-7, 7], (up + 1)·gate·σ(1.702·gate)) or "geglu" (gelu(gate)·up,
@@ -142,9 +144,10 @@ class MoKConfig:
         return self.shared_intermediate is not None
 
     @property
-    def gate_up_concatenated(self) -> bool:
-        """Whether w_gate and w_up are the halves of one [E, 2I, H] tensor (and their gradient one too)."""
-        return self.gate_up_layout == "concatenated"
+    def gate_up_joined(self) -> bool:
+        """Whether w_gate and w_up are parts of one [E, 2I, H] tensor, its halves or its even and odd
+        rows (and their gradient one such tensor too)."""
+        return self.gate_up_layout != "separate"
 
     @property
     def recomputes_h(self) -> bool:
@@ -174,12 +177,14 @@ def check_combination(config: "MoKConfig") -> None:
         widths = {"intermediate": config.intermediate} | _shared_width(config)
         if any(v % 16 for v in widths.values()):
             raise ValueError(f"saved_h_format='mxfp8': expected widths that are multiples of 16 (h's 2I in blocks of 32), got {widths}")
-    if config.gate_up_concatenated:
-        others = {f"precision={config.precision!r}": config.precision != "bf16", "fuse_wgrad_accumulation": config.fuse_wgrad_accumulation}
+    if config.gate_up_joined:
+        others = {f"precision={config.precision!r}": config.precision != "bf16", "fuse_wgrad_accumulation": config.fuse_wgrad_accumulation,
+                  "one_launch": config.one_launch and config.gate_up_layout == "interleaved"}
         if any(others.values()):
             raise ValueError(
-                f"gate_up_layout='concatenated': not with {', '.join(k for k, v in others.items() if v)} (its one [E, 2I, H] "
-                "gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
+                f"gate_up_layout={config.gate_up_layout!r}: not with {', '.join(k for k, v in others.items() if v)} (its one "
+                "[E, 2I, H] gradient comes from the bf16 weight-gradient GEMM, fresh; the one-launch kernel reads packed rows: not "
+                "written yet for the others)"
             )
     if config.expert_bias:
         others = {"fuse_wgrad_accumulation": config.fuse_wgrad_accumulation, "a shared expert": config.has_shared_expert,

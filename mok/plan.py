@@ -189,23 +189,30 @@ class Plan:
         return v
 
     def _gate_up_in_place_variants(self) -> list[KernelVariant]:
-        """gate_up_layout="concatenated": the kernels that read w_gate and w_up as the halves of one
-        [E, 2I, H] tensor (their expert stride 2·I·H) and write their gradient as one (bf16 only), beside
-        the packed ones (which run where the weights are copied together, e.g. with a shared expert)."""
+        """gate_up_layout "concatenated" or "interleaved": the kernels that read w_gate and w_up as
+        the halves of one [E, 2I, H] tensor (their expert stride 2·I·H) or as its even and odd rows
+        (also their row stride 2·H), and write their gradient as one (bf16 only), beside the packed
+        ones (which run where the weights are copied together, e.g. with a shared expert)."""
         c = self.config
-        if not c.gate_up_concatenated:
+        if not c.gate_up_joined:
             return []
-        h, i, k, stride = c.hidden, c.intermediate, c.topk, 2 * c.intermediate * c.hidden
+        h, i, k = c.hidden, c.intermediate, c.topk
+        interleaved = c.gate_up_layout == "interleaved"
+        strides = dict(b_expert_stride=2 * i * h) | (dict(b_row_stride=2 * h) if interleaved else {})
         epilogues = (("swiglu", "swiglu_save") if not self.one_launch else ()) + (("swiglu_save",) if c.recomputes_h else ())
-        v = [grouped_gemm_variant(i, h, epilogue=e, gather_a=self.gather_in_gemm, persistent=self.persistent, b_expert_stride=stride,
-                                  activation=c.activation, **self._bias) for e in epilogues]
-        if self.one_launch:
+        v = [grouped_gemm_variant(i, h, epilogue=e, gather_a=self.gather_in_gemm, persistent=self.persistent, activation=c.activation,
+                                  **self._bias, **strides) for e in epilogues]
+        if self.one_launch:  # (concatenated only: the config refuses one_launch with interleaved rows)
             ep_world = c.ep_size if self.ep else None
             v += [expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=c.has_shared_expert, ep_world=ep_world,
-                                     dispatch_format=c.dispatch_format, gate_up_stride=stride, activation=c.activation) for save_h in (False, True)]
+                                     dispatch_format=c.dispatch_format, gate_up_stride=strides["b_expert_stride"], activation=c.activation)
+                  for save_h in (False, True)]
         dx = dict(scatter=True, topk=k) if self.ep else dict(persistent=self.persistent)
-        v.append(grouped_gemm_variant(h, 2 * i, b_major="n", k_split=True, b_expert_stride=stride, **dx))
-        v.append(weight_grad_variant(2 * i, h, "bf16", False, persistent=self.persistent))  # [dW_gate; dW_up] as one [E, 2I, H]
+        v.append(grouped_gemm_variant(h, 2 * i, b_major="n", k_split=True, **strides, **dx))
+        if interleaved:  # dW_gate, dW_up into the even and odd rows of one [E, 2I, H]
+            v.append(weight_grad_variant(2 * i, h, "bf16", False, split_out=True, interleaved_out=True, persistent=self.persistent))
+        else:  # [dW_gate; dW_up] as one [E, 2I, H]
+            v.append(weight_grad_variant(2 * i, h, "bf16", False, persistent=self.persistent))
         return v
 
     def _exchange_variants(self) -> list[KernelVariant]:

@@ -204,8 +204,8 @@ def moe_backward_op(
     per weight: gate, up, down[, shared gate, up, down], or none): the weight gradients are added
     into them by the weight-gradient GEMMs themselves, and come out as empty tensors.
     ``weight_grads=False`` (every expert weight frozen): none computed, all nine empty. With
-    gate_up_layout="concatenated" d_w_gate is [dW_gate; dW_up] per expert as one [E, 2I, H] tensor
-    and d_w_up empty."""
+    gate_up_layout "concatenated" (or "interleaved") d_w_gate is [dW_gate; dW_up] per expert (or
+    the two interleaved row by row) as one [E, 2I, H] tensor and d_w_up empty."""
     cfg = config_of(config)
     biases = _biases(cfg, bias_gate, bias_up, bias_down)
     ws = workspace_by_handle(workspace) if workspace else None
@@ -244,7 +244,7 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
     added = len(main_grads) > 0 or not weight_grads
     params = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down, bias_gate, bias_up, bias_down)
     grads = [x.new_empty(0) if w is None or added else w.new_empty(w.shape) for w in params]
-    if config_of(config).gate_up_concatenated and not added:
+    if config_of(config).gate_up_joined and not added:
         experts, inter, hidden = w_gate.shape
         grads[:2] = [w_gate.new_empty(experts, 2 * inter, hidden), x.new_empty(0)]
     return torch.empty_like(x), torch.empty_like(topk_w), *grads
@@ -272,8 +272,9 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
     if main_grads:
         return dx, d_topk_w, *empty(9)
     outs = [grad.to(w.dtype) for grad, w in zip(grads, (w_gate, w_up, w_down, *(shared or ())))]
-    if cfg.gate_up_concatenated:
-        outs[:2] = [torch.cat(outs[:2], dim=1), x.new_empty(0)]
+    if cfg.gate_up_joined:  # (one [E, 2I, H] gradient in the weights' layout: halves, or rows interleaved)
+        joined = torch.cat(outs[:2], dim=1) if cfg.gate_up_layout == "concatenated" else torch.stack(outs[:2], dim=2).flatten(1, 2)
+        outs[:2] = [joined, x.new_empty(0)]
     d_biases = empty(3) if biases is None else [grad.to(b.dtype) for grad, b in zip(g.d_biases, biases)]
     return dx, d_topk_w, *outs, *empty(6 - len(outs)), *d_biases
 

@@ -58,23 +58,40 @@ def expert_blocks_contiguous(w: torch.Tensor) -> bool:
     return w.stride(2) == 1 and w.stride(1) == k and (experts <= 1 or w.stride(0) >= n * k)
 
 
+def weight_strides(name: str, w: torch.Tensor, like: torch.Tensor | None = None) -> tuple[int | None, int | None]:
+    """(expert stride, row stride) of per-expert weights ``w`` [E, N, K] whose rows are each
+    contiguous, the rows a multiple of 8 elements (16 bytes) apart and the experts too, one
+    expert's rows before the next's: each None where packed (a contiguous tensor gives (None,
+    None)). E.g. the gate or up half of one [E, 2I, H] tensor: expert stride 2·I·H; its even or
+    odd rows (gate and up interleaved, gpt-oss's layout): expert stride 2·I·H, row stride 2·H; the
+    kernels read either in place. ``like``: the weights this one must be strided as (b with b2:
+    one set of strides for both). ValueError otherwise."""
+    experts, n, k = w.shape
+    row = w.stride(1) if n > 1 else k
+    if w.stride(2) != 1 or row < k or row % 8 or (experts > 1 and (w.stride(0) < n * row or w.stride(0) % 8)):
+        raise ValueError(
+            f"{name}: expected each row contiguous, the rows and the experts multiples of 8 elements (16 bytes) apart, one "
+            f"expert's [{n}, {k}] rows before the next's (a contiguous tensor, a half of one [E, 2·{n}, {k}] tensor, or its even "
+            f"or odd rows), got strides {w.stride()} for shape {tuple(w.shape)}"
+        )
+    if like is not None and experts > 1 and w.stride() != like.stride():
+        raise ValueError(f"{name}: expected the strides of its partner weights {like.stride()}, got {w.stride()}")
+    if row == k:
+        return None if experts <= 1 or w.stride(0) == n * k else w.stride(0), None
+    return w.stride(0) if experts > 1 else n * row, row  # (a given row stride: the expert stride given too)
+
+
 def expert_stride(name: str, w: torch.Tensor, like: torch.Tensor | None = None) -> int | None:
     """The expert stride of per-expert weights ``w`` [E, N, K] whose every expert's [N, K] block is
-    contiguous: None when the experts are packed too (a contiguous tensor), else the stride in
-    elements (a multiple of 8: 16 bytes; e.g. 2·I·H for the gate or up half of one [E, 2I, H]
-    tensor, which the kernels then read in place). ``like``: the weights this one must be strided
-    as (b with b2: one stride for both). ValueError otherwise."""
+    contiguous (:func:`weight_strides` with packed rows): None when the experts are packed too.
+    ValueError otherwise."""
     experts, n, k = w.shape
     if not expert_blocks_contiguous(w):
         raise ValueError(
             f"{name}: expected each expert's [{n}, {k}] block contiguous (a contiguous tensor, or a half of one [E, 2·{n}, {k}] "
             f"tensor), got strides {w.stride()} for shape {tuple(w.shape)}"
         )
-    if experts > 1 and w.stride(0) % 8:
-        raise ValueError(f"{name}: expected the experts a multiple of 8 elements (16 bytes) apart, got strides {w.stride()}")
-    if like is not None and experts > 1 and w.stride() != like.stride():
-        raise ValueError(f"{name}: expected the strides of its partner weights {like.stride()}, got {w.stride()}")
-    return None if experts <= 1 or w.stride(0) == n * k else w.stride(0)
+    return weight_strides(name, w, like)[0]
 
 
 def gate_up_expert_stride(w_gate: torch.Tensor, w_up: torch.Tensor) -> int | None:
@@ -84,21 +101,22 @@ def gate_up_expert_stride(w_gate: torch.Tensor, w_up: torch.Tensor) -> int | Non
     return stride
 
 
-def check_gate_up_halves(w_gate: torch.Tensor, w_up: torch.Tensor) -> None:
-    """``w_gate`` and ``w_up`` [E, I, H] are the two halves of one [E, 2I, H] tensor, gate first
-    (gate_up_layout="concatenated"); ValueError otherwise."""
+def check_gate_up_parts(w_gate: torch.Tensor, w_up: torch.Tensor, layout: str) -> None:
+    """``w_gate`` and ``w_up`` [E, I, H] are the parts of one [E, 2I, H] tensor ``layout`` says:
+    its halves, gate first ("concatenated"), or its even and odd rows ("interleaved"); ValueError
+    otherwise."""
     experts, inter, hidden = w_gate.shape
-    whole = (2 * inter * hidden, hidden, 1)
-    if (
-        w_up.untyped_storage().data_ptr() != w_gate.untyped_storage().data_ptr()
-        or w_up.storage_offset() != w_gate.storage_offset() + inter * hidden
-        or (experts > 1 and (w_gate.stride() != whole or w_up.stride() != whole))
-    ):
+    interleaved = layout == "interleaved"
+    whole = (2 * inter * hidden, 2 * hidden if interleaved else hidden, 1)
+    parts = "the even and odd rows [:, 0::2] and [:, 1::2]" if interleaved else f"the halves [:, :{inter}] and [:, {inter}:]"
+    same_storage = w_up.untyped_storage().data_ptr() == w_gate.untyped_storage().data_ptr()
+    sizes = (experts, inter, hidden)  # (a stride along a dimension of size 1 is arbitrary)
+    strides_ok = all(size <= 1 or (w.stride(d) == whole[d]) for w in (w_gate, w_up) for d, size in enumerate(sizes))
+    if not same_storage or w_up.storage_offset() != w_gate.storage_offset() + (hidden if interleaved else inter * hidden) or not strides_ok:
         raise ValueError(
-            f"w_gate, w_up: gate_up_layout='concatenated' expects the halves [:, :{inter}] and [:, {inter}:] of one "
-            f"[{experts}, {2 * inter}, {hidden}] tensor, got strides {w_gate.stride()} and {w_up.stride()}, storage offsets "
-            f"{w_gate.storage_offset()} and {w_up.storage_offset()}"
-            + ("" if w_up.untyped_storage().data_ptr() == w_gate.untyped_storage().data_ptr() else " in different storages")
+            f"w_gate, w_up: gate_up_layout={layout!r} expects {parts} of one [{experts}, {2 * inter}, {hidden}] tensor, got strides "
+            f"{w_gate.stride()} and {w_up.stride()}, storage offsets {w_gate.storage_offset()} and {w_up.storage_offset()}"
+            + ("" if same_storage else " in different storages")
         )
 
 
@@ -153,8 +171,9 @@ def check_moe_inputs(
     num_local, inter, _ = w_gate.shape
     check_tensor("w_gate", w_gate, shape=(num_local, inter, hidden))
     check_tensor("w_up", w_up, dtypes=dtypes, shape=(num_local, inter, hidden), device=dev)
-    if contiguous:  # (w_gate and w_up: each expert's block; the two may be the halves of one [E, 2I, H] tensor)
-        gate_up_expert_stride(w_gate, w_up)
+    if contiguous:  # (w_gate and w_up: their rows; the two may be the halves of one [E, 2I, H] tensor, or its even and odd rows)
+        weight_strides("w_gate", w_gate)
+        weight_strides("w_up", w_up, like=w_gate)
     check_tensor("w_down", w_down, dtypes=dtypes, shape=(num_local, hidden, inter), device=dev, contiguous=contiguous)
     experts_total = num_local if experts_total is None else experts_total
     check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, ndim=2, device=dev)

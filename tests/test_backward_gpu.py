@@ -502,27 +502,35 @@ def test_precompiled_variants_are_the_ones_a_training_step_launches():
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)
 
 
+@pytest.mark.parametrize("layout", ["concatenated", "interleaved"])
 @pytest.mark.parametrize("options", [dict(), dict(one_launch=True), dict(saved_h_format="recompute")])
 @pytest.mark.parametrize("T,H,I,E,k,shared_inter", [(1000, 512, 256, 8, 2, 384), (2048, 2048, 768, 64, 8, None)])
-def test_gate_up_halves_of_one_tensor_give_the_bits_of_packed_weights(T, H, I, E, k, shared_inter, options):
+def test_gate_up_parts_of_one_tensor_give_the_bits_of_packed_weights(T, H, I, E, k, shared_inter, options, layout):
     """w_gate and w_up as the two halves of one [E, 2I, H] tensor (transformers' gate_up_proj: each
-    expert's block contiguous, 2·I·H apart), read in place by the forward's gate/up GEMM (or the
-    one-launch kernel, or the recompute) and the backward's dx GEMM: the output and every gradient
-    bitwise those of packed copies; with gate_up_layout="concatenated", dW_gate and dW_up come as
-    one [E, 2I, H] tensor holding those bits."""
+    expert's block contiguous, 2·I·H apart), or as its even and odd rows (gpt-oss's, stored for
+    MoK: rows 2·H apart), read in place by the forward's gate/up GEMM (or, halves only, the
+    one-launch kernel; or the recompute) and the backward's dx GEMM: the output and every gradient
+    bitwise those of packed copies; with gate_up_layout set so, dW_gate and dW_up come as one
+    [E, 2I, H] tensor of the same layout holding those bits."""
     x, idx, w, (wg, wu, wd), shared = gpu_layer(T, H, I, E, k, shared_inter, seed=21)
-    gate_up = torch.cat([wg, wu], dim=1)  # [E, 2I, H]
-    halves = (gate_up[:, :I], gate_up[:, I:], wd)
-    assert not halves[0].is_contiguous() and halves[0].stride(0) == 2 * I * H
+    interleaved = layout == "interleaved"
+    gate_up = torch.stack([wg, wu], dim=2).flatten(1, 2) if interleaved else torch.cat([wg, wu], dim=1)  # [E, 2I, H]
+    parts = (gate_up[:, 0::2], gate_up[:, 1::2], wd) if interleaved else (gate_up[:, :I], gate_up[:, I:], wd)
+    assert torch.equal(parts[0], wg) and torch.equal(parts[1], wu) and parts[0].stride(0) == 2 * I * H
+    if interleaved and options.get("one_launch"):
+        with pytest.raises(ValueError, match=r"each expert's \[\d+, \d+\] block contiguous"):
+            moe_forward(x, idx, w, *parts, shared, save_for_backward=True, **options)
+        return
     dout = torch.randn(T, H, device="cuda").bfloat16()
     want_out = moe_forward(x, idx, w, wg, wu, wd, shared, save_for_backward=True, **options)
     want = moe_backward(dout, x, idx, w, wg, wu, wd, shared, want_out, **options)
-    got_out = moe_forward(x, idx, w, *halves, shared, save_for_backward=True, **options)
-    got = moe_backward(dout, x, idx, w, *halves, shared, got_out, **options)
+    got_out = moe_forward(x, idx, w, *parts, shared, save_for_backward=True, **options)
+    got = moe_backward(dout, x, idx, w, *parts, shared, got_out, **options)
     assert torch.equal(got_out.out, want_out.out)
     for name, a, b in zip(NAMES, flat(got), flat(want)):
         assert torch.equal(a, b), name
-    joined = moe_backward(dout, x, idx, w, *halves, shared, got_out, gate_up_layout="concatenated", **options)
+    joined = moe_backward(dout, x, idx, w, *parts, shared, got_out, gate_up_layout=layout, **options)
     assert joined.d_w_up is None and joined.d_w_gate.shape == gate_up.shape
-    assert torch.equal(joined.d_w_gate, torch.cat([want.d_w_gate, want.d_w_up], dim=1))
+    both = torch.stack([want.d_w_gate, want.d_w_up], dim=2).flatten(1, 2) if interleaved else torch.cat([want.d_w_gate, want.d_w_up], dim=1)
+    assert torch.equal(joined.d_w_gate, both)
     assert torch.equal(joined.d_w_down, want.d_w_down) and torch.equal(joined.dx, want.dx)

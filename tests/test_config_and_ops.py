@@ -468,7 +468,7 @@ def test_expert_weights_may_be_the_halves_of_one_tensor_and_anything_else_is_nam
     with pytest.raises(ValueError, match=r"w_up: expected the strides of its partner weights"):
         expert_stride("w_up", torch.randn(4, 16, 24), like=gate)
     odd = torch.randn(4 * (16 * 24 + 4))[: 4 * (16 * 24 + 4)].as_strided((4, 16, 24), (16 * 24 + 4, 24, 1))
-    with pytest.raises(ValueError, match=r"a multiple of 8 elements \(16 bytes\) apart"):
+    with pytest.raises(ValueError, match=r"the experts multiples of 8 elements \(16 bytes\) apart"):
         expert_stride("w", odd)
 
 
@@ -479,7 +479,7 @@ def test_concatenated_gate_up_layout_is_checked_and_precompiled():
     from mok.pipeline.forward import check_inputs
     from mok.plan import plan_for
 
-    with pytest.raises(ValueError, match=r"gate_up_layout: expected one of \('separate', 'concatenated'\)"):
+    with pytest.raises(ValueError, match=r"gate_up_layout: expected one of \('separate', 'concatenated', 'interleaved'\)"):
         MoKConfig(256, 128, 8, 2, gate_up_layout="fused")
     with pytest.raises(ValueError, match=r"gate_up_layout='concatenated': not with precision='mxfp8_emulated'"):
         MoKConfig(256, 128, 8, 2, gate_up_layout="concatenated", precision="mxfp8_emulated")
@@ -503,3 +503,51 @@ def test_concatenated_gate_up_layout_is_checked_and_precompiled():
     assert len(joined) == 1 and joined[0]["out_dtype"] == "bf16"
     packed = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(MoKConfig(256, 128, 8, 2), "sm_90a").variants()}
     assert packed < listed and not any("b_expert_stride" in dict(c) for _, c in packed)
+
+
+def test_interleaved_gate_up_layout_is_checked_and_precompiled():
+    """gate_up_layout="interleaved" (gpt-oss's gate and up alternating row by row, stored for MoK):
+    refused with one_launch (its kernel reads packed rows) and beside what has no joined gradient;
+    the weights must be the even and odd rows of one [E, 2I, H] tensor; the plan lists the GEMMs
+    that read them in place (expert stride 2·I·H, row stride 2·H) and the weight gradient that
+    writes dW_gate and dW_up into the even and odd rows of one tensor."""
+    from mok.pipeline.forward import check_inputs
+    from mok.plan import plan_for
+
+    with pytest.raises(ValueError, match=r"gate_up_layout='interleaved': not with one_launch"):
+        MoKConfig(256, 128, 8, 2, gate_up_layout="interleaved", one_launch=True)
+    with pytest.raises(ValueError, match=r"gate_up_layout='interleaved': not with fuse_wgrad_accumulation"):
+        MoKConfig(256, 128, 8, 2, gate_up_layout="interleaved", fuse_wgrad_accumulation=True)
+    config = MoKConfig(256, 128, 8, 2, gate_up_layout="interleaved")
+    x, idx, w = torch.randn(5, 256).bfloat16(), torch.randint(0, 8, (5, 2), dtype=torch.int32), torch.rand(5, 2)
+    gate_up, down = torch.randn(8, 256, 256).bfloat16(), torch.randn(8, 256, 128).bfloat16()
+    assert check_inputs(config, None, x, idx, w, (gate_up[:, 0::2], gate_up[:, 1::2], down), None)[:3] == (5, 256, 128)
+    for wrong in ((gate_up[:, :128], gate_up[:, 128:], down), (gate_up[:, 1::2], gate_up[:, 0::2], down)):  # halves; swapped rows
+        with pytest.raises(ValueError, match=r"gate_up_layout='interleaved' expects the even and odd rows \[:, 0::2\] and \[:, 1::2\]"):
+            check_inputs(config, None, x, idx, w, wrong, None)
+    listed = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, "sm_90a").variants()}
+    strided = [dict(c) for name, c in listed if name == "grouped_gemm" and dict(c).get("b_row_stride") == 2 * 256]
+    assert sorted((c["epilogue"], c["b_major"], c["k_split"], c["b_expert_stride"]) for c in strided) == [
+        ("plain", "n", True, 2 * 128 * 256), ("swiglu", "k", False, 2 * 128 * 256), ("swiglu_save", "k", False, 2 * 128 * 256)
+    ]
+    joined = [dict(c) for name, c in listed if name == "weight_grad" and dict(c).get("interleaved_out")]
+    assert len(joined) == 1 and (joined[0]["m"], joined[0]["n"], joined[0]["split_out"]) == (256, 256, True)
+
+
+def test_weight_strides_read_rows_in_place_and_refuse_what_tma_cannot():
+    """Per-expert weights [E, N, K] the GEMMs read in place: packed, the halves of one [E, 2N, K]
+    tensor (an expert stride), its even and odd rows (and a row stride); refused: rows not
+    contiguous, rows or experts not 16 bytes apart, partner weights strided otherwise."""
+    from mok.validation import weight_strides
+
+    w = torch.randn(3, 8, 24)
+    assert weight_strides("w", w) == (None, None)
+    assert weight_strides("w", w[:, :4]) == (8 * 24, None)
+    assert weight_strides("w", w[:, 0::2]) == weight_strides("w", w[:, 1::2], like=w[:, 0::2]) == (8 * 24, 2 * 24)
+    assert weight_strides("w", w[:1, 0::2]) == (4 * 2 * 24, 2 * 24)  # (one expert: its rows' extent)
+    for bad in (w.transpose(1, 2), torch.randn(3, 8, 28)[..., :24], w[:, 0::3]):  # columns strided; rows 28 apart; an expert's
+        # rows reaching into the next's
+        with pytest.raises(ValueError, match="expected each row contiguous, the rows and the experts multiples of 8 elements"):
+            weight_strides("w", bad)
+    with pytest.raises(ValueError, match=r"expected the strides of its partner weights"):
+        weight_strides("w2", w[:, :4], like=w[:, 0::2])

@@ -281,6 +281,44 @@ def test_describe_names_the_copied_weights_and_the_fused_shared_experts():
         assert all(not e["shared_expert_in_mok"] and e["copied_per_call"] == () for e in mok_hf.describe(tiny_model(family)))
     gpt_oss = mok_hf.describe(tiny_model("gpt_oss"))  # transposed and interleaved: copied per call
     assert all(e["copied_per_call"] == ("gate_up_proj", "down_proj", "gate_up_proj_bias") for e in gpt_oss)
+    gpt_oss = mok_hf.describe(mok_hf.apply(tiny_model("gpt_oss")))  # stored for MoK: only the interleaved bias (E x 2I) copied
+    assert all(e["copied_per_call"] == ("gate_up_proj_bias",) for e in gpt_oss)
+
+
+def test_apply_stores_gpt_oss_weights_transposed_once_and_mok_reads_them_in_place(mok_calls, monkeypatch):
+    """apply() stores gpt-oss's gate_up_proj [E, H, 2I] and down_proj [E, I, H] transposed in memory
+    (store_for_mok): the same Parameter objects and values, each expert's [2I, H] and [H, I] rows
+    contiguous; MoK then reads gate and up as the even and odd rows of the parameter in place
+    (gate_up_layout "interleaved", the gradient one tensor in that layout), in the forward and in
+    the backward; a second store moves nothing. (The gradients' values: test_logits_and_every_gradient_match.)"""
+    in_place = []
+    layout = mok_hf.mok_layout
+
+    def spy(gate_up, down, transposed, dtype=None, interleaved=False, joined=True):
+        weights = layout(gate_up, down, transposed, dtype, interleaved, joined)
+        in_place.append((joined, interleaved, *(w.untyped_storage().data_ptr() for w in weights)) ==
+                        (True, True, *(p.untyped_storage().data_ptr() for p in (gate_up, gate_up, down))))
+        return weights
+
+    monkeypatch.setattr(mok_hf, "mok_layout", spy)
+    ref = tiny_model("gpt_oss")
+    m = copy.deepcopy(ref)
+    before = {name: p for name, p in m.named_parameters()}
+    mok_hf.apply(m)
+    assert {name: p for name, p in m.named_parameters()} == before  # the same objects
+    for (name, p), want in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(p, want), name
+    experts = [e for _, e in mok_hf.experts_modules(m)]
+    for e in experts:
+        assert e.gate_up_proj.transpose(1, 2).is_contiguous() and e.down_proj.transpose(1, 2).is_contiguous()
+        assert not mok_hf.store_for_mok(e)
+    logits_and_grads(m, tokens())
+    assert len(mok_calls) == ref.config.num_hidden_layers
+    assert in_place == [True] * 2 * ref.config.num_hidden_layers  # (forward and backward)
+    monkeypatch.setattr(mok_hf, "mok_layout", layout)
+    in_place.clear()
+    spy(ref.model.layers[0].mlp.experts.gate_up_proj, ref.model.layers[0].mlp.experts.down_proj, True, interleaved=True)
+    assert in_place == [False]  # (the spy's own check: not stored for MoK, copied)
 
 
 def saved_bytes(model, ids) -> int:
@@ -341,8 +379,15 @@ def test_mok_layout_views_and_copies():
     assert g.stride() == u.stride() == (2 * 16 * 24, 24, 1)  # each expert's block contiguous, 2·I·H apart
     assert torch.equal(g, gate_up[:, :16]) and torch.equal(u, gate_up[:, 16:])
     gt, ut, dt = mok_hf.mok_layout(gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous(), transposed=True)
-    assert all(t.is_contiguous() for t in (gt, ut, dt))  # the transposed layout: copies
-    assert torch.equal(gt, g) and torch.equal(ut, u) and torch.equal(dt, d)
+    assert gt.stride() == ut.stride() == (2 * 16 * 24, 24, 1) and ut.data_ptr() == gt.data_ptr() + 16 * 24 * 4  # halves of one copy
+    assert dt.is_contiguous() and torch.equal(gt, g) and torch.equal(ut, u) and torch.equal(dt, d)
+    gs, us, _ = mok_hf.mok_layout(gate_up.transpose(1, 2).contiguous(), down, transposed=True, joined=False)
+    assert gs.is_contiguous() and us.is_contiguous() and torch.equal(gs, g) and torch.equal(us, u)  # without joined: each its own copy
+    stored_gate_up, stored_down = gate_up.transpose(1, 2), down.transpose(1, 2)  # [E, H, 2I], [E, I, H] with MoK's rows in memory
+    gi, ui, di = mok_hf.mok_layout(stored_gate_up, stored_down, transposed=True, interleaved=True)  # gpt-oss's, stored for MoK
+    assert (gi.data_ptr(), ui.data_ptr(), di.data_ptr()) == (gate_up.data_ptr(), gate_up[:, 1].data_ptr(), down.data_ptr())  # in place
+    assert gi.stride() == ui.stride() == (2 * 16 * 24, 2 * 24, 1)  # the even and odd rows
+    assert torch.equal(gi, stored_gate_up[..., 0::2].transpose(1, 2)) and torch.equal(ui, stored_gate_up[..., 1::2].transpose(1, 2))
     gb, ub, _ = mok_hf.mok_layout(gate_up, down, transposed=False, dtype=torch.bfloat16)  # a cast: the halves of one cast copy
     assert gb.stride() == ub.stride() == (2 * 16 * 24, 24, 1) and ub.data_ptr() == gb.data_ptr() + 16 * 24 * 2
     assert torch.equal(gb, g.bfloat16()) and torch.equal(ub, u.bfloat16())

@@ -69,7 +69,6 @@ if not hasattr(_hf_moe, "ExpertsInterface"):
 from ..config import MoKConfig
 from ..runtime.arch import check_fused_layer_device
 from ..torch_ops import config_text
-from ..validation import expert_blocks_contiguous
 
 __all__ = [
     "BACKEND",
@@ -227,19 +226,48 @@ def _halves(gate_up: torch.Tensor, transposed: bool, interleaved: bool = False) 
     return gate_up[:, gate], gate_up[:, up]
 
 
+def _gate_up_rows(gate_up: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``gate_up_proj`` as [E, 2I, H] (a view: transposed back where it is [E, H, 2I])."""
+    return gate_up.transpose(1, 2) if transposed else gate_up
+
+
 def mok_layout(
-    gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, dtype: torch.dtype | None = None, interleaved: bool = False
+    gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, dtype: torch.dtype | None = None, interleaved: bool = False,
+    joined: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w_gate, w_up [E, I, H], w_down [E, H, I]) in ``dtype`` (default: theirs), as MoK's op takes
-    them, from an experts module's ``gate_up_proj`` and ``down_proj``. A [E, 2I, H] ``gate_up_proj``
-    gives its two halves, always of one tensor (MoK's gate_up_layout="concatenated"): views of the
-    parameter (each expert's block contiguous, 2·I·H apart, which MoK's kernels read in place), or of
-    one cast copy under autocast. ``down_proj`` of that layout is used as it is (cast where needed);
-    the transposed and the interleaved layouts are copied. Not autograd-tracked: :class:`_Experts`
-    calls it in its forward and again in its backward."""
-    if transposed or interleaved:
-        return (*(_as(t, dtype) for t in _halves(gate_up, transposed, interleaved)), _as(down.transpose(1, 2) if transposed else down, dtype))
-    return (*_halves(_as(gate_up, dtype), False), _as(down, dtype))
+    them, from an experts module's ``gate_up_proj`` and ``down_proj``. With ``joined`` (MoK's
+    gate_up_layout "concatenated", or "interleaved" for gpt-oss's alternating gate and up) they
+    are parts of one [E, 2I, H] tensor, its halves or its even and odd rows: views of the parameter
+    where its rows lie so in memory (MoK's kernels read them in place; gpt-oss's [E, H, 2I] once
+    :func:`store_for_mok` stored it transposed), else of one copy (a cast copy under autocast).
+    Without ``joined`` each part is its own packed copy. ``down_proj`` is used as it is where its
+    [E, H, I] rows are contiguous (cast where needed), else copied. Not autograd-tracked:
+    :class:`_Experts` calls it in its forward and again in its backward."""
+    w_down = _as(down.transpose(1, 2) if transposed else down, dtype)
+    rows = _gate_up_rows(gate_up, transposed)
+    if joined:
+        return (*_halves(_as(rows, dtype), False, interleaved), w_down)
+    return (*(_as(t, dtype) for t in _halves(rows, False, interleaved)), w_down)
+
+
+def store_for_mok(experts: nn.Module) -> bool:
+    """Store a transposed experts module's weights (is_transposed: gpt-oss's ``gate_up_proj``
+    [E, H, 2I], ``down_proj`` [E, I, H]) transposed in memory, once: the same tensors (shapes,
+    values, names, state_dict), each expert's [2I, H] and [H, I] rows contiguous, which MoK's
+    kernels then read in place on every call instead of copying them. The Parameters stay the same
+    objects (their ``.data`` is replaced; optimizer state made afterwards follows their strides).
+    Returns whether anything moved."""
+    if not getattr(experts, "is_transposed", False):
+        return False
+    moved = False
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)
+            if not param.transpose(1, 2).is_contiguous():
+                param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+                moved = True
+    return moved
 
 
 def mok_biases(
@@ -287,7 +315,7 @@ class _Experts(torch.autograd.Function):
     under autocast, the transposed layout) would stay alive from the forward to the backward (as
     much memory as gate_up_proj itself, per layer). This Function keeps the parameters instead and
     makes the weights again in the backward (views where they are MoK's layout, :func:`mok_layout`);
-    with ``joined_grad`` (the config's gate_up_layout="concatenated") gate_up_proj's gradient comes
+    with ``joined_grad`` (the config's gate_up_layout "concatenated" or "interleaved") gate_up_proj's gradient comes
     from the weight-gradient GEMM as one [E, 2I, H] tensor. The op pair and what it saves are the same.
     Autocast is off inside: MoK's op computes at its own precision (its CPU reference in fp32)."""
 
@@ -295,7 +323,8 @@ class _Experts(torch.autograd.Function):
     def forward(ctx, x, topk_idx, topk_w, gate_up, down, shared_gate, shared_up, shared_down, gate_up_bias, down_bias, layout, config, save,
                 dtype, joined_grad):
         transposed, interleaved = layout
-        weights = (*mok_layout(gate_up, down, transposed, dtype, interleaved), *(_as(t, dtype) for t in (shared_gate, shared_up, shared_down)))
+        weights = (*mok_layout(gate_up, down, transposed, dtype, interleaved, joined_grad),
+                   *(_as(t, dtype) for t in (shared_gate, shared_up, shared_down)))
         biases = mok_biases(gate_up_bias, down_bias, dtype, interleaved)
         with torch.autocast(x.device.type, enabled=False):
             out, *saved = torch.ops.mok.moe_forward(x, topk_idx, topk_w, *weights, config, 0, save, False, TIMEOUT_S, *biases)
@@ -312,7 +341,7 @@ class _Experts(torch.autograd.Function):
         want = any(ctx.needs_input_grad[3:10])  # any expert weight or bias (routed or shared); all frozen: no weight-gradient GEMM
         transposed, interleaved = ctx.layout
         shared = (shared_gate, shared_up, shared_down)
-        weights = (*mok_layout(gate_up, down, transposed, ctx.dtype, interleaved), *(_as(t, ctx.dtype) for t in shared))
+        weights = (*mok_layout(gate_up, down, transposed, ctx.dtype, interleaved, ctx.joined_grad), *(_as(t, ctx.dtype) for t in shared))
         biases = mok_biases(gate_up_bias, down_bias, ctx.dtype, interleaved)
         with torch.autocast(x.device.type, enabled=False):
             dx, d_topk_w, d_gate, d_up, d_down, *rest = torch.ops.mok.moe_backward(
@@ -323,7 +352,7 @@ class _Experts(torch.autograd.Function):
             grads = [None] * 7
         else:
             d_down = d_down.transpose(1, 2) if transposed else d_down
-            d_gate_up = d_gate if ctx.joined_grad else _gate_up_grad(d_gate, d_up, transposed, interleaved)
+            d_gate_up = _gate_up_rows(d_gate, transposed) if ctx.joined_grad else _gate_up_grad(d_gate, d_up, transposed, interleaved)
             grads = [d_gate_up.to(gate_up.dtype), d_down.to(down.dtype)]
             grads += [g.to(p.dtype) for g, p in zip(d_shared, shared)] if shared_gate is not None else [None] * 3
             has_bias = gate_up_bias is not None
@@ -332,12 +361,12 @@ class _Experts(torch.autograd.Function):
 
 
 def copied_weights(experts: nn.Module) -> tuple[str, ...]:
-    """The experts' parameters MoK copies on every call (their layout is not MoK's), by name."""
+    """The experts' parameters MoK copies on every call (their rows do not lie as MoK's kernels
+    read them: gpt-oss's until :func:`store_for_mok`), by name (bf16 precision)."""
     transposed = bool(getattr(experts, "is_transposed", False))
     interleaved = not getattr(experts, "is_concatenated", True)
-    gate, up = _halves(experts.gate_up_proj, transposed, interleaved)
     down = experts.down_proj.transpose(1, 2) if transposed else experts.down_proj
-    gate_up_copied = not (expert_blocks_contiguous(gate) and expert_blocks_contiguous(up))
+    gate_up_copied = not _gate_up_rows(experts.gate_up_proj, transposed).is_contiguous()
     copied = (("gate_up_proj",) if gate_up_copied else ()) + (("down_proj",) if not down.is_contiguous() else ())
     return copied + (("gate_up_proj_bias",) if interleaved and _has_biases(experts) else ())
 
@@ -399,9 +428,10 @@ def moe_experts(
     _check_device(x, widths)
     options = getattr(experts, OPTIONS_ATTR, ())
     interleaved = not getattr(experts, "is_concatenated", True)
-    # gate_up_proj's gradient straight from the GEMM: its halves read in place, its gradient one tensor
-    joined_grad = not (transposed or interleaved) and dict(options).get("precision", "bf16") == "bf16"
-    model_options = {"gate_up_layout": "concatenated" if joined_grad else None, "activation": activation_of(experts),
+    # gate_up_proj's gradient straight from the GEMM: its halves (or alternate rows) read in place, its gradient one tensor
+    joined_grad = dict(options).get("precision", "bf16") == "bf16"
+    joined_layout = "interleaved" if interleaved else "concatenated"
+    model_options = {"gate_up_layout": joined_layout if joined_grad else None, "activation": activation_of(experts),
                      "expert_bias": _has_biases(experts)}
     options = tuple(sorted((*options, *((k, v) for k, v in model_options.items() if v not in (None, "swiglu", False)))))
     config = _config_text(hidden, inter, num_experts, topk, shared_inter, options)
@@ -536,7 +566,9 @@ def apply(
     each does; e.g. ``saved_h_format="recompute"`` keeps no expert activations between forward and
     backward), checked against every experts module's shapes before anything changes and kept on
     each as its ``mok_options`` attribute (not a parameter or buffer: the state_dict is unchanged).
-    Returns ``model``. ``model.set_experts_implementation(...)`` switches back."""
+    Transposed experts weights (gpt-oss's) are stored transposed in memory once (:func:`store_for_mok`:
+    the same tensors, read in place by MoK's kernels instead of copied on every call). Returns
+    ``model``. ``model.set_experts_implementation(...)`` switches back."""
     register()
     found = experts_modules(model)
     if not found:
@@ -566,6 +598,7 @@ def apply(
         model.set_experts_implementation(BACKEND)
     for (_, experts), pairs in zip(found, chosen):
         setattr(experts, OPTIONS_ATTR, pairs)
+        store_for_mok(experts)
     for _, experts in found:  # (a submodel transformers does not switch: its config directly)
         if experts.config._experts_implementation != BACKEND:
             experts.config._experts_implementation_internal = BACKEND

@@ -188,6 +188,7 @@ def grouped_gemm_variant(
     activation: str = "swiglu",
     bias: bool = False,
     block_buffers: int = 1,
+    b_row_stride: int | None = None,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, compile-verified, never run).
@@ -205,7 +206,9 @@ def grouped_gemm_variant(
     (SM100's kernel overlaps its epilogue anyway: no effect there).
     ``operand`` "e4m3": MXFP8 operands with E8M0 scales (block-scaled tcgen05 MMAs, SM100 only;
     K-major B). ``b_expert_stride``: elements from one expert's B to the next
-    (None: N·K, packed; 2·I·H for the halves of one [E, 2I, H] gate/up tensor, read in place).
+    (None: N·K, packed; 2·I·H for the halves of one [E, 2I, H] gate/up tensor, read in place);
+    ``b_row_stride``: from one of its rows in memory to the next (None: packed; 2·H for the even
+    or odd rows of one [E, 2I, H] tensor, gate and up interleaved as gpt-oss stores them).
     ``activation``: the SwiGLU epilogues' gated activation (swiglu, clamped_swiglu, geglu:
     mok/kernels/common/gated_activation.py). ``bias`` (Hopper): the experts' biases added in the
     plain and SwiGLU epilogues; swiglu_bwd leaves the down bias's router-gradient piece a column
@@ -216,8 +219,8 @@ def grouped_gemm_variant(
     _check_operand(operand, persistent, b_major)
     check_block_buffers(block_buffers, operand, epilogue)
     check_activation(activation)
-    if b_expert_stride is not None and operand != "bf16":
-        raise ValueError("b_expert_stride: bf16 weights only (MXFP8 weights are quantized into packed tensors)")
+    if (b_expert_stride is not None or b_row_stride is not None) and operand != "bf16":
+        raise ValueError("b_expert_stride, b_row_stride: bf16 weights only (quantized weights are packed tensors)")
     tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd"), operand) if tile_n is None else tile_n
     topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or scatter else 1
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
@@ -226,6 +229,8 @@ def grouped_gemm_variant(
             options[flag] = True
     if b_expert_stride is not None:
         options["b_expert_stride"] = b_expert_stride
+    if b_row_stride is not None:
+        options["b_row_stride"] = b_row_stride
     if activation != "swiglu" and epilogue != "plain":  # (absent by default and where no activation is computed)
         options["activation"] = activation
 
@@ -256,6 +261,7 @@ def grouped_gemm_variant(
 def weight_grad_variant(
     m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
     persistent: bool = True, pingpong: bool | None = None, split_out: bool = False, operand: str = "bf16",
+    interleaved_out: bool = False,
 ) -> KernelVariant:
     """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA;
     sm_100a / sm_103a: tcgen05, compile-verified, never run).
@@ -263,13 +269,17 @@ def weight_grad_variant(
     ``persistent``: one CTA per SM walks the output tiles; ``pingpong`` (Hopper, persistent,
     128-wide tiles): its two MMA warpgroups take whole tiles in turn (no effect on SM100, whose
     kernel overlaps its epilogue anyway); None: :func:`weight_grad_pingpong`. ``split_out``: the two halves of M into two [E, M/2, N] tensors
-    (dW_gate and dW_up in one launch). ``operand`` "e4m3": MXFP8 operands quantized along the rows
-    (block-scaled MMAs on MN-major operands, SM100 only).
+    (dW_gate and dW_up in one launch); ``interleaved_out``: those two are the even and odd rows of
+    one [E, M, N] tensor (gpt-oss's gate_up_proj gradient, its rows interleaved). ``operand``
+    "e4m3": MXFP8 operands quantized along the rows (block-scaled MMAs on MN-major operands, SM100
+    only).
     """
     _check_operand(operand, persistent)
     a_stride = m if a_stride is None else a_stride
     pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
     options = dict(a_stride=a_stride, tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out)
+    if interleaved_out:
+        options["interleaved_out"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:
@@ -286,7 +296,7 @@ def weight_grad_variant(
         "m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n,
         "persistent": persistent,
     }
-    for flag, on in (("pingpong", pingpong), ("split_out", split_out)):
+    for flag, on in (("pingpong", pingpong), ("split_out", split_out), ("interleaved_out", interleaved_out)):
         if on:
             config[flag] = True
     if operand != "bf16":

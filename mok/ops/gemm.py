@@ -18,7 +18,7 @@ from ..kernels.common.records import grouped_gemm_args
 from ..kernels.variants import check_block_buffers, default_tile_n, grouped_gemm_variant, swiglu_backward_pingpong
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
-from ..validation import check_tensor, expert_stride
+from ..validation import check_tensor, weight_strides
 from .common import (
     BF16, E4M3, I32, arch_of, bf16_out, check_disjoint, check_launchable, check_rank_stride,
     check_weights_launchable, kernel_for, persistent_default, sm_count,
@@ -65,9 +65,10 @@ def check_mxfp8_weights(name: str, b: torch.Tensor, scales: torch.Tensor, device
     return num_experts, n
 
 
-def _bf16_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_major: str, k_split: bool) -> tuple[int, int, int | None]:
-    """Check a bf16 grouped GEMM's B (and B2) against A [R, K] (each expert's block contiguous, one
-    expert stride for both: :func:`expert_stride`); returns (E, N, the expert stride or None)."""
+def _bf16_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_major: str, k_split: bool) -> tuple[int, int, dict]:
+    """Check a bf16 grouped GEMM's B (and B2) against A [R, K] (contiguous rows, one set of strides
+    for both: :func:`weight_strides`); returns (E, N, the variant's stride options: expert and row
+    strides where not packed)."""
     k = a.shape[1]
     if b_major not in ("k", "n"):
         raise ValueError(f"b_major: expected 'k' or 'n', got {b_major!r}")
@@ -79,13 +80,13 @@ def _bf16_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_m
     b_k = k // 2 if k_split else k
     b_shape = (num_experts, n, b_k) if b_major == "k" else (num_experts, b_k, n)
     check_tensor("b", b, shape=b_shape)
-    stride = expert_stride("b", b)
+    expert, row = weight_strides("b", b)
     if b2 is not None:
         check_tensor("b2", b2, dtypes=BF16, shape=b_shape, device=a.device)
-        expert_stride("b2", b2, like=b)
+        weight_strides("b2", b2, like=b)
     if n % 8 or k % (16 if k_split else 8):
         raise ValueError(f"b: expected N % 8 == 0 and K % {16 if k_split else 8} == 0 (16-byte rows), got N={n}, K={k}")
-    return num_experts, n, stride
+    return num_experts, n, dict(b_expert_stride=expert, b_row_stride=row)
 
 
 def _mxfp8_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool) -> dict:
@@ -175,9 +176,9 @@ def grouped_gemm(
     a: [R, K], rows grouped by expert in 128-row tiles. tile_expert: [ceil(R / 128)] int32, the
     expert of each row tile, -1 to skip the tile (its output rows are left unwritten). b: [E, N, K]
     (``b_major="k"``: B = bᵀ, the forward's weights) or [E, K, N] (``b_major="n"``: B = b, the same
-    weights in the backward); each expert's block contiguous, the experts packed or further apart
-    (:func:`mok.validation.expert_stride`: the gate and up halves of one [E, 2I, H] tensor are read
-    in place), b2 strided as b. With ``b2`` shaped like b: SwiGLU, out = silu(a·B)⊙(a·B2) (or the
+    weights in the backward); each row contiguous, the rows and experts packed or further apart
+    (:func:`mok.validation.weight_strides`: the gate and up halves of one [E, 2I, H] tensor, or its
+    even and odd rows, are read in place), b2 strided as b. With ``b2`` shaped like b: SwiGLU, out = silu(a·B)⊙(a·B2) (or the
     gated ``activation`` "clamped_swiglu" or "geglu": mok.kernels.common.gated_activation), and
     ``h_out`` [R, 2N] (optional) receives the pre-activations [a·B | a·B2] for the backward; or,
     with ``k_split``, b and b2 hold the two halves of K (out = a[:, :K/2]·B + a[:, K/2:]·B2).
@@ -216,7 +217,7 @@ def grouped_gemm(
         pointers = _fp8_block_operands(a, b, b2, k_split, gathered=gather is not None)
         a_values = pointers["a"]
         num_experts, n = pointers["b"].shape[:2]
-        persistent, b_stride = True, None
+        persistent, b_strides = True, {}
     elif isinstance(a, (tuple, list)):
         pointers = _mxfp8_operands(a, b, b2, k_split)
         a_values = pointers["a"]
@@ -224,12 +225,12 @@ def grouped_gemm(
         if b_major != "k" or gather is not None:
             raise ValueError("MXFP8 operands: K-major B (b_major='k'), no gather")
         persistent = persistent_default(a_values.device) if persistent is None else persistent
-        b_stride = None
+        b_strides = {}
     else:
         check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
         a_values = a
         persistent = persistent_default(a.device) if persistent is None else persistent
-        num_experts, n, b_stride = _bf16_weights(a, b, b2, b_major, k_split)
+        num_experts, n, b_strides = _bf16_weights(a, b, b2, b_major, k_split)
         pointers = dict(a=a, b=b, b2=b if b2 is None else b2)
     num_rows = a_values.shape[0]
     if gather is not None:
@@ -254,8 +255,8 @@ def grouped_gemm(
         return out
     variant = grouped_gemm_variant(
         n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
-        persistent=persistent, gather_a=gather is not None, operand=operand, b_expert_stride=b_stride, activation=activation,
-        bias=bias is not None, block_buffers=block_buffers,
+        persistent=persistent, gather_a=gather is not None, operand=operand, activation=activation, bias=bias is not None,
+        block_buffers=block_buffers, **b_strides,
     )
     launch_grouped_gemm(
         variant, a_values.device, **pointers, c=out, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
@@ -309,7 +310,7 @@ def grouped_gemm_scatter(
     num_rows = a.shape[0]
     if b2 is not None and not k_split:
         raise ValueError("b2: only with k_split (the scattering GEMM has the plain epilogue)")
-    num_experts, n, b_stride = _bf16_weights(a, b, b2, b_major, k_split)
+    num_experts, n, b_strides = _bf16_weights(a, b, b2, b_major, k_split)
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=a.device, contiguous=True)
     for name, t in (("row_token", row_token), ("row_slot", row_slot)):
         check_tensor(name, t, dtypes=I32, shape=(num_rows,), device=a.device, contiguous=True)
@@ -324,8 +325,8 @@ def grouped_gemm_scatter(
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
-    variant = grouped_gemm_variant(n, a.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split, b_expert_stride=b_stride,
-                                   bias=bias is not None)
+    variant = grouped_gemm_variant(n, a.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split, bias=bias is not None,
+                                   **b_strides)
     launch_grouped_gemm(
         variant, a.device, a=a, b=b, b2=b if b2 is None else b2, c=slots, tile_expert=tile_expert, row_token=row_token,
         row_slot=row_slot, num_rows=num_rows, num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=slot_ranks[1], bias=bias,

@@ -71,7 +71,8 @@ def weight_grad(
     pair of [E, M/2, N] tensors (new unless given), the product's first M/2 rows going into the
     first, the others into the second: dW_gate and dW_up from one launch over all of dh (the
     same bits as a launch per half, which it falls back to where the two tensors' distance is not
-    one a TMA descriptor can hold).
+    one a TMA descriptor can hold); the pair may also be the even and odd rows of one contiguous
+    [E, M, N] tensor (``w[:, 0::2]``, ``w[:, 1::2]``: gate and up interleaved, gpt-oss's layout).
 
     MXFP8 operands (SM100 only, no ping-pong): a = (elements float8_e4m3fn [R, M], scales
     [ceil(M / 128), R / 128, 512]) and b likewise [R, N], as
@@ -119,7 +120,8 @@ def weight_grad(
             for o in outs:
                 o.zero_()
         return result
-    half_stride, upper_first = _split_out_stride(outs) if split_out else (0, 0)
+    interleaved = split_out and _interleaved_rows(outs)
+    half_stride, upper_first = (n, 0) if interleaved else _split_out_stride(outs) if split_out else (0, 0)
     if half_stride is None:  # not a TMA descriptor's stride: a launch per half (A's column halves, their scales' chunks)
         opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong)
         for half, o in enumerate(outs):
@@ -130,7 +132,7 @@ def weight_grad(
         return result
     variant = weight_grad_variant(
         m, n, "f32" if outs[0].dtype == torch.float32 else "bf16", accumulate, a_stride=a_values.stride(0), tile_n=tile_n,
-        persistent=persistent, pingpong=pingpong, split_out=split_out, operand="e4m3" if mxfp8 else "bf16",
+        persistent=persistent, pingpong=pingpong, split_out=split_out, operand="e4m3" if mxfp8 else "bf16", interleaved_out=interleaved,
     )
     launch_weight_grad(variant, a, b, offsets, counts, outs, half_stride, upper_first)
     return result
@@ -169,8 +171,20 @@ def _split_out_stride(outs) -> tuple[int | None, int]:
     return abs(distance) // elem, int(distance < 0)
 
 
+def _interleaved_rows(outs) -> bool:
+    """Whether split_out's two outputs are the even and odd rows of one contiguous [E, M, N] tensor."""
+    half, other = outs
+    experts, rows, n = half.shape
+    return (
+        half.stride() == (2 * rows * n, 2 * n, 1) and other.stride() == half.stride()
+        and other.untyped_storage().data_ptr() == half.untyped_storage().data_ptr()
+        and other.storage_offset() == half.storage_offset() + n
+    )
+
+
 def _outputs(out, split_out, shape, out_dtype, dtypes, device) -> list[torch.Tensor]:
-    """The output tensors, checked (one [E, M, N], or with ``split_out`` two [E, M/2, N]), new where not given."""
+    """The output tensors, checked (one [E, M, N], or with ``split_out`` two [E, M/2, N], each
+    contiguous or the even and odd rows of one), new where not given."""
     num_experts, m, n = shape
     if split_out:
         shape = (num_experts, m // 2, n)
@@ -179,7 +193,10 @@ def _outputs(out, split_out, shape, out_dtype, dtypes, device) -> list[torch.Ten
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError(f"out: with split_out, expected a pair of tensors, got {type(out).__name__}")
         for i, o in enumerate(out):
-            check_tensor(f"out[{i}]", o, dtypes=dtypes, shape=shape, device=device, contiguous=True)
+            check_tensor(f"out[{i}]", o, dtypes=dtypes, shape=shape, device=device)
+        if not _interleaved_rows(out):
+            for i, o in enumerate(out):
+                check_tensor(f"out[{i}]", o, contiguous=True)
         if out[0].dtype != out[1].dtype:
             raise TypeError(f"out: expected one dtype for both halves, got {out[0].dtype} and {out[1].dtype}")
         return list(out)

@@ -70,7 +70,8 @@ def backward(
     weight gradients cover this rank's tokens (sum them over ranks as data-parallel gradients).
     With ``gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert in one
     [E, 2I, H] tensor (the layout of the weights', such as transformers' gate_up_proj: nothing to
-    concatenate after) and d_w_up is None; the same bits. ``biases``: the forward's (exactly when
+    concatenate after), with "interleaved" the two interleaved row by row (gpt-oss's), and d_w_up is
+    None; the same bits. ``biases``: the forward's (exactly when
     the config's expert_bias): their gradients come as ``d_biases`` (with the weight gradients), and
     the down bias's share of d_topk_w, <dout, b_down>, is in it.
     """
@@ -118,7 +119,7 @@ def backward(
     d_gate = d_up = d_down = d_biases = None
     if weight_grads:
         d_gate, d_up, d_down = stages.expert_weight_grads(
-            plan, (dout_rows, a_scaled, dh, x_rows), sched, grad_dtype, mains[0], wgrad_format, joined=plan.config.gate_up_concatenated
+            plan, (dout_rows, a_scaled, dh, x_rows), sched, grad_dtype, mains[0], wgrad_format, plan.config.gate_up_layout
         )
         if biases is not None:
             d_biases = stages.expert_bias_grads(dout_rows, dh, sched, topk_w, biases)
@@ -177,7 +178,7 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     d_gate = d_up = d_down = d_biases = None
     if weight_grads:  # (local work while the peers push: the exchanges are the same either way)
         d_gate, d_up, d_down = stages.expert_weight_grads(
-            plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0], joined=plan.config.gate_up_concatenated
+            plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0], gate_up_layout=plan.config.gate_up_layout
         )
         if biases is not None:
             d_biases = stages.expert_bias_grads(dout_rows, dh, sched, weights_all, biases)

@@ -29,7 +29,7 @@ from ..ops.common import check_32bit_rows
 from ..plan import Plan
 from ..runtime import launch
 from ..schedule import shared_prefix_rows, worst_case_capacity
-from ..validation import check_gate_up_halves, check_index_range, check_moe_inputs, check_tensor, check_timeout
+from ..validation import check_gate_up_parts, check_index_range, check_moe_inputs, check_tensor, check_timeout
 from . import exchange, stages
 from .stages import TILE_M, ForwardResult
 from .workspace import EPWorkspace
@@ -47,8 +47,8 @@ def check_inputs(config: MoKConfig, workspace, x, topk_idx, topk_w, weights, sha
         x, topk_idx, topk_w, *weights, shared, dtypes=(torch.bfloat16,), router_dtypes=(torch.float32,), contiguous=True,
         experts_total=c.num_experts, check_range=False,
     )
-    if c.gate_up_concatenated:
-        check_gate_up_halves(weights[0], weights[1])
+    if c.gate_up_joined:
+        check_gate_up_parts(weights[0], weights[1], c.gate_up_layout)
     got = dict(hidden=hidden, intermediate=inter, experts_per_rank=num_local, topk=topk,
                shared_intermediate=None if shared is None else shared[0].shape[0])
     for field, value in got.items():

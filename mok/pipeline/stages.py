@@ -317,31 +317,38 @@ def weight_grad(a, b, offsets, dtype, main_grad, counts=None):
     return ops.weight_grad(a, b, offsets, counts=counts, out_dtype=dtype)
 
 
-def gate_up_weight_grads(dh, x_rows, offsets, dtype, main_grads, counts=None, joined: bool = False):
+def gate_up_weight_grads(dh, x_rows, offsets, dtype, main_grads, counts=None, layout: str = "separate"):
     """dW_gate, dW_up from the two column halves of dh, each into its own tensor, in one launch;
-    ``joined``: (one [E, 2I, H] tensor, each expert's dW_gate rows then its dW_up rows: the layout of
-    one gate/up weight, e.g. transformers' gate_up_proj; None), the same tiles, the same bits."""
-    if joined:
+    ``layout`` (MoKConfig.gate_up_layout) "concatenated" or "interleaved": (one [E, 2I, H] tensor,
+    each expert's dW_gate rows then its dW_up rows, or the two interleaved row by row: the layout
+    of the one gate/up weight; None), the same tiles, the same bits."""
+    if layout == "concatenated":
         return ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype), None
+    if layout == "interleaved":
+        experts, inter2, hidden = offsets.shape[0] - 1, dh.shape[1], x_rows.shape[1]
+        whole = torch.empty(experts, inter2, hidden, dtype=dtype, device=dh.device)
+        ops.weight_grad(dh, x_rows, offsets, counts=counts, out=(whole[:, 0::2], whole[:, 1::2]), split_out=True)
+        return whole, None
     if main_grads is None:
         return ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype, split_out=True)
     return ops.weight_grad(dh, x_rows, offsets, counts=counts, out=tuple(main_grads), accumulate=True, split_out=True)
 
 
 def expert_weight_grads(
-    plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str = "mxfp8", joined: bool = False
+    plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str = "mxfp8", gate_up_layout: str = "separate"
 ) -> tuple:
     """(dW_gate, dW_up, dW_down) of the routed experts over their rows in canonical order, from
     ``rows`` = (dout_rows, a_scaled, dh, x_rows); fresh in ``grad_dtype`` or added into
     ``main_grads`` (gate, up, down). With MXFP8 precision the operands are quantized along the
-    rows (blocks of 32 rows down each column) unless ``wgrad_format="bf16"``. ``joined`` (bf16,
-    fresh): dW_gate and dW_up as one [E, 2I, H] tensor (:func:`gate_up_weight_grads`)."""
+    rows (blocks of 32 rows down each column) unless ``wgrad_format="bf16"``. ``gate_up_layout``
+    "concatenated" or "interleaved" (bf16, fresh): dW_gate and dW_up as one [E, 2I, H] tensor
+    (:func:`gate_up_weight_grads`)."""
     dout_rows, a_scaled, dh, x_rows = rows
     offsets, counts = sched.expert_offsets, sched.expert_counts
     if plan.precision != "mxfp8" or wgrad_format == "bf16":
         d_down = weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
         d_gate, d_up = gate_up_weight_grads(
-            dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts, joined=joined
+            dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts, layout=gate_up_layout
         )
         return d_gate, d_up, d_down
     used = rows_in_use(sched)

@@ -6,12 +6,19 @@ import cutlass.cute as cute
 
 
 
-def expert_weights(ptr: cute.Pointer, n: int, k: int, num_experts, b_major: str, expert_stride: int | None = None) -> cute.Tensor:
+def expert_weights(
+    ptr: cute.Pointer, n: int, k: int, num_experts, b_major: str, expert_stride: int | None = None, row_stride: int | None = None
+) -> cute.Tensor:
     """One weight matrix per expert as (N, K, E): K-major [E, N, K] or N-major [E, K, N] in memory,
     the experts ``expert_stride`` elements apart (default N·K: packed; more for the halves of one
-    [E, 2I, H] gate/up tensor)."""
+    [E, 2I, H] gate/up tensor), the rows of each (along N when K-major, along K when N-major)
+    ``row_stride`` apart (default: packed; twice that for the even or odd rows of one [E, 2I, H]
+    tensor, gpt-oss's interleaved gate and up)."""
     expert_stride = n * k if expert_stride is None else expert_stride
-    stride = (k, 1, expert_stride) if b_major == "k" else (1, n, expert_stride)
+    if b_major == "k":
+        stride = (k if row_stride is None else row_stride, 1, expert_stride)
+    else:
+        stride = (1, n if row_stride is None else row_stride, expert_stride)
     return cute.make_tensor(ptr, cute.make_layout((n, k, num_experts), stride=stride))
 
 
@@ -39,9 +46,14 @@ def grouped_row_tensors(ptrs: tuple, num_rows, num_tokens, n: int, c_halves: int
     )
 
 
-def weight_grad_output(out_ptr: cute.Pointer, m: int, n: int, num_experts, half_stride, split_out: bool) -> cute.Tensor:
+def weight_grad_output(
+    out_ptr: cute.Pointer, m: int, n: int, num_experts, half_stride, split_out: bool, interleaved: bool = False
+) -> cute.Tensor:
     """The weight gradient as (M, N, E), or with ``split_out`` as (M/2, N, E, 2): two [E, M/2, N]
-    tensors ``half_stride`` elements apart."""
+    tensors ``half_stride`` elements apart, or with ``interleaved`` the even and odd rows of one
+    [E, M, N] tensor (the first half's row j its row 2j; ``half_stride`` N)."""
+    if split_out and interleaved:
+        return cute.make_tensor(out_ptr, cute.make_layout((m // 2, n, num_experts, 2), stride=(2 * n, 1, m * n, half_stride)))
     if split_out:
         return cute.make_tensor(out_ptr, cute.make_layout((m // 2, n, num_experts, 2), stride=(n, 1, m // 2 * n, half_stride)))
     return cute.make_tensor(out_ptr, cute.make_layout((m, n, num_experts), stride=(n, 1, m * n)))

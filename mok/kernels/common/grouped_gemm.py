@@ -73,10 +73,11 @@ class GroupedGemm:
 
     def configure(
         self, n: int, k: int, epilogue: str, b_major: str, k_split: bool, topk: int, unit_scale: bool, tile_n: int, tile_k: int,
-        b_expert_stride: int | None = None, activation: str = "swiglu", bias: bool = False,
+        b_expert_stride: int | None = None, activation: str = "swiglu", bias: bool = False, b_row_stride: int | None = None,
     ) -> None:
         """Check and keep the static configuration; the tile is (128, ``tile_n``, ``tile_k``).
         ``b_expert_stride``: elements from one expert's B (and B2) to the next (None: packed);
+        ``b_row_stride``: from one of its rows to the next in memory (None: packed; gemm_args.expert_weights);
         ``activation``: the gated activation of the SwiGLU epilogues (common/gated_activation.py);
         ``bias``: the experts' biases (the module docstring)."""
         check_activation(activation)
@@ -108,12 +109,18 @@ class GroupedGemm:
         self.k_tiles = halves * self.half_k_tiles
         if b_expert_stride is not None and (b_expert_stride < n * self.b_k or b_expert_stride % 8):
             raise ValueError(f"b_expert_stride: expected a multiple of 8 (16 bytes) of at least N·K = {n * self.b_k}, got {b_expert_stride}")
-        self.b_expert_stride = b_expert_stride
+        row = n if b_major == "k" else self.b_k  # (a row of B in memory: its K values, or its N values)
+        packed_row = self.b_k if b_major == "k" else n
+        if b_row_stride is not None and (b_row_stride < packed_row or b_row_stride % 8):
+            raise ValueError(f"b_row_stride: expected a multiple of 8 (16 bytes) of at least {packed_row}, got {b_row_stride}")
+        if b_row_stride is not None and (b_expert_stride or n * self.b_k) < row * b_row_stride:
+            raise ValueError(f"b_expert_stride: expected at least {row} rows of {b_row_stride}, got {b_expert_stride}")
+        self.b_expert_stride, self.b_row_stride = b_expert_stride, b_row_stride
         self.tile_shape_mnk = (TILE_M, tile_n, tile_k)
 
     def b_tensor(self, ptr: cute.Pointer, num_experts: cutlass.Int32) -> cute.Tensor:
         """One expert's B as (N, K) per expert: K-major [E, N, K] or N-major [E, K, N] in memory."""
-        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major, self.b_expert_stride)
+        return expert_weights(ptr, self.n, self.b_k, num_experts, self.b_major, self.b_expert_stride, self.b_row_stride)
 
     @cute.jit
     def __call__(

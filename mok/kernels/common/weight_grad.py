@@ -47,8 +47,12 @@ class WeightGradGemm:
     partial_tiles = False  # whether the arch's kernel takes M (each half's) and N its tile does not divide (else whole tiles only)
 
     def configure(self, m: int, n: int, out_dtype: str, accumulate: bool, a_stride: int | None, tile_n: int, tile_k: int,
-                  split_out: bool) -> None:
-        """Check and keep the static configuration; the tile is (128, ``tile_n``, ``tile_k``)."""
+                  split_out: bool, interleaved_out: bool = False) -> None:
+        """Check and keep the static configuration; the tile is (128, ``tile_n``, ``tile_k``);
+        ``interleaved_out`` (split_out): the halves are the even and odd rows of one [E, M, N]
+        tensor (gemm_args.weight_grad_output)."""
+        if interleaved_out and not split_out:
+            raise ValueError("interleaved_out: only with split_out (the halves' rows interleaved)")
         if out_dtype not in OUT_DTYPES:
             raise ValueError(f"out_dtype: expected one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
         if accumulate and out_dtype != "f32":
@@ -64,7 +68,7 @@ class WeightGradGemm:
         if a_stride < m or a_stride % 8:
             raise ValueError(f"a_stride: expected a multiple of 8 that is >= m={m}, got {a_stride}")
         self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
-        self.split_out, self.halves = split_out, halves
+        self.split_out, self.halves, self.interleaved_out = split_out, halves, interleaved_out
         self.row_tiles = -(-m // halves // TILE_M)  # output row tiles of each half (the last one partial where 128 does not divide)
         self.col_tiles = -(-n // tile_n)
         self.tile_shape_mnk = (TILE_M, tile_n, tile_k)
@@ -86,7 +90,7 @@ class WeightGradGemm:
         m_b = self.operand_tensor(b_ptr, self.n, self.n, num_rows)
         if cutlass.const_expr(self.split_out and self.aligned_halves):  # (the launcher checks it)
             half_stride = cute.assume(half_stride, divby=16 // (OUT_DTYPES[self.out_dtype].width // 8))
-        m_c = weight_grad_output(out_ptr, self.m, self.n, num_experts, half_stride, self.split_out)
+        m_c = weight_grad_output(out_ptr, self.m, self.n, num_experts, half_stride, self.split_out, self.interleaved_out)
         rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)  # where each expert's rows start and end
         self.launch(m_a, m_b, (a_scale_ptr, b_scale_ptr), m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream)
 

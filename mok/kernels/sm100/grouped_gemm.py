@@ -55,8 +55,9 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, b_expert_stride: int | None = None,
         activation: str = "swiglu", persistent: bool = False, scatter: bool = False, bias: bool = False, gather_a: bool = False,
+        b_row_stride: int | None = None,
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias, b_row_stride)
         if scatter and epilogue != "plain":
             raise ValueError(f"scatter: only with the plain epilogue (the expert-parallel row pushes), got epilogue={epilogue!r}")
         if gather_a and (k_split or scatter):

@@ -37,9 +37,9 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
     def __init__(
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
         tile_n: int = 128, stages: int | None = None, split_out: bool = False, persistent: bool = False,
-        mma_ctas: int | None = None,
+        mma_ctas: int | None = None, interleaved_out: bool = False,
     ) -> None:
-        self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out)
+        self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out, interleaved_out)
         self.persistent = persistent
         self.pick_mma_ctas(mma_ctas)
         self.ab_stage = pick_stages((self.tile_shape_mnk[0] + tile_n // self.mma_ctas) * TILE_K * 2, stages)

@@ -36,7 +36,8 @@ from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 
 class WeightGradGemmSm90(WeightGradGemm, WgmmaTileKernel):
-    """Static config: M, N, A's row stride, output dtype, accumulate, tile N, persistent, pingpong, split_out."""
+    """Static config: M, N, A's row stride, output dtype, accumulate, tile N, persistent, pingpong, split_out (its halves'
+    rows interleaved)."""
 
     two_accumulators = False
     partial_tiles = True  # M and N past the tile: TMA zero-fills the loads and clips the stores
@@ -44,8 +45,9 @@ class WeightGradGemmSm90(WeightGradGemm, WgmmaTileKernel):
     def __init__(
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
         tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
+        interleaved_out: bool = False,
     ):
-        self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out)
+        self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out, interleaved_out)
         if pingpong and (not persistent or tile_n != 128):
             raise ValueError("pingpong: only in the persistent kernel with 128-column tiles (one warpgroup holds a whole tile)")
         tile_m = self.tile_shape_mnk[0]
