@@ -45,7 +45,7 @@ def assert_warp_specialised_tcgen05_kernel(ptx: str) -> None:
     assert re.search(r"\.reqntid (192|320), 1, 1", ptx) and ".minnctapersm 1" in ptx and count(r"%nctaid\.x", ptx) >= 1
     before, after = ptx.split("tcgen05.dealloc")
     assert count(r"mbarrier\.try_wait", after) == 0
-    last_load = before.rindex("cp.async.bulk.tensor")
+    last_load = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.\dd\.shared::", before)][-1]  # (TMA loads: into shared memory)
     parities = re.findall(TRY_WAIT, before[last_load:before.index("tcgen05.mma", last_load)])
     stages = len(parities) - 2  # the tail's, then the MMA warp's accumulator and first stage waits
     acc_stages = (count(r"mbarrier\.init\.shared\.b64", ptx) - 2 * stages) // 2
@@ -262,13 +262,14 @@ def test_partial_tile_variants_keep_wgmma_tma_and_no_spills(hidden, inter, exper
     (grouped_gemm_variant(2880, 2880, epilogue="swiglu_save"), 3), (grouped_gemm_variant(2056, 1032), 1),
     (grouped_gemm_variant(1032, 2056, epilogue="swiglu_bwd", b_major="n", topk=4), 3),
     (grouped_gemm_variant(2056, 2064, b_major="n", k_split=True), 1), (grouped_gemm_variant(2056, 1032, scatter=True, topk=4), 1),
-    (weight_grad_variant(2064, 2056, split_out=True), 1), (weight_grad_variant(2064, 2056, "f32", True, split_out=True), 1),
+    (weight_grad_variant(2064, 2056, split_out=True), 0), (weight_grad_variant(2064, 2056, "f32", True, split_out=True), 0),
 ])  # gpt-oss's widths, odd multiples of 8: every SM100 form, partial column (and K, row) tiles
 def test_sm100_kernels_take_partial_tiles_storing_nothing_past_the_width(arch, variant, vectors):
     """Widths the tile does not divide: TMA zero-fills the loads past them (k_split: each half of K
     on its own, A's two halves their own TMA views, as for whole tiles); the epilogue stores a
     subtile whole where it lies inside the width, else 16 bytes at a time up to it (a second set of
-    the same vector stores, per output tensor); nothing else changes: no spills."""
+    the same vector stores, per output tensor; the weight gradients' TMA stores clip at the width:
+    none); nothing else changes: no spills."""
     ptx = compiled_ptx(variant, arch)
     same = ("epilogue", "b_major", "k_split", "topk", "tile_n")
     whole = compiled_ptx(
@@ -280,6 +281,7 @@ def test_sm100_kernels_take_partial_tiles_storing_nothing_past_the_width(arch, v
     per_subtile = 8 if variant.config.get("out_dtype") == "f32" else 4
     assert count(stores, ptx) == count(stores, whole) + per_subtile * vectors
     assert count(r"cp\.async\.bulk\.tensor", ptx) == count(r"cp\.async\.bulk\.tensor", whole)
+    assert count(r"cp\.reduce\.async\.bulk\.tensor", ptx) == count(r"cp\.reduce\.async\.bulk\.tensor", whole)
     assert_warp_specialised_tcgen05_kernel(ptx)
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
 
@@ -507,8 +509,11 @@ def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m
     """The Blackwell weight-gradient GEMM (compile-verified only): tcgen05 MMAs fed by TMA, on CTA
     pairs (256 x 128 tiles, cta_group::2: each CTA loads its 128 rows of A and 64 of B's 128)
     wherever M has two row tiles or more (each half's), else on one CTA; the accumulator read back
-    once per subtile loop, 16-byte stores (and loads, adding into fp32); no Hopper or warp-level
-    MMA, no atomics, no spills."""
+    once per subtile loop, staged in shared memory (16-byte stores, then the async proxy fence and
+    the epilogue warps' barrier) and stored by one TMA store per subtile (adding into fp32: a TMA
+    reduce-add, nothing read back), at most one store in flight once the next buffer is written
+    (bulk wait_group.read 1), all drained before exit (0); no global stores from registers, no
+    Hopper or warp-level MMA, no atomics, no spills."""
     ptx = compiled_ptx(weight_grad_variant(m, n, **options), arch)
     assert f".target {arch}" in ptx
     group = 2 if pair else 1
@@ -520,10 +525,15 @@ def test_sm100_weight_grad_ptx_uses_tcgen05_and_tma_on_mn_major_operands(arch, m
     else:  # A and B, MN-major: two 64-wide boxes each
         assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 4
         assert count(r"cta_group::2|mapa|barrier\.cluster", ptx) == 0
-    f32 = options.get("out_dtype") == "f32"
-    stores = count(r"st\.global\.v2\.b64", ptx) if f32 else count(r"st\.global\.v4\.b32", ptx)
-    assert stores == (8 if f32 else 4) and count(r"st\.global", ptx) == stores  # 32 columns of a row, 16 bytes at a time
-    assert count(r"ld\.global\.v2\.b64", ptx) == (8 if options.get("accumulate") else 0)
+    f32, adds = options.get("out_dtype") == "f32", options.get("accumulate", False)
+    dims = 4 if options.get("split_out") else 3  # (the gradient's halves, a mode of the store's view)
+    assert count(r"st\.shared\.v2\.b64" if f32 else r"st\.shared\.v4\.b32", ptx) == (8 if f32 else 4)  # a row's 32 columns, 16 bytes a store
+    staged = ptx.index("fence.proxy.async.shared::cta", ptx.index("st.shared."))
+    store = rf"cp\.reduce\.async\.bulk\.tensor\.{dims}d\.global\.shared::cta\.add" if adds else rf"cp\.async\.bulk\.tensor\.{dims}d\.global\.shared::cta"
+    assert count(store, ptx) == 1 and re.search(store, ptx).start() > staged  # one TMA store per subtile, after the fence
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.global|cp\.reduce\.async", ptx) == 1
+    assert re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", ptx) == ["1", "0"]
+    assert count(r"st\.global|ld\.global\.v", ptx) == 0  # (nothing stored from registers, nothing read back)
     assert_warp_specialised_tcgen05_kernel(ptx)
     assert count(r"\batom\.|\bred\.", ptx) == 0
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0

@@ -49,6 +49,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_layout
 from cutlass.cute.nvgpu import tcgen05
+from cutlass.tensor_utils import LayoutEnum
 
 from ..common.row_gather import GATHER_THREADS
 from ..common.row_vectors import VECTOR
@@ -72,21 +73,25 @@ MAX_STAGES = 8
 PAIR = 2  # CTAs of a pair MMA (``mma_ctas`` = 2): a cluster of two along M, one 256-row tcgen05.mma.cta_group::2
 TMEM_ALLOC_BARRIER = 1  # named barrier: every warp retrieves the tensor-memory address
 EPILOGUE_BARRIER = 2  # named barrier: the epilogue warps' last reads, before the tensor memory is freed
+STORE_BARRIER = 3  # named barrier (TMA-stored epilogues): a subtile staged in shared memory; its buffer free again
+STORE_BUFFERS = 2  # TMA-stored epilogues: shared-memory buffers of one 128 x 32 subtile each (one stored while the next is staged)
+STORE_WARP = 0  # the epilogue warp that issues the subtiles' TMA stores
 MAJOR = {"k": cute.nvgpu.OperandMajorMode.K, "mn": cute.nvgpu.OperandMajorMode.MN}
 
 
-def pick_stages(stage_bytes: int, stages: int | None) -> int:
-    """Pipeline depth: as deep as shared memory allows (at most 8), or ``stages`` if it fits."""
-    most = min((SMEM_BYTES - 1024) // stage_bytes, MAX_STAGES)
+def pick_stages(stage_bytes: int, stages: int | None, reserved: int = 0) -> int:
+    """Pipeline depth: as deep as shared memory allows beside ``reserved`` bytes (a TMA-stored
+    epilogue's buffers) (at most 8), or ``stages`` if it fits."""
+    most = min((SMEM_BYTES - 1024 - reserved) // stage_bytes, MAX_STAGES)
     if stages is not None and not 2 <= stages <= most:
         raise ValueError(f"stages: expected 2..{most} for this tile, got {stages}")
     return most if stages is None else stages
 
 
-def pick_mxfp8_stages(rows: int, stages: int | None) -> int:
+def pick_mxfp8_stages(rows: int, stages: int | None, reserved: int = 0) -> int:
     """:func:`pick_stages` for MXFP8 stages of ``rows`` operand rows (A's and the B's): 128 E4M3
     bytes and 4 scale bytes a row, and the alignment of the three scale buffers."""
-    return pick_stages(rows * TILE_K_MXFP8 + rows * (TILE_K_MXFP8 // SCALE_BLOCK) + 3 * 128, stages)
+    return pick_stages(rows * TILE_K_MXFP8 + rows * (TILE_K_MXFP8 // SCALE_BLOCK) + 3 * 128, stages, reserved)
 
 
 class Tcgen05TileKernel:
@@ -97,6 +102,7 @@ class Tcgen05TileKernel:
     persistent = False  # at most max_ctas CTAs walk the tiles (else one CTA per tile)
     gather_a = False  # A's rows gathered from the token matrix by cp.async (the grouped GEMM's gate/up)
     mma_ctas = 1  # CTAs per MMA: 1, or PAIR (see :meth:`pair_reason`)
+    store_dtype = None  # a TMA-stored epilogue's output element type (:meth:`store_subtile`), or None: stores from registers
 
     @property
     def cta_group(self):
@@ -152,6 +158,26 @@ class Tcgen05TileKernel:
             grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[self.cta_threads, 1, 1], stream=stream,
             min_blocks_per_mp=ONE_CTA_PER_SM, **cluster
         )
+
+    def store_bytes(self) -> int:
+        """Shared memory of a TMA-stored epilogue's staging buffers (0 without one; 1 KiB-aligned)."""
+        if self.store_dtype is None:
+            return 0
+        return STORE_BUFFERS * self.tile_shape_mnk[0] * EPI_COLS * self.store_dtype.width // 8 + 1024
+
+    def store_layout(self):
+        """Host side (a TMA-stored epilogue): the staging buffers of ``store_dtype`` in shared memory,
+        (128, 32, STORE_BUFFERS), row-major subtiles swizzled as CuTe picks for them."""
+        return sm100_utils.make_smem_layout_epi(self.store_dtype, LayoutEnum.ROW_MAJOR, (self.tile_shape_mnk[0], EPI_COLS), STORE_BUFFERS)
+
+    def store_atom(self, m_out: cute.Tensor, reduce_add: bool = False):
+        """Host side: the TMA store (or, ``reduce_add``, the fp32 reduce-add into what is there) of one
+        staged 128 x 32 subtile into ``m_out``; returns (atom, coordinate tensor shaped as m_out)."""
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        if reduce_add:
+            op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
+        one = cute.slice_(self.store_layout(), (None, None, 0))
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_out, one, (self.tile_shape_mnk[0], EPI_COLS))
 
     def cta_layout_vmnk(self, tiled_mma) -> cute.Layout:
         """The cluster's CTAs as (V: CTAs of one MMA, M, N, L): (mma_ctas, 1, 1, 1)."""
@@ -247,6 +273,8 @@ class Tcgen05TileKernel:
             acc_mbar: cute.struct.MemRange[cutlass.Int64, self.acc_stages * 2]
             tmem_base: cutlass.Int32
             tmem_dealloc_mbar: cutlass.Int64  # (a pair: the two CTAs free their tensor memory together)
+            if self.store_dtype is not None:  # a TMA-stored epilogue's staging buffers
+                s_store: cute.struct.Align[cute.struct.MemRange[self.store_dtype, cute.cosize(self.store_layout())], 1024]
             s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem)], 1024]
             s_b: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(b_smem)], 1024]
             s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b2_elems], 1024]
@@ -314,7 +342,8 @@ class Tcgen05TileKernel:
     def setup(self, warp_idx, tiled_mma, layouts, loads):
         """Every thread: the TMA descriptors prefetched (the load warp), shared memory, the two
         pipelines, and the accumulator stages allocated in tensor memory (as (MMA, MMA_M, MMA_N,
-        accumulator), accumulator ``num_b·stage + b``). Returns (stages, pipelines, tmem, t_acc);
+        accumulator), accumulator ``num_b·stage + b``). Returns (stages, pipelines, tmem, t_acc,
+        the staging buffers of a TMA-stored epilogue or None);
         stages = (A, B, B2) in shared memory, with MXFP8 also their scales', with ``gather_a`` also
         A's first element (the gather's cp.async address it); pipelines = the participants of the
         stages' and the accumulators' pipelines, then the stages' pipeline itself (the gather
@@ -372,16 +401,23 @@ class Tcgen05TileKernel:
         tmem.allocate(self.tmem_columns())  # (by warp 0, an epilogue warp; in a pair by both CTAs' warp 0 together)
         tmem.wait_for_alloc()
         t_acc = cute.make_tensor(tmem.retrieve_ptr(cutlass.Float32), acc_layout)
-        return stages, (ab_producer, ab_consumer, acc_producer, acc_consumer, ab_pipeline), tmem, t_acc
+        s_store = None
+        if cutlass.const_expr(self.store_dtype is not None):
+            store = self.store_layout()
+            s_store = storage.s_store.get_tensor(store.outer, swizzle=store.inner)
+        return stages, (ab_producer, ab_consumer, acc_producer, acc_consumer, ab_pipeline), tmem, t_acc, s_store
 
     @cute.jit
     def run_tiles(self, tiled_mma, layouts, loads, tiles, epi_args, gather_args=None):
         """The kernel body, every thread: :meth:`setup`, then its warp's role over the CTA's tiles
         (``tiles`` = (all_tiles, the subclass's arguments of ``tile_at``); ``epi_args``: its
-        ``epilogue``'s; ``gather_args``: its ``gather_warps``' with ``gather_a``)."""
+        ``epilogue``'s (a TMA-stored one's get the staging buffers after them); ``gather_args``: its
+        ``gather_warps``' with ``gather_a``)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        stages, pipes, tmem, t_acc = self.setup(warp_idx, tiled_mma, layouts, loads)
+        stages, pipes, tmem, t_acc, s_store = self.setup(warp_idx, tiled_mma, layouts, loads)
+        if cutlass.const_expr(self.store_dtype is not None):
+            epi_args = (*epi_args, s_store)
         if warp_idx == LOAD_WARP:
             self.load_warp(tiled_mma, loads, stages, pipes, tiles)
         if warp_idx == MMA_WARP:
@@ -481,7 +517,8 @@ class Tcgen05TileKernel:
     def epilogue_warps(self, tidx, tmem, t_acc, pipes, tiles, epi_args):
         """Warps 0-3: for each computed tile, wait for its accumulator stage, run the subclass's
         ``epilogue`` on it (which reads it with tcgen05.ld and waits for the loads), release it;
-        then, once all four warps are done, free the tensor memory."""
+        then, once all four warps are done (and a TMA-stored epilogue's last stores have read their
+        buffers), free the tensor memory."""
         acc_consumer = pipes[3]
         tmem.relinquish_alloc_permit()  # (other CTAs on the SM may allocate)
         linear, step = self.first_tile_and_step()
@@ -492,8 +529,46 @@ class Tcgen05TileKernel:
                 self.epilogue(tidx, t_acc, acc_full.index, tile, k_tiles, epi_args)
                 acc_full.release()
             linear += step
+        if cutlass.const_expr(self.store_dtype is not None):
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
+                self.store_pipeline().producer_tail()  # (shared memory is not released under a TMA store still reading it)
         pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER, num_threads=EPILOGUE_THREADS).arrive_and_wait()
         tmem.free(t_acc.iterator)
+
+    def store_pipeline(self):
+        """A TMA-stored epilogue's bulk-store groups (STORE_WARP commits and waits on them)."""
+        return pipeline.PipelineTmaStore.create(
+            num_stages=STORE_BUFFERS, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, EPILOGUE_THREADS)
+        )
+
+    @cute.jit
+    def store_subtile(self, tidx, t2r, values: cute.Tensor, s_store: cute.Tensor, store, sub):
+        """A TMA-stored epilogue, every epilogue thread: ``values`` (fp32, this thread's EPI_COLS of its
+        row, as tcgen05.ld gave them) into staging buffer ``sub`` % STORE_BUFFERS as ``store_dtype``;
+        then STORE_WARP stores the 128 x 32 subtile by TMA (``store`` = (atom, the tile's coordinate
+        view divided into subtiles (128, 32, 1, subtiles)), subtile ``sub``) and waits until at most
+        one store is still reading its buffer: the one written next is free. Rows and columns past
+        the output's bounds are clipped by the TMA."""
+        atom, g_epi = store
+        r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.store_dtype, cutlass.Float32, t2r), t2r)
+        thr = r2s.get_slice(tidx)
+        src = r2s.retile(values)
+        out = cute.make_rmem_tensor(src.shape, self.store_dtype)
+        out.store(src.load().to(self.store_dtype))
+        buf = sub % STORE_BUFFERS
+        cute.copy(r2s, out, thr.partition_D(s_store)[(None, None, None, buf)])
+        cute.arch.fence_view_async_shared()  # (the generic-proxy writes, before the TMA reads them)
+        staged = pipeline.NamedBarrier(barrier_id=STORE_BARRIER, num_threads=EPILOGUE_THREADS)
+        staged.arrive_and_wait()
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
+            s_part, g_part = cute.nvgpu.cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(s_store, 0, 2), cute.group_modes(g_epi, 0, 2)
+            )
+            cute.copy(atom, s_part[(None, buf)], g_part[(None, 0, sub)])
+            stores = self.store_pipeline()
+            stores.producer_commit()
+            stores.producer_acquire()
+        staged.arrive_and_wait()
 
     def scale_copies(self, tiled_mma, stages, t_acc, sfa_smem, sfb_smem):
         """MXFP8, the MMA warp: for A's scales, B's and B2's: (tcgen05.cp copy, shared-memory source

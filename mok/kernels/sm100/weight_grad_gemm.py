@@ -9,10 +9,10 @@ by TMA, in the warp-specialised kernel of mok/kernels/sm100/tcgen05_tile.py (per
 per output tile of 128 x tile_n); on bf16 operands with at least two row tiles in each half of M,
 CTA pairs (clusters of two) compute 256 x tile_n tiles with tcgen05.mma.cta_group::2, each CTA
 holding its 128 rows of A and half of B's tile (an odd last row tile: the pair's second CTA
-computes rows past M and writes none of them); each epilogue thread converts (or adds) its row of
-the tile, 32 columns at a time, with
-16-byte accesses; ``accumulate`` reads, adds to and writes back each element by the one thread
-that owns it (the same single fp32 addition as the Hopper kernel's TMA reduce-add). On bf16
+computes rows past M and writes none of them); the epilogue stages the tile 128 x 32 at a time
+in shared memory (two buffers) and stores it by TMA, ``accumulate`` by a TMA reduce-add into the
+fp32 gradient (one fp32 addition per element, by the tile's only owner, as on Hopper); the TMA
+clips rows and columns past M and N. On bf16
 operands, or on MXFP8 ones (block-scaled MMAs: WeightGradGemmMxfp8Sm100). Compiled for sm_100a /
 sm_103a and its PTX checked (tests/test_kernels_ptx.py); never run: no SM100 GPU was available to
 this project (tests/test_sm100_gpu.py is for one).
@@ -31,8 +31,7 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
     """Static config: M, N, output dtype, accumulate, A's row stride, column tile, split_out, stages,
     persistent."""
 
-    aligned_halves = True  # split_out's halves lie a multiple of 16 bytes apart (the launcher checks): 16-byte stores
-    partial_tiles = True  # M (each half's) and N past the tile: TMA zero-fills the loads, the epilogue writes nothing past them
+    partial_tiles = True  # M (each half's) and N past the tile: TMA zero-fills the loads and clips the stores
 
     def __init__(
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
@@ -41,8 +40,9 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
     ) -> None:
         self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K, split_out, interleaved_out)
         self.persistent = persistent
+        self.store_dtype = OUT_DTYPES[out_dtype]  # (stored, or reduce-added, by TMA)
         self.pick_mma_ctas(mma_ctas)
-        self.ab_stage = pick_stages((self.tile_shape_mnk[0] + tile_n // self.mma_ctas) * TILE_K * 2, stages)
+        self.ab_stage = pick_stages((self.tile_shape_mnk[0] + tile_n // self.mma_ctas) * TILE_K * 2, stages, self.store_bytes())
 
     def pick_mma_ctas(self, mma_ctas: int | None) -> None:
         """CTAs per MMA: ``mma_ctas`` (1 or 2), or by default a pair wherever it may run
@@ -75,18 +75,21 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         if self.mxfp8:  # the scales of A [R, M] and B [R, N] along the rows, in the MMA's order
             scale_tensors = (self.scale_tensor(scales[0], self.m, num_rows, 1), (self.scale_tensor(scales[1], self.n, num_rows, 1),))
         tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,), *scale_tensors)
+        atom, t_c = self.store_atom(m_c, reduce_add=self.accumulate)
         all_tiles = self.all_tiles(num_experts)
-        self.launch_kernel(self.kernel(tiled_mma, layouts, loads, m_c, upper_first, rows, num_rows, all_tiles), all_tiles, max_ctas, stream)
+        kernel = self.kernel(tiled_mma, layouts, loads, (t_c, upper_first, atom), rows, num_rows, all_tiles)
+        self.launch_kernel(kernel, all_tiles, max_ctas, stream)
 
     @cute.kernel
     def kernel(
-        self, tiled_mma: cute.TiledMma, smem_layouts: tuple, loads: tuple, m_c: cute.Tensor, upper_first: cutlass.Int32, rows: tuple,
-        num_rows: cutlass.Int32, all_tiles: cutlass.Int32,
+        self, tiled_mma: cute.TiledMma, smem_layouts: tuple, loads: tuple, out: tuple, rows: tuple, num_rows: cutlass.Int32,
+        all_tiles: cutlass.Int32,
     ):
         """The CTA's output tiles (Tcgen05TileKernel.run_tiles), each of one expert; ``smem_layouts``:
         the staged layouts of A and B (MXFP8: and of their scales), ``loads``: the TMA atoms and
-        coordinate tensors of A and B (MXFP8: then of their scales)."""
-        self.run_tiles(tiled_mma, smem_layouts, loads, (all_tiles, rows, num_rows), (m_c, upper_first))
+        coordinate tensors of A and B (MXFP8: then of their scales), ``out``: the output's TMA
+        coordinate tensor, upper_first (split_out) and the store's atom."""
+        self.run_tiles(tiled_mma, smem_layouts, loads, (all_tiles, rows, num_rows), out)
 
     @cute.jit
     def tile_at(self, linear, tiles):
@@ -128,44 +131,27 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
 
     @cute.jit
     def epilogue(self, tidx, t_acc, stage, tile, k_tiles, epi_args):
-        """Each thread's row of the tile, 32 columns at a time: accumulator stage ``stage`` (zeros for
-        an expert without rows, whose MMAs never ran) converted to the output dtype, or added into
-        it. ``epi_args`` = (the output, upper_first)."""
-        m_c, upper_first = epi_args
+        """The tile, 32 columns at a time: accumulator stage ``stage`` (zeros for an expert without
+        rows, whose MMAs never ran) staged in shared memory in the output dtype and stored by TMA,
+        or, accumulating, added into the output by a TMA reduce-add (the same single fp32 addition
+        per element; an expert without rows adds nothing: its gradient stays as it was). The TMA
+        clips what lies past M (each half's) and N. ``epi_args`` = (the output's TMA coordinate
+        tensor, upper_first, the store atom, the staging buffers)."""
+        t_c, upper_first, atom, s_store = epi_args
         expert, half, in_half, tile_col, _ = tile
         tile_m, tile_n, _ = self.tile_shape_mnk
-        g_c = self.out_tile(m_c, upper_first, expert, half * self.row_tiles + in_half, tile_col)
-        has_rows = k_tiles > 0
+        g_tile = self.out_tile(t_c, upper_first, expert, half * self.row_tiles + in_half, tile_col)
+        store = (atom, cute.flat_divide(g_tile, (tile_m, EPI_COLS)))
         t2r, thr, src, _ = self.accumulator_reader(tidx, t_acc, stage)
-        dst = self.thread_view(thr, g_c)
-        m_half = self.m // self.halves
-        row_ok = True  # (a partial last row tile of a half, or a pair's second tile past it: rows past it are not written)
-        if cutlass.const_expr(m_half % tile_m or self.row_tiles % self.mma_ctas):
-            coords = self.thread_view(thr, cute.local_tile(cute.make_identity_tensor((m_half, self.n)), (tile_m, tile_n), (in_half, tile_col)))
-            row_ok = coords[0][0] < m_half  # 32x32b: all of a thread's values lie in one row
-        partial = self.n % tile_n != 0  # N's last column tile: nothing read or written past N
-        out_dtype = OUT_DTYPES[self.out_dtype]
-        r_acc = cute.make_rmem_tensor(dst[(None, None, None, 0, 0)].shape, cutlass.Float32)
-        r_out = cute.make_rmem_tensor(r_acc.shape, out_dtype)
-        for sub in cutlass.range(tile_n // EPI_COLS, unroll=1):
-            cols_left = self.n - (tile_col * tile_n + sub * EPI_COLS)
-            if cutlass.const_expr(self.accumulate):
-                if has_rows:  # (without rows nothing is added: the gradient stays as it was)
-                    cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
-                    if row_ok:
-                        self.copy_row_part(dst[(None, None, None, 0, sub)], r_out, cols_left, partial)
-                    cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
-                    r_out.store(r_out.load() + r_acc.load())
-                    if row_ok:
-                        self.copy_row_part(r_out, dst[(None, None, None, 0, sub)], cols_left, partial)
-            else:
+        r_acc = cute.make_rmem_tensor(self.thread_view(thr, g_tile)[(None, None, None, 0, 0)].shape, cutlass.Float32)
+        has_rows = k_tiles > 0
+        if has_rows or not self.accumulate:  # (the same for every epilogue thread: the tile's stores and barriers all or none)
+            for sub in cutlass.range(tile_n // EPI_COLS, unroll=1):
                 r_acc.fill(0.0)
                 if has_rows:
                     cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
                     cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
-                r_out.store(r_acc.load().to(out_dtype))
-                if row_ok:
-                    self.copy_row_part(r_out, dst[(None, None, None, 0, sub)], cols_left, partial)
+                self.store_subtile(tidx, t2r, r_acc, s_store, store, sub)
 
 
 class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
@@ -191,7 +177,7 @@ class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
             raise ValueError(f"a_stride: expected a multiple of 16 (bytes of E4M3) with MXFP8 operands, got {a_stride}")
         super().__init__(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, split_out=split_out, persistent=persistent)
         self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
-        self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + tile_n, stages)
+        self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + tile_n, stages, self.store_bytes())
 
 
 def compile_weight_grad_sm100(
