@@ -52,7 +52,7 @@ def test_the_kernels_take_two_accumulator_stages_where_tensor_memory_holds_them(
 def test_every_kernels_pipeline_drains_for_k_tile_counts_up_to_four_rounds_of_its_stages():
     """Each kernel's stage counts as built; K-tile counts from 0 (an expert without rows, in the weight
     gradient) to 4 x stages, as a CTA's one tile and as each of three, several orders of landing."""
-    assert {stages for stages, _ in pipelines()} >= {4, 6, 7}  # SwiGLU / 256-wide bf16, MXFP8 128-wide, bf16 128-wide
+    assert {stages for stages, _ in pipelines()} == {4, 6}  # SwiGLU / 256-wide bf16 and MXFP8; 128-wide bf16, MXFP8 128-wide
     for stages, acc_stages in pipelines():
         for k_tiles, (landing, seed) in itertools.product(range(4 * stages + 1), ORDERS):
             run_cta([k_tiles], stages, acc_stages=acc_stages, landing=landing, seed=seed)

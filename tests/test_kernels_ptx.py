@@ -76,6 +76,18 @@ def assert_cta_pair_kernel(ptx: str, cta_bytes: int) -> None:
     assert count(r"barrier\.cluster\.wait", ptx) >= 1
 
 
+def assert_tma_stored_outputs(ptx: str, outputs: int) -> None:
+    """SM100's TMA-stored grouped-GEMM epilogue (Tcgen05TileKernel.store_subtile): each of a subtile's
+    ``outputs`` (C; with h's two halves or dh_up and a_scaled, three) staged by four 16-byte shared
+    stores a thread (32 bf16 columns of its row), fenced for the async proxy and stored by one TMA
+    store, at most one store still reading its buffer after each (bulk wait_group.read 1),
+    all drained before exit (0); nothing stored to global memory from registers but the row sums."""
+    assert count(r"st\.shared\.v4\.b32", ptx) == 4 * outputs and count(r"fence\.proxy\.async\.shared::cta", ptx) == outputs
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx) == outputs
+    assert re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", ptx) == ["1"] * outputs + ["0"]
+    assert count(r"st\.global\.v4", ptx) == 0
+
+
 def assert_scales_lie_past_the_accumulator_stages(ptx: str, kernel) -> None:
     """MXFP8 on SM100: every tcgen05.cp writes tensor-memory columns past all of ``kernel``'s
     accumulator stages (two stages of 128-wide accumulators end at column 256: scales copied below
@@ -259,17 +271,17 @@ def test_partial_tile_variants_keep_wgmma_tma_and_no_spills(hidden, inter, exper
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 @pytest.mark.parametrize("variant,vectors", [
-    (grouped_gemm_variant(2880, 2880, epilogue="swiglu_save"), 3), (grouped_gemm_variant(2056, 1032), 1),
-    (grouped_gemm_variant(1032, 2056, epilogue="swiglu_bwd", b_major="n", topk=4), 3),
-    (grouped_gemm_variant(2056, 2064, b_major="n", k_split=True), 1), (grouped_gemm_variant(2056, 1032, scatter=True, topk=4), 1),
+    (grouped_gemm_variant(2880, 2880, epilogue="swiglu_save"), 0), (grouped_gemm_variant(2056, 1032), 0),
+    (grouped_gemm_variant(1032, 2056, epilogue="swiglu_bwd", b_major="n", topk=4), 0),
+    (grouped_gemm_variant(2056, 2064, b_major="n", k_split=True), 0), (grouped_gemm_variant(2056, 1032, scatter=True, topk=4), 1),
     (weight_grad_variant(2064, 2056, split_out=True), 0), (weight_grad_variant(2064, 2056, "f32", True, split_out=True), 0),
 ])  # gpt-oss's widths, odd multiples of 8: every SM100 form, partial column (and K, row) tiles
 def test_sm100_kernels_take_partial_tiles_storing_nothing_past_the_width(arch, variant, vectors):
     """Widths the tile does not divide: TMA zero-fills the loads past them (k_split: each half of K
-    on its own, A's two halves their own TMA views, as for whole tiles); the epilogue stores a
-    subtile whole where it lies inside the width, else 16 bytes at a time up to it (a second set of
-    the same vector stores, per output tensor; the weight gradients' TMA stores clip at the width:
-    none); nothing else changes: no spills."""
+    on its own, A's two halves their own TMA views, as for whole tiles); the TMA stores clip at the
+    width (no extra stores), the scatter epilogue's register stores store a subtile whole where it
+    lies inside the width, else 16 bytes at a time up to it (a second set of the same vector
+    stores); nothing else changes: no spills."""
     ptx = compiled_ptx(variant, arch)
     same = ("epilogue", "b_major", "k_split", "topk", "tile_n")
     whole = compiled_ptx(
@@ -469,7 +481,8 @@ def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu, persistent):
 def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, epilogue, b_major, k_split):
     """The Blackwell grouped GEMM (compile-verified only): tcgen05 MMAs into tensor memory fed by TMA,
     the accumulators read back with tcgen05.ld (and its wait) once per accumulator and subtile loop,
-    16-byte stores (and loads of h for the SwiGLU backward); no Hopper or warp-level MMA, no spills."""
+    the outputs stored by TMA from shared memory (16-byte loads of h for the SwiGLU backward); no
+    Hopper or warp-level MMA, no spills."""
     variant = grouped_gemm_variant(n, k, epilogue=epilogue, b_major=b_major, k_split=k_split, topk=8)  # (persistent or not: the same code)
     ptx = compiled_ptx(variant, arch)
     assert f".target {arch}" in ptx
@@ -485,8 +498,7 @@ def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, e
     b_boxes = variant.config["tile_n"] // 64 if b_major == "n" else 1
     loads = (2 if k_split else 1) + b_boxes * (2 if accumulators == 2 or k_split else 1)
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
-    stores = 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)  # 32 bf16 columns of a row: four 16-byte stores a tensor
-    assert count(r"st\.global\.v4\.b32", ptx) == stores
+    assert_tma_stored_outputs(ptx, 3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
     assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row
     assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # h_gate, h_up
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
@@ -564,7 +576,7 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
     # A (k_split: its halves of K), B (B2; k_split: B or B2) and their scales (A's over the whole of K)
     loads = 2 * (1 + (2 if accumulators == 2 or k_split else 1)) + (1 if k_split else 0)
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
-    assert count(r"st\.global\.v4\.b32", ptx) == 4 * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
+    assert_tma_stored_outputs(ptx, 3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
     assert count(r"ld\.global\.v4\.b32", ptx) == (8 if epilogue == "swiglu_bwd" else 0)  # the saved h_gate, h_up
     assert_warp_specialised_tcgen05_kernel(ptx)
     assert count(r"st\.global\.(?!v4)", ptx) == (epilogue == "swiglu_bwd")  # the router gradient's piece of the row

@@ -13,8 +13,9 @@ its (token, slot) row of the combine slots of the token's rank, 16-byte stores f
 
 The MMA warp accumulates into tensor memory (one accumulator, or two for SwiGLU: gate in columns
 [0, tile_n), up in [tile_n, 2·tile_n) of the accumulator stage); the four epilogue warps read
-them back (thread t holds row t of the tile, 32 columns at a time), apply the epilogue and store
-bf16 rows straight to global memory with 16-byte stores, rows past R not written. With whole
+them back (thread t holds row t of the tile, 32 columns at a time), apply the epilogue, stage
+each output's 128 x 32 bf16 subtile in shared memory and store it by TMA (Tcgen05TileKernel.store_subtile;
+the TMA clips rows past R and columns past N; ``scatter``'s rows go from registers). With whole
 rows per thread the SwiGLU backward's row sums are plain sequential sums in column order (the
 Hopper kernel adds four threads' parts with shuffles).
 
@@ -39,7 +40,7 @@ from ..common.grouped_gemm import GroupedGemm
 from ..common.row_gather import gather_stage, gathered_rows
 from ..common.row_vectors import VECTOR
 from ..common.tile_order import grouped_tile
-from .tcgen05_tile import EPI_COLS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import EPI_COLS, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
 class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
@@ -63,7 +64,8 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         if gather_a and (k_split or scatter):
             raise ValueError("gather_a: not with k_split or scatter (the forward's gate/up GEMM gathers x's rows)")
         self.persistent, self.scatter, self.gather_a = persistent, scatter, gather_a
-        self.ab_stage = pick_stages((self.tile_shape_mnk[0] + self.num_b * tile_n) * TILE_K * 2, stages)
+        self.store_dtype = None if scatter else cutlass.BFloat16  # (rows stored by TMA; scattered ones from registers)
+        self.ab_stage = pick_stages((self.tile_shape_mnk[0] + self.num_b * tile_n) * TILE_K * 2, stages, self.store_bytes())
 
     def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream, biases):
         """Host side (see GroupedGemm.launch): MXFP8's scale tensors, the TMA loads, the grid (the
@@ -81,22 +83,32 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         m_dst = self.scatter_target(scatter_to) if self.scatter else None
         m_biases = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases) if self.bias else None
         m_x = m_a if self.gather_a else None  # (gather_a: A is x [T, K], its rows copied by the gather warps)
-        kernel = self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, m_dst, m_biases, m_x)
+        stores = ()  # the TMA stores of C (dh with swiglu_bwd), then of h (swiglu_save) or of a_scaled (swiglu_bwd)
+        if not self.scatter:
+            stores = (self.store_atom(m_c),)
+            if self.epilogue_kind == "swiglu_save":
+                stores += (self.store_atom(row_args[0]),)
+            if self.epilogue_kind == "swiglu_bwd":
+                stores += (self.store_atom(row_args[1]),)
+        kernel = self.kernel(tiled_mma, layouts, loads, m_c, row_args, m_tiles, num_row_tiles, num_rows, m_dst, m_biases, m_x, stores)
         self.launch_kernel(kernel, all_tiles, max_ctas, stream)
 
     @cute.kernel
     def kernel(
         self, tiled_mma: cute.TiledMma, smem_layouts: tuple, loads: tuple, m_c: cute.Tensor, row_args: tuple, m_tiles: cute.Tensor,
         num_row_tiles: cutlass.Int32, num_rows: cutlass.Int32, m_dst: tuple | None, m_biases: tuple | None, m_x: cute.Tensor | None,
+        stores: tuple,
     ):
         """The CTA's tiles (Tcgen05TileKernel.run_tiles); ``smem_layouts`` = the staged layouts of A
         and B (MXFP8: and of their scales), ``loads`` = the TMA atoms and coordinate tensors of A, B
         and B2 (MXFP8: then of their scales), ``row_args`` the epilogue's row tensors (h, a_scaled,
         partial, row_token, row_slot, topk_w), ``m_dst`` where scattered rows go (``scatter``),
-        ``m_biases`` B's and B2's bias rows [E·N] (``bias``), ``m_x`` the token matrix (``gather_a``)."""
+        ``m_biases`` B's and B2's bias rows [E·N] (``bias``), ``m_x`` the token matrix (``gather_a``),
+        ``stores`` the TMA stores (atom, coordinate tensor) of the outputs (none with ``scatter``)."""
         tiles = (num_row_tiles * self.col_tiles, m_tiles, num_row_tiles)
         row_token = row_args[3]
-        self.run_tiles(tiled_mma, smem_layouts, loads, tiles, (m_c, row_args, num_rows, m_dst, m_biases), (m_x, row_token, num_rows))
+        epi_args = (m_c, row_args, num_rows, m_dst, m_biases, stores)
+        self.run_tiles(tiled_mma, smem_layouts, loads, tiles, epi_args, (m_x, row_token, num_rows))
 
     @cute.jit
     def tile_at(self, linear, tiles):
@@ -191,12 +203,14 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
     @cute.jit
     def epilogue(self, tidx, t_acc, stage, tile, k_tiles, epi_args):
         """Accumulator stage ``stage`` of ``tile`` (tensor memory) -> registers (32 columns of one row
-        per thread at a time) -> epilogue math -> bf16 -> global memory; a thread whose row is past
-        R stores nothing. ``epi_args`` = (C, the row tensors, R, where scattered rows go, the biases).
-        With ``scatter`` the thread's row goes to its slot (none for a padding row); with ``bias``
-        (plain, swiglu, swiglu_save) the expert's bias is added to each accumulator first, so h and
-        the activation see x·Wᵀ + b."""
-        m_c, row_args, num_rows, m_dst, m_biases = epi_args
+        per thread at a time) -> epilogue math -> bf16 -> shared memory -> TMA stores, 128 x 32 at
+        a time (Tcgen05TileKernel.store_subtile; the TMA clips rows past R and columns past N).
+        ``epi_args`` = (C, the row tensors, R, where scattered rows go, the biases, the outputs'
+        TMA stores, their staging buffers). With ``scatter`` the thread's row goes to its slot from
+        registers, 16 bytes at a time (none for a padding row); with ``bias`` (plain, swiglu,
+        swiglu_save) the expert's bias is added to each accumulator first, so h and the activation
+        see x·Wᵀ + b."""
+        m_c, row_args, num_rows, m_dst, m_biases, stores = epi_args[:6]
         tile_row, tile_col, expert = tile
         m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = row_args
         tile_m, tile_n, _ = self.tile_shape_mnk
@@ -205,22 +219,31 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         def thread_view(tensor, col_tile):  # this thread's part of a [128, tile_n] tile, by subtile
             return self.thread_view(thr, cute.local_tile(tensor, (tile_m, tile_n), (tile_row, col_tile)))
 
+        def by_subtile(store, tensor):  # a TMA store and this tile of its output as 128 x 32 subtiles
+            return store[0], cute.flat_divide(cute.local_tile(tensor, (tile_m, tile_n), (tile_row, tile_col)), (tile_m, EPI_COLS))
+
         dst = thread_view(m_c[None, None, 0], tile_col)  # (C and h: (R, N, halves), common/gemm_args.halves)
-        dst2 = dst
-        if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
-            dst2 = thread_view(m_c[None, None, 1], tile_col)  # dh_up: dh's second half
-        dst_gate = thread_view(m_h[None, None, 0], tile_col)  # swiglu_save: h written; swiglu_bwd: h read
+        dst_gate = thread_view(m_h[None, None, 0], tile_col)  # swiglu_bwd: h read
         dst_up = thread_view(m_h[None, None, 1], tile_col)
-        dst_as = thread_view(m_as, tile_col)
         coords = thread_view(cute.make_identity_tensor((num_rows, self.n)), tile_col)
         row = coords[0][0]  # 32x32b: all of a thread's values lie in one row
         row_ok = row < num_rows
+        # the outputs of a subtile in the order they are stored (the last: C)
+        outputs = ()
         if cutlass.const_expr(self.scatter):  # C: every row of the tile at this thread's slot (a row stride of 0)
             first = self.slot_vector(row, num_rows, m_row_token, m_row_slot, m_dst)
             row_ok = first >= 0
             slot = cute.make_ptr(cutlass.BFloat16, (m_c.iterator + first * VECTOR).toint(), cute.AddressSpace.gmem, assumed_align=16)
             slot_rows = cute.make_tensor(slot, cute.make_layout((tile_m, self.n), stride=(0, 1)))
             dst = self.thread_view(thr, cute.local_tile(slot_rows, (tile_m, tile_n), (0, tile_col)))
+        else:
+            s_store, t_c = epi_args[6], stores[0][1]
+            if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):  # dh_up, a_scaled, then dh_gate
+                outputs = (by_subtile(stores[0], t_c[None, None, 1]), by_subtile(stores[1], stores[1][1]))
+            if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):  # h's gate and up halves, then a
+                t_h = stores[1][1]
+                outputs = (by_subtile(stores[1], t_h[None, None, 0]), by_subtile(stores[1], t_h[None, None, 1]))
+            outputs += (by_subtile(stores[0], t_c[None, None, 0]),)
         adds_bias = self.bias and self.epilogue_kind != "swiglu_bwd"
         bias_rows = ()
         if cutlass.const_expr(adds_bias):  # the expert's bias rows as tiles of identical rows (a row stride of 0)
@@ -241,12 +264,16 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         s = cutlass.Float32(0.0)
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
             s = self.row_scale(row, num_rows, m_row_token, m_row_slot, m_topk_w)
-            r_gate.fill(0.0)  # (rows past R: zeros, nothing stored)
+            r_gate.fill(0.0)  # (rows past R: zeros; their values are clipped by the stores)
             r_up.fill(0.0)
         row_sum = cutlass.Float32(0.0)
         partial = self.n % tile_n != 0  # N's last column tile holds fewer columns: nothing read or written past N
         for sub in cutlass.range(tile_n // EPI_COLS, unroll=1):
             cols_left = self.n - (tile_col * tile_n + sub * EPI_COLS)
+
+            def put(values, which: int):  # output ``which`` of this subtile by TMA (the staging buffers alternate)
+                self.store_subtile(tidx, t2r, values, s_store, outputs[which], sub, (sub * len(outputs) + which) % STORE_BUFFERS)
+
             if cutlass.const_expr(partial):  # (what is not loaded past N reads as zero)
                 r_gate.fill(0.0)
                 r_up.fill(0.0)
@@ -273,22 +300,19 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
                     r_acc[v], r_acc2[v], r_x[v], row_sum, _ = self.swiglu_backward_value(  # (a thread's values: one row)
                         r_acc[v], r_gate[v].to(cutlass.Float32), r_up[v].to(cutlass.Float32), True, (s, s), (row_sum, row_sum)
                     )
-                if row_ok:
-                    r_out.store(r_acc2.load().to(cutlass.BFloat16))
-                    self.copy_row_part(r_out, dst2[(None, None, None, 0, sub)], cols_left, partial)
-                    r_out.store(r_x.load().to(cutlass.BFloat16))
-                    self.copy_row_part(r_out, dst_as[(None, None, None, 0, sub)], cols_left, partial)
+                put(r_acc2, 0)  # dh_up
+                put(r_x, 1)  # a_scaled
             if cutlass.const_expr(self.two_accumulators):
                 if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):
-                    if row_ok:
-                        r_out.store(r_acc.load().to(cutlass.BFloat16))
-                        self.copy_row_part(r_out, dst_gate[(None, None, None, 0, sub)], cols_left, partial)
-                        r_out.store(r_acc2.load().to(cutlass.BFloat16))
-                        self.copy_row_part(r_out, dst_up[(None, None, None, 0, sub)], cols_left, partial)
+                    put(r_acc, 0)  # h: gate
+                    put(r_acc2, 1)  # h: up
                 self.swiglu_subtile(r_acc, r_acc2, r_acc)
-            if row_ok:
-                r_out.store(r_acc.load().to(cutlass.BFloat16))
-                self.copy_row_part(r_out, dst[(None, None, None, 0, sub)], cols_left, partial)
+            if cutlass.const_expr(self.scatter):
+                if row_ok:
+                    r_out.store(r_acc.load().to(cutlass.BFloat16))
+                    self.copy_row_part(r_out, dst[(None, None, None, 0, sub)], cols_left, partial)
+            else:
+                put(r_acc, len(outputs) - 1)  # C (dh_gate with swiglu_bwd)
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
             if row_ok:  # the router-weight gradient's piece of this row and column tile
                 m_part[row, tile_col] = row_sum
@@ -325,7 +349,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
         super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, activation=activation,
                          persistent=persistent)
         self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
-        self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + self.num_b * tile_n, stages)
+        self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + self.num_b * tile_n, stages, self.store_bytes())
 
 
 def compile_grouped_gemm_sm100(n: int, k: int, arch: str, options: str = "", *, operand: str = "bf16", **config):

@@ -542,20 +542,19 @@ class Tcgen05TileKernel:
         )
 
     @cute.jit
-    def store_subtile(self, tidx, t2r, values: cute.Tensor, s_store: cute.Tensor, store, sub):
+    def store_subtile(self, tidx, t2r, values: cute.Tensor, s_store: cute.Tensor, store, sub, buf):
         """A TMA-stored epilogue, every epilogue thread: ``values`` (fp32, this thread's EPI_COLS of its
-        row, as tcgen05.ld gave them) into staging buffer ``sub`` % STORE_BUFFERS as ``store_dtype``;
-        then STORE_WARP stores the 128 x 32 subtile by TMA (``store`` = (atom, the tile's coordinate
-        view divided into subtiles (128, 32, 1, subtiles)), subtile ``sub``) and waits until at most
-        one store is still reading its buffer: the one written next is free. Rows and columns past
-        the output's bounds are clipped by the TMA."""
+        row, as tcgen05.ld gave them) into staging buffer ``buf`` as ``store_dtype``; then STORE_WARP
+        stores the 128 x 32 subtile by TMA (``store`` = (atom, the tile's coordinate view divided
+        into subtiles (128, 32, 1, subtiles)), subtile ``sub``) and waits until at most one store is
+        still reading its buffer: the other buffer is free, so successive calls alternate ``buf``
+        (0, 1, 0, ...). Rows and columns past the output's bounds are clipped by the TMA."""
         atom, g_epi = store
         r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.store_dtype, cutlass.Float32, t2r), t2r)
         thr = r2s.get_slice(tidx)
         src = r2s.retile(values)
         out = cute.make_rmem_tensor(src.shape, self.store_dtype)
         out.store(src.load().to(self.store_dtype))
-        buf = sub % STORE_BUFFERS
         cute.copy(r2s, out, thr.partition_D(s_store)[(None, None, None, buf)])
         cute.arch.fence_view_async_shared()  # (the generic-proxy writes, before the TMA reads them)
         staged = pipeline.NamedBarrier(barrier_id=STORE_BARRIER, num_threads=EPILOGUE_THREADS)

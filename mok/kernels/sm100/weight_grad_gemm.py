@@ -24,7 +24,7 @@ import cutlass.cute as cute
 from ..common.compile import compile_kernel
 from ..common.records import weight_grad_args
 from ..common.weight_grad import OUT_DTYPES, WeightGradGemm, expert_tile
-from .tcgen05_tile import EPI_COLS, PAIR, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import EPI_COLS, PAIR, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
 class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
@@ -151,7 +151,7 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
                 if has_rows:
                     cute.copy(t2r, src[(None, None, None, 0, sub)], r_acc)
                     cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
-                self.store_subtile(tidx, t2r, r_acc, s_store, store, sub)
+                self.store_subtile(tidx, t2r, r_acc, s_store, store, sub, sub % STORE_BUFFERS)
 
 
 class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
