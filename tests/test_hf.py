@@ -369,6 +369,18 @@ def test_layer_options_are_checked_before_anything_changes():
     assert not any(hasattr(e, mok_hf.OPTIONS_ATTR) for _, e in mok_hf.experts_modules(m))
     with pytest.raises(TypeError, match=r"unknown layer option\(s\) \['ep_size'\]"):
         mok_hf.layer_options(mok_hf.experts_modules(m)[0][1], ep_size=2)
+    gpt_oss = mok_hf.experts_modules(tiny_model("gpt_oss"))[0][1]  # (the layout the op gets is checked with the options)
+    with pytest.raises(ValueError, match=r"gate_up_layout='interleaved': not with one_launch"):
+        mok_hf.layer_options(gpt_oss, one_launch=True)
+
+
+def test_the_op_gets_the_gate_up_layout_it_reads_in_place():
+    """bf16: gate_up_proj's halves ("concatenated") or its alternate rows ("interleaved", gpt-oss);
+    other precisions quantize the weights: each part its own copy ("separate")."""
+    qwen3 = mok_hf.experts_modules(tiny_model("qwen3_moe"))[0][1]
+    gpt_oss = mok_hf.experts_modules(tiny_model("gpt_oss"))[0][1]
+    assert mok_hf.gate_up_layout(qwen3, {}) == "concatenated" and mok_hf.gate_up_layout(gpt_oss, {}) == "interleaved"
+    assert mok_hf.gate_up_layout(qwen3, {"precision": "mxfp8"}) == mok_hf.gate_up_layout(gpt_oss, {"precision": "fp8_block"}) == "separate"
 
 
 def test_mok_layout_views_and_copies():

@@ -428,10 +428,9 @@ def moe_experts(
     _check_device(x, widths)
     options = getattr(experts, OPTIONS_ATTR, ())
     interleaved = not getattr(experts, "is_concatenated", True)
-    # gate_up_proj's gradient straight from the GEMM: its halves (or alternate rows) read in place, its gradient one tensor
-    joined_grad = dict(options).get("precision", "bf16") == "bf16"
-    joined_layout = "interleaved" if interleaved else "concatenated"
-    model_options = {"gate_up_layout": joined_layout if joined_grad else None, "activation": activation_of(experts),
+    layout = gate_up_layout(experts, dict(options))
+    joined_grad = layout != "separate"
+    model_options = {"gate_up_layout": layout if joined_grad else None, "activation": activation_of(experts),
                      "expert_bias": _has_biases(experts)}
     options = tuple(sorted((*options, *((k, v) for k, v in model_options.items() if v not in (None, "swiglu", False)))))
     config = _config_text(hidden, inter, num_experts, topk, shared_inter, options)
@@ -538,6 +537,16 @@ def _moe_outside_interface(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(found, key=lambda nm: "Experts" not in type(nm[1]).__name__)
 
 
+def gate_up_layout(experts: nn.Module, options: dict) -> str:
+    """The gate_up_layout MoK's op gets for ``experts`` under the layer ``options``: in bf16 the
+    parts of gate_up_proj's [E, 2I, H] rows, read in place and given one gradient ("concatenated",
+    or "interleaved" where gate and up alternate, gpt-oss's); "separate" copies otherwise (the
+    other precisions quantize the weights anyway)."""
+    if options.get("precision", "bf16") != "bf16":
+        return "separate"
+    return "concatenated" if getattr(experts, "is_concatenated", True) else "interleaved"
+
+
 def layer_options(experts: nn.Module, **options) -> tuple:
     """``options`` (names of LAYER_OPTIONS) checked against this experts module's shapes as
     MoKConfig checks them (ValueError naming the option and what it takes), as the (name, value)
@@ -549,7 +558,8 @@ def layer_options(experts: nn.Module, **options) -> tuple:
     gate_up = experts.gate_up_proj
     hidden, inter = _widths(gate_up, transposed)
     topk = min(getattr(experts.config, "num_experts_per_tok", 1), gate_up.shape[0])
-    MoKConfig(hidden, inter, gate_up.shape[0], topk, activation=activation_of(experts), expert_bias=_has_biases(experts), **options)
+    MoKConfig(hidden, inter, gate_up.shape[0], topk, activation=activation_of(experts), expert_bias=_has_biases(experts),
+              gate_up_layout=gate_up_layout(experts, options), **options)
     return tuple(sorted((k, v) for k, v in options.items() if v != LAYER_OPTIONS[k]))
 
 
