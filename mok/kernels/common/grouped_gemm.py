@@ -109,12 +109,11 @@ class GroupedGemm:
         self.k_tiles = halves * self.half_k_tiles
         if b_expert_stride is not None and (b_expert_stride < n * self.b_k or b_expert_stride % 8):
             raise ValueError(f"b_expert_stride: expected a multiple of 8 (16 bytes) of at least N·K = {n * self.b_k}, got {b_expert_stride}")
-        row = n if b_major == "k" else self.b_k  # (a row of B in memory: its K values, or its N values)
-        packed_row = self.b_k if b_major == "k" else n
-        if b_row_stride is not None and (b_row_stride < packed_row or b_row_stride % 8):
-            raise ValueError(f"b_row_stride: expected a multiple of 8 (16 bytes) of at least {packed_row}, got {b_row_stride}")
-        if b_row_stride is not None and (b_expert_stride or n * self.b_k) < row * b_row_stride:
-            raise ValueError(f"b_expert_stride: expected at least {row} rows of {b_row_stride}, got {b_expert_stride}")
+        rows, row_length = (n, self.b_k) if b_major == "k" else (self.b_k, n)  # B's rows in memory: N of K values, or K of N
+        if b_row_stride is not None and (b_row_stride < row_length or b_row_stride % 8):
+            raise ValueError(f"b_row_stride: expected a multiple of 8 (16 bytes) of at least {row_length}, got {b_row_stride}")
+        if b_row_stride is not None and (b_expert_stride or n * self.b_k) < rows * b_row_stride:
+            raise ValueError(f"b_expert_stride: expected at least {rows} rows of {b_row_stride}, got {b_expert_stride}")
         self.b_expert_stride, self.b_row_stride = b_expert_stride, b_row_stride
         self.tile_shape_mnk = (TILE_M, tile_n, tile_k)
 

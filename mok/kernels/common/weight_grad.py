@@ -43,7 +43,6 @@ class WeightGradGemm:
     """Arch-neutral base of the weight-gradient kernels (see the module docstring). A subclass
     calls :meth:`configure`, sets ``ab_stage`` and writes ``operand_tensor`` and ``launch``."""
 
-    aligned_halves = False  # whether the epilogue is told split_out's halves lie 16 bytes apart (its 16-byte stores)
     partial_tiles = False  # whether the arch's kernel takes M (each half's) and N its tile does not divide (else whole tiles only)
 
     def configure(self, m: int, n: int, out_dtype: str, accumulate: bool, a_stride: int | None, tile_n: int, tile_k: int,
@@ -70,6 +69,7 @@ class WeightGradGemm:
         self.m, self.n, self.out_dtype, self.accumulate, self.a_stride = m, n, out_dtype, accumulate, a_stride
         self.split_out, self.halves, self.interleaved_out = split_out, halves, interleaved_out
         self.row_tiles = -(-m // halves // TILE_M)  # output row tiles of each half (the last one partial where 128 does not divide)
+        self.mma_row_tiles = self.row_tiles  # MMA tiles along each half of M (an arch's CTA pairs take two row tiles each)
         self.col_tiles = -(-n // tile_n)
         self.tile_shape_mnk = (TILE_M, tile_n, tile_k)
 
@@ -88,19 +88,18 @@ class WeightGradGemm:
         distance and order (split_out)."""
         m_a = self.a_operand(a_ptr, num_rows)
         m_b = self.operand_tensor(b_ptr, self.n, self.n, num_rows)
-        if cutlass.const_expr(self.split_out and self.aligned_halves):  # (the launcher checks it)
-            half_stride = cute.assume(half_stride, divby=16 // (OUT_DTYPES[self.out_dtype].width // 8))
         m_c = weight_grad_output(out_ptr, self.m, self.n, num_experts, half_stride, self.split_out, self.interleaved_out)
         rows = expert_row_ranges(offsets_ptr, counts_ptr, counted, num_experts)  # where each expert's rows start and end
         self.launch(m_a, m_b, (a_scale_ptr, b_scale_ptr), m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream)
 
     def all_tiles(self, num_experts):
-        """Output tiles of every expert's gradient."""
-        return num_experts * self.halves * self.row_tiles * self.col_tiles
+        """MMA tiles of every expert's gradient (a CTA pair's 256 rows count once)."""
+        return num_experts * self.halves * self.mma_row_tiles * self.col_tiles
 
     def tile_of(self, linear, rows, num_rows):
-        """Output tile ``linear`` -> (expert, tile row, tile column, first row, k tiles) (:func:`expert_tile`)."""
-        return expert_tile(linear, rows, num_rows, (self.halves * self.row_tiles, self.col_tiles), self.tile_shape_mnk[2])
+        """MMA tile ``linear`` -> (expert, MMA row tile (over both halves with split_out), tile column,
+        first row, k tiles) (:func:`expert_tile`)."""
+        return expert_tile(linear, rows, num_rows, (self.halves * self.mma_row_tiles, self.col_tiles), self.tile_shape_mnk[2])
 
     def out_tile(self, m_c, upper_first, expert, tile_row, tile_col):
         """Output tile of ``expert``'s gradient (:func:`out_tile`)."""

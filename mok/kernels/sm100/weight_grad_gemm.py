@@ -23,7 +23,7 @@ import cutlass.cute as cute
 
 from ..common.compile import compile_kernel
 from ..common.records import weight_grad_args
-from ..common.weight_grad import OUT_DTYPES, WeightGradGemm, expert_tile
+from ..common.weight_grad import OUT_DTYPES, WeightGradGemm
 from .tcgen05_tile import EPI_COLS, PAIR, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
@@ -53,11 +53,7 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         if mma_ctas is None:
             mma_ctas = PAIR if self.pair_reason() is None and self.row_tiles >= PAIR else 1
         self.use_pair(mma_ctas == PAIR)
-        self.mma_row_tiles = -(-self.row_tiles // self.mma_ctas)  # MMA tiles along each half of M
-
-    def all_tiles(self, num_experts):
-        """MMA tiles of every expert's gradient (a pair's 256 rows count once)."""
-        return num_experts * self.halves * self.mma_row_tiles * self.col_tiles
+        self.mma_row_tiles = -(-self.row_tiles // self.mma_ctas)
 
     def operand_tensor(self, ptr, mn, row_stride, num_rows):
         """(MN, K = R, 1): MN-major, the rows ``row_stride`` elements apart."""
@@ -97,13 +93,10 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
         as it was), K tiles, (expert, half of M, this CTA's row tile in it, column tile, first K
         tile))."""
         _, rows, num_rows = tiles
-        tile_k = self.tile_shape_mnk[2]
-        expert, mma_row, tile_col, row_start, k_tiles = expert_tile(
-            linear, rows, num_rows, (self.halves * self.mma_row_tiles, self.col_tiles), tile_k
-        )
+        expert, mma_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
         half = mma_row // self.mma_row_tiles if self.split_out else 0
         in_half = (mma_row - half * self.mma_row_tiles) * self.mma_ctas + self.rank_in_pair()
-        return True, k_tiles, (expert, half, in_half, tile_col, row_start // tile_k)  # (offsets: multiples of 128)
+        return True, k_tiles, (expert, half, in_half, tile_col, row_start // self.tile_shape_mnk[2])  # (offsets: multiples of 128)
 
     def tma_views(self, tiled_mma, loads, stages, tile):
         """(atom, global by K tile, shared by stage) for A and B (MXFP8: then for their scales), and
