@@ -67,12 +67,13 @@ MODELS = ("qwen3_moe", "gpt_oss")
 
 def model_config(args):
     heads = args.hidden // 64
+    kv_heads = max(d for d in range(1, max(heads // 4, 1) + 1) if heads % d == 0)  # (a divisor: 45 heads at H = 2880)
     if args.model == "gpt_oss":
         from transformers import GptOssConfig
 
         return GptOssConfig(
             vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-            num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=64, num_local_experts=args.experts,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64, num_local_experts=args.experts,
             num_experts_per_tok=args.topk, layer_types=["full_attention"] * args.layers,
             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )
@@ -80,7 +81,7 @@ def model_config(args):
 
     return Qwen3MoeConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.intermediate, moe_intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=64,
+        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64,
         num_experts=args.experts, num_experts_per_tok=args.topk, norm_topk_prob=True, max_position_embeddings=args.seq,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )

@@ -61,7 +61,7 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                    help=f"shared-expert width, 0 for none (default {d.shared_intermediate}, or the --model preset's)")
     p.add_argument("--ep-size", type=int, default=None,
                    help=f"expert-parallel ranks (default: {d.ep_size}, DeepSeek-V3's EP, where a layer at EP {d.ep_size} with the other "
-                        f"options runs on --arch; else 1 (e.g. the MXFP8 precisions, or one_launch on sm_100a and sm_103a), with one "
+                        f"options runs on --arch; else 1 (e.g. the MXFP8 and FP8 block precisions), with one "
                         f"EP={d.ep_size} rank's {d.num_experts // d.ep_size} experts on one GPU unless --experts is given; 1 with --model)")
     p.add_argument("--one-launch", action="store_true", help="also the one-launch forward's kernels (MoKConfig.one_launch)")
     p.add_argument("--fuse-wgrad-accumulation", action="store_true",
@@ -136,26 +136,19 @@ def _config_from(args: argparse.Namespace, arch: str | None = None) -> MoKConfig
 
 
 def _instead(config: MoKConfig, arch: str) -> str | None:
-    """The command-line options that make a configuration the plan refuses on ``arch`` one it runs
-    (the plan's refusal names the fields, mok.plan.refusal), or None where none of these does."""
+    """The command-line option that makes a configuration the plan refuses on ``arch`` one it runs
+    (the plan's refusal names the fields, mok.plan.refusal), or None where none does: MXFP8 where
+    the arch has no block-scaled MMAs runs emulated."""
     from .plan import refusal
 
-    flags, c = [], config
-    for _ in range(3):
-        why = refusal(c, arch)
-        if why is None:
-            break
-        try:
-            if "precision" in why and c.precision == "mxfp8":
-                c, flag = dataclasses.replace(c, precision="mxfp8_emulated"), "--precision mxfp8_emulated"
-            elif "one_launch" in why and c.one_launch:
-                c, flag = dataclasses.replace(c, one_launch=False), "no --one-launch"
-            else:
-                return None
-        except ValueError:
-            return None
-        flags.append(flag)
-    return ", ".join(flags) if flags and refusal(c, arch) is None else None
+    why = refusal(config, arch)
+    if why is None or "precision" not in why or config.precision != "mxfp8":
+        return None
+    try:
+        emulated = dataclasses.replace(config, precision="mxfp8_emulated")
+    except ValueError:
+        return None
+    return "--precision mxfp8_emulated" if refusal(emulated, arch) is None else None
 
 
 def _describe(config: MoKConfig) -> str:

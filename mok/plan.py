@@ -21,7 +21,7 @@ from .kernels.variants import (
     column_sums_variant, combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
     quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong, weight_grad_variant,
 )
-from .runtime.arch import MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, ROW_FUSED_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
+from .runtime.arch import FP8_BLOCK_GEMM_ARCHS, MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
 TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
 
@@ -50,9 +50,7 @@ def refusal(config: MoKConfig, arch: str) -> str | None:
     """Why a layer of ``config`` does not run on ``arch`` (None when it does)."""
     if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
         return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
-    if arch not in ROW_FUSED_GEMM_ARCHS and config.one_launch:
-        return f"one_launch: not on {arch} yet (its one-launch expert MLP kernel is Hopper's only so far); pass one_launch=False"
-    if config.precision == "fp8_block" and arch not in ROW_FUSED_GEMM_ARCHS:
+    if config.precision == "fp8_block" and arch not in FP8_BLOCK_GEMM_ARCHS:
         return f"precision='fp8_block': Hopper's kernels only so far; on {arch} use precision='mxfp8'"
     return None
 

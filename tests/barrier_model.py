@@ -18,8 +18,9 @@ K tiles into the stages as they free up, then the producer's tail), the MMA warp
 accumulator stage acquired, each stage's MMAs issued and the stage released by commit, the
 accumulator committed), the epilogue warps (each tile's accumulator waited for, read,
 released) and, where A's rows are gathered, the gather warps (each stage's rows, a second
-arrival on its full barrier). ``tail_state="setup"`` drains with the state the pipeline was created with instead of
-the advanced one, as the kernels once did: the model must report that as a hang.
+arrival on its full barrier; in the one-launch expert MLP's fc2 tiles an arrival without rows).
+``tail_state="setup"`` drains with the state the pipeline was created with instead of the
+advanced one, as the kernels once did: the model must report that as a hang.
 
 :func:`run_pair` runs a CTA pair (``mma_ctas`` = 2, tcgen05.mma.cta_group::2): both CTAs' load
 warps fill their own stages and their bytes complete the leader's full barrier; the leader's MMA
@@ -28,6 +29,9 @@ both CTAs' epilogues read their own accumulators and arrive on the leader's accu
 barrier (remote arrivals, landing later); the leader's MMA warp drains the accumulator pipeline
 (the producer's tail) and the epilogues meet on each other's tensor-memory dealloc barrier before
 exit. Anything that lands on a CTA after it exited is a hazard.
+
+:func:`run_one_launch` runs the one-launch forward's protocol across CTAs, a tile at a time: the
+fc2 tiles' waits for their row tiles' fc1 tiles, which the CTAs publish as their stores complete.
 """
 
 from __future__ import annotations
@@ -168,14 +172,24 @@ def load_warp(cta: Cta, tiles: list[int], tail_state: str, who: str = "load warp
         raise Hazard(f"load warp: the tail passed with the releases of stages {pending} still to land")
 
 
-def gather_warps(cta: Cta, tiles: list[int]):
+def gather_warps(cta: Cta, tiles: list[int], copied: list[bool] | None = None, wait_free: bool = True):
     """The gather warps (``gather``): each tile's rows of each K tile into the next stage once it is
-    free, on a state of their own that follows the load warp's; their copies arrive as they land."""
+    free, on a state of their own that follows the load warp's; their copies arrive as they land.
+    ``copied[tile]`` False (the one-launch expert MLP's fc2 tiles, whose A comes by TMA): the first
+    gather thread arrives for all of them at once, with no data, once the stage is free (or, with
+    ``wait_free`` False, without waiting: the arrival may then count towards the stage's earlier
+    fill)."""
     producer = State(cta.stages, phase=1)
     for tile, k_tiles in enumerate(tiles):
         for k in range(k_tiles):
-            yield Wait(cta.empty[producer.index], producer.phase, f"gather warps: stage {producer.index} for rows")
-            cta.load(producer.index, tile, k, part="rows")
+            if copied is None or copied[tile]:
+                yield Wait(cta.empty[producer.index], producer.phase, f"gather warps: stage {producer.index} for rows")
+                cta.load(producer.index, tile, k, part="rows")
+            else:
+                if wait_free:
+                    yield Wait(cta.empty[producer.index], producer.phase, f"gather warps: stage {producer.index} for an arrival")
+                cta.stage_data[producer.index]["rows"] = (tile, k)  # (nothing copied: the stage's A is the TMA's)
+                cta.full[producer.index].arrive()
             producer.advance()
 
 
@@ -265,18 +279,19 @@ def run_agents(agents: dict, land, landing: str, rng: random.Random, on_finish=N
 
 def run_cta(
     tiles: list[int], stages: int, *, acc_stages: int = 1, tail_state: str = "advanced", landing: str = "random", seed: int = 0,
-    gather: bool = False, full_arrivals: int | None = None,
+    gather: bool = False, full_arrivals: int | None = None, copied: list[bool] | None = None, wait_free: bool = True,
 ) -> None:
     """Run one CTA's agents over ``tiles`` (each a K-tile count) to the end; raises Hang or Hazard.
     ``landing``: when in-flight work lands: "eager" (all of it before each agent's step), "lazy"
-    (only when every agent waits) or "random" (seeded)."""
+    (only when every agent waits) or "random" (seeded). ``copied`` and ``wait_free``: the gather
+    warps' (:func:`gather_warps`)."""
     if landing not in LANDINGS:
         raise ValueError(f"landing: expected one of {LANDINGS}, got {landing!r}")
     rng = random.Random(seed)
     cta = Cta(stages, acc_stages, gather, full_arrivals)
     agents = {"load warp": load_warp(cta, tiles, tail_state), "MMA warp": mma_warp([cta], tiles), "epilogue": epilogue(cta, tiles)}
     if gather:
-        agents["gather warps"] = gather_warps(cta, tiles)
+        agents["gather warps"] = gather_warps(cta, tiles, copied, wait_free)
     run_agents(agents, lambda: cta.land(rng), landing, rng)
     if cta.events or cta.commits:
         raise Hazard(f"the CTA exits with {len(cta.events)} loads and {len(cta.commits)} commits still to arrive on its shared memory")
@@ -385,3 +400,84 @@ def run_pair(
     run_agents(agents, lambda: pair.land(rng), landing, rng, exit_finished_ctas)
     while pair.land(rng):  # what is still in flight lands on exited CTAs: a hazard
         pass
+
+
+
+PUBLISH = ("lazy", "eager", "next_tile", "at_exit")
+
+
+def run_one_launch(
+    ctas: int, row_tiles: int, fc1_cols: int, fc2_cols: int, *, stage_tiles: int = 1, acc_stages: int = 2, publish: str = "lazy",
+    seed: int = 0,
+) -> None:
+    """The one-launch forward's cross-CTA protocol (mok/kernels/common/expert_mlp.py, SM100's static
+    walk: sm100/expert_mlp.py), tile by tile: ``ctas`` CTAs each walk tiles c, c + ctas, ... of the
+    fc1 tiles (row_tiles x fc1_cols, row-major) and then of the fc2 tiles (row_tiles x fc2_cols).
+    Per CTA the load warp may run ``stage_tiles`` tiles ahead of the MMA warp and the MMA warp
+    ``acc_stages`` ahead of the epilogue; before loading an fc2 tile of row tile m the load warp
+    waits until ready[m] counts all fc1_cols column tiles. ``publish``: when the epilogue counts
+    an fc1 tile in ready: "lazy" (the kernels': once the CTA's next tile's accumulator is full,
+    or right away for its last fc1 tile), "eager" (once its own epilogue is done), "next_tile"
+    (lazy without the last fc1 tile's own publish: it waits for an fc2 tile that may wait for
+    it) or "at_exit" (after every tile of the CTA: its fc2 tiles may wait for its own fc1 tiles
+    for ever). Agents
+    step in a random (seeded) order; raises Hang when every one waits, Hazard if a count is off
+    at the end."""
+    if publish not in PUBLISH:
+        raise ValueError(f"publish: expected one of {PUBLISH}, got {publish!r}")
+    rng = random.Random(seed)
+    fc1_tiles, all_tiles = row_tiles * fc1_cols, row_tiles * (fc1_cols + fc2_cols)
+    ready = [0] * row_tiles
+
+    def row_of(t: int) -> int:
+        return t // fc1_cols if t < fc1_tiles else (t - fc1_tiles) // fc2_cols
+
+    def cta_agents(c: int) -> dict:
+        tiles = list(range(c, all_tiles, ctas))
+        last_fc1 = max((t for t in tiles if t < fc1_tiles), default=None)
+        loaded, multiplied = [], []  # tiles handed from the load warp to the MMA warp, from the MMA warp to the epilogue
+
+        def load():  # each agent yields (what it waits for, a test that it may go on)
+            for t in tiles:
+                yield f"CTA {c} load warp: room for tile {t}", lambda: len(loaded) < stage_tiles
+                if t >= fc1_tiles:
+                    yield f"CTA {c} load warp: row tile {row_of(t)} of fc2 tile {t}", lambda t=t: ready[row_of(t)] == fc1_cols
+                loaded.append(t)
+
+        def mma():
+            for t in tiles:
+                yield f"CTA {c} MMA warp: tile {t} loaded, an accumulator free", lambda: loaded and len(multiplied) < acc_stages
+                multiplied.append(loaded.pop(0))
+
+        def epilogue():
+            pending = []
+            for t in tiles:
+                yield f"CTA {c} epilogue: tile {t}'s accumulator", lambda: bool(multiplied)
+                multiplied.pop(0)
+                if publish in ("lazy", "next_tile"):  # the previous fc1 tile's stores have drained under this tile's MMAs
+                    for p in pending:
+                        ready[row_of(p)] += 1
+                    pending = []
+                if t < fc1_tiles:
+                    pending.append(t)
+                    if publish == "eager" or (publish == "lazy" and t == last_fc1):
+                        for p in pending:
+                            ready[row_of(p)] += 1
+                        pending = []
+            for p in pending:
+                ready[row_of(p)] += 1
+
+        return {(c, "load"): load(), (c, "mma"): mma(), (c, "epilogue"): epilogue()}
+
+    agents = {}
+    for c in range(ctas):
+        agents.update(cta_agents(c))
+    waits = {name: next(agent, None) for name, agent in agents.items()}
+    while any(w is not None for w in waits.values()):
+        runnable = [name for name, w in waits.items() if w is not None and w[1]()]
+        if not runnable:
+            raise Hang("; ".join(w[0] for w in waits.values() if w is not None))
+        name = rng.choice(runnable)
+        waits[name] = next(agents[name], None)
+    if ready != [fc1_cols] * row_tiles:
+        raise Hazard(f"ready counts {ready} after the launch, expected {fc1_cols} for each row tile")

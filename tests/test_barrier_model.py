@@ -1,13 +1,14 @@
 """The Blackwell GEMMs' pipelines against a model of their mbarriers (tests/barrier_model.py): every
 wait completes, no stage or accumulator is overwritten before it is read, nothing lands after exit,
 for each kernel's own stage and accumulator-stage counts, K-tile counts from 0 to 4 x stages, and
-CTAs walking several tiles (no SM100 GPU here runs them)."""
+CTAs walking several tiles (no SM100 GPU here runs them); and the one-launch forward's waits
+across CTAs."""
 
 import itertools
 
 import pytest
 
-from barrier_model import Hang, Hazard, run_cta, run_pair
+from barrier_model import Hang, Hazard, run_cta, run_one_launch, run_pair
 
 tcgen05_tile = pytest.importorskip("mok.kernels.sm100.tcgen05_tile")
 from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100, GroupedGemmSm100  # noqa: E402
@@ -136,6 +137,67 @@ def test_a_full_barrier_that_does_not_wait_for_the_gathered_rows_is_a_hazard():
         if err.type is Hazard:
             assert "MMA of tile" in str(err.value)
     assert caught
+
+
+def expert_mlp_tiles(kernel, fc1: int, fc2: int) -> tuple[list[int], list[bool]]:
+    """A one-launch CTA's walk: ``fc1`` fc1 tiles (rows gathered), then ``fc2`` fc2 tiles (A by TMA,
+    the gather thread's arrival only); (K-tile counts, whether rows are copied)."""
+    return [kernel.fc1.k_tiles] * fc1 + [kernel.fc2.k_tiles] * fc2, [True] * fc1 + [False] * fc2
+
+
+@pytest.mark.parametrize("shape", [(7168, 2048, 8, 32), (2048, 768, 8, 128), (2880, 2880, 4, 32)], ids=["dsv3", "qwen3-30b", "gpt-oss"])
+def test_the_one_launch_expert_mlp_pipeline_drains_across_its_two_phases(shape):
+    """mok/kernels/sm100/expert_mlp.py: one set of stages and accumulator stages for fc1's tiles
+    (gate/up over H, rows gathered) and then fc2's (down over I, A by TMA, the gather warps'
+    arrival without rows keeping the full barriers' count): every wait completes, no stage is
+    read before both of its arrivals nor refilled while read, for the kernel's own stage and
+    accumulator-stage counts and the shapes' K-tile counts, CTAs with fc1 tiles only, fc2 tiles
+    only, both, or none."""
+    from mok.kernels.sm100.expert_mlp import ExpertMlpSm100
+
+    hidden, inter, topk, experts = shape
+    kernel = ExpertMlpSm100(hidden, inter, topk, num_experts=experts, save_h=True)
+    stages, acc_stages = kernel.ab_stage, kernel.acc_stages
+    assert (stages, acc_stages, kernel.cta_threads, kernel.tmem_columns()) == (4, 2, 320, 512)
+    for (fc1, fc2), (landing, seed) in itertools.product([(0, 0), (3, 0), (0, 3), (1, 1), (2, 5), (5, 2)], ORDERS):
+        tiles, copied = expert_mlp_tiles(kernel, fc1, fc2)
+        run_cta(tiles, stages, acc_stages=acc_stages, gather=True, copied=copied, landing=landing, seed=seed)
+
+
+def test_an_arrival_for_a_stage_not_yet_free_is_caught():
+    """Why the gather thread waits for an fc2 stage to be free before it arrives: without the wait its
+    arrival may complete the stage's earlier fill (the MMAs then read a stage whose TMA bytes of
+    this fill have not landed) or count twice in one phase."""
+    caught = set()
+    for landing, seed in ORDERS + [("random", seed) for seed in range(3, 20)]:
+        with pytest.raises((Hang, Hazard)) as err:
+            run_cta([3, 5, 5, 5], 4, acc_stages=2, gather=True, copied=[True, False, False, False], wait_free=False,
+                    landing=landing, seed=seed)
+        caught.add(err.type)
+    assert caught
+
+
+@pytest.mark.parametrize("publish", ["lazy", "eager"])
+def test_the_one_launch_ready_protocol_completes_for_any_grid_and_tile_counts(publish):
+    """Across CTAs (common/expert_mlp.py; SM100's static walk): fc2 tiles wait for their row tile's
+    fc1 tiles, which other CTAs (or the same one) publish once their stores are done. With the
+    kernels' publish (the previous fc1 tile when the next tile's accumulator is full, the last one
+    when fc1 ends) and with an eager one, every launch completes and every row tile is counted
+    whole: 1-8 CTAs, 1-5 row tiles, column tiles of both phases, one or three tiles of stages, one
+    or two accumulator stages, random orders."""
+    grids = itertools.product((1, 2, 3, 8), (1, 2, 5), ((1, 1), (2, 3), (6, 2)), (1, 3), (1, 2), range(3))
+    for ctas, rows, (fc1_cols, fc2_cols), stage_tiles, acc_stages, seed in grids:
+        run_one_launch(ctas, rows, fc1_cols, fc2_cols, stage_tiles=stage_tiles, acc_stages=acc_stages, publish=publish, seed=seed)
+
+
+@pytest.mark.parametrize("publish", ["next_tile", "at_exit"])
+def test_a_publish_that_waits_for_a_later_tile_of_the_cta_hangs(publish):
+    """Why the store warp publishes the CTA's last fc1 tile when fc1 ends: published only when a later
+    tile's accumulator is full (or after every tile), a CTA whose next tile is an fc2 tile of the
+    same row tile waits for itself."""
+    for seed in range(5):
+        with pytest.raises(Hang, match="CTA 0 load warp: row tile 0 of fc2 tile 2"):
+            run_one_launch(1, 1, 2, 2, publish=publish, seed=seed)
 
 
 def test_a_load_into_a_stage_still_being_read_is_a_hazard():

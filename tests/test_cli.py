@@ -109,8 +109,9 @@ def test_an_explicit_option_the_target_does_not_run_is_refused_with_what_to_pass
     cache = ["--cache-dir", str(tmp_path / "cache")]
     assert main(["precompile", "--arch", "sm_90a", "--precision", "mxfp8", *cache]) == 1
     assert "On the command line: --precision mxfp8_emulated" in capsys.readouterr().err
-    assert main(["precompile", "--arch", "sm_100a", "--one-launch", *cache]) == 1
-    assert "no --one-launch" in capsys.readouterr().err
+    assert main(["precompile", "--arch", "sm_100a", "--precision", "fp8_block", *cache]) == 1  # (nothing to pass instead)
+    err = capsys.readouterr().err
+    assert "does not run on sm_100a: precision='fp8_block'" in err and "On the command line" not in err
     assert not (tmp_path / "cache").exists()  # (refused before anything compiled)
 
 

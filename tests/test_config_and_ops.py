@@ -28,18 +28,19 @@ def test_one_launch_config_adds_its_kernels(ep_size):
 @pytest.mark.parametrize("options", [
     dict(), dict(shared_intermediate=2048), dict(ep_size=8), dict(ep_size=8, shared_intermediate=2048, dispatch_format="mxfp8"),
     dict(expert_bias=True, activation="clamped_swiglu"), dict(saved_h_format="recompute", fuse_wgrad_accumulation=True),
-    dict(gate_up_layout="concatenated"), dict(hidden=2880, intermediate=2880),
+    dict(gate_up_layout="concatenated"), dict(hidden=2880, intermediate=2880), dict(one_launch=True),
+    dict(one_launch=True, shared_intermediate=2048), dict(one_launch=True, ep_size=8, dispatch_format="mxfp8"),
 ])
 def test_the_sm100_plan_runs_the_hopper_plans_kernels_in_bf16(options):
-    """In bf16 the SM100 layer takes every option the Hopper layer does but one launch (refused there,
-    naming it) and launches the same kernel list (the variants, built for its arch: rows gathered in
-    the GEMM, scattered at EP, biases, partial widths)."""
+    """In bf16 the SM100 layer takes every option the Hopper layer does and launches the same kernel
+    list (the variants, built for its arch: rows gathered in the GEMM, scattered at EP, biases,
+    partial widths, the one-launch forward at one GPU and at EP)."""
     from mok.plan import plan_for, refusal
 
     config = MoKConfig(**{"hidden": 7168, "intermediate": 2048, "num_experts": 64, "topk": 8, **options})
     keys = lambda arch: sorted((v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, arch).variants())  # noqa: E731
     assert keys("sm_100a") == keys("sm_90a") == keys("sm_103a")
-    assert "one_launch: not on sm_100a yet" in refusal(MoKConfig(7168, 2048, 64, 8, one_launch=True), "sm_100a")
+    assert refusal(config, "sm_100a") is None
 
 
 def test_sm100_precompile_list_holds_the_mxfp8_forward_and_hopper_does_not():

@@ -185,7 +185,7 @@ def test_every_variant_of_the_default_config_compiles_for_every_arch():
                 assert f".target {arch}" in ptx
                 if arch == "sm_90a":
                     assert_register_handover_fits(ptx)
-                elif variant.name in ("grouped_gemm", "weight_grad"):  # SM100: every GEMM the warp-specialised tcgen05 kernel
+                elif variant.name in ("grouped_gemm", "weight_grad", "expert_mlp"):  # SM100: every GEMM the warp-specialised tcgen05 kernel
                     assert count(r"tcgen05\.mma", ptx) > 0 and count(r"\bwgmma\b|\bmma\.sync", ptx) == 0, variant.describe()
                     assert_warp_specialised_tcgen05_kernel(ptx)
                     assert ptxas_spill_bytes(ptx, arch) in (None, 0), variant.describe()
@@ -944,6 +944,48 @@ def test_one_launch_ep_forward_adds_system_scope_flags_and_pushes_not_float_atom
     assert_register_handover_fits(ep)
 
 
+SM100_ONE_LAUNCH = [  # (H, I, k, E, options): DeepSeek-V3 keeping h, Qwen3 with its shared expert first, EP 8 in MXFP8, gpt-oss
+    (7168, 2048, 8, 32, dict(save_h=True)),
+    (2048, 768, 8, 64, dict(save_h=True, has_shared=True, shared_prefix=True)),
+    (7168, 2048, 8, 32, dict(ep_world=8, dispatch_format="mxfp8")),
+    (2880, 2880, 4, 32, dict(save_h=True, activation="clamped_swiglu", gate_up_stride=2 * 2880 * 2880)),
+]
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("hidden,inter,topk,experts,options", SM100_ONE_LAUNCH, ids=["dsv3", "shared-first", "ep8-mxfp8", "gpt-oss"])
+def test_sm100_one_launch_forward_runs_both_gemms_on_tcgen05_and_syncs_with_integer_release_acquire(
+    arch, hidden, inter, topk, experts, options
+):
+    """mok/kernels/sm100/expert_mlp.py: the warp-specialised tcgen05 CTA (the exit checks of every
+    SM100 GEMM) with fc1's gate and up MMAs and fc2's one per 16 of K, one 512-column tensor-memory
+    allocation; fc1's rows by cp.async, the weights and a by TMA; the gather thread's arrival
+    for the 128 gather threads on each fc2 stage; a (and h) and the y rows stored by TMA (at EP the
+    y rows pushed from registers); between the phases only integer release / acquire atomics at
+    gpu scope (system scope for the EP flags), bounded by %globaltimer, fenced for the proxies;
+    the grid barriers (one more at EP); no float atomics, no spills."""
+    ep = "ep_world" in options
+    ptx = compiled_ptx(expert_mlp_variant(hidden, inter, topk, experts, **options), arch)
+    assert count(r"\bwgmma\b|\bmma\.sync", ptx) == 0
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) == 2 * 4 + 4  # fc1: gate and up per 16 of K; fc2
+    assert_warp_specialised_tcgen05_kernel(ptx)
+    assert re.search(r"mov\.b32\s+%r\d+, 512;\s+tcgen05\.alloc", ptx)
+    assert count(r"cp\.async\.cg\.shared\.global", ptx) >= 1 and count(r"cp\.async\.mbarrier\.arrive\.noinc", ptx) == 1
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 4  # w_gate, w_up; a, w_down
+    assert re.search(r"mov\.b32\s+(%r\d+), 128;\s+mbarrier\.arrive\.shared\.b64 %rd\d+, \[%r\d+\], \1;", ptx)
+    stores = count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
+    assert stores == 1 + 2 * options.get("save_h", False) + (0 if ep else 1)  # a, h's halves; y rows
+    integer = {"atom.global.release.add.u32", "atom.global.acquire.add.u32", "atom.global.add.u32", "atom.global.acq_rel.add.u32",
+               "atom.global.exch.b32", "atom.shared.cta.add.u32"}
+    if ep:
+        integer |= {"atom.global.sys.release.exch.b32", "atom.global.sys.acquire.add.u32", "atom.global.sys.cas.b32"}
+        assert count(r"fence\.acq_rel\.sys", ptx) >= 2
+    assert set(re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)) == integer
+    assert count(r"fence\.acq_rel\.gpu", ptx) >= 2 * 3 if ep else count(r"fence\.acq_rel\.gpu", ptx) == 2 * 2  # the grid barriers
+    assert "%globaltimer" in ptx and count(r"fence\.proxy\.async\.global", ptx) >= 2
+    assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (0, None)
+
+
 def test_one_launch_ep_forward_in_mxfp8_quantizes_as_it_publishes_and_dequantizes_as_it_copies():
     """dispatch_format="mxfp8" in the one-launch EP forward: the bf16 kernel's WGMMAs, TMA and
     atomics; the publish phase's copy becomes the quantizer's block (16 saturating E4M3
@@ -1024,6 +1066,7 @@ def test_every_kernel_takes_its_records_arguments_in_order():
     from mok.kernels.common import bias_grads, combine, gather, router_grad
     from mok.kernels.common.records import COLUMN_SUMS_ARGS, EXPERT_MLP_ARGS, ROW_DOTS_ARGS, grouped_gemm_args, weight_grad_args
     from mok.kernels.sm90.expert_mlp import ExpertMlpSm90
+    from mok.kernels.sm100.expert_mlp import ExpertMlpSm100
     from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
     from mok.kernels.sm90.weight_grad_gemm import WeightGradGemmSm90
     from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100, GroupedGemmSm100
@@ -1033,7 +1076,7 @@ def test_every_kernel_takes_its_records_arguments_in_order():
         (GroupedGemmSm90, grouped_gemm_args("bf16")), (GroupedGemmSm100, grouped_gemm_args("bf16")),
         (GroupedGemmMxfp8Sm100, grouped_gemm_args("e4m3")), (WeightGradGemmSm90, weight_grad_args("bf16")),
         (WeightGradGemmSm100, weight_grad_args("bf16")), (WeightGradGemmMxfp8Sm100, weight_grad_args("e4m3")),
-        (ExpertMlpSm90, EXPERT_MLP_ARGS), (combine.CombineKernel, combine.COMBINE_ARGS),
+        (ExpertMlpSm90, EXPERT_MLP_ARGS), (ExpertMlpSm100, EXPERT_MLP_ARGS), (combine.CombineKernel, combine.COMBINE_ARGS),
         (combine.CombineRouterGradKernel, combine.COMBINE_ROUTER_GRAD_ARGS), (router_grad.RouterGradKernel, router_grad.ROUTER_GRAD_ARGS),
         (gather.GatherRowsKernel, gather.GATHER_ARGS), (gather.GatherTwoRowsKernel, gather.GATHER_TWO_ARGS),
         (bias_grads.ColumnSumsKernel, COLUMN_SUMS_ARGS), (bias_grads.RowDotsKernel, ROW_DOTS_ARGS),

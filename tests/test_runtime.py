@@ -172,7 +172,7 @@ def _mok(*args, cache_dir, machine_arch=None):
 
 @pytest.mark.parametrize("arch,machine_arch", [("sm_90a", None), ("sm_100a", None), ("sm_100a", "sm_90a")])
 def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arch):
-    ep_size = 8 if arch == "sm_90a" else 1  # (expert parallelism runs on sm_90a only so far)
+    ep_size = 8 if arch == "sm_90a" else 1  # (SM100 at one GPU: its EP kernels are the test below's)
     shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4", "--shared-intermediate", "256",
              "--ep-size", str(ep_size)]
     config = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4, shared_intermediate=256, ep_size=ep_size)
@@ -192,24 +192,25 @@ def test_precompile_then_second_run_compiles_nothing(tmp_path, arch, machine_arc
     assert "0 entries" in _mok("cache", "list", cache_dir=tmp_path).stdout
 
 
-def test_precompile_one_launch_adds_the_one_launch_forwards(tmp_path):
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_precompile_one_launch_adds_the_one_launch_forwards(tmp_path, arch):
     """--one-launch: what MoKConfig(one_launch=True) needs, i.e. also the expert-parallel one-launch
     forward (with and without h) at EP > 1, and the gather of the rows it keeps for the backward
     (the multi-launch forward keeps the rows it pulled); the rest is what the plain config needs,
-    already cached."""
+    already cached. The same on Hopper and on SM100 (its own one-launch kernel)."""
     shape = ["--hidden", "256", "--intermediate", "128", "--experts", "16", "--topk", "4", "--ep-size", "2"]
     base = MoKConfig(hidden=256, intermediate=128, num_experts=16, topk=4, shared_intermediate=None, ep_size=2)
-    keys = lambda config: {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, "sm_90a").variants()}  # noqa: E731
+    keys = lambda config: {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, arch).variants()}  # noqa: E731
     plain, one = keys(base), keys(MoKConfig(**{**base.as_dict(), "one_launch": True}))
     added = one - plain
     assert sorted(name for name, _ in added) == ["expert_mlp", "expert_mlp", "gather"]
     assert sorted(dict(c)["save_h"] for name, c in added if name == "expert_mlp") == [False, True]
     assert all(dict(c)["ep_world"] == 2 for name, c in added if name == "expert_mlp")
-    first = _mok("precompile", "--arch", "sm_90a", *shape, "--shared-intermediate", "0", cache_dir=tmp_path)
+    first = _mok("precompile", "--arch", arch, *shape, "--shared-intermediate", "0", cache_dir=tmp_path)
     assert first.returncode == 0, first.stderr
-    second = _mok("precompile", "--arch", "sm_90a", *shape, "--shared-intermediate", "0", "--one-launch", cache_dir=tmp_path)
+    second = _mok("precompile", "--arch", arch, *shape, "--shared-intermediate", "0", "--one-launch", cache_dir=tmp_path)
     assert second.returncode == 0, second.stderr
-    assert f"sm_90a: 3 compiled, {len(one) - 3} already in the cache" in second.stdout
+    assert f"{arch}: 3 compiled, {len(one) - 3} already in the cache" in second.stdout
     assert "ep_world=2" in _mok("cache", "list", cache_dir=tmp_path).stdout
 
 
@@ -224,9 +225,9 @@ def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     # a configuration whose layer would not run on the arch: refused, not a list of kernels nobody uses
     bad = _mok("precompile", "--arch", "sm_90a", "--precision", "mxfp8", "--ep-size", "1", cache_dir=tmp_path)
     assert bad.returncode == 1 and "does not run on sm_90a: precision='mxfp8': needs block-scaled MMAs" in bad.stderr
-    bad = _mok("precompile", "--arch", "sm_100a", "--one-launch", cache_dir=tmp_path)  # (asked for explicitly: refused, what to pass said)
-    assert bad.returncode == 1 and "does not run on sm_100a: one_launch: not on sm_100a yet" in bad.stderr
-    assert "On the command line: no --one-launch" in bad.stderr
+    assert "On the command line: --precision mxfp8_emulated" in bad.stderr  # (what to pass instead)
+    bad = _mok("precompile", "--arch", "sm_100a", "--precision", "fp8_block", "--ep-size", "1", cache_dir=tmp_path)
+    assert bad.returncode == 1 and "does not run on sm_100a: precision='fp8_block': Hopper's kernels only so far" in bad.stderr
     assert not list(tmp_path.glob("*/*.o"))
 
 

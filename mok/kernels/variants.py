@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.arch import MXFP8_GEMM_ARCHS, ROW_FUSED_GEMM_ARCHS
+from ..runtime.arch import MXFP8_GEMM_ARCHS
 from . import KernelVariant
 from .constants import SCHEDULE_THREADS, check_activation
 
@@ -345,7 +345,7 @@ def expert_mlp_variant(
     ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16", gate_up_stride: int | None = None,
     activation: str = "swiglu",
 ) -> KernelVariant:
-    """The routed experts' whole forward in one persistent launch (Hopper): the schedule of the
+    """The routed experts' whole forward in one persistent launch: the schedule of the
     routing over ``num_experts`` experts, a grid barrier, fc1 (gathered rows, SwiGLU; ``save_h``
     also writes h) and fc2 tiles in one global order, each fc2 row tile waiting for its fc1 row
     tile, a second grid barrier, the combine (with a shared expert's output: ``has_shared``).
@@ -353,11 +353,9 @@ def expert_mlp_variant(
     ``shared_prefix`` (with ``has_shared``, one GPU): the shared expert runs as expert E, its rows
     first; ``dispatch_format`` "mxfp8" (with ``ep_world``): x published in MXFP8, dequantized as it
     arrives; ``gate_up_stride``: w_gate's and w_up's expert stride (None: packed); ``activation``:
-    fc1's gated activation. See mok/kernels/sm90/expert_mlp.py."""
+    fc1's gated activation. See mok/kernels/common/expert_mlp.py (Hopper's kernel: sm90/, SM100's: sm100/)."""
     check_activation(activation)
-    # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
-    fc2_tile_n = default_tile_n(hidden, inter, False)
-    options = dict(save_h=save_h, has_shared=has_shared, fc2_tile_n=fc2_tile_n, num_experts=num_experts)
+    options = dict(save_h=save_h, has_shared=has_shared, num_experts=num_experts)
     if ep_world is not None:
         options["ep_world"] = ep_world
     if shared_prefix:
@@ -370,10 +368,13 @@ def expert_mlp_variant(
         options["activation"] = activation
 
     def build(arch: str, compile_options: str = "") -> Any:
-        if arch not in ROW_FUSED_GEMM_ARCHS:
-            raise NotImplementedError(f"expert MLP in one launch: only {', '.join(ROW_FUSED_GEMM_ARCHS)} has it so far, not {arch}")
+        if arch in MXFP8_GEMM_ARCHS:  # tcgen05 (compile-verified only): fc2 in 128-column tiles, its stages fc1's
+            from .sm100.expert_mlp import compile_expert_mlp_sm100
+
+            return compile_expert_mlp_sm100(hidden, inter, topk, arch, compile_options, **options)
         from .sm90.expert_mlp import compile_expert_mlp
 
-        return compile_expert_mlp(hidden, inter, topk, arch, compile_options, **options)
+        # fc2 in the column tile the down projection takes on its own (the same bits either way; see default_tile_n)
+        return compile_expert_mlp(hidden, inter, topk, arch, compile_options, fc2_tile_n=default_tile_n(hidden, inter, False), **options)
 
     return KernelVariant("expert_mlp", {"hidden": hidden, "inter": inter, "topk": topk, **options}, build)

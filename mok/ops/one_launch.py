@@ -1,10 +1,10 @@
-"""The routed experts' whole forward in ONE launch (Hopper): schedule, both expert GEMMs, combine.
+"""The routed experts' whole forward in ONE launch (Hopper; SM100 compile-verified): schedule, both expert GEMMs, combine.
 
     schedule (every CTA its share)  -> grid barrier -> fc1 + SwiGLU and fc2 tiles in one global order
     (each fc2 row tile waiting for its fc1 row tile) -> grid barrier -> combine
 
 The same operations in the same order as the multi-launch forward (device_schedule, the gathering
-gate/up GEMM, the down GEMM, combine): the same bits (mok/kernels/sm90/expert_mlp.py). Its CTAs
+gate/up GEMM, the down GEMM, combine): the same bits (mok/kernels/common/expert_mlp.py). Its CTAs
 meet at grid barriers whose words outlive the launch (:func:`grid_sync_words`); a barrier that
 cannot complete counts a timeout instead of hanging (:func:`raise_grid_timeouts`). The
 expert-parallel forward in one launch (mok/pipeline/exchange.py) is the same kernel with the

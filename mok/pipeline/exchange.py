@@ -241,7 +241,7 @@ def one_launch_statics(
 
 def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out, h, *, timeout_s: float, dispatch_format: str,
                        max_ctas: int | None = None, activation: str = "swiglu"):
-    """The expert-parallel forward of this rank in ONE launch (mok/kernels/sm90/expert_mlp.py with
+    """The expert-parallel forward of this rank in ONE launch (mok/kernels/common/expert_mlp.py with
     ``ep_world``): every CTA publishes its share of x and the routing, the ranks meet on the epoch
     flags, every CTA gathers every rank's routing and copies the tokens routed here into x_all,
     builds its part of the schedule, runs the expert MLP's tiles (fc2 pushing each y row into its

@@ -58,8 +58,8 @@ FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) ha
 UNVERIFIED_ARCHS = ("sm_100a", "sm_103a")  # GEMMs written and compile-verified, never run (no SM100 GPU here)
 UNVERIFIED_ENV = "MOK_UNVERIFIED_SM100"  # "1": run the layer on them anyway
 PERSISTENT_GEMM_ARCHS = ("sm_90a", "sm_100a", "sm_103a")  # persistent, warp-specialised grouped and weight-gradient GEMMs
-ROW_FUSED_GEMM_ARCHS = ("sm_90a",)  # GEMMs on FP8 block scales and the one-launch expert MLP (every persistent arch gathers
-# and scatters rows, adds biases and takes partial tiles)
+FP8_BLOCK_GEMM_ARCHS = ("sm_90a",)  # GEMMs on FP8 with 128-block fp32 scales (every persistent arch gathers and scatters rows,
+# adds biases, takes partial tiles and runs the one-launch expert MLP)
 MXFP8_GEMM_ARCHS = ("sm_100a", "sm_103a")  # block-scaled MMAs (tcgen05 kind::mxf8f6f4); Hopper has none
 
 

@@ -1,4 +1,4 @@
-"""The expert-parallel phases of the one-launch EP forward (mok/kernels/sm90/expert_mlp.py, ``ep_world``).
+"""The expert-parallel phases of the one-launch EP forward (mok/kernels/common/expert_mlp.py, ``ep_world``).
 
 The multi-launch EP forward (mok/pipeline/forward.py) runs these steps as separate kernels; here every CTA of
 the one persistent launch runs its share of each, with grid barriers (common/waits.py) where a
@@ -19,7 +19,7 @@ epoch) in the error record) where it needs the peers:
                every rank, every CTA waits for every rank
     combine    out[t] = shared[t] + Σ_j topk_w[t, j]·slots[t, j] (fp32, j in order)
 
-The argument ``ep`` is the tuple ExpertMlpSm90 packs: (flags [W, words], published x [W, T_max·H]
+The argument ``ep`` is the tuple ExpertMlp (common/expert_mlp.py) packs: (flags [W, words], published x [W, T_max·H]
 (in MXFP8: the pair elements [W, T_max·H], scales [W, T_max·H/32]),
 published routing [W, T_max·k], this rank's x [T·H], this rank's routing [T·k], routing out
 [W·T_max·k], x_all [W·T_max, H], rank, T_max, T, first local expert, slots [W, T_max·k, H]).

@@ -45,7 +45,7 @@ def weight_grad_args(operand: str = "bf16", out: str = "bf16") -> LaunchArgs:
 
 
 EXPERT_MLP_ARGS = LaunchArgs(
-    # the layer's tensors, the schedule's, the counters and grid-barrier words (mok/kernels/sm90/expert_mlp.py)
+    # the layer's tensors, the schedule's, the counters and grid-barrier words (mok/kernels/common/expert_mlp.py)
     ptr("x", "bf16"), ptr("w_gate", "bf16"), ptr("w_up", "bf16"), ptr("w_down", "bf16"), ptr("a", "bf16"), ptr("h", "bf16"),
     ptr("y", "bf16"), ptr("tile_expert", "i32", 4), ptr("row_token", "i32", 4), ptr("row_slot", "i32", 4),
     ptr("topk_w", "f32", 4), ptr("slot_row", "i32", 4), ptr("shared", "bf16"), ptr("out", "bf16"), ptr("counters", "i32", 4),

@@ -154,26 +154,33 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
 
     @cute.jit
     def gather_warps(self, tidx, stages, pipes, tiles, gather_args):
-        """``gather_a``, warps 6-9 (``tidx`` 0..127): for each computed tile, its rows of x
-        (row_token; zeros for padding rows) into each K tile's stage by cp.async, once the stage is
-        free (mok/kernels/common/row_gather.py), each thread's copies arriving on the stage's full
-        barrier as they land; the states follow the load warp's stage by stage."""
+        """``gather_a``, warps 6-9 (``tidx`` 0..127): for each computed tile, :meth:`gather_tile`; the
+        states follow the load warp's stage by stage."""
         m_x, m_row_token, num_rows = gather_args
-        ab_pipeline, a_base = pipes[4], stages[3]
-        tile_m, _, tile_k = self.tile_shape_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         linear, step = self.first_tile_and_step()
         while linear < tiles[0]:
             active, k_tiles, tile = self.tile_at(linear, tiles)
             if active:
-                addresses, rows_read = gathered_rows(m_x, m_row_token, tile[0], num_rows, tidx, tile_m, self.k, VECTOR)
-                for k_tile in cutlass.range(k_tiles, unroll=1):
-                    ab_pipeline.sync_object_empty.wait(state.index, state.phase)
-                    gather_stage(a_base, state.index, addresses, rows_read, k_tile, cutlass.BFloat16, tidx, tile_m, tile_k, self.k)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
-                    state.advance()
+                state = self.gather_tile(tidx, stages, pipes, state, m_x, m_row_token, num_rows, tile[0], k_tiles)
             linear += step
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def gather_tile(self, tidx, stages, pipes, state, m_x, m_row_token, num_rows, tile_row, k_tiles):
+        """``gather_a``, the gather warps, one tile: its rows of x (row_token; zeros for padding rows)
+        into each K tile's stage by cp.async, once the stage is free (mok/kernels/common/row_gather.py),
+        each thread's copies arriving on the stage's full barrier as they land. Returns the
+        advanced pipeline state."""
+        ab_pipeline, a_base = pipes[4], stages[3]
+        tile_m, _, tile_k = self.tile_shape_mnk
+        addresses, rows_read = gathered_rows(m_x, m_row_token, tile_row, num_rows, tidx, tile_m, self.k, VECTOR)
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+            gather_stage(a_base, state.index, addresses, rows_read, k_tile, cutlass.BFloat16, tidx, tile_m, tile_k, self.k)
+            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
+            state.advance()
+        return state
 
     @cute.jit
     def load_tile(self, view, k_tile, empty, into=None):

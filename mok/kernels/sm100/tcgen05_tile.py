@@ -491,27 +491,39 @@ class Tcgen05TileKernel:
                     full = ab_consumer.wait_and_advance()
                     if cutlass.const_expr(self.gather_a):  # the gathered rows were written through the generic proxy
                         cute.arch.fence_proxy("async.shared", space="cta")
-                    if cutlass.const_expr(self.mxfp8):
-                        self.copy_scales(scales, full.index)
-                    for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
-                        blk = (None, None, kb, full.index)
-                        if cutlass.const_expr(self.mxfp8):
-                            (_, _, _, t_sfa), (_, _, _, t_sfb), (_, _, _, t_sfb2) = scales
-                            sf = (None, None, kb)
-                            cute.gemm(tiled_mma, acc, [r_a[blk], t_sfa[sf]], [r_b[blk], t_sfb[sf]], acc)
-                            if cutlass.const_expr(self.num_b == 2):
-                                cute.gemm(tiled_mma, acc2, [r_a[blk], t_sfa[sf]], [r_b2[blk], t_sfb2[sf]], acc2)
-                        else:
-                            cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
-                            if cutlass.const_expr(self.num_b == 2):
-                                cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    tiled_mma = self.mma_stage(tiled_mma, acc, acc2, (r_a, r_b, r_b2), full.index, self.num_b, scales)
                     full.release()  # the stage is free once these MMAs complete
                 acc_empty.commit()  # the accumulator stage is final once every MMA has completed
             linear += step
         if cutlass.const_expr(self.mma_ctas == PAIR):  # the peer's epilogue arrives on this CTA's barriers: before exit, every
             for _ in cutlass.range_constexpr(self.acc_stages):  # accumulator stage's last release (not the last stage's
                 acc_producer.acquire_and_advance()  # alone: one thread's remote arrivals need not land in order)
+
+    @cute.jit
+    def mma_stage(self, tiled_mma, acc, acc2, fragments, stage, num_b: cutlass.Constexpr[int], scales):
+        """The MMA warp, one full stage ``stage``: its MMAs (``fragments`` = the shared-memory descriptors
+        of A, B, B2 by stage) onto ``acc`` (and with ``num_b`` 2 onto ``acc2`` with B2), accumulating
+        from the second on (the caller clears ACCUMULATE for a tile's first stage). MXFP8: the
+        stage's scales copied into tensor memory first (tcgen05.cp and tcgen05.mma from one thread
+        run in order). Returns ``tiled_mma`` as its ACCUMULATE field now stands: the caller rebinds
+        it (the DSL's loops carry an object's fields only through the names they assign)."""
+        r_a, r_b, r_b2 = fragments
+        if cutlass.const_expr(self.mxfp8):
+            self.copy_scales(scales, stage)
+        for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
+            blk = (None, None, kb, stage)
+            if cutlass.const_expr(self.mxfp8):
+                (_, _, _, t_sfa), (_, _, _, t_sfb), (_, _, _, t_sfb2) = scales
+                sf = (None, None, kb)
+                cute.gemm(tiled_mma, acc, [r_a[blk], t_sfa[sf]], [r_b[blk], t_sfb[sf]], acc)
+                if cutlass.const_expr(num_b == 2):
+                    cute.gemm(tiled_mma, acc2, [r_a[blk], t_sfa[sf]], [r_b2[blk], t_sfb2[sf]], acc2)
+            else:
+                cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
+                if cutlass.const_expr(num_b == 2):
+                    cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+        return tiled_mma
 
     @cute.jit
     def epilogue_warps(self, tidx, tmem, t_acc, pipes, tiles, epi_args):
@@ -529,9 +541,16 @@ class Tcgen05TileKernel:
                 self.epilogue(tidx, t_acc, acc_full.index, tile, k_tiles, epi_args)
                 acc_full.release()
             linear += step
+        self.free_tensor_memory(tmem, t_acc)
+
+    @cute.jit
+    def free_tensor_memory(self, tmem, t_acc):
+        """Warps 0-3 after their last tile: once every TMA store has read its staging buffer (shared
+        memory is not released under one still reading it) and all four warps are done, free the
+        tensor memory."""
         if cutlass.const_expr(self.store_dtype is not None):
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
-                self.store_pipeline().producer_tail()  # (shared memory is not released under a TMA store still reading it)
+                self.store_pipeline().producer_tail()
         pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER, num_threads=EPILOGUE_THREADS).arrive_and_wait()
         tmem.free(t_acc.iterator)
 

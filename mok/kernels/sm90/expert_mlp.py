@@ -1,10 +1,6 @@
 """The routed experts' whole forward in one persistent launch on Hopper: the schedule, fc1 (gathered
-rows, SwiGLU), fc2, the combine.
-
-    schedule of the routing (row_token, row_slot, slot_row, tile_expert, offsets)  (phase 0)
-    a      [R, I] = silu(x[row_token]·w_gateᵀ) ⊙ x[row_token]·w_upᵀ       (phase 1: fc1 tiles)
-    y_rows [R, H] = a·w_downᵀ                                           (phase 2: fc2 tiles)
-    out    [T, H] = shared[t] + Σ_j topk_w[t, j]·y_rows[slot_row[t, j]]   (phase 3: the combine)
+rows, SwiGLU), fc2, the combine. The phases, their synchronisation and what every arch shares:
+mok/kernels/common/expert_mlp.py; here the WGMMA kernel.
 
 The two grouped GEMMs of mok/kernels/sm90/grouped_gemm.py (the gathering SwiGLU one and the
 down projection) share one persistent, warp-specialised CTA per SM. Tiles are handed out in
@@ -15,51 +11,21 @@ ring, to the MMA warps. So tiles run in that order whatever each CTA's speed: th
 start on SMs that fc1's tail leaves idle, yet the tiles in flight stay together (a static
 round robin let CTAs enter fc2 up to a tile apart, and that skew spread the fc2 tiles in
 flight over several experts' w_down, 29 MB each at dsv3, which then no longer stayed in L2;
-docs/notes/one-launch.md). An fc2 tile of row tile m needs a's row tile m: ``ready[m]`` counts the fc1
-column tiles of m whose stores are complete (integer atomic, gpu scope, release; the store
-warp publishes a tile once the next fc1 tile's mainloop is done, by which time its TMA stores
-have drained, and before its first fc2 tile at the latest), and the TMA thread polls it
-(acquire), then fences (proxy) before its TMA loads of a. The wait is bounded by
-%globaltimer: on expiry the kernel sets ``error``, counts the timeout in the grid-barrier
-words' timeout count (sync[2], which the host reads) and goes on (the output is then wrong,
-never a hang).
-
-Every CTA first builds its part of the routing's schedule over the ``num_experts`` experts
-(mok/kernels/common/schedule.py, its scratch in the operand region; it also zeroes the counters
-[error, next tile, ready per row tile]: 2 + ceil(R / 128) int32 words), then all CTAs meet at a
-grid barrier (common/waits.py: sense reversal on words that outlive the launch and are left
-ready for the next, bounded by %globaltimer) before any tile is taken. After the last fc2 tile
-the CTAs meet at a second grid barrier, and the MMA warps of all CTAs combine the tokens, with the
-combine launch's per-vector code (the same bits).
-
-No deadlock: the grid is at most one CTA per SM (every CTA is resident at once); fc1 tiles
-wait on nothing; an index is taken only after the previous tile's loads are all issued, so a
-CTA waiting before an fc2 tile still finishes (and publishes) every fc1 tile it took, and
-every fc1 tile is taken before any fc2 tile.
-
-Expert parallelism (``ep_world`` = W, mok/pipeline/exchange.py): the launch is one rank's whole EP
-forward. Before the schedule, every CTA publishes its share of this rank's x and routing, the
-ranks meet on the workspace's epoch flags (system scope, bounded), and one warp per global
-token gathers its routing row and copies the token into x_all when one of its experts is local
-(common/ep_phases.py; with ``dispatch_format="mxfp8"`` x is published quantized and each row
-dequantized as it is copied, mok.ops.quantize_mxfp8 and dequantize_mxfp8's bits); a grid
-barrier, then the schedule of this rank's experts over all ranks' tokens. fc1 gathers from x_all; fc2's MMA warps hand each finished subtile to the producer
-warpgroup's warps 1-3 (idle after fc1), which push its rows into the tokens' slots on their
-ranks (the down projection's scatter, tile indices from warp 0 through a second ring). After
-the second grid barrier the done handshake, then the combine reads this rank's slots [t, j].
-
-With ``has_shared`` the combine adds a shared expert's output rows; with ``shared_prefix`` (one
-GPU) that shared expert, of the routed ones' shapes, runs in this launch as expert E of the
-weights (E + 1 of them), the schedule putting its T rows first, and the combine reads its output
-rows as the shared input.
+docs/notes/one-launch.md). The store warp publishes an fc1 tile's row tile once the next fc1
+tile's mainloop is done, by which time its TMA stores have drained (and before its first fc2
+tile at the latest); the TMA thread waits for an fc2 tile's a rows, then fences (proxy) before
+its TMA loads of a. An index is taken only after the previous tile's loads are all issued, so a
+CTA waiting before an fc2 tile still finishes (and publishes) every fc1 tile it took, and every
+fc1 tile is taken before any fc2 tile. At EP, fc2's MMA warps hand each finished subtile to the
+producer warpgroup's warps 1-3 (idle after fc1), which push its rows into the tokens' slots on
+their ranks (tile indices from warp 0 through a second ring). The MMA warps combine (after the
+warp roles join, the producer's 40-register bound would bound the combine).
 
 The operand stages of the two phases share one region of shared memory: fc1 holds A,
 B = w_gate and B2 = w_up per stage (48 KB, 4 stages), fc2 A = a and B = w_down in the tile
 and depth the down projection has on its own (256 columns: 48 KB, 4 stages; 128: 32 KB, 6),
 each phase with its own mbarrier pipeline; the producer starts the fc2 pipeline once every
 fc1 stage has been consumed.
-Results are the same bits as the separate launches: each output tile is computed by one CTA
-with the same operations in the same order.
 """
 
 from __future__ import annotations
@@ -73,23 +39,18 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ep_phases
-from ..common.combine import VECTOR, combine_vector
-from ..common.flag_layout import flag_words
 from ..common.compile import compile_kernel
-from ..common.gemm_args import halves
+from ..common.expert_mlp import TILE, ExpertMlp, MlpTensors
 from ..common.records import EXPERT_MLP_ARGS
-from ..common.mxfp8_quantize import BLOCK as MXFP8_BLOCK
-from ..common.schedule import ScheduleKernel
-from ..common.waits import grid_barrier, wait_at_least
+from ..common.waits import grid_barrier
 from .grouped_gemm import SCATTER_THREADS, GroupedGemmSm90
 from .wgmma_tile import TILE_K
 
-TILE = 128  # row and column tile of both GEMMs (the fc1 buffers hold the fc2 stages)
 RING = 4  # tile indices the producer may hand the MMA warps ahead
 TILE_BARRIER = 3  # named barrier of the producer warpgroup (1: the MMA warps' epilogue, 2: scatter warps)
 
 
-class ExpertMlpSm90:
+class ExpertMlpSm90(ExpertMlp):
     """Static config: H, I, top-k, whether h is saved for the backward, whether the combine adds a shared
     expert's output, fc2's column tile, E, and the expert-parallel options."""
 
@@ -110,19 +71,10 @@ class ExpertMlpSm90:
         layout) and dequantizes each row as it is copied into x_all (common/ep_phases.py).
         ``gate_up_stride``: elements from one expert's w_gate (and w_up) to the next (None: I·H; 2·I·H
         for the halves of one [E, 2I, H] tensor). ``activation``: fc1's gated activation."""
-        if hidden % VECTOR or inter % VECTOR:
-            raise ValueError(f"hidden, inter: expected multiples of {VECTOR} (16-byte rows), got H={hidden}, I={inter}")
-        if ep_world is not None and (not 1 <= ep_world <= 32 or topk > 32):
-            raise ValueError(f"ep_world: expected 1..32 ranks, top-k <= 32 (a lane per slot); got {ep_world}, topk={topk}")
-        if shared_prefix and (ep_world is not None or not has_shared):
-            raise ValueError("shared_prefix: only with has_shared, without ep_world")
-        if dispatch_format not in ("bf16", "mxfp8") or (dispatch_format == "mxfp8" and (ep_world is None or hidden % MXFP8_BLOCK)):
-            raise ValueError(f"dispatch_format: expected 'bf16', or 'mxfp8' with ep_world and H a multiple of 32; got {dispatch_format!r}")
-        self.shared_prefix, self.mxfp8 = shared_prefix, dispatch_format == "mxfp8"
-        self.ep_world = ep_world
-        self.schedule = ScheduleKernel(num_experts, topk, TILE)
-        self.hidden, self.inter, self.topk = hidden, inter, topk
-        self.has_shared = has_shared
+        self.configure(
+            hidden, inter, topk, has_shared=has_shared, num_experts=num_experts, ep_world=ep_world, shared_prefix=shared_prefix,
+            dispatch_format=dispatch_format,
+        )
         self.fc1 = GroupedGemmSm90(
             inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True,
             b_expert_stride=gate_up_stride, activation=activation,
@@ -135,111 +87,13 @@ class ExpertMlpSm90:
         if (TILE + fc2_tile_n) * TILE_K * self.fc2.ab_stage > self.region_elems:
             raise ValueError(f"fc2's {self.fc2.ab_stage} stages do not fit in fc1's {self.fc1.ab_stage}")
         self.threads = self.fc1.threads
-        if self.schedule.scratch_words(self.threads) * 4 > self.region_elems * 2:
-            raise ValueError(f"num_experts: {num_experts} experts' schedule scratch does not fit the operand region")
+        self.check_scratch(self.region_elems * 2)
 
     @cute.jit
-    def __call__(
-        self,
-        x_ptr: cute.Pointer,
-        w_gate_ptr: cute.Pointer,
-        w_up_ptr: cute.Pointer,
-        w_down_ptr: cute.Pointer,
-        a_ptr: cute.Pointer,
-        h_ptr: cute.Pointer,
-        y_ptr: cute.Pointer,
-        tile_expert_ptr: cute.Pointer,
-        row_token_ptr: cute.Pointer,
-        row_slot_ptr: cute.Pointer,
-        topk_w_ptr: cute.Pointer,
-        slot_row_ptr: cute.Pointer,
-        shared_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
-        offsets_ptr: cute.Pointer,
-        topk_idx_ptr: cute.Pointer,
-        counts_ptr: cute.Pointer,
-        overflow_ptr: cute.Pointer,
-        sync_ptr: cute.Pointer,
-        flags_ptr: cute.Pointer,
-        x_pub_ptr: cute.Pointer,
-        idx_pub_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        x_in_ptr: cute.Pointer,
-        idx_in_ptr: cute.Pointer,
-        num_rows: cutlass.Int32,
-        num_experts: cutlass.Int32,
-        num_tokens: cutlass.Int32,
-        max_ctas: cutlass.Int32,
-        timeout_ns: cutlass.Int64,
-        rank: cutlass.Int32,
-        t_max: cutlass.Int32,
-        my_tokens: cutlass.Int32,
-        flags_stride: cutlass.Int32,
-        x_stride: cutlass.Int32,
-        idx_stride: cutlass.Int32,
-        slots_stride: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        """EXPERT_MLP_ARGS' arguments (mok/kernels/common/records.py), in its order. Without
-        ``ep_world`` the EP arguments (flags_ptr ... idx_in_ptr, rank ... slots_stride) are unused.
-        With it: x_ptr is x_all [W·T_max, H] and topk_idx_ptr the routing [W·T_max, k] this launch
-        fills, num_tokens = W·T_max; topk_w, shared and out are this rank's ``my_tokens`` rows;
-        flags, x_pub, idx_pub and slots are rank 0's regions of the workspace (each rank's
-        ``*_stride`` elements further), x_in and idx_in this rank's inputs."""
-        hid, inter = self.hidden, self.inter
-        num_row_tiles = (num_rows + TILE - 1) // TILE
-        row_major = lambda ptr, rows, cols: cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))  # noqa: E731
-        m_x = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, hid, 1), stride=(hid, 1, num_tokens * hid)))
-        m_a3 = cute.make_tensor(a_ptr, cute.make_layout((num_rows, inter, 1), stride=(inter, 1, num_rows * inter)))
-        m_a, m_y = row_major(a_ptr, num_rows, inter), row_major(y_ptr, num_rows, hid)
-        m_h = halves(h_ptr, num_rows, inter, 2)  # the epilogues store through (R, N, halves) tensors
-        m_a_st, m_y_st = halves(a_ptr, num_rows, inter, 1), halves(y_ptr, num_rows, hid, 1)
-        weights = num_experts + 1 if cutlass.const_expr(self.shared_prefix) else num_experts  # (shared_prefix: E + 1)
-        m_wg, m_wu = self.fc1.b_tensor(w_gate_ptr, weights), self.fc1.b_tensor(w_up_ptr, weights)
-        m_wd = self.fc2.b_tensor(w_down_ptr, weights)
-        m_row_token = cute.make_tensor(row_token_ptr, cute.make_layout((num_rows,)))
-        m_row_slot = cute.make_tensor(row_slot_ptr, cute.make_layout((num_rows,)))
-        m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
-        tokens_by_slot = cute.make_layout((num_tokens, self.topk), stride=(self.topk, 1))
-        combined = num_tokens if cutlass.const_expr(self.ep_world is None) else my_tokens  # the tokens the combine writes
-        m_token_w = cute.make_tensor(topk_w_ptr, cute.make_layout((combined, self.topk), stride=(self.topk, 1)))
-        m_slot_row = cute.make_tensor(slot_row_ptr, tokens_by_slot)
-        # counters: [error, next tile | ready per row tile], zeroed by the schedule phase
-        m_flags = cute.make_tensor(counters_ptr, cute.make_layout((2,)))
-        m_ready = cute.make_tensor(counters_ptr + 2, cute.make_layout((num_row_tiles,)))
-        m_offsets = cute.make_tensor(offsets_ptr, cute.make_layout((num_experts + 1,)))
-        pairs = num_tokens * self.topk  # the schedule's input and outputs (the counters: zeroed by it)
-        vec = lambda ptr, n: cute.make_tensor(ptr, cute.make_layout((n,)))  # noqa: E731
-        outputs = (
-            vec(counts_ptr, num_experts), m_offsets, m_row_token, m_row_slot, vec(slot_row_ptr, pairs), m_tiles,
-            vec(overflow_ptr, 1), vec(counters_ptr, 2 + num_row_tiles),
-        )
-        sched_args = (vec(topk_idx_ptr, pairs), outputs, sync_ptr, pairs, rank * num_experts)
-        ep_args = scatter_dst = None
-        m_y_combined = m_y
-        if cutlass.const_expr(self.ep_world is not None):
-            w, k = self.ep_world, self.topk
-            x_stride = cute.assume(x_stride, divby=VECTOR)  # (ep.py keeps every region 128-byte aligned)
-            slots_stride = cute.assume(slots_stride, divby=VECTOR)
-            m_x_pub = cute.make_tensor(x_pub_ptr, cute.make_layout((w, t_max * hid), stride=(x_stride, 1)))
-            if cutlass.const_expr(self.mxfp8):  # (elements [W, T_max·H], scales [W, T_max·H/32] from byte T_max·H of each region)
-                m_x_pub = self.mxfp8_regions(x_pub_ptr, x_stride, t_max)
-            ep_args = (
-                cute.make_tensor(flags_ptr, cute.make_layout((w, flag_words(w)), stride=(flags_stride, 1))),
-                m_x_pub,
-                cute.make_tensor(idx_pub_ptr, cute.make_layout((w, t_max * k), stride=(idx_stride, 1))),
-                cute.make_tensor(x_in_ptr, cute.make_layout((my_tokens * hid,))),
-                cute.make_tensor(idx_in_ptr, cute.make_layout((my_tokens * k,))),
-                cute.make_tensor(topk_idx_ptr, cute.make_layout((num_tokens * k,))),
-                row_major(x_ptr, num_tokens, hid),
-                rank, t_max, my_tokens, rank * num_experts,
-                cute.make_tensor(slots_ptr, cute.make_layout((w, t_max * k, hid), stride=(slots_stride, hid, 1))),
-            )
-            # fc2's pushes: rank 0's slots on as 16-byte vectors (grouped_gemm.scatter_tile); the combine: this rank's [T_max·k, H]
-            scatter_dst = self.fc2.scatter_target((slots_ptr, t_max, slots_stride))
-            m_y_combined = row_major(slots_ptr + rank * slots_stride, t_max * k, hid)
-
+    def launch(self, t: MlpTensors, stream: cuda.CUstream):
+        """Host side (ExpertMlp.launch): both GEMMs' MMAs and TMA atoms, the shared storage, the grid."""
+        m_x, m_a3, m_a, m_y, m_h, m_a_st, m_y_st = t.m_x, t.m_a3, t.m_a, t.m_y, t.m_h, t.m_a_st, t.m_y_st
+        m_wg, m_wu, m_wd = t.m_wg, t.m_wu, t.m_wd
         a_smem, b_smem, epi_smem = self.fc1.make_mma(m_x, m_wg, m_a.element_type, LayoutEnum.from_tensor(m_a))
         a2_smem, b2_smem, _ = self.fc2.make_mma(m_a3, m_wd, m_y.element_type, LayoutEnum.from_tensor(m_y))
         tma_x, t_x = self.fc1.load_atom(m_x, a_smem, (TILE, TILE_K))  # (A of fc1 is gathered; tile_loads still partitions it)
@@ -268,19 +122,15 @@ class ExpertMlpSm90:
             s_c: cute.struct.Align[cute.struct.MemRange[self.fc1.c_dtype, cute.cosize(epi_smem)], self.fc1.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        m_topk_w = cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * self.topk,)))
-        row_args = (m_h, m_h, m_row_token, m_row_slot, m_topk_w)  # (the epilogues' row inputs; fc1's and fc2's use none)
+        row_args = (m_h, m_h, t.m_row_token, t.m_row_slot, t.m_topk_w)  # (the epilogues' row inputs; fc1's and fc2's use none)
         fc1_args = ((tma_x, t_x, tma_wg, t_wg, tma_wu, t_wu), (tma_a_st, t_a_st, tma_h, t_h, tma_h, t_h))
         fc2_args = ((tma_a, t_a, tma_wd, t_wd, tma_wd, t_wd), (tma_y, t_y, tma_y, t_y, tma_y, t_y))
-        m_shared = row_major(shared_ptr, combined, hid)
-        m_out = row_major(out_ptr, combined, hid)
-        combine_args = (m_y_combined, m_token_w, m_slot_row, m_shared, m_out)
-        all_tiles = num_row_tiles * (self.fc1.col_tiles + self.fc2.col_tiles)
-        grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
+        all_tiles = t.num_row_tiles * (self.fc1.col_tiles + self.fc2.col_tiles)
+        grid = cutlass.max(cutlass.min(all_tiles, t.max_ctas), 1)
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
-            fc1_args, fc2_args, row_args, combine_args, mma_args, sched_args, ep_args, scatter_dst, m_x, m_tiles, m_flags,
-            m_ready, m_offsets, sync_ptr, num_experts, num_row_tiles, num_rows, timeout_ns,
+            fc1_args, fc2_args, row_args, t.combine_args, mma_args, t.sched_args, t.ep_args, t.scatter_dst, m_x, t.m_tiles, t.m_flags,
+            t.m_ready, t.m_offsets, t.sync_ptr, t.num_experts, t.num_row_tiles, t.num_rows, t.timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -444,73 +294,7 @@ class ExpertMlpSm90:
             if cutlass.const_expr(self.ep_world is not None):  # every rank's pushes into this rank's slots
                 ep_phases.signal_done_and_wait(ep_args, self.ep_world, timeout_ns, mma_tidx, 0)
                 self.fc1.epilogue_sync()
-            self.combine_all(mma_tidx, combine_args)
-
-    def mxfp8_regions(self, x_pub_ptr: cute.Pointer, x_stride, t_max) -> tuple:
-        """Every rank's region "x" holding MXFP8 rows (mok.pipeline.exchange.mxfp8_region): E4M3 elements [W, T_max·H]
-        from its first byte, E8M0 scales [W, T_max·H/32] from byte T_max·H; the rank stride in bytes
-        (64-bit: twice the bf16 element stride)."""
-        hid = self.hidden
-        stride = cute.assume(cutlass.Int64(x_stride) * 2, divby=16)
-        elements = cute.recast_ptr(x_pub_ptr, dtype=cutlass.Float8E4M3FN)
-        scales = cute.recast_ptr(x_pub_ptr, dtype=cutlass.Uint8) + t_max * hid
-        return (
-            cute.make_tensor(elements, cute.make_layout((self.ep_world, t_max * hid), stride=(stride, 1))),
-            cute.make_tensor(scales, cute.make_layout((self.ep_world, t_max * (hid // MXFP8_BLOCK)), stride=(stride, 1))),
-        )
-
-    @cute.jit
-    def build_schedule(self, sched_args, ep_args, region, num_rows, timeout_ns, m_offsets, num_experts):
-        """The one-launch forward's prologue: every CTA builds its part of the schedule (scratch in the
-        operand region, which the pipelines take over afterwards; it also zeroes the counters), then
-        all wait for all (grid barrier), as the next launch would have. Returns the schedule's row
-        count (``m_offsets[num_experts]``), read once by thread 0 for the whole CTA: after a barrier
-        that timed out, a late CTA may still be writing it, and warps that read different values
-        would disagree on the tile count and wait on each other's barriers forever (the output is
-        wrong then, as the timeout count says, but nothing hangs)."""
-        m_idx, outputs, sync_ptr, pairs, expert_lo = sched_args
-        if cutlass.const_expr(self.ep_world is not None):  # the routing (and x rows) of every rank first
-            ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns, self.mxfp8)
-            ep_phases.gather_routing_and_rows(
-                ep_args, self.ep_world, self.topk, self.hidden, self.schedule.num_local, self.threads, self.mxfp8
-            )
-            grid_barrier(sync_ptr, timeout_ns, last=False)
-        scratch = cute.make_tensor(
-            cute.recast_ptr(region, dtype=cutlass.Int32), cute.make_layout(self.schedule.scratch_words(self.threads))
-        )
-        prefix_rows = cutlass.Int32(0)
-        if cutlass.const_expr(self.shared_prefix):  # the shared expert's rows: the tokens, whole tiles
-            prefix_rows = (pairs // self.topk + TILE - 1) // TILE * TILE
-        self.schedule.build(m_idx, outputs, scratch, self.threads, pairs, expert_lo, num_rows, prefix_rows)
-        grid_barrier(sync_ptr, timeout_ns, last=False)  # (the last: the one before the combine)
-        tidx, _, _ = cute.arch.thread_idx()
-        if tidx == 0:
-            scratch[0] = m_offsets[num_experts]
-        cute.arch.fence_proxy("async.shared", space="cta")  # the scratch's generic writes before TMA writes to the region
-        cute.arch.sync_threads()
-        total = scratch[0]
-        cute.arch.sync_threads()  # (every thread has it before the pipelines take the region over)
-        return total
-
-
-    @cute.jit
-    def combine_all(self, mma_tidx, combine_args):
-        """MMA warps, after every CTA's last tile (the second grid barrier): the MMA warps of all
-        CTAs combine the tokens, 8 columns per thread per step, grid-strided, with the combine
-        launch's own per-vector code (the same operations in the same order: the same bits). Here,
-        not after the warp roles join: there the producer warps' 40 registers would bound it."""
-        m_y, m_token_w, m_slot_row, m_shared, m_out = combine_args
-        cta, _, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
-        chunks = self.hidden // VECTOR
-        workers = self.fc1.consumer_threads
-        total = cute.size(m_out, mode=[0]) * chunks
-        for v in cutlass.range(cta * workers + mma_tidx, total, ctas * workers, unroll=1):
-            token = v // chunks
-            combine_vector(  # EP: the slots [t, j] the ranks pushed, in j order (dense)
-                m_y, m_slot_row, m_token_w, m_shared, m_out, token, v - token * chunks, self.topk, self.has_shared, False,
-                self.ep_world is None,
-            )
+            self.combine_all(mma_tidx, self.fc1.consumer_threads, combine_args)
 
     @cute.jit
     def take_next(self, m_flags, ring, handed, s_tiles, tidx, warp_only: cutlass.Constexpr = False):
@@ -545,27 +329,9 @@ class ExpertMlpSm90:
 
     @cute.jit
     def publish(self, warp_idx, m_ready, tile_row):
-        """Store warp: once its TMA stores are complete (and visible to the async proxy's readers),
-        count fc1 row tile ``tile_row`` (-1: none) one column tile further (release, gpu scope)."""
+        """The store warp: ExpertMlp.publish_stores (fc1 row tile ``tile_row``, -1: none)."""
         if warp_idx == self.fc1.store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")
-            cute.arch.sync_warp()
-            if tile_row >= 0:
-                if cute.arch.lane_idx() == 0:
-                    cute.arch.atomic_add(m_ready.iterator + tile_row, cutlass.Int32(1), sem="release", scope="gpu")
-
-    @cute.jit
-    def wait_ready(self, m_ready, m_flags, tile_row, timeout_ns, sync_ptr):
-        """TMA thread, before an fc2 tile: wait (acquire, bounded) until every fc1 column tile of
-        ``tile_row`` is published. On timeout set flags[0], count one in sync[2] (the grid-barrier
-        words' timeout count, which outlives the launch and which the host reads:
-        :func:`mok.ops.raise_grid_timeouts`, the EP workspace's check; flags[0] does not, the next
-        schedule launch clears it) and go on: wrong output, no hang."""
-        target = self.fc1.col_tiles
-        if wait_at_least(m_ready.iterator + tile_row, target, timeout_ns, "gpu") < target:
-            m_flags[0] = 1
-            cute.arch.atomic_add(sync_ptr + 2, cutlass.Int32(1), scope="gpu")
+            self.publish_stores(m_ready, tile_row)
 
     @cute.jit
     def hand_to_scatter(self, scatter_ring, state, s_scatter, tile, tidx):
