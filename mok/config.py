@@ -66,7 +66,7 @@ class MoKConfig:
     expert and row strides are kernel parameters); with "concatenated" or "interleaved" the
     backward returns their gradient as one [E, 2I, H] tensor in the same layout (d_w_gate, with
     d_w_up None) straight from the weight-gradient GEMM, and precompile builds the strided kernels
-    (bf16 precision, fresh weight gradients, without one_launch so far).
+    (bf16 precision, fresh weight gradients so far).
     activation: the experts' gated activation a = act(x·W_gateᵀ, x·W_upᵀ), for the routed and the
     shared experts alike: "swiglu" (default, silu(gate)·up), "clamped_swiglu" (gpt-oss's: the gate
     clamped to at most 7, up to [-7, 7], (up + 1)·gate·σ(1.702·gate)) or "geglu" (gelu(gate)·up,
@@ -74,7 +74,7 @@ class MoKConfig:
     (mok/kernels/common/gated_activation.py), with the router-weight gradient as for SwiGLU.
     expert_bias: the routed experts have biases (gpt-oss's): b_gate, b_up [E, I] added to h_gate and
     h_up, b_down [E, H] to each expert's output y (so the router-weight gradient <dout, y> includes
-    it); the backward returns their gradients. bf16 precision and the staged launches only, without
+    it); the backward returns their gradients. bf16 precision, staged or in one launch, without
     fuse_wgrad_accumulation or a shared expert, so far.
     """
 
@@ -178,17 +178,15 @@ def check_combination(config: "MoKConfig") -> None:
         if any(v % 16 for v in widths.values()):
             raise ValueError(f"saved_h_format='mxfp8': expected widths that are multiples of 16 (h's 2I in blocks of 32), got {widths}")
     if config.gate_up_joined:
-        others = {f"precision={config.precision!r}": config.precision != "bf16", "fuse_wgrad_accumulation": config.fuse_wgrad_accumulation,
-                  "one_launch": config.one_launch and config.gate_up_layout == "interleaved"}
+        others = {f"precision={config.precision!r}": config.precision != "bf16", "fuse_wgrad_accumulation": config.fuse_wgrad_accumulation}
         if any(others.values()):
             raise ValueError(
                 f"gate_up_layout={config.gate_up_layout!r}: not with {', '.join(k for k, v in others.items() if v)} (its one "
-                "[E, 2I, H] gradient comes from the bf16 weight-gradient GEMM, fresh; the one-launch kernel reads packed rows: not "
-                "written yet for the others)"
+                "[E, 2I, H] gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
             )
     if config.expert_bias:
         others = {"fuse_wgrad_accumulation": config.fuse_wgrad_accumulation, "a shared expert": config.has_shared_expert,
-                  "one_launch": config.one_launch, f"precision={config.precision!r}": config.precision != "bf16"}
+                  f"precision={config.precision!r}": config.precision != "bf16"}
         if any(others.values()):
             raise ValueError(f"expert_bias: not with {', '.join(k for k, v in others.items() if v)} (not written yet)")
     if config.dispatch_format == "mxfp8":

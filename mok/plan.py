@@ -132,7 +132,7 @@ class Plan:
             ep_world = c.ep_size if self.ep else None
             for save_h in (False, True):
                 v.append(expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=shared, ep_world=ep_world,
-                                            dispatch_format=c.dispatch_format, activation=act))
+                                            dispatch_format=c.dispatch_format, activation=act, bias=c.expert_bias))
                 if self.shared_in_routed:
                     v.append(expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=True, shared_prefix=True,
                                                 activation=act))
@@ -200,10 +200,11 @@ class Plan:
         epilogues = (("swiglu", "swiglu_save") if not self.one_launch else ()) + (("swiglu_save",) if c.recomputes_h else ())
         v = [grouped_gemm_variant(i, h, epilogue=e, gather_a=self.gather_in_gemm, persistent=self.persistent, activation=c.activation,
                                   **self._bias, **strides) for e in epilogues]
-        if self.one_launch:  # (concatenated only: the config refuses one_launch with interleaved rows)
+        if self.one_launch:
             ep_world = c.ep_size if self.ep else None
             v += [expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=c.has_shared_expert, ep_world=ep_world,
-                                     dispatch_format=c.dispatch_format, gate_up_stride=strides["b_expert_stride"], activation=c.activation)
+                                     dispatch_format=c.dispatch_format, gate_up_stride=strides["b_expert_stride"],
+                                     gate_up_row_stride=strides.get("b_row_stride"), activation=c.activation, bias=c.expert_bias)
                   for save_h in (False, True)]
         dx = dict(scatter=True, topk=k) if self.ep else dict(persistent=self.persistent)
         v.append(grouped_gemm_variant(h, 2 * i, b_major="n", k_split=True, **strides, **dx))

@@ -508,8 +508,8 @@ def test_precompiled_variants_are_the_ones_a_training_step_launches():
 def test_gate_up_parts_of_one_tensor_give_the_bits_of_packed_weights(T, H, I, E, k, shared_inter, options, layout):
     """w_gate and w_up as the two halves of one [E, 2I, H] tensor (transformers' gate_up_proj: each
     expert's block contiguous, 2·I·H apart), or as its even and odd rows (gpt-oss's, stored for
-    MoK: rows 2·H apart), read in place by the forward's gate/up GEMM (or, halves only, the
-    one-launch kernel; or the recompute) and the backward's dx GEMM: the output and every gradient
+    MoK: rows 2·H apart), read in place by the forward's gate/up GEMM (or the one-launch kernel, or
+    the recompute) and the backward's dx GEMM: the output and every gradient
     bitwise those of packed copies; with gate_up_layout set so, dW_gate and dW_up come as one
     [E, 2I, H] tensor of the same layout holding those bits."""
     x, idx, w, (wg, wu, wd), shared = gpu_layer(T, H, I, E, k, shared_inter, seed=21)
@@ -517,10 +517,6 @@ def test_gate_up_parts_of_one_tensor_give_the_bits_of_packed_weights(T, H, I, E,
     gate_up = torch.stack([wg, wu], dim=2).flatten(1, 2) if interleaved else torch.cat([wg, wu], dim=1)  # [E, 2I, H]
     parts = (gate_up[:, 0::2], gate_up[:, 1::2], wd) if interleaved else (gate_up[:, :I], gate_up[:, I:], wd)
     assert torch.equal(parts[0], wg) and torch.equal(parts[1], wu) and parts[0].stride(0) == 2 * I * H
-    if interleaved and options.get("one_launch"):
-        with pytest.raises(ValueError, match=r"each expert's \[\d+, \d+\] block contiguous"):
-            moe_forward(x, idx, w, *parts, shared, save_for_backward=True, **options)
-        return
     dout = torch.randn(T, H, device="cuda").bfloat16()
     want_out = moe_forward(x, idx, w, wg, wu, wd, shared, save_for_backward=True, **options)
     want = moe_backward(dout, x, idx, w, wg, wu, wd, shared, want_out, **options)

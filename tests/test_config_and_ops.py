@@ -508,15 +508,16 @@ def test_concatenated_gate_up_layout_is_checked_and_precompiled():
 
 def test_interleaved_gate_up_layout_is_checked_and_precompiled():
     """gate_up_layout="interleaved" (gpt-oss's gate and up alternating row by row, stored for MoK):
-    refused with one_launch (its kernel reads packed rows) and beside what has no joined gradient;
-    the weights must be the even and odd rows of one [E, 2I, H] tensor; the plan lists the GEMMs
-    that read them in place (expert stride 2·I·H, row stride 2·H) and the weight gradient that
+    refused beside what has no joined gradient; the weights must be the even and odd rows of one
+    [E, 2I, H] tensor; the plan lists the GEMMs that read them in place (expert stride 2·I·H, row
+    stride 2·H; with one_launch its kernels, with the biases too) and the weight gradient that
     writes dW_gate and dW_up into the even and odd rows of one tensor."""
     from mok.pipeline.forward import check_inputs
     from mok.plan import plan_for
 
-    with pytest.raises(ValueError, match=r"gate_up_layout='interleaved': not with one_launch"):
-        MoKConfig(256, 128, 8, 2, gate_up_layout="interleaved", one_launch=True)
+    one = plan_for(MoKConfig(256, 128, 8, 2, gate_up_layout="interleaved", one_launch=True, expert_bias=True), "sm_90a").variants()
+    in_place = [v.config for v in one if v.name == "expert_mlp" and v.config.get("gate_up_row_stride") == 2 * 256]
+    assert sorted(c["save_h"] for c in in_place) == [False, True] and all(c["gate_up_stride"] == 2 * 128 * 256 and c["bias"] for c in in_place)
     with pytest.raises(ValueError, match=r"gate_up_layout='interleaved': not with fuse_wgrad_accumulation"):
         MoKConfig(256, 128, 8, 2, gate_up_layout="interleaved", fuse_wgrad_accumulation=True)
     config = MoKConfig(256, 128, 8, 2, gate_up_layout="interleaved")

@@ -117,8 +117,9 @@ def test_bad_bias_input_is_refused_naming_it():
         MoKConfig(64, 32, 8, 2, 32, expert_bias=True)
     with pytest.raises(ValueError, match="expert_bias: not with fuse_wgrad_accumulation"):
         MoKConfig(64, 32, 8, 2, expert_bias=True, fuse_wgrad_accumulation=True)
-    with pytest.raises(ValueError, match="expert_bias: not with one_launch"):
-        MoKConfig(64, 32, 8, 2, expert_bias=True, one_launch=True)
+    for ep_size in (1, 2):  # with one_launch: its kernels add the biases, at one GPU and per rank
+        one = plan_for(MoKConfig(64, 32, 8, 2, ep_size=ep_size, expert_bias=True, one_launch=True), "sm_90a").variants()
+        assert sorted(v.config["save_h"] for v in one if v.name == "expert_mlp" and v.config.get("bias")) == [False, True]
     with pytest.raises(ValueError, match="expert_bias: not with precision='mxfp8_emulated'"):
         MoKConfig(128, 128, 8, 2, expert_bias=True, precision="mxfp8_emulated")
     on_sm100 = plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True), "sm_100a").variants()  # (whole tiles there)

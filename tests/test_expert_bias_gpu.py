@@ -122,7 +122,7 @@ def test_forward_and_backward_match_autograd_of_the_reference(T, H, I, E, k, act
         assert rel_err(g, leaf.grad) <= 2e-2, (name, rel_err(g, leaf.grad))
 
 
-def test_bits_are_deterministic_batch_invariant_and_equal_with_h_recomputed():
+def test_bits_are_deterministic_batch_invariant_and_equal_with_h_recomputed_or_in_one_launch():
     T, H, I, E, k = 2048, 2880, 2880, 16, 4
     x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=7)
     biases = biases_for(E, H, I, seed=7)
@@ -131,17 +131,19 @@ def test_bits_are_deterministic_batch_invariant_and_equal_with_h_recomputed():
     first = all_bits(*train_step(plan, x, idx, w, experts, biases, dout))
     for _ in range(9):
         assert all(torch.equal(a, b) for a, b in zip(all_bits(*train_step(plan, x, idx, w, experts, biases, dout)), first))
-    recomputed = all_bits(*train_step(plan_of(H, I, E, k, saved_h_format="recompute"), x, idx, w, experts, biases, dout))
-    assert all(torch.equal(a, b) for a, b in zip(recomputed, first))
+    for options in (dict(saved_h_format="recompute"), dict(one_launch=True)):  # h recomputed; the forward in one launch
+        again = all_bits(*train_step(plan_of(H, I, E, k, **options), x, idx, w, experts, biases, dout))
+        assert all(torch.equal(a, b) for a, b in zip(again, first)), options
     rows = torch.randperm(T, device="cuda")[:17]
     part_out, part = train_step(plan, *(t[rows].contiguous() for t in (x, idx, w)), experts, biases, dout[rows].contiguous())
     assert torch.equal(part_out, first[0][rows]) and torch.equal(part.dx, first[1][rows]) and torch.equal(part.d_topk_w, first[2][rows])
 
 
-def test_ep_with_biases_equals_one_gpu_bitwise():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_ep_with_biases_equals_one_gpu_bitwise(one_launch):
     """EP = 2 emulated on one GPU (two workspaces on one buffer, two streams): each rank's output,
     dx, d_topk_w and its experts' weight and bias gradients are the single-GPU bits of the
-    concatenated batch."""
+    concatenated batch, the forward staged or in one launch per rank."""
     from mok.pipeline.workspace import EPLayout, EPWorkspace
 
     world, counts, H, I, E, k = 2, (300, 517), 1032, 520, 8, 4
@@ -155,7 +157,7 @@ def test_ep_with_biases_equals_one_gpu_bitwise():
     douts = split_rows(dout, counts)
     local = E // world
     rank_biases = [tuple(b[p * local:(p + 1) * local].contiguous() for b in biases) for p in range(world)]
-    plan = plan_of(H, I, E, k, ep_size=world)
+    plan = plan_of(H, I, E, k, ep_size=world, one_launch=one_launch)
 
     def forward(ws, p, timeout_s):
         xr, ir, wr, *ex, _ = per_rank[p]

@@ -948,12 +948,13 @@ SM100_ONE_LAUNCH = [  # (H, I, k, E, options): DeepSeek-V3 keeping h, Qwen3 with
     (7168, 2048, 8, 32, dict(save_h=True)),
     (2048, 768, 8, 64, dict(save_h=True, has_shared=True, shared_prefix=True)),
     (7168, 2048, 8, 32, dict(ep_world=8, dispatch_format="mxfp8")),
-    (2880, 2880, 4, 32, dict(save_h=True, activation="clamped_swiglu", gate_up_stride=2 * 2880 * 2880)),
+    (2880, 2880, 4, 32, dict(save_h=True, activation="clamped_swiglu", gate_up_stride=2 * 2880 * 2880, gate_up_row_stride=2 * 2880,
+                             bias=True)),
 ]
 
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
-@pytest.mark.parametrize("hidden,inter,topk,experts,options", SM100_ONE_LAUNCH, ids=["dsv3", "shared-first", "ep8-mxfp8", "gpt-oss"])
+@pytest.mark.parametrize("hidden,inter,topk,experts,options", SM100_ONE_LAUNCH, ids=["dsv3", "shared-first", "ep8-mxfp8", "gpt-oss-in-place"])
 def test_sm100_one_launch_forward_runs_both_gemms_on_tcgen05_and_syncs_with_integer_release_acquire(
     arch, hidden, inter, topk, experts, options
 ):
@@ -984,6 +985,25 @@ def test_sm100_one_launch_forward_runs_both_gemms_on_tcgen05_and_syncs_with_inte
     assert count(r"fence\.acq_rel\.gpu", ptx) >= 2 * 3 if ep else count(r"fence\.acq_rel\.gpu", ptx) == 2 * 2  # the grid barriers
     assert "%globaltimer" in ptx and count(r"fence\.proxy\.async\.global", ptx) >= 2
     assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (0, None)
+
+
+def test_one_launch_forward_reads_interleaved_rows_in_place_and_adds_the_biases_on_hopper():
+    """gpt-oss in one launch: w_gate and w_up as the even and odd rows of one [E, 2I, H] tensor change
+    only B's TMA descriptor (the device code is the expert-strided kernel's byte for byte); the
+    biases add their bf16-pair loads (32 bits) in both GEMMs' epilogues; no spills, the register
+    hand-over fits."""
+    def body(ptx):
+        return ptx[ptx.index(".entry"):]
+
+    h = i = 2880
+    base = dict(save_h=True, activation="clamped_swiglu", gate_up_stride=2 * i * h)
+    packed = compiled_ptx(expert_mlp_variant(h, i, 4, 32, **base), "sm_90a")
+    strided = compiled_ptx(expert_mlp_variant(h, i, 4, 32, **base, gate_up_row_stride=2 * h), "sm_90a")
+    assert body(strided) == body(packed)
+    biased = compiled_ptx(expert_mlp_variant(h, i, 4, 32, **base, gate_up_row_stride=2 * h, bias=True), "sm_90a")
+    assert count(r"ld\.global\.b32", biased) > count(r"ld\.global\.b32", packed)
+    assert count(r"\.local", biased) == 0 and ptxas_spill_bytes(biased) in (0, None)
+    assert_register_handover_fits(biased)
 
 
 def test_one_launch_ep_forward_in_mxfp8_quantizes_as_it_publishes_and_dequantizes_as_it_copies():

@@ -18,8 +18,7 @@ What runs on MoK: the routed experts, ``out[t] = Σ_j w[t, j]·(silu(x[t]·W_gat
 with the model's own router's top-k ids and weights (softmax or sigmoid, group-limited top-k, bias
 correction, scaling all stay the model's code; the weights' gradient flows back through it). The
 op is ``torch.ops.mok.moe_forward`` (mok/torch_ops.py): MoK's fused kernels on a Hopper GPU (bf16,
-H and I multiples of 8, of 128 with ``one_launch``), the fp32 reference on the CPU (any widths
-MoKConfig takes).
+H and I multiples of 8), the fp32 reference on the CPU (any widths MoKConfig takes).
 
 Weights: transformers stores each family's experts as ``gate_up_proj`` [E, 2I, H] (gate rows first)
 and ``down_proj`` [E, H, I]. Both are used in place: ``down_proj`` is MoK's ``w_down`` as it is,
@@ -125,8 +124,8 @@ def _families() -> str:
 def _what_mok_runs() -> str:
     return (
         "MoK runs gated experts, act(x·W_gateᵀ + b_gate, x·W_upᵀ + b_up)·W_downᵀ + b_down with SwiGLU (or gpt-oss's clamped "
-        "SwiGLU, with biases: the CPU reference path so far), stored as transformers' gate_up_proj (gate and up concatenated or "
-        "interleaved), down_proj and their biases (on the GPU: bf16, H and I multiples of 8; of 128 with one_launch); "
+        "SwiGLU, with biases), stored as transformers' gate_up_proj (gate and up concatenated or interleaved), down_proj and "
+        "their biases (on the GPU: bf16, H and I multiples of 8); "
         f"supported families: {_families()}"
     )
 

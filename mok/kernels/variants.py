@@ -343,7 +343,7 @@ def row_dots_variant(width: int, out_stride: int) -> KernelVariant:
 def expert_mlp_variant(
     hidden: int, inter: int, topk: int, num_experts: int, *, save_h: bool = False, has_shared: bool = False,
     ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16", gate_up_stride: int | None = None,
-    activation: str = "swiglu",
+    activation: str = "swiglu", gate_up_row_stride: int | None = None, bias: bool = False,
 ) -> KernelVariant:
     """The routed experts' whole forward in one persistent launch: the schedule of the
     routing over ``num_experts`` experts, a grid barrier, fc1 (gathered rows, SwiGLU; ``save_h``
@@ -352,8 +352,8 @@ def expert_mlp_variant(
     ``ep_world`` (W): the whole expert-parallel forward of one rank of W, exchanges included;
     ``shared_prefix`` (with ``has_shared``, one GPU): the shared expert runs as expert E, its rows
     first; ``dispatch_format`` "mxfp8" (with ``ep_world``): x published in MXFP8, dequantized as it
-    arrives; ``gate_up_stride``: w_gate's and w_up's expert stride (None: packed); ``activation``:
-    fc1's gated activation. See mok/kernels/common/expert_mlp.py (Hopper's kernel: sm90/, SM100's: sm100/)."""
+    arrives; ``gate_up_stride``, ``gate_up_row_stride``: w_gate's and w_up's expert and row strides
+    (None: packed); ``activation``: fc1's gated activation; ``bias``: the experts' biases. See mok/kernels/common/expert_mlp.py (Hopper's kernel: sm90/, SM100's: sm100/)."""
     check_activation(activation)
     options = dict(save_h=save_h, has_shared=has_shared, num_experts=num_experts)
     if ep_world is not None:
@@ -366,6 +366,10 @@ def expert_mlp_variant(
         options["gate_up_stride"] = gate_up_stride
     if activation != "swiglu":
         options["activation"] = activation
+    if gate_up_row_stride is not None:
+        options["gate_up_row_stride"] = gate_up_row_stride
+    if bias:
+        options["bias"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:  # tcgen05 (compile-verified only): fc2 in 128-column tiles, its stages fc1's

@@ -22,7 +22,7 @@ from ..kernels.constants import GRID_SYNC_WORDS
 from ..kernels.variants import expert_mlp_variant
 from ..runtime import launch
 from ..schedule import Schedule, shared_prefix_rows, worst_case_capacity
-from ..validation import check_tensor, check_timeout, gate_up_expert_stride
+from ..validation import check_tensor, check_timeout, weight_strides
 from .common import BF16, I32, bf16_out, check_32bit_rows, check_launchable, check_weights_launchable, kernel_for, sm_count
 
 TILE = 128  # the one-launch forward's row tile and fc1's column tile
@@ -61,6 +61,7 @@ def scheduled_expert_mlp(
     timeout_s: float = 10.0,
     shared_in_routed: bool = False,
     activation: str = "swiglu",
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, Schedule]:
     """The routed experts' whole forward in ONE launch (module docstring). Returns (out [T, H] bf16,
     the schedule), the bits of ``device_schedule``, ``grouped_gemm(x, w_gate, ..., b2=w_up,
@@ -68,8 +69,8 @@ def scheduled_expert_mlp(
 
     x [T, H] bf16; topk_idx [T, k] int32 (ids in [0, E), not checked here:
     :func:`mok.validation.check_moe_inputs`); topk_w [T, k] fp32; w_gate, w_up [E, I, H]; w_down
-    [E, H, I] (H, I multiples of 8; w_gate and w_up may be the halves of one [E, 2I, H] tensor,
-    read in place: mok.validation.gate_up_expert_stride). ``h_out`` [R, 2I]: keep h for the backward (R the worst
+    [E, H, I] (H, I multiples of 8; w_gate and w_up may be the halves or the even and odd rows of one
+    [E, 2I, H] tensor, read in place: mok.validation.weight_strides). ``h_out`` [R, 2I]: keep h for the backward (R the worst
     case's rows); ``shared_out`` [T, H]: a shared expert's output, added by the combine.
     ``grid_sync``: the barriers' GRID_SYNC_WORDS int32 words, zero when first used and kept across
     calls (the barrier leaves them ready for the next); two launches that may run at the same time
@@ -80,7 +81,9 @@ def scheduled_expert_mlp(
     shared expert that runs as one more expert, its T rows in front of the routed ones (the
     schedule's shared prefix); its output rows are the combine's shared input (so no
     ``shared_out``), h_out then has the prefix's rows too (its h is h_out[:T]). ``activation``: fc1's
-    gated activation (mok.kernels.constants.ACTIVATIONS; SwiGLU by default).
+    gated activation (mok.kernels.constants.ACTIVATIONS; SwiGLU by default). ``biases``: the
+    experts' (b_gate [E, I], b_up [E, I], b_down [E, H] bf16, contiguous), added to their GEMMs'
+    products before anything else, as the grouped GEMMs add them (not with ``shared_in_routed``).
     """
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     num_tokens, hidden = x.shape
@@ -90,7 +93,8 @@ def scheduled_expert_mlp(
     num_experts, inter = w_gate.shape[:2]
     check_tensor("w_gate", w_gate, shape=(num_experts, inter, hidden))
     check_tensor("w_up", w_up, dtypes=BF16, shape=(num_experts, inter, hidden), device=x.device)
-    gate_up_stride = gate_up_expert_stride(w_gate, w_up)
+    gate_up_stride, gate_up_row_stride = weight_strides("w_gate", w_gate)
+    weight_strides("w_up", w_up, like=w_gate)
     check_tensor("w_down", w_down, dtypes=BF16, shape=(num_experts, hidden, inter), device=x.device, contiguous=True)
     if hidden % 8 or inter % 8:
         raise ValueError(f"w_gate: expected H and I multiples of 8 (16-byte rows), got H={hidden}, I={inter}")
@@ -101,6 +105,11 @@ def scheduled_expert_mlp(
                 f"shared_out {'given' if shared_out is not None else 'None'}"
             )
         num_experts -= 1  # (routed)
+    if biases is not None:
+        if shared_in_routed or len(biases) != 3:
+            raise ValueError("biases: expected (b_gate, b_up, b_down) of the routed experts, without shared_in_routed")
+        for name, bias, width in (("b_gate", biases[0], inter), ("b_up", biases[1], inter), ("b_down", biases[2], hidden)):
+            check_tensor(name, bias, dtypes=BF16, shape=(num_experts, width), device=x.device, contiguous=True)
     if topk_idx.shape[0] != num_tokens:
         raise ValueError(f"topk_idx: expected one row per token of x ({num_tokens}), got {topk_idx.shape[0]}")
     check_tensor("topk_w", topk_w, dtypes=(torch.float32,), shape=(num_tokens, topk), device=x.device, contiguous=True)
@@ -117,7 +126,8 @@ def scheduled_expert_mlp(
     y_rows = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=x.device)
     if shared_in_routed:
         shared_out = y_rows[:num_tokens]
-    check_launchable(x=x, topk_idx=topk_idx, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out)
+    bias_args = {} if biases is None else dict(zip(("bias_gate", "bias_up", "bias_down"), biases))
+    check_launchable(x=x, topk_idx=topk_idx, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out, **bias_args)
     check_weights_launchable(w_gate=w_gate, w_up=w_up, w_down=w_down)
     check_32bit_rows("a (fc1's output)", capacity, inter)
     schedule = Schedule.empty(num_tokens, topk, num_experts, capacity, TILE, x.device, shared_rows=prefix)
@@ -127,10 +137,10 @@ def scheduled_expert_mlp(
     a = torch.empty(capacity, inter, dtype=torch.bfloat16, device=x.device)
     variant = expert_mlp_variant(
         hidden, inter, topk, num_experts, save_h=h_out is not None, has_shared=shared_out is not None, shared_prefix=shared_in_routed,
-        gate_up_stride=gate_up_stride, activation=activation,
+        gate_up_stride=gate_up_stride, gate_up_row_stride=gate_up_row_stride, activation=activation, bias=biases is not None,
     )
     launch_expert_mlp(
-        variant, x.device, timeout_s, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, a=a, h=h_out, y=y_rows, topk_w=topk_w,
+        variant, x.device, timeout_s, **bias_args, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, a=a, h=h_out, y=y_rows, topk_w=topk_w,
         shared=shared_out, out=out, counters=counters, topk_idx=topk_idx, sync=grid_sync_words(x.device) if grid_sync is None else grid_sync,
         num_rows=capacity, num_experts=num_experts, num_tokens=num_tokens, **schedule_arguments(schedule),
     )

@@ -27,7 +27,7 @@ from ..ops.common import bf16_out, check_cuda_aligned, kernel_for, sm_count
 from ..ops.one_launch import TILE, expert_mlp_counters, launch_expert_mlp, schedule_arguments
 from ..runtime import launch
 from ..schedule import Schedule
-from ..validation import gate_up_expert_stride
+from ..validation import weight_strides
 from .workspace import EPWorkspace
 
 
@@ -216,16 +216,19 @@ class OneLaunchStatics:
 
 def one_launch_statics(
     ws: EPWorkspace, dev: torch.device, num_local: int, inter: int, save_h: bool, has_shared: bool, dispatch_format: str,
-    gate_up_stride: int | None = None, activation: str = "swiglu",
+    gate_up_strides: tuple = (None, None), activation: str = "swiglu", bias: bool = False,
 ) -> OneLaunchStatics:
-    key = (num_local, inter, save_h, has_shared, dispatch_format, gate_up_stride, activation)
+    """The launch's statics for these options (``gate_up_strides``: w_gate's and w_up's expert and
+    row strides, mok.validation.weight_strides), built on the workspace's first such call."""
+    key = (num_local, inter, save_h, has_shared, dispatch_format, gate_up_strides, activation, bias)
     found = ws.one_launch_statics.get(key)
     if found is None:
         lay = ws.layout
         capacity = ws.expert_rows(num_local, TILE)
         variant = expert_mlp_variant(
             lay.hidden, inter, lay.topk, num_local, save_h=save_h, has_shared=has_shared, ep_world=lay.world,
-            dispatch_format=dispatch_format, gate_up_stride=gate_up_stride, activation=activation,
+            dispatch_format=dispatch_format, gate_up_stride=gate_up_strides[0], gate_up_row_stride=gate_up_strides[1],
+            activation=activation, bias=bias,
         )
         names = {"flags": "flags", "x_pub": "x", "idx_pub": "idx", "slots": "slots"}
         regions = {arg: ws.region(name, 0) for arg, name in names.items()}
@@ -240,7 +243,7 @@ def one_launch_statics(
 
 
 def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out, h, *, timeout_s: float, dispatch_format: str,
-                       max_ctas: int | None = None, activation: str = "swiglu"):
+                       max_ctas: int | None = None, activation: str = "swiglu", biases: tuple | None = None):
     """The expert-parallel forward of this rank in ONE launch (mok/kernels/common/expert_mlp.py with
     ``ep_world``): every CTA publishes its share of x and the routing, the ranks meet on the epoch
     flags, every CTA gathers every rank's routing and copies the tokens routed here into x_all,
@@ -248,14 +251,18 @@ def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out
     token's slot on its token's rank) and, after the done handshake, combines this rank's tokens.
     Returns (out, schedule, routing, x_all). ``h``: h's buffer (saving it) or None. ``max_ctas``:
     the CTA cap (default: every SM, or an equal share when several ranks run on this GPU);
-    ``activation``: the experts' gated activation."""
+    ``activation``: the experts' gated activation; ``biases``: this rank's experts' (b_gate, b_up,
+    b_down), as mok.ops.scheduled_expert_mlp takes them."""
     check_cuda_aligned("x", x)  # (the launch copies it in 16-byte vectors)
     lay, dev = ws.layout, x.device
     w_gate, w_up, w_down = weights
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
+    strides = weight_strides("w_gate", w_gate)
+    weight_strides("w_up", w_up, like=w_gate)
     static = one_launch_statics(
-        ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, gate_up_expert_stride(w_gate, w_up), activation
+        ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, strides, activation, biases is not None
     )
+    bias_args = {} if biases is None else dict(zip(("bias_gate", "bias_up", "bias_down"), biases))
     tokens_all = lay.world * lay.max_tokens
     sched = Schedule.empty(tokens_all, lay.topk, num_local, static.capacity, TILE, dev, world_size=lay.world)
     routing = torch.empty(tokens_all, lay.topk, dtype=torch.int32, device=dev)
@@ -264,7 +271,7 @@ def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out
     out = torch.empty(x.shape[0], lay.hidden, dtype=x.dtype, device=dev)
     counters = torch.empty(static.counters, dtype=torch.int32, device=dev)  # zeroed by the launch's schedule
     launch_expert_mlp(
-        static.variant, dev, timeout_s, x=x_all, w_gate=w_gate, w_up=w_up, w_down=w_down, a=a, h=h, topk_w=topk_w, shared=shared_out,
+        static.variant, dev, timeout_s, **bias_args, x=x_all, w_gate=w_gate, w_up=w_up, w_down=w_down, a=a, h=h, topk_w=topk_w, shared=shared_out,
         out=out, counters=counters, topk_idx=routing, sync=static.grid_sync, x_in=x, idx_in=topk_idx, rank=ws.rank, t_max=lay.max_tokens,
         my_tokens=x.shape[0], num_rows=static.capacity, num_experts=num_local, num_tokens=tokens_all,
         max_ctas=max_ctas or static.max_ctas, **static.regions, **schedule_arguments(sched),

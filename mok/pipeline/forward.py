@@ -159,7 +159,7 @@ def forward(
         launch_weights = stacked if stacked is not None else weights
         out, sched = ops.scheduled_expert_mlp(
             x, topk_idx, topk_w, *launch_weights, h_out=h, shared_out=shared_out, out=out, shared_in_routed=stacked is not None,
-            activation=plan.activation,
+            activation=plan.activation, biases=biases,
         )
         return ForwardResult(out, sched, h, shared_h)
     sched = ops.device_schedule(topk_idx, num_local, block_m=TILE_M, capacity=capacity, shared_prefix=stacked is not None)
@@ -207,7 +207,7 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
         shared_out = None if shared is None else stages.shared_expert_forward(plan, x, shared, shared_h)
         out, sched, routing, x_all = exchange.one_launch_forward(
             ws, x, topk_idx, topk_w, weights, shared_out, h, timeout_s=timeout_s, dispatch_format=c.dispatch_format,
-            activation=plan.activation,
+            activation=plan.activation, biases=biases,
         )
         x_rows = ops.gather_rows(x_all, sched.row_token) if save else None  # the backward's rows (training only)
         ws.copy_record()

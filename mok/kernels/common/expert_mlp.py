@@ -27,7 +27,10 @@ grid barrier the done handshake, then the combine reads this rank's slots.
 
 With ``has_shared`` the combine adds a shared expert's output rows; with ``shared_prefix`` (one
 GPU) that shared expert, of the routed ones' shapes, runs as expert E of the weights (E + 1 of
-them), the schedule putting its T rows first, and the combine reads its output rows.
+them), the schedule putting its T rows first, and the combine reads its output rows. With
+``bias`` the GEMMs add the experts' biases in their epilogues, as the grouped GEMMs do alone;
+w_gate and w_up may be the halves or the even and odd rows of one [E, 2I, H] tensor
+(``gate_up_stride``, ``gate_up_row_stride``: their expert and row strides).
 
 The arch's subclass (sm90/expert_mlp.py: WGMMA; sm100/expert_mlp.py: tcgen05) builds ``fc1``
 and ``fc2`` (its grouped GEMMs: the gathering SwiGLU one and the down projection), sets
@@ -84,6 +87,7 @@ class MlpTensors:
     ep_args: tuple | None
     scatter_dst: tuple | None
     combine_args: tuple
+    biases: tuple  # the experts' gate, up and down bias rows [E·I], [E·I], [E·H] (read with ``bias``)
     sync_ptr: cute.Pointer
     num_rows: cutlass.Int32
     num_experts: cutlass.Int32
@@ -98,10 +102,12 @@ class ExpertMlp:
 
     def configure(
         self, hidden: int, inter: int, topk: int, *, has_shared: bool, num_experts: int, ep_world: int | None, shared_prefix: bool,
-        dispatch_format: str,
+        dispatch_format: str, bias: bool,
     ) -> None:
         """Check and keep the static configuration shared by every arch (the subclass's arguments of
         the same names)."""
+        if bias and shared_prefix:
+            raise ValueError("bias: not with shared_prefix (the shared expert has no biases)")
         if hidden % VECTOR or inter % VECTOR:
             raise ValueError(f"hidden, inter: expected multiples of {VECTOR} (16-byte rows), got H={hidden}, I={inter}")
         if ep_world is not None and (not 1 <= ep_world <= 32 or topk > 32):
@@ -115,6 +121,7 @@ class ExpertMlp:
         self.schedule = ScheduleKernel(num_experts, topk, TILE)
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.has_shared = has_shared
+        self.bias = bias
 
     def check_scratch(self, region_bytes: int) -> None:
         """Raise unless the schedule's scratch (``threads`` per CTA) fits the ``region_bytes`` of
@@ -145,6 +152,9 @@ class ExpertMlp:
         counts_ptr: cute.Pointer,
         overflow_ptr: cute.Pointer,
         sync_ptr: cute.Pointer,
+        bias_gate_ptr: cute.Pointer,
+        bias_up_ptr: cute.Pointer,
+        bias_down_ptr: cute.Pointer,
         flags_ptr: cute.Pointer,
         x_pub_ptr: cute.Pointer,
         idx_pub_ptr: cute.Pointer,
@@ -170,7 +180,8 @@ class ExpertMlp:
         With it: x_ptr is x_all [W·T_max, H] and topk_idx_ptr the routing [W·T_max, k] this launch
         fills, num_tokens = W·T_max; topk_w, shared and out are this rank's ``my_tokens`` rows;
         flags, x_pub, idx_pub and slots are rank 0's regions of the workspace (each rank's
-        ``*_stride`` elements further), x_in and idx_in this rank's inputs."""
+        ``*_stride`` elements further), x_in and idx_in this rank's inputs. The biases are read
+        with ``bias`` only."""
         hid, inter = self.hidden, self.inter
         num_row_tiles = (num_rows + TILE - 1) // TILE
         row_major = lambda ptr, rows, cols: cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))  # noqa: E731
@@ -224,12 +235,13 @@ class ExpertMlp:
             scatter_dst = self.fc2.scatter_target((slots_ptr, t_max, slots_stride))
             m_y_combined = row_major(slots_ptr + rank * slots_stride, t_max * k, hid)
         m_topk_w = cute.make_tensor(topk_w_ptr, cute.make_layout((num_tokens * self.topk,)))
+        biases = (vec(bias_gate_ptr, weights * inter), vec(bias_up_ptr, weights * inter), vec(bias_down_ptr, weights * hid))
         combine_args = (m_y_combined, m_token_w, m_slot_row, row_major(shared_ptr, combined, hid), row_major(out_ptr, combined, hid))
         self.launch(
             MlpTensors(
                 m_x, m_a3, m_a, m_y, m_h, m_a_st, m_y_st, m_wg, m_wu, m_wd, m_row_token, m_row_slot, m_topk_w, m_tiles, m_flags,
-                m_ready, m_offsets, sched_args, ep_args, scatter_dst, combine_args, sync_ptr, num_rows, num_experts, num_row_tiles,
-                max_ctas, timeout_ns,
+                m_ready, m_offsets, sched_args, ep_args, scatter_dst, combine_args, biases, sync_ptr, num_rows, num_experts,
+                num_row_tiles, max_ctas, timeout_ns,
             ),
             stream,
         )

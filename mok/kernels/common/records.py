@@ -51,6 +51,7 @@ EXPERT_MLP_ARGS = LaunchArgs(
     ptr("topk_w", "f32", 4), ptr("slot_row", "i32", 4), ptr("shared", "bf16"), ptr("out", "bf16"), ptr("counters", "i32", 4),
     ptr("offsets", "i32", 4), ptr("topk_idx", "i32", 4), ptr("counts", "i32", 4), ptr("overflow", "i32", 4),
     ptr("sync", "i32", 4),
+    ptr("bias_gate", "bf16", 4), ptr("bias_up", "bf16", 4), ptr("bias_down", "bf16", 4),  # the experts' biases [E, I], [E, I], [E, H] (``bias``)
     # expert parallelism: rank 0's regions of the workspace, this rank's inputs, their rank strides in elements
     ptr("flags", "i32", 4), ptr("x_pub", "bf16"), ptr("idx_pub", "i32", 4), ptr("slots", "bf16"), ptr("x_in", "bf16"),
     ptr("idx_in", "i32", 4),

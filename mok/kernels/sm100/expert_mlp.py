@@ -57,8 +57,9 @@ from .tcgen05_tile import EPILOGUE_THREADS, FIRST_GATHER_WARP, LOAD_WARP, MMA_WA
 
 class ExpertMlpSm100(ExpertMlp, Tcgen05TileKernel):
     """Static config: H, I, top-k, whether h is saved for the backward, whether the combine adds a
-    shared expert's output, E, the expert-parallel options, w_gate's and w_up's expert stride and
-    fc1's gated activation (the Hopper kernel's arguments but its fc2 column tile)."""
+    shared expert's output, E, the expert-parallel options, w_gate's and w_up's expert and row
+    strides, fc1's gated activation and the experts' biases (the Hopper kernel's arguments but its
+    fc2 column tile)."""
 
     num_b = 2  # fc1's gate and up accumulators (an fc2 tile uses the first)
     gather_a = True  # fc1's A: x's rows, copied by the gather warps
@@ -68,19 +69,21 @@ class ExpertMlpSm100(ExpertMlp, Tcgen05TileKernel):
     def __init__(
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, has_shared: bool = False, num_experts: int,
         ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16", gate_up_stride: int | None = None,
-        activation: str = "swiglu",
+        gate_up_row_stride: int | None = None, activation: str = "swiglu", bias: bool = False,
     ) -> None:
         """As ExpertMlpSm90's, without its fc2 column tile: 128 here (an fc2 stage brings an fc1 stage's TMA bytes)."""
         self.configure(
             hidden, inter, topk, has_shared=has_shared, num_experts=num_experts, ep_world=ep_world, shared_prefix=shared_prefix,
-            dispatch_format=dispatch_format,
+            dispatch_format=dispatch_format, bias=bias,
         )
         self.save_h = save_h
         self.fc1 = GroupedGemmSm100(
             inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True,
-            b_expert_stride=gate_up_stride, activation=activation,
+            b_expert_stride=gate_up_stride, b_row_stride=gate_up_row_stride, activation=activation, bias=bias,
         )
-        self.fc2 = GroupedGemmSm100(hidden, inter, "plain", tile_n=TILE, persistent=True, topk=topk, scatter=ep_world is not None)
+        self.fc2 = GroupedGemmSm100(
+            hidden, inter, "plain", tile_n=TILE, persistent=True, topk=topk, scatter=ep_world is not None, bias=bias
+        )
         self.tile_shape_mnk = self.fc1.tile_shape_mnk
         self.ab_stage = self.fc1.ab_stage
         self.threads = self.cta_threads
@@ -94,12 +97,12 @@ class ExpertMlpSm100(ExpertMlp, Tcgen05TileKernel):
         fc2_loads = (fc2_loads[0], fc2_loads[1], fc2_loads[1])
         row_args = (t.m_h, t.m_a, t.m_a, t.m_row_token, t.m_row_slot, t.m_topk_w)  # (the epilogues read none of the first three)
         fc1_stores = (self.store_atom(t.m_a_st),) + ((self.store_atom(t.m_h),) if self.save_h else ())
-        fc1_epi = (t.m_a_st, row_args, t.num_rows, None, None, fc1_stores)
+        fc1_epi = (t.m_a_st, row_args, t.num_rows, None, t.biases[:2], fc1_stores)
         if self.ep_world is None:
-            fc2_epi = (t.m_y_st, row_args, t.num_rows, None, None, (self.store_atom(t.m_y_st),))
+            fc2_epi = (t.m_y_st, row_args, t.num_rows, None, t.biases[2:], (self.store_atom(t.m_y_st),))
         else:  # the y rows pushed into the slots: their base (rank 0's slots) as C
             slots = halves(t.scatter_dst[0].iterator, t.num_rows, self.hidden, 1)
-            fc2_epi = (slots, row_args, t.num_rows, t.scatter_dst, None, ())
+            fc2_epi = (slots, row_args, t.num_rows, t.scatter_dst, t.biases[2:], ())
         kernel = self.kernel(
             tiled_mma, layouts, fc1_loads, fc2_loads, fc1_epi, fc2_epi, t.combine_args, t.sched_args, t.ep_args, t.m_x, t.m_tiles,
             t.m_flags, t.m_ready, t.m_offsets, t.sync_ptr, t.num_experts, t.num_row_tiles, t.num_rows, t.timeout_ns,

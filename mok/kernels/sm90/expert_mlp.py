@@ -57,8 +57,7 @@ class ExpertMlpSm90(ExpertMlp):
     def __init__(
         self, hidden: int, inter: int, topk: int, *, save_h: bool = False, has_shared: bool = False, fc2_tile_n: int = TILE,
         num_experts: int, ep_world: int | None = None, shared_prefix: bool = False, dispatch_format: str = "bf16",
-        gate_up_stride: int | None = None,
-        activation: str = "swiglu",
+        gate_up_stride: int | None = None, gate_up_row_stride: int | None = None, activation: str = "swiglu", bias: bool = False,
     ):
         """``fc2_tile_n``: fc2's column tile (128, or 256 as the down projection takes on its own where H allows).
         ``num_experts``: E, the experts (of this rank) the schedule is built over; the launch's E must be it.
@@ -70,17 +69,20 @@ class ExpertMlpSm90(ExpertMlp):
         ``dispatch_format`` (with ``ep_world``): "mxfp8" publishes x quantized (mok.pipeline.exchange.mxfp8_region's
         layout) and dequantizes each row as it is copied into x_all (common/ep_phases.py).
         ``gate_up_stride``: elements from one expert's w_gate (and w_up) to the next (None: I·H; 2·I·H
-        for the halves of one [E, 2I, H] tensor). ``activation``: fc1's gated activation."""
+        for the halves or the even and odd rows of one [E, 2I, H] tensor); ``gate_up_row_stride``:
+        from one of their rows to the next (None: H; 2·H for the even and odd rows).
+        ``activation``: fc1's gated activation. ``bias``: the experts' biases added in both GEMMs'
+        epilogues (common/grouped_gemm.py)."""
         self.configure(
             hidden, inter, topk, has_shared=has_shared, num_experts=num_experts, ep_world=ep_world, shared_prefix=shared_prefix,
-            dispatch_format=dispatch_format,
+            dispatch_format=dispatch_format, bias=bias,
         )
         self.fc1 = GroupedGemmSm90(
             inter, hidden, "swiglu_save" if save_h else "swiglu", tile_n=TILE, persistent=True, gather_a=True,
-            b_expert_stride=gate_up_stride, activation=activation,
+            b_expert_stride=gate_up_stride, b_row_stride=gate_up_row_stride, activation=activation, bias=bias,
         )
         self.fc2 = GroupedGemmSm90(  # EP: y rows pushed into their tokens' ranks
-            hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, topk=topk, scatter=ep_world is not None
+            hidden, inter, "plain", tile_n=fc2_tile_n, persistent=True, topk=topk, scatter=ep_world is not None, bias=bias
         )
         self.fc2_tile_n = fc2_tile_n
         self.region_elems = 3 * TILE * TILE_K * self.fc1.ab_stage  # fc1: A, B, B2 per stage
@@ -130,7 +132,7 @@ class ExpertMlpSm90(ExpertMlp):
         mma_args = (self.fc1.tiled_mma, self.fc2.tiled_mma, a_smem, b_smem, a2_smem, b2_smem, epi_smem)
         self.kernel(
             fc1_args, fc2_args, row_args, t.combine_args, mma_args, t.sched_args, t.ep_args, t.scatter_dst, m_x, t.m_tiles, t.m_flags,
-            t.m_ready, t.m_offsets, t.sync_ptr, t.num_experts, t.num_row_tiles, t.num_rows, t.timeout_ns,
+            t.m_ready, t.m_offsets, t.biases, t.sync_ptr, t.num_experts, t.num_row_tiles, t.num_rows, t.timeout_ns,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -149,6 +151,7 @@ class ExpertMlpSm90(ExpertMlp):
         m_flags: cute.Tensor,
         m_ready: cute.Tensor,
         m_offsets: cute.Tensor,
+        biases: tuple,
         sync_ptr: cute.Pointer,
         num_experts: cutlass.Int32,
         num_row_tiles: cutlass.Int32,
@@ -256,6 +259,8 @@ class ExpertMlpSm90(ExpertMlp):
                 acc.fill(0.0)
                 acc2.fill(0.0)
                 cons, release = self.fc1.consume_tile(pipe1, tiled_mma, acc, acc2, r_a, r_b, r_b2, k1_tiles, cons, release)
+                if cutlass.const_expr(self.bias):
+                    self.fc1.add_bias(mma_tidx, tiled_mma, (acc, acc2), biases[:2], m_tiles[tile_row], tile_col)
                 self.publish(warp_idx, m_ready, pending)  # its stores drained during this mainloop
                 self.fc1.epilogue(
                     mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, fc1_stores, row_args, num_rows, store_pipe
@@ -275,6 +280,8 @@ class ExpertMlpSm90(ExpertMlp):
                 tile_row, tile_col = self.fc2.grouped_tile(tile - fc1_tiles, used_rows, fc2_cols)
                 acc_d.fill(0.0)
                 cons2, release2 = self.fc2.consume_tile(pipe2, mma2, acc_d, acc_d, r_a2, r_bd, r_bd, k2_tiles, cons2, release2)
+                if cutlass.const_expr(self.bias):
+                    self.fc2.add_bias(mma_tidx, mma2, (acc_d, acc_d), biases[2:], m_tiles[tile_row], tile_col)
                 if cutlass.const_expr(self.ep_world is not None):
                     epi_prod = self.fc2.scatter_epilogue(mma_tidx, mma2, acc_d, s_c, epi_pipe, epi_prod)
                 else:
