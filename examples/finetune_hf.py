@@ -9,9 +9,11 @@ backend (grouped_mm), once on MoK (``mok.integrations.transformers.apply(model)`
 experts through MoK's op, the model's own router handing it the top-k ids and weights). The data is
 a random bigram language (each token a fixed random function of the previous one, one in ten
 random), so the loss falls. Prints both loss curves side by side, their largest relative
-difference, both mean step times (the first --warmup steps left out: they compile kernels) and, on
-a GPU, both peak memories; exits 1 if the curves differ by more than --tol. ``--model gpt_oss``:
-gpt-oss's experts (interleaved, transposed gate/up weights with biases, its clamped SwiGLU).
+difference, both mean step times (the first --warmup steps left out: they compile kernels) and
+the part of each spent in the experts modules (forward and backward; the router and the rest of
+the MoE block are outside it), on a GPU both peak memories; exits 1 if the curves differ by more
+than --tol. ``--model gpt_oss``: gpt-oss's experts (interleaved, transposed gate/up weights with
+biases, its clamped SwiGLU).
 
 Needs transformers (``pip install 'mok[hf]'``).
 """
@@ -109,10 +111,58 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+class ExpertsTimer:
+    """The time a step spends in the model's MoE experts modules (those transformers runs through its
+    experts interface, whichever backend), forward and backward: a mark at each module's forward
+    entry and exit and at its backward's (module hooks), CUDA events on a GPU, the wall clock on
+    the CPU. The router, the shared experts and the rest of the MoE block are outside it."""
+
+    def __init__(self, model, device):
+        import mok.integrations.transformers as mok_hf
+
+        self.cuda = device.type == "cuda"
+        self.marks = []  # (entry, exit) pairs of this step
+        self.handles = []
+        for _, experts in mok_hf.experts_modules(model):
+            self.handles += [
+                experts.register_forward_pre_hook(lambda *_: self.enter()), experts.register_forward_hook(lambda *_: self.leave()),
+                experts.register_full_backward_pre_hook(lambda *_: self.enter()),
+                experts.register_full_backward_hook(lambda *_: self.leave()),
+            ]
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def enter(self) -> None:
+        self.marks.append([self.mark(), None])
+
+    def leave(self) -> None:
+        self.marks[-1][1] = self.mark()
+
+    def step_s(self) -> float:
+        """Seconds in the experts modules since the last call (after the step's synchronisation)."""
+        if self.cuda:
+            total = sum(start.elapsed_time(end) for start, end in self.marks) / 1e3
+        else:
+            total = sum(end - start for start, end in self.marks)
+        self.marks = []
+        return total
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def train(model, data, args, device):
-    """Losses and step times (forward, backward, AdamW step) of one run over ``data``."""
+    """Losses, step times (forward, backward, AdamW step) and the experts modules' share of each
+    (ExpertsTimer) of one run over ``data``."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    losses, times = [], []
+    losses, times, experts_times = [], [], []
+    timer = ExpertsTimer(model, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for ids, labels in data:
@@ -124,9 +174,11 @@ def train(model, data, args, device):
         opt.step()
         sync(device)
         times.append(time.perf_counter() - start)
+        experts_times.append(timer.step_s())
         losses.append(loss.item())
+    timer.remove()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return losses, times, peak
+    return losses, times, experts_times, peak
 
 
 def main(argv=None) -> int:
@@ -154,13 +206,13 @@ def main(argv=None) -> int:
         if name == "mok":
             mok_hf.apply(model)
         backend = model.config._experts_implementation
-        losses, times, peak = train(model, data, args, device)
-        runs[name] = (backend, losses, times, peak)
+        losses, times, experts_times, peak = train(model, data, args, device)
+        runs[name] = (backend, losses, times, experts_times, peak)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    (b0, l0, t0, p0), (b1, l1, t1, p1) = runs["default"], runs["mok"]
+    (b0, l0, t0, e0, p0), (b1, l1, t1, e1, p1) = runs["default"], runs["mok"]
     print(f"\n{'step':>5} {'loss ' + b0:>18} {'loss ' + b1:>18} {'rel diff':>10}")
     worst = 0.0
     for step, (a, b) in enumerate(zip(l0, l1)):
@@ -175,6 +227,9 @@ def main(argv=None) -> int:
     m0, m1 = mean_ms(t0), mean_ms(t1)
     print(f"\nmean step time (steps {min(args.warmup, len(t0) - 1)}..{len(t0) - 1}): {b0} {m0:.2f} ms, {b1} {m1:.2f} ms "
           f"({m0 / m1:.2f}x), {tokens / m1 * 1e3:,.0f} tokens/s on MoK")
+    x0, x1 = mean_ms(e0), mean_ms(e1)
+    print(f"of which the experts modules, forward + backward: {b0} {x0:.2f} ms ({x0 / m0:.0%}), {b1} {x1:.2f} ms ({x1 / m1:.0%}) "
+          f"({x0 / max(x1, 1e-9):.2f}x)")
     if p0 is not None:
         print(f"peak memory: {b0} {p0 / 2**30:.2f} GiB, {b1} {p1 / 2**30:.2f} GiB")
     ok = worst <= args.tol

@@ -503,6 +503,8 @@ def test_finetune_example_runs_on_the_cpu(model):
     assert [int(r[0]) for r in rows] == [0, 1, 2]
     assert all(abs(float(a) - float(b)) <= 1e-3 * float(a) for _, a, b in rows)
     assert "mean step time" in done.stdout and "within tolerance" in done.stdout
+    share = re.search(r"experts modules, forward \+ backward: \S+ (\d+\.\d+) ms \((\d+)%\), mok (\d+\.\d+) ms \((\d+)%\)", done.stdout)
+    assert share and all(float(v) > 0 for v in share.groups()) and all(int(v) < 100 for v in share.groups()[1::2])
 
 
 def test_a_family_outside_the_experts_interface_is_refused():
