@@ -48,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4,
                    help="AdamW's learning rate (default 3e-4; at 1e-3 AdamW amplifies the backends' bf16 rounding "
                         "differences until the two curves part, ~5%% by step 17 at the default shape)")
+    p.add_argument("--baselines", default=None,
+                   help="transformers experts backends to run beside MoK, comma-separated, the first the loss curves' "
+                        "reference (default: the model's own, grouped_mm); e.g. grouped_mm,batched_mm,eager,sonicmoe,deepgemm "
+                        "(one that does not run here, e.g. its package missing, is reported and left out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=None,
                    help="largest relative loss difference allowed (default 5e-2 in bf16, 1e-3 in fp32: "
@@ -200,22 +204,28 @@ def main(argv=None) -> int:
           f"top-{args.topk}, vocab {args.vocab}; {args.steps} steps of {args.batch} x {args.seq} tokens on {device}, "
           f"{str(args.dtype).replace('torch.', '')}, AdamW lr {args.lr}")
 
-    runs = {}
-    for name in ("default", "mok"):
+    runs = {}  # backend -> (losses, step times, experts modules' times, peak memory)
+    for name in (args.baselines.split(",") if args.baselines else [None]) + ["mok"]:
         model = copy.deepcopy(base)
-        if name == "mok":
-            mok_hf.apply(model)
-        backend = model.config._experts_implementation
-        losses, times, experts_times, peak = train(model, data, args, device)
-        runs[name] = (backend, losses, times, experts_times, peak)
+        try:
+            if name == "mok":
+                mok_hf.apply(model)
+            elif name is not None:
+                model.set_experts_implementation(name)
+            backend = model.config._experts_implementation
+            runs[backend] = train(model, data, args, device)
+        except Exception as err:  # noqa: BLE001 (a baseline that does not run here: said, left out)
+            if name == "mok" or not runs:  # (MoK and the reference must run)
+                raise
+            print(f"{name}: does not run here ({type(err).__name__}: {str(err).splitlines()[0][:160]}); left out")
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    (b0, l0, t0, e0, p0), (b1, l1, t1, e1, p1) = runs["default"], runs["mok"]
-    print(f"\n{'step':>5} {'loss ' + b0:>18} {'loss ' + b1:>18} {'rel diff':>10}")
+    reference, mok = next(iter(runs)), "mok"
+    print(f"\n{'step':>5} {'loss ' + reference:>18} {'loss ' + mok:>18} {'rel diff':>10}")
     worst = 0.0
-    for step, (a, b) in enumerate(zip(l0, l1)):
+    for step, (a, b) in enumerate(zip(runs[reference][0], runs[mok][0])):
         rel = abs(a - b) / max(abs(a), 1e-12)
         worst = max(worst, rel)
         print(f"{step:>5} {a:>18.5f} {b:>18.5f} {rel:>10.2e}")
@@ -224,14 +234,15 @@ def main(argv=None) -> int:
         kept = times[args.warmup:] or times
         return 1e3 * statistics.mean(kept)
 
-    m0, m1 = mean_ms(t0), mean_ms(t1)
-    print(f"\nmean step time (steps {min(args.warmup, len(t0) - 1)}..{len(t0) - 1}): {b0} {m0:.2f} ms, {b1} {m1:.2f} ms "
-          f"({m0 / m1:.2f}x), {tokens / m1 * 1e3:,.0f} tokens/s on MoK")
-    x0, x1 = mean_ms(e0), mean_ms(e1)
-    print(f"of which the experts modules, forward + backward: {b0} {x0:.2f} ms ({x0 / m0:.0%}), {b1} {x1:.2f} ms ({x1 / m1:.0%}) "
-          f"({x0 / max(x1, 1e-9):.2f}x)")
-    if p0 is not None:
-        print(f"peak memory: {b0} {p0 / 2**30:.2f} GiB, {b1} {p1 / 2**30:.2f} GiB")
+    steps = {b: mean_ms(r[1]) for b, r in runs.items()}
+    experts = {b: mean_ms(r[2]) for b, r in runs.items()}
+    last = len(runs[mok][1]) - 1
+    print(f"\nmean step time (steps {min(args.warmup, last)}..{last}): " + ", ".join(f"{b} {ms:.2f} ms" for b, ms in steps.items())
+          + f" ({steps[reference] / steps[mok]:.2f}x {reference}'s), {tokens / steps[mok] * 1e3:,.0f} tokens/s on MoK")
+    print("of which the experts modules, forward + backward: " + ", ".join(f"{b} {experts[b]:.2f} ms ({experts[b] / steps[b]:.0%})" for b in runs)
+          + f" ({experts[reference] / max(experts[mok], 1e-9):.2f}x {reference}'s)")
+    if device.type == "cuda":
+        print("peak memory: " + ", ".join(f"{b} {r[3] / 2**30:.2f} GiB" for b, r in runs.items()))
     ok = worst <= args.tol
     print(f"largest relative loss difference {worst:.2e}: {'within' if ok else 'OUTSIDE'} tolerance {args.tol:g}")
     return 0 if ok else 1
