@@ -11,6 +11,7 @@ import mok.reference
 from mok import pipeline
 from mok.config import MoKConfig
 from mok.plan import Plan
+from mok.runtime.arch import device_arch
 from mok.reference import gated_activation, moe_reference
 
 from helpers import gpu_layer, poisoned, rel_err, worst_row_err
@@ -38,7 +39,7 @@ def scaled_layer(T, H, I, E, k, shared_inter, seed):
 def plan_of(x, idx, experts, shared, activation, **options):
     config = MoKConfig(x.shape[1], experts[0].shape[1], experts[0].shape[0], idx.shape[1],
                        None if shared is None else shared[0].shape[0], activation=activation, **options)
-    return Plan(config, "sm_90a")
+    return Plan(config, device_arch())  # (the device's plan: Hopper's, or SM100's where these run there)
 
 
 def forward(plan, x, idx, w, experts, shared, **kw):

@@ -14,6 +14,7 @@ import torch
 from mok import ops, pipeline
 from mok.config import MoKConfig
 from mok.plan import Plan
+from mok.runtime.arch import device_arch
 from mok.reference import moe_reference
 
 from helpers import gpu_layer, poisoned, rel_err, split_ranks, split_rows, worst_row_err
@@ -35,7 +36,7 @@ def biases_for(E, H, I, seed):
 
 
 def plan_of(H, I, E, k, **options):
-    return Plan(MoKConfig(H, I, E, k, expert_bias=True, **options), "sm_90a")
+    return Plan(MoKConfig(H, I, E, k, expert_bias=True, **options), device_arch())  # (Hopper's, or SM100's there)
 
 
 def train_step(plan, x, idx, w, experts, biases, dout, **kw):

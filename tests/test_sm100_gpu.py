@@ -394,8 +394,12 @@ def test_sm100_mxfp8_weight_grad_matches_the_float64_product_of_its_dequantized_
 def hopper_layer_tests():
     """Layer tests written for Hopper whose bodies name no arch (the device's plan: on SM100 the
     tcgen05 kernels): expert parallelism emulated on one GPU (scatter pushes, gradients, recompute),
-    widths the tiles do not divide."""
+    widths the tiles do not divide, the one-launch forward (its bits those of the staged launches,
+    at one GPU and per rank, with gpt-oss's activation, biases and weights in place)."""
+    import test_activations_gpu
+    import test_backward_gpu
     import test_ep_gpu
+    import test_expert_bias_gpu
     import test_partial_tiles_gpu
 
     ep = dict(world=2, counts=(300, 517), E=8, k=4, shared_inter=256, routing="uniform")
@@ -407,13 +411,25 @@ def hopper_layer_tests():
         (test_partial_tiles_gpu.test_forward_matches_reference, partial),
         (test_partial_tiles_gpu.test_backward_matches_autograd, partial),
         (test_partial_tiles_gpu.test_weight_grad_partial_row_and_column_tiles, dict(split_out=True)),
+        (test_ep_gpu.test_ep_equals_single_gpu_forward_bitwise, dict(ep, dispatch={"one_launch": True})),
+        (test_ep_gpu.test_ep_gradients_equal_single_gpu_backward_bitwise, dict(ep, forward={"one_launch": True})),
+        (test_activations_gpu.test_one_launch_and_recompute_give_the_staged_bits_deterministically_and_batch_invariant,
+         dict(activation="clamped_swiglu")),
+        (test_expert_bias_gpu.test_bits_are_deterministic_batch_invariant_and_equal_with_h_recomputed_or_in_one_launch, {}),
+        (test_backward_gpu.test_gate_up_parts_of_one_tensor_give_the_bits_of_packed_weights,
+         dict(T=1000, H=512, I=256, E=8, k=2, shared_inter=384, options={"one_launch": True}, layout="interleaved")),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+HOPPER_LAYER_TESTS = 11  # len(hopper_layer_tests()), which imports the GPU test modules: called by the test only
+
+
+@pytest.mark.parametrize("index", range(HOPPER_LAYER_TESTS))
 def test_sm100_passes_the_hopper_layer_tests_of_expert_parallelism_and_partial_tiles(index, monkeypatch):
-    """What the SM100 layer now takes beside Hopper's (EP, partial widths), held to the same tests."""
+    """What the SM100 layer now takes beside Hopper's (EP, partial widths, one launch), held to the same tests."""
     monkeypatch.setenv("MOK_UNVERIFIED_SM100", "1")
-    test, kwargs = hopper_layer_tests()[index]
+    tests = hopper_layer_tests()
+    assert len(tests) == HOPPER_LAYER_TESTS
+    test, kwargs = tests[index]
     test(**kwargs)
 

@@ -30,9 +30,10 @@ per SM, on one set of stages and one tensor-memory allocation:
   grid barrier; every thread of every CTA combines.
 
 The same bits as the four launches on SM100 (schedule, the gathering gate/up GEMM, the down GEMM,
-combine): each output tile is computed by one CTA with the same MMAs in the same order (fc2 in
-128-column tiles whatever the down projection's own tile: the column tile does not change a
-value's sum).
+combine) by design: each output tile is computed by one CTA with the same MMAs in the same order;
+fc2 runs in 128-column tiles whatever the down projection's own tile, which is expected not to
+change a value's sum (as measured on Hopper's WGMMAs; tests/test_sm100_gpu.py holds the bits to
+the staged launches' on a B200).
 """
 
 from __future__ import annotations
