@@ -28,7 +28,7 @@ from .plan import Plan, plan_for_device
 from .reference import SharedExpert
 from .reference_backward import Gradients
 from .runtime.workspace import PerGroupCache
-from .saved_mxfp8 import pack_saved
+from .saved_h import pack_saved
 
 
 @dataclass
@@ -134,8 +134,8 @@ def forward(
 ) -> tuple[torch.Tensor, LayerContext]:
     """Layer output [T, H] bf16 and the context ``backward`` takes (mok.pipeline.forward, as
     ``config`` says: precision, one launch, saved-h format, dispatch format; with
-    ``saved_h_format="mxfp8"`` the context keeps h packed, mok/saved_mxfp8.py; with "recompute" no h,
-    the backward computes it again). ``check_routing`` range-checks the expert ids (one host read;
+    ``saved_h_format="mxfp8"`` the context keeps h packed, with "recompute_gate" its up half,
+    mok/saved_h.py; with "recompute" no h, the backward computes it again). ``check_routing`` range-checks the expert ids (one host read;
     pass False inside CUDA-graph capture); ``timeout_s`` (EP > 1) bounds every wait on a peer rank.
     ``biases``: the routed experts' (b_gate, b_up [E_local, I], b_down [E_local, H], e.g. an
     ExpertBiases), exactly when ``config.expert_bias``; the backward then returns their gradients."""
@@ -145,8 +145,8 @@ def forward(
         plan, x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, workspace=workspace, save=save_for_backward,
         check_routing=check_routing, timeout_s=timeout_s, biases=biases,
     )
-    if save_for_backward and config.saved_h_format == "mxfp8":
-        res = pack_saved(res)
+    if save_for_backward:
+        res = pack_saved(res, config.saved_h_format)
     return res.out, LayerContext(x, topk_idx, topk_w, (w_gate, w_up, w_down), shared, res, config, biases)
 
 

@@ -72,8 +72,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                    help="the routed experts' GEMM operands; mxfp8 (sm_100a), mxfp8_emulated and fp8_block (sm_90a) add their kernels "
                         "(MoKConfig.precision)")
     p.add_argument("--saved-h-format", choices=SAVED_H_FORMATS, default="bf16",
-                   help="how h is kept for the backward; mxfp8 adds its quantize kernels, recompute the gate/up GEMM in the backward "
-                        "(MoKConfig.saved_h_format)")
+                   help="how h is kept for the backward; mxfp8 adds its quantize kernels, recompute the gate/up GEMM in the backward, "
+                        "recompute_gate the gate GEMM (MoKConfig.saved_h_format)")
     p.add_argument("--gate-up-layout", choices=GATE_UP_LAYOUTS, default="separate",
                    help="how the gate and up weights are stored; concatenated (one [E, 2I, H] tensor, as transformers' "
                         "gate_up_proj) or interleaved (its rows alternating gate and up, gpt-oss's) adds the kernels that read "

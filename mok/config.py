@@ -14,7 +14,7 @@ from .validation import check_positive_int
 
 TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
 PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated", "fp8_block")  # the expert GEMMs' operands (mok/pipeline/stages.py)
-SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute")  # how h is kept for the backward (mok/saved_mxfp8.py), or not kept
+SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute", "recompute_gate")  # how h is kept for the backward (mok/saved_h.py), or not kept
 DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
 GATE_UP_LAYOUTS = ("separate", "concatenated", "interleaved")  # how w_gate and w_up are stored (the kernels read each in place)
 
@@ -46,7 +46,10 @@ class MoKConfig:
     error in the expert gradients; "recompute": not kept, the backward runs the gate/up GEMM again
     right before the SwiGLU backward (the same GEMM on the same rows: the same h, the same
     gradients, bit for bit; about a fifth more FLOPs a step; at EP > 1 the rows this rank pulled
-    are kept, H values per row, and h comes from them).
+    are kept, H values per row, and h comes from them); "recompute_gate" (bf16 precision): h's up
+    half kept (half of bf16's bytes), its gate half computed again in the backward by the gate
+    GEMM alone (the same bits; about a ninth more FLOPs a step; a shared expert in launches of its
+    own keeps its h whole).
     dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
     one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
     compute on its rounding (mok/pipeline/exchange.py).
@@ -154,6 +157,11 @@ class MoKConfig:
         """Whether the backward computes h again instead of the forward keeping it."""
         return self.saved_h_format == "recompute"
 
+    @property
+    def recomputes_gate(self) -> bool:
+        """Whether the forward keeps h's up half only and the backward computes its gate half again."""
+        return self.saved_h_format == "recompute_gate"
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -173,6 +181,8 @@ def check_combination(config: "MoKConfig") -> None:
         widths = {"hidden": config.hidden, "intermediate": config.intermediate} | _shared_width(config)
         if any(v % TILE for v in widths.values()):
             raise ValueError(f"precision={config.precision!r}: expected widths that are multiples of {TILE}, got {widths}")
+    if config.saved_h_format == "recompute_gate" and config.precision != "bf16":
+        raise ValueError(f"saved_h_format='recompute_gate': bf16 precision only (its gate GEMM is bf16), got precision={config.precision!r}")
     if config.saved_h_format == "mxfp8":  # h [rows, 2I] in blocks of 32 along its rows: 2I and 2I_s multiples of 32
         widths = {"intermediate": config.intermediate} | _shared_width(config)
         if any(v % 16 for v in widths.values()):

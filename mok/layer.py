@@ -75,7 +75,8 @@ class MoELayer(nn.Module):
     saved activation, k·2I values per token), is kept in MXFP8 (mok/saved_mxfp8.py): 33/64 of the
     bytes, ~3-4% relative error in the expert gradients. ``saved_h_format="recompute"``: h is not
     kept; the backward runs the gate/up GEMM again (the same bits as keeping it, about a fifth more
-    FLOPs a step).
+    FLOPs a step); ``"recompute_gate"``: h's up half kept, the gate half computed again by the gate
+    GEMM alone (the same bits, half of h's bytes, about a ninth more FLOPs a step; bf16).
     ``dispatch_format="mxfp8"`` (EP > 1): x crosses to the experts' ranks in MXFP8 and the routed
     experts compute on its rounding (mok/pipeline/exchange.py); not on the CPU reference path.
     ``precision="mxfp8"``: every routed-expert GEMM of forward and backward on MXFP8 operands (the

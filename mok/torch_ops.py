@@ -29,7 +29,8 @@ from .config import MoKConfig
 from .pipeline.stages import ForwardResult
 from .pipeline.workspace import workspace_by_handle
 from .plan import TILE, plan_for_device, shared_in_routed_possible
-from .saved_mxfp8 import PACKED_DTYPE, pack_h, pack_saved, packed_width
+from .saved_h import pack_saved, saved_h_shape, up_half
+from .saved_mxfp8 import pack_h
 from .schedule import Schedule, build_schedule, shared_prefix_rows, worst_case_capacity
 from .validation import warn_at_caller
 
@@ -72,7 +73,7 @@ def _biases(config: MoKConfig, bg, bu, bd) -> tuple | None:
 def forward_outputs(config: MoKConfig, x: Tensor, topk_idx: Tensor, workspace: int, save: bool, stacked: bool) -> dict:
     """Every output of ``mok::moe_forward`` as (shape, dtype), by name in output order: out, h,
     shared_h, x_rows, routing, then the schedule's tensors (mok.schedule.Schedule.FIELDS). h and
-    shared_h are empty unless saved (and not with saved_h_format="recompute"; shared_h also when the shared expert ran as expert E,
+    shared_h are empty unless saved (and not with saved_h_format="recompute"; h is its up half with "recompute_gate"; shared_h also when the shared expert ran as expert E,
     ``stacked``: h[:T] holds it; outputs may not alias), x_rows and routing unless at EP > 1."""
     num_tokens, topk = topk_idx.shape
     num_local, inter, hidden = config.experts_per_rank, config.intermediate, config.hidden
@@ -83,14 +84,14 @@ def forward_outputs(config: MoKConfig, x: Tensor, topk_idx: Tensor, workspace: i
         pairs = num_tokens
         rows = worst_case_capacity(num_tokens, topk, num_local, TILE) + (shared_prefix_rows(num_tokens, TILE) if stacked else 0)
     shared_inter = config.shared_intermediate or 0
-    packed = config.saved_h_format == "mxfp8"
-    h_dtype, width = (PACKED_DTYPE, packed_width) if packed else (x.dtype, lambda w: w)
+    h_width, h_dtype = saved_h_shape(config.saved_h_format, 2 * inter, x.dtype)
+    shared_width, shared_dtype = saved_h_shape(config.saved_h_format, 2 * shared_inter, x.dtype, shared=True)
     keep_h = save and not config.recomputes_h
     own_shared_h = keep_h and config.has_shared_expert and not stacked
     return {
         "out": ((num_tokens, hidden), x.dtype),
-        "h": ((rows if keep_h else 0, width(2 * inter)), h_dtype),
-        "shared_h": ((num_tokens if own_shared_h else 0, width(2 * shared_inter)), h_dtype),
+        "h": ((rows if keep_h else 0, h_width), h_dtype),
+        "shared_h": ((num_tokens if own_shared_h else 0, shared_width), shared_dtype),
         "x_rows": ((rows if save and workspace else 0, hidden), x.dtype),
         "routing": ((pairs if workspace else 0, topk), torch.int32),
         **{name: (shape, torch.int32) for name, shape in zip(Schedule.FIELDS, Schedule.shapes(pairs, topk, num_local, rows, TILE))},
@@ -134,8 +135,8 @@ def moe_forward_op(
         workspace=workspace_by_handle(workspace) if workspace else None, save=save, shared_in_routed=stacked,
         check_routing=False, timeout_s=timeout_s, biases=biases,
     )
-    if save and cfg.saved_h_format == "mxfp8":
-        res = pack_saved(res)
+    if save:
+        res = pack_saved(res, cfg.saved_h_format)
     shapes = forward_outputs(cfg, x, topk_idx, workspace, save, stacked)
     given = {"out": res.out, "h": res.h, "shared_h": None if stacked else res.shared_h, "x_rows": res.x_rows, "routing": res.routing}
     given |= dict(zip(Schedule.FIELDS, res.schedule.tensors()))
@@ -181,6 +182,8 @@ def _(x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_
             outs["shared_h"] = torch.cat([xf @ shared_gate.float().T, xf @ shared_up.float().T], 1).to(x.dtype)
         if cfg.saved_h_format == "mxfp8":  # (packed as the CUDA op packs; the reference backward recomputes h)
             outs["h"], outs["shared_h"] = (pack_h(outs[n].to(torch.bfloat16)) if outs[n].shape[0] else outs[n] for n in ("h", "shared_h"))
+        if cfg.recomputes_gate:  # (the up half, as the CUDA op keeps it)
+            outs["h"] = up_half(outs["h"])
     return tuple(outs.values())
 
 

@@ -17,7 +17,8 @@ main_grad buffers inside the backward (``fuse_wgrad_accumulation``), "main_grad 
 gradients and adds them afterwards, as a loop without it would; "mok mxfp8 h" keeps h in MXFP8
 between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is left out of the
 same-bits check); "mok recompute" keeps no h and runs the gate/up GEMM again in the backward
-(``saved_h_format="recompute"``: the same bits). "mok fp8 block" runs the forward's expert GEMMs in
+(``saved_h_format="recompute"``: the same bits); "mok recompute gate" keeps h's up half and runs
+the gate GEMM alone again (``saved_h_format="recompute_gate"``: the same bits). "mok fp8 block" runs the forward's expert GEMMs in
 FP8 with 128-block scales (``precision="fp8_block"``, other bits; the weight gradients bf16);
 widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
 experts as they are, clamped SwiGLU and expert biases (other bits).
@@ -262,7 +263,8 @@ def print_memory(configs: list[str]) -> None:
     for name in configs:
         inputs = make_inputs(*CONFIGS[name])
         fp8 = fp8_block_plan(inputs) is not None
-        for precision, fmt in [("bf16", f) for f in ("bf16", "mxfp8", "recompute")] + ([("fp8_block", "bf16"), ("fp8_block", "recompute")] if fp8 else []):
+        for precision, fmt in [("bf16", f) for f in ("bf16", "mxfp8", "recompute", "recompute_gate")] + (
+                [("fp8_block", "bf16"), ("fp8_block", "recompute")] if fp8 else []):
             per_token = saved_bytes_per_token(inputs, fmt, precision)
             held, peak = stack_memory_gib(inputs, fmt, precision=precision)
             print(f"{name:<12}{precision:<11}{fmt:<16}{per_token:>14.0f}{held:>19.2f}{peak:>10.2f}")
@@ -317,6 +319,7 @@ def main() -> int:
             paths["main_grad fused"] = lambda: mok_train_step(inputs, dout, main_grads=main_grads)
             paths["mok mxfp8 h"] = lambda: mok_train_step(inputs, dout, saved_h_format="mxfp8")
             paths["mok recompute"] = lambda: mok_train_step(inputs, dout, saved_h_format="recompute")
+            paths["mok recompute gate"] = lambda: mok_train_step(inputs, dout, saved_h_format="recompute_gate")
             if gpt_oss is not None:
                 paths["mok gpt-oss"] = lambda: mok_gpt_oss_train_step(inputs, dout, *gpt_oss)
             if fp8 is not None:

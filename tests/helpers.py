@@ -452,12 +452,15 @@ def moe_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved,
 
 
 def ep_moe_forward_saved(ws, x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, *, save_h=True, timeout_s=5.0, **options):
-    """mok.pipeline.forward of one rank over the workspace ``ws`` (``options``: MoKConfig's)."""
+    """mok.pipeline.forward of one rank over the workspace ``ws`` (``options``: MoKConfig's; with
+    saved_h_format="recompute_gate" h kept as its up half, as the layer's op keeps it)."""
     from mok import pipeline
+    from mok.saved_h import pack_saved
 
     experts = (w_gate, w_up, w_down)
     plan = layer_plan(x, topk_idx, experts, shared, ep_size=ws.layout.world, **options)
-    return pipeline.forward(plan, x, topk_idx, topk_w, experts, shared, workspace=ws, save=save_h, check_routing=False, timeout_s=timeout_s)
+    res = pipeline.forward(plan, x, topk_idx, topk_w, experts, shared, workspace=ws, save=save_h, check_routing=False, timeout_s=timeout_s)
+    return pack_saved(res, "recompute_gate") if save_h and plan.config.recomputes_gate else res
 
 
 def ep_moe_forward(ws, *args, **kwargs):

@@ -162,14 +162,15 @@ def test_a_rank_that_skips_the_call_makes_the_other_raise_not_hang(dispatch):
     (2, (0, 300), 8, 1, 256, "one_expert"),  # rank 0 sends nothing; every token to expert 0, on rank 0
 ])
 @pytest.mark.parametrize("forward", [{}, {"one_launch": True}, {"saved_h_format": "recompute"},
-                                     {"one_launch": True, "saved_h_format": "recompute"}],
-                         ids=["kept", "one_launch-kept", "recompute", "one_launch-recompute"])
+                                     {"one_launch": True, "saved_h_format": "recompute"}, {"saved_h_format": "recompute_gate"}],
+                         ids=["kept", "one_launch-kept", "recompute", "one_launch-recompute", "recompute_gate"])
 def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, shared_inter, routing, forward):
     """EP = 2, 3 (emulated on one GPU) against the fused single-GPU backward on the concatenated
     batch: dx, d_topk_w and every expert's weight gradients are the same bits; the shared
     expert's weight gradients, summed over ranks, agree to rounding. ``forward``: the forward
     the backward follows (its one-launch version keeps h and the rows the same; with
-    saved_h_format="recompute" nothing keeps h and the backward computes it from the kept rows)."""
+    saved_h_format="recompute" nothing keeps h and the backward computes it from the kept rows; with
+    "recompute_gate" its gate half)."""
     total = sum(counts)
     x, idx, w, experts, shared = gpu_layer(total, 512, 256, E, k, shared_inter, seed=world * 11 + total, routing=routing)
     dout = torch.randn(total, 512, device="cuda").bfloat16()

@@ -1,5 +1,6 @@
 """saved_h_format="recompute" on the H200: the forward keeps no h, the backward runs the gate/up
-GEMM again, and every gradient is the bits of the backward from a kept h (which
+GEMM again (with "recompute_gate": h's up half kept, the gate GEMM alone run again), and every
+gradient is the bits of the backward from a kept h (which
 tests/test_backward_gpu.py checks against fp32 autograd): one-launch or not, the shared expert in
 launches of its own or as expert E, MXFP8 numerics emulated; the layer eager, compiled and under
 torch.utils.checkpoint, keeping exactly h's bytes fewer. Expert parallelism: tests/test_ep_gpu.py."""
@@ -9,6 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from mok import MoELayer
+from mok.saved_h import pack_saved
 
 from helpers import gpu_layer, moe_backward, moe_forward, rel_err
 from test_backward_gpu import NAMES, autograd_reference, flat
@@ -24,18 +26,26 @@ pytestmark = pytest.mark.gpu
     (300, 256, 128, 64, 2, None, False, {"one_launch": True}),  # most experts empty
     (513, 512, 256, 8, 4, 256, False, {"precision": "mxfp8_emulated"}),  # rows and weights quantized again
 ])
-def test_recomputed_h_gives_the_kept_h_gradients_bitwise(T, H, I, E, k, shared_inter, stacked, options):
+@pytest.mark.parametrize("fmt", ["recompute", "recompute_gate"])
+def test_recomputed_h_gives_the_kept_h_gradients_bitwise(T, H, I, E, k, shared_inter, stacked, options, fmt):
+    """h recomputed whole ("recompute"), or its gate half recomputed beside the kept up half
+    ("recompute_gate", bf16: the gate GEMM alone in the gate/up GEMM's column tile)."""
+    if fmt == "recompute_gate" and options.get("precision"):
+        pytest.skip("recompute_gate: bf16 precision only")
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=T + E + 3)
     if stacked:  # one [E + 1, ...] buffer per projection, as mok.MoELayer allocates them
         bufs = [torch.cat([routed, one[None]]) for routed, one in zip(experts, shared)]
         experts, shared = tuple(b[:E] for b in bufs), tuple(b[E] for b in bufs)
     kept = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, **options)
-    rec = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, saved_h_format="recompute", **options)
-    assert rec.h is None and rec.shared_h is None and kept.h is not None
+    rec = pack_saved(moe_forward(x, idx, w, *experts, shared, save_for_backward=True, saved_h_format=fmt, **options), fmt)
+    if fmt == "recompute":
+        assert rec.h is None and rec.shared_h is None and kept.h is not None
+    else:  # the up half, [R, I]; a shared expert of its own keeps its h whole
+        assert torch.equal(rec.h, kept.h[:, I:]) and (rec.shared_h is None) == (shared is None or stacked)
     assert bool(rec.schedule.shared_rows) == stacked and torch.equal(rec.out, kept.out)
     dout = torch.randn_like(x)
     want = moe_backward(dout, x, idx, w, *experts, shared, kept, **options)
-    got = moe_backward(dout, x, idx, w, *experts, shared, rec, saved_h_format="recompute", **options)
+    got = moe_backward(dout, x, idx, w, *experts, shared, rec, saved_h_format=fmt, **options)
     for name, a, b in zip(NAMES, flat(got), flat(want)):
         assert torch.equal(a, b), name
     if not options.get("precision"):  # (and so near fp32 autograd: not a backward that ignores h)

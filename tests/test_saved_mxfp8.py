@@ -70,7 +70,7 @@ def test_saved_state_round_trip_drops_the_shared_prefix_alias_and_leaves_bf16_al
 
 
 def test_the_format_is_checked_where_it_is_given():
-    with pytest.raises(ValueError, match=r"saved_h_format: expected one of \('bf16', 'mxfp8', 'recompute'\), got 'fp8'"):
+    with pytest.raises(ValueError, match=r"saved_h_format: expected one of \('bf16', 'mxfp8', 'recompute', 'recompute_gate'\), got 'fp8'"):
         MoKConfig(256, 128, 8, 2, saved_h_format="fp8")
     with pytest.raises(ValueError, match="saved_h_format: expected one of"):
         MoELayer(64, 32, 8, 2, dtype=torch.float32, saved_h_format="e4m3")

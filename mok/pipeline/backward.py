@@ -17,7 +17,8 @@
 Nothing uses atomics or reads device data back: the gradients are bitwise reproducible and a
 token's dx and router gradient do not depend on the rest of the batch; at EP > 1 they are the
 single-GPU backward's of the concatenated batch, bit for bit. An h kept in MXFP8
-(mok/saved_mxfp8.py) is turned back into bf16 first.
+(mok/saved_mxfp8.py) is turned back into bf16 first; one kept as its up half gets its gate half
+computed again (mok/saved_h.py).
 """
 
 from __future__ import annotations
@@ -92,9 +93,12 @@ def backward(
         )
     if shared is not None and not sched.shared_rows and saved.shared_h is None and not plan.config.recomputes_h:
         raise ValueError("saved: the forward did not keep the shared expert's h; call it with save=True")
+    half = False  # (h kept as its up half: its gate half computed below)
     if not plan.config.recomputes_h:
         saved = unpack_saved(saved, inter, shared_inter)  # (an MXFP8 h back to bf16: the used rows)
-        check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, 2 * inter), device=x.device, contiguous=True)
+        half = plan.config.recomputes_gate and saved.h is not None and saved.h.dim() == 2 and saved.h.shape[1] == inter
+        kept = inter if half else 2 * inter  # ("recompute_gate": the up half, mok.saved_h.pack_saved; or h whole)
+        check_tensor("saved.h", saved.h, dtypes=(torch.bfloat16,), shape=(sched.capacity, kept), device=x.device, contiguous=True)
         if shared is not None and not sched.shared_rows:
             check_tensor("saved.shared_h", saved.shared_h, dtypes=(torch.bfloat16,), shape=(num_tokens, 2 * shared_inter),
                          device=x.device, contiguous=True)
@@ -103,6 +107,8 @@ def backward(
     stacked = stages.stacked_weights(*weights, shared) if sched.shared_rows else None
     if plan.config.recomputes_h:
         saved = recomputed_h(plan, saved, x, weights, stacked, shared, biases)
+    elif half:
+        saved = gate_recomputed(plan, saved, x, weights, stacked, biases)
     mains = (None, None) if main_grads is None else (main_grads[:3], main_grads[3:])
     if plan.ep:
         check_timeout(timeout_s)
@@ -157,6 +163,21 @@ def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tup
         shared_h = torch.empty(x.shape[0], 2 * shared[0].shape[0], dtype=x.dtype, device=x.device)
         stages.shared_expert_gate_up(plan, x, shared, shared_h)
     return dataclasses.replace(saved, h=h, shared_h=shared_h)
+
+
+def gate_recomputed(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tuple, stacked: tuple | None,
+                    biases: tuple | None = None) -> ForwardResult:
+    """``saved`` whose h is its up half (saved_h_format="recompute_gate") with the whole h again: the
+    gate half computed once more (stages.gate_from_tokens: the forward's gate product, the same
+    bits; at one GPU from x, with the shared expert as expert E when the forward ran it so; at EP
+    > 1 on the rows this rank pulled) and the two halves joined into a fresh [R, 2I]."""
+    sched = saved.schedule
+    if plan.ep:
+        gate = stages.gate_from_tokens(plan, x, sched, weights, biases, rows=saved.x_rows)
+    else:
+        gate = stages.gate_from_tokens(plan, x, sched, stages.routed_weights(plan, weights, stacked), biases)
+    h = torch.cat([gate, saved.h], dim=1)
+    return dataclasses.replace(saved, h=h, shared_h=h[: x.shape[0]] if sched.shared_rows else saved.shared_h)
 
 
 def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,

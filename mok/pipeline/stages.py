@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..kernels.variants import default_tile_n
 from ..mxfp8 import rows_scale_layout
 from ..plan import Plan
 from ..schedule import Schedule
@@ -250,6 +251,24 @@ def gate_up_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, h
     producer where the plan allows it (``plan.gather_in_gemm``), else gathered first."""
     rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
     return gate_up(plan, rows, sched, weights, h_out, gather=plan.gather_in_gemm, biases=biases)
+
+
+def gate_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, biases: tuple | None = None, *,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+    """h's gate half again, [R, I] = x_row·W_gateᵀ (+ b_gate) for the rows the schedule names (bf16;
+    saved_h_format="recompute_gate"): a plain GEMM in the gate/up GEMM's 128-column tile, its rows
+    gathered the way :func:`gate_up_from_tokens` gathers them (or ``rows``, the rows themselves: the
+    ones an EP forward pulled), so the same MMAs in the same order as the gate product the forward
+    wrote into h: the same bits."""
+    w_gate = weights[0]
+    options = dict(tile_n=default_tile_n(w_gate.shape[1], w_gate.shape[2], swiglu=True))  # (the gate/up GEMM's column tile)
+    if biases is not None:
+        options["bias"] = biases[0]
+    if rows is not None:
+        return ops.grouped_gemm(rows, w_gate, sched.tile_expert, **options)
+    gather = plan.gather_in_gemm
+    a = x if gather else ops.gather_rows(x, sched.row_token)
+    return ops.grouped_gemm(a, w_gate, sched.tile_expert, gather=sched.row_token if gather else None, **options)
 
 
 def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights, biases: tuple | None = None) -> torch.Tensor:
