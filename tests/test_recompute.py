@@ -70,65 +70,58 @@ def test_precompile_lists_the_gate_up_gemm_the_backward_runs_again(one_launch):
     assert added == ([gate_up] if one_launch else [])  # (the multi-launch forward already launches it)
 
 
+def layers_kept_and_checked(saved_h_format: str, shared) -> dict:
+    """A default layer and one with ``saved_h_format`` (the same weights, fp32 on the CPU): what
+    autograd keeps for each's backward ({"plain": [...], "other": [...]}), after checking that the
+    two give the same output and the same gradients of x and of every parameter, bit for bit."""
+    torch.manual_seed(0)
+    plain = MoELayer(64, 40, 8, 2, shared_intermediate=shared, dtype=torch.float32)
+    other = MoELayer(64, 40, 8, 2, shared_intermediate=shared, dtype=torch.float32, saved_h_format=saved_h_format)
+    other.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 5, 64)
+    kept = {}
+    for name, layer in (("plain", plain), ("other", other)):
+        tensors = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: tensors.append(t) or t, lambda t: t):
+            layer(x.clone())
+        kept[name] = tensors
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [plain(xs[0]), other(xs[1])]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    for out in outs:
+        out.square().sum().backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=0, atol=0)
+    for a, b in zip(other.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    return kept
+
+
+def total_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @pytest.mark.parametrize("shared", [48, 40, None])  # its own h; its rows in the routed launches; none
 def test_layer_keeps_no_h_through_its_ops(shared):
     """On the CPU the ops run the reference, which recomputes whatever it needs: what is tested here
     is that the recomputing layer's ops keep exactly h's bytes fewer and carry the same output and
     gradients."""
-    torch.manual_seed(0)
-    plain = MoELayer(64, 40, 8, 2, shared_intermediate=shared, dtype=torch.float32)
-    rec = MoELayer(64, 40, 8, 2, shared_intermediate=shared, dtype=torch.float32, saved_h_format="recompute")
-    rec.load_state_dict(plain.state_dict())
-    x = torch.randn(3, 5, 64)
-    kept = {}
-    for name, layer in (("plain", plain), ("rec", rec)):
-        tensors = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: tensors.append(t) or t, lambda t: t):
-            layer(x.clone())
-        kept[name] = tensors
+    kept = layers_kept_and_checked("recompute", shared)
     h_widths = (80, 2 * (shared or 40))  # 2I and 2I_s (no weight or activation has them)
-    h_bytes = sum(t.numel() * t.element_size() for t in kept["plain"] if t.ndim == 2 and t.shape[1] in h_widths)
+    h_bytes = total_bytes(t for t in kept["plain"] if t.ndim == 2 and t.shape[1] in h_widths)
     assert h_bytes >= 15 * 2 * 80 * 4  # every pair's row of h
-    assert sum(t.numel() * t.element_size() for t in kept["plain"]) - sum(t.numel() * t.element_size() for t in kept["rec"]) == h_bytes
-    assert not any(t.numel() for t in kept["rec"] if t.ndim == 2 and t.shape[1] in h_widths)
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    outs = [plain(xs[0]), rec(xs[1])]
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
-    for out in outs:
-        out.square().sum().backward()
-    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=0, atol=0)
-    for a, b in zip(rec.parameters(), plain.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    assert total_bytes(kept["plain"]) - total_bytes(kept["other"]) == h_bytes
+    assert not any(t.numel() for t in kept["other"] if t.ndim == 2 and t.shape[1] in h_widths)
 
 
 def test_layer_keeps_the_up_half_of_h_through_its_ops():
     """saved_h_format="recompute_gate" on the CPU: the layer's ops keep h's up half, half of h's bytes
     fewer than the default, and carry the same output and gradients (the reference recomputes
     whatever it needs; the GPU backward's recompute: test_recompute_gpu.py)."""
-    torch.manual_seed(0)
-    plain = MoELayer(64, 40, 8, 2, dtype=torch.float32)
-    half = MoELayer(64, 40, 8, 2, dtype=torch.float32, saved_h_format="recompute_gate")
-    half.load_state_dict(plain.state_dict())
-    x = torch.randn(3, 5, 64)
-    kept = {}
-    for name, layer in (("plain", plain), ("half", half)):
-        tensors = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: tensors.append(t) or t, lambda t: t):
-            layer(x.clone())
-        kept[name] = tensors
-    total = {name: sum(t.numel() * t.element_size() for t in tensors) for name, tensors in kept.items()}
+    kept = layers_kept_and_checked("recompute_gate", None)
     h = [t for t in kept["plain"] if t.ndim == 2 and t.shape[1] == 80]  # (2I: no weight or activation has it)
-    up = [t for t in kept["half"] if t.ndim == 2 and t.shape[1] == 40 and t.shape[0] == h[0].shape[0]]
+    up = [t for t in kept["other"] if t.ndim == 2 and t.shape[1] == 40 and t.shape[0] == h[0].shape[0]]
     assert len(h) == len(up) == 1 and torch.equal(up[0], h[0][:, 40:])
-    assert total["plain"] - total["half"] == h[0].numel() * h[0].element_size() // 2
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    outs = [plain(xs[0]), half(xs[1])]
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
-    for out in outs:
-        out.square().sum().backward()
-    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=0, atol=0)
-    for a, b in zip(half.parameters(), plain.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    assert total_bytes(kept["plain"]) - total_bytes(kept["other"]) == total_bytes(h) // 2
 
 
 def test_custom_ops_without_h_pass_opcheck():
