@@ -502,3 +502,29 @@ def opchecked_layer_ops(**options) -> list:
     bwd_args = (torch.randn(6, 64, generator=g), x, idx, w, *weights, saved, config, 0, 5.0, [])
     torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
     return saved
+
+
+@contextlib.contextmanager
+def hang_watchdog(name: str, seconds: float):
+    """Inside: if the block has not finished after ``seconds`` (a kernel that never returns blocks
+    the thread in the driver, where no exception can reach it), print ``name``, the kernel launched
+    last (mok.ops.common.last_kernel) and every thread's stack, and end the process with exit code
+    3: a hang becomes a failure that names the kernel."""
+    import faulthandler
+    import threading
+
+    def fire():
+        from mok.ops.common import last_kernel
+
+        sys.stderr.write(f"\n{name}: still running after {seconds:g} s (a hang?); the kernel launched last: {last_kernel()}\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

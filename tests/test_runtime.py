@@ -273,3 +273,32 @@ def test_bench_without_gpu_says_so(tmp_path):
     res = _mok("bench", cache_dir=tmp_path)
     assert res.returncode == 2
     assert "No CUDA GPU is visible" in res.stderr and "python -m mok precompile --arch sm_90a" in res.stderr
+
+
+def test_a_hang_in_an_sm100_test_ends_the_run_naming_the_test_and_the_kernel_launched_last(tmp_path):
+    """tests/conftest.py's watchdog for sm100-marked tests (helpers.hang_watchdog): a block that
+    outlives its time (here a sleep standing in for a launch that never returns) ends the process
+    with exit code 3, the block's name and the kernel mok.ops.common.kernel_for handed out last."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        "import time\n"
+        "from helpers import hang_watchdog\n"
+        "from mok.ops.common import kernel_for\n"
+        "from mok.kernels.variants import combine_variant\n"
+        "import torch\n"
+        "try:\n"
+        "    kernel_for(combine_variant(256, 2, False), torch.device('cpu', 0))\n"
+        "except Exception:\n"
+        "    pass  # (no GPU: taking the kernel is what is recorded, before any compile)\n"
+        "with hang_watchdog('tests/test_x.py::test_hangs', 0.5):\n"
+        "    time.sleep(30)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tests,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)])))
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "tests/test_x.py::test_hangs: still running after 0.5 s (a hang?)" in done.stderr
+    assert f"the kernel launched last: {combine_variant(256, 2, False).describe()}" in done.stderr
+    with_no_hang = subprocess.run([sys.executable, "-c", script.replace("time.sleep(30)", "time.sleep(0.01)")], capture_output=True,
+                                  text=True, timeout=60, cwd=tests,
+                                  env=dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)])))
+    assert with_no_hang.returncode == 0, with_no_hang.stderr[-2000:]

@@ -2,7 +2,7 @@
 
 For a B200 / GB200 / B300: skipped everywhere else. No such GPU was available to this project, so
 these tests have never run; the kernel is compile-verified only (tests/test_kernels_ptx.py). Run
-them with ``python -m pytest -q -m sm100`` on one.
+them with ``CUDA_LAUNCH_BLOCKING=1 python -m pytest -q -x -m sm100`` on one.
 """
 
 import pytest

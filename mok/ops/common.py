@@ -118,9 +118,22 @@ def arch_of(index: int) -> str | None:
     return device_arch(index)
 
 
+_LAST_KERNEL: list = [None]  # the variant kernel_for handed out last (last_kernel)
+
+
 def kernel_for(variant, device: torch.device):
     """The compiled kernel of ``variant`` for the device's target (compiled on first use, then cached)."""
+    _LAST_KERNEL[0] = variant
     return get_kernel(variant, arch_of(device.index))
+
+
+def last_kernel() -> str | None:
+    """The kernel variant :func:`kernel_for` handed out last, described (None before any). The ops
+    launch right after taking their kernel (the EP exchange kernels are taken together first), so
+    with CUDA_LAUNCH_BLOCKING=1 a launch that never returns is most likely in this kernel
+    (tests/conftest.py names it when an SM100 test hangs)."""
+    variant = _LAST_KERNEL[0]
+    return None if variant is None else variant.describe()
 
 
 def persistent_default(device: torch.device) -> bool:

@@ -93,7 +93,7 @@ def check_fused_layer_device(device: "int | None" = None) -> str:
     if arch not in fused_layer_archs():
         unverified = (
             f": MoK's SM100 kernels are written and compile-verified but have never run on an SM100 GPU; set "
-            f"{UNVERIFIED_ENV}=1 to use them (no fp8_block), after `python -m pytest -q -m "
+            f"{UNVERIFIED_ENV}=1 to use them (no fp8_block), after `CUDA_LAUNCH_BLOCKING=1 python -m pytest -q -x -m "
             f"sm100` passes on this GPU." if arch in UNVERIFIED_ARCHS else ""
         )
         raise RuntimeError(
