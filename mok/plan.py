@@ -177,9 +177,8 @@ class Plan:
             v += [column_sums_variant(2 * i), column_sums_variant(h, weighted=True, topk=k), row_dots_variant(h, parts)]
         if c.recomputes_h:  # the gate/up GEMM again, as the forward's stages run it (also after a one-launch forward)
             v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm, activation=c.activation, **self._bias)
-        if c.recomputes_gate:  # h's gate half again: the gate GEMM alone, in the gate/up GEMM's column tile (bf16)
-            v.append(grouped_gemm_variant(i, h, tile_n=default_tile_n(i, h, True), gather_a=self.gather_in_gemm,
-                                          persistent=self.persistent, **self._bias))
+        if c.recomputes_gate:
+            v.append(self._gate_variant())
         v += self._weight_grad_variants(h, i, mxfp8=self.precision == "mxfp8")
         if shared:
             s = c.shared_intermediate
@@ -209,9 +208,8 @@ class Plan:
                                      dispatch_format=c.dispatch_format, gate_up_stride=strides["b_expert_stride"],
                                      gate_up_row_stride=strides.get("b_row_stride"), activation=c.activation, bias=c.expert_bias)
                   for save_h in (False, True)]
-        if c.recomputes_gate:  # h's gate half again, from w_gate in place
-            v.append(grouped_gemm_variant(i, h, tile_n=default_tile_n(i, h, True), gather_a=self.gather_in_gemm,
-                                          persistent=self.persistent, **self._bias, **strides))
+        if c.recomputes_gate:  # (from w_gate in place)
+            v.append(self._gate_variant(**strides))
         dx = dict(scatter=True, topk=k) if self.ep else dict(persistent=self.persistent)
         v.append(grouped_gemm_variant(h, 2 * i, b_major="n", k_split=True, **strides, **dx))
         if interleaved:  # dW_gate, dW_up into the even and odd rows of one [E, 2I, H]
@@ -219,6 +217,13 @@ class Plan:
         else:  # [dW_gate; dW_up] as one [E, 2I, H]
             v.append(weight_grad_variant(2 * i, h, "bf16", False, persistent=self.persistent))
         return v
+
+    def _gate_variant(self, **strides) -> KernelVariant:
+        """saved_h_format="recompute_gate": h's gate half again, the gate GEMM alone in the gate/up
+        GEMM's column tile (bf16; mok.pipeline.stages.gate_from_tokens); ``strides``: w_gate's."""
+        c = self.config
+        return grouped_gemm_variant(c.intermediate, c.hidden, tile_n=default_tile_n(c.intermediate, c.hidden, True),
+                                    gather_a=self.gather_in_gemm, persistent=self.persistent, **self._bias, **strides)
 
     def _exchange_variants(self) -> list[KernelVariant]:
         c, w = self.config, self.config.ep_size

@@ -94,11 +94,11 @@ def expert_stride(name: str, w: torch.Tensor, like: torch.Tensor | None = None) 
     return weight_strides(name, w, like)[0]
 
 
-def gate_up_expert_stride(w_gate: torch.Tensor, w_up: torch.Tensor) -> int | None:
-    """The expert stride w_gate and w_up share (:func:`expert_stride`; None: packed)."""
-    stride = expert_stride("w_gate", w_gate)
-    expert_stride("w_up", w_up, like=w_gate)
-    return stride
+def gate_up_strides(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[int | None, int | None]:
+    """The (expert stride, row stride) w_gate and w_up share (:func:`weight_strides`; None: packed)."""
+    strides = weight_strides("w_gate", w_gate)
+    weight_strides("w_up", w_up, like=w_gate)
+    return strides
 
 
 def check_gate_up_parts(w_gate: torch.Tensor, w_up: torch.Tensor, layout: str) -> None:
@@ -172,8 +172,7 @@ def check_moe_inputs(
     check_tensor("w_gate", w_gate, shape=(num_local, inter, hidden))
     check_tensor("w_up", w_up, dtypes=dtypes, shape=(num_local, inter, hidden), device=dev)
     if contiguous:  # (w_gate and w_up: their rows; the two may be the halves of one [E, 2I, H] tensor, or its even and odd rows)
-        weight_strides("w_gate", w_gate)
-        weight_strides("w_up", w_up, like=w_gate)
+        gate_up_strides(w_gate, w_up)
     check_tensor("w_down", w_down, dtypes=dtypes, shape=(num_local, hidden, inter), device=dev, contiguous=contiguous)
     experts_total = num_local if experts_total is None else experts_total
     check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, ndim=2, device=dev)

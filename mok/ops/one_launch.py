@@ -22,7 +22,7 @@ from ..kernels.constants import GRID_SYNC_WORDS
 from ..kernels.variants import expert_mlp_variant
 from ..runtime import launch
 from ..schedule import Schedule, shared_prefix_rows, worst_case_capacity
-from ..validation import check_tensor, check_timeout, weight_strides
+from ..validation import check_tensor, check_timeout, gate_up_strides
 from .common import BF16, I32, bf16_out, check_32bit_rows, check_launchable, check_weights_launchable, kernel_for, sm_count
 
 TILE = 128  # the one-launch forward's row tile and fc1's column tile
@@ -49,6 +49,11 @@ def schedule_arguments(schedule: Schedule) -> dict:
         tile_expert=schedule.tile_expert, row_token=schedule.row_token, row_slot=schedule.row_slot, slot_row=schedule.slot_row,
         offsets=schedule.expert_offsets, counts=schedule.expert_counts, overflow=schedule.overflow,
     )
+
+
+def bias_arguments(biases: tuple | None) -> dict:
+    """The record's bias arguments of the experts' (b_gate, b_up, b_down), or none."""
+    return {} if biases is None else dict(zip(("bias_gate", "bias_up", "bias_down"), biases))
 
 
 def scheduled_expert_mlp(
@@ -93,8 +98,7 @@ def scheduled_expert_mlp(
     num_experts, inter = w_gate.shape[:2]
     check_tensor("w_gate", w_gate, shape=(num_experts, inter, hidden))
     check_tensor("w_up", w_up, dtypes=BF16, shape=(num_experts, inter, hidden), device=x.device)
-    gate_up_stride, gate_up_row_stride = weight_strides("w_gate", w_gate)
-    weight_strides("w_up", w_up, like=w_gate)
+    gate_up_stride, gate_up_row_stride = gate_up_strides(w_gate, w_up)
     check_tensor("w_down", w_down, dtypes=BF16, shape=(num_experts, hidden, inter), device=x.device, contiguous=True)
     if hidden % 8 or inter % 8:
         raise ValueError(f"w_gate: expected H and I multiples of 8 (16-byte rows), got H={hidden}, I={inter}")
@@ -126,7 +130,7 @@ def scheduled_expert_mlp(
     y_rows = torch.empty(capacity, hidden, dtype=torch.bfloat16, device=x.device)
     if shared_in_routed:
         shared_out = y_rows[:num_tokens]
-    bias_args = {} if biases is None else dict(zip(("bias_gate", "bias_up", "bias_down"), biases))
+    bias_args = bias_arguments(biases)
     check_launchable(x=x, topk_idx=topk_idx, y_rows=y_rows, h_out=h_out, shared_out=shared_out, out=out, **bias_args)
     check_weights_launchable(w_gate=w_gate, w_up=w_up, w_down=w_down)
     check_32bit_rows("a (fc1's output)", capacity, inter)

@@ -24,10 +24,10 @@ from ..kernels.common.flag_layout import PHASE_DONE, PHASE_PUBLISH, grid_sync_sl
 from ..kernels.constants import GRID_SYNC_WORDS
 from ..kernels.variants import ep_variant, expert_mlp_variant
 from ..ops.common import bf16_out, check_cuda_aligned, kernel_for, sm_count
-from ..ops.one_launch import TILE, expert_mlp_counters, launch_expert_mlp, schedule_arguments
+from ..ops.one_launch import TILE, bias_arguments, expert_mlp_counters, launch_expert_mlp, schedule_arguments
 from ..runtime import launch
 from ..schedule import Schedule
-from ..validation import weight_strides
+from ..validation import gate_up_strides
 from .workspace import EPWorkspace
 
 
@@ -219,7 +219,7 @@ def one_launch_statics(
     gate_up_strides: tuple = (None, None), activation: str = "swiglu", bias: bool = False,
 ) -> OneLaunchStatics:
     """The launch's statics for these options (``gate_up_strides``: w_gate's and w_up's expert and
-    row strides, mok.validation.weight_strides), built on the workspace's first such call."""
+    row strides, mok.validation.gate_up_strides), built on the workspace's first such call."""
     key = (num_local, inter, save_h, has_shared, dispatch_format, gate_up_strides, activation, bias)
     found = ws.one_launch_statics.get(key)
     if found is None:
@@ -257,12 +257,10 @@ def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out
     lay, dev = ws.layout, x.device
     w_gate, w_up, w_down = weights
     num_local, inter = w_gate.shape[0], w_gate.shape[1]
-    strides = weight_strides("w_gate", w_gate)
-    weight_strides("w_up", w_up, like=w_gate)
     static = one_launch_statics(
-        ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, strides, activation, biases is not None
+        ws, dev, num_local, inter, h is not None, shared_out is not None, dispatch_format, gate_up_strides(w_gate, w_up), activation,
+        biases is not None,
     )
-    bias_args = {} if biases is None else dict(zip(("bias_gate", "bias_up", "bias_down"), biases))
     tokens_all = lay.world * lay.max_tokens
     sched = Schedule.empty(tokens_all, lay.topk, num_local, static.capacity, TILE, dev, world_size=lay.world)
     routing = torch.empty(tokens_all, lay.topk, dtype=torch.int32, device=dev)
@@ -271,7 +269,7 @@ def one_launch_forward(ws: EPWorkspace, x, topk_idx, topk_w, weights, shared_out
     out = torch.empty(x.shape[0], lay.hidden, dtype=x.dtype, device=dev)
     counters = torch.empty(static.counters, dtype=torch.int32, device=dev)  # zeroed by the launch's schedule
     launch_expert_mlp(
-        static.variant, dev, timeout_s, **bias_args, x=x_all, w_gate=w_gate, w_up=w_up, w_down=w_down, a=a, h=h, topk_w=topk_w, shared=shared_out,
+        static.variant, dev, timeout_s, **bias_arguments(biases), x=x_all, w_gate=w_gate, w_up=w_up, w_down=w_down, a=a, h=h, topk_w=topk_w, shared=shared_out,
         out=out, counters=counters, topk_idx=routing, sync=static.grid_sync, x_in=x, idx_in=topk_idx, rank=ws.rank, t_max=lay.max_tokens,
         my_tokens=x.shape[0], num_rows=static.capacity, num_experts=num_local, num_tokens=tokens_all,
         max_ctas=max_ctas or static.max_ctas, **static.regions, **schedule_arguments(sched),
