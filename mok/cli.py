@@ -14,7 +14,7 @@ import sys
 
 from . import __version__
 from .bench.layer import PASS_ALIASES, PASSES, PATHS, PLOT_METRICS, PRESETS, parse_choices, parse_models, presets_table, resolve_shapes
-from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, GATE_UP_LAYOUTS, PRECISIONS, SAVED_H_FORMATS, MoKConfig
+from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, FP8_SCALES, GATE_UP_LAYOUTS, PRECISIONS, SAVED_H_FORMATS, MoKConfig
 from .kernels.constants import ACTIVATIONS
 
 NO_GPU_MESSAGE = (
@@ -81,6 +81,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", choices=ACTIVATIONS, default="swiglu",
                    help="the experts' gated activation (MoKConfig.activation; gpt-oss: clamped_swiglu)")
     p.add_argument("--expert-bias", action="store_true", help="the routed experts have biases (MoKConfig.expert_bias; gpt-oss)")
+    p.add_argument("--fp8-scales", choices=FP8_SCALES, default="fp32",
+                   help="precision fp8_block's scale rule; power_of_two builds its quantizers that way (MoKConfig.fp8_scales)")
 
 
 def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=None) -> tuple[MoKConfig, str | None]:
@@ -109,7 +111,8 @@ def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=Non
         given["shared_intermediate"] = given["shared_intermediate"] or None
     values = {**base, **given, "one_launch": args.one_launch, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation,
               "saved_h_format": args.saved_h_format, "dispatch_format": args.dispatch_format, "precision": args.precision,
-              "gate_up_layout": args.gate_up_layout, "activation": args.activation, "expert_bias": args.expert_bias}
+              "gate_up_layout": args.gate_up_layout, "activation": args.activation, "expert_bias": args.expert_bias,
+              "fp8_scales": args.fp8_scales}
     if args.ep_size is not None or default_ep == 1:
         return MoKConfig(**values, ep_size=args.ep_size if args.ep_size is not None else default_ep), None
     try:
@@ -157,6 +160,7 @@ def _describe(config: MoKConfig) -> str:
     options += [f for f in ("one_launch", "fuse_wgrad_accumulation") if getattr(config, f)]
     options += [f"gate_up_layout={config.gate_up_layout!r}"] if config.gate_up_joined else []
     options += ([f"activation={config.activation!r}"] if config.activation != "swiglu" else []) + (["expert_bias"] if config.expert_bias else [])
+    options += [f"fp8_scales={config.fp8_scales!r}"] if config.fp8_power_of_two else []
     return (f"H {config.hidden}, I {config.intermediate}, {config.num_experts} experts, top-{config.topk}, {shared}, "
             f"ep_size {config.ep_size}" + (f", {', '.join(options)}" if options else ""))
 

@@ -17,6 +17,7 @@ PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated", "fp8_block")  # the expert GEMM
 SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute", "recompute_gate")  # how h is kept for the backward (mok/saved_h.py), or not kept
 DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
 GATE_UP_LAYOUTS = ("separate", "concatenated", "interleaved")  # how w_gate and w_up are stored (the kernels read each in place)
+FP8_SCALES = ("fp32", "power_of_two")  # precision="fp8_block"'s scale rule (mok/fp8_block.py)
 
 
 def check_saved_h_format(value: object) -> str:
@@ -59,9 +60,13 @@ class MoKConfig:
     into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16) or "fp8_block" (DeepSeek-V3's
     FP8: the expert GEMMs on E4M3 with fp32 scales per 1 x 128 of the rows and 128 x 128 of the
     weights, mok.fp8_block, on Hopper's FP8 WGMMAs, forward and backward dgrad; the weights
-    quantized once per version; the weight gradients in bf16 so far); one GPU, H, I and I_s
-    multiples of 128, without one_launch so far (with fuse_wgrad_accumulation and either
-    saved_h_format).
+    quantized once per version; the weight gradients in bf16 so far); H, I and I_s multiples of
+    16 (a partial last scale block), one GPU or expert parallelism (the rows cross in bf16 or
+    dispatch_format's MXFP8 and are quantized on the experts' rank), without one_launch so far (with
+    fuse_wgrad_accumulation, the bf16, mxfp8 and recompute saved_h_formats and expert_bias).
+    fp8_scales (precision="fp8_block"): "fp32" (default: a block's scale is amax / 448) or
+    "power_of_two" (the power of two at or above it, so that dividing by it is exact; mok.fp8_block),
+    for every activation and weight the layer quantizes.
     gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
     [I, H] block contiguous), "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows
     first, as transformers' gate_up_proj) or "interleaved" (its even and odd rows, w[:, 0::2] and
@@ -77,8 +82,10 @@ class MoKConfig:
     (mok/kernels/common/gated_activation.py), with the router-weight gradient as for SwiGLU.
     expert_bias: the routed experts have biases (gpt-oss's): b_gate, b_up [E, I] added to h_gate and
     h_up, b_down [E, H] to each expert's output y (so the router-weight gradient <dout, y> includes
-    it); the backward returns their gradients. bf16 precision, staged or in one launch, without
-    fuse_wgrad_accumulation or a shared expert, so far.
+    it); the backward returns their gradients (as plain gradients with fuse_wgrad_accumulation too:
+    Megatron's fused accumulation covers the weights, its DDP adds a bias's gradient to main_grad).
+    bf16 (staged or in one launch) or fp8_block precision; a shared expert beside them (without
+    biases) runs in launches of its own.
     """
 
     hidden: int
@@ -96,6 +103,7 @@ class MoKConfig:
     gate_up_layout: str = "separate"
     activation: str = "swiglu"
     expert_bias: bool = False
+    fp8_scales: str = "fp32"
 
     def check_biases_given(self, given: bool) -> None:
         """Refuse routed-expert biases given without ``expert_bias`` or missing with it (ValueError)."""
@@ -135,6 +143,8 @@ class MoKConfig:
         if self.gate_up_layout not in GATE_UP_LAYOUTS:
             raise ValueError(f"gate_up_layout: expected one of {GATE_UP_LAYOUTS}, got {self.gate_up_layout!r}")
         check_activation(self.activation)
+        if self.fp8_scales not in FP8_SCALES:
+            raise ValueError(f"fp8_scales: expected one of {FP8_SCALES}, got {self.fp8_scales!r}")
         check_combination(self)
 
     @property
@@ -158,6 +168,11 @@ class MoKConfig:
         return self.saved_h_format == "recompute"
 
     @property
+    def fp8_power_of_two(self) -> bool:
+        """Whether precision="fp8_block" scales by powers of two (``fp8_scales``)."""
+        return self.fp8_scales == "power_of_two"
+
+    @property
     def recomputes_gate(self) -> bool:
         """Whether the forward keeps h's up half only and the backward computes its gate half again."""
         return self.saved_h_format == "recompute_gate"
@@ -171,16 +186,32 @@ def _shared_width(config: "MoKConfig") -> dict:
     return {} if config.shared_intermediate is None else {"shared_intermediate": config.shared_intermediate}
 
 
+def width_rule(config: "MoKConfig") -> tuple[int, str]:
+    """(the step every width of a layer of ``config`` is a multiple of on a GPU, why): 8 in bf16
+    (16-byte rows: the partial last tiles zero-filled by TMA on load and left unwritten past the
+    width on store, the bf16 kernels of every arch, staged or in one launch), 16 with FP8 block
+    scales (16-byte E4M3 rows; a partial last scale block), 128 with MXFP8 (its scale blocks tile
+    every width). (The CPU reference path takes any width in bf16.)"""
+    if config.precision == "bf16":
+        return 8, "16-byte rows"
+    if config.precision == "fp8_block":
+        return 16, "16-byte E4M3 rows"
+    return TILE, "MXFP8's scale blocks tile every width"
+
+
 def check_combination(config: "MoKConfig") -> None:
     """Refuse a combination of options no target runs (ValueError naming it); which ones a given
     target does not run is mok.plan's to say."""
     if config.precision != "bf16":
-        others = {"ep_size > 1": config.ep_size > 1, "one_launch": config.one_launch}
+        others = {"ep_size > 1": config.ep_size > 1 and config.precision != "fp8_block", "one_launch": config.one_launch}
         if any(others.values()):
             raise ValueError(f"precision={config.precision!r}: not with {', '.join(k for k, v in others.items() if v)} (not written yet)")
         widths = {"hidden": config.hidden, "intermediate": config.intermediate} | _shared_width(config)
-        if any(v % TILE for v in widths.values()):
-            raise ValueError(f"precision={config.precision!r}: expected widths that are multiples of {TILE}, got {widths}")
+        step, why = width_rule(config)
+        if any(v % step for v in widths.values()):
+            raise ValueError(f"precision={config.precision!r}: expected widths that are multiples of {step} ({why}), got {widths}")
+    if config.fp8_scales != "fp32" and config.precision != "fp8_block":
+        raise ValueError(f"fp8_scales={config.fp8_scales!r}: only with precision='fp8_block' (its scale rule), got precision={config.precision!r}")
     if config.saved_h_format == "recompute_gate" and config.precision != "bf16":
         raise ValueError(f"saved_h_format='recompute_gate': bf16 precision only (its gate GEMM is bf16), got precision={config.precision!r}")
     if config.saved_h_format == "mxfp8":  # h [rows, 2I] in blocks of 32 along its rows: 2I and 2I_s multiples of 32
@@ -195,10 +226,8 @@ def check_combination(config: "MoKConfig") -> None:
                 "[E, 2I, H] gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
             )
     if config.expert_bias:
-        others = {"fuse_wgrad_accumulation": config.fuse_wgrad_accumulation, "a shared expert": config.has_shared_expert,
-                  f"precision={config.precision!r}": config.precision != "bf16"}
-        if any(others.values()):
-            raise ValueError(f"expert_bias: not with {', '.join(k for k, v in others.items() if v)} (not written yet)")
+        if config.precision not in ("bf16", "fp8_block"):
+            raise ValueError(f"expert_bias: bf16 or fp8_block precision (the MXFP8 GEMMs add no bias), got precision={config.precision!r}")
     if config.dispatch_format == "mxfp8":
         if config.ep_size == 1:
             raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")

@@ -12,6 +12,10 @@ per 128 x 128 block, each block by one fp32 scale:
 where 1 / scale is fp32's 448 / amax (one division per block; exactly 2^-e for power-of-two scales).
 The elements are E4M3 (float8_e4m3fn); the scales fp32: a row matrix's kept transposed, [K / 128, R]
 (the order the Hopper kernel's TMA reads a K block's row scales in), a weight's [E, N / 128, K / 128].
+Where 128 does not divide K (or a weight's N) the last block is partial: it holds the values there
+are (its scale from them alone), and there are ceil(K / 128) blocks. Rows may be blocked in
+``segments`` (2: each half on its own, blocks restarting at the second half, for a GEMM whose two
+K ranges are the halves).
 A GEMM of two such operands is Σ over K blocks of (q_a·q_bᵀ)·scale_a·scale_b
 (:func:`block_scaled_gemm_reference`; mok/kernels/sm90/block_scaled.py computes it on FP8 WGMMAs).
 """
@@ -57,36 +61,63 @@ def _quantize_blocks(x: torch.Tensor, power_of_two: bool) -> tuple[torch.Tensor,
     return (x * factor[..., None]).to(torch.float8_e4m3fn), scale
 
 
-def quantize_rows(x: torch.Tensor, *, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x [R, K] (K a multiple of 128) -> (elements [R, K] E4M3, scales [K / 128, R] fp32), 1 x 128 blocks."""
+def _padded(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with zeros appended along ``dim`` up to a multiple of BLOCK (a zero changes no block's amax)."""
+    extra = -t.shape[dim] % BLOCK
+    if not extra:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def _segments(k: int, segments: int) -> int:
+    """The width of each of a row's ``segments`` (1 or 2) blocked parts."""
+    if segments not in (1, 2) or k % segments:
+        raise ValueError(f"segments: expected 1, or 2 with K even, got {segments} with K={k}")
+    return k // segments
+
+
+def quantize_rows(x: torch.Tensor, *, power_of_two: bool = False, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [R, K] -> (elements [R, K] E4M3, scales [blocks, R] fp32), 1 x 128 blocks in each of
+    ``segments`` parts of a row (ceil(K / segments / 128) blocks a part; module docstring)."""
     check_tensor("x", x, ndim=2)
     rows, k = x.shape
-    if k % BLOCK:
-        raise ValueError(f"x: expected K a multiple of {BLOCK}, got {k}")
-    q, scale = _quantize_blocks(x.reshape(rows, k // BLOCK, BLOCK), power_of_two)
-    return q.reshape(rows, k), scale.T.contiguous()
+    width = _segments(k, segments)
+    parts, scales = [], []
+    for part in x.split(width, dim=1):
+        padded = _padded(part, 1)
+        q, scale = _quantize_blocks(padded.reshape(rows, -1, BLOCK), power_of_two)
+        parts.append(q.reshape(rows, -1)[:, :width])
+        scales.append(scale.T)
+    return torch.cat(parts, 1).contiguous(), torch.cat(scales, 0).contiguous()
 
 
 def quantize_weights(w: torch.Tensor, *, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights w [E, N, K] (N, K multiples of 128) -> (elements [E, N, K] E4M3, scales [E, N / 128, K / 128] fp32)."""
+    """Weights w [E, N, K] -> (elements [E, N, K] E4M3, scales [E, ceil(N / 128), ceil(K / 128)] fp32)."""
     check_tensor("w", w, ndim=3)
     experts, n, k = w.shape
-    if n % BLOCK or k % BLOCK:
-        raise ValueError(f"w: expected N and K multiples of {BLOCK}, got N={n}, K={k}")
-    blocks = w.reshape(experts, n // BLOCK, BLOCK, k // BLOCK, BLOCK).transpose(2, 3)  # [E, nb, kb, 128, 128]
-    q, scale = _quantize_blocks(blocks.reshape(experts, n // BLOCK, k // BLOCK, BLOCK * BLOCK), power_of_two)
-    q = q.reshape(experts, n // BLOCK, k // BLOCK, BLOCK, BLOCK).transpose(2, 3).reshape(experts, n, k)
-    return q.contiguous(), scale
+    padded = _padded(_padded(w, 1), 2)
+    nb, kb = padded.shape[1] // BLOCK, padded.shape[2] // BLOCK
+    blocks = padded.reshape(experts, nb, BLOCK, kb, BLOCK).transpose(2, 3)  # [E, nb, kb, 128, 128]
+    q, scale = _quantize_blocks(blocks.reshape(experts, nb, kb, BLOCK * BLOCK), power_of_two)
+    q = q.reshape(experts, nb, kb, BLOCK, BLOCK).transpose(2, 3).reshape(experts, nb * BLOCK, kb * BLOCK)
+    return q[:, :n, :k].contiguous(), scale
 
 
-def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float64 rows [R, K] of (elements, scales [K / 128, R])."""
-    return q.double() * scales.double().T.repeat_interleave(BLOCK, dim=1)
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, segments: int = 1) -> torch.Tensor:
+    """float64 rows [R, K] of (elements, scales [blocks, R]) blocked in ``segments`` parts."""
+    width = _segments(q.shape[1], segments)
+    per_part = scales.shape[0] // segments
+    parts = [part.double() * scales[i * per_part:(i + 1) * per_part].double().T.repeat_interleave(BLOCK, dim=1)[:, :width]
+             for i, part in enumerate(q.split(width, dim=1))]
+    return torch.cat(parts, 1)
 
 
 def dequantize_weights(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float64 weights [E, N, K] of (elements, scales [E, N / 128, K / 128])."""
-    return q.double() * scales.double().repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
+    """float64 weights [E, N, K] of (elements, scales [E, ceil(N / 128), ceil(K / 128)])."""
+    _, n, k = q.shape
+    return q.double() * scales.double().repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)[:, :n, :k]
 
 
 def block_scaled_gemm_reference(a: tuple, b: tuple, experts_of_rows: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,8 @@ class MoELayer(nn.Module):
     the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
     ``"fp8_block"``: the expert GEMMs in FP8 with 128-block scales (DeepSeek-V3's recipe, Hopper's
     FP8 WGMMAs, the weights quantized once per version), but the weight gradients' (bf16 so far);
-    one GPU, see :class:`mok.config.MoKConfig` for what it does not combine with yet.
+    one GPU or expert parallelism, see :class:`mok.config.MoKConfig` for what it does not combine
+    with yet; ``fp8_scales="power_of_two"``: its scales powers of two (exact divisions).
     ``activation``: the experts' gated activation, "swiglu" (default), "clamped_swiglu" (gpt-oss's) or
     "geglu" (:class:`mok.config.MoKConfig`). ``bias=True``: the routed experts have biases
     (``gate_bias``, ``up_bias`` [E, I], ``down_bias`` [E, H], initialised to zero; gpt-oss's; the
@@ -112,6 +113,7 @@ class MoELayer(nn.Module):
         dispatch_format: str = "bf16",
         activation: str = "swiglu",
         bias: bool = False,
+        fp8_scales: str = "fp32",
     ) -> None:
         super().__init__()
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -133,7 +135,7 @@ class MoELayer(nn.Module):
         self.config = MoKConfig(
             hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, saved_h_format=saved_h_format, dispatch_format=dispatch_format,
-            activation=activation, expert_bias=bias,
+            activation=activation, expert_bias=bias, fp8_scales=fp8_scales,
         )
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange
@@ -143,9 +145,9 @@ class MoELayer(nn.Module):
         local = self.config.experts_per_rank
         kw = dict(device=device, dtype=dtype or torch.bfloat16)
         shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
-        # a shared expert of the routed experts' shapes runs in their launches (single GPU): its weights
-        # then sit after theirs, one buffer per projection (see _apply)
-        self.shared_in_routed = shared_intermediate == intermediate and self.group is None
+        # a shared expert of the routed experts' shapes runs in their launches (single GPU, routed
+        # experts without biases): its weights then sit after theirs, one buffer per projection (see _apply)
+        self.shared_in_routed = shared_intermediate == intermediate and self.group is None and not bias
         if self.shared_in_routed:
             bufs = [torch.empty(local + 1, *shape, **kw) for shape in shapes]
             self.gate_proj, self.up_proj, self.down_proj = (nn.Parameter(buf[:local]) for buf in bufs)

@@ -15,34 +15,25 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .config import MoKConfig
+from .config import MoKConfig, width_rule
 from .kernels import KernelVariant
 from .kernels.variants import (
     column_sums_variant, combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
-    quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong, weight_grad_variant,
+    fp8_weights_quantizer, quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong,
+    weight_grad_variant,
 )
 from .runtime.arch import FP8_BLOCK_GEMM_ARCHS, MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
 TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
 
 
-def whole_tiles_reason(config: MoKConfig) -> str | None:
-    """Why a layer of ``config`` needs every width a multiple of 128 (None: any multiple of 8 runs,
-    the partial last tiles zero-filled by TMA on load and left unwritten past the width on store:
-    the bf16 kernels of every arch, staged or in one launch)."""
-    if config.precision != "bf16":
-        return f"precision={config.precision!r}: its scale blocks tile every width"
-    return None
-
-
-def check_tiled_widths(name: str, widths: dict, reason: str | None = "the fused kernels' tile") -> None:
+def check_tiled_widths(name: str, widths: dict, rule: tuple[int, str] = (TILE, "the fused kernels' tile")) -> None:
     """Refuse widths of the layer (H, I, a shared expert's I_s) that the kernels do not take,
-    naming them, before anything is compiled or launched: multiples of 128 where ``reason`` says
-    why whole tiles are needed, else multiples of 8 (16-byte rows; the reference path takes any)."""
-    step = 8 if reason is None else TILE
+    naming them, before anything is compiled or launched: ``rule`` = (step, why), e.g.
+    mok.config.width_rule's (the reference path takes any)."""
+    step, why = rule
     if any(width % step or width < step for width in widths.values()):
         got = ", ".join(f"{width_name}={width}" for width_name, width in widths.items())
-        why = "16-byte rows" if reason is None else reason
         raise ValueError(f"{name}: expected {', '.join(widths)} multiples of {step} ({why}), got {got}")
 
 
@@ -51,14 +42,34 @@ def refusal(config: MoKConfig, arch: str) -> str | None:
     if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
         return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
     if config.precision == "fp8_block" and arch not in FP8_BLOCK_GEMM_ARCHS:
-        return f"precision='fp8_block': Hopper's kernels only so far; on {arch} use precision='mxfp8'"
+        return fp8_on_block_scaled_mma_refusal(config, arch)
+    return None
+
+
+def fp8_on_block_scaled_mma_refusal(config: MoKConfig, arch: str) -> str | None:
+    """Why precision="fp8_block" does not run on ``arch``'s block-scaled MMAs (SM100: its
+    power-of-two 128-block scales as E8M0 bytes through the MXFP8 kernels; None where it does)."""
+    if arch not in MXFP8_GEMM_ARCHS:
+        return f"precision='fp8_block': Hopper's FP8 WGMMAs or SM100's block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}), got {arch}"
+    widths = {"hidden": config.hidden, "intermediate": config.intermediate} | (
+        {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {})
+    problems = [what for what, bad in (
+        ("fp8_scales='power_of_two' (the MMAs' scales are E8M0: powers of two)", not config.fp8_power_of_two),
+        (f"widths that are multiples of {TILE} (the MXFP8 kernels' whole tiles), got {widths}", any(v % TILE for v in widths.values())),
+        ("one GPU (ep_size 1: the MXFP8 kernels have no scatter epilogue yet)", config.ep_size > 1),
+        ("no expert_bias (the MXFP8 kernels add none)", config.expert_bias),
+    ) if bad]
+    if problems:
+        return f"precision='fp8_block' on {arch} runs on its block-scaled MMAs and needs {'; '.join(problems)}"
     return None
 
 
 def shared_in_routed_possible(config: MoKConfig) -> bool:
     """Whether a shared expert of the routed experts' shapes may run in their launches, as expert E
-    with its rows first (bf16 on one GPU; the weights' layout decides per call)."""
-    return config.precision == "bf16" and config.ep_size == 1 and config.shared_intermediate == config.intermediate
+    with its rows first (bf16 on one GPU, the routed experts without biases, which it has not; the
+    weights' layout decides per call)."""
+    return (config.precision == "bf16" and config.ep_size == 1 and config.shared_intermediate == config.intermediate
+            and not config.expert_bias)
 
 
 @dataclass(frozen=True)
@@ -101,7 +112,20 @@ class Plan:
     def gather_in_gemm(self) -> bool:
         """Whether the gate/up GEMM's producer gathers its rows from x (bf16, or FP8 block scales on
         Hopper; one GPU); else they are gathered first (or pulled from the peers)."""
-        return self.precision in ("bf16", "fp8_block") and self.persistent and not self.ep
+        gathers = self.precision == "bf16" or (self.precision == "fp8_block" and not self.fp8_on_block_scaled_mma)
+        return gathers and self.persistent and not self.ep
+
+    @property
+    def fp8_on_block_scaled_mma(self) -> bool:
+        """precision="fp8_block" on SM100: its power-of-two 128-block scales as E8M0 bytes in the
+        order the block-scaled MMAs read (ops.quantize_fp8_rows(scale_order="mma")), the GEMMs the
+        MXFP8 kernels (Hopper: the FP8 WGMMA kernel with fp32 scales)."""
+        return self.precision == "fp8_block" and self.arch in MXFP8_GEMM_ARCHS
+
+    @property
+    def fp8_scale_order(self) -> str:
+        """How precision="fp8_block" hands its scales to the GEMMs: "rows" (fp32, Hopper) or "mma" (E8M0, SM100)."""
+        return "mma" if self.fp8_on_block_scaled_mma else "rows"
 
     @property
     def shared_in_routed(self) -> bool:
@@ -146,7 +170,7 @@ class Plan:
                 v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm, activation=act,
                                          **self._bias)
             if self.ep:
-                v.append(grouped_gemm_variant(h, i, scatter=True, topk=k, **self._bias))
+                v += self._gemm_variants(h, i, scatter=True, topk=k, **self._bias)
             else:
                 v += self._gemm_variants(h, i, **self._bias)
         if shared:  # in launches of its own (weights that do not lie after the routed experts', or EP)
@@ -164,10 +188,10 @@ class Plan:
         h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
         v = [gather_variant(h), gather_variant(h, sources=2)] if not self.ep else []
         v += self._swiglu_backward_variants(i, h, topk=k)
-        operand = "e4m3_block" if self.precision == "fp8_block" else "bf16"
+        operand = "e4m3_block" if self.precision == "fp8_block" and not self.fp8_on_block_scaled_mma else "bf16"  # (SM100: 128-wide tiles)
         parts = -(-i // default_tile_n(i, h, True, operand)) + int(c.expert_bias)  # the router-gradient pieces per row (the down bias's last)
         if self.ep:
-            v.append(grouped_gemm_variant(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True))
+            v += self._gemm_variants(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True)
             v.append(router_grad_variant(k, parts))
             v.append(combine_variant(h, k, shared, gathered=False, unit_weights=True))
         else:
@@ -242,11 +266,18 @@ class Plan:
         backward's: K-major either way)."""
         if self.precision == "bf16":
             return [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
-        if self.precision == "fp8_block":  # (gathering: x quantized whole; else the rows in use)
+        if self.precision == "fp8_block":  # (gathering: x quantized whole; else the rows in use, with k_split a half at a time)
             options.pop("b_major", None)
-            weight_k = k // 2 if options.get("k_split") else k
-            quantizers = [quantize_fp8_block_variant(k, bounded=not options.get("gather_a")), quantize_fp8_block_variant(weight_k, block_rows=128)]
-            return quantizers + [grouped_gemm_variant(n, k, operand="e4m3_block", **options)]
+            halves = 2 if options.get("k_split") else 1
+            pow2, mma = self.config.fp8_power_of_two, self.fp8_on_block_scaled_mma
+            if mma:  # (SM100: the MXFP8 kernels; the rows gathered first; whole blocks, so dh's halves block as one)
+                options.pop("gather_a", None)
+                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=True, mma_scales=True)
+                gemm = grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)
+            else:
+                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=not options.get("gather_a"), segments=halves)
+                gemm = grouped_gemm_variant(n, k, operand="e4m3_block", **options)
+            return [rows, fp8_weights_quantizer(n, k // halves, pow2, mma_scales=mma), gemm]
         options.pop("gather_a", None)
         quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
         if self.emulate:
@@ -258,7 +289,11 @@ class Plan:
 
     def _swiglu_backward_variants(self, i: int, h: int, topk: int) -> list[KernelVariant]:
         if self.precision == "fp8_block":  # dout's rows and w_down's transpose [E, I, H] quantized along H
-            quantizers = [quantize_fp8_block_variant(h, bounded=True), quantize_fp8_block_variant(h, block_rows=128)]
+            pow2, mma = self.config.fp8_power_of_two, self.fp8_on_block_scaled_mma
+            quantizers = [quantize_fp8_block_variant(h, power_of_two=pow2, bounded=True, mma_scales=mma), fp8_weights_quantizer(i, h, pow2, mma)]
+            if mma:  # (SM100's MXFP8 kernel, as precision="mxfp8" runs it)
+                return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=self.persistent,
+                                                          operand="e4m3", activation=self.activation)]
             return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", topk=topk, operand="e4m3_block", activation=self.activation,
                                                       **self._bias)]
         if self.precision == "mxfp8" and not self.emulate:
@@ -323,7 +358,7 @@ def plan_for(config: MoKConfig, arch: str) -> Plan:
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     arch = normalize_arch(arch)
     shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
-    check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared}, whole_tiles_reason(config))
+    check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared}, width_rule(config))
     if config.precision == "mxfp8":
         require_mxfp8_gemms("precision='mxfp8'", arch)
     why = refusal(config, arch)

@@ -205,7 +205,8 @@ def moe_backward_op(
     outputs after out. The shared expert's gradients are empty tensors when there is none, the
     biases' when there are none (the biases: as the forward op's). ``main_grads`` (one fp32 buffer
     per weight: gate, up, down[, shared gate, up, down], or none): the weight gradients are added
-    into them by the weight-gradient GEMMs themselves, and come out as empty tensors.
+    into them by the weight-gradient GEMMs themselves, and come out as empty tensors (the biases'
+    come out as without them: Megatron's DDP adds a bias's gradient into its main_grad).
     ``weight_grads=False`` (every expert weight frozen): none computed, all nine empty. With
     gate_up_layout "concatenated" (or "interleaved") d_w_gate is [dW_gate; dW_up] per expert (or
     the two interleaved row by row) as one [E, 2I, H] tensor and d_w_up empty."""
@@ -232,12 +233,14 @@ def moe_backward_op(
 
 def _weight_grads_out(g, x: Tensor, added: bool) -> list[Tensor]:
     """The nine weight-gradient outputs (routed, shared, biases): empty where there is no shared
-    expert or no bias, and all empty when they went into main_grad buffers (an output may not alias
-    an input) or were not computed."""
-    if added or g.d_w_gate is None:
+    expert or no bias, where they were not computed, and the weights' where they went into
+    main_grad buffers (an output may not alias an input)."""
+    if g.d_w_gate is None:
         return [x.new_empty(0) for _ in range(9)]
-    shared = g.d_shared or [x.new_empty(0) for _ in range(3)]
     biases = g.d_biases or [x.new_empty(0) for _ in range(3)]
+    if added:
+        return [x.new_empty(0) for _ in range(6)] + list(biases)
+    shared = g.d_shared or [x.new_empty(0) for _ in range(3)]
     return [g.d_w_gate, x.new_empty(0) if g.d_w_up is None else g.d_w_up, g.d_w_down, *shared, *biases]
 
 
@@ -245,8 +248,9 @@ def _weight_grads_out(g, x: Tensor, added: bool) -> list[Tensor]:
 def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved, config, workspace, timeout_s, main_grads,
       weight_grads=True, bias_gate=None, bias_up=None, bias_down=None):
     added = len(main_grads) > 0 or not weight_grads
-    params = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down, bias_gate, bias_up, bias_down)
+    params = (w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
     grads = [x.new_empty(0) if w is None or added else w.new_empty(w.shape) for w in params]
+    grads += [x.new_empty(0) if b is None or not weight_grads else b.new_empty(b.shape) for b in (bias_gate, bias_up, bias_down)]
     if config_of(config).gate_up_joined and not added:
         experts, inter, hidden = w_gate.shape
         grads[:2] = [w_gate.new_empty(experts, 2 * inter, hidden), x.new_empty(0)]
@@ -270,15 +274,15 @@ def _(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared_gate, shared_up, s
     if not weight_grads:
         return dx, d_topk_w, *empty(9)
     grads = (g.d_w_gate, g.d_w_up, g.d_w_down, *(g.d_shared or ()))
+    d_biases = empty(3) if biases is None else [grad.to(b.dtype) for grad, b in zip(g.d_biases, biases)]
     for buf, grad in zip(main_grads, grads):
         buf.add_(grad.float())
     if main_grads:
-        return dx, d_topk_w, *empty(9)
+        return dx, d_topk_w, *empty(6), *d_biases
     outs = [grad.to(w.dtype) for grad, w in zip(grads, (w_gate, w_up, w_down, *(shared or ())))]
     if cfg.gate_up_joined:  # (one [E, 2I, H] gradient in the weights' layout: halves, or rows interleaved)
         joined = torch.cat(outs[:2], dim=1) if cfg.gate_up_layout == "concatenated" else torch.stack(outs[:2], dim=2).flatten(1, 2)
         outs[:2] = [joined, x.new_empty(0)]
-    d_biases = empty(3) if biases is None else [grad.to(b.dtype) for grad, b in zip(g.d_biases, biases)]
     return dx, d_topk_w, *outs, *empty(6 - len(outs)), *d_biases
 
 
@@ -312,9 +316,9 @@ def _backward(ctx, d_out, *_unused):
     )
     if not want:
         grads = [None] * 9
-    elif ctx.params is not None:  # (added into main_grad: what Megatron's protocol hands autograd)
+    elif ctx.params is not None:  # (added into main_grad: what Megatron's protocol hands autograd; the biases' as they are)
         grads = main_grad.grads_after_accumulation(ctx.params)
-        grads += [None] * (9 - len(grads))
+        grads += [None] * (6 - len(grads)) + list(weight_grads[6:])
     else:
         grads = list(weight_grads)
     if not ctx.has_shared:

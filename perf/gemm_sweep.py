@@ -6,7 +6,8 @@
     python perf/gemm_sweep.py --counted-wgrad  # weight gradients stopping at each expert's last row block
     python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide, ping-pong)
     python perf/gemm_sweep.py --fp8-block      # FP8 with 128-block scales (DeepSeek-V3's recipe) against bf16, same run
-                                               # (plain shapes: also with two sets of block accumulators, "x2")
+                                               # (plain shapes: also with two sets of block accumulators, "x2");
+                                               # then fc1 gathering FP8 rows against gathering bf16 rows first
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from mok import ops
-from mok.bench import time_ms
+from mok.bench import time_ms, time_ms_interleaved
 
 SHAPES = {  # name: (E, rows per expert, N, K, swiglu)
     "dsv3 fc1": (32, 1024, 2048, 7168, True),
@@ -174,11 +175,41 @@ def fp8_block() -> None:
             print(f"{name:<11}fp8 vs float64 of its operands: relative difference {float((got - want).norm() / want.norm()):.2e}")
 
 
+def gathered_fp8_fc1() -> None:
+    """fc1 on FP8 operands as the one-GPU layer runs it (x quantized once per token, its E4M3 rows
+    and scales gathered by the GEMM's producer) against gathering the bf16 rows first, quantizing
+    the rows in use and loading them by TMA (the EP path's form), and bf16's gathering fc1, on a
+    real schedule: whether the gather in the producer holds FP8's 64-wide SwiGLU tiles back
+    (docs/notes/fp8-block-hopper.md)."""
+    from mok.pipeline.fp8_weights import fp8_block_weights
+
+    for name, (T, H, I, E, k) in {"dsv3 fc1": (4096, 7168, 2048, 32, 8), "qwen3 fc1": (8192, 2048, 768, 64, 8)}.items():
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
+        q = fp8_block_weights(wg, wu, wu)
+        used = sched.expert_offsets[-1:]
+        x_rows = ops.gather_rows(x, sched.row_token)
+        out = torch.empty(x_rows.shape[0], I, device="cuda").bfloat16()
+        runs = {
+            "bf16 fc1 gathering A": lambda: ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, out=out, gather=sched.row_token),
+            "fp8 fc1 gathering A": lambda: ops.grouped_gemm(ops.quantize_fp8_rows(x), q.gate, sched.tile_expert, b2=q.up, out=out,
+                                                            gather=sched.row_token),
+            "fp8 gather, quantize, fc1": lambda: ops.grouped_gemm(
+                ops.quantize_fp8_rows(ops.gather_rows(x, sched.row_token, out=x_rows), rows_used=used), q.gate, sched.tile_expert,
+                b2=q.up, out=out),
+        }
+        ms = time_ms_interleaved(runs, batch=10, repeats=5)
+        for kname, t in ms.items():
+            print(f"{name:<11}{kname:<28}{t:>8.3f}")
+
+
 if __name__ == "__main__":
     import sys
 
     if "--fp8-block" in sys.argv:
         fp8_block()
+        gathered_fp8_fc1()
     elif "--counted-wgrad" in sys.argv:
         counted_weight_grads()
     elif "--weight-grads" in sys.argv:

@@ -164,8 +164,8 @@ def test_bench_options_pick_presets_or_a_shape_of_ones_own(capsys):
     both = shapes("--model", "qwen3-235b-a22b", "--precision", "fp8_block,bf16")  # (each shape once per precision, bf16 first)
     assert [(s.model, s.precision) for s in both] == [("qwen3-235b-a22b", "bf16"), ("qwen3-235b-a22b", "fp8_block")]
     assert both[1].config().precision == "fp8_block" and "MoK's expert GEMMs fp8_block" in both[1].describe()
-    assert main(["bench", "--model", "gpt-oss-20b", "--precision", "fp8_block"]) == 2  # (its block scales tile every width)
-    assert "precision='fp8_block': expected widths that are multiples of 128" in capsys.readouterr().err
+    assert main(["bench", "--model", "gpt-oss-20b", "--intermediate", "1032", "--precision", "fp8_block"]) == 2  # (16-byte E4M3 rows)
+    assert "precision='fp8_block': expected widths that are multiples of 16 (16-byte E4M3 rows)" in capsys.readouterr().err
     assert main(["bench", "--hidden", "1024"]) == 2  # (a shape of one's own needs all four)
     assert "missing --intermediate, --experts, --topk" in capsys.readouterr().err
     assert main(["bench", "--model", "deepseek-v3", "--intermediate", "1004"]) == 2  # (not a multiple of 8)

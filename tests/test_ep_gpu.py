@@ -195,6 +195,36 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
                 assert float((summed - want.d_shared[i].float()).norm() / want.d_shared[i].float().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("world,counts,shared_inter,saved_h_format", [
+    (2, (300, 517), 256, "bf16"),  # a shared expert (bf16, on each rank's own tokens)
+    (3, (0, 200, 333), None, "recompute"),  # a rank with no tokens; h recomputed from the kept rows
+])
+def test_fp8_block_ep_training_step_equals_single_gpu_bitwise(world, counts, shared_inter, saved_h_format):
+    """precision="fp8_block" at EP = 2, 3 (emulated): the rows cross in bf16 and are quantized per
+    row on the experts' rank (per-token scales: the bytes of x's own quantization at one GPU), the
+    down projection and dx push FP8 products into the owners' slots. Output, dx, d_topk_w and every
+    expert's weight gradients are the single-GPU FP8 bits on the concatenated batch; the shared
+    expert's weight gradients, summed over ranks, agree to rounding."""
+    total, H, I, E, k = sum(counts), 512, 256, 12, 4
+    options = dict(precision="fp8_block", saved_h_format=saved_h_format)
+    x, idx, w, experts, shared = gpu_layer(total, H, I, E, k, shared_inter, seed=31 + world)
+    dout = torch.randn(total, H, device="cuda").bfloat16()
+    saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, **options)
+    want = moe_backward(dout, x, idx, w, *experts, shared, saved, **options)
+    layout = EPLayout(world=world, max_tokens=max(counts) + 3, hidden=H, topk=k)
+    args = split_ranks(world, counts, x, idx, w, experts, shared)
+    douts = split_rows(dout, counts)
+    warm_up_training(layout, args, douts, **options)
+    results = run_train_ranks(EPWorkspace.local_group(layout), args, douts, **options)
+    grads = [g for _, g in results]
+    assert torch.equal(torch.cat([out for out, _ in results]), saved.out)
+    for name in ("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"):
+        assert torch.equal(torch.cat([getattr(g, name) for g in grads]), getattr(want, name)), name
+    if shared is not None:
+        for i in range(3):
+            assert rel_err(sum(g.d_shared[i].float() for g in grads), want.d_shared[i]) < 1e-2
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ep_training_steps_with_a_new_batch_every_step_on_one_workspace_equal_single_gpu_bitwise(world):
     """One long-lived workspace, a different batch at every step: token counts that shrink and grow

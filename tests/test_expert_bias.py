@@ -108,19 +108,57 @@ def test_ops_with_biases_pass_opcheck():
     torch.library.opcheck(torch.ops.mok.moe_backward.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
     grads = torch.ops.mok.moe_backward(*bwd_args)
     assert [tuple(t.shape) for t in grads[8:]] == [(8, 32), (8, 32), (8, 64)]
+    mains = [torch.zeros(t.shape) for t in weights]  # (the weights' gradients added there, the biases' returned)
+    added_args = (*bwd_args[:14], mains, True, *biases)
+    torch.library.opcheck(torch.ops.mok.moe_backward.default, added_args, test_utils=("test_schema", "test_faketensor"))
+    added = torch.ops.mok.moe_backward(*added_args)
+    assert all(t.numel() == 0 for t in added[2:8])
+    assert all(torch.equal(a, b) for a, b in zip(added[8:], grads[8:]))
+
+
+@pytest.mark.parametrize("shared,fuse", [(32, False), (48, True), (None, True)])
+def test_biases_beside_a_shared_expert_and_main_grad_on_the_cpu(shared, fuse):
+    """MoELayer(bias=True) with a shared expert (of the routed width too: it then runs in launches of
+    its own) and/or fuse_wgrad_accumulation: output and gradients the reference's; with main_grad
+    the weights' gradients are added there (autograd gets None), the biases' come as .grad."""
+    torch.manual_seed(5)
+    layer = MoELayer(64, 32, 8, 2, shared_intermediate=shared, dtype=torch.float32, bias=True, fuse_wgrad_accumulation=fuse)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    experts = [layer.gate_proj, layer.up_proj, layer.down_proj, *(layer.shared_weights() or ())]
+    before = [torch.randn(p.shape) for p in experts]
+    for p, buf in zip(experts, before):
+        p.main_grad = buf.clone()
+    x = torch.randn(20, 64).requires_grad_()
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(20)]).int()
+    topk_w = torch.rand(20, 2).requires_grad_()
+    out = layer(x, topk_idx=idx, topk_w=topk_w)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, topk_w, *experts, *layer.expert_biases())]
+    n = len(experts)
+    want = moe_reference(leaves[0], idx, leaves[1], *leaves[2:5], tuple(leaves[5:2 + n]) if shared else None,
+                         biases=tuple(leaves[2 + n:]))
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want.backward(dout)
+    for got, leaf in zip((x.grad, topk_w.grad, *(b.grad for b in layer.expert_biases())), (leaves[0], leaves[1], *leaves[2 + n:])):
+        assert torch.allclose(got, leaf.grad, rtol=1e-4, atol=1e-5)
+    for p, old, leaf in zip(experts, before, leaves[2:2 + n]):
+        if fuse:
+            assert p.grad is None and torch.allclose(p.main_grad, old + leaf.grad, rtol=1e-4, atol=1e-5)
+        else:
+            assert torch.allclose(p.grad, leaf.grad, rtol=1e-4, atol=1e-5) and torch.equal(p.main_grad, old)
 
 
 def test_bad_bias_input_is_refused_naming_it():
     from mok.plan import plan_for
 
-    with pytest.raises(ValueError, match="expert_bias: not with a shared expert"):
-        MoKConfig(64, 32, 8, 2, 32, expert_bias=True)
-    with pytest.raises(ValueError, match="expert_bias: not with fuse_wgrad_accumulation"):
-        MoKConfig(64, 32, 8, 2, expert_bias=True, fuse_wgrad_accumulation=True)
+    beside = plan_for(MoKConfig(64, 32, 8, 2, 32, expert_bias=True), "sm_90a")  # (a shared expert of the routed width: launches of its own)
+    assert not beside.shared_in_routed and plan_for(MoKConfig(64, 32, 8, 2, 32), "sm_90a").shared_in_routed
     for ep_size in (1, 2):  # with one_launch: its kernels add the biases, at one GPU and per rank
         one = plan_for(MoKConfig(64, 32, 8, 2, ep_size=ep_size, expert_bias=True, one_launch=True), "sm_90a").variants()
         assert sorted(v.config["save_h"] for v in one if v.name == "expert_mlp" and v.config.get("bias")) == [False, True]
-    with pytest.raises(ValueError, match="expert_bias: not with precision='mxfp8_emulated'"):
+    with pytest.raises(ValueError, match=r"expert_bias: bf16 or fp8_block precision \(the MXFP8 GEMMs add no bias\), got precision='mxfp8_emulated'"):
         MoKConfig(128, 128, 8, 2, expert_bias=True, precision="mxfp8_emulated")
     on_sm100 = plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True), "sm_100a").variants()  # (whole tiles there)
     assert {v.config["epilogue"] for v in on_sm100 if v.config.get("bias")} == {"plain", "swiglu", "swiglu_save", "swiglu_bwd"}

@@ -8,6 +8,8 @@ fp32 reference (SwiGLU and gpt-oss's clamped SwiGLU, widths the tile divides and
 bits run to run, for a sub-batch (batch invariance), with h recomputed, at EP = 2 emulated on one
 GPU (equal to one GPU), and the layer (``MoELayer(bias=True)``) under autograd."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -222,3 +224,66 @@ def test_layer_with_biases_trains_on_the_gpu_as_on_the_cpu():
     assert {"gate_bias", "up_bias", "down_bias", "gate_proj", "down_proj"} <= set(trained)
     for name in trained:
         assert on_gpu[name].grad is not None and rel_err(on_gpu[name].grad.cpu(), cpu.get_parameter(name).grad) < 3e-2, name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_biases_beside_a_shared_expert_and_with_main_grads(precision):
+    """Biased routed experts beside a shared expert of the routed width (which then runs in launches
+    of its own), bf16 and FP8 with block scales: the output and every gradient against autograd of
+    the fp32 reference (FP8: its recipe's error; the down bias's gradient has no FP8 product in it);
+    with main_grads each weight's fp32 gradient is added once into its buffer (the bits of the
+    fresh fp32 one added) and the biases' gradients are the plain backward's bits."""
+    T, H, I, E, k = 700, 1024, 512, 16, 4
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, I, seed=23)
+    biases = biases_for(E, H, I, seed=23)
+    dout = torch.randn(T, H, device="cuda").bfloat16()
+    plan = plan_of(H, I, E, k, shared_intermediate=I, precision=precision)
+    assert not plan.shared_in_routed
+    saved = pipeline.forward(plan, x, idx, w, experts, shared, save=True, biases=biases, out=poisoned(T, H))
+    grads = pipeline.backward(plan, dout, x, idx, w, experts, shared, saved, biases=biases)
+    leaves = [t.float().requires_grad_() for t in (x, w, *experts, *shared, *biases)]
+    want = moe_reference(leaves[0], idx, leaves[1], *leaves[2:5], tuple(leaves[5:8]), biases=tuple(leaves[8:]))
+    want.backward(dout.float())
+    out_tol, grad_tol = (1e-2, 2e-2) if precision == "bf16" else (0.1, 0.15)  # (FP8: tests/test_fp8_block_gpu.py's bounds)
+    assert not saved.out.isnan().any() and rel_err(saved.out, want) <= out_tol
+    got = [grads.dx, grads.d_topk_w, grads.d_w_gate, grads.d_w_up, grads.d_w_down, *grads.d_shared, *grads.d_biases]
+    for n, (g, leaf) in enumerate(zip(got, leaves)):
+        assert g.shape == leaf.shape and rel_err(g, leaf.grad) <= grad_tol, (n, rel_err(g, leaf.grad))
+    assert rel_err(grads.d_biases[2], leaves[-1].grad) <= 1e-2
+    fresh = pipeline.backward(plan, dout, x, idx, w, experts, shared, saved, grad_dtype=torch.float32, biases=biases)
+    buffers = [torch.randn(t.shape, device="cuda") for t in (*experts, *shared)]
+    before = [b.clone() for b in buffers]
+    added = pipeline.backward(plan, dout, x, idx, w, experts, shared, saved, main_grads=tuple(buffers), biases=biases)
+    for buf, old, new in zip(buffers, before, (fresh.d_w_gate, fresh.d_w_up, fresh.d_w_down, *fresh.d_shared)):
+        assert torch.equal(buf, old + new)
+    assert all(torch.equal(a, b) for a, b in zip(added.d_biases, grads.d_biases))
+
+
+def test_layer_with_biases_adds_weight_gradients_into_main_grad():
+    """MoELayer(bias=True, fuse_wgrad_accumulation=True) on the GPU: the weights' gradients land in
+    their main_grad (autograd gets None for them), the biases' come as .grad, the bits of the same
+    layer without fused accumulation."""
+    import copy
+
+    from mok import MoELayer
+
+    torch.manual_seed(1)
+    plain = MoELayer(1024, 512, 8, 2, bias=True, device="cuda")
+    with torch.no_grad():
+        for b in plain.expert_biases():
+            b.normal_(0, 0.3)
+    fused = copy.deepcopy(plain)
+    fused.config = dataclasses.replace(fused.config, fuse_wgrad_accumulation=True)
+    weights = (fused.gate_proj, fused.up_proj, fused.down_proj)
+    for p in weights:
+        p.main_grad = torch.zeros(p.shape, device="cuda")
+    x = torch.randn(300, 1024, device="cuda").bfloat16()
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(300)]).int().cuda()
+    topk_w = torch.rand(300, 2, device="cuda")
+    dout = torch.randn(300, 1024, device="cuda").bfloat16()
+    plain(x, topk_idx=idx, topk_w=topk_w).backward(dout)
+    fused(x, topk_idx=idx, topk_w=topk_w).backward(dout)
+    for p, q in zip(weights, (plain.gate_proj, plain.up_proj, plain.down_proj)):
+        assert p.grad is None and rel_err(p.main_grad, q.grad.float()) < 1e-2
+    for b, c in zip(fused.expert_biases(), plain.expert_biases()):
+        assert torch.equal(b.grad, c.grad)

@@ -41,6 +41,38 @@ def test_weight_blocks_are_128_by_128_and_power_of_two_scales_are_exact():
     assert ((fp8.dequantize_weights(q, scales) - w.double()).norm() / w.double().norm()) < 0.04
 
 
+def test_partial_last_blocks_scale_by_the_values_there_are():
+    """Widths 128 does not divide (multiples of 16): a row's last block holds its last K % 128
+    values, scaled by their own largest magnitude; with segments=2 each half is blocked on its own
+    (the second half's blocks start at its first value); a weight's last row and column blocks
+    likewise; elements and scales as a loop over the blocks written out here computes them."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 2 * 208, generator=g) * torch.logspace(-2, 2, 9)[:, None]
+
+    def block_scale(values):
+        amax = values.abs().amax(-1).float()
+        return torch.where(amax > 0, fp8.fp32_quotient(amax, 448.0), torch.ones_like(amax))
+
+    for segments, bounds in ((1, [(0, 128), (128, 256), (256, 384), (384, 416)]), (2, [(0, 128), (128, 208), (208, 336), (336, 416)])):
+        q, scales = fp8.quantize_rows(x, segments=segments)
+        assert q.shape == x.shape and scales.shape == (len(bounds), 9)
+        for b, (lo, hi) in enumerate(bounds):
+            scale = block_scale(x[:, lo:hi])
+            assert torch.equal(scales[b], scale), (segments, b)
+            factor = torch.where(scale == 1, torch.ones_like(scale), fp8.fp32_quotient(448.0, x[:, lo:hi].abs().amax(-1).float()))
+            assert torch.equal(q[:, lo:hi].float(), (x[:, lo:hi] * factor[:, None]).to(torch.float8_e4m3fn).float())
+        back = fp8.dequantize_rows(q, scales, segments)
+        assert ((back - x.double()).norm() / x.double().norm()) < 0.04
+    w = torch.randn(2, 144, 176, generator=g)
+    q, scales = fp8.quantize_weights(w)
+    assert q.shape == w.shape and scales.shape == (2, 2, 2)
+    for e in range(2):
+        for i, (r0, r1) in enumerate(((0, 128), (128, 144))):
+            for j, (c0, c1) in enumerate(((0, 128), (128, 176))):
+                assert scales[e, i, j] == block_scale(w[e, r0:r1, c0:c1].reshape(1, -1))[0]
+    assert ((fp8.dequantize_weights(q, scales) - w.double()).norm() / w.double().norm()) < 0.04
+
+
 def test_gemm_reference_is_the_product_of_the_dequantized_operands_per_expert():
     g = torch.Generator().manual_seed(2)
     a = fp8.quantize_rows(torch.randn(300, 256, generator=g))
@@ -59,12 +91,20 @@ def test_op_checks_block_scaled_operands_before_any_launch():
     tiles = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"a scales: expected shape \[2, 256\], got \[256, 2\]"):
         ops.grouped_gemm((a[0], a[1].T.contiguous()), b, tiles)
-    with pytest.raises(ValueError, match=r"b: expected N a multiple of 128 with FP8 block-scaled operands, got N=64"):
-        ops.grouped_gemm(a, (b[0][:, :64].contiguous(), b[1][:, :1].contiguous()), tiles)
+    with pytest.raises(ValueError, match=r"b: expected N a positive multiple of 16 with FP8 block-scaled operands, got N=72"):
+        ops.grouped_gemm(a, (b[0][:, :72].contiguous(), b[1][:, :1].contiguous()), tiles)
+    wide = fp8.quantize_weights(torch.randn(2, 144, 256))  # (N = 144: a whole block and a partial one)
+    with pytest.raises(ValueError, match=r"b scales: expected shape \[2, 2, 2\], got \[2, 1, 2\]"):
+        ops.grouped_gemm(a, (wide[0], b[1]), tiles)
     with pytest.raises(ValueError, match="FP8 block-scaled operands: K-major B .*, the persistent kernel"):
         ops.grouped_gemm(a, b, tiles, persistent=False)
-    with pytest.raises(ValueError, match=r"a: expected K a multiple of 128"):
-        ops.grouped_gemm((torch.zeros(256, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 256)), b, tiles)
+    with pytest.raises(ValueError, match=r"a: expected K a positive multiple of 16 with FP8 block-scaled operands \(16-byte rows\), got K=72"):
+        ops.grouped_gemm((torch.zeros(256, 72, dtype=torch.float8_e4m3fn), torch.ones(1, 256)), b, tiles)
+    halves = fp8.quantize_rows(torch.randn(256, 2 * 144), segments=2)  # (k_split: each half of K blocked on its own)
+    assert halves[1].shape == (4, 256)
+    with pytest.raises(ValueError, match=r"a scales: expected shape \[4, 256\], got \[3, 256\]"):
+        ops.grouped_gemm((halves[0], fp8.quantize_rows(torch.randn(256, 288))[1]), fp8.quantize_weights(torch.randn(2, 128, 144)), tiles,
+                         b2=fp8.quantize_weights(torch.randn(2, 128, 144)), k_split=True)
 
 
 def test_two_block_buffers_are_refused_where_the_kernel_has_none():
@@ -79,19 +119,50 @@ def test_two_block_buffers_are_refused_where_the_kernel_has_none():
 
 
 def test_quantize_ops_check_their_input_before_any_launch():
-    with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a multiple of 128, got \[8, 200\]"):
+    with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a positive multiple of 16 \(16-byte E4M3 rows\), got \[8, 200\]"):
         ops.quantize_fp8_rows(torch.zeros(8, 200, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"w: expected \[E, N, K\] with N and K multiples of 128, got \[2, 64, 128\]"):
-        ops.quantize_fp8_weights(torch.zeros(2, 64, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"w: expected \[E, N, K\] with N and K positive multiples of 16, got \[2, 72, 128\]"):
+        ops.quantize_fp8_weights(torch.zeros(2, 72, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a positive multiple of 32 \(16-byte E4M3 rows in each half\), got \[8, 208\]"):
+        ops.quantize_fp8_rows(torch.zeros(8, 208, dtype=torch.bfloat16), segments=2)
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16))
+
+
+def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
+    """precision="fp8_block" on SM100: with power-of-two scales, the MXFP8 kernels (tcgen05
+    block-scaled MMAs) on the same E4M3 elements, the scales quantized straight into E8M0 bytes in
+    the MMAs' order; the rows gathered first; the weight gradients bf16; refused, naming each
+    reason, with fp32 scales, partial widths, EP or biases (compile-verified, never run)."""
+    from mok.config import MoKConfig
+    from mok.kernels import compiled_ptx
+    from mok.plan import Plan, refusal
+
+    config = MoKConfig(2048, 768, 64, 8, precision="fp8_block", fp8_scales="power_of_two", saved_h_format="recompute")
+    assert refusal(config, "sm_100a") is None and refusal(config, "sm_103a") is None
+    variants = Plan(config, "sm_100a").variants()
+    gemms = [v for v in variants if v.name == "grouped_gemm" and v.config.get("operand")]
+    assert sorted((v.config["epilogue"], v.config["operand"]) for v in gemms) == [
+        ("plain", "e4m3"), ("plain", "e4m3"), ("swiglu", "e4m3"), ("swiglu_bwd", "e4m3"), ("swiglu_save", "e4m3")]
+    quantizers = [v.config for v in variants if v.name == "quantize_fp8_block"]
+    assert quantizers and all(c.get("mma_scales") and c.get("power_of_two") for c in quantizers)
+    assert not any(v.config.get("gather_a") for v in variants) and any(v.name == "gather" for v in variants)
+    assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
+    for v in gemms[:2]:
+        ptx = compiled_ptx(v, "sm_100a")
+        assert "kind::mxf8f6f4.block_scale" in ptx and "wgmma" not in ptx
+    for options, reason in ((dict(fp8_scales="fp32"), "fp8_scales='power_of_two'"), (dict(intermediate=784), "multiples of 128"),
+                            (dict(ep_size=2), "one GPU"), (dict(expert_bias=True), "no expert_bias")):
+        fields = {**dict(hidden=2048, intermediate=768, num_experts=64, topk=8, precision="fp8_block", fp8_scales="power_of_two"), **options}
+        assert reason in refusal(MoKConfig(**fields), "sm_100a"), options
 
 
 def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     """precision="fp8_block" on Hopper: every expert GEMM but the weight gradients' on E4M3 with block
     scales (rows quantized once gathered or produced, the weights' 128 x 128 quantizer for them and
     their transposes), the weight gradients bf16, the router pieces of the 64-wide SwiGLU-backward
-    tiles, h recomputed on the forward's FP8 GEMM; refused on SM100; widths multiples of 128, one GPU."""
+    tiles, h recomputed on the forward's FP8 GEMM; refused on SM100; widths multiples of 128; at EP
+    the pushing down and dx GEMMs on FP8 too, the pulled rows quantized once they arrive."""
     from mok.config import MoKConfig
     from mok.plan import Plan, plan_for, refusal
 
@@ -102,14 +173,34 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
         ("plain", 2048, 768, False), ("plain", 2048, 1536, True), ("swiglu", 768, 2048, False), ("swiglu_bwd", 768, 2048, False),
         ("swiglu_save", 768, 2048, False)]
     assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
-    quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False)) for v in variants
-                        if v.name == "quantize_fp8_block")  # (x whole: its rows gathered in the GEMM; the others the rows in use)
-    assert quantizers == [(768, 1, True), (768, 128, False), (1536, 1, True), (2048, 1, False), (2048, 1, True), (2048, 128, False)]
+    quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False), v.config.get("segments", 1))
+                        for v in variants if v.name == "quantize_fp8_block")  # (x whole: its rows gathered in the GEMM; the others the rows in use)
+    assert quantizers == [(768, 1, True, 1), (768, 128, False, 1), (1536, 1, True, 2), (2048, 1, False, 1), (2048, 1, True, 1),
+                          (2048, 128, False, 1)]  # (dh [R, 2I] a half at a time: the dx GEMM's two K ranges)
     assert all(v.config.get("gather_a") for v in variants if v.name == "grouped_gemm" and v.config["epilogue"] in ("swiglu", "swiglu_save"))
     assert not any(v.name == "gather" for v in Plan(config, "sm_90a")._forward_variants())  # (the gate/up GEMM gathers)
     assert [v.config["router_parts"] for v in variants if v.name == "combine" and "router_parts" in v.config] == [768 // 64]
-    assert "Hopper's kernels only so far" in refusal(config, "sm_100a") and plan_for(config, "sm_90a").variants() == variants
-    with pytest.raises(ValueError, match=r"precision='fp8_block': not with ep_size > 1"):
-        MoKConfig(2048, 768, 64, 8, precision="fp8_block", ep_size=2)
-    with pytest.raises(ValueError, match=r"precision='fp8_block': expected widths that are multiples of 128"):
+    assert "needs fp8_scales='power_of_two' (the MMAs' scales are E8M0" in refusal(config, "sm_100a")
+    assert plan_for(config, "sm_90a").variants() == variants
+    ep = Plan(MoKConfig(2048, 768, 64, 8, precision="fp8_block", ep_size=2, expert_bias=True), "sm_90a").variants()
+    scattering = sorted((v.config["n"], v.config["k"], v.config["k_split"], v.config.get("bias", False), v.config.get("operand"))
+                        for v in ep if v.name == "grouped_gemm" and v.config.get("scatter"))
+    assert scattering == [(2048, 768, False, True, "e4m3_block"), (2048, 1536, True, False, "e4m3_block")]
+    assert not any(v.config.get("gather_a") for v in ep)  # (the rows are pulled, then quantized: bounded quantizers)
+    assert {(v.config["width"], v.config.get("bounded", False)) for v in ep if v.name == "quantize_fp8_block"
+            and v.config["block_rows"] == 1} == {(768, True), (1536, True), (2048, True)}
+    with pytest.raises(ValueError, match=r"precision='fp8_block': not with one_launch"):
+        MoKConfig(2048, 768, 64, 8, precision="fp8_block", ep_size=2, one_launch=True)
+    with pytest.raises(ValueError, match=r"precision='fp8_block': expected widths that are multiples of 16 \(16-byte E4M3 rows\)"):
         MoKConfig(2048, 776, 64, 8, precision="fp8_block")
+    pow2 = Plan(MoKConfig(2048, 768, 64, 8, precision="fp8_block", fp8_scales="power_of_two"), "sm_90a").variants()
+    assert {v.config.get("power_of_two", False) for v in pow2 if v.name == "quantize_fp8_block"} == {True}  # (every quantizer)
+    with pytest.raises(ValueError, match=r"fp8_scales='power_of_two': only with precision='fp8_block' \(its scale rule\), got precision='bf16'"):
+        MoKConfig(2048, 768, 64, 8, fp8_scales="power_of_two")
+    with pytest.raises(ValueError, match=r"fp8_scales: expected one of \('fp32', 'power_of_two'\), got 'e8m0'"):
+        MoKConfig(2048, 768, 64, 8, precision="fp8_block", fp8_scales="e8m0")
+    partial = Plan(MoKConfig(2880, 1040, 32, 4, precision="fp8_block"), "sm_90a").variants()  # (gpt-oss's H; I 8 x 128 + 16)
+    quantizers = {tuple(sorted(v.config.items())) for v in partial if v.name == "quantize_fp8_block"}
+    assert (("block_rows", 1), ("bounded", True), ("segments", 2), ("width", 2080)) in quantizers  # (dh: a half at a time)
+    assert (("block_rows", 128), ("matrix_rows", 1040), ("width", 2880)) in quantizers  # (w_gate, w_up: N = 1040)
+    assert (("block_rows", 128), ("matrix_rows", 2880), ("width", 1040)) in quantizers  # (w_down [E, 2880, 1040], w_gate's transpose)

@@ -221,13 +221,14 @@ def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     assert bad.returncode == 1 and "hidden: expected a multiple of 8 (16-byte bf16 vectors), got 100" in bad.stderr
     bad = _mok("precompile", "--arch", "sm_100a", "--hidden", "136", "--intermediate", "256", "--ep-size", "1", "--precision", "mxfp8",
                cache_dir=tmp_path)  # before compiling anything
-    assert bad.returncode == 1 and "precision='mxfp8': expected widths that are multiples of 128, got {'hidden': 136" in bad.stderr
+    assert bad.returncode == 1 and "precision='mxfp8': expected widths that are multiples of 128 (MXFP8's scale blocks tile every width), got {'hidden': 136" in bad.stderr
     # a configuration whose layer would not run on the arch: refused, not a list of kernels nobody uses
     bad = _mok("precompile", "--arch", "sm_90a", "--precision", "mxfp8", "--ep-size", "1", cache_dir=tmp_path)
     assert bad.returncode == 1 and "does not run on sm_90a: precision='mxfp8': needs block-scaled MMAs" in bad.stderr
     assert "On the command line: --precision mxfp8_emulated" in bad.stderr  # (what to pass instead)
     bad = _mok("precompile", "--arch", "sm_100a", "--precision", "fp8_block", "--ep-size", "1", cache_dir=tmp_path)
-    assert bad.returncode == 1 and "does not run on sm_100a: precision='fp8_block': Hopper's kernels only so far" in bad.stderr
+    assert bad.returncode == 1 and "does not run on sm_100a: precision='fp8_block' on sm_100a runs on its block-scaled MMAs and needs " \
+        "fp8_scales='power_of_two'" in bad.stderr
     assert not list(tmp_path.glob("*/*.o"))
 
 

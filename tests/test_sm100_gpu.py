@@ -395,11 +395,13 @@ def hopper_layer_tests():
     """Layer tests written for Hopper whose bodies name no arch (the device's plan: on SM100 the
     tcgen05 kernels): expert parallelism emulated on one GPU (scatter pushes, gradients, recompute),
     widths the tiles do not divide, the one-launch forward (its bits those of the staged launches,
-    at one GPU and per rank, with gpt-oss's activation, biases and weights in place)."""
+    at one GPU and per rank, with gpt-oss's activation, biases and weights in place), fp8_block with
+    power-of-two scales (on the block-scaled MMAs) against its float64 recipe."""
     import test_activations_gpu
     import test_backward_gpu
     import test_ep_gpu
     import test_expert_bias_gpu
+    import test_fp8_block_gpu
     import test_partial_tiles_gpu
 
     ep = dict(world=2, counts=(300, 517), E=8, k=4, shared_inter=256, routing="uniform")
@@ -418,10 +420,11 @@ def hopper_layer_tests():
         (test_expert_bias_gpu.test_bits_are_deterministic_batch_invariant_and_equal_with_h_recomputed_or_in_one_launch, {}),
         (test_backward_gpu.test_gate_up_parts_of_one_tensor_give_the_bits_of_packed_weights,
          dict(T=1000, H=512, I=256, E=8, k=2, shared_inter=384, options={"one_launch": True}, layout="interleaved")),
+        (test_fp8_block_gpu.test_power_of_two_scales_follow_their_recipe, {}),
     ]
 
 
-HOPPER_LAYER_TESTS = 11  # len(hopper_layer_tests()), which imports the GPU test modules: called by the test only
+HOPPER_LAYER_TESTS = 12  # len(hopper_layer_tests()), which imports the GPU test modules: called by the test only
 
 
 @pytest.mark.parametrize("index", range(HOPPER_LAYER_TESTS))

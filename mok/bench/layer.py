@@ -72,9 +72,9 @@ class Shape:
 
     def check(self, tiled: bool = True) -> None:
         """ValueError for a shape MoK's layer does not take: MoKConfig's rules, and (``tiled``) the
-        widths the fused kernels take where the benchmark runs them (Hopper, bf16: multiples of 8;
-        FP8 with block scales: of 128)."""
-        from ..plan import check_tiled_widths, whole_tiles_reason
+        widths the fused kernels take where the benchmark runs them (mok.config.width_rule)."""
+        from ..config import width_rule
+        from ..plan import check_tiled_widths
 
         if self.tokens < 1:
             raise ValueError(f"{self.model}: expected at least one token, got {self.tokens}")
@@ -82,7 +82,7 @@ class Shape:
         if tiled:
             shared = {"shared_intermediate": self.shared_intermediate} if self.shared_intermediate else {}
             widths = {"hidden": self.hidden, "intermediate": self.intermediate, **shared}
-            check_tiled_widths(self.model, widths, whole_tiles_reason(config))
+            check_tiled_widths(self.model, widths, width_rule(config))
 
     def describe(self) -> str:
         shared = f"shared expert I_s {self.shared_intermediate}" if self.shared_intermediate else "no shared expert"

@@ -74,19 +74,34 @@ def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order:
     return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", config, build)
 
 
-def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False) -> KernelVariant:
+def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, *,
+                               segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False) -> KernelVariant:
     """bf16 -> E4M3 with fp32 scales per 128 values (mok.fp8_block's rule, DeepSeek-V3's recipe):
     ``block_rows`` 1 for rows (1 x 128 blocks, the scales transposed), 128 for weights (128 x 128).
-    ``bounded``: only the rows a device count says are in use."""
+    ``bounded``: only the rows a device count says are in use. ``width`` a multiple of 16 (a
+    partial last block); ``segments`` 2: each half of a row blocked on its own (dh for the dx
+    GEMM's K halves); ``matrix_rows``: weights whose N (given) is no multiple of 128, each expert's
+    rows tiled on their own; ``mma_scales`` (power_of_two): the scales as E8M0 bytes in the order
+    SM100's block-scaled MMAs read (mok/kernels/common/fp8_block_quantize.py)."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.fp8_block_quantize import compile_fp8_block_quantize
 
-        return compile_fp8_block_quantize(width, block_rows, power_of_two, bounded, arch, options)
+        return compile_fp8_block_quantize(width, block_rows, power_of_two, bounded, arch, options, segments, matrix_rows, mma_scales)
 
-    flags = {"power_of_two": power_of_two, "bounded": bounded}
+    flags = {"power_of_two": power_of_two, "bounded": bounded, "mma_scales": mma_scales}
     config = {"width": width, "block_rows": block_rows, **{name: True for name, on in flags.items() if on}}
+    if segments != 1:
+        config["segments"] = segments
+    if matrix_rows is not None:
+        config["matrix_rows"] = matrix_rows
     return KernelVariant("quantize_fp8_block", config, build)
+
+
+def fp8_weights_quantizer(n: int, k: int, power_of_two: bool = False, mma_scales: bool = False) -> KernelVariant:
+    """The 128 x 128 quantizer of expert weights [E, N, K] (mok.ops.quantize_fp8_weights): each
+    expert's rows tiled on their own where 128 does not divide N; ``mma_scales`` as there."""
+    return quantize_fp8_block_variant(k, 128, power_of_two, matrix_rows=n if n % 128 else None, mma_scales=mma_scales)
 
 
 def schedule_ctas(pairs: int, sm_count: int) -> int:

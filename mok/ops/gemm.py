@@ -121,9 +121,11 @@ def _fp8_block_operands(a: Operand, b: Operand, b2: Operand | None, k_split: boo
     check_tensor("a", a_q, dtypes=E4M3, ndim=2, contiguous=True)
     rows, k = a_q.shape
     halves = 2 if k_split else 1
-    if k % (halves * 128):
-        raise ValueError(f"a: expected K a multiple of {halves * 128} with FP8 block-scaled operands, got K={k}")
-    check_tensor("a scales", a_s, dtypes=(torch.float32,), shape=(k // 128, rows), device=a_q.device, contiguous=True)
+    if k % (halves * 16) or not k:
+        raise ValueError(f"a: expected K a positive multiple of {halves * 16} with FP8 block-scaled operands (16-byte rows"
+                         f"{', each half' if k_split else ''}), got K={k}")
+    k_blocks = -(-k // halves // 128)  # (each half's: k_split's rows quantized a half at a time, segments=2)
+    check_tensor("a scales", a_s, dtypes=(torch.float32,), shape=(halves * k_blocks, rows), device=a_q.device, contiguous=True)
     if rows % 4 and not gathered:
         raise ValueError(f"a: expected a row count that is a multiple of 4 (the scales' rows are read by TMA in 16-byte units), got {rows}")
     if k_split and b2 is None:
@@ -131,9 +133,9 @@ def _fp8_block_operands(a: Operand, b: Operand, b2: Operand | None, k_split: boo
     check_tensor("b", b_q, dtypes=E4M3, ndim=3, device=a_q.device, contiguous=True)
     num_experts, n = b_q.shape[:2]
     check_tensor("b", b_q, shape=(num_experts, n, k // halves))
-    if n % 128:
-        raise ValueError(f"b: expected N a multiple of 128 with FP8 block-scaled operands, got N={n}")
-    scale_shape = (num_experts, n // 128, k // halves // 128)
+    if n % 16 or not n:
+        raise ValueError(f"b: expected N a positive multiple of 16 with FP8 block-scaled operands, got N={n}")
+    scale_shape = (num_experts, -(-n // 128), k_blocks)
     check_tensor("b scales", b_s, dtypes=(torch.float32,), shape=scale_shape, device=a_q.device, contiguous=True)
     b2_q, b2_s = (b_q, b_s) if b2 is None else operand_parts("b2", b2)
     check_tensor("b2", b2_q, dtypes=E4M3, shape=tuple(b_q.shape), device=a_q.device, contiguous=True)
@@ -201,8 +203,10 @@ def grouped_gemm(
 
     FP8 with block scales (Hopper, DeepSeek-V3's recipe, mok.fp8_block): a = (elements [R, K]
     float8_e4m3fn, scales float32 [K / 128, R]) and b, b2 = (elements [E, N, K] K-major, scales
-    float32 [E, N / 128, K / 128]); N and K multiples of 128 (each half of K with k_split); the
-    persistent kernel, b_major "k"; with ``gather`` a is x's rows [T, K] and their scales [K / 128, T]
+    float32 [E, N / 128, K / 128]); N and K multiples of 16 (each half of K with k_split), a
+    partial last block ceil()'d in the scales' shapes (with k_split a's rows blocked a half at a
+    time: ops.quantize_fp8_rows(segments=2)); the persistent kernel, b_major "k"; with ``gather`` a
+    is x's rows [T, K] and their scales [K / 128, T]
     (ops.quantize_fp8_rows(x): each token quantized once, its rows gathered with their scales);
     every epilogue as with bf16. ``block_buffers=2`` (the plain and k_split forms): each stage's
     WGMMAs overlap the previous stage's promotion (mok/kernels/sm90/block_scaled.py; the same bits).
@@ -281,22 +285,22 @@ def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, oper
 
 
 def grouped_gemm_scatter(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: Operand,
+    b: Operand,
     tile_expert: torch.Tensor,
     row_token: torch.Tensor,
     row_slot: torch.Tensor,
     slots: torch.Tensor,
     *,
     slot_ranks: tuple[int, int] | None = None,
-    b2: torch.Tensor | None = None,
+    b2: Operand | None = None,
     b_major: str = "k",
     k_split: bool = False,
     bias: torch.Tensor | None = None,
 ) -> None:
-    """The plain bf16 :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2``, ``bias`` as there), each
-    row written into the (token, slot) row of ``slots`` instead of an [R, N] output (no rows
-    buffer, no copy).
+    """The plain :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2``, ``bias`` as there; bf16
+    operands, or FP8 with block scales as there), each row written into the (token, slot) row of
+    ``slots`` instead of an [R, N] output (no rows buffer, no copy).
 
     a [R, K] bf16 in the schedule's row order, b [E, N, K] (or [E, K, N] for "n"), tile_expert
     [ceil(R / 128)]; row r belongs to token g = row_token[r] (-1: padding, not written) and slot
@@ -306,30 +310,40 @@ def grouped_gemm_scatter(
     goes to rank p's [t, j] (the down projection pushing y, and the backward's dx GEMM pushing
     dx, to the tokens' owners). Slots no row maps to are left as they were.
     """
-    check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
-    num_rows = a.shape[0]
     if b2 is not None and not k_split:
         raise ValueError("b2: only with k_split (the scattering GEMM has the plain epilogue)")
-    num_experts, n, b_strides = _bf16_weights(a, b, b2, b_major, k_split)
-    check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=a.device, contiguous=True)
+    if isinstance(a, (tuple, list)):
+        if not _fp8_block_scales(a) or b_major != "k":
+            raise ValueError("a: bf16, or FP8 with block scales (elements, float32 scales) and K-major B (b_major='k')")
+        pointers = _fp8_block_operands(a, b, b2, k_split)
+        a_values, operand, b_strides = pointers["a"], "e4m3_block", {}
+        num_experts, n = pointers["b"].shape[:2]
+    else:
+        check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
+        a_values, operand = a, "bf16"
+        num_experts, n, b_strides = _bf16_weights(a, b, b2, b_major, k_split)
+        pointers = dict(a=a, b=b, b2=b if b2 is None else b2)
+    num_rows, dev = a_values.shape[0], a_values.device
+    check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
     for name, t in (("row_token", row_token), ("row_slot", row_slot)):
-        check_tensor(name, t, dtypes=I32, shape=(num_rows,), device=a.device, contiguous=True)
-    check_tensor("slots", slots, dtypes=BF16, ndim=3, device=a.device, contiguous=True)
+        check_tensor(name, t, dtypes=I32, shape=(num_rows,), device=dev, contiguous=True)
+    check_tensor("slots", slots, dtypes=BF16, ndim=3, device=dev, contiguous=True)
     if slots.shape[2] != n:
         raise ValueError(f"slots: expected [T, k, {n}] (N of b), got {list(slots.shape)}")
     slot_ranks = slot_ranks if slot_ranks is not None else (1, slots.numel())
     check_rank_stride("slot_ranks", slot_ranks, slots.numel(), 2**31 - 8, "2^31 - 8 elements")  # (the kernel's vector indices)
-    _check_biases(bias, None, False, num_experts, n, a.device, "bf16", k_split)
-    check_launchable(a=a, slots=slots, bias=bias)
-    check_weights_launchable(b=b, b2=b2)
+    _check_biases(bias, None, False, num_experts, n, dev, operand, k_split)
+    check_launchable(a=a_values, slots=slots, bias=bias)
+    if operand == "bf16":  # (FP8's: with its operands' checks)
+        check_weights_launchable(b=b, b2=b2)
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
-    variant = grouped_gemm_variant(n, a.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split, bias=bias is not None,
-                                   **b_strides)
+    variant = grouped_gemm_variant(n, a_values.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split, bias=bias is not None,
+                                   operand=operand, **b_strides)
     launch_grouped_gemm(
-        variant, a.device, a=a, b=b, b2=b if b2 is None else b2, c=slots, tile_expert=tile_expert, row_token=row_token,
-        row_slot=row_slot, num_rows=num_rows, num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=slot_ranks[1], bias=bias,
+        variant, dev, **pointers, c=slots, tile_expert=tile_expert, row_token=row_token, row_slot=row_slot, num_rows=num_rows,
+        num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=slot_ranks[1], bias=bias,
     )
 
 

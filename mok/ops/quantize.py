@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import FP8_BLOCK_QUANTIZE_ARGS
-from ..kernels.variants import quantize_fp8_block_variant, quantize_mxfp8_variant
+from ..kernels.variants import fp8_weights_quantizer, quantize_fp8_block_variant, quantize_mxfp8_variant
 from ..mxfp8 import BLOCK as MXFP8_BLOCK, check_blocked
 from ..runtime import launch
 from ..validation import check_tensor
@@ -130,44 +130,77 @@ def dequantize_mxfp8(
 
 
 def quantize_fp8_rows(
-    x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None
+    x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None, segments: int = 1, scale_order: str = "rows"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(elements float8_e4m3fn [R, K], scales float32 [K / 128, R]) of bf16 rows ``x`` [R, K] (K a
-    multiple of 128), 1 x 128 blocks: the bits mok.fp8_block.quantize_rows gives (finite values), in
-    one launch. (A GEMM that reads the rows whole takes R a multiple of 4; gathered, any R.)
-    ``rows_used`` (int32 [1] on x's device): only the first rows_used[0] rows are converted (the
-    rest of both outputs left unwritten; the count stays on the device)."""
+    """(elements float8_e4m3fn [R, K], scales float32 [blocks, R]) of bf16 rows ``x`` [R, K] (K a
+    multiple of 16), 1 x 128 blocks (the last one partial where 128 does not divide K; blocks =
+    ceil(K / 128)): the bits mok.fp8_block.quantize_rows gives (finite values), in one launch. (A
+    GEMM that reads the rows whole takes R a multiple of 4; gathered, any R.) ``rows_used`` (int32
+    [1] on x's device): only the first rows_used[0] rows are converted (the rest of both outputs
+    left unwritten; the count stays on the device). ``segments`` = 2: each half of a row blocked on
+    its own (2·ceil(K / 256) blocks; dh for the dx GEMM, whose two K ranges are its halves).
+    ``scale_order="mma"`` (power_of_two, K a multiple of 128): the scales as E8M0 bytes in the order
+    SM100's block-scaled MMAs read MXFP8 scales, uint8 [ceil(R / 128), K / 128, 512], each block's
+    byte at its four 32-blocks (the padding rows' left unwritten): an MXFP8 operand of the same
+    elements, what ops.grouped_gemm's MXFP8 form takes."""
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     rows, k = x.shape
-    if k % 128:
-        raise ValueError(f"x: expected [R, K] with K a multiple of 128, got {list(x.shape)}")
+    if segments not in (1, 2):
+        raise ValueError(f"segments: expected 1 or 2, got {segments}")
+    mma = _check_scale_order(scale_order, power_of_two, k)
+    if k % (16 * segments) or k == 0:
+        raise ValueError(f"x: expected [R, K] with K a positive multiple of {16 * segments} (16-byte E4M3 rows"
+                         f"{' in each half' if segments == 2 else ''}), got {list(x.shape)}")
     check_launchable(x=x)
     check_rows_used(rows_used, x.device)
     elements = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(k // 128, rows, dtype=torch.float32, device=x.device)
+    if mma:
+        scales = torch.empty(-(-rows // 128), k // 128, 512, dtype=torch.uint8, device=x.device)
+    else:
+        scales = torch.empty(segments * -(-k // segments // 128), rows, dtype=torch.float32, device=x.device)
     if rows:
-        _quantize_fp8_block(x, elements, scales, 1, power_of_two, rows_used)
+        variant = quantize_fp8_block_variant(k, 1, power_of_two, bounded=rows_used is not None, segments=segments, mma_scales=mma)
+        _quantize_fp8_block(variant, x, elements, scales, rows_used)
     return elements, scales
 
 
-def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(elements float8_e4m3fn [E, N, K], scales float32 [E, N / 128, K / 128]) of bf16 weights
-    ``w`` [E, N, K] (N and K multiples of 128), 128 x 128 blocks: mok.fp8_block.quantize_weights's
-    bits (finite values), in one launch."""
+def _check_scale_order(scale_order: str, power_of_two: bool, k: int) -> bool:
+    """Whether FP8 block scales go out in the MMA's order as E8M0 bytes; refuses what that cannot hold."""
+    if scale_order not in ("rows", "mma"):
+        raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
+    if scale_order == "mma" and (not power_of_two or k % 128):
+        raise ValueError(f"scale_order='mma': E8M0 scales need power_of_two=True and K a multiple of 128, got "
+                         f"power_of_two={power_of_two}, K={k}")
+    return scale_order == "mma"
+
+
+def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False, scale_order: str = "rows") -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements float8_e4m3fn [E, N, K], scales float32 [E, ceil(N / 128), ceil(K / 128)]) of bf16
+    weights ``w`` [E, N, K] (N and K multiples of 16), 128 x 128 blocks (partial last ones where 128
+    does not divide N or K): mok.fp8_block.quantize_weights's bits (finite values), in one launch.
+    ``scale_order="mma"`` (power_of_two, N and K multiples of 128): the scales as E8M0 bytes in the
+    MMA's order, uint8 [E, N / 128, K / 128, 512], each block's byte at every one of its chunk's 512
+    (an MXFP8 weight of the same elements, as :func:`quantize_fp8_rows` says)."""
     check_tensor("w", w, dtypes=BF16, ndim=3, contiguous=True)
     experts, n, k = w.shape
-    if n % 128 or k % 128:
-        raise ValueError(f"w: expected [E, N, K] with N and K multiples of 128, got {list(w.shape)}")
+    if n % 16 or k % 16 or not n or not k:
+        raise ValueError(f"w: expected [E, N, K] with N and K positive multiples of 16, got {list(w.shape)}")
+    mma = _check_scale_order(scale_order, power_of_two, k)
+    if mma and n % 128:
+        raise ValueError(f"w: expected N a multiple of 128 for scale_order='mma', got {list(w.shape)}")
     check_launchable(w=w)
     elements = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-    scales = torch.empty(experts, n // 128, k // 128, dtype=torch.float32, device=w.device)
+    if mma:
+        scales = torch.empty(experts, n // 128, k // 128, 512, dtype=torch.uint8, device=w.device)
+    else:
+        scales = torch.empty(experts, -(-n // 128), -(-k // 128), dtype=torch.float32, device=w.device)
     if w.numel():
-        _quantize_fp8_block(w.view(experts * n, k), elements.view(experts * n, k), scales, 128, power_of_two, None)
+        variant = fp8_weights_quantizer(n, k, power_of_two, mma_scales=mma)
+        _quantize_fp8_block(variant, w.view(experts * n, k), elements.view(experts * n, k), scales, None)
     return elements, scales
 
 
-def _quantize_fp8_block(x, elements, scales, block_rows: int, power_of_two: bool, rows_used) -> None:
-    variant = quantize_fp8_block_variant(x.shape[1], block_rows, power_of_two, bounded=rows_used is not None)
+def _quantize_fp8_block(variant, x, elements, scales, rows_used) -> None:
     kernel_for(variant, x.device)(
         *FP8_BLOCK_QUANTIZE_ARGS.values(x=x, elements=elements, scales=scales, rows_used=rows_used, num_rows=x.shape[0]),
         launch.stream(x.device),

@@ -153,7 +153,7 @@ def recomputed_h(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: tup
     sched, inter = saved.schedule, weights[0].shape[1]
     h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=x.device)
     if plan.ep:
-        stages.gate_up(plan, saved.x_rows, sched, weights, h, gather=False, biases=biases)
+        stages.gate_up(plan, saved.x_rows, sched, stages.routed_weights(plan, weights, None), h, gather=False, biases=biases)
     else:
         stages.gate_up_from_tokens(plan, x, sched, stages.routed_weights(plan, weights, stacked), h, biases)
     shared_h = None
@@ -192,8 +192,10 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     exchange.publish(ws, kernels, ("x", dout), ("w", topk_w.view(torch.int32)), stream)  # dout replaces x (pulled in the forward)
     weights_all = exchange.gather_ranks(ws, kernels, "w", timeout_s, stream).view(torch.float32)
     dout_rows = exchange.pull_rows(ws, kernels, "x", sched, stream)
-    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, weights, saved.h, weights_all, biases)
-    exchange.push_rows(ws, dh, weights[0], sched, b2=weights[1], b_major="n", k_split=True)  # dx rows straight into their tokens' slots
+    expert_weights = stages.backward_weights(plan, weights, None)
+    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, expert_weights, saved.h, weights_all, biases)
+    dx_a, dx_b, dx_options = stages.dx_operands(plan, dh, sched, expert_weights)
+    exchange.push_rows(ws, dx_a, dx_b, sched, **dx_options)  # dx rows straight into their tokens' slots
     ops.router_grad(partial, sched.slot_row, out=exchange.router_pieces(ws))
     exchange.announce_pushed(ws, kernels, sched, saved.routing, stream, gradient=True)  # (router pieces too: peers read them after it)
     d_gate = d_up = d_down = d_biases = None

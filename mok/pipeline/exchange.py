@@ -138,9 +138,10 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream
     return rows
 
 
-def push_rows(ws: EPWorkspace, a: torch.Tensor, b: torch.Tensor, sched: Schedule, **gemm_options) -> None:
-    """The grouped GEMM of this rank's rows ``a`` with ``b`` (:func:`mok.ops.grouped_gemm_scatter`
-    and its options), each row written into its token's rank, slot [t, j] of region "slots"."""
+def push_rows(ws: EPWorkspace, a, b, sched: Schedule, **gemm_options) -> None:
+    """The grouped GEMM of this rank's rows ``a`` with ``b`` (bf16, or FP8 with block scales:
+    :func:`mok.ops.grouped_gemm_scatter` and its options), each row written into its token's rank,
+    slot [t, j] of region "slots"."""
     lay = ws.layout
     slots_of_rank0 = ws.region("slots", 0)[: lay.max_tokens * lay.topk * lay.hidden].view(lay.max_tokens, lay.topk, lay.hidden)
     ops.grouped_gemm_scatter(

@@ -220,9 +220,11 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
     h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=dev) if keep_h else None
     shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if keep_h and shared is not None else None
     x_rows = exchange.pull_rows(ws, kernels, "x", sched, stream, rows_format=c.dispatch_format)
-    a = stages.gate_up(plan, x_rows, sched, weights, h, gather=False, biases=biases)
+    expert_weights = stages.routed_weights(plan, weights, None)
+    a = stages.gate_up(plan, x_rows, sched, expert_weights, h, gather=False, biases=biases)
     down_bias = {} if biases is None else dict(bias=biases[2])
-    exchange.push_rows(ws, a, weights[2], sched, **down_bias)  # each y row straight into its token's slot on the token's rank
+    # each y row straight into its token's slot on the token's rank
+    exchange.push_rows(ws, *stages.down_operands(plan, a, sched, expert_weights), sched, **down_bias)
     exchange.announce_pushed(ws, kernels, sched, routing, stream, gradient=False)
     shared_out = None if shared is None else stages.shared_expert_forward(plan, x, shared, shared_h)  # (overlaps the peers' pushes)
     exchange.wait_pushed(ws, kernels, timeout_s, stream)

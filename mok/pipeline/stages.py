@@ -201,6 +201,17 @@ def rows_in_use(sched: Schedule) -> torch.Tensor:
     return sched.expert_offsets[-1:]
 
 
+def fp8_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segments: int = 1) -> tuple:
+    """``rows`` in FP8 with 1 x 128 block scales by the plan's scale rule (fp8_scales), its scales
+    in the order the plan's GEMMs take (plan.fp8_scale_order): the rows ``sched`` uses, or all of
+    them (x, whose rows a GEMM gathers); ``segments`` as ops.quantize_fp8_rows takes it (E8M0 scales
+    come in whole blocks, where the halves' blocks are the row's)."""
+    used = None if sched is None else rows_in_use(sched)
+    order = plan.fp8_scale_order
+    return ops.quantize_fp8_rows(rows, power_of_two=plan.config.fp8_power_of_two, rows_used=used, segments=1 if order == "mma" else segments,
+                                 scale_order=order)
+
+
 # ----- the expert GEMMs
 
 
@@ -214,11 +225,11 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
     if plan.precision == "bf16":
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias)
-    used = rows_in_use(sched)
     if plan.precision == "fp8_block":  # (gathering: each token quantized once, its rows gathered with their scales)
-        rows_q = ops.quantize_fp8_rows(rows) if gather else ops.quantize_fp8_rows(rows, rows_used=used)
+        rows_q = fp8_rows(plan, rows, None if gather else sched)
         return ops.grouped_gemm(rows_q, weights.gate, sched.tile_expert, b2=weights.up, h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias)
+    used = rows_in_use(sched)
     rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
     return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
 
@@ -230,7 +241,7 @@ def backward_weights(plan: Plan, weights: tuple, stacked: tuple | None):
     if stacked is None and plan.precision == "mxfp8":
         return quantize_expert_weights(*weights, transposed=True)
     if stacked is None and plan.precision == "fp8_block":
-        return fp8_block_weights(*weights, transposed=True)
+        return fp8_block_weights(*weights, transposed=True, power_of_two=plan.config.fp8_power_of_two, scale_order=plan.fp8_scale_order)
     return weights if stacked is None else stacked
 
 
@@ -241,7 +252,7 @@ def routed_weights(plan: Plan, weights: tuple, stacked: tuple | None):
     if plan.precision == "mxfp8":
         return quantize_expert_weights(*weights)
     if plan.precision == "fp8_block":
-        return fp8_block_weights(*weights)
+        return fp8_block_weights(*weights, power_of_two=plan.config.fp8_power_of_two, scale_order=plan.fp8_scale_order)
     return stacked if stacked is not None else weights
 
 
@@ -274,12 +285,19 @@ def gate_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, bias
 def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights, biases: tuple | None = None) -> torch.Tensor:
     """y_rows [R, H] = a·W_downᵀ (+ b_down, the last of ``biases``) per expert."""
     bias = None if biases is None else biases[2]
-    if plan.precision == "bf16":
-        return ops.grouped_gemm(a, weights[2], sched.tile_expert, bias=bias)
+    if plan.precision in ("bf16", "fp8_block"):
+        return ops.grouped_gemm(*down_operands(plan, a, sched, weights), sched.tile_expert, bias=bias)
     used = rows_in_use(sched)
-    if plan.precision == "fp8_block":
-        return ops.grouped_gemm(ops.quantize_fp8_rows(a, rows_used=used), weights.down, sched.tile_expert, bias=bias)
     return mxfp8_gemm(plan, ops.quantize_mxfp8(a, rows_used=used, scale_order="mma"), weights.down, sched.tile_expert, used=used)
+
+
+def down_operands(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> tuple:
+    """The down projection's (A, B) in bf16 or FP8 block-scaled precision (:func:`down`, and the
+    EP forward's scattering GEMM): a and w_down, or a's rows in use quantized per row and w_down's
+    FP8 copy (``weights``: :func:`routed_weights`)."""
+    if plan.precision == "fp8_block":
+        return fp8_rows(plan, a, sched), weights.down
+    return a, weights[2]
 
 
 def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor,
@@ -289,16 +307,16 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
     ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights. ``biases``
     (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>."""
     route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w, activation=plan.activation)
-    if plan.precision == "bf16":
-        dh, a_scaled, pieces = ops.swiglu_backward_gemm(dout_rows, weights_t[2], sched.tile_expert, h, bias_piece=biases is not None,
-                                                        **route)
+    if plan.precision in ("bf16", "fp8_block"):
+        if plan.precision == "bf16":
+            operands = dout_rows, weights_t[2]
+        else:
+            operands = fp8_rows(plan, dout_rows, sched), weights_t.down
+        dh, a_scaled, pieces = ops.swiglu_backward_gemm(*operands, sched.tile_expert, h, bias_piece=biases is not None, **route)
         if biases is not None:
             ops.bias_router_pieces(dout_rows, biases[2], sched, pieces)
         return dh, a_scaled, pieces
     used = rows_in_use(sched)
-    if plan.precision == "fp8_block":
-        dout_q = ops.quantize_fp8_rows(dout_rows, rows_used=used)
-        return ops.swiglu_backward_gemm(dout_q, weights_t.down, sched.tile_expert, h, **route)
     dout_q = ops.quantize_mxfp8(dout_rows, rows_used=used, scale_order="mma")
     if plan.emulate:  # w_down [E, H, I] with the MXFP8 copy's values, read N-major as the bf16 GEMM does
         w_down = dequantized_weights(weights_t.down).transpose(1, 2).contiguous()
@@ -308,13 +326,22 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
 
 def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:
     """dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up (the two K halves of dh in one GEMM)."""
-    if plan.precision == "bf16":
-        return ops.grouped_gemm(dh, weights_t[0], sched.tile_expert, b2=weights_t[1], b_major="n", k_split=True)
+    if plan.precision in ("bf16", "fp8_block"):
+        a, b, options = dx_operands(plan, dh, sched, weights_t)
+        return ops.grouped_gemm(a, b, sched.tile_expert, **options)
     used = rows_in_use(sched)
-    if plan.precision == "fp8_block":
-        return ops.grouped_gemm(ops.quantize_fp8_rows(dh, rows_used=used), weights_t.gate, sched.tile_expert, b2=weights_t.up, k_split=True)
     dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
     return mxfp8_gemm(plan, dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True)
+
+
+def dx_operands(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> tuple:
+    """The dx GEMM's (A, B, options) in bf16 or FP8 block-scaled precision (:func:`gate_up_backward`,
+    and the EP backward's scattering GEMM): dh with w_gate and w_up read N-major, or dh's rows in
+    use quantized per row with the weights' transposed FP8 copies (``weights_t``:
+    :func:`backward_weights`); K split into dh's two halves either way."""
+    if plan.precision == "fp8_block":  # (each half of dh blocked on its own: the GEMM's two K ranges)
+        return fp8_rows(plan, dh, sched, segments=2), weights_t.gate, dict(b2=weights_t.up, k_split=True)
+    return dh, weights_t[0], dict(b2=weights_t[1], b_major="n", k_split=True)
 
 
 def expert_bias_grads(dout_rows: torch.Tensor, dh: torch.Tensor, sched: Schedule, topk_w: torch.Tensor, biases: tuple) -> tuple:

@@ -58,8 +58,10 @@ FUSED_LAYER_ARCHS = ("sm_90a",)  # where the whole layer (its GEMMs included) ha
 UNVERIFIED_ARCHS = ("sm_100a", "sm_103a")  # GEMMs written and compile-verified, never run (no SM100 GPU here)
 UNVERIFIED_ENV = "MOK_UNVERIFIED_SM100"  # "1": run the layer on them anyway
 PERSISTENT_GEMM_ARCHS = ("sm_90a", "sm_100a", "sm_103a")  # persistent, warp-specialised grouped and weight-gradient GEMMs
-FP8_BLOCK_GEMM_ARCHS = ("sm_90a",)  # GEMMs on FP8 with 128-block fp32 scales (every persistent arch gathers and scatters rows,
-# adds biases, takes partial tiles and runs the one-launch expert MLP)
+# GEMMs on FP8 with 128-block fp32 scales (SM100 runs fp8_block's power-of-two scales as E8M0 bytes on its block-scaled MMAs:
+# mok.plan.fp8_on_block_scaled_mma_refusal); every persistent arch gathers and scatters rows, adds biases, takes partial
+# tiles and runs the one-launch expert MLP
+FP8_BLOCK_GEMM_ARCHS = ("sm_90a",)
 MXFP8_GEMM_ARCHS = ("sm_100a", "sm_103a")  # block-scaled MMAs (tcgen05 kind::mxf8f6f4); Hopper has none
 
 
@@ -93,7 +95,7 @@ def check_fused_layer_device(device: "int | None" = None) -> str:
     if arch not in fused_layer_archs():
         unverified = (
             f": MoK's SM100 kernels are written and compile-verified but have never run on an SM100 GPU; set "
-            f"{UNVERIFIED_ENV}=1 to use them (no fp8_block), after `CUDA_LAUNCH_BLOCKING=1 python -m pytest -q -x -m "
+            f"{UNVERIFIED_ENV}=1 to use them (fp8_block with power-of-two scales), after `CUDA_LAUNCH_BLOCKING=1 python -m pytest -q -x -m "
             f"sm100` passes on this GPU." if arch in UNVERIFIED_ARCHS else ""
         )
         raise RuntimeError(

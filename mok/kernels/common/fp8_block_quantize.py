@@ -8,7 +8,20 @@ bytes contiguous; 4-byte stores). ``block_rows`` (static) says what one scale co
   its scale goes to scales[k_block, row] (the transposed [K / 128, R] layout the GEMM's TMA reads);
 - 128 (weights, 128 x 128): the tile's largest magnitude (the warps' maxima through shared
   memory) scales every row; the scale goes to scales[row tile, k_block] ([E, N / 128, K / 128] for
-  weights [E, N, K] taken as E·N rows).
+  weights [E, N, K] taken as E·N rows, each expert's N rows tiled on their own).
+
+Widths need not be multiples of 128 (multiples of 16: 16-byte E4M3 rows): a partial last block
+holds the values there are (lanes past the width read and write nothing), and a partial last row
+tile of an expert's weights the rows there are. ``segments`` = 2 blocks each half of a row on its
+own (dh, whose halves are the dx GEMM's two K ranges, k_split): blocks restart at the second half,
+ceil(K / 2 / 128) of them a half.
+
+``mma_scales`` (power-of-two scales, whole 128 blocks: SM100's block-scaled MMAs): each scale as
+its E8M0 byte (the power's exponent + 127: the fp32 scale's exponent field) at every 32-block it
+covers, in the order the MMAs read MXFP8 scales (mok.mxfp8.mma_scale_layout: a 512-byte chunk per
+128 rows and 128 K values): a row's block is its four bytes of a chunk, one 4-byte store; a
+weight's 128 x 128 block is a whole chunk, a 4-byte store per thread. The elements are the same, so
+the product the MXFP8 kernels compute is the recipe's, up to the MMA's own rounding.
 
 scale = amax / 448 (1 for an all-zero block; ``power_of_two``: the power of two at or above it,
 from its bits: a set mantissa rounds the exponent up, at least 2^-126), factor = 448 / amax (1 / scale
@@ -50,39 +63,76 @@ def power_of_two_at_or_above(s: cutlass.Float32) -> cutlass.Float32:
 
 
 class QuantizeFp8BlockKernel:
-    """Static config: the rows' width K (a multiple of 128), ``block_rows`` (1 or 128),
-    ``power_of_two`` and ``bounded`` (see the module docstring)."""
+    """Static config: the rows' width K (a multiple of 16), ``block_rows`` (1 or 128),
+    ``power_of_two``, ``bounded``, ``segments`` (1, or 2 for rows) and ``matrix_rows`` (weights
+    whose N is no multiple of 128: the rows of one expert's matrix, N; None: the rows tile by 128
+    whole) (see the module docstring)."""
 
-    def __init__(self, width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False) -> None:
-        if width % BLOCK or width < BLOCK:
-            raise ValueError(f"width: expected a positive multiple of {BLOCK}, got {width}")
+    def __init__(self, width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, segments: int = 1,
+                 matrix_rows: int | None = None, mma_scales: bool = False) -> None:
         if block_rows not in (1, BLOCK):
             raise ValueError(f"block_rows: expected 1 (rows) or {BLOCK} (weights), got {block_rows}")
+        if segments not in (1, 2) or (segments == 2 and block_rows != 1):
+            raise ValueError(f"segments: expected 1, or 2 for rows (block_rows 1), got {segments} with block_rows {block_rows}")
+        if width % (16 * segments) or width <= 0:
+            raise ValueError(f"width: expected a positive multiple of {16 * segments} (16-byte E4M3 rows per segment), got {width}")
+        if matrix_rows is not None and (block_rows == 1 or matrix_rows <= 0):
+            raise ValueError(f"matrix_rows: expected None, or the rows of one expert's weights with block_rows {BLOCK}, got {matrix_rows}")
+        if mma_scales and (not power_of_two or width % BLOCK or segments != 1 or matrix_rows is not None):
+            raise ValueError("mma_scales: E8M0 scales for SM100's block-scaled MMAs need power_of_two, whole 128 blocks (width and each "
+                             f"expert's rows multiples of {BLOCK}) and one segment, got power_of_two={power_of_two}, width={width}, "
+                             f"segments={segments}, matrix_rows={matrix_rows}")
         self.width, self.block_rows, self.power_of_two, self.bounded = width, block_rows, power_of_two, bounded
+        self.mma_scales = mma_scales
+        self.segments, self.matrix_rows = segments, matrix_rows
+        self.segment_width = width // segments
+        self.segment_blocks = -(-self.segment_width // BLOCK)  # K blocks of a segment, the last one partial
+        self.k_blocks = segments * self.segment_blocks
+        self.whole_blocks = self.segment_width % BLOCK == 0  # (no lane ever lies past its segment)
 
     @cute.jit
     def __call__(
         self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer,
         num_rows: cutlass.Int32, stream: cuda.CUstream,
     ):
-        """x [R, K] bf16 -> elements [R, K] E4M3 and fp32 scales: [K / 128, R] (block_rows 1) or
-        [R / 128, K / 128] (block_rows 128, R a multiple of 128)."""
-        k_blocks = self.width // BLOCK
+        """x [R, K] bf16 -> elements [R, K] E4M3 and fp32 scales: [k blocks, R] (block_rows 1) or
+        [E, ceil(N / 128), k blocks] (block_rows 128, R = E·N)."""
+        k_blocks = self.k_blocks
         rows = cute.make_layout((num_rows, self.width), stride=(self.width, 1))
         m_x, m_q = cute.make_tensor(x_ptr, rows), cute.make_tensor(elements_ptr, rows)
-        if cutlass.const_expr(self.block_rows == 1):
+        row_tiles = (num_rows + BLOCK - 1) // BLOCK
+        if cutlass.const_expr(self.mma_scales):  # (uint8 [chunks, k blocks, 512] as 4-byte words: 128 a chunk)
+            m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_tiles * k_blocks * BLOCK,)))
+        elif cutlass.const_expr(self.block_rows == 1):
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((num_rows, k_blocks), stride=(1, num_rows)))
         else:
-            m_s = cute.make_tensor(scales_ptr, cute.make_layout((num_rows // BLOCK, k_blocks), stride=(k_blocks, 1)))
+            if cutlass.const_expr(self.matrix_rows is not None):
+                row_tiles = num_rows // self.matrix_rows * ((self.matrix_rows + BLOCK - 1) // BLOCK)
+            m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_tiles, k_blocks), stride=(k_blocks, 1)))
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel(m_x, m_q, m_s, m_used, num_rows).launch(
-            grid=[k_blocks, (num_rows + BLOCK - 1) // BLOCK, 1], block=[WARPS * LANES, 1, 1], stream=stream
+            grid=[k_blocks, row_tiles, 1], block=[WARPS * LANES, 1, 1], stream=stream
         )
 
     @cute.jit
+    def lane_column(self, k_block, lane):
+        """(the first of this lane's four columns in K block ``k_block``, whether they lie in the row:
+        a partial last block of a segment holds fewer than 128)."""
+        segment = k_block // self.segment_blocks
+        column = segment * self.segment_width + (k_block - segment * self.segment_blocks) * BLOCK + lane * PER_LANE
+        return column, column < (segment + 1) * self.segment_width
+
+    @cute.jit
     def lane_values(self, m_x, row, k_block, lane):
-        """This lane's four values of row ``row`` in K block ``k_block``, as fp32."""
-        return row_vector(m_x, row, k_block * LANES + lane, PER_LANE).load().to(cutlass.Float32)
+        """This lane's four values of row ``row`` in K block ``k_block``, as fp32 (zeros past the segment)."""
+        column, inside = self.lane_column(k_block, lane)
+        if cutlass.const_expr(self.whole_blocks):
+            return row_vector(m_x, row, column // PER_LANE, PER_LANE).load().to(cutlass.Float32)
+        values = cute.make_rmem_tensor((PER_LANE,), cutlass.Float32)
+        values.fill(0.0)
+        if inside:
+            values.store(row_vector(m_x, row, column // PER_LANE, PER_LANE).load().to(cutlass.Float32))
+        return values.load()
 
     @cute.jit
     def scale_and_factor(self, amax):
@@ -99,9 +149,33 @@ class QuantizeFp8BlockKernel:
         return scale, factor
 
     @cute.jit
+    def e8m0_word(self, scale):
+        """A power-of-two ``scale``'s E8M0 byte four times over, as the fp32 word whose bits they are."""
+        bits = cute.make_rmem_tensor((1,), cutlass.Float32)
+        bits[0] = scale
+        raw = cute.recast_tensor(bits, cutlass.Int32)
+        raw[0] = ((raw[0] >> 23) & 0xFF) * 0x01010101
+        return bits[0]
+
+    @cute.jit
+    def store_row_scale(self, m_s, row, k_block, scale):
+        """Row ``row``'s scale of K block ``k_block``: fp32 at [k_block, row], or (``mma_scales``) its
+        E8M0 byte for the block's four 32-blocks, one word of the row's chunk (the four bytes lie
+        together: mok.mxfp8.mma_scale_layout)."""
+        if cutlass.const_expr(self.mma_scales):
+            chunk = (row >> 7) * self.k_blocks + k_block
+            m_s[chunk * BLOCK + (row & 31) * 4 + ((row >> 5) & 3)] = self.e8m0_word(scale)
+        else:
+            m_s[row, k_block] = scale
+
+    @cute.jit
     def quantize_row(self, m_x, m_q, row, k_block, lane, factor):
         values = self.lane_values(m_x, row, k_block, lane)
-        row_vector(m_q, row, k_block * LANES + lane, PER_LANE).store((values * factor).to(m_q.element_type))
+        column, inside = self.lane_column(k_block, lane)
+        if cutlass.const_expr(self.whole_blocks):
+            row_vector(m_q, row, column // PER_LANE, PER_LANE).store((values * factor).to(m_q.element_type))
+        elif inside:
+            row_vector(m_q, row, column // PER_LANE, PER_LANE).store((values * factor).to(m_q.element_type))
 
     @cute.jit
     def row_amax(self, m_x, row, k_block, lane):
@@ -123,6 +197,11 @@ class QuantizeFp8BlockKernel:
         if cutlass.const_expr(self.bounded):
             limit = min(num_rows, m_used[0])
         first = row_tile * BLOCK
+        if cutlass.const_expr(self.matrix_rows is not None):  # an expert's row tiles on their own: its last one partial
+            tiles_per_matrix = (self.matrix_rows + BLOCK - 1) // BLOCK
+            matrix = row_tile // tiles_per_matrix
+            first = matrix * self.matrix_rows + (row_tile - matrix * tiles_per_matrix) * BLOCK
+            limit = min(limit, (matrix + 1) * self.matrix_rows)
         if cutlass.const_expr(self.block_rows == 1):
             for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
                 row = first + r
@@ -130,7 +209,7 @@ class QuantizeFp8BlockKernel:
                     scale, factor = self.scale_and_factor(self.row_amax(m_x, row, k_block, lane))
                     self.quantize_row(m_x, m_q, row, k_block, lane, factor)
                     if lane == 0:
-                        m_s[row, k_block] = scale
+                        self.store_row_scale(m_s, row, k_block, scale)
         else:
             smem = cutlass.memory.SmemAllocator()
             s_max = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WARPS,)), byte_alignment=16)
@@ -147,10 +226,14 @@ class QuantizeFp8BlockKernel:
             for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
                 if first + r < limit:
                     self.quantize_row(m_x, m_q, first + r, k_block, lane, factor)
-            if tidx == 0 and first < limit:
+            if cutlass.const_expr(self.mma_scales):  # (the block is a whole chunk: every thread one word of it)
+                m_s[(row_tile * self.k_blocks + k_block) * BLOCK + tidx] = self.e8m0_word(scale)
+            elif tidx == 0 and first < limit:
                 m_s[row_tile, k_block] = scale
 
 
-def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, bounded: bool, arch: str, options: str = ""):
+def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, bounded: bool, arch: str, options: str = "",
+                               segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False):
     """Compile :class:`QuantizeFp8BlockKernel` for ``arch`` without tensors (FP8_BLOCK_QUANTIZE_ARGS' stand-ins)."""
-    return compile_kernel(QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded), FP8_BLOCK_QUANTIZE_ARGS, arch, options)
+    kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales)
+    return compile_kernel(kernel, FP8_BLOCK_QUANTIZE_ARGS, arch, options)

@@ -6,7 +6,9 @@ A [R, K] and B [E, N, K] are E4M3 (K-major both: FP8 WGMMA reads no other), A's 
 and K block, kept transposed [K / 128, R] so that a K tile's 128 row scales are one 512-byte TMA
 box that lands with the stage (with ``gather_a``, A is x's E4M3 rows [T, K] with their scales
 [K / 128, T], and the producer warpgroup gathers each row's scale with its row, by cp.async); B's
-fp32 per 128 x 128 block [E, N / 128, K / 128]. A stage holds one K block (128 E4M3 values a row:
+fp32 per 128 x 128 block [E, N / 128, K / 128]. N and K need only be multiples of 16: TMA (and
+the gather) zero-fill a partial last K block's elements past K, whose scale covers the values
+there are, and B's rows past N, as with bf16; the scale tensors then have ceil()'d block counts. A stage holds one K block (128 E4M3 values a row:
 the 128-byte swizzle atom, as bf16's 64). Per stage each MMA warpgroup runs its WGMMAs (E4M3 x
 E4M3, 32 deep) into a block accumulator (the first one overwriting it: nothing zeroes it), waits
 for them, reads its rows' scales and hands the stage back, then adds the block's product into the
@@ -33,6 +35,7 @@ import cutlass.cute as cute
 
 SCALE_BLOCK = 128  # elements along K (and, for B, along N) that share one fp32 scale
 TILE_K_BLOCK_SCALED = 128  # K per shared-memory stage: one scale block (128 E4M3 bytes a row)
+FP8_ROW_ELEMENTS = 16  # N and K are multiples of it: 16-byte E4M3 rows (TMA, the gather's chunks)
 
 
 class BlockScaledMainloop:
@@ -51,14 +54,15 @@ class BlockScaledMainloop:
         return not self.block_scaled or self.block_buffers == 2
 
     def a_scale_tensor(self, ptr: cute.Pointer, rows) -> cute.Tensor:
-        """A's scales as (R, K / 128), stored [K / 128, R] (each K block's row scales contiguous)."""
-        blocks = self.k // SCALE_BLOCK
-        return cute.make_tensor(ptr, cute.make_layout((rows, blocks), stride=(1, rows)))
+        """A's scales as (R, K blocks), stored [K blocks, R] (each K block's row scales contiguous):
+        one block a K tile, ceil(K / 128) of them (with k_split ceil(K / 2 / 128) a half: the rows
+        quantized a half at a time, mok.ops.quantize_fp8_rows(segments=2))."""
+        return cute.make_tensor(ptr, cute.make_layout((rows, self.k_tiles), stride=(1, rows)))
 
     def b_scale_tensor(self, ptr: cute.Pointer, num_experts) -> cute.Tensor:
-        """One weight's scales as (N / 128, K / 128, E), stored [E, N / 128, K / 128] (K: each B's,
-        half of it with k_split)."""
-        n_blocks, k_blocks = self.n // SCALE_BLOCK, self.b_k // SCALE_BLOCK
+        """One weight's scales as (N blocks, K blocks, E), stored [E, ceil(N / 128), ceil(K / 128)]
+        (K: each B's, half of it with k_split; a partial last block where 128 does not divide them)."""
+        n_blocks, k_blocks = -(-self.n // SCALE_BLOCK), self.half_k_tiles
         return cute.make_tensor(ptr, cute.make_layout((n_blocks, k_blocks, num_experts), stride=(k_blocks, 1, n_blocks * k_blocks)))
 
     def a_scale_smem(self) -> cute.Layout:

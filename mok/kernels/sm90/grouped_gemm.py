@@ -52,7 +52,7 @@ from ..common.records import grouped_gemm_args
 from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows
 from ..common.grouped_gemm import GroupedGemm
 from ..variants import check_block_buffers
-from .block_scaled import SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
+from .block_scaled import FP8_ROW_ELEMENTS, SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
@@ -63,7 +63,7 @@ PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgr
 class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
     """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, the gated
     activation, expert biases, the operands (bf16, or ``operand="e4m3_block"``: FP8 with an fp32 scale
-    per 128 along K, mok/kernels/sm90/block_scaled.py; persistent, K-major B, whole 128 blocks), and
+    per 128 along K, mok/kernels/sm90/block_scaled.py; persistent, K-major B, N and K multiples of 16), and
     the Hopper variants (persistent, gather_a, scatter, pingpong). With bf16 operands N and K need not
     be multiples of the tile: TMA zero-fills the loads past them and clips the stores (see the
     module docstring)."""
@@ -89,7 +89,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             halves = 2 if k_split else 1
             problems = [what for what, bad in (
                 ("persistent=True", not persistent), ("no pingpong", pingpong), ("b_major='k'", b_major != "k"),
-                (f"N a multiple of {SCALE_BLOCK}", n % SCALE_BLOCK), (f"K a multiple of {halves * SCALE_BLOCK}", k % (halves * SCALE_BLOCK)),
+                (f"N a multiple of {FP8_ROW_ELEMENTS}", n % FP8_ROW_ELEMENTS),
+                (f"K a multiple of {halves * FP8_ROW_ELEMENTS}", k % (halves * FP8_ROW_ELEMENTS)),
                 (f"tile_n dividing {SCALE_BLOCK}", SCALE_BLOCK % tile_n),
             ) if bad]
             if problems:
