@@ -61,7 +61,7 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                    help=f"shared-expert width, 0 for none (default {d.shared_intermediate}, or the --model preset's)")
     p.add_argument("--ep-size", type=int, default=None,
                    help=f"expert-parallel ranks (default: {d.ep_size}, DeepSeek-V3's EP, where a layer at EP {d.ep_size} with the other "
-                        f"options runs on --arch; else 1 (e.g. the MXFP8 and FP8 block precisions), with one "
+                        f"options runs on --arch; else 1, with one "
                         f"EP={d.ep_size} rank's {d.num_experts // d.ep_size} experts on one GPU unless --experts is given; 1 with --model)")
     p.add_argument("--one-launch", action="store_true", help="also the one-launch forward's kernels (MoKConfig.one_launch)")
     p.add_argument("--fuse-wgrad-accumulation", action="store_true",

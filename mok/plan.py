@@ -25,6 +25,7 @@ from .kernels.variants import (
 from .runtime.arch import FP8_BLOCK_GEMM_ARCHS, MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
 TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
+FP8_GATHER_MAX_HIDDEN = 3072  # FP8 rows gathered by the gate/up GEMM's producer up to this H; wider, gathered first (fp8-block-hopper.md)
 
 
 def check_tiled_widths(name: str, widths: dict, rule: tuple[int, str] = (TILE, "the fused kernels' tile")) -> None:
@@ -56,8 +57,6 @@ def fp8_on_block_scaled_mma_refusal(config: MoKConfig, arch: str) -> str | None:
     problems = [what for what, bad in (
         ("fp8_scales='power_of_two' (the MMAs' scales are E8M0: powers of two)", not config.fp8_power_of_two),
         (f"widths that are multiples of {TILE} (the MXFP8 kernels' whole tiles), got {widths}", any(v % TILE for v in widths.values())),
-        ("one GPU (ep_size 1: the MXFP8 kernels have no scatter epilogue yet)", config.ep_size > 1),
-        ("no expert_bias (the MXFP8 kernels add none)", config.expert_bias),
     ) if bad]
     if problems:
         return f"precision='fp8_block' on {arch} runs on its block-scaled MMAs and needs {'; '.join(problems)}"
@@ -110,10 +109,12 @@ class Plan:
 
     @property
     def gather_in_gemm(self) -> bool:
-        """Whether the gate/up GEMM's producer gathers its rows from x (bf16, or FP8 block scales on
-        Hopper; one GPU); else they are gathered first (or pulled from the peers)."""
-        gathers = self.precision == "bf16" or (self.precision == "fp8_block" and not self.fp8_on_block_scaled_mma)
-        return gathers and self.persistent and not self.ep
+        """Whether the gate/up GEMM's producer gathers its rows from x (bf16; FP8 block scales on
+        Hopper up to H = FP8_GATHER_MAX_HIDDEN, past which the producer's copies hold the FP8 WGMMAs
+        back more than gathering the rows first costs; one GPU); else they are gathered first (or
+        pulled from the peers). The same bits either way (each row quantized on its own)."""
+        fp8_gathers = self.precision == "fp8_block" and not self.fp8_on_block_scaled_mma and self.config.hidden <= FP8_GATHER_MAX_HIDDEN
+        return (self.precision == "bf16" or fp8_gathers) and self.persistent and not self.ep
 
     @property
     def fp8_on_block_scaled_mma(self) -> bool:
@@ -293,7 +294,7 @@ class Plan:
             quantizers = [quantize_fp8_block_variant(h, power_of_two=pow2, bounded=True, mma_scales=mma), fp8_weights_quantizer(i, h, pow2, mma)]
             if mma:  # (SM100's MXFP8 kernel, as precision="mxfp8" runs it)
                 return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=self.persistent,
-                                                          operand="e4m3", activation=self.activation)]
+                                                          operand="e4m3", activation=self.activation, **self._bias)]
             return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", topk=topk, operand="e4m3_block", activation=self.activation,
                                                       **self._bias)]
         if self.precision == "mxfp8" and not self.emulate:

@@ -72,8 +72,8 @@ def test_cache_list_and_clear_still_work(tmp_path, capsys):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_a_bare_precompile_builds_a_configuration_the_target_runs(arch):
-    """DeepSeek-V3 at its own EP = 8 on every target (the SM100 GEMMs scatter rows too); where an
-    option does not go with EP (here MXFP8 GEMMs), one EP = 8 rank's 32 experts on one GPU."""
+    """DeepSeek-V3 at its own EP = 8 on every target (the SM100 GEMMs scatter rows too, the MXFP8
+    ones included)."""
     args = build_parser().parse_args(["precompile", "--arch", arch])
     config, fallback = _resolve_config(args, arch)
     plan_for(config, arch)  # (raises where the layer does not run there)
@@ -83,21 +83,24 @@ def test_a_bare_precompile_builds_a_configuration_the_target_runs(arch):
     if arch in ("sm_100a", "sm_103a"):
         args = build_parser().parse_args(["precompile", "--arch", arch, "--precision", "mxfp8"])
         config, fallback = _resolve_config(args, arch)
-        d = DEFAULT_CONFIG
-        assert (config.ep_size, config.num_experts) == (1, d.num_experts // d.ep_size) and "ep_size > 1" in fallback
-        assert config.experts_per_rank == d.experts_per_rank
+        assert (config.ep_size, config.num_experts, fallback) == (DEFAULT_CONFIG.ep_size, DEFAULT_CONFIG.num_experts, None)
+        scattering = {v.config.get("operand") for v in plan_for(config, arch).variants() if v.config.get("scatter")}
+        assert scattering == {"e4m3"}  # (the down projection and dx push MXFP8 products into the owners' slots)
 
 
-def test_precompile_defaults_keep_given_options_and_take_ep_1_where_ep_does_not_go_with_them():
+def test_precompile_defaults_keep_given_options():
     parser = build_parser()
     args = parser.parse_args(["precompile", "--arch", "sm_100a", "--experts", "64"])  # (EP runs there: DeepSeek-V3's 8 kept)
     assert (_config_from(args, "sm_100a").num_experts, _config_from(args, "sm_100a").ep_size) == (64, 8)
     args = parser.parse_args(["precompile", "--arch", "sm_100a", "--experts", "64", "--precision", "mxfp8"])
-    assert (_config_from(args, "sm_100a").num_experts, _config_from(args, "sm_100a").ep_size) == (64, 1)  # (MXFP8 GEMMs: not at EP)
-    args = parser.parse_args(["precompile", "--arch", "sm_90a", "--precision", "mxfp8_emulated"])  # (no EP with MXFP8 GEMMs)
+    assert (_config_from(args, "sm_100a").num_experts, _config_from(args, "sm_100a").ep_size) == (64, 8)  # (MXFP8's scattering GEMMs)
+    args = parser.parse_args(["precompile", "--arch", "sm_90a", "--precision", "mxfp8_emulated"])
     config = _config_from(args, "sm_90a")
-    assert (config.ep_size, config.num_experts, config.precision) == (1, 32, "mxfp8_emulated")
+    assert (config.ep_size, config.num_experts, config.precision) == (8, 256, "mxfp8_emulated")
     plan_for(config, "sm_90a")
+    args = parser.parse_args(["precompile", "--arch", "sm_100a", "--precision", "fp8_block"])  # (fp32 scales: not on SM100 at any EP)
+    with pytest.raises(NotImplementedError, match="fp8_scales='power_of_two'"):
+        plan_for(_config_from(args, "sm_100a"), "sm_100a")
     args = parser.parse_args(["precompile", "--arch", "sm_100a", "--ep-size", "1"])  # (given: kept, all 256 experts)
     assert (_config_from(args, "sm_100a").ep_size, _config_from(args, "sm_100a").num_experts) == (1, 256)
     args = parser.parse_args(["precompile", "--arch", "sm_100a", "--model", "qwen3-30b-a3b"])

@@ -195,18 +195,18 @@ def test_ep_gradients_equal_single_gpu_backward_bitwise(world, counts, E, k, sha
                 assert float((summed - want.d_shared[i].float()).norm() / want.d_shared[i].float().norm()) < 1e-2
 
 
-@pytest.mark.parametrize("world,counts,shared_inter,saved_h_format", [
-    (2, (300, 517), 256, "bf16"),  # a shared expert (bf16, on each rank's own tokens)
-    (3, (0, 200, 333), None, "recompute"),  # a rank with no tokens; h recomputed from the kept rows
+@pytest.mark.parametrize("world,counts,shared_inter,options", [
+    (2, (300, 517), 256, {"precision": "fp8_block"}),  # a shared expert (on each rank's own tokens)
+    (3, (0, 200, 333), None, {"precision": "fp8_block", "saved_h_format": "recompute"}),  # a rank with no tokens; h recomputed
+    (2, (300, 517), 256, {"precision": "mxfp8_emulated"}),  # MXFP8's numerics (SM100: its GEMMs, tests/test_sm100_gpu.py)
 ])
-def test_fp8_block_ep_training_step_equals_single_gpu_bitwise(world, counts, shared_inter, saved_h_format):
-    """precision="fp8_block" at EP = 2, 3 (emulated): the rows cross in bf16 and are quantized per
-    row on the experts' rank (per-token scales: the bytes of x's own quantization at one GPU), the
-    down projection and dx push FP8 products into the owners' slots. Output, dx, d_topk_w and every
-    expert's weight gradients are the single-GPU FP8 bits on the concatenated batch; the shared
+def test_quantized_ep_training_step_equals_single_gpu_bitwise(world, counts, shared_inter, options):
+    """FP8 precisions at EP = 2, 3 (emulated): the rows cross in bf16 and are quantized per row on
+    the experts' rank (per-row scales: the bytes of x's own quantization at one GPU), the down
+    projection and dx push their products into the owners' slots. Output, dx, d_topk_w and every
+    expert's weight gradients are the single-GPU bits on the concatenated batch; the shared
     expert's weight gradients, summed over ranks, agree to rounding."""
     total, H, I, E, k = sum(counts), 512, 256, 12, 4
-    options = dict(precision="fp8_block", saved_h_format=saved_h_format)
     x, idx, w, experts, shared = gpu_layer(total, H, I, E, k, shared_inter, seed=31 + world)
     dout = torch.randn(total, H, device="cuda").bfloat16()
     saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True, **options)

@@ -132,10 +132,15 @@ def test_quantize_ops_check_their_input_before_any_launch():
 def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
     """precision="fp8_block" on SM100: with power-of-two scales, the MXFP8 kernels (tcgen05
     block-scaled MMAs) on the same E4M3 elements, the scales quantized straight into E8M0 bytes in
-    the MMAs' order; the rows gathered first; the weight gradients bf16; refused, naming each
-    reason, with fp32 scales, partial widths, EP or biases (compile-verified, never run)."""
+    the MMAs' order; the rows gathered first; the weight gradients bf16; at EP the scattering MXFP8
+    GEMMs, with biases their bias epilogues (the bf16 kernel's: the bias rows loaded, the scattered
+    rows stored from registers); refused, naming the reason, with fp32 scales or partial widths
+    (compile-verified, never run)."""
+    from test_kernels_ptx import count, ptxas_spill_bytes
+
     from mok.config import MoKConfig
     from mok.kernels import compiled_ptx
+    from mok.kernels.variants import grouped_gemm_variant
     from mok.plan import Plan, refusal
 
     config = MoKConfig(2048, 768, 64, 8, precision="fp8_block", fp8_scales="power_of_two", saved_h_format="recompute")
@@ -151,10 +156,24 @@ def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
     for v in gemms[:2]:
         ptx = compiled_ptx(v, "sm_100a")
         assert "kind::mxf8f6f4.block_scale" in ptx and "wgmma" not in ptx
-    for options, reason in ((dict(fp8_scales="fp32"), "fp8_scales='power_of_two'"), (dict(intermediate=784), "multiples of 128"),
-                            (dict(ep_size=2), "one GPU"), (dict(expert_bias=True), "no expert_bias")):
+    for options, reason in ((dict(fp8_scales="fp32"), "fp8_scales='power_of_two'"), (dict(intermediate=784), "multiples of 128")):
         fields = {**dict(hidden=2048, intermediate=768, num_experts=64, topk=8, precision="fp8_block", fp8_scales="power_of_two"), **options}
         assert reason in refusal(MoKConfig(**fields), "sm_100a"), options
+    ep = MoKConfig(2048, 768, 64, 8, ep_size=2, precision="fp8_block", fp8_scales="power_of_two", expert_bias=True)
+    assert refusal(ep, "sm_100a") is None
+    ep_gemms = {(v.config["epilogue"], v.config.get("scatter", False), v.config.get("bias", False)): v for v in Plan(ep, "sm_100a").variants()
+                if v.name == "grouped_gemm" and v.config.get("operand") == "e4m3"}
+    assert set(ep_gemms) == {("plain", True, True), ("plain", True, False), ("swiglu", False, True), ("swiglu_save", False, True),
+                             ("swiglu_bwd", False, True)}  # (down with its bias, dx without: k_split)
+    plain = compiled_ptx(grouped_gemm_variant(2048, 768, operand="e4m3", persistent=True), "sm_100a")  # (one GPU's down projection)
+    for key, v in ep_gemms.items():
+        ptx = compiled_ptx(v, "sm_100a")
+        assert "kind::mxf8f6f4.block_scale" in ptx and count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, "sm_100a") in (None, 0), key
+        if key[1]:  # scattered rows: 16-byte register stores (the TMA-stored plain epilogue has none)
+            assert count(r"st\.global\.v4", ptx) > 0 and count(r"st\.global\.v4", plain) == 0, key
+    twin = compiled_ptx(grouped_gemm_variant(768, 2048, epilogue="swiglu_save", operand="e4m3", persistent=True), "sm_100a")
+    biased = compiled_ptx(ep_gemms[("swiglu_save", False, True)], "sm_100a")
+    assert count(r"ld\.global", biased) > count(r"ld\.global", twin)  # (the bias rows)
 
 
 def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
@@ -179,6 +198,8 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
                           (2048, 128, False, 1)]  # (dh [R, 2I] a half at a time: the dx GEMM's two K ranges)
     assert all(v.config.get("gather_a") for v in variants if v.name == "grouped_gemm" and v.config["epilogue"] in ("swiglu", "swiglu_save"))
     assert not any(v.name == "gather" for v in Plan(config, "sm_90a")._forward_variants())  # (the gate/up GEMM gathers)
+    wide = Plan(MoKConfig(7168, 2048, 32, 8, precision="fp8_block"), "sm_90a")  # (H past 3072: the rows gathered first, measured faster)
+    assert not wide.gather_in_gemm and any(v.name == "gather" for v in wide._forward_variants())
     assert [v.config["router_parts"] for v in variants if v.name == "combine" and "router_parts" in v.config] == [768 // 64]
     assert "needs fp8_scales='power_of_two' (the MMAs' scales are E8M0" in refusal(config, "sm_100a")
     assert plan_for(config, "sm_90a").variants() == variants

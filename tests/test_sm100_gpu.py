@@ -396,7 +396,8 @@ def hopper_layer_tests():
     tcgen05 kernels): expert parallelism emulated on one GPU (scatter pushes, gradients, recompute),
     widths the tiles do not divide, the one-launch forward (its bits those of the staged launches,
     at one GPU and per rank, with gpt-oss's activation, biases and weights in place), fp8_block with
-    power-of-two scales (on the block-scaled MMAs) against its float64 recipe."""
+    power-of-two scales (on the block-scaled MMAs) against its float64 recipe, MXFP8 and fp8_block
+    at EP (the scattering MXFP8 GEMMs) against one GPU."""
     import test_activations_gpu
     import test_backward_gpu
     import test_ep_gpu
@@ -421,10 +422,14 @@ def hopper_layer_tests():
         (test_backward_gpu.test_gate_up_parts_of_one_tensor_give_the_bits_of_packed_weights,
          dict(T=1000, H=512, I=256, E=8, k=2, shared_inter=384, options={"one_launch": True}, layout="interleaved")),
         (test_fp8_block_gpu.test_power_of_two_scales_follow_their_recipe, {}),
+        (test_ep_gpu.test_quantized_ep_training_step_equals_single_gpu_bitwise,
+         dict(world=2, counts=(300, 517), shared_inter=256, options={"precision": "mxfp8"})),
+        (test_ep_gpu.test_quantized_ep_training_step_equals_single_gpu_bitwise,
+         dict(world=2, counts=(300, 517), shared_inter=None, options={"precision": "fp8_block", "fp8_scales": "power_of_two"})),
     ]
 
 
-HOPPER_LAYER_TESTS = 12  # len(hopper_layer_tests()), which imports the GPU test modules: called by the test only
+HOPPER_LAYER_TESTS = 14  # len(hopper_layer_tests()), which imports the GPU test modules: called by the test only
 
 
 @pytest.mark.parametrize("index", range(HOPPER_LAYER_TESTS))

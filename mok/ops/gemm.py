@@ -249,7 +249,7 @@ def grouped_gemm(
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=a_values.device, contiguous=True)
     given = out
     out = bf16_out(out, (num_rows, n), a_values.device)
-    _check_biases(bias, bias2, b2 is not None and not k_split, num_experts, n, a_values.device, operand, k_split)
+    _check_biases(bias, bias2, b2 is not None and not k_split, num_experts, n, a_values.device, k_split)
     if operand == "e4m3":
         check_mxfp8_launchable("grouped_gemm", pointers)
     check_launchable(a=a_values, out=out, h_out=h_out, bias=bias, bias2=bias2)
@@ -269,14 +269,14 @@ def grouped_gemm(
     return out
 
 
-def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, operand: str, k_split: bool) -> None:
+def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, k_split: bool) -> None:
     """A GEMM's expert biases: none, or ``bias`` [E, N] bf16 (and ``bias2`` with ``two`` products, the
-    SwiGLU form), contiguous, for bf16 or FP8 block-scaled operands without k_split (where they may
-    launch: check_launchable)."""
+    SwiGLU form), contiguous, without k_split (where they may launch: check_launchable): every
+    operand format's kernels add them."""
     if bias is None and bias2 is None:
         return
-    if operand not in ("bf16", "e4m3_block") or k_split:
-        raise ValueError("bias: bf16 or FP8 block-scaled operands without k_split only (dx has no bias; the MXFP8 kernels add none)")
+    if k_split:
+        raise ValueError("bias: not with k_split (dx has no bias)")
     if bias is None or (bias2 is None) == two:
         raise ValueError("bias, bias2: give bias for a plain GEMM, bias and bias2 for the SwiGLU form (b2 given)")
     for name, t in (("bias", bias), ("bias2", bias2)):
@@ -299,8 +299,8 @@ def grouped_gemm_scatter(
     bias: torch.Tensor | None = None,
 ) -> None:
     """The plain :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2``, ``bias`` as there; bf16
-    operands, or FP8 with block scales as there), each row written into the (token, slot) row of
-    ``slots`` instead of an [R, N] output (no rows buffer, no copy).
+    operands, FP8 with block scales or MXFP8 (SM100) as there), each row written into the (token,
+    slot) row of ``slots`` instead of an [R, N] output (no rows buffer, no copy).
 
     a [R, K] bf16 in the schedule's row order, b [E, N, K] (or [E, K, N] for "n"), tile_expert
     [ceil(R / 128)]; row r belongs to token g = row_token[r] (-1: padding, not written) and slot
@@ -313,10 +313,13 @@ def grouped_gemm_scatter(
     if b2 is not None and not k_split:
         raise ValueError("b2: only with k_split (the scattering GEMM has the plain epilogue)")
     if isinstance(a, (tuple, list)):
-        if not _fp8_block_scales(a) or b_major != "k":
-            raise ValueError("a: bf16, or FP8 with block scales (elements, float32 scales) and K-major B (b_major='k')")
-        pointers = _fp8_block_operands(a, b, b2, k_split)
-        a_values, operand, b_strides = pointers["a"], "e4m3_block", {}
+        if b_major != "k":
+            raise ValueError("a: FP8 operands (block scales, or MXFP8) take K-major B (b_major='k')")
+        if _fp8_block_scales(a):
+            pointers, operand = _fp8_block_operands(a, b, b2, k_split), "e4m3_block"
+        else:
+            pointers, operand = _mxfp8_operands(a, b, b2, k_split), "e4m3"
+        a_values, b_strides = pointers["a"], {}
         num_experts, n = pointers["b"].shape[:2]
     else:
         check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
@@ -332,10 +335,12 @@ def grouped_gemm_scatter(
         raise ValueError(f"slots: expected [T, k, {n}] (N of b), got {list(slots.shape)}")
     slot_ranks = slot_ranks if slot_ranks is not None else (1, slots.numel())
     check_rank_stride("slot_ranks", slot_ranks, slots.numel(), 2**31 - 8, "2^31 - 8 elements")  # (the kernel's vector indices)
-    _check_biases(bias, None, False, num_experts, n, dev, operand, k_split)
+    _check_biases(bias, None, False, num_experts, n, dev, k_split)
     check_launchable(a=a_values, slots=slots, bias=bias)
     if operand == "bf16":  # (FP8's: with its operands' checks)
         check_weights_launchable(b=b, b2=b2)
+    elif operand == "e4m3":
+        check_mxfp8_launchable("grouped_gemm_scatter", pointers)
     if num_rows == 0:
         return
     num_tokens, topk, _ = slots.shape
@@ -387,7 +392,7 @@ def swiglu_backward_gemm(
     Rows of tiles with tile_expert -1 are left unwritten. ``persistent``: as in :func:`grouped_gemm`.
     ``pingpong`` (persistent; the default there): the two MMA warpgroups take whole tiles in turn,
     one's epilogue under the other's WGMMAs (the same bits; docs/notes/pingpong-backward-gemms.md).
-    ``bias_piece`` (the experts have biases; bf16, routed experts): partial gets one more column,
+    ``bias_piece`` (the experts have biases; routed experts): partial gets one more column,
     the last, left unwritten for the down bias's piece (:func:`mok.ops.bias_router_pieces`).
 
     MXFP8 operands (SM100 only, 128-wide tiles, no ping-pong): dout_rows = (elements [R, H],
@@ -438,8 +443,8 @@ def swiglu_backward_gemm(
     check_tensor("h", h, dtypes=BF16, shape=(num_rows, 2 * inter), device=dev, contiguous=True)
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
     unit_scale, num_tokens, topk = _check_router_rows(row_token, row_slot, topk_w, num_rows, dev)
-    if bias_piece and (unit_scale or mxfp8):
-        raise ValueError("bias_piece: only for the routed experts' backward on Hopper's operands (the router-weight gradient's pieces)")
+    if bias_piece and unit_scale:
+        raise ValueError("bias_piece: only for the routed experts' backward (the router-weight gradient's pieces)")
     dh = torch.empty(num_rows, 2 * inter, dtype=torch.bfloat16, device=dev)
     a_scaled = torch.empty(num_rows, inter, dtype=torch.bfloat16, device=dev)
     pieces = -(-inter // tile_n) + int(bias_piece)

@@ -113,7 +113,7 @@ def backward(
     if plan.ep:
         check_timeout(timeout_s)
         return _ep_backward(plan, workspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
-                            timeout_s, biases)
+                            timeout_s, biases, wgrad_format)
 
     expert_weights = stages.backward_weights(plan, weights, stacked)
     if weight_grads:
@@ -181,7 +181,7 @@ def gate_recomputed(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: 
 
 
 def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
-                 timeout_s, biases) -> Gradients:
+                 timeout_s, biases, wgrad_format: str = "mxfp8") -> Gradients:
     """This rank's gradients over the workspace (module docstring): every rank makes the same calls."""
     if dout.data_ptr() % 16:  # (published with 16-byte vectors)
         raise ValueError(f"dout: expected a 16-byte aligned data pointer, got address {dout.data_ptr():#x}")
@@ -201,7 +201,7 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     d_gate = d_up = d_down = d_biases = None
     if weight_grads:  # (local work while the peers push: the exchanges are the same either way)
         d_gate, d_up, d_down = stages.expert_weight_grads(
-            plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0], gate_up_layout=plan.config.gate_up_layout
+            plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0], wgrad_format, plan.config.gate_up_layout
         )
         if biases is not None:
             d_biases = stages.expert_bias_grads(dout_rows, dh, sched, weights_all, biases)

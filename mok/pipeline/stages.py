@@ -284,19 +284,21 @@ def gate_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, bias
 
 def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights, biases: tuple | None = None) -> torch.Tensor:
     """y_rows [R, H] = a·W_downᵀ (+ b_down, the last of ``biases``) per expert."""
-    bias = None if biases is None else biases[2]
-    if plan.precision in ("bf16", "fp8_block"):
-        return ops.grouped_gemm(*down_operands(plan, a, sched, weights), sched.tile_expert, bias=bias)
-    used = rows_in_use(sched)
-    return mxfp8_gemm(plan, ops.quantize_mxfp8(a, rows_used=used, scale_order="mma"), weights.down, sched.tile_expert, used=used)
+    bias = {} if biases is None else dict(bias=biases[2])
+    return ops.grouped_gemm(*down_operands(plan, a, sched, weights), sched.tile_expert, **bias)
 
 
 def down_operands(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> tuple:
-    """The down projection's (A, B) in bf16 or FP8 block-scaled precision (:func:`down`, and the
-    EP forward's scattering GEMM): a and w_down, or a's rows in use quantized per row and w_down's
-    FP8 copy (``weights``: :func:`routed_weights`)."""
+    """The down projection's (A, B) in the plan's precision (:func:`down`, and the EP forward's
+    scattering GEMM), ``weights`` as :func:`routed_weights` gives them: a and w_down (bf16); a's
+    rows in use quantized and w_down's FP8 copy (fp8_block, MXFP8); with MXFP8's emulation the
+    same operands dequantized for the bf16 GEMM."""
     if plan.precision == "fp8_block":
         return fp8_rows(plan, a, sched), weights.down
+    if plan.precision == "mxfp8":
+        used = rows_in_use(sched)
+        a_q = ops.quantize_mxfp8(a, rows_used=used, scale_order="mma")
+        return (dequantized_rows(a_q, used), dequantized_weights(weights.down)) if plan.emulate else (a_q, weights.down)
     return a, weights[2]
 
 
@@ -326,21 +328,25 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
 
 def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:
     """dx_rows [R, H] = dh_gate·W_gate + dh_up·W_up (the two K halves of dh in one GEMM)."""
-    if plan.precision in ("bf16", "fp8_block"):
-        a, b, options = dx_operands(plan, dh, sched, weights_t)
-        return ops.grouped_gemm(a, b, sched.tile_expert, **options)
-    used = rows_in_use(sched)
-    dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
-    return mxfp8_gemm(plan, dh_q, weights_t.gate, sched.tile_expert, weights_t.up, used=used, k_split=True)
+    a, b, options = dx_operands(plan, dh, sched, weights_t)
+    return ops.grouped_gemm(a, b, sched.tile_expert, **options)
 
 
 def dx_operands(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> tuple:
-    """The dx GEMM's (A, B, options) in bf16 or FP8 block-scaled precision (:func:`gate_up_backward`,
-    and the EP backward's scattering GEMM): dh with w_gate and w_up read N-major, or dh's rows in
-    use quantized per row with the weights' transposed FP8 copies (``weights_t``:
-    :func:`backward_weights`); K split into dh's two halves either way."""
-    if plan.precision == "fp8_block":  # (each half of dh blocked on its own: the GEMM's two K ranges)
+    """The dx GEMM's (A, B, options) in the plan's precision (:func:`gate_up_backward`, and the EP
+    backward's scattering GEMM), ``weights_t`` as :func:`backward_weights` gives them: dh with
+    w_gate and w_up read N-major (bf16); dh's rows in use quantized with the weights' transposed
+    FP8 copies (fp8_block: each half of dh blocked on its own, the GEMM's two K ranges; MXFP8);
+    with MXFP8's emulation the same operands dequantized for the bf16 GEMM; K split into dh's two
+    halves every way."""
+    if plan.precision == "fp8_block":
         return fp8_rows(plan, dh, sched, segments=2), weights_t.gate, dict(b2=weights_t.up, k_split=True)
+    if plan.precision == "mxfp8":
+        used = rows_in_use(sched)
+        dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
+        if plan.emulate:
+            return dequantized_rows(dh_q, used), dequantized_weights(weights_t.gate), dict(b2=dequantized_weights(weights_t.up), k_split=True)
+        return dh_q, weights_t.gate, dict(b2=weights_t.up, k_split=True)
     return dh, weights_t[0], dict(b2=weights_t[1], b_major="n", k_split=True)
 
 

@@ -335,10 +335,12 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
     whole 128-row tiles). Every epilogue of the bf16 kernel (plain, swiglu, swiglu_save,
     swiglu_bwd; k_split: B and B2 [E, N, K/2] hold K's two halves, each with its scales) on the
     same fp32 accumulators, bf16 out: the forward's two GEMMs, and the backward's SwiGLU-backward
-    and dx GEMMs given the weights transposed (K-major for their K). Static config: N, K (a multiple
-    of 128, of 256 with k_split), epilogue, k_split, top-k, unit scale, column tile (128 or 256;
-    128 with SwiGLU: two accumulators and the scales must fit 512 tensor-memory columns), stages.
-    Compile-verified only, never run (no SM100 GPU here)."""
+    and dx GEMMs given the weights transposed (K-major for their K), the expert-parallel ``scatter``
+    of the plain epilogue and the experts' ``bias`` as the bf16 kernel has them (the epilogue is
+    its). Static config: N, K (a multiple of 128, of 256 with k_split), epilogue, k_split, top-k,
+    unit scale, column tile (128 or 256; 128 with SwiGLU: two accumulators and the scales must fit
+    512 tensor-memory columns), stages, scatter, bias. Compile-verified only, never run (no SM100
+    GPU here)."""
 
     mxfp8 = True
     partial_tiles = False  # (whole 128 blocks of K, whole column tiles: the scales' layout)
@@ -346,6 +348,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, activation: str = "swiglu", persistent: bool = False,
+        scatter: bool = False, bias: bool = False,
     ) -> None:
         if b_major != "k":
             raise ValueError(f"b_major: expected 'k' with MXFP8 operands (K-major B: give the weights transposed), got {b_major!r}")
@@ -354,7 +357,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
         if k % (2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8):
             raise ValueError(f"k: expected a multiple of {2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8} with MXFP8 operands, got {k}")
         super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, activation=activation,
-                         persistent=persistent)
+                         persistent=persistent, scatter=scatter, bias=bias)
         self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
         self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + self.num_b * tile_n, stages, self.store_bytes())
 
