@@ -85,8 +85,8 @@ class MoKConfig:
     h_up, b_down [E, H] to each expert's output y (so the router-weight gradient <dout, y> includes
     it); the backward returns their gradients (as plain gradients with fuse_wgrad_accumulation too:
     Megatron's fused accumulation covers the weights, its DDP adds a bias's gradient to main_grad).
-    bf16 (staged or in one launch) or fp8_block precision; a shared expert beside them (without
-    biases) runs in launches of its own.
+    Every precision (bf16 staged or in one launch); a shared expert beside them (without biases)
+    runs in launches of its own.
     """
 
     hidden: int
@@ -225,9 +225,6 @@ def check_combination(config: "MoKConfig") -> None:
                 f"gate_up_layout={config.gate_up_layout!r}: not with {', '.join(k for k, v in others.items() if v)} (its one "
                 "[E, 2I, H] gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
             )
-    if config.expert_bias:
-        if config.precision not in ("bf16", "fp8_block"):
-            raise ValueError(f"expert_bias: bf16 or fp8_block precision (the MXFP8 GEMMs add no bias), got precision={config.precision!r}")
     if config.dispatch_format == "mxfp8":
         if config.ep_size == 1:
             raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")

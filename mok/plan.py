@@ -300,7 +300,7 @@ class Plan:
         if self.precision == "mxfp8" and not self.emulate:
             quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
             return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=self.persistent, operand="e4m3",
-                                                      activation=self.activation)]
+                                                      activation=self.activation, **self._bias)]
         v = []
         if self.emulate:
             v += [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True),

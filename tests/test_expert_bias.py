@@ -158,8 +158,12 @@ def test_bad_bias_input_is_refused_naming_it():
     for ep_size in (1, 2):  # with one_launch: its kernels add the biases, at one GPU and per rank
         one = plan_for(MoKConfig(64, 32, 8, 2, ep_size=ep_size, expert_bias=True, one_launch=True), "sm_90a").variants()
         assert sorted(v.config["save_h"] for v in one if v.name == "expert_mlp" and v.config.get("bias")) == [False, True]
-    with pytest.raises(ValueError, match=r"expert_bias: bf16 or fp8_block precision \(the MXFP8 GEMMs add no bias\), got precision='mxfp8_emulated'"):
-        MoKConfig(128, 128, 8, 2, expert_bias=True, precision="mxfp8_emulated")
+    emulated = plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True, precision="mxfp8_emulated"), "sm_90a").variants()  # (bf16 GEMMs)
+    assert {v.config["epilogue"] for v in emulated if v.name == "grouped_gemm" and v.config.get("bias")} == {"plain", "swiglu",
+                                                                                                           "swiglu_save", "swiglu_bwd"}
+    mxfp8 = plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True, precision="mxfp8"), "sm_100a").variants()  # (SM100's MXFP8 kernels)
+    assert {v.config["epilogue"] for v in mxfp8 if v.name == "grouped_gemm" and v.config.get("bias") and v.config.get("operand") == "e4m3"} \
+        == {"plain", "swiglu", "swiglu_save", "swiglu_bwd"}
     on_sm100 = plan_for(MoKConfig(128, 128, 8, 2, expert_bias=True), "sm_100a").variants()  # (whole tiles there)
     assert {v.config["epilogue"] for v in on_sm100 if v.config.get("bias")} == {"plain", "swiglu", "swiglu_save", "swiglu_bwd"}
     plan_for(MoKConfig(2880, 2880, 8, 2, expert_bias=True), "sm_100a")  # (gpt-oss's widths: partial tiles there too)

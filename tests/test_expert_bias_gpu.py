@@ -226,13 +226,14 @@ def test_layer_with_biases_trains_on_the_gpu_as_on_the_cpu():
         assert on_gpu[name].grad is not None and rel_err(on_gpu[name].grad.cpu(), cpu.get_parameter(name).grad) < 3e-2, name
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block", "mxfp8_emulated"])
 def test_biases_beside_a_shared_expert_and_with_main_grads(precision):
     """Biased routed experts beside a shared expert of the routed width (which then runs in launches
-    of its own), bf16 and FP8 with block scales: the output and every gradient against autograd of
-    the fp32 reference (FP8: its recipe's error; the down bias's gradient has no FP8 product in it);
-    with main_grads each weight's fp32 gradient is added once into its buffer (the bits of the
-    fresh fp32 one added) and the biases' gradients are the plain backward's bits."""
+    of its own), bf16, FP8 with block scales and MXFP8 (emulated): the output and every gradient
+    against autograd of the fp32 reference (FP8, MXFP8: their rounding's error; the down bias's
+    gradient has no FP8 product in it); with main_grads each weight's fp32 gradient is added once
+    into its buffer (the bits of the fresh fp32 one added) and the biases' gradients are the plain
+    backward's bits."""
     T, H, I, E, k = 700, 1024, 512, 16, 4
     x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, I, seed=23)
     biases = biases_for(E, H, I, seed=23)
@@ -244,7 +245,7 @@ def test_biases_beside_a_shared_expert_and_with_main_grads(precision):
     leaves = [t.float().requires_grad_() for t in (x, w, *experts, *shared, *biases)]
     want = moe_reference(leaves[0], idx, leaves[1], *leaves[2:5], tuple(leaves[5:8]), biases=tuple(leaves[8:]))
     want.backward(dout.float())
-    out_tol, grad_tol = (1e-2, 2e-2) if precision == "bf16" else (0.1, 0.15)  # (FP8: tests/test_fp8_block_gpu.py's bounds)
+    out_tol, grad_tol = (1e-2, 2e-2) if precision == "bf16" else (0.1, 0.15)  # (FP8, MXFP8: tests/test_fp8_block_gpu.py's bounds)
     assert not saved.out.isnan().any() and rel_err(saved.out, want) <= out_tol
     got = [grads.dx, grads.d_topk_w, grads.d_w_gate, grads.d_w_up, grads.d_w_down, *grads.d_shared, *grads.d_biases]
     for n, (g, leaf) in enumerate(zip(got, leaves)):

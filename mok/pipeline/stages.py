@@ -185,15 +185,15 @@ def dequantized_columns(q: tuple) -> torch.Tensor:
     return transposed.T.contiguous()
 
 
-def mxfp8_gemm(plan: Plan, a_q, b_q, tiles, b2_q=None, *, used=None, h_out=None, k_split=False) -> torch.Tensor:
+def mxfp8_gemm(plan: Plan, a_q, b_q, tiles, b2_q=None, *, used=None, h_out=None, k_split=False, **bias) -> torch.Tensor:
     """ops.grouped_gemm on MXFP8 pairs, or with ``plan.emulate`` the same product from dequantized
     operands by the bf16 grouped GEMM (A's rows past the device count ``used`` are not dequantized:
-    no tile reads them)."""
+    no tile reads them); ``bias``: the GEMM's bias options."""
     if not plan.emulate:
-        return ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, h_out=h_out, activation=plan.activation)
+        return ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, h_out=h_out, activation=plan.activation, **bias)
     b2 = None if b2_q is None else dequantized_weights(b2_q)
     return ops.grouped_gemm(dequantized_rows(a_q, used), dequantized_weights(b_q), tiles, b2=b2, k_split=k_split, h_out=h_out,
-                            activation=plan.activation)
+                            activation=plan.activation, **bias)
 
 
 def rows_in_use(sched: Schedule) -> torch.Tensor:
@@ -231,7 +231,7 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
                                 activation=plan.activation, **bias)
     used = rows_in_use(sched)
     rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
-    return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out)
+    return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out, **bias)
 
 
 def backward_weights(plan: Plan, weights: tuple, stacked: tuple | None):
@@ -309,21 +309,27 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_
     ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights. ``biases``
     (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>."""
     route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w, activation=plan.activation)
-    if plan.precision in ("bf16", "fp8_block"):
-        if plan.precision == "bf16":
-            operands = dout_rows, weights_t[2]
-        else:
-            operands = fp8_rows(plan, dout_rows, sched), weights_t.down
-        dh, a_scaled, pieces = ops.swiglu_backward_gemm(*operands, sched.tile_expert, h, bias_piece=biases is not None, **route)
-        if biases is not None:
-            ops.bias_router_pieces(dout_rows, biases[2], sched, pieces)
-        return dh, a_scaled, pieces
-    used = rows_in_use(sched)
-    dout_q = ops.quantize_mxfp8(dout_rows, rows_used=used, scale_order="mma")
-    if plan.emulate:  # w_down [E, H, I] with the MXFP8 copy's values, read N-major as the bf16 GEMM does
-        w_down = dequantized_weights(weights_t.down).transpose(1, 2).contiguous()
-        return ops.swiglu_backward_gemm(dequantized_rows(dout_q, used), w_down, sched.tile_expert, h, **route)
-    return ops.swiglu_backward_gemm(dout_q, weights_t.down, sched.tile_expert, h, **route)
+    dh, a_scaled, pieces = ops.swiglu_backward_gemm(*swiglu_backward_operands(plan, dout_rows, sched, weights_t), sched.tile_expert, h,
+                                                    bias_piece=biases is not None, **route)
+    if biases is not None:
+        ops.bias_router_pieces(dout_rows, biases[2], sched, pieces)
+    return dh, a_scaled, pieces
+
+
+def swiglu_backward_operands(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_t) -> tuple:
+    """The SwiGLU-backward GEMM's (A, B) in the plan's precision: the dout rows and w_down (bf16,
+    read N-major); the rows in use quantized with w_down's transposed FP8 copy (fp8_block, MXFP8);
+    with MXFP8's emulation the same operands dequantized, w_down [E, H, I] read N-major as the
+    bf16 GEMM does."""
+    if plan.precision == "fp8_block":
+        return fp8_rows(plan, dout_rows, sched), weights_t.down
+    if plan.precision == "mxfp8":
+        used = rows_in_use(sched)
+        dout_q = ops.quantize_mxfp8(dout_rows, rows_used=used, scale_order="mma")
+        if plan.emulate:
+            return dequantized_rows(dout_q, used), dequantized_weights(weights_t.down).transpose(1, 2).contiguous()
+        return dout_q, weights_t.down
+    return dout_rows, weights_t[2]
 
 
 def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:
