@@ -397,7 +397,7 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
         assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3
     assert ptxas_spill_bytes(ptx) in (None, 0)
     assert_register_handover_fits(ptx)  # (a 64-wide SwiGLU tile launches with fewer registers than 168)
-    with pytest.raises(NotImplementedError, match="Hopper's kernel only so far"):
+    with pytest.raises(NotImplementedError, match="Hopper's kernel only \\(SM100 runs power-of-two block scales as MXFP8 operands"):
         compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
 
 

@@ -252,7 +252,8 @@ def grouped_gemm_variant(
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:  # tcgen05 (compile-verified only)
             if operand == "e4m3_block":
-                raise NotImplementedError(f"grouped GEMM on FP8 with 128-block scales on {arch}: Hopper's kernel only so far (SM100 has MXFP8)")
+                raise NotImplementedError(f"grouped GEMM on FP8 with fp32 128-block scales on {arch}: Hopper's kernel only (SM100 runs "
+                                          "power-of-two block scales as MXFP8 operands: operand 'e4m3', mok.ops.quantize_fp8_rows(scale_order='mma'))")
             from .sm100.grouped_gemm import compile_grouped_gemm_sm100
 
             return compile_grouped_gemm_sm100(n, k, arch, compile_options, operand=operand, tile_n=tile_n, stages=stages, **options)
