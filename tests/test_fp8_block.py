@@ -125,6 +125,10 @@ def test_quantize_ops_check_their_input_before_any_launch():
         ops.quantize_fp8_weights(torch.zeros(2, 72, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a positive multiple of 32 \(16-byte E4M3 rows in each half\), got \[8, 208\]"):
         ops.quantize_fp8_rows(torch.zeros(8, 208, dtype=torch.bfloat16), segments=2)
+    with pytest.raises(ValueError, match=r"scale_order='mma': E8M0 scales need power_of_two=True and K a multiple of 128"):
+        ops.quantize_fp8_rows(torch.zeros(8, 272, dtype=torch.bfloat16), power_of_two=True, scale_order="mma")
+    with pytest.raises(ValueError, match=r"segments: 1 with scale_order='mma'"):
+        ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16), power_of_two=True, segments=2, scale_order="mma")
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16))
 

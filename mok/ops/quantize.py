@@ -148,6 +148,8 @@ def quantize_fp8_rows(
     if segments not in (1, 2):
         raise ValueError(f"segments: expected 1 or 2, got {segments}")
     mma = _check_scale_order(scale_order, power_of_two, k)
+    if mma and segments != 1:
+        raise ValueError("segments: 1 with scale_order='mma' (whole 128 blocks: a row's halves block as the row does)")
     if k % (16 * segments) or k == 0:
         raise ValueError(f"x: expected [R, K] with K a positive multiple of {16 * segments} (16-byte E4M3 rows"
                          f"{' in each half' if segments == 2 else ''}), got {list(x.shape)}")
