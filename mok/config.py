@@ -169,6 +169,12 @@ class MoKConfig:
         return self.saved_h_format == "recompute"
 
     @property
+    def widths(self) -> dict:
+        """The layer's widths by name: hidden, intermediate and, with a shared expert, shared_intermediate
+        (a width the user did not give is not named)."""
+        return {"hidden": self.hidden, "intermediate": self.intermediate} | _shared_width(self)
+
+    @property
     def fp8_power_of_two(self) -> bool:
         """Whether precision="fp8_block" scales by powers of two (``fp8_scales``)."""
         return self.fp8_scales == "power_of_two"
@@ -206,7 +212,7 @@ def check_combination(config: "MoKConfig") -> None:
     if config.precision != "bf16":
         if config.one_launch:
             raise ValueError(f"precision={config.precision!r}: not with one_launch (not written yet)")
-        widths = {"hidden": config.hidden, "intermediate": config.intermediate} | _shared_width(config)
+        widths = config.widths
         step, why = width_rule(config)
         if any(v % step for v in widths.values()):
             raise ValueError(f"precision={config.precision!r}: expected widths that are multiples of {step} ({why}), got {widths}")

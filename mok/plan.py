@@ -52,8 +52,7 @@ def fp8_on_block_scaled_mma_refusal(config: MoKConfig, arch: str) -> str | None:
     power-of-two 128-block scales as E8M0 bytes through the MXFP8 kernels; None where it does)."""
     if arch not in MXFP8_GEMM_ARCHS:
         return f"precision='fp8_block': Hopper's FP8 WGMMAs or SM100's block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}), got {arch}"
-    widths = {"hidden": config.hidden, "intermediate": config.intermediate} | (
-        {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {})
+    widths = config.widths
     problems = [what for what, bad in (
         ("fp8_scales='power_of_two' (the MMAs' scales are E8M0: powers of two)", not config.fp8_power_of_two),
         (f"widths that are multiples of {TILE} (the MXFP8 kernels' whole tiles), got {widths}", any(v % TILE for v in widths.values())),
@@ -358,8 +357,7 @@ def plan_for(config: MoKConfig, arch: str) -> Plan:
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     arch = normalize_arch(arch)
-    shared = {"shared_intermediate": config.shared_intermediate} if config.has_shared_expert else {}
-    check_tiled_widths("config", {"hidden": config.hidden, "intermediate": config.intermediate, **shared}, width_rule(config))
+    check_tiled_widths("config", config.widths, width_rule(config))
     if config.precision == "mxfp8":
         require_mxfp8_gemms("precision='mxfp8'", arch)
     why = refusal(config, arch)

@@ -73,8 +73,9 @@ def _biases(config: MoKConfig, bg, bu, bd) -> tuple | None:
 def forward_outputs(config: MoKConfig, x: Tensor, topk_idx: Tensor, workspace: int, save: bool, stacked: bool) -> dict:
     """Every output of ``mok::moe_forward`` as (shape, dtype), by name in output order: out, h,
     shared_h, x_rows, routing, then the schedule's tensors (mok.schedule.Schedule.FIELDS). h and
-    shared_h are empty unless saved (and not with saved_h_format="recompute"; h is its up half with "recompute_gate"; shared_h also when the shared expert ran as expert E,
-    ``stacked``: h[:T] holds it; outputs may not alias), x_rows and routing unless at EP > 1."""
+    shared_h are empty unless saved (and not with saved_h_format="recompute"; h is its up half with
+    "recompute_gate"; shared_h also when the shared expert ran as expert E, ``stacked``: h[:T] holds
+    it; outputs may not alias), x_rows and routing unless at EP > 1."""
     num_tokens, topk = topk_idx.shape
     num_local, inter, hidden = config.experts_per_rank, config.intermediate, config.hidden
     if workspace:

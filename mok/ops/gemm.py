@@ -145,6 +145,21 @@ def _fp8_block_operands(a: Operand, b: Operand, b2: Operand | None, k_split: boo
     return dict(a=a_q, a_scale=a_s, b=b_q, b_scale=b_s, b2=b2_q, b2_scale=b2_s)
 
 
+def _operands(a: Operand, b: Operand, b2: Operand | None, b_major: str, k_split: bool, gathered: bool = False) -> tuple:
+    """A grouped GEMM's A, B (and B2), checked: (the record's pointer arguments, the operand format
+    "bf16" / "e4m3_block" / "e4m3", E, N, B's strides as the variant takes them). bf16 tensors, FP8
+    with block scales or MXFP8 (elements, scales) pairs (``gathered``: FP8 A is x's rows)."""
+    if isinstance(a, (tuple, list)):
+        if _fp8_block_scales(a):
+            pointers, operand = _fp8_block_operands(a, b, b2, k_split, gathered=gathered), "e4m3_block"
+        else:
+            pointers, operand = _mxfp8_operands(a, b, b2, k_split), "e4m3"
+        return (pointers, operand, *pointers["b"].shape[:2], {})
+    check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
+    num_experts, n, b_strides = _bf16_weights(a, b, b2, b_major, k_split)
+    return dict(a=a, b=b, b2=b if b2 is None else b2), "bf16", num_experts, n, b_strides
+
+
 def check_mxfp8_launchable(op: str, pointers: dict) -> None:
     """The MXFP8 operands of :func:`_mxfp8_operands` where they may launch (after the call's other
     checks): on a CUDA device, aligned, on an SM100 GPU."""
@@ -215,27 +230,14 @@ def grouped_gemm(
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     operand = "e4m3_block" if fp8_block else "e4m3" if isinstance(a, (tuple, list)) else "bf16"
     check_block_buffers(block_buffers, operand, epilogue)  # (before the operands' checks: the option's own error)
-    if fp8_block:
-        if b_major != "k" or persistent is False:
-            raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
-        pointers = _fp8_block_operands(a, b, b2, k_split, gathered=gather is not None)
-        a_values = pointers["a"]
-        num_experts, n = pointers["b"].shape[:2]
-        persistent, b_strides = True, {}
-    elif isinstance(a, (tuple, list)):
-        pointers = _mxfp8_operands(a, b, b2, k_split)
-        a_values = pointers["a"]
-        num_experts, n = pointers["b"].shape[:2]
-        if b_major != "k" or gather is not None:
-            raise ValueError("MXFP8 operands: K-major B (b_major='k'), no gather")
-        persistent = persistent_default(a_values.device) if persistent is None else persistent
-        b_strides = {}
-    else:
-        check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
-        a_values = a
-        persistent = persistent_default(a.device) if persistent is None else persistent
-        num_experts, n, b_strides = _bf16_weights(a, b, b2, b_major, k_split)
-        pointers = dict(a=a, b=b, b2=b if b2 is None else b2)
+    if fp8_block and (b_major != "k" or persistent is False):
+        raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
+    pointers, _, num_experts, n, b_strides = _operands(a, b, b2, b_major, k_split, gathered=gather is not None)
+    a_values = pointers["a"]
+    if operand == "e4m3" and (b_major != "k" or gather is not None):
+        raise ValueError("MXFP8 operands: K-major B (b_major='k'), no gather")
+    if persistent is None or fp8_block:  # (FP8 block scales: the persistent kernel only)
+        persistent = fp8_block or persistent_default(a_values.device)
     num_rows = a_values.shape[0]
     if gather is not None:
         check_tensor("gather", gather, dtypes=I32, ndim=1, device=a_values.device, contiguous=True)
@@ -312,20 +314,10 @@ def grouped_gemm_scatter(
     """
     if b2 is not None and not k_split:
         raise ValueError("b2: only with k_split (the scattering GEMM has the plain epilogue)")
-    if isinstance(a, (tuple, list)):
-        if b_major != "k":
-            raise ValueError("a: FP8 operands (block scales, or MXFP8) take K-major B (b_major='k')")
-        if _fp8_block_scales(a):
-            pointers, operand = _fp8_block_operands(a, b, b2, k_split), "e4m3_block"
-        else:
-            pointers, operand = _mxfp8_operands(a, b, b2, k_split), "e4m3"
-        a_values, b_strides = pointers["a"], {}
-        num_experts, n = pointers["b"].shape[:2]
-    else:
-        check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
-        a_values, operand = a, "bf16"
-        num_experts, n, b_strides = _bf16_weights(a, b, b2, b_major, k_split)
-        pointers = dict(a=a, b=b, b2=b if b2 is None else b2)
+    if isinstance(a, (tuple, list)) and b_major != "k":
+        raise ValueError("a: FP8 operands (block scales, or MXFP8) take K-major B (b_major='k')")
+    pointers, operand, num_experts, n, b_strides = _operands(a, b, b2, b_major, k_split)
+    a_values = pointers["a"]
     num_rows, dev = a_values.shape[0], a_values.device
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
     for name, t in (("row_token", row_token), ("row_slot", row_slot)):

@@ -185,31 +185,31 @@ def dequantized_columns(q: tuple) -> torch.Tensor:
     return transposed.T.contiguous()
 
 
-def mxfp8_gemm(plan: Plan, a_q, b_q, tiles, b2_q=None, *, used=None, h_out=None, k_split=False, **bias) -> torch.Tensor:
-    """ops.grouped_gemm on MXFP8 pairs, or with ``plan.emulate`` the same product from dequantized
-    operands by the bf16 grouped GEMM (A's rows past the device count ``used`` are not dequantized:
-    no tile reads them); ``bias``: the GEMM's bias options."""
-    if not plan.emulate:
-        return ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, h_out=h_out, activation=plan.activation, **bias)
-    b2 = None if b2_q is None else dequantized_weights(b2_q)
-    return ops.grouped_gemm(dequantized_rows(a_q, used), dequantized_weights(b_q), tiles, b2=b2, k_split=k_split, h_out=h_out,
-                            activation=plan.activation, **bias)
-
-
 def rows_in_use(sched: Schedule) -> torch.Tensor:
     """The rows the schedule uses (its last expert offset, tile-aligned), as a device count."""
     return sched.expert_offsets[-1:]
 
 
-def fp8_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segments: int = 1) -> tuple:
-    """``rows`` in FP8 with 1 x 128 block scales by the plan's scale rule (fp8_scales), its scales
-    in the order the plan's GEMMs take (plan.fp8_scale_order): the rows ``sched`` uses, or all of
-    them (x, whose rows a GEMM gathers); ``segments`` as ops.quantize_fp8_rows takes it (E8M0 scales
-    come in whole blocks, where the halves' blocks are the row's)."""
+def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segments: int = 1):
+    """``rows`` as a quantized precision's GEMMs take them: the rows ``sched`` uses, or all of them
+    (x, whose rows a GEMM gathers). fp8_block: FP8 with 1 x 128 block scales by the plan's scale
+    rule (fp8_scales), the scales in the order its GEMMs take (plan.fp8_scale_order), ``segments``
+    as ops.quantize_fp8_rows takes it; MXFP8: its elements and MMA-ordered scales, or with
+    ``plan.emulate`` their exact bf16 values for the bf16 GEMM. (E8M0 scales come in whole blocks,
+    where a row's halves block as the row does: ``segments`` is theirs to ignore.)"""
     used = None if sched is None else rows_in_use(sched)
-    order = plan.fp8_scale_order
-    return ops.quantize_fp8_rows(rows, power_of_two=plan.config.fp8_power_of_two, rows_used=used, segments=1 if order == "mma" else segments,
-                                 scale_order=order)
+    if plan.precision == "fp8_block":
+        order = plan.fp8_scale_order
+        return ops.quantize_fp8_rows(rows, power_of_two=plan.config.fp8_power_of_two, rows_used=used,
+                                     segments=1 if order == "mma" else segments, scale_order=order)
+    rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
+    return dequantized_rows(rows_q, used) if plan.emulate else rows_q
+
+
+def gemm_weight(plan: Plan, w_q: tuple):
+    """One of a quantized precision's weight copies as its GEMMs take it: itself, or with MXFP8's
+    emulation its exact bf16 values (the bf16 GEMM reads them K-major, as the copy is)."""
+    return dequantized_weights(w_q) if plan.emulate else w_q
 
 
 # ----- the expert GEMMs
@@ -225,13 +225,9 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
     if plan.precision == "bf16":
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias)
-    if plan.precision == "fp8_block":  # (gathering: each token quantized once, its rows gathered with their scales)
-        rows_q = fp8_rows(plan, rows, None if gather else sched)
-        return ops.grouped_gemm(rows_q, weights.gate, sched.tile_expert, b2=weights.up, h_out=h_out, gather=sched.row_token if gather else None,
-                                activation=plan.activation, **bias)
-    used = rows_in_use(sched)
-    rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
-    return mxfp8_gemm(plan, rows_q, weights.gate, sched.tile_expert, weights.up, used=used, h_out=h_out, **bias)
+    rows_q = quantized_rows(plan, rows, None if gather else sched)  # (gathering, FP8 only: each token quantized once)
+    return ops.grouped_gemm(rows_q, gemm_weight(plan, weights.gate), sched.tile_expert, b2=gemm_weight(plan, weights.up), h_out=h_out,
+                            gather=sched.row_token if gather else None, activation=plan.activation, **bias)
 
 
 def backward_weights(plan: Plan, weights: tuple, stacked: tuple | None):
@@ -293,13 +289,9 @@ def down_operands(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> tupl
     scattering GEMM), ``weights`` as :func:`routed_weights` gives them: a and w_down (bf16); a's
     rows in use quantized and w_down's FP8 copy (fp8_block, MXFP8); with MXFP8's emulation the
     same operands dequantized for the bf16 GEMM."""
-    if plan.precision == "fp8_block":
-        return fp8_rows(plan, a, sched), weights.down
-    if plan.precision == "mxfp8":
-        used = rows_in_use(sched)
-        a_q = ops.quantize_mxfp8(a, rows_used=used, scale_order="mma")
-        return (dequantized_rows(a_q, used), dequantized_weights(weights.down)) if plan.emulate else (a_q, weights.down)
-    return a, weights[2]
+    if plan.precision == "bf16":
+        return a, weights[2]
+    return quantized_rows(plan, a, sched), gemm_weight(plan, weights.down)
 
 
 def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor,
@@ -321,15 +313,10 @@ def swiglu_backward_operands(plan: Plan, dout_rows: torch.Tensor, sched: Schedul
     read N-major); the rows in use quantized with w_down's transposed FP8 copy (fp8_block, MXFP8);
     with MXFP8's emulation the same operands dequantized, w_down [E, H, I] read N-major as the
     bf16 GEMM does."""
-    if plan.precision == "fp8_block":
-        return fp8_rows(plan, dout_rows, sched), weights_t.down
-    if plan.precision == "mxfp8":
-        used = rows_in_use(sched)
-        dout_q = ops.quantize_mxfp8(dout_rows, rows_used=used, scale_order="mma")
-        if plan.emulate:
-            return dequantized_rows(dout_q, used), dequantized_weights(weights_t.down).transpose(1, 2).contiguous()
-        return dout_q, weights_t.down
-    return dout_rows, weights_t[2]
+    if plan.precision == "bf16":
+        return dout_rows, weights_t[2]
+    w_down = gemm_weight(plan, weights_t.down)
+    return quantized_rows(plan, dout_rows, sched), w_down.transpose(1, 2).contiguous() if plan.emulate else w_down
 
 
 def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:
@@ -345,15 +332,9 @@ def dx_operands(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> tup
     FP8 copies (fp8_block: each half of dh blocked on its own, the GEMM's two K ranges; MXFP8);
     with MXFP8's emulation the same operands dequantized for the bf16 GEMM; K split into dh's two
     halves every way."""
-    if plan.precision == "fp8_block":
-        return fp8_rows(plan, dh, sched, segments=2), weights_t.gate, dict(b2=weights_t.up, k_split=True)
-    if plan.precision == "mxfp8":
-        used = rows_in_use(sched)
-        dh_q = ops.quantize_mxfp8(dh, rows_used=used, scale_order="mma")
-        if plan.emulate:
-            return dequantized_rows(dh_q, used), dequantized_weights(weights_t.gate), dict(b2=dequantized_weights(weights_t.up), k_split=True)
-        return dh_q, weights_t.gate, dict(b2=weights_t.up, k_split=True)
-    return dh, weights_t[0], dict(b2=weights_t[1], b_major="n", k_split=True)
+    if plan.precision == "bf16":
+        return dh, weights_t[0], dict(b2=weights_t[1], b_major="n", k_split=True)
+    return quantized_rows(plan, dh, sched, segments=2), gemm_weight(plan, weights_t.gate), dict(b2=gemm_weight(plan, weights_t.up), k_split=True)
 
 
 def expert_bias_grads(dout_rows: torch.Tensor, dh: torch.Tensor, sched: Schedule, topk_w: torch.Tensor, biases: tuple) -> tuple:
