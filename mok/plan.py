@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from .config import MoKConfig, width_rule
 from .kernels import KernelVariant
 from .kernels.variants import (
+    SWIGLU_BACKWARD_TILE_N,
     column_sums_variant, combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
     fp8_weights_quantizer, quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong,
     weight_grad_variant,
@@ -25,7 +26,6 @@ from .kernels.variants import (
 from .runtime.arch import FP8_BLOCK_GEMM_ARCHS, MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
 TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
-FP8_GATHER_MAX_HIDDEN = 3072  # FP8 rows gathered by the gate/up GEMM's producer up to this H; wider, gathered first (fp8-block-hopper.md)
 
 
 def check_tiled_widths(name: str, widths: dict, rule: tuple[int, str] = (TILE, "the fused kernels' tile")) -> None:
@@ -108,12 +108,19 @@ class Plan:
 
     @property
     def gather_in_gemm(self) -> bool:
-        """Whether the gate/up GEMM's producer gathers its rows from x (bf16; FP8 block scales on
-        Hopper up to H = FP8_GATHER_MAX_HIDDEN, past which the producer's copies hold the FP8 WGMMAs
-        back more than gathering the rows first costs; one GPU); else they are gathered first (or
-        pulled from the peers). The same bits either way (each row quantized on its own)."""
-        fp8_gathers = self.precision == "fp8_block" and not self.fp8_on_block_scaled_mma and self.config.hidden <= FP8_GATHER_MAX_HIDDEN
-        return (self.precision == "bf16" or fp8_gathers) and self.persistent and not self.ep
+        """Whether the gate/up GEMM's producer gathers its rows from x (bf16 at one GPU); else they
+        are gathered first (fp8_block: as they are quantized, :attr:`quantizes_gathered_rows`) or
+        pulled from the peers. (The FP8 kernel's producer can gather E4M3 rows too, the same bits;
+        it was slower than quantizing the gathered rows at every shape measured:
+        docs/notes/fp8-block-hopper.md.)"""
+        return self.precision == "bf16" and self.persistent and not self.ep
+
+    @property
+    def quantizes_gathered_rows(self) -> bool:
+        """Whether the gate/up GEMM's FP8 rows are gathered as they are quantized (fp8_block at one
+        GPU): one pass from x's bf16 rows to the gathered E4M3 rows and their scales, no bf16 copy
+        of the gathered rows."""
+        return self.precision == "fp8_block" and not self.ep
 
     @property
     def fp8_on_block_scaled_mma(self) -> bool:
@@ -164,11 +171,11 @@ class Plan:
                 v.append(gather_variant(h))  # (the backward's rows, from the tokens the launch copied)
         else:
             v.append(schedule_variant(c.experts_per_rank, k, TILE))
-            if not self.gather_in_gemm and not self.ep:
+            if not self.gather_in_gemm and not self.ep and not self.quantizes_gathered_rows:
                 v.append(gather_variant(h))
             for save_h in (False, True):
                 v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm, activation=act,
-                                         **self._bias)
+                                         rows_gathered=self.quantizes_gathered_rows, **self._bias)
             if self.ep:
                 v += self._gemm_variants(h, i, scatter=True, topk=k, **self._bias)
             else:
@@ -188,8 +195,7 @@ class Plan:
         h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
         v = [gather_variant(h), gather_variant(h, sources=2)] if not self.ep else []
         v += self._swiglu_backward_variants(i, h, topk=k)
-        operand = "e4m3_block" if self.precision == "fp8_block" and not self.fp8_on_block_scaled_mma else "bf16"  # (SM100: 128-wide tiles)
-        parts = -(-i // default_tile_n(i, h, True, operand)) + int(c.expert_bias)  # the router-gradient pieces per row (the down bias's last)
+        parts = -(-i // SWIGLU_BACKWARD_TILE_N) + int(c.expert_bias)  # the router-gradient pieces per row (the down bias's last)
         if self.ep:
             v += self._gemm_variants(h, 2 * i, scatter=True, topk=k, b_major="n", k_split=True)
             v.append(router_grad_variant(k, parts))
@@ -200,14 +206,15 @@ class Plan:
         if c.expert_bias:  # their gradients (column sums of dh and of the weighted dout rows) and the down bias's piece
             v += [column_sums_variant(2 * i), column_sums_variant(h, weighted=True, topk=k), row_dots_variant(h, parts)]
         if c.recomputes_h:  # the gate/up GEMM again, as the forward's stages run it (also after a one-launch forward)
-            v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm, activation=c.activation, **self._bias)
+            v += self._gemm_variants(i, h, epilogue="swiglu_save", gather_a=self.gather_in_gemm, activation=c.activation,
+                                     rows_gathered=self.quantizes_gathered_rows, **self._bias)
         if c.recomputes_gate:
             v.append(self._gate_variant())
         v += self._weight_grad_variants(h, i, mxfp8=self.precision == "mxfp8")
         if shared:
             s = c.shared_intermediate
             v.append(grouped_gemm_variant(s, h, epilogue="swiglu_bwd", b_major="n", unit_scale=True, persistent=persistent,
-                                          pingpong=swiglu_backward_pingpong(persistent, default_tile_n(s, h, True)), activation=c.activation))
+                                          pingpong=swiglu_backward_pingpong(persistent, SWIGLU_BACKWARD_TILE_N), activation=c.activation))
             v.append(grouped_gemm_variant(h, 2 * s, b_major="n", k_split=True, persistent=persistent))
             v += self._weight_grad_variants(h, s, mxfp8=False)
         return v
@@ -259,11 +266,11 @@ class Plan:
             v += [ep_variant("publish_mxfp8", w, **rows), ep_variant("dispatch_mxfp8", w, **rows)]
         return v
 
-    def _gemm_variants(self, n: int, k: int, **options) -> list[KernelVariant]:
+    def _gemm_variants(self, n: int, k: int, rows_gathered: bool = False, **options) -> list[KernelVariant]:
         """A routed-expert GEMM in this plan's precision: bf16; MXFP8 (its rows quantized, the weights
         quantized once per call); emulated (the same operands dequantized into the bf16 GEMM); FP8
-        with block scales (its rows quantized, the weights once per version, transposed for the
-        backward's: K-major either way)."""
+        with block scales (its rows quantized, gathered from x as they are with ``rows_gathered``,
+        the weights once per version, transposed for the backward's: K-major either way)."""
         if self.precision == "bf16":
             return [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
         if self.precision == "fp8_block":  # (gathering: x quantized whole; else the rows in use, with k_split a half at a time)
@@ -272,10 +279,11 @@ class Plan:
             pow2, mma = self.config.fp8_power_of_two, self.fp8_on_block_scaled_mma
             if mma:  # (SM100: the MXFP8 kernels; the rows gathered first; whole blocks, so dh's halves block as one)
                 options.pop("gather_a", None)
-                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=True, mma_scales=True)
+                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=True, mma_scales=True, gathered=rows_gathered)
                 gemm = grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)
             else:
-                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=not options.get("gather_a"), segments=halves)
+                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=not options.get("gather_a"), segments=halves,
+                                                  gathered=rows_gathered)
                 gemm = grouped_gemm_variant(n, k, operand="e4m3_block", **options)
             return [rows, fp8_weights_quantizer(n, k // halves, pow2, mma_scales=mma), gemm]
         options.pop("gather_a", None)

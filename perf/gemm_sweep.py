@@ -8,6 +8,9 @@
     python perf/gemm_sweep.py --fp8-block      # FP8 with 128-block scales (DeepSeek-V3's recipe) against bf16, same run
                                                # (plain shapes: also with two sets of block accumulators, "x2");
                                                # then fc1 gathering FP8 rows against gathering bf16 rows first
+                                               # and the SwiGLU-backward GEMM on FP8 (64- and 128-wide tiles)
+    python perf/gemm_sweep.py --gathered-fp8-fc1  # the gathered fc1 part only
+    python perf/gemm_sweep.py --fp8-swiglu-bwd    # the SwiGLU-backward part only
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -175,15 +178,41 @@ def fp8_block() -> None:
             print(f"{name:<11}fp8 vs float64 of its operands: relative difference {float((got - want).norm() / want.norm()):.2e}")
 
 
+def fp8_swiglu_backward() -> None:
+    """The SwiGLU-backward GEMM (dA = dout·W_downᵀ per expert, the SwiGLU backward and the router
+    pieces in its epilogue) on FP8 operands with 128-block scales, 64- and 128-wide column tiles,
+    against MoK's bf16 kernel (ping-pong) on the same values; E experts x 1024 rows."""
+    from mok import fp8_block as fp8
+
+    for name, (E, per, I, H, k) in {"dsv3 swiglu bwd": (32, 1024, 2048, 7168, 8), "qwen3 swiglu bwd": (64, 1024, 768, 2048, 8)}.items():
+        R = E * per
+        dout = torch.randn(R, H, device="cuda").bfloat16()
+        w_down = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
+        h = torch.randn(R, 2 * I, device="cuda").bfloat16()
+        tiles = torch.arange(R // 128, device="cuda", dtype=torch.int32) // (per // 128)
+        router = dict(row_token=torch.arange(R, device="cuda", dtype=torch.int32) // k,
+                      row_slot=torch.arange(R, device="cuda", dtype=torch.int32) % k, topk_w=torch.rand(R // k, k, device="cuda"))
+        dout_q, w_q = fp8.quantize_rows(dout), fp8.quantize_weights(w_down.transpose(1, 2).contiguous())
+        runs = {"mok bf16": lambda: ops.swiglu_backward_gemm(dout, w_down, tiles, h, **router)}
+        for tile_n in (64, 128):
+            runs[f"mok fp8 block n{tile_n}"] = lambda tile_n=tile_n: ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, tile_n=tile_n, **router)
+        ms = time_ms_interleaved(runs, batch=10, repeats=5)
+        for kname, t in ms.items():
+            print(f"{name:<17}{kname:<22}{t:>8.3f}{2 * R * H * I / t / 1e9:>9.0f}{ms['mok bf16'] / t:>8.2f}x")
+
+
 def gathered_fp8_fc1() -> None:
     """fc1 on FP8 operands as the one-GPU layer runs it (x quantized once per token, its E4M3 rows
     and scales gathered by the GEMM's producer) against gathering the bf16 rows first, quantizing
-    the rows in use and loading them by TMA (the EP path's form), and bf16's gathering fc1, on a
-    real schedule: whether the gather in the producer holds FP8's 64-wide SwiGLU tiles back
-    (docs/notes/fp8-block-hopper.md)."""
+    the rows in use and loading them by TMA (the EP path's form), against gathering the rows as
+    they are quantized (one pass; the one-GPU layer's form: plan.quantizes_gathered_rows), and
+    bf16's gathering fc1, on a real schedule: whether the gather in the producer holds FP8's
+    64-wide SwiGLU tiles back (docs/notes/fp8-block-hopper.md)."""
     from mok.pipeline.fp8_weights import fp8_block_weights
 
-    for name, (T, H, I, E, k) in {"dsv3 fc1": (4096, 7168, 2048, 32, 8), "qwen3 fc1": (8192, 2048, 768, 64, 8)}.items():
+    shapes = {"dsv3 fc1": (4096, 7168, 2048, 32, 8), "qwen3-235b fc1": (4096, 4096, 1536, 128, 8), "gpt-oss fc1": (4096, 2880, 2880, 32, 4),
+              "qwen3 fc1": (8192, 2048, 768, 64, 8), "qwen3-30b fc1": (4096, 2048, 768, 128, 8)}
+    for name, (T, H, I, E, k) in shapes.items():
         x = torch.randn(T, H, device="cuda").bfloat16()
         sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
         wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
@@ -198,18 +227,24 @@ def gathered_fp8_fc1() -> None:
             "fp8 gather, quantize, fc1": lambda: ops.grouped_gemm(
                 ops.quantize_fp8_rows(ops.gather_rows(x, sched.row_token, out=x_rows), rows_used=used), q.gate, sched.tile_expert,
                 b2=q.up, out=out),
+            "fp8 quantize gathering, fc1": lambda: ops.grouped_gemm(
+                ops.quantize_fp8_rows(x, rows_used=used, row_source=sched.row_token), q.gate, sched.tile_expert, b2=q.up, out=out),
         }
         ms = time_ms_interleaved(runs, batch=10, repeats=5)
         for kname, t in ms.items():
-            print(f"{name:<11}{kname:<28}{t:>8.3f}")
+            print(f"{name:<15}{kname:<28}{t:>8.3f}")
 
 
 if __name__ == "__main__":
     import sys
 
-    if "--fp8-block" in sys.argv:
-        fp8_block()
-        gathered_fp8_fc1()
+    if "--fp8-block" in sys.argv or "--gathered-fp8-fc1" in sys.argv or "--fp8-swiglu-bwd" in sys.argv:
+        if "--fp8-block" in sys.argv:
+            fp8_block()
+        if "--fp8-swiglu-bwd" not in sys.argv:
+            gathered_fp8_fc1()
+        if "--gathered-fp8-fc1" not in sys.argv:
+            fp8_swiglu_backward()
     elif "--counted-wgrad" in sys.argv:
         counted_weight_grads()
     elif "--weight-grads" in sys.argv:

@@ -183,8 +183,9 @@ def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
 def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     """precision="fp8_block" on Hopper: every expert GEMM but the weight gradients' on E4M3 with block
     scales (rows quantized once gathered or produced, the weights' 128 x 128 quantizer for them and
-    their transposes), the weight gradients bf16, the router pieces of the 64-wide SwiGLU-backward
-    tiles, h recomputed on the forward's FP8 GEMM; refused on SM100; widths multiples of 128; at EP
+    their transposes; x's rows gathered as they are quantized), the weight gradients bf16, the
+    router pieces of the 128-wide SwiGLU-backward tiles (with the register hand-over: 64-wide ones
+    measured slower), h recomputed on the forward's FP8 GEMM; refused on SM100; widths multiples of 128; at EP
     the pushing down and dx GEMMs on FP8 too, the pulled rows quantized once they arrive."""
     from mok.config import MoKConfig
     from mok.plan import Plan, plan_for, refusal
@@ -196,15 +197,15 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
         ("plain", 2048, 768, False), ("plain", 2048, 1536, True), ("swiglu", 768, 2048, False), ("swiglu_bwd", 768, 2048, False),
         ("swiglu_save", 768, 2048, False)]
     assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
-    quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False), v.config.get("segments", 1))
-                        for v in variants if v.name == "quantize_fp8_block")  # (x whole: its rows gathered in the GEMM; the others the rows in use)
-    assert quantizers == [(768, 1, True, 1), (768, 128, False, 1), (1536, 1, True, 2), (2048, 1, False, 1), (2048, 1, True, 1),
-                          (2048, 128, False, 1)]  # (dh [R, 2I] a half at a time: the dx GEMM's two K ranges)
-    assert all(v.config.get("gather_a") for v in variants if v.name == "grouped_gemm" and v.config["epilogue"] in ("swiglu", "swiglu_save"))
-    assert not any(v.name == "gather" for v in Plan(config, "sm_90a")._forward_variants())  # (the gate/up GEMM gathers)
-    wide = Plan(MoKConfig(7168, 2048, 32, 8, precision="fp8_block"), "sm_90a")  # (H past 3072: the rows gathered first, measured faster)
-    assert not wide.gather_in_gemm and any(v.name == "gather" for v in wide._forward_variants())
-    assert [v.config["router_parts"] for v in variants if v.name == "combine" and "router_parts" in v.config] == [768 // 64]
+    quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False), v.config.get("segments", 1),
+                         v.config.get("gathered", False)) for v in variants if v.name == "quantize_fp8_block")  # (the rows in use)
+    assert quantizers == [(768, 1, True, 1, False), (768, 128, False, 1, False), (1536, 1, True, 2, False), (2048, 1, True, 1, False),
+                          (2048, 1, True, 1, True), (2048, 128, False, 1, False)]  # (dh a half at a time: the dx GEMM's two K ranges)
+    plan = Plan(config, "sm_90a")  # (x's rows gathered as they are quantized: no bf16 gather, the GEMM's producer gathers nothing)
+    assert plan.quantizes_gathered_rows and not plan.gather_in_gemm and not any(v.config.get("gather_a") for v in variants)
+    assert not any(v.name == "gather" for v in plan._forward_variants())
+    assert [v.config["router_parts"] for v in variants if v.name == "combine" and "router_parts" in v.config] == [768 // 128]
+    assert [v.config["tile_n"] for v in variants if v.name == "grouped_gemm" and v.config["epilogue"] == "swiglu_bwd"] == [128]
     assert "needs fp8_scales='power_of_two' (the MMAs' scales are E8M0" in refusal(config, "sm_100a")
     assert plan_for(config, "sm_90a").variants() == variants
     ep = Plan(MoKConfig(2048, 768, 64, 8, precision="fp8_block", ep_size=2, expert_bias=True), "sm_90a").variants()

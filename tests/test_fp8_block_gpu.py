@@ -318,9 +318,12 @@ def test_fp8_weights_are_quantized_once_per_version():
     assert torch.equal(pipeline.forward(plan, x, idx, w, experts, None).out, first * 2)
 
 
-def test_swiglu_backward_on_fp8_matches_float64_of_its_operands():
+@pytest.mark.parametrize("tile_n", [64, 128])
+def test_swiglu_backward_on_fp8_matches_float64_of_its_operands(tile_n):
     """ops.swiglu_backward_gemm on FP8 rows of dout and w_down's transpose (block scales): dh, s·a and
-    the router pieces against float64 of the dequantized operands and the same saved h."""
+    the router pieces against float64 of the dequantized operands and the same saved h, in 64- and
+    128-wide column tiles (the latter with the register hand-over: each value the same sums in the
+    same order, so dh's and s·a's bits are the 64-wide tile's)."""
     from mok.reference_backward import gated_activation_partials
 
     R, H, I, E, k = 640, 1024, 256, 4, 2
@@ -333,7 +336,8 @@ def test_swiglu_backward_on_fp8_matches_float64_of_its_operands():
     row_token = torch.arange(R, device="cuda", dtype=torch.int32) // k
     row_slot = torch.arange(R, device="cuda", dtype=torch.int32) % k
     topk_w = torch.rand(R // k, k, device="cuda", generator=g)
-    dh, a_scaled, pieces = ops.swiglu_backward_gemm(dout_q, w_t, tiles, h, row_token=row_token, row_slot=row_slot, topk_w=topk_w)
+    router = dict(row_token=row_token, row_slot=row_slot, topk_w=topk_w)
+    dh, a_scaled, pieces = ops.swiglu_backward_gemm(dout_q, w_t, tiles, h, tile_n=tile_n, **router)
     d_a = fp8.block_scaled_gemm_reference(dout_q, w_t, experts)
     s = topk_w.double().flatten()[:, None]
     h_g, h_u = h.double()[:, :I], h.double()[:, I:]
@@ -341,7 +345,10 @@ def test_swiglu_backward_on_fp8_matches_float64_of_its_operands():
     a = torch.nn.functional.silu(h_g) * h_u
     assert rel_err(dh, torch.cat([s * d_a * da_dg, s * d_a * da_du], 1)) < 1e-2
     assert rel_err(a_scaled, s * a) < 1e-2
-    assert rel_err(pieces.sum(1), (d_a * a).sum(1)) < 1e-2 and pieces.shape == (R, I // 64)
+    assert rel_err(pieces.sum(1), (d_a * a).sum(1)) < 1e-2 and pieces.shape == (R, I // tile_n)
+    if tile_n == 128:
+        dh_64, a_scaled_64, _ = ops.swiglu_backward_gemm(dout_q, w_t, tiles, h, tile_n=64, **router)
+        assert torch.equal(dh, dh_64) and torch.equal(a_scaled, a_scaled_64)
 
 
 def test_gathered_fp8_rows_with_their_scales_match_the_rows_gathered_first():
@@ -361,3 +368,34 @@ def test_gathered_fp8_rows_with_their_scales_match_the_rows_gathered_first():
     assert torch.equal(h_gathered[used], h_first[used]) and torch.equal(a_gathered[used], a_first[used])
     padding = used & (sched.row_token.long() < 0)
     assert padding.any() and (h_gathered[padding] == 0).all()
+
+
+@pytest.mark.parametrize("H,power_of_two,order", [(2048, False, "rows"), (2880, True, "rows"), (1024, True, "mma")])
+def test_quantizing_gathered_rows_gives_the_bits_of_gathering_first(H, power_of_two, order):
+    """ops.quantize_fp8_rows(x, row_source=...) (the one-GPU layer's gate/up rows: gathered as they
+    are quantized) against the CPU rule on the rows
+    gathered with torch (zeros for padding rows), and against quantizing ops.gather_rows' rows: the
+    same bytes and scales over the rows in use; padding rows zeros with scale 1."""
+    T, E, k = 777, 8, 4
+    g = torch.Generator(device="cuda").manual_seed(H)
+    x = (torch.randn(T, H, device="cuda", generator=g) * torch.logspace(-3, 3, T, device="cuda")[:, None]).bfloat16()
+    idx = torch.randint(0, E, (T, k), device="cuda", generator=g, dtype=torch.int32)
+    sched = ops.device_schedule(idx, E, block_m=128)
+    used_count = sched.expert_offsets[-1:]
+    options = dict(power_of_two=power_of_two, rows_used=used_count, scale_order=order)
+    q, s = ops.quantize_fp8_rows(x, row_source=sched.row_token, **options)
+    first_q, first_s = ops.quantize_fp8_rows(ops.gather_rows(x, sched.row_token), **options)
+    used = int(used_count)
+    source = sched.row_token[:used].long().cpu()
+    assert bool((source < 0).any()) and bool((source >= 0).any())
+    assert torch.equal(q[:used].view(torch.uint8), first_q[:used].view(torch.uint8))
+    if order == "mma":
+        assert torch.equal(s[: used // 128], first_s[: used // 128])
+        return
+    assert torch.equal(s[:, :used], first_s[:, :used])
+    rows = torch.where(source[:, None] >= 0, x.cpu()[source.clamp(min=0)], torch.zeros((), dtype=x.dtype))
+    want_q, want_s = fp8.quantize_rows(rows, power_of_two=power_of_two)
+    assert torch.equal(q[:used].cpu().view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s[:, :used].cpu(), want_s)
+    padding = source < 0
+    assert (q[:used].cpu()[padding].float() == 0).all() and (s[:, :used].cpu()[:, padding] == 1).all()
+

@@ -376,8 +376,9 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
     the WGMMAs read them); each stage's WGMMAs waited for in full (wait_group 0) before their product is
     promoted with fused multiply-adds (one per accumulator value), the stage's first WGMMA of each
     product overwriting its block accumulator (scale-d 0: no zeroing per stage); nothing spilled or
-    in local memory; the MMA warpgroups' register raise fits the launch count; and the kernel is
-    refused on SM100 (which has MXFP8)."""
+    in local memory; the registers handed over only by the SwiGLU backward (one product 128 wide,
+    24 / 240: its block accumulators beside the epilogue), within the launch count; and the kernel
+    is refused on SM100 (which has MXFP8)."""
     variant = grouped_gemm_variant(n, k, operand="e4m3_block", **options)
     ptx = compiled_ptx(variant, "sm_90a")
     products = 2 if options.get("epilogue") in ("swiglu", "swiglu_save") else 1
@@ -396,7 +397,9 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
     else:
         assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3
     assert ptxas_spill_bytes(ptx) in (None, 0)
-    assert_register_handover_fits(ptx)  # (a 64-wide SwiGLU tile launches with fewer registers than 168)
+    handover = re.findall(r"setmaxnreg\.(?:dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx)
+    assert handover == (["24", "240"] if options.get("epilogue") == "swiglu_bwd" else []) and tile_n == (64 if products == 2 else 128)
+    assert_register_handover_fits(ptx)  # (a 64-wide SwiGLU tile launches with fewer registers than 168: no hand-over there)
     with pytest.raises(NotImplementedError, match="Hopper's kernel only \\(SM100 runs power-of-two block scales as MXFP8 operands"):
         compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
 
@@ -421,14 +424,19 @@ def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("block_rows,power_of_two", [(1, False), (128, False), (1, True)])
-def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturating_cvt(arch, block_rows, power_of_two):
+@pytest.mark.parametrize("block_rows,power_of_two,gathered", [(1, False, False), (128, False, False), (1, True, False), (1, False, True)])
+def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturating_cvt(arch, block_rows, power_of_two, gathered):
     """The 128-block quantizer (mok.fp8_block's rule): a lane's four values as one 8-byte load, the
     saturating round-to-nearest E4M3 pair conversion, 4-byte element stores, IEEE divisions for the
-    scale and factor (div.rn), a butterfly max over the lanes; nothing in local memory."""
+    scale and factor (div.rn), a butterfly max over the lanes; nothing in local memory. Gathering:
+    each lane reads one of the warp's row indices up front (one more 4-byte load), and each row
+    takes its source from a lane by shuffle."""
     from mok.kernels.variants import quantize_fp8_block_variant
 
-    ptx = compiled_ptx(quantize_fp8_block_variant(2048, block_rows, power_of_two), arch)
+    ptx = compiled_ptx(quantize_fp8_block_variant(2048, block_rows, power_of_two, bounded=gathered, gathered=gathered), arch)
+    plain = compiled_ptx(quantize_fp8_block_variant(2048, block_rows, power_of_two, bounded=gathered), arch)
+    assert count(r"ld\.global\.b32", ptx) == count(r"ld\.global\.b32", plain) + int(gathered)
+    assert count(r"shfl\.sync\.idx", ptx) == count(r"shfl\.sync\.idx", plain) + 2 * gathered  # (the loop unrolled by 2: one a row)
     assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) >= 2 and count(r"ld\.global\.v4\.b16", ptx) >= 1
     assert count(r"st\.global\.b32", ptx) >= 1 and count(r"div\.rn\.f32", ptx) >= 1 and count(r"shfl\.sync\.bfly", ptx) >= 5
     assert count(r"\.local", ptx) == 0 and count(r"\b(atom|red)\.", ptx) == 0

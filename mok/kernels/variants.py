@@ -75,21 +75,24 @@ def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order:
 
 
 def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, *,
-                               segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False) -> KernelVariant:
+                               segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False,
+                               gathered: bool = False) -> KernelVariant:
     """bf16 -> E4M3 with fp32 scales per 128 values (mok.fp8_block's rule, DeepSeek-V3's recipe):
     ``block_rows`` 1 for rows (1 x 128 blocks, the scales transposed), 128 for weights (128 x 128).
     ``bounded``: only the rows a device count says are in use. ``width`` a multiple of 16 (a
     partial last block); ``segments`` 2: each half of a row blocked on its own (dh for the dx
     GEMM's K halves); ``matrix_rows``: weights whose N (given) is no multiple of 128, each expert's
     rows tiled on their own; ``mma_scales`` (power_of_two): the scales as E8M0 bytes in the order
-    SM100's block-scaled MMAs read (mok/kernels/common/fp8_block_quantize.py)."""
+    SM100's block-scaled MMAs read; ``gathered`` (rows): output row r quantizes source row
+    row_source[r], zeros where negative (mok/kernels/common/fp8_block_quantize.py)."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.fp8_block_quantize import compile_fp8_block_quantize
 
-        return compile_fp8_block_quantize(width, block_rows, power_of_two, bounded, arch, options, segments, matrix_rows, mma_scales)
+        return compile_fp8_block_quantize(width, block_rows, power_of_two, bounded, arch, options, segments, matrix_rows, mma_scales,
+                                          gathered)
 
-    flags = {"power_of_two": power_of_two, "bounded": bounded, "mma_scales": mma_scales}
+    flags = {"power_of_two": power_of_two, "bounded": bounded, "mma_scales": mma_scales, "gathered": gathered}
     config = {"width": width, "block_rows": block_rows, **{name: True for name, on in flags.items() if on}}
     if segments != 1:
         config["segments"] = segments
@@ -135,13 +138,19 @@ def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: i
     return KernelVariant(f"ep_{kind}", {"world": world, "phase": phase, "width": width, "topk": topk}, build)
 
 
+SWIGLU_BACKWARD_TILE_N = 128  # the SwiGLU-backward GEMM's column tile, every operand (one product; FP8: see below)
+
+
 def default_tile_n(n: int, k: int, swiglu: bool, operand: str = "bf16") -> int:
     """Column tile of the grouped GEMM, from static shapes only (batch invariance).
 
     SwiGLU holds two accumulators, so 128 wide; a plain GEMM takes 256 where N allows
     (docs/notes/tile-shapes-and-padding.md: 256 won at qwen3's down projection, the two were within noise
     of each other at dsv3's). FP8 with block scales ("e4m3_block") holds each K block's product
-    beside the running sum, twice the accumulators: 128 wide, 64 for SwiGLU."""
+    beside the running sum, twice the accumulators: 128 wide, 64 for SwiGLU's two products. (The
+    SwiGLU backward, one product, takes SWIGLU_BACKWARD_TILE_N on every operand: on FP8 its block
+    accumulators beside the epilogue fit with the register hand-over, and the 64-wide tile ran it
+    1.2-1.3x slower: docs/notes/fp8-block-hopper.md.)"""
     if operand == "e4m3_block":
         return 64 if swiglu else 128
     return 256 if not swiglu and n % 256 == 0 else 128
@@ -236,7 +245,8 @@ def grouped_gemm_variant(
     check_activation(activation)
     if (b_expert_stride is not None or b_row_stride is not None) and operand != "bf16":
         raise ValueError("b_expert_stride, b_row_stride: bf16 weights only (quantized weights are packed tensors)")
-    tile_n = default_tile_n(n, k, epilogue in ("swiglu", "swiglu_save", "swiglu_bwd"), operand) if tile_n is None else tile_n
+    if tile_n is None:
+        tile_n = SWIGLU_BACKWARD_TILE_N if epilogue == "swiglu_bwd" else default_tile_n(n, k, epilogue != "plain", operand)
     topk = topk if (epilogue == "swiglu_bwd" and not unit_scale) or scatter else 1
     options = dict(epilogue=epilogue, b_major=b_major, k_split=k_split, topk=topk, unit_scale=unit_scale, persistent=persistent)
     for flag, on in (("gather_a", gather_a), ("scatter", scatter), ("pingpong", pingpong), ("bias", bias)):

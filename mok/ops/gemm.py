@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import grouped_gemm_args
-from ..kernels.variants import check_block_buffers, default_tile_n, grouped_gemm_variant, swiglu_backward_pingpong
+from ..kernels.variants import SWIGLU_BACKWARD_TILE_N, check_block_buffers, grouped_gemm_variant, swiglu_backward_pingpong
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
 from ..validation import check_tensor, weight_strides
@@ -371,6 +371,7 @@ def swiglu_backward_gemm(
     pingpong: bool | None = None,
     activation: str = "swiglu",
     bias_piece: bool = False,
+    tile_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
@@ -386,12 +387,14 @@ def swiglu_backward_gemm(
     one's epilogue under the other's WGMMAs (the same bits; docs/notes/pingpong-backward-gemms.md).
     ``bias_piece`` (the experts have biases; routed experts): partial gets one more column,
     the last, left unwritten for the down bias's piece (:func:`mok.ops.bias_router_pieces`).
+    ``tile_n`` (FP8 block scales: 64 or 128) overrides the column tile (SWIGLU_BACKWARD_TILE_N),
+    and with it partial's columns.
 
     MXFP8 operands (SM100 only, 128-wide tiles, no ping-pong): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
     this product, in MXFP8 along H: (elements [E, I, H], scales [E, I / 128, H / 128, 512])
     (e.g. mok.pipeline.stages.quantize_weights(w_down.transpose(1, 2).contiguous())). FP8 with block
-    scales (Hopper, persistent, no ping-pong, 64-wide tiles): dout_rows = (elements [R, H], scales
+    scales (Hopper, persistent, no ping-pong): dout_rows = (elements [R, H], scales
     float32 [H / 128, R]) and w_down transposed likewise: (elements [E, I, H], scales [E, I / 128,
     H / 128]) (mok.fp8_block's layouts).
     """
@@ -404,7 +407,11 @@ def swiglu_backward_gemm(
         (num_rows, hidden), (num_experts, inter) = pointers["a"].shape, pointers["b"].shape[:2]
         dev = pointers["a"].device
         persistent, pingpong, operand = True, False, "e4m3_block"
-        tile_n = default_tile_n(inter, hidden, True, operand)
+        if tile_n not in (None, 64, 128):
+            raise ValueError(f"tile_n: expected None, 64 or 128 for FP8 block-scaled operands, got {tile_n}")
+        tile_n = SWIGLU_BACKWARD_TILE_N if tile_n is None else tile_n
+    elif tile_n is not None:
+        raise ValueError(f"tile_n: only with FP8 block-scaled operands, got tile_n={tile_n} with {'MXFP8' if mxfp8 else 'bf16'} ones")
     elif mxfp8:
         (dout_q, dout_s), (w_q, w_s) = operand_parts("dout_rows", dout_rows), operand_parts("w_down", w_down)
         if w_s is None or pingpong:
@@ -414,7 +421,7 @@ def swiglu_backward_gemm(
         dev = dout_q.device
         num_experts, inter = check_mxfp8_weights("w_down", w_q, w_s, dev, hidden)
         persistent, pingpong = persistent_default(dev) if persistent is None else persistent, False
-        tile_n, operand = 128, "e4m3"
+        tile_n, operand = SWIGLU_BACKWARD_TILE_N, "e4m3"
         pointers = dict(a=dout_q, a_scale=dout_s, b=w_q, b_scale=w_s, b2=w_q, b2_scale=w_s)
     else:
         check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
@@ -426,7 +433,7 @@ def swiglu_backward_gemm(
         check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
         if inter % 8 or hidden % 8:
             raise ValueError(f"w_down: expected I % 8 == 0 and H % 8 == 0 (16-byte rows), got I={inter}, H={hidden}")
-        tile_n, operand = default_tile_n(inter, hidden, True), "bf16"
+        tile_n, operand = SWIGLU_BACKWARD_TILE_N, "bf16"
         if pingpong is None:
             pingpong = swiglu_backward_pingpong(persistent, tile_n)
         if pingpong and not persistent:

@@ -130,7 +130,8 @@ def dequantize_mxfp8(
 
 
 def quantize_fp8_rows(
-    x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None, segments: int = 1, scale_order: str = "rows"
+    x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None, segments: int = 1, scale_order: str = "rows",
+    row_source: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(elements float8_e4m3fn [R, K], scales float32 [blocks, R]) of bf16 rows ``x`` [R, K] (K a
     multiple of 16), 1 x 128 blocks (the last one partial where 128 does not divide K; blocks =
@@ -142,9 +143,14 @@ def quantize_fp8_rows(
     ``scale_order="mma"`` (power_of_two, K a multiple of 128): the scales as E8M0 bytes in the order
     SM100's block-scaled MMAs read MXFP8 scales, uint8 [ceil(R / 128), K / 128, 512], each block's
     byte at its four 32-blocks (the padding rows' left unwritten): an MXFP8 operand of the same
-    elements, what ops.grouped_gemm's MXFP8 form takes."""
+    elements, what ops.grouped_gemm's MXFP8 form takes. ``row_source`` (int32 [R'] on x's device):
+    the R' rows x[row_source[r]] (zeros where an index is negative: a schedule's padding rows) in
+    one pass, the bits of quantizing ops.gather_rows(x, row_source), with no bf16 copy of them."""
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     rows, k = x.shape
+    if row_source is not None:
+        check_tensor("row_source", row_source, dtypes=(torch.int32,), ndim=1, contiguous=True, device=x.device)
+        rows = row_source.shape[0]
     if segments not in (1, 2):
         raise ValueError(f"segments: expected 1 or 2, got {segments}")
     mma = _check_scale_order(scale_order, power_of_two, k)
@@ -161,8 +167,9 @@ def quantize_fp8_rows(
     else:
         scales = torch.empty(segments * -(-k // segments // 128), rows, dtype=torch.float32, device=x.device)
     if rows:
-        variant = quantize_fp8_block_variant(k, 1, power_of_two, bounded=rows_used is not None, segments=segments, mma_scales=mma)
-        _quantize_fp8_block(variant, x, elements, scales, rows_used)
+        variant = quantize_fp8_block_variant(k, 1, power_of_two, bounded=rows_used is not None, segments=segments, mma_scales=mma,
+                                             gathered=row_source is not None)
+        _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source)
     return elements, scales
 
 
@@ -202,8 +209,9 @@ def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False, scale_o
     return elements, scales
 
 
-def _quantize_fp8_block(variant, x, elements, scales, rows_used) -> None:
+def _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source=None) -> None:
     kernel_for(variant, x.device)(
-        *FP8_BLOCK_QUANTIZE_ARGS.values(x=x, elements=elements, scales=scales, rows_used=rows_used, num_rows=x.shape[0]),
+        *FP8_BLOCK_QUANTIZE_ARGS.values(x=x, elements=elements, scales=scales, rows_used=rows_used, row_source=row_source,
+                                        num_rows=elements.shape[0], num_src=x.shape[0]),
         launch.stream(x.device),
     )

@@ -2,7 +2,7 @@
 
     schedule     routing -> expert-grouped row slots (device_schedule; no host sync)
     rows in      one GPU: the gate/up GEMM's producer gathers x[row_token] itself (bf16 on Hopper), or
-                 the rows are gathered first; EP: publish x and the routing, gather every rank's
+                 the rows are gathered first (fp8_block: as they are quantized); EP: publish x and the routing, gather every rank's
                  routing, schedule this rank's experts over it, pull each row from its token's owner
     gate/up      a = silu(rows·W_gateᵀ) ⊙ rows·W_upᵀ (h = [rows·W_gateᵀ | rows·W_upᵀ] kept for the backward)
     down         y = a·W_downᵀ; EP: each y row pushed straight into its token's slot on the token's rank

@@ -190,18 +190,22 @@ def rows_in_use(sched: Schedule) -> torch.Tensor:
     return sched.expert_offsets[-1:]
 
 
-def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segments: int = 1):
+def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segments: int = 1, *, gathered: bool = False):
     """``rows`` as a quantized precision's GEMMs take them: the rows ``sched`` uses, or all of them
     (x, whose rows a GEMM gathers). fp8_block: FP8 with 1 x 128 block scales by the plan's scale
     rule (fp8_scales), the scales in the order its GEMMs take (plan.fp8_scale_order), ``segments``
-    as ops.quantize_fp8_rows takes it; MXFP8: its elements and MMA-ordered scales, or with
+    as ops.quantize_fp8_rows takes it, and with ``gathered`` the rows of x the schedule names,
+    gathered as they are quantized; MXFP8: its elements and MMA-ordered scales, or with
     ``plan.emulate`` their exact bf16 values for the bf16 GEMM. (E8M0 scales come in whole blocks,
     where a row's halves block as the row does: ``segments`` is theirs to ignore.)"""
     used = None if sched is None else rows_in_use(sched)
     if plan.precision == "fp8_block":
         order = plan.fp8_scale_order
         return ops.quantize_fp8_rows(rows, power_of_two=plan.config.fp8_power_of_two, rows_used=used,
-                                     segments=1 if order == "mma" else segments, scale_order=order)
+                                     segments=1 if order == "mma" else segments, scale_order=order,
+                                     row_source=sched.row_token if gathered else None)
+    if gathered:
+        raise ValueError(f"quantized_rows: gathered rows are fp8_block's, got precision {plan.precision!r}")
     rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
     return dequantized_rows(rows_q, used) if plan.emulate else rows_q
 
@@ -219,13 +223,14 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
             biases: tuple | None = None) -> torch.Tensor:
     """a [R, I] = act(rows·W_gateᵀ, rows·W_upᵀ) (and h = [rows·W_gateᵀ | rows·W_upᵀ] into ``h_out``).
     ``gather``: ``rows`` is x [T, H] and the GEMM's producer gathers row r = x[row_token[r]]; else
-    ``rows`` holds the rows [R, H]. ``weights``: (w_gate, w_up, w_down) bf16, or Mxfp8ExpertWeights.
+    ``rows`` holds the rows [R, H], bf16 or (a quantized precision) as :func:`quantized_rows` gives
+    them. ``weights``: (w_gate, w_up, w_down) bf16, or a quantized precision's copies.
     ``biases`` (bf16): (b_gate, b_up, b_down), the first two added to the products (inside h too)."""
     bias = {} if biases is None else dict(bias=biases[0], bias2=biases[1])
     if plan.precision == "bf16":
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias)
-    rows_q = quantized_rows(plan, rows, None if gather else sched)  # (gathering, FP8 only: each token quantized once)
+    rows_q = rows if isinstance(rows, tuple) else quantized_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
     return ops.grouped_gemm(rows_q, gemm_weight(plan, weights.gate), sched.tile_expert, b2=gemm_weight(plan, weights.up), h_out=h_out,
                             gather=sched.row_token if gather else None, activation=plan.activation, **bias)
 
@@ -255,8 +260,12 @@ def routed_weights(plan: Plan, weights: tuple, stacked: tuple | None):
 def gate_up_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None,
                         biases: tuple | None = None) -> torch.Tensor:
     """:func:`gate_up` at one GPU on the rows of x the schedule names: gathered by the GEMM's
-    producer where the plan allows it (``plan.gather_in_gemm``), else gathered first."""
-    rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
+    producer where the plan allows it (``plan.gather_in_gemm``), else gathered first (fp8_block:
+    as they are quantized, ``plan.quantizes_gathered_rows``)."""
+    if plan.quantizes_gathered_rows:
+        rows = quantized_rows(plan, x, sched, gathered=True)
+    else:
+        rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
     return gate_up(plan, rows, sched, weights, h_out, gather=plan.gather_in_gemm, biases=biases)
 
 

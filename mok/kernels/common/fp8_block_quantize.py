@@ -27,7 +27,10 @@ scale = amax / 448 (1 for an all-zero block; ``power_of_two``: the power of two 
 from its bits: a set mantissa rounds the exponent up, at least 2^-126), factor = 448 / amax (1 / scale
 for a power of two, exact), elements = cvt.rn.satfinite.e4m3x2(x · factor). A max is the same in
 any order, so the bits do not depend on the launch. ``bounded``: only the first rows_used[0] rows
-(a schedule's used rows, read on the device).
+(a schedule's used rows, read on the device). ``gathered`` (rows, block_rows 1): output row r is
+source row row_source[r] quantized (zeros with scale 1 where it is negative: a schedule's padding
+rows), so a GEMM's gathered rows come out in FP8 in one pass, with no bf16 copy of them: the
+bits of quantizing the gathered bf16 rows, each row being quantized on its own.
 """
 
 from __future__ import annotations
@@ -64,12 +67,12 @@ def power_of_two_at_or_above(s: cutlass.Float32) -> cutlass.Float32:
 
 class QuantizeFp8BlockKernel:
     """Static config: the rows' width K (a multiple of 16), ``block_rows`` (1 or 128),
-    ``power_of_two``, ``bounded``, ``segments`` (1, or 2 for rows) and ``matrix_rows`` (weights
+    ``power_of_two``, ``bounded``, ``segments`` (1, or 2 for rows), ``matrix_rows`` (weights
     whose N is no multiple of 128: the rows of one expert's matrix, N; None: the rows tile by 128
-    whole) (see the module docstring)."""
+    whole), ``mma_scales`` and ``gathered`` (see the module docstring)."""
 
     def __init__(self, width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, segments: int = 1,
-                 matrix_rows: int | None = None, mma_scales: bool = False) -> None:
+                 matrix_rows: int | None = None, mma_scales: bool = False, gathered: bool = False) -> None:
         if block_rows not in (1, BLOCK):
             raise ValueError(f"block_rows: expected 1 (rows) or {BLOCK} (weights), got {block_rows}")
         if segments not in (1, 2) or (segments == 2 and block_rows != 1):
@@ -82,7 +85,10 @@ class QuantizeFp8BlockKernel:
             raise ValueError("mma_scales: E8M0 scales for SM100's block-scaled MMAs need power_of_two, whole 128 blocks (width and each "
                              f"expert's rows multiples of {BLOCK}) and one segment, got power_of_two={power_of_two}, width={width}, "
                              f"segments={segments}, matrix_rows={matrix_rows}")
+        if gathered and block_rows != 1:
+            raise ValueError(f"gathered: rows only (block_rows 1), got block_rows {block_rows}")
         self.width, self.block_rows, self.power_of_two, self.bounded = width, block_rows, power_of_two, bounded
+        self.gathered = gathered
         self.mma_scales = mma_scales
         self.segments, self.matrix_rows = segments, matrix_rows
         self.segment_width = width // segments
@@ -93,13 +99,18 @@ class QuantizeFp8BlockKernel:
     @cute.jit
     def __call__(
         self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer,
-        num_rows: cutlass.Int32, stream: cuda.CUstream,
+        row_source_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32, stream: cuda.CUstream,
     ):
-        """x [R, K] bf16 -> elements [R, K] E4M3 and fp32 scales: [k blocks, R] (block_rows 1) or
-        [E, ceil(N / 128), k blocks] (block_rows 128, R = E·N)."""
+        """x [R, K] bf16 (``gathered``: [num_src, K], row_source [R] int32) -> elements [R, K] E4M3
+        and fp32 scales: [k blocks, R] (block_rows 1) or [E, ceil(N / 128), k blocks] (block_rows
+        128, R = E·N)."""
         k_blocks = self.k_blocks
         rows = cute.make_layout((num_rows, self.width), stride=(self.width, 1))
-        m_x, m_q = cute.make_tensor(x_ptr, rows), cute.make_tensor(elements_ptr, rows)
+        m_q = cute.make_tensor(elements_ptr, rows)
+        m_x = cute.make_tensor(x_ptr, rows)
+        if cutlass.const_expr(self.gathered):
+            m_x = cute.make_tensor(x_ptr, cute.make_layout((num_src, self.width), stride=(self.width, 1)))
+        m_source = cute.make_tensor(row_source_ptr, cute.make_layout((num_rows,)))
         row_tiles = (num_rows + BLOCK - 1) // BLOCK
         if cutlass.const_expr(self.mma_scales):  # (uint8 [chunks, k blocks, 512] as 4-byte words: 128 a chunk)
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_tiles * k_blocks * BLOCK,)))
@@ -110,7 +121,7 @@ class QuantizeFp8BlockKernel:
                 row_tiles = num_rows // self.matrix_rows * ((self.matrix_rows + BLOCK - 1) // BLOCK)
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_tiles, k_blocks), stride=(k_blocks, 1)))
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
-        self.kernel(m_x, m_q, m_s, m_used, num_rows).launch(
+        self.kernel(m_x, m_q, m_s, m_used, m_source, num_rows).launch(
             grid=[k_blocks, row_tiles, 1], block=[WARPS * LANES, 1, 1], stream=stream
         )
 
@@ -169,13 +180,30 @@ class QuantizeFp8BlockKernel:
             m_s[row, k_block] = scale
 
     @cute.jit
-    def quantize_row(self, m_x, m_q, row, k_block, lane, factor):
-        values = self.lane_values(m_x, row, k_block, lane)
+    def quantize_row(self, m_x, m_q, source, row, k_block, lane, factor):
+        """Row ``source`` of x times ``factor`` into row ``row`` of the elements, as E4M3."""
+        values = self.lane_values(m_x, source, k_block, lane)
         column, inside = self.lane_column(k_block, lane)
         if cutlass.const_expr(self.whole_blocks):
             row_vector(m_q, row, column // PER_LANE, PER_LANE).store((values * factor).to(m_q.element_type))
         elif inside:
             row_vector(m_q, row, column // PER_LANE, PER_LANE).store((values * factor).to(m_q.element_type))
+
+    @cute.jit
+    def quantize_row_block(self, m_x, m_q, source, row, k_block, lane):
+        """Row ``source`` of x's K block ``k_block`` quantized on its own into row ``row``; its scale."""
+        scale, factor = self.scale_and_factor(self.row_amax(m_x, source, k_block, lane))
+        self.quantize_row(m_x, m_q, source, row, k_block, lane, factor)
+        return scale
+
+    @cute.jit
+    def zero_row(self, m_q, row, k_block, lane):
+        """This lane's four elements of row ``row`` in K block ``k_block``, zeros (those in the row)."""
+        column, inside = self.lane_column(k_block, lane)
+        zeros = cute.make_rmem_tensor((PER_LANE,), cutlass.Float32)
+        zeros.fill(0.0)
+        if inside:
+            row_vector(m_q, row, column // PER_LANE, PER_LANE).store(zeros.load().to(m_q.element_type))
 
     @cute.jit
     def row_amax(self, m_x, row, k_block, lane):
@@ -189,7 +217,8 @@ class QuantizeFp8BlockKernel:
         return amax
 
     @cute.kernel
-    def kernel(self, m_x: cute.Tensor, m_q: cute.Tensor, m_s: cute.Tensor, m_used: cute.Tensor, num_rows: cutlass.Int32):
+    def kernel(self, m_x: cute.Tensor, m_q: cute.Tensor, m_s: cute.Tensor, m_used: cute.Tensor, m_source: cute.Tensor,
+               num_rows: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         k_block, row_tile, _ = cute.arch.block_idx()
         warp, lane = tidx // LANES, tidx % LANES
@@ -203,11 +232,22 @@ class QuantizeFp8BlockKernel:
             first = matrix * self.matrix_rows + (row_tile - matrix * tiles_per_matrix) * BLOCK
             limit = min(limit, (matrix + 1) * self.matrix_rows)
         if cutlass.const_expr(self.block_rows == 1):
+            lane_source = cutlass.Int32(-1)  # (gathered: lane j holds the source of the warp's j-th row, read up front)
+            if cutlass.const_expr(self.gathered):
+                if first + warp + WARPS * lane < limit:
+                    lane_source = m_source[first + warp + WARPS * lane]
             for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
                 row = first + r
                 if row < limit:
-                    scale, factor = self.scale_and_factor(self.row_amax(m_x, row, k_block, lane))
-                    self.quantize_row(m_x, m_q, row, k_block, lane, factor)
+                    scale = cutlass.Float32(1.0)
+                    if cutlass.const_expr(self.gathered):
+                        source = cute.arch.shuffle_sync(lane_source, r // WARPS)
+                        if source >= 0:
+                            scale = self.quantize_row_block(m_x, m_q, source, row, k_block, lane)
+                        else:  # (a padding row: zeros, scale 1)
+                            self.zero_row(m_q, row, k_block, lane)
+                    else:
+                        scale = self.quantize_row_block(m_x, m_q, row, row, k_block, lane)
                     if lane == 0:
                         self.store_row_scale(m_s, row, k_block, scale)
         else:
@@ -225,7 +265,7 @@ class QuantizeFp8BlockKernel:
             scale, factor = self.scale_and_factor(amax)
             for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
                 if first + r < limit:
-                    self.quantize_row(m_x, m_q, first + r, k_block, lane, factor)
+                    self.quantize_row(m_x, m_q, first + r, first + r, k_block, lane, factor)
             if cutlass.const_expr(self.mma_scales):  # (the block is a whole chunk: every thread one word of it)
                 m_s[(row_tile * self.k_blocks + k_block) * BLOCK + tidx] = self.e8m0_word(scale)
             elif tidx == 0 and first < limit:
@@ -233,7 +273,7 @@ class QuantizeFp8BlockKernel:
 
 
 def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, bounded: bool, arch: str, options: str = "",
-                               segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False):
+                               segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False, gathered: bool = False):
     """Compile :class:`QuantizeFp8BlockKernel` for ``arch`` without tensors (FP8_BLOCK_QUANTIZE_ARGS' stand-ins)."""
-    kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales)
+    kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales, gathered)
     return compile_kernel(kernel, FP8_BLOCK_QUANTIZE_ARGS, arch, options)

@@ -50,8 +50,22 @@ class BlockScaledMainloop:
         Not with one set of block accumulators: the CTA's pool is what ptxas gave each thread at
         launch, which follows the code, 136-155 for those kernels, and 40 + 2 x 232 needs 168 (else
         the increase waits forever: docs/notes/kernel-pitfalls.md); every warp keeps the launch
-        count. Two sets need the registers (the PTX test checks the launch count fits)."""
-        return not self.block_scaled or self.block_buffers == 2
+        count. Two sets need the registers, and so does the SwiGLU backward 128 wide (the PTX test
+        checks the launch count fits)."""
+        return not self.block_scaled or self.block_buffers == 2 or self.swiglu_backward_128_wide
+
+    @property
+    def swiglu_backward_128_wide(self) -> bool:
+        """The SwiGLU backward's one product 128 wide: its block accumulators beside the epilogue's
+        registers spill 276 bytes at the launch count, 8 with the 40 / 232 hand-over, none with
+        24 / 240 (ptxas launches it at 168, which both fit)."""
+        return self.block_scaled and self.epilogue_kind == "swiglu_bwd" and self.tile_shape_mnk[1] == 128
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """(the producer warpgroup's registers, each MMA warpgroup's) where they are handed over:
+        24 / 240 for the SwiGLU backward 128 wide on FP8 (its producer is one TMA warp), else 40 / 232."""
+        return (24, 240) if self.swiglu_backward_128_wide else (40, 232)
 
     def a_scale_tensor(self, ptr: cute.Pointer, rows) -> cute.Tensor:
         """A's scales as (R, K blocks), stored [K blocks, R] (each K block's row scales contiguous):

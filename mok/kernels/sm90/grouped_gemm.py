@@ -263,7 +263,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
 
         if tidx < 128:  # producer warpgroup
             if cutlass.const_expr(self.hands_registers_over):
-                cute.arch.setmaxregister_decrease(40)
+                cute.arch.setmaxregister_decrease(self.register_split[0])
             # warp 0 issues the TMA loads; with gather_a all four warps also cp.async A's rows
             if warp_idx < (4 if self.gather_a else 1):
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
@@ -294,7 +294,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, (store_args, row_args, num_rows))
         else:  # the two MMA warpgroups
             if cutlass.const_expr(self.hands_registers_over):
-                cute.arch.setmaxregister_increase(232)
+                cute.arch.setmaxregister_increase(self.register_split[1])
             mma_tidx = tidx - 128
             r_a, r_b, r_b2, acc, acc2 = self.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
             blocks = (None, None)
