@@ -11,6 +11,7 @@
                                                # and the SwiGLU-backward GEMM on FP8 (64- and 128-wide tiles)
     python perf/gemm_sweep.py --gathered-fp8-fc1  # the gathered fc1 part only
     python perf/gemm_sweep.py --fp8-swiglu-bwd    # the SwiGLU-backward part only
+    python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -178,6 +179,24 @@ def fp8_block() -> None:
             print(f"{name:<11}fp8 vs float64 of its operands: relative difference {float((got - want).norm() / want.norm()):.2e}")
 
 
+def fp8_for_ncu() -> None:
+    """dsv3's fc2 (plain) and fc1 (SwiGLU) on FP8 with block scales, then bf16's fc2, each called
+    twice (the first compiles), for Nsight Compute to profile the second calls (tools/sass_stalls.py
+    says how): nothing timed."""
+    from mok import fp8_block as fp8
+
+    for name in ("dsv3 fc2", "dsv3 fc1"):
+        R, a, b, b2, tiles, _ = shape_operands(*SHAPES[name])
+        a_q, b_q = fp8.quantize_rows(a), fp8.quantize_weights(b)
+        b2_q = fp8.quantize_weights(b2) if b2 is not None else None
+        for _ in range(2):
+            ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q)
+    R, a, b, _, tiles, _ = shape_operands(*SHAPES["dsv3 fc2"])
+    for _ in range(2):
+        ops.grouped_gemm(a, b, tiles)
+    torch.cuda.synchronize()
+
+
 def fp8_swiglu_backward() -> None:
     """The SwiGLU-backward GEMM (dA = dout·W_downᵀ per expert, the SwiGLU backward and the router
     pieces in its epilogue) on FP8 operands with 128-block scales, 64- and 128-wide column tiles,
@@ -238,7 +257,9 @@ def gathered_fp8_fc1() -> None:
 if __name__ == "__main__":
     import sys
 
-    if "--fp8-block" in sys.argv or "--gathered-fp8-fc1" in sys.argv or "--fp8-swiglu-bwd" in sys.argv:
+    if "--fp8-ncu" in sys.argv:
+        fp8_for_ncu()
+    elif "--fp8-block" in sys.argv or "--gathered-fp8-fc1" in sys.argv or "--fp8-swiglu-bwd" in sys.argv:
         if "--fp8-block" in sys.argv:
             fp8_block()
         if "--fp8-swiglu-bwd" not in sys.argv:

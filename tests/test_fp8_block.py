@@ -118,6 +118,28 @@ def test_two_block_buffers_are_refused_where_the_kernel_has_none():
         ops.grouped_gemm(torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(2, 128, 256, dtype=torch.bfloat16), tiles, block_buffers=2)
 
 
+def test_fp8_weight_grad_checks_its_operands_before_any_launch():
+    """ops.weight_grad on FP8 block-scaled transposes: the pair forms, shapes, the kernel's options."""
+    def operand(mn, rows, scale_rows=None):
+        return (torch.zeros(mn, rows, dtype=torch.float8_e4m3fn), torch.ones((scale_rows or rows // 128), mn))
+
+    offsets = torch.tensor([0, 128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"b: expected \[N, R\] with R=256 like a's \[M, R\]"):
+        ops.weight_grad(operand(256, 256), operand(128, 384), offsets)
+    with pytest.raises(ValueError, match=r"expected M a multiple of 16, N of 16 and R of 128, got \(256, 136, 256\)"):
+        ops.weight_grad(operand(256, 256), operand(136, 256), offsets)
+    with pytest.raises(ValueError, match=r"expected M a multiple of 32, N of 16 and R of 128, got \(272, 128, 256\)"):
+        ops.weight_grad(operand(272, 256), operand(128, 256), offsets, split_out=True)
+    with pytest.raises(ValueError, match=r"a scales: expected shape \[2, 256\], got \[3, 256\]"):
+        ops.weight_grad(operand(256, 256, scale_rows=3), operand(128, 256), offsets)
+    with pytest.raises(ValueError, match="the persistent kernel, no ping-pong, tile_n 128"):
+        ops.weight_grad(operand(256, 256), operand(128, 256), offsets, pingpong=True)
+    with pytest.raises(ValueError, match="b as an \\(elements, float32 scales\\) pair too"):
+        ops.weight_grad(operand(256, 256), torch.zeros(128, 256, dtype=torch.float8_e4m3fn), offsets)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        ops.weight_grad(operand(256, 256), operand(128, 256), offsets)
+
+
 def test_quantize_ops_check_their_input_before_any_launch():
     with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a positive multiple of 16 \(16-byte E4M3 rows\), got \[8, 200\]"):
         ops.quantize_fp8_rows(torch.zeros(8, 200, dtype=torch.bfloat16))
@@ -131,6 +153,20 @@ def test_quantize_ops_check_their_input_before_any_launch():
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16), power_of_two=True, segments=2, scale_order="mma")
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x: expected \[R, M\] rows with R a multiple of 128 and M a positive multiple of 16, got R=200, M=256"):
+        ops.quantize_fp8_columns(torch.zeros(200, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"got R=300, M=256 \(R: row_source\)"):
+        ops.quantize_fp8_columns(torch.zeros(8, 256, dtype=torch.bfloat16), row_source=torch.zeros(300, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"got R=256, M=200"):
+        ops.quantize_fp8_columns(torch.zeros(256, 200, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"row_source: expected dtype int32, got int64"):
+        ops.quantize_fp8_columns(torch.zeros(8, 256, dtype=torch.bfloat16), row_source=torch.zeros(256, dtype=torch.int64))
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        ops.quantize_fp8_columns(torch.zeros(256, 256, dtype=torch.bfloat16))
+    from mok.kernels.variants import quantize_fp8_block_variant
+
+    with pytest.raises(ValueError, match="columns: rows \\(block_rows 1\\) in one segment with fp32 scales only"):
+        quantize_fp8_block_variant(256, 128, columns=True)
 
 
 def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():

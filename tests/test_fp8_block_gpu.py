@@ -399,3 +399,76 @@ def test_quantizing_gathered_rows_gives_the_bits_of_gathering_first(H, power_of_
     padding = source < 0
     assert (q[:used].cpu()[padding].float() == 0).all() and (s[:, :used].cpu()[:, padding] == 1).all()
 
+
+
+@pytest.mark.parametrize("M,power_of_two,gathered", [(2048, False, False), (2880, True, False), (1040, False, True)])
+def test_column_quantizer_gives_the_transpose_s_row_bits(M, power_of_two, gathered):
+    """ops.quantize_fp8_columns (a weight gradient's K-major FP8 operands: K is the rows) against
+    the CPU rule on the transpose: elements [M, R] and scales [R / 128, M] the bytes of
+    mok.fp8_block.quantize_rows(rows.T), over the row blocks in use (rows_used), the same on a
+    second run; gathered, the rows x[row_token] with zeros for the padding rows; a partial last
+    column tile (M % 128); every column scaled differently (magnitudes over six decades)."""
+    T, E, k = 600, 8, 4
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = (torch.randn(T, M, device="cuda", generator=g) * torch.logspace(-3, 3, M, device="cuda")).bfloat16()
+    if gathered:
+        sched = ops.device_schedule(torch.randint(0, E, (T, k), device="cuda", generator=g, dtype=torch.int32), E, block_m=128)
+        source, used_count = sched.row_token, sched.expert_offsets[-1:]
+        rows = torch.where(source[:, None].long() >= 0, x[source.long().clamp(min=0)], torch.zeros((), dtype=x.dtype, device="cuda"))
+        q, s = ops.quantize_fp8_columns(x, power_of_two=power_of_two, rows_used=used_count, row_source=source)
+    else:
+        rows = x[:512].contiguous()
+        used_count = torch.tensor([384], dtype=torch.int32, device="cuda")
+        q, s = ops.quantize_fp8_columns(rows, power_of_two=power_of_two, rows_used=used_count)
+    used = int(used_count)
+    assert used % 128 == 0 and 0 < used < rows.shape[0]
+    want_q, want_s = fp8.quantize_rows(rows[:used].T.contiguous().cpu(), power_of_two=power_of_two)
+    assert q.shape == (M, rows.shape[0]) and s.shape == (rows.shape[0] // 128, M)
+    assert torch.equal(q[:, :used].cpu().view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s[: used // 128].cpu(), want_s)
+    again_q, again_s = ops.quantize_fp8_columns(*((x,) if gathered else (rows,)), power_of_two=power_of_two, rows_used=used_count,
+                                                **(dict(row_source=source) if gathered else {}))
+    assert torch.equal(again_q[:, :used].view(torch.uint8), q[:, :used].view(torch.uint8))
+
+
+@pytest.mark.parametrize("split_out,accumulate,counted", [(False, False, False), (True, True, True)])
+def test_weight_grad_on_fp8_matches_float64_of_its_operands(split_out, accumulate, counted):
+    """ops.weight_grad on FP8 block-scaled transposes (ops.quantize_fp8_columns of the rows) against
+    float64 of the same dequantized operands, expert by expert: experts of 300, 0, 128 and 77 rows
+    (offsets at 128-row blocks, padding rows zero), a partial last column tile (N = 400); split_out
+    into two poisoned halves, or accumulating into a random fp32 gradient (main_grad) with the
+    padding row blocks skipped (``counts``); an expert without rows gets zeros (or is left as it
+    was); the same bits on a second run."""
+    counts = [300, 0, 128, 77]
+    E, M, N = len(counts), 512, 400
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + -(-c // 128) * 128)
+    R = offsets[-1]
+    g = torch.Generator(device="cuda").manual_seed(31)
+    a, b = torch.zeros(R, M, device="cuda"), torch.zeros(R, N, device="cuda")
+    for e, c in enumerate(counts):
+        a[offsets[e]:offsets[e] + c] = torch.randn(c, M, device="cuda", generator=g)
+        b[offsets[e]:offsets[e] + c] = torch.randn(c, N, device="cuda", generator=g) * torch.logspace(-2, 2, N, device="cuda")
+    a_q, b_q = ops.quantize_fp8_columns(a.bfloat16()), ops.quantize_fp8_columns(b.bfloat16())
+    a_deq, b_deq = fp8.dequantize_rows(*a_q).double(), fp8.dequantize_rows(*b_q).double()  # [M, R], [N, R]
+    want = torch.stack([a_deq[:, offsets[e]:offsets[e + 1]] @ b_deq[:, offsets[e]:offsets[e + 1]].T for e in range(E)])
+    offsets_t = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    options = dict(counts=torch.tensor(counts, dtype=torch.int32, device="cuda")) if counted else {}
+    if accumulate:
+        start = torch.randn(E, M, N, device="cuda", generator=g)
+        got = start.clone()
+        ops.weight_grad(a_q, b_q, offsets_t, out=got, accumulate=True, **options)
+        want = want + start.double()
+        again = start.clone()
+        ops.weight_grad(a_q, b_q, offsets_t, out=again, accumulate=True, **options)
+    elif split_out:
+        halves = (poisoned(E * M // 2, N).view(E, M // 2, N), poisoned(E * M // 2, N).view(E, M // 2, N))
+        got = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, out=halves, split_out=True, **options), 1)
+        again = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, split_out=True, **options), 1)
+    else:
+        got = ops.weight_grad(a_q, b_q, offsets_t, **options)
+        again = ops.weight_grad(a_q, b_q, offsets_t, **options)
+    assert got.shape == (E, M, N) and not got.isnan().any()
+    assert rel_err(got, want) < (2e-3 if accumulate else 5e-3)
+    assert torch.equal(got[1], want[1].to(got.dtype))  # (no rows: zeros, or the gradient as it was)
+    assert torch.equal(again, got)

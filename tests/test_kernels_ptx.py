@@ -404,6 +404,32 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
         compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
 
 
+@pytest.mark.parametrize("m,n,options", [(7168, 2048, {}), (4096, 7168, dict(split_out=True)),
+                                         (2048, 7168, dict(out_dtype="f32", accumulate=True, split_out=True))])
+def test_fp8_block_weight_grad_uses_e4m3_wgmmas_and_scales_by_row_and_column(m, n, options):
+    """The weight gradient on FP8 with 1 x 128 blocks along the rows (operand "e4m3_block"): four
+    32-deep E4M3 x E4M3 WGMMAs a 128-row stage (128 wide), no mma.sync; four TMA loads a stage (the
+    two transposes' tiles and their scales) and the TMA store (reduce-add when accumulating); per
+    stage each thread's two row scales and 32 column scales from shared memory and one fused
+    multiply-add per accumulator value; nothing spilled or in local memory; the register hand-over
+    within the launch count; refused on SM100 (MXFP8 there) and outside the persistent cooperative
+    kernel."""
+    variant = weight_grad_variant(m, n, operand="e4m3_block", pingpong=False, **options)
+    ptx = compiled_ptx(variant, "sm_90a")
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 4 and count(r"wgmma\.mma_async", ptx) == 4
+    assert count(r"\bmma\.sync", ptx) == 0
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 4
+    store = r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add" if options.get("accumulate") else r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"
+    assert count(store, ptx) >= 1
+    assert count(r"ld\.shared\.v2\.b32", ptx) == 16 and count(r"ld\.shared\.b32", ptx) == 2
+    assert count(r"\bfma\.rn\.f32", ptx) >= 64 and count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx) in (None, 0)
+    assert_register_handover_fits(ptx)
+    with pytest.raises(NotImplementedError, match="Hopper's kernel only"):
+        compiled_ptx(weight_grad_variant(m, n, operand="e4m3_block", pingpong=False, **options), "sm_100a")
+    with pytest.raises(ValueError, match="operand='e4m3_block': needs no pingpong"):
+        compiled_ptx(weight_grad_variant(m, n, operand="e4m3_block", pingpong=True, **options), "sm_90a")
+
+
 @pytest.mark.parametrize("options", [{}, dict(k_split=True), dict(scatter=True, topk=8)])
 def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
     """block_buffers=2 (the plain epilogue): the stage's WGMMAs in two copies (one per set of block
@@ -440,6 +466,24 @@ def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturati
     assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) >= 2 and count(r"ld\.global\.v4\.b16", ptx) >= 1
     assert count(r"st\.global\.b32", ptx) >= 1 and count(r"div\.rn\.f32", ptx) >= 1 and count(r"shfl\.sync\.bfly", ptx) >= 5
     assert count(r"\.local", ptx) == 0 and count(r"\b(atom|red)\.", ptx) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("width,gathered", [(2048, False), (2880, True)])
+def test_fp8_block_column_quantizer_loads_rows_and_stores_transposed_16_byte_runs(arch, width, gathered):
+    """The transposing quantizer (a weight gradient's K-major FP8 operands): the tile's rows by
+    16-byte loads into shared memory (sixteen a thread: 128 rows of 256 bytes), each column read
+    back once (128 two-byte loads a thread), its 128 values converted by the saturating pair
+    conversion (64) and stored as eight 16-byte runs of its output row, one fp32 scale; nothing
+    spilled or in local memory. (Gathering: each row's index read first.)"""
+    from mok.kernels.variants import quantize_fp8_block_variant
+
+    ptx = compiled_ptx(quantize_fp8_block_variant(width, bounded=gathered, gathered=gathered, columns=True), arch)
+    assert count(r"ld\.global\.v4\.b32", ptx) == 16 and count(r"st\.shared\.v4\.b32", ptx) == 16
+    assert count(r"ld\.shared\.b16", ptx) == 128 and count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 64
+    assert count(r"st\.global\.v4\.b32", ptx) == 8 and count(r"st\.global\.b32", ptx) == 1 and count(r"st\.global\.b8", ptx) == 0
+    assert count(r"ld\.global\.b32", ptx) == (16 + 1 if gathered else 0)  # (the row indices; the used-row count)
+    assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
 
 
 def KernelVariantLike(variant, **changes):

@@ -76,7 +76,7 @@ def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order:
 
 def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, *,
                                segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False,
-                               gathered: bool = False) -> KernelVariant:
+                               gathered: bool = False, columns: bool = False) -> KernelVariant:
     """bf16 -> E4M3 with fp32 scales per 128 values (mok.fp8_block's rule, DeepSeek-V3's recipe):
     ``block_rows`` 1 for rows (1 x 128 blocks, the scales transposed), 128 for weights (128 x 128).
     ``bounded``: only the rows a device count says are in use. ``width`` a multiple of 16 (a
@@ -84,15 +84,18 @@ def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bo
     GEMM's K halves); ``matrix_rows``: weights whose N (given) is no multiple of 128, each expert's
     rows tiled on their own; ``mma_scales`` (power_of_two): the scales as E8M0 bytes in the order
     SM100's block-scaled MMAs read; ``gathered`` (rows): output row r quantizes source row
-    row_source[r], zeros where negative (mok/kernels/common/fp8_block_quantize.py)."""
+    row_source[r], zeros where negative; ``columns`` (rows, one segment, fp32 scales): the rows'
+    transpose quantized, 128-row blocks down each column (mok/kernels/common/fp8_block_quantize.py)."""
+    if columns and (block_rows != 1 or segments != 1 or matrix_rows is not None or mma_scales):
+        raise ValueError("columns: rows (block_rows 1) in one segment with fp32 scales only")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.fp8_block_quantize import compile_fp8_block_quantize
 
         return compile_fp8_block_quantize(width, block_rows, power_of_two, bounded, arch, options, segments, matrix_rows, mma_scales,
-                                          gathered)
+                                          gathered, columns)
 
-    flags = {"power_of_two": power_of_two, "bounded": bounded, "mma_scales": mma_scales, "gathered": gathered}
+    flags = {"power_of_two": power_of_two, "bounded": bounded, "mma_scales": mma_scales, "gathered": gathered, "columns": columns}
     config = {"width": width, "block_rows": block_rows, **{name: True for name, on in flags.items() if on}}
     if segments != 1:
         config["segments"] = segments
@@ -298,7 +301,8 @@ def weight_grad_variant(
     (dW_gate and dW_up in one launch); ``interleaved_out``: those two are the even and odd rows of
     one [E, M, N] tensor (gpt-oss's gate_up_proj gradient, its rows interleaved). ``operand``
     "e4m3": MXFP8 operands quantized along the rows (block-scaled MMAs on MN-major operands, SM100
-    only).
+    only); "e4m3_block": FP8 with 1 x 128 blocks along the rows, the operands the rows' transposes
+    (Hopper's FP8 WGMMAs, K-major; persistent, cooperative, 128-wide tiles).
     """
     _check_operand(operand, persistent)
     a_stride = m if a_stride is None else a_stride
@@ -311,12 +315,15 @@ def weight_grad_variant(
         if arch in MXFP8_GEMM_ARCHS:
             from .sm100.weight_grad_gemm import compile_weight_grad_sm100
 
+            if operand == "e4m3_block":
+                raise NotImplementedError(f"weight-gradient GEMM on FP8 with fp32 128-block scales on {arch}: Hopper's kernel only "
+                                          "(SM100 takes MXFP8 operands: operand 'e4m3')")
             return compile_weight_grad_sm100(m, n, out_dtype, accumulate, arch, compile_options, operand=operand, **options)
-        if operand != "bf16":
+        if operand == "e4m3":
             raise _no_mxfp8_here("weight-gradient GEMM", arch)
         from .sm90.weight_grad_gemm import compile_weight_grad
 
-        return compile_weight_grad(m, n, out_dtype, accumulate, arch, compile_options, **options)
+        return compile_weight_grad(m, n, out_dtype, accumulate, arch, compile_options, operand=operand, **options)
 
     config = {
         "m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n,

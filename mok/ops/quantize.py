@@ -173,6 +173,36 @@ def quantize_fp8_rows(
     return elements, scales
 
 
+def quantize_fp8_columns(
+    x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None, row_source: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transpose of bf16 rows ``x`` [R, M] (R a multiple of 128, M of 16) quantized with 1 x 128
+    blocks along R: (elements float8_e4m3fn [M, R], scales float32 [R / 128, M]), the bits
+    mok.fp8_block.quantize_rows(x.T) gives, in one launch: the K-major operands a weight gradient
+    on FP8 (whose K is the rows) takes, each expert's rows being whole 128-row blocks of a
+    schedule. ``rows_used`` (int32 [1] on x's device, a multiple of 128): only the row blocks below
+    rows_used[0] are converted (the rest of both outputs left unwritten; the count stays on the
+    device). ``row_source`` (int32 [R] on x's device): the rows x[row_source[r]] (zeros where an
+    index is negative: a schedule's padding rows), gathered as they are quantized."""
+    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
+    rows, m = x.shape
+    if row_source is not None:
+        check_tensor("row_source", row_source, dtypes=(torch.int32,), ndim=1, contiguous=True, device=x.device)
+        rows = row_source.shape[0]
+    if rows % 128 or m % 16 or m == 0:
+        raise ValueError(f"x: expected [R, M] rows with R a multiple of 128 and M a positive multiple of 16, got R={rows}, M={m}"
+                         f"{' (R: row_source)' if row_source is not None else ''}")
+    check_launchable(x=x)
+    check_rows_used(rows_used, x.device)
+    elements = torch.empty(m, rows, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(rows // 128, m, dtype=torch.float32, device=x.device)
+    if rows:
+        variant = quantize_fp8_block_variant(m, 1, power_of_two, bounded=rows_used is not None, gathered=row_source is not None,
+                                             columns=True)
+        _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source)
+    return elements, scales
+
+
 def _check_scale_order(scale_order: str, power_of_two: bool, k: int) -> bool:
     """Whether FP8 block scales go out in the MMA's order as E8M0 bytes; refuses what that cannot hold."""
     if scale_order not in ("rows", "mma"):
@@ -212,6 +242,7 @@ def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False, scale_o
 def _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source=None) -> None:
     kernel_for(variant, x.device)(
         *FP8_BLOCK_QUANTIZE_ARGS.values(x=x, elements=elements, scales=scales, rows_used=rows_used, row_source=row_source,
-                                        num_rows=elements.shape[0], num_src=x.shape[0]),
+                                        num_rows=scales.shape[0] * 128 if variant.config.get("columns") else elements.shape[0],
+                                        num_src=x.shape[0]),
         launch.stream(x.device),
     )

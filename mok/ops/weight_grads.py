@@ -5,7 +5,8 @@
 
 Nothing here uses atomics: each output element has one writer and one fixed order of sums, so
 the gradients are bitwise reproducible. The operand format is a parameter, as for the grouped
-GEMM: bf16 tensors, or MXFP8 (elements, scales) pairs quantized along the rows (SM100 only).
+GEMM: bf16 tensors, MXFP8 (elements, scales) pairs quantized along the rows (SM100 only), or FP8
+with 1 x 128 blocks along the rows, the rows' transposes (Hopper).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ def launch_weight_grad(variant, a: Operand, b: Operand, offsets, counts, outs, h
     operand = variant.config.get("operand", "bf16")
     record = weight_grad_args(operand, "f32" if outs[0].dtype == torch.float32 else "bf16")
     device = a_values.device
+    num_rows = a_values.shape[1] if operand == "e4m3_block" else a_values.shape[0]  # (FP8 blocks: A is the rows' transpose)
     kernel_for(variant, device)(
         *record.values(
             a=a_values, a_scale=a_scales, b=b_values, b_scale=b_scales, out=min(outs, key=lambda o: o.data_ptr()), offsets=offsets,
-            counts=offsets if counts is None else counts, counted=int(counts is not None), num_rows=a_values.shape[0],
+            counts=offsets if counts is None else counts, counted=int(counts is not None), num_rows=num_rows,
             num_experts=offsets.shape[0] - 1, max_ctas=sm_count(device), half_stride=half_stride, upper_first=upper_first,
         ),
         launch.stream(device),
@@ -78,8 +80,17 @@ def weight_grad(
     [ceil(M / 128), R / 128, 512]) and b likewise [R, N], as
     mok.ops.quantize_mxfp8_columns(..., scale_order="mma") gives them; R and every offset
     multiples of 128 (the schedule's are).
+
+    FP8 with 1 x 128 blocks along the rows (Hopper; persistent, no ping-pong, tile_n 128): a = the
+    rows' transpose (elements float8_e4m3fn [M, R], scales float32 [R / 128, M]) and b likewise
+    ([N, R], [R / 128, N]), as mok.ops.quantize_fp8_columns gives them; M and N multiples of 16, R
+    and every offset multiples of 128; out[e] = Σ over expert e's 128-row blocks of the block's
+    product times sa[m]·sb[n] (mok/kernels/sm90/weight_grad_gemm.py).
     """
     (a_values, a_scales), (b_values, b_scales) = operand_parts("a", a), operand_parts("b", b)
+    fp8_block = a_scales is not None and a_scales.dtype == torch.float32
+    if fp8_block:
+        return _fp8_block_weight_grad(a, b, offsets, counts, out, accumulate, out_dtype, persistent, tile_n, pingpong, split_out)
     mxfp8 = a_scales is not None
     if mxfp8:
         check_tensor("a", a_values, dtypes=E4M3, ndim=2, contiguous=True)
@@ -116,12 +127,8 @@ def weight_grad(
         require_mxfp8_gemms("weight_grad", arch_of(dev.index))
     result = tuple(outs) if split_out else outs[0]
     if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
-        if not accumulate:
-            for o in outs:
-                o.zero_()
-        return result
-    interleaved = split_out and _interleaved_rows(outs)
-    half_stride, upper_first = (n, 0) if interleaved else _split_out_stride(outs) if split_out else (0, 0)
+        return _no_rows(outs, accumulate, result)
+    interleaved, half_stride, upper_first = _split_form(outs, split_out, n)
     if half_stride is None:  # not a TMA descriptor's stride: a launch per half (A's column halves, their scales' chunks)
         opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong)
         for half, o in enumerate(outs):
@@ -133,6 +140,47 @@ def weight_grad(
     variant = weight_grad_variant(
         m, n, "f32" if outs[0].dtype == torch.float32 else "bf16", accumulate, a_stride=a_values.stride(0), tile_n=tile_n,
         persistent=persistent, pingpong=pingpong, split_out=split_out, operand="e4m3" if mxfp8 else "bf16", interleaved_out=interleaved,
+    )
+    launch_weight_grad(variant, a, b, offsets, counts, outs, half_stride, upper_first)
+    return result
+
+
+def _fp8_block_weight_grad(a, b, offsets, counts, out, accumulate: bool, out_dtype, persistent, tile_n: int, pingpong, split_out: bool):
+    """:func:`weight_grad` on FP8 block-scaled transposes (its docstring): checks, then one launch
+    (or, where split_out's two outputs are no TMA descriptor's halves, a launch per half)."""
+    (a_values, a_scales), (b_values, b_scales) = operand_parts("a", a), operand_parts("b", b)
+    check_tensor("a", a_values, dtypes=E4M3, ndim=2, contiguous=True)
+    dev = a_values.device
+    check_tensor("b", b_values, dtypes=E4M3, ndim=2, device=dev, contiguous=True)
+    if b_scales is None or b_scales.dtype != torch.float32:
+        raise ValueError("FP8 block-scaled operands: b as an (elements, float32 scales) pair too")
+    if persistent is False or pingpong or tile_n != 128:
+        raise ValueError(f"FP8 block-scaled operands: the persistent kernel, no ping-pong, tile_n 128, got persistent={persistent}, "
+                         f"pingpong={pingpong}, tile_n={tile_n}")
+    (m, num_rows), n = a_values.shape, b_values.shape[0]
+    if b_values.shape[1] != num_rows:
+        raise ValueError(f"b: expected [N, R] with R={num_rows} like a's [M, R] (the rows' transposes), got {list(b_values.shape)}")
+    if m % (32 if split_out else 16) or n % 16 or num_rows % 128:
+        raise ValueError(f"(M, N, R): expected M a multiple of {32 if split_out else 16}, N of 16 and R of 128, got ({m}, {n}, {num_rows})")
+    for name, t, width in (("a", a_scales, m), ("b", b_scales, n)):
+        check_tensor(f"{name} scales", t, dtypes=(torch.float32,), shape=(num_rows // 128, width), device=dev, contiguous=True)
+    num_experts = _check_rows_and_outputs(offsets, counts, m, n, split_out, tile_n, accumulate, out, out_dtype, dev)
+    outs = _outputs(out, split_out, (num_experts, m, n), out_dtype, (torch.float32,) if accumulate else (torch.bfloat16, torch.float32), dev)
+    check_launchable(a=a_values, b=b_values, a_scales=a_scales, b_scales=b_scales)
+    check_weights_launchable(**{f"out[{i}]": o for i, o in enumerate(outs)})
+    result = tuple(outs) if split_out else outs[0]
+    if num_rows == 0:
+        return _no_rows(outs, accumulate, result)
+    interleaved, half_stride, upper_first = _split_form(outs, split_out, n)
+    if half_stride is None:  # a launch per half: A's halves are row ranges of the transpose, their scales column ranges
+        for half, o in enumerate(outs):
+            rows = slice(half * (m // 2), (half + 1) * (m // 2))
+            a_half = (a_values[rows], a_scales[:, rows].contiguous())
+            _fp8_block_weight_grad(a_half, b, offsets, counts, o, accumulate, out_dtype, persistent, tile_n, pingpong, False)
+        return result
+    variant = weight_grad_variant(
+        m, n, "f32" if outs[0].dtype == torch.float32 else "bf16", accumulate, tile_n=tile_n, persistent=True, pingpong=False,
+        split_out=split_out, operand="e4m3_block", interleaved_out=interleaved,
     )
     launch_weight_grad(variant, a, b, offsets, counts, outs, half_stride, upper_first)
     return result
@@ -156,6 +204,22 @@ def _check_rows_and_outputs(offsets, counts, m: int, n: int, split_out: bool, ti
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     return num_experts
+
+
+def _no_rows(outs, accumulate: bool, result):
+    """No rows to reduce: the gradients are zeros (accumulating: left as they are); returns ``result``."""
+    if not accumulate:
+        for o in outs:
+            o.zero_()
+    return result
+
+
+def _split_form(outs, split_out: bool, n: int) -> tuple[bool, int | None, int]:
+    """How one launch writes the output(s): (split_out's halves the even and odd rows of one tensor,
+    the halves' distance in elements (None: none a TMA descriptor holds), 1 when the second lies lower)."""
+    interleaved = split_out and _interleaved_rows(outs)
+    half_stride, upper_first = (n, 0) if interleaved else _split_out_stride(outs) if split_out else (0, 0)
+    return interleaved, half_stride, upper_first
 
 
 def _split_out_stride(outs) -> tuple[int | None, int]:

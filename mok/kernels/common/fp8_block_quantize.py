@@ -52,6 +52,9 @@ E4M3_MAX = 448.0
 MANTISSA_MASK = 0x7FFFFF
 EXPONENT_MASK = 0x7F800000
 EXPONENT_ONE = 0x00800000
+ROW_CHUNK = 8  # bf16 values of one 16-byte load (QuantizeFp8ColumnsKernel)
+SEGMENT_CHUNKS = BLOCK // ROW_CHUNK  # 16-byte chunks of a row's 128 values
+OUT_CHUNK = 16  # E4M3 values of one 16-byte store
 
 
 @cute.jit
@@ -272,8 +275,89 @@ class QuantizeFp8BlockKernel:
                 m_s[row_tile, k_block] = scale
 
 
+class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
+    """The rows' transpose quantized: rows [R, M] bf16 (R a multiple of 128) -> elements [M, R] E4M3
+    and fp32 scales [R / 128, M], each column's 128-row blocks scaled on their own: the bits of
+    quantizing the transpose's rows (mok.fp8_block.quantize_rows(rows.T)), the operands a weight
+    gradient on FP8 WGMMAs takes (its K is the rows, and FP8 WGMMAs read K-major operands only).
+    A CTA takes a 128 x 128 tile: its threads load the rows' 16-byte segments into shared memory
+    (16 threads a row, a warp two rows at a time), then thread t takes column t: its largest
+    magnitude, then its 128 values as E4M3, eight 16-byte stores into its output row. Static
+    config: the width M (a multiple of 16; a partial last column tile), ``power_of_two``,
+    ``bounded`` (the row blocks below rows_used[0], a multiple of 128) and ``gathered`` (row r is
+    source row row_source[r] of x, zeros where negative)."""
+
+    def __init__(self, width: int, power_of_two: bool = False, bounded: bool = False, gathered: bool = False) -> None:
+        super().__init__(width, 1, power_of_two, bounded, gathered=gathered)
+
+    @cute.jit
+    def __call__(
+        self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer,
+        row_source_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        """x [R, M] bf16 (``gathered``: [num_src, M], row_source [R] int32) -> elements [M, R] E4M3,
+        scales [R / 128, M] fp32."""
+        m = self.width
+        sources = num_src if self.gathered else num_rows
+        m_x = cute.make_tensor(x_ptr, cute.make_layout((sources, m), stride=(m, 1)))
+        rows = cute.assume(num_rows, divby=BLOCK)  # (so that each 16-byte run of an output row is known to be aligned)
+        m_q = cute.make_tensor(elements_ptr, cute.make_layout((m, rows), stride=(rows, 1)))
+        row_blocks = num_rows // BLOCK
+        m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_blocks, m), stride=(m, 1)))
+        m_source = cute.make_tensor(row_source_ptr, cute.make_layout((num_rows,)))
+        m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
+        self.kernel_columns(m_x, m_q, m_s, m_used, m_source).launch(
+            grid=[(m + BLOCK - 1) // BLOCK, row_blocks, 1], block=[WARPS * LANES, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel_columns(self, m_x: cute.Tensor, m_q: cute.Tensor, m_s: cute.Tensor, m_used: cute.Tensor, m_source: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        column_tile, row_block, _ = cute.arch.block_idx()
+        limit = m_q.shape[1]
+        if cutlass.const_expr(self.bounded):
+            limit = min(limit, m_used[0])
+        first = row_block * BLOCK
+        if first < limit:
+            smem = cutlass.memory.SmemAllocator()
+            s_tile = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((BLOCK, BLOCK), stride=(BLOCK, 1)), byte_alignment=16)
+            chunk = tidx % SEGMENT_CHUNKS  # (16 threads a row: a 16-byte chunk each)
+            column0 = column_tile * BLOCK
+            inside = column0 + chunk * ROW_CHUNK < self.width
+            for step in cutlass.range_constexpr(BLOCK * SEGMENT_CHUNKS // (WARPS * LANES)):
+                r = step * (WARPS * LANES // SEGMENT_CHUNKS) + tidx // SEGMENT_CHUNKS
+                vec = cute.make_rmem_tensor((ROW_CHUNK,), cutlass.BFloat16)
+                vec.fill(0.0)
+                if inside:
+                    source = first + r
+                    if cutlass.const_expr(self.gathered):
+                        source = m_source[first + r]
+                    if source >= 0:
+                        vec.store(row_vector(m_x, source, column0 // ROW_CHUNK + chunk, ROW_CHUNK).load())
+                row_vector(s_tile, r, chunk, ROW_CHUNK).store(vec.load())
+            cute.arch.sync_threads()
+            column = column0 + tidx
+            if column < self.width:
+                amax = cutlass.Float32(0.0)
+                for r in cutlass.range_constexpr(BLOCK):
+                    amax = cute.arch.fmax(amax, cute.math.absf(s_tile[r, tidx].to(cutlass.Float32)))
+                scale, factor = self.scale_and_factor(amax)
+                for part in cutlass.range_constexpr(BLOCK // OUT_CHUNK):
+                    values = cute.make_rmem_tensor((OUT_CHUNK,), cutlass.Float32)
+                    for i in cutlass.range_constexpr(OUT_CHUNK):
+                        values[i] = s_tile[part * OUT_CHUNK + i, tidx].to(cutlass.Float32)
+                    row_vector(m_q, column, row_block * (BLOCK // OUT_CHUNK) + part, OUT_CHUNK).store(
+                        (values.load() * factor).to(m_q.element_type))
+                m_s[row_block, column] = scale
+
+
 def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, bounded: bool, arch: str, options: str = "",
-                               segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False, gathered: bool = False):
-    """Compile :class:`QuantizeFp8BlockKernel` for ``arch`` without tensors (FP8_BLOCK_QUANTIZE_ARGS' stand-ins)."""
-    kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales, gathered)
+                               segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False, gathered: bool = False,
+                               columns: bool = False):
+    """Compile :class:`QuantizeFp8BlockKernel` (``columns``: :class:`QuantizeFp8ColumnsKernel`) for
+    ``arch`` without tensors (FP8_BLOCK_QUANTIZE_ARGS' stand-ins)."""
+    if columns:
+        kernel = QuantizeFp8ColumnsKernel(width, power_of_two, bounded, gathered)
+    else:
+        kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales, gathered)
     return compile_kernel(kernel, FP8_BLOCK_QUANTIZE_ARGS, arch, options)

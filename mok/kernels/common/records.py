@@ -34,11 +34,13 @@ def grouped_gemm_args(operand: str = "bf16") -> LaunchArgs:
 
 def weight_grad_args(operand: str = "bf16", out: str = "bf16") -> LaunchArgs:
     """The weight-gradient GEMM's launch arguments (either arch): A [R, M] and B [R, N] (``operand``
-    "bf16", or "e4m3" with their E8M0 scales), the output (``out`` "bf16" or "f32"; split_out's two
-    halves ``half_stride`` elements apart, ``upper_first`` when the second lies lower), the experts'
-    row offsets and counts (``counted`` 0: the counts are not read)."""
+    "bf16", or "e4m3" with their E8M0 scales, or "e4m3_block": their transposes [M, R], [N, R] in
+    E4M3 with fp32 scales [R / 128, M], [R / 128, N]), the output (``out`` "bf16" or "f32";
+    split_out's two halves ``half_stride`` elements apart, ``upper_first`` when the second lies
+    lower), the experts' row offsets and counts (``counted`` 0: the counts are not read)."""
+    element, scale = ("e4m3", "f32") if operand == "e4m3_block" else (operand, "e8m0")
     return LaunchArgs(
-        ptr("a", operand), ptr("a_scale", "e8m0"), ptr("b", operand), ptr("b_scale", "e8m0"), ptr("out", out),
+        ptr("a", element), ptr("a_scale", scale), ptr("b", element), ptr("b_scale", scale), ptr("out", out),
         ptr("offsets", "i32", 4), ptr("counts", "i32", 4), int32("counted", 0), int32("num_rows"), int32("num_experts"),
         int32("max_ctas"), int64("half_stride", 0), int32("upper_first", 0),
     )

@@ -59,7 +59,7 @@ class BlockScaledMainloop:
         """The SwiGLU backward's one product 128 wide: its block accumulators beside the epilogue's
         registers spill 276 bytes at the launch count, 8 with the 40 / 232 hand-over, none with
         24 / 240 (ptxas launches it at 168, which both fit)."""
-        return self.block_scaled and self.epilogue_kind == "swiglu_bwd" and self.tile_shape_mnk[1] == 128
+        return self.block_scaled and getattr(self, "epilogue_kind", None) == "swiglu_bwd" and self.tile_shape_mnk[1] == 128
 
     @property
     def register_split(self) -> tuple[int, int]:
@@ -168,6 +168,41 @@ class BlockScaledMainloop:
             else:
                 self.promote(accs, blocks[2:], row_scale, (last_b, last_b2))
         return cons, release
+
+    @cute.jit
+    def consume_outer_scaled_tile(self, ab_pipe, tiled_mma, acc, block, operands, k_tiles, cons, scales, mma_tidx):
+        """Persistent consumer of one weight-gradient tile on FP8 (both operands scaled per 128-row
+        block along the output's rows and columns: mok/kernels/sm90/weight_grad_gemm.py): per stage
+        the WGMMAs into ``block`` (the first overwriting it), waited for, this thread's rows' and
+        columns' scales read from the stage (``scales`` = their stage buffers), the stage handed
+        back, then acc += block · (sa[row] · sb[column]) per value. Returns the advanced state (the
+        stages are released in the order they were read: one state serves both)."""
+        s_sa, s_sb = scales
+        r_a, r_b = operands
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        row_tiles, groups = cute.size(crd, mode=[1]), tile_n // 8
+        row_scale = cute.make_rmem_tensor((2, row_tiles), cutlass.Float32)
+        column_scale = cute.make_rmem_tensor((2, groups), cutlass.Float32)
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.consumer_wait(cons)
+            self.mma_stage(tiled_mma, block, block, r_a, r_b, r_b, cons.index, overwrite=True)
+            cute.nvgpu.warpgroup.wait_group(0)
+            for m in cutlass.range_constexpr(row_tiles):
+                for hi in cutlass.range_constexpr(2):
+                    row_scale[hi, m] = s_sa[crd[(0, hi, 0), m, 0][0], 0, cons.index]
+            for j in cutlass.range_constexpr(groups):
+                for c in cutlass.range_constexpr(2):
+                    column_scale[c, j] = s_sb[crd[(c, 0, j), 0, 0][1], 0, cons.index]
+            ab_pipe.consumer_release(cons)
+            cons.advance()
+            for j in cutlass.range_constexpr(groups):
+                for m in cutlass.range_constexpr(row_tiles):
+                    for hi in cutlass.range_constexpr(2):
+                        for c in cutlass.range_constexpr(2):
+                            at = ((c, hi, j), m, 0)
+                            acc[at] = cute.math.fma(block[at], row_scale[hi, m] * column_scale[c, j], acc[at])
+        return cons
 
     @cute.jit
     def retire_block(self, ab_pipe, release, s_sa, crd, row_scale, stage):
