@@ -19,8 +19,9 @@ between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is l
 same-bits check); "mok recompute" keeps no h and runs the gate/up GEMM again in the backward
 (``saved_h_format="recompute"``: the same bits); "mok recompute gate" keeps h's up half and runs
 the gate GEMM alone again (``saved_h_format="recompute_gate"``: the same bits). "mok fp8 block" runs the forward's expert GEMMs in
-FP8 with 128-block scales (``precision="fp8_block"``, other bits; the weight gradients bf16);
-widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
+FP8 with 128-block scales (``precision="fp8_block"``, other bits; the weight gradients bf16),
+"mok fp8 block wgrad" (forward + backward) its weight gradients on FP8 too
+(``wgrad_format="fp8_block"``); widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
 experts as they are, clamped SwiGLU and expert biases (other bits).
 
 ``--memory`` measures instead, per saved_h_format (bf16; and precision="fp8_block" where the
@@ -177,7 +178,9 @@ def gpt_oss_plan(inputs):
     return Plan(config_of(inputs, activation="clamped_swiglu", expert_bias=True), "sm_90a"), biases
 
 
-PATHS_OF_SOME_CONFIGS = {"mok gpt-oss", "mok fp8 block", "mok shared-in", "mok 1L shared-in"}  # (--paths may name them for every config)
+PATHS_OF_SOME_CONFIGS = {  # (--paths may name them for every config)
+    "mok gpt-oss", "mok fp8 block", "mok fp8 block wgrad", "mok shared-in", "mok 1L shared-in",
+}
 
 
 def fp8_block_plan(inputs):
@@ -195,10 +198,10 @@ def mok_plan_forward(inputs, plan):
     return mok.pipeline.forward(plan, x, idx, w, experts, shared, check_routing=False).out
 
 
-def mok_plan_train_step(inputs, dout, plan):
+def mok_plan_train_step(inputs, dout, plan, wgrad_format: str = "mxfp8"):
     x, idx, w, experts, shared = inputs
     saved = mok.pipeline.forward(plan, x, idx, w, experts, shared, save=True, check_routing=False)
-    return mok.pipeline.backward(plan, dout, x, idx, w, experts, shared, saved)
+    return mok.pipeline.backward(plan, dout, x, idx, w, experts, shared, saved, wgrad_format=wgrad_format)
 
 
 def mok_gpt_oss_forward(inputs, plan, biases):
@@ -324,6 +327,7 @@ def main() -> int:
                 paths["mok gpt-oss"] = lambda: mok_gpt_oss_train_step(inputs, dout, *gpt_oss)
             if fp8 is not None:
                 paths["mok fp8 block"] = lambda: mok_plan_train_step(inputs, dout, fp8)
+                paths["mok fp8 block wgrad"] = lambda: mok_plan_train_step(inputs, dout, fp8, wgrad_format="fp8_block")
         else:
             paths = {
                 "mok": lambda: mok_forward(inputs),
@@ -364,7 +368,7 @@ def main() -> int:
             ms = time_ms_interleaved(paths, batch=5, repeats=10)  # (in turn: every path sees the same clock drift)
         launches = {p: count_launches(fn) for p, fn in paths.items()}
         mok_result = paths["mok"]()
-        other_bits = ("mok mxfp8 h", "mok gpt-oss", "mok fp8 block")  # (other numerics: left out of the same-bits check)
+        other_bits = ("mok mxfp8 h", "mok gpt-oss", "mok fp8 block", "mok fp8 block wgrad")  # (other numerics: left out of the same-bits check)
         same = {p: same_bits(paths[p](), mok_result) for p in paths if p.startswith("mok ") and p not in other_bits}  # MoK's ways: the same bits
         mok_out, torch_out = mok_result, paths["torch"]()
         if args.backward:  # compare dx

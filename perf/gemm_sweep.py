@@ -12,6 +12,7 @@
     python perf/gemm_sweep.py --gathered-fp8-fc1  # the gathered fc1 part only
     python perf/gemm_sweep.py --fp8-swiglu-bwd    # the SwiGLU-backward part only
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
+    python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -179,6 +180,39 @@ def fp8_block() -> None:
             print(f"{name:<11}fp8 vs float64 of its operands: relative difference {float((got - want).norm() / want.norm()):.2e}")
 
 
+def fp8_weight_grads() -> None:
+    """The weight gradients on FP8 with 1 x 128 blocks along the rows (the rows' transposes,
+    ops.quantize_fp8_columns, then ops.weight_grad on them) against bf16's weight-gradient GEMM on
+    the same rows, on a real uniform schedule (padding rows zero): the GEMM alone, the GEMM with its
+    two transposing quantizers (x's rows gathered from x as they are quantized), and the FP8
+    result's relative difference from bf16's."""
+    shapes = {"dsv3": (4096, 7168, 2048, 32, 8), "qwen3": (8192, 2048, 768, 64, 8)}
+    for name, (T, H, I, E, k) in shapes.items():
+        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        x_rows = ops.gather_rows(x, sched.row_token)
+        padding = (sched.row_token < 0)[:, None]
+        dh = torch.randn(sched.capacity, 2 * I, device="cuda").bfloat16().masked_fill(padding, 0)
+        offsets, counts = sched.expert_offsets, sched.expert_counts
+        used = offsets[-1:]
+        dh_q = ops.quantize_fp8_columns(dh, rows_used=used)
+        x_q = ops.quantize_fp8_columns(x, rows_used=used, row_source=sched.row_token)
+        runs = {
+            "bf16 dW_gate+up": lambda: ops.weight_grad(dh, x_rows, offsets, counts=counts, split_out=True),
+            "fp8 dW_gate+up": lambda: ops.weight_grad(dh_q, x_q, offsets, counts=counts, split_out=True),
+            "fp8 quantize + dW": lambda: ops.weight_grad(ops.quantize_fp8_columns(dh, rows_used=used),
+                                                        ops.quantize_fp8_columns(x, rows_used=used, row_source=sched.row_token),
+                                                        offsets, counts=counts, split_out=True),
+        }
+        ms = time_ms_interleaved(runs, batch=10, repeats=5)
+        flops = 2 * T * k * 2 * I * H
+        for kname, t in ms.items():
+            print(f"{name:<7}{kname:<22}{t:>8.3f}{flops / t / 1e9:>9.0f}{ms['bf16 dW_gate+up'] / t:>8.2f}x")
+        want = torch.cat(runs["bf16 dW_gate+up"](), 1).float()
+        got = torch.cat(runs["fp8 dW_gate+up"](), 1).float()
+        print(f"{name:<7}fp8 vs bf16 weight gradients: relative difference {float((got - want).norm() / want.norm()):.2e}")
+
+
 def fp8_for_ncu() -> None:
     """dsv3's fc2 (plain) and fc1 (SwiGLU) on FP8 with block scales, then bf16's fc2, each called
     twice (the first compiles), for Nsight Compute to profile the second calls (tools/sass_stalls.py
@@ -259,6 +293,8 @@ if __name__ == "__main__":
 
     if "--fp8-ncu" in sys.argv:
         fp8_for_ncu()
+    elif "--fp8-weight-grads" in sys.argv:
+        fp8_weight_grads()
     elif "--fp8-block" in sys.argv or "--gathered-fp8-fc1" in sys.argv or "--fp8-swiglu-bwd" in sys.argv:
         if "--fp8-block" in sys.argv:
             fp8_block()

@@ -266,3 +266,22 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     assert (("block_rows", 1), ("bounded", True), ("segments", 2), ("width", 2080)) in quantizers  # (dh: a half at a time)
     assert (("block_rows", 128), ("matrix_rows", 1040), ("width", 2880)) in quantizers  # (w_gate, w_up: N = 1040)
     assert (("block_rows", 128), ("matrix_rows", 2880), ("width", 1040)) in quantizers  # (w_down [E, 2880, 1040], w_gate's transpose)
+
+
+def test_fp8_weight_gradients_are_refused_where_they_do_not_run():
+    """pipeline.backward(wgrad_format="fp8_block"): Hopper's FP8 weight-gradient kernel, for
+    precision="fp8_block" only: a bf16 layer, or fp8_block on SM100, is refused before anything
+    runs."""
+    from mok import pipeline
+    from mok.config import MoKConfig
+    from mok.plan import Plan
+
+    T, H, I, E, k = 8, 256, 128, 4, 2
+    x, dout = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
+    idx, w = torch.zeros(T, k, dtype=torch.int32), torch.rand(T, k)
+    experts = (torch.randn(E, I, H).bfloat16(), torch.randn(E, I, H).bfloat16(), torch.randn(E, H, I).bfloat16())
+    for precision, arch, extra in (("bf16", "sm_90a", {}), ("fp8_block", "sm_100a", dict(fp8_scales="power_of_two"))):
+        plan = Plan(MoKConfig(H, I, E, k, precision=precision, **extra), arch)
+        with pytest.raises(ValueError, match=f"wgrad_format='fp8_block': the FP8 weight-gradient kernel is Hopper's, for precision='fp8_block', "
+                                             f"got precision='{precision}' on {arch}"):
+            pipeline.backward(plan, dout, x, idx, w, experts, None, None, wgrad_format="fp8_block")

@@ -430,14 +430,14 @@ def test_column_quantizer_gives_the_transpose_s_row_bits(M, power_of_two, gather
     assert torch.equal(again_q[:, :used].view(torch.uint8), q[:, :used].view(torch.uint8))
 
 
-@pytest.mark.parametrize("split_out,accumulate,counted", [(False, False, False), (True, True, True)])
-def test_weight_grad_on_fp8_matches_float64_of_its_operands(split_out, accumulate, counted):
+@pytest.mark.parametrize("form", ["plain", "split_out", "accumulate"])
+def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
     """ops.weight_grad on FP8 block-scaled transposes (ops.quantize_fp8_columns of the rows) against
     float64 of the same dequantized operands, expert by expert: experts of 300, 0, 128 and 77 rows
-    (offsets at 128-row blocks, padding rows zero), a partial last column tile (N = 400); split_out
-    into two poisoned halves, or accumulating into a random fp32 gradient (main_grad) with the
-    padding row blocks skipped (``counts``); an expert without rows gets zeros (or is left as it
-    was); the same bits on a second run."""
+    (offsets at 128-row blocks, padding rows zero), a partial last column tile (N = 400); into a
+    new gradient; split_out into two poisoned halves with the padding row blocks skipped
+    (``counts``); or added into a random fp32 gradient (main_grad), counted too. An expert without
+    rows gets zeros (or is left as it was); the same bits on a second run."""
     counts = [300, 0, 128, 77]
     E, M, N = len(counts), 512, 400
     offsets = [0]
@@ -453,22 +453,46 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(split_out, accumulat
     a_deq, b_deq = fp8.dequantize_rows(*a_q).double(), fp8.dequantize_rows(*b_q).double()  # [M, R], [N, R]
     want = torch.stack([a_deq[:, offsets[e]:offsets[e + 1]] @ b_deq[:, offsets[e]:offsets[e + 1]].T for e in range(E)])
     offsets_t = torch.tensor(offsets, dtype=torch.int32, device="cuda")
-    options = dict(counts=torch.tensor(counts, dtype=torch.int32, device="cuda")) if counted else {}
-    if accumulate:
+    counted = dict(counts=torch.tensor(counts, dtype=torch.int32, device="cuda"))
+    if form == "accumulate":
         start = torch.randn(E, M, N, device="cuda", generator=g)
-        got = start.clone()
-        ops.weight_grad(a_q, b_q, offsets_t, out=got, accumulate=True, **options)
+        got, again = start.clone(), start.clone()
+        for out in (got, again):
+            ops.weight_grad(a_q, b_q, offsets_t, out=out, accumulate=True, **counted)
         want = want + start.double()
-        again = start.clone()
-        ops.weight_grad(a_q, b_q, offsets_t, out=again, accumulate=True, **options)
-    elif split_out:
-        halves = (poisoned(E * M // 2, N).view(E, M // 2, N), poisoned(E * M // 2, N).view(E, M // 2, N))
-        got = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, out=halves, split_out=True, **options), 1)
-        again = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, split_out=True, **options), 1)
+    elif form == "split_out":
+        halves = tuple(poisoned(E * M // 2, N).view(E, M // 2, N) for _ in range(2))
+        got = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, out=halves, split_out=True, **counted), 1)
+        again = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, split_out=True, **counted), 1)
     else:
-        got = ops.weight_grad(a_q, b_q, offsets_t, **options)
-        again = ops.weight_grad(a_q, b_q, offsets_t, **options)
+        got, again = (ops.weight_grad(a_q, b_q, offsets_t) for _ in range(2))
     assert got.shape == (E, M, N) and not got.isnan().any()
-    assert rel_err(got, want) < (2e-3 if accumulate else 5e-3)
+    assert rel_err(got, want) < (2e-3 if form == "accumulate" else 5e-3)
     assert torch.equal(got[1], want[1].to(got.dtype))  # (no rows: zeros, or the gradient as it was)
     assert torch.equal(again, got)
+
+
+def test_fp8_weight_gradients_in_the_backward():
+    """pipeline.backward(wgrad_format="fp8_block"): the weight gradients on the FP8 transposes of the
+    same rows (x's gathered as they are quantized) within FP8's error of the same backward's bf16
+    weight gradients, dx and d_topk_w the same bits (the weight gradients take no part in them);
+    added into main_grad as the fresh ones; the same bits on a second run."""
+    T, H, I, E, k = 900, 1024, 512, 8, 4
+    x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=41)
+    plan = fp8_plan(x, idx, experts)
+    if plan.fp8_on_block_scaled_mma:
+        pytest.skip("the FP8 weight-gradient kernel is Hopper's")
+    saved = pipeline.forward(plan, x, idx, w, experts, None, save=True)
+    dout = torch.randn(T, H, device="cuda").bfloat16()
+    bf16 = pipeline.backward(plan, dout, x, idx, w, experts, None, saved)
+    fp8w, again = (pipeline.backward(plan, dout, x, idx, w, experts, None, saved, wgrad_format="fp8_block") for _ in range(2))
+    assert torch.equal(fp8w.dx, bf16.dx) and torch.equal(fp8w.d_topk_w, bf16.d_topk_w)
+    names = ("d_w_gate", "d_w_up", "d_w_down")
+    for name in names:
+        assert rel_err(getattr(fp8w, name), getattr(bf16, name)) < 0.1, (name, rel_err(getattr(fp8w, name), getattr(bf16, name)))
+        assert torch.equal(getattr(again, name), getattr(fp8w, name))
+    mains = tuple(torch.randn(t.shape, device="cuda") for t in experts)
+    start = tuple(m.clone() for m in mains)
+    pipeline.backward(plan, dout, x, idx, w, experts, None, saved, main_grads=mains, wgrad_format="fp8_block")
+    for main, before, name in zip(mains, start, names):
+        assert rel_err(main - before, getattr(fp8w, name).float()) < 1e-2, name

@@ -39,7 +39,7 @@ from .forward import check_inputs, check_on_gpu, check_saved
 from .stages import ForwardResult
 from .workspace import EPWorkspace
 
-WGRAD_FORMATS = ("mxfp8", "bf16")
+WGRAD_FORMATS = ("mxfp8", "fp8_block", "bf16")
 
 
 def backward(
@@ -67,8 +67,11 @@ def backward(
     them by the weight-gradient GEMMs (Megatron's main_grad) and returned as them.
     ``weight_grads=False`` (frozen experts): dx and d_topk_w only, no weight-gradient GEMM (the
     weight gradients None). ``wgrad_format`` (MXFP8 precision): "mxfp8" (the weight gradients on
-    rows quantized down their columns) or "bf16" (on the bf16 rows). At EP > 1 the shared expert's
-    weight gradients cover this rank's tokens (sum them over ranks as data-parallel gradients).
+    rows quantized down their columns) or "bf16" (on the bf16 rows); "fp8_block" (precision
+    fp8_block on Hopper; otherwise its weight gradients are bf16): on the rows' transposes in FP8
+    with 1 x 128 blocks along the rows, DeepSeek-V3's recipe (stages.fp8_weight_grad_operands).
+    At EP > 1 the shared expert's weight gradients cover this rank's tokens (sum them over ranks
+    as data-parallel gradients).
     With ``gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert in one
     [E, 2I, H] tensor (the layout of the weights', such as transformers' gate_up_proj: nothing to
     concatenate after), with "interleaved" the two interleaved row by row (gpt-oss's), and d_w_up is
@@ -83,6 +86,9 @@ def backward(
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     if wgrad_format not in WGRAD_FORMATS:
         raise ValueError(f"wgrad_format: expected one of {WGRAD_FORMATS}, got {wgrad_format!r}")
+    if wgrad_format == "fp8_block" and (plan.precision != "fp8_block" or plan.fp8_on_block_scaled_mma):
+        raise ValueError(f"wgrad_format='fp8_block': the FP8 weight-gradient kernel is Hopper's, for precision='fp8_block', got "
+                         f"precision={plan.config.precision!r} on {plan.arch}")
     check_main_grads(main_grads, tuple(weights), None if shared is None else tuple(shared), weight_grads)
     sched = check_saved("saved", saved, plan, num_tokens, topk, num_local, x.device, workspace)
     shared_inter = None if shared is None else shared[0].shape[0]
@@ -116,7 +122,8 @@ def backward(
                             timeout_s, biases, wgrad_format)
 
     expert_weights = stages.backward_weights(plan, weights, stacked)
-    if weight_grads:
+    fp8_wgrad = wgrad_format == "fp8_block"  # (x's rows then gathered as their transposes are quantized)
+    if weight_grads and not fp8_wgrad:
         dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
     else:
         dout_rows, x_rows = ops.gather_rows(dout, sched.row_token), None
@@ -125,7 +132,8 @@ def backward(
     d_gate = d_up = d_down = d_biases = None
     if weight_grads:
         d_gate, d_up, d_down = stages.expert_weight_grads(
-            plan, (dout_rows, a_scaled, dh, x_rows), sched, grad_dtype, mains[0], wgrad_format, plan.config.gate_up_layout
+            plan, (dout_rows, a_scaled, dh, x_rows), sched, grad_dtype, mains[0], wgrad_format, plan.config.gate_up_layout,
+            x=x if fp8_wgrad else None,
         )
         if biases is not None:
             d_biases = stages.expert_bias_grads(dout_rows, dh, sched, topk_w, biases)

@@ -369,12 +369,13 @@ def gate_up_weight_grads(dh, x_rows, offsets, dtype, main_grads, counts=None, la
     """dW_gate, dW_up from the two column halves of dh, each into its own tensor, in one launch;
     ``layout`` (MoKConfig.gate_up_layout) "concatenated" or "interleaved": (one [E, 2I, H] tensor,
     each expert's dW_gate rows then its dW_up rows, or the two interleaved row by row: the layout
-    of the one gate/up weight; None), the same tiles, the same bits."""
+    of the one gate/up weight; None), the same tiles, the same bits. (dh and the x rows bf16, or
+    their FP8 transposes: :func:`fp8_weight_grad_operands`.)"""
     if layout == "concatenated":
         return ops.weight_grad(dh, x_rows, offsets, counts=counts, out_dtype=dtype), None
     if layout == "interleaved":
-        experts, inter2, hidden = offsets.shape[0] - 1, dh.shape[1], x_rows.shape[1]
-        whole = torch.empty(experts, inter2, hidden, dtype=dtype, device=dh.device)
+        experts, inter2, hidden = offsets.shape[0] - 1, operand_columns(dh), operand_columns(x_rows)
+        whole = torch.empty(experts, inter2, hidden, dtype=dtype, device=offsets.device)
         ops.weight_grad(dh, x_rows, offsets, counts=counts, out=(whole[:, 0::2], whole[:, 1::2]), split_out=True)
         return whole, None
     if main_grads is None:
@@ -382,17 +383,38 @@ def gate_up_weight_grads(dh, x_rows, offsets, dtype, main_grads, counts=None, la
     return ops.weight_grad(dh, x_rows, offsets, counts=counts, out=tuple(main_grads), accumulate=True, split_out=True)
 
 
+def operand_columns(operand) -> int:
+    """M of a weight gradient's operand: bf16 rows [R, M], or FP8 transposes (elements [M, R], scales)."""
+    return operand[0].shape[0] if isinstance(operand, tuple) else operand.shape[1]
+
+
+def fp8_weight_grad_operands(plan: Plan, rows: tuple, sched: Schedule, x: torch.Tensor | None = None) -> tuple:
+    """The weight gradients' operands on FP8 (wgrad_format="fp8_block"): the transposes of
+    ``rows`` = (dout_rows, a_scaled, dh, x_rows) with 1 x 128 blocks along the rows
+    (ops.quantize_fp8_columns, the plan's scale rule), the row blocks in use only; the x rows
+    gathered from ``x`` (the tokens) as they are quantized where it is given (x_rows then None)."""
+    dout_rows, a_scaled, dh, x_rows = rows
+    options = dict(power_of_two=plan.config.fp8_power_of_two, rows_used=rows_in_use(sched))
+    x_t = ops.quantize_fp8_columns(x_rows, **options) if x is None else ops.quantize_fp8_columns(x, row_source=sched.row_token, **options)
+    return (*(ops.quantize_fp8_columns(t, **options) for t in (dout_rows, a_scaled, dh)), x_t)
+
+
 def expert_weight_grads(
-    plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str = "mxfp8", gate_up_layout: str = "separate"
+    plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str = "mxfp8", gate_up_layout: str = "separate",
+    x: torch.Tensor | None = None,
 ) -> tuple:
     """(dW_gate, dW_up, dW_down) of the routed experts over their rows in canonical order, from
     ``rows`` = (dout_rows, a_scaled, dh, x_rows); fresh in ``grad_dtype`` or added into
     ``main_grads`` (gate, up, down). With MXFP8 precision the operands are quantized along the
-    rows (blocks of 32 rows down each column) unless ``wgrad_format="bf16"``. ``gate_up_layout``
-    "concatenated" or "interleaved" (bf16, fresh): dW_gate and dW_up as one [E, 2I, H] tensor
-    (:func:`gate_up_weight_grads`)."""
-    dout_rows, a_scaled, dh, x_rows = rows
+    rows (blocks of 32 rows down each column) unless ``wgrad_format="bf16"``; with fp8_block and
+    ``wgrad_format="fp8_block"`` their transposes with 1 x 128 blocks along the rows
+    (:func:`fp8_weight_grad_operands`; ``x``: the tokens, whose rows are gathered as they are
+    quantized, x_rows then None). ``gate_up_layout`` "concatenated" or "interleaved" (fresh):
+    dW_gate and dW_up as one [E, 2I, H] tensor (:func:`gate_up_weight_grads`)."""
     offsets, counts = sched.expert_offsets, sched.expert_counts
+    if plan.precision == "fp8_block" and wgrad_format == "fp8_block":
+        rows = fp8_weight_grad_operands(plan, rows, sched, x)
+    dout_rows, a_scaled, dh, x_rows = rows
     if plan.precision != "mxfp8" or wgrad_format == "bf16":
         d_down = weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
         d_gate, d_up = gate_up_weight_grads(
