@@ -31,6 +31,9 @@ any order, so the bits do not depend on the launch. ``bounded``: only the first 
 source row row_source[r] quantized (zeros with scale 1 where it is negative: a schedule's padding
 rows), so a GEMM's gathered rows come out in FP8 in one pass, with no bf16 copy of them: the
 bits of quantizing the gathered bf16 rows, each row being quantized on its own.
+
+:class:`QuantizeFp8ColumnsKernel` quantizes the rows' transpose instead (1 x 128 blocks along the
+rows, for the weight gradients on FP8, whose K is the rows): see its docstring.
 """
 
 from __future__ import annotations
