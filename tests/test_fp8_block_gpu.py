@@ -373,9 +373,9 @@ def test_gathered_fp8_rows_with_their_scales_match_the_rows_gathered_first():
 @pytest.mark.parametrize("H,power_of_two,order", [(2048, False, "rows"), (2880, True, "rows"), (1024, True, "mma")])
 def test_quantizing_gathered_rows_gives_the_bits_of_gathering_first(H, power_of_two, order):
     """ops.quantize_fp8_rows(x, row_source=...) (the one-GPU layer's gate/up rows: gathered as they
-    are quantized) against the CPU rule on the rows
-    gathered with torch (zeros for padding rows), and against quantizing ops.gather_rows' rows: the
-    same bytes and scales over the rows in use; padding rows zeros with scale 1."""
+    are quantized) against the CPU rule on the rows gathered with torch (zeros for padding rows),
+    and against quantizing ops.gather_rows' rows: the same bytes and scales over the rows in use;
+    padding rows zeros with scale 1."""
     T, E, k = 777, 8, 4
     g = torch.Generator(device="cuda").manual_seed(H)
     x = (torch.randn(T, H, device="cuda", generator=g) * torch.logspace(-3, 3, T, device="cuda")[:, None]).bfloat16()
@@ -398,7 +398,6 @@ def test_quantizing_gathered_rows_gives_the_bits_of_gathering_first(H, power_of_
     assert torch.equal(q[:used].cpu().view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s[:, :used].cpu(), want_s)
     padding = source < 0
     assert (q[:used].cpu()[padding].float() == 0).all() and (s[:, :used].cpu()[:, padding] == 1).all()
-
 
 
 @pytest.mark.parametrize("M,power_of_two,gathered", [(2048, False, False), (2880, True, False), (1040, False, True)])
