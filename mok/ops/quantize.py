@@ -146,11 +146,7 @@ def quantize_fp8_rows(
     elements, what ops.grouped_gemm's MXFP8 form takes. ``row_source`` (int32 [R'] on x's device):
     the R' rows x[row_source[r]] (zeros where an index is negative: a schedule's padding rows) in
     one pass, the bits of quantizing ops.gather_rows(x, row_source), with no bf16 copy of them."""
-    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
-    rows, k = x.shape
-    if row_source is not None:
-        check_tensor("row_source", row_source, dtypes=(torch.int32,), ndim=1, contiguous=True, device=x.device)
-        rows = row_source.shape[0]
+    rows, k = _source_rows(x, row_source)
     if segments not in (1, 2):
         raise ValueError(f"segments: expected 1 or 2, got {segments}")
     mma = _check_scale_order(scale_order, power_of_two, k)
@@ -184,11 +180,7 @@ def quantize_fp8_columns(
     rows_used[0] are converted (the rest of both outputs left unwritten; the count stays on the
     device). ``row_source`` (int32 [R] on x's device): the rows x[row_source[r]] (zeros where an
     index is negative: a schedule's padding rows), gathered as they are quantized."""
-    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
-    rows, m = x.shape
-    if row_source is not None:
-        check_tensor("row_source", row_source, dtypes=(torch.int32,), ndim=1, contiguous=True, device=x.device)
-        rows = row_source.shape[0]
+    rows, m = _source_rows(x, row_source)
     if rows % 128 or m % 16 or m == 0:
         raise ValueError(f"x: expected [R, M] rows with R a multiple of 128 and M a positive multiple of 16, got R={rows}, M={m}"
                          f"{' (R: row_source)' if row_source is not None else ''}")
@@ -201,6 +193,15 @@ def quantize_fp8_columns(
                                              columns=True)
         _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source)
     return elements, scales
+
+
+def _source_rows(x: torch.Tensor, row_source: torch.Tensor | None) -> tuple[int, int]:
+    """x [R, K] bf16 checked, and (the rows a quantizer writes: R, or row_source's count, K)."""
+    check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
+    if row_source is None:
+        return tuple(x.shape)
+    check_tensor("row_source", row_source, dtypes=(torch.int32,), ndim=1, contiguous=True, device=x.device)
+    return row_source.shape[0], x.shape[1]
 
 
 def _check_scale_order(scale_order: str, power_of_two: bool, k: int) -> bool:
@@ -242,7 +243,7 @@ def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False, scale_o
 def _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source=None) -> None:
     kernel_for(variant, x.device)(
         *FP8_BLOCK_QUANTIZE_ARGS.values(x=x, elements=elements, scales=scales, rows_used=rows_used, row_source=row_source,
-                                        num_rows=scales.shape[0] * 128 if variant.config.get("columns") else elements.shape[0],
+                                        num_rows=elements.shape[1] if variant.config.get("columns") else elements.shape[0],
                                         num_src=x.shape[0]),
         launch.stream(x.device),
     )

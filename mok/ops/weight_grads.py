@@ -88,33 +88,36 @@ def weight_grad(
     product times sa[m]·sb[n] (mok/kernels/sm90/weight_grad_gemm.py).
     """
     (a_values, a_scales), (b_values, b_scales) = operand_parts("a", a), operand_parts("b", b)
-    fp8_block = a_scales is not None and a_scales.dtype == torch.float32
-    if fp8_block:
-        return _fp8_block_weight_grad(a, b, offsets, counts, out, accumulate, out_dtype, persistent, tile_n, pingpong, split_out)
-    mxfp8 = a_scales is not None
-    if mxfp8:
-        check_tensor("a", a_values, dtypes=E4M3, ndim=2, contiguous=True)
-        check_tensor("b", b_values, dtypes=E4M3, ndim=2, device=a_values.device, contiguous=True)
-        if b_scales is None or pingpong:
-            raise ValueError("MXFP8 operands: b as an (elements, scales) pair too, no ping-pong")
-        persistent, pingpong = persistent_default(a_values.device) if persistent is None else persistent, False
-    else:
-        check_tensor("a", a_values, dtypes=BF16, ndim=2)
-        check_tensor("b", b_values, dtypes=BF16, ndim=2, device=a_values.device, contiguous=True)
-        persistent = persistent_default(a_values.device) if persistent is None else persistent
-    num_rows, m = a_values.shape
+    operand = "bf16" if a_scales is None else "e4m3_block" if a_scales.dtype == torch.float32 else "e4m3"
+    mxfp8 = operand == "e4m3"
     dev = a_values.device
-    if num_rows and (a_values.stride(1) != 1 or a_values.stride(0) < m or a_values.stride(0) % 8):  # (empty views: any strides)
-        raise ValueError(f"a: expected unit column stride and a row stride >= {m} that is a multiple of 8, got strides {a_values.stride()}")
-    if b_values.shape[0] != num_rows:
-        raise ValueError(f"b: expected {num_rows} rows like a, got {b_values.shape[0]}")
-    n = b_values.shape[1]
-    step = 128 if mxfp8 else 8  # (bf16: 16-byte rows; the tiles past M and N partial on Hopper)
-    if m % step or n % step or (mxfp8 and num_rows % 128):
-        raise ValueError(f"(R, M, N): expected M, N{', R' if mxfp8 else ''} multiples of {step}, got ({num_rows}, {m}, {n})")
-    if mxfp8:
-        for name, t, width in (("a", a_scales, m), ("b", b_scales, n)):
-            check_tensor(f"{name} scales", t, dtypes=(torch.uint8,), shape=(width // 128, num_rows // 128, 512), device=dev, contiguous=True)
+    if operand == "e4m3_block":
+        num_rows, m, n = _check_fp8_block_operands(a, b, split_out, persistent, tile_n, pingpong)
+        persistent, pingpong = True, False
+    else:
+        if mxfp8:
+            check_tensor("a", a_values, dtypes=E4M3, ndim=2, contiguous=True)
+            check_tensor("b", b_values, dtypes=E4M3, ndim=2, device=dev, contiguous=True)
+            if b_scales is None or pingpong:
+                raise ValueError("MXFP8 operands: b as an (elements, scales) pair too, no ping-pong")
+            persistent, pingpong = persistent_default(dev) if persistent is None else persistent, False
+        else:
+            check_tensor("a", a_values, dtypes=BF16, ndim=2)
+            check_tensor("b", b_values, dtypes=BF16, ndim=2, device=dev, contiguous=True)
+            persistent = persistent_default(dev) if persistent is None else persistent
+        num_rows, m = a_values.shape
+        if num_rows and (a_values.stride(1) != 1 or a_values.stride(0) < m or a_values.stride(0) % 8):  # (empty views: any strides)
+            raise ValueError(f"a: expected unit column stride and a row stride >= {m} that is a multiple of 8, got strides {a_values.stride()}")
+        if b_values.shape[0] != num_rows:
+            raise ValueError(f"b: expected {num_rows} rows like a, got {b_values.shape[0]}")
+        n = b_values.shape[1]
+        step = 128 if mxfp8 else 8  # (bf16: 16-byte rows; the tiles past M and N partial on Hopper)
+        if m % step or n % step or (mxfp8 and num_rows % 128):
+            raise ValueError(f"(R, M, N): expected M, N{', R' if mxfp8 else ''} multiples of {step}, got ({num_rows}, {m}, {n})")
+        if mxfp8:
+            for name, t, width in (("a", a_scales, m), ("b", b_scales, n)):
+                check_tensor(f"{name} scales", t, dtypes=(torch.uint8,), shape=(width // 128, num_rows // 128, 512), device=dev,
+                             contiguous=True)
     num_experts = _check_rows_and_outputs(offsets, counts, m, n, split_out, tile_n, accumulate, out, out_dtype, dev)
     pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
     if pingpong and (not persistent or tile_n != 128):
@@ -127,27 +130,29 @@ def weight_grad(
         require_mxfp8_gemms("weight_grad", arch_of(dev.index))
     result = tuple(outs) if split_out else outs[0]
     if num_rows == 0:  # nothing to add (and no TMA descriptor can describe zero rows)
-        return _no_rows(outs, accumulate, result)
-    interleaved, half_stride, upper_first = _split_form(outs, split_out, n)
-    if half_stride is None:  # not a TMA descriptor's stride: a launch per half (A's column halves, their scales' chunks)
+        if not accumulate:
+            for o in outs:
+                o.zero_()
+        return result
+    interleaved = split_out and _interleaved_rows(outs)
+    half_stride, upper_first = (n, 0) if interleaved else _split_out_stride(outs) if split_out else (0, 0)
+    if half_stride is None:  # not a TMA descriptor's stride: a launch per half of A
         opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong)
         for half, o in enumerate(outs):
-            cols = slice(half * (m // 2), (half + 1) * (m // 2))
-            chunks = slice(half * (m // 256), (half + 1) * (m // 256))
-            a_half = (a_values[:, cols], a_scales[chunks]) if mxfp8 else a_values[:, cols]
-            weight_grad(a_half, b, offsets, out=o, **opts)
+            weight_grad(_half_of_a(operand, a_values, a_scales, half, m), b, offsets, out=o, **opts)
         return result
     variant = weight_grad_variant(
-        m, n, "f32" if outs[0].dtype == torch.float32 else "bf16", accumulate, a_stride=a_values.stride(0), tile_n=tile_n,
-        persistent=persistent, pingpong=pingpong, split_out=split_out, operand="e4m3" if mxfp8 else "bf16", interleaved_out=interleaved,
+        m, n, "f32" if outs[0].dtype == torch.float32 else "bf16", accumulate,
+        a_stride=None if operand == "e4m3_block" else a_values.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong,
+        split_out=split_out, operand=operand, interleaved_out=interleaved,
     )
     launch_weight_grad(variant, a, b, offsets, counts, outs, half_stride, upper_first)
     return result
 
 
-def _fp8_block_weight_grad(a, b, offsets, counts, out, accumulate: bool, out_dtype, persistent, tile_n: int, pingpong, split_out: bool):
-    """:func:`weight_grad` on FP8 block-scaled transposes (its docstring): checks, then one launch
-    (or, where split_out's two outputs are no TMA descriptor's halves, a launch per half)."""
+def _check_fp8_block_operands(a, b, split_out: bool, persistent, tile_n: int, pingpong) -> tuple[int, int, int]:
+    """:func:`weight_grad`'s FP8 block-scaled transposes and the kernel's options checked (its
+    docstring); returns (R, M, N)."""
     (a_values, a_scales), (b_values, b_scales) = operand_parts("a", a), operand_parts("b", b)
     check_tensor("a", a_values, dtypes=E4M3, ndim=2, contiguous=True)
     dev = a_values.device
@@ -164,26 +169,18 @@ def _fp8_block_weight_grad(a, b, offsets, counts, out, accumulate: bool, out_dty
         raise ValueError(f"(M, N, R): expected M a multiple of {32 if split_out else 16}, N of 16 and R of 128, got ({m}, {n}, {num_rows})")
     for name, t, width in (("a", a_scales, m), ("b", b_scales, n)):
         check_tensor(f"{name} scales", t, dtypes=(torch.float32,), shape=(num_rows // 128, width), device=dev, contiguous=True)
-    num_experts = _check_rows_and_outputs(offsets, counts, m, n, split_out, tile_n, accumulate, out, out_dtype, dev)
-    outs = _outputs(out, split_out, (num_experts, m, n), out_dtype, (torch.float32,) if accumulate else (torch.bfloat16, torch.float32), dev)
-    check_launchable(a=a_values, b=b_values, a_scales=a_scales, b_scales=b_scales)
-    check_weights_launchable(**{f"out[{i}]": o for i, o in enumerate(outs)})
-    result = tuple(outs) if split_out else outs[0]
-    if num_rows == 0:
-        return _no_rows(outs, accumulate, result)
-    interleaved, half_stride, upper_first = _split_form(outs, split_out, n)
-    if half_stride is None:  # a launch per half: A's halves are row ranges of the transpose, their scales column ranges
-        for half, o in enumerate(outs):
-            rows = slice(half * (m // 2), (half + 1) * (m // 2))
-            a_half = (a_values[rows], a_scales[:, rows].contiguous())
-            _fp8_block_weight_grad(a_half, b, offsets, counts, o, accumulate, out_dtype, persistent, tile_n, pingpong, False)
-        return result
-    variant = weight_grad_variant(
-        m, n, "f32" if outs[0].dtype == torch.float32 else "bf16", accumulate, tile_n=tile_n, persistent=True, pingpong=False,
-        split_out=split_out, operand="e4m3_block", interleaved_out=interleaved,
-    )
-    launch_weight_grad(variant, a, b, offsets, counts, outs, half_stride, upper_first)
-    return result
+    return num_rows, m, n
+
+
+def _half_of_a(operand: str, values: torch.Tensor, scales: torch.Tensor | None, half: int, m: int):
+    """split_out's half ``half`` of A (M/2 of its M) in its format: bf16 A's column range; MXFP8's
+    and its scales' chunk range; FP8 blocks' row range of the transpose and its scales' columns."""
+    cut = slice(half * (m // 2), (half + 1) * (m // 2))
+    if operand == "e4m3_block":
+        return values[cut], scales[:, cut].contiguous()
+    if operand == "e4m3":
+        return values[:, cut], scales[half * (m // 256):(half + 1) * (m // 256)]
+    return values[:, cut]
 
 
 def _check_rows_and_outputs(offsets, counts, m: int, n: int, split_out: bool, tile_n: int, accumulate: bool, out, out_dtype,
@@ -204,22 +201,6 @@ def _check_rows_and_outputs(offsets, counts, m: int, n: int, split_out: bool, ti
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     return num_experts
-
-
-def _no_rows(outs, accumulate: bool, result):
-    """No rows to reduce: the gradients are zeros (accumulating: left as they are); returns ``result``."""
-    if not accumulate:
-        for o in outs:
-            o.zero_()
-    return result
-
-
-def _split_form(outs, split_out: bool, n: int) -> tuple[bool, int | None, int]:
-    """How one launch writes the output(s): (split_out's halves the even and odd rows of one tensor,
-    the halves' distance in elements (None: none a TMA descriptor holds), 1 when the second lies lower)."""
-    interleaved = split_out and _interleaved_rows(outs)
-    half_stride, upper_first = (n, 0) if interleaved else _split_out_stride(outs) if split_out else (0, 0)
-    return interleaved, half_stride, upper_first
 
 
 def _split_out_stride(outs) -> tuple[int | None, int]:

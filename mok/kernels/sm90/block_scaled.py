@@ -43,6 +43,7 @@ class BlockScaledMainloop:
 
     block_scaled = False
     block_buffers = 1  # sets of block accumulators a warpgroup cycles through (module docstring)
+    epilogue_kind = None  # (the grouped GEMM's sets its epilogue; a weight gradient's has none of these kinds)
 
     @property
     def hands_registers_over(self) -> bool:
@@ -59,7 +60,7 @@ class BlockScaledMainloop:
         """The SwiGLU backward's one product 128 wide: its block accumulators beside the epilogue's
         registers spill 276 bytes at the launch count, 8 with the 40 / 232 hand-over, none with
         24 / 240 (ptxas launches it at 168, which both fit)."""
-        return self.block_scaled and getattr(self, "epilogue_kind", None) == "swiglu_bwd" and self.tile_shape_mnk[1] == 128
+        return self.block_scaled and self.epilogue_kind == "swiglu_bwd" and self.tile_shape_mnk[1] == 128
 
     @property
     def register_split(self) -> tuple[int, int]:
