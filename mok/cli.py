@@ -14,7 +14,7 @@ import sys
 
 from . import __version__
 from .bench.layer import PASS_ALIASES, PASSES, PATHS, PLOT_METRICS, PRESETS, parse_choices, parse_models, presets_table, resolve_shapes
-from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, FP8_SCALES, GATE_UP_LAYOUTS, PRECISIONS, SAVED_H_FORMATS, MoKConfig
+from .config import DEFAULT_CONFIG, DISPATCH_FORMATS, FP8_SCALES, GATE_UP_LAYOUTS, PRECISIONS, SAVED_H_FORMATS, WGRAD_FORMATS, MoKConfig
 from .kernels.constants import ACTIVATIONS
 
 NO_GPU_MESSAGE = (
@@ -83,6 +83,9 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-bias", action="store_true", help="the routed experts have biases (MoKConfig.expert_bias; gpt-oss)")
     p.add_argument("--fp8-scales", choices=FP8_SCALES, default="fp32",
                    help="precision fp8_block's scale rule; power_of_two builds its quantizers that way (MoKConfig.fp8_scales)")
+    p.add_argument("--wgrad-format", choices=WGRAD_FORMATS, default=None,
+                   help="the expert weight gradients' operands (default: the precision's own); fp8_block (with precision "
+                        "fp8_block, sm_90a) adds the transposing quantizers and the FP8 weight-gradient kernels (MoKConfig.wgrad_format)")
 
 
 def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=None) -> tuple[MoKConfig, str | None]:
@@ -112,7 +115,7 @@ def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=Non
     values = {**base, **given, "one_launch": args.one_launch, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation,
               "saved_h_format": args.saved_h_format, "dispatch_format": args.dispatch_format, "precision": args.precision,
               "gate_up_layout": args.gate_up_layout, "activation": args.activation, "expert_bias": args.expert_bias,
-              "fp8_scales": args.fp8_scales}
+              "fp8_scales": args.fp8_scales, "wgrad_format": args.wgrad_format}
     if args.ep_size is not None or default_ep == 1:
         return MoKConfig(**values, ep_size=args.ep_size if args.ep_size is not None else default_ep), None
     try:
@@ -161,6 +164,7 @@ def _describe(config: MoKConfig) -> str:
     options += [f"gate_up_layout={config.gate_up_layout!r}"] if config.gate_up_joined else []
     options += ([f"activation={config.activation!r}"] if config.activation != "swiglu" else []) + (["expert_bias"] if config.expert_bias else [])
     options += [f"fp8_scales={config.fp8_scales!r}"] if config.fp8_power_of_two else []
+    options += [f"wgrad_format={config.wgrad_format!r}"] if config.wgrad_format is not None else []
     return (f"H {config.hidden}, I {config.intermediate}, {config.num_experts} experts, top-{config.topk}, {shared}, "
             f"ep_size {config.ep_size}" + (f", {', '.join(options)}" if options else ""))
 

@@ -18,6 +18,20 @@ SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute", "recompute_gate")  # how h is k
 DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
 GATE_UP_LAYOUTS = ("separate", "concatenated", "interleaved")  # how w_gate and w_up are stored (the kernels read each in place)
 FP8_SCALES = ("fp32", "power_of_two")  # precision="fp8_block"'s scale rule (mok/fp8_block.py)
+WGRAD_FORMATS = ("bf16", "fp8_block", "mxfp8")  # the expert weight gradients' operands (mok/pipeline/stages.py)
+OWN_WGRAD_FORMAT = {"bf16": "bf16", "fp8_block": "bf16", "mxfp8": "mxfp8", "mxfp8_emulated": "mxfp8"}  # each precision's default
+WGRAD_PRECISIONS = {"fp8_block": ("fp8_block",), "mxfp8": ("mxfp8", "mxfp8_emulated")}  # the precisions a quantized one goes with
+
+
+def check_wgrad_format(value: object, precision: str) -> str:
+    """``value`` if it names weight-gradient operands that go with ``precision`` (MoKConfig.wgrad_format),
+    else a ValueError."""
+    if value not in WGRAD_FORMATS:
+        raise ValueError(f"wgrad_format: expected None (the precision's own) or one of {WGRAD_FORMATS}, got {value!r}")
+    if value in WGRAD_PRECISIONS and precision not in WGRAD_PRECISIONS[value]:
+        raise ValueError(f"wgrad_format={value!r}: only with precision {' or '.join(map(repr, WGRAD_PRECISIONS[value]))} (its "
+                         f"quantizers and scale rule), got precision={precision!r}")
+    return value
 
 
 def check_saved_h_format(value: object) -> str:
@@ -61,13 +75,18 @@ class MoKConfig:
     parallelism, whole 128-wide tiles, not in one launch yet) or "fp8_block" (DeepSeek-V3's
     FP8: the expert GEMMs on E4M3 with fp32 scales per 1 x 128 of the rows and 128 x 128 of the
     weights, mok.fp8_block, on Hopper's FP8 WGMMAs, forward and backward dgrad; the weights
-    quantized once per version; the weight gradients in bf16 so far); H, I and I_s multiples of
-    16 (a partial last scale block), one GPU or expert parallelism (the rows cross in bf16 or
+    quantized once per version; the weight gradients in bf16 unless wgrad_format says FP8); H, I
+    and I_s multiples of 16 (a partial last scale block), one GPU or expert parallelism (the rows cross in bf16 or
     dispatch_format's MXFP8 and are quantized on the experts' rank), without one_launch so far (with
     fuse_wgrad_accumulation, the bf16, mxfp8 and recompute saved_h_formats and expert_bias).
     fp8_scales (precision="fp8_block"): "fp32" (default: a block's scale is amax / 448) or
     "power_of_two" (the power of two at or above it, so that dividing by it is exact; mok.fp8_block),
     for every activation and weight the layer quantizes.
+    wgrad_format: the routed experts' weight gradients' operands (None: the precision's own, bf16
+    for bf16 and fp8_block, MXFP8 for mxfp8 and mxfp8_emulated): "bf16"; "fp8_block" (precision
+    fp8_block on Hopper: the rows' transposes quantized with 1 x 128 blocks along the rows, their
+    K, and FP8 WGMMAs, DeepSeek-V3's recipe; mok/kernels/sm90/weight_grad_gemm.py); "mxfp8"
+    (precision mxfp8 or mxfp8_emulated: quantized along the rows in blocks of 32).
     gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
     [I, H] block contiguous), "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows
     first, as transformers' gate_up_proj) or "interleaved" (its even and odd rows, w[:, 0::2] and
@@ -105,6 +124,7 @@ class MoKConfig:
     activation: str = "swiglu"
     expert_bias: bool = False
     fp8_scales: str = "fp32"
+    wgrad_format: str | None = None
 
     def check_biases_given(self, given: bool) -> None:
         """Refuse routed-expert biases given without ``expert_bias`` or missing with it (ValueError)."""
@@ -180,6 +200,11 @@ class MoKConfig:
         return self.fp8_scales == "power_of_two"
 
     @property
+    def weight_grad_format(self) -> str:
+        """The routed experts' weight gradients' operands: ``wgrad_format``, or the precision's own."""
+        return OWN_WGRAD_FORMAT[self.precision] if self.wgrad_format is None else self.wgrad_format
+
+    @property
     def recomputes_gate(self) -> bool:
         """Whether the forward keeps h's up half only and the backward computes its gate half again."""
         return self.saved_h_format == "recompute_gate"
@@ -216,6 +241,8 @@ def check_combination(config: "MoKConfig") -> None:
         step, why = width_rule(config)
         if any(v % step for v in widths.values()):
             raise ValueError(f"precision={config.precision!r}: expected widths that are multiples of {step} ({why}), got {widths}")
+    if config.wgrad_format is not None:
+        check_wgrad_format(config.wgrad_format, config.precision)
     if config.fp8_scales != "fp32" and config.precision != "fp8_block":
         raise ValueError(f"fp8_scales={config.fp8_scales!r}: only with precision='fp8_block' (its scale rule), got precision={config.precision!r}")
     if config.saved_h_format == "recompute_gate" and config.precision != "bf16":

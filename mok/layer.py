@@ -83,9 +83,10 @@ class MoELayer(nn.Module):
     weights quantized on every call; SM100 only, compile-verified, never run); ``"mxfp8_emulated"``:
     the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
     ``"fp8_block"``: the expert GEMMs in FP8 with 128-block scales (DeepSeek-V3's recipe, Hopper's
-    FP8 WGMMAs, the weights quantized once per version), but the weight gradients' (bf16 so far);
-    one GPU or expert parallelism, see :class:`mok.config.MoKConfig` for what it does not combine
-    with yet; ``fp8_scales="power_of_two"``: its scales powers of two (exact divisions).
+    FP8 WGMMAs, the weights quantized once per version), the weight gradients in bf16 unless
+    ``wgrad_format="fp8_block"`` (on FP8 too, the rows' transposes quantized with 1 x 128 blocks
+    along the rows); one GPU or expert parallelism, see :class:`mok.config.MoKConfig` for what it
+    does not combine with yet; ``fp8_scales="power_of_two"``: its scales powers of two (exact divisions).
     ``activation``: the experts' gated activation, "swiglu" (default), "clamped_swiglu" (gpt-oss's) or
     "geglu" (:class:`mok.config.MoKConfig`). ``bias=True``: the routed experts have biases
     (``gate_bias``, ``up_bias`` [E, I], ``down_bias`` [E, H], initialised to zero; gpt-oss's; the
@@ -114,6 +115,7 @@ class MoELayer(nn.Module):
         activation: str = "swiglu",
         bias: bool = False,
         fp8_scales: str = "fp32",
+        wgrad_format: str | None = None,
     ) -> None:
         super().__init__()
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -135,7 +137,7 @@ class MoELayer(nn.Module):
         self.config = MoKConfig(
             hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, saved_h_format=saved_h_format, dispatch_format=dispatch_format,
-            activation=activation, expert_bias=bias, fp8_scales=fp8_scales,
+            activation=activation, expert_bias=bias, fp8_scales=fp8_scales, wgrad_format=wgrad_format,
         )
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange

@@ -43,7 +43,10 @@ def refusal(config: MoKConfig, arch: str) -> str | None:
     if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
         return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
     if config.precision == "fp8_block" and arch not in FP8_BLOCK_GEMM_ARCHS:
-        return fp8_on_block_scaled_mma_refusal(config, arch)
+        why = fp8_on_block_scaled_mma_refusal(config, arch)
+        if why is not None or config.weight_grad_format != "fp8_block":
+            return why
+        return f"wgrad_format='fp8_block': Hopper's FP8 weight-gradient kernel ({', '.join(FP8_BLOCK_GEMM_ARCHS)}), got {arch}"
     return None
 
 
@@ -210,13 +213,13 @@ class Plan:
                                      rows_gathered=self.quantizes_gathered_rows, **self._bias)
         if c.recomputes_gate:
             v.append(self._gate_variant())
-        v += self._weight_grad_variants(h, i, mxfp8=self.precision == "mxfp8")
+        v += self._weight_grad_variants(h, i, c.weight_grad_format)
         if shared:
             s = c.shared_intermediate
             v.append(grouped_gemm_variant(s, h, epilogue="swiglu_bwd", b_major="n", unit_scale=True, persistent=persistent,
                                           pingpong=swiglu_backward_pingpong(persistent, SWIGLU_BACKWARD_TILE_N), activation=c.activation))
             v.append(grouped_gemm_variant(h, 2 * s, b_major="n", k_split=True, persistent=persistent))
-            v += self._weight_grad_variants(h, s, mxfp8=False)
+            v += self._weight_grad_variants(h, s, "bf16")
         return v
 
     def _gate_up_in_place_variants(self) -> list[KernelVariant]:
@@ -316,16 +319,21 @@ class Plan:
         return v + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", b_major="n", topk=topk, persistent=self.persistent,
                                          pingpong=swiglu_backward_pingpong(self.persistent, tile_n), activation=self.activation, **self._bias)]
 
-    def _weight_grad_variants(self, h: int, i: int, *, mxfp8: bool) -> list[KernelVariant]:
+    def _weight_grad_variants(self, h: int, i: int, wgrad_format: str) -> list[KernelVariant]:
         """dW_down [E, H, I] and [dW_gate; dW_up] [E, 2I, H] (one launch), fresh bf16, and with
         fuse_wgrad_accumulation added into fp32 buffers (also a half of dh alone: the split-out
-        fallback where the two buffers lie too far apart for one TMA descriptor)."""
-        persistent, operand, v = self.persistent, "bf16", []
-        if mxfp8:
+        fallback where the two buffers lie too far apart for one TMA descriptor), on ``wgrad_format``'s
+        operands (MoKConfig.weight_grad_format), with their quantizers."""
+        persistent, operand, v, fp8 = self.persistent, "bf16", [], wgrad_format == "fp8_block"
+        if wgrad_format == "mxfp8":
             operand = "bf16" if self.emulate else "e4m3"
             v = [quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True)]
             if self.emulate:
                 v.append(quantize_mxfp8_variant(back=True))
+        if fp8:  # the four rows' transposes (x's gathered from x as they are quantized, on one GPU), FP8 WGMMAs
+            operand, pow2 = "e4m3_block", self.config.fp8_power_of_two
+            v = [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, columns=True) for width in sorted({h, i, 2 * i})]
+            v.append(quantize_fp8_block_variant(h, power_of_two=pow2, bounded=True, columns=True, gathered=not self.ep))
         kinds = [("bf16", False)] + ([("f32", True)] if self.config.fuse_wgrad_accumulation else [])
         for out, accumulate in kinds:
             v += [
@@ -333,7 +341,8 @@ class Plan:
                 weight_grad_variant(2 * i, h, out, accumulate, split_out=True, persistent=persistent, operand=operand),
             ]
             if accumulate:
-                v.append(weight_grad_variant(i, h, out, accumulate, a_stride=2 * i, persistent=persistent, operand=operand))
+                half_stride = None if fp8 else 2 * i  # (FP8: the half of dh's transpose, packed)
+                v.append(weight_grad_variant(i, h, out, accumulate, a_stride=half_stride, persistent=persistent, operand=operand))
         return v
 
 

@@ -198,7 +198,7 @@ def mok_plan_forward(inputs, plan):
     return mok.pipeline.forward(plan, x, idx, w, experts, shared, check_routing=False).out
 
 
-def mok_plan_train_step(inputs, dout, plan, wgrad_format: str = "mxfp8"):
+def mok_plan_train_step(inputs, dout, plan, wgrad_format: str | None = None):
     x, idx, w, experts, shared = inputs
     saved = mok.pipeline.forward(plan, x, idx, w, experts, shared, save=True, check_routing=False)
     return mok.pipeline.backward(plan, dout, x, idx, w, experts, shared, saved, wgrad_format=wgrad_format)

@@ -6,13 +6,14 @@
     python perf/gemm_sweep.py --counted-wgrad  # weight gradients stopping at each expert's last row block
     python perf/gemm_sweep.py --weight-grads   # the weight-gradient GEMM only (tiles 128 and 256 wide, ping-pong)
     python perf/gemm_sweep.py --fp8-block      # FP8 with 128-block scales (DeepSeek-V3's recipe) against bf16, same run
-                                               # (plain shapes: also with two sets of block accumulators, "x2");
+                                               # (plain shapes: also with one set of block accumulators, "x1");
                                                # then fc1 gathering FP8 rows against gathering bf16 rows first
                                                # and the SwiGLU-backward GEMM on FP8 (64- and 128-wide tiles)
     python perf/gemm_sweep.py --gathered-fp8-fc1  # the gathered fc1 part only
     python perf/gemm_sweep.py --fp8-swiglu-bwd    # the SwiGLU-backward part only
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
+    python perf/gemm_sweep.py --fp8-wgrad-ncu     # dsv3's dW_gate + dW_up on FP8, then on bf16, twice each, untimed (for ncu)
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -168,9 +169,9 @@ def fp8_block() -> None:
         a_q, b_q = fp8.quantize_rows(a), fp8.quantize_weights(b)
         b2_q = fp8.quantize_weights(b2) if swiglu else None
         runs = {"mok bf16": lambda: ops.grouped_gemm(a, b, tiles, b2=b2), "mok fp8 block": lambda: ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q)}
-        if not swiglu:  # (two sets of block accumulators: the plain form only)
-            runs["mok fp8 block x2"] = lambda: ops.grouped_gemm(a_q, b_q, tiles, block_buffers=2)
-        ms = {k: time_ms(fn, batch=10, repeats=5) for k, fn in runs.items()}
+        if not swiglu:  # (two sets of block accumulators, the plain form's default, against one)
+            runs["mok fp8 block x1"] = lambda: ops.grouped_gemm(a_q, b_q, tiles, block_buffers=1)
+        ms = time_ms_interleaved(runs, batch=10, repeats=5)
         for kname, t in ms.items():
             print(f"{name:<11}{kname:<22}{t:>8.3f}{flops / t / 1e9:>9.0f}{ms['mok bf16'] / t:>8.2f}x")
         if not swiglu:
@@ -228,6 +229,22 @@ def fp8_for_ncu() -> None:
     R, a, b, _, tiles, _ = shape_operands(*SHAPES["dsv3 fc2"])
     for _ in range(2):
         ops.grouped_gemm(a, b, tiles)
+    torch.cuda.synchronize()
+
+
+def fp8_weight_grads_for_ncu() -> None:
+    """dsv3's dW_gate + dW_up on FP8 transposes, then on bf16 rows, each called twice (the first
+    compiles), for Nsight Compute (-k regex:weight_grad --launch-skip 1 --launch-count 3): nothing timed."""
+    T, H, I, E, k = 4096, 7168, 2048, 32, 8
+    sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    dh = torch.randn(sched.capacity, 2 * I, device="cuda").bfloat16().masked_fill((sched.row_token < 0)[:, None], 0)
+    offsets, counts, used = sched.expert_offsets, sched.expert_counts, sched.expert_offsets[-1:]
+    dh_q, x_q = ops.quantize_fp8_columns(dh, rows_used=used), ops.quantize_fp8_columns(x, rows_used=used, row_source=sched.row_token)
+    x_rows = ops.gather_rows(x, sched.row_token)
+    for a, b in ((dh_q, x_q), (dh, x_rows)):
+        for _ in range(2):
+            ops.weight_grad(a, b, offsets, counts=counts, split_out=True)
     torch.cuda.synchronize()
 
 
@@ -293,6 +310,8 @@ if __name__ == "__main__":
 
     if "--fp8-ncu" in sys.argv:
         fp8_for_ncu()
+    elif "--fp8-wgrad-ncu" in sys.argv:
+        fp8_weight_grads_for_ncu()
     elif "--fp8-weight-grads" in sys.argv:
         fp8_weight_grads()
     elif "--fp8-block" in sys.argv or "--gathered-fp8-fc1" in sys.argv or "--fp8-swiglu-bwd" in sys.argv:

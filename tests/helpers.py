@@ -440,7 +440,7 @@ def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, *, save_
 
 
 def moe_backward(dout, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, saved, *, grad_dtype=torch.bfloat16, main_grads=None,
-                 weight_grads=True, wgrad_format="mxfp8", **options):
+                 weight_grads=True, wgrad_format=None, **options):
     """mok.pipeline.backward at one GPU (``options``: MoKConfig's, the forward's)."""
     from mok import pipeline
 

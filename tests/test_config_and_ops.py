@@ -409,6 +409,8 @@ def test_precompile_options_set_the_configs_flags():
     config = _config_from(parser.parse_args(["--hidden", "512", "--fuse-wgrad-accumulation"]))
     assert config.fuse_wgrad_accumulation and not config.one_launch and config.hidden == 512
     assert not _config_from(parser.parse_args([])).fuse_wgrad_accumulation
+    fp8 = _config_from(parser.parse_args(["--hidden", "512", "--precision", "fp8_block", "--wgrad-format", "fp8_block"]))
+    assert fp8.wgrad_format == "fp8_block" and fp8.weight_grad_format == "fp8_block" and _config_from(parser.parse_args([])).wgrad_format is None
 
 
 def test_zero_widths_and_schedules_of_partial_tiles_are_refused():

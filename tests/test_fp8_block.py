@@ -2,6 +2,8 @@
 the scales' layouts, the float64 GEMM reference, and the op's checks of such operands before any
 launch. (The Hopper kernel: tests/test_fp8_block_gpu.py; its PTX: tests/test_kernels_ptx.py.)"""
 
+import re
+
 import pytest
 import torch
 
@@ -271,7 +273,7 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
 def test_fp8_weight_gradients_are_refused_where_they_do_not_run():
     """pipeline.backward(wgrad_format="fp8_block"): Hopper's FP8 weight-gradient kernel, for
     precision="fp8_block" only: a bf16 layer, or fp8_block on SM100, is refused before anything
-    runs."""
+    runs (and so is a format of another precision)."""
     from mok import pipeline
     from mok.config import MoKConfig
     from mok.plan import Plan
@@ -280,8 +282,53 @@ def test_fp8_weight_gradients_are_refused_where_they_do_not_run():
     x, dout = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
     idx, w = torch.zeros(T, k, dtype=torch.int32), torch.rand(T, k)
     experts = (torch.randn(E, I, H).bfloat16(), torch.randn(E, I, H).bfloat16(), torch.randn(E, H, I).bfloat16())
-    for precision, arch, extra in (("bf16", "sm_90a", {}), ("fp8_block", "sm_100a", dict(fp8_scales="power_of_two"))):
+    for precision, arch, extra, wgrad, why in (
+        ("bf16", "sm_90a", {}, "fp8_block", re.escape("wgrad_format='fp8_block': only with precision 'fp8_block' (its quantizers and "
+                                                      "scale rule), got precision='bf16'")),
+        ("fp8_block", "sm_90a", {}, "mxfp8", "wgrad_format='mxfp8': only with precision 'mxfp8' or 'mxfp8_emulated'"),
+        ("fp8_block", "sm_100a", dict(fp8_scales="power_of_two"), "fp8_block",
+         r"wgrad_format='fp8_block': the FP8 weight-gradient kernel is Hopper's, got sm_100a \(whose block-scaled MMAs take MXFP8 operands\)"),
+    ):
         plan = Plan(MoKConfig(H, I, E, k, precision=precision, **extra), arch)
-        with pytest.raises(ValueError, match=f"wgrad_format='fp8_block': the FP8 weight-gradient kernel is Hopper's, for precision='fp8_block', "
-                                             f"got precision='{precision}' on {arch}"):
-            pipeline.backward(plan, dout, x, idx, w, experts, None, None, wgrad_format="fp8_block")
+        with pytest.raises(ValueError, match=why):
+            pipeline.backward(plan, dout, x, idx, w, experts, None, None, wgrad_format=wgrad)
+
+
+def test_wgrad_format_is_a_config_option_with_its_kernels():
+    """MoKConfig.wgrad_format: None takes the precision's own weight-gradient operands (bf16 for
+    bf16 and fp8_block, MXFP8 for the MXFP8 precisions); "fp8_block" goes with precision fp8_block
+    only and adds its kernels to the plan (the transposing quantizers of dout, s·a, dh and of x
+    gathered as quantized; the FP8 weight-gradient GEMMs, cooperative, fresh and with main_grad
+    accumulation, dh's half packed), in place of the bf16 ones; SM100 is refused with the reason;
+    the layer, the precompile CLI and the ops' config text carry it."""
+    from mok.config import MoKConfig
+    from mok.layer import MoELayer
+    from mok.plan import Plan, refusal
+    from mok.torch_ops import config_of, config_text
+
+    base = dict(hidden=2048, intermediate=768, num_experts=64, topk=8)
+    assert [MoKConfig(**base, precision=p).weight_grad_format for p in ("bf16", "fp8_block")] == ["bf16", "bf16"]
+    assert MoKConfig(**{**base, "intermediate": 1024}, precision="mxfp8_emulated").weight_grad_format == "mxfp8"
+    config = MoKConfig(**base, precision="fp8_block", wgrad_format="fp8_block", fuse_wgrad_accumulation=True)
+    assert config.weight_grad_format == "fp8_block" and config_of(config_text(config)) == config
+    variants = Plan(config, "sm_90a").variants()
+    wgrads = sorted((v.config["m"], v.config["n"], v.config["out_dtype"], v.config.get("split_out", False), v.config.get("pingpong", False),
+                     v.config["a_stride"]) for v in variants if v.name == "weight_grad" and v.config.get("operand") == "e4m3_block")
+    assert wgrads == [(768, 2048, "f32", False, False, 768), (1536, 2048, "bf16", True, False, 1536), (1536, 2048, "f32", True, False, 1536),
+                      (2048, 768, "bf16", False, False, 2048), (2048, 768, "f32", False, False, 2048)]
+    assert not any(v.name == "weight_grad" and v.config.get("operand") is None and v.config["m"] in (768, 1536, 2048) and v.config["n"] in (768, 2048)
+                   for v in variants)  # (no bf16 expert weight gradients beside them)
+    columns = sorted((v.config["width"], v.config.get("gathered", False)) for v in variants if v.config.get("columns"))
+    assert columns == [(768, False), (1536, False), (2048, False), (2048, True)]
+    plain = Plan(MoKConfig(**base, precision="fp8_block"), "sm_90a").variants()
+    assert not any(v.config.get("columns") or v.config.get("operand") == "e4m3_block" for v in plain if v.name != "grouped_gemm")
+    ep = Plan(MoKConfig(**base, precision="fp8_block", wgrad_format="fp8_block", ep_size=2), "sm_90a").variants()
+    assert not any(v.config.get("gathered") for v in ep if v.config.get("columns"))  # (at EP: x's pulled rows, quantized as they are)
+    pow2 = MoKConfig(**base, precision="fp8_block", fp8_scales="power_of_two", wgrad_format="fp8_block")
+    assert refusal(pow2, "sm_100a") == "wgrad_format='fp8_block': Hopper's FP8 weight-gradient kernel (sm_90a), got sm_100a"
+    assert refusal(pow2, "sm_90a") is None
+    with pytest.raises(ValueError, match=r"wgrad_format: expected None \(the precision's own\) or one of \('bf16', 'fp8_block', 'mxfp8'\), got 'fp16'"):
+        MoKConfig(**base, precision="fp8_block", wgrad_format="fp16")
+    with pytest.raises(ValueError, match="wgrad_format='fp8_block': only with precision 'fp8_block'"):
+        MoELayer(2048, 768, 64, 8, wgrad_format="fp8_block")
+    assert MoELayer(256, 128, 4, 2, precision="fp8_block", wgrad_format="fp8_block").config.wgrad_format == "fp8_block"

@@ -47,20 +47,21 @@ def test_plain_product_matches_float64_of_its_operands(R, N, K, E):
     assert torch.equal(one, out[:128])
 
 
-@pytest.mark.parametrize("k_split", [False, True])
-def test_two_block_buffers_give_the_same_bits(k_split):
+@pytest.mark.parametrize("k_split,k_blocks", [(False, 9), (False, 10), (False, 1), (True, 9), (True, 2)])
+def test_two_block_buffers_give_the_same_bits(k_split, k_blocks):
     """block_buffers=2 (a stage's WGMMAs overlapping the previous stage's promotion, the register
-    hand-over on): the same sums in the same order, so the one-set kernel's bits; odd and even K
-    block counts (K = 1152: 9 blocks; k_split: 9 a half), unused tiles left unwritten."""
-    R, N, K, E = 900, 1024, 2304 if k_split else 1152, 3
+    hand-over on; the plain epilogue's default): the same sums in the same order, so the one-set
+    kernel's bits; odd and even K block counts (a half's with k_split; 1: no loop, 2: its even
+    end), unused tiles left unwritten."""
+    R, N, K, E = 900, 1024, 128 * k_blocks * (2 if k_split else 1), 3
     a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=11, two=k_split)
     used = experts >= 0
     if k_split:
         b_q = fp8.quantize_weights(torch.randn(E, N, K // 2, device="cuda") * K**-0.5)
         b2_q = fp8.quantize_weights(torch.randn(E, N, K // 2, device="cuda") * K**-0.5)
     one, two = poisoned(R, N), poisoned(R, N)
-    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=one)
-    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=two, block_buffers=2)
+    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=one, block_buffers=1)
+    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=two)
     assert two[~used].isnan().all() and torch.equal(two[used], one[used])
     if not k_split:
         assert rel_err(two[used], fp8.block_scaled_gemm_reference(a_q, b_q, experts)[used]) < 5e-3
@@ -280,14 +281,16 @@ def test_power_of_two_scales_follow_their_recipe():
     assert torch.equal(again.dx, grads.dx) and torch.equal(again.d_w_down, grads.d_w_down)
 
 
-def test_fp8_block_layer_gives_the_pipeline_s_bits():
+@pytest.mark.parametrize("wgrad_format", [None, "fp8_block"])
+def test_fp8_block_layer_gives_the_pipeline_s_bits(wgrad_format):
     """MoELayer(precision="fp8_block") under autograd (the custom ops, the weights' cache): output
-    and every gradient the pipeline's, bit for bit."""
+    and every gradient the pipeline's, bit for bit; with ``wgrad_format="fp8_block"`` (the config's)
+    the pipeline's FP8 weight gradients."""
     from mok import MoELayer
 
     T, H, I, E, k = 700, 1024, 512, 8, 2
     x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=12)
-    layer = MoELayer(H, I, E, k, precision="fp8_block", device="cuda")
+    layer = MoELayer(H, I, E, k, precision="fp8_block", device="cuda", wgrad_format=wgrad_format)
     with torch.no_grad():
         for param, weight in zip((layer.gate_proj, layer.up_proj, layer.down_proj), experts):
             param.copy_(weight)
@@ -297,7 +300,7 @@ def test_fp8_block_layer_gives_the_pipeline_s_bits():
     out.backward(dout)
     plan = fp8_plan(x, idx, experts)
     saved = pipeline.forward(plan, x, idx, w, experts, None, save=True)
-    grads = pipeline.backward(plan, dout, x, idx, w, experts, None, saved)
+    grads = pipeline.backward(plan, dout, x, idx, w, experts, None, saved, wgrad_format=wgrad_format)
     assert torch.equal(out, saved.out) and torch.equal(x_leaf.grad, grads.dx) and torch.equal(w_leaf.grad, grads.d_topk_w)
     for param, want in zip((layer.gate_proj, layer.up_proj, layer.down_proj), (grads.d_w_gate, grads.d_w_up, grads.d_w_down)):
         assert torch.equal(param.grad, want)
@@ -432,12 +435,13 @@ def test_column_quantizer_gives_the_transpose_s_row_bits(M, power_of_two, gather
 @pytest.mark.parametrize("form", ["plain", "split_out", "accumulate"])
 def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
     """ops.weight_grad on FP8 block-scaled transposes (ops.quantize_fp8_columns of the rows) against
-    float64 of the same dequantized operands, expert by expert: experts of 300, 0, 128 and 77 rows
-    (offsets at 128-row blocks, padding rows zero), a partial last column tile (N = 400); into a
+    float64 of the same dequantized operands, expert by expert: experts of 300, 0, 128, 77, 250 and
+    600 rows (3, 0, 1, 1, 2 and 5 row blocks: the two-stage loop's odd and even ends; offsets at
+    128-row blocks, padding rows zero), a partial last column tile (N = 400); into a
     new gradient; split_out into two poisoned halves with the padding row blocks skipped
     (``counts``); or added into a random fp32 gradient (main_grad), counted too. An expert without
     rows gets zeros (or is left as it was); the same bits on a second run."""
-    counts = [300, 0, 128, 77]
+    counts = [300, 0, 128, 77, 250, 600]
     E, M, N = len(counts), 512, 400
     offsets = [0]
     for c in counts:

@@ -125,6 +125,14 @@ def ptxas_registers(ptx: str, arch: str = "sm_90a") -> dict[str, int] | None:
     return None if log is None else {name: int(n) for name, n in re.findall(r"entry function '(\w+)'.*?Used (\d+) registers", log, re.S)}
 
 
+def assert_wgmmas_not_serialized(ptx: str) -> None:
+    """ptxas serializes a kernel's WGMMAs (each waits for the one before; its C7514 report) where
+    other instructions may read an in-flight WGMMA's accumulators: a block-scaled mainloop promoting
+    one stage while the next one's WGMMAs run must not give it cause."""
+    log = ptxas_log(ptx)
+    assert log is None or "instructions are serialized" not in log, [line for line in log.splitlines() if "serialized" in line]
+
+
 def assert_register_handover_fits(ptx: str) -> None:
     """setmaxnreg.inc takes registers from the CTA's pool and waits until the pool has them: a
     kernel whose producer warpgroup frees fewer than its MMA warpgroups ask for never gets past
@@ -378,8 +386,9 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
     product overwriting its block accumulator (scale-d 0: no zeroing per stage); nothing spilled or
     in local memory; the registers handed over only by the SwiGLU backward (one product 128 wide,
     24 / 240: its block accumulators beside the epilogue), within the launch count; and the kernel
-    is refused on SM100 (which has MXFP8)."""
-    variant = grouped_gemm_variant(n, k, operand="e4m3_block", **options)
+    is refused on SM100 (which has MXFP8). One set of block accumulators (block_buffers=1; two,
+    the plain epilogue's default: the next test)."""
+    variant = grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=1, **options)
     ptx = compiled_ptx(variant, "sm_90a")
     products = 2 if options.get("epilogue") in ("swiglu", "swiglu_save") else 1
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx) == 4 * products
@@ -392,7 +401,7 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
     assert count(r"\bfma\.rn\.f32", ptx) >= products * tile_n // 2  # (per thread: 64 x tile_n / 128 accumulator values a product)
     if options.get("gather_a"):  # rows by cp.async (16-byte chunks), each row's scale a 4-byte one; B by TMA; the proxy fence
         assert count(r"cp\.async\.cg\.shared\.global", ptx) >= 8 and count(r"cp\.async\.ca\.shared\.global", ptx) >= 1
-        twin = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **{**options, "gather_a": False}), "sm_90a")
+        twin = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=1, **{**options, "gather_a": False}), "sm_90a")
         assert count(r"fence\.proxy\.async", ptx) > count(r"fence\.proxy\.async", twin)
     else:
         assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) >= 3
@@ -408,21 +417,25 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
                                          (2048, 7168, dict(out_dtype="f32", accumulate=True, split_out=True))])
 def test_fp8_block_weight_grad_uses_e4m3_wgmmas_and_scales_by_row_and_column(m, n, options):
     """The weight gradient on FP8 with 1 x 128 blocks along the rows (operand "e4m3_block"): four
-    32-deep E4M3 x E4M3 WGMMAs a 128-row stage (128 wide), no mma.sync; four TMA loads a stage (the
-    two transposes' tiles and their scales) and the TMA store (reduce-add when accumulating); per
-    stage each thread's two row scales and 32 column scales from shared memory and one fused
+    32-deep E4M3 x E4M3 WGMMAs a 128-row stage (128 wide), issued in four places (the first stage,
+    the loop's two, the last) into two block accumulators in turn, each stage's issued before the
+    previous one's promotion, and not serialized by ptxas; no mma.sync; four TMA loads a stage (the
+    two transposes' tiles and their scales) and the TMA store (reduce-add when accumulating); each
+    promotion (five places: the loop's two, the last two stages', the last odd one's) reads the
+    thread's two row scales and 16 pairs of column scales from shared memory and does one fused
     multiply-add per accumulator value; nothing spilled or in local memory; the register hand-over
     within the launch count; refused on SM100 (MXFP8 there) and outside the persistent cooperative
     kernel."""
     variant = weight_grad_variant(m, n, operand="e4m3_block", pingpong=False, **options)
     ptx = compiled_ptx(variant, "sm_90a")
-    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 4 and count(r"wgmma\.mma_async", ptx) == 4
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 16 and count(r"wgmma\.mma_async", ptx) == 16
+    assert_wgmmas_not_serialized(ptx)
     assert count(r"\bmma\.sync", ptx) == 0
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == 4
     store = r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add" if options.get("accumulate") else r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"
     assert count(store, ptx) >= 1
-    assert count(r"ld\.shared\.v2\.b32", ptx) == 16 and count(r"ld\.shared\.b32", ptx) == 2
-    assert count(r"\bfma\.rn\.f32", ptx) >= 64 and count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx) in (None, 0)
+    assert count(r"ld\.shared\.v2\.b32", ptx) == 5 * 16 and count(r"ld\.shared\.b32", ptx) == 5 * 2
+    assert count(r"\bfma\.rn\.f32", ptx) == 5 * 64 and count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx) in (None, 0)
     assert_register_handover_fits(ptx)
     with pytest.raises(NotImplementedError, match="Hopper's kernel only"):
         compiled_ptx(weight_grad_variant(m, n, operand="e4m3_block", pingpong=False, **options), "sm_100a")
@@ -432,16 +445,21 @@ def test_fp8_block_weight_grad_uses_e4m3_wgmmas_and_scales_by_row_and_column(m, 
 
 @pytest.mark.parametrize("options", [{}, dict(k_split=True), dict(scatter=True, topk=8)])
 def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
-    """block_buffers=2 (the plain epilogue): the stage's WGMMAs in two copies (one per set of block
-    accumulators), the previous stage's waited for with wait_group 1 before its promotion, the same
-    fused multiply-adds per value; the registers handed over (setmaxnreg) within the launch count,
-    nothing spilled; and refused with SwiGLU's two products (ptxas spills them)."""
+    """block_buffers=2 (the plain epilogue): the stage's WGMMAs issued in four places (the first
+    stage, the loop's two, the last) into the two sets of block accumulators in turn, each before the
+    previous stage's promotion (four places, the same fused multiply-adds per value), and not
+    serialized by ptxas (nor is one set's); the registers handed over (setmaxnreg) within the launch
+    count, nothing spilled; the default for FP8's plain epilogue (bf16 has no block accumulators);
+    and refused with SwiGLU's two products (ptxas spills them)."""
     n, k = (7168, 4096) if options.get("k_split") else (7168, 2048)
-    one = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_90a")
+    one = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=1, **options), "sm_90a")
     ptx = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=2, **options), "sm_90a")
-    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx) == 8
-    assert count(r"wgmma\.wait_group\.sync\.aligned\s+1", ptx) == 1 and count(r"wgmma\.wait_group\.sync\.aligned\s+1", one) == 0
-    assert count(r"\bfma\.rn\.f32", ptx) >= 2 * count(r"\bfma\.rn\.f32", one) - 8  # (the promotion in two places: in the loop, after it)
+    assert grouped_gemm_variant(n, k, operand="e4m3_block", **options).config["block_buffers"] == 2  # (the default here)
+    assert "block_buffers" not in grouped_gemm_variant(n, k, **options).config
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx) == 4 * 4
+    assert_wgmmas_not_serialized(ptx)
+    assert_wgmmas_not_serialized(one)
+    assert count(r"\bfma\.rn\.f32", ptx) == 4 * count(r"\bfma\.rn\.f32", one)
     assert count(r"setmaxnreg", ptx) == 2 and count(r"setmaxnreg", one) == 0
     assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0
     assert_register_handover_fits(ptx)
@@ -471,19 +489,24 @@ def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturati
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("width,gathered", [(2048, False), (2880, True)])
 def test_fp8_block_column_quantizer_loads_rows_and_stores_transposed_16_byte_runs(arch, width, gathered):
-    """The transposing quantizer (a weight gradient's K-major FP8 operands): the tile's rows by
-    16-byte loads into shared memory (sixteen a thread: 128 rows of 256 bytes), each column read
-    back once (128 two-byte loads a thread), its 128 values converted by the saturating pair
-    conversion (64) and stored as eight 16-byte runs of its output row, one fp32 scale; nothing
-    spilled or in local memory. (Gathering: each row's index read first.)"""
+    """The transposing quantizer (a weight gradient's K-major FP8 operands): the tile's rows copied
+    into shared memory by sixteen 16-byte cp.async a thread (128 rows of 256 bytes; the source size
+    a register: 0 zero-fills padding rows and columns past the width), waited for, nothing staged
+    in registers; each column read back in loops of 16 two-byte loads (its largest magnitude, then
+    its values 16 at a time: 8 saturating pair conversions and one 16-byte store of its output row
+    a trip), one fp32 scale; nothing spilled or in local memory, a few registers (so that several
+    CTAs share an SM). (Gathering: each row's index read first.)"""
     from mok.kernels.variants import quantize_fp8_block_variant
 
     ptx = compiled_ptx(quantize_fp8_block_variant(width, bounded=gathered, gathered=gathered, columns=True), arch)
-    assert count(r"ld\.global\.v4\.b32", ptx) == 16 and count(r"st\.shared\.v4\.b32", ptx) == 16
-    assert count(r"ld\.shared\.b16", ptx) == 128 and count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 64
-    assert count(r"st\.global\.v4\.b32", ptx) == 8 and count(r"st\.global\.b32", ptx) == 1 and count(r"st\.global\.b8", ptx) == 0
+    assert count(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+\], 16, %r\d+;", ptx) == 16
+    assert count(r"cp\.async\.wait_group\s+0;", ptx) == 1 and count(r"ld\.global\.v4", ptx) == 0 and count(r"st\.shared", ptx) == 0
+    assert count(r"ld\.shared\.b16", ptx) == 2 * 16 and count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 8
+    assert count(r"st\.global\.v4\.b32", ptx) == 1 and count(r"st\.global\.b32", ptx) == 1 and count(r"st\.global\.b8", ptx) == 0
     assert count(r"ld\.global\.b32", ptx) == (16 + 1 if gathered else 0)  # (the row indices; the used-row count)
     assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
+    registers = ptxas_registers(ptx, arch)
+    assert registers is None or max(registers.values()) <= 48, registers
 
 
 def KernelVariantLike(variant, **changes):

@@ -165,10 +165,11 @@ def swiglu_backward_pingpong(persistent: bool, tile_n: int = 128) -> bool:
     return persistent and tile_n == 128
 
 
-def weight_grad_pingpong(persistent: bool, tile_n: int) -> bool:
+def weight_grad_pingpong(persistent: bool, tile_n: int, operand: str = "bf16") -> bool:
     """Whether the weight-gradient GEMM runs ping-pong: wherever it can (persistent, 128-wide
-    tiles; 4-21% faster than the cooperative kernel, docs/notes/pingpong-backward-gemms.md)."""
-    return persistent and tile_n == 128
+    tiles, bf16 operands; 4-21% faster than the cooperative kernel, docs/notes/pingpong-backward-gemms.md;
+    the FP8 kernel is cooperative, MXFP8's SM100 one has no ping-pong)."""
+    return persistent and tile_n == 128 and operand == "bf16"
 
 
 def _check_operand(operand: str, persistent: bool, b_major: str = "k") -> None:
@@ -180,12 +181,18 @@ def _check_operand(operand: str, persistent: bool, b_major: str = "k") -> None:
         raise ValueError("operand='e4m3_block': the FP8 (Hopper) kernel is persistent with K-major B: pass persistent=True and b_major='k'")
 
 
-def check_block_buffers(block_buffers: int, operand: str, epilogue: str) -> None:
+def block_buffers_for(block_buffers: int | None, operand: str, epilogue: str) -> int:
     """The FP8 GEMM's sets of block accumulators (mok/kernels/sm90/block_scaled.py): 1, or 2 with
-    operand "e4m3_block" and the plain epilogue (one product; SwiGLU's two would spill)."""
-    if block_buffers not in (1, 2) or (block_buffers == 2 and (operand != "e4m3_block" or epilogue != "plain")):
+    operand "e4m3_block" and the plain epilogue (one product; SwiGLU's two would spill). None: 2
+    where it is allowed (a stage's WGMMAs then overlap the previous stage's promotion; the same
+    bits), else 1."""
+    allowed = operand == "e4m3_block" and epilogue == "plain"
+    if block_buffers is None:
+        return 2 if allowed else 1
+    if block_buffers not in (1, 2) or (block_buffers == 2 and not allowed):
         raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue (one product: "
                          f"two would spill), got {block_buffers} with operand={operand!r}, epilogue={epilogue!r}")
+    return block_buffers
 
 
 def _no_mxfp8_here(what: str, arch: str) -> NotImplementedError:
@@ -214,7 +221,7 @@ def grouped_gemm_variant(
     b_expert_stride: int | None = None,
     activation: str = "swiglu",
     bias: bool = False,
-    block_buffers: int = 1,
+    block_buffers: int | None = None,
     b_row_stride: int | None = None,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
@@ -241,10 +248,10 @@ def grouped_gemm_variant(
     plain and SwiGLU epilogues; swiglu_bwd leaves the down bias's router-gradient piece a column
     (mok/kernels/common/grouped_gemm.py). ``block_buffers`` (operand "e4m3_block", plain epilogue):
     2 lets a stage's WGMMAs run while the previous stage's product is promoted
-    (mok/kernels/sm90/block_scaled.py; the same bits).
+    (mok/kernels/sm90/block_scaled.py; the same bits); None: :func:`block_buffers_for`'s choice.
     """
     _check_operand(operand, persistent, b_major)
-    check_block_buffers(block_buffers, operand, epilogue)
+    block_buffers = block_buffers_for(block_buffers, operand, epilogue)
     check_activation(activation)
     if (b_expert_stride is not None or b_row_stride is not None) and operand != "bf16":
         raise ValueError("b_expert_stride, b_row_stride: bf16 weights only (quantized weights are packed tensors)")
@@ -306,7 +313,7 @@ def weight_grad_variant(
     """
     _check_operand(operand, persistent)
     a_stride = m if a_stride is None else a_stride
-    pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
+    pingpong = weight_grad_pingpong(persistent, tile_n, operand) if pingpong is None else pingpong
     options = dict(a_stride=a_stride, tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out)
     if interleaved_out:
         options["interleaved_out"] = True

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import grouped_gemm_args
-from ..kernels.variants import SWIGLU_BACKWARD_TILE_N, check_block_buffers, grouped_gemm_variant, swiglu_backward_pingpong
+from ..kernels.variants import SWIGLU_BACKWARD_TILE_N, block_buffers_for, grouped_gemm_variant, swiglu_backward_pingpong
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
 from ..validation import check_tensor, weight_strides
@@ -186,7 +186,7 @@ def grouped_gemm(
     activation: str = "swiglu",
     bias: torch.Tensor | None = None,
     bias2: torch.Tensor | None = None,
-    block_buffers: int = 1,
+    block_buffers: int | None = None,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (fp32 accumulation, bf16 out).
 
@@ -223,13 +223,14 @@ def grouped_gemm(
     time: ops.quantize_fp8_rows(segments=2)); the persistent kernel, b_major "k"; with ``gather`` a
     is x's rows [T, K] and their scales [K / 128, T]
     (ops.quantize_fp8_rows(x): each token quantized once, its rows gathered with their scales);
-    every epilogue as with bf16. ``block_buffers=2`` (the plain and k_split forms): each stage's
-    WGMMAs overlap the previous stage's promotion (mok/kernels/sm90/block_scaled.py; the same bits).
+    every epilogue as with bf16. ``block_buffers``: 2 (the default for the plain and k_split forms)
+    lets each stage's WGMMAs overlap the previous stage's promotion, 1 does not (the same bits:
+    mok/kernels/sm90/block_scaled.py).
     """
     fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     operand = "e4m3_block" if fp8_block else "e4m3" if isinstance(a, (tuple, list)) else "bf16"
-    check_block_buffers(block_buffers, operand, epilogue)  # (before the operands' checks: the option's own error)
+    block_buffers_for(block_buffers, operand, epilogue)  # (before the operands' checks: the option's own error)
     if fp8_block and (b_major != "k" or persistent is False):
         raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
     pointers, _, num_experts, n, b_strides = _operands(a, b, b2, b_major, k_split, gathered=gather is not None)

@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from .. import ops
+from ..config import check_wgrad_format
 from ..plan import Plan
 from ..reference_backward import Gradients
 from ..runtime import launch
@@ -38,8 +39,6 @@ from . import exchange, stages
 from .forward import check_inputs, check_on_gpu, check_saved
 from .stages import ForwardResult
 from .workspace import EPWorkspace
-
-WGRAD_FORMATS = ("mxfp8", "fp8_block", "bf16")
 
 
 def backward(
@@ -56,7 +55,7 @@ def backward(
     grad_dtype: torch.dtype = torch.bfloat16,
     main_grads: tuple | None = None,
     weight_grads: bool = True,
-    wgrad_format: str = "mxfp8",
+    wgrad_format: str | None = None,
     timeout_s: float = 5.0,
     biases: tuple | None = None,
 ) -> Gradients:
@@ -66,10 +65,10 @@ def backward(
     buffer per weight: gate, up, down[, shared gate, up, down]): the weight gradients are added into
     them by the weight-gradient GEMMs (Megatron's main_grad) and returned as them.
     ``weight_grads=False`` (frozen experts): dx and d_topk_w only, no weight-gradient GEMM (the
-    weight gradients None). ``wgrad_format`` (MXFP8 precision): "mxfp8" (the weight gradients on
-    rows quantized down their columns) or "bf16" (on the bf16 rows); "fp8_block" (precision
-    fp8_block on Hopper; otherwise its weight gradients are bf16): on the rows' transposes in FP8
-    with 1 x 128 blocks along the rows, DeepSeek-V3's recipe (stages.fp8_weight_grad_operands).
+    weight gradients None). ``wgrad_format`` (None: the config's, MoKConfig.weight_grad_format):
+    "bf16" (on the bf16 rows); "mxfp8" (MXFP8 precision: on rows quantized down their columns);
+    "fp8_block" (precision fp8_block on Hopper): on the rows' transposes in FP8 with 1 x 128 blocks
+    along the rows, DeepSeek-V3's recipe (stages.fp8_weight_grad_operands).
     At EP > 1 the shared expert's weight gradients cover this rank's tokens (sum them over ranks
     as data-parallel gradients).
     With ``gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert in one
@@ -84,11 +83,10 @@ def backward(
     check_tensor("dout", dout, dtypes=(torch.bfloat16,), shape=(num_tokens, hidden), device=x.device, contiguous=True)
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
-    if wgrad_format not in WGRAD_FORMATS:
-        raise ValueError(f"wgrad_format: expected one of {WGRAD_FORMATS}, got {wgrad_format!r}")
-    if wgrad_format == "fp8_block" and (plan.precision != "fp8_block" or plan.fp8_on_block_scaled_mma):
-        raise ValueError(f"wgrad_format='fp8_block': the FP8 weight-gradient kernel is Hopper's, for precision='fp8_block', got "
-                         f"precision={plan.config.precision!r} on {plan.arch}")
+    wgrad_format = plan.config.weight_grad_format if wgrad_format is None else check_wgrad_format(wgrad_format, plan.config.precision)
+    if wgrad_format == "fp8_block" and plan.fp8_on_block_scaled_mma:
+        raise ValueError(f"wgrad_format='fp8_block': the FP8 weight-gradient kernel is Hopper's, got {plan.arch} (whose "
+                         "block-scaled MMAs take MXFP8 operands)")
     check_main_grads(main_grads, tuple(weights), None if shared is None else tuple(shared), weight_grads)
     sched = check_saved("saved", saved, plan, num_tokens, topk, num_local, x.device, workspace)
     shared_inter = None if shared is None else shared[0].shape[0]
@@ -189,7 +187,7 @@ def gate_recomputed(plan: Plan, saved: ForwardResult, x: torch.Tensor, weights: 
 
 
 def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights, shared, saved, grad_dtype, mains, weight_grads,
-                 timeout_s, biases, wgrad_format: str = "mxfp8") -> Gradients:
+                 timeout_s, biases, wgrad_format: str) -> Gradients:
     """This rank's gradients over the workspace (module docstring): every rank makes the same calls."""
     if dout.data_ptr() % 16:  # (published with 16-byte vectors)
         raise ValueError(f"dout: expected a 16-byte aligned data pointer, got address {dout.data_ptr():#x}")

@@ -400,22 +400,22 @@ def fp8_weight_grad_operands(plan: Plan, rows: tuple, sched: Schedule, x: torch.
 
 
 def expert_weight_grads(
-    plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str = "mxfp8", gate_up_layout: str = "separate",
+    plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str, gate_up_layout: str = "separate",
     x: torch.Tensor | None = None,
 ) -> tuple:
     """(dW_gate, dW_up, dW_down) of the routed experts over their rows in canonical order, from
     ``rows`` = (dout_rows, a_scaled, dh, x_rows); fresh in ``grad_dtype`` or added into
-    ``main_grads`` (gate, up, down). With MXFP8 precision the operands are quantized along the
-    rows (blocks of 32 rows down each column) unless ``wgrad_format="bf16"``; with fp8_block and
-    ``wgrad_format="fp8_block"`` their transposes with 1 x 128 blocks along the rows
+    ``main_grads`` (gate, up, down). ``wgrad_format`` (MoKConfig.weight_grad_format): "bf16", the
+    rows as they are; "mxfp8", quantized along the rows (blocks of 32 rows down each column);
+    "fp8_block", their transposes with 1 x 128 blocks along the rows
     (:func:`fp8_weight_grad_operands`; ``x``: the tokens, whose rows are gathered as they are
     quantized, x_rows then None). ``gate_up_layout`` "concatenated" or "interleaved" (fresh):
     dW_gate and dW_up as one [E, 2I, H] tensor (:func:`gate_up_weight_grads`)."""
     offsets, counts = sched.expert_offsets, sched.expert_counts
-    if plan.precision == "fp8_block" and wgrad_format == "fp8_block":
+    if wgrad_format == "fp8_block":
         rows = fp8_weight_grad_operands(plan, rows, sched, x)
     dout_rows, a_scaled, dh, x_rows = rows
-    if plan.precision != "mxfp8" or wgrad_format == "bf16":
+    if wgrad_format != "mxfp8":  # (bf16 rows, or FP8 transposes: ops.weight_grad takes either)
         d_down = weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
         d_gate, d_up = gate_up_weight_grads(
             dh, x_rows, offsets, grad_dtype, None if main_grads is None else main_grads[:2], counts, layout=gate_up_layout

@@ -45,6 +45,7 @@ import cutlass.memory
 
 from .compile import compile_kernel
 from .records import FP8_BLOCK_QUANTIZE_ARGS
+from .row_gather import copy_async_16b
 from .row_vectors import row_vector
 
 BLOCK = 128  # values along a row that share a scale (mok.fp8_block.BLOCK)
@@ -58,6 +59,7 @@ EXPONENT_ONE = 0x00800000
 ROW_CHUNK = 8  # bf16 values of one 16-byte load (QuantizeFp8ColumnsKernel)
 SEGMENT_CHUNKS = BLOCK // ROW_CHUNK  # 16-byte chunks of a row's 128 values
 OUT_CHUNK = 16  # E4M3 values of one 16-byte store
+AMAX_UNROLL = 16  # a column's reads in flight at once (QuantizeFp8ColumnsKernel: fewer registers, more CTAs an SM)
 
 
 @cute.jit
@@ -283,9 +285,11 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
     and fp32 scales [R / 128, M], each column's 128-row blocks scaled on their own: the bits of
     quantizing the transpose's rows (mok.fp8_block.quantize_rows(rows.T)), the operands a weight
     gradient on FP8 WGMMAs takes (its K is the rows, and FP8 WGMMAs read K-major operands only).
-    A CTA takes a 128 x 128 tile: its threads load the rows' 16-byte segments into shared memory
-    (16 threads a row, a warp two rows at a time), then thread t takes column t: its largest
-    magnitude, then its 128 values as E4M3, eight 16-byte stores into its output row. Static
+    A CTA takes a 128 x 128 tile: its threads copy the rows' 16-byte segments into shared memory by
+    cp.async (16 threads a row, a warp two rows at a time; padding rows and columns past the width
+    zero-filled), then thread t takes column t: its largest magnitude, then its 128 values as E4M3,
+    eight 16-byte stores into its output row. Loops rolled, no staging registers: a few registers
+    a thread, so that several CTAs share an SM and one's copies overlap another's work. Static
     config: the width M (a multiple of 16; a partial last column tile), ``power_of_two``,
     ``bounded`` (the row blocks below rows_used[0], a multiple of 128) and ``gathered`` (row r is
     source row row_source[r] of x, zeros where negative)."""
@@ -329,23 +333,22 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
             inside = column0 + chunk * ROW_CHUNK < self.width
             for step in cutlass.range_constexpr(BLOCK * SEGMENT_CHUNKS // (WARPS * LANES)):
                 r = step * (WARPS * LANES // SEGMENT_CHUNKS) + tidx // SEGMENT_CHUNKS
-                vec = cute.make_rmem_tensor((ROW_CHUNK,), cutlass.BFloat16)
-                vec.fill(0.0)
-                if inside:
-                    source = first + r
-                    if cutlass.const_expr(self.gathered):
-                        source = m_source[first + r]
-                    if source >= 0:
-                        vec.store(row_vector(m_x, source, column0 // ROW_CHUNK + chunk, ROW_CHUNK).load())
-                row_vector(s_tile, r, chunk, ROW_CHUNK).store(vec.load())
+                source = first + r
+                if cutlass.const_expr(self.gathered):
+                    source = m_source[first + r]
+                nbytes = cutlass.Int32(inside and source >= 0) * 16  # (0: zero-filled, nothing read)
+                element = cutlass.Int64(max(source, 0)) * self.width + column0 + chunk * ROW_CHUNK
+                copy_async_16b(s_tile.iterator + (r * BLOCK + chunk * ROW_CHUNK), m_x.iterator + element, nbytes)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             column = column0 + tidx
             if column < self.width:
                 amax = cutlass.Float32(0.0)
-                for r in cutlass.range_constexpr(BLOCK):
+                for r in cutlass.range(BLOCK, unroll=AMAX_UNROLL):
                     amax = cute.arch.fmax(amax, cute.math.absf(s_tile[r, tidx].to(cutlass.Float32)))
                 scale, factor = self.scale_and_factor(amax)
-                for part in cutlass.range_constexpr(BLOCK // OUT_CHUNK):
+                for part in cutlass.range(BLOCK // OUT_CHUNK, unroll=1):
                     values = cute.make_rmem_tensor((OUT_CHUNK,), cutlass.Float32)
                     for i in cutlass.range_constexpr(OUT_CHUNK):
                         values[i] = s_tile[part * OUT_CHUNK + i, tidx].to(cutlass.Float32)

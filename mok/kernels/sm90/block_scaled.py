@@ -16,9 +16,12 @@ running accumulator scaled by sa·sb: ``acc = fma(block, sa·sb, acc)`` per valu
 promotion DeepGEMM does: Hopper's FP8 WGMMA keeps fewer bits than fp32 over a long K). The two MMA
 warpgroups run this on their own rows, so one's WGMMAs overlap the other's promotion.
 
-With ``block_buffers=2`` each warpgroup keeps two sets of block accumulators and issues a stage's
-WGMMAs into one before it promotes the previous stage's from the other (``wait_group 1``): its
-tensor work no longer waits for its own promotion. The extra accumulators (64 registers a thread
+With ``block_buffers=2`` (the plain epilogue's default) each warpgroup keeps two sets of block
+accumulators and issues a stage's WGMMAs into one before it promotes the previous stage's, retired,
+from the other, then waits for them: its tensor work no longer waits for its own promotion. (The
+loop takes two stages a turn so that each set is named statically, and nothing is in flight
+across its back edge: else ptxas serializes every WGMMA; ``pin_registers`` keeps each promotion
+between its waits.) The extra accumulators (64 registers a thread
 at 128-wide tiles) need the producer warpgroup's registers: the hand-over (setmaxnreg 40 / 232)
 is on for it. The plain epilogue only (k_split and scatter included): with SwiGLU's two products
 ptxas spills 636-792 bytes. The sums and their order are the same as with one set: the same bits.
@@ -32,10 +35,31 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 SCALE_BLOCK = 128  # elements along K (and, for B, along N) that share one fp32 scale
 TILE_K_BLOCK_SCALED = 128  # K per shared-memory stage: one scale block (128 E4M3 bytes a row)
 FP8_ROW_ELEMENTS = 16  # N and K are multiples of it: 16-byte E4M3 rows (TMA, the gather's chunks)
+
+
+@dsl_user_op
+def _pinned(value: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    """``value`` through an empty volatile asm (no instruction): it stays in its place among the
+    other side-effecting operations, the WGMMAs and their waits."""
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(value).ir_value(loc=loc, ip=ip)], "", "=f,0",
+                                           has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def pin_registers(values: cute.Tensor):
+    """Hold a register tensor's values at this point of the WGMMA sequence (CUTLASS's
+    warpgroup_fence_operand): reads of block accumulators after a ``wait_group`` stay after it, and
+    a promotion's sums finish before the next WGMMAs are issued. Without it the compiler moves one
+    stage's promotion past the next stage's WGMMAs (to chain the two fmas of each value), and
+    ptxas then serializes every WGMMA: the register values of an in-flight WGMMA are read."""
+    for i in cutlass.range_constexpr(cute.size(values)):
+        values[i] = _pinned(values[i])
 
 
 class BlockScaledMainloop:
@@ -124,86 +148,140 @@ class BlockScaledMainloop:
         crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         n_block = tile_col * tile_n // SCALE_BLOCK
         row_scale = cute.make_rmem_tensor((2, cute.size(crd, mode=[1])), cutlass.Float32)
-        next_b = self.b_scale(m_sb, m_sb2, n_block, 0, expert)  # (each K block's B scales loaded one block ahead)
-        next_b2 = next_b
-        if cutlass.const_expr(self.two_accumulators):
-            next_b2 = m_sb2[n_block, 0, expert]
-        last_b, last_b2 = next_b, next_b2  # (the previous K block's, for its promotion one block late)
-        for k_tile in cutlass.range(k_tiles, unroll=1):
-            scale_b, scale_b2 = next_b, next_b2
-            if k_tile + 1 < k_tiles:
-                next_b = self.b_scale(m_sb, m_sb2, n_block, k_tile + 1, expert)
-                if cutlass.const_expr(self.two_accumulators):
-                    next_b2 = m_sb2[n_block, k_tile + 1, expert]
-            ab_pipe.consumer_wait(cons)
-            if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
-                cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(self.block_buffers == 1):
+        if cutlass.const_expr(self.block_buffers == 1):
+            next_b = self.b_scales(m_sb, m_sb2, n_block, 0, expert)  # (each K block's B scales loaded one block ahead)
+            for k_tile in cutlass.range(k_tiles, unroll=1):
+                scale_b = next_b
+                if k_tile + 1 < k_tiles:
+                    next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile + 1, expert)
+                self.wait_stage(ab_pipe, cons)
                 self.mma_stage(tiled_mma, blocks[0], blocks[1], *operands, cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
                 cute.nvgpu.warpgroup.wait_group(0)
                 self.retire_block(ab_pipe, release, s_sa, crd, row_scale, cons.index)
                 cons.advance()
                 release.advance()
-                self.promote(accs, blocks[:2], row_scale, (scale_b, scale_b2))
-            else:  # this stage's WGMMAs into one set while the previous stage's product, in the other, is promoted
-                if k_tile % 2 == 0:
-                    self.mma_stage(tiled_mma, blocks[0], blocks[1], *operands, cons.index, overwrite=True)
-                else:
-                    self.mma_stage(tiled_mma, blocks[2], blocks[3], *operands, cons.index, overwrite=True)
-                cons.advance()
-                if k_tile > 0:
-                    cute.nvgpu.warpgroup.wait_group(1)  # (the previous stage's WGMMAs have retired)
-                    self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
-                    release.advance()
-                    if k_tile % 2 == 0:
-                        self.promote(accs, blocks[2:], row_scale, (last_b, last_b2))
-                    else:
-                        self.promote(accs, blocks[:2], row_scale, (last_b, last_b2))
-                last_b, last_b2 = scale_b, scale_b2
-        if cutlass.const_expr(self.block_buffers == 2):  # the last stage's product
+                self.promote(accs, blocks[:2], row_scale, scale_b)
+        else:  # a stage's WGMMAs into one set while the previous stage's product, in the other, is promoted
+            # (as consume_outer_scaled_tile: sets named statically, two stages a turn, nothing in flight
+            # across the loop's back edge; K tiles >= 1 here)
+            last_b, last_b2 = self.b_scales(m_sb, m_sb2, n_block, 0, expert)
+            self.wait_stage(ab_pipe, cons)
+            self.mma_stage(tiled_mma, blocks[0], blocks[1], *operands, cons.index, overwrite=True)
+            cons.advance()
             cute.nvgpu.warpgroup.wait_group(0)
-            self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
-            release.advance()
-            if (k_tiles - 1) % 2 == 0:
+            for pair in cutlass.range((k_tiles - 1) // 2, unroll=1):  # stages 1, 2 | 3, 4 | ... (into sets 1, 0)
+                for into in cutlass.range_constexpr(2):
+                    scale_b, scale_b2 = self.b_scales(m_sb, m_sb2, n_block, 2 * pair + 1 + into, expert)
+                    self.wait_stage(ab_pipe, cons)
+                    self.mma_stage(tiled_mma, blocks[2 - 2 * into], blocks[3 - 2 * into], *operands, cons.index, overwrite=True)
+                    cons.advance()
+                    self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)  # (the previous stage, retired)
+                    release.advance()
+                    self.promote(accs, blocks[2 * into: 2 * into + 2], row_scale, (last_b, last_b2))
+                    last_b, last_b2 = scale_b, scale_b2
+                    cute.nvgpu.warpgroup.wait_group(0)
+            if k_tiles % 2 == 0:  # the last stage, into set 1
+                scale_b, scale_b2 = self.b_scales(m_sb, m_sb2, n_block, k_tiles - 1, expert)
+                self.wait_stage(ab_pipe, cons)
+                self.mma_stage(tiled_mma, blocks[2], blocks[3], *operands, cons.index, overwrite=True)
+                cons.advance()
+                self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
+                release.advance()
                 self.promote(accs, blocks[:2], row_scale, (last_b, last_b2))
-            else:
-                self.promote(accs, blocks[2:], row_scale, (last_b, last_b2))
+                cute.nvgpu.warpgroup.wait_group(0)
+                self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
+                release.advance()
+                self.promote(accs, blocks[2:], row_scale, (scale_b, scale_b2))
+            else:  # the last stage went into set 0
+                self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
+                release.advance()
+                self.promote(accs, blocks[:2], row_scale, (last_b, last_b2))
         return cons, release
 
     @cute.jit
-    def consume_outer_scaled_tile(self, ab_pipe, tiled_mma, acc, block, operands, k_tiles, cons, scales, mma_tidx):
+    def wait_stage(self, ab_pipe, cons):
+        """Wait for stage ``cons`` to land (with ``gather_a``, A came through the generic proxy by
+        cp.async, and the WGMMAs read it through the async one: a proxy fence)."""
+        ab_pipe.consumer_wait(cons)
+        if cutlass.const_expr(self.gather_a):
+            cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def b_scales(self, m_sb, m_sb2, n_block, k_tile, expert):
+        """(B's scale, B2's) of K block ``k_tile`` (B2's = B's without a second product)."""
+        scale_b = self.b_scale(m_sb, m_sb2, n_block, k_tile, expert)
+        scale_b2 = scale_b
+        if cutlass.const_expr(self.two_accumulators):
+            scale_b2 = m_sb2[n_block, k_tile, expert]
+        return scale_b, scale_b2
+
+    @cute.jit
+    def consume_outer_scaled_tile(self, ab_pipe, tiled_mma, acc, blocks, operands, k_tiles, cons, scales, mma_tidx):
         """Persistent consumer of one weight-gradient tile on FP8 (both operands scaled per 128-row
-        block along the output's rows and columns: mok/kernels/sm90/weight_grad_gemm.py): per stage
-        the WGMMAs into ``block`` (the first overwriting it), waited for, this thread's rows' and
-        columns' scales read from the stage (``scales`` = their stage buffers), the stage handed
-        back, then acc += block · (sa[row] · sb[column]) per value. Returns the advanced state (the
-        stages are released in the order they were read: one state serves both)."""
-        s_sa, s_sb = scales
+        block, along the output's rows and its columns: mok/kernels/sm90/weight_grad_gemm.py):
+        acc += each stage's product · (sa[row] · sb[column]) per value. ``blocks`` = two block
+        accumulators used in turn: stage k's WGMMAs go into one (the first overwriting it), then stage
+        k - 1's product, retired in the other, is promoted while they run, then they are waited for
+        (``wait_group 0``), so that the tensor cores do not wait for the promotion (the two MMA
+        warpgroups take the same stages and would otherwise promote at the same time). The loop
+        takes two stages a turn, each block named statically, and retires every WGMMA before its
+        back edge: otherwise ptxas serializes every WGMMA (docs/notes/kernel-pitfalls.md). The same
+        schedule as consume_block_scaled_tile's two sets. The promotion reads the stage's scales
+        from shared memory (``scales`` = their stage buffers) and hands the stage back after it;
+        stages are released in the order they were read. Returns the advanced state. One fma per
+        value and stage, in stage order, whatever the buffering."""
         r_a, r_b = operands
         tile_m, tile_n, _ = self.tile_shape_mnk
         crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-        row_tiles, groups = cute.size(crd, mode=[1]), tile_n // 8
-        row_scale = cute.make_rmem_tensor((2, row_tiles), cutlass.Float32)
-        column_scale = cute.make_rmem_tensor((2, groups), cutlass.Float32)
-        for k_tile in cutlass.range(k_tiles, unroll=1):
+        release = cons.clone()
+        if k_tiles > 0:
             ab_pipe.consumer_wait(cons)
-            self.mma_stage(tiled_mma, block, block, r_a, r_b, r_b, cons.index, overwrite=True)
+            self.mma_stage(tiled_mma, blocks[0], blocks[0], r_a, r_b, r_b, cons.index, overwrite=True)
+            cons.advance()
             cute.nvgpu.warpgroup.wait_group(0)
+        for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):  # stages 1, 2 | 3, 4 | ... (into blocks 1, 0)
+            for into in cutlass.range_constexpr(2):
+                ab_pipe.consumer_wait(cons)
+                self.mma_stage(tiled_mma, blocks[1 - into], blocks[1 - into], r_a, r_b, r_b, cons.index, overwrite=True)
+                cons.advance()
+                self.promote_outer(acc, blocks[into], scales, crd, release.index)  # (the previous stage's, retired)
+                ab_pipe.consumer_release(release)
+                release.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+        if k_tiles > 0 and k_tiles % 2 == 0:  # the last stage, into block 1
+            ab_pipe.consumer_wait(cons)
+            self.mma_stage(tiled_mma, blocks[1], blocks[1], r_a, r_b, r_b, cons.index, overwrite=True)
+            cons.advance()
+            self.promote_outer(acc, blocks[0], scales, crd, release.index)
+            ab_pipe.consumer_release(release)
+            release.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            self.promote_outer(acc, blocks[1], scales, crd, release.index)
+            ab_pipe.consumer_release(release)
+        elif k_tiles > 0:  # the last stage went into block 0
+            self.promote_outer(acc, blocks[0], scales, crd, release.index)
+            ab_pipe.consumer_release(release)
+        return cons
+
+    @cute.jit
+    def promote_outer(self, acc, block, scales, crd, stage):
+        """acc += block · (sa[row] · sb[column]) per value, the scales of stage ``stage`` read from
+        shared memory (``scales`` = A's and B's stage buffers; a thread's columns come in pairs)."""
+        s_sa, s_sb = scales
+        pin_registers(block)  # (read after the wait that retired it)
+        row_tiles, groups = cute.size(crd, mode=[1]), self.tile_shape_mnk[1] // 8
+        row_scale = cute.make_rmem_tensor((2, row_tiles), cutlass.Float32)
+        for m in cutlass.range_constexpr(row_tiles):
+            for hi in cutlass.range_constexpr(2):
+                row_scale[hi, m] = s_sa[crd[(0, hi, 0), m, 0][0], 0, stage]
+        for j in cutlass.range_constexpr(groups):
+            column_scale = (s_sb[crd[(0, 0, j), 0, 0][1], 0, stage], s_sb[crd[(1, 0, j), 0, 0][1], 0, stage])
             for m in cutlass.range_constexpr(row_tiles):
                 for hi in cutlass.range_constexpr(2):
-                    row_scale[hi, m] = s_sa[crd[(0, hi, 0), m, 0][0], 0, cons.index]
-            for j in cutlass.range_constexpr(groups):
-                for c in cutlass.range_constexpr(2):
-                    column_scale[c, j] = s_sb[crd[(c, 0, j), 0, 0][1], 0, cons.index]
-            ab_pipe.consumer_release(cons)
-            cons.advance()
-            for j in cutlass.range_constexpr(groups):
-                for m in cutlass.range_constexpr(row_tiles):
-                    for hi in cutlass.range_constexpr(2):
-                        for c in cutlass.range_constexpr(2):
-                            at = ((c, hi, j), m, 0)
-                            acc[at] = cute.math.fma(block[at], row_scale[hi, m] * column_scale[c, j], acc[at])
-        return cons
+                    for c in cutlass.range_constexpr(2):
+                        at = ((c, hi, j), m, 0)
+                        acc[at] = cute.math.fma(block[at], row_scale[hi, m] * column_scale[c], acc[at])
+        pin_registers(acc)  # (summed before the next stage's WGMMAs are issued)
 
     @cute.jit
     def retire_block(self, ab_pipe, release, s_sa, crd, row_scale, stage):
@@ -216,11 +294,14 @@ class BlockScaledMainloop:
 
     @cute.jit
     def promote(self, accs, blocks, row_scale, scales_b):
-        """acc += block · (row scale · B's scale) per value (acc2 with block2 and B2's scale)."""
+        """acc += block · (row scale · B's scale) per value (acc2 with block2 and B2's scale); with
+        two sets of blocks, the values pinned (pin_registers) around it."""
         tile_n = self.tile_shape_mnk[1]
         groups = tile_n // 8
         for pair in ((accs[0], blocks[0], scales_b[0]), (accs[1], blocks[1], scales_b[1]))[: self.num_b]:
             total, part, scale = pair
+            if cutlass.const_expr(self.block_buffers == 2):
+                pin_registers(part)
             for j in cutlass.range_constexpr(groups):
                 for m in cutlass.range_constexpr(cute.size(row_scale, mode=[1])):
                     for hi in cutlass.range_constexpr(2):
@@ -228,3 +309,5 @@ class BlockScaledMainloop:
                         for c in cutlass.range_constexpr(2):
                             at = ((c, hi, j), m, 0)
                             total[at] = cute.math.fma(part[at], factor, total[at])
+            if cutlass.const_expr(self.block_buffers == 2):
+                pin_registers(total)

@@ -51,7 +51,7 @@ from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
 from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows
 from ..common.grouped_gemm import GroupedGemm
-from ..variants import check_block_buffers
+from ..variants import block_buffers_for
 from .block_scaled import FP8_ROW_ELEMENTS, SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
@@ -81,8 +81,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
         self.block_scaled = operand == "e4m3_block"
-        check_block_buffers(block_buffers, operand, epilogue)
-        self.block_buffers = block_buffers
+        self.block_buffers = block_buffers_for(block_buffers, operand, epilogue)
         tile_k = TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K
         self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, tile_k, b_expert_stride, activation, bias, b_row_stride)
         if self.block_scaled:

@@ -232,9 +232,9 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
             cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
             _, r_a, r_b, acc = self.mma_operands(tiled_mma, mma_tidx, s_a, s_b)
-            block = acc  # (block-scaled: each stage's product before its scales)
+            blocks = (acc, acc)  # (block-scaled: two stages' products before their scales, used in turn)
             if cutlass.const_expr(self.block_scaled):
-                block = cute.make_rmem_tensor(acc.shape, cutlass.Float32)
+                blocks = tuple(cute.make_rmem_tensor(acc.shape, cutlass.Float32) for _ in range(2))
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             store_pipe = self.store_pipeline()
@@ -244,7 +244,7 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
                 expert, tile_row, tile_col, row_start, k_tiles = self.tile_of(linear, rows, num_rows)
                 acc.fill(0.0)
                 if cutlass.const_expr(self.block_scaled):
-                    cons = self.consume_outer_scaled_tile(ab_pipe, tiled_mma, acc, block, (r_a, r_b), k_tiles, cons, s_scales, mma_tidx)
+                    cons = self.consume_outer_scaled_tile(ab_pipe, tiled_mma, acc, blocks, (r_a, r_b), k_tiles, cons, s_scales, mma_tidx)
                 else:
                     cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc, r_a, r_b, r_b, k_tiles, cons, release)
                 g_c = self.out_tile(m_c, upper_first, expert, tile_row, tile_col)
