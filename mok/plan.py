@@ -330,10 +330,12 @@ class Plan:
             v = [quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True)]
             if self.emulate:
                 v.append(quantize_mxfp8_variant(back=True))
-        if fp8:  # the four rows' transposes (x's gathered from x as they are quantized, on one GPU), FP8 WGMMAs
+        if fp8:  # the four rows' transposes, FP8 WGMMAs: s·a's and dh's; x's and dout's gathered from the tokens as they are
+            # quantized on one GPU (dout's as it is where the expert biases' sums read its rows), the pulled rows' at EP
             operand, pow2 = "e4m3_block", self.config.fp8_power_of_two
-            v = [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, columns=True) for width in sorted({h, i, 2 * i})]
-            v.append(quantize_fp8_block_variant(h, power_of_two=pow2, bounded=True, columns=True, gathered=not self.ep))
+            columns = [(i, False), (2 * i, False)] + [(h, False)] * (self.ep or self.config.expert_bias) + [(h, True)] * (not self.ep)
+            v = [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, columns=True, gathered=gathered)
+                 for width, gathered in columns]
         kinds = [("bf16", False)] + ([("f32", True)] if self.config.fuse_wgrad_accumulation else [])
         for out, accumulate in kinds:
             v += [

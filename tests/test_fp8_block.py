@@ -300,7 +300,8 @@ def test_wgrad_format_is_a_config_option_with_its_kernels():
     only and adds its kernels to the plan (the transposing quantizers of dout, s·a, dh and of x
     gathered as quantized; the FP8 weight-gradient GEMMs, cooperative, fresh and with main_grad
     accumulation, dh's half packed), in place of the bf16 ones; SM100 is refused with the reason;
-    the layer, the precompile CLI and the ops' config text carry it."""
+    the layer, the precompile CLI and the ops' config text carry it. (dout's rows gathered as they
+    are quantized where no bias sum reads them.)"""
     from mok.config import MoKConfig
     from mok.layer import MoELayer
     from mok.plan import Plan, refusal
@@ -319,11 +320,14 @@ def test_wgrad_format_is_a_config_option_with_its_kernels():
     assert not any(v.name == "weight_grad" and v.config.get("operand") is None and v.config["m"] in (768, 1536, 2048) and v.config["n"] in (768, 2048)
                    for v in variants)  # (no bf16 expert weight gradients beside them)
     columns = sorted((v.config["width"], v.config.get("gathered", False)) for v in variants if v.config.get("columns"))
-    assert columns == [(768, False), (1536, False), (2048, False), (2048, True)]
+    assert columns == [(768, False), (1536, False), (2048, True)]  # (s·a, dh; x and dout gathered as they are quantized)
+    biased = Plan(MoKConfig(**base, precision="fp8_block", wgrad_format="fp8_block", expert_bias=True), "sm_90a").variants()
+    assert (2048, False) in {(v.config["width"], v.config.get("gathered", False)) for v in biased if v.config.get("columns")}
     plain = Plan(MoKConfig(**base, precision="fp8_block"), "sm_90a").variants()
     assert not any(v.config.get("columns") or v.config.get("operand") == "e4m3_block" for v in plain if v.name != "grouped_gemm")
     ep = Plan(MoKConfig(**base, precision="fp8_block", wgrad_format="fp8_block", ep_size=2), "sm_90a").variants()
-    assert not any(v.config.get("gathered") for v in ep if v.config.get("columns"))  # (at EP: x's pulled rows, quantized as they are)
+    assert sorted((v.config["width"], v.config.get("gathered", False)) for v in ep if v.config.get("columns")) == [
+        (768, False), (1536, False), (2048, False)]  # (at EP: the pulled rows of x and dout, quantized as they are)
     pow2 = MoKConfig(**base, precision="fp8_block", fp8_scales="power_of_two", wgrad_format="fp8_block")
     assert refusal(pow2, "sm_100a") == "wgrad_format='fp8_block': Hopper's FP8 weight-gradient kernel (sm_90a), got sm_100a"
     assert refusal(pow2, "sm_90a") is None

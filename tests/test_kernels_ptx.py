@@ -413,6 +413,21 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
         compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
 
 
+def test_no_wgmma_kernel_of_the_layer_is_serialized_by_ptxas():
+    """Every WGMMA kernel a Hopper layer launches (DeepSeek-V3's precompile default, bf16 at EP 8;
+    one GPU in one launch; fp8_block with its FP8 weight gradients and main_grad) assembles without
+    ptxas serializing its WGMMAs (docs/notes/kernel-pitfalls.md: nothing reports it but ptxas -v)."""
+    from mok.config import DEFAULT_CONFIG, MoKConfig
+    from mok.plan import Plan
+
+    configs = (DEFAULT_CONFIG, MoKConfig(7168, 2048, 32, 8, one_launch=True),
+               MoKConfig(7168, 2048, 32, 8, precision="fp8_block", wgrad_format="fp8_block", fuse_wgrad_accumulation=True))
+    kernels = {v.describe(): v for c in configs for v in Plan(c, "sm_90a").variants() if v.name in ("grouped_gemm", "weight_grad", "expert_mlp")}
+    assert len(kernels) > 20
+    for variant in kernels.values():
+        assert_wgmmas_not_serialized(compiled_ptx(variant, "sm_90a"))
+
+
 @pytest.mark.parametrize("m,n,options", [(7168, 2048, {}), (4096, 7168, dict(split_out=True)),
                                          (2048, 7168, dict(out_dtype="f32", accumulate=True, split_out=True))])
 def test_fp8_block_weight_grad_uses_e4m3_wgmmas_and_scales_by_row_and_column(m, n, options):

@@ -303,29 +303,32 @@ def down_operands(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> tupl
     return quantized_rows(plan, a, sched), gemm_weight(plan, weights.down)
 
 
-def down_backward(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor,
-                  biases: tuple | None = None) -> tuple:
+def down_backward(plan: Plan, dout_rows: torch.Tensor | None, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor,
+                  biases: tuple | None = None, dout: torch.Tensor | None = None) -> tuple:
     """(dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, parts]) from dout_rows [R, H]
     and the saved h: ops.swiglu_backward_gemm with each row's router weight s from ``topk_w``.
     ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights. ``biases``
-    (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>."""
+    (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>. fp8_block: with
+    ``dout_rows`` None, dout's rows gathered as they are quantized (:func:`swiglu_backward_operands`)."""
     route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w, activation=plan.activation)
-    dh, a_scaled, pieces = ops.swiglu_backward_gemm(*swiglu_backward_operands(plan, dout_rows, sched, weights_t), sched.tile_expert, h,
-                                                    bias_piece=biases is not None, **route)
+    operands = swiglu_backward_operands(plan, dout_rows, sched, weights_t, dout)
+    dh, a_scaled, pieces = ops.swiglu_backward_gemm(*operands, sched.tile_expert, h, bias_piece=biases is not None, **route)
     if biases is not None:
         ops.bias_router_pieces(dout_rows, biases[2], sched, pieces)
     return dh, a_scaled, pieces
 
 
-def swiglu_backward_operands(plan: Plan, dout_rows: torch.Tensor, sched: Schedule, weights_t) -> tuple:
+def swiglu_backward_operands(plan: Plan, dout_rows: torch.Tensor | None, sched: Schedule, weights_t, dout: torch.Tensor | None = None) -> tuple:
     """The SwiGLU-backward GEMM's (A, B) in the plan's precision: the dout rows and w_down (bf16,
     read N-major); the rows in use quantized with w_down's transposed FP8 copy (fp8_block, MXFP8);
     with MXFP8's emulation the same operands dequantized, w_down [E, H, I] read N-major as the
-    bf16 GEMM does."""
+    bf16 GEMM does. fp8_block with ``dout_rows`` None: ``dout``'s rows gathered as they are
+    quantized (the bits of quantizing the gathered rows)."""
     if plan.precision == "bf16":
         return dout_rows, weights_t[2]
     w_down = gemm_weight(plan, weights_t.down)
-    return quantized_rows(plan, dout_rows, sched), w_down.transpose(1, 2).contiguous() if plan.emulate else w_down
+    rows = quantized_rows(plan, dout, sched, gathered=True) if dout_rows is None else quantized_rows(plan, dout_rows, sched)
+    return rows, w_down.transpose(1, 2).contiguous() if plan.emulate else w_down
 
 
 def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:
@@ -388,32 +391,38 @@ def operand_columns(operand) -> int:
     return operand[0].shape[0] if isinstance(operand, tuple) else operand.shape[1]
 
 
-def fp8_weight_grad_operands(plan: Plan, rows: tuple, sched: Schedule, x: torch.Tensor | None = None) -> tuple:
+def fp8_weight_grad_operands(plan: Plan, rows: tuple, sched: Schedule, tokens: tuple = (None, None)) -> tuple:
     """The weight gradients' operands on FP8 (wgrad_format="fp8_block"): the transposes of
     ``rows`` = (dout_rows, a_scaled, dh, x_rows) with 1 x 128 blocks along the rows
-    (ops.quantize_fp8_columns, the plan's scale rule), the row blocks in use only; the x rows
-    gathered from ``x`` (the tokens) as they are quantized where it is given (x_rows then None)."""
-    dout_rows, a_scaled, dh, x_rows = rows
+    (ops.quantize_fp8_columns, the plan's scale rule), the row blocks in use only; where dout_rows
+    or x_rows is None, the rows of its token matrix in ``tokens`` = (dout, x) gathered as they are
+    quantized."""
     options = dict(power_of_two=plan.config.fp8_power_of_two, rows_used=rows_in_use(sched))
-    x_t = ops.quantize_fp8_columns(x_rows, **options) if x is None else ops.quantize_fp8_columns(x, row_source=sched.row_token, **options)
-    return (*(ops.quantize_fp8_columns(t, **options) for t in (dout_rows, a_scaled, dh)), x_t)
+
+    def transpose(t: torch.Tensor | None, token_matrix: torch.Tensor | None = None):
+        if t is None:
+            return ops.quantize_fp8_columns(token_matrix, row_source=sched.row_token, **options)
+        return ops.quantize_fp8_columns(t, **options)
+
+    dout_rows, a_scaled, dh, x_rows = rows
+    return transpose(dout_rows, tokens[0]), transpose(a_scaled), transpose(dh), transpose(x_rows, tokens[1])
 
 
 def expert_weight_grads(
     plan: Plan, rows: tuple, sched: Schedule, grad_dtype, main_grads, wgrad_format: str, gate_up_layout: str = "separate",
-    x: torch.Tensor | None = None,
+    tokens: tuple = (None, None),
 ) -> tuple:
     """(dW_gate, dW_up, dW_down) of the routed experts over their rows in canonical order, from
     ``rows`` = (dout_rows, a_scaled, dh, x_rows); fresh in ``grad_dtype`` or added into
     ``main_grads`` (gate, up, down). ``wgrad_format`` (MoKConfig.weight_grad_format): "bf16", the
     rows as they are; "mxfp8", quantized along the rows (blocks of 32 rows down each column);
     "fp8_block", their transposes with 1 x 128 blocks along the rows
-    (:func:`fp8_weight_grad_operands`; ``x``: the tokens, whose rows are gathered as they are
-    quantized, x_rows then None). ``gate_up_layout`` "concatenated" or "interleaved" (fresh):
+    (:func:`fp8_weight_grad_operands`; ``tokens`` = (dout, x), whose rows are gathered as they are
+    quantized where dout_rows or x_rows is None). ``gate_up_layout`` "concatenated" or "interleaved" (fresh):
     dW_gate and dW_up as one [E, 2I, H] tensor (:func:`gate_up_weight_grads`)."""
     offsets, counts = sched.expert_offsets, sched.expert_counts
     if wgrad_format == "fp8_block":
-        rows = fp8_weight_grad_operands(plan, rows, sched, x)
+        rows = fp8_weight_grad_operands(plan, rows, sched, tokens)
     dout_rows, a_scaled, dh, x_rows = rows
     if wgrad_format != "mxfp8":  # (bf16 rows, or FP8 transposes: ops.weight_grad takes either)
         d_down = weight_grad(dout_rows, a_scaled, offsets, grad_dtype, None if main_grads is None else main_grads[2], counts)
