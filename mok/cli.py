@@ -224,6 +224,7 @@ def _bench_shapes(args: argparse.Namespace) -> list:
     return resolve_shapes(
         args.model, tokens=args.tokens, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, topk=args.topk,
         shared_intermediate=args.shared_intermediate, tiled="mok" in args.paths or args.kernel == "combine", precisions=args.precision,
+        wgrad_format=args.wgrad_format,
     )
 
 
@@ -301,6 +302,9 @@ def _add_bench_options(p: argparse.ArgumentParser) -> None:
                    default=["bf16"], metavar="P[,P...]",
                    help="MoK's expert GEMMs: bf16 (default), fp8_block (DeepSeek-V3's FP8, Hopper), mxfp8_emulated, mxfp8 (SM100); "
                         "comma-separated: each shape once per precision, the PyTorch path (bf16) timed beside each")
+    p.add_argument("--wgrad-format", choices=WGRAD_FORMATS, default=None,
+                   help="MoK's expert weight gradients (default: each precision's own); fp8_block: on FP8 too, for the fp8_block "
+                        "precision (Hopper; the bf16 run beside it keeps bf16's)")
     p.add_argument("--passes", type=_argument_type(lambda t: parse_choices(t, PASSES, PASS_ALIASES, "pass"), "passes"),
                    default=list(PASSES), metavar="PASS[,PASS]", help=f"what is timed, comma-separated: {', '.join(PASSES)} (default both)")
     p.add_argument("--paths", type=_argument_type(lambda t: parse_choices(t, PATHS, None, "path"), "paths"), default=list(PATHS),

@@ -167,6 +167,11 @@ def test_bench_options_pick_presets_or_a_shape_of_ones_own(capsys):
     both = shapes("--model", "qwen3-235b-a22b", "--precision", "fp8_block,bf16")  # (each shape once per precision, bf16 first)
     assert [(s.model, s.precision) for s in both] == [("qwen3-235b-a22b", "bf16"), ("qwen3-235b-a22b", "fp8_block")]
     assert both[1].config().precision == "fp8_block" and "MoK's expert GEMMs fp8_block" in both[1].describe()
+    fp8_wgrads = shapes("--model", "qwen3-235b-a22b", "--precision", "bf16,fp8_block", "--wgrad-format", "fp8_block")
+    assert [s.config().weight_grad_format for s in fp8_wgrads] == ["bf16", "fp8_block"]  # (bf16's row keeps its own)
+    assert "weight gradients fp8_block" in fp8_wgrads[1].describe() and fp8_wgrads[0].wgrad_format is None
+    assert main(["bench", "--model", "qwen3-235b-a22b", "--wgrad-format", "fp8_block"]) == 2  # (no precision of the run takes it)
+    assert "wgrad_format='fp8_block': only with precision 'fp8_block', got bf16" in capsys.readouterr().err
     assert main(["bench", "--model", "gpt-oss-20b", "--intermediate", "1032", "--precision", "fp8_block"]) == 2  # (16-byte E4M3 rows)
     assert "precision='fp8_block': expected widths that are multiples of 16 (16-byte E4M3 rows)" in capsys.readouterr().err
     assert main(["bench", "--hidden", "1024"]) == 2  # (a shape of one's own needs all four)

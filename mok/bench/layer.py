@@ -43,7 +43,8 @@ class Shape:
     GPU (all of them at EP = 1), ``topk`` of them per token, SwiGLU experts of width
     ``intermediate`` and an optional shared expert of width ``shared_intermediate`` (None: none);
     ``precision``: MoK's expert GEMMs' (MoKConfig.precision; the PyTorch path and the dense GEMM
-    stay bf16)."""
+    stay bf16); ``wgrad_format``: their weight gradients' (MoKConfig.wgrad_format; None: the
+    precision's own)."""
 
     model: str
     tokens: int
@@ -53,6 +54,7 @@ class Shape:
     topk: int
     shared_intermediate: int | None = None
     precision: str = "bf16"
+    wgrad_format: str | None = None
 
     def forward_flops(self) -> int:
         """6·T·k·H·I (gate, up and down GEMMs of every routed pair) + 6·T·H·I_s (the shared expert)."""
@@ -67,7 +69,7 @@ class Shape:
         """The layer's MoKConfig (one GPU), with ``options``."""
         from ..config import MoKConfig
 
-        options = {"precision": self.precision, **options}
+        options = {"precision": self.precision, "wgrad_format": self.wgrad_format, **options}
         return MoKConfig(self.hidden, self.intermediate, self.experts, self.topk, self.shared_intermediate, **options)
 
     def check(self, tiled: bool = True) -> None:
@@ -87,6 +89,8 @@ class Shape:
     def describe(self) -> str:
         shared = f"shared expert I_s {self.shared_intermediate}" if self.shared_intermediate else "no shared expert"
         precision = "" if self.precision == "bf16" else f", MoK's expert GEMMs {self.precision}"
+        if self.wgrad_format is not None:
+            precision += f", weight gradients {self.wgrad_format}"
         return (f"{self.tokens} tokens, H {self.hidden}, I {self.intermediate}, {self.experts} experts on the GPU, top-{self.topk}, "
                 f"{shared}{precision}; {self.forward_flops() / 1e12:.2f} TFLOP a forward")
 
@@ -146,13 +150,16 @@ def parse_choices(text: str, known: tuple, aliases: dict | None = None, what: st
 def resolve_shapes(
     models: list[str] | None = None, *, tokens: int | None = None, hidden: int | None = None, intermediate: int | None = None,
     experts: int | None = None, topk: int | None = None, shared_intermediate: int | None = None, tiled: bool = True,
-    precisions: tuple = ("bf16",),
+    precisions: tuple = ("bf16",), wgrad_format: str | None = None,
 ) -> list[Shape]:
     """The shapes to run: each preset of ``models`` with the given values in place of its own; without
     ``models``, a shape of one's own when any of hidden, intermediate, experts, topk is given (then all
     four are needed; 4096 tokens unless given; ``shared_intermediate`` 0 or None: no shared expert),
     else the default preset (deepseek-v3); each once per precision of ``precisions`` (MoK's expert
-    GEMMs'). Each is checked (:meth:`Shape.check`)."""
+    GEMMs'), with ``wgrad_format`` (their weight gradients', where it goes with the precision: the
+    bf16 row of an FP8 run keeps bf16's). Each is checked (:meth:`Shape.check`)."""
+    from ..config import PRECISIONS, WGRAD_PRECISIONS
+
     widths = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "topk": topk}
     if models is None and any(v is not None for v in widths.values()):
         missing = [f"--{name}" for name, value in widths.items() if value is None]
@@ -166,7 +173,12 @@ def resolve_shapes(
         if "shared_intermediate" in given:
             given["shared_intermediate"] = given["shared_intermediate"] or None
         shapes = [Shape(**{**asdict(PRESETS[name]), **given}) for name in (models or [DEFAULT_MODEL])]
-    shapes = [Shape(**{**asdict(shape), "precision": precision}) for shape in shapes for precision in precisions]
+    takes_wgrad = WGRAD_PRECISIONS.get(wgrad_format, PRECISIONS)  # (the precisions it goes with)
+    if wgrad_format is not None and not set(precisions) & set(takes_wgrad):
+        raise ValueError(f"wgrad_format={wgrad_format!r}: only with precision {' or '.join(map(repr, takes_wgrad))}, got "
+                         f"{', '.join(precisions)}")
+    shapes = [Shape(**{**asdict(shape), "precision": precision, "wgrad_format": wgrad_format if precision in takes_wgrad else None})
+              for shape in shapes for precision in precisions]
     for shape in shapes:
         shape.check(tiled)
     return shapes
@@ -309,11 +321,11 @@ def pass_records(shape: Shape, pass_: str, ms: dict, gpu: dict | None = None, me
     return records
 
 
-SHAPE_FIELDS = ("model", "tokens", "hidden", "intermediate", "experts", "topk", "shared_intermediate", "precision")
+SHAPE_FIELDS = ("model", "tokens", "hidden", "intermediate", "experts", "topk", "shared_intermediate", "precision", "wgrad_format")
 
 
 def shape_of(record: dict) -> Shape:
-    """The shape a record was taken at (records written before ``precision`` existed: bf16)."""
+    """The shape a record was taken at (records written before ``precision`` or ``wgrad_format`` existed: their defaults)."""
     return Shape(**{f: record.get(f) for f in SHAPE_FIELDS if f in record})
 
 
