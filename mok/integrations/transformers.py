@@ -109,7 +109,7 @@ _SHARED_BLOCKS = {
 
 # The layer options apply() takes (MoKConfig's fields of one GPU), with their defaults; kept on
 # each experts module as OPTIONS_ATTR: the options that differ from these, as (name, value) pairs.
-LAYER_OPTIONS = {"saved_h_format": "bf16", "one_launch": False, "precision": "bf16"}
+LAYER_OPTIONS = {"saved_h_format": "bf16", "one_launch": False, "precision": "bf16", "fp8_scales": "fp32", "wgrad_format": None}
 OPTIONS_ATTR = "mok_options"
 
 
@@ -564,16 +564,17 @@ def layer_options(experts: nn.Module, **options) -> tuple:
 
 def apply(
     model: nn.Module, *, fuse_shared_experts: bool = True, saved_h_format: str = "bf16", one_launch: bool = False,
-    precision: str = "bf16",
+    precision: str = "bf16", fp8_scales: str = "fp32", wgrad_format: str | None = None,
 ) -> nn.Module:
     """Run ``model``'s experts on MoK: check every experts module (UnsupportedModelError, naming the
     module, what MoK lacks for it and the supported families, before anything changes), switch the
     model to ``experts_implementation="mok"``, and with ``fuse_shared_experts`` run DeepSeek-V3's
     shared experts inside MoK's op too (the blocks' class becomes ``MoK<Block>``, a subclass with
     only its forward changed: parameters, names, state_dict and save_pretrained stay the same).
-    ``saved_h_format``, ``one_launch`` and ``precision`` are MoKConfig's (mok.MoKConfig says what
-    each does; e.g. ``saved_h_format="recompute"`` keeps no expert activations between forward and
-    backward), checked against every experts module's shapes before anything changes and kept on
+    ``saved_h_format``, ``one_launch``, ``precision``, ``fp8_scales`` and ``wgrad_format`` are
+    MoKConfig's (mok.MoKConfig says what each does; e.g. ``saved_h_format="recompute"`` keeps no
+    expert activations between forward and backward, ``precision="fp8_block",
+    wgrad_format="fp8_block"`` trains the experts in DeepSeek-V3's FP8 on Hopper), checked against every experts module's shapes before anything changes and kept on
     each as its ``mok_options`` attribute (not a parameter or buffer: the state_dict is unchanged).
     Transposed experts weights (gpt-oss's) are stored transposed in memory once (:func:`store_for_mok`:
     the same tensors, read in place by MoK's kernels instead of copied on every call). Returns
@@ -592,7 +593,8 @@ def apply(
             f"MoK: {type(model).__name__} has no MoE experts (no module runs through transformers' ExpertsInterface, "
             f"transformers.integrations.moe). {_what_mok_runs()}"
         )
-    options = {"saved_h_format": saved_h_format, "one_launch": one_launch, "precision": precision}
+    options = {"saved_h_format": saved_h_format, "one_launch": one_launch, "precision": precision, "fp8_scales": fp8_scales,
+               "wgrad_format": wgrad_format}
     for name, experts in found:
         check_experts(experts, name)
     chosen = [layer_options(experts, **options) for _, experts in found]
