@@ -330,10 +330,13 @@ class Plan:
             v = [quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True)]
             if self.emulate:
                 v.append(quantize_mxfp8_variant(back=True))
-        if fp8:  # the four rows' transposes, FP8 WGMMAs: s·a's and dh's; x's and dout's gathered from the tokens as they are
-            # quantized on one GPU (dout's as it is where the expert biases' sums read its rows), the pulled rows' at EP
+        if fp8:  # the four rows' transposes (quantizers of (width, rows gathered from the tokens)), FP8 WGMMAs
             operand, pow2 = "e4m3_block", self.config.fp8_power_of_two
-            columns = [(i, False), (2 * i, False)] + [(h, False)] * (self.ep or self.config.expert_bias) + [(h, True)] * (not self.ep)
+            columns = [(i, False), (2 * i, False)]  # s·a's and dh's
+            if self.ep or self.config.expert_bias:  # dout's rows as they are (the biases' sums read them), at EP x's pulled ones
+                columns.append((h, False))
+            if not self.ep:  # x's, and dout's, rows gathered from the tokens as they are quantized
+                columns.append((h, True))
             v = [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, columns=True, gathered=gathered)
                  for width, gathered in columns]
         kinds = [("bf16", False)] + ([("f32", True)] if self.config.fuse_wgrad_accumulation else [])

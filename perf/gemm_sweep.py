@@ -20,6 +20,8 @@ Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from mok import ops
@@ -181,6 +183,20 @@ def fp8_block() -> None:
             print(f"{name:<11}fp8 vs float64 of its operands: relative difference {float((got - want).norm() / want.norm()):.2e}")
 
 
+def fp8_weight_grad_inputs(T: int, H: int, I: int, E: int, k: int) -> SimpleNamespace:
+    """dW_gate + dW_up's operands both ways on a real uniform schedule of T tokens, top-k of E
+    experts: the schedule, x [T, H], dh [rows, 2I] (padding rows zero) and x's gathered bf16 rows;
+    the FP8 transposes of dh and x (ops.quantize_fp8_columns, x's rows gathered as they are
+    quantized), the rows in use."""
+    sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    dh = torch.randn(sched.capacity, 2 * I, device="cuda").bfloat16().masked_fill((sched.row_token < 0)[:, None], 0)
+    used = sched.expert_offsets[-1:]
+    return SimpleNamespace(sched=sched, x=x, dh=dh, x_rows=ops.gather_rows(x, sched.row_token), used=used,
+                           dh_q=ops.quantize_fp8_columns(dh, rows_used=used),
+                           x_q=ops.quantize_fp8_columns(x, rows_used=used, row_source=sched.row_token))
+
+
 def fp8_weight_grads() -> None:
     """The weight gradients on FP8 with 1 x 128 blocks along the rows (the rows' transposes,
     ops.quantize_fp8_columns, then ops.weight_grad on them) against bf16's weight-gradient GEMM on
@@ -189,21 +205,14 @@ def fp8_weight_grads() -> None:
     result's relative difference from bf16's."""
     shapes = {"dsv3": (4096, 7168, 2048, 32, 8), "qwen3": (8192, 2048, 768, 64, 8)}
     for name, (T, H, I, E, k) in shapes.items():
-        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
-        x = torch.randn(T, H, device="cuda").bfloat16()
-        x_rows = ops.gather_rows(x, sched.row_token)
-        padding = (sched.row_token < 0)[:, None]
-        dh = torch.randn(sched.capacity, 2 * I, device="cuda").bfloat16().masked_fill(padding, 0)
-        offsets, counts = sched.expert_offsets, sched.expert_counts
-        used = offsets[-1:]
-        dh_q = ops.quantize_fp8_columns(dh, rows_used=used)
-        x_q = ops.quantize_fp8_columns(x, rows_used=used, row_source=sched.row_token)
+        v = fp8_weight_grad_inputs(T, H, I, E, k)
+        rows = dict(offsets=v.sched.expert_offsets, counts=v.sched.expert_counts, split_out=True)
         runs = {
-            "bf16 dW_gate+up": lambda: ops.weight_grad(dh, x_rows, offsets, counts=counts, split_out=True),
-            "fp8 dW_gate+up": lambda: ops.weight_grad(dh_q, x_q, offsets, counts=counts, split_out=True),
-            "fp8 quantize + dW": lambda: ops.weight_grad(ops.quantize_fp8_columns(dh, rows_used=used),
-                                                        ops.quantize_fp8_columns(x, rows_used=used, row_source=sched.row_token),
-                                                        offsets, counts=counts, split_out=True),
+            "bf16 dW_gate+up": lambda: ops.weight_grad(v.dh, v.x_rows, **rows),
+            "fp8 dW_gate+up": lambda: ops.weight_grad(v.dh_q, v.x_q, **rows),
+            "fp8 quantize + dW": lambda: ops.weight_grad(ops.quantize_fp8_columns(v.dh, rows_used=v.used),
+                                                        ops.quantize_fp8_columns(v.x, rows_used=v.used, row_source=v.sched.row_token),
+                                                        **rows),
         }
         ms = time_ms_interleaved(runs, batch=10, repeats=5)
         flops = 2 * T * k * 2 * I * H
@@ -235,16 +244,10 @@ def fp8_for_ncu() -> None:
 def fp8_weight_grads_for_ncu() -> None:
     """dsv3's dW_gate + dW_up on FP8 transposes, then on bf16 rows, each called twice (the first
     compiles), for Nsight Compute (-k regex:weight_grad --launch-skip 1 --launch-count 3): nothing timed."""
-    T, H, I, E, k = 4096, 7168, 2048, 32, 8
-    sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
-    x = torch.randn(T, H, device="cuda").bfloat16()
-    dh = torch.randn(sched.capacity, 2 * I, device="cuda").bfloat16().masked_fill((sched.row_token < 0)[:, None], 0)
-    offsets, counts, used = sched.expert_offsets, sched.expert_counts, sched.expert_offsets[-1:]
-    dh_q, x_q = ops.quantize_fp8_columns(dh, rows_used=used), ops.quantize_fp8_columns(x, rows_used=used, row_source=sched.row_token)
-    x_rows = ops.gather_rows(x, sched.row_token)
-    for a, b in ((dh_q, x_q), (dh, x_rows)):
+    v = fp8_weight_grad_inputs(4096, 7168, 2048, 32, 8)
+    for a, b in ((v.dh_q, v.x_q), (v.dh, v.x_rows)):
         for _ in range(2):
-            ops.weight_grad(a, b, offsets, counts=counts, split_out=True)
+            ops.weight_grad(a, b, v.sched.expert_offsets, counts=v.sched.expert_counts, split_out=True)
     torch.cuda.synchronize()
 
 
