@@ -162,40 +162,83 @@ class BlockScaledMainloop:
                 release.advance()
                 self.promote(accs, blocks[:2], row_scale, scale_b)
         else:  # a stage's WGMMAs into one set while the previous stage's product, in the other, is promoted
-            # (as consume_outer_scaled_tile: sets named statically, two stages a turn, nothing in flight
-            # across the loop's back edge; K tiles >= 1 here)
-            last_b, last_b2 = self.b_scales(m_sb, m_sb2, n_block, 0, expert)
-            self.wait_stage(ab_pipe, cons)
-            self.mma_stage(tiled_mma, blocks[0], blocks[1], *operands, cons.index, overwrite=True)
-            cons.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            for pair in cutlass.range((k_tiles - 1) // 2, unroll=1):  # stages 1, 2 | 3, 4 | ... (into sets 1, 0)
-                for into in cutlass.range_constexpr(2):
-                    scale_b, scale_b2 = self.b_scales(m_sb, m_sb2, n_block, 2 * pair + 1 + into, expert)
-                    self.wait_stage(ab_pipe, cons)
-                    self.mma_stage(tiled_mma, blocks[2 - 2 * into], blocks[3 - 2 * into], *operands, cons.index, overwrite=True)
-                    cons.advance()
-                    self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)  # (the previous stage, retired)
-                    release.advance()
-                    self.promote(accs, blocks[2 * into: 2 * into + 2], row_scale, (last_b, last_b2))
-                    last_b, last_b2 = scale_b, scale_b2
-                    cute.nvgpu.warpgroup.wait_group(0)
-            if k_tiles % 2 == 0:  # the last stage, into set 1
-                scale_b, scale_b2 = self.b_scales(m_sb, m_sb2, n_block, k_tiles - 1, expert)
-                self.wait_stage(ab_pipe, cons)
-                self.mma_stage(tiled_mma, blocks[2], blocks[3], *operands, cons.index, overwrite=True)
-                cons.advance()
-                self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
-                release.advance()
-                self.promote(accs, blocks[:2], row_scale, (last_b, last_b2))
+            context = (ab_pipe, tiled_mma, accs, blocks, operands, s_sa, m_sb, m_sb2, crd, row_scale, n_block, expert)
+            unread = (cutlass.Float32(0.0), cutlass.Float32(0.0))  # (B's scales before the first stage: none)
+            cons, release, _, _ = self.two_set_schedule(  # (K tiles >= 1 here)
+                k_tiles, self.issue_block_scaled_stage, self.settle_block_scaled_stage, context, (cons, release, unread, unread)
+            )
+        return cons, release
+
+    @cute.jit
+    def two_set_schedule(self, k_tiles, issue, settle, context, carry):
+        """The FP8 mainloops' schedule over ``k_tiles`` >= 1 stages with two sets of block
+        accumulators: stage k's WGMMAs are issued into set k % 2 (``issue(context, k, set, carry)``),
+        then stage k - 1's product, retired in the other set, is promoted while they run
+        (``settle(context, set, latest, carry)``; ``latest``: the stage is the one issued last), then
+        they are waited for (``wait_group 0``): the tensor cores do not wait for the promotion. The
+        loop takes two stages a turn so that each set is named statically, and retires every WGMMA
+        before its back edge: otherwise ptxas serializes every WGMMA (docs/notes/kernel-pitfalls.md).
+        ``carry``: what the two callbacks advance (pipeline states, scales), returned."""
+        carry = issue(context, 0, 0, carry)
+        cute.nvgpu.warpgroup.wait_group(0)
+        for pair in cutlass.range((k_tiles - 1) // 2, unroll=1):  # stages 1, 2 | 3, 4 | ... (into sets 1, 0)
+            for into in cutlass.range_constexpr(2):
+                carry = issue(context, 2 * pair + 1 + into, 1 - into, carry)
+                carry = settle(context, into, False, carry)  # (the previous stage, retired)
                 cute.nvgpu.warpgroup.wait_group(0)
-                self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
-                release.advance()
-                self.promote(accs, blocks[2:], row_scale, (scale_b, scale_b2))
-            else:  # the last stage went into set 0
-                self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
-                release.advance()
-                self.promote(accs, blocks[:2], row_scale, (last_b, last_b2))
+        if k_tiles % 2 == 0:  # the last stage, into set 1
+            carry = issue(context, k_tiles - 1, 1, carry)
+            carry = settle(context, 0, False, carry)
+            cute.nvgpu.warpgroup.wait_group(0)
+            carry = settle(context, 1, True, carry)
+        else:  # the last stage went into set 0
+            carry = settle(context, 0, True, carry)
+        return carry
+
+    @cute.jit
+    def issue_block_scaled_stage(self, context, k_tile, into: cutlass.Constexpr[int], carry):
+        """:meth:`two_set_schedule`'s issue for consume_block_scaled_tile: B's scales of the stage
+        (read while it lands), its WGMMAs into set ``into``. carry = (read state, release state,
+        B's scales of the stage before, of this one)."""
+        ab_pipe, tiled_mma, _, blocks, operands, _, m_sb, m_sb2, _, _, n_block, expert = context
+        cons, release, _, scales_b = carry
+        next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile, expert)
+        self.wait_stage(ab_pipe, cons)
+        self.mma_stage(tiled_mma, blocks[2 * into], blocks[2 * into + 1], *operands, cons.index, overwrite=True)
+        cons.advance()
+        return cons, release, scales_b, next_b
+
+    @cute.jit
+    def settle_block_scaled_stage(self, context, into: cutlass.Constexpr[int], latest: cutlass.Constexpr[bool], carry):
+        """:meth:`two_set_schedule`'s settle for consume_block_scaled_tile: the oldest stage in
+        flight, retired in set ``into``, handed back after its row scales are read, then promoted."""
+        ab_pipe, _, accs, blocks, _, s_sa, _, _, crd, row_scale, _, _ = context
+        cons, release, earlier_b, scales_b = carry
+        self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
+        release.advance()
+        self.promote(accs, blocks[2 * into: 2 * into + 2], row_scale, scales_b if latest else earlier_b)
+        return cons, release, earlier_b, scales_b
+
+    @cute.jit
+    def issue_outer_scaled_stage(self, context, k_tile, into: cutlass.Constexpr[int], carry):
+        """:meth:`two_set_schedule`'s issue for consume_outer_scaled_tile: the stage's WGMMAs into
+        block ``into``. carry = (read state, release state)."""
+        ab_pipe, tiled_mma, _, blocks, (r_a, r_b), _, _ = context
+        cons, release = carry
+        ab_pipe.consumer_wait(cons)
+        self.mma_stage(tiled_mma, blocks[into], blocks[into], r_a, r_b, r_b, cons.index, overwrite=True)
+        cons.advance()
+        return cons, release
+
+    @cute.jit
+    def settle_outer_scaled_stage(self, context, into: cutlass.Constexpr[int], latest: cutlass.Constexpr[bool], carry):
+        """:meth:`two_set_schedule`'s settle for consume_outer_scaled_tile: the oldest stage in
+        flight, retired in block ``into``, promoted with its scales from shared memory, then handed back."""
+        ab_pipe, _, acc, blocks, _, scales, crd = context
+        cons, release = carry
+        self.promote_outer(acc, blocks[into], scales, crd, release.index)
+        ab_pipe.consumer_release(release)
+        release.advance()
         return cons, release
 
     @cute.jit
@@ -219,48 +262,17 @@ class BlockScaledMainloop:
     def consume_outer_scaled_tile(self, ab_pipe, tiled_mma, acc, blocks, operands, k_tiles, cons, scales, mma_tidx):
         """Persistent consumer of one weight-gradient tile on FP8 (both operands scaled per 128-row
         block, along the output's rows and its columns: mok/kernels/sm90/weight_grad_gemm.py):
-        acc += each stage's product · (sa[row] · sb[column]) per value. ``blocks`` = two block
-        accumulators used in turn: stage k's WGMMAs go into one (the first overwriting it), then stage
-        k - 1's product, retired in the other, is promoted while they run, then they are waited for
-        (``wait_group 0``), so that the tensor cores do not wait for the promotion (the two MMA
-        warpgroups take the same stages and would otherwise promote at the same time). The loop
-        takes two stages a turn, each block named statically, and retires every WGMMA before its
-        back edge: otherwise ptxas serializes every WGMMA (docs/notes/kernel-pitfalls.md). The same
-        schedule as consume_block_scaled_tile's two sets. The promotion reads the stage's scales
-        from shared memory (``scales`` = their stage buffers) and hands the stage back after it;
-        stages are released in the order they were read. Returns the advanced state. One fma per
-        value and stage, in stage order, whatever the buffering."""
-        r_a, r_b = operands
+        acc += each stage's product · (sa[row] · sb[column]) per value, on :meth:`two_set_schedule`
+        with ``blocks`` = two block accumulators used in turn (the two MMA warpgroups take the same
+        stages and would otherwise promote at the same time, the tensor cores idle). The promotion
+        reads the stage's scales from shared memory (``scales`` = their stage buffers) and hands the
+        stage back after it; stages are released in the order they were read. Returns the advanced
+        state. One fma per value and stage, in stage order."""
         tile_m, tile_n, _ = self.tile_shape_mnk
         crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-        release = cons.clone()
         if k_tiles > 0:
-            ab_pipe.consumer_wait(cons)
-            self.mma_stage(tiled_mma, blocks[0], blocks[0], r_a, r_b, r_b, cons.index, overwrite=True)
-            cons.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-        for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):  # stages 1, 2 | 3, 4 | ... (into blocks 1, 0)
-            for into in cutlass.range_constexpr(2):
-                ab_pipe.consumer_wait(cons)
-                self.mma_stage(tiled_mma, blocks[1 - into], blocks[1 - into], r_a, r_b, r_b, cons.index, overwrite=True)
-                cons.advance()
-                self.promote_outer(acc, blocks[into], scales, crd, release.index)  # (the previous stage's, retired)
-                ab_pipe.consumer_release(release)
-                release.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-        if k_tiles > 0 and k_tiles % 2 == 0:  # the last stage, into block 1
-            ab_pipe.consumer_wait(cons)
-            self.mma_stage(tiled_mma, blocks[1], blocks[1], r_a, r_b, r_b, cons.index, overwrite=True)
-            cons.advance()
-            self.promote_outer(acc, blocks[0], scales, crd, release.index)
-            ab_pipe.consumer_release(release)
-            release.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            self.promote_outer(acc, blocks[1], scales, crd, release.index)
-            ab_pipe.consumer_release(release)
-        elif k_tiles > 0:  # the last stage went into block 0
-            self.promote_outer(acc, blocks[0], scales, crd, release.index)
-            ab_pipe.consumer_release(release)
+            context = (ab_pipe, tiled_mma, acc, blocks, operands, scales, crd)
+            cons, _ = self.two_set_schedule(k_tiles, self.issue_outer_scaled_stage, self.settle_outer_scaled_stage, context, (cons, cons.clone()))
         return cons
 
     @cute.jit
