@@ -14,6 +14,8 @@
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu     # dsv3's dW_gate + dW_up on FP8, then on bf16, twice each, untimed (for ncu)
+    python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
+                                                  # (pairs of row tiles sharing B by TMA multicast), interleaved
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -308,10 +310,47 @@ def gathered_fp8_fc1() -> None:
             print(f"{name:<15}{kname:<28}{t:>8.3f}")
 
 
+PAIR_SHAPES = {  # name: (T, H, I, E, k), one GPU (issue 42's shapes)
+    "qwen3-30b": (4096, 2048, 768, 128, 8),
+    "qwen3-235b": (4096, 4096, 1536, 128, 8),
+    "dsv3": (4096, 7168, 2048, 32, 8),
+    "mixtral": (4096, 4096, 14336, 8, 2),
+}
+
+
+def row_tile_pairs() -> None:
+    """The layer's bf16 grouped GEMMs on a uniform routing's schedule, each with cluster_m=1 and
+    cluster_m=2 (two CTAs on two row tiles of one column tile, B multicast where one expert has
+    both), interleaved; also the share of row-tile pairs that one expert has."""
+    print(f"# {torch.cuda.get_device_name()}")
+    print(f"{'shape':<12}{'GEMM':<14}{'cluster 1 ms':>13}{'cluster 2 ms':>13}{'speedup':>9}{'shared pairs':>14}")
+    for name, (T, H, I, E, k) in PAIR_SHAPES.items():
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
+        wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
+        rows = sched.row_token.shape[0]
+        a, h = torch.empty(rows, I, device="cuda").bfloat16(), torch.empty(rows, 2 * I, device="cuda").bfloat16()
+        dh, y, dx = torch.randn(rows, 2 * I, device="cuda").bfloat16(), torch.empty(rows, H, device="cuda").bfloat16(), torch.empty(rows, H, device="cuda").bfloat16()
+        tiles = sched.tile_expert
+        used = tiles[: tiles.shape[0] // 2 * 2].view(-1, 2)
+        shared = ((used[:, 0] == used[:, 1]) & (used[:, 0] >= 0)).sum().item() / max((used >= 0).any(1).sum().item(), 1)
+        gemms = {
+            "fc1 gathering": lambda c: ops.grouped_gemm(x, wg, tiles, b2=wu, h_out=h, out=a, gather=sched.row_token, cluster_m=c),
+            "fc2": lambda c: ops.grouped_gemm(a, wd, tiles, out=y, cluster_m=c),
+            "dx": lambda c: ops.grouped_gemm(dh, wg, tiles, b2=wu, b_major="n", k_split=True, out=dx, cluster_m=c),
+        }
+        for gemm, fn in gemms.items():
+            ms = time_ms_interleaved({c: (lambda c=c: fn(c)) for c in (1, 2)}, batch=10, repeats=5)
+            print(f"{name:<12}{gemm:<14}{ms[1]:>13.3f}{ms[2]:>13.3f}{ms[1] / ms[2]:>8.2f}x{shared:>14.2f}")
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--fp8-ncu" in sys.argv:
+    if "--row-tile-pairs" in sys.argv:
+        row_tile_pairs()
+    elif "--fp8-ncu" in sys.argv:
         fp8_for_ncu()
     elif "--fp8-wgrad-ncu" in sys.argv:
         fp8_weight_grads_for_ncu()

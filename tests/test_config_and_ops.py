@@ -264,6 +264,26 @@ def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
         grouped_gemm_scatter(a, b, tiles, rows, rows, slots, slot_ranks=(2, 51200))
 
 
+def test_grouped_gemm_cluster_m_is_checked_before_launch():
+    """cluster_m: 1 or 2, and 2 only with bf16 operands in the persistent kernel; a valid one goes on
+    to the launch checks (which refuse CPU data)."""
+    from mok import fp8_block as fp8
+    from mok.ops import grouped_gemm, grouped_gemm_scatter
+
+    a, b, tiles = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(2, 256, 128, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cluster_m: expected 1 or 2, got 4"):
+        grouped_gemm(a, b, tiles, cluster_m=4)
+    with pytest.raises(ValueError, match="cluster_m=2: bf16 operands in the persistent kernel, got operand='bf16', persistent=False"):
+        grouped_gemm(a, b, tiles, cluster_m=2, persistent=False)
+    with pytest.raises(ValueError, match="cluster_m=2: bf16 operands in the persistent kernel, got operand='e4m3_block'"):
+        grouped_gemm(fp8.quantize_rows(torch.randn(256, 128)), fp8.quantize_weights(torch.randn(2, 256, 128)), tiles, cluster_m=2)
+    rows = torch.zeros(256, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cluster_m: expected 1 or 2, got 0"):
+        grouped_gemm_scatter(a, b, tiles, rows, rows, torch.zeros(50, 4, 256, dtype=torch.bfloat16), cluster_m=0)
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):
+        grouped_gemm(a, b, tiles, cluster_m=2)
+
+
 def test_main_grads_are_checked_before_anything_runs():
     from mok.validation import check_main_grads
 

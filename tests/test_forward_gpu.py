@@ -79,6 +79,76 @@ def test_grouped_gemm_gathering_a_equals_a_gathered_first(tokens, rows, n, k, ex
         assert (h_fused[index < 0] == 0).all()
 
 
+# Row tiles of a pair: (0, 1) one expert's (B shared by multicast), (2, 3) two experts', (4, 5) a
+# skipped tile beside one with rows, (6, 7) both skipped, (8, 9) one expert's again, and 11 tiles:
+# the last pair's second tile lies past the row tiles.
+PAIR_TILES = [3, 3, 0, 4, -1, 2, -1, -1, 1, 1, 4]
+
+
+@pytest.mark.parametrize("form", ["plain", "swiglu_gather", "k_split", "bias_partial_width"])
+def test_row_tile_pairs_sharing_b_give_the_single_cta_bits(form):
+    """cluster_m=2 (two CTAs on two row tiles of one column tile, B's tile multicast to both where
+    one expert has both tiles) gives the bits of cluster_m=1 in every kind of pair, writes nothing
+    for skipped tiles, and matches the fp32 product."""
+    g = torch.Generator(device="cuda").manual_seed(len(form))
+    rows = 128 * (len(PAIR_TILES) - 1) + 77
+    n, k, experts = (2888, 1032, 5) if form == "bias_partial_width" else (768, 512, 5)
+    tile_expert = torch.tensor(PAIR_TILES, device="cuda", dtype=torch.int32)
+    b = (torch.randn(experts, n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    b2 = (torch.randn(experts, n, k // 2 if form == "k_split" else k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    b = b[:, :, : k // 2].contiguous() if form == "k_split" else b
+    options, tokens = {}, None
+    if form == "swiglu_gather":
+        tokens = torch.randn(600, k, device="cuda", generator=g).bfloat16()
+        gather = torch.randint(0, 600, (rows,), device="cuda", dtype=torch.int32, generator=g)
+        gather[torch.rand(rows, device="cuda", generator=g) < 0.1] = -1
+        options = dict(b2=b2, gather=gather)
+        a = tokens
+    else:
+        a = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+        if form == "k_split":
+            options = dict(b2=b2, k_split=True)
+        elif form == "bias_partial_width":
+            options = dict(bias=torch.randn(experts, n, device="cuda", generator=g).bfloat16())
+    outs, hs = [], []
+    for cluster_m in (1, 2):
+        h = poisoned(rows, 2 * n) if form == "swiglu_gather" else None
+        outs.append(ops.grouped_gemm(a, b, tile_expert, out=poisoned(rows, n), h_out=h, cluster_m=cluster_m, **options))
+        hs.append(h)
+    single, pair = outs
+    assert torch.equal(pair.isnan(), single.isnan()) and torch.equal(pair.nan_to_num(), single.nan_to_num())
+    if form == "swiglu_gather":
+        assert torch.equal(hs[1].nan_to_num(), hs[0].nan_to_num()) and torch.equal(hs[1].isnan(), hs[0].isnan())
+    a_rows = ops.gather_rows(tokens, options["gather"]) if form == "swiglu_gather" else a
+    for t, e in enumerate(PAIR_TILES):
+        rs = slice(128 * t, min(128 * (t + 1), rows))
+        if e < 0:
+            assert pair[rs].isnan().all()
+            continue
+        af = a_rows[rs].float()
+        if form == "k_split":
+            want = af[:, : k // 2] @ b[e].float().T + af[:, k // 2:] @ b2[e].float().T
+        else:
+            want = af @ b[e].float().T
+        if form == "swiglu_gather":
+            want = torch.nn.functional.silu(want) * (af @ b2[e].float().T)
+        if form == "bias_partial_width":
+            want = want + options["bias"][e].float()
+        assert not pair[rs].isnan().any() and rel_err(pair[rs], want) < 1e-2
+
+
+def test_row_tile_pairs_scatter_into_slots_with_the_single_cta_bits():
+    """grouped_gemm_scatter with cluster_m=2 writes each row's slot with the bits of cluster_m=1
+    (one GPU and two emulated ranks' slots)."""
+    x, idx, w, (wg, wu, wd), _ = layer(1000, 512, 256, 8, 2, seed=11, routing="zipf")
+    sched = ops.device_schedule(idx, 8)
+    a = ops.grouped_gemm(x, wg, sched.tile_expert, b2=wu, gather=sched.row_token)
+    slots = [poisoned(1000, 2, 512) for _ in range(2)]
+    for cluster_m, out in zip((1, 2), slots):
+        ops.grouped_gemm_scatter(a, wd, sched.tile_expert, sched.row_token, sched.row_slot, out, cluster_m=cluster_m)
+    assert not slots[0].isnan().any() and torch.equal(slots[1], slots[0])
+
+
 @pytest.mark.parametrize(
     "T,H,I,E,k,routing",
     [(4096, 7168, 2048, 32, 8, "uniform"), (1000, 512, 256, 8, 2, "zipf"), (333, 384, 128, 4, 3, "one_expert"), (1, 256, 128, 2, 1, "uniform")],

@@ -413,6 +413,38 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
         compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
 
 
+@pytest.mark.parametrize("options", [
+    dict(n=7168, k=2048), dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True), dict(n=7168, k=4096, k_split=True, b_major="n"),
+    dict(n=7168, k=2048, scatter=True, topk=8), dict(n=2888, k=1032, bias=True),
+])
+def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(options):
+    """cluster_m=2: each B load (B2's too) has a multicast form that writes both CTAs of the
+    cluster, beside the one-CTA loads it keeps for pairs of two experts; the CTA's rank read from
+    the cluster, the barriers initialised cluster-wide before any load, each stage released to
+    both CTAs' empty barriers (remote arrivals, in the loop and for the tile's last stage); the
+    same WGMMAs, not serialized, no spills. Without it the kernel has none of these. Refused on
+    SM100 and outside the persistent cooperative bf16 kernel."""
+    single = compiled_ptx(grouped_gemm_variant(**options), "sm_90a")
+    pair = compiled_ptx(grouped_gemm_variant(cluster_m=2, **options), "sm_90a")
+    a_loads = 2 if options.get("k_split") else 0 if options.get("gather_a") else 1  # (TMA instructions: k_split's two halves of A)
+    multicast = r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes\.multicast::cluster"
+    one_cta = r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"
+    assert count(multicast, pair) == count(one_cta, single) - a_loads > 0 and count(multicast, single) == 0  # (N-major B: 4 boxes a tile)
+    assert count(one_cta, pair) == count(one_cta, single) > 0
+    assert count(r"%cluster_ctarank", pair) == 1 and count(r"barrier\.cluster\.(arrive|wait)", pair) == 2
+    assert count(r"mapa\.shared::cluster", pair) == 2 and count(r"mbarrier\.arrive\.shared::cluster\.b64", pair) == 2
+    assert count(r"shared::cluster|barrier\.cluster|%cluster_ctarank", single) == 0
+    assert count(r"wgmma\.mma_async", pair) == count(r"wgmma\.mma_async", single)
+    assert_wgmmas_not_serialized(pair)
+    assert ptxas_spill_bytes(pair) in (None, 0)
+    with pytest.raises(NotImplementedError, match="Hopper's kernel only"):
+        compiled_ptx(grouped_gemm_variant(cluster_m=2, **options), "sm_100a")
+    refused = (dict(persistent=False), dict(epilogue="swiglu_bwd", b_major="n", topk=8, pingpong=True), dict(operand="e4m3_block"))
+    for other in refused if "gather_a" in options else ():
+        with pytest.raises(ValueError, match="persistent cooperative kernel on bf16"):
+            compiled_ptx(grouped_gemm_variant(2048, 7168, cluster_m=2, **other), "sm_90a")
+
+
 def test_no_wgmma_kernel_of_the_layer_is_serialized_by_ptxas():
     """Every WGMMA kernel a Hopper layer launches (DeepSeek-V3's precompile default, bf16 at EP 8;
     one GPU in one launch; fp8_block with its FP8 weight gradients and main_grad) assembles without

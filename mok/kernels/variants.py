@@ -223,6 +223,7 @@ def grouped_gemm_variant(
     bias: bool = False,
     block_buffers: int | None = None,
     b_row_stride: int | None = None,
+    cluster_m: int = 1,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, compile-verified, never run).
@@ -249,6 +250,9 @@ def grouped_gemm_variant(
     (mok/kernels/common/grouped_gemm.py). ``block_buffers`` (operand "e4m3_block", plain epilogue):
     2 lets a stage's WGMMAs run while the previous stage's product is promoted
     (mok/kernels/sm90/block_scaled.py; the same bits); None: :func:`block_buffers_for`'s choice.
+    ``cluster_m`` (Hopper, persistent cooperative, bf16): 2 runs clusters of two CTAs on two row
+    tiles of one column tile, which load B's tile once for both (TMA multicast) where one expert
+    has both rows tiles (mok/kernels/sm90/grouped_gemm.py; the same bits).
     """
     _check_operand(operand, persistent, b_major)
     block_buffers = block_buffers_for(block_buffers, operand, epilogue)
@@ -262,6 +266,8 @@ def grouped_gemm_variant(
     for flag, on in (("gather_a", gather_a), ("scatter", scatter), ("pingpong", pingpong), ("bias", bias)):
         if on:  # (absent when off: fewer keys to read in a cache listing)
             options[flag] = True
+    if cluster_m != 1:
+        options["cluster_m"] = cluster_m
     if b_expert_stride is not None:
         options["b_expert_stride"] = b_expert_stride
     if b_row_stride is not None:
@@ -274,6 +280,8 @@ def grouped_gemm_variant(
             if operand == "e4m3_block":
                 raise NotImplementedError(f"grouped GEMM on FP8 with fp32 128-block scales on {arch}: Hopper's kernel only (SM100 runs "
                                           "power-of-two block scales as MXFP8 operands: operand 'e4m3', mok.ops.quantize_fp8_rows(scale_order='mma'))")
+            if cluster_m != 1:
+                raise NotImplementedError(f"grouped GEMM with cluster_m={cluster_m} on {arch}: Hopper's kernel only")
             from .sm100.grouped_gemm import compile_grouped_gemm_sm100
 
             return compile_grouped_gemm_sm100(n, k, arch, compile_options, operand=operand, tile_n=tile_n, stages=stages, **options)

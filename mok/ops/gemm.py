@@ -187,6 +187,7 @@ def grouped_gemm(
     bias: torch.Tensor | None = None,
     bias2: torch.Tensor | None = None,
     block_buffers: int | None = None,
+    cluster_m: int = 1,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (fp32 accumulation, bf16 out).
 
@@ -226,6 +227,10 @@ def grouped_gemm(
     every epilogue as with bf16. ``block_buffers``: 2 (the default for the plain and k_split forms)
     lets each stage's WGMMAs overlap the previous stage's promotion, 1 does not (the same bits:
     mok/kernels/sm90/block_scaled.py).
+
+    ``cluster_m`` = 2 (Hopper's persistent kernel, bf16 operands): clusters of two CTAs on two row
+    tiles of one column tile, which load each B tile once for both (TMA multicast) where one expert
+    has both row tiles; the same bits as 1 (mok/kernels/sm90/grouped_gemm.py).
     """
     fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
@@ -233,6 +238,7 @@ def grouped_gemm(
     block_buffers_for(block_buffers, operand, epilogue)  # (before the operands' checks: the option's own error)
     if fp8_block and (b_major != "k" or persistent is False):
         raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
+    _check_cluster_m(cluster_m, operand, persistent)
     pointers, _, num_experts, n, b_strides = _operands(a, b, b2, b_major, k_split, gathered=gather is not None)
     a_values = pointers["a"]
     if operand == "e4m3" and (b_major != "k" or gather is not None):
@@ -263,13 +269,21 @@ def grouped_gemm(
     variant = grouped_gemm_variant(
         n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
         persistent=persistent, gather_a=gather is not None, operand=operand, activation=activation, bias=bias is not None,
-        block_buffers=block_buffers, **b_strides,
+        block_buffers=block_buffers, cluster_m=cluster_m, **b_strides,
     )
     launch_grouped_gemm(
         variant, a_values.device, **pointers, c=out, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
         num_experts=num_experts, num_tokens=a_values.shape[0] if gather is not None else 1, bias=bias, bias2=bias2,
     )
     return out
+
+
+def _check_cluster_m(cluster_m: int, operand: str, persistent: bool | None) -> None:
+    """``cluster_m``: 1, or 2 with bf16 operands in the persistent kernel (Hopper's)."""
+    if cluster_m not in (1, 2):
+        raise ValueError(f"cluster_m: expected 1 or 2, got {cluster_m!r}")
+    if cluster_m == 2 and (operand != "bf16" or persistent is False):
+        raise ValueError(f"cluster_m=2: bf16 operands in the persistent kernel, got operand={operand!r}, persistent={persistent}")
 
 
 def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, k_split: bool) -> None:
@@ -300,8 +314,9 @@ def grouped_gemm_scatter(
     b_major: str = "k",
     k_split: bool = False,
     bias: torch.Tensor | None = None,
+    cluster_m: int = 1,
 ) -> None:
-    """The plain :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2``, ``bias`` as there; bf16
+    """The plain :func:`grouped_gemm` (``b``, ``b_major``, ``k_split`` with ``b2``, ``bias``, ``cluster_m`` as there; bf16
     operands, FP8 with block scales or MXFP8 (SM100) as there), each row written into the (token,
     slot) row of ``slots`` instead of an [R, N] output (no rows buffer, no copy).
 
@@ -319,6 +334,7 @@ def grouped_gemm_scatter(
         raise ValueError("a: FP8 operands (block scales, or MXFP8) take K-major B (b_major='k')")
     pointers, operand, num_experts, n, b_strides = _operands(a, b, b2, b_major, k_split)
     a_values = pointers["a"]
+    _check_cluster_m(cluster_m, operand, True)
     num_rows, dev = a_values.shape[0], a_values.device
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=dev, contiguous=True)
     for name, t in (("row_token", row_token), ("row_slot", row_slot)):
@@ -338,7 +354,7 @@ def grouped_gemm_scatter(
         return
     num_tokens, topk, _ = slots.shape
     variant = grouped_gemm_variant(n, a_values.shape[1], scatter=True, topk=topk, b_major=b_major, k_split=k_split, bias=bias is not None,
-                                   operand=operand, **b_strides)
+                                   operand=operand, cluster_m=cluster_m, **b_strides)
     launch_grouped_gemm(
         variant, dev, **pointers, c=slots, tile_expert=tile_expert, row_token=row_token, row_slot=row_slot, num_rows=num_rows,
         num_experts=num_experts, rows_per_rank=num_tokens, rank_stride=slot_ranks[1], bias=bias,

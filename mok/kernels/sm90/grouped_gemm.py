@@ -30,6 +30,15 @@ tensor (and counts the whole box's bytes) and clips what a store box holds past 
 TMA is predicated by hand, per 16-byte chunk or 8-column group: the gathered rows' chunks past K
 (zero-filled like padding rows), the saved h loaded by the SwiGLU backward, the scattered vectors.
 
+With ``cluster_m`` = 2 (persistent, cooperative, bf16) the CTAs run in clusters of two on row
+tiles 2p and 2p + 1 of one column tile (the walk goes over pairs of row tiles, in the same
+L2-grouped order). Where one expert has both row tiles each CTA loads half of every B (and B2)
+tile into both CTAs' stages by TMA multicast, so the weights are read from L2 once for 256 rows;
+where the two are different experts' each loads its own; a CTA whose row tile has no rows runs
+its stages on the other's expert and stores nothing. Either CTA's loads may write both CTAs'
+stages, so every stage is released to both CTAs' empty barriers and the two pipelines move in
+step (both walk the same pairs with the same K tiles). The sums are the one-CTA kernel's.
+
 With ``pingpong`` (persistent, swiglu_bwd, 128-wide tiles) each MMA warpgroup computes whole
 128-row tiles, the two taking the CTA's tiles in turn (WgmmaTileKernel.pingpong_consumers): the
 SwiGLU backward's epilogue (three stores per subtile, h read, ~0.5 GB moved at qwen3's shapes)
@@ -58,6 +67,7 @@ from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
+PAIR = 2  # ``cluster_m``: CTAs of a cluster, on two row tiles of one column tile, that share B's loads where one expert has both
 
 
 class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
@@ -76,7 +86,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
         activation: str = "swiglu", bias: bool = False, operand: str = "bf16", block_buffers: int = 1,
-        b_row_stride: int | None = None,
+        b_row_stride: int | None = None, cluster_m: int = 1,
     ) -> None:
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
@@ -100,6 +110,11 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             raise ValueError("scatter: only for the persistent plain GEMM without gather (the row pushes of EP)")
         if pingpong and (epilogue != "swiglu_bwd" or tile_n != 128 or not persistent):
             raise ValueError("pingpong: only for the persistent swiglu_bwd GEMM with 128-column tiles")
+        if cluster_m not in (1, PAIR):
+            raise ValueError(f"cluster_m: expected 1 or {PAIR}, got {cluster_m}")
+        if cluster_m == PAIR and (not persistent or pingpong or self.block_scaled):
+            raise ValueError("cluster_m=2: only in the persistent cooperative kernel on bf16 operands")
+        self.cluster_m = cluster_m
         self.pingpong = pingpong
         if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers
             self.use_pingpong(PINGPONG_BWD_EPI_STAGES)
@@ -130,6 +145,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, tile_k))
         tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, tile_k))
         tma_b2, t_b2 = self.load_atom(m_b2, b_smem, (tile_n, tile_k))
+        b_multicast = ()  # cluster_m = 2: B's and B2's loads that write both CTAs of the cluster
+        if cutlass.const_expr(self.cluster_m == PAIR):
+            b_multicast = (*self.load_atom(m_b, b_smem, (tile_n, tile_k), PAIR), *self.load_atom(m_b2, b_smem, (tile_n, tile_k), PAIR))
         tma_c, t_c = self.store_atom(m_c, epi_smem)
         tma_h, t_h = self.store_atom(m_h, epi_smem)  # used by swiglu_save only
         tma_as, t_as = self.store_atom(m_as, epi_smem)  # used by swiglu_bwd only
@@ -169,13 +187,13 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             m_x = self.scatter_target(scatter_to)
         bias_tensors = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases)
-        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x, bias_tensors, b_scales)
-        self.launch_tiles(args, num_tiles * self.col_tiles, max_ctas, stream)
+        args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x, bias_tensors, b_scales, b_multicast)
+        self.launch_tiles(args, (num_tiles + self.cluster_m - 1) // self.cluster_m * self.col_tiles, max_ctas, stream, self.cluster_m)
 
     @cute.kernel
     def kernel(
         self, load_args: tuple, store_args: tuple, row_args: tuple, m_tiles: cute.Tensor, num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple, b_scales: tuple,
+        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple, b_scales: tuple, b_multicast: tuple,
     ):
         """One CTA per output tile (bf16 operands). The tuples are the ones ``__call__`` packs: ``load_args`` the
         TMA atoms and tensors of A, B, B2; ``store_args`` those of C, h and a_scaled; ``row_args``
@@ -222,7 +240,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
     @cute.kernel
     def kernel_persistent(
         self, load_args: tuple, store_args: tuple, row_args: tuple, m_tiles: cute.Tensor, num_row_tiles: cutlass.Int32,
-        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple, b_scales: tuple,
+        num_rows: cutlass.Int32, mma_args: tuple, m_x: cute.Tensor | tuple, biases: tuple, b_scales: tuple, b_multicast: tuple,
     ):
         """Persistent and warp-specialised: CTA i takes tiles i, i + grid, ... in the L2-friendly order.
 
@@ -230,34 +248,34 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         tile while the MMA warpgroups run the epilogue of the last); warpgroups 1 and 2 consume
         (WGMMA, 64 rows each) and store. A tile's result does not depend on which CTA took it.
         Arguments as in ``kernel``; ``m_x`` is x for ``gather_a`` and where C's rows go for ``scatter``;
-        ``b_scales`` B's and B2's scales (``block_scaled``; A's row scales come with ``load_args``).
+        ``b_scales`` B's and B2's scales (``block_scaled``; A's row scales come with ``load_args``);
+        ``b_multicast`` the loads of B and B2 that write both CTAs of a cluster (``cluster_m``).
         """
         tma_a, _, tma_b, _, tma_b2, _ = load_args[:6]
         _, _, m_row_token, m_row_slot, _ = row_args
         tiled_mma, a_smem, b_smem, epi_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        first, _, _ = cute.arch.block_idx()
-        step, _, _ = cute.arch.grid_dim()
         col_tiles = self.col_tiles
-        all_tiles = num_row_tiles * col_tiles
+        first, step, all_tiles = self.cta_walk(num_row_tiles, col_tiles)
         if warp_idx == 0:
-            self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()), *load_args[6:7])
+            self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()), *load_args[6:7], *b_multicast[0::2])
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipe = self.make_pipeline(
             storage, self.num_b, a_smem, b_smem, gather_threads=128 if self.gather_a else 0, consumer_warps=4 if self.pingpong else None,
             extra_tx_bytes=self.tile_shape_mnk[0] * 4 if self.block_scaled and not self.gather_a else 0,  # (the row scales' TMA box)
+            cluster_m=self.cluster_m,
         )
         epi_pipe = None
         if cutlass.const_expr(self.scatter):
             epi_pipe = self.scatter_pipeline(storage)
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)  # (a cluster: its CTAs' barriers initialised before any load)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         s_b2 = self.second_b(storage, b_smem, s_b)
         s_sa = storage.s_sa.get_tensor(self.a_scale_smem()) if self.block_scaled else None  # (A's row scales per stage)
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
         k_tiles = self.k_tiles
 
         if tidx < 128:  # producer warpgroup
@@ -268,10 +286,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 linear = first
                 while linear < all_tiles:
-                    tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
-                    expert = m_tiles[tile_row]
-                    if expert >= 0:
-                        loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, expert, s_sa)
+                    tile_row, tile_col, _, b_expert, shared_b = self.cta_tile(linear, num_row_tiles, col_tiles, m_tiles)
+                    if b_expert >= 0:
+                        loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, b_expert, s_sa, (b_multicast, shared_b))
                         if cutlass.const_expr(self.gather_a):
                             bases = (storage.s_a.data_ptr(), storage.s_sa.data_ptr())
                             prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, bases, tile_row, num_rows, tidx, k_tiles)
@@ -306,9 +323,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
             linear = first
             while linear < all_tiles:
-                tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
-                expert = m_tiles[tile_row]
-                if expert >= 0:
+                tile_row, tile_col, expert, b_expert, _ = self.cta_tile(linear, num_row_tiles, col_tiles, m_tiles)
+                if b_expert >= 0:
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
@@ -320,17 +336,76 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                         )
                     else:
                         cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
-                    self.add_bias(mma_tidx, tiled_mma, (acc, acc2), biases, expert, tile_col)
-                    if cutlass.const_expr(self.scatter):
-                        epi_prod = self.scatter_epilogue(mma_tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod)
+                    tile = (tile_row, tile_col, expert, rows_in)
+                    if cutlass.const_expr(self.cluster_m == PAIR):
+                        if expert >= 0:  # (else only the other row tile of the pair has rows: these stages were shared, nothing is stored)
+                            epi_prod = self.finish_tile(mma_tidx, warp_idx, tiled_mma, (acc, acc2), s_c, tile, (store_args, row_args, num_rows),
+                                                        store_pipe, biases, (epi_pipe, epi_prod))
                     else:
-                        self.epilogue(
-                            mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe,
-                            rows_in,
-                        )
+                        epi_prod = self.finish_tile(mma_tidx, warp_idx, tiled_mma, (acc, acc2), s_c, tile, (store_args, row_args, num_rows),
+                                                    store_pipe, biases, (epi_pipe, epi_prod))
                 linear += step
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
+
+    @cute.jit
+    def finish_tile(self, mma_tidx, warp_idx, tiled_mma, accs, s_c, tile, epi_args, store_pipe, biases, scatter):
+        """MMA warps, after a tile's mainloop: the biases, then its epilogue (``tile`` = (row tile,
+        column tile, expert, the epilogue's row inputs); ``epi_args`` = (store_args, row_args,
+        num_rows)), or with ``scatter`` the hand-over of its subtiles (``scatter`` = (that pipeline,
+        its state)). Returns the scatter pipeline's advanced state."""
+        tile_row, tile_col, expert, rows_in = tile
+        store_args, row_args, num_rows = epi_args
+        acc, acc2 = accs
+        epi_pipe, epi_prod = scatter
+        self.add_bias(mma_tidx, tiled_mma, accs, biases, expert, tile_col)
+        if cutlass.const_expr(self.scatter):
+            epi_prod = self.scatter_epilogue(mma_tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod)
+        else:
+            self.epilogue(mma_tidx, warp_idx, tiled_mma, acc, acc2, s_c, tile_row, tile_col, store_args, row_args, num_rows, store_pipe, rows_in)
+        return epi_prod
+
+    def cta_walk(self, num_row_tiles, col_tiles):
+        """The persistent CTA's walk: (first, step, end) of the linear tile index it takes (first,
+        first + step, ... below end). With ``cluster_m`` = 2 the index is its cluster's, over
+        pairs of row tiles (both CTAs of a cluster walk the same pairs)."""
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(self.cluster_m == PAIR):
+            return first // PAIR, step // PAIR, (num_row_tiles + PAIR - 1) // PAIR * col_tiles
+        return first, step, num_row_tiles * col_tiles
+
+    @cute.jit
+    def cta_tile(self, linear, num_row_tiles, col_tiles, m_tiles):
+        """The CTA's tile at walk index ``linear`` (:meth:`cta_walk`): (row tile, column tile, its
+        expert (-1: no rows), the expert whose B its stages hold (-1: nothing to compute), whether
+        B is loaded for both CTAs of the cluster). In the L2-grouped order (grouped_tile); with
+        ``cluster_m`` = 2 over pairs of row tiles, CTA rank r taking row tile 2p + r of pair p, both
+        in one column tile: where both rows tiles are one expert's, each CTA loads half of each B
+        tile into both (TMA multicast: B read from L2 once for 256 rows); where they are not, each
+        loads its own, and a CTA whose row tile has no rows runs the stages on the other's expert
+        (its loads and releases keep the two pipelines in step) and stores nothing. A tile's sums
+        do not depend on any of this: the same bits as without the cluster."""
+        expert = cutlass.Int32(-1)
+        if cutlass.const_expr(self.cluster_m == PAIR):
+            row_pair, tile_col = self.grouped_tile(linear, (num_row_tiles + PAIR - 1) // PAIR, col_tiles)
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            tile_row = row_pair * PAIR + rank
+            other_row = row_pair * PAIR + (1 - rank)
+            if tile_row < num_row_tiles:
+                expert = m_tiles[tile_row]
+            other = cutlass.Int32(-1)
+            if other_row < num_row_tiles:
+                other = m_tiles[other_row]
+            b_expert = expert
+            if expert < 0:
+                b_expert = other
+            shared_b = expert == other
+        else:
+            tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
+            expert = m_tiles[tile_row]
+            b_expert, shared_b = expert, False
+        return tile_row, tile_col, expert, b_expert, shared_b
 
     @cute.jit
     def add_bias(self, tidx, tiled_mma, accs, biases, expert, tile_col):
@@ -367,9 +442,11 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             return storage.s_b2.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         return s_b
 
-    def tile_loads(self, load_args, s_a, s_b, s_b2, tile_row, tile_col, expert, s_sa=None):
+    def tile_loads(self, load_args, s_a, s_b, s_b2, tile_row, tile_col, expert, s_sa=None, multicast=((), False)):
         """What ``load_stage`` needs for one output tile: the TMA atoms and their smem/gmem partitions
-        (``block_scaled``: A's row scales too, into ``s_sa``)."""
+        (``block_scaled``: A's row scales too, into ``s_sa``; ``cluster_m`` = 2: last, whether B is
+        loaded for both CTAs and this CTA's half of B's and B2's multicast loads, from ``multicast``
+        = (their atoms and tensors, that flag))."""
         tma_a, m_a, tma_b, m_b, tma_b2, m_b2 = load_args[:6]
         g_a = cute.local_tile(m_a, self.tile_shape_mnk, (tile_row, tile_col, None, 0), proj=(1, None, 1))
         g_b = cute.local_tile(m_b, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
@@ -384,6 +461,14 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         loads = (tma_a, t_ag, t_as, tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s, t_ag2)
         if cutlass.const_expr(self.block_scaled and not self.gather_a):
             loads += self.a_scale_loads(*load_args[6:8], s_sa, tile_row)
+        if cutlass.const_expr(self.cluster_m == PAIR):
+            (tma_b_mc, m_b_mc, tma_b2_mc, m_b2_mc), shared_b = multicast
+            rank = (cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()), PAIR)
+            g_b_mc = cute.local_tile(m_b_mc, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
+            g_b2_mc = cute.local_tile(m_b2_mc, self.tile_shape_mnk, (tile_row, tile_col, None, expert), proj=(None, 1, 1))
+            t_bs_mc, t_bg_mc = self.tma_split(tma_b_mc, s_b, g_b_mc, rank)
+            t_b2s_mc, t_b2g_mc = self.tma_split(tma_b2_mc, s_b2, g_b2_mc, rank)
+            loads += ((shared_b, tma_b_mc, t_bg_mc, t_bs_mc, tma_b2_mc, t_b2g_mc, t_b2s_mc),)
         return loads
 
     def mma_fragments(self, tiled_mma, mma_tidx, s_a, s_b, s_b2):
@@ -408,25 +493,45 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
 
     @cute.jit
     def load_b(self, prod, loads, k_tile, bar):
-        """TMA-load the B tile(s) of K tile ``k_tile`` into stage ``prod.index``."""
-        tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s = loads[3:9]
-        self.load_k_tile((tma_b, t_bg), (tma_b2, t_b2g), t_bs[(None, prod.index)], k_tile, bar)
-        if cutlass.const_expr(self.num_b == 2 and not self.k_split):
-            cute.copy(tma_b2, t_b2g[(None, k_tile)], t_b2s[(None, prod.index)], tma_bar_ptr=bar)
+        """TMA-load the B tile(s) of K tile ``k_tile`` into stage ``prod.index`` (``cluster_m`` = 2,
+        where both CTAs' row tiles are one expert's: this CTA's half of each, into both CTAs)."""
+        if cutlass.const_expr(self.cluster_m == PAIR):
+            shared_b = loads[-1][0]
+            if shared_b:
+                both = cute.make_layout_image_mask(cute.make_layout((PAIR, 1, 1)), (0, 0, 0), mode=0)  # (the cluster's two CTAs)
+                self.load_b_tiles(prod, loads[-1][1:], k_tile, bar, both)
+            else:
+                self.load_b_tiles(prod, loads[3:9], k_tile, bar)
+        else:
+            self.load_b_tiles(prod, loads[3:9], k_tile, bar)
 
     @cute.jit
-    def load_k_tile(self, first, second, dst, k_tile, bar):
+    def load_b_tiles(self, prod, b_loads, k_tile, bar, mcast_mask=None):
+        """:meth:`load_b` with ``b_loads`` = B's and B2's (atom, gmem partition, smem partition);
+        ``mcast_mask``: the CTAs a multicast load writes."""
+        tma_b, t_bg, t_bs, tma_b2, t_b2g, t_b2s = b_loads
+        self.load_k_tile((tma_b, t_bg), (tma_b2, t_b2g), t_bs[(None, prod.index)], k_tile, bar, mcast_mask)
+        if cutlass.const_expr(self.num_b == 2 and not self.k_split):
+            if cutlass.const_expr(mcast_mask is None):
+                cute.copy(tma_b2, t_b2g[(None, k_tile)], t_b2s[(None, prod.index)], tma_bar_ptr=bar)
+            else:
+                cute.copy(tma_b2, t_b2g[(None, k_tile)], t_b2s[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=mcast_mask)
+
+    @cute.jit
+    def load_k_tile(self, first, second, dst, k_tile, bar, mcast_mask=None):
         """TMA-load K tile ``k_tile`` of one operand into ``dst``: from ``first`` (TMA atom, its gmem
         partition), or with k_split the K tiles of K's second half from ``second``, each half's
-        tiles bounded at K/2 (their last one zero-filled past it)."""
+        tiles bounded at K/2 (their last one zero-filled past it); ``mcast_mask``: a multicast
+        load's CTAs."""
+        multicast = {} if mcast_mask is None else {"mcast_mask": mcast_mask}
         if cutlass.const_expr(self.k_split):
             half = self.half_k_tiles
             if k_tile < half:
-                cute.copy(first[0], first[1][(None, k_tile)], dst, tma_bar_ptr=bar)
+                cute.copy(first[0], first[1][(None, k_tile)], dst, tma_bar_ptr=bar, **multicast)
             else:
-                cute.copy(second[0], second[1][(None, k_tile - half)], dst, tma_bar_ptr=bar)
+                cute.copy(second[0], second[1][(None, k_tile - half)], dst, tma_bar_ptr=bar, **multicast)
         else:
-            cute.copy(first[0], first[1][(None, k_tile)], dst, tma_bar_ptr=bar)
+            cute.copy(first[0], first[1][(None, k_tile)], dst, tma_bar_ptr=bar, **multicast)
 
     @cute.jit
     def gather_tile(self, ab_pipe, prod, loads, m_x, m_row_token, bases, tile_row, num_rows, tidx, k_tiles):
@@ -504,8 +609,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.epi_stage)
         linear = first
         while linear < all_tiles:
-            tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
-            if m_tiles[tile_row] >= 0:
+            tile_row, tile_col, expert, _, _ = self.cta_tile(linear, num_row_tiles, col_tiles, m_tiles)
+            if expert >= 0:
                 cons = self.scatter_tile(epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, m_dst, tid)
             linear += step
 

@@ -80,8 +80,12 @@ class WgmmaTileKernel:
         epi_smem = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stage)
         return a_smem, b_smem, epi_smem
 
-    def load_atom(self, m_x: cute.Tensor, smem, box):
-        """TMA load atom for one operand (``box`` = its (rows, K) tile)."""
+    def load_atom(self, m_x: cute.Tensor, smem, box, multicast: int = 1):
+        """TMA load atom for one operand (``box`` = its (rows, K) tile); with ``multicast`` CTAs, each
+        loads its 1/multicast of the box into all of them (TMA multicast within a cluster)."""
+        if multicast > 1:
+            g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_x, cute.slice_(smem, (None, None, 0)), box, num_multicast=multicast)
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         return cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_x, cute.slice_(smem, (None, None, 0)), box)
 
@@ -92,9 +96,12 @@ class WgmmaTileKernel:
             op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_x, cute.slice_(epi_smem, (None, None, 0)), self.epi_tile)
 
-    def tma_split(self, tma, s_x, g_x):
-        """One operand's TMA partition for this CTA (no multicast): (smem side, gmem side per k tile)."""
-        return cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2))
+    def tma_split(self, tma, s_x, g_x, multicast: tuple = (0, 1)):
+        """One operand's TMA partition for this CTA: (smem side, gmem side per k tile); ``multicast``
+        = (this CTA's rank, CTAs) for an atom of :meth:`load_atom`'s ``multicast``: the CTA's part of
+        the box."""
+        rank, ctas = multicast
+        return cute.nvgpu.cpasync.tma_partition(tma, rank, cute.make_layout(ctas), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2))
 
     def warpgroup_slice(self, tiled_mma, tidx):
         """The WGMMA slice of this thread's warpgroup (WGMMA partitions per warpgroup, not per thread).
@@ -237,37 +244,45 @@ class WgmmaTileKernel:
         return s_a, s_b, s_c
 
     def make_pipeline(self, storage, num_b: int, a_smem, b_smem, gather_threads: int = 0, barriers=None, consumer_warps=None,
-                      extra_tx_bytes: int = 0):
+                      extra_tx_bytes: int = 0, cluster_m: int = 1):
         """The producer / consumer (all MMA warps, or ``consumer_warps``) pipeline over ``ab_stage`` stages.
 
         A stage is full once its TMA bytes landed (one thread arms the count; ``extra_tx_bytes``:
         what else its loads bring, e.g. block scales) and, when ``gather_threads`` threads cp.async
         A's rows instead, once each of them arrived; it is free again once every consuming warp
-        released it. ``barriers``: where its mbarriers live (default: ``storage.mbar``).
+        released it: with ``cluster_m`` = 2 every consuming warp of both CTAs of the cluster, since
+        either CTA's loads may write both CTAs' stages (a warp's lanes 0 and 1 arrive on CTA 0's and
+        CTA 1's barrier). ``barriers``: where its mbarriers live (default: ``storage.mbar``).
         """
         a_stage = cute.slice_(a_smem, (None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, 0))
         tx_bytes = num_b * cute.size_in_bytes(self.ab_dtype, b_stage) + extra_tx_bytes
         if gather_threads == 0:
             tx_bytes += cute.size_in_bytes(self.ab_dtype, a_stage)
+        consumers = self.consumer_threads // 32 if consumer_warps is None else consumer_warps
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr() if barriers is None else barriers,
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + gather_threads),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.consumer_threads // 32 if consumer_warps is None else consumer_warps
-            ),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers * cluster_m),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)),
             defer_sync=True,
         )
 
-    def launch_tiles(self, args: tuple, all_tiles, max_ctas, stream) -> None:
+    def launch_tiles(self, args: tuple, all_tiles, max_ctas, stream, cluster_m: int = 1) -> None:
         """Host side: the persistent kernel (``kernel_persistent``) on min(all_tiles, max_ctas)
-        CTAs (at least one), or one CTA per output tile (``kernel``), with ``args``."""
+        CTAs (at least one), or one CTA per output tile (``kernel``), with ``args``. With
+        ``cluster_m`` = 2 ``all_tiles`` counts the clusters' tiles: clusters of two CTAs, one per
+        SM, min(all_tiles, max_ctas / 2) of them."""
         if self.persistent:
-            grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
-            self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            if cutlass.const_expr(cluster_m > 1):
+                clusters = cutlass.max(cutlass.min(all_tiles, max_ctas // cluster_m), 1)
+                self.kernel_persistent(*args).launch(grid=[clusters * cluster_m, 1, 1], block=[self.threads, 1, 1],
+                                                     cluster=[cluster_m, 1, 1], stream=stream)
+            else:
+                grid = cutlass.max(cutlass.min(all_tiles, max_ctas), 1)
+                self.kernel_persistent(*args).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
         else:
             self.kernel(*args).launch(grid=[all_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
