@@ -67,7 +67,7 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse-wgrad-accumulation", action="store_true",
                    help="the weight gradients added into fp32 main_grad buffers (MoKConfig.fuse_wgrad_accumulation)")
     p.add_argument("--dispatch-format", choices=DISPATCH_FORMATS, default="bf16",
-                   help="how x crosses to the experts' ranks (EP > 1); mxfp8 adds its kernels (MoKConfig.dispatch_format)")
+                   help="how x crosses to the experts' ranks (EP > 1); mxfp8 and fp8_block add their kernels (MoKConfig.dispatch_format)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="the routed experts' GEMM operands; mxfp8 (sm_100a), mxfp8_emulated and fp8_block (sm_90a) add their kernels "
                         "(MoKConfig.precision)")
@@ -86,6 +86,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wgrad-format", choices=WGRAD_FORMATS, default=None,
                    help="the expert weight gradients' operands (default: the precision's own); fp8_block (with precision "
                         "fp8_block, sm_90a) adds the transposing quantizers and the FP8 weight-gradient kernels (MoKConfig.wgrad_format)")
+    p.add_argument("--row-tile-pairs", action="store_true",
+                   help="the staged bf16 grouped GEMMs on clusters sharing each weight tile (MoKConfig.row_tile_pairs)")
 
 
 def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=None) -> tuple[MoKConfig, str | None]:
@@ -115,7 +117,7 @@ def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=Non
     values = {**base, **given, "one_launch": args.one_launch, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation,
               "saved_h_format": args.saved_h_format, "dispatch_format": args.dispatch_format, "precision": args.precision,
               "gate_up_layout": args.gate_up_layout, "activation": args.activation, "expert_bias": args.expert_bias,
-              "fp8_scales": args.fp8_scales, "wgrad_format": args.wgrad_format}
+              "fp8_scales": args.fp8_scales, "wgrad_format": args.wgrad_format, "row_tile_pairs": args.row_tile_pairs}
     if args.ep_size is not None or default_ep == 1:
         return MoKConfig(**values, ep_size=args.ep_size if args.ep_size is not None else default_ep), None
     try:

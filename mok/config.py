@@ -15,7 +15,7 @@ from .validation import check_positive_int
 TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
 PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated", "fp8_block")  # the expert GEMMs' operands (mok/pipeline/stages.py)
 SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute", "recompute_gate")  # how h is kept for the backward (mok/saved_h.py), or not kept
-DISPATCH_FORMATS = ("bf16", "mxfp8")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
+DISPATCH_FORMATS = ("bf16", "mxfp8", "fp8_block")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
 GATE_UP_LAYOUTS = ("separate", "concatenated", "interleaved")  # how w_gate and w_up are stored (the kernels read each in place)
 FP8_SCALES = ("fp32", "power_of_two")  # precision="fp8_block"'s scale rule (mok/fp8_block.py)
 WGRAD_FORMATS = ("bf16", "fp8_block", "mxfp8")  # the expert weight gradients' operands (mok/pipeline/stages.py)
@@ -67,7 +67,10 @@ class MoKConfig:
     own keeps its h whole).
     dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
     one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
-    compute on its rounding (mok/pipeline/exchange.py).
+    compute on its rounding (mok/pipeline/exchange.py); "fp8_block" (ep_size > 1, precision
+    "fp8_block", Hopper): x crosses as the FP8 rows its fc1 takes, quantized once by the sender
+    (1 x 128 blocks by fp8_scales' rule: about half of bf16's bytes), the forward's bits those of
+    the bf16 dispatch; the backward's x rows are those FP8 rows' values.
     precision: the routed experts' GEMM operands: "bf16" (default), "mxfp8" (every expert GEMM of
     forward and backward on MXFP8 operands, block-scaled MMAs: SM100 only, compile-verified, never
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
@@ -76,8 +79,9 @@ class MoKConfig:
     FP8: the expert GEMMs on E4M3 with fp32 scales per 1 x 128 of the rows and 128 x 128 of the
     weights, mok.fp8_block, on Hopper's FP8 WGMMAs, forward and backward dgrad; the weights
     quantized once per version; the weight gradients in bf16 unless wgrad_format says FP8); H, I
-    and I_s multiples of 16 (a partial last scale block), one GPU or expert parallelism (the rows cross in bf16 or
-    dispatch_format's MXFP8 and are quantized on the experts' rank), without one_launch so far (with
+    and I_s multiples of 16 (a partial last scale block), one GPU or expert parallelism (the rows
+    cross in bf16 or dispatch_format's MXFP8 and are quantized on the experts' rank, or cross in
+    dispatch_format's fp8_block as fc1 takes them), without one_launch so far (with
     fuse_wgrad_accumulation, the bf16, mxfp8 and recompute saved_h_formats and expert_bias).
     fp8_scales (precision="fp8_block"): "fp32" (default: a block's scale is amax / 448) or
     "power_of_two" (the power of two at or above it, so that dividing by it is exact; mok.fp8_block),
@@ -106,6 +110,10 @@ class MoKConfig:
     Megatron's fused accumulation covers the weights, its DDP adds a bias's gradient to main_grad).
     Every precision (bf16 staged or in one launch); a shared expert beside them (without biases)
     runs in launches of its own.
+    row_tile_pairs: the routed experts' staged bf16 grouped GEMMs (gate/up, down, dx; their EP
+    forms) on clusters of two CTAs over each pair of row tiles, which load a weight tile once for
+    both where one expert has both tiles (TMA multicast; mok/kernels/sm90/grouped_gemm.py): the
+    same bits; off by default, until measured faster (docs/notes/grouped-gemms-vs-quack.md).
     """
 
     hidden: int
@@ -125,6 +133,7 @@ class MoKConfig:
     expert_bias: bool = False
     fp8_scales: str = "fp32"
     wgrad_format: str | None = None
+    row_tile_pairs: bool = False
 
     def check_biases_given(self, given: bool) -> None:
         """Refuse routed-expert biases given without ``expert_bias`` or missing with it (ValueError)."""
@@ -153,7 +162,7 @@ class MoKConfig:
             raise ValueError(
                 f"num_experts: expected a multiple of ep_size={self.ep_size}, got {self.num_experts}"
             )
-        for flag in ("one_launch", "fuse_wgrad_accumulation", "expert_bias"):
+        for flag in ("one_launch", "fuse_wgrad_accumulation", "expert_bias", "row_tile_pairs"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag}: expected a bool, got {getattr(self, flag)!r}")
         if self.precision not in PRECISIONS:
@@ -258,9 +267,15 @@ def check_combination(config: "MoKConfig") -> None:
                 f"gate_up_layout={config.gate_up_layout!r}: not with {', '.join(k for k, v in others.items() if v)} (its one "
                 "[E, 2I, H] gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
             )
+    if config.row_tile_pairs and (config.precision != "bf16" or config.one_launch):
+        raise ValueError(f"row_tile_pairs: the staged bf16 GEMMs' option, not with precision={config.precision!r}"
+                         f"{' and one_launch' if config.one_launch else ''}")
+    if config.dispatch_format != "bf16" and config.ep_size == 1:
+        raise ValueError(f"dispatch_format={config.dispatch_format!r}: only with ep_size > 1 (at one rank nothing is dispatched)")
+    if config.dispatch_format == "fp8_block" and config.precision != "fp8_block":
+        raise ValueError(f"dispatch_format='fp8_block': only with precision='fp8_block' (the rows cross as its fc1 takes them), "
+                         f"got precision={config.precision!r}")
     if config.dispatch_format == "mxfp8":
-        if config.ep_size == 1:
-            raise ValueError("dispatch_format='mxfp8': only with ep_size > 1 (at one rank nothing is dispatched)")
         if config.hidden % 32:
             raise ValueError(f"dispatch_format='mxfp8': expected hidden a multiple of 32 (the MXFP8 block), got {config.hidden}")
 

@@ -78,7 +78,9 @@ class MoELayer(nn.Module):
     FLOPs a step); ``"recompute_gate"``: h's up half kept, the gate half computed again by the gate
     GEMM alone (the same bits, half of h's bytes, about a ninth more FLOPs a step; bf16).
     ``dispatch_format="mxfp8"`` (EP > 1): x crosses to the experts' ranks in MXFP8 and the routed
-    experts compute on its rounding (mok/pipeline/exchange.py); not on the CPU reference path.
+    experts compute on its rounding (mok/pipeline/exchange.py); ``"fp8_block"`` (with
+    precision="fp8_block"): x crosses as the FP8 rows its fc1 takes (the forward's bits unchanged);
+    not on the CPU reference path.
     ``precision="mxfp8"``: every routed-expert GEMM of forward and backward on MXFP8 operands (the
     weights quantized on every call; SM100 only, compile-verified, never run); ``"mxfp8_emulated"``:
     the same numerics on any GPU, the operands dequantized into the bf16 GEMMs (slower than bf16);
@@ -90,7 +92,8 @@ class MoELayer(nn.Module):
     ``activation``: the experts' gated activation, "swiglu" (default), "clamped_swiglu" (gpt-oss's) or
     "geglu" (:class:`mok.config.MoKConfig`). ``bias=True``: the routed experts have biases
     (``gate_bias``, ``up_bias`` [E, I], ``down_bias`` [E, H], initialised to zero; gpt-oss's; the
-    config's ``expert_bias``).
+    config's ``expert_bias``). ``row_tile_pairs=True``: the staged bf16 GEMMs on clusters sharing each
+    weight tile (the same bits; off by default until measured faster: MoKConfig.row_tile_pairs).
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class MoELayer(nn.Module):
         bias: bool = False,
         fp8_scales: str = "fp32",
         wgrad_format: str | None = None,
+        row_tile_pairs: bool = False,
     ) -> None:
         super().__init__()
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -137,7 +141,7 @@ class MoELayer(nn.Module):
         self.config = MoKConfig(
             hidden, intermediate, num_experts, topk, shared_intermediate, ep_size=ep_size, precision=precision, one_launch=one_launch,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, saved_h_format=saved_h_format, dispatch_format=dispatch_format,
-            activation=activation, expert_bias=bias, fp8_scales=fp8_scales, wgrad_format=wgrad_format,
+            activation=activation, expert_bias=bias, fp8_scales=fp8_scales, wgrad_format=wgrad_format, row_tile_pairs=row_tile_pairs,
         )
         self.group = group if ep_size > 1 else None
         if self.group is not None:  # one collective now: ranks that disagree raise here, not hang in a later exchange

@@ -44,9 +44,13 @@ def refusal(config: MoKConfig, arch: str) -> str | None:
         return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
     if config.precision == "fp8_block" and arch not in FP8_BLOCK_GEMM_ARCHS:
         why = fp8_on_block_scaled_mma_refusal(config, arch)
-        if why is not None or config.weight_grad_format != "fp8_block":
+        if why is not None:
             return why
-        return f"wgrad_format='fp8_block': Hopper's FP8 weight-gradient kernel ({', '.join(FP8_BLOCK_GEMM_ARCHS)}), got {arch}"
+        if config.weight_grad_format == "fp8_block":
+            return f"wgrad_format='fp8_block': Hopper's FP8 weight-gradient kernel ({', '.join(FP8_BLOCK_GEMM_ARCHS)}), got {arch}"
+        if config.dispatch_format == "fp8_block":
+            return (f"dispatch_format='fp8_block': rows with fp32 block scales, as Hopper's FP8 GEMMs take them "
+                    f"({', '.join(FP8_BLOCK_GEMM_ARCHS)}), got {arch}; SM100's take E8M0 scales: use dispatch_format='mxfp8' or 'bf16'")
     return None
 
 
@@ -104,6 +108,12 @@ class Plan:
     @property
     def ep(self) -> bool:
         return self.config.ep_size > 1
+
+    @property
+    def pairs(self) -> dict:
+        """The routed experts' staged bf16 grouped GEMMs' cluster option: ``cluster_m`` 2 with
+        row_tile_pairs (MoKConfig: bf16, not in one launch), else none."""
+        return {"cluster_m": 2} if self.config.row_tile_pairs else {}
 
     @property
     def one_launch(self) -> bool:
@@ -235,7 +245,7 @@ class Plan:
         strides = dict(b_expert_stride=2 * i * h) | (dict(b_row_stride=2 * h) if interleaved else {})
         epilogues = (("swiglu", "swiglu_save") if not self.one_launch else ()) + (("swiglu_save",) if c.recomputes_h else ())
         v = [grouped_gemm_variant(i, h, epilogue=e, gather_a=self.gather_in_gemm, persistent=self.persistent, activation=c.activation,
-                                  **self._bias, **strides) for e in epilogues]
+                                  **self._bias, **strides, **self.pairs) for e in epilogues]
         if self.one_launch:
             ep_world = c.ep_size if self.ep else None
             v += [expert_mlp_variant(h, i, k, c.experts_per_rank, save_h=save_h, has_shared=c.has_shared_expert, ep_world=ep_world,
@@ -245,7 +255,7 @@ class Plan:
         if c.recomputes_gate:  # (from w_gate in place)
             v.append(self._gate_variant(**strides))
         dx = dict(scatter=True, topk=k) if self.ep else dict(persistent=self.persistent)
-        v.append(grouped_gemm_variant(h, 2 * i, b_major="n", k_split=True, **strides, **dx))
+        v.append(grouped_gemm_variant(h, 2 * i, b_major="n", k_split=True, **strides, **dx, **self.pairs))
         if interleaved:  # dW_gate, dW_up into the even and odd rows of one [E, 2I, H]
             v.append(weight_grad_variant(2 * i, h, "bf16", False, split_out=True, interleaved_out=True, persistent=self.persistent))
         else:  # [dW_gate; dW_up] as one [E, 2I, H]
@@ -257,7 +267,7 @@ class Plan:
         GEMM's column tile (bf16; mok.pipeline.stages.gate_from_tokens); ``strides``: w_gate's."""
         c = self.config
         return grouped_gemm_variant(c.intermediate, c.hidden, tile_n=default_tile_n(c.intermediate, c.hidden, True),
-                                    gather_a=self.gather_in_gemm, persistent=self.persistent, **self._bias, **strides)
+                                    gather_a=self.gather_in_gemm, persistent=self.persistent, **self._bias, **strides, **self.pairs)
 
     def _exchange_variants(self) -> list[KernelVariant]:
         c, w = self.config, self.config.ep_size
@@ -267,6 +277,9 @@ class Plan:
         v += [ep_variant("overflow", w, phase=phase, **rows) for phase in (0, 1)]  # (a capacity bound only)
         if c.dispatch_format == "mxfp8":
             v += [ep_variant("publish_mxfp8", w, **rows), ep_variant("dispatch_mxfp8", w, **rows)]
+        if c.dispatch_format == "fp8_block":  # (and the backward's x rows back to bf16)
+            v += [ep_variant("publish_fp8_block", w, **rows, power_of_two=c.fp8_power_of_two), ep_variant("dispatch_fp8_block", w, **rows),
+                  quantize_fp8_block_variant(c.hidden, bounded=True, back=True)]
         return v
 
     def _gemm_variants(self, n: int, k: int, rows_gathered: bool = False, **options) -> list[KernelVariant]:
@@ -275,7 +288,7 @@ class Plan:
         with block scales (its rows quantized, gathered from x as they are with ``rows_gathered``,
         the weights once per version, transposed for the backward's: K-major either way)."""
         if self.precision == "bf16":
-            return [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
+            return [grouped_gemm_variant(n, k, persistent=self.persistent, **options, **self.pairs)]
         if self.precision == "fp8_block":  # (gathering: x quantized whole; else the rows in use, with k_split a half at a time)
             options.pop("b_major", None)
             halves = 2 if options.get("k_split") else 1

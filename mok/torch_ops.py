@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import main_grad, pipeline, router
 from .config import MoKConfig
+from .pipeline.forward import x_rows_shape
 from .pipeline.stages import ForwardResult
 from .pipeline.workspace import workspace_by_handle
 from .plan import TILE, plan_for_device, shared_in_routed_possible
@@ -93,7 +94,8 @@ def forward_outputs(config: MoKConfig, x: Tensor, topk_idx: Tensor, workspace: i
         "out": ((num_tokens, hidden), x.dtype),
         "h": ((rows if keep_h else 0, h_width), h_dtype),
         "shared_h": ((num_tokens if own_shared_h else 0, shared_width), shared_dtype),
-        "x_rows": ((rows if save and workspace else 0, hidden), x.dtype),
+        "x_rows": (x_rows_shape(config, rows if save and workspace else 0),
+                   torch.uint8 if config.dispatch_format == "fp8_block" else x.dtype),  # (FP8 rows as they crossed, packed)
         "routing": ((pairs if workspace else 0, topk), torch.int32),
         **{name: (shape, torch.int32) for name, shape in zip(Schedule.FIELDS, Schedule.shapes(pairs, topk, num_local, rows, TILE))},
     }

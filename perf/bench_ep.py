@@ -9,7 +9,9 @@ back, index_add combine. "mok gr" replays MoK's path from a CUDA graph (captured
 the device-bound time, without the host's launch work; "mok 1L" is the whole
 forward in one kernel per rank (``one_launch``), "mok 1Lg" that replayed from a graph; "mok fp8"
 sends x in MXFP8 (``dispatch_format="mxfp8"``: other bits, those of x's rounding), "mok 1L8" does
-so in one launch (the bits of "mok fp8"). Reported:
+so in one launch (the bits of "mok fp8"); "mok q" runs the experts on DeepSeek-V3's FP8
+(``precision="fp8_block"``, x sent in bf16) and "mok q8" sends x as its FP8 rows
+(``dispatch_format="fp8_block"``: the forward's bits those of "mok q"). Reported:
 the median over batches of the slowest rank's time (each path alone at its own steady state,
 with rank 0's SM clock, power and temperature; ``--sustained 0``: the paths timed in turn), the speedup,
 the bytes each rank sends to other ranks (dispatch + combine: the baseline sends a row per
@@ -186,6 +188,8 @@ def _worker(
                     "mok 1Lg": graph_of(lambda: mok_step(one_launch=True)),
                     "mok fp8": lambda: mok_step(dispatch_format="mxfp8"),  # x sent in MXFP8 (other bits)
                     "mok 1L8": lambda: mok_step(one_launch=True, dispatch_format="mxfp8"),  # both
+                    "mok q": lambda: mok_step(precision="fp8_block"),  # the experts on FP8 (other bits)
+                    "mok q8": lambda: mok_step(precision="fp8_block", dispatch_format="fp8_block"),  # x sent as its FP8 rows
                     "torch": lambda: torch_ep_train_step(x, idx, w, experts, dout, group)[0],
                 }
             else:
@@ -197,6 +201,8 @@ def _worker(
                     # x sent in MXFP8: 33/64 of the dispatch bytes, the routed experts on its rounding (other bits)
                     "mok fp8": lambda: mok_forward(dispatch_format="mxfp8"),
                     "mok 1L8": lambda: mok_forward(one_launch=True, dispatch_format="mxfp8"),
+                    "mok q": lambda: mok_forward(precision="fp8_block"),  # the experts on FP8 (other bits)
+                    "mok q8": lambda: mok_forward(precision="fp8_block", dispatch_format="fp8_block"),  # x as its FP8 rows: "mok q"'s bits
                     "torch": lambda: torch_ep_forward(x, idx, w, experts, group),
                 }
             if share_gpu:  # the baseline needs NCCL
@@ -206,9 +212,10 @@ def _worker(
             else:
                 ms, gpu = _time_in_turn(paths, group), {}
             want = paths["mok"]().clone()
-            fp8_paths = ("mok fp8", "mok 1L8")
+            fp8_paths = ("mok fp8", "mok 1L8", "mok q", "mok q8")
             same = {p: same_bits(fn(), want) for p, fn in paths.items() if p not in ("mok", "torch", *fp8_paths)}  # the same bits
             same["mok 1L8 = mok fp8"] = same_bits(paths["mok 1L8"](), paths["mok fp8"]())
+            same["mok q8 = mok q"] = same_bits(paths["mok q8"](), paths["mok q"]())  # (out; with --backward dx: x's rows do not enter it)
             fp8_diff = float((paths["mok fp8"]().float() - want.float()).norm() / want.float().norm())
             agree = None if share_gpu else float((want.float() - paths["torch"]().float()).norm() / paths["torch"]().float().norm())
             ws.check()

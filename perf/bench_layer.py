@@ -18,7 +18,9 @@ gradients and adds them afterwards, as a loop without it would; "mok mxfp8 h" ke
 between forward and backward (``saved_h_format="mxfp8"``: other bits, so it is left out of the
 same-bits check); "mok recompute" keeps no h and runs the gate/up GEMM again in the backward
 (``saved_h_format="recompute"``: the same bits); "mok recompute gate" keeps h's up half and runs
-the gate GEMM alone again (``saved_h_format="recompute_gate"``: the same bits). "mok fp8 block" runs the forward's expert GEMMs in
+the gate GEMM alone again (``saved_h_format="recompute_gate"``: the same bits); "mok pairs" runs the
+grouped GEMMs on row-tile pairs sharing each weight tile (``row_tile_pairs``: the same bits).
+"mok fp8 block" runs the forward's expert GEMMs in
 FP8 with 128-block scales (``precision="fp8_block"``, other bits; the weight gradients bf16),
 "mok fp8 block wgrad" (forward + backward) its weight gradients on FP8 too
 (``wgrad_format="fp8_block"``); widths that are multiples of 128 only. At the gpt-oss configs "mok gpt-oss" runs gpt-oss's
@@ -323,6 +325,7 @@ def main() -> int:
             paths["mok mxfp8 h"] = lambda: mok_train_step(inputs, dout, saved_h_format="mxfp8")
             paths["mok recompute"] = lambda: mok_train_step(inputs, dout, saved_h_format="recompute")
             paths["mok recompute gate"] = lambda: mok_train_step(inputs, dout, saved_h_format="recompute_gate")
+            paths["mok pairs"] = lambda: mok_train_step(inputs, dout, row_tile_pairs=True)
             if gpt_oss is not None:
                 paths["mok gpt-oss"] = lambda: mok_gpt_oss_train_step(inputs, dout, *gpt_oss)
             if fp8 is not None:
@@ -333,6 +336,7 @@ def main() -> int:
                 "mok": lambda: mok_forward(inputs),
                 "mok (graph)": graph_of(lambda: mok_forward(inputs)),
                 "mok 1-launch": lambda: mok_forward(inputs, one_launch=True),
+                "mok pairs": lambda: mok_forward(inputs, row_tile_pairs=True),
                 "torch": lambda: torch_forward(*inputs),
                 "dense gemm": lambda: dense_a @ dense_b,
             }

@@ -403,6 +403,146 @@ def run_pair(
 
 
 
+B_UNITS = {"a": 2, "b": 2, "b0": 1, "b1": 1}  # a stage's bytes in halves of a B tile: A's, B's whole, either half of B
+
+
+@dataclass
+class SharingPair:
+    """Two CTAs of a cluster on the two row tiles of each pair (``cluster_m`` = 2, one-CTA MMAs; the
+    Hopper and Blackwell grouped GEMMs): each CTA loads its own A; where one expert has both row
+    tiles each loads half of B into both CTAs' stages (multicast: a load per destination, landing
+    on each at its own time), else its own whole B. A stage is full once a whole stage's bytes
+    landed (``B_UNITS``: the expect-tx of a constant byte count), and free once ``empty_arrivals``
+    releases landed: the kernels' two, each CTA's MMA commit (Hopper: its consumer warps'
+    releases) multicast to both CTAs (``release_to_peer``), in order per source and destination,
+    each after the MMAs it covers completed."""
+
+    ctas: list
+    release_to_peer: bool = True
+    commits: dict = field(default_factory=dict)  # (source, destination) -> ("stage" | "acc", index) in issue order
+    exited: set = field(default_factory=set)
+
+    def land(self, rng: random.Random) -> bool:
+        """Land one load (on its destination) or the oldest commit of one (source, destination); False if none is in flight."""
+        choices = [("load", c, i) for c in range(2) for i in range(len(self.ctas[c].events))]
+        choices += [("commit", route, 0) for route, queue in self.commits.items() if queue]
+        if not choices:
+            return False
+        kind, where, i = rng.choice(choices)
+        if kind == "load":
+            cta = self.ctas[where]
+            _, stage, part, data = cta.events.pop(i)
+            self.check_alive(where, f"a load into stage {stage}")
+            cta.stage_in_flight[stage].discard(part)
+            cta.stage_data[stage][part] = data
+            for _ in range(B_UNITS[part]):
+                cta.full[stage].arrive()
+        else:
+            source, dest = where
+            what, index = self.commits[where].pop(0)
+            self.check_alive(dest, f"CTA {source}'s commit onto {what} {index}")
+            cta = self.ctas[dest]
+            if what == "stage":  # (the MMAs completed before the commit arrives anywhere: it covers every earlier MMA of its CTA)
+                self.ctas[source].stage_readers = [0] * cta.stages
+                cta.empty[index].arrive()
+            else:
+                cta.acc_owner[index] = "done"
+                cta.acc_full[index].arrive()
+        return True
+
+    def check_alive(self, rank: int, what: str) -> None:
+        if rank in self.exited:
+            raise Hazard(f"{what} lands on CTA {rank} after it exited")
+
+    def commit(self, source: int, what: str, index: int) -> None:
+        dests = (source, source ^ 1) if what == "stage" and self.release_to_peer else (source,)
+        for dest in dests:
+            self.commits.setdefault((source, dest), []).append((what, index))
+
+    def in_flight_to(self, rank: int) -> bool:
+        return bool(self.ctas[rank].events) or any(q for (_, dest), q in self.commits.items() if dest == rank)
+
+
+def sharing_load_warp(pair: SharingPair, rank: int, tiles: list):
+    """CTA ``rank``'s load warp: per (K tiles, shared) tile its A, and B whole or (shared) its half
+    into both CTAs' stages, each stage once its own empty barrier passed; then the producer's tail."""
+    cta, peer = pair.ctas[rank], pair.ctas[rank ^ 1]
+    producer = State(cta.stages, phase=1)
+    who = f"CTA {rank} load warp"
+    for tile, (k_tiles, shared) in enumerate(tiles):
+        for k in range(k_tiles):
+            yield Wait(cta.empty[producer.index], producer.phase, f"{who}: stage {producer.index} for a load")
+            cta.load(producer.index, tile, k, "a")
+            if shared:
+                cta.load(producer.index, tile, k, f"b{rank}")
+                peer.load(producer.index, tile, k, f"b{rank}")  # (a hazard if the peer's stage is not free)
+            else:
+                cta.load(producer.index, tile, k, "b")
+            producer.advance()
+    for _ in range(cta.stages):
+        yield Wait(cta.empty[producer.index], producer.phase, f"{who}: tail, stage {producer.index}")
+        producer.advance()
+
+
+def sharing_mma_warp(pair: SharingPair, rank: int, tiles: list):
+    """CTA ``rank``'s MMA warp (one-CTA MMAs): per tile its own accumulator stage, each stage's MMAs
+    once its full barrier passed (A and the whole of B of this tile and K tile there), the stage
+    released by a commit to both CTAs, the accumulator committed to its own."""
+    cta = pair.ctas[rank]
+    consumer, acc_producer = State(cta.stages), State(cta.acc_stages, phase=1)
+    for tile, (k_tiles, shared) in enumerate(tiles):
+        acc = acc_producer.index
+        yield Wait(cta.acc_empty[acc], acc_producer.phase, f"CTA {rank} MMA warp: accumulator {acc} for tile {tile}")
+        if cta.acc_owner[acc] is not None:
+            raise Hazard(f"CTA {rank} took accumulator {acc} for tile {tile} while it holds the {cta.acc_owner[acc]} state of an earlier tile")
+        cta.acc_owner[acc] = "mma"
+        acc_producer.advance()
+        parts = ("a", "b0", "b1") if shared else ("a", "b")
+        for k in range(k_tiles):
+            yield Wait(cta.full[consumer.index], consumer.phase, f"CTA {rank} MMA warp: stage {consumer.index} full")
+            if cta.stage_data[consumer.index] != {part: (tile, k) for part in parts}:
+                raise Hazard(f"CTA {rank}'s MMA of tile {tile} k {k} on stage {consumer.index} holding {cta.stage_data[consumer.index]}")
+            cta.stage_readers[consumer.index] += 1
+            cta.stage_data[consumer.index] = {}
+            pair.commit(rank, "stage", consumer.index)
+            consumer.advance()
+        pair.commit(rank, "acc", acc)
+
+
+def run_sharing_pair(
+    tiles: list, stages: int, *, acc_stages: int = 1, landing: str = "random", seed: int = 0, empty_arrivals: int = 2,
+    release_to_peer: bool = True,
+) -> None:
+    """Run both CTAs of a B-sharing pair (:class:`SharingPair`) over ``tiles``, each (K tiles, whether
+    one expert has both row tiles), to the end; raises Hang or Hazard. ``empty_arrivals`` and
+    ``release_to_peer``: the kernels' 2 and True; 1 (a stage freed by its own CTA's release
+    alone) lets the peer's half of B land in a stage still being read."""
+    if landing not in LANDINGS:
+        raise ValueError(f"landing: expected one of {LANDINGS}, got {landing!r}")
+    rng = random.Random(seed)
+    ctas = [Cta(stages, acc_stages, full_arrivals=sum(B_UNITS[p] for p in ("a", "b"))) for _ in range(2)]
+    for cta in ctas:
+        for barrier in cta.empty:
+            barrier.arrivals = barrier.pending = empty_arrivals
+    pair = SharingPair(ctas, release_to_peer)
+    agents = {}
+    for rank in (0, 1):
+        agents[(rank, "load warp")] = sharing_load_warp(pair, rank, tiles)
+        agents[(rank, "MMA warp")] = sharing_mma_warp(pair, rank, tiles)
+        agents[(rank, "epilogue")] = epilogue(ctas[rank], tiles, who=f"CTA {rank} epilogue")
+
+    def exit_finished_ctas(agents: dict) -> None:
+        for rank in (0, 1):
+            if rank not in pair.exited and not any(r == rank for r, _ in agents):
+                if pair.in_flight_to(rank):
+                    raise Hazard(f"CTA {rank} exits with loads or commits still to land on it")
+                pair.exited.add(rank)
+
+    run_agents(agents, lambda: pair.land(rng), landing, rng, exit_finished_ctas)
+    while pair.land(rng):  # what is still in flight lands on exited CTAs: a hazard
+        pass
+
+
 PUBLISH = ("lazy", "eager", "next_tile", "at_exit")
 
 

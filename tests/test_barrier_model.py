@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from barrier_model import Hang, Hazard, run_cta, run_one_launch, run_pair
+from barrier_model import Hang, Hazard, run_cta, run_one_launch, run_pair, run_sharing_pair
 
 tcgen05_tile = pytest.importorskip("mok.kernels.sm100.tcgen05_tile")
 from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100, GroupedGemmSm100  # noqa: E402
@@ -248,3 +248,43 @@ def test_a_pair_whose_leader_waits_for_its_own_bytes_only_is_caught():
             run_pair([6, 3], 4, acc_stages=2, landing=landing, seed=seed, full_parts=1)
         caught.add(err.type)
     assert caught
+
+
+def sharing_pipelines():
+    """(stages, accumulator stages) of the grouped GEMMs on row-tile pairs (``cluster_m`` = 2): SM100's
+    and Hopper's (whose accumulators are its MMA warps' registers: one stage in the model)."""
+    from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
+
+    shapes = [dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True), dict(n=7168, k=2048, tile_n=256), dict(n=7168, k=2048),
+              dict(n=7168, k=4096, k_split=True, b_major="n")]
+    sm100 = {(g.ab_stage, g.acc_stages) for g in (GroupedGemmSm100(persistent=True, cluster_m=2, **shape) for shape in shapes)}
+    hopper = {(GroupedGemmSm90(persistent=True, cluster_m=2, **shape).ab_stage, 1) for shape in shapes}
+    return sm100 | hopper
+
+
+def test_row_tile_pairs_sharing_b_drain_for_every_mix_of_shared_and_own_loads():
+    """Row-tile pairs (cluster_m=2, tests/barrier_model.py's run_sharing_pair): each CTA's A, B halves
+    multicast into both CTAs where one expert has both row tiles, each CTA's own B where not, every
+    stage freed by both CTAs' releases: every wait completes, no half of B lands in a stage the
+    other CTA still reads, nothing lands on a CTA after it exited, for the kernels' stage counts,
+    K-tile counts 0 .. 4 x stages, pairs all shared, none shared and mixed."""
+    pipelines = sharing_pipelines()
+    assert {stages for stages, _ in pipelines} >= {4, 6}
+    for stages, acc_stages in pipelines | {(2, 1), (3, 2)}:
+        for k_tiles, (landing, seed) in itertools.product(range(4 * stages + 1), ORDERS):
+            for shared in ([True], [False], [True, False, True, True, False]):
+                run_sharing_pair([(k_tiles, s) for s in shared], stages, acc_stages=acc_stages, landing=landing, seed=seed)
+
+
+@pytest.mark.parametrize("broken", [dict(empty_arrivals=1), dict(release_to_peer=False)])
+def test_row_tile_pairs_that_free_a_stage_on_one_ctas_release_are_caught(broken):
+    """A stage freed by its own CTA's release alone lets the other CTA's half of B land in it while
+    its MMAs still read it (or runs the phases apart: a hang); releases that do not reach the other
+    CTA leave its loads waiting for ever."""
+    caught = set()
+    for landing, seed in ORDERS + [("random", seed) for seed in range(3, 40)]:
+        try:
+            run_sharing_pair([(9, True), (5, True), (7, False)], 4, acc_stages=2, landing=landing, seed=seed, **broken)
+        except (Hang, Hazard) as err:
+            caught.add(type(err))
+    assert caught == ({Hang} if "release_to_peer" in broken else {Hang, Hazard})

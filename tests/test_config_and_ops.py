@@ -141,6 +141,68 @@ def test_mxfp8_dispatch_config_adds_its_kernels_and_the_cli_sets_it():
     assert config.dispatch_format == "mxfp8" and _config_from(parser.parse_args([])).dispatch_format == "bf16"
 
 
+def test_fp8_dispatch_config_adds_its_kernels_and_is_hopper_s():
+    """dispatch_format="fp8_block" (precision fp8_block, EP > 1): the plan adds the quantizing
+    publish (by the config's scale rule), the dispatch that keeps the rows in FP8 and the
+    dequantizer of the backward's x rows, nothing else; SM100 refuses it with what to pass instead;
+    `precompile --dispatch-format fp8_block` sets it; the saved rows are one uint8 buffer of the
+    FP8 rows and their scales."""
+    import argparse
+
+    from mok.cli import _add_shape_options, _config_from
+    from mok.pipeline.forward import x_rows_shape
+    from mok.plan import plan_for, refusal
+
+    def variants_for(config):
+        return {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(config, "sm_90a").variants()}
+
+    base = dict(hidden=528, intermediate=256, num_experts=8, topk=2, ep_size=2, precision="fp8_block")
+    plain, fp8 = variants_for(MoKConfig(**base)), variants_for(MoKConfig(**base, dispatch_format="fp8_block"))
+    assert plain < fp8
+    added = sorted((name, dict(config).get("power_of_two", False), dict(config).get("back", False)) for name, config in fp8 - plain)
+    assert added == [("ep_dispatch_fp8_block", False, False), ("ep_publish_fp8_block", False, False), ("quantize_fp8_block", False, True)]
+    pow2 = variants_for(MoKConfig(**base, dispatch_format="fp8_block", fp8_scales="power_of_two"))
+    assert any(name == "ep_publish_fp8_block" and dict(config).get("power_of_two") for name, config in pow2)
+    config = MoKConfig(**base, dispatch_format="fp8_block", fp8_scales="power_of_two")
+    whole = MoKConfig(**{**base, "hidden": 512}, dispatch_format="fp8_block", fp8_scales="power_of_two")  # (SM100: whole 128 blocks)
+    assert refusal(config, "sm_90a") is None and refusal(MoKConfig(**{**base, "hidden": 512}, fp8_scales="power_of_two"), "sm_100a") is None
+    assert "dispatch_format='fp8_block': rows with fp32 block scales" in refusal(whole, "sm_100a")
+    assert x_rows_shape(config, 384) == (384, 528 + 4 * 5) and x_rows_shape(MoKConfig(**base), 384) == (384, 528)
+    parser = argparse.ArgumentParser()
+    _add_shape_options(parser)
+    args = parser.parse_args(["--ep-size", "8", "--precision", "fp8_block", "--dispatch-format", "fp8_block"])
+    assert _config_from(args).dispatch_format == "fp8_block"
+
+
+def test_row_tile_pairs_config_puts_the_staged_bf16_gemms_on_clusters():
+    """row_tile_pairs: the plan's routed gate/up, down and dx GEMMs (their EP forms too) with
+    cluster_m=2, every other kernel as it was (the SwiGLU backward's ping-pong, the weight
+    gradients, the shared expert's); refused with another precision or one_launch; the CLI sets it."""
+    import argparse
+
+    from mok.cli import _add_shape_options, _config_from
+    from mok.plan import plan_for
+
+    for base in (dict(hidden=512, intermediate=256, num_experts=8, topk=2, shared_intermediate=256),
+                 dict(hidden=512, intermediate=256, num_experts=8, topk=2, ep_size=2)):
+        plain = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(MoKConfig(**base), "sm_90a").variants()}
+        pairs = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(MoKConfig(**base, row_tile_pairs=True), "sm_90a").variants()}
+        clustered = {(name, config) for name, config in pairs if dict(config).get("cluster_m") == 2}
+        assert {(name, tuple(kv for kv in config if kv[0] != "cluster_m")) for name, config in pairs} == plain  # (the same kernels else)
+        forms = sorted((dict(c)["epilogue"], dict(c)["k_split"], dict(c).get("scatter", False)) for _, c in clustered)
+        want = [("plain", False, base.get("ep_size", 1) > 1), ("plain", True, base.get("ep_size", 1) > 1), ("swiglu", False, False),
+                ("swiglu_save", False, False)]
+        assert forms == sorted(want), forms
+    for bad in (dict(precision="fp8_block"), dict(one_launch=True)):
+        with pytest.raises(ValueError, match="row_tile_pairs: the staged bf16 GEMMs' option"):
+            MoKConfig(512, 256, 8, 2, row_tile_pairs=True, **bad)
+    with pytest.raises(TypeError, match="row_tile_pairs: expected a bool, got 1"):
+        MoKConfig(512, 256, 8, 2, row_tile_pairs=1)
+    parser = argparse.ArgumentParser()
+    _add_shape_options(parser)
+    assert _config_from(parser.parse_args(["--hidden", "512", "--row-tile-pairs"])).row_tile_pairs
+
+
 def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradients():
     """The plan's variants with fuse_wgrad_accumulation: each expert MLP's weight gradients also as the
     fp32 kernels that add into main_grad (dW_down; dW_gate with dW_up; a half of dh alone), nothing else."""
@@ -173,7 +235,9 @@ def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradi
         (dict(one_launch=1), TypeError, "one_launch: expected a bool, got 1"),
         (dict(fuse_wgrad_accumulation="yes"), TypeError, "fuse_wgrad_accumulation: expected a bool, got 'yes'"),
         (dict(block_m=64), ValueError, "block_m: expected 128 (the row tile every MoK kernel is built for), got 64"),
-        (dict(dispatch_format="fp8", ep_size=8), ValueError, "dispatch_format: expected one of ('bf16', 'mxfp8'), got 'fp8'"),
+        (dict(dispatch_format="fp8", ep_size=8), ValueError, "dispatch_format: expected one of ('bf16', 'mxfp8', 'fp8_block'), got 'fp8'"),
+        (dict(dispatch_format="fp8_block", ep_size=8), ValueError, "dispatch_format='fp8_block': only with precision='fp8_block'"),
+        (dict(dispatch_format="fp8_block", precision="fp8_block"), ValueError, "dispatch_format='fp8_block': only with ep_size > 1"),
         (dict(dispatch_format="mxfp8"), ValueError, "dispatch_format='mxfp8': only with ep_size > 1"),
         (dict(dispatch_format="mxfp8", ep_size=8, hidden=7176), ValueError, "expected hidden a multiple of 32 (the MXFP8 block), got 7176"),
     ],

@@ -151,7 +151,7 @@ def test_mxfp8_dispatch_is_refused_where_it_cannot_run_before_launching():
     x, idx, w, experts, _ = random_layer(8, 16, 8, 4, 2, seed=3, dtype=torch.bfloat16)
     local = [e[:2].contiguous() for e in experts]
     ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
-    with pytest.raises(ValueError, match=r"dispatch_format: expected one of \('bf16', 'mxfp8'\), got 'fp8'"):
+    with pytest.raises(ValueError, match=r"dispatch_format: expected one of \('bf16', 'mxfp8', 'fp8_block'\), got 'fp8'"):
         ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="fp8")
     for mode in ({}, {"one_launch": True}):
         with pytest.raises(ValueError, match=r"dispatch_format='mxfp8': expected hidden a multiple of 32 \(the MXFP8 block\), got 16"):

@@ -225,6 +225,56 @@ def test_quantized_ep_training_step_equals_single_gpu_bitwise(world, counts, sha
             assert rel_err(sum(g.d_shared[i].float() for g in grads), want.d_shared[i]) < 1e-2
 
 
+def test_row_tile_pairs_at_ep_give_the_single_gpu_training_bits():
+    """row_tile_pairs at EP = 2 (emulated): the gate/up GEMM on the pulled rows, the down projection
+    and dx pushing into the owners' slots, all on clusters sharing the weight tile: every output
+    and gradient the single-GPU bits (without pairs)."""
+    world, counts = 2, (300, 517)
+    per_rank, douts, want_out, want = ep_training_case(world, counts, 512, 256, 8, 4, seed=71, routing="zipf")
+    layout = EPLayout(world=world, max_tokens=max(counts), hidden=512, topk=4)
+    warm_up_training(layout, per_rank, douts, row_tile_pairs=True)
+    results = run_train_ranks(EPWorkspace.local_group(layout), per_rank, douts, row_tile_pairs=True)
+    assert ep_training_mismatches(results, want_out, want) == []
+
+
+@pytest.mark.parametrize("world,counts,scales", [(2, (300, 517), "power_of_two"), (3, (0, 200, 333), "fp32"), (2, (200, 200), "fp32")])
+def test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes(world, counts, scales):
+    """dispatch_format='fp8_block' (precision fp8_block): x crosses to the experts' ranks as the FP8
+    rows its fc1 takes, quantized once by its owner. The forward is the bf16 dispatch's, bit for bit
+    (the same per-row quantization, done before the link instead of after); the backward's x rows are
+    those FP8 rows' values: with power-of-two scales (exact in bf16, and quantized again to the same
+    bytes) every output and gradient is the single-GPU step's on x rounded through FP8
+    (mok.fp8_block's rule), bit for bit; with fp32 scales the step on x itself, the gate and up
+    weight gradients within FP8's rounding of it; twice, on one set of workspaces."""
+    from mok import fp8_block
+
+    total, H, I, E, k = sum(counts), 528, 256, 12, 4  # (H = 528: a partial last 128-block of x's rows)
+    options = dict(precision="fp8_block", fp8_scales=scales)
+    x, idx, w, experts, _ = gpu_layer(total, H, I, E, k, None, seed=53 + world, routing="zipf" if world == 3 else "uniform")
+    dout = torch.randn(total, H, device="cuda").bfloat16()
+    pow2 = scales == "power_of_two"
+    x_rounded = fp8_block.dequantize_rows(*fp8_block.quantize_rows(x.float().cpu(), power_of_two=pow2)).bfloat16().cuda()
+    saved = moe_forward(x_rounded if pow2 else x, idx, w, *experts, save_for_backward=True, **options)
+    want = moe_backward(dout, x_rounded if pow2 else x, idx, w, *experts, None, saved, **options)
+    layout = EPLayout(world=world, max_tokens=max(counts) + 3, hidden=H, topk=k)
+    args = split_ranks(world, counts, x, idx, w, experts, None)
+    douts = split_rows(dout, counts)
+    warm_up_training(layout, args, douts, dispatch_format="fp8_block", **options)
+    workspaces = EPWorkspace.local_group(layout)
+    bf16_dispatch = run_train_ranks(EPWorkspace.local_group(layout), args, douts, **options)
+    for _ in range(2):
+        results = run_train_ranks(workspaces, args, douts, dispatch_format="fp8_block", **options)
+        out = torch.cat([o for o, _ in results])
+        assert torch.equal(out, torch.cat([o for o, _ in bf16_dispatch])) and torch.equal(out, saved.out)
+        grads = [g for _, g in results]
+        exact = ("dx", "d_topk_w", "d_w_down") + (("d_w_gate", "d_w_up") if pow2 else ())
+        for name in exact:
+            assert torch.equal(torch.cat([getattr(g, name) for g in grads]), getattr(want, name)), name
+        for name in () if pow2 else ("d_w_gate", "d_w_up"):  # (x's FP8 rounding: E4M3's 3 mantissa bits)
+            got = torch.cat([getattr(g, name) for g in grads])
+            assert 0 < rel_err(got, getattr(want, name)) < 0.05, name
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ep_training_steps_with_a_new_batch_every_step_on_one_workspace_equal_single_gpu_bitwise(world):
     """One long-lived workspace, a different batch at every step: token counts that shrink and grow

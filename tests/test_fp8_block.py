@@ -109,6 +109,21 @@ def test_op_checks_block_scaled_operands_before_any_launch():
                          b2=fp8.quantize_weights(torch.randn(2, 128, 144)), k_split=True)
 
 
+def test_dequantizer_checks_its_operands_before_any_launch():
+    """ops.dequantize_fp8_rows: E4M3 rows with K a multiple of 16 and their fp32 scales [ceil(K / 128), R];
+    valid operands go on to the launch checks (which refuse CPU data)."""
+    q, scales = fp8.quantize_rows(torch.randn(256, 272))
+    assert scales.shape == (3, 256)
+    with pytest.raises(TypeError, match="elements: expected dtype float8_e4m3fn, got bfloat16"):
+        ops.dequantize_fp8_rows(q.bfloat16(), scales)
+    with pytest.raises(ValueError, match=r"elements: expected \[R, K\] with K a positive multiple of 16"):
+        ops.dequantize_fp8_rows(q[:, :264].contiguous(), scales)
+    with pytest.raises(ValueError, match=r"scales: expected shape \[3, 256\], got \[256, 3\]"):
+        ops.dequantize_fp8_rows(q, scales.T.contiguous())
+    with pytest.raises(ValueError, match="elements: expected a CUDA tensor"):
+        ops.dequantize_fp8_rows(q, scales)
+
+
 def test_two_block_buffers_are_refused_where_the_kernel_has_none():
     a = fp8.quantize_rows(torch.randn(256, 256))
     b = fp8.quantize_weights(torch.randn(2, 128, 256))

@@ -110,6 +110,24 @@ def test_quantizers_give_the_rule_s_bits(power_of_two):
     assert torch.equal(wq.cpu().view(torch.uint8), want_wq.view(torch.uint8)) and torch.equal(ws.cpu(), want_ws)
 
 
+@pytest.mark.parametrize("K", [2048, 2896])  # (a partial last block)
+def test_dequantizer_gives_each_element_times_its_scale_in_bf16(K):
+    """ops.dequantize_fp8_rows: bf16 of the fp32 product element · scale (the exact float64 product
+    rounded to fp32, then to bf16), fp32 and power-of-two scales, magnitudes over twelve decades;
+    with rows_used, the rows in use the same."""
+    g = torch.Generator(device="cuda").manual_seed(K)
+    x = (torch.randn(900, K, device="cuda", generator=g) * torch.logspace(-6, 6, 900, device="cuda")[:, None]).bfloat16()
+    for power_of_two in (False, True):
+        q, s = ops.quantize_fp8_rows(x, power_of_two=power_of_two)
+        want = fp8.dequantize_rows(q.cpu(), s.cpu()).float().bfloat16()  # (the float64 product is exact: 4 + 24 bits)
+        got = ops.dequantize_fp8_rows(q, s)
+        assert torch.equal(got.cpu(), want)
+        assert rel_err(got, x) < 0.05  # (E4M3's rounding of x)
+    used = torch.tensor([300], dtype=torch.int32, device="cuda")
+    partial = ops.dequantize_fp8_rows(q, s, rows_used=used)
+    assert torch.equal(partial[:300], got[:300])
+
+
 def mma_order_reference(scales, rows_per_chunk_row=1):
     """Power-of-two fp32 block scales as E8M0 bytes in the MMA's order, written out independently
     of the kernel: rows' [K / 128, R] -> each row's byte at its four 32-blocks -> mok.mxfp8's

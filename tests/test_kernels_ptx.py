@@ -10,8 +10,8 @@ import pytest
 
 from mok.kernels import compiled_ptx, compiled_sass
 from mok.kernels.variants import (
-    combine_variant, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant, schedule_variant,
-    weight_grad_variant,
+    combine_variant, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_fp8_block_variant, quantize_mxfp8_variant,
+    schedule_variant, weight_grad_variant,
 )
 
 
@@ -422,8 +422,8 @@ def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(options):
     cluster, beside the one-CTA loads it keeps for pairs of two experts; the CTA's rank read from
     the cluster, the barriers initialised cluster-wide before any load, each stage released to
     both CTAs' empty barriers (remote arrivals, in the loop and for the tile's last stage); the
-    same WGMMAs, not serialized, no spills. Without it the kernel has none of these. Refused on
-    SM100 and outside the persistent cooperative bf16 kernel."""
+    same WGMMAs, not serialized, no spills. Without it the kernel has none of these. Refused
+    outside the persistent cooperative bf16 kernel."""
     single = compiled_ptx(grouped_gemm_variant(**options), "sm_90a")
     pair = compiled_ptx(grouped_gemm_variant(cluster_m=2, **options), "sm_90a")
     a_loads = 2 if options.get("k_split") else 0 if options.get("gather_a") else 1  # (TMA instructions: k_split's two halves of A)
@@ -437,12 +437,12 @@ def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(options):
     assert count(r"wgmma\.mma_async", pair) == count(r"wgmma\.mma_async", single)
     assert_wgmmas_not_serialized(pair)
     assert ptxas_spill_bytes(pair) in (None, 0)
-    with pytest.raises(NotImplementedError, match="Hopper's kernel only"):
-        compiled_ptx(grouped_gemm_variant(cluster_m=2, **options), "sm_100a")
-    refused = (dict(persistent=False), dict(epilogue="swiglu_bwd", b_major="n", topk=8, pingpong=True), dict(operand="e4m3_block"))
-    for other in refused if "gather_a" in options else ():
-        with pytest.raises(ValueError, match="persistent cooperative kernel on bf16"):
-            compiled_ptx(grouped_gemm_variant(2048, 7168, cluster_m=2, **other), "sm_90a")
+    if "gather_a" in options:
+        for other in (dict(persistent=False), dict(epilogue="swiglu_bwd", b_major="n", topk=8, pingpong=True)):
+            with pytest.raises(ValueError, match="persistent cooperative kernel on bf16"):
+                compiled_ptx(grouped_gemm_variant(2048, 7168, cluster_m=2, **other), "sm_90a")
+        with pytest.raises(ValueError, match="cluster_m: expected 1, or 2 with bf16 operands, got 2 with operand='e4m3_block'"):
+            grouped_gemm_variant(2048, 7168, cluster_m=2, operand="e4m3_block")
 
 
 def test_no_wgmma_kernel_of_the_layer_is_serialized_by_ptxas():
@@ -628,6 +628,37 @@ def test_sm100_grouped_gemm_ptx_uses_tcgen05_tensor_memory_and_tma(arch, n, k, e
     assert (count(r"ex2\.approx", ptx) > 0) == (epilogue != "plain")
     spills = ptxas_spill_bytes(ptx, arch)
     assert spills in (None, 0)
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("options", [
+    dict(n=7168, k=2048, tile_n=256), dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True),
+    dict(n=7168, k=4096, k_split=True, b_major="n"), dict(n=7168, k=2048, scatter=True, topk=8),
+    dict(n=2048, k=7168, epilogue="swiglu_bwd", b_major="n", topk=8), dict(n=2888, k=1032, bias=True),
+])
+def test_sm100_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(arch, options):
+    """cluster_m=2 on SM100 (one-CTA MMAs; compile-verified only): each B load (B2's too) has a
+    multicast form writing both CTAs of the cluster, beside the one-CTA loads kept for pairs of two
+    experts; a stage's release is the MMA warp's commit multicast to both CTAs' empty barriers,
+    the accumulator's commit stays the CTA's own; the barriers initialised cluster-wide before any
+    load; the same MMAs, the warp-specialised CTA's tail and waits, no spills. Without it: none of
+    this (the PTX of cluster_m=1 is the kernels' as before)."""
+    single = compiled_ptx(grouped_gemm_variant(**options), arch)
+    pair = compiled_ptx(grouped_gemm_variant(cluster_m=2, **options), arch)
+    a_loads = 2 if options.get("k_split") else 0 if options.get("gather_a") else 1
+    multicast = r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes\.multicast::cluster"
+    one_cta = r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"
+    assert count(multicast, pair) == count(one_cta, single) - a_loads > 0 and count(multicast, single) == 0
+    assert count(one_cta, pair) == count(one_cta, single)
+    released_to_both = r"tcgen05\.commit\.cta_group::1\.mbarrier::arrive::one\.shared::cluster\.multicast::cluster\.b64"
+    own = r"tcgen05\.commit\.cta_group::1\.mbarrier::arrive::one\.shared::cluster\.b64"
+    assert count(released_to_both, pair) == 1 and count(own, pair) == 1 and count(released_to_both, single) == 0 and count(own, single) == 2
+    assert count(r"barrier\.cluster\.(arrive|wait)", pair) == 2 and count(r"barrier\.cluster", single) == 0
+    assert count(r"tcgen05\.mma\.", pair) == count(r"tcgen05\.mma\.", single) and count(r"cta_group::2", pair) == 0
+    assert_warp_specialised_tcgen05_kernel(pair)
+    assert ptxas_spill_bytes(pair, arch) in (None, 0)
+    with pytest.raises(ValueError, match="cluster_m: expected 1, or 2 with bf16 operands"):
+        grouped_gemm_variant(cluster_m=2, operand="e4m3", **{k: v for k, v in options.items() if k not in ("gather_a", "b_major", "bias")})
 
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
@@ -993,6 +1024,33 @@ def test_ep_mxfp8_dispatch_reads_8_byte_element_vectors_and_scale_bytes_and_publ
     assert set(re.findall(r"\b(?:atom|red)\.[\w.:]+", publish)) == {
         "atom.global.acq_rel.add.u32", "atom.global.exch.b32", "atom.global.sys.release.exch.b32",
     }
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_ep_fp8_dispatch_copies_e4m3_rows_and_scales_as_they_are_and_publishes_quantizing(arch):
+    """dispatch_fp8_block (H = 7168: 4 vectors of 16 E4M3 bytes a thread): all of a token's 16-byte
+    loads before any store, each into up to 8 rows and the padding's (16-byte stores), its 56 fp32
+    scales copied as 4-byte words; no conversion of the values, no atomics. publish_fp8_block: the
+    row quantizer's block (a lane's four bf16 values in one 8-byte load, a 5-step butterfly max,
+    two saturating E4M3 pair conversions and one 4-byte store, the scale a 4-byte store) and the
+    values and the signal as publish. The backward's dequantizer: a lane's four elements in one
+    4-byte load, converted and scaled, one 8-byte bf16 store. Arch-neutral: the same on SM100
+    (compiled only)."""
+    ptx = compiled_ptx(ep_variant("dispatch_fp8_block", 4, width=7168, topk=8), arch)
+    assert f".target {arch}" in ptx and count(r"\batom\.|\bred\.", ptx) == 0 and count(r"e4m3|bf16", ptx) == 0
+    loads = [m.start() for m in re.finditer(r"ld\.global(\.nc)?\.v4\.b32", ptx)]
+    stores = [m.start() for m in re.finditer(r"st\.global\.v4\.b32", ptx)]
+    assert len(loads) == 4 and len(stores) == 4 * 8 + 4 and max(loads) < min(stores)
+    assert count(r"st\.global\.(b32|f32)", ptx) == 8 + 1  # (a scale into each of a token's rows; zero into a padding row's)
+    publish = compiled_ptx(ep_variant("publish_fp8_block", 4, width=7168, topk=8), arch)
+    assert count(r"ld\.global\.v4\.b16", publish) == 1 and count(r"shfl\.sync\.bfly", publish) == 5
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", publish) == 2 and count(r"fence\.acq_rel\.sys", publish) == 2
+    assert count(r"\.local", publish) == 0 and set(re.findall(r"\b(?:atom|red)\.[\w.:]+", publish)) == {
+        "atom.global.acq_rel.add.u32", "atom.global.exch.b32", "atom.global.sys.release.exch.b32",
+    }
+    back = compiled_ptx(quantize_fp8_block_variant(7168, bounded=True, back=True), arch)
+    assert count(r"ld\.global\.b32", back) >= 2 and count(r"cvt\.rn\.f16x2\.e4m3x2", back) == 2 * 2  # (rows unrolled by 2)
+    assert count(r"st\.global\.v2\.b32", back) == 2 and count(r"cvt\.rn\.bf16x2\.f32", back) == 2 * 2 and count(r"\.local", back) == 0
 
 
 def test_ep_overflow_kernel_claims_error_records_by_compare_and_swap_and_poisons_with_vector_stores():

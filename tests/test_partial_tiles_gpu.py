@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mok import ops
+from mok.saved_h import pack_saved
 
 from helpers import (
     ep_training_case, ep_training_mismatches, gpu_layer, moe_backward, moe_forward, poisoned, rel_err, run_train_ranks,
@@ -59,7 +60,8 @@ def test_forward_and_backward_deterministic_over_20_runs_and_batch_invariant():
         assert torch.equal(part.dx, grads.dx[rows]) and torch.equal(part.d_topk_w, grads.d_topk_w[rows])
 
 
-@pytest.mark.parametrize("options", [dict(saved_h_format="recompute"), dict(gate_up_layout="concatenated")])
+@pytest.mark.parametrize("options", [dict(saved_h_format="recompute"), dict(gate_up_layout="concatenated"), dict(row_tile_pairs=True),
+                                     dict(row_tile_pairs=True, saved_h_format="recompute_gate")])
 def test_recompute_and_in_place_gate_up_give_the_default_bits(options):
     T, H, I, E, k = 700, 2056, 1032, 16, 4
     x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, None, seed=22)
@@ -70,6 +72,8 @@ def test_recompute_and_in_place_gate_up_give_the_default_bits(options):
         joined = torch.cat([experts[0], experts[1]], dim=1)
         experts = (joined[:, :I], joined[:, I:], experts[2])
     saved = moe_forward(x, idx, w, *experts, save_for_backward=True, **options)
+    if options.get("saved_h_format") == "recompute_gate":  # (h's up half kept, as the layer's op keeps it)
+        saved = pack_saved(saved, "recompute_gate")
     got = moe_backward(dout, x, idx, w, *experts, None, saved, **options)
     assert torch.equal(saved.out, moe_forward(x, idx, w, *experts).out)
     d_gate_up = (got.d_w_gate[:, :I], got.d_w_gate[:, I:]) if got.d_w_up is None else (got.d_w_gate, got.d_w_up)

@@ -441,3 +441,12 @@ def test_sm100_passes_the_hopper_layer_tests_of_expert_parallelism_and_partial_t
     test, kwargs = tests[index]
     test(**kwargs)
 
+
+
+@pytest.mark.parametrize("form", ["plain", "swiglu_gather", "k_split", "bias_partial_width"])
+def test_sm100_row_tile_pairs_sharing_b_give_the_single_cta_bits(form):
+    """cluster_m=2 on SM100 (B multicast between the two CTAs of a row-tile pair): the Hopper test's
+    pairs of every kind (tests/test_forward_gpu.py), the bits of cluster_m=1."""
+    from test_forward_gpu import test_row_tile_pairs_sharing_b_give_the_single_cta_bits as same_bits_in_every_pair
+
+    same_bits_in_every_pair(form)

@@ -76,7 +76,7 @@ def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order:
 
 def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, *,
                                segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False,
-                               gathered: bool = False, columns: bool = False) -> KernelVariant:
+                               gathered: bool = False, columns: bool = False, back: bool = False) -> KernelVariant:
     """bf16 -> E4M3 with fp32 scales per 128 values (mok.fp8_block's rule, DeepSeek-V3's recipe):
     ``block_rows`` 1 for rows (1 x 128 blocks, the scales transposed), 128 for weights (128 x 128).
     ``bounded``: only the rows a device count says are in use. ``width`` a multiple of 16 (a
@@ -85,17 +85,21 @@ def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bo
     rows tiled on their own; ``mma_scales`` (power_of_two): the scales as E8M0 bytes in the order
     SM100's block-scaled MMAs read; ``gathered`` (rows): output row r quantizes source row
     row_source[r], zeros where negative; ``columns`` (rows, one segment, fp32 scales): the rows'
-    transpose quantized, 128-row blocks down each column (mok/kernels/common/fp8_block_quantize.py)."""
-    if columns and (block_rows != 1 or segments != 1 or matrix_rows is not None or mma_scales):
-        raise ValueError("columns: rows (block_rows 1) in one segment with fp32 scales only")
+    transpose quantized, 128-row blocks down each column (mok/kernels/common/fp8_block_quantize.py);
+    ``back`` (rows, one segment, fp32 scales): E4M3 rows with their scales back to bf16."""
+    if (columns or back) and (block_rows != 1 or segments != 1 or matrix_rows is not None or mma_scales):
+        raise ValueError(f"{'columns' if columns else 'back'}: rows (block_rows 1) in one segment with fp32 scales only")
+    if back and (columns or gathered or power_of_two):
+        raise ValueError("back: not with columns, gathered or power_of_two (the scales are what they are)")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.fp8_block_quantize import compile_fp8_block_quantize
 
         return compile_fp8_block_quantize(width, block_rows, power_of_two, bounded, arch, options, segments, matrix_rows, mma_scales,
-                                          gathered, columns)
+                                          gathered, columns, back)
 
-    flags = {"power_of_two": power_of_two, "bounded": bounded, "mma_scales": mma_scales, "gathered": gathered, "columns": columns}
+    flags = {"power_of_two": power_of_two, "bounded": bounded, "mma_scales": mma_scales, "gathered": gathered, "columns": columns,
+             "back": back}
     config = {"width": width, "block_rows": block_rows, **{name: True for name, on in flags.items() if on}}
     if segments != 1:
         config["segments"] = segments
@@ -129,16 +133,20 @@ def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelV
     return KernelVariant("schedule", {"experts": num_local_experts, "topk": topk, "block_m": block_m}, build)
 
 
-def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: int = 1) -> KernelVariant:
+def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: int = 1, power_of_two: bool = False) -> KernelVariant:
     """One expert-parallel exchange kernel (mok/kernels/common/ep.py): signal, wait, publish,
-    publish_mxfp8, routing, dispatch, dispatch_mxfp8 or overflow."""
+    publish_mxfp8, publish_fp8_block (``power_of_two``: its scale rule), routing, dispatch,
+    dispatch_mxfp8, dispatch_fp8_block or overflow."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.ep import compile_ep
 
-        return compile_ep(kind, world, arch, options, phase=phase, width=width, topk=topk)
+        return compile_ep(kind, world, arch, options, phase=phase, width=width, topk=topk, power_of_two=power_of_two)
 
-    return KernelVariant(f"ep_{kind}", {"world": world, "phase": phase, "width": width, "topk": topk}, build)
+    config = {"world": world, "phase": phase, "width": width, "topk": topk}
+    if power_of_two:
+        config["power_of_two"] = True
+    return KernelVariant(f"ep_{kind}", config, build)
 
 
 SWIGLU_BACKWARD_TILE_N = 128  # the SwiGLU-backward GEMM's column tile, every operand (one product; FP8: see below)
@@ -250,9 +258,10 @@ def grouped_gemm_variant(
     (mok/kernels/common/grouped_gemm.py). ``block_buffers`` (operand "e4m3_block", plain epilogue):
     2 lets a stage's WGMMAs run while the previous stage's product is promoted
     (mok/kernels/sm90/block_scaled.py; the same bits); None: :func:`block_buffers_for`'s choice.
-    ``cluster_m`` (Hopper, persistent cooperative, bf16): 2 runs clusters of two CTAs on two row
-    tiles of one column tile, which load B's tile once for both (TMA multicast) where one expert
-    has both rows tiles (mok/kernels/sm90/grouped_gemm.py; the same bits).
+    ``cluster_m`` (bf16; Hopper: the persistent cooperative kernel): 2 runs clusters of two CTAs on
+    two row tiles of one column tile, which load B's tile once for both (TMA multicast) where one
+    expert has both row tiles (mok/kernels/sm90/grouped_gemm.py, sm100/grouped_gemm.py; the same
+    bits as 1).
     """
     _check_operand(operand, persistent, b_major)
     block_buffers = block_buffers_for(block_buffers, operand, epilogue)
@@ -267,6 +276,8 @@ def grouped_gemm_variant(
         if on:  # (absent when off: fewer keys to read in a cache listing)
             options[flag] = True
     if cluster_m != 1:
+        if cluster_m != 2 or operand != "bf16":
+            raise ValueError(f"cluster_m: expected 1, or 2 with bf16 operands, got {cluster_m} with operand={operand!r}")
         options["cluster_m"] = cluster_m
     if b_expert_stride is not None:
         options["b_expert_stride"] = b_expert_stride
@@ -280,8 +291,6 @@ def grouped_gemm_variant(
             if operand == "e4m3_block":
                 raise NotImplementedError(f"grouped GEMM on FP8 with fp32 128-block scales on {arch}: Hopper's kernel only (SM100 runs "
                                           "power-of-two block scales as MXFP8 operands: operand 'e4m3', mok.ops.quantize_fp8_rows(scale_order='mma'))")
-            if cluster_m != 1:
-                raise NotImplementedError(f"grouped GEMM with cluster_m={cluster_m} on {arch}: Hopper's kernel only")
             from .sm100.grouped_gemm import compile_grouped_gemm_sm100
 
             return compile_grouped_gemm_sm100(n, k, arch, compile_options, operand=operand, tile_n=tile_n, stages=stages, **options)

@@ -228,9 +228,10 @@ def grouped_gemm(
     lets each stage's WGMMAs overlap the previous stage's promotion, 1 does not (the same bits:
     mok/kernels/sm90/block_scaled.py).
 
-    ``cluster_m`` = 2 (Hopper's persistent kernel, bf16 operands): clusters of two CTAs on two row
-    tiles of one column tile, which load each B tile once for both (TMA multicast) where one expert
-    has both row tiles; the same bits as 1 (mok/kernels/sm90/grouped_gemm.py).
+    ``cluster_m`` = 2 (bf16 operands, the persistent kernel; SM100's compile-verified only):
+    clusters of two CTAs on two row tiles of one column tile, which load each B tile once for both
+    (TMA multicast) where one expert has both row tiles; the same bits as 1
+    (mok/kernels/sm90/grouped_gemm.py).
     """
     fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
@@ -279,7 +280,7 @@ def grouped_gemm(
 
 
 def _check_cluster_m(cluster_m: int, operand: str, persistent: bool | None) -> None:
-    """``cluster_m``: 1, or 2 with bf16 operands in the persistent kernel (Hopper's)."""
+    """``cluster_m``: 1, or 2 with bf16 operands in the persistent kernel."""
     if cluster_m not in (1, 2):
         raise ValueError(f"cluster_m: expected 1 or 2, got {cluster_m!r}")
     if cluster_m == 2 and (operand != "bf16" or persistent is False):

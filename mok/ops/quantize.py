@@ -195,6 +195,23 @@ def quantize_fp8_columns(
     return elements, scales
 
 
+def dequantize_fp8_rows(elements: torch.Tensor, scales: torch.Tensor, *, rows_used: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [R, K] of FP8 rows with 1 x 128 block scales (:func:`quantize_fp8_rows`' form: elements
+    float8_e4m3fn [R, K], scales float32 [ceil(K / 128), R]): bf16(element · scale), in one launch.
+    ``rows_used``: as in :func:`quantize_fp8_rows` (the rows past the count left unwritten)."""
+    check_tensor("elements", elements, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    rows, k = elements.shape
+    if k % 16 or k == 0:
+        raise ValueError(f"elements: expected [R, K] with K a positive multiple of 16 (16-byte E4M3 rows), got {list(elements.shape)}")
+    check_tensor("scales", scales, dtypes=(torch.float32,), shape=(-(-k // 128), rows), device=elements.device, contiguous=True)
+    check_launchable(elements=elements, scales=scales)
+    check_rows_used(rows_used, elements.device)
+    out = torch.empty(rows, k, dtype=torch.bfloat16, device=elements.device)
+    if rows:
+        _quantize_fp8_block(quantize_fp8_block_variant(k, bounded=rows_used is not None, back=True), out, elements, scales, rows_used)
+    return out
+
+
 def _source_rows(x: torch.Tensor, row_source: torch.Tensor | None) -> tuple[int, int]:
     """x [R, K] bf16 checked, and (the rows a quantizer writes: R, or row_source's count, K)."""
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)

@@ -213,7 +213,8 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     d_gate = d_up = d_down = d_biases = None
     if weight_grads:  # (local work while the peers push: the exchanges are the same either way)
         d_gate, d_up, d_down = stages.expert_weight_grads(
-            plan, (dout_rows, a_scaled, dh, saved.x_rows), sched, grad_dtype, mains[0], wgrad_format, plan.config.gate_up_layout
+            plan, (dout_rows, a_scaled, dh, stages.bf16_rows(saved.x_rows, sched, plan.config.hidden)), sched, grad_dtype, mains[0],
+            wgrad_format, plan.config.gate_up_layout,
         )
         if biases is not None:
             d_biases = stages.expert_bias_grads(dout_rows, dh, sched, weights_all, biases)

@@ -28,15 +28,20 @@ from ..ops.one_launch import TILE, bias_arguments, expert_mlp_counters, launch_e
 from ..runtime import launch
 from ..schedule import Schedule
 from ..validation import gate_up_strides
+from .stages import fp8_rows, packed_fp8_rows
 from .workspace import EPWorkspace
 
 
-def exchange_kernels(ws: EPWorkspace, device: torch.device, dispatch_format: str = "bf16") -> dict:
+def exchange_kernels(ws: EPWorkspace, device: torch.device, dispatch_format: str = "bf16", power_of_two: bool = False) -> dict:
     """The exchange kernels this workspace's layout uses, loaded (compiled, or read from the cache)
-    once, before anything waits on a peer; the overflow markers only with a capacity bound, the
-    MXFP8 dispatch's two at the first call that uses it."""
-    kernels, mxfp8 = ws.kernels, dispatch_format == "mxfp8"
-    if kernels and (not mxfp8 or "dispatch_mxfp8" in kernels):  # (the per-call path: nothing to build)
+    once, before anything waits on a peer; the overflow markers only with a capacity bound, a
+    quantized dispatch's two (MXFP8's, or fp8_block's by its scale rule, ``power_of_two``) at the
+    first call that uses them."""
+    kernels = ws.kernels
+    formats = {"mxfp8": ("publish_mxfp8", "dispatch_mxfp8"), "fp8_block": ("publish_fp8_block", "dispatch_fp8_block")}
+    quantized = formats.get(dispatch_format, ())
+    names = {kind: kind + ("_pow2" if power_of_two and kind == "publish_fp8_block" else "") for kind in quantized}
+    if kernels and all(name in kernels for name in names.values()):  # (the per-call path: nothing to build)
         return kernels
     lay = ws.layout
     rows = dict(width=lay.hidden, topk=lay.topk)
@@ -49,8 +54,9 @@ def exchange_kernels(ws: EPWorkspace, device: torch.device, dispatch_format: str
     }
     if ws.capacity is not None:
         wanted |= {f"overflow_{phase}": ep_variant("overflow", lay.world, phase=phase, **rows) for phase in (PHASE_PUBLISH, PHASE_DONE)}
-    if mxfp8:
-        wanted |= {kind: ep_variant(kind, lay.world, **rows) for kind in ("publish_mxfp8", "dispatch_mxfp8")}
+    wanted |= {
+        name: ep_variant(kind, lay.world, **rows, power_of_two=power_of_two and kind == "publish_fp8_block") for kind, name in names.items()
+    }
     for name, variant in wanted.items():
         if name not in kernels:
             kernels[name] = kernel_for(variant, device)
@@ -73,15 +79,38 @@ def mxfp8_region(ws: EPWorkspace, rank: int, num_tokens: int) -> tuple[torch.Ten
     return elements, scales
 
 
-def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream, rows_format: str = "bf16") -> None:
+def fp8_region(ws: EPWorkspace, rank: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s region "x" holding FP8 rows with 1 x 128 block scales: (elements
+    float8_e4m3fn [T, H] from its first byte, scales float32 [T, ceil(H / 128)] from byte
+    T_max·H); both fit in the T_max·H bf16 it holds (H a multiple of 16)."""
+    lay = ws.layout
+    region = ws.region("x", rank).view(torch.uint8)
+    start, blocks = lay.max_tokens * lay.hidden, -(-lay.hidden // 128)
+    elements = region[: num_tokens * lay.hidden].view(torch.float8_e4m3fn).view(num_tokens, lay.hidden)
+    scales = region[start:start + 4 * num_tokens * blocks].view(torch.float32).view(num_tokens, blocks)
+    return elements, scales
+
+
+def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream, rows_format: str = "bf16",
+            power_of_two: bool = False) -> None:
     """One launch: ``rows`` = (region name, [T, H] bf16) and ``values`` = (region name, [T, k]
     32-bit) into this rank's regions, then the publish signal of a new epoch to every rank (the
     wait for the peers' is in :func:`gather_ranks`). ``rows_format`` "mxfp8": the rows quantized on
-    their way in (mok.ops.quantize_mxfp8's bytes, :func:`mxfp8_region`'s layout of region "x")."""
+    their way in (mok.ops.quantize_mxfp8's bytes, :func:`mxfp8_region`'s layout of region "x");
+    "fp8_block": quantized with 1 x 128 block scales (mok.ops.quantize_fp8_rows's elements and
+    scales by the rule ``power_of_two`` says, :func:`fp8_region`'s layout)."""
     (rows_name, rows_src), (values_name, values_src) = rows, values
     flags = launch.ptr("i32", ws.region("flags", 0), 4)
     ctas, rank, tokens = launch.i32(4 * sm_count(rows_src.device)), launch.i32(ws.rank), launch.i32(rows_src.shape[0])
     values_region = launch.ptr("i32", ws.region(values_name, 0), 4)
+    if rows_format == "fp8_block":
+        elements, scales = fp8_region(ws, ws.rank, rows_src.shape[0])
+        kernels["publish_fp8_block_pow2" if power_of_two else "publish_fp8_block"](
+            flags, launch.ptr("e4m3", elements), launch.ptr("f32", scales, 16), values_region, launch.ptr("bf16", rows_src),
+            launch.ptr("i32", values_src, 4), rank, tokens, ctas, launch.i32(ws.stride_elems("flags")),
+            launch.i32(ws.stride_elems(values_name)), stream,
+        )
+        return
     if rows_format == "mxfp8":
         elements, scales = mxfp8_region(ws, ws.rank, rows_src.shape[0])
         kernels["publish_mxfp8"](
@@ -119,16 +148,30 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream
     Token-major (sched.slot_row): each token's row is read from its owner once, however many of
     this rank's experts it goes to. ``rows_format`` "mxfp8": the rows were published in MXFP8, and
     each is dequantized to bf16 on arrival (mok.ops.dequantize_mxfp8's bits), H·33/32 bytes a
-    token over the link instead of 2H."""
+    token over the link instead of 2H; "fp8_block": published with 1 x 128 block scales, and kept
+    so, in one uint8 buffer (mok.pipeline.stages.packed_fp8_rows: elements [capacity, H] and scales
+    [ceil(H / 128), capacity] as the FP8 GEMM takes its A; zeros with scale 0 in the padding rows),
+    H + 4·ceil(H / 128) bytes a token."""
     lay = ws.layout
+    if rows_format == "fp8_block":
+        elements_src, scales_src = fp8_region(ws, 0, lay.max_tokens)  # rank 0's; the kernel steps by the rank stride
+        packed = packed_fp8_rows(sched.capacity, lay.hidden, ws.buffer.device)
+        elements, scales = fp8_rows(packed, lay.hidden)
+        kernels["dispatch_fp8_block"](
+            launch.ptr("u8", elements_src.view(torch.uint8), 16), launch.ptr("f32", scales_src, 16), launch.ptr("i32", sched.slot_row, 4),
+            launch.ptr("i32", sched.expert_counts, 4), launch.ptr("i32", sched.expert_offsets, 4),
+            launch.ptr("u8", elements.view(torch.uint8), 16), launch.ptr("f32", scales, 16), launch.i32(lay.max_tokens), launch.i64(ws.rank_stride), launch.i32(sched.capacity),
+            launch.i32(sched.expert_counts.shape[0]), stream,
+        )
+        return packed
     rows = bf16_out(out, (sched.capacity, lay.hidden), ws.buffer.device)
     schedule = (launch.ptr("i32", sched.slot_row, 4), launch.ptr("i32", sched.expert_counts, 4), launch.ptr("i32", sched.expert_offsets, 4))
     tail = (launch.i32(sched.capacity), launch.i32(sched.expert_counts.shape[0]), stream)
     if rows_format == "mxfp8":
         elements, scales = mxfp8_region(ws, 0, lay.max_tokens)  # rank 0's; the kernel steps by the rank stride
         kernels["dispatch_mxfp8"](
-            launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), *schedule, launch.ptr("bf16", rows), launch.i32(lay.max_tokens),
-            launch.i64(ws.rank_stride), *tail,
+            launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), *schedule, launch.ptr("bf16", rows), launch.ptr("f32", None),
+            launch.i32(lay.max_tokens), launch.i64(ws.rank_stride), *tail,
         )
         return rows
     kernels["dispatch"](

@@ -212,25 +212,33 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
         x_rows = ops.gather_rows(x_all, sched.row_token) if save else None  # the backward's rows (training only)
         ws.copy_record()
         return ForwardResult(out, sched, h, shared_h, x_rows, routing)
-    kernels = exchange.exchange_kernels(ws, dev, c.dispatch_format)
+    kernels = exchange.exchange_kernels(ws, dev, c.dispatch_format, c.fp8_power_of_two)
     stream = launch.stream(dev)
-    exchange.publish(ws, kernels, ("x", x), ("idx", topk_idx), stream, rows_format=c.dispatch_format)
+    exchange.publish(ws, kernels, ("x", x), ("idx", topk_idx), stream, rows_format=c.dispatch_format, power_of_two=c.fp8_power_of_two)
     routing = exchange.gather_ranks(ws, kernels, "idx", timeout_s, stream)  # every rank's routing -> this rank's schedule -> pull
     sched = ops.device_schedule(routing, c.num_experts, rank=ws.rank, world_size=c.ep_size, capacity=ws.capacity)
     h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=dev) if keep_h else None
     shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if keep_h and shared is not None else None
-    x_rows = exchange.pull_rows(ws, kernels, "x", sched, stream, rows_format=c.dispatch_format)
+    x_rows = exchange.pull_rows(ws, kernels, "x", sched, stream, rows_format=c.dispatch_format)  # (fp8_block: FP8 rows, kept so)
     expert_weights = stages.routed_weights(plan, weights, None)
     a = stages.gate_up(plan, x_rows, sched, expert_weights, h, gather=False, biases=biases)
     down_bias = {} if biases is None else dict(bias=biases[2])
     # each y row straight into its token's slot on the token's rank
-    exchange.push_rows(ws, *stages.down_operands(plan, a, sched, expert_weights), sched, **down_bias)
+    exchange.push_rows(ws, *stages.down_operands(plan, a, sched, expert_weights), sched, **down_bias, **plan.pairs)
     exchange.announce_pushed(ws, kernels, sched, routing, stream, gradient=False)
     shared_out = None if shared is None else stages.shared_expert_forward(plan, x, shared, shared_h)  # (overlaps the peers' pushes)
     exchange.wait_pushed(ws, kernels, timeout_s, stream)
     out = ops.combine(exchange.own_slots(ws, num_tokens), topk_w, shared_out)
     ws.copy_record()
     return ForwardResult(out, sched, h, shared_h, x_rows, routing)
+
+
+def x_rows_shape(config, num_rows: int) -> tuple[int, int]:
+    """The shape of the rows an EP forward keeps for the backward: [R, H] bf16, or with
+    dispatch_format="fp8_block" the FP8 rows as they crossed (stages.packed_fp8_rows, uint8)."""
+    if config.dispatch_format == "fp8_block":
+        return num_rows, config.hidden + 4 * -(-config.hidden // 128)
+    return num_rows, config.hidden
 
 
 def check_saved(name: str, saved, plan: Plan, num_tokens: int, topk: int, num_local: int, device, workspace=None):
@@ -247,7 +255,8 @@ def check_saved(name: str, saved, plan: Plan, num_tokens: int, topk: int, num_lo
     if plan.ep:
         if saved.out is not None:  # (an op's backward rebuilds the result without it)
             check_tensor(f"{name}.out", saved.out, shape=(num_tokens, plan.config.hidden), device=device)
-        check_tensor(f"{name}.x_rows", saved.x_rows, dtypes=(torch.bfloat16,), shape=(sched.capacity, plan.config.hidden), device=device,
-                     contiguous=True)
+        rows = x_rows_shape(plan.config, sched.capacity)
+        dtype = torch.uint8 if plan.config.dispatch_format == "fp8_block" else torch.bfloat16  # (FP8 rows as they crossed, packed)
+        check_tensor(f"{name}.x_rows", saved.x_rows, dtypes=(dtype,), shape=rows, device=device, contiguous=True)
         check_tensor(f"{name}.routing", saved.routing, dtypes=(torch.int32,), shape=(pairs, topk), device=device)
     return sched

@@ -185,6 +185,30 @@ def dequantized_columns(q: tuple) -> torch.Tensor:
     return transposed.T.contiguous()
 
 
+def packed_fp8_rows(num_rows: int, hidden: int, device) -> torch.Tensor:
+    """One uint8 buffer [R, H + 4·ceil(H / 128)] for R FP8 rows with 1 x 128 block scales (the rows
+    dispatch_format="fp8_block" pulls, which the backward keeps as one tensor): :func:`fp8_rows`
+    gives its parts."""
+    return torch.empty(num_rows, hidden + 4 * -(-hidden // 128), dtype=torch.uint8, device=device)
+
+
+def fp8_rows(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts of a :func:`packed_fp8_rows` buffer, as the FP8 GEMMs take A: (elements
+    float8_e4m3fn [R, H] from its first byte, scales float32 [ceil(H / 128), R] from byte R·H)."""
+    num_rows, flat = packed.shape[0], packed.view(-1)
+    elements = flat[: num_rows * hidden].view(torch.float8_e4m3fn).view(num_rows, hidden)
+    scales = flat[num_rows * hidden:].view(torch.float32).view(-(-hidden // 128), num_rows)
+    return elements, scales
+
+
+def bf16_rows(rows: torch.Tensor, sched: Schedule, hidden: int) -> torch.Tensor:
+    """Rows [R, H] as bf16: themselves, or (a :func:`packed_fp8_rows` buffer: x's rows that crossed
+    in FP8) their values, the rows ``sched`` uses."""
+    if rows.dtype == torch.uint8:
+        return ops.dequantize_fp8_rows(*fp8_rows(rows, hidden), rows_used=rows_in_use(sched))
+    return rows
+
+
 def rows_in_use(sched: Schedule) -> torch.Tensor:
     """The rows the schedule uses (its last expert offset, tile-aligned), as a device count."""
     return sched.expert_offsets[-1:]
@@ -224,13 +248,17 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
     """a [R, I] = act(rows·W_gateᵀ, rows·W_upᵀ) (and h = [rows·W_gateᵀ | rows·W_upᵀ] into ``h_out``).
     ``gather``: ``rows`` is x [T, H] and the GEMM's producer gathers row r = x[row_token[r]]; else
     ``rows`` holds the rows [R, H], bf16 or (a quantized precision) as :func:`quantized_rows` gives
-    them. ``weights``: (w_gate, w_up, w_down) bf16, or a quantized precision's copies.
-    ``biases`` (bf16): (b_gate, b_up, b_down), the first two added to the products (inside h too)."""
+    them, or FP8 rows in a :func:`packed_fp8_rows` buffer. ``weights``: (w_gate, w_up, w_down)
+    bf16, or a quantized precision's copies. ``biases`` (bf16): (b_gate, b_up, b_down), the first
+    two added to the products (inside h too)."""
     bias = {} if biases is None else dict(bias=biases[0], bias2=biases[1])
     if plan.precision == "bf16":
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
-                                activation=plan.activation, **bias)
-    rows_q = rows if isinstance(rows, tuple) else quantized_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
+                                activation=plan.activation, **bias, **plan.pairs)
+    if isinstance(rows, tuple) or rows.dtype == torch.uint8:  # (quantized already; or FP8 rows packed as they crossed)
+        rows_q = rows if isinstance(rows, tuple) else fp8_rows(rows, plan.config.hidden)
+    else:
+        rows_q = quantized_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
     return ops.grouped_gemm(rows_q, gemm_weight(plan, weights.gate), sched.tile_expert, b2=gemm_weight(plan, weights.up), h_out=h_out,
                             gather=sched.row_token if gather else None, activation=plan.activation, **bias)
 
@@ -277,7 +305,7 @@ def gate_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, bias
     ones an EP forward pulled), so the same MMAs in the same order as the gate product the forward
     wrote into h: the same bits."""
     w_gate = weights[0]
-    options = dict(tile_n=default_tile_n(w_gate.shape[1], w_gate.shape[2], swiglu=True))  # (the gate/up GEMM's column tile)
+    options = dict(tile_n=default_tile_n(w_gate.shape[1], w_gate.shape[2], swiglu=True), **plan.pairs)  # (the gate/up GEMM's column tile)
     if biases is not None:
         options["bias"] = biases[0]
     if rows is not None:
@@ -290,7 +318,7 @@ def gate_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, bias
 def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights, biases: tuple | None = None) -> torch.Tensor:
     """y_rows [R, H] = a·W_downᵀ (+ b_down, the last of ``biases``) per expert."""
     bias = {} if biases is None else dict(bias=biases[2])
-    return ops.grouped_gemm(*down_operands(plan, a, sched, weights), sched.tile_expert, **bias)
+    return ops.grouped_gemm(*down_operands(plan, a, sched, weights), sched.tile_expert, **bias, **plan.pairs)
 
 
 def down_operands(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> tuple:
@@ -345,7 +373,7 @@ def dx_operands(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> tup
     with MXFP8's emulation the same operands dequantized for the bf16 GEMM; K split into dh's two
     halves every way."""
     if plan.precision == "bf16":
-        return dh, weights_t[0], dict(b2=weights_t[1], b_major="n", k_split=True)
+        return dh, weights_t[0], dict(b2=weights_t[1], b_major="n", k_split=True, **plan.pairs)
     return quantized_rows(plan, dh, sched, segments=2), gemm_weight(plan, weights_t.gate), dict(b2=gemm_weight(plan, weights_t.up), k_split=True)
 
 

@@ -25,6 +25,7 @@ from .flag_layout import (
     ERROR_CAPACITY, ERROR_TIMEOUT, PHASE_DONE, PHASE_PUBLISH, epoch_slot, error_slot, flag_slot, flag_words, publish_count_slot,
     tokens_slot,
 )
+from .fp8_block_quantize import BLOCK as FP8_BLOCK, QuantizeFp8BlockKernel
 from .mxfp8_quantize import BLOCK, block_tensors, e8m0_factor, quantize_block
 from .row_vectors import VECTOR
 from .waits import wait_at_least
@@ -211,15 +212,27 @@ class EpPublishKernel(EpRowsKernel):
                 signal_all(m_flags, rank, self.world, PHASE_PUBLISH, epoch)
 
 
-class EpPublishMxfp8Kernel(EpPublishKernel):
-    """EpPublishKernel whose rows go out in MXFP8: every thread quantizes blocks of 32 of this
-    rank's x (mok.ops.quantize_mxfp8's bytes, :func:`quantize_block`) into its own region, E4M3
-    elements [T, H] then E8M0 scales [T, H / 32] (mok.pipeline.exchange.mxfp8_region), then the values and the
-    signal as EpPublishKernel: one launch where the quantizer and a publish of the values were two."""
+class EpPublishQuantizedKernel(EpPublishKernel):
+    """EpPublishKernel whose rows go out quantized, into this rank's own region (the peers' are not
+    written), then the values and the signal as EpPublishKernel: one launch where a quantizer and a
+    publish of the values were two. ``row_format``:
 
-    def __init__(self, world: int, width: int, topk: int, threads: int | None = None) -> None:
-        check_mxfp8_width(width)
+    - "mxfp8": every thread quantizes blocks of 32 of x (mok.ops.quantize_mxfp8's bytes,
+      :func:`quantize_block`): E4M3 elements [T, H], then E8M0 scales [T, H / 32]
+      (mok.pipeline.exchange.mxfp8_region);
+    - "fp8_block" (precision fp8_block's activations: mok.ops.quantize_fp8_rows's elements and
+      scales, by the row quantizer's own steps, common/fp8_block_quantize.py, with ``power_of_two``
+      its scale rule): a warp per (token, 128-column block), E4M3 elements [T, H], then fp32 scales
+      [T, ceil(H / 128)] (mok.pipeline.exchange.fp8_region)."""
+
+    def __init__(self, world: int, width: int, topk: int, row_format: str, power_of_two: bool = False, threads: int | None = None) -> None:
+        if row_format not in ("mxfp8", "fp8_block"):
+            raise ValueError(f"row_format: expected 'mxfp8' or 'fp8_block', got {row_format!r}")
+        if row_format == "mxfp8":
+            check_mxfp8_width(width)
         super().__init__(world, width, topk, threads)
+        self.row_format = row_format
+        self.rows = QuantizeFp8BlockKernel(width, power_of_two=power_of_two) if row_format == "fp8_block" else None
 
     @cute.jit
     def __call__(
@@ -227,24 +240,40 @@ class EpPublishMxfp8Kernel(EpPublishKernel):
         src_rows_ptr: cute.Pointer, src_values_ptr: cute.Pointer, rank: cutlass.Int32, num_tokens: cutlass.Int32,
         max_ctas: cutlass.Int32, flags_stride: cutlass.Int32, values_stride: cutlass.Int32, stream: cuda.CUstream,
     ):
-        """``elements_ptr`` and ``scales_ptr``: this rank's region (the peers' are not written)."""
-        blocks = num_tokens * (self.width // BLOCK)
-        m_x, m_elements, m_scales = block_tensors(src_rows_ptr, elements_ptr, scales_ptr, blocks)
+        """``elements_ptr`` and ``scales_ptr``: this rank's region."""
+        if cutlass.const_expr(self.row_format == "mxfp8"):
+            units = num_tokens * (self.width // BLOCK)  # (a thread a block)
+            m_x, m_elements, m_scales = block_tensors(src_rows_ptr, elements_ptr, scales_ptr, units)
+        else:
+            rows = cute.make_layout((num_tokens, self.width), stride=(self.width, 1))
+            m_x, m_elements = cute.make_tensor(src_rows_ptr, rows), cute.make_tensor(elements_ptr, rows)
+            k_blocks = self.rows.k_blocks
+            m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_tokens, k_blocks), stride=(k_blocks, 1)))
+            units = num_tokens * k_blocks * 32  # (a warp a block)
         m_flags, m_values, m_src_values = self.value_tensors(flags_ptr, values_ptr, src_values_ptr, num_tokens, flags_stride, values_stride)
-        self.kernel_mxfp8(m_flags, m_x, m_elements, m_scales, m_values, m_src_values, rank, num_tokens).launch(
-            **self.launch_shape(blocks, max_ctas, stream)
+        self.kernel_quantized(m_flags, m_x, m_elements, m_scales, m_values, m_src_values, rank, num_tokens).launch(
+            **self.launch_shape(units, max_ctas, stream)
         )
 
     @cute.kernel
-    def kernel_mxfp8(
+    def kernel_quantized(
         self, m_flags: cute.Tensor, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor, m_values: cute.Tensor,
         m_src_values: cute.Tensor, rank: cutlass.Int32, num_tokens: cutlass.Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
-        for block in cutlass.range(cta * self.threads + tid, m_x.shape[0], ctas * self.threads, unroll=1):
-            quantize_block(m_x, m_elements, m_scales, block)
+        if cutlass.const_expr(self.row_format == "mxfp8"):
+            for block in cutlass.range(cta * self.threads + tid, m_x.shape[0], ctas * self.threads, unroll=1):
+                quantize_block(m_x, m_elements, m_scales, block)
+        else:
+            warps, k_blocks = self.threads // 32, self.rows.k_blocks
+            warp, lane = cute.arch.make_warp_uniform(tid // 32), tid % 32
+            for unit in cutlass.range(cta * warps + warp, num_tokens * k_blocks, ctas * warps, unroll=1):
+                token, k_block = unit // k_blocks, unit % k_blocks
+                scale = self.rows.quantize_row_block(m_x, m_elements, token, token, k_block, lane)
+                if lane == 0:
+                    self.rows.store_row_scale(m_scales, token, k_block, scale)
         self.publish_values(m_flags, m_values, m_src_values, rank, num_tokens, tid, cta, ctas)
 
 
@@ -299,9 +328,11 @@ class EpDispatchKernel:
     buffer): the GEMMs read them; nothing reads the unused rows past the schedule's end.
     """
 
+    vector = VECTOR  # elements of a 16-byte vector of the rows copied (bf16 out: 8)
+
     def __init__(self, world: int, width: int, topk: int, max_threads: int = 128) -> None:
         check_width(width)
-        vectors = width // VECTOR
+        vectors = width // self.vector
         self.world, self.width, self.topk = world, width, topk
         # the fewest vectors a thread, then the fewest threads for them: every thread the same
         # vectors where a divisor allows (H = 7168: 128 x 7), else the last thread's few idle (H = 2056: 86 x 3 for 257)
@@ -378,7 +409,7 @@ class EpDispatchKernel:
         for j in cutlass.range(self.topk, unroll_full=True):
             dest = m_slot_row[token, j]
             if dest >= 0:
-                dst = cute.zipped_divide(m_out[dest, None], (VECTOR,))
+                dst = cute.zipped_divide(m_out[dest, None], (self.vector,))
                 for i in cutlass.range_constexpr(self.per_thread):
                     if self.owns(tidx, i):
                         dst[None, tidx + i * self.threads].store(vecs[i])
@@ -389,41 +420,63 @@ class EpDispatchKernel:
         first = m_offsets[expert] + m_counts[expert]
         end = cutlass.min(m_offsets[expert + 1], num_rows)
         for row in cutlass.range(first, end, unroll=1):
-            dst = cute.zipped_divide(m_out[row, None], (VECTOR,))
+            dst = cute.zipped_divide(m_out[row, None], (self.vector,))
             for i in cutlass.range_constexpr(self.per_thread):
                 if self.owns(tidx, i):
                     out_vec = dst[None, tidx + i * self.threads]
                     out_vec.store(cute.full(out_vec.shape, 0.0, m_out.element_type))
 
 
-class EpDispatchMxfp8Kernel(EpDispatchKernel):
-    """EpDispatchKernel for rows published in MXFP8: rank p's region holds its tokens' E4M3
-    elements [T_max, H] (bytes) and then their E8M0 scales [T_max, H / 32]; each row here gets
-    bf16(element·2**(scale - 127)), mok.ops.dequantize_mxfp8's bits. A token crosses the link
-    as H·33/32 bytes instead of 2H. A thread's unit is 8 elements: an 8-byte load and its scale
-    byte, then a 16-byte store per row (all loads first, as in the bf16 dispatch)."""
+class EpDispatchQuantizedKernel(EpDispatchKernel):
+    """EpDispatchKernel for rows published quantized (EpPublishQuantizedKernel), rank p's region
+    holding its tokens' E4M3 elements [T_max, H] and then their scales. All of a token's loads
+    first, as in the bf16 dispatch; then, by ``row_format``:
 
-    def __init__(self, world: int, width: int, topk: int, max_threads: int = 128) -> None:
-        check_mxfp8_width(width)
+    - "mxfp8" (E8M0 scales [T_max, H / 32]): each row here gets bf16(element·2**(scale - 127)),
+      mok.ops.dequantize_mxfp8's bits; a thread's unit is 8 elements (an 8-byte load and its scale
+      byte), a 16-byte store per row. A token crosses the link as H·33/32 bytes instead of 2H;
+    - "fp8_block" (fp32 scales [T_max, ceil(H / 128)]): each row here gets the token's elements
+      and scales as they are (no conversion: the FP8 GEMM reads them), the elements as bytes, 16 a
+      vector, the scales into [ceil(H / 128), R], the layout the GEMM's TMA reads; padding rows get
+      zero elements and zero scales. A token crosses as H + 4·ceil(H / 128) bytes."""
+
+    def __init__(self, world: int, width: int, topk: int, row_format: str, max_threads: int = 128) -> None:
+        if row_format not in ("mxfp8", "fp8_block"):
+            raise ValueError(f"row_format: expected 'mxfp8' or 'fp8_block', got {row_format!r}")
+        self.row_format = row_format
+        if row_format == "mxfp8":
+            check_mxfp8_width(width)
+        else:
+            self.vector = 16  # E4M3 bytes of a 16-byte vector
+            if width % self.vector:
+                raise ValueError(f"width: expected a multiple of {self.vector} (16-byte E4M3 rows), got {width}")
         super().__init__(world, width, topk, max_threads)
+        self.k_blocks = -(-width // FP8_BLOCK)
 
     @cute.jit
     def __call__(
         self, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, slot_row_ptr: cute.Pointer, counts_ptr: cute.Pointer,
-        offsets_ptr: cute.Pointer, out_ptr: cute.Pointer, t_max: cutlass.Int32, x_stride_bytes: cutlass.Int64,
+        offsets_ptr: cute.Pointer, out_ptr: cute.Pointer, out_scales_ptr: cute.Pointer, t_max: cutlass.Int32, x_stride_bytes: cutlass.Int64,
         num_rows: cutlass.Int32, num_local: cutlass.Int32, stream: cuda.CUstream,
     ):
+        """``elements_ptr``, ``scales_ptr``: rank 0's region (the ranks' regions ``x_stride_bytes``
+        apart); ``out_ptr`` the rows [R, H] (bf16, or fp8_block's elements as bytes),
+        ``out_scales_ptr`` fp8_block's scales [ceil(H / 128), R] (unused with mxfp8)."""
         h = self.width
         x_stride_bytes = cute.assume(x_stride_bytes, divby=16)  # (64-bit: bytes, twice the bf16 regions' element offsets)
         m_el = cute.make_tensor(elements_ptr, cute.make_layout((self.world, t_max, h), stride=(x_stride_bytes, h, 1)))
-        m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, h // 32), stride=(x_stride_bytes, h // 32, 1)))
+        if cutlass.const_expr(self.row_format == "mxfp8"):
+            m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, h // 32), stride=(x_stride_bytes, h // 32, 1)))
+        else:
+            m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, self.k_blocks), stride=(x_stride_bytes // 4, self.k_blocks, 1)))
+        m_out_scales = cute.make_tensor(out_scales_ptr, cute.make_layout((self.k_blocks, num_rows), stride=(num_rows, 1)))
         rows = self.row_tensors(slot_row_ptr, counts_ptr, offsets_ptr, out_ptr, t_max, num_rows, num_local)
-        self.kernel_mxfp8(m_el, m_sc, *rows, t_max, num_rows).launch(**self.launch_shape(t_max, num_local, stream))
+        self.kernel_quantized(m_el, m_sc, *rows, m_out_scales, t_max, num_rows).launch(**self.launch_shape(t_max, num_local, stream))
 
     @cute.kernel
-    def kernel_mxfp8(
+    def kernel_quantized(
         self, m_el: cute.Tensor, m_sc: cute.Tensor, m_slot_row: cute.Tensor, m_counts: cute.Tensor, m_offsets: cute.Tensor,
-        m_out: cute.Tensor, t_max: cutlass.Int32, num_rows: cutlass.Int32,
+        m_out: cute.Tensor, m_out_scales: cute.Tensor, t_max: cutlass.Int32, num_rows: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
@@ -431,13 +484,27 @@ class EpDispatchMxfp8Kernel(EpDispatchKernel):
         if block < tokens:
             if self.local_rows(m_slot_row, block) > 0:
                 rank, t = block // t_max, block % t_max
-                src = cute.zipped_divide(m_el[rank, t, None], (VECTOR,))
+                src = cute.zipped_divide(m_el[rank, t, None], (self.vector,))
                 loaded = [src[None, self.vector_of(tidx, i)].load() for i in range(self.per_thread)]  # all loads first
-                exponents = [cutlass.Int32(m_sc[rank, t, self.vector_of(tidx, i) >> 2]) & 0xFF for i in range(self.per_thread)]
-                vecs = [(loaded[i].to(cutlass.Float32) * e8m0_factor(exponents[i])).to(m_out.element_type) for i in range(self.per_thread)]
+                vecs = loaded
+                if cutlass.const_expr(self.row_format == "mxfp8"):
+                    exponents = [cutlass.Int32(m_sc[rank, t, self.vector_of(tidx, i) >> 2]) & 0xFF for i in range(self.per_thread)]
+                    vecs = [(loaded[i].to(cutlass.Float32) * e8m0_factor(exponents[i])).to(m_out.element_type) for i in range(self.per_thread)]
                 self.store_rows(vecs, m_slot_row, m_out, block, tidx)
+                if cutlass.const_expr(self.row_format == "fp8_block"):  # the token's scales into each of its rows'
+                    for k_block in cutlass.range(tidx, self.k_blocks, self.threads, unroll=1):
+                        scale = m_sc[rank, t, k_block]
+                        for j in cutlass.range(self.topk, unroll_full=True):
+                            dest = m_slot_row[block, j]
+                            if dest >= 0:
+                                m_out_scales[k_block, dest] = scale
         else:
-            self.zero_padding(m_counts, m_offsets, m_out, block - tokens, num_rows, tidx)
+            expert = block - tokens
+            self.zero_padding(m_counts, m_offsets, m_out, expert, num_rows, tidx)
+            if cutlass.const_expr(self.row_format == "fp8_block"):
+                for row in cutlass.range(m_offsets[expert] + m_counts[expert], cutlass.min(m_offsets[expert + 1], num_rows), unroll=1):
+                    for k_block in cutlass.range(tidx, self.k_blocks, self.threads, unroll=1):
+                        m_out_scales[k_block, row] = cutlass.Float32(0.0)
 
 
 class EpOverflowKernel(EpRowsKernel):
@@ -526,11 +593,13 @@ def _ptr(dtype, align):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1):
-    """Compile one EP kernel (``kind``: signal, wait, publish, publish_mxfp8, routing, dispatch, dispatch_mxfp8,
-    overflow) for ``arch`` without tensors.
+def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1,
+               power_of_two: bool = False):
+    """Compile one EP kernel (``kind``: signal, wait, publish, publish_mxfp8, publish_fp8_block, routing, dispatch,
+    dispatch_mxfp8, dispatch_fp8_block, overflow) for ``arch`` without tensors.
 
-    For ``overflow``, ``phase`` PHASE_DONE selects the backward's variant (it poisons the router-gradient pieces too).
+    For ``overflow``, ``phase`` PHASE_DONE selects the backward's variant (it poisons the router-gradient pieces too);
+    ``power_of_two``: publish_fp8_block's scale rule.
     """
     from cutlass.cute.runtime import make_fake_stream
 
@@ -544,8 +613,14 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         kernel = EpPublishKernel(world, width, topk)
         args = (_ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), i, i, i, i, i, i, stream)
     elif kind == "publish_mxfp8":
-        kernel = EpPublishMxfp8Kernel(world, width, topk)
+        kernel = EpPublishQuantizedKernel(world, width, topk, "mxfp8")
         args = (_ptr(i32, 4), _ptr(cutlass.Float8E4M3FN, 16), _ptr(cutlass.Uint8, 1), _ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4), i, i, i, i, i, stream)
+    elif kind == "publish_fp8_block":
+        kernel = EpPublishQuantizedKernel(world, width, topk, "fp8_block", power_of_two)
+        args = (
+            _ptr(i32, 4), _ptr(cutlass.Float8E4M3FN, 16), _ptr(cutlass.Float32, 16), _ptr(i32, 4), _ptr(bf16, 16), _ptr(i32, 4),
+            i, i, i, i, i, stream,
+        )
     elif kind == "routing":
         kernel = EpRoutingGatherKernel(world, topk)
         args = (_ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), i, i, i, i, cutlass.Int64(1), stream)
@@ -553,16 +628,23 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
         kernel = EpDispatchKernel(world, width, topk)
         args = (_ptr(bf16, 16), _ptr(i32, 4), _ptr(i32, 4), _ptr(i32, 4), _ptr(bf16, 16), i, i, i, i, stream)
     elif kind == "dispatch_mxfp8":
-        kernel = EpDispatchMxfp8Kernel(world, width, topk)
+        kernel = EpDispatchQuantizedKernel(world, width, topk, "mxfp8")
         args = (
-            _ptr(cutlass.Float8E4M3FN, 16), _ptr(cutlass.Uint8, 1), *(_ptr(i32, 4) for _ in range(3)), _ptr(bf16, 16), i, cutlass.Int64(16),
-            i, i, stream,
+            _ptr(cutlass.Float8E4M3FN, 16), _ptr(cutlass.Uint8, 1), *(_ptr(i32, 4) for _ in range(3)), _ptr(bf16, 16), _ptr(cutlass.Float32, 16),
+            i, cutlass.Int64(16), i, i, stream,
+        )
+    elif kind == "dispatch_fp8_block":
+        kernel = EpDispatchQuantizedKernel(world, width, topk, "fp8_block")
+        args = (
+            _ptr(cutlass.Uint8, 16), _ptr(cutlass.Float32, 16), *(_ptr(i32, 4) for _ in range(3)), _ptr(cutlass.Uint8, 16),
+            _ptr(cutlass.Float32, 16), i, cutlass.Int64(16), i, i, stream,
         )
     elif kind == "overflow":
         kernel = EpOverflowKernel(world, width, topk, gradient=phase == PHASE_DONE)
         args = (*(_ptr(i32, 4) for _ in range(5)), _ptr(bf16, 16), _ptr(cutlass.Float32, 4), i, i, i, i, i, i, stream)
     else:
         raise ValueError(
-            f"kind: expected signal, wait, publish, publish_mxfp8, routing, dispatch, dispatch_mxfp8 or overflow, got {kind!r}"
+            f"kind: expected signal, wait, publish, publish_mxfp8, publish_fp8_block, routing, dispatch, dispatch_mxfp8, "
+            f"dispatch_fp8_block or overflow, got {kind!r}"
         )
     return cute.compile(kernel, *args, options=f"--gpu-arch {arch} {options}".strip())

@@ -42,7 +42,7 @@ COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's r
 def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                      sync, timeout_ns: cutlass.Int64, mxfp8: cutlass.Constexpr[bool]):
     """All threads of every CTA: this rank's x (``mxfp8``: quantized, a thread per block of 32, as
-    common/ep.py's EpPublishMxfp8Kernel) and routing into its published regions, then the epoch's
+    common/ep.py's EpPublishQuantizedKernel) and routing into its published regions, then the epoch's
     publish handshake with every rank (see the module docstring)."""
     m_flags, m_x_pub, m_idx_pub, m_x_in, m_idx_in, _, _, rank, _, num_tokens, _, _ = ep
     tid, _, _ = cute.arch.thread_idx()
@@ -127,7 +127,7 @@ def gather_routing_and_rows(ep: tuple, world: cutlass.Constexpr[int], topk: cutl
 def copy_row_mxfp8(m_x_pub: tuple, p, t, dst: cute.Tensor, hidden: cutlass.Constexpr[int], lane):
     """A warp: token t of rank p's MXFP8 region into ``dst`` (its bf16 row as 16-byte vectors): per
     unit of 8 elements an 8-byte load and the block's scale byte, bf16(element·2**(scale - 127))
-    (common/ep.py's EpDispatchMxfp8Kernel's bits), COPY_DEPTH units a lane loaded before it stores."""
+    (common/ep.py's EpDispatchQuantizedKernel's bits), COPY_DEPTH units a lane loaded before it stores."""
     m_el_pub, m_sc_pub = m_x_pub
     units = hidden // VECTOR
     src = cute.zipped_divide(m_el_pub[p, None], (VECTOR,))

@@ -34,6 +34,7 @@ bits of quantizing the gathered bf16 rows, each row being quantized on its own.
 
 :class:`QuantizeFp8ColumnsKernel` quantizes the rows' transpose instead (1 x 128 blocks along the
 rows, for the weight gradients on FP8, whose K is the rows): see its docstring.
+:class:`DequantizeFp8RowsKernel` takes rows (1 x 128 blocks, fp32 scales) back to bf16.
 """
 
 from __future__ import annotations
@@ -134,6 +135,17 @@ class QuantizeFp8BlockKernel:
         )
 
     @cute.jit
+    def cta_rows(self, m_used, num_rows):
+        """This CTA's (K block, row tile), the thread's (warp, lane), and the rows to convert: all
+        ``num_rows``, or with ``bounded`` the first rows_used[0]."""
+        tidx, _, _ = cute.arch.thread_idx()
+        k_block, row_tile, _ = cute.arch.block_idx()
+        limit = num_rows
+        if cutlass.const_expr(self.bounded):
+            limit = min(num_rows, m_used[0])
+        return k_block, row_tile, tidx // LANES, tidx % LANES, limit
+
+    @cute.jit
     def lane_column(self, k_block, lane):
         """(the first of this lane's four columns in K block ``k_block``, whether they lie in the row:
         a partial last block of a segment holds fewer than 128)."""
@@ -228,11 +240,7 @@ class QuantizeFp8BlockKernel:
     def kernel(self, m_x: cute.Tensor, m_q: cute.Tensor, m_s: cute.Tensor, m_used: cute.Tensor, m_source: cute.Tensor,
                num_rows: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        k_block, row_tile, _ = cute.arch.block_idx()
-        warp, lane = tidx // LANES, tidx % LANES
-        limit = num_rows
-        if cutlass.const_expr(self.bounded):
-            limit = min(num_rows, m_used[0])
+        k_block, row_tile, warp, lane, limit = self.cta_rows(m_used, num_rows)
         first = row_tile * BLOCK
         if cutlass.const_expr(self.matrix_rows is not None):  # an expert's row tiles on their own: its last one partial
             tiles_per_matrix = (self.matrix_rows + BLOCK - 1) // BLOCK
@@ -357,11 +365,49 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
                 m_s[row_block, column] = scale
 
 
+class DequantizeFp8RowsKernel(QuantizeFp8BlockKernel):
+    """FP8 rows with 1 x 128 block scales back to bf16 (the quantizer's launch arguments, x now the
+    output): x[r, c] = bf16(elements[r, c] · scales[c / 128, r]), the rows' values as the FP8 GEMMs
+    see them (x's rows that crossed to an expert's rank in FP8, for the backward's bf16 weight
+    gradient). The quantizer's grid: a CTA per 128 rows and K block, a warp's lane four values of a
+    row (4-byte loads, 8-byte stores); ``bounded``: the first rows_used[0] rows only."""
+
+    def __init__(self, width: int, bounded: bool = False) -> None:
+        super().__init__(width, bounded=bounded)
+
+    @cute.jit
+    def __call__(
+        self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer,
+        row_source_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        """elements [R, K] E4M3 and scales [k blocks, R] fp32 -> x [R, K] bf16 (``row_source``, ``num_src``: unused)."""
+        rows = cute.make_layout((num_rows, self.width), stride=(self.width, 1))
+        m_s = cute.make_tensor(scales_ptr, cute.make_layout((num_rows, self.k_blocks), stride=(1, num_rows)))
+        m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
+        self.kernel_back(cute.make_tensor(elements_ptr, rows), m_s, cute.make_tensor(x_ptr, rows), m_used, num_rows).launch(
+            grid=[self.k_blocks, (num_rows + BLOCK - 1) // BLOCK, 1], block=[WARPS * LANES, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel_back(self, m_q: cute.Tensor, m_s: cute.Tensor, m_x: cute.Tensor, m_used: cute.Tensor, num_rows: cutlass.Int32):
+        k_block, row_tile, warp, lane, limit = self.cta_rows(m_used, num_rows)
+        column, inside = self.lane_column(k_block, lane)
+        for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
+            row = row_tile * BLOCK + r
+            if row < limit:
+                if inside:
+                    values = row_vector(m_q, row, column // PER_LANE, PER_LANE).load().to(cutlass.Float32) * m_s[row, k_block]
+                    row_vector(m_x, row, column // PER_LANE, PER_LANE).store(values.to(m_x.element_type))
+
+
 def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, bounded: bool, arch: str, options: str = "",
                                segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False, gathered: bool = False,
-                               columns: bool = False):
-    """Compile :class:`QuantizeFp8BlockKernel` (``columns``: :class:`QuantizeFp8ColumnsKernel`) for
-    ``arch`` without tensors (FP8_BLOCK_QUANTIZE_ARGS' stand-ins)."""
+                               columns: bool = False, back: bool = False):
+    """Compile :class:`QuantizeFp8BlockKernel` (``columns``: :class:`QuantizeFp8ColumnsKernel`;
+    ``back``: :class:`DequantizeFp8RowsKernel`) for ``arch`` without tensors (FP8_BLOCK_QUANTIZE_ARGS'
+    stand-ins)."""
+    if back:
+        return compile_kernel(DequantizeFp8RowsKernel(width, bounded), FP8_BLOCK_QUANTIZE_ARGS, arch, options)
     if columns:
         kernel = QuantizeFp8ColumnsKernel(width, power_of_two, bounded, gathered)
     else:

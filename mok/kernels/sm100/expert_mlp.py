@@ -145,11 +145,13 @@ class ExpertMlpSm100(ExpertMlp, Tcgen05TileKernel):
 
     @cute.jit
     def phase_tile(self, gemm, linear, phases):
-        """Tile ``linear`` of ``gemm``'s phase (counted from the phase's first) -> (row tile, column
-        tile, expert), in the L2-grouped order over the schedule's row tiles."""
+        """Tile ``linear`` of ``gemm``'s phase (counted from the phase's first) -> the grouped GEMM's
+        tile (row tile, column tile, expert, B's expert: the same, B not shared), in the L2-grouped
+        order over the schedule's row tiles."""
         _, _, used_rows, m_tiles = phases
         tile_row, tile_col = grouped_tile(linear, used_rows, gemm.col_tiles)
-        return tile_row, tile_col, m_tiles[tile_row]
+        expert = m_tiles[tile_row]
+        return tile_row, tile_col, expert, expert, False
 
     @cute.jit
     def load_phases(self, tiled_mma, loads, stages, pipes, phases, ready_args):
@@ -225,7 +227,7 @@ class ExpertMlpSm100(ExpertMlp, Tcgen05TileKernel):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         linear, step = self.first_tile_and_step()
         while linear < fc1_tiles:
-            tile_row, _, _ = self.phase_tile(self.fc1, linear, phases)
+            tile_row = self.phase_tile(self.fc1, linear, phases)[0]
             state = self.fc1.gather_tile(tidx, stages, pipes, state, m_x, m_row_token, num_rows, tile_row, self.fc1.k_tiles)
             linear += step
         cute.arch.cp_async_wait_group(0)

@@ -19,6 +19,12 @@ the TMA clips rows past R and columns past N; ``scatter``'s rows go from registe
 rows per thread the SwiGLU backward's row sums are plain sequential sums in column order (the
 Hopper kernel adds four threads' parts with shuffles).
 
+``cluster_m`` = 2 (bf16): clusters of two CTAs on row tiles 2p and 2p + 1 of one column tile,
+which load each B (and B2) tile once for both by TMA multicast where one expert has both row
+tiles, each its own otherwise (a CTA whose row tile has no rows runs the stages on the other's
+expert and stores nothing): Hopper's row-tile pairs (mok/kernels/sm90/grouped_gemm.py), on the
+cluster pipeline of mok/kernels/sm100/tcgen05_tile.py. The same sums as one CTA.
+
 Determinism and batch invariance as on Hopper: one CTA owns each output tile, K is reduced in one
 fixed order (the MMA sequence), the tile shape comes from static shapes only. Results are not the
 Hopper kernel's bits (another MMA unit, another summation inside it).
@@ -39,8 +45,8 @@ from ..common.records import grouped_gemm_args
 from ..common.grouped_gemm import GroupedGemm
 from ..common.row_gather import gather_stage, gathered_rows
 from ..common.row_vectors import VECTOR
-from ..common.tile_order import grouped_tile
-from .tcgen05_tile import EPI_COLS, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from ..common.tile_order import grouped_tile, row_tile_pair
+from .tcgen05_tile import EPI_COLS, PAIR, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
 
 
 class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
@@ -56,9 +62,12 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, b_expert_stride: int | None = None,
         activation: str = "swiglu", persistent: bool = False, scatter: bool = False, bias: bool = False, gather_a: bool = False,
-        b_row_stride: int | None = None,
+        b_row_stride: int | None = None, cluster_m: int = 1,
     ) -> None:
         self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias, b_row_stride)
+        if cluster_m not in (1, PAIR) or (cluster_m == PAIR and self.mxfp8):
+            raise ValueError(f"cluster_m: expected 1, or {PAIR} with bf16 operands, got {cluster_m}{' (MXFP8)' if self.mxfp8 else ''}")
+        self.cluster_m = cluster_m
         if scatter and epilogue != "plain":
             raise ValueError(f"scatter: only with the plain epilogue (the expert-parallel row pushes), got epilogue={epilogue!r}")
         if gather_a and (k_split or scatter):
@@ -79,7 +88,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
                       self.scale_tensor(b2_scale_ptr, self.n, self.b_k, num_experts))
             scale_tensors = (m_sfa, m_sfbs)
         tiled_mma, layouts, loads = self.prepare("k", "k" if self.b_major == "k" else "mn", m_a, m_bs, *scale_tensors)
-        all_tiles = num_row_tiles * self.col_tiles
+        all_tiles = (num_row_tiles + self.cluster_m - 1) // self.cluster_m * self.col_tiles
         m_dst = self.scatter_target(scatter_to) if self.scatter else None
         m_biases = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases) if self.bias else None
         m_x = m_a if self.gather_a else None  # (gather_a: A is x [T, K], its rows copied by the gather warps)
@@ -105,25 +114,36 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         partial, row_token, row_slot, topk_w), ``m_dst`` where scattered rows go (``scatter``),
         ``m_biases`` B's and B2's bias rows [E·N] (``bias``), ``m_x`` the token matrix (``gather_a``),
         ``stores`` the TMA stores (atom, coordinate tensor) of the outputs (none with ``scatter``)."""
-        tiles = (num_row_tiles * self.col_tiles, m_tiles, num_row_tiles)
+        tiles = ((num_row_tiles + self.cluster_m - 1) // self.cluster_m * self.col_tiles, m_tiles, num_row_tiles)
         row_token = row_args[3]
         epi_args = (m_c, row_args, num_rows, m_dst, m_biases, stores)
         self.run_tiles(tiled_mma, smem_layouts, loads, tiles, epi_args, (m_x, row_token, num_rows))
 
     @cute.jit
     def tile_at(self, linear, tiles):
-        """Output tile ``linear`` (the L2-grouped order) -> (computed: its row tile holds rows of an
-        expert, K tiles, (row tile, column tile, expert))."""
+        """Tile ``linear`` of the walk (the L2-grouped order) -> (computed, K tiles, (row tile, column
+        tile, its expert, the expert whose B the stages hold, whether B is loaded for both CTAs)):
+        computed where the row tile holds rows of an expert; with ``cluster_m`` = 2 the walk goes
+        over pairs of row tiles (CTA rank r: row tile 2p + r), computed where either of the pair
+        holds rows, B shared where one expert has both (-1: no rows)."""
         _, m_tiles, num_row_tiles = tiles
+        if cutlass.const_expr(self.cluster_m == PAIR):
+            tile = row_tile_pair(linear, num_row_tiles, self.col_tiles, m_tiles, self.rank_along_m())
+            return tile[3] >= 0, self.k_tiles, tile
         tile_row, tile_col = grouped_tile(linear, num_row_tiles, self.col_tiles)
         expert = m_tiles[tile_row]
-        return expert >= 0, self.k_tiles, (tile_row, tile_col, expert)
+        return expert >= 0, self.k_tiles, (tile_row, tile_col, expert, expert, False)
+
+    def stores_tile(self, tile):
+        """``cluster_m``: whether the CTA's row tile of a computed pair has rows (else nothing is stored)."""
+        return tile[2] >= 0
 
     def tma_views(self, tiled_mma, loads, stages, tile):
         """The TMA partitions of this tile's operands, (atom, global by K tile, shared by stage) for
-        A, B, B2 and A's second half of K (k_split; else A again) (MXFP8: then for their scales):
+        A, B, B2 and A's second half of K (k_split; else A again) (MXFP8: then for their scales;
+        ``cluster_m``: then B's and B2's multicast loads of this CTA's half, and whether to use them):
         what ``load_stage`` reads."""
-        tile_row, tile_col, expert = tile
+        tile_row, tile_col, _, expert, shared_b = tile
         a = self.operand_view(tiled_mma, loads[0], stages[0], "a", tile_row, 0)
         views = (
             a,
@@ -137,6 +157,13 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
                 self.operand_view(tiled_mma, loads[4], stages[4], "b", tile_col, expert, scales=True),
                 self.operand_view(tiled_mma, loads[5], stages[5], "b", tile_col, expert, scales=True),
             )
+        if cutlass.const_expr(self.cluster_m == PAIR):
+            rank = self.rank_along_m()
+            views += (
+                self.operand_view(tiled_mma, loads[-2], stages[1], "b", tile_col, expert, multicast_rank=rank),
+                self.operand_view(tiled_mma, loads[-1], stages[2], "b", tile_col, expert, multicast_rank=rank),
+                shared_b,
+            )
         return views
 
     @cute.jit
@@ -147,7 +174,14 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         k_tile = empty.count
         if cutlass.const_expr(not self.gather_a):  # (gathered: the gather warps copy A's rows)
             self.load_operand(views[0], views[3], k_tile, empty, False)
-        self.load_operand(views[1], views[2], k_tile, empty, self.num_b == 2)
+        if cutlass.const_expr(self.cluster_m == PAIR):
+            if views[-1]:  # one expert's two row tiles: this CTA's half of B (and B2) into both CTAs
+                both = cute.nvgpu.cpasync.create_tma_multicast_mask(cute.make_layout((1, PAIR, 1, 1)), (0, 0, 0, 0), mcast_mode=1)
+                self.load_operand(views[-3], views[-2], k_tile, empty, self.num_b == 2, both)
+            else:
+                self.load_operand(views[1], views[2], k_tile, empty, self.num_b == 2)
+        else:
+            self.load_operand(views[1], views[2], k_tile, empty, self.num_b == 2)
         if cutlass.const_expr(self.mxfp8):
             self.load_tile(views[4], k_tile, empty)
             self.load_operand(views[5], views[6], k_tile, empty, self.num_b == 2)
@@ -183,29 +217,32 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         return state
 
     @cute.jit
-    def load_tile(self, view, k_tile, empty, into=None):
+    def load_tile(self, view, k_tile, empty, into=None, mcast_mask=None):
         """One TMA load: K tile ``k_tile`` of ``view`` = (atom, global by K tile, shared by stage) into
-        stage ``empty.index`` of its own shared buffer (or of ``into``'s)."""
+        stage ``empty.index`` of its own shared buffer (or of ``into``'s); ``mcast_mask``: the CTAs a
+        multicast load writes (the same stage of each)."""
         atom, g_x, s_x = view
         if cutlass.const_expr(into is not None):
             s_x = into[2]
-        cute.copy(atom, g_x[(None, k_tile)], s_x[(None, empty.index)], tma_bar_ptr=empty.barrier)
+        multicast = {} if mcast_mask is None else {"mcast_mask": mcast_mask}
+        cute.copy(atom, g_x[(None, k_tile)], s_x[(None, empty.index)], tma_bar_ptr=empty.barrier, **multicast)
 
     @cute.jit
-    def load_operand(self, view, view2, k_tile, empty, both: cutlass.Constexpr):
+    def load_operand(self, view, view2, k_tile, empty, both: cutlass.Constexpr, mcast_mask=None):
         """K tile ``k_tile`` of an operand: with k_split K's first half from ``view`` and its second
         from ``view2`` into ``view``'s buffer (each half's tiles bounded at K/2, the last zero-filled
-        past it); else from ``view``, and with ``both`` (SwiGLU's B and B2) from ``view2`` too."""
+        past it); else from ``view``, and with ``both`` (SwiGLU's B and B2) from ``view2`` too.
+        ``mcast_mask``: multicast loads' CTAs."""
         if cutlass.const_expr(self.k_split):
             half = self.half_k_tiles
             if k_tile < half:
-                self.load_tile(view, k_tile, empty)
+                self.load_tile(view, k_tile, empty, mcast_mask=mcast_mask)
             else:
-                self.load_tile(view2, k_tile - half, empty, into=view)
+                self.load_tile(view2, k_tile - half, empty, into=view, mcast_mask=mcast_mask)
         else:
-            self.load_tile(view, k_tile, empty)
+            self.load_tile(view, k_tile, empty, mcast_mask=mcast_mask)
             if cutlass.const_expr(both):
-                self.load_tile(view2, k_tile, empty)
+                self.load_tile(view2, k_tile, empty, mcast_mask=mcast_mask)
 
     @cute.jit
     def epilogue(self, tidx, t_acc, stage, tile, k_tiles, epi_args):
@@ -218,7 +255,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         swiglu_save) the expert's bias is added to each accumulator first, so h and the activation
         see x·Wᵀ + b."""
         m_c, row_args, num_rows, m_dst, m_biases, stores = epi_args[:6]
-        tile_row, tile_col, expert = tile
+        tile_row, tile_col, expert = tile[:3]
         m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = row_args
         tile_m, tile_n, _ = self.tile_shape_mnk
         t2r, thr, src, src2 = self.accumulator_reader(tidx, t_acc, stage)

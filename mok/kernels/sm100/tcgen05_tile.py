@@ -31,6 +31,14 @@ waits for every accumulator stage's last release before it exits, and the two CT
 tensor memory together. Half of B's bytes per CTA: deeper pipelines, and B read from L2 once per
 256 rows.
 
+With ``cluster_m`` = 2 (the grouped GEMMs' row-tile pairs; one-CTA MMAs) a cluster of two CTAs walks
+pairs of row tiles of one column tile, CTA r taking row tile 2p + r; the subclass decides per pair
+whether B is shared (one expert has both row tiles: each CTA's load warp brings half of each B
+tile into both CTAs' stages by TMA multicast) or not (each its own B). Either CTA's loads may
+write both CTAs' stages, so each MMA warp's commit frees the stage in both CTAs (multicast
+commit; an empty barrier takes both CTAs' commits) and the two pipelines move in step; the
+accumulators stay each CTA's own. tests/barrier_model.py's run_sharing_pair models it.
+
 With ``mxfp8`` the operands are MXFP8 (E4M3 elements, an E8M0 scale per 32 along K): each stage
 also brings the tile's scales (TMA, in the MMA's scale order, see mok.mxfp8.mma_scale_layout), warp 4
 copies them into tensor memory (tcgen05.cp) ahead of the stage's block-scaled MMAs
@@ -71,6 +79,7 @@ TMEM_COLUMNS = 512  # tensor memory of an SM: 128 lanes x 512 fp32 columns
 SMEM_BYTES = 227 * 1024
 MAX_STAGES = 8
 PAIR = 2  # CTAs of a pair MMA (``mma_ctas`` = 2): a cluster of two along M, one 256-row tcgen05.mma.cta_group::2
+# (also ``cluster_m`` = 2: two CTAs along M on one-CTA MMAs, sharing B's loads by multicast)
 TMEM_ALLOC_BARRIER = 1  # named barrier: every warp retrieves the tensor-memory address
 EPILOGUE_BARRIER = 2  # named barrier: the epilogue warps' last reads, before the tensor memory is freed
 STORE_BARRIER = 3  # named barrier (TMA-stored epilogues): a subtile staged in shared memory; its buffer free again
@@ -102,6 +111,7 @@ class Tcgen05TileKernel:
     persistent = False  # at most max_ctas CTAs walk the tiles (else one CTA per tile)
     gather_a = False  # A's rows gathered from the token matrix by cp.async (the grouped GEMM's gate/up)
     mma_ctas = 1  # CTAs per MMA: 1, or PAIR (see :meth:`pair_reason`)
+    cluster_m = 1  # CTAs of a cluster along M with one-CTA MMAs: 1, or PAIR (the subclass shares B's loads; module docstring)
     store_dtype = None  # a TMA-stored epilogue's output element type (:meth:`store_subtile`), or None: stores from registers
 
     @property
@@ -143,17 +153,23 @@ class Tcgen05TileKernel:
         """Threads of a CTA: the six warps, and the gather warps with ``gather_a``."""
         return THREADS + (GATHER_THREADS if self.gather_a else 0)
 
+    @property
+    def cluster_ctas(self) -> int:
+        """CTAs of a cluster: a pair MMA's (``mma_ctas``) or a B-sharing pair's (``cluster_m``), else 1."""
+        return self.mma_ctas * self.cluster_m
+
     def grid(self, all_tiles, max_ctas):
-        """Host side: the CTAs to launch for ``all_tiles`` MMA tiles: ``mma_ctas`` for each of
-        min(all_tiles, max_ctas / mma_ctas) when persistent, else of all_tiles; at least one MMA's."""
+        """Host side: the CTAs to launch for ``all_tiles`` tiles of the walk (MMA tiles; row-tile
+        pairs' with ``cluster_m``): a cluster for each of min(all_tiles, max_ctas / cluster) when
+        persistent, else of all_tiles; at least one cluster."""
         if self.persistent:
-            return cutlass.max(cutlass.min(all_tiles, max_ctas // self.mma_ctas), 1) * self.mma_ctas
-        return cutlass.max(all_tiles, 1) * self.mma_ctas
+            return cutlass.max(cutlass.min(all_tiles, max_ctas // self.cluster_ctas), 1) * self.cluster_ctas
+        return cutlass.max(all_tiles, 1) * self.cluster_ctas
 
     def launch_kernel(self, kernel, all_tiles, max_ctas, stream) -> None:
         """Host side: launch ``kernel`` (the subclass's, its arguments bound) over :meth:`grid`'s CTAs,
-        in clusters of ``mma_ctas``, one CTA per SM."""
-        cluster = {"cluster": [self.mma_ctas, 1, 1]} if self.mma_ctas > 1 else {}
+        in clusters of :attr:`cluster_ctas`, one CTA per SM."""
+        cluster = {"cluster": [self.cluster_ctas, 1, 1]} if self.cluster_ctas > 1 else {}
         kernel.launch(
             grid=[self.grid(all_tiles, max_ctas), 1, 1], block=[self.cta_threads, 1, 1], stream=stream,
             min_blocks_per_mp=ONE_CTA_PER_SM, **cluster
@@ -179,9 +195,11 @@ class Tcgen05TileKernel:
         one = cute.slice_(self.store_layout(), (None, None, 0))
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_out, one, (self.tile_shape_mnk[0], EPI_COLS))
 
-    def cta_layout_vmnk(self, tiled_mma) -> cute.Layout:
-        """The cluster's CTAs as (V: CTAs of one MMA, M, N, L): (mma_ctas, 1, 1, 1)."""
-        return cute.tiled_divide(cute.make_layout((self.mma_ctas, 1, 1)), (tiled_mma.thr_id,))
+    def cta_layout_vmnk(self, tiled_mma, whole_cluster: bool = False) -> cute.Layout:
+        """The CTAs of one MMA as (V: CTAs of one MMA, M, N, L): (mma_ctas, 1, 1, 1); with
+        ``whole_cluster`` those of the cluster: (mma_ctas, cluster_m, 1, 1)."""
+        along_m = self.cluster_m if whole_cluster else 1
+        return cute.tiled_divide(cute.make_layout((self.mma_ctas * along_m, 1, 1)), (tiled_mma.thr_id,))
 
     @property
     def operand_dtype(self) -> type:
@@ -238,6 +256,11 @@ class Tcgen05TileKernel:
         self.stage_tx_bytes = cta_bytes * self.mma_ctas
         if self.gather_a:
             self.stage_tx_bytes -= cute.size_in_bytes(self.operand_dtype, cute.slice_(a_smem, (None, None, None, 0)))
+        if self.cluster_m > 1:  # then each B's load into both CTAs of the cluster, each CTA bringing its 1/cluster_m
+            b_stage = cute.slice_(b_smem, (None, None, None, 0))
+            g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(self.cta_group)
+            vmnk = self.cta_layout_vmnk(tiled_mma, whole_cluster=True).shape
+            atoms += tuple(cute.nvgpu.make_tiled_tma_atom_B(g2s, m_b, b_stage, self.mma_tiler_mnk, tiled_mma, vmnk) for m_b in m_bs)
         return atoms
 
     def scale_load_atoms(self, tiled_mma, sfa_smem, sfb_smem, m_sfa: cute.Tensor, *m_sfbs: cute.Tensor):
@@ -317,13 +340,15 @@ class Tcgen05TileKernel:
         used = self.acc_stages * self.accumulator_columns() + self.all_scale_columns()
         return max(32, 1 << (used - 1).bit_length())
 
-    def operand_view(self, tiled_mma, load, s_x, operand: str, mn_tile, l_index, scales: bool = False):
+    def operand_view(self, tiled_mma, load, s_x, operand: str, mn_tile, l_index, scales: bool = False, multicast_rank=None):
         """One operand's TMA partition for this CTA's tile: (atom, global by K tile, shared by stage).
         ``load`` = (atom, coordinate tensor (MN, K, L)) from :meth:`load_atoms`, ``operand`` "a" or
         "b", ``mn_tile`` its MMA tile along M (``mma_ctas`` x 128 rows) or N, ``l_index`` its L
         coordinate (an expert, or 0); ``scales``: the operand's MXFP8 scales (from
         :meth:`scale_load_atoms`; their layouts repeat each scale over its 32 elements, which the
-        copy leaves out). In a pair each CTA loads its own 128 rows of A and its half of B's tile."""
+        copy leaves out). In a pair each CTA loads its own 128 rows of A and its half of B's tile;
+        ``multicast_rank`` (a multicast B load of :meth:`load_atoms`, ``cluster_m``): this CTA's
+        rank along M, whose part of the tile it loads into every CTA of the cluster."""
         atom, coords = load
         thr_mma = tiled_mma.get_slice(self.rank_in_pair())
         # global tiles (bM|bN, bK, RestM|RestN, RestK, RestL) as the MMA partitions them, then the TMA's view of them
@@ -331,8 +356,9 @@ class Tcgen05TileKernel:
             g_x = thr_mma.partition_A(cute.local_tile(coords, cute.slice_(self.mma_tiler_mnk, (None, 0, None)), (None, None, None)))
         else:
             g_x = thr_mma.partition_B(cute.local_tile(coords, cute.slice_(self.mma_tiler_mnk, (0, None, None)), (None, None, None)))
+        rank, ctas = (0, 1) if multicast_rank is None else (multicast_rank, self.cluster_m)
         s_part, g_part = cute.nvgpu.cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 3), cute.group_modes(g_x, 0, 3)
+            atom, rank, cute.make_layout(ctas), cute.group_modes(s_x, 0, 3), cute.group_modes(g_x, 0, 3)
         )
         if scales:
             s_part, g_part = cute.filter_zeros(s_part), cute.filter_zeros(g_part)
@@ -377,14 +403,14 @@ class Tcgen05TileKernel:
         )
         cluster = self.cta_layout_vmnk(tiled_mma)
         # A stage is full once its TMA bytes (a pair's leader: both CTAs') and each gathering thread's rows landed; the
-        # leader's MMA completion frees it in both CTAs of a pair.
+        # leader's MMA completion frees it in both CTAs of a pair; with cluster_m, both CTAs' MMA completions free it in both.
         ab_pipeline = pipeline.PipelineTmaUmma.create(
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + (GATHER_THREADS if self.gather_a else 0)),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m),
             tx_count=self.stage_tx_bytes,
             barrier_storage=storage.ab_mbar.data_ptr(),
-            cta_layout_vmnk=cluster,
+            cta_layout_vmnk=self.cta_layout_vmnk(tiled_mma, whole_cluster=True),
         )
         ab_producer, ab_consumer = ab_pipeline.make_participants()
         # An accumulator stage is full in both CTAs of a pair when the leader's MMAs complete; it is free once the epilogue
@@ -430,14 +456,19 @@ class Tcgen05TileKernel:
             self.epilogue_warps(tidx, tmem, t_acc, pipes, tiles, epi_args)
 
     def first_tile_and_step(self):
-        """The CTA's MMA tiles in the static order every warp walks: its MMA's index (``blockIdx.x``,
-        a pair's cluster index), + the MMAs of the grid, ... (below all tiles; a tile's work does
+        """The CTA's tiles in the static order every warp walks: its cluster's index (``blockIdx.x``
+        without a cluster), + the clusters of the grid, ... (below all tiles; a tile's work does
         not depend on which CTA takes it)."""
         first, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
-        if cutlass.const_expr(self.mma_ctas == PAIR):
-            return first // PAIR, step // PAIR
+        if cutlass.const_expr(self.cluster_ctas > 1):
+            return first // self.cluster_ctas, step // self.cluster_ctas
         return first, step
+
+    def rank_along_m(self):
+        """``cluster_m``: this CTA's rank in its cluster (0 or 1: the row tile it takes of a pair)."""
+        rank, _, _ = cute.arch.block_idx()
+        return rank % self.cluster_m
 
     def rank_in_pair(self):
         """This CTA's rank in its MMA's CTAs: 0 (the leader, which issues the MMAs), or 1."""
@@ -538,7 +569,11 @@ class Tcgen05TileKernel:
             active, k_tiles, tile = self.tile_at(linear, tiles)
             if active:
                 acc_full = acc_consumer.wait_and_advance()
-                self.epilogue(tidx, t_acc, acc_full.index, tile, k_tiles, epi_args)
+                if cutlass.const_expr(self.cluster_m > 1):
+                    if self.stores_tile(tile):  # (else the other row tile of the pair alone has rows)
+                        self.epilogue(tidx, t_acc, acc_full.index, tile, k_tiles, epi_args)
+                else:
+                    self.epilogue(tidx, t_acc, acc_full.index, tile, k_tiles, epi_args)
                 acc_full.release()
             linear += step
         self.free_tensor_memory(tmem, t_acc)

@@ -60,6 +60,7 @@ from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
 from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows
 from ..common.grouped_gemm import GroupedGemm
+from ..common.tile_order import PAIR, row_tile_pair
 from ..variants import block_buffers_for
 from .block_scaled import FP8_ROW_ELEMENTS, SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
@@ -67,7 +68,6 @@ from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
-PAIR = 2  # ``cluster_m``: CTAs of a cluster, on two row tiles of one column tile, that share B's loads where one expert has both
 
 
 class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
@@ -386,26 +386,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         loads its own, and a CTA whose row tile has no rows runs the stages on the other's expert
         (its loads and releases keep the two pipelines in step) and stores nothing. A tile's sums
         do not depend on any of this: the same bits as without the cluster."""
-        expert = cutlass.Int32(-1)
         if cutlass.const_expr(self.cluster_m == PAIR):
-            row_pair, tile_col = self.grouped_tile(linear, (num_row_tiles + PAIR - 1) // PAIR, col_tiles)
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            tile_row = row_pair * PAIR + rank
-            other_row = row_pair * PAIR + (1 - rank)
-            if tile_row < num_row_tiles:
-                expert = m_tiles[tile_row]
-            other = cutlass.Int32(-1)
-            if other_row < num_row_tiles:
-                other = m_tiles[other_row]
-            b_expert = expert
-            if expert < 0:
-                b_expert = other
-            shared_b = expert == other
-        else:
-            tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
-            expert = m_tiles[tile_row]
-            b_expert, shared_b = expert, False
-        return tile_row, tile_col, expert, b_expert, shared_b
+            return row_tile_pair(linear, num_row_tiles, col_tiles, m_tiles, rank)
+        tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
+        expert = m_tiles[tile_row]
+        return tile_row, tile_col, expert, expert, False
 
     @cute.jit
     def add_bias(self, tidx, tiled_mma, accs, biases, expert, tile_col):
