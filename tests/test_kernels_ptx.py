@@ -379,7 +379,8 @@ def test_bias_kernels_add_the_bias_after_the_mainloop_and_reduce_without_atomics
                                          (2048, 7168, dict(epilogue="swiglu_save", gather_a=True))])
 def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, options):
     """FP8 with 128-block scales on Hopper (operand "e4m3_block"): E4M3 x E4M3 WGMMAs (32 deep, four
-    per 128-deep stage, eight for SwiGLU's two products), no mma.sync fallback; A, B and the stage's
+    per 128-deep stage; SwiGLU's two products as one: gate's and up's 64-row B tiles stacked in one
+    stage, four m64n128k32 a stage, A read once), no mma.sync fallback; A, B and the stage's
     row scales by TMA (gathering: x's rows and their scales by cp.async, then the proxy fence before
     the WGMMAs read them); each stage's WGMMAs waited for in full (wait_group 0) before their product is
     promoted with fused multiply-adds (one per accumulator value), the stage's first WGMMA of each
@@ -391,13 +392,13 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
     variant = grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=1, **options)
     ptx = compiled_ptx(variant, "sm_90a")
     products = 2 if options.get("epilogue") in ("swiglu", "swiglu_save") else 1
-    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx) == 4 * products
+    tile_n = variant.config["tile_n"]
+    assert count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{products * tile_n}k32\.f32\.e4m3\.e4m3", ptx) == 4
     zeros = set(re.findall(r"mov\.b32\s+(%r\d+), 0;", ptx))
     scale_d = re.findall(r"setp\.ne\.b32\s+p, (%r\d+), 0;\s*wgmma\.mma_async", ptx)
-    assert len(scale_d) == 4 * products and sum(reg in zeros for reg in scale_d) == products
-    assert count(r"wgmma\.mma_async", ptx) == 4 * products and count(r"\bmma\.sync", ptx) == 0
+    assert len(scale_d) == 4 and sum(reg in zeros for reg in scale_d) == 1
+    assert count(r"wgmma\.mma_async", ptx) == 4 and count(r"\bmma\.sync", ptx) == 0
     assert count(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx) >= 1 and count(r"\.local", ptx) == 0
-    tile_n = variant.config["tile_n"]
     assert count(r"\bfma\.rn\.f32", ptx) >= products * tile_n // 2  # (per thread: 64 x tile_n / 128 accumulator values a product)
     if options.get("gather_a"):  # rows by cp.async (16-byte chunks), each row's scale a 4-byte one; B by TMA; the proxy fence
         assert count(r"cp\.async\.cg\.shared\.global", ptx) >= 8 and count(r"cp\.async\.ca\.shared\.global", ptx) >= 1
@@ -539,21 +540,23 @@ def test_fp8_block_column_quantizer_loads_rows_and_stores_transposed_16_byte_run
     """The transposing quantizer (a weight gradient's K-major FP8 operands): the tile's rows copied
     into shared memory by sixteen 16-byte cp.async a thread (128 rows of 256 bytes; the source size
     a register: 0 zero-fills padding rows and columns past the width), waited for, nothing staged
-    in registers; each column read back in loops of 16 two-byte loads (its largest magnitude, then
-    its values 16 at a time: 8 saturating pair conversions and one 16-byte store of its output row
-    a trip), one fp32 scale; nothing spilled or in local memory, a few registers (so that several
-    CTAs share an SM). (Gathering: each row's index read first.)"""
+    in registers; then each thread four adjacent columns of 32 rows, read twice by 8-byte loads
+    (32 for the maxima, 32 for the values), the four warps' maxima through shared memory (one
+    16-byte store, 16 four-byte loads), 64 saturating pair conversions, two 16-byte stores per
+    column (a whole 32-byte sector of each output row), the four scales; nothing spilled or in
+    local memory, at most 96 registers. (Gathering: each row's index read first.)"""
     from mok.kernels.variants import quantize_fp8_block_variant
 
     ptx = compiled_ptx(quantize_fp8_block_variant(width, bounded=gathered, gathered=gathered, columns=True), arch)
     assert count(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+\], 16, %r\d+;", ptx) == 16
-    assert count(r"cp\.async\.wait_group\s+0;", ptx) == 1 and count(r"ld\.global\.v4", ptx) == 0 and count(r"st\.shared", ptx) == 0
-    assert count(r"ld\.shared\.b16", ptx) == 2 * 16 and count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 8
-    assert count(r"st\.global\.v4\.b32", ptx) == 1 and count(r"st\.global\.b32", ptx) == 1 and count(r"st\.global\.b8", ptx) == 0
+    assert count(r"cp\.async\.wait_group\s+0;", ptx) == 1 and count(r"ld\.global\.v4", ptx) == 0
+    assert count(r"ld\.shared\.v4\.b16", ptx) == 2 * 32 and count(r"st\.shared\.v4\.b32", ptx) == 1 and count(r"ld\.shared\.b32", ptx) == 16
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 64 and count(r"st\.global\.v4\.b32", ptx) == 8
+    assert count(r"st\.global\.b8", ptx) == 0 and count(r"st\.global\.(v2\.)?b32", ptx) >= 1  # (the scales)
     assert count(r"ld\.global\.b32", ptx) == (16 + 1 if gathered else 0)  # (the row indices; the used-row count)
     assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
     registers = ptxas_registers(ptx, arch)
-    assert registers is None or max(registers.values()) <= 48, registers
+    assert registers is None or max(registers.values()) <= 96, registers
 
 
 def KernelVariantLike(variant, **changes):

@@ -60,7 +60,8 @@ EXPONENT_ONE = 0x00800000
 ROW_CHUNK = 8  # bf16 values of one 16-byte load (QuantizeFp8ColumnsKernel)
 SEGMENT_CHUNKS = BLOCK // ROW_CHUNK  # 16-byte chunks of a row's 128 values
 OUT_CHUNK = 16  # E4M3 values of one 16-byte store
-AMAX_UNROLL = 16  # a column's reads in flight at once (QuantizeFp8ColumnsKernel: fewer registers, more CTAs an SM)
+QUAD = 4  # adjacent columns a thread of QuantizeFp8ColumnsKernel takes (an 8-byte shared-memory load a row)
+COLUMN_ROWS = BLOCK // WARPS  # rows of them it takes (a warp's quarter of the tile)
 
 
 @cute.jit
@@ -295,9 +296,11 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
     gradient on FP8 WGMMAs takes (its K is the rows, and FP8 WGMMAs read K-major operands only).
     A CTA takes a 128 x 128 tile: its threads copy the rows' 16-byte segments into shared memory by
     cp.async (16 threads a row, a warp two rows at a time; padding rows and columns past the width
-    zero-filled), then thread t takes column t: its largest magnitude, then its 128 values as E4M3,
-    eight 16-byte stores into its output row. Loops rolled, no staging registers: a few registers
-    a thread, so that several CTAs share an SM and one's copies overlap another's work. Static
+    zero-filled, nothing staged in registers); then warp w takes rows 32w .. 32w + 31 of it, lane l
+    columns 4l .. 4l + 3 (32 eight-byte loads: a warp reads whole rows; with two-byte loads, one
+    column a thread, the shared-memory queue was the bound), the four warps' maxima meet in shared
+    memory, and each lane stores its columns' 32 values as E4M3, 32 bytes (a whole sector) into
+    each output row, warp 0 the four scales. Static
     config: the width M (a multiple of 16; a partial last column tile), ``power_of_two``,
     ``bounded`` (the row blocks below rows_used[0], a multiple of 128) and ``gathered`` (row r is
     source row row_source[r] of x, zeros where negative)."""
@@ -336,6 +339,7 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
         if first < limit:
             smem = cutlass.memory.SmemAllocator()
             s_tile = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((BLOCK, BLOCK), stride=(BLOCK, 1)), byte_alignment=16)
+            s_amax = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WARPS, BLOCK), stride=(BLOCK, 1)), byte_alignment=16)
             chunk = tidx % SEGMENT_CHUNKS  # (16 threads a row: a 16-byte chunk each)
             column0 = column_tile * BLOCK
             inside = column0 + chunk * ROW_CHUNK < self.width
@@ -350,19 +354,39 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            column = column0 + tidx
+            # warp w takes rows 32w .. 32w + 31, lane l columns 4l .. 4l + 3: one 8-byte load a row
+            warp, lane = tidx // LANES, tidx % LANES
+            rows = cute.local_tile(s_tile, (COLUMN_ROWS, QUAD), (warp, lane))  # (its 32 x 4 values)
+            amax = cute.make_rmem_tensor((QUAD,), cutlass.Float32)
+            amax.fill(0.0)
+            for i in cutlass.range_constexpr(COLUMN_ROWS):
+                row = row_vector(rows, i, 0, QUAD).load().to(cutlass.Float32)
+                for c in cutlass.range_constexpr(QUAD):
+                    amax[c] = cute.arch.fmax(amax[c], cute.math.absf(row[c]))
+            row_vector(s_amax, warp, lane, QUAD).store(amax.load())  # (each warp's maxima, then every warp's)
+            cute.arch.sync_threads()
+            for w in cutlass.range_constexpr(WARPS):
+                for c in cutlass.range_constexpr(QUAD):
+                    amax[c] = cute.arch.fmax(amax[c], s_amax[w, lane * QUAD + c])
+            column = column0 + lane * QUAD  # (the width a multiple of 16: a lane's four columns all in or all out)
             if column < self.width:
-                amax = cutlass.Float32(0.0)
-                for r in cutlass.range(BLOCK, unroll=AMAX_UNROLL):
-                    amax = cute.arch.fmax(amax, cute.math.absf(s_tile[r, tidx].to(cutlass.Float32)))
-                scale, factor = self.scale_and_factor(amax)
-                for part in cutlass.range(BLOCK // OUT_CHUNK, unroll=1):
-                    values = cute.make_rmem_tensor((OUT_CHUNK,), cutlass.Float32)
-                    for i in cutlass.range_constexpr(OUT_CHUNK):
-                        values[i] = s_tile[part * OUT_CHUNK + i, tidx].to(cutlass.Float32)
-                    row_vector(m_q, column, row_block * (BLOCK // OUT_CHUNK) + part, OUT_CHUNK).store(
-                        (values.load() * factor).to(m_q.element_type))
-                m_s[row_block, column] = scale
+                factors = cute.make_rmem_tensor((QUAD,), cutlass.Float32)
+                scales = cute.make_rmem_tensor((QUAD,), cutlass.Float32)
+                for c in cutlass.range_constexpr(QUAD):
+                    scales[c], factors[c] = self.scale_and_factor(amax[c])
+                runs = cute.make_rmem_tensor(cute.make_layout((QUAD, COLUMN_ROWS), stride=(COLUMN_ROWS, 1)), m_q.element_type)
+                for i in cutlass.range_constexpr(0, COLUMN_ROWS, 2):  # (two rows at a time: E4M3 converts in pairs)
+                    pair = cute.make_rmem_tensor((2, QUAD), cutlass.Float32)
+                    for h in cutlass.range_constexpr(2):
+                        row = row_vector(rows, i + h, 0, QUAD).load().to(cutlass.Float32)
+                        for c in cutlass.range_constexpr(QUAD):
+                            pair[h, c] = row[c] * factors[c]
+                    for c in cutlass.range_constexpr(QUAD):
+                        row_vector(runs, c, i // 2, 2).store(pair[None, c].load().to(m_q.element_type))
+                for c in cutlass.range_constexpr(QUAD):
+                    row_vector(m_q, column + c, row_block * WARPS + warp, COLUMN_ROWS).store(runs[c, None].load())
+                if warp == 0:
+                    row_vector(m_s, row_block, column // QUAD, QUAD).store(scales.load())
 
 
 class DequantizeFp8RowsKernel(QuantizeFp8BlockKernel):

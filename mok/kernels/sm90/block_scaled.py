@@ -14,7 +14,10 @@ E4M3, 32 deep) into a block accumulator (the first one overwriting it: nothing z
 for them, reads its rows' scales and hands the stage back, then adds the block's product into the
 running accumulator scaled by sa·sb: ``acc = fma(block, sa·sb, acc)`` per value, every 128 of K (the
 promotion DeepGEMM does: Hopper's FP8 WGMMA keeps fewer bits than fp32 over a long K). The two MMA
-warpgroups run this on their own rows, so one's WGMMAs overlap the other's promotion.
+warpgroups run this on their own rows, so one's WGMMAs overlap the other's promotion. SwiGLU's two
+products run as one (``stacked_b``): gate's and up's B tiles are the two halves of one stage's B
+tile, one WGMMA twice as wide covers both, and each product's block accumulator is its half of
+that WGMMA's (so A is read from shared memory once a step, not twice).
 
 With ``block_buffers=2`` (the plain epilogue's default) each warpgroup keeps two sets of block
 accumulators and issues a stage's WGMMAs into one before it promotes the previous stage's, retired,
@@ -67,6 +70,7 @@ class BlockScaledMainloop:
 
     block_scaled = False
     block_buffers = 1  # sets of block accumulators a warpgroup cycles through (module docstring)
+    stacked_b = False  # two products' B tiles stacked, one WGMMA over both (GroupedGemmSm90.stacked_b)
     epilogue_kind = None  # (the grouped GEMM's sets its epilogue; a weight gradient's has none of these kinds)
 
     @property
@@ -136,12 +140,15 @@ class BlockScaledMainloop:
         return scale
 
     @cute.jit
-    def consume_block_scaled_tile(self, ab_pipe, tiled_mma, accs, blocks, operands, k_tiles, cons, release, scales, tile, mma_tidx):
+    def consume_block_scaled_tile(self, ab_pipe, tiled_mma, accs, blocks, issue, k_tiles, cons, release, scales, tile, mma_tidx):
         """Persistent consumer of one tile: acc (and acc2) += each K block's product times its scales
         (the module docstring), every stage handed back once its WGMMAs retired and its row scales
         were read; returns the advanced (read, release) states. ``blocks`` = the block accumulators
-        (block, block2), and with ``block_buffers=2`` a second such pair; ``scales`` = (the row
-        scales' stage buffers, B's scales, B2's); ``tile`` = (expert, column tile)."""
+        (block, block2), and with ``block_buffers=2`` a second such pair; ``issue`` = (the tiled MMA
+        the stages' WGMMAs are issued with, its A, B and B2 fragments, and with ``stacked_b`` the one
+        block accumulator of both products, whose halves ``blocks`` are); ``scales`` = (the row
+        scales' stage buffers, B's scales, B2's); ``tile`` = (expert, column tile). ``tiled_mma``:
+        the tile's own (its partition of the output gives the rows' coordinates)."""
         s_sa, m_sb, m_sb2 = scales
         expert, tile_col = tile
         tile_m, tile_n, _ = self.tile_shape_mnk
@@ -155,14 +162,17 @@ class BlockScaledMainloop:
                 if k_tile + 1 < k_tiles:
                     next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile + 1, expert)
                 self.wait_stage(ab_pipe, cons)
-                self.mma_stage(tiled_mma, blocks[0], blocks[1], *operands, cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
+                if cutlass.const_expr(self.stacked_b):  # one WGMMA a step over both products' stacked B tiles
+                    self.mma_stage(issue[0], issue[4], issue[4], *issue[1:4], cons.index, overwrite=True, one_product=True)
+                else:
+                    self.mma_stage(issue[0], blocks[0], blocks[1], *issue[1:4], cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
                 cute.nvgpu.warpgroup.wait_group(0)
                 self.retire_block(ab_pipe, release, s_sa, crd, row_scale, cons.index)
                 cons.advance()
                 release.advance()
                 self.promote(accs, blocks[:2], row_scale, scale_b)
         else:  # a stage's WGMMAs into one set while the previous stage's product, in the other, is promoted
-            context = (ab_pipe, tiled_mma, accs, blocks, operands, s_sa, m_sb, m_sb2, crd, row_scale, n_block, expert)
+            context = (ab_pipe, issue, accs, blocks, s_sa, m_sb, m_sb2, crd, row_scale, n_block, expert)
             unread = (cutlass.Float32(0.0), cutlass.Float32(0.0))  # (B's scales before the first stage: none)
             cons, release, _, _ = self.two_set_schedule(  # (K tiles >= 1 here)
                 k_tiles, self.issue_block_scaled_stage, self.settle_block_scaled_stage, context, (cons, release, unread, unread)
@@ -200,11 +210,11 @@ class BlockScaledMainloop:
         """:meth:`two_set_schedule`'s issue for consume_block_scaled_tile: B's scales of the stage
         (read while it lands), its WGMMAs into set ``into``. carry = (read state, release state,
         B's scales of the stage before, of this one)."""
-        ab_pipe, tiled_mma, _, blocks, operands, _, m_sb, m_sb2, _, _, n_block, expert = context
+        ab_pipe, issue, _, blocks, _, m_sb, m_sb2, _, _, n_block, expert = context
         cons, release, _, scales_b = carry
         next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile, expert)
         self.wait_stage(ab_pipe, cons)
-        self.mma_stage(tiled_mma, blocks[2 * into], blocks[2 * into + 1], *operands, cons.index, overwrite=True)
+        self.mma_stage(issue[0], blocks[2 * into], blocks[2 * into + 1], *issue[1:4], cons.index, overwrite=True)
         cons.advance()
         return cons, release, scales_b, next_b
 
@@ -212,7 +222,7 @@ class BlockScaledMainloop:
     def settle_block_scaled_stage(self, context, into: cutlass.Constexpr[int], latest: cutlass.Constexpr[bool], carry):
         """:meth:`two_set_schedule`'s settle for consume_block_scaled_tile: the oldest stage in
         flight, retired in set ``into``, handed back after its row scales are read, then promoted."""
-        ab_pipe, _, accs, blocks, _, s_sa, _, _, crd, row_scale, _, _ = context
+        ab_pipe, _, accs, blocks, s_sa, _, _, crd, row_scale, _, _ = context
         cons, release, earlier_b, scales_b = carry
         self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
         release.advance()

@@ -52,6 +52,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
@@ -142,6 +143,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         m_tiles, num_tiles, num_rows = rows
         tile_k = self.tile_shape_mnk[2]
         a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
+        b_pair_smem = self.stack_b(m_a, m_b) if self.stacked_b else b_smem
         tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, tile_k))
         tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, tile_k))
         tma_b2, t_b2 = self.load_atom(m_b2, b_smem, (tile_n, tile_k))
@@ -154,7 +156,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if cutlass.const_expr(self.pingpong):
             epi_smem = self.pingpong_epi_smem()
 
-        b2_elems = cute.cosize(b_smem) if self.num_b == 2 else 8  # no second B buffer otherwise
+        b2_elems = cute.cosize(b_smem) if self.num_b == 2 and not self.stacked_b else 8  # no second B buffer otherwise
         c_elems = cute.cosize(epi_smem) if self.persistent else 8  # otherwise the epilogue reuses A's buffers
 
         @cute.struct
@@ -164,7 +166,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             epi_mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.epi_stage if self.scatter else 1]
             s_dest: cute.struct.MemRange[cutlass.Int32, self.tile_shape_mnk[0] if self.scatter else 1]
             s_a: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
-            s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
+            s_b: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_pair_smem)], self.buffer_align_bytes]
             s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
             s_c: cute.struct.Align[cute.struct.MemRange[self.c_dtype, c_elems], self.buffer_align_bytes]
             s_sa: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.a_scale_smem()) if self.block_scaled else 1], 128]
@@ -183,7 +185,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             b_scales = (self.b_scale_tensor(b_scale_ptr, num_experts), self.b_scale_tensor(b2_scale_ptr, num_experts))
         store_args = (tma_c, t_c, tma_h, t_h, tma_as, t_as)
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
-        mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem)
+        mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem, self.tiled_mma_pair if self.stacked_b else None, b_pair_smem)
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             m_x = self.scatter_target(scatter_to)
         bias_tensors = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases)
@@ -200,7 +202,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         the epilogue's row inputs; ``mma_args`` the tiled MMA and the shared-memory layouts;
         ``biases`` B's and B2's bias rows [E·N] (``bias``)."""
         tma_a, _, tma_b, _, tma_b2, _ = load_args
-        tiled_mma, a_smem, b_smem, epi_smem = mma_args
+        tiled_mma, a_smem, b_smem, epi_smem = mma_args[:4]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         linear, _, _ = cute.arch.block_idx()
@@ -253,7 +255,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         """
         tma_a, _, tma_b, _, tma_b2, _ = load_args[:6]
         _, _, m_row_token, m_row_slot, _ = row_args
-        tiled_mma, a_smem, b_smem, epi_smem = mma_args
+        tiled_mma, a_smem, b_smem, epi_smem, tiled_mma_pair, b_pair_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         col_tiles = self.col_tiles
@@ -274,6 +276,10 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)  # (a cluster: its CTAs' barriers initialised before any load)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         s_b2 = self.second_b(storage, b_smem, s_b)
+        s_b_pair = s_b
+        if cutlass.const_expr(self.stacked_b):  # one buffer, each stage gate's tile_n rows then up's: B and B2 its halves
+            s_b_pair = storage.s_b.get_tensor(b_pair_smem.outer, swizzle=b_pair_smem.inner)
+            s_b, s_b2 = self.stacked_halves(s_b_pair)
         s_sa = storage.s_sa.get_tensor(self.a_scale_smem()) if self.block_scaled else None  # (A's row scales per stage)
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
         k_tiles = self.k_tiles
@@ -314,8 +320,15 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             mma_tidx = tidx - 128
             r_a, r_b, r_b2, acc, acc2 = self.mma_fragments(tiled_mma, mma_tidx, s_a, s_b, s_b2)
             blocks = (None, None)
+            issue = (tiled_mma, r_a, r_b, r_b2, None)  # (the MMA the stages are issued with, its operands, stacked: its blocks)
             if cutlass.const_expr(self.block_scaled):  # each K block's product, before its scales (block_buffers sets)
                 blocks = tuple(cute.make_rmem_tensor(acc.shape, cutlass.Float32) for _ in range(2 * self.block_buffers))
+            if cutlass.const_expr(self.stacked_b):  # one n = 2·tile_n WGMMA a step; gate's and up's blocks are its halves
+                pair_r_a, pair_r_b, pair_block = self.mma_operands(tiled_mma_pair, mma_tidx, s_a, s_b_pair, (self.tile_shape_mnk[0],
+                                                                                                             2 * self.tile_shape_mnk[1]))[1:]
+                blocks = self.stacked_blocks(pair_block, acc)
+                issue = (tiled_mma_pair, pair_r_a, pair_r_b, pair_r_b, pair_block)
+                tiled_mma_pair.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             store_pipe = self.store_pipeline()
@@ -331,8 +344,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                     rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
                     if cutlass.const_expr(self.block_scaled):
                         cons, release = self.consume_block_scaled_tile(
-                            ab_pipe, tiled_mma, (acc, acc2), blocks, (r_a, r_b, r_b2), k_tiles, cons, release, (s_sa, *b_scales),
-                            (expert, tile_col), mma_tidx,
+                            ab_pipe, tiled_mma, (acc, acc2), blocks, issue, k_tiles, cons, release, (s_sa, *b_scales), (expert, tile_col),
+                            mma_tidx,
                         )
                     else:
                         cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
@@ -421,6 +434,37 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                         for hi in cutlass.range_constexpr(2):
                             for c in cutlass.range_constexpr(2):
                                 acc[(c, hi, j), m, 0] = acc[(c, hi, j), m, 0] + pair[c].to(cutlass.Float32)
+
+    @property
+    def stacked_b(self) -> bool:
+        """FP8 SwiGLU (block-scaled, two products): gate's and up's B tiles stacked in one 2·tile_n-row
+        stage and multiplied by one n = 2·tile_n WGMMA a step, so that A is read from shared memory
+        once, not once per product (shared memory's bandwidth bounds the 64-wide FP8 SwiGLU tile:
+        docs/notes/fp8-block-hopper.md). Each product's values are their own half of the WGMMA's."""
+        return self.block_scaled and self.two_accumulators
+
+    def stack_b(self, m_a, m_b):
+        """Host side, ``stacked_b``: the WGMMA over both B tiles (n = 2·tile_n) and their staged layout
+        (each stage gate's tile_n rows, then up's: the halves of one K-major tile)."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        a_layout, b_layout = LayoutEnum.from_tensor(m_a), LayoutEnum.from_tensor(m_b)
+        self.tiled_mma_pair = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(), cutlass.Float32,
+            self.atom_layout_mnk, tiler_mn=(64, 2 * tile_n),
+        )
+        return sm90_utils.make_smem_layout_b(b_layout, (tile_m, 2 * tile_n, tile_k), self.ab_dtype, self.ab_stage)
+
+    def stacked_halves(self, s_b_pair):
+        """(B's, B2's) stages as views of the stacked buffer (rows [0, tile_n) and [tile_n, 2·tile_n) of each stage)."""
+        halves = cute.flat_divide(s_b_pair, (self.tile_shape_mnk[1],))
+        return halves[None, 0, None, None], halves[None, 1, None, None]
+
+    def stacked_blocks(self, pair_block, acc):
+        """The two products' block accumulators as the halves of the stacked WGMMA's: a thread's values
+        of an n = 2·tile_n fragment come 4 per 8 columns in column order, so gate's tile_n columns are
+        its first half and up's its second, each laid out as one tile_n-wide product's fragment."""
+        half = cute.size(acc)
+        return cute.make_tensor(pair_block.iterator, acc.layout), cute.make_tensor(pair_block.iterator + half, acc.layout)
 
     def second_b(self, storage, b_smem, s_b):
         """B2's shared-memory tile: its own buffer for SwiGLU's second product, else B's (k_split loads B2 there)."""

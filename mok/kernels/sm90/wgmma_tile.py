@@ -116,10 +116,11 @@ class WgmmaTileKernel:
         for atom in tma_atoms:
             cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
-    def mma_operands(self, tiled_mma, mma_tidx, s_a, s_b):
-        """This warpgroup's MMA slice, its WGMMA views of the A and B stages, and an fp32 accumulator (not zeroed)."""
+    def mma_operands(self, tiled_mma, mma_tidx, s_a, s_b, tile_mn: tuple | None = None):
+        """This warpgroup's MMA slice, its WGMMA views of the A and B stages, and an fp32 accumulator
+        (not zeroed) of the ``tile_mn`` product (default: the CTA's tile)."""
         thr_mma = self.warpgroup_slice(tiled_mma, mma_tidx)
-        tile_mn = (self.tile_shape_mnk[0], self.tile_shape_mnk[1])
+        tile_mn = tile_mn or (self.tile_shape_mnk[0], self.tile_shape_mnk[1])
         acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape, cutlass.Float32)
         r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
@@ -321,17 +322,20 @@ class WgmmaTileKernel:
         cute.nvgpu.warpgroup.wait_group(0)
 
     @cute.jit
-    def mma_stage(self, tiled_mma, acc, acc2, r_a, r_b, r_b2, stage, overwrite: cutlass.Constexpr = False):
+    def mma_stage(self, tiled_mma, acc, acc2, r_a, r_b, r_b2, stage, overwrite: cutlass.Constexpr = False,
+                  one_product: cutlass.Constexpr = False):
         """Issue one shared-memory stage's WGMMAs (its k blocks) as one commit group. ``overwrite``:
         the first k block's WGMMAs replace acc (and acc2) instead of adding to them (scale-d 0), so
-        that a per-stage accumulator needs no zeroing; the ACCUMULATE field is set again after it."""
+        that a per-stage accumulator needs no zeroing; the ACCUMULATE field is set again after it.
+        ``one_product``: acc only, also where there are two accumulators (their B tiles stacked: one
+        WGMMA covers both)."""
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
             if cutlass.const_expr(overwrite):
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb > 0)
             blk = (None, None, kb, stage)
             cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
-            if cutlass.const_expr(self.two_accumulators):
+            if cutlass.const_expr(self.two_accumulators and not one_product):
                 cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
         cute.nvgpu.warpgroup.commit_group()
 
