@@ -93,7 +93,7 @@ class MoELayer(nn.Module):
     "geglu" (:class:`mok.config.MoKConfig`). ``bias=True``: the routed experts have biases
     (``gate_bias``, ``up_bias`` [E, I], ``down_bias`` [E, H], initialised to zero; gpt-oss's; the
     config's ``expert_bias``). ``row_tile_pairs=True``: the staged bf16 GEMMs on clusters sharing each
-    weight tile (the same bits; off by default until measured faster: MoKConfig.row_tile_pairs).
+    weight tile (the same bits; off by default, no faster on an H100: MoKConfig.row_tile_pairs).
     """
 
     def __init__(
