@@ -37,6 +37,11 @@ SHAPES = {  # name: (E, rows per expert, N, K, swiglu)
 }
 
 
+def uniform_schedule(T: int, E: int, k: int):
+    """The schedule of T tokens routed uniformly to k of E experts (a random top-k)."""
+    return ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+
+
 def shape_operands(E, per, N, K, swiglu):
     """A shape's rows (E x per, whole tiles), weights (B2 for SwiGLU), tile experts and FLOPs."""
     R = E * per
@@ -106,7 +111,7 @@ def gathered_fc1() -> None:
     """fc1 with its A rows gathered by the GEMM's producer against the gather kernel + fc1, on a real schedule."""
     for name, (T, H, I, E, k) in {"dsv3 fc1": (4096, 7168, 2048, 32, 8), "qwen3 fc1": (8192, 2048, 768, 64, 8)}.items():
         x = torch.randn(T, H, device="cuda").bfloat16()
-        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        sched = uniform_schedule(T, E, k)
         wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
         x_rows = ops.gather_rows(x, sched.row_token)
         out = torch.empty(x_rows.shape[0], I, device="cuda").bfloat16()
@@ -123,7 +128,7 @@ def scattered_fc2() -> None:
     """The down projection writing each row into its (token, slot) slot (the EP push inside the GEMM)
     against the same GEMM into y_rows, on a real schedule, one rank (local slots)."""
     for name, (T, H, I, E, k) in {"dsv3 fc2": (4096, 7168, 2048, 32, 8), "qwen3 fc2": (8192, 2048, 768, 64, 8)}.items():
-        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        sched = uniform_schedule(T, E, k)
         a = torch.randn(sched.capacity, I, device="cuda").bfloat16()
         wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
         y_rows = torch.empty(sched.capacity, H, device="cuda").bfloat16()
@@ -143,7 +148,7 @@ def counted_weight_grads() -> None:
     """The weight gradients on real uniform schedules (zero padding rows), reducing every padded
     row against stopping at each expert's last 64-row block (``counts``), as the backward calls them."""
     for name, (T, H, I, E, k) in {"dsv3 E128": (4096, 7168, 2048, 128, 8), "qwen3 E128": (8192, 2048, 768, 128, 8)}.items():
-        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        sched = uniform_schedule(T, E, k)
         token, used = sched.row_token, int(sched.expert_offsets[-1])
         blocks = int(((sched.expert_offsets[1:] - sched.expert_offsets[:-1]) // 64).sum())
         kept = int(((sched.expert_counts + 63) // 64).sum())
@@ -190,7 +195,7 @@ def fp8_weight_grad_inputs(T: int, H: int, I: int, E: int, k: int) -> SimpleName
     experts: the schedule, x [T, H], dh [rows, 2I] (padding rows zero) and x's gathered bf16 rows;
     the FP8 transposes of dh and x (ops.quantize_fp8_columns, x's rows gathered as they are
     quantized), the rows in use."""
-    sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+    sched = uniform_schedule(T, E, k)
     x = torch.randn(T, H, device="cuda").bfloat16()
     dh = torch.randn(sched.capacity, 2 * I, device="cuda").bfloat16().masked_fill((sched.row_token < 0)[:, None], 0)
     used = sched.expert_offsets[-1:]
@@ -289,7 +294,7 @@ def gathered_fp8_fc1() -> None:
               "qwen3 fc1": (8192, 2048, 768, 64, 8), "qwen3-30b fc1": (4096, 2048, 768, 128, 8)}
     for name, (T, H, I, E, k) in shapes.items():
         x = torch.randn(T, H, device="cuda").bfloat16()
-        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        sched = uniform_schedule(T, E, k)
         wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
         q = fp8_block_weights(wg, wu, wu)
         used = sched.expert_offsets[-1:]
@@ -326,12 +331,13 @@ def row_tile_pairs() -> None:
     print(f"{'shape':<12}{'GEMM':<14}{'cluster 1 ms':>13}{'cluster 2 ms':>13}{'speedup':>9}{'shared pairs':>14}")
     for name, (T, H, I, E, k) in PAIR_SHAPES.items():
         x = torch.randn(T, H, device="cuda").bfloat16()
-        sched = ops.device_schedule(torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int(), E)
+        sched = uniform_schedule(T, E, k)
         wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
         wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
         rows = sched.row_token.shape[0]
         a, h = torch.empty(rows, I, device="cuda").bfloat16(), torch.empty(rows, 2 * I, device="cuda").bfloat16()
-        dh, y, dx = torch.randn(rows, 2 * I, device="cuda").bfloat16(), torch.empty(rows, H, device="cuda").bfloat16(), torch.empty(rows, H, device="cuda").bfloat16()
+        dh = torch.randn(rows, 2 * I, device="cuda").bfloat16()
+        y, dx = (torch.empty(rows, H, device="cuda").bfloat16() for _ in range(2))
         tiles = sched.tile_expert
         used = tiles[: tiles.shape[0] // 2 * 2].view(-1, 2)
         shared = ((used[:, 0] == used[:, 1]) & (used[:, 0] >= 0)).sum().item() / max((used >= 0).any(1).sum().item(), 1)

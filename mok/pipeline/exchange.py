@@ -68,26 +68,19 @@ def flag_args(ws: EPWorkspace) -> tuple:
     return launch.ptr("i32", ws.region("flags", 0), 4), launch.i32(ws.rank), launch.i32(ws.stride_elems("flags"))
 
 
-def mxfp8_region(ws: EPWorkspace, rank: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s region "x" holding MXFP8 rows: (elements float8_e4m3fn [T, H] from its first
-    byte, scales uint8 [T, H / 32] from byte T_max·H); both fit in the T_max·H bf16 it holds."""
-    lay = ws.layout
-    region = ws.region("x", rank).view(torch.uint8)
-    start = lay.max_tokens * lay.hidden
-    elements = region[: num_tokens * lay.hidden].view(torch.float8_e4m3fn).view(num_tokens, lay.hidden)
-    scales = region[start:start + num_tokens * lay.hidden // 32].view(num_tokens, lay.hidden // 32)
-    return elements, scales
+ROW_SCALES = {"mxfp8": (torch.uint8, 32), "fp8_block": (torch.float32, 128)}  # a quantized dispatch's scales: dtype, elements each
 
 
-def fp8_region(ws: EPWorkspace, rank: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s region "x" holding FP8 rows with 1 x 128 block scales: (elements
-    float8_e4m3fn [T, H] from its first byte, scales float32 [T, ceil(H / 128)] from byte
-    T_max·H); both fit in the T_max·H bf16 it holds (H a multiple of 16)."""
+def quantized_region(ws: EPWorkspace, rank: int, num_tokens: int, rows_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s region "x" holding quantized rows: (elements float8_e4m3fn [T, H] from its
+    first byte, scales [T, ceil(H / block)] from byte T_max·H: ``rows_format`` "mxfp8"'s E8M0 bytes a
+    32-block, "fp8_block"'s fp32 a 128-block); both fit in the T_max·H bf16 it holds."""
     lay = ws.layout
+    dtype, block = ROW_SCALES[rows_format]
     region = ws.region("x", rank).view(torch.uint8)
-    start, blocks = lay.max_tokens * lay.hidden, -(-lay.hidden // 128)
+    start, blocks = lay.max_tokens * lay.hidden, -(-lay.hidden // block)
     elements = region[: num_tokens * lay.hidden].view(torch.float8_e4m3fn).view(num_tokens, lay.hidden)
-    scales = region[start:start + 4 * num_tokens * blocks].view(torch.float32).view(num_tokens, blocks)
+    scales = region[start:start + num_tokens * blocks * dtype.itemsize].view(dtype).view(num_tokens, blocks)
     return elements, scales
 
 
@@ -96,27 +89,20 @@ def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream, 
     """One launch: ``rows`` = (region name, [T, H] bf16) and ``values`` = (region name, [T, k]
     32-bit) into this rank's regions, then the publish signal of a new epoch to every rank (the
     wait for the peers' is in :func:`gather_ranks`). ``rows_format`` "mxfp8": the rows quantized on
-    their way in (mok.ops.quantize_mxfp8's bytes, :func:`mxfp8_region`'s layout of region "x");
-    "fp8_block": quantized with 1 x 128 block scales (mok.ops.quantize_fp8_rows's elements and
-    scales by the rule ``power_of_two`` says, :func:`fp8_region`'s layout)."""
+    their way in (mok.ops.quantize_mxfp8's bytes); "fp8_block": quantized with 1 x 128 block scales
+    (mok.ops.quantize_fp8_rows's elements and scales by the rule ``power_of_two`` says); either in
+    :func:`quantized_region`'s layout of region "x"."""
     (rows_name, rows_src), (values_name, values_src) = rows, values
     flags = launch.ptr("i32", ws.region("flags", 0), 4)
     ctas, rank, tokens = launch.i32(4 * sm_count(rows_src.device)), launch.i32(ws.rank), launch.i32(rows_src.shape[0])
     values_region = launch.ptr("i32", ws.region(values_name, 0), 4)
-    if rows_format == "fp8_block":
-        elements, scales = fp8_region(ws, ws.rank, rows_src.shape[0])
-        kernels["publish_fp8_block_pow2" if power_of_two else "publish_fp8_block"](
-            flags, launch.ptr("e4m3", elements), launch.ptr("f32", scales, 16), values_region, launch.ptr("bf16", rows_src),
-            launch.ptr("i32", values_src, 4), rank, tokens, ctas, launch.i32(ws.stride_elems("flags")),
-            launch.i32(ws.stride_elems(values_name)), stream,
-        )
-        return
-    if rows_format == "mxfp8":
-        elements, scales = mxfp8_region(ws, ws.rank, rows_src.shape[0])
-        kernels["publish_mxfp8"](
-            flags, launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), values_region, launch.ptr("bf16", rows_src),
-            launch.ptr("i32", values_src, 4), rank, tokens, ctas, launch.i32(ws.stride_elems("flags")),
-            launch.i32(ws.stride_elems(values_name)), stream,
+    if rows_format != "bf16":
+        elements, scales = quantized_region(ws, ws.rank, rows_src.shape[0], rows_format)
+        name = "publish_fp8_block_pow2" if rows_format == "fp8_block" and power_of_two else f"publish_{rows_format}"
+        scale_ptr = launch.ptr("f32", scales, 16) if rows_format == "fp8_block" else launch.ptr("u8", scales, 1)
+        kernels[name](
+            flags, launch.ptr("e4m3", elements), scale_ptr, values_region, launch.ptr("bf16", rows_src), launch.ptr("i32", values_src, 4),
+            rank, tokens, ctas, launch.i32(ws.stride_elems("flags")), launch.i32(ws.stride_elems(values_name)), stream,
         )
         return
     kernels["publish"](
@@ -153,27 +139,22 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream
     [ceil(H / 128), capacity] as the FP8 GEMM takes its A; zeros with scale 0 in the padding rows),
     H + 4·ceil(H / 128) bytes a token."""
     lay = ws.layout
-    if rows_format == "fp8_block":
-        elements_src, scales_src = fp8_region(ws, 0, lay.max_tokens)  # rank 0's; the kernel steps by the rank stride
-        packed = packed_fp8_rows(sched.capacity, lay.hidden, ws.buffer.device)
-        elements, scales = fp8_rows(packed, lay.hidden)
-        kernels["dispatch_fp8_block"](
-            launch.ptr("u8", elements_src.view(torch.uint8), 16), launch.ptr("f32", scales_src, 16), launch.ptr("i32", sched.slot_row, 4),
-            launch.ptr("i32", sched.expert_counts, 4), launch.ptr("i32", sched.expert_offsets, 4),
-            launch.ptr("u8", elements.view(torch.uint8), 16), launch.ptr("f32", scales, 16), launch.i32(lay.max_tokens), launch.i64(ws.rank_stride), launch.i32(sched.capacity),
-            launch.i32(sched.expert_counts.shape[0]), stream,
-        )
-        return packed
-    rows = bf16_out(out, (sched.capacity, lay.hidden), ws.buffer.device)
     schedule = (launch.ptr("i32", sched.slot_row, 4), launch.ptr("i32", sched.expert_counts, 4), launch.ptr("i32", sched.expert_offsets, 4))
     tail = (launch.i32(sched.capacity), launch.i32(sched.expert_counts.shape[0]), stream)
-    if rows_format == "mxfp8":
-        elements, scales = mxfp8_region(ws, 0, lay.max_tokens)  # rank 0's; the kernel steps by the rank stride
-        kernels["dispatch_mxfp8"](
-            launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), *schedule, launch.ptr("bf16", rows), launch.ptr("f32", None),
-            launch.i32(lay.max_tokens), launch.i64(ws.rank_stride), *tail,
-        )
+    if rows_format != "bf16":
+        elements, scales = quantized_region(ws, 0, lay.max_tokens, rows_format)  # rank 0's; the kernel steps by the rank stride
+        if rows_format == "fp8_block":
+            rows = packed_fp8_rows(sched.capacity, lay.hidden, ws.buffer.device)
+            rows_out, scales_out = fp8_rows(rows, lay.hidden)
+            outs = (launch.ptr("u8", rows_out.view(torch.uint8), 16), launch.ptr("f32", scales_out, 16))
+            sources = (launch.ptr("u8", elements.view(torch.uint8), 16), launch.ptr("f32", scales, 16))
+        else:
+            rows = bf16_out(out, (sched.capacity, lay.hidden), ws.buffer.device)
+            outs = (launch.ptr("bf16", rows), launch.ptr("f32", None))
+            sources = (launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1))
+        kernels[f"dispatch_{rows_format}"](*sources, *schedule, *outs, launch.i32(lay.max_tokens), launch.i64(ws.rank_stride), *tail)
         return rows
+    rows = bf16_out(out, (sched.capacity, lay.hidden), ws.buffer.device)
     kernels["dispatch"](
         launch.ptr("bf16", ws.region(name, 0)), *schedule, launch.ptr("bf16", rows), launch.i32(lay.max_tokens),
         launch.i32(ws.stride_elems(name)), *tail,

@@ -237,7 +237,7 @@ def x_rows_shape(config, num_rows: int) -> tuple[int, int]:
     """The shape of the rows an EP forward keeps for the backward: [R, H] bf16, or with
     dispatch_format="fp8_block" the FP8 rows as they crossed (stages.packed_fp8_rows, uint8)."""
     if config.dispatch_format == "fp8_block":
-        return num_rows, config.hidden + 4 * -(-config.hidden // 128)
+        return num_rows, stages.packed_fp8_width(config.hidden)
     return num_rows, config.hidden
 
 

@@ -185,11 +185,16 @@ def dequantized_columns(q: tuple) -> torch.Tensor:
     return transposed.T.contiguous()
 
 
+def packed_fp8_width(hidden: int) -> int:
+    """Bytes a row of a :func:`packed_fp8_rows` buffer: H E4M3 elements and 4 per 128-block of scales."""
+    return hidden + 4 * -(-hidden // 128)
+
+
 def packed_fp8_rows(num_rows: int, hidden: int, device) -> torch.Tensor:
-    """One uint8 buffer [R, H + 4·ceil(H / 128)] for R FP8 rows with 1 x 128 block scales (the rows
-    dispatch_format="fp8_block" pulls, which the backward keeps as one tensor): :func:`fp8_rows`
+    """One uint8 buffer [R, :func:`packed_fp8_width`] for R FP8 rows with 1 x 128 block scales (the
+    rows dispatch_format="fp8_block" pulls, which the backward keeps as one tensor): :func:`fp8_rows`
     gives its parts."""
-    return torch.empty(num_rows, hidden + 4 * -(-hidden // 128), dtype=torch.uint8, device=device)
+    return torch.empty(num_rows, packed_fp8_width(hidden), dtype=torch.uint8, device=device)
 
 
 def fp8_rows(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,20 @@ def check_mxfp8_width(width: int) -> None:
         raise ValueError(f"width: expected a multiple of {BLOCK} (the MXFP8 block), got {width}")
 
 
+FP8_ROW_VECTOR = 16  # E4M3 bytes of a 16-byte vector: fp8_block rows are multiples of it
+
+
+def check_quantized_rows(row_format: str, width: int) -> None:
+    """A quantized exchange's row format and a row width it takes: "mxfp8" (whole 32-blocks) or
+    "fp8_block" (16-byte E4M3 rows, a partial last 128-block)."""
+    if row_format not in ("mxfp8", "fp8_block"):
+        raise ValueError(f"row_format: expected 'mxfp8' or 'fp8_block', got {row_format!r}")
+    if row_format == "mxfp8":
+        check_mxfp8_width(width)
+    elif width % FP8_ROW_VECTOR:
+        raise ValueError(f"width: expected a multiple of {FP8_ROW_VECTOR} (16-byte E4M3 rows), got {width}")
+
+
 @cute.jit
 def record_timeout(m_flags: cute.Tensor, rank, world: cutlass.Constexpr[int], phase: cutlass.Constexpr[int], peer, epoch):
     """A wait for ``peer``'s ``phase`` of ``epoch`` timed out: (1, phase, peer, epoch) into this
@@ -219,17 +233,14 @@ class EpPublishQuantizedKernel(EpPublishKernel):
 
     - "mxfp8": every thread quantizes blocks of 32 of x (mok.ops.quantize_mxfp8's bytes,
       :func:`quantize_block`): E4M3 elements [T, H], then E8M0 scales [T, H / 32]
-      (mok.pipeline.exchange.mxfp8_region);
+      (mok.pipeline.exchange.quantized_region);
     - "fp8_block" (precision fp8_block's activations: mok.ops.quantize_fp8_rows's elements and
       scales, by the row quantizer's own steps, common/fp8_block_quantize.py, with ``power_of_two``
       its scale rule): a warp per (token, 128-column block), E4M3 elements [T, H], then fp32 scales
-      [T, ceil(H / 128)] (mok.pipeline.exchange.fp8_region)."""
+      [T, ceil(H / 128)] (mok.pipeline.exchange.quantized_region)."""
 
     def __init__(self, world: int, width: int, topk: int, row_format: str, power_of_two: bool = False, threads: int | None = None) -> None:
-        if row_format not in ("mxfp8", "fp8_block"):
-            raise ValueError(f"row_format: expected 'mxfp8' or 'fp8_block', got {row_format!r}")
-        if row_format == "mxfp8":
-            check_mxfp8_width(width)
+        check_quantized_rows(row_format, width)
         super().__init__(world, width, topk, threads)
         self.row_format = row_format
         self.rows = QuantizeFp8BlockKernel(width, power_of_two=power_of_two) if row_format == "fp8_block" else None
@@ -441,15 +452,10 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
       zero elements and zero scales. A token crosses as H + 4·ceil(H / 128) bytes."""
 
     def __init__(self, world: int, width: int, topk: int, row_format: str, max_threads: int = 128) -> None:
-        if row_format not in ("mxfp8", "fp8_block"):
-            raise ValueError(f"row_format: expected 'mxfp8' or 'fp8_block', got {row_format!r}")
+        check_quantized_rows(row_format, width)
         self.row_format = row_format
-        if row_format == "mxfp8":
-            check_mxfp8_width(width)
-        else:
-            self.vector = 16  # E4M3 bytes of a 16-byte vector
-            if width % self.vector:
-                raise ValueError(f"width: expected a multiple of {self.vector} (16-byte E4M3 rows), got {width}")
+        if row_format == "fp8_block":
+            self.vector = FP8_ROW_VECTOR  # (the elements copied as bytes)
         super().__init__(world, width, topk, max_threads)
         self.k_blocks = -(-width // FP8_BLOCK)
 

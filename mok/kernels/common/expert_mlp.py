@@ -251,7 +251,7 @@ class ExpertMlp:
         raise NotImplementedError
 
     def mxfp8_regions(self, x_pub_ptr: cute.Pointer, x_stride, t_max) -> tuple:
-        """Every rank's region "x" holding MXFP8 rows (mok.pipeline.exchange.mxfp8_region): E4M3 elements [W, T_max·H]
+        """Every rank's region "x" holding MXFP8 rows (mok.pipeline.exchange.quantized_region): E4M3 elements [W, T_max·H]
         from its first byte, E8M0 scales [W, T_max·H/32] from byte T_max·H; the rank stride in bytes
         (64-bit: twice the bf16 element stride)."""
         hid = self.hidden

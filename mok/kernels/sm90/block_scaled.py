@@ -252,14 +252,6 @@ class BlockScaledMainloop:
         return cons, release
 
     @cute.jit
-    def wait_stage(self, ab_pipe, cons):
-        """Wait for stage ``cons`` to land (with ``gather_a``, A came through the generic proxy by
-        cp.async, and the WGMMAs read it through the async one: a proxy fence)."""
-        ab_pipe.consumer_wait(cons)
-        if cutlass.const_expr(self.gather_a):
-            cute.arch.fence_proxy("async.shared", space="cta")
-
-    @cute.jit
     def b_scales(self, m_sb, m_sb2, n_block, k_tile, expert):
         """(B's scale, B2's) of K block ``k_tile`` (B2's = B's without a second product)."""
         scale_b = self.b_scale(m_sb, m_sb2, n_block, k_tile, expert)

@@ -66,7 +66,7 @@ class ExpertMlpSm90(ExpertMlp):
         ``shared_prefix`` (with ``has_shared``, not ``ep_world``): a shared expert of the routed
         ones' shapes is expert E of the weights (E + 1 of them) and the schedule puts its T rows
         first (common/schedule.py); the combine reads its output rows as the shared input.
-        ``dispatch_format`` (with ``ep_world``): "mxfp8" publishes x quantized (mok.pipeline.exchange.mxfp8_region's
+        ``dispatch_format`` (with ``ep_world``): "mxfp8" publishes x quantized (mok.pipeline.exchange.quantized_region's
         layout) and dequantizes each row as it is copied into x_all (common/ep_phases.py).
         ``gate_up_stride``: elements from one expert's w_gate (and w_up) to the next (None: I·H; 2·I·H
         for the halves or the even and odd rows of one [E, 2I, H] tensor); ``gate_up_row_stride``:

@@ -361,9 +361,7 @@ class WgmmaTileKernel:
         """:meth:`consume_tile` up to its last stage's WGMMAs issued (one group may still run);
         :meth:`retire_tile` waits for it. Ping-pong hands the tensor cores over in between."""
         for k_tile in cutlass.range(k_tiles, unroll=1):
-            ab_pipe.consumer_wait(cons)
-            if cutlass.const_expr(self.gather_a):  # A came through the generic proxy (cp.async); WGMMA reads via the async one
-                cute.arch.fence_proxy("async.shared", space="cta")
+            self.wait_stage(ab_pipe, cons)
             self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
             cons.advance()
             if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
@@ -371,6 +369,14 @@ class WgmmaTileKernel:
                 ab_pipe.consumer_release(release)
                 release.advance()
         return cons, release
+
+    @cute.jit
+    def wait_stage(self, ab_pipe, cons):
+        """Wait for stage ``cons`` to land (with ``gather_a``, A came through the generic proxy by
+        cp.async, and the WGMMAs read it through the async one: a proxy fence)."""
+        ab_pipe.consumer_wait(cons)
+        if cutlass.const_expr(self.gather_a):
+            cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def retire_tile(self, ab_pipe, k_tiles, release):
