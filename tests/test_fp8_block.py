@@ -9,6 +9,7 @@ import torch
 
 from mok import fp8_block as fp8
 from mok import ops
+from mok.kernels.variants import grouped_gemm_variant
 
 
 def test_row_blocks_scale_by_their_largest_magnitude_and_round_to_e4m3():
@@ -124,15 +125,22 @@ def test_dequantizer_checks_its_operands_before_any_launch():
         ops.dequantize_fp8_rows(q, scales)
 
 
-def test_two_block_buffers_are_refused_where_the_kernel_has_none():
+def test_two_block_buffers_and_deep_turns_are_refused_where_the_kernel_has_none():
     a = fp8.quantize_rows(torch.randn(256, 256))
     b = fp8.quantize_weights(torch.randn(2, 128, 256))
     tiles = torch.zeros(2, dtype=torch.int32)
-    rule = r"block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue \(one product: two would spill\), got 2 "
-    with pytest.raises(ValueError, match=rule + "with operand='e4m3_block', epilogue='swiglu'"):
-        ops.grouped_gemm(a, b, tiles, b2=b, block_buffers=2)
+    rule = (r"block_buffers: expected 1, or 2 with operand='e4m3_block' and epilogue in \('plain', 'swiglu', 'swiglu_save'\) "
+            r"\(swiglu_bwd's would spill\), got 2 ")
     with pytest.raises(ValueError, match=rule + "with operand='bf16', epilogue='plain'"):
         ops.grouped_gemm(torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(2, 128, 256, dtype=torch.bfloat16), tiles, block_buffers=2)
+    with pytest.raises(ValueError, match=rule + "with operand='e4m3_block', epilogue='swiglu_bwd'"):
+        grouped_gemm_variant(256, 256, operand="e4m3_block", epilogue="swiglu_bwd", topk=2, block_buffers=2)
+    turn_rule = r"deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got "
+    with pytest.raises(ValueError, match=turn_rule + "8 with block_buffers=1"):
+        ops.grouped_gemm(a, b, tiles, b2=b, deep_turn=8)  # (SwiGLU: one set by default)
+    for odd in (1, 3):
+        with pytest.raises(ValueError, match=turn_rule + f"{odd} with block_buffers=2"):
+            ops.grouped_gemm(a, b, tiles, deep_turn=odd)
 
 
 def test_fp8_weight_grad_checks_its_operands_before_any_launch():

@@ -47,24 +47,37 @@ def test_plain_product_matches_float64_of_its_operands(R, N, K, E):
     assert torch.equal(one, out[:128])
 
 
-@pytest.mark.parametrize("k_split,k_blocks", [(False, 9), (False, 10), (False, 1), (True, 9), (True, 2)])
-def test_two_block_buffers_give_the_same_bits(k_split, k_blocks):
+@pytest.mark.parametrize("form", ["plain", "k_split", "swiglu"])
+@pytest.mark.parametrize("k_blocks", [9, 10, 1, 2, 21])
+def test_two_block_buffers_and_deep_turns_give_the_same_bits(form, k_blocks):
     """block_buffers=2 (a stage's WGMMAs overlapping the previous stage's promotion, the register
-    hand-over on; the plain epilogue's default): the same sums in the same order, so the one-set
-    kernel's bits; odd and even K block counts (a half's with k_split; 1: no loop, 2: its even
-    end), unused tiles left unwritten."""
-    R, N, K, E = 900, 1024, 128 * k_blocks * (2 if k_split else 1), 3
-    a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=11, two=k_split)
+    hand-over on; the plain epilogue's default), alone and with deep turns (two stages' WGMMAs in
+    flight for turns of 4 or 8 stages): the same sums in the same order, so the one-set kernel's
+    bits; odd and even K block counts (a half's with k_split; 1: no loop, 2: its even end; 9, 10
+    and 21: whole turns and a remainder of pairs), SwiGLU's two products with h, unused tiles left
+    unwritten."""
+    k_split, swiglu = form == "k_split", form == "swiglu"
+    R, N, K, E = 900, 1024 if not swiglu else 384, 128 * k_blocks * (2 if k_split else 1), 3
+    a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=11 + k_blocks, two=swiglu)
     used = experts >= 0
     if k_split:
         b_q = fp8.quantize_weights(torch.randn(E, N, K // 2, device="cuda") * K**-0.5)
         b2_q = fp8.quantize_weights(torch.randn(E, N, K // 2, device="cuda") * K**-0.5)
-    one, two = poisoned(R, N), poisoned(R, N)
-    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=one, block_buffers=1)
-    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=two)
-    assert two[~used].isnan().all() and torch.equal(two[used], one[used])
-    if not k_split:
-        assert rel_err(two[used], fp8.block_scaled_gemm_reference(a_q, b_q, experts)[used]) < 5e-3
+    h_one = poisoned(R, 2 * N) if swiglu else None
+    one = poisoned(R, N)
+    ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=one, h_out=h_one, block_buffers=1)
+    for deep_turn in (0, 4, 8):
+        two = poisoned(R, N)
+        h_two = poisoned(R, 2 * N) if swiglu else None
+        ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, k_split=k_split, out=two, h_out=h_two, block_buffers=2, deep_turn=deep_turn)
+        assert two[~used].isnan().all() and torch.equal(two[used], one[used]), deep_turn
+        if swiglu:
+            assert torch.equal(h_two[used], h_one[used]), deep_turn
+    if form == "plain":
+        assert rel_err(one[used], fp8.block_scaled_gemm_reference(a_q, b_q, experts)[used]) < 5e-3
+    if swiglu:
+        gate, up = (fp8.block_scaled_gemm_reference(a_q, b, experts)[used] for b in (b_q, b2_q))
+        assert rel_err(h_one[used].double(), torch.cat([gate, up], dim=1)) < 5e-3
 
 
 def test_swiglu_with_h_and_biases_and_the_k_split_form():

@@ -497,8 +497,7 @@ def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
     stage, the loop's two, the last) into the two sets of block accumulators in turn, each before the
     previous stage's promotion (four places, the same fused multiply-adds per value), and not
     serialized by ptxas (nor is one set's); the registers handed over (setmaxnreg) within the launch
-    count, nothing spilled; the default for FP8's plain epilogue (bf16 has no block accumulators);
-    and refused with SwiGLU's two products (ptxas spills them)."""
+    count, nothing spilled; the default for FP8's plain epilogue (bf16 has no block accumulators)."""
     n, k = (7168, 4096) if options.get("k_split") else (7168, 2048)
     one = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=1, **options), "sm_90a")
     ptx = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=2, **options), "sm_90a")
@@ -511,8 +510,23 @@ def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
     assert count(r"setmaxnreg", ptx) == 2 and count(r"setmaxnreg", one) == 0
     assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0
     assert_register_handover_fits(ptx)
-    with pytest.raises(ValueError, match="block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue"):
-        compiled_ptx(grouped_gemm_variant(2048, 7168, operand="e4m3_block", block_buffers=2, epilogue="swiglu"), "sm_90a")
+
+
+@pytest.mark.parametrize("n,k,epilogue,deep_turn", [(7168, 2048, "plain", 8), (2048, 7168, "swiglu_save", 0), (2048, 7168, "swiglu_save", 8)])
+def test_fp8_block_gemm_deep_turns_keep_two_stages_in_flight(n, k, epilogue, deep_turn):
+    """Two block sets with SwiGLU's stacked products (an n = 2·tile_n WGMMA a step into either set's
+    pair) and deep turns (two stages' WGMMAs in flight: each stage's issued before the previous one
+    is waited for with wait_group 1; every group retired at the turn's end): not serialized by ptxas,
+    nothing spilled, the registers handed over within the launch count; the turn's stages unrolled
+    beside the pairs' (three places more WGMMAs are issued from at turn 8: the first, the turn's
+    eight, the pairs' two, the last)."""
+    ptx = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", epilogue=epilogue, block_buffers=2, deep_turn=deep_turn), "sm_90a")
+    places = 4 + deep_turn  # (the first stage, the turn's, the pairs' two, the last)
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 4 * places
+    assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) == max(deep_turn - 1, 0)
+    assert_wgmmas_not_serialized(ptx)
+    assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0
+    assert_register_handover_fits(ptx)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

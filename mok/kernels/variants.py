@@ -189,17 +189,27 @@ def _check_operand(operand: str, persistent: bool, b_major: str = "k") -> None:
         raise ValueError("operand='e4m3_block': the FP8 (Hopper) kernel is persistent with K-major B: pass persistent=True and b_major='k'")
 
 
+FP8_TWO_SET_EPILOGUES = ("plain", "swiglu", "swiglu_save")  # the epilogues beside which two sets of FP8 block accumulators fit
+
+
+def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
+    """``deep_turn`` (the FP8 two-set schedule's stages a turn with two stages' WGMMAs in flight,
+    mok/kernels/sm90/block_scaled.py): 0 (off), or an even count >= 2 with two block sets."""
+    if deep_turn and (deep_turn < 2 or deep_turn % 2 or block_buffers != 2):
+        raise ValueError(f"deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got {deep_turn} with block_buffers={block_buffers}")
+
+
 def block_buffers_for(block_buffers: int | None, operand: str, epilogue: str) -> int:
     """The FP8 GEMM's sets of block accumulators (mok/kernels/sm90/block_scaled.py): 1, or 2 with
-    operand "e4m3_block" and the plain epilogue (one product; SwiGLU's two would spill). None: 2
-    where it is allowed (a stage's WGMMAs then overlap the previous stage's promotion; the same
-    bits), else 1."""
-    allowed = operand == "e4m3_block" and epilogue == "plain"
+    operand "e4m3_block" and the plain or SwiGLU forward epilogues (the SwiGLU backward's would
+    spill). None: 2 for the plain epilogue (a stage's WGMMAs then overlap the previous stage's
+    promotion; the same bits), else 1."""
+    allowed = operand == "e4m3_block" and epilogue in FP8_TWO_SET_EPILOGUES
     if block_buffers is None:
-        return 2 if allowed else 1
+        return 2 if allowed and epilogue == "plain" else 1
     if block_buffers not in (1, 2) or (block_buffers == 2 and not allowed):
-        raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block' and the plain epilogue (one product: "
-                         f"two would spill), got {block_buffers} with operand={operand!r}, epilogue={epilogue!r}")
+        raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block' and epilogue in {FP8_TWO_SET_EPILOGUES} "
+                         f"(swiglu_bwd's would spill), got {block_buffers} with operand={operand!r}, epilogue={epilogue!r}")
     return block_buffers
 
 
@@ -232,6 +242,7 @@ def grouped_gemm_variant(
     block_buffers: int | None = None,
     b_row_stride: int | None = None,
     cluster_m: int = 1,
+    deep_turn: int = 0,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, compile-verified, never run).
@@ -265,6 +276,7 @@ def grouped_gemm_variant(
     """
     _check_operand(operand, persistent, b_major)
     block_buffers = block_buffers_for(block_buffers, operand, epilogue)
+    check_deep_turn(deep_turn, block_buffers)
     check_activation(activation)
     if (b_expert_stride is not None or b_row_stride is not None) and operand != "bf16":
         raise ValueError("b_expert_stride, b_row_stride: bf16 weights only (quantized weights are packed tensors)")
@@ -301,6 +313,8 @@ def grouped_gemm_variant(
         precision = {"operand": operand} if operand != "bf16" else {}
         if block_buffers != 1:
             precision["block_buffers"] = block_buffers
+        if deep_turn:
+            precision["deep_turn"] = deep_turn
         return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options, **precision)
 
     config = {"n": n, "k": k, "tile_n": tile_n, "stages": stages or 0, **options}  # stages 0: as deep as fits
@@ -308,6 +322,8 @@ def grouped_gemm_variant(
         config["operand"] = operand
     if block_buffers != 1:
         config["block_buffers"] = block_buffers
+    if deep_turn:
+        config["deep_turn"] = deep_turn
     return KernelVariant("grouped_gemm", config, build)
 
 

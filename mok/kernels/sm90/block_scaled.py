@@ -24,10 +24,15 @@ accumulators and issues a stage's WGMMAs into one before it promotes the previou
 from the other, then waits for them: its tensor work no longer waits for its own promotion. (The
 loop takes two stages a turn so that each set is named statically, and nothing is in flight
 across its back edge: else ptxas serializes every WGMMA; ``pin_registers`` keeps each promotion
-between its waits.) The extra accumulators (64 registers a thread
-at 128-wide tiles) need the producer warpgroup's registers: the hand-over (setmaxnreg 40 / 232)
-is on for it. The plain epilogue only (k_split and scatter included): with SwiGLU's two products
-ptxas spills 636-792 bytes. The sums and their order are the same as with one set: the same bits.
+between its waits.) The extra accumulators (64 registers a thread at 128-wide tiles, or the
+stacked SwiGLU WGMMA's second n = 2·tile_n block) need the producer warpgroup's registers: the
+hand-over (setmaxnreg 40 / 232) is on for it. The plain and SwiGLU forward epilogues (k_split and
+scatter included; the SwiGLU backward's would spill). With ``deep_turn`` = d as well, the loop
+runs turns of d stages in which a warpgroup issues each stage's WGMMAs before it waits for the
+previous stage's (``wait_group 1``), so two stages are in flight and the tensor cores always have
+the next stage queued while the last is promoted; every group is retired at the turn's end (the
+back edge again), the stages past whole turns taking the pairs above. The sums and their order
+are the same as with one set: the same bits.
 
 K is reduced in one fixed order (K blocks in order, one fma each), one CTA per output tile: the
 result depends only on the tile's inputs and scales (deterministic, batch-invariant with per-row
@@ -70,6 +75,7 @@ class BlockScaledMainloop:
 
     block_scaled = False
     block_buffers = 1  # sets of block accumulators a warpgroup cycles through (module docstring)
+    deep_turn = 0  # with two sets: stages a turn in which two stages' WGMMAs are in flight (module docstring; 0: one)
     stacked_b = False  # two products' B tiles stacked, one WGMMA over both (GroupedGemmSm90.stacked_b)
     epilogue_kind = None  # (the grouped GEMM's sets its epilogue; a weight gradient's has none of these kinds)
 
@@ -163,7 +169,7 @@ class BlockScaledMainloop:
                     next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile + 1, expert)
                 self.wait_stage(ab_pipe, cons)
                 if cutlass.const_expr(self.stacked_b):  # one WGMMA a step over both products' stacked B tiles
-                    self.mma_stage(issue[0], issue[4], issue[4], *issue[1:4], cons.index, overwrite=True, one_product=True)
+                    self.mma_stage(issue[0], issue[4][0], issue[4][0], *issue[1:4], cons.index, overwrite=True, one_product=True)
                 else:
                     self.mma_stage(issue[0], blocks[0], blocks[1], *issue[1:4], cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
                 cute.nvgpu.warpgroup.wait_group(0)
@@ -188,12 +194,25 @@ class BlockScaledMainloop:
         they are waited for (``wait_group 0``): the tensor cores do not wait for the promotion. The
         loop takes two stages a turn so that each set is named statically, and retires every WGMMA
         before its back edge: otherwise ptxas serializes every WGMMA (docs/notes/kernel-pitfalls.md).
-        ``carry``: what the two callbacks advance (pipeline states, scales), returned."""
+        ``carry``: what the two callbacks advance (pipeline states, scales), returned. With
+        ``deep_turn`` the stages first run in turns of that many with two in flight (the module
+        docstring), the rest as above."""
         carry = issue(context, 0, 0, carry)
         cute.nvgpu.warpgroup.wait_group(0)
-        for pair in cutlass.range((k_tiles - 1) // 2, unroll=1):  # stages 1, 2 | 3, 4 | ... (into sets 1, 0)
+        first = 1  # (the first stage the pairs below take)
+        if cutlass.const_expr(self.deep_turn > 0):  # turns of deep_turn stages, two in flight (set 0's stage retired, not promoted, at entry)
+            turns = (k_tiles - 1) // self.deep_turn
+            for turn in cutlass.range(turns, unroll=1):
+                for i in cutlass.range_constexpr(self.deep_turn):  # stage k into set 1 - i % 2, then k - 1 retired and promoted
+                    carry = issue(context, turn * self.deep_turn + 1 + i, 1 - i % 2, carry)
+                    if cutlass.const_expr(i > 0):
+                        cute.nvgpu.warpgroup.wait_group(1)
+                    carry = settle(context, i % 2, False, carry)
+                cute.nvgpu.warpgroup.wait_group(0)  # (nothing in flight across the back edge)
+            first = 1 + turns * self.deep_turn
+        for pair in cutlass.range((k_tiles - first) // 2, unroll=1):  # stages first, first + 1 | ... (into sets 1, 0)
             for into in cutlass.range_constexpr(2):
-                carry = issue(context, 2 * pair + 1 + into, 1 - into, carry)
+                carry = issue(context, first + 2 * pair + into, 1 - into, carry)
                 carry = settle(context, into, False, carry)  # (the previous stage, retired)
                 cute.nvgpu.warpgroup.wait_group(0)
         if k_tiles % 2 == 0:  # the last stage, into set 1
@@ -214,7 +233,10 @@ class BlockScaledMainloop:
         cons, release, _, scales_b = carry
         next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile, expert)
         self.wait_stage(ab_pipe, cons)
-        self.mma_stage(issue[0], blocks[2 * into], blocks[2 * into + 1], *issue[1:4], cons.index, overwrite=True)
+        if cutlass.const_expr(self.stacked_b):  # one WGMMA a step over both products' stacked B tiles, into set ``into``'s pair
+            self.mma_stage(issue[0], issue[4][into], issue[4][into], *issue[1:4], cons.index, overwrite=True, one_product=True)
+        else:
+            self.mma_stage(issue[0], blocks[2 * into], blocks[2 * into + 1], *issue[1:4], cons.index, overwrite=True)
         cons.advance()
         return cons, release, scales_b, next_b
 

@@ -62,7 +62,7 @@ from ..common.records import grouped_gemm_args
 from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows
 from ..common.grouped_gemm import GroupedGemm
 from ..common.tile_order import PAIR, row_tile_pair
-from ..variants import block_buffers_for
+from ..variants import block_buffers_for, check_deep_turn
 from .block_scaled import FP8_ROW_ELEMENTS, SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
@@ -87,12 +87,14 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
         activation: str = "swiglu", bias: bool = False, operand: str = "bf16", block_buffers: int = 1,
-        b_row_stride: int | None = None, cluster_m: int = 1,
+        b_row_stride: int | None = None, cluster_m: int = 1, deep_turn: int = 0,
     ) -> None:
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
         self.block_scaled = operand == "e4m3_block"
         self.block_buffers = block_buffers_for(block_buffers, operand, epilogue)
+        check_deep_turn(deep_turn, self.block_buffers)
+        self.deep_turn = deep_turn
         tile_k = TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K
         self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, tile_k, b_expert_stride, activation, bias, b_row_stride)
         if self.block_scaled:
@@ -326,8 +328,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             if cutlass.const_expr(self.stacked_b):  # one n = 2·tile_n WGMMA a step; gate's and up's blocks are its halves
                 pair_r_a, pair_r_b, pair_block = self.mma_operands(tiled_mma_pair, mma_tidx, s_a, s_b_pair, (self.tile_shape_mnk[0],
                                                                                                              2 * self.tile_shape_mnk[1]))[1:]
-                blocks = self.stacked_blocks(pair_block, acc)
-                issue = (tiled_mma_pair, pair_r_a, pair_r_b, pair_r_b, pair_block)
+                pair_blocks = (pair_block,) + tuple(cute.make_rmem_tensor(pair_block.shape, cutlass.Float32) for _ in range(self.block_buffers - 1))
+                blocks = sum((self.stacked_blocks(b, acc) for b in pair_blocks), ())
+                issue = (tiled_mma_pair, pair_r_a, pair_r_b, pair_r_b, pair_blocks)
                 tiled_mma_pair.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
