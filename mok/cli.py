@@ -85,7 +85,8 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                    help="precision fp8_block's scale rule; power_of_two builds its quantizers that way (MoKConfig.fp8_scales)")
     p.add_argument("--wgrad-format", choices=WGRAD_FORMATS, default=None,
                    help="the expert weight gradients' operands (default: the precision's own); fp8_block (with precision "
-                        "fp8_block, sm_90a) adds the transposing quantizers and the FP8 weight-gradient kernels (MoKConfig.wgrad_format)")
+                        "fp8_block) adds the transposing quantizers and the FP8 weight-gradient kernels (sm_100a / sm_103a: power_of_two "
+                        "scales, the MXFP8 ones) (MoKConfig.wgrad_format)")
     p.add_argument("--row-tile-pairs", action="store_true",
                    help="the staged bf16 grouped GEMMs on clusters sharing each weight tile (MoKConfig.row_tile_pairs)")
 

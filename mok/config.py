@@ -68,7 +68,8 @@ class MoKConfig:
     dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
     one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
     compute on its rounding (mok/pipeline/exchange.py); "fp8_block" (ep_size > 1, precision
-    "fp8_block", Hopper): x crosses as the FP8 rows its fc1 takes, quantized once by the sender
+    "fp8_block"; SM100: the scales written as E8M0 in its MMAs' order): x crosses as the FP8 rows its
+    fc1 takes, quantized once by the sender
     (1 x 128 blocks by fp8_scales' rule: about half of bf16's bytes), the forward's bits those of
     the bf16 dispatch; the backward's x rows are those FP8 rows' values.
     precision: the routed experts' GEMM operands: "bf16" (default), "mxfp8" (every expert GEMM of
@@ -88,8 +89,9 @@ class MoKConfig:
     for every activation and weight the layer quantizes.
     wgrad_format: the routed experts' weight gradients' operands (None: the precision's own, bf16
     for bf16 and fp8_block, MXFP8 for mxfp8 and mxfp8_emulated): "bf16"; "fp8_block" (precision
-    fp8_block on Hopper: the rows' transposes quantized with 1 x 128 blocks along the rows, their
-    K, and FP8 WGMMAs, DeepSeek-V3's recipe; mok/kernels/sm90/weight_grad_gemm.py); "mxfp8"
+    fp8_block: the rows' transposes quantized with 1 x 128 blocks along the rows, their K, and FP8
+    WGMMAs, DeepSeek-V3's recipe, mok/kernels/sm90/weight_grad_gemm.py; on SM100 the same blocks as
+    E8M0 through its MXFP8 weight-gradient kernel); "mxfp8"
     (precision mxfp8 or mxfp8_emulated: quantized along the rows in blocks of 32).
     gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
     [I, H] block contiguous), "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows

@@ -43,20 +43,14 @@ def refusal(config: MoKConfig, arch: str) -> str | None:
     if config.precision == "mxfp8" and arch not in MXFP8_GEMM_ARCHS:
         return f"precision='mxfp8' needs block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}); on {arch} use precision='mxfp8_emulated'"
     if config.precision == "fp8_block" and arch not in FP8_BLOCK_GEMM_ARCHS:
-        why = fp8_on_block_scaled_mma_refusal(config, arch)
-        if why is not None:
-            return why
-        if config.weight_grad_format == "fp8_block":
-            return f"wgrad_format='fp8_block': Hopper's FP8 weight-gradient kernel ({', '.join(FP8_BLOCK_GEMM_ARCHS)}), got {arch}"
-        if config.dispatch_format == "fp8_block":
-            return (f"dispatch_format='fp8_block': rows with fp32 block scales, as Hopper's FP8 GEMMs take them "
-                    f"({', '.join(FP8_BLOCK_GEMM_ARCHS)}), got {arch}; SM100's take E8M0 scales: use dispatch_format='mxfp8' or 'bf16'")
+        return fp8_on_block_scaled_mma_refusal(config, arch)
     return None
 
 
 def fp8_on_block_scaled_mma_refusal(config: MoKConfig, arch: str) -> str | None:
     """Why precision="fp8_block" does not run on ``arch``'s block-scaled MMAs (SM100: its
-    power-of-two 128-block scales as E8M0 bytes through the MXFP8 kernels; None where it does)."""
+    power-of-two 128-block scales as E8M0 bytes through the MXFP8 kernels, with every option
+    Hopper's runs: wgrad_format and dispatch_format "fp8_block" too; None where it does)."""
     if arch not in MXFP8_GEMM_ARCHS:
         return f"precision='fp8_block': Hopper's FP8 WGMMAs or SM100's block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}), got {arch}"
     widths = config.widths
@@ -277,9 +271,11 @@ class Plan:
         v += [ep_variant("overflow", w, phase=phase, **rows) for phase in (0, 1)]  # (a capacity bound only)
         if c.dispatch_format == "mxfp8":
             v += [ep_variant("publish_mxfp8", w, **rows), ep_variant("dispatch_mxfp8", w, **rows)]
-        if c.dispatch_format == "fp8_block":  # (and the backward's x rows back to bf16)
-            v += [ep_variant("publish_fp8_block", w, **rows, power_of_two=c.fp8_power_of_two), ep_variant("dispatch_fp8_block", w, **rows),
-                  quantize_fp8_block_variant(c.hidden, bounded=True, back=True)]
+        if c.dispatch_format == "fp8_block":  # (and the backward's x rows back to bf16: SM100's E8M0 rows by MXFP8's dequantizer)
+            mma = self.fp8_scale_order == "mma"
+            v += [ep_variant("publish_fp8_block", w, **rows, power_of_two=c.fp8_power_of_two),
+                  ep_variant("dispatch_fp8_block", w, **rows, scale_order=self.fp8_scale_order),
+                  quantize_mxfp8_variant(back=True, bounded=True) if mma else quantize_fp8_block_variant(c.hidden, bounded=True, back=True)]
         return v
 
     def _gemm_variants(self, n: int, k: int, rows_gathered: bool = False, **options) -> list[KernelVariant]:
@@ -343,14 +339,15 @@ class Plan:
             v = [quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True)]
             if self.emulate:
                 v.append(quantize_mxfp8_variant(back=True))
-        if fp8:  # the four rows' transposes (quantizers of (width, rows gathered from the tokens)), FP8 WGMMAs
-            operand, pow2 = "e4m3_block", self.config.fp8_power_of_two
+        if fp8:  # the four rows' transposes (quantizers of (width, rows gathered from the tokens)): FP8 WGMMAs, or SM100's MXFP8 kernel
+            mma, pow2 = self.fp8_on_block_scaled_mma, self.config.fp8_power_of_two
+            operand = "e4m3" if mma else "e4m3_block"
             columns = [(i, False), (2 * i, False)]  # s·a's and dh's
             if self.ep or self.config.expert_bias:  # dout's rows as they are (the biases' sums read them), at EP x's pulled ones
                 columns.append((h, False))
             if not self.ep:  # x's, and dout's, rows gathered from the tokens as they are quantized
                 columns.append((h, True))
-            v = [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, columns=True, gathered=gathered)
+            v = [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, columns=True, gathered=gathered, mma_scales=mma)
                  for width, gathered in columns]
         kinds = [("bf16", False)] + ([("f32", True)] if self.config.fuse_wgrad_accumulation else [])
         for out, accumulate in kinds:
@@ -359,7 +356,7 @@ class Plan:
                 weight_grad_variant(2 * i, h, out, accumulate, split_out=True, persistent=persistent, operand=operand),
             ]
             if accumulate:
-                half_stride = None if fp8 else 2 * i  # (FP8: the half of dh's transpose, packed)
+                half_stride = None if operand == "e4m3_block" else 2 * i  # (Hopper's FP8: the half of dh's transpose, packed)
                 v.append(weight_grad_variant(i, h, out, accumulate, a_stride=half_stride, persistent=persistent, operand=operand))
         return v
 
@@ -387,8 +384,8 @@ def router_variants(hidden: int, num_experts: int, persistent: bool = True) -> l
 @functools.cache
 def plan_for(config: MoKConfig, arch: str) -> Plan:
     """The plan of ``config`` on ``arch``; raises (naming what to pass instead) where that layer does
-    not run: widths the scale blocks do not tile, MXFP8 GEMMs without block-scaled MMAs, one launch
-    or FP8 block scales off Hopper."""
+    not run: widths the scale blocks do not tile, MXFP8 GEMMs without block-scaled MMAs, FP8 block
+    scales that SM100's block-scaled MMAs cannot take (fp32, partial tiles)."""
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
     arch = normalize_arch(arch)

@@ -136,6 +136,21 @@ def test_precompile_builds_gpt_oss_activation_and_biases(tmp_path, capsys):
     assert "column_sums(" in err and "row_dots(" in err and "bias=True" in err and "for sm_100a" in err
 
 
+def test_precompile_builds_fp8_weight_gradients_and_dispatch_for_sm100(tmp_path, capsys):
+    """--wgrad-format fp8_block and --dispatch-format fp8_block with power-of-two scales build for
+    sm_100a (the column quantizer and the dispatch in the MMA's E8M0 order, the MXFP8 weight
+    gradients); with fp32 scales they are refused before anything compiles."""
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    shape = ["--hidden", "256", "--intermediate", "128", "--experts", "8", "--topk", "2", "--shared-intermediate", "0", "--ep-size", "2"]
+    fp8 = ["--precision", "fp8_block", "--wgrad-format", "fp8_block", "--dispatch-format", "fp8_block"]
+    assert main(["precompile", "--arch", "sm_100a", *shape, *fp8, "--fp8-scales", "power_of_two", *cache]) == 0
+    err = capsys.readouterr().err
+    assert "ep_dispatch_fp8_block(" in err and "scale_order=mma" in err and "dequantize_mxfp8(bounded=True)" in err
+    assert "columns=True, mma_scales=True" in err and "operand=e4m3, out_dtype" in err and "for sm_100a" in err
+    assert main(["precompile", "--arch", "sm_100a", *shape, *fp8, "--cache-dir", str(tmp_path / "refused")]) == 1
+    assert "fp8_scales='power_of_two'" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+
+
 def test_bench_without_a_gpu_says_so_and_points_to_precompile(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench"]) == 2

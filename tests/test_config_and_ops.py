@@ -141,16 +141,18 @@ def test_mxfp8_dispatch_config_adds_its_kernels_and_the_cli_sets_it():
     assert config.dispatch_format == "mxfp8" and _config_from(parser.parse_args([])).dispatch_format == "bf16"
 
 
-def test_fp8_dispatch_config_adds_its_kernels_and_is_hopper_s():
+def test_fp8_dispatch_config_adds_its_kernels_on_either_arch():
     """dispatch_format="fp8_block" (precision fp8_block, EP > 1): the plan adds the quantizing
     publish (by the config's scale rule), the dispatch that keeps the rows in FP8 and the
-    dequantizer of the backward's x rows, nothing else; SM100 refuses it with what to pass instead;
-    `precompile --dispatch-format fp8_block` sets it; the saved rows are one uint8 buffer of the
-    FP8 rows and their scales."""
+    dequantizer of the backward's x rows, nothing else; on SM100 (power-of-two scales, whole 128
+    blocks) the dispatch writes the scales as E8M0 in the MMA order and MXFP8's dequantizer takes
+    the rows back; `precompile --dispatch-format fp8_block` sets it; the saved rows are one uint8
+    buffer of the FP8 rows and their scales, the same bytes in either scale order."""
     import argparse
 
     from mok.cli import _add_shape_options, _config_from
     from mok.pipeline.forward import x_rows_shape
+    from mok.pipeline.stages import fp8_rows, packed_fp8_rows
     from mok.plan import plan_for, refusal
 
     def variants_for(config):
@@ -166,8 +168,18 @@ def test_fp8_dispatch_config_adds_its_kernels_and_is_hopper_s():
     config = MoKConfig(**base, dispatch_format="fp8_block", fp8_scales="power_of_two")
     whole = MoKConfig(**{**base, "hidden": 512}, dispatch_format="fp8_block", fp8_scales="power_of_two")  # (SM100: whole 128 blocks)
     assert refusal(config, "sm_90a") is None and refusal(MoKConfig(**{**base, "hidden": 512}, fp8_scales="power_of_two"), "sm_100a") is None
-    assert "dispatch_format='fp8_block': rows with fp32 block scales" in refusal(whole, "sm_100a")
+    assert refusal(whole, "sm_100a") is None and "needs fp8_scales='power_of_two'" in refusal(MoKConfig(**base, dispatch_format="fp8_block"), "sm_100a")
+    sm100_added = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(whole, "sm_100a").variants()} - {
+        (v.name, tuple(sorted(v.config.items()))) for v in plan_for(MoKConfig(**{**base, "hidden": 512}, fp8_scales="power_of_two"), "sm_100a").variants()}
+    assert sorted((name, dict(config).get("scale_order")) for name, config in sm100_added) == [
+        ("dequantize_mxfp8", None), ("ep_dispatch_fp8_block", "mma"), ("ep_publish_fp8_block", None)]
     assert x_rows_shape(config, 384) == (384, 528 + 4 * 5) and x_rows_shape(MoKConfig(**base), 384) == (384, 528)
+    packed = packed_fp8_rows(384, 512, "cpu")  # (SM100's packed rows: the scales' bytes as E8M0 in the MMA order, the same bytes)
+    (elements, fp32_scales), (_, mma_scales) = fp8_rows(packed, 512), fp8_rows(packed, 512, "mma")
+    assert elements.shape == (384, 512) and fp32_scales.shape == (4, 384) and mma_scales.shape == (3, 4, 512)
+    assert mma_scales.dtype == torch.uint8 and mma_scales.data_ptr() == fp32_scales.data_ptr() == packed.data_ptr() + 384 * 512
+    with pytest.raises(ValueError, match=r"packed: expected R and H multiples of 128 for scale_order='mma', got R=200, H=512"):
+        fp8_rows(packed_fp8_rows(200, 512, "cpu"), 512, "mma")
     parser = argparse.ArgumentParser()
     _add_shape_options(parser)
     args = parser.parse_args(["--ep-size", "8", "--precision", "fp8_block", "--dispatch-format", "fp8_block"])

@@ -238,17 +238,19 @@ def test_row_tile_pairs_at_ep_give_the_single_gpu_training_bits():
 
 
 @pytest.mark.parametrize("world,counts,scales", [(2, (300, 517), "power_of_two"), (3, (0, 200, 333), "fp32"), (2, (200, 200), "fp32")])
-def test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes(world, counts, scales):
+def test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes(world, counts, scales, H=528):
     """dispatch_format='fp8_block' (precision fp8_block): x crosses to the experts' ranks as the FP8
     rows its fc1 takes, quantized once by its owner. The forward is the bf16 dispatch's, bit for bit
     (the same per-row quantization, done before the link instead of after); the backward's x rows are
     those FP8 rows' values: with power-of-two scales (exact in bf16, and quantized again to the same
     bytes) every output and gradient is the single-GPU step's on x rounded through FP8
     (mok.fp8_block's rule), bit for bit; with fp32 scales the step on x itself, the gate and up
-    weight gradients within FP8's rounding of it; twice, on one set of workspaces."""
+    weight gradients within FP8's rounding of it; twice, on one set of workspaces. (H = 528: a
+    partial last 128-block of x's rows; SM100, whole blocks and E8M0 scales in the MMA order, runs
+    it at H = 512 with power-of-two scales: tests/test_sm100_gpu.py.)"""
     from mok import fp8_block
 
-    total, H, I, E, k = sum(counts), 528, 256, 12, 4  # (H = 528: a partial last 128-block of x's rows)
+    total, I, E, k = sum(counts), 256, 12, 4
     options = dict(precision="fp8_block", fp8_scales=scales)
     x, idx, w, experts, _ = gpu_layer(total, H, I, E, k, None, seed=53 + world, routing="zipf" if world == 3 else "uniform")
     dout = torch.randn(total, H, device="cuda").bfloat16()
@@ -273,6 +275,59 @@ def test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes(world, counts
         for name in () if pow2 else ("d_w_gate", "d_w_up"):  # (x's FP8 rounding: E4M3's 3 mantissa bits)
             got = torch.cat([getattr(g, name) for g in grads])
             assert 0 < rel_err(got, getattr(want, name)) < 0.05, name
+
+
+@pytest.mark.parametrize("world,counts,E,k", [(2, (300, 517), 8, 4), (3, (128, 0, 250), 12, 8)])
+def test_fp8_dispatch_in_the_mma_order_writes_each_token_s_scales_as_e8m0(world, counts, E, k):
+    """pull_rows(rows_format="fp8_block", scale_order="mma") (SM100's dispatch_format="fp8_block";
+    the dispatch is arch-neutral, so checked here on emulated ranks) into a packed buffer poisoned
+    with 0xFF (NaN as E4M3 and as E8M0): each row the E4M3 bytes its token's owner published
+    (mok.fp8_block's power-of-two rule), the token's 128-block scales as their E8M0 bytes (exponent
+    + 127) at each block's four 32-blocks in mok.mxfp8's MMA order (mma_scale_layout of the
+    reference bytes), zero elements and scale bytes in the padding rows, nothing written past the
+    schedule's rows; the elements those of the fp32-scale dispatch."""
+    from mok import fp8_block, ops
+    from mok.mxfp8 import mma_scale_layout
+    from mok.pipeline.exchange import exchange_kernels, pull_rows, quantized_region
+    from mok.pipeline.stages import fp8_rows, packed_fp8_rows
+    from mok.runtime import launch
+
+    hidden, t_max = 1024, 640
+    layout = EPLayout(world=world, max_tokens=t_max, hidden=hidden, topk=k)
+    ws = EPWorkspace.local_group(layout)
+    routing = torch.full((world * t_max, k), -1, dtype=torch.int32, device="cuda")
+    x_all = torch.zeros(world * t_max, hidden, dtype=torch.bfloat16, device="cuda")
+    for p, count in enumerate(counts):  # (each owner's region as its quantizing publish leaves it: elements, then scales per token)
+        x = (torch.randn(count, hidden, device="cuda") * torch.logspace(-3, 3, hidden, device="cuda")).bfloat16()
+        q, s = ops.quantize_fp8_rows(x, power_of_two=True)
+        elements, scales = quantized_region(ws[p], p, count, "fp8_block")
+        elements.copy_(q)
+        scales.copy_(s.T)
+        x_all[p * t_max:p * t_max + count] = x
+        routing[p * t_max:p * t_max + count] = torch.rand(count, E, device="cuda").topk(k, dim=1).indices.int()
+    want_q, want_s = fp8_block.quantize_rows(x_all.float().cpu(), power_of_two=True)  # [W·T_max, H], [H / 128, W·T_max]
+    exponents = (torch.log2(want_s.T.double()).round().long() + 127).repeat_interleave(4, dim=1)  # [W·T_max, H / 32]
+    stream = launch.stream(torch.device("cuda"))
+    for rank in range(world):
+        sched = ops.device_schedule(routing, E, rank=rank, world_size=world)
+        kernels = exchange_kernels(ws[rank], ws[rank].buffer.device, "fp8_block", True, "mma")
+        poisoned = packed_fp8_rows(sched.capacity, hidden, "cuda").fill_(0xFF)
+        rows = pull_rows(ws[rank], kernels, "x", sched, stream, rows_format="fp8_block", scale_order="mma", out=poisoned)
+        kernels = exchange_kernels(ws[rank], ws[rank].buffer.device, "fp8_block", True)
+        fp32_rows = pull_rows(ws[rank], kernels, "x", sched, stream, rows_format="fp8_block")
+        torch.cuda.synchronize()
+        assert rows.data_ptr() == poisoned.data_ptr()
+        used = int(sched.expert_offsets[-1])
+        token = sched.row_token[:used].long().cpu()
+        assert used % 128 == 0 and 0 < used < sched.capacity and int((token >= 0).sum()) > 0
+        padding = (token < 0)[:, None]
+        elements, scales = fp8_rows(rows, hidden, "mma")
+        want_elements = torch.where(padding, 0, want_q.view(torch.uint8)[token.clamp(min=0)])
+        want_bytes = torch.where(padding, 0, exponents[token.clamp(min=0)]).to(torch.uint8)
+        assert torch.equal(elements[:used].cpu().view(torch.uint8), want_elements), f"rank {rank}"
+        assert torch.equal(scales[: used // 128].cpu(), mma_scale_layout(want_bytes)), f"rank {rank}"
+        assert bool((elements[used:].view(torch.uint8) == 0xFF).all()) and bool((scales[used // 128:] == 0xFF).all())
+        assert torch.equal(elements[:used].view(torch.uint8), fp8_rows(fp32_rows, hidden)[0][:used].view(torch.uint8))
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -190,8 +190,12 @@ def test_quantize_ops_check_their_input_before_any_launch():
         ops.quantize_fp8_columns(torch.zeros(256, 256, dtype=torch.bfloat16))
     from mok.kernels.variants import quantize_fp8_block_variant
 
-    with pytest.raises(ValueError, match="columns: rows \\(block_rows 1\\) in one segment with fp32 scales only"):
+    with pytest.raises(ValueError, match="columns: rows \\(block_rows 1\\) in one segment only"):
         quantize_fp8_block_variant(256, 128, columns=True)
+    with pytest.raises(ValueError, match=r"back: fp32 scales only \(E8M0 rows in the MMA order are MXFP8's"):
+        quantize_fp8_block_variant(256, back=True, mma_scales=True)
+    with pytest.raises(ValueError, match=r"scale_order='mma': E8M0 scales need power_of_two=True and K a multiple of 128"):
+        ops.quantize_fp8_columns(torch.zeros(256, 2880, dtype=torch.bfloat16), power_of_two=True, scale_order="mma")
 
 
 def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
@@ -239,6 +243,57 @@ def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
     twin = compiled_ptx(grouped_gemm_variant(768, 2048, epilogue="swiglu_save", operand="e4m3", persistent=True), "sm_100a")
     biased = compiled_ptx(ep_gemms[("swiglu_save", False, True)], "sm_100a")
     assert count(r"ld\.global", biased) > count(r"ld\.global", twin)  # (the bias rows)
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_fp8_weight_gradients_and_dispatch_on_sm100_take_the_mxfp8_kernels(arch):
+    """wgrad_format="fp8_block" and dispatch_format="fp8_block" on SM100 (power-of-two scales): the
+    weight gradients on the MXFP8 weight-gradient kernel (operand "e4m3": fresh, added into
+    main_grad, dh's half at its row stride), fed by the column quantizer in the MMA order (each
+    column's 128-row blocks as E8M0 bytes, the rows' own layout; x's and dout's gathered as
+    quantized at one GPU, the pulled rows at EP); the dispatch writing the owner's scales as E8M0
+    words in the MMA order, the backward's x rows back to bf16 by MXFP8's dequantizer; fp32 scales
+    still refused, naming the rule. The new kernels compile (compile-checked, never run): the
+    elements and scale words 4-byte stores, nothing in local memory, no spills."""
+    from test_kernels_ptx import count, ptxas_spill_bytes
+
+    from mok.config import MoKConfig
+    from mok.kernels import compiled_ptx
+    from mok.plan import plan_for, refusal
+
+    base = dict(hidden=2048, intermediate=768, num_experts=64, topk=8, precision="fp8_block", fp8_scales="power_of_two",
+                wgrad_format="fp8_block", fuse_wgrad_accumulation=True)
+    one_gpu = plan_for(MoKConfig(**base), arch).variants()
+    ep_config = MoKConfig(**base, ep_size=2, dispatch_format="fp8_block")
+    assert refusal(ep_config, arch) is None
+    ep = plan_for(ep_config, arch).variants()
+    for variants, gathered_x in ((one_gpu, True), (ep, False)):
+        wgrads = sorted((v.config["m"], v.config["n"], v.config["out_dtype"], v.config.get("split_out", False), v.config["a_stride"])
+                        for v in variants if v.name == "weight_grad" and v.config.get("operand") == "e4m3")
+        assert wgrads == [(768, 2048, "f32", False, 1536), (1536, 2048, "bf16", True, 1536), (1536, 2048, "f32", True, 1536),
+                          (2048, 768, "bf16", False, 2048), (2048, 768, "f32", False, 2048)]
+        assert not any(v.config.get("operand") == "e4m3_block" for v in variants)
+        columns = sorted((v.config["width"], v.config.get("gathered", False)) for v in variants if v.config.get("columns"))
+        assert columns == [(768, False), (1536, False), (2048, gathered_x)]
+        assert all(v.config.get("mma_scales") and v.config.get("power_of_two") for v in variants if v.config.get("columns"))
+    dispatch = [v for v in ep if v.name == "ep_dispatch_fp8_block"]
+    assert [v.config.get("scale_order") for v in dispatch] == ["mma"]
+    assert any(v.name == "dequantize_mxfp8" and v.config == {"bounded": True} for v in ep)
+    assert not any(v.config.get("back") for v in ep if v.name == "quantize_fp8_block")
+    hopper = plan_for(MoKConfig(**{**base, "fp8_scales": "fp32"}, ep_size=2, dispatch_format="fp8_block"), "sm_90a").variants()
+    assert [v.config.get("scale_order") for v in hopper if v.name == "ep_dispatch_fp8_block"] == [None]  # (fp32 rows: Hopper's)
+    fp32 = MoKConfig(**{**base, "fp8_scales": "fp32"}, ep_size=2, dispatch_format="fp8_block")
+    assert "needs fp8_scales='power_of_two' (the MMAs' scales are E8M0: powers of two)" in refusal(fp32, arch)
+    with pytest.raises(NotImplementedError, match="fp8_scales='power_of_two'"):
+        plan_for(fp32, arch)
+    new = [v for v in ep + one_gpu if v.config.get("columns")] + dispatch
+    for v in {v.describe(): v for v in new}.values():
+        ptx = compiled_ptx(v, arch)
+        assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0), v.describe()
+        if v.name == "quantize_fp8_block":  # a lane's 32 rows x 4 columns (4 bytes a row) and its 4 scale words
+            assert count(r"st\.global\.b32", ptx) == 32 + 4 and count(r"st\.global\.v4", ptx) == 0, v.describe()
+        else:  # (the exponent field as E8M0 bytes, four a word)
+            assert "16843009" in ptx and "16843009" not in compiled_ptx(next(v for v in hopper if v.name == "ep_dispatch_fp8_block"), "sm_90a")
 
 
 def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
@@ -294,9 +349,9 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
 
 
 def test_fp8_weight_gradients_are_refused_where_they_do_not_run():
-    """pipeline.backward(wgrad_format="fp8_block"): Hopper's FP8 weight-gradient kernel, for
-    precision="fp8_block" only: a bf16 layer, or fp8_block on SM100, is refused before anything
-    runs (and so is a format of another precision)."""
+    """pipeline.backward(wgrad_format="fp8_block"): for precision="fp8_block" only: a bf16 layer is
+    refused before anything runs (and so is a format of another precision); fp8_block on SM100
+    takes it (its MXFP8 weight-gradient kernel), so the call goes on to check its saved forward."""
     from mok import pipeline
     from mok.config import MoKConfig
     from mok.plan import Plan
@@ -309,12 +364,13 @@ def test_fp8_weight_gradients_are_refused_where_they_do_not_run():
         ("bf16", "sm_90a", {}, "fp8_block", re.escape("wgrad_format='fp8_block': only with precision 'fp8_block' (its quantizers and "
                                                       "scale rule), got precision='bf16'")),
         ("fp8_block", "sm_90a", {}, "mxfp8", "wgrad_format='mxfp8': only with precision 'mxfp8' or 'mxfp8_emulated'"),
-        ("fp8_block", "sm_100a", dict(fp8_scales="power_of_two"), "fp8_block",
-         r"wgrad_format='fp8_block': the FP8 weight-gradient kernel is Hopper's, got sm_100a \(whose block-scaled MMAs take MXFP8 operands\)"),
     ):
         plan = Plan(MoKConfig(H, I, E, k, precision=precision, **extra), arch)
         with pytest.raises(ValueError, match=why):
             pipeline.backward(plan, dout, x, idx, w, experts, None, None, wgrad_format=wgrad)
+    sm100 = Plan(MoKConfig(H, I, E, k, precision="fp8_block", fp8_scales="power_of_two"), "sm_100a")
+    with pytest.raises(TypeError, match="saved: expected the ForwardResult of a forward with save=True, got NoneType"):
+        pipeline.backward(sm100, dout, x, idx, w, experts, None, None, wgrad_format="fp8_block")
 
 
 def test_wgrad_format_is_a_config_option_with_its_kernels():
@@ -322,7 +378,7 @@ def test_wgrad_format_is_a_config_option_with_its_kernels():
     bf16 and fp8_block, MXFP8 for the MXFP8 precisions); "fp8_block" goes with precision fp8_block
     only and adds its kernels to the plan (the transposing quantizers of dout, s·a, dh and of x
     gathered as quantized; the FP8 weight-gradient GEMMs, cooperative, fresh and with main_grad
-    accumulation, dh's half packed), in place of the bf16 ones; SM100 is refused with the reason;
+    accumulation, dh's half packed), in place of the bf16 ones; SM100 takes it too;
     the layer, the precompile CLI and the ops' config text carry it. (dout's rows gathered as they
     are quantized where no bias sum reads them.)"""
     from mok.config import MoKConfig
@@ -352,8 +408,7 @@ def test_wgrad_format_is_a_config_option_with_its_kernels():
     assert sorted((v.config["width"], v.config.get("gathered", False)) for v in ep if v.config.get("columns")) == [
         (768, False), (1536, False), (2048, False)]  # (at EP: the pulled rows of x and dout, quantized as they are)
     pow2 = MoKConfig(**base, precision="fp8_block", fp8_scales="power_of_two", wgrad_format="fp8_block")
-    assert refusal(pow2, "sm_100a") == "wgrad_format='fp8_block': Hopper's FP8 weight-gradient kernel (sm_90a), got sm_100a"
-    assert refusal(pow2, "sm_90a") is None
+    assert refusal(pow2, "sm_100a") is None and refusal(pow2, "sm_90a") is None  # (SM100: tests/test_fp8_block.py's sm100 test)
     with pytest.raises(ValueError, match=r"wgrad_format: expected None \(the precision's own\) or one of \('bf16', 'fp8_block', 'mxfp8'\), got 'fp16'"):
         MoKConfig(**base, precision="fp8_block", wgrad_format="fp16")
     with pytest.raises(ValueError, match="wgrad_format='fp8_block': only with precision 'fp8_block'"):

@@ -463,6 +463,41 @@ def test_column_quantizer_gives_the_transpose_s_row_bits(M, power_of_two, gather
     assert torch.equal(again_q[:, :used].view(torch.uint8), q[:, :used].view(torch.uint8))
 
 
+@pytest.mark.parametrize("gathered", [False, True])
+def test_column_quantizer_in_the_mma_order_gives_the_blocks_as_e8m0(gathered):
+    """ops.quantize_fp8_columns(scale_order="mma") (SM100's weight gradients on FP8 take it as the
+    MXFP8 weight-gradient kernel's operands; the quantizer is arch-neutral, so checked here), into
+    outputs poisoned with 0xFF (NaN as E4M3 and as E8M0): the elements in the rows' own layout, the
+    bytes of mok.fp8_block.quantize_rows(rows.T) (power-of-two rule) transposed back, also those of
+    the fp32-scale form; each column's 128-row block scale as its E8M0 byte at the block's four
+    32-blocks in mok.mxfp8's MMA order (mma_order_reference); the row blocks past rows_used left
+    as they were; gathered: the rows x[row_token], zeros for the padding rows; magnitudes over six
+    decades across the columns."""
+    T, M, E, k = 600, 1024, 8, 4
+    g = torch.Generator(device="cuda").manual_seed(23 + gathered)
+    x = (torch.randn(T, M, device="cuda", generator=g) * torch.logspace(-3, 3, M, device="cuda")).bfloat16()
+    if gathered:
+        sched = ops.device_schedule(torch.randint(0, E, (T, k), device="cuda", generator=g, dtype=torch.int32), E, block_m=128)
+        source, used_count = sched.row_token, sched.expert_offsets[-1:]
+        rows = torch.where(source[:, None].long() >= 0, x[source.long().clamp(min=0)], torch.zeros((), dtype=x.dtype, device="cuda"))
+        call = dict(x=x, row_source=source)
+    else:
+        rows, used_count = x[:512].contiguous(), torch.tensor([384], dtype=torch.int32, device="cuda")
+        call = dict(x=rows)
+    R, used = rows.shape[0], int(used_count)
+    assert used % 128 == 0 and 0 < used < R
+    out = (torch.full((R, M), 0xFF, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn),
+           torch.full((M // 128, R // 128, 512), 0xFF, dtype=torch.uint8, device="cuda"))
+    q, s = ops.quantize_fp8_columns(**call, power_of_two=True, rows_used=used_count, scale_order="mma", out=out)
+    assert q.data_ptr() == out[0].data_ptr() and s.data_ptr() == out[1].data_ptr()
+    want_q, want_s = fp8.quantize_rows(rows[:used].T.contiguous().cpu(), power_of_two=True)
+    assert torch.equal(q[:used].cpu().view(torch.uint8), want_q.T.contiguous().view(torch.uint8))
+    assert torch.equal(s[:, : used // 128].cpu(), mma_order_reference(want_s))
+    assert bool((q[used:].view(torch.uint8) == 0xFF).all()) and bool((s[:, used // 128:] == 0xFF).all())  # (past the count: untouched)
+    fp32_form, _ = ops.quantize_fp8_columns(**call, power_of_two=True, rows_used=used_count)
+    assert torch.equal(q[:used].view(torch.uint8), fp32_form[:, :used].T.contiguous().view(torch.uint8))
+
+
 @pytest.mark.parametrize("form", ["plain", "split_out", "accumulate"])
 def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
     """ops.weight_grad on FP8 block-scaled transposes (ops.quantize_fp8_columns of the rows) against
@@ -506,16 +541,17 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
     assert torch.equal(again, got)
 
 
-def test_fp8_weight_gradients_in_the_backward():
+def test_fp8_weight_gradients_in_the_backward(fp8_scales="fp32"):
     """pipeline.backward(wgrad_format="fp8_block"): the weight gradients on the FP8 transposes of the
     same rows (x's gathered as they are quantized) within FP8's error of the same backward's bf16
     weight gradients, dx and d_topk_w the same bits (the weight gradients take no part in them);
-    added into main_grad as the fresh ones; the same bits on a second run."""
+    added into main_grad as the fresh ones; the same bits on a second run. (SM100, which takes
+    power-of-two scales only, runs it with them: tests/test_sm100_gpu.py.)"""
     T, H, I, E, k = 900, 1024, 512, 8, 4
     x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=41)
-    plan = fp8_plan(x, idx, experts)
-    if plan.fp8_on_block_scaled_mma:
-        pytest.skip("the FP8 weight-gradient kernel is Hopper's")
+    plan = fp8_plan(x, idx, experts, fp8_scales=fp8_scales)
+    if plan.fp8_on_block_scaled_mma and not plan.config.fp8_power_of_two:
+        pytest.skip("SM100's block-scaled MMAs take power-of-two scales (tests/test_sm100_gpu.py runs this with them)")
     saved = pipeline.forward(plan, x, idx, w, experts, None, save=True)
     dout = torch.randn(T, H, device="cuda").bfloat16()
     bf16 = pipeline.backward(plan, dout, x, idx, w, experts, None, saved)

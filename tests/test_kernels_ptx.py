@@ -573,6 +573,26 @@ def test_fp8_block_column_quantizer_loads_rows_and_stores_transposed_16_byte_run
     assert registers is None or max(registers.values()) <= 96, registers
 
 
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_fp8_block_column_quantizer_in_the_mma_order_stores_rows_and_e8m0_words(arch, gathered):
+    """The column quantizer with mma_scales (SM100's MXFP8 weight-gradient operands): the same
+    cp.async staging, shared-memory reads and 64 saturating pair conversions as the transposing
+    form, then the rows' own layout: a 4-byte store for each of a lane's 32 rows, and warp 0's four
+    E8M0 words (the exponent field times 0x01010101); no 16-byte global stores, nothing spilled or
+    in local memory, at most 96 registers."""
+    from mok.kernels.variants import quantize_fp8_block_variant
+
+    ptx = compiled_ptx(quantize_fp8_block_variant(2048, power_of_two=True, bounded=True, gathered=gathered, columns=True,
+                                                  mma_scales=True), arch)
+    assert count(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+\], 16, %r\d+;", ptx) == 16
+    assert count(r"ld\.shared\.v4\.b16", ptx) == 2 * 32 and count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 64
+    assert count(r"st\.global\.b32", ptx) == 32 + 4 and count(r"st\.global\.v", ptx) == 0 and "16843009" in ptx
+    assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
+    registers = ptxas_registers(ptx, arch)
+    assert registers is None or max(registers.values()) <= 96, registers
+
+
 def KernelVariantLike(variant, **changes):
     """The grouped-GEMM variant of ``variant``'s configuration with ``changes`` (its twin)."""
     config = {k: v for k, v in variant.config.items() if k not in ("n", "k", "stages")} | changes
@@ -1068,6 +1088,24 @@ def test_ep_fp8_dispatch_copies_e4m3_rows_and_scales_as_they_are_and_publishes_q
     back = compiled_ptx(quantize_fp8_block_variant(7168, bounded=True, back=True), arch)
     assert count(r"ld\.global\.b32", back) >= 2 and count(r"cvt\.rn\.f16x2\.e4m3x2", back) == 2 * 2  # (rows unrolled by 2)
     assert count(r"st\.global\.v2\.b32", back) == 2 and count(r"cvt\.rn\.bf16x2\.f32", back) == 2 * 2 and count(r"\.local", back) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_ep_fp8_dispatch_in_the_mma_order_writes_e8m0_words(arch):
+    """dispatch_fp8_block with scale_order "mma" (SM100): the elements as the fp32-scale dispatch
+    copies them (all loads before any store, 16-byte stores into up to 8 rows and the padding's),
+    each scale converted once into an E8M0 word (its exponent field times 0x01010101) and stored at
+    each of a token's rows' places in the MMA order (zero words into the padding rows'); no atomics,
+    nothing in local memory; refused for rows of a partial last block."""
+    ptx = compiled_ptx(ep_variant("dispatch_fp8_block", 4, width=7168, topk=8, scale_order="mma"), arch)
+    assert count(r"\batom\.|\bred\.", ptx) == 0 and count(r"e4m3|bf16", ptx) == 0 and count(r"\.local", ptx) == 0
+    loads = [m.start() for m in re.finditer(r"ld\.global(\.nc)?\.v4\.b32", ptx)]
+    stores = [m.start() for m in re.finditer(r"st\.global\.v4\.b32", ptx)]
+    assert len(loads) == 4 and len(stores) == 4 * 8 + 4 and max(loads) < min(stores)
+    assert count(r"st\.global\.(b32|f32)", ptx) == 8 + 1  # (a token's word into each of its rows; zero into a padding row's)
+    assert count(r"mul\.lo\.s32\s+%r\d+, %r\d+, 16843009;", ptx) == 1  # (converted once per scale, before the rows' stores)
+    with pytest.raises(ValueError, match=r"scale_order='mma': fp8_block rows of whole 128-blocks, got row_format='fp8_block', width=528"):
+        compiled_ptx(ep_variant("dispatch_fp8_block", 2, width=528, topk=2, scale_order="mma"), arch)
 
 
 def test_ep_overflow_kernel_claims_error_records_by_compare_and_swap_and_poisons_with_vector_stores():

@@ -397,7 +397,8 @@ def hopper_layer_tests():
     widths the tiles do not divide, the one-launch forward (its bits those of the staged launches,
     at one GPU and per rank, with gpt-oss's activation, biases and weights in place), fp8_block with
     power-of-two scales (on the block-scaled MMAs) against its float64 recipe, MXFP8 and fp8_block
-    at EP (the scattering MXFP8 GEMMs) against one GPU."""
+    at EP (the scattering MXFP8 GEMMs) against one GPU, fp8_block's weight gradients on FP8 (the
+    MXFP8 weight-gradient kernel) and its FP8 dispatch (scales as E8M0 in the MMA order)."""
     import test_activations_gpu
     import test_backward_gpu
     import test_ep_gpu
@@ -426,10 +427,13 @@ def hopper_layer_tests():
          dict(world=2, counts=(300, 517), shared_inter=256, options={"precision": "mxfp8"})),
         (test_ep_gpu.test_quantized_ep_training_step_equals_single_gpu_bitwise,
          dict(world=2, counts=(300, 517), shared_inter=None, options={"precision": "fp8_block", "fp8_scales": "power_of_two"})),
+        (test_fp8_block_gpu.test_fp8_weight_gradients_in_the_backward, dict(fp8_scales="power_of_two")),  # (the MXFP8 wgrad kernel)
+        (test_ep_gpu.test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes,  # (E8M0 scales in the MMA order)
+         dict(world=2, counts=(300, 517), scales="power_of_two", H=512)),
     ]
 
 
-HOPPER_LAYER_TESTS = 14  # len(hopper_layer_tests()), which imports the GPU test modules: called by the test only
+HOPPER_LAYER_TESTS = 16  # len(hopper_layer_tests()), which imports the GPU test modules: called by the test only
 
 
 @pytest.mark.parametrize("index", range(HOPPER_LAYER_TESTS))

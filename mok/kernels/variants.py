@@ -84,11 +84,15 @@ def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bo
     GEMM's K halves); ``matrix_rows``: weights whose N (given) is no multiple of 128, each expert's
     rows tiled on their own; ``mma_scales`` (power_of_two): the scales as E8M0 bytes in the order
     SM100's block-scaled MMAs read; ``gathered`` (rows): output row r quantizes source row
-    row_source[r], zeros where negative; ``columns`` (rows, one segment, fp32 scales): the rows'
-    transpose quantized, 128-row blocks down each column (mok/kernels/common/fp8_block_quantize.py);
-    ``back`` (rows, one segment, fp32 scales): E4M3 rows with their scales back to bf16."""
-    if (columns or back) and (block_rows != 1 or segments != 1 or matrix_rows is not None or mma_scales):
-        raise ValueError(f"{'columns' if columns else 'back'}: rows (block_rows 1) in one segment with fp32 scales only")
+    row_source[r], zeros where negative; ``columns`` (rows, one segment): the rows' transpose
+    quantized, 128-row blocks down each column (mok/kernels/common/fp8_block_quantize.py; with
+    ``mma_scales`` the elements in the rows' layout and E8M0 scales in the MMA order, SM100's MXFP8
+    weight-gradient operands); ``back`` (rows, one segment, fp32 scales): E4M3 rows with their
+    scales back to bf16."""
+    if (columns or back) and (block_rows != 1 or segments != 1 or matrix_rows is not None):
+        raise ValueError(f"{'columns' if columns else 'back'}: rows (block_rows 1) in one segment only")
+    if back and mma_scales:
+        raise ValueError("back: fp32 scales only (E8M0 rows in the MMA order are MXFP8's: mok.ops.dequantize_mxfp8)")
     if back and (columns or gathered or power_of_two):
         raise ValueError("back: not with columns, gathered or power_of_two (the scales are what they are)")
 
@@ -133,19 +137,24 @@ def schedule_variant(num_local_experts: int, topk: int, block_m: int) -> KernelV
     return KernelVariant("schedule", {"experts": num_local_experts, "topk": topk, "block_m": block_m}, build)
 
 
-def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: int = 1, power_of_two: bool = False) -> KernelVariant:
+def ep_variant(kind: str, world: int, *, phase: int = 0, width: int = 8, topk: int = 1, power_of_two: bool = False,
+               scale_order: str = "rows") -> KernelVariant:
     """One expert-parallel exchange kernel (mok/kernels/common/ep.py): signal, wait, publish,
     publish_mxfp8, publish_fp8_block (``power_of_two``: its scale rule), routing, dispatch,
-    dispatch_mxfp8, dispatch_fp8_block or overflow."""
+    dispatch_mxfp8, dispatch_fp8_block (``scale_order`` "mma": the scales as E8M0 in the MMA order,
+    SM100's) or overflow."""
 
     def build(arch: str, options: str = "") -> Any:
         from .common.ep import compile_ep
 
-        return compile_ep(kind, world, arch, options, phase=phase, width=width, topk=topk, power_of_two=power_of_two)
+        return compile_ep(kind, world, arch, options, phase=phase, width=width, topk=topk, power_of_two=power_of_two,
+                          scale_order=scale_order)
 
     config = {"world": world, "phase": phase, "width": width, "topk": topk}
     if power_of_two:
         config["power_of_two"] = True
+    if scale_order != "rows":
+        config["scale_order"] = scale_order
     return KernelVariant(f"ep_{kind}", config, build)
 
 

@@ -5,6 +5,8 @@ and back, or with fp32 scales per 128 (DeepSeek-V3's recipe, mok.fp8_block's rul
     quantize_mxfp8_columns  blocks of 32 rows down each column (the operands of a weight gradient)
     dequantize_mxfp8        back to bf16 (exact: an E4M3 value times a power of two is a bf16)
     quantize_fp8_rows       1 x 128 blocks along each row, the scales [K / 128, R]
+    quantize_fp8_columns    1 x 128 blocks down each column (a weight gradient's operands on FP8)
+    dequantize_fp8_rows     FP8 rows with fp32 block scales back to bf16
     quantize_fp8_weights    128 x 128 blocks of each expert's [N, K], the scales [E, N / 128, K / 128]
 """
 
@@ -49,13 +51,7 @@ def quantize_mxfp8(
         scale_shape = (-(-x.shape[0] // 128), x.shape[1] // 128, 512)
     else:
         scale_shape = (*x.shape[:-1], blocks_per_row)
-    if out is None:
-        out = (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device), torch.empty(scale_shape, dtype=torch.uint8, device=x.device))
-    elif not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError(f"out: expected a pair of tensors (elements, scales), got {type(out).__name__}")
-    elements, scales = out
-    check_tensor("out[0]", elements, dtypes=(torch.float8_e4m3fn,), shape=tuple(x.shape), device=x.device, contiguous=True)
-    check_tensor("out[1]", scales, dtypes=(torch.uint8,), shape=scale_shape, device=x.device, contiguous=True)
+    elements, scales = _output_pair(out, tuple(x.shape), scale_shape, torch.uint8, x.device)
     check_cuda_aligned("out[0]", elements)
     if x.numel() == 0:
         return elements, scales
@@ -99,6 +95,18 @@ def quantize_mxfp8_columns(
         launch.i32(columns), launch.stream(x.device),
     )
     return elements, scales
+
+
+def _output_pair(out, elements_shape: tuple, scales_shape: tuple, scales_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantizer's (elements float8_e4m3fn, scales): ``out`` checked against their shapes, or new tensors."""
+    if out is None:
+        return (torch.empty(elements_shape, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(scales_shape, dtype=scales_dtype, device=device))
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out: expected a pair of tensors (elements, scales), got {type(out).__name__}")
+    check_tensor("out[0]", out[0], dtypes=(torch.float8_e4m3fn,), shape=elements_shape, device=device, contiguous=True)
+    check_tensor("out[1]", out[1], dtypes=(scales_dtype,), shape=scales_shape, device=device, contiguous=True)
+    return tuple(out)
 
 
 def dequantize_mxfp8(
@@ -171,6 +179,7 @@ def quantize_fp8_rows(
 
 def quantize_fp8_columns(
     x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None, row_source: torch.Tensor | None = None,
+    scale_order: str = "rows", out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The transpose of bf16 rows ``x`` [R, M] (R a multiple of 128, M of 16) quantized with 1 x 128
     blocks along R: (elements float8_e4m3fn [M, R], scales float32 [R / 128, M]), the bits
@@ -179,19 +188,27 @@ def quantize_fp8_columns(
     schedule. ``rows_used`` (int32 [1] on x's device, a multiple of 128): only the row blocks below
     rows_used[0] are converted (the rest of both outputs left unwritten; the count stays on the
     device). ``row_source`` (int32 [R] on x's device): the rows x[row_source[r]] (zeros where an
-    index is negative: a schedule's padding rows), gathered as they are quantized."""
+    index is negative: a schedule's padding rows), gathered as they are quantized.
+    ``scale_order="mma"`` (power_of_two, M a multiple of 128): the same values as the MXFP8 operands
+    SM100's weight gradient reads (what quantize_mxfp8_columns(scale_order="mma") gives for MXFP8):
+    elements [R, M] in x's own layout (the transposed elements' transpose) and each column's
+    128-row block scale as its E8M0 byte at the block's four 32-blocks, uint8 [M / 128, R / 128,
+    512] in mok.mxfp8.mma_scale_layout's order. ``out``: the (elements, scales) tensors to write."""
     rows, m = _source_rows(x, row_source)
+    mma = _check_scale_order(scale_order, power_of_two, m)
     if rows % 128 or m % 16 or m == 0:
         raise ValueError(f"x: expected [R, M] rows with R a multiple of 128 and M a positive multiple of 16, got R={rows}, M={m}"
                          f"{' (R: row_source)' if row_source is not None else ''}")
     check_launchable(x=x)
     check_rows_used(rows_used, x.device)
-    elements = torch.empty(m, rows, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(rows // 128, m, dtype=torch.float32, device=x.device)
+    if mma:
+        elements, scales = _output_pair(out, (rows, m), (m // 128, rows // 128, 512), torch.uint8, x.device)
+    else:
+        elements, scales = _output_pair(out, (m, rows), (rows // 128, m), torch.float32, x.device)
     if rows:
         variant = quantize_fp8_block_variant(m, 1, power_of_two, bounded=rows_used is not None, gathered=row_source is not None,
-                                             columns=True)
-        _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source)
+                                             columns=True, mma_scales=mma)
+        _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source, num_rows=rows)
     return elements, scales
 
 
@@ -257,10 +274,10 @@ def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False, scale_o
     return elements, scales
 
 
-def _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source=None) -> None:
+def _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source=None, num_rows: int | None = None) -> None:
+    """Launch a quantizer variant; ``num_rows``: the rows it writes (default: the elements' first dimension)."""
     kernel_for(variant, x.device)(
         *FP8_BLOCK_QUANTIZE_ARGS.values(x=x, elements=elements, scales=scales, rows_used=rows_used, row_source=row_source,
-                                        num_rows=elements.shape[1] if variant.config.get("columns") else elements.shape[0],
-                                        num_src=x.shape[0]),
+                                        num_rows=elements.shape[0] if num_rows is None else num_rows, num_src=x.shape[0]),
         launch.stream(x.device),
     )

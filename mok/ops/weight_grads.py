@@ -5,7 +5,8 @@
 
 Nothing here uses atomics: each output element has one writer and one fixed order of sums, so
 the gradients are bitwise reproducible. The operand format is a parameter, as for the grouped
-GEMM: bf16 tensors, MXFP8 (elements, scales) pairs quantized along the rows (SM100 only), or FP8
+GEMM: bf16 tensors, MXFP8 (elements, scales) pairs quantized along the rows (SM100 only; also
+fp8_block's power-of-two 1 x 128 blocks, ops.quantize_fp8_columns(scale_order="mma")), or FP8
 with 1 x 128 blocks along the rows, the rows' transposes (Hopper).
 """
 

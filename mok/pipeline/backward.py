@@ -67,8 +67,9 @@ def backward(
     ``weight_grads=False`` (frozen experts): dx and d_topk_w only, no weight-gradient GEMM (the
     weight gradients None). ``wgrad_format`` (None: the config's, MoKConfig.weight_grad_format):
     "bf16" (on the bf16 rows); "mxfp8" (MXFP8 precision: on rows quantized down their columns);
-    "fp8_block" (precision fp8_block on Hopper): on the rows' transposes in FP8 with 1 x 128 blocks
-    along the rows, DeepSeek-V3's recipe (stages.fp8_weight_grad_operands).
+    "fp8_block" (precision fp8_block): on the rows' transposes in FP8 with 1 x 128 blocks along the
+    rows, DeepSeek-V3's recipe (stages.fp8_weight_grad_operands; SM100: the same blocks as MXFP8
+    operands of its MXFP8 weight-gradient kernel).
     At EP > 1 the shared expert's weight gradients cover this rank's tokens (sum them over ranks
     as data-parallel gradients).
     With ``gate_up_layout="concatenated"`` d_w_gate is [dW_gate; dW_up] per expert in one
@@ -84,9 +85,6 @@ def backward(
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
     wgrad_format = plan.config.weight_grad_format if wgrad_format is None else check_wgrad_format(wgrad_format, plan.config.precision)
-    if wgrad_format == "fp8_block" and plan.fp8_on_block_scaled_mma:
-        raise ValueError(f"wgrad_format='fp8_block': the FP8 weight-gradient kernel is Hopper's, got {plan.arch} (whose "
-                         "block-scaled MMAs take MXFP8 operands)")
     check_main_grads(main_grads, tuple(weights), None if shared is None else tuple(shared), weight_grads)
     sched = check_saved("saved", saved, plan, num_tokens, topk, num_local, x.device, workspace)
     shared_inter = None if shared is None else shared[0].shape[0]
@@ -213,7 +211,7 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     d_gate = d_up = d_down = d_biases = None
     if weight_grads:  # (local work while the peers push: the exchanges are the same either way)
         d_gate, d_up, d_down = stages.expert_weight_grads(
-            plan, (dout_rows, a_scaled, dh, stages.bf16_rows(saved.x_rows, sched, plan.config.hidden)), sched, grad_dtype, mains[0],
+            plan, (dout_rows, a_scaled, dh, stages.bf16_rows(plan, saved.x_rows, sched)), sched, grad_dtype, mains[0],
             wgrad_format, plan.config.gate_up_layout,
         )
         if biases is not None:

@@ -27,21 +27,32 @@ from ..ops.common import bf16_out, check_cuda_aligned, kernel_for, sm_count
 from ..ops.one_launch import TILE, bias_arguments, expert_mlp_counters, launch_expert_mlp, schedule_arguments
 from ..runtime import launch
 from ..schedule import Schedule
-from ..validation import gate_up_strides
-from .stages import fp8_rows, packed_fp8_rows
+from ..validation import check_tensor, gate_up_strides
+from .stages import fp8_rows, packed_fp8_rows, packed_fp8_width
 from .workspace import EPWorkspace
 
 
-def exchange_kernels(ws: EPWorkspace, device: torch.device, dispatch_format: str = "bf16", power_of_two: bool = False) -> dict:
+def quantized_kernel(kind: str, power_of_two: bool = False, scale_order: str = "rows") -> tuple[str, dict]:
+    """(the name a workspace's kernels hold it under, its ep_variant options) of a quantized
+    dispatch's kernel ``kind`` (publish_mxfp8, dispatch_mxfp8, publish_fp8_block by the scale rule
+    ``power_of_two``, dispatch_fp8_block writing its scales in ``scale_order``: Plan.fp8_scale_order)."""
+    if kind == "publish_fp8_block" and power_of_two:
+        return f"{kind}_pow2", dict(power_of_two=True)
+    if kind == "dispatch_fp8_block" and scale_order != "rows":
+        return f"{kind}_{scale_order}", dict(scale_order=scale_order)
+    return kind, {}
+
+
+def exchange_kernels(ws: EPWorkspace, device: torch.device, dispatch_format: str = "bf16", power_of_two: bool = False,
+                     scale_order: str = "rows") -> dict:
     """The exchange kernels this workspace's layout uses, loaded (compiled, or read from the cache)
     once, before anything waits on a peer; the overflow markers only with a capacity bound, a
-    quantized dispatch's two (MXFP8's, or fp8_block's by its scale rule, ``power_of_two``) at the
-    first call that uses them."""
+    quantized dispatch's two (MXFP8's, or fp8_block's by its scale rule, ``power_of_two``, and
+    scale order, ``scale_order``: :func:`quantized_kernel`) at the first call that uses them."""
     kernels = ws.kernels
-    formats = {"mxfp8": ("publish_mxfp8", "dispatch_mxfp8"), "fp8_block": ("publish_fp8_block", "dispatch_fp8_block")}
-    quantized = formats.get(dispatch_format, ())
-    names = {kind: kind + ("_pow2" if power_of_two and kind == "publish_fp8_block" else "") for kind in quantized}
-    if kernels and all(name in kernels for name in names.values()):  # (the per-call path: nothing to build)
+    quantized = (f"publish_{dispatch_format}", f"dispatch_{dispatch_format}") if dispatch_format != "bf16" else ()
+    names = {kind: quantized_kernel(kind, power_of_two, scale_order) for kind in quantized}
+    if kernels and all(name in kernels for name, _ in names.values()):  # (the per-call path: nothing to build)
         return kernels
     lay = ws.layout
     rows = dict(width=lay.hidden, topk=lay.topk)
@@ -54,9 +65,7 @@ def exchange_kernels(ws: EPWorkspace, device: torch.device, dispatch_format: str
     }
     if ws.capacity is not None:
         wanted |= {f"overflow_{phase}": ep_variant("overflow", lay.world, phase=phase, **rows) for phase in (PHASE_PUBLISH, PHASE_DONE)}
-    wanted |= {
-        name: ep_variant(kind, lay.world, **rows, power_of_two=power_of_two and kind == "publish_fp8_block") for kind, name in names.items()
-    }
+    wanted |= {name: ep_variant(kind, lay.world, **rows, **options) for kind, (name, options) in names.items()}
     for name, variant in wanted.items():
         if name not in kernels:
             kernels[name] = kernel_for(variant, device)
@@ -98,7 +107,7 @@ def publish(ws: EPWorkspace, kernels: dict, rows: tuple, values: tuple, stream, 
     values_region = launch.ptr("i32", ws.region(values_name, 0), 4)
     if rows_format != "bf16":
         elements, scales = quantized_region(ws, ws.rank, rows_src.shape[0], rows_format)
-        name = "publish_fp8_block_pow2" if rows_format == "fp8_block" and power_of_two else f"publish_{rows_format}"
+        name, _ = quantized_kernel(f"publish_{rows_format}", power_of_two)
         scale_ptr = launch.ptr("f32", scales, 16) if rows_format == "fp8_block" else launch.ptr("u8", scales, 1)
         kernels[name](
             flags, launch.ptr("e4m3", elements), scale_ptr, values_region, launch.ptr("bf16", rows_src), launch.ptr("i32", values_src, 4),
@@ -127,7 +136,7 @@ def gather_ranks(ws: EPWorkspace, kernels: dict, name: str, timeout_s: float, st
 
 
 def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream, rows_format: str = "bf16", *,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, scale_order: str = "rows") -> torch.Tensor:
     """rows[r] = row g = row_token[r] of the owner's [T_max, H] region ``name`` (zeros for the
     padding rows; the unused rows past the schedule's end are left as they are), bf16 [capacity, H],
     into ``out`` when given.
@@ -137,22 +146,27 @@ def pull_rows(ws: EPWorkspace, kernels: dict, name: str, sched: Schedule, stream
     token over the link instead of 2H; "fp8_block": published with 1 x 128 block scales, and kept
     so, in one uint8 buffer (mok.pipeline.stages.packed_fp8_rows: elements [capacity, H] and scales
     [ceil(H / 128), capacity] as the FP8 GEMM takes its A; zeros with scale 0 in the padding rows),
-    H + 4·ceil(H / 128) bytes a token."""
+    H + 4·ceil(H / 128) bytes a token; with ``scale_order`` "mma" (SM100: power-of-two scales, H a
+    multiple of 128) the scales as E8M0 bytes in the MMA order, the MXFP8 rows its GEMMs take
+    (stages.fp8_rows); ``out`` then such a packed buffer."""
     lay = ws.layout
     schedule = (launch.ptr("i32", sched.slot_row, 4), launch.ptr("i32", sched.expert_counts, 4), launch.ptr("i32", sched.expert_offsets, 4))
     tail = (launch.i32(sched.capacity), launch.i32(sched.expert_counts.shape[0]), stream)
     if rows_format != "bf16":
         elements, scales = quantized_region(ws, 0, lay.max_tokens, rows_format)  # rank 0's; the kernel steps by the rank stride
         if rows_format == "fp8_block":
-            rows = packed_fp8_rows(sched.capacity, lay.hidden, ws.buffer.device)
-            rows_out, scales_out = fp8_rows(rows, lay.hidden)
+            rows = packed_fp8_rows(sched.capacity, lay.hidden, ws.buffer.device) if out is None else out
+            check_tensor("out", rows, dtypes=(torch.uint8,), shape=(sched.capacity, packed_fp8_width(lay.hidden)), device=ws.buffer.device,
+                         contiguous=True)
+            rows_out, scales_out = fp8_rows(rows, lay.hidden, scale_order)
             outs = (launch.ptr("u8", rows_out.view(torch.uint8), 16), launch.ptr("f32", scales_out, 16))
             sources = (launch.ptr("u8", elements.view(torch.uint8), 16), launch.ptr("f32", scales, 16))
         else:
             rows = bf16_out(out, (sched.capacity, lay.hidden), ws.buffer.device)
             outs = (launch.ptr("bf16", rows), launch.ptr("f32", None))
             sources = (launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1))
-        kernels[f"dispatch_{rows_format}"](*sources, *schedule, *outs, launch.i32(lay.max_tokens), launch.i64(ws.rank_stride), *tail)
+        dispatch, _ = quantized_kernel(f"dispatch_{rows_format}", scale_order=scale_order)
+        kernels[dispatch](*sources, *schedule, *outs, launch.i32(lay.max_tokens), launch.i64(ws.rank_stride), *tail)
         return rows
     rows = bf16_out(out, (sched.capacity, lay.hidden), ws.buffer.device)
     kernels["dispatch"](

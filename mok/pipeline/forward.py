@@ -212,14 +212,15 @@ def _ep_forward(plan: Plan, ws: EPWorkspace, x, topk_idx, topk_w, weights, share
         x_rows = ops.gather_rows(x_all, sched.row_token) if save else None  # the backward's rows (training only)
         ws.copy_record()
         return ForwardResult(out, sched, h, shared_h, x_rows, routing)
-    kernels = exchange.exchange_kernels(ws, dev, c.dispatch_format, c.fp8_power_of_two)
+    kernels = exchange.exchange_kernels(ws, dev, c.dispatch_format, c.fp8_power_of_two, plan.fp8_scale_order)
     stream = launch.stream(dev)
     exchange.publish(ws, kernels, ("x", x), ("idx", topk_idx), stream, rows_format=c.dispatch_format, power_of_two=c.fp8_power_of_two)
     routing = exchange.gather_ranks(ws, kernels, "idx", timeout_s, stream)  # every rank's routing -> this rank's schedule -> pull
     sched = ops.device_schedule(routing, c.num_experts, rank=ws.rank, world_size=c.ep_size, capacity=ws.capacity)
     h = torch.empty(sched.capacity, 2 * inter, dtype=x.dtype, device=dev) if keep_h else None
     shared_h = torch.empty(num_tokens, 2 * shared[0].shape[0], dtype=x.dtype, device=dev) if keep_h and shared is not None else None
-    x_rows = exchange.pull_rows(ws, kernels, "x", sched, stream, rows_format=c.dispatch_format)  # (fp8_block: FP8 rows, kept so)
+    x_rows = exchange.pull_rows(ws, kernels, "x", sched, stream, rows_format=c.dispatch_format,  # (fp8_block: FP8 rows, kept so)
+                                scale_order=plan.fp8_scale_order)
     expert_weights = stages.routed_weights(plan, weights, None)
     a = stages.gate_up(plan, x_rows, sched, expert_weights, h, gather=False, biases=biases)
     down_bias = {} if biases is None else dict(bias=biases[2])

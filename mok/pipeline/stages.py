@@ -10,8 +10,9 @@ Precision is a parameter of each GEMM stage (``plan.precision``): bf16 operands,
 quantized on the way in, the weights quantized once per call: :func:`quantize_expert_weights`;
 block-scaled MMAs on SM100, or with ``plan.emulate`` the same operands dequantized, exactly, into
 the bf16 GEMMs), or FP8 with block scales (rows quantized on the way in, the weights once per
-version, transposed for the backward: fp8_weights.py; Hopper's FP8 WGMMAs; the weight gradients
-in bf16). Where the rows come from (gathered inside the GEMM, gathered first, pulled from the
+version, transposed for the backward: fp8_weights.py; Hopper's FP8 WGMMAs with fp32 scales, or
+SM100's MXFP8 kernels with the power-of-two scales as E8M0 bytes, ``plan.fp8_scale_order``; the
+weight gradients in bf16 or, with wgrad_format "fp8_block", on FP8 too). Where the rows come from (gathered inside the GEMM, gathered first, pulled from the
 peers) and where they go (rows, or the peers' combine slots) is the pipelines' business
 (forward.py, backward.py, exchange.py).
 """
@@ -197,21 +198,32 @@ def packed_fp8_rows(num_rows: int, hidden: int, device) -> torch.Tensor:
     return torch.empty(num_rows, packed_fp8_width(hidden), dtype=torch.uint8, device=device)
 
 
-def fp8_rows(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows(packed: torch.Tensor, hidden: int, scale_order: str = "rows") -> tuple[torch.Tensor, torch.Tensor]:
     """The parts of a :func:`packed_fp8_rows` buffer, as the FP8 GEMMs take A: (elements
-    float8_e4m3fn [R, H] from its first byte, scales float32 [ceil(H / 128), R] from byte R·H)."""
+    float8_e4m3fn [R, H] from its first byte, scales from byte R·H: float32 [ceil(H / 128), R], or
+    with ``scale_order`` "mma" (Plan.fp8_scale_order: SM100, R and H multiples of 128) E8M0 bytes
+    in the MMA order, uint8 [R / 128, H / 128, 512]: the same 4·H / 128 bytes a row)."""
     num_rows, flat = packed.shape[0], packed.view(-1)
     elements = flat[: num_rows * hidden].view(torch.float8_e4m3fn).view(num_rows, hidden)
+    if scale_order == "mma":
+        if num_rows % 128 or hidden % 128:
+            raise ValueError(f"packed: expected R and H multiples of 128 for scale_order='mma', got R={num_rows}, H={hidden}")
+        return elements, flat[num_rows * hidden:].view(num_rows // 128, hidden // 128, 512)
     scales = flat[num_rows * hidden:].view(torch.float32).view(-(-hidden // 128), num_rows)
     return elements, scales
 
 
-def bf16_rows(rows: torch.Tensor, sched: Schedule, hidden: int) -> torch.Tensor:
+def bf16_rows(plan: Plan, rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """Rows [R, H] as bf16: themselves, or (a :func:`packed_fp8_rows` buffer: x's rows that crossed
-    in FP8) their values, the rows ``sched`` uses."""
-    if rows.dtype == torch.uint8:
-        return ops.dequantize_fp8_rows(*fp8_rows(rows, hidden), rows_used=rows_in_use(sched))
-    return rows
+    in FP8) their values, the rows ``sched`` uses: element times scale, by the scales' order
+    (SM100's E8M0 rows are MXFP8 rows: :func:`dequantized_rows`, the same values)."""
+    if rows.dtype != torch.uint8:
+        return rows
+    order = plan.fp8_scale_order
+    rows_q = fp8_rows(rows, plan.config.hidden, order)
+    if order == "mma":
+        return dequantized_rows(rows_q, rows_in_use(sched))
+    return ops.dequantize_fp8_rows(*rows_q, rows_used=rows_in_use(sched))
 
 
 def rows_in_use(sched: Schedule) -> torch.Tensor:
@@ -261,7 +273,7 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias, **plan.pairs)
     if isinstance(rows, tuple) or rows.dtype == torch.uint8:  # (quantized already; or FP8 rows packed as they crossed)
-        rows_q = rows if isinstance(rows, tuple) else fp8_rows(rows, plan.config.hidden)
+        rows_q = rows if isinstance(rows, tuple) else fp8_rows(rows, plan.config.hidden, plan.fp8_scale_order)
     else:
         rows_q = quantized_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
     return ops.grouped_gemm(rows_q, gemm_weight(plan, weights.gate), sched.tile_expert, b2=gemm_weight(plan, weights.up), h_out=h_out,
@@ -429,8 +441,9 @@ def fp8_weight_grad_operands(plan: Plan, rows: tuple, sched: Schedule, tokens: t
     ``rows`` = (dout_rows, a_scaled, dh, x_rows) with 1 x 128 blocks along the rows
     (ops.quantize_fp8_columns, the plan's scale rule), the row blocks in use only; where dout_rows
     or x_rows is None, the rows of its token matrix in ``tokens`` = (dout, x) gathered as they are
-    quantized."""
-    options = dict(power_of_two=plan.config.fp8_power_of_two, rows_used=rows_in_use(sched))
+    quantized. On SM100 (plan.fp8_scale_order "mma") the same values as the MXFP8 operands its
+    weight-gradient kernel reads: the rows' own layout, E8M0 scales in the MMA order."""
+    options = dict(power_of_two=plan.config.fp8_power_of_two, rows_used=rows_in_use(sched), scale_order=plan.fp8_scale_order)
 
     def transpose(t: torch.Tensor | None, token_matrix: torch.Tensor | None = None):
         if t is None:
@@ -449,9 +462,10 @@ def expert_weight_grads(
     ``rows`` = (dout_rows, a_scaled, dh, x_rows); fresh in ``grad_dtype`` or added into
     ``main_grads`` (gate, up, down). ``wgrad_format`` (MoKConfig.weight_grad_format): "bf16", the
     rows as they are; "mxfp8", quantized along the rows (blocks of 32 rows down each column);
-    "fp8_block", their transposes with 1 x 128 blocks along the rows
-    (:func:`fp8_weight_grad_operands`; ``tokens`` = (dout, x), whose rows are gathered as they are
-    quantized where dout_rows or x_rows is None). ``gate_up_layout`` "concatenated" or "interleaved" (fresh):
+    "fp8_block", their transposes with 1 x 128 blocks along the rows (Hopper's FP8 kernel), or on
+    SM100 the same blocks as MXFP8 operands (its MXFP8 kernel; :func:`fp8_weight_grad_operands`;
+    ``tokens`` = (dout, x), whose rows are gathered as they are quantized where dout_rows or x_rows
+    is None). ``gate_up_layout`` "concatenated" or "interleaved" (fresh):
     dW_gate and dW_up as one [E, 2I, H] tensor (:func:`gate_up_weight_grads`)."""
     offsets, counts = sched.expert_offsets, sched.expert_counts
     if wgrad_format == "fp8_block":

@@ -25,7 +25,7 @@ from .flag_layout import (
     ERROR_CAPACITY, ERROR_TIMEOUT, PHASE_DONE, PHASE_PUBLISH, epoch_slot, error_slot, flag_slot, flag_words, publish_count_slot,
     tokens_slot,
 )
-from .fp8_block_quantize import BLOCK as FP8_BLOCK, QuantizeFp8BlockKernel
+from .fp8_block_quantize import BLOCK as FP8_BLOCK, QuantizeFp8BlockKernel, e8m0_word, mma_scale_word
 from .mxfp8_quantize import BLOCK, block_tensors, e8m0_factor, quantize_block
 from .row_vectors import VECTOR
 from .waits import wait_at_least
@@ -449,11 +449,19 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
     - "fp8_block" (fp32 scales [T_max, ceil(H / 128)]): each row here gets the token's elements
       and scales as they are (no conversion: the FP8 GEMM reads them), the elements as bytes, 16 a
       vector, the scales into [ceil(H / 128), R], the layout the GEMM's TMA reads; padding rows get
-      zero elements and zero scales. A token crosses as H + 4·ceil(H / 128) bytes."""
+      zero elements and zero scales. A token crosses as H + 4·ceil(H / 128) bytes. ``scale_order``
+      "mma" (power-of-two scales, H a multiple of 128: SM100's block-scaled MMAs): each scale
+      goes into the rows' MXFP8 scales instead, its exponent field as the E8M0 byte of each of the
+      block's four 32-blocks, in the order the MMAs read (uint8 [R / 128, H / 128, 512], a row's
+      block one 4-byte word; the padding rows' bytes zero), exact for a power of two."""
 
-    def __init__(self, world: int, width: int, topk: int, row_format: str, max_threads: int = 128) -> None:
+    def __init__(self, world: int, width: int, topk: int, row_format: str, max_threads: int = 128, scale_order: str = "rows") -> None:
         check_quantized_rows(row_format, width)
-        self.row_format = row_format
+        if scale_order not in ("rows", "mma"):
+            raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
+        if scale_order == "mma" and (row_format != "fp8_block" or width % FP8_BLOCK):
+            raise ValueError(f"scale_order='mma': fp8_block rows of whole {FP8_BLOCK}-blocks, got row_format={row_format!r}, width={width}")
+        self.row_format, self.scale_order = row_format, scale_order
         if row_format == "fp8_block":
             self.vector = FP8_ROW_VECTOR  # (the elements copied as bytes)
         super().__init__(world, width, topk, max_threads)
@@ -467,7 +475,8 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
     ):
         """``elements_ptr``, ``scales_ptr``: rank 0's region (the ranks' regions ``x_stride_bytes``
         apart); ``out_ptr`` the rows [R, H] (bf16, or fp8_block's elements as bytes),
-        ``out_scales_ptr`` fp8_block's scales [ceil(H / 128), R] (unused with mxfp8)."""
+        ``out_scales_ptr`` fp8_block's scales [ceil(H / 128), R] (``scale_order`` "mma": [R / 128,
+        H / 128, 512] E8M0 as 4-byte words; unused with mxfp8)."""
         h = self.width
         x_stride_bytes = cute.assume(x_stride_bytes, divby=16)  # (64-bit: bytes, twice the bf16 regions' element offsets)
         m_el = cute.make_tensor(elements_ptr, cute.make_layout((self.world, t_max, h), stride=(x_stride_bytes, h, 1)))
@@ -475,7 +484,10 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
             m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, h // 32), stride=(x_stride_bytes, h // 32, 1)))
         else:
             m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, self.k_blocks), stride=(x_stride_bytes // 4, self.k_blocks, 1)))
-        m_out_scales = cute.make_tensor(out_scales_ptr, cute.make_layout((self.k_blocks, num_rows), stride=(num_rows, 1)))
+        if cutlass.const_expr(self.scale_order == "mma"):
+            m_out_scales = cute.make_tensor(out_scales_ptr, cute.make_layout(((num_rows + FP8_BLOCK - 1) // FP8_BLOCK * self.k_blocks * FP8_BLOCK,)))
+        else:
+            m_out_scales = cute.make_tensor(out_scales_ptr, cute.make_layout((self.k_blocks, num_rows), stride=(num_rows, 1)))
         rows = self.row_tensors(slot_row_ptr, counts_ptr, offsets_ptr, out_ptr, t_max, num_rows, num_local)
         self.kernel_quantized(m_el, m_sc, *rows, m_out_scales, t_max, num_rows).launch(**self.launch_shape(t_max, num_local, stream))
 
@@ -503,14 +515,23 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
                         for j in cutlass.range(self.topk, unroll_full=True):
                             dest = m_slot_row[block, j]
                             if dest >= 0:
-                                m_out_scales[k_block, dest] = scale
+                                self.store_scale(m_out_scales, dest, k_block, scale)
         else:
             expert = block - tokens
             self.zero_padding(m_counts, m_offsets, m_out, expert, num_rows, tidx)
             if cutlass.const_expr(self.row_format == "fp8_block"):
                 for row in cutlass.range(m_offsets[expert] + m_counts[expert], cutlass.min(m_offsets[expert + 1], num_rows), unroll=1):
                     for k_block in cutlass.range(tidx, self.k_blocks, self.threads, unroll=1):
-                        m_out_scales[k_block, row] = cutlass.Float32(0.0)
+                        self.store_scale(m_out_scales, row, k_block, cutlass.Float32(0.0))
+
+    @cute.jit
+    def store_scale(self, m_out_scales: cute.Tensor, row, k_block, scale):
+        """fp8_block: row ``row``'s scale of K block ``k_block``, fp32 at [k_block, row], or
+        (``scale_order`` "mma") its E8M0 word at the row's place in the MMA order."""
+        if cutlass.const_expr(self.scale_order == "mma"):
+            m_out_scales[mma_scale_word(row, k_block, self.k_blocks)] = e8m0_word(scale)
+        else:
+            m_out_scales[k_block, row] = scale
 
 
 class EpOverflowKernel(EpRowsKernel):
@@ -600,13 +621,15 @@ def _ptr(dtype, align):
 
 
 def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: int = 0, width: int = 8, topk: int = 1,
-               power_of_two: bool = False):
+               power_of_two: bool = False, scale_order: str = "rows"):
     """Compile one EP kernel (``kind``: signal, wait, publish, publish_mxfp8, publish_fp8_block, routing, dispatch,
     dispatch_mxfp8, dispatch_fp8_block, overflow) for ``arch`` without tensors.
 
     For ``overflow``, ``phase`` PHASE_DONE selects the backward's variant (it poisons the router-gradient pieces too);
-    ``power_of_two``: publish_fp8_block's scale rule.
+    ``power_of_two``: publish_fp8_block's scale rule; ``scale_order``: dispatch_fp8_block's (EpDispatchQuantizedKernel).
     """
+    if scale_order != "rows" and kind != "dispatch_fp8_block":
+        raise ValueError(f"scale_order: dispatch_fp8_block's option, got {scale_order!r} for {kind}")
     from cutlass.cute.runtime import make_fake_stream
 
     i32, bf16, i = cutlass.Int32, cutlass.BFloat16, cutlass.Int32(1)
@@ -640,7 +663,7 @@ def compile_ep(kind: str, world: int, arch: str, options: str = "", *, phase: in
             i, cutlass.Int64(16), i, i, stream,
         )
     elif kind == "dispatch_fp8_block":
-        kernel = EpDispatchQuantizedKernel(world, width, topk, "fp8_block")
+        kernel = EpDispatchQuantizedKernel(world, width, topk, "fp8_block", scale_order=scale_order)
         args = (
             _ptr(cutlass.Uint8, 16), _ptr(cutlass.Float32, 16), *(_ptr(i32, 4) for _ in range(3)), _ptr(cutlass.Uint8, 16),
             _ptr(cutlass.Float32, 16), i, cutlass.Int64(16), i, i, stream,

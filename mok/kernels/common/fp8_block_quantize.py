@@ -33,7 +33,10 @@ rows), so a GEMM's gathered rows come out in FP8 in one pass, with no bf16 copy 
 bits of quantizing the gathered bf16 rows, each row being quantized on its own.
 
 :class:`QuantizeFp8ColumnsKernel` quantizes the rows' transpose instead (1 x 128 blocks along the
-rows, for the weight gradients on FP8, whose K is the rows): see its docstring.
+rows, for the weight gradients on FP8, whose K is the rows; with ``mma_scales`` the same blocks as
+SM100's MXFP8 weight gradient reads them): see its docstring. :func:`e8m0_word` and
+:func:`mma_scale_word` are the MMA order's byte and place, for every kernel that writes it (the
+quantizers, the FP8 EP dispatch).
 :class:`DequantizeFp8RowsKernel` takes rows (1 x 128 blocks, fp32 scales) back to bf16.
 """
 
@@ -73,6 +76,26 @@ def power_of_two_at_or_above(s: cutlass.Float32) -> cutlass.Float32:
     if (raw[0] & MANTISSA_MASK) != 0:
         raw[0] = (raw[0] & EXPONENT_MASK) + EXPONENT_ONE
     return bits[0]
+
+
+@cute.jit
+def e8m0_word(scale: cutlass.Float32) -> cutlass.Float32:
+    """A power-of-two ``scale``'s E8M0 byte (its exponent field: exponent + 127) four times over, as
+    the fp32 word whose bits they are (0.0 gives a zero word)."""
+    bits = cute.make_rmem_tensor((1,), cutlass.Float32)
+    bits[0] = scale
+    raw = cute.recast_tensor(bits, cutlass.Int32)
+    raw[0] = ((raw[0] >> 23) & 0xFF) * 0x01010101
+    return bits[0]
+
+
+@cute.jit
+def mma_scale_word(row, k_block, k_blocks):
+    """The 4-byte word holding row ``row``'s E8M0 bytes of 128-block ``k_block`` (``k_blocks`` a
+    row; one byte per 32-block) in the order SM100's block-scaled MMAs read MXFP8 scales
+    (mok.mxfp8.mma_scale_layout): word (row % 32)·4 + (row / 32) % 4 of the 128-word chunk
+    (row / 128, k_block)."""
+    return ((row >> 7) * k_blocks + k_block) * BLOCK + (row & 31) * 4 + ((row >> 5) & 3)
 
 
 class QuantizeFp8BlockKernel:
@@ -181,22 +204,12 @@ class QuantizeFp8BlockKernel:
         return scale, factor
 
     @cute.jit
-    def e8m0_word(self, scale):
-        """A power-of-two ``scale``'s E8M0 byte four times over, as the fp32 word whose bits they are."""
-        bits = cute.make_rmem_tensor((1,), cutlass.Float32)
-        bits[0] = scale
-        raw = cute.recast_tensor(bits, cutlass.Int32)
-        raw[0] = ((raw[0] >> 23) & 0xFF) * 0x01010101
-        return bits[0]
-
-    @cute.jit
     def store_row_scale(self, m_s, row, k_block, scale):
         """Row ``row``'s scale of K block ``k_block``: fp32 at [k_block, row], or (``mma_scales``) its
         E8M0 byte for the block's four 32-blocks, one word of the row's chunk (the four bytes lie
         together: mok.mxfp8.mma_scale_layout)."""
         if cutlass.const_expr(self.mma_scales):
-            chunk = (row >> 7) * self.k_blocks + k_block
-            m_s[chunk * BLOCK + (row & 31) * 4 + ((row >> 5) & 3)] = self.e8m0_word(scale)
+            m_s[mma_scale_word(row, k_block, self.k_blocks)] = e8m0_word(scale)
         else:
             m_s[row, k_block] = scale
 
@@ -284,7 +297,7 @@ class QuantizeFp8BlockKernel:
                 if first + r < limit:
                     self.quantize_row(m_x, m_q, first + r, first + r, k_block, lane, factor)
             if cutlass.const_expr(self.mma_scales):  # (the block is a whole chunk: every thread one word of it)
-                m_s[(row_tile * self.k_blocks + k_block) * BLOCK + tidx] = self.e8m0_word(scale)
+                m_s[(row_tile * self.k_blocks + k_block) * BLOCK + tidx] = e8m0_word(scale)
             elif tidx == 0 and first < limit:
                 m_s[row_tile, k_block] = scale
 
@@ -302,11 +315,17 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
     memory, and each lane stores its columns' 32 values as E4M3, 32 bytes (a whole sector) into
     each output row, warp 0 the four scales. Static
     config: the width M (a multiple of 16; a partial last column tile), ``power_of_two``,
-    ``bounded`` (the row blocks below rows_used[0], a multiple of 128) and ``gathered`` (row r is
-    source row row_source[r] of x, zeros where negative)."""
+    ``bounded`` (the row blocks below rows_used[0], a multiple of 128), ``gathered`` (row r is
+    source row row_source[r] of x, zeros where negative) and ``mma_scales`` (power_of_two, M a
+    multiple of 128: the operands SM100's MXFP8 weight gradient reads, MN-major): the elements
+    stay in the rows' own layout [R, M] (a lane's four columns one 4-byte store a row) and each
+    column's 128-row block scale goes out as its E8M0 byte at the block's four 32-blocks, in the
+    order the MMAs read MXFP8 scales ([M / 128, R / 128, 512]: column m's block b is one word of
+    chunk (m / 128, b), as a row's is in the row quantizer)."""
 
-    def __init__(self, width: int, power_of_two: bool = False, bounded: bool = False, gathered: bool = False) -> None:
-        super().__init__(width, 1, power_of_two, bounded, gathered=gathered)
+    def __init__(self, width: int, power_of_two: bool = False, bounded: bool = False, gathered: bool = False,
+                 mma_scales: bool = False) -> None:
+        super().__init__(width, 1, power_of_two, bounded, mma_scales=mma_scales, gathered=gathered)
 
     @cute.jit
     def __call__(
@@ -314,14 +333,19 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
         row_source_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32, stream: cuda.CUstream,
     ):
         """x [R, M] bf16 (``gathered``: [num_src, M], row_source [R] int32) -> elements [M, R] E4M3,
-        scales [R / 128, M] fp32."""
+        scales [R / 128, M] fp32 (``mma_scales``: elements [R, M], scales [M / 128, R / 128, 512]
+        E8M0 as 4-byte words)."""
         m = self.width
         sources = num_src if self.gathered else num_rows
         m_x = cute.make_tensor(x_ptr, cute.make_layout((sources, m), stride=(m, 1)))
         rows = cute.assume(num_rows, divby=BLOCK)  # (so that each 16-byte run of an output row is known to be aligned)
-        m_q = cute.make_tensor(elements_ptr, cute.make_layout((m, rows), stride=(rows, 1)))
         row_blocks = num_rows // BLOCK
-        m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_blocks, m), stride=(m, 1)))
+        if cutlass.const_expr(self.mma_scales):
+            m_q = cute.make_tensor(elements_ptr, cute.make_layout((rows, m), stride=(m, 1)))
+            m_s = cute.make_tensor(scales_ptr, cute.make_layout((m // BLOCK * row_blocks * BLOCK,)))
+        else:
+            m_q = cute.make_tensor(elements_ptr, cute.make_layout((m, rows), stride=(rows, 1)))
+            m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_blocks, m), stride=(m, 1)))
         m_source = cute.make_tensor(row_source_ptr, cute.make_layout((num_rows,)))
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel_columns(m_x, m_q, m_s, m_used, m_source).launch(
@@ -332,7 +356,7 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
     def kernel_columns(self, m_x: cute.Tensor, m_q: cute.Tensor, m_s: cute.Tensor, m_used: cute.Tensor, m_source: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         column_tile, row_block, _ = cute.arch.block_idx()
-        limit = m_q.shape[1]
+        limit = m_q.shape[0] if cutlass.const_expr(self.mma_scales) else m_q.shape[1]  # (R)
         if cutlass.const_expr(self.bounded):
             limit = min(limit, m_used[0])
         first = row_block * BLOCK
@@ -374,19 +398,37 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
                 scales = cute.make_rmem_tensor((QUAD,), cutlass.Float32)
                 for c in cutlass.range_constexpr(QUAD):
                     scales[c], factors[c] = self.scale_and_factor(amax[c])
-                runs = cute.make_rmem_tensor(cute.make_layout((QUAD, COLUMN_ROWS), stride=(COLUMN_ROWS, 1)), m_q.element_type)
-                for i in cutlass.range_constexpr(0, COLUMN_ROWS, 2):  # (two rows at a time: E4M3 converts in pairs)
-                    pair = cute.make_rmem_tensor((2, QUAD), cutlass.Float32)
-                    for h in cutlass.range_constexpr(2):
-                        row = row_vector(rows, i + h, 0, QUAD).load().to(cutlass.Float32)
+                if cutlass.const_expr(self.mma_scales):
+                    self.store_rows_mma(rows, factors, scales, m_q, m_s, first + warp * COLUMN_ROWS, column, row_block, warp)
+                else:
+                    runs = cute.make_rmem_tensor(cute.make_layout((QUAD, COLUMN_ROWS), stride=(COLUMN_ROWS, 1)), m_q.element_type)
+                    for i in cutlass.range_constexpr(0, COLUMN_ROWS, 2):  # (two rows at a time: E4M3 converts in pairs)
+                        pair = cute.make_rmem_tensor((2, QUAD), cutlass.Float32)
+                        for h in cutlass.range_constexpr(2):
+                            row = row_vector(rows, i + h, 0, QUAD).load().to(cutlass.Float32)
+                            for c in cutlass.range_constexpr(QUAD):
+                                pair[h, c] = row[c] * factors[c]
                         for c in cutlass.range_constexpr(QUAD):
-                            pair[h, c] = row[c] * factors[c]
+                            row_vector(runs, c, i // 2, 2).store(pair[None, c].load().to(m_q.element_type))
                     for c in cutlass.range_constexpr(QUAD):
-                        row_vector(runs, c, i // 2, 2).store(pair[None, c].load().to(m_q.element_type))
-                for c in cutlass.range_constexpr(QUAD):
-                    row_vector(m_q, column + c, row_block * WARPS + warp, COLUMN_ROWS).store(runs[c, None].load())
-                if warp == 0:
-                    row_vector(m_s, row_block, column // QUAD, QUAD).store(scales.load())
+                        row_vector(m_q, column + c, row_block * WARPS + warp, COLUMN_ROWS).store(runs[c, None].load())
+                    if warp == 0:
+                        row_vector(m_s, row_block, column // QUAD, QUAD).store(scales.load())
+
+    @cute.jit
+    def store_rows_mma(self, rows, factors, scales, m_q, m_s, first_row, column, row_block, warp):
+        """``mma_scales``: this lane's 32 rows x 4 columns as E4M3 into the rows' own layout (4 bytes a
+        row: a warp writes a row's 128 bytes), and (warp 0) its columns' scales as E8M0 words
+        (:func:`mma_scale_word`, a column being the MMA's row and the row block its K block)."""
+        for i in cutlass.range_constexpr(COLUMN_ROWS):
+            row = row_vector(rows, i, 0, QUAD).load().to(cutlass.Float32)
+            scaled = cute.make_rmem_tensor((QUAD,), cutlass.Float32)
+            for c in cutlass.range_constexpr(QUAD):
+                scaled[c] = row[c] * factors[c]
+            row_vector(m_q, first_row + i, column // QUAD, QUAD).store(scaled.load().to(m_q.element_type))
+        if warp == 0:  # (column m's row block is chunk (m / 128, row_block): the column is the MMA's row)
+            for c in cutlass.range_constexpr(QUAD):
+                m_s[mma_scale_word(column + c, row_block, m_q.shape[0] // BLOCK)] = e8m0_word(scales[c])
 
 
 class DequantizeFp8RowsKernel(QuantizeFp8BlockKernel):
@@ -433,7 +475,7 @@ def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, 
     if back:
         return compile_kernel(DequantizeFp8RowsKernel(width, bounded), FP8_BLOCK_QUANTIZE_ARGS, arch, options)
     if columns:
-        kernel = QuantizeFp8ColumnsKernel(width, power_of_two, bounded, gathered)
+        kernel = QuantizeFp8ColumnsKernel(width, power_of_two, bounded, gathered, mma_scales)
     else:
         kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales, gathered)
     return compile_kernel(kernel, FP8_BLOCK_QUANTIZE_ARGS, arch, options)
