@@ -506,7 +506,7 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
     128-row blocks, padding rows zero), a partial last column tile (N = 400); into a
     new gradient; split_out into two poisoned halves with the padding row blocks skipped
     (``counts``); or added into a random fp32 gradient (main_grad), counted too. An expert without
-    rows gets zeros (or is left as it was); the same bits on a second run."""
+    rows gets zeros (or is left as it was); the same bits on a second run, and with deep turns."""
     counts = [300, 0, 128, 77, 250, 600]
     E, M, N = len(counts), 512, 400
     offsets = [0]
@@ -535,6 +535,8 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
         again = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, split_out=True, **counted), 1)
     else:
         got, again = (ops.weight_grad(a_q, b_q, offsets_t) for _ in range(2))
+        for deep_turn in (2, 4):  # (two stages in flight for turns of 2 or 4: 600 rows' 5 blocks are one or two turns and an end)
+            assert torch.equal(ops.weight_grad(a_q, b_q, offsets_t, deep_turn=deep_turn), got), deep_turn
     assert got.shape == (E, M, N) and not got.isnan().any()
     assert rel_err(got, want) < (2e-3 if form == "accumulate" else 5e-3)
     assert torch.equal(got[1], want[1].to(got.dtype))  # (no rows: zeros, or the gradient as it was)

@@ -529,6 +529,20 @@ def test_fp8_block_gemm_deep_turns_keep_two_stages_in_flight(n, k, epilogue, dee
     assert_register_handover_fits(ptx)
 
 
+def test_fp8_weight_grad_deep_turns_keep_two_stages_in_flight():
+    """The FP8 weight gradient's two block accumulators with deep turns (its K, the expert's rows,
+    known at run time): a turn's eight stages beside the pairs', wait_group 1 between them, not
+    serialized, nothing spilled."""
+    variant = weight_grad_variant(4096, 7168, operand="e4m3_block", pingpong=False, split_out=True, deep_turn=8)
+    ptx = compiled_ptx(variant, "sm_90a")
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 4 * (4 + 8)
+    assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) == 7
+    assert_wgmmas_not_serialized(ptx)
+    assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0
+    with pytest.raises(ValueError, match="deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got 8 with block_buffers=1"):
+        weight_grad_variant(4096, 7168, deep_turn=8)  # (bf16: no block accumulators)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("block_rows,power_of_two,gathered", [(1, False, False), (128, False, False), (1, True, False), (1, False, True)])
 def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturating_cvt(arch, block_rows, power_of_two, gathered):

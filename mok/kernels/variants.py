@@ -339,7 +339,7 @@ def grouped_gemm_variant(
 def weight_grad_variant(
     m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
     persistent: bool = True, pingpong: bool | None = None, split_out: bool = False, operand: str = "bf16",
-    interleaved_out: bool = False,
+    interleaved_out: bool = False, deep_turn: int = 0,
 ) -> KernelVariant:
     """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA;
     sm_100a / sm_103a: tcgen05, compile-verified, never run).
@@ -351,9 +351,11 @@ def weight_grad_variant(
     one [E, M, N] tensor (gpt-oss's gate_up_proj gradient, its rows interleaved). ``operand``
     "e4m3": MXFP8 operands quantized along the rows (block-scaled MMAs on MN-major operands, SM100
     only); "e4m3_block": FP8 with 1 x 128 blocks along the rows, the operands the rows' transposes
-    (Hopper's FP8 WGMMAs, K-major; persistent, cooperative, 128-wide tiles).
+    (Hopper's FP8 WGMMAs, K-major; persistent, cooperative, 128-wide tiles, two block sets in turn;
+    ``deep_turn`` as in :func:`grouped_gemm_variant`).
     """
     _check_operand(operand, persistent)
+    check_deep_turn(deep_turn, 2 if operand == "e4m3_block" else 1)
     a_stride = m if a_stride is None else a_stride
     pingpong = weight_grad_pingpong(persistent, tile_n, operand) if pingpong is None else pingpong
     options = dict(a_stride=a_stride, tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out)
@@ -361,6 +363,7 @@ def weight_grad_variant(
         options["interleaved_out"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
+        turn = {"deep_turn": deep_turn} if deep_turn else {}
         if arch in MXFP8_GEMM_ARCHS:
             from .sm100.weight_grad_gemm import compile_weight_grad_sm100
 
@@ -372,7 +375,7 @@ def weight_grad_variant(
             raise _no_mxfp8_here("weight-gradient GEMM", arch)
         from .sm90.weight_grad_gemm import compile_weight_grad
 
-        return compile_weight_grad(m, n, out_dtype, accumulate, arch, compile_options, operand=operand, **options)
+        return compile_weight_grad(m, n, out_dtype, accumulate, arch, compile_options, operand=operand, **options, **turn)
 
     config = {
         "m": m, "n": n, "out_dtype": out_dtype, "accumulate": accumulate, "a_stride": a_stride, "tile_n": tile_n,
@@ -383,6 +386,8 @@ def weight_grad_variant(
             config[flag] = True
     if operand != "bf16":
         config["operand"] = operand
+    if deep_turn:
+        config["deep_turn"] = deep_turn
     return KernelVariant("weight_grad", config, build)
 
 

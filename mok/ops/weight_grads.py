@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import weight_grad_args
-from ..kernels.variants import router_grad_variant, weight_grad_pingpong, weight_grad_variant
+from ..kernels.variants import check_deep_turn, router_grad_variant, weight_grad_pingpong, weight_grad_variant
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
 from ..validation import check_tensor
@@ -56,6 +56,7 @@ def weight_grad(
     tile_n: int = 128,
     pingpong: bool | None = None,
     split_out: bool = False,
+    deep_turn: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
 
@@ -86,10 +87,12 @@ def weight_grad(
     rows' transpose (elements float8_e4m3fn [M, R], scales float32 [R / 128, M]) and b likewise
     ([N, R], [R / 128, N]), as mok.ops.quantize_fp8_columns gives them; M and N multiples of 16, R
     and every offset multiples of 128; out[e] = Σ over expert e's 128-row blocks of the block's
-    product times sa[m]·sb[n] (mok/kernels/sm90/weight_grad_gemm.py).
+    product times sa[m]·sb[n] (mok/kernels/sm90/weight_grad_gemm.py); ``deep_turn`` as in
+    :func:`mok.ops.grouped_gemm` (the same bits).
     """
     (a_values, a_scales), (b_values, b_scales) = operand_parts("a", a), operand_parts("b", b)
     operand = "bf16" if a_scales is None else "e4m3_block" if a_scales.dtype == torch.float32 else "e4m3"
+    check_deep_turn(deep_turn, 2 if operand == "e4m3_block" else 1)  # (FP8 block scales: two block accumulators in turn)
     mxfp8 = operand == "e4m3"
     dev = a_values.device
     if operand == "e4m3_block":
@@ -138,14 +141,14 @@ def weight_grad(
     interleaved = split_out and _interleaved_rows(outs)
     half_stride, upper_first = (n, 0) if interleaved else _split_out_stride(outs) if split_out else (0, 0)
     if half_stride is None:  # not a TMA descriptor's stride: a launch per half of A
-        opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong)
+        opts = dict(counts=counts, accumulate=accumulate, persistent=persistent, tile_n=tile_n, pingpong=pingpong, deep_turn=deep_turn)
         for half, o in enumerate(outs):
             weight_grad(_half_of_a(operand, a_values, a_scales, half, m), b, offsets, out=o, **opts)
         return result
     variant = weight_grad_variant(
         m, n, "f32" if outs[0].dtype == torch.float32 else "bf16", accumulate,
         a_stride=None if operand == "e4m3_block" else a_values.stride(0), tile_n=tile_n, persistent=persistent, pingpong=pingpong,
-        split_out=split_out, operand=operand, interleaved_out=interleaved,
+        split_out=split_out, operand=operand, interleaved_out=interleaved, deep_turn=deep_turn,
     )
     launch_weight_grad(variant, a, b, offsets, counts, outs, half_stride, upper_first)
     return result
