@@ -11,6 +11,7 @@
                                                # and the SwiGLU-backward GEMM on FP8 (64- and 128-wide tiles)
     python perf/gemm_sweep.py --gathered-fp8-fc1  # the gathered fc1 part only
     python perf/gemm_sweep.py --fp8-swiglu-bwd    # the SwiGLU-backward part only
+    python perf/gemm_sweep.py --fp8-schedules     # the FP8 GEMMs' schedules: one or two block sets, deep turns (bits and ms)
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu     # dsv3's dW_gate + dW_up on FP8, then on bf16, twice each, untimed (for ncu)
@@ -248,6 +249,69 @@ def fp8_for_ncu() -> None:
     torch.cuda.synchronize()
 
 
+FP8_SCHEDULES = {"plain": ((1, 0), (2, 0), (2, 4), (2, 8)), "swiglu": ((1, 0), (2, 0), (2, 8))}  # (block sets, deep turn)
+FP8_WGRAD_SHAPES = {"dsv3": (4096, 7168, 2048, 32, 8), "qwen3": (8192, 2048, 768, 64, 8)}  # (T, H, I, E, top-k)
+
+
+def _compile_one(spec: tuple) -> None:
+    from mok.kernels import get_kernel
+    from mok.kernels.variants import grouped_gemm_variant, weight_grad_variant
+
+    kind, options = spec
+    get_kernel((grouped_gemm_variant if kind == "grouped" else weight_grad_variant)(**options), "sm_90a")
+
+
+def compile_in_parallel(specs: list, jobs: int = 12) -> None:
+    """Compile kernels into the disk cache from ``jobs`` processes first (``specs``: ("grouped" or
+    "wgrad", the variant's options)), so that a sweep of many variants spends its device time timing."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_one, specs))
+
+
+def fp8_schedules() -> None:
+    """The FP8 block-scaled GEMMs' schedules (mok/kernels/sm90/block_scaled.py) at the forward's
+    shapes: one or two sets of block accumulators, and two stages in flight for turns of d stages
+    ("x2 dN"), against MoK's bf16 kernel, interleaved; each schedule's bits against one set's.
+    Then the FP8 weight gradient (dW_gate + dW_up) with and without deep turns."""
+    from mok import fp8_block as fp8
+
+    specs = []
+    for E, per, N, K, swiglu in SHAPES.values():
+        epilogue = "swiglu" if swiglu else "plain"
+        specs.append(("grouped", dict(n=N, k=K, epilogue=epilogue)))
+        specs += [("grouped", dict(n=N, k=K, epilogue=epilogue, operand="e4m3_block", block_buffers=sets, deep_turn=turn))
+                  for sets, turn in FP8_SCHEDULES[epilogue]]
+    for T, H, I, E, k in FP8_WGRAD_SHAPES.values():
+        specs += [("wgrad", dict(m=2 * I, n=H, operand="e4m3_block", pingpong=False, split_out=True, deep_turn=turn)) for turn in (0, 8)]
+    compile_in_parallel(specs)
+    print(f"# {torch.cuda.get_device_name()}: FP8 schedules, ms (TFLOP/s, vs bf16)")
+    for name, (E, per, N, K, swiglu) in SHAPES.items():
+        R, a, b, b2, tiles, flops = shape_operands(E, per, N, K, swiglu)
+        a_q, b_q = fp8.quantize_rows(a), fp8.quantize_weights(b)
+        b2_q = fp8.quantize_weights(b2) if swiglu else None
+        runs = {"bf16": lambda: ops.grouped_gemm(a, b, tiles, b2=b2)}
+        for sets, turn in FP8_SCHEDULES["swiglu" if swiglu else "plain"]:
+            runs[f"x{sets}" + (f" d{turn}" if turn else "")] = (
+                lambda sets=sets, turn=turn: ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, block_buffers=sets, deep_turn=turn))
+        outs = {kname: run() for kname, run in runs.items() if kname != "bf16"}
+        same = all(torch.equal(out, outs["x1"]) for out in outs.values())
+        ms = time_ms_interleaved(runs, batch=10, repeats=5)
+        print(f"{name:<10} bits equal {same}  " + "  ".join(f"{kname} {t:.3f} ({flops / t / 1e9:.0f}, {ms['bf16'] / t:.2f}x)"
+                                                          for kname, t in ms.items()))
+    for name, shape in FP8_WGRAD_SHAPES.items():
+        v = fp8_weight_grad_inputs(*shape)
+        flops = 2 * 2 * shape[2] * shape[1] * int(v.used.item())
+        runs = {f"d{turn}": (lambda turn=turn: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
+                                                              split_out=True, deep_turn=turn)) for turn in (0, 8)}
+        outs = [run() for run in runs.values()]
+        same = all(torch.equal(p, q) for p, q in zip(*outs))
+        ms = time_ms_interleaved(runs, batch=10, repeats=5)
+        print(f"wgrad {name:<5} bits equal {same}  " + "  ".join(f"{kname} {t:.3f} ({flops / t / 1e9:.0f})" for kname, t in ms.items()))
+
+
 def fp8_weight_grads_for_ncu() -> None:
     """dsv3's dW_gate + dW_up on FP8 transposes, then on bf16 rows, each called twice (the first
     compiles), for Nsight Compute (-k regex:weight_grad --launch-skip 1 --launch-count 3): nothing timed."""
@@ -356,6 +420,8 @@ if __name__ == "__main__":
 
     if "--row-tile-pairs" in sys.argv:
         row_tile_pairs()
+    elif "--fp8-schedules" in sys.argv:
+        fp8_schedules()
     elif "--fp8-ncu" in sys.argv:
         fp8_for_ncu()
     elif "--fp8-wgrad-ncu" in sys.argv:
