@@ -71,7 +71,8 @@ class MoKConfig:
     "fp8_block"; SM100: the scales written as E8M0 in its MMAs' order): x crosses as the FP8 rows its
     fc1 takes, quantized once by the sender
     (1 x 128 blocks by fp8_scales' rule: about half of bf16's bytes), the forward's bits those of
-    the bf16 dispatch; the backward's x rows are those FP8 rows' values.
+    the bf16 dispatch, and in the backward dout likewise as the rows the SwiGLU backward takes; the
+    backward's x and dout rows are those FP8 rows' values.
     precision: the routed experts' GEMM operands: "bf16" (default), "mxfp8" (every expert GEMM of
     forward and backward on MXFP8 operands, block-scaled MMAs: SM100 only, compile-verified, never
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized

@@ -240,12 +240,14 @@ def test_row_tile_pairs_at_ep_give_the_single_gpu_training_bits():
 @pytest.mark.parametrize("world,counts,scales", [(2, (300, 517), "power_of_two"), (3, (0, 200, 333), "fp32"), (2, (200, 200), "fp32")])
 def test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes(world, counts, scales, H=528):
     """dispatch_format='fp8_block' (precision fp8_block): x crosses to the experts' ranks as the FP8
-    rows its fc1 takes, quantized once by its owner. The forward is the bf16 dispatch's, bit for bit
-    (the same per-row quantization, done before the link instead of after); the backward's x rows are
-    those FP8 rows' values: with power-of-two scales (exact in bf16, and quantized again to the same
-    bytes) every output and gradient is the single-GPU step's on x rounded through FP8
-    (mok.fp8_block's rule), bit for bit; with fp32 scales the step on x itself, the gate and up
-    weight gradients within FP8's rounding of it; twice, on one set of workspaces. (H = 528: a
+    rows its fc1 takes, quantized once by its owner, and in the backward dout as the rows the
+    SwiGLU backward takes. The forward is the bf16 dispatch's, bit for bit (the same per-row
+    quantization, done before the link instead of after); the backward's x and dout rows are those
+    FP8 rows' values: with power-of-two scales (exact in bf16, and quantized again to the same
+    values) every output and gradient is the single-GPU step's on x and dout rounded through FP8
+    (mok.fp8_block's rule), bit for bit; with fp32 scales the step on x and dout themselves, dx and
+    the router weights' gradient bit for bit (the FP8 GEMMs read the same bytes), the weight
+    gradients within FP8's rounding; twice, on one set of workspaces. (H = 528: a
     partial last 128-block of x's rows; SM100, whole blocks and E8M0 scales in the MMA order, runs
     it at H = 512 with power-of-two scales: tests/test_sm100_gpu.py.)"""
     from mok import fp8_block
@@ -255,9 +257,10 @@ def test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes(world, counts
     x, idx, w, experts, _ = gpu_layer(total, H, I, E, k, None, seed=53 + world, routing="zipf" if world == 3 else "uniform")
     dout = torch.randn(total, H, device="cuda").bfloat16()
     pow2 = scales == "power_of_two"
-    x_rounded = fp8_block.dequantize_rows(*fp8_block.quantize_rows(x.float().cpu(), power_of_two=pow2)).bfloat16().cuda()
+    x_rounded, dout_rounded = (fp8_block.dequantize_rows(*fp8_block.quantize_rows(t.float().cpu(), power_of_two=pow2)).bfloat16().cuda()
+                               for t in (x, dout))
     saved = moe_forward(x_rounded if pow2 else x, idx, w, *experts, save_for_backward=True, **options)
-    want = moe_backward(dout, x_rounded if pow2 else x, idx, w, *experts, None, saved, **options)
+    want = moe_backward(dout_rounded if pow2 else dout, x_rounded if pow2 else x, idx, w, *experts, None, saved, **options)
     layout = EPLayout(world=world, max_tokens=max(counts) + 3, hidden=H, topk=k)
     args = split_ranks(world, counts, x, idx, w, experts, None)
     douts = split_rows(dout, counts)
@@ -269,10 +272,10 @@ def test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes(world, counts
         out = torch.cat([o for o, _ in results])
         assert torch.equal(out, torch.cat([o for o, _ in bf16_dispatch])) and torch.equal(out, saved.out)
         grads = [g for _, g in results]
-        exact = ("dx", "d_topk_w", "d_w_down") + (("d_w_gate", "d_w_up") if pow2 else ())
-        for name in exact:
+        rounded = ("d_w_gate", "d_w_up", "d_w_down")  # (from x's and dout's values: their FP8 rounding with fp32 scales)
+        for name in ("dx", "d_topk_w") + (rounded if pow2 else ()):
             assert torch.equal(torch.cat([getattr(g, name) for g in grads]), getattr(want, name)), name
-        for name in () if pow2 else ("d_w_gate", "d_w_up"):  # (x's FP8 rounding: E4M3's 3 mantissa bits)
+        for name in () if pow2 else rounded:  # (E4M3's 3 mantissa bits)
             got = torch.cat([getattr(g, name) for g in grads])
             assert 0 < rel_err(got, getattr(want, name)) < 0.05, name
 

@@ -2,7 +2,9 @@
 
     rows in           dout_rows = dout[row_token] and x_rows = x[row_token] (one launch); EP: publish dout
                       and topk_w, gather every rank's router weights, pull each row's dout from its
-                      token's owner (x_rows were kept by the forward)
+                      token's owner (x_rows were kept by the forward; dispatch_format="fp8_block":
+                      dout quantized by its owner, crossing as the FP8 rows the SwiGLU backward
+                      takes, their values for the weight gradients)
     down backward     dA_u = dout_rows·W_down with the SwiGLU backward and the router-gradient pieces in
                       its epilogue: dh [R, 2I], s·a [R, I], pieces [R, I / tile]
     gate/up backward  dx_rows = dh_gate·W_gate + dh_up·W_up; EP: each row pushed into its token's slot
@@ -196,14 +198,17 @@ def _ep_backward(plan: Plan, ws: EPWorkspace, dout, x, topk_idx, topk_w, weights
     if dout.data_ptr() % 16:  # (published with 16-byte vectors)
         raise ValueError(f"dout: expected a 16-byte aligned data pointer, got address {dout.data_ptr():#x}")
     ws.raise_pending()
-    dev, sched, num_tokens = x.device, saved.schedule, x.shape[0]
-    kernels = exchange.exchange_kernels(ws, dev)
+    dev, sched, num_tokens, c = x.device, saved.schedule, x.shape[0], plan.config
+    link = "fp8_block" if c.dispatch_format == "fp8_block" else "bf16"  # (dout crosses as x did: fp8_block's rows, or bf16)
+    kernels = exchange.exchange_kernels(ws, dev, link, c.fp8_power_of_two, plan.fp8_scale_order)
     stream = launch.stream(dev)
-    exchange.publish(ws, kernels, ("x", dout), ("w", topk_w.view(torch.int32)), stream)  # dout replaces x (pulled in the forward)
+    exchange.publish(ws, kernels, ("x", dout), ("w", topk_w.view(torch.int32)), stream,  # dout replaces x (pulled in the forward)
+                     rows_format=link, power_of_two=c.fp8_power_of_two)
     weights_all = exchange.gather_ranks(ws, kernels, "w", timeout_s, stream).view(torch.float32)
-    dout_rows = exchange.pull_rows(ws, kernels, "x", sched, stream)
+    dout_pulled = exchange.pull_rows(ws, kernels, "x", sched, stream, rows_format=link, scale_order=plan.fp8_scale_order)
+    dout_rows = stages.bf16_rows(plan, dout_pulled, sched) if weight_grads or link == "bf16" else None  # (their values: the weight grads')
     expert_weights = stages.backward_weights(plan, weights, None)
-    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, expert_weights, saved.h, weights_all, biases)
+    dh, a_scaled, partial = stages.down_backward(plan, dout_pulled, sched, expert_weights, saved.h, weights_all, biases)
     dx_a, dx_b, dx_options = stages.dx_operands(plan, dh, sched, expert_weights)
     exchange.push_rows(ws, dx_a, dx_b, sched, **dx_options)  # dx rows straight into their tokens' slots
     ops.router_grad(partial, sched.slot_row, out=exchange.router_pieces(ws))

@@ -251,6 +251,17 @@ def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segme
     return dequantized_rows(rows_q, used) if plan.emulate else rows_q
 
 
+def operand_rows(plan: Plan, rows, sched: Schedule | None):
+    """A quantized precision's GEMM operand from ``rows``: as they are where quantized already (a
+    :func:`quantized_rows` pair, or FP8 rows packed as they crossed the link: :func:`fp8_rows`),
+    else :func:`quantized_rows` of them."""
+    if isinstance(rows, tuple):
+        return rows
+    if rows.dtype == torch.uint8:
+        return fp8_rows(rows, plan.config.hidden, plan.fp8_scale_order)
+    return quantized_rows(plan, rows, sched)
+
+
 def gemm_weight(plan: Plan, w_q: tuple):
     """One of a quantized precision's weight copies as its GEMMs take it: itself, or with MXFP8's
     emulation its exact bf16 values (the bf16 GEMM reads them K-major, as the copy is)."""
@@ -272,10 +283,7 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
     if plan.precision == "bf16":
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias, **plan.pairs)
-    if isinstance(rows, tuple) or rows.dtype == torch.uint8:  # (quantized already; or FP8 rows packed as they crossed)
-        rows_q = rows if isinstance(rows, tuple) else fp8_rows(rows, plan.config.hidden, plan.fp8_scale_order)
-    else:
-        rows_q = quantized_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
+    rows_q = operand_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
     return ops.grouped_gemm(rows_q, gemm_weight(plan, weights.gate), sched.tile_expert, b2=gemm_weight(plan, weights.up), h_out=h_out,
                             gather=sched.row_token if gather else None, activation=plan.activation, **bias)
 
@@ -351,7 +359,8 @@ def down_operands(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> tupl
 def down_backward(plan: Plan, dout_rows: torch.Tensor | None, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor,
                   biases: tuple | None = None, dout: torch.Tensor | None = None) -> tuple:
     """(dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, parts]) from dout_rows [R, H]
-    and the saved h: ops.swiglu_backward_gemm with each row's router weight s from ``topk_w``.
+    (bf16, or at EP with dispatch_format="fp8_block" FP8 rows packed as they crossed) and the saved
+    h: ops.swiglu_backward_gemm with each row's router weight s from ``topk_w``.
     ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights. ``biases``
     (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>. fp8_block: with
     ``dout_rows`` None, dout's rows gathered as they are quantized (:func:`swiglu_backward_operands`)."""
@@ -359,7 +368,7 @@ def down_backward(plan: Plan, dout_rows: torch.Tensor | None, sched: Schedule, w
     operands = swiglu_backward_operands(plan, dout_rows, sched, weights_t, dout)
     dh, a_scaled, pieces = ops.swiglu_backward_gemm(*operands, sched.tile_expert, h, bias_piece=biases is not None, **route)
     if biases is not None:
-        ops.bias_router_pieces(dout_rows, biases[2], sched, pieces)
+        ops.bias_router_pieces(bf16_rows(plan, dout_rows, sched), biases[2], sched, pieces)
     return dh, a_scaled, pieces
 
 
@@ -372,7 +381,7 @@ def swiglu_backward_operands(plan: Plan, dout_rows: torch.Tensor | None, sched: 
     if plan.precision == "bf16":
         return dout_rows, weights_t[2]
     w_down = gemm_weight(plan, weights_t.down)
-    rows = quantized_rows(plan, dout, sched, gathered=True) if dout_rows is None else quantized_rows(plan, dout_rows, sched)
+    rows = quantized_rows(plan, dout, sched, gathered=True) if dout_rows is None else operand_rows(plan, dout_rows, sched)
     return rows, w_down.transpose(1, 2).contiguous() if plan.emulate else w_down
 
 
