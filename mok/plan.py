@@ -20,7 +20,7 @@ from .kernels import KernelVariant
 from .kernels.variants import (
     SWIGLU_BACKWARD_TILE_N,
     column_sums_variant, combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
-    fp8_weights_quantizer, quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong,
+    fp8_weights_quantizer, mxfp8_row_shape, quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong,
     weight_grad_variant,
 )
 from .runtime.arch import FP8_BLOCK_GEMM_ARCHS, MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
@@ -299,13 +299,27 @@ class Plan:
                 gemm = grouped_gemm_variant(n, k, operand="e4m3_block", **options)
             return [rows, fp8_weights_quantizer(n, k // halves, pow2, mma_scales=mma), gemm]
         options.pop("gather_a", None)
-        quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
+        options.pop("b_major", None)  # (the transposed copies, K-major)
+        conversions = self._mxfp8_conversions(n, k, halves=2 if options.get("k_split") else 1)
         if self.emulate:
-            options.pop("b_major", None)  # (the transposed copies, K-major)
-            dequantizers = [quantize_mxfp8_variant(back=True, bounded=True), quantize_mxfp8_variant(back=True)]
-            return quantizers + dequantizers + [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
-        options.pop("b_major", None)
-        return quantizers + [grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)]
+            return conversions + [grouped_gemm_variant(n, k, persistent=self.persistent, **options)]
+        return conversions + [grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)]
+
+    def _mxfp8_conversions(self, n: int, k: int, halves: int = 1) -> list[KernelVariant]:
+        """An MXFP8 GEMM's conversions (its B [E, n, k / halves]): the rows quantized with MMA-ordered
+        scales (those in use, each of ``halves`` blocked on its own; or every row: x, which the
+        GEMM gathers), the weights (each expert's matrix chunked on its own), and with the emulation
+        each of them back to bf16; static shapes where the widths do not tile into whole blocks
+        (mok.kernels.variants.mxfp8_row_shape)."""
+        weights = mxfp8_row_shape(k // halves, mma_order=True, matrix_rows=n)
+        v = [quantize_mxfp8_variant(bounded=True, mma_order=True, **mxfp8_row_shape(k, segments=halves, mma_order=True)),
+             quantize_mxfp8_variant(mma_order=True, **weights)]
+        if halves == 1:
+            v.append(quantize_mxfp8_variant(mma_order=True, **mxfp8_row_shape(k, mma_order=True)))
+        if self.emulate:
+            v += [quantize_mxfp8_variant(back=True, bounded=True, **mxfp8_row_shape(k, segments=halves)),
+                  quantize_mxfp8_variant(back=True, **mxfp8_row_shape(k // halves))]
+        return v
 
     def _swiglu_backward_variants(self, i: int, h: int, topk: int) -> list[KernelVariant]:
         if self.precision == "fp8_block":  # dout's rows and w_down's transpose [E, I, H] quantized along H
@@ -317,13 +331,10 @@ class Plan:
             return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", topk=topk, operand="e4m3_block", activation=self.activation,
                                                       **self._bias)]
         if self.precision == "mxfp8" and not self.emulate:
-            quantizers = [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True)]
-            return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=self.persistent, operand="e4m3",
-                                                      activation=self.activation, **self._bias)]
-        v = []
-        if self.emulate:
-            v += [quantize_mxfp8_variant(bounded=True, mma_order=True), quantize_mxfp8_variant(mma_order=True),
-                  quantize_mxfp8_variant(back=True, bounded=True), quantize_mxfp8_variant(back=True)]
+            return self._mxfp8_conversions(i, h) + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk,
+                                                                          persistent=self.persistent, operand="e4m3", activation=self.activation,
+                                                                          **self._bias)]
+        v = self._mxfp8_conversions(i, h) if self.emulate else []
         tile_n = default_tile_n(i, h, True)
         return v + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", b_major="n", topk=topk, persistent=self.persistent,
                                          pingpong=swiglu_backward_pingpong(self.persistent, tile_n), activation=self.activation, **self._bias)]

@@ -266,8 +266,8 @@ def check_mxfp8_forward(T, H, I, E, k, shared_inter, routing, emulate):
 def mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format="mxfp8"):
     """float64 gradients as the MXFP8 backward computes them: the saved h from MXFP8-rounded x and
     weights, rounded to bf16; per routed row dA_u = q(dout)·q(W_downᵀ)ᵀ (q: through MXFP8 along the
-    product's K), dh rounded to bf16, then through MXFP8 for dx = q(dh_gate)·q(W_gateᵀ)ᵀ + q(dh_up)·
-    q(W_upᵀ)ᵀ; d_topk_w = Σ dA_u·a; the weight gradients from the bf16 rows (dout, bf16(s·a), dh, x),
+    product's K), dh rounded to bf16, then its halves each through MXFP8 for dx = q(dh_gate)·q(W_gateᵀ)ᵀ
+    + q(dh_up)·q(W_upᵀ)ᵀ; d_topk_w = Σ dA_u·a; the weight gradients from the bf16 rows (dout, bf16(s·a), dh, x),
     with ``wgrad_format`` "mxfp8" each through MXFP8 along the rows (blocks of 32 of an expert's rows
     in canonical order, from its first); the shared expert by autograd on bf16 operands. Returns
     (dx, d_topk_w, d_gate, d_up, d_down, d_shared or None)."""
@@ -302,7 +302,7 @@ def mxfp8_backward_reference(dout, x, idx, w, experts, shared, wgrad_format="mxf
         a = h_g * sig * h_u
         dh_g, dh_u = bf(s * d_a * h_u * sig * (1 + h_g * (1 - sig))), bf(s * d_a * h_g * sig)
         d_topk_w[tok, slot] = (d_a * a).sum(1)
-        dh_q = fq(torch.cat([dh_g, dh_u], 1))
+        dh_q = torch.cat([fq(dh_g), fq(dh_u)], 1)  # (each half blocked on its own: the dx GEMM's two K ranges)
         dx.index_add_(0, tok, dh_q[:, :inter] @ fq(w_gate[e].T).T + dh_q[:, inter:] @ fq(w_up[e].T).T)
         x_rows = fq_rows(x[tok].double())
         d_down[e] = fq_rows(dout[tok].double()).T @ fq_rows(bf(s * a))

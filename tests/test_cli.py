@@ -136,6 +136,20 @@ def test_precompile_builds_gpt_oss_activation_and_biases(tmp_path, capsys):
     assert "column_sums(" in err and "row_dots(" in err and "bias=True" in err and "for sm_100a" in err
 
 
+def test_precompile_builds_the_emulated_mxfp8_layer_at_widths_that_are_multiples_of_16(tmp_path, capsys):
+    """--precision mxfp8_emulated at H = 272, I = 144 (multiples of 16 ending in half a block of
+    32) builds for sm_90a: the conversions of static widths among its kernels (dh's halves apart,
+    the weights chunked per expert); a multiple of 8 that is not of 16 is refused (rc 1)."""
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    shape = ["--experts", "8", "--topk", "2", "--shared-intermediate", "0", "--ep-size", "1"]
+    argv = ["precompile", "--arch", "sm_90a", "--hidden", "272", "--intermediate", "144", *shape, "--precision", "mxfp8_emulated", *cache]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "quantize_mxfp8(bounded=True, mma_order=True, segments=2, width=144)" in err
+    assert "quantize_mxfp8(matrix_rows=144, mma_order=True, width=272)" in err and "dequantize_mxfp8(bounded=True, width=272)" in err
+    assert main([*argv[:4], "280", *argv[5:]]) == 1
+
+
 def test_precompile_builds_fp8_weight_gradients_and_dispatch_for_sm100(tmp_path, capsys):
     """--wgrad-format fp8_block and --dispatch-format fp8_block with power-of-two scales build for
     sm_100a (the column quantizer and the dispatch in the MMA's E8M0 order, the MXFP8 weight

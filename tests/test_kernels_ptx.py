@@ -1325,6 +1325,38 @@ def test_mxfp8_dequantizer_reads_the_scale_as_an_unsigned_byte_and_converts_pair
     assert count(r"\.local", ptx) == 0
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("shape,padding", [
+    (dict(width=2064), 0), (dict(mma_order=True, width=2880), 2), (dict(bounded=True, mma_order=True, width=1040, segments=2), 3),
+    (dict(mma_order=True, width=2064, matrix_rows=1040), 3),
+])
+def test_mxfp8_quantizer_of_a_static_width_moves_16_byte_vectors_and_writes_the_padding_scales(arch, shape, padding):
+    """Rows whose blocks or 128-value chunks the width does not tile (gpt-oss's 2880; 2064 and 1040
+    end in half a block): per thread still one block, four 16-byte loads and two 16-byte stores
+    (the second half's predicated off at a row's partial last block), sixteen saturating pair
+    conversions, and the scale byte; in the MMA's order the row's last block also writes the
+    padding blocks' bytes of its chunk (4·ceil(width / 128) - ceil(width / 32) of them); the
+    divisions by the static width are multiplications; nothing in local memory, no spills."""
+    ptx = compiled_ptx(quantize_mxfp8_variant(**shape), arch)
+    assert count(r"ld\.global\.v4\.b32", ptx) == 4 and count(r"st\.global\.v4\.b32", ptx) == 2
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 16
+    assert count(r"st\.global\.b8", ptx) == 1 + padding and count(r"st\.global\.(?!v4|b8)", ptx) == 0
+    assert count(r"\bdiv\.", ptx) == 0 and count(r"\brem\.", ptx) == 0
+    assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("shape", [dict(width=1040), dict(bounded=True, width=1040, segments=2)])
+def test_mxfp8_dequantizer_of_a_static_width_keeps_its_vectors(arch, shape):
+    """The dequantizer of rows that end in half a block: the same four 8-byte loads, scale bytes and
+    16-byte stores a thread as the whole-block kernel, each quarter block's scale found by a
+    multiplication (the static width), no division, nothing in local memory, no spills."""
+    ptx = compiled_ptx(quantize_mxfp8_variant(back=True, **shape), arch)
+    assert count(r"ld\.global\.v2\.b32", ptx) == 4 and count(r"ld\.global\.(u8|b8)", ptx) == 4 and count(r"st\.global\.v4\.b32", ptx) == 4
+    assert count(r"cvt\.rn\.bf16x2\.f32", ptx) == 16 and count(r"\bdiv\.", ptx) == 0
+    assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
+
+
 def test_every_kernel_takes_its_records_arguments_in_order():
     """Each kernel's launch arguments are written once, as a record (common/launch_args.py) that the
     compile step's stand-ins, the launcher and the kernel's ``__call__`` all read: the ``__call__``

@@ -460,8 +460,8 @@ def test_mxfp8_precision_is_checked_at_construction_and_refused_on_the_cpu():
         MoKConfig(64, 8, 4, 2, saved_h_format="mxfp8")  # (h's 2I = 16 columns: not one block of 32)
     with pytest.raises(ValueError, match=r"saved_h_format='mxfp8': .*'shared_intermediate': 40"):
         MoKConfig(64, 32, 4, 2, shared_intermediate=40, saved_h_format="mxfp8")
-    with pytest.raises(ValueError, match=r"precision='mxfp8_emulated': expected widths that are multiples of 128"):
-        MoKConfig(256, 96, 8, 2, precision="mxfp8_emulated")
+    with pytest.raises(ValueError, match=r"precision='mxfp8_emulated': expected widths that are multiples of 16 \(16-byte E4M3 rows\)"):
+        MoKConfig(256, 88, 8, 2, precision="mxfp8_emulated")
     with pytest.raises(ValueError, match=r"precision: expected one of \('bf16', 'mxfp8', 'mxfp8_emulated', 'fp8_block'\)"):
         MoKConfig(256, 128, 8, 2, precision="fp8")
     layer = MoELayer(256, 128, 8, 2, precision="mxfp8_emulated")

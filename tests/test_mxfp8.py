@@ -95,6 +95,36 @@ def test_a_non_finite_block_is_nan_and_stays_in_its_block():
     check_against_oracle(x)
 
 
+@pytest.mark.parametrize("width", [16, 48, 2064, 1040])
+def test_a_partial_last_block_is_scaled_by_the_values_it_holds(width):
+    """Rows 16 values past whole blocks (a multiple of 16: 16-byte E4M3 rows): ceil(width / 32)
+    scales a row, the last block's scale and elements the float64 oracle's for its 16 values alone
+    (zeros past the row raise no maximum), the whole blocks as ever; back through the dequantizer,
+    each value its element times its block's scale. Every magnitude, the partial block's own
+    largest value the row's largest or smallest, and a NaN only in a partial block."""
+    g = torch.Generator().manual_seed(width)
+    rows = 6
+    magnitudes = torch.exp2(torch.randint(-30, 30, (rows, -(-width // BLOCK)), generator=g).float())
+    x = torch.randn(rows, width, generator=g) * magnitudes.repeat_interleave(BLOCK, dim=1)[:, :width]
+    x[1, -16:] *= 1e6
+    x[2, -16:] *= 1e-6
+    x[3, -3] = float("nan")
+    x = x.to(torch.bfloat16)
+    elements, scales = quantize_mxfp8(x)
+    assert elements.shape == x.shape and scales.shape == (rows, -(-width // BLOCK))
+    for r in range(rows):
+        for c in range(scales.shape[1]):
+            values = x[r, c * BLOCK: (c + 1) * BLOCK].double().numpy()
+            scale, codes = oracle(values)
+            assert scales[r, c].item() == scale, (r, c)
+            assert elements[r, c * BLOCK: (c + 1) * BLOCK].view(torch.uint8).tolist() == codes[: len(values)], (r, c)
+    assert scales[3, -1].item() == SCALE_NAN and (scales[[0, 1, 2, 4, 5]] != SCALE_NAN).all()
+    back = dequantize_mxfp8(elements, scales)
+    factor = torch.exp2(scales.double() - 127).repeat_interleave(BLOCK, dim=1)[:, :width]
+    finite = scales.repeat_interleave(BLOCK, dim=1)[:, :width] != SCALE_NAN
+    assert torch.equal(back.double()[finite], (elements.double() * factor)[finite]) and back[~finite].isnan().all()
+
+
 def test_round_trip_error_is_within_e4m3_precision():
     x = torch.randn(64, 8 * BLOCK, dtype=torch.float64) * torch.exp2(torch.randint(-20, 20, (64, 1))).double()
     back = fake_quantize_mxfp8(x.float()).double()
@@ -118,7 +148,7 @@ def test_dequantize_decodes_fields():
 @pytest.mark.parametrize(
     "call,error,match",
     [
-        (lambda: quantize_mxfp8(torch.zeros(4, 48)), ValueError, "multiple of 32"),
+        (lambda: quantize_mxfp8(torch.zeros(4, 40)), ValueError, r"multiple of 16 \(16-byte E4M3 rows"),
         (lambda: quantize_mxfp8(torch.zeros(4, 32, dtype=torch.int32)), TypeError, "bf16, fp16 or fp32"),
         (lambda: dequantize_mxfp8(torch.zeros(2, 32), torch.zeros(2, 1, dtype=torch.uint8)), TypeError, "float8_e4m3fn"),
         (lambda: dequantize_mxfp8(torch.zeros(2, 32).to(torch.float8_e4m3fn), torch.zeros(2, 1)), TypeError, "uint8"),
@@ -135,7 +165,7 @@ def test_bad_arguments_raise(call, error, match):
     [
         (torch.zeros(4, 64, dtype=torch.bfloat16), ValueError, "expected a CUDA tensor"),
         (torch.zeros(4, 64), TypeError, "expected dtype bfloat16"),
-        (torch.zeros(4, 48, dtype=torch.bfloat16), ValueError, "multiple of 32"),
+        (torch.zeros(4, 40, dtype=torch.bfloat16), ValueError, "multiple of 16"),
         (torch.zeros(64, 4, dtype=torch.bfloat16).T, ValueError, "contiguous"),
     ],
 )
@@ -154,29 +184,31 @@ def test_the_dequantizer_op_refuses_bad_input_before_any_launch():
         dequantize_on_gpu(elements, torch.zeros(4, 2, dtype=torch.uint8))
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         dequantize_on_gpu(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        dequantize_on_gpu(torch.zeros(4, 40).to(torch.float8_e4m3fn), torch.zeros(4, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        dequantize_on_gpu(torch.zeros(4, 40).to(torch.float8_e4m3fn), torch.zeros(4, 2, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("shape", [(300, 8), (2, 128, 4), (3, 256, 12)])
+@pytest.mark.parametrize("shape", [(300, 8), (2, 128, 4), (3, 256, 12), (130, 3), (2, 129, 5), (40, 90)])
 def test_mma_scale_layout_puts_each_scale_where_the_ptx_isa_says(shape):
     """Every scale lands at the byte the block-scaled MMA's layout gives it (a 512-byte chunk per
     128 rows and 4 blocks, K's chunks innermost; in a chunk (r % 32)·16 + (r // 32)·4 + c),
-    checked position by position; rows past the end hold scale 1 (127)."""
+    checked position by position; rows past the end, and blocks past a row's last where K is no
+    multiple of 128 (3 blocks: K = 80 or 96; 90 blocks: gpt-oss's 2880), hold scale 1 (127): a
+    finite byte, since the MMA multiplies it by the zeros TMA loads past K (NaN's 0xFF would not do)."""
     from mok.mxfp8 import mma_scale_layout
 
     scales = torch.randint(0, 255, shape, dtype=torch.uint8)
     *lead, rows, blocks = shape
-    chunks = -(-rows // 128)
+    chunks, k_chunks = -(-rows // 128), -(-blocks // 4)
     got = mma_scale_layout(scales)
-    assert got.shape == (*lead, chunks, blocks // 4, 512) and got.dtype == torch.uint8
+    assert got.shape == (*lead, chunks, k_chunks, 512) and got.dtype == torch.uint8
     flat_in = scales.reshape(-1, rows, blocks)
-    flat_out = got.reshape(-1, chunks * (blocks // 4) * 512)
+    flat_out = got.reshape(-1, chunks * k_chunks * 512)
     for m in range(flat_in.shape[0]):
         for r in range(chunks * 128):
-            for c in range(blocks):
-                at = ((r // 128) * (blocks // 4) + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
-                expected = flat_in[m, r, c].item() if r < rows else 127
+            for c in range(k_chunks * 4):
+                at = ((r // 128) * k_chunks + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+                expected = flat_in[m, r, c].item() if r < rows and c < blocks else 127
                 assert flat_out[m, at].item() == expected, (m, r, c)
 
 
@@ -214,10 +246,10 @@ def test_mma_scale_layout_is_the_layout_the_sm100_kernel_reads():
 def test_mma_scale_layout_refuses_what_it_cannot_lay_out():
     from mok.mxfp8 import mma_scale_layout
 
-    with pytest.raises(ValueError, match="multiple of 4"):
-        mma_scale_layout(torch.zeros(128, 6, dtype=torch.uint8))
     with pytest.raises(TypeError, match="uint8"):
         mma_scale_layout(torch.zeros(128, 8))
+    with pytest.raises(TypeError, match="uint8"):
+        mma_scale_layout(torch.zeros(8, dtype=torch.uint8))
 
 
 def test_the_mxfp8_gemm_op_refuses_bad_input_before_any_launch():
@@ -249,10 +281,10 @@ def test_the_quantizer_op_refuses_an_mma_scale_order_it_cannot_write():
 
     with pytest.raises(ValueError, match="scale_order: expected 'rows' or 'mma'"):
         quantize_on_gpu(torch.zeros(4, 128, dtype=torch.bfloat16), scale_order="cols")
-    with pytest.raises(ValueError, match=r"n a multiple of 128 for scale_order='mma', got shape \(4, 96\)"):
-        quantize_on_gpu(torch.zeros(4, 96, dtype=torch.bfloat16), scale_order="mma")
-    with pytest.raises(ValueError, match=r"n a multiple of 128 for scale_order='mma', got shape \(2, 4, 128\)"):
-        quantize_on_gpu(torch.zeros(2, 4, 128, dtype=torch.bfloat16), scale_order="mma")
+    with pytest.raises(ValueError, match=r"expected \[R, n\], or a stack \[E, N, n\] \(whole, one segment\), for scale_order='mma', got shape \(2, 2, 4, 128\)"):
+        quantize_on_gpu(torch.zeros(2, 2, 4, 128, dtype=torch.bfloat16), scale_order="mma")
+    with pytest.raises(ValueError, match=r"segments: expected 1, or 2 with halves of a multiple of 16 values, got 2 for shape \(4, 48\)"):
+        quantize_on_gpu(torch.zeros(4, 48, dtype=torch.bfloat16), scale_order="mma", segments=2)
 
 
 def test_the_mxfp8_forward_refuses_bad_input_before_any_launch():
@@ -289,6 +321,23 @@ def test_rows_scale_layout_undoes_mma_scale_layout(shape):
 
     scales = torch.randint(0, 255, shape, dtype=torch.uint8)
     assert torch.equal(rows_scale_layout(mma_scale_layout(scales), shape[-2]), scales)
+
+
+@pytest.mark.parametrize("rows,width", [(300, 2880), (130, 80), (1, 2064), (129, 1040)])
+def test_rows_scale_layout_drops_the_padding_blocks_of_a_width_128_does_not_divide(rows, width):
+    """Rows of a width 128 does not divide: the MMA order holds ceil(width / 128) chunks along K,
+    the blocks past ceil(width / 32) padded with 127; given the width, the way back returns the
+    row's scales alone."""
+    from mok.mxfp8 import mma_scale_layout, rows_scale_layout
+
+    scales = torch.randint(0, 255, (rows, -(-width // BLOCK)), dtype=torch.uint8)
+    ordered = mma_scale_layout(scales)
+    assert ordered.shape == (-(-rows // 128), -(-width // 128), 512)
+    assert torch.equal(rows_scale_layout(ordered, rows, width), scales)
+    padding = rows_scale_layout(ordered, rows)[:, scales.shape[1]:]
+    assert padding.shape[1] == -scales.shape[1] % 4 and (padding == 127).all()
+    with pytest.raises(ValueError, match=rf"width: expected one of {ordered.shape[1]} chunks of 128 along K, got {width + 128}"):
+        rows_scale_layout(ordered, rows, width + 128)
 
 
 def test_rows_scale_layout_refuses_what_is_not_in_the_mma_order():
@@ -352,3 +401,31 @@ def test_the_mxfp8_weight_gradient_op_refuses_bad_input_before_any_launch():
         weight_grad((torch.zeros(256, 136).to(e4m3), a[1]), b, offsets)
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         weight_grad(a, b, offsets)
+
+
+@pytest.mark.parametrize("hidden,inter", [(2880, 2880), (2064, 1040)])
+def test_mxfp8_emulated_plans_widths_that_are_multiples_of_16(hidden, inter):
+    """precision="mxfp8_emulated" takes widths that are multiples of 16 (gpt-oss's 2880 = 22.5 x 128;
+    2064 and 1040 end in half a block of 32): its plan lists the conversions of static widths, the
+    rows in use (dh: each half blocked on its own), each weight stack chunked per expert where N is
+    no multiple of 128, and their way back; a multiple of 8 that is not of 16 is refused naming the
+    rule; the same as bf16 rows and at whole widths the kernels that do not know the width."""
+    from mok.config import MoKConfig
+    from mok.plan import Plan
+
+    plan = Plan(MoKConfig(hidden, inter, 32, 4, precision="mxfp8_emulated", saved_h_format="mxfp8"), "sm_90a")
+    conversions = {(v.name, tuple(sorted(v.config.items()))) for v in plan.variants() if "mxfp8" in v.name}
+    key = lambda name, **config: (name, tuple(sorted(config.items())))  # noqa: E731
+    for n, k in ((inter, hidden), (hidden, inter)):  # [E, N, K] weights, forward and transposed (N % 128 != 0 here)
+        assert key("quantize_mxfp8", mma_order=True, width=k, matrix_rows=n) in conversions
+        assert key("quantize_mxfp8", bounded=True, mma_order=True, width=k) in conversions
+        assert key("dequantize_mxfp8", **({} if k % 32 == 0 else dict(width=k))) in conversions
+    assert key("quantize_mxfp8", bounded=True, mma_order=True, width=inter, segments=2) in conversions  # dh
+    assert key("dequantize_mxfp8", bounded=True, **({} if inter % 32 == 0 else dict(width=inter, segments=2))) in conversions
+    assert ("quantize_mxfp8", (("bounded", True),)) in conversions  # (saved h [R, 2I]: 2I whole blocks of 32)
+    for width in (2056, 2072):  # multiples of 8, not of 16
+        with pytest.raises(ValueError, match=r"precision='mxfp8_emulated': expected widths that are multiples of 16 \(16-byte E4M3 rows\), got "
+                                             rf"{{'hidden': {hidden}, 'intermediate': {width}}}"):
+            MoKConfig(hidden, width, 32, 4, precision="mxfp8_emulated")
+    whole = Plan(MoKConfig(7168, 2048, 32, 4, precision="mxfp8_emulated"), "sm_90a").variants()
+    assert all("width" not in v.config for v in whole if "mxfp8" in v.name)

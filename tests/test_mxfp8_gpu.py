@@ -397,3 +397,121 @@ def test_precompile_lists_every_kernel_the_emulated_mxfp8_layer_looks_up(fuse, s
         layer(x).float().square().sum().backward()
     listed = {(v.name, tuple(sorted(v.config.items()))) for v in plan_for(layer.config, "sm_90a").variants()}
     assert looked_up and looked_up <= listed, sorted(looked_up - listed)
+
+
+def random_partial_rows(shape, seed):
+    """bf16 rows of a width 32 need not divide (a multiple of 16), each block of 32 its own magnitude."""
+    width = shape[-1]
+    padded = random_rows((*shape[:-1], width + (-width % BLOCK)), seed)
+    return padded[..., :width].contiguous()
+
+
+def row_of_chunk_bytes(shape, rows: int) -> torch.Tensor:
+    """Of MMA-ordered scales ``shape`` [chunks, chunks along K, 512] (or with leading matrices), the
+    bytes that belong to rows < ``rows`` (of each matrix), their padding blocks' included."""
+    byte = torch.arange(512)
+    in_chunk = byte // 16 + byte % 16 // 4 * 32  # byte (r % 32)·16 + (r // 32)·4 + c of a chunk: its row
+    row = torch.arange(shape[-3])[:, None, None] * 128 + in_chunk
+    return (row < rows).expand(shape)
+
+
+@pytest.mark.parametrize("shape", [(300, 2064), (7, 1040), (5, 2880), (3, 16), (2, 4, 48)])
+def test_quantizer_at_widths_32_does_not_divide_gives_the_reference_bytes(shape):
+    """Rows a multiple of 16 wide (2064, 1040: half a block at a row's end; 2880: whole blocks, 22.5
+    chunks of 128): by rows, the reference's elements and ceil(width / 32) scales a row, every
+    byte written (outputs poisoned with 0x00, then 0xFF)."""
+    x = random_partial_rows(shape, seed=sum(shape))
+    x.view(-1, x.shape[-1])[0, -5] = float("nan")  # (a NaN in the last block of a row)
+    want_elements, want_scales = quantize_reference(x.cpu())
+    for byte in (0x00, 0xFF):
+        elements = torch.full(x.shape, byte, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        scales = torch.full(tuple(want_scales.shape), byte, dtype=torch.uint8, device="cuda")
+        quantize_mxfp8(x, out=(elements, scales))
+        assert torch.equal(elements.view(torch.uint8).cpu(), want_elements.view(torch.uint8))
+        assert torch.equal(scales.cpu(), want_scales)
+
+
+@pytest.mark.parametrize("rows,width,segments", [(300, 2880, 1), (129, 2064, 1), (1, 1040, 1), (300, 2080, 2), (200, 2880, 2)])
+def test_quantizer_in_the_mma_order_at_widths_128_does_not_divide_writes_finite_padding(rows, width, segments):
+    """scale_order="mma" at widths 128 does not divide: ceil(width / 128) chunks a row (with
+    ``segments`` 2, dh's halves blocked apart, each half's chunks in turn), every byte of rows < R
+    the reference's (mok.mxfp8.mma_scale_layout of each half's scales), their padding blocks'
+    bytes 127 (finite: the MMA multiplies them by TMA's zeros) written too (two poisons), the
+    padding rows' left alone; bounded by a device count, the rows past it untouched."""
+    from mok.mxfp8 import mma_scale_layout
+
+    x = random_partial_rows((rows, width), seed=rows + width)
+    references = [quantize_reference(half) for half in x.cpu().chunk(segments, dim=1)]
+    want_elements = torch.cat([e.view(torch.uint8) for e, _ in references], dim=1)
+    want = torch.cat([mma_scale_layout(s) for _, s in references], dim=-2)  # (padding blocks and rows: 127)
+    written = row_of_chunk_bytes(want.shape, rows)
+    for byte in (0x00, 0xFF):
+        elements = torch.full((rows, width), byte, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        scales = torch.full(tuple(want.shape), byte, dtype=torch.uint8, device="cuda")
+        quantize_mxfp8(x, out=(elements, scales), scale_order="mma", segments=segments)
+        got = scales.cpu()
+        assert torch.equal(elements.view(torch.uint8).cpu(), want_elements)
+        assert torch.equal(got[written], want[written]) and (got[~written] == byte).all()
+    used = rows // 2
+    count = torch.full((1,), used, dtype=torch.int32, device="cuda")
+    scales = torch.full(tuple(want.shape), 0xAB, dtype=torch.uint8, device="cuda")
+    quantize_mxfp8(x, out=(torch.empty_like(elements), scales), rows_used=count, scale_order="mma", segments=segments)
+    used_bytes = row_of_chunk_bytes(want.shape, used)
+    got = scales.cpu()
+    assert torch.equal(got[used_bytes], want[used_bytes]) and (got[~used_bytes] == 0xAB).all()
+
+
+@pytest.mark.parametrize("experts,n,k", [(3, 1040, 2064), (2, 2880, 2880), (4, 136, 256)])
+def test_quantizer_chunks_a_stack_of_weights_one_matrix_at_a_time(experts, n, k):
+    """Weights [E, N, K] with N no multiple of 128 in the MMA's order: [E, ceil(N / 128),
+    ceil(K / 128), 512], each expert's matrix chunked on its own (its padding rows' bytes left
+    alone, its padding blocks' 127), the reference's bytes for every row of every expert."""
+    from mok.mxfp8 import mma_scale_layout
+
+    w = random_partial_rows((experts, n, k), seed=n + k)
+    want_elements, want_scales = quantize_reference(w.cpu())
+    want = mma_scale_layout(want_scales)
+    written = row_of_chunk_bytes(want.shape, n)
+    for byte in (0x00, 0xFF):
+        elements = torch.full(w.shape, byte, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        scales = torch.full(tuple(want.shape), byte, dtype=torch.uint8, device="cuda")
+        quantize_mxfp8(w, out=(elements, scales), scale_order="mma")
+        got = scales.cpu()
+        assert torch.equal(elements.view(torch.uint8).cpu(), want_elements.view(torch.uint8))
+        assert torch.equal(got[written], want[written]) and (got[~written] == byte).all()
+
+
+@pytest.mark.parametrize("rows,width,segments", [(300, 2064, 1), (33, 1040, 1), (300, 2080, 2), (5, 48, 1)])
+def test_dequantizer_at_widths_32_does_not_divide_gives_the_references_values(rows, width, segments):
+    """The dequantizer of rows ending in half a block (``segments`` 2: each half of a row its own
+    blocks): random E4M3 bytes (NaN included) and E8M0 scales (0, 254 and NaN's 255 among them)
+    give the reference's values rounded to bf16, the output poisoned first; bounded by a device
+    count, the rows past it untouched."""
+    g = torch.Generator(device="cuda").manual_seed(rows + width)
+    elements = torch.randint(0, 256, (rows, width), dtype=torch.uint8, device="cuda", generator=g).view(torch.float8_e4m3fn)
+    blocks = -(-width // segments // BLOCK)
+    scales = torch.randint(100, 155, (rows, segments * blocks), dtype=torch.uint8, device="cuda", generator=g)
+    scales[0, :3] = torch.tensor([0, 254, SCALE_NAN], dtype=torch.uint8)
+    halves = zip(elements.cpu().chunk(segments, dim=1), scales.cpu().chunk(segments, dim=1))
+    want = torch.cat([dequantize_reference(e, s) for e, s in halves], dim=1).to(torch.bfloat16)
+    out = torch.full((rows, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+    same = lambda got, ref: ((got.view(torch.int16) == ref.view(torch.int16)) | (got.isnan() & ref.isnan())).all()  # noqa: E731
+    dequantize_mxfp8(elements, scales, out=out, segments=segments)
+    got = out.cpu()
+    assert same(got, want) and got.isnan().sum() == want.isnan().sum()
+    used = rows // 2
+    out = torch.full((rows, width), 3.0, dtype=torch.bfloat16, device="cuda")
+    dequantize_mxfp8(elements, scales, out=out, segments=segments, rows_used=torch.full((1,), used, dtype=torch.int32, device="cuda"))
+    assert same(out[:used].cpu(), want[:used]) and (out[used:] == 3.0).all()
+
+
+@pytest.mark.parametrize("T,H,I,E,k", [(1000, 2880, 2880, 32, 4), (700, 2064, 1040, 16, 4)])
+def test_mxfp8_emulated_layer_at_widths_that_are_multiples_of_16(T, H, I, E, k):
+    """precision="mxfp8_emulated" at gpt-oss's 2880 (22.5 chunks of 128) and at 2064, 1040 (half a
+    block of 32 at a row's end): the forward and every gradient against the float64 reference on
+    the same MXFP8 roundings (a partial last block scaled by the values it holds; dh's halves
+    blocked apart), relative error; the same bits twice and for half the batch."""
+    from helpers import check_mxfp8_backward, check_mxfp8_forward
+
+    check_mxfp8_forward(T, H, I, E, k, None, "uniform", emulate=True)
+    check_mxfp8_backward(T, H, I, E, k, None, "uniform", emulate=True)

@@ -56,22 +56,43 @@ def gather_variant(width: int, sources: int = 1) -> KernelVariant:
     return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
 
 
-def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False) -> KernelVariant:
+def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False, *,
+                           width: int | None = None, segments: int = 1, matrix_rows: int | None = None) -> KernelVariant:
     """bf16 rows -> MXFP8 elements and E8M0 scales (mok/mxfp8.py's rule), or with ``back`` MXFP8 ->
     bf16; no static shape. ``bounded``: only the rows a device count says are in use. ``mma_order``
     (quantizing): the scales in the order SM100's block-scaled MMAs read (mok.mxfp8.mma_scale_layout).
-    ``columns`` (quantizing): blocks of 32 rows down each column (the transpose's MXFP8)."""
-    if back and (mma_order or columns):
-        raise ValueError("mma_order, columns: only when quantizing")
+    ``columns`` (quantizing): blocks of 32 rows down each column (the transpose's MXFP8). ``width``,
+    ``segments``, ``matrix_rows``: rows whose blocks or chunks the width does not tile, as
+    :func:`mxfp8_row_shape` gives them (mok/kernels/common/mxfp8_quantize.py)."""
+    if back and (mma_order or columns or matrix_rows is not None):
+        raise ValueError("mma_order, columns, matrix_rows: only when quantizing")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.mxfp8_quantize import compile_mxfp8
 
-        return compile_mxfp8(arch, options, back=back, bounded=bounded, mma_order=mma_order, columns=columns)
+        return compile_mxfp8(arch, options, back=back, bounded=bounded, mma_order=mma_order, columns=columns, width=width,
+                             segments=segments, matrix_rows=matrix_rows)
 
     flags = {"bounded": bounded, "mma_order": mma_order, "columns": columns}
     config = {name: True for name, on in flags.items() if on}
+    shape = {"width": width, "segments": segments if segments != 1 else None, "matrix_rows": matrix_rows}
+    config |= {name: value for name, value in shape.items() if value is not None}
     return KernelVariant("dequantize_mxfp8" if back else "quantize_mxfp8", config, build)
+
+
+def mxfp8_row_shape(width: int, *, segments: int = 1, mma_order: bool = False, matrix_rows: int | None = None) -> dict:
+    """The static shape MXFP8's row quantizer or dequantizer takes for rows of ``width`` values
+    (``segments`` 2: each half blocked on its own; ``matrix_rows``: a stack of matrices of that many
+    rows, chunked one at a time in the MMA's order): none where the rows are one run of whole
+    blocks (every segment whole 32-blocks, and with ``mma_order`` whole 128-value chunks and
+    matrices of whole 128-row chunks: the kernel that does not know the width), else the keyword
+    arguments of :func:`quantize_mxfp8_variant` (a segment's width, ...)."""
+    segment = width // segments
+    whole_rows = segment % (128 if mma_order else 32) == 0
+    whole_matrices = not mma_order or matrix_rows is None or matrix_rows % 128 == 0
+    if whole_rows and whole_matrices:
+        return {}
+    return dict(width=segment, segments=segments) | ({} if whole_matrices else dict(matrix_rows=matrix_rows))
 
 
 def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, *,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import FP8_BLOCK_QUANTIZE_ARGS
-from ..kernels.variants import fp8_weights_quantizer, quantize_fp8_block_variant, quantize_mxfp8_variant
-from ..mxfp8 import BLOCK as MXFP8_BLOCK, check_blocked
+from ..kernels.variants import fp8_weights_quantizer, mxfp8_row_shape, quantize_fp8_block_variant, quantize_mxfp8_variant
+from ..mxfp8 import BLOCK as MXFP8_BLOCK, ROW_STEP as MXFP8_ROW_STEP, blocks_of as mxfp8_blocks_of, check_blocked
 from ..runtime import launch
 from ..validation import check_tensor
 from .common import BF16, check_cuda_aligned, check_launchable, check_rows_used, kernel_for
@@ -28,37 +28,49 @@ def quantize_mxfp8(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows_used: torch.Tensor | None = None,
     scale_order: str = "rows",
+    segments: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(elements float8_e4m3fn of x's shape, scales uint8 [..., n // 32]) of bf16 ``x`` [..., n]
-    (contiguous, n a multiple of 32): the bytes mok.mxfp8.quantize_mxfp8 gives, in one launch.
-    ``out``: the (elements, scales) tensors to write. ``rows_used`` (int32 [1] on x's device): only
-    the first rows_used[0] rows of x (as rows of n) are converted, the rest of ``out`` is left as it
-    is; the count stays on the device (no host sync). ``scale_order`` "mma" (x [R, n], n a multiple
-    of 128): the scales in the order SM100's block-scaled MMAs read them, uint8 [ceil(R / 128),
-    n // 128, 512], the bytes of mok.mxfp8.mma_scale_layout for rows < R (the padding rows' scales
-    are left unwritten: they never reach a row of the GEMM's output), what grouped_gemm_mxfp8 takes."""
+    """(elements float8_e4m3fn of x's shape, scales uint8 [..., ceil(n / 32)]) of bf16 ``x`` [..., n]
+    (contiguous, n a multiple of 16: a row's last block may hold 16 values): the bytes
+    mok.mxfp8.quantize_mxfp8 gives, in one launch. ``out``: the (elements, scales) tensors to write.
+    ``rows_used`` (int32 [1] on x's device): only the first rows_used[0] rows of x (as rows of n) are
+    converted, the rest of ``out`` is left as it is; the count stays on the device (no host sync).
+    ``scale_order`` "mma" (x [R, n], or a stack of matrices [E, N, n]): the scales in the order
+    SM100's block-scaled MMAs read them, uint8 [ceil(R / 128), ceil(n / 128), 512] (or [E,
+    ceil(N / 128), ceil(n / 128), 512], each matrix chunked on its own), the bytes of
+    mok.mxfp8.mma_scale_layout for rows < R, padding blocks included (the padding rows' scales are
+    left unwritten: they never reach a row of the GEMM's output), what grouped_gemm_mxfp8 takes.
+    ``segments`` 2: each half of a row blocked on its own (dh, whose halves are the dx GEMM's two K
+    ranges: the bytes of quantizing the halves apart, side by side; scales [..., 2·ceil(n / 64)],
+    or in the MMA's order each half's ceil(n / 256) chunks in turn); the same bytes as one segment
+    where 32 (128 in the MMA's order) divides a half."""
     check_tensor("x", x, dtypes=BF16, contiguous=True)
     check_blocked("x", x)
     if scale_order not in ("rows", "mma"):
         raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
     mma_order = scale_order == "mma"
-    if mma_order and (x.dim() != 2 or x.shape[1] % 128):
-        raise ValueError(f"x: expected [R, n] with n a multiple of 128 for scale_order='mma', got shape {tuple(x.shape)}")
+    if segments not in (1, 2) or x.shape[-1] % (MXFP8_ROW_STEP * segments):
+        raise ValueError(f"segments: expected 1, or 2 with halves of a multiple of {MXFP8_ROW_STEP} values, got {segments} for shape {tuple(x.shape)}")
+    if mma_order and (x.dim() not in (2, 3) or (x.dim() == 3 and (rows_used is not None or segments != 1))):
+        raise ValueError(f"x: expected [R, n], or a stack [E, N, n] (whole, one segment), for scale_order='mma', got shape {tuple(x.shape)}")
     check_launchable(x=x)
     check_rows_used(rows_used, x.device)
-    blocks_per_row = x.shape[-1] // MXFP8_BLOCK
+    width = x.shape[-1] // segments
+    blocks_per_row = segments * mxfp8_blocks_of(width)
     if mma_order:
-        scale_shape = (-(-x.shape[0] // 128), x.shape[1] // 128, 512)
+        chunks = segments * -(-width // 128)
+        scale_shape = (*x.shape[:-2], -(-x.shape[-2] // 128), chunks, 512)
     else:
         scale_shape = (*x.shape[:-1], blocks_per_row)
     elements, scales = _output_pair(out, tuple(x.shape), scale_shape, torch.uint8, x.device)
     check_cuda_aligned("out[0]", elements)
     if x.numel() == 0:
         return elements, scales
-    kernel = kernel_for(quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=mma_order), x.device)
+    shape = mxfp8_row_shape(x.shape[-1], segments=segments, mma_order=mma_order, matrix_rows=x.shape[1] if x.dim() == 3 and mma_order else None)
+    kernel = kernel_for(quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=mma_order, **shape), x.device)
     kernel(
-        launch.ptr("bf16", x), launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), launch.i32(x.numel() // MXFP8_BLOCK), launch.ptr("i32", rows_used, 4),
-        launch.i32(blocks_per_row), launch.stream(x.device),
+        launch.ptr("bf16", x), launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), launch.i32(x.numel() // x.shape[-1] * blocks_per_row),
+        launch.ptr("i32", rows_used, 4), launch.i32(blocks_per_row), launch.stream(x.device),
     )
     return elements, scales
 
@@ -110,16 +122,23 @@ def _output_pair(out, elements_shape: tuple, scales_shape: tuple, scales_dtype: 
 
 
 def dequantize_mxfp8(
-    elements: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None, rows_used: torch.Tensor | None = None
+    elements: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None, rows_used: torch.Tensor | None = None,
+    segments: int = 1,
 ) -> torch.Tensor:
-    """bf16 values of MXFP8 ``elements`` (float8_e4m3fn [..., n], contiguous) with ``scales`` (uint8
-    [..., n // 32]): mok.mxfp8.dequantize_mxfp8 rounded to bf16, in one launch. ``rows_used``: as
-    in :func:`quantize_mxfp8` (the rows past the count are left as ``out`` has them)."""
+    """bf16 values of MXFP8 ``elements`` (float8_e4m3fn [..., n], contiguous, n a multiple of 16) with
+    ``scales`` (uint8 [..., ceil(n / 32)]; ``segments`` 2: [..., 2·ceil(n / 64)], each half of a row
+    blocked on its own, as :func:`quantize_mxfp8` gives them): mok.mxfp8.dequantize_mxfp8 rounded
+    to bf16, in one launch. ``rows_used``: as in :func:`quantize_mxfp8` (the rows past the count
+    are left as ``out`` has them)."""
     check_tensor("elements", elements, dtypes=(torch.float8_e4m3fn,), contiguous=True)
     check_blocked("elements", elements)
+    if segments not in (1, 2) or elements.shape[-1] % (MXFP8_ROW_STEP * segments):
+        raise ValueError(f"segments: expected 1, or 2 with halves of a multiple of {MXFP8_ROW_STEP} values, got {segments} for shape "
+                         f"{tuple(elements.shape)}")
     check_launchable(elements=elements)
     check_rows_used(rows_used, elements.device)
-    scale_shape = (*elements.shape[:-1], elements.shape[-1] // MXFP8_BLOCK)
+    width = elements.shape[-1] // segments
+    scale_shape = (*elements.shape[:-1], segments * mxfp8_blocks_of(width))
     check_tensor("scales", scales, dtypes=(torch.uint8,), shape=scale_shape, device=elements.device, contiguous=True)
     if out is None:
         out = torch.empty(elements.shape, dtype=torch.bfloat16, device=elements.device)
@@ -127,14 +146,14 @@ def dequantize_mxfp8(
     check_cuda_aligned("out", out)
     if scales.numel() == 0:
         return out
-    kernel = kernel_for(quantize_mxfp8_variant(back=True, bounded=rows_used is not None), elements.device)
+    shape = mxfp8_row_shape(elements.shape[-1], segments=segments)
+    kernel = kernel_for(quantize_mxfp8_variant(back=True, bounded=rows_used is not None, **shape), elements.device)
     kernel(
         launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), launch.ptr("bf16", out), launch.i32(scales.numel()),
         launch.ptr("i32", rows_used, 4), launch.i32(scales.shape[-1]),  # (null count: an unbounded kernel reads neither)
         launch.stream(elements.device),
     )
     return out
-
 
 
 def quantize_fp8_rows(

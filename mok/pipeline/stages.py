@@ -132,10 +132,10 @@ def stacked_weights(w_gate, w_up, w_down, shared) -> tuple:
 @dataclass(frozen=True)
 class Mxfp8ExpertWeights:
     """The experts' weights in MXFP8, each as (elements float8_e4m3fn, scales uint8 in the MMA's
-    order): gate and up [E, I, H] with scales [E, I/128, H/128, 512], down [E, H, I] with
-    [E, H/128, I/128, 512] (mok.mxfp8.mma_scale_layout); ``transposed``: the backward's copies
-    instead (gate and up [E, H, I], down [E, I, H]: the shapes alone cannot tell them apart when
-    H == I)."""
+    order): gate and up [E, I, H] with scales [E, ceil(I/128), ceil(H/128), 512], down [E, H, I]
+    with [E, ceil(H/128), ceil(I/128), 512] (mok.mxfp8.mma_scale_layout, each expert chunked on its
+    own); ``transposed``: the backward's copies instead (gate and up [E, H, I], down [E, I, H]: the
+    shapes alone cannot tell them apart when H == I)."""
 
     gate: tuple[torch.Tensor, torch.Tensor]
     up: tuple[torch.Tensor, torch.Tensor]
@@ -144,14 +144,10 @@ class Mxfp8ExpertWeights:
 
 
 def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One projection's weights [E, N, K] (bf16, CUDA, N and K multiples of 128) in MXFP8 along K:
-    (elements [E, N, K], scales [E, N/128, K/128, 512] in the MMA's order), one launch."""
+    """One projection's weights [E, N, K] (bf16, CUDA, N and K multiples of 16) in MXFP8 along K:
+    (elements [E, N, K], scales [E, ceil(N/128), ceil(K/128), 512] in the MMA's order), one launch."""
     check_tensor("w", w, dtypes=(torch.bfloat16,), ndim=3, contiguous=True)
-    experts, n, k = w.shape
-    if n % 128 or k % 128:
-        raise ValueError(f"w: expected [E, N, K] with N and K multiples of 128, got {list(w.shape)}")
-    elements, scales = ops.quantize_mxfp8(w.reshape(experts * n, k), scale_order="mma")
-    return elements.reshape(experts, n, k), scales.reshape(experts, n // 128, k // 128, 512)
+    return ops.quantize_mxfp8(w, scale_order="mma")
 
 
 def quantize_expert_weights(w_gate, w_up, w_down, *, transposed: bool = False) -> Mxfp8ExpertWeights:
@@ -166,16 +162,20 @@ def quantize_expert_weights(w_gate, w_up, w_down, *, transposed: bool = False) -
     return Mxfp8ExpertWeights(quantize_weights(w_gate), quantize_weights(w_up), quantize_weights(w_down), transposed)
 
 
-def dequantized_rows(a_q: tuple, used: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 [R, K] of MXFP8 rows (elements, MMA-ordered scales), exact; only the first used[0] rows
-    with a device count ``used``."""
-    return ops.dequantize_mxfp8(a_q[0], rows_scale_layout(a_q[1], a_q[0].shape[0]), rows_used=used)
+def dequantized_rows(a_q: tuple, used: torch.Tensor | None = None, segments: int = 1) -> torch.Tensor:
+    """bf16 [R, K] of MXFP8 rows (elements, MMA-ordered scales; ``segments`` 2: each half of a row
+    blocked on its own), exact; only the first used[0] rows with a device count ``used``."""
+    elements, scales = a_q
+    rows, width = elements.shape
+    halves = scales.unflatten(-2, (segments, -1)).movedim(-3, 0)  # [segments, chunks, chunks along K, 512]
+    by_rows = torch.cat(list(rows_scale_layout(halves, rows, width // segments)), dim=-1)
+    return ops.dequantize_mxfp8(elements, by_rows, rows_used=used, segments=segments)
 
 
 def dequantized_weights(w_q: tuple) -> torch.Tensor:
     """bf16 [E, N, K] of MXFP8 weights (elements, MMA-ordered scales), exact."""
     elements, scales = w_q
-    return ops.dequantize_mxfp8(elements, rows_scale_layout(scales, elements.shape[1]))
+    return ops.dequantize_mxfp8(elements, rows_scale_layout(scales, elements.shape[1], elements.shape[2]))
 
 
 def dequantized_columns(q: tuple) -> torch.Tensor:
@@ -237,8 +237,9 @@ def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segme
     rule (fp8_scales), the scales in the order its GEMMs take (plan.fp8_scale_order), ``segments``
     as ops.quantize_fp8_rows takes it, and with ``gathered`` the rows of x the schedule names,
     gathered as they are quantized; MXFP8: its elements and MMA-ordered scales, or with
-    ``plan.emulate`` their exact bf16 values for the bf16 GEMM. (E8M0 scales come in whole blocks,
-    where a row's halves block as the row does: ``segments`` is theirs to ignore.)"""
+    ``plan.emulate`` their exact bf16 values for the bf16 GEMM; ``segments`` 2 (dh): each half
+    blocked on its own, each starting a chunk of the MMA's scales (the same bytes as one segment
+    where 128 divides I)."""
     used = None if sched is None else rows_in_use(sched)
     if plan.precision == "fp8_block":
         order = plan.fp8_scale_order
@@ -247,8 +248,8 @@ def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segme
                                      row_source=sched.row_token if gathered else None)
     if gathered:
         raise ValueError(f"quantized_rows: gathered rows are fp8_block's, got precision {plan.precision!r}")
-    rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma")
-    return dequantized_rows(rows_q, used) if plan.emulate else rows_q
+    rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma", segments=segments)
+    return dequantized_rows(rows_q, used, segments) if plan.emulate else rows_q
 
 
 def operand_rows(plan: Plan, rows, sched: Schedule | None):

@@ -5,8 +5,15 @@ the fp32 bit patterns with the sign cleared (a NaN's pattern is above every othe
 a float max would drop it), the scale exponent comes from that pattern's exponent and mantissa
 fields, the elements are ``x * 2**-e`` (exact: a power-of-two factor) rounded by
 ``cvt.rn.satfinite.e4m3x2.f32``. Arch-neutral. One thread per block of 32: four 16-byte loads,
-two 16-byte stores and the scale byte; the rows are contiguous, so the tensor is one run of
-blocks and the row width does not enter the kernel. ``bounded``: the count of rows to convert is
+two 16-byte stores and the scale byte; where every row is whole blocks (and, in the MMA's order,
+whole 128-value chunks) the rows are contiguous, so the tensor is one run of blocks and the row
+width does not enter the kernel. Other widths (multiples of 16) are a static ``width``: a row's
+last block may hold 16 values (two loads, one store; its scale from them), the MMA order has
+ceil(width / 128) chunks a row and the thread of a row's last block writes the padding blocks'
+bytes (scale 1: finite, so the zeros TMA loads past the width stay zeros in the MMA), and a
+stack of weights whose N is no multiple of 128 is chunked one matrix at a time (``matrix_rows``).
+``segments`` 2 blocks each half of a row on its own (dh, whose halves are the dx GEMM's two K
+ranges). ``bounded``: the count of rows to convert is
 read from the device (a schedule's used rows: buffers sized for the worst case need not be
 converted whole, and the host never learns the count); the rest is left as it is.
 
@@ -25,6 +32,10 @@ import cutlass
 import cutlass.cute as cute
 
 BLOCK = 32  # elements per scale (mok.mxfp8.BLOCK)
+HALF = BLOCK // 2  # the values of a partial last block (rows a multiple of 16 wide)
+CHUNK_ROWS = 128  # rows of a chunk of scales in the MMA's order (mok.mxfp8.MMA_CHUNK_ROWS)
+CHUNK_BLOCKS = 4  # blocks along K of a chunk (mok.mxfp8.MMA_CHUNK_BLOCKS)
+SCALE_ONE = 127  # the padding blocks' scale byte (mok.mxfp8.SCALE_ONE)
 CHUNK = 8  # elements per thread of the dequantizer
 CHUNKS_PER_BLOCK = BLOCK // CHUNK
 CHUNKS_PER_BLOCK_LOG2 = 2  # (chunk indices are never negative: a shift, not a signed division)
@@ -65,6 +76,19 @@ def quantize_block(m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Ten
     quantizer and the EP publish of MXFP8 rows.)"""
     values = cute.make_rmem_tensor((BLOCK,), cutlass.Float32)
     values.store(m_x[block, None].load().to(cutlass.Float32))
+    exponent, elements = quantized_values(values, m_elements.element_type)
+    m_elements[block, None].store(elements.load())
+    if cutlass.const_expr(scale_index is None):
+        m_scales[block] = cutlass.Uint8(exponent)
+    else:
+        m_scales[scale_index] = cutlass.Uint8(exponent)
+
+
+@cute.jit
+def quantized_values(values: cute.Tensor, element_type):
+    """(the scale exponent, the E4M3 elements in a register tensor of ``values``' shape) of one
+    block's 32 fp32 ``values`` (a partial block: zeros past the row, which raise no amax), by
+    mok.mxfp8's rule (the module docstring)."""
     bits = cute.recast_tensor(values, cutlass.Int32)
     amax = cutlass.Int32(0)
     for i in cutlass.range_constexpr(BLOCK):
@@ -77,16 +101,12 @@ def quantize_block(m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Ten
     inverse = cute.make_rmem_tensor((1,), cutlass.Int32)
     inverse[0] = (254 - exponent) << 23  # 2**-(exponent - 127): a normal float for every exponent here
     factor = cute.recast_tensor(inverse, cutlass.Float32)[0]
-    elements = cute.make_rmem_tensor((BLOCK,), m_elements.element_type)
-    elements.store((values.load() * factor).to(m_elements.element_type))
+    elements = cute.make_rmem_tensor(values.shape, element_type)
+    elements.store((values.load() * factor).to(element_type))
     if field == NAN_EXPONENT:  # an Inf or a NaN in the block
         exponent = NAN_EXPONENT
         cute.recast_tensor(elements, cutlass.Uint8).fill(ELEMENT_NAN)
-    m_elements[block, None].store(elements.load())
-    if cutlass.const_expr(scale_index is None):
-        m_scales[block] = cutlass.Uint8(exponent)
-    else:
-        m_scales[scale_index] = cutlass.Uint8(exponent)
+    return exponent, elements
 
 
 @cute.jit
@@ -97,6 +117,13 @@ def mma_scale_index(block, blocks_per_row) -> cutlass.Int32:
     row = block // blocks_per_row
     col = block - row * blocks_per_row
     chunk = (row >> 7) * (blocks_per_row >> 2) + (col >> 2)
+    return mma_chunk_byte(chunk, row, col)
+
+
+@cute.jit
+def mma_chunk_byte(chunk, row, col) -> cutlass.Int32:
+    """The byte of chunk ``chunk`` (512 bytes) holding the scale of row ``row`` (its place in the
+    chunk: row % 128) and block ``col`` (col % 4) in the MMA's order: (r % 32)·16 + (r // 32 % 4)·4 + c % 4."""
     return chunk * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 + (col & 3)
 
 
@@ -109,18 +136,41 @@ def column_block_tensors(values_ptr: cute.Pointer, elements_ptr: cute.Pointer, n
     return cute.make_tensor(values_ptr, blocks), cute.make_tensor(elements_ptr, blocks)
 
 
+def half_block_tensors(values_ptr: cute.Pointer, elements_ptr: cute.Pointer, sub_rows, width: int) -> tuple:
+    """Rows of ``width`` values (a multiple of 16) as halves of blocks: bf16 values and E4M3 elements
+    [sub_rows, width / 16, 16] (block c of a row: halves 2c and 2c + 1, the second past a partial
+    last block's row end)."""
+    halves = cute.make_layout((sub_rows, width // HALF, HALF), stride=(width, HALF, 1))
+    return cute.make_tensor(values_ptr, halves), cute.make_tensor(elements_ptr, halves)
+
+
 class QuantizeMxfp8Kernel:
     """Static config: threads per CTA, ``bounded``, ``mma_order`` (the scales in the order of
     :func:`mma_scale_index`; rows of a multiple of 128 elements) (any row width that is a multiple
     of 32), ``columns``: blocks of 32 rows down each column instead (the MXFP8 of the matrix's
     transpose, elements left in the matrix's own layout: the weight gradients' operands, whose K is
-    the rows)."""
+    the rows). ``width`` (None: rows of whole blocks, or with ``mma_order`` whole chunks, their width
+    read at run time): the width of a row's segment, a multiple of 16 (the module docstring);
+    ``segments`` (1 or 2) and ``matrix_rows`` (``mma_order``: the rows of one matrix of a stack
+    whose N is no multiple of 128) with it."""
 
-    def __init__(self, threads: int = 128, bounded: bool = False, mma_order: bool = False, columns: bool = False) -> None:
+    def __init__(self, threads: int = 128, bounded: bool = False, mma_order: bool = False, columns: bool = False,
+                 width: int | None = None, segments: int = 1, matrix_rows: int | None = None) -> None:
+        if width is not None and (width <= 0 or width % HALF or columns):
+            raise ValueError(f"width: expected a positive multiple of {HALF} (rows, not columns), got {width} (columns={columns})")
+        if (segments != 1 or matrix_rows is not None) and width is None:
+            raise ValueError("segments, matrix_rows: only with a static width")
+        if segments not in (1, 2) or (matrix_rows is not None and (not mma_order or matrix_rows <= 0)):
+            raise ValueError(f"segments: expected 1 or 2, matrix_rows a positive count with mma_order; got {segments}, {matrix_rows}")
         self.threads = threads
         self.bounded = bounded
         self.mma_order = mma_order
         self.columns = columns
+        self.width, self.segments, self.matrix_rows = width, segments, matrix_rows
+        if width is not None:
+            self.row_blocks = -(-width // BLOCK)  # a segment's blocks, the last one perhaps partial
+            self.row_chunks = -(-width // (BLOCK * CHUNK_BLOCKS))  # its chunks of 128 along K in the MMA's order
+            self.padding_blocks = self.row_chunks * CHUNK_BLOCKS - self.row_blocks  # their blocks past the segment
 
     @cute.jit
     def __call__(
@@ -132,10 +182,14 @@ class QuantizeMxfp8Kernel:
         :func:`mma_scale_index`, the scale tensor covering whole 128-row chunks; blocks_per_row is
         read by either, else ignored). ``columns``: blocks_per_row is the matrix's column count,
         the scales those of its transpose ([columns, R / 32], or in the MMA's order), and with
-        ``bounded`` the first rows_used[0] rows (a multiple of 32) are converted."""
+        ``bounded`` the first rows_used[0] rows (a multiple of 32) are converted. A static
+        ``width``: num_blocks is the scales of the rows (segments · ceil(width / 32) a row, what
+        blocks_per_row says), x and the elements the rows' values."""
         m_x, m_elements, m_scales = block_tensors(x_ptr, elements_ptr, scales_ptr, num_blocks)
         if cutlass.const_expr(self.columns):
             m_x, m_elements = column_block_tensors(x_ptr, elements_ptr, num_blocks, blocks_per_row)
+        if cutlass.const_expr(self.width is not None):
+            m_x, m_elements = half_block_tensors(x_ptr, elements_ptr, num_blocks // self.row_blocks, self.width)
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel(m_x, m_elements, m_scales, m_used, blocks_per_row).launch(**self.launch_shape(num_blocks, stream))
 
@@ -160,8 +214,12 @@ class QuantizeMxfp8Kernel:
         cta, _, _ = cute.arch.block_idx()
         block = cta * self.threads + tidx
         num_blocks = cute.size(m_x, mode=[0])
+        if cutlass.const_expr(self.width is not None):
+            num_blocks = cute.size(m_x, mode=[0]) * self.row_blocks
         if block < self.blocks_to_convert(num_blocks, m_used, blocks_per_row):
-            if cutlass.const_expr(self.columns):  # block (column m, row block b): the transpose's row m, block b
+            if cutlass.const_expr(self.width is not None):
+                self.quantize_segment_block(m_x, m_elements, m_scales, block)
+            elif cutlass.const_expr(self.columns):  # block (column m, row block b): the transpose's row m, block b
                 row_blocks = num_blocks // blocks_per_row
                 column = block % blocks_per_row
                 transposed = column * row_blocks + block // blocks_per_row
@@ -175,8 +233,58 @@ class QuantizeMxfp8Kernel:
                 quantize_block(m_x, m_elements, m_scales, block)
 
 
+    @cute.jit
+    def quantize_segment_block(self, m_x: cute.Tensor, m_elements: cute.Tensor, m_scales: cute.Tensor, block):
+        """Block ``block`` of rows of a static width ([sub-rows, width / 16, 16] halves): its values
+        (16 where it is a row's partial last block), their elements and its scale byte, by rows or in
+        the MMA's order (the padding blocks' bytes by the row's last block)."""
+        sub_row = block // self.row_blocks
+        col = block - sub_row * self.row_blocks
+        values = cute.make_rmem_tensor((HALF, 2), cutlass.Float32)  # (value, half): a block's 32 in order
+        values.fill(0.0)
+        values[None, 0].store(m_x[sub_row, 2 * col, None].load().to(cutlass.Float32))
+        if cutlass.const_expr(self.width % BLOCK == 0):
+            values[None, 1].store(m_x[sub_row, 2 * col + 1, None].load().to(cutlass.Float32))
+        else:
+            if col < self.row_blocks - 1:  # (not a row's partial last block)
+                values[None, 1].store(m_x[sub_row, 2 * col + 1, None].load().to(cutlass.Float32))
+        exponent, elements = quantized_values(values, m_elements.element_type)
+        m_elements[sub_row, 2 * col, None].store(elements[None, 0].load())
+        if cutlass.const_expr(self.width % BLOCK == 0):
+            m_elements[sub_row, 2 * col + 1, None].store(elements[None, 1].load())
+        else:
+            if col < self.row_blocks - 1:
+                m_elements[sub_row, 2 * col + 1, None].store(elements[None, 1].load())
+        if cutlass.const_expr(not self.mma_order):
+            m_scales[block] = cutlass.Uint8(exponent)
+        else:
+            at = self.segment_scale_byte(sub_row, col)
+            m_scales[at] = cutlass.Uint8(exponent)
+            if cutlass.const_expr(self.padding_blocks > 0):
+                if col == self.row_blocks - 1:
+                    for pad in cutlass.range_constexpr(1, self.padding_blocks + 1):
+                        m_scales[at + pad] = cutlass.Uint8(SCALE_ONE)
+
+    @cute.jit
+    def segment_scale_byte(self, sub_row, col) -> cutlass.Int32:
+        """Where block ``col`` of segment row ``sub_row`` keeps its scale in the MMA's order
+        (mok.mxfp8.mma_scale_layout of each matrix's [rows, segments · ceil(width / 128) · 4]
+        scales, each segment's blocks starting a chunk)."""
+        row = sub_row // self.segments
+        segment = sub_row - row * self.segments
+        row_chunk = row >> 7
+        if cutlass.const_expr(self.matrix_rows is not None):
+            matrix = row // self.matrix_rows
+            row = row - matrix * self.matrix_rows
+            row_chunk = matrix * -(-self.matrix_rows // CHUNK_ROWS) + (row >> 7)
+        chunk = (row_chunk * self.segments + segment) * self.row_chunks + (col >> 2)
+        return mma_chunk_byte(chunk, row, col)
+
+
 class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
-    """elements [num_blocks·32] E4M3 and scales [num_blocks] E8M0 bytes -> bf16 [num_blocks·32]."""
+    """elements [num_blocks·32] E4M3 and scales [num_blocks] E8M0 bytes -> bf16 [num_blocks·32]; with
+    a static ``width`` (and ``segments``) the rows' elements (a row's last block perhaps 16 values)
+    and their scales by rows, num_blocks of them."""
 
     @cute.jit
     def __call__(
@@ -184,12 +292,33 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
         rows_used_ptr: cute.Pointer, blocks_per_row: cutlass.Int32, stream: cuda.CUstream,
     ):
         chunks = num_blocks * CHUNKS_PER_BLOCK
+        if cutlass.const_expr(self.width is not None):
+            chunks = num_blocks // self.row_blocks * (self.width // CHUNK)
         layout = cute.make_layout((chunks, CHUNK), stride=(CHUNK, 1))
         m_elements = cute.make_tensor(elements_ptr, layout)
         m_out = cute.make_tensor(out_ptr, layout)
         m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_blocks,)))
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel_back(m_elements, m_scales, m_out, m_used, blocks_per_row).launch(**self.launch_shape(num_blocks, stream))
+
+    @cute.jit
+    def chunks_to_convert(self, m_elements: cute.Tensor, m_scales: cute.Tensor, m_used: cute.Tensor, blocks_per_row: cutlass.Int32):
+        """The quarter blocks (8 values) to convert: those of every row, or of the rows in use."""
+        limit = self.blocks_to_convert(m_scales.shape[0], m_used, blocks_per_row) * CHUNKS_PER_BLOCK
+        if cutlass.const_expr(self.width is not None):
+            limit = cute.size(m_elements, mode=[0])
+            if cutlass.const_expr(self.bounded):
+                limit = min(limit, m_used[0] * (self.segments * self.width // CHUNK))
+        return limit
+
+    @cute.jit
+    def chunk_scale(self, chunk) -> cutlass.Int32:
+        """The scale (index into the scales by rows) of quarter block ``chunk``."""
+        if cutlass.const_expr(self.width is None):
+            return chunk >> CHUNKS_PER_BLOCK_LOG2
+        row_chunks = self.width // CHUNK
+        sub_row = chunk // row_chunks
+        return sub_row * self.row_blocks + ((chunk - sub_row * row_chunks) >> CHUNKS_PER_BLOCK_LOG2)
 
     @cute.kernel
     def kernel_back(
@@ -200,14 +329,14 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         first = cta * (self.threads * CHUNKS_PER_BLOCK) + tidx
-        limit = self.blocks_to_convert(m_scales.shape[0], m_used, blocks_per_row) * CHUNKS_PER_BLOCK
+        limit = self.chunks_to_convert(m_elements, m_scales, m_used, blocks_per_row)
         loaded = cute.make_rmem_tensor((CHUNKS_PER_BLOCK, CHUNK), m_elements.element_type)
         exponents = cute.make_rmem_tensor((CHUNKS_PER_BLOCK,), cutlass.Int32)
         for r in cutlass.range_constexpr(CHUNKS_PER_BLOCK):
             chunk = first + r * self.threads
             if chunk < limit:
                 loaded[r, None].store(m_elements[chunk, None].load())
-                exponents[r] = cutlass.Int32(m_scales[chunk >> CHUNKS_PER_BLOCK_LOG2]) & 0xFF  # (the byte comes in sign-extended)
+                exponents[r] = cutlass.Int32(m_scales[self.chunk_scale(chunk)]) & 0xFF  # (the byte comes in sign-extended)
         for r in cutlass.range_constexpr(CHUNKS_PER_BLOCK):
             chunk = first + r * self.threads
             if chunk < limit:
@@ -215,10 +344,12 @@ class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):
                 m_out[chunk, None].store(values.to(m_out.element_type))
 
 
-def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False):
+def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False,
+                  width: int | None = None, segments: int = 1, matrix_rows: int | None = None):
     """Compile the quantizer (``back``: the dequantizer; ``bounded``: converting the rows in use;
-    ``mma_order``: scales in the MMA's order; ``columns``: blocks down the columns) for ``arch``
-    without tensors."""
+    ``mma_order``: scales in the MMA's order; ``columns``: blocks down the columns; ``width``,
+    ``segments``, ``matrix_rows``: rows of a static width, :class:`QuantizeMxfp8Kernel`) for
+    ``arch`` without tensors."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     gmem = cute.AddressSpace.gmem
@@ -228,7 +359,8 @@ def compile_mxfp8(arch: str, options: str = "", back: bool = False, bounded: boo
     rows_used = make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)
     kernel_class = DequantizeMxfp8Kernel if back else QuantizeMxfp8Kernel
     pointers = (elements, scales, bf16) if back else (bf16, elements, scales)
+    shape = {} if width is None else dict(width=width, segments=segments, matrix_rows=matrix_rows)
     return cute.compile(
-        kernel_class(bounded=bounded, mma_order=mma_order, columns=columns), *pointers, cutlass.Int32(1), rows_used, cutlass.Int32(1), make_fake_stream(),
-        options=f"--gpu-arch {arch} {options}".strip(),
+        kernel_class(bounded=bounded, mma_order=mma_order, columns=columns, **shape), *pointers, cutlass.Int32(1), rows_used,
+        cutlass.Int32(1), make_fake_stream(), options=f"--gpu-arch {arch} {options}".strip(),
     )
