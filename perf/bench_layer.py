@@ -269,7 +269,7 @@ def print_memory(configs: list[str]) -> None:
         inputs = make_inputs(*CONFIGS[name])
         fp8 = fp8_block_plan(inputs) is not None
         for precision, fmt in [("bf16", f) for f in ("bf16", "mxfp8", "recompute", "recompute_gate")] + (
-                [("fp8_block", "bf16"), ("fp8_block", "recompute")] if fp8 else []):
+                [("fp8_block", f) for f in ("bf16", "mxfp8", "recompute")] if fp8 else []):
             per_token = saved_bytes_per_token(inputs, fmt, precision)
             held, peak = stack_memory_gib(inputs, fmt, precision=precision)
             print(f"{name:<12}{precision:<11}{fmt:<16}{per_token:>14.0f}{held:>19.2f}{peak:>10.2f}")
