@@ -12,9 +12,9 @@ block-scaled MMAs on SM100, or with ``plan.emulate`` the same operands dequantiz
 the bf16 GEMMs), or FP8 with block scales (rows quantized on the way in, the weights once per
 version, transposed for the backward: fp8_weights.py; Hopper's FP8 WGMMAs with fp32 scales, or
 SM100's MXFP8 kernels with the power-of-two scales as E8M0 bytes, ``plan.fp8_scale_order``; the
-weight gradients in bf16 or, with wgrad_format "fp8_block", on FP8 too). Where the rows come from (gathered inside the GEMM, gathered first, pulled from the
-peers) and where they go (rows, or the peers' combine slots) is the pipelines' business
-(forward.py, backward.py, exchange.py).
+weight gradients in bf16 or, with wgrad_format "fp8_block", on FP8 too). Where the rows come
+from (gathered inside the GEMM, gathered first, pulled from the peers) and where they go (rows,
+or the peers' combine slots) is the pipelines' business (forward.py, backward.py, exchange.py).
 """
 
 from __future__ import annotations
