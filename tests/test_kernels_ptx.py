@@ -787,6 +787,7 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
     from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100
 
     kernel = GroupedGemmMxfp8Sm100(n, k, epilogue, k_split=k_split, tile_n=tile_n, topk=8, persistent=True)
+    assert kernel.k_tiles * 128 == k  # (128-deep stages: K / 128 of them a tile, not K / 64)
     assert_scales_lie_past_the_accumulator_stages(ptx, kernel)
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)

@@ -57,6 +57,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
 
     takes_bias = True
     partial_tiles = True  # N and K past the tile: TMA zero-fills the loads, the epilogue stores nothing past N
+    tile_k = TILE_K  # K values a stage holds (its K tiles: ceil(K / tile_k), each half's with k_split)
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
@@ -64,7 +65,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         activation: str = "swiglu", persistent: bool = False, scatter: bool = False, bias: bool = False, gather_a: bool = False,
         b_row_stride: int | None = None, cluster_m: int = 1,
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias, b_row_stride)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, self.tile_k, b_expert_stride, activation, bias, b_row_stride)
         if cluster_m not in (1, PAIR) or (cluster_m == PAIR and self.mxfp8):
             raise ValueError(f"cluster_m: expected 1, or {PAIR} with bf16 operands, got {cluster_m}{' (MXFP8)' if self.mxfp8 else ''}")
         self.cluster_m = cluster_m
@@ -381,6 +382,7 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
 
     mxfp8 = True
     partial_tiles = False  # (whole 128 blocks of K, whole column tiles: the scales' layout)
+    tile_k = TILE_K_MXFP8  # (one 128-value chunk of the scales a stage)
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
@@ -395,7 +397,6 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
             raise ValueError(f"k: expected a multiple of {2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8} with MXFP8 operands, got {k}")
         super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, activation=activation,
                          persistent=persistent, scatter=scatter, bias=bias)
-        self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
         self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + self.num_b * tile_n, stages, self.store_bytes())
 
 
