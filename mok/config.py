@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from .kernels.constants import check_activation
 from .validation import check_positive_int
 
-TILE = 128  # every width MXFP8 GEMMs take is a multiple of it
 PRECISIONS = ("bf16", "mxfp8", "mxfp8_emulated", "fp8_block")  # the expert GEMMs' operands (mok/pipeline/stages.py)
 SAVED_H_FORMATS = ("bf16", "mxfp8", "recompute", "recompute_gate")  # how h is kept for the backward (mok/saved_h.py), or not kept
 DISPATCH_FORMATS = ("bf16", "mxfp8", "fp8_block")  # how x crosses to the experts' ranks at EP > 1 (mok/pipeline/exchange.py)
@@ -77,7 +76,7 @@ class MoKConfig:
     forward and backward on MXFP8 operands, block-scaled MMAs: SM100 only, compile-verified, never
     run) or "mxfp8_emulated" (the same numerics on any GPU MoK runs on, the operands dequantized
     into the bf16 GEMMs: to study MXFP8's accuracy, slower than bf16; both at one GPU or expert
-    parallelism, not in one launch yet; widths multiples of 128 on SM100, of 16 emulated: width_rule) or "fp8_block" (DeepSeek-V3's
+    parallelism, not in one launch yet; widths multiples of 16: width_rule) or "fp8_block" (DeepSeek-V3's
     FP8: the expert GEMMs on E4M3 with fp32 scales per 1 x 128 of the rows and 128 x 128 of the
     weights, mok.fp8_block, on Hopper's FP8 WGMMAs, forward and backward dgrad; the weights
     quantized once per version; the weight gradients in bf16 unless wgrad_format says FP8); H, I
@@ -234,15 +233,12 @@ def width_rule(config: "MoKConfig") -> tuple[int, str]:
     """(the step every width of a layer of ``config`` is a multiple of on a GPU, why): 8 in bf16
     (16-byte rows: the partial last tiles zero-filled by TMA on load and left unwritten past the
     width on store, the bf16 kernels of every arch, staged or in one launch), 16 with FP8 block
-    scales and with MXFP8 emulated (16-byte E4M3 rows; a partial last scale block: 16 values of a
-    32-block, the MMA order's padding blocks scale 1), 128 with MXFP8 on SM100's block-scaled MMAs
-    (their K tiles over whole scale chunks: not written for partial widths yet). (The CPU reference
-    path takes any width in bf16.)"""
+    scales and with MXFP8, emulated or on SM100's block-scaled MMAs (16-byte E4M3 rows; a partial
+    last scale block: 16 values of a 32-block, the MMA order's padding blocks scale 1, the K tiles
+    over ceil(K / 128) scale chunks). (The CPU reference path takes any width in bf16.)"""
     if config.precision == "bf16":
         return 8, "16-byte rows"
-    if config.precision in ("fp8_block", "mxfp8_emulated"):
-        return 16, "16-byte E4M3 rows"
-    return TILE, "MXFP8's scale blocks tile every width"
+    return 16, "16-byte E4M3 rows"
 
 
 def check_combination(config: "MoKConfig") -> None:

@@ -49,6 +49,12 @@ def blocks_of(width: int) -> int:
     return -(-width // BLOCK)
 
 
+def mma_chunks_of(width: int) -> int:
+    """Chunks of 128 values along a row of ``width`` in the MMA's scale order (:func:`mma_scale_layout`):
+    ceil(width / 128), the last one padded."""
+    return -(-width // (BLOCK * MMA_CHUNK_BLOCKS))
+
+
 def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
     """Biased E8M0 exponents (int32, 0..254, or 255 for a non-finite amax) of blocks with maximum
     magnitude ``amax`` (float32, >= 0 or NaN): the smallest ``e`` with ``448 * 2**(e - 127) >= amax``."""

@@ -20,8 +20,8 @@ from .kernels import KernelVariant
 from .kernels.variants import (
     SWIGLU_BACKWARD_TILE_N,
     column_sums_variant, combine_variant, default_tile_n, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_mxfp8_variant,
-    fp8_weights_quantizer, mxfp8_row_shape, quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant, swiglu_backward_pingpong,
-    weight_grad_variant,
+    fp8_weights_quantizer, mxfp8_column_shape, mxfp8_row_shape, quantize_fp8_block_variant, router_grad_variant, row_dots_variant, schedule_variant,
+    swiglu_backward_pingpong, weight_grad_variant,
 )
 from .runtime.arch import FP8_BLOCK_GEMM_ARCHS, MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
@@ -56,7 +56,7 @@ def fp8_on_block_scaled_mma_refusal(config: MoKConfig, arch: str) -> str | None:
     widths = config.widths
     problems = [what for what, bad in (
         ("fp8_scales='power_of_two' (the MMAs' scales are E8M0: powers of two)", not config.fp8_power_of_two),
-        (f"widths that are multiples of {TILE} (the MXFP8 kernels' whole tiles), got {widths}", any(v % TILE for v in widths.values())),
+        (f"widths that are multiples of {TILE} (its FP8 rows in the MMA order: whole 128-blocks), got {widths}", any(v % TILE for v in widths.values())),
     ) if bad]
     if problems:
         return f"precision='fp8_block' on {arch} runs on its block-scaled MMAs and needs {'; '.join(problems)}"
@@ -348,6 +348,9 @@ class Plan:
         if wgrad_format == "mxfp8":
             operand = "bf16" if self.emulate else "e4m3"
             v = [quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True)]
+            dh_halves = mxfp8_column_shape(2 * i, segments=2)  # (dh's halves chunked apart where 128 does not divide I)
+            if dh_halves:
+                v.append(quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True, **dh_halves))
             if self.emulate:
                 v.append(quantize_mxfp8_variant(back=True))
         if fp8:  # the four rows' transposes (quantizers of (width, rows gathered from the tokens)): FP8 WGMMAs, or SM100's MXFP8 kernel

@@ -150,6 +150,24 @@ def test_precompile_builds_the_emulated_mxfp8_layer_at_widths_that_are_multiples
     assert main([*argv[:4], "280", *argv[5:]]) == 1
 
 
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_precompile_builds_the_mxfp8_layer_for_sm100_at_widths_that_are_multiples_of_16(tmp_path, capsys, arch):
+    """--precision mxfp8 at H = 272, I = 144 (partial K, column and row tiles of the block-scaled
+    kernels; half a block of 32 at a row's end) builds for SM100: the block-scaled GEMMs and the
+    conversions of static widths (dh's halves apart along its rows and down its columns, the weights
+    chunked per expert); a multiple of 8 that is not of 16 is refused (rc 1)."""
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    shape = ["--experts", "8", "--topk", "2", "--shared-intermediate", "0", "--ep-size", "1"]
+    argv = ["precompile", "--arch", arch, "--hidden", "272", "--intermediate", "144", *shape, "--precision", "mxfp8", *cache]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "quantize_mxfp8(bounded=True, mma_order=True, segments=2, width=144)" in err
+    assert "quantize_mxfp8(bounded=True, columns=True, mma_order=True, segments=2, width=144)" in err
+    assert "quantize_mxfp8(matrix_rows=144, mma_order=True, width=272)" in err and "dequantize_mxfp8" not in err
+    assert "epilogue=plain, k=288, k_split=True, n=272, operand=e4m3" in err and "m=288, n=272, operand=e4m3" in err
+    assert main([*argv[:4], "280", *argv[5:]]) == 1
+
+
 def test_precompile_builds_fp8_weight_gradients_and_dispatch_for_sm100(tmp_path, capsys):
     """--wgrad-format fp8_block and --dispatch-format fp8_block with power-of-two scales build for
     sm_100a (the column quantizer and the dispatch in the MMA's E8M0 order, the MXFP8 weight

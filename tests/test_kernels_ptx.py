@@ -306,13 +306,80 @@ def test_sm100_kernels_take_partial_tiles_storing_nothing_past_the_width(arch, v
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
 
 
-def test_sm100_layer_takes_gpt_oss_widths_and_mxfp8_still_whole_tiles():
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_sm100_layer_takes_gpt_oss_widths_in_bf16_and_mxfp8(arch):
+    """bf16 at multiples of 8, MXFP8 at multiples of 16 (2880, and 2064 / 1040: partial K, column and
+    row tiles everywhere); the plan's MXFP8 conversions those of each width: the rows, the weights
+    (each expert chunked on its own), dh's halves for the dx GEMM and, down its columns, for the
+    split-out weight gradient."""
     from mok.config import MoKConfig
     from mok.plan import plan_for
 
-    plan_for(MoKConfig(2880, 2880, 32, 4, activation="clamped_swiglu", expert_bias=True), "sm_100a")
-    with pytest.raises(ValueError, match=r"precision='mxfp8': expected widths that are multiples of 128"):
-        plan_for(MoKConfig(2880, 2880, 32, 4, precision="mxfp8"), "sm_100a")
+    plan_for(MoKConfig(2880, 2880, 32, 4, activation="clamped_swiglu", expert_bias=True), arch)
+    for h, i in ((2880, 2880), (2064, 1040)):
+        variants = plan_for(MoKConfig(h, i, 32, 4, precision="mxfp8"), arch).variants()
+        quantizers = [v.config for v in variants if v.name == "quantize_mxfp8"]
+        assert dict(bounded=True, mma_order=True, segments=2, width=i) in quantizers  # (dh for k_split)
+        assert dict(bounded=True, mma_order=True, columns=True, segments=2, width=i) in quantizers  # (dh for the split-out dW)
+        assert dict(mma_order=True, width=h, matrix_rows=i) in quantizers and dict(mma_order=True, width=i, matrix_rows=h) in quantizers
+        assert not any(v.name == "dequantize_mxfp8" for v in variants)
+        gemms = [v for v in variants if v.config.get("operand") == "e4m3"]
+        assert len(gemms) == 7  # gate/up (and with h), down, SwiGLU backward, dx; the two weight gradients
+    with pytest.raises(ValueError, match=r"precision='mxfp8': expected widths that are multiples of 16 \(16-byte E4M3 rows\)"):
+        plan_for(MoKConfig(2056, 2880, 32, 4, precision="mxfp8"), arch)
+
+
+MXFP8_PARTIAL_VARIANTS = [  # gpt-oss's width and 2064 / 1040 (16 mod 128, 16 mod 32): K, column and row tiles partial
+    (mxfp8_grouped_gemm(2880, 2880, "swiglu_save", 128, topk=4), mxfp8_grouped_gemm(2048, 2048, "swiglu_save", 128, topk=4)),
+    (mxfp8_grouped_gemm(1040, 2064, "swiglu", 128, topk=4), mxfp8_grouped_gemm(1024, 2048, "swiglu", 128, topk=4)),
+    (mxfp8_grouped_gemm(2064, 1040, "plain", 128, topk=4), mxfp8_grouped_gemm(2048, 1024, "plain", 128, topk=4)),
+    (mxfp8_grouped_gemm(2880, 2880, "plain", 256, topk=4), mxfp8_grouped_gemm(2048, 2048, "plain", 256, topk=4)),
+    (mxfp8_grouped_gemm(1040, 2064, "swiglu_bwd", 128, topk=4), mxfp8_grouped_gemm(1024, 2048, "swiglu_bwd", 128, topk=4)),
+    (mxfp8_grouped_gemm(2064, 2080, "plain", 128, k_split=True), mxfp8_grouped_gemm(2048, 2048, "plain", 128, k_split=True)),
+    (mxfp8_grouped_gemm(2880, 5760, "plain", 128, k_split=True), mxfp8_grouped_gemm(2048, 2048, "plain", 128, k_split=True)),
+    (mxfp8_grouped_gemm(2064, 1040, "plain", 128, scatter=True, topk=4, persistent=True),
+     mxfp8_grouped_gemm(2048, 1024, "plain", 128, scatter=True, topk=4, persistent=True)),
+    (mxfp8_weight_grad(2064, 1040), mxfp8_weight_grad(2048, 1024)),
+    (mxfp8_weight_grad(2080, 2064, split_out=True), mxfp8_weight_grad(2048, 2048, split_out=True)),
+    (mxfp8_weight_grad(5760, 2880, "f32", True, split_out=True), mxfp8_weight_grad(2048, 2048, "f32", True, split_out=True)),
+]
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("variant,whole", MXFP8_PARTIAL_VARIANTS, ids=lambda v: v.describe() if hasattr(v, "describe") else None)
+def test_sm100_mxfp8_kernels_take_widths_that_are_multiples_of_16(arch, variant, whole):
+    """The block-scaled kernels at widths 128 does not divide (compile-verified only): the same
+    block-scaled MMAs (kind::mxf8f6f4 with their scale operands), scale copies, TMA loads and stores
+    and register stores as the twin at whole widths (the partial tiles are the bf16 kernel's: TMA
+    zero-fills, the stores clip; the scatter's register stores their second, 16-byte set), no
+    fallback MMA, nothing in local memory, no spills; the K tiles ceil(K / 128) each half, A's
+    scales over each half's whole chunks (ops.quantize_mxfp8(segments=2)) and the weight
+    gradient's A scales over each half's (quantize_mxfp8_columns(segments=2))."""
+    ptx, twin = compiled_ptx(variant, arch), compiled_ptx(whole, arch)
+    mma = r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale\.block32\S*\s+\[[^\]]+\], [^,]+, [^,]+, [^,]+, \[[^\]]+\], \[[^\]]+\]"
+    assert count(mma, ptx) == count(mma, twin) > 0  # (D, A, B, the instruction descriptor, then A's and B's scales in tensor memory)
+    for instruction in (r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", r"cp\.async\.bulk\.tensor", r"cp\.reduce\.async\.bulk\.tensor",
+                        r"tcgen05\.ld\.sync", r"\bfma\.rn\.f32"):  # (the fma: the epilogues' math alone)
+        assert count(instruction, ptx) == count(instruction, twin), instruction
+    # the scatter's stores and the SwiGLU backward's loads of h from registers: whole subtiles, and 16 bytes at a time up to the width
+    stores, loads = r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32"
+    assert count(stores, ptx) == count(stores, twin) * (2 if variant.config.get("scatter") else 1)
+    assert count(loads, ptx) == count(loads, twin) * (2 if variant.config.get("epilogue") == "swiglu_bwd" else 1)
+    assert count(r"tcgen05\.mma\.cta_group::1\.kind::f16|\bwgmma\b|\bmma\.sync", ptx) == 0
+    assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
+    assert_warp_specialised_tcgen05_kernel(ptx)
+    config = variant.config
+    if variant.name == "grouped_gemm":
+        from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100
+
+        halves = 2 if config["k_split"] else 1
+        kernel = GroupedGemmMxfp8Sm100(config["n"], config["k"], config["epilogue"], k_split=config["k_split"], tile_n=config["tile_n"])
+        assert kernel.k_tiles == halves * -(-config["k"] // halves // 128) and kernel.scale_k == kernel.k_tiles * 128
+    else:
+        from mok.kernels.sm100.weight_grad_gemm import WeightGradGemmMxfp8Sm100
+
+        kernel = WeightGradGemmMxfp8Sm100(config["m"], config["n"], split_out=config.get("split_out", False))
+        assert kernel.row_tiles == -(-config["m"] // kernel.halves // 128)
 
 
 @pytest.mark.parametrize("activation", ["clamped_swiglu", "geglu"])
@@ -787,6 +854,7 @@ def test_sm100_mxfp8_grouped_gemm_ptx_uses_block_scaled_tcgen05_mmas(arch, n, k,
     from mok.kernels.sm100.grouped_gemm import GroupedGemmMxfp8Sm100
 
     kernel = GroupedGemmMxfp8Sm100(n, k, epilogue, k_split=k_split, tile_n=tile_n, topk=8, persistent=True)
+    assert kernel.k_tiles * 128 == k  # (128-deep stages: K / 128 of them a tile, not K / 64)
     assert_scales_lie_past_the_accumulator_stages(ptx, kernel)
     assert count(r"\bwgmma\b", ptx) == 0 and count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
     assert ptxas_spill_bytes(ptx, arch) in (None, 0)
@@ -1342,6 +1410,19 @@ def test_mxfp8_quantizer_of_a_static_width_moves_16_byte_vectors_and_writes_the_
     assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 16
     assert count(r"st\.global\.b8", ptx) == 1 + padding and count(r"st\.global\.(?!v4|b8)", ptx) == 0
     assert count(r"\bdiv\.", ptx) == 0 and count(r"\brem\.", ptx) == 0
+    assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_mxfp8_column_quantizer_of_two_segments_differs_only_in_where_the_scale_goes(arch):
+    """Down the columns with dh's halves chunked apart (the split-out weight gradient where 128 does
+    not divide I): the column quantizer's loads, conversions and stores (the elements' bytes and
+    the scale's), the scale's place found from the static half width without a division; no spills."""
+    ptx = compiled_ptx(quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True, width=1040, segments=2), arch)
+    whole = compiled_ptx(quantize_mxfp8_variant(bounded=True, mma_order=True, columns=True), arch)
+    for instruction in (r"ld\.global\.\S+", r"st\.global\.\S+", r"cvt\.rn\.satfinite\.e4m3x2\.f32"):
+        assert sorted(re.findall(instruction, ptx)) == sorted(re.findall(instruction, whole)), instruction
+    assert count(r"\bdiv\.s32 \S+, \S+, 1040;", ptx) == 0
     assert count(r"\.local", ptx) == 0 and ptxas_spill_bytes(ptx, arch) in (None, 0)
 
 

@@ -90,10 +90,10 @@ def test_a_cuda_layer_without_a_gpu_says_so():
 
 def test_refusals_name_only_the_widths_given():
     """An MXFP8 layer's width check names H and I, and the shared expert's width only when there is one."""
-    with pytest.raises(ValueError, match=r"got \{'hidden': 64, 'intermediate': 32\}$"):
-        MoELayer(64, 32, 8, 2, precision="mxfp8")
-    with pytest.raises(ValueError, match=r"'shared_intermediate': 48\}$"):
-        MoELayer(128, 128, 8, 2, 48, precision="mxfp8")
+    with pytest.raises(ValueError, match=r"multiples of 16 \(16-byte E4M3 rows\), got \{'hidden': 72, 'intermediate': 32\}$"):
+        MoELayer(72, 32, 8, 2, precision="mxfp8")
+    with pytest.raises(ValueError, match=r"'shared_intermediate': 40\}$"):
+        MoELayer(128, 128, 8, 2, 40, precision="mxfp8")
     with pytest.raises(ValueError, match=r"got \{'intermediate': 40\}$"):
         MoELayer(64, 40, 8, 2, saved_h_format="mxfp8")
 

@@ -265,9 +265,19 @@ def test_the_mxfp8_gemm_op_refuses_bad_input_before_any_launch():
         grouped_gemm((a, a_scales[:1]), (b, b_scales), tiles)
     with pytest.raises(ValueError, match=r"b scales: expected shape \[3, 1, 2, 512\]"):
         grouped_gemm((a, a_scales), (b, b_scales[:, :, :1]), tiles)
-    a192, b192 = (a[:, :192].contiguous(), a_scales[:, :1].contiguous()), (b[:, :, :192].contiguous(), b_scales[:, :, :1].contiguous())
-    with pytest.raises(ValueError, match="K % 128 == 0"):  # (with the scales of K = 192: the width is what is refused)
-        grouped_gemm(a192, b192, tiles)
+    a200, b200 = (torch.zeros(200, 200).to(e4m3), a_scales), (torch.zeros(3, 128, 200).to(e4m3), b_scales)
+    with pytest.raises(ValueError, match="a: expected K a multiple of 16 with MXFP8 operands"):  # (16-byte E4M3 rows)
+        grouped_gemm(a200, b200, tiles)
+    # widths that are multiples of 16: the scales ceil()'d to whole chunks (N = 144: two chunks of rows), k_split's A a chunk
+    # range per half (K = 2 x 144: 2 x 2 chunks, where ceil(288 / 128) is 3)
+    a144, b144 = (a[:, :144].contiguous(), a_scales), (torch.zeros(3, 144, 144).to(e4m3), torch.zeros(3, 2, 2, 512, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):  # (every shape accepted: the device is what is refused)
+        grouped_gemm(a144, b144, tiles)
+    a288 = torch.zeros(200, 288).to(e4m3)
+    with pytest.raises(ValueError, match=r"a scales: expected shape \[2, 4, 512\], got \[2, 3, 512\]"):
+        grouped_gemm((a288, torch.zeros(2, 3, 512, dtype=torch.uint8)), b144, tiles, b2=b144, k_split=True)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        grouped_gemm((a288, torch.zeros(2, 4, 512, dtype=torch.uint8)), b144, tiles, b2=b144, k_split=True)
     with pytest.raises(TypeError, match=r"a, b, b2: expected MXFP8 \(elements, scales\) pairs for all of them, or bf16 tensors for all"):
         grouped_gemm((a, a_scales), (b, b_scales), tiles, b2=b)
     with pytest.raises(ValueError, match="h_out: only with the SwiGLU epilogue"):
@@ -395,10 +405,18 @@ def test_the_mxfp8_weight_gradient_op_refuses_bad_input_before_any_launch():
     offsets = torch.tensor([0, 128, 256], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"b scales: expected shape \[2, 2, 512\]"):
         weight_grad(a, (b[0], b[1][:1]), offsets)
-    with pytest.raises(ValueError, match=r"\(R, M, N\): expected M, N, R multiples of 128, got \(200, 128, 256\)"):
+    with pytest.raises(ValueError, match=r"\(R, M, N\): expected M, N multiples of 16, R of 128, got \(200, 128, 256\)"):
         weight_grad((a[0][:200], a[1]), (b[0][:200], b[1]), offsets)
-    with pytest.raises(ValueError, match=r"\(R, M, N\): expected M, N, R multiples of 128, got \(256, 136, 256\)"):
+    with pytest.raises(ValueError, match=r"\(R, M, N\): expected M, N multiples of 16, R of 128, got \(256, 136, 256\)"):
         weight_grad((torch.zeros(256, 136).to(e4m3), a[1]), b, offsets)
+    with pytest.raises(ValueError, match=r"\(R, M, N\): expected M a multiple of 32, N of 16, R of 128, got \(256, 144, 256\)"):
+        weight_grad((torch.zeros(256, 144).to(e4m3), a[1]), b, offsets, split_out=True)  # (each half 16-byte rows)
+    # M = 2 x 144 split out: each half's two chunks (ceil(288 / 128) would be 3)
+    a288 = torch.zeros(256, 288).to(e4m3)
+    with pytest.raises(ValueError, match=r"a scales: expected shape \[4, 2, 512\], got \[3, 2, 512\]"):
+        weight_grad((a288, torch.zeros(3, 2, 512, dtype=torch.uint8)), b, offsets, split_out=True)
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        weight_grad((a288, torch.zeros(4, 2, 512, dtype=torch.uint8)), b, offsets, split_out=True)
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         weight_grad(a, b, offsets)
 

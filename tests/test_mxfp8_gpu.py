@@ -286,6 +286,29 @@ def test_column_quantizer_gives_the_transposes_reference_bytes(rows, columns):
     assert torch.equal(scales.cpu()[:, : used // 32], want_scales[:, : used // 32])
 
 
+@pytest.mark.parametrize("rows,columns", [(256, 2080), (384, 5760), (128, 4096)])
+def test_column_quantizer_chunks_dhs_halves_apart(rows, columns):
+    """ops.quantize_mxfp8_columns(segments=2, scale_order="mma") (dh for the split-out weight
+    gradient, 128 dividing a half or not): the elements of one segment, and each half's scales
+    mma_scale_layout's bytes of that half's transpose, the second half's chunks after the first's
+    (the same bytes as one segment where 128 divides a half)."""
+    from mok.mxfp8 import mma_scale_layout
+    from mok.ops import quantize_mxfp8_columns
+
+    x = random_rows((rows, columns), seed=rows + columns)
+    elements, scales = quantize_mxfp8_columns(x, scale_order="mma", segments=2)
+    whole_elements, _ = quantize_mxfp8_columns(x, scale_order="mma")
+    assert torch.equal(elements.view(torch.uint8), whole_elements.view(torch.uint8))
+    half = columns // 2
+    assert scales.shape == (2 * -(-half // 128), rows // 128, 512)
+    for part, want_part in zip(scales.cpu().chunk(2), x.cpu().split(half, dim=1)):
+        _, want_scales = quantize_reference(want_part.T.contiguous())
+        real = mma_scale_layout(torch.ones_like(want_scales)) == 1  # the bytes of real columns
+        assert torch.equal(part[real], mma_scale_layout(want_scales)[real])
+    if half % 128 == 0:
+        assert torch.equal(scales, quantize_mxfp8_columns(x, scale_order="mma")[1])
+
+
 @pytest.mark.parametrize("shared", [None, 256])
 def test_mxfp8_emulated_layer_gives_the_functional_paths_bits_eager_and_compiled(shared):
     """MoELayer(precision="mxfp8_emulated") through its custom ops (mok/torch_ops.py): output and

@@ -221,7 +221,7 @@ def test_precompile_refuses_bad_arch_and_shapes(tmp_path):
     assert bad.returncode == 1 and "hidden: expected a multiple of 8 (16-byte bf16 vectors), got 100" in bad.stderr
     bad = _mok("precompile", "--arch", "sm_100a", "--hidden", "136", "--intermediate", "256", "--ep-size", "1", "--precision", "mxfp8",
                cache_dir=tmp_path)  # before compiling anything
-    assert bad.returncode == 1 and "precision='mxfp8': expected widths that are multiples of 128 (MXFP8's scale blocks tile every width), got {'hidden': 136" in bad.stderr
+    assert bad.returncode == 1 and "precision='mxfp8': expected widths that are multiples of 16 (16-byte E4M3 rows), got {'hidden': 136" in bad.stderr
     # a configuration whose layer would not run on the arch: refused, not a list of kernels nobody uses
     bad = _mok("precompile", "--arch", "sm_90a", "--precision", "mxfp8", "--ep-size", "1", cache_dir=tmp_path)
     assert bad.returncode == 1 and "does not run on sm_90a: precision='mxfp8': needs block-scaled MMAs" in bad.stderr

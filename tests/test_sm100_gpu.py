@@ -355,6 +355,26 @@ def test_sm100_mxfp8_backward_matches_the_reference_on_mxfp8_rounded_operands(T,
     check_mxfp8_backward(T, H, I, E, k, shared_inter, routing, emulate=False)
 
 
+@pytest.mark.parametrize("T,H,I,E,k", [(1000, 2880, 2880, 32, 4), (700, 2064, 1040, 16, 4)])
+def test_sm100_mxfp8_layer_at_widths_that_are_multiples_of_16_matches_its_emulation(T, H, I, E, k):
+    """precision="mxfp8" at gpt-oss's 2880 (22.5 chunks of 128: partial K, column and row tiles) and
+    at 2064, 1040 (half a block of 32 at a row's end; dh's halves chunked apart for the dx GEMM and
+    the split-out weight gradient): the forward and every gradient against the float64 reference on
+    the same roundings (deterministic, batch-invariant: tests/helpers.py), and against
+    precision="mxfp8_emulated" (Hopper's way to the same numbers: the bf16 GEMMs on the dequantized
+    operands), which the emulated layer's own GPU test holds to the same reference."""
+    from helpers import check_mxfp8_backward, check_mxfp8_forward, moe_forward
+
+    out, layer = check_mxfp8_forward(T, H, I, E, k, None, "uniform", emulate=False)
+    x, idx, w, experts, _ = layer
+    emulated = moe_forward(x, idx, w, *experts, None, precision="mxfp8_emulated").out
+    assert rel_err(out, emulated) < 1e-2
+    grads = check_mxfp8_backward(T, H, I, E, k, None, "uniform", emulate=False)
+    emulated_grads = check_mxfp8_backward(T, H, I, E, k, None, "uniform", emulate=True)
+    for name, got, want in zip(("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"), grads[:5], emulated_grads[:5]):
+        assert rel_err(got, want) < 1e-2, name
+
+
 @pytest.mark.parametrize("wgrad_format", ["mxfp8", "bf16"])
 def test_sm100_mxfp8_backward_adds_into_main_grads_and_takes_a_packed_h(wgrad_format):
     """The MXFP8 weight-gradient GEMMs adding into fp32 main_grad buffers (TMA reduce-add), and the
@@ -364,24 +384,28 @@ def test_sm100_mxfp8_backward_adds_into_main_grads_and_takes_a_packed_h(wgrad_fo
     check_mxfp8_main_grads_and_packed_h(emulate=False, wgrad_format=wgrad_format)
 
 
-@pytest.mark.parametrize("split_out", [False, True])
-def test_sm100_mxfp8_weight_grad_matches_the_float64_product_of_its_dequantized_operands(split_out):
+@pytest.mark.parametrize("split_out,m,n", [(False, 256, 384), (True, 512, 384), (False, 2064, 1040), (True, 2080, 2880)])
+def test_sm100_mxfp8_weight_grad_matches_the_float64_product_of_its_dequantized_operands(split_out, m, n):
     """ops.weight_grad on MXFP8 operands (both quantized down their columns by
-    ops.quantize_mxfp8_columns): each expert's Aᵀ·B over its rows against float64 of the dequantized
-    operands (every product exact), an expert without rows zeros; deterministic."""
+    ops.quantize_mxfp8_columns; split_out's A with each half chunked on its own): each expert's Aᵀ·B
+    over its rows against float64 of the dequantized operands (every product exact), an expert
+    without rows zeros; deterministic. Widths 128 does not divide (each half's): partial row and
+    column tiles."""
     from mok.pipeline.stages import dequantized_columns
 
     g = torch.Generator(device="cuda").manual_seed(11 + split_out)
-    rows, m, n = 640, 512 if split_out else 256, 384
+    rows = 640
     offsets = torch.tensor([0, 256, 256, 512, 640], dtype=torch.int32, device="cuda")  # expert 1 has no rows
     a = torch.randn(rows, m, device="cuda", generator=g).bfloat16()
     b = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
-    a_q, b_q = (ops.quantize_mxfp8_columns(t, scale_order="mma") for t in (a, b))
+    segments = 2 if split_out else 1
+    a_q = ops.quantize_mxfp8_columns(a, scale_order="mma", segments=segments)
+    b_q = ops.quantize_mxfp8_columns(b, scale_order="mma")
     got = ops.weight_grad(a_q, b_q, offsets, split_out=split_out)
     again = ops.weight_grad(a_q, b_q, offsets, split_out=split_out)
     if split_out:
         got, again = torch.cat(got, dim=1), torch.cat(again, dim=1)
-    a_f, b_f = dequantized_columns(a_q).double(), dequantized_columns(b_q).double()
+    a_f, b_f = dequantized_columns(a_q, segments).double(), dequantized_columns(b_q).double()
     for e in range(4):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         if lo == hi:

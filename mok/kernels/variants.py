@@ -95,6 +95,16 @@ def mxfp8_row_shape(width: int, *, segments: int = 1, mma_order: bool = False, m
     return dict(width=segment, segments=segments) | ({} if whole_matrices else dict(matrix_rows=matrix_rows))
 
 
+def mxfp8_column_shape(columns: int, *, segments: int = 1) -> dict:
+    """The static shape MXFP8's column quantizer (the weight gradients' operands, scales in the MMA's
+    order) takes for a matrix of ``columns`` (``segments`` 2: each half chunked on its own, dh's):
+    none where every segment starts a chunk anyway (one segment, or halves of whole chunks: the
+    kernel that reads the column count at run time), else the keyword arguments of
+    :func:`quantize_mxfp8_variant` (a half's columns, two segments)."""
+    half = columns // segments
+    return {} if segments == 1 or half % 128 == 0 else dict(width=half, segments=segments)
+
+
 def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, *,
                                segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False,
                                gathered: bool = False, columns: bool = False, back: bool = False) -> KernelVariant:

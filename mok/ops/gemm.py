@@ -16,6 +16,7 @@ import torch
 
 from ..kernels.common.records import grouped_gemm_args
 from ..kernels.variants import SWIGLU_BACKWARD_TILE_N, block_buffers_for, check_deep_turn, grouped_gemm_variant, swiglu_backward_pingpong
+from ..mxfp8 import ROW_STEP as MXFP8_ROW_STEP, mma_chunks_of
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
 from ..validation import check_tensor, weight_strides
@@ -45,23 +46,30 @@ def operand_parts(name: str, value: Operand) -> tuple[torch.Tensor, torch.Tensor
     return value, None
 
 
-def check_mxfp8_rows(name: str, a: torch.Tensor, scales: torch.Tensor) -> None:
-    """MXFP8 rows [R, K] (E4M3) with their scales uint8 [ceil(R / 128), K / 128, 512] in the MMA's order."""
+def check_mxfp8_rows(name: str, a: torch.Tensor, scales: torch.Tensor, segments: int = 1) -> None:
+    """MXFP8 rows [R, K] (E4M3, K a multiple of 16, of 32 with two segments) with their scales uint8
+    [ceil(R / 128), segments · ceil(K / segments / 128), 512] in the MMA's order (``segments`` 2:
+    each half of a row chunked on its own, ops.quantize_mxfp8(..., segments=2))."""
     check_tensor(name, a, dtypes=E4M3, ndim=2, contiguous=True)
     rows, k = a.shape
-    check_tensor(f"{name} scales", scales, dtypes=(torch.uint8,), shape=(-(-rows // 128), k // 128, 512), device=a.device, contiguous=True)
+    if k % (segments * MXFP8_ROW_STEP):
+        raise ValueError(f"{name}: expected K a multiple of {segments * MXFP8_ROW_STEP} with MXFP8 operands (16-byte E4M3 rows"
+                         f"{', each half' if segments == 2 else ''}), got K={k}")
+    chunks = segments * mma_chunks_of(k // segments)
+    check_tensor(f"{name} scales", scales, dtypes=(torch.uint8,), shape=(-(-rows // 128), chunks, 512), device=a.device, contiguous=True)
 
 
 def check_mxfp8_weights(name: str, b: torch.Tensor, scales: torch.Tensor, device: torch.device, k: int) -> tuple[int, int]:
-    """MXFP8 weights [E, N, k] (E4M3, K-major, N and k multiples of 128) with their scales uint8
-    [E, N / 128, k / 128, 512] in the MMA's order; returns (E, N)."""
+    """MXFP8 weights [E, N, k] (E4M3, K-major, N and k multiples of 16) with their scales uint8
+    [E, ceil(N / 128), ceil(k / 128), 512] in the MMA's order (each expert chunked on its own, as
+    ops.quantize_mxfp8 gives them for the stack); returns (E, N)."""
     check_tensor(name, b, dtypes=E4M3, ndim=3, device=device, contiguous=True)
     num_experts, n = b.shape[0], b.shape[1]
     check_tensor(name, b, shape=(num_experts, n, k))
-    if n % 128 or k % 128:
-        raise ValueError(f"{name}: expected N % 128 == 0 and K % 128 == 0 with MXFP8 operands, got N={n}, K={k}")
-    check_tensor(f"{name} scales", scales, dtypes=(torch.uint8,), shape=(num_experts, n // 128, k // 128, 512), device=device,
-                 contiguous=True)
+    if n % MXFP8_ROW_STEP or k % MXFP8_ROW_STEP:
+        raise ValueError(f"{name}: expected N and K multiples of {MXFP8_ROW_STEP} with MXFP8 operands (16-byte E4M3 rows), got N={n}, K={k}")
+    chunks = (mma_chunks_of(n), mma_chunks_of(k))
+    check_tensor(f"{name} scales", scales, dtypes=(torch.uint8,), shape=(num_experts, *chunks, 512), device=device, contiguous=True)
     return num_experts, n
 
 
@@ -90,12 +98,13 @@ def _bf16_weights(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None, b_m
 
 
 def _mxfp8_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool) -> dict:
-    """Check MXFP8 A, B (and B2) of a grouped GEMM (K-major B; K % 128, % 256 with k_split; where
-    they may launch: :func:`check_mxfp8_launchable`); returns the record's pointer arguments."""
+    """Check MXFP8 A, B (and B2) of a grouped GEMM (K-major B; K % 16, % 32 with k_split, A's rows
+    then in two segments; where they may launch: :func:`check_mxfp8_launchable`); returns the
+    record's pointer arguments."""
     (a_q, a_s), (b_q, b_s) = operand_parts("a", a), operand_parts("b", b)
     if a_s is None or b_s is None or (b2 is not None and operand_parts("b2", b2)[1] is None):
         raise TypeError("a, b, b2: expected MXFP8 (elements, scales) pairs for all of them, or bf16 tensors for all")
-    check_mxfp8_rows("a", a_q, a_s)
+    check_mxfp8_rows("a", a_q, a_s, segments=2 if k_split else 1)
     k = a_q.shape[1]
     if k_split and b2 is None:
         raise ValueError("k_split: needs b2, the weights of K's second half")
@@ -103,8 +112,6 @@ def _mxfp8_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool) -
     b2_q, b2_s = (b_q, b_s) if b2 is None else operand_parts("b2", b2)
     check_tensor("b2", b2_q, dtypes=E4M3, shape=tuple(b_q.shape), device=a_q.device, contiguous=True)
     check_tensor("b2 scales", b2_s, dtypes=(torch.uint8,), shape=tuple(b_s.shape), device=a_q.device, contiguous=True)
-    if k % (256 if k_split else 128):
-        raise ValueError(f"a: expected K % {256 if k_split else 128} == 0 with MXFP8 operands, got K={k}")
     return dict(a=a_q, a_scale=a_s, b=b_q, b_scale=b_s, b2=b2_q, b2_scale=b2_s)
 
 
@@ -203,7 +210,7 @@ def grouped_gemm(
     with ``k_split``, b and b2 hold the two halves of K (out = a[:, :K/2]·B + a[:, K/2:]·B2).
     Needs N % 8 == 0 and K % 8 == 0 (K % 16 with ``k_split``): the last column and K tiles may be
     partial (TMA zero-fills the loads past N and K, nothing is stored past N; with k_split each
-    half of K on its own; MXFP8 operands take whole tiles). ``tile_n`` overrides the column
+    half of K on its own). ``tile_n`` overrides the column
     tile (64, 128 or 256; default from the static shape), ``stages`` the shared-memory
     pipeline depth (default: as deep as fits), ``persistent=False`` selects the one-tile-per-CTA
     kernel (the same bits); None: the persistent kernel (SM100's compile-verified, never run;
@@ -214,9 +221,11 @@ def grouped_gemm(
     gate half and before the activation), ``bias2`` likewise to a·B2 (both or neither with b2).
 
     MXFP8 operands (SM100 only): a = (elements float8_e4m3fn [R, K], scales uint8 [ceil(R / 128),
-    K / 128, 512]) and b, b2 = (elements [E, N, K] K-major, scales [E, N / 128, K / 128, 512]), each
-    scale in the MMA's order (mok.ops.quantize_mxfp8(..., scale_order="mma")); K % 128 (% 256 with
-    k_split); the SwiGLU and k_split forms as above (b_major "k" only, no gather).
+    ceil(K / 128), 512]) and b, b2 = (elements [E, N, K] K-major, scales [E, ceil(N / 128),
+    ceil(K / 128), 512]), each scale in the MMA's order (mok.ops.quantize_mxfp8(..., scale_order="mma"),
+    the padding blocks' scales 1); N and K multiples of 16 (each half of K with k_split, whose a
+    is quantized with segments=2: scales [ceil(R / 128), 2·ceil(K / 256), 512]); partial tiles as
+    above; the SwiGLU and k_split forms as above (b_major "k" only, no gather).
 
     FP8 with block scales (Hopper, DeepSeek-V3's recipe, mok.fp8_block): a = (elements [R, K]
     float8_e4m3fn, scales float32 [K / 128, R]) and b, b2 = (elements [E, N, K] K-major, scales
@@ -412,7 +421,7 @@ def swiglu_backward_gemm(
 
     MXFP8 operands (SM100 only, 128-wide tiles, no ping-pong): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
-    this product, in MXFP8 along H: (elements [E, I, H], scales [E, I / 128, H / 128, 512])
+    this product, in MXFP8 along H: (elements [E, I, H], scales [E, ceil(I / 128), ceil(H / 128), 512])
     (e.g. mok.pipeline.stages.quantize_weights(w_down.transpose(1, 2).contiguous())). FP8 with block
     scales (Hopper, persistent, no ping-pong): dout_rows = (elements [R, H], scales
     float32 [H / 128, R]) and w_down transposed likewise: (elements [E, I, H], scales [E, I / 128,

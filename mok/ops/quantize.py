@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import FP8_BLOCK_QUANTIZE_ARGS
-from ..kernels.variants import fp8_weights_quantizer, mxfp8_row_shape, quantize_fp8_block_variant, quantize_mxfp8_variant
-from ..mxfp8 import BLOCK as MXFP8_BLOCK, ROW_STEP as MXFP8_ROW_STEP, blocks_of as mxfp8_blocks_of, check_blocked
+from ..kernels.variants import fp8_weights_quantizer, mxfp8_column_shape, mxfp8_row_shape, quantize_fp8_block_variant, quantize_mxfp8_variant
+from ..mxfp8 import (
+    BLOCK as MXFP8_BLOCK, MMA_CHUNK_ROWS as MXFP8_CHUNK_ROWS, ROW_STEP as MXFP8_ROW_STEP, SCALE_ONE as MXFP8_SCALE_ONE,
+    blocks_of as mxfp8_blocks_of, check_blocked, mma_chunks_of,
+)
 from ..runtime import launch
 from ..validation import check_tensor
 from .common import BF16, check_cuda_aligned, check_launchable, check_rows_used, kernel_for
@@ -39,7 +42,9 @@ def quantize_mxfp8(
     SM100's block-scaled MMAs read them, uint8 [ceil(R / 128), ceil(n / 128), 512] (or [E,
     ceil(N / 128), ceil(n / 128), 512], each matrix chunked on its own), the bytes of
     mok.mxfp8.mma_scale_layout for rows < R, padding blocks included (the padding rows' scales are
-    left unwritten: they never reach a row of the GEMM's output), what grouped_gemm_mxfp8 takes.
+    left unwritten: they never reach a row of the GEMM's output; a stack's are scale 1 as there:
+    they are the GEMM's columns past N, whose products the SwiGLU backward's row sums add, 0·1),
+    what grouped_gemm_mxfp8 takes.
     ``segments`` 2: each half of a row blocked on its own (dh, whose halves are the dx GEMM's two K
     ranges: the bytes of quantizing the halves apart, side by side; scales [..., 2·ceil(n / 64)],
     or in the MMA's order each half's ceil(n / 256) chunks in turn); the same bytes as one segment
@@ -66,6 +71,8 @@ def quantize_mxfp8(
     check_cuda_aligned("out[0]", elements)
     if x.numel() == 0:
         return elements, scales
+    if mma_order and x.dim() == 3 and x.shape[1] % MXFP8_CHUNK_ROWS:  # (the rows the kernel writes are overwritten)
+        scales.fill_(MXFP8_SCALE_ONE)
     shape = mxfp8_row_shape(x.shape[-1], segments=segments, mma_order=mma_order, matrix_rows=x.shape[1] if x.dim() == 3 and mma_order else None)
     kernel = kernel_for(quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=mma_order, **shape), x.device)
     kernel(
@@ -76,7 +83,7 @@ def quantize_mxfp8(
 
 
 def quantize_mxfp8_columns(
-    x: torch.Tensor, *, rows_used: torch.Tensor | None = None, scale_order: str = "rows"
+    x: torch.Tensor, *, rows_used: torch.Tensor | None = None, scale_order: str = "rows", segments: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 of bf16 ``x`` [R, M] along its rows (blocks of 32 rows down each column: what a GEMM
     that sums over the rows, a weight gradient, takes), in one launch: elements float8_e4m3fn
@@ -85,23 +92,30 @@ def quantize_mxfp8_columns(
     SM100's block-scaled MMAs read them, [ceil(M / 128), R / 128, 512] (mok.mxfp8.mma_scale_layout;
     the padding columns' scales left unwritten). R a multiple of 32 (of 128 for "mma"), contiguous x.
     ``rows_used`` (int32 [1] on x's device, a multiple of 32): only the first rows_used[0] rows are
-    converted, the rest of the outputs left as they are; the count stays on the device."""
+    converted, the rest of the outputs left as they are; the count stays on the device.
+    ``segments`` 2 ("mma"; dh, whose halves the split-out weight gradient takes as two row ranges):
+    each half of the columns chunked on its own, scales [2·ceil(M / 256), R / 128, 512] (the same
+    bytes as one segment where 128 divides a half)."""
     check_tensor("x", x, dtypes=BF16, ndim=2, contiguous=True)
     if scale_order not in ("rows", "mma"):
         raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
     rows, columns = x.shape
+    if segments not in (1, 2) or (segments == 2 and (scale_order != "mma" or columns % (2 * MXFP8_ROW_STEP))):
+        raise ValueError(f"segments: expected 1, or 2 with scale_order='mma' and halves of a multiple of {MXFP8_ROW_STEP} columns, "
+                         f"got {segments} for shape {tuple(x.shape)} ({scale_order!r})")
     if rows % (128 if scale_order == "mma" else MXFP8_BLOCK):
         raise ValueError(f"x: expected a row count that is a multiple of {128 if scale_order == 'mma' else MXFP8_BLOCK}, got shape {tuple(x.shape)}")
     check_launchable(x=x)
     check_rows_used(rows_used, x.device)
     elements = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     if scale_order == "mma":
-        scales = torch.empty(-(-columns // 128), rows // 128, 512, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(segments * mma_chunks_of(columns // segments), rows // 128, 512, dtype=torch.uint8, device=x.device)
     else:
         scales = torch.empty(columns, rows // MXFP8_BLOCK, dtype=torch.uint8, device=x.device)
     if x.numel() == 0:
         return elements, scales
-    variant = quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=scale_order == "mma", columns=True)
+    shape = mxfp8_column_shape(columns, segments=segments)
+    variant = quantize_mxfp8_variant(bounded=rows_used is not None, mma_order=scale_order == "mma", columns=True, **shape)
     kernel_for(variant, x.device)(
         launch.ptr("bf16", x), launch.ptr("e4m3", elements), launch.ptr("u8", scales, 1), launch.i32(x.numel() // MXFP8_BLOCK), launch.ptr("i32", rows_used, 4),
         launch.i32(columns), launch.stream(x.device),

@@ -16,6 +16,7 @@ import torch
 
 from ..kernels.common.records import weight_grad_args
 from ..kernels.variants import check_deep_turn, router_grad_variant, weight_grad_pingpong, weight_grad_variant
+from ..mxfp8 import ROW_STEP as MXFP8_ROW_STEP, mma_chunks_of
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
 from ..validation import check_tensor
@@ -68,7 +69,7 @@ def weight_grad(
     rows are skipped, not multiplied (the same bits: they would add zeros). out:
     [E, M, N] bf16 or fp32, new unless given; ``accumulate`` adds into the given fp32 ``out``
     (main_grad style) instead of overwriting it. M % 8 == 0, N % 8 == 0 (the last row and column
-    tiles may be partial; MXFP8 operands take whole tiles: M, N multiples of 128 and of tile_n).
+    tiles may be partial; MXFP8 operands: M % 16 == 0, N % 16 == 0).
     ``persistent``: as in :func:`mok.ops.grouped_gemm`. ``tile_n``: the output tile's
     columns, 128 or 256. ``pingpong`` (persistent, 128-wide tiles; the default there): the two MMA
     warpgroups take whole tiles in turn (the same bits). ``split_out`` (M % 16 == 0): out is a
@@ -79,9 +80,10 @@ def weight_grad(
     [E, M, N] tensor (``w[:, 0::2]``, ``w[:, 1::2]``: gate and up interleaved, gpt-oss's layout).
 
     MXFP8 operands (SM100 only, no ping-pong): a = (elements float8_e4m3fn [R, M], scales
-    [ceil(M / 128), R / 128, 512]) and b likewise [R, N], as
-    mok.ops.quantize_mxfp8_columns(..., scale_order="mma") gives them; R and every offset
-    multiples of 128 (the schedule's are).
+    [ceil(M / 128), R / 128, 512]; with split_out [2·ceil(M / 256), R / 128, 512], each half
+    chunked on its own) and b likewise [R, N], as mok.ops.quantize_mxfp8_columns(...,
+    scale_order="mma", segments=2 for split_out's a) gives them; R and every offset multiples of
+    128 (the schedule's are).
 
     FP8 with 1 x 128 blocks along the rows (Hopper; persistent, no ping-pong, tile_n 128): a = the
     rows' transpose (elements float8_e4m3fn [M, R], scales float32 [R / 128, M]) and b likewise
@@ -115,13 +117,14 @@ def weight_grad(
         if b_values.shape[0] != num_rows:
             raise ValueError(f"b: expected {num_rows} rows like a, got {b_values.shape[0]}")
         n = b_values.shape[1]
-        step = 128 if mxfp8 else 8  # (bf16: 16-byte rows; the tiles past M and N partial on Hopper)
-        if m % step or n % step or (mxfp8 and num_rows % 128):
-            raise ValueError(f"(R, M, N): expected M, N{', R' if mxfp8 else ''} multiples of {step}, got ({num_rows}, {m}, {n})")
-        if mxfp8:
-            for name, t, width in (("a", a_scales, m), ("b", b_scales, n)):
-                check_tensor(f"{name} scales", t, dtypes=(torch.uint8,), shape=(width // 128, num_rows // 128, 512), device=dev,
-                             contiguous=True)
+        step = MXFP8_ROW_STEP if mxfp8 else 8  # (16-byte rows, each half's with MXFP8's split_out: the tiles past M and N partial)
+        halves = 2 if split_out and mxfp8 else 1
+        if m % (halves * step) or n % step or (mxfp8 and num_rows % 128):
+            widths = f"M, N multiples of {step}" if halves == 1 else f"M a multiple of {halves * step}, N of {step}"
+            raise ValueError(f"(R, M, N): expected {widths}{', R of 128' if mxfp8 else ''}, got ({num_rows}, {m}, {n})")
+        if mxfp8:  # (split_out: each half of M chunked on its own, quantize_mxfp8_columns(segments=2))
+            for name, t, chunks in (("a", a_scales, halves * mma_chunks_of(m // halves)), ("b", b_scales, mma_chunks_of(n))):
+                check_tensor(f"{name} scales", t, dtypes=(torch.uint8,), shape=(chunks, num_rows // 128, 512), device=dev, contiguous=True)
     num_experts = _check_rows_and_outputs(offsets, counts, m, n, split_out, tile_n, accumulate, out, out_dtype, dev)
     pingpong = weight_grad_pingpong(persistent, tile_n) if pingpong is None else pingpong
     if pingpong and (not persistent or tile_n != 128):
@@ -182,8 +185,9 @@ def _half_of_a(operand: str, values: torch.Tensor, scales: torch.Tensor | None, 
     cut = slice(half * (m // 2), (half + 1) * (m // 2))
     if operand == "e4m3_block":
         return values[cut], scales[:, cut].contiguous()
-    if operand == "e4m3":
-        return values[:, cut], scales[half * (m // 256):(half + 1) * (m // 256)]
+    if operand == "e4m3":  # (the halves' chunks in turn: quantize_mxfp8_columns(segments=2))
+        chunks = scales.shape[0] // 2
+        return values[:, cut], scales[half * chunks:(half + 1) * chunks]
     return values[:, cut]
 
 

@@ -178,11 +178,14 @@ def dequantized_weights(w_q: tuple) -> torch.Tensor:
     return ops.dequantize_mxfp8(elements, rows_scale_layout(scales, elements.shape[1], elements.shape[2]))
 
 
-def dequantized_columns(q: tuple) -> torch.Tensor:
-    """bf16 [R, M] of a matrix quantized along its rows (ops.quantize_mxfp8_columns), exact (rows
-    the quantizer left unconverted come out as whatever they hold: no expert's range reads them)."""
+def dequantized_columns(q: tuple, segments: int = 1) -> torch.Tensor:
+    """bf16 [R, M] of a matrix quantized along its rows (ops.quantize_mxfp8_columns; ``segments`` 2:
+    each half of the columns chunked on its own), exact (rows the quantizer left unconverted come
+    out as whatever they hold: no expert's range reads them)."""
     elements, scales = q
-    transposed = ops.dequantize_mxfp8(elements.T.contiguous(), rows_scale_layout(scales, elements.shape[1]))
+    half = elements.shape[1] // segments
+    by_rows = torch.cat([rows_scale_layout(part, half) for part in scales.chunk(segments)])
+    transposed = ops.dequantize_mxfp8(elements.T.contiguous(), by_rows)
     return transposed.T.contiguous()
 
 
@@ -488,9 +491,10 @@ def expert_weight_grads(
         )
         return d_gate, d_up, d_down
     used = rows_in_use(sched)
-    columns = [ops.quantize_mxfp8_columns(t, rows_used=used, scale_order="mma") for t in rows]
+    segments = (1, 1, 2, 1)  # (dh: each half chunked on its own, the split-out gradient's two row ranges)
+    columns = [ops.quantize_mxfp8_columns(t, rows_used=used, scale_order="mma", segments=n) for t, n in zip(rows, segments)]
     if plan.emulate:
-        columns = [dequantized_columns(q) for q in columns]
+        columns = [dequantized_columns(q, n) for q, n in zip(columns, segments)]
     wgrad = dict(offsets=offsets, counts=counts, out_dtype=grad_dtype)
     down_into, gate_up_into = {}, {}  # (fresh tensors, or added into the main_grad buffers)
     if main_grads is not None:

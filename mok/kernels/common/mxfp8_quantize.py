@@ -152,21 +152,26 @@ class QuantizeMxfp8Kernel:
     the rows). ``width`` (None: rows of whole blocks, or with ``mma_order`` whole chunks, their width
     read at run time): the width of a row's segment, a multiple of 16 (the module docstring);
     ``segments`` (1 or 2) and ``matrix_rows`` (``mma_order``: the rows of one matrix of a stack
-    whose N is no multiple of 128) with it."""
+    whose N is no multiple of 128) with it. With ``columns`` (and ``mma_order``), ``width`` and
+    ``segments`` 2: each half of the columns chunked on its own in the MMA's order (dh's halves,
+    the split-out weight gradient's two row ranges, where 128 does not divide a half)."""
 
     def __init__(self, threads: int = 128, bounded: bool = False, mma_order: bool = False, columns: bool = False,
                  width: int | None = None, segments: int = 1, matrix_rows: int | None = None) -> None:
-        if width is not None and (width <= 0 or width % HALF or columns):
-            raise ValueError(f"width: expected a positive multiple of {HALF} (rows, not columns), got {width} (columns={columns})")
+        if width is not None and (width <= 0 or width % HALF):
+            raise ValueError(f"width: expected a positive multiple of {HALF}, got {width}")
         if (segments != 1 or matrix_rows is not None) and width is None:
             raise ValueError("segments, matrix_rows: only with a static width")
         if segments not in (1, 2) or (matrix_rows is not None and (not mma_order or matrix_rows <= 0)):
             raise ValueError(f"segments: expected 1 or 2, matrix_rows a positive count with mma_order; got {segments}, {matrix_rows}")
+        if columns and width is not None and (segments != 2 or not mma_order or matrix_rows is not None):
+            raise ValueError("width with columns: the columns of each of two segments, in the MMA's order (dh's halves chunked apart)")
         self.threads = threads
         self.bounded = bounded
         self.mma_order = mma_order
         self.columns = columns
         self.width, self.segments, self.matrix_rows = width, segments, matrix_rows
+        self.static_rows = width is not None and not columns  # rows of a static width (else one run of blocks, or columns)
         if width is not None:
             self.row_blocks = -(-width // BLOCK)  # a segment's blocks, the last one perhaps partial
             self.row_chunks = -(-width // (BLOCK * CHUNK_BLOCKS))  # its chunks of 128 along K in the MMA's order
@@ -188,7 +193,7 @@ class QuantizeMxfp8Kernel:
         m_x, m_elements, m_scales = block_tensors(x_ptr, elements_ptr, scales_ptr, num_blocks)
         if cutlass.const_expr(self.columns):
             m_x, m_elements = column_block_tensors(x_ptr, elements_ptr, num_blocks, blocks_per_row)
-        if cutlass.const_expr(self.width is not None):
+        if cutlass.const_expr(self.static_rows):
             m_x, m_elements = half_block_tensors(x_ptr, elements_ptr, num_blocks // self.row_blocks, self.width)
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel(m_x, m_elements, m_scales, m_used, blocks_per_row).launch(**self.launch_shape(num_blocks, stream))
@@ -214,16 +219,19 @@ class QuantizeMxfp8Kernel:
         cta, _, _ = cute.arch.block_idx()
         block = cta * self.threads + tidx
         num_blocks = cute.size(m_x, mode=[0])
-        if cutlass.const_expr(self.width is not None):
+        if cutlass.const_expr(self.static_rows):
             num_blocks = cute.size(m_x, mode=[0]) * self.row_blocks
         if block < self.blocks_to_convert(num_blocks, m_used, blocks_per_row):
-            if cutlass.const_expr(self.width is not None):
+            if cutlass.const_expr(self.static_rows):
                 self.quantize_segment_block(m_x, m_elements, m_scales, block)
             elif cutlass.const_expr(self.columns):  # block (column m, row block b): the transpose's row m, block b
                 row_blocks = num_blocks // blocks_per_row
                 column = block % blocks_per_row
                 transposed = column * row_blocks + block // blocks_per_row
-                if cutlass.const_expr(self.mma_order):
+                if cutlass.const_expr(self.width is not None):  # (two segments of columns)
+                    at = self.column_segment_scale_byte(column, block // blocks_per_row, row_blocks)
+                    quantize_block(m_x, m_elements, m_scales, block, at)
+                elif cutlass.const_expr(self.mma_order):
                     quantize_block(m_x, m_elements, m_scales, block, mma_scale_index(transposed, row_blocks))
                 else:
                     quantize_block(m_x, m_elements, m_scales, block, transposed)
@@ -279,6 +287,16 @@ class QuantizeMxfp8Kernel:
             row_chunk = matrix * -(-self.matrix_rows // CHUNK_ROWS) + (row >> 7)
         chunk = (row_chunk * self.segments + segment) * self.row_chunks + (col >> 2)
         return mma_chunk_byte(chunk, row, col)
+
+    @cute.jit
+    def column_segment_scale_byte(self, column, row_block, row_blocks) -> cutlass.Int32:
+        """``columns`` in two segments: where block ``row_block`` (of ``row_blocks`` down a column) of
+        column ``column`` keeps its scale in the MMA's order, each segment's ``width`` columns
+        starting a chunk (the transpose's rows of each half chunked on their own)."""
+        segment = column // self.width
+        row = column - segment * self.width
+        chunk = (segment * self.row_chunks + (row >> 7)) * (row_blocks >> 2) + (row_block >> 2)
+        return mma_chunk_byte(chunk, row, row_block)
 
 
 class DequantizeMxfp8Kernel(QuantizeMxfp8Kernel):

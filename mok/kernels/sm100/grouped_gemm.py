@@ -46,7 +46,9 @@ from ..common.grouped_gemm import GroupedGemm
 from ..common.row_gather import gather_stage, gathered_rows
 from ..common.row_vectors import VECTOR
 from ..common.tile_order import grouped_tile, row_tile_pair
-from .tcgen05_tile import EPI_COLS, PAIR, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import (
+    E4M3_ROW_STEP, EPI_COLS, PAIR, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages,
+)
 
 
 class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
@@ -57,6 +59,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
 
     takes_bias = True
     partial_tiles = True  # N and K past the tile: TMA zero-fills the loads, the epilogue stores nothing past N
+    tile_k = TILE_K  # K values a stage holds (its K tiles: ceil(K / tile_k), each half's with k_split)
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
@@ -64,7 +67,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         activation: str = "swiglu", persistent: bool = False, scatter: bool = False, bias: bool = False, gather_a: bool = False,
         b_row_stride: int | None = None, cluster_m: int = 1,
     ) -> None:
-        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, TILE_K, b_expert_stride, activation, bias, b_row_stride)
+        self.configure(n, k, epilogue, b_major, k_split, topk, unit_scale, tile_n, self.tile_k, b_expert_stride, activation, bias, b_row_stride)
         if cluster_m not in (1, PAIR) or (cluster_m == PAIR and self.mxfp8):
             raise ValueError(f"cluster_m: expected 1, or {PAIR} with bf16 operands, got {cluster_m}{' (MXFP8)' if self.mxfp8 else ''}")
         self.cluster_m = cluster_m
@@ -81,9 +84,9 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         scatter arguments and the biases are the Hopper kernel's)."""
         m_tiles, num_row_tiles, num_rows = rows
         scale_tensors = ()
-        if self.mxfp8:  # A's scales [ceil(R / 128)·128 rows, K / 32], B's and B2's per expert [N, K / 32]
+        if self.mxfp8:  # A's scales [ceil(R / 128)·128 rows, K' / 32], B's and B2's per expert [N, K / 32] (whole chunks)
             a_scale_ptr, b_scale_ptr, b2_scale_ptr = scales
-            m_sfa = self.scale_tensor(a_scale_ptr, num_row_tiles * self.tile_shape_mnk[0], self.k, 1)
+            m_sfa = self.scale_tensor(a_scale_ptr, num_row_tiles * self.tile_shape_mnk[0], self.scale_k, 1)
             m_sfbs = (self.scale_tensor(b_scale_ptr, self.n, self.b_k, num_experts),
                       self.scale_tensor(b2_scale_ptr, self.n, self.b_k, num_experts))
             scale_tensors = (m_sfa, m_sfbs)
@@ -369,18 +372,20 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
 
     A [R, K] and each expert's B [N, K] (K-major) hold E4M3 elements; SA and SB one E8M0 scale per
     32 elements along K, in the MMA's scale order (mok.mxfp8.mma_scale_layout: A's rows padded to
-    whole 128-row tiles). Every epilogue of the bf16 kernel (plain, swiglu, swiglu_save,
+    whole 128-row tiles, each row's K to whole 128-value chunks, with k_split each half's; each
+    expert's B to whole chunks of rows and of K). Every epilogue of the bf16 kernel (plain, swiglu, swiglu_save,
     swiglu_bwd; k_split: B and B2 [E, N, K/2] hold K's two halves, each with its scales) on the
     same fp32 accumulators, bf16 out: the forward's two GEMMs, and the backward's SwiGLU-backward
     and dx GEMMs given the weights transposed (K-major for their K), the expert-parallel ``scatter``
     of the plain epilogue and the experts' ``bias`` as the bf16 kernel has them (the epilogue is
-    its). Static config: N, K (a multiple of 128, of 256 with k_split), epilogue, k_split, top-k,
+    its). Static config: N, K (multiples of 16, each half of K with k_split: the last column and
+    K tiles partial, as the bf16 kernel's; docs/notes/partial-tiles.md), epilogue, k_split, top-k,
     unit scale, column tile (128 or 256; 128 with SwiGLU: two accumulators and the scales must fit
     512 tensor-memory columns), stages, scatter, bias. Compile-verified only, never run (no SM100
     GPU here)."""
 
     mxfp8 = True
-    partial_tiles = False  # (whole 128 blocks of K, whole column tiles: the scales' layout)
+    tile_k = TILE_K_MXFP8  # (one 128-value chunk of the scales a stage)
 
     def __init__(
         self, n: int, k: int, epilogue: str = "plain", *, b_major: str = "k", k_split: bool = False, topk: int = 1,
@@ -391,12 +396,19 @@ class GroupedGemmMxfp8Sm100(GroupedGemmSm100):
             raise ValueError(f"b_major: expected 'k' with MXFP8 operands (K-major B: give the weights transposed), got {b_major!r}")
         if tile_n not in (128, 256) or (epilogue in ("swiglu", "swiglu_save") and tile_n != 128):
             raise ValueError(f"tile_n: expected 128 or 256 (128 with SwiGLU) with MXFP8 operands, got {tile_n}")
-        if k % (2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8):
-            raise ValueError(f"k: expected a multiple of {2 * TILE_K_MXFP8 if k_split else TILE_K_MXFP8} with MXFP8 operands, got {k}")
+        halves = 2 if k_split else 1
+        if n % E4M3_ROW_STEP or k % (halves * E4M3_ROW_STEP):
+            raise ValueError(f"(n, k): expected multiples of {E4M3_ROW_STEP} ({halves * E4M3_ROW_STEP} for k with k_split: 16-byte "
+                             f"E4M3 rows) with MXFP8 operands, got ({n}, {k})")
         super().__init__(n, k, epilogue, k_split=k_split, topk=topk, unit_scale=unit_scale, tile_n=tile_n, activation=activation,
                          persistent=persistent, scatter=scatter, bias=bias)
-        self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
         self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + self.num_b * tile_n, stages, self.store_bytes())
+
+    @property
+    def scale_k(self) -> int:
+        """K as A's scales cover it: each half's (k_split) ceil(K / 128) chunks, the MMA order of
+        ``ops.quantize_mxfp8(..., segments=2)``; K itself where 128 divides each half."""
+        return self.k_tiles * TILE_K_MXFP8
 
 
 def compile_grouped_gemm_sm100(n: int, k: int, arch: str, options: str = "", *, operand: str = "bf16", **config):

@@ -65,6 +65,7 @@ from ..common.row_vectors import VECTOR
 TILE_M = 128  # rows of a tile: one tcgen05 MMA's M on one CTA (and the schedule's row tile)
 TILE_K = 64  # bf16: four 16-deep MMAs per shared-memory stage (one 128-byte swizzle atom)
 TILE_K_MXFP8 = 128  # MXFP8: four 32-deep block-scaled MMAs per stage (128 bytes a row, the same atom)
+E4M3_ROW_STEP = 16  # MXFP8: widths are multiples of this (16-byte E4M3 rows, TMA's row strides; mok.mxfp8.ROW_STEP)
 SCALE_BLOCK = 32  # MXFP8: elements along K that share one E8M0 scale
 SCALE_ATOM = 32  # MXFP8: tensor memory reserved for scales, per stage: (rows / 32) x (MMAs per stage) columns
 EPILOGUE_THREADS = 128  # warps 0-3: the epilogue (warp w reads tensor-memory lanes 32w..32w+31: rows of the tile)

@@ -24,7 +24,9 @@ import cutlass.cute as cute
 from ..common.compile import compile_kernel
 from ..common.records import weight_grad_args
 from ..common.weight_grad import OUT_DTYPES, WeightGradGemm
-from .tcgen05_tile import EPI_COLS, PAIR, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages
+from .tcgen05_tile import (
+    E4M3_ROW_STEP, EPI_COLS, PAIR, STORE_BUFFERS, TILE_K, TILE_K_MXFP8, Tcgen05TileKernel, pick_mxfp8_stages, pick_stages,
+)
 
 
 class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
@@ -68,8 +70,9 @@ class WeightGradGemmSm100(WeightGradGemm, Tcgen05TileKernel):
     def launch(self, m_a, m_b, scales, m_c, upper_first, rows, num_rows, num_experts, max_ctas, stream):
         """Host side (see WeightGradGemm.launch): MXFP8's scale tensors, the TMA loads, the grid."""
         scale_tensors = ()
-        if self.mxfp8:  # the scales of A [R, M] and B [R, N] along the rows, in the MMA's order
-            scale_tensors = (self.scale_tensor(scales[0], self.m, num_rows, 1), (self.scale_tensor(scales[1], self.n, num_rows, 1),))
+        if self.mxfp8:  # the scales of A [R, M] and B [R, N] along the rows, in the MMA's order (A's: each half's chunks)
+            a_rows = self.halves * self.row_tiles * self.tile_shape_mnk[0]
+            scale_tensors = (self.scale_tensor(scales[0], a_rows, num_rows, 1), (self.scale_tensor(scales[1], self.n, num_rows, 1),))
         tiled_mma, layouts, loads = self.prepare("mn", "mn", m_a, (m_b,), *scale_tensors)
         atom, t_c = self.store_atom(m_c, reduce_add=self.accumulate)
         all_tiles = self.all_tiles(num_experts)
@@ -155,19 +158,24 @@ class WeightGradGemmMxfp8Sm100(WeightGradGemmSm100):
     A [R, M] (row stride ``a_stride``: a column slice of a wider matrix) and B [R, N] hold E4M3
     elements in their own row-major layout (MN-major for this product), quantized along the rows (their K: a scale per 32 rows of a column, as
     mok.ops.quantize_mxfp8_columns gives them); SA and SB in the MMA's scale order
-    ([ceil(M / 128), R / 128, 512]). R a multiple of 128, every expert's first row too (the
-    schedule's offsets are); 128-row K tiles. Outputs as the bf16 kernel's (fresh bf16 / fp32, or
-    added into fp32; split_out). Compile-verified only, never run (no SM100 GPU here)."""
+    ([ceil(M / 128), R / 128, 512]; with split_out each half's ceil(M / 256) chunks in turn,
+    quantize_mxfp8_columns(segments=2)). R a multiple of 128, every expert's first row too (the
+    schedule's offsets are); 128-row K tiles. M and N multiples of 16 (16-byte E4M3 rows; each
+    half of M with split_out): the last row and column tiles may be partial, as the bf16 kernel's
+    (their scales' padding rows multiply only the rows and columns the stores clip). Outputs as
+    the bf16 kernel's (fresh bf16 / fp32, or added into fp32; split_out). Compile-verified only,
+    never run (no SM100 GPU here)."""
 
     mxfp8 = True
-    partial_tiles = False  # (whole tiles: the scales' layout)
 
     def __init__(self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
                  tile_n: int = 128, stages: int | None = None, split_out: bool = False, persistent: bool = False) -> None:
         if tile_n not in (128, 256):
             raise ValueError(f"tile_n: expected 128 or 256 with MXFP8 operands, got {tile_n}")
-        if a_stride is not None and a_stride % 16:
-            raise ValueError(f"a_stride: expected a multiple of 16 (bytes of E4M3) with MXFP8 operands, got {a_stride}")
+        halves = 2 if split_out else 1
+        if m % (halves * E4M3_ROW_STEP) or n % E4M3_ROW_STEP or (a_stride is not None and a_stride % E4M3_ROW_STEP):
+            raise ValueError(f"(m, n, a_stride): expected multiples of ({halves * E4M3_ROW_STEP}, {E4M3_ROW_STEP}, {E4M3_ROW_STEP}) "
+                             f"(16-byte E4M3 rows) with MXFP8 operands, got ({m}, {n}, {a_stride})")
         super().__init__(m, n, out_dtype, accumulate, a_stride=a_stride, tile_n=tile_n, split_out=split_out, persistent=persistent)
         self.tile_shape_mnk = (self.tile_shape_mnk[0], tile_n, TILE_K_MXFP8)
         self.ab_stage = pick_mxfp8_stages(self.tile_shape_mnk[0] + tile_n, stages, self.store_bytes())
