@@ -371,7 +371,7 @@ def test_layer_options_are_checked_before_anything_changes():
         mok_hf.layer_options(mok_hf.experts_modules(m)[0][1], ep_size=2)
     gpt_oss = mok_hf.experts_modules(tiny_model("gpt_oss"))[0][1]  # (the layout the op gets is checked with the options)
     assert mok_hf.layer_options(gpt_oss, one_launch=True) == (("one_launch", True),)  # (its layout and biases in one launch)
-    qwen3 = mok_hf.experts_modules(m)[0][1]  # (DeepSeek-V3's FP8 with its weight gradients: the options MoKConfig takes)
+    qwen3 = mok_hf.experts_modules(tiny_model("qwen3_moe"))[0][1]  # (DeepSeek-V3's FP8 with its weight gradients: the options MoKConfig takes)
     fp8 = mok_hf.layer_options(qwen3, precision="fp8_block", fp8_scales="power_of_two", wgrad_format="fp8_block")
     assert fp8 == (("fp8_scales", "power_of_two"), ("precision", "fp8_block"), ("wgrad_format", "fp8_block"))
     with pytest.raises(ValueError, match=r"wgrad_format='fp8_block': only with precision 'fp8_block'"):
