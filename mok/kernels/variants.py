@@ -239,6 +239,12 @@ def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
         raise ValueError(f"deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got {deep_turn} with block_buffers={block_buffers}")
 
 
+def weight_grad_block_sets(operand: str) -> int:
+    """The weight gradient's sets of block accumulators: 2 on FP8 with block scales (used in turn:
+    mok/kernels/sm90/block_scaled.py consume_outer_scaled_tile), else none beyond the one."""
+    return 2 if operand == "e4m3_block" else 1
+
+
 def block_buffers_for(block_buffers: int | None, operand: str, epilogue: str) -> int:
     """The FP8 GEMM's sets of block accumulators (mok/kernels/sm90/block_scaled.py): 1, or 2 with
     operand "e4m3_block" and the plain or SwiGLU forward epilogues (the SwiGLU backward's would
@@ -386,7 +392,7 @@ def weight_grad_variant(
     ``deep_turn`` as in :func:`grouped_gemm_variant`).
     """
     _check_operand(operand, persistent)
-    check_deep_turn(deep_turn, 2 if operand == "e4m3_block" else 1)
+    check_deep_turn(deep_turn, weight_grad_block_sets(operand))
     a_stride = m if a_stride is None else a_stride
     pingpong = weight_grad_pingpong(persistent, tile_n, operand) if pingpong is None else pingpong
     options = dict(a_stride=a_stride, tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import weight_grad_args
-from ..kernels.variants import check_deep_turn, router_grad_variant, weight_grad_pingpong, weight_grad_variant
+from ..kernels.variants import check_deep_turn, router_grad_variant, weight_grad_block_sets, weight_grad_pingpong, weight_grad_variant
 from ..mxfp8 import ROW_STEP as MXFP8_ROW_STEP, mma_chunks_of
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
@@ -94,7 +94,7 @@ def weight_grad(
     """
     (a_values, a_scales), (b_values, b_scales) = operand_parts("a", a), operand_parts("b", b)
     operand = "bf16" if a_scales is None else "e4m3_block" if a_scales.dtype == torch.float32 else "e4m3"
-    check_deep_turn(deep_turn, 2 if operand == "e4m3_block" else 1)  # (FP8 block scales: two block accumulators in turn)
+    check_deep_turn(deep_turn, weight_grad_block_sets(operand))
     mxfp8 = operand == "e4m3"
     dev = a_values.device
     if operand == "e4m3_block":

@@ -40,7 +40,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common.compile import compile_kernel
 from ..common.records import weight_grad_args
 from ..common.weight_grad import WeightGradGemm
-from ..variants import check_deep_turn
+from ..variants import check_deep_turn, weight_grad_block_sets
 from .block_scaled import FP8_ROW_ELEMENTS, SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
@@ -60,7 +60,7 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
         self.block_scaled = operand == "e4m3_block"
-        check_deep_turn(deep_turn, 2 if self.block_scaled else 1)  # (FP8: two block accumulators in turn)
+        check_deep_turn(deep_turn, weight_grad_block_sets(operand))
         self.deep_turn = deep_turn
         self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K, split_out,
                        interleaved_out)
