@@ -200,7 +200,11 @@ class Plan:
     def _backward_variants(self) -> list[KernelVariant]:
         c, persistent = self.config, self.persistent
         h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
-        v = [gather_variant(h), gather_variant(h, sources=2)] if not self.ep else []
+        v = []  # the rows' gathers at one GPU: dout's and x's in one launch, or (dout's gathered as they are quantized) x's alone
+        if not self.ep and not self.quantizes_gathered_rows:
+            v += [gather_variant(h), gather_variant(h, sources=2)]
+        elif not self.ep and c.weight_grad_format != "fp8_block":
+            v.append(gather_variant(h))
         v += self._swiglu_backward_variants(i, h, topk=k)
         parts = -(-i // SWIGLU_BACKWARD_TILE_N) + int(c.expert_bias)  # the router-gradient pieces per row (the down bias's last)
         if self.ep:
@@ -323,8 +327,13 @@ class Plan:
 
     def _swiglu_backward_variants(self, i: int, h: int, topk: int) -> list[KernelVariant]:
         if self.precision == "fp8_block":  # dout's rows and w_down's transpose [E, I, H] quantized along H
-            pow2, mma = self.config.fp8_power_of_two, self.fp8_on_block_scaled_mma
-            quantizers = [quantize_fp8_block_variant(h, power_of_two=pow2, bounded=True, mma_scales=mma), fp8_weights_quantizer(i, h, pow2, mma)]
+            c = self.config
+            pow2, mma = c.fp8_power_of_two, self.fp8_on_block_scaled_mma
+            # (one GPU: dout's rows gathered as they are quantized, with their bf16 copy where the weight gradients or the
+            # biases' sums read them; at EP the rows pulled)
+            gathered = {} if self.ep else dict(gathered=True, copies_rows=c.weight_grad_format != "fp8_block" or c.expert_bias)
+            quantizers = [quantize_fp8_block_variant(h, power_of_two=pow2, bounded=True, mma_scales=mma, **gathered),
+                          fp8_weights_quantizer(i, h, pow2, mma)]
             if mma:  # (SM100's MXFP8 kernel, as precision="mxfp8" runs it)
                 return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=self.persistent,
                                                           operand="e4m3", activation=self.activation, **self._bias)]

@@ -178,6 +178,11 @@ def test_quantize_ops_check_their_input_before_any_launch():
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16), power_of_two=True, segments=2, scale_order="mma")
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"rows_out: the gathered rows' bf16 copy, given with row_source only"):
+        ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16), rows_out=torch.zeros(8, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"rows_out: expected shape \[6, 256\], got \[8, 256\]"):
+        ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16), row_source=torch.zeros(6, dtype=torch.int32),
+                              rows_out=torch.zeros(8, 256, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"x: expected \[R, M\] rows with R a multiple of 128 and M a positive multiple of 16, got R=200, M=256"):
         ops.quantize_fp8_columns(torch.zeros(200, 256, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"got R=300, M=256 \(R: row_source\)"):
@@ -314,9 +319,12 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
         ("swiglu_save", 768, 2048, False)]
     assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
     quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False), v.config.get("segments", 1),
-                         v.config.get("gathered", False)) for v in variants if v.name == "quantize_fp8_block")  # (the rows in use)
-    assert quantizers == [(768, 1, True, 1, False), (768, 128, False, 1, False), (1536, 1, True, 2, False), (2048, 1, True, 1, False),
-                          (2048, 1, True, 1, True), (2048, 128, False, 1, False)]  # (dh a half at a time: the dx GEMM's two K ranges)
+                         v.config.get("gathered", False), v.config.get("copies_rows", False))
+                        for v in variants if v.name == "quantize_fp8_block")  # (the rows in use)
+    # (dh a half at a time: the dx GEMM's two K ranges; x's rows gathered as quantized, dout's too with their bf16 copy)
+    assert quantizers == [(768, 1, True, 1, False, False), (768, 128, False, 1, False, False), (1536, 1, True, 2, False, False),
+                          (2048, 1, True, 1, True, False), (2048, 1, True, 1, True, True), (2048, 128, False, 1, False, False)]
+    assert [v.config.get("sources", 1) for v in variants if v.name == "gather"] == [1]  # (x's rows for the bf16 weight gradients)
     plan = Plan(config, "sm_90a")  # (x's rows gathered as they are quantized: no bf16 gather, the GEMM's producer gathers nothing)
     assert plan.quantizes_gathered_rows and not plan.gather_in_gemm and not any(v.config.get("gather_a") for v in variants)
     assert not any(v.name == "gather" for v in plan._forward_variants())

@@ -409,7 +409,8 @@ def test_quantizing_gathered_rows_gives_the_bits_of_gathering_first(H, power_of_
     """ops.quantize_fp8_rows(x, row_source=...) (the one-GPU layer's gate/up rows: gathered as they
     are quantized) against the CPU rule on the rows gathered with torch (zeros for padding rows),
     and against quantizing ops.gather_rows' rows: the same bytes and scales over the rows in use;
-    padding rows zeros with scale 1."""
+    padding rows zeros with scale 1. With ``rows_out`` (the backward's dout rows) the same bytes,
+    and the bf16 rows ops.gather_rows gives written beside them (poisoned first), none past the rows in use."""
     T, E, k = 777, 8, 4
     g = torch.Generator(device="cuda").manual_seed(H)
     x = (torch.randn(T, H, device="cuda", generator=g) * torch.logspace(-3, 3, T, device="cuda")[:, None]).bfloat16()
@@ -418,8 +419,14 @@ def test_quantizing_gathered_rows_gives_the_bits_of_gathering_first(H, power_of_
     used_count = sched.expert_offsets[-1:]
     options = dict(power_of_two=power_of_two, rows_used=used_count, scale_order=order)
     q, s = ops.quantize_fp8_rows(x, row_source=sched.row_token, **options)
-    first_q, first_s = ops.quantize_fp8_rows(ops.gather_rows(x, sched.row_token), **options)
+    gathered = ops.gather_rows(x, sched.row_token)
+    first_q, first_s = ops.quantize_fp8_rows(gathered, **options)
     used = int(used_count)
+    copy = torch.full_like(gathered, float("nan"))
+    copy_q, copy_s = ops.quantize_fp8_rows(x, row_source=sched.row_token, rows_out=copy, **options)
+    assert torch.equal(copy[:used].view(torch.int16), gathered[:used].view(torch.int16)) and copy[used:].isnan().all()
+    assert torch.equal(copy_q[:used].view(torch.uint8), q[:used].view(torch.uint8))
+    assert torch.equal(copy_s[: used // 128], s[: used // 128]) if order == "mma" else torch.equal(copy_s[:, :used], s[:, :used])
     source = sched.row_token[:used].long().cpu()
     assert bool((source < 0).any()) and bool((source >= 0).any())
     assert torch.equal(q[:used].view(torch.uint8), first_q[:used].view(torch.uint8))

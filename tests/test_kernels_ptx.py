@@ -630,6 +630,25 @@ def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturati
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("width", [7168, 2880])
+def test_fp8_block_quantizer_copying_gathered_rows_loads_each_value_once(arch, width):
+    """copies_rows (the backward's dout rows: FP8 and bf16 from one pass): the gathered quantizer's
+    loads unchanged (each value read once, for the max and for both stores), one more 8-byte bf16
+    store a row (the loop unrolled by 2: a value row and a padding row's zeros each), no local memory."""
+    from mok.kernels.variants import quantize_fp8_block_variant
+
+    ptx = compiled_ptx(quantize_fp8_block_variant(width, bounded=True, gathered=True, copies_rows=True), arch)
+    plain = compiled_ptx(quantize_fp8_block_variant(width, bounded=True, gathered=True), arch)
+    assert count(r"ld\.global", ptx) == count(r"ld\.global", plain)
+    assert count(r"st\.global\.v2\.b32", ptx) == count(r"st\.global\.v2\.b32", plain) + 2 * 2
+    assert count(r"st\.global\.b32", ptx) == count(r"st\.global\.b32", plain)
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", plain)
+    assert count(r"\.local", ptx) == 0
+    with pytest.raises(ValueError, match="copies_rows: the gathered rows' bf16 copy, with gathered rows"):
+        quantize_fp8_block_variant(width, copies_rows=True)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("width,gathered", [(2048, False), (2880, True)])
 def test_fp8_block_column_quantizer_loads_rows_and_stores_transposed_16_byte_runs(arch, width, gathered):
     """The transposing quantizer (a weight gradient's K-major FP8 operands): the tile's rows copied

@@ -107,7 +107,8 @@ def mxfp8_column_shape(columns: int, *, segments: int = 1) -> dict:
 
 def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, *,
                                segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False,
-                               gathered: bool = False, columns: bool = False, back: bool = False) -> KernelVariant:
+                               gathered: bool = False, columns: bool = False, back: bool = False,
+                               copies_rows: bool = False) -> KernelVariant:
     """bf16 -> E4M3 with fp32 scales per 128 values (mok.fp8_block's rule, DeepSeek-V3's recipe):
     ``block_rows`` 1 for rows (1 x 128 blocks, the scales transposed), 128 for weights (128 x 128).
     ``bounded``: only the rows a device count says are in use. ``width`` a multiple of 16 (a
@@ -119,22 +120,24 @@ def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bo
     quantized, 128-row blocks down each column (mok/kernels/common/fp8_block_quantize.py; with
     ``mma_scales`` the elements in the rows' layout and E8M0 scales in the MMA order, SM100's MXFP8
     weight-gradient operands); ``back`` (rows, one segment, fp32 scales): E4M3 rows with their
-    scales back to bf16."""
+    scales back to bf16; ``copies_rows`` (gathered): the gathered bf16 rows written too."""
     if (columns or back) and (block_rows != 1 or segments != 1 or matrix_rows is not None):
         raise ValueError(f"{'columns' if columns else 'back'}: rows (block_rows 1) in one segment only")
     if back and mma_scales:
         raise ValueError("back: fp32 scales only (E8M0 rows in the MMA order are MXFP8's: mok.ops.dequantize_mxfp8)")
     if back and (columns or gathered or power_of_two):
         raise ValueError("back: not with columns, gathered or power_of_two (the scales are what they are)")
+    if copies_rows and (not gathered or columns):
+        raise ValueError("copies_rows: the gathered rows' bf16 copy, with gathered rows (not columns) only")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.fp8_block_quantize import compile_fp8_block_quantize
 
         return compile_fp8_block_quantize(width, block_rows, power_of_two, bounded, arch, options, segments, matrix_rows, mma_scales,
-                                          gathered, columns, back)
+                                          gathered, columns, back, copies_rows)
 
     flags = {"power_of_two": power_of_two, "bounded": bounded, "mma_scales": mma_scales, "gathered": gathered, "columns": columns,
-             "back": back}
+             "back": back, "copies_rows": copies_rows}
     config = {"width": width, "block_rows": block_rows, **{name: True for name, on in flags.items() if on}}
     if segments != 1:
         config["segments"] = segments

@@ -22,7 +22,7 @@ from ..mxfp8 import (
 )
 from ..runtime import launch
 from ..validation import check_tensor
-from .common import BF16, check_cuda_aligned, check_launchable, check_rows_used, kernel_for
+from .common import BF16, bf16_out, check_cuda_aligned, check_disjoint, check_launchable, check_rows_used, kernel_for
 
 
 def quantize_mxfp8(
@@ -172,13 +172,13 @@ def dequantize_mxfp8(
 
 def quantize_fp8_rows(
     x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None, segments: int = 1, scale_order: str = "rows",
-    row_source: torch.Tensor | None = None,
+    row_source: torch.Tensor | None = None, rows_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(elements float8_e4m3fn [R, K], scales float32 [blocks, R]) of bf16 rows ``x`` [R, K] (K a
     multiple of 16), 1 x 128 blocks (the last one partial where 128 does not divide K; blocks =
     ceil(K / 128)): the bits mok.fp8_block.quantize_rows gives (finite values), in one launch. (A
     GEMM that reads the rows whole takes R a multiple of 4; gathered, any R.) ``rows_used`` (int32
-    [1] on x's device): only the first rows_used[0] rows are converted (the rest of both outputs
+    [1] on x's device): only the first rows_used[0] rows are converted (the rest of the outputs
     left unwritten; the count stays on the device). ``segments`` = 2: each half of a row blocked on
     its own (2·ceil(K / 256) blocks; dh for the dx GEMM, whose two K ranges are its halves).
     ``scale_order="mma"`` (power_of_two, K a multiple of 128): the scales as E8M0 bytes in the order
@@ -186,8 +186,15 @@ def quantize_fp8_rows(
     byte at its four 32-blocks (the padding rows' left unwritten): an MXFP8 operand of the same
     elements, what ops.grouped_gemm's MXFP8 form takes. ``row_source`` (int32 [R'] on x's device):
     the R' rows x[row_source[r]] (zeros where an index is negative: a schedule's padding rows) in
-    one pass, the bits of quantizing ops.gather_rows(x, row_source), with no bf16 copy of them."""
+    one pass, the bits of quantizing ops.gather_rows(x, row_source), with no bf16 copy of them;
+    ``rows_out`` (bf16 [R', K], with row_source): that copy written too, in the same pass (what
+    ops.gather_rows(x, row_source) gives), for a caller that needs the rows both ways."""
     rows, k = _source_rows(x, row_source)
+    if rows_out is not None:
+        if row_source is None:
+            raise ValueError("rows_out: the gathered rows' bf16 copy, given with row_source only")
+        bf16_out(rows_out, (rows, k), x.device, "rows_out")
+        check_disjoint({"rows_out": rows_out}, {"x": x, "row_source": row_source})
     if segments not in (1, 2):
         raise ValueError(f"segments: expected 1 or 2, got {segments}")
     mma = _check_scale_order(scale_order, power_of_two, k)
@@ -205,8 +212,8 @@ def quantize_fp8_rows(
         scales = torch.empty(segments * -(-k // segments // 128), rows, dtype=torch.float32, device=x.device)
     if rows:
         variant = quantize_fp8_block_variant(k, 1, power_of_two, bounded=rows_used is not None, segments=segments, mma_scales=mma,
-                                             gathered=row_source is not None)
-        _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source)
+                                             gathered=row_source is not None, copies_rows=rows_out is not None)
+        _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source, rows_copy=rows_out)
     return elements, scales
 
 
@@ -307,10 +314,12 @@ def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False, scale_o
     return elements, scales
 
 
-def _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source=None, num_rows: int | None = None) -> None:
+def _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source=None, num_rows: int | None = None,
+                        rows_copy: torch.Tensor | None = None) -> None:
     """Launch a quantizer variant; ``num_rows``: the rows it writes (default: the elements' first dimension)."""
     kernel_for(variant, x.device)(
         *FP8_BLOCK_QUANTIZE_ARGS.values(x=x, elements=elements, scales=scales, rows_used=rows_used, row_source=row_source,
-                                        num_rows=elements.shape[0] if num_rows is None else num_rows, num_src=x.shape[0]),
+                                        rows_copy=rows_copy, num_rows=elements.shape[0] if num_rows is None else num_rows,
+                                        num_src=x.shape[0]),
         launch.stream(x.device),
     )

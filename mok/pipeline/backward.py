@@ -121,17 +121,18 @@ def backward(
 
     expert_weights = stages.backward_weights(plan, weights, stacked)
     fp8_wgrad = wgrad_format == "fp8_block"  # (x's rows then gathered as their transposes are quantized)
-    # fp8_block with nothing that reads dout's rows in bf16 (bf16 weight gradients, the expert biases' sums, a shared
-    # expert among the routed ones): they too are gathered as they are quantized, for the SwiGLU backward and dW_down
-    dout_quantized_as_gathered = (plan.quantizes_gathered_rows and (fp8_wgrad or not weight_grads) and biases is None
-                                  and not sched.shared_rows)
-    if weight_grads and not fp8_wgrad:
+    bf16_wgrad = weight_grads and not fp8_wgrad
+    dout_q = None
+    if plan.quantizes_gathered_rows:  # dout's rows gathered as they are quantized, in bf16 too where something reads them so
+        # (bf16 weight gradients, the expert biases' sums, a shared expert among the routed ones); with FP8 weight
+        # gradients dW_down's operand is gathered from dout as its transpose is quantized
+        dout_rows, dout_q = stages.gathered_dout(plan, dout, sched, bf16_wgrad or biases is not None or bool(sched.shared_rows))
+        x_rows = ops.gather_rows(x, sched.row_token) if bf16_wgrad else None
+    elif bf16_wgrad:
         dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
-    elif dout_quantized_as_gathered:
-        dout_rows, x_rows = None, None
     else:
         dout_rows, x_rows = ops.gather_rows(dout, sched.row_token), None
-    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, expert_weights, saved.h, topk_w, biases, dout=dout)
+    dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, expert_weights, saved.h, topk_w, biases, dout_q)
     dx_rows = stages.gate_up_backward(plan, dh, sched, expert_weights)
     d_gate = d_up = d_down = d_biases = None
     if weight_grads:

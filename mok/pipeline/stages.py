@@ -234,12 +234,14 @@ def rows_in_use(sched: Schedule) -> torch.Tensor:
     return sched.expert_offsets[-1:]
 
 
-def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segments: int = 1, *, gathered: bool = False):
+def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segments: int = 1, *, gathered: bool = False,
+                   rows_out: torch.Tensor | None = None):
     """``rows`` as a quantized precision's GEMMs take them: the rows ``sched`` uses, or all of them
     (x, whose rows a GEMM gathers). fp8_block: FP8 with 1 x 128 block scales by the plan's scale
     rule (fp8_scales), the scales in the order its GEMMs take (plan.fp8_scale_order), ``segments``
     as ops.quantize_fp8_rows takes it, and with ``gathered`` the rows of x the schedule names,
-    gathered as they are quantized; MXFP8: its elements and MMA-ordered scales, or with
+    gathered as they are quantized (and with ``rows_out`` their bf16 copy written there by the same
+    pass); MXFP8: its elements and MMA-ordered scales, or with
     ``plan.emulate`` their exact bf16 values for the bf16 GEMM; ``segments`` 2 (dh): each half
     blocked on its own, each starting a chunk of the MMA's scales (the same bytes as one segment
     where 128 divides I)."""
@@ -248,7 +250,7 @@ def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segme
         order = plan.fp8_scale_order
         return ops.quantize_fp8_rows(rows, power_of_two=plan.config.fp8_power_of_two, rows_used=used,
                                      segments=1 if order == "mma" else segments, scale_order=order,
-                                     row_source=sched.row_token if gathered else None)
+                                     row_source=sched.row_token if gathered else None, rows_out=rows_out)
     if gathered:
         raise ValueError(f"quantized_rows: gathered rows are fp8_block's, got precision {plan.precision!r}")
     rows_q = ops.quantize_mxfp8(rows, rows_used=used, scale_order="mma", segments=segments)
@@ -360,33 +362,40 @@ def down_operands(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> tupl
     return quantized_rows(plan, a, sched), gemm_weight(plan, weights.down)
 
 
+def gathered_dout(plan: Plan, dout: torch.Tensor, sched: Schedule, bf16_needed: bool) -> tuple:
+    """(dout's rows in the schedule's order in bf16 where ``bf16_needed``, else None; the same rows
+    quantized) for the one-GPU backward of a precision whose rows are gathered as they are
+    quantized (:attr:`Plan.quantizes_gathered_rows`): one pass writes both, the FP8 rows the
+    SwiGLU backward takes and the bf16 rows the weight gradients and bias sums read."""
+    rows = torch.empty(sched.row_token.shape[0], dout.shape[1], dtype=torch.bfloat16, device=dout.device) if bf16_needed else None
+    return rows, quantized_rows(plan, dout, sched, gathered=True, rows_out=rows)
+
+
 def down_backward(plan: Plan, dout_rows: torch.Tensor | None, sched: Schedule, weights_t, h: torch.Tensor, topk_w: torch.Tensor,
-                  biases: tuple | None = None, dout: torch.Tensor | None = None) -> tuple:
+                  biases: tuple | None = None, dout_q: tuple | None = None) -> tuple:
     """(dh [R, 2I], a_scaled = s·a [R, I], router-gradient pieces [R, parts]) from dout_rows [R, H]
     (bf16, or at EP with dispatch_format="fp8_block" FP8 rows packed as they crossed) and the saved
     h: ops.swiglu_backward_gemm with each row's router weight s from ``topk_w``.
     ``weights_t``: (w_gate, w_up, w_down) bf16, or the transposed Mxfp8ExpertWeights. ``biases``
-    (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>. fp8_block: with
-    ``dout_rows`` None, dout's rows gathered as they are quantized (:func:`swiglu_backward_operands`)."""
+    (bf16): the last piece of each row is the down bias's, <dout_row, b_down[e]>. ``dout_q``: the
+    rows quantized already (:func:`gathered_dout`; ``dout_rows`` then bf16 or None)."""
     route = dict(row_token=sched.row_token, row_slot=sched.row_slot, topk_w=topk_w, activation=plan.activation)
-    operands = swiglu_backward_operands(plan, dout_rows, sched, weights_t, dout)
+    operands = swiglu_backward_operands(plan, dout_rows if dout_q is None else dout_q, sched, weights_t)
     dh, a_scaled, pieces = ops.swiglu_backward_gemm(*operands, sched.tile_expert, h, bias_piece=biases is not None, **route)
     if biases is not None:
         ops.bias_router_pieces(bf16_rows(plan, dout_rows, sched), biases[2], sched, pieces)
     return dh, a_scaled, pieces
 
 
-def swiglu_backward_operands(plan: Plan, dout_rows: torch.Tensor | None, sched: Schedule, weights_t, dout: torch.Tensor | None = None) -> tuple:
+def swiglu_backward_operands(plan: Plan, dout_rows, sched: Schedule, weights_t) -> tuple:
     """The SwiGLU-backward GEMM's (A, B) in the plan's precision: the dout rows and w_down (bf16,
-    read N-major); the rows in use quantized with w_down's transposed FP8 copy (fp8_block, MXFP8);
-    with MXFP8's emulation the same operands dequantized, w_down [E, H, I] read N-major as the
-    bf16 GEMM does. fp8_block with ``dout_rows`` None: ``dout``'s rows gathered as they are
-    quantized (the bits of quantizing the gathered rows)."""
+    read N-major); the rows in use quantized (as they are where quantized already: :func:`operand_rows`)
+    with w_down's transposed FP8 copy (fp8_block, MXFP8); with MXFP8's emulation the same operands
+    dequantized, w_down [E, H, I] read N-major as the bf16 GEMM does."""
     if plan.precision == "bf16":
         return dout_rows, weights_t[2]
     w_down = gemm_weight(plan, weights_t.down)
-    rows = quantized_rows(plan, dout, sched, gathered=True) if dout_rows is None else operand_rows(plan, dout_rows, sched)
-    return rows, w_down.transpose(1, 2).contiguous() if plan.emulate else w_down
+    return operand_rows(plan, dout_rows, sched), w_down.transpose(1, 2).contiguous() if plan.emulate else w_down
 
 
 def gate_up_backward(plan: Plan, dh: torch.Tensor, sched: Schedule, weights_t) -> torch.Tensor:

@@ -30,7 +30,10 @@ any order, so the bits do not depend on the launch. ``bounded``: only the first 
 (a schedule's used rows, read on the device). ``gathered`` (rows, block_rows 1): output row r is
 source row row_source[r] quantized (zeros with scale 1 where it is negative: a schedule's padding
 rows), so a GEMM's gathered rows come out in FP8 in one pass, with no bf16 copy of them: the
-bits of quantizing the gathered bf16 rows, each row being quantized on its own.
+bits of quantizing the gathered bf16 rows, each row being quantized on its own. ``copies_rows``
+(with ``gathered``): the gathered bf16 rows are written too, from the values already loaded (zeros
+at padding rows: ops.gather_rows' bits), for a consumer that needs both (the backward's dout rows:
+the FP8 SwiGLU backward and the bf16 weight gradients), with no second pass over them.
 
 :class:`QuantizeFp8ColumnsKernel` quantizes the rows' transpose instead (1 x 128 blocks along the
 rows, for the weight gradients on FP8, whose K is the rows; with ``mma_scales`` the same blocks as
@@ -102,10 +105,10 @@ class QuantizeFp8BlockKernel:
     """Static config: the rows' width K (a multiple of 16), ``block_rows`` (1 or 128),
     ``power_of_two``, ``bounded``, ``segments`` (1, or 2 for rows), ``matrix_rows`` (weights
     whose N is no multiple of 128: the rows of one expert's matrix, N; None: the rows tile by 128
-    whole), ``mma_scales`` and ``gathered`` (see the module docstring)."""
+    whole), ``mma_scales``, ``gathered`` and ``copies_rows`` (see the module docstring)."""
 
     def __init__(self, width: int, block_rows: int = 1, power_of_two: bool = False, bounded: bool = False, segments: int = 1,
-                 matrix_rows: int | None = None, mma_scales: bool = False, gathered: bool = False) -> None:
+                 matrix_rows: int | None = None, mma_scales: bool = False, gathered: bool = False, copies_rows: bool = False) -> None:
         if block_rows not in (1, BLOCK):
             raise ValueError(f"block_rows: expected 1 (rows) or {BLOCK} (weights), got {block_rows}")
         if segments not in (1, 2) or (segments == 2 and block_rows != 1):
@@ -120,6 +123,9 @@ class QuantizeFp8BlockKernel:
                              f"segments={segments}, matrix_rows={matrix_rows}")
         if gathered and block_rows != 1:
             raise ValueError(f"gathered: rows only (block_rows 1), got block_rows {block_rows}")
+        if copies_rows and not gathered:
+            raise ValueError("copies_rows: the gathered rows' bf16 copy, with gathered=True only")
+        self.copies_rows = copies_rows
         self.width, self.block_rows, self.power_of_two, self.bounded = width, block_rows, power_of_two, bounded
         self.gathered = gathered
         self.mma_scales = mma_scales
@@ -132,11 +138,12 @@ class QuantizeFp8BlockKernel:
     @cute.jit
     def __call__(
         self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer,
-        row_source_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32, stream: cuda.CUstream,
+        row_source_ptr: cute.Pointer, rows_copy_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32,
+        stream: cuda.CUstream,
     ):
         """x [R, K] bf16 (``gathered``: [num_src, K], row_source [R] int32) -> elements [R, K] E4M3
         and fp32 scales: [k blocks, R] (block_rows 1) or [E, ceil(N / 128), k blocks] (block_rows
-        128, R = E·N)."""
+        128, R = E·N); ``copies_rows``: the gathered rows [R, K] bf16 into rows_copy."""
         k_blocks = self.k_blocks
         rows = cute.make_layout((num_rows, self.width), stride=(self.width, 1))
         m_q = cute.make_tensor(elements_ptr, rows)
@@ -144,6 +151,7 @@ class QuantizeFp8BlockKernel:
         if cutlass.const_expr(self.gathered):
             m_x = cute.make_tensor(x_ptr, cute.make_layout((num_src, self.width), stride=(self.width, 1)))
         m_source = cute.make_tensor(row_source_ptr, cute.make_layout((num_rows,)))
+        m_copy = cute.make_tensor(rows_copy_ptr, rows) if cutlass.const_expr(self.copies_rows) else None
         row_tiles = (num_rows + BLOCK - 1) // BLOCK
         if cutlass.const_expr(self.mma_scales):  # (uint8 [chunks, k blocks, 512] as 4-byte words: 128 a chunk)
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_tiles * k_blocks * BLOCK,)))
@@ -154,7 +162,7 @@ class QuantizeFp8BlockKernel:
                 row_tiles = num_rows // self.matrix_rows * ((self.matrix_rows + BLOCK - 1) // BLOCK)
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_tiles, k_blocks), stride=(k_blocks, 1)))
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
-        self.kernel(m_x, m_q, m_s, m_used, m_source, num_rows).launch(
+        self.kernel(m_x, m_q, m_s, m_used, m_source, m_copy, num_rows).launch(
             grid=[k_blocks, row_tiles, 1], block=[WARPS * LANES, 1, 1], stream=stream
         )
 
@@ -214,20 +222,30 @@ class QuantizeFp8BlockKernel:
             m_s[row, k_block] = scale
 
     @cute.jit
-    def quantize_row(self, m_x, m_q, source, row, k_block, lane, factor):
-        """Row ``source`` of x times ``factor`` into row ``row`` of the elements, as E4M3."""
+    def quantize_row(self, m_x, m_q, source, row, k_block, lane, factor, m_copy=None):
+        """Row ``source`` of x times ``factor`` into row ``row`` of the elements, as E4M3 (and the
+        values as they are into row ``row`` of ``m_copy`` where given)."""
         values = self.lane_values(m_x, source, k_block, lane)
         column, inside = self.lane_column(k_block, lane)
         if cutlass.const_expr(self.whole_blocks):
-            row_vector(m_q, row, column // PER_LANE, PER_LANE).store((values * factor).to(m_q.element_type))
+            self.store_lane(m_q, m_copy, row, column, values, factor)
         elif inside:
-            row_vector(m_q, row, column // PER_LANE, PER_LANE).store((values * factor).to(m_q.element_type))
+            self.store_lane(m_q, m_copy, row, column, values, factor)
 
     @cute.jit
-    def quantize_row_block(self, m_x, m_q, source, row, k_block, lane):
-        """Row ``source`` of x's K block ``k_block`` quantized on its own into row ``row``; its scale."""
+    def store_lane(self, m_q, m_copy, row, column, values, factor):
+        """A lane's four values times ``factor`` into the elements as E4M3 (and as they are into
+        ``m_copy`` where given)."""
+        row_vector(m_q, row, column // PER_LANE, PER_LANE).store((values * factor).to(m_q.element_type))
+        if cutlass.const_expr(m_copy is not None):
+            row_vector(m_copy, row, column // PER_LANE, PER_LANE).store(values.to(m_copy.element_type))
+
+    @cute.jit
+    def quantize_row_block(self, m_x, m_q, source, row, k_block, lane, m_copy=None):
+        """Row ``source`` of x's K block ``k_block`` quantized on its own into row ``row`` (and
+        copied into ``m_copy``'s where given); its scale."""
         scale, factor = self.scale_and_factor(self.row_amax(m_x, source, k_block, lane))
-        self.quantize_row(m_x, m_q, source, row, k_block, lane, factor)
+        self.quantize_row(m_x, m_q, source, row, k_block, lane, factor, m_copy)
         return scale
 
     @cute.jit
@@ -252,7 +270,7 @@ class QuantizeFp8BlockKernel:
 
     @cute.kernel
     def kernel(self, m_x: cute.Tensor, m_q: cute.Tensor, m_s: cute.Tensor, m_used: cute.Tensor, m_source: cute.Tensor,
-               num_rows: cutlass.Int32):
+               m_copy: cute.Tensor | None, num_rows: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         k_block, row_tile, warp, lane, limit = self.cta_rows(m_used, num_rows)
         first = row_tile * BLOCK
@@ -273,9 +291,11 @@ class QuantizeFp8BlockKernel:
                     if cutlass.const_expr(self.gathered):
                         source = cute.arch.shuffle_sync(lane_source, r // WARPS)
                         if source >= 0:
-                            scale = self.quantize_row_block(m_x, m_q, source, row, k_block, lane)
+                            scale = self.quantize_row_block(m_x, m_q, source, row, k_block, lane, m_copy)
                         else:  # (a padding row: zeros, scale 1)
                             self.zero_row(m_q, row, k_block, lane)
+                            if cutlass.const_expr(self.copies_rows):
+                                self.zero_row(m_copy, row, k_block, lane)
                     else:
                         scale = self.quantize_row_block(m_x, m_q, row, row, k_block, lane)
                     if lane == 0:
@@ -330,7 +350,8 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
     @cute.jit
     def __call__(
         self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer,
-        row_source_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32, stream: cuda.CUstream,
+        row_source_ptr: cute.Pointer, rows_copy_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32,
+        stream: cuda.CUstream,
     ):
         """x [R, M] bf16 (``gathered``: [num_src, M], row_source [R] int32) -> elements [M, R] E4M3,
         scales [R / 128, M] fp32 (``mma_scales``: elements [R, M], scales [M / 128, R / 128, 512]
@@ -444,9 +465,11 @@ class DequantizeFp8RowsKernel(QuantizeFp8BlockKernel):
     @cute.jit
     def __call__(
         self, x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer,
-        row_source_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32, stream: cuda.CUstream,
+        row_source_ptr: cute.Pointer, rows_copy_ptr: cute.Pointer, num_rows: cutlass.Int32, num_src: cutlass.Int32,
+        stream: cuda.CUstream,
     ):
-        """elements [R, K] E4M3 and scales [k blocks, R] fp32 -> x [R, K] bf16 (``row_source``, ``num_src``: unused)."""
+        """elements [R, K] E4M3 and scales [k blocks, R] fp32 -> x [R, K] bf16 (``row_source``,
+        ``rows_copy``, ``num_src``: unused)."""
         rows = cute.make_layout((num_rows, self.width), stride=(self.width, 1))
         m_s = cute.make_tensor(scales_ptr, cute.make_layout((num_rows, self.k_blocks), stride=(1, num_rows)))
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
@@ -468,7 +491,7 @@ class DequantizeFp8RowsKernel(QuantizeFp8BlockKernel):
 
 def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, bounded: bool, arch: str, options: str = "",
                                segments: int = 1, matrix_rows: int | None = None, mma_scales: bool = False, gathered: bool = False,
-                               columns: bool = False, back: bool = False):
+                               columns: bool = False, back: bool = False, copies_rows: bool = False):
     """Compile :class:`QuantizeFp8BlockKernel` (``columns``: :class:`QuantizeFp8ColumnsKernel`;
     ``back``: :class:`DequantizeFp8RowsKernel`) for ``arch`` without tensors (FP8_BLOCK_QUANTIZE_ARGS'
     stand-ins)."""
@@ -477,5 +500,5 @@ def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, 
     if columns:
         kernel = QuantizeFp8ColumnsKernel(width, power_of_two, bounded, gathered, mma_scales)
     else:
-        kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales, gathered)
+        kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales, gathered, copies_rows)
     return compile_kernel(kernel, FP8_BLOCK_QUANTIZE_ARGS, arch, options)

@@ -86,5 +86,5 @@ ROW_DOTS_ARGS = LaunchArgs(  # <rows[r], bias[e(r)]> into a column of the SwiGLU
 )
 FP8_BLOCK_QUANTIZE_ARGS = LaunchArgs(  # bf16 rows -> E4M3 with 128-block fp32 scales (mok/kernels/common/fp8_block_quantize.py)
     ptr("x", "bf16"), ptr("elements", "e4m3"), ptr("scales", "f32", 4), ptr("rows_used", "i32", 4), ptr("row_source", "i32", 4),
-    int32("num_rows"), int32("num_src", 0),
+    ptr("rows_copy", "bf16"), int32("num_rows"), int32("num_src", 0),
 )
