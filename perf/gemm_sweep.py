@@ -249,7 +249,8 @@ def fp8_for_ncu() -> None:
     torch.cuda.synchronize()
 
 
-FP8_SCHEDULES = {"plain": ((1, 0), (2, 0), (2, 4), (2, 8)), "swiglu": ((1, 0), (2, 0), (2, 8))}  # (block sets, deep turn)
+FP8_SCHEDULES = {"plain": ((1, 0), (2, 0), (2, 4), (2, 8)), "swiglu": ((1, 0), (2, 0), (2, 4), (2, 8))}  # (block sets, deep turn)
+FP8_WGRAD_TURNS = (0, 4, 8)
 FP8_WGRAD_SHAPES = {"dsv3": (4096, 7168, 2048, 32, 8), "qwen3": (8192, 2048, 768, 64, 8)}  # (T, H, I, E, top-k)
 
 
@@ -285,7 +286,7 @@ def fp8_schedules() -> None:
         specs += [("grouped", dict(n=N, k=K, epilogue=epilogue, operand="e4m3_block", block_buffers=sets, deep_turn=turn))
                   for sets, turn in FP8_SCHEDULES[epilogue]]
     for T, H, I, E, k in FP8_WGRAD_SHAPES.values():
-        specs += [("wgrad", dict(m=2 * I, n=H, operand="e4m3_block", pingpong=False, split_out=True, deep_turn=turn)) for turn in (0, 8)]
+        specs += [("wgrad", dict(m=2 * I, n=H, operand="e4m3_block", pingpong=False, split_out=True, deep_turn=turn)) for turn in FP8_WGRAD_TURNS]
     compile_in_parallel(specs)
     print(f"# {torch.cuda.get_device_name()}: FP8 schedules, ms (TFLOP/s, vs bf16)")
     for name, (E, per, N, K, swiglu) in SHAPES.items():
@@ -305,9 +306,9 @@ def fp8_schedules() -> None:
         v = fp8_weight_grad_inputs(*shape)
         flops = 2 * 2 * shape[2] * shape[1] * int(v.used.item())
         runs = {f"d{turn}": (lambda turn=turn: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
-                                                              split_out=True, deep_turn=turn)) for turn in (0, 8)}
+                                                              split_out=True, deep_turn=turn)) for turn in FP8_WGRAD_TURNS}
         outs = [run() for run in runs.values()]
-        same = all(torch.equal(p, q) for p, q in zip(*outs))
+        same = all(torch.equal(p, q) for out in outs[1:] for p, q in zip(outs[0], out))
         ms = time_ms_interleaved(runs, batch=10, repeats=5)
         print(f"wgrad {name:<5} bits equal {same}  " + "  ".join(f"{kname} {t:.3f} ({flops / t / 1e9:.0f})" for kname, t in ms.items()))
 

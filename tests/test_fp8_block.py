@@ -137,7 +137,7 @@ def test_two_block_buffers_and_deep_turns_are_refused_where_the_kernel_has_none(
         grouped_gemm_variant(256, 256, operand="e4m3_block", epilogue="swiglu_bwd", topk=2, block_buffers=2)
     turn_rule = r"deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got "
     with pytest.raises(ValueError, match=turn_rule + "8 with block_buffers=1"):
-        ops.grouped_gemm(a, b, tiles, b2=b, deep_turn=8)  # (SwiGLU: one set by default)
+        ops.grouped_gemm(a, b, tiles, b2=b, block_buffers=1, deep_turn=8)
     for odd in (1, 3):
         with pytest.raises(ValueError, match=turn_rule + f"{odd} with block_buffers=2"):
             ops.grouped_gemm(a, b, tiles, deep_turn=odd)

@@ -541,7 +541,8 @@ def test_fp8_block_weight_grad_uses_e4m3_wgmmas_and_scales_by_row_and_column(m, 
     multiply-add per accumulator value; nothing spilled or in local memory; the register hand-over
     within the launch count; refused on SM100 (MXFP8 there) and outside the persistent cooperative
     kernel."""
-    variant = weight_grad_variant(m, n, operand="e4m3_block", pingpong=False, **options)
+    variant = weight_grad_variant(m, n, operand="e4m3_block", pingpong=False, deep_turn=0, **options)
+    assert weight_grad_variant(m, n, operand="e4m3_block", **options).config["deep_turn"] == 8  # (the default: turns of 8)
     ptx = compiled_ptx(variant, "sm_90a")
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 16 and count(r"wgmma\.mma_async", ptx) == 16
     assert_wgmmas_not_serialized(ptx)
@@ -564,11 +565,13 @@ def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
     stage, the loop's two, the last) into the two sets of block accumulators in turn, each before the
     previous stage's promotion (four places, the same fused multiply-adds per value), and not
     serialized by ptxas (nor is one set's); the registers handed over (setmaxnreg) within the launch
-    count, nothing spilled; the default for FP8's plain epilogue (bf16 has no block accumulators)."""
+    count, nothing spilled; the default for FP8's plain epilogue (bf16 has no block accumulators),
+    with turns of 4 stages (deep turns: their own test below)."""
     n, k = (7168, 4096) if options.get("k_split") else (7168, 2048)
     one = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=1, **options), "sm_90a")
-    ptx = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=2, **options), "sm_90a")
-    assert grouped_gemm_variant(n, k, operand="e4m3_block", **options).config["block_buffers"] == 2  # (the default here)
+    ptx = compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", block_buffers=2, deep_turn=0, **options), "sm_90a")
+    default = grouped_gemm_variant(n, k, operand="e4m3_block", **options).config
+    assert default["block_buffers"] == 2 and default["deep_turn"] == 4  # (the defaults here)
     assert "block_buffers" not in grouped_gemm_variant(n, k, **options).config
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx) == 4 * 4
     assert_wgmmas_not_serialized(ptx)
@@ -579,7 +582,7 @@ def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
     assert_register_handover_fits(ptx)
 
 
-@pytest.mark.parametrize("n,k,epilogue,deep_turn", [(7168, 2048, "plain", 8), (2048, 7168, "swiglu_save", 0), (2048, 7168, "swiglu_save", 8)])
+@pytest.mark.parametrize("n,k,epilogue,deep_turn", [(7168, 2048, "plain", 8), (7168, 2048, "plain", 4), (2048, 7168, "swiglu_save", 0), (2048, 7168, "swiglu_save", 8)])
 def test_fp8_block_gemm_deep_turns_keep_two_stages_in_flight(n, k, epilogue, deep_turn):
     """Two block sets with SwiGLU's stacked products (an n = 2·tile_n WGMMA a step into either set's
     pair) and deep turns (two stages' WGMMAs in flight: each stage's issued before the previous one

@@ -242,6 +242,17 @@ def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
         raise ValueError(f"deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got {deep_turn} with block_buffers={block_buffers}")
 
 
+def deep_turn_for(deep_turn: int | None, block_buffers: int, epilogue: str | None) -> int:
+    """``deep_turn`` checked (:func:`check_deep_turn`), None resolved to what measured fastest on
+    the H200 (perf/RESULTS.md, "FP8 schedules"): turns of 4 for the two-set plain GEMMs (the down
+    projection, dx: 8-12% faster than none, turns of 8 no better), of 8 for the FP8 weight gradient
+    (``epilogue`` None: 2-4%), none beside SwiGLU (turns of 8 there: -3% to +3%), 0 without two sets."""
+    if deep_turn is None:
+        deep_turn = 0 if block_buffers != 2 else {"plain": 4, None: 8}.get(epilogue, 0)
+    check_deep_turn(deep_turn, block_buffers)
+    return deep_turn
+
+
 def weight_grad_block_sets(operand: str) -> int:
     """The weight gradient's sets of block accumulators: 2 on FP8 with block scales (used in turn:
     mok/kernels/sm90/block_scaled.py consume_outer_scaled_tile), else none beyond the one."""
@@ -251,11 +262,11 @@ def weight_grad_block_sets(operand: str) -> int:
 def block_buffers_for(block_buffers: int | None, operand: str, epilogue: str) -> int:
     """The FP8 GEMM's sets of block accumulators (mok/kernels/sm90/block_scaled.py): 1, or 2 with
     operand "e4m3_block" and the plain or SwiGLU forward epilogues (the SwiGLU backward's would
-    spill). None: 2 for the plain epilogue (a stage's WGMMAs then overlap the previous stage's
-    promotion; the same bits), else 1."""
+    spill). None: 2 where allowed (a stage's WGMMAs then overlap the previous stage's promotion;
+    the same bits; measured 8-26% faster than one set), else 1."""
     allowed = operand == "e4m3_block" and epilogue in FP8_TWO_SET_EPILOGUES
     if block_buffers is None:
-        return 2 if allowed and epilogue == "plain" else 1
+        return 2 if allowed else 1
     if block_buffers not in (1, 2) or (block_buffers == 2 and not allowed):
         raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block' and epilogue in {FP8_TWO_SET_EPILOGUES} "
                          f"(swiglu_bwd's would spill), got {block_buffers} with operand={operand!r}, epilogue={epilogue!r}")
@@ -291,7 +302,7 @@ def grouped_gemm_variant(
     block_buffers: int | None = None,
     b_row_stride: int | None = None,
     cluster_m: int = 1,
-    deep_turn: int = 0,
+    deep_turn: int | None = None,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, compile-verified, never run).
@@ -318,6 +329,8 @@ def grouped_gemm_variant(
     (mok/kernels/common/grouped_gemm.py). ``block_buffers`` (operand "e4m3_block", plain epilogue):
     2 lets a stage's WGMMAs run while the previous stage's product is promoted
     (mok/kernels/sm90/block_scaled.py; the same bits); None: :func:`block_buffers_for`'s choice.
+    ``deep_turn`` (with two block sets): turns of that many stages with two stages' WGMMAs in flight
+    (0: one); None: :func:`deep_turn_for`'s choice.
     ``cluster_m`` (bf16; Hopper: the persistent cooperative kernel): 2 runs clusters of two CTAs on
     two row tiles of one column tile, which load B's tile once for both (TMA multicast) where one
     expert has both row tiles (mok/kernels/sm90/grouped_gemm.py, sm100/grouped_gemm.py; the same
@@ -325,7 +338,7 @@ def grouped_gemm_variant(
     """
     _check_operand(operand, persistent, b_major)
     block_buffers = block_buffers_for(block_buffers, operand, epilogue)
-    check_deep_turn(deep_turn, block_buffers)
+    deep_turn = deep_turn_for(deep_turn, block_buffers, epilogue)
     check_activation(activation)
     if (b_expert_stride is not None or b_row_stride is not None) and operand != "bf16":
         raise ValueError("b_expert_stride, b_row_stride: bf16 weights only (quantized weights are packed tensors)")
@@ -379,7 +392,7 @@ def grouped_gemm_variant(
 def weight_grad_variant(
     m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, a_stride: int | None = None, tile_n: int = 128,
     persistent: bool = True, pingpong: bool | None = None, split_out: bool = False, operand: str = "bf16",
-    interleaved_out: bool = False, deep_turn: int = 0,
+    interleaved_out: bool = False, deep_turn: int | None = None,
 ) -> KernelVariant:
     """Per-expert weight gradient out[e] (+)= Aᵀ·B over the expert's rows (sm_90a: WGMMA + TMA;
     sm_100a / sm_103a: tcgen05, compile-verified, never run).
@@ -392,10 +405,10 @@ def weight_grad_variant(
     "e4m3": MXFP8 operands quantized along the rows (block-scaled MMAs on MN-major operands, SM100
     only); "e4m3_block": FP8 with 1 x 128 blocks along the rows, the operands the rows' transposes
     (Hopper's FP8 WGMMAs, K-major; persistent, cooperative, 128-wide tiles, two block sets in turn;
-    ``deep_turn`` as in :func:`grouped_gemm_variant`).
+    ``deep_turn`` as in :func:`grouped_gemm_variant`, None: :func:`deep_turn_for`'s choice).
     """
     _check_operand(operand, persistent)
-    check_deep_turn(deep_turn, weight_grad_block_sets(operand))
+    deep_turn = deep_turn_for(deep_turn, weight_grad_block_sets(operand), None)
     a_stride = m if a_stride is None else a_stride
     pingpong = weight_grad_pingpong(persistent, tile_n, operand) if pingpong is None else pingpong
     options = dict(a_stride=a_stride, tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import grouped_gemm_args
-from ..kernels.variants import SWIGLU_BACKWARD_TILE_N, block_buffers_for, check_deep_turn, grouped_gemm_variant, swiglu_backward_pingpong
+from ..kernels.variants import SWIGLU_BACKWARD_TILE_N, block_buffers_for, deep_turn_for, grouped_gemm_variant, swiglu_backward_pingpong
 from ..mxfp8 import ROW_STEP as MXFP8_ROW_STEP, mma_chunks_of
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
@@ -195,7 +195,7 @@ def grouped_gemm(
     bias2: torch.Tensor | None = None,
     block_buffers: int | None = None,
     cluster_m: int = 1,
-    deep_turn: int = 0,
+    deep_turn: int | None = None,
 ) -> torch.Tensor:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (fp32 accumulation, bf16 out).
 
@@ -234,10 +234,11 @@ def grouped_gemm(
     time: ops.quantize_fp8_rows(segments=2)); the persistent kernel, b_major "k"; with ``gather`` a
     is x's rows [T, K] and their scales [K / 128, T]
     (ops.quantize_fp8_rows(x): each token quantized once, its rows gathered with their scales);
-    every epilogue as with bf16. ``block_buffers``: 2 (the default for the plain and k_split forms;
-    also the SwiGLU forward's) lets each stage's WGMMAs overlap the previous stage's promotion, 1
+    every epilogue as with bf16. ``block_buffers``: 2 (the default for the plain, k_split and
+    SwiGLU forward forms) lets each stage's WGMMAs overlap the previous stage's promotion, 1
     does not; ``deep_turn`` (with 2; 0 off, else even) keeps two stages' WGMMAs in flight for turns
-    of that many stages (the same bits: mok/kernels/sm90/block_scaled.py).
+    of that many stages (the same bits: mok/kernels/sm90/block_scaled.py); None: 4 for the plain
+    and k_split forms, 0 beside SwiGLU (mok.kernels.variants.deep_turn_for).
 
     ``cluster_m`` = 2 (bf16 operands, the persistent kernel; SM100's compile-verified only):
     clusters of two CTAs on two row tiles of one column tile, which load each B tile once for both
@@ -247,7 +248,7 @@ def grouped_gemm(
     fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     operand = "e4m3_block" if fp8_block else "e4m3" if isinstance(a, (tuple, list)) else "bf16"
-    check_deep_turn(deep_turn, block_buffers_for(block_buffers, operand, epilogue))  # (before the operands' checks: the options' own errors)
+    deep_turn_for(deep_turn, block_buffers_for(block_buffers, operand, epilogue), epilogue)  # (before the operands' checks: the options' own errors)
     if fp8_block and (b_major != "k" or persistent is False):
         raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
     _check_cluster_m(cluster_m, operand, persistent)

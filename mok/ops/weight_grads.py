@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common.records import weight_grad_args
-from ..kernels.variants import check_deep_turn, router_grad_variant, weight_grad_block_sets, weight_grad_pingpong, weight_grad_variant
+from ..kernels.variants import deep_turn_for, router_grad_variant, weight_grad_block_sets, weight_grad_pingpong, weight_grad_variant
 from ..mxfp8 import ROW_STEP as MXFP8_ROW_STEP, mma_chunks_of
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
@@ -57,7 +57,7 @@ def weight_grad(
     tile_n: int = 128,
     pingpong: bool | None = None,
     split_out: bool = False,
-    deep_turn: int = 0,
+    deep_turn: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-expert weight gradient: out[e] (+)= a[rows of e]ᵀ · b[rows of e], fp32 accumulation.
 
@@ -90,11 +90,11 @@ def weight_grad(
     ([N, R], [R / 128, N]), as mok.ops.quantize_fp8_columns gives them; M and N multiples of 16, R
     and every offset multiples of 128; out[e] = Σ over expert e's 128-row blocks of the block's
     product times sa[m]·sb[n] (mok/kernels/sm90/weight_grad_gemm.py); ``deep_turn`` as in
-    :func:`mok.ops.grouped_gemm` (the same bits).
+    :func:`mok.ops.grouped_gemm` (the same bits; None: 8 on FP8).
     """
     (a_values, a_scales), (b_values, b_scales) = operand_parts("a", a), operand_parts("b", b)
     operand = "bf16" if a_scales is None else "e4m3_block" if a_scales.dtype == torch.float32 else "e4m3"
-    check_deep_turn(deep_turn, weight_grad_block_sets(operand))
+    deep_turn_for(deep_turn, weight_grad_block_sets(operand), None)
     mxfp8 = operand == "e4m3"
     dev = a_values.device
     if operand == "e4m3_block":
