@@ -620,13 +620,18 @@ def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturati
     saturating round-to-nearest E4M3 pair conversion, 4-byte element stores, IEEE divisions for the
     scale and factor (div.rn), a butterfly max over the lanes; nothing in local memory. Gathering:
     each lane reads one of the warp's row indices up front (one more 4-byte load), and each row
-    takes its source from a lane by shuffle."""
+    takes its source from a lane by shuffle. Rows: a warp's loads of ROWS_IN_FLIGHT rows all issued
+    before its first store (a store between them would hold the next load back)."""
+    from mok.kernels.common.fp8_block_quantize import ROWS_IN_FLIGHT
     from mok.kernels.variants import quantize_fp8_block_variant
 
     ptx = compiled_ptx(quantize_fp8_block_variant(2048, block_rows, power_of_two, bounded=gathered, gathered=gathered), arch)
     plain = compiled_ptx(quantize_fp8_block_variant(2048, block_rows, power_of_two, bounded=gathered), arch)
     assert count(r"ld\.global\.b32", ptx) == count(r"ld\.global\.b32", plain) + int(gathered)
-    assert count(r"shfl\.sync\.idx", ptx) == count(r"shfl\.sync\.idx", plain) + 2 * gathered  # (the loop unrolled by 2: one a row)
+    assert count(r"shfl\.sync\.idx", ptx) == count(r"shfl\.sync\.idx", plain) + ROWS_IN_FLIGHT * gathered  # (one a row of a group)
+    if block_rows == 1:
+        accesses = re.findall(r"\b(ld\.global\.v4\.b16|st\.global)", ptx)
+        assert accesses[:ROWS_IN_FLIGHT] == ["ld.global.v4.b16"] * ROWS_IN_FLIGHT and accesses.count("ld.global.v4.b16") == ROWS_IN_FLIGHT
     assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) >= 2 and count(r"ld\.global\.v4\.b16", ptx) >= 1
     assert count(r"st\.global\.b32", ptx) >= 1 and count(r"div\.rn\.f32", ptx) >= 1 and count(r"shfl\.sync\.bfly", ptx) >= 5
     assert count(r"\.local", ptx) == 0 and count(r"\b(atom|red)\.", ptx) == 0
@@ -637,13 +642,14 @@ def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturati
 def test_fp8_block_quantizer_copying_gathered_rows_loads_each_value_once(arch, width):
     """copies_rows (the backward's dout rows: FP8 and bf16 from one pass): the gathered quantizer's
     loads unchanged (each value read once, for the max and for both stores), one more 8-byte bf16
-    store a row (the loop unrolled by 2: a value row and a padding row's zeros each), no local memory."""
+    store a row of a group (padding rows' zeros included), no local memory."""
+    from mok.kernels.common.fp8_block_quantize import ROWS_IN_FLIGHT
     from mok.kernels.variants import quantize_fp8_block_variant
 
     ptx = compiled_ptx(quantize_fp8_block_variant(width, bounded=True, gathered=True, copies_rows=True), arch)
     plain = compiled_ptx(quantize_fp8_block_variant(width, bounded=True, gathered=True), arch)
     assert count(r"ld\.global", ptx) == count(r"ld\.global", plain)
-    assert count(r"st\.global\.v2\.b32", ptx) == count(r"st\.global\.v2\.b32", plain) + 2 * 2
+    assert count(r"st\.global\.v2\.b32", ptx) == count(r"st\.global\.v2\.b32", plain) + ROWS_IN_FLIGHT
     assert count(r"st\.global\.b32", ptx) == count(r"st\.global\.b32", plain)
     assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", plain)
     assert count(r"\.local", ptx) == 0

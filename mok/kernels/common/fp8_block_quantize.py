@@ -68,6 +68,7 @@ SEGMENT_CHUNKS = BLOCK // ROW_CHUNK  # 16-byte chunks of a row's 128 values
 OUT_CHUNK = 16  # E4M3 values of one 16-byte store
 QUAD = 4  # adjacent columns a thread of QuantizeFp8ColumnsKernel takes (an 8-byte shared-memory load a row)
 COLUMN_ROWS = BLOCK // WARPS  # rows of them it takes (a warp's quarter of the tile)
+ROWS_IN_FLIGHT = 8  # rows a warp of the rows' quantizer loads before it converts any (8 x 8 bytes a lane in flight)
 
 
 @cute.jit
@@ -249,18 +250,43 @@ class QuantizeFp8BlockKernel:
         return scale
 
     @cute.jit
-    def zero_row(self, m_q, row, k_block, lane):
-        """This lane's four elements of row ``row`` in K block ``k_block``, zeros (those in the row)."""
+    def load_lane(self, m_x, row, k_block, lane, valid):
+        """This lane's four values of row ``row`` in K block ``k_block`` as they are (bf16), zeros
+        past the segment and where not ``valid`` (nothing read there). A warp loads a group's rows
+        before it converts any: each lane's loads in flight together (a store between them would
+        keep the next load behind it)."""
         column, inside = self.lane_column(k_block, lane)
-        zeros = cute.make_rmem_tensor((PER_LANE,), cutlass.Float32)
-        zeros.fill(0.0)
-        if inside:
-            row_vector(m_q, row, column // PER_LANE, PER_LANE).store(zeros.load().to(m_q.element_type))
+        values = cute.make_rmem_tensor((PER_LANE,), m_x.element_type)
+        values.fill(0.0)
+        if valid:
+            if cutlass.const_expr(self.whole_blocks):
+                values.store(row_vector(m_x, row, column // PER_LANE, PER_LANE).load())
+            elif inside:
+                values.store(row_vector(m_x, row, column // PER_LANE, PER_LANE).load())
+        return values
+
+    @cute.jit
+    def convert_lane(self, m_q, m_copy, row, k_block, lane, values):
+        """A row's block from this lane's four loaded ``values`` (:meth:`load_lane`; all-zero for
+        padding rows, which so come out zeros with scale 1): its scale, the elements (and the
+        values as they are into ``m_copy`` where given) stored."""
+        values_f32 = values.load().to(cutlass.Float32)
+        scale, factor = self.scale_and_factor(self.amax_of(values_f32))
+        column, inside = self.lane_column(k_block, lane)
+        if cutlass.const_expr(self.whole_blocks):
+            self.store_lane(m_q, m_copy, row, column, values_f32, factor)
+        elif inside:
+            self.store_lane(m_q, m_copy, row, column, values_f32, factor)
+        return scale
 
     @cute.jit
     def row_amax(self, m_x, row, k_block, lane):
         """The largest magnitude of the row's K block (every lane gets it: a butterfly max)."""
-        values = self.lane_values(m_x, row, k_block, lane)
+        return self.amax_of(self.lane_values(m_x, row, k_block, lane))
+
+    @cute.jit
+    def amax_of(self, values):
+        """The largest magnitude of a block whose lanes hold ``values`` (four fp32 each), on every lane."""
         amax = cutlass.Float32(0.0)
         for v in cutlass.range_constexpr(PER_LANE):
             amax = cute.arch.fmax(amax, cute.math.absf(values[v]))
@@ -284,22 +310,23 @@ class QuantizeFp8BlockKernel:
             if cutlass.const_expr(self.gathered):
                 if first + warp + WARPS * lane < limit:
                     lane_source = m_source[first + warp + WARPS * lane]
-            for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
-                row = first + r
-                if row < limit:
-                    scale = cutlass.Float32(1.0)
-                    if cutlass.const_expr(self.gathered):
-                        source = cute.arch.shuffle_sync(lane_source, r // WARPS)
-                        if source >= 0:
-                            scale = self.quantize_row_block(m_x, m_q, source, row, k_block, lane, m_copy)
-                        else:  # (a padding row: zeros, scale 1)
-                            self.zero_row(m_q, row, k_block, lane)
-                            if cutlass.const_expr(self.copies_rows):
-                                self.zero_row(m_copy, row, k_block, lane)
-                    else:
-                        scale = self.quantize_row_block(m_x, m_q, row, row, k_block, lane)
-                    if lane == 0:
-                        self.store_row_scale(m_s, row, k_block, scale)
+            for group in cutlass.range(BLOCK // WARPS // ROWS_IN_FLIGHT):  # (the warp's rows w, w + 4, ...: its j-th row, lane j's source)
+                loaded = []
+                for i in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+                    j = group * ROWS_IN_FLIGHT + i
+                    row = first + warp + WARPS * j
+                    source = row
+                    valid = row < limit
+                    if cutlass.const_expr(self.gathered):  # (negative past the limit and for padding rows: zeros, scale 1)
+                        source = cute.arch.shuffle_sync(lane_source, j)
+                        valid = source >= 0
+                    loaded.append((row, self.load_lane(m_x, source, k_block, lane, valid)))
+                for i in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+                    row, values = loaded[i]
+                    if row < limit:
+                        scale = self.convert_lane(m_q, m_copy, row, k_block, lane, values)
+                        if lane == 0:
+                            self.store_row_scale(m_s, row, k_block, scale)
         else:
             smem = cutlass.memory.SmemAllocator()
             s_max = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WARPS,)), byte_alignment=16)
