@@ -64,7 +64,7 @@ class MoKConfig:
     half kept (half of bf16's bytes), its gate half computed again in the backward by the gate
     GEMM alone (the same bits; about a ninth more FLOPs a step; a shared expert in launches of its
     own keeps its h whole).
-    dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 32; with or without
+    dispatch_format: "bf16" (default) or "mxfp8" (ep_size > 1, H a multiple of 16; with or without
     one_launch): x crosses to the experts' ranks in MXFP8 (33/64 of the bytes) and the routed experts
     compute on its rounding (mok/pipeline/exchange.py); "fp8_block" (ep_size > 1, precision
     "fp8_block"; SM100: the scales written as E8M0 in its MMAs' order): x crosses as the FP8 rows its
@@ -277,8 +277,8 @@ def check_combination(config: "MoKConfig") -> None:
         raise ValueError(f"dispatch_format='fp8_block': only with precision='fp8_block' (the rows cross as its fc1 takes them), "
                          f"got precision={config.precision!r}")
     if config.dispatch_format == "mxfp8":
-        if config.hidden % 32:
-            raise ValueError(f"dispatch_format='mxfp8': expected hidden a multiple of 32 (the MXFP8 block), got {config.hidden}")
+        if config.hidden % 16:
+            raise ValueError(f"dispatch_format='mxfp8': expected hidden a multiple of 16 (16-byte E4M3 rows), got {config.hidden}")
 
 
 # The configuration `python -m mok precompile` builds when given no shape options:

@@ -251,7 +251,7 @@ def test_fused_wgrad_accumulation_config_adds_the_fp32_accumulating_weight_gradi
         (dict(dispatch_format="fp8_block", ep_size=8), ValueError, "dispatch_format='fp8_block': only with precision='fp8_block'"),
         (dict(dispatch_format="fp8_block", precision="fp8_block"), ValueError, "dispatch_format='fp8_block': only with ep_size > 1"),
         (dict(dispatch_format="mxfp8"), ValueError, "dispatch_format='mxfp8': only with ep_size > 1"),
-        (dict(dispatch_format="mxfp8", ep_size=8, hidden=7176), ValueError, "expected hidden a multiple of 32 (the MXFP8 block), got 7176"),
+        (dict(dispatch_format="mxfp8", ep_size=8, hidden=7176), ValueError, "expected hidden a multiple of 16 (16-byte E4M3 rows), got 7176"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, error, words):

@@ -146,15 +146,15 @@ def test_layer_refuses_a_bad_timeout():
 
 
 def test_mxfp8_dispatch_is_refused_where_it_cannot_run_before_launching():
-    """dispatch_format: "bf16" or "mxfp8"; MXFP8 only with H a multiple of 32 (the MXFP8 block)."""
-    layout = EPLayout(world=2, max_tokens=8, hidden=16, topk=2)
-    x, idx, w, experts, _ = random_layer(8, 16, 8, 4, 2, seed=3, dtype=torch.bfloat16)
+    """dispatch_format: "bf16" or "mxfp8"; MXFP8 only with H a multiple of 16 (16-byte E4M3 rows)."""
+    layout = EPLayout(world=2, max_tokens=8, hidden=24, topk=2)
+    x, idx, w, experts, _ = random_layer(8, 24, 8, 4, 2, seed=3, dtype=torch.bfloat16)
     local = [e[:2].contiguous() for e in experts]
     ws = EPWorkspace(torch.zeros(2 * layout.stride, dtype=torch.uint8), layout, 0)
     with pytest.raises(ValueError, match=r"dispatch_format: expected one of \('bf16', 'mxfp8', 'fp8_block'\), got 'fp8'"):
         ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="fp8")
     for mode in ({}, {"one_launch": True}):
-        with pytest.raises(ValueError, match=r"dispatch_format='mxfp8': expected hidden a multiple of 32 \(the MXFP8 block\), got 16"):
+        with pytest.raises(ValueError, match=r"dispatch_format='mxfp8': expected hidden a multiple of 16 \(16-byte E4M3 rows\), got 24"):
             ep_moe_forward(ws, x, idx.int(), w, *local, dispatch_format="mxfp8", **mode)
 
 

@@ -83,28 +83,30 @@ def test_ep_equals_single_gpu_forward_bitwise(world, counts, E, k, shared_inter,
 
 
 @pytest.mark.parametrize("dispatch", [{}, {"one_launch": True}])
-@pytest.mark.parametrize("world,counts,E,k,shared_inter,routing", [
-    (2, (300, 517), 8, 4, None, "uniform"),
-    (3, (128, 0, 250), 6, 2, 256, "zipf"),  # a rank with no tokens; a shared expert (on x itself)
-    (2, (200, 200), 8, 4, None, "one_expert"),
+@pytest.mark.parametrize("world,counts,E,k,shared_inter,routing,H", [
+    (2, (300, 517), 8, 4, None, "uniform", 512),
+    (3, (128, 0, 250), 6, 2, 256, "zipf", 512),  # a rank with no tokens; a shared expert (on x itself)
+    (2, (200, 200), 8, 4, None, "one_expert", 512),
+    (2, (300, 129), 8, 4, None, "uniform", 2064),  # rows ending in half a block of 32
 ])
-def test_mxfp8_dispatch_gives_the_single_gpu_forward_of_the_dequantized_x_bitwise(world, counts, E, k, shared_inter, routing, dispatch):
+def test_mxfp8_dispatch_gives_the_single_gpu_forward_of_the_dequantized_x_bitwise(world, counts, E, k, shared_inter, routing, H, dispatch):
     """dispatch_format='mxfp8': x crosses to the experts' ranks in MXFP8. The routed experts see
     mok.mxfp8's rounding of x (the torch reference rule) and the shared expert x itself: the
     output is within 1e-2 of the fp32 reference of exactly that, bit for bit the single-GPU
     forward of the rounded x (without a shared expert), the same over 5 calls, and not the bf16
     dispatch's output (the rounding happened). The same with the one-launch forward (which
-    quantizes as it publishes and dequantizes as it copies rows into x_all)."""
+    quantizes as it publishes and dequantizes as it copies rows into x_all). H = 2064: each row's
+    last block holds 16 values, its scale from them (mok.mxfp8's rule)."""
     from mok.mxfp8 import fake_quantize_mxfp8
     from mok.reference import moe_reference
 
     total = sum(counts)
-    x, idx, w, experts, shared = gpu_layer(total, 512, 256, E, k, shared_inter, seed=world * 5 + total, routing=routing)
+    x, idx, w, experts, shared = gpu_layer(total, H, 256, E, k, shared_inter, seed=world * 5 + total, routing=routing)
     x_rounded = fake_quantize_mxfp8(x).bfloat16()  # (exact: E4M3 values times a power of two fit in bf16)
     want_ref = moe_reference(x_rounded, idx, w, *experts, None)
     if shared is not None:
         want_ref = want_ref + (moe_reference(x, idx, torch.zeros_like(w), *experts, shared))
-    layout = EPLayout(world=world, max_tokens=max(counts) + 13, hidden=512, topk=k)
+    layout = EPLayout(world=world, max_tokens=max(counts) + 13, hidden=H, topk=k)
     args = split_ranks(world, counts, x, idx, w, experts, shared)
     bf16_out = moe_forward(x, idx, w, *experts, shared).out
     warm_up(layout, args, dispatch_format="mxfp8", **dispatch)

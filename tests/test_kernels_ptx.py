@@ -1174,6 +1174,26 @@ def test_ep_mxfp8_dispatch_reads_8_byte_element_vectors_and_scale_bytes_and_publ
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_ep_mxfp8_exchange_takes_rows_ending_in_half_a_block(arch):
+    """H = 2064 (64.5 blocks of 32): publish_mxfp8 quantizes by blocks of halves (the static-width
+    quantizer's step, common/mxfp8_quantize.py: a row's last block 16 values, its scale from them),
+    and the one-launch forward's publish the same; dispatch_mxfp8 reads a token's ceil(H / 32)
+    scale bytes a row, all of a token's loads before any store. Nothing in local memory."""
+    publish = compiled_ptx(ep_variant("publish_mxfp8", 2, width=2064, topk=8), arch)
+    whole = compiled_ptx(ep_variant("publish_mxfp8", 2, width=2048, topk=8), arch)
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", publish) == count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", whole) == 16
+    assert count(r"st\.global\.[bu]8", publish) == 1 and count(r"\.local", publish) == 0
+    assert re.search(r"mul\.lo\.s32\s+%r\d+, %r\d+, 65;", publish)  # (a token's 65 blocks, the last partial)
+    dispatch = compiled_ptx(ep_variant("dispatch_mxfp8", 2, width=2064, topk=8), arch)
+    loads = [m.start() for m in re.finditer(r"ld\.global(\.nc)?\.v2\.b32", dispatch)]
+    scales = [m.start() for m in re.finditer(r"ld\.global(\.nc)?\.[bu]8", dispatch)]
+    stores = [m.start() for m in re.finditer(r"st\.global\.v4", dispatch)]
+    assert len(loads) == len(scales) > 0 and max(loads + scales) < min(stores) and count(r"\.local", dispatch) == 0
+    one_launch = compiled_ptx(expert_mlp_variant(2064, 1040, 8, 4, save_h=False, has_shared=False, ep_world=2, dispatch_format="mxfp8"), arch)
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", one_launch) == 16 and count(r"cvt\.rn\.f16x2\.e4m3x2", one_launch) > 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_ep_fp8_dispatch_copies_e4m3_rows_and_scales_as_they_are_and_publishes_quantizing(arch):
     """dispatch_fp8_block (H = 7168: 4 vectors of 16 E4M3 bytes a thread): all of a token's 16-byte
     loads before any store, each into up to 8 rows and the padding's (16-byte stores), its 56 fp32

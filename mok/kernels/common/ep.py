@@ -26,7 +26,7 @@ from .flag_layout import (
     tokens_slot,
 )
 from .fp8_block_quantize import BLOCK as FP8_BLOCK, QuantizeFp8BlockKernel, e8m0_word, mma_scale_word
-from .mxfp8_quantize import BLOCK, block_tensors, e8m0_factor, quantize_block
+from .mxfp8_quantize import BLOCK, e8m0_factor, quantize_rows_strided
 from .row_vectors import VECTOR
 from .waits import wait_at_least
 def check_width(width: int) -> None:
@@ -35,23 +35,15 @@ def check_width(width: int) -> None:
         raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
 
 
-def check_mxfp8_width(width: int) -> None:
-    """A row width of whole MXFP8 blocks."""
-    if width % BLOCK:
-        raise ValueError(f"width: expected a multiple of {BLOCK} (the MXFP8 block), got {width}")
-
-
 FP8_ROW_VECTOR = 16  # E4M3 bytes of a 16-byte vector: fp8_block rows are multiples of it
 
 
 def check_quantized_rows(row_format: str, width: int) -> None:
-    """A quantized exchange's row format and a row width it takes: "mxfp8" (whole 32-blocks) or
-    "fp8_block" (16-byte E4M3 rows, a partial last 128-block)."""
+    """A quantized exchange's row format and a row width it takes: "mxfp8" or "fp8_block", either
+    with 16-byte E4M3 rows (a partial last 32- or 128-block)."""
     if row_format not in ("mxfp8", "fp8_block"):
         raise ValueError(f"row_format: expected 'mxfp8' or 'fp8_block', got {row_format!r}")
-    if row_format == "mxfp8":
-        check_mxfp8_width(width)
-    elif width % FP8_ROW_VECTOR:
+    if width % FP8_ROW_VECTOR:
         raise ValueError(f"width: expected a multiple of {FP8_ROW_VECTOR} (16-byte E4M3 rows), got {width}")
 
 
@@ -232,8 +224,8 @@ class EpPublishQuantizedKernel(EpPublishKernel):
     publish of the values were two. ``row_format``:
 
     - "mxfp8": every thread quantizes blocks of 32 of x (mok.ops.quantize_mxfp8's bytes,
-      :func:`quantize_block`): E4M3 elements [T, H], then E8M0 scales [T, H / 32]
-      (mok.pipeline.exchange.quantized_region);
+      :func:`quantize_rows_strided`; a row's last block partial where H ≡ 16 mod 32): E4M3 elements
+      [T, H], then E8M0 scales [T, ceil(H / 32)] (mok.pipeline.exchange.quantized_region);
     - "fp8_block" (precision fp8_block's activations: mok.ops.quantize_fp8_rows's elements and
       scales, by the row quantizer's own steps, common/fp8_block_quantize.py, with ``power_of_two``
       its scale rule): a warp per (token, 128-column block), E4M3 elements [T, H], then fp32 scales
@@ -252,9 +244,12 @@ class EpPublishQuantizedKernel(EpPublishKernel):
         max_ctas: cutlass.Int32, flags_stride: cutlass.Int32, values_stride: cutlass.Int32, stream: cuda.CUstream,
     ):
         """``elements_ptr`` and ``scales_ptr``: this rank's region."""
-        if cutlass.const_expr(self.row_format == "mxfp8"):
-            units = num_tokens * (self.width // BLOCK)  # (a thread a block)
-            m_x, m_elements, m_scales = block_tensors(src_rows_ptr, elements_ptr, scales_ptr, units)
+        if cutlass.const_expr(self.row_format == "mxfp8"):  # (a thread a block)
+            blocks = -(-self.width // BLOCK)
+            units = num_tokens * blocks
+            rows = cute.make_layout((num_tokens, self.width), stride=(self.width, 1))
+            m_x, m_elements = cute.make_tensor(src_rows_ptr, rows), cute.make_tensor(elements_ptr, rows)
+            m_scales = cute.make_tensor(scales_ptr, cute.make_layout((num_tokens, blocks), stride=(blocks, 1)))
         else:
             rows = cute.make_layout((num_tokens, self.width), stride=(self.width, 1))
             m_x, m_elements = cute.make_tensor(src_rows_ptr, rows), cute.make_tensor(elements_ptr, rows)
@@ -275,8 +270,8 @@ class EpPublishQuantizedKernel(EpPublishKernel):
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.row_format == "mxfp8"):
-            for block in cutlass.range(cta * self.threads + tid, m_x.shape[0], ctas * self.threads, unroll=1):
-                quantize_block(m_x, m_elements, m_scales, block)
+            quantize_rows_strided(m_x.iterator, m_elements.iterator, m_scales.iterator, num_tokens, self.width,
+                                  cta * self.threads + tid, ctas * self.threads)
         else:
             warps, k_blocks = self.threads // 32, self.rows.k_blocks
             warp, lane = cute.arch.make_warp_uniform(tid // 32), tid % 32
@@ -443,7 +438,7 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
     holding its tokens' E4M3 elements [T_max, H] and then their scales. All of a token's loads
     first, as in the bf16 dispatch; then, by ``row_format``:
 
-    - "mxfp8" (E8M0 scales [T_max, H / 32]): each row here gets bf16(element·2**(scale - 127)),
+    - "mxfp8" (E8M0 scales [T_max, ceil(H / 32)]): each row here gets bf16(element·2**(scale - 127)),
       mok.ops.dequantize_mxfp8's bits; a thread's unit is 8 elements (an 8-byte load and its scale
       byte), a 16-byte store per row. A token crosses the link as H·33/32 bytes instead of 2H;
     - "fp8_block" (fp32 scales [T_max, ceil(H / 128)]): each row here gets the token's elements
@@ -481,7 +476,8 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
         x_stride_bytes = cute.assume(x_stride_bytes, divby=16)  # (64-bit: bytes, twice the bf16 regions' element offsets)
         m_el = cute.make_tensor(elements_ptr, cute.make_layout((self.world, t_max, h), stride=(x_stride_bytes, h, 1)))
         if cutlass.const_expr(self.row_format == "mxfp8"):
-            m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, h // 32), stride=(x_stride_bytes, h // 32, 1)))
+            blocks = -(-h // BLOCK)
+            m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, blocks), stride=(x_stride_bytes, blocks, 1)))
         else:
             m_sc = cute.make_tensor(scales_ptr, cute.make_layout((self.world, t_max, self.k_blocks), stride=(x_stride_bytes // 4, self.k_blocks, 1)))
         if cutlass.const_expr(self.scale_order == "mma"):

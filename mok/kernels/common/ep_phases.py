@@ -32,7 +32,7 @@ import cutlass.cute as cute
 
 from .ep import VECTOR, claim_capacity_error, poison_dropped_pair, signal_all, wait_all
 from .flag_layout import PHASE_DONE, PHASE_PUBLISH, epoch_slot, tokens_slot
-from .mxfp8_quantize import BLOCK, block_tensors, e8m0_factor, quantize_block
+from .mxfp8_quantize import BLOCK, e8m0_factor, quantize_rows_strided
 from .waits import grid_barrier
 
 COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's row
@@ -40,10 +40,10 @@ COPY_DEPTH = 4  # 16-byte loads a lane keeps in flight while copying a token's r
 
 @cute.jit
 def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                     sync, timeout_ns: cutlass.Int64, mxfp8: cutlass.Constexpr[bool]):
+                     sync, timeout_ns: cutlass.Int64, mxfp8: cutlass.Constexpr[bool], hidden: cutlass.Constexpr[int]):
     """All threads of every CTA: this rank's x (``mxfp8``: quantized, a thread per block of 32, as
-    common/ep.py's EpPublishQuantizedKernel) and routing into its published regions, then the epoch's
-    publish handshake with every rank (see the module docstring)."""
+    common/ep.py's EpPublishQuantizedKernel; rows ``hidden`` wide) and routing into its published
+    regions, then the epoch's publish handshake with every rank (see the module docstring)."""
     m_flags, m_x_pub, m_idx_pub, m_x_in, m_idx_in, _, _, rank, _, num_tokens, _, _ = ep
     tid, _, _ = cute.arch.thread_idx()
     cta, _, _ = cute.arch.block_idx()
@@ -51,10 +51,8 @@ def publish_and_wait(ep: tuple, world: cutlass.Constexpr[int], topk: cutlass.Con
     epoch = m_flags[rank, epoch_slot()] + 1  # read by all before the barrier; CTA 0 writes it after
     if cutlass.const_expr(mxfp8):
         m_el_pub, m_sc_pub = m_x_pub
-        blocks = cute.size(m_x_in) // BLOCK
-        m_x_blocks, m_el_blocks, m_sc_blocks = block_tensors(m_x_in.iterator, m_el_pub[rank, None].iterator, m_sc_pub[rank, None].iterator, blocks)
-        for b in cutlass.range(cta * threads + tid, blocks, ctas * threads, unroll=1):
-            quantize_block(m_x_blocks, m_el_blocks, m_sc_blocks, b)
+        quantize_rows_strided(m_x_in.iterator, m_el_pub[rank, None].iterator, m_sc_pub[rank, None].iterator, num_tokens, hidden,
+                              cta * threads + tid, ctas * threads)
     else:
         src = cute.zipped_divide(m_x_in, (VECTOR,))
         dst = cute.zipped_divide(m_x_pub[rank, None], (VECTOR,))
@@ -131,7 +129,7 @@ def copy_row_mxfp8(m_x_pub: tuple, p, t, dst: cute.Tensor, hidden: cutlass.Const
     m_el_pub, m_sc_pub = m_x_pub
     units = hidden // VECTOR
     src = cute.zipped_divide(m_el_pub[p, None], (VECTOR,))
-    first, first_scale = t * units, t * (hidden // BLOCK)
+    first, first_scale = t * units, t * -(-hidden // BLOCK)  # (a partial last block's scale too)
     for base in cutlass.range(lane, units, 32 * COPY_DEPTH, unroll=1):
         vals, exponents = [], []
         for i in cutlass.range_constexpr(COPY_DEPTH):

@@ -114,8 +114,9 @@ class ExpertMlp:
             raise ValueError(f"ep_world: expected 1..32 ranks, top-k <= 32 (a lane per slot); got {ep_world}, topk={topk}")
         if shared_prefix and (ep_world is not None or not has_shared):
             raise ValueError("shared_prefix: only with has_shared, without ep_world")
-        if dispatch_format not in ("bf16", "mxfp8") or (dispatch_format == "mxfp8" and (ep_world is None or hidden % MXFP8_BLOCK)):
-            raise ValueError(f"dispatch_format: expected 'bf16', or 'mxfp8' with ep_world and H a multiple of 32; got {dispatch_format!r}")
+        if dispatch_format not in ("bf16", "mxfp8") or (dispatch_format == "mxfp8" and (ep_world is None or hidden % (MXFP8_BLOCK // 2))):
+            raise ValueError(f"dispatch_format: expected 'bf16', or 'mxfp8' with ep_world and H a multiple of 16; got {dispatch_format!r}"
+                             f"{'' if dispatch_format == 'bf16' else f' with H={hidden}'}")
         self.shared_prefix, self.mxfp8_dispatch = shared_prefix, dispatch_format == "mxfp8"
         self.ep_world = ep_world
         self.schedule = ScheduleKernel(num_experts, topk, TILE)
@@ -252,7 +253,7 @@ class ExpertMlp:
 
     def mxfp8_regions(self, x_pub_ptr: cute.Pointer, x_stride, t_max) -> tuple:
         """Every rank's region "x" holding MXFP8 rows (mok.pipeline.exchange.quantized_region): E4M3 elements [W, T_max·H]
-        from its first byte, E8M0 scales [W, T_max·H/32] from byte T_max·H; the rank stride in bytes
+        from its first byte, E8M0 scales [W, T_max·ceil(H / 32)] from byte T_max·H; the rank stride in bytes
         (64-bit: twice the bf16 element stride)."""
         hid = self.hidden
         stride = cute.assume(cutlass.Int64(x_stride) * 2, divby=16)
@@ -260,7 +261,7 @@ class ExpertMlp:
         scales = cute.recast_ptr(x_pub_ptr, dtype=cutlass.Uint8) + t_max * hid
         return (
             cute.make_tensor(elements, cute.make_layout((self.ep_world, t_max * hid), stride=(stride, 1))),
-            cute.make_tensor(scales, cute.make_layout((self.ep_world, t_max * (hid // MXFP8_BLOCK)), stride=(stride, 1))),
+            cute.make_tensor(scales, cute.make_layout((self.ep_world, t_max * -(-hid // MXFP8_BLOCK)), stride=(stride, 1))),
         )
 
     @cute.jit
@@ -275,7 +276,8 @@ class ExpertMlp:
         wrong then, as the timeout count says, but nothing hangs)."""
         m_idx, outputs, sync_ptr, pairs, expert_lo = sched_args
         if cutlass.const_expr(self.ep_world is not None):  # the routing (and x rows) of every rank first
-            ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns, self.mxfp8_dispatch)
+            ep_phases.publish_and_wait(ep_args, self.ep_world, self.topk, self.threads, sync_ptr, timeout_ns, self.mxfp8_dispatch,
+                                       self.hidden)
             ep_phases.gather_routing_and_rows(
                 ep_args, self.ep_world, self.topk, self.hidden, self.schedule.num_local, self.threads, self.mxfp8_dispatch
             )

@@ -136,6 +136,53 @@ def column_block_tensors(values_ptr: cute.Pointer, elements_ptr: cute.Pointer, n
     return cute.make_tensor(values_ptr, blocks), cute.make_tensor(elements_ptr, blocks)
 
 
+@cute.jit
+def quantize_half_blocks(m_x: cute.Tensor, m_elements: cute.Tensor, sub_row, col, width: cutlass.Constexpr[int]) -> cutlass.Int32:
+    """Block ``col`` of row ``sub_row`` of rows ``width`` wide as halves of blocks
+    (:func:`half_block_tensors`): its values (16 where it is a row's partial last block, zeros
+    after them raising no amax) into their E4M3 elements; returns its scale exponent. (Shared by
+    the static-width quantizer and the EP publishes of MXFP8 rows.)"""
+    last = -(-width // BLOCK) - 1
+    values = cute.make_rmem_tensor((HALF, 2), cutlass.Float32)  # (value, half): a block's 32 in order
+    values.fill(0.0)
+    values[None, 0].store(m_x[sub_row, 2 * col, None].load().to(cutlass.Float32))
+    if cutlass.const_expr(width % BLOCK == 0):
+        values[None, 1].store(m_x[sub_row, 2 * col + 1, None].load().to(cutlass.Float32))
+    else:
+        if col < last:  # (not a row's partial last block)
+            values[None, 1].store(m_x[sub_row, 2 * col + 1, None].load().to(cutlass.Float32))
+    exponent, elements = quantized_values(values, m_elements.element_type)
+    m_elements[sub_row, 2 * col, None].store(elements[None, 0].load())
+    if cutlass.const_expr(width % BLOCK == 0):
+        m_elements[sub_row, 2 * col + 1, None].store(elements[None, 1].load())
+    else:
+        if col < last:
+            m_elements[sub_row, 2 * col + 1, None].store(elements[None, 1].load())
+    return exponent
+
+
+@cute.jit
+def quantize_rows_strided(x_ptr: cute.Pointer, elements_ptr: cute.Pointer, scales_ptr: cute.Pointer, num_rows,
+                          width: cutlass.Constexpr[int], first, step):
+    """Rows [num_rows, width] bf16 (width a multiple of 16) into MXFP8 by rows (mok.ops.quantize_mxfp8's
+    bytes): elements [num_rows, width], scale bytes [num_rows, ceil(width / 32)]; this thread's
+    blocks ``first``, ``first + step``, ... (the EP publishes' grid-stride loop). Whole blocks: one run
+    of them; a partial last block (width ≡ 16 mod 32): blocks of halves, a row at a time."""
+    if cutlass.const_expr(width % BLOCK == 0):
+        blocks = num_rows * (width // BLOCK)
+        m_x, m_elements, m_scales = block_tensors(x_ptr, elements_ptr, scales_ptr, blocks)
+        for b in cutlass.range(first, blocks, step, unroll=1):
+            quantize_block(m_x, m_elements, m_scales, b)
+    else:
+        row_blocks = -(-width // BLOCK)
+        blocks = num_rows * row_blocks
+        m_x, m_elements = half_block_tensors(x_ptr, elements_ptr, num_rows, width)
+        m_scales = cute.make_tensor(scales_ptr, cute.make_layout((blocks,)))
+        for b in cutlass.range(first, blocks, step, unroll=1):
+            row = b // row_blocks
+            m_scales[b] = cutlass.Uint8(quantize_half_blocks(m_x, m_elements, row, b - row * row_blocks, width))
+
+
 def half_block_tensors(values_ptr: cute.Pointer, elements_ptr: cute.Pointer, sub_rows, width: int) -> tuple:
     """Rows of ``width`` values (a multiple of 16) as halves of blocks: bf16 values and E4M3 elements
     [sub_rows, width / 16, 16] (block c of a row: halves 2c and 2c + 1, the second past a partial
@@ -248,21 +295,7 @@ class QuantizeMxfp8Kernel:
         the MMA's order (the padding blocks' bytes by the row's last block)."""
         sub_row = block // self.row_blocks
         col = block - sub_row * self.row_blocks
-        values = cute.make_rmem_tensor((HALF, 2), cutlass.Float32)  # (value, half): a block's 32 in order
-        values.fill(0.0)
-        values[None, 0].store(m_x[sub_row, 2 * col, None].load().to(cutlass.Float32))
-        if cutlass.const_expr(self.width % BLOCK == 0):
-            values[None, 1].store(m_x[sub_row, 2 * col + 1, None].load().to(cutlass.Float32))
-        else:
-            if col < self.row_blocks - 1:  # (not a row's partial last block)
-                values[None, 1].store(m_x[sub_row, 2 * col + 1, None].load().to(cutlass.Float32))
-        exponent, elements = quantized_values(values, m_elements.element_type)
-        m_elements[sub_row, 2 * col, None].store(elements[None, 0].load())
-        if cutlass.const_expr(self.width % BLOCK == 0):
-            m_elements[sub_row, 2 * col + 1, None].store(elements[None, 1].load())
-        else:
-            if col < self.row_blocks - 1:
-                m_elements[sub_row, 2 * col + 1, None].store(elements[None, 1].load())
+        exponent = quantize_half_blocks(m_x, m_elements, sub_row, col, self.width)
         if cutlass.const_expr(not self.mma_order):
             m_scales[block] = cutlass.Uint8(exponent)
         else:
