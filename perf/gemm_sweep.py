@@ -12,6 +12,7 @@
     python perf/gemm_sweep.py --gathered-fp8-fc1  # the gathered fc1 part only
     python perf/gemm_sweep.py --fp8-swiglu-bwd    # the SwiGLU-backward part only
     python perf/gemm_sweep.py --fp8-schedules     # the FP8 GEMMs' schedules: one or two block sets, deep turns (bits and ms)
+    python perf/gemm_sweep.py --fp8-row-quantizers  # the FP8 rows' quantizer: gathering, gathering with the bf16 copy, rows
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu     # dsv3's dW_gate + dW_up on FP8, then on bf16, twice each, untimed (for ncu)
@@ -313,6 +314,25 @@ def fp8_schedules() -> None:
         print(f"wgrad {name:<5} bits equal {same}  " + "  ".join(f"{kname} {t:.3f} ({flops / t / 1e9:.0f})" for kname, t in ms.items()))
 
 
+def fp8_row_quantizers() -> None:
+    """ops.quantize_fp8_rows at the layer's shapes (T = 4096, top-8, a uniform schedule): x's rows
+    gathered as they are quantized (the forward's), with their bf16 copy too (the backward's dout
+    rows), and rows already gathered (a, dh), ms."""
+    print(f"# {torch.cuda.get_device_name()}: the FP8 rows' quantizer, ms")
+    for name, (T, H, E) in {"dsv3": (4096, 7168, 32), "qwen3-235b": (4096, 4096, 128)}.items():
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        sched = uniform_schedule(T, E, 8)
+        used = sched.expert_offsets[-1:]
+        copy = torch.empty(sched.row_token.shape[0], H, device="cuda", dtype=torch.bfloat16)
+        rows = ops.gather_rows(x, sched.row_token)
+        runs = {
+            "gathered": lambda: ops.quantize_fp8_rows(x, row_source=sched.row_token, rows_used=used),
+            "gathered + copy": lambda: ops.quantize_fp8_rows(x, row_source=sched.row_token, rows_used=used, rows_out=copy),
+            "rows": lambda: ops.quantize_fp8_rows(rows, rows_used=used),
+        }
+        print(f"{name:<11}" + "  ".join(f"{kname} {time_ms(fn, batch=10, repeats=5):.3f}" for kname, fn in runs.items()))
+
+
 def fp8_weight_grads_for_ncu() -> None:
     """dsv3's dW_gate + dW_up on FP8 transposes, then on bf16 rows, each called twice (the first
     compiles), for Nsight Compute (-k regex:weight_grad --launch-skip 1 --launch-count 3): nothing timed."""
@@ -423,6 +443,8 @@ if __name__ == "__main__":
         row_tile_pairs()
     elif "--fp8-schedules" in sys.argv:
         fp8_schedules()
+    elif "--fp8-row-quantizers" in sys.argv:
+        fp8_row_quantizers()
     elif "--fp8-ncu" in sys.argv:
         fp8_for_ncu()
     elif "--fp8-wgrad-ncu" in sys.argv:
