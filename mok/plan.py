@@ -56,7 +56,8 @@ def fp8_on_block_scaled_mma_refusal(config: MoKConfig, arch: str) -> str | None:
     widths = config.widths
     problems = [what for what, bad in (
         ("fp8_scales='power_of_two' (the MMAs' scales are E8M0: powers of two)", not config.fp8_power_of_two),
-        (f"widths that are multiples of {TILE} (its FP8 rows in the MMA order: whole 128-blocks), got {widths}", any(v % TILE for v in widths.values())),
+        (f"with wgrad_format='fp8_block' widths that are multiples of {TILE} (the column quantizer's MMA order: whole 128-blocks), "
+         f"got {widths}", config.weight_grad_format == "fp8_block" and any(v % TILE for v in widths.values())),
     ) if bad]
     if problems:
         return f"precision='fp8_block' on {arch} runs on its block-scaled MMAs and needs {'; '.join(problems)}"
@@ -279,7 +280,8 @@ class Plan:
             mma = self.fp8_scale_order == "mma"
             v += [ep_variant("publish_fp8_block", w, **rows, power_of_two=c.fp8_power_of_two),
                   ep_variant("dispatch_fp8_block", w, **rows, scale_order=self.fp8_scale_order),
-                  quantize_mxfp8_variant(back=True, bounded=True) if mma else quantize_fp8_block_variant(c.hidden, bounded=True, back=True)]
+                  quantize_mxfp8_variant(back=True, bounded=True, **mxfp8_row_shape(c.hidden)) if mma
+                  else quantize_fp8_block_variant(c.hidden, bounded=True, back=True)]
         return v
 
     def _gemm_variants(self, n: int, k: int, rows_gathered: bool = False, **options) -> list[KernelVariant]:
@@ -293,9 +295,10 @@ class Plan:
             options.pop("b_major", None)
             halves = 2 if options.get("k_split") else 1
             pow2, mma = self.config.fp8_power_of_two, self.fp8_on_block_scaled_mma
-            if mma:  # (SM100: the MXFP8 kernels; the rows gathered first; whole blocks, so dh's halves block as one)
+            if mma:  # (SM100: the MXFP8 kernels; the rows gathered first; dh's halves each starting a chunk)
                 options.pop("gather_a", None)
-                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=True, mma_scales=True, gathered=rows_gathered)
+                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=True, mma_scales=True, gathered=rows_gathered,
+                                                  segments=halves)
                 gemm = grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)
             else:
                 rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=not options.get("gather_a"), segments=halves,

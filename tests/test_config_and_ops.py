@@ -178,8 +178,9 @@ def test_fp8_dispatch_config_adds_its_kernels_on_either_arch():
     (elements, fp32_scales), (_, mma_scales) = fp8_rows(packed, 512), fp8_rows(packed, 512, "mma")
     assert elements.shape == (384, 512) and fp32_scales.shape == (4, 384) and mma_scales.shape == (3, 4, 512)
     assert mma_scales.dtype == torch.uint8 and mma_scales.data_ptr() == fp32_scales.data_ptr() == packed.data_ptr() + 384 * 512
-    with pytest.raises(ValueError, match=r"packed: expected R and H multiples of 128 for scale_order='mma', got R=200, H=512"):
+    with pytest.raises(ValueError, match=r"packed: expected R a multiple of 128 for scale_order='mma', got R=200"):
         fp8_rows(packed_fp8_rows(200, 512, "cpu"), 512, "mma")
+    assert fp8_rows(packed_fp8_rows(256, 2880, "cpu"), 2880, "mma")[1].shape == (2, 23, 512)  # (a partial last 128-block: its chunk)
     parser = argparse.ArgumentParser()
     _add_shape_options(parser)
     args = parser.parse_args(["--ep-size", "8", "--precision", "fp8_block", "--dispatch-format", "fp8_block"])

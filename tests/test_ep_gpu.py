@@ -283,22 +283,23 @@ def test_fp8_dispatch_training_step_crosses_the_rows_its_fc1_takes(world, counts
             assert 0 < rel_err(got, getattr(want, name)) < 0.05, name
 
 
-@pytest.mark.parametrize("world,counts,E,k", [(2, (300, 517), 8, 4), (3, (128, 0, 250), 12, 8)])
-def test_fp8_dispatch_in_the_mma_order_writes_each_token_s_scales_as_e8m0(world, counts, E, k):
+@pytest.mark.parametrize("world,counts,E,k,hidden", [(2, (300, 517), 8, 4, 1024), (3, (128, 0, 250), 12, 8, 1024), (2, (300, 200), 8, 4, 2880)])
+def test_fp8_dispatch_in_the_mma_order_writes_each_token_s_scales_as_e8m0(world, counts, E, k, hidden):
     """pull_rows(rows_format="fp8_block", scale_order="mma") (SM100's dispatch_format="fp8_block";
     the dispatch is arch-neutral, so checked here on emulated ranks) into a packed buffer poisoned
     with 0xFF (NaN as E4M3 and as E8M0): each row the E4M3 bytes its token's owner published
     (mok.fp8_block's power-of-two rule), the token's 128-block scales as their E8M0 bytes (exponent
     + 127) at each block's four 32-blocks in mok.mxfp8's MMA order (mma_scale_layout of the
     reference bytes), zero elements and scale bytes in the padding rows, nothing written past the
-    schedule's rows; the elements those of the fp32-scale dispatch."""
+    schedule's rows; the elements those of the fp32-scale dispatch. H = 2880: a row's last block
+    has two 32-blocks, the layout's padding (127) after them."""
     from mok import fp8_block, ops
     from mok.mxfp8 import mma_scale_layout
     from mok.pipeline.exchange import exchange_kernels, pull_rows, quantized_region
     from mok.pipeline.stages import fp8_rows, packed_fp8_rows
     from mok.runtime import launch
 
-    hidden, t_max = 1024, 640
+    t_max = 640
     layout = EPLayout(world=world, max_tokens=t_max, hidden=hidden, topk=k)
     ws = EPWorkspace.local_group(layout)
     routing = torch.full((world * t_max, k), -1, dtype=torch.int32, device="cuda")
@@ -312,7 +313,7 @@ def test_fp8_dispatch_in_the_mma_order_writes_each_token_s_scales_as_e8m0(world,
         x_all[p * t_max:p * t_max + count] = x
         routing[p * t_max:p * t_max + count] = torch.rand(count, E, device="cuda").topk(k, dim=1).indices.int()
     want_q, want_s = fp8_block.quantize_rows(x_all.float().cpu(), power_of_two=True)  # [W·T_max, H], [H / 128, W·T_max]
-    exponents = (torch.log2(want_s.T.double()).round().long() + 127).repeat_interleave(4, dim=1)  # [W·T_max, H / 32]
+    exponents = (torch.log2(want_s.T.double()).round().long() + 127).repeat_interleave(4, dim=1)[:, : -(-hidden // 32)]  # [W·T_max, ceil(H / 32)]
     stream = launch.stream(torch.device("cuda"))
     for rank in range(world):
         sched = ops.device_schedule(routing, E, rank=rank, world_size=world)

@@ -172,10 +172,8 @@ def test_quantize_ops_check_their_input_before_any_launch():
         ops.quantize_fp8_weights(torch.zeros(2, 72, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"x: expected \[R, K\] with K a positive multiple of 32 \(16-byte E4M3 rows in each half\), got \[8, 208\]"):
         ops.quantize_fp8_rows(torch.zeros(8, 208, dtype=torch.bfloat16), segments=2)
-    with pytest.raises(ValueError, match=r"scale_order='mma': E8M0 scales need power_of_two=True and K a multiple of 128"):
-        ops.quantize_fp8_rows(torch.zeros(8, 272, dtype=torch.bfloat16), power_of_two=True, scale_order="mma")
-    with pytest.raises(ValueError, match=r"segments: 1 with scale_order='mma'"):
-        ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16), power_of_two=True, segments=2, scale_order="mma")
+    with pytest.raises(ValueError, match=r"scale_order='mma': E8M0 scales need power_of_two=True, got power_of_two=False"):
+        ops.quantize_fp8_rows(torch.zeros(8, 272, dtype=torch.bfloat16), scale_order="mma")
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         ops.quantize_fp8_rows(torch.zeros(8, 256, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"rows_out: the gathered rows' bf16 copy, given with row_source only"):
@@ -199,7 +197,8 @@ def test_quantize_ops_check_their_input_before_any_launch():
         quantize_fp8_block_variant(256, 128, columns=True)
     with pytest.raises(ValueError, match=r"back: fp32 scales only \(E8M0 rows in the MMA order are MXFP8's"):
         quantize_fp8_block_variant(256, back=True, mma_scales=True)
-    with pytest.raises(ValueError, match=r"scale_order='mma': E8M0 scales need power_of_two=True and K a multiple of 128"):
+    with pytest.raises(ValueError, match=r"scale_order='mma': E8M0 scales need power_of_two=True and M a multiple of 128, got "
+                                         r"power_of_two=True, M=2880"):
         ops.quantize_fp8_columns(torch.zeros(256, 2880, dtype=torch.bfloat16), power_of_two=True, scale_order="mma")
 
 
@@ -208,8 +207,9 @@ def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
     block-scaled MMAs) on the same E4M3 elements, the scales quantized straight into E8M0 bytes in
     the MMAs' order; the rows gathered first; the weight gradients bf16; at EP the scattering MXFP8
     GEMMs, with biases their bias epilogues (the bf16 kernel's: the bias rows loaded, the scattered
-    rows stored from registers); refused, naming the reason, with fp32 scales or partial widths
-    (compile-verified, never run)."""
+    rows stored from registers); at widths 128 does not divide (gpt-oss's 2880) the same kernels,
+    dh's rows blocked a half at a time; refused, naming the reason, with fp32 scales, and with FP8
+    weight gradients at such widths (compile-verified, never run)."""
     from test_kernels_ptx import count, ptxas_spill_bytes
 
     from mok.config import MoKConfig
@@ -230,9 +230,15 @@ def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
     for v in gemms[:2]:
         ptx = compiled_ptx(v, "sm_100a")
         assert "kind::mxf8f6f4.block_scale" in ptx and "wgmma" not in ptx
-    for options, reason in ((dict(fp8_scales="fp32"), "fp8_scales='power_of_two'"), (dict(intermediate=784), "multiples of 128")):
+    for options, reason in ((dict(fp8_scales="fp32"), "fp8_scales='power_of_two'"),
+                            (dict(intermediate=784, wgrad_format="fp8_block"), "with wgrad_format='fp8_block' widths that are multiples of 128")):
         fields = {**dict(hidden=2048, intermediate=768, num_experts=64, topk=8, precision="fp8_block", fp8_scales="power_of_two"), **options}
         assert reason in refusal(MoKConfig(**fields), "sm_100a"), options
+    gpt_oss = MoKConfig(2880, 2880, 32, 4, precision="fp8_block", fp8_scales="power_of_two", ep_size=2, dispatch_format="fp8_block")
+    assert refusal(gpt_oss, "sm_100a") is None
+    rows = sorted((v.config["width"], v.config.get("segments", 1)) for v in Plan(gpt_oss, "sm_100a").variants()
+                  if v.name == "quantize_fp8_block" and v.config["block_rows"] == 1)
+    assert rows == [(2880, 1), (5760, 2)]  # (a's and dout's rows; dh a half at a time; x crosses quantized)
     ep = MoKConfig(2048, 768, 64, 8, ep_size=2, precision="fp8_block", fp8_scales="power_of_two", expert_bias=True)
     assert refusal(ep, "sm_100a") is None
     ep_gemms = {(v.config["epilogue"], v.config.get("scatter", False), v.config.get("bias", False)): v for v in Plan(ep, "sm_100a").variants()

@@ -141,10 +141,12 @@ def test_dequantizer_gives_each_element_times_its_scale_in_bf16(K):
     assert torch.equal(partial[:300], got[:300])
 
 
-def mma_order_reference(scales, rows_per_chunk_row=1):
+def mma_order_reference(scales, rows_per_chunk_row=1, width=None, rows=None):
     """Power-of-two fp32 block scales as E8M0 bytes in the MMA's order, written out independently
     of the kernel: rows' [K / 128, R] -> each row's byte at its four 32-blocks -> mok.mxfp8's
-    layout; weights' [E, N / 128, K / 128] (``rows_per_chunk_row`` 128) -> every row of the block."""
+    layout; weights' [E, N / 128, K / 128] (``rows_per_chunk_row`` 128) -> every row of the block.
+    ``width``: K no multiple of 128 (the last block's byte at the ceil(K / 32) 32-blocks the row
+    has; mok.mxfp8's layout pads the rest with 127); ``rows``: the weights' N (rows past it padding)."""
     from mok.mxfp8 import mma_scale_layout
 
     exponent = torch.log2(scales.double()).round().long() + 127
@@ -153,7 +155,38 @@ def mma_order_reference(scales, rows_per_chunk_row=1):
         per_block = exponent.T.repeat_interleave(4, dim=1)  # [R, K / 32]
     else:
         per_block = exponent.repeat_interleave(rows_per_chunk_row, dim=1).repeat_interleave(4, dim=2)  # [E, N, K / 32]
-    return mma_scale_layout(per_block.to(torch.uint8))
+        per_block = per_block[:, :rows] if rows is not None else per_block
+    if width is not None:
+        per_block = per_block[..., : -(-width // 32)]
+    return mma_scale_layout(per_block.to(torch.uint8).contiguous())
+
+
+@pytest.mark.parametrize("width,segments", [(2880, 1), (2064, 1), (2080, 2)])
+def test_e8m0_scales_in_the_mma_order_at_widths_128_does_not_divide(width, segments):
+    """scale_order="mma" where a row ends in a partial 128-block (SM100's fp8_block at gpt-oss's
+    2880, at 2064, dh's halves of 1040 each starting a chunk): the fp32-scale form's E4M3 bytes, each
+    scale's E8M0 byte at the 32-blocks its block has and 127 past them (mok.mxfp8's layout of the
+    rule's scales); weights whose N and K end in a partial block: padding rows' and blocks' bytes
+    127."""
+    from mok.mxfp8 import rows_scale_layout
+
+    g = torch.Generator(device="cuda").manual_seed(width)
+    x = (torch.randn(300, width, device="cuda", generator=g) * torch.logspace(-4, 4, 300, device="cuda")[:, None]).bfloat16()
+    q, s = ops.quantize_fp8_rows(x, power_of_two=True, segments=segments)
+    q_mma, s_mma = ops.quantize_fp8_rows(x, power_of_two=True, segments=segments, scale_order="mma")
+    assert torch.equal(q_mma.view(torch.uint8), q.view(torch.uint8))
+    half = width // segments
+    want = torch.cat([mma_order_reference(part, width=half) for part in s.chunk(segments)], dim=-2)
+    assert s_mma.shape == want.shape == (3, segments * -(-half // 128), 512)
+    assert torch.equal(s_mma[:2], want[:2])  # (chunks of whole rows: the padding blocks' bytes too)
+    for got_part, want_part in zip(s_mma.chunk(segments, dim=-2), want.chunk(segments, dim=-2)):  # (rows past 300: unwritten)
+        assert torch.equal(rows_scale_layout(got_part.contiguous(), 300, half), rows_scale_layout(want_part.contiguous(), 300, half))
+    for n, k in ((1040, 2880), (2880, 1040)):
+        w = (torch.randn(3, n, k, device="cuda", generator=g) * 0.02).bfloat16()
+        wq, ws = ops.quantize_fp8_weights(w, power_of_two=True)
+        wq_mma, ws_mma = ops.quantize_fp8_weights(w, power_of_two=True, scale_order="mma")
+        assert torch.equal(wq_mma.view(torch.uint8), wq.view(torch.uint8))
+        assert torch.equal(ws_mma, mma_order_reference(ws, 128, width=k, rows=n)), (n, k)
 
 
 def test_e8m0_scales_in_the_mma_order_carry_the_power_of_two_rule():

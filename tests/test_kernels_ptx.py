@@ -637,6 +637,29 @@ def test_fp8_block_quantizer_reads_8_byte_vectors_and_converts_with_the_saturati
     assert count(r"\.local", ptx) == 0 and count(r"\b(atom|red)\.", ptx) == 0
 
 
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
+def test_fp8_block_quantizer_in_the_mma_order_pads_partial_blocks_and_rows_with_scale_one(arch):
+    """scale_order "mma" where 128 does not divide a width: a row's last 128-block of 2880 (64
+    values, two 32-blocks) has its E8M0 byte twice (x 0x0101) and 127 in the word's other two
+    bytes (+ 0x7F7F0000); 2064's (16 values) once and 127 three times; the weights' padding rows
+    past N = 1040 the word 0x7F7F7F7F; whole blocks the byte four times (x 0x01010101) only.
+    (Compiled only here for sm_100a; the bytes are checked on Hopper: tests/test_fp8_block_gpu.py.)"""
+    from mok.kernels.variants import fp8_weights_quantizer, quantize_fp8_block_variant
+
+    pads = {2: 2139029504, 3: 2139062016}  # (0x7F7F0000, 0x7F7F7F00: 127 in the word's bytes past its 32-blocks)
+
+    def pad_words(width):
+        ptx = compiled_ptx(quantize_fp8_block_variant(width, power_of_two=True, bounded=True, mma_scales=True), arch)
+        assert count(r"\.local", ptx) == 0 and "16843009" in ptx
+        return {n for n, word in pads.items() if re.search(rf"\b{word}\b", ptx)}
+
+    assert pad_words(2048) == set() and pad_words(2880) == {2} and pad_words(2064) == {3}
+    weights = compiled_ptx(fp8_weights_quantizer(1040, 2880, True, mma_scales=True), arch)
+    assert "0f7F7F7F7F" in weights and re.search(r"\b2139029504\b", weights) and count(r"\.local", weights) == 0  # (the word as fp32)
+    whole = compiled_ptx(fp8_weights_quantizer(1024, 2048, True, mma_scales=True), arch)
+    assert "0f7F7F7F7F" not in whole and not re.search(r"\b21390(29504|62016)\b", whole)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("width", [7168, 2880])
 def test_fp8_block_quantizer_copying_gathered_rows_loads_each_value_once(arch, width):
@@ -1226,7 +1249,8 @@ def test_ep_fp8_dispatch_in_the_mma_order_writes_e8m0_words(arch):
     copies them (all loads before any store, 16-byte stores into up to 8 rows and the padding's),
     each scale converted once into an E8M0 word (its exponent field times 0x01010101) and stored at
     each of a token's rows' places in the MMA order (zero words into the padding rows'); no atomics,
-    nothing in local memory; refused for rows of a partial last block."""
+    nothing in local memory. Rows ending in a partial block (528: 16 values past 512): its word
+    the byte at one 32-block and 127 at the other three (+ 0x7F7F7F00)."""
     ptx = compiled_ptx(ep_variant("dispatch_fp8_block", 4, width=7168, topk=8, scale_order="mma"), arch)
     assert count(r"\batom\.|\bred\.", ptx) == 0 and count(r"e4m3|bf16", ptx) == 0 and count(r"\.local", ptx) == 0
     loads = [m.start() for m in re.finditer(r"ld\.global(\.nc)?\.v4\.b32", ptx)]
@@ -1234,8 +1258,10 @@ def test_ep_fp8_dispatch_in_the_mma_order_writes_e8m0_words(arch):
     assert len(loads) == 4 and len(stores) == 4 * 8 + 4 and max(loads) < min(stores)
     assert count(r"st\.global\.(b32|f32)", ptx) == 8 + 1  # (a token's word into each of its rows; zero into a padding row's)
     assert count(r"mul\.lo\.s32\s+%r\d+, %r\d+, 16843009;", ptx) == 1  # (converted once per scale, before the rows' stores)
-    with pytest.raises(ValueError, match=r"scale_order='mma': fp8_block rows of whole 128-blocks, got row_format='fp8_block', width=528"):
-        compiled_ptx(ep_variant("dispatch_fp8_block", 2, width=528, topk=2, scale_order="mma"), arch)
+    partial = compiled_ptx(ep_variant("dispatch_fp8_block", 2, width=528, topk=2, scale_order="mma"), arch)
+    assert re.search(r"\b2139062016\b", partial) and "2139062016" not in ptx and count(r"\.local", partial) == 0
+    with pytest.raises(ValueError, match=r"scale_order: dispatch_fp8_block's option, got 'mma' for dispatch_mxfp8"):
+        compiled_ptx(ep_variant("dispatch_mxfp8", 2, width=512, topk=2, scale_order="mma"), arch)
 
 
 def test_ep_overflow_kernel_claims_error_records_by_compare_and_swap_and_poisons_with_vector_stores():

@@ -181,10 +181,11 @@ def quantize_fp8_rows(
     [1] on x's device): only the first rows_used[0] rows are converted (the rest of the outputs
     left unwritten; the count stays on the device). ``segments`` = 2: each half of a row blocked on
     its own (2·ceil(K / 256) blocks; dh for the dx GEMM, whose two K ranges are its halves).
-    ``scale_order="mma"`` (power_of_two, K a multiple of 128): the scales as E8M0 bytes in the order
-    SM100's block-scaled MMAs read MXFP8 scales, uint8 [ceil(R / 128), K / 128, 512], each block's
-    byte at its four 32-blocks (the padding rows' left unwritten): an MXFP8 operand of the same
-    elements, what ops.grouped_gemm's MXFP8 form takes. ``row_source`` (int32 [R'] on x's device):
+    ``scale_order="mma"`` (power_of_two): the scales as E8M0 bytes in the order SM100's
+    block-scaled MMAs read MXFP8 scales, uint8 [ceil(R / 128), blocks, 512], each block's byte at
+    its 32-blocks (127 at those past a partial last block; each half's blocks starting a chunk with
+    ``segments`` 2; the padding rows' left unwritten): an MXFP8 operand of the same elements, what
+    ops.grouped_gemm's MXFP8 form takes. ``row_source`` (int32 [R'] on x's device):
     the R' rows x[row_source[r]] (zeros where an index is negative: a schedule's padding rows) in
     one pass, the bits of quantizing ops.gather_rows(x, row_source), with no bf16 copy of them;
     ``rows_out`` (bf16 [R', K], with row_source): that copy written too, in the same pass (what
@@ -197,19 +198,18 @@ def quantize_fp8_rows(
         check_disjoint({"rows_out": rows_out}, {"x": x, "row_source": row_source})
     if segments not in (1, 2):
         raise ValueError(f"segments: expected 1 or 2, got {segments}")
-    mma = _check_scale_order(scale_order, power_of_two, k)
-    if mma and segments != 1:
-        raise ValueError("segments: 1 with scale_order='mma' (whole 128 blocks: a row's halves block as the row does)")
+    mma = _check_scale_order(scale_order, power_of_two)
     if k % (16 * segments) or k == 0:
         raise ValueError(f"x: expected [R, K] with K a positive multiple of {16 * segments} (16-byte E4M3 rows"
                          f"{' in each half' if segments == 2 else ''}), got {list(x.shape)}")
     check_launchable(x=x)
     check_rows_used(rows_used, x.device)
     elements = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    blocks = segments * -(-k // segments // 128)
     if mma:
-        scales = torch.empty(-(-rows // 128), k // 128, 512, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(-(-rows // 128), blocks, 512, dtype=torch.uint8, device=x.device)
     else:
-        scales = torch.empty(segments * -(-k // segments // 128), rows, dtype=torch.float32, device=x.device)
+        scales = torch.empty(blocks, rows, dtype=torch.float32, device=x.device)
     if rows:
         variant = quantize_fp8_block_variant(k, 1, power_of_two, bounded=rows_used is not None, segments=segments, mma_scales=mma,
                                              gathered=row_source is not None, copies_rows=rows_out is not None)
@@ -278,13 +278,14 @@ def _source_rows(x: torch.Tensor, row_source: torch.Tensor | None) -> tuple[int,
     return row_source.shape[0], x.shape[1]
 
 
-def _check_scale_order(scale_order: str, power_of_two: bool, k: int) -> bool:
-    """Whether FP8 block scales go out in the MMA's order as E8M0 bytes; refuses what that cannot hold."""
+def _check_scale_order(scale_order: str, power_of_two: bool, k: int | None = None) -> bool:
+    """Whether FP8 block scales go out in the MMA's order as E8M0 bytes; refuses what that cannot
+    hold (``k`` given: a width that must be whole 128-blocks there)."""
     if scale_order not in ("rows", "mma"):
         raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
-    if scale_order == "mma" and (not power_of_two or k % 128):
-        raise ValueError(f"scale_order='mma': E8M0 scales need power_of_two=True and K a multiple of 128, got "
-                         f"power_of_two={power_of_two}, K={k}")
+    if scale_order == "mma" and (not power_of_two or (k is not None and k % 128)):
+        raise ValueError(f"scale_order='mma': E8M0 scales need power_of_two=True{' and M a multiple of 128' if k is not None else ''}, "
+                         f"got power_of_two={power_of_two}{f', M={k}' if k is not None else ''}")
     return scale_order == "mma"
 
 
@@ -292,20 +293,19 @@ def quantize_fp8_weights(w: torch.Tensor, *, power_of_two: bool = False, scale_o
     """(elements float8_e4m3fn [E, N, K], scales float32 [E, ceil(N / 128), ceil(K / 128)]) of bf16
     weights ``w`` [E, N, K] (N and K multiples of 16), 128 x 128 blocks (partial last ones where 128
     does not divide N or K): mok.fp8_block.quantize_weights's bits (finite values), in one launch.
-    ``scale_order="mma"`` (power_of_two, N and K multiples of 128): the scales as E8M0 bytes in the
-    MMA's order, uint8 [E, N / 128, K / 128, 512], each block's byte at every one of its chunk's 512
-    (an MXFP8 weight of the same elements, as :func:`quantize_fp8_rows` says)."""
+    ``scale_order="mma"`` (power_of_two): the scales as E8M0 bytes in the MMA's order, uint8 [E,
+    ceil(N / 128), ceil(K / 128), 512], each block's byte at every one of its chunk's 512 (127 at
+    the 32-blocks past a partial last K block and at the rows past N: an MXFP8 weight of the same
+    elements, as :func:`quantize_fp8_rows` says)."""
     check_tensor("w", w, dtypes=BF16, ndim=3, contiguous=True)
     experts, n, k = w.shape
     if n % 16 or k % 16 or not n or not k:
         raise ValueError(f"w: expected [E, N, K] with N and K positive multiples of 16, got {list(w.shape)}")
-    mma = _check_scale_order(scale_order, power_of_two, k)
-    if mma and n % 128:
-        raise ValueError(f"w: expected N a multiple of 128 for scale_order='mma', got {list(w.shape)}")
+    mma = _check_scale_order(scale_order, power_of_two)
     check_launchable(w=w)
     elements = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     if mma:
-        scales = torch.empty(experts, n // 128, k // 128, 512, dtype=torch.uint8, device=w.device)
+        scales = torch.empty(experts, -(-n // 128), -(-k // 128), 512, dtype=torch.uint8, device=w.device)
     else:
         scales = torch.empty(experts, -(-n // 128), -(-k // 128), dtype=torch.float32, device=w.device)
     if w.numel():

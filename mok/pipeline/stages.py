@@ -204,14 +204,14 @@ def packed_fp8_rows(num_rows: int, hidden: int, device) -> torch.Tensor:
 def fp8_rows(packed: torch.Tensor, hidden: int, scale_order: str = "rows") -> tuple[torch.Tensor, torch.Tensor]:
     """The parts of a :func:`packed_fp8_rows` buffer, as the FP8 GEMMs take A: (elements
     float8_e4m3fn [R, H] from its first byte, scales from byte R·H: float32 [ceil(H / 128), R], or
-    with ``scale_order`` "mma" (Plan.fp8_scale_order: SM100, R and H multiples of 128) E8M0 bytes
-    in the MMA order, uint8 [R / 128, H / 128, 512]: the same 4·H / 128 bytes a row)."""
+    with ``scale_order`` "mma" (Plan.fp8_scale_order: SM100, R a multiple of 128) E8M0 bytes in
+    the MMA order, uint8 [R / 128, ceil(H / 128), 512]: the same 4·ceil(H / 128) bytes a row)."""
     num_rows, flat = packed.shape[0], packed.view(-1)
     elements = flat[: num_rows * hidden].view(torch.float8_e4m3fn).view(num_rows, hidden)
     if scale_order == "mma":
-        if num_rows % 128 or hidden % 128:
-            raise ValueError(f"packed: expected R and H multiples of 128 for scale_order='mma', got R={num_rows}, H={hidden}")
-        return elements, flat[num_rows * hidden:].view(num_rows // 128, hidden // 128, 512)
+        if num_rows % 128:
+            raise ValueError(f"packed: expected R a multiple of 128 for scale_order='mma', got R={num_rows}")
+        return elements, flat[num_rows * hidden:].view(num_rows // 128, -(-hidden // 128), 512)
     scales = flat[num_rows * hidden:].view(torch.float32).view(-(-hidden // 128), num_rows)
     return elements, scales
 
@@ -248,8 +248,7 @@ def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segme
     used = None if sched is None else rows_in_use(sched)
     if plan.precision == "fp8_block":
         order = plan.fp8_scale_order
-        return ops.quantize_fp8_rows(rows, power_of_two=plan.config.fp8_power_of_two, rows_used=used,
-                                     segments=1 if order == "mma" else segments, scale_order=order,
+        return ops.quantize_fp8_rows(rows, power_of_two=plan.config.fp8_power_of_two, rows_used=used, segments=segments, scale_order=order,
                                      row_source=sched.row_token if gathered else None, rows_out=rows_out)
     if gathered:
         raise ValueError(f"quantized_rows: gathered rows are fp8_block's, got precision {plan.precision!r}")

@@ -445,22 +445,23 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
       and scales as they are (no conversion: the FP8 GEMM reads them), the elements as bytes, 16 a
       vector, the scales into [ceil(H / 128), R], the layout the GEMM's TMA reads; padding rows get
       zero elements and zero scales. A token crosses as H + 4·ceil(H / 128) bytes. ``scale_order``
-      "mma" (power-of-two scales, H a multiple of 128: SM100's block-scaled MMAs): each scale
-      goes into the rows' MXFP8 scales instead, its exponent field as the E8M0 byte of each of the
-      block's four 32-blocks, in the order the MMAs read (uint8 [R / 128, H / 128, 512], a row's
-      block one 4-byte word; the padding rows' bytes zero), exact for a power of two."""
+      "mma" (power-of-two scales: SM100's block-scaled MMAs): each scale goes into the rows' MXFP8
+      scales instead, its exponent field as the E8M0 byte of each of the block's 32-blocks (127
+      past a partial last block's), in the order the MMAs read (uint8 [R / 128, ceil(H / 128),
+      512], a row's block one 4-byte word; the padding rows' bytes zero), exact for a power of two."""
 
     def __init__(self, world: int, width: int, topk: int, row_format: str, max_threads: int = 128, scale_order: str = "rows") -> None:
         check_quantized_rows(row_format, width)
         if scale_order not in ("rows", "mma"):
             raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
-        if scale_order == "mma" and (row_format != "fp8_block" or width % FP8_BLOCK):
-            raise ValueError(f"scale_order='mma': fp8_block rows of whole {FP8_BLOCK}-blocks, got row_format={row_format!r}, width={width}")
+        if scale_order == "mma" and row_format != "fp8_block":
+            raise ValueError(f"scale_order='mma': fp8_block rows, got row_format={row_format!r}")
         self.row_format, self.scale_order = row_format, scale_order
         if row_format == "fp8_block":
             self.vector = FP8_ROW_VECTOR  # (the elements copied as bytes)
         super().__init__(world, width, topk, max_threads)
         self.k_blocks = -(-width // FP8_BLOCK)
+        self.last_blocks_32 = -(-(width - (self.k_blocks - 1) * FP8_BLOCK) // 32)  # (the last 128-block's 32-blocks: its E8M0 bytes)
 
     @cute.jit
     def __call__(
@@ -525,7 +526,11 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
         """fp8_block: row ``row``'s scale of K block ``k_block``, fp32 at [k_block, row], or
         (``scale_order`` "mma") its E8M0 word at the row's place in the MMA order."""
         if cutlass.const_expr(self.scale_order == "mma"):
-            m_out_scales[mma_scale_word(row, k_block, self.k_blocks)] = e8m0_word(scale)
+            word = e8m0_word(scale)
+            if cutlass.const_expr(self.last_blocks_32 < 4):  # (a partial last block: 127 at its 32-blocks past the row)
+                if k_block == self.k_blocks - 1:
+                    word = e8m0_word(scale, self.last_blocks_32)
+            m_out_scales[mma_scale_word(row, k_block, self.k_blocks)] = word
         else:
             m_out_scales[k_block, row] = scale
 

@@ -16,12 +16,16 @@ tile of an expert's weights the rows there are. ``segments`` = 2 blocks each hal
 own (dh, whose halves are the dx GEMM's two K ranges, k_split): blocks restart at the second half,
 ceil(K / 2 / 128) of them a half.
 
-``mma_scales`` (power-of-two scales, whole 128 blocks: SM100's block-scaled MMAs): each scale as
-its E8M0 byte (the power's exponent + 127: the fp32 scale's exponent field) at every 32-block it
-covers, in the order the MMAs read MXFP8 scales (mok.mxfp8.mma_scale_layout: a 512-byte chunk per
-128 rows and 128 K values): a row's block is its four bytes of a chunk, one 4-byte store; a
-weight's 128 x 128 block is a whole chunk, a 4-byte store per thread. The elements are the same, so
-the product the MXFP8 kernels compute is the recipe's, up to the MMA's own rounding.
+``mma_scales`` (power-of-two scales: SM100's block-scaled MMAs): each scale as its E8M0 byte (the
+power's exponent + 127: the fp32 scale's exponent field) at every 32-block it covers, in the order
+the MMAs read MXFP8 scales (mok.mxfp8.mma_scale_layout: a 512-byte chunk per 128 rows and 128 K
+values, ceil(width / 128) chunks a row, each segment's starting a chunk): a row's block is its
+four bytes of a chunk, one 4-byte store; a weight's 128 x 128 block is a whole chunk, a 4-byte
+store per thread. A segment's partial last block has its scale at the 32-blocks it covers and
+127 (scale 1) at the rest, a matrix's padding rows 127 throughout (mok.mxfp8's padding
+convention: finite scales where the MMA reads past the values, whose zeros stay zeros). The
+elements are the same, so the product the MXFP8 kernels compute is the recipe's, up to the MMA's
+own rounding.
 
 scale = amax / 448 (1 for an all-zero block; ``power_of_two``: the power of two at or above it,
 from its bits: a set mantissa rounds the exponent up, at least 2^-126), factor = 448 / amax (1 / scale
@@ -66,6 +70,8 @@ EXPONENT_ONE = 0x00800000
 ROW_CHUNK = 8  # bf16 values of one 16-byte load (QuantizeFp8ColumnsKernel)
 SEGMENT_CHUNKS = BLOCK // ROW_CHUNK  # 16-byte chunks of a row's 128 values
 OUT_CHUNK = 16  # E4M3 values of one 16-byte store
+SCALE_ONE = 127  # E8M0 byte of scale 1 (mok.mxfp8.SCALE_ONE): the MMA order's padding blocks and rows
+BLOCKS_32 = BLOCK // 32  # MXFP8 32-blocks of a 128-block (bytes of its E8M0 word)
 QUAD = 4  # adjacent columns a thread of QuantizeFp8ColumnsKernel takes (an 8-byte shared-memory load a row)
 COLUMN_ROWS = BLOCK // WARPS  # rows of them it takes (a warp's quarter of the tile)
 ROWS_IN_FLIGHT = 8  # rows a warp of the rows' quantizer loads before it converts any (8 x 8 bytes a lane in flight)
@@ -83,14 +89,27 @@ def power_of_two_at_or_above(s: cutlass.Float32) -> cutlass.Float32:
 
 
 @cute.jit
-def e8m0_word(scale: cutlass.Float32) -> cutlass.Float32:
-    """A power-of-two ``scale``'s E8M0 byte (its exponent field: exponent + 127) four times over, as
-    the fp32 word whose bits they are (0.0 gives a zero word)."""
+def e8m0_word(scale: cutlass.Float32, blocks: cutlass.Constexpr[int] = 4) -> cutlass.Float32:
+    """A power-of-two ``scale``'s E8M0 byte (its exponent field: exponent + 127) in each of the
+    word's first ``blocks`` bytes (the 32-blocks a 128-block has: fewer where it is a row's partial
+    last one) and 127 (scale 1, mok.mxfp8.SCALE_ONE: finite, so the zeros the MMA reads past the
+    row stay zeros) in the rest, as the fp32 word whose bits they are (0.0 gives zero bytes)."""
+    ones = sum(1 << (8 * i) for i in range(blocks))
+    padding = sum(SCALE_ONE << (8 * i) for i in range(blocks, 4))
     bits = cute.make_rmem_tensor((1,), cutlass.Float32)
     bits[0] = scale
     raw = cute.recast_tensor(bits, cutlass.Int32)
-    raw[0] = ((raw[0] >> 23) & 0xFF) * 0x01010101
+    raw[0] = ((raw[0] >> 23) & 0xFF) * ones + padding
     return bits[0]
+
+
+@cute.jit
+def padding_word() -> cutlass.Float32:
+    """The 4-byte word of an MMA-ordered chunk's padding row (past a matrix's rows): 127 four
+    times, as the fp32 word whose bits they are."""
+    bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+    bits[0] = SCALE_ONE * 0x01010101
+    return cute.recast_tensor(bits, cutlass.Float32)[0]
 
 
 @cute.jit
@@ -118,10 +137,8 @@ class QuantizeFp8BlockKernel:
             raise ValueError(f"width: expected a positive multiple of {16 * segments} (16-byte E4M3 rows per segment), got {width}")
         if matrix_rows is not None and (block_rows == 1 or matrix_rows <= 0):
             raise ValueError(f"matrix_rows: expected None, or the rows of one expert's weights with block_rows {BLOCK}, got {matrix_rows}")
-        if mma_scales and (not power_of_two or width % BLOCK or segments != 1 or matrix_rows is not None):
-            raise ValueError("mma_scales: E8M0 scales for SM100's block-scaled MMAs need power_of_two, whole 128 blocks (width and each "
-                             f"expert's rows multiples of {BLOCK}) and one segment, got power_of_two={power_of_two}, width={width}, "
-                             f"segments={segments}, matrix_rows={matrix_rows}")
+        if mma_scales and not power_of_two:
+            raise ValueError("mma_scales: E8M0 scales for SM100's block-scaled MMAs need power_of_two")
         if gathered and block_rows != 1:
             raise ValueError(f"gathered: rows only (block_rows 1), got block_rows {block_rows}")
         if copies_rows and not gathered:
@@ -135,6 +152,8 @@ class QuantizeFp8BlockKernel:
         self.segment_blocks = -(-self.segment_width // BLOCK)  # K blocks of a segment, the last one partial
         self.k_blocks = segments * self.segment_blocks
         self.whole_blocks = self.segment_width % BLOCK == 0  # (no lane ever lies past its segment)
+        # (mma_scales: the 32-blocks of a segment's last 128-block, the rest of its E8M0 word padding)
+        self.last_blocks_32 = -(-(self.segment_width - (self.segment_blocks - 1) * BLOCK) // 32)
 
     @cute.jit
     def __call__(
@@ -154,13 +173,13 @@ class QuantizeFp8BlockKernel:
         m_source = cute.make_tensor(row_source_ptr, cute.make_layout((num_rows,)))
         m_copy = cute.make_tensor(rows_copy_ptr, rows) if cutlass.const_expr(self.copies_rows) else None
         row_tiles = (num_rows + BLOCK - 1) // BLOCK
+        if cutlass.const_expr(self.matrix_rows is not None):  # (each matrix's row tiles on their own)
+            row_tiles = num_rows // self.matrix_rows * ((self.matrix_rows + BLOCK - 1) // BLOCK)
         if cutlass.const_expr(self.mma_scales):  # (uint8 [chunks, k blocks, 512] as 4-byte words: 128 a chunk)
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_tiles * k_blocks * BLOCK,)))
         elif cutlass.const_expr(self.block_rows == 1):
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((num_rows, k_blocks), stride=(1, num_rows)))
         else:
-            if cutlass.const_expr(self.matrix_rows is not None):
-                row_tiles = num_rows // self.matrix_rows * ((self.matrix_rows + BLOCK - 1) // BLOCK)
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_tiles, k_blocks), stride=(k_blocks, 1)))
         m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel(m_x, m_q, m_s, m_used, m_source, m_copy, num_rows).launch(
@@ -218,9 +237,19 @@ class QuantizeFp8BlockKernel:
         E8M0 byte for the block's four 32-blocks, one word of the row's chunk (the four bytes lie
         together: mok.mxfp8.mma_scale_layout)."""
         if cutlass.const_expr(self.mma_scales):
-            m_s[mma_scale_word(row, k_block, self.k_blocks)] = e8m0_word(scale)
+            m_s[mma_scale_word(row, k_block, self.k_blocks)] = self.block_word(scale, k_block)
         else:
             m_s[row, k_block] = scale
+
+    @cute.jit
+    def block_word(self, scale, k_block):
+        """``mma_scales``: K block ``k_block``'s E8M0 word (:func:`e8m0_word`), padding past the row
+        where it is a segment's partial last block."""
+        word = e8m0_word(scale)
+        if cutlass.const_expr(self.last_blocks_32 < BLOCKS_32):
+            if (k_block + 1) % self.segment_blocks == 0:
+                word = e8m0_word(scale, self.last_blocks_32)
+        return word
 
     @cute.jit
     def quantize_row(self, m_x, m_q, source, row, k_block, lane, factor, m_copy=None):
@@ -343,8 +372,12 @@ class QuantizeFp8BlockKernel:
             for r in cutlass.range(warp, BLOCK, WARPS, unroll=2):
                 if first + r < limit:
                     self.quantize_row(m_x, m_q, first + r, first + r, k_block, lane, factor)
-            if cutlass.const_expr(self.mma_scales):  # (the block is a whole chunk: every thread one word of it)
-                m_s[(row_tile * self.k_blocks + k_block) * BLOCK + tidx] = e8m0_word(scale)
+            if cutlass.const_expr(self.mma_scales):  # (the block is a whole chunk: every thread one word of it, word w row
+                word = self.block_word(scale, k_block)  # (w % 4)·32 + w / 4 of the tile; past the matrix's rows padding)
+                if cutlass.const_expr(self.matrix_rows is not None):
+                    if first + (tidx % 4) * 32 + tidx // 4 >= limit:
+                        word = padding_word()
+                m_s[(row_tile * self.k_blocks + k_block) * BLOCK + tidx] = word
             elif tidx == 0 and first < limit:
                 m_s[row_tile, k_block] = scale
 
