@@ -53,14 +53,9 @@ def fp8_on_block_scaled_mma_refusal(config: MoKConfig, arch: str) -> str | None:
     Hopper's runs: wgrad_format and dispatch_format "fp8_block" too; None where it does)."""
     if arch not in MXFP8_GEMM_ARCHS:
         return f"precision='fp8_block': Hopper's FP8 WGMMAs or SM100's block-scaled MMAs ({', '.join(MXFP8_GEMM_ARCHS)}), got {arch}"
-    widths = config.widths
-    problems = [what for what, bad in (
-        ("fp8_scales='power_of_two' (the MMAs' scales are E8M0: powers of two)", not config.fp8_power_of_two),
-        (f"with wgrad_format='fp8_block' widths that are multiples of {TILE} (the column quantizer's MMA order: whole 128-blocks), "
-         f"got {widths}", config.weight_grad_format == "fp8_block" and any(v % TILE for v in widths.values())),
-    ) if bad]
-    if problems:
-        return f"precision='fp8_block' on {arch} runs on its block-scaled MMAs and needs {'; '.join(problems)}"
+    if not config.fp8_power_of_two:
+        return (f"precision='fp8_block' on {arch} runs on its block-scaled MMAs and needs fp8_scales='power_of_two' (the MMAs' "
+                "scales are E8M0: powers of two)")
     return None
 
 
@@ -368,13 +363,13 @@ class Plan:
         if fp8:  # the four rows' transposes (quantizers of (width, rows gathered from the tokens)): FP8 WGMMAs, or SM100's MXFP8 kernel
             mma, pow2 = self.fp8_on_block_scaled_mma, self.config.fp8_power_of_two
             operand = "e4m3" if mma else "e4m3_block"
-            columns = [(i, False), (2 * i, False)]  # s·a's and dh's
+            columns = [(i, False, 1), (2 * i, False, 2 if mma else 1)]  # s·a's and dh's (SM100: its halves each starting a chunk)
             if self.ep or self.config.expert_bias:  # dout's rows as they are (the biases' sums read them), at EP x's pulled ones
-                columns.append((h, False))
+                columns.append((h, False, 1))
             if not self.ep:  # x's, and dout's, rows gathered from the tokens as they are quantized
-                columns.append((h, True))
-            v = [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, columns=True, gathered=gathered, mma_scales=mma)
-                 for width, gathered in columns]
+                columns.append((h, True, 1))
+            v = [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, columns=True, gathered=gathered, mma_scales=mma,
+                                            segments=segments) for width, gathered, segments in columns]
         kinds = [("bf16", False)] + ([("f32", True)] if self.config.fuse_wgrad_accumulation else [])
         for out, accumulate in kinds:
             v += [

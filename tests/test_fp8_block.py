@@ -193,13 +193,13 @@ def test_quantize_ops_check_their_input_before_any_launch():
         ops.quantize_fp8_columns(torch.zeros(256, 256, dtype=torch.bfloat16))
     from mok.kernels.variants import quantize_fp8_block_variant
 
-    with pytest.raises(ValueError, match="columns: rows \\(block_rows 1\\) in one segment only"):
+    with pytest.raises(ValueError, match="columns: rows \\(block_rows 1\\) in one segment \\(columns: two with mma_scales\\) only"):
         quantize_fp8_block_variant(256, 128, columns=True)
     with pytest.raises(ValueError, match=r"back: fp32 scales only \(E8M0 rows in the MMA order are MXFP8's"):
         quantize_fp8_block_variant(256, back=True, mma_scales=True)
-    with pytest.raises(ValueError, match=r"scale_order='mma': E8M0 scales need power_of_two=True and M a multiple of 128, got "
-                                         r"power_of_two=True, M=2880"):
-        ops.quantize_fp8_columns(torch.zeros(256, 2880, dtype=torch.bfloat16), power_of_two=True, scale_order="mma")
+    with pytest.raises(ValueError, match=r"segments: 1, or 2 with scale_order='mma' and M a multiple of 32, got 2 with "
+                                         r"scale_order='rows', M=2880"):
+        ops.quantize_fp8_columns(torch.zeros(256, 2880, dtype=torch.bfloat16), power_of_two=True, segments=2)
 
 
 def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
@@ -208,8 +208,8 @@ def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
     the MMAs' order; the rows gathered first; the weight gradients bf16; at EP the scattering MXFP8
     GEMMs, with biases their bias epilogues (the bf16 kernel's: the bias rows loaded, the scattered
     rows stored from registers); at widths 128 does not divide (gpt-oss's 2880) the same kernels,
-    dh's rows blocked a half at a time; refused, naming the reason, with fp32 scales, and with FP8
-    weight gradients at such widths (compile-verified, never run)."""
+    dh's rows blocked a half at a time, and with FP8 weight gradients dh's columns likewise; refused,
+    naming the reason, with fp32 scales (compile-verified, never run)."""
     from test_kernels_ptx import count, ptxas_spill_bytes
 
     from mok.config import MoKConfig
@@ -230,10 +230,13 @@ def test_fp8_block_on_sm100_runs_power_of_two_scales_on_the_block_scaled_mmas():
     for v in gemms[:2]:
         ptx = compiled_ptx(v, "sm_100a")
         assert "kind::mxf8f6f4.block_scale" in ptx and "wgmma" not in ptx
-    for options, reason in ((dict(fp8_scales="fp32"), "fp8_scales='power_of_two'"),
-                            (dict(intermediate=784, wgrad_format="fp8_block"), "with wgrad_format='fp8_block' widths that are multiples of 128")):
-        fields = {**dict(hidden=2048, intermediate=768, num_experts=64, topk=8, precision="fp8_block", fp8_scales="power_of_two"), **options}
-        assert reason in refusal(MoKConfig(**fields), "sm_100a"), options
+    fields = dict(hidden=2048, intermediate=768, num_experts=64, topk=8, precision="fp8_block", fp8_scales="fp32")
+    assert "fp8_scales='power_of_two'" in refusal(MoKConfig(**fields), "sm_100a")
+    fp8_wgrads = MoKConfig(2048, 784, 64, 8, precision="fp8_block", fp8_scales="power_of_two", wgrad_format="fp8_block")
+    assert refusal(fp8_wgrads, "sm_100a") is None
+    columns = sorted((v.config["width"], v.config.get("segments", 1)) for v in Plan(fp8_wgrads, "sm_100a").variants()
+                     if v.name == "quantize_fp8_block" and v.config.get("columns"))
+    assert columns == [(784, 1), (1568, 2), (2048, 1)]  # (s·a's; dh's halves each starting a chunk; x's and dout's gathered)
     gpt_oss = MoKConfig(2880, 2880, 32, 4, precision="fp8_block", fp8_scales="power_of_two", ep_size=2, dispatch_format="fp8_block")
     assert refusal(gpt_oss, "sm_100a") is None
     rows = sorted((v.config["width"], v.config.get("segments", 1)) for v in Plan(gpt_oss, "sm_100a").variants()

@@ -503,8 +503,9 @@ def test_column_quantizer_gives_the_transpose_s_row_bits(M, power_of_two, gather
     assert torch.equal(again_q[:, :used].view(torch.uint8), q[:, :used].view(torch.uint8))
 
 
+@pytest.mark.parametrize("M,segments", [(1024, 1), (2880, 1), (2080, 2)])
 @pytest.mark.parametrize("gathered", [False, True])
-def test_column_quantizer_in_the_mma_order_gives_the_blocks_as_e8m0(gathered):
+def test_column_quantizer_in_the_mma_order_gives_the_blocks_as_e8m0(gathered, M, segments):
     """ops.quantize_fp8_columns(scale_order="mma") (SM100's weight gradients on FP8 take it as the
     MXFP8 weight-gradient kernel's operands; the quantizer is arch-neutral, so checked here), into
     outputs poisoned with 0xFF (NaN as E4M3 and as E8M0): the elements in the rows' own layout, the
@@ -512,8 +513,9 @@ def test_column_quantizer_in_the_mma_order_gives_the_blocks_as_e8m0(gathered):
     the fp32-scale form; each column's 128-row block scale as its E8M0 byte at the block's four
     32-blocks in mok.mxfp8's MMA order (mma_order_reference); the row blocks past rows_used left
     as they were; gathered: the rows x[row_token], zeros for the padding rows; magnitudes over six
-    decades across the columns."""
-    T, M, E, k = 600, 1024, 8, 4
+    decades across the columns. M = 2880: the chunk rows past M padding (127); 2080 in two segments
+    (dh's halves of 1040): each half's columns starting a chunk."""
+    T, E, k = 600, 8, 4
     g = torch.Generator(device="cuda").manual_seed(23 + gathered)
     x = (torch.randn(T, M, device="cuda", generator=g) * torch.logspace(-3, 3, M, device="cuda")).bfloat16()
     if gathered:
@@ -527,12 +529,12 @@ def test_column_quantizer_in_the_mma_order_gives_the_blocks_as_e8m0(gathered):
     R, used = rows.shape[0], int(used_count)
     assert used % 128 == 0 and 0 < used < R
     out = (torch.full((R, M), 0xFF, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn),
-           torch.full((M // 128, R // 128, 512), 0xFF, dtype=torch.uint8, device="cuda"))
-    q, s = ops.quantize_fp8_columns(**call, power_of_two=True, rows_used=used_count, scale_order="mma", out=out)
+           torch.full((segments * -(-M // segments // 128), R // 128, 512), 0xFF, dtype=torch.uint8, device="cuda"))
+    q, s = ops.quantize_fp8_columns(**call, power_of_two=True, rows_used=used_count, scale_order="mma", out=out, segments=segments)
     assert q.data_ptr() == out[0].data_ptr() and s.data_ptr() == out[1].data_ptr()
     want_q, want_s = fp8.quantize_rows(rows[:used].T.contiguous().cpu(), power_of_two=True)
     assert torch.equal(q[:used].cpu().view(torch.uint8), want_q.T.contiguous().view(torch.uint8))
-    assert torch.equal(s[:, : used // 128].cpu(), mma_order_reference(want_s))
+    assert torch.equal(s[:, : used // 128].cpu(), torch.cat([mma_order_reference(half) for half in want_s.chunk(segments, dim=1)]))
     assert bool((q[used:].view(torch.uint8) == 0xFF).all()) and bool((s[:, used // 128:] == 0xFF).all())  # (past the count: untouched)
     fp32_form, _ = ops.quantize_fp8_columns(**call, power_of_two=True, rows_used=used_count)
     assert torch.equal(q[:used].view(torch.uint8), fp32_form[:, :used].T.contiguous().view(torch.uint8))

@@ -642,7 +642,8 @@ def test_fp8_block_quantizer_in_the_mma_order_pads_partial_blocks_and_rows_with_
     """scale_order "mma" where 128 does not divide a width: a row's last 128-block of 2880 (64
     values, two 32-blocks) has its E8M0 byte twice (x 0x0101) and 127 in the word's other two
     bytes (+ 0x7F7F0000); 2064's (16 values) once and 127 three times; the weights' padding rows
-    past N = 1040 the word 0x7F7F7F7F; whole blocks the byte four times (x 0x01010101) only.
+    past N = 1040 the word 0x7F7F7F7F; the column quantizer's chunk rows past M (2880) or past each
+    half of dh (two segments of 1040) likewise; whole blocks the byte four times (x 0x01010101) only.
     (Compiled only here for sm_100a; the bytes are checked on Hopper: tests/test_fp8_block_gpu.py.)"""
     from mok.kernels.variants import fp8_weights_quantizer, quantize_fp8_block_variant
 
@@ -658,6 +659,12 @@ def test_fp8_block_quantizer_in_the_mma_order_pads_partial_blocks_and_rows_with_
     assert "0f7F7F7F7F" in weights and re.search(r"\b2139029504\b", weights) and count(r"\.local", weights) == 0  # (the word as fp32)
     whole = compiled_ptx(fp8_weights_quantizer(1024, 2048, True, mma_scales=True), arch)
     assert "0f7F7F7F7F" not in whole and not re.search(r"\b21390(29504|62016)\b", whole)
+    whole_columns = compiled_ptx(quantize_fp8_block_variant(2048, power_of_two=True, bounded=True, columns=True, mma_scales=True), arch)
+    for width, segments, padding in ((2880, 1, 64), (2080, 2, 112)):  # (the column quantizer: a word a chunk row past M, or past a half of dh)
+        columns = compiled_ptx(quantize_fp8_block_variant(width, power_of_two=True, bounded=True, columns=True, mma_scales=True,
+                                                          segments=segments), arch)
+        assert count(r"st\.global\.b32\s+\[%rd\d+(\+\d+)?\], 2139062143;", columns) == padding and count(r"\.local", columns) == 0
+    assert count(r"st\.global\.b32\s+\[%rd\d+(\+\d+)?\], 2139062143;", whole_columns) == 0
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -121,8 +121,8 @@ def quantize_fp8_block_variant(width: int, block_rows: int = 1, power_of_two: bo
     ``mma_scales`` the elements in the rows' layout and E8M0 scales in the MMA order, SM100's MXFP8
     weight-gradient operands); ``back`` (rows, one segment, fp32 scales): E4M3 rows with their
     scales back to bf16; ``copies_rows`` (gathered): the gathered bf16 rows written too."""
-    if (columns or back) and (block_rows != 1 or segments != 1 or matrix_rows is not None):
-        raise ValueError(f"{'columns' if columns else 'back'}: rows (block_rows 1) in one segment only")
+    if (columns or back) and (block_rows != 1 or (segments != 1 and not (columns and mma_scales)) or matrix_rows is not None):
+        raise ValueError(f"{'columns' if columns else 'back'}: rows (block_rows 1) in one segment (columns: two with mma_scales) only")
     if back and mma_scales:
         raise ValueError("back: fp32 scales only (E8M0 rows in the MMA order are MXFP8's: mok.ops.dequantize_mxfp8)")
     if back and (columns or gathered or power_of_two):

@@ -219,7 +219,7 @@ def quantize_fp8_rows(
 
 def quantize_fp8_columns(
     x: torch.Tensor, *, power_of_two: bool = False, rows_used: torch.Tensor | None = None, row_source: torch.Tensor | None = None,
-    scale_order: str = "rows", out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale_order: str = "rows", out: tuple[torch.Tensor, torch.Tensor] | None = None, segments: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The transpose of bf16 rows ``x`` [R, M] (R a multiple of 128, M of 16) quantized with 1 x 128
     blocks along R: (elements float8_e4m3fn [M, R], scales float32 [R / 128, M]), the bits
@@ -229,25 +229,30 @@ def quantize_fp8_columns(
     rows_used[0] are converted (the rest of both outputs left unwritten; the count stays on the
     device). ``row_source`` (int32 [R] on x's device): the rows x[row_source[r]] (zeros where an
     index is negative: a schedule's padding rows), gathered as they are quantized.
-    ``scale_order="mma"`` (power_of_two, M a multiple of 128): the same values as the MXFP8 operands
-    SM100's weight gradient reads (what quantize_mxfp8_columns(scale_order="mma") gives for MXFP8):
-    elements [R, M] in x's own layout (the transposed elements' transpose) and each column's
-    128-row block scale as its E8M0 byte at the block's four 32-blocks, uint8 [M / 128, R / 128,
-    512] in mok.mxfp8.mma_scale_layout's order. ``out``: the (elements, scales) tensors to write."""
+    ``scale_order="mma"`` (power_of_two): the same values as the MXFP8 operands SM100's weight
+    gradient reads (what quantize_mxfp8_columns(scale_order="mma") gives for MXFP8): elements [R,
+    M] in x's own layout (the transposed elements' transpose) and each column's 128-row block scale
+    as its E8M0 byte at the block's four 32-blocks, uint8 [ceil(M / 128), R / 128, 512] in
+    mok.mxfp8.mma_scale_layout's order (the chunk rows past M: 127); ``segments`` 2 (dh's halves,
+    the split-out weight gradient's two M ranges): each half's columns starting a chunk,
+    [2·ceil(M / 256), R / 128, 512]. ``out``: the (elements, scales) tensors to write."""
     rows, m = _source_rows(x, row_source)
-    mma = _check_scale_order(scale_order, power_of_two, m)
+    mma = _check_scale_order(scale_order, power_of_two)
+    if segments not in (1, 2) or (segments == 2 and (not mma or m % 32)):
+        raise ValueError(f"segments: 1, or 2 with scale_order='mma' and M a multiple of 32, got {segments} with "
+                         f"scale_order={scale_order!r}, M={m}")
     if rows % 128 or m % 16 or m == 0:
         raise ValueError(f"x: expected [R, M] rows with R a multiple of 128 and M a positive multiple of 16, got R={rows}, M={m}"
                          f"{' (R: row_source)' if row_source is not None else ''}")
     check_launchable(x=x)
     check_rows_used(rows_used, x.device)
     if mma:
-        elements, scales = _output_pair(out, (rows, m), (m // 128, rows // 128, 512), torch.uint8, x.device)
+        elements, scales = _output_pair(out, (rows, m), (segments * -(-m // segments // 128), rows // 128, 512), torch.uint8, x.device)
     else:
         elements, scales = _output_pair(out, (m, rows), (rows // 128, m), torch.float32, x.device)
     if rows:
         variant = quantize_fp8_block_variant(m, 1, power_of_two, bounded=rows_used is not None, gathered=row_source is not None,
-                                             columns=True, mma_scales=mma)
+                                             columns=True, mma_scales=mma, segments=segments)
         _quantize_fp8_block(variant, x, elements, scales, rows_used, row_source, num_rows=rows)
     return elements, scales
 
@@ -278,14 +283,12 @@ def _source_rows(x: torch.Tensor, row_source: torch.Tensor | None) -> tuple[int,
     return row_source.shape[0], x.shape[1]
 
 
-def _check_scale_order(scale_order: str, power_of_two: bool, k: int | None = None) -> bool:
-    """Whether FP8 block scales go out in the MMA's order as E8M0 bytes; refuses what that cannot
-    hold (``k`` given: a width that must be whole 128-blocks there)."""
+def _check_scale_order(scale_order: str, power_of_two: bool) -> bool:
+    """Whether FP8 block scales go out in the MMA's order as E8M0 bytes; refuses what that cannot hold."""
     if scale_order not in ("rows", "mma"):
         raise ValueError(f"scale_order: expected 'rows' or 'mma', got {scale_order!r}")
-    if scale_order == "mma" and (not power_of_two or (k is not None and k % 128)):
-        raise ValueError(f"scale_order='mma': E8M0 scales need power_of_two=True{' and M a multiple of 128' if k is not None else ''}, "
-                         f"got power_of_two={power_of_two}{f', M={k}' if k is not None else ''}")
+    if scale_order == "mma" and not power_of_two:
+        raise ValueError(f"scale_order='mma': E8M0 scales need power_of_two=True, got power_of_two={power_of_two}")
     return scale_order == "mma"
 
 

@@ -463,16 +463,19 @@ def fp8_weight_grad_operands(plan: Plan, rows: tuple, sched: Schedule, tokens: t
     (ops.quantize_fp8_columns, the plan's scale rule), the row blocks in use only; where dout_rows
     or x_rows is None, the rows of its token matrix in ``tokens`` = (dout, x) gathered as they are
     quantized. On SM100 (plan.fp8_scale_order "mma") the same values as the MXFP8 operands its
-    weight-gradient kernel reads: the rows' own layout, E8M0 scales in the MMA order."""
-    options = dict(power_of_two=plan.config.fp8_power_of_two, rows_used=rows_in_use(sched), scale_order=plan.fp8_scale_order)
+    weight-gradient kernel reads: the rows' own layout, E8M0 scales in the MMA order, dh's halves
+    (the split-out gradient's two M ranges) each starting a chunk."""
+    order = plan.fp8_scale_order
+    options = dict(power_of_two=plan.config.fp8_power_of_two, rows_used=rows_in_use(sched), scale_order=order)
 
-    def transpose(t: torch.Tensor | None, token_matrix: torch.Tensor | None = None):
+    def transpose(t: torch.Tensor | None, token_matrix: torch.Tensor | None = None, segments: int = 1):
         if t is None:
             return ops.quantize_fp8_columns(token_matrix, row_source=sched.row_token, **options)
-        return ops.quantize_fp8_columns(t, **options)
+        return ops.quantize_fp8_columns(t, segments=segments, **options)
 
     dout_rows, a_scaled, dh, x_rows = rows
-    return transpose(dout_rows, tokens[0]), transpose(a_scaled), transpose(dh), transpose(x_rows, tokens[1])
+    return (transpose(dout_rows, tokens[0]), transpose(a_scaled), transpose(dh, segments=2 if order == "mma" else 1),
+            transpose(x_rows, tokens[1]))
 
 
 def expert_weight_grads(

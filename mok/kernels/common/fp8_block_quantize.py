@@ -396,16 +396,22 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
     each output row, warp 0 the four scales. Static
     config: the width M (a multiple of 16; a partial last column tile), ``power_of_two``,
     ``bounded`` (the row blocks below rows_used[0], a multiple of 128), ``gathered`` (row r is
-    source row row_source[r] of x, zeros where negative) and ``mma_scales`` (power_of_two, M a
-    multiple of 128: the operands SM100's MXFP8 weight gradient reads, MN-major): the elements
-    stay in the rows' own layout [R, M] (a lane's four columns one 4-byte store a row) and each
-    column's 128-row block scale goes out as its E8M0 byte at the block's four 32-blocks, in the
-    order the MMAs read MXFP8 scales ([M / 128, R / 128, 512]: column m's block b is one word of
-    chunk (m / 128, b), as a row's is in the row quantizer)."""
+    source row row_source[r] of x, zeros where negative) and ``mma_scales`` (power_of_two: the
+    operands SM100's MXFP8 weight gradient reads, MN-major): the elements stay in the rows' own
+    layout [R, M] (a lane's four columns one 4-byte store a row) and each column's 128-row block
+    scale goes out as its E8M0 byte at the block's four 32-blocks, in the order the MMAs read MXFP8
+    scales ([ceil(M / 128), R / 128, 512]: column m's block b is one word of chunk (m / 128, b), as
+    a row's is in the row quantizer; the words of the columns past M, 127 four times, by the lane
+    of the last column). ``segments`` 2 (``mma_scales``; dh, whose halves are the split-out weight
+    gradient's two M ranges): each half's columns start a chunk, ceil(M / 2 / 128) chunks a half
+    (the values are the same: a column's blocks are its own)."""
 
     def __init__(self, width: int, power_of_two: bool = False, bounded: bool = False, gathered: bool = False,
-                 mma_scales: bool = False) -> None:
-        super().__init__(width, 1, power_of_two, bounded, mma_scales=mma_scales, gathered=gathered)
+                 mma_scales: bool = False, segments: int = 1) -> None:
+        if segments != 1 and not mma_scales:
+            raise ValueError(f"segments: 1, or 2 with mma_scales (the halves' chunks), got {segments} without")
+        super().__init__(width, 1, power_of_two, bounded, segments=segments, mma_scales=mma_scales, gathered=gathered)
+        self.padding_columns = self.segment_blocks * BLOCK - self.segment_width  # (a segment's chunk columns past it)
 
     @cute.jit
     def __call__(
@@ -414,8 +420,8 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
         stream: cuda.CUstream,
     ):
         """x [R, M] bf16 (``gathered``: [num_src, M], row_source [R] int32) -> elements [M, R] E4M3,
-        scales [R / 128, M] fp32 (``mma_scales``: elements [R, M], scales [M / 128, R / 128, 512]
-        E8M0 as 4-byte words)."""
+        scales [R / 128, M] fp32 (``mma_scales``: elements [R, M], scales [segments · ceil(M /
+        segments / 128), R / 128, 512] E8M0 as 4-byte words)."""
         m = self.width
         sources = num_src if self.gathered else num_rows
         m_x = cute.make_tensor(x_ptr, cute.make_layout((sources, m), stride=(m, 1)))
@@ -423,7 +429,7 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
         row_blocks = num_rows // BLOCK
         if cutlass.const_expr(self.mma_scales):
             m_q = cute.make_tensor(elements_ptr, cute.make_layout((rows, m), stride=(m, 1)))
-            m_s = cute.make_tensor(scales_ptr, cute.make_layout((m // BLOCK * row_blocks * BLOCK,)))
+            m_s = cute.make_tensor(scales_ptr, cute.make_layout((self.k_blocks * row_blocks * BLOCK,)))
         else:
             m_q = cute.make_tensor(elements_ptr, cute.make_layout((m, rows), stride=(rows, 1)))
             m_s = cute.make_tensor(scales_ptr, cute.make_layout((row_blocks, m), stride=(m, 1)))
@@ -508,8 +514,15 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
                 scaled[c] = row[c] * factors[c]
             row_vector(m_q, first_row + i, column // QUAD, QUAD).store(scaled.load().to(m_q.element_type))
         if warp == 0:  # (column m's row block is chunk (m / 128, row_block): the column is the MMA's row)
+            k_blocks = m_q.shape[0] // BLOCK
+            segment = column // self.segment_width  # (the MMA's row: the column's place in its segment's chunks)
+            at = segment * self.segment_blocks * BLOCK + column - segment * self.segment_width
             for c in cutlass.range_constexpr(QUAD):
-                m_s[mma_scale_word(column + c, row_block, m_q.shape[0] // BLOCK)] = e8m0_word(scales[c])
+                m_s[mma_scale_word(at + c, row_block, k_blocks)] = e8m0_word(scales[c])
+            if cutlass.const_expr(self.padding_columns > 0):  # (the segment's last column's lane: its chunk's rows past it)
+                if column + QUAD == (segment + 1) * self.segment_width:
+                    for pad in cutlass.range_constexpr(self.padding_columns):
+                        m_s[mma_scale_word(at + QUAD + pad, row_block, k_blocks)] = padding_word()
 
 
 class DequantizeFp8RowsKernel(QuantizeFp8BlockKernel):
@@ -558,7 +571,7 @@ def compile_fp8_block_quantize(width: int, block_rows: int, power_of_two: bool, 
     if back:
         return compile_kernel(DequantizeFp8RowsKernel(width, bounded), FP8_BLOCK_QUANTIZE_ARGS, arch, options)
     if columns:
-        kernel = QuantizeFp8ColumnsKernel(width, power_of_two, bounded, gathered, mma_scales)
+        kernel = QuantizeFp8ColumnsKernel(width, power_of_two, bounded, gathered, mma_scales, segments)
     else:
         kernel = QuantizeFp8BlockKernel(width, block_rows, power_of_two, bounded, segments, matrix_rows, mma_scales, gathered, copies_rows)
     return compile_kernel(kernel, FP8_BLOCK_QUANTIZE_ARGS, arch, options)
