@@ -25,7 +25,7 @@ from .flag_layout import (
     ERROR_CAPACITY, ERROR_TIMEOUT, PHASE_DONE, PHASE_PUBLISH, epoch_slot, error_slot, flag_slot, flag_words, publish_count_slot,
     tokens_slot,
 )
-from .fp8_block_quantize import BLOCK as FP8_BLOCK, QuantizeFp8BlockKernel, e8m0_word, mma_scale_word
+from .fp8_block_quantize import BLOCK as FP8_BLOCK, QuantizeFp8BlockKernel, block_e8m0_word, last_block_32s, mma_scale_word
 from .mxfp8_quantize import BLOCK, e8m0_factor, quantize_rows_strided
 from .row_vectors import VECTOR
 from .waits import wait_at_least
@@ -461,7 +461,7 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
             self.vector = FP8_ROW_VECTOR  # (the elements copied as bytes)
         super().__init__(world, width, topk, max_threads)
         self.k_blocks = -(-width // FP8_BLOCK)
-        self.last_blocks_32 = -(-(width - (self.k_blocks - 1) * FP8_BLOCK) // 32)  # (the last 128-block's 32-blocks: its E8M0 bytes)
+        self.last_32s = last_block_32s(width)  # (scale_order "mma": the rest of a row's last E8M0 word padding)
 
     @cute.jit
     def __call__(
@@ -526,11 +526,7 @@ class EpDispatchQuantizedKernel(EpDispatchKernel):
         """fp8_block: row ``row``'s scale of K block ``k_block``, fp32 at [k_block, row], or
         (``scale_order`` "mma") its E8M0 word at the row's place in the MMA order."""
         if cutlass.const_expr(self.scale_order == "mma"):
-            word = e8m0_word(scale)
-            if cutlass.const_expr(self.last_blocks_32 < 4):  # (a partial last block: 127 at its 32-blocks past the row)
-                if k_block == self.k_blocks - 1:
-                    word = e8m0_word(scale, self.last_blocks_32)
-            m_out_scales[mma_scale_word(row, k_block, self.k_blocks)] = word
+            m_out_scales[mma_scale_word(row, k_block, self.k_blocks)] = block_e8m0_word(scale, k_block, self.k_blocks, self.last_32s)
         else:
             m_out_scales[k_block, row] = scale
 

@@ -103,6 +103,24 @@ def e8m0_word(scale: cutlass.Float32, blocks: cutlass.Constexpr[int] = 4) -> cut
     return bits[0]
 
 
+def last_block_32s(width: int) -> int:
+    """The MXFP8 32-blocks a row of ``width`` values has in its last 128-block (its E8M0 word's bytes
+    that carry the scale; 4 where 128 divides the width)."""
+    return -(-(width - (-(-width // BLOCK) - 1) * BLOCK) // 32)
+
+
+@cute.jit
+def block_e8m0_word(scale: cutlass.Float32, k_block, blocks: cutlass.Constexpr[int], last_32s: cutlass.Constexpr[int]):
+    """K block ``k_block``'s E8M0 word (:func:`e8m0_word`) of a row of ``blocks`` 128-blocks a
+    segment whose last has ``last_32s`` 32-blocks (:func:`last_block_32s`): 127 past them there.
+    (Shared by the quantizers and the FP8 EP dispatch in the MMA order.)"""
+    word = e8m0_word(scale)
+    if cutlass.const_expr(last_32s < BLOCKS_32):
+        if (k_block + 1) % blocks == 0:
+            word = e8m0_word(scale, last_32s)
+    return word
+
+
 @cute.jit
 def padding_word() -> cutlass.Float32:
     """The 4-byte word of an MMA-ordered chunk's padding row (past a matrix's rows): 127 four
@@ -152,8 +170,7 @@ class QuantizeFp8BlockKernel:
         self.segment_blocks = -(-self.segment_width // BLOCK)  # K blocks of a segment, the last one partial
         self.k_blocks = segments * self.segment_blocks
         self.whole_blocks = self.segment_width % BLOCK == 0  # (no lane ever lies past its segment)
-        # (mma_scales: the 32-blocks of a segment's last 128-block, the rest of its E8M0 word padding)
-        self.last_blocks_32 = -(-(self.segment_width - (self.segment_blocks - 1) * BLOCK) // 32)
+        self.last_32s = last_block_32s(self.segment_width)  # (mma_scales: the rest of a segment's last E8M0 word padding)
 
     @cute.jit
     def __call__(
@@ -237,30 +254,19 @@ class QuantizeFp8BlockKernel:
         E8M0 byte for the block's four 32-blocks, one word of the row's chunk (the four bytes lie
         together: mok.mxfp8.mma_scale_layout)."""
         if cutlass.const_expr(self.mma_scales):
-            m_s[mma_scale_word(row, k_block, self.k_blocks)] = self.block_word(scale, k_block)
+            m_s[mma_scale_word(row, k_block, self.k_blocks)] = block_e8m0_word(scale, k_block, self.segment_blocks, self.last_32s)
         else:
             m_s[row, k_block] = scale
 
     @cute.jit
-    def block_word(self, scale, k_block):
-        """``mma_scales``: K block ``k_block``'s E8M0 word (:func:`e8m0_word`), padding past the row
-        where it is a segment's partial last block."""
-        word = e8m0_word(scale)
-        if cutlass.const_expr(self.last_blocks_32 < BLOCKS_32):
-            if (k_block + 1) % self.segment_blocks == 0:
-                word = e8m0_word(scale, self.last_blocks_32)
-        return word
-
-    @cute.jit
-    def quantize_row(self, m_x, m_q, source, row, k_block, lane, factor, m_copy=None):
-        """Row ``source`` of x times ``factor`` into row ``row`` of the elements, as E4M3 (and the
-        values as they are into row ``row`` of ``m_copy`` where given)."""
+    def quantize_row(self, m_x, m_q, source, row, k_block, lane, factor):
+        """Row ``source`` of x times ``factor`` into row ``row`` of the elements, as E4M3."""
         values = self.lane_values(m_x, source, k_block, lane)
         column, inside = self.lane_column(k_block, lane)
         if cutlass.const_expr(self.whole_blocks):
-            self.store_lane(m_q, m_copy, row, column, values, factor)
+            self.store_lane(m_q, None, row, column, values, factor)
         elif inside:
-            self.store_lane(m_q, m_copy, row, column, values, factor)
+            self.store_lane(m_q, None, row, column, values, factor)
 
     @cute.jit
     def store_lane(self, m_q, m_copy, row, column, values, factor):
@@ -271,11 +277,11 @@ class QuantizeFp8BlockKernel:
             row_vector(m_copy, row, column // PER_LANE, PER_LANE).store(values.to(m_copy.element_type))
 
     @cute.jit
-    def quantize_row_block(self, m_x, m_q, source, row, k_block, lane, m_copy=None):
-        """Row ``source`` of x's K block ``k_block`` quantized on its own into row ``row`` (and
-        copied into ``m_copy``'s where given); its scale."""
+    def quantize_row_block(self, m_x, m_q, source, row, k_block, lane):
+        """Row ``source`` of x's K block ``k_block`` quantized on its own into row ``row``; its
+        scale (one token's block at a time: the EP publish's)."""
         scale, factor = self.scale_and_factor(self.row_amax(m_x, source, k_block, lane))
-        self.quantize_row(m_x, m_q, source, row, k_block, lane, factor, m_copy)
+        self.quantize_row(m_x, m_q, source, row, k_block, lane, factor)
         return scale
 
     @cute.jit
@@ -373,7 +379,8 @@ class QuantizeFp8BlockKernel:
                 if first + r < limit:
                     self.quantize_row(m_x, m_q, first + r, first + r, k_block, lane, factor)
             if cutlass.const_expr(self.mma_scales):  # (the block is a whole chunk: every thread one word of it, word w row
-                word = self.block_word(scale, k_block)  # (w % 4)·32 + w / 4 of the tile; past the matrix's rows padding)
+                word = block_e8m0_word(scale, k_block, self.segment_blocks, self.last_32s)  # (w % 4)·32 + w / 4 of the
+                # tile; past the matrix's rows padding)
                 if cutlass.const_expr(self.matrix_rows is not None):
                     if first + (tidx % 4) * 32 + tidx // 4 >= limit:
                         word = padding_word()
