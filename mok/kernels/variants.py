@@ -242,13 +242,17 @@ def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
         raise ValueError(f"deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got {deep_turn} with block_buffers={block_buffers}")
 
 
-def deep_turn_for(deep_turn: int | None, block_buffers: int, epilogue: str | None) -> int:
+DEEP_TURNS = {"plain": 4, "weight_grad": 8}  # the FP8 GEMM forms' default turns (the others: none)
+
+
+def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:
     """``deep_turn`` checked (:func:`check_deep_turn`), None resolved to what measured fastest on
-    the H200 (perf/RESULTS.md, "FP8 schedules"): turns of 4 for the two-set plain GEMMs (the down
-    projection, dx: 8-12% faster than none, turns of 8 no better), of 8 for the FP8 weight gradient
-    (``epilogue`` None: 2-4%), none beside SwiGLU (turns of 8 there: -3% to +3%), 0 without two sets."""
+    the H200 (perf/RESULTS.md, "FP8 schedules") for ``form`` (a grouped GEMM's epilogue, or
+    "weight_grad"): turns of 4 for the two-set plain GEMMs (the down projection, dx: 8-12% faster
+    than none, turns of 8 no better), of 8 for the FP8 weight gradient (2-4%), none beside SwiGLU
+    (turns of 8 there: -3% to +3%), 0 without two sets."""
     if deep_turn is None:
-        deep_turn = 0 if block_buffers != 2 else {"plain": 4, None: 8}.get(epilogue, 0)
+        deep_turn = DEEP_TURNS.get(form, 0) if block_buffers == 2 else 0
     check_deep_turn(deep_turn, block_buffers)
     return deep_turn
 
@@ -408,7 +412,7 @@ def weight_grad_variant(
     ``deep_turn`` as in :func:`grouped_gemm_variant`, None: :func:`deep_turn_for`'s choice).
     """
     _check_operand(operand, persistent)
-    deep_turn = deep_turn_for(deep_turn, weight_grad_block_sets(operand), None)
+    deep_turn = deep_turn_for(deep_turn, weight_grad_block_sets(operand), "weight_grad")
     a_stride = m if a_stride is None else a_stride
     pingpong = weight_grad_pingpong(persistent, tile_n, operand) if pingpong is None else pingpong
     options = dict(a_stride=a_stride, tile_n=tile_n, persistent=persistent, pingpong=pingpong, split_out=split_out)

@@ -94,7 +94,7 @@ def weight_grad(
     """
     (a_values, a_scales), (b_values, b_scales) = operand_parts("a", a), operand_parts("b", b)
     operand = "bf16" if a_scales is None else "e4m3_block" if a_scales.dtype == torch.float32 else "e4m3"
-    deep_turn_for(deep_turn, weight_grad_block_sets(operand), None)
+    deep_turn_for(deep_turn, weight_grad_block_sets(operand), "weight_grad")
     mxfp8 = operand == "e4m3"
     dev = a_values.device
     if operand == "e4m3_block":

@@ -124,10 +124,8 @@ def block_e8m0_word(scale: cutlass.Float32, k_block, blocks: cutlass.Constexpr[i
 @cute.jit
 def padding_word() -> cutlass.Float32:
     """The 4-byte word of an MMA-ordered chunk's padding row (past a matrix's rows): 127 four
-    times, as the fp32 word whose bits they are."""
-    bits = cute.make_rmem_tensor((1,), cutlass.Int32)
-    bits[0] = SCALE_ONE * 0x01010101
-    return cute.recast_tensor(bits, cutlass.Float32)[0]
+    times (:func:`e8m0_word` of no 32-block)."""
+    return e8m0_word(cutlass.Float32(0.0), 0)
 
 
 @cute.jit
