@@ -26,6 +26,9 @@ from .kernels.variants import (
 from .runtime.arch import FP8_BLOCK_GEMM_ARCHS, MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
 TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
+# Rows a local expert gets under uniform routing from which the FP8 gate/up GEMM runs on row-tile
+# pairs (measured: 1.06-1.14x at 1024 rows an expert, 0.94-0.98x at 256; perf/RESULTS.md)
+FP8_GATE_UP_PAIRS_ROWS = 512
 
 
 def check_tiled_widths(name: str, widths: dict, rule: tuple[int, str] = (TILE, "the fused kernels' tile")) -> None:
@@ -105,6 +108,18 @@ class Plan:
         row_tile_pairs (MoKConfig: bf16, not in one launch), else none."""
         return {"cluster_m": 2} if self.config.row_tile_pairs else {}
 
+    def gate_up_pairs(self, sched) -> dict:
+        """The FP8 gate/up GEMM's cluster option (fp8_block on Hopper): ``cluster_m`` 2, B's tile
+        multicast to two row tiles of one expert, where uniform routing of the schedule's tokens
+        would put at least FP8_GATE_UP_PAIRS_ROWS rows on a local expert, else none. The sums are
+        the same either way (the pairs only share loads), so choosing by the batch's size keeps the
+        bits batch-invariant."""
+        if self.precision != "fp8_block" or self.fp8_on_block_scaled_mma:
+            return {}
+        tokens, topk = sched.slot_row.shape
+        rows_per_expert = tokens * topk / (sched.expert_counts.shape[0] * sched.world_size)
+        return {"cluster_m": 2} if rows_per_expert >= FP8_GATE_UP_PAIRS_ROWS else {}
+
     @property
     def one_launch(self) -> bool:
         return self.config.one_launch
@@ -120,10 +135,26 @@ class Plan:
 
     @property
     def quantizes_gathered_rows(self) -> bool:
-        """Whether the gate/up GEMM's FP8 rows are gathered as they are quantized (fp8_block at one
-        GPU): one pass from x's bf16 rows to the gathered E4M3 rows and their scales, no bf16 copy
-        of the gathered rows."""
+        """Whether the gate/up GEMM's FP8 rows come from x's tokens quantized (fp8_block at one GPU),
+        never from a bf16 copy of the gathered rows: each token quantized once and its E4M3 row
+        gathered (:attr:`gathers_fp8_rows`), or the rows gathered as they are quantized."""
         return self.precision == "fp8_block" and not self.ep
+
+    @property
+    def gathers_fp8_rows(self) -> bool:
+        """Whether gathered FP8 rows are quantized once per token and then gathered with their
+        scales (ops.gather_fp8_rows: half of bf16's bytes moved; Hopper's fp32 row scales), where
+        no bf16 copy of the gathered rows is written in the same pass; else (SM100's MMA-ordered
+        scales) gathered as they are quantized. The same bits either way."""
+        return self.precision == "fp8_block" and self.fp8_scale_order == "rows"
+
+    def gathered_rows_quantizers(self, width: int, copies_rows: bool = False) -> list[KernelVariant]:
+        """The kernels that make x's (or dout's) FP8 rows in the schedule's order at one GPU
+        (:attr:`gathers_fp8_rows`; ``copies_rows``: their bf16 copy written in the same pass)."""
+        pow2, mma = self.config.fp8_power_of_two, self.fp8_on_block_scaled_mma
+        if self.gathers_fp8_rows and not copies_rows:
+            return [quantize_fp8_block_variant(width, power_of_two=pow2), gather_variant(width, fp8=True)]
+        return [quantize_fp8_block_variant(width, power_of_two=pow2, bounded=True, mma_scales=mma, gathered=True, copies_rows=copies_rows)]
 
     @property
     def fp8_on_block_scaled_mma(self) -> bool:
@@ -290,16 +321,19 @@ class Plan:
             options.pop("b_major", None)
             halves = 2 if options.get("k_split") else 1
             pow2, mma = self.config.fp8_power_of_two, self.fp8_on_block_scaled_mma
+            if rows_gathered:
+                rows = self.gathered_rows_quantizers(k)
+            else:
+                rows = [quantize_fp8_block_variant(k, power_of_two=pow2, bounded=mma or not options.get("gather_a"), mma_scales=mma,
+                                                   segments=halves)]
             if mma:  # (SM100: the MXFP8 kernels; the rows gathered first; dh's halves each starting a chunk)
                 options.pop("gather_a", None)
-                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=True, mma_scales=True, gathered=rows_gathered,
-                                                  segments=halves)
-                gemm = grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)
+                gemms = [grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)]
             else:
-                rows = quantize_fp8_block_variant(k, power_of_two=pow2, bounded=not options.get("gather_a"), segments=halves,
-                                                  gathered=rows_gathered)
-                gemm = grouped_gemm_variant(n, k, operand="e4m3_block", **options)
-            return [rows, fp8_weights_quantizer(n, k // halves, pow2, mma_scales=mma), gemm]
+                gemms = [grouped_gemm_variant(n, k, operand="e4m3_block", **options)]
+                if options.get("epilogue") in ("swiglu", "swiglu_save"):  # the gate/up GEMM, also on row-tile pairs (gate_up_pairs)
+                    gemms.append(grouped_gemm_variant(n, k, operand="e4m3_block", cluster_m=2, **options))
+            return [*rows, fp8_weights_quantizer(n, k // halves, pow2, mma_scales=mma), *gemms]
         options.pop("gather_a", None)
         options.pop("b_major", None)  # (the transposed copies, K-major)
         conversions = self._mxfp8_conversions(n, k, halves=2 if options.get("k_split") else 1)
@@ -327,11 +361,13 @@ class Plan:
         if self.precision == "fp8_block":  # dout's rows and w_down's transpose [E, I, H] quantized along H
             c = self.config
             pow2, mma = c.fp8_power_of_two, self.fp8_on_block_scaled_mma
-            # (one GPU: dout's rows gathered as they are quantized, with their bf16 copy where the weight gradients or the
+            # (one GPU: dout's FP8 rows from its tokens (gathered_rows_quantizers), with their bf16 copy where the weight gradients or the
             # biases' sums read them; at EP the rows pulled)
-            gathered = {} if self.ep else dict(gathered=True, copies_rows=c.weight_grad_format != "fp8_block" or c.expert_bias)
-            quantizers = [quantize_fp8_block_variant(h, power_of_two=pow2, bounded=True, mma_scales=mma, **gathered),
-                          fp8_weights_quantizer(i, h, pow2, mma)]
+            if self.ep:
+                rows = [quantize_fp8_block_variant(h, power_of_two=pow2, bounded=True, mma_scales=mma)]
+            else:
+                rows = self.gathered_rows_quantizers(h, copies_rows=c.weight_grad_format != "fp8_block" or c.expert_bias)
+            quantizers = rows + [fp8_weights_quantizer(i, h, pow2, mma)]
             if mma:  # (SM100's MXFP8 kernel, as precision="mxfp8" runs it)
                 return quantizers + [grouped_gemm_variant(i, h, epilogue="swiglu_bwd", tile_n=128, topk=topk, persistent=self.persistent,
                                                           operand="e4m3", activation=self.activation, **self._bias)]

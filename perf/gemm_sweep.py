@@ -16,8 +16,12 @@
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu     # dsv3's dW_gate + dW_up on FP8, then on bf16, twice each, untimed (for ncu)
+    python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
+    python perf/gemm_sweep.py --fp8-row-tile-pairs  # the FP8 forward GEMMs (fp8_block) with cluster_m 1 and 2, interleaved
+    python perf/gemm_sweep.py --fp8-forward-levers  # the fp8_block forward at dsv3 with its gate/up GEMM on pairs and x's
+                                                    # FP8 rows gathered, each off: kernels (profiler) and ms, interleaved
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
 """
@@ -232,6 +236,30 @@ def fp8_weight_grads() -> None:
         print(f"{name:<7}fp8 vs bf16 weight gradients: relative difference {float((got - want).norm() / want.norm()):.2e}")
 
 
+def fp8_weight_grad_rows() -> None:
+    """dW_gate + dW_up at dsv3's widths (H 7168, I 2048, 32 experts, top-8) for T 512-8192 tokens
+    (rows an expert ~T/4): bf16's ping-pong kernel and FP8's, each into fresh bf16 (FP8 also into
+    fp32) and added into fp32 main_grad tensors, interleaved, ms (TFLOP/s): how their time splits
+    between the rows reduced and the gradient written."""
+    H, I, E, k = 7168, 2048, 32, 8
+    print(f"# {torch.cuda.get_device_name()}: dW_gate + dW_up at dsv3's widths, ms (TFLOP/s)")
+    for T in (512, 1024, 2048, 4096, 8192):
+        v = fp8_weight_grad_inputs(T, H, I, E, k)
+        rows = dict(offsets=v.sched.expert_offsets, counts=v.sched.expert_counts, split_out=True)
+        main = (torch.zeros(E, I, H, device="cuda"), torch.zeros(E, I, H, device="cuda"))
+        runs = {
+            "bf16": lambda: ops.weight_grad(v.dh, v.x_rows, **rows),
+            "fp8": lambda: ops.weight_grad(v.dh_q, v.x_q, **rows),
+            "fp8 f32": lambda: ops.weight_grad(v.dh_q, v.x_q, **rows, out_dtype=torch.float32),
+            "bf16 main_grad": lambda: ops.weight_grad(v.dh, v.x_rows, **rows, out=main, accumulate=True),
+            "fp8 main_grad": lambda: ops.weight_grad(v.dh_q, v.x_q, **rows, out=main, accumulate=True),
+        }
+        ms = time_ms_interleaved(runs, batch=5, repeats=5)
+        used = int(v.used.item())
+        flops = 2 * 2 * I * H * used
+        print(f"T {T:>5} rows an expert {used // E:>5}  " + "  ".join(f"{n} {t:.3f} ({flops / t / 1e9:.0f})" for n, t in ms.items()))
+
+
 def fp8_for_ncu() -> None:
     """dsv3's fc2 (plain) and fc1 (SwiGLU) on FP8 with block scales, then bf16's fc2, each called
     twice (the first compiles), for Nsight Compute to profile the second calls (tools/sass_stalls.py
@@ -436,10 +464,109 @@ def row_tile_pairs() -> None:
             print(f"{name:<12}{gemm:<14}{ms[1]:>13.3f}{ms[2]:>13.3f}{ms[1] / ms[2]:>8.2f}x{shared:>14.2f}")
 
 
+def fp8_row_tile_pairs() -> None:
+    """The FP8 forward GEMMs (fp8_block: the gate/up GEMM with SwiGLU and h on rows gathered as they
+    are quantized, the down GEMM on a's quantized rows) with cluster_m=1 and cluster_m=2 (B's tile
+    multicast to both CTAs where one expert has both row tiles), interleaved, and whether the two
+    give the same bits."""
+    from mok import fp8_block as fp8
+
+    print(f"# {torch.cuda.get_device_name()}: FP8 row-tile pairs")
+    print(f"{'shape':<12}{'GEMM':<14}{'cluster 1 ms':>13}{'cluster 2 ms':>13}{'speedup':>9}{'shared pairs':>14}  bits")
+    for name, (T, H, I, E, k) in PAIR_SHAPES.items():
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        sched = uniform_schedule(T, E, k)
+        used = sched.expert_offsets[-1:]
+        wg, wu = (fp8.quantize_weights((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16()) for _ in range(2))
+        wd = fp8.quantize_weights((torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16())
+        rows = sched.row_token.shape[0]
+        x_q = ops.quantize_fp8_rows(x, row_source=sched.row_token, rows_used=used)
+        a_q = ops.quantize_fp8_rows(torch.randn(rows, I, device="cuda").bfloat16(), rows_used=used)
+        h = torch.empty(rows, 2 * I, device="cuda").bfloat16()
+        dout_q = ops.quantize_fp8_rows(x, row_source=sched.row_token, rows_used=used)
+        dh_q = ops.quantize_fp8_rows(torch.randn(rows, 2 * I, device="cuda").bfloat16(), rows_used=used, segments=2)
+        topk_w = torch.rand(T, k, device="cuda")
+        wd_t = fp8.quantize_weights((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16())
+        wg_t, wu_t = (fp8.quantize_weights((torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()) for _ in range(2))
+        tiles = sched.tile_expert
+        pairs = tiles[: tiles.shape[0] // 2 * 2].view(-1, 2)
+        shared = ((pairs[:, 0] == pairs[:, 1]) & (pairs[:, 0] >= 0)).sum().item() / max((pairs >= 0).any(1).sum().item(), 1)
+        gemms = {
+            "fc1": lambda c: ops.grouped_gemm(x_q, wg, tiles, b2=wu, h_out=h, cluster_m=c),
+            "fc2": lambda c: ops.grouped_gemm(a_q, wd, tiles, cluster_m=c),
+            "swiglu bwd": lambda c: ops.swiglu_backward_gemm(dout_q, wd_t, tiles, h, row_token=sched.row_token, row_slot=sched.row_slot,
+                                                             topk_w=topk_w, cluster_m=c)[0],
+            "dx": lambda c: ops.grouped_gemm(dh_q, wg_t, tiles, b2=wu_t, k_split=True, cluster_m=c),
+        }
+        h.copy_(torch.randn_like(h))  # (the SwiGLU backward reads h)
+        for gemm, fn in gemms.items():
+            n_used = int(used.item())
+            same = torch.equal(fn(1)[:n_used], fn(2)[:n_used])
+            ms = time_ms_interleaved({c: (lambda c=c: fn(c)) for c in (1, 2)}, batch=10, repeats=5)
+            print(f"{name:<12}{gemm:<14}{ms[1]:>13.3f}{ms[2]:>13.3f}{ms[1] / ms[2]:>8.2f}x{shared:>14.2f}  {same}")
+
+
+def fp8_forward_levers() -> None:
+    """The one-GPU fp8_block forward at dsv3 (T 4096, uniform routing) as the plan runs it ("new":
+    the gate/up GEMM on row-tile pairs, x's tokens quantized once and their FP8 rows gathered),
+    without its FP8 row gather ("no gather": the rows gathered as they are quantized) and without
+    either ("old"), the two switched off by raising mok.plan.FP8_GATE_UP_PAIRS_ROWS and overriding
+    Plan.gathers_fp8_rows for the run: each one's kernels per forward (torch.profiler), then the
+    three interleaved twice; the same bits, checked."""
+    import collections
+
+    import mok.plan as plan_module
+    from mok import pipeline
+    from mok.config import MoKConfig
+    from mok.runtime.arch import device_arch
+
+    rule, gathers = plan_module.FP8_GATE_UP_PAIRS_ROWS, plan_module.Plan.gathers_fp8_rows
+    settings = {"new": (True, True), "no gather": (True, False), "old": (False, False)}
+    T, H, I, E, k = 4096, 7168, 2048, 32, 8
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    idx = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int()
+    w = torch.rand(T, k, device="cuda") + 0.05
+    experts = tuple((torch.randn(E, n, kk, device="cuda") * kk**-0.5).bfloat16() for n, kk in ((I, H), (I, H), (H, I)))
+    plan = plan_module.Plan(MoKConfig(H, I, E, k, precision="fp8_block"), device_arch())
+
+    def forward(setting):
+        pairs, gather = settings[setting]
+        plan_module.FP8_GATE_UP_PAIRS_ROWS = rule if pairs else 2**31
+        plan_module.Plan.gathers_fp8_rows = gathers if gather else property(lambda self: False)
+        return pipeline.forward(plan, x, idx, w, experts, None, check_routing=False).out
+
+    print(f"# {torch.cuda.get_device_name()}: the fp8_block forward at dsv3, kernels ms a call")
+    try:
+        outs = [forward(s) for s in settings]
+        print("bits equal", all(torch.equal(out, outs[0]) for out in outs))
+        for setting in settings:
+            for _ in range(5):
+                forward(setting)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    forward(setting)
+                torch.cuda.synchronize()
+            kernels = collections.Counter()
+            for event in prof.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA:
+                    kernels[event.name[:60]] += event.device_time_total / 10 / 1000
+            print(f"{setting:<10} {sum(kernels.values()):.3f}: " + "; ".join(f"{n} {t:.3f}" for n, t in kernels.most_common(5)))
+        for _ in range(2):
+            ms = time_ms_interleaved({s: (lambda s=s: forward(s)) for s in settings}, batch=10, repeats=10)
+            print("forward ms " + "  ".join(f"{s} {t:.3f}" for s, t in ms.items()))
+    finally:
+        plan_module.FP8_GATE_UP_PAIRS_ROWS, plan_module.Plan.gathers_fp8_rows = rule, gathers
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--row-tile-pairs" in sys.argv:
+    if "--fp8-forward-levers" in sys.argv:
+        fp8_forward_levers()
+    elif "--fp8-row-tile-pairs" in sys.argv:
+        fp8_row_tile_pairs()
+    elif "--row-tile-pairs" in sys.argv:
         row_tile_pairs()
     elif "--fp8-schedules" in sys.argv:
         fp8_schedules()
@@ -449,6 +576,8 @@ if __name__ == "__main__":
         fp8_for_ncu()
     elif "--fp8-wgrad-ncu" in sys.argv:
         fp8_weight_grads_for_ncu()
+    elif "--fp8-wgrad-rows" in sys.argv:
+        fp8_weight_grad_rows()
     elif "--fp8-weight-grads" in sys.argv:
         fp8_weight_grads()
     elif "--fp8-block" in sys.argv or "--gathered-fp8-fc1" in sys.argv or "--fp8-swiglu-bwd" in sys.argv:

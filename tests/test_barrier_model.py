@@ -258,7 +258,8 @@ def sharing_pipelines():
     shapes = [dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True), dict(n=7168, k=2048, tile_n=256), dict(n=7168, k=2048),
               dict(n=7168, k=4096, k_split=True, b_major="n")]
     sm100 = {(g.ab_stage, g.acc_stages) for g in (GroupedGemmSm100(persistent=True, cluster_m=2, **shape) for shape in shapes)}
-    hopper = {(GroupedGemmSm90(persistent=True, cluster_m=2, **shape).ab_stage, 1) for shape in shapes}
+    fp8 = [dict(n=2048, k=7168, epilogue="swiglu_save", operand="e4m3_block"), dict(n=7168, k=2048, operand="e4m3_block")]
+    hopper = {(GroupedGemmSm90(persistent=True, cluster_m=2, **shape).ab_stage, 1) for shape in shapes + fp8}
     return sm100 | hopper
 
 

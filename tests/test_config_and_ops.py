@@ -341,19 +341,54 @@ def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
         grouped_gemm_scatter(a, b, tiles, rows, rows, slots, slot_ranks=(2, 51200))
 
 
+def test_fp8_gate_up_runs_on_row_tile_pairs_by_the_rows_an_expert_gets():
+    """fp8_block on Hopper: the plan lists the FP8 gate/up GEMM (with and without h) on row-tile
+    pairs beside its one-CTA form, no other kernel on pairs; Plan.gate_up_pairs picks pairs where
+    uniform routing gives a local expert at least FP8_GATE_UP_PAIRS_ROWS rows (expert parallelism:
+    every rank's tokens over all experts), never with bf16 (row_tile_pairs' choice) or on SM100
+    (its fp8_block runs the MXFP8 kernels)."""
+    from mok.plan import FP8_GATE_UP_PAIRS_ROWS, plan_for
+    from mok.schedule import Schedule
+
+    E, k = 8, 4
+    plan = plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block"), "sm_90a")
+    clustered = [dict(v.config) for v in plan.variants() if v.config.get("cluster_m") == 2]
+    assert sorted(c["epilogue"] for c in clustered) == ["swiglu", "swiglu_save"]
+    assert all(c["operand"] == "e4m3_block" and c["n"] == 512 and c["k"] == 1024 for c in clustered)
+    enough = FP8_GATE_UP_PAIRS_ROWS * E // k  # tokens that give each expert FP8_GATE_UP_PAIRS_ROWS rows
+
+    def schedule(tokens, world=1):
+        return Schedule.empty(tokens, k, E // world, 128 * E, 128, "cpu", world_size=world)
+
+    assert plan.gate_up_pairs(schedule(enough)) == {"cluster_m": 2} and plan.gate_up_pairs(schedule(enough - 1)) == {}
+    ep = plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block", ep_size=2), "sm_90a")
+    assert ep.gate_up_pairs(schedule(enough, world=2)) == {"cluster_m": 2} and ep.gate_up_pairs(schedule(enough - 1, world=2)) == {}
+    for other in (plan_for(MoKConfig(1024, 512, E, k), "sm_90a"), plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block",
+                                                                                       fp8_scales="power_of_two"), "sm_100a")):
+        assert other.gate_up_pairs(schedule(4 * enough)) == {}
+
+
 def test_grouped_gemm_cluster_m_is_checked_before_launch():
-    """cluster_m: 1 or 2, and 2 only with bf16 operands in the persistent kernel; a valid one goes on
-    to the launch checks (which refuse CPU data)."""
+    """cluster_m: 1 or 2, and 2 only with bf16 or FP8 block-scaled operands in the persistent
+    kernel (not MXFP8's, nor the SwiGLU backward's ping-pong); a valid one goes on to the launch
+    checks (which refuse CPU data)."""
     from mok import fp8_block as fp8
-    from mok.ops import grouped_gemm, grouped_gemm_scatter
+    from mok.ops import grouped_gemm, grouped_gemm_scatter, swiglu_backward_gemm
 
     a, b, tiles = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(2, 256, 128, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="cluster_m: expected 1 or 2, got 4"):
         grouped_gemm(a, b, tiles, cluster_m=4)
-    with pytest.raises(ValueError, match="cluster_m=2: bf16 operands in the persistent kernel, got operand='bf16', persistent=False"):
+    with pytest.raises(ValueError, match="cluster_m=2: bf16 or FP8 block-scaled operands in the persistent kernel, got operand='bf16', "
+                                         "persistent=False"):
         grouped_gemm(a, b, tiles, cluster_m=2, persistent=False)
-    with pytest.raises(ValueError, match="cluster_m=2: bf16 operands in the persistent kernel, got operand='e4m3_block'"):
+    with pytest.raises(ValueError, match="got operand='e4m3', persistent=None"):
+        mxfp8 = (torch.zeros(256, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 512, dtype=torch.uint8))
+        grouped_gemm(mxfp8, (torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, 1, 512, dtype=torch.uint8)), tiles, cluster_m=2)
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # (FP8 block scales: on pairs too)
         grouped_gemm(fp8.quantize_rows(torch.randn(256, 128)), fp8.quantize_weights(torch.randn(2, 256, 128)), tiles, cluster_m=2)
+    h = torch.zeros(256, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cluster_m=2: the cooperative kernel, got pingpong=True"):
+        swiglu_backward_gemm(a, torch.zeros(2, 128, 128, dtype=torch.bfloat16), tiles, h, cluster_m=2, persistent=True, pingpong=True)
     rows = torch.zeros(256, dtype=torch.int32)
     with pytest.raises(ValueError, match="cluster_m: expected 1 or 2, got 0"):
         grouped_gemm_scatter(a, b, tiles, rows, rows, torch.zeros(50, 4, 256, dtype=torch.bfloat16), cluster_m=0)

@@ -313,7 +313,8 @@ def test_fp8_weight_gradients_and_dispatch_on_sm100_take_the_mxfp8_kernels(arch)
 def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     """precision="fp8_block" on Hopper: every expert GEMM but the weight gradients' on E4M3 with block
     scales (rows quantized once gathered or produced, the weights' 128 x 128 quantizer for them and
-    their transposes; x's rows gathered as they are quantized), the weight gradients bf16, the
+    their transposes; x's tokens quantized once and their FP8 rows gathered, dout's rows gathered
+    as they are quantized with their bf16 copy; the gate/up GEMM also on row-tile pairs), the weight gradients bf16, the
     router pieces of the 128-wide SwiGLU-backward tiles (with the register hand-over: 64-wide ones
     measured slower), h recomputed on the forward's FP8 GEMM; refused on SM100; widths multiples of 128; at EP
     the pushing down and dx GEMMs on FP8 too, the pulled rows quantized once they arrive."""
@@ -323,20 +324,24 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     config = MoKConfig(2048, 768, 64, 8, precision="fp8_block", saved_h_format="recompute")
     variants = Plan(config, "sm_90a").variants()
     fp8_gemms = [v.config for v in variants if v.name == "grouped_gemm" and v.config.get("operand") == "e4m3_block"]
-    assert sorted((c["epilogue"], c["n"], c["k"], c["k_split"]) for c in fp8_gemms) == [
-        ("plain", 2048, 768, False), ("plain", 2048, 1536, True), ("swiglu", 768, 2048, False), ("swiglu_bwd", 768, 2048, False),
-        ("swiglu_save", 768, 2048, False)]
+    assert sorted((c["epilogue"], c["n"], c["k"], c["k_split"], c.get("cluster_m", 1)) for c in fp8_gemms) == [
+        ("plain", 2048, 768, False, 1), ("plain", 2048, 1536, True, 1), ("swiglu", 768, 2048, False, 1), ("swiglu", 768, 2048, False, 2),
+        ("swiglu_bwd", 768, 2048, False, 1), ("swiglu_save", 768, 2048, False, 1), ("swiglu_save", 768, 2048, False, 2)]
     assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
     quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False), v.config.get("segments", 1),
                          v.config.get("gathered", False), v.config.get("copies_rows", False))
                         for v in variants if v.name == "quantize_fp8_block")  # (the rows in use)
-    # (dh a half at a time: the dx GEMM's two K ranges; x's rows gathered as quantized, dout's too with their bf16 copy)
+    # (dh a half at a time: the dx GEMM's two K ranges; x's tokens whole, then gathered; dout's rows gathered as quantized with their bf16 copy)
     assert quantizers == [(768, 1, True, 1, False, False), (768, 128, False, 1, False, False), (1536, 1, True, 2, False, False),
-                          (2048, 1, True, 1, True, False), (2048, 1, True, 1, True, True), (2048, 128, False, 1, False, False)]
-    assert [v.config.get("sources", 1) for v in variants if v.name == "gather"] == [1]  # (x's rows for the bf16 weight gradients)
-    plan = Plan(config, "sm_90a")  # (x's rows gathered as they are quantized: no bf16 gather, the GEMM's producer gathers nothing)
-    assert plan.quantizes_gathered_rows and not plan.gather_in_gemm and not any(v.config.get("gather_a") for v in variants)
-    assert not any(v.name == "gather" for v in plan._forward_variants())
+                          (2048, 1, False, 1, False, False), (2048, 1, True, 1, True, True), (2048, 128, False, 1, False, False)]
+    gathers = sorted((v.config.get("sources", 1), v.config.get("fp8", False)) for v in variants if v.name == "gather")
+    assert gathers == [(1, False), (1, True)]  # (x's bf16 rows for the weight gradients; x's FP8 rows)
+    plan = Plan(config, "sm_90a")  # (x's FP8 rows gathered: no bf16 gather in the forward, the GEMM's producer gathers nothing)
+    assert plan.quantizes_gathered_rows and plan.gathers_fp8_rows and not plan.gather_in_gemm
+    assert not any(v.config.get("gather_a") for v in variants)
+    assert {tuple(sorted(v.config.items())) for v in plan._forward_variants() if v.name == "gather"} == {(("fp8", True), ("width", 2048))}
+    fp8_wgrads = Plan(MoKConfig(2048, 768, 64, 8, precision="fp8_block", wgrad_format="fp8_block"), "sm_90a")
+    assert [v.config for v in fp8_wgrads._swiglu_backward_variants(768, 2048, 8) if v.name == "gather"] == [dict(width=2048, fp8=True)]
     assert [v.config["router_parts"] for v in variants if v.name == "combine" and "router_parts" in v.config] == [768 // 128]
     assert [v.config["tile_n"] for v in variants if v.name == "grouped_gemm" and v.config["epilogue"] == "swiglu_bwd"] == [128]
     assert "needs fp8_scales='power_of_two' (the MMAs' scales are E8M0" in refusal(config, "sm_100a")
@@ -431,3 +436,26 @@ def test_wgrad_format_is_a_config_option_with_its_kernels():
     with pytest.raises(ValueError, match="wgrad_format='fp8_block': only with precision 'fp8_block'"):
         MoELayer(2048, 768, 64, 8, wgrad_format="fp8_block")
     assert MoELayer(256, 128, 4, 2, precision="fp8_block", wgrad_format="fp8_block").config.wgrad_format == "fp8_block"
+
+
+def test_gather_fp8_rows_checks_its_operands_before_launching():
+    """ops.gather_fp8_rows: (elements, scales) as quantize_fp8_rows gives them, an int32 index and
+    count; each wrong one named with what was expected, before anything launches."""
+    from mok import ops
+
+    elements, scales = torch.zeros(10, 256, dtype=torch.float8_e4m3fn), torch.zeros(2, 10)
+    index = torch.zeros(12, dtype=torch.int32)
+    with pytest.raises(TypeError, match="rows: expected \\(elements, scales\\)"):
+        ops.gather_fp8_rows(elements, index)
+    with pytest.raises(TypeError, match="elements: expected dtype float8_e4m3fn, got uint8"):
+        ops.gather_fp8_rows((elements.view(torch.uint8), scales), index)
+    with pytest.raises(ValueError, match="K a positive multiple of 16"):
+        ops.gather_fp8_rows((torch.zeros(10, 200, dtype=torch.float8_e4m3fn), scales), index)
+    with pytest.raises(ValueError, match="scales: expected shape \\[2, 10\\]"):
+        ops.gather_fp8_rows((elements, torch.zeros(10, 2)), index)
+    with pytest.raises(TypeError, match="index: expected dtype int32"):
+        ops.gather_fp8_rows((elements, scales), index.long())
+    with pytest.raises(ValueError, match="rows_used: expected one element"):
+        ops.gather_fp8_rows((elements, scales), index, rows_used=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="elements: expected a CUDA tensor"):  # (the launch checks refuse CPU data)
+        ops.gather_fp8_rows((elements, scales), index)

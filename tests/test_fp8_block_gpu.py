@@ -102,6 +102,57 @@ def test_swiglu_with_h_and_biases_and_the_k_split_form():
     assert rel_err(got[used], want[used]) < 5e-3
 
 
+# Row tiles of a pair (cluster_m=2): (0, 1) one expert's (B multicast to both CTAs), (2, 3) two
+# experts', (4, 5) a skipped tile beside one with rows, (6, 7) both skipped, (8, 9) one expert's
+# again, and 11 tiles: the last pair's second tile lies past the row tiles (partial rows too).
+FP8_PAIR_TILES = [2, 2, 0, 1, -1, 2, -1, -1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("form", ["swiglu_h", "plain", "k_split", "swiglu_bwd"])
+def test_row_tile_pairs_on_fp8_give_the_single_cta_bits(form):
+    """cluster_m=2 on FP8 block-scaled operands (two CTAs on two row tiles of one column tile, B's
+    tile multicast to both where one expert has both; B's scales read by the expert whose B the
+    stages hold): the bits of cluster_m=1 in every kind of pair, in each form (the gate/up GEMM
+    with h, which the layer runs on pairs; the plain, k_split and SwiGLU-backward ones), nothing
+    written for skipped tiles, and the float64 product of the operands."""
+    R, N, K, E = 128 * (len(FP8_PAIR_TILES) - 1) + 76, 384, 1024 + 256, 3  # (R a multiple of 4: the row scales by TMA)
+    g = torch.Generator(device="cuda").manual_seed(len(form))
+    tiles = torch.tensor(FP8_PAIR_TILES, device="cuda", dtype=torch.int32)
+    experts = tiles.long().repeat_interleave(128)[:R]
+    used = experts >= 0
+    halves = 2 if form == "k_split" else 1
+    a_q = fp8.quantize_rows(torch.randn(R, K, device="cuda", generator=g), segments=halves)
+    b_q, b2_q = (fp8.quantize_weights(torch.randn(E, N, K // halves, device="cuda", generator=g) * K**-0.5) for _ in range(2))
+    h = torch.randn(R, 2 * N, device="cuda", generator=g).bfloat16()
+    topk_w = torch.rand(R, 1, device="cuda", generator=g)
+    rows = torch.arange(R, device="cuda", dtype=torch.int32)
+    outs = []
+    for cluster_m in (1, 2):
+        if form == "swiglu_bwd":
+            outs.append(ops.swiglu_backward_gemm(a_q, b_q, tiles, h, row_token=rows, row_slot=rows * 0, topk_w=topk_w, cluster_m=cluster_m))
+            continue
+        out, h_out = poisoned(R, N), poisoned(R, 2 * N) if form == "swiglu_h" else None
+        two = dict(b2=b2_q, h_out=h_out) if form == "swiglu_h" else dict(b2=b2_q, k_split=True) if form == "k_split" else {}
+        ops.grouped_gemm(a_q, b_q, tiles, out=out, cluster_m=cluster_m, **two)
+        outs.append((out,) if h_out is None else (out, h_out))
+    for single, pair in zip(*outs):
+        if pair is not None:
+            assert torch.equal(pair[used], single[used])
+    if form == "swiglu_bwd":
+        return
+    out = outs[1][0]
+    assert out[~used].isnan().all() and not out[used].isnan().any()
+    if form == "swiglu_h":
+        want = torch.cat([fp8.block_scaled_gemm_reference(a_q, b, experts) for b in (b_q, b2_q)], 1)
+        assert rel_err(outs[1][1][used], want[used]) < 5e-3 and outs[1][1][~used].isnan().all()
+    elif form == "k_split":
+        parts = [(a_q[0][:, i * K // 2:(i + 1) * K // 2].contiguous(), a_q[1][i * K // 256:(i + 1) * K // 256].contiguous()) for i in range(2)]
+        want = fp8.block_scaled_gemm_reference(parts[0], b_q, experts) + fp8.block_scaled_gemm_reference(parts[1], b2_q, experts)
+        assert rel_err(out[used], want[used]) < 5e-3
+    else:
+        assert rel_err(out[used], fp8.block_scaled_gemm_reference(a_q, b_q, experts)[used]) < 5e-3
+
+
 @pytest.mark.parametrize("power_of_two", [False, True])
 def test_quantizers_give_the_rule_s_bits(power_of_two):
     """ops.quantize_fp8_rows / quantize_fp8_weights against mok.fp8_block's rule computed on the CPU:
@@ -316,6 +367,29 @@ def test_fp8_block_layer_forward_follows_the_recipe_and_trains(T, H, I, E, k):
     assert torch.equal(recomputed.dx, grads.dx) and torch.equal(recomputed.d_w_gate, grads.d_w_gate)
 
 
+def test_fp8_gate_up_on_row_tile_pairs_keeps_the_layer_s_bits_batch_invariant():
+    """The gate/up GEMM runs on row-tile pairs where uniform routing gives a local expert at least
+    FP8_GATE_UP_PAIRS_ROWS rows (Plan.gate_up_pairs: by the batch's size), on single CTAs below:
+    a batch on pairs and a sub-batch without them give each token the same bits, forward and dx."""
+    from mok.plan import FP8_GATE_UP_PAIRS_ROWS
+
+    T, H, I, E, k = 2048, 1024, 512, 8, 4
+    assert T * k / E >= FP8_GATE_UP_PAIRS_ROWS > 64 * k / E
+    x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=12)
+    plan = fp8_plan(x, idx, experts)
+    saved = pipeline.forward(plan, x, idx, w, experts, None, save=True)
+    assert plan.gate_up_pairs(saved.schedule) == {"cluster_m": 2}
+    rows = torch.randperm(T, device="cuda")[:64]
+    part = pipeline.forward(plan, *(t[rows].contiguous() for t in (x, idx, w)), experts, None, save=True)
+    assert plan.gate_up_pairs(part.schedule) == {}
+    assert torch.equal(part.out, saved.out[rows])
+    dout = torch.randn(T, H, device="cuda").bfloat16()
+    dx = pipeline.backward(plan, dout, x, idx, w, experts, None, saved, weight_grads=False).dx
+    dx_part = pipeline.backward(plan, dout[rows].contiguous(), *(t[rows].contiguous() for t in (x, idx, w)), experts, None, part,
+                                weight_grads=False).dx
+    assert torch.equal(dx_part, dx[rows])
+
+
 def test_power_of_two_scales_follow_their_recipe():
     """fp8_scales="power_of_two": the forward within 1e-2 of the float64 recipe with power-of-two
     scales (and, on Hopper, not the fp32-scale forward's bits), every weight scale a power of two,
@@ -437,6 +511,37 @@ def test_gathered_fp8_rows_with_their_scales_match_the_rows_gathered_first():
     assert padding.any() and (h_gathered[padding] == 0).all()
 
 
+def tokens_across_magnitudes(H: int, T: int = 777, E: int = 8, k: int = 4):
+    """(x [T, H] bf16 with rows from 1e-3 to 1e3, the schedule of a random top-k routing, its rows in use [1] on the device)."""
+    g = torch.Generator(device="cuda").manual_seed(H)
+    x = (torch.randn(T, H, device="cuda", generator=g) * torch.logspace(-3, 3, T, device="cuda")[:, None]).bfloat16()
+    idx = torch.randint(0, E, (T, k), device="cuda", generator=g, dtype=torch.int32)
+    sched = ops.device_schedule(idx, E, block_m=128)
+    return x, sched, sched.expert_offsets[-1:]
+
+
+@pytest.mark.parametrize("H,power_of_two", [(2048, False), (2880, True), (7168, False)])  # (2880: a partial last block)
+def test_gathering_fp8_rows_gives_the_bits_of_quantizing_the_gathered_rows(H, power_of_two):
+    """ops.gather_fp8_rows on x quantized once per token (the one-GPU layer's gate/up rows on
+    Hopper) against quantizing the rows as they are gathered: the same bytes and scales over the
+    rows in use (padding rows zeros with scale 1, rows of tokens across the whole range of
+    magnitudes); the whole index without a count; no rows."""
+    x, sched, used_count = tokens_across_magnitudes(H)
+    used = int(used_count)
+    tokens = ops.quantize_fp8_rows(x, power_of_two=power_of_two)
+    q, s = ops.gather_fp8_rows(tokens, sched.row_token, rows_used=used_count)
+    want_q, want_s = ops.quantize_fp8_rows(x, power_of_two=power_of_two, row_source=sched.row_token, rows_used=used_count)
+    assert (sched.row_token[:used] < 0).any() and (sched.row_token[:used] >= 0).any()
+    assert torch.equal(q[:used].view(torch.uint8), want_q[:used].view(torch.uint8)) and torch.equal(s[:, :used], want_s[:, :used])
+    padding = sched.row_token[:used] < 0
+    assert (q[:used][padding].view(torch.uint8) == 0).all() and (s[:, :used][:, padding] == 1).all()
+    index = sched.row_token[:used].contiguous()  # (no count: every row of the index)
+    whole_q, whole_s = ops.gather_fp8_rows(tokens, index)
+    assert torch.equal(whole_q.view(torch.uint8), want_q[:used].view(torch.uint8)) and torch.equal(whole_s, want_s[:, :used])
+    none_q, none_s = ops.gather_fp8_rows(tokens, index[:0])
+    assert none_q.shape == (0, H) and none_s.shape == (-(-H // 128), 0)
+
+
 @pytest.mark.parametrize("H,power_of_two,order", [(2048, False, "rows"), (2880, True, "rows"), (1024, True, "mma")])
 def test_quantizing_gathered_rows_gives_the_bits_of_gathering_first(H, power_of_two, order):
     """ops.quantize_fp8_rows(x, row_source=...) (the one-GPU layer's gate/up rows: gathered as they
@@ -444,12 +549,7 @@ def test_quantizing_gathered_rows_gives_the_bits_of_gathering_first(H, power_of_
     and against quantizing ops.gather_rows' rows: the same bytes and scales over the rows in use;
     padding rows zeros with scale 1. With ``rows_out`` (the backward's dout rows) the same bytes,
     and the bf16 rows ops.gather_rows gives written beside them (poisoned first), none past the rows in use."""
-    T, E, k = 777, 8, 4
-    g = torch.Generator(device="cuda").manual_seed(H)
-    x = (torch.randn(T, H, device="cuda", generator=g) * torch.logspace(-3, 3, T, device="cuda")[:, None]).bfloat16()
-    idx = torch.randint(0, E, (T, k), device="cuda", generator=g, dtype=torch.int32)
-    sched = ops.device_schedule(idx, E, block_m=128)
-    used_count = sched.expert_offsets[-1:]
+    x, sched, used_count = tokens_across_magnitudes(H)
     options = dict(power_of_two=power_of_two, rows_used=used_count, scale_order=order)
     q, s = ops.quantize_fp8_rows(x, row_source=sched.row_token, **options)
     gathered = ops.gather_rows(x, sched.row_token)

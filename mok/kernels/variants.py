@@ -42,18 +42,19 @@ def combine_variant(
     return KernelVariant("combine", config, build)
 
 
-def gather_variant(width: int, sources: int = 1) -> KernelVariant:
+def gather_variant(width: int, sources: int = 1, fp8: bool = False) -> KernelVariant:
     """Row gather into the expert-grouped buffer (zeros for padding rows); ``sources`` 2: the same
-    rows of two tensors in one launch."""
-    if sources not in (1, 2):
-        raise ValueError(f"sources: expected 1 or 2, got {sources}")
+    rows of two tensors in one launch; ``fp8``: E4M3 rows ``width`` elements wide with their
+    128-blocks' fp32 scales, up to a row count on the device (mok/kernels/common/gather.py)."""
+    if sources not in (1, 2) or (fp8 and sources != 1):
+        raise ValueError(f"sources: expected 1 or 2 (1 with fp8), got {sources}")
 
     def build(arch: str, options: str = "") -> Any:
         from .common.gather import compile_gather
 
-        return compile_gather(width, arch, options, sources=sources)
+        return compile_gather(width, arch, options, sources=sources, fp8=fp8)
 
-    return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}), build)
+    return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}) | ({"fp8": True} if fp8 else {}), build)
 
 
 def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False, *,
@@ -335,7 +336,7 @@ def grouped_gemm_variant(
     (mok/kernels/sm90/block_scaled.py; the same bits); None: :func:`block_buffers_for`'s choice.
     ``deep_turn`` (with two block sets): turns of that many stages with two stages' WGMMAs in flight
     (0: one); None: :func:`deep_turn_for`'s choice.
-    ``cluster_m`` (bf16; Hopper: the persistent cooperative kernel): 2 runs clusters of two CTAs on
+    ``cluster_m`` (bf16, or Hopper's e4m3_block; Hopper: the persistent cooperative kernel): 2 runs clusters of two CTAs on
     two row tiles of one column tile, which load B's tile once for both (TMA multicast) where one
     expert has both row tiles (mok/kernels/sm90/grouped_gemm.py, sm100/grouped_gemm.py; the same
     bits as 1).
@@ -354,8 +355,8 @@ def grouped_gemm_variant(
         if on:  # (absent when off: fewer keys to read in a cache listing)
             options[flag] = True
     if cluster_m != 1:
-        if cluster_m != 2 or operand != "bf16":
-            raise ValueError(f"cluster_m: expected 1, or 2 with bf16 operands, got {cluster_m} with operand={operand!r}")
+        if cluster_m != 2 or operand not in ("bf16", "e4m3_block"):
+            raise ValueError(f"cluster_m: expected 1, or 2 with bf16 or e4m3_block operands, got {cluster_m} with operand={operand!r}")
         options["cluster_m"] = cluster_m
     if b_expert_stride is not None:
         options["b_expert_stride"] = b_expert_stride

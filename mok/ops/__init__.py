@@ -6,7 +6,7 @@ it on the current CUDA stream. None reads device data back, so they are CUDA-gra
 (``raise_grid_timeouts`` reads one int; ``grid_sync_words`` synchronises once when it allocates a
 device's words: call it before capture).
 
-    rows         gather_rows, gather_rows_pair, combine
+    rows         gather_rows, gather_rows_pair, gather_fp8_rows, combine
     quantize     quantize_mxfp8, quantize_mxfp8_columns, dequantize_mxfp8, quantize_fp8_rows, quantize_fp8_columns, dequantize_fp8_rows,
                  quantize_fp8_weights
     schedule     device_schedule
@@ -20,13 +20,13 @@ from .bias_grads import bias_router_pieces, expert_column_sums
 from .gemm import grouped_gemm, grouped_gemm_scatter, swiglu_backward_gemm
 from .one_launch import grid_sync_words, raise_grid_timeouts, scheduled_expert_mlp
 from .quantize import dequantize_fp8_rows, dequantize_mxfp8, quantize_fp8_columns, quantize_fp8_rows, quantize_fp8_weights, quantize_mxfp8, quantize_mxfp8_columns
-from .rows import combine, gather_rows, gather_rows_pair
+from .rows import combine, gather_fp8_rows, gather_rows, gather_rows_pair
 from .schedule import device_schedule
 from .weight_grads import router_grad, weight_grad
 
 __all__ = [
     "bias_router_pieces", "combine", "dequantize_fp8_rows", "dequantize_mxfp8", "device_schedule", "expert_column_sums", "gather_rows",
-    "gather_rows_pair", "grid_sync_words", "grouped_gemm", "grouped_gemm_scatter", "quantize_fp8_columns", "quantize_fp8_rows",
+    "gather_fp8_rows", "gather_rows_pair", "grid_sync_words", "grouped_gemm", "grouped_gemm_scatter", "quantize_fp8_columns", "quantize_fp8_rows",
     "quantize_fp8_weights", "quantize_mxfp8", "quantize_mxfp8_columns", "raise_grid_timeouts", "router_grad", "scheduled_expert_mlp",
     "swiglu_backward_gemm", "weight_grad",
 ]

@@ -240,10 +240,11 @@ def grouped_gemm(
     of that many stages (the same bits: mok/kernels/sm90/block_scaled.py); None: 4 for the plain
     and k_split forms, 0 beside SwiGLU (mok.kernels.variants.deep_turn_for).
 
-    ``cluster_m`` = 2 (bf16 operands, the persistent kernel; SM100's compile-verified only):
-    clusters of two CTAs on two row tiles of one column tile, which load each B tile once for both
-    (TMA multicast) where one expert has both row tiles; the same bits as 1
-    (mok/kernels/sm90/grouped_gemm.py).
+    ``cluster_m`` = 2 (bf16 or FP8 block-scaled operands, the persistent kernel; SM100's bf16
+    compile-verified only): clusters of two CTAs on two row tiles of one column tile, which load
+    each B tile once for both (TMA multicast) where one expert has both row tiles; the same bits
+    as 1 (mok/kernels/sm90/grouped_gemm.py). The fp8_block layer runs its gate/up GEMM so where
+    experts get enough rows (mok.plan.Plan.gate_up_pairs).
     """
     fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
@@ -292,11 +293,12 @@ def grouped_gemm(
 
 
 def _check_cluster_m(cluster_m: int, operand: str, persistent: bool | None) -> None:
-    """``cluster_m``: 1, or 2 with bf16 operands in the persistent kernel."""
+    """``cluster_m``: 1, or 2 with bf16 or FP8 block-scaled operands in the persistent kernel."""
     if cluster_m not in (1, 2):
         raise ValueError(f"cluster_m: expected 1 or 2, got {cluster_m!r}")
-    if cluster_m == 2 and (operand != "bf16" or persistent is False):
-        raise ValueError(f"cluster_m=2: bf16 operands in the persistent kernel, got operand={operand!r}, persistent={persistent}")
+    if cluster_m == 2 and (operand not in ("bf16", "e4m3_block") or persistent is False):
+        raise ValueError(f"cluster_m=2: bf16 or FP8 block-scaled operands in the persistent kernel, got operand={operand!r}, "
+                         f"persistent={persistent}")
 
 
 def _check_biases(bias, bias2, two: bool, num_experts: int, n: int, device, k_split: bool) -> None:
@@ -402,6 +404,7 @@ def swiglu_backward_gemm(
     activation: str = "swiglu",
     bias_piece: bool = False,
     tile_n: int | None = None,
+    cluster_m: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
@@ -418,7 +421,8 @@ def swiglu_backward_gemm(
     ``bias_piece`` (the experts have biases; routed experts): partial gets one more column,
     the last, left unwritten for the down bias's piece (:func:`mok.ops.bias_router_pieces`).
     ``tile_n`` (FP8 block scales: 64 or 128) overrides the column tile (SWIGLU_BACKWARD_TILE_N),
-    and with it partial's columns.
+    and with it partial's columns. ``cluster_m``: as in :func:`grouped_gemm` (the cooperative
+    kernel: no ping-pong).
 
     MXFP8 operands (SM100 only, 128-wide tiles, no ping-pong): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
@@ -428,6 +432,8 @@ def swiglu_backward_gemm(
     float32 [H / 128, R]) and w_down transposed likewise: (elements [E, I, H], scales [E, I / 128,
     H / 128]) (mok.fp8_block's layouts).
     """
+    if cluster_m == 2 and pingpong:
+        raise ValueError("cluster_m=2: the cooperative kernel, got pingpong=True")
     fp8_block = isinstance(dout_rows, (tuple, list)) and _fp8_block_scales(dout_rows)
     mxfp8 = isinstance(dout_rows, (tuple, list)) and not fp8_block
     if fp8_block:
@@ -464,8 +470,8 @@ def swiglu_backward_gemm(
         if inter % 8 or hidden % 8:
             raise ValueError(f"w_down: expected I % 8 == 0 and H % 8 == 0 (16-byte rows), got I={inter}, H={hidden}")
         tile_n, operand = SWIGLU_BACKWARD_TILE_N, "bf16"
-        if pingpong is None:
-            pingpong = swiglu_backward_pingpong(persistent, tile_n)
+        if pingpong is None:  # (row-tile pairs: the cooperative kernel)
+            pingpong = cluster_m == 1 and swiglu_backward_pingpong(persistent, tile_n)
         if pingpong and not persistent:
             raise ValueError("pingpong: only with persistent=True")
         pointers = dict(a=dout_rows, b=w_down, b2=w_down)
@@ -482,11 +488,12 @@ def swiglu_backward_gemm(
     check_weights_launchable(w_down=pointers["b"])
     if mxfp8 and dev.type == "cuda":
         require_mxfp8_gemms("swiglu_backward_gemm", arch_of(dev.index))
+    _check_cluster_m(cluster_m, operand, persistent)
     if num_rows == 0:
         return dh, a_scaled, partial
     variant = grouped_gemm_variant(
         inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="k" if mxfp8 or fp8_block else "n", topk=topk, unit_scale=unit_scale,
-        persistent=persistent, pingpong=pingpong, operand=operand, activation=activation, bias=bias_piece,
+        persistent=persistent, pingpong=pingpong, operand=operand, activation=activation, bias=bias_piece, cluster_m=cluster_m,
     )
     launch_grouped_gemm(
         variant, dev, **pointers, c=dh, tile_expert=tile_expert, h=h, a_scaled=a_scaled, partial=partial, row_token=row_token,

@@ -2,6 +2,7 @@
 
     gather_rows       out[r] = src[index[r]]                (zeros where index[r] < 0)
     gather_rows_pair  the same rows of two sources in one launch (the backward's dout and x)
+    gather_fp8_rows   E4M3 rows with their 1 x 128 blocks' scales (x quantized once per token)
     combine           out[t] = shared[t] + Σ_j w[t, j]·y[t, j]   (fp32, j in order, bf16 out)
 """
 
@@ -12,7 +13,7 @@ import torch
 from ..kernels.variants import combine_variant, gather_variant
 from ..runtime import launch
 from ..validation import check_tensor
-from .common import BF16, bf16_out, check_32bit, check_cuda_aligned, check_disjoint, kernel_for
+from .common import BF16, E4M3, I32, bf16_out, check_32bit, check_cuda_aligned, check_disjoint, check_launchable, check_rows_used, kernel_for
 
 
 def combine(
@@ -119,6 +120,42 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | N
     kernel = kernel_for(gather_variant(width), src.device)
     kernel(launch.ptr("bf16", src), launch.ptr("i32", index, 4), launch.ptr("bf16", out), launch.i32(src.shape[0]), launch.i32(num_out), launch.stream(src.device))
     return out
+
+
+def gather_fp8_rows(
+    rows: tuple[torch.Tensor, torch.Tensor], index: torch.Tensor, *, rows_used: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 rows quantized once per token, gathered: ``rows`` = (elements float8_e4m3fn [T, K],
+    scales float32 [blocks, T]) as mok.ops.quantize_fp8_rows(x) gives them (K a multiple of 16,
+    blocks = ceil(K / 128)); returns (elements [R, K], scales [blocks, R]) with row r = token
+    index[r]'s, zeros with scale 1.0 where index[r] < 0 (a schedule's padding rows): the bits of
+    quantize_fp8_rows(x, row_source=index) in one pass over the E4M3 bytes (half of bf16's).
+    ``rows_used`` (int32 [1] on the device): only the first rows_used[0] rows written, the rest
+    of the outputs left unwritten (the count stays on the device)."""
+    if not isinstance(rows, (tuple, list)) or len(rows) != 2:
+        raise TypeError(f"rows: expected (elements, scales) as quantize_fp8_rows gives them, got {type(rows).__name__}")
+    elements, scales = rows
+    check_tensor("elements", elements, dtypes=E4M3, ndim=2, contiguous=True)
+    num_src, width = elements.shape
+    if width % 16 or width == 0:
+        raise ValueError(f"elements: expected [T, K] with K a positive multiple of 16 (16-byte rows), got {list(elements.shape)}")
+    blocks = -(-width // 128)
+    check_tensor("scales", scales, dtypes=(torch.float32,), shape=(blocks, num_src), device=elements.device, contiguous=True)
+    check_tensor("index", index, dtypes=I32, ndim=1, device=elements.device, contiguous=True)
+    check_rows_used(rows_used, elements.device)
+    num_out = index.shape[0]
+    out = torch.empty(num_out, width, dtype=torch.float8_e4m3fn, device=elements.device)
+    out_scales = torch.empty(blocks, num_out, dtype=torch.float32, device=elements.device)
+    if num_out == 0:
+        return out, out_scales
+    used = rows_used if rows_used is not None else torch.full((1,), num_out, dtype=torch.int32, device=elements.device)
+    check_launchable(elements=elements, scales=scales, index=index, out=out)
+    check_32bit("elements", elements)
+    check_32bit("out", out)
+    kernel = kernel_for(gather_variant(width, fp8=True), elements.device)
+    kernel(launch.ptr("bf16", elements), launch.ptr("f32", scales, 4), launch.ptr("i32", index, 4), launch.ptr("bf16", out),
+           launch.ptr("f32", out_scales, 4), launch.ptr("i32", used, 4), launch.i32(num_src), launch.i32(num_out), launch.stream(elements.device))
+    return out, out_scales
 
 
 def gather_rows_pair(

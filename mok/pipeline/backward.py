@@ -123,7 +123,7 @@ def backward(
     fp8_wgrad = wgrad_format == "fp8_block"  # (x's rows then gathered as their transposes are quantized)
     bf16_wgrad = weight_grads and not fp8_wgrad
     dout_q = None
-    if plan.quantizes_gathered_rows:  # dout's rows gathered as they are quantized, in bf16 too where something reads them so
+    if plan.quantizes_gathered_rows:  # dout's FP8 rows from dout's tokens (stages.quantized_rows), in bf16 too where something reads them so
         # (bf16 weight gradients, the expert biases' sums, a shared expert among the routed ones); with FP8 weight
         # gradients dW_down's operand is gathered from dout as its transpose is quantized
         dout_rows, dout_q = stages.gathered_dout(plan, dout, sched, bf16_wgrad or biases is not None or bool(sched.shared_rows))

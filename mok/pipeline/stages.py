@@ -239,16 +239,18 @@ def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segme
     """``rows`` as a quantized precision's GEMMs take them: the rows ``sched`` uses, or all of them
     (x, whose rows a GEMM gathers). fp8_block: FP8 with 1 x 128 block scales by the plan's scale
     rule (fp8_scales), the scales in the order its GEMMs take (plan.fp8_scale_order), ``segments``
-    as ops.quantize_fp8_rows takes it, and with ``gathered`` the rows of x the schedule names,
-    gathered as they are quantized (and with ``rows_out`` their bf16 copy written there by the same
-    pass); MXFP8: its elements and MMA-ordered scales, or with
+    as ops.quantize_fp8_rows takes it, and with ``gathered`` the rows of x the schedule names:
+    each token quantized once and its FP8 row gathered (plan.gathers_fp8_rows), or gathered as
+    they are quantized (and with ``rows_out`` their bf16 copy written there by the same pass); MXFP8: its elements and MMA-ordered scales, or with
     ``plan.emulate`` their exact bf16 values for the bf16 GEMM; ``segments`` 2 (dh): each half
     blocked on its own, each starting a chunk of the MMA's scales (the same bytes as one segment
     where 128 divides I)."""
     used = None if sched is None else rows_in_use(sched)
     if plan.precision == "fp8_block":
-        order = plan.fp8_scale_order
-        return ops.quantize_fp8_rows(rows, power_of_two=plan.config.fp8_power_of_two, rows_used=used, segments=segments, scale_order=order,
+        pow2, order = plan.config.fp8_power_of_two, plan.fp8_scale_order
+        if gathered and rows_out is None and plan.gathers_fp8_rows:  # (each token quantized once, its E4M3 row gathered)
+            return ops.gather_fp8_rows(ops.quantize_fp8_rows(rows, power_of_two=pow2), sched.row_token, rows_used=used)
+        return ops.quantize_fp8_rows(rows, power_of_two=pow2, rows_used=used, segments=segments, scale_order=order,
                                      row_source=sched.row_token if gathered else None, rows_out=rows_out)
     if gathered:
         raise ValueError(f"quantized_rows: gathered rows are fp8_block's, got precision {plan.precision!r}")
@@ -290,7 +292,7 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
                                 activation=plan.activation, **bias, **plan.pairs)
     rows_q = operand_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
     return ops.grouped_gemm(rows_q, gemm_weight(plan, weights.gate), sched.tile_expert, b2=gemm_weight(plan, weights.up), h_out=h_out,
-                            gather=sched.row_token if gather else None, activation=plan.activation, **bias)
+                            gather=sched.row_token if gather else None, activation=plan.activation, **bias, **plan.gate_up_pairs(sched))
 
 
 def backward_weights(plan: Plan, weights: tuple, stacked: tuple | None):

@@ -6,7 +6,11 @@ stores; a CTA of ``threads`` threads covers 8·threads columns of ROWS output ro
 thread loading its ROWS vectors before it stores any, so that ROWS loads are in flight per
 thread (one row per CTA kept one load in flight and launched a CTA per 2 KB moved).
 ``GatherTwoRowsKernel`` gathers the same rows of two sources of one width in one launch (the
-backward's dout and x rows).
+backward's dout and x rows). ``GatherFp8RowsKernel`` gathers rows quantized once per token (E4M3
+with a scale per 1 x 128 block, mok.ops.quantize_fp8_rows's layout): each row's bytes as above
+(eight bf16 lanes a 16-byte vector), and its scales from the transposed [blocks, T] into
+[blocks, R], 1.0 for padding rows (what the quantizer gives them); rows at or past a count on
+the device are left unwritten.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import cutlass
 import cutlass.cute as cute
 
 from .compile import compile_kernel
-from .records import GATHER_ARGS, GATHER_TWO_ARGS
+from .records import GATHER_ARGS, GATHER_FP8_ARGS, GATHER_TWO_ARGS
 from .row_vectors import VECTOR, row_vector, thread_vector, vector_grid
 
 ROWS = 4  # output rows per CTA (16-byte loads in flight per thread)
+SCALE_BLOCK = 128  # E4M3 elements of a row that share one fp32 scale (mok.fp8_block)
 # the launches' arguments (the CUDA stream follows): GatherRowsKernel's, GatherTwoRowsKernel's
 
 
@@ -80,6 +85,52 @@ class GatherTwoRowsKernel(GatherRowsKernel):
                 gather_row_block(m_src_b, m_index, m_out_b, row_block, chunk, m_out_b.shape[0])
 
 
+class GatherFp8RowsKernel(GatherRowsKernel):
+    """Static config: row width in E4M3 elements (a multiple of 16: whole 16-byte vectors)."""
+
+    def __init__(self, width: int, threads: int = 128) -> None:
+        if width % (2 * VECTOR):
+            raise ValueError(f"width: expected a multiple of {2 * VECTOR} E4M3 elements, got {width}")
+        super().__init__(width // 2, threads)  # (the bytes moved as bf16 lanes, two E4M3 elements each)
+        self.blocks = -(-width // SCALE_BLOCK)
+
+    @cute.jit
+    def __call__(
+        self, src_ptr: cute.Pointer, src_scales_ptr: cute.Pointer, index_ptr: cute.Pointer, out_ptr: cute.Pointer,
+        out_scales_ptr: cute.Pointer, used_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        """src [num_src, width] E4M3 (read as bf16 lanes) with scales [blocks, num_src] fp32; index
+        [num_out] int32; out [num_out, width] and out_scales [blocks, num_out]; used [1] int32: the
+        rows written (those below min(used, num_out))."""
+        w, blocks = self.width, self.blocks
+        rows_of = lambda ptr, count: cute.make_tensor(ptr, cute.make_layout((count, w), stride=(w, 1)))  # noqa: E731
+        scales_of = lambda ptr, count: cute.make_tensor(ptr, cute.make_layout((blocks, count), stride=(count, 1)))  # noqa: E731
+        m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
+        m_used = cute.make_tensor(used_ptr, cute.make_layout((1,)))
+        self.kernel_fp8(rows_of(src_ptr, num_src), scales_of(src_scales_ptr, num_src), m_index, rows_of(out_ptr, num_out),
+                        scales_of(out_scales_ptr, num_out), m_used).launch(
+            grid=vector_grid((num_out + ROWS - 1) // ROWS, w, self.threads), block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel_fp8(self, m_src: cute.Tensor, m_src_scales: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor,
+                   m_out_scales: cute.Tensor, m_used: cute.Tensor):
+        chunk, row_block, _ = thread_vector(self.threads)
+        rows = cutlass.min(m_used[0], m_out.shape[0])
+        if row_block * ROWS < rows:
+            if chunk * VECTOR < self.width:
+                gather_row_block(m_src, m_index, m_out, row_block, chunk, rows)
+            if chunk < self.blocks:  # (a thread per 128-block of the row: its scale)
+                for i in cutlass.range_constexpr(ROWS):
+                    row = row_block * ROWS + i
+                    if row < rows:
+                        source = m_index[row]
+                        scale = cutlass.Float32(1.0)
+                        if source >= 0:
+                            scale = m_src_scales[chunk, source]
+                        m_out_scales[chunk, row] = scale
+
+
 @cute.jit
 def gather_row_block(m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor, row_block, chunk, num_out):
     """Column chunk ``chunk`` (VECTOR elements) of out rows row_block·ROWS .. + ROWS - 1 (those below
@@ -100,8 +151,11 @@ def gather_row_block(m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tenso
             row_vector(m_out, row, chunk).store(held[i].load())
 
 
-def compile_gather(width: int, arch: str, options: str = "", sources: int = 1):
-    """Compile for ``arch`` without tensors (``sources`` 2: GatherTwoRowsKernel), the records' stand-ins."""
+def compile_gather(width: int, arch: str, options: str = "", sources: int = 1, fp8: bool = False):
+    """Compile for ``arch`` without tensors (``sources`` 2: GatherTwoRowsKernel; ``fp8``:
+    GatherFp8RowsKernel, ``width`` in E4M3 elements), the records' stand-ins."""
+    if fp8:
+        return compile_kernel(GatherFp8RowsKernel(width), GATHER_FP8_ARGS, arch, options)
     if sources == 2:
         return compile_kernel(GatherTwoRowsKernel(width), GATHER_TWO_ARGS, arch, options)
     return compile_kernel(GatherRowsKernel(width), GATHER_ARGS, arch, options)

@@ -75,6 +75,10 @@ GATHER_TWO_ARGS = LaunchArgs(
     ptr("src_a", "bf16"), ptr("src_b", "bf16"), ptr("index", "i32", 4), ptr("out_a", "bf16"), ptr("out_b", "bf16"), int32("num_src"),
     int32("num_out"),
 )
+GATHER_FP8_ARGS = LaunchArgs(  # E4M3 rows (as bf16 lanes) with their 1 x 128 blocks' fp32 scales [blocks, rows]
+    ptr("src", "bf16"), ptr("src_scales", "f32", 4), ptr("index", "i32", 4), ptr("out", "bf16"), ptr("out_scales", "f32", 4),
+    ptr("rows_used", "i32", 4), int32("num_src"), int32("num_out"),
+)
 ROUTER_GRAD_ARGS = LaunchArgs(ptr("partial", "f32", 4), ptr("slot_row", "i32", 4), ptr("out", "f32", 4), int32("num_tokens"), int32("num_rows"))
 COLUMN_SUMS_ARGS = LaunchArgs(  # per-expert column sums of rows (mok/kernels/common/bias_grads.py); the weights' tensors: weighted only
     ptr("rows", "bf16"), ptr("offsets", "i32", 4), ptr("counts", "i32", 4), ptr("row_token", "i32", 4), ptr("row_slot", "i32", 4),

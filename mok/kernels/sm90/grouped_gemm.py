@@ -30,7 +30,8 @@ tensor (and counts the whole box's bytes) and clips what a store box holds past 
 TMA is predicated by hand, per 16-byte chunk or 8-column group: the gathered rows' chunks past K
 (zero-filled like padding rows), the saved h loaded by the SwiGLU backward, the scattered vectors.
 
-With ``cluster_m`` = 2 (persistent, cooperative, bf16) the CTAs run in clusters of two on row
+With ``cluster_m`` = 2 (persistent, cooperative; bf16 or FP8 block scales, whose B scales are then
+read for the expert whose B the stages hold) the CTAs run in clusters of two on row
 tiles 2p and 2p + 1 of one column tile (the walk goes over pairs of row tiles, in the same
 L2-grouped order). Where one expert has both row tiles each CTA loads half of every B (and B2)
 tile into both CTAs' stages by TMA multicast, so the weights are read from L2 once for 256 rows;
@@ -115,8 +116,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             raise ValueError("pingpong: only for the persistent swiglu_bwd GEMM with 128-column tiles")
         if cluster_m not in (1, PAIR):
             raise ValueError(f"cluster_m: expected 1 or {PAIR}, got {cluster_m}")
-        if cluster_m == PAIR and (not persistent or pingpong or self.block_scaled):
-            raise ValueError("cluster_m=2: only in the persistent cooperative kernel on bf16 operands")
+        if cluster_m == PAIR and (not persistent or pingpong):
+            raise ValueError("cluster_m=2: only in the persistent cooperative kernel")
         self.cluster_m = cluster_m
         self.pingpong = pingpong
         if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers
@@ -347,7 +348,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                     rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
                     if cutlass.const_expr(self.block_scaled):
                         cons, release = self.consume_block_scaled_tile(
-                            ab_pipe, tiled_mma, (acc, acc2), blocks, issue, k_tiles, cons, release, (s_sa, *b_scales), (expert, tile_col),
+                            ab_pipe, tiled_mma, (acc, acc2), blocks, issue, k_tiles, cons, release, (s_sa, *b_scales), (b_expert, tile_col),
                             mma_tidx,
                         )
                     else:
