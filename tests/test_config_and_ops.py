@@ -370,8 +370,8 @@ def test_fp8_gate_up_runs_on_row_tile_pairs_by_the_rows_an_expert_gets():
 
 def test_grouped_gemm_cluster_m_is_checked_before_launch():
     """cluster_m: 1 or 2, and 2 only with bf16 or FP8 block-scaled operands in the persistent
-    kernel (not MXFP8's, nor the SwiGLU backward's ping-pong); a valid one goes on to the launch
-    checks (which refuse CPU data)."""
+    kernel (not MXFP8's; FP8 rows gathered first; the SwiGLU backward on FP8 only); a valid one
+    goes on to the launch checks (which refuse CPU data)."""
     from mok import fp8_block as fp8
     from mok.ops import grouped_gemm, grouped_gemm_scatter, swiglu_backward_gemm
 
@@ -386,9 +386,14 @@ def test_grouped_gemm_cluster_m_is_checked_before_launch():
         grouped_gemm(mxfp8, (torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, 1, 512, dtype=torch.uint8)), tiles, cluster_m=2)
     with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # (FP8 block scales: on pairs too)
         grouped_gemm(fp8.quantize_rows(torch.randn(256, 128)), fp8.quantize_weights(torch.randn(2, 256, 128)), tiles, cluster_m=2)
+    with pytest.raises(ValueError, match="rows gathered first .* not by the GEMM's producer"):  # (FP8: pairs on gathered rows)
+        grouped_gemm(fp8.quantize_rows(torch.randn(256, 128)), fp8.quantize_weights(torch.randn(2, 256, 128)), tiles, cluster_m=2,
+                     gather=torch.zeros(256, dtype=torch.int32))
     h = torch.zeros(256, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="cluster_m=2: the cooperative kernel, got pingpong=True"):
-        swiglu_backward_gemm(a, torch.zeros(2, 128, 128, dtype=torch.bfloat16), tiles, h, cluster_m=2, persistent=True, pingpong=True)
+    with pytest.raises(ValueError, match="cluster_m: 1, or 2 with FP8 block-scaled operands .*, got 2 with bf16 operands"):
+        swiglu_backward_gemm(a, torch.zeros(2, 128, 128, dtype=torch.bfloat16), tiles, h, cluster_m=2)
+    with pytest.raises(ValueError, match="a: expected a CUDA tensor"):  # (FP8: on pairs too)
+        swiglu_backward_gemm(fp8.quantize_rows(torch.randn(256, 128)), fp8.quantize_weights(torch.randn(2, 128, 128)), tiles, h, cluster_m=2)
     rows = torch.zeros(256, dtype=torch.int32)
     with pytest.raises(ValueError, match="cluster_m: expected 1 or 2, got 0"):
         grouped_gemm_scatter(a, b, tiles, rows, rows, torch.zeros(50, 4, 256, dtype=torch.bfloat16), cluster_m=0)

@@ -240,11 +240,12 @@ def grouped_gemm(
     of that many stages (the same bits: mok/kernels/sm90/block_scaled.py); None: 4 for the plain
     and k_split forms, 0 beside SwiGLU (mok.kernels.variants.deep_turn_for).
 
-    ``cluster_m`` = 2 (bf16 or FP8 block-scaled operands, the persistent kernel; SM100's bf16
-    compile-verified only): clusters of two CTAs on two row tiles of one column tile, which load
-    each B tile once for both (TMA multicast) where one expert has both row tiles; the same bits
-    as 1 (mok/kernels/sm90/grouped_gemm.py). The fp8_block layer runs its gate/up GEMM so where
-    experts get enough rows (mok.plan.Plan.gate_up_pairs).
+    ``cluster_m`` = 2 (bf16 or FP8 block-scaled operands, the persistent kernel; FP8 rows
+    gathered first, not with ``gather``; SM100's bf16 compile-verified only): clusters of two CTAs
+    on two row tiles of one column tile, which load each B tile once for both (TMA multicast)
+    where one expert has both row tiles; the same bits as 1 (mok/kernels/sm90/grouped_gemm.py).
+    The fp8_block layer runs its gate/up GEMM so where experts get enough rows
+    (mok.plan.Plan.gate_up_pairs).
     """
     fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
@@ -253,6 +254,9 @@ def grouped_gemm(
     if fp8_block and (b_major != "k" or persistent is False):
         raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
     _check_cluster_m(cluster_m, operand, persistent)
+    if cluster_m == 2 and fp8_block and gather is not None:
+        raise ValueError("cluster_m=2 with FP8 block-scaled operands: rows gathered first (quantize_fp8_rows or gather_fp8_rows), "
+                         "not by the GEMM's producer (gather)")
     pointers, _, num_experts, n, b_strides = _operands(a, b, b2, b_major, k_split, gathered=gather is not None)
     a_values = pointers["a"]
     if operand == "e4m3" and (b_major != "k" or gather is not None):
@@ -421,8 +425,8 @@ def swiglu_backward_gemm(
     ``bias_piece`` (the experts have biases; routed experts): partial gets one more column,
     the last, left unwritten for the down bias's piece (:func:`mok.ops.bias_router_pieces`).
     ``tile_n`` (FP8 block scales: 64 or 128) overrides the column tile (SWIGLU_BACKWARD_TILE_N),
-    and with it partial's columns. ``cluster_m``: as in :func:`grouped_gemm` (the cooperative
-    kernel: no ping-pong).
+    and with it partial's columns. ``cluster_m`` = 2 (FP8 block scales): row-tile pairs, as in
+    :func:`grouped_gemm`.
 
     MXFP8 operands (SM100 only, 128-wide tiles, no ping-pong): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
@@ -432,9 +436,10 @@ def swiglu_backward_gemm(
     float32 [H / 128, R]) and w_down transposed likewise: (elements [E, I, H], scales [E, I / 128,
     H / 128]) (mok.fp8_block's layouts).
     """
-    if cluster_m == 2 and pingpong:
-        raise ValueError("cluster_m=2: the cooperative kernel, got pingpong=True")
     fp8_block = isinstance(dout_rows, (tuple, list)) and _fp8_block_scales(dout_rows)
+    if cluster_m != 1 and not fp8_block:
+        raise ValueError(f"cluster_m: 1, or 2 with FP8 block-scaled operands (the cooperative kernel), got {cluster_m!r} with "
+                         f"{'MXFP8' if isinstance(dout_rows, (tuple, list)) else 'bf16'} operands")
     mxfp8 = isinstance(dout_rows, (tuple, list)) and not fp8_block
     if fp8_block:
         if persistent is False or pingpong:
@@ -470,8 +475,8 @@ def swiglu_backward_gemm(
         if inter % 8 or hidden % 8:
             raise ValueError(f"w_down: expected I % 8 == 0 and H % 8 == 0 (16-byte rows), got I={inter}, H={hidden}")
         tile_n, operand = SWIGLU_BACKWARD_TILE_N, "bf16"
-        if pingpong is None:  # (row-tile pairs: the cooperative kernel)
-            pingpong = cluster_m == 1 and swiglu_backward_pingpong(persistent, tile_n)
+        if pingpong is None:
+            pingpong = swiglu_backward_pingpong(persistent, tile_n)
         if pingpong and not persistent:
             raise ValueError("pingpong: only with persistent=True")
         pointers = dict(a=dout_rows, b=w_down, b2=w_down)
