@@ -241,7 +241,8 @@ def quantized_rows(plan: Plan, rows: torch.Tensor, sched: Schedule | None, segme
     rule (fp8_scales), the scales in the order its GEMMs take (plan.fp8_scale_order), ``segments``
     as ops.quantize_fp8_rows takes it, and with ``gathered`` the rows of x the schedule names:
     each token quantized once and its FP8 row gathered (plan.gathers_fp8_rows), or gathered as
-    they are quantized (and with ``rows_out`` their bf16 copy written there by the same pass); MXFP8: its elements and MMA-ordered scales, or with
+    they are quantized (and with ``rows_out`` their bf16 copy written there by the same pass);
+    MXFP8: its elements and MMA-ordered scales, or with
     ``plan.emulate`` their exact bf16 values for the bf16 GEMM; ``segments`` 2 (dh): each half
     blocked on its own, each starting a chunk of the MMA's scales (the same bytes as one segment
     where 128 divides I)."""
