@@ -149,9 +149,7 @@ def gather_fp8_rows(
     if num_out == 0:
         return out, out_scales
     used = rows_used if rows_used is not None else torch.full((1,), num_out, dtype=torch.int32, device=elements.device)
-    check_launchable(elements=elements, scales=scales, index=index, out=out)
-    check_32bit("elements", elements)
-    check_32bit("out", out)
+    check_launchable(elements=elements, scales=scales, index=index, out=out)  # (CUDA, aligned, 32-bit indexable)
     kernel = kernel_for(gather_variant(width, fp8=True), elements.device)
     kernel(launch.ptr("bf16", elements), launch.ptr("f32", scales, 4), launch.ptr("i32", index, 4), launch.ptr("bf16", out),
            launch.ptr("f32", out_scales, 4), launch.ptr("i32", used, 4), launch.i32(num_src), launch.i32(num_out), launch.stream(elements.device))

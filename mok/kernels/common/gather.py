@@ -20,11 +20,11 @@ import cutlass
 import cutlass.cute as cute
 
 from .compile import compile_kernel
+from .fp8_block_quantize import BLOCK as SCALE_BLOCK
 from .records import GATHER_ARGS, GATHER_FP8_ARGS, GATHER_TWO_ARGS
 from .row_vectors import VECTOR, row_vector, thread_vector, vector_grid
 
 ROWS = 4  # output rows per CTA (16-byte loads in flight per thread)
-SCALE_BLOCK = 128  # E4M3 elements of a row that share one fp32 scale (mok.fp8_block)
 # the launches' arguments (the CUDA stream follows): GatherRowsKernel's, GatherTwoRowsKernel's
 
 
