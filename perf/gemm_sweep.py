@@ -8,9 +8,10 @@
     python perf/gemm_sweep.py --fp8-block      # FP8 with 128-block scales (DeepSeek-V3's recipe) against bf16, same run
                                                # (plain shapes: also with one set of block accumulators, "x1");
                                                # then fc1 gathering FP8 rows against gathering bf16 rows first
-                                               # and the SwiGLU-backward GEMM on FP8 (64- and 128-wide tiles)
+                                               # and the SwiGLU-backward GEMM on FP8 (one or two block sets)
     python perf/gemm_sweep.py --gathered-fp8-fc1  # the gathered fc1 part only
-    python perf/gemm_sweep.py --fp8-swiglu-bwd    # the SwiGLU-backward part only
+    python perf/gemm_sweep.py --fp8-swiglu-bwd    # the SwiGLU-backward part only (one or two block sets, deep turns)
+    python perf/gemm_sweep.py --fp8-dense         # the FP8 grouped GEMMs against dense torch._scaled_mm (cuBLAS) of the same FLOPs
     python perf/gemm_sweep.py --fp8-schedules     # the FP8 GEMMs' schedules: one or two block sets, deep turns (bits and ms)
     python perf/gemm_sweep.py --fp8-row-quantizers  # the FP8 rows' quantizer: gathering, gathering with the bf16 copy, rows
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
@@ -56,6 +57,15 @@ def shape_operands(E, per, N, K, swiglu):
     b2 = (torch.randn(E, N, K, device="cuda") * K**-0.5).bfloat16() if swiglu else None
     tiles = torch.arange(R // 128, device="cuda", dtype=torch.int32) // (per // 128)
     return R, a, b, b2, tiles, 2 * R * N * K * (2 if swiglu else 1)
+
+
+def fp8_shape_operands(E, per, N, K, swiglu):
+    """:func:`shape_operands`, and its rows and weights quantized by mok.fp8_block's rule (A, B, B2 or None)."""
+    from mok import fp8_block as fp8
+
+    operands = shape_operands(E, per, N, K, swiglu)
+    _, a, b, b2, _, _ = operands
+    return operands, (fp8.quantize_rows(a), fp8.quantize_weights(b), fp8.quantize_weights(b2) if swiglu else None)
 
 
 def main() -> None:
@@ -180,9 +190,7 @@ def fp8_block() -> None:
     print(f"# {torch.cuda.get_device_name()}: FP8 block-scaled vs bf16 grouped GEMMs")
     print(f"{'shape':<11}{'kernel':<22}{'ms':>8}{'TFLOP/s':>9}{'vs bf16':>9}")
     for name, (E, per, N, K, swiglu) in SHAPES.items():
-        R, a, b, b2, tiles, flops = shape_operands(E, per, N, K, swiglu)
-        a_q, b_q = fp8.quantize_rows(a), fp8.quantize_weights(b)
-        b2_q = fp8.quantize_weights(b2) if swiglu else None
+        (R, a, b, b2, tiles, flops), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, N, K, swiglu)
         runs = {"mok bf16": lambda: ops.grouped_gemm(a, b, tiles, b2=b2), "mok fp8 block": lambda: ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q)}
         if not swiglu:  # (two sets of block accumulators, the plain form's default, against one)
             runs["mok fp8 block x1"] = lambda: ops.grouped_gemm(a_q, b_q, tiles, block_buffers=1)
@@ -194,6 +202,37 @@ def fp8_block() -> None:
             want = fp8.block_scaled_gemm_reference((a_q[0][rows], a_q[1][:, rows]), b_q, tiles.repeat_interleave(128)[rows])
             got = runs["mok fp8 block"]()[rows].double()
             print(f"{name:<11}fp8 vs float64 of its operands: relative difference {float((got - want).norm() / want.norm()):.2e}")
+
+
+FP8_DENSE_SHAPES = {  # name: (E, rows per expert, N, K, swiglu): the layer's expert GEMMs at T = 4096, top-8, uniform
+    "dsv3 fc1": (32, 1024, 2048, 7168, True), "dsv3 fc2": (32, 1024, 7168, 2048, False),
+    "qwen3-235b fc1": (128, 256, 1536, 4096, True), "qwen3-235b fc2": (128, 256, 4096, 1536, False),
+}
+
+
+def fp8_dense() -> None:
+    """MoK's FP8 grouped GEMMs (128-block scales; SwiGLU's gate and up as one) against one dense GEMM
+    of the same FLOPs through torch._scaled_mm (cuBLAS): the same recipe (A per 1 x 128, B per
+    128 x 128, scales fp32), and per-row x per-column scales (no promotion in the mainloop); bf16
+    mm beside. A ceiling, not a peer: one matrix, no expert boundaries, no gather."""
+    print(f"# {torch.cuda.get_device_name()}: FP8 grouped GEMMs against dense torch._scaled_mm of the same FLOPs")
+    print(f"{'shape':<16}{'kernel':<28}{'ms':>8}{'TFLOP/s':>9}")
+    for name, (E, per, N, K, swiglu) in FP8_DENSE_SHAPES.items():
+        (R, a, b, b2, tiles, flops), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, N, K, swiglu)
+        width = N * (2 if swiglu else 1)  # (the dense B: every output column of the grouped GEMM, for one matrix of R rows)
+        dense_b = (torch.randn(width, K, device="cuda") * K**-0.5).to(torch.float8_e4m3fn)
+        block_a = torch.ones(K // 128, R, device="cuda").t()  # (R, K / 128), column-major: cuBLAS's 1 x 128 layout
+        block_b = torch.ones(width // 128, K // 128, device="cuda").t()  # (K / 128, N / 128): 128 x 128
+        runs = {
+            "mok fp8 block (grouped)": lambda: ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q),
+            "scaled_mm 1x128 / 128x128": lambda: torch._scaled_mm(a_q[0], dense_b.t(), block_a, block_b, out_dtype=torch.bfloat16),
+            "scaled_mm rowwise": lambda: torch._scaled_mm(a_q[0], dense_b.t(), torch.ones(R, 1, device="cuda"),
+                                                          torch.ones(1, width, device="cuda"), out_dtype=torch.bfloat16),
+            "bf16 mm": lambda: a @ dense_b.bfloat16().t(),
+        }
+        ms = time_ms_interleaved(runs, batch=10, repeats=5)
+        for kname, t in ms.items():
+            print(f"{name:<16}{kname:<28}{t:>8.3f}{flops / t / 1e9:>9.0f}")
 
 
 def fp8_weight_grad_inputs(T: int, H: int, I: int, E: int, k: int) -> SimpleNamespace:
@@ -306,8 +345,6 @@ def fp8_schedules() -> None:
     shapes: one or two sets of block accumulators, and two stages in flight for turns of d stages
     ("x2 dN"), against MoK's bf16 kernel, interleaved; each schedule's bits against one set's.
     Then the FP8 weight gradient (dW_gate + dW_up) with and without deep turns."""
-    from mok import fp8_block as fp8
-
     specs = []
     for E, per, N, K, swiglu in SHAPES.values():
         epilogue = "swiglu" if swiglu else "plain"
@@ -319,9 +356,7 @@ def fp8_schedules() -> None:
     compile_in_parallel(specs)
     print(f"# {torch.cuda.get_device_name()}: FP8 schedules, ms (TFLOP/s, vs bf16)")
     for name, (E, per, N, K, swiglu) in SHAPES.items():
-        R, a, b, b2, tiles, flops = shape_operands(E, per, N, K, swiglu)
-        a_q, b_q = fp8.quantize_rows(a), fp8.quantize_weights(b)
-        b2_q = fp8.quantize_weights(b2) if swiglu else None
+        (R, a, b, b2, tiles, flops), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, N, K, swiglu)
         runs = {"bf16": lambda: ops.grouped_gemm(a, b, tiles, b2=b2)}
         for sets, turn in FP8_SCHEDULES["swiglu" if swiglu else "plain"]:
             runs[f"x{sets}" + (f" d{turn}" if turn else "")] = (
@@ -373,8 +408,9 @@ def fp8_weight_grads_for_ncu() -> None:
 
 def fp8_swiglu_backward() -> None:
     """The SwiGLU-backward GEMM (dA = dout·W_downᵀ per expert, the SwiGLU backward and the router
-    pieces in its epilogue) on FP8 operands with 128-block scales, 64- and 128-wide column tiles,
-    against MoK's bf16 kernel (ping-pong) on the same values; E experts x 1024 rows."""
+    pieces in its epilogue) on FP8 operands with 128-block scales, one or two block sets (h loaded
+    after the mainloop with two), two with deep turns of 4, against MoK's bf16 kernel (ping-pong)
+    on the same values; E experts x 1024 rows; the FP8 schedules' bits compared."""
     from mok import fp8_block as fp8
 
     for name, (E, per, I, H, k) in {"dsv3 swiglu bwd": (32, 1024, 2048, 7168, 8), "qwen3 swiglu bwd": (64, 1024, 768, 2048, 8)}.items():
@@ -387,11 +423,14 @@ def fp8_swiglu_backward() -> None:
                       row_slot=torch.arange(R, device="cuda", dtype=torch.int32) % k, topk_w=torch.rand(R // k, k, device="cuda"))
         dout_q, w_q = fp8.quantize_rows(dout), fp8.quantize_weights(w_down.transpose(1, 2).contiguous())
         runs = {"mok bf16": lambda: ops.swiglu_backward_gemm(dout, w_down, tiles, h, **router)}
-        for tile_n in (64, 128):
-            runs[f"mok fp8 block n{tile_n}"] = lambda tile_n=tile_n: ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, tile_n=tile_n, **router)
+        for label, options in {"x1": dict(block_buffers=1), "x2": dict(block_buffers=2), "x2 d4": dict(block_buffers=2, deep_turn=4)}.items():
+            runs[f"mok fp8 block {label}"] = lambda options=options: ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, **options, **router)
+        outputs = {kname: [t.clone() for t in run() if t is not None] for kname, run in runs.items() if "fp8" in kname}
+        first = next(iter(outputs.values()))
+        print(name, "fp8 schedules give the same bits:", all(all(torch.equal(x, y) for x, y in zip(first, out)) for out in outputs.values()))
         ms = time_ms_interleaved(runs, batch=10, repeats=5)
         for kname, t in ms.items():
-            print(f"{name:<17}{kname:<22}{t:>8.3f}{2 * R * H * I / t / 1e9:>9.0f}{ms['mok bf16'] / t:>8.2f}x")
+            print(f"{name:<17}{kname:<24}{t:>8.3f}{2 * R * H * I / t / 1e9:>9.0f}{ms['mok bf16'] / t:>8.2f}x")
 
 
 def gathered_fp8_fc1() -> None:
@@ -562,7 +601,9 @@ def fp8_forward_levers() -> None:
 if __name__ == "__main__":
     import sys
 
-    if "--fp8-forward-levers" in sys.argv:
+    if "--fp8-dense" in sys.argv:
+        fp8_dense()
+    elif "--fp8-forward-levers" in sys.argv:
         fp8_forward_levers()
     elif "--fp8-row-tile-pairs" in sys.argv:
         fp8_row_tile_pairs()

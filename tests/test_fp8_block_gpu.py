@@ -80,6 +80,30 @@ def test_two_block_buffers_and_deep_turns_give_the_same_bits(form, k_blocks):
         assert rel_err(h_one[used].double(), torch.cat([gate, up], dim=1)) < 5e-3
 
 
+
+@pytest.mark.parametrize("k_blocks", [1, 2, 9, 10])
+def test_swiglu_backward_on_two_block_sets_gives_the_one_set_bits(k_blocks):
+    """The SwiGLU backward on two block sets (its default: h then loaded after the mainloop, which
+    an L2 prefetch before it brings near), alone and with deep turns of 4: dh, s·a and the router
+    pieces bit for bit the one-set kernel's (h loaded before the mainloop), at odd and even K
+    block counts, with a partial last row tile and an unused one."""
+    R, I, H, E = 128 * 4 + 40, 256, 128 * k_blocks, 3
+    g = torch.Generator(device="cuda").manual_seed(100 + k_blocks)
+    tiles = torch.tensor([1, -1, 0, 2, 2], device="cuda", dtype=torch.int32)
+    used = tiles.long().repeat_interleave(128)[:R] >= 0
+    dout_q = fp8.quantize_rows(torch.randn(R, H, device="cuda", generator=g))
+    w_q = fp8.quantize_weights(torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5)
+    h = torch.randn(R, 2 * I, device="cuda", generator=g).bfloat16()
+    rows = torch.arange(R, device="cuda", dtype=torch.int32)
+    router = dict(row_token=rows // 2, row_slot=rows % 2, topk_w=torch.rand(-(-R // 2), 2, device="cuda", generator=g))
+    one = ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, block_buffers=1, **router)
+    assert not one[0][used].isnan().any()
+    for deep_turn in (0, 4):
+        two = ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, block_buffers=2, deep_turn=deep_turn, **router)
+        for got, want in zip(two, one):
+            assert torch.equal(got[used], want[used]), deep_turn
+
+
 def test_swiglu_with_h_and_biases_and_the_k_split_form():
     R, N, K, E = 768, 512, 1024, 4
     a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=3, two=True)

@@ -233,9 +233,6 @@ def _check_operand(operand: str, persistent: bool, b_major: str = "k") -> None:
         raise ValueError("operand='e4m3_block': the FP8 (Hopper) kernel is persistent with K-major B: pass persistent=True and b_major='k'")
 
 
-FP8_TWO_SET_EPILOGUES = ("plain", "swiglu", "swiglu_save")  # the epilogues beside which two sets of FP8 block accumulators fit
-
-
 def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
     """``deep_turn`` (the FP8 two-set schedule's stages a turn with two stages' WGMMAs in flight,
     mok/kernels/sm90/block_scaled.py): 0 (off), or an even count >= 2 with two block sets."""
@@ -251,7 +248,7 @@ def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:
     the H200 (perf/RESULTS.md, "FP8 schedules") for ``form`` (a grouped GEMM's epilogue, or
     "weight_grad"): turns of 4 for the two-set plain GEMMs (the down projection, dx: 8-12% faster
     than none, turns of 8 no better), of 8 for the FP8 weight gradient (2-4%), none beside SwiGLU
-    (turns of 8 there: -3% to +3%), 0 without two sets."""
+    (turns of 8 there: -3% to +3%; turns of 4 in its backward 3-4% slower, H100), 0 without two sets."""
     if deep_turn is None:
         deep_turn = DEEP_TURNS.get(form, 0) if block_buffers == 2 else 0
     check_deep_turn(deep_turn, block_buffers)
@@ -264,17 +261,16 @@ def weight_grad_block_sets(operand: str) -> int:
     return 2 if operand == "e4m3_block" else 1
 
 
-def block_buffers_for(block_buffers: int | None, operand: str, epilogue: str) -> int:
+def block_buffers_for(block_buffers: int | None, operand: str) -> int:
     """The FP8 GEMM's sets of block accumulators (mok/kernels/sm90/block_scaled.py): 1, or 2 with
-    operand "e4m3_block" and the plain or SwiGLU forward epilogues (the SwiGLU backward's would
-    spill). None: 2 where allowed (a stage's WGMMAs then overlap the previous stage's promotion;
-    the same bits; measured 8-26% faster than one set), else 1."""
-    allowed = operand == "e4m3_block" and epilogue in FP8_TWO_SET_EPILOGUES
+    operand "e4m3_block" (every epilogue; the SwiGLU backward's then loads h after the mainloop).
+    None: 2 where allowed (a stage's WGMMAs then overlap the previous stage's promotion; the same
+    bits; measured 8-26% faster than one set in the forward forms), else 1."""
+    allowed = operand == "e4m3_block"
     if block_buffers is None:
         return 2 if allowed else 1
     if block_buffers not in (1, 2) or (block_buffers == 2 and not allowed):
-        raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block' and epilogue in {FP8_TWO_SET_EPILOGUES} "
-                         f"(swiglu_bwd's would spill), got {block_buffers} with operand={operand!r}, epilogue={epilogue!r}")
+        raise ValueError(f"block_buffers: expected 1, or 2 with operand='e4m3_block', got {block_buffers} with operand={operand!r}")
     return block_buffers
 
 
@@ -331,7 +327,7 @@ def grouped_gemm_variant(
     ``activation``: the SwiGLU epilogues' gated activation (swiglu, clamped_swiglu, geglu:
     mok/kernels/common/gated_activation.py). ``bias`` (Hopper): the experts' biases added in the
     plain and SwiGLU epilogues; swiglu_bwd leaves the down bias's router-gradient piece a column
-    (mok/kernels/common/grouped_gemm.py). ``block_buffers`` (operand "e4m3_block", plain epilogue):
+    (mok/kernels/common/grouped_gemm.py). ``block_buffers`` (operand "e4m3_block", every epilogue):
     2 lets a stage's WGMMAs run while the previous stage's product is promoted
     (mok/kernels/sm90/block_scaled.py; the same bits); None: :func:`block_buffers_for`'s choice.
     ``deep_turn`` (with two block sets): turns of that many stages with two stages' WGMMAs in flight
@@ -342,7 +338,7 @@ def grouped_gemm_variant(
     bits as 1).
     """
     _check_operand(operand, persistent, b_major)
-    block_buffers = block_buffers_for(block_buffers, operand, epilogue)
+    block_buffers = block_buffers_for(block_buffers, operand)
     deep_turn = deep_turn_for(deep_turn, block_buffers, epilogue)
     check_activation(activation)
     if (b_expert_stride is not None or b_row_stride is not None) and operand != "bf16":

@@ -250,7 +250,7 @@ def grouped_gemm(
     fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
     operand = "e4m3_block" if fp8_block else "e4m3" if isinstance(a, (tuple, list)) else "bf16"
-    deep_turn_for(deep_turn, block_buffers_for(block_buffers, operand, epilogue), epilogue)  # (before the operands' checks: the options' own errors)
+    deep_turn_for(deep_turn, block_buffers_for(block_buffers, operand), epilogue)  # (before the operands' checks: the options' own errors)
     if fp8_block and (b_major != "k" or persistent is False):
         raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
     _check_cluster_m(cluster_m, operand, persistent)
@@ -409,6 +409,8 @@ def swiglu_backward_gemm(
     bias_piece: bool = False,
     tile_n: int | None = None,
     cluster_m: int = 1,
+    block_buffers: int | None = None,
+    deep_turn: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Down-projection backward with the SwiGLU backward and the router gradient's pieces fused in.
 
@@ -426,7 +428,8 @@ def swiglu_backward_gemm(
     the last, left unwritten for the down bias's piece (:func:`mok.ops.bias_router_pieces`).
     ``tile_n`` (FP8 block scales: 64 or 128) overrides the column tile (SWIGLU_BACKWARD_TILE_N),
     and with it partial's columns. ``cluster_m`` = 2 (FP8 block scales): row-tile pairs, as in
-    :func:`grouped_gemm`.
+    :func:`grouped_gemm`. ``block_buffers``, ``deep_turn`` (FP8 block scales): as in
+    :func:`grouped_gemm` (None: two block sets, h then loaded after the mainloop; no deep turns).
 
     MXFP8 operands (SM100 only, 128-wide tiles, no ping-pong): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for
@@ -437,6 +440,8 @@ def swiglu_backward_gemm(
     H / 128]) (mok.fp8_block's layouts).
     """
     fp8_block = isinstance(dout_rows, (tuple, list)) and _fp8_block_scales(dout_rows)
+    operand = "e4m3_block" if fp8_block else "e4m3" if isinstance(dout_rows, (tuple, list)) else "bf16"
+    deep_turn_for(deep_turn, block_buffers_for(block_buffers, operand), "swiglu_bwd")  # (the options' own errors first)
     if cluster_m != 1 and not fp8_block:
         raise ValueError(f"cluster_m: 1, or 2 with FP8 block-scaled operands (the cooperative kernel), got {cluster_m!r} with "
                          f"{'MXFP8' if isinstance(dout_rows, (tuple, list)) else 'bf16'} operands")
@@ -499,6 +504,7 @@ def swiglu_backward_gemm(
     variant = grouped_gemm_variant(
         inter, hidden, tile_n=tile_n, epilogue="swiglu_bwd", b_major="k" if mxfp8 or fp8_block else "n", topk=topk, unit_scale=unit_scale,
         persistent=persistent, pingpong=pingpong, operand=operand, activation=activation, bias=bias_piece, cluster_m=cluster_m,
+        block_buffers=block_buffers, deep_turn=deep_turn,
     )
     launch_grouped_gemm(
         variant, dev, **pointers, c=dh, tile_expert=tile_expert, h=h, a_scaled=a_scaled, partial=partial, row_token=row_token,

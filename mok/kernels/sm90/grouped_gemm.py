@@ -93,7 +93,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
         self.block_scaled = operand == "e4m3_block"
-        self.block_buffers = block_buffers_for(block_buffers, operand, epilogue)
+        self.block_buffers = block_buffers_for(block_buffers, operand)
         check_deep_turn(deep_turn, self.block_buffers)
         self.deep_turn = deep_turn
         tile_k = TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K
@@ -345,7 +345,11 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
-                    rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
+                    rows_in = None
+                    if cutlass.const_expr(self.row_inputs_after_mainloop):
+                        self.prefetch_row_inputs(mma_tidx, tile_row, tile_col, row_args, num_rows)
+                    else:
+                        rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
                     if cutlass.const_expr(self.block_scaled):
                         cons, release = self.consume_block_scaled_tile(
                             ab_pipe, tiled_mma, (acc, acc2), blocks, issue, k_tiles, cons, release, (s_sa, *b_scales), (b_expert, tile_col),
@@ -353,6 +357,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                         )
                     else:
                         cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
+                    if cutlass.const_expr(self.row_inputs_after_mainloop):
+                        rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
                     tile = (tile_row, tile_col, expert, rows_in)
                     if cutlass.const_expr(self.cluster_m == PAIR):
                         if expert >= 0:  # (else only the other row tile of the pair has rows: these stages were shared, nothing is stored)
@@ -737,6 +743,29 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             s_hi = self.row_scale(row_lo + 8, num_rows, m_row_token, m_row_slot, m_topk_w)
             rows_in = (r_gate, r_up, s_lo, s_hi)
         return rows_in
+
+    @property
+    def row_inputs_after_mainloop(self) -> bool:
+        """swiglu_bwd on FP8 with two block sets: h is loaded after the mainloop (prefetched into
+        L2 before it), because its 64 registers a thread beside the two sets and the running sums
+        would spill; the other forms load it before (:meth:`load_row_inputs`)."""
+        return self.block_scaled and self.block_buffers == 2 and self.epilogue_kind == "swiglu_bwd"
+
+    @cute.jit
+    def prefetch_row_inputs(self, tidx, tile_row, tile_col, row_args, num_rows):
+        """swiglu_bwd, before a tile's mainloop: the tile's saved h (its gate and up halves, one
+        row's tile_n bf16 each) brought into L2, so that :meth:`load_row_inputs` after the mainloop
+        waits on L2, not DRAM. Each of the 256 MMA threads takes one row's half: its 128-byte lines."""
+        m_h = row_args[0]
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        row = tile_row * tile_m + tidx // 2
+        half = tidx % 2
+        cols_left = self.n - tile_col * tile_n
+        if row < num_rows:
+            line = 128 // 2  # bf16 values a 128-byte line
+            for c in cutlass.range_constexpr(tile_n // line):
+                if c * line < cols_left:
+                    cute.arch.prefetch((m_h[row, None, half].iterator + (tile_col * tile_n + c * line)).llvm_ptr, cache_level="L2")
 
     @cute.jit
     def epilogue(
