@@ -19,16 +19,16 @@ products run as one (``stacked_b``): gate's and up's B tiles are the two halves 
 tile, one WGMMA twice as wide covers both, and each product's block accumulator is its half of
 that WGMMA's (so A is read from shared memory once a step, not twice).
 
-With ``block_buffers=2`` (the default) each warpgroup keeps two sets of block
-accumulators and issues a stage's WGMMAs into one before it promotes the previous stage's, retired,
-from the other, then waits for them: its tensor work no longer waits for its own promotion. (The
-loop takes two stages a turn so that each set is named statically, and nothing is in flight
-across its back edge: else ptxas serializes every WGMMA; ``pin_registers`` keeps each promotion
-between its waits.) The extra accumulators (64 registers a thread at 128-wide tiles, or the
-stacked SwiGLU WGMMA's second n = 2·tile_n block) need the producer warpgroup's registers: the
-hand-over (setmaxnreg 40 / 232; the SwiGLU backward 128 wide 24 / 240) is on for it. Every
-epilogue (the SwiGLU backward's then loads the saved h after the mainloop, prefetched into L2
-before it: its 64 registers a thread beside the two sets would spill). With ``deep_turn`` = d as well, the loop
+With ``block_buffers=2`` (the default) each warpgroup keeps two sets of block accumulators and
+issues a stage's WGMMAs into one before it promotes the previous stage's, retired, from the other,
+then waits for them: its tensor work no longer waits for its own promotion. (The loop takes two
+stages a turn so that each set is named statically, and nothing is in flight across its back
+edge: else ptxas serializes every WGMMA; ``pin_registers`` keeps each promotion between its
+waits.) The extra accumulators (64 registers a thread at 128-wide tiles, or the stacked SwiGLU
+WGMMA's second n = 2·tile_n block) need the producer warpgroup's registers: the hand-over
+(setmaxnreg 40 / 232; the SwiGLU backward 128 wide 24 / 240) is on for it. Every epilogue (the
+SwiGLU backward's then loads the saved h after the mainloop, prefetched into L2 before it: its 64
+registers a thread beside the two sets would spill). With ``deep_turn`` = d as well, the loop
 runs turns of d stages in which a warpgroup issues each stage's WGMMAs before it waits for the
 previous stage's (``wait_group 1``), so two stages are in flight and the tensor cores always have
 the next stage queued while the last is promoted; every group is retired at the turn's end (the
