@@ -206,6 +206,7 @@ def fp8_block() -> None:
 
 FP8_DENSE_SHAPES = {  # name: (E, rows per expert, N, K, swiglu): the layer's expert GEMMs at T = 4096, top-8, uniform
     "dsv3 fc1": (32, 1024, 2048, 7168, True), "dsv3 fc2": (32, 1024, 7168, 2048, False),
+    "dsv3 fc1 plain": (32, 1024, 4096, 7168, False),  # (fc1's FLOPs and K on the plain kernel: SwiGLU's stacking apart from K's length)
     "qwen3-235b fc1": (128, 256, 1536, 4096, True), "qwen3-235b fc2": (128, 256, 4096, 1536, False),
 }
 
