@@ -120,6 +120,14 @@ def _fp8_block_scales(a: Operand) -> bool:
     return len(a) == 2 and isinstance(a[1], torch.Tensor) and a[1].dtype == torch.float32
 
 
+def _operand_format(a: Operand) -> str:
+    """A GEMM's A operand's format, as the kernels' records name it: "bf16" (a tensor), "e4m3_block"
+    (FP8 with fp32 block scales) or "e4m3" (MXFP8)."""
+    if not isinstance(a, (tuple, list)):
+        return "bf16"
+    return "e4m3_block" if _fp8_block_scales(a) else "e4m3"
+
+
 def _fp8_block_operands(a: Operand, b: Operand, b2: Operand | None, k_split: bool, gathered: bool = False) -> dict:
     """Check FP8 block-scaled A, B (and B2) of a grouped GEMM (mok.fp8_block's layouts; ``gathered``:
     A is x's rows, gathered with their scales by the kernel's producer); returns the record's
@@ -156,11 +164,9 @@ def _operands(a: Operand, b: Operand, b2: Operand | None, b_major: str, k_split:
     """A grouped GEMM's A, B (and B2), checked: (the record's pointer arguments, the operand format
     "bf16" / "e4m3_block" / "e4m3", E, N, B's strides as the variant takes them). bf16 tensors, FP8
     with block scales or MXFP8 (elements, scales) pairs (``gathered``: FP8 A is x's rows)."""
-    if isinstance(a, (tuple, list)):
-        if _fp8_block_scales(a):
-            pointers, operand = _fp8_block_operands(a, b, b2, k_split, gathered=gathered), "e4m3_block"
-        else:
-            pointers, operand = _mxfp8_operands(a, b, b2, k_split), "e4m3"
+    operand = _operand_format(a)
+    if operand != "bf16":
+        pointers = _fp8_block_operands(a, b, b2, k_split, gathered=gathered) if operand == "e4m3_block" else _mxfp8_operands(a, b, b2, k_split)
         return (pointers, operand, *pointers["b"].shape[:2], {})
     check_tensor("a", a, dtypes=BF16, ndim=2, contiguous=True)
     num_experts, n, b_strides = _bf16_weights(a, b, b2, b_major, k_split)
@@ -247,9 +253,9 @@ def grouped_gemm(
     The fp8_block layer runs its gate/up GEMM so where experts get enough rows
     (mok.plan.Plan.gate_up_pairs).
     """
-    fp8_block = isinstance(a, (tuple, list)) and _fp8_block_scales(a)
+    operand = _operand_format(a)
+    fp8_block = operand == "e4m3_block"
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
-    operand = "e4m3_block" if fp8_block else "e4m3" if isinstance(a, (tuple, list)) else "bf16"
     deep_turn_for(deep_turn, block_buffers_for(block_buffers, operand), epilogue)  # (before the operands' checks: the options' own errors)
     if fp8_block and (b_major != "k" or persistent is False):
         raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
@@ -439,20 +445,19 @@ def swiglu_backward_gemm(
     float32 [H / 128, R]) and w_down transposed likewise: (elements [E, I, H], scales [E, I / 128,
     H / 128]) (mok.fp8_block's layouts).
     """
-    fp8_block = isinstance(dout_rows, (tuple, list)) and _fp8_block_scales(dout_rows)
-    operand = "e4m3_block" if fp8_block else "e4m3" if isinstance(dout_rows, (tuple, list)) else "bf16"
+    operand = _operand_format(dout_rows)
+    fp8_block, mxfp8 = operand == "e4m3_block", operand == "e4m3"
     deep_turn_for(deep_turn, block_buffers_for(block_buffers, operand), "swiglu_bwd")  # (the options' own errors first)
     if cluster_m != 1 and not fp8_block:
         raise ValueError(f"cluster_m: 1, or 2 with FP8 block-scaled operands (the cooperative kernel), got {cluster_m!r} with "
-                         f"{'MXFP8' if isinstance(dout_rows, (tuple, list)) else 'bf16'} operands")
-    mxfp8 = isinstance(dout_rows, (tuple, list)) and not fp8_block
+                         f"{'MXFP8' if mxfp8 else 'bf16'} operands")
     if fp8_block:
         if persistent is False or pingpong:
             raise ValueError("FP8 block-scaled operands: the persistent kernel, no ping-pong")
         pointers = _fp8_block_operands(dout_rows, w_down, None, False)
         (num_rows, hidden), (num_experts, inter) = pointers["a"].shape, pointers["b"].shape[:2]
         dev = pointers["a"].device
-        persistent, pingpong, operand = True, False, "e4m3_block"
+        persistent, pingpong = True, False
         if tile_n not in (None, 64, 128):
             raise ValueError(f"tile_n: expected None, 64 or 128 for FP8 block-scaled operands, got {tile_n}")
         tile_n = SWIGLU_BACKWARD_TILE_N if tile_n is None else tile_n
@@ -467,7 +472,7 @@ def swiglu_backward_gemm(
         dev = dout_q.device
         num_experts, inter = check_mxfp8_weights("w_down", w_q, w_s, dev, hidden)
         persistent, pingpong = persistent_default(dev) if persistent is None else persistent, False
-        tile_n, operand = SWIGLU_BACKWARD_TILE_N, "e4m3"
+        tile_n = SWIGLU_BACKWARD_TILE_N
         pointers = dict(a=dout_q, a_scale=dout_s, b=w_q, b_scale=w_s, b2=w_q, b2_scale=w_s)
     else:
         check_tensor("dout_rows", dout_rows, dtypes=BF16, ndim=2, contiguous=True)
@@ -479,7 +484,7 @@ def swiglu_backward_gemm(
         check_tensor("w_down", w_down, shape=(num_experts, hidden, inter))
         if inter % 8 or hidden % 8:
             raise ValueError(f"w_down: expected I % 8 == 0 and H % 8 == 0 (16-byte rows), got I={inter}, H={hidden}")
-        tile_n, operand = SWIGLU_BACKWARD_TILE_N, "bf16"
+        tile_n = SWIGLU_BACKWARD_TILE_N
         if pingpong is None:
             pingpong = swiglu_backward_pingpong(persistent, tile_n)
         if pingpong and not persistent:
