@@ -599,29 +599,22 @@ def fp8_forward_levers() -> None:
         plan_module.FP8_GATE_UP_PAIRS_ROWS, plan_module.Plan.gathers_fp8_rows = rule, gathers
 
 
+SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are looked for
+    "--fp8-dense": fp8_dense, "--fp8-forward-levers": fp8_forward_levers, "--fp8-row-tile-pairs": fp8_row_tile_pairs,
+    "--row-tile-pairs": row_tile_pairs, "--fp8-schedules": fp8_schedules, "--fp8-row-quantizers": fp8_row_quantizers,
+    "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-rows": fp8_weight_grad_rows,
+    "--fp8-weight-grads": fp8_weight_grads,
+}
+LATER_MODES = {"--counted-wgrad": counted_weight_grads, "--weight-grads": weight_grads, "--scattered-fc2": scattered_fc2}
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--fp8-dense" in sys.argv:
-        fp8_dense()
-    elif "--fp8-forward-levers" in sys.argv:
-        fp8_forward_levers()
-    elif "--fp8-row-tile-pairs" in sys.argv:
-        fp8_row_tile_pairs()
-    elif "--row-tile-pairs" in sys.argv:
-        row_tile_pairs()
-    elif "--fp8-schedules" in sys.argv:
-        fp8_schedules()
-    elif "--fp8-row-quantizers" in sys.argv:
-        fp8_row_quantizers()
-    elif "--fp8-ncu" in sys.argv:
-        fp8_for_ncu()
-    elif "--fp8-wgrad-ncu" in sys.argv:
-        fp8_weight_grads_for_ncu()
-    elif "--fp8-wgrad-rows" in sys.argv:
-        fp8_weight_grad_rows()
-    elif "--fp8-weight-grads" in sys.argv:
-        fp8_weight_grads()
+    single = next((flag for flag in SINGLE_MODES if flag in sys.argv), None)
+    later = next((flag for flag in LATER_MODES if flag in sys.argv), None)
+    if single:
+        SINGLE_MODES[single]()
     elif "--fp8-block" in sys.argv or "--gathered-fp8-fc1" in sys.argv or "--fp8-swiglu-bwd" in sys.argv:
         if "--fp8-block" in sys.argv:
             fp8_block()
@@ -629,12 +622,8 @@ if __name__ == "__main__":
             gathered_fp8_fc1()
         if "--gathered-fp8-fc1" not in sys.argv:
             fp8_swiglu_backward()
-    elif "--counted-wgrad" in sys.argv:
-        counted_weight_grads()
-    elif "--weight-grads" in sys.argv:
-        weight_grads()
-    elif "--scattered-fc2" in sys.argv:
-        scattered_fc2()
+    elif later:
+        LATER_MODES[later]()
     else:
         if "--gathered-fc1" not in sys.argv:
             main()
