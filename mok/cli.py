@@ -88,7 +88,7 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
                         "fp8_block) adds the transposing quantizers and the FP8 weight-gradient kernels (sm_100a / sm_103a: power_of_two "
                         "scales, the MXFP8 ones) (MoKConfig.wgrad_format)")
     p.add_argument("--row-tile-pairs", action="store_true",
-                   help="the staged bf16 grouped GEMMs on clusters sharing each weight tile (MoKConfig.row_tile_pairs)")
+                   help="the staged bf16 grouped GEMMs (fp8_block: its gate/up GEMM) on clusters sharing each weight tile (MoKConfig.row_tile_pairs)")
 
 
 def _resolve_config(args: argparse.Namespace, arch: str | None = None, shape=None) -> tuple[MoKConfig, str | None]:

@@ -113,9 +113,11 @@ class MoKConfig:
     Every precision (bf16 staged or in one launch); a shared expert beside them (without biases)
     runs in launches of its own.
     row_tile_pairs: the routed experts' staged bf16 grouped GEMMs (gate/up, down, dx; their EP
-    forms) on clusters of two CTAs over each pair of row tiles, which load a weight tile once for
-    both where one expert has both tiles (TMA multicast; mok/kernels/sm90/grouped_gemm.py): the
-    same bits; off by default: 0.95-1.01x on an H100 (docs/notes/grouped-gemms-vs-quack.md).
+    forms), or with fp8_block on Hopper its gate/up GEMM, on clusters of two CTAs over each pair
+    of row tiles, which load a weight tile once for both where one expert has both tiles (TMA
+    multicast; mok/kernels/sm90/grouped_gemm.py): the same bits; off by default: 0.95-1.01x on an
+    H100 with bf16 (docs/notes/grouped-gemms-vs-quack.md), 2-3% slower with fp8_block's gate/up
+    GEMM in turns of 4 (docs/notes/fp8-block-hopper.md).
     """
 
     hidden: int
@@ -268,8 +270,8 @@ def check_combination(config: "MoKConfig") -> None:
                 f"gate_up_layout={config.gate_up_layout!r}: not with {', '.join(k for k, v in others.items() if v)} (its one "
                 "[E, 2I, H] gradient comes from the bf16 weight-gradient GEMM, fresh: not written yet for the others)"
             )
-    if config.row_tile_pairs and (config.precision != "bf16" or config.one_launch):
-        raise ValueError(f"row_tile_pairs: the staged bf16 GEMMs' option, not with precision={config.precision!r}"
+    if config.row_tile_pairs and (config.precision not in ("bf16", "fp8_block") or config.one_launch):
+        raise ValueError(f"row_tile_pairs: the staged bf16 GEMMs' and fp8_block's option, not with precision={config.precision!r}"
                          f"{' and one_launch' if config.one_launch else ''}")
     if config.dispatch_format != "bf16" and config.ep_size == 1:
         raise ValueError(f"dispatch_format={config.dispatch_format!r}: only with ep_size > 1 (at one rank nothing is dispatched)")

@@ -92,8 +92,8 @@ class MoELayer(nn.Module):
     ``activation``: the experts' gated activation, "swiglu" (default), "clamped_swiglu" (gpt-oss's) or
     "geglu" (:class:`mok.config.MoKConfig`). ``bias=True``: the routed experts have biases
     (``gate_bias``, ``up_bias`` [E, I], ``down_bias`` [E, H], initialised to zero; gpt-oss's; the
-    config's ``expert_bias``). ``row_tile_pairs=True``: the staged bf16 GEMMs on clusters sharing each
-    weight tile (the same bits; off by default, no faster on an H100: MoKConfig.row_tile_pairs).
+    config's ``expert_bias``). ``row_tile_pairs=True``: the staged bf16 GEMMs (fp8_block: its gate/up GEMM) on clusters
+    sharing each weight tile (the same bits; off by default, no faster on an H100: MoKConfig.row_tile_pairs).
     """
 
     def __init__(

@@ -26,9 +26,6 @@ from .kernels.variants import (
 from .runtime.arch import FP8_BLOCK_GEMM_ARCHS, MXFP8_GEMM_ARCHS, PERSISTENT_GEMM_ARCHS, check_fused_layer_device, normalize_arch, require_mxfp8_gemms
 
 TILE = 128  # the fused kernels' tile of every width (H, I, I_s), and the grouped GEMMs' row tile
-# Rows a local expert gets under uniform routing from which the FP8 gate/up GEMM runs on row-tile
-# pairs (measured: 1.06-1.14x at 1024 rows an expert, 0.94-0.98x at 256; perf/RESULTS.md)
-FP8_GATE_UP_PAIRS_ROWS = 512
 
 
 def check_tiled_widths(name: str, widths: dict, rule: tuple[int, str] = (TILE, "the fused kernels' tile")) -> None:
@@ -105,20 +102,18 @@ class Plan:
     @property
     def pairs(self) -> dict:
         """The routed experts' staged bf16 grouped GEMMs' cluster option: ``cluster_m`` 2 with
-        row_tile_pairs (MoKConfig: bf16, not in one launch), else none."""
-        return {"cluster_m": 2} if self.config.row_tile_pairs else {}
+        row_tile_pairs (MoKConfig: bf16 not in one launch; fp8_block's: :attr:`gate_up_pairs`), else none."""
+        return {"cluster_m": 2} if self.config.row_tile_pairs and self.precision == "bf16" else {}
 
-    def gate_up_pairs(self, sched) -> dict:
+    @property
+    def gate_up_pairs(self) -> dict:
         """The FP8 gate/up GEMM's cluster option (fp8_block on Hopper): ``cluster_m`` 2, B's tile
-        multicast to two row tiles of one expert, where uniform routing of the schedule's tokens
-        would put at least FP8_GATE_UP_PAIRS_ROWS rows on a local expert, else none. The sums are
-        the same either way (the pairs only share loads), so choosing by the batch's size keeps the
-        bits batch-invariant."""
+        multicast to two row tiles of one expert, with row_tile_pairs, else none (the same sums
+        either way: the pairs only share loads). Off by default: with the GEMM's turns of 4 the
+        pairs made the forward 2-3% slower (H100, perf/RESULTS.md)."""
         if self.precision != "fp8_block" or self.fp8_on_block_scaled_mma:
             return {}
-        tokens, topk = sched.slot_row.shape
-        rows_per_expert = tokens * topk / (sched.expert_counts.shape[0] * sched.world_size)
-        return {"cluster_m": 2} if rows_per_expert >= FP8_GATE_UP_PAIRS_ROWS else {}
+        return {"cluster_m": 2} if self.config.row_tile_pairs else {}
 
     @property
     def one_launch(self) -> bool:
@@ -330,9 +325,8 @@ class Plan:
                 options.pop("gather_a", None)
                 gemms = [grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)]
             else:
-                gemms = [grouped_gemm_variant(n, k, operand="e4m3_block", **options)]
-                if options.get("epilogue") in ("swiglu", "swiglu_save"):  # the gate/up GEMM, also on row-tile pairs (gate_up_pairs)
-                    gemms.append(grouped_gemm_variant(n, k, operand="e4m3_block", cluster_m=2, **options))
+                gate_up = options.get("epilogue") in ("swiglu", "swiglu_save")  # (with row_tile_pairs on pairs: gate_up_pairs)
+                gemms = [grouped_gemm_variant(n, k, operand="e4m3_block", **options, **(self.gate_up_pairs if gate_up else {}))]
             return [*rows, fp8_weights_quantizer(n, k // halves, pow2, mma_scales=mma), *gemms]
         options.pop("gather_a", None)
         options.pop("b_major", None)  # (the transposed copies, K-major)

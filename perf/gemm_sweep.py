@@ -21,7 +21,7 @@
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
     python perf/gemm_sweep.py --fp8-row-tile-pairs  # the FP8 forward GEMMs (fp8_block) with cluster_m 1 and 2, interleaved
-    python perf/gemm_sweep.py --fp8-forward-levers  # the fp8_block forward at dsv3 with its gate/up GEMM on pairs and x's
+    python perf/gemm_sweep.py --fp8-forward-levers  # the fp8_block forward at dsv3 and qwen3-235b: its gate/up GEMM's turns and pairs, x's
                                                     # FP8 rows gathered, each off: kernels (profiler) and ms, interleaved
 
 Rows: E experts x rows_per_expert (whole 128-row tiles), as the schedule lays them out.
@@ -547,56 +547,61 @@ def fp8_row_tile_pairs() -> None:
 
 
 def fp8_forward_levers() -> None:
-    """The one-GPU fp8_block forward at dsv3 (T 4096, uniform routing) as the plan runs it ("new":
-    the gate/up GEMM on row-tile pairs, x's tokens quantized once and their FP8 rows gathered),
-    without its FP8 row gather ("no gather": the rows gathered as they are quantized) and without
-    either ("old"), the two switched off by raising mok.plan.FP8_GATE_UP_PAIRS_ROWS and overriding
-    Plan.gathers_fp8_rows for the run: each one's kernels per forward (torch.profiler), then the
-    three interleaved twice; the same bits, checked."""
+    """The one-GPU fp8_block forward at dsv3 and qwen3-235b (T 4096, uniform routing) as the plan
+    runs it ("default": the gate/up GEMM in turns of 4 on one CTA a tile, x's tokens quantized once
+    and their FP8 rows gathered) against its gate/up GEMM on row-tile pairs (``row_tile_pairs``),
+    without turns, both (the defaults before turns of 4), and without the FP8 row gather (the rows
+    gathered as they are quantized: Plan.gathers_fp8_rows overridden for the run): each one's
+    kernels per forward (torch.profiler), then all interleaved twice; the same bits, checked."""
     import collections
 
+    import mok.kernels.variants as variants
     import mok.plan as plan_module
     from mok import pipeline
     from mok.config import MoKConfig
     from mok.runtime.arch import device_arch
 
-    rule, gathers = plan_module.FP8_GATE_UP_PAIRS_ROWS, plan_module.Plan.gathers_fp8_rows
-    settings = {"new": (True, True), "no gather": (True, False), "old": (False, False)}
-    T, H, I, E, k = 4096, 7168, 2048, 32, 8
-    x = torch.randn(T, H, device="cuda").bfloat16()
-    idx = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int()
-    w = torch.rand(T, k, device="cuda") + 0.05
-    experts = tuple((torch.randn(E, n, kk, device="cuda") * kk**-0.5).bfloat16() for n, kk in ((I, H), (I, H), (H, I)))
-    plan = plan_module.Plan(MoKConfig(H, I, E, k, precision="fp8_block"), device_arch())
-
-    def forward(setting):
-        pairs, gather = settings[setting]
-        plan_module.FP8_GATE_UP_PAIRS_ROWS = rule if pairs else 2**31
-        plan_module.Plan.gathers_fp8_rows = gathers if gather else property(lambda self: False)
-        return pipeline.forward(plan, x, idx, w, experts, None, check_routing=False).out
-
-    print(f"# {torch.cuda.get_device_name()}: the fp8_block forward at dsv3, kernels ms a call")
+    gathers, turns = plan_module.Plan.gathers_fp8_rows, dict(variants.DEEP_TURNS)
+    settings = {"default": (4, False, True), "pairs": (4, True, True), "no turns": (0, False, True), "pairs, no turns": (0, True, True),
+                "no gather": (4, False, False)}  # (the gate/up GEMM's turn, row-tile pairs, the FP8 rows gathered)
     try:
-        outs = [forward(s) for s in settings]
-        print("bits equal", all(torch.equal(out, outs[0]) for out in outs))
-        for setting in settings:
-            for _ in range(5):
-                forward(setting)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
+        for name, (T, H, I, E, k) in {"dsv3": (4096, 7168, 2048, 32, 8), "qwen3-235b": (4096, 4096, 1536, 128, 8)}.items():
+            x = torch.randn(T, H, device="cuda").bfloat16()
+            idx = torch.rand(T, E, device="cuda").topk(k, dim=1).indices.int()
+            w = torch.rand(T, k, device="cuda") + 0.05
+            experts = tuple((torch.randn(E, n, kk, device="cuda") * kk**-0.5).bfloat16() for n, kk in ((I, H), (I, H), (H, I)))
+            plans = {pairs: plan_module.Plan(MoKConfig(H, I, E, k, precision="fp8_block", row_tile_pairs=pairs), device_arch())
+                     for pairs in (False, True)}
+
+            def forward(setting):
+                turn, pairs, gather = settings[setting]
+                variants.DEEP_TURNS.update(swiglu=turn, swiglu_save=turn)
+                plan_module.Plan.gathers_fp8_rows = gathers if gather else property(lambda self: False)
+                return pipeline.forward(plans[pairs], x, idx, w, experts, None, check_routing=False).out
+
+            print(f"# {torch.cuda.get_device_name()}: the fp8_block forward at {name}, kernels ms a call")
+            outs = [forward(s) for s in settings]
+            print("bits equal", all(torch.equal(out, outs[0]) for out in outs))
+            for setting in settings:
+                for _ in range(5):
                     forward(setting)
                 torch.cuda.synchronize()
-            kernels = collections.Counter()
-            for event in prof.events():
-                if event.device_type == torch.autograd.DeviceType.CUDA:
-                    kernels[event.name[:60]] += event.device_time_total / 10 / 1000
-            print(f"{setting:<10} {sum(kernels.values()):.3f}: " + "; ".join(f"{n} {t:.3f}" for n, t in kernels.most_common(5)))
-        for _ in range(2):
-            ms = time_ms_interleaved({s: (lambda s=s: forward(s)) for s in settings}, batch=10, repeats=10)
-            print("forward ms " + "  ".join(f"{s} {t:.3f}" for s, t in ms.items()))
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        forward(setting)
+                    torch.cuda.synchronize()
+                kernels = collections.Counter()
+                for event in prof.events():
+                    if event.device_type == torch.autograd.DeviceType.CUDA:
+                        kernels[event.name[:60]] += event.device_time_total / 10 / 1000
+                print(f"{setting:<16} {sum(kernels.values()):.3f}: " + "; ".join(f"{n} {t:.3f}" for n, t in kernels.most_common(5)))
+            for _ in range(2):
+                ms = time_ms_interleaved({s: (lambda s=s: forward(s)) for s in settings}, batch=10, repeats=10)
+                print("forward ms " + "  ".join(f"{s} {t:.3f}" for s, t in ms.items()))
     finally:
-        plan_module.FP8_GATE_UP_PAIRS_ROWS, plan_module.Plan.gathers_fp8_rows = rule, gathers
+        plan_module.Plan.gathers_fp8_rows = gathers
+        variants.DEEP_TURNS.clear()
+        variants.DEEP_TURNS.update(turns)
 
 
 SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are looked for

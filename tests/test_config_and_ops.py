@@ -190,7 +190,8 @@ def test_fp8_dispatch_config_adds_its_kernels_on_either_arch():
 def test_row_tile_pairs_config_puts_the_staged_bf16_gemms_on_clusters():
     """row_tile_pairs: the plan's routed gate/up, down and dx GEMMs (their EP forms too) with
     cluster_m=2, every other kernel as it was (the SwiGLU backward's ping-pong, the weight
-    gradients, the shared expert's); refused with another precision or one_launch; the CLI sets it."""
+    gradients, the shared expert's); refused with MXFP8 or one_launch (fp8_block takes it: its
+    gate/up GEMM, below); the CLI sets it."""
     import argparse
 
     from mok.cli import _add_shape_options, _config_from
@@ -206,8 +207,8 @@ def test_row_tile_pairs_config_puts_the_staged_bf16_gemms_on_clusters():
         want = [("plain", False, base.get("ep_size", 1) > 1), ("plain", True, base.get("ep_size", 1) > 1), ("swiglu", False, False),
                 ("swiglu_save", False, False)]
         assert forms == sorted(want), forms
-    for bad in (dict(precision="fp8_block"), dict(one_launch=True)):
-        with pytest.raises(ValueError, match="row_tile_pairs: the staged bf16 GEMMs' option"):
+    for bad in (dict(precision="mxfp8"), dict(one_launch=True)):
+        with pytest.raises(ValueError, match="row_tile_pairs: the staged bf16 GEMMs' and fp8_block's option"):
             MoKConfig(512, 256, 8, 2, row_tile_pairs=True, **bad)
     with pytest.raises(TypeError, match="row_tile_pairs: expected a bool, got 1"):
         MoKConfig(512, 256, 8, 2, row_tile_pairs=1)
@@ -341,31 +342,32 @@ def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
         grouped_gemm_scatter(a, b, tiles, rows, rows, slots, slot_ranks=(2, 51200))
 
 
-def test_fp8_gate_up_runs_on_row_tile_pairs_by_the_rows_an_expert_gets():
-    """fp8_block on Hopper: the plan lists the FP8 gate/up GEMM (with and without h) on row-tile
-    pairs beside its one-CTA form, no other kernel on pairs; Plan.gate_up_pairs picks pairs where
-    uniform routing gives a local expert at least FP8_GATE_UP_PAIRS_ROWS rows (expert parallelism:
-    every rank's tokens over all experts), never with bf16 (row_tile_pairs' choice) or on SM100
-    (its fp8_block runs the MXFP8 kernels)."""
-    from mok.plan import FP8_GATE_UP_PAIRS_ROWS, plan_for
-    from mok.schedule import Schedule
+def test_fp8_gate_up_runs_in_turns_of_4_and_on_row_tile_pairs_only_with_row_tile_pairs():
+    """fp8_block on Hopper: the plan's FP8 gate/up GEMM (with and without h) runs two block sets in
+    turns of 4 stages, on one CTA a tile unless row_tile_pairs puts it (and no other kernel) on
+    row-tile pairs (Plan.gate_up_pairs; the bf16 GEMMs' ``pairs`` then stay off); never on pairs
+    with bf16's gate_up_pairs or on SM100 (its fp8_block runs the MXFP8 kernels)."""
+    from mok.plan import plan_for
+
+    def gate_ups(plan):
+        return [dict(v.config) for v in plan.variants() if v.config.get("operand") == "e4m3_block" and v.config.get("epilogue") in ("swiglu", "swiglu_save")]
 
     E, k = 8, 4
     plan = plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block"), "sm_90a")
-    clustered = [dict(v.config) for v in plan.variants() if v.config.get("cluster_m") == 2]
-    assert sorted(c["epilogue"] for c in clustered) == ["swiglu", "swiglu_save"]
-    assert all(c["operand"] == "e4m3_block" and c["n"] == 512 and c["k"] == 1024 for c in clustered)
-    enough = FP8_GATE_UP_PAIRS_ROWS * E // k  # tokens that give each expert FP8_GATE_UP_PAIRS_ROWS rows
-
-    def schedule(tokens, world=1):
-        return Schedule.empty(tokens, k, E // world, 128 * E, 128, "cpu", world_size=world)
-
-    assert plan.gate_up_pairs(schedule(enough)) == {"cluster_m": 2} and plan.gate_up_pairs(schedule(enough - 1)) == {}
-    ep = plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block", ep_size=2), "sm_90a")
-    assert ep.gate_up_pairs(schedule(enough, world=2)) == {"cluster_m": 2} and ep.gate_up_pairs(schedule(enough - 1, world=2)) == {}
-    for other in (plan_for(MoKConfig(1024, 512, E, k), "sm_90a"), plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block",
-                                                                                       fp8_scales="power_of_two"), "sm_100a")):
-        assert other.gate_up_pairs(schedule(4 * enough)) == {}
+    assert sorted(c["epilogue"] for c in gate_ups(plan)) == ["swiglu", "swiglu_save"]
+    assert all(c["deep_turn"] == 4 and c["block_buffers"] == 2 and c.get("cluster_m", 1) == 1 for c in gate_ups(plan))
+    assert plan.gate_up_pairs == {} and not any(v.config.get("cluster_m") == 2 for v in plan.variants())
+    swiglu_bwd = [dict(v.config) for v in plan.variants() if v.config.get("operand") == "e4m3_block" and v.config.get("epilogue") == "swiglu_bwd"]
+    assert swiglu_bwd and all(c.get("deep_turn", 0) == 0 for c in swiglu_bwd)
+    for options in (dict(), dict(ep_size=2)):
+        pairs = plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block", row_tile_pairs=True, **options), "sm_90a")
+        clustered = [dict(v.config) for v in pairs.variants() if v.config.get("cluster_m") == 2]
+        assert sorted(c["epilogue"] for c in clustered) == ["swiglu", "swiglu_save"]
+        assert all(c["operand"] == "e4m3_block" and c["n"] == 512 and c["k"] == 1024 for c in clustered)
+        assert pairs.gate_up_pairs == {"cluster_m": 2} and pairs.pairs == {}
+    bf16 = plan_for(MoKConfig(1024, 512, E, k, row_tile_pairs=True), "sm_90a")
+    sm100 = plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block", fp8_scales="power_of_two", row_tile_pairs=True), "sm_100a")
+    assert bf16.gate_up_pairs == {} and bf16.pairs == {"cluster_m": 2} and sm100.gate_up_pairs == {}
 
 
 def test_grouped_gemm_cluster_m_is_checked_before_launch():

@@ -316,7 +316,7 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     """precision="fp8_block" on Hopper: every expert GEMM but the weight gradients' on E4M3 with block
     scales (rows quantized once gathered or produced, the weights' 128 x 128 quantizer for them and
     their transposes; x's tokens quantized once and their FP8 rows gathered, dout's rows gathered
-    as they are quantized with their bf16 copy; the gate/up GEMM also on row-tile pairs), the weight gradients bf16, the
+    as they are quantized with their bf16 copy; the gate/up GEMM in turns of 4, on one CTA a tile), the weight gradients bf16, the
     router pieces of the 128-wide SwiGLU-backward tiles (with the register hand-over: 64-wide ones
     measured slower), h recomputed on the forward's FP8 GEMM; refused on SM100; widths multiples of 128; at EP
     the pushing down and dx GEMMs on FP8 too, the pulled rows quantized once they arrive."""
@@ -326,9 +326,9 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     config = MoKConfig(2048, 768, 64, 8, precision="fp8_block", saved_h_format="recompute")
     variants = Plan(config, "sm_90a").variants()
     fp8_gemms = [v.config for v in variants if v.name == "grouped_gemm" and v.config.get("operand") == "e4m3_block"]
-    assert sorted((c["epilogue"], c["n"], c["k"], c["k_split"], c.get("cluster_m", 1)) for c in fp8_gemms) == [
-        ("plain", 2048, 768, False, 1), ("plain", 2048, 1536, True, 1), ("swiglu", 768, 2048, False, 1), ("swiglu", 768, 2048, False, 2),
-        ("swiglu_bwd", 768, 2048, False, 1), ("swiglu_save", 768, 2048, False, 1), ("swiglu_save", 768, 2048, False, 2)]
+    assert sorted((c["epilogue"], c["n"], c["k"], c["k_split"], c.get("cluster_m", 1), c.get("deep_turn", 0)) for c in fp8_gemms) == [
+        ("plain", 2048, 768, False, 1, 4), ("plain", 2048, 1536, True, 1, 4), ("swiglu", 768, 2048, False, 1, 4),
+        ("swiglu_bwd", 768, 2048, False, 1, 0), ("swiglu_save", 768, 2048, False, 1, 4)]
     assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
     quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False), v.config.get("segments", 1),
                          v.config.get("gathered", False), v.config.get("copies_rows", False))

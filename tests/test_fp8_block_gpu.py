@@ -391,24 +391,23 @@ def test_fp8_block_layer_forward_follows_the_recipe_and_trains(T, H, I, E, k):
     assert torch.equal(recomputed.dx, grads.dx) and torch.equal(recomputed.d_w_gate, grads.d_w_gate)
 
 
-def test_fp8_gate_up_on_row_tile_pairs_keeps_the_layer_s_bits_batch_invariant():
-    """The gate/up GEMM runs on row-tile pairs where uniform routing gives a local expert at least
-    FP8_GATE_UP_PAIRS_ROWS rows (Plan.gate_up_pairs: by the batch's size), on single CTAs below:
-    a batch on pairs and a sub-batch without them give each token the same bits, forward and dx."""
-    from mok.plan import FP8_GATE_UP_PAIRS_ROWS
-
+def test_fp8_gate_up_on_row_tile_pairs_gives_the_one_cta_bits_batch_invariantly():
+    """row_tile_pairs puts the FP8 gate/up GEMM on row-tile pairs (Plan.gate_up_pairs): the layer's
+    output and dx are the one-CTA layer's bits, and a sub-batch gives each of its tokens the same
+    bits as the batch."""
     T, H, I, E, k = 2048, 1024, 512, 8, 4
-    assert T * k / E >= FP8_GATE_UP_PAIRS_ROWS > 64 * k / E
     x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=12)
-    plan = fp8_plan(x, idx, experts)
+    plan, single = fp8_plan(x, idx, experts, row_tile_pairs=True), fp8_plan(x, idx, experts)
+    assert plan.gate_up_pairs == {"cluster_m": 2} and single.gate_up_pairs == {}
     saved = pipeline.forward(plan, x, idx, w, experts, None, save=True)
-    assert plan.gate_up_pairs(saved.schedule) == {"cluster_m": 2}
+    one_cta = pipeline.forward(single, x, idx, w, experts, None, save=True)
+    assert torch.equal(saved.out, one_cta.out)
     rows = torch.randperm(T, device="cuda")[:64]
     part = pipeline.forward(plan, *(t[rows].contiguous() for t in (x, idx, w)), experts, None, save=True)
-    assert plan.gate_up_pairs(part.schedule) == {}
     assert torch.equal(part.out, saved.out[rows])
     dout = torch.randn(T, H, device="cuda").bfloat16()
     dx = pipeline.backward(plan, dout, x, idx, w, experts, None, saved, weight_grads=False).dx
+    assert torch.equal(dx, pipeline.backward(single, dout, x, idx, w, experts, None, one_cta, weight_grads=False).dx)
     dx_part = pipeline.backward(plan, dout[rows].contiguous(), *(t[rows].contiguous() for t in (x, idx, w)), experts, None, part,
                                 weight_grads=False).dx
     assert torch.equal(dx_part, dx[rows])

@@ -240,15 +240,17 @@ def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
         raise ValueError(f"deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got {deep_turn} with block_buffers={block_buffers}")
 
 
-DEEP_TURNS = {"plain": 4, "weight_grad": 8}  # the FP8 GEMM forms' default turns (the others: none)
+DEEP_TURNS = {"plain": 4, "swiglu": 4, "swiglu_save": 4, "weight_grad": 8}  # the FP8 GEMM forms' default turns (the others: none)
 
 
 def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:
-    """``deep_turn`` checked (:func:`check_deep_turn`), None resolved to what measured fastest on
-    the H200 (perf/RESULTS.md, "FP8 schedules") for ``form`` (a grouped GEMM's epilogue, or
-    "weight_grad"): turns of 4 for the two-set plain GEMMs (the down projection, dx: 8-12% faster
-    than none, turns of 8 no better), of 8 for the FP8 weight gradient (2-4%), none beside SwiGLU
-    (turns of 8 there: -3% to +3%; turns of 4 in its backward 3-4% slower, H100), 0 without two sets."""
+    """``deep_turn`` checked (:func:`check_deep_turn`), None resolved to what measured fastest
+    (perf/RESULTS.md, "FP8 schedules" and "FP8 gate/up GEMM in turns of 4") for ``form`` (a grouped
+    GEMM's epilogue, or "weight_grad"): turns of 4 for the two-set plain GEMMs (the down
+    projection, dx: 8-12% faster than none on the H200, turns of 8 no better) and the gate/up GEMM
+    (SwiGLU's forward: 3-9% faster on an H100, within -1% .. +2% on the H200), of 8 for the FP8
+    weight gradient (2-4%), none in the SwiGLU backward (turns of 4 there 3-4% slower, H100), 0
+    without two sets."""
     if deep_turn is None:
         deep_turn = DEEP_TURNS.get(form, 0) if block_buffers == 2 else 0
     check_deep_turn(deep_turn, block_buffers)

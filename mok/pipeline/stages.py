@@ -293,7 +293,7 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
                                 activation=plan.activation, **bias, **plan.pairs)
     rows_q = operand_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
     return ops.grouped_gemm(rows_q, gemm_weight(plan, weights.gate), sched.tile_expert, b2=gemm_weight(plan, weights.up), h_out=h_out,
-                            gather=sched.row_token if gather else None, activation=plan.activation, **bias, **plan.gate_up_pairs(sched))
+                            gather=sched.row_token if gather else None, activation=plan.activation, **bias, **plan.gate_up_pairs)
 
 
 def backward_weights(plan: Plan, weights: tuple, stacked: tuple | None):
