@@ -720,15 +720,16 @@ def test_fp8_block_column_quantizer_loads_rows_and_stores_transposed_16_byte_run
     a register: 0 zero-fills padding rows and columns past the width), waited for, nothing staged
     in registers; then each thread four adjacent columns of 32 rows, read twice by 8-byte loads
     (32 for the maxima, 32 for the values), the four warps' maxima through shared memory (one
-    16-byte store, 16 four-byte loads), 64 saturating pair conversions, two 16-byte stores per
-    column (a whole 32-byte sector of each output row), the four scales; nothing spilled or in
-    local memory, at most 96 registers. (Gathering: each row's index read first.)"""
+    16-byte store, four 16-byte loads), 64 saturating pair conversions, the transposed E4M3 tile
+    through shared memory (two 16-byte stores per column, eight 16-byte loads) and out as eight
+    16-byte global stores a thread (whole 128-byte lines a warp), the four scales; nothing spilled
+    or in local memory, at most 96 registers. (Gathering: each row's index read first.)"""
     from mok.kernels.variants import quantize_fp8_block_variant
 
     ptx = compiled_ptx(quantize_fp8_block_variant(width, bounded=gathered, gathered=gathered, columns=True), arch)
     assert count(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+\], 16, %r\d+;", ptx) == 16
     assert count(r"cp\.async\.wait_group\s+0;", ptx) == 1 and count(r"ld\.global\.v4", ptx) == 0
-    assert count(r"ld\.shared\.v4\.b16", ptx) == 2 * 32 and count(r"st\.shared\.v4\.b32", ptx) == 1 and count(r"ld\.shared\.b32", ptx) == 16
+    assert count(r"ld\.shared\.v4\.b16", ptx) == 2 * 32 and count(r"st\.shared\.v4\.b32", ptx) == 1 + 8 and count(r"ld\.shared\.v4\.b32", ptx) == 4 + 8
     assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 64 and count(r"st\.global\.v4\.b32", ptx) == 8
     assert count(r"st\.global\.b8", ptx) == 0 and count(r"st\.global\.(v2\.)?b32", ptx) >= 1  # (the scales)
     assert count(r"ld\.global\.b32", ptx) == (16 + 1 if gathered else 0)  # (the row indices; the used-row count)

@@ -397,8 +397,9 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
     zero-filled, nothing staged in registers); then warp w takes rows 32w .. 32w + 31 of it, lane l
     columns 4l .. 4l + 3 (32 eight-byte loads: a warp reads whole rows; with two-byte loads, one
     column a thread, the shared-memory queue was the bound), the four warps' maxima meet in shared
-    memory, and each lane stores its columns' 32 values as E4M3, 32 bytes (a whole sector) into
-    each output row, warp 0 the four scales. Static
+    memory, each lane converts its columns' 32 values to E4M3, and the tile's transpose goes out
+    through shared memory as whole 128-byte lines (:meth:`store_transposed_tile`), warp 0 the four
+    scales. Static
     config: the width M (a multiple of 16; a partial last column tile), ``power_of_two``,
     ``bounded`` (the row blocks below rows_used[0], a multiple of 128), ``gathered`` (row r is
     source row row_source[r] of x, zeros where negative) and ``mma_scales`` (power_of_two: the
@@ -485,6 +486,7 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
                 for c in cutlass.range_constexpr(QUAD):
                     amax[c] = cute.arch.fmax(amax[c], s_amax[w, lane * QUAD + c])
             column = column0 + lane * QUAD  # (the width a multiple of 16: a lane's four columns all in or all out)
+            runs = cute.make_rmem_tensor(cute.make_layout((QUAD, COLUMN_ROWS), stride=(COLUMN_ROWS, 1)), m_q.element_type)
             if column < self.width:
                 factors = cute.make_rmem_tensor((QUAD,), cutlass.Float32)
                 scales = cute.make_rmem_tensor((QUAD,), cutlass.Float32)
@@ -493,7 +495,6 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
                 if cutlass.const_expr(self.mma_scales):
                     self.store_rows_mma(rows, factors, scales, m_q, m_s, first + warp * COLUMN_ROWS, column, row_block, warp)
                 else:
-                    runs = cute.make_rmem_tensor(cute.make_layout((QUAD, COLUMN_ROWS), stride=(COLUMN_ROWS, 1)), m_q.element_type)
                     for i in cutlass.range_constexpr(0, COLUMN_ROWS, 2):  # (two rows at a time: E4M3 converts in pairs)
                         pair = cute.make_rmem_tensor((2, QUAD), cutlass.Float32)
                         for h in cutlass.range_constexpr(2):
@@ -502,10 +503,37 @@ class QuantizeFp8ColumnsKernel(QuantizeFp8BlockKernel):
                                 pair[h, c] = row[c] * factors[c]
                         for c in cutlass.range_constexpr(QUAD):
                             row_vector(runs, c, i // 2, 2).store(pair[None, c].load().to(m_q.element_type))
-                    for c in cutlass.range_constexpr(QUAD):
-                        row_vector(m_q, column + c, row_block * WARPS + warp, COLUMN_ROWS).store(runs[c, None].load())
                     if warp == 0:
                         row_vector(m_s, row_block, column // QUAD, QUAD).store(scales.load())
+            if cutlass.const_expr(not self.mma_scales):
+                self.store_transposed_tile(runs, s_tile, m_q, column0, row_block, tidx)
+
+    @cute.jit
+    def store_transposed_tile(self, runs, s_tile, m_q, column0, row_block, tidx):
+        """The tile's E4M3 transpose out as whole 128-byte lines: each lane's four columns' 32-byte
+        runs (``runs``) into shared memory, over the bf16 tile once every thread has read it, as
+        [128 columns, 128 rows] bytes (each run's two 16-byte halves at chunk 2w + h of its column,
+        XOR the lane's index mod 8, so a warp's stores spread over all banks), then each output row's
+        128 bytes by eight adjacent threads (a warp four whole lines a store; columns past the width
+        not written). Stored in 32-byte pieces straight from registers, 128 rows apart, the writes
+        held the kernel at ~55% of the DRAM rate; as lines it runs at the rows' quantizer's rate
+        (1.6x faster, perf/RESULTS.md)."""
+        warp, lane = tidx // LANES, tidx % LANES
+        s_out = cute.make_tensor(cute.recast_ptr(s_tile.iterator, dtype=m_q.element_type), cute.make_layout((BLOCK, BLOCK), stride=(BLOCK, 1)))
+        halves = cute.make_tensor(runs.iterator, cute.make_layout((QUAD, 2, OUT_CHUNK), stride=(COLUMN_ROWS, OUT_CHUNK, 1)))
+        line_chunks = BLOCK // OUT_CHUNK  # (16-byte chunks of an output row's 128 bytes)
+        cute.arch.sync_threads()  # (every thread done reading the bf16 tile)
+        for c in cutlass.range_constexpr(QUAD):
+            for h in cutlass.range_constexpr(2):
+                chunk = (2 * warp + h) ^ (lane % line_chunks)
+                row_vector(s_out, lane * QUAD + c, chunk, OUT_CHUNK).store(halves[c, h, None].load())
+        cute.arch.sync_threads()
+        for j in cutlass.range_constexpr(BLOCK * line_chunks // (WARPS * LANES)):
+            out_row = j * (WARPS * LANES // line_chunks) + tidx // line_chunks
+            chunk = tidx % line_chunks
+            if column0 + out_row < self.width:
+                stored = row_vector(s_out, out_row, chunk ^ (out_row // QUAD % line_chunks), OUT_CHUNK).load()
+                row_vector(m_q, column0 + out_row, row_block * line_chunks + chunk, OUT_CHUNK).store(stored)
 
     @cute.jit
     def store_rows_mma(self, rows, factors, scales, m_q, m_s, first_row, column, row_block, warp):
