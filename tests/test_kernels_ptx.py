@@ -8,11 +8,14 @@ import tempfile
 
 import pytest
 
-from mok.kernels import compiled_ptx, compiled_sass
+from mok.kernels import compiled_ptx, compiled_sass, cuobjdump
 from mok.kernels.variants import (
     combine_variant, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_fp8_block_variant, quantize_mxfp8_variant,
     schedule_variant, weight_grad_variant,
 )
+
+
+needs_cuobjdump = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (the CUDA toolkit's, or the nvidia-cuda-cuobjdump wheel's)")
 
 
 def mxfp8_grouped_gemm(n, k, epilogue="plain", tile_n=None, **options):
@@ -978,7 +981,31 @@ def test_mxfp8_grouped_gemm_is_refused_where_no_block_scaled_mma_exists():
         compiled_ptx(mxfp8_grouped_gemm(2048, 7168, "swiglu_bwd", b_major="n", topk=8), "sm_100a")
 
 
-@pytest.mark.skipif(shutil.which("cuobjdump") is None, reason="needs cuobjdump (CUDA toolkit), e.g. on the GPU machine")
+@needs_cuobjdump
+@pytest.mark.parametrize("operand", ["bf16", "e4m3_block"])
+def test_sm90_gemms_sass_keeps_every_wgmma_and_loads_and_stores_by_tma(operand):
+    """What ptxas made of the Hopper GEMMs the plan runs (the forward's gate/up and down, the SwiGLU
+    backward, the weight gradient; bf16 and FP8 with block scales): every wgmma.mma_async of the
+    PTX one HGMMA (bf16) or QGMMA (E4M3) in the SASS, none of the other kind, no warp-level MMA
+    (HMMA, IMMA: no fallback), TMA loads (UTMALDG) and TMA-stored epilogues (UTMASTG)."""
+    fp8 = operand == "e4m3_block"
+    variants = [
+        grouped_gemm_variant(2048, 7168, epilogue="swiglu_save", operand=operand),
+        grouped_gemm_variant(7168, 2048, operand=operand),
+        grouped_gemm_variant(7168, 2048, epilogue="swiglu_bwd", operand=operand, topk=8) if fp8 else
+        grouped_gemm_variant(2048, 7168, epilogue="swiglu_bwd", b_major="n", topk=8),
+        weight_grad_variant(4096, 7168, split_out=True, operand=operand),
+    ]
+    mma, other = ("QGMMA", "HGMMA") if fp8 else ("HGMMA", "QGMMA")
+    for variant in variants:
+        sass = compiled_sass(variant, "sm_90a")
+        wgmmas = count(r"wgmma\.mma_async", compiled_ptx(variant, "sm_90a"))
+        assert wgmmas > 0 and count(rf"\b{mma}\.", sass) == wgmmas, variant.describe()
+        assert count(rf"\b{other}\.", sass) == 0 and count(r"\b[HI]MMA\.", sass) == 0
+        assert count(r"\bUTMALDG\b", sass) >= 2 and count(r"\bUTMASTG\b", sass) >= 1
+
+
+@needs_cuobjdump
 def test_sm100_gemms_sass_has_tcgen05_mmas_tma_loads_and_tensor_memory_loads():
     """What ptxas made of the SM100 GEMMs (compiled for sm_100a on any machine): UTCHMMA (tcgen05
     MMAs, four a stage and accumulator; UTCQMMA, the block-scaled ones, for MXFP8 operands, with

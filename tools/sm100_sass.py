@@ -2,8 +2,8 @@
 
 There is no SM100 GPU to run them; this shows what ptxas made of the PTX: tensor-core MMAs of
 the tcgen05 family (block-scaled for the MXFP8 GEMMs), TMA loads, tensor-memory loads (and
-copies into it), no Hopper or warp-level MMA. Needs cuobjdump (the device machine has it;
-elsewhere the nvidia-cuda-cuobjdump wheel: docs/notes/sm100.md). Usage: python3 tools/sm100_sass.py
+copies into it), no Hopper or warp-level MMA. Needs cuobjdump (the CUDA toolkit's, or the dev
+extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels: mok.kernels.cuobjdump). Usage: python3 tools/sm100_sass.py
 (counts of 2026-12-06: docs/notes/sm100.md)
 """
 

@@ -60,16 +60,36 @@ def compiled_ptx(variant: KernelVariant, arch: str) -> str:
     return ptx
 
 
+def cuobjdump() -> str | None:
+    """The cuobjdump that disassembles cubins: the CUDA toolkit's on PATH, else the one the
+    nvidia-cuda-cuobjdump wheel installs beside nvidia-cuda-nvdisasm's nvdisasm, which it runs
+    (the dev extra: a machine without a toolkit), else None."""
+    import shutil
+
+    found = shutil.which("cuobjdump")
+    if found is None:
+        try:
+            import nvidia.cu13 as cuda_wheels  # (the namespace NVIDIA's CUDA 13 wheels install into)
+        except ImportError:
+            return None
+        candidates = (os.path.join(root, "bin", "cuobjdump") for root in cuda_wheels.__path__)
+        found = next((c for c in candidates if os.access(c, os.X_OK)), None)
+    return found
+
+
 def compiled_sass(variant: KernelVariant, arch: str) -> str:
     """SASS (``cuobjdump -sass``) of a fresh compile of ``variant`` for ``arch``: what ptxas made of
-    the PTX, for any target on any machine that has cuobjdump (bypasses the cache)."""
+    the PTX, for any target on any machine that has cuobjdump (:func:`cuobjdump`; bypasses the cache)."""
     import glob
     import subprocess
 
     from ..runtime.arch import dsl_target, normalize_arch
 
+    tool = cuobjdump()
+    if tool is None:
+        raise RuntimeError("compiled_sass needs cuobjdump: the CUDA toolkit's on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
     arch = normalize_arch(arch)
     with dsl_target(arch), tempfile.TemporaryDirectory() as dump_dir:
         variant.compile(arch, f"--keep-cubin --dump-dir {dump_dir}")
         (cubin,) = glob.glob(os.path.join(dump_dir, "*.cubin"))
-        return subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
