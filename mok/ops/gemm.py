@@ -243,15 +243,14 @@ def grouped_gemm(
     every epilogue as with bf16. ``block_buffers``: 2 (the default for the plain, k_split and
     SwiGLU forward forms) lets each stage's WGMMAs overlap the previous stage's promotion, 1
     does not; ``deep_turn`` (with 2; 0 off, else even) keeps two stages' WGMMAs in flight for turns
-    of that many stages (the same bits: mok/kernels/sm90/block_scaled.py); None: 4 for the plain
-    and k_split forms, 0 beside SwiGLU (mok.kernels.variants.deep_turn_for).
+    of that many stages (the same bits: mok/kernels/sm90/block_scaled.py); None: 4 for the plain,
+    k_split and SwiGLU forms (mok.kernels.variants.deep_turn_for).
 
     ``cluster_m`` = 2 (bf16 or FP8 block-scaled operands, the persistent kernel; FP8 rows
     gathered first, not with ``gather``; SM100's bf16 compile-verified only): clusters of two CTAs
     on two row tiles of one column tile, which load each B tile once for both (TMA multicast)
     where one expert has both row tiles; the same bits as 1 (mok/kernels/sm90/grouped_gemm.py).
-    The fp8_block layer runs its gate/up GEMM so where experts get enough rows
-    (mok.plan.Plan.gate_up_pairs).
+    The fp8_block layer runs its gate/up GEMM so with ``row_tile_pairs`` (mok.plan.Plan.gate_up_pairs).
     """
     operand = _operand_format(a)
     fp8_block = operand == "e4m3_block"
