@@ -627,6 +627,35 @@ def test_fp8_block_gemm_deep_turns_keep_two_stages_in_flight(n, k, epilogue, dee
     assert_register_handover_fits(ptx)
 
 
+def stores_under_wgmmas(ptx: str) -> int:
+    """TMA stores (global <- shared) in ``ptx`` that come after a WGMMA and before the next
+    ``wgmma.wait_group``, in text order: epilogue stores issued while WGMMAs run."""
+    events = re.findall(r"(wgmma\.mma_async|wgmma\.wait_group|cp\.(?:reduce\.)?async\.bulk\.tensor\.\dd\.global\.shared)", ptx)
+    under, in_flight = 0, False
+    for event in events:
+        if event == "wgmma.mma_async":
+            in_flight = True
+        elif event == "wgmma.wait_group":
+            in_flight = False
+        else:
+            under += in_flight
+    return under
+
+
+@pytest.mark.parametrize("options", [{}, dict(split_out=True), dict(out_dtype="f32", accumulate=True, split_out=True)])
+def test_fp8_weight_grad_stores_a_tile_under_the_next_tiles_first_stage(options):
+    """The FP8 weight gradient (WeightGradGemmSm90.overlaps_epilogue): a tile's epilogue stores
+    are issued after the next tile's first stage's WGMMAs and before they are waited for, in the
+    loop and nowhere else (the last tile's after the loop); the one form without it (fp32 out
+    without deep turns, which then spilled) stores none under WGMMAs."""
+    overlapped = compiled_ptx(weight_grad_variant(2048, 7168, operand="e4m3_block", **options), "sm_90a")
+    assert stores_under_wgmmas(overlapped) == 4  # (the tile's four 32-column subtiles)
+    assert ptxas_spill_bytes(overlapped) in (None, 0)
+    if options.get("out_dtype") == "f32":
+        one_at_a_time = compiled_ptx(weight_grad_variant(2048, 7168, operand="e4m3_block", deep_turn=0, **options), "sm_90a")
+        assert stores_under_wgmmas(one_at_a_time) == 0 and ptxas_spill_bytes(one_at_a_time) in (None, 0)
+
+
 def test_fp8_weight_grad_deep_turns_keep_two_stages_in_flight():
     """The FP8 weight gradient's two block accumulators with deep turns (its K, the expert's rows,
     known at run time): a turn's eight stages beside the pairs', wait_group 1 between them, not

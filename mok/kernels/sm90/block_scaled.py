@@ -188,7 +188,7 @@ class BlockScaledMainloop:
         return cons, release
 
     @cute.jit
-    def two_set_schedule(self, k_tiles, issue, settle, context, carry):
+    def two_set_schedule(self, k_tiles, issue, settle, context, carry, first_issued: cutlass.Constexpr[bool] = False):
         """The FP8 mainloops' schedule over ``k_tiles`` >= 1 stages with two sets of block
         accumulators: stage k's WGMMAs are issued into set k % 2 (``issue(context, k, set, carry)``),
         then stage k - 1's product, retired in the other set, is promoted while they run
@@ -198,8 +198,10 @@ class BlockScaledMainloop:
         before its back edge: otherwise ptxas serializes every WGMMA (docs/notes/kernel-pitfalls.md).
         ``carry``: what the two callbacks advance (pipeline states, scales), returned. With
         ``deep_turn`` the stages first run in turns of that many with two in flight (the module
-        docstring), the rest as above."""
-        carry = issue(context, 0, 0, carry)
+        docstring), the rest as above. ``first_issued``: the caller issued stage 0 into set 0
+        already (and ran other work while its WGMMAs did): the schedule starts at its wait."""
+        if cutlass.const_expr(not first_issued):
+            carry = issue(context, 0, 0, carry)
         cute.nvgpu.warpgroup.wait_group(0)
         first = 1  # (the first stage the pairs below take)
         if cutlass.const_expr(self.deep_turn > 0):  # turns of deep_turn stages, two in flight (set 0's stage retired, not promoted, at entry)
@@ -285,7 +287,7 @@ class BlockScaledMainloop:
         return scale_b, scale_b2
 
     @cute.jit
-    def consume_outer_scaled_tile(self, ab_pipe, tiled_mma, acc, blocks, operands, k_tiles, cons, scales, mma_tidx):
+    def consume_outer_scaled_tile(self, ab_pipe, tiled_mma, acc, blocks, operands, k_tiles, cons, scales, mma_tidx, under_first_stage):
         """Persistent consumer of one weight-gradient tile on FP8 (both operands scaled per 128-row
         block, along the output's rows and its columns: mok/kernels/sm90/weight_grad_gemm.py):
         acc += each stage's product · (sa[row] · sb[column]) per value, on :meth:`two_set_schedule`
@@ -293,12 +295,22 @@ class BlockScaledMainloop:
         stages and would otherwise promote at the same time, the tensor cores idle). The promotion
         reads the stage's scales from shared memory (``scales`` = their stage buffers) and hands the
         stage back after it; stages are released in the order they were read. Returns the advanced
-        state. One fma per value and stage, in stage order."""
+        state. One fma per value and stage, in stage order.
+
+        ``under_first_stage`` = (fn, args): ``fn(*args)`` runs once the first stage's WGMMAs are
+        issued (into ``blocks[0]``) and before they are waited for, with or without a stage; it must
+        leave ``acc`` zeroed (the previous tile's epilogue, reading ``acc``, can run there, under
+        the tensor work)."""
         tile_m, tile_n, _ = self.tile_shape_mnk
         crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        context = (ab_pipe, tiled_mma, acc, blocks, operands, scales, crd)
+        release = cons.clone()
         if k_tiles > 0:
-            context = (ab_pipe, tiled_mma, acc, blocks, operands, scales, crd)
-            cons, _ = self.two_set_schedule(k_tiles, self.issue_outer_scaled_stage, self.settle_outer_scaled_stage, context, (cons, cons.clone()))
+            cons, release = self.issue_outer_scaled_stage(context, 0, 0, (cons, release))
+        under_first_stage[0](*under_first_stage[1])
+        if k_tiles > 0:
+            cons, _ = self.two_set_schedule(k_tiles, self.issue_outer_scaled_stage, self.settle_outer_scaled_stage, context, (cons, release),
+                                            first_issued=True)
         return cons
 
     @cute.jit
