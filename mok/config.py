@@ -91,8 +91,9 @@ class MoKConfig:
     for bf16 and fp8_block, MXFP8 for mxfp8 and mxfp8_emulated): "bf16"; "fp8_block" (precision
     fp8_block: the rows' transposes quantized with 1 x 128 blocks along the rows, their K, and FP8
     WGMMAs, DeepSeek-V3's recipe, mok/kernels/sm90/weight_grad_gemm.py; on SM100 the same blocks as
-    E8M0 through its MXFP8 weight-gradient kernel; on an H100 a faster step than bf16's where experts
-    get ~1024 rows, slower at ~256: perf/RESULTS.md); "mxfp8"
+    E8M0 through its MXFP8 weight-gradient kernel; on an H100 a faster step than bf16's at
+    DeepSeek-V3's widths with ~1024 rows an expert, slower with narrower experts (Qwen3's H 2048,
+    I 768) or ~256 rows an expert: perf/RESULTS.md); "mxfp8"
     (precision mxfp8 or mxfp8_emulated: quantized along the rows in blocks of 32).
     gate_up_layout: how w_gate and w_up are stored: "separate" (default: two tensors, each expert's
     [I, H] block contiguous), "concatenated" (the two halves of one [E, 2I, H] tensor, gate rows
