@@ -671,7 +671,8 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
     128-row blocks, padding rows zero), a partial last column tile (N = 400); into a
     new gradient; split_out into two poisoned halves with the padding row blocks skipped
     (``counts``); or added into a random fp32 gradient (main_grad), counted too. An expert without
-    rows gets zeros (or is left as it was); the same bits on a second run, and with deep turns."""
+    rows gets zeros (or is left as it was); the same bits on a second run, with deep turns, and
+    (fp32) without them, where a tile's epilogue does not run under the next tile's first stage."""
     counts = [300, 0, 128, 77, 250, 600]
     E, M, N = len(counts), 512, 400
     offsets = [0]
@@ -693,6 +694,9 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
         got, again = start.clone(), start.clone()
         for out in (got, again):
             ops.weight_grad(a_q, b_q, offsets_t, out=out, accumulate=True, **counted)
+        one_at_a_time = start.clone()  # (fp32 out without deep turns: each tile's epilogue after its own mainloop)
+        ops.weight_grad(a_q, b_q, offsets_t, out=one_at_a_time, accumulate=True, deep_turn=0, **counted)
+        assert torch.equal(one_at_a_time, got)
         want = want + start.double()
     elif form == "split_out":
         halves = tuple(poisoned(E * M // 2, N).view(E, M // 2, N) for _ in range(2))
