@@ -29,7 +29,7 @@ each stage's product is promoted as acc += block · (sa[m] · sb[n]) (BlockScale
 consume_outer_scaled_tile). An expert's rows are whole 128-row blocks of the schedule, so no block
 straddles two experts. Its product registers apart from the running sums let a tile's epilogue run
 after the next tile's first stage is issued, under its WGMMAs (``overlaps_epilogue``): with a few
-128-row blocks an expert the epilogue is a large share of a tile (3-13% faster, H100).
+128-row blocks an expert the epilogue is a large share of a tile (2-13% faster, H100).
 """
 
 import cutlass
