@@ -316,7 +316,10 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
         mma_tidx, warp_idx, tiled_mma, acc, s_c, store_args, store_pipe = epilogue
         tma_c, m_c, upper_first = store_args
         g_c = self.out_tile(m_c, upper_first, *tile)
-        self.store_acc(mma_tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
+        if cutlass.const_expr(self.overlaps_epilogue):
+            self.store_acc_at_once(mma_tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c)
+        else:
+            self.store_acc(mma_tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c, store_pipe)
 
     @cute.jit
     def produce_tiles(self, ab_pipe, load_args, buffers, first, step, all_tiles, rows, num_rows):

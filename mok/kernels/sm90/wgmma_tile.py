@@ -211,6 +211,33 @@ class WgmmaTileKernel:
                 r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, first_buf + epi % self.epi_stage, warp_idx, store_pipe, rd_layout, group
             )
 
+    @cute.jit
+    def store_acc_at_once(self, tidx, warp_idx, tiled_mma, acc, s_c, tma_c, g_c):
+        """:meth:`store_acc` with every subtile of the tile staged before one barrier, their TMA
+        stores then issued together (needs the tile's subtiles <= epi_stage): two barriers a tile
+        instead of two a subtile, and no wait for a store's read within it; the buffers' previous
+        stores are waited for (read) first, a tile later than they were issued. The same values
+        stored: the same bits."""
+        tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
+        g_epi, epi_count, order = self.epi_order(g_c)
+        if warp_idx == self.store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.epilogue_sync()
+        for epi in cutlass.range_constexpr(epi_count):
+            r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
+            for i in cutlass.range_constexpr(cute.size(rd_layout)):
+                r_d[i] = t_acc[self.acc_index(rd_layout, epi, i)]
+            r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
+            r_out.store(r_d.load().to(self.c_dtype))
+            cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, epi)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epilogue_sync()
+        if warp_idx == self.store_warp:
+            b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), g_epi)
+            for epi in cutlass.range_constexpr(epi_count):
+                cute.copy(tma_c, b_sd[(None, epi)], b_gd[(None, order.get_hier_coord(epi))])
+            cute.arch.cp_async_bulk_commit_group()
+
     @staticmethod
     def acc_index(rd_layout, epi: int, i: int):
         """Where value ``i`` of epilogue subtile ``epi`` (columns 32·epi.., every row of the tile)
