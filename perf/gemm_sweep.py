@@ -411,10 +411,14 @@ def fp8_swiglu_backward() -> None:
     """The SwiGLU-backward GEMM (dA = dout·W_downᵀ per expert, the SwiGLU backward and the router
     pieces in its epilogue) on FP8 operands with 128-block scales, one or two block sets (h loaded
     after the mainloop with two), two with deep turns of 4, against MoK's bf16 kernel (ping-pong)
-    on the same values; E experts x 1024 rows; the FP8 schedules' bits compared."""
+    on the same values, and against the plain FP8 GEMM on the same operands (dA only: the same
+    mainloop, so the difference is the SwiGLU epilogue's cost); E experts x rows each (qwen3-235b:
+    the 256 rows a uniform router gives its experts); the FP8 schedules' bits compared."""
     from mok import fp8_block as fp8
 
-    for name, (E, per, I, H, k) in {"dsv3 swiglu bwd": (32, 1024, 2048, 7168, 8), "qwen3 swiglu bwd": (64, 1024, 768, 2048, 8)}.items():
+    shapes = {"dsv3 swiglu bwd": (32, 1024, 2048, 7168, 8), "qwen3 swiglu bwd": (64, 1024, 768, 2048, 8),
+              "qwen3-235b swiglu bwd": (128, 256, 1536, 4096, 8)}
+    for name, (E, per, I, H, k) in shapes.items():
         R = E * per
         dout = torch.randn(R, H, device="cuda").bfloat16()
         w_down = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
@@ -427,6 +431,8 @@ def fp8_swiglu_backward() -> None:
         for label, options in {"x1": dict(block_buffers=1), "x2": dict(block_buffers=2), "x2 d4": dict(block_buffers=2, deep_turn=4)}.items():
             runs[f"mok fp8 block {label}"] = lambda options=options: ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, **options, **router)
         outputs = {kname: [t.clone() for t in run() if t is not None] for kname, run in runs.items() if "fp8" in kname}
+        d_a = torch.empty(R, I, device="cuda").bfloat16()
+        runs["fp8 plain, same operands"] = lambda: ops.grouped_gemm(dout_q, w_q, tiles, out=d_a)
         first = next(iter(outputs.values()))
         print(name, "fp8 schedules give the same bits:", all(all(torch.equal(x, y) for x, y in zip(first, out)) for out in outputs.values()))
         ms = time_ms_interleaved(runs, batch=10, repeats=5)
