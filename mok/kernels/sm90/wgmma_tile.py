@@ -219,7 +219,7 @@ class WgmmaTileKernel:
         stores are waited for (read) first, a tile later than they were issued. The same values
         stored: the same bits."""
         tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
-        g_epi, epi_count, order = self.epi_order(g_c)
+        _, epi_count, _ = self.epi_order(g_c)
         if warp_idx == self.store_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.epilogue_sync()
@@ -227,15 +227,12 @@ class WgmmaTileKernel:
             r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
             for i in cutlass.range_constexpr(cute.size(rd_layout)):
                 r_d[i] = t_acc[self.acc_index(rd_layout, epi, i)]
-            r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
-            r_out.store(r_d.load().to(self.c_dtype))
-            cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, epi)])
+            self.stage_subtile(r_d.load(), tiled_r2s, t_sd, epi, rd_layout)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.epilogue_sync()
         if warp_idx == self.store_warp:
-            b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), g_epi)
             for epi in cutlass.range_constexpr(epi_count):
-                cute.copy(tma_c, b_sd[(None, epi)], b_gd[(None, order.get_hier_coord(epi))])
+                self.issue_subtile_store(tma_c, s_c, g_c, epi, epi)
             cute.arch.cp_async_bulk_commit_group()
 
     @staticmethod
@@ -444,18 +441,29 @@ class WgmmaTileKernel:
         into ``g_tile`` via smem buffer ``buf``; ``group``: see :meth:`epilogue_sync` (its store
         warp issues the TMA store)."""
         store_warp = self.store_warp if group is None else group[2]
-        r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
-        r_out.store(values.to(self.c_dtype))
-        cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, buf)])
+        self.stage_subtile(values, tiled_r2s, t_sd, buf, rd_layout)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.epilogue_sync(group)
         if warp_idx == store_warp:
-            g_epi, _, order = self.epi_order(g_tile)
-            b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), g_epi)
-            cute.copy(tma, b_sd[(None, buf)], b_gd[(None, order.get_hier_coord(epi))])
+            self.issue_subtile_store(tma, s_c, g_tile, epi, buf)
             store_pipe.producer_commit()
             store_pipe.producer_acquire()
         self.epilogue_sync(group)
+
+    @cute.jit
+    def stage_subtile(self, values, tiled_r2s, t_sd, buf, rd_layout):
+        """One epilogue subtile's ``values`` (SSA, fp32 or already the output dtype) in the output
+        dtype into shared-memory buffer ``buf`` (stmatrix)."""
+        r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
+        r_out.store(values.to(self.c_dtype))
+        cute.copy(tiled_r2s, r_out, t_sd[(None, None, None, buf)])
+
+    @cute.jit
+    def issue_subtile_store(self, tma, s_c, g_tile, epi, buf):
+        """The store warp: TMA-store shared-memory buffer ``buf`` to subtile ``epi`` of ``g_tile``."""
+        g_epi, _, order = self.epi_order(g_tile)
+        b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), g_epi)
+        cute.copy(tma, b_sd[(None, buf)], b_gd[(None, order.get_hier_coord(epi))])
 
     def store_pipeline(self, threads=None):
         """The epilogue's TMA-store pipeline over its ``epi_stage`` buffers (all MMA threads, or ``threads``)."""
