@@ -116,6 +116,13 @@ class Plan:
         return {"cluster_m": 2} if self.config.row_tile_pairs else {}
 
     @property
+    def quantizes_activation_in_gemm(self) -> bool:
+        """Whether the gate/up GEMM's epilogue hands the down projection its FP8 operand (fp8_block
+        on Hopper, one CTA a gate/up tile: ops.grouped_gemm(out_format="fp8_block")), so that no
+        bf16 activation is written and no quantizer passes over it; the same bits as quantizing it."""
+        return self.precision == "fp8_block" and self.fp8_scale_order == "rows" and not self.gate_up_pairs
+
+    @property
     def one_launch(self) -> bool:
         return self.config.one_launch
 
@@ -205,10 +212,11 @@ class Plan:
             for save_h in (False, True):
                 v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm, activation=act,
                                          rows_gathered=self.quantizes_gathered_rows, **self._bias)
+            a_quantized = self.quantizes_activation_in_gemm
             if self.ep:
-                v += self._gemm_variants(h, i, scatter=True, topk=k, **self._bias)
+                v += self._gemm_variants(h, i, scatter=True, topk=k, rows_quantized=a_quantized, **self._bias)
             else:
-                v += self._gemm_variants(h, i, **self._bias)
+                v += self._gemm_variants(h, i, rows_quantized=a_quantized, **self._bias)
         if shared:  # in launches of its own (weights that do not lie after the routed experts', or EP)
             for epilogue in ("swiglu", "swiglu_save"):
                 v.append(grouped_gemm_variant(c.shared_intermediate, h, epilogue=epilogue, persistent=persistent, activation=act))
@@ -305,28 +313,32 @@ class Plan:
                   else quantize_fp8_block_variant(c.hidden, bounded=True, back=True)]
         return v
 
-    def _gemm_variants(self, n: int, k: int, rows_gathered: bool = False, **options) -> list[KernelVariant]:
+    def _gemm_variants(self, n: int, k: int, rows_gathered: bool = False, rows_quantized: bool = False, **options) -> list[KernelVariant]:
         """A routed-expert GEMM in this plan's precision: bf16; MXFP8 (its rows quantized, the weights
         quantized once per call); emulated (the same operands dequantized into the bf16 GEMM); FP8
-        with block scales (its rows quantized, gathered from x as they are with ``rows_gathered``,
-        the weights once per version, transposed for the backward's: K-major either way)."""
+        with block scales (its rows quantized, gathered from x as they are with ``rows_gathered``, or
+        with ``rows_quantized`` by the GEMM that made them; the weights once per version, transposed
+        for the backward's: K-major either way)."""
         if self.precision == "bf16":
             return [grouped_gemm_variant(n, k, persistent=self.persistent, **options, **self.pairs)]
         if self.precision == "fp8_block":  # (gathering: x quantized whole; else the rows in use, with k_split a half at a time)
             options.pop("b_major", None)
             halves = 2 if options.get("k_split") else 1
             pow2, mma = self.config.fp8_power_of_two, self.fp8_on_block_scaled_mma
+            gate_up = options.get("epilogue") in ("swiglu", "swiglu_save")
             if rows_gathered:
                 rows = self.gathered_rows_quantizers(k)
+            elif rows_quantized:  # (the activation, quantized by the gate/up GEMM: quantizes_activation_in_gemm)
+                rows = []
             else:
                 rows = [quantize_fp8_block_variant(k, power_of_two=pow2, bounded=mma or not options.get("gather_a"), mma_scales=mma,
                                                    segments=halves)]
             if mma:  # (SM100: the MXFP8 kernels; the rows gathered first; dh's halves each starting a chunk)
                 options.pop("gather_a", None)
                 gemms = [grouped_gemm_variant(n, k, persistent=self.persistent, operand="e4m3", **options)]
-            else:
-                gate_up = options.get("epilogue") in ("swiglu", "swiglu_save")  # (with row_tile_pairs on pairs: gate_up_pairs)
-                gemms = [grouped_gemm_variant(n, k, operand="e4m3_block", **options, **(self.gate_up_pairs if gate_up else {}))]
+            else:  # (the gate/up GEMM: with row_tile_pairs on pairs, gate_up_pairs; else its activation out in FP8)
+                out = dict(out_format="e4m3_block", power_of_two=pow2) if gate_up and self.quantizes_activation_in_gemm else {}
+                gemms = [grouped_gemm_variant(n, k, operand="e4m3_block", **options, **(self.gate_up_pairs if gate_up else {}), **out)]
             return [*rows, fp8_weights_quantizer(n, k // halves, pow2, mma_scales=mma), *gemms]
         options.pop("gather_a", None)
         options.pop("b_major", None)  # (the transposed copies, K-major)

@@ -316,7 +316,8 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     """precision="fp8_block" on Hopper: every expert GEMM but the weight gradients' on E4M3 with block
     scales (rows quantized once gathered or produced, the weights' 128 x 128 quantizer for them and
     their transposes; x's tokens quantized once and their FP8 rows gathered, dout's rows gathered
-    as they are quantized with their bf16 copy; the gate/up GEMM in turns of 4, on one CTA a tile), the weight gradients bf16, the
+    as they are quantized with their bf16 copy; the gate/up GEMM in turns of 4, on one CTA a tile,
+    its activation out in FP8 from its epilogue, with row-tile pairs quantized after it), the weight gradients bf16, the
     router pieces of the 128-wide SwiGLU-backward tiles (with the register hand-over: 64-wide ones
     measured slower), h recomputed on the forward's FP8 GEMM; refused on SM100; widths multiples of 128; at EP
     the pushing down and dx GEMMs on FP8 too, the pulled rows quantized once they arrive."""
@@ -326,16 +327,22 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     config = MoKConfig(2048, 768, 64, 8, precision="fp8_block", saved_h_format="recompute")
     variants = Plan(config, "sm_90a").variants()
     fp8_gemms = [v.config for v in variants if v.name == "grouped_gemm" and v.config.get("operand") == "e4m3_block"]
-    assert sorted((c["epilogue"], c["n"], c["k"], c["k_split"], c.get("cluster_m", 1), c.get("deep_turn", 0)) for c in fp8_gemms) == [
-        ("plain", 2048, 768, False, 1, 4), ("plain", 2048, 1536, True, 1, 4), ("swiglu", 768, 2048, False, 1, 4),
-        ("swiglu_bwd", 768, 2048, False, 1, 0), ("swiglu_save", 768, 2048, False, 1, 4)]
+    assert sorted((c["epilogue"], c["n"], c["k"], c["k_split"], c.get("cluster_m", 1), c.get("deep_turn", 0), c.get("out_format"))
+                  for c in fp8_gemms) == [
+        ("plain", 2048, 768, False, 1, 4, None), ("plain", 2048, 1536, True, 1, 4, None), ("swiglu", 768, 2048, False, 1, 4, "e4m3_block"),
+        ("swiglu_bwd", 768, 2048, False, 1, 0, None), ("swiglu_save", 768, 2048, False, 1, 4, "e4m3_block")]
     assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
     quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False), v.config.get("segments", 1),
                          v.config.get("gathered", False), v.config.get("copies_rows", False))
                         for v in variants if v.name == "quantize_fp8_block")  # (the rows in use)
-    # (dh a half at a time: the dx GEMM's two K ranges; x's tokens whole, then gathered; dout's rows gathered as quantized with their bf16 copy)
-    assert quantizers == [(768, 1, True, 1, False, False), (768, 128, False, 1, False, False), (1536, 1, True, 2, False, False),
+    # (dh a half at a time: the dx GEMM's two K ranges; x's tokens whole, then gathered; dout's rows gathered as quantized with their
+    # bf16 copy; no quantizer of the activation, which the gate/up GEMM quantizes, but with row-tile pairs)
+    assert quantizers == [(768, 128, False, 1, False, False), (1536, 1, True, 2, False, False),
                           (2048, 1, False, 1, False, False), (2048, 1, True, 1, True, True), (2048, 128, False, 1, False, False)]
+    paired = Plan(MoKConfig(2048, 768, 64, 8, precision="fp8_block", saved_h_format="recompute", row_tile_pairs=True), "sm_90a").variants()
+    assert {(v.config["epilogue"], v.config.get("cluster_m"), v.config.get("out_format")) for v in paired
+            if v.name == "grouped_gemm" and v.config["epilogue"] in ("swiglu", "swiglu_save")} == {("swiglu", 2, None), ("swiglu_save", 2, None)}
+    assert any(v.name == "quantize_fp8_block" and v.config["width"] == 768 and v.config["block_rows"] == 1 for v in paired)
     gathers = sorted((v.config.get("sources", 1), v.config.get("fp8", False)) for v in variants if v.name == "gather")
     assert gathers == [(1, False), (1, True)]  # (x's bf16 rows for the weight gradients; x's FP8 rows)
     plan = Plan(config, "sm_90a")  # (x's FP8 rows gathered: no bf16 gather in the forward, the GEMM's producer gathers nothing)
@@ -352,9 +359,9 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     scattering = sorted((v.config["n"], v.config["k"], v.config["k_split"], v.config.get("bias", False), v.config.get("operand"))
                         for v in ep if v.name == "grouped_gemm" and v.config.get("scatter"))
     assert scattering == [(2048, 768, False, True, "e4m3_block"), (2048, 1536, True, False, "e4m3_block")]
-    assert not any(v.config.get("gather_a") for v in ep)  # (the rows are pulled, then quantized: bounded quantizers)
+    assert not any(v.config.get("gather_a") for v in ep)  # (the rows are pulled, then quantized: bounded quantizers; a by the gate/up GEMM)
     assert {(v.config["width"], v.config.get("bounded", False)) for v in ep if v.name == "quantize_fp8_block"
-            and v.config["block_rows"] == 1} == {(768, True), (1536, True), (2048, True)}
+            and v.config["block_rows"] == 1} == {(1536, True), (2048, True)}
     with pytest.raises(ValueError, match=r"precision='fp8_block': not with one_launch"):
         MoKConfig(2048, 768, 64, 8, precision="fp8_block", ep_size=2, one_launch=True)
     with pytest.raises(ValueError, match=r"precision='fp8_block': expected widths that are multiples of 16 \(16-byte E4M3 rows\)"):

@@ -126,6 +126,39 @@ def test_swiglu_with_h_and_biases_and_the_k_split_form():
     assert rel_err(got[used], want[used]) < 5e-3
 
 
+@pytest.mark.parametrize("N,K,power_of_two,save_h,biased,activation", [
+    (512, 1024, False, True, False, "swiglu"),  # whole blocks: four pairs of column tiles
+    (2880, 640, True, True, True, "swiglu"),  # 45 column tiles: the last block alone (64 wide); biases
+    (1008, 384, False, False, False, "geglu"),  # a partial last tile (48 wide) in a partial block; no h
+])
+def test_swiglu_activation_out_in_fp8_is_the_rule_on_its_bf16_values(N, K, power_of_two, save_h, biased, activation):
+    """out_format="fp8_block": the SwiGLU GEMM returns its activation as E4M3 with 1 x 128 row
+    block scales, bit for bit mok.fp8_block's rule (the float64-checked torch reference) on the
+    bf16 activation the bf16-output kernel writes, on every used row (a partial last row tile
+    too); h the same bits; the elements times their scales within E4M3's rounding of float64's
+    activation of the same operands."""
+    R, E = 1000, 4
+    a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=N + K, two=True)
+    used = experts >= 0
+    biases = {}
+    if biased:
+        biases = dict(bias=(torch.randn(E, N, device="cuda") * 0.3).bfloat16(), bias2=(torch.randn(E, N, device="cuda") * 0.3).bfloat16())
+    h_bf16, h = (poisoned(R, 2 * N), poisoned(R, 2 * N)) if save_h else (None, None)
+    act = ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h_bf16, activation=activation, **biases)
+    q, scales = ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h, activation=activation, out_format="fp8_block",
+                                 power_of_two=power_of_two, **biases)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (R, N) and scales.shape == (-(-N // 128), R)
+    want_q, want_s = fp8.quantize_rows(act[used].float().cpu(), power_of_two=power_of_two)
+    assert torch.equal(q[used].view(torch.uint8).cpu(), want_q.view(torch.uint8)) and torch.equal(scales[:, used].cpu(), want_s)
+    if save_h:
+        assert torch.equal(h[used], h_bf16[used]) and h[~used].isnan().all()
+    e = experts.clamp(min=0)
+    gate = fp8.block_scaled_gemm_reference(a_q, b_q, experts) + (biases["bias"].double()[e] if biased else 0)
+    up = fp8.block_scaled_gemm_reference(a_q, b2_q, experts) + (biases["bias2"].double()[e] if biased else 0)
+    act64 = (torch.nn.functional.silu(gate) if activation == "swiglu" else torch.nn.functional.gelu(gate, approximate="tanh")) * up
+    assert rel_err(fp8.dequantize_rows(q[used], scales[:, used].contiguous()), act64[used]) < 4e-2
+
+
 # Row tiles of a pair (cluster_m=2): (0, 1) one expert's (B multicast to both CTAs), (2, 3) two
 # experts', (4, 5) a skipped tile beside one with rows, (6, 7) both skipped, (8, 9) one expert's
 # again, and 11 tiles: the last pair's second tile lies past the row tiles (partial rows too).

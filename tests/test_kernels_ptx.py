@@ -484,6 +484,36 @@ def test_fp8_block_gemm_uses_e4m3_wgmmas_and_promotes_every_k_block(n, k, option
         compiled_ptx(grouped_gemm_variant(n, k, operand="e4m3_block", **options), "sm_100a")
 
 
+@pytest.mark.parametrize("n,epilogue,power_of_two", [(2048, "swiglu_save", False), (1536, "swiglu", True), (2880, "swiglu_save", False)])
+def test_fp8_swiglu_quantizes_its_activation_in_the_epilogue(n, epilogue, power_of_two):
+    """out_format="e4m3_block": the FP8 SwiGLU GEMM writes its activation as E4M3 from the epilogue.
+    Per tile and thread: 32 values parked in, and read back from, shared memory as four 16-byte
+    vectors; the quad's row maxima by two butterfly shuffles a row; the scale and the factor by
+    IEEE division (power-of-two scales: the factor 1 / scale, one division); 32 pairs converted with
+    the saturating E4M3 cvt and staged as 16-bit stores; one TMA store of the block tile where the
+    bf16 kernel stored two subtiles of a (h's four stay), and no other global store of a; the same
+    WGMMAs, not serialized, nothing spilled. Refused off FP8 operands, on row-tile pairs, with
+    another tile or the plain epilogue."""
+    bf16_out = compiled_ptx(grouped_gemm_variant(n, 7168, epilogue=epilogue, operand="e4m3_block"), "sm_90a")
+    ptx = compiled_ptx(grouped_gemm_variant(n, 7168, epilogue=epilogue, operand="e4m3_block", out_format="e4m3_block",
+                                            power_of_two=power_of_two), "sm_90a")
+    store = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta"
+    h_stores = 4 if epilogue == "swiglu_save" else 0
+    assert count(store, bf16_out) == h_stores + 2 and count(store, ptx) == h_stores + 1
+    assert count(r"st\.shared\.v4", ptx) == 4 and count(r"ld\.shared\.v4", ptx) == 4
+    assert count(r"shfl\.sync\.bfly", ptx) == 4 and count(r"div\.rn\.f32", ptx) == (2 if power_of_two else 4)
+    assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 32 and count(r"st\.shared\.[ub]16", ptx) == 32
+    assert count(r"st\.global", ptx) == count(r"st\.global", bf16_out) + 2  # (the row scales: a store for each of two rows; a none)
+    assert count(r"wgmma\.mma_async", ptx) == count(r"wgmma\.mma_async", bf16_out)
+    assert_wgmmas_not_serialized(ptx)
+    assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0
+    for bad, match in ((dict(operand="bf16"), "E4M3 output is the FP8"), (dict(cluster_m=2), "cluster_m=1"), (dict(tile_n=128), "tile_n=64"),
+                       (dict(epilogue="plain"), "epilogue 'swiglu' or 'swiglu_save'")):
+        with pytest.raises(ValueError, match=match):
+            compiled_ptx(grouped_gemm_variant(n, 7168, **{"epilogue": epilogue, "operand": "e4m3_block", "out_format": "e4m3_block", **bad}),
+                         "sm_90a")
+
+
 @pytest.mark.parametrize("options", [
     dict(n=7168, k=2048), dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True), dict(n=7168, k=4096, k_split=True, b_major="n"),
     dict(n=7168, k=2048, scatter=True, topk=8), dict(n=2888, k=1032, bias=True),

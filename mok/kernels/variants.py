@@ -306,6 +306,8 @@ def grouped_gemm_variant(
     b_row_stride: int | None = None,
     cluster_m: int = 1,
     deep_turn: int | None = None,
+    out_format: str = "bf16",
+    power_of_two: bool = False,
 ) -> KernelVariant:
     """Expert-grouped GEMM (sm_90a: WGMMA + TMA, mok/kernels/sm90/grouped_gemm.py; sm_100a / sm_103a:
     tcgen05, mok/kernels/sm100/grouped_gemm.py, compile-verified, never run).
@@ -338,6 +340,9 @@ def grouped_gemm_variant(
     two row tiles of one column tile, which load B's tile once for both (TMA multicast) where one
     expert has both row tiles (mok/kernels/sm90/grouped_gemm.py, sm100/grouped_gemm.py; the same
     bits as 1).
+    ``out_format`` "e4m3_block" (Hopper, operand "e4m3_block", the SwiGLU forward epilogues): the
+    activation leaves as E4M3 with 1 x 128 block scales (``power_of_two``: that rule's scales),
+    the down GEMM's operand with no bf16 copy and no quantizer pass (GroupedGemmSm90.store_activation_e4m3).
     """
     _check_operand(operand, persistent, b_major)
     block_buffers = block_buffers_for(block_buffers, operand)
@@ -362,6 +367,13 @@ def grouped_gemm_variant(
         options["b_row_stride"] = b_row_stride
     if activation != "swiglu" and epilogue != "plain":  # (absent by default and where no activation is computed)
         options["activation"] = activation
+    if out_format != "bf16" or power_of_two:
+        if operand != "e4m3_block":
+            raise ValueError(f"out_format={out_format!r}, power_of_two={power_of_two}: E4M3 output is the FP8 (operand 'e4m3_block') "
+                             f"SwiGLU forward's, got operand={operand!r}")
+        options["out_format"] = out_format
+        if power_of_two:
+            options["power_of_two"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:  # tcgen05 (compile-verified only)

@@ -16,6 +16,7 @@ import torch
 
 from ..kernels.common.records import grouped_gemm_args
 from ..kernels.variants import SWIGLU_BACKWARD_TILE_N, block_buffers_for, deep_turn_for, grouped_gemm_variant, swiglu_backward_pingpong
+from ..fp8_block import BLOCK as FP8_BLOCK
 from ..mxfp8 import ROW_STEP as MXFP8_ROW_STEP, mma_chunks_of
 from ..runtime import launch
 from ..runtime.arch import require_mxfp8_gemms
@@ -25,7 +26,8 @@ from .common import (
     check_weights_launchable, kernel_for, persistent_default, sm_count,
 )
 
-RECORDS = {operand: grouped_gemm_args(operand) for operand in ("bf16", "e4m3", "e4m3_block")}
+RECORDS = {(operand, "bf16"): grouped_gemm_args(operand) for operand in ("bf16", "e4m3", "e4m3_block")}
+RECORDS["e4m3_block", "e4m3_block"] = grouped_gemm_args("e4m3_block", "e4m3_block")  # (E4M3 output: the FP8 SwiGLU forward's)
 Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # bf16 values, or MXFP8 (elements, scales)
 
 
@@ -33,7 +35,7 @@ def launch_grouped_gemm(variant, device: torch.device, **arguments) -> None:
     """Launch a checked grouped-GEMM variant on ``device`` with its record's named arguments (a
     pointer not given is null; max_ctas defaults to the SM count)."""
     arguments.setdefault("max_ctas", sm_count(device))
-    record = RECORDS[variant.config.get("operand", "bf16")]
+    record = RECORDS[variant.config.get("operand", "bf16"), variant.config.get("out_format", "bf16")]
     kernel_for(variant, device)(*record.values(**arguments), launch.stream(device))
 
 
@@ -202,7 +204,9 @@ def grouped_gemm(
     block_buffers: int | None = None,
     cluster_m: int = 1,
     deep_turn: int | None = None,
-) -> torch.Tensor:
+    out_format: str = "bf16",
+    power_of_two: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Expert-grouped GEMM: out[rows of tile m] = a[rows of tile m] · B[tile_expert[m]] (fp32 accumulation, bf16 out).
 
     a: [R, K], rows grouped by expert in 128-row tiles. tile_expert: [ceil(R / 128)] int32, the
@@ -251,10 +255,18 @@ def grouped_gemm(
     on two row tiles of one column tile, which load each B tile once for both (TMA multicast)
     where one expert has both row tiles; the same bits as 1 (mok/kernels/sm90/grouped_gemm.py).
     The fp8_block layer runs its gate/up GEMM so with ``row_tile_pairs`` (mok.plan.Plan.gate_up_pairs).
+
+    ``out_format`` "fp8_block" (FP8 block-scaled operands, the SwiGLU form, ``cluster_m`` 1, the
+    default tile): the activation is returned quantized as the down projection's FP8 operand,
+    (elements float8_e4m3fn [R, N], scales float32 [ceil(N / 128), R]), by mok.fp8_block's rule
+    (``power_of_two`` scales or fp32 ones) on the bf16 values ``out`` would hold: bit for bit
+    quantize_fp8_rows of the bf16 output, with no bf16 copy written and no pass over it. Rows of
+    skipped tiles are left unwritten, elements and scales alike; ``out`` is not taken.
     """
     operand = _operand_format(a)
     fp8_block = operand == "e4m3_block"
     epilogue = "plain" if b2 is None or k_split else ("swiglu" if h_out is None else "swiglu_save")
+    fp8_out = _check_out_format(out_format, power_of_two, operand, epilogue, out, cluster_m, tile_n)
     deep_turn_for(deep_turn, block_buffers_for(block_buffers, operand), epilogue)  # (before the operands' checks: the options' own errors)
     if fp8_block and (b_major != "k" or persistent is False):
         raise ValueError("FP8 block-scaled operands: K-major B (b_major='k'), the persistent kernel")
@@ -280,11 +292,16 @@ def grouped_gemm(
         check_tensor("h_out", h_out, dtypes=BF16, shape=(num_rows, 2 * n), device=a_values.device, contiguous=True)
     check_tensor("tile_expert", tile_expert, dtypes=I32, shape=(-(-num_rows // 128),), device=a_values.device, contiguous=True)
     given = out
-    out = bf16_out(out, (num_rows, n), a_values.device)
+    if fp8_out:  # (elements and their row scales, as ops.quantize_fp8_rows lays them out)
+        out = (torch.empty((num_rows, n), dtype=torch.float8_e4m3fn, device=a_values.device),
+               torch.empty((-(-n // FP8_BLOCK), num_rows), dtype=torch.float32, device=a_values.device))
+    else:
+        out = bf16_out(out, (num_rows, n), a_values.device)
     _check_biases(bias, bias2, b2 is not None and not k_split, num_experts, n, a_values.device, k_split)
     if operand == "e4m3":
         check_mxfp8_launchable("grouped_gemm", pointers)
-    check_launchable(a=a_values, out=out, h_out=h_out, bias=bias, bias2=bias2)
+    c, c_scale = out if fp8_out else (out, None)
+    check_launchable(a=a_values, out=c, out_scales=c_scale, h_out=h_out, bias=bias, bias2=bias2)
     check_weights_launchable(b=pointers["b"], b2=pointers["b2"])
     check_disjoint({"out": given, "h_out": h_out}, {"a": a_values, "b": pointers["b"], "b2": pointers["b2"]})
     if num_rows == 0 or a_values.shape[0] == 0:  # (gather from no tokens: every row is padding)
@@ -292,13 +309,32 @@ def grouped_gemm(
     variant = grouped_gemm_variant(
         n, a_values.shape[1], tile_n=tile_n, stages=stages, epilogue=epilogue, b_major=b_major, k_split=k_split,
         persistent=persistent, gather_a=gather is not None, operand=operand, activation=activation, bias=bias is not None,
-        block_buffers=block_buffers, cluster_m=cluster_m, deep_turn=deep_turn, **b_strides,
+        block_buffers=block_buffers, cluster_m=cluster_m, deep_turn=deep_turn, out_format="e4m3_block" if fp8_out else "bf16",
+        power_of_two=power_of_two, **b_strides,
     )
     launch_grouped_gemm(
-        variant, a_values.device, **pointers, c=out, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
+        variant, a_values.device, **pointers, c=c, c_scale=c_scale, tile_expert=tile_expert, h=h_out, row_token=gather, num_rows=num_rows,
         num_experts=num_experts, num_tokens=a_values.shape[0] if gather is not None else 1, bias=bias, bias2=bias2,
     )
     return out
+
+
+def _check_out_format(out_format: str, power_of_two: bool, operand: str, epilogue: str, out, cluster_m: int, tile_n: int | None) -> bool:
+    """:func:`grouped_gemm`'s ``out_format`` and ``power_of_two``; whether the output is FP8."""
+    if out_format not in ("bf16", "fp8_block"):
+        raise ValueError(f"out_format: expected 'bf16' or 'fp8_block', got {out_format!r}")
+    if out_format == "bf16":
+        if power_of_two:
+            raise ValueError("power_of_two: the rule of out_format='fp8_block''s scales, not with bf16 output")
+        return False
+    problems = [what for what, bad in (
+        ("FP8 block-scaled operands", operand != "e4m3_block"), ("the SwiGLU form (b2, no k_split)", epilogue == "plain"),
+        ("no out (the pair is returned)", out is not None), ("cluster_m=1", cluster_m != 1),
+        (f"the default tile_n ({FP8_BLOCK // 2})", tile_n not in (None, FP8_BLOCK // 2)),
+    ) if bad]
+    if problems:
+        raise ValueError(f"out_format='fp8_block': needs {', '.join(problems)}")
+    return True
 
 
 def _check_cluster_m(cluster_m: int, operand: str, persistent: bool | None) -> None:

@@ -280,8 +280,10 @@ def gemm_weight(plan: Plan, w_q: tuple):
 
 
 def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: torch.Tensor | None, *, gather: bool,
-            biases: tuple | None = None) -> torch.Tensor:
-    """a [R, I] = act(rows·W_gateᵀ, rows·W_upᵀ) (and h = [rows·W_gateᵀ | rows·W_upᵀ] into ``h_out``).
+            biases: tuple | None = None) -> torch.Tensor | tuple:
+    """a [R, I] = act(rows·W_gateᵀ, rows·W_upᵀ) (and h = [rows·W_gateᵀ | rows·W_upᵀ] into ``h_out``),
+    or where the plan quantizes it there (:attr:`Plan.quantizes_activation_in_gemm`) a's FP8 rows
+    as :func:`quantized_rows` gives them.
     ``gather``: ``rows`` is x [T, H] and the GEMM's producer gathers row r = x[row_token[r]]; else
     ``rows`` holds the rows [R, H], bf16 or (a quantized precision) as :func:`quantized_rows` gives
     them, or FP8 rows in a :func:`packed_fp8_rows` buffer. ``weights``: (w_gate, w_up, w_down)
@@ -292,8 +294,9 @@ def gate_up(plan: Plan, rows: torch.Tensor, sched: Schedule, weights, h_out: tor
         return ops.grouped_gemm(rows, weights[0], sched.tile_expert, b2=weights[1], h_out=h_out, gather=sched.row_token if gather else None,
                                 activation=plan.activation, **bias, **plan.pairs)
     rows_q = operand_rows(plan, rows, None if gather else sched)  # (gathering: each token once)
+    out = dict(out_format="fp8_block", power_of_two=plan.config.fp8_power_of_two) if plan.quantizes_activation_in_gemm else {}
     return ops.grouped_gemm(rows_q, gemm_weight(plan, weights.gate), sched.tile_expert, b2=gemm_weight(plan, weights.up), h_out=h_out,
-                            gather=sched.row_token if gather else None, activation=plan.activation, **bias, **plan.gate_up_pairs)
+                            gather=sched.row_token if gather else None, activation=plan.activation, **bias, **plan.gate_up_pairs, **out)
 
 
 def backward_weights(plan: Plan, weights: tuple, stacked: tuple | None):
@@ -357,11 +360,11 @@ def down(plan: Plan, a: torch.Tensor, sched: Schedule, weights, biases: tuple | 
 def down_operands(plan: Plan, a: torch.Tensor, sched: Schedule, weights) -> tuple:
     """The down projection's (A, B) in the plan's precision (:func:`down`, and the EP forward's
     scattering GEMM), ``weights`` as :func:`routed_weights` gives them: a and w_down (bf16); a's
-    rows in use quantized and w_down's FP8 copy (fp8_block, MXFP8); with MXFP8's emulation the
-    same operands dequantized for the bf16 GEMM."""
+    rows in use quantized (or as the gate/up GEMM quantized them) and w_down's FP8 copy (fp8_block,
+    MXFP8); with MXFP8's emulation the same operands dequantized for the bf16 GEMM."""
     if plan.precision == "bf16":
         return a, weights[2]
-    return quantized_rows(plan, a, sched), gemm_weight(plan, weights.down)
+    return operand_rows(plan, a, sched), gemm_weight(plan, weights.down)
 
 
 def gathered_dout(plan: Plan, dout: torch.Tensor, sched: Schedule, bf16_needed: bool) -> tuple:

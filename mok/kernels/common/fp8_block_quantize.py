@@ -89,6 +89,23 @@ def power_of_two_at_or_above(s: cutlass.Float32) -> cutlass.Float32:
 
 
 @cute.jit
+def block_scale_and_factor(amax: cutlass.Float32, power_of_two: cutlass.Constexpr[bool]):
+    """(scale, the factor a block's values are multiplied by before their E4M3 conversion) of a
+    block whose largest magnitude is ``amax``: the module docstring's rule (every kernel that
+    quantizes 1 x 128 or 128 x 128 blocks applies it from here)."""
+    scale = cutlass.Float32(1.0)
+    factor = cutlass.Float32(1.0)
+    if amax > 0.0:
+        scale = amax / E4M3_MAX
+        if cutlass.const_expr(power_of_two):
+            scale = power_of_two_at_or_above(scale)
+            factor = 1.0 / scale
+        else:
+            factor = E4M3_MAX / amax
+    return scale, factor
+
+
+@cute.jit
 def e8m0_word(scale: cutlass.Float32, blocks: cutlass.Constexpr[int] = 4) -> cutlass.Float32:
     """A power-of-two ``scale``'s E8M0 byte (its exponent field: exponent + 127) in each of the
     word's first ``blocks`` bytes (the 32-blocks a 128-block has: fewer where it is a row's partial
@@ -235,16 +252,7 @@ class QuantizeFp8BlockKernel:
     @cute.jit
     def scale_and_factor(self, amax):
         """(scale, the factor the values are multiplied by) of a block with largest magnitude ``amax``."""
-        scale = cutlass.Float32(1.0)
-        factor = cutlass.Float32(1.0)
-        if amax > 0.0:
-            scale = amax / E4M3_MAX
-            if cutlass.const_expr(self.power_of_two):
-                scale = power_of_two_at_or_above(scale)
-                factor = 1.0 / scale
-            else:
-                factor = E4M3_MAX / amax
-        return scale, factor
+        return block_scale_and_factor(amax, self.power_of_two)
 
     @cute.jit
     def store_row_scale(self, m_s, row, k_block, scale):

@@ -127,7 +127,7 @@ class GroupedGemm:
         a_ptr: cute.Pointer, a_scale_ptr: cute.Pointer,  # the operands (the scales: MXFP8 only)
         b_ptr: cute.Pointer, b_scale_ptr: cute.Pointer,
         b2_ptr: cute.Pointer, b2_scale_ptr: cute.Pointer,
-        c_ptr: cute.Pointer, tile_expert_ptr: cute.Pointer,
+        c_ptr: cute.Pointer, c_scale_ptr: cute.Pointer, tile_expert_ptr: cute.Pointer,  # (C's scales: E4M3 output only)
         h_ptr: cute.Pointer, a_scaled_ptr: cute.Pointer, partial_ptr: cute.Pointer,  # the epilogue's row tensors
         row_token_ptr: cute.Pointer, row_slot_ptr: cute.Pointer, topk_w_ptr: cute.Pointer,
         bias_ptr: cute.Pointer, bias2_ptr: cute.Pointer,  # the experts' biases of B's and B2's products (``bias``)
@@ -149,7 +149,7 @@ class GroupedGemm:
         num_row_tiles = (num_rows + tile_m - 1) // tile_m  # a partial last tile: TMA zero-fills, stores stop at R
         m_tiles = cute.make_tensor(tile_expert_ptr, cute.make_layout((num_row_tiles,)))
         rows = (m_tiles, num_row_tiles, num_rows)
-        scales = (a_scale_ptr, b_scale_ptr, b2_scale_ptr)
+        scales = (a_scale_ptr, b_scale_ptr, b2_scale_ptr, c_scale_ptr)
         biases = (bias_ptr, bias2_ptr)
         self.launch(m_a, m_bs, scales, m_c, tuple(row_args), rows, num_experts, max_ctas, (c_ptr, rows_per_rank, rank_stride), stream,
                     biases)
@@ -214,5 +214,6 @@ class GroupedGemm:
         """Host side, the arch's: from the tensors ``__call__`` built (``row_args`` = h, a_scaled,
         partial, row_token, row_slot, topk_w; ``rows`` = tile_expert, its row tiles, R; ``scales``
         the MXFP8 scales' pointers; ``scatter_to`` = C's pointer, T_max, the rank stride;
-        ``biases`` the pointers of B's and B2's biases, read with ``bias`` only) on."""
+        ``biases`` the pointers of B's and B2's biases, read with ``bias`` only; ``scales`` then C's
+        scales' pointer, E4M3 output's) on."""
         raise NotImplementedError

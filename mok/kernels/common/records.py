@@ -16,16 +16,17 @@ OPERAND_FORMATS = {  # a GEMM operand format: (its elements' pointer kind, its s
 }
 
 
-def grouped_gemm_args(operand: str = "bf16") -> LaunchArgs:
+def grouped_gemm_args(operand: str = "bf16", out: str = "bf16") -> LaunchArgs:
     """The grouped GEMM's launch arguments (either arch; ``operand`` one of OPERAND_FORMATS: bf16, or
     E4M3 elements whose scales come with them; a bf16 kernel never reads the scales). C is [R, N]
-    ([R, 2N] for swiglu_bwd, the rank-0 slots for scatter); h, a_scaled, partial, row_token,
+    ([R, 2N] for swiglu_bwd, the rank-0 slots for scatter), bf16, or with ``out`` "e4m3_block" (the
+    SwiGLU forward on Hopper's FP8) E4M3 with its row scales c_scale [ceil(N / 128), R]; h, a_scaled, partial, row_token,
     row_slot and topk_w are the epilogue's row tensors, null where a variant does not use them;
     bias and bias2 the experts' biases [E, N] of B's and B2's products (read with ``bias`` only); rows_per_rank and rank_stride place the scattered rows (mok/kernels/sm90/grouped_gemm.py)."""
     elements, scales = OPERAND_FORMATS[operand]
     return LaunchArgs(
         ptr("a", elements), ptr("a_scale", scales), ptr("b", elements), ptr("b_scale", scales), ptr("b2", elements),
-        ptr("b2_scale", scales), ptr("c", "bf16"), ptr("tile_expert", "i32", 4), ptr("h", "bf16"), ptr("a_scaled", "bf16"),
+        ptr("b2_scale", scales), ptr("c", OPERAND_FORMATS[out][0]), ptr("c_scale", "f32", 4), ptr("tile_expert", "i32", 4), ptr("h", "bf16"), ptr("a_scaled", "bf16"),
         ptr("partial", "f32", 4), ptr("row_token", "i32", 4), ptr("row_slot", "i32", 4), ptr("topk_w", "f32", 4),
         ptr("bias", "bf16", 4), ptr("bias2", "bf16", 4), int32("num_rows"), int32("num_experts"), int32("num_tokens", 1), int32("max_ctas"), int32("rows_per_rank", 1),
         int32("rank_stride", 0),

@@ -85,7 +85,7 @@ class GroupedGemmSm100(GroupedGemm, Tcgen05TileKernel):
         m_tiles, num_row_tiles, num_rows = rows
         scale_tensors = ()
         if self.mxfp8:  # A's scales [ceil(R / 128)·128 rows, K' / 32], B's and B2's per expert [N, K / 32] (whole chunks)
-            a_scale_ptr, b_scale_ptr, b2_scale_ptr = scales
+            a_scale_ptr, b_scale_ptr, b2_scale_ptr = scales[:3]
             m_sfa = self.scale_tensor(a_scale_ptr, num_row_tiles * self.tile_shape_mnk[0], self.scale_k, 1)
             m_sfbs = (self.scale_tensor(b_scale_ptr, self.n, self.b_k, num_experts),
                       self.scale_tensor(b2_scale_ptr, self.n, self.b_k, num_experts))

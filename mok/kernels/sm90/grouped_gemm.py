@@ -61,15 +61,19 @@ from ..common.combine import VECTOR
 from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
 from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows
+from ..common.fp8_block_quantize import block_scale_and_factor
+from ..common.gated_activation import glu_value
 from ..common.grouped_gemm import GroupedGemm
 from ..common.tile_order import PAIR, row_tile_pair
 from ..variants import block_buffers_for, check_deep_turn
 from .block_scaled import FP8_ROW_ELEMENTS, SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
+PARK_VALUES = 8  # bf16 values of one 16-byte slot of the pair buffer (store_activation_e4m3)
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
+OUT_FORMATS = ("bf16", "e4m3_block")  # C's format: bf16, or (the SwiGLU forward on FP8) E4M3 with 1 x 128 block scales
 
 
 class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
@@ -88,7 +92,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         unit_scale: bool = False, tile_n: int = 128, stages: int | None = None, persistent: bool = False,
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
         activation: str = "swiglu", bias: bool = False, operand: str = "bf16", block_buffers: int = 1,
-        b_row_stride: int | None = None, cluster_m: int = 1, deep_turn: int = 0,
+        b_row_stride: int | None = None, cluster_m: int = 1, deep_turn: int = 0, out_format: str = "bf16",
+        power_of_two: bool = False,
     ) -> None:
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
@@ -119,6 +124,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if cluster_m == PAIR and (not persistent or pingpong):
             raise ValueError("cluster_m=2: only in the persistent cooperative kernel")
         self.cluster_m = cluster_m
+        self.check_out_format(out_format, power_of_two, epilogue, tile_n)
         self.pingpong = pingpong
         if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers
             self.use_pingpong(PINGPONG_BWD_EPI_STAGES)
@@ -126,7 +132,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
         tile_m = self.tile_shape_mnk[0]
-        stores_per_tile = (tile_n // 32) * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
+        stores_per_tile = (tile_n // 32) * ({"swiglu_save": 3, "swiglu_bwd": 3}.get(epilogue, 1) - (1 if self.quantizes_out else 0))
         if stores_per_tile % self.epi_stage and not pingpong:  # each tile starts again at buffer 0 (see epilogue): 64-wide tiles take 2
             self.epi_stage = math.gcd(stores_per_tile, self.epi_stage)
         if stores_per_tile % self.epi_stage:
@@ -134,7 +140,27 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         element_bytes = 1 if self.block_scaled else 2
         stage_bytes = (tile_m * tile_k + self.num_b * tile_n * tile_k) * element_bytes + (tile_m * 4 if self.block_scaled else 0)
         self.epi_bytes = self.epi_stage * tile_m * 32 * 2 * (2 if pingpong else 1)
-        self.ab_stage = pick_stages(stage_bytes, self.epi_bytes, stages, dedicated_epi=persistent)
+        self.pair_bytes = tile_m * SCALE_BLOCK if self.quantizes_out else 0  # (the E4M3 block tile's buffer: store_activation_e4m3)
+        self.ab_stage = pick_stages(stage_bytes, self.epi_bytes + self.pair_bytes, stages, dedicated_epi=persistent)
+
+    def check_out_format(self, out_format: str, power_of_two: bool, epilogue: str, tile_n: int) -> None:
+        """``out_format`` "e4m3_block": the SwiGLU forward's activation leaves in E4M3 with 1 x 128
+        block scales (:meth:`store_activation_e4m3`; ``power_of_two`` scales by that rule), not in
+        bf16: on FP8 operands (the down GEMM's operand comes from the one that gives it its
+        precision), 64-wide tiles (two make a block), one CTA a tile."""
+        if out_format not in OUT_FORMATS:
+            raise ValueError(f"out_format: expected one of {OUT_FORMATS}, got {out_format!r}")
+        self.quantizes_out = out_format == "e4m3_block"
+        self.power_of_two = power_of_two
+        if self.quantizes_out:
+            problems = [what for what, bad in (
+                ("operand='e4m3_block'", not self.block_scaled), ("epilogue 'swiglu' or 'swiglu_save'", epilogue not in ("swiglu", "swiglu_save")),
+                (f"tile_n={SCALE_BLOCK // PAIR}", tile_n != SCALE_BLOCK // PAIR), ("cluster_m=1", self.cluster_m != 1),
+            ) if bad]
+            if problems:
+                raise ValueError(f"out_format='e4m3_block': needs {', '.join(problems)} (epilogue={epilogue!r}, tile_n={tile_n})")
+        elif power_of_two:
+            raise ValueError("power_of_two: the rule of out_format='e4m3_block''s scales, not with bf16 output")
 
     def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream, biases):
         """Host side (see GroupedGemm.launch): the TMA atoms, the shared storage, the grid. (The
@@ -145,7 +171,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         m_h, m_as, m_part, m_row_token, m_row_slot, m_topk_w = row_args
         m_tiles, num_tiles, num_rows = rows
         tile_k = self.tile_shape_mnk[2]
-        a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, m_c.element_type, LayoutEnum.from_tensor(m_c))
+        epi_dtype = cutlass.BFloat16 if self.quantizes_out else m_c.element_type  # (E4M3 C: the buffers still stage h's bf16)
+        a_smem, b_smem, epi_smem = self.make_mma(m_a, m_b, epi_dtype, LayoutEnum.from_tensor(m_c))
         b_pair_smem = self.stack_b(m_a, m_b) if self.stacked_b else b_smem
         tma_a, t_a = self.load_atom(m_a, a_smem, (tile_m, tile_k))
         tma_b, t_b = self.load_atom(m_b, b_smem, (tile_n, tile_k))
@@ -153,7 +180,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         b_multicast = ()  # cluster_m = 2: B's and B2's loads that write both CTAs of the cluster
         if cutlass.const_expr(self.cluster_m == PAIR):
             b_multicast = (*self.load_atom(m_b, b_smem, (tile_n, tile_k), PAIR), *self.load_atom(m_b2, b_smem, (tile_n, tile_k), PAIR))
-        tma_c, t_c = self.store_atom(m_c, epi_smem)
+        pair_smem = cute.slice_(a_smem, (None, None, 0))  # (out_format e4m3_block: a block tile staged as an A stage is)
+        if cutlass.const_expr(self.quantizes_out):
+            tma_c, t_c = cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), m_c, pair_smem,
+                                                                (tile_m, SCALE_BLOCK))
+        else:
+            tma_c, t_c = self.store_atom(m_c, epi_smem)
         tma_h, t_h = self.store_atom(m_h, epi_smem)  # used by swiglu_save only
         tma_as, t_as = self.store_atom(m_as, epi_smem)  # used by swiglu_bwd only
         if cutlass.const_expr(self.pingpong):
@@ -173,13 +205,14 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             s_b2: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, b2_elems], self.buffer_align_bytes]
             s_c: cute.struct.Align[cute.struct.MemRange[self.c_dtype, c_elems], self.buffer_align_bytes]
             s_sa: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.a_scale_smem()) if self.block_scaled else 1], 128]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, self.pair_bytes or 8], self.buffer_align_bytes if self.quantizes_out else 8]
 
         self.shared_storage = SharedStorage
         load_args = (tma_a, t_a, tma_b, t_b, tma_b2, t_b2)
         b_scales = ()
         m_x = m_a  # gather_a: x [T, K]
         if cutlass.const_expr(self.block_scaled):  # A's row scales with each stage (TMA, or gathered), B's read by the MMA warps
-            a_scale_ptr, b_scale_ptr, b2_scale_ptr = scales
+            a_scale_ptr, b_scale_ptr, b2_scale_ptr = scales[:3]
             m_sa = self.a_scale_tensor(a_scale_ptr, m_a.shape[0])
             if cutlass.const_expr(self.gather_a):
                 m_x = (m_a, m_sa)
@@ -187,13 +220,16 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                 load_args += tuple(self.a_scale_load_atom(m_sa))
             b_scales = (self.b_scale_tensor(b_scale_ptr, num_experts), self.b_scale_tensor(b2_scale_ptr, num_experts))
         store_args = (tma_c, t_c, tma_h, t_h, tma_as, t_as)
+        if cutlass.const_expr(self.quantizes_out):  # C's row scales [ceil(N / 128), R]
+            c_blocks = -(-self.n // SCALE_BLOCK)
+            store_args += (cute.make_tensor(scales[3], cute.make_layout((num_rows, c_blocks), stride=(1, num_rows))), pair_smem)
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
         mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem, self.tiled_mma_pair if self.stacked_b else None, b_pair_smem)
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             m_x = self.scatter_target(scatter_to)
         bias_tensors = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases)
         args = (load_args, store_args, row_args, m_tiles, num_tiles, num_rows, mma_args, m_x, bias_tensors, b_scales, b_multicast)
-        self.launch_tiles(args, (num_tiles + self.cluster_m - 1) // self.cluster_m * self.col_tiles, max_ctas, stream, self.cluster_m)
+        self.launch_tiles(args, (num_tiles + self.cluster_m - 1) // self.cluster_m * self.walk_cols, max_ctas, stream, self.cluster_m)
 
     @cute.kernel
     def kernel(
@@ -284,6 +320,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             s_b_pair = storage.s_b.get_tensor(b_pair_smem.outer, swizzle=b_pair_smem.inner)
             s_b, s_b2 = self.stacked_halves(s_b_pair)
         s_sa = storage.s_sa.get_tensor(self.a_scale_smem()) if self.block_scaled else None  # (A's row scales per stage)
+        if cutlass.const_expr(self.quantizes_out):  # the block tile's buffer in place of its layout (store_activation_e4m3)
+            pair_smem = store_args[7]
+            store_args = (*store_args[:7], storage.s_q.get_tensor(pair_smem.outer, swizzle=pair_smem.inner))
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
         k_tiles = self.k_tiles
 
@@ -303,7 +342,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                             prod = self.gather_tile(ab_pipe, prod, loads, m_x, m_row_token, bases, tile_row, num_rows, tidx, k_tiles)
                         else:
                             prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
-                    linear += step
+                    linear = self.next_walk(linear, step)
                 if cutlass.const_expr(self.gather_a):
                     cute.arch.cp_async_wait_group(0)
                 if warp_idx == 0:
@@ -367,7 +406,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                     else:
                         epi_prod = self.finish_tile(mma_tidx, warp_idx, tiled_mma, (acc, acc2), s_c, tile, (store_args, row_args, num_rows),
                                                     store_pipe, biases, (epi_pipe, epi_prod))
-                linear += step
+                linear = self.next_walk(linear, step)
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
 
@@ -390,13 +429,29 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
 
     def cta_walk(self, num_row_tiles, col_tiles):
         """The persistent CTA's walk: (first, step, end) of the linear tile index it takes (first,
-        first + step, ... below end). With ``cluster_m`` = 2 the index is its cluster's, over
-        pairs of row tiles (both CTAs of a cluster walk the same pairs)."""
+        then :meth:`next_walk` on, below end). With ``cluster_m`` = 2 the index is its cluster's,
+        over pairs of row tiles (both CTAs of a cluster walk the same pairs). With E4M3 output the
+        index is 2·u + h for half h of unit u = (row tile, pair of column tiles): a CTA takes both
+        halves of a unit in turn (:meth:`store_activation_e4m3`)."""
         first, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.cluster_m == PAIR):
             return first // PAIR, step // PAIR, (num_row_tiles + PAIR - 1) // PAIR * col_tiles
+        if cutlass.const_expr(self.quantizes_out):
+            return PAIR * first, step, PAIR * num_row_tiles * self.walk_cols
         return first, step, num_row_tiles * col_tiles
+
+    @property
+    def walk_cols(self) -> int:
+        """Column units of the walk: the column tiles, or with E4M3 output their pairs (a block each)."""
+        return -(-self.col_tiles // PAIR) if self.quantizes_out else self.col_tiles
+
+    def next_walk(self, linear, step):
+        """The walk index after ``linear`` (:meth:`cta_walk`): ``step`` on, or with E4M3 output a
+        unit's second half after its first, then the first half ``step`` units on."""
+        if cutlass.const_expr(self.quantizes_out):
+            return linear + 1 + (linear % PAIR) * (PAIR * step - PAIR)
+        return linear + step
 
     @cute.jit
     def cta_tile(self, linear, num_row_tiles, col_tiles, m_tiles):
@@ -412,6 +467,13 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if cutlass.const_expr(self.cluster_m == PAIR):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             return row_tile_pair(linear, num_row_tiles, col_tiles, m_tiles, rank)
+        if cutlass.const_expr(self.quantizes_out):  # (unit, half): column tile 2·pair + half, none past the last
+            tile_row, pair = self.grouped_tile(linear // PAIR, num_row_tiles, self.walk_cols)
+            tile_col = pair * PAIR + linear % PAIR
+            expert = m_tiles[tile_row]
+            if tile_col >= col_tiles:
+                expert = cutlass.Int32(-1)
+            return tile_row, tile_col, expert, expert, False
         tile_row, tile_col = self.grouped_tile(linear, num_row_tiles, col_tiles)
         expert = m_tiles[tile_row]
         return tile_row, tile_col, expert, expert, False
@@ -778,7 +840,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         multiple of ``epi_stage`` subtiles, so that is the buffer the round-robin order reaches
         next anyway.
         """
-        tma_c, m_c, tma_h, m_h_store, tma_as, m_as = store_args
+        tma_c, m_c, tma_h, m_h_store, tma_as, m_as = store_args[:6]
         m_part = row_args[1]  # (the row inputs themselves come in rows_in)
         tile_m, tile_n, _ = self.tile_shape_mnk
         tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
@@ -821,6 +883,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         sum_lo = cutlass.Float32(0.0)
         sum_hi = cutlass.Float32(0.0)
 
+        if cutlass.const_expr(self.quantizes_out):  # (a leaves here in E4M3; the loop below stores h only)
+            self.store_activation_e4m3(tidx, warp_idx, tiled_mma, (acc, acc2), (tile_row, tile_col), store_args, num_rows)
         _, epi_count, _ = self.epi_order(g_c)
         stores = 0
         for epi in cutlass.range_constexpr(epi_count):
@@ -842,12 +906,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                 self.store_fragment(r_x.load(), tiled_r2s, t_sd, s_c, tma_as, g_as, epi, (stores + 2) % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 stores += 3
             elif cutlass.const_expr(self.two_accumulators):
-                self.swiglu_subtile(r_d, r_u, r_x)
                 gate = r_d.load()
                 up = r_u.load()
-                act = r_x.load()
-                self.store_fragment(act, tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
-                stores += 1
+                if cutlass.const_expr(not self.quantizes_out):
+                    self.swiglu_subtile(r_d, r_u, r_x)
+                    self.store_fragment(r_x.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
+                    stores += 1
                 if cutlass.const_expr(self.epilogue_kind == "swiglu_save"):
                     self.store_fragment(gate, tiled_r2s, t_sd, s_c, tma_h, g_h_gate, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                     self.store_fragment(up, tiled_r2s, t_sd, s_c, tma_h, g_h_up, epi, (stores + 1) % self.epi_stage, warp_idx, store_pipe, rd_layout)
@@ -859,6 +923,98 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
             self.store_row_sum(tidx, sum_lo, first_row + row_lo, tile_col, m_part, num_rows)
             self.store_row_sum(tidx, sum_hi, first_row + row_lo + 8, tile_col, m_part, num_rows)
+
+    @cute.jit
+    def store_activation_e4m3(self, tidx, warp_idx, tiled_mma, accs, tile, store_args, num_rows):
+        """``out_format`` "e4m3_block": the tile's a = act(gate, up), rounded to bf16 as the bf16
+        output is, leaves as E4M3 with a 1 x 128 block scale per row (mok.fp8_block's rule on
+        those bf16 values: bit for bit what the rows' quantizer makes of the bf16 output).
+
+        A block is two 64-wide column tiles, which one CTA takes in turn (:meth:`cta_walk`). The
+        first (even) parks its bf16 values in the pair buffer, each thread in 16-byte slots of its
+        own; the second reads them back, takes each row's largest magnitude over both (its own
+        values, then the quad's four threads), converts both halves, stages them in the buffer as
+        an E4M3 operand stage is laid out (128-byte swizzle) and TMA-stores the 128 x 128 box; the
+        quad's first thread writes its two rows' scales (C's scales [ceil(N / 128), R]). The last
+        column tile of an odd count is its block alone (N's partial last block: its values there
+        are). Rows past R are neither stored (TMA clips) nor scaled. ``tile`` = (row tile, column
+        tile); ``store_args[6:8]`` = (C's scales, the pair buffer)."""
+        acc, acc2 = accs
+        tile_row, tile_col = tile
+        tma_q, t_q = store_args[0], store_args[1]
+        m_scales, s_pair = store_args[6], store_args[7]
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        crd = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        count = cute.size(acc)
+        a_f32 = cute.make_rmem_tensor(cute.make_layout(count), cutlass.Float32)
+        for i in cutlass.range_constexpr(count):
+            a_f32[i] = glu_value(self.activation, acc[i], acc2[i])
+        a_bf16 = cute.make_rmem_tensor(cute.make_layout((PARK_VALUES, count // PARK_VALUES)), cutlass.BFloat16)
+        a_bf16.store(a_f32.load().to(cutlass.BFloat16).reshape(a_bf16.shape))
+        # each thread's slots: 16 bytes (8 bf16) apart by thread, so a warp's stores are conflict-free
+        parked = cute.make_tensor(cute.recast_ptr(s_pair.iterator, dtype=cutlass.BFloat16) + tidx * PARK_VALUES,
+                                  cute.make_layout((PARK_VALUES, count // PARK_VALUES), stride=(1, self.consumer_threads * PARK_VALUES)))
+        second = tile_col % PAIR == 1
+        if tile_col % PAIR == 0 and tile_col + 1 < self.col_tiles:  # the block's first half: parked until the second
+            if warp_idx == self.store_warp:  # (the buffer's last box read out by its TMA store)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.epilogue_sync()
+            cute.autovec_copy(a_bf16, parked)
+        else:
+            earlier = cute.make_rmem_tensor_like(a_bf16)
+            earlier.fill(0.0)
+            if second:
+                cute.autovec_copy(parked, earlier)
+            elif warp_idx == self.store_warp:  # (a block alone: the buffer's last box read out by its TMA store)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.epilogue_sync()  # (every thread's parked values read before the buffer is overwritten)
+            amax = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # rows r, r + 8 of the thread
+            amax.fill(0.0)
+            for values in (earlier, a_bf16):  # (earlier: zeros for a block alone)
+                flat = cute.make_tensor(values.iterator, cute.make_layout(count))
+                for i in cutlass.range_constexpr(count):
+                    hi = (i // 2) % 2  # the accumulator's ((2 columns, 2 rows, groups), ...) order
+                    amax[hi] = cute.arch.fmax(amax[hi], cute.math.absf(flat[i].to(cutlass.Float32)))
+            factors = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            row_lo = crd[0][0]
+            for hi in cutlass.range_constexpr(2):
+                for offset in cutlass.range_constexpr(2):  # the quad's four threads hold the row's other columns
+                    amax[hi] = cute.arch.fmax(amax[hi], cute.arch.shuffle_sync_bfly(amax[hi], offset=1 << offset))
+                scale, factors[hi] = block_scale_and_factor(amax[hi], self.power_of_two)
+                row = tile_row * tile_m + row_lo + 8 * hi
+                if tidx % 4 == 0 and row < num_rows:
+                    m_scales[row, tile_col // PAIR] = scale
+            self.stage_e4m3(a_bf16, factors, crd, tile_col % PAIR, s_pair)
+            if second:
+                self.stage_e4m3(earlier, factors, crd, 0, s_pair)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epilogue_sync()
+            if warp_idx == self.store_warp:
+                g_q = cute.local_tile(t_q[None, None, 0], (tile_m, SCALE_BLOCK), (tile_row, tile_col // PAIR))
+                b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(s_pair, 0, 2),
+                                                              cute.group_modes(g_q, 0, 2))
+                cute.copy(tma_q, b_sd, b_gd)
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def stage_e4m3(self, values, factors, crd, half, s_pair):
+        """One 64-wide half (``half`` of the block) of a thread's a values (bf16, the accumulator's
+        order) times its rows' ``factors``, as E4M3 pairs into the pair buffer at their place in
+        an E4M3 stage's 128-byte swizzle (chunk c of row r at byte r·128 + (c ^ r % 8)·16)."""
+        tile_n = self.tile_shape_mnk[1]
+        count = cute.size(values)
+        flat = cute.make_tensor(values.iterator, cute.make_layout(count))
+        scaled = cute.make_rmem_tensor(cute.make_layout(count), cutlass.Float32)
+        for i in cutlass.range_constexpr(count):
+            scaled[i] = flat[i].to(cutlass.Float32) * factors[(i // 2) % 2]
+        q = cute.make_rmem_tensor(cute.make_layout(count), cutlass.Float8E4M3FN)
+        q.store(scaled.load().to(cutlass.Float8E4M3FN))
+        pairs = cute.recast_tensor(q, cutlass.Uint16)
+        s_pairs = cute.make_tensor(cute.recast_ptr(s_pair.iterator, dtype=cutlass.Uint16), cute.make_layout(cute.cosize(s_pair.layout) // 2))
+        for p in cutlass.range_constexpr(count // 2):
+            row, col = crd[2 * p]
+            byte = half * tile_n + col  # (even: a pair's two E4M3 bytes are one 16-bit store)
+            s_pairs[(row * SCALE_BLOCK + ((byte // 16) ^ (row % 8)) * 16 + byte % 16) // 2] = pairs[p]
 
     def half_tile(self, m_x, half, tile_row, tile_col):
         """Output tile (tile_row, tile_col) of half ``half`` of a (R, N, halves) tensor (C, h: common/gemm_args.halves)."""
@@ -1000,4 +1156,5 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
 def compile_grouped_gemm(n: int, k: int, arch: str, options: str = "", **config):
     """Compile :class:`GroupedGemmSm90` (``config``: its keyword arguments) for ``arch`` without
     tensors: the stand-ins of grouped_gemm_args(its operand)."""
-    return compile_kernel(GroupedGemmSm90(n, k, **config), grouped_gemm_args(config.get("operand", "bf16")), arch, options)
+    return compile_kernel(GroupedGemmSm90(n, k, **config), grouped_gemm_args(config.get("operand", "bf16"), config.get("out_format", "bf16")),
+                          arch, options)
