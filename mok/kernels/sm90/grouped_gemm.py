@@ -70,6 +70,7 @@ from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile)
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
+H_IN_SMEM_EPI_STAGES = 3  # FP8 swiglu_bwd with h in shared memory: epilogue buffers (12 stores a 128-wide tile)
 
 
 class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
@@ -126,6 +127,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
         tile_m = self.tile_shape_mnk[0]
+        if self.h_in_smem:  # beside h's 64 KB and four stages only three buffers leave room for the storage's alignment
+            self.epi_stage = H_IN_SMEM_EPI_STAGES
         stores_per_tile = (tile_n // 32) * (3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1)
         if stores_per_tile % self.epi_stage and not pingpong:  # each tile starts again at buffer 0 (see epilogue): 64-wide tiles take 2
             self.epi_stage = math.gcd(stores_per_tile, self.epi_stage)
