@@ -783,15 +783,15 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         tma, m_h = h_load
         s_h, bar = h_tile
         if warp_idx == self.store_warp:
+            subtiles = self.tile_shape_mnk[1] // self.epi_tile[1]
+            cute.arch.fence_proxy("async.shared", space="cta")  # (the buffers' generic reads before the async proxy's writes)
             with cute.arch.elect_one():
-                cute.arch.fence_proxy("async.shared", space="cta")  # (the buffers' generic reads before the async proxy's writes)
-                subtiles = self.tile_shape_mnk[1] // self.epi_tile[1]
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * cute.size_in_bytes(self.c_dtype, cute.slice_(s_h, (None, None, 0))) * subtiles)
-                for half in cutlass.range_constexpr(2):
-                    g_epi, _, order = self.epi_order(self.half_tile(m_h, half, tile_row, tile_col))
-                    b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_h, 0, 2), g_epi)
-                    for epi in cutlass.range_constexpr(subtiles):
-                        cute.copy(tma, b_gd[(None, order.get_hier_coord(epi))], b_sd[(None, half * subtiles + epi)], tma_bar_ptr=bar)
+            for half in cutlass.range_constexpr(2):  # (the whole warp: a TMA copy elects its issuing thread itself)
+                g_epi, _, order = self.epi_order(self.half_tile(m_h, half, tile_row, tile_col))
+                b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_h, 0, 2), g_epi)
+                for epi in cutlass.range_constexpr(subtiles):
+                    cute.copy(tma, b_gd[(None, order.get_hier_coord(epi))], b_sd[(None, half * subtiles + epi)], tma_bar_ptr=bar)
 
     @cute.jit
     def router_scales(self, tidx, tiled_mma, tile_row, row_args, num_rows):
