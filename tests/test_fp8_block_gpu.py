@@ -104,6 +104,25 @@ def test_swiglu_backward_on_two_block_sets_gives_the_one_set_bits(k_blocks):
             assert torch.equal(got[used], want[used]), deep_turn
 
 
+def test_swiglu_backward_with_h_in_shared_memory_over_several_tiles_a_cta():
+    """The FP8 SwiGLU backward's default (h TMA-loaded into shared memory, one barrier phase a
+    tile) over 480 tiles, several for each persistent CTA (the test above gives each CTA one):
+    bit for bit the one-set kernel's, which loads h into registers."""
+    R, I, H, E = 128 * 40, 1536, 256, 4
+    g = torch.Generator(device="cuda").manual_seed(7)
+    tiles = torch.arange(R // 128, device="cuda", dtype=torch.int32) % E
+    dout_q = fp8.quantize_rows(torch.randn(R, H, device="cuda", generator=g))
+    w_q = fp8.quantize_weights(torch.randn(E, I, H, device="cuda", generator=g) * H**-0.5)
+    h = torch.randn(R, 2 * I, device="cuda", generator=g).bfloat16()
+    rows = torch.arange(R, device="cuda", dtype=torch.int32)
+    router = dict(row_token=rows // 4, row_slot=rows % 4, topk_w=torch.rand(R // 4, 4, device="cuda", generator=g))
+    one = ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, block_buffers=1, **router)
+    two = ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, **router)
+    assert not one[0].isnan().any()
+    for got, want in zip(two, one):
+        assert torch.equal(got, want)
+
+
 def test_swiglu_with_h_and_biases_and_the_k_split_form():
     R, N, K, E = 768, 512, 1024, 4
     a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=3, two=True)

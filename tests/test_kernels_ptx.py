@@ -532,6 +532,8 @@ def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(options):
     pair = compiled_ptx(grouped_gemm_variant(cluster_m=2, **options), "sm_90a")
     a_loads = 2 if options.get("k_split") else 0 if options.get("gather_a") else 1  # (TMA instructions: k_split's two halves of A)
     a_loads += int(options.get("operand") == "e4m3_block")  # (A's row scales, a TMA box each stage)
+    if options.get("operand") == "e4m3_block" and options.get("epilogue") == "swiglu_bwd":
+        a_loads += 2 * 4  # (the saved h's eight boxes a tile, into the CTA's own shared memory)
     multicast = r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes\.multicast::cluster"
     one_cta = r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"
     assert count(multicast, pair) == count(one_cta, single) - a_loads > 0 and count(multicast, single) == 0  # (N-major B: 4 boxes a tile)
@@ -621,19 +623,22 @@ def test_fp8_block_gemm_with_two_block_buffers_overlaps_the_promotion(options):
 
 
 @pytest.mark.parametrize("deep_turn", [0, 4])
-def test_fp8_swiglu_backward_on_two_block_sets_loads_h_after_the_mainloop(deep_turn):
+def test_fp8_swiglu_backward_on_two_block_sets_reads_h_from_shared_memory(deep_turn):
     """The SwiGLU backward (one product 128 wide) on two block sets, its default: the WGMMAs in
     the two-set places (four, more with deep turns), not serialized, nothing spilled, the 24 / 240
-    hand-over within the launch count; the saved h prefetched into L2 before the mainloop (two
-    128-byte lines a thread: a row's half of the tile) and loaded after it, which the one-set
-    kernel (h loaded into registers before the mainloop) does not prefetch."""
+    hand-over within the launch count; the saved h TMA-loaded into shared memory (the tile's four
+    128 x 32 subtiles of gate and of up: eight boxes more than the one-set kernel loads), waited for
+    after the mainloop and read with ldmatrix (two x4 a thread per subtile and half), no global
+    load after the mainloop; the one-set kernel (h loaded into registers before the mainloop)
+    reads no ldmatrix."""
     ptx = compiled_ptx(grouped_gemm_variant(2048, 7168, operand="e4m3_block", epilogue="swiglu_bwd", topk=8, deep_turn=deep_turn), "sm_90a")
     one = compiled_ptx(grouped_gemm_variant(2048, 7168, operand="e4m3_block", epilogue="swiglu_bwd", topk=8, block_buffers=1), "sm_90a")
     assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 4 * (4 + deep_turn)
-    assert count(r"prefetch\.global\.L2", ptx) == 2 and count(r"prefetch\.global\.L2", one) == 0
-    first_wgmma, last_wait = ptx.index("wgmma.mma_async"), ptx.rindex("wgmma.wait_group")
-    assert ptx.index("prefetch.global.L2") < first_wgmma
-    assert count(r"ld\.global(\.\w+)*\.b32", ptx[last_wait:]) >= count(r"ld\.global(\.\w+)*\.b32", one[one.rindex("wgmma.wait_group"):]) + 32
+    tma_loads = r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.tile\.mbarrier"
+    assert count(tma_loads, ptx) == count(tma_loads, one) + 2 * 4
+    last_wait = ptx.rindex("wgmma.wait_group")
+    assert count(r"ldmatrix\.sync\.aligned\.m8n8\.x4", ptx[last_wait:]) == 2 * 2 * 4 and count(r"ldmatrix", one) == 0
+    assert count(r"mbarrier\.try_wait", ptx[last_wait:]) >= 1 and count(r"ld\.global", ptx[last_wait:]) == 0
     assert re.findall(r"setmaxnreg\.(?:dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == ["24", "240"]
     assert_wgmmas_not_serialized(ptx)
     assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0

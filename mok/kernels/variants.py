@@ -265,7 +265,7 @@ def weight_grad_block_sets(operand: str) -> int:
 
 def block_buffers_for(block_buffers: int | None, operand: str) -> int:
     """The FP8 GEMM's sets of block accumulators (mok/kernels/sm90/block_scaled.py): 1, or 2 with
-    operand "e4m3_block" (every epilogue; the SwiGLU backward's then loads h after the mainloop).
+    operand "e4m3_block" (every epilogue; the SwiGLU backward's then reads h from shared memory).
     None: 2 where allowed (a stage's WGMMAs then overlap the previous stage's promotion; the same
     bits; measured 8-26% faster than one set in the forward forms), else 1."""
     allowed = operand == "e4m3_block"

@@ -470,7 +470,7 @@ def swiglu_backward_gemm(
     ``tile_n`` (FP8 block scales: 64 or 128) overrides the column tile (SWIGLU_BACKWARD_TILE_N),
     and with it partial's columns. ``cluster_m`` = 2 (FP8 block scales): row-tile pairs, as in
     :func:`grouped_gemm`. ``block_buffers``, ``deep_turn`` (FP8 block scales): as in
-    :func:`grouped_gemm` (None: two block sets, h then loaded after the mainloop; no deep turns).
+    :func:`grouped_gemm` (None: two block sets, h then TMA-loaded into shared memory; no deep turns).
 
     MXFP8 operands (SM100 only, 128-wide tiles, no ping-pong): dout_rows = (elements [R, H],
     scales in the MMA's order) and w_down = the down projection's weights TRANSPOSED, K-major for

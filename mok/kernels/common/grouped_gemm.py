@@ -136,8 +136,8 @@ class GroupedGemm:
         stream: cuda.CUstream,
     ):
         """grouped_gemm_args' arguments (mok/kernels/common/gemm_args.py), in its order: A [R, K] (with
-        ``gather_a`` x [T, K]), B and B2 (bf16 or E4M3; the scale pointers are read by the MXFP8
-        kernel only), C, tile_expert [ceil(R / 128)], the epilogue's row tensors, the biases [E, N]
+        ``gather_a`` x [T, K]), B and B2 (bf16 or E4M3; the scale pointers are read by the kernels
+        of scaled operands only), C (and its scales, read with E4M3 output only), tile_expert [ceil(R / 128)], the epilogue's row tensors, the biases [E, N]
         (``bias``), R, E, T, the CTA cap (persistent kernels), and where scattered rows go
         (``scatter``: T_max and the ranks' distance in elements)."""
         tile_m = self.tile_shape_mnk[0]
@@ -213,7 +213,7 @@ class GroupedGemm:
     def launch(self, m_a, m_bs, scales, m_c, row_args, rows, num_experts, max_ctas, scatter_to, stream, biases):
         """Host side, the arch's: from the tensors ``__call__`` built (``row_args`` = h, a_scaled,
         partial, row_token, row_slot, topk_w; ``rows`` = tile_expert, its row tiles, R; ``scales``
-        the MXFP8 scales' pointers; ``scatter_to`` = C's pointer, T_max, the rank stride;
-        ``biases`` the pointers of B's and B2's biases, read with ``bias`` only; ``scales`` then C's
-        scales' pointer, E4M3 output's) on."""
+        the scales' pointers of A, B, B2 and C (C's: E4M3 output only); ``scatter_to`` = C's pointer,
+        T_max, the rank stride; ``biases`` the pointers of B's and B2's biases, read with ``bias``
+        only) on."""
         raise NotImplementedError

@@ -27,8 +27,8 @@ edge: else ptxas serializes every WGMMA; ``pin_registers`` keeps each promotion 
 waits.) The extra accumulators (64 registers a thread at 128-wide tiles, or the stacked SwiGLU
 WGMMA's second n = 2·tile_n block) need the producer warpgroup's registers: the hand-over
 (setmaxnreg 40 / 232; the SwiGLU backward 128 wide 24 / 240) is on for it. Every epilogue (the
-SwiGLU backward's then loads the saved h after the mainloop, prefetched into L2 before it: its 64
-registers a thread beside the two sets would spill). With ``deep_turn`` = d as well, the loop
+SwiGLU backward's then reads the saved h from shared memory, TMA-loaded during the mainloop: its
+64 registers a thread beside the two sets would spill; GroupedGemmSm90.h_in_smem). With ``deep_turn`` = d as well, the loop
 runs turns of d stages in which a warpgroup issues each stage's WGMMAs before it waits for the
 previous stage's (``wait_group 1``), so two stages are in flight and the tensor cores always have
 the next stage queued while the last is promoted; every group is retired at the turn's end (the

@@ -74,6 +74,7 @@ SCATTER_COLS = 32  # columns of an epilogue subtile (128 x 32 for a 128-row tile
 SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered rows
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
 OUT_FORMATS = ("bf16", "e4m3_block")  # C's format: bf16, or (the SwiGLU forward on FP8) E4M3 with 1 x 128 block scales
+H_IN_SMEM_EPI_STAGES = 3  # FP8 swiglu_bwd with h in shared memory: epilogue buffers (12 stores a 128-wide tile)
 
 
 class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
@@ -132,6 +133,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if persistent:  # a producer warpgroup (one warp issues TMA) in front of the two MMA warpgroups
             self.threads, self.store_warp = self.consumer_threads + 128, 4
         tile_m = self.tile_shape_mnk[0]
+        if self.h_in_smem:  # beside h's 64 KB and four stages only three buffers leave room for the storage's alignment
+            self.epi_stage = H_IN_SMEM_EPI_STAGES
         stores_per_tile = (tile_n // 32) * ({"swiglu_save": 3, "swiglu_bwd": 3}.get(epilogue, 1) - (1 if self.quantizes_out else 0))
         if stores_per_tile % self.epi_stage and not pingpong:  # each tile starts again at buffer 0 (see epilogue): 64-wide tiles take 2
             self.epi_stage = math.gcd(stores_per_tile, self.epi_stage)
@@ -141,7 +144,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         stage_bytes = (tile_m * tile_k + self.num_b * tile_n * tile_k) * element_bytes + (tile_m * 4 if self.block_scaled else 0)
         self.epi_bytes = self.epi_stage * tile_m * 32 * 2 * (2 if pingpong else 1)
         self.pair_bytes = tile_m * SCALE_BLOCK if self.quantizes_out else 0  # (the E4M3 block tile's buffer: store_activation_e4m3)
-        self.ab_stage = pick_stages(stage_bytes, self.epi_bytes + self.pair_bytes, stages, dedicated_epi=persistent)
+        h_bytes = 2 * tile_m * tile_n * 2 if self.h_in_smem else 0  # (the saved h's gate and up halves of a tile, bf16)
+        self.ab_stage = pick_stages(stage_bytes, self.epi_bytes + self.pair_bytes + h_bytes, stages, dedicated_epi=persistent)
 
     def check_out_format(self, out_format: str, power_of_two: bool, epilogue: str, tile_n: int) -> None:
         """``out_format`` "e4m3_block": the SwiGLU forward's activation leaves in E4M3 with 1 x 128
@@ -188,6 +192,11 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             tma_c, t_c = self.store_atom(m_c, epi_smem)
         tma_h, t_h = self.store_atom(m_h, epi_smem)  # used by swiglu_save only
         tma_as, t_as = self.store_atom(m_as, epi_smem)  # used by swiglu_bwd only
+        h_smem = None
+        h_load = ()
+        if cutlass.const_expr(self.h_in_smem):  # the tile's h, subtile by subtile as the epilogue reads it: gate's, then up's
+            h_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 2 * (tile_n // self.epi_tile[1]))
+            h_load = self.load_atom(m_h, h_smem, self.epi_tile)
         if cutlass.const_expr(self.pingpong):
             epi_smem = self.pingpong_epi_smem()
 
@@ -206,6 +215,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             s_c: cute.struct.Align[cute.struct.MemRange[self.c_dtype, c_elems], self.buffer_align_bytes]
             s_sa: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.a_scale_smem()) if self.block_scaled else 1], 128]
             s_q: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, self.pair_bytes or 8], self.buffer_align_bytes if self.quantizes_out else 8]
+            if self.h_in_smem:
+                h_mbar: cute.struct.MemRange[cutlass.Int64, 1]
+                s_h: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(h_smem)], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
         load_args = (tma_a, t_a, tma_b, t_b, tma_b2, t_b2)
@@ -219,12 +231,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             else:
                 load_args += tuple(self.a_scale_load_atom(m_sa))
             b_scales = (self.b_scale_tensor(b_scale_ptr, num_experts), self.b_scale_tensor(b2_scale_ptr, num_experts))
-        store_args = (tma_c, t_c, tma_h, t_h, tma_as, t_as)
-        if cutlass.const_expr(self.quantizes_out):  # C's row scales [ceil(N / 128), R]
+        store_args = (tma_c, t_c, tma_h, t_h, tma_as, t_as, *h_load)  # (h_in_smem: h's load atom and tensor last)
+        if cutlass.const_expr(self.quantizes_out):  # C's row scales [ceil(N / 128), R] and the block tile's layout last
             c_blocks = -(-self.n // SCALE_BLOCK)
             store_args += (cute.make_tensor(scales[3], cute.make_layout((num_rows, c_blocks), stride=(1, num_rows))), pair_smem)
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
-        mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem, self.tiled_mma_pair if self.stacked_b else None, b_pair_smem)
+        mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem, self.tiled_mma_pair if self.stacked_b else None, b_pair_smem, h_smem)
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             m_x = self.scatter_target(scatter_to)
         bias_tensors = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases)
@@ -294,7 +306,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         """
         tma_a, _, tma_b, _, tma_b2, _ = load_args[:6]
         _, _, m_row_token, m_row_slot, _ = row_args
-        tiled_mma, a_smem, b_smem, epi_smem, tiled_mma_pair, b_pair_smem = mma_args
+        tiled_mma, a_smem, b_smem, epi_smem, tiled_mma_pair, b_pair_smem, h_smem = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         col_tiles = self.col_tiles
@@ -312,6 +324,13 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         epi_pipe = None
         if cutlass.const_expr(self.scatter):
             epi_pipe = self.scatter_pipeline(storage)
+        h_tile = None  # h_in_smem: (its buffers, the barrier its loads complete on)
+        if cutlass.const_expr(self.h_in_smem):
+            h_tile = (storage.s_h.get_tensor(h_smem.outer, swizzle=h_smem.inner), storage.h_mbar.data_ptr())
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(h_tile[1], 1)
+            cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)  # (a cluster: its CTAs' barriers initialised before any load)
         s_a, s_b, s_c = self.shared_buffers(storage, a_smem, b_smem, epi_smem, dedicated_epi=True)
         s_b2 = self.second_b(storage, b_smem, s_b)
@@ -377,6 +396,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             store_pipe = self.store_pipeline()
             epi_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.epi_stage)  # (scatter only)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
+            h_phase = cutlass.Int32(0)  # (h_in_smem: the parity of h_tile's barrier the next tile's loads complete)
             linear = first
             while linear < all_tiles:
                 tile_row, tile_col, expert, b_expert, _ = self.cta_tile(linear, num_row_tiles, col_tiles, m_tiles)
@@ -385,8 +405,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                     if cutlass.const_expr(self.two_accumulators):
                         acc2.fill(0.0)
                     rows_in = None
-                    if cutlass.const_expr(self.row_inputs_after_mainloop):
-                        self.prefetch_row_inputs(mma_tidx, tile_row, tile_col, row_args, num_rows)
+                    if cutlass.const_expr(self.h_in_smem):
+                        self.load_h_tile(warp_idx, store_args[6:], h_tile, tile_row, tile_col)
+                        rows_in = (h_tile[0], *self.router_scales(mma_tidx, tiled_mma, tile_row, row_args, num_rows))
                     else:
                         rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
                     if cutlass.const_expr(self.block_scaled):
@@ -396,8 +417,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                         )
                     else:
                         cons, release = self.consume_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
-                    if cutlass.const_expr(self.row_inputs_after_mainloop):
-                        rows_in = self.load_row_inputs(mma_tidx, tiled_mma, tile_row, tile_col, row_args, num_rows)
+                    if cutlass.const_expr(self.h_in_smem):
+                        cute.arch.mbarrier_wait(h_tile[1], h_phase)
+                        h_phase = h_phase ^ 1
                     tile = (tile_row, tile_col, expert, rows_in)
                     if cutlass.const_expr(self.cluster_m == PAIR):
                         if expert >= 0:  # (else only the other row tile of the pair has rows: these stages were shared, nothing is stored)
@@ -778,7 +800,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         """
         rows_in = None
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
-            m_h, _, m_row_token, m_row_slot, m_topk_w = row_args
+            m_h = row_args[0]
             tile_m, tile_n, _ = self.tile_shape_mnk
             thr = tiled_mma.get_slice(tidx)  # per thread (see the epilogue's coordinates)
             crd = thr.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
@@ -800,34 +822,46 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                         if crd[i][1] < cols_left:
                             r_gate[i] = t_gate[i]
                             r_up[i] = t_up[i]
-            row_lo = first_row + crd[0][0]
-            s_lo = self.row_scale(row_lo, num_rows, m_row_token, m_row_slot, m_topk_w)
-            s_hi = self.row_scale(row_lo + 8, num_rows, m_row_token, m_row_slot, m_topk_w)
-            rows_in = (r_gate, r_up, s_lo, s_hi)
+            rows_in = (r_gate, r_up, *self.router_scales(tidx, tiled_mma, tile_row, row_args, num_rows))
         return rows_in
 
     @property
-    def row_inputs_after_mainloop(self) -> bool:
-        """swiglu_bwd on FP8 with two block sets: h is loaded after the mainloop (prefetched into
-        L2 before it), because its 64 registers a thread beside the two sets and the running sums
-        would spill; the other forms load it before (:meth:`load_row_inputs`)."""
+    def h_in_smem(self) -> bool:
+        """swiglu_bwd on FP8 with two block sets: the tile's saved h comes into shared memory by TMA
+        while its mainloop runs and the epilogue reads it with ldmatrix, a subtile at a time (its 64
+        registers a thread beside the two sets and the running sums would spill, and loaded from
+        global memory after the mainloop, 32-bit loads by every thread, it held the tensor cores up
+        longer than any other part of the epilogue); the other forms load it into registers before
+        the mainloop (:meth:`load_row_inputs`)."""
         return self.block_scaled and self.block_buffers == 2 and self.epilogue_kind == "swiglu_bwd"
 
     @cute.jit
-    def prefetch_row_inputs(self, tidx, tile_row, tile_col, row_args, num_rows):
-        """swiglu_bwd, before a tile's mainloop: the tile's saved h (its gate and up halves, one
-        row's tile_n bf16 each) brought into L2, so that :meth:`load_row_inputs` after the mainloop
-        waits on L2, not DRAM. Each of the 256 MMA threads takes one row's half: its 128-byte lines."""
-        m_h = row_args[0]
-        tile_m, tile_n, _ = self.tile_shape_mnk
-        row = tile_row * tile_m + tidx // 2
-        half = tidx % 2
-        cols_left = self.n - tile_col * tile_n
-        if row < num_rows:
-            line = 128 // 2  # bf16 values a 128-byte line
-            for c in cutlass.range_constexpr(tile_n // line):
-                if c * line < cols_left:
-                    cute.arch.prefetch((m_h[row, None, half].iterator + (tile_col * tile_n + c * line)).llvm_ptr, cache_level="L2")
+    def load_h_tile(self, warp_idx, h_load, h_tile, tile_row, tile_col):
+        """h_in_smem, MMA warps before a tile's mainloop: one thread TMA-loads the tile's h (gate's
+        subtiles into buffers 0.., up's after them) and arms ``h_tile``'s barrier with their bytes.
+        The buffers are free: every MMA thread read the last tile's before its last store barrier.
+        Rows past the last and columns past N come in as zeros (TMA's fill), as load_row_inputs
+        gives them."""
+        tma, m_h = h_load
+        s_h, bar = h_tile
+        if warp_idx == self.store_warp:
+            subtiles = self.tile_shape_mnk[1] // self.epi_tile[1]
+            cute.arch.fence_proxy("async.shared", space="cta")  # (the buffers' generic reads before the async proxy's writes)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * cute.size_in_bytes(self.c_dtype, cute.slice_(s_h, (None, None, 0))) * subtiles)
+            for half in cutlass.range_constexpr(2):  # (the whole warp: a TMA copy elects its issuing thread itself)
+                g_epi, _, order = self.epi_order(self.half_tile(m_h, half, tile_row, tile_col))
+                b_sd, b_gd = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_h, 0, 2), g_epi)
+                for epi in cutlass.range_constexpr(subtiles):
+                    cute.copy(tma, b_gd[(None, order.get_hier_coord(epi))], b_sd[(None, half * subtiles + epi)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def router_scales(self, tidx, tiled_mma, tile_row, row_args, num_rows):
+        """swiglu_bwd: the router weights of this thread's two rows of the tile (0 past the last row)."""
+        _, _, m_row_token, m_row_slot, m_topk_w = row_args
+        row_lo = tile_row * self.tile_shape_mnk[0] + tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor(self.tile_shape_mnk[:2]))[0][0]
+        return (self.row_scale(row_lo, num_rows, m_row_token, m_row_slot, m_topk_w),
+                self.row_scale(row_lo + 8, num_rows, m_row_token, m_row_slot, m_topk_w))
 
     @cute.jit
     def epilogue(
@@ -871,12 +905,17 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         t_gate = t_up = None
         s_lo = cutlass.Float32(0.0)
         s_hi = cutlass.Float32(0.0)
+        h_views = None  # h_in_smem: (the ldmatrix copy, this thread's h buffers, its registers for a subtile's h_gate and h_up)
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r_row[i] = crd[i][0]
-            r_gate, r_up, s_lo, s_hi = rows_in
-            t_gate = tiled_r2s.retile(r_gate)
-            t_up = tiled_r2s.retile(r_up)
+            if cutlass.const_expr(self.h_in_smem):
+                s_h, s_lo, s_hi = rows_in
+                h_views = self.h_smem_views(tidx, tiled_mma, s_h, rd_layout)
+            else:
+                r_gate, r_up, s_lo, s_hi = rows_in
+                t_gate = tiled_r2s.retile(r_gate)
+                t_up = tiled_r2s.retile(r_up)
         t_row = tiled_r2s.retile(r_row)
         row_lo = crd[0][0]
         first_row = tile_row * tile_m
@@ -893,10 +932,18 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                 if cutlass.const_expr(self.two_accumulators):
                     r_u[v] = t_acc2[epi * per_epi + v]
             if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd"):
+                if cutlass.const_expr(self.h_in_smem):
+                    tiled_s2r, t_sh, r_hg, r_hu = h_views
+                    cute.copy(tiled_s2r, t_sh[(None, None, None, epi)], tiled_s2r.get_slice(tidx).retile(r_hg))
+                    cute.copy(tiled_s2r, t_sh[(None, None, None, epi_count + epi)], tiled_s2r.get_slice(tidx).retile(r_hu))
                 for v in cutlass.range_constexpr(per_epi):
                     row_in_tile = t_row[epi * per_epi + v]
-                    h_g = t_gate[epi * per_epi + v].to(cutlass.Float32)
-                    h_u = t_up[epi * per_epi + v].to(cutlass.Float32)
+                    if cutlass.const_expr(self.h_in_smem):
+                        h_g = r_hg[v].to(cutlass.Float32)
+                        h_u = r_hu[v].to(cutlass.Float32)
+                    else:
+                        h_g = t_gate[epi * per_epi + v].to(cutlass.Float32)
+                        h_u = t_up[epi * per_epi + v].to(cutlass.Float32)
                     d_a = r_d[v]  # dA_u: dout·W_down for this row's token, not yet scaled
                     r_d[v], r_u[v], r_x[v], sum_lo, sum_hi = self.swiglu_backward_value(
                         d_a, h_g, h_u, row_in_tile == row_lo, (s_lo, s_hi), (sum_lo, sum_hi)
@@ -1015,6 +1062,16 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             row, col = crd[2 * p]
             byte = half * tile_n + col  # (even: a pair's two E4M3 bytes are one 16-bit store)
             s_pairs[(row * SCALE_BLOCK + ((byte // 16) ^ (row % 8)) * 16 + byte % 16) // 2] = pairs[p]
+
+    def h_smem_views(self, tidx, tiled_mma, s_h, rd_layout):
+        """h_in_smem: the ldmatrix copy that reads a subtile of h from its buffer in the layout the
+        epilogue's stmatrix writes (so value v of a subtile is the accumulator's value v), this
+        thread's view of the buffers, and registers for one subtile's h_gate and h_up."""
+        ldmatrix = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        tiled_s2r = cute.make_tiled_copy_S(ldmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        t_sh = tiled_s2r.get_slice(tidx).partition_S(s_h)
+        return tiled_s2r, t_sh, cute.make_rmem_tensor(rd_layout, self.c_dtype), cute.make_rmem_tensor(rd_layout, self.c_dtype)
 
     def half_tile(self, m_x, half, tile_row, tile_col):
         """Output tile (tile_row, tile_col) of half ``half`` of a (R, N, halves) tensor (C, h: common/gemm_args.halves)."""

@@ -299,7 +299,12 @@ class WgmmaTileKernel:
         """Host side: the persistent kernel (``kernel_persistent``) on min(all_tiles, max_ctas)
         CTAs (at least one), or one CTA per output tile (``kernel``), with ``args``. With
         ``cluster_m`` = 2 ``all_tiles`` counts the clusters' tiles: clusters of two CTAs, one per
-        SM, min(all_tiles, max_ctas / 2) of them."""
+        SM, min(all_tiles, max_ctas / 2) of them. The shared storage (``shared_storage``, its
+        alignment padding included) must fit an SM's 227 KB: checked here, at compile time."""
+        used = self.shared_storage.size_in_bytes()
+        if used > SMEM_BYTES:
+            raise ValueError(f"shared memory: this kernel's storage takes {used} bytes, more than the {SMEM_BYTES} an SM has "
+                             f"({self.ab_stage} stages, {self.epi_stage} epilogue buffers)")
         if self.persistent:
             if cutlass.const_expr(cluster_m > 1):
                 clusters = cutlass.max(cutlass.min(all_tiles, max_ctas // cluster_m), 1)
