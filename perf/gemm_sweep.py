@@ -14,6 +14,8 @@
     python perf/gemm_sweep.py --fp8-dense         # the FP8 grouped GEMMs against dense torch._scaled_mm (cuBLAS) of the same FLOPs
     python perf/gemm_sweep.py --fp8-schedules     # the FP8 GEMMs' schedules: one or two block sets, deep turns (bits and ms)
     python perf/gemm_sweep.py --fp8-row-quantizers  # the FP8 rows' quantizer: gathering, gathering with the bf16 copy, rows
+    python perf/gemm_sweep.py --fp8-activation-out  # the FP8 gate/up GEMM's activation: bf16 then quantized, or FP8 from its
+                                                    # epilogue (bits compared; with --ncu: untimed, for Nsight Compute)
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu     # dsv3's dW_gate + dW_up on FP8, then on bf16, twice each, untimed (for ncu)
@@ -397,6 +399,32 @@ def fp8_row_quantizers() -> None:
         print(f"{name:<11}" + "  ".join(f"{kname} {time_ms(fn, batch=10, repeats=5):.3f}" for kname, fn in runs.items()))
 
 
+def fp8_activation_out() -> None:
+    """The FP8 gate/up GEMM with h at dsv3's and qwen3-235b's rows (whole tiles), its activation out
+    in bf16 then quantized (ops.quantize_fp8_rows) against out in FP8 from its epilogue
+    (out_format="fp8_block"): the two forms' bits compared, then interleaved ms; with ``--ncu`` the
+    two forms twice each at dsv3, untimed (for Nsight Compute)."""
+    import sys
+
+    print(f"# {torch.cuda.get_device_name()}: the FP8 gate/up GEMM's activation, bf16 + quantizer against FP8 out, ms")
+    shapes = {"dsv3": (32, 1024, 2048, 7168), "qwen3-235b": (128, 256, 1536, 4096)}
+    for name, (E, per, N, K) in shapes.items():
+        (R, _, _, _, tiles, _), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, N, K, True)
+        h = torch.empty(R, 2 * N, device="cuda", dtype=torch.bfloat16)
+        used = torch.tensor([R], device="cuda", dtype=torch.int32)
+        runs = {"bf16 + quantizer": lambda: ops.quantize_fp8_rows(ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h), rows_used=used),
+                "fp8 out": lambda: ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h, out_format="fp8_block")}
+        (q0, s0), (q1, s1) = (run() for run in runs.values())
+        same = torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+        if "--ncu" in sys.argv:
+            for run in runs.values():
+                run(), run()
+            torch.cuda.synchronize()
+            return
+        ms = time_ms_interleaved(runs, batch=10, repeats=5)
+        print(f"{name:<11}bits equal {same}  " + "  ".join(f"{k} {t:.3f}" for k, t in ms.items()))
+
+
 def fp8_weight_grads_for_ncu() -> None:
     """dsv3's dW_gate + dW_up on FP8 transposes, then on bf16 rows, each called twice (the first
     compiles), for Nsight Compute (-k regex:weight_grad --launch-skip 1 --launch-count 3): nothing timed."""
@@ -614,7 +642,7 @@ SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are
     "--fp8-dense": fp8_dense, "--fp8-forward-levers": fp8_forward_levers, "--fp8-row-tile-pairs": fp8_row_tile_pairs,
     "--row-tile-pairs": row_tile_pairs, "--fp8-schedules": fp8_schedules, "--fp8-row-quantizers": fp8_row_quantizers,
     "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-rows": fp8_weight_grad_rows,
-    "--fp8-weight-grads": fp8_weight_grads,
+    "--fp8-weight-grads": fp8_weight_grads, "--fp8-activation-out": fp8_activation_out,
 }
 LATER_MODES = {"--counted-wgrad": counted_weight_grads, "--weight-grads": weight_grads, "--scattered-fc2": scattered_fc2}
 
