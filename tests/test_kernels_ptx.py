@@ -553,10 +553,35 @@ def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(options):
                 compiled_ptx(grouped_gemm_variant(2048, 7168, cluster_m=2, **other), "sm_90a")
 
 
+def nested_elections(ptx: str) -> int:
+    """``elect.sync`` instructions in the one-thread branch of another (``cute.arch.elect_one``'s
+    lowering: an election whose negated predicate jumps past the region), up to the end of that
+    branch's first basic block (where a nested election lands first): there the inner one runs
+    on one lane of a full mask, which PTX leaves undefined (a CuTe TMA copy elects its own thread:
+    docs/notes/kernel-pitfalls.md)."""
+    lines = ptx.splitlines()
+    nested = 0
+    for i, line in enumerate(lines):
+        election = re.search(r"elect\.sync\s+%r\d+\|(%p\d+),\s*-1;", line)
+        if not election:
+            continue
+        skip = re.search(rf"not\.pred\s+(%p\d+),\s*{re.escape(election.group(1))};", "\n".join(lines[i + 1:i + 3]))
+        branch = skip and re.search(rf"@{re.escape(skip.group(1))}\s+bra(?:\.uni)?\s+(\$L__\w+);", "\n".join(lines[i + 1:i + 4]))
+        if not branch:
+            continue
+        for later in lines[i + 1:]:  # (to the end of the basic block: a label, or a branch taken always)
+            if re.match(r"\$L__\w+:", later) or re.match(r"\s*bra(\.uni)?\s", later):
+                break
+            nested += "elect.sync" in later
+    return nested
+
+
 def test_no_wgmma_kernel_of_the_layer_is_serialized_by_ptxas():
     """Every WGMMA kernel a Hopper layer launches (DeepSeek-V3's precompile default, bf16 at EP 8;
     one GPU in one launch; fp8_block with its FP8 weight gradients and main_grad) assembles without
-    ptxas serializing its WGMMAs (docs/notes/kernel-pitfalls.md: nothing reports it but ptxas -v)."""
+    ptxas serializing its WGMMAs (docs/notes/kernel-pitfalls.md: nothing reports it but ptxas -v),
+    and none runs an election inside another's one-thread branch (:func:`nested_elections`: the
+    FP8 SwiGLU backward's first h load had one, and hung at the layer's shapes)."""
     from mok.config import DEFAULT_CONFIG, MoKConfig
     from mok.plan import Plan
 
@@ -565,7 +590,9 @@ def test_no_wgmma_kernel_of_the_layer_is_serialized_by_ptxas():
     kernels = {v.describe(): v for c in configs for v in Plan(c, "sm_90a").variants() if v.name in ("grouped_gemm", "weight_grad", "expert_mlp")}
     assert len(kernels) > 20
     for variant in kernels.values():
-        assert_wgmmas_not_serialized(compiled_ptx(variant, "sm_90a"))
+        ptx = compiled_ptx(variant, "sm_90a")
+        assert_wgmmas_not_serialized(ptx)
+        assert nested_elections(ptx) == 0, variant.describe()
 
 
 @pytest.mark.parametrize("m,n,options", [(7168, 2048, {}), (4096, 7168, dict(split_out=True)),
