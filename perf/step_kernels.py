@@ -23,23 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mok  # noqa: E402
 from bench_layer import CONFIGS, config_of, make_inputs, mok_plan_train_step  # noqa: E402
-from mok.bench.baseline import device_events, profiled  # noqa: E402
+from mok.bench import kernel_sequence  # noqa: E402
 
 
 def bits_hash(grads) -> str:
     """The first 12 hex digits of the SHA-1 of every gradient tensor's bytes, in order."""
     tensors = [t for v in grads for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
     return hashlib.sha1(b"".join(t.contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in tensors)).hexdigest()[:12]
-
-
-def step_kernels(step, calls: int) -> list[tuple[str, float]]:
-    """(kernel name, mean device ms) of each launch of one ``step()`` in order, over ``calls`` calls
-    (memcpy and memset left out)."""
-    events = sorted((e for e in device_events(profiled(step, calls)) if "Memcpy" not in e.name and "Memset" not in e.name),
-                    key=lambda e: e.time_range.start)
-    per_call = len(events) // calls
-    return [(events[i].name, sum(events[c * per_call + i].time_range.end - events[c * per_call + i].time_range.start
-                                 for c in range(calls)) / calls / 1e3) for i in range(per_call)]
 
 
 def main() -> int:
@@ -60,7 +50,7 @@ def main() -> int:
         for _ in range(3):
             grads = step()
         digest = bits_hash(grads)
-        kernels = step_kernels(step, args.calls)
+        kernels = [(k, ms) for k, ms in kernel_sequence(step, args.calls) if "Memcpy" not in k and "Memset" not in k]
         print(f"{name}: {len(kernels)} launches, kernels {sum(ms for _, ms in kernels):.3f} ms a step, bits {digest}")
         for i, (kernel, ms) in enumerate(kernels):
             print(f"  {i:>2} {ms:8.3f}  {kernel.replace('kernel_cutlass_kernel_', '').replace('mokkernels', '')[:70]}")

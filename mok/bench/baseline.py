@@ -107,11 +107,14 @@ def kernel_times(fn, top: int = 6) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
-def kernel_sequence(fn) -> list[tuple[str, float]]:
+def kernel_sequence(fn, calls: int = 1) -> list[tuple[str, float]]:
     """(kernel, device ms) of every launch of one call of fn, in launch order (variants of one
-    kernel class share a name: the order tells them apart)."""
-    kernels = sorted(device_events(profiled(fn)), key=lambda e: e.time_range.start)
-    return [(e.name, (e.time_range.end - e.time_range.start) / 1e3) for e in kernels]
+    kernel class share a name: the order tells them apart); each launch's mean over ``calls``
+    back-to-back calls, which launch the same sequence."""
+    kernels = sorted(device_events(profiled(fn, calls)), key=lambda e: e.time_range.start)
+    per_call = len(kernels) // calls
+    return [(kernels[i].name, sum(kernels[c * per_call + i].time_range.end - kernels[c * per_call + i].time_range.start
+                                  for c in range(calls)) / calls / 1e3) for i in range(per_call)]
 
 
 def device_span(fn, calls: int = 5) -> tuple[float, float]:
