@@ -1068,8 +1068,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         epilogue's stmatrix writes (so value v of a subtile is the accumulator's value v), this
         thread's view of the buffers, and registers for one subtile's h_gate and h_up."""
         ldmatrix = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
-        tiled_s2r = cute.make_tiled_copy_S(ldmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        tiled_s2r = cute.make_tiled_copy_S(ldmatrix, self.epilogue_threads(tiled_mma))
         t_sh = tiled_s2r.get_slice(tidx).partition_S(s_h)
         return tiled_s2r, t_sh, cute.make_rmem_tensor(rd_layout, self.c_dtype), cute.make_rmem_tensor(rd_layout, self.c_dtype)
 

@@ -416,11 +416,17 @@ class WgmmaTileKernel:
             release.advance()
         return release
 
+    def epilogue_threads(self, tiled_mma):
+        """Which thread moves which accumulator values between registers and an epilogue buffer:
+        stmatrix's tiling over the MMA's accumulator (the stores', and the loads' that read a
+        buffer back in the same layout)."""
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        return cute.make_tiled_copy_C_atom(stmatrix, tiled_mma)
+
     def r2s_copy(self, tiled_mma, tidx):
         """Registers -> epilogue smem copy (stmatrix layout for 16-bit outputs) and its thread slice."""
         r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
-        tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        tiled_r2s = cute.make_tiled_copy_S(r2s_atom, self.epilogue_threads(tiled_mma))
         return tiled_r2s, tiled_r2s.get_slice(tidx)
 
     def epilogue_views(self, tiled_mma, tidx, s_c, acc):
