@@ -23,6 +23,13 @@ CHUNKS = 8  # 16-byte chunks of a row's 128 bytes in one K tile
 ROWS_PER_PASS = GATHER_THREADS // CHUNKS  # rows the threads copy at once
 
 
+def swizzled_128b(row, chunk, chunk_elems: int, row_elems: int):
+    """Where 16-byte chunk ``chunk`` of row ``row`` lies in a stage of 128-byte rows with the
+    128-byte swizzle (Swizzle<3,4,3>: byte r·128 + (c ^ r % 8)·16), in elements of
+    ``chunk_elems`` a chunk and ``row_elems`` a row (every writer of such a stage by hand)."""
+    return row * row_elems + (chunk ^ (row % 8)) * chunk_elems
+
+
 @cute.jit
 def gathered_rows(m_x: cute.Tensor, m_row_token: cute.Tensor, tile_row, num_rows, tidx, tile_m: cutlass.Constexpr,
                   k: cutlass.Constexpr, per_chunk: cutlass.Constexpr):
@@ -58,7 +65,7 @@ def gather_stage(a_base, stage, addresses, rows_read, k_tile, dtype: cutlass.Con
     per_chunk = 16 // element_bytes  # elements in a 16-byte chunk
     chunk = tidx % CHUNKS
     row0 = tidx // CHUNKS
-    dst0 = row0 * tile_k + ((chunk ^ (row0 % 8)) * per_chunk)  # the same swizzle for rows row0 + 16·i
+    dst0 = swizzled_128b(row0, chunk, per_chunk, tile_k)  # the same swizzle for rows row0 + 16·i
     column_bytes = cutlass.Int64(k_tile * tile_k * element_bytes)
     dst = a_base + (stage * (tile_m * tile_k) + dst0)
     chunk_bytes = cutlass.Int32(16)

@@ -60,7 +60,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common.combine import VECTOR
 from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
-from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows
+from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows, swizzled_128b
 from ..common.fp8_block_quantize import block_scale_and_factor
 from ..common.gated_activation import glu_value
 from ..common.grouped_gemm import GroupedGemm
@@ -1047,7 +1047,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
     def stage_e4m3(self, values, factors, crd, half, s_pair):
         """One 64-wide half (``half`` of the block) of a thread's a values (bf16, the accumulator's
         order) times its rows' ``factors``, as E4M3 pairs into the pair buffer at their place in
-        an E4M3 stage's 128-byte swizzle (chunk c of row r at byte r·128 + (c ^ r % 8)·16)."""
+        an E4M3 stage's 128-byte swizzle (row_gather.swizzled_128b)."""
         tile_n = self.tile_shape_mnk[1]
         count = cute.size(values)
         flat = cute.make_tensor(values.iterator, cute.make_layout(count))
@@ -1061,7 +1061,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         for p in cutlass.range_constexpr(count // 2):
             row, col = crd[2 * p]
             byte = half * tile_n + col  # (even: a pair's two E4M3 bytes are one 16-bit store)
-            s_pairs[(row * SCALE_BLOCK + ((byte // 16) ^ (row % 8)) * 16 + byte % 16) // 2] = pairs[p]
+            s_pairs[(swizzled_128b(row, byte // 16, 16, SCALE_BLOCK) + byte % 16) // 2] = pairs[p]
 
     def h_smem_views(self, tidx, tiled_mma, s_h, rd_layout):
         """h_in_smem: the ldmatrix copy that reads a subtile of h from its buffer in the layout the
