@@ -403,7 +403,7 @@ def fp8_activation_out() -> None:
     """The FP8 gate/up GEMM with h at dsv3's and qwen3-235b's rows (whole tiles), its activation out
     in bf16 then quantized (ops.quantize_fp8_rows) against out in FP8 from its epilogue
     (out_format="fp8_block"): the two forms' bits compared, then interleaved ms; with ``--ncu`` the
-    two forms twice each at dsv3, untimed (for Nsight Compute)."""
+    two forms twice each at each shape, untimed (for Nsight Compute)."""
     import sys
 
     print(f"# {torch.cuda.get_device_name()}: the FP8 gate/up GEMM's activation, bf16 + quantizer against FP8 out, ms")
@@ -420,7 +420,7 @@ def fp8_activation_out() -> None:
             for run in runs.values():
                 run(), run()
             torch.cuda.synchronize()
-            return
+            continue
         ms = time_ms_interleaved(runs, batch=10, repeats=5)
         print(f"{name:<11}bits equal {same}  " + "  ".join(f"{k} {t:.3f}" for k, t in ms.items()))
 
