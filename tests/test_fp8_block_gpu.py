@@ -14,6 +14,7 @@ import torch
 
 from mok import fp8_block as fp8
 from mok import ops, pipeline
+from mok.ops import gemm as gemm_ops
 
 from helpers import gpu_layer, poisoned, rel_err
 
@@ -145,17 +146,20 @@ def test_swiglu_with_h_and_biases_and_the_k_split_form():
     assert rel_err(got[used], want[used]) < 5e-3
 
 
-@pytest.mark.parametrize("N,K,power_of_two,save_h,biased,activation", [
-    (512, 1024, False, True, False, "swiglu"),  # whole blocks: four pairs of column tiles
-    (2880, 640, True, True, True, "swiglu"),  # 45 column tiles: the last block alone (64 wide); biases
-    (1008, 384, False, False, False, "geglu"),  # a partial last tile (48 wide) in a partial block; no h
+@pytest.mark.parametrize("N,K,power_of_two,save_h,biased,activation,ctas", [
+    (512, 1024, False, True, False, "swiglu", None),  # whole blocks: four pairs of column tiles
+    (2880, 640, True, True, True, "swiglu", None),  # 45 column tiles: the last block alone (64 wide); biases
+    (1008, 384, False, False, False, "geglu", None),  # a partial last tile (48 wide) in a partial block; no h
+    (512, 1024, False, True, False, "swiglu", 3),  # ~11 pairs a CTA: the buffer and the stores from unit to unit
+    (2880, 640, False, True, False, "swiglu", 5),  # ~37 units a CTA, blocks alone among them
 ])
-def test_swiglu_activation_out_in_fp8_is_the_rule_on_its_bf16_values(N, K, power_of_two, save_h, biased, activation):
+def test_swiglu_activation_out_in_fp8_is_the_rule_on_its_bf16_values(N, K, power_of_two, save_h, biased, activation, ctas, monkeypatch):
     """out_format="fp8_block": the SwiGLU GEMM returns its activation as E4M3 with 1 x 128 row
     block scales, bit for bit mok.fp8_block's rule (the float64-checked torch reference) on the
     bf16 activation the bf16-output kernel writes, on every used row (a partial last row tile
     too); h the same bits; the elements times their scales within E4M3's rounding of float64's
-    activation of the same operands."""
+    activation of the same operands. With ``ctas`` the FP8-output kernel runs on that many CTAs
+    (each walking many pairs of tiles), the bf16 one on every SM."""
     R, E = 1000, 4
     a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=N + K, two=True)
     used = experts >= 0
@@ -164,6 +168,8 @@ def test_swiglu_activation_out_in_fp8_is_the_rule_on_its_bf16_values(N, K, power
         biases = dict(bias=(torch.randn(E, N, device="cuda") * 0.3).bfloat16(), bias2=(torch.randn(E, N, device="cuda") * 0.3).bfloat16())
     h_bf16, h = (poisoned(R, 2 * N), poisoned(R, 2 * N)) if save_h else (None, None)
     act = ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h_bf16, activation=activation, **biases)
+    if ctas is not None:
+        monkeypatch.setattr(gemm_ops, "sm_count", lambda device: ctas)
     q, scales = ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h, activation=activation, out_format="fp8_block",
                                  power_of_two=power_of_two, **biases)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (R, N) and scales.shape == (-(-N // 128), R)
