@@ -62,7 +62,6 @@ from ..common.compile import compile_kernel
 from ..common.records import grouped_gemm_args
 from ..common.row_gather import copy_async_4b, gather_stage, gathered_rows, swizzled_128b
 from ..common.fp8_block_quantize import block_scale_and_factor
-from ..common.gated_activation import glu_value
 from ..common.grouped_gemm import GroupedGemm
 from ..common.tile_order import PAIR, row_tile_pair
 from ..variants import block_buffers_for, check_deep_turn
@@ -135,7 +134,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         tile_m = self.tile_shape_mnk[0]
         if self.h_in_smem:  # beside h's 64 KB and four stages only three buffers leave room for the storage's alignment
             self.epi_stage = H_IN_SMEM_EPI_STAGES
-        stores_per_tile = (tile_n // 32) * ({"swiglu_save": 3, "swiglu_bwd": 3}.get(epilogue, 1) - (1 if self.quantizes_out else 0))
+        stores_per_tile = (tile_n // 32) * ((3 if epilogue in ("swiglu_save", "swiglu_bwd") else 1) - (1 if self.quantizes_out else 0))
         if stores_per_tile % self.epi_stage and not pingpong:  # each tile starts again at buffer 0 (see epilogue): 64-wide tiles take 2
             self.epi_stage = math.gcd(stores_per_tile, self.epi_stage)
         if stores_per_tile % self.epi_stage:
@@ -994,8 +993,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         crd = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         count = cute.size(acc)
         a_f32 = cute.make_rmem_tensor(cute.make_layout(count), cutlass.Float32)
-        for i in cutlass.range_constexpr(count):
-            a_f32[i] = glu_value(self.activation, acc[i], acc2[i])
+        self.swiglu_subtile(acc, acc2, a_f32)  # (the whole tile's values at once)
         a_bf16 = cute.make_rmem_tensor(cute.make_layout((PARK_VALUES, count // PARK_VALUES)), cutlass.BFloat16)
         a_bf16.store(a_f32.load().to(cutlass.BFloat16).reshape(a_bf16.shape))
         # each thread's slots: 16 bytes (8 bf16) apart by thread, so a warp's stores are conflict-free
