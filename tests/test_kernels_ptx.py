@@ -490,7 +490,8 @@ def test_fp8_swiglu_quantizes_its_activation_in_the_epilogue(n, epilogue, power_
     Per tile and thread: 32 values parked in, and read back from, shared memory as four 16-byte
     vectors; the quad's row maxima by two butterfly shuffles a row; the scale and the factor by
     IEEE division (power-of-two scales: the factor 1 / scale, one division); 32 pairs converted with
-    the saturating E4M3 cvt and staged as 16-bit stores; one TMA store of the block tile where the
+    the saturating E4M3 cvt and staged as 16-bit stores; a's bf16 rounding by the packed cvt, as in the
+    bf16 kernel (the scalar one, quarter-rate, only for the two row maxima); one TMA store of the block tile where the
     bf16 kernel stored two subtiles of a (h's four stay), and no other global store of a; the same
     WGMMAs, not serialized, nothing spilled. Refused off FP8 operands, on row-tile pairs, with
     another tile or the plain epilogue."""
@@ -503,6 +504,8 @@ def test_fp8_swiglu_quantizes_its_activation_in_the_epilogue(n, epilogue, power_
     assert count(r"st\.shared\.v4", ptx) == 4 and count(r"ld\.shared\.v4", ptx) == 4
     assert count(r"shfl\.sync\.bfly", ptx) == 4 and count(r"div\.rn\.f32", ptx) == (2 if power_of_two else 4)
     assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 32 and count(r"st\.shared\.[ub]16", ptx) == 32
+    # a rounded to bf16 in pairs as the bf16 kernel rounds it (the packed cvt); alone only the two row maxima
+    assert count(r"cvt\.rn\.bf16x2\.f32", ptx) == count(r"cvt\.rn\.bf16x2\.f32", bf16_out) and count(r"cvt\.rn\.bf16\.f32", ptx) == 2
     assert count(r"st\.global", ptx) == count(r"st\.global", bf16_out) + 2  # (the row scales: a store for each of two rows; a none)
     assert count(r"wgmma\.mma_async", ptx) == count(r"wgmma\.mma_async", bf16_out)
     assert_wgmmas_not_serialized(ptx)

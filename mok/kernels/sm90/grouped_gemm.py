@@ -65,7 +65,7 @@ from ..common.fp8_block_quantize import block_scale_and_factor
 from ..common.grouped_gemm import GroupedGemm
 from ..common.tile_order import PAIR, row_tile_pair
 from ..variants import block_buffers_for, check_deep_turn
-from .block_scaled import FP8_ROW_ELEMENTS, SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop
+from .block_scaled import FP8_ROW_ELEMENTS, SCALE_BLOCK, TILE_K_BLOCK_SCALED, BlockScaledMainloop, bf16x2_rounded
 from .wgmma_tile import TILE_K, WgmmaTileKernel, pick_stages
 
 PARK_VALUES = 8  # bf16 values of one 16-byte slot of the pair buffer (store_activation_e4m3)
@@ -921,8 +921,6 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         sum_lo = cutlass.Float32(0.0)
         sum_hi = cutlass.Float32(0.0)
 
-        if cutlass.const_expr(self.quantizes_out):  # (a leaves here in E4M3; the loop below stores h only)
-            self.store_activation_e4m3(tidx, warp_idx, tiled_mma, (acc, acc2), (tile_row, tile_col), store_args, num_rows)
         _, epi_count, _ = self.epi_order(g_c)
         stores = 0
         for epi in cutlass.range_constexpr(epi_count):
@@ -965,13 +963,15 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             else:
                 self.store_fragment(r_d.load(), tiled_r2s, t_sd, s_c, tma_c, g_c, epi, stores % self.epi_stage, warp_idx, store_pipe, rd_layout)
                 stores += 1
+        if cutlass.const_expr(self.quantizes_out):  # (a leaves in E4M3 after h's stores, which the loop above issued)
+            self.store_activation_e4m3(tidx, warp_idx, tiled_mma, (acc, acc2), (tile_row, tile_col), store_args, num_rows, stores)
 
         if cutlass.const_expr(self.epilogue_kind == "swiglu_bwd" and not self.unit_scale):
             self.store_row_sum(tidx, sum_lo, first_row + row_lo, tile_col, m_part, num_rows)
             self.store_row_sum(tidx, sum_hi, first_row + row_lo + 8, tile_col, m_part, num_rows)
 
     @cute.jit
-    def store_activation_e4m3(self, tidx, warp_idx, tiled_mma, accs, tile, store_args, num_rows):
+    def store_activation_e4m3(self, tidx, warp_idx, tiled_mma, accs, tile, store_args, num_rows, later_stores):
         """``out_format`` "e4m3_block": the tile's a = act(gate, up), rounded to bf16 as the bf16
         output is, leaves as E4M3 with a 1 x 128 block scale per row (mok.fp8_block's rule on
         those bf16 values: bit for bit what the rows' quantizer makes of the bf16 output).
@@ -984,7 +984,13 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         quad's first thread writes its two rows' scales (C's scales [ceil(N / 128), R]). The last
         column tile of an odd count is its block alone (N's partial last block: its values there
         are). Rows past R are neither stored (TMA clips) nor scaled. ``tile`` = (row tile, column
-        tile); ``store_args[6:8]`` = (C's scales, the pair buffer)."""
+        tile); ``store_args[6:8]`` = (C's scales, the pair buffer); ``later_stores``: the TMA store
+        groups this tile committed before (h's), which need not be read out before the buffer is
+        reused: only the box older than them.
+
+        a is rounded to bf16 in pairs (the packed conversion), and a half's row maxima come from its
+        fp32 values, rounded once: bf16 rounding is monotonic and odd, so the largest |bf16(a)| is
+        bf16 of the largest |a|, the same bits."""
         acc, acc2 = accs
         tile_row, tile_col = tile
         tma_q, t_q = store_args[0], store_args[1]
@@ -994,15 +1000,17 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         count = cute.size(acc)
         a_f32 = cute.make_rmem_tensor(cute.make_layout(count), cutlass.Float32)
         self.swiglu_subtile(acc, acc2, a_f32)  # (the whole tile's values at once)
-        a_bf16 = cute.make_rmem_tensor(cute.make_layout((PARK_VALUES, count // PARK_VALUES)), cutlass.BFloat16)
-        a_bf16.store(a_f32.load().to(cutlass.BFloat16).reshape(a_bf16.shape))
+        packed = cute.make_rmem_tensor(cute.make_layout(count // 2), cutlass.Uint32)
+        for p in cutlass.range_constexpr(count // 2):
+            packed[p] = bf16x2_rounded(a_f32[2 * p], a_f32[2 * p + 1])
+        a_bf16 = cute.make_tensor(cute.recast_tensor(packed, cutlass.BFloat16).iterator, cute.make_layout((PARK_VALUES, count // PARK_VALUES)))
         # each thread's slots: 16 bytes (8 bf16) apart by thread, so a warp's stores are conflict-free
         parked = cute.make_tensor(cute.recast_ptr(s_pair.iterator, dtype=cutlass.BFloat16) + tidx * PARK_VALUES,
                                   cute.make_layout((PARK_VALUES, count // PARK_VALUES), stride=(1, self.consumer_threads * PARK_VALUES)))
         second = tile_col % PAIR == 1
         if tile_col % PAIR == 0 and tile_col + 1 < self.col_tiles:  # the block's first half: parked until the second
             if warp_idx == self.store_warp:  # (the buffer's last box read out by its TMA store)
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.cp_async_bulk_wait_group(later_stores, read=True)
             self.epilogue_sync()
             cute.autovec_copy(a_bf16, parked)
         else:
@@ -1011,15 +1019,19 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             if second:
                 cute.autovec_copy(parked, earlier)
             elif warp_idx == self.store_warp:  # (a block alone: the buffer's last box read out by its TMA store)
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.cp_async_bulk_wait_group(later_stores, read=True)
             self.epilogue_sync()  # (every thread's parked values read before the buffer is overwritten)
             amax = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # rows r, r + 8 of the thread
             amax.fill(0.0)
-            for values in (earlier, a_bf16):  # (earlier: zeros for a block alone)
-                flat = cute.make_tensor(values.iterator, cute.make_layout(count))
-                for i in cutlass.range_constexpr(count):
-                    hi = (i // 2) % 2  # the accumulator's ((2 columns, 2 rows, groups), ...) order
-                    amax[hi] = cute.arch.fmax(amax[hi], cute.math.absf(flat[i].to(cutlass.Float32)))
+            for i in cutlass.range_constexpr(count):
+                hi = (i // 2) % 2  # the accumulator's ((2 columns, 2 rows, groups), ...) order
+                amax[hi] = cute.arch.fmax(amax[hi], cute.math.absf(a_f32[i]))
+            for hi in cutlass.range_constexpr(2):  # (this half's largest |bf16(a)|: see the docstring)
+                amax[hi] = amax[hi].to(cutlass.BFloat16).to(cutlass.Float32)
+            flat = cute.make_tensor(earlier.iterator, cute.make_layout(count))  # (zeros for a block alone)
+            for i in cutlass.range_constexpr(count):
+                hi = (i // 2) % 2
+                amax[hi] = cute.arch.fmax(amax[hi], cute.math.absf(flat[i].to(cutlass.Float32)))
             factors = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
             row_lo = crd[0][0]
             for hi in cutlass.range_constexpr(2):
