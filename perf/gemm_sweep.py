@@ -18,7 +18,7 @@
                                                     # epilogue (bits compared; with --ncu: untimed, for Nsight Compute)
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
-    python perf/gemm_sweep.py --fp8-wgrad-ncu     # dsv3's dW_gate + dW_up on FP8, then on bf16, twice each, untimed (for ncu)
+    python perf/gemm_sweep.py --fp8-wgrad-ncu [qwen3-235b]  # dsv3's (or qwen3-235b's) dW_gate + dW_up on FP8, then bf16, twice each, untimed (ncu)
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
@@ -426,9 +426,12 @@ def fp8_activation_out() -> None:
 
 
 def fp8_weight_grads_for_ncu() -> None:
-    """dsv3's dW_gate + dW_up on FP8 transposes, then on bf16 rows, each called twice (the first
-    compiles), for Nsight Compute (-k regex:weight_grad --launch-skip 1 --launch-count 3): nothing timed."""
-    v = fp8_weight_grad_inputs(4096, 7168, 2048, 32, 8)
+    """dsv3's dW_gate + dW_up (qwen3-235b's with ``qwen3-235b`` among the arguments) on FP8
+    transposes, then on bf16 rows, each called twice (the first compiles), for Nsight Compute
+    (-k regex:weight_grad --launch-skip 1 --launch-count 3): nothing timed."""
+    import sys
+
+    v = fp8_weight_grad_inputs(*((4096, 4096, 1536, 128, 8) if "qwen3-235b" in sys.argv else (4096, 7168, 2048, 32, 8)))
     for a, b in ((v.dh_q, v.x_q), (v.dh, v.x_rows)):
         for _ in range(2):
             ops.weight_grad(a, b, v.sched.expert_offsets, counts=v.sched.expert_counts, split_out=True)
