@@ -490,11 +490,11 @@ def test_fp8_swiglu_quantizes_its_activation_in_the_epilogue(n, epilogue, power_
     Per tile and thread: 32 values parked in, and read back from, shared memory as four 16-byte
     vectors; the quad's row maxima by two butterfly shuffles a row; the scale and the factor by
     IEEE division (power-of-two scales: the factor 1 / scale, one division); 32 pairs converted with
-    the saturating E4M3 cvt and staged as 16-bit stores; a's bf16 rounding by the packed cvt, as in the
-    bf16 kernel (the scalar one, quarter-rate, only for the two row maxima); one TMA store of the block tile where the
-    bf16 kernel stored two subtiles of a (h's four stay), and no other global store of a; the same
-    WGMMAs, not serialized, nothing spilled. Refused off FP8 operands, on row-tile pairs, with
-    another tile or the plain epilogue."""
+    the saturating E4M3 cvt and staged as 16-bit stores; a rounded to bf16 by the packed cvt, as in
+    the bf16 kernel (the scalar one, quarter-rate, only for the two row maxima); one TMA store of
+    the block tile where the bf16 kernel stored two subtiles of a (h's four stay), and no other
+    global store of a; the same WGMMAs, not serialized, nothing spilled. Refused off FP8 operands,
+    on row-tile pairs, with another tile or the plain epilogue."""
     bf16_out = compiled_ptx(grouped_gemm_variant(n, 7168, epilogue=epilogue, operand="e4m3_block"), "sm_90a")
     ptx = compiled_ptx(grouped_gemm_variant(n, 7168, epilogue=epilogue, operand="e4m3_block", out_format="e4m3_block",
                                             power_of_two=power_of_two), "sm_90a")

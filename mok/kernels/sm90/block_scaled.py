@@ -65,8 +65,8 @@ def bf16x2_rounded(first: cutlass.Float32, second: cutlass.Float32, *, loc=None,
     """``first`` and ``second`` rounded to bf16 (to nearest, ties to even) and packed, ``first`` in
     the low half (the lower address): one packed conversion, where converting each value alone
     takes the scalar one (a quarter-rate unit on Hopper)."""
-    return cutlass.Uint32(llvm.inline_asm(T.i32(), [cutlass.Float32(second).ir_value(loc=loc, ip=ip), cutlass.Float32(first).ir_value(loc=loc, ip=ip)],
-                                          "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
+    operands = [cutlass.Float32(second).ir_value(loc=loc, ip=ip), cutlass.Float32(first).ir_value(loc=loc, ip=ip)]  # (cvt's first source: the high half)
+    return cutlass.Uint32(llvm.inline_asm(T.i32(), operands, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
                                           has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
