@@ -19,6 +19,7 @@
     python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu [qwen3-235b]  # dsv3's (or qwen3-235b's) dW_gate + dW_up on FP8, then bf16, twice each, untimed (ncu)
+    python perf/gemm_sweep.py --fp8-wgrad-stages  # the FP8 dW_gate + dW_up with one or two stages issued before the previous tile's epilogue
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
@@ -425,6 +426,29 @@ def fp8_activation_out() -> None:
         print(f"{name:<11}bits equal {same}  " + "  ".join(f"{k} {t:.3f}" for k, t in ms.items()))
 
 
+def fp8_weight_grad_stages() -> None:
+    """The FP8 weight gradient (dW_gate + dW_up on a real uniform schedule) with a tile's first
+    stage, or first two, issued before the previous tile's epilogue
+    (variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE): bits compared, then interleaved ms, at qwen3-235b
+    (two or three 128-row blocks a tile) and dsv3 (eight)."""
+    from mok.kernels import variants
+
+    shapes = {"qwen3-235b": (4096, 4096, 1536, 128, 8), "dsv3": (4096, 7168, 2048, 32, 8)}
+    try:
+        for name, (T, H, I, E, k) in shapes.items():
+            v = fp8_weight_grad_inputs(T, H, I, E, k)
+
+            def run(stages, v=v):
+                variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = stages
+                return ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts, split_out=True)
+
+            same = all(torch.equal(x, y) for x, y in zip(run(1), run(2)))
+            ms = time_ms_interleaved({f"{stages} under": lambda stages=stages: run(stages) for stages in (1, 2)}, batch=10, repeats=5)
+            print(f"{name:<11}bits equal {same}  " + "  ".join(f"{label} {t:.3f}" for label, t in ms.items()))
+    finally:
+        variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 1
+
+
 def fp8_weight_grads_for_ncu() -> None:
     """dsv3's dW_gate + dW_up (qwen3-235b's with ``qwen3-235b`` among the arguments) on FP8
     transposes, then on bf16 rows, each called twice (the first compiles), for Nsight Compute
@@ -644,7 +668,7 @@ def fp8_forward_levers() -> None:
 SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are looked for
     "--fp8-dense": fp8_dense, "--fp8-forward-levers": fp8_forward_levers, "--fp8-row-tile-pairs": fp8_row_tile_pairs,
     "--row-tile-pairs": row_tile_pairs, "--fp8-schedules": fp8_schedules, "--fp8-row-quantizers": fp8_row_quantizers,
-    "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-rows": fp8_weight_grad_rows,
+    "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-stages": fp8_weight_grad_stages, "--fp8-wgrad-rows": fp8_weight_grad_rows,
     "--fp8-weight-grads": fp8_weight_grads, "--fp8-activation-out": fp8_activation_out,
 }
 LATER_MODES = {"--counted-wgrad": counted_weight_grads, "--weight-grads": weight_grads, "--scattered-fc2": scattered_fc2}

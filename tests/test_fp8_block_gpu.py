@@ -14,6 +14,7 @@ import torch
 
 from mok import fp8_block as fp8
 from mok import ops, pipeline
+from mok.kernels import variants
 from mok.ops import gemm as gemm_ops
 
 from helpers import gpu_layer, poisoned, rel_err
@@ -722,7 +723,7 @@ def test_column_quantizer_in_the_mma_order_gives_the_blocks_as_e8m0(gathered, M,
 
 
 @pytest.mark.parametrize("form", ["plain", "split_out", "accumulate"])
-def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
+def test_weight_grad_on_fp8_matches_float64_of_its_operands(form, monkeypatch):
     """ops.weight_grad on FP8 block-scaled transposes (ops.quantize_fp8_columns of the rows) against
     float64 of the same dequantized operands, expert by expert: experts of 300, 0, 128, 77, 250 and
     600 rows (3, 0, 1, 1, 2 and 5 row blocks: the two-stage loop's odd and even ends; offsets at
@@ -730,7 +731,9 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
     new gradient; split_out into two poisoned halves with the padding row blocks skipped
     (``counts``); or added into a random fp32 gradient (main_grad), counted too. An expert without
     rows gets zeros (or is left as it was); the same bits on a second run, with deep turns, and
-    (fp32) without them, where a tile's epilogue does not run under the next tile's first stage."""
+    (fp32) without them, where a tile's epilogue does not run under the next tile's first stage;
+    and with a tile's first two stages issued before the previous tile's epilogue
+    (variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2: tiles of 0, 1, 2, 3 and 5 stages)."""
     counts = [300, 0, 128, 77, 250, 600]
     E, M, N = len(counts), 512, 400
     offsets = [0]
@@ -768,6 +771,16 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form):
     assert rel_err(got, want) < (2e-3 if form == "accumulate" else 5e-3)
     assert torch.equal(got[1], want[1].to(got.dtype))  # (no rows: zeros, or the gradient as it was)
     assert torch.equal(again, got)
+    monkeypatch.setattr(variants, "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", 2)
+    if form == "accumulate":
+        two_under = start.clone()
+        ops.weight_grad(a_q, b_q, offsets_t, out=two_under, accumulate=True, **counted)
+    elif form == "split_out":
+        two_under = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, split_out=True, **counted), 1)
+    else:
+        two_under = ops.weight_grad(a_q, b_q, offsets_t)
+        assert torch.equal(ops.weight_grad(a_q, b_q, offsets_t, deep_turn=2), got)  # (turns of 2 from stage 2: set 0 first)
+    assert torch.equal(two_under, got)
 
 
 def test_fp8_weight_gradients_in_the_backward(fp8_scales="fp32"):

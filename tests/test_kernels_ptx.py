@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from mok.kernels import compiled_ptx, compiled_sass, cuobjdump
+from mok.kernels import compiled_ptx, compiled_sass, cuobjdump, variants
 from mok.kernels.variants import (
     combine_variant, ep_variant, expert_mlp_variant, gather_variant, grouped_gemm_variant, quantize_fp8_block_variant, quantize_mxfp8_variant,
     schedule_variant, weight_grad_variant,
@@ -719,6 +719,39 @@ def test_fp8_weight_grad_stores_a_tile_under_the_next_tiles_first_stage(options)
     if options.get("out_dtype") == "f32":
         one_at_a_time = compiled_ptx(weight_grad_variant(2048, 7168, operand="e4m3_block", deep_turn=0, **options), "sm_90a")
         assert stores_under_wgmmas(one_at_a_time) == 0 and ptxas_spill_bytes(one_at_a_time) in (None, 0)
+
+
+def wgmmas_in_flight_at_first_store(ptx: str) -> int:
+    """WGMMAs issued since the last ``wgmma.wait_group`` when ``ptx``'s first TMA store comes (text order)."""
+    events = re.findall(r"(wgmma\.mma_async|wgmma\.wait_group|cp\.(?:reduce\.)?async\.bulk\.tensor\.\dd\.global\.shared)", ptx)
+    in_flight = 0
+    for event in events:
+        if event == "wgmma.mma_async":
+            in_flight += 1
+        elif event == "wgmma.wait_group":
+            in_flight = 0
+        else:
+            return in_flight
+    return 0
+
+
+@pytest.mark.parametrize("options", [{}, dict(out_dtype="f32", accumulate=True, split_out=True)])
+def test_fp8_weight_grad_issues_two_stages_before_the_previous_tiles_epilogue(options, monkeypatch):
+    """variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2: a tile's first two stages (four m64n128k32
+    WGMMAs each, one per block set) go out before the previous tile's epilogue stores, where one
+    stage did; named in the variant's config (a cache entry of its own); not serialized (the second
+    stage is issued, waited for and promoted within one branch: a join would copy its registers
+    while in flight), nothing spilled, one wait_group 1 more (stage 0 retired while stage 1 runs)."""
+    one = compiled_ptx(weight_grad_variant(2048, 7168, operand="e4m3_block", **options), "sm_90a")
+    monkeypatch.setattr(variants, "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", 2)
+    variant = weight_grad_variant(2048, 7168, operand="e4m3_block", **options)
+    assert variant.config["stages_under_epilogue"] == 2
+    two = compiled_ptx(variant, "sm_90a")
+    assert wgmmas_in_flight_at_first_store(one) == 4 and wgmmas_in_flight_at_first_store(two) == 8
+    assert count(r"wgmma\.mma_async", two) == count(r"wgmma\.mma_async", one) + 4
+    assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", two) == count(r"wgmma\.wait_group\.sync\.aligned\s+1;", one) + 1
+    assert_wgmmas_not_serialized(two)
+    assert ptxas_spill_bytes(two) in (None, 0) and count(r"\.local", two) == 0
 
 
 def test_fp8_weight_grad_deep_turns_keep_two_stages_in_flight():

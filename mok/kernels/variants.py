@@ -241,6 +241,9 @@ def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
 
 
 DEEP_TURNS = {"plain": 4, "swiglu": 4, "swiglu_save": 4, "weight_grad": 8}  # the FP8 GEMM forms' default turns (the others: none)
+# the FP8 weight gradient's stages of a tile issued before the previous tile's epilogue (1 measured; 2
+# built, not yet timed: docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py --fp8-wgrad-stages sets it
+WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 1
 
 
 def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:
@@ -430,8 +433,12 @@ def weight_grad_variant(
     if interleaved_out:
         options["interleaved_out"] = True
 
+    under = WEIGHT_GRAD_STAGES_UNDER_EPILOGUE if operand == "e4m3_block" else 1
+
     def build(arch: str, compile_options: str = "") -> Any:
         turn = {"deep_turn": deep_turn} if deep_turn else {}
+        if under != 1:
+            turn["stages_under_epilogue"] = under
         if arch in MXFP8_GEMM_ARCHS:
             from .sm100.weight_grad_gemm import compile_weight_grad_sm100
 
@@ -456,6 +463,8 @@ def weight_grad_variant(
         config["operand"] = operand
     if deep_turn:
         config["deep_turn"] = deep_turn
+    if under != 1:
+        config["stages_under_epilogue"] = under
     return KernelVariant("weight_grad", config, build)
 
 

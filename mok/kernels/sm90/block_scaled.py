@@ -89,6 +89,7 @@ class BlockScaledMainloop:
     deep_turn = 0  # with two sets: stages a turn in which two stages' WGMMAs are in flight (module docstring; 0: one)
     stacked_b = False  # two products' B tiles stacked, one WGMMA over both (GroupedGemmSm90.stacked_b)
     epilogue_kind = None  # (the grouped GEMM's sets its epilogue; a weight gradient's has none of these kinds)
+    stages_under_epilogue = 1  # the weight gradient: stages of a tile issued before the previous tile's epilogue (1 or 2)
 
     @property
     def hands_registers_over(self) -> bool:
@@ -198,7 +199,7 @@ class BlockScaledMainloop:
         return cons, release
 
     @cute.jit
-    def two_set_schedule(self, k_tiles, issue, settle, context, carry, first_issued: cutlass.Constexpr[bool] = False):
+    def two_set_schedule(self, k_tiles, issue, settle, context, carry, first_issued: cutlass.Constexpr[int] = 0):
         """The FP8 mainloops' schedule over ``k_tiles`` >= 1 stages with two sets of block
         accumulators: stage k's WGMMAs are issued into set k % 2 (``issue(context, k, set, carry)``),
         then stage k - 1's product, retired in the other set, is promoted while they run
@@ -208,34 +209,40 @@ class BlockScaledMainloop:
         before its back edge: otherwise ptxas serializes every WGMMA (docs/notes/kernel-pitfalls.md).
         ``carry``: what the two callbacks advance (pipeline states, scales), returned. With
         ``deep_turn`` the stages first run in turns of that many with two in flight (the module
-        docstring), the rest as above. ``first_issued``: the caller issued stage 0 into set 0
-        already (and ran other work while its WGMMAs did): the schedule starts at its wait."""
-        if cutlass.const_expr(not first_issued):
+        docstring), the rest as above. ``first_issued``: the stages (0, 1 or 2, at most ``k_tiles``)
+        the caller issued already, into sets 0 and 1 (and ran other work while their WGMMAs did): the
+        schedule starts at their waits."""
+        if cutlass.const_expr(first_issued == 0):
             carry = issue(context, 0, 0, carry)
+        if cutlass.const_expr(first_issued == 2):  # stage 0 retired and promoted while stage 1 runs
+            cute.nvgpu.warpgroup.wait_group(1)
+            carry = settle(context, 0, False, carry)
         cute.nvgpu.warpgroup.wait_group(0)
-        first = 1  # (the first stage the pairs below take)
-        if cutlass.const_expr(self.deep_turn > 0):  # turns of deep_turn stages, two in flight (set 0's stage retired, not promoted, at entry)
-            turns = (k_tiles - 1) // self.deep_turn
+        entry = max(first_issued, 1)  # stages issued (the last of them retired, not promoted)
+        base = entry % 2  # the set of the first stage the loops below issue (stage k: set k % 2)
+        first = entry
+        if cutlass.const_expr(self.deep_turn > 0):  # turns of deep_turn stages, two in flight (the last stage retired, not promoted, at entry)
+            turns = (k_tiles - entry) // self.deep_turn
             for turn in cutlass.range(turns, unroll=1):
-                for i in cutlass.range_constexpr(self.deep_turn):  # stage k into set 1 - i % 2, then k - 1 retired and promoted
-                    carry = issue(context, turn * self.deep_turn + 1 + i, 1 - i % 2, carry)
+                for i in cutlass.range_constexpr(self.deep_turn):  # stage k into its set, then k - 1 retired and promoted
+                    carry = issue(context, turn * self.deep_turn + entry + i, (base + i) % 2, carry)
                     if cutlass.const_expr(i > 0):
                         cute.nvgpu.warpgroup.wait_group(1)
-                    carry = settle(context, i % 2, False, carry)
+                    carry = settle(context, (base + i + 1) % 2, False, carry)
                 cute.nvgpu.warpgroup.wait_group(0)  # (nothing in flight across the back edge)
-            first = 1 + turns * self.deep_turn
-        for pair in cutlass.range((k_tiles - first) // 2, unroll=1):  # stages first, first + 1 | ... (into sets 1, 0)
+            first = entry + turns * self.deep_turn  # (deep_turn is even: the sets' parity holds)
+        for pair in cutlass.range((k_tiles - first) // 2, unroll=1):  # stages first, first + 1 | ...
             for into in cutlass.range_constexpr(2):
-                carry = issue(context, first + 2 * pair + into, 1 - into, carry)
-                carry = settle(context, into, False, carry)  # (the previous stage, retired)
+                carry = issue(context, first + 2 * pair + into, (base + into) % 2, carry)
+                carry = settle(context, (base + into + 1) % 2, False, carry)  # (the previous stage, retired)
                 cute.nvgpu.warpgroup.wait_group(0)
-        if k_tiles % 2 == 0:  # the last stage, into set 1
-            carry = issue(context, k_tiles - 1, 1, carry)
-            carry = settle(context, 0, False, carry)
+        if k_tiles % 2 == (entry + 1) % 2:  # (k_tiles - entry odd) the last stage not issued yet: into set ``base``
+            carry = issue(context, k_tiles - 1, base, carry)
+            carry = settle(context, 1 - base, False, carry)
             cute.nvgpu.warpgroup.wait_group(0)
-            carry = settle(context, 1, True, carry)
-        else:  # the last stage went into set 0
-            carry = settle(context, 0, True, carry)
+            carry = settle(context, base, True, carry)
+        else:  # the last stage issued and retired, in the other set
+            carry = settle(context, 1 - base, True, carry)
         return carry
 
     @cute.jit
@@ -297,7 +304,7 @@ class BlockScaledMainloop:
         return scale_b, scale_b2
 
     @cute.jit
-    def consume_outer_scaled_tile(self, ab_pipe, tiled_mma, acc, blocks, operands, k_tiles, cons, scales, mma_tidx, under_first_stage):
+    def consume_outer_scaled_tile(self, ab_pipe, tiled_mma, acc, blocks, operands, k_tiles, cons, scales, mma_tidx, under_first_stages):
         """Persistent consumer of one weight-gradient tile on FP8 (both operands scaled per 128-row
         block, along the output's rows and its columns: mok/kernels/sm90/weight_grad_gemm.py):
         acc += each stage's product · (sa[row] · sb[column]) per value, on :meth:`two_set_schedule`
@@ -307,20 +314,32 @@ class BlockScaledMainloop:
         stage back after it; stages are released in the order they were read. Returns the advanced
         state. One fma per value and stage, in stage order.
 
-        ``under_first_stage`` = (fn, args): ``fn(*args)`` runs once the first stage's WGMMAs are
-        issued (into ``blocks[0]``) and before they are waited for, with or without a stage; it must
-        leave ``acc`` zeroed (the previous tile's epilogue, reading ``acc``, can run there, under
-        the tensor work)."""
+        ``under_first_stages`` = (fn, args): ``fn(*args)`` runs once the tile's first
+        ``stages_under_epilogue`` stages' WGMMAs are issued (into ``blocks[0]``, then ``blocks[1]``;
+        fewer where the tile has fewer) and before they are waited for; it must leave ``acc`` zeroed
+        (the previous tile's epilogue, reading ``acc``, can run there, under the tensor work)."""
         tile_m, tile_n, _ = self.tile_shape_mnk
         crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         context = (ab_pipe, tiled_mma, acc, blocks, operands, scales, crd)
         release = cons.clone()
+        schedule = (k_tiles, self.issue_outer_scaled_stage, self.settle_outer_scaled_stage, context)
         if k_tiles > 0:
             cons, release = self.issue_outer_scaled_stage(context, 0, 0, (cons, release))
-        under_first_stage[0](*under_first_stage[1])
-        if k_tiles > 0:
-            cons, _ = self.two_set_schedule(k_tiles, self.issue_outer_scaled_stage, self.settle_outer_scaled_stage, context, (cons, release),
-                                            first_issued=True)
+        if cutlass.const_expr(self.stages_under_epilogue == 2):
+            lone = (cons.clone(), release.clone())  # (the states the second branch starts from: tracing the first advances these)
+            if k_tiles > 1:  # (the second stage's WGMMAs in flight only within this branch: a join would copy their registers)
+                cons, release = self.issue_outer_scaled_stage(context, 1, 1, (cons, release))
+                under_first_stages[0](*under_first_stages[1])
+                cons, _ = self.two_set_schedule(*schedule, (cons, release), first_issued=2)
+            else:  # none or one stage
+                under_first_stages[0](*under_first_stages[1])
+                cute.nvgpu.warpgroup.wait_group(0)
+                if k_tiles > 0:
+                    cons, _ = self.settle_outer_scaled_stage(context, 0, True, lone)
+        else:
+            under_first_stages[0](*under_first_stages[1])
+            if k_tiles > 0:
+                cons, _ = self.two_set_schedule(*schedule, (cons, release), first_issued=1)
         return cons
 
     @cute.jit

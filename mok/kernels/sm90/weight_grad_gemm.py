@@ -29,7 +29,9 @@ each stage's product is promoted as acc += block · (sa[m] · sb[n]) (BlockScale
 consume_outer_scaled_tile). An expert's rows are whole 128-row blocks of the schedule, so no block
 straddles two experts. Its product registers apart from the running sums let a tile's epilogue run
 after the next tile's first stage is issued, under its WGMMAs (``overlaps_epilogue``): with a few
-128-row blocks an expert the epilogue is a large share of a tile (2-13% faster, H100).
+128-row blocks an expert the epilogue is a large share of a tile (2-13% faster, H100). With
+``stages_under_epilogue=2`` the next tile's first two stages go out before it, one into each block
+set (not yet run on a GPU: docs/notes/fp8-block-hopper.md).
 """
 
 import cutlass
@@ -57,7 +59,7 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
     def __init__(
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
         tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
-        interleaved_out: bool = False, operand: str = "bf16", deep_turn: int = 0,
+        interleaved_out: bool = False, operand: str = "bf16", deep_turn: int = 0, stages_under_epilogue: int = 1,
     ):
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
@@ -66,6 +68,9 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
         self.deep_turn = deep_turn
         self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K, split_out,
                        interleaved_out)
+        if stages_under_epilogue not in (1, 2):
+            raise ValueError(f"stages_under_epilogue: expected 1 or 2, got {stages_under_epilogue}")
+        self.stages_under_epilogue = stages_under_epilogue if self.overlaps_epilogue else 1  # (else one tile after the other)
         if self.block_scaled:
             halves = 2 if split_out else 1
             problems = [what for what, bad in (
@@ -259,8 +264,9 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
 
     @property
     def overlaps_epilogue(self) -> bool:
-        """FP8: a tile's epilogue runs under the next tile's first stage (:meth:`block_scaled_consumers`).
-        Not for fp32 output without deep turns, where ptxas then spilled (12-24 bytes)."""
+        """FP8: a tile's epilogue runs under the next tile's first stage, or first two
+        (``stages_under_epilogue``; :meth:`block_scaled_consumers`). Not for fp32 output without
+        deep turns, where ptxas then spilled (12-24 bytes)."""
         return self.block_scaled and (self.deep_turn > 0 or self.out_dtype != "f32")
 
     @cute.jit
