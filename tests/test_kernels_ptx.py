@@ -692,12 +692,16 @@ def test_fp8_block_gemm_deep_turns_keep_two_stages_in_flight(n, k, epilogue, dee
     assert_register_handover_fits(ptx)
 
 
+def wgmma_and_store_events(ptx: str) -> list[str]:
+    """``ptx``'s WGMMAs, their waits and its TMA stores (global <- shared), in text order."""
+    return re.findall(r"(wgmma\.mma_async|wgmma\.wait_group|cp\.(?:reduce\.)?async\.bulk\.tensor\.\dd\.global\.shared)", ptx)
+
+
 def stores_under_wgmmas(ptx: str) -> int:
     """TMA stores (global <- shared) in ``ptx`` that come after a WGMMA and before the next
     ``wgmma.wait_group``, in text order: epilogue stores issued while WGMMAs run."""
-    events = re.findall(r"(wgmma\.mma_async|wgmma\.wait_group|cp\.(?:reduce\.)?async\.bulk\.tensor\.\dd\.global\.shared)", ptx)
     under, in_flight = 0, False
-    for event in events:
+    for event in wgmma_and_store_events(ptx):
         if event == "wgmma.mma_async":
             in_flight = True
         elif event == "wgmma.wait_group":
@@ -723,9 +727,8 @@ def test_fp8_weight_grad_stores_a_tile_under_the_next_tiles_first_stage(options)
 
 def wgmmas_in_flight_at_first_store(ptx: str) -> int:
     """WGMMAs issued since the last ``wgmma.wait_group`` when ``ptx``'s first TMA store comes (text order)."""
-    events = re.findall(r"(wgmma\.mma_async|wgmma\.wait_group|cp\.(?:reduce\.)?async\.bulk\.tensor\.\dd\.global\.shared)", ptx)
     in_flight = 0
-    for event in events:
+    for event in wgmma_and_store_events(ptx):
         if event == "wgmma.mma_async":
             in_flight += 1
         elif event == "wgmma.wait_group":
