@@ -434,6 +434,7 @@ def fp8_weight_grad_stages() -> None:
     from mok.kernels import variants
 
     shapes = {"qwen3-235b": (4096, 4096, 1536, 128, 8), "dsv3": (4096, 7168, 2048, 32, 8)}
+    default = variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE
     try:
         for name, (T, H, I, E, k) in shapes.items():
             v = fp8_weight_grad_inputs(T, H, I, E, k)
@@ -446,7 +447,7 @@ def fp8_weight_grad_stages() -> None:
             ms = time_ms_interleaved({f"{stages} under": lambda stages=stages: run(stages) for stages in (1, 2)}, batch=10, repeats=5)
             print(f"{name:<11}bits equal {same}  " + "  ".join(f"{label} {t:.3f}" for label, t in ms.items()))
     finally:
-        variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 1
+        variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = default
 
 
 def fp8_weight_grads_for_ncu() -> None:

@@ -600,7 +600,7 @@ def test_no_wgmma_kernel_of_the_layer_is_serialized_by_ptxas():
 
 @pytest.mark.parametrize("m,n,options", [(7168, 2048, {}), (4096, 7168, dict(split_out=True)),
                                          (2048, 7168, dict(out_dtype="f32", accumulate=True, split_out=True))])
-def test_fp8_block_weight_grad_uses_e4m3_wgmmas_and_scales_by_row_and_column(m, n, options):
+def test_fp8_block_weight_grad_uses_e4m3_wgmmas_and_scales_by_row_and_column(m, n, options, monkeypatch):
     """The weight gradient on FP8 with 1 x 128 blocks along the rows (operand "e4m3_block"): four
     32-deep E4M3 x E4M3 WGMMAs a 128-row stage (128 wide), issued in four places (the first stage,
     the loop's two, the last) into two block accumulators in turn, each stage's issued before the
@@ -610,7 +610,9 @@ def test_fp8_block_weight_grad_uses_e4m3_wgmmas_and_scales_by_row_and_column(m, 
     thread's two row scales and 16 pairs of column scales from shared memory and does one fused
     multiply-add per accumulator value; nothing spilled or in local memory; the register hand-over
     within the launch count; refused on SM100 (MXFP8 there) and outside the persistent cooperative
-    kernel."""
+    kernel. (One stage of a tile under the previous tile's epilogue; two, the default, add a fifth
+    place: test_fp8_weight_grad_issues_two_stages_before_the_previous_tiles_epilogue.)"""
+    monkeypatch.setattr(variants, "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", 1)
     variant = weight_grad_variant(m, n, operand="e4m3_block", pingpong=False, deep_turn=0, **options)
     assert weight_grad_variant(m, n, operand="e4m3_block", **options).config["deep_turn"] == 8  # (the default: turns of 8)
     ptx = compiled_ptx(variant, "sm_90a")
@@ -740,16 +742,19 @@ def wgmmas_in_flight_at_first_store(ptx: str) -> int:
 
 @pytest.mark.parametrize("options", [{}, dict(out_dtype="f32", accumulate=True, split_out=True)])
 def test_fp8_weight_grad_issues_two_stages_before_the_previous_tiles_epilogue(options, monkeypatch):
-    """variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2: a tile's first two stages (four m64n128k32
-    WGMMAs each, one per block set) go out before the previous tile's epilogue stores, where one
-    stage did; named in the variant's config (a cache entry of its own); not serialized (the second
-    stage is issued, waited for and promoted within one branch: a join would copy its registers
-    while in flight), nothing spilled, one wait_group 1 more (stage 0 retired while stage 1 runs)."""
-    one = compiled_ptx(weight_grad_variant(2048, 7168, operand="e4m3_block", **options), "sm_90a")
-    monkeypatch.setattr(variants, "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", 2)
+    """variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2 (the default): a tile's first two stages (four
+    m64n128k32 WGMMAs each, one per block set) go out before the previous tile's epilogue stores,
+    where one stage did with 1; each named in the variant's config (a cache entry of its own); not
+    serialized (the second stage is issued, waited for and promoted within one branch: a join would
+    copy its registers while in flight), nothing spilled, one wait_group 1 more (stage 0 retired
+    while stage 1 runs)."""
     variant = weight_grad_variant(2048, 7168, operand="e4m3_block", **options)
     assert variant.config["stages_under_epilogue"] == 2
     two = compiled_ptx(variant, "sm_90a")
+    monkeypatch.setattr(variants, "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", 1)
+    one_variant = weight_grad_variant(2048, 7168, operand="e4m3_block", **options)
+    assert "stages_under_epilogue" not in one_variant.config
+    one = compiled_ptx(one_variant, "sm_90a")
     assert wgmmas_in_flight_at_first_store(one) == 4 and wgmmas_in_flight_at_first_store(two) == 8
     assert count(r"wgmma\.mma_async", two) == count(r"wgmma\.mma_async", one) + 4
     assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", two) == count(r"wgmma\.wait_group\.sync\.aligned\s+1;", one) + 1
@@ -760,11 +765,12 @@ def test_fp8_weight_grad_issues_two_stages_before_the_previous_tiles_epilogue(op
 def test_fp8_weight_grad_deep_turns_keep_two_stages_in_flight():
     """The FP8 weight gradient's two block accumulators with deep turns (its K, the expert's rows,
     known at run time): a turn's eight stages beside the pairs', wait_group 1 between them, not
-    serialized, nothing spilled."""
+    serialized, nothing spilled (a tile's first two stages issued apart: the default
+    WEIGHT_GRAD_STAGES_UNDER_EPILOGUE)."""
     variant = weight_grad_variant(4096, 7168, operand="e4m3_block", pingpong=False, split_out=True, deep_turn=8)
     ptx = compiled_ptx(variant, "sm_90a")
-    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 4 * (4 + 8)
-    assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) == 7
+    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx) == 4 * (4 + 8 + 1)
+    assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) == 8
     assert_wgmmas_not_serialized(ptx)
     assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0
     with pytest.raises(ValueError, match="deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got 8 with block_buffers=1"):

@@ -241,9 +241,10 @@ def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
 
 
 DEEP_TURNS = {"plain": 4, "swiglu": 4, "swiglu_save": 4, "weight_grad": 8}  # the FP8 GEMM forms' default turns (the others: none)
-# the FP8 weight gradient's stages of a tile issued before the previous tile's epilogue (1 measured; 2
-# built, not yet timed: docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py --fp8-wgrad-stages sets it
-WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 1
+# the FP8 weight gradient's stages of a tile issued before the previous tile's epilogue: 2 measured
+# 2-7% faster than 1, the same bits (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py
+# --fp8-wgrad-stages times the two
+WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2
 
 
 def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:
