@@ -19,11 +19,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """One compiled kernel: ``name`` + static ``config``; ``compile(arch, options)`` builds it."""
+    """One compiled kernel: ``name`` + static ``config``; ``compile(arch, options)`` builds it.
+    ``patch_binary``: applied to its exported object's bytes before the cache loads it (scheduling
+    hints only: mok/runtime/sass_hints.py; the config names it, so that it has entries of its own)."""
 
     name: str
     config: Mapping[str, Any]
     compile: Callable[[str, str], Any] = field(compare=False, repr=False)
+    patch_binary: Callable[[bytearray], int] | None = field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in sorted(self.config.items()))
@@ -42,7 +45,7 @@ def get_kernel(variant: KernelVariant, arch: str, cache: "Any | None" = None) ->
         return fn
     arch = normalize_arch(arch)
     with dsl_target(arch):  # compile and export for arch, whatever GPU this machine has
-        return cache.get(variant.name, variant.config, arch, lambda: variant.compile(arch, compile_options()))
+        return cache.get(variant.name, variant.config, arch, lambda: variant.compile(arch, compile_options()), variant.patch_binary)
 
 
 def compiled_ptx(variant: KernelVariant, arch: str) -> str:
@@ -77,19 +80,38 @@ def cuobjdump() -> str | None:
     return found
 
 
-def compiled_sass(variant: KernelVariant, arch: str) -> str:
-    """SASS (``cuobjdump -sass``) of a fresh compile of ``variant`` for ``arch``: what ptxas made of
-    the PTX, for any target on any machine that has cuobjdump (:func:`cuobjdump`; bypasses the cache)."""
+def compiled_cubin(variant: KernelVariant, arch: str) -> bytes:
+    """The cubin of a fresh compile of ``variant`` for ``arch``, as ptxas made it (bypasses the cache
+    and ``variant.patch_binary``)."""
     import glob
-    import subprocess
 
     from ..runtime.arch import dsl_target, normalize_arch
 
-    tool = cuobjdump()
-    if tool is None:
-        raise RuntimeError("compiled_sass needs cuobjdump: the CUDA toolkit's on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
     arch = normalize_arch(arch)
     with dsl_target(arch), tempfile.TemporaryDirectory() as dump_dir:
         variant.compile(arch, f"--keep-cubin --dump-dir {dump_dir}")
         (cubin,) = glob.glob(os.path.join(dump_dir, "*.cubin"))
-        return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        with open(cubin, "rb") as f:
+            return f.read()
+
+
+def disassembled(cubin: bytes) -> str:
+    """SASS text of a cubin (``cuobjdump -sass``; :func:`cuobjdump` says which)."""
+    import subprocess
+
+    tool = cuobjdump()
+    if tool is None:
+        raise RuntimeError("disassembling needs cuobjdump: the CUDA toolkit's on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+def compiled_sass(variant: KernelVariant, arch: str) -> str:
+    """SASS (``cuobjdump -sass``) of a fresh compile of ``variant`` for ``arch``: what ptxas made of
+    the PTX, for any target on any machine that has cuobjdump (:func:`cuobjdump`; bypasses the cache)."""
+    if cuobjdump() is None:
+        raise RuntimeError("compiled_sass needs cuobjdump: the CUDA toolkit's on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
+    return disassembled(compiled_cubin(variant, arch))

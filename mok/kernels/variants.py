@@ -245,6 +245,20 @@ DEEP_TURNS = {"plain": 4, "swiglu": 4, "swiglu_save": 4, "weight_grad": 8}  # th
 # 2-7% faster than 1, the same bits (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py
 # --fp8-wgrad-stages times the two
 WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2
+# the FP8 kernels' promotion FFMAs marked so that the warp scheduler may switch warps among them
+# (mok/runtime/sass_hints.py; Hopper's kernels, the same bits): off, the forward's GEMMs measured
+# 2-4% slower with it (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py --fp8-yield-hints times it
+PROMOTIONS_YIELD = False
+
+
+def with_yield_hints(variant: KernelVariant, operand: str) -> KernelVariant:
+    """``variant`` with :data:`PROMOTIONS_YIELD`'s hints patched into its sm_90 code where its operands
+    are FP8 with 128-block scales (named in its config: entries of their own), else as it is."""
+    if operand != "e4m3_block" or not PROMOTIONS_YIELD:
+        return variant
+    from ..runtime.sass_hints import let_promotions_yield
+
+    return KernelVariant(variant.name, {**variant.config, "yield_hints": True}, variant.compile, let_promotions_yield)
 
 
 def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:
@@ -405,7 +419,7 @@ def grouped_gemm_variant(
         config["block_buffers"] = block_buffers
     if deep_turn:
         config["deep_turn"] = deep_turn
-    return KernelVariant("grouped_gemm", config, build)
+    return with_yield_hints(KernelVariant("grouped_gemm", config, build), operand)
 
 
 def weight_grad_variant(
@@ -466,7 +480,7 @@ def weight_grad_variant(
         config["deep_turn"] = deep_turn
     if under != 1:
         config["stages_under_epilogue"] = under
-    return KernelVariant("weight_grad", config, build)
+    return with_yield_hints(KernelVariant("weight_grad", config, build), operand)
 
 
 def router_grad_variant(topk: int, parts: int) -> KernelVariant:

@@ -182,10 +182,14 @@ class KernelCache:
             self.stats.memory_hits += 1
         return fn
 
-    def get(self, name: str, config: Mapping[str, Any], arch: str, build: Callable[[], Any]) -> Any:
+    def get(self, name: str, config: Mapping[str, Any], arch: str, build: Callable[[], Any],
+            patch: Callable[[bytearray], int] | None = None) -> Any:
         """The compiled kernel for this key: from memory, else from disk, else ``build()``.
 
-        ``build`` must return a CuTe DSL compiled function (``cute.compile``) for ``arch``.
+        ``build`` must return a CuTe DSL compiled function (``cute.compile``) for ``arch``. ``patch``
+        edits the exported object's bytes before it is stored; the kernel is then loaded from the
+        stored object (this process runs the patched code too). A process that cannot write the
+        cache runs what it compiles unpatched (patches are scheduling hints, not semantics).
         """
         fn = self.loaded(name, config, arch)
         if fn is not None:
@@ -214,7 +218,7 @@ class KernelCache:
                     try:
                         fn = self._load(record, digest, obj_path, meta_path)
                         if fn is None:
-                            fn = self._compile_and_store(record, digest, obj_path, meta_path, build)
+                            fn = self._compile_and_store(record, digest, obj_path, meta_path, build, patch)
                     finally:
                         fcntl.flock(lock_file, fcntl.LOCK_UN)
             self._memory[digest] = fn
@@ -259,7 +263,8 @@ class KernelCache:
             self._warned_unwritable = True
             log.warning("MoK cache: cannot write to %s (%s): the kernels it lacks are compiled for this process only", self.directory, err)
 
-    def _compile_and_store(self, record: dict, digest: str, obj_path: Path, meta_path: Path, build: Callable[[], Any]) -> Any:
+    def _compile_and_store(self, record: dict, digest: str, obj_path: Path, meta_path: Path, build: Callable[[], Any],
+                           patch: Callable[[bytearray], int] | None = None) -> Any:
         fn, seconds = self._compile(build)
         prefix = self._prefix(record["name"], digest)
         with tempfile.TemporaryDirectory(dir=obj_path.parent) as tmp:
@@ -267,6 +272,11 @@ class KernelCache:
                 fn.export_to_c(str(Path(tmp) / "kernel.o"), function_name=prefix)
             else:
                 fn.export_to_c(tmp, "kernel", prefix)
+            if patch is not None:
+                exported = Path(tmp) / "kernel.o"
+                data = bytearray(exported.read_bytes())
+                patch(data)
+                exported.write_bytes(bytes(data))
             os.replace(Path(tmp) / "kernel.o", obj_path)
         meta = {
             "key": record,
@@ -278,6 +288,12 @@ class KernelCache:
         tmp_meta.write_text(json.dumps(meta, indent=1, sort_keys=True))
         os.replace(tmp_meta, meta_path)
         log.info("MoK cache: compiled %s for %s in %.2fs", record["name"], record["arch"], seconds)
+        if patch is not None:  # (the patched object's code, not what was compiled in memory)
+            patched = self._load(record, digest, obj_path, meta_path)
+            if patched is None:
+                raise RuntimeError(f"MoK cache: the patched object of {record['name']} did not load back")
+            self.stats.disk_loads -= 1  # (a compile's load-back, not an entry found on disk)
+            return patched
         return fn
 
     # ---- inspection -------------------------------------------------------------------
