@@ -21,7 +21,7 @@
     python perf/gemm_sweep.py --fp8-wgrad-ncu [qwen3-235b]  # dsv3's (or qwen3-235b's) dW_gate + dW_up on FP8, then bf16, twice each, untimed (ncu)
     python perf/gemm_sweep.py --fp8-wgrad-stages  # the FP8 dW_gate + dW_up with one or two stages issued before the previous tile's epilogue
     python perf/gemm_sweep.py --fp8-yield-hints   # the FP8 gate/up (a in E4M3, h), down and dW_gate + dW_up GEMMs with the
-                                                  # promotions' FFMAs allowed to yield (variants.PROMOTIONS_YIELD) or not
+                                                  # promotions' FFMAs allowed to yield: none, half, all (variants.PROMOTIONS_YIELD)
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
@@ -454,9 +454,9 @@ def fp8_weight_grad_stages() -> None:
 
 def fp8_yield_hints() -> None:
     """The FP8 gate/up GEMM (a out in E4M3, h saved), the down GEMM (whole tiles) and dW_gate + dW_up
-    (a uniform schedule) at dsv3 and qwen3-235b, each with and without the promotions' FFMAs allowed
-    to yield (variants.PROMOTIONS_YIELD: a patched cubin, entries of their own): bits compared, then
-    the two interleaved in one process, ms."""
+    (a uniform schedule) at dsv3 and qwen3-235b, each with none, each burst's first half or all of
+    the promotions' FFMAs allowed to yield (variants.PROMOTIONS_YIELD 0, 0.5, 1: patched cubins,
+    entries of their own): bits compared, then the three interleaved in one process, ms."""
     from mok.kernels import variants
 
     shapes = {"dsv3": (32, 1024, 7168, 2048), "qwen3-235b": (128, 256, 4096, 1536)}
@@ -472,13 +472,14 @@ def fp8_yield_hints() -> None:
                        "dW_gate + dW_up": lambda: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
                                                                   split_out=True)}
             for kernel, run in kernels.items():
-                def hinted(on, run=run):
-                    variants.PROMOTIONS_YIELD = on
+                def hinted(share, run=run):
+                    variants.PROMOTIONS_YIELD = share
                     return run()
 
+                plain = [t.clone() for t in hinted(0.0)]
                 same = all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-                           for x, y in zip([t.clone() for t in hinted(False)], hinted(True)))
-                ms = time_ms_interleaved({label: lambda on=on: hinted(on) for label, on in (("plain", False), ("yield", True))},
+                           for share in (0.5, 1.0) for x, y in zip(plain, hinted(share)))
+                ms = time_ms_interleaved({f"yield {share}": lambda share=share: hinted(share) for share in (0.0, 0.5, 1.0)},
                                          batch=10, repeats=7)
                 print(f"{name:<11}{kernel:<16}bits equal {same}  " + "  ".join(f"{label} {t:.3f}" for label, t in ms.items()))
     finally:

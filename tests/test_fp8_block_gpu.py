@@ -811,18 +811,20 @@ def test_fp8_weight_gradients_in_the_backward(fp8_scales="fp32"):
 
 
 def test_promotions_allowed_to_yield_give_the_same_bits(monkeypatch):
-    """variants.PROMOTIONS_YIELD (the promotions' FFMAs patched to let the scheduler switch warps:
-    mok/runtime/sass_hints.py): a forward and a backward with FP8 weight gradients, every FP8 kernel
-    of the layer among them, give the bits they give without it."""
+    """variants.PROMOTIONS_YIELD (a share of the promotions' FFMAs patched to let the scheduler switch
+    warps: mok/runtime/sass_hints.py), all of them or each burst's first half: a forward and a
+    backward with FP8 weight gradients, every FP8 kernel of the layer among them, give the bits they
+    give without it."""
     T, H, I, E, k = 900, 2048, 768, 8, 4
     x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=43)
     dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(44)).bfloat16()
     results = []
-    for hinted in (False, True):
-        monkeypatch.setattr(variants, "PROMOTIONS_YIELD", hinted)
+    for share in (0.0, 1.0, 0.5):
+        monkeypatch.setattr(variants, "PROMOTIONS_YIELD", share)
         plan = fp8_plan(x, idx, experts)
         saved = pipeline.forward(plan, x, idx, w, experts, None, save=True)
         grads = pipeline.backward(plan, dout, x, idx, w, experts, None, saved, wgrad_format="fp8_block")
         results.append((saved.out, grads.dx, grads.d_topk_w, grads.d_w_gate, grads.d_w_up, grads.d_w_down))
-    for plain, hinted in zip(*results):
-        assert torch.equal(plain, hinted)
+    for hinted in results[1:]:
+        for plain, patched in zip(results[0], hinted):
+            assert torch.equal(plain, patched)

@@ -21,40 +21,50 @@ def gate_up_cubin() -> bytes:
                                                out_format="e4m3_block"), "sm_90a")
 
 
-def instructions(cubin: bytes) -> list[tuple[int, int]]:
-    """(low, high) 64-bit words of every instruction of the sm_90 cubin's code sections."""
-    (base,) = embedded_cubins(cubin, 90)
+def instructions(binary: bytes) -> list[tuple[int, int]]:
+    """(low, high) 64-bit words of every instruction of the sm_90 cubin's code sections in ``binary``."""
+    (base,) = embedded_cubins(binary, 90)
     found = []
-    for _, offset, size in code_sections(cubin, base):
-        found += [struct.unpack_from("<QQ", cubin, offset + i * INSTRUCTION_BYTES) for i in range(size // INSTRUCTION_BYTES)]
+    for _, offset, size in code_sections(binary, base):
+        found += [struct.unpack_from("<QQ", binary, offset + i * INSTRUCTION_BYTES) for i in range(size // INSTRUCTION_BYTES)]
     return found
 
 
-def marked_ffmas_in_runs(binary: bytes) -> int:
-    """FFMAs of the sm_90 code in ``binary`` with both bits set and eight FFMAs within eight instructions."""
-    found = instructions(binary)
-    ffma = [low & 0xFFF == FFMA_REGISTERS for low, _ in found]
-    return sum(1 for i, (_, high) in enumerate(found)
-               if ffma[i] and high & KEEP_ISSUING and high & OPERAND_REUSE and sum(ffma[max(0, i - 8): i + 9]) - 1 >= 8)
+def marked(word: tuple[int, int]) -> bool:
+    """An FFMA of register operands with both the keep-issuing and a reuse bit."""
+    low, high = word
+    return low & 0xFFF == FFMA_REGISTERS and bool(high & KEEP_ISSUING) and bool(high & OPERAND_REUSE)
 
 
-def test_only_the_promotions_ffmas_lose_their_keep_issuing_and_reuse_bits(gate_up_cubin):
+def bursts(found: list[tuple[int, int]]) -> list[list[int]]:
+    """Indices of the FFMAs of each burst: FFMAs at most four instructions apart, eight or more."""
+    groups: list[list[int]] = [[]]
+    for i, (low, _) in enumerate(found):
+        if low & 0xFFF == FFMA_REGISTERS:
+            if groups[-1] and i - groups[-1][-1] > 4:
+                groups.append([])
+            groups[-1].append(i)
+    return [g for g in groups if len(g) >= 8]
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_only_the_promotions_ffmas_lose_their_keep_issuing_and_reuse_bits(gate_up_cubin, share):
     """Each instruction that changes is an FFMA of register operands whose low word (opcode,
     registers) stays and whose high word loses exactly the keep-issuing and reuse bits it had; at
-    least one promotion's worth change (the promotions' FFMAs keep every other one so marked for the
-    shared scale's reuse), every FFMA left with both bits stands apart from a run; the cubin's other
-    bytes stay, and the disassembly differs only in those FFMAs' ``.reuse``."""
+    least one promotion's worth change (a promotion keeps every other FFMA so marked, for the shared
+    scale's reuse); with share 1 no burst keeps a marked FFMA, with 1/2 only each burst's second half
+    does; the cubin's length stays, and its disassembly differs only in those FFMAs' ``.reuse``."""
     patched = bytearray(gate_up_cubin)
-    changed = let_promotions_yield(patched)
+    changed = let_promotions_yield(patched, share)
     before, after = instructions(gate_up_cubin), instructions(bytes(patched))
     differing = [(b, a) for b, a in zip(before, after) if b != a]
-    assert len(differing) == changed >= 64
+    assert len(differing) == changed >= 32 / share and len(patched) == len(gate_up_cubin)
     for (low, high), (low_after, high_after) in differing:
-        assert low & 0xFFF == FFMA_REGISTERS and low_after == low
-        assert high & KEEP_ISSUING and high & OPERAND_REUSE
-        assert high_after == high & ~(KEEP_ISSUING | OPERAND_REUSE)
-    assert marked_ffmas_in_runs(gate_up_cubin) == changed and marked_ffmas_in_runs(bytes(patched)) == 0
-    assert sum(x != y for x, y in zip(gate_up_cubin, patched)) <= 8 * changed and len(patched) == len(gate_up_cubin)
+        assert marked((low, high)) and low_after == low and high_after == high & ~(KEEP_ISSUING | OPERAND_REUSE)
+    for burst in bursts(before):
+        first = burst[: round(share * len(burst))]
+        assert not any(marked(after[i]) for i in first)
+        assert all(after[i] == before[i] for i in burst[len(first):])
     if cuobjdump() is None:
         pytest.skip("no cuobjdump: the dev extra's nvidia-cuda-cuobjdump")
     lines_before, lines_after = disassembled(gate_up_cubin).splitlines(), disassembled(bytes(patched)).splitlines()
@@ -76,22 +86,27 @@ def test_other_architectures_and_plain_bytes_are_left_alone(gate_up_cubin):
 
 
 def test_fp8_variants_carry_the_hints_when_asked_and_the_cache_stores_them_patched(tmp_path, monkeypatch):
-    """variants.PROMOTIONS_YIELD on: FP8 (e4m3_block) variants name the hints in their config and
-    carry the patch (off, or bf16: neither); get_kernel stores the patched object (its sm_90
-    cubin's promotion FFMAs without the two bits, where the compiled cubin has them) and hands back
-    the kernel loaded from it; a second cache on the same folder loads it without compiling."""
-    monkeypatch.setattr(variants, "PROMOTIONS_YIELD", False)
+    """variants.PROMOTIONS_YIELD a share: FP8 (e4m3_block) variants name it in their config and carry
+    the patch (0, or bf16: neither; a share past 1 refused); get_kernel stores the patched object
+    (its sm_90 cubin's bursts without marked FFMAs, where the compiled cubin has them) and hands
+    back the kernel loaded from it; a second cache on the same folder loads it without compiling."""
+    monkeypatch.setattr(variants, "PROMOTIONS_YIELD", 0.0)
     plain = grouped_gemm_variant(1024, 512, operand="e4m3_block")
     assert plain.patch_binary is None and "yield_hints" not in plain.config
-    monkeypatch.setattr(variants, "PROMOTIONS_YIELD", True)
+    monkeypatch.setattr(variants, "PROMOTIONS_YIELD", 1.5)
+    with pytest.raises(ValueError, match=r"PROMOTIONS_YIELD: expected a share in \[0, 1\], got 1.5"):
+        grouped_gemm_variant(1024, 512, operand="e4m3_block")
+    monkeypatch.setattr(variants, "PROMOTIONS_YIELD", 1.0)
     hinted = grouped_gemm_variant(1024, 512, operand="e4m3_block")
-    assert hinted.config == {**plain.config, "yield_hints": True} and hinted.patch_binary is let_promotions_yield
+    assert hinted.config == {**plain.config, "yield_hints": 1.0} and hinted.patch_binary is not None
     assert grouped_gemm_variant(1024, 512).patch_binary is None
     cache = KernelCache(tmp_path)
     assert get_kernel(hinted, "sm_90a", cache) is not None and (cache.stats.compiles, cache.stats.disk_loads) == (1, 0)
     (entry,) = cache.entries()
     with open(entry["path"], "rb") as f:
-        stored = f.read()
-    assert marked_ffmas_in_runs(compiled_cubin(hinted, "sm_90a")) > 0 and marked_ffmas_in_runs(stored) == 0
+        stored = instructions(f.read())
+    compiled = instructions(compiled_cubin(hinted, "sm_90a"))
+    assert any(marked(compiled[i]) for burst in bursts(compiled) for i in burst)
+    assert not any(marked(stored[i]) for burst in bursts(stored) for i in burst)
     fresh = KernelCache(tmp_path)
     assert get_kernel(hinted, "sm_90a", fresh) is not None and fresh.stats.compiles == 0 and fresh.stats.disk_loads == 1

@@ -8,6 +8,7 @@ configuration needs with the same constructors (what ``python -m mok precompile`
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..runtime.arch import MXFP8_GEMM_ARCHS
@@ -245,20 +246,25 @@ DEEP_TURNS = {"plain": 4, "swiglu": 4, "swiglu_save": 4, "weight_grad": 8}  # th
 # 2-7% faster than 1, the same bits (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py
 # --fp8-wgrad-stages times the two
 WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2
-# the FP8 kernels' promotion FFMAs marked so that the warp scheduler may switch warps among them
-# (mok/runtime/sass_hints.py; Hopper's kernels, the same bits): off, the forward's GEMMs measured
-# 2-4% slower with it (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py --fp8-yield-hints times it
-PROMOTIONS_YIELD = False
+# the share of each FP8 promotion's FFMAs marked so that the warp scheduler may switch warps among
+# them (mok/runtime/sass_hints.py; Hopper's kernels, the same bits): 0, none; all of them measured
+# 2-4% slower on the forward's GEMMs (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py
+# --fp8-yield-hints times 0, 1/2 and 1
+PROMOTIONS_YIELD = 0.0
 
 
 def with_yield_hints(variant: KernelVariant, operand: str) -> KernelVariant:
     """``variant`` with :data:`PROMOTIONS_YIELD`'s hints patched into its sm_90 code where its operands
-    are FP8 with 128-block scales (named in its config: entries of their own), else as it is."""
+    are FP8 with 128-block scales (the share named in its config: entries of their own), else as it is."""
     if operand != "e4m3_block" or not PROMOTIONS_YIELD:
         return variant
     from ..runtime.sass_hints import let_promotions_yield
 
-    return KernelVariant(variant.name, {**variant.config, "yield_hints": True}, variant.compile, let_promotions_yield)
+    share = float(PROMOTIONS_YIELD)
+    if not 0 < share <= 1:
+        raise ValueError(f"variants.PROMOTIONS_YIELD: expected a share in [0, 1], got {PROMOTIONS_YIELD!r}")
+    return KernelVariant(variant.name, {**variant.config, "yield_hints": share}, variant.compile,
+                         functools.partial(let_promotions_yield, share=share))
 
 
 def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:

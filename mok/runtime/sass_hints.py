@@ -6,8 +6,8 @@ scale operand. ptxas marks every other one of them to keep its warp issuing (con
 128-bit sm_90 instruction) so that the shared operand can come from the operand-reuse cache (bits
 58-61). While a warp runs such a burst the scheduler of its SM sub-partition does not turn to the
 other warps there: the other MMA warpgroup's WGMMA issue and barrier waits, the producer's TMA
-issue. Clearing both bits on those FFMAs lets the scheduler switch warps anywhere in the burst;
-the shared operand is then read from the register file. The arithmetic is untouched: the same
+issue. Clearing both bits on those FFMAs (all of a burst's, or those of its first part) lets the
+scheduler switch warps there; the shared operand is then read from the register file. The arithmetic is untouched: the same
 instructions, operands and order, so the same bits. (The bits' meaning is NVIDIA's and not
 documented; it is known from disassembly, and DeepSeek's DeepGEMM reported its FP8 kernels faster
 with its FFMAs so marked.)
@@ -15,8 +15,9 @@ with its FFMAs so marked.)
 The hints are applied to the cubins a compiled kernel's object file embeds (CuTe DSL's
 ``export_to_c`` stores each as raw bytes), by the kernel cache (mok/runtime/cache.py) before it
 loads the object: only sm_90 cubins, only FFMAs inside runs of them (the promotions), nothing else.
-Off by default (mok.kernels.variants.PROMOTIONS_YIELD): on an H100 the forward's FP8 GEMMs ran
-2-4% slower with them, the weight gradient perhaps 3% faster (docs/notes/fp8-block-hopper.md).
+Off by default (mok.kernels.variants.PROMOTIONS_YIELD, the share of each burst): on an H100 the
+forward's FP8 GEMMs ran 2-4% slower with all of every burst's, the weight gradient perhaps 3%
+faster (docs/notes/fp8-block-hopper.md).
 """
 
 from __future__ import annotations
@@ -60,20 +61,36 @@ def code_sections(data: bytes, base: int) -> Iterator[tuple[str, int, int]]:
             yield name, base + offset, size
 
 
-def let_promotions_yield(data: bytearray, run: int = 8) -> int:
-    """Clear the keep-issuing and reuse bits of every sm_90 FFMA (register form) that has both and
-    has at least ``run`` other FFMAs within ``run`` instructions either side (the promotions' bursts,
-    not an epilogue's scattered FFMAs), in place; returns how many were changed."""
+def ffma_runs(words: list[tuple[int, int]], least: int = 8, gap: int = 4) -> list[list[int]]:
+    """Indices of the FFMAs (register form) of each run in ``words`` (an instruction's two 64-bit
+    words each): FFMAs at most ``gap`` instructions apart, at least ``least`` of them (the
+    promotions' bursts, not an epilogue's scattered FFMAs)."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for i, (low, _) in enumerate(words):
+        if low & 0xFFF != FFMA_REGISTERS:
+            continue
+        if current and i - current[-1] > gap:
+            runs.append(current)
+            current = []
+        current.append(i)
+    runs.append(current)
+    return [r for r in runs if len(r) >= least]
+
+
+def let_promotions_yield(data: bytearray, share: float = 1.0) -> int:
+    """In every run of FFMAs of the sm_90 code in ``data`` (:func:`ffma_runs`), clear the keep-issuing
+    and reuse bits of those among the run's first ``share`` of FFMAs that have both, in place (a
+    share below 1 lets the warp yield early in the burst and finish it without switching); returns
+    how many were changed."""
     changed = 0
     for base in embedded_cubins(bytes(data), 90):
         for _, offset, size in code_sections(bytes(data), base):
             words = [struct.unpack_from("<QQ", data, offset + i * INSTRUCTION_BYTES) for i in range(size // INSTRUCTION_BYTES)]
-            ffma = [low & 0xFFF == FFMA_REGISTERS for low, _ in words]
-            for i, (_, high) in enumerate(words):
-                if not ffma[i] or not (high & KEEP_ISSUING and high & OPERAND_REUSE):
-                    continue
-                if sum(ffma[max(0, i - run): i + run + 1]) - 1 < run:
-                    continue
-                struct.pack_into("<Q", data, offset + i * INSTRUCTION_BYTES + 8, high & ~(KEEP_ISSUING | OPERAND_REUSE))
-                changed += 1
+            for run in ffma_runs(words):
+                for i in run[: round(share * len(run))]:
+                    high = words[i][1]
+                    if high & KEEP_ISSUING and high & OPERAND_REUSE:
+                        struct.pack_into("<Q", data, offset + i * INSTRUCTION_BYTES + 8, high & ~(KEEP_ISSUING | OPERAND_REUSE))
+                        changed += 1
     return changed
