@@ -4,13 +4,13 @@ Every 128 of K the FP8 kernels promote a block's product into the running sums, 
 accumulator value (mok/kernels/sm90/block_scaled.py): runs of 64 FFMAs a thread that share one
 scale operand. ptxas marks every other one of them to keep its warp issuing (control bit 45 of the
 128-bit sm_90 instruction) so that the shared operand can come from the operand-reuse cache (bits
-58-61). While a warp runs such a burst the scheduler of its SM sub-partition does not turn to the
-other warps there: the other MMA warpgroup's WGMMA issue and barrier waits, the producer's TMA
-issue. Clearing both bits on those FFMAs (all of a burst's, or those of its first part) lets the
-scheduler switch warps there; the shared operand is then read from the register file. The arithmetic is untouched: the same
-instructions, operands and order, so the same bits. (The bits' meaning is NVIDIA's and not
-documented; it is known from disassembly, and DeepSeek's DeepGEMM reported its FP8 kernels faster
-with its FFMAs so marked.)
+58-61). The hypothesis: while a warp runs such a burst, the scheduler of its SM sub-partition turns
+less to the other warps there (the other MMA warpgroup's WGMMA issue and barrier waits, the
+producer's TMA issue). Clearing both bits on those FFMAs (all of a burst's, or those of its first
+part) lets the scheduler switch warps there; the shared operand is then read from the register
+file. The arithmetic is untouched: the same instructions, operands and order, so the same bits.
+(The bits' meaning is NVIDIA's and not documented; it is known from disassembly, and DeepSeek's
+DeepGEMM reported its FP8 kernels faster with part of its FFMAs so marked.)
 
 The hints are applied to the cubins a compiled kernel's object file embeds (CuTe DSL's
 ``export_to_c`` stores each as raw bytes), by the kernel cache (mok/runtime/cache.py) before it
