@@ -11,7 +11,8 @@ import pytest
 from mok.kernels import compiled_cubin, cuobjdump, disassembled, get_kernel, variants
 from mok.kernels.variants import grouped_gemm_variant
 from mok.runtime.cache import KernelCache
-from mok.runtime.sass_hints import FFMA_REGISTERS, INSTRUCTION_BYTES, KEEP_ISSUING, OPERAND_REUSE, code_sections, embedded_cubins, let_promotions_yield
+from mok.runtime.sass_hints import (FFMA_REGISTERS, INSTRUCTION_BYTES, KEEP_ISSUING, OPERAND_REUSE, code_sections, embedded_cubins,
+                                    ffma_runs, let_promotions_yield)
 
 
 @pytest.fixture(scope="module")
@@ -36,24 +37,13 @@ def marked(word: tuple[int, int]) -> bool:
     return low & 0xFFF == FFMA_REGISTERS and bool(high & KEEP_ISSUING) and bool(high & OPERAND_REUSE)
 
 
-def bursts(found: list[tuple[int, int]]) -> list[list[int]]:
-    """Indices of the FFMAs of each burst: FFMAs at most four instructions apart, eight or more."""
-    groups: list[list[int]] = [[]]
-    for i, (low, _) in enumerate(found):
-        if low & 0xFFF == FFMA_REGISTERS:
-            if groups[-1] and i - groups[-1][-1] > 4:
-                groups.append([])
-            groups[-1].append(i)
-    return [g for g in groups if len(g) >= 8]
-
-
 @pytest.mark.parametrize("share", [1.0, 0.5])
 def test_only_the_promotions_ffmas_lose_their_keep_issuing_and_reuse_bits(gate_up_cubin, share):
     """Each instruction that changes is an FFMA of register operands whose low word (opcode,
     registers) stays and whose high word loses exactly the keep-issuing and reuse bits it had; at
     least one promotion's worth change (a promotion keeps every other FFMA so marked, for the shared
-    scale's reuse); with share 1 no burst keeps a marked FFMA, with 1/2 only each burst's second half
-    does; the cubin's length stays, and its disassembly differs only in those FFMAs' ``.reuse``."""
+    scale's reuse); with share 1 no run of FFMAs (sass_hints.ffma_runs) keeps a marked FFMA, with
+    1/2 only each run's second half does; the cubin's length stays, and its disassembly differs only in those FFMAs' ``.reuse``."""
     patched = bytearray(gate_up_cubin)
     changed = let_promotions_yield(patched, share)
     before, after = instructions(gate_up_cubin), instructions(bytes(patched))
@@ -61,7 +51,7 @@ def test_only_the_promotions_ffmas_lose_their_keep_issuing_and_reuse_bits(gate_u
     assert len(differing) == changed >= 32 / share and len(patched) == len(gate_up_cubin)
     for (low, high), (low_after, high_after) in differing:
         assert marked((low, high)) and low_after == low and high_after == high & ~(KEEP_ISSUING | OPERAND_REUSE)
-    for burst in bursts(before):
+    for burst in ffma_runs(before):
         first = burst[: round(share * len(burst))]
         assert not any(marked(after[i]) for i in first)
         assert all(after[i] == before[i] for i in burst[len(first):])
@@ -88,7 +78,7 @@ def test_other_architectures_and_plain_bytes_are_left_alone(gate_up_cubin):
 def test_fp8_variants_carry_the_hints_when_asked_and_the_cache_stores_them_patched(tmp_path, monkeypatch):
     """variants.PROMOTIONS_YIELD a share: FP8 (e4m3_block) variants name it in their config and carry
     the patch (0, or bf16: neither; a share past 1 refused); get_kernel stores the patched object
-    (its sm_90 cubin's bursts without marked FFMAs, where the compiled cubin has them) and hands
+    (its sm_90 cubin's FFMA runs without marked FFMAs, where the compiled cubin has them) and hands
     back the kernel loaded from it; a second cache on the same folder loads it without compiling."""
     monkeypatch.setattr(variants, "PROMOTIONS_YIELD", 0.0)
     plain = grouped_gemm_variant(1024, 512, operand="e4m3_block")
@@ -106,7 +96,7 @@ def test_fp8_variants_carry_the_hints_when_asked_and_the_cache_stores_them_patch
     with open(entry["path"], "rb") as f:
         stored = instructions(f.read())
     compiled = instructions(compiled_cubin(hinted, "sm_90a"))
-    assert any(marked(compiled[i]) for burst in bursts(compiled) for i in burst)
-    assert not any(marked(stored[i]) for burst in bursts(stored) for i in burst)
+    assert any(marked(compiled[i]) for burst in ffma_runs(compiled) for i in burst)
+    assert not any(marked(stored[i]) for burst in ffma_runs(stored) for i in burst)
     fresh = KernelCache(tmp_path)
     assert get_kernel(hinted, "sm_90a", fresh) is not None and fresh.stats.compiles == 0 and fresh.stats.disk_loads == 1

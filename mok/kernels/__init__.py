@@ -95,13 +95,19 @@ def compiled_cubin(variant: KernelVariant, arch: str) -> bytes:
             return f.read()
 
 
+def required_cuobjdump() -> str:
+    """:func:`cuobjdump`, or a RuntimeError saying how to get one."""
+    tool = cuobjdump()
+    if tool is None:
+        raise RuntimeError("disassembling needs cuobjdump: the CUDA toolkit's on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
+    return tool
+
+
 def disassembled(cubin: bytes) -> str:
     """SASS text of a cubin (``cuobjdump -sass``; :func:`cuobjdump` says which)."""
     import subprocess
 
-    tool = cuobjdump()
-    if tool is None:
-        raise RuntimeError("disassembling needs cuobjdump: the CUDA toolkit's on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
+    tool = required_cuobjdump()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
@@ -112,6 +118,5 @@ def disassembled(cubin: bytes) -> str:
 def compiled_sass(variant: KernelVariant, arch: str) -> str:
     """SASS (``cuobjdump -sass``) of a fresh compile of ``variant`` for ``arch``: what ptxas made of
     the PTX, for any target on any machine that has cuobjdump (:func:`cuobjdump`; bypasses the cache)."""
-    if cuobjdump() is None:
-        raise RuntimeError("compiled_sass needs cuobjdump: the CUDA toolkit's on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
+    required_cuobjdump()  # (before the compile)
     return disassembled(compiled_cubin(variant, arch))

@@ -238,18 +238,23 @@ class KernelCache:
                 raise ValueError("its record does not match the requested key")
             if _file_sha256(obj_path) != meta.get("object_sha256"):
                 raise ValueError("its object file does not match the recorded checksum")
-            from cutlass.cute.runtime import load_module
-
-            module = load_module(str(obj_path), enable_tvm_ffi=record["calling"] == "tvm_ffi")
-            fn = module[self._prefix(record["name"], digest)]
+            fn = self._open(record, digest, obj_path)
         except Exception as err:  # any unreadable entry is rebuilt, never trusted
             log.warning("MoK cache: rebuilding %s (%s): %s", obj_path.name, record["name"], err)
             for path in (obj_path, meta_path):
                 with contextlib.suppress(OSError):  # (a read-only cache keeps it; this process compiles its own)
                     path.unlink(missing_ok=True)
             return None
-        self._modules[digest] = module
         self.stats.disk_loads += 1
+        return fn
+
+    def _open(self, record: dict, digest: str, obj_path: Path) -> Any:
+        """The kernel in the object file at ``obj_path`` (its module kept alive with the cache)."""
+        from cutlass.cute.runtime import load_module
+
+        module = load_module(str(obj_path), enable_tvm_ffi=record["calling"] == "tvm_ffi")
+        fn = module[self._prefix(record["name"], digest)]
+        self._modules[digest] = module
         return fn
 
     def _compile(self, build: Callable[[], Any]) -> tuple[Any, float]:
@@ -289,11 +294,7 @@ class KernelCache:
         os.replace(tmp_meta, meta_path)
         log.info("MoK cache: compiled %s for %s in %.2fs", record["name"], record["arch"], seconds)
         if patch is not None:  # (the patched object's code, not what was compiled in memory)
-            patched = self._load(record, digest, obj_path, meta_path)
-            if patched is None:
-                raise RuntimeError(f"MoK cache: the patched object of {record['name']} did not load back")
-            self.stats.disk_loads -= 1  # (a compile's load-back, not an entry found on disk)
-            return patched
+            return self._open(record, digest, obj_path)
         return fn
 
     # ---- inspection -------------------------------------------------------------------

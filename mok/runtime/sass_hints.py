@@ -83,10 +83,10 @@ def let_promotions_yield(data: bytearray, share: float = 1.0) -> int:
     and reuse bits of those among the run's first ``share`` of FFMAs that have both, in place (a
     share below 1 lets the warp yield early in the burst and finish it without switching); returns
     how many were changed."""
-    changed = 0
-    for base in embedded_cubins(bytes(data), 90):
-        for _, offset, size in code_sections(bytes(data), base):
-            words = [struct.unpack_from("<QQ", data, offset + i * INSTRUCTION_BYTES) for i in range(size // INSTRUCTION_BYTES)]
+    changed, original = 0, bytes(data)  # (the patches below touch no ELF header or section table)
+    for base in embedded_cubins(original, 90):
+        for _, offset, size in code_sections(original, base):
+            words = [struct.unpack_from("<QQ", original, offset + i * INSTRUCTION_BYTES) for i in range(size // INSTRUCTION_BYTES)]
             for run in ffma_runs(words):
                 for i in run[: round(share * len(run))]:
                     high = words[i][1]
