@@ -191,10 +191,11 @@ class BlockScaledMainloop:
                 release.advance()
                 self.promote(accs, blocks[:2], row_scale, scale_b)
         else:  # a stage's WGMMAs into one set while the previous stage's product, in the other, is promoted
-            context = (ab_pipe, issue, accs, blocks, s_sa, m_sb, m_sb2, crd, row_scale, n_block, expert)
+            context = (ab_pipe, issue, accs, blocks, s_sa, m_sb, m_sb2, crd, row_scale, n_block, expert, k_tiles)
             unread = (cutlass.Float32(0.0), cutlass.Float32(0.0))  # (B's scales before the first stage: none)
-            cons, release, _, _ = self.two_set_schedule(  # (K tiles >= 1 here)
-                k_tiles, self.issue_block_scaled_stage, self.settle_block_scaled_stage, context, (cons, release, unread, unread)
+            first_b = self.b_scales(m_sb, m_sb2, n_block, 0, expert)
+            cons, release, _, _, _ = self.two_set_schedule(  # (K tiles >= 1 here)
+                k_tiles, self.issue_block_scaled_stage, self.settle_block_scaled_stage, context, (cons, release, unread, unread, first_b)
             )
         return cons, release
 
@@ -248,29 +249,31 @@ class BlockScaledMainloop:
     @cute.jit
     def issue_block_scaled_stage(self, context, k_tile, into: cutlass.Constexpr[int], carry):
         """:meth:`two_set_schedule`'s issue for consume_block_scaled_tile: B's scales of the stage
-        (read while it lands), its WGMMAs into set ``into``. carry = (read state, release state,
-        B's scales of the stage before, of this one)."""
-        ab_pipe, issue, _, blocks, _, m_sb, m_sb2, _, _, n_block, expert = context
-        cons, release, _, scales_b = carry
-        next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile, expert)
+        after this one read (a whole stage ahead of their use: the scales of the stage issued now
+        were read with the stage before, so no promotion waits on a load issued in its own turn),
+        the stage's WGMMAs into set ``into``. carry = (read state, release state, B's scales of the
+        stage before, of this one, of the next)."""
+        ab_pipe, issue, _, blocks, _, m_sb, m_sb2, _, _, n_block, expert, k_tiles = context
+        cons, release, _, scales_b, this_b = carry
+        next_b = self.b_scales(m_sb, m_sb2, n_block, cutlass.min(k_tile + 1, k_tiles - 1), expert)  # (the last stage's again past the end)
         self.wait_stage(ab_pipe, cons)
         if cutlass.const_expr(self.stacked_b):  # one WGMMA a step over both products' stacked B tiles, into set ``into``'s pair
             self.mma_stage(issue[0], issue[4][into], issue[4][into], *issue[1:4], cons.index, overwrite=True, one_product=True)
         else:
             self.mma_stage(issue[0], blocks[2 * into], blocks[2 * into + 1], *issue[1:4], cons.index, overwrite=True)
         cons.advance()
-        return cons, release, scales_b, next_b
+        return cons, release, scales_b, this_b, next_b
 
     @cute.jit
     def settle_block_scaled_stage(self, context, into: cutlass.Constexpr[int], latest: cutlass.Constexpr[bool], carry):
         """:meth:`two_set_schedule`'s settle for consume_block_scaled_tile: the oldest stage in
         flight, retired in set ``into``, handed back after its row scales are read, then promoted."""
-        ab_pipe, _, accs, blocks, s_sa, _, _, crd, row_scale, _, _ = context
-        cons, release, earlier_b, scales_b = carry
+        ab_pipe, _, accs, blocks, s_sa, _, _, crd, row_scale, _, _, _ = context
+        cons, release, earlier_b, scales_b, next_b = carry
         self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
         release.advance()
         self.promote(accs, blocks[2 * into: 2 * into + 2], row_scale, scales_b if latest else earlier_b)
-        return cons, release, earlier_b, scales_b
+        return cons, release, earlier_b, scales_b, next_b
 
     @cute.jit
     def issue_outer_scaled_stage(self, context, k_tile, into: cutlass.Constexpr[int], carry):
