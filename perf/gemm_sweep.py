@@ -306,9 +306,10 @@ def fp8_weight_grad_rows() -> None:
 
 
 def fp8_for_ncu() -> None:
-    """dsv3's fc2 (plain) and fc1 (SwiGLU) on FP8 with block scales, then bf16's fc2, each called
-    twice (the first compiles), for Nsight Compute to profile the second calls (tools/sass_stalls.py
-    says how): nothing timed."""
+    """dsv3's fc2 (plain) and fc1 (SwiGLU) on FP8 with block scales, then bf16's fc2, then fc1's
+    FLOPs and K on the plain FP8 kernel (N 4096: the stacked SwiGLU form's mainloop without its
+    stacking), each called twice (the first compiles), for Nsight Compute to profile the second
+    calls (tools/sass_stalls.py says how): nothing timed."""
     from mok import fp8_block as fp8
 
     for name in ("dsv3 fc2", "dsv3 fc1"):
@@ -320,6 +321,9 @@ def fp8_for_ncu() -> None:
     R, a, b, _, tiles, _ = shape_operands(*SHAPES["dsv3 fc2"])
     for _ in range(2):
         ops.grouped_gemm(a, b, tiles)
+    (_, _, _, _, tiles, _), (a_q, b_q, _) = fp8_shape_operands(*FP8_DENSE_SHAPES["dsv3 fc1 plain"])
+    for _ in range(2):
+        ops.grouped_gemm(a_q, b_q, tiles)
     torch.cuda.synchronize()
 
 
