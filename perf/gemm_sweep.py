@@ -16,7 +16,7 @@
     python perf/gemm_sweep.py --fp8-row-quantizers  # the FP8 rows' quantizer: gathering, gathering with the bf16 copy, rows
     python perf/gemm_sweep.py --fp8-activation-out  # the FP8 gate/up GEMM's activation: bf16 then quantized, or FP8 from its
                                                     # epilogue (bits compared; with --ncu: untimed, for Nsight Compute)
-    python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1 and bf16's fc2, twice each, untimed (for ncu)
+    python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1, bf16's fc2, FP8 fc1's FLOPs on the plain kernel, twice each, untimed (ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu [qwen3-235b]  # dsv3's (or qwen3-235b's) dW_gate + dW_up on FP8, then bf16, twice each, untimed (ncu)
     python perf/gemm_sweep.py --fp8-wgrad-stages  # the FP8 dW_gate + dW_up with one or two stages issued before the previous tile's epilogue
