@@ -193,7 +193,7 @@ class BlockScaledMainloop:
         else:  # a stage's WGMMAs into one set while the previous stage's product, in the other, is promoted
             context = (ab_pipe, issue, accs, blocks, s_sa, m_sb, m_sb2, crd, row_scale, n_block, expert, k_tiles)
             unread = (cutlass.Float32(0.0), cutlass.Float32(0.0))  # (B's scales before the first stage: none)
-            first_b = self.b_scales(m_sb, m_sb2, n_block, 0, expert)
+            first_b = self.b_scales(m_sb, m_sb2, n_block, 0, expert)  # (stage 0's; each later stage's read with the one before)
             cons, release, _, _, _ = self.two_set_schedule(  # (K tiles >= 1 here)
                 k_tiles, self.issue_block_scaled_stage, self.settle_block_scaled_stage, context, (cons, release, unread, unread, first_b)
             )
@@ -251,8 +251,8 @@ class BlockScaledMainloop:
         """:meth:`two_set_schedule`'s issue for consume_block_scaled_tile: B's scales of the stage
         after this one read (a whole stage ahead of their use: the scales of the stage issued now
         were read with the stage before, so no promotion waits on a load issued in its own turn),
-        the stage's WGMMAs into set ``into``. carry = (read state, release state, B's scales of the
-        stage before, of this one, of the next)."""
+        the stage's WGMMAs into set ``into``. carry, as returned: (read state, release state, B's
+        scales of the stage before this one, of this one, of the next)."""
         ab_pipe, issue, _, blocks, _, m_sb, m_sb2, _, _, n_block, expert, k_tiles = context
         cons, release, _, scales_b, this_b = carry
         next_b = self.b_scales(m_sb, m_sb2, n_block, cutlass.min(k_tile + 1, k_tiles - 1), expert)  # (the last stage's again past the end)
