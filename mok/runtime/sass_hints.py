@@ -16,8 +16,8 @@ The hints are applied to the cubins a compiled kernel's object file embeds (CuTe
 ``export_to_c`` stores each as raw bytes), by the kernel cache (mok/runtime/cache.py) before it
 loads the object: only sm_90 cubins, only FFMAs inside runs of them (the promotions), nothing else.
 Off by default (mok.kernels.variants.PROMOTIONS_YIELD, the share of each burst): on an H100 the
-forward's FP8 GEMMs ran 2-4% slower with all of every burst's, the weight gradient perhaps 3%
-faster (docs/notes/fp8-block-hopper.md).
+forward's FP8 GEMMs ran 1-10% slower with half or all of every burst's, and the weight gradient
+gained at neither share (docs/notes/fp8-block-hopper.md).
 """
 
 from __future__ import annotations
