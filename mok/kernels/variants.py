@@ -248,7 +248,7 @@ DEEP_TURNS = {"plain": 4, "swiglu": 4, "swiglu_save": 4, "weight_grad": 8}  # th
 WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2
 # the share of each FP8 promotion's FFMAs marked so that the warp scheduler may switch warps among
 # them (mok/runtime/sass_hints.py; Hopper's kernels, the same bits): 0, none; half or all of them
-# measured 1-10% slower on the forward's GEMMs and no faster on the weight gradient
+# measured 0-10% slower on the forward's GEMMs and no faster on the weight gradient
 # (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py --fp8-yield-hints times 0, 1/2 and 1
 PROMOTIONS_YIELD = 0.0
 

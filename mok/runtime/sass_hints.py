@@ -16,7 +16,7 @@ The hints are applied to the cubins a compiled kernel's object file embeds (CuTe
 ``export_to_c`` stores each as raw bytes), by the kernel cache (mok/runtime/cache.py) before it
 loads the object: only sm_90 cubins, only FFMAs inside runs of them (the promotions), nothing else.
 Off by default (mok.kernels.variants.PROMOTIONS_YIELD, the share of each burst): on an H100 the
-forward's FP8 GEMMs ran 1-10% slower with half or all of every burst's, and the weight gradient
+forward's FP8 GEMMs ran 0-10% slower with half or all of every burst's, and the weight gradient
 gained at neither share (docs/notes/fp8-block-hopper.md).
 """
 
