@@ -16,7 +16,8 @@
     python perf/gemm_sweep.py --fp8-row-quantizers  # the FP8 rows' quantizer: gathering, gathering with the bf16 copy, rows
     python perf/gemm_sweep.py --fp8-activation-out  # the FP8 gate/up GEMM's activation: bf16 then quantized, or FP8 from its
                                                     # epilogue (bits compared; with --ncu: untimed, for Nsight Compute)
-    python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1, bf16's fc2, FP8 fc1's FLOPs on the plain kernel, twice each, untimed (ncu)
+    python perf/gemm_sweep.py --fp8-ncu           # dsv3's FP8 fc2 and fc1, bf16's fc2, FP8 fc1's FLOPs on the plain kernel,
+                                                  # cuBLAS's recipe kernel on its rows, twice each, untimed (ncu)
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu [qwen3-235b]  # dsv3's (or qwen3-235b's) dW_gate + dW_up on FP8, then bf16, twice each, untimed (ncu)
     python perf/gemm_sweep.py --fp8-wgrad-stages  # the FP8 dW_gate + dW_up with one or two stages issued before the previous tile's epilogue
@@ -216,6 +217,17 @@ FP8_DENSE_SHAPES = {  # name: (E, rows per expert, N, K, swiglu): the layer's ex
 }
 
 
+def dense_fp8_recipe(a_q: tuple, width: int):
+    """One dense [R, K] x [K, width] GEMM through torch._scaled_mm (cuBLAS) on ``a_q``'s E4M3 rows
+    with the recipe's scale layouts (A per 1 x 128, B per 128 x 128; unit scales), B random: a
+    callable, and the dense B (for the other dense forms)."""
+    R, K = a_q[0].shape
+    dense_b = (torch.randn(width, K, device="cuda") * K**-0.5).to(torch.float8_e4m3fn)
+    block_a = torch.ones(K // 128, R, device="cuda").t()  # (R, K / 128), column-major: cuBLAS's 1 x 128 layout
+    block_b = torch.ones(width // 128, K // 128, device="cuda").t()  # (K / 128, N / 128): 128 x 128
+    return (lambda: torch._scaled_mm(a_q[0], dense_b.t(), block_a, block_b, out_dtype=torch.bfloat16)), dense_b
+
+
 def fp8_dense() -> None:
     """MoK's FP8 grouped GEMMs (128-block scales; SwiGLU's gate and up as one) against one dense GEMM
     of the same FLOPs through torch._scaled_mm (cuBLAS): the same recipe (A per 1 x 128, B per
@@ -226,12 +238,10 @@ def fp8_dense() -> None:
     for name, (E, per, N, K, swiglu) in FP8_DENSE_SHAPES.items():
         (R, a, b, b2, tiles, flops), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, N, K, swiglu)
         width = N * (2 if swiglu else 1)  # (the dense B: every output column of the grouped GEMM, for one matrix of R rows)
-        dense_b = (torch.randn(width, K, device="cuda") * K**-0.5).to(torch.float8_e4m3fn)
-        block_a = torch.ones(K // 128, R, device="cuda").t()  # (R, K / 128), column-major: cuBLAS's 1 x 128 layout
-        block_b = torch.ones(width // 128, K // 128, device="cuda").t()  # (K / 128, N / 128): 128 x 128
+        recipe, dense_b = dense_fp8_recipe(a_q, width)
         runs = {
             "mok fp8 block (grouped)": lambda: ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q),
-            "scaled_mm 1x128 / 128x128": lambda: torch._scaled_mm(a_q[0], dense_b.t(), block_a, block_b, out_dtype=torch.bfloat16),
+            "scaled_mm 1x128 / 128x128": recipe,
             "scaled_mm rowwise": lambda: torch._scaled_mm(a_q[0], dense_b.t(), torch.ones(R, 1, device="cuda"),
                                                           torch.ones(1, width, device="cuda"), out_dtype=torch.bfloat16),
             "bf16 mm": lambda: a @ dense_b.bfloat16().t(),
@@ -309,7 +319,8 @@ def fp8_for_ncu() -> None:
     """dsv3's fc2 (plain) and fc1 (SwiGLU) on FP8 with block scales, then bf16's fc2, then fc1's
     FLOPs and K on the plain FP8 kernel (N 4096: the stacked SwiGLU form's mainloop without its
     stacking), each called twice (the first compiles), for Nsight Compute to profile the second
-    calls (tools/sass_stalls.py says how): nothing timed."""
+    calls (tools/sass_stalls.py says how), then cuBLAS's kernel for the recipe on the same rows
+    twice (``-k regex:nvjet --launch-skip 1``): nothing timed."""
     from mok import fp8_block as fp8
 
     for name in ("dsv3 fc2", "dsv3 fc1"):
@@ -324,6 +335,9 @@ def fp8_for_ncu() -> None:
     (_, _, _, _, tiles, _), (a_q, b_q, _) = fp8_shape_operands(*FP8_DENSE_SHAPES["dsv3 fc1 plain"])
     for _ in range(2):
         ops.grouped_gemm(a_q, b_q, tiles)
+    recipe, _ = dense_fp8_recipe(a_q, b_q[0].shape[1])
+    for _ in range(2):
+        recipe()
     torch.cuda.synchronize()
 
 
