@@ -217,7 +217,7 @@ FP8_DENSE_SHAPES = {  # name: (E, rows per expert, N, K, swiglu): the layer's ex
 }
 
 
-def dense_fp8_recipe(a_q: tuple, width: int):
+def dense_fp8_recipe(a_q: tuple, width: int) -> tuple:
     """One dense [R, K] x [K, width] GEMM through torch._scaled_mm (cuBLAS) on ``a_q``'s E4M3 rows
     with the recipe's scale layouts (A per 1 x 128, B per 128 x 128; unit scales), B random: a
     callable, and the dense B (for the other dense forms)."""
