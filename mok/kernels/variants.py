@@ -273,8 +273,9 @@ def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:
     GEMM's epilogue, or "weight_grad"): turns of 4 for the two-set plain GEMMs (the down
     projection, dx: 8-12% faster than none on the H200, turns of 8 no better) and the gate/up GEMM
     (SwiGLU's forward: 3-9% faster on an H100, within -1% .. +2% on the H200), of 8 for the FP8
-    weight gradient (2-4%), none in the SwiGLU backward (turns of 4 there 3-4% slower, H100), 0
-    without two sets."""
+    weight gradient (2-4%), none in the SwiGLU backward (turns of 4 there measured 3-4% slower
+    while it loaded h into registers, 2-3% faster since it reads h from shared memory, H100:
+    docs/notes/fp8-block-hopper.md), 0 without two sets."""
     if deep_turn is None:
         deep_turn = DEEP_TURNS.get(form, 0) if block_buffers == 2 else 0
     check_deep_turn(deep_turn, block_buffers)
