@@ -538,7 +538,7 @@ def fp8_swiglu_backward() -> None:
                       row_slot=torch.arange(R, device="cuda", dtype=torch.int32) % k, topk_w=torch.rand(R // k, k, device="cuda"))
         dout_q, w_q = fp8.quantize_rows(dout), fp8.quantize_weights(w_down.transpose(1, 2).contiguous())
         runs = {"mok bf16": lambda: ops.swiglu_backward_gemm(dout, w_down, tiles, h, **router)}
-        for label, options in {"x1": dict(block_buffers=1), "x2": dict(block_buffers=2), "x2 d4": dict(block_buffers=2, deep_turn=4)}.items():
+        for label, options in {"x1": dict(block_buffers=1), "x2": dict(block_buffers=2, deep_turn=0), "x2 d4": dict(block_buffers=2, deep_turn=4)}.items():
             runs[f"mok fp8 block {label}"] = lambda options=options: ops.swiglu_backward_gemm(dout_q, w_q, tiles, h, **options, **router)
         outputs = {kname: [t.clone() for t in run() if t is not None] for kname, run in runs.items() if "fp8" in kname}
         d_a = torch.empty(R, I, device="cuda").bfloat16()

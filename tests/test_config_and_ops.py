@@ -343,10 +343,11 @@ def test_grouped_gemm_scatter_rejects_bad_slots_before_launch():
 
 
 def test_fp8_gate_up_runs_in_turns_of_4_and_on_row_tile_pairs_only_with_row_tile_pairs():
-    """fp8_block on Hopper: the plan's FP8 gate/up GEMM (with and without h) runs two block sets in
-    turns of 4 stages, on one CTA a tile unless row_tile_pairs puts it (and no other kernel) on
-    row-tile pairs (Plan.gate_up_pairs; the bf16 GEMMs' ``pairs`` then stay off); never on pairs
-    with bf16's gate_up_pairs or on SM100 (its fp8_block runs the MXFP8 kernels)."""
+    """fp8_block on Hopper: the plan's FP8 gate/up GEMM (with and without h) and its SwiGLU backward
+    run two block sets in turns of 4 stages; the gate/up GEMM on one CTA a tile unless
+    row_tile_pairs puts it (and no other kernel) on row-tile pairs (Plan.gate_up_pairs; the bf16
+    GEMMs' ``pairs`` then stay off); never on pairs with bf16's gate_up_pairs or on SM100 (its
+    fp8_block runs the MXFP8 kernels)."""
     from mok.plan import plan_for
 
     def gate_ups(plan):
@@ -358,7 +359,7 @@ def test_fp8_gate_up_runs_in_turns_of_4_and_on_row_tile_pairs_only_with_row_tile
     assert all(c["deep_turn"] == 4 and c["block_buffers"] == 2 and c.get("cluster_m", 1) == 1 for c in gate_ups(plan))
     assert plan.gate_up_pairs == {} and not any(v.config.get("cluster_m") == 2 for v in plan.variants())
     swiglu_bwd = [dict(v.config) for v in plan.variants() if v.config.get("operand") == "e4m3_block" and v.config.get("epilogue") == "swiglu_bwd"]
-    assert swiglu_bwd and all(c.get("deep_turn", 0) == 0 for c in swiglu_bwd)
+    assert swiglu_bwd and all(c["deep_turn"] == 4 and c["block_buffers"] == 2 for c in swiglu_bwd)
     for options in (dict(), dict(ep_size=2)):
         pairs = plan_for(MoKConfig(1024, 512, E, k, precision="fp8_block", row_tile_pairs=True, **options), "sm_90a")
         clustered = [dict(v.config) for v in pairs.variants() if v.config.get("cluster_m") == 2]

@@ -241,7 +241,7 @@ def check_deep_turn(deep_turn: int, block_buffers: int) -> None:
         raise ValueError(f"deep_turn: expected 0, or an even count >= 2 with block_buffers=2, got {deep_turn} with block_buffers={block_buffers}")
 
 
-DEEP_TURNS = {"plain": 4, "swiglu": 4, "swiglu_save": 4, "weight_grad": 8}  # the FP8 GEMM forms' default turns (the others: none)
+DEEP_TURNS = {"plain": 4, "swiglu": 4, "swiglu_save": 4, "swiglu_bwd": 4, "weight_grad": 8}  # the FP8 GEMM forms' default turns (the others: none)
 # the FP8 weight gradient's stages of a tile issued before the previous tile's epilogue: 2 measured
 # 2-7% faster than 1, the same bits (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py
 # --fp8-wgrad-stages times the two
@@ -273,8 +273,8 @@ def deep_turn_for(deep_turn: int | None, block_buffers: int, form: str) -> int:
     GEMM's epilogue, or "weight_grad"): turns of 4 for the two-set plain GEMMs (the down
     projection, dx: 8-12% faster than none on the H200, turns of 8 no better) and the gate/up GEMM
     (SwiGLU's forward: 3-9% faster on an H100, within -1% .. +2% on the H200), of 8 for the FP8
-    weight gradient (2-4%), none in the SwiGLU backward (turns of 4 there measured 3-4% slower
-    while it loaded h into registers, 2-3% faster since it reads h from shared memory, H100:
+    weight gradient (2-4%), of 4 in the SwiGLU backward (2.4-3.3% faster than none since it reads h
+    from shared memory; 3-4% slower while it loaded h into registers, H100:
     docs/notes/fp8-block-hopper.md), 0 without two sets."""
     if deep_turn is None:
         deep_turn = DEEP_TURNS.get(form, 0) if block_buffers == 2 else 0
