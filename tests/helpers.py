@@ -37,7 +37,8 @@ def random_layer(num_tokens, hidden, inter, num_experts, topk, shared_inter=None
 
 def rel_err(got, want):
     """||got - want|| / ||want|| in fp32."""
-    return float((got.float() - want.float()).norm() / want.float().norm())
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).norm() / want.norm())
 
 
 def worst_row_err(got, want):
