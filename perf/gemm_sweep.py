@@ -21,8 +21,10 @@
     python perf/gemm_sweep.py --fp8-weight-grads  # dW_gate + dW_up on FP8 transposes against bf16 (and with the quantizers)
     python perf/gemm_sweep.py --fp8-wgrad-ncu [qwen3-235b]  # dsv3's (or qwen3-235b's) dW_gate + dW_up on FP8, then bf16, twice each, untimed (ncu)
     python perf/gemm_sweep.py --fp8-wgrad-stages  # the FP8 dW_gate + dW_up with one or two stages issued before the previous tile's epilogue
-    python perf/gemm_sweep.py --fp8-yield-hints   # the FP8 gate/up (a in E4M3, h), down and dW_gate + dW_up GEMMs with the
-                                                  # promotions' FFMAs allowed to yield: none, half, all (variants.PROMOTIONS_YIELD)
+    python perf/gemm_sweep.py --fp8-yield-hints   # the FP8 gate/up (a in E4M3, h), down, SwiGLU-backward and dW_gate + dW_up GEMMs
+                                                  # with the promotions' FFMAs allowed to yield: none, half, all (variants.PROMOTIONS_YIELD)
+    python perf/gemm_sweep.py --fp8-issue-order   # those GEMMs but the weight gradient with the MMA warpgroups' WGMMAs issued in
+                                                  # the free order and in a fixed one (variants.ISSUE_ORDER)
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
@@ -470,38 +472,56 @@ def fp8_weight_grad_stages() -> None:
         variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = default
 
 
-def fp8_yield_hints() -> None:
-    """The FP8 gate/up GEMM (a out in E4M3, h saved), the down GEMM (whole tiles) and dW_gate + dW_up
-    (a uniform schedule) at dsv3 and qwen3-235b, each with none, each burst's first half or all of
-    the promotions' FFMAs allowed to yield (variants.PROMOTIONS_YIELD 0, 0.5, 1: patched cubins,
-    entries of their own): bits compared, then the three interleaved in one process, ms."""
+def fp8_knob_settings(knob: str, values: tuple, label: str, weight_grads: bool = True) -> None:
+    """The FP8 gate/up GEMM (a out in E4M3, h saved), the down GEMM (whole tiles), the SwiGLU
+    backward and (``weight_grads``) dW_gate + dW_up (a uniform schedule) at dsv3 and qwen3-235b,
+    under each of ``values`` of the module setting ``mok.kernels.variants.<knob>`` (each value's
+    kernels entries of their own): bits compared with the first value's, then all interleaved in
+    one process, ms."""
     from mok.kernels import variants
 
     shapes = {"dsv3": (32, 1024, 7168, 2048), "qwen3-235b": (128, 256, 4096, 1536)}
-    default = variants.PROMOTIONS_YIELD
+    default = getattr(variants, knob)
     try:
         for name, (E, per, H, I) in shapes.items():
             (R, _, _, _, tiles, _), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, I, H, True)
             h = torch.empty(R, 2 * I, device="cuda", dtype=torch.bfloat16)
             (_, _, _, _, tiles2, _), (a2_q, w2_q, _) = fp8_shape_operands(E, per, H, I, False)
-            v = fp8_weight_grad_inputs(E * per // 8, H, I, E, 8)
+            h_bwd = torch.randn(R, 2 * I, device="cuda").bfloat16()  # (the SwiGLU backward: a_q as dout's rows, b_q as W_down's transpose)
+            rows = torch.arange(R, device="cuda", dtype=torch.int32)
+            router = dict(row_token=rows // 8, row_slot=rows % 8, topk_w=torch.rand(R // 8, 8, device="cuda"))
             kernels = {"gate/up": lambda: (*ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h, out_format="fp8_block"), h),
                        "down": lambda: (ops.grouped_gemm(a2_q, w2_q, tiles2),),
-                       "dW_gate + dW_up": lambda: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
-                                                                  split_out=True)}
+                       "swiglu bwd": lambda: tuple(t for t in ops.swiglu_backward_gemm(a_q, b_q, tiles, h_bwd, **router) if t is not None)}
+            if weight_grads:
+                v = fp8_weight_grad_inputs(E * per // 8, H, I, E, 8)
+                kernels["dW_gate + dW_up"] = lambda: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
+                                                                     split_out=True)
             for kernel, run in kernels.items():
-                def hinted(share, run=run):
-                    variants.PROMOTIONS_YIELD = share
+                def under(value, run=run):
+                    setattr(variants, knob, value)
                     return run()
 
-                plain = [t.clone() for t in hinted(0.0)]
+                first = [t.clone() for t in under(values[0])]
                 same = all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-                           for share in (0.5, 1.0) for x, y in zip(plain, hinted(share)))
-                ms = time_ms_interleaved({f"yield {share}": lambda share=share: hinted(share) for share in (0.0, 0.5, 1.0)},
-                                         batch=10, repeats=7)
-                print(f"{name:<11}{kernel:<16}bits equal {same}  " + "  ".join(f"{label} {t:.3f}" for label, t in ms.items()))
+                           for value in values[1:] for x, y in zip(first, under(value)))
+                ms = time_ms_interleaved({f"{label} {value}": lambda value=value: under(value) for value in values}, batch=10, repeats=7)
+                print(f"{name:<11}{kernel:<16}bits equal {same}  " + "  ".join(f"{key} {t:.3f}" for key, t in ms.items()))
     finally:
-        variants.PROMOTIONS_YIELD = default
+        setattr(variants, knob, default)
+
+
+def fp8_yield_hints() -> None:
+    """:func:`fp8_knob_settings` over variants.PROMOTIONS_YIELD 0, 0.5 and 1: none, each burst's first
+    half or all of the promotions' FFMAs allowed to yield (patched cubins)."""
+    fp8_knob_settings("PROMOTIONS_YIELD", (0.0, 0.5, 1.0), "yield")
+
+
+def fp8_issue_order() -> None:
+    """:func:`fp8_knob_settings` over variants.ISSUE_ORDER: the MMA warpgroups issuing each stage's
+    WGMMAs in the free order or in a fixed one (warpgroup 1 after warpgroup 0, as cuBLAS's FP8
+    kernel); the weight gradient, whose mainloop has no such order, left out."""
+    fp8_knob_settings("ISSUE_ORDER", (False, True), "ordered", weight_grads=False)
 
 
 def fp8_weight_grads_for_ncu() -> None:
@@ -724,7 +744,7 @@ SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are
     "--fp8-dense": fp8_dense, "--fp8-forward-levers": fp8_forward_levers, "--fp8-row-tile-pairs": fp8_row_tile_pairs,
     "--row-tile-pairs": row_tile_pairs, "--fp8-schedules": fp8_schedules, "--fp8-row-quantizers": fp8_row_quantizers,
     "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-stages": fp8_weight_grad_stages, "--fp8-wgrad-rows": fp8_weight_grad_rows,
-    "--fp8-yield-hints": fp8_yield_hints,
+    "--fp8-yield-hints": fp8_yield_hints, "--fp8-issue-order": fp8_issue_order,
     "--fp8-weight-grads": fp8_weight_grads, "--fp8-activation-out": fp8_activation_out,
 }
 LATER_MODES = {"--counted-wgrad": counted_weight_grads, "--weight-grads": weight_grads, "--scattered-fc2": scattered_fc2}

@@ -35,6 +35,14 @@ the next stage queued while the last is promoted; every group is retired at the 
 back edge again), the stages past whole turns taking the pairs above. The sums and their order
 are the same as with one set: the same bits.
 
+With ``ordered_issue`` (the grouped GEMM, either set count) the two MMA warpgroups issue each
+stage's WGMMAs in a fixed order, warpgroup 1's after warpgroup 0's (a named barrier over both, met
+by warpgroup 0 after its issue and by warpgroup 1 before its own), as cuBLAS's FP8 kernel orders
+them: the tensor cores then run the two warpgroups' stage products one after the other, not
+interleaved, so that their promotions fall at different times instead of competing for the same
+issue slots (Nsight Compute put the two-set loop's promotions at 2.5x cuBLAS's warp time a
+promotion, most of it dispatch stalls: docs/notes/fp8-block-hopper.md). The same sums: the same bits.
+
 K is reduced in one fixed order (K blocks in order, one fma each), one CTA per output tile: the
 result depends only on the tile's inputs and scales (deterministic, batch-invariant with per-row
 scales). The epilogues are the bf16 kernel's, on the promoted fp32 accumulators.
@@ -49,6 +57,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 SCALE_BLOCK = 128  # elements along K (and, for B, along N) that share one fp32 scale
 TILE_K_BLOCK_SCALED = 128  # K per shared-memory stage: one scale block (128 E4M3 bytes a row)
+ISSUE_ORDER_BARRIER = 5  # the named barrier of ``ordered_issue`` (1: the epilogue's, 2: scatter's, 3-4: ping-pong turns)
 FP8_ROW_ELEMENTS = 16  # N and K are multiples of it: 16-byte E4M3 rows (TMA, the gather's chunks)
 
 
@@ -90,6 +99,7 @@ class BlockScaledMainloop:
     stacked_b = False  # two products' B tiles stacked, one WGMMA over both (GroupedGemmSm90.stacked_b)
     epilogue_kind = None  # (the grouped GEMM's sets its epilogue; a weight gradient's has none of these kinds)
     stages_under_epilogue = 1  # the weight gradient: stages of a tile issued before the previous tile's epilogue (1 or 2)
+    ordered_issue = False  # the grouped GEMM: warpgroup 1 issues each stage's WGMMAs after warpgroup 0 (module docstring)
 
     @property
     def hands_registers_over(self) -> bool:
@@ -174,6 +184,7 @@ class BlockScaledMainloop:
         crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         n_block = tile_col * tile_n // SCALE_BLOCK
         row_scale = cute.make_rmem_tensor((2, cute.size(crd, mode=[1])), cutlass.Float32)
+        group_idx = cute.arch.make_warp_uniform(mma_tidx // 128)  # (the MMA warpgroup: ordered_issue)
         if cutlass.const_expr(self.block_buffers == 1):
             next_b = self.b_scales(m_sb, m_sb2, n_block, 0, expert)  # (each K block's B scales loaded one block ahead)
             for k_tile in cutlass.range(k_tiles, unroll=1):
@@ -181,23 +192,40 @@ class BlockScaledMainloop:
                 if k_tile + 1 < k_tiles:
                     next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile + 1, expert)
                 self.wait_stage(ab_pipe, cons)
+                self.await_issue_turn(group_idx)
                 if cutlass.const_expr(self.stacked_b):  # one WGMMA a step over both products' stacked B tiles
                     self.mma_stage(issue[0], issue[4][0], issue[4][0], *issue[1:4], cons.index, overwrite=True, one_product=True)
                 else:
                     self.mma_stage(issue[0], blocks[0], blocks[1], *issue[1:4], cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
+                self.pass_issue_turn(group_idx)
                 cute.nvgpu.warpgroup.wait_group(0)
                 self.retire_block(ab_pipe, release, s_sa, crd, row_scale, cons.index)
                 cons.advance()
                 release.advance()
                 self.promote(accs, blocks[:2], row_scale, scale_b)
         else:  # a stage's WGMMAs into one set while the previous stage's product, in the other, is promoted
-            context = (ab_pipe, issue, accs, blocks, s_sa, m_sb, m_sb2, crd, row_scale, n_block, expert, k_tiles)
+            context = (ab_pipe, issue, accs, blocks, s_sa, m_sb, m_sb2, crd, row_scale, n_block, expert, k_tiles, group_idx)
             unread = (cutlass.Float32(0.0), cutlass.Float32(0.0))  # (B's scales before the first stage: none)
             first_b = self.b_scales(m_sb, m_sb2, n_block, 0, expert)  # (stage 0's; each later stage's read with the one before)
             cons, release, _, _, _ = self.two_set_schedule(  # (K tiles >= 1 here)
                 k_tiles, self.issue_block_scaled_stage, self.settle_block_scaled_stage, context, (cons, release, unread, unread, first_b)
             )
         return cons, release
+
+    @cute.jit
+    def await_issue_turn(self, group_idx):
+        """``ordered_issue``: warpgroup 1 waits here until warpgroup 0 has issued this stage's WGMMAs."""
+        if cutlass.const_expr(self.ordered_issue):
+            if group_idx == 1:
+                cute.arch.barrier(barrier_id=ISSUE_ORDER_BARRIER, number_of_threads=self.consumer_threads)
+
+    @cute.jit
+    def pass_issue_turn(self, group_idx):
+        """``ordered_issue``: warpgroup 0, its stage's WGMMAs issued, lets warpgroup 1 issue its own
+        (the barrier's other half: each warpgroup meets it once a stage)."""
+        if cutlass.const_expr(self.ordered_issue):
+            if group_idx == 0:
+                cute.arch.barrier(barrier_id=ISSUE_ORDER_BARRIER, number_of_threads=self.consumer_threads)
 
     @cute.jit
     def two_set_schedule(self, k_tiles, issue, settle, context, carry, first_issued: cutlass.Constexpr[int] = 0):
@@ -253,14 +281,16 @@ class BlockScaledMainloop:
         were read with the stage before, so no promotion waits on a load issued in its own turn),
         the stage's WGMMAs into set ``into``. carry, as returned: (read state, release state, B's
         scales of the stage before this one, of this one, of the next)."""
-        ab_pipe, issue, _, blocks, _, m_sb, m_sb2, _, _, n_block, expert, k_tiles = context
+        ab_pipe, issue, _, blocks, _, m_sb, m_sb2, _, _, n_block, expert, k_tiles, group_idx = context
         cons, release, _, scales_b, this_b = carry
         next_b = self.b_scales(m_sb, m_sb2, n_block, cutlass.min(k_tile + 1, k_tiles - 1), expert)  # (the last stage's again past the end)
         self.wait_stage(ab_pipe, cons)
+        self.await_issue_turn(group_idx)
         if cutlass.const_expr(self.stacked_b):  # one WGMMA a step over both products' stacked B tiles, into set ``into``'s pair
             self.mma_stage(issue[0], issue[4][into], issue[4][into], *issue[1:4], cons.index, overwrite=True, one_product=True)
         else:
             self.mma_stage(issue[0], blocks[2 * into], blocks[2 * into + 1], *issue[1:4], cons.index, overwrite=True)
+        self.pass_issue_turn(group_idx)
         cons.advance()
         return cons, release, scales_b, this_b, next_b
 
@@ -268,7 +298,7 @@ class BlockScaledMainloop:
     def settle_block_scaled_stage(self, context, into: cutlass.Constexpr[int], latest: cutlass.Constexpr[bool], carry):
         """:meth:`two_set_schedule`'s settle for consume_block_scaled_tile: the oldest stage in
         flight, retired in set ``into``, handed back after its row scales are read, then promoted."""
-        ab_pipe, _, accs, blocks, s_sa, _, _, crd, row_scale, _, _, _ = context
+        ab_pipe, _, accs, blocks, s_sa, _, _, crd, row_scale, _, _, _, _ = context
         cons, release, earlier_b, scales_b, next_b = carry
         self.retire_block(ab_pipe, release, s_sa, crd, row_scale, release.index)
         release.advance()

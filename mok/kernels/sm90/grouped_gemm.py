@@ -93,7 +93,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
         activation: str = "swiglu", bias: bool = False, operand: str = "bf16", block_buffers: int = 1,
         b_row_stride: int | None = None, cluster_m: int = 1, deep_turn: int = 0, out_format: str = "bf16",
-        power_of_two: bool = False,
+        power_of_two: bool = False, ordered_issue: bool = False,
     ) -> None:
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
@@ -124,6 +124,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if cluster_m == PAIR and (not persistent or pingpong):
             raise ValueError("cluster_m=2: only in the persistent cooperative kernel")
         self.cluster_m = cluster_m
+        if ordered_issue and not self.block_scaled:
+            raise ValueError(f"ordered_issue: an option of the FP8 mainloop (operand='e4m3_block'), got operand={operand!r}")
+        self.ordered_issue = ordered_issue
         self.check_out_format(out_format, power_of_two, epilogue, tile_n)
         self.pingpong = pingpong
         if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers
