@@ -330,7 +330,7 @@ def test_fp8_block_precision_plans_fp8_gemms_and_bf16_weight_gradients():
     assert sorted((c["epilogue"], c["n"], c["k"], c["k_split"], c.get("cluster_m", 1), c.get("deep_turn", 0), c.get("out_format"))
                   for c in fp8_gemms) == [
         ("plain", 2048, 768, False, 1, 4, None), ("plain", 2048, 1536, True, 1, 4, None), ("swiglu", 768, 2048, False, 1, 4, "e4m3_block"),
-        ("swiglu_bwd", 768, 2048, False, 1, 0, None), ("swiglu_save", 768, 2048, False, 1, 4, "e4m3_block")]
+        ("swiglu_bwd", 768, 2048, False, 1, 4, None), ("swiglu_save", 768, 2048, False, 1, 4, "e4m3_block")]
     assert all(v.config.get("operand") is None for v in variants if v.name == "weight_grad")
     quantizers = sorted((v.config["width"], v.config["block_rows"], v.config.get("bounded", False), v.config.get("segments", 1),
                          v.config.get("gathered", False), v.config.get("copies_rows", False))
