@@ -545,7 +545,8 @@ def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(options):
     local = r"mbarrier\.arrive\.shared\.b64"  # (the stages' releases: 1-2 a kernel, more in the FP8 mainloops' unrolled turns)
     releases = count(local, single) - count(local, pair)  # (each release site now an arrival on both CTAs' barriers)
     assert releases >= 1
-    assert count(r"mapa\.shared::cluster", pair) == releases and count(r"mbarrier\.arrive\.shared::cluster\.b64", pair) == releases
+    assert count(r"mbarrier\.arrive\.shared::cluster\.b64", pair) == releases  # (one remote arrival a release site)
+    assert 1 <= count(r"mapa\.shared::cluster", pair) <= releases  # (the partner's barrier addresses, shared between sites where ptxas can)
     assert count(r"shared::cluster|barrier\.cluster|%cluster_ctarank", single) == 0
     assert count(r"wgmma\.mma_async", pair) == count(r"wgmma\.mma_async", single)
     assert_wgmmas_not_serialized(pair)
