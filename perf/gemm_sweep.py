@@ -25,6 +25,8 @@
                                                   # with the promotions' FFMAs allowed to yield: none, half, all (variants.PROMOTIONS_YIELD)
     python perf/gemm_sweep.py --fp8-issue-order   # those GEMMs but the weight gradient with the MMA warpgroups' WGMMAs issued in
                                                   # the free order and in a fixed one (variants.ISSUE_ORDER)
+    python perf/gemm_sweep.py --fp8-tile-ingress  # the plain FP8 kernel 64 and 128 wide, bf16's 128 and 256, cuBLAS's FP8 recipe:
+                                                  # ms and the rate the tiles' operand bytes enter the SMs
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
@@ -511,6 +513,34 @@ def fp8_knob_settings(knob: str, values: tuple, label: str, weight_grads: bool =
         setattr(variants, knob, default)
 
 
+def fp8_tile_ingress() -> None:
+    """Whether the FP8 GEMMs are bound by the bytes each SM takes in from L2 a stage: the plain
+    FP8 kernel (two block sets, its default schedule) on dsv3's fc1 rows (32 experts x 1024, N
+    4096, K 7168: cuBLAS's dense recipe kernel beside, the same FLOPs) with 64- and 128-wide tiles,
+    and bf16's kernel with 128- and 256-wide ones, interleaved in one process: ms, TFLOP/s, and
+    the rate at which the tiles' operand bytes enter the SMs (every tile loads its A rows and B
+    columns over all of K; TB/s summed over the SMs). One bound for all: that rate level across
+    the widths while TFLOP/s follows the FLOPs a byte (docs/notes/fp8-block-hopper.md)."""
+    E, per, N, K = 32, 1024, 4096, 7168
+    (R, a, b, _, tiles, flops), (a_q, b_q, _) = fp8_shape_operands(E, per, N, K, False)
+    recipe, _ = dense_fp8_recipe(a_q, N)
+    runs, loaded = {}, {}
+    for tile_n in (64, 128):
+        runs[f"fp8 tile 128 x {tile_n}"] = lambda tile_n=tile_n: ops.grouped_gemm(a_q, b_q, tiles, tile_n=tile_n)
+        loaded[f"fp8 tile 128 x {tile_n}"] = (R // 128) * (N // tile_n) * (128 + tile_n) * K  # (E4M3: a byte an element)
+    for tile_n in (128, 256):
+        runs[f"bf16 tile 128 x {tile_n}"] = lambda tile_n=tile_n: ops.grouped_gemm(a, b, tiles, tile_n=tile_n)
+        loaded[f"bf16 tile 128 x {tile_n}"] = (R // 128) * (N // tile_n) * (128 + tile_n) * K * 2
+    runs["cublas fp8 recipe (dense)"] = recipe
+    ms = time_ms_interleaved(runs, batch=10, repeats=5)
+    print(f"# {torch.cuda.get_device_name()}: dsv3 fc1 rows, {E} x {per} rows, N {N}, K {K}")
+    print(f"{'kernel':<28}{'ms':>8}{'TFLOP/s':>9}{'FLOP/B':>8}{'into SMs TB/s':>15}")
+    for key, t in ms.items():
+        into = f"{loaded[key] / t / 1e9:>15.2f}" if key in loaded else ""
+        per_byte = f"{flops / loaded[key]:>8.0f}" if key in loaded else f"{'':>8}"
+        print(f"{key:<28}{t:>8.3f}{flops / t / 1e9:>9.0f}{per_byte}{into}")
+
+
 def fp8_yield_hints() -> None:
     """:func:`fp8_knob_settings` over variants.PROMOTIONS_YIELD 0, 0.5 and 1: none, each burst's first
     half or all of the promotions' FFMAs allowed to yield (patched cubins)."""
@@ -744,7 +774,7 @@ SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are
     "--fp8-dense": fp8_dense, "--fp8-forward-levers": fp8_forward_levers, "--fp8-row-tile-pairs": fp8_row_tile_pairs,
     "--row-tile-pairs": row_tile_pairs, "--fp8-schedules": fp8_schedules, "--fp8-row-quantizers": fp8_row_quantizers,
     "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-stages": fp8_weight_grad_stages, "--fp8-wgrad-rows": fp8_weight_grad_rows,
-    "--fp8-yield-hints": fp8_yield_hints, "--fp8-issue-order": fp8_issue_order,
+    "--fp8-yield-hints": fp8_yield_hints, "--fp8-issue-order": fp8_issue_order, "--fp8-tile-ingress": fp8_tile_ingress,
     "--fp8-weight-grads": fp8_weight_grads, "--fp8-activation-out": fp8_activation_out,
 }
 LATER_MODES = {"--counted-wgrad": counted_weight_grads, "--weight-grads": weight_grads, "--scattered-fc2": scattered_fc2}
