@@ -520,7 +520,9 @@ def fp8_tile_ingress() -> None:
     and bf16's kernel with 128- and 256-wide ones, interleaved in one process: ms, TFLOP/s, and
     the rate at which the tiles' operand bytes enter the SMs (every tile loads its A rows and B
     columns over all of K; TB/s summed over the SMs). One bound for all: that rate level across
-    the widths while TFLOP/s follows the FLOPs a byte (docs/notes/fp8-block-hopper.md)."""
+    the widths while TFLOP/s follows the FLOPs a byte (docs/notes/fp8-block-hopper.md). (The FP8
+    kernel 64 wide hands registers over past its launch count, as one that ran did:
+    docs/notes/kernel-pitfalls.md; run this under `timeout`.)"""
     E, per, N, K = 32, 1024, 4096, 7168
     (R, a, b, _, tiles, flops), (a_q, b_q, _) = fp8_shape_operands(E, per, N, K, False)
     recipe, _ = dense_fp8_recipe(a_q, N)
