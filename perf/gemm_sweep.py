@@ -527,12 +527,11 @@ def fp8_tile_ingress() -> None:
     (R, a, b, _, tiles, flops), (a_q, b_q, _) = fp8_shape_operands(E, per, N, K, False)
     recipe, _ = dense_fp8_recipe(a_q, N)
     runs, loaded = {}, {}
-    for tile_n in (64, 128):
-        runs[f"fp8 tile 128 x {tile_n}"] = lambda tile_n=tile_n: ops.grouped_gemm(a_q, b_q, tiles, tile_n=tile_n)
-        loaded[f"fp8 tile 128 x {tile_n}"] = (R // 128) * (N // tile_n) * (128 + tile_n) * K  # (E4M3: a byte an element)
-    for tile_n in (128, 256):
-        runs[f"bf16 tile 128 x {tile_n}"] = lambda tile_n=tile_n: ops.grouped_gemm(a, b, tiles, tile_n=tile_n)
-        loaded[f"bf16 tile 128 x {tile_n}"] = (R // 128) * (N // tile_n) * (128 + tile_n) * K * 2
+    for kind, (a_in, b_in), widths, element_bytes in (("fp8", (a_q, b_q), (64, 128), 1), ("bf16", (a, b), (128, 256), 2)):
+        for tile_n in widths:
+            key = f"{kind} tile 128 x {tile_n}"
+            runs[key] = lambda a_in=a_in, b_in=b_in, tile_n=tile_n: ops.grouped_gemm(a_in, b_in, tiles, tile_n=tile_n)
+            loaded[key] = (R // 128) * (N // tile_n) * (128 + tile_n) * K * element_bytes
     runs["cublas fp8 recipe (dense)"] = recipe
     ms = time_ms_interleaved(runs, batch=10, repeats=5)
     print(f"# {torch.cuda.get_device_name()}: dsv3 fc1 rows, {E} x {per} rows, N {N}, K {K}")

@@ -192,12 +192,12 @@ class BlockScaledMainloop:
                 if k_tile + 1 < k_tiles:
                     next_b = self.b_scales(m_sb, m_sb2, n_block, k_tile + 1, expert)
                 self.wait_stage(ab_pipe, cons)
-                self.await_issue_turn(group_idx)
+                self.meet_issue_order(group_idx, 1)
                 if cutlass.const_expr(self.stacked_b):  # one WGMMA a step over both products' stacked B tiles
                     self.mma_stage(issue[0], issue[4][0], issue[4][0], *issue[1:4], cons.index, overwrite=True, one_product=True)
                 else:
                     self.mma_stage(issue[0], blocks[0], blocks[1], *issue[1:4], cons.index, overwrite=True)  # (no zeroing: scale-d 0 first)
-                self.pass_issue_turn(group_idx)
+                self.meet_issue_order(group_idx, 0)
                 cute.nvgpu.warpgroup.wait_group(0)
                 self.retire_block(ab_pipe, release, s_sa, crd, row_scale, cons.index)
                 cons.advance()
@@ -213,18 +213,12 @@ class BlockScaledMainloop:
         return cons, release
 
     @cute.jit
-    def await_issue_turn(self, group_idx):
-        """``ordered_issue``: warpgroup 1 waits here until warpgroup 0 has issued this stage's WGMMAs."""
+    def meet_issue_order(self, group_idx, warpgroup: cutlass.Constexpr[int]):
+        """``ordered_issue``: the named barrier both MMA warpgroups meet once a stage, here for
+        ``warpgroup`` only: warpgroup 1 before it issues the stage's WGMMAs, warpgroup 0 after, so
+        that warpgroup 1's go out after warpgroup 0's."""
         if cutlass.const_expr(self.ordered_issue):
-            if group_idx == 1:
-                cute.arch.barrier(barrier_id=ISSUE_ORDER_BARRIER, number_of_threads=self.consumer_threads)
-
-    @cute.jit
-    def pass_issue_turn(self, group_idx):
-        """``ordered_issue``: warpgroup 0, its stage's WGMMAs issued, lets warpgroup 1 issue its own
-        (the barrier's other half: each warpgroup meets it once a stage)."""
-        if cutlass.const_expr(self.ordered_issue):
-            if group_idx == 0:
+            if group_idx == warpgroup:
                 cute.arch.barrier(barrier_id=ISSUE_ORDER_BARRIER, number_of_threads=self.consumer_threads)
 
     @cute.jit
@@ -285,12 +279,12 @@ class BlockScaledMainloop:
         cons, release, _, scales_b, this_b = carry
         next_b = self.b_scales(m_sb, m_sb2, n_block, cutlass.min(k_tile + 1, k_tiles - 1), expert)  # (the last stage's again past the end)
         self.wait_stage(ab_pipe, cons)
-        self.await_issue_turn(group_idx)
+        self.meet_issue_order(group_idx, 1)
         if cutlass.const_expr(self.stacked_b):  # one WGMMA a step over both products' stacked B tiles, into set ``into``'s pair
             self.mma_stage(issue[0], issue[4][into], issue[4][into], *issue[1:4], cons.index, overwrite=True, one_product=True)
         else:
             self.mma_stage(issue[0], blocks[2 * into], blocks[2 * into + 1], *issue[1:4], cons.index, overwrite=True)
-        self.pass_issue_turn(group_idx)
+        self.meet_issue_order(group_idx, 0)
         cons.advance()
         return cons, release, scales_b, this_b, next_b
 
