@@ -474,12 +474,12 @@ def fp8_weight_grad_stages() -> None:
         variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = default
 
 
-def fp8_knob_settings(knob: str, values: tuple, label: str, weight_grads: bool = True) -> None:
+def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True) -> None:
     """The FP8 gate/up GEMM (a out in E4M3, h saved), the down GEMM (whole tiles), the SwiGLU
     backward and (``weight_grads``) dW_gate + dW_up (a uniform schedule) at dsv3 and qwen3-235b,
-    under each of ``values`` of the module setting ``mok.kernels.variants.<knob>`` (each value's
-    kernels entries of their own): bits compared with the first value's, then all interleaved in
-    one process, ms."""
+    under each of ``settings`` (label: value) of the module setting ``mok.kernels.variants.<knob>``
+    (each value's kernels entries of their own): bits compared with the first value's, then all
+    interleaved in one process, ms."""
     from mok.kernels import variants
 
     shapes = {"dsv3": (32, 1024, 7168, 2048), "qwen3-235b": (128, 256, 4096, 1536)}
@@ -504,10 +504,11 @@ def fp8_knob_settings(knob: str, values: tuple, label: str, weight_grads: bool =
                     setattr(variants, knob, value)
                     return run()
 
+                values = list(settings.values())
                 first = [t.clone() for t in under(values[0])]
                 same = all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
                            for value in values[1:] for x, y in zip(first, under(value)))
-                ms = time_ms_interleaved({f"{label} {value}": lambda value=value: under(value) for value in values}, batch=10, repeats=7)
+                ms = time_ms_interleaved({label: lambda value=value: under(value) for label, value in settings.items()}, batch=10, repeats=7)
                 print(f"{name:<11}{kernel:<16}bits equal {same}  " + "  ".join(f"{key} {t:.3f}" for key, t in ms.items()))
     finally:
         setattr(variants, knob, default)
@@ -545,14 +546,16 @@ def fp8_tile_ingress() -> None:
 def fp8_yield_hints() -> None:
     """:func:`fp8_knob_settings` over variants.PROMOTIONS_YIELD 0, 0.5 and 1: none, each burst's first
     half or all of the promotions' FFMAs allowed to yield (patched cubins)."""
-    fp8_knob_settings("PROMOTIONS_YIELD", (0.0, 0.5, 1.0), "yield")
+    fp8_knob_settings("PROMOTIONS_YIELD", {f"yield {share}": share for share in (0.0, 0.5, 1.0)})
 
 
 def fp8_issue_order() -> None:
     """:func:`fp8_knob_settings` over variants.ISSUE_ORDER: the MMA warpgroups issuing each stage's
     WGMMAs in the free order or in a fixed one (warpgroup 1 after warpgroup 0, as cuBLAS's FP8
-    kernel); the weight gradient, whose mainloop has no such order, left out."""
-    fp8_knob_settings("ISSUE_ORDER", (False, True), "ordered", weight_grads=False)
+    kernel) in every form; the weight gradient, whose mainloop has no such order, left out."""
+    from mok.kernels.common.grouped_gemm import EPILOGUES
+
+    fp8_knob_settings("ISSUE_ORDER", {"free": frozenset(), "ordered": frozenset(EPILOGUES)}, weight_grads=False)
 
 
 def fp8_weight_grads_for_ncu() -> None:

@@ -15,6 +15,7 @@ import torch
 from mok import fp8_block as fp8
 from mok import ops, pipeline
 from mok.kernels import variants
+from mok.kernels.common.grouped_gemm import EPILOGUES
 from mok.ops import gemm as gemm_ops
 
 from helpers import gpu_layer, poisoned, rel_err
@@ -832,8 +833,8 @@ def test_promotions_allowed_to_yield_give_the_same_bits(monkeypatch):
 
 @pytest.mark.parametrize("k_blocks", [1, 2, 9, 10])
 def test_ordered_issue_gives_the_free_order_s_bits(k_blocks, monkeypatch):
-    """variants.ISSUE_ORDER (the two MMA warpgroups issue each stage's WGMMAs in a fixed order,
-    through a named barrier both meet once a stage): the plain GEMM on one set and on two in turns
+    """variants.ISSUE_ORDER in every form (the two MMA warpgroups issue each stage's WGMMAs in a
+    fixed order, through a named barrier both meet once a stage): the plain GEMM on one set and on two in turns
     of 4, the SwiGLU forward with h and the SwiGLU backward, at odd and even K block counts with an
     unused tile, give the free order's bits (the unused tile left unwritten; the plain product
     against the float64 one of its operands)."""
@@ -857,8 +858,9 @@ def test_ordered_issue_gives_the_free_order_s_bits(k_blocks, monkeypatch):
         outs += [out, h_out, *(t for t in ops.swiglu_backward_gemm(a_q, w_q, tiles, h, **router) if t is not None)]
         return outs
 
+    monkeypatch.setattr(variants, "ISSUE_ORDER", frozenset())
     free = forms()
-    monkeypatch.setattr(variants, "ISSUE_ORDER", True)
+    monkeypatch.setattr(variants, "ISSUE_ORDER", frozenset(EPILOGUES))
     ordered = forms()
     for i, (want, got) in enumerate(zip(free, ordered)):
         if i < 4:  # (the forward forms' rows of the unused tile stay as they were)
