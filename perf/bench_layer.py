@@ -44,6 +44,7 @@ The current figures are in perf/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import ast
 
 import torch
 
@@ -143,6 +144,39 @@ def stacked_inputs(inputs):
         return None
     bufs = [torch.cat([routed, one[None]]) for routed, one in zip(experts, shared)]
     return x, idx, w, tuple(b[:-1] for b in bufs), tuple(b[-1] for b in bufs)
+
+
+def variant_setting(text: str) -> tuple[str, object]:
+    """``--set NAME=VALUE``: one of mok.kernels.variants' TUNABLE_SETTINGS (read each time a kernel
+    variant is built) and its new value, a Python literal (a list or set for a frozenset setting),
+    checked against the setting's type."""
+    from mok.kernels import variants
+
+    name, sep, literal = text.partition("=")
+    if not sep or name not in variants.TUNABLE_SETTINGS:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {list(variants.TUNABLE_SETTINGS)}, got {text!r}")
+    current = getattr(variants, name)
+    try:
+        value = ast.literal_eval(literal)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{name}: expected a Python literal, got {literal!r}") from None
+    if isinstance(current, frozenset) and isinstance(value, (list, tuple, set)):
+        value = frozenset(value)
+    elif isinstance(current, float) and type(value) is int:
+        value = float(value)
+    if type(value) is not type(current):
+        raise argparse.ArgumentTypeError(f"{name}: expected a {type(current).__name__} like {current!r}, got {value!r}")
+    return name, value
+
+
+def apply_variant_settings(settings: list[tuple[str, object]]) -> None:
+    """Set each (name, value) of :func:`variant_setting` on mok.kernels.variants, announced in the
+    output (the kernels built from then on are entries of their own in the cache)."""
+    from mok.kernels import variants
+
+    for name, value in settings:
+        setattr(variants, name, value)
+        print(f"# mok.kernels.variants.{name} = {value!r}")
 
 
 def config_of(inputs, **options) -> mok.MoKConfig:
@@ -290,8 +324,11 @@ def main() -> int:
     parser.add_argument("--profile-paths", default="mok", help="at EP 1: the paths whose kernels are printed, comma-separated (default: mok)")
     parser.add_argument("--quack-tuned", action="store_true", help="the quack gemms path with quack's autotuner (default: its default config)")
     parser.add_argument("--memory", action="store_true", help="measure what each saved_h_format keeps and a 4-layer step's peak instead")
+    parser.add_argument("--set", type=variant_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="a mok.kernels.variants setting for this run (repeatable), e.g. ISSUE_ORDER=[] or 'DEEP_TURNS={\"plain\": 8}'")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    apply_variant_settings(args.set)
     if args.memory:
         print_memory(args.configs.split(","))
         return 0

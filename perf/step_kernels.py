@@ -2,12 +2,14 @@
 the A/B of two source trees at the kernel level.
 
     PYTHONPATH=<tree> MOK_CACHE_DIR=<its cache> python perf/step_kernels.py --configs dsv3,qwen3-235b \
-        [--precision fp8_block] [--wgrad-format fp8_block]
+        [--precision fp8_block] [--wgrad-format fp8_block] [--set NAME=VALUE ...]
 
 For each config: the step's launches in order with each one's mean device time over ``--calls``
 calls (the profiler, after three warm-up steps), their sum, and a hash of the step's gradients'
 bytes. Run it once per tree on one machine, alternating: the per-kernel figures say where a change
 moved time, and equal hashes that the trees compute the same bits (the same inputs every run).
+``--set`` changes a setting of mok.kernels.variants for the run instead (one tree, two settings:
+perf/bench_layer.py's variant_setting), e.g. ``--set ISSUE_ORDER=[]``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mok  # noqa: E402
-from bench_layer import CONFIGS, config_of, make_inputs, mok_plan_train_step  # noqa: E402
+from bench_layer import CONFIGS, apply_variant_settings, config_of, make_inputs, mok_plan_train_step, variant_setting  # noqa: E402
 from mok.bench import kernel_sequence  # noqa: E402
 
 
@@ -38,10 +40,13 @@ def main() -> int:
     parser.add_argument("--precision", default="fp8_block", choices=("bf16", "fp8_block"))
     parser.add_argument("--wgrad-format", default=None, help="the backward's weight-gradient operands (default: the precision's)")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--set", type=variant_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="a mok.kernels.variants setting for this run (repeatable)")
     args = parser.parse_args()
     from mok.plan import Plan
 
     print(f"# {torch.cuda.get_device_name()}, mok from {os.path.dirname(mok.__file__)}")
+    apply_variant_settings(args.set)
     for name in args.configs.split(","):
         inputs = make_inputs(*CONFIGS[name])
         dout = torch.randn(inputs[0].shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()

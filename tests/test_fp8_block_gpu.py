@@ -834,10 +834,10 @@ def test_promotions_allowed_to_yield_give_the_same_bits(monkeypatch):
 @pytest.mark.parametrize("k_blocks", [1, 2, 9, 10])
 def test_ordered_issue_gives_the_free_order_s_bits(k_blocks, monkeypatch):
     """variants.ISSUE_ORDER in every form (the two MMA warpgroups issue each stage's WGMMAs in a
-    fixed order, through a named barrier both meet once a stage): the plain GEMM on one set and on two in turns
-    of 4, the SwiGLU forward with h and the SwiGLU backward, at odd and even K block counts with an
-    unused tile, give the free order's bits (the unused tile left unwritten; the plain product
-    against the float64 one of its operands)."""
+    fixed order, through a named barrier both meet once a stage): the plain GEMM on one set and on
+    two in turns of 4, the SwiGLU forward with h and the SwiGLU backward, at odd and even K block
+    counts with an unused tile, give the free order's bits (the unused tile left unwritten; the
+    plain product against the float64 one of its operands)."""
     R, N, K, E = 900, 384, 128 * k_blocks, 3
     a_q, b_q, b2_q, tiles, experts = operands(R, N, K, E, seed=200 + k_blocks, two=True)
     used = experts >= 0

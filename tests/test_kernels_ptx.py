@@ -702,8 +702,8 @@ def test_fp8_ordered_issue_puts_a_barrier_around_every_stage_issue(monkeypatch, 
     every place a stage's WGMMAs go out from (warpgroup 1 before its issue, warpgroup 0 after), in
     the text order barrier, its four WGMMAs, barrier; a config entry of its own (its own cache
     entry), in the named forms only; with it, as without, the WGMMAs not serialized, nothing
-    spilled, the hand-over within the launch count; no
-    such barrier in the free order, nor in bf16's kernel (the option refused there)."""
+    spilled, the hand-over within the launch count; no such barrier in the free order, nor in
+    bf16's kernel (the option refused there)."""
     from mok.kernels import variants
     from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
 

@@ -1,5 +1,5 @@
 """tools/sass_stalls.py reads ncu's source-page CSV export (CPU; a synthetic export of two kernels);
-mok.bench's interleaved timer (GPU)."""
+mok.bench's interleaved timer (GPU); perf/bench_layer.py's --set parser (CPU)."""
 
 import importlib.util
 import sys
@@ -129,3 +129,34 @@ def test_sustained_timing_warms_up_then_times_and_samples_the_clock():
     if shutil.which("nvidia-smi"):
         assert gpu["samples"] >= 1 and 100 < gpu["clock_mhz"] < 5000 and gpu["power_w"] > 0
 
+
+
+def test_variant_setting_parses_a_tunable_setting_into_its_type_and_refuses_the_rest():
+    """perf/bench_layer.py's --set NAME=VALUE (and perf/step_kernels.py's): a name of
+    mok.kernels.variants.TUNABLE_SETTINGS, its value a literal of the setting's type (a list or set
+    for a frozenset, an int for a float); anything else an argparse error naming what was
+    expected; applying it changes what the variants read, the FP8 gate/up GEMM's config here."""
+    import argparse
+
+    spec = importlib.util.spec_from_file_location("bench_layer", ROOT / "perf" / "bench_layer.py")
+    bench_layer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_layer)
+    from mok.kernels import variants
+
+    assert bench_layer.variant_setting("ISSUE_ORDER=[]") == ("ISSUE_ORDER", frozenset())
+    assert bench_layer.variant_setting("ISSUE_ORDER={'plain'}") == ("ISSUE_ORDER", frozenset({"plain"}))
+    assert bench_layer.variant_setting("PROMOTIONS_YIELD=1") == ("PROMOTIONS_YIELD", 1.0)
+    assert bench_layer.variant_setting("DEEP_TURNS={'plain': 8}") == ("DEEP_TURNS", {"plain": 8})
+    for text, message in (("ISSUE_ORDER", "NAME=VALUE"), ("SWIGLU_BACKWARD_TILE_N=64", "NAME=VALUE"),
+                          ("DEEP_TURNS=8", "expected a dict"), ("PROMOTIONS_YIELD=half", "Python literal")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            bench_layer.variant_setting(text)
+    gate_up = dict(operand="e4m3_block", epilogue="swiglu_save", topk=8)
+    default = variants.ISSUE_ORDER
+    try:
+        bench_layer.apply_variant_settings([bench_layer.variant_setting("ISSUE_ORDER=[]")])
+        assert "ordered_issue" not in variants.grouped_gemm_variant(2048, 7168, **gate_up).config
+        bench_layer.apply_variant_settings([bench_layer.variant_setting("ISSUE_ORDER=['swiglu_save']")])
+        assert variants.grouped_gemm_variant(2048, 7168, **gate_up).config["ordered_issue"] is True
+    finally:
+        variants.ISSUE_ORDER = default

@@ -257,6 +257,9 @@ PROMOTIONS_YIELD = 0.0
 # level at qwen3-235b; the down GEMM 2-7% and the SwiGLU backward 0-3% slower so (H100;
 # perf/gemm_sweep.py --fp8-issue-order times each form both ways, docs/notes/fp8-block-hopper.md)
 ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
+# the settings above read each time a kernel variant is built, so that a benchmark may change them
+# for one run (perf/bench_layer.py and perf/step_kernels.py --set NAME=VALUE)
+TUNABLE_SETTINGS = ("DEEP_TURNS", "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", "PROMOTIONS_YIELD", "ISSUE_ORDER")
 
 
 def with_yield_hints(variant: KernelVariant, operand: str) -> KernelVariant:
