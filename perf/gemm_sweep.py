@@ -23,8 +23,8 @@
     python perf/gemm_sweep.py --fp8-wgrad-stages  # the FP8 dW_gate + dW_up with one or two stages issued before the previous tile's epilogue
     python perf/gemm_sweep.py --fp8-yield-hints   # the FP8 gate/up (a in E4M3, h), down, SwiGLU-backward and dW_gate + dW_up GEMMs
                                                   # with the promotions' FFMAs allowed to yield: none, half, all (variants.PROMOTIONS_YIELD)
-    python perf/gemm_sweep.py --fp8-issue-order   # those GEMMs but the weight gradient with the MMA warpgroups' WGMMAs issued in
-                                                  # the free order and in a fixed one (variants.ISSUE_ORDER)
+    python perf/gemm_sweep.py --fp8-issue-order   # those GEMMs with the MMA warpgroups' WGMMAs issued in the free order
+                                                  # and in a fixed one (variants.ISSUE_ORDER)
     python perf/gemm_sweep.py --fp8-tile-ingress  # the plain FP8 kernel 64 and 128 wide, bf16's 128 and 256, cuBLAS's FP8 recipe:
                                                   # ms and the rate the tiles' operand bytes enter the SMs
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
@@ -552,10 +552,10 @@ def fp8_yield_hints() -> None:
 def fp8_issue_order() -> None:
     """:func:`fp8_knob_settings` over variants.ISSUE_ORDER: the MMA warpgroups issuing each stage's
     WGMMAs in the free order or in a fixed one (warpgroup 1 after warpgroup 0, as cuBLAS's FP8
-    kernel) in every form; the weight gradient, whose mainloop has no such order, left out."""
+    kernel) in every form, the weight gradient's too."""
     from mok.kernels.common.grouped_gemm import EPILOGUES
 
-    fp8_knob_settings("ISSUE_ORDER", {"free": frozenset(), "ordered": frozenset(EPILOGUES)}, weight_grads=False)
+    fp8_knob_settings("ISSUE_ORDER", {"free": frozenset(), "ordered": frozenset(EPILOGUES) | {"weight_grad"}})
 
 
 def fp8_weight_grads_for_ncu() -> None:

@@ -733,8 +733,10 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form, monkeypatch):
     (``counts``); or added into a random fp32 gradient (main_grad), counted too. An expert without
     rows gets zeros (or is left as it was); the same bits on a second run, with deep turns, and
     (fp32) without them, where a tile's epilogue does not run under the next tile's first stage;
-    and with one stage of a tile issued before the previous tile's epilogue as with two (the default
-    variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE: tiles of 0, 1, 2, 3 and 5 stages)."""
+    with one stage of a tile issued before the previous tile's epilogue as with two (the default
+    variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE: tiles of 0, 1, 2, 3 and 5 stages), and with either
+    when the two MMA warpgroups issue each stage in a fixed order (variants.ISSUE_ORDER's
+    "weight_grad")."""
     counts = [300, 0, 128, 77, 250, 600]
     E, M, N = len(counts), 512, 400
     offsets = [0]
@@ -772,16 +774,24 @@ def test_weight_grad_on_fp8_matches_float64_of_its_operands(form, monkeypatch):
     assert rel_err(got, want) < (2e-3 if form == "accumulate" else 5e-3)
     assert torch.equal(got[1], want[1].to(got.dtype))  # (no rows: zeros, or the gradient as it was)
     assert torch.equal(again, got)
+
+    def under_settings():  # (the form again, under variants' settings as they are now)
+        if form == "accumulate":
+            out = start.clone()
+            ops.weight_grad(a_q, b_q, offsets_t, out=out, accumulate=True, **counted)
+            return out
+        if form == "split_out":
+            return torch.cat(ops.weight_grad(a_q, b_q, offsets_t, split_out=True, **counted), 1)
+        return ops.weight_grad(a_q, b_q, offsets_t)
+
     monkeypatch.setattr(variants, "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", 1)
-    if form == "accumulate":
-        one_under = start.clone()
-        ops.weight_grad(a_q, b_q, offsets_t, out=one_under, accumulate=True, **counted)
-    elif form == "split_out":
-        one_under = torch.cat(ops.weight_grad(a_q, b_q, offsets_t, split_out=True, **counted), 1)
-    else:
-        one_under = ops.weight_grad(a_q, b_q, offsets_t)
+    assert torch.equal(under_settings(), got)
+    if form == "plain":
         assert torch.equal(ops.weight_grad(a_q, b_q, offsets_t, deep_turn=2), got)  # (turns of 2 from stage 1: set 1 first)
-    assert torch.equal(one_under, got)
+    monkeypatch.setattr(variants, "ISSUE_ORDER", frozenset({"weight_grad"}))
+    for under in (1, 2):
+        monkeypatch.setattr(variants, "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", under)
+        assert torch.equal(under_settings(), got), under
 
 
 def test_fp8_weight_gradients_in_the_backward(fp8_scales="fp32"):

@@ -695,28 +695,33 @@ def test_fp8_block_gemm_deep_turns_keep_two_stages_in_flight(n, k, epilogue, dee
     assert_register_handover_fits(ptx)
 
 
-@pytest.mark.parametrize("epilogue,block_buffers", [("plain", 2), ("plain", 1), ("swiglu", 2), ("swiglu_bwd", 2)])
-def test_fp8_ordered_issue_puts_a_barrier_around_every_stage_issue(monkeypatch, epilogue, block_buffers):
-    """variants.ISSUE_ORDER (a set of forms): the FP8 grouped GEMM's two MMA warpgroups issue each
-    stage's WGMMAs in order, through one named barrier over both (id 5, 256 threads) met twice at
-    every place a stage's WGMMAs go out from (warpgroup 1 before its issue, warpgroup 0 after), in
-    the text order barrier, its four WGMMAs, barrier; a config entry of its own (its own cache
-    entry), in the named forms only; with it, as without, the WGMMAs not serialized, nothing
-    spilled, the hand-over within the launch count; no such barrier in the free order, nor in
-    bf16's kernel (the option refused there)."""
+@pytest.mark.parametrize("form,block_buffers", [("plain", 2), ("plain", 1), ("swiglu", 2), ("swiglu_bwd", 2), ("weight_grad", 2)])
+def test_fp8_ordered_issue_puts_a_barrier_around_every_stage_issue(monkeypatch, form, block_buffers):
+    """variants.ISSUE_ORDER (a set of forms: the grouped GEMM's epilogues, "weight_grad"): the FP8
+    kernel's two MMA warpgroups issue each stage's WGMMAs in order, through one named barrier over
+    both (id 5, 256 threads) met twice at every place a stage's WGMMAs go out from (warpgroup 1
+    before its issue, warpgroup 0 after), in the text order barrier, its four WGMMAs, barrier; a
+    config entry of its own (its own cache entry), in the named forms only; with it, as without,
+    the WGMMAs not serialized, nothing spilled, the hand-over within the launch count; no such
+    barrier in the free order, nor in bf16's kernels (the option refused there)."""
     from mok.kernels import variants
     from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
+    from mok.kernels.sm90.weight_grad_gemm import WeightGradGemmSm90
 
-    n, k = (7168, 2048) if epilogue == "plain" else (2048, 7168)
-    options = dict(operand="e4m3_block", epilogue=epilogue, block_buffers=block_buffers, topk=8)
+    def variant(form, operand="e4m3_block"):
+        if form == "weight_grad":
+            return weight_grad_variant(2048, 7168, operand=operand, split_out=True)
+        n, k = (7168, 2048) if form == "plain" else (2048, 7168)
+        fp8 = dict(operand=operand, block_buffers=block_buffers) if operand != "bf16" else {}
+        return grouped_gemm_variant(n, k, epilogue=form, topk=8, **fp8)
+
     monkeypatch.setattr(variants, "ISSUE_ORDER", frozenset())
-    free = grouped_gemm_variant(n, k, **options)
-    monkeypatch.setattr(variants, "ISSUE_ORDER", frozenset({epilogue}))
-    ordered = grouped_gemm_variant(n, k, **options)
+    free = variant(form)
+    monkeypatch.setattr(variants, "ISSUE_ORDER", frozenset({form}))
+    ordered = variant(form)
     assert ordered.config == {**free.config, "ordered_issue": True}
-    assert "ordered_issue" not in grouped_gemm_variant(n, k, epilogue=epilogue, topk=8).config
-    other_form = "swiglu" if epilogue == "plain" else "plain"
-    assert "ordered_issue" not in grouped_gemm_variant(n, k, **{**options, "epilogue": other_form}).config
+    assert "ordered_issue" not in variant(form, operand="bf16").config
+    assert "ordered_issue" not in variant("swiglu" if form == "plain" else "plain").config
     ptx = compiled_ptx(ordered, "sm_90a")
     barrier = r"bar(?:rier)?\.sync(?:\.aligned)?\s+5,\s*256;"
     places = count(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx) // 4
@@ -728,7 +733,9 @@ def test_fp8_ordered_issue_puts_a_barrier_around_every_stage_issue(monkeypatch, 
     assert ptxas_spill_bytes(ptx) in (None, 0) and count(r"\.local", ptx) == 0
     assert_register_handover_fits(ptx)
     with pytest.raises(ValueError, match="ordered_issue: an option of the FP8 mainloop"):
-        GroupedGemmSm90(n, k, epilogue, ordered_issue=True)
+        GroupedGemmSm90(2048, 7168, "plain", ordered_issue=True)
+    with pytest.raises(ValueError, match="ordered_issue: an option of the FP8 mainloop"):
+        WeightGradGemmSm90(2048, 7168, ordered_issue=True)
 
 
 def wgmma_and_store_events(ptx: str) -> list[str]:

@@ -251,11 +251,12 @@ WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = 2
 # measured 0-10% slower on the forward's GEMMs and no faster on the weight gradient
 # (docs/notes/fp8-block-hopper.md); perf/gemm_sweep.py --fp8-yield-hints times 0, 1/2 and 1
 PROMOTIONS_YIELD = 0.0
-# the FP8 grouped GEMM forms (epilogues) whose two MMA warpgroups issue each stage's WGMMAs in a
-# fixed order, warpgroup 1's after warpgroup 0's (cuBLAS's FP8 kernel does;
+# the FP8 GEMM forms (the grouped GEMM's epilogues, "weight_grad") whose two MMA warpgroups issue
+# each stage's WGMMAs in a fixed order, warpgroup 1's after warpgroup 0's (cuBLAS's FP8 kernel does;
 # mok/kernels/sm90/block_scaled.py, the same bits): the gate/up GEMM's, 3-4% faster at dsv3 and
-# level at qwen3-235b; the down GEMM 2-7% and the SwiGLU backward 0-3% slower so (H100;
-# perf/gemm_sweep.py --fp8-issue-order times each form both ways, docs/notes/fp8-block-hopper.md)
+# level at qwen3-235b; the down GEMM 2-7% and the SwiGLU backward 0-3% slower so (H100); the
+# weight gradient's not measured yet (perf/gemm_sweep.py --fp8-issue-order times each form both
+# ways, docs/notes/fp8-block-hopper.md)
 ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
 # the settings above read each time a kernel variant is built, so that a benchmark may change them
 # for one run (perf/bench_layer.py and perf/step_kernels.py --set NAME=VALUE)
@@ -467,11 +468,14 @@ def weight_grad_variant(
         options["interleaved_out"] = True
 
     under = WEIGHT_GRAD_STAGES_UNDER_EPILOGUE if operand == "e4m3_block" else 1
+    ordered = "weight_grad" in ISSUE_ORDER and operand == "e4m3_block"
 
     def build(arch: str, compile_options: str = "") -> Any:
         turn = {"deep_turn": deep_turn} if deep_turn else {}
         if under != 1:
             turn["stages_under_epilogue"] = under
+        if ordered:
+            turn["ordered_issue"] = True
         if arch in MXFP8_GEMM_ARCHS:
             from .sm100.weight_grad_gemm import compile_weight_grad_sm100
 
@@ -498,6 +502,8 @@ def weight_grad_variant(
         config["deep_turn"] = deep_turn
     if under != 1:
         config["stages_under_epilogue"] = under
+    if ordered:
+        config["ordered_issue"] = True
     return with_yield_hints(KernelVariant("weight_grad", config, build), operand)
 
 

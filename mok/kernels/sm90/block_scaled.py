@@ -35,10 +35,10 @@ the next stage queued while the last is promoted; every group is retired at the 
 back edge again), the stages past whole turns taking the pairs above. The sums and their order
 are the same as with one set: the same bits.
 
-With ``ordered_issue`` (the grouped GEMM, either set count) the two MMA warpgroups issue each
-stage's WGMMAs in a fixed order, warpgroup 1's after warpgroup 0's (a named barrier over both, met
-by warpgroup 0 after its issue and by warpgroup 1 before its own), as cuBLAS's FP8 kernel orders
-them: the tensor cores then run the two warpgroups' stage products one after the other, not
+With ``ordered_issue`` (the grouped GEMM, either set count, and the weight gradient) the two MMA
+warpgroups issue each stage's WGMMAs in a fixed order, warpgroup 1's after warpgroup 0's (a named
+barrier over both, met by warpgroup 0 after its issue and by warpgroup 1 before its own), as
+cuBLAS's FP8 kernel orders them: the tensor cores then run the two warpgroups' stage products one after the other, not
 interleaved, so that their promotions fall at different times instead of competing for the same
 issue slots (Nsight Compute put the two-set loop's promotions at 2.5x cuBLAS's warp time a
 promotion, most of it dispatch stalls: docs/notes/fp8-block-hopper.md). The same sums: the same bits.
@@ -99,7 +99,7 @@ class BlockScaledMainloop:
     stacked_b = False  # two products' B tiles stacked, one WGMMA over both (GroupedGemmSm90.stacked_b)
     epilogue_kind = None  # (the grouped GEMM's sets its epilogue; a weight gradient's has none of these kinds)
     stages_under_epilogue = 1  # the weight gradient: stages of a tile issued before the previous tile's epilogue (1 or 2)
-    ordered_issue = False  # the grouped GEMM: warpgroup 1 issues each stage's WGMMAs after warpgroup 0 (module docstring)
+    ordered_issue = False  # warpgroup 1 issues each stage's WGMMAs after warpgroup 0 (module docstring)
 
     @property
     def hands_registers_over(self) -> bool:
@@ -303,10 +303,12 @@ class BlockScaledMainloop:
     def issue_outer_scaled_stage(self, context, k_tile, into: cutlass.Constexpr[int], carry):
         """:meth:`two_set_schedule`'s issue for consume_outer_scaled_tile: the stage's WGMMAs into
         block ``into``. carry = (read state, release state)."""
-        ab_pipe, tiled_mma, _, blocks, (r_a, r_b), _, _ = context
+        ab_pipe, tiled_mma, _, blocks, (r_a, r_b), _, _, group_idx = context
         cons, release = carry
         ab_pipe.consumer_wait(cons)
+        self.meet_issue_order(group_idx, 1)
         self.mma_stage(tiled_mma, blocks[into], blocks[into], r_a, r_b, r_b, cons.index, overwrite=True)
+        self.meet_issue_order(group_idx, 0)
         cons.advance()
         return cons, release
 
@@ -314,7 +316,7 @@ class BlockScaledMainloop:
     def settle_outer_scaled_stage(self, context, into: cutlass.Constexpr[int], latest: cutlass.Constexpr[bool], carry):
         """:meth:`two_set_schedule`'s settle for consume_outer_scaled_tile: the oldest stage in
         flight, retired in block ``into``, promoted with its scales from shared memory, then handed back."""
-        ab_pipe, _, acc, blocks, _, scales, crd = context
+        ab_pipe, _, acc, blocks, _, scales, crd, _ = context
         cons, release = carry
         self.promote_outer(acc, blocks[into], scales, crd, release.index)
         ab_pipe.consumer_release(release)
@@ -347,7 +349,8 @@ class BlockScaledMainloop:
         (the previous tile's epilogue, reading ``acc``, can run there, under the tensor work)."""
         tile_m, tile_n, _ = self.tile_shape_mnk
         crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-        context = (ab_pipe, tiled_mma, acc, blocks, operands, scales, crd)
+        group_idx = cute.arch.make_warp_uniform(mma_tidx // 128)  # (the MMA warpgroup: ordered_issue)
+        context = (ab_pipe, tiled_mma, acc, blocks, operands, scales, crd, group_idx)
         release = cons.clone()
         schedule = (k_tiles, self.issue_outer_scaled_stage, self.settle_outer_scaled_stage, context)
         if k_tiles > 0:

@@ -32,6 +32,8 @@ after the next tile's first stage is issued, under its WGMMAs (``overlaps_epilog
 128-row blocks an expert the epilogue is a large share of a tile (2-13% faster, H100). With
 ``stages_under_epilogue=2`` (the default: mok.kernels.variants) the next tile's first two stages go
 out before it, one into each block set: 2-7% faster again (H100, docs/notes/fp8-block-hopper.md).
+``ordered_issue``: the two MMA warpgroups issue each stage's WGMMAs in a fixed order
+(mok/kernels/sm90/block_scaled.py).
 """
 
 import cutlass
@@ -60,12 +62,16 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
         self, m: int, n: int, out_dtype: str = "bf16", accumulate: bool = False, *, a_stride: int | None = None,
         tile_n: int = 128, stages: int | None = None, persistent: bool = False, pingpong: bool = False, split_out: bool = False,
         interleaved_out: bool = False, operand: str = "bf16", deep_turn: int = 0, stages_under_epilogue: int = 1,
+        ordered_issue: bool = False,
     ):
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
         self.block_scaled = operand == "e4m3_block"
         check_deep_turn(deep_turn, weight_grad_block_sets(operand))
         self.deep_turn = deep_turn
+        if ordered_issue and not self.block_scaled:
+            raise ValueError(f"ordered_issue: an option of the FP8 mainloop (operand='e4m3_block'), got operand={operand!r}")
+        self.ordered_issue = ordered_issue
         self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K, split_out,
                        interleaved_out)
         if stages_under_epilogue not in (1, 2):
