@@ -38,10 +38,11 @@ are the same as with one set: the same bits.
 With ``ordered_issue`` (the grouped GEMM, either set count, and the weight gradient) the two MMA
 warpgroups issue each stage's WGMMAs in a fixed order, warpgroup 1's after warpgroup 0's (a named
 barrier over both, met by warpgroup 0 after its issue and by warpgroup 1 before its own), as
-cuBLAS's FP8 kernel orders them: the tensor cores then run the two warpgroups' stage products one after the other, not
-interleaved, so that their promotions fall at different times instead of competing for the same
-issue slots (Nsight Compute put the two-set loop's promotions at 2.5x cuBLAS's warp time a
-promotion, most of it dispatch stalls: docs/notes/fp8-block-hopper.md). The same sums: the same bits.
+cuBLAS's FP8 kernel orders them: the tensor cores then run the two warpgroups' stage products one
+after the other, not interleaved, so that their promotions fall at different times instead of
+competing for the same issue slots (Nsight Compute put the two-set loop's promotions at 2.5x
+cuBLAS's warp time a promotion, most of it dispatch stalls: docs/notes/fp8-block-hopper.md). The
+same sums: the same bits.
 
 K is reduced in one fixed order (K blocks in order, one fma each), one CTA per output tile: the
 result depends only on the tile's inputs and scales (deterministic, batch-invariant with per-row
