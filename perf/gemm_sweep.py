@@ -484,6 +484,7 @@ def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True) -> N
 
     shapes = {"dsv3": (32, 1024, 7168, 2048), "qwen3-235b": (128, 256, 4096, 1536)}
     default = getattr(variants, knob)
+    values = list(settings.values())
     try:
         for name, (E, per, H, I) in shapes.items():
             (R, _, _, _, tiles, _), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, I, H, True)
@@ -504,7 +505,6 @@ def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True) -> N
                     setattr(variants, knob, value)
                     return run()
 
-                values = list(settings.values())
                 first = [t.clone() for t in under(values[0])]
                 same = all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
                            for value in values[1:] for x, y in zip(first, under(value)))

@@ -263,6 +263,12 @@ ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
 TUNABLE_SETTINGS = ("DEEP_TURNS", "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", "PROMOTIONS_YIELD", "ISSUE_ORDER")
 
 
+def ordered_issue_for(form: str, operand: str) -> bool:
+    """Whether the FP8 kernel of ``form`` (a grouped GEMM's epilogue, or "weight_grad") issues each
+    stage's WGMMAs in the fixed order (:data:`ISSUE_ORDER`); never on other operands."""
+    return operand == "e4m3_block" and form in ISSUE_ORDER
+
+
 def with_yield_hints(variant: KernelVariant, operand: str) -> KernelVariant:
     """``variant`` with :data:`PROMOTIONS_YIELD`'s hints patched into its sm_90 code where its operands
     are FP8 with 128-block scales (the share named in its config: entries of their own), else as it is."""
@@ -409,7 +415,7 @@ def grouped_gemm_variant(
         options["out_format"] = out_format
         if power_of_two:
             options["power_of_two"] = True
-    if epilogue in ISSUE_ORDER and operand == "e4m3_block":
+    if ordered_issue_for(epilogue, operand):
         options["ordered_issue"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
@@ -468,7 +474,7 @@ def weight_grad_variant(
         options["interleaved_out"] = True
 
     under = WEIGHT_GRAD_STAGES_UNDER_EPILOGUE if operand == "e4m3_block" else 1
-    ordered = "weight_grad" in ISSUE_ORDER and operand == "e4m3_block"
+    ordered = ordered_issue_for("weight_grad", operand)
 
     def build(arch: str, compile_options: str = "") -> Any:
         turn = {"deep_turn": deep_turn} if deep_turn else {}

@@ -102,6 +102,12 @@ class BlockScaledMainloop:
     stages_under_epilogue = 1  # the weight gradient: stages of a tile issued before the previous tile's epilogue (1 or 2)
     ordered_issue = False  # warpgroup 1 issues each stage's WGMMAs after warpgroup 0 (module docstring)
 
+    def use_ordered_issue(self, ordered_issue: bool) -> None:
+        """Set :attr:`ordered_issue` (the module docstring), an option of the FP8 mainloop only."""
+        if ordered_issue and not self.block_scaled:
+            raise ValueError("ordered_issue: an option of the FP8 mainloop (operand='e4m3_block'), got operand='bf16'")
+        self.ordered_issue = ordered_issue
+
     @property
     def hands_registers_over(self) -> bool:
         """Whether the producer warpgroup hands registers to the MMA warpgroups (setmaxnreg 40 / 232).

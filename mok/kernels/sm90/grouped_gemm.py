@@ -124,9 +124,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if cluster_m == PAIR and (not persistent or pingpong):
             raise ValueError("cluster_m=2: only in the persistent cooperative kernel")
         self.cluster_m = cluster_m
-        if ordered_issue and not self.block_scaled:
-            raise ValueError(f"ordered_issue: an option of the FP8 mainloop (operand='e4m3_block'), got operand={operand!r}")
-        self.ordered_issue = ordered_issue
+        self.use_ordered_issue(ordered_issue)
         self.check_out_format(out_format, power_of_two, epilogue, tile_n)
         self.pingpong = pingpong
         if pingpong:  # one warpgroup per tile (two 64-row WGMMAs), its own epilogue buffers

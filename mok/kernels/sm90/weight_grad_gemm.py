@@ -69,9 +69,7 @@ class WeightGradGemmSm90(BlockScaledMainloop, WeightGradGemm, WgmmaTileKernel):
         self.block_scaled = operand == "e4m3_block"
         check_deep_turn(deep_turn, weight_grad_block_sets(operand))
         self.deep_turn = deep_turn
-        if ordered_issue and not self.block_scaled:
-            raise ValueError(f"ordered_issue: an option of the FP8 mainloop (operand='e4m3_block'), got operand={operand!r}")
-        self.ordered_issue = ordered_issue
+        self.use_ordered_issue(ordered_issue)
         self.configure(m, n, out_dtype, accumulate, a_stride, tile_n, TILE_K_BLOCK_SCALED if self.block_scaled else TILE_K, split_out,
                        interleaved_out)
         if stages_under_epilogue not in (1, 2):
