@@ -28,6 +28,7 @@
     python perf/gemm_sweep.py --fp8-tile-ingress  # the plain FP8 kernel 64 and 128 wide, bf16's 128 and 256, cuBLAS's FP8 recipe:
                                                   # ms and the rate the tiles' operand bytes enter the SMs
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
+    python perf/gemm_sweep.py --tail-split        # bf16's down and dx GEMMs with the walk's last round in half tiles or whole
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
     python perf/gemm_sweep.py --fp8-row-tile-pairs  # the FP8 forward GEMMs (fp8_block) with cluster_m 1 and 2, interleaved
@@ -514,6 +515,47 @@ def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True) -> N
         setattr(variants, knob, default)
 
 
+def tail_split() -> None:
+    """bf16's plain grouped GEMMs with 256-wide tiles, the last round of the persistent walk taken
+    in 128-wide halves or whole (variants.TAIL_SPLIT), on a uniform schedule's rows: the down
+    projection (and dx, K-split over the transposed gate and up weights) at shapes of few rounds
+    (mixtral: 8 experts, K = 14336; dx there only) and many. Prints each GEMM's tiles with rows, its rounds on
+    this GPU's SMs and the tiles of the last one; bits compared; both interleaved, ms."""
+    from mok.kernels import variants
+    from mok.ops.common import sm_count
+
+    shapes = {"mixtral": (4096, 4096, 14336, 8, 2), "qwen3-30b": (4096, 2048, 768, 128, 8), "qwen3-235b": (4096, 4096, 1536, 128, 8),
+              "dsv3": (4096, 7168, 2048, 32, 8)}
+    default = variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K
+    variants.TAIL_SPLIT_MIN_K = 0  # (every K: the default takes half tiles only where K >= TAIL_SPLIT_MIN_K)
+    sms = sm_count(torch.device("cuda"))
+    try:
+        for name, (T, H, I, E, k) in shapes.items():
+            sched = uniform_schedule(T, E, k)
+            R = sched.row_token.shape[0]
+            a = torch.randn(R, I, device="cuda").bfloat16()
+            w_down = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
+            dh = torch.randn(R, 2 * I, device="cuda").bfloat16() if E <= 8 else None
+            w_gate, w_up = ((torch.randn(E, I, H, device="cuda") * I**-0.5).bfloat16() for _ in range(2)) if E <= 8 else (None, None)
+            tiles = sched.tile_expert
+            whole = int((tiles >= 0).sum()) * (H // 256)
+            kernels = {"down": lambda: ops.grouped_gemm(a, w_down, tiles)}
+            if E <= 8:  # (dx: its rounds are the down projection's, its K twice theirs)
+                kernels["dx"] = lambda: ops.grouped_gemm(dh, w_gate, tiles, b2=w_up, b_major="n", k_split=True)
+            for kernel, run in kernels.items():
+                def under(value, run=run):
+                    variants.TAIL_SPLIT = value
+                    return run()
+
+                used = tiles.repeat_interleave(128)[:R] >= 0
+                same = torch.equal(under(False)[used], under(True)[used])
+                ms = time_ms_interleaved({"whole": lambda: under(False), "tail split": lambda: under(True)}, batch=10, repeats=7)
+                print(f"{name:<11}{kernel:<6}tiles {whole} rounds {-(-whole // sms)} last {whole - (-(-whole // sms) - 1) * sms:>3}  "
+                      f"bits equal {same}  whole {ms['whole']:.3f}  tail split {ms['tail split']:.3f}  ({ms['whole'] / ms['tail split']:.3f}x)")
+    finally:
+        variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K = default
+
+
 def fp8_tile_ingress() -> None:
     """Whether the FP8 GEMMs are bound by the bytes each SM takes in from L2 a stage: the plain
     FP8 kernel (two block sets, its default schedule) on dsv3's fc1 rows (32 experts x 1024, N
@@ -779,7 +821,7 @@ SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are
     "--row-tile-pairs": row_tile_pairs, "--fp8-schedules": fp8_schedules, "--fp8-row-quantizers": fp8_row_quantizers,
     "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-stages": fp8_weight_grad_stages, "--fp8-wgrad-rows": fp8_weight_grad_rows,
     "--fp8-yield-hints": fp8_yield_hints, "--fp8-issue-order": fp8_issue_order, "--fp8-tile-ingress": fp8_tile_ingress,
-    "--fp8-weight-grads": fp8_weight_grads, "--fp8-activation-out": fp8_activation_out,
+    "--fp8-weight-grads": fp8_weight_grads, "--fp8-activation-out": fp8_activation_out, "--tail-split": tail_split,
 }
 LATER_MODES = {"--counted-wgrad": counted_weight_grads, "--weight-grads": weight_grads, "--scattered-fc2": scattered_fc2}
 

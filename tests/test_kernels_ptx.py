@@ -1782,3 +1782,40 @@ def test_every_kernel_takes_its_records_arguments_in_order():
         record.check_signature(kernel.__call__)
     with pytest.raises(TypeError, match=r"are not the record's"):  # (and the check does check)
         grouped_gemm_args().check_signature(WeightGradGemmSm90.__call__)
+
+
+@pytest.mark.parametrize("options", [dict(n=4096, k=14336), dict(n=4096, k=2 * 14336, b_major="n", k_split=True)])
+def test_tail_split_adds_half_width_wgmmas_and_their_stage_arming(monkeypatch, options):
+    """variants.TAIL_SPLIT: bf16's plain grouped GEMM with 256-wide tiles (the down projection's
+    form, and dx's) gains the half tile's path: 128-wide WGMMAs beside its 256-wide ones, its own
+    arming of each stage's barrier for the half stage's bytes (expect_tx), B's (and B2's) half-width
+    TMA loads, the walk's last row tile found by a warp's butterfly; a config entry of its own;
+    no spills, the 256-wide WGMMAs not serialized. Only that form takes it (the SwiGLU GEMM, 128-wide
+    tiles, FP8 operands, gathered rows, pairs of row tiles or K below TAIL_SPLIT_MIN_K do not), and the kernel refuses it
+    elsewhere, naming what it needs."""
+    from mok.kernels import variants
+    from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
+
+    monkeypatch.setattr(variants, "TAIL_SPLIT", False)
+    whole = grouped_gemm_variant(**options)
+    monkeypatch.setattr(variants, "TAIL_SPLIT", True)
+    split = grouped_gemm_variant(**options)
+    assert split.config == {**whole.config, "tail_split": True}
+    for others in (dict(n=2048, k=7168, epilogue="swiglu"), dict(n=4096, k=14336, tile_n=128), dict(n=2048, k=7168, epilogue="swiglu_save",
+                   gather_a=True), dict(n=4096, k=14336, cluster_m=2), dict(n=4096, k=14336, operand="e4m3_block"),
+                   dict(n=4096, k=variants.TAIL_SPLIT_MIN_K - 64)):
+        assert "tail_split" not in grouped_gemm_variant(**others).config, others
+    whole_ptx, split_ptx = compiled_ptx(whole, "sm_90a"), compiled_ptx(split, "sm_90a")
+    wide, half = r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", r"wgmma\.mma_async\.sync\.aligned\.m64n128k16"
+    assert count(wide, split_ptx) == count(wide, whole_ptx) > 0 and count(half, whole_ptx) == 0
+    assert count(half, split_ptx) == count(wide, whole_ptx)  # (a stage's k blocks, at half the width)
+    assert count(r"mbarrier\.arrive\.expect_tx", split_ptx) == count(r"mbarrier\.arrive\.expect_tx", whole_ptx) + 1
+    loads = r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"
+    assert count(loads, split_ptx) > count(loads, whole_ptx)
+    assert count(r"shfl\.sync\.bfly", split_ptx) == 5 and count(r"shfl\.sync\.bfly", whole_ptx) == 0
+    assert_wgmmas_not_serialized(split_ptx)
+    assert ptxas_spill_bytes(split_ptx) in (None, 0)
+    for bad, needs in ((dict(epilogue="swiglu"), "the plain epilogue"), (dict(tile_n=128), "tile_n=256"),
+                       (dict(persistent=False), "persistent=True"), (dict(cluster_m=2), "cluster_m=1")):
+        with pytest.raises(ValueError, match=f"tail_split: needs .*{re.escape(needs)}"):
+            GroupedGemmSm90(4096, 14336, **{"tile_n": 256, "persistent": True, **bad}, tail_split=True)

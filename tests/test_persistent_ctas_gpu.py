@@ -6,17 +6,18 @@ activation out in FP8 over pairs of column tiles, the SwiGLU backward's h in sha
 weight gradient's epilogue under the next tile); bf16 on row-tile pairs (clusters of two CTAs).
 With so few CTAs each walks dozens of tiles, which most other tests' shapes (often one tile a
 CTA) never make it do: what a kernel carries from tile to tile (barrier phases, pipeline states,
-buffers reused, the walk itself) is exercised here.
+buffers reused, the walk itself) is exercised here. The bf16 plain GEMM that takes its walk's
+last round in half tiles (variants.TAIL_SPLIT), whose choice depends on the CTA count, likewise.
 """
 
 import pytest
 import torch
 
-from mok import pipeline
+from mok import ops, pipeline
 from mok.ops import gemm as gemm_ops
 from mok.ops import weight_grads as weight_grad_ops
 
-from helpers import gpu_layer, layer_plan
+from helpers import gpu_layer, layer_plan, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -46,3 +47,46 @@ def test_layer_step_gives_the_same_bits_on_a_few_ctas(monkeypatch, options):
         got = training_step(plan, inputs, dout, wgrad_format)
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), (ctas, i)
+
+
+@pytest.mark.parametrize("form", ["down", "dx"])
+def test_tail_split_gives_the_whole_tiles_bits(monkeypatch, form):
+    """bf16's plain grouped GEMM with 256-wide tiles taking its walk's last round in 128-wide halves
+    (variants.TAIL_SPLIT) against the same GEMM taking it whole, bit for bit, and both against
+    float64: on 7, 10, 13 and 240 CTAs (the walk's 108 tiles: a last round of 3, 8, 4 and 108 tiles,
+    taken in halves where they are at most half the CTAs: all but 10), with N's last tile partial
+    (its second half past N: not computed), a partial K tile, row tiles without an expert inside
+    the walk and past it. The down projection's form, and dx's (K split over two N-major B)."""
+    from mok.kernels import variants
+
+    gen = torch.Generator(device="cuda").manual_seed(51)
+    N, K, E, row_tiles = 576, 1008, 5, 80
+    tiles = torch.sort(torch.randint(0, E, (36,), generator=gen, device="cuda")).values.int()
+    tiles[[5, 17]] = -1
+    tiles = torch.cat([tiles, torch.full((row_tiles - 36,), -1, dtype=torch.int32, device="cuda")])
+    a = torch.randn(row_tiles * 128, K, generator=gen, device="cuda").bfloat16()
+    if form == "down":
+        b = (torch.randn(E, N, K, generator=gen, device="cuda") * K**-0.5).bfloat16()
+        options, weights = {}, b.double().transpose(1, 2)
+    else:
+        b, b2 = ((torch.randn(E, K // 2, N, generator=gen, device="cuda") * K**-0.5).bfloat16() for _ in range(2))
+        options, weights = dict(b2=b2, b_major="n", k_split=True), torch.cat([b, b2], 1).double()
+    used = tiles.repeat_interleave(128) >= 0
+    want = torch.cat([a[m * 128:(m + 1) * 128].double() @ weights[e] for m, e in enumerate(tiles.tolist()) if e >= 0])
+
+    monkeypatch.setattr(variants, "TAIL_SPLIT_MIN_K", 0)  # (a K this short takes whole tiles by default)
+
+    def run(split, ctas=None):
+        monkeypatch.setattr(variants, "TAIL_SPLIT", split)
+        if ctas is not None:
+            monkeypatch.setattr(gemm_ops, "sm_count", lambda device: ctas)
+        out = torch.full((row_tiles * 128, N), float("nan"), device="cuda").bfloat16()
+        return ops.grouped_gemm(a, b, tiles, out=out, tile_n=256, **options)
+
+    whole = run(False)
+    assert not whole[used].isnan().any() and whole[~used].isnan().all()
+    assert rel_err(whole[used], want) < 1e-2
+    for ctas in (7, 10, 13, 240):
+        got = run(True, ctas)
+        assert torch.equal(got[used], whole[used]), ctas
+        assert got[~used].isnan().all(), ctas

@@ -258,15 +258,33 @@ PROMOTIONS_YIELD = 0.0
 # weight gradient's not measured yet (perf/gemm_sweep.py --fp8-issue-order times each form both
 # ways, docs/notes/fp8-block-hopper.md)
 ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
+# Hopper's bf16 plain grouped GEMM (the down projection, dx) with 256-wide tiles and K of at least
+# TAIL_SPLIT_MIN_K: where the persistent walk's last round would keep at most half the CTAs busy,
+# its tiles are taken in 128-wide halves by twice the CTAs (GroupedGemmSm90.tail_walk; the same
+# bits). Mixtral's down projection (K = 14336, 9 rounds) 5-11% faster, its dx 6%; at K = 768 and
+# 1536 (qwen3-30b, qwen3-235b) 1% slower, the half round too short to pay for the walk's bound
+# (H100, perf/gemm_sweep.py --tail-split)
+TAIL_SPLIT = True
+TAIL_SPLIT_MIN_K = 4096
 # the settings above read each time a kernel variant is built, so that a benchmark may change them
 # for one run (perf/bench_layer.py and perf/step_kernels.py --set NAME=VALUE)
-TUNABLE_SETTINGS = ("DEEP_TURNS", "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", "PROMOTIONS_YIELD", "ISSUE_ORDER")
+TUNABLE_SETTINGS = ("DEEP_TURNS", "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", "PROMOTIONS_YIELD", "ISSUE_ORDER", "TAIL_SPLIT")
 
 
 def ordered_issue_for(form: str, operand: str) -> bool:
     """Whether the FP8 kernel of ``form`` (a grouped GEMM's epilogue, or "weight_grad") issues each
     stage's WGMMAs in the fixed order (:data:`ISSUE_ORDER`); never on other operands."""
     return operand == "e4m3_block" and form in ISSUE_ORDER
+
+
+def tail_split_for(k: int, epilogue: str, operand: str, tile_n: int, options: dict) -> bool:
+    """Whether Hopper's grouped GEMM of this form takes its last round in half tiles
+    (:data:`TAIL_SPLIT`): the persistent cooperative bf16 plain GEMM (k_split too) with 256-wide
+    tiles and K >= TAIL_SPLIT_MIN_K, no gather, scatter, pairs of row tiles or biases
+    (``options``: the variant's)."""
+    others = ("gather_a", "scatter", "pingpong", "bias", "cluster_m")
+    return (TAIL_SPLIT and k >= TAIL_SPLIT_MIN_K and epilogue == "plain" and operand == "bf16" and tile_n == 256 and options["persistent"]
+            and not any(options.get(name) for name in others))
 
 
 def with_yield_hints(variant: KernelVariant, operand: str) -> KernelVariant:
@@ -417,6 +435,7 @@ def grouped_gemm_variant(
             options["power_of_two"] = True
     if ordered_issue_for(epilogue, operand):
         options["ordered_issue"] = True
+    hopper_only = {"tail_split": True} if tail_split_for(k, epilogue, operand, tile_n, options) else {}
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:  # tcgen05 (compile-verified only)
@@ -435,9 +454,9 @@ def grouped_gemm_variant(
             precision["block_buffers"] = block_buffers
         if deep_turn:
             precision["deep_turn"] = deep_turn
-        return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options, **precision)
+        return compile_grouped_gemm(n, k, arch, compile_options, tile_n=tile_n, stages=stages, **options, **precision, **hopper_only)
 
-    config = {"n": n, "k": k, "tile_n": tile_n, "stages": stages or 0, **options}  # stages 0: as deep as fits
+    config = {"n": n, "k": k, "tile_n": tile_n, "stages": stages or 0, **options, **hopper_only}  # stages 0: as deep as fits
     if operand != "bf16":
         config["operand"] = operand
     if block_buffers != 1:

@@ -40,6 +40,14 @@ its stages on the other's expert and stores nothing. Either CTA's loads may writ
 stages, so every stage is released to both CTAs' empty barriers and the two pipelines move in
 step (both walk the same pairs with the same K tiles). The sums are the one-CTA kernel's.
 
+With ``tail_split`` (persistent, cooperative, bf16, the plain epilogue and k_split's, 256-wide
+tiles) the walk stops at the last row tile with an expert, and where its last round would keep at
+most half the CTAs busy those tiles are taken as 128-wide halves, one a CTA: a GEMM of few rounds
+of long tiles (mixtral's down projection, K = 14336, 8-9 rounds on 132 SMs) loses half a round
+instead of most of one. A half's B lands in the first half of its stage's B buffer, its WGMMAs
+are 128 wide, its stores the plain epilogue's; m64n128k16 gives an element the bits m64n256k16
+gives it, so the result does not depend on which tiles were split.
+
 With ``pingpong`` (persistent, swiglu_bwd, 128-wide tiles) each MMA warpgroup computes whole
 128-row tiles, the two taking the CTA's tiles in turn (WgmmaTileKernel.pingpong_consumers): the
 SwiGLU backward's epilogue (three stores per subtile, h read, ~0.5 GB moved at qwen3's shapes)
@@ -74,13 +82,14 @@ SCATTER_THREADS = 96  # the producer warpgroup's warps 1-3 store the scattered r
 PINGPONG_BWD_EPI_STAGES = 4  # ping-pong swiglu_bwd: epilogue buffers per warpgroup (12 stores per tile)
 OUT_FORMATS = ("bf16", "e4m3_block")  # C's format: bf16, or (the SwiGLU forward on FP8) E4M3 with 1 x 128 block scales
 H_IN_SMEM_EPI_STAGES = 3  # FP8 swiglu_bwd with h in shared memory: epilogue buffers (12 stores a 128-wide tile)
+TAIL_SPLIT_TILE_N = 256  # tail_split: the tile whose last round is taken in halves 128 wide
 
 
 class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
     """Static config: N, K, epilogue, B's major mode, K split, top-k, tile (M, N), stages, the gated
     activation, expert biases, the operands (bf16, or ``operand="e4m3_block"``: FP8 with an fp32 scale
     per 128 along K, mok/kernels/sm90/block_scaled.py; persistent, K-major B, N and K multiples of 16), and
-    the Hopper variants (persistent, gather_a, scatter, pingpong). With bf16 operands N and K need not
+    the Hopper variants (persistent, gather_a, scatter, pingpong, tail_split). With bf16 operands N and K need not
     be multiples of the tile: TMA zero-fills the loads past them and clips the stores (see the
     module docstring)."""
 
@@ -93,7 +102,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
         activation: str = "swiglu", bias: bool = False, operand: str = "bf16", block_buffers: int = 1,
         b_row_stride: int | None = None, cluster_m: int = 1, deep_turn: int = 0, out_format: str = "bf16",
-        power_of_two: bool = False, ordered_issue: bool = False,
+        power_of_two: bool = False, ordered_issue: bool = False, tail_split: bool = False,
     ) -> None:
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
@@ -124,6 +133,15 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         if cluster_m == PAIR and (not persistent or pingpong):
             raise ValueError("cluster_m=2: only in the persistent cooperative kernel")
         self.cluster_m = cluster_m
+        if tail_split:
+            problems = [what for what, bad in (
+                ("persistent=True", not persistent), ("no pingpong", pingpong), ("no gather_a", gather_a), ("no scatter", scatter),
+                ("cluster_m=1", cluster_m != 1), ("operand='bf16'", self.block_scaled), ("the plain epilogue", epilogue != "plain"),
+                (f"tile_n={TAIL_SPLIT_TILE_N}", tile_n != TAIL_SPLIT_TILE_N), ("no bias", bias),
+            ) if bad]
+            if problems:
+                raise ValueError(f"tail_split: needs {', '.join(problems)}")
+        self.tail_split = tail_split
         self.use_ordered_issue(ordered_issue)
         self.check_out_format(out_format, power_of_two, epilogue, tile_n)
         self.pingpong = pingpong
@@ -236,7 +254,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             c_blocks = -(-self.n // SCALE_BLOCK)
             store_args += (cute.make_tensor(scales[3], cute.make_layout((num_rows, c_blocks), stride=(1, num_rows))), pair_smem)
         row_args = (m_h, m_part, m_row_token, m_row_slot, m_topk_w)
-        mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem, self.tiled_mma_pair if self.stacked_b else None, b_pair_smem, h_smem)
+        tail = self.tail_operands(m_a, m_bs) if self.tail_split else None
+        mma_args = (self.tiled_mma, a_smem, b_smem, epi_smem, self.tiled_mma_pair if self.stacked_b else None, b_pair_smem, h_smem, tail)
         if cutlass.const_expr(self.scatter):  # C as 16-byte vectors from rank 0's slots on (see scatter_tiles)
             m_x = self.scatter_target(scatter_to)
         bias_tensors = tuple(cute.make_tensor(p, cute.make_layout((num_experts * self.n,))) for p in biases)
@@ -306,11 +325,15 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         """
         tma_a, _, tma_b, _, tma_b2, _ = load_args[:6]
         _, _, m_row_token, m_row_slot, _ = row_args
-        tiled_mma, a_smem, b_smem, epi_smem, tiled_mma_pair, b_pair_smem, h_smem = mma_args
+        tiled_mma, a_smem, b_smem, epi_smem, tiled_mma_pair, b_pair_smem, h_smem, tail = mma_args
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         col_tiles = self.col_tiles
         first, step, all_tiles = self.cta_walk(num_row_tiles, col_tiles)
+        walk_rows, whole, halves = num_row_tiles, all_tiles, cutlass.Int32(0)  # (tail_split: the walk, then one half tile a CTA at most)
+        if cutlass.const_expr(self.tail_split):
+            walk_rows = self.walked_row_tiles(m_tiles, num_row_tiles)
+            whole, halves = self.tail_walk(walk_rows, step)
         if warp_idx == 0:
             self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()), *load_args[6:7], *b_multicast[0::2])
 
@@ -339,6 +362,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             s_b_pair = storage.s_b.get_tensor(b_pair_smem.outer, swizzle=b_pair_smem.inner)
             s_b, s_b2 = self.stacked_halves(s_b_pair)
         s_sa = storage.s_sa.get_tensor(self.a_scale_smem()) if self.block_scaled else None  # (A's row scales per stage)
+        s_b_half = storage.s_b.get_tensor(tail[1].outer, swizzle=tail[1].inner) if self.tail_split else None
         if cutlass.const_expr(self.quantizes_out):  # the block tile's buffer in place of its layout (store_activation_e4m3)
             pair_smem = store_args[7]
             store_args = (*store_args[:7], storage.s_q.get_tensor(pair_smem.outer, swizzle=pair_smem.inner))
@@ -352,8 +376,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             if warp_idx < (4 if self.gather_a else 1):
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 linear = first
-                while linear < all_tiles:
-                    tile_row, tile_col, _, b_expert, shared_b = self.cta_tile(linear, num_row_tiles, col_tiles, m_tiles)
+                while linear < whole:
+                    tile_row, tile_col, _, b_expert, shared_b = self.cta_tile(linear, walk_rows, col_tiles, m_tiles)
                     if b_expert >= 0:
                         loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, tile_col, b_expert, s_sa, (b_multicast, shared_b))
                         if cutlass.const_expr(self.gather_a):
@@ -362,6 +386,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                         else:
                             prod = self.produce_tile(ab_pipe, prod, loads, k_tiles)
                     linear = self.next_walk(linear, step)
+                if cutlass.const_expr(self.tail_split):
+                    if first < halves:
+                        tile_row, half_col, expert = self.tail_tile(first, whole, walk_rows, m_tiles)
+                        if expert >= 0:
+                            loads = self.tile_loads(load_args, s_a, s_b, s_b2, tile_row, 0, expert)
+                            prod = self.produce_half_tile(ab_pipe, prod, loads, tail, s_b_half, tile_row, half_col, expert, k_tiles)
                 if cutlass.const_expr(self.gather_a):
                     cute.arch.cp_async_wait_group(0)
                 if warp_idx == 0:
@@ -398,8 +428,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # onto accumulators zeroed per tile
             h_phase = cutlass.Int32(0)  # (h_in_smem: the parity of h_tile's barrier the next tile's loads complete)
             linear = first
-            while linear < all_tiles:
-                tile_row, tile_col, expert, b_expert, _ = self.cta_tile(linear, num_row_tiles, col_tiles, m_tiles)
+            while linear < whole:
+                tile_row, tile_col, expert, b_expert, _ = self.cta_tile(linear, walk_rows, col_tiles, m_tiles)
                 if b_expert >= 0:
                     acc.fill(0.0)
                     if cutlass.const_expr(self.two_accumulators):
@@ -429,6 +459,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                         epi_prod = self.finish_tile(mma_tidx, warp_idx, tiled_mma, (acc, acc2), s_c, tile, (store_args, row_args, num_rows),
                                                     store_pipe, biases, (epi_pipe, epi_prod))
                 linear = self.next_walk(linear, step)
+            if cutlass.const_expr(self.tail_split):
+                if first < halves:
+                    tile_row, half_col, expert = self.tail_tile(first, whole, walk_rows, m_tiles)
+                    if expert >= 0:
+                        cons, release = self.consume_half_tile(ab_pipe, mma_tidx, warp_idx, tail, acc, s_a, s_b_half, s_c, tile_row, half_col,
+                                                               k_tiles, cons, release, store_args, store_pipe)
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
 
@@ -528,6 +564,106 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                         for hi in cutlass.range_constexpr(2):
                             for c in cutlass.range_constexpr(2):
                                 acc[(c, hi, j), m, 0] = acc[(c, hi, j), m, 0] + pair[c].to(cutlass.Float32)
+
+    def tail_operands(self, m_a, m_bs):
+        """Host side, ``tail_split``: what a half tile takes (:meth:`tail_walk`): the WGMMA 128 rows
+        by half the tile's width, B's half-width staged layout with twice the stages (half stage 2s
+        is the first half of stage s's buffer: a half tile's B lands where its stage's B would),
+        the TMA loads of B's and B2's half-width boxes, and the bytes a half stage brings."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        half_shape = (tile_m, tile_n // 2, tile_k)
+        a_layout, b_layout = LayoutEnum.from_tensor(m_a), LayoutEnum.from_tensor(m_bs[0])
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(), cutlass.Float32,
+            self.atom_layout_mnk, tiler_mn=(64, tile_n // 2),
+        )
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, half_shape, self.ab_dtype, 2 * self.ab_stage)
+        loads = (*self.load_atom(m_bs[0], b_smem, half_shape[1:]), *self.load_atom(m_bs[1], b_smem, half_shape[1:]))
+        tx_bytes = (tile_m + tile_n // 2) * tile_k * self.ab_dtype.width // 8
+        return tiled_mma, b_smem, loads, tx_bytes
+
+    @cute.jit
+    def walked_row_tiles(self, m_tiles, num_row_tiles):
+        """``tail_split``: the row tiles up to the last one with an expert (the schedule's unused
+        tiles come last), so that the walk's last round counts tiles with rows. Every warp finds it
+        alone: its lanes scan every 32nd entry (four loads in flight), then the largest of their
+        answers (butterfly)."""
+        last = cutlass.Int32(0)
+        for j in cutlass.range(cute.arch.lane_idx(), num_row_tiles, 32, unroll=4):
+            if m_tiles[j] >= 0:
+                last = j + 1
+        for offset in cutlass.range_constexpr(5):
+            last = cutlass.max(last, cute.arch.shuffle_sync_bfly(last, offset=1 << offset))
+        return last
+
+    @cute.jit
+    def tail_walk(self, walk_rows, step):
+        """``tail_split``: (tiles walked whole, half tiles after them). Where the walk's last round
+        would leave at most half the CTAs busy, its r tiles are taken as 2·r half-width tiles, one
+        a CTA, instead: the round takes about half as long. A half tile's WGMMAs give its elements
+        the sums the whole tile's give them (m64n128k16 and m64n256k16: the same bits), so who takes
+        which tile changes nothing in the result."""
+        all_tiles = walk_rows * self.col_tiles
+        rest = all_tiles % step
+        halves = cutlass.Int32(0)
+        if 2 * rest <= step:
+            halves = 2 * rest
+        return all_tiles - halves // 2, halves
+
+    @cute.jit
+    def tail_tile(self, first, whole, walk_rows, m_tiles):
+        """``tail_split``: this CTA's half tile (index ``first`` after the ``whole`` tiles walked
+        whole): (row tile, half-width column tile, its expert; -1 where the tile has no rows or the
+        half starts past N)."""
+        tile_row, tile_col = self.grouped_tile(whole + first // 2, walk_rows, self.col_tiles)
+        half_col = tile_col * 2 + first % 2
+        expert = m_tiles[tile_row]
+        if half_col * (self.tile_shape_mnk[1] // 2) >= self.n:
+            expert = cutlass.Int32(-1)
+        return tile_row, half_col, expert
+
+    @cute.jit
+    def produce_half_tile(self, ab_pipe, prod, loads, tail, s_b_half, tile_row, half_col, expert, k_tiles):
+        """``tail_split``'s producer (warp 0): a half tile's stages, A's tiles as a whole tile's and
+        B's (B2's past K's first half with k_split) half-width tiles into the first half of each
+        stage's B buffer; each stage's barrier armed for the bytes it brings."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        _, _, (tma_b, m_b, tma_b2, m_b2), tx_bytes = tail
+        tma_a, t_ag, t_as, t_ag2 = loads[0], loads[1], loads[2], loads[9]
+        half_shape = (tile_m, tile_n // 2, tile_k)
+        g_b = cute.local_tile(m_b, half_shape, (tile_row, half_col, None, expert), proj=(None, 1, 1))
+        g_b2 = cute.local_tile(m_b2, half_shape, (tile_row, half_col, None, expert), proj=(None, 1, 1))
+        t_bs, t_bg = self.tma_split(tma_b, s_b_half, g_b)
+        t_b2g = self.tma_split(tma_b2, s_b_half, g_b2)[1]
+        prod.reset_count()
+        for _ in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+            ab_pipe.sync_object_full.arrive_and_expect_tx(prod.index, tx_bytes)
+            bar = ab_pipe.producer_get_barrier(prod)
+            k_tile = prod.count
+            self.load_k_tile((tma_a, t_ag), (tma_a, t_ag2), t_as[(None, prod.index)], k_tile, bar)
+            self.load_k_tile((tma_b, t_bg), (tma_b2, t_b2g), t_bs[(None, 2 * prod.index)], k_tile, bar)
+            prod.advance()
+        return prod
+
+    @cute.jit
+    def consume_half_tile(self, ab_pipe, mma_tidx, warp_idx, tail, acc, s_a, s_b_half, s_c, tile_row, half_col, k_tiles, cons, release,
+                          store_args, store_pipe):
+        """``tail_split``'s MMA warpgroups: a half tile's product into the first half of ``acc``'s
+        registers (a 128-wide fragment is the first half of a 256-wide one), then its store."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        tiled_mma = tail[0]
+        thr_mma = self.warpgroup_slice(tiled_mma, mma_tidx)
+        half_acc = cute.make_tensor(acc.iterator, cute.make_layout(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n // 2))).shape))
+        r_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        r_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b_half))
+        half_acc.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cons, release = self.consume_tile(ab_pipe, tiled_mma, half_acc, half_acc, r_a, r_b, r_b, k_tiles, cons, release, b_stage_step=2)
+        tma_c, m_c = store_args[:2]
+        g_c = cute.local_tile(m_c[None, None, 0], (tile_m, tile_n // 2), (tile_row, half_col))
+        self.store_acc(mma_tidx, warp_idx, tiled_mma, half_acc, s_c, tma_c, g_c, store_pipe)
+        return cons, release
 
     @property
     def stacked_b(self) -> bool:

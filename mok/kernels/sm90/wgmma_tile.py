@@ -352,20 +352,22 @@ class WgmmaTileKernel:
 
     @cute.jit
     def mma_stage(self, tiled_mma, acc, acc2, r_a, r_b, r_b2, stage, overwrite: cutlass.Constexpr = False,
-                  one_product: cutlass.Constexpr = False):
+                  one_product: cutlass.Constexpr = False, b_stage_step: cutlass.Constexpr[int] = 1):
         """Issue one shared-memory stage's WGMMAs (its k blocks) as one commit group. ``overwrite``:
         the first k block's WGMMAs replace acc (and acc2) instead of adding to them (scale-d 0), so
         that a per-stage accumulator needs no zeroing; the ACCUMULATE field is set again after it.
         ``one_product``: acc only, also where there are two accumulators (their B tiles stacked: one
-        WGMMA covers both)."""
+        WGMMA covers both). ``b_stage_step``: B's views count that many stages to the pipeline's one
+        (a half-width B tile in the first half of a stage's buffer: the grouped GEMM's tail split)."""
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
             if cutlass.const_expr(overwrite):
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb > 0)
             blk = (None, None, kb, stage)
-            cute.gemm(tiled_mma, acc, r_a[blk], r_b[blk], acc)
+            b_blk = (None, None, kb, stage * b_stage_step)
+            cute.gemm(tiled_mma, acc, r_a[blk], r_b[b_blk], acc)
             if cutlass.const_expr(self.two_accumulators and not one_product):
-                cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[blk], acc2)
+                cute.gemm(tiled_mma, acc2, r_a[blk], r_b2[b_blk], acc2)
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
@@ -378,20 +380,22 @@ class WgmmaTileKernel:
         return prod
 
     @cute.jit
-    def consume_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release):
+    def consume_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, b_stage_step: cutlass.Constexpr[int] = 1):
         """Persistent consumer: acc (+)= one tile's product over ``k_tiles`` stages, every stage
         handed back once its WGMMAs retired; returns the advanced (read, release) states.
-        The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop."""
-        cons, release = self.issue_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release)
+        The caller zeroes acc and sets the MMA's ACCUMULATE field once, outside its tile loop.
+        ``b_stage_step``: see :meth:`mma_stage`."""
+        cons, release = self.issue_tile(ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, b_stage_step)
         return cons, self.retire_tile(ab_pipe, k_tiles, release)
 
     @cute.jit
-    def issue_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release):
+    def issue_tile(self, ab_pipe, tiled_mma, acc, acc2, r_a, r_b, r_b2, k_tiles, cons, release, b_stage_step: cutlass.Constexpr[int] = 1):
         """:meth:`consume_tile` up to its last stage's WGMMAs issued (one group may still run);
-        :meth:`retire_tile` waits for it. Ping-pong hands the tensor cores over in between."""
+        :meth:`retire_tile` waits for it. Ping-pong hands the tensor cores over in between.
+        ``b_stage_step``: see :meth:`mma_stage`."""
         for k_tile in cutlass.range(k_tiles, unroll=1):
             self.wait_stage(ab_pipe, cons)
-            self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index)
+            self.mma_stage(tiled_mma, acc, acc2, r_a, r_b, r_b2, cons.index, b_stage_step=b_stage_step)
             cons.advance()
             if k_tile > 0:  # the previous stage's WGMMAs are done: hand its buffers back
                 cute.nvgpu.warpgroup.wait_group(1)
