@@ -523,7 +523,7 @@ def test_fp8_swiglu_quantizes_its_activation_in_the_epilogue(n, epilogue, power_
     dict(n=2048, k=7168, epilogue="swiglu_save", operand="e4m3_block"), dict(n=2880, k=2880, operand="e4m3_block"),
     dict(n=7168, k=4096, k_split=True, operand="e4m3_block"), dict(n=2048, k=7168, epilogue="swiglu_bwd", topk=8, operand="e4m3_block"),
 ])
-def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(options):
+def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(monkeypatch, options):
     """cluster_m=2: each B load (B2's too) has a multicast form that writes both CTAs of the
     cluster, beside the one-CTA loads it keeps for pairs of two experts; the CTA's rank read from
     the cluster, the barriers initialised cluster-wide before any load, each stage released to
@@ -531,6 +531,7 @@ def test_row_tile_pairs_load_b_once_for_both_ctas_by_tma_multicast(options):
     same WGMMAs, not serialized, no spills; on FP8 block-scaled operands too (the row scales' own
     TMA load stays one CTA's). Without it the kernel has none of these. Refused outside the
     persistent cooperative kernel."""
+    monkeypatch.setattr(variants, "TAIL_SPLIT", False)  # (the one-CTA kernel's loads of whole tiles only, as the pair's)
     single = compiled_ptx(grouped_gemm_variant(**options), "sm_90a")
     pair = compiled_ptx(grouped_gemm_variant(cluster_m=2, **options), "sm_90a")
     a_loads = 2 if options.get("k_split") else 0 if options.get("gather_a") else 1  # (TMA instructions: k_split's two halves of A)
@@ -1345,7 +1346,8 @@ def test_backward_gemm_variants_use_wgmma_with_the_right_b_major(variant, trans_
     # the last immediate of wgmma is trans-b: 1 reads B N-major (the weights transposed)
     assert all(w.replace(" ", "").rstrip(";").endswith(f",{trans_b}") for w in wgmma)
     subtiles = tile_n // 32  # the epilogue stores 128x32 subtiles, unrolled
-    assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx) == stores * subtiles  # a TMA store per output
+    half_tile = subtiles // 2 if variant.config.get("tail_split") else 0  # (dx, K >= TAIL_SPLIT_MIN_K: a half tile's stores too)
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx) == stores * subtiles + half_tile  # a TMA store per output
     assert count(r"\bmma\.sync", ptx) == 0 and count(r"\.local", ptx) == 0
 
 
