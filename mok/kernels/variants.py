@@ -262,8 +262,8 @@ ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
 # TAIL_SPLIT_MIN_K: where the persistent walk's last round would keep at most half the CTAs busy,
 # its tiles are taken in 128-wide halves by twice the CTAs (GroupedGemmSm90.tail_walk; the same
 # bits). Mixtral's down projection (K = 14336, 9 rounds) 5-11% faster, its dx 6%; at K = 768 and
-# 1536 (qwen3-30b, qwen3-235b) 1% slower, the half round too short to pay for the walk's bound
-# (H100, perf/gemm_sweep.py --tail-split)
+# 1536 1% slower (qwen3-30b, split: a half round of ~6 us saves less than the walk's bound and the
+# half tiles cost; qwen3-235b, its last round too full to split) (H100, perf/gemm_sweep.py --tail-split)
 TAIL_SPLIT = True
 TAIL_SPLIT_MIN_K = 4096
 # the settings above read each time a kernel variant is built, so that a benchmark may change them
