@@ -535,12 +535,12 @@ def tail_split() -> None:
             R = sched.row_token.shape[0]
             a = torch.randn(R, I, device="cuda").bfloat16()
             w_down = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
-            dh = torch.randn(R, 2 * I, device="cuda").bfloat16() if E <= 8 else None
-            w_gate, w_up = ((torch.randn(E, I, H, device="cuda") * I**-0.5).bfloat16() for _ in range(2)) if E <= 8 else (None, None)
             tiles = sched.tile_expert
             whole = int((tiles >= 0).sum()) * (H // 256)
             kernels = {"down": lambda: ops.grouped_gemm(a, w_down, tiles)}
             if E <= 8:  # (dx: its rounds are the down projection's, its K twice theirs)
+                dh = torch.randn(R, 2 * I, device="cuda").bfloat16()
+                w_gate, w_up = ((torch.randn(E, I, H, device="cuda") * I**-0.5).bfloat16() for _ in range(2))
                 kernels["dx"] = lambda: ops.grouped_gemm(dh, w_gate, tiles, b2=w_up, b_major="n", k_split=True)
             for kernel, run in kernels.items():
                 def under(value, run=run):

@@ -572,12 +572,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         the TMA loads of B's and B2's half-width boxes, and the bytes a half stage brings."""
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         half_shape = (tile_m, tile_n // 2, tile_k)
-        a_layout, b_layout = LayoutEnum.from_tensor(m_a), LayoutEnum.from_tensor(m_bs[0])
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(), cutlass.Float32,
-            self.atom_layout_mnk, tiler_mn=(64, tile_n // 2),
-        )
-        b_smem = sm90_utils.make_smem_layout_b(b_layout, half_shape, self.ab_dtype, 2 * self.ab_stage)
+        tiled_mma = self.wgmma_of_width(m_a, m_bs[0], tile_n // 2)
+        b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.from_tensor(m_bs[0]), half_shape, self.ab_dtype, 2 * self.ab_stage)
         loads = (*self.load_atom(m_bs[0], b_smem, half_shape[1:]), *self.load_atom(m_bs[1], b_smem, half_shape[1:]))
         tx_bytes = (tile_m + tile_n // 2) * tile_k * self.ab_dtype.width // 8
         return tiled_mma, b_smem, loads, tx_bytes
@@ -677,12 +673,8 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         """Host side, ``stacked_b``: the WGMMA over both B tiles (n = 2·tile_n) and their staged layout
         (each stage gate's tile_n rows, then up's: the halves of one K-major tile)."""
         tile_m, tile_n, tile_k = self.tile_shape_mnk
-        a_layout, b_layout = LayoutEnum.from_tensor(m_a), LayoutEnum.from_tensor(m_b)
-        self.tiled_mma_pair = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(), cutlass.Float32,
-            self.atom_layout_mnk, tiler_mn=(64, 2 * tile_n),
-        )
-        return sm90_utils.make_smem_layout_b(b_layout, (tile_m, 2 * tile_n, tile_k), self.ab_dtype, self.ab_stage)
+        self.tiled_mma_pair = self.wgmma_of_width(m_a, m_b, 2 * tile_n)
+        return sm90_utils.make_smem_layout_b(LayoutEnum.from_tensor(m_b), (tile_m, 2 * tile_n, tile_k), self.ab_dtype, self.ab_stage)
 
     def stacked_halves(self, s_b_pair):
         """(B's, B2's) stages as views of the stacked buffer (rows [0, tile_n) and [tile_n, 2·tile_n) of each stage)."""

@@ -68,17 +68,23 @@ class WgmmaTileKernel:
         self.ab_dtype = ab_dtype
         self.c_dtype = c_dtype
         self.c_layout = c_layout
-        tile_n = self.tile_shape_mnk[1]
         a_layout, b_layout = LayoutEnum.from_tensor(m_a), LayoutEnum.from_tensor(m_b)
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            ab_dtype, ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            cutlass.Float32, self.atom_layout_mnk, tiler_mn=(64, tile_n),
-        )
+        self.tiled_mma = self.wgmma_of_width(m_a, m_b, self.tile_shape_mnk[1])
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_shape_mnk, c_dtype, is_cooperative=True)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, ab_dtype, self.ab_stage)
         epi_smem = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stage)
         return a_smem, b_smem, epi_smem
+
+    def wgmma_of_width(self, m_a: cute.Tensor, m_b: cute.Tensor, width: int):
+        """Host side: the tiled WGMMA (fp32 accumulators, the operands' major modes, this kernel's
+        warpgroup layout) over 64-row blocks ``width`` columns wide: the tile's, or a stacked or
+        half-width tile's."""
+        a_layout, b_layout = LayoutEnum.from_tensor(m_a), LayoutEnum.from_tensor(m_b)
+        return sm90_utils.make_trivial_tiled_mma(
+            m_a.element_type, m_a.element_type, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            cutlass.Float32, self.atom_layout_mnk, tiler_mn=(64, width),
+        )
 
     def load_atom(self, m_x: cute.Tensor, smem, box, multicast: int = 1):
         """TMA load atom for one operand (``box`` = its (rows, K) tile); with ``multicast`` CTAs, each
