@@ -620,25 +620,18 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
 
     @cute.jit
     def produce_half_tile(self, ab_pipe, prod, loads, tail, s_b_half, tile_row, half_col, expert, k_tiles):
-        """``tail_split``'s producer (warp 0): a half tile's stages, A's tiles as a whole tile's and
-        B's (B2's past K's first half with k_split) half-width tiles into the first half of each
-        stage's B buffer; each stage's barrier armed for the bytes it brings."""
+        """``tail_split``'s producer (warp 0): a half tile's stages (:meth:`load_stage` with B's
+        half-width loads, B2's past K's first half with k_split)."""
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         _, _, (tma_b, m_b, tma_b2, m_b2), tx_bytes = tail
-        tma_a, t_ag, t_as, t_ag2 = loads[0], loads[1], loads[2], loads[9]
         half_shape = (tile_m, tile_n // 2, tile_k)
         g_b = cute.local_tile(m_b, half_shape, (tile_row, half_col, None, expert), proj=(None, 1, 1))
         g_b2 = cute.local_tile(m_b2, half_shape, (tile_row, half_col, None, expert), proj=(None, 1, 1))
         t_bs, t_bg = self.tma_split(tma_b, s_b_half, g_b)
-        t_b2g = self.tma_split(tma_b2, s_b_half, g_b2)[1]
+        half_b = (tma_b, t_bg, tma_b2, self.tma_split(tma_b2, s_b_half, g_b2)[1], t_bs, tx_bytes)
         prod.reset_count()
         for _ in cutlass.range(k_tiles, unroll=1):
-            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
-            ab_pipe.sync_object_full.arrive_and_expect_tx(prod.index, tx_bytes)
-            bar = ab_pipe.producer_get_barrier(prod)
-            k_tile = prod.count
-            self.load_k_tile((tma_a, t_ag), (tma_a, t_ag2), t_as[(None, prod.index)], k_tile, bar)
-            self.load_k_tile((tma_b, t_bg), (tma_b2, t_b2g), t_bs[(None, 2 * prod.index)], k_tile, bar)
+            self.load_stage(ab_pipe, prod, loads, half_b)
             prod.advance()
         return prod
 
@@ -730,14 +723,25 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         return r_a, r_b, r_b2, acc, cute.make_rmem_tensor(acc.shape, cutlass.Float32)
 
     @cute.jit
-    def load_stage(self, ab_pipe, prod, loads):
-        """Warp 0: wait for a free stage, then TMA-load the next A tile and B tile(s) into it."""
+    def load_stage(self, ab_pipe, prod, loads, half_b=None):
+        """Warp 0: wait for a free stage, then TMA-load the next A tile and B tile(s) into it.
+        ``half_b`` (``tail_split``'s half tile): B's and B2's half-width loads instead (atoms, gmem
+        partitions, the half-width staged buffer, the bytes a half stage brings), into the first
+        half of the stage's B buffer, the stage's barrier armed for those bytes."""
         tma_a, t_ag, t_as, t_ag2 = loads[0], loads[1], loads[2], loads[9]  # (t_ag2: k_split's second half of A)
-        ab_pipe.producer_acquire(prod)
+        if cutlass.const_expr(half_b is None):
+            ab_pipe.producer_acquire(prod)
+        else:
+            ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+            ab_pipe.sync_object_full.arrive_and_expect_tx(prod.index, half_b[5])
         bar = ab_pipe.producer_get_barrier(prod)
         k_tile = prod.count
         self.load_k_tile((tma_a, t_ag), (tma_a, t_ag2), t_as[(None, prod.index)], k_tile, bar)
-        self.load_b(prod, loads, k_tile, bar)
+        if cutlass.const_expr(half_b is None):
+            self.load_b(prod, loads, k_tile, bar)
+        else:  # (half stage 2s is the first half of stage s's buffer)
+            tma_b, t_bg, tma_b2, t_b2g, t_bs = half_b[:5]
+            self.load_k_tile((tma_b, t_bg), (tma_b2, t_b2g), t_bs[(None, 2 * prod.index)], k_tile, bar)
         if cutlass.const_expr(self.block_scaled and not self.gather_a):  # the K block's row scales (k_split: K counts on through the second half)
             tma_sa, t_sag, t_sas = loads[10:13]
             cute.copy(tma_sa, t_sag[(None, k_tile)], t_sas[(None, prod.index)], tma_bar_ptr=bar)
