@@ -518,16 +518,18 @@ def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True) -> N
 def tail_split() -> None:
     """bf16's plain grouped GEMMs with 256-wide tiles, the last round of the persistent walk taken
     in 128-wide halves or whole (variants.TAIL_SPLIT), on a uniform schedule's rows: the down
-    projection (and dx, K-split over the transposed gate and up weights) at shapes of few rounds
-    (mixtral: 8 experts, K = 14336; dx there only) and many. Prints each GEMM's tiles with rows, its rounds on
+    projection (and dx, K-split over the transposed gate and up weights, and EP's scatter form of
+    the down projection) at shapes of few rounds (mixtral: 8 experts, K = 14336; the scatter form
+    there only) and many (dx where its K reaches TAIL_SPLIT_MIN_K). Prints each GEMM's tiles with rows, its rounds on
     this GPU's SMs and the tiles of the last one; bits compared; both interleaved, ms."""
     from mok.kernels import variants
     from mok.ops.common import sm_count
 
     shapes = {"mixtral": (4096, 4096, 14336, 8, 2), "qwen3-30b": (4096, 2048, 768, 128, 8), "qwen3-235b": (4096, 4096, 1536, 128, 8),
               "dsv3": (4096, 7168, 2048, 32, 8)}
-    default = variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K
+    default = variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K, variants.TAIL_SPLIT_SCATTER
     variants.TAIL_SPLIT_MIN_K = 0  # (every K: the default takes half tiles only where K >= TAIL_SPLIT_MIN_K)
+    variants.TAIL_SPLIT_SCATTER = True
     sms = sm_count(torch.device("cuda"))
     try:
         for name, (T, H, I, E, k) in shapes.items():
@@ -538,22 +540,29 @@ def tail_split() -> None:
             tiles = sched.tile_expert
             whole = int((tiles >= 0).sum()) * (H // 256)
             kernels = {"down": lambda: ops.grouped_gemm(a, w_down, tiles)}
-            if E <= 8:  # (dx: its rounds are the down projection's, its K twice theirs)
+            if 2 * I >= default[1]:  # (dx, where the default splits it: its rounds are the down projection's, its K twice theirs)
                 dh = torch.randn(R, 2 * I, device="cuda").bfloat16()
                 w_gate, w_up = ((torch.randn(E, I, H, device="cuda") * I**-0.5).bfloat16() for _ in range(2))
                 kernels["dx"] = lambda: ops.grouped_gemm(dh, w_gate, tiles, b2=w_up, b_major="n", k_split=True)
+            if E <= 8:  # (EP's scatter form: a rank given as many rows)
+                slots = torch.empty(T, k, H, device="cuda").bfloat16()
+
+                def scatter():
+                    ops.grouped_gemm_scatter(a, w_down, tiles, sched.row_token, sched.row_slot, slots)
+                    return slots
+                kernels["scatter"] = scatter
             for kernel, run in kernels.items():
                 def under(value, run=run):
                     variants.TAIL_SPLIT = value
                     return run()
 
-                used = tiles.repeat_interleave(128)[:R] >= 0
-                same = torch.equal(under(False)[used], under(True)[used])
+                used = tiles.repeat_interleave(128)[:R] >= 0 if kernel != "scatter" else slice(None)
+                same = torch.equal(under(False).clone()[used], under(True)[used])  # (the scatter form's slots: one buffer)
                 ms = time_ms_interleaved({"whole": lambda: under(False), "tail split": lambda: under(True)}, batch=10, repeats=7)
                 print(f"{name:<11}{kernel:<6}tiles {whole} rounds {-(-whole // sms)} last {whole - (-(-whole // sms) - 1) * sms:>3}  "
                       f"bits equal {same}  whole {ms['whole']:.3f}  tail split {ms['tail split']:.3f}  ({ms['whole'] / ms['tail split']:.3f}x)")
     finally:
-        variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K = default
+        variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K, variants.TAIL_SPLIT_SCATTER = default
 
 
 def fp8_tile_ingress() -> None:

@@ -1295,19 +1295,23 @@ def test_gathering_grouped_gemm_loads_a_with_cp_async_and_b_with_tma(n, k, epilo
 
 
 @pytest.mark.parametrize(
-    "variant,loads",
+    "options,loads",
     [
-        (grouped_gemm_variant(7168, 2048, scatter=True, topk=8), 2),  # the forward's down projection: A, B
+        (dict(k=2048), 2),  # the forward's down projection: A, B
         # the backward's dx: A's and B's (B2's) half of K by K tile (10 load sites once unrolled, as in the unscattered dx GEMM)
-        (grouped_gemm_variant(7168, 4096, scatter=True, topk=8, b_major="n", k_split=True), 10),
+        (dict(k=4096, b_major="n", k_split=True), 10),
     ],
     ids=["down_projection", "dx_k_split"],
 )
-def test_scattering_gemm_stores_rows_from_the_producer_warps(variant, loads):
+def test_scattering_gemm_stores_rows_from_the_producer_warps(monkeypatch, options, loads):
     """scatter: TMA loads, WGMMA; no TMA store: three producer warps (barrier 2 over 96 threads)
     copy the handed-over epilogue subtiles out with 16-byte shared loads and streaming global stores,
-    each thread the same rows of every subtile (their destinations read once a tile)."""
-    ptx = compiled_ptx(variant, "sm_90a")
+    each thread the same rows of every subtile (their destinations read once a tile). (Whole tiles
+    only: the tail split's half tile adds its own loads and copies, checked with the split.)"""
+    from mok.kernels import variants
+
+    monkeypatch.setattr(variants, "TAIL_SPLIT", False)
+    ptx = compiled_ptx(grouped_gemm_variant(7168, scatter=True, topk=8, **options), "sm_90a")
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx) == loads
     assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx) == 0  # no TMA store
     # a thread's 6 rows of each subtile (96 threads, 4 chunks a row), unrolled; streaming stores
@@ -1786,10 +1790,11 @@ def test_every_kernel_takes_its_records_arguments_in_order():
         grouped_gemm_args().check_signature(WeightGradGemmSm90.__call__)
 
 
-@pytest.mark.parametrize("options", [dict(n=4096, k=14336), dict(n=4096, k=2 * 14336, b_major="n", k_split=True)])
+@pytest.mark.parametrize("options", [dict(n=4096, k=14336), dict(n=4096, k=2 * 14336, b_major="n", k_split=True),
+                                     dict(n=4096, k=14336, scatter=True, topk=2)])
 def test_tail_split_adds_half_width_wgmmas_and_their_stage_arming(monkeypatch, options):
     """variants.TAIL_SPLIT: bf16's plain grouped GEMM with 256-wide tiles (the down projection's
-    form, and dx's) gains the half tile's path: 128-wide WGMMAs beside its 256-wide ones, its own
+    form, EP's scatter form of it, and dx's) gains the half tile's path: 128-wide WGMMAs beside its 256-wide ones, its own
     arming of each stage's barrier for the half stage's bytes (expect_tx), B's (and B2's) half-width
     TMA loads, the walk's last row tile found by a warp's butterfly; a config entry of its own;
     no spills, the 256-wide WGMMAs not serialized. Only that form takes it (the SwiGLU GEMM, 128-wide
@@ -1798,6 +1803,7 @@ def test_tail_split_adds_half_width_wgmmas_and_their_stage_arming(monkeypatch, o
     from mok.kernels import variants
     from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
 
+    monkeypatch.setattr(variants, "TAIL_SPLIT_SCATTER", True)
     monkeypatch.setattr(variants, "TAIL_SPLIT", False)
     whole = grouped_gemm_variant(**options)
     monkeypatch.setattr(variants, "TAIL_SPLIT", True)
@@ -1807,6 +1813,9 @@ def test_tail_split_adds_half_width_wgmmas_and_their_stage_arming(monkeypatch, o
                    gather_a=True), dict(n=4096, k=14336, cluster_m=2), dict(n=4096, k=14336, operand="e4m3_block"),
                    dict(n=4096, k=variants.TAIL_SPLIT_MIN_K - 64)):
         assert "tail_split" not in grouped_gemm_variant(**others).config, others
+    monkeypatch.setattr(variants, "TAIL_SPLIT_SCATTER", False)  # (the scatter form's default until it has run on a GPU)
+    assert "tail_split" not in grouped_gemm_variant(n=4096, k=14336, scatter=True, topk=2).config
+    monkeypatch.setattr(variants, "TAIL_SPLIT_SCATTER", True)
     whole_ptx, split_ptx = compiled_ptx(whole, "sm_90a"), compiled_ptx(split, "sm_90a")
     wide, half = r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", r"wgmma\.mma_async\.sync\.aligned\.m64n128k16"
     assert count(wide, split_ptx) == count(wide, whole_ptx) > 0 and count(half, whole_ptx) == 0

@@ -49,14 +49,15 @@ def test_layer_step_gives_the_same_bits_on_a_few_ctas(monkeypatch, options):
             assert torch.equal(a, b), (ctas, i)
 
 
-@pytest.mark.parametrize("form", ["down", "dx"])
+@pytest.mark.parametrize("form", ["down", "dx", "scatter"])
 def test_tail_split_gives_the_whole_tiles_bits(monkeypatch, form):
     """bf16's plain grouped GEMM with 256-wide tiles taking its walk's last round in 128-wide halves
     (variants.TAIL_SPLIT) against the same GEMM taking it whole, bit for bit, and both against
     float64: on 7, 10, 13 and 240 CTAs (the walk's 108 tiles: a last round of 3, 8, 4 and 108 tiles,
     taken in halves where they are at most half the CTAs: all but 10), with N's last tile partial
     (its second half past N: not computed), a partial K tile, row tiles without an expert inside
-    the walk and past it. The down projection's form, and dx's (K split over two N-major B)."""
+    the walk and past it. The down projection's form, dx's (K split over two N-major B), and EP's
+    scatter form (each row into its token's slot, padding rows inside the tiles written nowhere)."""
     from mok.kernels import variants
 
     gen = torch.Generator(device="cuda").manual_seed(51)
@@ -65,7 +66,7 @@ def test_tail_split_gives_the_whole_tiles_bits(monkeypatch, form):
     tiles[[5, 17]] = -1
     tiles = torch.cat([tiles, torch.full((row_tiles - 36,), -1, dtype=torch.int32, device="cuda")])
     a = torch.randn(row_tiles * 128, K, generator=gen, device="cuda").bfloat16()
-    if form == "down":
+    if form in ("down", "scatter"):
         b = (torch.randn(E, N, K, generator=gen, device="cuda") * K**-0.5).bfloat16()
         options, weights = {}, b.double().transpose(1, 2)
     else:
@@ -75,18 +76,34 @@ def test_tail_split_gives_the_whole_tiles_bits(monkeypatch, form):
     want = torch.cat([a[m * 128:(m + 1) * 128].double() @ weights[e] for m, e in enumerate(tiles.tolist()) if e >= 0])
 
     monkeypatch.setattr(variants, "TAIL_SPLIT_MIN_K", 0)  # (a K this short takes whole tiles by default)
+    monkeypatch.setattr(variants, "TAIL_SPLIT_SCATTER", True)
 
-    def run(split, ctas=None):
+    def run(split, ctas=None, scatter=False):
         monkeypatch.setattr(variants, "TAIL_SPLIT", split)
         if ctas is not None:
             monkeypatch.setattr(gemm_ops, "sm_count", lambda device: ctas)
         out = torch.full((row_tiles * 128, N), float("nan"), device="cuda").bfloat16()
-        return ops.grouped_gemm(a, b, tiles, out=out, tile_n=256, **options)
+        if not scatter:
+            return ops.grouped_gemm(a, b, tiles, out=out, tile_n=256, **options)
+        slots = torch.full((tokens, topk, N), float("nan"), device="cuda").bfloat16()
+        ops.grouped_gemm_scatter(a, b, tiles, row_token, row_slot, slots)
+        written = row_token >= 0
+        out[written] = slots[row_token[written].long(), row_slot[written].long()]
+        return out
 
     whole = run(False)
     assert not whole[used].isnan().any() and whole[~used].isnan().all()
     assert rel_err(whole[used], want) < 1e-2
+    if form == "scatter":  # rows to (token, slot) pairs in a random order; some rows of used tiles are padding
+        topk = 2
+        real = used & (torch.rand(used.shape, generator=gen, device="cuda") > 0.05)
+        tokens = -(-int(real.sum()) // topk)
+        pairs = torch.randperm(tokens * topk, generator=gen, device="cuda")[: int(real.sum())].int()
+        row_token = torch.full(used.shape, -1, dtype=torch.int32, device="cuda")
+        row_slot = torch.zeros(used.shape, dtype=torch.int32, device="cuda")
+        row_token[real], row_slot[real] = pairs // topk, pairs % topk
+        used = real
     for ctas in (7, 10, 13, 240):
-        got = run(True, ctas)
+        got = run(True, ctas, scatter=form == "scatter")
         assert torch.equal(got[used], whole[used]), ctas
         assert got[~used].isnan().all(), ctas

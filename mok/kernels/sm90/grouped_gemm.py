@@ -45,7 +45,8 @@ tiles) the walk stops at the last row tile with an expert, and where its last ro
 most half the CTAs busy those tiles are taken as 128-wide halves, one a CTA: a GEMM of few rounds
 of long tiles (mixtral's down projection, K = 14336, 8-9 rounds on 132 SMs) loses half a round
 instead of most of one. A half's B lands in the first half of its stage's B buffer, its WGMMAs
-are 128 wide, its stores the plain epilogue's; m64n128k16 gives an element the bits m64n256k16
+are 128 wide, its stores the plain epilogue's (with ``scatter``: its four subtiles handed to the
+scatter warps, which walk the same tiles); m64n128k16 gives an element the bits m64n256k16
 gives it, so the result does not depend on which tiles were split.
 
 With ``pingpong`` (persistent, swiglu_bwd, 128-wide tiles) each MMA warpgroup computes whole
@@ -135,7 +136,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         self.cluster_m = cluster_m
         if tail_split:
             problems = [what for what, bad in (
-                ("persistent=True", not persistent), ("no pingpong", pingpong), ("no gather_a", gather_a), ("no scatter", scatter),
+                ("persistent=True", not persistent), ("no pingpong", pingpong), ("no gather_a", gather_a),
                 ("cluster_m=1", cluster_m != 1), ("operand='bf16'", self.block_scaled), ("the plain epilogue", epilogue != "plain"),
                 (f"tile_n={TAIL_SPLIT_TILE_N}", tile_n != TAIL_SPLIT_TILE_N), ("no bias", bias),
             ) if bad]
@@ -398,7 +399,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                     ab_pipe.producer_tail(prod)
             if cutlass.const_expr(self.scatter):
                 if warp_idx >= 1:  # warps 1-3 copy the MMA warps' epilogue subtiles out to the slots
-                    tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
+                    tiles = (first, step, whole, walk_rows, col_tiles, m_tiles, halves)
                     self.scatter_tiles(epi_pipe, s_c, storage.s_dest.get_tensor(cute.make_layout(self.tile_shape_mnk[0])),
                                        tiles, m_row_token, m_row_slot, num_rows, m_x, tidx - 32)
         elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
@@ -463,8 +464,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                 if first < halves:
                     tile_row, half_col, expert = self.tail_tile(first, whole, walk_rows, m_tiles)
                     if expert >= 0:
-                        cons, release = self.consume_half_tile(ab_pipe, mma_tidx, warp_idx, tail, acc, s_a, s_b_half, s_c, tile_row, half_col,
-                                                               k_tiles, cons, release, store_args, store_pipe)
+                        cons, release, epi_prod = self.consume_half_tile(ab_pipe, mma_tidx, warp_idx, tail, acc, s_a, s_b_half, s_c, tile_row,
+                                                                         half_col, k_tiles, (cons, release), store_args, store_pipe,
+                                                                         (epi_pipe, epi_prod))
             if warp_idx == self.store_warp:
                 store_pipe.producer_tail()
 
@@ -636,10 +638,14 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         return prod
 
     @cute.jit
-    def consume_half_tile(self, ab_pipe, mma_tidx, warp_idx, tail, acc, s_a, s_b_half, s_c, tile_row, half_col, k_tiles, cons, release,
-                          store_args, store_pipe):
+    def consume_half_tile(self, ab_pipe, mma_tidx, warp_idx, tail, acc, s_a, s_b_half, s_c, tile_row, half_col, k_tiles, states,
+                          store_args, store_pipe, scatter):
         """``tail_split``'s MMA warpgroups: a half tile's product into the first half of ``acc``'s
-        registers (a 128-wide fragment is the first half of a 256-wide one), then its store."""
+        registers (a 128-wide fragment is the first half of a 256-wide one), then its store, or
+        with ``scatter`` (that pipeline, its state) its subtiles' hand-over. ``states``: the
+        (read, release) states; returns them and the scatter pipeline's."""
+        cons, release = states
+        epi_pipe, epi_prod = scatter
         tile_m, tile_n, _ = self.tile_shape_mnk
         tiled_mma = tail[0]
         thr_mma = self.warpgroup_slice(tiled_mma, mma_tidx)
@@ -649,10 +655,13 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         half_acc.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         cons, release = self.consume_tile(ab_pipe, tiled_mma, half_acc, half_acc, r_a, r_b, r_b, k_tiles, cons, release, b_stage_step=2)
-        tma_c, m_c = store_args[:2]
-        g_c = cute.local_tile(m_c[None, None, 0], (tile_m, tile_n // 2), (tile_row, half_col))
-        self.store_acc(mma_tidx, warp_idx, tiled_mma, half_acc, s_c, tma_c, g_c, store_pipe)
-        return cons, release
+        if cutlass.const_expr(self.scatter):
+            epi_prod = self.scatter_epilogue(mma_tidx, tiled_mma, half_acc, s_c, epi_pipe, epi_prod, tile_n // 2)
+        else:
+            tma_c, m_c = store_args[:2]
+            g_c = cute.local_tile(m_c[None, None, 0], (tile_m, tile_n // 2), (tile_row, half_col))
+            self.store_acc(mma_tidx, warp_idx, tiled_mma, half_acc, s_c, tma_c, g_c, store_pipe)
+        return cons, release, epi_prod
 
     @property
     def stacked_b(self) -> bool:
@@ -840,14 +849,15 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         )
 
     @cute.jit
-    def scatter_epilogue(self, tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod):
-        """``scatter``, MMA warps: the tile as bf16 into the next free epilogue buffers, one 128 x 32
-        subtile each (the values and rounding of the plain epilogue); returns the advanced state."""
+    def scatter_epilogue(self, tidx, tiled_mma, acc, s_c, epi_pipe, epi_prod, width: cutlass.Constexpr[int] = 0):
+        """``scatter``, MMA warps: the tile (``width`` columns of it: a tail split's half; 0: all) as
+        bf16 into the next free epilogue buffers, one 128 x 32 subtile each (the values and rounding
+        of the plain epilogue); returns the advanced state."""
         tiled_r2s, t_sd, t_acc, rd_layout = self.epilogue_views(tiled_mma, tidx, s_c, acc)
         per_epi = cute.size(rd_layout)
         r_d = cute.make_rmem_tensor_like(rd_layout, cutlass.Float32)
         r_out = cute.make_rmem_tensor_like(rd_layout, self.c_dtype)
-        for epi in cutlass.range_constexpr(self.tile_shape_mnk[1] // SCATTER_COLS):
+        for epi in cutlass.range_constexpr((width or self.tile_shape_mnk[1]) // SCATTER_COLS):
             for v in cutlass.range_constexpr(per_epi):
                 r_d[v] = t_acc[epi * per_epi + v]
             r_out.store(r_d.load().to(self.c_dtype))
@@ -860,25 +870,35 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
     @cute.jit
     def scatter_tiles(self, epi_pipe, s_c, s_dest, tiles, m_row_token, m_row_slot, num_rows, m_dst, tid):
         """``scatter``, producer warps 1-3 (``tid`` 0..95): walk the CTA's tiles as the MMA warps do
-        and copy each one out (:meth:`scatter_tile`)."""
-        first, step, all_tiles, num_row_tiles, col_tiles, m_tiles = tiles
+        and copy each one out (:meth:`scatter_tile`). ``tiles``: (first, step, end of the walk, its
+        row tiles, column tiles, the tiles' experts, ``tail_split``'s half tiles after it)."""
+        first, step, whole, walk_rows, col_tiles, m_tiles, halves = tiles
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.epi_stage)
         linear = first
-        while linear < all_tiles:
-            tile_row, tile_col, expert, _, _ = self.cta_tile(linear, num_row_tiles, col_tiles, m_tiles)
+        while linear < whole:
+            tile_row, tile_col, expert, _, _ = self.cta_tile(linear, walk_rows, col_tiles, m_tiles)
             if expert >= 0:
                 cons = self.scatter_tile(epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, m_dst, tid)
             linear += step
+        if cutlass.const_expr(self.tail_split):
+            if first < halves:
+                tile_row, half_col, expert = self.tail_tile(first, whole, walk_rows, m_tiles)
+                if expert >= 0:
+                    cons = self.scatter_tile(epi_pipe, cons, s_c, s_dest, tile_row, half_col, m_row_token, m_row_slot, num_rows, m_dst, tid,
+                                             self.tile_shape_mnk[1] // 2)
 
     @cute.jit
-    def scatter_tile(self, epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, m_dst, tid):
-        """``scatter``, producer warps 1-3, one tile: each row's first vector in the slots
+    def scatter_tile(self, epi_pipe, cons, s_c, s_dest, tile_row, tile_col, m_row_token, m_row_slot, num_rows, m_dst, tid,
+                     width: cutlass.Constexpr[int] = 0):
+        """``scatter``, producer warps 1-3, one tile (``width`` columns wide, column tile ``tile_col``
+        of that width: a tail split's half; 0: the tile's): each row's first vector in the slots
         (GroupedGemm.slot_vector; -1 for padding rows) into ``s_dest``, then per subtile copy the handed-over buffer
         out, 16 bytes per store. A thread copies the same chunk of the same rows in every subtile,
         their destinations read into registers once a tile: the copy is bound by these three warps'
         issue rate (docs/notes/expert-parallel-exchange.md). Returns the advanced epilogue-pipeline state."""
         m_vecs = m_dst[0]
-        tile_m, tile_n, _ = self.tile_shape_mnk
+        tile_m = self.tile_shape_mnk[0]
+        tile_n = width or self.tile_shape_mnk[1]
         per_row = SCATTER_COLS // VECTOR
         self.scatter_sync()  # the previous tile's destinations are read no more
         for r in cutlass.range(tid, tile_m, SCATTER_THREADS, unroll=1):
