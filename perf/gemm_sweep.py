@@ -25,10 +25,11 @@
                                                   # with the promotions' FFMAs allowed to yield: none, half, all (variants.PROMOTIONS_YIELD)
     python perf/gemm_sweep.py --fp8-issue-order   # those GEMMs with the MMA warpgroups' WGMMAs issued in the free order
                                                   # and in a fixed one (variants.ISSUE_ORDER)
+    python perf/gemm_sweep.py --fp8-wgrad-issue-order  # the same for the FP8 dW_gate + dW_up alone (two kernels to build)
     python perf/gemm_sweep.py --fp8-tile-ingress  # the plain FP8 kernel 64 and 128 wide, bf16's 128 and 256, cuBLAS's FP8 recipe:
                                                   # ms and the rate the tiles' operand bytes enter the SMs
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
-    python perf/gemm_sweep.py --tail-split        # bf16's down and dx GEMMs with the walk's last round in half tiles or whole
+    python perf/gemm_sweep.py --tail-split        # bf16's down (also its EP scatter form) and dx GEMMs with the walk's last round in half tiles or whole
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
     python perf/gemm_sweep.py --fp8-row-tile-pairs  # the FP8 forward GEMMs (fp8_block) with cluster_m 1 and 2, interleaved
@@ -475,12 +476,12 @@ def fp8_weight_grad_stages() -> None:
         variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = default
 
 
-def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True) -> None:
+def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True, only: tuple[str, ...] | None = None) -> None:
     """The FP8 gate/up GEMM (a out in E4M3, h saved), the down GEMM (whole tiles), the SwiGLU
-    backward and (``weight_grads``) dW_gate + dW_up (a uniform schedule) at dsv3 and qwen3-235b,
-    under each of ``settings`` (label: value) of the module setting ``mok.kernels.variants.<knob>``
-    (each value's kernels entries of their own): bits compared with the first value's, then all
-    interleaved in one process, ms."""
+    backward and (``weight_grads``) dW_gate + dW_up (a uniform schedule) at dsv3 and qwen3-235b
+    (``only``: those of these names), under each of ``settings`` (label: value) of the module
+    setting ``mok.kernels.variants.<knob>`` (each value's kernels entries of their own): bits
+    compared with the first value's, then all interleaved in one process, ms."""
     from mok.kernels import variants
 
     shapes = {"dsv3": (32, 1024, 7168, 2048), "qwen3-235b": (128, 256, 4096, 1536)}
@@ -502,6 +503,9 @@ def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True) -> N
                 kernels["dW_gate + dW_up"] = lambda: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
                                                                      split_out=True)
             for kernel, run in kernels.items():
+                if only is not None and kernel not in only:
+                    continue
+
                 def under(value, run=run):
                     setattr(variants, knob, value)
                     return run()
@@ -607,6 +611,15 @@ def fp8_issue_order() -> None:
     from mok.kernels.common.grouped_gemm import EPILOGUES
 
     fp8_knob_settings("ISSUE_ORDER", {"free": frozenset(), "ordered": frozenset(EPILOGUES) | {"weight_grad"}})
+
+
+def fp8_weight_grad_issue_order() -> None:
+    """:func:`fp8_issue_order` for the FP8 weight gradient alone (dW_gate + dW_up at dsv3 and
+    qwen3-235b, the other forms' order as the default has it): two kernels to build, not sixteen."""
+    from mok.kernels import variants
+
+    free = variants.ISSUE_ORDER - {"weight_grad"}
+    fp8_knob_settings("ISSUE_ORDER", {"free": free, "ordered": free | {"weight_grad"}}, only=("dW_gate + dW_up",))
 
 
 def fp8_weight_grads_for_ncu() -> None:
@@ -829,7 +842,7 @@ SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are
     "--fp8-dense": fp8_dense, "--fp8-forward-levers": fp8_forward_levers, "--fp8-row-tile-pairs": fp8_row_tile_pairs,
     "--row-tile-pairs": row_tile_pairs, "--fp8-schedules": fp8_schedules, "--fp8-row-quantizers": fp8_row_quantizers,
     "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-stages": fp8_weight_grad_stages, "--fp8-wgrad-rows": fp8_weight_grad_rows,
-    "--fp8-yield-hints": fp8_yield_hints, "--fp8-issue-order": fp8_issue_order, "--fp8-tile-ingress": fp8_tile_ingress,
+    "--fp8-yield-hints": fp8_yield_hints, "--fp8-issue-order": fp8_issue_order, "--fp8-wgrad-issue-order": fp8_weight_grad_issue_order, "--fp8-tile-ingress": fp8_tile_ingress,
     "--fp8-weight-grads": fp8_weight_grads, "--fp8-activation-out": fp8_activation_out, "--tail-split": tail_split,
 }
 LATER_MODES = {"--counted-wgrad": counted_weight_grads, "--weight-grads": weight_grads, "--scattered-fc2": scattered_fc2}
