@@ -256,9 +256,9 @@ PROMOTIONS_YIELD = 0.0
 # mok/kernels/sm90/block_scaled.py, the same bits): the gate/up GEMM's, 3-4% faster at dsv3 and
 # level at qwen3-235b; the down GEMM 2-7% and the SwiGLU backward 0-3% slower so (H100); the
 # weight gradient's not measured yet (perf/gemm_sweep.py --fp8-issue-order times each form both
-# ways, docs/notes/fp8-block-hopper.md)
+# ways, --fp8-wgrad-issue-order the weight gradient alone; docs/notes/fp8-block-hopper.md)
 ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
-# Hopper's bf16 plain grouped GEMM (the down projection, its EP scatter form, dx) with 256-wide tiles and K of at least
+# Hopper's bf16 plain grouped GEMM (the down projection, dx) with 256-wide tiles and K of at least
 # TAIL_SPLIT_MIN_K: where the persistent walk's last round would keep at most half the CTAs busy,
 # its tiles are taken in 128-wide halves by twice the CTAs (GroupedGemmSm90.tail_walk; the same
 # bits). Mixtral's down projection (K = 14336, 9 rounds) 5-11% faster, its dx 6%; at K = 768 and
