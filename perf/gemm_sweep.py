@@ -531,9 +531,8 @@ def tail_split() -> None:
 
     shapes = {"mixtral": (4096, 4096, 14336, 8, 2), "qwen3-30b": (4096, 2048, 768, 128, 8), "qwen3-235b": (4096, 4096, 1536, 128, 8),
               "dsv3": (4096, 7168, 2048, 32, 8)}
-    default = variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K, variants.TAIL_SPLIT_SCATTER
+    default = variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K
     variants.TAIL_SPLIT_MIN_K = 0  # (every K: the default takes half tiles only where K >= TAIL_SPLIT_MIN_K)
-    variants.TAIL_SPLIT_SCATTER = True
     sms = sm_count(torch.device("cuda"))
     try:
         for name, (T, H, I, E, k) in shapes.items():
@@ -566,7 +565,7 @@ def tail_split() -> None:
                 print(f"{name:<11}{kernel:<6}tiles {whole} rounds {-(-whole // sms)} last {whole - (-(-whole // sms) - 1) * sms:>3}  "
                       f"bits equal {same}  whole {ms['whole']:.3f}  tail split {ms['tail split']:.3f}  ({ms['whole'] / ms['tail split']:.3f}x)")
     finally:
-        variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K, variants.TAIL_SPLIT_SCATTER = default
+        variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K = default
 
 
 def fp8_tile_ingress() -> None:

@@ -1803,7 +1803,6 @@ def test_tail_split_adds_half_width_wgmmas_and_their_stage_arming(monkeypatch, o
     from mok.kernels import variants
     from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
 
-    monkeypatch.setattr(variants, "TAIL_SPLIT_SCATTER", True)
     monkeypatch.setattr(variants, "TAIL_SPLIT", False)
     whole = grouped_gemm_variant(**options)
     monkeypatch.setattr(variants, "TAIL_SPLIT", True)
@@ -1813,9 +1812,6 @@ def test_tail_split_adds_half_width_wgmmas_and_their_stage_arming(monkeypatch, o
                    gather_a=True), dict(n=4096, k=14336, cluster_m=2), dict(n=4096, k=14336, operand="e4m3_block"),
                    dict(n=4096, k=variants.TAIL_SPLIT_MIN_K - 64)):
         assert "tail_split" not in grouped_gemm_variant(**others).config, others
-    monkeypatch.setattr(variants, "TAIL_SPLIT_SCATTER", False)  # (the scatter form's default until it has run on a GPU)
-    assert "tail_split" not in grouped_gemm_variant(n=4096, k=14336, scatter=True, topk=2).config
-    monkeypatch.setattr(variants, "TAIL_SPLIT_SCATTER", True)
     whole_ptx, split_ptx = compiled_ptx(whole, "sm_90a"), compiled_ptx(split, "sm_90a")
     wide, half = r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", r"wgmma\.mma_async\.sync\.aligned\.m64n128k16"
     assert count(wide, split_ptx) == count(wide, whole_ptx) > 0 and count(half, whole_ptx) == 0

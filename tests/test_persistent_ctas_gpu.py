@@ -76,7 +76,6 @@ def test_tail_split_gives_the_whole_tiles_bits(monkeypatch, form):
     want = torch.cat([a[m * 128:(m + 1) * 128].double() @ weights[e] for m, e in enumerate(tiles.tolist()) if e >= 0])
 
     monkeypatch.setattr(variants, "TAIL_SPLIT_MIN_K", 0)  # (a K this short takes whole tiles by default)
-    monkeypatch.setattr(variants, "TAIL_SPLIT_SCATTER", True)
 
     def run(split, ctas=None, scatter=False):
         monkeypatch.setattr(variants, "TAIL_SPLIT", split)

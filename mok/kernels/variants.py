@@ -258,7 +258,7 @@ PROMOTIONS_YIELD = 0.0
 # weight gradient's not measured yet (perf/gemm_sweep.py --fp8-issue-order times each form both
 # ways, --fp8-wgrad-issue-order the weight gradient alone; docs/notes/fp8-block-hopper.md)
 ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
-# Hopper's bf16 plain grouped GEMM (the down projection, dx) with 256-wide tiles and K of at least
+# Hopper's bf16 plain grouped GEMM (the down projection, its EP scatter form, dx) with 256-wide tiles and K of at least
 # TAIL_SPLIT_MIN_K: where the persistent walk's last round would keep at most half the CTAs busy,
 # its tiles are taken in 128-wide halves by twice the CTAs (GroupedGemmSm90.tail_walk; the same
 # bits). Mixtral's down projection (K = 14336, 9 rounds) 5-11% faster, its dx 6%; at K = 768 and
@@ -266,13 +266,9 @@ ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
 # half tiles cost; qwen3-235b, its last round too full to split) (H100, perf/gemm_sweep.py --tail-split)
 TAIL_SPLIT = True
 TAIL_SPLIT_MIN_K = 4096
-# the same for the EP down projection's and dx's scatter form (its half tile's four subtiles handed to
-# the scatter warps, which walk the same tiles): built and PTX-checked, not yet run on a GPU, so off
-# until tests/test_persistent_ctas_gpu.py's scatter case has passed on one
-TAIL_SPLIT_SCATTER = False
 # the settings above read each time a kernel variant is built, so that a benchmark may change them
 # for one run (perf/bench_layer.py and perf/step_kernels.py --set NAME=VALUE)
-TUNABLE_SETTINGS = ("DEEP_TURNS", "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", "PROMOTIONS_YIELD", "ISSUE_ORDER", "TAIL_SPLIT", "TAIL_SPLIT_SCATTER")
+TUNABLE_SETTINGS = ("DEEP_TURNS", "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", "PROMOTIONS_YIELD", "ISSUE_ORDER", "TAIL_SPLIT")
 
 
 def ordered_issue_for(form: str, operand: str) -> bool:
@@ -284,11 +280,11 @@ def ordered_issue_for(form: str, operand: str) -> bool:
 def tail_split_for(k: int, epilogue: str, operand: str, tile_n: int, options: dict) -> bool:
     """Whether Hopper's grouped GEMM of this form takes its last round in half tiles
     (:data:`TAIL_SPLIT`): the persistent cooperative bf16 plain GEMM (k_split too; EP's scatter
-    form with :data:`TAIL_SPLIT_SCATTER`) with 256-wide tiles and K >= TAIL_SPLIT_MIN_K, no gather,
-    pairs of row tiles or biases (``options``: the variant's)."""
+    form too) with 256-wide tiles and K >= TAIL_SPLIT_MIN_K, no gather, pairs of row tiles or
+    biases (``options``: the variant's)."""
     others = ("gather_a", "pingpong", "bias", "cluster_m")
     return (TAIL_SPLIT and k >= TAIL_SPLIT_MIN_K and epilogue == "plain" and operand == "bf16" and tile_n == 256 and options["persistent"]
-            and not any(options.get(name) for name in others) and (TAIL_SPLIT_SCATTER or not options.get("scatter")))
+            and not any(options.get(name) for name in others))
 
 
 def with_yield_hints(variant: KernelVariant, operand: str) -> KernelVariant:

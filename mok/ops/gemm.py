@@ -224,10 +224,10 @@ def grouped_gemm(
     tile (64, 128 or 256; default from the static shape), ``stages`` the shared-memory
     pipeline depth (default: as deep as fits), ``persistent=False`` selects the one-tile-per-CTA
     kernel (the same bits); None: the persistent kernel (SM100's compile-verified, never run;
-    without ``gather``). Hopper's persistent bf16 plain GEMM (k_split too; :func:`grouped_gemm_scatter`'s
-    with TAIL_SPLIT_SCATTER) with 256-wide tiles and a long K takes the walk's last round in
-    128-wide halves where that round would be at most half full (mok.kernels.variants.TAIL_SPLIT,
-    TAIL_SPLIT_MIN_K; the same bits).
+    without ``gather``). Hopper's persistent bf16 plain GEMM (k_split too, and
+    :func:`grouped_gemm_scatter`'s) with 256-wide tiles and a long K takes the walk's last round
+    in 128-wide halves where that round would be at most half full
+    (mok.kernels.variants.TAIL_SPLIT, TAIL_SPLIT_MIN_K; the same bits).
     ``gather`` [R] int32 (the schedule's row_token): A is not materialised; a is the token matrix
     x [T, K] and row r of A is x[gather[r]], or zeros where gather[r] < 0 (each entry < T).
     ``bias`` [E, N] bf16 (bf16 or FP8 block-scaled operands, not k_split): added to a·B before anything else (so to h's
