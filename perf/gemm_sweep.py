@@ -30,6 +30,7 @@
                                                   # ms and the rate the tiles' operand bytes enter the SMs
     python perf/gemm_sweep.py --fp8-wgrad-rows    # dW_gate + dW_up at dsv3's widths against rows an expert, bf16 / FP8, fresh / main_grad
     python perf/gemm_sweep.py --tail-split        # bf16's down (also its EP scatter form) and dx GEMMs with the walk's last round in half tiles or whole
+    python perf/gemm_sweep.py --bounded-walk      # the layer's bf16 gate/up, down and SwiGLU-backward GEMMs, walks free or bounded
     python perf/gemm_sweep.py --row-tile-pairs    # the layer's bf16 GEMMs (fc1 gathering, fc2, dx) with cluster_m 1 and 2
                                                   # (pairs of row tiles sharing B by TMA multicast), interleaved
     python perf/gemm_sweep.py --fp8-row-tile-pairs  # the FP8 forward GEMMs (fp8_block) with cluster_m 1 and 2, interleaved
@@ -568,6 +569,50 @@ def tail_split() -> None:
         variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K = default
 
 
+def bounded_walk() -> None:
+    """The layer's bf16 grouped GEMMs (the gate/up GEMM gathering its rows and saving h, the down
+    projection, the SwiGLU backward) walking the schedule's capacity or bounded at the last row tile
+    with rows (variants.BOUNDED_WALK; the tail split's forms always bounded), on a uniform schedule:
+    prints the row tiles with rows, the capacity's and the column tiles, whether the bounded walk's
+    bits equal the free one's, both interleaved, ms (docs/notes/grouped-gemms-vs-quack.md, "The
+    walk's bound")."""
+    from mok.kernels import variants
+
+    shapes = {"mixtral": (4096, 4096, 14336, 8, 2), "qwen3-30b": (4096, 2048, 768, 128, 8), "qwen3-235b": (4096, 4096, 1536, 128, 8),
+              "dsv3": (4096, 7168, 2048, 32, 8)}
+    default = variants.BOUNDED_WALK
+    try:
+        for name, (T, H, I, E, k) in shapes.items():
+            sched = uniform_schedule(T, E, k)
+            tiles, rows = sched.tile_expert, sched.row_token.shape[0]
+            x = torch.randn(T, H, device="cuda").bfloat16()
+            wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
+            wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
+            a, h = torch.randn(rows, I, device="cuda").bfloat16(), torch.empty(rows, 2 * I, device="cuda").bfloat16()
+            dout_rows, h_bwd = torch.randn(rows, H, device="cuda").bfloat16(), torch.randn(rows, 2 * I, device="cuda").bfloat16()
+            router = dict(row_token=sched.row_token, row_slot=torch.arange(rows, device="cuda", dtype=torch.int32) % k,
+                          topk_w=torch.rand(T, k, device="cuda"))
+            kernels = {
+                "gate/up": lambda: (ops.grouped_gemm(x, wg, tiles, b2=wu, h_out=h, gather=sched.row_token), h),
+                "down": lambda: (ops.grouped_gemm(a, wd, tiles),),
+                "swiglu bwd": lambda: tuple(t for t in ops.swiglu_backward_gemm(dout_rows, wd, tiles, h_bwd, **router) if t is not None),
+            }
+            with_rows = int((tiles >= 0).sum())
+            for kernel, run in kernels.items():
+                def under(value, run=run):
+                    variants.BOUNDED_WALK = value
+                    return run()
+
+                used = tiles.repeat_interleave(128)[:rows] >= 0
+                first = [t.clone() for t in under(False)]
+                same = all(torch.equal(f[used], g[used]) for f, g in zip(first, under(True)))
+                ms = time_ms_interleaved({"free": lambda: under(False), "bounded": lambda: under(True)}, batch=10, repeats=7)
+                print(f"{name:<11}{kernel:<11}row tiles {with_rows} of {tiles.shape[0]}  bits equal {same}  "
+                      f"free {ms['free']:.3f}  bounded {ms['bounded']:.3f}  ({ms['free'] / ms['bounded']:.3f}x)", flush=True)
+    finally:
+        variants.BOUNDED_WALK = default
+
+
 def fp8_tile_ingress() -> None:
     """Whether the FP8 GEMMs are bound by the bytes each SM takes in from L2 a stage: the plain
     FP8 kernel (two block sets, its default schedule) on dsv3's fc1 rows (32 experts x 1024, N
@@ -841,7 +886,7 @@ SINGLE_MODES = {  # a flag that runs one sweep alone, in the order the flags are
     "--fp8-dense": fp8_dense, "--fp8-forward-levers": fp8_forward_levers, "--fp8-row-tile-pairs": fp8_row_tile_pairs,
     "--row-tile-pairs": row_tile_pairs, "--fp8-schedules": fp8_schedules, "--fp8-row-quantizers": fp8_row_quantizers,
     "--fp8-ncu": fp8_for_ncu, "--fp8-wgrad-ncu": fp8_weight_grads_for_ncu, "--fp8-wgrad-stages": fp8_weight_grad_stages, "--fp8-wgrad-rows": fp8_weight_grad_rows,
-    "--fp8-yield-hints": fp8_yield_hints, "--fp8-issue-order": fp8_issue_order, "--fp8-wgrad-issue-order": fp8_weight_grad_issue_order, "--fp8-tile-ingress": fp8_tile_ingress,
+    "--fp8-yield-hints": fp8_yield_hints, "--fp8-issue-order": fp8_issue_order, "--fp8-wgrad-issue-order": fp8_weight_grad_issue_order, "--fp8-tile-ingress": fp8_tile_ingress, "--bounded-walk": bounded_walk,
     "--fp8-weight-grads": fp8_weight_grads, "--fp8-activation-out": fp8_activation_out, "--tail-split": tail_split,
 }
 LATER_MODES = {"--counted-wgrad": counted_weight_grads, "--weight-grads": weight_grads, "--scattered-fc2": scattered_fc2}

@@ -1826,3 +1826,35 @@ def test_tail_split_adds_half_width_wgmmas_and_their_stage_arming(monkeypatch, o
                        (dict(persistent=False), "persistent=True"), (dict(cluster_m=2), "cluster_m=1")):
         with pytest.raises(ValueError, match=f"tail_split: needs .*{re.escape(needs)}"):
             GroupedGemmSm90(4096, 14336, **{"tile_n": 256, "persistent": True, **bad}, tail_split=True)
+
+
+@pytest.mark.parametrize("options", [
+    dict(n=2048, k=7168, epilogue="swiglu_save", gather_a=True), dict(n=2048, k=7168, epilogue="swiglu_bwd", b_major="n", topk=8),
+    dict(n=4096, k=2048, cluster_m=2), dict(n=7168, k=2048, scatter=True, topk=8),
+    dict(n=2048, k=7168, epilogue="swiglu", operand="e4m3_block", out_format="e4m3_block"),
+], ids=["gate_up_gathering", "swiglu_bwd_pingpong", "row_tile_pairs", "scatter", "fp8_gate_up"])
+def test_bounded_walk_adds_the_row_scan_and_nothing_else(monkeypatch, options):
+    """variants.BOUNDED_WALK: each persistent grouped GEMM form (gathering SwiGLU, the ping-pong
+    SwiGLU backward, row-tile pairs, EP's scatter, FP8's E4M3-out gate/up) walks up to the last row
+    tile with rows: its warps' scan of the tile list (a butterfly of 5 shuffles) is the one thing
+    added, under a config entry of its own; no spills, WGMMAs not serialized. The one-tile kernel
+    refuses it."""
+    from mok.kernels import variants
+    from mok.kernels.sm90.grouped_gemm import GroupedGemmSm90
+
+    monkeypatch.setattr(variants, "BOUNDED_WALK", False)
+    free = grouped_gemm_variant(**options)
+    monkeypatch.setattr(variants, "BOUNDED_WALK", True)
+    bounded = grouped_gemm_variant(**options)
+    assert bounded.config == {**free.config, "bounded_walk": True}
+    if "operand" not in options:  # (FP8's kernel is persistent only)
+        assert "bounded_walk" not in grouped_gemm_variant(**options, persistent=False).config
+    free_ptx, bounded_ptx = compiled_ptx(free, "sm_90a"), compiled_ptx(bounded, "sm_90a")
+    shuffles = r"shfl\.sync\.bfly"
+    assert count(shuffles, bounded_ptx) == count(shuffles, free_ptx) + 5
+    wgmma = r"wgmma\.mma_async\.sync\.aligned"
+    assert count(wgmma, bounded_ptx) == count(wgmma, free_ptx) > 0
+    assert_wgmmas_not_serialized(bounded_ptx)
+    assert ptxas_spill_bytes(bounded_ptx) in (None, 0)
+    with pytest.raises(ValueError, match="bounded_walk: only in the persistent kernel"):
+        GroupedGemmSm90(4096, 2048, bounded_walk=True)

@@ -7,7 +7,8 @@ weight gradient's epilogue under the next tile); bf16 on row-tile pairs (cluster
 With so few CTAs each walks dozens of tiles, which most other tests' shapes (often one tile a
 CTA) never make it do: what a kernel carries from tile to tile (barrier phases, pipeline states,
 buffers reused, the walk itself) is exercised here. The bf16 plain GEMM that takes its walk's
-last round in half tiles (variants.TAIL_SPLIT), whose choice depends on the CTA count, likewise.
+last round in half tiles (variants.TAIL_SPLIT), whose choice depends on the CTA count, likewise;
+and every form with its walk bounded at the last row tile with rows (variants.BOUNDED_WALK).
 """
 
 import pytest
@@ -30,10 +31,18 @@ def training_step(plan, inputs, dout, wgrad_format):
     return [saved.out] + [g for g in grads if isinstance(g, torch.Tensor)]
 
 
-@pytest.mark.parametrize("options", [{}, {"precision": "fp8_block", "wgrad_format": "fp8_block"}, {"row_tile_pairs": True}])
+@pytest.mark.parametrize("options", [{}, {"precision": "fp8_block", "wgrad_format": "fp8_block"}, {"row_tile_pairs": True},
+                                     {"bounded_walk": True}, {"precision": "fp8_block", "wgrad_format": "fp8_block", "bounded_walk": True},
+                                     {"row_tile_pairs": True, "bounded_walk": True}])
 def test_layer_step_gives_the_same_bits_on_a_few_ctas(monkeypatch, options):
+    """The step on 3 and 7 CTAs a persistent GEMM against one a SM, bit for bit (the module
+    docstring); with ``bounded_walk`` the walks bounded at the last row tile with rows
+    (variants.BOUNDED_WALK) against the default's over the capacity's row tiles too."""
+    from mok.kernels import variants
+
     options = dict(options)
     wgrad_format = options.pop("wgrad_format", None)
+    bounded_walk = options.pop("bounded_walk", False)
     T, H, I, E, k = 1024, 1024, 768, 8, 4
     x, idx, w, experts, _ = gpu_layer(T, H, I, E, k, seed=41)
     plan = layer_plan(x, idx, experts, **options)
@@ -41,6 +50,11 @@ def test_layer_step_gives_the_same_bits_on_a_few_ctas(monkeypatch, options):
     dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(42)).bfloat16()
     want = training_step(plan, inputs, dout, wgrad_format)
     assert len(want) == 6 and not any(t.isnan().any() for t in want)
+    if bounded_walk:
+        monkeypatch.setattr(variants, "BOUNDED_WALK", True)
+        got = training_step(plan, inputs, dout, wgrad_format)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), ("bounded walk", i)
     for ctas in (3, 7):
         monkeypatch.setattr(gemm_ops, "sm_count", lambda device, ctas=ctas: ctas)
         monkeypatch.setattr(weight_grad_ops, "sm_count", lambda device, ctas=ctas: ctas)

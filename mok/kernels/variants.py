@@ -266,9 +266,16 @@ ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
 # half tiles cost; qwen3-235b, its last round too full to split) (H100, perf/gemm_sweep.py --tail-split)
 TAIL_SPLIT = True
 TAIL_SPLIT_MIN_K = 4096
+# every other persistent grouped GEMM on Hopper walks its tiles up to the last row tile with rows,
+# not over the schedule's capacity (GroupedGemmSm90.bounded_walk; the tail split's kernels always do;
+# the same bits): 12-13% on mixtral's down projection where the rows ended inside the walk's last
+# group of 8 row tiles (H100); predicted 3-5% on mixtral's gate/up GEMM and under 1% where the
+# column tiles are few (docs/notes/grouped-gemms-vs-quack.md, "The walk's bound"). Not measured on
+# those forms yet: off (perf/gemm_sweep.py --bounded-walk times it)
+BOUNDED_WALK = False
 # the settings above read each time a kernel variant is built, so that a benchmark may change them
 # for one run (perf/bench_layer.py and perf/step_kernels.py --set NAME=VALUE)
-TUNABLE_SETTINGS = ("DEEP_TURNS", "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", "PROMOTIONS_YIELD", "ISSUE_ORDER", "TAIL_SPLIT")
+TUNABLE_SETTINGS = ("DEEP_TURNS", "WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", "PROMOTIONS_YIELD", "ISSUE_ORDER", "TAIL_SPLIT", "BOUNDED_WALK")
 
 
 def ordered_issue_for(form: str, operand: str) -> bool:
@@ -436,6 +443,8 @@ def grouped_gemm_variant(
     if ordered_issue_for(epilogue, operand):
         options["ordered_issue"] = True
     hopper_only = {"tail_split": True} if tail_split_for(k, epilogue, operand, tile_n, options) else {}
+    if BOUNDED_WALK and options["persistent"] and not hopper_only:
+        hopper_only["bounded_walk"] = True
 
     def build(arch: str, compile_options: str = "") -> Any:
         if arch in MXFP8_GEMM_ARCHS:  # tcgen05 (compile-verified only)

@@ -103,7 +103,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         gather_a: bool = False, scatter: bool = False, pingpong: bool = False, b_expert_stride: int | None = None,
         activation: str = "swiglu", bias: bool = False, operand: str = "bf16", block_buffers: int = 1,
         b_row_stride: int | None = None, cluster_m: int = 1, deep_turn: int = 0, out_format: str = "bf16",
-        power_of_two: bool = False, ordered_issue: bool = False, tail_split: bool = False,
+        power_of_two: bool = False, ordered_issue: bool = False, tail_split: bool = False, bounded_walk: bool = False,
     ) -> None:
         if operand not in ("bf16", "e4m3_block"):
             raise ValueError(f"operand: expected 'bf16' or 'e4m3_block' on Hopper, got {operand!r}")
@@ -143,6 +143,9 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
             if problems:
                 raise ValueError(f"tail_split: needs {', '.join(problems)}")
         self.tail_split = tail_split
+        if bounded_walk and not persistent:
+            raise ValueError("bounded_walk: only in the persistent kernel (one CTA a tile walks nothing)")
+        self.bounded_walk = bounded_walk or tail_split
         self.use_ordered_issue(ordered_issue)
         self.check_out_format(out_format, power_of_two, epilogue, tile_n)
         self.pingpong = pingpong
@@ -330,10 +333,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         col_tiles = self.col_tiles
-        first, step, all_tiles = self.cta_walk(num_row_tiles, col_tiles)
-        walk_rows, whole, halves = num_row_tiles, all_tiles, cutlass.Int32(0)  # (tail_split: the walk, then one half tile a CTA at most)
-        if cutlass.const_expr(self.tail_split):
+        walk_rows = num_row_tiles  # (bounded_walk: up to the last row tile with rows)
+        if cutlass.const_expr(self.bounded_walk):
             walk_rows = self.walked_row_tiles(m_tiles, num_row_tiles)
+        first, step, all_tiles = self.cta_walk(walk_rows, col_tiles)
+        whole, halves = all_tiles, cutlass.Int32(0)  # (tail_split: the tiles walked whole, then one half tile a CTA at most)
+        if cutlass.const_expr(self.tail_split):
             whole, halves = self.tail_walk(walk_rows, step)
         if warp_idx == 0:
             self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()), *load_args[6:7], *b_multicast[0::2])
@@ -404,7 +409,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
                                        tiles, m_row_token, m_row_slot, num_rows, m_x, tidx - 32)
         elif cutlass.const_expr(self.pingpong):  # each MMA warpgroup on its own tiles
             cute.arch.setmaxregister_increase(232)
-            tiles = (first, step, all_tiles, num_row_tiles, col_tiles, m_tiles)
+            tiles = (first, step, whole, walk_rows, col_tiles, m_tiles)
             self.pingpong_consumers(tidx - 128, warp_idx, ab_pipe, tiled_mma, s_a, s_b, s_c, tiles, (store_args, row_args, num_rows))
         else:  # the two MMA warpgroups
             if cutlass.const_expr(self.hands_registers_over):
@@ -582,10 +587,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
 
     @cute.jit
     def walked_row_tiles(self, m_tiles, num_row_tiles):
-        """``tail_split``: the row tiles up to the last one with an expert (the schedule's unused
-        tiles come last), so that the walk's last round counts tiles with rows. Every warp finds it
-        alone: its lanes scan every 32nd entry (four loads in flight), then the largest of their
-        answers (butterfly)."""
+        """``bounded_walk``: the row tiles up to the last one with an expert (the schedule's unused
+        tiles come last), so that the walk ends with the rows, and its last group of row tiles
+        (grouped_tile) holds only tiles with rows: spread over the capacity's rows, that group's
+        tiles would stretch the walk (docs/notes/grouped-gemms-vs-quack.md, "The walk's bound").
+        Every warp finds it alone: its lanes scan every 32nd entry (four loads in flight), then the
+        largest of their answers (butterfly)."""
         last = cutlass.Int32(0)
         for j in cutlass.range(cute.arch.lane_idx(), num_row_tiles, 32, unroll=4):
             if m_tiles[j] >= 0:
