@@ -261,9 +261,11 @@ ISSUE_ORDER: frozenset[str] = frozenset({"swiglu", "swiglu_save"})
 # Hopper's bf16 plain grouped GEMM (the down projection, its EP scatter form, dx) with 256-wide tiles and K of at least
 # TAIL_SPLIT_MIN_K: where the persistent walk's last round would keep at most half the CTAs busy,
 # its tiles are taken in 128-wide halves by twice the CTAs (GroupedGemmSm90.tail_walk; the same
-# bits). Mixtral's down projection (K = 14336, 9 rounds) 5-11% faster, its dx 6%; at K = 768 and
-# 1536 1% slower (qwen3-30b, split: a half round of ~6 us saves less than the walk's bound and the
-# half tiles cost; qwen3-235b, its last round too full to split) (H100, perf/gemm_sweep.py --tail-split)
+# bits), its walk bounded at the last row tile with rows. Mixtral's down projection (K = 14336,
+# 8-9 rounds) 5-12% faster, its dx 6-13%, the scatter form 12% (the walk's bound most of it where
+# the rows ended inside its last group), dsv3's dx 1.5%; at K = 768 and 1536 1% slower (qwen3-30b,
+# split: a half round of ~6 us saves less than the walk's bound and the half tiles cost; qwen3-235b,
+# its last round too full to split) (H100, perf/gemm_sweep.py --tail-split)
 TAIL_SPLIT = True
 TAIL_SPLIT_MIN_K = 4096
 # every other persistent grouped GEMM on Hopper walks its tiles up to the last row tile with rows,
