@@ -572,10 +572,10 @@ def tail_split() -> None:
 def bounded_walk() -> None:
     """The layer's bf16 grouped GEMMs (the gate/up GEMM gathering its rows and saving h, the down
     projection, the SwiGLU backward) walking the schedule's capacity or bounded at the last row tile
-    with rows (variants.BOUNDED_WALK; the tail split's forms always bounded), on a uniform schedule:
-    prints the row tiles with rows, the capacity's and the column tiles, whether the bounded walk's
-    bits equal the free one's, both interleaved, ms (docs/notes/grouped-gemms-vs-quack.md, "The
-    walk's bound")."""
+    with rows (variants.BOUNDED_WALK; the tail split's forms, mixtral's down projection here, always
+    bounded), on a uniform schedule: prints the row tiles with rows and the capacity's, whether the
+    bounded walk's bits equal the free one's, both interleaved, ms (docs/notes/grouped-gemms-vs-quack.md,
+    "The walk's bound")."""
     from mok.kernels import variants
 
     shapes = {"mixtral": (4096, 4096, 14336, 8, 2), "qwen3-30b": (4096, 2048, 768, 128, 8), "qwen3-235b": (4096, 4096, 1536, 128, 8),
