@@ -339,7 +339,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         first, step, all_tiles = self.cta_walk(walk_rows, col_tiles)
         whole, halves = all_tiles, cutlass.Int32(0)  # (tail_split: the tiles walked whole, then one half tile a CTA at most)
         if cutlass.const_expr(self.tail_split):
-            whole, halves = self.tail_walk(walk_rows, step)
+            whole, halves = self.tail_walk(all_tiles, step)
         if warp_idx == 0:
             self.prefetch(tma_a, tma_b, *((tma_b2,) if self.num_b == 2 or self.k_split else ()), *load_args[6:7], *b_multicast[0::2])
 
@@ -602,13 +602,12 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         return last
 
     @cute.jit
-    def tail_walk(self, walk_rows, step):
+    def tail_walk(self, all_tiles, step):
         """``tail_split``: (tiles walked whole, half tiles after them). Where the walk's last round
         would leave at most half the CTAs busy, its r tiles are taken as 2·r half-width tiles, one
         a CTA, instead: the round takes about half as long. A half tile's WGMMAs give its elements
         the sums the whole tile's give them (m64n128k16 and m64n256k16: the same bits), so who takes
-        which tile changes nothing in the result."""
-        all_tiles = walk_rows * self.col_tiles
+        which tile changes nothing in the result. ``all_tiles``: the walk's (:meth:`cta_walk`)."""
         rest = all_tiles % step
         halves = cutlass.Int32(0)
         if 2 * rest <= step:
@@ -638,11 +637,7 @@ class GroupedGemmSm90(BlockScaledMainloop, GroupedGemm, WgmmaTileKernel):
         g_b2 = cute.local_tile(m_b2, half_shape, (tile_row, half_col, None, expert), proj=(None, 1, 1))
         t_bs, t_bg = self.tma_split(tma_b, s_b_half, g_b)
         half_b = (tma_b, t_bg, tma_b2, self.tma_split(tma_b2, s_b_half, g_b2)[1], t_bs, tx_bytes)
-        prod.reset_count()
-        for _ in cutlass.range(k_tiles, unroll=1):
-            self.load_stage(ab_pipe, prod, loads, half_b)
-            prod.advance()
-        return prod
+        return self.produce_tile(ab_pipe, prod, loads, k_tiles, half_b)
 
     @cute.jit
     def consume_half_tile(self, ab_pipe, mma_tidx, warp_idx, tail, acc, s_a, s_b_half, s_c, tile_row, half_col, k_tiles, states,

@@ -377,11 +377,12 @@ class WgmmaTileKernel:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def produce_tile(self, ab_pipe, prod, loads, k_tiles):
-        """Persistent producer: TMA-load one tile's ``k_tiles`` stages; returns the advanced state."""
+    def produce_tile(self, ab_pipe, prod, loads, k_tiles, *stage_args):
+        """Persistent producer: TMA-load one tile's ``k_tiles`` stages (``stage_args``: what else the
+        subclass's load_stage takes); returns the advanced state."""
         prod.reset_count()  # load_stage reads the tile's k index from the count
         for _ in cutlass.range(k_tiles, unroll=1):
-            self.load_stage(ab_pipe, prod, loads)
+            self.load_stage(ab_pipe, prod, loads, *stage_args)
             prod.advance()
         return prod
 
