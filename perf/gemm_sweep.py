@@ -453,28 +453,45 @@ def fp8_activation_out() -> None:
         print(f"{name:<11}bits equal {same}  " + "  ".join(f"{k} {t:.3f}" for k, t in ms.items()))
 
 
+def setting_compared(knob: str, settings: dict, run, rows=None, repeats: int = 7) -> tuple[bool, dict]:
+    """``run`` (a tuple of output tensors, or one) under each of ``settings`` (label: value) of the
+    module setting ``mok.kernels.variants.<knob>``, read as each value's kernels are built: whether
+    every value gives the first one's bytes (``rows``: of those rows only), and each label's ms,
+    interleaved in one process. The setting is restored after."""
+    from mok.kernels import variants
+
+    default = getattr(variants, knob)
+
+    def under(value):
+        setattr(variants, knob, value)
+        out = run()
+        return out if isinstance(out, tuple) else (out,)
+
+    def picked(t):
+        return (t if rows is None else t[rows]).contiguous().view(torch.uint8)
+
+    try:
+        values = list(settings.values())
+        first = [picked(t).clone() for t in under(values[0])]
+        same = all(torch.equal(x, picked(y)) for value in values[1:] for x, y in zip(first, under(value)))
+        ms = time_ms_interleaved({label: lambda value=value: under(value) for label, value in settings.items()}, batch=10, repeats=repeats)
+    finally:
+        setattr(variants, knob, default)
+    return same, ms
+
+
 def fp8_weight_grad_stages() -> None:
     """The FP8 weight gradient (dW_gate + dW_up on a real uniform schedule) with a tile's first
     stage, or first two, issued before the previous tile's epilogue
     (variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE): bits compared, then interleaved ms, at qwen3-235b
     (two or three 128-row blocks a tile) and dsv3 (eight)."""
-    from mok.kernels import variants
-
     shapes = {"qwen3-235b": (4096, 4096, 1536, 128, 8), "dsv3": (4096, 7168, 2048, 32, 8)}
-    default = variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE
-    try:
-        for name, (T, H, I, E, k) in shapes.items():
-            v = fp8_weight_grad_inputs(T, H, I, E, k)
-
-            def run(stages, v=v):
-                variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = stages
-                return ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts, split_out=True)
-
-            same = all(torch.equal(x, y) for x, y in zip(run(1), run(2)))
-            ms = time_ms_interleaved({f"{stages} under": lambda stages=stages: run(stages) for stages in (1, 2)}, batch=10, repeats=5)
-            print(f"{name:<11}bits equal {same}  " + "  ".join(f"{label} {t:.3f}" for label, t in ms.items()))
-    finally:
-        variants.WEIGHT_GRAD_STAGES_UNDER_EPILOGUE = default
+    for name, (T, H, I, E, k) in shapes.items():
+        v = fp8_weight_grad_inputs(T, H, I, E, k)
+        same, ms = setting_compared("WEIGHT_GRAD_STAGES_UNDER_EPILOGUE", {f"{stages} under": stages for stages in (1, 2)},
+                                    lambda v=v: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
+                                                                split_out=True), repeats=5)
+        print(f"{name:<11}bits equal {same}  " + "  ".join(f"{label} {t:.3f}" for label, t in ms.items()))
 
 
 def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True, only: tuple[str, ...] | None = None) -> None:
@@ -483,41 +500,25 @@ def fp8_knob_settings(knob: str, settings: dict, weight_grads: bool = True, only
     (``only``: those of these names), under each of ``settings`` (label: value) of the module
     setting ``mok.kernels.variants.<knob>`` (each value's kernels entries of their own): bits
     compared with the first value's, then all interleaved in one process, ms."""
-    from mok.kernels import variants
-
     shapes = {"dsv3": (32, 1024, 7168, 2048), "qwen3-235b": (128, 256, 4096, 1536)}
-    default = getattr(variants, knob)
-    values = list(settings.values())
-    try:
-        for name, (E, per, H, I) in shapes.items():
-            (R, _, _, _, tiles, _), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, I, H, True)
-            h = torch.empty(R, 2 * I, device="cuda", dtype=torch.bfloat16)
-            (_, _, _, _, tiles2, _), (a2_q, w2_q, _) = fp8_shape_operands(E, per, H, I, False)
-            h_bwd = torch.randn(R, 2 * I, device="cuda").bfloat16()  # (the SwiGLU backward: a_q as dout's rows, b_q as W_down's transpose)
-            rows = torch.arange(R, device="cuda", dtype=torch.int32)
-            router = dict(row_token=rows // 8, row_slot=rows % 8, topk_w=torch.rand(R // 8, 8, device="cuda"))
-            kernels = {"gate/up": lambda: (*ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h, out_format="fp8_block"), h),
-                       "down": lambda: (ops.grouped_gemm(a2_q, w2_q, tiles2),),
-                       "swiglu bwd": lambda: tuple(t for t in ops.swiglu_backward_gemm(a_q, b_q, tiles, h_bwd, **router) if t is not None)}
-            if weight_grads:
-                v = fp8_weight_grad_inputs(E * per // 8, H, I, E, 8)
-                kernels["dW_gate + dW_up"] = lambda: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
-                                                                     split_out=True)
-            for kernel, run in kernels.items():
-                if only is not None and kernel not in only:
-                    continue
-
-                def under(value, run=run):
-                    setattr(variants, knob, value)
-                    return run()
-
-                first = [t.clone() for t in under(values[0])]
-                same = all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-                           for value in values[1:] for x, y in zip(first, under(value)))
-                ms = time_ms_interleaved({label: lambda value=value: under(value) for label, value in settings.items()}, batch=10, repeats=7)
+    for name, (E, per, H, I) in shapes.items():
+        (R, _, _, _, tiles, _), (a_q, b_q, b2_q) = fp8_shape_operands(E, per, I, H, True)
+        h = torch.empty(R, 2 * I, device="cuda", dtype=torch.bfloat16)
+        (_, _, _, _, tiles2, _), (a2_q, w2_q, _) = fp8_shape_operands(E, per, H, I, False)
+        h_bwd = torch.randn(R, 2 * I, device="cuda").bfloat16()  # (the SwiGLU backward: a_q as dout's rows, b_q as W_down's transpose)
+        rows = torch.arange(R, device="cuda", dtype=torch.int32)
+        router = dict(row_token=rows // 8, row_slot=rows % 8, topk_w=torch.rand(R // 8, 8, device="cuda"))
+        kernels = {"gate/up": lambda: (*ops.grouped_gemm(a_q, b_q, tiles, b2=b2_q, h_out=h, out_format="fp8_block"), h),
+                   "down": lambda: (ops.grouped_gemm(a2_q, w2_q, tiles2),),
+                   "swiglu bwd": lambda: tuple(t for t in ops.swiglu_backward_gemm(a_q, b_q, tiles, h_bwd, **router) if t is not None)}
+        if weight_grads:
+            v = fp8_weight_grad_inputs(E * per // 8, H, I, E, 8)
+            kernels["dW_gate + dW_up"] = lambda: ops.weight_grad(v.dh_q, v.x_q, v.sched.expert_offsets, counts=v.sched.expert_counts,
+                                                                 split_out=True)
+        for kernel, run in kernels.items():
+            if only is None or kernel in only:
+                same, ms = setting_compared(knob, settings, run)
                 print(f"{name:<11}{kernel:<16}bits equal {same}  " + "  ".join(f"{key} {t:.3f}" for key, t in ms.items()))
-    finally:
-        setattr(variants, knob, default)
 
 
 def tail_split() -> None:
@@ -532,7 +533,7 @@ def tail_split() -> None:
 
     shapes = {"mixtral": (4096, 4096, 14336, 8, 2), "qwen3-30b": (4096, 2048, 768, 128, 8), "qwen3-235b": (4096, 4096, 1536, 128, 8),
               "dsv3": (4096, 7168, 2048, 32, 8)}
-    default = variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K
+    default = variants.TAIL_SPLIT_MIN_K
     variants.TAIL_SPLIT_MIN_K = 0  # (every K: the default takes half tiles only where K >= TAIL_SPLIT_MIN_K)
     sms = sm_count(torch.device("cuda"))
     try:
@@ -544,7 +545,7 @@ def tail_split() -> None:
             tiles = sched.tile_expert
             whole = int((tiles >= 0).sum()) * (H // 256)
             kernels = {"down": lambda: ops.grouped_gemm(a, w_down, tiles)}
-            if 2 * I >= default[1]:  # (dx, where the default splits it: its rounds are the down projection's, its K twice theirs)
+            if 2 * I >= default:  # (dx, where the default splits it: its rounds are the down projection's, its K twice theirs)
                 dh = torch.randn(R, 2 * I, device="cuda").bfloat16()
                 w_gate, w_up = ((torch.randn(E, I, H, device="cuda") * I**-0.5).bfloat16() for _ in range(2))
                 kernels["dx"] = lambda: ops.grouped_gemm(dh, w_gate, tiles, b2=w_up, b_major="n", k_split=True)
@@ -556,17 +557,12 @@ def tail_split() -> None:
                     return slots
                 kernels["scatter"] = scatter
             for kernel, run in kernels.items():
-                def under(value, run=run):
-                    variants.TAIL_SPLIT = value
-                    return run()
-
-                used = tiles.repeat_interleave(128)[:R] >= 0 if kernel != "scatter" else slice(None)
-                same = torch.equal(under(False).clone()[used], under(True)[used])  # (the scatter form's slots: one buffer)
-                ms = time_ms_interleaved({"whole": lambda: under(False), "tail split": lambda: under(True)}, batch=10, repeats=7)
+                used = tiles.repeat_interleave(128)[:R] >= 0 if kernel != "scatter" else None  # (the scatter form: every slot)
+                same, ms = setting_compared("TAIL_SPLIT", {"whole": False, "tail split": True}, run, rows=used)
                 print(f"{name:<11}{kernel:<6}tiles {whole} rounds {-(-whole // sms)} last {whole - (-(-whole // sms) - 1) * sms:>3}  "
                       f"bits equal {same}  whole {ms['whole']:.3f}  tail split {ms['tail split']:.3f}  ({ms['whole'] / ms['tail split']:.3f}x)")
     finally:
-        variants.TAIL_SPLIT, variants.TAIL_SPLIT_MIN_K = default
+        variants.TAIL_SPLIT_MIN_K = default
 
 
 def bounded_walk() -> None:
@@ -576,41 +572,29 @@ def bounded_walk() -> None:
     bounded), on a uniform schedule: prints the row tiles with rows and the capacity's, whether the
     bounded walk's bits equal the free one's, both interleaved, ms (docs/notes/grouped-gemms-vs-quack.md,
     "The walk's bound")."""
-    from mok.kernels import variants
-
     shapes = {"mixtral": (4096, 4096, 14336, 8, 2), "qwen3-30b": (4096, 2048, 768, 128, 8), "qwen3-235b": (4096, 4096, 1536, 128, 8),
               "dsv3": (4096, 7168, 2048, 32, 8)}
-    default = variants.BOUNDED_WALK
-    try:
-        for name, (T, H, I, E, k) in shapes.items():
-            sched = uniform_schedule(T, E, k)
-            tiles, rows = sched.tile_expert, sched.row_token.shape[0]
-            x = torch.randn(T, H, device="cuda").bfloat16()
-            wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
-            wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
-            a, h = torch.randn(rows, I, device="cuda").bfloat16(), torch.empty(rows, 2 * I, device="cuda").bfloat16()
-            dout_rows, h_bwd = torch.randn(rows, H, device="cuda").bfloat16(), torch.randn(rows, 2 * I, device="cuda").bfloat16()
-            router = dict(row_token=sched.row_token, row_slot=torch.arange(rows, device="cuda", dtype=torch.int32) % k,
-                          topk_w=torch.rand(T, k, device="cuda"))
-            kernels = {
-                "gate/up": lambda: (ops.grouped_gemm(x, wg, tiles, b2=wu, h_out=h, gather=sched.row_token), h),
-                "down": lambda: (ops.grouped_gemm(a, wd, tiles),),
-                "swiglu bwd": lambda: tuple(t for t in ops.swiglu_backward_gemm(dout_rows, wd, tiles, h_bwd, **router) if t is not None),
-            }
-            with_rows = int((tiles >= 0).sum())
-            for kernel, run in kernels.items():
-                def under(value, run=run):
-                    variants.BOUNDED_WALK = value
-                    return run()
-
-                used = tiles.repeat_interleave(128)[:rows] >= 0
-                first = [t.clone() for t in under(False)]
-                same = all(torch.equal(f[used], g[used]) for f, g in zip(first, under(True)))
-                ms = time_ms_interleaved({"free": lambda: under(False), "bounded": lambda: under(True)}, batch=10, repeats=7)
-                print(f"{name:<11}{kernel:<11}row tiles {with_rows} of {tiles.shape[0]}  bits equal {same}  "
-                      f"free {ms['free']:.3f}  bounded {ms['bounded']:.3f}  ({ms['free'] / ms['bounded']:.3f}x)", flush=True)
-    finally:
-        variants.BOUNDED_WALK = default
+    for name, (T, H, I, E, k) in shapes.items():
+        sched = uniform_schedule(T, E, k)
+        tiles, rows = sched.tile_expert, sched.row_token.shape[0]
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        wg, wu = ((torch.randn(E, I, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
+        wd = (torch.randn(E, H, I, device="cuda") * I**-0.5).bfloat16()
+        a, h = torch.randn(rows, I, device="cuda").bfloat16(), torch.empty(rows, 2 * I, device="cuda").bfloat16()
+        dout_rows, h_bwd = torch.randn(rows, H, device="cuda").bfloat16(), torch.randn(rows, 2 * I, device="cuda").bfloat16()
+        router = dict(row_token=sched.row_token, row_slot=torch.arange(rows, device="cuda", dtype=torch.int32) % k,
+                      topk_w=torch.rand(T, k, device="cuda"))
+        kernels = {
+            "gate/up": lambda: (ops.grouped_gemm(x, wg, tiles, b2=wu, h_out=h, gather=sched.row_token), h),
+            "down": lambda: (ops.grouped_gemm(a, wd, tiles),),
+            "swiglu bwd": lambda: tuple(t for t in ops.swiglu_backward_gemm(dout_rows, wd, tiles, h_bwd, **router) if t is not None),
+        }
+        with_rows = int((tiles >= 0).sum())
+        used = tiles.repeat_interleave(128)[:rows] >= 0
+        for kernel, run in kernels.items():
+            same, ms = setting_compared("BOUNDED_WALK", {"free": False, "bounded": True}, run, rows=used)
+            print(f"{name:<11}{kernel:<11}row tiles {with_rows} of {tiles.shape[0]}  bits equal {same}  "
+                  f"free {ms['free']:.3f}  bounded {ms['bounded']:.3f}  ({ms['free'] / ms['bounded']:.3f}x)", flush=True)
 
 
 def fp8_tile_ingress() -> None:
