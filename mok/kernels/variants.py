@@ -271,9 +271,9 @@ TAIL_SPLIT_MIN_K = 4096
 # every other persistent grouped GEMM on Hopper walks its tiles up to the last row tile with rows,
 # not over the schedule's capacity (GroupedGemmSm90.bounded_walk; the tail split's kernels always do;
 # the same bits): 12-13% on mixtral's down projection where the rows ended inside the walk's last
-# group of 8 row tiles (H100); predicted 3-5% on mixtral's gate/up GEMM and under 1% where the
-# column tiles are few (docs/notes/grouped-gemms-vs-quack.md, "The walk's bound"). Not measured on
-# those forms yet: off (perf/gemm_sweep.py --bounded-walk times it)
+# group of 8 row tiles; on the other forms (perf/gemm_sweep.py --bounded-walk, H100) mixtral's
+# gate/up GEMM 1-2% faster, inside the spread, the qwen3-30b forms 1-3% slower (the scan of ~380
+# row tiles), the rest level: off (docs/notes/grouped-gemms-vs-quack.md, "The walk's bound")
 BOUNDED_WALK = False
 # the settings above read each time a kernel variant is built, so that a benchmark may change them
 # for one run (perf/bench_layer.py and perf/step_kernels.py --set NAME=VALUE)
