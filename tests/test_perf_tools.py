@@ -160,3 +160,47 @@ def test_variant_setting_parses_a_tunable_setting_into_its_type_and_refuses_the_
         assert variants.grouped_gemm_variant(2048, 7168, **gate_up).config["ordered_issue"] is True
     finally:
         variants.ISSUE_ORDER = default
+
+
+def load_compare_trees():
+    spec = importlib.util.spec_from_file_location("compare_trees", ROOT / "perf" / "compare_trees.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the project's git repository")
+def test_compare_trees_takes_a_commits_package_and_names_what_it_refuses(tmp_path):
+    """perf/compare_trees.py: the base commit's mok package written from git (HEAD's here: the
+    same files as the tree's where the tree is clean, an __init__ at least); an unknown commit, an
+    unknown config, a config with a shared expert or skewed routing, an unknown pass: SystemExit
+    naming the option and what was given."""
+    compare_trees = load_compare_trees()
+    commit = compare_trees.commit_of("HEAD")
+    assert len(commit) == 40 and int(commit, 16) >= 0
+    into = compare_trees.extract_package(commit, tmp_path)
+    assert (into / "mok" / "__init__.py").is_file() and (into / "mok" / "api.py").is_file()
+    assert not (into / "tests").exists()
+    for call, message in ((lambda: compare_trees.commit_of("no-such-commit-here"), "--base: expected a commit"),
+                          (lambda: compare_trees.cases_of("dsv4", "forward"), "no config 'dsv4'"),
+                          (lambda: compare_trees.cases_of("dsv3-shared", "forward"), "shared expert"),
+                          (lambda: compare_trees.cases_of("dsv3-zipf", "step"), "zipf routing"),
+                          (lambda: compare_trees.cases_of("dsv3", "backward"), "--passes: expected some of forward, step, got 'backward'")):
+        with pytest.raises(SystemExit, match=message):
+            call()
+    assert compare_trees.cases_of("qwen3-30b-32k", "forward,step") == [("qwen3-30b-32k", "forward", (32768, 2048, 768, 128, 8)),
+                                                                   ("qwen3-30b-32k", "step", (32768, 2048, 768, 128, 8))]
+
+
+def test_compare_trees_summary_gives_each_case_its_rounds_ratio_and_bits():
+    """perf/compare_trees.py's table: each round's ms per tree, head / base of their means, and
+    whether all records of a case (both trees, every round) share their bits."""
+    compare_trees = load_compare_trees()
+    records = [{"tree": tree, "round": r, "config": "dsv3", "pass": "forward", "ms": ms, "bits": "a"}
+               for tree, r, ms in (("base", 1, 4.0), ("head", 1, 3.0), ("base", 2, 6.0), ("head", 2, 3.0))]
+    records += [{"tree": tree, "round": 1, "config": "dsv3", "pass": "step", "ms": 10.0, "bits": bits}
+                for tree, bits in (("base", "a"), ("head", "b"))]
+    header, forward, step = compare_trees.summary(records)
+    assert header.split()[:2] == ["config", "pass"]
+    assert "4.000 6.000" in forward and "3.000 3.000" in forward and "0.600x" in forward and forward.endswith("True")
+    assert "1.000x" in step and step.endswith("False")
