@@ -51,7 +51,8 @@ def extract_package(commit: str, into: Path) -> Path:
 
 def cases_of(configs: str, passes: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(config, pass, (T, H, I, E, k)) for every named config and pass; uniform routing, no shared expert."""
-    sys.path.insert(0, str(ROOT / "perf"))
+    if str(ROOT / "perf") not in sys.path:  # (run as a script it is there already)
+        sys.path.insert(0, str(ROOT / "perf"))
     from bench_layer import CONFIGS
 
     cases = []
