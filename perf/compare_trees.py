@@ -1,7 +1,7 @@
 """MoK's bf16 layer from two trees side by side: a commit's ``mok`` package against the working
 tree's, each timed in processes of its own that take turns, their outputs compared bit for bit.
 
-    python perf/compare_trees.py --base COMMIT [--configs dsv3,qwen3-30b-32k] [--passes forward,step]
+    python perf/compare_trees.py --base COMMIT|DIR [--configs dsv3,qwen3-30b-32k] [--passes forward,step]
                                  [--rounds 2] [--seconds 1]
 
 For a change that should not move the layer (a regression check against the tree before it, or
@@ -11,14 +11,17 @@ call in each round (S seconds of calls, then S seconds timed), the working tree'
 and whether every round of both trees gave the same bits (the forward's output; the step's dx,
 router-weight and weight gradients). Only the functional API (``mok.MoKConfig``, ``mok.forward``,
 ``mok.backward``) is called, so any tree that has it can be the base. The base's ``mok`` is taken
-from ``git archive`` into a temporary folder and imported through PYTHONPATH, with a kernel cache of
-its own (``$TMPDIR/mok-compare-kernels-<commit>``); the processes alternate so that both see the
-machine's drift alike.
+from ``git archive`` into a temporary folder, or, where ``--base`` names a folder holding a ``mok``
+package, from there (a copy without git, as on a GPU machine that gets the working tree only:
+``git archive COMMIT mok | tar -x -C DIR`` beforehand); it is imported through PYTHONPATH, with a
+kernel cache of its own (``$TMPDIR/mok-compare-kernels-<commit or folder>``); the processes
+alternate so that both see the machine's drift alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -39,6 +42,12 @@ def commit_of(rev: str) -> str:
     if found.returncode != 0:
         raise SystemExit(f"--base: expected a commit of {ROOT}, got {rev!r} (git rev-parse found none)")
     return found.stdout.strip()
+
+
+def base_folder(base: str) -> Path | None:
+    """``base`` as a folder holding a ``mok`` package (the base tree given as files), else None."""
+    folder = Path(base)
+    return folder.resolve() if (folder / "mok" / "__init__.py").is_file() else None
 
 
 def extract_package(commit: str, into: Path) -> Path:
@@ -100,7 +109,6 @@ def run_child(cases: list, seconds: float) -> None:
 def timed_case(mok, kind: str, shape: tuple, seconds: float) -> dict:
     """{"ms": a call's mean time, "bits": sha1 of its outputs} for one pass at one shape (T, H, I, E, k):
     bench_layer's inputs (the same draws from seed 0), ``seconds`` of calls, then as long timed."""
-    import hashlib
 
     import torch
 
@@ -143,7 +151,7 @@ def timed_case(mok, kind: str, shape: tuple, seconds: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", help="the commit whose mok package is compared with the working tree's")
+    parser.add_argument("--base", help="the commit whose mok package is compared with the working tree's, or a folder holding one")
     parser.add_argument("--configs", default="dsv3,qwen3-30b-32k")
     parser.add_argument("--passes", default="forward,step")
     parser.add_argument("--rounds", type=int, default=2, help="turns of both trees' processes")
@@ -154,22 +162,23 @@ def main() -> int:
         run_child(json.loads(args.child), args.seconds)
         return 0
     if not args.base:
-        raise SystemExit("--base: expected a commit to compare the working tree with")
-    commit = commit_of(args.base)
+        raise SystemExit("--base: expected a commit (or a folder holding a mok package) to compare the working tree with")
+    folder = base_folder(args.base)
+    label = hashlib.sha1(str(folder).encode()).hexdigest()[:12] if folder else commit_of(args.base)[:12]
     cases = cases_of(args.configs, args.passes)
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("compare_trees: needs a CUDA GPU (none visible to torch)")
-    print(f"# base {commit[:12]} ({args.base}) against the working tree {ROOT}; {args.rounds} rounds, {args.seconds} s a case")
+    print(f"# base {folder or label} ({args.base}) against the working tree {ROOT}; {args.rounds} rounds, {args.seconds} s a case")
     results = []
-    with tempfile.TemporaryDirectory(prefix="mok-base-") as folder:
-        trees = {"base": extract_package(commit, Path(folder)), "head": ROOT}
+    with tempfile.TemporaryDirectory(prefix="mok-base-") as scratch:
+        trees = {"base": folder or extract_package(commit_of(args.base), Path(scratch)), "head": ROOT}
         for turn in range(args.rounds):
             for tree, root in trees.items():
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
                 if tree == "base":
-                    env["MOK_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"mok-compare-kernels-{commit[:12]}")
+                    env["MOK_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"mok-compare-kernels-{label}")
                 child = subprocess.run([sys.executable, __file__, "--child", json.dumps(cases), "--seconds", str(args.seconds)],
                                        env=env, capture_output=True, text=True)
                 records = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]

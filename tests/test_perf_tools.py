@@ -192,6 +192,18 @@ def test_compare_trees_takes_a_commits_package_and_names_what_it_refuses(tmp_pat
                                                                    ("qwen3-30b-32k", "step", (32768, 2048, 768, 128, 8))]
 
 
+def test_compare_trees_takes_a_folder_holding_a_package_as_the_base(tmp_path):
+    """--base DIR (a machine without git): a folder with a mok package is the base as it is; a
+    folder without one, or a name that is no folder, is not (then taken for a commit)."""
+    compare_trees = load_compare_trees()
+    (tmp_path / "tree" / "mok").mkdir(parents=True)
+    assert compare_trees.base_folder(str(tmp_path / "tree")) is None  # (no __init__.py: not a package)
+    (tmp_path / "tree" / "mok" / "__init__.py").write_text("")
+    assert compare_trees.base_folder(str(tmp_path / "tree")) == (tmp_path / "tree").resolve()
+    assert compare_trees.base_folder(str(tmp_path)) is None
+    assert compare_trees.base_folder("4b6f960") is None
+
+
 def test_compare_trees_summary_gives_each_case_its_rounds_ratio_and_bits():
     """perf/compare_trees.py's table: each round's ms per tree, head / base of their means, and
     whether all records of a case (both trees, every round) share their bits."""
