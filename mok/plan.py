@@ -208,7 +208,7 @@ class Plan:
         else:
             v.append(schedule_variant(c.experts_per_rank, k, TILE))
             if not self.gather_in_gemm and not self.ep and not self.quantizes_gathered_rows:
-                v.append(gather_variant(h))
+                v.append(gather_variant(h, bounded=True))  # (up to the schedule's rows in use)
             for save_h in (False, True):
                 v += self._gemm_variants(i, h, epilogue="swiglu_save" if save_h else "swiglu", gather_a=self.gather_in_gemm, activation=act,
                                          rows_gathered=self.quantizes_gathered_rows, **self._bias)
@@ -230,11 +230,11 @@ class Plan:
     def _backward_variants(self) -> list[KernelVariant]:
         c, persistent = self.config, self.persistent
         h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
-        v = []  # the rows' gathers at one GPU: dout's and x's in one launch, or (dout's gathered as they are quantized) x's alone
-        if not self.ep and not self.quantizes_gathered_rows:
-            v += [gather_variant(h), gather_variant(h, sources=2)]
+        v = []  # the rows' gathers at one GPU (up to the rows in use): dout's and x's in one launch, or (dout's gathered as they are
+        if not self.ep and not self.quantizes_gathered_rows:  # quantized) x's alone
+            v += [gather_variant(h, bounded=True), gather_variant(h, sources=2, bounded=True)]
         elif not self.ep and c.weight_grad_format != "fp8_block":
-            v.append(gather_variant(h))
+            v.append(gather_variant(h, bounded=True))
         v += self._swiglu_backward_variants(i, h, topk=k)
         parts = -(-i // SWIGLU_BACKWARD_TILE_N) + int(c.expert_bias)  # the router-gradient pieces per row (the down bias's last)
         if self.ep:

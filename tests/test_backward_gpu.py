@@ -97,6 +97,32 @@ def check_backward_against_autograd(T, H, I, E, k, shared_inter, routing):
             assert worst <= 5e-2, f"{name}: worst row err {worst:.2e}"
 
 
+@pytest.mark.parametrize("shared_inter", [None, 256])
+def test_backward_reads_no_gathered_row_past_those_in_use(shared_inter):
+    """The backward gathers dout's and x's rows only up to the schedule's rows in use: the capacity's
+    row tiles past them are left as the allocator hands them over. Here NaN (blocks of that size
+    freed just before, which the caching allocator hands back): gradients still match autograd, so
+    no GEMM, sum or combine reads a row there. Every token on the same 4 of 64 experts: most of
+    the capacity's rows (sized for any routing) unused."""
+    T, H, I, E, k = 600, 512, 256, 64, 4
+    x, idx, w, experts, shared = gpu_layer(T, H, I, E, k, shared_inter, seed=21, routing="one_expert")
+    dout = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(21)).bfloat16()
+    saved = moe_forward(x, idx, w, *experts, shared, save_for_backward=True)
+    capacity, used = saved.schedule.row_token.shape[0], int(saved.schedule.expert_offsets[-1])
+    assert used < capacity // 2  # (most of the capacity unused: the case this test is about)
+    blocks = [poisoned(capacity, H) for _ in range(4)]
+    del blocks
+    probe = torch.empty(capacity, H, device="cuda", dtype=torch.bfloat16)
+    assert probe.isnan().all()  # (the allocator hands a poisoned block back to the next buffer of the size)
+    del probe
+    grads = moe_backward(dout, x, idx, w, *experts, shared, saved)
+    want = autograd_reference(x, idx, w, experts, shared, dout)
+    for name, got, ref in zip(NAMES, flat(grads), flat(want)):
+        assert not got.isnan().any(), f"{name}: NaN (a row past those in use read?)"
+        if name != "d_topk_w":
+            assert rel_err(got, ref) <= 1e-2, f"{name}: rel err {rel_err(got, ref):.2e}"
+
+
 def test_router_gradient_with_weights_zero_and_tiny():
     """d_topk_w = <dout, y> does not depend on the weight itself: 0 and 1e-30 get their full gradient."""
     x, idx, w, experts, shared = gpu_layer(700, 512, 256, 16, 4, None, seed=11)

@@ -29,6 +29,23 @@ def test_gather_rows(rows, width):
     assert torch.equal(pair[0], want) and torch.equal(pair[1], want_second)
 
 
+@pytest.mark.parametrize("used", [0, 1, 517, 1001, 5000])
+def test_gather_rows_up_to_a_device_count(used):
+    """rows_used: the rows below the count (a schedule's rows in use) gathered as without it, those
+    at or past it left unwritten (still NaN), one source or two; a count past the rows writes all."""
+    rows, width = 1001, 520
+    src, second = (torch.randn(300, width, device="cuda").bfloat16() for _ in range(2))
+    index = torch.randint(-1, 300, (rows,), device="cuda", dtype=torch.int32)
+    count = torch.tensor([used], device="cuda", dtype=torch.int32)
+    written = min(used, rows)
+    for got, source in ((ops.gather_rows(src, index, out=poisoned(rows, width), rows_used=count), src),
+                        *zip(ops.gather_rows_pair(src, second, index, out=(poisoned(rows, width), poisoned(rows, width)), rows_used=count),
+                             (src, second))):
+        want = ops.gather_rows(source, index)
+        assert torch.equal(got[:written], want[:written])
+        assert got[written:].isnan().all()
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("rows,n,k,experts", [(1000, 256, 192, 5), (384, 2048, 7168, 2), (37, 768, 2048, 1)])
 def test_grouped_gemm(rows, n, k, experts, swiglu):

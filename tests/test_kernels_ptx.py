@@ -962,6 +962,22 @@ def test_row_gather_keeps_four_16_byte_loads_in_flight_before_it_stores(arch):
     assert count(r"\.local", ptx) == 0
 
 
+@pytest.mark.parametrize("sources", [1, 2])
+def test_bounded_row_gather_reads_the_row_count_once_and_keeps_its_loads_ahead(sources):
+    """bounded: one more int32 load (rows_used[0]) and its clamp to the rows there are, against the
+    unbounded gather's PTX; the same 16-byte loads and stores, loads still ahead of the stores."""
+    plain = compiled_ptx(gather_variant(2048, sources=sources), "sm_90a")
+    ptx = compiled_ptx(gather_variant(2048, sources=sources, bounded=True), "sm_90a")
+    assert count(r"ld\.global\.b32", ptx) == count(r"ld\.global\.b32", plain) + 1
+    assert count(r"\bmin\.s32", ptx) == count(r"\bmin\.s32", plain) + 1
+    for vector in (r"ld\.global\.v4\.b32", r"st\.global\.v4\.b32"):
+        assert count(vector, ptx) == count(vector, plain) == 4 * sources
+    if sources == 1:
+        loads = [m.start() for m in re.finditer(r"ld\.global\.v4\.b32", ptx)]
+        assert max(loads) < min(m.start() for m in re.finditer(r"st\.global\.v4\.b32", ptx))
+    assert count(r"\.local", ptx) == 0
+
+
 @pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("n,k,swiglu", [(2048, 7168, True), (7168, 2048, False), (768, 2048, True)])
 def test_grouped_gemm_ptx_uses_wgmma_and_tma(n, k, swiglu, persistent):

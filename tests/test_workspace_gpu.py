@@ -47,7 +47,7 @@ def _worker(rank, init_file, out_dir, shared_gpu):
         out = torch.full((ROWS, WIDTH), float("nan"), device="cuda", dtype=torch.bfloat16)
         kernel = get_kernel(gather_variant(WIDTH), device_arch())
         src = make_ptr(cutlass.BFloat16, ws.peer_ptr(peer), cutlass.cute.AddressSpace.gmem, assumed_align=16)
-        kernel(src, ptr("i32", index, 4), ptr("bf16", out), i32(ROWS), i32(ROWS), stream(out.device))
+        kernel(src, ptr("i32", index, 4), ptr("bf16", out), ptr("i32", None), i32(ROWS), i32(ROWS), stream(out.device))
         torch.cuda.synchronize()
         result.append(torch.equal(out.cpu(), want.flip(0)))
         dist.barrier()

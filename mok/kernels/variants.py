@@ -43,19 +43,22 @@ def combine_variant(
     return KernelVariant("combine", config, build)
 
 
-def gather_variant(width: int, sources: int = 1, fp8: bool = False) -> KernelVariant:
+def gather_variant(width: int, sources: int = 1, fp8: bool = False, bounded: bool = False) -> KernelVariant:
     """Row gather into the expert-grouped buffer (zeros for padding rows); ``sources`` 2: the same
-    rows of two tensors in one launch; ``fp8``: E4M3 rows ``width`` elements wide with their
-    128-blocks' fp32 scales, up to a row count on the device (mok/kernels/common/gather.py)."""
+    rows of two tensors in one launch; ``bounded``: up to a row count on the device; ``fp8``: E4M3
+    rows ``width`` elements wide with their 128-blocks' fp32 scales, always bounded
+    (mok/kernels/common/gather.py)."""
     if sources not in (1, 2) or (fp8 and sources != 1):
         raise ValueError(f"sources: expected 1 or 2 (1 with fp8), got {sources}")
+    bounded = bounded and not fp8
 
     def build(arch: str, options: str = "") -> Any:
         from .common.gather import compile_gather
 
-        return compile_gather(width, arch, options, sources=sources, fp8=fp8)
+        return compile_gather(width, arch, options, sources=sources, fp8=fp8, bounded=bounded)
 
-    return KernelVariant("gather", {"width": width} | ({"sources": 2} if sources == 2 else {}) | ({"fp8": True} if fp8 else {}), build)
+    key = {"width": width} | ({"sources": 2} if sources == 2 else {}) | ({"fp8": True} if fp8 else {}) | ({"bounded": True} if bounded else {})
+    return KernelVariant("gather", key, build)
 
 
 def quantize_mxfp8_variant(back: bool = False, bounded: bool = False, mma_order: bool = False, columns: bool = False, *,

@@ -1,6 +1,6 @@
 """Row movers: the gather into the expert-grouped rows and the combine back into tokens.
 
-    gather_rows       out[r] = src[index[r]]                (zeros where index[r] < 0)
+    gather_rows       out[r] = src[index[r]]                (zeros where index[r] < 0; up to a device count)
     gather_rows_pair  the same rows of two sources in one launch (the backward's dout and x)
     gather_fp8_rows   E4M3 rows with their 1 x 128 blocks' scales (x quantized once per token)
     combine           out[t] = shared[t] + Σ_j w[t, j]·y[t, j]   (fp32, j in order, bf16 out)
@@ -108,17 +108,23 @@ def check_gather_args(name: str, src: torch.Tensor, index: torch.Tensor) -> tupl
     return num_out, width
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out[r] = src[index[r]] (bf16 rows), zeros where index[r] < 0. Indices must be < len(src)."""
+def gather_rows(
+    src: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None, rows_used: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out[r] = src[index[r]] (bf16 rows), zeros where index[r] < 0. Indices must be < len(src).
+    ``rows_used`` (int32 [1] on src's device): only the first rows_used[0] rows written, the rest
+    of ``out`` left as it was (the count stays on the device: a schedule's rows in use)."""
     num_out, width = check_gather_args("src", src, index)
+    check_rows_used(rows_used, src.device)
     given = out
     out = bf16_out(out, (num_out, width), src.device)
     check_32bit("out", out)
     check_disjoint({"out": given}, {"src": src})
     if num_out == 0:
         return out
-    kernel = kernel_for(gather_variant(width), src.device)
-    kernel(launch.ptr("bf16", src), launch.ptr("i32", index, 4), launch.ptr("bf16", out), launch.i32(src.shape[0]), launch.i32(num_out), launch.stream(src.device))
+    kernel = kernel_for(gather_variant(width, bounded=rows_used is not None), src.device)
+    kernel(launch.ptr("bf16", src), launch.ptr("i32", index, 4), launch.ptr("bf16", out), launch.ptr("i32", rows_used, 4), launch.i32(src.shape[0]),
+           launch.i32(num_out), launch.stream(src.device))
     return out
 
 
@@ -157,13 +163,16 @@ def gather_fp8_rows(
 
 
 def gather_rows_pair(
-    first: torch.Tensor, second: torch.Tensor, index: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    first: torch.Tensor, second: torch.Tensor, index: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows_used: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(first[index], second[index]) as :func:`gather_rows` gives each, in one launch; the two
-    sources [T, W] bf16 of one shape (the backward's dout and x); ``out``: the two results' tensors."""
+    sources [T, W] bf16 of one shape (the backward's dout and x); ``out``: the two results' tensors;
+    ``rows_used``: as in :func:`gather_rows`."""
     num_out, width = check_gather_args("first", first, index)
     check_tensor("second", second, shape=tuple(first.shape), device=first.device)
     check_gather_args("second", second, index)
+    check_rows_used(rows_used, first.device)
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
         raise TypeError(f"out: expected a pair of tensors, got {type(out).__name__}")
     outs = tuple(bf16_out(None if out is None else out[i], (num_out, width), first.device) for i in range(2))
@@ -173,9 +182,9 @@ def gather_rows_pair(
         check_disjoint({"out[0]": outs[0], "out[1]": outs[1]}, {"first": first, "second": second})
     if num_out == 0:
         return outs
-    kernel = kernel_for(gather_variant(width, sources=2), first.device)
+    kernel = kernel_for(gather_variant(width, sources=2, bounded=rows_used is not None), first.device)
     kernel(
         launch.ptr("bf16", first), launch.ptr("bf16", second), launch.ptr("i32", index, 4), launch.ptr("bf16", outs[0]), launch.ptr("bf16", outs[1]),
-        launch.i32(first.shape[0]), launch.i32(num_out), launch.stream(first.device),
+        launch.ptr("i32", rows_used, 4), launch.i32(first.shape[0]), launch.i32(num_out), launch.stream(first.device),
     )
     return outs

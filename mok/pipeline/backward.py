@@ -123,15 +123,16 @@ def backward(
     fp8_wgrad = wgrad_format == "fp8_block"  # (x's rows then gathered as their transposes are quantized)
     bf16_wgrad = weight_grads and not fp8_wgrad
     dout_q = None
+    used = stages.rows_in_use(sched)  # (the rows' gathers stop there: the capacity's row tiles past it no GEMM reads)
     if plan.quantizes_gathered_rows:  # dout's FP8 rows from dout's tokens (stages.quantized_rows), in bf16 too where something reads them so
         # (bf16 weight gradients, the expert biases' sums, a shared expert among the routed ones); with FP8 weight
         # gradients dW_down's operand is gathered from dout as its transpose is quantized
         dout_rows, dout_q = stages.gathered_dout(plan, dout, sched, bf16_wgrad or biases is not None or bool(sched.shared_rows))
-        x_rows = ops.gather_rows(x, sched.row_token) if bf16_wgrad else None
+        x_rows = ops.gather_rows(x, sched.row_token, rows_used=used) if bf16_wgrad else None
     elif bf16_wgrad:
-        dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token)  # (x_rows: not saved by the forward)
+        dout_rows, x_rows = ops.gather_rows_pair(dout, x, sched.row_token, rows_used=used)  # (x_rows: not saved by the forward)
     else:
-        dout_rows, x_rows = ops.gather_rows(dout, sched.row_token), None
+        dout_rows, x_rows = ops.gather_rows(dout, sched.row_token, rows_used=used), None
     dh, a_scaled, partial = stages.down_backward(plan, dout_rows, sched, expert_weights, saved.h, topk_w, biases, dout_q)
     dx_rows = stages.gate_up_backward(plan, dh, sched, expert_weights)
     d_gate = d_up = d_down = d_biases = None

@@ -329,7 +329,7 @@ def gate_up_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, h
     if plan.quantizes_gathered_rows:
         rows = quantized_rows(plan, x, sched, gathered=True)
     else:
-        rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token)
+        rows = x if plan.gather_in_gemm else ops.gather_rows(x, sched.row_token, rows_used=rows_in_use(sched))
     return gate_up(plan, rows, sched, weights, h_out, gather=plan.gather_in_gemm, biases=biases)
 
 
@@ -347,7 +347,7 @@ def gate_from_tokens(plan: Plan, x: torch.Tensor, sched: Schedule, weights, bias
     if rows is not None:
         return ops.grouped_gemm(rows, w_gate, sched.tile_expert, **options)
     gather = plan.gather_in_gemm
-    a = x if gather else ops.gather_rows(x, sched.row_token)
+    a = x if gather else ops.gather_rows(x, sched.row_token, rows_used=rows_in_use(sched))
     return ops.grouped_gemm(a, w_gate, sched.tile_expert, gather=sched.row_token if gather else None, **options)
 
 

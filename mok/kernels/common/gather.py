@@ -6,7 +6,8 @@ stores; a CTA of ``threads`` threads covers 8·threads columns of ROWS output ro
 thread loading its ROWS vectors before it stores any, so that ROWS loads are in flight per
 thread (one row per CTA kept one load in flight and launched a CTA per 2 KB moved).
 ``GatherTwoRowsKernel`` gathers the same rows of two sources of one width in one launch (the
-backward's dout and x rows). ``GatherFp8RowsKernel`` gathers rows quantized once per token (E4M3
+backward's dout and x rows). Bounded, a launch writes only the rows below a count on the device
+(the schedule's rows in use: the capacity's row tiles past them no GEMM reads). ``GatherFp8RowsKernel`` gathers rows quantized once per token (E4M3
 with a scale per 1 x 128 block, mok.ops.quantize_fp8_rows's layout): each row's bytes as above
 (eight bf16 lanes a 16-byte vector), and its scales from the transposed [blocks, T] into
 [blocks, R], 1.0 for padding rows (what the quantizer gives them); rows at or past a count on
@@ -29,33 +30,46 @@ ROWS = 4  # output rows per CTA (16-byte loads in flight per thread)
 
 
 class GatherRowsKernel:
-    """Static config: row width (bf16 elements)."""
+    """Static config: row width (bf16 elements); ``bounded``: only the rows below a count on the
+    device written (the rows a schedule uses), the rest left as they were."""
 
-    def __init__(self, width: int, threads: int = 128) -> None:
+    def __init__(self, width: int, threads: int = 128, bounded: bool = False) -> None:
         if width % VECTOR:
             raise ValueError(f"width: expected a multiple of {VECTOR}, got {width}")
         self.width = width
         self.threads = threads
+        self.bounded = bounded
 
     @cute.jit
     def __call__(
-        self, src_ptr: cute.Pointer, index_ptr: cute.Pointer, out_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32,
-        stream: cuda.CUstream,
+        self, src_ptr: cute.Pointer, index_ptr: cute.Pointer, out_ptr: cute.Pointer, used_ptr: cute.Pointer, num_src: cutlass.Int32,
+        num_out: cutlass.Int32, stream: cuda.CUstream,
     ):
-        """src [num_src, width] bf16, index [num_out] int32, out [num_out, width] bf16."""
+        """src [num_src, width] bf16, index [num_out] int32, out [num_out, width] bf16; used [1]
+        int32 (bounded only, else null): the rows written, those below min(used, num_out)."""
         w = self.width
         m_src = cute.make_tensor(src_ptr, cute.make_layout((num_src, w), stride=(w, 1)))
         m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
         m_out = cute.make_tensor(out_ptr, cute.make_layout((num_out, w), stride=(w, 1)))
-        self.kernel(m_src, m_index, m_out).launch(
+        m_used = cute.make_tensor(used_ptr, cute.make_layout((1,)))
+        self.kernel(m_src, m_index, m_out, m_used).launch(
             grid=vector_grid((num_out + ROWS - 1) // ROWS, w, self.threads), block=[self.threads, 1, 1], stream=stream
         )
 
+    @cute.jit
+    def rows_written(self, m_used: cute.Tensor, num_out):
+        """The rows below which this launch writes: the device count where bounded, else all."""
+        rows = num_out
+        if cutlass.const_expr(self.bounded):
+            rows = cutlass.min(m_used[0], num_out)
+        return rows
+
     @cute.kernel
-    def kernel(self, m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor):
+    def kernel(self, m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor, m_used: cute.Tensor):
         chunk, row_block, _ = thread_vector(self.threads)
-        if chunk * VECTOR < self.width:
-            gather_row_block(m_src, m_index, m_out, row_block, chunk, m_out.shape[0])
+        rows = self.rows_written(m_used, m_out.shape[0])
+        if row_block * ROWS < rows and chunk * VECTOR < self.width:
+            gather_row_block(m_src, m_index, m_out, row_block, chunk, rows)
 
 
 class GatherTwoRowsKernel(GatherRowsKernel):
@@ -64,25 +78,29 @@ class GatherTwoRowsKernel(GatherRowsKernel):
     @cute.jit
     def __call__(
         self, src_a_ptr: cute.Pointer, src_b_ptr: cute.Pointer, index_ptr: cute.Pointer, out_a_ptr: cute.Pointer,
-        out_b_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32, stream: cuda.CUstream,
+        out_b_ptr: cute.Pointer, used_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32, stream: cuda.CUstream,
     ):
-        """src_a, src_b [num_src, width] bf16, index [num_out] int32, out_a, out_b [num_out, width] bf16."""
+        """src_a, src_b [num_src, width] bf16, index [num_out] int32, out_a, out_b [num_out, width]
+        bf16; used: as GatherRowsKernel's."""
         w = self.width
         rows_of = lambda ptr, count: cute.make_tensor(ptr, cute.make_layout((count, w), stride=(w, 1)))  # noqa: E731
         m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
+        m_used = cute.make_tensor(used_ptr, cute.make_layout((1,)))
         self.kernel_two(rows_of(src_a_ptr, num_src), rows_of(src_b_ptr, num_src), m_index, rows_of(out_a_ptr, num_out),
-                        rows_of(out_b_ptr, num_out)).launch(
+                        rows_of(out_b_ptr, num_out), m_used).launch(
             grid=vector_grid((num_out + ROWS - 1) // ROWS, w, self.threads, depth=2), block=[self.threads, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel_two(self, m_src_a: cute.Tensor, m_src_b: cute.Tensor, m_index: cute.Tensor, m_out_a: cute.Tensor, m_out_b: cute.Tensor):
+    def kernel_two(self, m_src_a: cute.Tensor, m_src_b: cute.Tensor, m_index: cute.Tensor, m_out_a: cute.Tensor, m_out_b: cute.Tensor,
+                   m_used: cute.Tensor):
         chunk, row_block, which = thread_vector(self.threads)
-        if chunk * VECTOR < self.width:
+        rows = self.rows_written(m_used, m_out_a.shape[0])
+        if row_block * ROWS < rows and chunk * VECTOR < self.width:
             if which == 0:
-                gather_row_block(m_src_a, m_index, m_out_a, row_block, chunk, m_out_a.shape[0])
+                gather_row_block(m_src_a, m_index, m_out_a, row_block, chunk, rows)
             else:
-                gather_row_block(m_src_b, m_index, m_out_b, row_block, chunk, m_out_b.shape[0])
+                gather_row_block(m_src_b, m_index, m_out_b, row_block, chunk, rows)
 
 
 class GatherFp8RowsKernel(GatherRowsKernel):
@@ -91,7 +109,7 @@ class GatherFp8RowsKernel(GatherRowsKernel):
     def __init__(self, width: int, threads: int = 128) -> None:
         if width % (2 * VECTOR):
             raise ValueError(f"width: expected a multiple of {2 * VECTOR} E4M3 elements, got {width}")
-        super().__init__(width // 2, threads)  # (the bytes moved as bf16 lanes, two E4M3 elements each)
+        super().__init__(width // 2, threads, bounded=True)  # (the bytes moved as bf16 lanes, two E4M3 elements each)
         self.blocks = -(-width // SCALE_BLOCK)
 
     @cute.jit
@@ -116,7 +134,7 @@ class GatherFp8RowsKernel(GatherRowsKernel):
     def kernel_fp8(self, m_src: cute.Tensor, m_src_scales: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tensor,
                    m_out_scales: cute.Tensor, m_used: cute.Tensor):
         chunk, row_block, _ = thread_vector(self.threads)
-        rows = cutlass.min(m_used[0], m_out.shape[0])
+        rows = self.rows_written(m_used, m_out.shape[0])
         if row_block * ROWS < rows:
             if chunk * VECTOR < self.width:
                 gather_row_block(m_src, m_index, m_out, row_block, chunk, rows)
@@ -151,11 +169,11 @@ def gather_row_block(m_src: cute.Tensor, m_index: cute.Tensor, m_out: cute.Tenso
             row_vector(m_out, row, chunk).store(held[i].load())
 
 
-def compile_gather(width: int, arch: str, options: str = "", sources: int = 1, fp8: bool = False):
+def compile_gather(width: int, arch: str, options: str = "", sources: int = 1, fp8: bool = False, bounded: bool = False):
     """Compile for ``arch`` without tensors (``sources`` 2: GatherTwoRowsKernel; ``fp8``:
-    GatherFp8RowsKernel, ``width`` in E4M3 elements), the records' stand-ins."""
+    GatherFp8RowsKernel, ``width`` in E4M3 elements, always bounded), the records' stand-ins."""
     if fp8:
         return compile_kernel(GatherFp8RowsKernel(width), GATHER_FP8_ARGS, arch, options)
     if sources == 2:
-        return compile_kernel(GatherTwoRowsKernel(width), GATHER_TWO_ARGS, arch, options)
-    return compile_kernel(GatherRowsKernel(width), GATHER_ARGS, arch, options)
+        return compile_kernel(GatherTwoRowsKernel(width, bounded=bounded), GATHER_TWO_ARGS, arch, options)
+    return compile_kernel(GatherRowsKernel(width, bounded=bounded), GATHER_ARGS, arch, options)

@@ -71,10 +71,12 @@ COMBINE_ROUTER_GRAD_ARGS = LaunchArgs(  # the backward's dx combine with the rou
     ptr("y", "bf16"), ptr("slot", "i32", 4), ptr("partial", "f32", 4), ptr("shared", "bf16"), ptr("out", "bf16"),
     ptr("d_w", "f32", 4), int32("num_tokens"), int32("num_rows"),
 )
-GATHER_ARGS = LaunchArgs(ptr("src", "bf16"), ptr("index", "i32", 4), ptr("out", "bf16"), int32("num_src"), int32("num_out"))
+GATHER_ARGS = LaunchArgs(  # rows_used: read by a bounded gather only (null otherwise)
+    ptr("src", "bf16"), ptr("index", "i32", 4), ptr("out", "bf16"), ptr("rows_used", "i32", 4), int32("num_src"), int32("num_out"),
+)
 GATHER_TWO_ARGS = LaunchArgs(
-    ptr("src_a", "bf16"), ptr("src_b", "bf16"), ptr("index", "i32", 4), ptr("out_a", "bf16"), ptr("out_b", "bf16"), int32("num_src"),
-    int32("num_out"),
+    ptr("src_a", "bf16"), ptr("src_b", "bf16"), ptr("index", "i32", 4), ptr("out_a", "bf16"), ptr("out_b", "bf16"), ptr("rows_used", "i32", 4),
+    int32("num_src"), int32("num_out"),
 )
 GATHER_FP8_ARGS = LaunchArgs(  # E4M3 rows (as bf16 lanes) with their 1 x 128 blocks' fp32 scales [blocks, rows]
     ptr("src", "bf16"), ptr("src_scales", "f32", 4), ptr("index", "i32", 4), ptr("out", "bf16"), ptr("out_scales", "f32", 4),
