@@ -42,16 +42,16 @@ class GatherRowsKernel:
 
     @cute.jit
     def __call__(
-        self, src_ptr: cute.Pointer, index_ptr: cute.Pointer, out_ptr: cute.Pointer, used_ptr: cute.Pointer, num_src: cutlass.Int32,
+        self, src_ptr: cute.Pointer, index_ptr: cute.Pointer, out_ptr: cute.Pointer, rows_used_ptr: cute.Pointer, num_src: cutlass.Int32,
         num_out: cutlass.Int32, stream: cuda.CUstream,
     ):
-        """src [num_src, width] bf16, index [num_out] int32, out [num_out, width] bf16; used [1]
-        int32 (bounded only, else null): the rows written, those below min(used, num_out)."""
+        """src [num_src, width] bf16, index [num_out] int32, out [num_out, width] bf16; rows_used [1]
+        int32 (bounded only, else null): the rows written, those below min(rows_used[0], num_out)."""
         w = self.width
         m_src = cute.make_tensor(src_ptr, cute.make_layout((num_src, w), stride=(w, 1)))
         m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
         m_out = cute.make_tensor(out_ptr, cute.make_layout((num_out, w), stride=(w, 1)))
-        m_used = cute.make_tensor(used_ptr, cute.make_layout((1,)))
+        m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel(m_src, m_index, m_out, m_used).launch(
             grid=vector_grid((num_out + ROWS - 1) // ROWS, w, self.threads), block=[self.threads, 1, 1], stream=stream
         )
@@ -78,14 +78,14 @@ class GatherTwoRowsKernel(GatherRowsKernel):
     @cute.jit
     def __call__(
         self, src_a_ptr: cute.Pointer, src_b_ptr: cute.Pointer, index_ptr: cute.Pointer, out_a_ptr: cute.Pointer,
-        out_b_ptr: cute.Pointer, used_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32, stream: cuda.CUstream,
+        out_b_ptr: cute.Pointer, rows_used_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32, stream: cuda.CUstream,
     ):
         """src_a, src_b [num_src, width] bf16, index [num_out] int32, out_a, out_b [num_out, width]
-        bf16; used: as GatherRowsKernel's."""
+        bf16; rows_used: as GatherRowsKernel's."""
         w = self.width
         rows_of = lambda ptr, count: cute.make_tensor(ptr, cute.make_layout((count, w), stride=(w, 1)))  # noqa: E731
         m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
-        m_used = cute.make_tensor(used_ptr, cute.make_layout((1,)))
+        m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel_two(rows_of(src_a_ptr, num_src), rows_of(src_b_ptr, num_src), m_index, rows_of(out_a_ptr, num_out),
                         rows_of(out_b_ptr, num_out), m_used).launch(
             grid=vector_grid((num_out + ROWS - 1) // ROWS, w, self.threads, depth=2), block=[self.threads, 1, 1], stream=stream
@@ -115,16 +115,16 @@ class GatherFp8RowsKernel(GatherRowsKernel):
     @cute.jit
     def __call__(
         self, src_ptr: cute.Pointer, src_scales_ptr: cute.Pointer, index_ptr: cute.Pointer, out_ptr: cute.Pointer,
-        out_scales_ptr: cute.Pointer, used_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32, stream: cuda.CUstream,
+        out_scales_ptr: cute.Pointer, rows_used_ptr: cute.Pointer, num_src: cutlass.Int32, num_out: cutlass.Int32, stream: cuda.CUstream,
     ):
         """src [num_src, width] E4M3 (read as bf16 lanes) with scales [blocks, num_src] fp32; index
-        [num_out] int32; out [num_out, width] and out_scales [blocks, num_out]; used [1] int32: the
-        rows written (those below min(used, num_out))."""
+        [num_out] int32; out [num_out, width] and out_scales [blocks, num_out]; rows_used [1] int32: the
+        rows written (those below min(rows_used[0], num_out))."""
         w, blocks = self.width, self.blocks
         rows_of = lambda ptr, count: cute.make_tensor(ptr, cute.make_layout((count, w), stride=(w, 1)))  # noqa: E731
         scales_of = lambda ptr, count: cute.make_tensor(ptr, cute.make_layout((blocks, count), stride=(count, 1)))  # noqa: E731
         m_index = cute.make_tensor(index_ptr, cute.make_layout((num_out,)))
-        m_used = cute.make_tensor(used_ptr, cute.make_layout((1,)))
+        m_used = cute.make_tensor(rows_used_ptr, cute.make_layout((1,)))
         self.kernel_fp8(rows_of(src_ptr, num_src), scales_of(src_scales_ptr, num_src), m_index, rows_of(out_ptr, num_out),
                         scales_of(out_scales_ptr, num_out), m_used).launch(
             grid=vector_grid((num_out + ROWS - 1) // ROWS, w, self.threads), block=[self.threads, 1, 1], stream=stream
