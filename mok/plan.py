@@ -230,8 +230,9 @@ class Plan:
     def _backward_variants(self) -> list[KernelVariant]:
         c, persistent = self.config, self.persistent
         h, i, k, shared = c.hidden, c.intermediate, c.topk, c.has_shared_expert
-        v = []  # the rows' gathers at one GPU (up to the rows in use): dout's and x's in one launch, or (dout's gathered as they are
-        if not self.ep and not self.quantizes_gathered_rows:  # quantized) x's alone
+        # the rows' gathers at one GPU, up to the rows in use: dout's and x's in one launch, or x's alone (dout's gathered as quantized)
+        v = []
+        if not self.ep and not self.quantizes_gathered_rows:
             v += [gather_variant(h, bounded=True), gather_variant(h, sources=2, bounded=True)]
         elif not self.ep and c.weight_grad_format != "fp8_block":
             v.append(gather_variant(h, bounded=True))

@@ -7,11 +7,11 @@ thread loading its ROWS vectors before it stores any, so that ROWS loads are in 
 thread (one row per CTA kept one load in flight and launched a CTA per 2 KB moved).
 ``GatherTwoRowsKernel`` gathers the same rows of two sources of one width in one launch (the
 backward's dout and x rows). Bounded, a launch writes only the rows below a count on the device
-(the schedule's rows in use: the capacity's row tiles past them no GEMM reads). ``GatherFp8RowsKernel`` gathers rows quantized once per token (E4M3
-with a scale per 1 x 128 block, mok.ops.quantize_fp8_rows's layout): each row's bytes as above
-(eight bf16 lanes a 16-byte vector), and its scales from the transposed [blocks, T] into
-[blocks, R], 1.0 for padding rows (what the quantizer gives them); rows at or past a count on
-the device are left unwritten.
+(the schedule's rows in use: the capacity's row tiles past them no GEMM reads).
+``GatherFp8RowsKernel`` gathers rows quantized once per token (E4M3 with a scale per 1 x 128
+block, mok.ops.quantize_fp8_rows's layout), always bounded: each row's bytes as above (eight bf16
+lanes a 16-byte vector), and its scales from the transposed [blocks, T] into [blocks, R], 1.0 for
+padding rows (what the quantizer gives them).
 """
 
 from __future__ import annotations
